@@ -1,0 +1,54 @@
+"""Frozen, validated configuration built once at start-up and passed explicitly."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from shared.errors import PacerError
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512   # chosen by bench/budget_sweep.py, see README
+DEFAULT_MAX_NUM_SEQS = 128
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_KV_CACHE_MEMORY = "2GiB"
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+
+
+def parse_size(text: str | int) -> int:
+    """'2GiB' -> 2147483648; '512MB' -> 512000000; plain ints are bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise PacerError(f"cannot read memory size {text!r} (use e.g. 2GiB, 512MiB, 1GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS   # the token budget
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    num_kv_blocks: int = 1024
+    block_size: int = DEFAULT_BLOCK_SIZE
+    max_model_len: int = 8192
+    enable_chunked_prefill: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "block_size",
+                     "max_model_len"):
+            if getattr(self, name) < 1:
+                raise PacerError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
+def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   dtype_bytes: int) -> int:
+    """Bytes one KV block takes across all layers (K and V) on one rank."""
+    return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
+
+
+def num_blocks_for_memory(memory: str | int, block_bytes: int) -> int:
+    n = parse_size(memory) // block_bytes
+    if n < 1:
+        raise PacerError(f"--kv-cache-memory {memory} holds no KV block of {block_bytes} bytes")
+    return n

@@ -1,0 +1,71 @@
+"""The iteration plan: what the scheduling core tells the workers to run, and what comes back.
+
+One representation for every kind of work (article 05): each scheduled request advances by
+`num_scheduled_tokens[req_id]` rows from its `num_computed_tokens`. A decode is a chunk of one
+row, a fresh prefill a chunk with an empty cached prefix, a later chunk one with a cached prefix.
+
+Full data travels the first time a request is scheduled (and again after a preemption, when
+the request restarts with its generated tokens as part of the prompt); afterwards only diffs:
+the blocks appended to its block table. The plan never carries the token sampled in the
+previous iteration: the worker that sampled it appended it to its own copy of the request.
+
+Which rows sample is derived, not sent: a request samples this iteration iff
+`num_computed_tokens + num_scheduled_tokens == len(token_ids)` on the worker, i.e. the chunk
+reaches the end of every token the request has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from shared.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    request_id: str
+    token_ids: list[int]            # prompt + tokens generated before a preemption
+    num_prompt_tokens: int          # how many of token_ids are the original prompt
+    sampling: SamplingParams
+    block_table: list[int]
+    num_computed_tokens: int        # always 0 today; kept for prefix caching
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    request_id: str
+    new_block_ids: list[int]        # appended to the worker's block table
+    num_computed_tokens: int        # before this iteration's chunk
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    step: int
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    # request id -> Q rows this iteration; dict order is the order of rows in the flat batch
+    num_scheduled_tokens: dict[str, int]
+    # requests the workers must forget before running this plan (finished, aborted, preempted)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """One sampled token of one request, with its log-probability and top alternatives."""
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the workers send back for one plan: the token each sampling request drew."""
+    step: int
+    sampled: dict[str, SampledToken]

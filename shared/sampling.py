@@ -1,0 +1,45 @@
+"""Per-request sampling parameters. Pure data: validated once, then shared by the scheduler
+(stop conditions) and the worker (the sampler)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from shared.errors import InvalidRequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0          # 0 means greedy
+    top_p: float = 1.0                # (0, 1]
+    top_k: int = 0                    # 0 means off
+    seed: int | None = None           # same seed -> same tokens, whatever shares the batch
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: int | None = None       # None: none; 0: the sampled token's; N: plus top-N
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k!r}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SamplingParams":
+        return cls(**d)
