@@ -28,6 +28,7 @@ class NewRequestData:
     sampling: SamplingParams
     block_table: list[int]
     num_computed_tokens: int        # always 0 today; kept for prefix caching
+    reply_to: str = ""              # served mode: the pub/sub channel of the request's gateway
 
 
 @dataclass(frozen=True)
