@@ -1,0 +1,94 @@
+"""Every Redis key, stream, group and channel name in one place.
+
+An operator watching the system with `redis-cli` sees (with the default prefix `pacer:`):
+
+| key | type | written by | read by |
+|---|---|---|---|
+| `pacer:requests` | stream, group `schedulers` | gateway (XADD, MAXLEN ~) | schedulers (XREADGROUP + XACK) |
+| `pacer:aborts` | stream | gateway (XADD, MAXLEN ~) | every scheduler (XREAD) |
+| `pacer:plans` | stream | scheduler | worker rank 0 |
+| `pacer:results` | stream | worker rank 0 | scheduler |
+| `pacer:tokens:{gateway_id}` | pub/sub channel | worker rank 0 (token batches), scheduler (finish events) | that gateway |
+| `pacer:hb:scheduler:{id}` | string with TTL | scheduler | gateway `/health` |
+| `pacer:hb:worker:{rank}` | string with TTL | each worker rank | gateway `/health` |
+| `pacer:hb:gateway:{id}` | string with TTL | gateway | scheduler (drop requests of dead gateways) |
+| `pacer:stats` | hash (`STATS_FIELDS`) | scheduler | gateway `/metrics` |
+
+Every stream is trimmed with `MAXLEN ~`; nothing stored is pickled (see `shared/protocol.py`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_PREFIX = "pacer:"
+SCHEDULERS_GROUP = "schedulers"
+
+# Approximate stream lengths kept by `XADD ... MAXLEN ~ n`: enough to survive a slow consumer,
+# bounded so a stream never grows without limit.
+REQUESTS_MAXLEN = 100_000
+ABORTS_MAXLEN = 10_000
+PLANS_MAXLEN = 1_000
+RESULTS_MAXLEN = 1_000
+
+# A service refreshes its heartbeat key every HEARTBEAT_INTERVAL_S with a TTL of
+# HEARTBEAT_TTL_S; a key that expired means the service stopped.
+HEARTBEAT_INTERVAL_S = 1.0
+HEARTBEAT_TTL_S = 5
+
+# Fields of the scheduler's `stats` hash, read by the gateway at /metrics scrape time.
+STATS_FIELDS = (
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",      # 0..1, like vLLM's gauge of the same name
+    "num_preemptions_total",
+    "num_iterations_total",
+)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names under one prefix, so that several deployments can share one Redis."""
+
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def requests(self) -> str:
+        return f"{self.prefix}requests"
+
+    @property
+    def requests_group(self) -> str:
+        return SCHEDULERS_GROUP
+
+    @property
+    def aborts(self) -> str:
+        return f"{self.prefix}aborts"
+
+    @property
+    def plans(self) -> str:
+        return f"{self.prefix}plans"
+
+    @property
+    def results(self) -> str:
+        return f"{self.prefix}results"
+
+    @property
+    def stats(self) -> str:
+        return f"{self.prefix}stats"
+
+    def tokens(self, gateway_id: str) -> str:
+        """The pub/sub channel carrying token batches and finish events for one gateway."""
+        return f"{self.prefix}tokens:{gateway_id}"
+
+    def hb_scheduler(self, scheduler_id: str) -> str:
+        return f"{self.prefix}hb:scheduler:{scheduler_id}"
+
+    @property
+    def hb_scheduler_pattern(self) -> str:
+        """For SCAN MATCH: any scheduler's heartbeat."""
+        return f"{self.prefix}hb:scheduler:*"
+
+    def hb_worker(self, rank: int) -> str:
+        return f"{self.prefix}hb:worker:{rank}"
+
+    def hb_gateway(self, gateway_id: str) -> str:
+        return f"{self.prefix}hb:gateway:{gateway_id}"

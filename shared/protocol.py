@@ -1,0 +1,256 @@
+"""Typed control-plane messages and their msgpack codec (never pickle).
+
+Every message is one msgpack map `{"v": SCHEMA_VERSION, "kind": <kind>, ...fields}`; `decode`
+refuses another version, an unknown kind, and unknown or missing fields with a ProtocolError.
+
+Who sends what (key names in `shared/keys.py`):
+
+    gateway   --RequestMsg-->  requests stream  --> scheduler (consumer group)
+    gateway   --AbortMsg---->  aborts stream    --> every scheduler
+    scheduler --PlanMsg----->  plans stream     --> worker rank 0
+    worker 0  --StepResultMsg> results stream   --> scheduler
+    worker 0  --TokenBatch-->  tokens:{gateway} --> gateway (one per iteration per gateway)
+    scheduler --FinishEvent->  tokens:{gateway} --> gateway
+    any       --Heartbeat--->  hb:* keys (value of the TTL key)
+
+Token batches and finish events come from different processes, so a gateway may see a
+request's FinishEvent before its last tokens: a request ends once the FinishEvent arrived AND
+`num_output_tokens` token events (indices 0..n-1) were received. Hot per-iteration lists
+(cached requests, sampled tokens, token events) travel as arrays rather than maps.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from shared.errors import PacerError
+from shared.plan import (CachedRequestData, IterationPlan, NewRequestData, SampledToken,
+                         StepResult)
+from shared.sampling import SamplingParams
+
+SCHEMA_VERSION = 1
+STREAM_FIELD = "m"       # streams carry one field holding the encoded message
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+TopLogprobs = list[tuple[int, float]]
+
+
+class ProtocolError(PacerError):
+    """Bytes that are not a message of this schema version."""
+
+
+_KINDS: dict[str, type] = {}
+
+
+def _kind(name: str):
+    """Register a message class under its wire `kind`."""
+    def register(cls):
+        cls.KIND = name
+        _KINDS[name] = cls
+        return cls
+    return register
+
+
+def _tops(raw: list | None) -> TopLogprobs | None:
+    return None if raw is None else [(int(t), float(lp)) for t, lp in raw]
+
+
+class _Plain:
+    """Messages whose fields travel as they are."""
+    KIND: ClassVar[str]
+
+    def _to_body(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def _from_body(cls, body: dict):
+        return cls(**body)
+
+
+@_kind("request")
+@dataclass(frozen=True)
+class RequestMsg(_Plain):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    reply_to: str                    # pub/sub channel for this request's tokens and finish
+    gateway_id: str
+    arrival_time: float              # time.time() when the gateway received the request
+    deadline: float | None = None    # time.time() after which the request may be dropped
+
+    def _to_body(self) -> dict:
+        body = super()._to_body()
+        body["sampling"] = self.sampling.to_dict()
+        return body
+
+    @classmethod
+    def _from_body(cls, body: dict) -> "RequestMsg":
+        return cls(**{**body, "sampling": SamplingParams.from_dict(body["sampling"])})
+
+
+@_kind("abort")
+@dataclass(frozen=True)
+class AbortMsg(_Plain):
+    request_id: str
+    reason: str = ""                 # "client disconnected", "stop string", ...
+
+
+@_kind("plan")
+@dataclass(frozen=True)
+class PlanMsg:
+    plan: IterationPlan
+    KIND: ClassVar[str]
+
+    def _to_body(self) -> dict:
+        p = self.plan
+        return {
+            "step": p.step,
+            "new": [_new_to_wire(r) for r in p.new_requests],
+            # [request_id, new_block_ids, num_computed_tokens]
+            "cached": [[r.request_id, r.new_block_ids, r.num_computed_tokens]
+                       for r in p.cached_requests],
+            # pairs keep the flat batch's row order explicit
+            "sched": [[rid, n] for rid, n in p.num_scheduled_tokens.items()],
+            "finished": p.finished_request_ids,
+        }
+
+    @classmethod
+    def _from_body(cls, body: dict) -> "PlanMsg":
+        plan = IterationPlan(
+            step=body["step"],
+            new_requests=[_new_from_wire(r) for r in body["new"]],
+            cached_requests=[CachedRequestData(rid, list(blocks), n)
+                             for rid, blocks, n in body["cached"]],
+            num_scheduled_tokens={rid: n for rid, n in body["sched"]},
+            finished_request_ids=list(body["finished"]),
+        )
+        return cls(plan)
+
+
+def _new_to_wire(r: NewRequestData) -> dict:
+    return {"request_id": r.request_id, "token_ids": r.token_ids,
+            "num_prompt_tokens": r.num_prompt_tokens, "sampling": r.sampling.to_dict(),
+            "block_table": r.block_table, "num_computed_tokens": r.num_computed_tokens,
+            "reply_to": r.reply_to}
+
+
+def _new_from_wire(d: dict) -> NewRequestData:
+    return NewRequestData(**{**d, "sampling": SamplingParams.from_dict(d["sampling"])})
+
+
+@_kind("step_result")
+@dataclass(frozen=True)
+class StepResultMsg:
+    result: StepResult
+    KIND: ClassVar[str]
+
+    def _to_body(self) -> dict:
+        # sampled: [request_id, token_id, logprob, top_logprobs]
+        return {"step": self.result.step,
+                "sampled": [[rid, s.token_id, s.logprob, s.top_logprobs]
+                            for rid, s in self.result.sampled.items()]}
+
+    @classmethod
+    def _from_body(cls, body: dict) -> "StepResultMsg":
+        sampled = {rid: SampledToken(tok, lp, _tops(top))
+                   for rid, tok, lp, top in body["sampled"]}
+        return cls(StepResult(step=body["step"], sampled=sampled))
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One output token of one request; `index` is its output position (0, 1, 2, ...)."""
+    request_id: str
+    index: int
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: TopLogprobs | None = None
+
+
+@_kind("token_batch")
+@dataclass(frozen=True)
+class TokenBatch:
+    """All token events of one iteration for the requests of one gateway."""
+    events: list[TokenEvent] = field(default_factory=list)
+    KIND: ClassVar[str]
+
+    def _to_body(self) -> dict:
+        # events: [request_id, index, token_id, logprob, top_logprobs]
+        return {"events": [[e.request_id, e.index, e.token_id, e.logprob, e.top_logprobs]
+                           for e in self.events]}
+
+    @classmethod
+    def _from_body(cls, body: dict) -> "TokenBatch":
+        return cls([TokenEvent(rid, idx, tok, lp, _tops(top))
+                    for rid, idx, tok, lp, top in body["events"]])
+
+
+@_kind("finish")
+@dataclass(frozen=True)
+class FinishEvent(_Plain):
+    request_id: str
+    finish_reason: str               # one of FINISH_REASONS
+    num_prompt_tokens: int
+    num_output_tokens: int           # token events the gateway must have before it ends
+    error: str | None = None         # set when finish_reason == "error"
+
+    def __post_init__(self) -> None:
+        if self.finish_reason not in FINISH_REASONS:
+            raise ProtocolError(f"finish_reason must be one of {FINISH_REASONS}, "
+                                f"got {self.finish_reason!r}")
+
+
+@_kind("heartbeat")
+@dataclass(frozen=True)
+class Heartbeat(_Plain):
+    service: str                     # "scheduler" | "worker" | "gateway"
+    id: str
+    time: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+Message = RequestMsg | AbortMsg | PlanMsg | StepResultMsg | TokenBatch | FinishEvent | Heartbeat
+
+
+def encode(msg: Message) -> bytes:
+    kind = getattr(type(msg), "KIND", None)
+    if _KINDS.get(kind) is not type(msg):
+        raise ProtocolError(f"{type(msg).__name__} is not a protocol message")
+    return msgpack.packb({"v": SCHEMA_VERSION, "kind": kind, **msg._to_body()},
+                         use_bin_type=True)
+
+
+def decode(data: bytes) -> Message:
+    try:
+        obj = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.UnpackException) as e:
+        raise ProtocolError(f"not a msgpack message: {e}") from e
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"a message is a msgpack map, got {type(obj).__name__}")
+    version, kind = obj.pop("v", None), obj.pop("kind", None)
+    if version != SCHEMA_VERSION:
+        raise ProtocolError(f"message schema version {version!r} is not supported "
+                            f"(this build speaks version {SCHEMA_VERSION})")
+    cls = _KINDS.get(kind)
+    if cls is None:
+        raise ProtocolError(f"unknown message kind {kind!r} (known: {sorted(_KINDS)})")
+    try:
+        return cls._from_body(obj)
+    except (KeyError, TypeError, ValueError, PacerError) as e:
+        raise ProtocolError(f"malformed {kind} message: {e}") from e
+
+
+def to_fields(msg: Message) -> dict[str, bytes]:
+    """The field map for XADD."""
+    return {STREAM_FIELD: encode(msg)}
+
+
+def from_fields(fields: dict) -> Message:
+    """Decode a stream entry's field map as redis-py returns it (bytes or str keys)."""
+    data = fields.get(STREAM_FIELD.encode(), fields.get(STREAM_FIELD))
+    if data is None:
+        raise ProtocolError(f"stream entry has no {STREAM_FIELD!r} field: {sorted(fields)}")
+    return decode(data)
