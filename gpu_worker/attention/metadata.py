@@ -1,0 +1,109 @@
+"""All per-iteration attention metadata, built once and shared by every layer.
+
+Worked example (block_size 4). Three chunks in one iteration:
+
+    request  q_rows  kv_len  block_table   what it is
+    A        1       6       [7, 2]        decode: token at position 5
+    B        3       3       [4]           fresh prefill of 3 tokens
+    C        2       6       [1, 5]        second chunk: positions 4..5 over a prefix of 4
+
+    flat rows      0 | 1 2 3 | 4 5          (q_start, q_end) = (0,1), (1,4), (4,6)
+    positions      5 | 0 1 2 | 4 5
+    slot_mapping  9 | 16 17 18 | 20 21      block_table[pos // 4] * 4 + pos % 4
+    sample_rows    0, 3, 5                  the last row of each chunk that ends its tokens
+
+Query row i of a chunk sits at position kv_len - q_rows + i and sees keys 0..that position:
+the cached prefix fully, its own chunk causally (article 05 §4).
+
+The torch backend attends chunks with equal q_rows together as one padded batch (all decodes
+form one group); flash-attn takes the cu_seqlens form directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Chunk:
+    q_rows: int
+    kv_len: int
+    block_table: list[int]
+    samples: bool = True
+
+
+@dataclass
+class AttentionGroup:
+    """Chunks with the same q_rows, attended as one padded batch of G requests."""
+    q_index: torch.Tensor        # [G, q] rows of the flat batch
+    block_tables: torch.Tensor   # [G, blocks]; padded with block 0 (masked out)
+    kv_len_max: int
+    mask: torch.Tensor           # [G, 1, q, kv_len_max] True where the query sees the key
+    fresh: bool                  # every chunk is a whole prompt: keys are the chunk itself
+
+
+@dataclass
+class AttentionMetadata:
+    positions: torch.Tensor      # [T]
+    slot_mapping: torch.Tensor   # [T]
+    sample_rows: torch.Tensor    # [S]
+    groups: list[AttentionGroup]
+    # the flash-attn form
+    cu_seqlens_q: torch.Tensor   # [R + 1] int32
+    seqused_k: torch.Tensor      # [R] int32, kv_len per request
+    block_table: torch.Tensor    # [R, max_blocks] int32
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def build_attention_metadata(chunks: list[Chunk], block_size: int,
+                             device: str | torch.device = "cpu") -> AttentionMetadata:
+    q_rows = torch.tensor([c.q_rows for c in chunks], dtype=torch.int64)
+    kv_lens = torch.tensor([c.kv_len for c in chunks], dtype=torch.int64)
+    cu_q = torch.zeros(len(chunks) + 1, dtype=torch.int64)
+    torch.cumsum(q_rows, 0, out=cu_q[1:])
+    max_blocks = max(-(-c.kv_len // block_size) for c in chunks)
+    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int64)
+    for i, c in enumerate(chunks):
+        n = -(-c.kv_len // block_size)
+        tables[i, :n] = torch.tensor(c.block_table[:n], dtype=torch.int64)
+
+    # positions of every row: kv_len - q_rows + (row - q_start)
+    total = int(cu_q[-1])
+    req_of_row = torch.repeat_interleave(torch.arange(len(chunks)), q_rows)
+    positions = (kv_lens - q_rows)[req_of_row] + torch.arange(total) - cu_q[:-1][req_of_row]
+    slot_mapping = tables[req_of_row, positions // block_size] * block_size + positions % block_size
+    sampling = torch.tensor([c.samples for c in chunks], dtype=torch.bool)
+    sample_rows = (cu_q[1:] - 1)[sampling]
+
+    to = dict(device=device)
+    return AttentionMetadata(
+        positions=positions.to(**to), slot_mapping=slot_mapping.to(**to),
+        sample_rows=sample_rows.to(**to),
+        groups=_groups(chunks, cu_q, tables, block_size, device),
+        cu_seqlens_q=cu_q.to(dtype=torch.int32, **to), seqused_k=kv_lens.to(dtype=torch.int32, **to),
+        block_table=tables.to(dtype=torch.int32, **to),
+        max_seqlen_q=int(q_rows.max()), max_seqlen_k=int(kv_lens.max()))
+
+
+def _groups(chunks: list[Chunk], cu_q: torch.Tensor, tables: torch.Tensor, block_size: int,
+            device) -> list[AttentionGroup]:
+    by_rows: dict[int, list[int]] = {}
+    for i, c in enumerate(chunks):
+        by_rows.setdefault(c.q_rows, []).append(i)
+    groups = []
+    for q, members in by_rows.items():
+        idx = torch.tensor(members)
+        kv = torch.tensor([chunks[i].kv_len for i in members])
+        kv_max = int(kv.max())
+        q_index = cu_q[idx].unsqueeze(1) + torch.arange(q)                       # [G, q]
+        query_pos = (kv - q).unsqueeze(1) + torch.arange(q)                      # [G, q]
+        key_pos = torch.arange(kv_max)
+        mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)                 # [G, q, L]
+        blocks = -(-kv_max // block_size)
+        groups.append(AttentionGroup(
+            q_index=q_index.to(device), block_tables=tables[idx, :blocks].to(device),
+            kv_len_max=kv_max, mask=mask.unsqueeze(1).to(device),
+            fresh=bool((kv == q).all())))
+    return groups

@@ -1,0 +1,132 @@
+"""Layers of the decoder, each sharding its own weights for tensor parallelism.
+
+Every parallel layer owns a `load(part, full_tensor)` that copies this rank's slice of a full
+checkpoint tensor; `part` names the piece of a fused weight (q/k/v, gate/up). The model's
+loader records each (parameter, part) it fills so it can prove every one was loaded once.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gpu_worker.parallel import TPGroup
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ with W's output rows split across ranks; fused parts are split one by one,
+    so rank r holds [q_r; k_r; v_r] and needs no communication (article 03)."""
+
+    def __init__(self, in_features: int, part_sizes: list[int], tp: TPGroup):
+        super().__init__()
+        self.local_sizes = [tp.shard(s, "output features") for s in part_sizes]
+        self.tp = tp
+        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features),
+                                   requires_grad=False)
+        self.parts = list(range(len(part_sizes)))
+
+    def load(self, part: int, full: torch.Tensor) -> None:
+        n = self.local_sizes[part]
+        offset = sum(self.local_sizes[:part])
+        self.weight.data[offset:offset + n].copy_(full.narrow(0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_r W_rᵀ): W's input columns split across ranks; one all-reduce."""
+
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.local_in = tp.shard(in_features, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
+        self.parts = [0]
+
+    def load(self, part: int, full: torch.Tensor) -> None:
+        self.weight.data.copy_(full.narrow(1, self.tp.rank * self.local_in, self.local_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(F.linear(x, self.weight))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rank r holds vocabulary rows [r·V/tp, (r+1)·V/tp); ids outside give zeros, and one
+    all-reduce sums the ranks' rows into the full embedding."""
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.padded_vocab = -(-vocab_size // tp.size) * tp.size
+        self.local_vocab = self.padded_vocab // tp.size
+        self.start = tp.rank * self.local_vocab
+        self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden), requires_grad=False)
+        self.parts = [0]
+
+    def load(self, part: int, full: torch.Tensor) -> None:
+        n = max(0, min(self.local_vocab, self.vocab_size - self.start))
+        self.weight.data[:n].copy_(full.narrow(0, self.start, n))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.local_vocab)
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h Eᵀ over this rank's vocabulary slice, then gathered to the full vocabulary
+    (every rank samples the same token from the same logits)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: [S, d] -> [S, V]
+        logits = self.tp.all_gather_last_dim(F.linear(h, self.weight))
+        return logits[:, :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """Computed in float32 and cast back, in the same order as transformers' LlamaRMSNorm."""
+
+    def __init__(self, hidden: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.parts = [0]
+
+    def load(self, part: int, full: torch.Tensor) -> None:
+        self.weight.data.copy_(full)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotate-half RoPE with the checkpoint's theta; cos/sin tables precomputed in float32."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
+                                    .to(torch.float32) / head_dim))
+        t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        # q: [T, H, d], k: [T, KVH, d], positions: [T]
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,133 @@
+"""A Llama-family decoder over one flat batch: x is [T, d] for all requests together.
+
+Only attention sees request boundaries (through AttentionMetadata); every linear sees the
+flat [T, d] tensor (article 04). Only the rows that sample reach the LM head.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from gpu_worker.attention import AttentionMetadata
+from gpu_worker.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
+                                     RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+from gpu_worker.parallel import TPGroup
+from shared.errors import ModelLoadError
+from shared.model_config import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.num_heads = tp.shard(cfg.num_heads, "query heads")
+        self.num_kv_heads = tp.shard(cfg.num_kv_heads, "KV heads")
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], tp)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp)
+
+    def forward(self, x, rotary, kv_cache, meta, backend):
+        # x: [T, d] -> qkv: [T, (H + 2·KVH)·hd] on this rank
+        T = x.shape[0]
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q = qkv[:, :q_size].view(T, self.num_heads, self.head_dim)
+        k = qkv[:, q_size:q_size + kv_size].view(T, self.num_kv_heads, self.head_dim)
+        v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
+        q, k = rotary(meta.positions, q, k)
+        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(T, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.local_ffn = self.gate_up_proj.local_sizes[0]
+
+    def forward(self, x):
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up[:, :self.local_ffn], gate_up[:, self.local_ffn:]
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg, tp)
+
+    def forward(self, x, rotary, kv_cache, meta, backend):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                meta: AttentionMetadata, backend) -> torch.Tensor:
+        """input_ids: [T] -> logits of the sampling rows: [S, V] (float32)."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, self.rotary, kv_cache, meta, backend)
+        h = self.norm(x[meta.sample_rows])
+        return self.lm_head(h).float()
+
+    # ---- loading ---------------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy each checkpoint tensor's shard into its parameter; prove every (parameter,
+        part) was filled exactly once. Returns the number of tensors used."""
+        targets = dict(self._weight_targets())
+        loaded: set[tuple[str, int]] = set()
+        used = 0
+        for name, tensor in weights:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue            # tied: the embedding is the LM head
+            if name not in targets:
+                raise ModelLoadError(f"checkpoint tensor {name!r} has no place in the model")
+            module, part = targets[name]
+            key = (name, part)
+            if key in loaded:
+                raise ModelLoadError(f"checkpoint tensor {name!r} appears twice")
+            module.load(part, tensor)
+            loaded.add(key)
+            used += 1
+        missing = sorted(n for n in targets if (n, targets[n][1]) not in loaded)
+        if missing:
+            raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
+        return used
+
+    def _weight_targets(self) -> Iterator[tuple[str, tuple[nn.Module, int]]]:
+        """HF tensor name -> (module that owns it, part of a fused weight)."""
+        yield "model.embed_tokens.weight", (self.embed_tokens, 0)
+        yield "model.norm.weight", (self.norm, 0)
+        if not self.cfg.tie_word_embeddings:
+            yield "lm_head.weight", (self.lm_head, 0)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            for part, n in enumerate(("q_proj", "k_proj", "v_proj")):
+                yield p + f"self_attn.{n}.weight", (attn.qkv_proj, part)
+            yield p + "self_attn.o_proj.weight", (attn.o_proj, 0)
+            yield p + "mlp.gate_proj.weight", (mlp.gate_up_proj, 0)
+            yield p + "mlp.up_proj.weight", (mlp.gate_up_proj, 1)
+            yield p + "mlp.down_proj.weight", (mlp.down_proj, 0)
+            yield p + "input_layernorm.weight", (layer.input_layernorm, 0)
+            yield p + "post_attention_layernorm.weight", (layer.post_attention_layernorm, 0)

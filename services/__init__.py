@@ -1,0 +1,1 @@
+"""Running the system: the `pacer` command line, the in-process engine, process supervision."""

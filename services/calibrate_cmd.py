@@ -1,0 +1,171 @@
+"""`pacer calibrate`: measure this machine's matmul rate and memory bandwidth with torch and
+write a hardware profile that `pacer cost --hw hw.json` (and the scheduler) can load.
+
+Each figure is the best of several timed repetitions after a warm-up: a roofline wants what
+the machine can sustain, and a busy neighbour only ever makes a repetition slower.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from shared.errors import PacerError
+from shared.hardware import hardware_from_dict
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to measure: sizes depend on the device and on --quick."""
+
+    matmul_sizes: tuple[int, ...]
+    copy_mib: int                           # several times any last-level cache
+    attention: tuple[int, int, int, int]    # batch, heads, seq, head_dim
+    min_seconds: float                      # time each measurement for at least this long
+    max_reps: int
+
+
+PLANS = {
+    ("cpu", True): Plan((256, 512, 1024), 256, (1, 8, 512, 64), 0.15, 20),
+    ("cpu", False): Plan((512, 1024, 2048), 1024, (1, 8, 2048, 64), 1.0, 50),
+    ("cuda", True): Plan((1024, 4096), 256, (2, 16, 2048, 128), 0.1, 50),
+    ("cuda", False): Plan((2048, 4096, 8192), 1024, (4, 32, 4096, 128), 0.5, 200),
+}
+
+
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "calibrate", help="measure matmul rate and memory bandwidth; write a hardware profile",
+        description="Measure this machine with torch (matmul per dtype, copy/reduction "
+                    "bandwidth, scaled_dot_product_attention) and write a JSON profile for "
+                    "`pacer cost --hw`.")
+    p.add_argument("--output", default="hw.json", help="where to write the profile (default hw.json)")
+    p.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.set_defaults(func=run)
+    return p
+
+
+def _best_seconds(fn: Callable[[], Any], sync: Callable[[], None], plan: Plan) -> float:
+    fn()                                    # warm-up: allocation, kernel selection, caches
+    sync()
+    best, spent, reps = float("inf"), 0.0, 0
+    while reps < 2 or (spent < plan.min_seconds and reps < plan.max_reps):
+        start = time.perf_counter()
+        fn()
+        sync()
+        elapsed = time.perf_counter() - start
+        best, spent, reps = min(best, elapsed), spent + elapsed, reps + 1
+    return best
+
+
+def measure_matmul(torch: Any, device: str, sync: Callable[[], None], plan: Plan) -> list[dict]:
+    rows = []
+    for dtype in DTYPES:
+        for n in plan.matmul_sizes:
+            a = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+            b = torch.randn(n, n, device=device, dtype=getattr(torch, dtype))
+            seconds = _best_seconds(lambda: torch.mm(a, b), sync, plan)
+            rows.append({"dtype": dtype, "m": n, "n": n, "k": n, "seconds": seconds,
+                         "tflops": 2 * n**3 / seconds / 1e12})
+    return rows
+
+
+def measure_bandwidth(torch: Any, device: str, sync: Callable[[], None], plan: Plan) -> list[dict]:
+    numel = plan.copy_mib * 2**20 // 4
+    src = torch.rand(numel, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    size = numel * 4
+    rows = []
+    # copy reads and writes every byte; a sum only reads, like a decode reading weights.
+    for kind, fn, moved in (("copy", lambda: dst.copy_(src), 2 * size), ("sum", src.sum, size)):
+        seconds = _best_seconds(fn, sync, plan)
+        rows.append({"kind": kind, "bytes": moved, "seconds": seconds,
+                     "tbps": moved / seconds / 1e12})
+    return rows
+
+
+def measure_attention(torch: Any, device: str, sync: Callable[[], None], plan: Plan) -> list[dict]:
+    batch, heads, seq, head_dim = plan.attention
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = []
+    for dtype in DTYPES:
+        q, k, v = (torch.randn(batch, heads, seq, head_dim, device=device,
+                               dtype=getattr(torch, dtype)) for _ in range(3))
+        seconds = _best_seconds(lambda: sdpa(q, k, v, is_causal=True), sync, plan)
+        # Counted like the cost model: 4·d_head per (query, key) pair, causal pairs only.
+        flops = 4 * head_dim * heads * batch * seq * (seq + 1) / 2
+        rows.append({"dtype": dtype, "batch": batch, "heads": heads, "seq": seq,
+                     "head_dim": head_dim, "causal": True, "seconds": seconds,
+                     "tflops": flops / seconds / 1e12})
+    return rows
+
+
+def _device(torch: Any, wanted: str) -> tuple[str, str, Callable[[], None]]:
+    """(device, its name, a sync that waits for queued kernels)."""
+    if wanted == "cuda" or (wanted == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise PacerError("--device cuda: torch sees no CUDA device")
+        return "cuda", torch.cuda.get_device_name(), torch.cuda.synchronize
+    return "cpu", platform.processor() or platform.machine() or "cpu", lambda: None
+
+
+def calibrate(quick: bool, device: str = "auto") -> dict[str, Any]:
+    """Measure and return the profile as the JSON object `--hw` accepts."""
+    import torch   # here, not at import time: `pacer --help` must not pay for torch
+
+    dev, dev_name, sync = _device(torch, device)
+    plan = PLANS[(dev, quick)]
+    torch.manual_seed(0)
+    matmul = measure_matmul(torch, dev, sync, plan)
+    bandwidth = measure_bandwidth(torch, dev, sync, plan)
+    attention = measure_attention(torch, dev, sync, plan)
+    return {
+        "name": f"calibrated {dev} ({dev_name})",
+        "tflops": {d: max(r["tflops"] for r in matmul if r["dtype"] == d) for d in DTYPES},
+        "bandwidth_tbps": max(r["tbps"] for r in bandwidth),
+        "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "measurements": {"device": dev, "device_name": dev_name, "torch": torch.__version__,
+                         "threads": torch.get_num_threads(), "quick": quick,
+                         "matmul": matmul, "bandwidth": bandwidth, "attention": attention},
+    }
+
+
+def format_table(profile: dict[str, Any]) -> str:
+    m = profile["measurements"]
+    lines = [f"{profile['name']}, torch {m['torch']}, {m['threads']} threads",
+             f"{'measurement':<34} {'seconds':>10} {'rate':>16}"]
+    for r in m["matmul"]:
+        what = f"matmul {r['dtype']} {r['m']}x{r['k']}x{r['n']}"
+        lines.append(f"{what:<34} {r['seconds']:>10.5f} {r['tflops'] * 1e3:>9.1f} GFLOP/s")
+    for r in m["bandwidth"]:
+        what = f"{r['kind']} {r['bytes'] / 2**20:.0f} MiB moved"
+        lines.append(f"{what:<34} {r['seconds']:>10.5f} {r['tbps'] * 1e3:>12.1f} GB/s")
+    for r in m["attention"]:
+        what = f"sdpa {r['dtype']} b{r['batch']} h{r['heads']} s{r['seq']} d{r['head_dim']}"
+        lines.append(f"{what:<34} {r['seconds']:>10.5f} {r['tflops'] * 1e3:>9.1f} GFLOP/s")
+    rates = ", ".join(f"{d} {t * 1e3:.1f} GFLOP/s" for d, t in profile["tflops"].items())
+    lines.append(f"profile: {rates}; bandwidth {profile['bandwidth_tbps'] * 1e3:.1f} GB/s")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        profile = calibrate(args.quick, args.device)
+        hardware_from_dict(profile)          # refuse to write what `--hw` could not load
+        with open(args.output, "w", encoding="utf-8") as f:
+            json.dump(profile, f, indent=2)
+            f.write("\n")
+    except (PacerError, OSError) as e:
+        print(f"pacer calibrate: error: {e}", file=sys.stderr)
+        return 1
+    print(format_table(profile))
+    print(f"wrote {args.output}")
+    return 0

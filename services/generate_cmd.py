@@ -1,0 +1,118 @@
+"""`pacer generate`: offline batch generation from a JSONL file with the in-process engine."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from shared.engine_args import EngineArgs
+from shared.errors import InvalidRequestError, PacerError
+from shared.sampling import SamplingParams
+
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
+                   "ignore_eos", "logprobs")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--prompts", required=True, help="input JSONL: {prompt|messages|prompt_token_ids}")
+    p.add_argument("--output", required=True, help="output JSONL, one line per input line")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.set_defaults(run=run)
+
+
+def read_prompts(path: str, tokenizer, defaults: dict) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Parse the prompts file; any bad line raises PacerError naming the file and line."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        raise PacerError(f"cannot read prompts file {path}: {e}") from None
+    if not lines:
+        raise PacerError(f"prompts file {path} has no prompts")
+    prompts, params = [], []
+    for n, line in lines:
+        where = f"{path} line {n}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PacerError(f"{where}: not valid JSON ({e.msg})") from None
+        try:
+            prompts.append(_tokens_of(item, tokenizer))
+            fields = {k: item[k] for k in SAMPLING_FIELDS if k in item}
+            params.append(SamplingParams(**{**defaults, **fields}))
+        except (InvalidRequestError, TypeError, ValueError) as e:
+            raise PacerError(f"{where}: {e}") from None
+    return prompts, params
+
+
+def _tokens_of(item, tokenizer) -> list[int]:
+    if not isinstance(item, dict):
+        raise InvalidRequestError("each line must be a JSON object")
+    if "prompt_token_ids" in item:
+        ids = item["prompt_token_ids"]
+        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in ids)):
+            raise InvalidRequestError(f"prompt_token_ids must be a non-empty list of token ids < {tokenizer.vocab_size}")
+        return ids
+    if "messages" in item:
+        return tokenizer.encode_chat(item["messages"])
+    if "prompt" in item:
+        if not isinstance(item["prompt"], str) or not item["prompt"]:
+            raise InvalidRequestError("prompt must be a non-empty string")
+        return tokenizer.encode(item["prompt"])
+    raise InvalidRequestError("needs one of 'prompt', 'messages' or 'prompt_token_ids'")
+
+
+def run(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from services.engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs.from_cli(args))
+    defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, ignore_eos=args.ignore_eos)
+    prompts, params = read_prompts(args.prompts, engine.tokenizer, defaults)
+    for i, ids in enumerate(prompts):
+        if len(ids) >= engine.max_model_len:
+            raise PacerError(f"{args.prompts} prompt {i}: {len(ids)} tokens, but the model's "
+                             f"context is {engine.max_model_len}")
+    bar = tqdm(total=len(prompts), desc="generate", unit="req", file=sys.stderr)
+    counted = [0]
+    start = time.perf_counter()
+
+    def progress(out):
+        counted[0] += len(out.new_tokens)
+        if out.finished:
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{counted[0] / (time.perf_counter() - start):.1f}")
+
+    results = engine.generate(prompts, params, on_output=progress)
+    bar.close()
+    elapsed = time.perf_counter() - start
+    _write(args.output, results, engine.tokenizer)
+    n_in = sum(len(p) for p in prompts)
+    print(f"{len(results)} requests, {n_in} prompt tokens, {counted[0]} output tokens in "
+          f"{elapsed:.2f} s: {counted[0] / elapsed:.1f} output tok/s, "
+          f"{(n_in + counted[0]) / elapsed:.1f} total tok/s", file=sys.stderr)
+    return 0
+
+
+def _write(path: str, results, tokenizer) -> None:
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            for i, r in enumerate(results):
+                line = {"index": i, "prompt_tokens": len(r.prompt_token_ids),
+                        "token_ids": r.token_ids, "text": tokenizer.decode(r.token_ids),
+                        "finish_reason": r.finish_reason}
+                if r.tokens and r.tokens[0].logprob is not None:
+                    line["logprobs"] = [t.logprob for t in r.tokens]
+                    line["top_logprobs"] = [t.top_logprobs for t in r.tokens]
+                f.write(json.dumps(line, ensure_ascii=False) + "\n")
+    except OSError as e:
+        raise PacerError(f"cannot write output file {path}: {e}") from None
