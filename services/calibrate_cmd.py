@@ -49,7 +49,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--output", default="hw.json", help="where to write the profile (default hw.json)")
     p.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    p.set_defaults(func=run)
+    p.set_defaults(run=run)
     return p
 
 

@@ -36,7 +36,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p.add_argument("--dtype-bytes", type=float, default=2.0,
                    help="bytes per weight and KV element (default 2: fp16/bf16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=run)
+    p.set_defaults(run=run)
     return p
 
 

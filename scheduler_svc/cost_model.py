@@ -1,0 +1,238 @@
+"""Roofline estimate of one iteration's wall time (articles 05 §3 and 06 §2).
+
+An iteration is a list of chunks `(q_rows, kv_len)`: a decode at context L is `(1, L)`, a
+prefill chunk of N tokens over a cached prefix S is `(N, S + N)` (article 05 §5).
+
+    FLOPs = 2 · P_linear · T                     every row through every matmul
+          + 4 · d_head · heads · layers · pairs  QKᵀ and PV, per (query, key) pair
+    bytes = weights, read once per iteration      the same for 1 row or 10k rows
+          + K_tok · kv_len per chunk              each request reads its own cache once
+          + K_tok · q_rows per chunk              ...and writes its new rows
+    time  = max(FLOPs / peak FLOP/s, bytes / bandwidth)
+
+Refinements over the articles' round numbers, each small for Llama-2-7B:
+- P_linear is counted from the shape, and the LM head runs on one row per chunk (only the
+  row that samples reaches it), so a 7B prefill row costs ~13 GFLOPs rather than 2 · 7e9.
+- The embedding table is gathered, not read: only the LM head's copy counts as weight bytes
+  (with tied embeddings the one table is read once).
+- A chunk's causal pairs are exact: q_rows · S + q_rows · (q_rows + 1) / 2.
+- Activations between kernels are left out: they matter only at thousands of rows, where
+  compute dominates anyway, and the articles leave them out too.
+
+Stdlib + `shared` only: the scheduler calls `max_prefill_tokens_within` every iteration.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from shared.errors import PacerError
+from shared.hardware import HardwareProfile
+
+Chunk = tuple[int, int]   # (q_rows, kv_len)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the roofline needs of a llama-style decoder (gated MLP, RMSNorm, GQA)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool = False
+
+    @property
+    def layer_matmul_params(self) -> int:
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * self.layer_matmul_params + norms + heads * self.lm_head_params
+
+    @property
+    def params_read_per_iteration(self) -> int:
+        """Every weight except an untied embedding table, of which only T rows are gathered."""
+        untied_embedding = 0 if self.tie_word_embeddings else self.lm_head_params
+        return self.num_params - untied_embedding
+
+    def kv_bytes_per_token(self, dtype_bytes: float) -> float:
+        """K_tok of article 06: one context token's K and V across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    @property
+    def attention_flops_per_pair(self) -> int:
+        """4 · d_head · heads · layers: 2 for q·k and 2 for p·v per head dim (article 05 §3)."""
+        return 4 * self.head_dim * self.num_heads * self.num_layers
+
+
+MODELS: dict[str, ModelShape] = {
+    "llama-2-7b": ModelShape("llama-2-7b", 32, 4096, 11008, 32, 32, 128, 32000),
+    "llama-2-13b": ModelShape("llama-2-13b", 40, 5120, 13824, 40, 40, 128, 32000),
+    "llama-3-8b": ModelShape("llama-3-8b", 32, 4096, 14336, 32, 8, 128, 128256),
+    "smollm2-135m": ModelShape("smollm2-135m", 30, 576, 1536, 9, 3, 64, 49152,
+                               tie_word_embeddings=True),
+}
+
+
+def model_shape_of(config: Any, name: str) -> ModelShape:
+    """The shape of a served model's `shared.model_config.ModelConfig` (read by attribute
+    name, so this module need not import numpy/gguf through it)."""
+    fields = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
+              "head_dim", "vocab_size", "tie_word_embeddings")
+    return ModelShape(name, *(getattr(config, f) for f in fields))
+
+
+def model_shape_from_hf_config(config: dict, name: str) -> ModelShape:
+    """A shape from a Hugging Face `config.json` object (multimodal ones nest `text_config`)."""
+    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+        config = config["text_config"]
+    try:
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        return ModelShape(
+            name=name,
+            num_layers=int(config["num_hidden_layers"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            vocab_size=int(config["vocab_size"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        )
+    except KeyError as e:
+        raise PacerError(f"model config {name} lacks {e.args[0]!r}") from e
+
+
+def load_model_shape(spec: str) -> ModelShape:
+    """A built-in name (see MODELS) or a Hugging Face config.json, or a folder holding one."""
+    if spec.lower() in MODELS:
+        return MODELS[spec.lower()]
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        raise PacerError(f"unknown model {spec!r}: use one of {', '.join(MODELS)} "
+                         "or the path of a Hugging Face config.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PacerError(f"cannot read model config {path}: {e}") from e
+    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
+    return model_shape_from_hf_config(config, name)
+
+
+@dataclass(frozen=True)
+class IterationCost:
+    time_ms: float
+    flops: float
+    bytes: float
+    intensity: float          # FLOPs per byte loaded (06 §1); compare with hw.ridge()
+    bound: str                # "compute" | "memory"
+    compute_ms: float
+    memory_ms: float
+    linear_flops: float       # the articles' "Linear" column
+    attention_flops: float    # the articles' "Attn" column
+    weight_bytes: float
+    kv_bytes: float
+    num_tokens: int           # Q rows in the iteration
+
+
+@dataclass
+class _Work:
+    """FLOPs and bytes summed over chunks, before the weights and the roofline."""
+
+    linear_flops: float = 0.0
+    attention_flops: float = 0.0
+    kv_bytes: float = 0.0
+    num_tokens: int = 0
+    num_chunks: int = 0
+
+    def add(self, chunk: Chunk, model: ModelShape, dtype_bytes: float) -> None:
+        q_rows, kv_len = chunk
+        if q_rows < 1 or kv_len < q_rows:
+            raise PacerError(f"chunk (q_rows={q_rows}, kv_len={kv_len}) needs 1 <= q_rows <= kv_len")
+        prefix = kv_len - q_rows
+        pairs = q_rows * prefix + q_rows * (q_rows + 1) / 2
+        self.linear_flops += 2.0 * (model.num_layers * model.layer_matmul_params * q_rows
+                                    + model.lm_head_params)
+        self.attention_flops += pairs * model.attention_flops_per_pair
+        self.kv_bytes += (kv_len + q_rows) * model.kv_bytes_per_token(dtype_bytes)
+        self.num_tokens += q_rows
+        self.num_chunks += 1
+
+    def plus(self, chunk: Chunk, model: ModelShape, dtype_bytes: float) -> _Work:
+        out = _Work(self.linear_flops, self.attention_flops, self.kv_bytes, self.num_tokens,
+                    self.num_chunks)
+        out.add(chunk, model, dtype_bytes)
+        return out
+
+
+def _roofline(work: _Work, model: ModelShape, hw: HardwareProfile, dtype_bytes: float) -> IterationCost:
+    if work.num_chunks == 0:
+        raise PacerError("an iteration needs at least one chunk")
+    weight_bytes = model.params_read_per_iteration * dtype_bytes
+    flops = work.linear_flops + work.attention_flops
+    total_bytes = weight_bytes + work.kv_bytes
+    compute_ms = flops / hw.flops_per_s(dtype_bytes) * 1e3
+    memory_ms = total_bytes / hw.bytes_per_s * 1e3
+    return IterationCost(
+        time_ms=max(compute_ms, memory_ms), flops=flops, bytes=total_bytes,
+        intensity=flops / total_bytes, bound="compute" if compute_ms >= memory_ms else "memory",
+        compute_ms=compute_ms, memory_ms=memory_ms, linear_flops=work.linear_flops,
+        attention_flops=work.attention_flops, weight_bytes=weight_bytes,
+        kv_bytes=work.kv_bytes, num_tokens=work.num_tokens)
+
+
+def _sum(chunks: Iterable[Chunk], model: ModelShape, dtype_bytes: float) -> _Work:
+    work = _Work()
+    for chunk in chunks:
+        work.add(chunk, model, dtype_bytes)
+    return work
+
+
+def estimate_iteration(chunks: Sequence[Chunk], model: ModelShape, hw: HardwareProfile,
+                       dtype_bytes: float = 2) -> IterationCost:
+    """The roofline cost of one forward over `chunks` ((q_rows, kv_len) each)."""
+    return _roofline(_sum(chunks, model, dtype_bytes), model, hw, dtype_bytes)
+
+
+def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[Chunk], prefix_len: int,
+                              model: ModelShape, hw: HardwareProfile, dtype_bytes: float = 2,
+                              limit: int = 1 << 24) -> int:
+    """The largest prefill chunk N over a cached prefix of `prefix_len` such that the iteration
+    `decode_chunks + [(N, prefix_len + N)]` takes at most `budget_ms`; 0 if none fits.
+
+    Time never falls as N grows, so a doubling search then a bisection finds N in
+    ~2·log2(N) probes; the decodes are summed once."""
+    base = _sum(decode_chunks, model, dtype_bytes)
+
+    def fits(n: int) -> bool:
+        cost = _roofline(base.plus((n, prefix_len + n), model, dtype_bytes), model, hw, dtype_bytes)
+        return cost.time_ms <= budget_ms
+
+    if not fits(1):
+        return 0
+    lo = 1                                  # fits
+    while lo < limit and fits(min(2 * lo, limit)):
+        lo = min(2 * lo, limit)
+    if lo == limit:
+        return limit
+    hi = min(2 * lo, limit)                 # does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo

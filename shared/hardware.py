@@ -1,0 +1,124 @@
+"""Hardware profiles for the roofline cost model: a sustained matmul rate per dtype and an
+HBM (or DRAM) bandwidth.
+
+Built-in profiles are round numbers for sustained rates, not vendor peaks. `h100` is the
+articles' own pair (05 §3, 06 §1): ~500 TFLOP/s for fp16 GEMMs and 3.35 TB/s, so its ridge
+point is ~150 FLOPs/byte. A profile written by `pacer calibrate` is a JSON file with the same
+fields plus the raw measurements; `load_hardware` reads either.
+
+Stdlib only: the scheduler core imports this.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping
+
+from shared.errors import PacerError
+
+FLOAT32 = "float32"
+HALF_DTYPES = ("bfloat16", "float16")   # either one stands for "16-bit tensor-core rate"
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """Sustained matmul TFLOP/s per dtype name and memory bandwidth in TB/s (10**12 B/s)."""
+
+    name: str
+    tflops: Mapping[str, float]
+    bandwidth_tbps: float
+    measured_at: str | None = None
+    measurements: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.tflops:
+            raise PacerError(f"hardware profile {self.name!r} has no tflops")
+        for dtype, rate in self.tflops.items():
+            _check_positive(f"{self.name}: tflops[{dtype}]", rate)
+        _check_positive(f"{self.name}: bandwidth_tbps", self.bandwidth_tbps)
+
+    def flops_per_s(self, dtype_bytes: float) -> float:
+        """The matmul rate for operands of `dtype_bytes`: 4+ bytes use float32, anything
+        narrower (fp16/bf16, or quantized weights widened to 16 bits) the 16-bit rate."""
+        wanted = (FLOAT32,) if dtype_bytes >= 4 else HALF_DTYPES
+        for name in wanted:
+            if name in self.tflops:
+                return self.tflops[name] * 1e12
+        # A profile that lacks the dtype: the best rate it knows is the honest fallback.
+        return max(self.tflops.values()) * 1e12
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_tbps * 1e12
+
+    def ridge(self, dtype_bytes: float = 2) -> float:
+        """FLOPs per byte above which an iteration is compute-bound (06 §1)."""
+        return self.flops_per_s(dtype_bytes) / self.bytes_per_s
+
+    def with_overrides(self, tflops: float | None = None,
+                       bandwidth_tbps: float | None = None) -> HardwareProfile:
+        """`--hw-tflops X` sets every dtype's rate to X; `--hw-bandwidth-tbps Y` the bandwidth."""
+        name = self.name
+        new = self
+        if tflops is not None:
+            new = replace(new, tflops={d: tflops for d in self.tflops})
+            name += f" @{tflops:g}TF"
+        if bandwidth_tbps is not None:
+            new = replace(new, bandwidth_tbps=bandwidth_tbps)
+            name += f" @{bandwidth_tbps:g}TB/s"
+        return replace(new, name=name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "tflops": dict(self.tflops),
+                "bandwidth_tbps": self.bandwidth_tbps, "measured_at": self.measured_at,
+                "measurements": dict(self.measurements)}
+
+
+def _check_positive(what: str, value: Any) -> None:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise PacerError(f"{what} must be a positive number, got {value!r}")
+
+
+# Sustained dense rates. H100 SXM: the articles' numbers. H200: the same compute die with
+# HBM3e at 4.8 TB/s. A100 SXM 80GB: ~80% of its 312 TFLOP/s bf16 peak, 2.0 TB/s HBM2e.
+# float32 rates are the non-tensor-core vendor figures.
+HARDWARE: dict[str, HardwareProfile] = {
+    "h100": HardwareProfile("h100", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 3.35),
+    "h200": HardwareProfile("h200", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 4.8),
+    "a100": HardwareProfile("a100", {"bfloat16": 250.0, "float16": 250.0, FLOAT32: 19.5}, 2.0),
+}
+
+
+def hardware_from_dict(data: Mapping[str, Any], default_name: str = "calibrated") -> HardwareProfile:
+    """A profile from the JSON object `pacer calibrate` writes."""
+    tflops = data.get("tflops")
+    if isinstance(tflops, (int, float)):
+        tflops = {"bfloat16": float(tflops), FLOAT32: float(tflops)}
+    if not isinstance(tflops, Mapping) or "bandwidth_tbps" not in data:
+        raise PacerError("a hardware profile needs 'tflops' (per dtype) and 'bandwidth_tbps'")
+    return HardwareProfile(
+        name=str(data.get("name") or default_name),
+        tflops={str(k): v for k, v in tflops.items()},
+        bandwidth_tbps=data["bandwidth_tbps"],
+        measured_at=data.get("measured_at"),
+        measurements=dict(data.get("measurements") or {}),
+    )
+
+
+def load_hardware(spec: str) -> HardwareProfile:
+    """A built-in name (h100, h200, a100) or the path of a JSON profile."""
+    if spec.lower() in HARDWARE:
+        return HARDWARE[spec.lower()]
+    if not os.path.isfile(spec):
+        raise PacerError(f"unknown hardware {spec!r}: use one of {', '.join(HARDWARE)} "
+                         "or a JSON file written by `pacer calibrate`")
+    try:
+        with open(spec, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise PacerError(f"cannot read hardware profile {spec}: {e}") from e
+    if not isinstance(data, Mapping):
+        raise PacerError(f"hardware profile {spec} is not a JSON object")
+    return hardware_from_dict(data, default_name=os.path.basename(spec))

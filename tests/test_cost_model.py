@@ -1,0 +1,282 @@
+"""The roofline cost model against the articles' worked tables (Llama-2-7B on one H100,
+fp16: 500 TFLOP/s, 3.35 TB/s), each figure within 25 %, and the `pacer cost` command."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from scheduler_svc.cost_model import (MODELS, ModelShape, estimate_iteration, load_model_shape,
+                                      max_prefill_tokens_within, model_shape_of)
+from services import cost_cmd
+from shared.errors import PacerError
+from shared.hardware import HARDWARE, load_hardware
+
+LLAMA = MODELS["llama-2-7b"]
+H100 = HARDWARE["h100"]
+TOLERANCE = 0.25
+K, GB, TB = 1024, 1e9, 1e12
+
+
+def assert_close(ours: float, article: float, what: str) -> None:
+    error = ours / article - 1
+    assert abs(error) <= TOLERANCE, f"{what}: ours {ours:.4g}, article {article:.4g} ({error:+.1%})"
+
+
+def decodes(batch: int, context: int) -> list[tuple[int, int]]:
+    return [(1, context)] * batch
+
+
+def prefill(n: int, prefix: int = 0) -> tuple[int, int]:
+    return (n, prefix + n)
+
+
+# Article 05 §3, "8 decode + …" at context ~1k:
+#   Iteration mix       Linear   Attn    Total   Wall time
+#   纯 decode            ~110 GF  ~4 GF   ~115 GF ~6 ms
+#   + 1 k prefill       ~14 TF   ~0.3 TF ~14 TF  ~30 ms
+#   + 4 k prefill       ~57 TF   ~4 TF   ~61 TF  ~120 ms
+#   + 16 k prefill      ~225 TF  ~67 TF  ~290 TF ~580 ms
+#   + 100 k prefill     ~1.4 PF  ~2.6 PF ~4 PF   ~8 s
+# Article 05 §3.2, prefills alone:
+#   单跑 100-token      ~1.4 GF  ~3 MF            ~4 ms
+#   单跑 10 k-token     ~140 TF  ~26 TF           ~320 ms
+#   100 + 10 k 一起跑    ~141 TF  ~26 TF           ~330 ms
+# The 100-token row's FLOP units slip by 1000: the article's own rules (14 GFLOPs per row,
+# 0.52 MFLOPs per pair) give 100 · 14 GF = 1.4 TF and 100²/2 · 0.52 MF = 2.6 GF, and its
+# 4 ms is the weight-read time; we test those corrected figures.
+ARTICLE_05 = [
+    ("8 decode x 1k", decodes(8, K), 110e9, 4e9, 115e9, 6),
+    ("8 decode + 1k prefill", decodes(8, K) + [prefill(K)], 14e12, 0.3e12, 14e12, 30),
+    ("8 decode + 4k prefill", decodes(8, K) + [prefill(4 * K)], 57e12, 4e12, 61e12, 120),
+    ("8 decode + 16k prefill", decodes(8, K) + [prefill(16 * K)], 225e12, 67e12, 290e12, 580),
+    ("8 decode + 100k prefill", decodes(8, K) + [prefill(100_000)], 1.4e15, 2.6e15, 4e15, 8000),
+    ("100-token prefill alone", [prefill(100)], 1.4e12, 3e9, None, 4),
+    ("10k prefill alone", [prefill(10_000)], 140e12, 26e12, None, 320),
+    ("100 + 10k prefill together", [prefill(100), prefill(10_000)], 141e12, 26e12, None, 330),
+]
+
+
+@pytest.mark.parametrize("name,chunks,linear,attn,total,wall_ms", ARTICLE_05,
+                         ids=[row[0] for row in ARTICLE_05])
+def test_article_05_iteration_mix(name, chunks, linear, attn, total, wall_ms):
+    cost = estimate_iteration(chunks, LLAMA, H100)
+    assert_close(cost.linear_flops, linear, f"{name} linear FLOPs")
+    assert_close(cost.attention_flops, attn, f"{name} attention FLOPs")
+    if total is not None:
+        assert_close(cost.flops, total, f"{name} total FLOPs")
+    assert_close(cost.time_ms, wall_ms, f"{name} wall ms")
+
+
+def test_pure_decode_is_weight_bandwidth_bound():
+    # 05 §3: "~6 ms（被 weight 带宽卡住）"; a 1k prefill flips the iteration to compute.
+    pure = estimate_iteration(decodes(8, K), LLAMA, H100)
+    assert pure.bound == "memory" and pure.weight_bytes > pure.kv_bytes
+    assert estimate_iteration(decodes(8, K) + [prefill(K)], LLAMA, H100).bound == "compute"
+
+
+def test_article_05_spreads():
+    # 05 §3: iterations differ by "大约 1300 倍"; §3.2: the short prefill's TTFT goes from
+    # ~4 ms to ~330 ms, "差了 ~80 倍".
+    pure = estimate_iteration(decodes(8, K), LLAMA, H100).time_ms
+    worst = estimate_iteration(decodes(8, K) + [prefill(100_000)], LLAMA, H100).time_ms
+    assert_close(worst / pure, 1300, "100k-prefill iteration / pure decode")
+    alone = estimate_iteration([prefill(100)], LLAMA, H100).time_ms
+    shared = estimate_iteration([prefill(100), prefill(10_000)], LLAMA, H100).time_ms
+    assert_close(shared / alone, 80, "TTFT of the 100-token prompt, shared / alone")
+
+
+# Article 06 §3, "Decode at B = 32" (weight bytes 14 GB in every row):
+#   L     KV bytes  total    I = 2Π·B / total
+#   1 k   16 GB     30 GB    ~15
+#   4 k   64 GB     78 GB    ~5.7
+#   16 k  256 GB    270 GB   ~1.7
+#   64 k  1.0 TB    1.0 TB   ~0.4
+# The article's numerator is linears only ("分子 2Π · B = 448 GFLOPs —— 钉死的"), so its I is
+# our linear_flops / bytes; our `intensity` also counts attention FLOPs.
+ARTICLE_06_DECODE = [(K, 16 * GB, 30 * GB, 15), (4 * K, 64 * GB, 78 * GB, 5.7),
+                     (16 * K, 256 * GB, 270 * GB, 1.7), (64 * K, 1.0 * TB, 1.0 * TB, 0.4)]
+
+
+@pytest.mark.parametrize("context,kv_bytes,total_bytes,intensity", ARTICLE_06_DECODE,
+                         ids=[f"B=32 L={row[0] // K}k" for row in ARTICLE_06_DECODE])
+def test_article_06_decode_rows(context, kv_bytes, total_bytes, intensity):
+    cost = estimate_iteration(decodes(32, context), LLAMA, H100)
+    assert_close(cost.weight_bytes, 14 * GB, "weight bytes")
+    assert_close(cost.kv_bytes, kv_bytes, "KV bytes")
+    assert_close(cost.bytes, total_bytes, "total bytes")
+    assert_close(cost.linear_flops / cost.bytes, intensity, "intensity 2Π·B / total")
+    assert cost.bound == "memory" and cost.intensity < H100.ridge()
+
+
+# Article 06 §3, "Prefill at C = 2048" over a cached prefix S (weight bytes 14 GB):
+#   S     KV bytes  total    I = 2Π·C / total  regime
+#   4 k   2 GB      16 GB    ~1800             compute-bound
+#   64 k  32 GB     46 GB    ~620              compute-bound
+#   256 k 128 GB    142 GB   ~200              compute-bound (×1.3)
+#   1 M   512 GB    526 GB   ~55               below the ridge
+ARTICLE_06_PREFILL = [(4 * K, 16 * GB, 1800), (64 * K, 46 * GB, 620), (256 * K, 142 * GB, 200),
+                      (1024 * K, 526 * GB, 55)]
+
+
+@pytest.mark.parametrize("prefix,total_bytes,intensity", ARTICLE_06_PREFILL,
+                         ids=[f"C=2048 S={row[0] // K}k" for row in ARTICLE_06_PREFILL])
+def test_article_06_prefill_rows(prefix, total_bytes, intensity):
+    cost = estimate_iteration([prefill(2048, prefix)], LLAMA, H100)
+    assert_close(cost.bytes, total_bytes, "total bytes")
+    linear_intensity = cost.linear_flops / cost.bytes
+    assert_close(linear_intensity, intensity, "intensity 2Π·C / total")
+    assert (linear_intensity > H100.ridge()) == (prefix < 1024 * K)
+
+
+def test_article_06_ridge_and_crossover():
+    # 06 §1: "R ≈ 150 FLOPs/byte"; §2: weights = KV at L·B ≈ 27 k, "B = 32 … L ≈ 850".
+    assert_close(H100.ridge(), 150, "H100 ridge")
+    cost = estimate_iteration(decodes(32, 850), LLAMA, H100)
+    assert_close(cost.kv_bytes, cost.weight_bytes, "KV bytes at the crossover")
+
+
+def test_chunking_moves_attention_but_rereads_the_cache():
+    # 05 §6: chunks' causal pairs sum to the unchunked N²/2; the cache reads grow ~N²/(2C),
+    # "N = 100 k、C = 2048 时 … 大约多了 25 倍".
+    n, c = 100_000, 2048
+    whole = estimate_iteration([prefill(n)], LLAMA, H100)
+    parts = [estimate_iteration([prefill(min(c, n - s), s)], LLAMA, H100) for s in range(0, n, c)]
+    assert math.isclose(sum(p.attention_flops for p in parts), whole.attention_flops, rel_tol=1e-9)
+    writes = n * LLAMA.kv_bytes_per_token(2)
+    reads_ratio = (sum(p.kv_bytes for p in parts) - writes) / (whole.kv_bytes - writes)
+    assert_close(reads_ratio, 25, "cache reads, chunked / unchunked")
+
+
+def test_cost_model_imports_stdlib_only():
+    # The scheduler core calls it every iteration; it must not drag in torch or numpy.
+    code = ("import sys, scheduler_svc.cost_model, shared.hardware; "
+            "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_builtin_shapes_match_published_parameter_counts():
+    assert LLAMA.num_params == 6_738_415_616
+    assert MODELS["llama-2-13b"].num_params == 13_015_864_320
+    assert MODELS["llama-3-8b"].num_params == 8_030_261_248
+    assert MODELS["smollm2-135m"].num_params == 134_515_008
+
+
+def test_gqa_shrinks_the_kv_bytes_per_token():
+    # Llama-3-8B: 8 KV heads for 32 query heads, so K_tok is a quarter of Llama-2-7B's 512 KiB.
+    assert LLAMA.kv_bytes_per_token(2) == 512 * 1024
+    assert MODELS["llama-3-8b"].kv_bytes_per_token(2) == 128 * 1024
+    a, b = (estimate_iteration(decodes(32, 4 * K), MODELS[m], H100) for m in ("llama-2-7b", "llama-3-8b"))
+    assert b.kv_bytes < a.kv_bytes / 3.9 and b.attention_flops == a.attention_flops
+
+
+def test_hf_config_json_gives_the_builtin_shape(tmp_path):
+    # The fields of SmolLM2-135M-Instruct's config.json that the shape reads.
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+              "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
+              "vocab_size": 49152, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    for spec in (str(folder), str(folder / "config.json")):
+        shape = load_model_shape(spec)
+        assert shape == ModelShape(**{**MODELS["smollm2-135m"].__dict__, "name": shape.name})
+        assert shape.name == "SmolLM2-135M-Instruct"
+
+
+def test_shape_of_a_served_model_config():
+    from shared.model_config import ModelConfig
+
+    config = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=576,
+                         intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
+                         head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         max_position_embeddings=8192, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2)
+    assert model_shape_of(config, "smollm2-135m") == MODELS["smollm2-135m"]
+
+
+def test_unknown_model_and_hardware_are_user_errors(tmp_path):
+    with pytest.raises(PacerError, match="unknown model"):
+        load_model_shape("llama-9-1t")
+    with pytest.raises(PacerError, match="unknown hardware"):
+        load_hardware("tpu-v9")
+    bad = tmp_path / "hw.json"
+    bad.write_text(json.dumps({"name": "x", "tflops": {"bfloat16": -1}, "bandwidth_tbps": 1}))
+    with pytest.raises(PacerError, match="positive"):
+        load_hardware(str(bad))
+    with pytest.raises(PacerError, match="q_rows"):
+        estimate_iteration([(5, 4)], LLAMA, H100)
+
+
+def test_hardware_overrides_move_the_roofline():
+    slow = H100.with_overrides(tflops=250.0, bandwidth_tbps=1.675)
+    fast = estimate_iteration(decodes(8, K) + [prefill(4 * K)], LLAMA, H100)
+    halved = estimate_iteration(decodes(8, K) + [prefill(4 * K)], LLAMA, slow)
+    assert math.isclose(halved.compute_ms, 2 * fast.compute_ms)
+    assert math.isclose(halved.memory_ms, 2 * fast.memory_ms)
+    assert math.isclose(slow.ridge(), H100.ridge() * 250 / 500 * 3.35 / 1.675)
+
+
+@pytest.mark.parametrize("budget_ms,prefix", [(50, 0), (50, 60_000), (200, 8192), (6, 0)])
+def test_max_prefill_tokens_within_is_the_largest_chunk_that_fits(budget_ms, prefix):
+    running = decodes(8, K)
+    n = max_prefill_tokens_within(budget_ms, running, prefix, LLAMA, H100)
+    assert n >= 1
+
+    def time_ms(rows: int) -> float:
+        return estimate_iteration(running + [prefill(rows, prefix)], LLAMA, H100).time_ms
+
+    assert time_ms(n) <= budget_ms < time_ms(n + 1)
+
+
+def test_max_prefill_tokens_within_is_zero_when_the_decodes_fill_the_budget():
+    running = decodes(8, K)
+    assert estimate_iteration(running, LLAMA, H100).time_ms > 5
+    assert max_prefill_tokens_within(5, running, 0, LLAMA, H100) == 0
+    assert max_prefill_tokens_within(50, [], 0, LLAMA, H100) > 0
+
+
+def _cost_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="pacer")
+    cost_cmd.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["cost", *argv])
+    return args.run(args)
+
+
+def test_cost_cli_json(capsys):
+    rc = _cost_cli(["--model", "llama-2-7b", "--hw", "h100", "--decode", "8x1024",
+                    "--prefill", "4096", "--prefill", "1024@2048", "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    expected = estimate_iteration(decodes(8, K) + [(4096, 4096), (1024, 3072)], LLAMA, H100)
+    for field in ("time_ms", "flops", "bytes", "intensity", "compute_ms", "memory_ms"):
+        assert math.isclose(out[field], getattr(expected, field)), field
+    assert out["bound"] == "compute" and out["num_tokens"] == 8 + 4096 + 1024
+
+
+def test_cost_cli_table_and_overrides(capsys):
+    assert _cost_cli(["--model", "smollm2-135m", "--decode", "32x2048", "--hw-tflops", "1",
+                      "--hw-bandwidth-tbps", "0.05", "--dtype-bytes", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "smollm2-135m" in out and "wall time" in out and "memory-bound" in out
+
+
+@pytest.mark.parametrize("argv,flag", [(["--decode", "8y1024"], "--decode"),
+                                       (["--decode", "0x1024"], "--decode"),
+                                       (["--prefill", "1024@"], "--prefill"),
+                                       (["--hw", "tpu-v9", "--decode", "1x1"], "hardware"),
+                                       ([], "nothing to run")])
+def test_cost_cli_bad_input_is_one_error_line(capsys, argv, flag):
+    assert _cost_cli(argv) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pacer cost: error:") and flag in lines[0]
+    assert captured.out == ""
