@@ -1,0 +1,89 @@
+"""One request as the scheduler sees it, and the rule that says when it stops.
+
+vLLM v1's single representation: a request has `num_tokens` (prompt + generated) and
+`num_computed_tokens` (how many of them have K/V in the cache). An iteration advances it by
+some rows; a decode is simply the case `num_tokens - num_computed_tokens == 1`. There is no
+prefill or decode phase to track.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from shared.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"          # back in the waiting queue, blocks freed, to recompute
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI-style reason: "stop" | "length" | "abort", or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    arrival_index: int                       # FCFS order: the scheduler's counter at arrival
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    # Append-only while the request holds KV; the BlockManager clears it when it frees.
+    block_table: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Rows still to feed before the request can sample: a decode has exactly one."""
+        return self.num_tokens - self.num_computed_tokens
+
+
+def stop_status(request: Request, eos_token_ids: frozenset[int],
+                max_model_len: int) -> RequestStatus | None:
+    """Whether the token just appended ends the request, checked in a fixed order.
+
+    A stop token beats max_tokens: a request whose last allowed token is EOS reports "stop".
+    """
+    token = request.output_token_ids[-1]
+    sampling = request.sampling
+    if token in sampling.stop_token_ids or (not sampling.ignore_eos and token in eos_token_ids):
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= sampling.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    return None

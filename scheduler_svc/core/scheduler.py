@@ -1,0 +1,303 @@
+"""Iteration-level scheduling (ORCA) with chunked prefill piggybacked on decodes (article 05).
+
+Every iteration is decided afresh, in this order:
+
+1. continue the running requests in admission order — a decode takes 1 row, a partial prefill
+   min(remaining, budget left) rows — growing their block tables; when the pool runs dry the
+   most recently admitted running request is preempted (blocks freed, recomputed later);
+2. if nothing was preempted, admit waiting requests first come, first served while the token
+   budget and the sequence cap allow; a prompt longer than the budget left is cut into a chunk
+   that rides along with the decodes.
+
+The caller drives it in a strict loop: `plan = schedule()`, run the plan, `update(plan,
+result)`, repeat. `update()` advances `num_computed_tokens`, so a second `schedule()` before it
+would schedule the same rows twice and is refused.
+
+Aborts are reported by the next `update()` as `RequestOutput(finished=True,
+finish_reason="abort")`; `has_unfinished()` stays true until they have been reported.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.policy import FcfsPolicy
+from scheduler_svc.core.request import Request, RequestStatus, stop_status
+from shared.config import SchedulerConfig
+from shared.errors import InvalidRequestError
+from shared.outputs import RequestOutput
+from shared.plan import CachedRequestData, IterationPlan, NewRequestData, SampledToken, StepResult
+from shared.sampling import SamplingParams
+
+
+@dataclass
+class _Iteration:
+    """What one `schedule()` call has decided so far."""
+    token_budget: int
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, rows)
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    cached_requests: list[CachedRequestData] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def budget_left(self) -> int:
+        return max(0, self.token_budget - self.num_tokens)
+
+    def add_cached(self, request: Request, rows: int, new_block_ids: list[int]) -> None:
+        self.cached_requests.append(
+            CachedRequestData(request.request_id, new_block_ids, request.num_computed_tokens))
+        self._add(request, rows)
+
+    def add_new(self, request: Request, rows: int) -> None:
+        self.new_requests.append(NewRequestData(
+            request_id=request.request_id, token_ids=request.all_token_ids,
+            num_prompt_tokens=request.num_prompt_tokens, sampling=request.sampling,
+            block_table=list(request.block_table),
+            num_computed_tokens=request.num_computed_tokens))
+        self._add(request, rows)
+
+    def _add(self, request: Request, rows: int) -> None:
+        self.scheduled.append((request, rows))
+        self.num_tokens += rows
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig,
+                 eos_token_ids: tuple[int, ...] | int | None = None,
+                 max_model_len: int | None = None, policy: FcfsPolicy | None = None) -> None:
+        """`max_model_len` is the effective context length (the caller takes the smaller of
+        the model's and the config's); None means `config.max_model_len`."""
+        self.config = config
+        self.max_model_len = config.max_model_len if max_model_len is None else max_model_len
+        self.eos_token_ids = _id_set(eos_token_ids)
+        self.policy = policy or FcfsPolicy()
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.num_preemptions_total = 0
+        self._requests: dict[str, Request] = {}      # every live (unfinished) request
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []            # in admission order
+        self._finished_ids: list[str] = []           # workers drop these with the next plan
+        self._aborted: list[RequestOutput] = []      # reported by the next update()
+        self._num_arrivals = 0
+        self._next_step = 0
+        self._in_flight: tuple[int, list[tuple[Request, int]]] | None = None
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    sampling: SamplingParams) -> None:
+        """Queue a request; InvalidRequestError if it could never be served as given."""
+        self._validate(request_id, prompt_token_ids, sampling)
+        request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals)
+        self._num_arrivals += 1
+        self._requests[request_id] = request
+        self.policy.enqueue(self._waiting, request)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request in any state and free its blocks now. Unknown ids are ignored."""
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        if request.status is RequestStatus.RUNNING:
+            self._running.remove(request)
+            self._finished_ids.append(request_id)   # workers hold its state
+        else:
+            self._waiting.remove(request)           # never sent, or dropped at preemption
+        self.block_manager.free(request)
+        request.status = RequestStatus.FINISHED_ABORTED
+        self._aborted.append(_output(request, []))
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The live request with this id, or None once it finished or was never added."""
+        return self._requests.get(request_id)
+
+    def has_unfinished(self) -> bool:
+        """Live requests, or aborts not yet reported. Ids the workers must still forget ride
+        on the next plan, whenever one is made."""
+        return bool(self._requests) or bool(self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ---- one iteration -------------------------------------------------------------------
+
+    def schedule(self) -> IterationPlan:
+        """Decide the next iteration. An empty plan still carries finished_request_ids."""
+        self._require_updated()
+        iteration = _Iteration(self.config.max_num_batched_tokens)
+        self._continue_running(iteration)
+        if not iteration.preempted_ids:
+            self._admit_waiting(iteration)
+        return self._emit_plan(iteration)
+
+    def update(self, plan: IterationPlan, result: StepResult) -> list[RequestOutput]:
+        """Apply what the workers did with `plan`: advance computed tokens, append sampled
+        tokens, apply stop conditions. Returns one output per request that got a token or
+        finished (pending aborts first)."""
+        scheduled = self._in_flight_for(plan, result)
+        live = [(request, rows) for request, rows in scheduled if not request.status.is_finished]
+        _check_sampled(plan.step, scheduled, live, result)
+        self._in_flight = None
+        outputs, self._aborted = self._aborted, []
+        for request, rows in live:
+            request.num_computed_tokens += rows
+            if request.num_uncomputed_tokens == 0:
+                outputs.append(self._append_token(request, result.sampled[request.request_id]))
+        return outputs
+
+    # ---- scheduling steps ----------------------------------------------------------------
+
+    def _continue_running(self, iteration: _Iteration) -> None:
+        index = 0
+        while index < len(self._running) and iteration.budget_left > 0:
+            request = self._running[index]
+            rows = min(self._rows_wanted(request), iteration.budget_left)
+            new_block_ids = self._allocate_or_preempt(request, rows, index, iteration)
+            if new_block_ids is None:
+                return          # it preempted itself, so it was the last one running
+            iteration.add_cached(request, rows, new_block_ids)
+            index += 1
+
+    def _allocate_or_preempt(self, request: Request, rows: int, index: int,
+                             iteration: _Iteration) -> list[int] | None:
+        """Blocks for `rows` more rows of running[index], preempting until they fit."""
+        while (new_block_ids := self.block_manager.allocate(request, rows)) is None:
+            # Only requests not yet scheduled this iteration may lose their blocks.
+            victim = self.policy.pick_victim(self._running[index:])
+            self._preempt(victim, iteration)
+            if victim is request:
+                return None
+        return new_block_ids
+
+    def _preempt(self, victim: Request, iteration: _Iteration) -> None:
+        """Recompute, not swap: drop the KV and start over with prompt + generated tokens."""
+        self._running.remove(victim)
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        self.policy.requeue_preempted(self._waiting, victim)
+        iteration.preempted_ids.append(victim.request_id)
+        self.num_preemptions_total += 1
+
+    def _admit_waiting(self, iteration: _Iteration) -> None:
+        while self._waiting and len(self._running) < self.config.max_num_seqs:
+            request = self._waiting[0]
+            rows = self._admission_rows(request, iteration)
+            if rows == 0 or self.block_manager.allocate(request, rows) is None:
+                return          # FCFS: nobody overtakes the head of the queue
+            self._waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            iteration.add_new(request, rows)
+
+    def _admission_rows(self, request: Request, iteration: _Iteration) -> int:
+        wanted = self._rows_wanted(request)
+        if self.config.enable_chunked_prefill:
+            return min(wanted, iteration.budget_left)
+        if wanted <= iteration.budget_left:
+            return wanted
+        # ORCA-only mode never splits a prompt. One longer than the whole budget could never
+        # fit, so it goes whole as the iteration's only admission (the decodes still ride).
+        if wanted > iteration.token_budget and not iteration.new_requests:
+            return wanted
+        return 0
+
+    def _rows_wanted(self, request: Request) -> int:
+        return min(request.num_tokens, self.max_model_len) - request.num_computed_tokens
+
+    def _emit_plan(self, iteration: _Iteration) -> IterationPlan:
+        plan = IterationPlan(
+            step=self._next_step,
+            new_requests=iteration.new_requests,
+            cached_requests=iteration.cached_requests,
+            num_scheduled_tokens={r.request_id: rows for r, rows in iteration.scheduled},
+            finished_request_ids=self._finished_ids + iteration.preempted_ids)
+        self._finished_ids = []
+        self._in_flight = (plan.step, iteration.scheduled)
+        self._next_step += 1
+        return plan
+
+    # ---- bookkeeping ---------------------------------------------------------------------
+
+    def _require_updated(self) -> None:
+        if self._in_flight is not None and self._in_flight[1]:
+            raise RuntimeError(f"plan {self._in_flight[0]} has not been update()d; "
+                               "call update(plan, result) before the next schedule()")
+
+    def _in_flight_for(self, plan: IterationPlan, result: StepResult) -> list[tuple[Request, int]]:
+        if self._in_flight is None or self._in_flight[0] != plan.step:
+            waiting_for = None if self._in_flight is None else self._in_flight[0]
+            raise ValueError(f"update() got plan {plan.step}, but the plan awaiting its result "
+                             f"is {waiting_for}")
+        if result.step != plan.step:
+            raise ValueError(f"result of step {result.step} given for plan {plan.step}")
+        return self._in_flight[1]
+
+    def _append_token(self, request: Request, token: SampledToken) -> RequestOutput:
+        request.output_token_ids.append(token.token_id)
+        status = stop_status(request, self.eos_token_ids, self.max_model_len)
+        if status is not None:
+            self._finish(request, status)
+        return _output(request, [token])
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self._running.remove(request)
+        self.block_manager.free(request)
+        del self._requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def _validate(self, request_id: str, prompt_token_ids: list[int],
+                  sampling: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        num_prompt = len(prompt_token_ids)
+        if num_prompt == 0:
+            raise InvalidRequestError(f"request {request_id!r} has an empty prompt")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request_id!r}: prompt of {num_prompt} tokens leaves no room to "
+                f"generate within the model's context of {self.max_model_len} tokens")
+        longest = min(num_prompt + sampling.max_tokens, self.max_model_len)
+        blocks = self.block_manager.blocks_needed(longest)
+        if blocks > self.block_manager.num_total_blocks:
+            raise InvalidRequestError(
+                f"request {request_id!r}: {longest} tokens (prompt {num_prompt} + max_tokens "
+                f"{sampling.max_tokens}) need {blocks} KV blocks, but the whole pool has "
+                f"{self.block_manager.num_total_blocks}; lower max_tokens or add KV memory")
+
+
+def _id_set(ids: tuple[int, ...] | Iterable[int] | int | None) -> frozenset[int]:
+    if ids is None:
+        return frozenset()
+    if isinstance(ids, int):
+        return frozenset((ids,))
+    return frozenset(int(i) for i in ids)
+
+
+def _output(request: Request, new_tokens: list[SampledToken]) -> RequestOutput:
+    return RequestOutput(
+        request_id=request.request_id, new_tokens=new_tokens,
+        finished=request.status.is_finished, finish_reason=request.status.finish_reason,
+        num_prompt_tokens=request.num_prompt_tokens,
+        num_output_tokens=request.num_output_tokens)
+
+
+def _check_sampled(step: int, scheduled: list[tuple[Request, int]],
+                   live: list[tuple[Request, int]], result: StepResult) -> None:
+    """The workers must sample exactly the requests whose chunk reached their last token
+    (aborted ones may or may not have a token; it is dropped)."""
+    expected = {r.request_id for r, rows in live if rows == r.num_uncomputed_tokens}
+    aborted = {r.request_id for r, _ in scheduled if r.status.is_finished}
+    got = set(result.sampled) - aborted
+    if got != expected:
+        raise ValueError(f"step {step}: expected sampled tokens for {sorted(expected)}, "
+                         f"got {sorted(got)}")

@@ -1,0 +1,489 @@
+"""The scheduling core from plain ints: plans are asserted on directly, and a `FakeWorker`
+plays the worker's side of the plan protocol (keeps its own copy of each request, applies the
+diffs, samples a fixed token) so that new-vs-cached data, block tables and finished ids are
+checked the way a real worker would consume them."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from scheduler_svc.core import RequestStatus, Scheduler
+from shared.config import SchedulerConfig
+from shared.errors import InvalidRequestError
+from shared.outputs import RequestOutput
+from shared.plan import IterationPlan, SampledToken, StepResult
+from shared.sampling import SamplingParams
+
+EOS = 2
+TOKEN = 7          # what the fake model samples unless told otherwise
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- factory helpers ---------------------------------------------------------------------
+
+def make_scheduler(budget: int = 64, max_seqs: int = 8, num_blocks: int = 64,
+                   block_size: int = 4, max_model_len: int = 256, chunked: bool = True,
+                   eos: int | tuple[int, ...] | None = EOS) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                             num_kv_blocks=num_blocks, block_size=block_size,
+                             max_model_len=max_model_len, enable_chunked_prefill=chunked)
+    return Scheduler(config, eos, max_model_len)
+
+
+def prompt(n: int) -> list[int]:
+    return [100 + i % 50 for i in range(n)]      # never EOS, never a stop id used here
+
+
+def add(sched: Scheduler, request_id: str, num_prompt: int, max_tokens: int = 4,
+        **sampling) -> None:
+    sched.add_request(request_id, prompt(num_prompt), SamplingParams(max_tokens=max_tokens,
+                                                                      **sampling))
+
+
+@dataclass
+class WorkerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    block_table: list[int]
+    num_computed_tokens: int
+
+
+class FakeWorker:
+    """Applies plans as `gpu_worker` does, minus the model: `next_token(request_id,
+    num_generated)` decides each sampled token (TOKEN by default)."""
+
+    def __init__(self, sched: Scheduler,
+                 next_token: Callable[[str, int], int] = lambda request_id, n: TOKEN) -> None:
+        self.sched = sched
+        self.next_token = next_token
+        self.requests: dict[str, WorkerRequest] = {}
+
+    def execute(self, plan: IterationPlan) -> StepResult:
+        self._apply_diffs(plan)
+        sampled = {}
+        for request_id, rows in plan.num_scheduled_tokens.items():
+            wr = self.requests[request_id]
+            kv_len = wr.num_computed_tokens + rows
+            assert rows >= 1 and kv_len <= len(wr.token_ids) <= self.sched.max_model_len
+            assert len(wr.block_table) * self.sched.block_manager.block_size >= kv_len
+            wr.num_computed_tokens = kv_len
+            if kv_len == len(wr.token_ids):
+                token = self.next_token(request_id, len(wr.token_ids) - wr.num_prompt_tokens)
+                wr.token_ids.append(token)
+                sampled[request_id] = SampledToken(token)
+        return StepResult(plan.step, sampled)
+
+    def _apply_diffs(self, plan: IterationPlan) -> None:
+        for request_id in plan.finished_request_ids:
+            assert request_id in self.requests, f"plan {plan.step} drops unknown {request_id}"
+            del self.requests[request_id]
+        for new in plan.new_requests:
+            assert new.request_id not in self.requests, f"{new.request_id} sent twice"
+            self.requests[new.request_id] = WorkerRequest(
+                list(new.token_ids), new.num_prompt_tokens, list(new.block_table),
+                new.num_computed_tokens)
+        for cached in plan.cached_requests:
+            wr = self.requests[cached.request_id]
+            assert wr.num_computed_tokens == cached.num_computed_tokens
+            wr.block_table.extend(cached.new_block_ids)
+        listed = [n.request_id for n in plan.new_requests]
+        listed += [c.request_id for c in plan.cached_requests]
+        assert sorted(listed) == sorted(plan.num_scheduled_tokens)
+        held = [b for wr in self.requests.values() for b in wr.block_table]
+        assert len(held) == len(set(held)), "two live requests share a KV block"
+
+
+def check_plan(sched: Scheduler, plan: IterationPlan) -> None:
+    """Invariants every plan keeps, checked right after schedule()."""
+    config = sched.config
+    if config.enable_chunked_prefill:
+        assert plan.total_tokens <= config.max_num_batched_tokens
+    assert len(plan.num_scheduled_tokens) <= config.max_num_seqs
+    assert sched.num_running <= config.max_num_seqs
+    for request_id in plan.num_scheduled_tokens:
+        request = sched.get_request(request_id)
+        assert request.status is RequestStatus.RUNNING
+    sched.block_manager.check_integrity()
+
+
+def step(sched: Scheduler, worker: FakeWorker) -> tuple[IterationPlan, list[RequestOutput]]:
+    plan = sched.schedule()
+    check_plan(sched, plan)
+    result = worker.execute(plan)
+    for request_id in plan.num_scheduled_tokens:
+        assert worker.requests[request_id].block_table == \
+            sched.get_request(request_id).block_table
+    outputs = sched.update(plan, result)
+    sched.block_manager.check_integrity()
+    bm = sched.block_manager
+    assert bm.num_free_blocks + bm.num_used_blocks == bm.num_total_blocks
+    return plan, outputs
+
+
+def run(sched: Scheduler, worker: FakeWorker, max_steps: int = 1000
+        ) -> tuple[list[IterationPlan], dict[str, list[RequestOutput]]]:
+    """Drive to completion; returns every plan and each request's outputs in order."""
+    plans, outputs = [], {}
+    while sched.has_unfinished():
+        assert len(plans) < max_steps, "did not finish"
+        plan, outs = step(sched, worker)
+        plans.append(plan)
+        for out in outs:
+            outputs.setdefault(out.request_id, []).append(out)
+    assert sched.num_running == sched.num_waiting == 0
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+    return plans, outputs
+
+
+def tokens(outs: list[RequestOutput]) -> list[int]:
+    return [t.token_id for out in outs for t in out.new_tokens]
+
+
+def final(outs: list[RequestOutput]) -> RequestOutput:
+    assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+    return outs[-1]
+
+
+# ---- purity ------------------------------------------------------------------------------
+
+def test_core_imports_neither_torch_nor_redis_nor_asyncio():
+    code = ("import sys, scheduler_svc.core; "
+            "bad = {'torch', 'redis', 'asyncio', 'numpy'} & set(sys.modules); "
+            "print(sorted(bad)); sys.exit(1 if bad else 0)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- chunking and piggybacking -----------------------------------------------------------
+
+def test_long_prompt_is_cut_into_budget_sized_chunks():
+    sched = make_scheduler(budget=16, block_size=4)
+    worker = FakeWorker(sched)
+    add(sched, "a", 100, max_tokens=3)
+    plans, outputs = run(sched, worker)
+    rows = [p.num_scheduled_tokens["a"] for p in plans if "a" in p.num_scheduled_tokens]
+    assert rows == [16] * 6 + [4] + [1, 1]          # 100 = 6*16 + 4, then two decodes
+    assert len(plans[0].new_requests) == 1 and plans[0].new_requests[0].num_computed_tokens == 0
+    computed = [p.cached_requests[0].num_computed_tokens for p in plans[1:9]]
+    assert computed == [16, 32, 48, 64, 80, 96, 100, 101]
+    # no token until the last chunk reaches the end of the prompt
+    assert [len(o.new_tokens) for o in outputs["a"]] == [1, 1, 1]
+    assert tokens(outputs["a"]) == [TOKEN] * 3 and final(outputs["a"]).finish_reason == "length"
+
+
+def test_decodes_come_first_and_a_chunk_piggybacks_on_them():
+    sched = make_scheduler(budget=16)
+    worker = FakeWorker(sched)
+    add(sched, "a", 4, max_tokens=10, ignore_eos=True)
+    add(sched, "b", 3, max_tokens=10, ignore_eos=True)
+    step(sched, worker)                              # both prefill whole
+    add(sched, "long", 40, max_tokens=2)
+    plan, _ = step(sched, worker)
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("long", 14)]
+    assert [c.request_id for c in plan.cached_requests] == ["a", "b"]
+    assert [n.request_id for n in plan.new_requests] == ["long"]
+    plan, _ = step(sched, worker)
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("long", 14)]
+    plan, _ = step(sched, worker)
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("b", 1), ("long", 12)]
+    assert plan.total_tokens == 14
+
+
+def test_budget_and_seq_cap_hold_and_every_request_finishes():
+    sched = make_scheduler(budget=24, max_seqs=3, num_blocks=40, block_size=4)
+    worker = FakeWorker(sched)
+    lengths = [5, 30, 1, 17, 60, 8, 2, 45]
+    for i, n in enumerate(lengths):
+        add(sched, f"r{i}", n, max_tokens=1 + i % 5)
+    plans, outputs = run(sched, worker)           # check_plan asserts budget and cap each step
+    assert max(len(p.num_scheduled_tokens) for p in plans) == 3
+    assert max(p.total_tokens for p in plans) == 24
+    for i in range(len(lengths)):
+        out = final(outputs[f"r{i}"])
+        assert out.num_output_tokens == 1 + i % 5 and out.num_prompt_tokens == lengths[i]
+
+
+def test_waiting_requests_are_admitted_first_come_first_served():
+    sched = make_scheduler(budget=8, max_seqs=8)
+    worker = FakeWorker(sched)
+    for name, n in [("a", 6), ("b", 6), ("c", 2)]:
+        add(sched, name, n, max_tokens=1)
+    plan, _ = step(sched, worker)
+    # b gets the 2 rows left rather than c overtaking it
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 6), ("b", 2)]
+
+
+# ---- block tables ------------------------------------------------------------------------
+
+def test_new_requests_carry_the_full_table_and_cached_ones_only_new_blocks():
+    sched = make_scheduler(budget=4, block_size=4)
+    worker = FakeWorker(sched)
+    add(sched, "a", 6, max_tokens=6, ignore_eos=True)
+    plans = [step(sched, worker)[0] for _ in range(6)]
+    assert plans[0].new_requests[0].block_table == [0]           # rows 0..3
+    assert plans[0].cached_requests == []
+    diffs = [p.cached_requests[0].new_block_ids for p in plans[1:]]
+    # rows 4..5 open block 1; decodes write slots 6, 7 (block 1), 8 (block 2), 9
+    assert diffs == [[1], [], [], [2], []]
+    assert sched.get_request("a").block_table == [0, 1, 2]
+
+
+# ---- preemption --------------------------------------------------------------------------
+
+def test_preemption_evicts_the_latest_admitted_and_it_recomputes_everything():
+    sched = make_scheduler(budget=64, num_blocks=6, block_size=2)
+    worker = FakeWorker(sched, next_token=lambda request_id, n: 10 + n)
+    add(sched, "a", 4, max_tokens=6)
+    add(sched, "b", 4, max_tokens=6)
+    plans, outputs = run(sched, worker)
+    assert sched.num_preemptions_total >= 1
+    hit = next(i for i, p in enumerate(plans) if "b" in p.finished_request_ids)
+    assert plans[hit].num_scheduled_tokens == {"a": 1}           # a kept going, b evicted
+    assert plans[hit].new_requests == []                         # no admissions that step
+    generated = tokens(outputs["b"][:hit])                       # what b had before eviction
+    assert generated
+    resume = next(p for p in plans[hit + 1:] if "b" in p.num_scheduled_tokens)
+    (new,) = resume.new_requests
+    assert new.token_ids == prompt(4) + generated and new.num_prompt_tokens == 4
+    assert new.num_computed_tokens == 0 and resume.num_scheduled_tokens["b"] == len(new.token_ids)
+    for name in ("a", "b"):                     # generation continued where it left off
+        assert tokens(outputs[name]) == [10, 11, 12, 13, 14, 15]
+        assert final(outputs[name]).finish_reason == "length"
+
+
+def test_no_admissions_in_an_iteration_that_preempted():
+    # budget 3 lets the victim come back as a 2-row chunk at once; the rule says wait a step
+    sched = make_scheduler(budget=3, num_blocks=4, block_size=2)
+    worker = FakeWorker(sched)
+    add(sched, "a", 2, max_tokens=5, ignore_eos=True)
+    add(sched, "b", 2, max_tokens=5, ignore_eos=True)
+    while sched.num_preemptions_total == 0:
+        plan, _ = step(sched, worker)
+    assert plan.finished_request_ids == ["b"] and plan.new_requests == []
+    assert list(plan.num_scheduled_tokens) == ["a"]
+    plan, _ = step(sched, worker)
+    assert [n.request_id for n in plan.new_requests] == ["b"]
+
+
+def test_preempted_request_resumes_before_later_arrivals():
+    sched = make_scheduler(budget=64, num_blocks=6, block_size=2)
+    worker = FakeWorker(sched)
+    add(sched, "a", 4, max_tokens=6, ignore_eos=True)
+    add(sched, "b", 4, max_tokens=6, ignore_eos=True)
+    while sched.num_preemptions_total == 0:
+        step(sched, worker)
+    add(sched, "c", 2, max_tokens=1)
+    plans, _ = run(sched, worker)
+    admitted = [n.request_id for p in plans for n in p.new_requests]
+    assert admitted == ["b", "c"]
+
+
+# ---- abort -------------------------------------------------------------------------------
+
+def test_abort_waiting_request_is_reported_and_never_sent():
+    sched = make_scheduler(max_seqs=1)
+    worker = FakeWorker(sched)
+    add(sched, "a", 4, max_tokens=8, ignore_eos=True)
+    add(sched, "b", 4)
+    step(sched, worker)
+    sched.abort("b")
+    assert sched.num_waiting == 0
+    plan, outputs = step(sched, worker)
+    assert "b" not in plan.finished_request_ids
+    assert [(o.request_id, o.finished, o.finish_reason) for o in outputs][0] == ("b", True, "abort")
+
+
+def test_abort_mid_prefill_frees_blocks_at_once():
+    sched = make_scheduler(budget=8, num_blocks=16, block_size=4)
+    worker = FakeWorker(sched)
+    add(sched, "a", 30)
+    step(sched, worker)
+    assert sched.block_manager.num_free_blocks == 14
+    sched.abort("a")
+    assert sched.block_manager.num_free_blocks == 16 and not sched.get_request("a")
+    sched.block_manager.check_integrity()
+    plan, outputs = step(sched, worker)
+    assert plan.is_empty and plan.finished_request_ids == ["a"]
+    assert outputs[0].finish_reason == "abort" and outputs[0].num_prompt_tokens == 30
+    assert not sched.has_unfinished()
+
+
+def test_abort_while_the_plan_runs_drops_its_token():
+    sched = make_scheduler()
+    worker = FakeWorker(sched)
+    add(sched, "a", 4, max_tokens=8, ignore_eos=True)
+    add(sched, "b", 4, max_tokens=2, ignore_eos=True)
+    plan = sched.schedule()
+    result = worker.execute(plan)
+    sched.abort("a")                                 # arrives while the workers run
+    outputs = sched.update(plan, result)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "abort"), ("b", None)]
+    plan, _ = step(sched, worker)
+    assert plan.finished_request_ids == ["a"] and list(plan.num_scheduled_tokens) == ["b"]
+
+
+def test_abort_preempted_request_is_not_dropped_twice():
+    sched = make_scheduler(budget=64, num_blocks=6, block_size=2)
+    worker = FakeWorker(sched)
+    add(sched, "a", 4, max_tokens=6, ignore_eos=True)
+    add(sched, "b", 4, max_tokens=6, ignore_eos=True)
+    while sched.num_preemptions_total == 0:
+        step(sched, worker)
+    assert sched.get_request("b").status is RequestStatus.PREEMPTED
+    sched.abort("b")
+    sched.abort("nobody")                            # unknown ids are ignored
+    plans, outputs = run(sched, worker)              # FakeWorker rejects unknown drops
+    assert all("b" not in p.finished_request_ids for p in plans)
+    assert final(outputs["b"]).finish_reason == "abort"
+
+
+# ---- stop conditions ---------------------------------------------------------------------
+
+def eos_at(k: int, eos: int = EOS) -> Callable[[str, int], int]:
+    return lambda request_id, n: eos if n == k else TOKEN
+
+
+def test_eos_stops_unless_ignored():
+    sched = make_scheduler()
+    worker = FakeWorker(sched, next_token=eos_at(2))
+    add(sched, "stops", 3, max_tokens=8)
+    add(sched, "ignores", 3, max_tokens=5, ignore_eos=True)
+    _, outputs = run(sched, worker)
+    assert tokens(outputs["stops"]) == [TOKEN, TOKEN, EOS]
+    assert final(outputs["stops"]).finish_reason == "stop"
+    assert tokens(outputs["ignores"]) == [TOKEN, TOKEN, EOS, TOKEN, TOKEN]
+    assert final(outputs["ignores"]).finish_reason == "length"
+
+
+def test_stop_token_ids_stop_even_with_ignore_eos():
+    sched = make_scheduler()
+    worker = FakeWorker(sched, next_token=eos_at(1, eos=42))
+    add(sched, "a", 3, max_tokens=8, ignore_eos=True, stop_token_ids=(42,))
+    _, outputs = run(sched, worker)
+    assert tokens(outputs["a"]) == [TOKEN, 42] and final(outputs["a"]).finish_reason == "stop"
+
+
+def test_several_eos_ids_and_none():
+    sched = make_scheduler(eos=(2, 3))
+    add(sched, "a", 3, max_tokens=4)
+    _, outputs = run(sched, FakeWorker(sched, next_token=eos_at(0, eos=3)))
+    assert tokens(outputs["a"]) == [3] and final(outputs["a"]).finish_reason == "stop"
+    sched = make_scheduler(eos=None)
+    add(sched, "a", 3, max_tokens=2)
+    _, outputs = run(sched, FakeWorker(sched, next_token=eos_at(0)))
+    assert final(outputs["a"]).finish_reason == "length"
+
+
+def test_eos_on_the_last_allowed_token_reports_stop():
+    sched = make_scheduler()
+    add(sched, "a", 3, max_tokens=3)
+    _, outputs = run(sched, FakeWorker(sched, next_token=eos_at(2)))
+    out = final(outputs["a"])
+    assert out.finish_reason == "stop" and out.num_output_tokens == 3
+
+
+def test_model_context_ends_generation():
+    sched = make_scheduler(max_model_len=10, budget=4)
+    add(sched, "a", 7, max_tokens=50)
+    plans, outputs = run(sched, FakeWorker(sched))
+    out = final(outputs["a"])
+    assert out.finish_reason == "length" and out.num_output_tokens == 3      # 7 + 3 == 10
+    assert max(p.cached_requests[0].num_computed_tokens + p.total_tokens
+               for p in plans if p.cached_requests) <= 10
+
+
+# ---- ORCA-only mode ----------------------------------------------------------------------
+
+def test_orca_mode_never_splits_a_prompt():
+    sched = make_scheduler(budget=16, chunked=False)
+    worker = FakeWorker(sched)
+    add(sched, "a", 10, max_tokens=6, ignore_eos=True)
+    add(sched, "b", 10, max_tokens=6, ignore_eos=True)
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens == {"a": 10}              # b would not fit whole
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 10}      # the decode comes first
+    plans, _ = run(sched, worker)
+    assert all(rows == 1 for p in plans for rows in p.num_scheduled_tokens.values())
+
+
+def test_orca_mode_admits_an_oversized_prompt_whole_and_alone():
+    sched = make_scheduler(budget=16, chunked=False)
+    worker = FakeWorker(sched)
+    add(sched, "a", 4, max_tokens=6, ignore_eos=True)
+    step(sched, worker)
+    add(sched, "huge", 40, max_tokens=2)
+    add(sched, "small", 2, max_tokens=2)
+    plan, _ = step(sched, worker)
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("huge", 40)]
+    plan, _ = step(sched, worker)
+    assert list(plan.num_scheduled_tokens.items()) == [("a", 1), ("huge", 1), ("small", 2)]
+
+
+# ---- validation and protocol -------------------------------------------------------------
+
+@pytest.mark.parametrize("num_prompt, max_tokens, match", [
+    (0, 4, "empty prompt"),
+    (64, 4, "no room"),                   # prompt == max_model_len
+    (40, 30, "whole pool"),               # 64 tokens -> 16 blocks of 4 > 12
+])
+def test_invalid_requests_raise(num_prompt, max_tokens, match):
+    sched = make_scheduler(num_blocks=12, block_size=4, max_model_len=64)
+    with pytest.raises(InvalidRequestError, match=match):
+        add(sched, "x", num_prompt, max_tokens=max_tokens)
+    assert not sched.has_unfinished()
+
+
+def test_request_that_fills_the_whole_pool_is_accepted_and_finishes():
+    sched = make_scheduler(num_blocks=12, block_size=4, max_model_len=64, budget=8)
+    add(sched, "x", 40, max_tokens=8, ignore_eos=True)      # 48 tokens == 12 blocks
+    add(sched, "y", 10, max_tokens=8, ignore_eos=True)
+    _, outputs = run(sched, FakeWorker(sched))
+    assert final(outputs["x"]).num_output_tokens == 8 == final(outputs["y"]).num_output_tokens
+
+
+def test_duplicate_live_id_raises_but_a_finished_id_can_be_reused():
+    sched = make_scheduler()
+    add(sched, "a", 3, max_tokens=1)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        add(sched, "a", 3)
+    worker = FakeWorker(sched)
+    run(sched, worker)
+    add(sched, "a", 3, max_tokens=1)
+    plan, _ = step(sched, worker)
+    assert plan.finished_request_ids == ["a"] and plan.new_requests[0].request_id == "a"
+
+
+def test_empty_plan_still_carries_finished_ids():
+    sched = make_scheduler()
+    worker = FakeWorker(sched)
+    add(sched, "a", 3, max_tokens=1)
+    step(sched, worker)
+    assert not sched.has_unfinished()
+    plan, outputs = step(sched, worker)
+    assert plan.is_empty and plan.finished_request_ids == ["a"] and outputs == []
+    plan, _ = step(sched, worker)
+    assert plan.finished_request_ids == []
+
+
+def test_update_is_required_between_plans_and_must_match():
+    sched = make_scheduler()
+    worker = FakeWorker(sched)
+    add(sched, "a", 3)
+    plan = sched.schedule()
+    with pytest.raises(RuntimeError, match="update"):
+        sched.schedule()
+    with pytest.raises(ValueError, match="sampled"):
+        sched.update(plan, StepResult(plan.step, {}))
+    result = worker.execute(plan)
+    with pytest.raises(ValueError, match="result of step"):
+        sched.update(plan, StepResult(plan.step + 1, result.sampled))
+    outputs = sched.update(plan, result)         # the failed calls changed nothing
+    assert [o.new_tokens[0].token_id for o in outputs] == [TOKEN]
+    with pytest.raises(ValueError, match="awaiting"):
+        sched.update(plan, result)               # the same plan twice

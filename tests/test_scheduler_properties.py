@@ -1,0 +1,150 @@
+"""Property test: random arrivals, prompt lengths, max_tokens, budgets, sequence caps, block
+sizes, pool sizes and aborts (some while a plan runs). Every step keeps the invariants
+(`check_plan`, the FakeWorker's protocol checks, `check_integrity`); every run finishes within
+a proven number of steps; every request that was not aborted ends exactly where the stop rule
+says.
+
+The step bound: each iteration with live requests advances the oldest running request (it is
+scheduled first with the whole budget and is never the preemption victim while another runs),
+or admits the queue head into an empty batch, which makes it the oldest running request. Once
+oldest, a request stays running until it finishes, so it is charged at most prompt + max_tokens
+iterations.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.core import Scheduler
+from shared.errors import InvalidRequestError
+from shared.outputs import RequestOutput
+from shared.plan import IterationPlan
+from shared.sampling import SamplingParams
+from test_scheduler_core import EOS, TOKEN, FakeWorker, check_plan, make_scheduler, prompt
+
+
+@dataclass(frozen=True)
+class Arrival:
+    step: int
+    num_prompt: int
+    max_tokens: int
+    eos_at: int | None          # the output index where the fake model samples EOS
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class Abort:
+    step: int
+    index: int                  # which arrival
+    while_running: bool         # between schedule() and update() rather than before schedule()
+
+
+arrivals = st.builds(Arrival, st.integers(0, 8), st.integers(1, 32), st.integers(1, 16),
+                     st.none() | st.integers(0, 15), st.booleans())
+aborts = st.builds(Abort, st.integers(0, 30), st.integers(0, 11), st.booleans())
+
+
+@st.composite
+def configs(draw) -> dict:
+    # Size the pool in slots so that most requests fit alone but several at once often do
+    # not: that is where preemption happens.
+    block_size = draw(st.integers(1, 8))
+    slots = draw(st.integers(8, 64))
+    return {"budget": draw(st.integers(1, 40)), "max_seqs": draw(st.integers(1, 6)),
+            "num_blocks": max(1, slots // block_size), "block_size": block_size,
+            "max_model_len": draw(st.integers(2, 128)), "chunked": draw(st.booleans())}
+
+
+def fits(sched: Scheduler, a: Arrival) -> bool:
+    longest = min(a.num_prompt + a.max_tokens, sched.max_model_len)
+    bm = sched.block_manager
+    return a.num_prompt < sched.max_model_len and bm.blocks_needed(longest) <= bm.num_total_blocks
+
+
+def expected_tokens(sched: Scheduler, a: Arrival) -> tuple[list[int], str]:
+    limit = min(a.max_tokens, sched.max_model_len - a.num_prompt)
+    out = [EOS if n == a.eos_at else TOKEN for n in range(limit)]
+    if not a.ignore_eos and a.eos_at is not None and a.eos_at < limit:
+        return out[:a.eos_at + 1], "stop"
+    return out, "length"
+
+
+def check_orca(sched: Scheduler, plan: IterationPlan) -> None:
+    """ORCA-only mode: prompts go whole; only a lone oversized prompt exceeds the budget."""
+    for new in plan.new_requests:
+        assert plan.num_scheduled_tokens[new.request_id] == len(new.token_ids)
+    budget = sched.config.max_num_batched_tokens
+    if plan.total_tokens > budget:
+        (new,) = plan.new_requests
+        assert len(new.token_ids) > budget
+
+
+class Driver:
+    def __init__(self, sched: Scheduler, arrivals: list[Arrival], aborts: list[Abort]) -> None:
+        self.sched, self.arrivals, self.aborts = sched, arrivals, aborts
+        eos_at = {f"r{i}": a.eos_at for i, a in enumerate(arrivals)}
+        self.worker = FakeWorker(sched, lambda rid, n: EOS if n == eos_at[rid] else TOKEN)
+        self.outputs: dict[str, list[RequestOutput]] = {}
+        self.accepted: set[int] = set()
+
+    def arrive(self, step: int) -> None:
+        for i, a in enumerate(self.arrivals):
+            if a.step != step:
+                continue
+            try:
+                self.sched.add_request(f"r{i}", prompt(a.num_prompt),
+                                       SamplingParams(max_tokens=a.max_tokens,
+                                                      ignore_eos=a.ignore_eos))
+                self.accepted.add(i)
+            except InvalidRequestError:
+                assert not fits(self.sched, a)
+            assert (i in self.accepted) == fits(self.sched, a)
+
+    def abort(self, step: int, while_running: bool) -> None:
+        for ab in self.aborts:
+            if ab.step == step and ab.while_running == while_running:
+                self.sched.abort(f"r{ab.index}")
+
+    def step(self, step: int) -> None:
+        self.arrive(step)
+        self.abort(step, while_running=False)
+        plan = self.sched.schedule()
+        check_plan(self.sched, plan)
+        if not self.sched.config.enable_chunked_prefill:
+            check_orca(self.sched, plan)
+        result = self.worker.execute(plan)
+        self.abort(step, while_running=True)
+        for out in self.sched.update(plan, result):
+            self.outputs.setdefault(out.request_id, []).append(out)
+        self.sched.block_manager.check_integrity()
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(), st.lists(arrivals, min_size=2, max_size=12), st.lists(aborts, max_size=4))
+def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts):
+    sched = make_scheduler(**config)
+    driver = Driver(sched, arrivals, aborts)
+    last_arrival = max(a.step for a in arrivals)
+    bound = last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)
+    step = 0
+    while step <= last_arrival or sched.has_unfinished():
+        assert step <= bound, "the scheduler stopped making progress"
+        driver.step(step)
+        step += 1
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+    # `pytest --hypothesis-show-statistics` shows how often the hard paths were exercised
+    event(f"preemptions: {min(sched.num_preemptions_total, 3)}")
+    event(f"accepted requests: {min(len(driver.accepted), 4)}")
+    aborted = {ab.index for ab in aborts}
+    for i in driver.accepted:
+        outs = driver.outputs[f"r{i}"]
+        got = [t.token_id for o in outs for t in o.new_tokens]
+        want, reason = expected_tokens(sched, arrivals[i])
+        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+        assert outs[-1].num_output_tokens == len(got)
+        if outs[-1].finish_reason == "abort":
+            assert i in aborted and got == want[:len(got)]
+        else:
+            assert (got, outs[-1].finish_reason) == (want, reason)
