@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch.profiler import record_function
 
 from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
 from gpu_worker.kv_cache import allocate_kv_cache
@@ -73,8 +74,9 @@ class ModelRunner:
         logits = self.model(input_ids, self.kv_caches, meta, self.backend)
         sampling_ids = [rid for rid, c in zip(order, chunks) if c.samples]
         states = [self.requests[r] for r in sampling_ids]
-        tokens = self.sampler.sample(logits, [s.sampling for s in states],
-                                     [len(s.token_ids) - s.num_prompt_tokens for s in states])
+        with record_function("sampling"):
+            tokens = self.sampler.sample(logits, [s.sampling for s in states],
+                                         [len(s.token_ids) - s.num_prompt_tokens for s in states])
         for rid, n in plan.num_scheduled_tokens.items():
             self.requests[rid].num_computed_tokens += n
         for s, t in zip(states, tokens):

@@ -9,6 +9,7 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from gpu_worker.attention import AttentionMetadata
 from gpu_worker.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
@@ -38,7 +39,8 @@ class LlamaAttention(nn.Module):
         k = qkv[:, q_size:q_size + kv_size].view(T, self.num_kv_heads, self.head_dim)
         v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
         q, k = rotary(meta.positions, q, k)
-        o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        with record_function("attention"):
+            o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(T, q_size))
 
 
@@ -87,7 +89,8 @@ class LlamaForCausalLM(nn.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, self.rotary, kv_cache, meta, backend)
         h = self.norm(x[meta.sample_rows])
-        return self.lm_head(h).float()
+        with record_function("lm_head"):
+            return self.lm_head(h).float()
 
     # ---- loading ---------------------------------------------------------------------------
 
