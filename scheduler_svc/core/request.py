@@ -49,6 +49,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Append-only while the request holds KV; the BlockManager clears it when it frees.
     block_table: list[int] = field(default_factory=list)
+    reply_to: str = ""                       # served mode: the gateway's token channel
 
     @property
     def num_prompt_tokens(self) -> int:

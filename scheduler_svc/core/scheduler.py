@@ -56,7 +56,7 @@ class _Iteration:
             request_id=request.request_id, token_ids=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens, sampling=request.sampling,
             block_table=list(request.block_table),
-            num_computed_tokens=request.num_computed_tokens))
+            num_computed_tokens=request.num_computed_tokens, reply_to=request.reply_to))
         self._add(request, rows)
 
     def _add(self, request: Request, rows: int) -> None:
@@ -88,10 +88,11 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling: SamplingParams) -> None:
+                    sampling: SamplingParams, reply_to: str = "") -> None:
         """Queue a request; InvalidRequestError if it could never be served as given."""
         self._validate(request_id, prompt_token_ids, sampling)
-        request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals)
+        request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
+                          reply_to=reply_to)
         self._num_arrivals += 1
         self._requests[request_id] = request
         self.policy.enqueue(self._waiting, request)
