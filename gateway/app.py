@@ -1,0 +1,144 @@
+"""The aiohttp application: middlewares, background tasks, and how it is served.
+
+    app = create_app(GatewayConfig(...))            # loads the tokenizer; no I/O to Redis yet
+    async with serve(config) as base_url: ...       # in-process (tests, `pacer up`)
+    run_gateway(config)                             # until SIGINT/SIGTERM, with uvloop
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import signal
+from collections.abc import AsyncIterator
+
+import redis.asyncio as aioredis
+import structlog
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.handlers import add_routes
+from gateway.metrics import GatewayMetrics
+from gateway.openai_schema import APIError, error_body
+from gateway.state import STATE, GatewayState
+from gateway.streams import TokenRouter
+from gateway.upstream import Upstream
+from shared.errors import InvalidRequestError
+from shared.keys import Keys
+from shared.model_config import load_model_config
+from shared.model_source import resolve_model
+from shared.tokenizer import load_tokenizer
+
+log = structlog.get_logger("gateway")
+
+SUBSCRIBE_TIMEOUT_S = 10.0
+
+
+def create_app(config: GatewayConfig) -> web.Application:
+    source = resolve_model(config.model)
+    context = load_model_config(source).max_position_embeddings
+    state = GatewayState(
+        config=config, keys=Keys(config.key_prefix), tokenizer=load_tokenizer(source),
+        served_model_name=config.served_model_name or source.name,
+        max_model_len=min(context, config.max_model_len or context), metrics=GatewayMetrics())
+    app = web.Application(client_max_size=config.max_body_bytes,
+                          middlewares=[_errors, _auth(config.api_key)])
+    app[STATE] = state
+    app.cleanup_ctx.append(_redis_tasks)
+    add_routes(app)
+    return app
+
+
+async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
+    """The Redis connection, the one token listener and the heartbeat, for the app's life."""
+    state = app[STATE]
+    # blocking pub/sub reads need a socket timeout longer than their 1 s wait
+    state.redis = aioredis.Redis.from_url(state.config.redis_url, socket_timeout=10,
+                                          health_check_interval=30)
+    state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id)
+    state.router = TokenRouter(state.redis, state.upstream.reply_to, state.config.finish_grace_s)
+    tasks = [asyncio.create_task(state.router.run(), name="token-router"),
+             asyncio.create_task(state.upstream.heartbeat_forever(), name="gateway-heartbeat")]
+    try:
+        # a request sent before the subscription is confirmed could lose its first tokens
+        await asyncio.wait_for(state.router.subscribed.wait(), SUBSCRIBE_TIMEOUT_S)
+    except TimeoutError:
+        log.warning("token channel not subscribed yet; Redis may be down",
+                    redis_url=state.config.redis_url)
+    log.info("gateway ready", gateway_id=state.config.gateway_id, model=state.served_model_name)
+    yield
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    await state.upstream.drain()
+    await state.redis.aclose()
+
+
+@web.middleware
+async def _errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return web.json_response(e.body(), status=e.status)
+    except InvalidRequestError as e:
+        return web.json_response(error_body(str(e), "invalid_request_error"), status=400)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return web.json_response(error_body(e.reason, kind), status=e.status)
+    except Exception:
+        log.exception("unhandled error", path=request.path)
+        return web.json_response(error_body("internal server error", "server_error"), status=500)
+
+
+def _auth(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def auth(request: web.Request, handler) -> web.StreamResponse:
+        # like vLLM: the OpenAI routes need the key, /health and /metrics do not
+        if expected is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                return web.json_response(
+                    error_body("invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               "invalid_request_error", code="invalid_api_key"), status=401)
+        return await handler(request)
+    return auth
+
+
+@contextlib.asynccontextmanager
+async def serve(config: GatewayConfig, app: web.Application | None = None) -> AsyncIterator[str]:
+    """Run the gateway on config.host:config.port (0: a free port); yields its base URL."""
+    runner = web.AppRunner(app or create_app(config), handler_cancellation=True,
+                           access_log=None, shutdown_timeout=5.0)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def _serve_until_signalled(config: GatewayConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with serve(config) as url:
+        log.info("listening", url=url)
+        await stop.wait()
+    log.info("gateway stopped")
+
+
+def run_gateway(config: GatewayConfig) -> None:
+    try:
+        import uvloop
+    except ImportError:   # not on Windows
+        asyncio.run(_serve_until_signalled(config))
+    else:
+        uvloop.run(_serve_until_signalled(config))

@@ -1,0 +1,45 @@
+"""`pacer gateway`: the OpenAI-compatible HTTP server in front of the Redis request queue."""
+from __future__ import annotations
+
+import argparse
+
+from gateway.config import DEFAULT_MAX_BODY_BYTES, GatewayConfig, new_gateway_id
+from shared.keys import DEFAULT_PREFIX
+
+
+def register(sub) -> None:
+    p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
+    p.add_argument("--model", default=None,
+                   help="smollm2-135m (default), an HF directory, or a .gguf file")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as `model` (default: the model's name)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--tp", type=int, default=1, help="worker ranks /health waits for")
+    p.add_argument("--gateway-id", default=None, help="default: a random id")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(run=run)
+
+
+def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    return GatewayConfig(host=args.host, port=args.port, redis_url=args.redis_url,
+                         key_prefix=args.key_prefix, model=args.model,
+                         served_model_name=args.served_model_name,
+                         max_model_len=args.max_model_len, api_key=args.api_key, tp=args.tp,
+                         gateway_id=args.gateway_id or new_gateway_id(),
+                         max_body_bytes=args.max_body_bytes)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway.app import run_gateway
+    from shared.logging import configure_logging
+
+    configure_logging("gateway", args.log_level)
+    run_gateway(config_from_args(args))
+    return 0

@@ -1,0 +1,44 @@
+"""The gateway's start-up settings, built once and passed explicitly."""
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from shared.errors import PacerError
+from shared.keys import DEFAULT_PREFIX
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+def new_gateway_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    key_prefix: str = DEFAULT_PREFIX
+    model: str | None = None               # a model spec for shared.model_source.resolve_model
+    served_model_name: str | None = None   # default: the model source's name
+    max_model_len: int | None = None       # default: the model's context length
+    api_key: str | None = None             # when set, /v1/* needs "Authorization: Bearer <key>"
+    tp: int = 1                            # worker ranks whose heartbeats /health requires
+    gateway_id: str = field(default_factory=new_gateway_id)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    # a request whose finish event arrived waits at most this long for missing token events
+    finish_grace_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise PacerError(f"--port must be in [0, 65535], got {self.port}")
+        if self.tp < 1:
+            raise PacerError(f"--tp must be >= 1, got {self.tp}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise PacerError(f"--max-model-len must be >= 2, got {self.max_model_len}")
+        if self.max_body_bytes < 1024:
+            raise PacerError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if not self.gateway_id or any(c in self.gateway_id for c in " :*?[]"):
+            raise PacerError(f"gateway id {self.gateway_id!r} must be non-empty, "
+                             "without spaces, ':' or glob characters")

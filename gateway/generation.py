@@ -1,0 +1,137 @@
+"""One request in flight: submitted upstream, its token events turned into text deltas.
+
+    async with Generation(...) as gen:
+        await gen.start()                  # register for events, then XADD the request
+        async for delta in gen.deltas():   # one delta per batch of token events
+            ...
+
+Leaving the block early (client gone, handler cancelled, a stop string found) aborts the
+request upstream, so the scheduler frees its KV blocks.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import structlog
+
+from gateway.metrics import GatewayMetrics
+from gateway.openai_schema import TokenLogprob
+from gateway.streams import TokenRouter
+from gateway.text_output import TextOutput
+from gateway.upstream import Upstream
+from shared.detokenizer import IncrementalDetokenizer
+from shared.protocol import FinishEvent, TokenEvent
+from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
+
+log = structlog.get_logger("gateway.generation")
+
+
+@dataclass
+class Delta:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None      # set on the last delta
+    error: str | None = None              # finish_reason == "error"
+
+
+class Generation:
+    def __init__(self, *, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                 stop: tuple[str, ...], tokenizer: Tokenizer, upstream: Upstream,
+                 router: TokenRouter, metrics: GatewayMetrics, arrival: float) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.sampling = sampling
+        self._tokenizer = tokenizer
+        self._upstream, self._router, self._metrics = upstream, router, metrics
+        self._text = TextOutput(IncrementalDetokenizer(tokenizer, prompt_token_ids), stop)
+        self._arrival = arrival                 # time.monotonic() when the request came in
+        self._last_token_at: float | None = None
+        self._submitted = False
+        self._done_upstream = False             # the scheduler finished the request itself
+        self.num_output_tokens = 0
+        self.finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    async def __aenter__(self) -> "Generation":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._router.close(self.request_id)
+        if self._submitted and not self._done_upstream:
+            reason = "stop string" if self._text.stopped else "client disconnected"
+            self._upstream.abort_soon(self.request_id, reason)
+        if self.finish_reason is not None:
+            self._metrics.e2e_request_latency.observe(time.monotonic() - self._arrival)
+            self._metrics.generation_tokens.inc(self.num_output_tokens)
+            self._metrics.request_success.labels(self.finish_reason).inc()
+        log.info("request ended", request_id=self.request_id, finish_reason=self.finish_reason,
+                 prompt_tokens=self.num_prompt_tokens, output_tokens=self.num_output_tokens)
+
+    async def start(self) -> None:
+        self._stream = self._router.open(self.request_id)
+        await self._upstream.submit(self.request_id, self.prompt_token_ids, self.sampling,
+                                    arrival_time=time.time())
+        self._submitted = True
+        self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
+
+    async def deltas(self) -> AsyncIterator[Delta]:
+        while True:
+            events, finish = await self._stream.next()
+            logprobs = self._consume(events)
+            self._done_upstream = finish is not None
+            if self._text.stopped:
+                self.finish_reason = "stop"
+                yield Delta(self._text.take(final=True), logprobs, "stop")
+                return
+            if finish is not None:
+                yield self._last_delta(finish, logprobs)
+                return
+            piece = self._text.take()
+            if piece or logprobs:
+                yield Delta(piece, logprobs)
+
+    def _consume(self, events: list[TokenEvent]) -> list[TokenLogprob]:
+        """Feed tokens to the text until a stop string appears; returns their logprobs."""
+        if events:
+            self._observe_latency(len(events))
+        logprobs = []
+        for event in events:
+            self.num_output_tokens += 1
+            self._text.add(event.token_id)
+            if self.sampling.logprobs is not None:
+                logprobs.append(self._logprob(event))
+            if self._text.stopped:
+                break
+        return logprobs
+
+    def _last_delta(self, finish: FinishEvent, logprobs: list[TokenLogprob]) -> Delta:
+        self.finish_reason = finish.finish_reason
+        self.num_output_tokens = max(self.num_output_tokens, finish.num_output_tokens)
+        self._text.finish()
+        if self._text.stopped:      # the flushed tail completed a stop string
+            self.finish_reason = "stop"
+        return Delta(self._text.take(final=True), logprobs, self.finish_reason, finish.error)
+
+    def _observe_latency(self, num_tokens: int) -> None:
+        now = time.monotonic()
+        if self._last_token_at is None:
+            self._metrics.time_to_first_token.observe(now - self._arrival)
+        else:
+            # tokens that arrive together share the gap since the previous arrival
+            gap = (now - self._last_token_at) / num_tokens
+            for _ in range(num_tokens):
+                self._metrics.inter_token_latency.observe(gap)
+        self._last_token_at = now
+
+    def _logprob(self, event: TokenEvent) -> TokenLogprob:
+        return TokenLogprob(token=self._token_text(event.token_id), logprob=event.logprob,
+                            top=[(self._token_text(t), lp) for t, lp in event.top_logprobs or []])
+
+    def _token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)

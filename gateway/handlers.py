@@ -1,0 +1,107 @@
+"""The HTTP endpoints. Errors are raised as APIError and answered by the error middleware."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+from redis.exceptions import RedisError
+
+from gateway import openai_schema as oai
+from gateway.generation import Generation
+from gateway.openai_schema import APIError, GenerationRequest
+from gateway.prompts import prompt_token_ids, sampling_params
+from gateway.responses import Shape, full_json, stream_sse
+from gateway.state import STATE, GatewayState
+
+log = structlog.get_logger("gateway.handlers")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, oai.parse_completion, "cmpl")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, oai.parse_chat, "chatcmpl")
+
+
+async def _generate(request: web.Request, parse: Callable[[Any], GenerationRequest],
+                    id_prefix: str) -> web.StreamResponse:
+    arrival = time.monotonic()
+    state = request.app[STATE]
+    req = parse(await _read_json(request, state.config.max_body_bytes))
+    if req.model != state.served_model_name:
+        raise APIError(f"The model `{req.model}` does not exist (this server serves "
+                       f"`{state.served_model_name}`)", status=404, param="model",
+                       code="model_not_found")
+    ids = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer)
+    sampling = sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
+    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    with structlog.contextvars.bound_contextvars(request_id=request_id):
+        gen = Generation(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
+                         stop=req.stop, tokenizer=state.tokenizer, upstream=state.upstream,
+                         router=state.router, metrics=state.metrics, arrival=arrival)
+        async with gen:
+            await _start(gen)
+            shape = Shape(req, request_id, state.served_model_name)
+            if req.stream:
+                return await stream_sse(request, gen, shape)
+            return await full_json(gen, shape)
+
+
+async def _start(gen: Generation) -> None:
+    try:
+        await gen.start()
+    except RedisError as e:
+        log.error("request not enqueued", error=str(e))
+        raise APIError("the request queue is unreachable; try again later", status=503,
+                       type="server_error") from e
+
+
+async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise APIError(f"the request body is larger than {max_body_bytes} bytes",
+                       status=413) from e
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from e
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(oai.models_list(state.served_model_name, state.max_model_len))
+
+
+async def health(request: web.Request) -> web.Response:
+    """200 only while a scheduler and every worker rank keep their heartbeat keys alive."""
+    state = request.app[STATE]
+    try:
+        missing = await state.upstream.missing_services(state.config.tp)
+    except RedisError as e:
+        missing = [f"redis ({e})"]
+    if missing:
+        return web.json_response({"status": "unhealthy", "missing": missing}, status=503)
+    return web.json_response({"status": "ok"})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state: GatewayState = request.app[STATE]
+    body = await state.metrics.render(state.redis, state.keys.stats)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,90 @@
+"""Prometheus metrics on the gateway's own registry.
+
+Latencies are measured here, where the client's clock is: TTFT from request arrival to the
+first token event, inter-token latency between token events, E2E to the end of the request.
+Queue and cache state is the scheduler's: read from its `stats` hash at scrape time.
+"""
+from __future__ import annotations
+
+import math
+
+import redis.asyncio as aioredis
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from redis.exceptions import RedisError
+
+log = structlog.get_logger("gateway.metrics")
+
+# vLLM's bucket edges, so dashboards built for it read ours the same way
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# stats hash field -> (metric name, help, counter?)
+_SCHEDULER_STATS = {
+    "num_requests_running": ("pacer:num_requests_running", "Requests in the running batch", False),
+    "num_requests_waiting": ("pacer:num_requests_waiting", "Requests waiting to be admitted", False),
+    "kv_cache_usage_perc": ("pacer:kv_cache_usage_perc", "KV cache usage, 0..1", False),
+    "num_preemptions_total": ("pacer:num_preemptions", "Preemptions since the scheduler started", True),
+}
+
+
+class SchedulerStats:
+    """A collector that reports the last snapshot of the scheduler's `stats` hash."""
+
+    def __init__(self) -> None:
+        self.snapshot: dict[str, float] = {}
+
+    async def refresh(self, redis: aioredis.Redis, key: str) -> None:
+        try:
+            raw = await redis.hgetall(key)
+        except RedisError as e:
+            log.warning("scheduler stats unreadable", error=str(e))
+            raw = {}
+        self.snapshot = {}
+        for field, value in raw.items():
+            try:
+                self.snapshot[_text(field)] = float(value)
+            except ValueError:
+                log.warning("scheduler stat is not a number", field=_text(field))
+
+    def collect(self):
+        for field, (name, doc, is_counter) in _SCHEDULER_STATS.items():
+            # no scheduler yet: NaN says "unknown", where 0 would claim an empty queue
+            value = self.snapshot.get(field, math.nan)
+            family = CounterMetricFamily if is_counter else GaugeMetricFamily
+            yield family(name, doc, value=value)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.time_to_first_token = Histogram(
+            "pacer:time_to_first_token_seconds", "Time from request arrival to the first token",
+            buckets=_TTFT_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            "pacer:inter_token_latency_seconds", "Time between consecutive output tokens",
+            buckets=_ITL_BUCKETS, registry=r)
+        self.e2e_request_latency = Histogram(
+            "pacer:e2e_request_latency_seconds", "Time from request arrival to its last token",
+            buckets=_E2E_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pacer:prompt_tokens", "Prompt tokens submitted", registry=r)
+        self.generation_tokens = Counter("pacer:generation_tokens", "Output tokens received",
+                                         registry=r)
+        self.request_success = Counter("pacer:request_success", "Requests finished, by reason",
+                                       ["finished_reason"], registry=r)
+        self.scheduler_stats = SchedulerStats()
+        r.register(self.scheduler_stats)
+
+    async def render(self, redis: aioredis.Redis, stats_key: str) -> bytes:
+        await self.scheduler_stats.refresh(redis, stats_key)
+        return generate_latest(self.registry)

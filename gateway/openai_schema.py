@@ -1,0 +1,262 @@
+"""OpenAI's request fields, checked once into a typed value, and OpenAI's response shapes.
+
+Only what we serve is accepted: `n` must be 1, `model` must be the served name. Field types
+are checked strictly (`true` is not an integer, `"0.5"` is not a number) because a silently
+coerced parameter is a wrong answer the client cannot see.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+MAX_LOGPROBS = 20
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's JSON shape."""
+
+    def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A completions or chat request after validation; prompt text is not yet tokenized."""
+    endpoint: Literal["completions", "chat"]
+    model: str
+    prompt: str | list[int] | None          # completions
+    messages: list[dict] | None             # chat, content flattened to strings
+    max_tokens: int | None                  # None: the endpoint's default
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    logprobs: int | None                    # None: none; 0: sampled token only; N: top-N too
+    stream: bool
+    include_usage: bool
+
+
+# ---- field readers ---------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = _MISSING) -> Any:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or (value is None and default is not _MISSING):
+        if default is _MISSING:
+            raise APIError(f"'{name}' is a required property", param=name)
+        return default
+    # bool is an int in Python, never in JSON
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(_JSON_NAMES[k] for k in kinds)
+        raise APIError(f"'{name}' must be {names}, got {_json_type(value)}", param=name)
+    return value
+
+
+_JSON_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
+               list: "an array", dict: "an object"}
+
+
+def _json_type(value: Any) -> str:
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    return float(_field(body, name, (int, float), default))
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                              for t in value):
+        raise APIError(f"'{name}' must be a list of integers", param=name)
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = _field(body, "stop", (str, list), [])
+    stops = [stop] if isinstance(stop, str) else stop
+    if not all(isinstance(s, str) for s in stops):
+        raise APIError("'stop' must be a string or a list of strings", param="stop")
+    return tuple(s for s in stops if s)
+
+
+# ---- requests ---------------------------------------------------------------------------------
+
+def parse_completion(body: Any) -> GenerationRequest:
+    body = _object(body)
+    prompt = _field(body, "prompt", (str, list))
+    if isinstance(prompt, list):
+        prompt = _completion_prompt_list(prompt)
+    logprobs = _field(body, "logprobs", (int,), None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise APIError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+    if _field(body, "echo", (bool,), False):
+        raise APIError("'echo' is not supported", param="echo")
+    return _common(body, "completions", prompt=prompt, messages=None,
+                   max_tokens=_field(body, "max_tokens", (int,), None), logprobs=logprobs)
+
+
+def _completion_prompt_list(prompt: list) -> str | list[int]:
+    """A list of token ids, or a batch of one prompt (we serve n=1, one prompt per request)."""
+    if prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) != 1:
+            raise APIError("only one prompt per request is supported", param="prompt")
+        return prompt[0] if isinstance(prompt[0], str) else _int_list(prompt[0], "prompt")
+    ids = _int_list(prompt, "prompt")
+    if not ids:
+        raise APIError("'prompt' must not be empty", param="prompt")
+    return ids
+
+
+def parse_chat(body: Any) -> GenerationRequest:
+    body = _object(body)
+    messages = [_message(m, i) for i, m in enumerate(_field(body, "messages", (list,)))]
+    if not messages:
+        raise APIError("'messages' must hold at least one message", param="messages")
+    want = _field(body, "logprobs", (bool,), False)
+    top = _field(body, "top_logprobs", (int,), None)
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+    if top is not None and not want:
+        raise APIError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
+    max_tokens = _field(body, "max_completion_tokens", (int,), None)
+    if max_tokens is None:
+        max_tokens = _field(body, "max_tokens", (int,), None)
+    return _common(body, "chat", prompt=None, messages=messages, max_tokens=max_tokens,
+                   logprobs=(top or 0) if want else None)
+
+
+def _object(body: Any) -> dict:
+    if not isinstance(body, dict):
+        raise APIError(f"the request body must be a JSON object, got {_json_type(body)}")
+    return body
+
+
+def _message(m: Any, i: int) -> dict:
+    param = f"messages[{i}]"
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise APIError(f"{param} must be an object with a string 'role'", param=param)
+    content = m.get("content")
+    if content is None:
+        content = ""
+    elif isinstance(content, list):   # content parts: only text is served
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise APIError(f"{param}.content: only text parts are supported", param=param)
+        content = "".join(p["text"] for p in content)
+    elif not isinstance(content, str):
+        raise APIError(f"{param}.content must be a string or a list of text parts", param=param)
+    return {**m, "content": content}
+
+
+def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | None,
+            logprobs: int | None) -> GenerationRequest:
+    if _field(body, "n", (int,), 1) != 1:
+        raise APIError("only n=1 is supported", param="n")
+    stream = _field(body, "stream", (bool,), False)
+    options = _field(body, "stream_options", (dict,), None)
+    if options is not None and not stream:
+        raise APIError("'stream_options' needs 'stream' to be true", param="stream_options")
+    include_usage = (options or {}).get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise APIError("'stream_options.include_usage' must be a boolean", param="stream_options")
+    temperature = _number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise APIError(f"'temperature' must be >= 0, got {temperature}", param="temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise APIError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_k = _field(body, "top_k", (int,), 0)
+    if top_k < -1:
+        raise APIError(f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    return GenerationRequest(
+        endpoint=endpoint, model=_field(body, "model", (str,)), prompt=prompt, messages=messages,
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
+        seed=_field(body, "seed", (int,), None), stop=_stop(body),
+        stop_token_ids=tuple(_int_list(_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
+        ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
+        stream=stream, include_usage=include_usage)
+
+
+# ---- responses --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One output token's log-probability, with token ids already turned into text."""
+    token: str
+    logprob: float | None
+    top: list[tuple[str, float]]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
+    """The legacy completions shape; offsets count from the start of the generated text."""
+    offsets, at = [], text_offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e.token)
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries],
+            "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[TokenLogprob]) -> dict:
+    def item(token: str, logprob: float | None) -> dict:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+    return {"content": [{**item(e.token, e.logprob),
+                         "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def completion_choice(text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_choice(text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": 0, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_delta_choice(delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def envelope(endpoint: str, response_id: str, model: str, created: int, *, chunk: bool) -> dict:
+    if endpoint == "chat":
+        obj = "chat.completion.chunk" if chunk else "chat.completion"
+    else:
+        obj = "text_completion"
+    return {"id": response_id, "object": obj, "created": created, "model": model}
+
+
+def models_list(name: str, max_model_len: int, created: int | None = None) -> dict:
+    return {"object": "list",
+            "data": [{"id": name, "object": "model", "created": created or int(time.time()),
+                      "owned_by": "pacer", "root": name, "max_model_len": max_model_len}]}
+
+
+def sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

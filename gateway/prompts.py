@@ -1,0 +1,49 @@
+"""From a validated request to what the scheduler needs: prompt token ids and SamplingParams."""
+from __future__ import annotations
+
+from gateway.openai_schema import APIError, GenerationRequest
+from shared.sampling import SamplingParams
+from shared.tokenizer import Tokenizer
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
+
+
+def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
+    """Tokenize (chat: render the template first). CPU-bound: run it off the event loop."""
+    if req.endpoint == "chat":
+        ids = tokenizer.encode_chat(req.messages)
+    elif isinstance(req.prompt, list):
+        ids = req.prompt
+        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary "
+                           f"[0, {tokenizer.vocab_size})", param="prompt")
+    else:
+        ids = tokenizer.encode(req.prompt, add_special_tokens=True)
+    if not ids:
+        raise APIError("the prompt is empty", param="prompt")
+    return ids
+
+
+def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
+                    tokenizer: Tokenizer) -> SamplingParams:
+    param = "messages" if req.endpoint == "chat" else "prompt"
+    if num_prompt_tokens >= max_model_len:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens, "
+                       f"but the prompt has {num_prompt_tokens} tokens", param=param,
+                       code="context_length_exceeded")
+    room = max_model_len - num_prompt_tokens
+    max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if req.endpoint == "completions"
+                                    else room)
+    if max_tokens > room:
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens; "
+                       f"the prompt has {num_prompt_tokens} tokens and max_tokens is "
+                       f"{max_tokens}, {num_prompt_tokens + max_tokens} in all",
+                       param="max_tokens", code="context_length_exceeded")
+    # the scheduler stops on the primary EOS itself; other end-of-turn ids are stop tokens
+    extra_eos = () if req.ignore_eos else tuple(
+        t for t in tokenizer.eos_token_ids if t != tokenizer.eos_token_id)
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=req.top_k, seed=req.seed,
+                          stop_token_ids=tuple(dict.fromkeys(req.stop_token_ids + extra_eos)),
+                          ignore_eos=req.ignore_eos, logprobs=req.logprobs)

@@ -1,0 +1,30 @@
+"""What every handler needs, built once at start-up and kept on the application."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from aiohttp import web
+
+from gateway.config import GatewayConfig
+from gateway.metrics import GatewayMetrics
+from gateway.streams import TokenRouter
+from gateway.upstream import Upstream
+from shared.keys import Keys
+from shared.tokenizer import Tokenizer
+
+
+@dataclass
+class GatewayState:
+    config: GatewayConfig
+    keys: Keys
+    tokenizer: Tokenizer
+    served_model_name: str
+    max_model_len: int
+    metrics: GatewayMetrics
+    redis: aioredis.Redis | None = None        # set while the app runs (cleanup_ctx)
+    upstream: Upstream | None = None
+    router: TokenRouter | None = None
+
+
+STATE = web.AppKey("state", GatewayState)

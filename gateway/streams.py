@@ -1,0 +1,172 @@
+"""One pub/sub listener per gateway process, routing token events to the requests waiting.
+
+    worker rank 0 --TokenBatch--> tokens:{gateway_id} --+
+    scheduler   --FinishEvent--> tokens:{gateway_id} --+--> TokenRouter.run --> RequestStream
+                                                                         (one per request)
+
+Token batches and finish events come from different publishers, so a finish event may
+overtake the last tokens; events carry their output `index`, so duplicates are dropped and
+gaps noticed. A stream is complete once its finish event arrived and every token before
+`num_output_tokens` was received (or, if some never come, after a grace period).
+"""
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from shared.protocol import FinishEvent, ProtocolError, TokenBatch, TokenEvent, decode
+
+log = structlog.get_logger("gateway.streams")
+
+Item = TokenEvent | FinishEvent
+
+
+class RequestStream:
+    """The events of one request, in output order, without duplicates."""
+
+    def __init__(self, request_id: str, finish_grace_s: float = 5.0) -> None:
+        self.request_id = request_id
+        self._queue: asyncio.Queue[Item] = asyncio.Queue()
+        self._grace_s = finish_grace_s
+        self._next_index = 0
+        self._pending: dict[int, TokenEvent] = {}     # arrived ahead of a gap
+        self._finish: FinishEvent | None = None
+        self._gave_up = False
+
+    def push(self, item: Item) -> None:
+        self._queue.put_nowait(item)
+
+    @property
+    def finish(self) -> FinishEvent | None:
+        return self._finish
+
+    async def next(self) -> tuple[list[TokenEvent], FinishEvent | None]:
+        """Wait for new in-order tokens; returns them, and the finish event once complete."""
+        ready: list[TokenEvent] = []
+        while True:
+            while not self._queue.empty():
+                self._accept(self._queue.get_nowait(), ready)
+            if self._complete():
+                return self._trim(ready), self._finish
+            if ready:
+                return ready, None
+            await self._wait(ready)
+
+    async def _wait(self, ready: list[TokenEvent]) -> None:
+        if self._finish is None:
+            self._accept(await self._queue.get(), ready)
+            return
+        try:
+            self._accept(await asyncio.wait_for(self._queue.get(), self._grace_s), ready)
+        except TimeoutError:
+            log.error("token events missing after finish", request_id=self.request_id,
+                      received=self._next_index, expected=self._finish.num_output_tokens,
+                      missing_from=self._next_index)
+            ready.extend(self._pending[i] for i in sorted(self._pending))
+            self._pending.clear()
+            self._gave_up = True
+
+    def _accept(self, item: Item, ready: list[TokenEvent]) -> None:
+        if isinstance(item, FinishEvent):
+            self._finish = self._finish or item
+            return
+        if item.index < self._next_index or item.index in self._pending:
+            log.debug("duplicate token event dropped", request_id=self.request_id, index=item.index)
+            return
+        if item.index > self._next_index:
+            log.warning("token event gap", request_id=self.request_id,
+                        expected=self._next_index, got=item.index)
+            self._pending[item.index] = item
+            return
+        ready.append(item)
+        self._next_index += 1
+        while self._next_index in self._pending:
+            ready.append(self._pending.pop(self._next_index))
+            self._next_index += 1
+
+    def _complete(self) -> bool:
+        return self._finish is not None and (
+            self._gave_up or self._next_index >= self._finish.num_output_tokens)
+
+    def _trim(self, ready: list[TokenEvent]) -> list[TokenEvent]:
+        # the scheduler's count is authoritative: a token sampled after it decided to stop
+        # the request (e.g. in flight during an abort) is not part of the output
+        return [e for e in ready if e.index < self._finish.num_output_tokens]
+
+
+class TokenRouter:
+    """Subscribes to this gateway's channel and hands each event to its request's stream."""
+
+    def __init__(self, redis: aioredis.Redis, channel: str, finish_grace_s: float = 5.0) -> None:
+        self._redis = redis
+        self.channel = channel
+        self._grace_s = finish_grace_s
+        self._streams: dict[str, RequestStream] = {}
+        self.subscribed = asyncio.Event()
+
+    def open(self, request_id: str) -> RequestStream:
+        """Register before the request is sent upstream, so no event can be missed."""
+        stream = RequestStream(request_id, self._grace_s)
+        self._streams[request_id] = stream
+        return stream
+
+    def close(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._streams)
+
+    def route(self, data: bytes) -> None:
+        try:
+            msg = decode(data)
+        except ProtocolError as e:
+            log.warning("undecodable message on token channel", error=str(e))
+            return
+        if isinstance(msg, TokenBatch):
+            for event in msg.events:
+                self._deliver(event.request_id, event)
+        elif isinstance(msg, FinishEvent):
+            self._deliver(msg.request_id, msg)
+        else:
+            log.warning("unexpected message on token channel", kind=type(msg).__name__)
+
+    def _deliver(self, request_id: str, item: Item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.push(item)   # unknown ids: requests that already ended (stop string, abort)
+
+    async def run(self) -> None:
+        """Listen until cancelled; a dropped Redis connection is re-subscribed with backoff."""
+        delay = 0.1
+        while True:
+            try:
+                await self._listen()
+            except (RedisError, OSError) as e:
+                self.subscribed.clear()
+                log.warning("token channel connection lost; resubscribing", error=str(e),
+                            retry_in_s=delay, open_requests=self.num_open)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+            else:
+                delay = 0.1
+
+    async def _listen(self) -> None:
+        pubsub = self._redis.pubsub()
+        try:
+            await pubsub.subscribe(self.channel)
+            while True:
+                message = await pubsub.get_message(timeout=1.0)
+                if message is None:
+                    continue
+                if message["type"] == "message":
+                    self.route(message["data"])
+                elif message["type"] == "subscribe":
+                    # confirmed by the server: from now on no event published to us is lost
+                    self.subscribed.set()
+                    log.info("subscribed", channel=self.channel)
+        finally:
+            await pubsub.aclose()

@@ -1,0 +1,62 @@
+"""One request's output text: incremental detokenizing, stop strings, and what may be sent.
+
+Text that could still grow into a stop string is held back, so a streaming client never
+receives the start of a stop string that the next token completes:
+
+    stop = ["STOP"];  text so far "Hello ST"  -> send "Hello ", hold "ST"
+    next token "OP" -> "Hello STOP" -> cut at the stop string, finish with reason "stop"
+"""
+from __future__ import annotations
+
+from shared.detokenizer import IncrementalDetokenizer
+
+
+class TextOutput:
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: tuple[str, ...] = ()) -> None:
+        self._detok = detokenizer
+        self._stop = stop
+        self._longest_stop = max((len(s) for s in stop), default=0)
+        self.text = ""
+        self.stopped = False      # a stop string was found; text ends right before it
+        self._sent = 0
+
+    def add(self, token_id: int) -> None:
+        if self.stopped:
+            return
+        before = len(self.text)
+        self.text += self._detok.add(token_id)
+        self._find_stop(before)
+
+    def finish(self) -> None:
+        """No more tokens: release what the detokenizer still holds (an incomplete character)."""
+        if not self.stopped:
+            before = len(self.text)
+            self.text += self._detok.flush()
+            self._find_stop(before)
+
+    def take(self, final: bool = False) -> str:
+        """The text not yet sent that can be sent now (all of it once `final`)."""
+        end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()
+        end = max(end, self._sent)
+        piece, self._sent = self.text[self._sent:end], end
+        return piece
+
+    def _find_stop(self, before: int) -> None:
+        if not self._stop or len(self.text) == before:
+            return
+        # a stop string that ends in the new text starts at most len(stop)-1 chars before it
+        start = max(0, before - self._longest_stop + 1)
+        hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def _held_back(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        held = 0
+        for s in self._stop:
+            for k in range(min(len(s) - 1, len(self.text)), held, -1):
+                if self.text.endswith(s[:k]):
+                    held = k
+                    break
+        return held

@@ -1,0 +1,583 @@
+"""The gateway end to end over a real redis-server, with a stand-in for the scheduler.
+
+The gateway runs in-process on a free port (the same `serve()` production uses). Requests go
+through Redis exactly as in production; what answers them is `FakeScheduler` below.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+
+import aiohttp
+import openai
+import pytest
+import pytest_asyncio
+import redis.asyncio as aioredis
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from gateway.app import create_app, serve
+from gateway.config import GatewayConfig
+from gateway.state import STATE
+from gateway.streams import RequestStream
+from gateway.text_output import TextOutput
+from shared.detokenizer import IncrementalDetokenizer
+from shared.keys import Keys
+from shared.protocol import (AbortMsg, FinishEvent, RequestMsg, TokenBatch, TokenEvent, encode,
+                             from_fields)
+from shared.tokenizer import Tokenizer
+from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL = "test-model"
+PREFIX = "gwtest:"
+MAX_MODEL_LEN = 128
+REPLY = "Hello world, this is pacer. STOP here and more words."
+
+
+# ---- STAND-IN FOR THE REAL SCHEDULER ---------------------------------------------------------
+# The scheduler service (scheduler_svc) and the workers do not exist yet. This fake plays both
+# roles at the protocol level only: it reads the requests stream through the `schedulers`
+# consumer group, and publishes one TokenBatch per "iteration" plus a FinishEvent on the
+# request's reply channel. Its output is REPLY's tokens then EOS, cut at max_tokens. Markers in
+# the prompt change its behaviour to exercise the gateway's event handling:
+#   [slow]          one token every 50 ms, REPLY repeated, until max_tokens or an abort
+#   [dup]           every token batch is published twice
+#   [finish-first]  the FinishEvent overtakes the last token batch
+#   [error]         the request fails with finish_reason "error" after two tokens
+
+class FakeScheduler:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, tokenizer: Tokenizer) -> None:
+        self.redis, self.keys, self.tok = redis, keys, tokenizer
+        self.reply_ids = tokenizer.encode(REPLY)
+        self.received: dict[str, RequestMsg] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    async def run(self) -> None:
+        await self.redis.xgroup_create(self.keys.requests, self.keys.requests_group, id="0",
+                                       mkstream=True)
+        while True:
+            reply = await self.redis.xreadgroup(self.keys.requests_group, "fake-0",
+                                                {self.keys.requests: ">"}, count=16, block=100)
+            for _stream, entries in reply or []:
+                for entry_id, fields in entries:
+                    msg = from_fields(fields)
+                    await self.redis.xack(self.keys.requests, self.keys.requests_group, entry_id)
+                    self.received[msg.request_id] = msg
+                    task = asyncio.create_task(self._serve(msg))
+                    self._tasks.add(task)
+                    task.add_done_callback(self._tasks.discard)
+
+    async def _serve(self, msg: RequestMsg) -> None:
+        prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
+        slow = "[slow]" in prompt
+        output = self._output(msg, repeat=slow)
+        sent, reason = 0, ("stop" if output[-1] == self.tok.eos_token_id else "length")
+        for i, token_id in enumerate(output):
+            if "[error]" in prompt and i == 2:
+                reason = "error"
+                break
+            if slow:
+                await asyncio.sleep(0.05)
+                if await self._aborted(msg.request_id):
+                    reason = "abort"
+                    break
+            finish_first = "[finish-first]" in prompt and i == len(output) - 1
+            if finish_first:
+                await self._finish(msg, reason, len(output))
+            batch = encode(TokenBatch([self._event(msg, i, token_id)]))
+            for _ in range(2 if "[dup]" in prompt else 1):
+                await self.redis.publish(msg.reply_to, batch)
+            sent += 1
+            if finish_first:
+                return
+        await self._finish(msg, reason, sent)
+
+    def _output(self, msg: RequestMsg, repeat: bool) -> list[int]:
+        sp = msg.sampling
+        if repeat or sp.ignore_eos:
+            ids = (self.reply_ids * (sp.max_tokens // len(self.reply_ids) + 1))[:sp.max_tokens]
+        else:
+            ids = (self.reply_ids + [self.tok.eos_token_id])[:sp.max_tokens]
+        return ids
+
+    def _event(self, msg: RequestMsg, index: int, token_id: int) -> TokenEvent:
+        n = msg.sampling.logprobs
+        if n is None:
+            return TokenEvent(msg.request_id, index, token_id)
+        top = [(token_id + k, -0.5 - k) for k in range(n)]
+        return TokenEvent(msg.request_id, index, token_id, -0.5, top)
+
+    async def _finish(self, msg: RequestMsg, reason: str, num_output_tokens: int) -> None:
+        event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids), num_output_tokens,
+                            "the fake worker failed" if reason == "error" else None)
+        await self.redis.publish(msg.reply_to, encode(event))
+
+    async def _aborted(self, request_id: str) -> bool:
+        return request_id in await aborts(self.redis, self.keys)
+
+
+async def aborts(redis: aioredis.Redis, keys: Keys) -> dict[str, str]:
+    """request id -> reason of every AbortMsg on the aborts stream."""
+    entries = await redis.xrange(keys.aborts)
+    msgs = [from_fields(fields) for _id, fields in entries]
+    return {m.request_id: m.reason for m in msgs if isinstance(m, AbortMsg)}
+
+
+async def wait_for_abort(h: "Harness", request_id: str) -> str:
+    for _ in range(200):
+        found = await aborts(h.redis, h.keys)
+        if request_id in found:
+            return found[request_id]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no AbortMsg for {request_id} on {h.keys.aborts}")
+
+
+# ---- fixtures --------------------------------------------------------------------------------
+
+@dataclass
+class Harness:
+    url: str
+    session: aiohttp.ClientSession
+    redis: aioredis.Redis
+    keys: Keys
+    fake: FakeScheduler
+    tok: Tokenizer
+    config: GatewayConfig
+
+    async def post(self, path: str, body: dict) -> tuple[int, dict]:
+        async with self.session.post(self.url + path, json=body) as r:
+            return r.status, await r.json()
+
+    async def sse(self, path: str, body: dict) -> list[str]:
+        """The `data:` payloads of a stream, in order."""
+        async with self.session.post(self.url + path, json={**body, "stream": True}) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            raw = (await r.read()).decode()
+        events = raw.split("\n\n")
+        assert events[-1] == ""      # every event ends with a blank line
+        assert all(e.startswith("data: ") for e in events[:-1])
+        return [e[len("data: "):] for e in events[:-1]]
+
+
+@pytest.fixture(scope="module")
+def config(redis_server: str) -> GatewayConfig:
+    return GatewayConfig(port=0, redis_url=redis_server, key_prefix=PREFIX, tp=2,
+                         served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
+                         max_body_bytes=64 * 1024)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def h(config: GatewayConfig, redis_server: str):
+    app = create_app(config)
+    redis = aioredis.Redis.from_url(redis_server)
+    keys = Keys(PREFIX)
+    fake = FakeScheduler(redis, keys, app[STATE].tokenizer)
+    fake_task = asyncio.create_task(fake.run())
+    async with serve(config, app) as url, aiohttp.ClientSession() as session:
+        yield Harness(url, session, redis, keys, fake, app[STATE].tokenizer, config)
+    fake_task.cancel()
+    await asyncio.gather(fake_task, return_exceptions=True)
+    await redis.aclose()
+
+
+def completion(**kw) -> dict:
+    return {"model": MODEL, "prompt": "Say hello.", **kw}
+
+
+def chat(text: str = "Say hello.", **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], **kw}
+
+
+def reply_text(tok: Tokenizer, n: int) -> str:
+    return tok.decode(tok.encode(REPLY)[:n])
+
+
+# ---- shapes ----------------------------------------------------------------------------------
+
+async def test_models_lists_the_served_model(h: Harness) -> None:
+    async with h.session.get(h.url + "/v1/models") as r:
+        body = await r.json()
+    assert r.status == 200
+    assert [m["id"] for m in body["data"]] == [MODEL]
+    assert body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+
+
+async def test_completion_shape_usage_and_the_request_message(h: Harness) -> None:
+    status, body = await h.post("/v1/completions", completion(max_tokens=5, temperature=0.5,
+                                                              top_p=0.9, top_k=7, seed=3))
+    assert status == 200
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == MODEL
+    [choice] = body["choices"]
+    assert choice == {"index": 0, "text": reply_text(h.tok, 5), "logprobs": None,
+                      "finish_reason": "length"}
+    prompt_ids = h.tok.encode("Say hello.", add_special_tokens=True)
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 5,
+                             "total_tokens": len(prompt_ids) + 5}
+    msg = h.fake.received[body["id"]]
+    assert msg.prompt_token_ids == prompt_ids
+    assert msg.reply_to == h.keys.tokens(h.config.gateway_id)
+    assert msg.gateway_id == h.config.gateway_id
+    sp = msg.sampling
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (5, 0.5, 0.9, 7, 3)
+
+
+async def test_completion_defaults_to_16_tokens_and_accepts_token_ids(h: Harness) -> None:
+    status, body = await h.post("/v1/completions", completion(prompt=[9, 10, 11], ignore_eos=True))
+    assert status == 200
+    msg = h.fake.received[body["id"]]
+    assert msg.prompt_token_ids == [9, 10, 11]
+    assert msg.sampling.max_tokens == 16 and msg.sampling.ignore_eos
+    assert body["usage"]["completion_tokens"] == 16
+
+
+async def test_chat_runs_to_eos_and_defaults_max_tokens_to_the_context(h: Harness) -> None:
+    status, body = await h.post("/v1/chat/completions", chat())
+    assert status == 200
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    [choice] = body["choices"]
+    assert choice["message"] == {"role": "assistant", "content": REPLY}
+    assert choice["finish_reason"] == "stop"
+    msg = h.fake.received[body["id"]]
+    assert msg.prompt_token_ids == h.tok.encode_chat([{"role": "user", "content": "Say hello."}])
+    assert msg.sampling.max_tokens == MAX_MODEL_LEN - len(msg.prompt_token_ids)
+    assert body["usage"]["completion_tokens"] == len(h.tok.encode(REPLY)) + 1   # + EOS
+
+
+async def test_chat_sse_shape_with_usage_chunk(h: Harness) -> None:
+    data = await h.sse("/v1/chat/completions",
+                       chat(max_tokens=4, stream_options={"include_usage": True}))
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    finish = chunks[-2]["choices"][0]
+    assert finish["delta"] == {} and finish["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert all(c["usage"] is None for c in chunks[:-1])
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1])
+    assert text == reply_text(h.tok, 4)
+
+
+async def test_completion_sse_without_usage(h: Harness) -> None:
+    data = await h.sse("/v1/completions", completion(max_tokens=6))
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert data[-1] == "[DONE]"
+    assert all("usage" not in c and c["object"] == "text_completion" for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == reply_text(h.tok, 6)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_openai_client_streams_a_chat(h: Harness) -> None:
+    async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Say hello."}], stream=True,
+            stream_options={"include_usage": True})
+        chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == REPLY
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == len(h.tok.encode(REPLY)) + 1
+
+
+async def test_openai_client_streams_a_text_completion(h: Harness) -> None:
+    async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="unused", max_retries=0) as client:
+        stream = await client.completions.create(model=MODEL, prompt="Say hello.", max_tokens=30,
+                                                 stream=True)
+        chunks = [c async for c in stream]
+    assert "".join(c.choices[0].text for c in chunks) == REPLY
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+# ---- stop strings, logprobs, event order -----------------------------------------------------
+
+async def test_stop_string_cuts_the_text_and_aborts_upstream(h: Harness) -> None:
+    status, body = await h.post("/v1/completions", completion(max_tokens=40, stop=["STOP", "zzz"]))
+    assert status == 200
+    assert body["choices"][0]["text"] == "Hello world, this is pacer. "
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert await wait_for_abort(h, body["id"]) == "stop string"
+
+
+async def test_streamed_text_never_shows_the_start_of_a_stop_string(h: Harness) -> None:
+    # "STOP" arrives as " ST" + "OP": " ST" must be held back until "OP" proves it a stop
+    data = await h.sse("/v1/chat/completions", chat(stop="STOP"))
+    chunks = [json.loads(d) for d in data[:-1]]
+    pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks]
+    assert not any("ST" in p for p in pieces)
+    assert "".join(pieces) == "Hello world, this is pacer. "
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+async def test_chat_logprobs_shape(h: Harness) -> None:
+    status, body = await h.post("/v1/chat/completions",
+                                chat(max_tokens=3, logprobs=True, top_logprobs=2))
+    assert status == 200
+    content = body["choices"][0]["logprobs"]["content"]
+    ids = h.tok.encode(REPLY)[:3]
+    assert [c["token"] for c in content] == [h.tok.decode([t]) for t in ids]
+    assert all(c["logprob"] == -0.5 and c["bytes"] == list(c["token"].encode()) for c in content)
+    assert [len(c["top_logprobs"]) for c in content] == [2, 2, 2]
+    assert content[0]["top_logprobs"][1] == {"token": h.tok.decode([ids[0] + 1]), "logprob": -1.5,
+                                             "bytes": list(h.tok.decode([ids[0] + 1]).encode())}
+
+
+async def test_completion_logprobs_shape(h: Harness) -> None:
+    status, body = await h.post("/v1/completions", completion(max_tokens=3, logprobs=1))
+    lp = body["choices"][0]["logprobs"]
+    ids = h.tok.encode(REPLY)[:3]
+    tokens = [h.tok.decode([t]) for t in ids]
+    assert lp["tokens"] == tokens
+    assert lp["token_logprobs"] == [-0.5] * 3
+    assert lp["top_logprobs"] == [{t: -0.5} for t in tokens]
+    assert lp["text_offset"] == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
+
+
+async def test_duplicate_and_overtaken_events_still_give_the_exact_text(h: Harness) -> None:
+    for marker in ("[dup]", "[finish-first]", "[dup][finish-first]"):
+        status, body = await h.post("/v1/completions", completion(prompt=marker, max_tokens=40))
+        assert status == 200, body
+        assert body["choices"][0]["text"] == REPLY, marker
+        assert body["usage"]["completion_tokens"] == len(h.tok.encode(REPLY)) + 1
+
+
+async def test_a_failed_generation_is_a_server_error(h: Harness) -> None:
+    status, body = await h.post("/v1/completions", completion(prompt="[error]", max_tokens=10))
+    assert status == 500
+    assert "the fake worker failed" in body["error"]["message"]
+    data = await h.sse("/v1/completions", completion(prompt="[error]", max_tokens=10))
+    assert "the fake worker failed" in json.loads(data[-2])["error"]["message"]
+    assert data[-1] == "[DONE]"
+
+
+async def test_the_token_listener_resubscribes_after_its_connection_drops(h: Harness) -> None:
+    channel = h.keys.tokens(h.config.gateway_id)
+
+    async def subscribers() -> int:
+        return dict(await h.redis.pubsub_numsub(channel))[channel.encode()]
+
+    assert await subscribers() == 1
+    await h.redis.client_kill_filter(_type="pubsub")
+    assert await subscribers() == 0
+    for _ in range(200):
+        if await subscribers() == 1:
+            break
+        await asyncio.sleep(0.05)
+    status, body = await h.post("/v1/completions", completion(max_tokens=3))
+    assert status == 200 and body["choices"][0]["text"] == reply_text(h.tok, 3)
+
+
+# ---- disconnects -----------------------------------------------------------------------------
+
+async def test_streaming_client_that_disconnects_is_aborted(h: Harness) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(h.url + "/v1/completions",
+                                json=completion(prompt="[slow]", max_tokens=100, stream=True)) as r:
+            first = json.loads((await r.content.readuntil(b"\n\n"))[len(b"data: "):])
+    assert await wait_for_abort(h, first["id"]) == "client disconnected"
+
+
+async def test_non_streaming_client_that_disconnects_is_aborted(h: Harness) -> None:
+    before = set(h.fake.received)
+    async with aiohttp.ClientSession() as session:
+        post = asyncio.create_task(session.post(h.url + "/v1/completions",
+                                                json=completion(prompt="[slow]", max_tokens=100)))
+        while not set(h.fake.received) - before:
+            await asyncio.sleep(0.02)
+        post.cancel()
+        await asyncio.gather(post, return_exceptions=True)
+    [request_id] = set(h.fake.received) - before
+    assert await wait_for_abort(h, request_id) == "client disconnected"
+
+
+# ---- health, metrics, auth -------------------------------------------------------------------
+
+async def test_health_needs_a_scheduler_and_every_worker_rank(h: Harness) -> None:
+    async def health() -> tuple[int, dict]:
+        async with h.session.get(h.url + "/health") as r:
+            return r.status, await r.json()
+
+    status, body = await health()
+    assert status == 503
+    assert body["missing"] == ["scheduler", "worker rank 0", "worker rank 1"]
+    await h.redis.set(h.keys.hb_scheduler("s0"), b"x", ex=30)
+    await h.redis.set(h.keys.hb_worker(0), b"x", ex=30)
+    status, body = await health()
+    assert (status, body["missing"]) == (503, ["worker rank 1"])
+    await h.redis.set(h.keys.hb_worker(1), b"x", ex=30)
+    assert (await health())[0] == 200
+    await h.redis.delete(h.keys.hb_scheduler("s0"))
+    assert await health() == (503, {"status": "unhealthy", "missing": ["scheduler"]})
+
+
+async def test_metrics_exposes_gateway_and_scheduler_numbers(h: Harness) -> None:
+    await h.post("/v1/completions", completion(max_tokens=4))
+    await h.redis.hset(h.keys.stats, mapping={"num_requests_running": 3, "num_requests_waiting": 5,
+                                              "kv_cache_usage_perc": 0.25,
+                                              "num_preemptions_total": 7})
+    async with h.session.get(h.url + "/metrics") as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = await r.text()
+    lines = set(text.splitlines())
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds",
+                 "e2e_request_latency_seconds"):
+        assert f"# TYPE pacer:{name} histogram" in lines
+    assert "pacer:num_requests_running 3.0" in lines
+    assert "pacer:num_requests_waiting 5.0" in lines
+    assert "pacer:kv_cache_usage_perc 0.25" in lines
+    assert "pacer:num_preemptions_total 7.0" in lines
+    values = {line.split()[0]: float(line.split()[1]) for line in lines
+              if line and not line.startswith("#")}
+    assert values["pacer:prompt_tokens_total"] > 0
+    assert values["pacer:generation_tokens_total"] >= 4
+    assert values["pacer:time_to_first_token_seconds_count"] >= 1
+    assert values["pacer:inter_token_latency_seconds_count"] >= 3
+
+
+async def test_api_key_is_required_on_the_openai_routes(h: Harness, config: GatewayConfig) -> None:
+    import dataclasses
+    keyed = dataclasses.replace(config, api_key="sekret", gateway_id="keyed")
+    async with serve(keyed) as url:
+        async with h.session.get(url + "/v1/models") as r:
+            assert r.status == 401
+            assert (await r.json())["error"]["code"] == "invalid_api_key"
+        async with h.session.post(url + "/v1/completions", json=completion(),
+                                  headers={"Authorization": "Bearer wrong"}) as r:
+            assert r.status == 401
+        async with h.session.post(url + "/v1/completions", json=completion(max_tokens=2),
+                                  headers={"Authorization": "Bearer sekret"}) as r:
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["text"] == reply_text(h.tok, 2)
+        async with h.session.get(url + "/health") as r:
+            assert r.status in (200, 503)       # not behind the key
+
+
+# ---- bad requests ----------------------------------------------------------------------------
+
+BAD_REQUESTS = {
+    "malformed json": ("/v1/completions", b'{"model": "test-model", "prompt": ', 400),
+    "body not an object": ("/v1/completions", [1, 2], 400),
+    "unknown model": ("/v1/completions", completion(model="gpt-4"), 404),
+    "max_tokens 0": ("/v1/completions", completion(max_tokens=0), 400),
+    "max_tokens negative": ("/v1/chat/completions", chat(max_tokens=-3), 400),
+    "prompt + max_tokens beyond context": ("/v1/completions", completion(max_tokens=MAX_MODEL_LEN), 400),
+    "negative temperature": ("/v1/completions", completion(temperature=-0.1), 400),
+    "top_p 0": ("/v1/completions", completion(top_p=0), 400),
+    "top_p above 1": ("/v1/chat/completions", chat(top_p=1.5), 400),
+    "prompt longer than context (ids)": ("/v1/completions", completion(prompt=[5] * (MAX_MODEL_LEN + 1)), 400),
+    "prompt longer than context (text)": ("/v1/chat/completions", chat("word " * 200), 400),
+    "max_tokens a string": ("/v1/completions", completion(max_tokens="5"), 400),
+    "max_tokens a boolean": ("/v1/completions", completion(max_tokens=True), 400),
+    "temperature a string": ("/v1/chat/completions", chat(temperature="hot"), 400),
+    "stream a string": ("/v1/completions", completion(stream="yes"), 400),
+    "messages a string": ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400),
+    "message without role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400),
+    "prompt a number": ("/v1/completions", completion(prompt=5), 400),
+    "stop a number list": ("/v1/completions", completion(stop=[1]), 400),
+    "token id outside the vocabulary": ("/v1/completions", completion(prompt=[10**9]), 400),
+    "empty prompt": ("/v1/completions", completion(prompt=""), 400),
+    "missing prompt": ("/v1/completions", {"model": MODEL}, 400),
+    "missing messages": ("/v1/chat/completions", {"model": MODEL}, 400),
+    "missing model": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400),
+    "n=2": ("/v1/completions", completion(n=2), 400),
+    "logprobs above 20": ("/v1/completions", completion(logprobs=50), 400),
+    "top_logprobs without logprobs": ("/v1/chat/completions", chat(top_logprobs=2), 400),
+    "stream_options without stream": ("/v1/completions", completion(stream_options={"include_usage": True}), 400),
+    "oversized body": ("/v1/completions", completion(prompt="x" * (128 * 1024)), 413),
+    "unknown route": ("/v1/embeddings", completion(), 404),
+}
+
+
+@pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
+async def test_bad_requests_get_openai_errors_and_the_service_keeps_serving(h: Harness, case: str) -> None:
+    path, body, expected = BAD_REQUESTS[case]
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    before = len(h.fake.received)
+    async with h.session.post(h.url + path, data=data,
+                              headers={"Content-Type": "application/json"}) as r:
+        assert r.status == expected, await r.text()
+        error = (await r.json())["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert len(h.fake.received) == before          # nothing was enqueued
+    status, ok = await h.post("/v1/completions", completion(max_tokens=2))
+    assert status == 200 and ok["choices"][0]["text"] == reply_text(h.tok, 2)
+
+
+# ---- pieces without Redis: text output, event order, logging ---------------------------------
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+    return load_tokenizer(resolve_model(None))
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet="ab .ST\né😀", max_size=30),
+       stops=st.lists(st.text(alphabet="ab .ST\né", min_size=1, max_size=4), max_size=2))
+async def test_streamed_text_is_the_text_cut_at_the_first_stop_string(tokenizer: Tokenizer, text: str,
+                                                                stops: list[str]) -> None:
+    ids = tokenizer.encode(text)
+    assume(tokenizer.decode(ids) == text)
+    hits = [i for s in stops if (i := text.find(s)) >= 0]
+    expected = text[:min(hits)] if hits else text
+    out = TextOutput(IncrementalDetokenizer(tokenizer, [1]), tuple(stops))
+    pieces = []
+    for token_id in ids:
+        out.add(token_id)
+        pieces.append(out.take())
+        if out.stopped:
+            break
+    out.finish()
+    pieces.append(out.take(final=True))
+    assert "".join(pieces) == expected
+    assert out.stopped == bool(hits)
+
+
+async def test_missing_tokens_after_the_finish_event_end_the_stream_after_a_grace() -> None:
+    stream = RequestStream("r", finish_grace_s=0.05)
+    for item in (TokenEvent("r", 0, 10), TokenEvent("r", 2, 12), TokenEvent("r", 0, 10),
+                 FinishEvent("r", "length", 1, 4)):
+        stream.push(item)
+    tokens, finish = await stream.next()
+    assert [t.index for t in tokens] == [0] and finish is None     # 1 is missing: wait for it
+    tokens, finish = await stream.next()                            # it never comes
+    assert [t.index for t in tokens] == [2] and finish.num_output_tokens == 4
+
+
+async def test_tokens_past_the_schedulers_count_are_not_output() -> None:
+    stream = RequestStream("r")
+    for item in (TokenEvent("r", 1, 11), FinishEvent("r", "abort", 1, 2), TokenEvent("r", 0, 10),
+                 TokenEvent("r", 2, 12)):
+        stream.push(item)
+    tokens, finish = await stream.next()
+    assert [t.index for t in tokens] == [0, 1] and finish.finish_reason == "abort"
+
+
+async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.CaptureFixture) -> None:
+    import logging
+
+    import structlog
+
+    from shared.logging import configure_logging
+    root_handlers, root_level = logging.getLogger().handlers[:], logging.getLogger().level
+    configure_logging("gateway", "info")
+    try:
+        with structlog.contextvars.bound_contextvars(request_id="cmpl-1"):
+            structlog.get_logger("t").info("hello", tokens=3)
+        structlog.get_logger("t").debug("not shown")
+        logging.getLogger("aiohttp.server").warning("from the stdlib")
+        lines = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
+    finally:   # the logger holds capsys's stream: leave no trace for later tests
+        structlog.reset_defaults()
+        logging.getLogger().handlers[:] = root_handlers
+        logging.getLogger().setLevel(root_level)
+    assert [(r["event"], r["service"]) for r in lines] == [("hello", "gateway"),
+                                                          ("from the stdlib", "gateway")]
+    assert (lines[0]["request_id"], lines[0]["tokens"]) == ("cmpl-1", 3)
