@@ -295,6 +295,14 @@ async def test_openai_client_streams_a_text_completion(h: Harness) -> None:
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+async def test_concurrent_requests_each_get_their_own_tokens(h: Harness) -> None:
+    lengths = [1, 2, 3, 5, 8, 13]
+    results = await asyncio.gather(*(h.post("/v1/completions", completion(max_tokens=n))
+                                     for n in lengths))
+    assert [body["choices"][0]["text"] for _status, body in results] == \
+        [reply_text(h.tok, n) for n in lengths]
+
+
 # ---- stop strings, logprobs, event order -----------------------------------------------------
 
 async def test_stop_string_cuts_the_text_and_aborts_upstream(h: Harness) -> None:
