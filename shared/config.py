@@ -52,3 +52,9 @@ def num_blocks_for_memory(memory: str | int, block_bytes: int) -> int:
     if n < 1:
         raise PacerError(f"--kv-cache-memory {memory} holds no KV block of {block_bytes} bytes")
     return n
+
+
+def kv_cache_dtype(weight_dtype: str, device: str) -> str:
+    """The KV cache (and residual stream) dtype: float32 on CPU whatever the weights are,
+    since torch's bfloat16 attention and pointwise kernels there are slower than float32."""
+    return "float32" if device == "cpu" else weight_dtype

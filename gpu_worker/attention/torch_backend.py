@@ -22,19 +22,37 @@ class TorchAttentionBackend:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         for g in meta.groups:
-            qg = q[g.q_index].transpose(1, 2)                       # [G, H, q, d]
+            G, rows = g.q_index.shape
+            qg = _rows(q, g).view(G, rows, *q.shape[1:]).transpose(1, 2)     # [G, H, q, d]
             if g.fresh:                                             # keys = the chunk itself
-                kg, vg = k[g.q_index], v[g.q_index]                 # [G, q, KVH, d]
+                kg = _rows(k, g).view(G, rows, *k.shape[1:])           # [G, q, KVH, d]
+                vg = _rows(v, g).view(G, rows, *v.shape[1:])
                 mask, causal = None, True
             else:
-                kg = k_cache[g.block_tables].flatten(1, 2)[:, :g.kv_len_max]
-                vg = v_cache[g.block_tables].flatten(1, 2)[:, :g.kv_len_max]
+                kg = _gather_blocks(k_cache, g)
+                vg = _gather_blocks(v_cache, g)
                 mask, causal = g.mask, False
             o = F.scaled_dot_product_attention(
                 qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, is_causal=causal,
                 scale=scale, enable_gqa=True)
-            out[g.q_index] = o.transpose(1, 2)
+            o = o.transpose(1, 2).reshape(G * rows, *q.shape[1:])
+            if g.all_rows:
+                return o
+            out.index_copy_(0, g.q_index.flatten(), o)
         return out
+
+
+def _rows(x: torch.Tensor, g) -> torch.Tensor:
+    """The group's rows of the flat batch (no copy when the group is the whole batch)."""
+    return x if g.all_rows else x.index_select(0, g.q_index.flatten())
+
+
+def _gather_blocks(cache: torch.Tensor, g) -> torch.Tensor:
+    """[G, kv_len_max, KVH, d] from the block pool; index_select copies whole blocks, an
+    order of magnitude faster on CPU than advanced indexing with the 2-D table."""
+    G, blocks = g.block_tables.shape
+    flat = cache.index_select(0, g.block_tables.flatten())
+    return flat.view(G, blocks * cache.shape[1], *cache.shape[2:])[:, :g.kv_len_max]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

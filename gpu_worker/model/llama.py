@@ -81,11 +81,24 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.act_dtype = torch.float32
+
+    def set_dtypes(self, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
+        """Matrices (linears, embedding, LM head) in weight_dtype; norms, RoPE tables and the
+        residual stream in act_dtype."""
+        self.act_dtype = act_dtype
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                module.weight.data = module.weight.data.to(weight_dtype)
+            elif isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.to(act_dtype)
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         """input_ids: [T] -> logits of the sampling rows: [S, V] (float32)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).to(self.act_dtype)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, self.rotary, kv_cache, meta, backend)
         h = self.norm(x[meta.sample_rows])
