@@ -1,0 +1,135 @@
+"""`pacer generate` end to end as a user runs it (a real subprocess), and its bad-input
+contract: one clear line naming the problem and the offending input, never a traceback."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from gguf import GGMLQuantizationType
+
+from tests.helpers_tiny_model import write_tiny_gguf, write_tiny_llama
+
+ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
+
+
+def pacer(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0)
+
+
+def write_lines(path, lines) -> str:
+    path.write_text("".join(l if isinstance(l, str) else json.dumps(l) + "\n" for l in lines))
+    return str(path)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("pacer: error:"), proc.stderr
+    for n in needles:
+        assert n in last, (n, last)
+
+
+def test_generate_every_input_kind_in_order(tiny, tmp_path):
+    prompts = write_lines(tmp_path / "in.jsonl", [
+        {"prompt": "hello world"},
+        {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3},
+        {"prompt_token_ids": [5, 6, 7, 8], "temperature": 0.7, "seed": 3, "ignore_eos": True},
+    ])
+    out = tmp_path / "out.jsonl"
+    proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output", str(out),
+                 "--max-tokens", "6", "--max-num-batched-tokens", "4", "--num-kv-blocks", "64")
+    assert proc.returncode == 0, proc.stderr
+    assert "output tok/s" in proc.stderr
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [0, 1, 2]
+    assert set(rows[0]) >= {"index", "prompt_tokens", "token_ids", "text", "finish_reason"}
+    assert rows[2]["prompt_tokens"] == 4
+    assert len(rows[1]["token_ids"]) <= 3 and len(rows[2]["token_ids"]) == 6
+    assert rows[2]["finish_reason"] == "length"
+    for r in rows:
+        assert r["finish_reason"] in ("stop", "length")
+
+
+def test_seeded_line_is_reproducible(tiny, tmp_path):
+    line = {"prompt_token_ids": [9, 10, 11], "temperature": 1.0, "seed": 42, "ignore_eos": True}
+    outs = []
+    for k, extra in enumerate([[], [{"prompt": "other work in the batch"}] * 3]):
+        prompts = write_lines(tmp_path / f"in{k}.jsonl", [line, *extra])
+        out = tmp_path / f"out{k}.jsonl"
+        proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output", str(out),
+                     "--max-tokens", "8", "--num-kv-blocks", "64")
+        assert proc.returncode == 0, proc.stderr
+        outs.append(json.loads(out.read_text().splitlines()[0])["token_ids"])
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("{not json\n", "line 1: not valid JSON"),
+    ('{"prompt": "ok"}\n{"text": "x"}\n', "line 2: needs one of"),
+    ('{"prompt": "ok", "temperature": -1}\n', "temperature must be >= 0"),
+    ('{"prompt_token_ids": [1, 99999999]}\n', "prompt_token_ids"),
+    ("", "has no prompts"),
+])
+def test_malformed_prompts_file(tiny, tmp_path, content, needle):
+    p = tmp_path / "bad.jsonl"
+    p.write_text(content)
+    proc = pacer("generate", "--model", tiny, "--prompts", str(p), "--output", str(tmp_path / "o"))
+    assert_one_line_error(proc, needle, str(p))
+
+
+def test_prompt_longer_than_context(tiny, tmp_path):
+    prompts = write_lines(tmp_path / "long.jsonl", [{"prompt_token_ids": [5] * 600}])
+    proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output", str(tmp_path / "o"),
+                 "--max-model-len", "512")
+    assert_one_line_error(proc, "600 tokens", "512")
+
+
+def test_missing_prompts_file(tiny, tmp_path):
+    proc = pacer("generate", "--model", tiny, "--prompts", str(tmp_path / "nope.jsonl"),
+                 "--output", str(tmp_path / "o"))
+    assert_one_line_error(proc, "nope.jsonl")
+
+
+def test_unknown_model_path(tmp_path):
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    proc = pacer("generate", "--model", str(tmp_path / "no-such-model"), "--prompts", prompts,
+                 "--output", str(tmp_path / "o"))
+    assert_one_line_error(proc, "no-such-model")
+
+
+def test_gguf_with_unsupported_quantization(tmp_path):
+    wide = write_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=256,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    gguf = write_tiny_gguf(tmp_path / "q.gguf", wide,
+                           tensor_types={"blk.0.attn_q.weight": GGMLQuantizationType.Q6_K})
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    proc = pacer("generate", "--model", gguf, "--prompts", prompts, "--output", str(tmp_path / "o"))
+    assert_one_line_error(proc, "Q6_K", "blk.0.attn_q.weight")
+
+
+def test_gguf_with_unsupported_architecture(tiny, tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "a.gguf", tiny, arch="gpt2")
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    proc = pacer("generate", "--model", gguf, "--prompts", prompts, "--output", str(tmp_path / "o"))
+    assert_one_line_error(proc, "gpt2")
+
+
+def test_quantized_gguf_generates(tiny, tmp_path):
+    """Q8_0 / Q4_0 / Q4_1 files load (dequantized) and generate."""
+    for qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
+        gguf = write_tiny_gguf(tmp_path / f"{qtype.name}.gguf", tiny, tensor_type=qtype)
+        prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hello"}])
+        out = tmp_path / "o.jsonl"
+        proc = pacer("generate", "--model", gguf, "--prompts", prompts, "--output", str(out),
+                     "--max-tokens", "4")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(out.read_text())["token_ids"]
