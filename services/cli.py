@@ -13,6 +13,9 @@ COMMANDS = [
     "services.cost_cmd",
     "services.calibrate_cmd",
     "gateway.cli",
+    "scheduler_svc.cli",
+    "gpu_worker.cli",
+    "services.up",
 ]
 
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from shared.config import SchedulerConfig, num_blocks_for_memory
+from shared.config import (SchedulerConfig, kv_block_bytes, kv_cache_dtype,
+                           num_blocks_for_memory)
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
-from shared.model_config import load_model_config
-from shared.model_source import resolve_model
+from shared.model_config import ModelConfig, load_model_config
+from shared.model_source import ModelSource, resolve_model
 from shared.outputs import RequestOutput
 from shared.plan import SampledToken
 from shared.sampling import SamplingParams
@@ -31,31 +32,83 @@ class Completion:
         return [t.token_id for t in self.tokens]
 
 
+# Bytes per element of each --dtype, so that the block count is known without importing torch
+# (the scheduler service never loads it).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """Everything the scheduler and the workers must agree on, derived from EngineArgs and
+    the model files by one function, so the two sides cannot disagree on the KV pool."""
+    args: EngineArgs
+    source: ModelSource
+    model_config: ModelConfig
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler_config.num_kv_blocks
+
+
+def engine_layout(args: EngineArgs) -> EngineLayout:
+    """Resolve the model and size the KV pool: `--kv-cache-memory` is per rank, each rank
+    holds `num_kv_heads / tp` heads of every block, in the KV cache's dtype (not always the
+    weights')."""
+    if args.dtype not in DTYPE_BYTES:
+        raise PacerError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
+    if args.tp < 1:
+        raise PacerError(f"--tp must be >= 1, got {args.tp}")
+    source = resolve_model(args.model)
+    cfg = load_model_config(source)
+    if cfg.num_kv_heads % args.tp:
+        raise PacerError(f"num_kv_heads = {cfg.num_kv_heads} does not divide by tp = {args.tp}")
+    num_blocks = args.num_kv_blocks or num_blocks_for_memory(
+        args.kv_cache_memory,
+        kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
+                       args.block_size, DTYPE_BYTES[kv_cache_dtype(args.dtype, args.device)]))
+    max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
+                        cfg.max_position_embeddings)
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=num_blocks, block_size=args.block_size,
+        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
+    return EngineLayout(args, source, cfg, max_model_len, scheduler_config)
+
+
+def build_scheduler(layout: EngineLayout):
+    """The pure scheduling core for this layout."""
+    from scheduler_svc.core import Scheduler
+    return Scheduler(layout.scheduler_config, eos_token_ids=layout.model_config.eos_token_ids,
+                     max_model_len=layout.max_model_len)
+
+
+def build_runner(layout: EngineLayout, tp=None, progress: bool = True):
+    """Load the weights (this rank's shard when `tp` is a TPGroup) and allocate the KV pool."""
+    from gpu_worker.model_runner import ModelRunner, RunnerConfig
+    from gpu_worker.parallel import SINGLE
+
+    args = layout.args
+    return ModelRunner(layout.model_config, layout.source, RunnerConfig(
+        num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size, dtype=args.dtype,
+        device=args.device, seed=args.seed, progress=progress), tp or SINGLE)
+
+
 class LLMEngine:
     def __init__(self, args: EngineArgs, progress: bool = True):
-        from gpu_worker.kv_cache import block_bytes
-        from gpu_worker.model_runner import DTYPES, ModelRunner, RunnerConfig
-        from scheduler_svc.core import Scheduler
-
         if args.tp != 1:
             raise PacerError("the in-process engine runs tp=1; use the TP launcher for --tp > 1")
+        layout = engine_layout(args)
         self.args = args
-        self.source = resolve_model(args.model)
-        self.model_config = cfg = load_model_config(self.source)
-        self.tokenizer = load_tokenizer(self.source)
-        num_blocks = args.num_kv_blocks or num_blocks_for_memory(
-            args.kv_cache_memory, block_bytes(cfg, args.block_size, 1, DTYPES[args.dtype]))
-        self.max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
-                                 cfg.max_position_embeddings)
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-            num_kv_blocks=num_blocks, block_size=args.block_size,
-            max_model_len=self.max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
-        self.runner = ModelRunner(cfg, self.source, RunnerConfig(
-            num_kv_blocks=num_blocks, block_size=args.block_size, dtype=args.dtype,
-            device=args.device, seed=args.seed, progress=progress))
-        self.scheduler = Scheduler(self.scheduler_config, eos_token_ids=cfg.eos_token_ids,
-                                   max_model_len=self.max_model_len)
+        self.layout = layout
+        self.source = layout.source
+        self.model_config = layout.model_config
+        self.tokenizer = load_tokenizer(layout.source)
+        self.max_model_len = layout.max_model_len
+        self.scheduler_config = layout.scheduler_config
+        self.runner = build_runner(layout, progress=progress)
+        self.scheduler = build_scheduler(layout)
         self._ids = itertools.count()
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,

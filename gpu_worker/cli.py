@@ -1,0 +1,42 @@
+"""`pacer worker --rank R`: one tensor-parallel rank of a model replica."""
+from __future__ import annotations
+
+import argparse
+
+from scheduler_svc.cli import add_service_args
+from shared.engine_args import EngineArgs
+
+
+def register(sub) -> None:
+    p = sub.add_parser("worker", help="run one worker rank against a Redis")
+    EngineArgs.add_cli_args(p)
+    add_service_args(p)
+    p.add_argument("--rank", type=int, default=0, help="this process's TP rank, 0..tp-1")
+    p.add_argument("--dist-host", default="127.0.0.1",
+                   help="rank 0: the address the other ranks reach it at (torch.distributed)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gpu_worker.service import serve_worker
+    from services.engine import engine_layout
+    from services.lifecycle import connect_redis, run_service
+    from shared.errors import PacerError
+    from shared.keys import Keys
+    from shared.logging import configure_logging
+
+    configure_logging("worker", args.log_level)
+    engine_args = EngineArgs.from_cli(args)
+    if not 0 <= args.rank < engine_args.tp:
+        raise PacerError(f"--rank must be in [0, {engine_args.tp}), got {args.rank}")
+    layout = engine_layout(engine_args)
+
+    async def main(stop) -> int:
+        redis = await connect_redis(args.redis_url, stop)
+        try:
+            return await serve_worker(redis, Keys(args.key_prefix), layout, args.rank, stop,
+                                      args.dist_host)
+        finally:
+            await redis.aclose()
+
+    return run_service(main)

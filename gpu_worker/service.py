@@ -1,0 +1,246 @@
+"""The worker service: one process per tensor-parallel rank.
+
+Rank 0 is the only rank that talks to Redis about work:
+
+    XREAD plans (after the last id seen) -> executor.execute(plan) -> PUBLISH one TokenBatch
+    per gateway channel -> XADD the StepResultMsg (one pipeline: tokens go out before the
+    scheduler can even see the result, so a client never waits on the next plan)
+
+Ranks > 0 follow rank 0 over torch.distributed (`gpu_worker.distributed.run_follower`); they
+meet it at the address rank 0 writes to the rendezvous key. Every rank keeps its heartbeat key
+alive; the heartbeat carries the KV pool's size so the scheduler can refuse a mismatch.
+
+Rank 0 measures how long it waits for plans (from sending a result to receiving the next
+plan) against how long it computes, and writes both to the `stats` hash.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from services.lifecycle import (Stopwatch, cancel_tasks, clear_key, heartbeat_forever,
+                                stream_tail_id)
+from shared.errors import PacerError
+from shared.keys import RESULTS_MAXLEN, Keys
+from shared.plan import IterationPlan, StepResult
+from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, TokenBatch,
+                             TokenEvent, encode, from_fields, to_fields)
+
+log = structlog.get_logger("worker")
+
+PLAN_BLOCK_MS = 500
+STATS_INTERVAL_S = 0.1
+
+
+class Executor(Protocol):
+    def execute(self, plan: IterationPlan) -> StepResult: ...
+
+
+class RequestView(Protocol):
+    """What rank 0 needs of a request's state on the runner (ModelRunner's _RequestState)."""
+    token_ids: list[int]
+    num_prompt_tokens: int
+    reply_to: str
+
+
+def token_batches(result: StepResult,
+                  requests: Mapping[str, RequestView]) -> dict[str, TokenBatch]:
+    """One TokenBatch per gateway channel for the tokens of one iteration.
+
+    Call after `execute`: the sampled token is already appended, so its output position is
+    `len(token_ids) - num_prompt_tokens - 1` (prompt of 5, first sampled token: index 0).
+    """
+    events: dict[str, list[TokenEvent]] = {}
+    for rid, token in result.sampled.items():
+        state = requests[rid]
+        if not state.reply_to:
+            continue
+        index = len(state.token_ids) - state.num_prompt_tokens - 1
+        events.setdefault(state.reply_to, []).append(
+            TokenEvent(rid, index, token.token_id, token.logprob, token.top_logprobs))
+    return {channel: TokenBatch(evs) for channel, evs in events.items()}
+
+
+class PlanLoop:
+    """Rank 0's loop: plans in, tokens and results out."""
+
+    def __init__(self, redis: aioredis.Redis, keys: Keys, executor: Executor,
+                 requests: Mapping[str, RequestView], plans_after: bytes | str) -> None:
+        self.redis, self.keys, self.executor, self.requests = redis, keys, executor, requests
+        self._plans_after = plans_after
+        # one thread runs every forward: the event loop keeps heartbeats and signals alive
+        # while torch computes, and thread-local torch state stays on one thread
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.plan_wait = Stopwatch()
+        self.busy = Stopwatch()
+        self.publish = Stopwatch()
+        self.num_iterations = 0
+        self._stats_at = 0.0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Until `stop`: a plan that was read is always run and answered before returning."""
+        self.plan_wait.start()
+        try:
+            while not stop.is_set():
+                for entry_id, fields in await self._read_plans():
+                    self._plans_after = entry_id
+                    plan = _decode_plan(fields)
+                    if plan is not None:
+                        await self._run_plan(plan)
+        finally:
+            self._thread.shutdown(wait=True)
+            self.plan_wait.discard()
+
+    async def _read_plans(self) -> list:
+        try:
+            reply = await self.redis.xread({self.keys.plans: self._plans_after}, count=8,
+                                           block=PLAN_BLOCK_MS)
+        except (RedisConnectionError, RedisTimeoutError) as e:
+            log.warning("redis unavailable; retrying", error=str(e))
+            await asyncio.sleep(0.5)
+            return []
+        return [entry for _, entries in reply or [] for entry in entries]
+
+    async def _run_plan(self, plan: IterationPlan) -> None:
+        self.plan_wait.stop()
+        self.busy.start()
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(self._thread, self.executor.execute, plan)
+        batches = token_batches(result, self.requests)
+        self.busy.stop()
+        self.publish.start()
+        await self._send(plan.step, batches, result)
+        self.publish.stop()
+        self.num_iterations += 1
+        self.plan_wait.start()
+
+    async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        for channel, batch in batches.items():
+            pipe.publish(channel, encode(batch))
+        pipe.xadd(self.keys.results, to_fields(StepResultMsg(result)), maxlen=RESULTS_MAXLEN,
+                  approximate=True)
+        if time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
+            pipe.hset(self.keys.stats, mapping=self.stats())
+            self._stats_at = time.monotonic()
+        delay = 0.1
+        while True:
+            try:
+                await pipe.execute()
+                return
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                # the scheduler waits for this result; a duplicate is skipped by its step
+                log.warning("result not sent; retrying", step=step, error=str(e))
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def stats(self) -> dict[str, float]:
+        return {"worker_plan_wait_seconds_total": round(self.plan_wait.total_s, 6),
+                "worker_busy_seconds_total": round(self.busy.total_s, 6),
+                "worker_publish_seconds_total": round(self.publish.total_s, 6),
+                "worker_iterations_total": self.num_iterations}
+
+
+def _decode_plan(fields: dict) -> IterationPlan | None:
+    try:
+        msg = from_fields(fields)
+    except ProtocolError as e:
+        log.error("undecodable plan skipped", error=str(e))
+        return None
+    if not isinstance(msg, PlanMsg):
+        log.error("not a plan on the plans stream", kind=type(msg).__name__)
+        return None
+    return msg.plan
+
+
+def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
+                     loop: PlanLoop | None = None):
+    """A heartbeat factory for one rank; rank 0's carries its wait/busy counters."""
+    def make() -> Heartbeat:
+        extra = {"pid": os.getpid(), "rank": rank, "tp": tp, "num_kv_blocks": num_kv_blocks,
+                 "block_size": block_size}
+        if loop is not None:
+            extra.update(loop.stats())
+        return Heartbeat("worker", str(rank), time.time(), extra)
+    return make
+
+
+# ---- start-up ----------------------------------------------------------------------------
+
+def rendezvous_key(keys: Keys) -> str:
+    """Where rank 0 writes the torch.distributed address of its TP group (JSON)."""
+    return f"{keys.prefix}tp:rendezvous"
+
+
+async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str) -> tuple[str, int]:
+    """Rank 0: pick a free port on `host` and tell the other ranks (no hard-coded port)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        port = s.getsockname()[1]
+    value = json.dumps({"addr": host, "port": port, "pid": os.getpid(), "time": time.time()})
+    await redis.set(rendezvous_key(keys), value)
+    return host, port
+
+
+async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event,
+                          not_before: float) -> tuple[str, int] | None:
+    """Ranks > 0: wait for an address rank 0 wrote after `not_before` (older ones are stale,
+    left by an earlier group); None if stopped first."""
+    while not stop.is_set():
+        raw = await redis.get(rendezvous_key(keys))
+        if raw is not None:
+            value = json.loads(raw)
+            if value["time"] >= not_before:
+                return value["addr"], int(value["port"])
+        await asyncio.sleep(0.2)
+    return None
+
+
+async def serve_worker(redis: aioredis.Redis, keys: Keys, layout, rank: int,
+                       stop: asyncio.Event, dist_host: str = "127.0.0.1") -> int:
+    """Load this rank's model, then serve until stopped. Returns an exit code."""
+    from services.engine import build_runner
+
+    tp = layout.args.tp
+    if tp > 1:
+        return await _serve_tp_rank(redis, keys, layout, rank, stop, dist_host)
+    runner = await asyncio.to_thread(build_runner, layout, None, True)
+    if stop.is_set():
+        return 0
+    # read from where the stream ends *before* announcing ourselves: the scheduler sends
+    # its first plan only after it saw our heartbeat, so that plan cannot be missed
+    loop = PlanLoop(redis, keys, runner, runner.requests,
+                    await stream_tail_id(redis, keys.plans))
+    beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop)
+    return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))
+
+
+async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:
+    heartbeat = asyncio.create_task(heartbeat_forever(redis, key, beat), name="heartbeat")
+    log.info("worker ready", heartbeat_key=key)
+    try:
+        await work
+        return 0
+    finally:
+        await cancel_tasks(heartbeat)
+        await clear_key(redis, key)
+
+
+async def _serve_tp_rank(redis: aioredis.Redis, keys: Keys, layout, rank: int,
+                         stop: asyncio.Event, dist_host: str) -> int:
+    try:
+        from gpu_worker import distributed  # noqa: F401
+    except ModuleNotFoundError as e:
+        raise PacerError("--tp > 1 needs gpu_worker.distributed, which this build lacks") from e
+    raise PacerError("--tp > 1 is not wired into the worker service in this build")

@@ -1,0 +1,65 @@
+"""What the scheduler measures about itself, and the `stats` hash it writes for /metrics.
+
+Per-iteration overhead is the host time on the critical path between two forwards, as the
+scheduler sees it: from the moment a step result arrived to the moment the next plan was
+sent (update, finish events and acks, intake, schedule, encode, the XADD round trip). The
+worker measures the other side, the whole gap it idles between sending a result and getting
+the next plan (`worker_plan_wait_seconds_total`), and writes it into the same hash.
+"""
+from __future__ import annotations
+
+import time
+
+from scheduler_svc.core import Scheduler
+from services.lifecycle import Stopwatch
+
+STATS_INTERVAL_S = 0.1      # at most this often while busy; always on going idle
+
+
+class SchedulerStats:
+    def __init__(self) -> None:
+        self.overhead = Stopwatch()          # result received -> next plan sent
+        self.round_trip = Stopwatch()        # plan sent -> its result received
+        self.num_overhead_samples = 0
+        self.num_plans_sent = 0
+        self._written_at = 0.0
+        self._dirty = True
+
+    def result_received(self) -> None:
+        self.round_trip.stop()
+        self.overhead.start()
+        self._dirty = True
+
+    def plan_sent(self) -> None:
+        if self.overhead.stop() > 0.0:
+            self.num_overhead_samples += 1
+        self.num_plans_sent += 1
+        self.round_trip.start()
+
+    def went_idle(self) -> None:
+        """No next plan follows this result: the gap is idleness, not overhead."""
+        self.overhead.discard()
+
+    def mark_dirty(self) -> None:
+        self._dirty = True
+
+    def due(self, idle: bool) -> bool:
+        if not self._dirty:
+            return False
+        return idle or time.monotonic() - self._written_at >= STATS_INTERVAL_S
+
+    def snapshot(self, core: Scheduler) -> dict[str, float]:
+        """The hash fields (every value a number: the gateway parses them as floats)."""
+        self._written_at = time.monotonic()
+        self._dirty = False
+        return {
+            "num_requests_running": core.num_running,
+            "num_requests_waiting": core.num_waiting,
+            "kv_cache_usage_perc": round(core.block_manager.usage, 6),
+            "num_preemptions_total": core.num_preemptions_total,
+            "num_iterations_total": self.num_plans_sent,
+            "scheduler_overhead_seconds_total": round(self.overhead.total_s, 6),
+            "scheduler_overhead_iterations_total": self.num_overhead_samples,
+            "scheduler_round_trip_seconds_total": round(self.round_trip.total_s, 6),
+            "updated_at": round(time.time(), 3),
+        }

@@ -1,0 +1,145 @@
+"""The life of one service process: uvloop, signals, a Redis connection, a heartbeat key.
+
+    async def main(stop: asyncio.Event) -> int:
+        redis = await connect_redis(url)
+        hb = asyncio.create_task(heartbeat_forever(redis, key, make_heartbeat))
+        while not stop.is_set(): ...       # the service's loop drains, then returns
+    sys.exit(run_service(main))
+
+The first SIGINT/SIGTERM sets `stop` and the service drains (finishes what it holds, takes
+nothing new); a second one cancels the main coroutine, for an operator who will not wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Awaitable, Callable
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from shared.errors import PacerError
+from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
+from shared.protocol import Heartbeat, encode
+
+log = structlog.get_logger("services.lifecycle")
+
+# Blocking stream reads wait at most ~1 s; the socket timeout must be longer (see NOTES).
+SOCKET_TIMEOUT_S = 10.0
+CONNECT_BACKOFF_MAX_S = 2.0
+
+ServiceMain = Callable[[asyncio.Event], Awaitable[int]]
+
+
+def run_service(main: ServiceMain) -> int:
+    """Run `main(stop)` on uvloop until it returns; its return value is the exit code."""
+    try:
+        import uvloop
+    except ImportError:   # not on Windows
+        return asyncio.run(_with_signals(main))
+    return uvloop.run(_with_signals(main))
+
+
+async def _with_signals(main: ServiceMain) -> int:
+    stop = asyncio.Event()
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("second signal; stopping now", signal=sig.name)
+            task.cancel()
+            return
+        log.info("signal received; draining", signal=sig.name)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal, sig)
+    try:
+        return await main(stop)
+    except asyncio.CancelledError:
+        return 1
+    except PacerError:
+        raise                       # the command line prints it as `pacer: error: ...`
+    except Exception:
+        log.exception("service failed")
+        return 1
+
+
+async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis.Redis:
+    """A client for `url`, once the server answers PING (waits with backoff, logging)."""
+    redis = aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
+                                    health_check_interval=30)
+    delay = 0.1
+    while True:
+        try:
+            await redis.ping()
+            return redis
+        except (RedisError, OSError) as e:
+            if stop is not None and stop.is_set():
+                await redis.aclose()
+                raise
+            log.warning("redis not answering; retrying", redis_url=url, error=str(e),
+                        retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, CONNECT_BACKOFF_MAX_S)
+
+
+async def heartbeat_forever(redis: aioredis.Redis, key: str,
+                            make: Callable[[], Heartbeat],
+                            interval_s: float = HEARTBEAT_INTERVAL_S,
+                            ttl_s: int = HEARTBEAT_TTL_S) -> None:
+    """Keep `key` alive with a fresh Heartbeat until cancelled; survives Redis outages."""
+    while True:
+        try:
+            await redis.set(key, encode(make()), ex=ttl_s)
+        except (RedisError, OSError) as e:
+            log.warning("heartbeat not written", key=key, error=str(e))
+        await asyncio.sleep(interval_s)
+
+
+async def clear_key(redis: aioredis.Redis, key: str) -> None:
+    """Delete a heartbeat key at a clean exit, so /health notices at once, not after the TTL."""
+    try:
+        await redis.delete(key)
+    except (RedisError, OSError) as e:
+        log.warning("heartbeat key not cleared", key=key, error=str(e))
+
+
+async def cancel_tasks(*tasks: asyncio.Task) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class Stopwatch:
+    """Accumulates seconds between `start()` and `stop()` calls (monotonic clock)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._since: float | None = None
+
+    def start(self) -> None:
+        self._since = time.perf_counter()
+
+    def discard(self) -> None:
+        """Forget the running interval without counting it."""
+        self._since = None
+
+    def stop(self) -> float:
+        """Stop and return the length of this interval (0 if it was not running)."""
+        if self._since is None:
+            return 0.0
+        elapsed = time.perf_counter() - self._since
+        self.total_s += elapsed
+        self._since = None
+        return elapsed
+
+
+async def stream_tail_id(redis: aioredis.Redis, stream: str) -> bytes | str:
+    """The id of the newest entry of `stream` ("0-0" if none): read after it to see only what
+    comes next. Unlike XREAD from `$`, nothing added between this call and the read is missed."""
+    newest = await redis.xrevrange(stream, count=1)
+    return newest[0][0] if newest else "0-0"

@@ -1,0 +1,210 @@
+"""`pacer up`: Redis, the scheduler, one worker per TP rank and the gateway on this machine.
+
+    pacer up [--model M] [--tp N] [--host H] [--port 8000] [--redis-url URL] [engine flags]
+
+Starts a `redis-server` when none answers at the URL, then each service as its own process,
+waits until the gateway's /health is 200, and prints the URL. Ctrl-C or SIGTERM stops what it
+started in order (gateway, scheduler, workers, Redis) and exits 0. A child that dies during
+start-up stops everything with a non-zero exit naming it; one that dies later is reported and
+/health says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import fields
+from urllib.parse import urlsplit
+
+from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
+from shared.engine_args import EngineArgs
+from shared.errors import PacerError
+from shared.keys import DEFAULT_PREFIX
+
+PROGRESS_EVERY_S = 5.0
+DRAIN_TIMEOUT_S = 10.0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("up", help="start Redis, the scheduler, the workers and the gateway")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="gateway address")
+    p.add_argument("--port", type=int, default=8000, help="gateway port")
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
+                   help="a Redis to use; started here when none answers on a local address")
+    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds to wait for /health to turn 200")
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(run=run)
+
+
+def engine_flags(args: EngineArgs) -> list[str]:
+    """EngineArgs back into the flags `EngineArgs.add_cli_args` reads."""
+    flags: list[str] = []
+    for f in fields(EngineArgs):
+        value = getattr(args, f.name)
+        if f.name == "enable_chunked_prefill":
+            flags += [] if value else ["--no-chunked-prefill"]
+        elif value is not None:
+            flags += [f"--{f.name.replace('_', '-')}", str(value)]
+    return flags
+
+
+# ---- Redis -------------------------------------------------------------------------------
+
+def redis_answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    import socket
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s:
+            s.sendall(b"PING\r\n")
+            reply = s.recv(64)
+    except OSError:
+        return False
+    # a password-protected Redis answers -NOAUTH: it is there, just not ours to start
+    return reply.startswith((b"+PONG", b"-NOAUTH"))
+
+
+def start_redis(sup: Supervisor, host: str, port: int) -> Child:
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise PacerError(f"no Redis answers at {host}:{port} and redis-server is not installed: "
+                         "apt-get install redis-server (or pass --redis-url of a running Redis)")
+    child = sup.start("redis", [exe, "--port", str(port), "--bind", host, "--save", "",
+                                "--appendonly", "no", "--loglevel", "warning"],
+                      stdout=sys.stderr)    # our stdout carries only the URL line
+    end = time.monotonic() + 10.0
+    while time.monotonic() < end:
+        if child.returncode is not None:
+            raise PacerError(f"redis-server on port {port} exited at start "
+                             f"({describe_exit(child.returncode)})")
+        if redis_answers(host, port):
+            return child
+        time.sleep(0.05)
+    raise PacerError(f"redis-server on port {port} did not answer within 10 s")
+
+
+# ---- the services ------------------------------------------------------------------------
+
+def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> list[tuple[str, list[str]]]:
+    common = ["--redis-url", args.redis_url, "--key-prefix", args.key_prefix,
+              "--log-level", args.log_level]
+    flags = engine_flags(engine)
+    gateway = ["gateway", "--host", args.host, "--port", str(args.port), "--tp", str(engine.tp),
+               *common]
+    for name in ("model", "max_model_len", "api_key", "served_model_name"):
+        value = getattr(args, name)
+        if value is not None:
+            gateway += [f"--{name.replace('_', '-')}", str(value)]
+    # stopped in reverse: the gateway first, the scheduler drains while workers still run
+    return [*[(f"worker rank {r}", pacer_argv("worker", "--rank", str(r), *flags, *common))
+              for r in range(engine.tp)],
+            ("scheduler", pacer_argv("scheduler", *flags, *common,
+                                     "--drain-timeout", str(DRAIN_TIMEOUT_S))),
+            ("gateway", pacer_argv(*gateway))]
+
+
+def _health(base_url: str) -> tuple[int | None, dict]:
+    try:
+        with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as r:
+            return r.status, json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        try:
+            return e.code, json.loads(e.read() or b"{}")
+        except ValueError:
+            return e.code, {}
+    except (OSError, ValueError):
+        return None, {}
+
+
+class _Signals:
+    """SIGINT/SIGTERM set a flag; the main loop notices within 50 ms."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum, _frame) -> None:
+        self.received = signum
+
+    def __call__(self) -> bool:
+        return self.received is not None
+
+
+def _wait_healthy(sup: Supervisor, base_url: str, timeout_s: float, stopping: _Signals) -> None:
+    start = time.monotonic()
+    said = 0.0
+    while not stopping():
+        for child in sup.newly_exited():
+            raise PacerError(f"{child.name} exited during start-up "
+                             f"({describe_exit(child.returncode)}); see its log above")
+        status, body = _health(base_url)
+        if status == 200:
+            return
+        waited = time.monotonic() - start
+        if waited > timeout_s:
+            raise PacerError(f"{base_url}/health not 200 after {timeout_s:.0f} s: {body}")
+        if waited - said >= PROGRESS_EVERY_S:
+            missing = ", ".join(body.get("missing", [])) or "the gateway"
+            print(f"pacer up: waiting for {missing} ({waited:.0f} s; the workers load the "
+                  "model)", file=sys.stderr, flush=True)
+            said = waited
+        wait_quietly(0.25, stopping)
+
+
+def _watch(sup: Supervisor, stopping: _Signals) -> int:
+    """Until a signal (0) or the gateway's death (1); other deaths are reported and /health
+    turns 503, so an operator or an orchestrator can decide."""
+    while not stopping():
+        for child in sup.newly_exited():
+            print(f"pacer up: {child.name} exited ({describe_exit(child.returncode)})",
+                  file=sys.stderr, flush=True)
+            if child.name == "gateway":
+                return 1
+        wait_quietly(0.2, stopping)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.engine import engine_layout
+    from shared.logging import configure_logging
+
+    configure_logging("up", args.log_level)
+    engine = EngineArgs.from_cli(args)
+    engine_layout(engine)          # refuse bad flags here, before anything starts
+    url = urlsplit(args.redis_url)
+    host, port = url.hostname or "127.0.0.1", url.port or 6379
+    stopping = _Signals()
+    sup = Supervisor()
+    try:
+        if not redis_answers(host, port):
+            start_redis(sup, host, port)
+            print(f"pacer up: started redis-server on {host}:{port}", file=sys.stderr)
+        for name, argv in _service_argvs(args, engine):
+            sup.start(name, argv)
+        http_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+        base_url = f"http://{http_host}:{args.port}"
+        _wait_healthy(sup, base_url, args.startup_timeout, stopping)
+        if stopping():
+            return 0
+        print(f"pacer up: serving {engine.model or 'smollm2-135m'} at {base_url}/v1 "
+              "(Ctrl-C to stop)", flush=True)
+        return _watch(sup, stopping)
+    finally:
+        _stop(sup)
+
+
+def _stop(sup: Supervisor) -> None:
+    if any(c.returncode is None for c in sup.children):
+        print("pacer up: stopping", file=sys.stderr, flush=True)
+    # the gateway aborts its open requests as it stops, so the scheduler drains quickly
+    sup.stop_all(timeouts={"scheduler": DRAIN_TIMEOUT_S + 5.0})
+

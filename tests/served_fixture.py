@@ -1,0 +1,121 @@
+"""The whole served system for tests: `pacer up` as a real process (its own redis-server,
+scheduler, worker and gateway processes) on free ports, with the default model.
+
+    from tests.served_fixture import served      # module-scoped fixture -> Served
+    served.base_url, served.redis_url, served.metrics(), served.stop()
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from tests.redis_fixture import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+API_KEY = "served-test-key"
+STARTUP_TIMEOUT_S = 240.0
+# small enough to allocate fast on a shared machine, large enough for 16 streams at once
+KV_CACHE_MEMORY = "128MiB"
+
+
+@dataclass
+class Served:
+    base_url: str
+    redis_url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}{path}", timeout=5.0) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def metrics(self) -> dict[str, float]:
+        """The unlabelled samples of /metrics, by name."""
+        status, body = self.get("/metrics")
+        assert status == 200, body
+        samples = {}
+        for line in body.decode().splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, value = line.rsplit(" ", 1)
+                samples[name] = float(value)
+        return samples
+
+    def log_tail(self, chars: int = 4000) -> str:
+        with open(self.log_path, encoding="utf-8", errors="replace") as f:
+            return f.read()[-chars:]
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM `pacer up` (as Ctrl-C would) and return its exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start_served(log_path: str, *extra_args: str) -> Served:
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    port, redis_port = free_port(), free_port()
+    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+         "--redis-url", redis_url, "--api-key", API_KEY, "--kv-cache-memory", KV_CACHE_MEMORY,
+         *extra_args],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    served = Served(f"http://127.0.0.1:{port}", redis_url, proc, log_path)
+    try:
+        _wait_healthy(served)
+    except BaseException:
+        served.stop()
+        raise
+    return served
+
+
+def _wait_healthy(served: Served) -> None:
+    end = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < end:
+        if served.proc.poll() is not None:
+            raise RuntimeError(f"pacer up exited with {served.proc.returncode}:\n"
+                               f"{served.log_tail()}")
+        try:
+            status, _ = served.get("/health")
+        except OSError:
+            status = None
+        if status == 200:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"/health not 200 after {STARTUP_TIMEOUT_S} s:\n{served.log_tail()}")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory) -> Iterator[Served]:
+    log_path = str(tmp_path_factory.mktemp("served") / "pacer-up.log")
+    system = start_served(log_path)
+    try:
+        yield system
+    finally:
+        system.stop()
+
+
+def read_json(body: bytes) -> dict:
+    return json.loads(body)

@@ -1,0 +1,171 @@
+"""The served system end to end, with real processes: `pacer up` starts redis-server, the
+scheduler, a worker and the gateway; the official `openai` client talks to it.
+
+Tests run in file order against one `pacer up`; the last one kills the worker.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import openai
+import pytest
+import redis
+
+from services.up import redis_answers
+from shared.keys import Keys
+from shared.protocol import decode
+from tests.served_fixture import API_KEY, Served, read_json, served  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+MODEL = "smollm2-135m"
+KEYS = Keys()
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot"]
+
+
+def client(s: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll until `predicate()` is truthy (a safety net, not a timing assertion)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
+def scheduler_idle(s: Served) -> bool:
+    m = s.metrics()
+    return m.get("pacer:num_requests_running") == 0 and m.get("pacer:kv_cache_usage_perc") == 0
+
+
+def stats_hash(s: Served) -> dict[str, float]:
+    r = redis.Redis.from_url(s.redis_url)
+    try:
+        return {k.decode(): float(v) for k, v in r.hgetall(KEYS.stats).items()}
+    finally:
+        r.close()
+
+
+def test_openai_client_streams_chat_and_text(served: Served):
+    c = client(served)
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=12, temperature=0, stream=True)
+    chunks = list(chat)
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text.strip()
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+    completion = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=10,
+                                      temperature=0, stream=True,
+                                      stream_options={"include_usage": True})
+    chunks = list(completion)
+    text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
+    assert "Paris" in text
+    assert 1 <= chunks[-1].usage.completion_tokens <= 10
+
+
+def test_sixteen_concurrent_streams_complete(served: Served):
+    before = stats_hash(served)
+
+    async def one(c: openai.AsyncOpenAI, i: int) -> tuple[str, int, str]:
+        stream = await c.completions.create(
+            model=MODEL, prompt=f"{PROMPTS[i % 3]} ({i})", max_tokens=16, temperature=0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, usage, reason = "", 0, None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            if chunk.usage:
+                usage = chunk.usage.completion_tokens
+        return text, usage, reason
+
+    async def all_of_them():
+        async with openai.AsyncOpenAI(base_url=f"{served.base_url}/v1", api_key=API_KEY,
+                                      max_retries=0) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(16)))
+
+    results = asyncio.run(all_of_them())
+    assert [(usage, reason) for _, usage, reason in results] == [(16, "length")] * 16
+    assert all(text for text, _, _ in results)
+    wait_for(lambda: scheduler_idle(served), 5.0, "scheduler idle after 16 streams")
+    _report_overhead(before, stats_hash(served))
+
+
+def _report_overhead(before: dict[str, float], after: dict[str, float]) -> None:
+    """Print what the run cost on the host side (for people; `pytest -s` shows it)."""
+    def delta(k: str) -> float:
+        return after.get(k, 0.0) - before.get(k, 0.0)
+    n = delta("scheduler_overhead_iterations_total")
+    wait, busy = delta("worker_plan_wait_seconds_total"), delta("worker_busy_seconds_total")
+    publish = delta("worker_publish_seconds_total")
+    if n and busy:
+        print(f"\n16 streams: {delta('num_iterations_total'):.0f} iterations, scheduler "
+              f"overhead {1000 * delta('scheduler_overhead_seconds_total') / n:.2f} ms/iteration; "
+              f"worker busy {busy:.2f} s, publishing {publish:.2f} s, waiting for plans "
+              f"{wait:.2f} s ({100 * wait / (wait + busy + publish):.1f}% of its time)")
+
+
+def test_greedy_output_equals_in_process_engine(served: Served):
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+    from shared.sampling import SamplingParams
+
+    engine = LLMEngine(EngineArgs(kv_cache_memory="32MiB"), progress=False)
+    c = client(served)
+    for prompt in PROMPTS:
+        ids = engine.tokenizer.encode(prompt)
+        # one request at a time on both sides: the same batches, so the same float sums
+        [expected] = engine.generate([ids], [SamplingParams(max_tokens=24, temperature=0.0)])
+        got = c.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+        assert got.usage.completion_tokens == len(expected.token_ids), prompt
+        assert got.choices[0].text == engine.tokenizer.decode(expected.token_ids), prompt
+        assert got.choices[0].finish_reason == expected.finish_reason, prompt
+
+
+def test_client_disconnect_frees_kv_blocks(served: Served):
+    stream = client(served).completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0, stream=True,
+        extra_body={"ignore_eos": True})
+    pieces = []
+    for chunk in stream:
+        pieces.append(chunk.choices[0].text)
+        if len(pieces) == 3:
+            break
+    # the request holds blocks while it streams ...
+    wait_for(lambda: served.metrics()["pacer:kv_cache_usage_perc"] > 0, 5.0, "blocks in use")
+    assert served.metrics()["pacer:num_requests_running"] == 1
+    stream.close()
+    closed = time.monotonic()
+    # ... and gives them back once the client is gone
+    wait_for(lambda: scheduler_idle(served), 5.0, "KV blocks freed after disconnect")
+    print(f"\nKV blocks freed {time.monotonic() - closed:.2f} s after the client disconnected")
+
+
+def test_health_turns_unhealthy_when_worker_killed_then_up_stops_cleanly(served: Served):
+    assert served.get("/health")[0] == 200
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        heartbeat = decode(r.get(KEYS.hb_worker(0)))
+    finally:
+        r.close()
+    os.kill(heartbeat.extra["pid"], signal.SIGKILL)
+
+    def unhealthy():
+        status, body = served.get("/health")
+        return status != 200 and read_json(body)
+    body = wait_for(unhealthy, 15.0, "/health non-200 after the worker died")
+    assert "worker rank 0" in body["missing"]
+
+    redis_port = int(served.redis_url.rsplit(":", 1)[1].split("/")[0])
+    assert served.stop() == 0, served.log_tail()
+    assert not redis_answers("127.0.0.1", redis_port)
