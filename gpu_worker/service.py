@@ -208,13 +208,12 @@ async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event
 
 
 async def serve_worker(redis: aioredis.Redis, keys: Keys, layout, rank: int,
-                       stop: asyncio.Event, dist_host: str = "127.0.0.1") -> int:
+                       stop: asyncio.Event) -> int:
     """Load this rank's model, then serve until stopped. Returns an exit code."""
     from services.engine import build_runner
 
     tp = layout.args.tp
-    if tp > 1:
-        return await _serve_tp_rank(redis, keys, layout, rank, stop, dist_host)
+    require_supported_tp(tp)
     runner = await asyncio.to_thread(build_runner, layout, None, True)
     if stop.is_set():
         return 0
@@ -237,10 +236,10 @@ async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:
         await clear_key(redis, key)
 
 
-async def _serve_tp_rank(redis: aioredis.Redis, keys: Keys, layout, rank: int,
-                         stop: asyncio.Event, dist_host: str) -> int:
-    try:
-        from gpu_worker import distributed  # noqa: F401
-    except ModuleNotFoundError as e:
-        raise PacerError("--tp > 1 needs gpu_worker.distributed, which this build lacks") from e
-    raise PacerError("--tp > 1 is not wired into the worker service in this build")
+
+def require_supported_tp(tp: int) -> None:
+    """Refuse tp > 1 before anything starts: ranks > 0 need `gpu_worker.distributed`
+    (init_tp_group / run_follower), which is not wired into this service yet; the rendezvous
+    key above is where rank 0 will publish its address."""
+    if tp > 1:
+        raise PacerError(f"--tp {tp}: the served workers run tp=1 in this build")
