@@ -118,16 +118,24 @@ make_wheelhouse() {
     mv "$WHEELS/requirements.in" "$WHEELS/requirements.txt"
 }
 
+# The source files to ship, one per line, relative to the repo root.
+list_sources() {
+    if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
+        # Tracked and untracked-but-not-ignored files: no .venv, caches or builds.
+        git ls-files -co --exclude-standard -- "${SOURCE_PATHS[@]}" \
+            | while read -r f; do if [[ -f "$f" ]]; then printf '%s\n' "$f"; fi; done
+    else
+        find "${SOURCE_PATHS[@]}" -type f -not -path '*/__pycache__/*' 2>/dev/null || true
+    fi
+}
+
 stage_context() {
     rm -rf "$CONTEXT"
     mkdir -p "$CONTEXT/src"
     # Hard links: same filesystem, so staging costs no copy of the wheels.
     cp -al "$WHEELS" "$CONTEXT/wheels" 2>/dev/null || cp -a "$WHEELS" "$CONTEXT/wheels"
     cp "$REPO/docker/Dockerfile" "$CONTEXT/Dockerfile"
-    # Tracked and untracked-but-not-ignored files only: no .venv, caches or builds.
-    (cd "$REPO" && git ls-files -co --exclude-standard -- "${SOURCE_PATHS[@]}" \
-        | while read -r f; do [[ -f "$f" ]] && printf '%s\n' "$f"; done \
-        | tar -c -T - | tar -x -C "$CONTEXT/src")
+    (cd "$REPO" && list_sources | tar -c -T - | tar -x -C "$CONTEXT/src")
     # pyproject names README.md as the long description; setuptools needs the file.
     [[ -f "$CONTEXT/src/README.md" ]] || : >"$CONTEXT/src/README.md"
 }
