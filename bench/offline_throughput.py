@@ -70,9 +70,11 @@ def profile_iterations(engine: LLMEngine, prompts, new_tokens: int, iterations: 
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, sp)
-    while any(engine.scheduler.get_request(r).num_computed_tokens < len(engine.scheduler.get_request(r).prompt_token_ids)
-              for r in list(engine.runner.requests)) or engine.scheduler.num_waiting:
-        engine.step()
+    while True:                         # until every request is decoding
+        plan = engine.scheduler.schedule()
+        engine.scheduler.update(plan, engine.runner.execute(plan))
+        if engine.scheduler.num_waiting == 0 and plan.total_tokens == len(plan.num_scheduled_tokens):
+            break
     batch = engine.scheduler.num_running
     context = sum(len(s.token_ids) for s in engine.runner.requests.values()) / max(1, batch)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
