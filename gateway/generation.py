@@ -35,6 +35,7 @@ class Delta:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None      # set on the last delta
     error: str | None = None              # finish_reason == "error"
+    error_type: str = "server_error"
 
 
 class Generation:
@@ -116,7 +117,8 @@ class Generation:
         self._text.finish()
         if self._text.stopped:      # the flushed tail completed a stop string
             self.finish_reason = "stop"
-        return Delta(self._text.take(final=True), logprobs, self.finish_reason, finish.error)
+        return Delta(self._text.take(final=True), logprobs, self.finish_reason, finish.error,
+                     finish.error_type)
 
     def _observe_latency(self, num_tokens: int) -> None:
         now = time.monotonic()

@@ -63,7 +63,9 @@ async def full_json(gen: Generation, shape: Shape) -> web.Response:
     entries: list[TokenLogprob] = []
     async for delta in gen.deltas():
         if delta.error is not None:
-            raise APIError(f"generation failed: {delta.error}", status=500, type="server_error")
+            invalid = delta.error_type == "invalid_request_error"
+            raise APIError(f"generation failed: {delta.error}", status=400 if invalid else 500,
+                           type=delta.error_type)
         texts.append(delta.text)
         entries += delta.logprobs
     make = oai.chat_choice if shape.chat else oai.completion_choice
@@ -96,7 +98,7 @@ async def stream_sse(request: web.Request, gen: Generation, shape: Shape) -> web
 async def _write_delta(response: web.StreamResponse, shape: Shape, delta: Delta) -> None:
     if delta.error is not None:
         await response.write(oai.sse(oai.error_body(f"generation failed: {delta.error}",
-                                                    "server_error")))
+                                                    delta.error_type)))
         return
     if delta.text or delta.logprobs:
         await response.write(oai.sse(shape.chunk(delta.text, delta.logprobs, None)))

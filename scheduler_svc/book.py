@@ -88,15 +88,16 @@ class RequestBook:
         try:
             self.core.add_request(rid, msg.prompt_token_ids, msg.sampling, reply_to=msg.reply_to)
         except InvalidRequestError as e:
-            self._finish_now(entry_id, msg, "error", str(e))
+            self._finish_now(entry_id, msg, "error", str(e), "invalid_request_error")
             return
         self._entries[rid] = _Entry(entry_id, msg.reply_to)
         log.info("request admitted to queue", request_id=rid, gateway_id=msg.gateway_id,
                  prompt_tokens=len(msg.prompt_token_ids), max_tokens=msg.sampling.max_tokens)
 
     def _finish_now(self, entry_id: bytes | str, msg: RequestMsg, reason: str,
-                    error: str | None = None) -> None:
-        event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids), 0, error)
+                    error: str | None = None, error_type: str = "server_error") -> None:
+        event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids), 0, error,
+                            error_type)
         self._outbox.finishes.append((msg.reply_to, encode(event)))
         self._outbox.acks.append(entry_id)
         log.info("request finished on arrival", request_id=msg.request_id,

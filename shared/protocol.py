@@ -196,6 +196,9 @@ class FinishEvent(_Plain):
     num_prompt_tokens: int
     num_output_tokens: int           # token events the gateway must have before it ends
     error: str | None = None         # set when finish_reason == "error"
+    # OpenAI error type: "invalid_request_error" (the request can never be served as given,
+    # answered 4xx) or "server_error"
+    error_type: str = "server_error"
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:

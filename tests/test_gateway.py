@@ -47,6 +47,7 @@ REPLY = "Hello world, this is pacer. STOP here and more words."
 #   [dup]           every token batch is published twice
 #   [finish-first]  the FinishEvent overtakes the last token batch
 #   [error]         the request fails with finish_reason "error" after two tokens
+#   [invalid]       the scheduler rejects the request as one that can never be served
 
 class FakeScheduler:
     def __init__(self, redis: aioredis.Redis, keys: Keys, tokenizer: Tokenizer) -> None:
@@ -76,7 +77,7 @@ class FakeScheduler:
         output = self._output(msg, repeat=slow)
         sent, reason = 0, ("stop" if output[-1] == self.tok.eos_token_id else "length")
         for i, token_id in enumerate(output):
-            if "[error]" in prompt and i == 2:
+            if ("[error]" in prompt and i == 2) or "[invalid]" in prompt:
                 reason = "error"
                 break
             if slow:
@@ -111,8 +112,12 @@ class FakeScheduler:
         return TokenEvent(msg.request_id, index, token_id, -0.5, top)
 
     async def _finish(self, msg: RequestMsg, reason: str, num_output_tokens: int) -> None:
+        prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
+        invalid = "[invalid]" in prompt
         event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids), num_output_tokens,
-                            "the fake worker failed" if reason == "error" else None)
+                            ("needs more KV blocks than the pool has" if invalid
+                             else "the fake worker failed") if reason == "error" else None,
+                            "invalid_request_error" if invalid else "server_error")
         await self.redis.publish(msg.reply_to, encode(event))
 
     async def _aborted(self, request_id: str) -> bool:
@@ -353,6 +358,13 @@ async def test_duplicate_and_overtaken_events_still_give_the_exact_text(h: Harne
         assert status == 200, body
         assert body["choices"][0]["text"] == REPLY, marker
         assert body["usage"]["completion_tokens"] == len(h.tok.encode(REPLY)) + 1
+
+
+async def test_a_request_the_scheduler_rejects_is_a_client_error(h: Harness) -> None:
+    status, body = await h.post("/v1/completions", completion(prompt="[invalid]", max_tokens=10))
+    assert status == 400
+    assert body["error"]["type"] == "invalid_request_error"
+    assert "KV blocks" in body["error"]["message"]
 
 
 async def test_a_failed_generation_is_a_server_error(h: Harness) -> None:
