@@ -6,6 +6,8 @@ row-parallel layers end in `all_reduce`, the vocab-parallel LM head ends in `all
 """
 from __future__ import annotations
 
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -18,13 +20,18 @@ class TPGroup:
     # counts collectives in forward passes (tests check two all-reduces per layer)
     num_all_reduces: int = 0
     num_all_gathers: int = 0
+    # when set, wall time spent inside collectives accumulates here (bench/tp_scaling.py);
+    # it includes waiting for the slowest rank, which is part of what TP costs
+    timed: bool = False
+    comm_seconds: float = 0.0
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size == 1:
             return x
         import torch.distributed as dist
         self.num_all_reduces += 1
-        dist.all_reduce(x)
+        with self._timing(x):
+            dist.all_reduce(x)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
@@ -34,8 +41,22 @@ class TPGroup:
         import torch.distributed as dist
         self.num_all_gathers += 1
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
+        with self._timing(x):
+            dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
+
+    @contextmanager
+    def _timing(self, x: torch.Tensor):
+        if not self.timed:
+            yield
+            return
+        # NCCL collectives are asynchronous on the stream: fence both ends to time them
+        sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        yield
+        sync()
+        self.comm_seconds += time.perf_counter() - start
 
     def shard(self, total: int, what: str) -> int:
         """Size of this rank's slice of `total` units (heads, rows); must divide evenly."""

@@ -95,10 +95,25 @@ def build_runner(layout: EngineLayout, tp=None, progress: bool = True):
         device=args.device, seed=args.seed, progress=progress), tp or SINGLE)
 
 
+def _tp_executor(layout: EngineLayout, progress: bool):
+    """tp > 1 in one command: this process is rank 0 and spawns ranks 1..tp-1."""
+    from gpu_worker.distributed import launch_tp_executor
+    from gpu_worker.model_runner import RunnerConfig
+
+    args = layout.args
+    return launch_tp_executor(layout.model_config, layout.source, RunnerConfig(
+        num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size, dtype=args.dtype,
+        device=args.device, seed=args.seed, progress=progress), args.tp)
+
+
 class LLMEngine:
+    """With `args.tp > 1` the runner is a TPExecutor over tp processes; call `shutdown()`
+    (or use the engine as a context manager) to end them, else they end at exit."""
+
     def __init__(self, args: EngineArgs, progress: bool = True):
-        if args.tp != 1:
-            raise PacerError("the in-process engine runs tp=1; use the TP launcher for --tp > 1")
+        if args.tp > 1:   # the clear head-count message, before anything is spawned
+            from gpu_worker.distributed import check_tp_fits
+            check_tp_fits(load_model_config(resolve_model(args.model)), args.tp)
         layout = engine_layout(args)
         self.args = args
         self.layout = layout
@@ -107,9 +122,23 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(layout.source)
         self.max_model_len = layout.max_model_len
         self.scheduler_config = layout.scheduler_config
-        self.runner = build_runner(layout, progress=progress)
+        self.runner = (build_runner(layout, progress=progress) if args.tp == 1
+                       else _tp_executor(layout, progress))
         self.scheduler = build_scheduler(layout)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """End the tensor-parallel follower processes (nothing to do at tp=1)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
+
+    def __enter__(self) -> "LLMEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
 
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
                     request_id: str | None = None) -> str:

@@ -1,0 +1,255 @@
+"""Tensor parallelism across processes: tp=N gives the tokens of tp=1 and of transformers,
+with chunked prefill, piggybacking and preemption; seeded sampling is identical across tp; one
+forward makes exactly 2 all-reduces per layer + 1 (embedding) + 1 all-gather (LM head); a
+model whose heads do not divide by tp is refused before anything is spawned; a rank killed
+with SIGKILL ends the others with an error naming it, within seconds."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from services.engine import LLMEngine
+from shared.engine_args import EngineArgs
+from shared.errors import PacerError
+from shared.plan import IterationPlan
+from shared.sampling import SamplingParams
+from tests.helpers_tiny_model import write_tiny_llama
+from tests.test_engine_parity import (CHAT_PROMPTS, CONFIGS, NEW_TOKENS, assert_same_tokens,
+                                      hf_greedy, kv_blocks_to_force_preemption, tiny)  # noqa: F401
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEADLINE_S = 20      # a hang would last the 30 s collective timeout or forever; death takes ~1 s
+
+
+def run_tp(model: str, prompts, sampling, tp: int, **overrides) -> tuple[list[list[int]], int]:
+    """Generate to completion; returns tokens and the number of preemptions."""
+    if overrides.get("num_kv_blocks", 512) is None:
+        overrides["num_kv_blocks"] = kv_blocks_to_force_preemption(prompts, 16)
+    with LLMEngine(EngineArgs(model=model, block_size=16, tp=tp, **overrides),
+                   progress=False) as engine:
+        results = engine.generate(prompts, sampling)
+        bm = engine.scheduler.block_manager
+        bm.check_integrity()
+        assert bm.num_free_blocks == bm.num_total_blocks
+        return [r.token_ids for r in results], engine.scheduler.num_preemptions_total
+
+
+def greedy(n: int, max_tokens: int = NEW_TOKENS) -> list[SamplingParams]:
+    return [SamplingParams(max_tokens=max_tokens, temperature=0.0)] * n
+
+
+def child_pids() -> set[int]:
+    pids: set[int] = set()
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/children") as f:
+            pids.update(int(p) for p in f.read().split())
+    return pids
+
+
+# ---- the cut must fall on head boundaries ------------------------------------------------
+
+def test_tp_that_splits_a_head_is_refused_before_spawning():
+    before = child_pids()
+    with pytest.raises(PacerError, match="tp=2 does not divide the model's 9 query heads "
+                                         "and 3 KV heads"):
+        LLMEngine(EngineArgs(tp=2), progress=False)
+    assert child_pids() <= before
+
+
+# ---- greedy parity: tp=2 on the tiny GQA model (4 query heads, 2 KV heads) ---------------
+
+@pytest.mark.parametrize("name,overrides,expect_preemption",
+                         [c for c in CONFIGS if c[0] != "big-budget"])
+def test_tiny_tp2_matches_tp1_and_transformers(tiny, name, overrides, expect_preemption):
+    path, prompts, refs = tiny
+    overrides = {**overrides, "max_model_len": 512}
+    ours, preemptions = run_tp(path, prompts, greedy(len(prompts)), 2, **overrides)
+    single, _ = run_tp(path, prompts, greedy(len(prompts)), 1, **overrides)
+    if expect_preemption:
+        assert preemptions > 0, "the small KV pool did not preempt"
+    for k, (o, s, (r, logits)) in enumerate(zip(ours, single, refs)):
+        assert_same_tokens(o, r, logits, f"tp=2 {name} prompt {k} vs transformers")
+        assert_same_tokens(o, s, logits, f"tp=2 {name} prompt {k} vs tp=1")
+
+
+# ---- greedy parity: tp=3 on the default SmolLM2 (9 query heads, 3 KV heads) --------------
+
+SMOL_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def smollm_small(tmp_path_factory):
+    """4 chat prompts and transformers' first 16 greedy tokens for each."""
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+    source = resolve_model(None)
+    d = tmp_path_factory.mktemp("gguf")
+    os.symlink(source.path, d / os.path.basename(source.path))
+    hf = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=os.path.basename(source.path),
+                                              torch_dtype="float32").eval()
+    tok = load_tokenizer(source)
+    prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHAT_PROMPTS[3:7]]
+    refs = [hf_greedy(hf, p, tok.eos_token_id) for p in prompts]
+    return prompts, [(r[:SMOL_TOKENS], logits[:SMOL_TOKENS]) for r, logits in refs]
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_matches_tp1_and_transformers(smollm_small):
+    prompts, refs = smollm_small
+    sampling = greedy(len(prompts), SMOL_TOKENS)
+    ours, _ = run_tp("smollm2-135m", prompts, sampling, 3, max_num_batched_tokens=16)
+    single, _ = run_tp("smollm2-135m", prompts, sampling, 1, max_num_batched_tokens=16)
+    for k, (o, s, (r, logits)) in enumerate(zip(ours, single, refs)):
+        assert_same_tokens(o, r, logits, f"tp=3 prompt {k} vs transformers")
+        assert_same_tokens(o, s, logits, f"tp=3 prompt {k} vs tp=1")
+
+
+# ---- seeded sampling ----------------------------------------------------------------------
+
+def test_seeded_sampling_is_identical_across_tp(tiny):
+    path, prompts, _ = tiny
+    seeded = [SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, seed=100 + i)
+              for i in range(4)]
+    # an unseeded request too: the ranks must still agree with each other (the executor
+    # checks a digest of every iteration's tokens and would raise)
+    sampling = seeded + [SamplingParams(max_tokens=24, temperature=1.0)]
+    ours, _ = run_tp(path, prompts[:5], sampling, 2, max_num_batched_tokens=16, max_model_len=512)
+    single, _ = run_tp(path, prompts[:5], sampling, 1, max_num_batched_tokens=16,
+                       max_model_len=512)
+    assert ours[:4] == single[:4]
+    assert len({tuple(t) for t in ours[:4]}) == 4      # different seeds, different draws
+
+
+# ---- the communication pattern ------------------------------------------------------------
+
+def test_one_forward_is_two_all_reduces_per_layer_plus_embedding_and_lm_head(tiny):
+    path, prompts, _ = tiny
+    with LLMEngine(EngineArgs(model=path, tp=2, block_size=16, num_kv_blocks=64,
+                              max_model_len=512), progress=False) as engine:
+        runner = engine.runner
+        cfg = engine.model_config
+        # each rank's KV pool holds only its own KV heads
+        assert runner.runner.kv_caches[0][0].shape[2] == cfg.num_kv_heads // 2
+        engine.add_request(prompts[2], SamplingParams(max_tokens=4, temperature=0.0))
+        for _ in range(2):                          # one prefill, then one decode
+            reduces, gathers = runner.tp.num_all_reduces, runner.tp.num_all_gathers
+            engine.step()
+            assert runner.tp.num_all_reduces - reduces == 2 * cfg.num_layers + 1
+            assert runner.tp.num_all_gathers - gathers == 1
+
+
+def test_an_empty_plan_runs_no_forward(tiny):
+    path, _, _ = tiny
+    with LLMEngine(EngineArgs(model=path, tp=2, block_size=16, num_kv_blocks=64,
+                              max_model_len=512), progress=False) as engine:
+        result = engine.runner.execute(IterationPlan(0, [], [], {}))
+        assert result.sampled == {} and engine.runner.tp.num_all_reduces == 0
+
+
+# ---- failures -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_six_heads(tmp_path_factory) -> str:
+    """6 query heads and 3 KV heads: divides by 3, so tp=3 has two followers."""
+    return write_tiny_llama(tmp_path_factory.mktemp("six"), seed=2, hidden_size=96,
+                            intermediate_size=192, num_attention_heads=6,
+                            num_key_value_heads=3, num_hidden_layers=2)
+
+
+def test_killing_a_follower_ends_the_group_with_an_error_naming_it(tiny_six_heads, capfd):
+    engine = LLMEngine(EngineArgs(model=tiny_six_heads, tp=3, block_size=16, num_kv_blocks=256,
+                                  max_model_len=1024), progress=False)
+    try:
+        followers = engine.runner.followers.procs
+        for i in range(4):
+            engine.add_request([5 + i] * 20, SamplingParams(max_tokens=900, temperature=0.0,
+                                                            ignore_eos=True))
+        engine.step()
+        killed_at = []
+
+        def kill_rank_1():
+            killed_at.append(time.monotonic())
+            os.kill(followers[1].pid, signal.SIGKILL)
+
+        threading.Timer(0.2, kill_rank_1).start()       # while iterations run
+        with pytest.raises(PacerError, match="tp rank 1 .*killed by SIGKILL"):
+            while engine.has_unfinished():
+                engine.step()
+        assert time.monotonic() - killed_at[0] < DEADLINE_S
+        followers[2].wait(timeout=DEADLINE_S)          # the other follower is gone too
+        with pytest.raises(PacerError, match="tp rank 1"):     # and the executor stays down
+            engine.runner.execute(IterationPlan(10_000, [], [], {}))
+    finally:
+        engine.shutdown()
+    assert "pacer: tp rank 2:" in capfd.readouterr().err   # it said why before leaving
+
+
+DRIVER = textwrap.dedent("""
+    import json, sys, time
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+    from shared.sampling import SamplingParams
+    engine = LLMEngine(EngineArgs(model=sys.argv[1], tp=3, block_size=16, num_kv_blocks=64,
+                                  max_model_len=512), progress=False)
+    engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0.0)])
+    print(json.dumps([p.pid for p in engine.runner.followers.procs.values()]), flush=True)
+    time.sleep(600)
+""")
+
+
+def test_killing_rank_0_ends_the_followers(tiny_six_heads, tmp_path):
+    err = open(tmp_path / "stderr", "w+")
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER, tiny_six_heads], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        pids = json.loads(driver.stdout.readline())
+        driver.kill()
+        driver.wait()
+        deadline = time.monotonic() + DEADLINE_S
+        while any(os.path.exists(f"/proc/{p}") and not _is_zombie(p) for p in pids):
+            assert time.monotonic() < deadline, "the followers outlived rank 0"
+            time.sleep(0.1)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    err.seek(0)
+    text = err.read()
+    assert text.count("tp rank 0") >= 2 and "is gone" in text, text
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+# ---- the command line ---------------------------------------------------------------------
+
+def test_pacer_generate_tp2_gives_the_tp1_tokens(tiny, tmp_path):
+    path, prompts, _ = tiny
+    (tmp_path / "in.jsonl").write_text(
+        "".join(json.dumps({"prompt_token_ids": p}) + "\n" for p in prompts[:3]))
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "services.cli", "generate", "--model", path, "--tp", "2",
+         "--max-num-batched-tokens", "16", "--max-model-len", "512", "--num-kv-blocks", "128",
+         "--max-tokens", "12", "--prompts", str(tmp_path / "in.jsonl"), "--output", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "error" not in proc.stderr.lower(), proc.stderr      # followers left cleanly
+    got = [json.loads(line)["token_ids"] for line in out.read_text().splitlines()]
+    single, _ = run_tp(path, prompts[:3], greedy(3, 12), 1, max_num_batched_tokens=16,
+                       max_model_len=512, num_kv_blocks=128)
+    assert got == single
