@@ -88,11 +88,16 @@ class Scheduler:
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
-                    sampling: SamplingParams, reply_to: str = "") -> None:
-        """Queue a request; InvalidRequestError if it could never be served as given."""
+                    sampling: SamplingParams, reply_to: str = "",
+                    output_token_ids: list[int] | None = None) -> None:
+        """Queue a request; InvalidRequestError if it could never be served as given.
+
+        `output_token_ids`: tokens it already generated elsewhere (a request taken over from
+        a scheduler that died); it is recomputed from prompt + those, like a preempted one.
+        """
         self._validate(request_id, prompt_token_ids, sampling)
         request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
-                          reply_to=reply_to)
+                          output_token_ids=list(output_token_ids or ()), reply_to=reply_to)
         self._num_arrivals += 1
         self._requests[request_id] = request
         self.policy.enqueue(self._waiting, request)
@@ -110,6 +115,22 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self._aborted.append(_output(request, []))
+
+    def recompute_running(self) -> list[str]:
+        """The workers lost their KV cache (a worker died): forget the plan in flight and send
+        every running request back to the front of the waiting queue, to be recomputed from
+        its prompt plus the tokens it generated (preemption, for all of them at once).
+        Returns their ids in admission order."""
+        self._in_flight = None
+        lost, self._running = self._running, []
+        for request in reversed(lost):       # each goes to the front: admission order kept
+            self.block_manager.free(request)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.PREEMPTED
+            self.policy.requeue_preempted(self._waiting, request)
+        lost_ids = [r.request_id for r in lost]
+        self._finished_ids.extend(lost_ids)  # a worker that survived drops their state
+        return lost_ids
 
     def get_request(self, request_id: str) -> Request | None:
         """The live request with this id, or None once it finished or was never added."""

@@ -1,0 +1,58 @@
+"""The two core entry points recovery uses, from plain ints: `recompute_running()` after a
+worker died, and `add_request(..., output_token_ids=...)` for a request taken over from a
+scheduler that died. Both must continue a request exactly where it was: same output so far,
+the next sample at the next output position, prompt and generated tokens recomputed."""
+from __future__ import annotations
+
+from scheduler_svc.core import RequestStatus, Scheduler
+from shared.config import SchedulerConfig
+from shared.plan import SampledToken, StepResult
+from shared.sampling import SamplingParams
+
+
+def make_scheduler() -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=32,
+                             block_size=4, max_model_len=128)
+    return Scheduler(config, eos_token_ids=2, max_model_len=128)
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    plan = sched.schedule()
+    sampled = {rid: SampledToken(token) for rid, n in plan.num_scheduled_tokens.items()
+               if sched.get_request(rid).num_uncomputed_tokens == n}
+    return plan, sched.update(plan, StepResult(plan.step, sampled))
+
+
+def test_recompute_running_keeps_generated_tokens_and_order() -> None:
+    sched = make_scheduler()
+    for rid in ("a", "b"):
+        sched.add_request(rid, [10, 11, 12, 13, 14], SamplingParams(max_tokens=8))
+    run_step(sched)
+    run_step(sched)                             # both have 2 output tokens
+    sched.schedule()                            # a plan in flight whose worker dies
+    assert sched.recompute_running() == ["a", "b"]
+    assert sched.num_running == 0 and sched.num_waiting == 2
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+    plan, _ = run_step(sched)                   # no update() of the lost plan is needed
+    assert plan.finished_request_ids == ["a", "b"]      # a surviving worker forgets them
+    assert [r.request_id for r in plan.new_requests] == ["a", "b"]
+    assert plan.new_requests[0].token_ids == [10, 11, 12, 13, 14, 7, 7]
+    assert plan.new_requests[0].num_prompt_tokens == 5
+    assert plan.num_scheduled_tokens == {"a": 7, "b": 7}
+    assert sched.get_request("a").output_token_ids == [7, 7, 7]
+
+
+def test_a_request_resumed_with_output_tokens_is_recomputed_and_continues() -> None:
+    sched = make_scheduler()
+    sched.add_request("r", [10, 11, 12], SamplingParams(max_tokens=5), reply_to="ch",
+                      output_token_ids=[20, 21])
+    plan, outputs = run_step(sched)
+    assert plan.new_requests[0].token_ids == [10, 11, 12, 20, 21]
+    assert plan.new_requests[0].num_prompt_tokens == 3
+    assert outputs[0].num_output_tokens == 3
+    run_step(sched)
+    _, outputs = run_step(sched)
+    assert outputs[0].finished and outputs[0].finish_reason == "length"
+    assert outputs[0].num_output_tokens == 5
+    assert sched.get_request("r") is None
+    assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
