@@ -16,6 +16,7 @@ COMMANDS = [
     "scheduler_svc.cli",
     "gpu_worker.cli",
     "services.up",
+    "services.bench_cmd",
 ]
 
 

@@ -1,0 +1,208 @@
+"""`pacer bench`: the serving benchmark client (vLLM's `bench serve` method) against any
+OpenAI-compatible server.
+
+    pacer bench --base-url http://127.0.0.1:8000 --dataset random --input-len 128 \
+        --output-len 64 --num-prompts 64 --max-concurrency 32 --result-json out.json
+
+Prompts are generated from `--seed` with the model's tokenizer (`--tokenizer`); arrivals are
+Gamma(shape=burstiness, scale=1/(rate·burstiness)); every latency is measured at the client
+(definitions in services/bench_client.py). Failed requests are counted, never fatal.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import urllib.error
+import urllib.request
+
+from shared.errors import PacerError
+
+WIDTH = 50
+LATENCIES = (("ttft", "Time to First Token", "TTFT"),
+             ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
+             ("itl", "Inter-token Latency", "ITL"),
+             ("e2el", "End-to-end Latency", "E2EL"))
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark a running server the way vLLM's `bench serve` does")
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", default=None,
+                   help="the served model name sent as `model` (default: ask /v1/models)")
+    p.add_argument("--tokenizer", default=None,
+                   help="model spec whose tokenizer makes the prompts (default: smollm2-135m)")
+    p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
+                   help="bearer token (default: $OPENAI_API_KEY)")
+    p.add_argument("--dataset", default="random", choices=["random", "sharegpt-like"])
+    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=64, help="random: output tokens")
+    p.add_argument("--range-ratio", type=float, default=0.0,
+                   help="random: lengths uniform in [len·(1-r), len·(1+r)]")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt-like: fix every output length instead of drawing it")
+    p.add_argument("--prompt-format", default="text", choices=["text", "ids"],
+                   help="send prompts as text or as token ids (completions only)")
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests/s (default inf: all at once)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="Gamma shape of the arrival gaps: 1 is Poisson, smaller is burstier")
+    p.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly the drawn output lengths (default on)")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:2000 tpot:200 (names: ttft, tpot, e2el)")
+    p.add_argument("--request-timeout", type=float, default=300.0,
+                   help="seconds one request may take from send to the end of its stream")
+    p.add_argument("--result-json", default=None, help="write the metrics here")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="also write every request's timeline into the JSON")
+    p.set_defaults(run=run)
+
+
+# ---- workload ----------------------------------------------------------------------------
+
+def build_requests(args: argparse.Namespace) -> list:
+    from services.bench_dataset import random_dataset, sharegpt_like_dataset
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+
+    as_ids = args.prompt_format == "ids"
+    if as_ids and args.endpoint.endswith("/chat/completions"):
+        raise PacerError("--prompt-format ids needs --endpoint /v1/completions")
+    if args.num_prompts < 1:
+        raise PacerError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    tokenizer = load_tokenizer(resolve_model(args.tokenizer))
+    if args.dataset == "random":
+        if args.input_len < 1 or args.output_len < 1:
+            raise PacerError("--input-len and --output-len must be >= 1")
+        try:
+            return random_dataset(tokenizer, args.num_prompts, args.input_len, args.output_len,
+                                  args.range_ratio, args.seed, as_ids)
+        except ValueError as e:
+            raise PacerError(f"--range-ratio: {e}") from e
+    return sharegpt_like_dataset(tokenizer, args.num_prompts, args.seed,
+                                 args.sharegpt_output_len, as_ids)
+
+
+def served_model_name(base_url: str, api_key: str | None) -> str:
+    req = urllib.request.Request(base_url.rstrip("/") + "/v1/models")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(req, timeout=10.0) as r:
+            return json.loads(r.read())["data"][0]["id"]
+    except (OSError, ValueError, KeyError, IndexError) as e:
+        raise PacerError(f"cannot read the model name from {base_url}/v1/models ({e}); "
+                         "pass --model") from e
+
+
+# ---- report ------------------------------------------------------------------------------
+
+def format_table(metrics: dict, title: str = "Serving Benchmark Result") -> str:
+    """The metrics as vLLM prints them: one line per figure, a section per latency."""
+    lines = [f" {title} ".center(WIDTH, "=")]
+
+    def row(label: str, value) -> None:
+        text = f"{value:.2f}" if isinstance(value, float) else str(value)
+        lines.append(f"{label:<40}{text:>10}")
+
+    row("Successful requests:", metrics["completed"])
+    row("Failed requests:", metrics["failed"])
+    if metrics.get("max_concurrency") is not None:
+        row("Maximum request concurrency:", metrics["max_concurrency"])
+    row("Benchmark duration (s):", metrics["duration_s"])
+    row("Total input tokens:", metrics["total_input_tokens"])
+    row("Total generated tokens:", metrics["total_output_tokens"])
+    row("Request throughput (req/s):", metrics["request_throughput"])
+    if "request_goodput" in metrics:
+        row("Request goodput (req/s):", metrics["request_goodput"])
+    row("Output token throughput (tok/s):", metrics["output_throughput"])
+    row("Total token throughput (tok/s):", metrics["total_token_throughput"])
+    for key, heading, short in LATENCIES:
+        if f"mean_{key}_ms" not in metrics:
+            continue
+        lines.append(f"{heading}".center(WIDTH, "-"))
+        row(f"Mean {short} (ms):", metrics[f"mean_{key}_ms"])
+        row(f"Median {short} (ms):", metrics[f"median_{key}_ms"])
+        row(f"P99 {short} (ms):", metrics[f"p99_{key}_ms"])
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def _json_safe(value):
+    """JSON has no NaN or Infinity: unknown figures are written as null, an infinite
+    request rate as "inf"."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, float) and math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_result_json(path: str, data: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(_json_safe(data), f, indent=2)
+
+
+# ---- run ---------------------------------------------------------------------------------
+
+def _run_async(coro):
+    """uvloop when installed: the client must not be the bottleneck on a 2-core machine
+    (a loop factory, so the process-wide policy stays as it was)."""
+    try:
+        import uvloop
+        factory = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.bench_client import (ApiTarget, SendOptions, compute_metrics, error_summary,
+                                       parse_goodput, result_records, run_requests)
+
+    try:
+        slos = parse_goodput(args.goodput or [])
+    except ValueError as e:
+        raise PacerError(str(e)) from e
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise PacerError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.request_rate <= 0 or args.burstiness <= 0:
+        raise PacerError("--request-rate and --burstiness must be > 0")
+    requests = build_requests(args)
+    model = args.model or served_model_name(args.base_url, args.api_key)
+    target = ApiTarget(args.base_url, args.endpoint, model, args.api_key)
+    opts = SendOptions(args.temperature, args.ignore_eos, args.request_timeout)
+    print(f"pacer bench: {len(requests)} {args.dataset} prompts to {target.url} "
+          f"(rate {args.request_rate:g}/s, burstiness {args.burstiness:g}, "
+          f"max concurrency {args.max_concurrency or 'none'})", file=sys.stderr, flush=True)
+    results, duration = _run_async(run_requests(
+        target, requests, opts, args.request_rate, args.burstiness, args.max_concurrency,
+        args.seed))
+    metrics = compute_metrics(results, duration, slos)
+    metrics["max_concurrency"] = args.max_concurrency
+    print(format_table(metrics))
+    for message, count in error_summary(results):
+        print(f"failed x{count}: {message}")
+    if args.result_json:
+        config = {k: v for k, v in vars(args).items() if k not in ("run", "api_key")}
+        data = {"config": config, "model": model, **metrics, "goodput_slos_ms": slos,
+                "errors": error_summary(results, limit=20)}
+        if args.save_detailed:
+            data["requests"] = result_records(results)
+        write_result_json(args.result_json, data)
+    return 0 if metrics["completed"] else 1

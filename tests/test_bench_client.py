@@ -1,0 +1,294 @@
+"""`pacer bench`: seeded workloads, Gamma arrivals, the metric arithmetic on hand-made
+timelines, SSE parsing, and real runs against `pacer up` (the whole served system, started by
+tests/served_fixture.py). A small aiohttp stand-in server, clearly marked below, covers only
+the failure shapes a healthy server never produces on demand (an error mid-stream, a stream
+cut before [DONE], a server that never answers)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from services.bench_client import (ApiTarget, RequestResult, SendOptions, _Stream,
+                                   arrival_gaps, compute_metrics, error_summary, meets_slos,
+                                   parse_goodput, run_requests, send_offsets)
+from services.bench_dataset import (SHAREGPT_MAX_TOTAL, SHAREGPT_PROMPT, BenchRequest,
+                                    random_dataset, sharegpt_like_dataset, sharegpt_like_lengths)
+from services.cli import main as pacer_main
+from shared.model_source import resolve_model
+from shared.tokenizer import load_tokenizer
+from tests.served_fixture import API_KEY, Served, served  # noqa: F401
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model(None))
+
+
+# ---- datasets ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_random_dataset_is_deterministic_and_exact(tokenizer, as_ids):
+    a = random_dataset(tokenizer, 12, 40, 16, 0.0, seed=7, as_token_ids=as_ids)
+    b = random_dataset(tokenizer, 12, 40, 16, 0.0, seed=7, as_token_ids=as_ids)
+    c = random_dataset(tokenizer, 12, 40, 16, 0.0, seed=8, as_token_ids=as_ids)
+    assert a == b
+    assert [r.prompt for r in a] != [r.prompt for r in c]
+    assert {(r.prompt_len, r.output_len) for r in a} == {(40, 16)}
+    for r in a:     # the length claimed is the length the server will see
+        ids = r.prompt if as_ids else tokenizer.encode(r.prompt, add_special_tokens=True)
+        assert len(ids) == 40
+
+
+def test_random_dataset_lengths_span_the_range(tokenizer):
+    reqs = random_dataset(tokenizer, 60, 100, 50, 0.5, seed=1, as_token_ids=True)
+    ins = [r.prompt_len for r in reqs]
+    outs = [r.output_len for r in reqs]
+    assert all(50 <= n <= 150 for n in ins) and all(25 <= n <= 75 for n in outs)
+    assert len(set(ins)) > 20          # drawn, not constant
+    special = set(tokenizer.backend.get_added_tokens_decoder())
+    assert not special & {t for r in reqs for t in r.prompt}
+
+
+def test_random_dataset_text_prompts_hit_lengths_in_a_range(tokenizer):
+    reqs = random_dataset(tokenizer, 20, 64, 8, 0.9, seed=3)
+    for r in reqs:
+        assert len(tokenizer.encode(r.prompt, add_special_tokens=True)) == r.prompt_len
+        assert 6 <= r.prompt_len <= 122
+
+
+def test_sharegpt_like_lengths_follow_the_documented_distribution():
+    draws = sharegpt_like_lengths(np.random.default_rng(0), 20_000)
+    assert draws == sharegpt_like_lengths(np.random.default_rng(0), 20_000)
+    prompts = np.array([p for p, _ in draws])
+    outputs = np.array([o for _, o in draws])
+    assert prompts.min() >= 4 and prompts.max() <= SHAREGPT_PROMPT.high
+    assert (prompts + outputs).max() <= SHAREGPT_MAX_TOTAL and outputs.min() >= 1
+    # means near ShareGPT's 161 / 338 (a little under: the clip cuts the long tail)
+    assert 140 < prompts.mean() < 170 and 300 < outputs.mean() < 350
+    assert np.median(prompts) < 0.75 * prompts.mean()        # a long right tail
+
+
+def test_sharegpt_like_dataset_prompts_have_the_drawn_lengths(tokenizer):
+    reqs = sharegpt_like_dataset(tokenizer, 10, seed=5, as_token_ids=True)
+    drawn = sharegpt_like_lengths(np.random.default_rng(5), 10)
+    assert [(r.prompt_len, r.output_len) for r in reqs] == drawn
+    assert [len(r.prompt) for r in reqs] == [p for p, _ in drawn]
+    fixed = sharegpt_like_dataset(tokenizer, 10, seed=5, output_len=32, as_token_ids=True)
+    assert {r.output_len for r in fixed} == {32}
+    assert [r.prompt_len for r in fixed] == [r.prompt_len for r in reqs]
+
+
+# ---- arrivals ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
+def test_gamma_gaps_have_mean_one_over_rate_and_variance_one_over_b(burstiness):
+    rate = 8.0
+    gaps = np.array(arrival_gaps(50_000, rate, burstiness, seed=1))
+    assert gaps.mean() == pytest.approx(1 / rate, rel=0.03)
+    # Gamma(b, 1/(rate·b)): variance b·scale² = 1/(rate²·b)
+    assert gaps.var() == pytest.approx(1 / (rate ** 2 * burstiness), rel=0.08)
+    again = arrival_gaps(100, rate, burstiness, seed=1)
+    assert arrival_gaps(100, rate, burstiness, seed=1) == again
+
+
+def test_infinite_rate_sends_everything_at_once_and_offsets_accumulate_gaps():
+    assert send_offsets(5, math.inf) == [0.0] * 5
+    gaps = arrival_gaps(6, 2.0, 1.0, seed=4)
+    offsets = send_offsets(6, 2.0, 1.0, seed=4)
+    assert offsets[0] == 0.0
+    assert np.allclose(np.diff(offsets), gaps[:5])
+    with pytest.raises(ValueError):
+        arrival_gaps(3, 0.0)
+
+
+# ---- metrics on hand-made timelines ------------------------------------------------------
+
+def timeline(ttft, itl, e2el, tokens, prompt=10, ok=True) -> RequestResult:
+    return RequestResult(success=ok, prompt_len=prompt, output_tokens=tokens, ttft=ttft,
+                         e2el=e2el, itl=list(itl), error="" if ok else "boom")
+
+
+def test_metrics_on_hand_made_timelines():
+    results = [
+        timeline(0.1, [0.2, 0.2], 0.5, 3),          # TPOT (0.5-0.1)/2 = 0.2
+        timeline(0.2, [0.1, 0.3, 0.2], 0.8, 4),     # (0.8-0.2)/3 = 0.2
+        timeline(0.3, [0.4], 0.7, 2),               # 0.4
+        timeline(0.4, [], 0.4, 1),                  # one token: no TPOT, no ITL
+        timeline(None, [], 9.0, 50, ok=False),      # failed: counted, excluded
+    ]
+    m = compute_metrics(results, duration_s=2.0)
+    assert (m["completed"], m["failed"]) == (4, 1)
+    assert m["total_input_tokens"] == 40 and m["total_output_tokens"] == 10
+    assert m["request_throughput"] == pytest.approx(2.0)
+    assert m["output_throughput"] == pytest.approx(5.0)
+    assert m["total_token_throughput"] == pytest.approx(25.0)
+    assert m["mean_ttft_ms"] == pytest.approx(250.0)
+    assert m["median_ttft_ms"] == pytest.approx(250.0)
+    assert m["p99_ttft_ms"] == pytest.approx(100 + 0.99 * 300)      # linear interpolation
+    assert m["mean_tpot_ms"] == pytest.approx(800 / 3)
+    assert m["median_tpot_ms"] == pytest.approx(200.0)
+    itl = [200, 200, 100, 300, 200, 400]                               # pooled over requests
+    assert m["mean_itl_ms"] == pytest.approx(np.mean(itl))
+    assert m["median_itl_ms"] == pytest.approx(200.0)
+    assert m["p99_itl_ms"] == pytest.approx(np.percentile(itl, 99))
+    assert m["median_e2el_ms"] == pytest.approx(600.0)
+    assert "request_goodput" not in m
+    assert error_summary(results) == [("boom", 1)]
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    fast = timeline(0.1, [0.05], 0.15, 2)           # TPOT 50 ms
+    slow_first = timeline(3.0, [0.05], 3.05, 2)
+    slow_tokens = timeline(0.1, [0.5], 0.6, 2)      # TPOT 500 ms
+    one_token = timeline(0.2, [], 0.2, 1)           # no TPOT: only TTFT is judged
+    slos = parse_goodput(["ttft:2000", "tpot:200"])
+    assert slos == {"ttft": 2000.0, "tpot": 200.0}
+    assert [meets_slos(r, slos) for r in (fast, slow_first, slow_tokens, one_token)] == \
+        [True, False, False, True]
+    m = compute_metrics([fast, slow_first, slow_tokens, one_token], 4.0, slos)
+    assert m["request_goodput"] == pytest.approx(0.5)
+    for bad in (["ttft"], ["latency:5"], ["tpot:-1"]):
+        with pytest.raises(ValueError):
+            parse_goodput(bad)
+
+
+def test_metrics_with_nothing_successful_are_nan_not_an_error():
+    m = compute_metrics([timeline(None, [], 0.0, 0, ok=False)], 1.0)
+    assert m["completed"] == 0 and m["failed"] == 1
+    assert math.isnan(m["median_ttft_ms"]) and math.isnan(m["p99_itl_ms"])
+
+
+# ---- SSE parsing -------------------------------------------------------------------------
+
+def test_stream_parsing_times_only_text_chunks_and_reads_usage():
+    r = RequestResult(prompt_len=3, sent_at=10.0)
+    s = _Stream(r, chat=True)
+    role = {"choices": [{"delta": {"role": "assistant", "content": ""}}], "usage": None}
+    s.feed(json.dumps(role), 10.5)                  # no text: not the first token
+    s.feed(json.dumps({"choices": [{"delta": {"content": "Hi"}}]}), 11.0)
+    s.feed(json.dumps({"choices": [{"delta": {"content": " there"}}]}), 11.25)
+    s.feed(json.dumps({"choices": [{"delta": {}, "finish_reason": "length"}]}), 11.3)
+    s.feed(json.dumps({"choices": [], "usage": {"prompt_tokens": 21, "completion_tokens": 3}}),
+           11.3)
+    s.feed("[DONE]", 11.3)
+    assert r.ttft == pytest.approx(1.0) and r.itl == [pytest.approx(0.25)]
+    assert (r.output_tokens, r.prompt_len, s.done, r.error) == (3, 21, True, "")
+
+    r2 = RequestResult(sent_at=0.0)
+    s2 = _Stream(r2, chat=False)
+    s2.feed(json.dumps({"choices": [{"text": "a"}]}), 0.5)
+    s2.feed(json.dumps({"error": {"message": "generation failed: x", "type": "server_error"}}), 0.6)
+    assert r2.ttft == 0.5 and r2.error == "generation failed: x"
+
+
+# ---- against the real served system (`pacer up`) -----------------------------------------
+
+MODEL = "smollm2-135m"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+def test_client_measures_a_real_run(served: Served, tokenizer, endpoint):  # noqa: F811
+    reqs = random_dataset(tokenizer, 4, 24, 6, 0.0, seed=2)
+    target = ApiTarget(served.base_url, endpoint, MODEL, API_KEY)
+    results, duration = asyncio.run(run_requests(target, reqs, SendOptions(timeout_s=120.0),
+                                                 rate=20.0, max_concurrency=2, seed=0))
+    assert [r.error for r in results] == [""] * 4
+    for r in results:
+        assert r.success and r.output_tokens == 6       # ignore_eos: exactly max_tokens
+        assert 0 < r.ttft <= r.e2el <= duration
+        assert len(r.itl) >= 1 and r.tpot is not None
+        if endpoint == "/v1/completions":
+            assert r.prompt_len == 24                    # the usage chunk agrees
+        else:
+            assert r.prompt_len > 24                     # the chat template adds its tokens
+    m = compute_metrics(results, duration)
+    assert m["completed"] == 4 and m["total_output_tokens"] == 24
+
+
+@pytest.mark.slow
+def test_token_id_prompts_and_failures_are_counted_not_raised(served: Served,  # noqa: F811
+                                                               tokenizer):
+    reqs = random_dataset(tokenizer, 2, 16, 4, 0.0, seed=3, as_token_ids=True)
+    good = ApiTarget(served.base_url, "/v1/completions", MODEL, API_KEY)
+    results, _ = asyncio.run(run_requests(good, reqs, SendOptions(timeout_s=120.0)))
+    assert [(r.success, r.prompt_len, r.output_tokens) for r in results] == [(True, 16, 4)] * 2
+
+    wrong_key = ApiTarget(served.base_url, "/v1/completions", MODEL, "not-the-key")
+    no_model = ApiTarget(served.base_url, "/v1/completions", "no-such-model", API_KEY)
+    for target, status in ((wrong_key, "HTTP 401"), (no_model, "HTTP 404")):
+        results, _ = asyncio.run(run_requests(target, reqs, SendOptions(timeout_s=30.0)))
+        assert [r.success for r in results] == [False, False]
+        assert all(r.error.startswith(status) for r in results), results[0].error
+
+
+@pytest.mark.slow
+def test_pacer_bench_command_prints_and_writes_json(served: Served, tmp_path, capsys):  # noqa: F811
+    out = tmp_path / "result.json"
+    rc = pacer_main(["bench", "--base-url", served.base_url, "--api-key", API_KEY,
+                     "--dataset", "sharegpt-like", "--sharegpt-output-len", "4",
+                     "--num-prompts", "3", "--request-rate", "50", "--burstiness", "0.5",
+                     "--max-concurrency", "2", "--goodput", "ttft:600000",
+                     "--result-json", str(out), "--save-detailed"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Serving Benchmark Result" in text and "Median TTFT (ms):" in text
+    data = json.loads(out.read_text())
+    assert data["model"] == MODEL and data["completed"] == 3 and data["failed"] == 0
+    assert data["total_output_tokens"] == 12
+    assert data["request_goodput"] == pytest.approx(data["request_throughput"])
+    assert data["config"]["request_rate"] == 50.0 and "api_key" not in data["config"]
+    assert len(data["requests"]) == 3 and all(r["ttft"] > 0 for r in data["requests"])
+
+
+# ---- failure shapes, against a STAND-IN server (not pacer) -------------------------------
+# A few lines of aiohttp that write OpenAI-shaped SSE and then misbehave on purpose.
+
+RELEASE = web.AppKey("release", asyncio.Event)
+
+
+async def _standin(request: web.Request) -> web.StreamResponse:
+    body = await request.json()
+    mode = body["prompt"]
+    if mode == "hang":           # answers nothing until the test lets it go
+        await request.app[RELEASE].wait()
+        return web.Response(status=503)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await resp.write(b'data: {"choices":[{"text":"x","index":0}]}\n\n')
+    if mode == "error":
+        await resp.write(b'data: {"error":{"message":"generation failed: worker died"}}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+    # mode "cut": the stream ends without usage or [DONE]
+    await resp.write_eof()
+    return resp
+
+
+async def test_failures_midstream_cut_and_timeout_are_recorded():
+    app = web.Application()
+    app[RELEASE] = asyncio.Event()
+    app.router.add_post("/v1/completions", _standin)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        target = ApiTarget(f"http://127.0.0.1:{port}", "/v1/completions", "m")
+        reqs = [BenchRequest(mode, 1, 4) for mode in ("error", "cut", "hang")]
+        results, _ = await run_requests(target, reqs, SendOptions(timeout_s=1.0))
+    finally:
+        app[RELEASE].set()
+        await runner.cleanup()
+    errors = [r.error for r in results]
+    assert errors[0] == "generation failed: worker died"
+    assert errors[1] == "the stream ended without [DONE]"
+    assert errors[2] == "timed out after 1 s"
+    assert not any(r.success for r in results)
+    m = compute_metrics(results, 1.0)
+    assert (m["completed"], m["failed"]) == (0, 3)
