@@ -12,6 +12,7 @@ COMMANDS = [
     "services.generate_cmd",
     "services.cost_cmd",
     "services.calibrate_cmd",
+    "services.simulate_cmd",
     "gateway.cli",
     "scheduler_svc.cli",
     "gpu_worker.cli",

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from scheduler_svc.iteration_cost import latency_cost_for
 from shared.config import (SchedulerConfig, kv_block_bytes, kv_cache_dtype,
                            num_blocks_for_memory)
 from shared.engine_args import EngineArgs
@@ -73,7 +74,9 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=num_blocks, block_size=args.block_size,
-        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill)
+        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        max_iteration_ms=args.max_iteration_ms,
+        iteration_cost=latency_cost_for(args.max_iteration_ms, args.hw, cfg, DTYPE_BYTES[args.dtype]))
     return EngineLayout(args, source, cfg, max_model_len, scheduler_config)
 
 

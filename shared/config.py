@@ -1,8 +1,11 @@
 """Frozen, validated configuration built once at start-up and passed explicitly."""
 from __future__ import annotations
 
+import math
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from shared.errors import PacerError
 
@@ -25,6 +28,17 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+class IterationCostModel(Protocol):
+    """What the latency budget asks of a cost model (`scheduler_svc.iteration_cost` has the
+    roofline one). Chunks are `(q_rows, kv_len)`: a decode at context L is `(1, L)`."""
+
+    def max_prefill_rows(self, budget_ms: float, chunks: Sequence[tuple[int, int]],
+                         prefix_len: int) -> int:
+        """The most rows of a prefill chunk over a cached prefix of `prefix_len` that keep the
+        iteration `chunks + [that chunk]` within `budget_ms`; 0 if not even one row does."""
+        ...
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS   # the token budget
@@ -33,12 +47,22 @@ class SchedulerConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    # The latency budget (article 05 §5): prefill rides along with the decodes only as far as
+    # `iteration_cost` says fits in this many ms. None: the token budget alone.
+    max_iteration_ms: float | None = None
+    iteration_cost: IterationCostModel | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "num_kv_blocks", "block_size",
                      "max_model_len"):
             if getattr(self, name) < 1:
                 raise PacerError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        ms = self.max_iteration_ms
+        if ms is not None:
+            if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
+                raise PacerError(f"--max-iteration-ms must be a positive number, got {ms!r}")
+            if self.iteration_cost is None:
+                raise PacerError("--max-iteration-ms needs a cost model: give --hw NAME|hw.json")
 
 
 def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,

@@ -22,6 +22,8 @@ class EngineArgs:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    max_iteration_ms: float | None = None
+    hw: str | None = None
     seed: int | None = None
 
     @staticmethod
@@ -46,6 +48,12 @@ class EngineArgs:
                        help="context length (default: the model's)")
         p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", help="whole prompts in one iteration (ORCA only)")
+        p.add_argument("--max-iteration-ms", type=float, default=None,
+                       help="latency budget: cut each prefill chunk to what the cost model says "
+                            "fits in this many ms beside the decodes (needs --hw)")
+        p.add_argument("--hw", default=None,
+                       help="hardware profile for --max-iteration-ms: h100, h200, a100, or a JSON "
+                            "written by `pacer calibrate`")
         p.add_argument("--seed", type=int, default=None, help="seed for unseeded sampling")
 
     @classmethod

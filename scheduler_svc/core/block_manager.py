@@ -50,10 +50,13 @@ class BlockManager:
         has too few free blocks.
         """
         table = request.block_table
+        needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
+        if table and needed <= len(table):
+            return []           # the common decode: its last block still has room
         registered = self._tables.get(request.request_id)
         assert registered is None or registered is table, \
             f"request {request.request_id!r} holds a second block table"
-        missing = self.blocks_needed(request.num_computed_tokens + num_new_tokens) - len(table)
+        missing = needed - len(table)
         if missing > len(self._free):
             return None
         new_ids = [self._free.popleft() for _ in range(max(missing, 0))]

@@ -38,7 +38,7 @@ _FINISH_REASONS = {
 }
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)   # slots: the scheduler reads these fields every iteration
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -70,7 +70,8 @@ class Request:
     @property
     def num_uncomputed_tokens(self) -> int:
         """Rows still to feed before the request can sample: a decode has exactly one."""
-        return self.num_tokens - self.num_computed_tokens
+        # Spelled out rather than via num_tokens: read for every row of every iteration.
+        return len(self.prompt_token_ids) + len(self.output_token_ids) - self.num_computed_tokens
 
 
 def stop_status(request: Request, eos_token_ids: frozenset[int],

@@ -9,6 +9,11 @@ Every iteration is decided afresh, in this order:
    budget and the sequence cap allow; a prompt longer than the budget left is cut into a chunk
    that rides along with the decodes.
 
+With `max_iteration_ms` set, a latency budget also sizes every prefill chunk (continued or
+new): the decodes are reserved first and the chunk is cut to what the cost model says still
+fits (`latency_budget.py`). ORCA-only mode then limits how many whole prompts join one
+iteration instead.
+
 The caller drives it in a strict loop: `plan = schedule()`, run the plan, `update(plan,
 result)`, repeat. `update()` advances `num_computed_tokens`, so a second `schedule()` before it
 would schedule the same rows twice and is refused.
@@ -23,6 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from scheduler_svc.core.block_manager import BlockManager
+from scheduler_svc.core.latency_budget import IterationLatency
 from scheduler_svc.core.policy import FcfsPolicy
 from scheduler_svc.core.request import Request, RequestStatus, stop_status
 from shared.config import SchedulerConfig
@@ -36,6 +42,7 @@ from shared.sampling import SamplingParams
 class _Iteration:
     """What one `schedule()` call has decided so far."""
     token_budget: int
+    latency: IterationLatency | None = None
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, rows)
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
@@ -154,7 +161,7 @@ class Scheduler:
     def schedule(self) -> IterationPlan:
         """Decide the next iteration. An empty plan still carries finished_request_ids."""
         self._require_updated()
-        iteration = _Iteration(self.config.max_num_batched_tokens)
+        iteration = _Iteration(self.config.max_num_batched_tokens, self._latency_budget())
         self._continue_running(iteration)
         if not iteration.preempted_ids:
             self._admit_waiting(iteration)
@@ -165,7 +172,10 @@ class Scheduler:
         tokens, apply stop conditions. Returns one output per request that got a token or
         finished (pending aborts first)."""
         scheduled = self._in_flight_for(plan, result)
-        live = [(request, rows) for request, rows in scheduled if not request.status.is_finished]
+        # A scheduled request is running unless it was aborted since (identity, not
+        # is_finished: this runs for every row of every iteration).
+        running = RequestStatus.RUNNING
+        live = [(request, rows) for request, rows in scheduled if request.status is running]
         _check_sampled(plan.step, scheduled, live, result)
         self._in_flight = None
         outputs, self._aborted = self._aborted, []
@@ -177,16 +187,42 @@ class Scheduler:
 
     # ---- scheduling steps ----------------------------------------------------------------
 
+    def _latency_budget(self) -> IterationLatency | None:
+        config = self.config
+        if config.max_iteration_ms is None or config.iteration_cost is None:
+            return None
+        # Every decode is reserved up front, so a prefill earlier in the running list cannot
+        # take the time of a decode later in it.
+        decodes = [(1, r.num_tokens) for r in self._running if self._rows_wanted(r) == 1]
+        return IterationLatency(config.iteration_cost, config.max_iteration_ms,
+                                config.block_size, decodes)
+
     def _continue_running(self, iteration: _Iteration) -> None:
         index = 0
         while index < len(self._running) and iteration.budget_left > 0:
             request = self._running[index]
-            rows = min(self._rows_wanted(request), iteration.budget_left)
+            rows = self._chunk_rows(request, iteration)
+            if rows == 0:
+                index += 1      # its prefill waits for an iteration with time to spare
+                continue
             new_block_ids = self._allocate_or_preempt(request, rows, index, iteration)
             if new_block_ids is None:
                 return          # it preempted itself, so it was the last one running
             iteration.add_cached(request, rows, new_block_ids)
             index += 1
+
+    def _chunk_rows(self, request: Request, iteration: _Iteration) -> int:
+        """Rows of a running request this iteration: a decode's one, or a prefill chunk cut
+        to the token budget left and to the latency budget."""
+        wanted = self._rows_wanted(request)
+        if wanted == 1:
+            return 1            # a decode; the caller checked that budget is left
+        rows = min(wanted, iteration.budget_left)
+        if iteration.latency is not None:   # decodes were reserved already
+            rows = iteration.latency.prefill_rows(rows, request.num_computed_tokens)
+            if rows:
+                iteration.latency.add_prefill(rows, request.num_computed_tokens)
+        return rows
 
     def _allocate_or_preempt(self, request: Request, rows: int, index: int,
                              iteration: _Iteration) -> list[int] | None:
@@ -221,6 +257,20 @@ class Scheduler:
             iteration.add_new(request, rows)
 
     def _admission_rows(self, request: Request, iteration: _Iteration) -> int:
+        rows = self._admission_rows_by_tokens(request, iteration)
+        latency = iteration.latency
+        if rows == 0 or latency is None:
+            return rows
+        prefix = request.num_computed_tokens
+        if self.config.enable_chunked_prefill:
+            rows = latency.prefill_rows(rows, prefix)
+        elif not latency.whole_prefill_fits(rows, prefix):
+            rows = 0
+        if rows:
+            latency.add_prefill(rows, prefix)
+        return rows
+
+    def _admission_rows_by_tokens(self, request: Request, iteration: _Iteration) -> int:
         wanted = self._rows_wanted(request)
         if self.config.enable_chunked_prefill:
             return min(wanted, iteration.budget_left)
@@ -233,7 +283,8 @@ class Scheduler:
         return 0
 
     def _rows_wanted(self, request: Request) -> int:
-        return min(request.num_tokens, self.max_model_len) - request.num_computed_tokens
+        num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)  # hot path
+        return min(num_tokens, self.max_model_len) - request.num_computed_tokens
 
     def _emit_plan(self, iteration: _Iteration) -> IterationPlan:
         plan = IterationPlan(
@@ -266,8 +317,10 @@ class Scheduler:
     def _append_token(self, request: Request, token: SampledToken) -> RequestOutput:
         request.output_token_ids.append(token.token_id)
         status = stop_status(request, self.eos_token_ids, self.max_model_len)
-        if status is not None:
-            self._finish(request, status)
+        if status is None:      # the common case, built directly: one per token
+            return RequestOutput(request.request_id, [token], False, None,
+                                 len(request.prompt_token_ids), len(request.output_token_ids))
+        self._finish(request, status)
         return _output(request, [token])
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
@@ -318,8 +371,9 @@ def _check_sampled(step: int, scheduled: list[tuple[Request, int]],
     """The workers must sample exactly the requests whose chunk reached their last token
     (aborted ones may or may not have a token; it is dropped)."""
     expected = {r.request_id for r, rows in live if rows == r.num_uncomputed_tokens}
-    aborted = {r.request_id for r, _ in scheduled if r.status.is_finished}
-    got = set(result.sampled) - aborted
+    got = set(result.sampled)
+    if len(live) < len(scheduled):
+        got -= {r.request_id for r, _ in scheduled if r.status.is_finished}
     if got != expected:
         raise ValueError(f"step {step}: expected sampled tokens for {sorted(expected)}, "
                          f"got {sorted(got)}")

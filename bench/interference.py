@@ -1,0 +1,228 @@
+"""Interference, measured: steady decode streams while ~1.5k-token prompts arrive (article 05 §3).
+
+The default model in the in-process engine. Each run starts `--streams` decode streams (short
+prompts, long outputs, EOS ignored) and adds a long prompt at fixed iterations; every token is
+stamped with the wall clock when the iteration that sampled it returns. ORCA only
+(`--no-chunked-prefill`) and the default chunked configuration alternate A, B, A, B on the
+same engine and weights. Reported per mode: median and worst inter-token gap of the decode
+streams, the long prompts' TTFT; and, per iteration kind, how far the calibrated roofline's
+prediction is from the measured iteration time.
+
+    python bench/interference.py [--repeats 2] [--hw hw.json] [--json out.json] [--plot docs/interference.png]
+
+Without --hw it runs `pacer calibrate --quick` in-process first.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from dataclasses import dataclass, field, replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from bench.common import print_table, random_prompts, write_json  # noqa: E402
+from scheduler_svc.cost_model import model_shape_of  # noqa: E402
+from scheduler_svc.iteration_cost import RooflineCost  # noqa: E402
+from services.engine import DTYPE_BYTES, LLMEngine, build_scheduler  # noqa: E402
+from shared.engine_args import EngineArgs  # noqa: E402
+from shared.hardware import hardware_from_dict, load_hardware  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+
+MODES = {"orca": False, "chunked": True}
+
+
+@dataclass
+class Run:
+    mode: str
+    token_times: dict[str, list[float]] = field(default_factory=dict)   # request -> stamps
+    added_at: dict[str, float] = field(default_factory=dict)
+    iterations: list[dict] = field(default_factory=list)  # start_s, ms, chunks, kind
+
+
+def iteration_kind(chunks: list[tuple[int, int]]) -> str:
+    prefill = any(q > 1 for q, _ in chunks)
+    decode = any(q == 1 for q, _ in chunks)
+    return "mixed" if prefill and decode else "prefill" if prefill else "decode"
+
+
+def one_step(engine: LLMEngine, run: Run, t0: float) -> None:
+    """`LLMEngine.step()` spelled out so that the plan's chunks are seen for the cost model."""
+    start = time.perf_counter()
+    plan = engine.scheduler.schedule()
+    chunks = [(plan.num_scheduled_tokens[r.request_id],
+               r.num_computed_tokens + plan.num_scheduled_tokens[r.request_id])
+              for r in [*plan.new_requests, *plan.cached_requests]]
+    result = engine.runner.execute(plan)
+    outputs = engine.scheduler.update(plan, result)
+    now = time.perf_counter()
+    for out in outputs:
+        if out.new_tokens:
+            run.token_times.setdefault(out.request_id, []).append(now - t0)
+    if chunks:
+        run.iterations.append({"start_s": start - t0, "ms": (now - start) * 1e3,
+                               "chunks": chunks, "kind": iteration_kind(chunks)})
+
+
+def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
+             avoid: tuple[int, ...], seed: int) -> Run:
+    """One run: the streams, long prompts at fixed iterations, until everything finished."""
+    old = engine.scheduler                  # idle: one empty plan tells the runner which
+    plan = old.schedule()                   # requests it finished last, then the policy swaps
+    old.update(plan, engine.runner.execute(plan))
+    layout = replace(engine.layout, scheduler_config=replace(
+        engine.layout.scheduler_config, enable_chunked_prefill=MODES[mode]))
+    engine.scheduler = build_scheduler(layout)
+    stream_prompts = random_prompts(args.streams, 16, 48, vocab, seed, avoid)
+    long_prompts = random_prompts(len(args.long_at), args.long_len - 100, args.long_len + 100,
+                                  vocab, seed + 1, avoid)
+    decode_sp = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True)
+    long_sp = SamplingParams(max_tokens=args.long_tokens, temperature=0.0, ignore_eos=True)
+    run = Run(mode)
+    t0 = time.perf_counter()
+    for i, p in enumerate(stream_prompts):
+        engine.add_request(p, decode_sp, request_id=f"s{i}")
+        run.added_at[f"s{i}"] = 0.0
+    step = 0
+    while engine.has_unfinished():
+        for j, at in enumerate(args.long_at):
+            if step == at:
+                engine.add_request(long_prompts[j], long_sp, request_id=f"long{j}")
+                run.added_at[f"long{j}"] = time.perf_counter() - t0
+        one_step(engine, run, t0)
+        step += 1
+    return run
+
+
+def gaps_ms(run: Run, prefix: str) -> np.ndarray:
+    return np.concatenate([np.diff(t) * 1e3 for rid, t in run.token_times.items()
+                           if rid.startswith(prefix) and len(t) > 1] or [np.empty(0)])
+
+
+def summarize(run: Run) -> dict:
+    gaps = gaps_ms(run, "s")
+    ttft = [(run.token_times[r][0] - run.added_at[r]) * 1e3 for r in run.token_times
+            if r.startswith("long")]
+    return {"mode": run.mode, "gap_median_ms": float(np.median(gaps)),
+            "gap_p99_ms": float(np.percentile(gaps, 99)), "gap_max_ms": float(gaps.max()),
+            "gap_max_over_median": float(gaps.max() / np.median(gaps)),
+            "long_ttft_median_ms": float(np.median(ttft)), "long_ttft_max_ms": float(max(ttft)),
+            "iterations": len(run.iterations)}
+
+
+def cost_model_error(runs: list[Run], cost: RooflineCost) -> list[dict]:
+    """Per iteration kind: the median absolute percentage error of the prediction, and the
+    median measured / predicted (how far the machine runs from its own roofline)."""
+    rows = []
+    for kind in ("decode", "mixed", "prefill"):
+        its = [it for r in runs for it in r.iterations if it["kind"] == kind]
+        if not its:
+            continue
+        measured = np.array([it["ms"] for it in its])
+        predicted = np.array([cost.iteration_ms(it["chunks"]) for it in its])
+        rows.append({"kind": kind, "iterations": len(its),
+                     "measured_median_ms": float(np.median(measured)),
+                     "predicted_median_ms": float(np.median(predicted)),
+                     "mape_pct": float(np.median(np.abs(predicted - measured) / measured) * 100),
+                     "measured_over_predicted": float(np.median(measured / predicted))})
+    return rows
+
+
+def hardware(args: argparse.Namespace):
+    if args.hw:
+        return load_hardware(args.hw), None
+    from services.calibrate_cmd import calibrate
+    profile = calibrate(quick=True, device="cpu")
+    return hardware_from_dict(profile), profile
+
+
+def plot(runs: list[Run], cost: RooflineCost, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    for run in runs[:2]:                       # the first A and the first B
+        streams = [t for rid, t in sorted(run.token_times.items())
+                   if rid.startswith("s") and len(t) > 1]
+        for i, t in enumerate(streams):
+            left.plot(t[1:], np.diff(t) * 1e3, ".", ms=3,
+                      color="C0" if run.mode == "orca" else "C1",
+                      label=run.mode if i == 0 else None)
+        for rid, at in run.added_at.items():
+            if rid.startswith("long"):
+                left.axvline(at, color="C0" if run.mode == "orca" else "C1", ls=":", lw=0.8)
+    left.set(yscale="log", xlabel="wall time since start (s)", ylabel="decode inter-token gap (ms)",
+             title="decode streams (dotted: a long prompt arrives)")
+    for kind, colour in (("decode", "C2"), ("mixed", "C3"), ("prefill", "C4")):
+        its = [it for r in runs for it in r.iterations if it["kind"] == kind]
+        if its:
+            right.scatter([cost.iteration_ms(it["chunks"]) for it in its],
+                          [it["ms"] for it in its], s=6, color=colour, label=kind)
+    lo, hi = right.get_xlim()[0], max(right.get_ylim()[1], right.get_xlim()[1])
+    right.plot([lo, hi], [lo, hi], "k--", lw=0.8, label="measured = predicted")
+    right.set(xscale="log", yscale="log", xlabel="roofline prediction (ms)",
+              ylabel="measured iteration (ms)", title=f"cost model vs measured ({cost.hw.name})")
+    for ax in (left, right):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=8)
+    ap.add_argument("--stream-tokens", type=int, default=40)
+    ap.add_argument("--long-len", type=int, default=1500)
+    ap.add_argument("--long-tokens", type=int, default=4)
+    ap.add_argument("--long-at", default="8,24", help="iterations at which long prompts arrive")
+    ap.add_argument("--repeats", type=int, default=2, help="A, B pairs")
+    ap.add_argument("--hw", default=None, help="hardware JSON (default: calibrate --quick now)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    args.long_at = [int(x) for x in args.long_at.split(",")]
+
+    hw, profile = hardware(args)
+    engine = LLMEngine(EngineArgs(dtype=args.dtype), progress=False)
+    cost = RooflineCost(model_shape_of(engine.model_config, "smollm2-135m"), hw,
+                        DTYPE_BYTES[args.dtype])
+    vocab, avoid = engine.model_config.vocab_size, tuple(engine.model_config.eos_token_ids)
+    warm = random_prompts(2, args.long_len, args.long_len, vocab, 99, avoid)
+    engine.generate(warm, [SamplingParams(max_tokens=4, temperature=0.0)] * 2)   # warm-up
+    runs = [run_mode(engine, mode, args, vocab, avoid, seed=rep)
+            for rep in range(args.repeats) for mode in MODES]
+    summaries = [summarize(r) | {"repeat": i // len(MODES)} for i, r in enumerate(runs)]
+    errors = cost_model_error(runs, cost)
+    print(f"{args.streams} decode streams, {len(args.long_at)} prompts of ~{args.long_len} "
+          f"tokens per run, budget {engine.scheduler_config.max_num_batched_tokens} rows, "
+          f"{args.dtype}, torch threads {__import__('torch').get_num_threads()}")
+    print_table(summaries, ["repeat", "mode", "gap_median_ms", "gap_p99_ms", "gap_max_ms",
+                            "gap_max_over_median", "long_ttft_median_ms", "long_ttft_max_ms",
+                            "iterations"])
+    ratios = {}
+    for key in ("gap_max_ms", "gap_median_ms", "long_ttft_median_ms"):
+        pairs = [(a[key], b[key]) for a, b in zip(summaries[0::2], summaries[1::2])]
+        ratios[f"orca_over_chunked_{key}"] = float(np.median([a / b for a, b in pairs]))
+    print("ORCA / chunked, median over repeats: "
+          + ", ".join(f"{k.removeprefix('orca_over_chunked_')} {v:.2f}x" for k, v in ratios.items()))
+    print(f"\nroofline ({hw.name}) vs measured iteration time:")
+    print_table(errors, ["kind", "iterations", "measured_median_ms", "predicted_median_ms",
+                         "mape_pct", "measured_over_predicted"])
+    write_json(args.json, {"runs": summaries, "ratios": ratios, "cost_model": errors,
+                           "hardware": hw.to_dict() if profile is None else profile,
+                           "args": vars(args),
+                           "iterations": {f"{r.mode}-{i // 2}": r.iterations
+                                          for i, r in enumerate(runs)}})
+    if args.plot:
+        plot(runs, cost, args.plot)
+
+
+if __name__ == "__main__":
+    main()

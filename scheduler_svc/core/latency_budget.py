@@ -1,0 +1,45 @@
+"""The latency budget of one iteration (article 05 §5): besides "at most N Q rows", "at most
+M ms", as a cost model estimates it.
+
+Decodes always run: their chunks are reserved before any prefill is sized, and a prefill chunk
+is cut to what still fits. So that a waiting prompt cannot starve behind decodes that alone
+fill the budget, the first prefill of an iteration may always take `min_rows` (one KV block):
+the iteration then runs over budget by one block's worth of rows, and the queue moves.
+
+The cost model is passed in (`shared.config.IterationCostModel`), so the core reads no
+hardware profile and imports nothing beyond the stdlib.
+"""
+from __future__ import annotations
+
+from shared.config import IterationCostModel
+
+Chunk = tuple[int, int]   # (q_rows, kv_len)
+
+
+class IterationLatency:
+    """One `schedule()` call's view of the budget: the chunks placed so far."""
+
+    def __init__(self, cost: IterationCostModel, budget_ms: float, min_rows: int,
+                 decode_chunks: list[Chunk]) -> None:
+        self._cost = cost
+        self._budget_ms = budget_ms
+        self._min_rows = min_rows
+        self._chunks = decode_chunks
+        self._has_prefill = False
+
+    def prefill_rows(self, wanted: int, prefix_len: int) -> int:
+        """How many of `wanted` prefill rows over a cached `prefix_len` fit; may be 0."""
+        floor = 0 if self._has_prefill else min(wanted, self._min_rows)
+        if wanted <= floor:
+            return wanted
+        fits = self._cost.max_prefill_rows(self._budget_ms, self._chunks, prefix_len)
+        return min(wanted, max(fits, floor))
+
+    def whole_prefill_fits(self, rows: int, prefix_len: int) -> bool:
+        """ORCA mode never cuts a prompt: it goes whole if it fits, or if it is the first
+        prefill of the iteration (else a long prompt would wait for ever)."""
+        return not self._has_prefill or self.prefill_rows(rows, prefix_len) == rows
+
+    def add_prefill(self, rows: int, prefix_len: int) -> None:
+        self._chunks.append((rows, prefix_len + rows))
+        self._has_prefill = True

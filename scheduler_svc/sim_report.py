@@ -1,0 +1,98 @@
+"""What a simulation run reports: TTFT and TBT distributions, throughput, iteration times.
+
+Latencies in ms as mean, median, p99 and max (BENCHMARKS.md); the headline of article 05 §3 is
+`tbt max / median`: hundreds without chunking when a long prompt lands, a few with it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from scheduler_svc.simulator import SimResult
+
+
+def latency_stats(values_ms: Sequence[float]) -> dict[str, float | int]:
+    """mean, median, p99 and max of a sample (nan for an empty one)."""
+    a = np.asarray(values_ms, dtype=float)
+    if a.size == 0:
+        return {"n": 0, "mean": math.nan, "median": math.nan, "p99": math.nan, "max": math.nan}
+    return {"n": int(a.size), "mean": float(a.mean()), "median": float(np.median(a)),
+            "p99": float(np.percentile(a, 99)), "max": float(a.max())}
+
+
+def summarize(result: SimResult) -> dict[str, Any]:
+    first = np.asarray(result.first_token_s)
+    finish = np.asarray(result.finish_s)
+    arrival = np.asarray([a.arrival_s for a in result.arrivals])
+    kinds = np.asarray([a.kind for a in result.arrivals])
+    tbt = np.frombuffer(result.tbt_ms, dtype=float) if len(result.tbt_ms) else np.empty(0)
+    ttft_ms = (first - arrival) * 1e3
+    out_tokens = sum(a.output_len for a in result.arrivals)
+    in_tokens = sum(a.prompt_len for a in result.arrivals)
+    span = float(finish.max() - arrival.min()) if finish.size else math.nan
+    tbt_stats = latency_stats(tbt)
+    summary: dict[str, Any] = {
+        "mode": result.mode,
+        "requests": len(result.arrivals),
+        "rejected": len(result.rejected),
+        "ttft_ms": latency_stats(ttft_ms),
+        "tbt_ms": tbt_stats,
+        "tbt_max_over_median": tbt_stats["max"] / tbt_stats["median"] if tbt.size else math.nan,
+        "iteration_ms": latency_stats(np.frombuffer(result.timeline.ms, dtype=float)),
+        "iterations": len(result.timeline),
+        "preemptions": result.num_preemptions,
+        "duration_s": span,
+        "requests_per_s": len(result.arrivals) / span,
+        "output_tokens_per_s": out_tokens / span,
+        "total_tokens_per_s": (in_tokens + out_tokens) / span,
+        "sim_wall_s": result.wall_s,
+        "sim_cpu_s": result.cpu_s,
+    }
+    for kind in sorted(set(kinds.tolist()) - {"main"}):
+        summary[f"ttft_ms_{kind}"] = latency_stats(ttft_ms[kinds == kind])
+    return summary
+
+
+_ROWS = [("TTFT mean ms", "ttft_ms", "mean"), ("TTFT median ms", "ttft_ms", "median"),
+         ("TTFT p99 ms", "ttft_ms", "p99"), ("TTFT max ms", "ttft_ms", "max"),
+         ("TBT mean ms", "tbt_ms", "mean"), ("TBT median ms", "tbt_ms", "median"),
+         ("TBT p99 ms", "tbt_ms", "p99"), ("TBT max ms", "tbt_ms", "max"),
+         ("TBT max / median", "tbt_max_over_median", None),
+         ("iteration median ms", "iteration_ms", "median"),
+         ("iteration max ms", "iteration_ms", "max"),
+         ("iterations", "iterations", None), ("preemptions", "preemptions", None),
+         ("requests (rejected)", None, None),
+         ("requests/s", "requests_per_s", None), ("output tok/s", "output_tokens_per_s", None),
+         ("total tok/s", "total_tokens_per_s", None), ("simulated s", "duration_s", None),
+         ("sim wall s (cpu s)", None, None)]
+
+
+def _cell(summary: dict[str, Any], label: str, key: str | None, sub: str | None) -> str:
+    if label.startswith("requests ("):
+        return f"{summary['requests']} ({summary['rejected']})"
+    if label.startswith("sim wall"):
+        return f"{summary['sim_wall_s']:.2f} ({summary['sim_cpu_s']:.2f})"
+    if key not in summary:
+        return "-"
+    value = summary[key][sub] if sub else summary[key]
+    if isinstance(value, int):
+        return str(value)
+    return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.3g}"
+
+
+def format_table(summaries: list[dict[str, Any]]) -> str:
+    """The modes side by side, one row per metric."""
+    rows = list(_ROWS)
+    extra = sorted({k for s in summaries for k in s if k.startswith("ttft_ms_")})
+    for key in extra:
+        kind = key.removeprefix("ttft_ms_")
+        rows += [(f"TTFT {kind} median ms", key, "median"), (f"TTFT {kind} max ms", key, "max")]
+    header = ["metric"] + [s["mode"] for s in summaries]
+    table = [header] + [[label] + [_cell(s, label, key, sub) for s in summaries]
+                        for label, key, sub in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))) for r in table)

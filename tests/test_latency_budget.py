@@ -1,0 +1,305 @@
+"""The latency budget (`max_iteration_ms`): the cost model caps how much prefill rides along
+with the decodes, decodes always run, and a prompt always makes at least one block of progress.
+
+Costs are plain ints: `RowCost` prices an iteration at `row_ms` per Q row plus `kv_ms` per
+KV row, so the expected chunk sizes can be worked out by hand. The roofline's closed form
+(`scheduler_svc.iteration_cost`) is held to `cost_model.py`'s search on a made-up model and
+machine.
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.core import Scheduler
+from scheduler_svc.cost_model import ModelShape, estimate_iteration, max_prefill_tokens_within
+from scheduler_svc.iteration_cost import RooflineCost, latency_cost_for
+from shared.config import SchedulerConfig
+from shared.engine_args import EngineArgs
+from shared.errors import PacerError
+from shared.hardware import HardwareProfile
+from shared.plan import IterationPlan
+from test_scheduler_core import FakeWorker, add, check_plan, run, step
+from test_scheduler_properties import Driver, check_orca
+from test_scheduler_properties import aborts as abort_st
+from test_scheduler_properties import arrivals as arrival_st
+
+
+@dataclass(frozen=True)
+class RowCost:
+    """time = row_ms · Q rows + kv_ms · KV rows, summed over chunks."""
+    row_ms: int = 1
+    kv_ms: int = 0
+
+    def iteration_ms(self, chunks: Sequence[tuple[int, int]]) -> int:
+        return sum(self.row_ms * q + self.kv_ms * kv for q, kv in chunks)
+
+    def max_prefill_rows(self, budget_ms: float, chunks: Sequence[tuple[int, int]],
+                         prefix_len: int) -> int:
+        left = budget_ms - self.iteration_ms(chunks) - self.kv_ms * prefix_len
+        return max(0, int(left // (self.row_ms + self.kv_ms)))
+
+
+def make(budget_ms: float, cost=RowCost(), token_budget: int = 1000, chunked: bool = True,
+         block_size: int = 4, num_blocks: int = 256, max_seqs: int = 16) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=token_budget, max_num_seqs=max_seqs,
+                             num_kv_blocks=num_blocks, block_size=block_size, max_model_len=1024,
+                             enable_chunked_prefill=chunked, max_iteration_ms=budget_ms,
+                             iteration_cost=cost)
+    return Scheduler(config, eos_token_ids=2, max_model_len=1024)
+
+
+def chunks_of(sched: Scheduler, plan: IterationPlan) -> list[tuple[int, int]]:
+    """(q_rows, kv_len) of every scheduled request; call before update()."""
+    return [(rows, sched.get_request(rid).num_computed_tokens + rows)
+            for rid, rows in plan.num_scheduled_tokens.items()]
+
+
+def start_decoding(sched: Scheduler, worker: FakeWorker, n: int, prompt_len: int = 3) -> None:
+    """n requests past their prefill, each decoding one row per iteration from now on."""
+    for i in range(n):
+        add(sched, f"d{i}", prompt_len, max_tokens=200)
+    while any(sched.get_request(f"d{i}").num_output_tokens == 0 for i in range(n)):
+        step(sched, worker)
+
+
+# ---- chunk sizes as the cost model says ------------------------------------------------
+
+def test_prefill_is_cut_to_what_fits_beside_the_decodes():
+    sched = make(budget_ms=20)                    # 1 ms per row: 20 rows per iteration
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 3)
+    add(sched, "long", 100, max_tokens=2)
+    sizes = []
+    while sched.get_request("long").num_output_tokens == 0:
+        plan, _ = step(sched, worker)
+        sizes.append(plan.num_scheduled_tokens["long"])
+        assert all(plan.num_scheduled_tokens[f"d{i}"] == 1 for i in range(3))
+    # 3 decodes leave 17 rows: 100 = 5 · 17 + 15
+    assert sizes == [17, 17, 17, 17, 17, 15]
+
+
+def test_kv_rows_shrink_later_chunks():
+    sched = make(budget_ms=100, cost=RowCost(row_ms=2, kv_ms=1))
+    worker = FakeWorker(sched)
+    add(sched, "long", 60, max_tokens=1)
+    plan, _ = step(sched, worker)
+    # prefix 0: 2N + N <= 100 -> 33 rows; prefix 33: 3N + 33 <= 100 -> 22; then the last 5
+    assert plan.num_scheduled_tokens["long"] == 33
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens["long"] == 22
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens["long"] == 5
+
+
+def test_second_prompt_gets_only_the_time_left():
+    sched = make(budget_ms=30)
+    worker = FakeWorker(sched)
+    add(sched, "a", 20, max_tokens=1)
+    add(sched, "b", 40, max_tokens=1)
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens == {"a": 20, "b": 10}
+
+
+def test_token_budget_still_applies():
+    sched = make(budget_ms=1000, token_budget=8)
+    worker = FakeWorker(sched)
+    add(sched, "a", 20, max_tokens=1)
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens == {"a": 8}
+
+
+def test_without_a_budget_the_token_budget_alone_decides():
+    config = SchedulerConfig(max_num_batched_tokens=64, num_kv_blocks=64, block_size=4,
+                             max_model_len=256)
+    sched = Scheduler(config, 2, 256)
+    add(sched, "a", 100, max_tokens=1)
+    assert sched.schedule().num_scheduled_tokens == {"a": 64}
+
+
+# ---- nothing starves ---------------------------------------------------------------------
+
+def test_decodes_over_budget_still_run_and_a_prompt_moves_one_block_at_a_time():
+    sched = make(budget_ms=2, block_size=4)      # 5 decodes alone take 5 ms
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 5)
+    add(sched, "long", 10, max_tokens=1)
+    sizes = []
+    while sched.get_request("long") is not None:
+        plan, _ = step(sched, worker)
+        assert all(plan.num_scheduled_tokens[f"d{i}"] == 1 for i in range(5))
+        if "long" in plan.num_scheduled_tokens:
+            sizes.append(plan.num_scheduled_tokens["long"])
+    assert sizes == [4, 4, 2]                    # one block per iteration
+
+
+def test_only_the_first_prefill_gets_the_floor():
+    sched = make(budget_ms=2, block_size=4)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 5)
+    add(sched, "a", 10, max_tokens=1)
+    add(sched, "b", 10, max_tokens=1)
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens["a"] == 4 and "b" not in plan.num_scheduled_tokens
+
+
+def test_orca_mode_sends_the_first_prompt_whole_and_holds_the_next():
+    sched = make(budget_ms=30, chunked=False)
+    worker = FakeWorker(sched)
+    add(sched, "a", 50, max_tokens=1)             # over budget alone: goes anyway, whole
+    add(sched, "b", 5, max_tokens=1)
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens == {"a": 50}
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens == {"b": 5}
+
+
+def test_orca_mode_batches_whole_prompts_while_they_fit():
+    sched = make(budget_ms=30, chunked=False)
+    worker = FakeWorker(sched)
+    for name, n in (("a", 10), ("b", 15), ("c", 10)):
+        add(sched, name, n, max_tokens=1)
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens == {"a": 10, "b": 15}
+
+
+# ---- the roofline on a made-up model and machine -----------------------------------------
+
+TOY_MODEL = ModelShape("toy", num_layers=4, hidden_size=256, intermediate_size=512,
+                       num_heads=8, num_kv_heads=2, head_dim=32, vocab_size=1000)
+TOY_HW = HardwareProfile("toy", {"bfloat16": 0.002, "float32": 0.001}, bandwidth_tbps=0.0005)
+
+
+def test_roofline_chunks_are_the_largest_that_fit():
+    cost = RooflineCost(TOY_MODEL, TOY_HW, dtype_bytes=2)
+    budget = 5.0 * cost.iteration_ms([(1, 64)] * 4)     # room for ~18 prefill rows
+    sched = make(budget_ms=budget, cost=cost, block_size=4, num_blocks=512)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 4, prompt_len=64)
+    add(sched, "long", 900, max_tokens=1)
+    cut = 0
+    while sched.get_request("long") is not None:
+        plan = sched.schedule()
+        check_plan(sched, plan)
+        chunks = chunks_of(sched, plan)
+        rows = plan.num_scheduled_tokens.get("long", 0)
+        if estimate_iteration(chunks, TOY_MODEL, TOY_HW, 2).time_ms > budget:
+            assert rows <= 4                                   # only the one-block floor
+        request = sched.get_request("long")
+        if 1 < rows < request.num_uncomputed_tokens:          # cut by the latency budget
+            cut += 1
+            bigger = [c for c in chunks if c[0] == 1] + [(rows + 1, request.num_computed_tokens + rows + 1)]
+            assert estimate_iteration(bigger, TOY_MODEL, TOY_HW, 2).time_ms > budget
+        sched.update(plan, worker.execute(plan))
+    assert cut >= 10
+
+
+def test_closed_form_matches_the_cost_models_search():
+    rng = random.Random(5)
+    hw = HardwareProfile("toy", {"bfloat16": 3.0, "float32": 1.0}, bandwidth_tbps=0.2)
+    for dtype_bytes in (2, 4):
+        cost = RooflineCost(TOY_MODEL, hw, dtype_bytes)
+        for _ in range(200):
+            chunks = [(1, rng.randint(1, 4000)) for _ in range(rng.randint(0, 40))]
+            if rng.random() < 0.4:
+                q = rng.randint(1, 2000)
+                chunks.append((q, q + rng.randint(0, 3000)))
+            prefix, budget = rng.choice([0, 7, 500, 20000]), rng.uniform(0.01, 50.0)
+            assert cost.max_prefill_rows(budget, chunks, prefix) == max_prefill_tokens_within(
+                budget, chunks, prefix, TOY_MODEL, hw, dtype_bytes)
+            if chunks:
+                want = estimate_iteration(chunks, TOY_MODEL, hw, dtype_bytes).time_ms
+                assert cost.iteration_ms(chunks) == pytest.approx(want, rel=1e-12)
+
+
+# ---- random traffic under a latency budget -------------------------------------------------
+
+def check_latency(sched: Scheduler, plan: IterationPlan, cost: RowCost) -> None:
+    """Over budget only through the floor: then one prefill of at most one block (chunked),
+    or one whole prompt (ORCA); decodes are never dropped for time."""
+    config = sched.config
+    if cost.iteration_ms(chunks_of(sched, plan)) <= config.max_iteration_ms:
+        return
+    if config.enable_chunked_prefill:
+        prefills = [rows for rows in plan.num_scheduled_tokens.values() if rows > 1]
+        assert len(prefills) <= 1 and all(rows <= config.block_size for rows in prefills)
+    else:
+        assert len(plan.new_requests) <= 1
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(1, 8), st.integers(8, 64),
+       st.booleans(), st.integers(1, 30), st.integers(0, 2),
+       st.lists(arrival_st, min_size=2, max_size=12), st.lists(abort_st, max_size=4))
+def test_random_traffic_under_a_latency_budget(budget, max_seqs, block_size, slots, chunked,
+                                               budget_ms, kv_ms, arrivals, aborts):
+    cost = RowCost(row_ms=1, kv_ms=kv_ms)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                             num_kv_blocks=max(1, slots // block_size), block_size=block_size,
+                             max_model_len=128, enable_chunked_prefill=chunked,
+                             max_iteration_ms=budget_ms, iteration_cost=cost)
+    sched = Scheduler(config, 2, 128)
+    driver = Driver(sched, arrivals, aborts)
+    last_arrival = max(a.step for a in arrivals)
+    # The oldest running request still moves every iteration (the floor), so the bound of
+    # test_scheduler_properties holds unchanged.
+    bound = last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)
+    step_no = 0
+    while step_no <= last_arrival or sched.has_unfinished():
+        assert step_no <= bound, "the scheduler stopped making progress"
+        driver.arrive(step_no)
+        driver.abort(step_no, while_running=False)
+        plan = sched.schedule()
+        check_plan(sched, plan)
+        check_latency(sched, plan, cost)
+        if not chunked:
+            check_orca(sched, plan)
+        result = driver.worker.execute(plan)
+        driver.abort(step_no, while_running=True)
+        for out in sched.update(plan, result):
+            driver.outputs.setdefault(out.request_id, []).append(out)
+        step_no += 1
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+    for i in driver.accepted:
+        assert driver.outputs[f"r{i}"][-1].finished
+
+
+# ---- configuration ------------------------------------------------------------------------
+
+def test_config_refuses_a_budget_without_a_cost_model_or_a_bad_value():
+    with pytest.raises(PacerError, match="--hw"):
+        SchedulerConfig(max_iteration_ms=20)
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(PacerError, match="max-iteration-ms"):
+            SchedulerConfig(max_iteration_ms=bad, iteration_cost=RowCost())
+
+
+def test_engine_flags_parse_and_build_the_cost_model():
+    import argparse
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    args = EngineArgs.from_cli(p.parse_args(
+        ["--max-iteration-ms", "25", "--hw", "h100", "--no-chunked-prefill"]))
+    assert (args.max_iteration_ms, args.hw, args.enable_chunked_prefill) == (25.0, "h100", False)
+    defaults = EngineArgs.from_cli(p.parse_args([]))
+    assert defaults.enable_chunked_prefill and defaults.max_iteration_ms is None
+    assert latency_cost_for(None, "h100", TOY_MODEL, 2) is None
+    cost = latency_cost_for(25.0, "h100", TOY_MODEL, 2)
+    assert cost.hw.name == "h100" and cost.model.num_layers == TOY_MODEL.num_layers
+    with pytest.raises(PacerError, match="--hw"):
+        latency_cost_for(25.0, None, TOY_MODEL, 2)
+
+
+def test_engine_layout_carries_the_budget_to_the_scheduler():
+    from services.engine import build_scheduler, engine_layout
+    layout = engine_layout(EngineArgs(max_iteration_ms=30.0, hw="a100", dtype="bfloat16"))
+    config = layout.scheduler_config
+    assert config.max_iteration_ms == 30.0 and config.iteration_cost.hw.name == "a100"
+    assert config.iteration_cost.dtype_bytes == 2
+    assert build_scheduler(layout).config.iteration_cost is config.iteration_cost
+    assert engine_layout(EngineArgs()).scheduler_config.enable_chunked_prefill

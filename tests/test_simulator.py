@@ -1,0 +1,156 @@
+"""`pacer simulate`: the real scheduling core on a fake clock priced by the cost model."""
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from scheduler_svc.arrivals import Arrival, arrival_times, parse_length, read_trace, synthetic
+from scheduler_svc.cost_model import MODELS
+from scheduler_svc.iteration_cost import RooflineCost
+from scheduler_svc.sim_report import summarize
+from scheduler_svc.simulator import simulate
+from services.cli import main
+from shared.config import SchedulerConfig
+from shared.errors import PacerError
+from shared.hardware import HARDWARE
+
+H100_7B = RooflineCost(MODELS["llama-2-7b"], HARDWARE["h100"])
+
+
+class RowsCost:
+    """1 ms per Q row: the clock can be followed by hand."""
+
+    def iteration_ms(self, chunks):
+        return float(sum(q for q, _ in chunks))
+
+
+def config(**kw) -> SchedulerConfig:
+    base = dict(max_num_batched_tokens=2048, max_num_seqs=256, num_kv_blocks=8000,
+                block_size=16, max_model_len=200_000)
+    return SchedulerConfig(**(base | kw))
+
+
+# ---- the clock ------------------------------------------------------------------------------
+
+def test_clock_follows_the_iteration_costs():
+    arrivals = [Arrival(0.0, 10, 3), Arrival(0.0105, 2, 2)]
+    result = simulate(arrivals, config(max_num_batched_tokens=4, block_size=4), RowsCost())
+    # a: 4, 4, 2 rows (first token at 10 ms), a decode alone (11 ms); b arrived at 10.5 ms
+    # and joins the next: a's decode + b's 2 rows = 3 ms (14 ms); b's decode alone (15 ms).
+    assert list(result.timeline.ms) == [4, 4, 2, 1, 3, 1]
+    assert result.first_token_s == pytest.approx([0.010, 0.014])
+    assert list(result.tbt_ms) == pytest.approx([1.0, 3.0, 1.0])
+    assert result.finish_s == pytest.approx([0.014, 0.015])
+
+
+def test_every_request_gets_exactly_its_output_length():
+    arrivals = synthetic(200, 20.0, 0.5, "uniform:16:512", "uniform:1:64", seed=3)
+    for chunked in (True, False):
+        result = simulate(arrivals, config(enable_chunked_prefill=chunked), H100_7B)
+        assert len(result.tbt_ms) == sum(a.output_len - 1 for a in arrivals)
+        assert all(f >= a.arrival_s for f, a in zip(result.first_token_s, arrivals))
+        ends = list(result.timeline.end_s)
+        assert ends == sorted(ends)
+
+
+def test_a_request_too_big_for_the_pool_is_rejected_not_run():
+    arrivals = [Arrival(0.0, 100, 4), Arrival(0.0, 10_000, 4)]
+    result = simulate(arrivals, config(num_kv_blocks=64), H100_7B)
+    assert len(result.arrivals) == 1 and len(result.rejected) == 1
+    assert "KV blocks" in result.rejected[0][1]
+
+
+# ---- article 05 §3 in small ----------------------------------------------------------------
+
+def test_chunking_flattens_the_tbt_spike_of_a_long_prompt():
+    arrivals = synthetic(150, 4.0, 1.0, "uniform:256:1024", "uniform:64:256", seed=1)
+    arrivals = sorted(arrivals + [Arrival(10.0, 30_000, 4, "long")], key=lambda a: a.arrival_s)
+    base = config(max_iteration_ms=20.0, iteration_cost=H100_7B)
+    orca = summarize(simulate(arrivals, replace(base, enable_chunked_prefill=False), H100_7B))
+    chunked = summarize(simulate(arrivals, base, H100_7B))
+    assert orca["tbt_max_over_median"] > 100
+    assert chunked["tbt_max_over_median"] < 10
+    assert chunked["tbt_ms"]["max"] <= 20.0 + 1e-9     # the latency budget held throughout
+    assert orca["ttft_ms_long"]["n"] == chunked["ttft_ms_long"]["n"] == 1
+
+
+def test_same_seed_same_run_other_seed_other_run():
+    def run(seed):
+        arrivals = synthetic(300, 30.0, 1.0, "lognormal:300:0.8:4000", "uniform:8:64", seed)
+        return simulate(arrivals, config(max_num_batched_tokens=512), H100_7B)
+    a, b, c = run(7), run(7), run(8)
+    assert list(a.tbt_ms) == list(b.tbt_ms) and a.timeline.to_dict() == b.timeline.to_dict()
+    assert list(a.tbt_ms) != list(c.tbt_ms)
+
+
+# ---- arrivals ------------------------------------------------------------------------------
+
+def test_length_specs():
+    import random
+    rng = random.Random(0)
+    assert parse_length("512")(rng) == 512
+    assert {parse_length("uniform:3:5")(rng) for _ in range(200)} == {3, 4, 5}
+    draws = [parse_length("lognormal:100:1.5:300")(rng) for _ in range(2000)]
+    assert 1 <= min(draws) and max(draws) == 300
+    for bad in ("0", "uniform:5:3", "uniform:1", "normal:3:4", "lognormal:0:1", "x"):
+        with pytest.raises(PacerError):
+            parse_length(bad)
+
+
+def test_gamma_gaps_keep_the_rate_and_inf_sends_all_at_once():
+    times = arrival_times(4000, 50.0, 0.3, seed=1)
+    assert len(times) / times[-1] == pytest.approx(50.0, rel=0.1)
+    assert arrival_times(5, float("inf"), 1.0, seed=1) == [0.0] * 5
+    with pytest.raises(PacerError):
+        arrival_times(5, 0.0, 1.0, seed=1)
+
+
+def test_trace_file_is_read_sorted_and_checked(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"arrival_s": 0.5, "prompt_len": 100, "output_len": 8}\n\n'
+                     '{"arrival_s": 0.0, "prompt_len": 20000, "output_len": 2, "kind": "long"}\n')
+    arrivals = read_trace(str(trace))
+    assert arrivals == [Arrival(0.0, 20000, 2, "long"), Arrival(0.5, 100, 8)]
+    result = simulate(arrivals, config(), H100_7B)
+    assert len(result.tbt_ms) == 1 + 7
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0.0, "prompt_len": 10, "output_len": 1}\n{"arrival_s": 1}\n')
+    with pytest.raises(PacerError, match="line 2"):
+        read_trace(str(bad))
+
+
+# ---- the command -------------------------------------------------------------------------
+
+def test_cli_compare_prints_json_and_writes_timeline_and_plot(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    timeline, png = tmp_path / "t.json", tmp_path / "p.png"
+    code = main(["simulate", "--compare", "--num-requests", "60", "--request-rate", "8",
+                 "--prompt-len", "uniform:64:512", "--output-len", "uniform:8:32",
+                 "--long-prompt-rate", "1", "--long-prompt-len", "20000",
+                 "--max-iteration-ms", "20", "--json", "--timeline", str(timeline),
+                 "--plot", str(png)])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out["modes"]) == {"orca", "chunked"}
+    assert out["model"] == "llama-2-7b" and out["config"]["max_iteration_ms"] == 20.0
+    for summary in out["modes"].values():
+        assert summary["requests"] == out["workload"]["requests"] > 60
+        assert summary["tbt_ms"]["median"] <= summary["tbt_ms"]["p99"] <= summary["tbt_ms"]["max"]
+    assert out["modes"]["orca"]["tbt_ms"]["max"] > out["modes"]["chunked"]["tbt_ms"]["max"]
+    saved = json.loads(timeline.read_text())
+    assert len(saved["orca"]["ms"]) == out["modes"]["orca"]["iterations"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_trace_single_mode_and_bad_input(tmp_path, capsys):
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": i * 0.01, "prompt_len": 64,
+                                         "output_len": 4}) + "\n" for i in range(20)))
+    assert main(["simulate", "--trace", str(trace), "--no-chunked-prefill", "--json",
+                 "--model", "smollm2-135m", "--hw", "a100"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert list(out["modes"]) == ["orca"] and out["modes"]["orca"]["requests"] == 20
+    assert main(["simulate", "--prompt-len", "uniform:9:1"]) == 2
+    assert "uniform" in capsys.readouterr().err
