@@ -74,7 +74,7 @@ class ModelRunner:
         if plan.is_empty:
             return StepResult(plan.step, {})
         input_ids, chunks, order = self._inputs(plan)
-        meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device)
+        meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device, self.act_dtype)
         logits = self.model(input_ids, self.kv_caches, meta, self.backend)
         sampling_ids = [rid for rid, c in zip(order, chunks) if c.samples]
         states = [self.requests[r] for r in sampling_ids]

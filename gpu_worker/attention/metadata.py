@@ -39,7 +39,8 @@ class AttentionGroup:
     q_index: torch.Tensor        # [G, q] rows of the flat batch
     block_tables: torch.Tensor   # [G, blocks]; padded with block 0 (masked out)
     kv_len_max: int
-    mask: torch.Tensor           # [G, 1, q, kv_len_max] True where the query sees the key
+    mask: torch.Tensor           # [G, 1, q, kv_len_max] additive: 0 where the query sees the
+                                 # key, -inf elsewhere (built once, not converted per layer)
     fresh: bool                  # every chunk is a whole prompt: keys are the chunk itself
     all_rows: bool               # the group is the whole flat batch, in order
 
@@ -59,7 +60,8 @@ class AttentionMetadata:
 
 
 def build_attention_metadata(chunks: list[Chunk], block_size: int,
-                             device: str | torch.device = "cpu") -> AttentionMetadata:
+                             device: str | torch.device = "cpu",
+                             dtype: torch.dtype = torch.float32) -> AttentionMetadata:
     q_rows = torch.tensor([c.q_rows for c in chunks], dtype=torch.int64)
     kv_lens = torch.tensor([c.kv_len for c in chunks], dtype=torch.int64)
     cu_q = torch.zeros(len(chunks) + 1, dtype=torch.int64)
@@ -82,14 +84,14 @@ def build_attention_metadata(chunks: list[Chunk], block_size: int,
     return AttentionMetadata(
         positions=positions.to(**to), slot_mapping=slot_mapping.to(**to),
         sample_rows=sample_rows.to(**to),
-        groups=_groups(chunks, cu_q, tables, block_size, device),
+        groups=_groups(chunks, cu_q, tables, block_size, device, dtype),
         cu_seqlens_q=cu_q.to(dtype=torch.int32, **to), seqused_k=kv_lens.to(dtype=torch.int32, **to),
         block_table=tables.to(dtype=torch.int32, **to),
         max_seqlen_q=int(q_rows.max()), max_seqlen_k=int(kv_lens.max()))
 
 
 def _groups(chunks: list[Chunk], cu_q: torch.Tensor, tables: torch.Tensor, block_size: int,
-            device) -> list[AttentionGroup]:
+            device, dtype: torch.dtype) -> list[AttentionGroup]:
     by_rows: dict[int, list[int]] = {}
     for i, c in enumerate(chunks):
         by_rows.setdefault(c.q_rows, []).append(i)
@@ -101,7 +103,8 @@ def _groups(chunks: list[Chunk], cu_q: torch.Tensor, tables: torch.Tensor, block
         q_index = cu_q[idx].unsqueeze(1) + torch.arange(q)                       # [G, q]
         query_pos = (kv - q).unsqueeze(1) + torch.arange(q)                      # [G, q]
         key_pos = torch.arange(kv_max)
-        mask = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)                 # [G, q, L]
+        sees = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)                 # [G, q, L]
+        mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
         blocks = -(-kv_max // block_size)
         groups.append(AttentionGroup(
             q_index=q_index.to(device), block_tables=tables[idx, :blocks].to(device),

@@ -35,10 +35,9 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q = qkv[:, :q_size].view(T, self.num_heads, self.head_dim)
-        k = qkv[:, q_size:q_size + kv_size].view(T, self.num_kv_heads, self.head_dim)
+        qk = rotary(meta.positions, qkv[:, :q_size + kv_size].view(T, -1, self.head_dim))
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotary(meta.positions, q, k)
         with record_function("attention"):
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(T, q_size))
