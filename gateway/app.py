@@ -3,6 +3,12 @@
     app = create_app(GatewayConfig(...))            # loads the tokenizer; no I/O to Redis yet
     async with serve(config) as base_url: ...       # in-process (tests, `pacer up`)
     run_gateway(config)                             # until SIGINT/SIGTERM, with uvloop
+
+What a client can send is bounded: the body by `max_body_bytes` (413), the request line and
+each header by HEADER_LIMITS (aiohttp answers 400/431 before a handler runs).
+
+SIGTERM drains (`drain`): new requests get 503, running ones get `shutdown_timeout_s` to
+finish, then whatever is left ends with an error event, and the server stops.
 """
 from __future__ import annotations
 
@@ -10,11 +16,14 @@ import asyncio
 import contextlib
 import hmac
 import signal
+import time
 from collections.abc import AsyncIterator
 
 import redis.asyncio as aioredis
 import structlog
 from aiohttp import web
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from gateway.config import GatewayConfig
 from gateway.handlers import add_routes
@@ -32,6 +41,10 @@ from shared.tokenizer import load_tokenizer
 log = structlog.get_logger("gateway")
 
 SUBSCRIBE_TIMEOUT_S = 10.0
+HEADER_LIMITS = {"max_line_size": 8190, "max_field_size": 8190, "max_headers": 64}
+KEEPALIVE_TIMEOUT_S = 75.0
+DRAIN_POLL_S = 0.05
+SHUTDOWN_ERROR = "the server shut down before the request finished; send it again"
 
 
 def create_app(config: GatewayConfig) -> web.Application:
@@ -55,10 +68,15 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     # blocking pub/sub reads need a socket timeout longer than their 1 s wait
     state.redis = aioredis.Redis.from_url(state.config.redis_url, socket_timeout=10,
                                           health_check_interval=30)
+    # the token listener gets a connection that never reconnects behind its back: events
+    # published while it was away are lost, so it must know, and end the open streams
+    listener = aioredis.Redis.from_url(state.config.redis_url, socket_timeout=10,
+                                       health_check_interval=30, retry=Retry(NoBackoff(), 0))
     state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id)
-    state.router = TokenRouter(state.redis, state.upstream.reply_to, state.config.finish_grace_s)
+    state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
     tasks = [asyncio.create_task(state.router.run(), name="token-router"),
-             asyncio.create_task(state.upstream.heartbeat_forever(), name="gateway-heartbeat")]
+             asyncio.create_task(state.upstream.heartbeat_forever(state.router.fail_all),
+                                 name="gateway-heartbeat")]
     try:
         # a request sent before the subscription is confirmed could lose its first tokens
         await asyncio.wait_for(state.router.subscribed.wait(), SUBSCRIBE_TIMEOUT_S)
@@ -72,6 +90,7 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     await asyncio.gather(*tasks, return_exceptions=True)
     await state.upstream.drain()
     await state.redis.aclose()
+    await listener.aclose()
 
 
 @web.middleware
@@ -80,7 +99,7 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as e:
-        return web.json_response(e.body(), status=e.status)
+        return web.json_response(e.body(), status=e.status, headers=e.headers)
     except InvalidRequestError as e:
         return web.json_response(error_body(str(e), "invalid_request_error"), status=400)
     except web.HTTPException as e:
@@ -113,7 +132,8 @@ def _auth(api_key: str | None):
 async def serve(config: GatewayConfig, app: web.Application | None = None) -> AsyncIterator[str]:
     """Run the gateway on config.host:config.port (0: a free port); yields its base URL."""
     runner = web.AppRunner(app or create_app(config), handler_cancellation=True,
-                           access_log=None, shutdown_timeout=5.0)
+                           access_log=None, shutdown_timeout=5.0,
+                           keepalive_timeout=KEEPALIVE_TIMEOUT_S, **HEADER_LIMITS)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port)
@@ -124,14 +144,35 @@ async def serve(config: GatewayConfig, app: web.Application | None = None) -> As
         await runner.cleanup()
 
 
+async def drain(app: web.Application) -> None:
+    """Stop taking requests, give the running ones `shutdown_timeout_s`, end the rest."""
+    state = app[STATE]
+    state.draining = True
+    log.info("draining", open_requests=state.router.num_open,
+             shutdown_timeout_s=state.config.shutdown_timeout_s)
+    if not await _until_no_open(state, state.config.shutdown_timeout_s):
+        state.router.fail_all(SHUTDOWN_ERROR)
+        # their handlers write the error event and return; the server then stops
+        await _until_no_open(state, 2.0)
+
+
+async def _until_no_open(state: GatewayState, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while state.router.num_open and time.monotonic() < end:
+        await asyncio.sleep(DRAIN_POLL_S)
+    return not state.router.num_open
+
+
 async def _serve_until_signalled(config: GatewayConfig) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with serve(config) as url:
+    app = create_app(config)
+    async with serve(config, app) as url:
         log.info("listening", url=url)
         await stop.wait()
+        await drain(app)
     log.info("gateway stopped")
 
 

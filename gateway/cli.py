@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from gateway.config import DEFAULT_MAX_BODY_BYTES, GatewayConfig, new_gateway_id
+from gateway.config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
+                            DEFAULT_SHUTDOWN_TIMEOUT_S, GatewayConfig, new_gateway_id)
 from shared.keys import DEFAULT_PREFIX
 
 
@@ -23,6 +24,12 @@ def register(sub) -> None:
     p.add_argument("--tp", type=int, default=1, help="worker ranks /health waits for")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
+                   help="requests waiting for their first token beyond which new ones get 429")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="deadline in seconds for requests without a 'timeout' field")
+    p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, seconds running requests get to finish")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -33,7 +40,10 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          served_model_name=args.served_model_name,
                          max_model_len=args.max_model_len, api_key=args.api_key, tp=args.tp,
                          gateway_id=args.gateway_id or new_gateway_id(),
-                         max_body_bytes=args.max_body_bytes)
+                         max_body_bytes=args.max_body_bytes,
+                         max_waiting_requests=args.max_waiting_requests,
+                         request_timeout_s=args.request_timeout,
+                         shutdown_timeout_s=args.shutdown_timeout)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX
 
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+DEFAULT_MAX_WAITING_REQUESTS = 256
+DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
 
 
 def new_gateway_id() -> str:
@@ -29,6 +31,10 @@ class GatewayConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # a request whose finish event arrived waits at most this long for missing token events
     finish_grace_s: float = 5.0
+    # requests sent upstream that have seen neither a token nor their end; more get a 429
+    max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
+    request_timeout_s: float | None = None   # a deadline for requests that bring none
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S   # on SIGTERM, for running ones
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -39,6 +45,13 @@ class GatewayConfig:
             raise PacerError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_body_bytes < 1024:
             raise PacerError(f"--max-body-bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_waiting_requests < 1:
+            raise PacerError(f"--max-waiting-requests must be >= 1, "
+                             f"got {self.max_waiting_requests}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise PacerError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
+        if self.shutdown_timeout_s < 0:
+            raise PacerError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
         if not self.gateway_id or any(c in self.gateway_id for c in " :*?[]"):
             raise PacerError(f"gateway id {self.gateway_id!r} must be non-empty, "
                              "without spaces, ':' or glob characters")

@@ -6,10 +6,13 @@
             ...
 
 Leaving the block early (client gone, handler cancelled, a stop string found) aborts the
-request upstream, so the scheduler frees its KV blocks.
+request upstream, so the scheduler frees its KV blocks. A request with a deadline is ended by
+the scheduler when it passes; should that word not come (the scheduler is gone), the gateway
+ends it itself DEADLINE_GRACE_S later.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -18,6 +21,7 @@ import structlog
 
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import TokenLogprob
+from gateway.state import GatewayState
 from gateway.streams import TokenRouter
 from gateway.text_output import TextOutput
 from gateway.upstream import Upstream
@@ -27,6 +31,8 @@ from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 
 log = structlog.get_logger("gateway.generation")
+
+DEADLINE_GRACE_S = 2.0
 
 
 @dataclass
@@ -41,7 +47,8 @@ class Delta:
 class Generation:
     def __init__(self, *, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  stop: tuple[str, ...], tokenizer: Tokenizer, upstream: Upstream,
-                 router: TokenRouter, metrics: GatewayMetrics, arrival: float) -> None:
+                 router: TokenRouter, metrics: GatewayMetrics, arrival: float,
+                 state: GatewayState | None = None, timeout_s: float | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
@@ -52,6 +59,10 @@ class Generation:
         self._last_token_at: float | None = None
         self._submitted = False
         self._done_upstream = False             # the scheduler finished the request itself
+        self._state = state                     # counts requests waiting for a first event
+        self._waiting = False
+        self._timeout_s = timeout_s
+        self._timer: asyncio.TimerHandle | None = None
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
 
@@ -63,6 +74,9 @@ class Generation:
         return self
 
     async def __aexit__(self, *exc) -> None:
+        self._stop_waiting()
+        if self._timer is not None:
+            self._timer.cancel()
         self._router.close(self.request_id)
         if self._submitted and not self._done_upstream:
             reason = "stop string" if self._text.stopped else "client disconnected"
@@ -76,14 +90,29 @@ class Generation:
 
     async def start(self) -> None:
         self._stream = self._router.open(self.request_id)
+        now = time.time()
+        deadline = None if self._timeout_s is None else now + self._timeout_s
         await self._upstream.submit(self.request_id, self.prompt_token_ids, self.sampling,
-                                    arrival_time=time.time())
+                                    arrival_time=now, deadline=deadline)
         self._submitted = True
+        if self._state is not None:
+            self._state.num_waiting += 1
+            self._waiting = True
+        if self._timeout_s is not None:
+            self._timer = asyncio.get_running_loop().call_later(
+                self._timeout_s + DEADLINE_GRACE_S, self._stream.fail,
+                f"the request's deadline of {self._timeout_s:g} s passed", "timeout_error")
         self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
+
+    def _stop_waiting(self) -> None:
+        if self._waiting:
+            self._state.num_waiting -= 1
+            self._waiting = False
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while True:
             events, finish = await self._stream.next()
+            self._stop_waiting()
             logprobs = self._consume(events)
             self._done_upstream = finish is not None
             if self._text.stopped:

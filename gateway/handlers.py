@@ -15,12 +15,16 @@ from redis.exceptions import RedisError
 
 from gateway import openai_schema as oai
 from gateway.generation import Generation
+from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
 from gateway.prompts import prompt_token_ids, sampling_params
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.state import STATE, GatewayState
 
 log = structlog.get_logger("gateway.handlers")
+
+RETRY_AFTER_S = 1
+SUBSCRIBE_WAIT_S = 2.0
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -35,6 +39,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
                     id_prefix: str) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
+    _admit(state)
     req = parse(await _read_json(request, state.config.max_body_bytes))
     if req.model != state.served_model_name:
         raise APIError(f"The model `{req.model}` does not exist (this server serves "
@@ -46,16 +51,36 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         gen = Generation(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
                          stop=req.stop, tokenizer=state.tokenizer, upstream=state.upstream,
-                         router=state.router, metrics=state.metrics, arrival=arrival)
+                         router=state.router, metrics=state.metrics, arrival=arrival,
+                         state=state, timeout_s=req.timeout or state.config.request_timeout_s)
         async with gen:
-            await _start(gen)
+            await _start(gen, state)
             shape = Shape(req, request_id, state.served_model_name)
             if req.stream:
                 return await stream_sse(request, gen, shape)
             return await full_json(gen, shape)
 
 
-async def _start(gen: Generation) -> None:
+def _admit(state: GatewayState) -> None:
+    """Refuse at once what would only wait: a draining server, a full queue."""
+    if state.draining:
+        raise APIError("the server is shutting down; send the request to another replica",
+                       status=503, type="server_error")
+    if state.num_waiting >= state.config.max_waiting_requests:
+        state.metrics.requests_rejected.inc()
+        raise APIError(f"the server is overloaded: {state.num_waiting} requests are waiting; "
+                       f"retry in {RETRY_AFTER_S} s", status=429, type="rate_limit_error",
+                       headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+async def _start(gen: Generation, state: GatewayState) -> None:
+    if not state.router.subscribed.is_set():
+        # tokens published before the subscription is back would be lost
+        try:
+            await asyncio.wait_for(state.router.subscribed.wait(), SUBSCRIBE_WAIT_S)
+        except TimeoutError as e:
+            raise APIError("the token channel is not connected (Redis is away); try again "
+                           "later", status=503, type="server_error") from e
     try:
         await gen.start()
     except RedisError as e:
@@ -84,6 +109,8 @@ async def models(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     """200 only while a scheduler and every worker rank keep their heartbeat keys alive."""
     state = request.app[STATE]
+    if state.draining:
+        return web.json_response({"status": "draining"}, status=503)
     try:
         missing = await state.upstream.missing_services(state.config.tp)
     except RedisError as e:
@@ -91,6 +118,12 @@ async def health(request: web.Request) -> web.Response:
     if missing:
         return web.json_response({"status": "unhealthy", "missing": missing}, status=503)
     return web.json_response({"status": "ok"})
+
+
+async def openapi(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response(openapi_spec(state.served_model_name, state.max_model_len,
+                                          state.tokenizer.vocab_size))
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -105,3 +138,4 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_get("/openapi.json", openapi)

@@ -82,6 +82,9 @@ class GatewayMetrics:
                                          registry=r)
         self.request_success = Counter("pacer:request_success", "Requests finished, by reason",
                                        ["finished_reason"], registry=r)
+        self.requests_rejected = Counter("pacer:requests_rejected",
+                                         "Requests answered 429 because the queue was full",
+                                         registry=r)
         self.scheduler_stats = SchedulerStats()
         r.register(self.scheduler_stats)
 

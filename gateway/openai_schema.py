@@ -7,20 +7,30 @@ coerced parameter is a wrong answer the client cannot see.
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
 MAX_LOGPROBS = 20
+MAX_TIMEOUT_S = 86_400.0
+# Every integer must fit the wire format (msgpack int64) and the sampler: a seed is multiplied
+# by a stride and must stay inside torch's 64-bit seed range.
+INT_BOUND = 2**63
+SEED_BOUND = 2**40
+# Below this a temperature only overflows the logits (inf, then NaN): it means greedy.
+MIN_TEMPERATURE = 1e-5
 
 
 class APIError(Exception):
     """An error answered in OpenAI's JSON shape."""
 
     def __init__(self, message: str, *, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers or {}
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
@@ -48,6 +58,7 @@ class GenerationRequest:
     logprobs: int | None                    # None: none; 0: sampled token only; N: top-N too
     stream: bool
     include_usage: bool
+    timeout: float | None = None            # seconds; pacer's extension: a deadline
 
 
 # ---- field readers ---------------------------------------------------------------------------
@@ -65,6 +76,10 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = _MISSI
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join(_JSON_NAMES[k] for k in kinds)
         raise APIError(f"'{name}' must be {names}, got {_json_type(value)}", param=name)
+    if isinstance(value, int) and not isinstance(value, bool) and not -INT_BOUND <= value < INT_BOUND:
+        raise APIError(f"'{name}' is out of range", param=name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise APIError(f"'{name}' must be a finite number", param=name)
     return value
 
 
@@ -83,7 +98,7 @@ def _number(body: dict, name: str, default: float) -> float:
 
 def _int_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                              for t in value):
+                                              and -INT_BOUND <= t < INT_BOUND for t in value):
         raise APIError(f"'{name}' must be a list of integers", param=name)
     return value
 
@@ -179,6 +194,11 @@ def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | No
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise APIError(f"'temperature' must be >= 0, got {temperature}", param="temperature")
+    if temperature < MIN_TEMPERATURE:
+        temperature = 0.0
+    seed = _field(body, "seed", (int,), None)
+    if seed is not None and not -SEED_BOUND <= seed <= SEED_BOUND:
+        raise APIError(f"'seed' must be in [-2**40, 2**40], got {seed}", param="seed")
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise APIError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
@@ -187,13 +207,18 @@ def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | No
         raise APIError(f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    timeout = _field(body, "timeout", (int, float), None)
+    if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
+        raise APIError(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}",
+                       param="timeout")
     return GenerationRequest(
         endpoint=endpoint, model=_field(body, "model", (str,)), prompt=prompt, messages=messages,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
-        seed=_field(body, "seed", (int,), None), stop=_stop(body),
+        seed=seed, stop=_stop(body),
         stop_token_ids=tuple(_int_list(_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
         ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
-        stream=stream, include_usage=include_usage)
+        stream=stream, include_usage=include_usage,
+        timeout=None if timeout is None else float(timeout))
 
 
 # ---- responses --------------------------------------------------------------------------------

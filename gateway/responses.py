@@ -21,6 +21,9 @@ from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob
 
 log = structlog.get_logger("gateway.responses")
 
+# an error event's type -> the status of a non-streaming answer (others: 500)
+ERROR_STATUS = {"invalid_request_error": 400, "timeout_error": 408}
+
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 
@@ -63,9 +66,8 @@ async def full_json(gen: Generation, shape: Shape) -> web.Response:
     entries: list[TokenLogprob] = []
     async for delta in gen.deltas():
         if delta.error is not None:
-            invalid = delta.error_type == "invalid_request_error"
-            raise APIError(f"generation failed: {delta.error}", status=400 if invalid else 500,
-                           type=delta.error_type)
+            raise APIError(f"generation failed: {delta.error}",
+                           status=ERROR_STATUS.get(delta.error_type, 500), type=delta.error_type)
         texts.append(delta.text)
         entries += delta.logprobs
     make = oai.chat_choice if shape.chat else oai.completion_choice

@@ -25,6 +25,8 @@ class GatewayState:
     redis: aioredis.Redis | None = None        # set while the app runs (cleanup_ctx)
     upstream: Upstream | None = None
     router: TokenRouter | None = None
+    draining: bool = False                     # SIGTERM: no new requests
+    num_waiting: int = 0                       # sent upstream, no token or end seen yet
 
 
 STATE = web.AppKey("state", GatewayState)

@@ -8,10 +8,15 @@ Token batches and finish events come from different publishers, so a finish even
 overtake the last tokens; events carry their output `index`, so duplicates are dropped and
 gaps noticed. A stream is complete once its finish event arrived and every token before
 `num_output_tokens` was received (or, if some never come, after a grace period).
+
+The gateway can also end a stream itself (`RequestStream.fail`, `TokenRouter.fail_all`): its
+deadline passed, the server is shutting down, or Redis lost the request. The client then gets
+the tokens received so far and an error event, never a stream that stays open.
 """
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
@@ -21,7 +26,16 @@ from shared.protocol import FinishEvent, ProtocolError, TokenBatch, TokenEvent, 
 
 log = structlog.get_logger("gateway.streams")
 
-Item = TokenEvent | FinishEvent
+
+
+@dataclass(frozen=True)
+class LocalFailure:
+    """The gateway ends a stream without waiting for the scheduler."""
+    error: str
+    error_type: str = "server_error"
+
+
+Item = TokenEvent | FinishEvent | LocalFailure
 
 
 class RequestStream:
@@ -38,6 +52,10 @@ class RequestStream:
 
     def push(self, item: Item) -> None:
         self._queue.put_nowait(item)
+
+    def fail(self, error: str, error_type: str = "server_error") -> None:
+        """End the stream with an error after the tokens already received."""
+        self.push(LocalFailure(error, error_type))
 
     @property
     def finish(self) -> FinishEvent | None:
@@ -72,6 +90,12 @@ class RequestStream:
     def _accept(self, item: Item, ready: list[TokenEvent]) -> None:
         if isinstance(item, FinishEvent):
             self._finish = self._finish or item
+            return
+        if isinstance(item, LocalFailure):
+            if self._finish is None:
+                self._finish = FinishEvent(self.request_id, "error", 0, self._next_index,
+                                           item.error, item.error_type)
+                self._gave_up = True
             return
         if item.index < self._next_index or item.index in self._pending:
             log.debug("duplicate token event dropped", request_id=self.request_id, index=item.index)
@@ -120,6 +144,14 @@ class TokenRouter:
     def num_open(self) -> int:
         return len(self._streams)
 
+    def fail_all(self, error: str, error_type: str = "server_error") -> int:
+        """End every open stream with an error; returns how many there were."""
+        for stream in self._streams.values():
+            stream.fail(error, error_type)
+        if self._streams:
+            log.warning("open streams ended", count=len(self._streams), error=error)
+        return len(self._streams)
+
     def route(self, data: bytes) -> None:
         try:
             msg = decode(data)
@@ -149,6 +181,9 @@ class TokenRouter:
                 self.subscribed.clear()
                 log.warning("token channel connection lost; resubscribing", error=str(e),
                             retry_in_s=delay, open_requests=self.num_open)
+                # what was published meanwhile is gone: no open stream could complete
+                self.fail_all("the connection to Redis dropped and token events were lost; "
+                              "send the request again")
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
             else:

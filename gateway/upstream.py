@@ -1,8 +1,15 @@
-"""What the gateway writes to Redis: requests, aborts, its heartbeat; and what /health reads."""
+"""What the gateway writes to Redis: requests, aborts, its heartbeat; and what /health reads.
+
+The heartbeat loop also watches Redis itself: a server with another run_id restarted and kept
+nothing (no request entry, no scheduler state for it), and one unreachable for
+REDIS_UNREACHABLE_S cannot deliver token events. Either way the open requests can no longer
+complete, so `on_lost` ends them with an error event instead of letting them hang.
+"""
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import redis.asyncio as aioredis
 import structlog
@@ -15,6 +22,8 @@ from shared.sampling import SamplingParams
 
 log = structlog.get_logger("gateway.upstream")
 
+REDIS_UNREACHABLE_S = 3.0
+
 
 class Upstream:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str) -> None:
@@ -25,10 +34,12 @@ class Upstream:
         self._pending_aborts: set[asyncio.Task] = set()
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
-                     sampling: SamplingParams, arrival_time: float) -> None:
+                     sampling: SamplingParams, arrival_time: float,
+                     deadline: float | None = None) -> None:
+        """`deadline`: time.time() after which the scheduler ends the request."""
         msg = RequestMsg(request_id=request_id, prompt_token_ids=prompt_token_ids,
                          sampling=sampling, reply_to=self.reply_to, gateway_id=self.gateway_id,
-                         arrival_time=arrival_time)
+                         arrival_time=arrival_time, deadline=deadline)
         await self.redis.xadd(self.keys.requests, to_fields(msg), maxlen=REQUESTS_MAXLEN,
                               approximate=True)
 
@@ -54,14 +65,29 @@ class Upstream:
         if self._pending_aborts:
             await asyncio.gather(*self._pending_aborts, return_exceptions=True)
 
-    async def heartbeat_forever(self) -> None:
+    async def heartbeat_forever(self, on_lost: Callable[[str], object]) -> None:
+        """Keep the heartbeat key alive; call `on_lost(reason)` when Redis restarted or has
+        been unreachable for REDIS_UNREACHABLE_S."""
         key = self.keys.hb_gateway(self.gateway_id)
+        run_id: str | None = None
+        unreachable_since: float | None = None
         while True:
             try:
-                hb = Heartbeat("gateway", self.gateway_id, time.time(), {})
-                await self.redis.set(key, encode(hb), ex=HEARTBEAT_TTL_S)
-            except RedisError as e:
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.set(key, encode(Heartbeat("gateway", self.gateway_id, time.time(), {})),
+                         ex=HEARTBEAT_TTL_S)
+                pipe.info("server")
+                _, info = await pipe.execute()
+                if run_id is not None and info["run_id"] != run_id:
+                    on_lost("Redis restarted and lost the request; send it again")
+                run_id, unreachable_since = info["run_id"], None
+            except (RedisError, OSError) as e:
                 log.warning("heartbeat not written", error=str(e))
+                now = time.monotonic()
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since >= REDIS_UNREACHABLE_S:
+                    on_lost("Redis is unreachable; the request cannot complete")
+                    unreachable_since = now
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def missing_services(self, tp: int) -> list[str]:

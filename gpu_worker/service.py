@@ -2,9 +2,15 @@
 
 Rank 0 is the only rank that talks to Redis about work:
 
-    XREAD plans (after the last id seen) -> executor.execute(plan) -> PUBLISH one TokenBatch
-    per gateway channel -> XADD the StepResultMsg (one pipeline: tokens go out before the
-    scheduler can even see the result, so a client never waits on the next plan)
+    XREAD plans (after the last id seen) -> executor.execute(plan) -> APPEND each token to its
+    request's progress record, PUBLISH one TokenBatch per gateway channel -> XADD the
+    StepResultMsg (one pipeline: tokens go out before the scheduler can even see the result,
+    so a client never waits on the next plan; the progress record lets a scheduler that takes
+    a request over resume where the client is, see `shared/progress.py`)
+
+A plan whose step is not after the last one came from a scheduler that started afresh (the
+old one died): rank 0 then adds every request it still holds to that plan's finished ids, so
+every rank forgets the dead scheduler's requests before applying the new plan.
 
 Ranks > 0 follow rank 0 over torch.distributed (`gpu_worker.distributed.run_follower`); they
 meet it at the address rank 0 writes to the rendezvous key. Every rank keeps its heartbeat key
@@ -16,6 +22,7 @@ plan) against how long it computes, and writes both to the `stats` hash.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -32,8 +39,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from services.lifecycle import (Stopwatch, cancel_tasks, clear_key, heartbeat_forever,
                                 stream_tail_id)
 from shared.errors import PacerError
-from shared.keys import RESULTS_MAXLEN, Keys
+from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.plan import IterationPlan, StepResult
+from shared.progress import encode_progress
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, TokenBatch,
                              TokenEvent, encode, from_fields, to_fields)
 
@@ -41,6 +49,8 @@ log = structlog.get_logger("worker")
 
 PLAN_BLOCK_MS = 500
 STATS_INTERVAL_S = 0.1
+# a progress record's TTL is refreshed at the first token and every this many tokens after
+PROGRESS_REFRESH_EVERY = 64
 
 
 class Executor(Protocol):
@@ -87,6 +97,7 @@ class PlanLoop:
         self.publish = Stopwatch()
         self.num_iterations = 0
         self._stats_at = 0.0
+        self._last_step: int | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until `stop`: a plan that was read is always run and answered before returning."""
@@ -115,6 +126,7 @@ class PlanLoop:
     async def _run_plan(self, plan: IterationPlan) -> None:
         self.plan_wait.stop()
         self.busy.start()
+        plan = self._forget_stale(plan)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self._thread, self.executor.execute, plan)
         batches = token_batches(result, self.requests)
@@ -125,9 +137,22 @@ class PlanLoop:
         self.num_iterations += 1
         self.plan_wait.start()
 
+    def _forget_stale(self, plan: IterationPlan) -> IterationPlan:
+        """A step that is not after the last one: a new scheduler, which knows nothing of
+        the requests this runner still holds."""
+        stale = self._last_step is not None and plan.step <= self._last_step
+        self._last_step = plan.step
+        if not stale or not self.requests:
+            return plan
+        log.warning("plan from a restarted scheduler; dropping the old requests",
+                    step=plan.step, dropped=len(self.requests))
+        return dataclasses.replace(
+            plan, finished_request_ids=[*self.requests, *plan.finished_request_ids])
+
     async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult) -> None:
         pipe = self.redis.pipeline(transaction=False)
         for channel, batch in batches.items():
+            self._record_progress(pipe, batch)
             pipe.publish(channel, encode(batch))
         pipe.xadd(self.keys.results, to_fields(StepResultMsg(result)), maxlen=RESULTS_MAXLEN,
                   approximate=True)
@@ -144,6 +169,14 @@ class PlanLoop:
                 log.warning("result not sent; retrying", step=step, error=str(e))
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
+
+    def _record_progress(self, pipe, batch: TokenBatch) -> None:
+        """Queued before the PUBLISH: whatever a client saw is in the record."""
+        for event in batch.events:
+            key = self.keys.progress(event.request_id)
+            pipe.append(key, encode_progress(event.index, event.token_id))
+            if event.index % PROGRESS_REFRESH_EVERY == 0:
+                pipe.expire(key, PROGRESS_TTL_S)
 
     def stats(self) -> dict[str, float]:
         return {"worker_plan_wait_seconds_total": round(self.plan_wait.total_s, 6),
@@ -167,9 +200,11 @@ def _decode_plan(fields: dict) -> IterationPlan | None:
 def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
                      loop: PlanLoop | None = None):
     """A heartbeat factory for one rank; rank 0's carries its wait/busy counters."""
+    started_at = time.time()     # with the pid, tells a restarted rank from the one before
+
     def make() -> Heartbeat:
-        extra = {"pid": os.getpid(), "rank": rank, "tp": tp, "num_kv_blocks": num_kv_blocks,
-                 "block_size": block_size}
+        extra = {"pid": os.getpid(), "started_at": started_at, "rank": rank, "tp": tp,
+                 "num_kv_blocks": num_kv_blocks, "block_size": block_size}
         if loop is not None:
             extra.update(loop.stats())
         return Heartbeat("worker", str(rank), time.time(), extra)
@@ -226,7 +261,8 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout, rank: int,
 
 
 async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:
-    heartbeat = asyncio.create_task(heartbeat_forever(redis, key, beat), name="heartbeat")
+    heartbeat = asyncio.create_task(
+        heartbeat_forever(redis, key, beat, ttl_s=WORKER_HEARTBEAT_TTL_S), name="heartbeat")
     log.info("worker ready", heartbeat_key=key)
     try:
         await work

@@ -2,23 +2,29 @@
 must go back out when it ends.
 
 The core knows a request only while it lives; the service must still know, when it ends, which
-stream entry to XACK and which gateway channel to tell. Until that XACK the entry stays in the
-consumer group's pending list, so a restarted scheduler can re-read what it never finished.
+stream entry to XACK, which gateway channel to tell, and whether it ended in an error of the
+service's making (a deadline, a lost Redis). Until that XACK the entry stays in the consumer
+group's pending list, so a restarted scheduler can re-read what it never finished.
 
     book = RequestBook(core)
     book.receive(entry_id, fields)     # decode, validate, add to the core (or finish at once)
-    book.abort(request_id)             # from the aborts stream
+    book.admit(entry_id, msg, output_token_ids)   # a request taken over mid-stream
+    book.abort(fields)                 # from the aborts stream
+    book.stop(request_id, error, error_type)      # end it with an error event
+    book.expire(now)                   # stop every request past its deadline
     book.finished(output)              # for each RequestOutput with finished=True
-    outbox = book.take_outbox()        # FinishEvents to publish and entry ids to XACK
+    outbox = book.take_outbox()        # FinishEvents to publish, entry ids to XACK
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import structlog
 
 from scheduler_svc.core import Scheduler
+from scheduler_svc.core.request import Request, stop_status
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
 from shared.protocol import (AbortMsg, FinishEvent, ProtocolError, RequestMsg, encode,
@@ -33,9 +39,11 @@ EARLY_ABORTS_KEPT = 10_000
 
 @dataclass
 class Outbox:
-    """What one iteration owes Redis: (channel, encoded FinishEvent) pairs and entry ids."""
+    """What one iteration owes Redis: (channel, encoded FinishEvent) pairs, entry ids to
+    XACK, and the ids of requests that ended (their progress records are deleted)."""
     finishes: list[tuple[str, bytes]] = field(default_factory=list)
     acks: list[bytes | str] = field(default_factory=list)
+    ended_ids: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.finishes or self.acks)
@@ -45,12 +53,15 @@ class Outbox:
 class _Entry:
     entry_id: bytes | str
     reply_to: str
+    gateway_id: str
 
 
 class RequestBook:
     def __init__(self, core: Scheduler) -> None:
         self.core = core
         self._entries: dict[str, _Entry] = {}
+        self._errors: dict[str, tuple[str, str]] = {}     # request id -> (error, error_type)
+        self._deadlines: list[tuple[float, str]] = []       # a heap
         self._early_aborts: OrderedDict[str, None] = OrderedDict()
         self._outbox = Outbox()
 
@@ -58,50 +69,91 @@ class RequestBook:
     def num_live(self) -> int:
         return len(self._entries)
 
+    def live_entry_ids(self) -> list[bytes | str]:
+        return [e.entry_id for e in self._entries.values()]
+
+    def gateways(self) -> dict[str, list[str]]:
+        """Live request ids by the gateway that holds their client."""
+        by_gateway: dict[str, list[str]] = {}
+        for rid, entry in self._entries.items():
+            by_gateway.setdefault(entry.gateway_id, []).append(rid)
+        return by_gateway
+
+    # ---- in ------------------------------------------------------------------------------
+
     def receive(self, entry_id: bytes | str, fields: dict) -> None:
-        """One entry of the request stream: into the core, or finished at once if it cannot
-        be served (an error) or was aborted before it arrived."""
+        """One new entry of the request stream: into the core, or finished at once if it
+        cannot be served (an error) or was aborted before it arrived."""
+        msg = self.decode(entry_id, fields)
+        if msg is not None:
+            self.admit(entry_id, msg)
+
+    def decode(self, entry_id: bytes | str, fields: dict) -> RequestMsg | None:
+        """The entry's request; None (and the entry acked) if it is not one."""
         try:
             msg = from_fields(fields)
         except ProtocolError as e:
             # nobody to answer: without a decoded message there is no reply channel
             log.error("undecodable request dropped", entry_id=_text(entry_id), error=str(e))
             self._outbox.acks.append(entry_id)
-            return
+            return None
         if not isinstance(msg, RequestMsg):
             log.error("not a request on the request stream", kind=type(msg).__name__)
             self._outbox.acks.append(entry_id)
-            return
-        self._add(entry_id, msg)
+            return None
+        return msg
 
-    def _add(self, entry_id: bytes | str, msg: RequestMsg) -> None:
+    def admit(self, entry_id: bytes | str, msg: RequestMsg,
+              output_token_ids: list[int] | None = None) -> None:
+        """Add a request to the core; `output_token_ids` are tokens its client already has."""
         rid = msg.request_id
         if rid in self._entries:
-            # a redelivery of a request this scheduler is already running
-            log.warning("duplicate request ignored", request_id=rid)
-            self._outbox.acks.append(entry_id)
-            return
+            if self._entries[rid].entry_id != entry_id:
+                log.warning("duplicate request ignored", request_id=rid)
+                self._outbox.acks.append(entry_id)
+            return          # else: our own entry handed back to us (a claim); nothing new
         if rid in self._early_aborts:
             del self._early_aborts[rid]
-            self._finish_now(entry_id, msg, "abort")
+            self._finish_now(entry_id, msg, "abort", len(output_token_ids or ()))
+            return
+        if output_token_ids and self._already_done(entry_id, msg, output_token_ids):
             return
         try:
-            self.core.add_request(rid, msg.prompt_token_ids, msg.sampling, reply_to=msg.reply_to)
+            self.core.add_request(rid, msg.prompt_token_ids, msg.sampling, reply_to=msg.reply_to,
+                                  output_token_ids=output_token_ids)
         except InvalidRequestError as e:
-            self._finish_now(entry_id, msg, "error", str(e), "invalid_request_error")
+            self._finish_now(entry_id, msg, "error", 0, str(e), "invalid_request_error")
             return
-        self._entries[rid] = _Entry(entry_id, msg.reply_to)
+        self._entries[rid] = _Entry(entry_id, msg.reply_to, msg.gateway_id)
+        if msg.deadline is not None:
+            heapq.heappush(self._deadlines, (msg.deadline, rid))
         log.info("request admitted to queue", request_id=rid, gateway_id=msg.gateway_id,
-                 prompt_tokens=len(msg.prompt_token_ids), max_tokens=msg.sampling.max_tokens)
+                 prompt_tokens=len(msg.prompt_token_ids), max_tokens=msg.sampling.max_tokens,
+                 resumed_at=len(output_token_ids or ()))
+
+    def _already_done(self, entry_id: bytes | str, msg: RequestMsg, tokens: list[int]) -> bool:
+        """A taken-over request whose last streamed token already ended it (its scheduler
+        died before sending the finish event): finish it now."""
+        probe = Request(msg.request_id, msg.prompt_token_ids, msg.sampling, 0,
+                        output_token_ids=list(tokens))
+        status = stop_status(probe, self.core.eos_token_ids, self.core.max_model_len)
+        if status is None:
+            return False
+        self._finish_now(entry_id, msg, status.finish_reason, len(tokens))
+        return True
 
     def _finish_now(self, entry_id: bytes | str, msg: RequestMsg, reason: str,
-                    error: str | None = None, error_type: str = "server_error") -> None:
-        event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids), 0, error,
-                            error_type)
+                    num_output_tokens: int, error: str | None = None,
+                    error_type: str = "server_error") -> None:
+        event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids),
+                            num_output_tokens, error, error_type)
         self._outbox.finishes.append((msg.reply_to, encode(event)))
         self._outbox.acks.append(entry_id)
+        self._outbox.ended_ids.append(msg.request_id)
         log.info("request finished on arrival", request_id=msg.request_id,
                  finish_reason=reason, error=error)
+
+    # ---- stopping requests ---------------------------------------------------------------
 
     def abort(self, fields: dict) -> None:
         """One entry of the aborts stream."""
@@ -122,18 +174,48 @@ class RequestBook:
         if len(self._early_aborts) > EARLY_ABORTS_KEPT:
             self._early_aborts.popitem(last=False)
 
+    def stop(self, request_id: str, error: str | None = None,
+             error_type: str = "server_error") -> None:
+        """End a live request now, with an error event when `error` is given (else an
+        abort); its blocks are free at once."""
+        if request_id not in self._entries or request_id in self._errors:
+            return
+        if error is not None:
+            self._errors[request_id] = (error, error_type)
+        self.core.abort(request_id)
+        log.info("request stopped", request_id=request_id, error=error)
+
+    def stop_all(self, error: str) -> int:
+        live = list(self._entries)
+        for rid in live:
+            self.stop(rid, error)
+        return len(live)
+
+    def expire(self, now: float) -> None:
+        """Stop every request whose deadline (time.time()) has passed."""
+        while self._deadlines and self._deadlines[0][0] <= now:
+            deadline, rid = heapq.heappop(self._deadlines)
+            if rid in self._entries:
+                self.stop(rid, f"the request's deadline passed {now - deadline:.1f} s ago",
+                          "timeout_error")
+
+    # ---- out -----------------------------------------------------------------------------
+
     def finished(self, output: RequestOutput) -> None:
         """A request the core finished: tell its gateway, release its stream entry."""
         entry = self._entries.pop(output.request_id, None)
         if entry is None:
             return
-        event = FinishEvent(output.request_id, output.finish_reason,
-                            output.num_prompt_tokens, output.num_output_tokens)
+        error, error_type = self._errors.pop(output.request_id, (None, "server_error"))
+        reason = "error" if error is not None else output.finish_reason
+        event = FinishEvent(output.request_id, reason, output.num_prompt_tokens,
+                            output.num_output_tokens, error, error_type)
         self._outbox.finishes.append((entry.reply_to, encode(event)))
         self._outbox.acks.append(entry.entry_id)
-        log.info("request finished", request_id=output.request_id,
-                 finish_reason=output.finish_reason, prompt_tokens=output.num_prompt_tokens,
-                 output_tokens=output.num_output_tokens)
+        self._outbox.ended_ids.append(output.request_id)
+        log.info("request finished", request_id=output.request_id, finish_reason=reason,
+                 prompt_tokens=output.num_prompt_tokens, output_tokens=output.num_output_tokens,
+                 error=error)
 
     def release(self, entry_id: bytes | str) -> None:
         """Ack an entry with nothing in it (a pending entry whose data the stream trimmed)."""
@@ -142,6 +224,12 @@ class RequestBook:
     def take_outbox(self) -> Outbox:
         outbox, self._outbox = self._outbox, Outbox()
         return outbox
+
+    def put_back(self, outbox: Outbox) -> None:
+        """An outbox whose round trip failed: its finish events go out with the next one."""
+        self._outbox.finishes[:0] = outbox.finishes
+        self._outbox.acks[:0] = outbox.acks
+        self._outbox.ended_ids[:0] = outbox.ended_ids
 
 
 def _text(value: bytes | str) -> str:

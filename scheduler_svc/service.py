@@ -3,17 +3,32 @@
 One iteration, strictly in order (the core refuses a second plan before the first's update):
 
     intake    one pipeline: HSET stats when due, PUBLISH finish events, XACK finished
-              entries, XREADGROUP new requests (only while the waiting queue is below its
-              bound), XREAD aborts
+              entries, DEL their progress records, XREADGROUP new requests (only while the
+              waiting queue is below its bound), XREAD aborts; once a second also MGET the
+              heartbeats of the gateways holding live requests and XAUTOCLAIM abandoned ones
     schedule  plan = core.schedule()
     send      XADD PlanMsg to the plans stream (MAXLEN ~)
     wait      XREAD the results stream after the last id seen, for this plan's step
     update    outputs = core.update(plan, result); finished ones go to the next intake
 
-Request state lives in Redis until it is finished: an entry is XACKed only after its finish
-event was published, so a scheduler restarted under the same id re-reads its pending entries
-(XREADGROUP from 0) and serves them again. With no work the intake blocks on XREADGROUP for
-`idle_block_ms` instead of spinning.
+Failures, and what the loop does about them:
+
+    a worker dies       while waiting for a result it probes the worker heartbeats every
+                        0.5 s; a rank gone or restarted: recompute every running request
+                        (`core.recompute_running`), wait for the group, carry on
+    it restarts itself  request state lives in Redis until finished: an entry is XACKed only
+                        after its finish event was published. At start it runs one empty
+                        plan (so the workers finish whatever the dead scheduler sent), then
+                        takes back its pending entries with their progress records
+                        (`takeover.py`); entries of a dead scheduler with another id are
+                        XAUTOCLAIMed after CLAIM_IDLE_MS
+    Redis restarts      (its run_id changed, or the group is gone): every live request ends
+                        with an error event, the group is created again, serving goes on
+    a gateway dies      its heartbeat missing twice in a row: its requests are aborted
+    a deadline passes   the request ends with a timeout error event; its blocks are freed
+
+With no work the intake blocks on XREADGROUP for `idle_block_ms` instead of spinning, and
+every Redis operation retries with backoff (0.1 s doubling to 2 s) while Redis is away.
 """
 from __future__ import annotations
 
@@ -33,7 +48,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.core import Scheduler
 from scheduler_svc.stats import SchedulerStats
-from services.lifecycle import stream_tail_id
+from scheduler_svc.takeover import Takeover
+from scheduler_svc.workers import WorkerWatch
+from services.lifecycle import redis_run_id, stream_tail_id
 from shared.keys import PLANS_MAXLEN, Keys
 from shared.plan import IterationPlan, StepResult
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
@@ -41,6 +58,19 @@ from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, d
 
 log = structlog.get_logger("scheduler")
 T = TypeVar("T")
+
+WORKER_PROBE_S = 0.5          # how often a scheduler waiting for a result checks the workers
+HOUSEKEEPING_S = 1.0          # gateway heartbeats and XAUTOCLAIM, at most this often
+GATEWAY_MISSES = 2            # consecutive missing heartbeats before a gateway counts as dead
+REDIS_LOST = "the request queue was lost (Redis restarted); send the request again"
+
+
+class WorkersLost(Exception):
+    """A worker rank died or was restarted: the plan in flight will never be answered."""
+
+
+class RedisLost(Exception):
+    """Redis came back empty (another run_id, or the consumer group is gone)."""
 
 
 @dataclass(frozen=True)
@@ -60,32 +90,69 @@ class SchedulerService:
         self.redis, self.keys, self.core, self.config = redis, keys, core, config
         self.book = RequestBook(core)
         self.stats = SchedulerStats()
-        self._read_id: str | bytes = "0"          # own pending entries first, then ">"
+        self.workers = WorkerWatch(keys, config.tp)
+        self.takeover = Takeover(redis, keys, config.scheduler_id, self.book)
         self._aborts_after: str | bytes = "0-0"
         self._results_after: str | bytes = "0-0"
         self._drain_deadline: float | None = None
+        self._run_id: str | None = None
+        self._housekeeping_at = 0.0
+        self._gateway_misses: dict[str, int] = {}
 
     # ---- start-up ------------------------------------------------------------------------
 
     async def prepare(self) -> None:
         """Create the consumer group and note where the aborts and results streams end."""
+        await self._ensure_group()
+        self._run_id = await redis_run_id(self.redis)
+        self._aborts_after = await stream_tail_id(self.redis, self.keys.aborts)
+        self._results_after = await stream_tail_id(self.redis, self.keys.results)
+
+    async def _ensure_group(self) -> None:
         try:
             await self.redis.xgroup_create(self.keys.requests, self.keys.requests_group,
                                            id="0", mkstream=True)
         except ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
-        self._aborts_after = await stream_tail_id(self.redis, self.keys.aborts)
-        self._results_after = await stream_tail_id(self.redis, self.keys.results)
+
+    async def start(self, stop: asyncio.Event) -> bool:
+        """Wait for the workers, let them finish what a previous scheduler sent, take back
+        this consumer's unfinished requests. False if stopped first or the workers' KV pool
+        disagrees with ours."""
+        while True:
+            if not await self.wait_for_workers(stop):
+                return False
+            try:
+                await self._barrier()
+                taken = await self._retrying("take back pending",
+                                             self.takeover.take_back_pending)
+            except WorkersLost:
+                self.core.recompute_running()
+                continue
+            except RedisLost:
+                await self._after_redis_lost()
+                continue
+            if taken:
+                log.info("took back unfinished requests", count=taken)
+            return True
+
+    async def _barrier(self) -> None:
+        """One empty plan: workers run plans in order, so once it is answered every plan of
+        a dead predecessor has run and its tokens are in the progress records."""
+        plan = self.core.schedule()
+        await self._send(plan)
+        self.core.update(plan, await self._wait_result(plan.step))
 
     async def wait_for_workers(self, stop: asyncio.Event) -> bool:
         """Until every rank's heartbeat is up; False if stopped first or a rank's KV pool
         disagrees with ours (then nothing could be scheduled safely)."""
-        keys = [self.keys.hb_worker(r) for r in range(self.config.tp)]
         logged = 0.0
-        while not stop.is_set():
-            values = await self.redis.mget(keys)
+        while not stop.is_set() or self._drain_deadline is not None and not self._drain_expired():
+            values = await self._retrying("read worker heartbeats",
+                                          lambda: self.redis.mget(self.workers.heartbeat_keys))
             if all(values):
+                self.workers.record(values)
                 return self._layouts_agree(values)
             if time.monotonic() - logged > 5.0:
                 missing = [r for r, v in enumerate(values) if not v]
@@ -119,18 +186,27 @@ class SchedulerService:
             if stop.is_set() and self._drain_deadline is None:
                 self._drain_deadline = time.monotonic() + self.config.drain_timeout_s
                 log.info("draining", live_requests=self.book.num_live)
-            busy = self.core.has_unfinished()
-            await self._intake(pull=self._drain_deadline is None, block=not busy)
-            if not self.core.has_unfinished():
-                if self._drain_deadline is not None:
+            try:
+                if not await self._step():
                     return
-                continue
-            if self._drain_expired():
-                log.warning("drain timed out; unfinished requests stay pending",
-                            live_requests=self.book.num_live)
-                return
-            if not await self._iterate():
-                return
+            except WorkersLost as e:
+                if not await self._after_workers_lost(e, stop):
+                    return
+            except RedisLost:
+                await self._after_redis_lost()
+
+    async def _step(self) -> bool:
+        """Intake, then one iteration if there is work. False: stop serving."""
+        busy = self.core.has_unfinished()
+        await self._intake(pull=self._drain_deadline is None, block=not busy)
+        self.book.expire(time.time())
+        if not self.core.has_unfinished():
+            return self._drain_deadline is None
+        if self._drain_expired():
+            log.warning("drain timed out; unfinished requests stay pending",
+                        live_requests=self.book.num_live)
+            return False
+        return await self._iterate()
 
     async def _iterate(self) -> bool:
         """One plan out, its result in, the core updated. False: no result will come."""
@@ -161,6 +237,31 @@ class SchedulerService:
         self.stats.mark_dirty()
         return len(outputs)
 
+    # ---- failures ------------------------------------------------------------------------
+
+    async def _after_workers_lost(self, lost: WorkersLost, stop: asyncio.Event) -> bool:
+        since = time.monotonic()
+        recomputed = self.core.recompute_running()
+        log.warning("worker group lost; recomputing running requests", ranks=lost.args[0],
+                    recomputed=len(recomputed))
+        if not await self.wait_for_workers(stop):
+            return False
+        log.info("worker group back", waited_s=round(time.monotonic() - since, 2))
+        return True
+
+    async def _after_redis_lost(self) -> None:
+        """Redis kept nothing: every request's entry and its client's token channel are
+        gone, so each live request ends with an error event; then serve anew."""
+        self.core.recompute_running()            # a plan in flight went with the old Redis
+        failed = self.book.stop_all(REDIS_LOST)
+        log.error("redis restarted empty; failing live requests", failed=failed)
+        await self._retrying("recreate group", self._ensure_group)
+        self._run_id = await self._retrying("read run_id", lambda: redis_run_id(self.redis))
+        self._aborts_after = self._results_after = "0-0"
+        self.takeover.claim_cursor = "0-0"
+
+    # ---- intake --------------------------------------------------------------------------
+
     async def _intake(self, pull: bool, block: bool) -> None:
         """Write stats, flush the outbox, read requests and aborts: one round trip."""
         outbox = self.book.take_outbox()
@@ -169,51 +270,88 @@ class SchedulerService:
         # stats go first: a client that saw its request end and then scrapes /metrics must
         # not find the request still holding blocks
         stats = self.stats.snapshot(self.core) if self.stats.due(idle) else None
+        gateways = self._housekeeping_due()
+        claim = room if gateways is not None else 0
 
         async def exchange() -> list:
             pipe = self.redis.pipeline(transaction=False)
             if stats is not None:
                 pipe.hset(self.keys.stats, mapping=stats)
             self._queue_outbox(pipe, outbox)
+            if gateways:
+                pipe.mget([self.keys.hb_gateway(g) for g in gateways])
+            if claim:
+                self.takeover.queue_claim(pipe, claim)
             if room:
-                # a pending-list read (id "0...") never blocks; only ">" does
                 pipe.xreadgroup(self.keys.requests_group, self.config.scheduler_id,
-                                {self.keys.requests: self._read_id}, count=room,
+                                {self.keys.requests: ">"}, count=room,
                                 block=self.config.idle_block_ms if block else None)
             pipe.xread({self.keys.aborts: self._aborts_after}, count=1000)
             return await pipe.execute()
 
         # a retried exchange may publish a finish event twice; gateways keep the first
-        replies = await self._retrying("intake", exchange)
+        try:
+            replies = await self._retrying("intake", exchange)
+        except RedisLost:
+            self.book.put_back(outbox)
+            raise
+        self._receive_aborts(replies.pop())
         if room:
-            self._receive_requests(replies[-2])
-        self._receive_aborts(replies[-1])
+            self._receive_requests(replies.pop())
+        if claim:
+            await self._resume_claimed(self.takeover.claimed(replies.pop()))
+        if gateways:
+            self._check_gateways(gateways, replies.pop())
+
+    def _housekeeping_due(self) -> list[str] | None:
+        """The gateways to check when housekeeping is due this intake, else None."""
+        if time.monotonic() - self._housekeeping_at < HOUSEKEEPING_S:
+            return None
+        self._housekeeping_at = time.monotonic()
+        return list(self.book.gateways())
 
     def _queue_outbox(self, pipe, outbox: Outbox) -> None:
         for channel, data in outbox.finishes:
             pipe.publish(channel, data)
         if outbox.acks:
             pipe.xack(self.keys.requests, self.keys.requests_group, *outbox.acks)
+        if outbox.ended_ids:
+            pipe.delete(*(self.keys.progress(rid) for rid in outbox.ended_ids))
 
     def _receive_requests(self, reply) -> None:
-        entries = [e for _, stream_entries in (reply or []) for e in stream_entries]
-        if self._read_id != ">":
-            if not entries:
-                self._read_id = ">"          # the pending list is exhausted
-                return
-            self._read_id = entries[-1][0]
-            log.info("recovering pending requests", count=len(entries))
-        for entry_id, fields in entries:
-            if fields:       # a pending entry trimmed from the stream comes back empty
+        for _, stream_entries in reply or []:
+            for entry_id, fields in stream_entries:
                 self.book.receive(entry_id, fields)
-            else:
-                self.book.release(entry_id)
+
+    async def _resume_claimed(self, entries: list) -> None:
+        if entries:
+            log.warning("claiming requests of a scheduler that stopped", count=len(entries))
+            await self._retrying("resume claimed", lambda: self.takeover.resume(entries))
 
     def _receive_aborts(self, reply) -> None:
         for _, entries in reply or []:
             for entry_id, fields in entries:
                 self._aborts_after = entry_id
                 self.book.abort(fields)
+
+    def _check_gateways(self, gateways: list[str], heartbeats: list) -> None:
+        """Abort the requests of a gateway whose heartbeat is gone: nobody reads their
+        tokens, and their KV blocks are better spent on live clients."""
+        misses = {}
+        for gateway_id, beat in zip(gateways, heartbeats):
+            if beat is None:
+                misses[gateway_id] = self._gateway_misses.get(gateway_id, 0) + 1
+        self._gateway_misses = misses
+        by_gateway = self.book.gateways()
+        for gateway_id, count in misses.items():
+            if count >= GATEWAY_MISSES:
+                rids = by_gateway.get(gateway_id, [])
+                log.warning("gateway gone; aborting its requests", gateway_id=gateway_id,
+                            requests=len(rids))
+                for rid in rids:
+                    self.book.stop(rid)
+
+    # ---- plans and results ---------------------------------------------------------------
 
     async def _send(self, plan: IterationPlan) -> None:
         fields = to_fields(PlanMsg(plan))
@@ -243,49 +381,74 @@ class SchedulerService:
 
     async def _wait_result(self, step: int) -> StepResult | None:
         """This step's result from the results stream; None if the drain deadline passed
-        while the workers stayed silent."""
-        waited_since = time.monotonic()
+        while the workers stayed silent. Raises WorkersLost or RedisLost."""
+        waited_since = probed_at = time.monotonic()
         while True:
-            reply = await self._retrying("read results", lambda: self.redis.xread(
-                {self.keys.results: self._results_after}, count=16,
-                block=self.config.result_block_ms))
-            for _, entries in reply or []:
-                for entry_id, fields in entries:
-                    self._results_after = entry_id
-                    result = _decode_result(fields)
-                    if result is not None and result.step == step:
-                        return result
-                    log.warning("unexpected step result skipped", expected_step=step,
-                                got_step=None if result is None else result.step)
+            result = await self._read_result(step, self.config.result_block_ms)
+            if result is not None:
+                return result
             if self._drain_expired():
                 log.error("no step result before the drain deadline", step=step)
                 return None
+            if time.monotonic() - probed_at >= WORKER_PROBE_S:
+                probed_at = time.monotonic()
+                await self._probe(step)
             if time.monotonic() - waited_since > self.config.worker_silence_warn_s:
-                await self._warn_silent_workers(step)
+                log.warning("still waiting for a step result", step=step)
                 waited_since = time.monotonic()
 
+    async def _read_result(self, step: int, block_ms: int | None) -> StepResult | None:
+        reply = await self._retrying("read results", lambda: self.redis.xread(
+            {self.keys.results: self._results_after}, count=16, block=block_ms))
+        for _, entries in reply or []:
+            for entry_id, fields in entries:
+                self._results_after = entry_id
+                result = _decode_result(fields)
+                if result is not None and result.step == step:
+                    return result
+                log.warning("unexpected step result skipped", expected_step=step,
+                            got_step=None if result is None else result.step)
+        return None
+
+    async def _probe(self, step: int) -> None:
+        """Raise RedisLost or WorkersLost if the plan in flight can no longer be answered."""
+        async def look() -> list:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.info("server")
+            pipe.mget(self.workers.heartbeat_keys)
+            return await pipe.execute()
+
+        info, heartbeats = await self._retrying("probe workers", look)
+        if info.get("run_id") != self._run_id:
+            raise RedisLost()
+        lost = self.workers.lost_in(heartbeats)
+        if lost:
+            # the last result may have landed just before the rank died
+            if await self._read_result(step, None) is not None:
+                log.warning("worker died right after answering", ranks=lost)
+            raise WorkersLost(lost)
+
     async def _retrying(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
-        """Run a Redis operation until the connection lets it through (or the drain ends)."""
-        delay = 0.1
+        """Run a Redis operation until the connection lets it through (or the drain ends).
+        After a dropped connection, Redis must be the same server (run_id) to carry on."""
+        delay, failed = 0.1, False
         while True:
             try:
+                if failed and await redis_run_id(self.redis) != self._run_id:
+                    raise RedisLost()
                 return await op()
-            except (RedisConnectionError, RedisTimeoutError) as e:
+            except ResponseError as e:
+                if "NOGROUP" in str(e):
+                    raise RedisLost() from e
+                raise
+            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
                 if self._drain_expired():
                     raise
+                failed = True
                 log.warning("redis unavailable; retrying", op=what, error=str(e),
                             retry_in_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
-
-    async def _warn_silent_workers(self, step: int) -> None:
-        ranks = range(self.config.tp)
-        try:
-            alive = await self.redis.mget([self.keys.hb_worker(r) for r in ranks])
-        except RedisError:
-            alive = [None] * len(ranks)
-        log.warning("still waiting for a step result", step=step,
-                    dead_ranks=[r for r in ranks if not alive[r]])
 
     def _drain_expired(self) -> bool:
         return self._drain_deadline is not None and time.monotonic() > self._drain_deadline
@@ -323,10 +486,11 @@ async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
     service = SchedulerService(redis, keys, core, config)
     await service.prepare()
     hb_key = keys.hb_scheduler(config.scheduler_id)
-    heartbeat = asyncio.create_task(heartbeat_forever(redis, hb_key, service.heartbeat),
-                                    name="scheduler-heartbeat")
+    tasks = [asyncio.create_task(heartbeat_forever(redis, hb_key, service.heartbeat),
+                                 name="scheduler-heartbeat"),
+             asyncio.create_task(service.takeover.keep_leases(), name="scheduler-leases")]
     try:
-        if not await service.wait_for_workers(stop):
+        if not await service.start(stop):
             return 0 if stop.is_set() else 2
         log.info("scheduler ready", scheduler_id=config.scheduler_id, tp=config.tp,
                  num_kv_blocks=core.block_manager.num_total_blocks)
@@ -337,5 +501,5 @@ async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
         log.error("redis failed", error=str(e))
         return 1
     finally:
-        await cancel_tasks(heartbeat)
+        await cancel_tasks(*tasks)
         await clear_key(redis, hb_key)

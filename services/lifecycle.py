@@ -138,6 +138,12 @@ class Stopwatch:
         return elapsed
 
 
+async def redis_run_id(redis: aioredis.Redis) -> str:
+    """The server's run_id: another value means Redis restarted (and, without persistence,
+    lost every key)."""
+    return (await redis.info("server"))["run_id"]
+
+
 async def stream_tail_id(redis: aioredis.Redis, stream: str) -> bytes | str:
     """The id of the newest entry of `stream` ("0-0" if none): read after it to see only what
     comes next. Unlike XREAD from `$`, nothing added between this call and the read is missed."""

@@ -34,6 +34,7 @@ class Child:
     argv: list[str]
     proc: subprocess.Popen
     reported: bool = field(default=False)
+    stdout: object = None               # what the process writes to (None: ours)
 
     @property
     def pid(self) -> int:
@@ -58,10 +59,19 @@ class Supervisor:
         """`stdout` None: the child shares ours."""
         proc = subprocess.Popen(argv, cwd=cwd, stdout=stdout, start_new_session=True,
                                 preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        child = Child(name, argv, proc)
+        child = Child(name, argv, proc, stdout=stdout)
         self.children.append(child)
         log.info("started", child=name, pid=proc.pid)
         return child
+
+    def restart(self, child: Child) -> Child:
+        """A new process for a child that exited, in its place in the stop order."""
+        fresh = Child(child.name, child.argv, subprocess.Popen(
+            child.argv, stdout=child.stdout, start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None))
+        self.children[self.children.index(child)] = fresh
+        log.info("restarted", child=child.name, pid=fresh.pid)
+        return fresh
 
     def newly_exited(self) -> list[Child]:
         """Children that exited since the last call (each reported once)."""

@@ -2,17 +2,20 @@
 
     pacer up [--model M] [--tp N] [--host H] [--port 8000] [--redis-url URL] [engine flags]
 
-Starts a `redis-server` when none answers at the URL, then each service as its own process,
-waits until the gateway's /health is 200, and prints the URL. Ctrl-C or SIGTERM stops what it
-started in order (gateway, scheduler, workers, Redis) and exits 0. A child that dies during
-start-up stops everything with a non-zero exit naming it; one that dies later is reported and
-/health says so.
+Starts a `redis-server` when none answers at the URL (a `redis://` URL on this machine; its
+password, if the URL has one, becomes the server's), then each service as its own process,
+waits until the gateway's /health is 200, and prints the URL. Ctrl-C or SIGTERM drains: the
+gateway answers 503 to new requests and gives running ones `--shutdown-timeout` seconds to
+finish (then ends them with an error event), then the rest stops in order (scheduler,
+workers, Redis) and `pacer up` exits 0. A child that dies during start-up stops everything
+with a non-zero exit naming it; one that dies later is restarted (`services/restarts.py`).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import shutil
+import socket
 import signal
 import sys
 import time
@@ -21,13 +24,15 @@ import urllib.request
 from dataclasses import fields
 from urllib.parse import urlsplit
 
+from services.restarts import Restarter
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
-from shared.keys import DEFAULT_PREFIX
+from shared.keys import DEFAULT_PREFIX, Keys
 
 PROGRESS_EVERY_S = 5.0
-DRAIN_TIMEOUT_S = 10.0
+SHUTDOWN_TIMEOUT_S = 10.0
+STOP_MARGIN_S = 5.0          # past the shutdown timeout, before a child is killed
 
 
 def register(sub) -> None:
@@ -42,6 +47,12 @@ def register(sub) -> None:
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for /health to turn 200")
+    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
+                   help="on SIGTERM, seconds running requests get to finish")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="queued requests beyond which the gateway answers 429")
+    p.add_argument("--request-timeout", type=float, default=None,
+                   help="default per-request deadline in seconds (none by default)")
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -72,14 +83,16 @@ def redis_answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
     return reply.startswith((b"+PONG", b"-NOAUTH"))
 
 
-def start_redis(sup: Supervisor, host: str, port: int) -> Child:
+def start_redis(sup: Supervisor, host: str, port: int, password: str | None = None) -> Child:
     exe = shutil.which("redis-server")
     if exe is None:
         raise PacerError(f"no Redis answers at {host}:{port} and redis-server is not installed: "
                          "apt-get install redis-server (or pass --redis-url of a running Redis)")
-    child = sup.start("redis", [exe, "--port", str(port), "--bind", host, "--save", "",
-                                "--appendonly", "no", "--loglevel", "warning"],
-                      stdout=sys.stderr)    # our stdout carries only the URL line
+    argv = [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
+            "--loglevel", "warning"]
+    if password:
+        argv += ["--requirepass", password]
+    child = sup.start("redis", argv, stdout=sys.stderr)    # our stdout carries only the URL
     end = time.monotonic() + 10.0
     while time.monotonic() < end:
         if child.returncode is not None:
@@ -93,21 +106,29 @@ def start_redis(sup: Supervisor, host: str, port: int) -> Child:
 
 # ---- the services ------------------------------------------------------------------------
 
+def scheduler_id() -> str:
+    """The scheduler's consumer name, the same across its restarts so that it takes back its
+    own unfinished requests at once."""
+    return socket.gethostname()
+
+
 def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> list[tuple[str, list[str]]]:
     common = ["--redis-url", args.redis_url, "--key-prefix", args.key_prefix,
               "--log-level", args.log_level]
     flags = engine_flags(engine)
     gateway = ["gateway", "--host", args.host, "--port", str(args.port), "--tp", str(engine.tp),
-               *common]
-    for name in ("model", "max_model_len", "api_key", "served_model_name"):
+               "--shutdown-timeout", str(args.shutdown_timeout), *common]
+    for name in ("model", "max_model_len", "api_key", "served_model_name",
+                 "max_waiting_requests", "request_timeout"):
         value = getattr(args, name)
         if value is not None:
             gateway += [f"--{name.replace('_', '-')}", str(value)]
     # stopped in reverse: the gateway first, the scheduler drains while workers still run
     return [*[(f"worker rank {r}", pacer_argv("worker", "--rank", str(r), *flags, *common))
               for r in range(engine.tp)],
-            ("scheduler", pacer_argv("scheduler", *flags, *common,
-                                     "--drain-timeout", str(DRAIN_TIMEOUT_S))),
+            ("scheduler", pacer_argv("scheduler", *flags, *common, "--scheduler-id",
+                                     scheduler_id(), "--drain-timeout",
+                                     str(args.shutdown_timeout))),
             ("gateway", pacer_argv(*gateway))]
 
 
@@ -160,16 +181,13 @@ def _wait_healthy(sup: Supervisor, base_url: str, timeout_s: float, stopping: _S
         wait_quietly(0.25, stopping)
 
 
-def _watch(sup: Supervisor, stopping: _Signals) -> int:
-    """Until a signal (0) or the gateway's death (1); other deaths are reported and /health
-    turns 503, so an operator or an orchestrator can decide."""
+def _watch(sup: Supervisor, stopping: _Signals, restarter: Restarter) -> int:
+    """Until a signal (0) or a child that keeps dying (1); a death is restarted."""
     while not stopping():
         for child in sup.newly_exited():
-            print(f"pacer up: {child.name} exited ({describe_exit(child.returncode)})",
-                  file=sys.stderr, flush=True)
-            if child.name == "gateway":
+            if not restarter.handle(child, stopping):
                 return 1
-        wait_quietly(0.2, stopping)
+        wait_quietly(0.1, stopping)
     return 0
 
 
@@ -188,8 +206,9 @@ def run(args: argparse.Namespace) -> int:
     stopping = _Signals()
     sup = Supervisor()
     try:
-        if not redis_answers(host, port):
-            start_redis(sup, host, port)
+        # only a plain redis:// URL can be a server of ours; rediss:// and unix sockets are used
+        if url.scheme == "redis" and not redis_answers(host, port):
+            start_redis(sup, host, port, url.password)
             print(f"pacer up: started redis-server on {host}:{port}", file=sys.stderr)
         for name, argv in _service_argvs(args, engine):
             sup.start(name, argv)
@@ -200,14 +219,16 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(f"pacer up: serving {engine.model or 'smollm2-135m'} at {base_url}/v1 "
               "(Ctrl-C to stop)", flush=True)
-        return _watch(sup, stopping)
+        restarter = Restarter(sup, args.redis_url, Keys(args.key_prefix), scheduler_id())
+        return _watch(sup, stopping, restarter)
     finally:
-        _stop(sup)
+        _stop(sup, args.shutdown_timeout)
 
 
-def _stop(sup: Supervisor) -> None:
+def _stop(sup: Supervisor, shutdown_timeout_s: float) -> None:
     if any(c.returncode is None for c in sup.children):
         print("pacer up: stopping", file=sys.stderr, flush=True)
-    # the gateway aborts its open requests as it stops, so the scheduler drains quickly
-    sup.stop_all(timeouts={"scheduler": DRAIN_TIMEOUT_S + 5.0})
+    # the gateway drains first and ends what is left, so the scheduler then stops quickly
+    limit = shutdown_timeout_s + STOP_MARGIN_S
+    sup.stop_all(timeouts={"gateway": limit, "scheduler": limit})
 

@@ -12,9 +12,12 @@ An operator watching the system with `redis-cli` sees (with the default prefix `
 | `pacer:hb:scheduler:{id}` | string with TTL | scheduler | gateway `/health` |
 | `pacer:hb:worker:{rank}` | string with TTL | each worker rank | gateway `/health` |
 | `pacer:hb:gateway:{id}` | string with TTL | gateway | scheduler (drop requests of dead gateways) |
+| `pacer:progress:{request_id}` | string with TTL (`shared/progress.py`) | worker rank 0 (APPEND) | a scheduler taking the request over; deleted at its finish |
 | `pacer:stats` | hash (`STATS_FIELDS`) | scheduler | gateway `/metrics` |
 
-Every stream is trimmed with `MAXLEN ~`; nothing stored is pickled (see `shared/protocol.py`).
+Every stream is trimmed with `MAXLEN ~`, every per-request key is deleted when the request
+ends and expires if nobody is left to delete it; nothing stored is pickled (see
+`shared/protocol.py`).
 """
 from __future__ import annotations
 
@@ -31,9 +34,16 @@ PLANS_MAXLEN = 1_000
 RESULTS_MAXLEN = 1_000
 
 # A service refreshes its heartbeat key every HEARTBEAT_INTERVAL_S with a TTL of
-# HEARTBEAT_TTL_S; a key that expired means the service stopped.
-HEARTBEAT_INTERVAL_S = 1.0
+# HEARTBEAT_TTL_S; a key that expired means the service stopped. Worker keys live shorter: the
+# scheduler recomputes every running request once a worker's key is gone, and should know
+# within about two seconds.
+HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TTL_S = 5
+WORKER_HEARTBEAT_TTL_S = 2
+
+# A progress record outlives a request nobody finishes (its scheduler and gateway both died)
+# by at most this long; it is refreshed while tokens keep coming.
+PROGRESS_TTL_S = 3600
 
 # Fields of the scheduler's `stats` hash, read by the gateway at /metrics scrape time.
 STATS_FIELDS = (
@@ -92,3 +102,12 @@ class Keys:
 
     def hb_gateway(self, gateway_id: str) -> str:
         return f"{self.prefix}hb:gateway:{gateway_id}"
+
+    def progress(self, request_id: str) -> str:
+        """The output tokens a request has streamed so far (`shared/progress.py`)."""
+        return f"{self.prefix}progress:{request_id}"
+
+    @property
+    def progress_pattern(self) -> str:
+        """For SCAN MATCH: every progress record."""
+        return f"{self.prefix}progress:*"

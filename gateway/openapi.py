@@ -1,0 +1,123 @@
+"""The gateway's OpenAPI 3.0 description, served at /openapi.json.
+
+Written by hand to match what `openai_schema.py` accepts, field for field and bound for bound,
+so that a fuzzer generating "valid" requests from it gets 2xx answers and one generating
+invalid ones gets 4xx: never a 5xx and never a hung request. Model-dependent bounds (the
+served name, the context length, the vocabulary) come from the running server.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from gateway.openai_schema import INT_BOUND, MAX_LOGPROBS, MAX_TIMEOUT_S, SEED_BOUND
+
+_INT64 = {"type": "integer", "minimum": -INT_BOUND, "maximum": INT_BOUND - 1}
+_STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+_ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["message", "type"],
+    "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                   "param": {"type": "string", "nullable": True},
+                   "code": {"type": "string", "nullable": True}}}}}
+
+
+def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
+    """The fields both generation endpoints share (see `openai_schema._common`)."""
+    token_id = {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}
+    return {
+        "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
+                       "nullable": True},
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+        "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1,
+                  "nullable": True},
+        "top_k": {"type": "integer", "minimum": -1, "maximum": vocab_size, "nullable": True},
+        "seed": {"type": "integer", "minimum": -SEED_BOUND, "maximum": SEED_BOUND,
+                 "nullable": True},
+        "stop": {**_STOP, "nullable": True},
+        "stop_token_ids": {"type": "array", "items": token_id, "nullable": True},
+        "ignore_eos": {"type": "boolean", "nullable": True},
+        "n": {"type": "integer", "enum": [1], "nullable": True},
+        "stream": {"type": "boolean", "nullable": True},
+        "stream_options": {"type": "object", "nullable": True,
+                           "properties": {"include_usage": {"type": "boolean"}}},
+        "timeout": {"type": "number", "exclusiveMinimum": True, "minimum": 0,
+                    "maximum": MAX_TIMEOUT_S, "nullable": True,
+                    "description": "pacer's extension: seconds before the request is ended "
+                                   "with a timeout_error"},
+    }
+
+
+def _completion_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, Any]:
+    ids = {"type": "array", "minItems": 1,
+           "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    return {"type": "object", "required": ["model", "prompt"], "properties": {
+        "model": {"type": "string", "enum": [model]},
+        "prompt": {"oneOf": [
+            {"type": "string"}, ids,
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]},
+        "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "nullable": True},
+        "echo": {"type": "boolean", "enum": [False], "nullable": True},
+        **_sampling_fields(max_model_len, vocab_size)}}
+
+
+def _chat_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, Any]:
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["text"]},
+                           "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role"], "properties": {
+        "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}],
+                    "nullable": True}}}
+    return {"type": "object", "required": ["model", "messages"], "properties": {
+        "model": {"type": "string", "enum": [model]},
+        "messages": {"type": "array", "minItems": 1, "items": message},
+        "max_completion_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
+                                  "nullable": True},
+        "logprobs": {"type": "boolean", "nullable": True},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                         "nullable": True},
+        **_sampling_fields(max_model_len, vocab_size)}}
+
+
+def _generation_path(summary: str, schema_ref: str) -> dict[str, Any]:
+    errors = {str(s): {"description": d, "content": {"application/json": {"schema": _ERROR}}}
+              for s, d in ((400, "invalid request"), (401, "missing or wrong API key"),
+                           (404, "unknown model"), (408, "the request's deadline passed"),
+                           (413, "body too large"), (429, "queue full; see Retry-After"),
+                           (503, "shutting down, or Redis unreachable"))}
+    return {"post": {
+        "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {
+            "schema": {"$ref": schema_ref}}}},
+        "responses": {"200": {"description": "the completion, or an SSE stream with "
+                                             "\"stream\": true",
+                              "content": {"application/json": {"schema": {"type": "object"}},
+                                          "text/event-stream": {"schema": {"type": "string"}}}},
+                      **errors}}}
+
+
+def _get(summary: str, statuses: tuple[str, ...] = ("200",)) -> dict[str, Any]:
+    return {"get": {"summary": summary,
+                    "responses": {s: {"description": summary} for s in statuses}}}
+
+
+def openapi_spec(model: str, max_model_len: int, vocab_size: int) -> dict[str, Any]:
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "pacer", "version": "1",
+                 "description": "OpenAI-compatible completions and chat completions"},
+        "paths": {
+            "/v1/completions": _generation_path("text completion",
+                                                "#/components/schemas/CompletionRequest"),
+            "/v1/chat/completions": _generation_path(
+                "chat completion", "#/components/schemas/ChatCompletionRequest"),
+            "/v1/models": _get("the served model"),
+            "/health": _get("200 while a scheduler and every worker rank are alive",
+                            ("200", "503")),
+            "/openapi.json": _get("this description"),
+        },
+        "components": {"schemas": {
+            "CompletionRequest": _completion_request(model, max_model_len, vocab_size),
+            "ChatCompletionRequest": _chat_request(model, max_model_len, vocab_size),
+        }},
+    }

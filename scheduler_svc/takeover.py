@@ -1,0 +1,98 @@
+"""Requests a scheduler takes over: its own unfinished ones after a restart, and those of a
+scheduler that died, from the consumer group's pending entries list (PEL).
+
+    pending  XREADGROUP from id 0: the entries delivered to this consumer name and never acked
+             (a scheduler restarted under the same id); read once, at start
+    claimed  XAUTOCLAIM of entries idle longer than CLAIM_IDLE_MS, whoever holds them (a
+             scheduler with another id that died); polled while there is room
+    leases   a live scheduler keeps its own entries from looking idle: every LEASE_REFRESH_S it
+             XCLAIMs them to itself (JUSTID, no delivery count), so nobody claims a request
+             that is merely long
+
+A request taken over resumes from its progress record (`shared/progress.py`): the tokens its
+client already has are added as generated tokens and recomputed, and the next token event
+carries the next output index, so the client's stream continues without a repeat.
+"""
+from __future__ import annotations
+
+import asyncio
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import RedisError
+
+from scheduler_svc.book import RequestBook
+from shared.keys import Keys
+from shared.progress import decode_progress
+from shared.protocol import RequestMsg
+
+log = structlog.get_logger("scheduler.takeover")
+
+CLAIM_IDLE_MS = 5_000
+LEASE_REFRESH_S = 1.0
+PENDING_BATCH = 256
+
+
+class Takeover:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, consumer: str,
+                 book: RequestBook) -> None:
+        self.redis, self.keys, self.consumer, self.book = redis, keys, consumer, book
+        self.claim_cursor: bytes | str = "0-0"
+
+    async def take_back_pending(self) -> int:
+        """Every entry this consumer was given and never acked, resumed; returns how many."""
+        cursor: bytes | str = "0"
+        taken = 0
+        while True:
+            reply = await self.redis.xreadgroup(self.keys.requests_group, self.consumer,
+                                                {self.keys.requests: cursor},
+                                                count=PENDING_BATCH)
+            entries = [e for _, stream_entries in (reply or []) for e in stream_entries]
+            if not entries:
+                return taken
+            cursor = entries[-1][0]
+            taken += await self.resume(entries)
+
+    def queue_claim(self, pipe, count: int) -> None:
+        pipe.xautoclaim(self.keys.requests, self.keys.requests_group, self.consumer,
+                        CLAIM_IDLE_MS, start_id=self.claim_cursor, count=count)
+
+    def claimed(self, reply) -> list:
+        """The entries an XAUTOCLAIM reply handed to us (the cursor moves on)."""
+        self.claim_cursor, entries = reply[0], reply[1]
+        return entries
+
+    async def resume(self, entries: list) -> int:
+        """Admit stream entries with the tokens their clients already have (one MGET)."""
+        msgs = []
+        for entry_id, fields in entries:
+            if not fields:           # the entry was trimmed from the stream: nothing to serve
+                self.book.release(entry_id)
+                continue
+            msg = self.book.decode(entry_id, fields)
+            if msg is not None:
+                msgs.append((entry_id, msg))
+        if not msgs:
+            return 0
+        records = await self.redis.mget([self.keys.progress(m.request_id) for _, m in msgs])
+        for (entry_id, msg), record in zip(msgs, records):
+            self._resume_one(entry_id, msg, decode_progress(record))
+        return len(msgs)
+
+    def _resume_one(self, entry_id: bytes | str, msg: RequestMsg, tokens: list[int]) -> None:
+        log.info("request taken over", request_id=msg.request_id,
+                 tokens_already_streamed=len(tokens))
+        self.book.admit(entry_id, msg, output_token_ids=tokens)
+
+    async def keep_leases(self) -> None:
+        """Until cancelled: keep this scheduler's live entries from looking abandoned."""
+        while True:
+            await asyncio.sleep(LEASE_REFRESH_S)
+            ids = self.book.live_entry_ids()
+            if not ids:
+                continue
+            try:
+                await self.redis.xclaim(self.keys.requests, self.keys.requests_group,
+                                        self.consumer, 0, ids, justid=True)
+            except RedisError as e:
+                log.warning("leases not refreshed", error=str(e), entries=len(ids))

@@ -1,0 +1,45 @@
+"""Which worker processes the scheduler is planning for, and whether they are still there.
+
+Each rank's heartbeat key (TTL `WORKER_HEARTBEAT_TTL_S`) carries its pid and start time. The
+scheduler records them when the group is complete; a rank whose key expired, or whose key now
+names another process (it was restarted), has lost the KV cache of every running request, so
+the scheduler must recompute them all (`Scheduler.recompute_running`).
+"""
+from __future__ import annotations
+
+import structlog
+
+from shared.keys import Keys
+from shared.protocol import Heartbeat, ProtocolError, decode
+
+log = structlog.get_logger("scheduler.workers")
+
+Incarnation = tuple[int, float]          # (pid, started_at)
+
+
+def incarnation(value: bytes | None) -> Incarnation | None:
+    """Who wrote a heartbeat value; None for a missing or unreadable key."""
+    if not value:
+        return None
+    try:
+        msg = decode(value)
+    except ProtocolError:
+        return None
+    if not isinstance(msg, Heartbeat):
+        return None
+    return int(msg.extra.get("pid", -1)), float(msg.extra.get("started_at", msg.time))
+
+
+class WorkerWatch:
+    def __init__(self, keys: Keys, tp: int) -> None:
+        self.heartbeat_keys = [keys.hb_worker(rank) for rank in range(tp)]
+        self._planned_for: list[Incarnation | None] = [None] * tp
+
+    def record(self, values: list[bytes | None]) -> None:
+        """The group as it is now (every key present): plans from here on are for it."""
+        self._planned_for = [incarnation(v) for v in values]
+
+    def lost_in(self, values: list[bytes | None]) -> list[int]:
+        """Ranks that died or were restarted since `record` (MGET of `heartbeat_keys`)."""
+        return [rank for rank, (value, before) in enumerate(zip(values, self._planned_for))
+                if incarnation(value) != before]

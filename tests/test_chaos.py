@@ -1,0 +1,168 @@
+"""Chaos with real processes: 32 concurrent greedy streams against `pacer up` while a worker
+is killed (-9), then the scheduler, then Redis is restarted.
+
+After a worker's or the scheduler's death every stream must end with exactly the text of an
+undisturbed run (no token missing, none repeated); after Redis restarts (it keeps nothing)
+every stream must either do that or end with an explicit error event, its text so far a prefix
+of the undisturbed one. No stream may stay open past STREAM_DEADLINE_S. `pytest -s` prints
+how long clients saw no tokens (the recovery time).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import pytest
+import redis
+
+from services.up import scheduler_id
+from shared.keys import Keys
+from shared.protocol import decode
+from tests.served_fixture import Served, start_served
+from tests.sse_client import StreamResult, stream_completion
+
+pytestmark = pytest.mark.slow
+
+KEYS = Keys()
+NUM_STREAMS = 32
+MAX_TOKENS = 32
+KILL_AFTER_CHUNKS = 4          # every stream has streamed this much before the kill
+STREAM_DEADLINE_S = 150.0
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot",
+           "The three primary colours are", "In 1969, the first person on the Moon"]
+
+
+def body(i: int) -> dict:
+    return {"model": "smollm2-135m", "prompt": f"{PROMPTS[i % len(PROMPTS)]} ({i})",
+            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    system = start_served(str(tmp_path_factory.mktemp("chaos") / "pacer-up.log"))
+    try:
+        yield system
+    finally:
+        system.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(served: Served) -> list[str]:
+    results, _ = asyncio.run(run_streams(served, None))
+    assert all(r.error is None and r.finish_reason == "length" for r in results)
+    return [r.text for r in results]
+
+
+def heartbeat_pid(s: Served, key: str) -> int:
+    r = redis.Redis.from_url(s.redis_url)
+    try:
+        return decode(r.get(key)).extra["pid"]
+    finally:
+        r.close()
+
+
+def redis_pid(s: Served) -> int:
+    r = redis.Redis.from_url(s.redis_url)
+    try:
+        return r.info("server")["process_id"]
+    finally:
+        r.close()
+
+
+async def run_streams(s: Served, kill) -> tuple[list[StreamResult], float | None]:
+    """All streams at once; `kill()` runs once every stream has KILL_AFTER_CHUNKS chunks.
+    Returns the results and when the kill happened (monotonic)."""
+    killed_at: list[float] = []
+    started = asyncio.Event()
+    progress = [0] * NUM_STREAMS
+
+    def seen(i: int, result: StreamResult) -> None:
+        progress[i] = len(result.chunk_times)
+        if min(progress) >= KILL_AFTER_CHUNKS:
+            started.set()
+
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(stream_completion(
+            session, s.base_url, body(i), STREAM_DEADLINE_S,
+            on_chunk=lambda r, i=i: seen(i, r))) for i in range(NUM_STREAMS)]
+        if kill is not None:
+            await asyncio.wait_for(started.wait(), STREAM_DEADLINE_S)
+            killed_at.append(time.monotonic())
+            kill()
+        results = await asyncio.gather(*tasks)
+    return results, (killed_at[0] if killed_at else None)
+
+
+def stall_after(results: list[StreamResult], killed_at: float) -> float:
+    """The longest time any stream went without a token, from the kill on."""
+    gaps = [b - max(a, killed_at) for r in results
+            for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > killed_at]
+    return max(gaps, default=0.0)
+
+
+def wait_healthy(s: Served, timeout_s: float = 120.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if s.get("/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"/health not 200 within {timeout_s} s:\n{s.log_tail()}")
+
+
+def assert_exact(results: list[StreamResult], reference: list[str], s: Served) -> None:
+    for i, (r, expected) in enumerate(zip(results, reference)):
+        assert r.error is None, (i, r.error, s.log_tail())
+        assert r.done and r.finish_reason == "length", (i, r)
+        assert r.text == expected, (i, r.text, expected)
+
+
+def test_a_killed_worker_is_restarted_and_every_stream_completes_exactly(served, reference):
+    pid = heartbeat_pid(served, KEYS.hb_worker(0))
+    results, killed_at = asyncio.run(run_streams(served, lambda: os.kill(pid, signal.SIGKILL)))
+    assert_exact(results, reference, served)
+    assert heartbeat_pid(served, KEYS.hb_worker(0)) != pid
+    print(f"\nworker kill -9: streams stalled {stall_after(results, killed_at):.2f} s "
+          "(restart + model load + recompute), then all 32 completed exactly")
+    wait_healthy(served)
+
+
+def test_a_killed_scheduler_is_restarted_and_every_stream_completes_exactly(served, reference):
+    wait_healthy(served)
+    pid = heartbeat_pid(served, KEYS.hb_scheduler(scheduler_id()))
+    results, killed_at = asyncio.run(run_streams(served, lambda: os.kill(pid, signal.SIGKILL)))
+    assert_exact(results, reference, served)
+    print(f"\nscheduler kill -9: streams stalled {stall_after(results, killed_at):.2f} s "
+          "(restart + take-over from the progress records), then all 32 completed exactly")
+    wait_healthy(served)
+
+
+def test_a_redis_restart_ends_every_stream_completed_or_with_an_error(served, reference):
+    wait_healthy(served)
+    pid = redis_pid(served)
+    results, killed_at = asyncio.run(run_streams(served, lambda: os.kill(pid, signal.SIGKILL)))
+    ended = [time.monotonic() - killed_at for r in results if r.error is not None]
+    for i, (r, expected) in enumerate(zip(results, reference)):
+        assert r.done, (i, r)
+        if r.error is None:
+            assert r.text == expected, (i, r.text, expected)
+        else:
+            assert expected.startswith(r.text), (i, r.text, expected)
+    wait_healthy(served)
+    back = time.monotonic() - killed_at
+    assert redis_pid(served) != pid
+    [after] = asyncio.run(run_streams_once(served))
+    assert after.error is None and after.text == reference[0], after
+    print(f"\nredis restart: {len(ended)} streams ended with an error event, "
+          f"{NUM_STREAMS - len(ended)} completed; healthy again {back:.2f} s after the kill; "
+          "a new request then completed")
+
+
+async def run_streams_once(s: Served) -> list[StreamResult]:
+    async with aiohttp.ClientSession() as session:
+        return [await stream_completion(session, s.base_url, body(0), STREAM_DEADLINE_S)]
