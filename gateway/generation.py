@@ -21,7 +21,7 @@ import structlog
 
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import TokenLogprob
-from gateway.state import GatewayState
+from gateway.state import WaitingSlot
 from gateway.streams import TokenRouter
 from gateway.text_output import TextOutput
 from gateway.upstream import Upstream
@@ -48,7 +48,7 @@ class Generation:
     def __init__(self, *, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  stop: tuple[str, ...], tokenizer: Tokenizer, upstream: Upstream,
                  router: TokenRouter, metrics: GatewayMetrics, arrival: float,
-                 state: GatewayState | None = None, timeout_s: float | None = None) -> None:
+                 slot: WaitingSlot | None = None, timeout_s: float | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
@@ -59,8 +59,7 @@ class Generation:
         self._last_token_at: float | None = None
         self._submitted = False
         self._done_upstream = False             # the scheduler finished the request itself
-        self._state = state                     # counts requests waiting for a first event
-        self._waiting = False
+        self._slot = slot                       # its place in the queue until a first event
         self._timeout_s = timeout_s
         self._timer: asyncio.TimerHandle | None = None
         self.num_output_tokens = 0
@@ -95,9 +94,6 @@ class Generation:
         await self._upstream.submit(self.request_id, self.prompt_token_ids, self.sampling,
                                     arrival_time=now, deadline=deadline)
         self._submitted = True
-        if self._state is not None:
-            self._state.num_waiting += 1
-            self._waiting = True
         if self._timeout_s is not None:
             self._timer = asyncio.get_running_loop().call_later(
                 self._timeout_s + DEADLINE_GRACE_S, self._stream.fail,
@@ -105,9 +101,8 @@ class Generation:
         self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
 
     def _stop_waiting(self) -> None:
-        if self._waiting:
-            self._state.num_waiting -= 1
-            self._waiting = False
+        if self._slot is not None:
+            self._slot.release()
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while True:

@@ -19,7 +19,7 @@ from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
 from gateway.prompts import prompt_token_ids, sampling_params
 from gateway.responses import Shape, full_json, stream_sse
-from gateway.state import STATE, GatewayState
+from gateway.state import STATE, GatewayState, WaitingSlot
 
 log = structlog.get_logger("gateway.handlers")
 
@@ -39,7 +39,16 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
                     id_prefix: str) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
-    _admit(state)
+    slot = _admit(state)
+    try:
+        return await _generate_in_slot(request, parse, id_prefix, state, slot, arrival)
+    finally:
+        slot.release()
+
+
+async def _generate_in_slot(request: web.Request, parse: Callable[[Any], GenerationRequest],
+                            id_prefix: str, state: GatewayState, slot: WaitingSlot,
+                            arrival: float) -> web.StreamResponse:
     req = parse(await _read_json(request, state.config.max_body_bytes))
     if req.model != state.served_model_name:
         raise APIError(f"The model `{req.model}` does not exist (this server serves "
@@ -52,7 +61,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
         gen = Generation(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
                          stop=req.stop, tokenizer=state.tokenizer, upstream=state.upstream,
                          router=state.router, metrics=state.metrics, arrival=arrival,
-                         state=state, timeout_s=req.timeout or state.config.request_timeout_s)
+                         slot=slot, timeout_s=req.timeout or state.config.request_timeout_s)
         async with gen:
             await _start(gen, state)
             shape = Shape(req, request_id, state.served_model_name)
@@ -61,7 +70,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
             return await full_json(gen, shape)
 
 
-def _admit(state: GatewayState) -> None:
+def _admit(state: GatewayState) -> WaitingSlot:
     """Refuse at once what would only wait: a draining server, a full queue."""
     if state.draining:
         raise APIError("the server is shutting down; send the request to another replica",
@@ -71,6 +80,7 @@ def _admit(state: GatewayState) -> None:
         raise APIError(f"the server is overloaded: {state.num_waiting} requests are waiting; "
                        f"retry in {RETRY_AFTER_S} s", status=429, type="rate_limit_error",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
+    return WaitingSlot(state)
 
 
 async def _start(gen: Generation, state: GatewayState) -> None:

@@ -29,4 +29,20 @@ class GatewayState:
     num_waiting: int = 0                       # sent upstream, no token or end seen yet
 
 
+class WaitingSlot:
+    """One place in the gateway's bounded queue, taken when a request is admitted (before
+    any await, so a burst cannot overshoot the bound) and given back once, at the request's
+    first token or end."""
+
+    def __init__(self, state: GatewayState) -> None:
+        self._state = state
+        state.num_waiting += 1
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._state.num_waiting -= 1
+            self._held = False
+
+
 STATE = web.AppKey("state", GatewayState)

@@ -1,0 +1,172 @@
+"""A lost gateway, a graceful drain, and a Redis with a password, against a real `pacer up`
+whose Redis was started by the test with `--requirepass` (so `pacer up` uses it, not its own).
+
+Tests run in file order; the last one stops `pacer up` with SIGTERM.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import pytest
+import redis
+
+from tests.redis_fixture import free_port
+from tests.served_fixture import API_KEY, ROOT, Served, start_served
+from tests.sse_client import StreamResult, post_json, stream_completion
+from tests.test_overload import wait_idle
+
+pytestmark = pytest.mark.slow
+
+PASSWORD = "s3cret-pass"
+SHUTDOWN_TIMEOUT_S = 3.0
+DEADLINE_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def password_redis():
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed")
+    port = free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", "--requirepass", PASSWORD],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_ready_with_auth(port, proc)
+        yield f"redis://:{PASSWORD}@127.0.0.1:{port}/0"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _wait_ready_with_auth(port: int, proc: subprocess.Popen) -> None:
+    end = time.monotonic() + 10
+    while time.monotonic() < end:
+        try:
+            redis.Redis(port=port, password=PASSWORD).ping()
+            return
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    raise RuntimeError("password redis-server did not start")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, password_redis):
+    system = start_served(str(tmp_path_factory.mktemp("lifecycle") / "pacer-up.log"),
+                          "--redis-url", password_redis,
+                          "--shutdown-timeout", str(SHUTDOWN_TIMEOUT_S))
+    system.redis_url = password_redis
+    try:
+        yield system
+    finally:
+        system.stop()
+
+
+def long_body(max_tokens: int = 1500) -> dict:
+    return {"model": "smollm2-135m", "prompt": "Write a long poem about the sea.",
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+
+
+def test_a_redis_with_a_password_serves_requests(served: Served):
+    port = int(served.redis_url.rsplit(":", 1)[1].split("/")[0])
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis(port=port).ping()          # the server really demands the password
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            return await post_json(session, served.base_url, "/v1/completions",
+                                   long_body(max_tokens=8))
+    status, body, _ = asyncio.run(go())
+    assert status == 200 and body["usage"]["completion_tokens"] == 8, body
+
+
+def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Served, tmp_path):
+    port = free_port()
+    log = open(tmp_path / "gateway.log", "wb")
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "gateway", "--port", str(port),
+         "--redis-url", served.redis_url, "--api-key", API_KEY],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    other = Served(f"http://127.0.0.1:{port}", served.redis_url, gateway, str(tmp_path / "gateway.log"))
+    try:
+        _wait_for_health(other)
+        killed_at = asyncio.run(_stream_then_kill(other))
+        wait_idle(served, timeout_s=30.0)
+        print(f"\ngateway kill -9: its request was aborted and its KV blocks freed "
+              f"{time.monotonic() - killed_at:.2f} s later")
+    finally:
+        if gateway.poll() is None:
+            gateway.kill()
+        gateway.wait()
+        log.close()
+
+
+def _wait_for_health(s: Served, timeout_s: float = 60.0) -> None:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        try:
+            if s.get("/health")[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError(f"second gateway not healthy:\n{s.log_tail()}")
+
+
+async def _stream_then_kill(s: Served) -> float:
+    killed = asyncio.Event()
+
+    def on_chunk(result: StreamResult) -> None:
+        if len(result.chunk_times) == 3 and not killed.is_set():
+            os.kill(s.proc.pid, signal.SIGKILL)
+            killed.set()
+
+    async with aiohttp.ClientSession() as session:
+        try:
+            await stream_completion(session, s.base_url, long_body(), DEADLINE_S, on_chunk)
+        except aiohttp.ClientError:
+            pass                           # the server went away mid-stream, as intended
+    assert killed.is_set()
+    return time.monotonic()
+
+
+def test_sigterm_drains_running_requests_then_exits_zero(served: Served):
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            short = asyncio.create_task(stream_completion(
+                session, served.base_url, long_body(max_tokens=40), DEADLINE_S))
+            long = asyncio.create_task(stream_completion(
+                session, served.base_url, long_body(), DEADLINE_S))
+            await asyncio.sleep(0.5)       # both admitted and streaming
+            served.proc.send_signal(signal.SIGTERM)
+            status = await _until_draining(session, served.base_url)
+            refused = await post_json(session, served.base_url, "/v1/completions",
+                                      long_body(max_tokens=4))
+            return status, refused, await short, await long
+
+    started = time.monotonic()
+    health, (status, body, _), short, long = asyncio.run(scenario())
+    assert health == 503
+    assert status == 503 and "shutting down" in body["error"]["message"], body
+    assert short.error is None and short.finish_reason == "length", short
+    assert long.error is not None and long.done, long      # cut at the shutdown timeout
+    assert long.text
+    assert served.proc.wait(60) == 0, served.log_tail()
+    print(f"\nSIGTERM: new requests got 503, a short stream finished, a long one ended "
+          f"with an error event; pacer up exited 0 after {time.monotonic() - started:.2f} s")
+
+
+async def _until_draining(session: aiohttp.ClientSession, base_url: str) -> int:
+    for _ in range(200):
+        async with session.get(f"{base_url}/health") as r:
+            if r.status == 503 and (await r.json()).get("status") == "draining":
+                return r.status
+        await asyncio.sleep(0.02)
+    raise AssertionError("/health never said draining")
