@@ -5,6 +5,7 @@ import json
 import random
 import time
 
+import shared  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
 import torch
 
 

@@ -16,9 +16,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-
 from bench.common import measure_bandwidth_gbs, print_table, random_prompts, write_json  # noqa: E402
+import torch  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
