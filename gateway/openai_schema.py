@@ -20,6 +20,9 @@ INT_BOUND = 2**63
 SEED_BOUND = 2**40
 # Below this a temperature only overflows the logits (inf, then NaN): it means greedy.
 MIN_TEMPERATURE = 1e-5
+# The sampler compares in float32, where a smaller top_p rounds to 0 and drops every token
+# (NaN probabilities, a crashed worker); this one keeps exactly the most likely token.
+MIN_TOP_P = 1e-6
 
 
 class APIError(Exception):
@@ -202,6 +205,7 @@ def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | No
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise APIError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
+    top_p = max(top_p, MIN_TOP_P)
     top_k = _field(body, "top_k", (int,), 0)
     if top_k < -1:
         raise APIError(f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
