@@ -1,0 +1,84 @@
+"""Hostile input through the HTTP API: a model whose chat template reaches for Python
+internals, oversized headers and bodies, and a check that nothing read from Redis is ever
+unpickled or evaluated. The gateway runs in-process over a real redis-server; these requests
+never need a scheduler (they are refused before anything is enqueued).
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from gateway.app import serve
+from gateway.config import GatewayConfig
+from tests.helpers_tiny_model import write_tiny_llama
+from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
+
+ASYNC = pytest.mark.asyncio(loop_scope="module")
+
+ROOT = Path(__file__).resolve().parents[1]
+MAX_BODY = 64 * 1024
+
+
+def hostile_template(marker: Path) -> str:
+    # renders the messages like a normal template, then tries to run a shell command through
+    # a jinja global's Python internals
+    return ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+            "{{ cycler.__init__.__globals__.os.popen('touch " + str(marker) + "').read() }}")
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def gateway(tmp_path_factory, redis_server: str):  # noqa: F811
+    model = Path(write_tiny_llama(tmp_path_factory.mktemp("hostile-model")))
+    marker = model / "pwned"
+    config_path = model / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = hostile_template(marker)
+    config_path.write_text(json.dumps(config))
+    gw = GatewayConfig(port=0, redis_url=redis_server, model=str(model), key_prefix="hostile:",
+                       served_model_name="m", max_body_bytes=MAX_BODY)
+    async with serve(gw) as url, aiohttp.ClientSession() as session:
+        yield url, session, marker
+
+
+@ASYNC
+async def test_a_template_reaching_for_python_internals_is_refused(gateway) -> None:
+    url, session, marker = gateway
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+        answer = await r.json()
+    assert r.status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert "not allowed" in answer["error"]["message"]
+    assert not marker.exists()
+
+
+@ASYNC
+async def test_oversized_headers_and_bodies_are_refused(gateway) -> None:
+    url, session, _ = gateway
+    async with session.get(f"{url}/v1/models", headers={"X-Big": "a" * 20_000}) as r:
+        assert r.status in (400, 431)
+    body = {"model": "m", "prompt": "x" * (2 * MAX_BODY)}
+    async with session.post(f"{url}/v1/completions", json=body) as r:
+        assert r.status == 413
+        assert (await r.json())["error"]["type"] == "invalid_request_error"
+    async with session.get(f"{url}/openapi.json") as r:      # still serving
+        spec = await r.json()
+    assert r.status == 200 and "/v1/chat/completions" in spec["paths"]
+
+
+def test_nothing_read_from_redis_is_unpickled_or_evaluated() -> None:
+    # a bare eval( or exec( call (a method such as torch's module.eval() is not one)
+    forbidden = re.compile(r"\bpickle\b|\bmarshal\b|(?<![.\w])(eval|exec)\(|yaml\.load\(|\bdill\b")
+    offenders = []
+    for package in ("gateway", "scheduler_svc", "gpu_worker", "services", "shared"):
+        for path in (ROOT / package).rglob("*.py"):
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if forbidden.search(code) and "never pickle" not in line:
+                    offenders.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert offenders == []
