@@ -44,6 +44,7 @@ class Sampler:
             sorted_logits, order = torch.sort(row, descending=True)
             cum = torch.softmax(sorted_logits, -1).cumsum(-1)
             drop = cum - torch.softmax(sorted_logits, -1) >= p.top_p   # keep the first past p
+            drop[0] = False                     # a top_p that rounds to 0 keeps the top token
             row = row.scatter(0, order[drop], float("-inf"))
         probs = torch.softmax(row, -1).cpu()
         gen = self._unseeded

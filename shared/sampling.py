@@ -7,6 +7,9 @@ from dataclasses import asdict, dataclass, field
 from shared.errors import InvalidRequestError
 
 
+_GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -33,7 +36,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # a temperature this small is greedy in all but name; dividing by it overflows
+        return self.temperature < _GREEDY_BELOW or self.top_k == 1
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -78,3 +78,13 @@ def test_logprobs_are_the_log_softmax_with_top_n():
     ids = [i for i, _ in out[0].top_logprobs]
     assert ids == torch.topk(ref[0], 3).indices.tolist()
     assert out[1].logprob is None and out[1].top_logprobs is None
+
+
+def test_extreme_parameters_never_produce_nan():
+    x = logits(rows=1) * 1000
+    s = Sampler(seed=0)
+    for p in (SamplingParams(temperature=1e-30), SamplingParams(temperature=1.0, top_p=1e-45),
+              SamplingParams(temperature=1e-6, top_p=1e-6, top_k=2), SamplingParams(temperature=100.0)):
+        t = s.sample(x, [p], [0])[0].token_id
+        assert 0 <= t < x.shape[1]
+    assert s.sample(x, [SamplingParams(temperature=1.0, top_p=1e-45)], [0])[0].token_id == int(x.argmax())

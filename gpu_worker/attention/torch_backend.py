@@ -15,6 +15,11 @@ from gpu_worker.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self) -> None:
+        # Gathered K/V are reused layer after layer: allocating tens of MB per layer costs
+        # page faults (the CPU allocator returns big blocks to the OS) — more than the copy.
+        self._workspace: dict[str, torch.Tensor] = {}
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
@@ -29,8 +34,8 @@ class TorchAttentionBackend:
                 vg = _rows(v, g).view(G, rows, *v.shape[1:])
                 mask, causal = None, True
             else:
-                kg = _gather_blocks(k_cache, g)
-                vg = _gather_blocks(v_cache, g)
+                kg = self._gather_blocks(k_cache, g, "k")
+                vg = self._gather_blocks(v_cache, g, "v")
                 mask, causal = g.mask, False
             o = F.scaled_dot_product_attention(
                 qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, is_causal=causal,
@@ -41,18 +46,22 @@ class TorchAttentionBackend:
             out.index_copy_(0, g.q_index.flatten(), o)
         return out
 
+    def _gather_blocks(self, cache: torch.Tensor, g, name: str) -> torch.Tensor:
+        """[G, kv_len_max, KVH, d] from the block pool; index_select copies whole blocks, an
+        order of magnitude faster on CPU than advanced indexing with the 2-D table."""
+        G, blocks = g.block_tables.shape
+        shape = (G * blocks, *cache.shape[1:])
+        n = shape[0] * cache[0].numel()
+        buf = self._workspace.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != cache.dtype or buf.device != cache.device:
+            buf = self._workspace[name] = torch.empty(n, dtype=cache.dtype, device=cache.device)
+        flat = torch.index_select(cache, 0, g.block_tables.flatten(), out=buf[:n].view(shape))
+        return flat.view(G, blocks * cache.shape[1], *cache.shape[2:])[:, :g.kv_len_max]
+
 
 def _rows(x: torch.Tensor, g) -> torch.Tensor:
     """The group's rows of the flat batch (no copy when the group is the whole batch)."""
     return x if g.all_rows else x.index_select(0, g.q_index.flatten())
-
-
-def _gather_blocks(cache: torch.Tensor, g) -> torch.Tensor:
-    """[G, kv_len_max, KVH, d] from the block pool; index_select copies whole blocks, an
-    order of magnitude faster on CPU than advanced indexing with the 2-D table."""
-    G, blocks = g.block_tables.shape
-    flat = cache.index_select(0, g.block_tables.flatten())
-    return flat.view(G, blocks * cache.shape[1], *cache.shape[2:])[:, :g.kv_len_max]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
