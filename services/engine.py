@@ -142,7 +142,6 @@ class LLMEngine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams,
                     request_id: str | None = None) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
