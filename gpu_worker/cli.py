@@ -12,11 +12,13 @@ def register(sub) -> None:
     EngineArgs.add_cli_args(p)
     add_service_args(p)
     p.add_argument("--rank", type=int, default=0, help="this process's TP rank, 0..tp-1")
+    p.add_argument("--tp-host", default="127.0.0.1",
+                   help="rank 0: the address the other ranks reach it at (torch.distributed)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from gpu_worker.service import require_supported_tp, serve_worker
+    from gpu_worker.service import serve_worker
     from services.engine import engine_layout
     from services.lifecycle import connect_redis, run_service
     from shared.errors import PacerError
@@ -27,13 +29,13 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli(args)
     if not 0 <= args.rank < engine_args.tp:
         raise PacerError(f"--rank must be in [0, {engine_args.tp}), got {args.rank}")
-    require_supported_tp(engine_args.tp)
     layout = engine_layout(engine_args)
 
     async def main(stop) -> int:
         redis = await connect_redis(args.redis_url, stop)
         try:
-            return await serve_worker(redis, Keys(args.key_prefix), layout, args.rank, stop)
+            return await serve_worker(redis, Keys(args.key_prefix), layout, args.rank, stop,
+                                      tp_host=args.tp_host)
         finally:
             await redis.aclose()
 

@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from gpu_worker.parallel import TPGroup
 from shared.errors import PacerError
-from shared.model_config import ModelConfig
+from shared.model_config import ModelConfig, check_tp_fits
 from shared.model_source import ModelSource
 from shared.plan import IterationPlan, StepResult
 from shared.protocol import PlanMsg, decode, encode
@@ -74,18 +74,6 @@ def _hb_key(rank: int) -> str:
 
 
 # ---- start-up checks and addresses -------------------------------------------------------
-
-def check_tp_fits(cfg: ModelConfig, tp: int) -> None:
-    """Cuts fall on head boundaries (article 03): query and KV heads must both divide by tp."""
-    if tp < 1:
-        raise PacerError(f"--tp must be >= 1, got {tp}")
-    if cfg.num_heads % tp or cfg.num_kv_heads % tp:
-        raise PacerError(f"tp={tp} does not divide the model's {cfg.num_heads} query heads and "
-                         f"{cfg.num_kv_heads} KV heads (cuts must fall on head boundaries)")
-    if cfg.intermediate_size % tp:
-        raise PacerError(f"tp={tp} does not divide the model's MLP width "
-                         f"{cfg.intermediate_size}")
-
 
 def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
@@ -472,7 +460,7 @@ def launch_tp_executor(cfg: ModelConfig, source: ModelSource, rc, tp: int,
     backend = backend_for(rc.device)
     addr = "127.0.0.1"
     port = find_free_port(addr)
-    threads = _threads_per_rank(rc.device, tp)
+    threads = threads_per_rank(rc.device, tp)
     followers = Followers({r: _spawn_follower(r, tp, addr, port, backend, timeout_s, source,
                                               rc, threads) for r in range(1, tp)})
     group = None
@@ -499,7 +487,7 @@ def launch_tp_executor(cfg: ModelConfig, source: ModelSource, rc, tp: int,
     return executor
 
 
-def _threads_per_rank(device: str, tp: int) -> int | None:
+def threads_per_rank(device: str, tp: int) -> int | None:
     """On CPU the ranks share the cores: split them instead of oversubscribing."""
     if device != "cpu":
         return None

@@ -243,21 +243,33 @@ async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event
 
 
 async def serve_worker(redis: aioredis.Redis, keys: Keys, layout, rank: int,
-                       stop: asyncio.Event) -> int:
+                       stop: asyncio.Event, tp_host: str = "127.0.0.1") -> int:
     """Load this rank's model, then serve until stopped. Returns an exit code."""
     from services.engine import build_runner
 
+    from gpu_worker import tp_service
+
     tp = layout.args.tp
-    require_supported_tp(tp)
-    runner = await asyncio.to_thread(build_runner, layout, None, True)
-    if stop.is_set():
-        return 0
-    # read from where the stream ends *before* announcing ourselves: the scheduler sends
-    # its first plan only after it saw our heartbeat, so that plan cannot be missed
-    loop = PlanLoop(redis, keys, runner, runner.requests,
-                    await stream_tail_id(redis, keys.plans))
-    beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop)
-    return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))
+    if rank > 0:
+        beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size)
+        return await _with_heartbeat(redis, keys.hb_worker(rank), beat,
+                                     tp_service.serve_follower(redis, keys, layout, rank, stop))
+    if tp > 1:
+        executor = await tp_service.start_rank0(redis, keys, layout, tp_host)
+    else:
+        executor = await asyncio.to_thread(build_runner, layout, None, True)
+    try:
+        if stop.is_set():
+            return 0
+        # read from where the stream ends *before* announcing ourselves: the scheduler sends
+        # its first plan only after it saw our heartbeat, so that plan cannot be missed
+        loop = PlanLoop(redis, keys, executor, executor.requests,
+                        await stream_tail_id(redis, keys.plans))
+        beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop)
+        return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))
+    finally:
+        if tp > 1:
+            await asyncio.to_thread(executor.shutdown)
 
 
 async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:
@@ -270,12 +282,3 @@ async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:
     finally:
         await cancel_tasks(heartbeat)
         await clear_key(redis, key)
-
-
-
-def require_supported_tp(tp: int) -> None:
-    """Refuse tp > 1 before anything starts: ranks > 0 need `gpu_worker.distributed`
-    (init_tp_group / run_follower), which is not wired into this service yet; the rendezvous
-    key above is where rank 0 will publish its address."""
-    if tp > 1:
-        raise PacerError(f"--tp {tp}: the served workers run tp=1 in this build")

@@ -13,7 +13,7 @@ from shared.config import (SchedulerConfig, kv_block_bytes, kv_cache_dtype,
                            num_blocks_for_memory)
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
-from shared.model_config import ModelConfig, load_model_config
+from shared.model_config import check_tp_fits, ModelConfig, load_model_config
 from shared.model_source import ModelSource, resolve_model
 from shared.outputs import RequestOutput
 from shared.plan import SampledToken
@@ -59,12 +59,9 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
     weights')."""
     if args.dtype not in DTYPE_BYTES:
         raise PacerError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
-    if args.tp < 1:
-        raise PacerError(f"--tp must be >= 1, got {args.tp}")
     source = resolve_model(args.model)
     cfg = load_model_config(source)
-    if cfg.num_kv_heads % args.tp:
-        raise PacerError(f"num_kv_heads = {cfg.num_kv_heads} does not divide by tp = {args.tp}")
+    check_tp_fits(cfg, args.tp)       # before anything is spawned or loaded
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(
         args.kv_cache_memory,
         kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
@@ -114,9 +111,6 @@ class LLMEngine:
     (or use the engine as a context manager) to end them, else they end at exit."""
 
     def __init__(self, args: EngineArgs, progress: bool = True):
-        if args.tp > 1:   # the clear head-count message, before anything is spawned
-            from gpu_worker.distributed import check_tp_fits
-            check_tp_fits(load_model_config(resolve_model(args.model)), args.tp)
         layout = engine_layout(args)
         self.args = args
         self.layout = layout

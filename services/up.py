@@ -198,8 +198,6 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("up", args.log_level)
     engine = EngineArgs.from_cli(args)
     # refuse bad flags here, before anything starts
-    from gpu_worker.service import require_supported_tp
-    require_supported_tp(engine.tp)
     engine_layout(engine)
     url = urlsplit(args.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379

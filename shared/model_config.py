@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 
-from shared.errors import ModelLoadError
+from shared.errors import ModelLoadError, PacerError
 from shared.model_source import ModelSource
 
 _HF_ARCHITECTURE = "LlamaForCausalLM"
@@ -217,3 +217,15 @@ def _check_gguf_rope(reader: GGUFReader, path: str, head_dim: int, tensor_names:
     rot = gguf_value(reader, "llama.rope.dimension_count", head_dim)
     if rot != head_dim:
         raise ModelLoadError(f"{path}: partial rotary ({rot} of {head_dim} dims) is not supported")
+
+
+def check_tp_fits(cfg: ModelConfig, tp: int) -> None:
+    """Cuts fall on head boundaries (article 03): query and KV heads must both divide by tp."""
+    if tp < 1:
+        raise PacerError(f"--tp must be >= 1, got {tp}")
+    if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+        raise PacerError(f"tp={tp} does not divide the model's {cfg.num_heads} query heads and "
+                         f"{cfg.num_kv_heads} KV heads (cuts must fall on head boundaries)")
+    if cfg.intermediate_size % tp:
+        raise PacerError(f"tp={tp} does not divide the model's MLP width "
+                         f"{cfg.intermediate_size}")
