@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import measure_bandwidth_gbs, print_table, random_prompts, write_json  # noqa: E402
 import torch  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
+from shared.config import DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
@@ -121,7 +122,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--hf-dtypes", default="bfloat16,float32")
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=EngineArgs.max_num_batched_tokens)
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    default=DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS, help="as pacer generate")
     ap.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()

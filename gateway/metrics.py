@@ -30,6 +30,12 @@ _SCHEDULER_STATS = {
     "num_requests_waiting": ("pacer:num_requests_waiting", "Requests waiting to be admitted", False),
     "kv_cache_usage_perc": ("pacer:kv_cache_usage_perc", "KV cache usage, 0..1", False),
     "num_preemptions_total": ("pacer:num_preemptions", "Preemptions since the scheduler started", True),
+    # worker rank 0: the host's share of an iteration is plan_wait / (plan_wait + busy)
+    "worker_plan_wait_seconds_total": ("pacer:worker_plan_wait_seconds",
+                                       "Seconds worker rank 0 waited for the next plan", True),
+    "worker_busy_seconds_total": ("pacer:worker_busy_seconds",
+                                  "Seconds worker rank 0 spent running plans", True),
+    "worker_iterations_total": ("pacer:worker_iterations", "Plans worker rank 0 ran", True),
 }
 
 

@@ -9,7 +9,11 @@ from typing import Protocol
 
 from shared.errors import PacerError
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512   # chosen by bench/budget_sweep.py, see README
+# The token budget, chosen by bench/budget_sweep.py (README): serving keeps decode gaps short,
+# offline generation (no one waits between tokens) takes the larger budget's throughput —
+# as vLLM picks its default by usage context.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
+DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_MEMORY = "2GiB"

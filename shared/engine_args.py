@@ -27,14 +27,15 @@ class EngineArgs:
     seed: int | None = None
 
     @staticmethod
-    def add_cli_args(p: argparse.ArgumentParser) -> None:
+    def add_cli_args(p: argparse.ArgumentParser,
+                     budget: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> None:
         p.add_argument("--model", default=None,
                        help="smollm2-135m (default), an HF directory, or a .gguf file")
         p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                        help="weight and activation dtype (default float32)")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-        p.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        p.add_argument("--max-num-batched-tokens", type=int, default=budget,
                        help="token budget: most Q rows in one iteration")
         p.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                        help="most requests running at once")
