@@ -545,7 +545,10 @@ async def test_streamed_text_is_the_text_cut_at_the_first_stop_string(tokenizer:
                                                                 stops: list[str]) -> None:
     ids = tokenizer.encode(text)
     assume(tokenizer.decode(ids) == text)
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
+    # generation stops at the stop string that is *completed* first (as vLLM does): with
+    # text 'SéS' and stops ['é', 'SéS'], 'é' completes first and 'S' is the output
+    ends = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+    hits = [start for end, start in ends if end == min(ends)[0]] if ends else []
     expected = text[:min(hits)] if hits else text
     out = TextOutput(IncrementalDetokenizer(tokenizer, [1]), tuple(stops))
     pieces = []
