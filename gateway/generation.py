@@ -91,8 +91,9 @@ class Generation:
         self._stream = self._router.open(self.request_id)
         now = time.time()
         deadline = None if self._timeout_s is None else now + self._timeout_s
-        await self._upstream.submit(self.request_id, self.prompt_token_ids, self.sampling,
-                                    arrival_time=now, deadline=deadline)
+        self._stream.redis_run_id = await self._upstream.submit(
+            self.request_id, self.prompt_token_ids, self.sampling, arrival_time=now,
+            deadline=deadline)
         self._submitted = True
         if self._timeout_s is not None:
             self._timer = asyncio.get_running_loop().call_later(

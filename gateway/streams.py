@@ -43,6 +43,7 @@ class RequestStream:
 
     def __init__(self, request_id: str, finish_grace_s: float = 5.0) -> None:
         self.request_id = request_id
+        self.redis_run_id: str | None = None    # the Redis that took the request
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._grace_s = finish_grace_s
         self._next_index = 0
@@ -144,13 +145,17 @@ class TokenRouter:
     def num_open(self) -> int:
         return len(self._streams)
 
-    def fail_all(self, error: str, error_type: str = "server_error") -> int:
-        """End every open stream with an error; returns how many there were."""
-        for stream in self._streams.values():
+    def fail_all(self, error: str, error_type: str = "server_error",
+                 keep_run_id: str | None = None) -> int:
+        """End every open stream with an error, except those a Redis with run id
+        `keep_run_id` took (sent after a restart); returns how many were ended."""
+        ended = [s for s in self._streams.values()
+                 if keep_run_id is None or s.redis_run_id != keep_run_id]
+        for stream in ended:
             stream.fail(error, error_type)
-        if self._streams:
-            log.warning("open streams ended", count=len(self._streams), error=error)
-        return len(self._streams)
+        if ended:
+            log.warning("open streams ended", count=len(ended), error=error)
+        return len(ended)
 
     def route(self, data: bytes) -> None:
         try:

@@ -35,13 +35,18 @@ class Upstream:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams, arrival_time: float,
-                     deadline: float | None = None) -> None:
-        """`deadline`: time.time() after which the scheduler ends the request."""
+                     deadline: float | None = None) -> str:
+        """`deadline`: time.time() after which the scheduler ends the request. Returns the
+        run id of the Redis that took the request: when Redis restarts, only the requests
+        the old one took are lost."""
         msg = RequestMsg(request_id=request_id, prompt_token_ids=prompt_token_ids,
                          sampling=sampling, reply_to=self.reply_to, gateway_id=self.gateway_id,
                          arrival_time=arrival_time, deadline=deadline)
-        await self.redis.xadd(self.keys.requests, to_fields(msg), maxlen=REQUESTS_MAXLEN,
-                              approximate=True)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(self.keys.requests, to_fields(msg), maxlen=REQUESTS_MAXLEN, approximate=True)
+        pipe.info("server")
+        _, info = await pipe.execute()
+        return info["run_id"]
 
     async def abort(self, request_id: str, reason: str) -> None:
         await self.redis.xadd(self.keys.aborts, to_fields(AbortMsg(request_id, reason)),
@@ -79,7 +84,8 @@ class Upstream:
                 pipe.info("server")
                 _, info = await pipe.execute()
                 if run_id is not None and info["run_id"] != run_id:
-                    on_lost("Redis restarted and lost the request; send it again")
+                    on_lost("Redis restarted and lost the request; send it again",
+                            keep_run_id=info["run_id"])
                 run_id, unreachable_since = info["run_id"], None
             except (RedisError, OSError) as e:
                 log.warning("heartbeat not written", error=str(e))
