@@ -18,4 +18,7 @@ def select_backend(device: str):
         except ImportError:
             pass
     from gpu_worker.attention.torch_backend import TorchAttentionBackend
+    if device == "cpu":
+        from gpu_worker.attention.cpu_kernels import decode_kernel
+        return TorchAttentionBackend(decode_kernel())
     return TorchAttentionBackend()

@@ -41,6 +41,7 @@ class AttentionGroup:
     kv_len_max: int
     mask: torch.Tensor           # [G, 1, q, kv_len_max] additive: 0 where the query sees the
                                  # key, -inf elsewhere (built once, not converted per layer)
+    kv_lens: torch.Tensor        # [G]
     fresh: bool                  # every chunk is a whole prompt: keys are the chunk itself
     all_rows: bool               # the group is the whole flat batch, in order
 
@@ -108,6 +109,6 @@ def _groups(chunks: list[Chunk], cu_q: torch.Tensor, tables: torch.Tensor, block
         blocks = -(-kv_max // block_size)
         groups.append(AttentionGroup(
             q_index=q_index.to(device), block_tables=tables[idx, :blocks].to(device),
-            kv_len_max=kv_max, mask=mask.unsqueeze(1).to(device),
+            kv_len_max=kv_max, mask=mask.unsqueeze(1).to(device), kv_lens=kv.to(device),
             fresh=bool((kv == q).all()), all_rows=len(by_rows) == 1))
     return groups

@@ -15,7 +15,9 @@ from gpu_worker.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self) -> None:
+    def __init__(self, decode_kernel=None) -> None:
+        # decode chunks (one row over a cached prefix) on CPU in float32: see cpu_kernels.py
+        self._decode_kernel = decode_kernel
         # Gathered K/V are reused layer after layer: allocating tens of MB per layer costs
         # page faults (the CPU allocator returns big blocks to the OS) — more than the copy.
         self._workspace: dict[str, torch.Tensor] = {}
@@ -28,23 +30,39 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         for g in meta.groups:
             G, rows = g.q_index.shape
-            qg = _rows(q, g).view(G, rows, *q.shape[1:]).transpose(1, 2)     # [G, H, q, d]
-            if g.fresh:                                             # keys = the chunk itself
-                kg = _rows(k, g).view(G, rows, *k.shape[1:])           # [G, q, KVH, d]
-                vg = _rows(v, g).view(G, rows, *v.shape[1:])
-                mask, causal = None, True
+            if rows == 1 and not g.fresh and self._decode_kernel and k_cache.dtype == torch.float32:
+                o = self._decode(_rows(q, g), k_cache, v_cache, g, scale)
             else:
-                kg = self._gather_blocks(k_cache, g, "k")
-                vg = self._gather_blocks(v_cache, g, "v")
-                mask, causal = g.mask, False
-            o = F.scaled_dot_product_attention(
-                qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, is_causal=causal,
-                scale=scale, enable_gqa=True)
-            o = o.transpose(1, 2).reshape(G * rows, *q.shape[1:])
+                o = self._attend(q, k, v, k_cache, v_cache, g, scale)
             if g.all_rows:
                 return o
             out.index_copy_(0, g.q_index.flatten(), o)
         return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g,
+                scale: float) -> torch.Tensor:
+        """One query row per request, K/V read in place through the block tables."""
+        q = q.to(torch.float32).contiguous()                          # [G, H, d]
+        o = torch.empty_like(q)
+        self._decode_kernel(q, k_cache, v_cache, g.block_tables, g.kv_lens, scale, o)
+        return o
+
+    def _attend(self, q, k, v, k_cache, v_cache, g, scale: float) -> torch.Tensor:
+        """Any chunks of equal q_rows as one padded batch: SDPA with the group's mask."""
+        G, rows = g.q_index.shape
+        qg = _rows(q, g).view(G, rows, *q.shape[1:]).transpose(1, 2)     # [G, H, q, d]
+        if g.fresh:                                             # keys = the chunk itself
+            kg = _rows(k, g).view(G, rows, *k.shape[1:])           # [G, q, KVH, d]
+            vg = _rows(v, g).view(G, rows, *v.shape[1:])
+            mask, causal = None, True
+        else:
+            kg = self._gather_blocks(k_cache, g, "k")
+            vg = self._gather_blocks(v_cache, g, "v")
+            mask, causal = g.mask, False
+        o = F.scaled_dot_product_attention(
+            qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, is_causal=causal,
+            scale=scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(G * rows, *q.shape[1:])
 
     def _gather_blocks(self, cache: torch.Tensor, g, name: str) -> torch.Tensor:
         """[G, kv_len_max, KVH, d] from the block pool; index_select copies whole blocks, an
