@@ -229,15 +229,15 @@ async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str) -> tu
 
 
 async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event,
-                          not_before: float) -> tuple[str, int] | None:
-    """Ranks > 0: wait for an address rank 0 wrote after `not_before` (older ones are stale,
-    left by an earlier group); None if stopped first."""
+                          not_before: float) -> tuple[str, int, float] | None:
+    """Ranks > 0: wait for an address rank 0 wrote at or after `not_before` (older ones are
+    stale, left by an earlier group); (addr, port, time written), or None if stopped first."""
     while not stop.is_set():
         raw = await redis.get(rendezvous_key(keys))
         if raw is not None:
             value = json.loads(raw)
             if value["time"] >= not_before:
-                return value["addr"], int(value["port"])
+                return value["addr"], int(value["port"]), float(value["time"])
         await asyncio.sleep(0.2)
     return None
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import socket
 import time
 
 import redis.asyncio as aioredis
@@ -27,6 +28,8 @@ log = structlog.get_logger("worker")
 # a rendezvous older than this when a follower starts was left by an earlier group
 STALE_RENDEZVOUS_S = 10.0
 FOLLOWER_JOIN_TIMEOUT_S = 60.0
+# rank 0 listens right after it publishes: an address that refuses this long is a dead group
+REFUSED_FOR_S = 5.0
 
 
 def _rank_layout(layout, rank: int):
@@ -67,7 +70,12 @@ async def serve_follower(redis: aioredis.Redis, keys: Keys, layout, rank: int,
         found = await read_rendezvous(redis, keys, stop, not_before)
         if found is None:
             return 0
-        addr, port = found
+        addr, port, written = found
+        if not await _listening(addr, port, stop):
+            log.warning("tp rendezvous of a group that is gone; waiting for a newer one",
+                        addr=addr, port=port)
+            not_before = written + 1e-6
+            continue
         try:
             group = await asyncio.to_thread(
                 init_tp_group, rank, layout.args.tp, addr, port, backend_for(layout.args.device),
@@ -77,7 +85,7 @@ async def serve_follower(redis: aioredis.Redis, keys: Keys, layout, rank: int,
         except (PacerError, RuntimeError) as e:      # a rendezvous of a group that is gone
             log.warning("tp group join failed; waiting for a newer rendezvous", addr=addr,
                         port=port, error=str(e).splitlines()[0])
-            not_before = time.time()
+            not_before = written + 1e-6
     else:
         return 0
     _share_cores(layout)
@@ -86,3 +94,19 @@ async def serve_follower(redis: aioredis.Redis, keys: Keys, layout, rank: int,
     await asyncio.to_thread(run_follower, runner, group)
     log.info("tp group ended by rank 0", rank=rank)
     return 0
+
+
+async def _listening(addr: str, port: int, stop: asyncio.Event) -> bool:
+    """Whether rank 0's store accepts connections within REFUSED_FOR_S."""
+    end = time.monotonic() + REFUSED_FOR_S
+    while not stop.is_set() and time.monotonic() < end:
+        try:
+            await asyncio.to_thread(_connect, addr, port)
+            return True
+        except OSError:
+            await asyncio.sleep(0.2)
+    return False
+
+
+def _connect(addr: str, port: int) -> None:
+    socket.create_connection((addr, port), timeout=1.0).close()
