@@ -84,15 +84,16 @@ def start_served(log_path: str, *extra_args: str) -> Served:
     log.close()
     served = Served(f"http://127.0.0.1:{port}", redis_url, proc, log_path)
     try:
-        _wait_healthy(served)
+        wait_healthy(served)
     except BaseException:
         served.stop()
         raise
     return served
 
 
-def _wait_healthy(served: Served) -> None:
-    end = time.monotonic() + STARTUP_TIMEOUT_S
+def wait_healthy(served: Served, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Until /health is 200; fails at once if `pacer up` exited."""
+    end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         if served.proc.poll() is not None:
             raise RuntimeError(f"pacer up exited with {served.proc.returncode}:\n"
@@ -104,7 +105,7 @@ def _wait_healthy(served: Served) -> None:
         if status == 200:
             return
         time.sleep(0.5)
-    raise RuntimeError(f"/health not 200 after {STARTUP_TIMEOUT_S} s:\n{served.log_tail()}")
+    raise RuntimeError(f"/health not 200 after {timeout_s} s:\n{served.log_tail()}")
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import redis
 from services.up import scheduler_id
 from shared.keys import Keys
 from shared.protocol import decode
-from tests.served_fixture import Served, start_served
+from tests.served_fixture import Served, start_served, wait_healthy
 from tests.sse_client import StreamResult, stream_completion
 
 pytestmark = pytest.mark.slow
@@ -101,18 +101,6 @@ def stall_after(results: list[StreamResult], killed_at: float) -> float:
     gaps = [b - max(a, killed_at) for r in results
             for a, b in zip(r.chunk_times, r.chunk_times[1:]) if b > killed_at]
     return max(gaps, default=0.0)
-
-
-def wait_healthy(s: Served, timeout_s: float = 120.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            if s.get("/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"/health not 200 within {timeout_s} s:\n{s.log_tail()}")
 
 
 def assert_exact(results: list[StreamResult], reference: list[str], s: Served) -> None:

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from tests.redis_fixture import free_port
-from tests.served_fixture import API_KEY, ROOT, Served, start_served
+from tests.served_fixture import API_KEY, ROOT, Served, start_served, wait_healthy
 from tests.sse_client import StreamResult, post_json, stream_completion
 from tests.test_overload import wait_idle
 
@@ -96,7 +96,7 @@ def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Serv
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     other = Served(f"http://127.0.0.1:{port}", served.redis_url, gateway, str(tmp_path / "gateway.log"))
     try:
-        _wait_for_health(other)
+        wait_healthy(other, 60.0)
         killed_at = asyncio.run(_stream_then_kill(other))
         wait_idle(served, timeout_s=30.0)
         print(f"\ngateway kill -9: its request was aborted and its KV blocks freed "
@@ -106,18 +106,6 @@ def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Serv
             gateway.kill()
         gateway.wait()
         log.close()
-
-
-def _wait_for_health(s: Served, timeout_s: float = 60.0) -> None:
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        try:
-            if s.get("/health")[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError(f"second gateway not healthy:\n{s.log_tail()}")
 
 
 async def _stream_then_kill(s: Served) -> float:
