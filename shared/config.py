@@ -40,7 +40,6 @@ class IterationCostModel(Protocol):
                          prefix_len: int) -> int:
         """The most rows of a prefill chunk over a cached prefix of `prefix_len` that keep the
         iteration `chunks + [that chunk]` within `budget_ms`; 0 if not even one row does."""
-        ...
 
 
 @dataclass(frozen=True)
