@@ -1,6 +1,7 @@
-"""Why `shared/__init__.py` sets OMP_WAIT_POLICY=PASSIVE: the same torch ops with spinning
-(ACTIVE) and sleeping (PASSIVE) OpenMP waits, each in a fresh process, while another process
-keeps one core busy — as the gateway, scheduler, Redis or a second rank do beside a worker.
+"""Why `shared/__init__.py` bounds OpenMP's spinning: the same torch ops with unbounded
+spinning (ACTIVE), sleeping (PASSIVE) and a bounded spin (the default), each in a fresh
+process, while other processes keep cores busy — as the gateway, scheduler, Redis or a
+second rank do beside a worker.
 
     python bench/omp_wait.py [--threads 2] [--rounds 2]
 """
@@ -26,8 +27,15 @@ print(json.dumps({"pointwise_us": t(lambda: x * x), "gemm_64_rows_us": t(lambda:
 '''
 
 
+POLICIES = {                      # name -> environment
+    "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
+    "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+    "SPIN-20k": {"OMP_WAIT_POLICY": "ACTIVE", "GOMP_SPINCOUNT": "20000"},
+}
+
+
 def probe(policy: str, threads: int) -> dict:
-    env = {**os.environ, "OMP_WAIT_POLICY": policy}
+    env = {**os.environ, **POLICIES[policy]}
     out = subprocess.run([sys.executable, "-c", PROBE.replace("THREADS", str(threads))],
                          env=env, capture_output=True, text=True, check=True).stdout
     return json.loads(out)
@@ -37,16 +45,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--busy", type=int, default=1, help="processes spinning beside the probe")
     args = ap.parse_args()
-    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         rows = []
         for _ in range(args.rounds):                     # A, B, A, B
-            for policy in ("ACTIVE", "PASSIVE"):
+            for policy in POLICIES:
                 rows.append({"policy": policy, **probe(policy, args.threads)})
     finally:
-        busy.kill()
-    print(f"torch threads {args.threads}, one other process spinning on a core (microseconds):")
+        for b in busy:
+            b.kill()
+    print(f"torch threads {args.threads}, {args.busy} other process(es) spinning (microseconds):")
     print(f"{'policy':8s} {'pointwise':>10s} {'gemm 64 rows':>13s} {'gemm 512 rows':>14s}")
     for r in rows:
         print(f"{r['policy']:8s} {r['pointwise_us']:10.0f} {r['gemm_64_rows_us']:13.0f} {r['gemm_512_rows_us']:14.0f}")

@@ -5,4 +5,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import shared  # noqa: E402,F401  (sets OMP_WAIT_POLICY before any test loads torch)
+# The suite runs many processes on few cores at once: OpenMP threads there should sleep
+# rather than spin (see shared/__init__.py). Services the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import shared  # noqa: E402,F401
