@@ -3,7 +3,7 @@
     async with Generation(...) as gen:
         await gen.start()                  # register for events, then XADD the request
         async for delta in gen.deltas():   # one delta per batch of token events
-            ...
+            await write(delta)
 
 Leaving the block early (client gone, handler cancelled, a stop string found) aborts the
 request upstream, so the scheduler frees its KV blocks. A request with a deadline is ended by
