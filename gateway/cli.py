@@ -16,22 +16,33 @@ def register(sub) -> None:
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
     p.add_argument("--model", default=None,
                    help="smollm2-135m (default), an HF directory, or a .gguf file")
-    p.add_argument("--served-model-name", default=None,
-                   help="the name clients send as `model` (default: the model's name)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument("--tp", type=int, default=1, help="worker ranks /health waits for")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    add_request_policy_args(p)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(run=run)
+
+
+# flags `pacer up` takes too and hands to the gateway it starts
+POLICY_FLAGS = ("served_model_name", "api_key", "max_waiting_requests", "request_timeout",
+                "shutdown_timeout")
+
+
+def add_request_policy_args(p: argparse.ArgumentParser) -> None:
+    """What the gateway lets in and how long it waits: one definition for `pacer gateway`
+    and `pacer up`."""
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as `model` (default: the model's name)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="requests waiting for their first token beyond which new ones get 429")
     p.add_argument("--request-timeout", type=float, default=None,
                    help="deadline in seconds for requests without a 'timeout' field")
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="on SIGTERM, seconds running requests get to finish")
-    p.add_argument("--log-level", default="info")
-    p.set_defaults(run=run)
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:

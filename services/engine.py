@@ -86,24 +86,27 @@ def build_scheduler(layout: EngineLayout):
 
 def build_runner(layout: EngineLayout, tp=None, progress: bool = True):
     """Load the weights (this rank's shard when `tp` is a TPGroup) and allocate the KV pool."""
-    from gpu_worker.model_runner import ModelRunner, RunnerConfig
+    from gpu_worker.model_runner import ModelRunner
     from gpu_worker.parallel import SINGLE
 
+    return ModelRunner(layout.model_config, layout.source, _runner_config(layout, progress),
+                       tp or SINGLE)
+
+
+def _runner_config(layout: EngineLayout, progress: bool):
+    from gpu_worker.model_runner import RunnerConfig
+
     args = layout.args
-    return ModelRunner(layout.model_config, layout.source, RunnerConfig(
-        num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size, dtype=args.dtype,
-        device=args.device, seed=args.seed, progress=progress), tp or SINGLE)
+    return RunnerConfig(num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size,
+                        dtype=args.dtype, device=args.device, seed=args.seed, progress=progress)
 
 
 def _tp_executor(layout: EngineLayout, progress: bool):
     """tp > 1 in one command: this process is rank 0 and spawns ranks 1..tp-1."""
     from gpu_worker.distributed import launch_tp_executor
-    from gpu_worker.model_runner import RunnerConfig
 
-    args = layout.args
-    return launch_tp_executor(layout.model_config, layout.source, RunnerConfig(
-        num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size, dtype=args.dtype,
-        device=args.device, seed=args.seed, progress=progress), args.tp)
+    return launch_tp_executor(layout.model_config, layout.source,
+                              _runner_config(layout, progress), layout.args.tp)
 
 
 class LLMEngine:

@@ -24,6 +24,7 @@ import urllib.request
 from dataclasses import fields
 from urllib.parse import urlsplit
 
+from gateway.cli import POLICY_FLAGS, add_request_policy_args
 from services.restarts import Restarter
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
 from shared.engine_args import EngineArgs
@@ -31,7 +32,6 @@ from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
 
 PROGRESS_EVERY_S = 5.0
-SHUTDOWN_TIMEOUT_S = 10.0
 STOP_MARGIN_S = 5.0          # past the shutdown timeout, before a child is killed
 
 
@@ -43,16 +43,9 @@ def register(sub) -> None:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
                    help="a Redis to use; started here when none answers on a local address")
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
-    p.add_argument("--served-model-name", default=None)
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for /health to turn 200")
-    p.add_argument("--shutdown-timeout", type=float, default=SHUTDOWN_TIMEOUT_S,
-                   help="on SIGTERM, seconds running requests get to finish")
-    p.add_argument("--max-waiting-requests", type=int, default=None,
-                   help="queued requests beyond which the gateway answers 429")
-    p.add_argument("--request-timeout", type=float, default=None,
-                   help="default per-request deadline in seconds (none by default)")
+    add_request_policy_args(p)
     p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
@@ -117,9 +110,8 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> list[tuple[s
               "--log-level", args.log_level]
     flags = engine_flags(engine)
     gateway = ["gateway", "--host", args.host, "--port", str(args.port), "--tp", str(engine.tp),
-               "--shutdown-timeout", str(args.shutdown_timeout), *common]
-    for name in ("model", "max_model_len", "api_key", "served_model_name",
-                 "max_waiting_requests", "request_timeout"):
+               *common]
+    for name in ("model", "max_model_len", *POLICY_FLAGS):
         value = getattr(args, name)
         if value is not None:
             gateway += [f"--{name.replace('_', '-')}", str(value)]
