@@ -12,6 +12,7 @@ import torch
 from torch.profiler import record_function
 
 from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
+from gpu_worker.host_memory import keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.model.llama import LlamaForCausalLM
 from gpu_worker.parallel import SINGLE, TPGroup
@@ -53,6 +54,8 @@ class ModelRunner:
         self.cfg, self.rc, self.tp = cfg, rc, tp
         self.dtype = DTYPES[rc.dtype]
         torch.manual_seed(0)
+        if rc.device == "cpu":
+            keep_freed_memory()
         with torch.device("cpu"):
             model = LlamaForCausalLM(cfg, tp)
         model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0))
