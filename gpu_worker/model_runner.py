@@ -18,7 +18,7 @@ from gpu_worker.model.llama import LlamaForCausalLM
 from gpu_worker.parallel import SINGLE, TPGroup
 from gpu_worker.sampler import Sampler
 from gpu_worker.weights import iter_weights
-from shared.config import kv_cache_dtype
+from shared.config import activation_dtype, kv_cache_dtype
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource
 from shared.plan import IterationPlan, NewRequestData, StepResult
@@ -59,15 +59,15 @@ class ModelRunner:
         with torch.device("cpu"):
             model = LlamaForCausalLM(cfg, tp)
         model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0))
-        # On CPU the residual stream, norms and attention stay in float32 whatever the weight
-        # dtype: torch's bfloat16 pointwise and attention kernels there are slower than float32.
-        self.act_dtype = DTYPES[kv_cache_dtype(rc.dtype, rc.device)]
+        # On CPU the residual stream, norms and attention math stay in float32 whatever the
+        # weight dtype; the KV cache is stored in the weights' dtype (shared/config.py).
+        self.act_dtype = DTYPES[activation_dtype(rc.dtype, rc.device)]
         self.model = model.to(device=rc.device).eval()
         self.model.set_dtypes(self.dtype, self.act_dtype)
         self.backend = select_backend(rc.device)
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.kv_caches = allocate_kv_cache(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,
-                                           self.act_dtype, rc.device)
+                                           DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
         self.sampler = Sampler(rc.device, rc.seed)
         self.requests: dict[str, _RequestState] = {}
 

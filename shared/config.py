@@ -81,7 +81,15 @@ def num_blocks_for_memory(memory: str | int, block_bytes: int) -> int:
     return n
 
 
-def kv_cache_dtype(weight_dtype: str, device: str) -> str:
-    """The KV cache (and residual stream) dtype: float32 on CPU whatever the weights are,
-    since torch's bfloat16 attention and pointwise kernels there are slower than float32."""
+def activation_dtype(weight_dtype: str, device: str) -> str:
+    """The residual stream's dtype: float32 on CPU whatever the weights are, since torch's
+    bfloat16 pointwise and attention kernels there are slower than float32 ones."""
     return "float32" if device == "cpu" else weight_dtype
+
+
+def kv_cache_dtype(weight_dtype: str, device: str) -> str:
+    """The KV cache's dtype: the weights' — a bfloat16 cache halves the bytes a CPU decode
+    reads (the decode kernel widens it to float32) — except float16 on CPU, kept in float32."""
+    if device == "cpu" and weight_dtype not in ("float32", "bfloat16"):
+        return "float32"
+    return weight_dtype

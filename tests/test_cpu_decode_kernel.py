@@ -2,6 +2,7 @@
 path (gather + scaled_dot_product_attention) on random paged layouts."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from gpu_worker.attention import Chunk, build_attention_metadata
@@ -13,11 +14,12 @@ def test_kernel_builds_here():
     assert decode_kernel() is not None, "g++/ninja missing: the CPU decode kernel did not build"
 
 
-def test_decode_kernel_matches_the_torch_path():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_matches_the_torch_path(cache_dtype):
     g = torch.Generator().manual_seed(0)
     blocks, bs, kvh, heads, d = 200, 16, 3, 9, 64
-    k_cache = torch.randn(blocks, bs, kvh, d, generator=g)
-    v_cache = torch.randn(blocks, bs, kvh, d, generator=g)
+    k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
     perm = torch.randperm(blocks, generator=g).tolist()
     chunks, used = [], 0
     for kv_len in [1, 7, 16, 17, 100, 333]:        # decodes over prefixes of many shapes

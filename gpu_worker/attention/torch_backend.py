@@ -30,7 +30,8 @@ class TorchAttentionBackend:
         out = torch.empty_like(q)
         for g in meta.groups:
             G, rows = g.q_index.shape
-            if rows == 1 and not g.fresh and self._decode_kernel and k_cache.dtype == torch.float32:
+            if rows == 1 and not g.fresh and self._decode_kernel and q.dtype == torch.float32 \
+                    and k_cache.dtype in (torch.float32, torch.bfloat16):
                 o = self._decode(_rows(q, g), k_cache, v_cache, g, scale)
             else:
                 o = self._attend(q, k, v, k_cache, v_cache, g, scale)
@@ -52,12 +53,12 @@ class TorchAttentionBackend:
         G, rows = g.q_index.shape
         qg = _rows(q, g).view(G, rows, *q.shape[1:]).transpose(1, 2)     # [G, H, q, d]
         if g.fresh:                                             # keys = the chunk itself
-            kg = _rows(k, g).view(G, rows, *k.shape[1:])           # [G, q, KVH, d]
-            vg = _rows(v, g).view(G, rows, *v.shape[1:])
+            kg = _as_cached(_rows(k, g), k_cache).view(G, rows, *k.shape[1:])  # [G, q, KVH, d]
+            vg = _as_cached(_rows(v, g), v_cache).view(G, rows, *v.shape[1:])
             mask, causal = None, True
         else:
-            kg = self._gather_blocks(k_cache, g, "k")
-            vg = self._gather_blocks(v_cache, g, "v")
+            kg = self._gather_blocks(k_cache, g, "k").to(q.dtype)
+            vg = self._gather_blocks(v_cache, g, "v").to(q.dtype)
             mask, causal = g.mask, False
         o = F.scaled_dot_product_attention(
             qg, kg.transpose(1, 2), vg.transpose(1, 2), attn_mask=mask, is_causal=causal,
@@ -80,6 +81,13 @@ class TorchAttentionBackend:
 def _rows(x: torch.Tensor, g) -> torch.Tensor:
     """The group's rows of the flat batch (no copy when the group is the whole batch)."""
     return x if g.all_rows else x.index_select(0, g.q_index.flatten())
+
+
+def _as_cached(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """x rounded to the cache's precision (and back): a fresh prefill then attends to exactly
+    the keys a later chunk or decode will read from the cache, so a narrower cache gives the
+    same tokens however a prompt is chunked."""
+    return x if x.dtype == cache.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -17,11 +17,12 @@ from torch import nn
 from gpu_worker.parallel import TPGroup
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x Wᵀ in the weight's dtype, returned in x's dtype."""
-    if x.dtype == weight.dtype:
-        return F.linear(x, weight)
-    return F.linear(x.to(weight.dtype), weight).to(x.dtype)
+def _matmul(x: torch.Tensor, weight: torch.Tensor,
+            out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x Wᵀ in the weight's dtype, returned in out_dtype (x's dtype unless given)."""
+    y = F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight)
+    out_dtype = out_dtype or x.dtype
+    return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -41,8 +42,8 @@ class ColumnParallelLinear(nn.Module):
         offset = sum(self.local_sizes[:part])
         self.weight.data[offset:offset + n].copy_(full.narrow(0, self.tp.rank * n, n))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return _matmul(x, self.weight, out_dtype)
 
 
 class RowParallelLinear(nn.Module):
@@ -58,8 +59,8 @@ class RowParallelLinear(nn.Module):
     def load(self, part: int, full: torch.Tensor) -> None:
         self.weight.data.copy_(full.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(_matmul(x, self.weight))
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        return self.tp.all_reduce(_matmul(x, self.weight, out_dtype))
 
 
 class VocabParallelEmbedding(nn.Module):
