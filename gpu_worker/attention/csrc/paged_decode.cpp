@@ -16,6 +16,123 @@
 #include <cmath>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const c10::BFloat16* p) {   // bfloat16 -> float32: shift left 16
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp on 16 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial, relative
+// error ~1e-7); the inputs here are scores minus their maximum, so x <= 0.
+static inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(y, n);
+}
+
+// softmax of s[0..L) in place
+static inline void softmax_avx512(float* s, int64_t L) {
+  __m512 mv = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 k = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+    mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + t));
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
+  __m512 sv = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 k = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    sv = _mm512_mask_add_ps(sv, k, sv, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
+  for (int64_t t = 0; t < L; t += 16) {
+    const __mmask16 k = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+    _mm512_mask_storeu_ps(s + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), inv));
+  }
+}
+
+// One request, one KV head and the `group` query heads that share it, head_dim = 16 * NC:
+// the group's queries (pass 1) and outputs (pass 2) stay in registers while the request's
+// K and V rows of this head stream past once each.
+template <int NC, typename T>
+static void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table,
+                               int64_t L, int64_t BS, int64_t row, int64_t group, float scale,
+                               float* scores, float* oh) {
+  constexpr int MAXG = 8;
+  __m512 qv[MAXG][NC];
+  for (int64_t j = 0; j < group; ++j)
+    for (int c = 0; c < NC; ++c) qv[j][c] = _mm512_loadu_ps(qh + j * NC * 16 + c * 16);
+  for (int64_t t = 0; t < L; ++t) {                             // pass 1: scores
+    const T* kt = kp + (table[t / BS] * BS + t % BS) * row;
+    __m512 kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = load16(kt + c * 16);
+    for (int64_t j = 0; j < group; ++j) {
+      __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
+      for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[j][c], kv[c], acc);
+      scores[j * L + t] = _mm512_reduce_add_ps(acc) * scale;
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) softmax_avx512(scores + j * L, L);
+  __m512 acc[MAXG][NC];                                         // pass 2: out = P V
+  for (int64_t j = 0; j < group; ++j)
+    for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vt = vp + (table[t / BS] * BS + t % BS) * row;
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load16(vt + c * 16);
+    for (int64_t j = 0; j < group; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j * L + t]);
+      for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_fmadd_ps(p, vv[c], acc[j][c]);
+    }
+  }
+  for (int64_t j = 0; j < group; ++j)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + j * NC * 16 + c * 16, acc[j][c]);
+}
+
+template <int NC, typename T>
+static void decode_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
+                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                          const torch::Tensor& kv_lens, double scale, torch::Tensor& out) {
+  const int64_t G = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
+  const int64_t group = H / KVH, max_blocks = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = kv_lens.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+#pragma omp parallel
+  {
+    std::vector<float> scores;
+#pragma omp for schedule(dynamic, 1) collapse(2)
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+        scores.resize(group * lens[g]);
+        decode_head_avx512<NC, T>(qp + (g * H + kvh * group) * D, kp + kvh * D, vp + kvh * D,
+                                  bt + g * max_blocks, lens[g], BS, KVH * D, group, fscale,
+                                  scores.data(), op + (g * H + kvh * group) * D);
+      }
+    }
+  }
+}
+#endif
+
 template <typename T>
 static void decode(const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -23,6 +140,10 @@ static void decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t G = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t group = H / KVH, max_blocks = block_tables.size(1);
+#if defined(__AVX512F__)
+  if (group <= 8 && D == 64) return decode_avx512<4, T>(q, k_cache, v_cache, block_tables, kv_lens, scale, out);
+  if (group <= 8 && D == 128) return decode_avx512<8, T>(q, k_cache, v_cache, block_tables, kv_lens, scale, out);
+#endif
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
