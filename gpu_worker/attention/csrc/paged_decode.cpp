@@ -1,7 +1,8 @@
 // Decode attention straight from the paged KV pool on CPU: one query row per request, keys
-// and values read in place through the block table (no gathered copy). All of a request's
-// query heads are scored against each token's row of K (every KV head, contiguous) in one
-// pass, so each K and V row is read from memory once. Queries, scores and output in float32;
+// and values read in place through the block table (no gathered copy). The query heads that
+// share a KV head (GQA) are scored together against each K row, so every K and V row is read
+// from memory once. With AVX-512 and head_dim 64 or 128 the group's queries and outputs stay
+// in registers and the softmax is vectorized. Queries, scores and output in float32;
 // the cache in float32 or bfloat16 (widened on load: a bfloat16 cache halves the bytes read);
 // softmax in two passes.
 //
@@ -103,36 +104,46 @@ static void decode_head_avx512(const float* qh, const T* kp, const T* vp, const 
     for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + j * NC * 16 + c * 16, acc[j][c]);
 }
 
-template <int NC, typename T>
-static void decode_avx512(const torch::Tensor& q, const torch::Tensor& k_cache,
-                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                          const torch::Tensor& kv_lens, double scale, torch::Tensor& out) {
-  const int64_t G = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  const int64_t group = H / KVH, max_blocks = block_tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = kv_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-#pragma omp parallel
-  {
-    std::vector<float> scores;
-#pragma omp for schedule(dynamic, 1) collapse(2)
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t kvh = 0; kvh < KVH; ++kvh) {
-        scores.resize(group * lens[g]);
-        decode_head_avx512<NC, T>(qp + (g * H + kvh * group) * D, kp + kvh * D, vp + kvh * D,
-                                  bt + g * max_blocks, lens[g], BS, KVH * D, group, fscale,
-                                  scores.data(), op + (g * H + kvh * group) * D);
-      }
+#endif
+
+// The same for any head_dim, in plain C++ (what the compiler vectorizes).
+template <typename T>
+static void decode_head(const float* qh, const T* kp, const T* vp, const int64_t* table,
+                        int64_t L, int64_t BS, int64_t row, int64_t group, int64_t D,
+                        float scale, float* scores, float* oh) {
+  for (int64_t t = 0; t < L; ++t) {                             // pass 1: scores
+    const T* kt = kp + (table[t / BS] * BS + t % BS) * row;
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qj = qh + j * D;
+      float s = 0.f;
+      for (int64_t i = 0; i < D; ++i) s += qj[i] * static_cast<float>(kt[i]);
+      scores[j * L + t] = s * scale;
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {                         // softmax per query head
+    float* sh = scores + j * L;
+    const float m = *std::max_element(sh, sh + L);
+    float sum = 0.f;
+    for (int64_t t = 0; t < L; ++t) {
+      sh[t] = std::exp(sh[t] - m);
+      sum += sh[t];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
+  }
+  std::fill(oh, oh + group * D, 0.f);                           // pass 2: out = P V
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vt = vp + (table[t / BS] * BS + t % BS) * row;
+    for (int64_t j = 0; j < group; ++j) {
+      const float p = scores[j * L + t];
+      float* oj = oh + j * D;
+      for (int64_t i = 0; i < D; ++i) oj[i] += p * static_cast<float>(vt[i]);
     }
   }
 }
-#endif
 
+// Every (request, KV head) pair is one task: its group of query heads against the request's
+// K and V rows of that head, read in place through the block table.
 template <typename T>
 static void decode(const torch::Tensor& q, const torch::Tensor& k_cache,
                    const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -140,65 +151,40 @@ static void decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t G = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
   const int64_t group = H / KVH, max_blocks = block_tables.size(1);
-#if defined(__AVX512F__)
-  if (group <= 8 && D == 64) return decode_avx512<4, T>(q, k_cache, v_cache, block_tables, kv_lens, scale, out);
-  if (group <= 8 && D == 128) return decode_avx512<8, T>(q, k_cache, v_cache, block_tables, kv_lens, scale, out);
-#endif
   const float* qp = q.data_ptr<float>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* bt = block_tables.data_ptr<int64_t>();
   const int64_t* lens = kv_lens.data_ptr<int64_t>();
   float* op = out.data_ptr<float>();
-  const int64_t row = KVH * D;           // elements per token in one block
   const float fscale = static_cast<float>(scale);
-
+  const int64_t row = KVH * D;           // elements per token in one block
 #pragma omp parallel
   {
     std::vector<float> scores;
-    std::vector<float> acc(H * D);
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) collapse(2)
     for (int64_t g = 0; g < G; ++g) {
-      const int64_t L = lens[g];
-      scores.assign(H * L, 0.f);
-      const float* qg = qp + g * H * D;
-      // pass 1: scores[h, t] = q_h · k_t[h / group]; each token's row of every KV head is
-      // read once, contiguously
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t block = bt[g * max_blocks + t / BS];
-        const T* kt = kp + (block * BS + t % BS) * row;
-        for (int64_t h = 0; h < H; ++h) {
-          const float* qh = qg + h * D;
-          const T* kh = kt + (h / group) * D;
-          float s = 0.f;
-          for (int64_t i = 0; i < D; ++i) s += qh[i] * static_cast<float>(kh[i]);
-          scores[h * L + t] = s * fscale;
+      for (int64_t kvh = 0; kvh < KVH; ++kvh) {
+        const int64_t L = lens[g], first = (g * H + kvh * group) * D;
+        scores.resize(group * L);
+        const T* k = kp + kvh * D;
+        const T* v = vp + kvh * D;
+        const int64_t* table = bt + g * max_blocks;
+#if defined(__AVX512F__)
+        if (group <= 8 && D == 64) {
+          decode_head_avx512<4, T>(qp + first, k, v, table, L, BS, row, group, fscale,
+                                   scores.data(), op + first);
+          continue;
         }
-      }
-      for (int64_t h = 0; h < H; ++h) {          // softmax per query head
-        float* sh = scores.data() + h * L;
-        const float m = *std::max_element(sh, sh + L);
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          sh[t] = std::exp(sh[t] - m);
-          sum += sh[t];
+        if (group <= 8 && D == 128) {
+          decode_head_avx512<8, T>(qp + first, k, v, table, L, BS, row, group, fscale,
+                                   scores.data(), op + first);
+          continue;
         }
-        const float inv = 1.f / sum;
-        for (int64_t t = 0; t < L; ++t) sh[t] *= inv;
+#endif
+        decode_head<T>(qp + first, k, v, table, L, BS, row, group, D, fscale, scores.data(),
+                       op + first);
       }
-      // pass 2: out_h = sum_t p[h, t] v_t[h / group]
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const int64_t block = bt[g * max_blocks + t / BS];
-        const T* vt = vp + (block * BS + t % BS) * row;
-        for (int64_t h = 0; h < H; ++h) {
-          const float p = scores[h * L + t];
-          const T* vh = vt + (h / group) * D;
-          float* ah = acc.data() + h * D;
-          for (int64_t i = 0; i < D; ++i) ah[i] += p * static_cast<float>(vh[i]);
-        }
-      }
-      std::copy(acc.begin(), acc.end(), op + g * H * D);
     }
   }
 }
