@@ -9,6 +9,7 @@ streams, the long prompts' TTFT; and, per iteration kind, how far the calibrated
 prediction is from the measured iteration time.
 
     python bench/interference.py [--repeats 2] [--hw hw.json] [--json out.json] [--plot docs/interference.png]
+        [--max-num-batched-tokens N] [--max-iteration-ms MS]
 
 Without --hw it runs `pacer calibrate --quick` in-process first.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
@@ -184,13 +186,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="A, B pairs")
     ap.add_argument("--hw", default=None, help="hardware JSON (default: calibrate --quick now)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--max-num-batched-tokens", type=int,
+                    default=EngineArgs.max_num_batched_tokens, help="as pacer up")
+    ap.add_argument("--max-iteration-ms", type=float, default=None,
+                    help="as pacer up: cap each iteration's predicted time (chunked mode)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     args.long_at = [int(x) for x in args.long_at.split(",")]
 
     hw, profile = hardware(args)
-    engine = LLMEngine(EngineArgs(dtype=args.dtype), progress=False)
+    hw_path = args.hw
+    if args.max_iteration_ms is not None and hw_path is None:   # the engine reads a file
+        hw_path = os.path.join(tempfile.mkdtemp(), "hw.json")
+        write_json(hw_path, profile)
+    engine = LLMEngine(EngineArgs(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_iteration_ms=args.max_iteration_ms, hw=hw_path),
+                       progress=False)
     cost = RooflineCost(model_shape_of(engine.model_config, "smollm2-135m"), hw,
                         DTYPE_BYTES[args.dtype])
     vocab, avoid = engine.model_config.vocab_size, tuple(engine.model_config.eos_token_ids)
@@ -201,7 +213,9 @@ def main() -> None:
     summaries = [summarize(r) | {"repeat": i // len(MODES)} for i, r in enumerate(runs)]
     errors = cost_model_error(runs, cost)
     print(f"{args.streams} decode streams, {len(args.long_at)} prompts of ~{args.long_len} "
-          f"tokens per run, budget {engine.scheduler_config.max_num_batched_tokens} rows, "
+          f"tokens per run, budget {engine.scheduler_config.max_num_batched_tokens} rows"
+          + (f" and {args.max_iteration_ms:g} ms per iteration" if args.max_iteration_ms else "")
+          + ", "
           f"{args.dtype}, torch threads {__import__('torch').get_num_threads()}")
     print_table(summaries, ["repeat", "mode", "gap_median_ms", "gap_p99_ms", "gap_max_ms",
                             "gap_max_over_median", "long_ttft_median_ms", "long_ttft_max_ms",
