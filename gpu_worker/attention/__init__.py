@@ -19,6 +19,6 @@ def select_backend(device: str):
             pass
     from gpu_worker.attention.torch_backend import TorchAttentionBackend
     if device == "cpu":
-        from gpu_worker.attention.cpu_kernels import decode_kernel
-        return TorchAttentionBackend(decode_kernel())
+        from gpu_worker.attention.cpu_kernels import cpu_kernels
+        return TorchAttentionBackend(cpu_kernels())
     return TorchAttentionBackend()

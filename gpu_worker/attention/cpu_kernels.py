@@ -1,9 +1,13 @@
-"""A C++ kernel for decode attention on CPU, built on first use with torch's extension
-builder (g++ and ninja; cached under ~/.cache/torch_extensions, so later processes only load
-it). It reads K and V in place through the block table instead of gathering them first —
-about 3x faster than gather + scaled_dot_product_attention per layer at 64 requests.
+"""C++ attention kernels for CPU, built on first use with torch's extension builder (g++ and
+ninja; cached under ~/.cache/torch_extensions, so later processes only load them). Both read
+K and V in place through the block tables instead of gathering them first:
 
-Without a compiler (a slim container), or with PACER_CPU_KERNELS=0, `decode_kernel()` is None
+- `paged_decode_attention` (csrc/paged_decode.cpp): one query row per request — about 3x
+  faster than gather + scaled_dot_product_attention per layer at 64 requests;
+- `paged_prefill_attention` (csrc/paged_prefill.cpp): chunks of any length over their cached
+  prefix, flash-attention style on AVX-512 (head_dim 64 or 128).
+
+Without a compiler (a slim container), or with PACER_CPU_KERNELS=0, `cpu_kernels()` is None
 and the torch path serves every chunk.
 """
 from __future__ import annotations
@@ -16,20 +20,27 @@ import structlog
 
 log = structlog.get_logger("worker")
 
-_SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "paged_decode.cpp")
+_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+_SOURCES = [os.path.join(_CSRC, f) for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp")]
 _lock = threading.Lock()
 _loaded = False
-_kernel = None
+_module = None
 
 
-def decode_kernel():
-    """The compiled `paged_decode_attention`, or None when it cannot be built here."""
-    global _loaded, _kernel
+def cpu_kernels():
+    """The compiled extension module, or None when it cannot be built here."""
+    global _loaded, _module
     with _lock:
         if not _loaded:
             _loaded = True
-            _kernel = _build()
-    return _kernel
+            _module = _build()
+    return _module
+
+
+def decode_kernel():
+    """The compiled `paged_decode_attention`, or None."""
+    module = cpu_kernels()
+    return module.paged_decode_attention if module else None
 
 
 def _build():
@@ -39,10 +50,9 @@ def _build():
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
-        ext = load(name="pacer_paged_decode", sources=[_SOURCE],
-                   extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                   extra_ldflags=["-fopenmp"], verbose=False)
+        return load(name="pacer_cpu_attention", sources=_SOURCES,
+                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:   # no compiler or ninja: the torch path is correct, only slower
-        log.warning("CPU decode kernel unavailable; using torch attention", error=str(e)[:200])
+        log.warning("CPU attention kernels unavailable; using torch attention", error=str(e)[:200])
         return None
-    return ext.paged_decode_attention

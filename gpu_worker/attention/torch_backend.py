@@ -15,9 +15,10 @@ from gpu_worker.attention.metadata import AttentionMetadata
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, decode_kernel=None) -> None:
-        # decode chunks (one row over a cached prefix) on CPU in float32: see cpu_kernels.py
-        self._decode_kernel = decode_kernel
+    def __init__(self, kernels=None) -> None:
+        # on CPU, the C++ kernels of cpu_kernels.py (decode, and prefill chunks when the build
+        # supports the head size), reading K/V in place; None: torch ops for every chunk
+        self._kernels = kernels
         # Gathered K/V are reused layer after layer: allocating tens of MB per layer costs
         # page faults (the CPU allocator returns big blocks to the OS) — more than the copy.
         self._workspace: dict[str, torch.Tensor] = {}
@@ -27,11 +28,19 @@ class TorchAttentionBackend:
                 scale: float) -> torch.Tensor:
         # q: [T, H, d]; k, v: [T, KVH, d]; caches: [blocks, block_size, KVH, d]
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        kernels = self._kernels if q.dtype == torch.float32 and \
+            k_cache.dtype in (torch.float32, torch.bfloat16) else None
+        prefill_in_kernel = kernels is not None and \
+            kernels.paged_prefill_supported(q.shape[-1], q.shape[1] // k.shape[1])
         out = torch.empty_like(q)
+        if prefill_in_kernel and meta.max_seqlen_q > 1:     # every chunk of 2+ rows, in place
+            kernels.paged_prefill_attention(q.contiguous(), k_cache, v_cache, meta.block_table,
+                                            meta.cu_seqlens_q, meta.seqused_k, 2, scale, out)
         for g in meta.groups:
             G, rows = g.q_index.shape
-            if rows == 1 and not g.fresh and self._decode_kernel and q.dtype == torch.float32 \
-                    and k_cache.dtype in (torch.float32, torch.bfloat16):
+            if rows > 1 and prefill_in_kernel:
+                continue
+            if rows == 1 and not g.fresh and kernels is not None:
                 o = self._decode(_rows(q, g), k_cache, v_cache, g, scale)
             else:
                 o = self._attend(q, k, v, k_cache, v_cache, g, scale)
@@ -45,7 +54,7 @@ class TorchAttentionBackend:
         """One query row per request, K/V read in place through the block tables."""
         q = q.to(torch.float32).contiguous()                          # [G, H, d]
         o = torch.empty_like(q)
-        self._decode_kernel(q, k_cache, v_cache, g.block_tables, g.kv_lens, scale, o)
+        self._kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.kv_lens, scale, o)
         return o
 
     def _attend(self, q, k, v, k_cache, v_cache, g, scale: float) -> torch.Tensor:

@@ -17,51 +17,27 @@
 #include <cmath>
 #include <vector>
 
+#include "vec.h"
+
 #if defined(__AVX512F__)
-#include <immintrin.h>
-
-static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const c10::BFloat16* p) {   // bfloat16 -> float32: shift left 16
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp on 16 lanes (Cephes' expf: range reduction by ln 2, degree-5 polynomial, relative
-// error ~1e-7); the inputs here are scores minus their maximum, so x <= 0.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(y, n);
-}
-
 // softmax of s[0..L) in place
 static inline void softmax_avx512(float* s, int64_t L) {
   __m512 mv = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < L; t += 16) {
-    const __mmask16 k = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+    const __mmask16 k = first_lanes(L - t);
     mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + t));
   }
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mv));
   __m512 sv = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; t += 16) {
-    const __mmask16 k = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+    const __mmask16 k = first_lanes(L - t);
     const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
     _mm512_mask_storeu_ps(s + t, k, e);
     sv = _mm512_mask_add_ps(sv, k, sv, e);
   }
   const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sv));
   for (int64_t t = 0; t < L; t += 16) {
-    const __mmask16 k = L - t >= 16 ? 0xFFFF : (__mmask16)((1u << (L - t)) - 1);
+    const __mmask16 k = first_lanes(L - t);
     _mm512_mask_storeu_ps(s + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, s + t), inv));
   }
 }
@@ -205,9 +181,4 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   } else {
     TORCH_CHECK(false, "paged_decode_attention: a float32 or bfloat16 cache only");
   }
-}
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (CPU, float32 or bfloat16 cache)");
 }

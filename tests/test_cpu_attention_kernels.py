@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from gpu_worker.attention import Chunk, build_attention_metadata
-from gpu_worker.attention.cpu_kernels import decode_kernel
+from gpu_worker.attention.cpu_kernels import cpu_kernels
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 
 
 def test_kernel_builds_here():
-    assert decode_kernel() is not None, "g++/ninja missing: the CPU decode kernel did not build"
+    assert cpu_kernels() is not None, "g++/ninja missing: the CPU attention kernels did not build"
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
@@ -31,7 +31,7 @@ def test_decode_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d):
     q = torch.randn(len(chunks), heads, d, generator=g)
     k = torch.randn(len(chunks), kvh, d, generator=g)
     v = torch.randn(len(chunks), kvh, d, generator=g)
-    fast = TorchAttentionBackend(decode_kernel()).forward(
+    fast = TorchAttentionBackend(cpu_kernels()).forward(
         q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
     ref = TorchAttentionBackend(None).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
     assert torch.allclose(fast, ref, atol=1e-5, rtol=1e-5), (fast - ref).abs().max()
@@ -46,6 +46,32 @@ def test_mixed_iteration_uses_both_paths_consistently():
     meta = build_attention_metadata(chunks, bs)
     T = sum(c.q_rows for c in chunks)
     q, k, v = (torch.randn(T, n, d, generator=g) for n in (heads, kvh, kvh))
-    fast = TorchAttentionBackend(decode_kernel()).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
+    fast = TorchAttentionBackend(cpu_kernels()).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
     ref = TorchAttentionBackend(None).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
     assert torch.allclose(fast, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
+def test_prefill_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d):
+    """Fresh prompts, later chunks over cached prefixes (block boundaries inside and outside a
+    16-key block, tiles of 32 rows and their remainders) and decodes in one iteration."""
+    kernels = cpu_kernels()
+    assert kernels.paged_prefill_supported(d, heads // kvh), "this machine has no AVX-512"
+    g = torch.Generator().manual_seed(2)
+    blocks, bs = 300, 16
+    k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    perm = torch.randperm(blocks, generator=g).tolist()
+    shapes = [(5, 5), (1, 40), (33, 33), (64, 100), (17, 17), (1, 7), (100, 257), (2, 2), (31, 47)]
+    chunks, used = [], 0
+    for q_rows, kv_len in shapes:
+        n = -(-kv_len // bs)
+        chunks.append(Chunk(q_rows, kv_len, perm[used:used + n]))
+        used += n
+    meta = build_attention_metadata(chunks, bs)
+    T = sum(c.q_rows for c in chunks)
+    q, k, v = (torch.randn(T, n, d, generator=g) for n in (heads, kvh, kvh))
+    fast = TorchAttentionBackend(kernels).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
+    ref = TorchAttentionBackend(None).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
+    assert torch.allclose(fast, ref, atol=2e-5, rtol=1e-4), (fast - ref).abs().max()
