@@ -12,6 +12,7 @@ import torch
 from torch.profiler import record_function
 
 from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
+from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.host_memory import keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.model.llama import LlamaForCausalLM
@@ -63,7 +64,8 @@ class ModelRunner:
         # weight dtype; the KV cache is stored in the weights' dtype (shared/config.py).
         self.act_dtype = DTYPES[activation_dtype(rc.dtype, rc.device)]
         self.model = model.to(device=rc.device).eval()
-        self.model.set_dtypes(self.dtype, self.act_dtype)
+        fused = cpu_kernels() if rc.device == "cpu" and self.dtype != self.act_dtype else None
+        self.model.set_dtypes(self.dtype, self.act_dtype, fused)
         self.backend = select_backend(rc.device)
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.kv_caches = allocate_kv_cache(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,

@@ -8,6 +8,13 @@ Rank 0 is the only rank that talks to Redis about work:
     so a client never waits on the next plan; the progress record lets a scheduler that takes
     a request over resume where the client is, see `shared/progress.py`)
 
+Every XREAD of plans also asks the server for its run_id, in the same pipeline (so from the
+same server). Another run_id is a Redis that restarted and kept nothing: the cursor into the
+old plans stream means nothing there (an XREAD after an id the new stream has not reached
+waits forever), so rank 0 reads the new stream from its start. A result whose first send
+failed is sent again in full, unless the Redis it would go to is not the one the plan came
+from: the scheduler abandons a plan that went with the old Redis and never reads its result.
+
 A plan whose step is not after the last one came from a scheduler that started afresh (the
 old one died): rank 0 then adds every request it still holds to that plan's finished ids, so
 every rank forgets the dead scheduler's requests before applying the new plan.
@@ -37,7 +44,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.lifecycle import (Stopwatch, cancel_tasks, clear_key, heartbeat_forever,
-                                stream_tail_id)
+                                redis_run_id, stream_id_text, stream_tail_id)
 from shared.errors import PacerError
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.plan import IterationPlan, StepResult
@@ -86,9 +93,12 @@ class PlanLoop:
     """Rank 0's loop: plans in, tokens and results out."""
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, executor: Executor,
-                 requests: Mapping[str, RequestView], plans_after: bytes | str) -> None:
+                 requests: Mapping[str, RequestView], plans_after: bytes | str,
+                 run_id: str) -> None:
+        """`plans_after`: the cursor into the plans stream of the Redis with `run_id`."""
         self.redis, self.keys, self.executor, self.requests = redis, keys, executor, requests
         self._plans_after = plans_after
+        self._run_id = run_id
         # one thread runs every forward: the event loop keeps heartbeats and signals alive
         # while torch computes, and thread-local torch state stays on one thread
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
@@ -98,6 +108,7 @@ class PlanLoop:
         self.num_iterations = 0
         self._stats_at = 0.0
         self._last_step: int | None = None
+        self._answered: dict[str, str] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until `stop`: a plan that was read is always run and answered before returning."""
@@ -107,23 +118,33 @@ class PlanLoop:
                 for entry_id, fields in await self._read_plans():
                     self._plans_after = entry_id
                     plan = _decode_plan(fields)
-                    if plan is not None:
-                        await self._run_plan(plan)
+                    if plan is not None and await self._run_plan(plan):
+                        self._answered = {"answered_run_id": self._run_id,
+                                          "answered_plan": stream_id_text(entry_id)}
         finally:
             self._thread.shutdown(wait=True)
             self.plan_wait.discard()
 
     async def _read_plans(self) -> list:
         try:
-            reply = await self.redis.xread({self.keys.plans: self._plans_after}, count=8,
-                                           block=PLAN_BLOCK_MS)
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.info("server")
+            pipe.xread({self.keys.plans: self._plans_after}, count=8, block=PLAN_BLOCK_MS)
+            info, reply = await pipe.execute()
         except (RedisConnectionError, RedisTimeoutError) as e:
             log.warning("redis unavailable; retrying", error=str(e))
             await asyncio.sleep(0.5)
             return []
+        if info["run_id"] != self._run_id:
+            # what was read came after an id of the old stream: read the new one from its start
+            log.warning("redis restarted; reading its plans stream from the start",
+                        old_run_id=self._run_id, run_id=info["run_id"])
+            self._run_id, self._plans_after = info["run_id"], "0-0"
+            return []
         return [entry for _, entries in reply or [] for entry in entries]
 
-    async def _run_plan(self, plan: IterationPlan) -> None:
+    async def _run_plan(self, plan: IterationPlan) -> bool:
+        """Run the plan and send its result; False if that went to a Redis that is gone."""
         self.plan_wait.stop()
         self.busy.start()
         plan = self._forget_stale(plan)
@@ -132,10 +153,11 @@ class PlanLoop:
         batches = token_batches(result, self.requests)
         self.busy.stop()
         self.publish.start()
-        await self._send(plan.step, batches, result)
+        sent = await self._send(plan.step, batches, result)
         self.publish.stop()
         self.num_iterations += 1
         self.plan_wait.start()
+        return sent
 
     def _forget_stale(self, plan: IterationPlan) -> IterationPlan:
         """A step that is not after the last one: a new scheduler, which knows nothing of
@@ -149,26 +171,44 @@ class PlanLoop:
         return dataclasses.replace(
             plan, finished_request_ids=[*self.requests, *plan.finished_request_ids])
 
-    async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult) -> None:
+    async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult) -> bool:
+        with_stats = time.monotonic() - self._stats_at >= STATS_INTERVAL_S
+        if with_stats:
+            self._stats_at = time.monotonic()
+        delay, failed = 0.1, False
+        while True:
+            try:
+                if failed and not await self._same_redis(step):
+                    return False
+                # a fresh pipeline each time: a failed execute() has emptied the last one
+                await self._result_pipeline(batches, result, with_stats).execute()
+                return True
+            except (RedisConnectionError, RedisTimeoutError) as e:
+                # the scheduler waits for this result; a duplicate is skipped by its step
+                log.warning("result not sent; retrying", step=step, error=str(e))
+                failed = True
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+    def _result_pipeline(self, batches: dict[str, TokenBatch], result: StepResult,
+                         with_stats: bool):
         pipe = self.redis.pipeline(transaction=False)
         for channel, batch in batches.items():
             self._record_progress(pipe, batch)
             pipe.publish(channel, encode(batch))
         pipe.xadd(self.keys.results, to_fields(StepResultMsg(result)), maxlen=RESULTS_MAXLEN,
                   approximate=True)
-        if time.monotonic() - self._stats_at >= STATS_INTERVAL_S:
+        if with_stats:
             pipe.hset(self.keys.stats, mapping=self.stats())
-            self._stats_at = time.monotonic()
-        delay = 0.1
-        while True:
-            try:
-                await pipe.execute()
-                return
-            except (RedisConnectionError, RedisTimeoutError) as e:
-                # the scheduler waits for this result; a duplicate is skipped by its step
-                log.warning("result not sent; retrying", step=step, error=str(e))
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        return pipe
+
+    async def _same_redis(self, step: int) -> bool:
+        """After a failed send: is Redis still the server the plan came from? If not, the
+        plan went with the old one and nobody waits for its result."""
+        if (await self.redis.info("server"))["run_id"] == self._run_id:
+            return True
+        log.warning("redis restarted while a plan ran; its result is dropped", step=step)
+        return False
 
     def _record_progress(self, pipe, batch: TokenBatch) -> None:
         """Queued before the PUBLISH: whatever a client saw is in the record."""
@@ -177,6 +217,12 @@ class PlanLoop:
             pipe.append(key, encode_progress(event.index, event.token_id))
             if event.index % PROGRESS_REFRESH_EVERY == 0:
                 pipe.expire(key, PROGRESS_TTL_S)
+
+    def answered(self) -> dict[str, str]:
+        """The last plan whose result was sent: the Redis run_id and the plan's entry id (for
+        the heartbeat: a scheduler that sees its plan answered without a result stops
+        waiting)."""
+        return self._answered
 
     def stats(self) -> dict[str, float]:
         return {"worker_plan_wait_seconds_total": round(self.plan_wait.total_s, 6),
@@ -207,6 +253,7 @@ def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
                  "num_kv_blocks": num_kv_blocks, "block_size": block_size}
         if loop is not None:
             extra.update(loop.stats())
+            extra.update(loop.answered())
         return Heartbeat("worker", str(rank), time.time(), extra)
     return make
 
@@ -262,9 +309,11 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout, rank: int,
         if stop.is_set():
             return 0
         # read from where the stream ends *before* announcing ourselves: the scheduler sends
-        # its first plan only after it saw our heartbeat, so that plan cannot be missed
+        # its first plan only after it saw our heartbeat, so that plan cannot be missed (the
+        # run_id first: should Redis restart in between, the first read starts over)
+        run_id = await redis_run_id(redis)
         loop = PlanLoop(redis, keys, executor, executor.requests,
-                        await stream_tail_id(redis, keys.plans))
+                        await stream_tail_id(redis, keys.plans), run_id)
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop)
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))
     finally:

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gpu_worker.attention import Chunk, build_attention_metadata
-from gpu_worker.attention.cpu_kernels import cpu_kernels
+from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 
 
@@ -75,3 +75,35 @@ def test_prefill_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d):
     fast = TorchAttentionBackend(kernels).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
     ref = TorchAttentionBackend(None).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
     assert torch.allclose(fast, ref, atol=2e-5, rtol=1e-4), (fast - ref).abs().max()
+
+
+def test_fused_norm_and_rotary_match_torch():
+    """The bfloat16-weight path's fused ops against the torch ops they replace."""
+    from gpu_worker.model.layers import RMSNorm, RotaryEmbedding
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 576, generator=g)
+    delta = torch.randn(37, 576, generator=g)
+    plain, fused = RMSNorm(576, 1e-5), RMSNorm(576, 1e-5)
+    fused.fused = cpu_kernels()
+    for n in (plain, fused):
+        n.weight.data.copy_(torch.randn(576, generator=g) if n is plain else plain.weight)
+    x1, x2 = x.clone(), x.clone()
+    ref = plain.add_(x1, delta, torch.bfloat16)
+    out = fused.add_(x2, delta, torch.bfloat16)
+    assert torch.equal(x1, x2)                                   # the residual add, in place
+    assert out.dtype == torch.bfloat16
+    # the sum of squares is accumulated in another order: at most one bfloat16 ulp apart
+    assert torch.allclose(out.float(), ref.float(), rtol=2 ** -7, atol=1e-6)
+    assert torch.allclose(fused(x, torch.float32), plain(x), rtol=1e-5, atol=1e-6)
+
+    rot = RotaryEmbedding(64, 4096, 100000.0)
+    qkv = torch.randn(37, 15 * 64, generator=g)
+    qk = qkv[:, :12 * 64].view(37, 12, 64)                       # strided rows, as in the model
+    positions = torch.randint(0, 4096, (37,), generator=g)
+    values = qkv[:, 12 * 64:].clone()
+    ref = rot(positions, qk.clone())
+    rot.fused = cpu_kernels()
+    got = rot(positions, qk)
+    assert got.data_ptr() == qkv.data_ptr()                      # rotated in place
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert torch.equal(qkv[:, 12 * 64:], values)                 # V, beside it, untouched

@@ -19,6 +19,6 @@ def select_backend(device: str):
             pass
     from gpu_worker.attention.torch_backend import TorchAttentionBackend
     if device == "cpu":
-        from gpu_worker.attention.cpu_kernels import cpu_kernels
+        from gpu_worker.cpu_kernels import cpu_kernels
         return TorchAttentionBackend(cpu_kernels())
     return TorchAttentionBackend()

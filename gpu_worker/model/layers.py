@@ -102,7 +102,11 @@ class ParallelLMHead(VocabParallelEmbedding):
 
 class RMSNorm(nn.Module):
     """torch's fused RMSNorm: one kernel instead of five pointwise ops (in float32 it gives
-    the same bits as transformers' LlamaRMSNorm; the parity tests hold it to that)."""
+    the same bits as transformers' LlamaRMSNorm; the parity tests hold it to that). With
+    `fused` set (the CPU kernels, bfloat16 weights) the residual add, the norm and the cast to
+    the GEMMs' dtype are one pass."""
+
+    fused = None
 
     def __init__(self, hidden: int, eps: float):
         super().__init__()
@@ -113,12 +117,29 @@ class RMSNorm(nn.Module):
     def load(self, part: int, full: torch.Tensor) -> None:
         self.weight.data.copy_(full)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """RMSNorm(x), in out_dtype (x's unless given)."""
+        return self.add_(x, None, out_dtype)
+
+    def add_(self, x: torch.Tensor, delta: torch.Tensor | None,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x += delta in place (the residual stream), then RMSNorm(x) in out_dtype."""
+        out_dtype = out_dtype or x.dtype
+        if self.fused is not None and x.dtype == torch.float32 and x.is_contiguous():
+            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+            self.fused.add_rms_norm(x, delta, self.weight, self.eps, out)
+            return out
+        if delta is not None:
+            x.add_(delta)
+        y = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with the checkpoint's theta; cos/sin tables precomputed in float32."""
+    """Rotate-half RoPE with the checkpoint's theta; cos/sin tables precomputed in float32.
+    With `fused` set (the CPU kernels, bfloat16 weights) queries and keys rotate in place."""
+
+    fused = None
 
     def __init__(self, head_dim: int, max_positions: int, theta: float):
         super().__init__()
@@ -132,6 +153,9 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, qk: torch.Tensor) -> torch.Tensor:
         # qk: [T, H + KVH, d] (queries and keys rotated together), positions: [T]
+        if self.fused is not None and qk.dtype == torch.float32:
+            self.fused.rotary_(qk, positions, self.cos, self.sin)
+            return qk
         cos = self.cos[positions].unsqueeze(1).to(qk.dtype)
         sin = self.sin[positions].unsqueeze(1).to(qk.dtype)
         return qk * cos + _rotate_half(qk) * sin

@@ -30,17 +30,17 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], tp)
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp)
 
-    def forward(self, x, rotary, kv_cache, meta, backend):
-        # x: [T, d] -> qkv: [T, (H + 2·KVH)·hd] on this rank
+    def forward(self, x, rotary, kv_cache, meta, backend, out_dtype):
+        # x: [T, d] -> qkv: [T, (H + 2·KVH)·hd] on this rank, in the residual stream's dtype
         T = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, out_dtype=out_dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         qk = rotary(meta.positions, qkv[:, :q_size + kv_size].view(T, -1, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
         with record_function("attention"):
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
-        return self.o_proj(o.reshape(T, q_size))
+        return self.o_proj(o.reshape(T, q_size), out_dtype=out_dtype)
 
 
 class LlamaMLP(nn.Module):
@@ -50,12 +50,12 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
         self.local_ffn = self.gate_up_proj.local_sizes[0]
 
-    def forward(self, x):
+    def forward(self, x, out_dtype):
         # The [T, 2·ffn] intermediate stays in the weights' dtype: with bfloat16 weights on
         # CPU, casting it to the float32 stream and back cost more than SwiGLU in bfloat16.
         gate_up = self.gate_up_proj(x, out_dtype=self.gate_up_proj.weight.dtype)
         gate, up = gate_up[:, :self.local_ffn], gate_up[:, self.local_ffn:]
-        return self.down_proj(nn.functional.silu(gate) * up, out_dtype=x.dtype)
+        return self.down_proj(nn.functional.silu(gate) * up, out_dtype=out_dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -67,8 +67,11 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, tp)
 
     def forward(self, x, rotary, kv_cache, meta, backend):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, kv_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        # x is the residual stream; the norms hand the GEMMs their input in the weights' dtype
+        mm = self.mlp.gate_up_proj.weight.dtype
+        a = self.self_attn(self.input_layernorm(x, mm), rotary, kv_cache, meta, backend, x.dtype)
+        h = self.post_attention_layernorm.add_(x, a, mm)           # x += a, in place
+        return x + self.mlp(h, x.dtype)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -84,15 +87,20 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.act_dtype = torch.float32
 
-    def set_dtypes(self, weight_dtype: torch.dtype, act_dtype: torch.dtype) -> None:
+    def set_dtypes(self, weight_dtype: torch.dtype, act_dtype: torch.dtype,
+                   fused_ops=None) -> None:
         """Matrices (linears, embedding, LM head) in weight_dtype; norms, RoPE tables and the
-        residual stream in act_dtype."""
+        residual stream in act_dtype. `fused_ops` (the CPU kernels module) replaces the norms'
+        and RoPE's torch ops: the bfloat16-weight path; the float32 path keeps torch's ops,
+        whose bits the parity tests compare with transformers."""
         self.act_dtype = act_dtype
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
                 module.weight.data = module.weight.data.to(weight_dtype)
             elif isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.to(act_dtype)
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.fused = fused_ops
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -1,4 +1,4 @@
-// The CPU attention kernels as one extension module (gpu_worker/attention/cpu_kernels.py).
+// The CPU kernels as one extension module (gpu_worker/cpu_kernels.py).
 #include <torch/extension.h>
 
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -9,6 +9,10 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
                              const torch::Tensor& v_cache, const torch::Tensor& block_table,
                              const torch::Tensor& cu_seqlens_q, const torch::Tensor& kv_lens,
                              int64_t min_rows, double scale, torch::Tensor& out);
+void add_rms_norm(torch::Tensor& x, const c10::optional<torch::Tensor>& delta,
+                  const torch::Tensor& w, double eps, torch::Tensor& out);
+void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos,
+             const torch::Tensor& sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -17,4 +21,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "whether this build has the prefill kernel for a head_dim and GQA group");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "varlen causal attention of chunks over a paged KV cache (CPU, AVX-512)");
+  m.def("add_rms_norm", &add_rms_norm, "x += delta; out = RMSNorm(x) in out's dtype (CPU)");
+  m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, float32)");
 }

@@ -1,14 +1,16 @@
-"""C++ attention kernels for CPU, built on first use with torch's extension builder (g++ and
-ninja; cached under ~/.cache/torch_extensions, so later processes only load them). Both read
-K and V in place through the block tables instead of gathering them first:
+"""C++ kernels for CPU, built on first use with torch's extension builder (g++ and ninja;
+cached under ~/.cache/torch_extensions, so later processes only load them). The attention
+kernels read K and V in place through the block tables instead of gathering them first:
 
 - `paged_decode_attention` (csrc/paged_decode.cpp): one query row per request — about 3x
   faster than gather + scaled_dot_product_attention per layer at 64 requests;
 - `paged_prefill_attention` (csrc/paged_prefill.cpp): chunks of any length over their cached
-  prefix, flash-attention style on AVX-512 (head_dim 64 or 128).
+  prefix, flash-attention style on AVX-512 (head_dim 64 or 128);
+- `add_rms_norm` and `rotary_` (csrc/fused_ops.cpp): residual add + RMSNorm + cast, and RoPE
+  in place, each one pass instead of several torch ops (used with bfloat16 weights).
 
 Without a compiler (a slim container), or with PACER_CPU_KERNELS=0, `cpu_kernels()` is None
-and the torch path serves every chunk.
+and torch ops serve everything.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import structlog
 log = structlog.get_logger("worker")
 
 _CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = [os.path.join(_CSRC, f) for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp")]
+_SOURCES = [os.path.join(_CSRC, f) for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp")]
 _lock = threading.Lock()
 _loaded = False
 _module = None
@@ -50,9 +52,9 @@ def _build():
     os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
     try:
         from torch.utils.cpp_extension import load
-        return load(name="pacer_cpu_attention", sources=_SOURCES,
+        return load(name="pacer_cpu_kernels", sources=_SOURCES,
                     extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
                     extra_ldflags=["-fopenmp"], verbose=False)
     except Exception as e:   # no compiler or ninja: the torch path is correct, only slower
-        log.warning("CPU attention kernels unavailable; using torch attention", error=str(e)[:200])
+        log.warning("CPU kernels unavailable; using torch ops", error=str(e)[:200])
         return None
