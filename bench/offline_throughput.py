@@ -96,7 +96,8 @@ def profile_iterations(engine: LLMEngine, prompts, new_tokens: int, iterations: 
 
     attention = total("attention")
     head = total("lm_head") + total("sampling")
-    linears = self_ms(["aten::mm", "aten::addmm", "aten::bmm"]) - total("lm_head")
+    linears = self_ms(["aten::mm", "aten::addmm", "aten::bmm",
+                       "mkldnn::_linear_pointwise"]) - total("lm_head")   # prepacked GEMMs
     other = wall - attention - head - linears
     return {"batch": batch, "mean_context": context, "iteration_ms": wall,
             "linears_ms": linears, "attention_ms": attention, "lm_head_and_sampling_ms": head,

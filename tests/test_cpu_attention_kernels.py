@@ -107,3 +107,15 @@ def test_fused_norm_and_rotary_match_torch():
     assert got.data_ptr() == qkv.data_ptr()                      # rotated in place
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, 12 * 64:], values)                 # V, beside it, untouched
+
+
+def test_prepacked_bf16_gemm_gives_the_same_bits_for_every_batch_size():
+    from gpu_worker.model.layers import _matmul, prepack
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(960, 576, generator=g).to(torch.bfloat16)
+    packed = prepack(w)
+    assert packed is not None, "this torch has no oneDNN linear prepack"
+    for rows in (1, 7, 64, 333, 1024):
+        x = torch.randn(rows, 576, generator=g)
+        assert torch.equal(_matmul(x, w, packed=packed), _matmul(x, w)), rows
+    assert prepack(w.float()) is None                      # float32 keeps F.linear's bits

@@ -17,17 +17,39 @@ from torch import nn
 from gpu_worker.parallel import TPGroup
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor,
-            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x Wᵀ in the weight's dtype, returned in out_dtype (x's dtype unless given)."""
-    y = F.linear(x if x.dtype == weight.dtype else x.to(weight.dtype), weight)
+def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+            packed: torch.Tensor | None = None) -> torch.Tensor:
+    """x Wᵀ in the weight's dtype, returned in out_dtype (x's dtype unless given); through
+    the prepacked copy of W when there is one (see `prepack`)."""
+    x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
+    if packed is not None:
+        y = torch.ops.mkldnn._linear_pointwise(x_in, packed, None, "none", [], "")
+    else:
+        y = F.linear(x_in, weight)
     out_dtype = out_dtype or x.dtype
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """W reordered once into oneDNN's blocked layout, or None where that does not apply.
+
+    For bfloat16 weights on CPU, F.linear reorders W on every call; a prepacked copy gives the
+    same bits (checked for every batch size in tests/test_cpu_attention_kernels.py) and took a
+    64-row GEMM of this model from ~0.39 to ~0.27 ms and the 8-row LM head from 3.5 to 1.7 ms.
+    It costs a second copy of the weights in memory."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+    except (AttributeError, RuntimeError):        # a torch build without oneDNN
+        return None
 
 
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ with W's output rows split across ranks; fused parts are split one by one,
     so rank r holds [q_r; k_r; v_r] and needs no communication (article 03)."""
+
+    packed = None        # see prepack()
 
     def __init__(self, in_features: int, part_sizes: list[int], tp: TPGroup):
         super().__init__()
@@ -43,11 +65,13 @@ class ColumnParallelLinear(nn.Module):
         self.weight.data[offset:offset + n].copy_(full.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return _matmul(x, self.weight, out_dtype)
+        return _matmul(x, self.weight, out_dtype, self.packed)
 
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_r W_rᵀ): W's input columns split across ranks; one all-reduce."""
+
+    packed = None        # see prepack()
 
     def __init__(self, in_features: int, out_features: int, tp: TPGroup):
         super().__init__()
@@ -60,7 +84,7 @@ class RowParallelLinear(nn.Module):
         self.weight.data.copy_(full.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.tp.all_reduce(_matmul(x, self.weight, out_dtype))
+        return self.tp.all_reduce(_matmul(x, self.weight, out_dtype, self.packed))
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -95,8 +119,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     """logits = h Eᵀ over this rank's vocabulary slice, then gathered to the full vocabulary
     (every rank samples the same token from the same logits)."""
 
+    packed = None        # see prepack()
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: [S, d] -> [S, V]
-        logits = self.tp.all_gather_last_dim(_matmul(h, self.weight))
+        logits = self.tp.all_gather_last_dim(_matmul(h, self.weight, packed=self.packed))
         return logits[:, :self.vocab_size]
 
 

@@ -13,7 +13,8 @@ from torch.profiler import record_function
 
 from gpu_worker.attention import AttentionMetadata
 from gpu_worker.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
-                                     RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding)
+                                     RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
+                                     prepack)
 from gpu_worker.parallel import TPGroup
 from shared.errors import ModelLoadError
 from shared.model_config import ModelConfig
@@ -103,6 +104,9 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = fused_ops
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        for module in self.modules():
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+                module.packed = prepack(module.weight.data)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
