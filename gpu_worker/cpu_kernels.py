@@ -6,8 +6,9 @@ kernels read K and V in place through the block tables instead of gathering them
   faster than gather + scaled_dot_product_attention per layer at 64 requests;
 - `paged_prefill_attention` (csrc/paged_prefill.cpp): chunks of any length over their cached
   prefix, flash-attention style on AVX-512 (head_dim 64 or 128);
-- `add_rms_norm` and `rotary_` (csrc/fused_ops.cpp): residual add + RMSNorm + cast, and RoPE
-  in place, each one pass instead of several torch ops (used with bfloat16 weights).
+- `add_rms_norm`, `rotary_` and `silu_and_mul` (csrc/fused_ops.cpp): residual add + RMSNorm +
+  cast, RoPE in place, SwiGLU — each one pass instead of several torch ops (used with
+  bfloat16 weights).
 
 Without a compiler (a slim container), or with PACER_CPU_KERNELS=0, `cpu_kernels()` is None
 and torch ops serve everything.

@@ -109,6 +109,18 @@ def test_fused_norm_and_rotary_match_torch():
     assert torch.equal(qkv[:, 12 * 64:], values)                 # V, beside it, untouched
 
 
+def test_fused_silu_and_mul_matches_torch():
+    g = torch.Generator().manual_seed(5)
+    gate_up = (torch.randn(37, 2 * 1000, generator=g) * 4).to(torch.bfloat16)   # f not a multiple of 16
+    out = gate_up.new_empty((37, 1000))
+    cpu_kernels().silu_and_mul(gate_up, out)
+    exact = (torch.nn.functional.silu(gate_up[:, :1000].float()) * gate_up[:, 1000:].float())
+    # within one bfloat16 ulp of the exact value (rounded once; the exp is approximated)
+    assert torch.allclose(out.float(), exact, rtol=2 ** -7, atol=1e-30)
+    torch_bf16 = torch.nn.functional.silu(gate_up[:, :1000]) * gate_up[:, 1000:]
+    assert (out.float() - exact).abs().max() <= (torch_bf16.float() - exact).abs().max()
+
+
 def test_prepacked_bf16_gemm_gives_the_same_bits_for_every_batch_size():
     from gpu_worker.model.layers import _matmul, prepack
     g = torch.Generator().manual_seed(4)

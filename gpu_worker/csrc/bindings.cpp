@@ -13,6 +13,7 @@ void add_rms_norm(torch::Tensor& x, const c10::optional<torch::Tensor>& delta,
                   const torch::Tensor& w, double eps, torch::Tensor& out);
 void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos,
              const torch::Tensor& sin);
+void silu_and_mul(const torch::Tensor& gate_up, torch::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention,
@@ -23,4 +24,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "varlen causal attention of chunks over a paged KV cache (CPU, AVX-512)");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; out = RMSNorm(x) in out's dtype (CPU)");
   m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, float32)");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU's silu(gate) * up, bfloat16 (CPU)");
 }

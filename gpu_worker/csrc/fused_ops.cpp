@@ -6,6 +6,8 @@
 //       out = x * rsqrt(mean(x²) + eps) * w, rounded to out's dtype (bfloat16 or float32)
 //   rotary_(qk, positions, cos, sin): rotate-half RoPE in place on qk [T, heads, d] (rows may
 //       be strided: qk is a view into the fused qkv projection)
+//   silu_and_mul(gate_up, out): out = silu(gate) * up for gate_up = [gate | up] [T, 2f],
+//       bfloat16 in and out, computed in float32 and rounded once
 #include <torch/extension.h>
 
 #include <cmath>
@@ -84,5 +86,51 @@ void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Ten
         v[i + half] = x2 * c[i + half] + x1 * s[i + half];
       }
     }
+  }
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load_bf16(const c10::BFloat16* p, __mmask16 k) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(k, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static inline void store_bf16(c10::BFloat16* p, __m512 v, __mmask16 k) {
+  // round to nearest even: add 0x7FFF + the lowest kept bit, keep the high half
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+}
+#endif
+
+void silu_and_mul(const torch::Tensor& gate_up, torch::Tensor& out) {
+  TORCH_CHECK(gate_up.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
+              "silu_and_mul: bfloat16 in and out");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && out.is_contiguous() &&
+                  out.size(0) == gate_up.size(0) && 2 * out.size(1) == gate_up.size(1),
+              "silu_and_mul: contiguous [T, 2f] -> [T, f]");
+  const int64_t T = out.size(0), F = out.size(1);
+  const c10::BFloat16* in = gate_up.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+#pragma omp parallel for schedule(static)
+  for (int64_t t = 0; t < T; ++t) {
+    const c10::BFloat16* g = in + t * 2 * F;
+    const c10::BFloat16* u = g + F;
+    c10::BFloat16* o = op + t * F;
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < F; i += 16) {
+      const __mmask16 k = first_lanes(F - i);
+      const __m512 gv = load_bf16(g + i, k);
+      const __m512 sig = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f),
+                                                         exp16(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
+      store_bf16(o + i, _mm512_mul_ps(sig, load_bf16(u + i, k)), k);
+    }
+#else
+    for (int64_t i = 0; i < F; ++i) {
+      const float x = static_cast<float>(g[i]);
+      o[i] = static_cast<c10::BFloat16>(x / (1.f + std::exp(-x)) * static_cast<float>(u[i]));
+    }
+#endif
   }
 }

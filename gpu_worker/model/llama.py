@@ -45,6 +45,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
+    fused = None        # the CPU kernels' silu_and_mul (bfloat16 weights), see set_dtypes
+
     def __init__(self, cfg: ModelConfig, tp: TPGroup):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
@@ -55,8 +57,13 @@ class LlamaMLP(nn.Module):
         # The [T, 2·ffn] intermediate stays in the weights' dtype: with bfloat16 weights on
         # CPU, casting it to the float32 stream and back cost more than SwiGLU in bfloat16.
         gate_up = self.gate_up_proj(x, out_dtype=self.gate_up_proj.weight.dtype)
-        gate, up = gate_up[:, :self.local_ffn], gate_up[:, self.local_ffn:]
-        return self.down_proj(nn.functional.silu(gate) * up, out_dtype=out_dtype)
+        if self.fused is not None and gate_up.dtype == torch.bfloat16:
+            h = gate_up.new_empty((gate_up.shape[0], self.local_ffn))
+            self.fused.silu_and_mul(gate_up, h)         # one pass, rounded once
+        else:
+            gate, up = gate_up[:, :self.local_ffn], gate_up[:, self.local_ffn:]
+            h = nn.functional.silu(gate) * up
+        return self.down_proj(h, out_dtype=out_dtype)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -91,8 +98,8 @@ class LlamaForCausalLM(nn.Module):
     def set_dtypes(self, weight_dtype: torch.dtype, act_dtype: torch.dtype,
                    fused_ops=None) -> None:
         """Matrices (linears, embedding, LM head) in weight_dtype; norms, RoPE tables and the
-        residual stream in act_dtype. `fused_ops` (the CPU kernels module) replaces the norms'
-        and RoPE's torch ops: the bfloat16-weight path; the float32 path keeps torch's ops,
+        residual stream in act_dtype. `fused_ops` (the CPU kernels module) replaces the norms',
+        RoPE's and SwiGLU's torch ops: the bfloat16-weight path; the float32 path keeps torch's ops,
         whose bits the parity tests compare with transformers."""
         self.act_dtype = act_dtype
         for module in self.modules():
@@ -100,7 +107,7 @@ class LlamaForCausalLM(nn.Module):
                 module.weight.data = module.weight.data.to(weight_dtype)
             elif isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.to(act_dtype)
-            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+            if isinstance(module, (RMSNorm, RotaryEmbedding, LlamaMLP)):
                 module.fused = fused_ops
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
