@@ -149,3 +149,14 @@ async def stream_tail_id(redis: aioredis.Redis, stream: str) -> bytes | str:
     comes next. Unlike XREAD from `$`, nothing added between this call and the read is missed."""
     newest = await redis.xrevrange(stream, count=1)
     return newest[0][0] if newest else "0-0"
+
+
+def stream_id_text(entry_id: bytes | str) -> str:
+    """A stream entry id as redis-py may return it (bytes) as text: "1700000000000-3"."""
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
+def stream_id_order(entry_id: bytes | str) -> tuple[int, int]:
+    """A stream entry id as something that sorts like it (ids of one stream only)."""
+    ms, _, seq = stream_id_text(entry_id).partition("-")
+    return int(ms), int(seq or 0)
