@@ -28,6 +28,7 @@ class StreamResult:
     chunk_times: list[float] = field(default_factory=list)
     headers: dict = field(default_factory=dict)
     body: dict | None = None                 # a non-streaming or error answer
+    response_id: str | None = None           # the chunks' `id`: the gateway's request id
 
     @property
     def longest_gap_s(self) -> float:
@@ -66,6 +67,7 @@ def _take(result: StreamResult, chunk: dict) -> None:
     if "error" in chunk:
         result.error = chunk["error"]
         return
+    result.response_id = chunk.get("id", result.response_id)
     choice = chunk["choices"][0]
     if choice["text"]:
         result.text += choice["text"]
