@@ -24,7 +24,7 @@ from gateway.openai_schema import TokenLogprob
 from gateway.state import WaitingSlot
 from gateway.streams import TokenRouter
 from gateway.text_output import TextOutput
-from gateway.upstream import Upstream
+from gateway.upstream import REDIS_RESTARTED, Upstream
 from shared.detokenizer import IncrementalDetokenizer
 from shared.protocol import FinishEvent, TokenEvent
 from shared.sampling import SamplingParams
@@ -95,6 +95,9 @@ class Generation:
             self.request_id, self.prompt_token_ids, self.sampling, arrival_time=now,
             deadline=deadline)
         self._submitted = True
+        if self._upstream.replaced(self._stream.redis_run_id):
+            # a Redis that restarted while the request was on its way to it
+            self._stream.fail(REDIS_RESTARTED)
         if self._timeout_s is not None:
             self._timer = asyncio.get_running_loop().call_later(
                 self._timeout_s + DEADLINE_GRACE_S, self._stream.fail,

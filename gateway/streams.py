@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from services.lifecycle import cancel_requested
 from shared.protocol import FinishEvent, ProtocolError, TokenBatch, TokenEvent, decode
 
 log = structlog.get_logger("gateway.streams")
@@ -147,10 +148,12 @@ class TokenRouter:
 
     def fail_all(self, error: str, error_type: str = "server_error",
                  keep_run_id: str | None = None) -> int:
-        """End every open stream with an error, except those a Redis with run id
-        `keep_run_id` took (sent after a restart); returns how many were ended."""
-        ended = [s for s in self._streams.values()
-                 if keep_run_id is None or s.redis_run_id != keep_run_id]
+        """End every open stream with an error, except, given `keep_run_id`, those the Redis
+        with that run id took (sent after a restart) and those still being submitted (their
+        submission tells which Redis took them, see `Upstream.replaced`); returns how many
+        were ended."""
+        ended = [s for s in self._streams.values() if keep_run_id is None
+                 or s.redis_run_id is not None and s.redis_run_id != keep_run_id]
         for stream in ended:
             stream.fail(error, error_type)
         if ended:
@@ -179,7 +182,7 @@ class TokenRouter:
     async def run(self) -> None:
         """Listen until cancelled; a dropped Redis connection is re-subscribed with backoff."""
         delay = 0.1
-        while True:
+        while not cancel_requested():
             try:
                 await self._listen()
             except (RedisError, OSError) as e:
@@ -193,12 +196,14 @@ class TokenRouter:
                 delay = min(delay * 2, 5.0)
             else:
                 delay = 0.1
+        raise asyncio.CancelledError
 
     async def _listen(self) -> None:
+        """Until cancelled (then returns) or the connection drops (raises)."""
         pubsub = self._redis.pubsub()
         try:
             await pubsub.subscribe(self.channel)
-            while True:
+            while not cancel_requested():
                 message = await pubsub.get_message(timeout=1.0)
                 if message is None:
                     continue

@@ -3,18 +3,29 @@
 The heartbeat loop also watches Redis itself: a server with another run_id restarted and kept
 nothing (no request entry, no scheduler state for it), and one unreachable for
 REDIS_UNREACHABLE_S cannot deliver token events. Either way the open requests can no longer
-complete, so `on_lost` ends them with an error event instead of letting them hang.
+complete, so `on_lost` ends them with an error event instead of letting them hang. A request
+whose submission is still on its way when that happens is judged by the run_id its XADD
+reports (`replaced`): only the old server's requests are lost.
+
+After a restart the connection pool still holds connections to the old server; the first
+command on each fails. Submitting and aborting drop those idle connections and try once more
+(a duplicate request entry is ignored by the scheduler), so the first requests after Redis is
+back are not refused.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from services.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
 from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
@@ -23,6 +34,9 @@ from shared.sampling import SamplingParams
 log = structlog.get_logger("gateway.upstream")
 
 REDIS_UNREACHABLE_S = 3.0
+REDIS_RESTARTED = "Redis restarted and lost the request; send it again"
+REPLACED_KEPT = 64          # run ids of servers that restarted away, remembered
+T = TypeVar("T")
 
 
 class Upstream:
@@ -32,6 +46,11 @@ class Upstream:
         self.gateway_id = gateway_id
         self.reply_to = keys.tokens(gateway_id)
         self._pending_aborts: set[asyncio.Task] = set()
+        self._replaced: deque[str] = deque(maxlen=REPLACED_KEPT)
+
+    def replaced(self, run_id: str) -> bool:
+        """Whether the Redis with this run_id is known to have restarted (lost everything)."""
+        return run_id in self._replaced
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams, arrival_time: float,
@@ -39,19 +58,35 @@ class Upstream:
         """`deadline`: time.time() after which the scheduler ends the request. Returns the
         run id of the Redis that took the request: when Redis restarts, only the requests
         the old one took are lost."""
-        msg = RequestMsg(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                         sampling=sampling, reply_to=self.reply_to, gateway_id=self.gateway_id,
-                         arrival_time=arrival_time, deadline=deadline)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(self.keys.requests, to_fields(msg), maxlen=REQUESTS_MAXLEN, approximate=True)
-        pipe.info("server")
-        _, info = await pipe.execute()
-        return info["run_id"]
+        fields = to_fields(RequestMsg(
+            request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+            reply_to=self.reply_to, gateway_id=self.gateway_id, arrival_time=arrival_time,
+            deadline=deadline))
+
+        async def send() -> str:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.xadd(self.keys.requests, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
+            pipe.info("server")
+            _, info = await pipe.execute()
+            return info["run_id"]
+
+        return await self._live_connection(send)
 
     async def abort(self, request_id: str, reason: str) -> None:
-        await self.redis.xadd(self.keys.aborts, to_fields(AbortMsg(request_id, reason)),
-                              maxlen=ABORTS_MAXLEN, approximate=True)
+        fields = to_fields(AbortMsg(request_id, reason))
+        await self._live_connection(lambda: self.redis.xadd(
+            self.keys.aborts, fields, maxlen=ABORTS_MAXLEN, approximate=True))
         log.info("request aborted upstream", request_id=request_id, reason=reason)
+
+    async def _live_connection(self, op: Callable[[], Awaitable[T]]) -> T:
+        """Run `op`; if its connection was dead, drop the pool's idle connections (after a
+        restart they all lead to the old server) and run it once more."""
+        try:
+            return await op()
+        except RedisConnectionError as e:
+            log.warning("redis connection dropped; retrying on a new one", error=str(e))
+            await self.redis.connection_pool.disconnect(inuse_connections=False)
+            return await op()
 
     def abort_soon(self, request_id: str, reason: str) -> None:
         """Abort from code that may itself be cancelled (a client that went away)."""
@@ -76,17 +111,19 @@ class Upstream:
         key = self.keys.hb_gateway(self.gateway_id)
         run_id: str | None = None
         unreachable_since: float | None = None
-        while True:
+        while not cancel_requested():
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.set(key, encode(Heartbeat("gateway", self.gateway_id, time.time(), {})),
                          ex=HEARTBEAT_TTL_S)
                 pipe.info("server")
                 _, info = await pipe.execute()
-                if run_id is not None and info["run_id"] != run_id:
-                    on_lost("Redis restarted and lost the request; send it again",
-                            keep_run_id=info["run_id"])
-                run_id, unreachable_since = info["run_id"], None
+                replaced, run_id, unreachable_since = run_id, info["run_id"], None
+                if replaced is not None and run_id != replaced:
+                    self._replaced.append(replaced)
+                    on_lost(REDIS_RESTARTED, keep_run_id=run_id)
+                    # the idle connections in the pool all lead to the old server
+                    await self.redis.connection_pool.disconnect(inuse_connections=False)
             except (RedisError, OSError) as e:
                 log.warning("heartbeat not written", error=str(e))
                 now = time.monotonic()
@@ -95,6 +132,7 @@ class Upstream:
                     on_lost("Redis is unreachable; the request cannot complete")
                     unreachable_since = now
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+        raise asyncio.CancelledError
 
     async def missing_services(self, tp: int) -> list[str]:
         """Which services /health needs but whose heartbeat key has expired."""

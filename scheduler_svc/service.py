@@ -16,6 +16,10 @@ Failures, and what the loop does about them:
     a worker dies       while waiting for a result it probes the worker heartbeats every
                         0.5 s; a rank gone or restarted: recompute every running request
                         (`core.recompute_running`), wait for the group, carry on
+    a plan is lost      the same probe also looks for the plan in the plans stream, and at
+                        the plan rank 0 last answered (its heartbeat): a plan gone from the
+                        stream, or answered without a result in the results stream, will
+                        never be answered: recompute every running request, carry on
     it restarts itself  request state lives in Redis until finished: an entry is XACKed only
                         after its finish event was published. At start it runs one empty
                         plan (so the workers finish whatever the dead scheduler sent), then
@@ -23,7 +27,8 @@ Failures, and what the loop does about them:
                         (`takeover.py`); entries of a dead scheduler with another id are
                         XAUTOCLAIMed after CLAIM_IDLE_MS
     Redis restarts      (its run_id changed, or the group is gone): every live request ends
-                        with an error event, the group is created again, serving goes on
+                        with an error event, the plan in flight is forgotten, the group is
+                        created again, the stream cursors start over; serving goes on
     a gateway dies      its heartbeat missing twice in a row: its requests are aborted
     a deadline passes   the request ends with a timeout error event; its blocks are freed
 
@@ -71,6 +76,11 @@ class WorkersLost(Exception):
 
 class RedisLost(Exception):
     """Redis came back empty (another run_id, or the consumer group is gone)."""
+
+
+class PlanLost(Exception):
+    """The plan in flight left the plans stream, or rank 0 answered it and the result is not
+    in the results stream: no result will come, though Redis and the workers are there."""
 
 
 @dataclass(frozen=True)
@@ -127,7 +137,7 @@ class SchedulerService:
                 await self._barrier()
                 taken = await self._retrying("take back pending",
                                              self.takeover.take_back_pending)
-            except WorkersLost:
+            except (WorkersLost, PlanLost):
                 self.core.recompute_running()
                 continue
             except RedisLost:
@@ -141,8 +151,8 @@ class SchedulerService:
         """One empty plan: workers run plans in order, so once it is answered every plan of
         a dead predecessor has run and its tokens are in the progress records."""
         plan = self.core.schedule()
-        await self._send(plan)
-        self.core.update(plan, await self._wait_result(plan.step))
+        plan_id = await self._send(plan)
+        self.core.update(plan, await self._wait_result(plan.step, plan_id))
 
     async def wait_for_workers(self, stop: asyncio.Event) -> bool:
         """Until every rank's heartbeat is up; False if stopped first or a rank's KV pool
@@ -192,6 +202,10 @@ class SchedulerService:
             except WorkersLost as e:
                 if not await self._after_workers_lost(e, stop):
                     return
+            except PlanLost as e:
+                recomputed = self.core.recompute_running()
+                log.error("plan in flight lost; recomputing running requests", reason=str(e),
+                          recomputed=len(recomputed))
             except RedisLost:
                 await self._after_redis_lost()
 
@@ -218,8 +232,8 @@ class SchedulerService:
                 await asyncio.sleep(self.config.idle_block_ms / 1000)
             self.stats.went_idle()
             return True
-        await self._send(plan)
-        result = await self._wait_result(plan.step)
+        plan_id = await self._send(plan)
+        result = await self._wait_result(plan.step, plan_id)
         if result is None:
             return False
         self.stats.result_received()
@@ -353,35 +367,41 @@ class SchedulerService:
 
     # ---- plans and results ---------------------------------------------------------------
 
-    async def _send(self, plan: IterationPlan) -> None:
+    async def _send(self, plan: IterationPlan) -> bytes | str:
+        """XADD the plan; returns its entry id in the plans stream."""
         fields = to_fields(PlanMsg(plan))
         attempts = 0
 
-        async def xadd() -> None:
+        async def xadd() -> bytes | str:
             nonlocal attempts
             attempts += 1
             # a retry after a dropped connection must not run the plan twice
-            if attempts > 1 and await self._plan_in_stream(plan.step):
-                return
-            await self.redis.xadd(self.keys.plans, fields, maxlen=PLANS_MAXLEN,
-                                  approximate=True)
+            if attempts > 1:
+                sent = await self._plan_in_stream(plan.step)
+                if sent is not None:
+                    return sent
+            return await self.redis.xadd(self.keys.plans, fields, maxlen=PLANS_MAXLEN,
+                                         approximate=True)
 
-        await self._retrying("send plan", xadd)
+        plan_id = await self._retrying("send plan", xadd)
         self.stats.plan_sent()
+        return plan_id
 
-    async def _plan_in_stream(self, step: int) -> bool:
+    async def _plan_in_stream(self, step: int) -> bytes | str | None:
+        """The entry id of this step's plan if it is the newest in the stream."""
         newest = await self.redis.xrevrange(self.keys.plans, count=1)
         if not newest:
-            return False
+            return None
+        entry_id, fields = newest[0]
         try:
-            msg = from_fields(newest[0][1])
+            msg = from_fields(fields)
         except ProtocolError:
-            return False
-        return isinstance(msg, PlanMsg) and msg.plan.step == step
+            return None
+        return entry_id if isinstance(msg, PlanMsg) and msg.plan.step == step else None
 
-    async def _wait_result(self, step: int) -> StepResult | None:
+    async def _wait_result(self, step: int, plan_id: bytes | str) -> StepResult | None:
         """This step's result from the results stream; None if the drain deadline passed
-        while the workers stayed silent. Raises WorkersLost or RedisLost."""
+        while the workers stayed silent. Raises WorkersLost, PlanLost or RedisLost."""
         waited_since = probed_at = time.monotonic()
         while True:
             result = await self._read_result(step, self.config.result_block_ms)
@@ -392,15 +412,22 @@ class SchedulerService:
                 return None
             if time.monotonic() - probed_at >= WORKER_PROBE_S:
                 probed_at = time.monotonic()
-                await self._probe(step)
+                result = await self._probe(step, plan_id)
+                if result is not None:
+                    return result
             if time.monotonic() - waited_since > self.config.worker_silence_warn_s:
                 log.warning("still waiting for a step result", step=step)
                 waited_since = time.monotonic()
 
     async def _read_result(self, step: int, block_ms: int | None) -> StepResult | None:
-        reply = await self._retrying("read results", lambda: self.redis.xread(
-            {self.keys.results: self._results_after}, count=16, block=block_ms))
-        for _, entries in reply or []:
+        """This step's result if it is in the results stream (waiting up to `block_ms` for
+        the first entry); older results on the way are skipped."""
+        while True:
+            reply = await self._retrying("read results", lambda: self.redis.xread(
+                {self.keys.results: self._results_after}, count=16, block=block_ms))
+            entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
+            if not entries:
+                return None
             for entry_id, fields in entries:
                 self._results_after = entry_id
                 result = _decode_result(fields)
@@ -408,25 +435,36 @@ class SchedulerService:
                     return result
                 log.warning("unexpected step result skipped", expected_step=step,
                             got_step=None if result is None else result.step)
-        return None
+            block_ms = None         # read on at once: this step's result may be next
 
-    async def _probe(self, step: int) -> None:
-        """Raise RedisLost or WorkersLost if the plan in flight can no longer be answered."""
+    async def _probe(self, step: int, plan_id: bytes | str) -> StepResult | None:
+        """Raise RedisLost, WorkersLost or PlanLost if the plan in flight can no longer be
+        answered; returns its result if that turned up meanwhile. One pipeline, so every
+        answer comes from the same server."""
         async def look() -> list:
             pipe = self.redis.pipeline(transaction=False)
             pipe.info("server")
             pipe.mget(self.workers.heartbeat_keys)
+            pipe.xrange(self.keys.plans, min=plan_id, max=plan_id)
             return await pipe.execute()
 
-        info, heartbeats = await self._retrying("probe workers", look)
+        info, heartbeats, sent = await self._retrying("probe workers", look)
         if info.get("run_id") != self._run_id:
             raise RedisLost()
         lost = self.workers.lost_in(heartbeats)
+        answered = self.workers.answered(heartbeats, self._run_id, plan_id)
+        if sent and not answered and not lost:
+            return None
+        # the result may have landed just before the rank died or its heartbeat was written
+        result = await self._read_result(step, None)
         if lost:
-            # the last result may have landed just before the rank died
-            if await self._read_result(step, None) is not None:
+            if result is not None:
                 log.warning("worker died right after answering", ranks=lost)
             raise WorkersLost(lost)
+        if result is not None:
+            return result
+        raise PlanLost("rank 0 answered the plan but its result is not in the results stream"
+                       if sent else "the plan is not in the plans stream")
 
     async def _retrying(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
         """Run a Redis operation until the connection lets it through (or the drain ends).

@@ -22,6 +22,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from scheduler_svc.book import RequestBook
+from services.lifecycle import cancel_requested
 from shared.keys import Keys
 from shared.progress import decode_progress
 from shared.protocol import RequestMsg
@@ -86,7 +87,7 @@ class Takeover:
 
     async def keep_leases(self) -> None:
         """Until cancelled: keep this scheduler's live entries from looking abandoned."""
-        while True:
+        while not cancel_requested():
             await asyncio.sleep(LEASE_REFRESH_S)
             ids = self.book.live_entry_ids()
             if not ids:
@@ -96,3 +97,4 @@ class Takeover:
                                         self.consumer, 0, ids, justid=True)
             except RedisError as e:
                 log.warning("leases not refreshed", error=str(e), entries=len(ids))
+        raise asyncio.CancelledError

@@ -4,11 +4,16 @@ Each rank's heartbeat key (TTL `WORKER_HEARTBEAT_TTL_S`) carries its pid and sta
 scheduler records them when the group is complete; a rank whose key expired, or whose key now
 names another process (it was restarted), has lost the KV cache of every running request, so
 the scheduler must recompute them all (`Scheduler.recompute_running`).
+
+Rank 0's heartbeat also names the last plan it answered (the Redis run_id and the plan's entry
+id in the plans stream, both written only after the result was sent): once that is at or
+after the plan the scheduler waits for, the result is in the results stream, or lost.
 """
 from __future__ import annotations
 
 import structlog
 
+from services.lifecycle import stream_id_order
 from shared.keys import Keys
 from shared.protocol import Heartbeat, ProtocolError, decode
 
@@ -38,6 +43,17 @@ class WorkerWatch:
     def record(self, values: list[bytes | None]) -> None:
         """The group as it is now (every key present): plans from here on are for it."""
         self._planned_for = [incarnation(v) for v in values]
+
+    def answered(self, values: list[bytes | None], run_id: str | None,
+                 plan_id: bytes | str) -> bool:
+        """Whether rank 0 (the first of `values`, an MGET of `heartbeat_keys`) answered the
+        plan with entry id `plan_id`, or a later one, in the Redis with `run_id`."""
+        try:
+            extra = decode(values[0]).extra if values and values[0] else {}
+            return (extra.get("answered_run_id") == run_id
+                    and stream_id_order(extra["answered_plan"]) >= stream_id_order(plan_id))
+        except (ProtocolError, AttributeError, KeyError, ValueError):
+            return False
 
     def lost_in(self, values: list[bytes | None]) -> list[int]:
         """Ranks that died or were restarted since `record` (MGET of `heartbeat_keys`)."""

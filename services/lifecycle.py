@@ -92,12 +92,22 @@ async def heartbeat_forever(redis: aioredis.Redis, key: str,
                             interval_s: float = HEARTBEAT_INTERVAL_S,
                             ttl_s: int = HEARTBEAT_TTL_S) -> None:
     """Keep `key` alive with a fresh Heartbeat until cancelled; survives Redis outages."""
-    while True:
+    while not cancel_requested():
         try:
             await redis.set(key, encode(make()), ex=ttl_s)
         except (RedisError, OSError) as e:
             log.warning("heartbeat not written", key=key, error=str(e))
         await asyncio.sleep(interval_s)
+    raise asyncio.CancelledError
+
+
+def cancel_requested() -> bool:
+    """Whether the current task was cancelled though no CancelledError reached it: Python
+    3.11's `asyncio.wait_for`, which redis-py puts around socket writes, returns the result
+    instead when the write completes as the cancellation arrives. A loop that runs until
+    cancelled must check this, or it may never end (and a service never stop)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def clear_key(redis: aioredis.Redis, key: str) -> None:

@@ -36,11 +36,12 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> N
     raise RuntimeError(f"redis-server on port {port} did not answer PING in {timeout_s} s")
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
+def start_redis(port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """A new server on `port` (a free one by default); (its process, its URL)."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed")
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -1,0 +1,321 @@
+"""Dropped connections and Redis restarts, step by step: the real gateway (HTTP, in-process),
+the real scheduler service and worker rank 0's plan loop on a tiny random model, all in this
+process, over a real redis-server that a test kills (-9) and starts again on the same port,
+empty, as `pacer up` does.
+
+A gate between the plan loop and the model holds one plan, so that a connection can be
+dropped, or Redis restarted, at a known point: while a plan runs. Each test first streams
+one undisturbed completion as its reference.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import aiohttp
+import pytest
+import redis
+
+from gateway.app import serve as serve_gateway
+from gateway.config import GatewayConfig
+from gateway.streams import TokenRouter
+from gpu_worker.service import PlanLoop, worker_heartbeat
+from scheduler_svc.service import SchedulerServiceConfig
+from scheduler_svc.service import serve as serve_scheduler
+from scheduler_svc.workers import WorkerWatch
+from services.engine import LLMEngine
+from services.lifecycle import (cancel_tasks, connect_redis, heartbeat_forever, redis_run_id,
+                                stream_tail_id)
+from shared.engine_args import EngineArgs
+from shared.keys import WORKER_HEARTBEAT_TTL_S, Keys
+from shared.plan import IterationPlan, StepResult
+from shared.protocol import Heartbeat, encode
+from tests.helpers_tiny_model import write_tiny_llama
+from tests.redis_fixture import start_redis, stop_redis
+from tests.served_fixture import API_KEY
+from tests.sse_client import StreamResult, stream_completion
+
+KEYS = Keys()
+MODEL_NAME = "tiny"
+MAX_TOKENS = 24
+DEADLINE_S = 60.0        # a stream open this long hangs: the failure these tests look for
+FAR_FUTURE_ID = "9999999999999-0"
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+class Redis:
+    """A redis-server on a fixed port that can be restarted, empty."""
+
+    def __init__(self) -> None:
+        self.proc, self.url = start_redis()
+        self.port = urlsplit(self.url).port
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url)
+
+    def restart(self) -> None:
+        stop_redis(self.proc)
+        self.proc, _ = start_redis(self.port)
+
+    def stop(self) -> None:
+        stop_redis(self.proc)
+
+
+@pytest.fixture
+def server():
+    r = Redis()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+class Gate:
+    """The executor of the plan loop: the tiny model's runner, except that once armed it
+    holds the next plan that computes tokens until released (it runs in the loop's thread)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.requests = runner.requests
+        self._armed = False
+        self._held = threading.Event()
+        self._release = threading.Event()
+
+    def execute(self, plan: IterationPlan) -> StepResult:
+        if self._armed and plan.num_scheduled_tokens:
+            self._armed = False
+            self._held.set()
+            self._release.wait(DEADLINE_S)
+        return self.runner.execute(plan)
+
+    async def hold_next_plan(self) -> None:
+        """Arm, and return once the plan loop is inside the next plan."""
+        self._held.clear()
+        self._release.clear()
+        self._armed = True
+        assert await asyncio.to_thread(self._held.wait, DEADLINE_S), "no plan came"
+
+    def release(self) -> None:
+        self._release.set()
+
+
+class Worker:
+    """Rank 0's plan loop over the gate; `stop()` lets it answer what it read and return,
+    `start(after)` runs a new one from that plans-stream cursor (a worker that paused)."""
+
+    def __init__(self, redis_client, gate: Gate) -> None:
+        self.redis, self.gate = redis_client, gate
+        self.loop: PlanLoop | None = None
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    async def start(self, after: bytes | str | None = None) -> None:
+        run_id = await redis_run_id(self.redis)
+        if after is None:
+            after = await stream_tail_id(self.redis, KEYS.plans)
+        self.loop = PlanLoop(self.redis, KEYS, self.gate, self.gate.requests, after, run_id)
+        self._stop = asyncio.Event()
+        self._task = asyncio.create_task(self.loop.run(self._stop))
+
+    async def stop(self) -> str:
+        """Returns the entry id of the last plan answered."""
+        self._stop.set()
+        await self._task
+        return self.loop.answered()["answered_plan"]
+
+    def stats(self) -> dict:
+        return {} if self.loop is None else {**self.loop.stats(), **self.loop.answered()}
+
+
+@dataclass
+class System:
+    base_url: str
+    gate: Gate
+    worker: Worker
+
+
+@asynccontextmanager
+async def running(server: Redis, model: str) -> AsyncIterator[System]:
+    """Gateway, scheduler and worker rank 0 (with its heartbeat) against `server`."""
+    engine = LLMEngine(EngineArgs(model=model, num_kv_blocks=64), progress=False)
+    gate = Gate(engine.runner)
+    scheduler_redis, worker_redis = await connect_redis(server.url), await connect_redis(server.url)
+    worker = Worker(worker_redis, gate)
+    await worker.start()
+    rank_0 = worker_heartbeat(0, 1, engine.layout.num_kv_blocks, engine.args.block_size)
+
+    def beat() -> Heartbeat:          # what serve_worker's heartbeat says, of whichever loop
+        msg = rank_0()
+        return Heartbeat(msg.service, msg.id, msg.time, {**msg.extra, **worker.stats()})
+
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(heartbeat_forever(worker_redis, KEYS.hb_worker(0), beat,
+                                                   ttl_s=WORKER_HEARTBEAT_TTL_S)),
+             asyncio.create_task(serve_scheduler(
+                 scheduler_redis, KEYS, engine.scheduler,
+                 SchedulerServiceConfig(scheduler_id="scheduler-0"), stop))]
+    config = GatewayConfig(port=0, redis_url=server.url, model=model,
+                           served_model_name=MODEL_NAME, api_key=API_KEY)
+    try:
+        async with serve_gateway(config) as base_url:
+            yield System(base_url, gate, worker)
+    finally:
+        gate.release()
+        stop.set()
+        await worker.stop()
+        await cancel_tasks(*tasks)
+        await scheduler_redis.aclose()
+        await worker_redis.aclose()
+
+
+def body(i: int) -> dict:
+    return {"model": MODEL_NAME, "prompt": f"the story of number {i} is", "temperature": 0,
+            "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+
+async def complete(s: System, n: int, on_first_chunks=None) -> list[StreamResult]:
+    """`n` concurrent streams (prompt i for stream i); `on_first_chunks()` is awaited once
+    every stream has two chunks."""
+    progress = [0] * n
+    started = asyncio.Event()
+
+    def seen(i: int, result: StreamResult) -> None:
+        progress[i] = len(result.chunk_times)
+        if min(progress) >= 2:
+            started.set()
+
+    async with aiohttp.ClientSession() as session:
+        tasks = [asyncio.create_task(stream_completion(
+            session, s.base_url, body(i), DEADLINE_S, on_chunk=lambda r, i=i: seen(i, r)))
+            for i in range(n)]
+        if on_first_chunks is not None:
+            await asyncio.wait_for(started.wait(), DEADLINE_S)
+            await on_first_chunks()
+        return await asyncio.gather(*tasks)
+
+
+def assert_complete(results: list[StreamResult], reference: list[str]) -> None:
+    for i, (r, expected) in enumerate(zip(results, reference)):
+        assert r.status == 200 and r.error is None, (i, r)
+        assert r.done and r.finish_reason == "length", (i, r)
+        assert r.text == expected, (i, r.text, expected)
+
+
+async def test_a_result_whose_connection_was_dropped_is_sent_again(server, tiny_model):
+    """Redis closes every client connection (CLIENT KILL) while a plan runs: the worker's
+    pooled connection is dead when it sends the result, and the send must be repeated in
+    full, or the scheduler waits for that result forever."""
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 2)]
+
+        async def drop_connections() -> None:
+            await s.gate.hold_next_plan()
+            with server.client() as admin:
+                assert admin.client_kill_filter(_type="normal", skipme=True) > 0
+            s.gate.release()
+
+        assert_complete(await complete(s, 2, drop_connections), reference)
+
+
+async def test_after_a_redis_restart_the_streams_end_with_an_error_and_new_ones_complete(
+        server, tiny_model):
+    """Redis restarts while a plan runs: the streams in flight end with an error event,
+    and streams started afterwards (as many as before, so the gateway's pool holds a
+    connection to the old server for each) complete exactly."""
+    async with running(server, tiny_model) as s:
+        await restart_while_a_plan_runs(s, server, [r.text for r in await complete(s, 4)])
+
+
+async def test_plans_of_a_restarted_redis_are_read_though_their_ids_are_lower(
+        server, tiny_model):
+    """The old server's plans stream had ids from a clock ahead of the new one's (an XREAD
+    after such an id waits forever on the new stream): the worker reads the new server's
+    plans from the start all the same."""
+    with server.client() as admin:
+        admin.xadd(KEYS.plans, {"m": b"not a plan"}, id=FAR_FUTURE_ID)
+    async with running(server, tiny_model) as s:
+        await restart_while_a_plan_runs(s, server, [r.text for r in await complete(s, 1)])
+
+
+async def restart_while_a_plan_runs(s: System, server: Redis, reference: list[str]) -> None:
+    """As many streams as `reference` has texts; Redis restarts while a plan of theirs runs:
+    each must end with an error event after a prefix of its text; then as many new streams
+    must complete exactly."""
+    async def restart() -> None:
+        await s.gate.hold_next_plan()
+        server.restart()
+        s.gate.release()
+
+    for i, r in enumerate(await complete(s, len(reference), restart)):
+        assert r.done and r.error is not None, (i, r)
+        assert reference[i].startswith(r.text), (i, r.text)
+    assert_complete(await complete(s, len(reference)), reference)
+
+
+async def test_a_plan_no_worker_read_and_gone_from_the_stream_is_computed_again(
+        server, tiny_model):
+    """The worker pauses after a plan; the next plan is deleted from the stream before it
+    reads it. The scheduler must notice that the plan it waits for is gone (a result can
+    never come), recompute the running request, and the stream complete exactly."""
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 1)]
+
+        async def pause_and_lose_the_next_plan() -> None:
+            await s.gate.hold_next_plan()
+            paused = asyncio.create_task(s.worker.stop())
+            s.gate.release()
+            last_read = await paused
+            with server.client() as admin:
+                admin.xdel(KEYS.plans, await _plan_after(admin, last_read))
+            await s.worker.start(after=last_read)
+
+        assert_complete(await complete(s, 1, pause_and_lose_the_next_plan), reference)
+
+
+async def _plan_after(admin: redis.Redis, entry_id: str) -> bytes:
+    """The id of the first plan after `entry_id`, once the scheduler sent it."""
+    end = time.monotonic() + DEADLINE_S
+    while time.monotonic() < end:
+        newer = admin.xrange(KEYS.plans, min=f"({entry_id}", count=1)
+        if newer:
+            return newer[0][0]
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no plan after {entry_id}")
+
+
+def test_a_stream_being_submitted_outlives_the_end_of_the_old_servers_streams():
+    """When the gateway learns that Redis restarted, it ends the streams the old server
+    took; one whose submission has not yet said which server took it is left alone (its
+    submission's answer decides)."""
+    router = TokenRouter(None, "channel")
+    old, new, submitting = (router.open(rid) for rid in ("old", "new", "submitting"))
+    old.redis_run_id, new.redis_run_id = "run-a", "run-b"
+    assert router.fail_all("restarted", keep_run_id="run-b") == 1        # old
+    submitting.redis_run_id = "run-b"
+    assert router.fail_all("restarted", keep_run_id="run-b") == 1        # old
+    submitting.redis_run_id = None
+    assert router.fail_all("unreachable") == 3          # no token can arrive: every one
+
+
+def test_rank_0s_heartbeat_tells_which_plans_it_answered():
+    watch = WorkerWatch(KEYS, tp=1)
+
+    def beat(extra: dict) -> list[bytes]:
+        return [encode(Heartbeat("worker", "0", time.time(), {"pid": 1, **extra}))]
+
+    answered = beat({"answered_run_id": "run-a", "answered_plan": "1700000000000-5"})
+    assert watch.answered(answered, "run-a", b"1700000000000-5")
+    assert watch.answered(answered, "run-a", "1699999999999-9")
+    assert not watch.answered(answered, "run-a", "1700000000000-6")
+    assert not watch.answered(answered, "run-b", "1700000000000-5")   # another Redis
+    assert not watch.answered(beat({}), "run-a", "1-0")               # nothing answered yet
+    assert not watch.answered([None], "run-a", "1-0")
