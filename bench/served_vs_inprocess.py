@@ -38,6 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import print_table, write_json  # noqa: E402
 from services.bench_client import (ApiTarget, RequestResult, SendOptions,  # noqa: E402
                                    compute_metrics, error_summary, run_requests)
+from services.bench_cmd import run_async  # noqa: E402
 from services.bench_dataset import BenchRequest, random_dataset  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from services.up import engine_flags  # noqa: E402
@@ -213,7 +214,7 @@ async def _served_pass(system: ServedSystem, requests: list[BenchRequest], concu
 
 
 def run_served(system: ServedSystem, requests: list[BenchRequest], concurrency: int):
-    return asyncio.run(_served_pass(system, requests, concurrency))
+    return run_async(_served_pass(system, requests, concurrency))    # uvloop, as pacer bench
 
 
 # ---- report ------------------------------------------------------------------------------

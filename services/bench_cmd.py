@@ -159,7 +159,7 @@ def write_result_json(path: str, data: dict) -> None:
 
 # ---- run ---------------------------------------------------------------------------------
 
-def _run_async(coro):
+def run_async(coro):
     """uvloop when installed: the client must not be the bottleneck on a 2-core machine
     (a loop factory, so the process-wide policy stays as it was)."""
     try:
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"pacer bench: {len(requests)} {args.dataset} prompts to {target.url} "
           f"(rate {args.request_rate:g}/s, burstiness {args.burstiness:g}, "
           f"max concurrency {args.max_concurrency or 'none'})", file=sys.stderr, flush=True)
-    results, duration = _run_async(run_requests(
+    results, duration = run_async(run_requests(
         target, requests, opts, args.request_rate, args.burstiness, args.max_concurrency,
         args.seed))
     metrics = compute_metrics(results, duration, slos)
