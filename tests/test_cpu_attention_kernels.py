@@ -52,14 +52,15 @@ def test_mixed_iteration_uses_both_paths_consistently():
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 2, 128), (4, 4, 64)])
-def test_prefill_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d):
+@pytest.mark.parametrize("heads,kvh,d,bs", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 16),
+                                            (9, 3, 64, 5)])     # a block size that splits key blocks
+def test_prefill_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d, bs):
     """Fresh prompts, later chunks over cached prefixes (block boundaries inside and outside a
     16-key block, tiles of 32 rows and their remainders) and decodes in one iteration."""
     kernels = cpu_kernels()
     assert kernels.paged_prefill_supported(d, heads // kvh), "this machine has no AVX-512"
     g = torch.Generator().manual_seed(2)
-    blocks, bs = 300, 16
+    blocks = 300 * 16 // bs
     k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
     v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
     perm = torch.randperm(blocks, generator=g).tolist()
