@@ -58,7 +58,8 @@ def test_prefill_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d, bs):
     """Fresh prompts, later chunks over cached prefixes (block boundaries inside and outside a
     16-key block, tiles of 32 rows and their remainders) and decodes in one iteration."""
     kernels = cpu_kernels()
-    assert kernels.paged_prefill_supported(d, heads // kvh), "this machine has no AVX-512"
+    if not kernels.paged_prefill_supported(d, heads // kvh):
+        pytest.skip("no AVX-512 here: prefill chunks take the torch path")
     g = torch.Generator().manual_seed(2)
     blocks = 300 * 16 // bs
     k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)

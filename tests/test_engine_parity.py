@@ -128,3 +128,23 @@ def smollm(tmp_path_factory):
 def test_smollm2_gguf_matches_transformers(smollm, name, overrides, expect_preemption):
     prompts, refs = smollm
     check_parity("smollm2-135m", prompts, refs, name, overrides, expect_preemption)
+
+
+@pytest.mark.slow
+def test_smollm2_bf16_tokens_do_not_depend_on_chunking_or_preemption(smollm):
+    """The bf16 CPU fast path (attention kernels over the paged cache, prepacked GEMMs, fused
+    norm/RoPE/SwiGLU) computes every row the same way whatever shares its iteration: a big
+    budget, 16-token chunks beside other requests, and a preempting KV pool give the same
+    greedy tokens. (Not compared with transformers: its bf16 rounds differently. torch's own
+    ops, the fallback without the kernels, are not batch-invariant: this test fails there.)"""
+    from gpu_worker.cpu_kernels import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.paged_prefill_supported(64, 3):
+        pytest.skip("no CPU kernels with AVX-512 here: the torch fallback is not batch-invariant")
+    prompts, _ = smollm
+    outs = {}
+    for name, overrides, expect_preemption in CONFIGS:
+        outs[name], engine = run_engine("smollm2-135m", prompts, {**overrides, "dtype": "bfloat16"})
+        assert not expect_preemption or engine.scheduler.num_preemptions_total > 0, name
+    for name, tokens in outs.items():
+        assert tokens == outs["big-budget"], name
