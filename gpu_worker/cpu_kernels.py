@@ -40,12 +40,6 @@ def cpu_kernels():
     return _module
 
 
-def decode_kernel():
-    """The compiled `paged_decode_attention`, or None."""
-    module = cpu_kernels()
-    return module.paged_decode_attention if module else None
-
-
 def _build():
     if os.environ.get("PACER_CPU_KERNELS", "1") == "0":
         return None

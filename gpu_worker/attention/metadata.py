@@ -20,6 +20,7 @@ form one group); flash-attn takes the cu_seqlens form directly.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -39,11 +40,22 @@ class AttentionGroup:
     q_index: torch.Tensor        # [G, q] rows of the flat batch
     block_tables: torch.Tensor   # [G, blocks]; padded with block 0 (masked out)
     kv_len_max: int
-    mask: torch.Tensor           # [G, 1, q, kv_len_max] additive: 0 where the query sees the
-                                 # key, -inf elsewhere (built once, not converted per layer)
     kv_lens: torch.Tensor        # [G]
     fresh: bool                  # every chunk is a whole prompt: keys are the chunk itself
     all_rows: bool               # the group is the whole flat batch, in order
+    mask_dtype: torch.dtype = torch.float32
+
+    @functools.cached_property
+    def mask(self) -> torch.Tensor:
+        """[G, 1, q, kv_len_max] additive: 0 where the query sees the key, -inf elsewhere.
+        Built on first use (only torch's SDPA over a cached prefix needs it; the CPU kernels
+        and flash-attn take the lengths) and then shared by every layer."""
+        G, q = self.q_index.shape
+        query_pos = (self.kv_lens - q).unsqueeze(1) + torch.arange(q, device=self.kv_lens.device)
+        key_pos = torch.arange(self.kv_len_max, device=self.kv_lens.device)
+        sees = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)                 # [G, q, L]
+        mask = torch.zeros(sees.shape, dtype=self.mask_dtype, device=sees.device)
+        return mask.masked_fill_(~sees, float("-inf")).unsqueeze(1)
 
 
 @dataclass
@@ -102,13 +114,9 @@ def _groups(chunks: list[Chunk], cu_q: torch.Tensor, tables: torch.Tensor, block
         kv = torch.tensor([chunks[i].kv_len for i in members])
         kv_max = int(kv.max())
         q_index = cu_q[idx].unsqueeze(1) + torch.arange(q)                       # [G, q]
-        query_pos = (kv - q).unsqueeze(1) + torch.arange(q)                      # [G, q]
-        key_pos = torch.arange(kv_max)
-        sees = key_pos.view(1, 1, -1) <= query_pos.unsqueeze(-1)                 # [G, q, L]
-        mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, float("-inf"))
         blocks = -(-kv_max // block_size)
         groups.append(AttentionGroup(
             q_index=q_index.to(device), block_tables=tables[idx, :blocks].to(device),
-            kv_len_max=kv_max, mask=mask.unsqueeze(1).to(device), kv_lens=kv.to(device),
-            fresh=bool((kv == q).all()), all_rows=len(by_rows) == 1))
+            kv_len_max=kv_max, kv_lens=kv.to(device), fresh=bool((kv == q).all()),
+            all_rows=len(by_rows) == 1, mask_dtype=dtype))
     return groups

@@ -19,6 +19,7 @@ class TorchAttentionBackend:
         # on CPU, the C++ kernels of cpu_kernels.py (decode, and prefill chunks when the build
         # supports the head size), reading K/V in place; None: torch ops for every chunk
         self._kernels = kernels
+        self._prefill_supported: dict[tuple[int, int], bool] = {}   # (head_dim, group) -> bool
         # Gathered K/V are reused layer after layer: allocating tens of MB per layer costs
         # page faults (the CPU allocator returns big blocks to the OS) — more than the copy.
         self._workspace: dict[str, torch.Tensor] = {}
@@ -30,8 +31,8 @@ class TorchAttentionBackend:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         kernels = self._kernels if q.dtype == torch.float32 and \
             k_cache.dtype in (torch.float32, torch.bfloat16) else None
-        prefill_in_kernel = kernels is not None and \
-            kernels.paged_prefill_supported(q.shape[-1], q.shape[1] // k.shape[1])
+        prefill_in_kernel = kernels is not None and self._prefill_in_kernel(q.shape[-1],
+                                                                            q.shape[1] // k.shape[1])
         out = torch.empty_like(q)
         if prefill_in_kernel and meta.max_seqlen_q > 1:     # every chunk of 2+ rows, in place
             kernels.paged_prefill_attention(q.contiguous(), k_cache, v_cache, meta.block_table,
@@ -49,10 +50,16 @@ class TorchAttentionBackend:
             out.index_copy_(0, g.q_index.flatten(), o)
         return out
 
+    def _prefill_in_kernel(self, head_dim: int, group: int) -> bool:
+        key = (head_dim, group)
+        if key not in self._prefill_supported:          # once per shape, not once per layer
+            self._prefill_supported[key] = self._kernels.paged_prefill_supported(head_dim, group)
+        return self._prefill_supported[key]
+
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g,
                 scale: float) -> torch.Tensor:
         """One query row per request, K/V read in place through the block tables."""
-        q = q.to(torch.float32).contiguous()                          # [G, H, d]
+        q = q.contiguous()                                            # [G, H, d] float32
         o = torch.empty_like(q)
         self._kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.kv_lens, scale, o)
         return o
