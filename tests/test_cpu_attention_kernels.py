@@ -1,22 +1,39 @@
-"""The C++ decode-attention kernel (K/V read in place through block tables) against the torch
-path (gather + scaled_dot_product_attention) on random paged layouts."""
+"""The C++ CPU kernels (attention reading K/V in place through block tables, fused ops) against
+the torch path, for every ISA level the build made and this CPU runs (a level the CPU lacks is
+skipped, saying so)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from gpu_worker import kernel_build
 from gpu_worker.attention import Chunk, build_attention_metadata
-from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
+from gpu_worker.cpu_kernels import cpu_kernels
+
+RUNNABLE = kernel_build.supported_levels(kernel_build.cpu_flags())
 
 
-def test_kernel_builds_here():
-    assert cpu_kernels() is not None, "g++/ninja missing: the CPU attention kernels did not build"
+@pytest.fixture(params=kernel_build.LEVEL_NAMES)
+def kernels(request):
+    """The kernel module of one ISA level."""
+    if request.param not in RUNNABLE:
+        pytest.skip(f"this CPU cannot run the {request.param} kernels (it runs {', '.join(RUNNABLE)})")
+    module = cpu_kernels(request.param)
+    assert module is not None, f"the {request.param} kernels are not built: run `make setup`"
+    assert module.level == request.param
+    return module
+
+
+def test_the_kernels_of_this_cpu_are_built():
+    kernels = cpu_kernels()
+    assert kernels is not None, "the CPU kernels are not built: run `make setup`"
+    assert kernels.level == RUNNABLE[-1]
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 2, 128), (6, 2, 32)])  # AVX-512 paths, generic
-def test_decode_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d):
+def test_decode_kernel_matches_the_torch_path(kernels, cache_dtype, heads, kvh, d):
     g = torch.Generator().manual_seed(0)
     blocks, bs = 200, 16
     k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
@@ -31,13 +48,13 @@ def test_decode_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d):
     q = torch.randn(len(chunks), heads, d, generator=g)
     k = torch.randn(len(chunks), kvh, d, generator=g)
     v = torch.randn(len(chunks), kvh, d, generator=g)
-    fast = TorchAttentionBackend(cpu_kernels()).forward(
+    fast = TorchAttentionBackend(kernels).forward(
         q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
     ref = TorchAttentionBackend(None).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
     assert torch.allclose(fast, ref, atol=1e-5, rtol=1e-5), (fast - ref).abs().max()
 
 
-def test_mixed_iteration_uses_both_paths_consistently():
+def test_mixed_iteration_uses_both_paths_consistently(kernels):
     """A prefill chunk over a cached prefix beside decodes: rows land where they belong."""
     g = torch.Generator().manual_seed(1)
     blocks, bs, kvh, heads, d = 64, 4, 2, 4, 8
@@ -46,7 +63,7 @@ def test_mixed_iteration_uses_both_paths_consistently():
     meta = build_attention_metadata(chunks, bs)
     T = sum(c.q_rows for c in chunks)
     q, k, v = (torch.randn(T, n, d, generator=g) for n in (heads, kvh, kvh))
-    fast = TorchAttentionBackend(cpu_kernels()).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
+    fast = TorchAttentionBackend(kernels).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
     ref = TorchAttentionBackend(None).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.3)
     assert torch.allclose(fast, ref, atol=1e-5, rtol=1e-5)
 
@@ -54,12 +71,12 @@ def test_mixed_iteration_uses_both_paths_consistently():
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kvh,d,bs", [(9, 3, 64, 16), (8, 2, 128, 16), (4, 4, 64, 16),
                                             (9, 3, 64, 5)])     # a block size that splits key blocks
-def test_prefill_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d, bs):
+def test_prefill_kernel_matches_the_torch_path(kernels, cache_dtype, heads, kvh, d, bs):
     """Fresh prompts, later chunks over cached prefixes (block boundaries inside and outside a
     16-key block, tiles of 32 rows and their remainders) and decodes in one iteration."""
-    kernels = cpu_kernels()
     if not kernels.paged_prefill_supported(d, heads // kvh):
-        pytest.skip("no AVX-512 here: prefill chunks take the torch path")
+        assert kernels.level != "avx512"
+        pytest.skip(f"the {kernels.level} kernels have no prefill attention: torch serves it")
     g = torch.Generator().manual_seed(2)
     blocks = 300 * 16 // bs
     k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
@@ -79,14 +96,14 @@ def test_prefill_kernel_matches_the_torch_path(cache_dtype, heads, kvh, d, bs):
     assert torch.allclose(fast, ref, atol=2e-5, rtol=1e-4), (fast - ref).abs().max()
 
 
-def test_fused_norm_and_rotary_match_torch():
+def test_fused_norm_and_rotary_match_torch(kernels):
     """The bfloat16-weight path's fused ops against the torch ops they replace."""
     from gpu_worker.model.layers import RMSNorm, RotaryEmbedding
     g = torch.Generator().manual_seed(3)
     x = torch.randn(37, 576, generator=g)
     delta = torch.randn(37, 576, generator=g)
     plain, fused = RMSNorm(576, 1e-5), RMSNorm(576, 1e-5)
-    fused.fused = cpu_kernels()
+    fused.fused = kernels
     for n in (plain, fused):
         n.weight.data.copy_(torch.randn(576, generator=g) if n is plain else plain.weight)
     x1, x2 = x.clone(), x.clone()
@@ -104,18 +121,18 @@ def test_fused_norm_and_rotary_match_torch():
     positions = torch.randint(0, 4096, (37,), generator=g)
     values = qkv[:, 12 * 64:].clone()
     ref = rot(positions, qk.clone())
-    rot.fused = cpu_kernels()
+    rot.fused = kernels
     got = rot(positions, qk)
     assert got.data_ptr() == qkv.data_ptr()                      # rotated in place
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, 12 * 64:], values)                 # V, beside it, untouched
 
 
-def test_fused_silu_and_mul_matches_torch():
+def test_fused_silu_and_mul_matches_torch(kernels):
     g = torch.Generator().manual_seed(5)
     gate_up = (torch.randn(37, 2 * 1000, generator=g) * 4).to(torch.bfloat16)   # f not a multiple of 16
     out = gate_up.new_empty((37, 1000))
-    cpu_kernels().silu_and_mul(gate_up, out)
+    kernels.silu_and_mul(gate_up, out)
     exact = (torch.nn.functional.silu(gate_up[:, :1000].float()) * gate_up[:, 1000:].float())
     # within one bfloat16 ulp of the exact value (rounded once; the exp is approximated)
     assert torch.allclose(out.float(), exact, rtol=2 ** -7, atol=1e-30)
@@ -128,7 +145,8 @@ def test_prepacked_bf16_gemm_gives_the_same_bits_for_every_batch_size():
     g = torch.Generator().manual_seed(4)
     w = torch.randn(960, 576, generator=g).to(torch.bfloat16)
     packed = prepack(w)
-    assert packed is not None, "this torch has no oneDNN linear prepack"
+    if packed is None:      # torch's bf16 prepack needs avx512bw/vl/dq or avx_ne_convert
+        pytest.skip("this CPU has no oneDNN bf16 linear prepack (no AVX-512 BW/VL/DQ)")
     for rows in (1, 7, 64, 333, 1024):
         x = torch.randn(rows, 576, generator=g)
         assert torch.equal(_matmul(x, w, packed=packed), _matmul(x, w)), rows

@@ -1,24 +1,149 @@
-// The CPU kernels as one extension module (gpu_worker/cpu_kernels.py).
+// The CPU kernels' Python functions (gpu_worker/cpu_kernels.py). This file is the only one that
+// includes torch: it checks each call's tensors and hands raw pointers to the compute kernels
+// (kernels.h). kernel_build.py compiles it once, for baseline x86-64, and links it with each ISA
+// level's kernel objects and module.cpp (the module named for that level) into one library.
 #include <torch/extension.h>
+
+#include "kernels.h"
+
+namespace {
+
+using pacer::bf16;
+
+template <typename T>
+const T* ptr(const torch::Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return reinterpret_cast<const bf16*>(t.data_ptr<c10::BFloat16>());
+  else
+    return t.data_ptr<T>();
+}
+
+template <typename T>
+T* mut_ptr(torch::Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>)
+    return reinterpret_cast<bf16*>(t.data_ptr<c10::BFloat16>());
+  else
+    return t.data_ptr<T>();
+}
+
+bool all_contiguous(std::initializer_list<const torch::Tensor*> ts) {
+  for (const torch::Tensor* t : ts)
+    if (!t->is_contiguous()) return false;
+  return true;
+}
+
+template <typename T>
+void decode(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+            const torch::Tensor& block_tables, const torch::Tensor& kv_lens, double scale,
+            torch::Tensor& out) {
+  pacer::paged_decode<T>(q.data_ptr<float>(), ptr<T>(k_cache), ptr<T>(v_cache),
+                         block_tables.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), q.size(0),
+                         q.size(1), q.size(2), k_cache.size(1), k_cache.size(2),
+                         block_tables.size(1), static_cast<float>(scale), out.data_ptr<float>());
+}
 
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& kv_lens, double scale, torch::Tensor& out);
-bool paged_prefill_supported(int64_t head_dim, int64_t group);
+                            const torch::Tensor& kv_lens, double scale, torch::Tensor& out) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
+              "paged_decode_attention: float32 queries and output only");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "paged_decode_attention: K and V dtypes differ");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt64 && kv_lens.dtype() == torch::kInt64,
+              "paged_decode_attention: int64 block tables and lengths");
+  TORCH_CHECK(all_contiguous({&q, &k_cache, &v_cache, &out, &block_tables, &kv_lens}),
+              "paged_decode_attention: contiguous tensors only");
+  if (k_cache.dtype() == torch::kFloat32)
+    decode<float>(q, k_cache, v_cache, block_tables, kv_lens, scale, out);
+  else if (k_cache.dtype() == torch::kBFloat16)
+    decode<bf16>(q, k_cache, v_cache, block_tables, kv_lens, scale, out);
+  else
+    TORCH_CHECK(false, "paged_decode_attention: a float32 or bfloat16 cache only");
+}
+
+template <typename T>
+void prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+             const torch::Tensor& block_table, const torch::Tensor& cu_q,
+             const torch::Tensor& kv_lens, int64_t min_rows, double scale, torch::Tensor& out) {
+  pacer::paged_prefill<T>(q.data_ptr<float>(), ptr<T>(k_cache), ptr<T>(v_cache),
+                          block_table.data_ptr<int32_t>(), cu_q.data_ptr<int32_t>(),
+                          kv_lens.data_ptr<int32_t>(), kv_lens.size(0), q.size(1), q.size(2),
+                          k_cache.size(1), k_cache.size(2), block_table.size(1), min_rows,
+                          static_cast<float>(scale), out.data_ptr<float>());
+}
+
 void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                              const torch::Tensor& v_cache, const torch::Tensor& block_table,
                              const torch::Tensor& cu_seqlens_q, const torch::Tensor& kv_lens,
-                             int64_t min_rows, double scale, torch::Tensor& out);
-void add_rms_norm(torch::Tensor& x, const c10::optional<torch::Tensor>& delta,
-                  const torch::Tensor& w, double eps, torch::Tensor& out);
-void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos,
-             const torch::Tensor& sin);
-void silu_and_mul(const torch::Tensor& gate_up, torch::Tensor& out);
+                             int64_t min_rows, double scale, torch::Tensor& out) {
+  TORCH_CHECK(pacer::paged_prefill_supported(q.size(2), q.size(1) / k_cache.size(2)),
+              "paged_prefill_attention: needs AVX-512 and head_dim 64 or 128");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
+              "paged_prefill_attention: float32 queries and output only");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "paged_prefill_attention: K and V dtypes differ");
+  TORCH_CHECK(block_table.dtype() == torch::kInt32 && cu_seqlens_q.dtype() == torch::kInt32 &&
+                  kv_lens.dtype() == torch::kInt32, "paged_prefill_attention: int32 metadata");
+  TORCH_CHECK(all_contiguous({&q, &k_cache, &v_cache, &out, &block_table, &cu_seqlens_q, &kv_lens}),
+              "paged_prefill_attention: contiguous tensors only");
+  if (k_cache.dtype() == torch::kBFloat16)
+    prefill<bf16>(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, min_rows, scale, out);
+  else if (k_cache.dtype() == torch::kFloat32)
+    prefill<float>(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, min_rows, scale, out);
+  else
+    TORCH_CHECK(false, "paged_prefill_attention: a float32 or bfloat16 cache only");
+}
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+void add_rms_norm(torch::Tensor& x, const c10::optional<torch::Tensor>& delta,
+                  const torch::Tensor& w, double eps, torch::Tensor& out) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32 &&
+                  (!delta || delta->dtype() == torch::kFloat32),
+              "add_rms_norm: float32 input, delta and weight");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && w.is_contiguous() &&
+                  (!delta || (delta->is_contiguous() && delta->sizes() == x.sizes())) &&
+                  out.sizes() == x.sizes() && w.size(0) == x.size(1),
+              "add_rms_norm: contiguous [T, d] tensors");
+  const int64_t T = x.size(0), D = x.size(1);
+  const float* dp = delta ? delta->data_ptr<float>() : nullptr;
+  const float e = static_cast<float>(eps);
+  if (out.dtype() == torch::kBFloat16)
+    pacer::add_rms_norm(x.data_ptr<float>(), dp, w.data_ptr<float>(), mut_ptr<bf16>(out), T, D, e);
+  else if (out.dtype() == torch::kFloat32)
+    pacer::add_rms_norm(x.data_ptr<float>(), dp, w.data_ptr<float>(), out.data_ptr<float>(), T, D, e);
+  else
+    TORCH_CHECK(false, "add_rms_norm: bfloat16 or float32 output");
+}
+
+void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Tensor& cos,
+             const torch::Tensor& sin) {
+  TORCH_CHECK(qk.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 &&
+                  sin.dtype() == torch::kFloat32 && positions.dtype() == torch::kInt64,
+              "rotary_: float32 qk and tables, int64 positions");
+  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.stride(1) == qk.size(2) &&
+                  cos.is_contiguous() && sin.is_contiguous() && positions.is_contiguous() &&
+                  cos.size(1) == qk.size(2) && positions.numel() == qk.size(0),
+              "rotary_: qk [T, heads, d] with contiguous heads, tables [positions, d]");
+  const int64_t T = qk.size(0);
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_: position out of the table");
+  pacer::rotary(qk.data_ptr<float>(), qk.stride(0), pos, cos.data_ptr<float>(),
+                sin.data_ptr<float>(), T, qk.size(1), qk.size(2));
+}
+
+void silu_and_mul(const torch::Tensor& gate_up, torch::Tensor& out) {
+  TORCH_CHECK(gate_up.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
+              "silu_and_mul: bfloat16 in and out");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && out.is_contiguous() &&
+                  out.size(0) == gate_up.size(0) && 2 * out.size(1) == gate_up.size(1),
+              "silu_and_mul: contiguous [T, 2f] -> [T, f]");
+  pacer::silu_and_mul(ptr<bf16>(gate_up), mut_ptr<bf16>(out), out.size(0), out.size(1));
+}
+
+}  // namespace
+
+void pacer_bind(pybind11::module_& m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (CPU, float32 or bfloat16 cache)");
-  m.def("paged_prefill_supported", &paged_prefill_supported,
+  m.def("paged_prefill_supported", &pacer::paged_prefill_supported,
         "whether this build has the prefill kernel for a head_dim and GQA group");
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "varlen causal attention of chunks over a paged KV cache (CPU, AVX-512)");

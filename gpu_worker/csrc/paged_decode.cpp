@@ -11,17 +11,20 @@
 //   block_tables [G, max_blocks]    int64
 //   kv_lens      [G]                int64, keys each request sees (its own included)
 //   out          [G, H, d]
-#include <torch/extension.h>
+// (bindings.cpp checks the tensors; this file sees raw pointers.)
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "vec.h"
+#include "kernels.h"
+
+namespace pacer {
+namespace {
 
 #if defined(__AVX512F__)
 // softmax of s[0..L) in place
-static inline void softmax_avx512(float* s, int64_t L) {
+inline void softmax_avx512(float* s, int64_t L) {
   __m512 mv = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < L; t += 16) {
     const __mmask16 k = first_lanes(L - t);
@@ -46,7 +49,7 @@ static inline void softmax_avx512(float* s, int64_t L) {
 // the group's queries (pass 1) and outputs (pass 2) stay in registers while the request's
 // K and V rows of this head stream past once each.
 template <int NC, typename T>
-static void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table,
+void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table,
                                int64_t L, int64_t BS, int64_t row, int64_t group, float scale,
                                float* scores, float* oh) {
   constexpr int MAXG = 8;
@@ -84,7 +87,7 @@ static void decode_head_avx512(const float* qh, const T* kp, const T* vp, const 
 
 // The same for any head_dim, in plain C++ (what the compiler vectorizes).
 template <typename T>
-static void decode_head(const float* qh, const T* kp, const T* vp, const int64_t* table,
+void decode_head(const float* qh, const T* kp, const T* vp, const int64_t* table,
                         int64_t L, int64_t BS, int64_t row, int64_t group, int64_t D,
                         float scale, float* scores, float* oh) {
   for (int64_t t = 0; t < L; ++t) {                             // pass 1: scores
@@ -92,7 +95,7 @@ static void decode_head(const float* qh, const T* kp, const T* vp, const int64_t
     for (int64_t j = 0; j < group; ++j) {
       const float* qj = qh + j * D;
       float s = 0.f;
-      for (int64_t i = 0; i < D; ++i) s += qj[i] * static_cast<float>(kt[i]);
+      for (int64_t i = 0; i < D; ++i) s += qj[i] * to_float(kt[i]);
       scores[j * L + t] = s * scale;
     }
   }
@@ -113,27 +116,20 @@ static void decode_head(const float* qh, const T* kp, const T* vp, const int64_t
     for (int64_t j = 0; j < group; ++j) {
       const float p = scores[j * L + t];
       float* oj = oh + j * D;
-      for (int64_t i = 0; i < D; ++i) oj[i] += p * static_cast<float>(vt[i]);
+      for (int64_t i = 0; i < D; ++i) oj[i] += p * to_float(vt[i]);
     }
   }
 }
 
+}  // namespace
+
 // Every (request, KV head) pair is one task: its group of query heads against the request's
 // K and V rows of that head, read in place through the block table.
 template <typename T>
-static void decode(const torch::Tensor& q, const torch::Tensor& k_cache,
-                   const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                   const torch::Tensor& kv_lens, double scale, torch::Tensor& out) {
-  const int64_t G = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  const int64_t group = H / KVH, max_blocks = block_tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* bt = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = kv_lens.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
+void paged_decode(const float* qp, const T* kp, const T* vp, const int64_t* bt,
+                  const int64_t* lens, int64_t G, int64_t H, int64_t D, int64_t BS, int64_t KVH,
+                  int64_t max_blocks, float fscale, float* op) {
+  const int64_t group = H / KVH;
   const int64_t row = KVH * D;           // elements per token in one block
 #pragma omp parallel
   {
@@ -165,20 +161,11 @@ static void decode(const torch::Tensor& q, const torch::Tensor& k_cache,
   }
 }
 
-void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& kv_lens, double scale, torch::Tensor& out) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
-              "paged_decode_attention: float32 queries and output only");
-  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "paged_decode_attention: K and V dtypes differ");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  out.is_contiguous() && block_tables.is_contiguous() && kv_lens.is_contiguous(),
-              "paged_decode_attention: contiguous tensors only");
-  if (k_cache.dtype() == torch::kFloat32) {
-    decode<float>(q, k_cache, v_cache, block_tables, kv_lens, scale, out);
-  } else if (k_cache.dtype() == torch::kBFloat16) {
-    decode<c10::BFloat16>(q, k_cache, v_cache, block_tables, kv_lens, scale, out);
-  } else {
-    TORCH_CHECK(false, "paged_decode_attention: a float32 or bfloat16 cache only");
-  }
-}
+template void paged_decode<float>(const float*, const float*, const float*, const int64_t*,
+                                  const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, float, float*);
+template void paged_decode<bf16>(const float*, const bf16*, const bf16*, const int64_t*,
+                                 const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, float, float*);
+
+}  // namespace pacer

@@ -1,6 +1,6 @@
 // Prefill attention straight from the paged KV pool on CPU, for chunks of any length: query
 // row i of a chunk sits at position kv_len - q_rows + i and sees keys 0..that position (its
-// cached prefix fully, its own chunk causally; article 05 §4). The chunk's own K/V must be in
+// cached prefix fully, its own chunk causally; docs/design.md#chunks). The chunk's own K/V must be in
 // the cache already (the backend writes them first), so a fresh prompt, a later chunk and a
 // prefix of any length take the same path, with no gathered copy and no mask tensor.
 //
@@ -15,13 +15,14 @@
 //   block_table  [R, max_blocks] int32
 //   cu_seqlens_q [R + 1] int32, kv_lens [R] int32
 //   out          [T, H, d]   float32; rows of chunks shorter than min_rows are left untouched
-#include <torch/extension.h>
-
+// (bindings.cpp checks the tensors; this file sees raw pointers.)
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
-#include "vec.h"
+#include "kernels.h"
+
+namespace pacer {
 
 #if defined(__AVX512F__)
 namespace {
@@ -118,14 +119,11 @@ void prefill_tile(const float* q, float* out, int64_t rows, int64_t first_pos, i
 }
 
 template <int NC, typename T>
-void prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-             const torch::Tensor& block_table, const torch::Tensor& cu_q,
-             const torch::Tensor& kv_lens, int64_t min_rows, double scale, torch::Tensor& out) {
-  const int64_t R = kv_lens.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2), group = H / KVH;
-  const int64_t max_blocks = block_table.size(1);
-  const int32_t* cu = cu_q.data_ptr<int32_t>();
-  const int32_t* lens = kv_lens.data_ptr<int32_t>();
+void prefill(const float* qp, const T* kp, const T* vp, const int32_t* bt, const int32_t* cu,
+             const int32_t* lens, int64_t R, int64_t H, int64_t BS, int64_t KVH,
+             int64_t max_blocks, int64_t min_rows, float fscale, float* op) {
+  constexpr int64_t D = NC * 16;
+  const int64_t group = H / KVH;
   struct Task { int64_t chunk, kvh, r0, rows; };
   std::vector<Task> tasks;
   for (int64_t g = 0; g < R; ++g) {
@@ -135,12 +133,6 @@ void prefill(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::
       for (int64_t h = 0; h < KVH; ++h)
         tasks.push_back({g, h, std::max<int64_t>(0, r0 - kTileRows), std::min(kTileRows, r0)});
   }
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int32_t* bt = block_table.data_ptr<int32_t>();
-  const float fscale = static_cast<float>(scale);
 #pragma omp parallel
   {
     Scratch s;
@@ -164,32 +156,36 @@ bool paged_prefill_supported(int64_t head_dim, int64_t group) {
 #if defined(__AVX512F__)
   return (head_dim == 64 || head_dim == 128) && group >= 1;
 #else
+  (void)head_dim;
+  (void)group;
   return false;
 #endif
 }
 
-void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                             const torch::Tensor& v_cache, const torch::Tensor& block_table,
-                             const torch::Tensor& cu_seqlens_q, const torch::Tensor& kv_lens,
-                             int64_t min_rows, double scale, torch::Tensor& out) {
-  const int64_t D = q.size(2);
-  TORCH_CHECK(paged_prefill_supported(D, q.size(1) / k_cache.size(2)),
-              "paged_prefill_attention: needs AVX-512 and head_dim 64 or 128");
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
-              "paged_prefill_attention: float32 queries and output only");
-  TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "paged_prefill_attention: K and V dtypes differ");
-  TORCH_CHECK(block_table.dtype() == torch::kInt32 && cu_seqlens_q.dtype() == torch::kInt32 &&
-                  kv_lens.dtype() == torch::kInt32, "paged_prefill_attention: int32 metadata");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  out.is_contiguous() && block_table.is_contiguous(),
-              "paged_prefill_attention: contiguous tensors only");
+template <typename T>
+void paged_prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                   const int32_t* cu_seqlens_q, const int32_t* kv_lens, int64_t R, int64_t H,
+                   int64_t D, int64_t BS, int64_t KVH, int64_t max_blocks, int64_t min_rows,
+                   float scale, float* out) {
 #if defined(__AVX512F__)
-  const bool bf16 = k_cache.dtype() == torch::kBFloat16;
-  TORCH_CHECK(bf16 || k_cache.dtype() == torch::kFloat32,
-              "paged_prefill_attention: a float32 or bfloat16 cache only");
-  if (D == 64 && bf16) prefill<4, c10::BFloat16>(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, min_rows, scale, out);
-  if (D == 64 && !bf16) prefill<4, float>(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, min_rows, scale, out);
-  if (D == 128 && bf16) prefill<8, c10::BFloat16>(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, min_rows, scale, out);
-  if (D == 128 && !bf16) prefill<8, float>(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, min_rows, scale, out);
+  if (D == 64)
+    prefill<4, T>(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, R, H, BS, KVH,
+                  max_blocks, min_rows, scale, out);
+  if (D == 128)
+    prefill<8, T>(q, k_cache, v_cache, block_table, cu_seqlens_q, kv_lens, R, H, BS, KVH,
+                  max_blocks, min_rows, scale, out);
+#else
+  (void)q, (void)k_cache, (void)v_cache, (void)block_table, (void)cu_seqlens_q, (void)kv_lens;
+  (void)R, (void)H, (void)D, (void)BS, (void)KVH, (void)max_blocks, (void)min_rows, (void)scale;
+  (void)out;
 #endif
 }
+
+template void paged_prefill<float>(const float*, const float*, const float*, const int32_t*,
+                                   const int32_t*, const int32_t*, int64_t, int64_t, int64_t,
+                                   int64_t, int64_t, int64_t, int64_t, float, float*);
+template void paged_prefill<bf16>(const float*, const bf16*, const bf16*, const int32_t*,
+                                  const int32_t*, const int32_t*, int64_t, int64_t, int64_t,
+                                  int64_t, int64_t, int64_t, int64_t, float, float*);
+
+}  // namespace pacer

@@ -1,7 +1,41 @@
-// AVX-512 helpers shared by the CPU attention kernels.
+// Shared by the CPU kernels: the bfloat16 storage type and AVX-512 helpers. The kernel files
+// include no torch header: they are compiled once per ISA level (gpu_worker/kernel_build.py),
+// and only bindings.cpp, compiled once, speaks torch.
 #pragma once
 
-#include <torch/extension.h>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace pacer {
+
+// bfloat16 as stored: the high half of a float32 (the same bits as c10::BFloat16)
+struct bf16 {
+  uint16_t bits;
+};
+
+static inline float to_float(float x) { return x; }
+static inline float to_float(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+// round to nearest even, NaN to a quiet NaN: c10::BFloat16's conversion, bit for bit
+static inline bf16 to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return bf16{0x7FC0};   // by its bits: -ffast-math safe
+  u += 0x7FFF + ((u >> 16) & 1);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+template <typename O> static inline O from_float(float x);
+template <> inline float from_float<float>(float x) { return x; }
+template <> inline bf16 from_float<bf16>(float x) { return to_bf16(x); }
+
+}  // namespace pacer
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -11,7 +45,7 @@ static inline __mmask16 first_lanes(int64_t n) {   // lanes [0, n), n clamped to
 }
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-static inline __m512 load16(const c10::BFloat16* p) {   // bfloat16 -> float32: shift left 16
+static inline __m512 load16(const pacer::bf16* p) {   // bfloat16 -> float32: shift left 16
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }

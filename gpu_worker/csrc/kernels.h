@@ -1,0 +1,42 @@
+// The CPU kernels' compute entry points, on raw pointers. kernel_build.py compiles the files
+// that define them once per ISA level; bindings.cpp checks the tensors and calls them.
+// T is the KV cache's element type (float or bf16); every other float is float32.
+#pragma once
+
+#include <cstdint>
+
+#include "vec.h"
+
+namespace pacer {
+
+// Decode attention: G requests, one query row each, over a paged cache [blocks, BS, KVH, D].
+template <typename T>
+void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int64_t* block_tables,
+                  const int64_t* kv_lens, int64_t G, int64_t H, int64_t D, int64_t BS,
+                  int64_t KVH, int64_t max_blocks, float scale, float* out);
+
+// Whether this build has the prefill kernel for a head size and GQA group.
+bool paged_prefill_supported(int64_t head_dim, int64_t group);
+
+// Prefill attention for R chunks of the flat batch q [T, H, D] (rows of chunks shorter than
+// min_rows untouched in out).
+template <typename T>
+void paged_prefill(const float* q, const T* k_cache, const T* v_cache, const int32_t* block_table,
+                   const int32_t* cu_seqlens_q, const int32_t* kv_lens, int64_t R, int64_t H,
+                   int64_t D, int64_t BS, int64_t KVH, int64_t max_blocks, int64_t min_rows,
+                   float scale, float* out);
+
+// x += delta (when not null); out = x * rsqrt(mean(x^2) + eps) * w in O (float or bf16).
+template <typename O>
+void add_rms_norm(float* x, const float* delta, const float* w, O* out, int64_t T, int64_t D,
+                  float eps);
+
+// Rotate-half RoPE in place on rows of `stride` floats holding `heads` heads of D; positions
+// must lie in the tables (the caller checks).
+void rotary(float* qk, int64_t stride, const int64_t* positions, const float* cos,
+            const float* sin, int64_t T, int64_t heads, int64_t D);
+
+// out[t] = silu(gate[t]) * up[t] for gate_up = [gate | up] of [T, 2F].
+void silu_and_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t F);
+
+}  // namespace pacer

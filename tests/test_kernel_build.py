@@ -1,0 +1,115 @@
+"""The CPU kernels are built ahead of time, once per ISA level, and picked by the CPU's flags:
+level selection, forcing a level, the build lock that dies with its process, and a serving
+process that never compiles."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpu_worker import cpu_kernels as ck
+from gpu_worker import kernel_build as kb
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AVX2_ONLY = frozenset("fpu sse sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split())
+AVX512 = AVX2_ONLY | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+
+
+def test_levels_follow_the_cpu_flags():
+    assert kb.supported_levels(frozenset({"sse2"})) == ["generic"]
+    assert kb.supported_levels(AVX2_ONLY) == ["generic", "avx2"]
+    assert kb.supported_levels(AVX512) == ["generic", "avx2", "avx512"]
+    assert kb.supported_levels(AVX2_ONLY - {"fma"}) == ["generic"]   # x86-64-v3 needs FMA too
+    assert kb.cpu_flags(os.devnull) == frozenset()
+
+
+def test_the_best_level_runs_here_and_a_level_can_be_forced(monkeypatch):
+    monkeypatch.delenv("PACER_CPU_ISA", raising=False)
+    assert ck.best_level(AVX2_ONLY) == "avx2"
+    assert ck.best_level(AVX512) == "avx512"
+    here = kb.supported_levels(kb.cpu_flags())
+    assert ck.best_level() == here[-1]
+    monkeypatch.setenv("PACER_CPU_ISA", "generic")
+    assert ck.best_level(AVX512) == "generic"
+    monkeypatch.setenv("PACER_CPU_ISA", "avx512")
+    with pytest.raises(ValueError, match="runs only generic, avx2"):
+        ck.best_level(AVX2_ONLY)                  # never a level whose instructions would trap
+    monkeypatch.setenv("PACER_CPU_ISA", "sse9")
+    with pytest.raises(ValueError, match="one of generic"):
+        ck.best_level(AVX512)
+
+
+def test_the_forced_level_is_the_one_a_process_loads():
+    here = kb.supported_levels(kb.cpu_flags())
+    for level in here:
+        out = subprocess.run(
+            [sys.executable, "-c", "from gpu_worker.cpu_kernels import cpu_kernels; "
+             "print(cpu_kernels().level)"],
+            cwd=ROOT, env={**os.environ, "PACER_CPU_ISA": level}, capture_output=True, text=True,
+            timeout=120)
+        assert out.stdout.strip().splitlines()[-1] == level, out.stderr[-2000:]
+
+
+def test_missing_kernels_fall_back_to_torch_without_compiling(tmp_path, monkeypatch):
+    monkeypatch.setenv("PACER_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(ck, "_loaded", {})
+    started = time.monotonic()
+    assert ck.cpu_kernels() is None
+    assert time.monotonic() - started < 5
+    assert os.listdir(tmp_path) == []             # nothing built, no lock taken
+
+
+def test_kernels_live_in_this_checkout_keyed_by_the_torch_build(monkeypatch):
+    """Two checkouts (or venvs) never share a kernel folder, so they never rebuild each other's;
+    `make setup` built this one, so asking again compiles nothing."""
+    monkeypatch.delenv("PACER_KERNEL_DIR", raising=False)
+    import torch
+    out = kb.default_dir()
+    assert out.startswith(os.path.join(ROOT, "gpu_worker", "_kernels") + os.sep)
+    assert torch.__version__ in os.path.basename(out)
+    said = []
+    started = time.monotonic()
+    assert kb.build(out_dir=out, say=said.append) == []
+    assert time.monotonic() - started < 30, said
+    assert all("up to date" in line for line in said[:-1])
+
+
+def _start_build(out_dir: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "gpu_worker.kernel_build", "--levels", "generic",
+                             "--out", out_dir, "--jobs", "1"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _wait_for_line(proc: subprocess.Popen, needle: str, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    seen = []
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"no {needle!r} within {timeout} s; saw: {''.join(seen)}")
+
+
+def test_a_killed_build_never_blocks_the_next_one(tmp_path):
+    first = _start_build(str(tmp_path))
+    second = None
+    try:
+        _wait_for_line(first, "compiling", 60)       # first holds the lock, compiling
+        second = _start_build(str(tmp_path))
+        _wait_for_line(second, "another build holds", 60)   # a live build is waited for
+        first.send_signal(signal.SIGKILL)
+        first.wait(10)
+        _wait_for_line(second, "compiling", 30)      # the dead one's lock went with it
+        assert not [f for f in os.listdir(tmp_path) if f.endswith(".so")]   # nothing half-built
+    finally:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
