@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
 
 import aiohttp
@@ -659,3 +660,33 @@ async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.Capt
     assert [(r["event"], r["service"]) for r in lines] == [("hello", "gateway"),
                                                           ("from the stdlib", "gateway")]
     assert (lines[0]["request_id"], lines[0]["tokens"]) == ("cmpl-1", 3)
+
+
+async def test_logs_at_a_terminal_are_readable_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import logging
+
+    import structlog
+
+    from shared.logging import configure_logging
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    root_handlers, root_level = logging.getLogger().handlers[:], logging.getLogger().level
+    configure_logging("gateway", "info")
+    try:
+        with structlog.contextvars.bound_contextvars(request_id="cmpl-1"):
+            structlog.get_logger("t").info("hello", tokens=3)
+        logging.getLogger("aiohttp.server").warning("from the stdlib")
+    finally:
+        structlog.reset_defaults()
+        logging.getLogger().handlers[:] = root_handlers
+        logging.getLogger().setLevel(root_level)
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in terminal.getvalue().splitlines()]
+    assert len(plain) == 2 and not any(line.startswith("{") for line in plain)
+    assert "gateway: hello" in plain[0] and "request_id=cmpl-1" in plain[0] and "tokens=3" in plain[0]
+    assert "gateway: from the stdlib" in plain[1]
