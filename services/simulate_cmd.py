@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX]")
     w.add_argument("--output-len", default="uniform:32:256", help="as --prompt-len")
     w.add_argument("--long-prompt-rate", type=float, default=0.0,
-                   help="a second Poisson stream of long prompts (requests/s; 0: none)")
+                   help="a second Poisson stream of long prompts, in requests per "
+                        "simulated second (0.005: one every 200 s; 0: none)")
     w.add_argument("--long-prompt-len", default="100000", help="their prompt length spec")
     w.add_argument("--long-output-len", default="16", help="their output length spec")
     w.add_argument("--trace", default=None,
