@@ -639,7 +639,8 @@ async def test_tokens_past_the_schedulers_count_are_not_output() -> None:
     assert [t.index for t in tokens] == [0, 1] and finish.finish_reason == "abort"
 
 
-async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.CaptureFixture) -> None:
+def _log_a_few_lines() -> None:
+    """Configure the gateway's logging, log through structlog and the stdlib, and undo it."""
     import logging
 
     import structlog
@@ -652,11 +653,15 @@ async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.Capt
             structlog.get_logger("t").info("hello", tokens=3)
         structlog.get_logger("t").debug("not shown")
         logging.getLogger("aiohttp.server").warning("from the stdlib")
-        lines = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
-    finally:   # the logger holds capsys's stream: leave no trace for later tests
+    finally:   # the logger holds the test's stream: leave no trace for later tests
         structlog.reset_defaults()
         logging.getLogger().handlers[:] = root_handlers
         logging.getLogger().setLevel(root_level)
+
+
+async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.CaptureFixture) -> None:
+    _log_a_few_lines()
+    lines = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
     assert [(r["event"], r["service"]) for r in lines] == [("hello", "gateway"),
                                                           ("from the stdlib", "gateway")]
     assert (lines[0]["request_id"], lines[0]["tokens"]) == ("cmpl-1", 3)
@@ -664,11 +669,6 @@ async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.Capt
 
 async def test_logs_at_a_terminal_are_readable_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     import io
-    import logging
-
-    import structlog
-
-    from shared.logging import configure_logging
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
@@ -676,16 +676,7 @@ async def test_logs_at_a_terminal_are_readable_lines(monkeypatch: pytest.MonkeyP
 
     terminal = Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    root_handlers, root_level = logging.getLogger().handlers[:], logging.getLogger().level
-    configure_logging("gateway", "info")
-    try:
-        with structlog.contextvars.bound_contextvars(request_id="cmpl-1"):
-            structlog.get_logger("t").info("hello", tokens=3)
-        logging.getLogger("aiohttp.server").warning("from the stdlib")
-    finally:
-        structlog.reset_defaults()
-        logging.getLogger().handlers[:] = root_handlers
-        logging.getLogger().setLevel(root_level)
+    _log_a_few_lines()
     plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in terminal.getvalue().splitlines()]
     assert len(plain) == 2 and not any(line.startswith("{") for line in plain)
     assert "gateway: hello" in plain[0] and "request_id=cmpl-1" in plain[0] and "tokens=3" in plain[0]
