@@ -23,9 +23,9 @@ TOLERANCE = 0.25
 K, GB, TB = 1024, 1e9, 1e12
 
 
-def assert_close(ours: float, article: float, what: str) -> None:
-    error = ours / article - 1
-    assert abs(error) <= TOLERANCE, f"{what}: ours {ours:.4g}, article {article:.4g} ({error:+.1%})"
+def assert_close(ours: float, reference: float, what: str) -> None:
+    error = ours / reference - 1
+    assert abs(error) <= TOLERANCE, f"{what}: ours {ours:.4g}, reference {reference:.4g} ({error:+.1%})"
 
 
 def decodes(batch: int, context: int) -> list[tuple[int, int]]:
@@ -50,7 +50,7 @@ def prefill(n: int, prefix: int = 0) -> tuple[int, int]:
 # The 100-token row's FLOP units slip by 1000: the article's own rules (14 GFLOPs per row,
 # 0.52 MFLOPs per pair) give 100 · 14 GF = 1.4 TF and 100²/2 · 0.52 MF = 2.6 GF, and its
 # 4 ms is the weight-read time; we test those corrected figures.
-ARTICLE_05 = [
+REFERENCE_ITERATIONS = [
     ("8 decode x 1k", decodes(8, K), 110e9, 4e9, 115e9, 6),
     ("8 decode + 1k prefill", decodes(8, K) + [prefill(K)], 14e12, 0.3e12, 14e12, 30),
     ("8 decode + 4k prefill", decodes(8, K) + [prefill(4 * K)], 57e12, 4e12, 61e12, 120),
@@ -62,9 +62,9 @@ ARTICLE_05 = [
 ]
 
 
-@pytest.mark.parametrize("name,chunks,linear,attn,total,wall_ms", ARTICLE_05,
-                         ids=[row[0] for row in ARTICLE_05])
-def test_article_05_iteration_mix(name, chunks, linear, attn, total, wall_ms):
+@pytest.mark.parametrize("name,chunks,linear,attn,total,wall_ms", REFERENCE_ITERATIONS,
+                         ids=[row[0] for row in REFERENCE_ITERATIONS])
+def test_reference_iteration_mix(name, chunks, linear, attn, total, wall_ms):
     cost = estimate_iteration(chunks, LLAMA, H100)
     assert_close(cost.linear_flops, linear, f"{name} linear FLOPs")
     assert_close(cost.attention_flops, attn, f"{name} attention FLOPs")
@@ -80,7 +80,7 @@ def test_pure_decode_is_weight_bandwidth_bound():
     assert estimate_iteration(decodes(8, K) + [prefill(K)], LLAMA, H100).bound == "compute"
 
 
-def test_article_05_spreads():
+def test_reference_spreads():
     # 05 §3: iterations differ by "大约 1300 倍"; §3.2: the short prefill's TTFT goes from
     # ~4 ms to ~330 ms, "差了 ~80 倍".
     pure = estimate_iteration(decodes(8, K), LLAMA, H100).time_ms
@@ -99,13 +99,13 @@ def test_article_05_spreads():
 #   64 k  1.0 TB    1.0 TB   ~0.4
 # The article's numerator is linears only ("分子 2Π · B = 448 GFLOPs —— 钉死的"), so its I is
 # our linear_flops / bytes; our `intensity` also counts attention FLOPs.
-ARTICLE_06_DECODE = [(K, 16 * GB, 30 * GB, 15), (4 * K, 64 * GB, 78 * GB, 5.7),
+REFERENCE_DECODES = [(K, 16 * GB, 30 * GB, 15), (4 * K, 64 * GB, 78 * GB, 5.7),
                      (16 * K, 256 * GB, 270 * GB, 1.7), (64 * K, 1.0 * TB, 1.0 * TB, 0.4)]
 
 
-@pytest.mark.parametrize("context,kv_bytes,total_bytes,intensity", ARTICLE_06_DECODE,
-                         ids=[f"B=32 L={row[0] // K}k" for row in ARTICLE_06_DECODE])
-def test_article_06_decode_rows(context, kv_bytes, total_bytes, intensity):
+@pytest.mark.parametrize("context,kv_bytes,total_bytes,intensity", REFERENCE_DECODES,
+                         ids=[f"B=32 L={row[0] // K}k" for row in REFERENCE_DECODES])
+def test_reference_decode_rows(context, kv_bytes, total_bytes, intensity):
     cost = estimate_iteration(decodes(32, context), LLAMA, H100)
     assert_close(cost.weight_bytes, 14 * GB, "weight bytes")
     assert_close(cost.kv_bytes, kv_bytes, "KV bytes")
@@ -120,13 +120,13 @@ def test_article_06_decode_rows(context, kv_bytes, total_bytes, intensity):
 #   64 k  32 GB     46 GB    ~620              compute-bound
 #   256 k 128 GB    142 GB   ~200              compute-bound (×1.3)
 #   1 M   512 GB    526 GB   ~55               below the ridge
-ARTICLE_06_PREFILL = [(4 * K, 16 * GB, 1800), (64 * K, 46 * GB, 620), (256 * K, 142 * GB, 200),
+REFERENCE_PREFILLS = [(4 * K, 16 * GB, 1800), (64 * K, 46 * GB, 620), (256 * K, 142 * GB, 200),
                       (1024 * K, 526 * GB, 55)]
 
 
-@pytest.mark.parametrize("prefix,total_bytes,intensity", ARTICLE_06_PREFILL,
-                         ids=[f"C=2048 S={row[0] // K}k" for row in ARTICLE_06_PREFILL])
-def test_article_06_prefill_rows(prefix, total_bytes, intensity):
+@pytest.mark.parametrize("prefix,total_bytes,intensity", REFERENCE_PREFILLS,
+                         ids=[f"C=2048 S={row[0] // K}k" for row in REFERENCE_PREFILLS])
+def test_reference_prefill_rows(prefix, total_bytes, intensity):
     cost = estimate_iteration([prefill(2048, prefix)], LLAMA, H100)
     assert_close(cost.bytes, total_bytes, "total bytes")
     linear_intensity = cost.linear_flops / cost.bytes
@@ -134,7 +134,7 @@ def test_article_06_prefill_rows(prefix, total_bytes, intensity):
     assert (linear_intensity > H100.ridge()) == (prefix < 1024 * K)
 
 
-def test_article_06_ridge_and_crossover():
+def test_reference_ridge_and_crossover():
     # 06 §1: "R ≈ 150 FLOPs/byte"; §2: weights = KV at L·B ≈ 27 k, "B = 32 … L ≈ 850".
     assert_close(H100.ridge(), 150, "H100 ridge")
     cost = estimate_iteration(decodes(32, 850), LLAMA, H100)
