@@ -1,7 +1,8 @@
 """`pacer simulate`: the scheduling core on a fake clock priced by the roofline cost model.
 
-Article 05 §3's claim side by side (Llama-2-7B on H100, steady decodes, a 100k-token prompt
-now and then; ORCA only vs chunked prefill under a 2048-row / 20 ms budget):
+Why chunked prefill (docs/design.md#why-chunked-prefill), side by side (Llama-2-7B on H100,
+steady decodes, a 100k-token prompt now and then; ORCA only vs chunked prefill under a
+2048-row / 20 ms budget):
 
     pacer simulate --compare --model llama-2-7b --hw h100 --num-requests 3000 \\
         --request-rate 4 --prompt-len uniform:256:1024 --output-len uniform:128:512 \\
