@@ -1,4 +1,5 @@
-"""Interference, measured: steady decode streams while ~1.5k-token prompts arrive (article 05 §3).
+"""Interference, measured: steady decode streams while ~1.5k-token prompts arrive
+(docs/design.md#why-chunked-prefill).
 
 The default model in the in-process engine. Each run starts `--streams` decode streams (short
 prompts, long outputs, EOS ignored) and adds a long prompt at fixed iterations; every token is

@@ -60,6 +60,9 @@ class Generation:
         self._submitted = False
         self._done_upstream = False             # the scheduler finished the request itself
         self._slot = slot                       # its place in the queue until a first event
+        # logprobs not yet sent, each with where its token's text starts: one is sent with the
+        # text its token begins, so the logprobs cover exactly the text (none for a stop string)
+        self._pending: list[tuple[int, TokenLogprob]] = []
         self._timeout_s = timeout_s
         self._timer: asyncio.TimerHandle | None = None
         self.num_output_tokens = 0
@@ -112,41 +115,50 @@ class Generation:
         while True:
             events, finish = await self._stream.next()
             self._stop_waiting()
-            logprobs = self._consume(events)
+            self._consume(events)
             self._done_upstream = finish is not None
             if self._text.stopped:
                 self.finish_reason = "stop"
-                yield Delta(self._text.take(final=True), logprobs, "stop")
+                yield Delta(self._text.take(final=True), self._take_logprobs(), "stop")
                 return
             if finish is not None:
-                yield self._last_delta(finish, logprobs)
+                yield self._last_delta(finish)
                 return
             piece = self._text.take()
+            logprobs = self._take_logprobs()
             if piece or logprobs:
                 yield Delta(piece, logprobs)
 
-    def _consume(self, events: list[TokenEvent]) -> list[TokenLogprob]:
-        """Feed tokens to the text until a stop string appears; returns their logprobs."""
+    def _consume(self, events: list[TokenEvent]) -> None:
+        """Feed tokens to the text until a stop string appears; their logprobs wait."""
         if events:
             self._observe_latency(len(events))
-        logprobs = []
         for event in events:
             self.num_output_tokens += 1
+            start = len(self._text.text)
             self._text.add(event.token_id)
             if self.sampling.logprobs is not None:
-                logprobs.append(self._logprob(event))
+                self._pending.append((start, self._logprob(event)))
             if self._text.stopped:
                 break
-        return logprobs
 
-    def _last_delta(self, finish: FinishEvent, logprobs: list[TokenLogprob]) -> Delta:
+    def _take_logprobs(self, final: bool = False) -> list[TokenLogprob]:
+        """The logprobs of the tokens whose text has been taken (all of them once `final`
+        without a stop string); after a stop, the rest are the stop string's and dropped."""
+        n = len(self._pending) if final and not self._text.stopped else \
+            sum(1 for start, _ in self._pending if start < self._text.sent)
+        taken = [entry for _start, entry in self._pending[:n]]
+        self._pending = [] if self._text.stopped else self._pending[n:]
+        return taken
+
+    def _last_delta(self, finish: FinishEvent) -> Delta:
         self.finish_reason = finish.finish_reason
         self.num_output_tokens = max(self.num_output_tokens, finish.num_output_tokens)
         self._text.finish()
         if self._text.stopped:      # the flushed tail completed a stop string
             self.finish_reason = "stop"
-        return Delta(self._text.take(final=True), logprobs, self.finish_reason, finish.error,
-                     finish.error_type)
+        return Delta(self._text.take(final=True), self._take_logprobs(final=True),
+                     self.finish_reason, finish.error, finish.error_type)
 
     def _observe_latency(self, num_tokens: int) -> None:
         now = time.monotonic()

@@ -23,6 +23,8 @@ MIN_TEMPERATURE = 1e-5
 # The sampler compares in float32, where a smaller top_p rounds to 0 and drops every token
 # (NaN probabilities, a crashed worker); this one keeps exactly the most likely token.
 MIN_TOP_P = 1e-6
+# The roles OpenAI accepts (any other is a 400 there too); the chat template renders each one.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 class APIError(Exception):
@@ -170,6 +172,9 @@ def _message(m: Any, i: int) -> dict:
     param = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
         raise APIError(f"{param} must be an object with a string 'role'", param=param)
+    if m["role"] not in CHAT_ROLES:
+        raise APIError(f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}",
+                       param=f"{param}.role")
     content = m.get("content")
     if content is None:
         content = ""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.openai_schema import INT_BOUND, MAX_LOGPROBS, MAX_TIMEOUT_S, SEED_BOUND
+from gateway.openai_schema import CHAT_ROLES, INT_BOUND, MAX_LOGPROBS, MAX_TIMEOUT_S, SEED_BOUND
 
 _INT64 = {"type": "integer", "minimum": -INT_BOUND, "maximum": INT_BOUND - 1}
 _STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
@@ -65,7 +65,7 @@ def _chat_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, 
             "properties": {"type": {"type": "string", "enum": ["text"]},
                            "text": {"type": "string"}}}
     message = {"type": "object", "required": ["role"], "properties": {
-        "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+        "role": {"type": "string", "enum": list(CHAT_ROLES)},
         "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}],
                     "nullable": True}}}
     return {"type": "object", "required": ["model", "messages"], "properties": {

@@ -34,6 +34,11 @@ class TextOutput:
             self.text += self._detok.flush()
             self._find_stop(before)
 
+    @property
+    def sent(self) -> int:
+        """How much of `text` `take` has handed out."""
+        return self._sent
+
     def take(self, final: bool = False) -> str:
         """The text not yet sent that can be sent now (all of it once `final`)."""
         end = len(self.text) if final or self.stopped else len(self.text) - self._held_back()

@@ -1,4 +1,5 @@
-"""Tensor parallelism across processes: one process per rank, rank 0 drives (article 03).
+"""Tensor parallelism across processes: one process per rank, rank 0 drives
+(docs/design.md#tensor-parallelism).
 
 In-process mode (`pacer generate --tp N`, the engine, the tests): rank 0 is the caller's
 process and spawns ranks 1..N-1 itself.

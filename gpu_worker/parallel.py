@@ -1,8 +1,9 @@
 """The tensor-parallel group a worker belongs to.
 
 A single-rank group makes every collective a no-op, so the model code is the same at tp=1
-and tp=N (Megatron's pattern, article 03): column-parallel layers need no communication,
-row-parallel layers end in `all_reduce`, the vocab-parallel LM head ends in `all_gather`.
+and tp=N (Megatron's pattern, docs/design.md#tensor-parallelism): column-parallel layers need
+no communication, row-parallel layers end in `all_reduce`, the vocab-parallel LM head ends in
+`all_gather`.
 """
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Workloads for the simulator: when requests arrive and how long their prompts and outputs are.
 
-Arrival gaps follow BENCHMARKS.md: Gamma(shape=b, scale=1/(rate·b)), b=1 being Poisson and
-smaller b burstier; rate inf sends everything at t=0. Lengths are drawn from a spec string:
+Arrival gaps as vLLM's benchmark draws them: Gamma(shape=b, scale=1/(rate·b)), b=1 being
+Poisson and smaller b burstier; rate inf sends everything at t=0. Lengths are drawn from a
+spec string:
 
     512                      fixed
     uniform:128:1024         uniform over [128, 1024]

@@ -1,7 +1,7 @@
-"""Roofline estimate of one iteration's wall time (articles 05 §3 and 06 §2).
+"""Roofline estimate of one iteration's wall time (docs/design.md#the-roofline-cost-model).
 
 An iteration is a list of chunks `(q_rows, kv_len)`: a decode at context L is `(1, L)`, a
-prefill chunk of N tokens over a cached prefix S is `(N, S + N)` (article 05 §5).
+prefill chunk of N tokens over a cached prefix S is `(N, S + N)` (docs/design.md#chunks).
 
     FLOPs = 2 · P_linear · T                     every row through every matmul
           + 4 · d_head · heads · layers · pairs  QKᵀ and PV, per (query, key) pair
@@ -10,14 +10,14 @@ prefill chunk of N tokens over a cached prefix S is `(N, S + N)` (article 05 §5
           + K_tok · q_rows per chunk              ...and writes its new rows
     time  = max(FLOPs / peak FLOP/s, bytes / bandwidth)
 
-Refinements over the articles' round numbers, each small for Llama-2-7B:
+Refinements over the round numbers of docs/design.md#reference-figures, each small for Llama-2-7B:
 - P_linear is counted from the shape, and the LM head runs on one row per chunk (only the
   row that samples reaches it), so a 7B prefill row costs ~13 GFLOPs rather than 2 · 7e9.
 - The embedding table is gathered, not read: only the LM head's copy counts as weight bytes
   (with tied embeddings the one table is read once).
 - A chunk's causal pairs are exact: q_rows · S + q_rows · (q_rows + 1) / 2.
 - Activations between kernels are left out: they matter only at thousands of rows, where
-  compute dominates anyway, and the articles leave them out too.
+  compute dominates anyway, and the reference figures leave them out too.
 
 Stdlib + `shared` only: the scheduler calls `max_prefill_tokens_within` every iteration.
 """
@@ -70,12 +70,13 @@ class ModelShape:
         return self.num_params - untied_embedding
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
-        """K_tok of article 06: one context token's K and V across all layers."""
+        """K_tok: one context token's K and V across all layers
+        (docs/design.md#the-roofline-cost-model)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
     @property
     def attention_flops_per_pair(self) -> int:
-        """4 · d_head · heads · layers: 2 for q·k and 2 for p·v per head dim (article 05 §3)."""
+        """4 · d_head · heads · layers: 2 for q·k and 2 for p·v per head dim."""
         return 4 * self.head_dim * self.num_heads * self.num_layers
 
 
@@ -140,12 +141,12 @@ class IterationCost:
     time_ms: float
     flops: float
     bytes: float
-    intensity: float          # FLOPs per byte loaded (06 §1); compare with hw.ridge()
+    intensity: float          # FLOPs per byte loaded; compare with hw.ridge()
     bound: str                # "compute" | "memory"
     compute_ms: float
     memory_ms: float
-    linear_flops: float       # the articles' "Linear" column
-    attention_flops: float    # the articles' "Attn" column
+    linear_flops: float       # the reference figures' "linear FLOPs" column
+    attention_flops: float    # the reference figures' "attention FLOPs" column
     weight_bytes: float
     kv_bytes: float
     num_tokens: int           # Q rows in the iteration

@@ -1,4 +1,5 @@
-"""The picture of article 05 §3: TBT over time and its CDF, one colour per mode.
+"""The picture of docs/design.md#why-chunked-prefill: TBT over time and its CDF, one colour
+per mode.
 
 matplotlib (Agg, no display) is imported only when a plot is asked for.
 """

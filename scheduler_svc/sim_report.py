@@ -1,7 +1,8 @@
 """What a simulation run reports: TTFT and TBT distributions, throughput, iteration times.
 
-Latencies in ms as mean, median, p99 and max (BENCHMARKS.md); the headline of article 05 §3 is
-`tbt max / median`: hundreds without chunking when a long prompt lands, a few with it.
+Latencies in ms as mean, median, p99 and max (as vLLM's benchmark reports them). The
+headline (docs/design.md#why-chunked-prefill) is `tbt max / median`: hundreds without chunking
+when a long prompt lands, a few with it.
 """
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ Each iteration the real `Scheduler` plans; the plan's chunks `(q_rows, kv_len)` 
 the end of its tokens "samples" a dummy token (never EOS, so it stops at its output length).
 A token is stamped with the clock at the end of the iteration that produced it, which gives
 TTFT (arrival → first token) and TBT (gap between a request's consecutive tokens) exactly as
-the article counts them (05 §3.1): a decode shares the wall time of everything it rode with.
+docs/design.md#why-chunked-prefill counts them: a decode shares the wall time of everything
+it rode with.
 """
 from __future__ import annotations
 

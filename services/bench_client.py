@@ -1,6 +1,6 @@
 """The serving benchmark's client side: send streamed requests on a Gamma arrival schedule
 under a concurrency cap, time every chunk at the client, and turn the timelines into
-vLLM `bench serve`'s metrics (see /BENCHMARKS.md's table, reproduced here):
+vLLM `bench serve`'s metrics:
 
 - TTFT: request sent -> first streamed chunk that carries text
 - E2EL: request sent -> end of the stream

@@ -62,7 +62,8 @@ def register(sub) -> None:
                    help="SLOs for goodput, e.g. ttft:2000 tpot:200 (names: ttft, tpot, e2el)")
     p.add_argument("--request-timeout", type=float, default=300.0,
                    help="seconds one request may take from send to the end of its stream")
-    p.add_argument("--result-json", default=None, help="write the metrics here")
+    p.add_argument("--result-json", default=None,
+                   help="also write the metrics as JSON to this file (default: only printed)")
     p.add_argument("--save-detailed", action="store_true",
                    help="also write every request's timeline into the JSON")
     p.set_defaults(run=run)
@@ -205,4 +206,5 @@ def run(args: argparse.Namespace) -> int:
         if args.save_detailed:
             data["requests"] = result_records(results)
         write_result_json(args.result_json, data)
+        print(f"pacer bench: metrics written to {args.result_json}", file=sys.stderr)
     return 0 if metrics["completed"] else 1

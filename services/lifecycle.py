@@ -26,7 +26,8 @@ from shared.protocol import Heartbeat, encode
 
 log = structlog.get_logger("services.lifecycle")
 
-# Blocking stream reads wait at most ~1 s; the socket timeout must be longer (see NOTES).
+# Blocking stream reads wait at most ~1 s; the socket timeout must be longer, or a read that is
+# still legitimately blocking would fail, yet finite, so that a vanished server cannot hang it.
 SOCKET_TIMEOUT_S = 10.0
 CONNECT_BACKOFF_MAX_S = 2.0
 

@@ -1,7 +1,8 @@
 """`pacer simulate`: the scheduling core on a fake clock priced by the roofline cost model.
 
-Article 05 §3's claim side by side (Llama-2-7B on H100, steady decodes, a 100k-token prompt
-now and then; ORCA only vs chunked prefill under a 2048-row / 20 ms budget):
+Why chunked prefill (docs/design.md#why-chunked-prefill), side by side (Llama-2-7B on H100,
+steady decodes, a 100k-token prompt now and then; ORCA only vs chunked prefill under a
+2048-row / 20 ms budget):
 
     pacer simulate --compare --model llama-2-7b --hw h100 --num-requests 3000 \\
         --request-rate 4 --prompt-len uniform:256:1024 --output-len uniform:128:512 \\
@@ -37,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX]")
     w.add_argument("--output-len", default="uniform:32:256", help="as --prompt-len")
     w.add_argument("--long-prompt-rate", type=float, default=0.0,
-                   help="a second Poisson stream of long prompts (requests/s; 0: none)")
+                   help="a second Poisson stream of long prompts, in requests per "
+                        "simulated second (0.005: one every 200 s; 0: none)")
     w.add_argument("--long-prompt-len", default="100000", help="their prompt length spec")
     w.add_argument("--long-output-len", default="16", help="their output length spec")
     w.add_argument("--trace", default=None,

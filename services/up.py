@@ -24,12 +24,16 @@ import urllib.request
 from dataclasses import fields
 from urllib.parse import urlsplit
 
+import structlog
+
 from gateway.cli import POLICY_FLAGS, add_request_policy_args
 from services.restarts import Restarter
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
+
+log = structlog.get_logger("up")
 
 PROGRESS_EVERY_S = 5.0
 STOP_MARGIN_S = 5.0          # past the shutdown timeout, before a child is killed
@@ -95,6 +99,21 @@ def start_redis(sup: Supervisor, host: str, port: int, password: str | None = No
             return child
         time.sleep(0.05)
     raise PacerError(f"redis-server on port {port} did not answer within 10 s")
+
+
+def describe_redis(redis_url: str, started: bool) -> str:
+    """Which Redis `pacer up` uses, for its log and banner (a password in the URL is masked).
+    A Redis found listening may be another one: on Debian, installing redis-server starts a
+    system one on 6379."""
+    url = urlsplit(redis_url)
+    shown = url._replace(netloc=url.netloc.replace(f":{url.password}@", ":***@")).geturl() \
+        if url.password else redis_url
+    if started:
+        return f"Redis {shown}: a redis-server started by pacer up (stopped with it, keeps nothing)"
+    if url.scheme != "redis":
+        return f"Redis {shown}: used as given (pacer up starts a server only for a redis:// URL)"
+    return (f"Redis {shown}: one already listening there, NOT started by pacer up (a system "
+            "redis-server, say); it keeps running after pacer up stops; use --redis-url to choose another")
 
 
 # ---- the services ------------------------------------------------------------------------
@@ -197,9 +216,11 @@ def run(args: argparse.Namespace) -> int:
     sup = Supervisor()
     try:
         # only a plain redis:// URL can be a server of ours; rediss:// and unix sockets are used
-        if url.scheme == "redis" and not redis_answers(host, port):
+        started = url.scheme == "redis" and not redis_answers(host, port)
+        if started:
             start_redis(sup, host, port, url.password)
-            print(f"pacer up: started redis-server on {host}:{port}", file=sys.stderr)
+        redis_note = describe_redis(args.redis_url, started)
+        log.info("redis", redis=redis_note, started_here=started)
         for name, argv in _service_argvs(args, engine):
             sup.start(name, argv)
         http_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -207,8 +228,10 @@ def run(args: argparse.Namespace) -> int:
         _wait_healthy(sup, base_url, args.startup_timeout, stopping)
         if stopping():
             return 0
-        print(f"pacer up: serving {engine.model or 'smollm2-135m'} at {base_url}/v1 "
-              "(Ctrl-C to stop)", flush=True)
+        banner = (f"pacer up: serving {engine.model or 'smollm2-135m'} at {base_url}/v1 "
+                  f"(Ctrl-C to stop)\npacer up: {redis_note}")
+        # among the services' logs at a terminal, set the line apart
+        print(f"\n{banner}\n" if sys.stdout.isatty() else banner, flush=True)
         restarter = Restarter(sup, args.redis_url, Keys(args.key_prefix), scheduler_id())
         return _watch(sup, stopping, restarter)
     finally:

@@ -9,9 +9,10 @@ from typing import Protocol
 
 from shared.errors import PacerError
 
-# The token budget, chosen by bench/budget_sweep.py (README): serving keeps decode gaps short,
-# offline generation (no one waits between tokens) takes the larger budget's throughput —
-# as vLLM picks its default by usage context.
+# The token budget, chosen by bench/budget_sweep.py
+# (docs/benchmarks.md#choosing-the-token-budget): serving keeps decode gaps short, offline
+# generation (no one waits between tokens) takes the larger budget's throughput — as vLLM
+# picks its default by usage context.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_MAX_NUM_SEQS = 128
@@ -50,8 +51,9 @@ class SchedulerConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
-    # The latency budget (article 05 §5): prefill rides along with the decodes only as far as
-    # `iteration_cost` says fits in this many ms. None: the token budget alone.
+    # The latency budget (docs/design.md#the-latency-budget): prefill rides along with the
+    # decodes only as far as `iteration_cost` says fits in this many ms. None: the token
+    # budget alone.
     max_iteration_ms: float | None = None
     iteration_cost: IterationCostModel | None = field(default=None, compare=False, repr=False)
 

@@ -2,9 +2,10 @@
 HBM (or DRAM) bandwidth.
 
 Built-in profiles are round numbers for sustained rates, not vendor peaks. `h100` is the
-articles' own pair (05 §3, 06 §1): ~500 TFLOP/s for fp16 GEMMs and 3.35 TB/s, so its ridge
-point is ~150 FLOPs/byte. A profile written by `pacer calibrate` is a JSON file with the same
-fields plus the raw measurements; `load_hardware` reads either.
+pair of the hand-worked figures (docs/design.md#reference-figures): ~500 TFLOP/s for fp16
+GEMMs and 3.35 TB/s, so its ridge point is ~150 FLOPs/byte. A profile written by `pacer
+calibrate` is a JSON file with the same fields plus the raw measurements; `load_hardware`
+reads either.
 
 Stdlib only: the scheduler core imports this.
 """
@@ -54,7 +55,8 @@ class HardwareProfile:
         return self.bandwidth_tbps * 1e12
 
     def ridge(self, dtype_bytes: float = 2) -> float:
-        """FLOPs per byte above which an iteration is compute-bound (06 §1)."""
+        """FLOPs per byte above which an iteration is compute-bound
+        (docs/design.md#the-roofline-cost-model)."""
         return self.flops_per_s(dtype_bytes) / self.bytes_per_s
 
     def with_overrides(self, tflops: float | None = None,
@@ -81,9 +83,9 @@ def _check_positive(what: str, value: Any) -> None:
         raise PacerError(f"{what} must be a positive number, got {value!r}")
 
 
-# Sustained dense rates. H100 SXM: the articles' numbers. H200: the same compute die with
-# HBM3e at 4.8 TB/s. A100 SXM 80GB: ~80% of its 312 TFLOP/s bf16 peak, 2.0 TB/s HBM2e.
-# float32 rates are the non-tensor-core vendor figures.
+# Sustained dense rates. H100 SXM: the pair of docs/design.md#reference-figures. H200: the
+# same compute die with HBM3e at 4.8 TB/s. A100 SXM 80GB: ~80% of its 312 TFLOP/s bf16 peak,
+# 2.0 TB/s HBM2e. float32 rates are the non-tensor-core vendor figures.
 HARDWARE: dict[str, HardwareProfile] = {
     "h100": HardwareProfile("h100", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 3.35),
     "h200": HardwareProfile("h200", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 4.8),

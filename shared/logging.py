@@ -1,4 +1,5 @@
-"""structlog set-up shared by every service: one JSON object per line on stderr.
+"""structlog set-up shared by every service: one JSON object per line on stderr, or, when
+stderr is a terminal (a person watching `pacer up`), one readable line per event.
 
 Values bound with `structlog.contextvars.bind_contextvars(request_id=...)` appear on every
 line logged from the same asyncio task, so a request can be followed across a service's log.
@@ -22,9 +23,16 @@ def configure_logging(service: str, level: str | int = "info") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         _add_service(service),
     ]
+    # JSON for files and pipes (log collectors, tests); a terminal gets aligned, coloured lines
+    if sys.stderr.isatty():
+        render = [_service_first, structlog.dev.ConsoleRenderer(
+            exception_formatter=structlog.dev.plain_traceback)]
+        exc = []
+    else:
+        render = [structlog.processors.JSONRenderer()]
+        exc = [structlog.processors.format_exc_info]
     structlog.configure(
-        processors=[*shared, structlog.processors.format_exc_info,
-                    structlog.processors.JSONRenderer()],
+        processors=[*shared, *exc, *render],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
@@ -32,7 +40,7 @@ def configure_logging(service: str, level: str | int = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                    structlog.processors.JSONRenderer()],
+                    *render],
         foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name]))
     root = logging.getLogger()
     root.handlers[:] = [handler]
@@ -44,3 +52,9 @@ def _add_service(service: str):
         event.setdefault("service", service)
         return event
     return add
+
+
+def _service_first(_logger, _method, event: dict) -> dict:
+    """At a terminal, lead with the service: four of them share `pacer up`'s console."""
+    event["event"] = f"{event.pop('service', '')}: {event.get('event', '')}"
+    return event

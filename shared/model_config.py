@@ -220,7 +220,8 @@ def _check_gguf_rope(reader: GGUFReader, path: str, head_dim: int, tensor_names:
 
 
 def check_tp_fits(cfg: ModelConfig, tp: int) -> None:
-    """Cuts fall on head boundaries (article 03): query and KV heads must both divide by tp."""
+    """Cuts fall on head boundaries (docs/design.md#tensor-parallelism): query and KV heads
+    must both divide by tp."""
     if tp < 1:
         raise PacerError(f"--tp must be >= 1, got {tp}")
     if cfg.num_heads % tp or cfg.num_kv_heads % tp:

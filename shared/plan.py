@@ -1,8 +1,9 @@
 """The iteration plan: what the scheduling core tells the workers to run, and what comes back.
 
-One representation for every kind of work (article 05): each scheduled request advances by
-`num_scheduled_tokens[req_id]` rows from its `num_computed_tokens`. A decode is a chunk of one
-row, a fresh prefill a chunk with an empty cached prefix, a later chunk one with a cached prefix.
+One representation for every kind of work (docs/design.md#chunks): each scheduled request
+advances by `num_scheduled_tokens[req_id]` rows from its `num_computed_tokens`. A decode is a
+chunk of one row, a fresh prefill a chunk with an empty cached prefix, a later chunk one with
+a cached prefix.
 
 Full data travels the first time a request is scheduled (and again after a preemption, when
 the request restarts with its generated tokens as part of the prompt); afterwards only diffs:

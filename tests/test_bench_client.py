@@ -236,8 +236,10 @@ def test_pacer_bench_command_prints_and_writes_json(served: Served, tmp_path, ca
                      "--max-concurrency", "2", "--goodput", "ttft:600000",
                      "--result-json", str(out), "--save-detailed"])
     assert rc == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "Serving Benchmark Result" in text and "Median TTFT (ms):" in text
+    assert f"metrics written to {out}" in captured.err
     data = json.loads(out.read_text())
     assert data["model"] == MODEL and data["completed"] == 3 and data["failed"] == 0
     assert data["total_output_tokens"] == 12

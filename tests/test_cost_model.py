@@ -1,5 +1,5 @@
-"""The roofline cost model against the articles' worked tables (Llama-2-7B on one H100,
-fp16: 500 TFLOP/s, 3.35 TB/s), each figure within 25 %, and the `pacer cost` command."""
+"""The roofline cost model against the hand-worked figures of docs/design.md#reference-figures
+(Llama-2-7B on one H100, fp16: 500 TFLOP/s, 3.35 TB/s), each within 25 %, and `pacer cost`."""
 from __future__ import annotations
 
 import argparse
@@ -23,9 +23,9 @@ TOLERANCE = 0.25
 K, GB, TB = 1024, 1e9, 1e12
 
 
-def assert_close(ours: float, article: float, what: str) -> None:
-    error = ours / article - 1
-    assert abs(error) <= TOLERANCE, f"{what}: ours {ours:.4g}, article {article:.4g} ({error:+.1%})"
+def assert_close(ours: float, reference: float, what: str) -> None:
+    error = ours / reference - 1
+    assert abs(error) <= TOLERANCE, f"{what}: ours {ours:.4g}, reference {reference:.4g} ({error:+.1%})"
 
 
 def decodes(batch: int, context: int) -> list[tuple[int, int]]:
@@ -36,21 +36,21 @@ def prefill(n: int, prefix: int = 0) -> tuple[int, int]:
     return (n, prefix + n)
 
 
-# Article 05 §3, "8 decode + …" at context ~1k:
+# docs/design.md#reference-figures: 8 decodes at context ~1k, alone and with a prefill:
 #   Iteration mix       Linear   Attn    Total   Wall time
-#   纯 decode            ~110 GF  ~4 GF   ~115 GF ~6 ms
+#   8 decodes           ~110 GF  ~4 GF   ~115 GF ~6 ms
 #   + 1 k prefill       ~14 TF   ~0.3 TF ~14 TF  ~30 ms
 #   + 4 k prefill       ~57 TF   ~4 TF   ~61 TF  ~120 ms
 #   + 16 k prefill      ~225 TF  ~67 TF  ~290 TF ~580 ms
 #   + 100 k prefill     ~1.4 PF  ~2.6 PF ~4 PF   ~8 s
-# Article 05 §3.2, prefills alone:
-#   单跑 100-token      ~1.4 GF  ~3 MF            ~4 ms
-#   单跑 10 k-token     ~140 TF  ~26 TF           ~320 ms
-#   100 + 10 k 一起跑    ~141 TF  ~26 TF           ~330 ms
-# The 100-token row's FLOP units slip by 1000: the article's own rules (14 GFLOPs per row,
-# 0.52 MFLOPs per pair) give 100 · 14 GF = 1.4 TF and 100²/2 · 0.52 MF = 2.6 GF, and its
-# 4 ms is the weight-read time; we test those corrected figures.
-ARTICLE_05 = [
+# Prefills alone:
+#   100 tokens          ~1.4 TF  ~2.6 GF          ~4 ms
+#   10 k tokens         ~140 TF  ~26 TF           ~320 ms
+#   100 + 10 k together ~141 TF  ~26 TF           ~330 ms
+# The 100-token row by the same rules (14 GFLOPs per row, 0.52 MFLOPs per pair):
+# 100 · 14 GF = 1.4 TF and 100²/2 · 0.52 MF = 2.6 GF (the test's 3 GF is that, rounded up);
+# its 4 ms is the weight-read time.
+REFERENCE_ITERATIONS = [
     ("8 decode x 1k", decodes(8, K), 110e9, 4e9, 115e9, 6),
     ("8 decode + 1k prefill", decodes(8, K) + [prefill(K)], 14e12, 0.3e12, 14e12, 30),
     ("8 decode + 4k prefill", decodes(8, K) + [prefill(4 * K)], 57e12, 4e12, 61e12, 120),
@@ -62,9 +62,9 @@ ARTICLE_05 = [
 ]
 
 
-@pytest.mark.parametrize("name,chunks,linear,attn,total,wall_ms", ARTICLE_05,
-                         ids=[row[0] for row in ARTICLE_05])
-def test_article_05_iteration_mix(name, chunks, linear, attn, total, wall_ms):
+@pytest.mark.parametrize("name,chunks,linear,attn,total,wall_ms", REFERENCE_ITERATIONS,
+                         ids=[row[0] for row in REFERENCE_ITERATIONS])
+def test_reference_iteration_mix(name, chunks, linear, attn, total, wall_ms):
     cost = estimate_iteration(chunks, LLAMA, H100)
     assert_close(cost.linear_flops, linear, f"{name} linear FLOPs")
     assert_close(cost.attention_flops, attn, f"{name} attention FLOPs")
@@ -74,15 +74,15 @@ def test_article_05_iteration_mix(name, chunks, linear, attn, total, wall_ms):
 
 
 def test_pure_decode_is_weight_bandwidth_bound():
-    # 05 §3: "~6 ms（被 weight 带宽卡住）"; a 1k prefill flips the iteration to compute.
+    # ~6 ms, bound by reading the weights; a 1k prefill flips the iteration to compute.
     pure = estimate_iteration(decodes(8, K), LLAMA, H100)
     assert pure.bound == "memory" and pure.weight_bytes > pure.kv_bytes
     assert estimate_iteration(decodes(8, K) + [prefill(K)], LLAMA, H100).bound == "compute"
 
 
-def test_article_05_spreads():
-    # 05 §3: iterations differ by "大约 1300 倍"; §3.2: the short prefill's TTFT goes from
-    # ~4 ms to ~330 ms, "差了 ~80 倍".
+def test_reference_spreads():
+    # Iterations differ by ~1300×; the short prefill's TTFT goes from ~4 ms alone to ~330 ms
+    # beside a 10k one, ~80× (docs/design.md#reference-figures).
     pure = estimate_iteration(decodes(8, K), LLAMA, H100).time_ms
     worst = estimate_iteration(decodes(8, K) + [prefill(100_000)], LLAMA, H100).time_ms
     assert_close(worst / pure, 1300, "100k-prefill iteration / pure decode")
@@ -91,21 +91,21 @@ def test_article_05_spreads():
     assert_close(shared / alone, 80, "TTFT of the 100-token prompt, shared / alone")
 
 
-# Article 06 §3, "Decode at B = 32" (weight bytes 14 GB in every row):
+# docs/design.md#reference-figures: decode at B = 32 (weight bytes 14 GB in every row):
 #   L     KV bytes  total    I = 2Π·B / total
 #   1 k   16 GB     30 GB    ~15
 #   4 k   64 GB     78 GB    ~5.7
 #   16 k  256 GB    270 GB   ~1.7
 #   64 k  1.0 TB    1.0 TB   ~0.4
-# The article's numerator is linears only ("分子 2Π · B = 448 GFLOPs —— 钉死的"), so its I is
-# our linear_flops / bytes; our `intensity` also counts attention FLOPs.
-ARTICLE_06_DECODE = [(K, 16 * GB, 30 * GB, 15), (4 * K, 64 * GB, 78 * GB, 5.7),
+# The reference intensity counts the linears' FLOPs only (2Π · B = 448 GFLOPs at every L), so
+# it is our linear_flops / bytes; our `intensity` also counts attention FLOPs.
+REFERENCE_DECODES = [(K, 16 * GB, 30 * GB, 15), (4 * K, 64 * GB, 78 * GB, 5.7),
                      (16 * K, 256 * GB, 270 * GB, 1.7), (64 * K, 1.0 * TB, 1.0 * TB, 0.4)]
 
 
-@pytest.mark.parametrize("context,kv_bytes,total_bytes,intensity", ARTICLE_06_DECODE,
-                         ids=[f"B=32 L={row[0] // K}k" for row in ARTICLE_06_DECODE])
-def test_article_06_decode_rows(context, kv_bytes, total_bytes, intensity):
+@pytest.mark.parametrize("context,kv_bytes,total_bytes,intensity", REFERENCE_DECODES,
+                         ids=[f"B=32 L={row[0] // K}k" for row in REFERENCE_DECODES])
+def test_reference_decode_rows(context, kv_bytes, total_bytes, intensity):
     cost = estimate_iteration(decodes(32, context), LLAMA, H100)
     assert_close(cost.weight_bytes, 14 * GB, "weight bytes")
     assert_close(cost.kv_bytes, kv_bytes, "KV bytes")
@@ -114,19 +114,20 @@ def test_article_06_decode_rows(context, kv_bytes, total_bytes, intensity):
     assert cost.bound == "memory" and cost.intensity < H100.ridge()
 
 
-# Article 06 §3, "Prefill at C = 2048" over a cached prefix S (weight bytes 14 GB):
+# docs/design.md#reference-figures: a prefill chunk of C = 2048 over a cached prefix S
+# (weight bytes 14 GB):
 #   S     KV bytes  total    I = 2Π·C / total  regime
 #   4 k   2 GB      16 GB    ~1800             compute-bound
 #   64 k  32 GB     46 GB    ~620              compute-bound
 #   256 k 128 GB    142 GB   ~200              compute-bound (×1.3)
 #   1 M   512 GB    526 GB   ~55               below the ridge
-ARTICLE_06_PREFILL = [(4 * K, 16 * GB, 1800), (64 * K, 46 * GB, 620), (256 * K, 142 * GB, 200),
+REFERENCE_PREFILLS = [(4 * K, 16 * GB, 1800), (64 * K, 46 * GB, 620), (256 * K, 142 * GB, 200),
                       (1024 * K, 526 * GB, 55)]
 
 
-@pytest.mark.parametrize("prefix,total_bytes,intensity", ARTICLE_06_PREFILL,
-                         ids=[f"C=2048 S={row[0] // K}k" for row in ARTICLE_06_PREFILL])
-def test_article_06_prefill_rows(prefix, total_bytes, intensity):
+@pytest.mark.parametrize("prefix,total_bytes,intensity", REFERENCE_PREFILLS,
+                         ids=[f"C=2048 S={row[0] // K}k" for row in REFERENCE_PREFILLS])
+def test_reference_prefill_rows(prefix, total_bytes, intensity):
     cost = estimate_iteration([prefill(2048, prefix)], LLAMA, H100)
     assert_close(cost.bytes, total_bytes, "total bytes")
     linear_intensity = cost.linear_flops / cost.bytes
@@ -134,16 +135,16 @@ def test_article_06_prefill_rows(prefix, total_bytes, intensity):
     assert (linear_intensity > H100.ridge()) == (prefix < 1024 * K)
 
 
-def test_article_06_ridge_and_crossover():
-    # 06 §1: "R ≈ 150 FLOPs/byte"; §2: weights = KV at L·B ≈ 27 k, "B = 32 … L ≈ 850".
+def test_reference_ridge_and_crossover():
+    # The ridge R ≈ 150 FLOPs/byte; weights = KV at L·B ≈ 27 k, so at B = 32, L ≈ 850.
     assert_close(H100.ridge(), 150, "H100 ridge")
     cost = estimate_iteration(decodes(32, 850), LLAMA, H100)
     assert_close(cost.kv_bytes, cost.weight_bytes, "KV bytes at the crossover")
 
 
 def test_chunking_moves_attention_but_rereads_the_cache():
-    # 05 §6: chunks' causal pairs sum to the unchunked N²/2; the cache reads grow ~N²/(2C),
-    # "N = 100 k、C = 2048 时 … 大约多了 25 倍".
+    # Chunks' causal pairs sum to the unchunked N²/2; the cache reads grow ~N²/(2C), about 25×
+    # for N = 100 k, C = 2048 (docs/design.md#why-chunked-prefill).
     n, c = 100_000, 2048
     whole = estimate_iteration([prefill(n)], LLAMA, H100)
     parts = [estimate_iteration([prefill(min(c, n - s), s)], LLAMA, H100) for s in range(0, n, c)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from dataclasses import dataclass
 
 import aiohttp
@@ -253,6 +254,14 @@ async def test_chat_runs_to_eos_and_defaults_max_tokens_to_the_context(h: Harnes
     assert body["usage"]["completion_tokens"] == len(h.tok.encode(REPLY)) + 1   # + EOS
 
 
+async def test_chat_accepts_every_openai_role(h: Harness) -> None:
+    messages = [{"role": r, "content": "x"} for r in ("developer", "system", "user", "assistant",
+                                                       "tool", "user")]
+    status, body = await h.post("/v1/chat/completions", {**chat(max_tokens=2), "messages": messages})
+    assert status == 200, body
+    assert h.fake.received[body["id"]].prompt_token_ids == h.tok.encode_chat(messages)
+
+
 async def test_chat_sse_shape_with_usage_chunk(h: Harness) -> None:
     data = await h.sse("/v1/chat/completions",
                        chat(max_tokens=4, stream_options={"include_usage": True}))
@@ -478,6 +487,46 @@ async def test_api_key_is_required_on_the_openai_routes(h: Harness, config: Gate
             assert r.status in (200, 503)       # not behind the key
 
 
+def _logprob_tokens(endpoint: str, chunks: list[dict]) -> tuple[str, list[str]]:
+    """The text and the logprob tokens of a response, or of a stream's chunks."""
+    text, tokens = "", []
+    for c in chunks:
+        for choice in c.get("choices", []):
+            if endpoint == "chat":
+                part = choice.get("message") or choice.get("delta") or {}
+                text += part.get("content") or ""
+                tokens += [e["token"] for e in (choice["logprobs"] or {}).get("content", [])]
+            else:
+                text += choice["text"]
+                tokens += (choice["logprobs"] or {}).get("tokens", [])
+    return text, tokens
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+async def test_logprobs_cover_the_text_cut_at_a_stop_string(h: Harness, endpoint: str,
+                                                                     stream: bool) -> None:
+    # the logprobs are those of the tokens whose text starts in the text returned: the "."
+    # token is all stop string, so it has none; of "STOP" (" ST" + "OP") the returned text
+    # ends with the space of " ST", whose logprob is sent with it, while "OP" has none
+    body = (chat(logprobs=True, top_logprobs=1) if endpoint == "chat"
+            else completion(logprobs=1, max_tokens=40))
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    for stop, expected, expected_tokens in (
+            (["."], "Hello world, this is pacer", "Hello world, this is pacer"),
+            (["STOP"], "Hello world, this is pacer. ", "Hello world, this is pacer. ST")):
+        if stream:
+            data = await h.sse(path, {**body, "stop": stop})
+            chunks = [json.loads(d) for d in data[:-1]]
+        else:
+            status, answer = await h.post(path, {**body, "stop": stop})
+            assert status == 200, answer
+            chunks = [answer]
+        text, tokens = _logprob_tokens(endpoint, chunks)
+        assert text == expected
+        assert "".join(tokens) == expected_tokens, tokens
+
+
 # ---- bad requests ----------------------------------------------------------------------------
 
 BAD_REQUESTS = {
@@ -498,6 +547,8 @@ BAD_REQUESTS = {
     "stream a string": ("/v1/completions", completion(stream="yes"), 400),
     "messages a string": ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400),
     "message without role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "x"}]}, 400),
+    "message with an unknown role": ("/v1/chat/completions",
+                                     {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400),
     "prompt a number": ("/v1/completions", completion(prompt=5), 400),
     "stop a number list": ("/v1/completions", completion(stop=[1]), 400),
     "token id outside the vocabulary": ("/v1/completions", completion(prompt=[10**9]), 400),
@@ -588,7 +639,8 @@ async def test_tokens_past_the_schedulers_count_are_not_output() -> None:
     assert [t.index for t in tokens] == [0, 1] and finish.finish_reason == "abort"
 
 
-async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.CaptureFixture) -> None:
+def _log_a_few_lines() -> None:
+    """Configure the gateway's logging, log through structlog and the stdlib, and undo it."""
     import logging
 
     import structlog
@@ -601,11 +653,31 @@ async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.Capt
             structlog.get_logger("t").info("hello", tokens=3)
         structlog.get_logger("t").debug("not shown")
         logging.getLogger("aiohttp.server").warning("from the stdlib")
-        lines = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
-    finally:   # the logger holds capsys's stream: leave no trace for later tests
+    finally:   # the logger holds the test's stream: leave no trace for later tests
         structlog.reset_defaults()
         logging.getLogger().handlers[:] = root_handlers
         logging.getLogger().setLevel(root_level)
+
+
+async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.CaptureFixture) -> None:
+    _log_a_few_lines()
+    lines = [json.loads(line) for line in capsys.readouterr().err.strip().splitlines()]
     assert [(r["event"], r["service"]) for r in lines] == [("hello", "gateway"),
                                                           ("from the stdlib", "gateway")]
     assert (lines[0]["request_id"], lines[0]["tokens"]) == ("cmpl-1", 3)
+
+
+async def test_logs_at_a_terminal_are_readable_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    _log_a_few_lines()
+    plain = [re.sub(r"\x1b\[[0-9;]*m", "", line) for line in terminal.getvalue().splitlines()]
+    assert len(plain) == 2 and not any(line.startswith("{") for line in plain)
+    assert "gateway: hello" in plain[0] and "request_id=cmpl-1" in plain[0] and "tokens=3" in plain[0]
+    assert "gateway: from the stdlib" in plain[1]

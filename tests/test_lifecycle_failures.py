@@ -85,6 +85,11 @@ def test_a_redis_with_a_password_serves_requests(served: Served):
                                    long_body(max_tokens=8))
     status, body, _ = asyncio.run(go())
     assert status == 200 and body["usage"]["completion_tokens"] == 8, body
+    # `pacer up` says it uses a Redis it found (a system one would look the same), password masked
+    with open(served.log_path) as f:
+        log = f.read()
+    assert "already listening there, NOT started by pacer up" in log
+    assert PASSWORD not in log
 
 
 def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Served, tmp_path):

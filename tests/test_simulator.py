@@ -62,7 +62,7 @@ def test_a_request_too_big_for_the_pool_is_rejected_not_run():
     assert "KV blocks" in result.rejected[0][1]
 
 
-# ---- article 05 §3 in small ----------------------------------------------------------------
+# ---- docs/design.md#why-chunked-prefill in small --------------------------------------------
 
 def test_chunking_flattens_the_tbt_spike_of_a_long_prompt():
     arrivals = synthetic(150, 4.0, 1.0, "uniform:256:1024", "uniform:64:256", seed=1)

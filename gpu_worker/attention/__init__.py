@@ -1,4 +1,5 @@
-"""Varlen attention over the flat batch with a paged KV cache (articles 04 and 05).
+"""Varlen attention over the flat batch with a paged KV cache (docs/design.md#chunks,
+docs/design.md#the-paged-kv-cache).
 
 Each request in an iteration is a chunk `(q_start, q_end, kv_len)` plus its block table. A
 decode is a chunk of one row; a fresh prefill a chunk with an empty prefix; a later chunk sees

@@ -13,7 +13,7 @@ Worked example (block_size 4). Three chunks in one iteration:
     sample_rows    0, 3, 5                  the last row of each chunk that ends its tokens
 
 Query row i of a chunk sits at position kv_len - q_rows + i and sees keys 0..that position:
-the cached prefix fully, its own chunk causally (article 05 §4).
+the cached prefix fully, its own chunk causally (docs/design.md#chunks).
 
 The torch backend attends chunks with equal q_rows together as one padded batch (all decodes
 form one group); flash-attn takes the cu_seqlens form directly.

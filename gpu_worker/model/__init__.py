@@ -1,1 +1,2 @@
-"""The Llama-family decoder, run on one flat [tokens x hidden] batch (article 04)."""
+"""The Llama-family decoder, run on one flat [tokens x hidden] batch
+(docs/design.md#one-flat-batch)."""

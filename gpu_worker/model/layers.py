@@ -47,7 +47,8 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
 
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ with W's output rows split across ranks; fused parts are split one by one,
-    so rank r holds [q_r; k_r; v_r] and needs no communication (article 03)."""
+    so rank r holds [q_r; k_r; v_r] and needs no communication
+    (docs/design.md#tensor-parallelism)."""
 
     packed = None        # see prepack()
 

@@ -1,7 +1,7 @@
 """A Llama-family decoder over one flat batch: x is [T, d] for all requests together.
 
 Only attention sees request boundaries (through AttentionMetadata); every linear sees the
-flat [T, d] tensor (article 04). Only the rows that sample reach the LM head.
+flat [T, d] tensor (docs/design.md#one-flat-batch). Only the rows that sample reach the LM head.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The latency budget of one iteration (article 05 §5): besides "at most N Q rows", "at most
-M ms", as a cost model estimates it.
+"""The latency budget of one iteration (docs/design.md#the-latency-budget): besides "at most
+N Q rows", "at most M ms", as a cost model estimates it.
 
 Decodes always run: their chunks are reserved before any prefill is sized, and a prefill chunk
 is cut to what still fits. So that a waiting prompt cannot starve behind decodes that alone

@@ -1,4 +1,5 @@
-"""Iteration-level scheduling (ORCA) with chunked prefill piggybacked on decodes (article 05).
+"""Iteration-level scheduling (ORCA) with chunked prefill piggybacked on decodes
+(docs/design.md#iteration-level-scheduling).
 
 Every iteration is decided afresh, in this order:
 
