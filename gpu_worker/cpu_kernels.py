@@ -75,5 +75,4 @@ def _load(level: str):
                     "`pacer build-kernels`", level=level, path=path, error=str(e)[:200])
         return None
     module.level = level
-    log.info("CPU kernels loaded", level=level)
     return module

@@ -57,6 +57,7 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
     """Resolve the model and size the KV pool: `--kv-cache-memory` is per rank, each rank
     holds `num_kv_heads / tp` heads of every block, in the KV cache's dtype (not always the
     weights')."""
+    args = args.resolved()
     if args.dtype not in DTYPE_BYTES:
         raise PacerError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
     source = resolve_model(args.model)
@@ -115,7 +116,7 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs, progress: bool = True):
         layout = engine_layout(args)
-        self.args = args
+        self.args = layout.args
         self.layout = layout
         self.source = layout.source
         self.model_config = layout.model_config

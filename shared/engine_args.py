@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
+from shared.cpu import auto_dtype
 from shared.config import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY,
                            DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
 
@@ -12,7 +13,7 @@ from shared.config import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY,
 @dataclass(frozen=True)
 class EngineArgs:
     model: str | None = None
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "cpu"
     tp: int = 1
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -31,8 +32,10 @@ class EngineArgs:
                      budget: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> None:
         p.add_argument("--model", default=None,
                        help="smollm2-135m (default), an HF directory, or a .gguf file")
-        p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-                       help="weight and activation dtype (default float32)")
+        p.add_argument("--dtype", default="auto",
+                       choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weight dtype; auto (default): bfloat16 on CUDA and on CPUs with "
+                            "native bf16 (AVX512-BF16/AMX), float32 on other CPUs")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
         p.add_argument("--max-num-batched-tokens", type=int, default=budget,
@@ -59,4 +62,11 @@ class EngineArgs:
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)
+                      if hasattr(args, f.name)}).resolved()
+
+    def resolved(self) -> "EngineArgs":
+        """`auto` replaced by the dtype this machine serves fastest in."""
+        if self.dtype != "auto":
+            return self
+        return replace(self, dtype=auto_dtype(self.device))

@@ -146,7 +146,7 @@ class System:
 @asynccontextmanager
 async def running(server: Redis, model: str) -> AsyncIterator[System]:
     """Gateway, scheduler and worker rank 0 (with its heartbeat) against `server`."""
-    engine = LLMEngine(EngineArgs(model=model, num_kv_blocks=64), progress=False)
+    engine = LLMEngine(EngineArgs(model=model, dtype="float32", num_kv_blocks=64), progress=False)
     gate = Gate(engine.runner)
     scheduler_redis, worker_redis = await connect_redis(server.url), await connect_redis(server.url)
     worker = Worker(worker_redis, gate)

@@ -43,14 +43,14 @@ def tiny(tmp_path_factory):
 
 
 def test_tp2_served_matches_in_process_and_survives_a_dead_rank(tiny, tmp_path):
-    engine = LLMEngine(EngineArgs(model=tiny, num_kv_blocks=64), progress=False)
+    engine = LLMEngine(EngineArgs(model=tiny, dtype="float32", num_kv_blocks=64), progress=False)
     tok = engine.tokenizer
     results = engine.generate(
         PROMPTS, [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)] * 3)
     # the text, and each token as the gateway's logprobs show it (its own decode)
     expected = [(tok.decode(r.token_ids), [tok.decode([t]) for t in r.token_ids]) for r in results]
     model = os.path.basename(tiny)
-    served = start_served(str(tmp_path / "up.log"), "--model", tiny, "--tp", "2",
+    served = start_served(str(tmp_path / "up.log"), "--model", tiny, "--tp", "2", "--dtype", "float32",
                           "--max-model-len", "512", "--served-model-name", model)
     try:
         assert [complete(served.base_url, model, p) for p in PROMPTS] == expected

@@ -33,7 +33,7 @@ def run_tp(model: str, prompts, sampling, tp: int, **overrides) -> tuple[list[li
     """Generate to completion; returns tokens and the number of preemptions."""
     if overrides.get("num_kv_blocks", 512) is None:
         overrides["num_kv_blocks"] = kv_blocks_to_force_preemption(prompts, 16)
-    with LLMEngine(EngineArgs(model=model, block_size=16, tp=tp, **overrides),
+    with LLMEngine(EngineArgs(model=model, block_size=16, tp=tp, **{"dtype": "float32", **overrides}),
                    progress=False) as engine:
         results = engine.generate(prompts, sampling)
         bm = engine.scheduler.block_manager
@@ -134,7 +134,7 @@ def test_seeded_sampling_is_identical_across_tp(tiny):
 
 def test_one_forward_is_two_all_reduces_per_layer_plus_embedding_and_lm_head(tiny):
     path, prompts, _ = tiny
-    with LLMEngine(EngineArgs(model=path, tp=2, block_size=16, num_kv_blocks=64,
+    with LLMEngine(EngineArgs(model=path, dtype="float32", tp=2, block_size=16, num_kv_blocks=64,
                               max_model_len=512), progress=False) as engine:
         runner = engine.runner
         cfg = engine.model_config
@@ -150,7 +150,7 @@ def test_one_forward_is_two_all_reduces_per_layer_plus_embedding_and_lm_head(tin
 
 def test_an_empty_plan_runs_no_forward(tiny):
     path, _, _ = tiny
-    with LLMEngine(EngineArgs(model=path, tp=2, block_size=16, num_kv_blocks=64,
+    with LLMEngine(EngineArgs(model=path, dtype="float32", tp=2, block_size=16, num_kv_blocks=64,
                               max_model_len=512), progress=False) as engine:
         result = engine.runner.execute(IterationPlan(0, [], [], {}))
         assert result.sampled == {} and engine.runner.tp.num_all_reduces == 0
@@ -167,7 +167,7 @@ def tiny_six_heads(tmp_path_factory) -> str:
 
 
 def test_killing_a_follower_ends_the_group_with_an_error_naming_it(tiny_six_heads, capfd):
-    engine = LLMEngine(EngineArgs(model=tiny_six_heads, tp=3, block_size=16, num_kv_blocks=256,
+    engine = LLMEngine(EngineArgs(model=tiny_six_heads, dtype="float32", tp=3, block_size=16, num_kv_blocks=256,
                                   max_model_len=1024), progress=False)
     try:
         followers = engine.runner.followers.procs
@@ -199,7 +199,7 @@ DRIVER = textwrap.dedent("""
     from services.engine import LLMEngine
     from shared.engine_args import EngineArgs
     from shared.sampling import SamplingParams
-    engine = LLMEngine(EngineArgs(model=sys.argv[1], tp=3, block_size=16, num_kv_blocks=64,
+    engine = LLMEngine(EngineArgs(model=sys.argv[1], dtype="float32", tp=3, block_size=16, num_kv_blocks=64,
                                   max_model_len=512), progress=False)
     engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0.0)])
     print(json.dumps([p.pid for p in engine.runner.followers.procs.values()]), flush=True)

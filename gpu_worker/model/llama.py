@@ -114,6 +114,10 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
                 module.packed = prepack(module.weight.data)
+                if module.packed is not None and module.weight is not self.embed_tokens.weight:
+                    # the packed copy replaces W (only its dtype is read from now on); a tied
+                    # LM head keeps it: the embedding looks rows up in it
+                    module.weight.data = module.weight.data.new_empty(0)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                 meta: AttentionMetadata, backend) -> torch.Tensor:
