@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from gpu_worker.kernel_build import supported_levels
+from shared.cpu import cpu_flags
+
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(1800)]
 
 REPO = Path(__file__).resolve().parents[1]
@@ -150,6 +153,14 @@ def test_compose_cluster_streams_a_completion(docker_available: None,
         assert proc.returncode == 0, f"docker/build.sh failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     with capsys.disabled():   # build.sh's own step timings, for CI logs
         print("\n" + "\n".join(l for l in proc.stdout.splitlines() if l.startswith("[build.sh]")))
+    with phase("the image's CPU kernels", capsys):   # compiled on the host, loaded in the image
+        level = subprocess.run(
+            ["docker", "run", "--rm", "--network", "none", compose.env["PACER_IMAGE"], "python", "-c",
+             "from gpu_worker.cpu_kernels import cpu_kernels; k = cpu_kernels(); "
+             "print('LEVEL', k.level if k else None)"],
+            capture_output=True, text=True, timeout=300)
+        want = supported_levels(cpu_flags())[-1]
+        assert f"LEVEL {want}" in level.stdout, level.stdout + level.stderr
     try:
         with phase("docker-compose up", capsys):
             compose.run("up", "-d", timeout=300)
