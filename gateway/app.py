@@ -75,7 +75,7 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id)
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
     tasks = [asyncio.create_task(state.router.run(), name="token-router"),
-             asyncio.create_task(state.upstream.heartbeat_forever(state.router.fail_all),
+             asyncio.create_task(state.upstream.keep_heartbeat_watching_redis(state.router.fail_all),
                                  name="gateway-heartbeat")]
     try:
         # a request sent before the subscription is confirmed could lose its first tokens

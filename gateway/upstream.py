@@ -25,7 +25,7 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from services.lifecycle import cancel_requested
+from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
 from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
@@ -105,7 +105,7 @@ class Upstream:
         if self._pending_aborts:
             await asyncio.gather(*self._pending_aborts, return_exceptions=True)
 
-    async def heartbeat_forever(self, on_lost: Callable[[str], object]) -> None:
+    async def keep_heartbeat_watching_redis(self, on_lost: Callable[[str], object]) -> None:
         """Keep the heartbeat key alive; call `on_lost(reason)` when Redis restarted or has
         been unreachable for REDIS_UNREACHABLE_S."""
         key = self.keys.hb_gateway(self.gateway_id)

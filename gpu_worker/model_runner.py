@@ -6,7 +6,7 @@ never carries token values: a decode's input is the last token this runner drew.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
@@ -20,6 +20,7 @@ from gpu_worker.parallel import SINGLE, TPGroup
 from gpu_worker.sampler import Sampler
 from gpu_worker.weights import iter_weights
 from shared.config import activation_dtype, kv_cache_dtype
+from shared.engine_layout import EngineLayout
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource
 from shared.plan import IterationPlan, NewRequestData, StepResult
@@ -46,7 +47,6 @@ class _RequestState:
     block_table: list[int]
     num_computed_tokens: int
     reply_to: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -119,3 +119,16 @@ class ModelRunner:
 def _state_of(new: NewRequestData) -> _RequestState:
     return _RequestState(list(new.token_ids), new.num_prompt_tokens, new.sampling,
                          list(new.block_table), new.num_computed_tokens, new.reply_to)
+
+
+def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConfig:
+    args = layout.args
+    return RunnerConfig(num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size,
+                        dtype=args.dtype, device=args.device, seed=args.seed, progress=progress)
+
+
+def build_runner(layout: EngineLayout, tp: TPGroup | None = None,
+                 progress: bool = True) -> ModelRunner:
+    """Load the weights (this rank's shard when `tp` is a TPGroup) and allocate the KV pool."""
+    return ModelRunner(layout.model_config, layout.source, runner_config_for(layout, progress),
+                       tp or SINGLE)

@@ -55,7 +55,8 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch
-from services.lifecycle import redis_run_id, stream_tail_id
+from shared.lifecycle import (cancel_tasks, clear_key, keep_heartbeat, redis_run_id,
+                              stream_tail_id)
 from shared.keys import PLANS_MAXLEN, Keys
 from shared.plan import IterationPlan, StepResult
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
@@ -519,12 +520,10 @@ def _decode_result(fields: dict) -> StepResult | None:
 async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
                 config: SchedulerServiceConfig, stop: asyncio.Event) -> int:
     """Prepare, wait for the workers, run until stopped and drained. Returns an exit code."""
-    from services.lifecycle import cancel_tasks, clear_key, heartbeat_forever
-
     service = SchedulerService(redis, keys, core, config)
     await service.prepare()
     hb_key = keys.hb_scheduler(config.scheduler_id)
-    tasks = [asyncio.create_task(heartbeat_forever(redis, hb_key, service.heartbeat),
+    tasks = [asyncio.create_task(keep_heartbeat(redis, hb_key, service.heartbeat),
                                  name="scheduler-heartbeat"),
              asyncio.create_task(service.takeover.keep_leases(), name="scheduler-leases")]
     try:

@@ -251,9 +251,15 @@ def to_fields(msg: Message) -> dict[str, bytes]:
     return {STREAM_FIELD: encode(msg)}
 
 
-def from_fields(fields: dict) -> Message:
-    """Decode a stream entry's field map as redis-py returns it (bytes or str keys)."""
+def message_bytes(fields: dict) -> bytes:
+    """The encoded message of a stream entry's field map as redis-py returns it (bytes or str
+    keys), undecoded."""
     data = fields.get(STREAM_FIELD.encode(), fields.get(STREAM_FIELD))
     if data is None:
         raise ProtocolError(f"stream entry has no {STREAM_FIELD!r} field: {sorted(fields)}")
-    return decode(data)
+    return data
+
+
+def from_fields(fields: dict) -> Message:
+    """Decode a stream entry's field map as redis-py returns it (bytes or str keys)."""
+    return decode(message_bytes(fields))
