@@ -60,5 +60,4 @@ def run(args: argparse.Namespace) -> int:
     from shared.logging import configure_logging
 
     configure_logging("gateway", args.log_level)
-    run_gateway(config_from_args(args))
-    return 0
+    return run_gateway(config_from_args(args))

@@ -39,20 +39,19 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from gpu_worker.model_runner import build_runner
 from gpu_worker.tp.executor import TPExecutor
 from gpu_worker.tp.service import serve_follower, start_rank0
 from shared.engine_layout import EngineLayout
+from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, keep_heartbeat, redis_run_id,
                               stream_id_text, stream_tail_id)
-from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, TokenBatch,
                              TokenEvent, encode, from_fields, message_bytes, to_fields)
+from shared.redis_retry import TRANSIENT, retry_redis
 
 log = structlog.get_logger("worker")
 
@@ -60,6 +59,10 @@ PLAN_BLOCK_MS = 500
 STATS_INTERVAL_S = 0.1
 # a progress record's TTL is refreshed at the first token and every this many tokens after
 PROGRESS_REFRESH_EVERY = 64
+
+
+class _RedisReplaced(Exception):
+    """Redis restarted while a plan ran: its result has nobody to go to."""
 
 
 class Executor(Protocol):
@@ -133,7 +136,7 @@ class PlanLoop:
             pipe.info("server")
             pipe.xread({self.keys.plans: self._plans_after}, count=8, block=PLAN_BLOCK_MS)
             info, reply = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError) as e:
+        except TRANSIENT as e:      # the loop reads again after a pause
             log.warning("redis unavailable; retrying", error=str(e))
             await asyncio.sleep(0.5)
             return []
@@ -186,20 +189,15 @@ class PlanLoop:
         with_stats = time.monotonic() - self._stats_at >= STATS_INTERVAL_S
         if with_stats:
             self._stats_at = time.monotonic()
-        delay, failed = 0.1, False
-        while True:
-            try:
-                if failed and not await self._same_redis(step):
-                    return False
-                # a fresh pipeline each time: a failed execute() has emptied the last one
-                await self._result_pipeline(batches, result, with_stats).execute()
-                return True
-            except (RedisConnectionError, RedisTimeoutError) as e:
-                # the scheduler waits for this result; a duplicate is skipped by its step
-                log.warning("result not sent; retrying", step=step, error=str(e))
-                failed = True
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            # a fresh pipeline each try: a failed execute() has emptied the last one; the
+            # scheduler waits for this result, and skips a duplicate by its step
+            await retry_redis(lambda: self._result_pipeline(batches, result, with_stats).execute(),
+                              f"send result of step {step}", log,
+                              before_retry=lambda: self._check_same_redis(step))
+            return True
+        except _RedisReplaced:
+            return False
 
     def _result_pipeline(self, batches: dict[str, TokenBatch], result: StepResult,
                          with_stats: bool):
@@ -213,13 +211,12 @@ class PlanLoop:
             pipe.hset(self.keys.stats, mapping=self.stats())
         return pipe
 
-    async def _same_redis(self, step: int) -> bool:
+    async def _check_same_redis(self, step: int) -> None:
         """After a failed send: is Redis still the server the plan came from? If not, the
         plan went with the old one and nobody waits for its result."""
-        if (await self.redis.info("server"))["run_id"] == self._run_id:
-            return True
-        log.warning("redis restarted while a plan ran; its result is dropped", step=step)
-        return False
+        if (await self.redis.info("server"))["run_id"] != self._run_id:
+            log.warning("redis restarted while a plan ran; its result is dropped", step=step)
+            raise _RedisReplaced()
 
     def _record_progress(self, pipe, batch: TokenBatch) -> None:
         """Queued before the PUBLISH: whatever a client saw is in the record."""

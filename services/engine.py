@@ -33,8 +33,8 @@ def _runner(layout: EngineLayout, progress: bool):
     """The model runner, or with tp > 1 a TPExecutor: this process is rank 0 and spawns
     ranks 1..tp-1. Imported here, not at the top: it loads torch, which the scheduler-only
     users of this module (benchmarks of the core) need not."""
-    from gpu_worker.tp.spawn import launch_tp_executor
     from gpu_worker.model_runner import build_runner, runner_config_for
+    from gpu_worker.tp.spawn import launch_tp_executor
 
     if layout.args.tp == 1:
         return build_runner(layout, progress=progress)

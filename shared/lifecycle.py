@@ -23,12 +23,12 @@ from redis.exceptions import RedisError
 from shared.errors import PacerError
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
 from shared.protocol import Heartbeat, encode
+from shared.redis_retry import retry_redis
 
 log = structlog.get_logger("lifecycle")
 
 # Blocking stream reads wait at most ~1 s; the socket timeout must be longer (see NOTES).
 SOCKET_TIMEOUT_S = 10.0
-CONNECT_BACKOFF_MAX_S = 2.0
 
 ServiceMain = Callable[[asyncio.Event], Awaitable[int]]
 RedisServiceMain = Callable[[aioredis.Redis, asyncio.Event], Awaitable[int]]
@@ -85,19 +85,13 @@ async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis
     """A client for `url`, once the server answers PING (waits with backoff, logging)."""
     redis = aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
                                     health_check_interval=30)
-    delay = 0.1
-    while True:
-        try:
-            await redis.ping()
-            return redis
-        except (RedisError, OSError) as e:
-            if stop is not None and stop.is_set():
-                await redis.aclose()
-                raise
-            log.warning("redis not answering; retrying", redis_url=url, error=str(e),
-                        retry_in_s=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, CONNECT_BACKOFF_MAX_S)
+    try:
+        await retry_redis(redis.ping, f"connect to {url}", log, errors=(RedisError, OSError),
+                          give_up=lambda: stop is not None and stop.is_set())
+    except BaseException:
+        await redis.aclose()
+        raise
+    return redis
 
 
 async def keep_heartbeat(redis: aioredis.Redis, key: str,
