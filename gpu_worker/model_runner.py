@@ -70,7 +70,7 @@ class ModelRunner:
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.kv_caches = allocate_kv_cache(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,
                                            DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
-        self.sampler = Sampler(rc.device, rc.seed)
+        self.sampler = Sampler(rc.seed)
         self.requests: dict[str, _RequestState] = {}
 
     @torch.inference_mode()
@@ -93,7 +93,7 @@ class ModelRunner:
         return StepResult(plan.step, dict(zip(sampling_ids, tokens)))
 
     def _apply(self, plan: IterationPlan) -> None:
-        for rid in plan.finished_request_ids:
+        for rid in plan.dropped_request_ids:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = _state_of(new)

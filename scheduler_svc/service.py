@@ -180,7 +180,7 @@ class SchedulerService:
     async def _iterate(self) -> bool:
         """One plan out, its result in, the core updated. False: no result will come."""
         plan = self.core.schedule()
-        if plan.is_empty and not plan.finished_request_ids:
+        if plan.is_empty and not plan.dropped_request_ids:
             # only aborts of queued requests to report; no worker needs to hear of it
             if not self._apply(plan, StepResult(plan.step, {})):
                 # nothing could be admitted and nothing changed: do not spin

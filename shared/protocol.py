@@ -115,6 +115,7 @@ class PlanMsg:
             # pairs keep the flat batch's row order explicit
             "sched": [[rid, n] for rid, n in p.num_scheduled_tokens.items()],
             "finished": p.finished_request_ids,
+            "preempted": p.preempted_request_ids,
         }
 
     @classmethod
@@ -126,6 +127,7 @@ class PlanMsg:
                              for rid, blocks, n in body["cached"]],
             num_scheduled_tokens={rid: n for rid, n in body["sched"]},
             finished_request_ids=list(body["finished"]),
+            preempted_request_ids=list(body["preempted"]),
         )
         return cls(plan)
 

@@ -2,11 +2,13 @@
 
 The test reads every module of the five packages with `ast`, imports inside functions
 included, and fails on an import of a higher floor or of a sibling on the same floor (the
-three services never import each other)."""
+three services never import each other). Importing `shared` has no side effect on the process."""
 from __future__ import annotations
 
 import ast
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -71,3 +73,14 @@ def test_every_module_is_walked():
 def test_imports_point_down(module: str):
     with open(os.path.join(ROOT, *module.split(".")) + ".py", encoding="utf-8") as f:
         assert violations(f.read(), module) == []
+
+
+def test_importing_shared_leaves_the_environment_alone():
+    # OpenMP's wait policy is set by the entry points (shared/openmp.py), not at import
+    code = ("import os; before = dict(os.environ); import shared, shared.lifecycle, "
+            "shared.engine_layout, shared.cost_model, shared.protocol; "
+            "print(dict(os.environ) == before)")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "True"

@@ -44,7 +44,7 @@ def share_sampling_seed(runner, group: ProcessTPGroup) -> None:
         group.store.set(SEED, str(seed))
     else:
         seed = int(group.store.get(SEED))
-    runner.sampler = Sampler(runner.rc.device, seed)
+    runner.sampler = Sampler(seed)
 
 
 def check_agreement(result: StepResult, group: ProcessTPGroup, device: str) -> None:
