@@ -5,8 +5,10 @@ import json
 import random
 import time
 
-import shared  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads OpenMP)
-import torch
+from shared.openmp import default_omp_wait_policy
+
+default_omp_wait_policy()      # before torch loads OpenMP
+import torch  # noqa: E402
 
 
 def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0,

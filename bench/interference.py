@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from bench.common import print_table, random_prompts, write_json  # noqa: E402
-from scheduler_svc.cost_model import model_shape_of  # noqa: E402
-from scheduler_svc.iteration_cost import RooflineCost  # noqa: E402
-from services.engine import DTYPE_BYTES, LLMEngine, build_scheduler  # noqa: E402
+from shared.cost_model import RooflineCost, model_shape_of  # noqa: E402
+from scheduler_svc.build import build_scheduler  # noqa: E402
+from services.engine import LLMEngine  # noqa: E402
+from shared.engine_layout import DTYPE_BYTES  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.hardware import hardware_from_dict, load_hardware  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import print_table, random_prompts  # noqa: E402  (before torch: OMP policy)
 import torch  # noqa: E402
-from gpu_worker.distributed import launch_tp_executor  # noqa: E402
+from gpu_worker.tp.spawn import launch_tp_executor  # noqa: E402
 from gpu_worker.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from shared.model_config import load_model_config  # noqa: E402
 from shared.model_source import resolve_model  # noqa: E402

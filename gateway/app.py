@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import signal
 import time
 from collections.abc import AsyncIterator
 
@@ -34,6 +33,7 @@ from gateway.streams import TokenRouter
 from gateway.upstream import Upstream
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
+from shared.lifecycle import run_service
 from shared.model_config import load_model_config
 from shared.model_source import resolve_model
 from shared.tokenizer import load_tokenizer
@@ -75,7 +75,7 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id)
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
     tasks = [asyncio.create_task(state.router.run(), name="token-router"),
-             asyncio.create_task(state.upstream.heartbeat_forever(state.router.fail_all),
+             asyncio.create_task(state.upstream.keep_heartbeat_watching_redis(state.router.fail_all),
                                  name="gateway-heartbeat")]
     try:
         # a request sent before the subscription is confirmed could lose its first tokens
@@ -163,23 +163,17 @@ async def _until_no_open(state: GatewayState, timeout_s: float) -> bool:
     return not state.router.num_open
 
 
-async def _serve_until_signalled(config: GatewayConfig) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+async def _serve_until(config: GatewayConfig, stop: asyncio.Event) -> int:
     app = create_app(config)
     async with serve(config, app) as url:
         log.info("listening", url=url)
         await stop.wait()
         await drain(app)
     log.info("gateway stopped")
+    return 0
 
 
-def run_gateway(config: GatewayConfig) -> None:
-    try:
-        import uvloop
-    except ImportError:   # not on Windows
-        asyncio.run(_serve_until_signalled(config))
-    else:
-        uvloop.run(_serve_until_signalled(config))
+def run_gateway(config: GatewayConfig) -> int:
+    """Serve until SIGINT/SIGTERM, then drain; a second signal stops at once. Returns the
+    exit code."""
+    return run_service(lambda stop: _serve_until(config, stop))

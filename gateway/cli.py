@@ -5,15 +5,14 @@ import argparse
 
 from gateway.config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
                             DEFAULT_SHUTDOWN_TIMEOUT_S, GatewayConfig, new_gateway_id)
-from shared.keys import DEFAULT_PREFIX
+from shared.service_args import add_service_args
 
 
 def register(sub) -> None:
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
+    add_service_args(p)
     p.add_argument("--model", default=None,
                    help="smollm2-135m (default), an HF directory, or a .gguf file")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -22,7 +21,6 @@ def register(sub) -> None:
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     add_request_policy_args(p)
-    p.add_argument("--log-level", default="info")
     p.set_defaults(run=run)
 
 
@@ -62,5 +60,4 @@ def run(args: argparse.Namespace) -> int:
     from shared.logging import configure_logging
 
     configure_logging("gateway", args.log_level)
-    run_gateway(config_from_args(args))
-    return 0
+    return run_gateway(config_from_args(args))

@@ -22,7 +22,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
-from services.lifecycle import cancel_requested
+from shared.lifecycle import cancel_requested
 from shared.protocol import FinishEvent, ProtocolError, TokenBatch, TokenEvent, decode
 
 log = structlog.get_logger("gateway.streams")

@@ -25,10 +25,11 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from services.lifecycle import cancel_requested
+from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
 from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
+from shared.redis_retry import retry_redis
 from shared.sampling import SamplingParams
 
 log = structlog.get_logger("gateway.upstream")
@@ -70,23 +71,22 @@ class Upstream:
             _, info = await pipe.execute()
             return info["run_id"]
 
-        return await self._live_connection(send)
+        return await self._live_connection(send, "submit request")
 
     async def abort(self, request_id: str, reason: str) -> None:
         fields = to_fields(AbortMsg(request_id, reason))
         await self._live_connection(lambda: self.redis.xadd(
-            self.keys.aborts, fields, maxlen=ABORTS_MAXLEN, approximate=True))
+            self.keys.aborts, fields, maxlen=ABORTS_MAXLEN, approximate=True), "abort request")
         log.info("request aborted upstream", request_id=request_id, reason=reason)
 
-    async def _live_connection(self, op: Callable[[], Awaitable[T]]) -> T:
+    async def _live_connection(self, op: Callable[[], Awaitable[T]], what: str) -> T:
         """Run `op`; if its connection was dead, drop the pool's idle connections (after a
         restart they all lead to the old server) and run it once more."""
-        try:
-            return await op()
-        except RedisConnectionError as e:
-            log.warning("redis connection dropped; retrying on a new one", error=str(e))
-            await self.redis.connection_pool.disconnect(inuse_connections=False)
-            return await op()
+        return await retry_redis(op, what, log, errors=(RedisConnectionError,), attempts=2,
+                                 before_retry=self._drop_idle_connections)
+
+    async def _drop_idle_connections(self) -> None:
+        await self.redis.connection_pool.disconnect(inuse_connections=False)
 
     def abort_soon(self, request_id: str, reason: str) -> None:
         """Abort from code that may itself be cancelled (a client that went away)."""
@@ -105,7 +105,7 @@ class Upstream:
         if self._pending_aborts:
             await asyncio.gather(*self._pending_aborts, return_exceptions=True)
 
-    async def heartbeat_forever(self, on_lost: Callable[[str], object]) -> None:
+    async def keep_heartbeat_watching_redis(self, on_lost: Callable[[str], object]) -> None:
         """Keep the heartbeat key alive; call `on_lost(reason)` when Redis restarted or has
         been unreachable for REDIS_UNREACHABLE_S."""
         key = self.keys.hb_gateway(self.gateway_id)
@@ -123,7 +123,7 @@ class Upstream:
                     self._replaced.append(replaced)
                     on_lost(REDIS_RESTARTED, keep_run_id=run_id)
                     # the idle connections in the pool all lead to the old server
-                    await self.redis.connection_pool.disconnect(inuse_connections=False)
+                    await self._drop_idle_connections()
             except (RedisError, OSError) as e:
                 log.warning("heartbeat not written", error=str(e))
                 now = time.monotonic()

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from scheduler_svc.cli import add_service_args
 from shared.engine_args import EngineArgs
+from shared.service_args import add_service_args
 
 
 def register(sub) -> None:
@@ -18,11 +18,13 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # imported when the command runs: the worker service loads torch, which `pacer` must not
+    # load just to build its parser
     from gpu_worker.service import serve_worker
-    from services.engine import engine_layout
-    from services.lifecycle import connect_redis, run_service
+    from shared.engine_layout import engine_layout
     from shared.errors import PacerError
     from shared.keys import Keys
+    from shared.lifecycle import run_redis_service
     from shared.logging import configure_logging
 
     configure_logging("worker", args.log_level)
@@ -30,13 +32,5 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < engine_args.tp:
         raise PacerError(f"--rank must be in [0, {engine_args.tp}), got {args.rank}")
     layout = engine_layout(engine_args)
-
-    async def main(stop) -> int:
-        redis = await connect_redis(args.redis_url, stop)
-        try:
-            return await serve_worker(redis, Keys(args.key_prefix), layout, args.rank, stop,
-                                      tp_host=args.tp_host)
-        finally:
-            await redis.aclose()
-
-    return run_service(main)
+    return run_redis_service(args.redis_url, lambda redis, stop: serve_worker(
+        redis, Keys(args.key_prefix), layout, args.rank, stop, tp_host=args.tp_host))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import torch
 
-from shared.config import kv_block_bytes
 from shared.model_config import ModelConfig
 
 
@@ -17,8 +16,3 @@ def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, num_kv
     shape = (num_blocks, block_size, num_kv_heads, cfg.head_dim)
     return [(torch.zeros(shape, dtype=dtype, device=device),
              torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
-
-
-def block_bytes(cfg: ModelConfig, block_size: int, tp_size: int, dtype: torch.dtype) -> int:
-    return kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // tp_size, cfg.head_dim, block_size,
-                          torch.empty((), dtype=dtype).element_size())

@@ -6,7 +6,7 @@ never carries token values: a decode's input is the last token this runner drew.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch.profiler import record_function
@@ -20,6 +20,7 @@ from gpu_worker.parallel import SINGLE, TPGroup
 from gpu_worker.sampler import Sampler
 from gpu_worker.weights import iter_weights
 from shared.config import activation_dtype, kv_cache_dtype
+from shared.engine_layout import EngineLayout
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource
 from shared.plan import IterationPlan, NewRequestData, StepResult
@@ -46,7 +47,6 @@ class _RequestState:
     block_table: list[int]
     num_computed_tokens: int
     reply_to: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -70,7 +70,7 @@ class ModelRunner:
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.kv_caches = allocate_kv_cache(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,
                                            DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
-        self.sampler = Sampler(rc.device, rc.seed)
+        self.sampler = Sampler(rc.seed)
         self.requests: dict[str, _RequestState] = {}
 
     @torch.inference_mode()
@@ -93,7 +93,7 @@ class ModelRunner:
         return StepResult(plan.step, dict(zip(sampling_ids, tokens)))
 
     def _apply(self, plan: IterationPlan) -> None:
-        for rid in plan.finished_request_ids:
+        for rid in plan.dropped_request_ids:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             self.requests[new.request_id] = _state_of(new)
@@ -119,3 +119,16 @@ class ModelRunner:
 def _state_of(new: NewRequestData) -> _RequestState:
     return _RequestState(list(new.token_ids), new.num_prompt_tokens, new.sampling,
                          list(new.block_table), new.num_computed_tokens, new.reply_to)
+
+
+def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConfig:
+    args = layout.args
+    return RunnerConfig(num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size,
+                        dtype=args.dtype, device=args.device, seed=args.seed, progress=progress)
+
+
+def build_runner(layout: EngineLayout, tp: TPGroup | None = None,
+                 progress: bool = True) -> ModelRunner:
+    """Load the weights (this rank's shard when `tp` is a TPGroup) and allocate the KV pool."""
+    return ModelRunner(layout.model_config, layout.source, runner_config_for(layout, progress),
+                       tp or SINGLE)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.errors import PacerError
+
 
 @dataclass
 class TPGroup:
@@ -62,7 +64,6 @@ class TPGroup:
     def shard(self, total: int, what: str) -> int:
         """Size of this rank's slice of `total` units (heads, rows); must divide evenly."""
         if total % self.size:
-            from shared.errors import PacerError
             raise PacerError(f"{what} = {total} does not divide by tp = {self.size}")
         return total // self.size
 

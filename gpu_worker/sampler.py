@@ -15,7 +15,7 @@ _SEED_STRIDE = 1_000_003
 
 
 class Sampler:
-    def __init__(self, device: str = "cpu", seed: int | None = None):
+    def __init__(self, seed: int | None = None):
         self._unseeded = torch.Generator(device="cpu")
         if seed is None:
             self._unseeded.seed()

@@ -19,8 +19,9 @@ A plan whose step is not after the last one came from a scheduler that started a
 old one died): rank 0 then adds every request it still holds to that plan's finished ids, so
 every rank forgets the dead scheduler's requests before applying the new plan.
 
-Ranks > 0 follow rank 0 over torch.distributed (`gpu_worker.distributed.run_follower`); they
-meet it at the address rank 0 writes to the rendezvous key. Every rank keeps its heartbeat key
+Ranks > 0 follow rank 0 over torch.distributed (`gpu_worker.tp.follower`); they meet it at
+the address rank 0 writes to the rendezvous key (`gpu_worker.tp.rendezvous`). Rank 0 forwards
+each plan's bytes to them as they came from Redis, without decoding and encoding them again. Every rank keeps its heartbeat key
 alive; the heartbeat carries the KV pool's size so the scheduler can refuse a mismatch.
 
 Rank 0 measures how long it waits for plans (from sending a result to receiving the next
@@ -30,9 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import os
-import socket
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -40,17 +39,19 @@ from typing import Protocol
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from services.lifecycle import (Stopwatch, cancel_tasks, clear_key, heartbeat_forever,
-                                redis_run_id, stream_id_text, stream_tail_id)
-from shared.errors import PacerError
+from gpu_worker.model_runner import build_runner
+from gpu_worker.tp.executor import TPExecutor
+from gpu_worker.tp.service import serve_follower, start_rank0
+from shared.engine_layout import EngineLayout
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
+from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, keep_heartbeat, redis_run_id,
+                              stream_id_text, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, TokenBatch,
-                             TokenEvent, encode, from_fields, to_fields)
+                             TokenEvent, encode, from_fields, message_bytes, to_fields)
+from shared.redis_retry import TRANSIENT, retry_redis
 
 log = structlog.get_logger("worker")
 
@@ -58,6 +59,10 @@ PLAN_BLOCK_MS = 500
 STATS_INTERVAL_S = 0.1
 # a progress record's TTL is refreshed at the first token and every this many tokens after
 PROGRESS_REFRESH_EVERY = 64
+
+
+class _RedisReplaced(Exception):
+    """Redis restarted while a plan ran: its result has nobody to go to."""
 
 
 class Executor(Protocol):
@@ -117,8 +122,8 @@ class PlanLoop:
             while not stop.is_set():
                 for entry_id, fields in await self._read_plans():
                     self._plans_after = entry_id
-                    plan = _decode_plan(fields)
-                    if plan is not None and await self._run_plan(plan):
+                    plan, wire = _decode_plan(fields)
+                    if plan is not None and await self._run_plan(plan, wire):
                         self._answered = {"answered_run_id": self._run_id,
                                           "answered_plan": stream_id_text(entry_id)}
         finally:
@@ -131,7 +136,7 @@ class PlanLoop:
             pipe.info("server")
             pipe.xread({self.keys.plans: self._plans_after}, count=8, block=PLAN_BLOCK_MS)
             info, reply = await pipe.execute()
-        except (RedisConnectionError, RedisTimeoutError) as e:
+        except TRANSIENT as e:      # the loop reads again after a pause
             log.warning("redis unavailable; retrying", error=str(e))
             await asyncio.sleep(0.5)
             return []
@@ -143,13 +148,15 @@ class PlanLoop:
             return []
         return [entry for _, entries in reply or [] for entry in entries]
 
-    async def _run_plan(self, plan: IterationPlan) -> bool:
-        """Run the plan and send its result; False if that went to a Redis that is gone."""
+    async def _run_plan(self, plan: IterationPlan, wire: bytes) -> bool:
+        """Run the plan and send its result; False if that went to a Redis that is gone.
+        `wire`: the plan's bytes as they came from the plans stream."""
         self.plan_wait.stop()
         self.busy.start()
-        plan = self._forget_stale(plan)
+        fresh = self._forget_stale(plan)
         loop = asyncio.get_running_loop()
-        result = await loop.run_in_executor(self._thread, self.executor.execute, plan)
+        result = await loop.run_in_executor(self._thread, self._execute, fresh,
+                                            wire if fresh is plan else None)
         batches = token_batches(result, self.requests)
         self.busy.stop()
         self.publish.start()
@@ -158,6 +165,13 @@ class PlanLoop:
         self.num_iterations += 1
         self.plan_wait.start()
         return sent
+
+    def _execute(self, plan: IterationPlan, wire: bytes | None) -> StepResult:
+        """A TP group's rank 0 forwards the plan's bytes as they came (`wire`; None when
+        the plan was changed here)."""
+        if wire is not None and isinstance(self.executor, TPExecutor):
+            return self.executor.execute(plan, wire)
+        return self.executor.execute(plan)
 
     def _forget_stale(self, plan: IterationPlan) -> IterationPlan:
         """A step that is not after the last one: a new scheduler, which knows nothing of
@@ -175,20 +189,15 @@ class PlanLoop:
         with_stats = time.monotonic() - self._stats_at >= STATS_INTERVAL_S
         if with_stats:
             self._stats_at = time.monotonic()
-        delay, failed = 0.1, False
-        while True:
-            try:
-                if failed and not await self._same_redis(step):
-                    return False
-                # a fresh pipeline each time: a failed execute() has emptied the last one
-                await self._result_pipeline(batches, result, with_stats).execute()
-                return True
-            except (RedisConnectionError, RedisTimeoutError) as e:
-                # the scheduler waits for this result; a duplicate is skipped by its step
-                log.warning("result not sent; retrying", step=step, error=str(e))
-                failed = True
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+        try:
+            # a fresh pipeline each try: a failed execute() has emptied the last one; the
+            # scheduler waits for this result, and skips a duplicate by its step
+            await retry_redis(lambda: self._result_pipeline(batches, result, with_stats).execute(),
+                              f"send result of step {step}", log,
+                              before_retry=lambda: self._check_same_redis(step))
+            return True
+        except _RedisReplaced:
+            return False
 
     def _result_pipeline(self, batches: dict[str, TokenBatch], result: StepResult,
                          with_stats: bool):
@@ -202,13 +211,12 @@ class PlanLoop:
             pipe.hset(self.keys.stats, mapping=self.stats())
         return pipe
 
-    async def _same_redis(self, step: int) -> bool:
+    async def _check_same_redis(self, step: int) -> None:
         """After a failed send: is Redis still the server the plan came from? If not, the
         plan went with the old one and nobody waits for its result."""
-        if (await self.redis.info("server"))["run_id"] == self._run_id:
-            return True
-        log.warning("redis restarted while a plan ran; its result is dropped", step=step)
-        return False
+        if (await self.redis.info("server"))["run_id"] != self._run_id:
+            log.warning("redis restarted while a plan ran; its result is dropped", step=step)
+            raise _RedisReplaced()
 
     def _record_progress(self, pipe, batch: TokenBatch) -> None:
         """Queued before the PUBLISH: whatever a client saw is in the record."""
@@ -231,16 +239,17 @@ class PlanLoop:
                 "worker_iterations_total": self.num_iterations}
 
 
-def _decode_plan(fields: dict) -> IterationPlan | None:
+def _decode_plan(fields: dict) -> tuple[IterationPlan | None, bytes]:
+    """The plan of a plans-stream entry (None if it is not one) and its encoded bytes."""
     try:
         msg = from_fields(fields)
     except ProtocolError as e:
         log.error("undecodable plan skipped", error=str(e))
-        return None
+        return None, b""
     if not isinstance(msg, PlanMsg):
         log.error("not a plan on the plans stream", kind=type(msg).__name__)
-        return None
-    return msg.plan
+        return None, b""
+    return msg.plan, message_bytes(fields)
 
 
 def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
@@ -260,49 +269,16 @@ def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
 
 # ---- start-up ----------------------------------------------------------------------------
 
-def rendezvous_key(keys: Keys) -> str:
-    """Where rank 0 writes the torch.distributed address of its TP group (JSON)."""
-    return f"{keys.prefix}tp:rendezvous"
-
-
-async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str) -> tuple[str, int]:
-    """Rank 0: pick a free port on `host` and tell the other ranks (no hard-coded port)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        port = s.getsockname()[1]
-    value = json.dumps({"addr": host, "port": port, "pid": os.getpid(), "time": time.time()})
-    await redis.set(rendezvous_key(keys), value)
-    return host, port
-
-
-async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event,
-                          not_before: float) -> tuple[str, int, float] | None:
-    """Ranks > 0: wait for an address rank 0 wrote at or after `not_before` (older ones are
-    stale, left by an earlier group); (addr, port, time written), or None if stopped first."""
-    while not stop.is_set():
-        raw = await redis.get(rendezvous_key(keys))
-        if raw is not None:
-            value = json.loads(raw)
-            if value["time"] >= not_before:
-                return value["addr"], int(value["port"]), float(value["time"])
-        await asyncio.sleep(0.2)
-    return None
-
-
-async def serve_worker(redis: aioredis.Redis, keys: Keys, layout, rank: int,
+async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, rank: int,
                        stop: asyncio.Event, tp_host: str = "127.0.0.1") -> int:
     """Load this rank's model, then serve until stopped. Returns an exit code."""
-    from services.engine import build_runner
-
-    from gpu_worker import tp_service
-
     tp = layout.args.tp
     if rank > 0:
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size)
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat,
-                                     tp_service.serve_follower(redis, keys, layout, rank, stop))
+                                     serve_follower(redis, keys, layout, rank, stop))
     if tp > 1:
-        executor = await tp_service.start_rank0(redis, keys, layout, tp_host)
+        executor = await start_rank0(redis, keys, layout, tp_host)
     else:
         executor = await asyncio.to_thread(build_runner, layout, None, True)
     try:
@@ -323,7 +299,7 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout, rank: int,
 
 async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:
     heartbeat = asyncio.create_task(
-        heartbeat_forever(redis, key, beat, ttl_s=WORKER_HEARTBEAT_TTL_S), name="heartbeat")
+        keep_heartbeat(redis, key, beat, ttl_s=WORKER_HEARTBEAT_TTL_S), name="heartbeat")
     log.info("worker ready", heartbeat_key=key)
     try:
         await work

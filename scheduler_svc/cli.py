@@ -5,7 +5,7 @@ import argparse
 import socket
 
 from shared.engine_args import EngineArgs
-from shared.keys import DEFAULT_PREFIX
+from shared.service_args import add_service_args
 
 
 def register(sub) -> None:
@@ -22,18 +22,14 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def add_service_args(p: argparse.ArgumentParser) -> None:
-    """Flags every Redis-side service takes (shared with `pacer worker`)."""
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
-    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
-    p.add_argument("--log-level", default="info")
-
-
 def run(args: argparse.Namespace) -> int:
+    # the service's modules are imported when the command runs, not when `pacer` builds its
+    # parser (every subcommand's module is imported for that)
+    from scheduler_svc.build import build_scheduler
     from scheduler_svc.service import SchedulerServiceConfig, serve
-    from services.engine import build_scheduler, engine_layout
-    from services.lifecycle import connect_redis, run_service
+    from shared.engine_layout import engine_layout
     from shared.keys import Keys
+    from shared.lifecycle import run_redis_service
     from shared.logging import configure_logging
 
     configure_logging("scheduler", args.log_level)
@@ -43,13 +39,5 @@ def run(args: argparse.Namespace) -> int:
         scheduler_id=args.scheduler_id or socket.gethostname(), tp=engine_args.tp,
         max_waiting=args.max_waiting or engine_args.max_num_seqs,
         drain_timeout_s=args.drain_timeout)
-
-    async def main(stop) -> int:
-        redis = await connect_redis(args.redis_url, stop)
-        try:
-            return await serve(redis, Keys(args.key_prefix), build_scheduler(layout), config,
-                               stop)
-        finally:
-            await redis.aclose()
-
-    return run_service(main)
+    return run_redis_service(args.redis_url, lambda redis, stop: serve(
+        redis, Keys(args.key_prefix), build_scheduler(layout), config, stop))

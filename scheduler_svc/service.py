@@ -11,24 +11,18 @@ One iteration, strictly in order (the core refuses a second plan before the firs
     wait      XREAD the results stream after the last id seen, for this plan's step
     update    outputs = core.update(plan, result); finished ones go to the next intake
 
-Failures, and what the loop does about them:
+Failures, and what the loop does about them (the worker, plan and Redis cases are
+`recovery.py`'s):
 
-    a worker dies       while waiting for a result it probes the worker heartbeats every
-                        0.5 s; a rank gone or restarted: recompute every running request
-                        (`core.recompute_running`), wait for the group, carry on
-    a plan is lost      the same probe also looks for the plan in the plans stream, and at
-                        the plan rank 0 last answered (its heartbeat): a plan gone from the
-                        stream, or answered without a result in the results stream, will
-                        never be answered: recompute every running request, carry on
+    a worker dies       recompute every running request, wait for the group, carry on
+    a plan is lost      recompute every running request, carry on
     it restarts itself  request state lives in Redis until finished: an entry is XACKed only
                         after its finish event was published. At start it runs one empty
                         plan (so the workers finish whatever the dead scheduler sent), then
                         takes back its pending entries with their progress records
                         (`takeover.py`); entries of a dead scheduler with another id are
                         XAUTOCLAIMed after CLAIM_IDLE_MS
-    Redis restarts      (its run_id changed, or the group is gone): every live request ends
-                        with an error event, the plan in flight is forgotten, the group is
-                        created again, the stream cursors start over; serving goes on
+    Redis restarts      every live request ends with an error event; serving goes on
     a gateway dies      its heartbeat missing twice in a row: its requests are aborted
     a deadline passes   the request ends with a timeout error event; its blocks are freed
 
@@ -40,49 +34,28 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import RedisError
 
 from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.core import Scheduler
+from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recovery
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch
-from services.lifecycle import redis_run_id, stream_tail_id
 from shared.keys import PLANS_MAXLEN, Keys
+from shared.lifecycle import cancel_tasks, clear_key, keep_heartbeat, stream_tail_id
 from shared.plan import IterationPlan, StepResult
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
                              from_fields, to_fields)
 
 log = structlog.get_logger("scheduler")
-T = TypeVar("T")
 
-WORKER_PROBE_S = 0.5          # how often a scheduler waiting for a result checks the workers
 HOUSEKEEPING_S = 1.0          # gateway heartbeats and XAUTOCLAIM, at most this often
 GATEWAY_MISSES = 2            # consecutive missing heartbeats before a gateway counts as dead
-REDIS_LOST = "the request queue was lost (Redis restarted); send the request again"
-
-
-class WorkersLost(Exception):
-    """A worker rank died or was restarted: the plan in flight will never be answered."""
-
-
-class RedisLost(Exception):
-    """Redis came back empty (another run_id, or the consumer group is gone)."""
-
-
-class PlanLost(Exception):
-    """The plan in flight left the plans stream, or rank 0 answered it and the result is not
-    in the results stream: no result will come, though Redis and the workers are there."""
-
-
 @dataclass(frozen=True)
 class SchedulerServiceConfig:
     scheduler_id: str                 # the consumer name: stable across restarts to recover
@@ -102,10 +75,10 @@ class SchedulerService:
         self.stats = SchedulerStats()
         self.workers = WorkerWatch(keys, config.tp)
         self.takeover = Takeover(redis, keys, config.scheduler_id, self.book)
-        self._aborts_after: str | bytes = "0-0"
-        self._results_after: str | bytes = "0-0"
+        self.cursors = Cursors()
+        self.recovery = Recovery(redis, keys, core, self.book, self.workers, self.takeover,
+                                 self.cursors, self._drain_expired)
         self._drain_deadline: float | None = None
-        self._run_id: str | None = None
         self._housekeeping_at = 0.0
         self._gateway_misses: dict[str, int] = {}
 
@@ -113,18 +86,9 @@ class SchedulerService:
 
     async def prepare(self) -> None:
         """Create the consumer group and note where the aborts and results streams end."""
-        await self._ensure_group()
-        self._run_id = await redis_run_id(self.redis)
-        self._aborts_after = await stream_tail_id(self.redis, self.keys.aborts)
-        self._results_after = await stream_tail_id(self.redis, self.keys.results)
-
-    async def _ensure_group(self) -> None:
-        try:
-            await self.redis.xgroup_create(self.keys.requests, self.keys.requests_group,
-                                           id="0", mkstream=True)
-        except ResponseError as e:
-            if "BUSYGROUP" not in str(e):
-                raise
+        await self.recovery.prepare()
+        self.cursors.aborts = await stream_tail_id(self.redis, self.keys.aborts)
+        self.cursors.results = await stream_tail_id(self.redis, self.keys.results)
 
     async def start(self, stop: asyncio.Event) -> bool:
         """Wait for the workers, let them finish what a previous scheduler sent, take back
@@ -135,13 +99,10 @@ class SchedulerService:
                 return False
             try:
                 await self._barrier()
-                taken = await self._retrying("take back pending",
+                taken = await self.recovery.retrying("take back pending",
                                              self.takeover.take_back_pending)
-            except (WorkersLost, PlanLost):
-                self.core.recompute_running()
-                continue
-            except RedisLost:
-                await self._after_redis_lost()
+            except Interrupted as e:
+                await self.recovery.recover(e, stop, self.wait_for_workers)
                 continue
             if taken:
                 log.info("took back unfinished requests", count=taken)
@@ -159,7 +120,7 @@ class SchedulerService:
         disagrees with ours (then nothing could be scheduled safely)."""
         logged = 0.0
         while not stop.is_set() or self._drain_deadline is not None and not self._drain_expired():
-            values = await self._retrying("read worker heartbeats",
+            values = await self.recovery.retrying("read worker heartbeats",
                                           lambda: self.redis.mget(self.workers.heartbeat_keys))
             if all(values):
                 self.workers.record(values)
@@ -199,15 +160,9 @@ class SchedulerService:
             try:
                 if not await self._step():
                     return
-            except WorkersLost as e:
-                if not await self._after_workers_lost(e, stop):
+            except Interrupted as e:
+                if not await self.recovery.recover(e, stop, self.wait_for_workers):
                     return
-            except PlanLost as e:
-                recomputed = self.core.recompute_running()
-                log.error("plan in flight lost; recomputing running requests", reason=str(e),
-                          recomputed=len(recomputed))
-            except RedisLost:
-                await self._after_redis_lost()
 
     async def _step(self) -> bool:
         """Intake, then one iteration if there is work. False: stop serving."""
@@ -225,7 +180,7 @@ class SchedulerService:
     async def _iterate(self) -> bool:
         """One plan out, its result in, the core updated. False: no result will come."""
         plan = self.core.schedule()
-        if plan.is_empty and not plan.finished_request_ids:
+        if plan.is_empty and not plan.dropped_request_ids:
             # only aborts of queued requests to report; no worker needs to hear of it
             if not self._apply(plan, StepResult(plan.step, {})):
                 # nothing could be admitted and nothing changed: do not spin
@@ -250,29 +205,6 @@ class SchedulerService:
                 self.book.finished(output)
         self.stats.mark_dirty()
         return len(outputs)
-
-    # ---- failures ------------------------------------------------------------------------
-
-    async def _after_workers_lost(self, lost: WorkersLost, stop: asyncio.Event) -> bool:
-        since = time.monotonic()
-        recomputed = self.core.recompute_running()
-        log.warning("worker group lost; recomputing running requests", ranks=lost.args[0],
-                    recomputed=len(recomputed))
-        if not await self.wait_for_workers(stop):
-            return False
-        log.info("worker group back", waited_s=round(time.monotonic() - since, 2))
-        return True
-
-    async def _after_redis_lost(self) -> None:
-        """Redis kept nothing: every request's entry and its client's token channel are
-        gone, so each live request ends with an error event; then serve anew."""
-        self.core.recompute_running()            # a plan in flight went with the old Redis
-        failed = self.book.stop_all(REDIS_LOST)
-        log.error("redis restarted empty; failing live requests", failed=failed)
-        await self._retrying("recreate group", self._ensure_group)
-        self._run_id = await self._retrying("read run_id", lambda: redis_run_id(self.redis))
-        self._aborts_after = self._results_after = "0-0"
-        self.takeover.claim_cursor = "0-0"
 
     # ---- intake --------------------------------------------------------------------------
 
@@ -300,13 +232,13 @@ class SchedulerService:
                 pipe.xreadgroup(self.keys.requests_group, self.config.scheduler_id,
                                 {self.keys.requests: ">"}, count=room,
                                 block=self.config.idle_block_ms if block else None)
-            pipe.xread({self.keys.aborts: self._aborts_after}, count=1000)
+            pipe.xread({self.keys.aborts: self.cursors.aborts}, count=1000)
             return await pipe.execute()
 
         # a retried exchange may publish a finish event twice; gateways keep the first
         try:
-            replies = await self._retrying("intake", exchange)
-        except RedisLost:
+            replies = await self.recovery.retrying("intake", exchange)
+        except Interrupted:          # RedisLost
             self.book.put_back(outbox)
             raise
         self._receive_aborts(replies.pop())
@@ -340,12 +272,12 @@ class SchedulerService:
     async def _resume_claimed(self, entries: list) -> None:
         if entries:
             log.warning("claiming requests of a scheduler that stopped", count=len(entries))
-            await self._retrying("resume claimed", lambda: self.takeover.resume(entries))
+            await self.recovery.retrying("resume claimed", lambda: self.takeover.resume(entries))
 
     def _receive_aborts(self, reply) -> None:
         for _, entries in reply or []:
             for entry_id, fields in entries:
-                self._aborts_after = entry_id
+                self.cursors.aborts = entry_id
                 self.book.abort(fields)
 
     def _check_gateways(self, gateways: list[str], heartbeats: list) -> None:
@@ -383,7 +315,7 @@ class SchedulerService:
             return await self.redis.xadd(self.keys.plans, fields, maxlen=PLANS_MAXLEN,
                                          approximate=True)
 
-        plan_id = await self._retrying("send plan", xadd)
+        plan_id = await self.recovery.retrying("send plan", xadd)
         self.stats.plan_sent()
         return plan_id
 
@@ -412,7 +344,7 @@ class SchedulerService:
                 return None
             if time.monotonic() - probed_at >= WORKER_PROBE_S:
                 probed_at = time.monotonic()
-                result = await self._probe(step, plan_id)
+                result = await self.recovery.probe(step, plan_id, self._read_result)
                 if result is not None:
                     return result
             if time.monotonic() - waited_since > self.config.worker_silence_warn_s:
@@ -423,70 +355,19 @@ class SchedulerService:
         """This step's result if it is in the results stream (waiting up to `block_ms` for
         the first entry); older results on the way are skipped."""
         while True:
-            reply = await self._retrying("read results", lambda: self.redis.xread(
-                {self.keys.results: self._results_after}, count=16, block=block_ms))
+            reply = await self.recovery.retrying("read results", lambda: self.redis.xread(
+                {self.keys.results: self.cursors.results}, count=16, block=block_ms))
             entries = [entry for _, stream_entries in reply or [] for entry in stream_entries]
             if not entries:
                 return None
             for entry_id, fields in entries:
-                self._results_after = entry_id
+                self.cursors.results = entry_id
                 result = _decode_result(fields)
                 if result is not None and result.step == step:
                     return result
                 log.warning("unexpected step result skipped", expected_step=step,
                             got_step=None if result is None else result.step)
             block_ms = None         # read on at once: this step's result may be next
-
-    async def _probe(self, step: int, plan_id: bytes | str) -> StepResult | None:
-        """Raise RedisLost, WorkersLost or PlanLost if the plan in flight can no longer be
-        answered; returns its result if that turned up meanwhile. One pipeline, so every
-        answer comes from the same server."""
-        async def look() -> list:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.info("server")
-            pipe.mget(self.workers.heartbeat_keys)
-            pipe.xrange(self.keys.plans, min=plan_id, max=plan_id)
-            return await pipe.execute()
-
-        info, heartbeats, sent = await self._retrying("probe workers", look)
-        if info.get("run_id") != self._run_id:
-            raise RedisLost()
-        lost = self.workers.lost_in(heartbeats)
-        answered = self.workers.answered(heartbeats, self._run_id, plan_id)
-        if sent and not answered and not lost:
-            return None
-        # the result may have landed just before the rank died or its heartbeat was written
-        result = await self._read_result(step, None)
-        if lost:
-            if result is not None:
-                log.warning("worker died right after answering", ranks=lost)
-            raise WorkersLost(lost)
-        if result is not None:
-            return result
-        raise PlanLost("rank 0 answered the plan but its result is not in the results stream"
-                       if sent else "the plan is not in the plans stream")
-
-    async def _retrying(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
-        """Run a Redis operation until the connection lets it through (or the drain ends).
-        After a dropped connection, Redis must be the same server (run_id) to carry on."""
-        delay, failed = 0.1, False
-        while True:
-            try:
-                if failed and await redis_run_id(self.redis) != self._run_id:
-                    raise RedisLost()
-                return await op()
-            except ResponseError as e:
-                if "NOGROUP" in str(e):
-                    raise RedisLost() from e
-                raise
-            except (RedisConnectionError, RedisTimeoutError, OSError) as e:
-                if self._drain_expired():
-                    raise
-                failed = True
-                log.warning("redis unavailable; retrying", op=what, error=str(e),
-                            retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
 
     def _drain_expired(self) -> bool:
         return self._drain_deadline is not None and time.monotonic() > self._drain_deadline
@@ -519,12 +400,10 @@ def _decode_result(fields: dict) -> StepResult | None:
 async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
                 config: SchedulerServiceConfig, stop: asyncio.Event) -> int:
     """Prepare, wait for the workers, run until stopped and drained. Returns an exit code."""
-    from services.lifecycle import cancel_tasks, clear_key, heartbeat_forever
-
     service = SchedulerService(redis, keys, core, config)
     await service.prepare()
     hb_key = keys.hb_scheduler(config.scheduler_id)
-    tasks = [asyncio.create_task(heartbeat_forever(redis, hb_key, service.heartbeat),
+    tasks = [asyncio.create_task(keep_heartbeat(redis, hb_key, service.heartbeat),
                                  name="scheduler-heartbeat"),
              asyncio.create_task(service.takeover.keep_leases(), name="scheduler-leases")]
     try:

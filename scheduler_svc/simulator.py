@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.arrivals import Arrival
 from scheduler_svc.core import Scheduler
-from scheduler_svc.iteration_cost import RooflineCost
 from shared.config import SchedulerConfig
+from shared.cost_model import RooflineCost
 from shared.errors import InvalidRequestError
 from shared.plan import SampledToken, StepResult
 from shared.sampling import SamplingParams

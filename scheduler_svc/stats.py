@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from scheduler_svc.core import Scheduler
-from services.lifecycle import Stopwatch
+from shared.lifecycle import Stopwatch
 
 STATS_INTERVAL_S = 0.1      # at most this often while busy; always on going idle
 

@@ -22,7 +22,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from scheduler_svc.book import RequestBook
-from services.lifecycle import cancel_requested
+from shared.lifecycle import cancel_requested
 from shared.keys import Keys
 from shared.progress import decode_progress
 from shared.protocol import RequestMsg

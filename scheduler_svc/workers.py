@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import structlog
 
-from services.lifecycle import stream_id_order
+from shared.lifecycle import stream_id_order
 from shared.keys import Keys
 from shared.protocol import Heartbeat, ProtocolError, decode
 

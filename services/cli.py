@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from shared.errors import PacerError
+from shared.openmp import default_omp_wait_policy
 
 COMMANDS = [
     "services.generate_cmd",
@@ -41,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_omp_wait_policy()       # before any subcommand loads torch
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)

@@ -10,7 +10,7 @@ import re
 import sys
 from dataclasses import asdict
 
-from scheduler_svc.cost_model import Chunk, IterationCost, estimate_iteration, load_model_shape
+from shared.cost_model import ChunkShape, IterationCost, estimate_iteration, load_model_shape
 from shared.errors import PacerError
 from shared.hardware import HardwareProfile, load_hardware
 
@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return p
 
 
-def parse_decode(spec: str) -> list[Chunk]:
+def parse_decode(spec: str) -> list[ChunkShape]:
     """'8x1024' -> eight (1, 1024) chunks."""
     m = _DECODE.fullmatch(spec.strip())
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
@@ -48,7 +48,7 @@ def parse_decode(spec: str) -> list[Chunk]:
     return [(1, int(m.group(2)))] * int(m.group(1))
 
 
-def parse_prefill(spec: str) -> Chunk:
+def parse_prefill(spec: str) -> ChunkShape:
     """'4096' -> (4096, 4096); '1024@2048' -> (1024, 3072): 1024 new rows over 2048 cached."""
     m = _PREFILL.fullmatch(spec.strip())
     if not m or int(m.group(1)) < 1:

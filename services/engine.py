@@ -8,13 +8,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from scheduler_svc.iteration_cost import latency_cost_for
-from shared.config import (SchedulerConfig, kv_block_bytes, kv_cache_dtype,
-                           num_blocks_for_memory)
+from scheduler_svc.build import build_scheduler
 from shared.engine_args import EngineArgs
-from shared.errors import PacerError
-from shared.model_config import check_tp_fits, ModelConfig, load_model_config
-from shared.model_source import ModelSource, resolve_model
+from shared.engine_layout import EngineLayout, engine_layout
 from shared.outputs import RequestOutput
 from shared.plan import SampledToken
 from shared.sampling import SamplingParams
@@ -33,81 +29,17 @@ class Completion:
         return [t.token_id for t in self.tokens]
 
 
-# Bytes per element of each --dtype, so that the block count is known without importing torch
-# (the scheduler service never loads it).
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+def _runner(layout: EngineLayout, progress: bool):
+    """The model runner, or with tp > 1 a TPExecutor: this process is rank 0 and spawns
+    ranks 1..tp-1. Imported here, not at the top: it loads torch, which the scheduler-only
+    users of this module (benchmarks of the core) need not."""
+    from gpu_worker.model_runner import build_runner, runner_config_for
+    from gpu_worker.tp.spawn import launch_tp_executor
 
-
-@dataclass(frozen=True)
-class EngineLayout:
-    """Everything the scheduler and the workers must agree on, derived from EngineArgs and
-    the model files by one function, so the two sides cannot disagree on the KV pool."""
-    args: EngineArgs
-    source: ModelSource
-    model_config: ModelConfig
-    max_model_len: int
-    scheduler_config: SchedulerConfig
-
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.scheduler_config.num_kv_blocks
-
-
-def engine_layout(args: EngineArgs) -> EngineLayout:
-    """Resolve the model and size the KV pool: `--kv-cache-memory` is per rank, each rank
-    holds `num_kv_heads / tp` heads of every block, in the KV cache's dtype (not always the
-    weights')."""
-    args = args.resolved()
-    if args.dtype not in DTYPE_BYTES:
-        raise PacerError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
-    source = resolve_model(args.model)
-    cfg = load_model_config(source)
-    check_tp_fits(cfg, args.tp)       # before anything is spawned or loaded
-    num_blocks = args.num_kv_blocks or num_blocks_for_memory(
-        args.kv_cache_memory,
-        kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
-                       args.block_size, DTYPE_BYTES[kv_cache_dtype(args.dtype, args.device)]))
-    max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
-                        cfg.max_position_embeddings)
-    scheduler_config = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-        num_kv_blocks=num_blocks, block_size=args.block_size,
-        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-        max_iteration_ms=args.max_iteration_ms,
-        iteration_cost=latency_cost_for(args.max_iteration_ms, args.hw, cfg, DTYPE_BYTES[args.dtype]))
-    return EngineLayout(args, source, cfg, max_model_len, scheduler_config)
-
-
-def build_scheduler(layout: EngineLayout):
-    """The pure scheduling core for this layout."""
-    from scheduler_svc.core import Scheduler
-    return Scheduler(layout.scheduler_config, eos_token_ids=layout.model_config.eos_token_ids,
-                     max_model_len=layout.max_model_len)
-
-
-def build_runner(layout: EngineLayout, tp=None, progress: bool = True):
-    """Load the weights (this rank's shard when `tp` is a TPGroup) and allocate the KV pool."""
-    from gpu_worker.model_runner import ModelRunner
-    from gpu_worker.parallel import SINGLE
-
-    return ModelRunner(layout.model_config, layout.source, _runner_config(layout, progress),
-                       tp or SINGLE)
-
-
-def _runner_config(layout: EngineLayout, progress: bool):
-    from gpu_worker.model_runner import RunnerConfig
-
-    args = layout.args
-    return RunnerConfig(num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size,
-                        dtype=args.dtype, device=args.device, seed=args.seed, progress=progress)
-
-
-def _tp_executor(layout: EngineLayout, progress: bool):
-    """tp > 1 in one command: this process is rank 0 and spawns ranks 1..tp-1."""
-    from gpu_worker.distributed import launch_tp_executor
-
+    if layout.args.tp == 1:
+        return build_runner(layout, progress=progress)
     return launch_tp_executor(layout.model_config, layout.source,
-                              _runner_config(layout, progress), layout.args.tp)
+                              runner_config_for(layout, progress), layout.args.tp)
 
 
 class LLMEngine:
@@ -123,8 +55,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(layout.source)
         self.max_model_len = layout.max_model_len
         self.scheduler_config = layout.scheduler_config
-        self.runner = (build_runner(layout, progress=progress) if args.tp == 1
-                       else _tp_executor(layout, progress))
+        self.runner = _runner(layout, progress)
         self.scheduler = build_scheduler(layout)
         self._ids = itertools.count()
 

@@ -105,10 +105,9 @@ def scheduler_config(args: argparse.Namespace, model, arrivals, cost) -> Schedul
 
 
 def run(args: argparse.Namespace) -> int:
-    from scheduler_svc.cost_model import load_model_shape
-    from scheduler_svc.iteration_cost import RooflineCost
-    from scheduler_svc.simulator import simulate
     from scheduler_svc.sim_report import format_table, summarize
+    from scheduler_svc.simulator import simulate
+    from shared.cost_model import RooflineCost, load_model_shape
     from shared.hardware import load_hardware
 
     try:

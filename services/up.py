@@ -203,7 +203,7 @@ def _watch(sup: Supervisor, stopping: _Signals, restarter: Restarter) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.engine import engine_layout
+    from shared.engine_layout import engine_layout
     from shared.logging import configure_logging
 
     configure_logging("up", args.log_level)

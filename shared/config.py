@@ -34,7 +34,7 @@ def parse_size(text: str | int) -> int:
 
 
 class IterationCostModel(Protocol):
-    """What the latency budget asks of a cost model (`scheduler_svc.iteration_cost` has the
+    """What the latency budget asks of a cost model (`shared.cost_model` has the
     roofline one). Chunks are `(q_rows, kv_len)`: a decode at context L is `(1, L)`."""
 
     def max_prefill_rows(self, budget_ms: float, chunks: Sequence[tuple[int, int]],

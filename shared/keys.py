@@ -14,6 +14,7 @@ An operator watching the system with `redis-cli` sees (with the default prefix `
 | `pacer:hb:gateway:{id}` | string with TTL | gateway | scheduler (drop requests of dead gateways) |
 | `pacer:progress:{request_id}` | string with TTL (`shared/progress.py`) | worker rank 0 (APPEND) | a scheduler taking the request over; deleted at its finish |
 | `pacer:stats` | hash (`STATS_FIELDS`) | scheduler | gateway `/metrics` |
+| `pacer:tp:rendezvous` | string (JSON `{addr, port, pid, time}`) | worker rank 0 | worker ranks > 0 (where to join the TP group) |
 
 Every stream is trimmed with `MAXLEN ~`, every per-request key is deleted when the request
 ends and expires if nobody is left to delete it; nothing stored is pickled (see
@@ -111,3 +112,8 @@ class Keys:
     def progress_pattern(self) -> str:
         """For SCAN MATCH: every progress record."""
         return f"{self.prefix}progress:*"
+
+    @property
+    def tp_rendezvous(self) -> str:
+        """Where worker rank 0 writes the torch.distributed address of its TP group (JSON)."""
+        return f"{self.prefix}tp:rendezvous"

@@ -46,8 +46,16 @@ class IterationPlan:
     cached_requests: list[CachedRequestData]
     # request id -> Q rows this iteration; dict order is the order of rows in the flat batch
     num_scheduled_tokens: dict[str, int]
-    # requests the workers must forget before running this plan (finished, aborted, preempted)
+    # requests the workers must forget before running this plan: finished or aborted
     finished_request_ids: list[str] = field(default_factory=list)
+    # requests sent back to the waiting queue (preempted, or recomputed after a worker was
+    # lost): the workers forget them too; they return later as new requests, recomputed
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def dropped_request_ids(self) -> list[str]:
+        """Every request the workers forget before running this plan."""
+        return [*self.finished_request_ids, *self.preempted_request_ids]
 
     @property
     def total_tokens(self) -> int:

@@ -115,6 +115,7 @@ class PlanMsg:
             # pairs keep the flat batch's row order explicit
             "sched": [[rid, n] for rid, n in p.num_scheduled_tokens.items()],
             "finished": p.finished_request_ids,
+            "preempted": p.preempted_request_ids,
         }
 
     @classmethod
@@ -126,6 +127,7 @@ class PlanMsg:
                              for rid, blocks, n in body["cached"]],
             num_scheduled_tokens={rid: n for rid, n in body["sched"]},
             finished_request_ids=list(body["finished"]),
+            preempted_request_ids=list(body["preempted"]),
         )
         return cls(plan)
 
@@ -251,9 +253,15 @@ def to_fields(msg: Message) -> dict[str, bytes]:
     return {STREAM_FIELD: encode(msg)}
 
 
-def from_fields(fields: dict) -> Message:
-    """Decode a stream entry's field map as redis-py returns it (bytes or str keys)."""
+def message_bytes(fields: dict) -> bytes:
+    """The encoded message of a stream entry's field map as redis-py returns it (bytes or str
+    keys), undecoded."""
     data = fields.get(STREAM_FIELD.encode(), fields.get(STREAM_FIELD))
     if data is None:
         raise ProtocolError(f"stream entry has no {STREAM_FIELD!r} field: {sorted(fields)}")
-    return decode(data)
+    return data
+
+
+def from_fields(fields: dict) -> Message:
+    """Decode a stream entry's field map as redis-py returns it (bytes or str keys)."""
+    return decode(message_bytes(fields))

@@ -6,7 +6,5 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 # The suite runs many processes on few cores at once: OpenMP threads there should sleep
-# rather than spin (see shared/__init__.py). Services the tests start inherit it.
+# rather than spin (see shared/openmp.py). Services the tests start inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import shared  # noqa: E402,F401

@@ -5,7 +5,7 @@ import argparse
 import json
 import math
 
-from scheduler_svc.cost_model import MODELS, estimate_iteration
+from shared.cost_model import MODELS, estimate_iteration
 from services import calibrate_cmd
 from shared.hardware import load_hardware
 

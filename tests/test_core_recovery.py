@@ -34,7 +34,7 @@ def test_recompute_running_keeps_generated_tokens_and_order() -> None:
     assert sched.num_running == 0 and sched.num_waiting == 2
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
     plan, _ = run_step(sched)                   # no update() of the lost plan is needed
-    assert plan.finished_request_ids == ["a", "b"]      # a surviving worker forgets them
+    assert plan.preempted_request_ids == ["a", "b"]     # a surviving worker forgets them
     assert [r.request_id for r in plan.new_requests] == ["a", "b"]
     assert plan.new_requests[0].token_ids == [10, 11, 12, 13, 14, 7, 7]
     assert plan.new_requests[0].num_prompt_tokens == 5

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from scheduler_svc.cost_model import (MODELS, ModelShape, estimate_iteration, load_model_shape,
+from shared.cost_model import (MODELS, ModelShape, estimate_iteration, load_model_shape,
                                       max_prefill_tokens_within, model_shape_of)
 from services import cost_cmd
 from shared.errors import PacerError
@@ -156,7 +156,7 @@ def test_chunking_moves_attention_but_rereads_the_cache():
 
 def test_cost_model_imports_stdlib_only():
     # The scheduler core calls it every iteration; it must not drag in torch or numpy.
-    code = ("import sys, scheduler_svc.cost_model, shared.hardware; "
+    code = ("import sys, shared.cost_model, shared.hardware; "
             "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,

@@ -3,8 +3,8 @@ with the decodes, decodes always run, and a prompt always makes at least one blo
 
 Costs are plain ints: `RowCost` prices an iteration at `row_ms` per Q row plus `kv_ms` per
 KV row, so the expected chunk sizes can be worked out by hand. The roofline's closed form
-(`scheduler_svc.iteration_cost`) is held to `cost_model.py`'s search on a made-up model and
-machine.
+(`RooflineCost`) is held to the bisection search (`max_prefill_tokens_within`) on a
+made-up model and machine.
 """
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.core import Scheduler
-from scheduler_svc.cost_model import ModelShape, estimate_iteration, max_prefill_tokens_within
-from scheduler_svc.iteration_cost import RooflineCost, latency_cost_for
 from shared.config import SchedulerConfig
+from shared.cost_model import (ModelShape, RooflineCost, estimate_iteration, latency_cost_for,
+                               max_prefill_tokens_within)
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.hardware import HardwareProfile
@@ -296,7 +296,8 @@ def test_engine_flags_parse_and_build_the_cost_model():
 
 
 def test_engine_layout_carries_the_budget_to_the_scheduler():
-    from services.engine import build_scheduler, engine_layout
+    from scheduler_svc.build import build_scheduler
+    from shared.engine_layout import engine_layout
     layout = engine_layout(EngineArgs(max_iteration_ms=30.0, hw="a100", dtype="bfloat16"))
     config = layout.scheduler_config
     assert config.max_iteration_ms == 30.0 and config.iteration_cost.hw.name == "a100"

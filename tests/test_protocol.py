@@ -49,7 +49,8 @@ cached_requests = st.builds(CachedRequestData, request_id=ids,
 plans = st.builds(IterationPlan, step=st.integers(0, 2**40), new_requests=st.lists(new_requests, max_size=3),
                   cached_requests=st.lists(cached_requests, max_size=5),
                   num_scheduled_tokens=st.dictionaries(ids, st.integers(1, 512), max_size=8),
-                  finished_request_ids=st.lists(ids, max_size=4))
+                  finished_request_ids=st.lists(ids, max_size=4),
+                  preempted_request_ids=st.lists(ids, max_size=4))
 plan_msgs = plans.map(PlanMsg)
 
 sampled = st.builds(SampledToken, token_id=st.integers(0, 2**31 - 1), logprob=logprob,

@@ -29,7 +29,7 @@ from scheduler_svc.service import SchedulerServiceConfig
 from scheduler_svc.service import serve as serve_scheduler
 from scheduler_svc.workers import WorkerWatch
 from services.engine import LLMEngine
-from services.lifecycle import (cancel_tasks, connect_redis, heartbeat_forever, redis_run_id,
+from shared.lifecycle import (cancel_tasks, connect_redis, keep_heartbeat, redis_run_id,
                                 stream_tail_id)
 from shared.engine_args import EngineArgs
 from shared.keys import WORKER_HEARTBEAT_TTL_S, Keys
@@ -158,7 +158,7 @@ async def running(server: Redis, model: str) -> AsyncIterator[System]:
         return Heartbeat(msg.service, msg.id, msg.time, {**msg.extra, **worker.stats()})
 
     stop = asyncio.Event()
-    tasks = [asyncio.create_task(heartbeat_forever(worker_redis, KEYS.hb_worker(0), beat,
+    tasks = [asyncio.create_task(keep_heartbeat(worker_redis, KEYS.hb_worker(0), beat,
                                                    ttl_s=WORKER_HEARTBEAT_TTL_S)),
              asyncio.create_task(serve_scheduler(
                  scheduler_redis, KEYS, engine.scheduler,

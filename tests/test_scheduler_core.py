@@ -79,7 +79,7 @@ class FakeWorker:
         return StepResult(plan.step, sampled)
 
     def _apply_diffs(self, plan: IterationPlan) -> None:
-        for request_id in plan.finished_request_ids:
+        for request_id in plan.dropped_request_ids:
             assert request_id in self.requests, f"plan {plan.step} drops unknown {request_id}"
             del self.requests[request_id]
         for new in plan.new_requests:
@@ -242,7 +242,7 @@ def test_preemption_evicts_the_latest_admitted_and_it_recomputes_everything():
     add(sched, "b", 4, max_tokens=6)
     plans, outputs = run(sched, worker)
     assert sched.num_preemptions_total >= 1
-    hit = next(i for i, p in enumerate(plans) if "b" in p.finished_request_ids)
+    hit = next(i for i, p in enumerate(plans) if "b" in p.preempted_request_ids)
     assert plans[hit].num_scheduled_tokens == {"a": 1}           # a kept going, b evicted
     assert plans[hit].new_requests == []                         # no admissions that step
     generated = tokens(outputs["b"][:hit])                       # what b had before eviction
@@ -264,7 +264,8 @@ def test_no_admissions_in_an_iteration_that_preempted():
     add(sched, "b", 2, max_tokens=5, ignore_eos=True)
     while sched.num_preemptions_total == 0:
         plan, _ = step(sched, worker)
-    assert plan.finished_request_ids == ["b"] and plan.new_requests == []
+    assert plan.preempted_request_ids == ["b"] and plan.new_requests == []
+    assert plan.finished_request_ids == []
     assert list(plan.num_scheduled_tokens) == ["a"]
     plan, _ = step(sched, worker)
     assert [n.request_id for n in plan.new_requests] == ["b"]
@@ -294,7 +295,7 @@ def test_abort_waiting_request_is_reported_and_never_sent():
     sched.abort("b")
     assert sched.num_waiting == 0
     plan, outputs = step(sched, worker)
-    assert "b" not in plan.finished_request_ids
+    assert "b" not in plan.dropped_request_ids
     assert [(o.request_id, o.finished, o.finish_reason) for o in outputs][0] == ("b", True, "abort")
 
 
@@ -338,7 +339,7 @@ def test_abort_preempted_request_is_not_dropped_twice():
     sched.abort("b")
     sched.abort("nobody")                            # unknown ids are ignored
     plans, outputs = run(sched, worker)              # FakeWorker rejects unknown drops
-    assert all("b" not in p.finished_request_ids for p in plans)
+    assert all("b" not in p.dropped_request_ids for p in plans)
     assert final(outputs["b"]).finish_reason == "abort"
 
 

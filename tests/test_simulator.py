@@ -7,12 +7,11 @@ from dataclasses import replace
 import pytest
 
 from scheduler_svc.arrivals import Arrival, arrival_times, parse_length, read_trace, synthetic
-from scheduler_svc.cost_model import MODELS
-from scheduler_svc.iteration_cost import RooflineCost
 from scheduler_svc.sim_report import summarize
 from scheduler_svc.simulator import simulate
 from services.cli import main
 from shared.config import SchedulerConfig
+from shared.cost_model import MODELS, RooflineCost
 from shared.errors import PacerError
 from shared.hardware import HARDWARE
 

@@ -12,6 +12,8 @@ __all__ = ["AttentionMetadata", "Chunk", "build_attention_metadata", "select_bac
 
 def select_backend(device: str):
     """flash-attn's varlen kernel with a block table on CUDA when installed, else torch."""
+    # imported on demand: flash-attn is an optional dependency (CUDA only), and the CPU
+    # kernels are compiled on first import
     if device.startswith("cuda"):
         try:
             from gpu_worker.attention.flash_backend import FlashAttentionBackend

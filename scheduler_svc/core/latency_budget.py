@@ -12,15 +12,14 @@ hardware profile and imports nothing beyond the stdlib.
 from __future__ import annotations
 
 from shared.config import IterationCostModel
-
-Chunk = tuple[int, int]   # (q_rows, kv_len)
+from shared.cost_model import ChunkShape
 
 
 class IterationLatency:
     """One `schedule()` call's view of the budget: the chunks placed so far."""
 
     def __init__(self, cost: IterationCostModel, budget_ms: float, min_rows: int,
-                 decode_chunks: list[Chunk]) -> None:
+                 decode_chunks: list[ChunkShape]) -> None:
         self._cost = cost
         self._budget_ms = budget_ms
         self._min_rows = min_rows

@@ -88,6 +88,7 @@ class Scheduler:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []            # in admission order
         self._finished_ids: list[str] = []           # workers drop these with the next plan
+        self._preempted_ids: list[str] = []          # ...and these, recomputed later
         self._aborted: list[RequestOutput] = []      # reported by the next update()
         self._num_arrivals = 0
         self._next_step = 0
@@ -137,7 +138,7 @@ class Scheduler:
             request.status = RequestStatus.PREEMPTED
             self.policy.requeue_preempted(self._waiting, request)
         lost_ids = [r.request_id for r in lost]
-        self._finished_ids.extend(lost_ids)  # a worker that survived drops their state
+        self._preempted_ids.extend(lost_ids)  # a worker that survived drops their state
         return lost_ids
 
     def get_request(self, request_id: str) -> Request | None:
@@ -160,7 +161,7 @@ class Scheduler:
     # ---- one iteration -------------------------------------------------------------------
 
     def schedule(self) -> IterationPlan:
-        """Decide the next iteration. An empty plan still carries finished_request_ids."""
+        """Decide the next iteration. An empty plan still carries the ids to drop."""
         self._require_updated()
         iteration = _Iteration(self.config.max_num_batched_tokens, self._latency_budget())
         self._continue_running(iteration)
@@ -293,8 +294,9 @@ class Scheduler:
             new_requests=iteration.new_requests,
             cached_requests=iteration.cached_requests,
             num_scheduled_tokens={r.request_id: rows for r, rows in iteration.scheduled},
-            finished_request_ids=self._finished_ids + iteration.preempted_ids)
-        self._finished_ids = []
+            finished_request_ids=self._finished_ids,
+            preempted_request_ids=self._preempted_ids + iteration.preempted_ids)
+        self._finished_ids, self._preempted_ids = [], []
         self._in_flight = (plan.step, iteration.scheduled)
         self._next_step += 1
         return plan

@@ -19,19 +19,29 @@ Refinements over the round numbers of docs/design.md#reference-figures, each sma
 - Activations between kernels are left out: they matter only at thousands of rows, where
   compute dominates anyway, and the reference figures leave them out too.
 
-Stdlib + `shared` only: the scheduler calls `max_prefill_tokens_within` every iteration.
+Two ways to evaluate the model, both here and held to the same answers by the tests:
+- `estimate_iteration` / `max_prefill_tokens_within`: the model as stated, with every term
+  reported (`pacer cost`, `pacer calibrate`), the prefill limit found by bisection;
+- `RooflineCost`: the same sums in closed form, for callers that ask every iteration (the
+  scheduler's latency budget, the simulator); "how many prefill rows still fit" is solved as
+  a quadratic (attention pairs grow with N²).
+
+Stdlib + `shared` only: the torch-free scheduler core and the engine layout use it.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from shared.errors import PacerError
-from shared.hardware import HardwareProfile
+from shared.hardware import HardwareProfile, load_hardware
 
-Chunk = tuple[int, int]   # (q_rows, kv_len)
+# One chunk of an iteration as the cost model sees it: (q_rows, kv_len). Not the runner's
+# `gpu_worker.attention.Chunk`, which also carries the block table.
+ChunkShape = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -162,7 +172,7 @@ class _Work:
     num_tokens: int = 0
     num_chunks: int = 0
 
-    def add(self, chunk: Chunk, model: ModelShape, dtype_bytes: float) -> None:
+    def add(self, chunk: ChunkShape, model: ModelShape, dtype_bytes: float) -> None:
         q_rows, kv_len = chunk
         if q_rows < 1 or kv_len < q_rows:
             raise PacerError(f"chunk (q_rows={q_rows}, kv_len={kv_len}) needs 1 <= q_rows <= kv_len")
@@ -175,7 +185,7 @@ class _Work:
         self.num_tokens += q_rows
         self.num_chunks += 1
 
-    def plus(self, chunk: Chunk, model: ModelShape, dtype_bytes: float) -> _Work:
+    def plus(self, chunk: ChunkShape, model: ModelShape, dtype_bytes: float) -> _Work:
         out = _Work(self.linear_flops, self.attention_flops, self.kv_bytes, self.num_tokens,
                     self.num_chunks)
         out.add(chunk, model, dtype_bytes)
@@ -198,20 +208,20 @@ def _roofline(work: _Work, model: ModelShape, hw: HardwareProfile, dtype_bytes: 
         kv_bytes=work.kv_bytes, num_tokens=work.num_tokens)
 
 
-def _sum(chunks: Iterable[Chunk], model: ModelShape, dtype_bytes: float) -> _Work:
+def _sum(chunks: Iterable[ChunkShape], model: ModelShape, dtype_bytes: float) -> _Work:
     work = _Work()
     for chunk in chunks:
         work.add(chunk, model, dtype_bytes)
     return work
 
 
-def estimate_iteration(chunks: Sequence[Chunk], model: ModelShape, hw: HardwareProfile,
+def estimate_iteration(chunks: Sequence[ChunkShape], model: ModelShape, hw: HardwareProfile,
                        dtype_bytes: float = 2) -> IterationCost:
     """The roofline cost of one forward over `chunks` ((q_rows, kv_len) each)."""
     return _roofline(_sum(chunks, model, dtype_bytes), model, hw, dtype_bytes)
 
 
-def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[Chunk], prefix_len: int,
+def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[ChunkShape], prefix_len: int,
                               model: ModelShape, hw: HardwareProfile, dtype_bytes: float = 2,
                               limit: int = 1 << 24) -> int:
     """The largest prefill chunk N over a cached prefix of `prefix_len` such that the iteration
@@ -237,3 +247,92 @@ def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[Chunk], 
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
+
+
+# ---- closed form, for callers that ask every iteration -----------------------------------
+
+
+def _sums(chunks: Sequence[ChunkShape]) -> tuple[int, int, float, int]:
+    """(Q rows, chunks, causal (query, key) pairs, KV rows read + written)."""
+    rows = kv = pairs = 0
+    for q, kv_len in chunks:
+        rows += q
+        kv += kv_len
+        pairs += q * kv_len - q * (q - 1) // 2     # q·prefix + q(q+1)/2
+    return rows, len(chunks), pairs, kv + rows
+
+
+@dataclass(frozen=True)
+class RooflineCost:
+    """One model on one machine: `iteration_ms(chunks)` and `max_prefill_rows(...)`."""
+
+    model: ModelShape
+    hw: HardwareProfile
+    dtype_bytes: float = 2
+
+    def __post_init__(self) -> None:
+        m, d = self.model, self.dtype_bytes
+        # Per-unit costs, fixed for the model and the machine (frozen: set via object.__setattr__).
+        consts = {
+            "_row_flops": 2.0 * m.num_layers * m.layer_matmul_params,
+            "_chunk_flops": 2.0 * m.lm_head_params,     # the sampling row's LM head
+            "_pair_flops": float(m.attention_flops_per_pair),
+            "_kv_bytes": m.kv_bytes_per_token(d),
+            "_weight_bytes": m.params_read_per_iteration * d,
+            "_flops_per_ms": self.hw.flops_per_s(d) / 1e3,
+            "_bytes_per_ms": self.hw.bytes_per_s / 1e3,
+        }
+        for name, value in consts.items():
+            object.__setattr__(self, name, value)
+
+    def _flops(self, rows: float, chunks: float, pairs: float) -> float:
+        return self._row_flops * rows + self._chunk_flops * chunks + self._pair_flops * pairs
+
+    def iteration_ms(self, chunks: Sequence[ChunkShape]) -> float:
+        """The roofline wall time of one forward over `chunks`, as `estimate_iteration`."""
+        rows, n, pairs, kv = _sums(chunks)
+        return max(self._flops(rows, n, pairs) / self._flops_per_ms,
+                   (self._weight_bytes + self._kv_bytes * kv) / self._bytes_per_ms)
+
+    def max_prefill_rows(self, budget_ms: float, chunks: Sequence[ChunkShape], prefix_len: int) -> int:
+        """Largest N such that `chunks + [(N, prefix_len + N)]` runs within `budget_ms`."""
+        rows, n, pairs, kv = _sums(chunks)
+        s = prefix_len
+        # Memory: weights + K_tok · (kv + S + 2N) <= bandwidth · budget; linear in N.
+        by_bytes = ((self._bytes_per_ms * budget_ms - self._weight_bytes) / self._kv_bytes
+                    - kv - s) / 2
+        # Compute: a·N² + b·N + c <= 0 with the new chunk's N·S + N(N+1)/2 pairs.
+        a = self._pair_flops / 2
+        b = self._row_flops + self._pair_flops * (s + 0.5)
+        c = self._flops(rows, n + 1, pairs) - self._flops_per_ms * budget_ms
+        by_flops = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a) if c <= 0 else -1.0
+        return self._settle(max(0, math.floor(min(by_bytes, by_flops))), budget_ms,
+                            (rows, n, pairs, kv), s)
+
+    def _settle(self, guess: int, budget_ms: float, base: tuple[int, int, float, int],
+                s: int) -> int:
+        """Floating point can put the closed form one row off the exact boundary."""
+        def fits(x: int) -> bool:
+            rows, n, pairs, kv = base
+            flops = self._flops(rows + x, n + 1, pairs + x * s + x * (x + 1) // 2)
+            nbytes = self._weight_bytes + self._kv_bytes * (kv + s + 2 * x)
+            return max(flops / self._flops_per_ms, nbytes / self._bytes_per_ms) <= budget_ms
+
+        while guess > 0 and not fits(guess):
+            guess -= 1
+        while fits(guess + 1):
+            guess += 1
+        return guess
+
+
+def latency_cost_for(max_iteration_ms: float | None, hw: str | None, model_config: Any,
+                     dtype_bytes: float) -> RooflineCost | None:
+    """The cost model behind `--max-iteration-ms`, for a served model's `ModelConfig`; None
+    when no latency budget is asked for."""
+    if max_iteration_ms is None:
+        return None
+    if hw is None:
+        raise PacerError("--max-iteration-ms needs --hw: a built-in profile (h100, h200, a100) "
+                         "or a JSON written by `pacer calibrate`")
+    return RooflineCost(model_shape_of(model_config, "served model"), load_hardware(hw),
+                        dtype_bytes)

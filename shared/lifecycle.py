@@ -2,7 +2,7 @@
 
     async def main(stop: asyncio.Event) -> int:
         redis = await connect_redis(url)
-        hb = asyncio.create_task(heartbeat_forever(redis, key, make_heartbeat))
+        hb = asyncio.create_task(keep_heartbeat(redis, key, make_heartbeat))
         while not stop.is_set(): ...       # the service's loop drains, then returns
     sys.exit(run_service(main))
 
@@ -23,15 +23,16 @@ from redis.exceptions import RedisError
 from shared.errors import PacerError
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
 from shared.protocol import Heartbeat, encode
+from shared.redis_retry import retry_redis
 
-log = structlog.get_logger("services.lifecycle")
+log = structlog.get_logger("lifecycle")
 
 # Blocking stream reads wait at most ~1 s; the socket timeout must be longer, or a read that is
 # still legitimately blocking would fail, yet finite, so that a vanished server cannot hang it.
 SOCKET_TIMEOUT_S = 10.0
-CONNECT_BACKOFF_MAX_S = 2.0
 
 ServiceMain = Callable[[asyncio.Event], Awaitable[int]]
+RedisServiceMain = Callable[[aioredis.Redis, asyncio.Event], Awaitable[int]]
 
 
 def run_service(main: ServiceMain) -> int:
@@ -41,6 +42,18 @@ def run_service(main: ServiceMain) -> int:
     except ImportError:   # not on Windows
         return asyncio.run(_with_signals(main))
     return uvloop.run(_with_signals(main))
+
+
+def run_redis_service(redis_url: str, main: RedisServiceMain) -> int:
+    """`run_service` for a service that talks to one Redis: `main(redis, stop)` gets a client
+    once the server answers, closed when `main` returns."""
+    async def with_redis(stop: asyncio.Event) -> int:
+        redis = await connect_redis(redis_url, stop)
+        try:
+            return await main(redis, stop)
+        finally:
+            await redis.aclose()
+    return run_service(with_redis)
 
 
 async def _with_signals(main: ServiceMain) -> int:
@@ -73,22 +86,16 @@ async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis
     """A client for `url`, once the server answers PING (waits with backoff, logging)."""
     redis = aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
                                     health_check_interval=30)
-    delay = 0.1
-    while True:
-        try:
-            await redis.ping()
-            return redis
-        except (RedisError, OSError) as e:
-            if stop is not None and stop.is_set():
-                await redis.aclose()
-                raise
-            log.warning("redis not answering; retrying", redis_url=url, error=str(e),
-                        retry_in_s=delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, CONNECT_BACKOFF_MAX_S)
+    try:
+        await retry_redis(redis.ping, f"connect to {url}", log, errors=(RedisError, OSError),
+                          give_up=lambda: stop is not None and stop.is_set())
+    except BaseException:
+        await redis.aclose()
+        raise
+    return redis
 
 
-async def heartbeat_forever(redis: aioredis.Redis, key: str,
+async def keep_heartbeat(redis: aioredis.Redis, key: str,
                             make: Callable[[], Heartbeat],
                             interval_s: float = HEARTBEAT_INTERVAL_S,
                             ttl_s: int = HEARTBEAT_TTL_S) -> None:

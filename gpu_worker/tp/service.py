@@ -5,21 +5,24 @@ Rank 0 picks a free port, writes `{addr, port, time}` to the rendezvous key, hos
 and serves plans through a TPExecutor (it broadcasts each plan to the followers, all ranks
 run it, all must sample the same tokens). Ranks > 0 read the newest rendezvous, join, and
 follow until rank 0 shuts the group down; a rank that dies takes the group down within
-seconds (the watchdog in `gpu_worker.distributed`) and `pacer up` restarts the whole group.
+seconds (the watchdog, `liveness.py`) and `pacer up` restarts the whole group.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 import time
 
 import redis.asyncio as aioredis
 import structlog
 import torch
 
-from gpu_worker.distributed import (TPExecutor, backend_for, device_for_rank, init_tp_group,
-                                    run_follower, threads_per_rank)
+from gpu_worker.model_runner import build_runner
+from gpu_worker.tp.executor import TPExecutor
+from gpu_worker.tp.follower import run_follower
+from gpu_worker.tp.group import backend_for, device_for_rank, init_tp_group, threads_per_rank
+from gpu_worker.tp.rendezvous import listening, publish_rendezvous, read_rendezvous
+from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import Keys
 
@@ -28,27 +31,23 @@ log = structlog.get_logger("worker")
 # a rendezvous older than this when a follower starts was left by an earlier group
 STALE_RENDEZVOUS_S = 10.0
 FOLLOWER_JOIN_TIMEOUT_S = 60.0
-# rank 0 listens right after it publishes: an address that refuses this long is a dead group
-REFUSED_FOR_S = 5.0
 
 
-def _rank_layout(layout, rank: int):
+def _rank_layout(layout: EngineLayout, rank: int) -> EngineLayout:
     """The layout with this rank's device (cuda:k+rank on GPU; CPU stays CPU)."""
     device = device_for_rank(layout.args.device, rank)
     return dataclasses.replace(layout, args=dataclasses.replace(layout.args, device=device))
 
 
-def _share_cores(layout) -> None:
+def _share_cores(layout: EngineLayout) -> None:
     threads = threads_per_rank(layout.args.device, layout.args.tp)
     if threads:
         torch.set_num_threads(threads)
 
 
-async def start_rank0(redis: aioredis.Redis, keys: Keys, layout, host: str) -> TPExecutor:
+async def start_rank0(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
+                      host: str) -> TPExecutor:
     """Publish the rendezvous, host the group, load rank 0's shard, wait for the followers."""
-    from gpu_worker.service import publish_rendezvous
-    from services.engine import build_runner
-
     tp, device = layout.args.tp, layout.args.device
     addr, port = await publish_rendezvous(redis, keys, host)
     log.info("tp group rendezvous published", addr=addr, port=port, tp=tp)
@@ -59,19 +58,16 @@ async def start_rank0(redis: aioredis.Redis, keys: Keys, layout, host: str) -> T
     return await asyncio.to_thread(TPExecutor, runner, group)
 
 
-async def serve_follower(redis: aioredis.Redis, keys: Keys, layout, rank: int,
+async def serve_follower(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, rank: int,
                          stop: asyncio.Event) -> int:
     """Join the newest group rank 0 announced and follow it until it ends."""
-    from gpu_worker.service import read_rendezvous
-    from services.engine import build_runner
-
     not_before = time.time() - STALE_RENDEZVOUS_S
     while not stop.is_set():
         found = await read_rendezvous(redis, keys, stop, not_before)
         if found is None:
             return 0
         addr, port, written = found
-        if not await _listening(addr, port, stop):
+        if not await listening(addr, port, stop):
             log.warning("tp rendezvous of a group that is gone; waiting for a newer one",
                         addr=addr, port=port)
             not_before = written + 1e-6
@@ -94,19 +90,3 @@ async def serve_follower(redis: aioredis.Redis, keys: Keys, layout, rank: int,
     await asyncio.to_thread(run_follower, runner, group)
     log.info("tp group ended by rank 0", rank=rank)
     return 0
-
-
-async def _listening(addr: str, port: int, stop: asyncio.Event) -> bool:
-    """Whether rank 0's store accepts connections within REFUSED_FOR_S."""
-    end = time.monotonic() + REFUSED_FOR_S
-    while not stop.is_set() and time.monotonic() < end:
-        try:
-            await asyncio.to_thread(_connect, addr, port)
-            return True
-        except OSError:
-            await asyncio.sleep(0.2)
-    return False
-
-
-def _connect(addr: str, port: int) -> None:
-    socket.create_connection((addr, port), timeout=1.0).close()

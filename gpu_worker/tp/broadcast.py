@@ -1,0 +1,60 @@
+"""What rank 0 tells its followers outside the forward: each plan (msgpack bytes, shared/
+protocol.py's PlanMsg, never pickle) on the gloo control group, the sampling seed through the
+store; and the check, after each iteration, that every rank sampled the same tokens.
+
+A plan goes as two broadcasts: the length, then a uint8 tensor; length 0 means shut down.
+After each iteration the ranks all-gather an 8-byte digest of the tokens they sampled, so a
+divergence stops the group instead of corrupting output silently.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from gpu_worker.sampler import Sampler
+from gpu_worker.tp.group import ProcessTPGroup
+from gpu_worker.tp.store_keys import SEED
+from shared.errors import PacerError
+from shared.plan import StepResult
+
+
+def broadcast_bytes(data: bytes | None, group: ProcessTPGroup) -> bytes:
+    """Rank 0 passes the bytes, the others None; every rank returns them. Length first, then
+    a uint8 tensor (plans are small: kilobytes)."""
+    length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
+    dist.broadcast(length, 0, group=group.control)
+    n = int(length.item())
+    if n == 0:
+        return b""
+    buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.rank == 0
+           else torch.empty(n, dtype=torch.uint8))
+    dist.broadcast(buf, 0, group=group.control)
+    return data if group.rank == 0 else buf.numpy().tobytes()
+
+
+def share_sampling_seed(runner, group: ProcessTPGroup) -> None:
+    """Every rank draws unseeded samples from one generator seed, rank 0's (given or fresh),
+    so all ranks sample the same tokens from the same gathered logits."""
+    if group.rank == 0:
+        seed = runner.rc.seed if runner.rc.seed is not None else secrets.randbits(62)
+        group.store.set(SEED, str(seed))
+    else:
+        seed = int(group.store.get(SEED))
+    runner.sampler = Sampler(seed)
+
+
+def check_agreement(result: StepResult, group: ProcessTPGroup, device: str) -> None:
+    """All ranks must have sampled the same tokens; they append them to their own state."""
+    body = json.dumps(sorted((rid, t.token_id) for rid, t in result.sampled.items()))
+    digest = torch.tensor([zlib.crc32(body.encode())], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(digest) for _ in range(group.size)]
+    dist.all_gather(parts, digest)
+    values = [int(p.item()) for p in parts]
+    if len(set(values)) > 1:
+        odd = [r for r, v in enumerate(values) if v != values[0]]
+        raise PacerError(f"tensor-parallel ranks {odd} sampled different tokens than rank 0 "
+                         f"at step {result.step}")

@@ -1,0 +1,106 @@
+"""Rank 0's side of a tensor-parallel group: send each plan to the followers, run it here,
+check that every rank sampled the same tokens. A rank that dies fails the next execute with
+a PacerError naming it."""
+from __future__ import annotations
+
+import atexit
+import time
+
+import torch
+
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.tp.broadcast import broadcast_bytes, check_agreement, share_sampling_seed
+from gpu_worker.tp.group import JOIN_TIMEOUT_S, ProcessTPGroup, destroy, wait_until
+from gpu_worker.tp.liveness import FOLLOWER_GRACE_S, NAME_THE_DEAD_S, first_line
+from gpu_worker.tp.store_keys import DONE, READY, SHUTDOWN
+from shared.errors import PacerError
+from shared.plan import IterationPlan, StepResult
+from shared.protocol import PlanMsg, encode
+
+
+class TPExecutor:
+    """Rank 0's executor, with ModelRunner's interface: `execute(plan) -> StepResult`,
+    `requests`, `shutdown()`. Sends each plan to the followers, then runs it here.
+
+    `followers` (in-process mode, `spawn.Followers`): the processes rank 0 spawned, polled
+    while waiting and stopped when the group fails."""
+
+    def __init__(self, runner: ModelRunner, group: ProcessTPGroup, followers=None,
+                 ready_timeout_s: float = JOIN_TIMEOUT_S):
+        self.runner, self.group, self.followers = runner, group, followers
+        self.control_seconds = 0.0          # plan broadcast + token check, for the bench
+        self.restore_threads: int | None = None  # torch threads to give back at shutdown
+        self._closed = False
+        self._failed: str | None = None
+        share_sampling_seed(runner, group)
+        wait_until(lambda: group.store.add(READY, 0) >= group.size - 1, ready_timeout_s,
+                   followers.check if followers else None,
+                   "the tensor-parallel followers to load the model", lambda: group.down)
+
+    @property
+    def tp(self) -> ProcessTPGroup:
+        return self.group
+
+    @property
+    def requests(self):
+        return self.runner.requests
+
+    def execute(self, plan: IterationPlan, wire: bytes | None = None) -> StepResult:
+        """Run `plan` on every rank. `wire`: the plan already encoded as a PlanMsg (as it
+        came from Redis), forwarded to the followers as it is instead of encoded again."""
+        self._raise_if_down()
+        try:
+            start = time.perf_counter()
+            broadcast_bytes(wire if wire is not None else encode(PlanMsg(plan)), self.group)
+            mid = time.perf_counter()
+            result = self.runner.execute(plan)
+            end = time.perf_counter()
+            check_agreement(result, self.group, self.runner.rc.device)
+            self.control_seconds += (mid - start) + (time.perf_counter() - end)
+            return result
+        except RuntimeError as e:          # gloo/NCCL errors: a peer died or timed out
+            why = self.group.liveness.wait_for_death(NAME_THE_DEAD_S)
+            self._failed = why or f"tensor-parallel iteration failed on rank 0: {first_line(e)}"
+            self._take_down()
+            raise PacerError(self._failed) from e
+        except BaseException as e:
+            # the followers are mid-iteration, waiting for rank 0: the group cannot continue
+            self._failed = f"rank 0 failed mid-iteration: {type(e).__name__}: {first_line(e)}"
+            self._take_down()
+            raise
+
+    def _raise_if_down(self) -> None:
+        if self._closed:
+            raise PacerError("the tensor-parallel executor was shut down")
+        why = self._failed or self.group.down
+        if why:
+            self._take_down()
+            raise PacerError(why)
+
+    def _take_down(self) -> None:
+        if self.followers:
+            self.followers.stop(grace_s=FOLLOWER_GRACE_S)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Tell the followers to leave, wait for them, and close the group. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        group = self.group
+        try:
+            if not (group.down or self._failed):
+                group.store.set(SHUTDOWN, "1")
+                group.liveness.stop()
+                broadcast_bytes(b"", group)
+                wait_until(lambda: group.store.add(DONE, 0) >= group.size - 1, timeout_s,
+                           self.followers.check if self.followers else None,
+                           "the tensor-parallel followers to leave")
+        except (PacerError, RuntimeError):
+            pass                               # a follower already gone: nothing to tell it
+        finally:
+            if self.followers:
+                self.followers.reap(timeout_s)
+            destroy(group)
+            if self.restore_threads:
+                torch.set_num_threads(self.restore_threads)

@@ -1,0 +1,34 @@
+"""Ranks > 0 of a tensor-parallel group: receive each plan from rank 0, run it, check the
+sampled tokens agree, until rank 0 shuts the group down (an empty broadcast)."""
+from __future__ import annotations
+
+from gpu_worker.model_runner import ModelRunner
+from gpu_worker.tp.broadcast import broadcast_bytes, check_agreement, share_sampling_seed
+from gpu_worker.tp.group import ProcessTPGroup, destroy
+from gpu_worker.tp.liveness import NAME_THE_DEAD_S, first_line
+from gpu_worker.tp.store_keys import DONE, READY
+from shared.errors import PacerError
+from shared.protocol import PlanMsg, decode
+
+
+def run_follower(runner: ModelRunner, group: ProcessTPGroup) -> None:
+    """Receive plans from rank 0 and run them until rank 0 shuts the group down."""
+    share_sampling_seed(runner, group)
+    group.store.add(READY, 1)
+    while True:
+        try:
+            data = broadcast_bytes(None, group)
+            if not data:
+                break
+            msg = decode(data)
+            if not isinstance(msg, PlanMsg):
+                raise PacerError(f"tp rank {group.rank}: expected a plan, got {msg.KIND}")
+            result = runner.execute(msg.plan)
+            check_agreement(result, group, runner.rc.device)
+        except RuntimeError as e:
+            why = group.liveness.wait_for_death(NAME_THE_DEAD_S)
+            raise PacerError(why or f"tensor-parallel iteration failed on rank {group.rank}: "
+                                    f"{first_line(e)}") from e
+    group.liveness.stop()
+    group.store.add(DONE, 1)
+    destroy(group)

@@ -1,0 +1,10 @@
+"""Names the ranks of one tensor-parallel group share in its rendezvous store (torch's
+TCPStore, hosted by rank 0)."""
+
+JOINED, READY, DONE, SEED, SHUTDOWN, DOWN = (
+    f"pacer/{k}" for k in ("joined", "ready", "done", "seed", "shutdown", "down"))
+
+
+def heartbeat_counter(rank: int) -> str:
+    """The counter rank `rank`'s watchdog bumps every HEARTBEAT_S."""
+    return f"pacer/hb/{rank}"

@@ -1,0 +1,186 @@
+"""What the scheduler service does when the plan in flight cannot be answered, or Redis is
+not the server it was.
+
+    try:
+        one iteration
+    except Interrupted as e:                 # WorkersLost, PlanLost or RedisLost
+        carry_on = await recovery.recover(e, stop)
+
+While it waits for a result the service probes every WORKER_PROBE_S (`probe`): one pipeline
+reads the server's run_id, the worker heartbeats and the plan's entry, and says which of
+these happened:
+
+    a worker dies       a rank gone or restarted: recompute every running request
+                        (`core.recompute_running`), wait for the group, carry on
+    a plan is lost      the plan left the plans stream, or rank 0 answered it (its heartbeat
+                        says so) and the result is not in the results stream: recompute every
+                        running request, carry on
+    Redis restarts      another run_id, or the consumer group is gone: every live request ends
+                        with an error event, the plan in flight is forgotten, the group is
+                        created again, the stream cursors start over; serving goes on
+
+Every Redis operation of the service goes through `retrying`: the shared retry policy, plus
+the check that a server that answers again is still the one with our run_id.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+import structlog
+from redis.exceptions import ResponseError
+
+from scheduler_svc.book import RequestBook
+from scheduler_svc.core import Scheduler
+from scheduler_svc.takeover import Takeover
+from scheduler_svc.workers import WorkerWatch
+from shared.keys import Keys
+from shared.lifecycle import redis_run_id
+from shared.plan import StepResult
+from shared.redis_retry import retry_redis
+
+log = structlog.get_logger("scheduler")
+T = TypeVar("T")
+
+WORKER_PROBE_S = 0.5          # how often a scheduler waiting for a result checks the workers
+REDIS_LOST = "the request queue was lost (Redis restarted); send the request again"
+
+
+class Interrupted(Exception):
+    """The plan in flight will never be answered, or Redis is not the server it was."""
+
+
+class WorkersLost(Interrupted):
+    """A worker rank died or was restarted: the plan in flight will never be answered."""
+
+
+class RedisLost(Interrupted):
+    """Redis came back empty (another run_id, or the consumer group is gone)."""
+
+
+class PlanLost(Interrupted):
+    """The plan in flight left the plans stream, or rank 0 answered it and the result is not
+    in the results stream: no result will come, though Redis and the workers are there."""
+
+
+@dataclass
+class Cursors:
+    """Where the service reads on in the streams it does not consume as a group."""
+    aborts: bytes | str = "0-0"
+    results: bytes | str = "0-0"
+
+
+WaitForWorkers = Callable[[asyncio.Event], Awaitable[bool]]
+ReadResult = Callable[[int, int | None], Awaitable[StepResult | None]]
+
+
+class Recovery:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, core: Scheduler, book: RequestBook,
+                 workers: WorkerWatch, takeover: Takeover, cursors: Cursors,
+                 drain_expired: Callable[[], bool]) -> None:
+        self.redis, self.keys, self.core, self.book = redis, keys, core, book
+        self.workers, self.takeover, self.cursors = workers, takeover, cursors
+        self._drain_expired = drain_expired
+        self.run_id: str | None = None
+
+    async def prepare(self) -> None:
+        """Create the consumer group and note which server this is."""
+        await self.ensure_group()
+        self.run_id = await redis_run_id(self.redis)
+
+    async def ensure_group(self) -> None:
+        try:
+            await self.redis.xgroup_create(self.keys.requests, self.keys.requests_group,
+                                           id="0", mkstream=True)
+        except ResponseError as e:
+            if "BUSYGROUP" not in str(e):
+                raise
+
+    # ---- noticing ------------------------------------------------------------------------
+
+    async def retrying(self, what: str, op: Callable[[], Awaitable[T]]) -> T:
+        """Run a Redis operation until the connection lets it through (or the drain ends).
+        After a dropped connection, Redis must be the same server (run_id) to carry on."""
+        try:
+            return await retry_redis(op, what, log, give_up=self._drain_expired,
+                                     before_retry=self._check_same_redis)
+        except ResponseError as e:
+            if "NOGROUP" in str(e):
+                raise RedisLost() from e
+            raise
+
+    async def _check_same_redis(self) -> None:
+        if await redis_run_id(self.redis) != self.run_id:
+            raise RedisLost()
+
+    async def probe(self, step: int, plan_id: bytes | str,
+                    read_result: ReadResult) -> StepResult | None:
+        """Raise RedisLost, WorkersLost or PlanLost if the plan in flight can no longer be
+        answered; returns its result if that turned up meanwhile. One pipeline, so every
+        answer comes from the same server."""
+        async def look() -> list:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.info("server")
+            pipe.mget(self.workers.heartbeat_keys)
+            pipe.xrange(self.keys.plans, min=plan_id, max=plan_id)
+            return await pipe.execute()
+
+        info, heartbeats, sent = await self.retrying("probe workers", look)
+        if info.get("run_id") != self.run_id:
+            raise RedisLost()
+        lost = self.workers.lost_in(heartbeats)
+        answered = self.workers.answered(heartbeats, self.run_id, plan_id)
+        if sent and not answered and not lost:
+            return None
+        # the result may have landed just before the rank died or its heartbeat was written
+        result = await read_result(step, None)
+        if lost:
+            if result is not None:
+                log.warning("worker died right after answering", ranks=lost)
+            raise WorkersLost(lost)
+        if result is not None:
+            return result
+        raise PlanLost("rank 0 answered the plan but its result is not in the results stream"
+                       if sent else "the plan is not in the plans stream")
+
+    # ---- recovering ----------------------------------------------------------------------
+
+    async def recover(self, interrupted: Interrupted, stop: asyncio.Event,
+                      wait_for_workers: WaitForWorkers) -> bool:
+        """Bring the core and the cursors back to what can still be served. False: stop
+        serving (stopped while waiting for the workers, or their KV pool disagrees)."""
+        if isinstance(interrupted, WorkersLost):
+            return await self._after_workers_lost(interrupted, stop, wait_for_workers)
+        if isinstance(interrupted, PlanLost):
+            recomputed = self.core.recompute_running()
+            log.error("plan in flight lost; recomputing running requests",
+                      reason=str(interrupted), recomputed=len(recomputed))
+            return True
+        await self._after_redis_lost()
+        return True
+
+    async def _after_workers_lost(self, lost: WorkersLost, stop: asyncio.Event,
+                                  wait_for_workers: WaitForWorkers) -> bool:
+        since = time.monotonic()
+        recomputed = self.core.recompute_running()
+        log.warning("worker group lost; recomputing running requests", ranks=lost.args[0],
+                    recomputed=len(recomputed))
+        if not await wait_for_workers(stop):
+            return False
+        log.info("worker group back", waited_s=round(time.monotonic() - since, 2))
+        return True
+
+    async def _after_redis_lost(self) -> None:
+        """Redis kept nothing: every request's entry and its client's token channel are
+        gone, so each live request ends with an error event; then serve anew."""
+        self.core.recompute_running()            # a plan in flight went with the old Redis
+        failed = self.book.stop_all(REDIS_LOST)
+        log.error("redis restarted empty; failing live requests", failed=failed)
+        await self.retrying("recreate group", self.ensure_group)
+        self.run_id = await self.retrying("read run_id", lambda: redis_run_id(self.redis))
+        self.cursors.aborts = self.cursors.results = "0-0"
+        self.takeover.claim_cursor = "0-0"

@@ -1,0 +1,59 @@
+"""The engine layout: everything the scheduler and the workers must agree on (the model, the
+KV pool's size, the context length, the scheduler's budgets), derived from EngineArgs and the
+model files by one function, so the two sides cannot disagree on the KV pool.
+
+Torch-free: the scheduler service sizes its block manager from it without loading torch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shared.config import (SchedulerConfig, kv_block_bytes, kv_cache_dtype,
+                           num_blocks_for_memory)
+from shared.cost_model import latency_cost_for
+from shared.engine_args import EngineArgs
+from shared.errors import PacerError
+from shared.model_config import ModelConfig, check_tp_fits, load_model_config
+from shared.model_source import ModelSource, resolve_model
+
+# Bytes per element of each --dtype, so that the block count is known without importing torch
+# (the scheduler service never loads it).
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    args: EngineArgs
+    source: ModelSource
+    model_config: ModelConfig
+    max_model_len: int
+    scheduler_config: SchedulerConfig
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler_config.num_kv_blocks
+
+
+def engine_layout(args: EngineArgs) -> EngineLayout:
+    """Resolve the model and size the KV pool: `--kv-cache-memory` is per rank, each rank
+    holds `num_kv_heads / tp` heads of every block, in the KV cache's dtype (not always the
+    weights')."""
+    args = args.resolved()
+    if args.dtype not in DTYPE_BYTES:
+        raise PacerError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
+    source = resolve_model(args.model)
+    cfg = load_model_config(source)
+    check_tp_fits(cfg, args.tp)       # before anything is spawned or loaded
+    num_blocks = args.num_kv_blocks or num_blocks_for_memory(
+        args.kv_cache_memory,
+        kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
+                       args.block_size, DTYPE_BYTES[kv_cache_dtype(args.dtype, args.device)]))
+    max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
+                        cfg.max_position_embeddings)
+    scheduler_config = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+        num_kv_blocks=num_blocks, block_size=args.block_size,
+        max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        max_iteration_ms=args.max_iteration_ms,
+        iteration_cost=latency_cost_for(args.max_iteration_ms, args.hw, cfg, DTYPE_BYTES[args.dtype]))
+    return EngineLayout(args, source, cfg, max_model_len, scheduler_config)

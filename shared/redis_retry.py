@@ -1,0 +1,49 @@
+"""The one way every service retries a Redis operation while Redis is away.
+
+    result = await retry_redis(op, "send plan", log)
+
+`op` runs until it gets through; after each transient failure (a dropped or refused
+connection, a timeout) the caller's log gets a warning and the next try waits RETRY_FIRST_S,
+doubling to RETRY_MAX_S. What differs between callers is only when to stop trying:
+
+- `give_up()`: checked after a failure; True re-raises it (a drain deadline that passed, a
+  service told to stop)
+- `before_retry()`: awaited before every try after a failure; raises to abandon (the server
+  that answers now is not the one the operation was meant for: another run_id)
+- `attempts`: at most this many tries (a client's request waits for one more, not forever)
+"""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+T = TypeVar("T")
+
+RETRY_FIRST_S = 0.1
+RETRY_MAX_S = 2.0
+# failures that say nothing about the operation, only that Redis was not reachable
+TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
+                      give_up: Callable[[], bool] = lambda: False,
+                      before_retry: Callable[[], Awaitable[None]] | None = None,
+                      attempts: int | None = None,
+                      errors: tuple[type[BaseException], ...] = TRANSIENT) -> T:
+    delay, tries = RETRY_FIRST_S, 0
+    while True:
+        try:
+            if tries and before_retry is not None:
+                await before_retry()
+            tries += 1
+            return await op()
+        except errors as e:
+            if give_up() or (attempts is not None and tries >= attempts):
+                raise
+            log.warning("redis unavailable; retrying", op=what, error=str(e), retry_in_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_S)

@@ -1,0 +1,14 @@
+"""Flags every Redis-side service takes (`pacer scheduler`, `pacer worker`)."""
+from __future__ import annotations
+
+import argparse
+
+from shared.keys import DEFAULT_PREFIX
+
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+def add_service_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
+    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
+    p.add_argument("--log-level", default="info")
