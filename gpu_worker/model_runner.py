@@ -6,6 +6,7 @@ never carries token values: a decode's input is the last token this runner drew.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: IterationPlan) -> StepResult:
+        started = time.perf_counter()
         self._apply(plan)
         if plan.is_empty:
             return StepResult(plan.step, {})
@@ -90,7 +92,8 @@ class ModelRunner:
             self.requests[rid].num_computed_tokens += n
         for s, t in zip(states, tokens):
             s.token_ids.append(t.token_id)
-        return StepResult(plan.step, dict(zip(sampling_ids, tokens)))
+        return StepResult(plan.step, dict(zip(sampling_ids, tokens)),
+                          forward_ms=(time.perf_counter() - started) * 1e3)
 
     def _apply(self, plan: IterationPlan) -> None:
         for rid in plan.dropped_request_ids:

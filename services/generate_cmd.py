@@ -17,7 +17,7 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_
 
 def register(sub) -> None:
     p = sub.add_parser("generate", help="generate completions for a JSONL file of prompts")
-    EngineArgs.add_cli_args(p, budget=DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS)
+    EngineArgs.add_cli_args(p, budget=DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS, target_tbt="off")
     p.add_argument("--prompts", required=True, help="input JSONL: {prompt|messages|prompt_token_ids}")
     p.add_argument("--output", required=True, help="output JSONL, one line per input line")
     p.add_argument("--max-tokens", type=int, default=64)

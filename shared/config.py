@@ -18,6 +18,9 @@ DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
+# `--target-tbt-ms auto`: an iteration that carries prefill may take this many times the
+# predicted pure-decode iteration (docs/benchmarks.md#interference measures it)
+AUTO_TBT_FACTOR = 3.0
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
@@ -42,6 +45,9 @@ class IterationCostModel(Protocol):
         """The most rows of a prefill chunk over a cached prefix of `prefix_len` that keep the
         iteration `chunks + [that chunk]` within `budget_ms`; 0 if not even one row does."""
 
+    def iteration_ms(self, chunks: Sequence[tuple[int, int]]) -> float:
+        """The predicted wall time of one forward over `chunks`."""
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -55,6 +61,12 @@ class SchedulerConfig:
     # decodes only as far as `iteration_cost` says fits in this many ms. None: the token
     # budget alone.
     max_iteration_ms: float | None = None
+    # The token-gap target (docs/design.md#the-token-gap-target): while decodes run, prefill
+    # rides along only as far as keeps the iteration within `target_tbt_ms`, or within
+    # `target_tbt_factor` x the predicted pure-decode iteration (`--target-tbt-ms auto`).
+    # With no decode running, prefill takes the whole token budget.
+    target_tbt_ms: float | None = None
+    target_tbt_factor: float | None = None
     iteration_cost: IterationCostModel | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -66,8 +78,9 @@ class SchedulerConfig:
         if ms is not None:
             if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
                 raise PacerError(f"--max-iteration-ms must be a positive number, got {ms!r}")
-            if self.iteration_cost is None:
-                raise PacerError("--max-iteration-ms needs a cost model: give --hw NAME|hw.json")
+        for name in ("max_iteration_ms", "target_tbt_ms", "target_tbt_factor"):
+            if getattr(self, name) is not None and self.iteration_cost is None:
+                raise PacerError(f"{name} needs a cost model (iteration_cost)")
 
 
 def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,

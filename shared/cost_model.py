@@ -38,6 +38,7 @@ from typing import Any, Iterable, Sequence
 
 from shared.errors import PacerError
 from shared.hardware import HardwareProfile, load_hardware
+from shared.online_cost import OnlineIterationCost
 
 # One chunk of an iteration as the cost model sees it: (q_rows, kv_len). Not the runner's
 # `gpu_worker.attention.Chunk`, which also carries the block table.
@@ -326,13 +327,13 @@ class RooflineCost:
 
 
 def latency_cost_for(max_iteration_ms: float | None, hw: str | None, model_config: Any,
-                     dtype_bytes: float) -> RooflineCost | None:
-    """The cost model behind `--max-iteration-ms`, for a served model's `ModelConfig`; None
-    when no latency budget is asked for."""
-    if max_iteration_ms is None:
+                     dtype_bytes: float, target_tbt_ms: str = "off"):
+    """The cost model behind `--max-iteration-ms` and `--target-tbt-ms`: the roofline of `--hw`
+    when one is named, else the model fitted online from measured forward times
+    (shared/online_cost.py); None when neither budget is asked for."""
+    if max_iteration_ms is None and target_tbt_ms == "off":
         return None
     if hw is None:
-        raise PacerError("--max-iteration-ms needs --hw: a built-in profile (h100, h200, a100) "
-                         "or a JSON written by `pacer calibrate`")
+        return OnlineIterationCost()
     return RooflineCost(model_shape_of(model_config, "served model"), load_hardware(hw),
                         dtype_bytes)

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, fields, replace
 
 from shared.cpu import auto_dtype
-from shared.config import (DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY,
+from shared.config import (AUTO_TBT_FACTOR, DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY,
                            DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
 
 
@@ -24,12 +24,15 @@ class EngineArgs:
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     max_iteration_ms: float | None = None
+    # "auto", "off" or ms; the in-process engine's default is off (offline: no one waits
+    # between tokens), the serving commands' is auto
+    target_tbt_ms: str = "off"
     hw: str | None = None
     seed: int | None = None
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser,
-                     budget: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> None:
+                     budget: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, target_tbt: str = "auto") -> None:
         p.add_argument("--model", default=None,
                        help="smollm2-135m (default), an HF directory, or a .gguf file")
         p.add_argument("--dtype", default="auto",
@@ -52,12 +55,17 @@ class EngineArgs:
                        help="context length (default: the model's)")
         p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", help="whole prompts in one iteration (ORCA only)")
+        p.add_argument("--target-tbt-ms", default=target_tbt, type=_tbt_target,
+                       help=f"token-gap target while decodes run: auto (default {target_tbt}: "
+                            f"{AUTO_TBT_FACTOR:g}x the predicted pure-decode iteration), off, or ms; "
+                            "caps the prefill rows that ride along, by the iteration-cost model "
+                            "fitted online from measured forward times")
         p.add_argument("--max-iteration-ms", type=float, default=None,
-                       help="latency budget: cut each prefill chunk to what the cost model says "
-                            "fits in this many ms beside the decodes (needs --hw)")
+                       help="a fixed latency budget for every iteration, decodes or not: cut each "
+                            "prefill chunk to what the cost model says fits")
         p.add_argument("--hw", default=None,
-                       help="hardware profile for --max-iteration-ms: h100, h200, a100, or a JSON "
-                            "written by `pacer calibrate`")
+                       help="use the roofline of this hardware profile (h100, h200, a100, or a "
+                            "JSON written by `pacer calibrate`) instead of the online fit")
         p.add_argument("--seed", type=int, default=None, help="seed for unseeded sampling")
 
     @classmethod
@@ -70,3 +78,15 @@ class EngineArgs:
         if self.dtype != "auto":
             return self
         return replace(self, dtype=auto_dtype(self.device))
+
+
+def _tbt_target(text: str) -> str:
+    if text in ("auto", "off"):
+        return text
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = -1.0
+    if not (ms > 0 and ms != float("inf")):
+        raise argparse.ArgumentTypeError(f"auto, off or a positive number of ms, got {text!r}")
+    return text

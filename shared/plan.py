@@ -79,3 +79,4 @@ class StepResult:
     """What the workers send back for one plan: the token each sampling request drew."""
     step: int
     sampled: dict[str, SampledToken]
+    forward_ms: float | None = None     # rank 0's measured time for the plan (cost model input)

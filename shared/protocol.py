@@ -151,7 +151,7 @@ class StepResultMsg:
 
     def _to_body(self) -> dict:
         # sampled: [request_id, token_id, logprob, top_logprobs]
-        return {"step": self.result.step,
+        return {"step": self.result.step, "forward_ms": self.result.forward_ms,
                 "sampled": [[rid, s.token_id, s.logprob, s.top_logprobs]
                             for rid, s in self.result.sampled.items()]}
 
@@ -159,7 +159,8 @@ class StepResultMsg:
     def _from_body(cls, body: dict) -> "StepResultMsg":
         sampled = {rid: SampledToken(tok, lp, _tops(top))
                    for rid, tok, lp, top in body["sampled"]}
-        return cls(StepResult(step=body["step"], sampled=sampled))
+        return cls(StepResult(step=body["step"], sampled=sampled,
+                              forward_ms=body.get("forward_ms")))
 
 
 @dataclass(frozen=True)

@@ -18,12 +18,13 @@ from hypothesis import strategies as st
 
 from scheduler_svc.core import Scheduler
 from shared.config import SchedulerConfig
+from shared.online_cost import OnlineIterationCost
 from shared.cost_model import (ModelShape, RooflineCost, estimate_iteration, latency_cost_for,
                                max_prefill_tokens_within)
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.hardware import HardwareProfile
-from shared.plan import IterationPlan
+from shared.plan import IterationPlan, StepResult
 from test_scheduler_core import FakeWorker, add, check_plan, run, step
 from test_scheduler_properties import Driver, check_orca
 from test_scheduler_properties import aborts as abort_st
@@ -272,8 +273,9 @@ def test_random_traffic_under_a_latency_budget(budget, max_seqs, block_size, slo
 # ---- configuration ------------------------------------------------------------------------
 
 def test_config_refuses_a_budget_without_a_cost_model_or_a_bad_value():
-    with pytest.raises(PacerError, match="--hw"):
-        SchedulerConfig(max_iteration_ms=20)
+    for budget in ({"max_iteration_ms": 20}, {"target_tbt_ms": 50}, {"target_tbt_factor": 3}):
+        with pytest.raises(PacerError, match="needs a cost model"):
+            SchedulerConfig(**budget)
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(PacerError, match="max-iteration-ms"):
             SchedulerConfig(max_iteration_ms=bad, iteration_cost=RowCost())
@@ -291,8 +293,10 @@ def test_engine_flags_parse_and_build_the_cost_model():
     assert latency_cost_for(None, "h100", TOY_MODEL, 2) is None
     cost = latency_cost_for(25.0, "h100", TOY_MODEL, 2)
     assert cost.hw.name == "h100" and cost.model.num_layers == TOY_MODEL.num_layers
-    with pytest.raises(PacerError, match="--hw"):
-        latency_cost_for(25.0, None, TOY_MODEL, 2)
+    # without --hw: the model fitted online from measured forward times
+    assert isinstance(latency_cost_for(25.0, None, TOY_MODEL, 2), OnlineIterationCost)
+    assert isinstance(latency_cost_for(None, None, TOY_MODEL, 2, "auto"), OnlineIterationCost)
+    assert latency_cost_for(None, None, TOY_MODEL, 2, "off") is None
 
 
 def test_engine_layout_carries_the_budget_to_the_scheduler():
@@ -304,3 +308,59 @@ def test_engine_layout_carries_the_budget_to_the_scheduler():
     assert config.iteration_cost.dtype_bytes == 2
     assert build_scheduler(layout).config.iteration_cost is config.iteration_cost
     assert engine_layout(EngineArgs()).scheduler_config.enable_chunked_prefill
+
+
+# ---- the token-gap target ---------------------------------------------------------------
+
+def make_target(factor: float | None = None, ms: float | None = None, token_budget: int = 512,
+                cost=RowCost()) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=token_budget, max_num_seqs=16,
+                             num_kv_blocks=256, block_size=4, max_model_len=1024,
+                             target_tbt_factor=factor, target_tbt_ms=ms, iteration_cost=cost)
+    return Scheduler(config, eos_token_ids=2, max_model_len=1024)
+
+
+def test_a_lone_prefill_runs_at_the_full_token_budget():
+    sched = make_target(factor=3.0, token_budget=64)
+    add(sched, "long", 200, max_tokens=2)
+    assert sched.schedule().num_scheduled_tokens == {"long": 64}   # no one waits between tokens
+
+
+@pytest.mark.parametrize("factor", [1.5, 3.0, 8.0])
+def test_beside_decodes_prefill_is_capped_to_the_factor_of_a_decode_iteration(factor):
+    sched = make_target(factor=factor)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 4)
+    add(sched, "long", 300, max_tokens=2)
+    while sched.get_request("long").num_output_tokens == 0:
+        plan = sched.schedule()
+        chunks = chunks_of(sched, plan)
+        decode_ms = RowCost().iteration_ms([c for c in chunks if c[0] == 1])
+        assert plan.total_tokens <= 512                            # the token budget still caps
+        assert RowCost().iteration_ms(chunks) <= max(factor * decode_ms, decode_ms + 4)  # one block floor
+        sched.update(plan, worker.execute(plan))
+
+
+def test_a_fixed_target_in_ms():
+    sched = make_target(ms=10.0)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 2)
+    add(sched, "long", 100, max_tokens=2)
+    plan = sched.schedule()
+    assert plan.num_scheduled_tokens["long"] == 8                  # 10 ms - 2 decode rows
+
+
+def test_measured_forward_times_reach_the_cost_model():
+    seen = []
+
+    class Recording(RowCost):
+        def observe(self, chunks, ms):
+            seen.append((sorted(chunks), ms))
+
+    sched = make_target(factor=3.0, cost=Recording())
+    add(sched, "a", 5, max_tokens=3)
+    add(sched, "b", 2, max_tokens=3)
+    plan = sched.schedule()
+    result = FakeWorker(sched).execute(plan)
+    sched.update(plan, StepResult(result.step, result.sampled, forward_ms=7.5))
+    assert seen == [([(2, 2), (5, 5)], 7.5)]

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from scheduler_svc.online_cost import NAMES, OnlineIterationCost
+from shared.online_cost import NAMES, OnlineIterationCost
 
 TRUE = {"fixed_ms": 12.0, "per_row_ms": 0.4, "per_pair_ms": 2e-5, "per_seq_ms": 0.08}
 

@@ -179,6 +179,7 @@ class Scheduler:
         running = RequestStatus.RUNNING
         live = [(request, rows) for request, rows in scheduled if request.status is running]
         _check_sampled(plan.step, scheduled, live, result)
+        self._observe_cost(scheduled, result.forward_ms)
         self._in_flight = None
         outputs, self._aborted = self._aborted, []
         for request, rows in live:
@@ -189,15 +190,33 @@ class Scheduler:
 
     # ---- scheduling steps ----------------------------------------------------------------
 
+    def _observe_cost(self, scheduled: list[tuple[Request, int]], forward_ms: float | None) -> None:
+        """Feed the measured forward time to a cost model that learns (shared/online_cost.py)."""
+        observe = getattr(self.config.iteration_cost, "observe", None)
+        if observe is not None and forward_ms is not None and scheduled:
+            observe([(rows, r.num_computed_tokens + rows) for r, rows in scheduled], forward_ms)
+
     def _latency_budget(self) -> IterationLatency | None:
-        config = self.config
-        if config.max_iteration_ms is None or config.iteration_cost is None:
+        """This iteration's time budget: `max_iteration_ms` always; the token-gap target only
+        while decodes run (else no one waits between tokens and prefill takes the whole token
+        budget); None: the token budget alone."""
+        config, cost = self.config, self.config.iteration_cost
+        if cost is None:
             return None
         # Every decode is reserved up front, so a prefill earlier in the running list cannot
         # take the time of a decode later in it.
         decodes = [(1, r.num_tokens) for r in self._running if self._rows_wanted(r) == 1]
-        return IterationLatency(config.iteration_cost, config.max_iteration_ms,
-                                config.block_size, decodes)
+        if config.max_iteration_ms is not None:
+            budget_ms = config.max_iteration_ms
+        elif not decodes:
+            return None
+        elif config.target_tbt_ms is not None:
+            budget_ms = config.target_tbt_ms
+        elif config.target_tbt_factor is not None:
+            budget_ms = config.target_tbt_factor * cost.iteration_ms(decodes)
+        else:
+            return None
+        return IterationLatency(cost, budget_ms, config.block_size, decodes)
 
     def _continue_running(self, iteration: _Iteration) -> None:
         index = 0
