@@ -64,7 +64,7 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
     cfg = load_model_config(source)
     check_tp_fits(cfg, args.tp)       # before anything is spawned or loaded
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(
-        args.kv_cache_memory,
+        _kv_cache_memory(args, cfg),
         kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
                        args.block_size, DTYPE_BYTES[kv_cache_dtype(args.dtype, args.device)]))
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
@@ -76,6 +76,20 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         max_iteration_ms=args.max_iteration_ms,
         iteration_cost=latency_cost_for(args.max_iteration_ms, args.hw, cfg, DTYPE_BYTES[args.dtype]))
     return EngineLayout(args, source, cfg, max_model_len, scheduler_config)
+
+
+def _kv_cache_memory(args: EngineArgs, cfg: ModelConfig) -> str | int:
+    """--kv-cache-memory, or on CUDA without it what --gpu-memory-utilization leaves
+    (shared/gpu_memory.py)."""
+    if args.kv_cache_memory is not None or args.num_kv_blocks:
+        return args.kv_cache_memory
+    from shared import gpu_memory
+    dtype_bytes = DTYPE_BYTES[args.dtype]
+    return gpu_memory.kv_pool_bytes(
+        gpu_memory.cuda_total_memory(args.device), args.gpu_memory_utilization,
+        gpu_memory.weight_bytes(cfg, dtype_bytes, args.tp),
+        gpu_memory.activation_bytes(cfg, args.max_num_batched_tokens, args.max_num_seqs,
+                                    dtype_bytes, args.tp))
 
 
 def build_scheduler(layout: EngineLayout):
@@ -99,7 +113,10 @@ def _runner_config(layout: EngineLayout, progress: bool):
 
     args = layout.args
     return RunnerConfig(num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size,
-                        dtype=args.dtype, device=args.device, seed=args.seed, progress=progress)
+                        dtype=args.dtype, device=args.device, seed=args.seed, progress=progress,
+                        attention_backend=args.attention_backend,
+                        profile_tokens=args.max_num_batched_tokens,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def _tp_executor(layout: EngineLayout, progress: bool):
