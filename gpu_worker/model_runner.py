@@ -17,6 +17,7 @@ from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
 from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.host_memory import keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.model.layers import RotaryEmbedding
 from gpu_worker.model.llama import LlamaForCausalLM
 from gpu_worker.parallel import SINGLE, TPGroup
 from gpu_worker.sampler import Sampler
@@ -74,6 +75,9 @@ class ModelRunner:
         with torch.device("cpu" if on_host else rc.device), \
                 (contextlib.nullcontext() if on_host else _default_dtype(self.dtype)):
             model = LlamaForCausalLM(cfg, tp)
+        if not on_host:     # RoPE tables computed on the host, as on CPU (same bits), then moved
+            model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                           cfg.rope_theta)
         model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0))
         # On CPU the residual stream, norms and attention math stay in float32 whatever the
         # weight dtype; the KV cache is stored in the weights' dtype (shared/config.py).

@@ -101,3 +101,15 @@ def test_gpu_memory_sizing_arithmetic():
     assert 100 * 2**30 < pool < 112 * 2**30
     with pytest.raises(PacerError, match="no room for a KV cache"):
         gpu_memory.kv_pool_bytes(16 * 2**30, 0.9, w, act)
+
+
+def test_select_backend_never_falls_back_to_torch():
+    import importlib.util
+    from gpu_worker.attention import select_backend
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(PacerError, match="cannot import flash_attn"):
+        select_backend("flash-attn", "cuda", 256)
+    with pytest.raises(ValueError, match="resolve 'auto' first"):
+        select_backend("auto", "cpu", 16)
+    assert select_backend("torch", "cpu", 16).name == "torch"
