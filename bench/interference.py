@@ -3,14 +3,16 @@
 
 The default model in the in-process engine. Each run starts `--streams` decode streams (short
 prompts, long outputs, EOS ignored) and adds a long prompt at fixed iterations; every token is
-stamped with the wall clock when the iteration that sampled it returns. ORCA only
-(`--no-chunked-prefill`) and the default chunked configuration alternate A, B, A, B on the
-same engine and weights. Reported per mode: median and worst inter-token gap of the decode
-streams, the long prompts' TTFT; and, per iteration kind, how far the calibrated roofline's
-prediction is from the measured iteration time.
+stamped with the wall clock when the iteration that sampled it returns. Three modes alternate
+on the same engine and weights: ORCA only (`--no-chunked-prefill`), chunked prefill at a fixed
+token budget (`--target-tbt-ms off`), and the serving defaults (chunked, with the token-gap
+target `--target-tbt-ms auto` and the iteration-cost model fitted online, kept across runs as
+a server keeps it). Reported per mode: median and worst inter-token gap of the decode streams,
+the long prompts' TTFT; per iteration kind, how far the calibrated roofline's prediction and
+the online fit's are from the measured iteration time.
 
-    python bench/interference.py [--repeats 2] [--hw hw.json] [--json out.json] [--plot docs/interference.png]
-        [--max-num-batched-tokens N] [--max-iteration-ms MS]
+    python bench/interference.py [--repeats 2] [--dtype auto] [--hw hw.json] [--json out.json]
+        [--plot docs/interference.png] [--max-num-batched-tokens N] [--max-iteration-ms MS]
 
 Without --hw it runs `pacer calibrate --quick` in-process first.
 """
@@ -28,7 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 
 from bench.common import print_table, random_prompts, write_json  # noqa: E402
+from shared.config import AUTO_TBT_FACTOR  # noqa: E402
 from shared.cost_model import RooflineCost, model_shape_of  # noqa: E402
+from shared.online_cost import OnlineIterationCost  # noqa: E402
 from scheduler_svc.build import build_scheduler  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from shared.engine_layout import DTYPE_BYTES  # noqa: E402
@@ -36,7 +40,7 @@ from shared.engine_args import EngineArgs  # noqa: E402
 from shared.hardware import hardware_from_dict, load_hardware  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
-MODES = {"orca": False, "chunked": True}
+MODES = ("orca", "budget", "default")
 
 
 @dataclass
@@ -71,14 +75,28 @@ def one_step(engine: LLMEngine, run: Run, t0: float) -> None:
                                "chunks": chunks, "kind": iteration_kind(chunks)})
 
 
+def mode_config(base, mode: str, online: OnlineIterationCost):
+    """The scheduler configuration of one mode, on the engine's own budgets."""
+    if mode == "orca":
+        return replace(base, enable_chunked_prefill=False, target_tbt_factor=None,
+                       target_tbt_ms=None)
+    if mode == "budget":
+        return replace(base, enable_chunked_prefill=True, target_tbt_factor=None,
+                       target_tbt_ms=None)
+    return replace(base, enable_chunked_prefill=True, target_tbt_factor=AUTO_TBT_FACTOR,
+                   target_tbt_ms=None, iteration_cost=online)
+
+
 def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
-             avoid: tuple[int, ...], seed: int) -> Run:
+             avoid: tuple[int, ...], seed: int, online: OnlineIterationCost) -> Run:
     """One run: the streams, long prompts at fixed iterations, until everything finished."""
     old = engine.scheduler                  # idle: one empty plan tells the runner which
     plan = old.schedule()                   # requests it finished last, then the policy swaps
     old.update(plan, engine.runner.execute(plan))
-    layout = replace(engine.layout, scheduler_config=replace(
-        engine.layout.scheduler_config, enable_chunked_prefill=MODES[mode]))
+    base = engine.layout.scheduler_config
+    if mode != "default" and base.max_iteration_ms is None:
+        base = replace(base, iteration_cost=None)
+    layout = replace(engine.layout, scheduler_config=mode_config(base, mode, online))
     engine.scheduler = build_scheduler(layout)
     stream_prompts = random_prompts(args.streams, 16, 48, vocab, seed, avoid)
     long_prompts = random_prompts(len(args.long_at), args.long_len - 100, args.long_len + 100,
@@ -117,9 +135,9 @@ def summarize(run: Run) -> dict:
             "iterations": len(run.iterations)}
 
 
-def cost_model_error(runs: list[Run], cost: RooflineCost) -> list[dict]:
+def cost_model_error(runs: list[Run], cost) -> list[dict]:
     """Per iteration kind: the median absolute percentage error of the prediction, and the
-    median measured / predicted (how far the machine runs from its own roofline)."""
+    median measured / predicted (how far the machine runs from the model)."""
     rows = []
     for kind in ("decode", "mixed", "prefill"):
         its = [it for r in runs for it in r.iterations if it["kind"] == kind]
@@ -149,19 +167,20 @@ def plot(runs: list[Run], cost: RooflineCost, path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for run in runs[:2]:                       # the first A and the first B
+    colours = {"orca": "C0", "budget": "C1", "default": "C2"}
+    for run in runs[:len(MODES)]:              # the first run of each mode
         streams = [t for rid, t in sorted(run.token_times.items())
                    if rid.startswith("s") and len(t) > 1]
         for i, t in enumerate(streams):
             left.plot(t[1:], np.diff(t) * 1e3, ".", ms=3,
-                      color="C0" if run.mode == "orca" else "C1",
+                      color=colours[run.mode],
                       label=run.mode if i == 0 else None)
         for rid, at in run.added_at.items():
             if rid.startswith("long"):
-                left.axvline(at, color="C0" if run.mode == "orca" else "C1", ls=":", lw=0.8)
+                left.axvline(at, color=colours[run.mode], ls=":", lw=0.8)
     left.set(yscale="log", xlabel="wall time since start (s)", ylabel="decode inter-token gap (ms)",
              title="decode streams (dotted: a long prompt arrives)")
-    for kind, colour in (("decode", "C2"), ("mixed", "C3"), ("prefill", "C4")):
+    for kind, colour in (("decode", "C3"), ("mixed", "C4"), ("prefill", "C5")):
         its = [it for r in runs for it in r.iterations if it["kind"] == kind]
         if its:
             right.scatter([cost.iteration_ms(it["chunks"]) for it in its],
@@ -187,7 +206,7 @@ def main() -> None:
     ap.add_argument("--long-at", default="8,24", help="iterations at which long prompts arrive")
     ap.add_argument("--repeats", type=int, default=2, help="A, B pairs")
     ap.add_argument("--hw", default=None, help="hardware JSON (default: calibrate --quick now)")
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", help="as pacer up (default auto)")
     ap.add_argument("--max-num-batched-tokens", type=int,
                     default=EngineArgs.max_num_batched_tokens, help="as pacer up")
     ap.add_argument("--max-iteration-ms", type=float, default=None,
@@ -205,15 +224,18 @@ def main() -> None:
     engine = LLMEngine(EngineArgs(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_iteration_ms=args.max_iteration_ms, hw=hw_path),
                        progress=False)
+    args.dtype = engine.args.dtype          # auto, resolved
     cost = RooflineCost(model_shape_of(engine.model_config, "smollm2-135m"), hw,
                         DTYPE_BYTES[args.dtype])
+    online = OnlineIterationCost()          # the serving default's model, learning all along
     vocab, avoid = engine.model_config.vocab_size, tuple(engine.model_config.eos_token_ids)
     warm = random_prompts(2, args.long_len, args.long_len, vocab, 99, avoid)
     engine.generate(warm, [SamplingParams(max_tokens=4, temperature=0.0)] * 2)   # warm-up
-    runs = [run_mode(engine, mode, args, vocab, avoid, seed=rep)
+    runs = [run_mode(engine, mode, args, vocab, avoid, seed=rep, online=online)
             for rep in range(args.repeats) for mode in MODES]
     summaries = [summarize(r) | {"repeat": i // len(MODES)} for i, r in enumerate(runs)]
     errors = cost_model_error(runs, cost)
+    online_errors = cost_model_error(runs, online)
     print(f"{args.streams} decode streams, {len(args.long_at)} prompts of ~{args.long_len} "
           f"tokens per run, budget {engine.scheduler_config.max_num_batched_tokens} rows"
           + (f" and {args.max_iteration_ms:g} ms per iteration" if args.max_iteration_ms else "")
@@ -222,16 +244,26 @@ def main() -> None:
     print_table(summaries, ["repeat", "mode", "gap_median_ms", "gap_p99_ms", "gap_max_ms",
                             "gap_max_over_median", "long_ttft_median_ms", "long_ttft_max_ms",
                             "iterations"])
-    ratios = {}
-    for key in ("gap_max_ms", "gap_median_ms", "long_ttft_median_ms"):
-        pairs = [(a[key], b[key]) for a, b in zip(summaries[0::2], summaries[1::2])]
-        ratios[f"orca_over_chunked_{key}"] = float(np.median([a / b for a, b in pairs]))
-    print("ORCA / chunked, median over repeats: "
-          + ", ".join(f"{k.removeprefix('orca_over_chunked_')} {v:.2f}x" for k, v in ratios.items()))
+    by_mode = {m: [s for s in summaries if s["mode"] == m] for m in MODES}
+    ratios = {
+        "default_gap_max_over_median": float(np.median(
+            [s["gap_max_over_median"] for s in by_mode["default"]])),
+        "default_over_orca_long_ttft": float(np.median(
+            [d["long_ttft_median_ms"] / o["long_ttft_median_ms"]
+             for d, o in zip(by_mode["default"], by_mode["orca"])])),
+        "orca_over_default_gap_max": float(np.median(
+            [o["gap_max_ms"] / d["gap_max_ms"] for d, o in zip(by_mode["default"], by_mode["orca"])])),
+    }
+    print("medians over repeats: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     print(f"\nroofline ({hw.name}) vs measured iteration time:")
     print_table(errors, ["kind", "iterations", "measured_median_ms", "predicted_median_ms",
                          "mape_pct", "measured_over_predicted"])
+    print(f"\nonline fit vs measured iteration time (coefficients {online.coefficients_ms}):")
+    print_table(online_errors, ["kind", "iterations", "measured_median_ms", "predicted_median_ms",
+                                "mape_pct", "measured_over_predicted"])
     write_json(args.json, {"runs": summaries, "ratios": ratios, "cost_model": errors,
+                           "online_cost_model": online_errors,
+                           "online_coefficients_ms": online.coefficients_ms,
                            "hardware": hw.to_dict() if profile is None else profile,
                            "args": vars(args),
                            "iterations": {f"{r.mode}-{i // 2}": r.iterations

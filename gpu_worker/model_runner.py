@@ -6,9 +6,11 @@ never carries token values: a decode's input is the last token this runner drew.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import structlog
 import torch
 from torch.profiler import record_function
 
@@ -16,16 +18,21 @@ from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
 from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.host_memory import keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.model.layers import RotaryEmbedding
 from gpu_worker.model.llama import LlamaForCausalLM
 from gpu_worker.parallel import SINGLE, TPGroup
 from gpu_worker.sampler import Sampler
 from gpu_worker.weights import iter_weights
+from shared.attention_choice import choose_attention_here
 from shared.config import activation_dtype, kv_cache_dtype
 from shared.engine_layout import EngineLayout
+from shared.errors import PacerError
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource
 from shared.plan import IterationPlan, NewRequestData, StepResult
 from shared.sampling import SamplingParams
+
+log = structlog.get_logger("worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,6 +45,9 @@ class RunnerConfig:
     device: str = "cpu"
     seed: int | None = None
     progress: bool = True
+    attention_backend: str = "auto"      # resolved here when still auto (shared/attention_choice.py)
+    profile_tokens: int = 0              # CUDA: rows of the memory-profiling forward (0: none)
+    gpu_memory_utilization: float = 0.9
 
 
 @dataclass
@@ -58,8 +68,17 @@ class ModelRunner:
         torch.manual_seed(0)
         if rc.device == "cpu":
             keep_freed_memory()
-        with torch.device("cpu"):
+        # CPU: built in float32 then cast (the parity tests' bits). Elsewhere the parameters are
+        # created on the device in their final dtype and each checkpoint tensor is copied
+        # straight into its shard, so the host never holds a float32 model (unverified on a
+        # GPU).
+        on_host = rc.device == "cpu"
+        with torch.device("cpu" if on_host else rc.device), \
+                (contextlib.nullcontext() if on_host else _default_dtype(self.dtype)):
             model = LlamaForCausalLM(cfg, tp)
+        if not on_host:     # RoPE tables computed on the host, as on CPU (same bits), then moved
+            model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                           cfg.rope_theta)
         model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0))
         # On CPU the residual stream, norms and attention math stay in float32 whatever the
         # weight dtype; the KV cache is stored in the weights' dtype (shared/config.py).
@@ -67,12 +86,55 @@ class ModelRunner:
         self.model = model.to(device=rc.device).eval()
         fused = cpu_kernels() if rc.device == "cpu" and self.dtype != self.act_dtype else None
         self.model.set_dtypes(self.dtype, self.act_dtype, fused)
-        self.backend = select_backend(rc.device)
+        choice = choose_attention_here(rc.attention_backend, rc.device, rc.dtype, rc.block_size)
+        if choice.block_size != rc.block_size:
+            raise PacerError(f"block size {rc.block_size} is not the {choice.backend} backend's "
+                             f"({choice.block_size})")
+        self.backend = select_backend(choice.backend, rc.device, rc.block_size)
+        if tp.rank == 0:
+            log.info("attention backend", backend=choice.backend, block_size=rc.block_size,
+                     reason=choice.reason, device=rc.device, dtype=rc.dtype)
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.kv_caches = allocate_kv_cache(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,
                                            DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
         self.sampler = Sampler(rc.seed)
         self.requests: dict[str, _RequestState] = {}
+        if rc.device.startswith("cuda") and rc.profile_tokens:
+            self.profile_memory(rc.profile_tokens)
+
+    @torch.inference_mode()
+    def profile_memory(self, tokens: int) -> dict:
+        """CUDA: one forward of `tokens` prompt rows (as many as the pool holds) over the
+        allocated pool; log the peak beside what --gpu-memory-utilization allows, and fail,
+        naming a block count that fits, when the layout's estimate was too generous
+        (shared/gpu_memory.py). Unverified on a GPU."""
+        bs = self.rc.block_size
+        tokens = max(1, min(tokens, self.rc.num_kv_blocks * bs))
+        torch.cuda.synchronize(self.rc.device)
+        torch.cuda.reset_peak_memory_stats(self.rc.device)
+        n_blocks = -(-tokens // bs)
+        meta = build_attention_metadata([Chunk(tokens, tokens, list(range(n_blocks)))], bs,
+                                        self.rc.device, self.act_dtype)
+        ids = torch.zeros(tokens, dtype=torch.int64, device=self.rc.device)
+        self.model(ids, self.kv_caches, meta, self.backend)
+        torch.cuda.synchronize(self.rc.device)
+        peak = torch.cuda.max_memory_reserved(self.rc.device)
+        free, total = torch.cuda.mem_get_info(self.rc.device)
+        allowed = int(total * self.rc.gpu_memory_utilization)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.rc.device)
+        figures = {"peak_reserved": peak, "total": total, "allowed": allowed,
+                   "outside_torch": used_by_others, "profile_tokens": tokens}
+        log.info("gpu memory after a profiled forward", **figures)
+        if peak + used_by_others > allowed:
+            pool = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+            per_block = pool // self.rc.num_kv_blocks
+            fits = self.rc.num_kv_blocks - -(-(peak + used_by_others - allowed) // per_block)
+            raise PacerError(f"the KV pool of {self.rc.num_kv_blocks} blocks and a forward of "
+                             f"{tokens} rows need {(peak + used_by_others) / 2**30:.1f} GiB, over "
+                             f"--gpu-memory-utilization's {allowed / 2**30:.1f} GiB: pass "
+                             f"--num-kv-blocks {max(fits, 0)} (or lower "
+                             f"--max-num-batched-tokens)")
+        return figures
 
     @torch.inference_mode()
     def execute(self, plan: IterationPlan) -> StepResult:
@@ -119,6 +181,16 @@ class ModelRunner:
         return torch.tensor(ids, dtype=torch.int64, device=self.rc.device), chunks, order
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 def _state_of(new: NewRequestData) -> _RequestState:
     return _RequestState(list(new.token_ids), new.num_prompt_tokens, new.sampling,
                          list(new.block_table), new.num_computed_tokens, new.reply_to)
@@ -127,7 +199,10 @@ def _state_of(new: NewRequestData) -> _RequestState:
 def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConfig:
     args = layout.args
     return RunnerConfig(num_kv_blocks=layout.num_kv_blocks, block_size=args.block_size,
-                        dtype=args.dtype, device=args.device, seed=args.seed, progress=progress)
+                        dtype=args.dtype, device=args.device, seed=args.seed, progress=progress,
+                        attention_backend=args.attention_backend,
+                        profile_tokens=args.max_num_batched_tokens,
+                        gpu_memory_utilization=args.gpu_memory_utilization)
 
 
 def build_runner(layout: EngineLayout, tp: TPGroup | None = None,

@@ -26,10 +26,13 @@ class Sampler:
                output_index: list[int]) -> list[SampledToken]:
         """logits: [S, V] float32, one row per sampling request; output_index[i] is how many
         tokens row i's request has generated before this one."""
-        greedy = torch.tensor([p.greedy for p in params])
-        token_ids = torch.empty(len(params), dtype=torch.int64)
-        if bool(greedy.any()):
-            token_ids[greedy] = logits[greedy.to(logits.device)].argmax(dim=-1).cpu()
+        # Greedy rows: one argmax over every row on the logits' device and one copy of the
+        # ids to the host per step — no boolean-mask indexing, no per-row sync. The rows that
+        # sample are then overwritten (the argmax of a row is cheap beside its draw).
+        if any(p.greedy for p in params):
+            token_ids = logits.argmax(dim=-1).to("cpu", torch.int64)
+        else:
+            token_ids = torch.empty(len(params), dtype=torch.int64)
         for i, p in enumerate(params):
             if not p.greedy:
                 token_ids[i] = self._draw(logits[i], p, output_index[i])

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields, replace
 
+from shared.attention_choice import BACKENDS, choose_attention_here
 from shared.cpu import auto_dtype
 from shared.config import (AUTO_TBT_FACTOR, DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY,
                            DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
+from shared.errors import PacerError
 
 
 @dataclass(frozen=True)
@@ -19,8 +21,12 @@ class EngineArgs:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     num_kv_blocks: int | None = None
-    kv_cache_memory: str = DEFAULT_KV_CACHE_MEMORY
-    block_size: int = DEFAULT_BLOCK_SIZE
+    # None: DEFAULT_KV_CACHE_MEMORY on CPU; on CUDA the pool is sized from
+    # gpu_memory_utilization (see services/engine.py engine_layout)
+    kv_cache_memory: str | None = None
+    gpu_memory_utilization: float = 0.9
+    block_size: int | None = None         # None: the attention backend's default
+    attention_backend: str = "auto"
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     max_iteration_ms: float | None = None
@@ -47,10 +53,19 @@ class EngineArgs:
                        help="most requests running at once")
         p.add_argument("--num-kv-blocks", type=int, default=None,
                        help="KV blocks per layer (overrides --kv-cache-memory)")
-        p.add_argument("--kv-cache-memory", default=DEFAULT_KV_CACHE_MEMORY,
-                       help="memory for the KV block pool, e.g. 2GiB")
-        p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                       help="tokens per KV block")
+        p.add_argument("--kv-cache-memory", default=None,
+                       help=f"memory for the KV block pool per rank, e.g. 2GiB (default: "
+                            f"{DEFAULT_KV_CACHE_MEMORY} on CPU; on CUDA what "
+                            f"--gpu-memory-utilization leaves)")
+        p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                       help="CUDA: the share of the GPU's memory the worker may use; the KV "
+                            "pool gets what the weights and a forward's activations leave")
+        p.add_argument("--block-size", type=int, default=None,
+                       help=f"tokens per KV block (default: {DEFAULT_BLOCK_SIZE}; 256 with "
+                            f"flash-attn, whose paged KV needs a multiple of 256)")
+        p.add_argument("--attention-backend", default="auto", choices=BACKENDS,
+                       help="auto (default): flash-attn on CUDA when installed, else our "
+                            "Triton kernel; torch (+ C++ kernels) on CPU")
         p.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: the model's)")
         p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
@@ -74,10 +89,19 @@ class EngineArgs:
                       if hasattr(args, f.name)}).resolved()
 
     def resolved(self) -> "EngineArgs":
-        """`auto` replaced by the dtype this machine serves fastest in."""
-        if self.dtype != "auto":
-            return self
-        return replace(self, dtype=auto_dtype(self.device))
+        """`auto` replaced by the dtype this machine serves fastest in, the attention backend
+        and block size decided (shared/attention_choice.py; an error for a pair that cannot
+        run here), the KV memory defaulted on CPU."""
+        args = self if self.dtype != "auto" else replace(self, dtype=auto_dtype(self.device))
+        choice = choose_attention_here(args.attention_backend, args.device, args.dtype,
+                                       args.block_size)
+        args = replace(args, attention_backend=choice.backend, block_size=choice.block_size)
+        if args.kv_cache_memory is None and not args.device.startswith("cuda"):
+            args = replace(args, kv_cache_memory=DEFAULT_KV_CACHE_MEMORY)
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise PacerError(f"--gpu-memory-utilization must be in (0, 1], "
+                             f"got {args.gpu_memory_utilization}")
+        return args
 
 
 def _tbt_target(text: str) -> str:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from shared.config import (AUTO_TBT_FACTOR, SchedulerConfig, kv_block_bytes, kv_cache_dtype,
                            num_blocks_for_memory)
 from shared.cost_model import latency_cost_for
+from shared import gpu_memory
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.model_config import ModelConfig, check_tp_fits, load_model_config
@@ -45,7 +46,7 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
     cfg = load_model_config(source)
     check_tp_fits(cfg, args.tp)       # before anything is spawned or loaded
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(
-        args.kv_cache_memory,
+        _kv_cache_memory(args, cfg),
         kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
                        args.block_size, DTYPE_BYTES[kv_cache_dtype(args.dtype, args.device)]))
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
@@ -60,3 +61,16 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         iteration_cost=latency_cost_for(args.max_iteration_ms, args.hw, cfg, DTYPE_BYTES[args.dtype],
                                         args.target_tbt_ms))
     return EngineLayout(args, source, cfg, max_model_len, scheduler_config)
+
+
+def _kv_cache_memory(args: EngineArgs, cfg: ModelConfig) -> str | int:
+    """--kv-cache-memory, or on CUDA without it what --gpu-memory-utilization leaves
+    (shared/gpu_memory.py)."""
+    if args.kv_cache_memory is not None or args.num_kv_blocks:
+        return args.kv_cache_memory
+    dtype_bytes = DTYPE_BYTES[args.dtype]
+    return gpu_memory.kv_pool_bytes(
+        gpu_memory.cuda_total_memory(args.device), args.gpu_memory_utilization,
+        gpu_memory.weight_bytes(cfg, dtype_bytes, args.tp),
+        gpu_memory.activation_bytes(cfg, args.max_num_batched_tokens, args.max_num_seqs,
+                                    dtype_bytes, args.tp))

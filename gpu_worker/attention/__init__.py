@@ -10,16 +10,17 @@ from gpu_worker.attention.metadata import AttentionMetadata, Chunk, build_attent
 __all__ = ["AttentionMetadata", "Chunk", "build_attention_metadata", "select_backend"]
 
 
-def select_backend(device: str):
-    """flash-attn's varlen kernel with a block table on CUDA when installed, else torch."""
-    # imported on demand: flash-attn is an optional dependency (CUDA only), and the CPU
-    # kernels are compiled on first import
-    if device.startswith("cuda"):
-        try:
-            from gpu_worker.attention.flash_backend import FlashAttentionBackend
-            return FlashAttentionBackend()
-        except ImportError:
-            pass
+def select_backend(name: str, device: str, block_size: int):
+    """The backend `name` (already decided by shared/attention_choice.py: flash-attn, triton or
+    torch). No fallback: an import that fails here is an error, not a quiet switch to torch."""
+    if name == "flash-attn":
+        from gpu_worker.attention.flash_backend import FlashAttentionBackend
+        return FlashAttentionBackend(block_size)
+    if name == "triton":
+        from gpu_worker.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend()
+    if name != "torch":
+        raise ValueError(f"unknown attention backend {name!r} (resolve 'auto' first)")
     from gpu_worker.attention.torch_backend import TorchAttentionBackend
     if device == "cpu":
         from gpu_worker.cpu_kernels import cpu_kernels

@@ -1,0 +1,69 @@
+"""`--gpu-memory-utilization`: the KV pool on CUDA gets what is left of `utilization x total`
+after this rank's weights, a forward's activations and the CUDA context.
+
+The block count must be known before any weights load, by the scheduler (which never imports
+torch) and by every worker alike, so it is computed here from the GPU's total memory and the
+model's shape — deterministic, the same on both sides. The worker then measures the real
+figures after loading and one forward of the full token budget (gpu_worker/model_runner.py
+`profile_memory`), logs them beside this estimate, and fails with the block count that would
+fit when the estimate was too generous. Unverified on a GPU (docs/gpu.md).
+"""
+from __future__ import annotations
+
+import subprocess
+
+from shared.errors import PacerError
+
+CUDA_CONTEXT_BYTES = 1 << 30     # CUDA context, cuBLAS workspaces, allocator slack
+
+
+def weight_bytes(cfg, dtype_bytes: int, tp: int = 1) -> int:
+    """This rank's share of a llama-style model's weights (matmuls split tp ways; embedding,
+    LM head and norms counted whole, which slightly over-counts under TP)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
+    tables = (1 if cfg.tie_word_embeddings else 2) * cfg.vocab_size * h
+    return (cfg.num_layers * layer // tp + tables + (2 * cfg.num_layers + 1) * h) * dtype_bytes
+
+
+def activation_bytes(cfg, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int,
+                     tp: int = 1) -> int:
+    """A generous bound on one forward's live activations: a few hidden-sized buffers and the
+    gated MLP's two intermediate ones per token, and float32 logits (and their softmax) for
+    every sampling row."""
+    t = max_num_batched_tokens
+    per_token = (6 * cfg.hidden_size + 3 * cfg.intermediate_size // tp
+                 + 3 * cfg.num_heads * cfg.head_dim // tp) * dtype_bytes
+    return t * per_token + 3 * max_num_seqs * cfg.vocab_size * 4
+
+
+def kv_pool_bytes(total: int, utilization: float, weights: int, activations: int) -> int:
+    pool = int(total * utilization) - weights - activations - CUDA_CONTEXT_BYTES
+    if pool <= 0:
+        gib = 1 << 30
+        raise PacerError(
+            f"--gpu-memory-utilization {utilization} of {total / gib:.1f} GiB leaves no room for "
+            f"a KV cache after {weights / gib:.1f} GiB of weights, ~{activations / gib:.1f} GiB "
+            f"of activations and {CUDA_CONTEXT_BYTES / gib:.0f} GiB for CUDA: raise it, lower "
+            f"--max-num-batched-tokens, add --tp, or give --kv-cache-memory/--num-kv-blocks")
+    return pool
+
+
+def cuda_total_memory(device: str) -> int:
+    """Total bytes of the GPU `device` names (cuda or cuda:N), asked of nvidia-smi so that the
+    scheduler need not import torch nor open a CUDA context; torch when there is no
+    nvidia-smi."""
+    index = device.partition(":")[2] or "0"
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,"
+                              "nounits", "-i", index], capture_output=True, text=True,
+                             timeout=30, check=True).stdout
+        return int(out.strip().splitlines()[0]) * (1 << 20)       # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        pass
+    try:
+        import torch
+        return torch.cuda.get_device_properties(int(index)).total_memory
+    except Exception as e:        # no CUDA at all: say what to pass instead
+        raise PacerError(f"cannot read the memory of {device} ({e}): give --kv-cache-memory "
+                         f"or --num-kv-blocks") from e
