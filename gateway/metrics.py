@@ -36,6 +36,16 @@ _SCHEDULER_STATS = {
     "worker_busy_seconds_total": ("pacer:worker_busy_seconds",
                                   "Seconds worker rank 0 spent running plans", True),
     "worker_iterations_total": ("pacer:worker_iterations", "Plans worker rank 0 ran", True),
+    # the iteration-cost model fitted online (docs/design.md#the-online-cost-model)
+    "cost_fixed_ms": ("pacer:iteration_cost_fixed_ms", "Fitted fixed cost of an iteration, ms", False),
+    "cost_per_row_ms": ("pacer:iteration_cost_per_row_ms", "Fitted cost per query row, ms", False),
+    "cost_per_pair_ms": ("pacer:iteration_cost_per_pair_ms",
+                         "Fitted cost per attended query-key pair, ms", False),
+    "cost_per_seq_ms": ("pacer:iteration_cost_per_seq_ms", "Fitted cost per sequence, ms", False),
+    "cost_prediction_error": ("pacer:iteration_cost_prediction_error",
+                              "Mean |predicted - measured| / measured iteration time (EWMA)", False),
+    "cost_observations_total": ("pacer:iteration_cost_observations",
+                                "Iteration times the cost model has fitted", True),
 }
 
 

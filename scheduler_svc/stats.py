@@ -61,5 +61,15 @@ class SchedulerStats:
             "scheduler_overhead_seconds_total": round(self.overhead.total_s, 6),
             "scheduler_overhead_iterations_total": self.num_overhead_samples,
             "scheduler_round_trip_seconds_total": round(self.round_trip.total_s, 6),
+            **cost_model_fields(core.config.iteration_cost),
             "updated_at": round(time.time(), 3),
         }
+
+
+def cost_model_fields(cost) -> dict[str, float]:
+    """The online iteration-cost model's coefficients and prediction error, when it learns."""
+    if not hasattr(cost, "coefficients_ms"):
+        return {}
+    return {**{f"cost_{name}": round(v, 9) for name, v in cost.coefficients_ms.items()},
+            "cost_prediction_error": round(cost.mean_abs_error, 6),
+            "cost_observations_total": cost.observations}

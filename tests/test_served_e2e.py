@@ -98,7 +98,13 @@ def test_sixteen_concurrent_streams_complete(served: Served):
     assert [(usage, reason) for _, usage, reason in results] == [(16, "length")] * 16
     assert all(text for text, _, _ in results)
     wait_for(lambda: scheduler_idle(served), 5.0, "scheduler idle after 16 streams")
-    _report_overhead(before, stats_hash(served))
+    after = stats_hash(served)
+    _report_overhead(before, after)
+    # rank 0's forward times reached the scheduler's online cost model (the token-gap target)
+    assert after["cost_observations_total"] > before.get("cost_observations_total", 0)
+    assert after["cost_fixed_ms"] > 0 and 0 <= after["cost_prediction_error"] < 10
+    assert served.metrics()["pacer:iteration_cost_fixed_ms"] == pytest.approx(
+        after["cost_fixed_ms"], rel=0.5)
 
 
 def _report_overhead(before: dict[str, float], after: dict[str, float]) -> None:
