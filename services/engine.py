@@ -73,6 +73,7 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=num_blocks, block_size=args.block_size,
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_iteration_ms=args.max_iteration_ms,
         iteration_cost=latency_cost_for(args.max_iteration_ms, args.hw, cfg, DTYPE_BYTES[args.dtype]))
     return EngineLayout(args, source, cfg, max_model_len, scheduler_config)

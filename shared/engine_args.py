@@ -23,6 +23,7 @@ class EngineArgs:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     max_iteration_ms: float | None = None
     hw: str | None = None
     seed: int | None = None
@@ -52,6 +53,9 @@ class EngineArgs:
                        help="context length (default: the model's)")
         p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", help="whole prompts in one iteration (ORCA only)")
+        p.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false",
+                       help="never reuse the K/V of a prefix another request computed")
         p.add_argument("--max-iteration-ms", type=float, default=None,
                        help="latency budget: cut each prefill chunk to what the cost model says "
                             "fits in this many ms beside the decodes (needs --hw)")
