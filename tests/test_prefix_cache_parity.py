@@ -13,8 +13,7 @@ from services.engine import LLMEngine
 from shared.engine_args import EngineArgs
 from shared.plan import IterationPlan, NewRequestData
 from shared.sampling import SamplingParams
-from tests.helpers_tiny_model import write_tiny_llama
-from tests.test_engine_parity import NEW_TOKENS, assert_same_tokens, hf_greedy
+from tests.test_engine_parity import NEW_TOKENS, assert_same_tokens, hf_greedy, tiny_llama_and_hf
 
 BLOCK = 16
 
@@ -30,9 +29,7 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-    path = str(write_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0))
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    path, hf = tiny_llama_and_hf(tmp_path_factory)
     g = torch.Generator().manual_seed(2)
     vocab = hf.config.vocab_size
 
