@@ -16,7 +16,8 @@ registered ones least recently used first (evicting their hash).
 from __future__ import annotations
 
 import hashlib
-import struct
+import sys
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
@@ -31,7 +32,13 @@ def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
     """The hash of a full block: sha256 over the parent's hash and the token ids (little-endian
     int64), so it is the same in every process and on every machine, and colliding it on
     purpose is as hard as colliding sha256."""
-    return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
+    ids = array("q", token_ids)
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    return hashlib.sha256(parent + ids.tobytes()).digest()
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH
