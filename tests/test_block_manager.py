@@ -226,3 +226,18 @@ def test_integrity_catches_a_write_into_a_cached_block():
     a.num_computed_tokens = 1                # as if block 0 were still to be written
     with pytest.raises(AssertionError, match="write into cached block"):
         bm.check_integrity()
+
+
+def test_no_prefix_caching_flag_reaches_the_scheduler_and_pacer_up_passes_it_on():
+    import argparse
+
+    from services.up import engine_flags
+    from shared.engine_args import EngineArgs
+    p = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(p)
+    assert EngineArgs.from_cli(p.parse_args([])).enable_prefix_caching
+    off = EngineArgs.from_cli(p.parse_args(["--no-prefix-caching"]))
+    assert not off.enable_prefix_caching
+    assert "--no-prefix-caching" in engine_flags(off)
+    assert "--no-prefix-caching" not in engine_flags(EngineArgs(dtype="float32"))
+    assert not EngineArgs.from_cli(p.parse_args(engine_flags(off))).enable_prefix_caching

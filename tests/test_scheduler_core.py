@@ -520,3 +520,34 @@ def test_update_is_required_between_plans_and_must_match():
     assert [o.new_tokens[0].token_id for o in outputs] == [TOKEN]
     with pytest.raises(ValueError, match="awaiting"):
         sched.update(plan, result)               # the same plan twice
+
+
+# ---- prefix caching ----------------------------------------------------------------------
+
+def test_a_shared_prefix_is_computed_once_and_outlives_a_preemption():
+    """b and c take a's cached prompt blocks; the pool then runs dry, the latest admitted (c)
+    is preempted while its blocks are shared, and on return it takes them back."""
+    sched = make_scheduler(budget=64, num_blocks=10, block_size=4)
+    worker = FakeWorker(sched)
+    shared = prompt(12)                                    # 3 full blocks
+    sched.add_request("a", shared + [1], SamplingParams(max_tokens=20, ignore_eos=True))
+    step(sched, worker)                                    # a's prompt computed, cached
+    assert sched.block_manager.num_cached_blocks == 3
+    sched.add_request("b", shared + [3], SamplingParams(max_tokens=2))
+    sched.add_request("c", shared + [5], SamplingParams(max_tokens=20, ignore_eos=True))
+    plan, _ = step(sched, worker)
+    assert {n.request_id: (n.num_computed_tokens, plan.num_scheduled_tokens[n.request_id])
+            for n in plan.new_requests} == {"b": (12, 1), "c": (12, 1)}
+    a, b, c = (sched.get_request(r) for r in "abc")
+    assert a.block_table[:3] == b.block_table[:3] == c.block_table[:3]
+    preempted = False
+    while sched.has_unfinished():
+        plan, _ = step(sched, worker)
+        preempted |= "c" in plan.finished_request_ids and sched.get_request("c") is not None
+        for new in plan.new_requests:
+            if new.request_id == "c":                       # back after its preemption
+                assert new.num_computed_tokens >= 12
+    assert preempted and sched.num_preemptions_total >= 1
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert bm.prefix_cache_hits >= 3 * 12 and bm.prefix_cache_queries > bm.prefix_cache_hits
