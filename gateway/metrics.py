@@ -30,6 +30,11 @@ _SCHEDULER_STATS = {
     "num_requests_waiting": ("pacer:num_requests_waiting", "Requests waiting to be admitted", False),
     "kv_cache_usage_perc": ("pacer:kv_cache_usage_perc", "KV cache usage, 0..1", False),
     "num_preemptions_total": ("pacer:num_preemptions", "Preemptions since the scheduler started", True),
+    # vLLM's prefix cache counters, in tokens: prompt tokens looked up at admission, and found
+    "prefix_cache_queries_total": ("pacer:prefix_cache_queries",
+                                   "Prompt tokens looked up in the prefix cache", True),
+    "prefix_cache_hits_total": ("pacer:prefix_cache_hits",
+                                "Prompt tokens found in the prefix cache", True),
     # worker rank 0: the host's share of an iteration is plan_wait / (plan_wait + busy)
     "worker_plan_wait_seconds_total": ("pacer:worker_plan_wait_seconds",
                                        "Seconds worker rank 0 waited for the next plan", True),

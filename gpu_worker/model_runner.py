@@ -3,6 +3,11 @@ forward, samples, and reports the sampled tokens.
 
 The runner keeps each request's tokens itself (prompt + every token it sampled), so a plan
 never carries token values: a decode's input is the last token this runner drew.
+
+A new request may start past a cached prefix (docs/design.md#prefix-caching): its first
+blocks hold K/V another request computed. The runner refuses one whose prefix blocks this
+process never wrote — a restarted worker answering a plan made for the one before it —
+rather than attend over a cache it does not have.
 """
 from __future__ import annotations
 
@@ -60,6 +65,10 @@ class _RequestState:
     reply_to: str = ""
 
 
+class UnknownKVCache(RuntimeError):
+    """A plan relies on K/V this process does not hold."""
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, source: ModelSource, rc: RunnerConfig,
                  tp: TPGroup = SINGLE):
@@ -99,6 +108,7 @@ class ModelRunner:
                                            DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
         self.sampler = Sampler(rc.seed)
         self.requests: dict[str, _RequestState] = {}
+        self._written = bytearray(rc.num_kv_blocks)     # 1: this process wrote K/V there
         if rc.device.startswith("cuda") and rc.profile_tokens:
             self.profile_memory(rc.profile_tokens)
 
@@ -150,8 +160,13 @@ class ModelRunner:
         with record_function("sampling"):
             tokens = self.sampler.sample(logits, [s.sampling for s in states],
                                          [len(s.token_ids) - s.num_prompt_tokens for s in states])
+        size, written = self.rc.block_size, self._written
         for rid, n in plan.num_scheduled_tokens.items():
-            self.requests[rid].num_computed_tokens += n
+            s = self.requests[rid]
+            for index in range(s.num_computed_tokens // size,
+                               (s.num_computed_tokens + n - 1) // size + 1):
+                written[s.block_table[index]] = 1
+            s.num_computed_tokens += n
         for s, t in zip(states, tokens):
             s.token_ids.append(t.token_id)
         return StepResult(plan.step, dict(zip(sampling_ids, tokens)),
@@ -161,6 +176,12 @@ class ModelRunner:
         for rid in plan.dropped_request_ids:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
+            cached = new.block_table[:-(-new.num_computed_tokens // self.rc.block_size)]
+            if not all(self._written[b] for b in cached):
+                raise UnknownKVCache(
+                    f"plan {plan.step}: request {new.request_id} starts after a cached prefix "
+                    "in blocks this worker never wrote (it restarted); the scheduler must "
+                    "recompute")
             self.requests[new.request_id] = _state_of(new)
         for cached in plan.cached_requests:
             s = self.requests[cached.request_id]

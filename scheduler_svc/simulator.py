@@ -14,7 +14,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from scheduler_svc.arrivals import Arrival
 from scheduler_svc.core import Scheduler
@@ -65,7 +65,10 @@ def simulate(arrivals: Iterable[Arrival], config: SchedulerConfig, cost: Rooflin
              mode: str = "") -> SimResult:
     """Run every arrival to completion on the fake clock; deterministic for its inputs."""
     started, started_cpu = time.perf_counter(), time.process_time()
-    sched = Scheduler(config, eos_token_ids=None, max_model_len=config.max_model_len)
+    # Every simulated prompt is the same id repeated (below): prefix caching would turn each
+    # into a hit, so it is off — arrivals carry lengths, not contents.
+    sched = Scheduler(replace(config, enable_prefix_caching=False), eos_token_ids=None,
+                      max_model_len=config.max_model_len)
     pending = deque(sorted(arrivals, key=lambda a: a.arrival_s))
     state = _State()
     now = 0.0

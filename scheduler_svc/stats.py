@@ -57,6 +57,8 @@ class SchedulerStats:
             "num_requests_waiting": core.num_waiting,
             "kv_cache_usage_perc": round(core.block_manager.usage, 6),
             "num_preemptions_total": core.num_preemptions_total,
+            "prefix_cache_queries_total": core.block_manager.prefix_cache_queries,
+            "prefix_cache_hits_total": core.block_manager.prefix_cache_hits,
             "num_iterations_total": self.num_plans_sent,
             "scheduler_overhead_seconds_total": round(self.overhead.total_s, 6),
             "scheduler_overhead_iterations_total": self.num_overhead_samples,

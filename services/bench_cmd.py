@@ -106,6 +106,45 @@ def served_model_name(base_url: str, api_key: str | None) -> str:
                          "pass --model") from e
 
 
+PREFIX_CACHE_COUNTERS = ("prefix_cache_queries_total", "prefix_cache_hits_total")
+
+
+def prefix_cache_counters(base_url: str) -> dict[str, float] | None:
+    """The server's prefix cache counters from its /metrics (pacer's or vLLM's names, summed
+    over labels), or None where it has none or /metrics does not answer."""
+    try:
+        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=10.0) as r:
+            text = r.read().decode("utf-8", errors="replace")
+    except (OSError, ValueError):
+        return None
+    return parse_prefix_cache_counters(text)
+
+
+def parse_prefix_cache_counters(text: str) -> dict[str, float] | None:
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("#") or " " not in line:
+            continue
+        name, value = line.rsplit(" ", 1)
+        metric = name.split("{", 1)[0].split(":", 1)[-1]
+        if metric in PREFIX_CACHE_COUNTERS:
+            try:
+                found[metric] = found.get(metric, 0.0) + float(value)
+            except ValueError:
+                continue
+    return found if len(found) == len(PREFIX_CACHE_COUNTERS) else None
+
+
+def prefix_cache_hit_rate(before: dict[str, float] | None,
+                          after: dict[str, float] | None) -> float | None:
+    """Percent of the prompt tokens looked up during the run that were cached."""
+    if before is None or after is None:
+        return None
+    queries = after["prefix_cache_queries_total"] - before["prefix_cache_queries_total"]
+    hits = after["prefix_cache_hits_total"] - before["prefix_cache_hits_total"]
+    return 100.0 * hits / queries if queries > 0 else None
+
+
 # ---- report ------------------------------------------------------------------------------
 
 def format_table(metrics: dict, title: str = "Serving Benchmark Result") -> str:
@@ -128,6 +167,8 @@ def format_table(metrics: dict, title: str = "Serving Benchmark Result") -> str:
         row("Request goodput (req/s):", metrics["request_goodput"])
     row("Output token throughput (tok/s):", metrics["output_throughput"])
     row("Total token throughput (tok/s):", metrics["total_token_throughput"])
+    if metrics.get("prefix_cache_hit_rate") is not None:
+        row("Prefix cache hit rate (%):", metrics["prefix_cache_hit_rate"])
     for key, heading, short in LATENCIES:
         if f"mean_{key}_ms" not in metrics:
             continue
@@ -191,11 +232,14 @@ def run(args: argparse.Namespace) -> int:
     print(f"pacer bench: {len(requests)} {args.dataset} prompts to {target.url} "
           f"(rate {args.request_rate:g}/s, burstiness {args.burstiness:g}, "
           f"max concurrency {args.max_concurrency or 'none'})", file=sys.stderr, flush=True)
+    cache_before = prefix_cache_counters(args.base_url)
     results, duration = run_async(run_requests(
         target, requests, opts, args.request_rate, args.burstiness, args.max_concurrency,
         args.seed))
     metrics = compute_metrics(results, duration, slos)
     metrics["max_concurrency"] = args.max_concurrency
+    metrics["prefix_cache_hit_rate"] = prefix_cache_hit_rate(
+        cache_before, prefix_cache_counters(args.base_url) if cache_before else None)
     print(format_table(metrics))
     for message, count in error_summary(results):
         print(f"failed x{count}: {message}")

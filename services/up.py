@@ -61,6 +61,8 @@ def engine_flags(args: EngineArgs) -> list[str]:
         value = getattr(args, f.name)
         if f.name == "enable_chunked_prefill":
             flags += [] if value else ["--no-chunked-prefill"]
+        elif f.name == "enable_prefix_caching":
+            flags += [] if value else ["--no-prefix-caching"]
         elif value is not None:
             flags += [f"--{f.name.replace('_', '-')}", str(value)]
     return flags

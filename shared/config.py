@@ -57,6 +57,9 @@ class SchedulerConfig:
     block_size: int = DEFAULT_BLOCK_SIZE
     max_model_len: int = 8192
     enable_chunked_prefill: bool = True
+    # Automatic prefix caching (docs/design.md#prefix-caching): full blocks of computed K/V
+    # are kept, indexed by a hash of the prefix they end, and reused by later requests.
+    enable_prefix_caching: bool = True
     # The latency budget (docs/design.md#the-latency-budget): prefill rides along with the
     # decodes only as far as `iteration_cost` says fits in this many ms. None: the token
     # budget alone.

@@ -29,6 +29,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
     max_iteration_ms: float | None = None
     # "auto", "off" or ms; the in-process engine's default is off (offline: no one waits
     # between tokens), the serving commands' is auto
@@ -75,6 +76,9 @@ class EngineArgs:
                             f"{AUTO_TBT_FACTOR:g}x the predicted pure-decode iteration), off, or ms; "
                             "caps the prefill rows that ride along, by the iteration-cost model "
                             "fitted online from measured forward times")
+        p.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
+                       action="store_false",
+                       help="never reuse the K/V of a prefix another request computed")
         p.add_argument("--max-iteration-ms", type=float, default=None,
                        help="a fixed latency budget for every iteration, decodes or not: cut each "
                             "prefill chunk to what the cost model says fits")

@@ -55,6 +55,7 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=num_blocks, block_size=args.block_size,
         max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         max_iteration_ms=args.max_iteration_ms,
         target_tbt_ms=None if args.target_tbt_ms in ("auto", "off") else float(args.target_tbt_ms),
         target_tbt_factor=AUTO_TBT_FACTOR if args.target_tbt_ms == "auto" else None,

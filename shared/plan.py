@@ -28,7 +28,7 @@ class NewRequestData:
     num_prompt_tokens: int          # how many of token_ids are the original prompt
     sampling: SamplingParams
     block_table: list[int]
-    num_computed_tokens: int        # always 0 today; kept for prefix caching
+    num_computed_tokens: int        # 0, or the tokens of a cached prefix in its first blocks
     reply_to: str = ""              # served mode: the pub/sub channel of the request's gateway
 
 

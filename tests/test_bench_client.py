@@ -239,13 +239,29 @@ def test_pacer_bench_command_prints_and_writes_json(served: Served, tmp_path, ca
     captured = capsys.readouterr()
     text = captured.out
     assert "Serving Benchmark Result" in text and "Median TTFT (ms):" in text
+    assert "Prefix cache hit rate (%):" in text        # read from the server's /metrics
     assert f"metrics written to {out}" in captured.err
     data = json.loads(out.read_text())
     assert data["model"] == MODEL and data["completed"] == 3 and data["failed"] == 0
     assert data["total_output_tokens"] == 12
+    assert 0.0 <= data["prefix_cache_hit_rate"] <= 100.0
     assert data["request_goodput"] == pytest.approx(data["request_throughput"])
     assert data["config"]["request_rate"] == 50.0 and "api_key" not in data["config"]
     assert len(data["requests"]) == 3 and all(r["ttft"] > 0 for r in data["requests"])
+
+
+def test_prefix_cache_hit_rate_from_pacer_and_vllm_metrics():
+    from services.bench_cmd import parse_prefix_cache_counters, prefix_cache_hit_rate
+    pacer = ("# TYPE pacer:prefix_cache_hits counter\npacer:prefix_cache_hits_total 64.0\n"
+             "pacer:prefix_cache_queries_total 100.0\npacer:num_preemptions_total 3.0\n")
+    vllm = ('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 300.0\n'
+            'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 214.0\n')
+    before, after = parse_prefix_cache_counters(pacer), parse_prefix_cache_counters(vllm)
+    assert before == {"prefix_cache_hits_total": 64.0, "prefix_cache_queries_total": 100.0}
+    assert prefix_cache_hit_rate(before, after) == pytest.approx(75.0)
+    assert parse_prefix_cache_counters("other_total 1.0\n") is None
+    assert prefix_cache_hit_rate(None, after) is None
+    assert prefix_cache_hit_rate(before, before) is None           # nothing looked up
 
 
 # ---- failure shapes, against a STAND-IN server (not pacer) -------------------------------

@@ -7,6 +7,10 @@ every stream must either do that or end with an explicit error event, its text s
 of the undisturbed one, and 32 streams started once it is back must complete exactly. No stream
 may stay open past STREAM_DEADLINE_S. `pytest -s` prints how long clients saw no tokens (the
 recovery time).
+
+Every prompt starts with the same preamble of several KV blocks, so streams admitted after
+the first take it from the prefix cache, before and after each failure: a recovery must never
+reuse a block whose content it cannot vouch for.
 """
 from __future__ import annotations
 
@@ -36,8 +40,12 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a
            "The three primary colours are", "In 1969, the first person on the Moon"]
 
 
+PREAMBLE = ("Answer in plain English, one short paragraph, no lists, no headings, and no "
+            "apologies; if a question is unclear, guess the likeliest meaning and say so. ")
+
+
 def body(i: int) -> dict:
-    return {"model": "smollm2-135m", "prompt": f"{PROMPTS[i % len(PROMPTS)]} ({i})",
+    return {"model": "smollm2-135m", "prompt": f"{PREAMBLE}{PROMPTS[i % len(PROMPTS)]} ({i})",
             "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
 
 
@@ -56,6 +64,10 @@ def served(tmp_path_factory):
 def reference(served: Served) -> list[str]:
     results, _ = asyncio.run(run_streams(served, None))
     assert all(r.error is None and r.finish_reason == "length" for r in results)
+    end = time.monotonic() + 5.0         # the stats hash is written on going idle
+    while served.metrics().get("pacer:prefix_cache_hits_total", 0) == 0:
+        assert time.monotonic() < end, "no stream took the preamble from the prefix cache"
+        time.sleep(0.1)
     return [r.text for r in results]
 
 

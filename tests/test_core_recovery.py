@@ -56,3 +56,54 @@ def test_a_request_resumed_with_output_tokens_is_recomputed_and_continues() -> N
     assert outputs[0].num_output_tokens == 5
     assert sched.get_request("r") is None
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
+
+
+# ---- prefix caching across failures ------------------------------------------------------
+
+PREFIX = list(range(200, 220))                  # 5 full blocks of 4
+
+
+def test_a_lost_kv_cache_empties_the_prefix_cache() -> None:
+    sched = make_scheduler()
+    sched.add_request("a", PREFIX + [1], SamplingParams(max_tokens=8))
+    run_step(sched)
+    assert sched.block_manager.num_cached_blocks == 5
+    sched.add_request("b", PREFIX + [3], SamplingParams(max_tokens=4))
+    sched.schedule()                            # b hits a's blocks; the workers die
+    assert sched.recompute_running() == ["a", "b"]
+    assert sched.block_manager.num_cached_blocks == 0
+    plan, _ = run_step(sched)
+    assert [(n.request_id, n.num_computed_tokens) for n in plan.new_requests] == \
+        [("a", 0), ("b", 0)]                    # both recomputed from their first token
+    sched.block_manager.check_integrity()
+
+
+def test_a_failed_iteration_registers_nothing() -> None:
+    sched = make_scheduler()
+    sched.add_request("a", PREFIX + [1], SamplingParams(max_tokens=8))
+    sched.schedule()                            # a's whole prompt is in flight...
+    sched.recompute_running()                   # ...and never computed
+    sched.add_request("b", PREFIX + [3], SamplingParams(max_tokens=4))
+    plan, _ = run_step(sched)
+    assert [n.num_computed_tokens for n in plan.new_requests] == [0, 0]
+
+
+def test_a_restarted_scheduler_trusts_no_cache() -> None:
+    """A new scheduler (a restart, or one taking requests over) knows nothing of what the
+    workers' blocks hold: the same prompt again, resumed or new, is a miss."""
+    first = make_scheduler()
+    first.add_request("a", PREFIX + [1], SamplingParams(max_tokens=8))
+    run_step(first)
+    assert first.block_manager.num_cached_blocks == 5
+    second = make_scheduler()                   # the restarted process: a fresh core
+    second.add_request("a", PREFIX + [1], SamplingParams(max_tokens=8), output_token_ids=[7])
+    second.add_request("b", PREFIX + [3], SamplingParams(max_tokens=4))
+    plan, _ = run_step(second)
+    assert [n.num_computed_tokens for n in plan.new_requests] == [0, 0]
+    bm = second.block_manager
+    assert bm.prefix_cache_hits == 0 and bm.prefix_cache_queries == 22 + 21
+    # once its own iteration has computed them, the new scheduler's blocks are hits
+    second.add_request("c", PREFIX + [5], SamplingParams(max_tokens=4))
+    plan, _ = run_step(second)
+    assert [(n.request_id, n.num_computed_tokens) for n in plan.new_requests] == [("c", 20)]
+    assert bm.prefix_cache_hits == 20

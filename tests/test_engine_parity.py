@@ -86,11 +86,16 @@ def check_parity(model_path: str, prompts, refs, name, overrides, expect_preempt
 
 # ---- (a) a tiny random Llama with GQA, written as a safetensors directory -------------------
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny_llama_and_hf(tmp_path_factory):
+    """A tiny random Llama directory and transformers' float32 model of it."""
     from transformers import AutoModelForCausalLM
     path = str(write_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0))
-    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    return path, AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path, hf = tiny_llama_and_hf(tmp_path_factory)
     g = torch.Generator().manual_seed(1)
     vocab = hf.config.vocab_size
     lengths = [3, 9, 17, 30, 45, 64, 81, 120]

@@ -449,7 +449,9 @@ async def test_metrics_exposes_gateway_and_scheduler_numbers(h: Harness) -> None
     await h.post("/v1/completions", completion(max_tokens=4))
     await h.redis.hset(h.keys.stats, mapping={"num_requests_running": 3, "num_requests_waiting": 5,
                                               "kv_cache_usage_perc": 0.25,
-                                              "num_preemptions_total": 7})
+                                              "num_preemptions_total": 7,
+                                              "prefix_cache_queries_total": 96,
+                                              "prefix_cache_hits_total": 64})
     async with h.session.get(h.url + "/metrics") as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
         text = await r.text()
@@ -461,6 +463,8 @@ async def test_metrics_exposes_gateway_and_scheduler_numbers(h: Harness) -> None
     assert "pacer:num_requests_waiting 5.0" in lines
     assert "pacer:kv_cache_usage_perc 0.25" in lines
     assert "pacer:num_preemptions_total 7.0" in lines
+    assert "pacer:prefix_cache_queries_total 96.0" in lines
+    assert "pacer:prefix_cache_hits_total 64.0" in lines
     values = {line.split()[0]: float(line.split()[1]) for line in lines
               if line and not line.startswith("#")}
     assert values["pacer:prompt_tokens_total"] > 0

@@ -51,7 +51,9 @@ def make(budget_ms: float, cost=RowCost(), token_budget: int = 1000, chunked: bo
     config = SchedulerConfig(max_num_batched_tokens=token_budget, max_num_seqs=max_seqs,
                              num_kv_blocks=num_blocks, block_size=block_size, max_model_len=1024,
                              enable_chunked_prefill=chunked, max_iteration_ms=budget_ms,
-                             iteration_cost=cost)
+                             iteration_cost=cost,
+                             # prompt(n) prompts share prefixes; rows are counted uncached
+                             enable_prefix_caching=False)
     return Scheduler(config, eos_token_ids=2, max_model_len=1024)
 
 

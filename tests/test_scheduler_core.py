@@ -28,10 +28,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def make_scheduler(budget: int = 64, max_seqs: int = 8, num_blocks: int = 64,
                    block_size: int = 4, max_model_len: int = 256, chunked: bool = True,
-                   eos: int | tuple[int, ...] | None = EOS) -> Scheduler:
+                   eos: int | tuple[int, ...] | None = EOS,
+                   prefix_caching: bool = True) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              num_kv_blocks=num_blocks, block_size=block_size,
-                             max_model_len=max_model_len, enable_chunked_prefill=chunked)
+                             max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                             enable_prefix_caching=prefix_caching)
     return Scheduler(config, eos, max_model_len)
 
 
@@ -55,13 +57,27 @@ class WorkerRequest:
 
 class FakeWorker:
     """Applies plans as `gpu_worker` does, minus the model: `next_token(request_id,
-    num_generated)` decides each sampled token (TOKEN by default)."""
+    num_generated)` decides each sampled token (TOKEN by default).
+
+    Its KV cache holds, in each slot, the whole prefix ending at the token written there (what
+    real K/V depend on). Every row checks that the slots it attends over hold exactly its own
+    prefix (a prefix cache hit included), and that it writes only into blocks no other live
+    request holds."""
 
     def __init__(self, sched: Scheduler,
                  next_token: Callable[[str, int], int] = lambda request_id, n: TOKEN) -> None:
         self.sched = sched
         self.next_token = next_token
         self.requests: dict[str, WorkerRequest] = {}
+        self.kv: dict[int, tuple[int, ...]] = {}        # slot -> the prefix its K/V encode
+
+    def lose_kv_cache(self, plan: IterationPlan | None = None) -> None:
+        """The workers restarted (after receiving `plan`, never answered): every slot's
+        content is gone. Requests are kept only so that the next plan's finished ids, which
+        drop them, find them."""
+        if plan is not None:
+            self._apply_diffs(plan)
+        self.kv.clear()
 
     def execute(self, plan: IterationPlan) -> StepResult:
         self._apply_diffs(plan)
@@ -71,6 +87,7 @@ class FakeWorker:
             kv_len = wr.num_computed_tokens + rows
             assert rows >= 1 and kv_len <= len(wr.token_ids) <= self.sched.max_model_len
             assert len(wr.block_table) * self.sched.block_manager.block_size >= kv_len
+            self._write_and_read(request_id, wr, kv_len)
             wr.num_computed_tokens = kv_len
             if kv_len == len(wr.token_ids):
                 token = self.next_token(request_id, len(wr.token_ids) - wr.num_prompt_tokens)
@@ -94,8 +111,20 @@ class FakeWorker:
         listed = [n.request_id for n in plan.new_requests]
         listed += [c.request_id for c in plan.cached_requests]
         assert sorted(listed) == sorted(plan.num_scheduled_tokens)
-        held = [b for wr in self.requests.values() for b in wr.block_table]
-        assert len(held) == len(set(held)), "two live requests share a KV block"
+
+    def _write_and_read(self, request_id: str, wr: WorkerRequest, kv_len: int) -> None:
+        block_size = self.sched.block_manager.block_size
+        written = {wr.block_table[p // block_size]
+                   for p in range(wr.num_computed_tokens, kv_len)}
+        for other_id, other in self.requests.items():
+            shared = written.intersection(other.block_table) if other_id != request_id else ()
+            assert not shared, f"{request_id} writes into blocks {shared} {other_id} holds"
+        for p in range(kv_len):
+            slot = wr.block_table[p // block_size] * block_size + p % block_size
+            if p >= wr.num_computed_tokens:
+                self.kv[slot] = tuple(wr.token_ids[:p + 1])
+            assert self.kv.get(slot) == tuple(wr.token_ids[:p + 1]), \
+                f"{request_id} reads another prefix's K/V at position {p}"
 
 
 def check_plan(sched: Scheduler, plan: IterationPlan) -> None:
@@ -177,7 +206,8 @@ def test_long_prompt_is_cut_into_budget_sized_chunks():
 
 
 def test_decodes_come_first_and_a_chunk_piggybacks_on_them():
-    sched = make_scheduler(budget=16)
+    # prompt(n) prompts share prefixes; rows are counted here without caching
+    sched = make_scheduler(budget=16, prefix_caching=False)
     worker = FakeWorker(sched)
     add(sched, "a", 4, max_tokens=10, ignore_eos=True)
     add(sched, "b", 3, max_tokens=10, ignore_eos=True)
@@ -236,7 +266,8 @@ def test_new_requests_carry_the_full_table_and_cached_ones_only_new_blocks():
 # ---- preemption --------------------------------------------------------------------------
 
 def test_preemption_evicts_the_latest_admitted_and_it_recomputes_everything():
-    sched = make_scheduler(budget=64, num_blocks=6, block_size=2)
+    # prompt(n) prompts share prefixes; rows are counted here without caching
+    sched = make_scheduler(budget=64, num_blocks=6, block_size=2, prefix_caching=False)
     worker = FakeWorker(sched, next_token=lambda request_id, n: 10 + n)
     add(sched, "a", 4, max_tokens=6)
     add(sched, "b", 4, max_tokens=6)
@@ -401,7 +432,8 @@ def test_model_context_ends_generation():
 # ---- ORCA-only mode ----------------------------------------------------------------------
 
 def test_orca_mode_never_splits_a_prompt():
-    sched = make_scheduler(budget=16, chunked=False)
+    # prompt(n) prompts share prefixes; rows are counted here without caching
+    sched = make_scheduler(budget=16, chunked=False, prefix_caching=False)
     worker = FakeWorker(sched)
     add(sched, "a", 10, max_tokens=6, ignore_eos=True)
     add(sched, "b", 10, max_tokens=6, ignore_eos=True)
@@ -414,7 +446,8 @@ def test_orca_mode_never_splits_a_prompt():
 
 
 def test_orca_mode_admits_an_oversized_prompt_whole_and_alone():
-    sched = make_scheduler(budget=16, chunked=False)
+    # prompt(n) prompts share prefixes; rows are counted here without caching
+    sched = make_scheduler(budget=16, chunked=False, prefix_caching=False)
     worker = FakeWorker(sched)
     add(sched, "a", 4, max_tokens=6, ignore_eos=True)
     step(sched, worker)
@@ -488,3 +521,34 @@ def test_update_is_required_between_plans_and_must_match():
     assert [o.new_tokens[0].token_id for o in outputs] == [TOKEN]
     with pytest.raises(ValueError, match="awaiting"):
         sched.update(plan, result)               # the same plan twice
+
+
+# ---- prefix caching ----------------------------------------------------------------------
+
+def test_a_shared_prefix_is_computed_once_and_outlives_a_preemption():
+    """b and c take a's cached prompt blocks; the pool then runs dry, the latest admitted (c)
+    is preempted while its blocks are shared, and on return it takes them back."""
+    sched = make_scheduler(budget=64, num_blocks=10, block_size=4)
+    worker = FakeWorker(sched)
+    shared = prompt(12)                                    # 3 full blocks
+    sched.add_request("a", shared + [1], SamplingParams(max_tokens=20, ignore_eos=True))
+    step(sched, worker)                                    # a's prompt computed, cached
+    assert sched.block_manager.num_cached_blocks == 3
+    sched.add_request("b", shared + [3], SamplingParams(max_tokens=2))
+    sched.add_request("c", shared + [5], SamplingParams(max_tokens=20, ignore_eos=True))
+    plan, _ = step(sched, worker)
+    assert {n.request_id: (n.num_computed_tokens, plan.num_scheduled_tokens[n.request_id])
+            for n in plan.new_requests} == {"b": (12, 1), "c": (12, 1)}
+    a, b, c = (sched.get_request(r) for r in "abc")
+    assert a.block_table[:3] == b.block_table[:3] == c.block_table[:3]
+    preempted = False
+    while sched.has_unfinished():
+        plan, _ = step(sched, worker)
+        preempted |= "c" in plan.preempted_request_ids
+        for new in plan.new_requests:
+            if new.request_id == "c":                       # back after its preemption
+                assert new.num_computed_tokens >= 12
+    assert preempted and sched.num_preemptions_total >= 1
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert bm.prefix_cache_hits >= 3 * 12 and bm.prefix_cache_queries > bm.prefix_cache_hits

@@ -1,14 +1,17 @@
 """Property test: random arrivals, prompt lengths, max_tokens, budgets, sequence caps, block
-sizes, pool sizes and aborts (some while a plan runs). Every step keeps the invariants
-(`check_plan`, the FakeWorker's protocol checks, `check_integrity`); every run finishes within
-a proven number of steps; every request that was not aborted ends exactly where the stop rule
-says.
+sizes, pool sizes, aborts (some while a plan runs), prompts sharing prefixes of random
+lengths, prefix caching on or off, and workers that lose their KV cache while a plan runs.
+Every step keeps the invariants (`check_plan`, the FakeWorker's protocol checks — every row
+reads exactly its own prefix's K/V, writes only into blocks no other request holds —, and
+`check_integrity`: ref counts equal table counts, free + used = total, a cached block's hash
+is the chain of its holders' tokens); every run finishes within a proven number of steps;
+every request that was not aborted ends exactly where the stop rule says.
 
 The step bound: each iteration with live requests advances the oldest running request (it is
 scheduled first with the whole budget and is never the preemption victim while another runs),
 or admits the queue head into an empty batch, which makes it the oldest running request. Once
 oldest, a request stays running until it finishes, so it is charged at most prompt + max_tokens
-iterations.
+iterations. A lost KV cache sends everything back to the queue, so each one restarts the bound.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan
 from shared.sampling import SamplingParams
-from test_scheduler_core import EOS, TOKEN, FakeWorker, check_plan, make_scheduler, prompt
+from test_scheduler_core import EOS, TOKEN, FakeWorker, check_plan, make_scheduler
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,14 @@ class Arrival:
     max_tokens: int
     eos_at: int | None          # the output index where the fake model samples EOS
     ignore_eos: bool
+    family: int = 0             # arrivals of one family share their first `shared` tokens
+    shared: int = 0
+
+
+def arrival_prompt(a: Arrival, index: int) -> list[int]:
+    """Never EOS or TOKEN; the part after the family's shared prefix is the arrival's own."""
+    return [300 + a.family * 50 + i % 50 if i < a.shared else 1000 + index * 50 + i % 50
+            for i in range(a.num_prompt)]
 
 
 @dataclass(frozen=True)
@@ -42,7 +53,8 @@ class Abort:
 
 
 arrivals = st.builds(Arrival, st.integers(0, 8), st.integers(1, 32), st.integers(1, 16),
-                     st.none() | st.integers(0, 15), st.booleans())
+                     st.none() | st.integers(0, 15), st.booleans(), st.integers(0, 2),
+                     st.integers(0, 32))
 aborts = st.builds(Abort, st.integers(0, 30), st.integers(0, 11), st.booleans())
 
 
@@ -54,7 +66,8 @@ def configs(draw) -> dict:
     slots = draw(st.integers(8, 64))
     return {"budget": draw(st.integers(1, 40)), "max_seqs": draw(st.integers(1, 6)),
             "num_blocks": max(1, slots // block_size), "block_size": block_size,
-            "max_model_len": draw(st.integers(2, 128)), "chunked": draw(st.booleans())}
+            "max_model_len": draw(st.integers(2, 128)), "chunked": draw(st.booleans()),
+            "prefix_caching": draw(st.sampled_from([True, True, True, False]))}
 
 
 def fits(sched: Scheduler, a: Arrival) -> bool:
@@ -72,18 +85,22 @@ def expected_tokens(sched: Scheduler, a: Arrival) -> tuple[list[int], str]:
 
 
 def check_orca(sched: Scheduler, plan: IterationPlan) -> None:
-    """ORCA-only mode: prompts go whole; only a lone oversized prompt exceeds the budget."""
+    """ORCA-only mode: prompts go whole (from the end of their cached prefix); only a lone
+    oversized prompt exceeds the budget."""
     for new in plan.new_requests:
-        assert plan.num_scheduled_tokens[new.request_id] == len(new.token_ids)
+        assert plan.num_scheduled_tokens[new.request_id] == \
+            len(new.token_ids) - new.num_computed_tokens
     budget = sched.config.max_num_batched_tokens
     if plan.total_tokens > budget:
         (new,) = plan.new_requests
-        assert len(new.token_ids) > budget
+        assert plan.num_scheduled_tokens[new.request_id] > budget
 
 
 class Driver:
-    def __init__(self, sched: Scheduler, arrivals: list[Arrival], aborts: list[Abort]) -> None:
+    def __init__(self, sched: Scheduler, arrivals: list[Arrival], aborts: list[Abort],
+                 kv_losses: frozenset[int] = frozenset()) -> None:
         self.sched, self.arrivals, self.aborts = sched, arrivals, aborts
+        self.kv_losses = kv_losses  # steps whose plan is lost with the workers' KV cache
         eos_at = {f"r{i}": a.eos_at for i, a in enumerate(arrivals)}
         self.worker = FakeWorker(sched, lambda rid, n: EOS if n == eos_at[rid] else TOKEN)
         self.outputs: dict[str, list[RequestOutput]] = {}
@@ -94,7 +111,7 @@ class Driver:
             if a.step != step:
                 continue
             try:
-                self.sched.add_request(f"r{i}", prompt(a.num_prompt),
+                self.sched.add_request(f"r{i}", arrival_prompt(a, i),
                                        SamplingParams(max_tokens=a.max_tokens,
                                                       ignore_eos=a.ignore_eos))
                 self.accepted.add(i)
@@ -114,6 +131,13 @@ class Driver:
         check_plan(self.sched, plan)
         if not self.sched.config.enable_chunked_prefill:
             check_orca(self.sched, plan)
+        if step in self.kv_losses:
+            # the workers restarted before answering: no block's content survives
+            self.worker.lose_kv_cache(plan)
+            self.sched.recompute_running()
+            assert self.sched.block_manager.num_cached_blocks == 0
+            self.sched.block_manager.check_integrity()
+            return
         result = self.worker.execute(plan)
         self.abort(step, while_running=True)
         for out in self.sched.update(plan, result):
@@ -122,12 +146,14 @@ class Driver:
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(configs(), st.lists(arrivals, min_size=2, max_size=12), st.lists(aborts, max_size=4))
-def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts):
+@given(configs(), st.lists(arrivals, min_size=2, max_size=12), st.lists(aborts, max_size=4),
+       st.frozensets(st.integers(0, 40), max_size=2))
+def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts, kv_losses):
     sched = make_scheduler(**config)
-    driver = Driver(sched, arrivals, aborts)
+    driver = Driver(sched, arrivals, aborts, kv_losses)
     last_arrival = max(a.step for a in arrivals)
-    bound = last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)
+    bound = (last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)) \
+        * (1 + len(kv_losses))
     step = 0
     while step <= last_arrival or sched.has_unfinished():
         assert step <= bound, "the scheduler stopped making progress"
@@ -137,6 +163,9 @@ def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts):
     # `pytest --hypothesis-show-statistics` shows how often the hard paths were exercised
     event(f"preemptions: {min(sched.num_preemptions_total, 3)}")
     event(f"accepted requests: {min(len(driver.accepted), 4)}")
+    bm = sched.block_manager
+    event(f"prefix cache hit tokens: {'0' if not bm.prefix_cache_hits else '>0'}")
+    assert bm.prefix_cache_hits <= bm.prefix_cache_queries
     aborted = {ab.index for ab in aborts}
     for i in driver.accepted:
         outs = driver.outputs[f"r{i}"]

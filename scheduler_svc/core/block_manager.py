@@ -1,38 +1,91 @@
-"""Paged KV block accounting: which block of the pool belongs to which request.
+"""Paged KV block accounting: which block of the pool belongs to which request, and which
+blocks hold a known prefix (docs/design.md#prefix-caching).
 
 The pool is `num_blocks` pages of `block_size` token slots. A request's block table maps its
 token position p to slot `block_table[p // block_size] * block_size + p % block_size`.
 Nothing here touches memory; the worker owns the tensors, this owns the ids.
 
-Built for prefix caching later: blocks are ref-counted and tables only ever grow (until the
-request frees them all), so a block shared by two requests would simply carry ref count 2.
+Prefix caching: a full block whose K/V have been computed is registered under a hash chained
+over its parent block's hash and its own token ids (`block_hash`), so the hash names the whole
+prefix up to the block's end. A request admitted later takes the longest run of registered
+blocks matching its own chain (ref count +1 each) and computes only the rest. Blocks are
+shared only that way, and only once full and computed, so nobody ever writes into a shared
+block. A freed block keeps its hash; free blocks are handed out unregistered ones first, then
+registered ones least recently used first (evicting their hash).
 """
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+import sys
+from array import array
+from collections import OrderedDict, deque
+from collections.abc import Sequence
 
 from scheduler_svc.core.request import Request
 
+# The parent hash of a request's first block. Versioned so that a change in how blocks are
+# hashed can never match hashes another process published under the old rule.
+ROOT_HASH = hashlib.sha256(b"pacer prefix cache v1").digest()
+
+
+def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
+    """The hash of a full block: sha256 over the parent's hash and the token ids (little-endian
+    int64), so it is the same in every process and on every machine, and colliding it on
+    purpose is as hard as colliding sha256."""
+    ids = array("q", token_ids)
+    if _BIG_ENDIAN:
+        ids.byteswap()
+    return hashlib.sha256(parent + ids.tobytes()).digest()
+
+
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH
+                 ) -> list[bytes]:
+    """The chained hashes of every full block of `token_ids`."""
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int,
+                 enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, "
                              f"got {num_blocks} and {block_size}")
         self.num_total_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
         self._ref_counts = [0] * num_blocks
-        # request id -> that request's block_table (the same list object, not a copy)
-        self._tables: dict[str, list[int]] = {}
+        # Free blocks: unregistered ones (content unknown or unwanted), handed out first...
+        self._free_plain: deque[int] = deque(range(num_blocks))
+        # ...then registered ones, least recently used first; taking one evicts its hash.
+        self._free_cached: OrderedDict[int, None] = OrderedDict()
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._block_of: dict[bytes, int] = {}       # the prefix cache index: hash -> block
+        # request id -> the request holding blocks (its block_table is the list it grows)
+        self._holders: dict[str, Request] = {}
+        # vLLM's counters, in tokens: prompt tokens looked up at admission, and found cached
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks no request holds, cached ones included (they are handed out when needed)."""
+        return len(self._free_plain) + len(self._free_cached)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_total_blocks - len(self._free)
+        return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered in the prefix cache index, held or free."""
+        return len(self._block_of)
 
     @property
     def usage(self) -> float:
@@ -43,9 +96,73 @@ class BlockManager:
         """Blocks that hold `num_tokens` slots."""
         return -(-num_tokens // self.block_size)
 
-    def allocate(self, request: Request, num_new_tokens: int) -> list[int] | None:
+    # ---- prefix cache --------------------------------------------------------------------
+
+    def request_hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The request's chained block hashes, computed up to `num_blocks` full blocks (its
+        tokens only ever grow, so they are computed once and kept on the request)."""
+        hashes = request.block_hashes
+        if len(hashes) < num_blocks:
+            size = self.block_size
+            tokens = request.all_token_ids
+            parent = hashes[-1] if hashes else ROOT_HASH
+            for start in range(len(hashes) * size, num_blocks * size, size):
+                parent = block_hash(parent, tokens[start:start + size])
+                hashes.append(parent)
+        return hashes
+
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """The blocks of the longest cached run of the request's leading full blocks; changes
+        nothing. The last token is always left out: it must be computed for its logits, and
+        its K/V must go into a block the request holds alone."""
+        if not self.enable_prefix_caching or request.block_table:
+            return []
+        num_blocks = (request.num_tokens - 1) // self.block_size
+        found = []
+        for h in self.request_hashes(request, num_blocks)[:num_blocks]:
+            block_id = self._block_of.get(h)
+            if block_id is None:
+                break
+            found.append(block_id)
+        return found
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Register the request's full blocks whose K/V are all computed. Call only after the
+        iteration that computed them is done (`Scheduler.update`): a plan that failed never
+        registers anything. A block whose hash another block already has stays unregistered
+        (the same prefix computed twice at once) and goes back plain when freed."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
+        start = request.num_cached_blocks
+        if num_full <= start:
+            return
+        hashes = self.request_hashes(request, num_full)
+        table = request.block_table
+        for index in range(start, num_full):
+            h, block_id = hashes[index], table[index]
+            assert self._hash_of[block_id] is None, f"block {block_id} was written while cached"
+            if h not in self._block_of:
+                self._block_of[h] = block_id
+                self._hash_of[block_id] = h
+        request.num_cached_blocks = num_full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registered block: their content is unknown from now on (the workers
+        lost their KV cache). Held blocks stay held, free ones become plain."""
+        self._block_of.clear()
+        self._hash_of = [None] * self.num_total_blocks
+        self._free_plain.extend(self._free_cached)
+        self._free_cached.clear()
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def allocate(self, request: Request, num_new_tokens: int,
+                 cached_prefix: Sequence[int] = ()) -> list[int] | None:
         """Grow the request's table to cover `num_computed_tokens + num_new_tokens` slots.
 
+        `cached_prefix`: blocks from `find_cached_prefix` for a request holding none yet (its
+        `num_computed_tokens` already counts their tokens); they are taken first, shared.
         Returns the ids appended (possibly none), or None — changing nothing — when the pool
         has too few free blocks.
         """
@@ -53,49 +170,103 @@ class BlockManager:
         needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
         if table and needed <= len(table):
             return []           # the common decode: its last block still has room
-        registered = self._tables.get(request.request_id)
-        assert registered is None or registered is table, \
-            f"request {request.request_id!r} holds a second block table"
-        missing = needed - len(table)
-        if missing > len(self._free):
+        holder = self._holders.get(request.request_id)
+        assert holder is None or holder is request, \
+            f"request id {request.request_id!r} is held by another request object"
+        assert not cached_prefix or not table, "a cached prefix is taken at admission only"
+        # A cached block that is free would count twice: it cannot also be handed out fresh.
+        free_in_prefix = sum(1 for b in cached_prefix if self._ref_counts[b] == 0)
+        missing = needed - len(table) - len(cached_prefix)
+        if missing > self.num_free_blocks - free_in_prefix:
             return None
-        new_ids = [self._free.popleft() for _ in range(max(missing, 0))]
-        for block_id in new_ids:
+        for block_id in cached_prefix:
+            if self._ref_counts[block_id] == 0:
+                del self._free_cached[block_id]
             self._ref_counts[block_id] += 1
+        new_ids = list(cached_prefix)
+        for _ in range(max(missing, 0)):
+            block_id = self._take_free()
+            self._ref_counts[block_id] += 1
+            new_ids.append(block_id)
         table.extend(new_ids)
+        if cached_prefix:
+            request.num_cached_blocks = len(cached_prefix)
         if table:
-            self._tables[request.request_id] = table
+            self._holders[request.request_id] = request
         return new_ids
 
+    def count_admission(self, request: Request, num_cached_tokens: int) -> None:
+        """One lookup at admission, in tokens (vLLM's prefix_cache_queries / _hits)."""
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += num_cached_tokens
+
+    def _take_free(self) -> int:
+        if self._free_plain:
+            return self._free_plain.popleft()
+        block_id, _ = self._free_cached.popitem(last=False)      # least recently used
+        del self._block_of[self._hash_of[block_id]]
+        self._hash_of[block_id] = None
+        return block_id
+
     def free(self, request: Request) -> None:
-        """Drop the request's hold on its blocks and empty its table. Safe to call twice."""
-        table = self._tables.pop(request.request_id, None)
-        if table is None:
+        """Drop the request's hold on its blocks and empty its table. Safe to call twice.
+        Registered blocks keep their hash and content until the pool needs them."""
+        if self._holders.pop(request.request_id, None) is None:
             return
-        # Tail first: with prefix caching the head blocks are the likeliest to be shared, so
-        # they should be the last to be reused.
+        table = request.block_table
+        # Tail first: the head blocks are the likeliest to be shared, so they become the most
+        # recently used and are evicted last.
         for block_id in reversed(table):
             self._ref_counts[block_id] -= 1
             if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
+                if self._hash_of[block_id] is None:
+                    self._free_plain.append(block_id)
+                else:
+                    self._free_cached[block_id] = None
         table.clear()
+        request.num_cached_blocks = 0
+
+    # ---- books ---------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless the pool's books balance."""
-        free = set(self._free)
-        assert len(free) == len(self._free), "a block is in the free queue twice"
+        plain, cached = set(self._free_plain), set(self._free_cached)
+        assert len(plain) == len(self._free_plain), "a block is in the free queue twice"
+        assert not plain & cached, f"blocks {plain & cached} are in both free queues"
+        free = plain | cached
         owners: dict[int, list[str]] = {}
-        for request_id, table in self._tables.items():
+        for request_id, request in self._holders.items():
+            table = request.block_table
             assert table, f"request {request_id!r} is registered with an empty table"
-            for block_id in table:
+            assert len(set(table)) == len(table), f"request {request_id!r} holds a block twice"
+            computed_blocks = request.num_computed_tokens // self.block_size
+            for index, block_id in enumerate(table):
                 owners.setdefault(block_id, []).append(request_id)
+                h = self._hash_of[block_id]
+                if h is None:
+                    continue
+                # a cached block: its hash is this request's chain there, and it is full and
+                # computed for this request, so the request never writes into it
+                assert index < computed_blocks, \
+                    f"request {request_id!r} will write into cached block {block_id}"
+                assert index < len(request.block_hashes) and request.block_hashes[index] == h, \
+                    f"cached block {block_id} does not hold request {request_id!r}'s tokens"
         for block_id, holders in owners.items():
-            # No sharing exists until prefix caching arrives; then this becomes a hash check.
-            assert len(holders) == 1, f"block {block_id} is in the tables of {holders}"
+            assert len(holders) == 1 or self._hash_of[block_id] is not None, \
+                f"block {block_id} is in the tables of {holders} but is not a cached block"
             assert block_id not in free, f"block {block_id} is free but held by {holders}"
         for block_id, count in enumerate(self._ref_counts):
             expected = len(owners.get(block_id, ()))
             assert count == expected, f"block {block_id} has ref count {count}, {expected} tables"
             assert (count == 0) == (block_id in free), f"block {block_id} ref {count} vs free queue"
+        for block_id in cached:
+            assert self._hash_of[block_id] is not None, f"free cached block {block_id} has no hash"
+        for block_id in plain:
+            assert self._hash_of[block_id] is None, f"free plain block {block_id} has a hash"
+        for h, block_id in self._block_of.items():
+            assert self._hash_of[block_id] == h, f"index and block {block_id} disagree"
+        assert sum(h is not None for h in self._hash_of) == len(self._block_of), \
+            "a block has a hash the index does not know"
         assert len(free) + len(owners) == self.num_total_blocks, \
             f"free {len(free)} + used {len(owners)} != total {self.num_total_blocks}"

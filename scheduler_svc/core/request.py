@@ -49,6 +49,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     # Append-only while the request holds KV; the BlockManager clears it when it frees.
     block_table: list[int] = field(default_factory=list)
+    # Prefix caching (docs/design.md#prefix-caching): the chained hashes of the full blocks
+    # of all_token_ids computed so far (kept across preemption: the tokens do not change),
+    # and how many leading blocks of block_table are in the cache index or were offered to it.
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
     reply_to: str = ""                       # served mode: the gateway's token channel
 
     @property

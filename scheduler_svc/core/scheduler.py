@@ -8,7 +8,10 @@ Every iteration is decided afresh, in this order:
    most recently admitted running request is preempted (blocks freed, recomputed later);
 2. if nothing was preempted, admit waiting requests first come, first served while the token
    budget and the sequence cap allow; a prompt longer than the budget left is cut into a chunk
-   that rides along with the decodes.
+   that rides along with the decodes. With prefix caching a request first takes the longest
+   run of cached blocks matching its tokens and computes only from there
+   (docs/design.md#prefix-caching); blocks are registered in the cache by `update()`, once
+   the iteration that filled them is done.
 
 With `max_iteration_ms` set, a latency budget also sizes every prefill chunk (continued or
 new): the decodes are reserved first and the chunk is cut to what the cost model says still
@@ -82,7 +85,9 @@ class Scheduler:
         self.max_model_len = config.max_model_len if max_model_len is None else max_model_len
         self.eos_token_ids = _id_set(eos_token_ids)
         self.policy = policy or FcfsPolicy()
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self._caching = config.enable_prefix_caching
         self.num_preemptions_total = 0
         self._requests: dict[str, Request] = {}      # every live (unfinished) request
         self._waiting: deque[Request] = deque()
@@ -128,7 +133,8 @@ class Scheduler:
     def recompute_running(self) -> list[str]:
         """The workers lost their KV cache (a worker died): forget the plan in flight and send
         every running request back to the front of the waiting queue, to be recomputed from
-        its prompt plus the tokens it generated (preemption, for all of them at once).
+        its prompt plus the tokens it generated (preemption, for all of them at once). The
+        prefix cache is emptied too: no block's content is known any more.
         Returns their ids in admission order."""
         self._in_flight = None
         lost, self._running = self._running, []
@@ -137,6 +143,7 @@ class Scheduler:
             request.num_computed_tokens = 0
             request.status = RequestStatus.PREEMPTED
             self.policy.requeue_preempted(self._waiting, request)
+        self.block_manager.reset_prefix_cache()
         lost_ids = [r.request_id for r in lost]
         self._preempted_ids.extend(lost_ids)  # a worker that survived drops their state
         return lost_ids
@@ -182,8 +189,13 @@ class Scheduler:
         self._observe_cost(scheduled, result.forward_ms)
         self._in_flight = None
         outputs, self._aborted = self._aborted, []
+        block_size = self.block_manager.block_size
         for request, rows in live:
             request.num_computed_tokens += rows
+            # a block just filled (K/V of all its tokens now computed) joins the prefix cache
+            if self._caching and \
+                    request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:
+                self.block_manager.cache_computed_blocks(request)
             if request.num_uncomputed_tokens == 0:
                 outputs.append(self._append_token(request, result.sampled[request.request_id]))
         return outputs
@@ -269,9 +281,14 @@ class Scheduler:
     def _admit_waiting(self, iteration: _Iteration) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
             request = self._waiting[0]
+            cached_prefix = self.block_manager.find_cached_prefix(request)
+            num_cached_tokens = len(cached_prefix) * self.block_manager.block_size
+            request.num_computed_tokens = num_cached_tokens
             rows = self._admission_rows(request, iteration)
-            if rows == 0 or self.block_manager.allocate(request, rows) is None:
+            if rows == 0 or self.block_manager.allocate(request, rows, cached_prefix) is None:
+                request.num_computed_tokens = 0
                 return          # FCFS: nobody overtakes the head of the queue
+            self.block_manager.count_admission(request, num_cached_tokens)
             self._waiting.popleft()
             request.status = RequestStatus.RUNNING
             self._running.append(request)

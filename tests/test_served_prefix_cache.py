@@ -1,0 +1,57 @@
+"""Prefix caching through the real system: `pacer up`, then two chat requests with the same long
+system prompt and different questions; the second finds the shared blocks cached, and
+/metrics and the `stats` hash (`redis-cli HGETALL pacer:stats`) count the hits in tokens.
+Prints the time to first token of a miss and of a hit."""
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+import redis
+
+from shared.keys import Keys
+from tests.served_fixture import API_KEY, Served, served  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+SYSTEM = ("You are the support assistant of a small bicycle shop. " * 4 + "Rules: " + " ".join(
+    f"Rule {i}: answer politely, mention part number {1000 + i}, and never promise a date."
+    for i in range(40)))
+
+
+def ask(s: Served, question: str) -> tuple[float, str]:
+    """Time to first token and the whole text of one greedy streamed chat completion."""
+    c = openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=API_KEY, max_retries=0)
+    start = time.perf_counter()
+    ttft, pieces = None, []
+    for chunk in c.chat.completions.create(
+            model="smollm2-135m", max_tokens=8, temperature=0, stream=True,
+            messages=[{"role": "system", "content": SYSTEM},
+                      {"role": "user", "content": question}]):
+        if chunk.choices and chunk.choices[0].delta.content:
+            ttft = ttft or time.perf_counter() - start
+            pieces.append(chunk.choices[0].delta.content)
+    return ttft or time.perf_counter() - start, "".join(pieces)
+
+
+def test_a_shared_system_prompt_is_computed_once(served: Served):
+    before = served.metrics()
+    assert before["pacer:prefix_cache_hits_total"] == 0
+    miss_ttft, _ = ask(served, "Do you repair tubeless tyres?")
+    after_first = served.metrics()
+    queried = after_first["pacer:prefix_cache_queries_total"]
+    assert queried > 500 and after_first["pacer:prefix_cache_hits_total"] == 0
+    hit_ttft, _ = ask(served, "Can I rent a bike for a day?")
+    m = served.metrics()
+    hits = m["pacer:prefix_cache_hits_total"]
+    assert hits >= 500, m          # the system prompt's full blocks, minus at most one
+    assert m["pacer:prefix_cache_queries_total"] > queried
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        stats = {k.decode(): float(v) for k, v in r.hgetall(Keys().stats).items()}
+    finally:
+        r.close()
+    assert stats["prefix_cache_hits_total"] == hits
+    print(f"\nprefix of {int(queried)} prompt tokens: TTFT miss {miss_ttft * 1000:.0f} ms, "
+          f"hit {hit_ttft * 1000:.0f} ms ({int(hits)} tokens cached)")
