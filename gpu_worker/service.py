@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import socket
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +57,7 @@ from shared.redis_retry import TRANSIENT, retry_redis
 log = structlog.get_logger("worker")
 
 PLAN_BLOCK_MS = 500
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"     # beside each result, for a reader
 STATS_INTERVAL_S = 0.1
 # a progress record's TTL is refreshed at the first token and every this many tokens after
 PROGRESS_REFRESH_EVERY = 64
@@ -205,8 +207,8 @@ class PlanLoop:
         for channel, batch in batches.items():
             self._record_progress(pipe, batch)
             pipe.publish(channel, encode(batch))
-        pipe.xadd(self.keys.results, to_fields(StepResultMsg(result)), maxlen=RESULTS_MAXLEN,
-                  approximate=True)
+        pipe.xadd(self.keys.results, to_fields(StepResultMsg(result), worker=WORKER_ID),
+                  maxlen=RESULTS_MAXLEN, approximate=True)
         if with_stats:
             pipe.hset(self.keys.stats, mapping=self.stats())
         return pipe

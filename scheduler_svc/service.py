@@ -301,7 +301,7 @@ class SchedulerService:
 
     async def _send(self, plan: IterationPlan) -> bytes | str:
         """XADD the plan; returns its entry id in the plans stream."""
-        fields = to_fields(PlanMsg(plan))
+        fields = to_fields(PlanMsg(plan), scheduler=self.config.scheduler_id)
         attempts = 0
 
         async def xadd() -> bytes | str:

@@ -19,6 +19,7 @@ COMMANDS = [
     "gpu_worker.cli",
     "services.up",
     "services.bench_cmd",
+    "services.inspect_cmd",
 ]
 
 
