@@ -74,9 +74,9 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
                                        health_check_interval=30, retry=Retry(NoBackoff(), 0))
     state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id)
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
+    heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router.fail_all)
     tasks = [asyncio.create_task(state.router.run(), name="token-router"),
-             asyncio.create_task(state.upstream.keep_heartbeat_watching_redis(state.router.fail_all),
-                                 name="gateway-heartbeat")]
+             asyncio.create_task(heartbeat, name="gateway-heartbeat")]
     try:
         # a request sent before the subscription is confirmed could lose its first tokens
         await asyncio.wait_for(state.router.subscribed.wait(), SUBSCRIBE_TIMEOUT_S)

@@ -24,6 +24,7 @@ from redis.exceptions import RedisError
 
 from shared.lifecycle import cancel_requested
 from shared.protocol import FinishEvent, ProtocolError, TokenBatch, TokenEvent, decode
+from shared.redis_retry import retry_redis
 
 log = structlog.get_logger("gateway.streams")
 
@@ -181,22 +182,20 @@ class TokenRouter:
 
     async def run(self) -> None:
         """Listen until cancelled; a dropped Redis connection is re-subscribed with backoff."""
-        delay = 0.1
-        while not cancel_requested():
-            try:
-                await self._listen()
-            except (RedisError, OSError) as e:
-                self.subscribed.clear()
-                log.warning("token channel connection lost; resubscribing", error=str(e),
-                            retry_in_s=delay, open_requests=self.num_open)
-                # what was published meanwhile is gone: no open stream could complete
-                self.fail_all("the connection to Redis dropped and token events were lost; "
-                              "send the request again")
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 5.0)
-            else:
-                delay = 0.1
-        raise asyncio.CancelledError
+        await retry_redis(self._listen_or_fail_all, "listen on the token channel", log,
+                          errors=(RedisError, OSError))
+        raise asyncio.CancelledError           # _listen returns only once cancelled
+
+    async def _listen_or_fail_all(self) -> None:
+        try:
+            await self._listen()
+        except (RedisError, OSError):
+            self.subscribed.clear()
+            log.warning("token channel connection lost", open_requests=self.num_open)
+            # what was published meanwhile is gone: no open stream could complete
+            self.fail_all("the connection to Redis dropped and token events were lost; "
+                          "send the request again")
+            raise
 
     async def _listen(self) -> None:
         """Until cancelled (then returns) or the connection drops (raises)."""

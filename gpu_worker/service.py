@@ -21,8 +21,9 @@ every rank forgets the dead scheduler's requests before applying the new plan.
 
 Ranks > 0 follow rank 0 over torch.distributed (`gpu_worker.tp.follower`); they meet it at
 the address rank 0 writes to the rendezvous key (`gpu_worker.tp.rendezvous`). Rank 0 forwards
-each plan's bytes to them as they came from Redis, without decoding and encoding them again. Every rank keeps its heartbeat key
-alive; the heartbeat carries the KV pool's size so the scheduler can refuse a mismatch.
+each plan's bytes to them as they came from Redis, without decoding and encoding them again.
+Every rank keeps its heartbeat key alive; the heartbeat carries the KV pool's size so the
+scheduler can refuse a mismatch.
 
 Rank 0 measures how long it waits for plans (from sending a result to receiving the next
 plan) against how long it computes, and writes both to the `stats` hash.
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import os
+import socket
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -56,6 +58,7 @@ from shared.redis_retry import TRANSIENT, retry_redis
 log = structlog.get_logger("worker")
 
 PLAN_BLOCK_MS = 500
+WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"     # beside each result, for a reader
 STATS_INTERVAL_S = 0.1
 # a progress record's TTL is refreshed at the first token and every this many tokens after
 PROGRESS_REFRESH_EVERY = 64
@@ -192,9 +195,10 @@ class PlanLoop:
         try:
             # a fresh pipeline each try: a failed execute() has emptied the last one; the
             # scheduler waits for this result, and skips a duplicate by its step
-            await retry_redis(lambda: self._result_pipeline(batches, result, with_stats).execute(),
-                              f"send result of step {step}", log,
-                              before_retry=lambda: self._check_same_redis(step))
+            await retry_redis(
+                lambda: self._result_pipeline(batches, result, with_stats).execute(),
+                f"send result of step {step}", log,
+                before_retry=lambda: self._check_same_redis(step))
             return True
         except _RedisReplaced:
             return False
@@ -205,8 +209,8 @@ class PlanLoop:
         for channel, batch in batches.items():
             self._record_progress(pipe, batch)
             pipe.publish(channel, encode(batch))
-        pipe.xadd(self.keys.results, to_fields(StepResultMsg(result)), maxlen=RESULTS_MAXLEN,
-                  approximate=True)
+        pipe.xadd(self.keys.results, to_fields(StepResultMsg(result), worker=WORKER_ID),
+                  maxlen=RESULTS_MAXLEN, approximate=True)
         if with_stats:
             pipe.hset(self.keys.stats, mapping=self.stats())
         return pipe

@@ -100,7 +100,7 @@ class SchedulerService:
             try:
                 await self._barrier()
                 taken = await self.recovery.retrying("take back pending",
-                                             self.takeover.take_back_pending)
+                                                     self.takeover.take_back_pending)
             except Interrupted as e:
                 await self.recovery.recover(e, stop, self.wait_for_workers)
                 continue
@@ -120,8 +120,8 @@ class SchedulerService:
         disagrees with ours (then nothing could be scheduled safely)."""
         logged = 0.0
         while not stop.is_set() or self._drain_deadline is not None and not self._drain_expired():
-            values = await self.recovery.retrying("read worker heartbeats",
-                                          lambda: self.redis.mget(self.workers.heartbeat_keys))
+            values = await self.recovery.retrying(
+                "read worker heartbeats", lambda: self.redis.mget(self.workers.heartbeat_keys))
             if all(values):
                 self.workers.record(values)
                 return self._layouts_agree(values)
@@ -272,7 +272,8 @@ class SchedulerService:
     async def _resume_claimed(self, entries: list) -> None:
         if entries:
             log.warning("claiming requests of a scheduler that stopped", count=len(entries))
-            await self.recovery.retrying("resume claimed", lambda: self.takeover.resume(entries))
+            await self.recovery.retrying("resume claimed",
+                                         lambda: self.takeover.resume(entries))
 
     def _receive_aborts(self, reply) -> None:
         for _, entries in reply or []:
@@ -301,7 +302,7 @@ class SchedulerService:
 
     async def _send(self, plan: IterationPlan) -> bytes | str:
         """XADD the plan; returns its entry id in the plans stream."""
-        fields = to_fields(PlanMsg(plan))
+        fields = to_fields(PlanMsg(plan), scheduler=self.config.scheduler_id)
         attempts = 0
 
         async def xadd() -> bytes | str:

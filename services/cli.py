@@ -20,6 +20,7 @@ COMMANDS = [
     "gpu_worker.kernel_build",
     "services.up",
     "services.bench_cmd",
+    "services.inspect_cmd",
 ]
 
 

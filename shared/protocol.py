@@ -249,9 +249,27 @@ def decode(data: bytes) -> Message:
         raise ProtocolError(f"malformed {kind} message: {e}") from e
 
 
-def to_fields(msg: Message) -> dict[str, bytes]:
-    """The field map for XADD."""
-    return {STREAM_FIELD: encode(msg)}
+def summary_fields(msg: Message) -> dict[str, int | str]:
+    """What a person reading a stream with redis-cli sees in clear beside the encoded message
+    (`XREVRANGE pacer:plans + - COUNT 1`). Readers decode the message and ignore these.
+    A plan's decode rows are its running requests advancing by one row."""
+    if isinstance(msg, PlanMsg):
+        p = msg.plan
+        decode_rows = sum(p.num_scheduled_tokens.get(c.request_id) == 1
+                          for c in p.cached_requests)
+        return {"step": p.step, "requests": len(p.num_scheduled_tokens),
+                "prefill_rows": p.total_tokens - decode_rows, "decode_rows": decode_rows}
+    if isinstance(msg, StepResultMsg):
+        return {"step": msg.result.step, "sampled": len(msg.result.sampled)}
+    if isinstance(msg, RequestMsg):
+        return {"request_id": msg.request_id, "prompt_tokens": len(msg.prompt_token_ids)}
+    return {}
+
+
+def to_fields(msg: Message, **sender: str) -> dict[str, bytes | int | str]:
+    """The field map for XADD: the readable summary and `sender` (who wrote it, e.g.
+    scheduler="vm") first, then the encoded message."""
+    return {**summary_fields(msg), **sender, STREAM_FIELD: encode(msg)}
 
 
 def message_bytes(fields: dict) -> bytes:

@@ -1,4 +1,5 @@
-"""Flags every Redis-side service takes (`pacer scheduler`, `pacer worker`)."""
+"""Flags every Redis-side service takes (`pacer scheduler`, `pacer worker`, `pacer gateway`)
+and `pacer inspect`."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,11 @@ from shared.keys import DEFAULT_PREFIX
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-def add_service_args(p: argparse.ArgumentParser) -> None:
+def add_redis_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
+
+
+def add_service_args(p: argparse.ArgumentParser) -> None:
+    add_redis_args(p)
     p.add_argument("--log-level", default="info")

@@ -2,7 +2,8 @@
 with chunked prefill, piggybacking and preemption; seeded sampling is identical across tp; one
 forward makes exactly 2 all-reduces per layer + 1 (embedding) + 1 all-gather (LM head); a
 model whose heads do not divide by tp is refused before anything is spawned; a rank killed
-with SIGKILL ends the others with an error naming it, within seconds."""
+with SIGKILL ends the others with an error naming it, within seconds; rank 0 forwards each
+plan's bytes as they came from Redis."""
 from __future__ import annotations
 
 import json
@@ -16,10 +17,14 @@ import time
 
 import pytest
 
+from gpu_worker.service import PlanLoop, _decode_plan
+from gpu_worker.tp.executor import TPExecutor
 from services.engine import LLMEngine
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
-from shared.plan import IterationPlan
+from shared.keys import Keys
+from shared.plan import IterationPlan, StepResult
+from shared.protocol import STREAM_FIELD, PlanMsg, to_fields
 from shared.sampling import SamplingParams
 from tests.helpers_tiny_model import write_tiny_llama
 from tests.test_engine_parity import (CHAT_PROMPTS, CONFIGS, NEW_TOKENS, assert_same_tokens,
@@ -253,3 +258,21 @@ def test_pacer_generate_tp2_gives_the_tp1_tokens(tiny, tmp_path):
     single, _ = run_tp(path, prompts[:3], greedy(3, 12), 1, max_num_batched_tokens=16,
                        max_model_len=512, num_kv_blocks=128)
     assert got == single
+
+
+def test_rank_0_forwards_a_plans_bytes_as_they_came_from_redis():
+    class Recording(TPExecutor):
+        def __init__(self):                      # no group: records what execute() gets
+            self.wires = []
+
+        def execute(self, plan, wire=None):
+            self.wires.append(wire)
+            return StepResult(plan.step, {})
+
+    fields = to_fields(PlanMsg(IterationPlan(3, [], [], {})), scheduler="s")
+    plan, wire = _decode_plan({k.encode(): v for k, v in fields.items()})
+    assert wire is fields[STREAM_FIELD]             # the entry's own bytes, not re-encoded
+    executor = Recording()
+    loop = PlanLoop(None, Keys(), executor, {}, "0-0", "run")
+    loop._execute(plan, wire)
+    assert executor.wires == [wire]

@@ -1,0 +1,134 @@
+"""`pacer inspect`: what the Redis streams and the stats hash hold, decoded for a person.
+
+    pacer inspect plans --count 3        the newest plans, newest first
+    pacer inspect results                step results (the token each request drew)
+    pacer inspect requests               queued requests, and each consumer's pending count
+    pacer inspect aborts
+    pacer inspect stats                  the scheduler's and rank 0's counters
+
+Each entry prints as its id and readable fields on one line, then the decoded message as
+indented `key: value` lines; `--json` prints one JSON object per entry instead (for pipes).
+Long token lists are cut to their first few ids.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+import redis
+
+from shared.keys import Keys
+from shared.protocol import STREAM_FIELD, ProtocolError, decode
+from shared.service_args import add_redis_args
+
+STREAMS = ("plans", "results", "requests", "aborts")
+LIST_SHOWN = 8          # ids of a longer list print as the first ones and a count
+
+
+def register(sub) -> None:
+    p = sub.add_parser("inspect", help="decode the Redis streams and stats for a person")
+    p.add_argument("what", choices=[*STREAMS, "stats"])
+    p.add_argument("--count", type=int, default=5, help="newest entries to show (streams)")
+    p.add_argument("--json", action="store_true", help="one JSON object per entry")
+    add_redis_args(p)
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
+    keys = Keys(args.key_prefix)
+    try:
+        if args.what == "stats":
+            show_stats(client.hgetall(keys.stats), args.json)
+        else:
+            stream = getattr(keys, args.what)
+            for entry_id, fields in client.xrevrange(stream, count=args.count):
+                show_entry(entry_id, fields, args.json)
+            if args.what == "requests" and not args.json:
+                show_pending(client, keys)
+    finally:
+        client.close()
+    return 0
+
+
+def entry_view(entry_id: bytes, fields: dict) -> dict[str, Any]:
+    """A stream entry as plain data: id, the readable fields, the decoded message."""
+    view: dict[str, Any] = {"id": _text(entry_id)}
+    view.update({_text(k): _text(v) for k, v in fields.items() if _text(k) != STREAM_FIELD})
+    data = fields.get(STREAM_FIELD.encode(), fields.get(STREAM_FIELD))
+    try:
+        msg = decode(data) if data is not None else None
+    except ProtocolError as e:
+        view["error"] = str(e)
+        return view
+    if msg is not None:
+        view["kind"] = msg.KIND
+        view["message"] = _shorten(dataclasses.asdict(msg))
+    return view
+
+
+def show_entry(entry_id: bytes, fields: dict, as_json: bool) -> None:
+    view = entry_view(entry_id, fields)
+    if as_json:
+        print(json.dumps(view))
+        return
+    head = {k: v for k, v in view.items() if k != "message"}
+    print("  ".join(f"{k}={v}" for k, v in head.items()))
+    for line in _outline(view.get("message", {}), "    "):
+        print(line)
+
+
+def show_stats(raw: dict, as_json: bool) -> None:
+    stats = {_text(k): _text(v) for k, v in sorted(raw.items())}
+    if as_json:
+        print(json.dumps(stats))
+        return
+    if not stats:
+        print("no stats yet (no scheduler has run against this Redis and prefix)")
+    width = max((len(k) for k in stats), default=0)
+    for k, v in stats.items():
+        print(f"{k:<{width}}  {v}")
+
+
+def show_pending(client: redis.Redis, keys: Keys) -> None:
+    """Entries read by a scheduler but not acknowledged yet (running or waiting there)."""
+    try:
+        pending = client.xpending(keys.requests, keys.requests_group)
+    except redis.ResponseError:
+        print("no consumer group yet (no scheduler has run)")
+        return
+    consumers = ", ".join(f"{_text(c['name'])}: {c['pending']}" for c in pending["consumers"])
+    print(f"pending in group {keys.requests_group}: {pending['pending']}"
+          + (f" ({consumers})" if consumers else ""))
+
+
+def _outline(value: dict, pad: str) -> list[str]:
+    """A nested map as indented `key: value` lines; lists of plain values stay on one line."""
+    lines = []
+    for key, item in value.items():
+        if isinstance(item, dict) and item:
+            lines += [f"{pad}{key}:", *_outline(item, pad + "  ")]
+        elif isinstance(item, list) and any(isinstance(v, dict) for v in item):
+            lines.append(f"{pad}{key}:")
+            for v in item:
+                inner = _outline(v, pad + "    ")
+                lines += [f"{pad}  - {inner[0].lstrip()}", *inner[1:]]
+        else:
+            lines.append(f"{pad}{key}: {json.dumps(item)}")
+    return lines
+
+
+def _shorten(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _shorten(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        if len(value) > LIST_SHOWN and all(isinstance(v, int) for v in value):
+            return [*value[:LIST_SHOWN], f"... {len(value)} in all"]
+        return [_shorten(v) for v in value]
+    return value
+
+
+def _text(value: Any) -> Any:
+    return value.decode(errors="replace") if isinstance(value, bytes) else value

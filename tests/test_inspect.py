@@ -1,0 +1,82 @@
+"""Redis at a terminal: plans and results carry readable fields beside the msgpack blob, and
+`pacer inspect` decodes the streams and the stats hash (against a real redis-server)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import redis
+
+from services.cli import main
+from shared.keys import Keys
+from shared.plan import (CachedRequestData, IterationPlan, NewRequestData, SampledToken,
+                         StepResult)
+from shared.protocol import PlanMsg, RequestMsg, StepResultMsg, to_fields
+from shared.sampling import SamplingParams
+from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
+
+KEYS = Keys("inspect-test:")
+PLAN = IterationPlan(
+    step=7,
+    new_requests=[NewRequestData("r-new", list(range(40)), 40, SamplingParams(), [3, 4, 5], 0)],
+    cached_requests=[CachedRequestData("r-a", [], 12), CachedRequestData("r-b", [9], 30)],
+    num_scheduled_tokens={"r-a": 1, "r-b": 1, "r-new": 40},
+    finished_request_ids=["r-done"], preempted_request_ids=["r-evicted"])
+
+
+@pytest.fixture(scope="module")
+def filled(redis_server: str) -> str:
+    r = redis.Redis.from_url(redis_server)
+    r.xadd(KEYS.plans, to_fields(PlanMsg(PLAN), scheduler="sched-1"))
+    r.xadd(KEYS.results, to_fields(StepResultMsg(StepResult(7, {"r-a": SampledToken(11, -0.5)})),
+                                   worker="host:42"))
+    r.xadd(KEYS.requests, to_fields(RequestMsg("r-q", list(range(100)), SamplingParams(), "ch",
+                                               "gw-1", 1.0)))
+    r.xgroup_create(KEYS.requests, KEYS.requests_group, id="0")
+    r.xreadgroup(KEYS.requests_group, "sched-1", {KEYS.requests: ">"})
+    r.hset(KEYS.stats, mapping={"num_requests_running": 2, "worker_iterations_total": 7})
+    r.close()
+    return redis_server
+
+
+def inspect(capsys, url: str, *args: str) -> str:
+    assert main(["inspect", *args, "--redis-url", url, "--key-prefix", KEYS.prefix]) == 0
+    return capsys.readouterr().out
+
+
+def test_plan_and_result_entries_carry_readable_fields(filled):
+    r = redis.Redis.from_url(filled, decode_responses=False)
+    (_, plan), = r.xrevrange(KEYS.plans, count=1)
+    assert {k: plan[k] for k in (b"step", b"requests", b"prefill_rows", b"decode_rows",
+                                 b"scheduler")} == {
+        b"step": b"7", b"requests": b"3", b"prefill_rows": b"40", b"decode_rows": b"2",
+        b"scheduler": b"sched-1"}
+    (_, result), = r.xrevrange(KEYS.results, count=1)
+    assert result[b"step"] == b"7" and result[b"sampled"] == b"1" and result[b"worker"] == b"host:42"
+    r.close()
+
+
+def test_inspect_plans_decodes_the_plan(filled, capsys):
+    out = inspect(capsys, filled, "plans", "--count", "3")
+    assert "step=7" in out and "decode_rows=2" in out and "scheduler=sched-1" in out
+    assert 'preempted_request_ids: ["r-evicted"]' in out
+    assert "  - request_id: \"r-new\"" in out and "block_table: [3, 4, 5]" in out
+    assert '"... 40 in all"' in out                   # a long token list is cut
+
+
+def test_inspect_json_is_one_object_per_entry(filled, capsys):
+    (line,) = inspect(capsys, filled, "results", "--json").splitlines()
+    view = json.loads(line)
+    assert view["kind"] == "step_result" and view["worker"] == "host:42"
+    assert view["message"]["result"]["sampled"]["r-a"]["token_id"] == 11
+
+
+def test_inspect_requests_shows_pending_per_consumer(filled, capsys):
+    out = inspect(capsys, filled, "requests")
+    assert "request_id=r-q" in out and "prompt_tokens=100" in out
+    assert "pending in group schedulers: 1 (sched-1: 1)" in out
+
+
+def test_inspect_stats(filled, capsys):
+    rows = [line.split() for line in inspect(capsys, filled, "stats").splitlines()]
+    assert rows == [["num_requests_running", "2"], ["worker_iterations_total", "7"]]
