@@ -102,8 +102,13 @@ def setup_hf_copy(dtype: str) -> str:
     d = tempfile.mkdtemp()
     os.symlink(src.path, os.path.join(d, os.path.basename(src.path)))
     name = os.path.basename(src.path)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=getattr(torch, dtype))
+    loaded = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, torch_dtype=getattr(torch, dtype))
     tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):   # a GGUF-loaded model will not save as is
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, dtype))
+    model.load_state_dict(loaded.state_dict())
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
