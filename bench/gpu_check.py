@@ -180,7 +180,7 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str) -> dict:
     import torch
     from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
     from gpu_worker.kv_cache import allocate_kv_cache
-    from scheduler_svc.cost_model import ModelShape, estimate_iteration
+    from shared.cost_model import ModelShape, estimate_iteration
     from shared.attention_choice import choose_attention_here
     from shared.hardware import load_hardware
 

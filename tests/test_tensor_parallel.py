@@ -201,6 +201,8 @@ def test_killing_a_follower_ends_the_group_with_an_error_naming_it(tiny_six_head
 
 DRIVER = textwrap.dedent("""
     import json, sys, time
+    from shared.logging import configure_logging
+    configure_logging("driver")              # logs to stderr: stdout carries the pids
     from services.engine import LLMEngine
     from shared.engine_args import EngineArgs
     from shared.sampling import SamplingParams
