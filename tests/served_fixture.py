@@ -70,6 +70,17 @@ class Served:
         return self.proc.returncode
 
 
+def wait_for(predicate, timeout_s: float, what: str):
+    """Poll until `predicate()` is truthy (a safety net, not a timing assertion)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {timeout_s} s")
+
+
 def start_served(log_path: str, *extra_args: str) -> Served:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")

@@ -17,7 +17,7 @@ import redis
 from services.up import redis_answers
 from shared.keys import Keys
 from shared.protocol import decode
-from tests.served_fixture import API_KEY, Served, read_json, served  # noqa: F401
+from tests.served_fixture import API_KEY, Served, read_json, served, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -28,17 +28,6 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a
 
 def client(s: Served) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{s.base_url}/v1", api_key=API_KEY, max_retries=0)
-
-
-def wait_for(predicate, timeout_s: float, what: str):
-    """Poll until `predicate()` is truthy (a safety net, not a timing assertion)."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what}: not within {timeout_s} s")
 
 
 def scheduler_idle(s: Served) -> bool:
