@@ -1,9 +1,11 @@
 """An iteration-cost model fitted online from measured forward times (docs/design.md#the-online-cost-model).
 
-    ms ≈ fixed + per_row · rows + per_pair · pairs + per_seq · sequences
+    ms ≈ fixed + per_decode_row · decode rows + per_prefill_row · prefill rows + per_pair · pairs
 
-over an iteration's chunks `(q_rows, kv_len)` (pairs: the causal query-key pairs attention
-scores). Worker rank 0 reports each forward's time; `observe` folds it into an exponentially
+over an iteration's chunks `(q_rows, kv_len)` (a decode is a chunk of one row; pairs: the causal
+query-key pairs attention scores). Decode and prefill rows are priced apart: a decode row also
+carries its sampling and its attention over a whole cached context, while prefill rows go
+through the GEMMs many at a time. Worker rank 0 reports each forward's time; `observe` folds it into an exponentially
 forgetting least-squares fit (recursive least squares with forgetting, solved in closed form:
 4 unknowns), pulled gently toward a prior so that directions the traffic has not yet shown (all
 iterations pure decodes, say) stay sane instead of drifting. A change of machine speed is
@@ -19,19 +21,22 @@ import math
 from collections.abc import Sequence
 
 Chunk = tuple[int, int]   # (q_rows, kv_len)
-NAMES = ("fixed_ms", "per_row_ms", "per_pair_ms", "per_seq_ms")
+NAMES = ("fixed_ms", "per_decode_row_ms", "per_prefill_row_ms", "per_pair_ms")
 # features are scaled to similar magnitudes for a well-conditioned solve
-_SCALE = (1.0, 1e-2, 1e-5, 1e-1)
+_SCALE = (1.0, 1e-1, 1e-2, 1e-5)
 # A prior for a small model on a CPU; a few iterations' measurements outweigh it.
-CPU_PRIOR_MS = (20.0, 0.25, 1e-4, 0.05)
+CPU_PRIOR_MS = (20.0, 0.3, 0.25, 1e-4)
 
 
 def features(chunks: Sequence[Chunk]) -> tuple[float, float, float, float]:
-    rows = pairs = 0
+    decode_rows = prefill_rows = pairs = 0
     for q, kv in chunks:
-        rows += q
+        if q == 1:
+            decode_rows += 1
+        else:
+            prefill_rows += q
         pairs += q * kv - q * (q - 1) // 2       # q·prefix + q(q+1)/2
-    return (1.0, rows * _SCALE[1], pairs * _SCALE[2], len(chunks) * _SCALE[3])
+    return (1.0, decode_rows * _SCALE[1], prefill_rows * _SCALE[2], pairs * _SCALE[3])
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float]:
@@ -94,11 +99,12 @@ class OnlineIterationCost:
 
     def max_prefill_rows(self, budget_ms: float, chunks: Sequence[Chunk], prefix_len: int) -> int:
         """Largest N such that `chunks + [(N, prefix_len + N)]` is predicted within budget_ms."""
-        _, per_row, per_pair, per_seq = (t * s for t, s in zip(self.theta, _SCALE))
-        left = budget_ms - self.iteration_ms(chunks) - per_seq   # the fixed cost is in there
+        _, _, per_row, per_pair = (t * s for t, s in zip(self.theta, _SCALE))
+        left = budget_ms - self.iteration_ms(chunks)             # the fixed cost is in there
         if left <= 0:
             return 0
-        # per_pair/2 · N² + (per_row + per_pair · (prefix + 1/2)) · N <= left
+        # per_pair/2 · N² + (per_prefill_row + per_pair · (prefix + 1/2)) · N <= left
+        # (a 1-row "prefill" would be priced as a decode row: the settling below checks it)
         a = per_pair / 2
         b = per_row + per_pair * (prefix_len + 0.5)
         if a <= 0:
