@@ -30,7 +30,6 @@ Stdlib + `shared` only: the torch-free scheduler core and the engine layout use 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from typing import Any, Iterable, Sequence
 
 from shared.errors import PacerError
 from shared.hardware import HardwareProfile, load_hardware
+from shared.json_file import read_json_object
 from shared.online_cost import OnlineIterationCost
 
 # One chunk of an iteration as the cost model sees it: (q_rows, kv_len). Not the runner's
@@ -138,11 +138,7 @@ def load_model_shape(spec: str) -> ModelShape:
     if not os.path.isfile(path):
         raise PacerError(f"unknown model {spec!r}: use one of {', '.join(MODELS)} "
                          "or the path of a Hugging Face config.json")
-    try:
-        with open(path, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError) as e:
-        raise PacerError(f"cannot read model config {path}: {e}") from e
+    config = read_json_object(path, "model config")
     name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
     return model_shape_from_hf_config(config, name)
 

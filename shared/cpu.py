@@ -19,14 +19,11 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
-def has_native_bf16(flags: frozenset[str] | None = None) -> bool:
-    return bool(NATIVE_BF16_FLAGS & (cpu_flags() if flags is None else flags))
-
-
 def auto_dtype(device: str, flags: frozenset[str] | None = None) -> str:
     """`--dtype auto`: bfloat16 on CUDA and on CPUs with native bf16 dot products, where it is
     the fast dtype (docs/benchmarks.md has the measurement on both kinds of CPU); float32 on
     other CPUs, where bf16 is the slow one."""
-    if device.startswith("cuda") or (device == "cpu" and has_native_bf16(flags)):
+    if device.startswith("cuda"):
         return "bfloat16"
-    return "float32"
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if device == "cpu" and NATIVE_BF16_FLAGS & flags else "float32"

@@ -11,13 +11,13 @@ Stdlib only: the scheduler core imports this.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 from shared.errors import PacerError
+from shared.json_file import read_json_object
 
 FLOAT32 = "float32"
 HALF_DTYPES = ("bfloat16", "float16")   # either one stands for "16-bit tensor-core rate"
@@ -116,11 +116,5 @@ def load_hardware(spec: str) -> HardwareProfile:
     if not os.path.isfile(spec):
         raise PacerError(f"unknown hardware {spec!r}: use one of {', '.join(HARDWARE)} "
                          "or a JSON file written by `pacer calibrate`")
-    try:
-        with open(spec, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
-        raise PacerError(f"cannot read hardware profile {spec}: {e}") from e
-    if not isinstance(data, Mapping):
-        raise PacerError(f"hardware profile {spec} is not a JSON object")
+    data = read_json_object(spec, "hardware profile")
     return hardware_from_dict(data, default_name=os.path.basename(spec))

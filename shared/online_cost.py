@@ -99,12 +99,16 @@ class OnlineIterationCost:
 
     def max_prefill_rows(self, budget_ms: float, chunks: Sequence[Chunk], prefix_len: int) -> int:
         """Largest N such that `chunks + [(N, prefix_len + N)]` is predicted within budget_ms."""
-        _, _, per_row, per_pair = (t * s for t, s in zip(self.theta, _SCALE))
+        _, per_decode, per_row, per_pair = (t * s for t, s in zip(self.theta, _SCALE))
         left = budget_ms - self.iteration_ms(chunks)             # the fixed cost is in there
+
+        def added_ms(x: int) -> float:  # what a chunk of x rows over the prefix adds
+            pairs = x * prefix_len + x * (x + 1) // 2
+            return (per_decode if x == 1 else per_row * x) + per_pair * pairs
+
         if left <= 0:
             return 0
         # per_pair/2 · N² + (per_prefill_row + per_pair · (prefix + 1/2)) · N <= left
-        # (a 1-row "prefill" would be priced as a decode row: the settling below checks it)
         a = per_pair / 2
         b = per_row + per_pair * (prefix_len + 0.5)
         if a <= 0:
@@ -112,12 +116,9 @@ class OnlineIterationCost:
         else:
             n = (-b + math.sqrt(b * b + 4 * a * left)) / (2 * a)
         guess = max(0, int(math.floor(min(n, float(1 << 30)))))
-
-        def fits(x: int) -> bool:     # floating point can put the closed form a row off
-            return self.iteration_ms([*chunks, (x, prefix_len + x)]) <= budget_ms
-
-        while guess > 0 and not fits(guess):
+        # floating point (and a 1-row chunk, priced as a decode row) can put it a row off
+        while guess > 0 and added_ms(guess) > left:
             guess -= 1
-        while guess < (1 << 30) and fits(guess + 1):
+        while guess < (1 << 30) and added_ms(guess + 1) <= left:
             guess += 1
         return guess
