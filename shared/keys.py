@@ -15,6 +15,14 @@ An operator watching the system with `redis-cli` sees (with the default prefix `
 | `pacer:progress:{request_id}` | string with TTL (`shared/progress.py`) | worker rank 0 (APPEND) | a scheduler taking the request over; deleted at its finish |
 | `pacer:stats` | hash (`STATS_FIELDS`) | scheduler | gateway `/metrics` |
 | `pacer:tp:rendezvous` | string (JSON `{addr, port, pid, time}`) | worker rank 0 | worker ranks > 0 (where to join the TP group) |
+| `pacer:inst:{id}:handoff` | stream | prefill schedulers (reserve, ready, cancel) | decode instance `id`'s scheduler |
+| `pacer:inst:{id}:reservations` | stream | decode schedulers (reserved blocks) | prefill instance `id`'s scheduler |
+
+With P/D disaggregation (docs/design.md#pd-disaggregation) every engine instance owns its
+plans, results, stats, worker heartbeats and rendezvous under `pacer:inst:{id}:` (e.g.
+`pacer:inst:p0:plans`, `pacer:inst:d0:hb:worker:0`); the colocated engine, whose id is empty,
+keeps the names above. The requests and aborts streams, token channels, gateway and scheduler
+heartbeats and progress records are shared by all instances.
 
 Every stream is trimmed with `MAXLEN ~`, every per-request key is deleted when the request
 ends and expires if nobody is left to delete it; nothing stored is pickled (see
@@ -61,6 +69,15 @@ class Keys:
     """Key names under one prefix, so that several deployments can share one Redis."""
 
     prefix: str = DEFAULT_PREFIX
+    instance: str = ""              # the engine instance whose keys these are ("": colocated)
+
+    def for_instance(self, instance: str) -> "Keys":
+        return Keys(self.prefix, instance)
+
+    @property
+    def _own(self) -> str:
+        """Where the keys an engine instance owns live."""
+        return f"{self.prefix}inst:{self.instance}:" if self.instance else self.prefix
 
     @property
     def requests(self) -> str:
@@ -76,15 +93,15 @@ class Keys:
 
     @property
     def plans(self) -> str:
-        return f"{self.prefix}plans"
+        return f"{self._own}plans"
 
     @property
     def results(self) -> str:
-        return f"{self.prefix}results"
+        return f"{self._own}results"
 
     @property
     def stats(self) -> str:
-        return f"{self.prefix}stats"
+        return f"{self._own}stats"
 
     def tokens(self, gateway_id: str) -> str:
         """The pub/sub channel carrying token batches and finish events for one gateway."""
@@ -99,7 +116,7 @@ class Keys:
         return f"{self.prefix}hb:scheduler:*"
 
     def hb_worker(self, rank: int) -> str:
-        return f"{self.prefix}hb:worker:{rank}"
+        return f"{self._own}hb:worker:{rank}"
 
     def hb_gateway(self, gateway_id: str) -> str:
         return f"{self.prefix}hb:gateway:{gateway_id}"
@@ -116,4 +133,14 @@ class Keys:
     @property
     def tp_rendezvous(self) -> str:
         """Where worker rank 0 writes the torch.distributed address of its TP group (JSON)."""
-        return f"{self.prefix}tp:rendezvous"
+        return f"{self._own}tp:rendezvous"
+
+    @property
+    def handoff(self) -> str:
+        """A decode instance's inbox: reservations asked, requests handed over, cancels."""
+        return f"{self._own}handoff"
+
+    @property
+    def reservations(self) -> str:
+        """A prefill instance's inbox: the blocks decode instances reserved for it."""
+        return f"{self._own}reservations"

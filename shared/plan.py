@@ -30,6 +30,11 @@ class NewRequestData:
     block_table: list[int]
     num_computed_tokens: int        # 0, or the tokens of a cached prefix in its first blocks
     reply_to: str = ""              # served mode: the pub/sub channel of the request's gateway
+    # P/D (docs/design.md#pd-disaggregation): the K/V of the first num_computed_tokens came
+    # from a prefill instance, written into this rank's pool through the KV connector whose
+    # session is kv_received[rank]; a rank whose own session differs never got it (it
+    # restarted) and must refuse the request
+    kv_received: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,19 @@ class CachedRequestData:
     request_id: str
     new_block_ids: list[int]        # appended to the worker's block table
     num_computed_tokens: int        # before this iteration's chunk
+
+
+@dataclass(frozen=True)
+class KVSend:
+    """P/D: send a request's K/V to the decode instance that reserved blocks for it. After the
+    forward computed layer l, layer l's K and V of src_block_ids[i] (this instance's pool) go
+    to dst_block_ids[i] of the peer's pool, rank r to rank r; peers[r] is the KV connector
+    descriptor the peer's rank r published in its heartbeat."""
+    request_id: str
+    peer: str                       # the decode instance's id
+    src_block_ids: list[int]
+    dst_block_ids: list[int]
+    peers: list[dict]
 
 
 @dataclass(frozen=True)
@@ -51,6 +69,8 @@ class IterationPlan:
     # requests sent back to the waiting queue (preempted, or recomputed after a worker was
     # lost): the workers forget them too; they return later as new requests, recomputed
     preempted_request_ids: list[str] = field(default_factory=list)
+    # P/D prefill instances: K/V leaving with this iteration, layer by layer
+    kv_sends: list[KVSend] = field(default_factory=list)
 
     @property
     def dropped_request_ids(self) -> list[str]:
@@ -80,3 +100,7 @@ class StepResult:
     step: int
     sampled: dict[str, SampledToken]
     forward_ms: float | None = None     # rank 0's measured time for the plan (cost model input)
+    # P/D: requests whose K/V sends did not complete (the decode side recomputes them), and
+    # the sends' figures: bytes, ms spent sending, ms of it after the forward ended (exposed)
+    kv_failed: list[str] = field(default_factory=list)
+    kv_stats: dict | None = None

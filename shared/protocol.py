@@ -27,8 +27,8 @@ from typing import Any, ClassVar
 import msgpack
 
 from shared.errors import PacerError
-from shared.plan import (CachedRequestData, IterationPlan, NewRequestData, SampledToken,
-                         StepResult)
+from shared.plan import (CachedRequestData, IterationPlan, KVSend, NewRequestData,
+                         SampledToken, StepResult)
 from shared.sampling import SamplingParams
 
 SCHEMA_VERSION = 1
@@ -116,6 +116,8 @@ class PlanMsg:
             "sched": [[rid, n] for rid, n in p.num_scheduled_tokens.items()],
             "finished": p.finished_request_ids,
             "preempted": p.preempted_request_ids,
+            "kv_sends": [[k.request_id, k.peer, k.src_block_ids, k.dst_block_ids, k.peers]
+                         for k in p.kv_sends],
         }
 
     @classmethod
@@ -128,6 +130,8 @@ class PlanMsg:
             num_scheduled_tokens={rid: n for rid, n in body["sched"]},
             finished_request_ids=list(body["finished"]),
             preempted_request_ids=list(body["preempted"]),
+            kv_sends=[KVSend(rid, peer, list(src), list(dst), list(peers))
+                      for rid, peer, src, dst, peers in body["kv_sends"]],
         )
         return cls(plan)
 
@@ -136,7 +140,7 @@ def _new_to_wire(r: NewRequestData) -> dict:
     return {"request_id": r.request_id, "token_ids": r.token_ids,
             "num_prompt_tokens": r.num_prompt_tokens, "sampling": r.sampling.to_dict(),
             "block_table": r.block_table, "num_computed_tokens": r.num_computed_tokens,
-            "reply_to": r.reply_to}
+            "reply_to": r.reply_to, "kv_received": r.kv_received}
 
 
 def _new_from_wire(d: dict) -> NewRequestData:
@@ -153,14 +157,17 @@ class StepResultMsg:
         # sampled: [request_id, token_id, logprob, top_logprobs]
         return {"step": self.result.step, "forward_ms": self.result.forward_ms,
                 "sampled": [[rid, s.token_id, s.logprob, s.top_logprobs]
-                            for rid, s in self.result.sampled.items()]}
+                            for rid, s in self.result.sampled.items()],
+                "kv_failed": self.result.kv_failed, "kv_stats": self.result.kv_stats}
 
     @classmethod
     def _from_body(cls, body: dict) -> "StepResultMsg":
         sampled = {rid: SampledToken(tok, lp, _tops(top))
                    for rid, tok, lp, top in body["sampled"]}
         return cls(StepResult(step=body["step"], sampled=sampled,
-                              forward_ms=body.get("forward_ms")))
+                              forward_ms=body.get("forward_ms"),
+                              kv_failed=list(body.get("kv_failed", ())),
+                              kv_stats=body.get("kv_stats")))
 
 
 @dataclass(frozen=True)
