@@ -28,6 +28,7 @@ from gateway.config import GatewayConfig
 from gateway.handlers import add_routes
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import APIError, error_body
+from gateway.router import ReplicaRouter
 from gateway.state import STATE, GatewayState
 from gateway.streams import TokenRouter
 from gateway.upstream import Upstream
@@ -72,7 +73,11 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     # published while it was away are lost, so it must know, and end the open streams
     listener = aioredis.Redis.from_url(state.config.redis_url, socket_timeout=10,
                                        health_check_interval=30, retry=Retry(NoBackoff(), 0))
-    state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id)
+    replicas = None
+    if state.config.router:
+        replicas = ReplicaRouter(state.redis, state.keys,
+                                 [i for i, _ in state.config.instances], state.config.router)
+    state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id, replicas)
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
     heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router.fail_all)
     tasks = [asyncio.create_task(state.router.run(), name="token-router"),

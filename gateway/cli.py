@@ -21,6 +21,10 @@ def register(sub) -> None:
     p.add_argument("--instances", default="",
                    help="P/D: the engine instances /health waits for and /metrics reports, "
                         "as ID:TP,... (e.g. p0:1,d0:1); default: the colocated engine")
+    p.add_argument("--router", default=None, choices=("round-robin", "least-loaded", "prefix"),
+                   help="data-parallel replicas: send each request to one of --instances, "
+                        "each reading its own request stream (docs/design.md#cache-aware-"
+                        "routing); default: the shared request stream")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     add_request_policy_args(p)
@@ -63,7 +67,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          key_prefix=args.key_prefix, model=args.model,
                          served_model_name=args.served_model_name,
                          max_model_len=args.max_model_len, api_key=args.api_key, tp=args.tp,
-                         instances=parse_instances(args.instances),
+                         instances=parse_instances(args.instances), router=args.router,
                          gateway_id=args.gateway_id or new_gateway_id(),
                          max_body_bytes=args.max_body_bytes,
                          max_waiting_requests=args.max_waiting_requests,

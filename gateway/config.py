@@ -29,6 +29,9 @@ class GatewayConfig:
     tp: int = 1                            # worker ranks whose heartbeats /health requires
     # P/D: (instance id, TP degree) of every engine instance; empty: the colocated engine
     instances: tuple[tuple[str, int], ...] = ()
+    # data-parallel replicas (the instances above): round-robin, least-loaded or prefix;
+    # None: every request goes to the shared request stream
+    router: str | None = None
     gateway_id: str = field(default_factory=new_gateway_id)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # a request whose finish event arrived waits at most this long for missing token events
@@ -54,6 +57,8 @@ class GatewayConfig:
             raise PacerError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
         if self.shutdown_timeout_s < 0:
             raise PacerError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if self.router is not None and not self.instances:
+            raise PacerError("--router needs --instances (the replicas it routes between)")
         if not self.gateway_id or any(c in self.gateway_id for c in " :*?[]"):
             raise PacerError(f"gateway id {self.gateway_id!r} must be non-empty, "
                              "without spaces, ':' or glob characters")

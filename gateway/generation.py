@@ -80,6 +80,7 @@ class Generation:
         if self._timer is not None:
             self._timer.cancel()
         self._router.close(self.request_id)
+        self._upstream.ended(self.request_id)
         if self._submitted and not self._done_upstream:
             reason = "stop string" if self._text.stopped else "client disconnected"
             self._upstream.abort_soon(self.request_id, reason)

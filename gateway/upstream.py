@@ -25,6 +25,7 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
+from gateway.router import ReplicaRouter
 from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
@@ -41,9 +42,12 @@ T = TypeVar("T")
 
 
 class Upstream:
-    def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str) -> None:
+    def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str,
+                 replicas: ReplicaRouter | None = None) -> None:
         self.redis = redis
         self.keys = keys
+        # data-parallel replicas: each request goes to the stream of the one this picks
+        self.replicas = replicas
         self.gateway_id = gateway_id
         self.reply_to = keys.tokens(gateway_id)
         self._pending_aborts: set[asyncio.Task] = set()
@@ -65,13 +69,20 @@ class Upstream:
             deadline=deadline))
 
         async def send() -> str:
+            stream = self.keys.requests if self.replicas is None else \
+                await self.replicas.choose(request_id, prompt_token_ids)
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(self.keys.requests, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
+            pipe.xadd(stream, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
             pipe.info("server")
             _, info = await pipe.execute()
             return info["run_id"]
 
         return await self._live_connection(send, "submit request")
+
+    def ended(self, request_id: str) -> None:
+        """The request ended, however: it no longer loads its replica."""
+        if self.replicas is not None:
+            self.replicas.ended(request_id)
 
     async def abort(self, request_id: str, reason: str) -> None:
         fields = to_fields(AbortMsg(request_id, reason))

@@ -29,6 +29,11 @@ def register(sub) -> None:
                         "instances with their K/V (docs/design.md#pd-disaggregation)")
     p.add_argument("--disagg-min-prompt-tokens", type=int, default=DISAGG_MIN_PROMPT_TOKENS,
                    help="prefill role: shorter prompts are prefilled on the decode instance")
+    p.add_argument("--own-request-stream", action="store_true",
+                   help="a data-parallel replica (pacer up --replicas): read the instance's own "
+                        "request stream pacer:inst:{id}:requests, fed by the gateway's router, "
+                        "and publish the block hashes it caches (docs/design.md#cache-aware-"
+                        "routing)")
     p.set_defaults(run=run)
 
 
@@ -51,5 +56,9 @@ def run(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout, role=args.role, instance=args.instance,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens)
     keys = Keys(args.key_prefix).for_instance(args.instance)
+    if args.own_request_stream:
+        if not args.instance or args.role != "colocated":
+            raise SystemExit("--own-request-stream needs --instance ID and --role colocated")
+        keys = keys.owning_requests()
     return run_redis_service(args.redis_url, lambda redis, stop: serve(
         redis, keys, build_scheduler(layout), config, stop))

@@ -41,6 +41,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from scheduler_svc.book import Outbox, RequestBook
+from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
 from scheduler_svc.disagg import DECODE_QUARANTINE_S, DecodeSide, PrefillSide, decoders_from
 from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost
@@ -101,12 +102,17 @@ class SchedulerService:
         self._drain_deadline: float | None = None
         self._housekeeping_at = 0.0
         self._gateway_misses: dict[str, int] = {}
+        if keys.own_requests:        # a replica: the gateway's router reads its cache
+            core.block_manager.keep_events()
 
     # ---- start-up ------------------------------------------------------------------------
 
     async def prepare(self) -> None:
         """Create the consumer group and note where the aborts and results streams end."""
         await self.recovery.prepare()
+        if self.keys.own_requests:   # the index starts empty (docs/design.md#prefix-caching)
+            await self.recovery.retrying("clear cached blocks",
+                                         lambda: self.redis.delete(self.keys.cached_blocks))
         self.cursors.aborts = await stream_tail_id(self.redis, self.keys.aborts)
         self.cursors.results = await stream_tail_id(self.redis, self.keys.results)
         if self.prefill is not None:
@@ -276,12 +282,14 @@ class SchedulerService:
         stats = self.stats_snapshot() if self.stats.due(idle) else None
         gateways = self._housekeeping_due()
         claim = room if gateways is not None else 0
+        block_events = self.core.block_manager.take_events()
 
         async def exchange() -> list:
             pipe = self.redis.pipeline(transaction=False)
             if stats is not None:
                 pipe.hset(self.keys.stats, mapping=stats)
             self._queue_outbox(pipe, outbox)
+            queue_block_events(pipe, self.keys.cached_blocks, block_events)
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
             if claim:
@@ -461,9 +469,11 @@ class SchedulerService:
     async def flush(self) -> None:
         """Publish and ack what the last iteration finished (at exit)."""
         outbox = self.book.take_outbox()
-        if outbox:
+        if outbox or self.keys.own_requests:
             pipe = self.redis.pipeline(transaction=False)
             self._queue_outbox(pipe, outbox)
+            if self.keys.own_requests:   # a successor starts with an empty index
+                pipe.delete(self.keys.cached_blocks)
             await pipe.execute()
         await self.redis.hset(self.keys.stats, mapping=self.stats_snapshot())
 

@@ -59,6 +59,7 @@ class SchedulerStats:
             "num_preemptions_total": core.num_preemptions_total,
             "prefix_cache_queries_total": core.block_manager.prefix_cache_queries,
             "prefix_cache_hits_total": core.block_manager.prefix_cache_hits,
+            "block_size": core.block_manager.block_size,      # the gateway's router hashes by it
             "num_iterations_total": self.num_plans_sent,
             "scheduler_overhead_seconds_total": round(self.overhead.total_s, 6),
             "scheduler_overhead_iterations_total": self.num_overhead_samples,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import socket
 import signal
@@ -65,6 +66,13 @@ def register(sub) -> None:
                    help="CPU: torch threads of each prefill worker (default: shared out)")
     g.add_argument("--decode-threads", type=int, default=None,
                    help="CPU: torch threads of each decode worker")
+    g = p.add_argument_group("data-parallel replicas (docs/design.md#cache-aware-routing)")
+    g.add_argument("--replicas", type=int, default=0,
+                   help="engine instances r0..rN-1 (a scheduler and --tp workers each) behind "
+                        "the one gateway, each reading its own request stream")
+    g.add_argument("--router", default=None, choices=("round-robin", "least-loaded", "prefix"),
+                   help="how the gateway picks a replica (default with --replicas: prefix, the "
+                        "one holding the longest cached prefix, weighed against load)")
     p.set_defaults(run=run)
 
 
@@ -82,6 +90,19 @@ class Instance:
 
 def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]:
     p, d = args.prefill_workers, args.decode_workers
+    replicas = getattr(args, "replicas", 0)
+    if replicas and (p or d):
+        raise PacerError("--replicas with --prefill-workers/--decode-workers is not supported "
+                         "yet (routing to prefill instances by prefix is future work)")
+    if replicas < 0:
+        raise PacerError(f"--replicas must be >= 1, got {replicas}")
+    if getattr(args, "router", None) and not replicas:
+        raise PacerError("--router needs --replicas N")
+    if replicas:
+        # on CPU the replicas share the cores out instead of each spinning on all of them
+        threads = (max(1, len(os.sched_getaffinity(0)) // (replicas * engine.tp))
+                   if engine.device == "cpu" else None)
+        return [Instance(f"r{i}", "colocated", engine.tp, threads) for i in range(replicas)]
     if not p and not d:
         return [Instance("", "colocated", engine.tp)]
     if p < 1 or d < 1:
@@ -187,8 +208,11 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
     instances = instances_of(args, engine)
     gateway = ["gateway", "--host", args.host, "--port", str(args.port), "--tp", str(engine.tp),
                *common]
+    replicas = instances[0].role == "colocated" and bool(instances[0].id)
     if instances[0].id:
         gateway += ["--instances", ",".join(f"{i.id}:{i.tp}" for i in instances)]
+    if replicas:
+        gateway += ["--router", args.router or "prefix"]
     for name in ("model", "max_model_len", *POLICY_FLAGS):
         value = getattr(args, name)
         if value is not None:
@@ -196,8 +220,8 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
     workers, schedulers, heartbeats, groups = [], [], {}, {}
     for inst in instances:
         ikeys = keys.for_instance(inst.id)
-        flags = engine_flags(replace(engine, tp=inst.tp,
-                                     kv_connector="mooncake" if inst.id else engine.kv_connector)
+        flags = engine_flags(replace(engine, tp=inst.tp, kv_connector="mooncake"
+                                     if inst.role != "colocated" else engine.kv_connector)
                              if hasattr(engine, "kv_connector") else replace(engine, tp=inst.tp))
         where = ["--instance", inst.id] if inst.id else []
         for r in range(inst.tp):
@@ -211,7 +235,9 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
         name, sid = inst.name("scheduler"), instance_scheduler_id(inst)
         argv = pacer_argv("scheduler", *flags, *common, *where, "--scheduler-id", sid,
                           "--drain-timeout", str(args.shutdown_timeout))
-        if inst.id:
+        if replicas:
+            argv += ["--own-request-stream"]
+        elif inst.id:
             argv += ["--role", inst.role]
             if args.disagg_min_prompt_tokens is not None:
                 argv += ["--disagg-min-prompt-tokens", str(args.disagg_min_prompt_tokens)]

@@ -15,6 +15,8 @@ An operator watching the system with `redis-cli` sees (with the default prefix `
 | `pacer:progress:{request_id}` | string with TTL (`shared/progress.py`) | worker rank 0 (APPEND) | a scheduler taking the request over; deleted at its finish |
 | `pacer:stats` | hash (`STATS_FIELDS`) | scheduler | gateway `/metrics` |
 | `pacer:tp:rendezvous` | string (JSON `{addr, port, pid, time}`) | worker rank 0 | worker ranks > 0 (where to join the TP group) |
+| `pacer:inst:{id}:requests` | stream, group `schedulers` | gateway's router (XADD) | replica `id`'s scheduler (`--own-request-stream`) |
+| `pacer:inst:{id}:cached_blocks` | set of block hashes | replica `id`'s scheduler (SADD, SREM, DEL) | gateway's router (SMISMEMBER) |
 | `pacer:inst:{id}:handoff` | stream | prefill schedulers (reserve, ready, cancel) | decode instance `id`'s scheduler |
 | `pacer:inst:{id}:reservations` | stream | decode schedulers (reserved blocks) | prefill instance `id`'s scheduler |
 
@@ -70,6 +72,9 @@ class Keys:
 
     prefix: str = DEFAULT_PREFIX
     instance: str = ""              # the engine instance whose keys these are ("": colocated)
+    # a data-parallel replica reads its own request stream (`instance_requests`), which the
+    # gateway's router feeds, instead of the shared one
+    own_requests: bool = False
 
     def for_instance(self, instance: str) -> "Keys":
         return Keys(self.prefix, instance)
@@ -79,9 +84,25 @@ class Keys:
         """Where the keys an engine instance owns live."""
         return f"{self.prefix}inst:{self.instance}:" if self.instance else self.prefix
 
+    def owning_requests(self) -> "Keys":
+        """These keys, with `requests` naming this instance's own request stream."""
+        return Keys(self.prefix, self.instance, own_requests=True)
+
     @property
     def requests(self) -> str:
-        return f"{self.prefix}requests"
+        """The request stream this scheduler reads: the shared one, or its own."""
+        return self.instance_requests if self.own_requests else f"{self.prefix}requests"
+
+    @property
+    def instance_requests(self) -> str:
+        """A replica's own request stream (group `schedulers`), fed by the gateway's router."""
+        return f"{self._own}requests"
+
+    @property
+    def cached_blocks(self) -> str:
+        """A replica's prefix cache as a set of block hashes (32 raw bytes each): SADD when a
+        block is cached, SREM when evicted, DEL when the index empties."""
+        return f"{self._own}cached_blocks"
 
     @property
     def requests_group(self) -> str:

@@ -15,40 +15,12 @@ registered ones least recently used first (evicting their hash).
 """
 from __future__ import annotations
 
-import hashlib
-import sys
-from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 from scheduler_svc.core.request import Request
-
-# The parent hash of a request's first block. Versioned so that a change in how blocks are
-# hashed can never match hashes another process published under the old rule.
-ROOT_HASH = hashlib.sha256(b"pacer prefix cache v1").digest()
-
-
-def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:
-    """The hash of a full block: sha256 over the parent's hash and the token ids (little-endian
-    int64), so it is the same in every process and on every machine, and colliding it on
-    purpose is as hard as colliding sha256."""
-    ids = array("q", token_ids)
-    if _BIG_ENDIAN:
-        ids.byteswap()
-    return hashlib.sha256(parent + ids.tobytes()).digest()
-
-
-_BIG_ENDIAN = sys.byteorder == "big"
-
-
-def block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH
-                 ) -> list[bytes]:
-    """The chained hashes of every full block of `token_ids`."""
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start:start + block_size])
-        hashes.append(parent)
-    return hashes
+# the hash lives in shared/ so the gateway's router computes the same names
+from shared.prefix_hash import ROOT_HASH, block_hash, block_hashes  # noqa: F401
 
 
 class BlockManager:
@@ -72,6 +44,9 @@ class BlockManager:
         # vLLM's counters, in tokens: prompt tokens looked up at admission, and found cached
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        # what the index gained and lost, for a service that publishes it (None: not kept):
+        # ("stored", hash), ("removed", hash), ("cleared", b"")
+        self._events: list[tuple[str, bytes]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -145,12 +120,27 @@ class BlockManager:
             if h not in self._block_of:
                 self._block_of[h] = block_id
                 self._hash_of[block_id] = h
+                if self._events is not None:
+                    self._events.append(("stored", h))
         request.num_cached_blocks = num_full
+
+    def keep_events(self) -> None:
+        """From now on, record every hash the index gains and loses (`take_events`): the
+        scheduler service publishes them for the gateway's router. Off by default."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[tuple[str, bytes]]:
+        """The index's changes since the last call, oldest first."""
+        events, self._events = self._events, [] if self._events is not None else None
+        return events or []
 
     def reset_prefix_cache(self) -> None:
         """Forget every registered block: their content is unknown from now on (the workers
         lost their KV cache). Held blocks stay held, free ones become plain."""
         self._block_of.clear()
+        if self._events is not None:
+            self._events[:] = [("cleared", b"")]
         self._hash_of = [None] * self.num_total_blocks
         self._free_plain.extend(self._free_cached)
         self._free_cached.clear()
@@ -206,6 +196,8 @@ class BlockManager:
             return self._free_plain.popleft()
         block_id, _ = self._free_cached.popitem(last=False)      # least recently used
         del self._block_of[self._hash_of[block_id]]
+        if self._events is not None:
+            self._events.append(("removed", self._hash_of[block_id]))
         self._hash_of[block_id] = None
         return block_id
 

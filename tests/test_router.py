@@ -1,0 +1,165 @@
+"""Cache-aware routing between data-parallel replicas (docs/design.md#cache-aware-routing):
+the router's choice on crafted sets of candidates, the same choice read from a real Redis
+(published block hash sets, stats hashes), and the core's index changes turned into the
+set a replica publishes."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import redis
+import redis.asyncio as aioredis
+
+from gateway.router import LOAD_TOKENS, Candidate, ReplicaRouter, leading, pick
+from scheduler_svc.cached_blocks import queue_block_events
+from scheduler_svc.core import BlockManager, Request
+from shared.keys import Keys
+from shared.prefix_hash import block_hashes, cacheable_hashes
+from shared.sampling import SamplingParams
+from tests.redis_fixture import redis_server  # noqa: F401
+
+
+# ---- the choice, on crafted candidates -----------------------------------------------------
+
+def test_the_longest_cached_prefix_wins_at_equal_load():
+    cands = [Candidate("r0", 0, 2), Candidate("r1", 512, 2), Candidate("r2", 256, 2)]
+    assert pick("prefix", cands, 1000, turn=0) == 1
+    assert pick("prefix", cands, 1000, turn=2) == 1        # whoever's turn it is
+
+
+def test_load_outweighs_a_prefix_worth_less_than_the_extra_load():
+    # r1 holds 512 tokens but runs 3 more requests: 3 * LOAD_TOKENS > 512
+    cands = [Candidate("r0", 0, 1), Candidate("r1", 512, 4)]
+    assert 3 * LOAD_TOKENS > 512
+    assert pick("prefix", cands, 1000, turn=0) == 0
+    # ...while a prefix worth more than that keeps it
+    cands = [Candidate("r0", 0, 1), Candidate("r1", 960, 4)]
+    assert pick("prefix", cands, 1000, turn=0) == 1
+
+
+def test_with_nothing_cached_prefix_routing_is_least_loaded():
+    cands = [Candidate("r0", 0, 5), Candidate("r1", 0, 1), Candidate("r2", 0, 3)]
+    assert pick("prefix", cands, 100, turn=0) == 1
+    assert pick("least-loaded", cands, 100, turn=0) == 1
+
+
+def test_a_full_kv_cache_counts_as_load():
+    cands = [Candidate("r0", 512, 1, kv_usage=1.0), Candidate("r1", 0, 1, kv_usage=0.2)]
+    assert pick("prefix", cands, 600, turn=0) == 1
+    cands = [Candidate("r0", 512, 1, kv_usage=0.5), Candidate("r1", 0, 1, kv_usage=0.2)]
+    assert pick("prefix", cands, 600, turn=0) == 0
+
+
+def test_ties_and_round_robin_take_turns():
+    cands = [Candidate("r0"), Candidate("r1"), Candidate("r2")]
+    assert [pick("round-robin", cands, 10, t) for t in range(4)] == [0, 1, 2, 0]
+    assert [pick("least-loaded", cands, 10, t) for t in range(3)] == [0, 1, 2]
+    assert [pick("prefix", cands, 10, t) for t in range(3)] == [0, 1, 2]
+    # least-loaded ignores the cache; prefix does not
+    cands = [Candidate("r0", 0, 1), Candidate("r1", 64, 1)]
+    assert pick("least-loaded", cands, 100, 0) == 0 and pick("prefix", cands, 100, 0) == 1
+    with pytest.raises(ValueError):
+        pick("random", cands, 10, 0)
+
+
+def test_leading_counts_only_the_unbroken_run():
+    assert leading([1, 1, 0, 1]) == 2 and leading([]) == 0 and leading([0, 1]) == 0
+
+
+# ---- the same, read from Redis -------------------------------------------------------------
+
+BLOCK = 4
+SYSTEM = list(range(100, 132))                         # 8 full blocks of a shared prefix
+
+
+def test_the_router_reads_published_sets_and_remembers_what_it_sent(redis_server):
+    keys = Keys("rt:")
+    r0, r1 = keys.for_instance("r0"), keys.for_instance("r1")
+    sync = redis.Redis.from_url(redis_server)
+    for k in (r0, r1):
+        sync.hset(k.stats, mapping={"num_requests_running": 0, "num_requests_waiting": 0,
+                                    "kv_cache_usage_perc": 0.1, "block_size": BLOCK})
+    # r1 published the system prompt's blocks; r0 holds an unrelated prefix
+    sync.sadd(r1.cached_blocks, *block_hashes(SYSTEM, BLOCK))
+    sync.sadd(r0.cached_blocks, *block_hashes(list(range(500, 532)), BLOCK))
+
+    async def scenario() -> list[str]:
+        client = aioredis.Redis.from_url(redis_server)
+        router = ReplicaRouter(client, keys, ["r0", "r1"], "prefix")
+        try:
+            chosen = [await router.choose("learn", [1, 2, 3])]       # learns the block size
+            assert router.block_size == BLOCK
+            router.ended("learn")
+            chosen.append(await router.choose("a", SYSTEM + [7, 8, 9, 10, 11]))
+            # a new prefix nobody holds: least loaded (r0: r1 has "a" in flight)
+            fresh = list(range(900, 940))
+            chosen.append(await router.choose("b", fresh + [1]))
+            # the same new prefix again, before anyone published it: follows "b"
+            chosen.append(await router.choose("c", fresh + [2, 3]))
+            for rid in ("a", "b", "c"):
+                router.ended(rid)
+            assert router._outstanding == [0, 0]
+            return chosen
+        finally:
+            await client.aclose()
+
+    chosen = asyncio.run(scenario())
+    assert chosen[1:] == [r1.instance_requests, r0.instance_requests, r0.instance_requests]
+    sync.close()
+
+
+def test_round_robin_needs_no_redis_reads():
+    async def scenario() -> list[str]:
+        router = ReplicaRouter(None, Keys(), ["r0", "r1"], "round-robin")  # type: ignore[arg-type]
+        return [await router.choose(str(i), [1, 2, 3]) for i in range(3)]
+    assert asyncio.run(scenario()) == ["pacer:inst:r0:requests", "pacer:inst:r1:requests",
+                                       "pacer:inst:r0:requests"]
+
+
+# ---- what a replica publishes --------------------------------------------------------------
+
+def _request(rid: str, tokens: list[int]) -> Request:
+    return Request(rid, tokens, SamplingParams(), arrival_index=0)
+
+
+def test_the_index_changes_become_the_published_set(redis_server):
+    bm = BlockManager(num_blocks=4, block_size=BLOCK)
+    assert bm.take_events() == []                       # not kept unless asked
+    bm.keep_events()
+    a = _request("a", list(range(12)))
+    bm.allocate(a, 12)
+    a.num_computed_tokens = 12
+    bm.cache_computed_blocks(a)
+    stored = block_hashes(list(range(12)), BLOCK)
+    assert bm.take_events() == [("stored", h) for h in stored]
+    assert bm.take_events() == []
+    bm.free(a)
+    b = _request("b", list(range(50, 66)))             # 4 blocks: evicts a's 3 cached ones
+    bm.allocate(b, 16)
+    events = bm.take_events()
+    assert sorted(h for kind, h in events if kind == "removed") == sorted(stored)
+    key = Keys("ev:").for_instance("r0").cached_blocks
+    client = redis.Redis.from_url(redis_server)
+    pipe = client.pipeline(transaction=False)
+    queue_block_events(pipe, key, [("stored", h) for h in stored] + events
+                       + [("stored", b"x" * 32)])
+    pipe.execute()
+    assert client.smembers(key) == {b"x" * 32}
+    bm.keep_events()
+    b.num_computed_tokens = 16
+    bm.cache_computed_blocks(b)
+    bm.reset_prefix_cache()                             # the workers lost their KV
+    assert bm.take_events() == [("cleared", b"")]
+    pipe = client.pipeline(transaction=False)
+    queue_block_events(pipe, key, [("cleared", b""), ("stored", b"y" * 32)])
+    pipe.execute()
+    assert client.smembers(key) == {b"y" * 32}
+    client.close()
+
+
+def test_the_router_asks_for_exactly_the_blocks_a_prompt_can_hit():
+    # the last token is always computed: a prompt ending on a block boundary cannot hit its
+    # last block (BlockManager.find_cached_prefix)
+    assert len(cacheable_hashes(list(range(16)), BLOCK)) == 3
+    assert len(cacheable_hashes(list(range(17)), BLOCK)) == 4
+    assert cacheable_hashes(list(range(17)), BLOCK) == block_hashes(list(range(16)), BLOCK)
