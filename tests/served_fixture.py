@@ -81,6 +81,18 @@ def wait_for(predicate, timeout_s: float, what: str):
     raise AssertionError(f"{what}: not within {timeout_s} s")
 
 
+def completion(base_url: str, model: str, prompt: list[int], max_tokens: int,
+               timeout_s: float = 60.0) -> dict:
+    """The choice of one greedy, not streamed completion of token ids, with its logprobs."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "logprobs": 0}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())["choices"][0]
+
+
 def start_served(log_path: str, *extra_args: str) -> Served:
     if shutil.which("redis-server") is None:
         pytest.skip("redis-server is not installed")

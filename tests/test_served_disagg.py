@@ -17,13 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
-import torch
 
 from shared.keys import Keys
-from shared.model_source import resolve_model
 from shared.protocol import decode
-from shared.tokenizer import load_tokenizer
-from tests.helpers_tiny_model import write_tiny_llama
+from tests.helpers_tiny_model import greedy_token_texts, write_tiny_llama
 from tests.served_fixture import API_KEY, start_served, wait_for
 
 pytestmark = pytest.mark.slow
@@ -44,16 +41,7 @@ def tiny(tmp_path_factory):
 @pytest.fixture(scope="module")
 def expected(tiny) -> dict[tuple[int, ...], list[str]]:
     """transformers' greedy tokens for every prompt, each as the gateway names it."""
-    from transformers import LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32).eval()
-    tok = load_tokenizer(resolve_model(tiny))
-    out = {}
-    for prompt in LONG + SHORT:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             pad_token_id=0, eos_token_id=None)
-        out[tuple(prompt)] = [tok.decode([t]) for t in ids[0, len(prompt):].tolist()]
-    return out
+    return greedy_token_texts(tiny, LONG + SHORT, NEW_TOKENS)
 
 
 def complete(base_url: str, model: str, prompt: list[int]) -> list[str]:

@@ -5,20 +5,15 @@ router sends requests sharing a prefix to the replica that holds it. Greedy floa
 equals transformers' whichever replica serves it."""
 from __future__ import annotations
 
-import json
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
-import torch
 
 from shared.keys import Keys
-from shared.model_source import resolve_model
 from shared.protocol import from_fields
-from shared.tokenizer import load_tokenizer
-from tests.helpers_tiny_model import write_tiny_llama
-from tests.served_fixture import API_KEY, start_served, wait_for
+from tests.helpers_tiny_model import greedy_token_texts, write_tiny_llama
+from tests.served_fixture import completion, start_served, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -39,26 +34,11 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny) -> dict[tuple[int, ...], list[str]]:
-    from transformers import LlamaForCausalLM
-    model = LlamaForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32).eval()
-    tok = load_tokenizer(resolve_model(tiny))
-    out = {}
-    for prompt in A + B:
-        ids = model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             pad_token_id=0, eos_token_id=None)
-        out[tuple(prompt)] = [tok.decode([t]) for t in ids[0, len(prompt):].tolist()]
-    return out
+    return greedy_token_texts(tiny, A + B, NEW_TOKENS)
 
 
 def complete(base_url: str, model: str, prompt: list[int]) -> list[str]:
-    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-            "ignore_eos": True, "logprobs": 0}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {API_KEY}"})
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read())["choices"][0]["logprobs"]["tokens"]
+    return completion(base_url, model, prompt, NEW_TOKENS, timeout_s=120)["logprobs"]["tokens"]
 
 
 def served_by(r: redis.Redis) -> dict[tuple[int, ...], set[str]]:

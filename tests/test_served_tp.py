@@ -4,11 +4,9 @@ in-process tp=1 engine's; killing a follower rank takes the group down, `pacer u
 it, and the same request gives the same tokens again."""
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-import urllib.request
 
 import pytest
 import redis
@@ -19,7 +17,7 @@ from shared.keys import Keys
 from shared.protocol import decode
 from shared.sampling import SamplingParams
 from tests.helpers_tiny_model import write_tiny_llama
-from tests.served_fixture import API_KEY, read_json, start_served
+from tests.served_fixture import completion, read_json, start_served
 
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), [100, 3, 200, 7] * 5]
@@ -27,13 +25,7 @@ NEW_TOKENS = 12
 
 
 def complete(base_url: str, model: str, prompt: list[int]) -> list[int]:
-    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-            "ignore_eos": True, "logprobs": 0}
-    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {API_KEY}"})
-    with urllib.request.urlopen(req, timeout=60) as r:
-        choice = json.loads(r.read())["choices"][0]
+    choice = completion(base_url, model, prompt, NEW_TOKENS)
     return choice["text"], choice["logprobs"]["tokens"]
 
 
