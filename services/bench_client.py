@@ -192,21 +192,28 @@ async def run_requests(target: ApiTarget, requests: Sequence[BenchRequest], opts
     offsets = send_offsets(len(requests), rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    ended = [asyncio.Event() for _ in requests]
 
     async with aiohttp.ClientSession(connector=connector) as session:
-        async def one(req: BenchRequest, due: float) -> RequestResult:
+        async def one(index: int, req: BenchRequest, due: float) -> RequestResult:
             await asyncio.sleep(max(0.0, start + due - time.perf_counter()))
-            if limit is None:
-                result = await send_request(session, target, req, opts)
-            else:
-                async with limit:
+            if req.after is not None:       # a later turn: after the one it continues
+                await ended[req.after].wait()
+            try:
+                if limit is None:
                     result = await send_request(session, target, req, opts)
+                else:
+                    async with limit:
+                        result = await send_request(session, target, req, opts)
+            finally:
+                ended[index].set()
             if on_done is not None:
                 on_done(result)
             return result
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(r, t) for r, t in zip(requests, offsets)))
+        results = await asyncio.gather(*(one(i, r, t)
+                                         for i, (r, t) in enumerate(zip(requests, offsets))))
         duration = time.perf_counter() - start
     return list(results), duration
 

@@ -4,7 +4,9 @@ OpenAI-compatible server.
     pacer bench --base-url http://127.0.0.1:8000 --dataset random --input-len 128 \
         --output-len 64 --num-prompts 64 --max-concurrency 32 --result-json out.json
 
-Prompts are generated from `--seed` with the model's tokenizer (`--tokenizer`); arrivals are
+Datasets (services/bench_dataset.py): random, sharegpt-like, shared-prefix (`--num-prefixes`
+system prompts of `--prefix-len` tokens), multi-turn (`--num-conversations`, each turn resending
+the history). Prompts are generated from `--seed` with the model's tokenizer (`--tokenizer`); arrivals are
 Gamma(shape=burstiness, scale=1/(rate·burstiness)); every latency is measured at the client
 (definitions in services/bench_client.py). Failed requests are counted, never fatal.
 """
@@ -39,13 +41,23 @@ def register(sub) -> None:
                    help="model spec whose tokenizer makes the prompts (default: smollm2-135m)")
     p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"),
                    help="bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--dataset", default="random", choices=["random", "sharegpt-like"])
-    p.add_argument("--input-len", type=int, default=128, help="random: prompt tokens")
-    p.add_argument("--output-len", type=int, default=64, help="random: output tokens")
+    p.add_argument("--dataset", default="random",
+                   choices=["random", "sharegpt-like", "shared-prefix", "multi-turn"])
+    p.add_argument("--input-len", type=int, default=128,
+                   help="random: prompt tokens; shared-prefix: the user turn after the shared "
+                        "prefix; multi-turn: each user turn")
+    p.add_argument("--output-len", type=int, default=64,
+                   help="random, shared-prefix: output tokens; multi-turn: each reply")
     p.add_argument("--range-ratio", type=float, default=0.0,
                    help="random: lengths uniform in [len·(1-r), len·(1+r)]")
     p.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="sharegpt-like: fix every output length instead of drawing it")
+    p.add_argument("--num-prefixes", type=int, default=8,
+                   help="shared-prefix: distinct system prompts")
+    p.add_argument("--prefix-len", type=int, default=1024,
+                   help="shared-prefix: tokens of each system prompt")
+    p.add_argument("--num-conversations", type=int, default=8,
+                   help="multi-turn: conversations the --num-prompts turns are spread over")
     p.add_argument("--prompt-format", default="text", choices=["text", "ids"],
                    help="send prompts as text or as token ids (completions only)")
     p.add_argument("--num-prompts", type=int, default=64)
@@ -72,7 +84,8 @@ def register(sub) -> None:
 # ---- workload ----------------------------------------------------------------------------
 
 def build_requests(args: argparse.Namespace) -> list:
-    from services.bench_dataset import random_dataset, sharegpt_like_dataset
+    from services.bench_dataset import (multi_turn_dataset, random_dataset,
+                                        shared_prefix_dataset, sharegpt_like_dataset)
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
 
@@ -82,14 +95,22 @@ def build_requests(args: argparse.Namespace) -> list:
     if args.num_prompts < 1:
         raise PacerError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     tokenizer = load_tokenizer(resolve_model(args.tokenizer))
-    if args.dataset == "random":
-        if args.input_len < 1 or args.output_len < 1:
-            raise PacerError("--input-len and --output-len must be >= 1")
-        try:
+    if args.dataset != "sharegpt-like" and (args.input_len < 1 or args.output_len < 1):
+        raise PacerError("--input-len and --output-len must be >= 1")
+    try:
+        if args.dataset == "random":
             return random_dataset(tokenizer, args.num_prompts, args.input_len, args.output_len,
                                   args.range_ratio, args.seed, as_ids)
-        except ValueError as e:
-            raise PacerError(f"--range-ratio: {e}") from e
+        if args.dataset == "shared-prefix":
+            return shared_prefix_dataset(tokenizer, args.num_prompts, args.num_prefixes,
+                                         args.prefix_len, args.input_len, args.output_len,
+                                         args.range_ratio, args.seed, as_ids)
+        if args.dataset == "multi-turn":
+            return multi_turn_dataset(tokenizer, args.num_prompts, args.num_conversations,
+                                      args.input_len, args.output_len, args.range_ratio,
+                                      args.seed, as_ids)
+    except ValueError as e:
+        raise PacerError(f"--dataset {args.dataset}: {e}") from e
     return sharegpt_like_dataset(tokenizer, args.num_prompts, args.seed,
                                  args.sharegpt_output_len, as_ids)
 

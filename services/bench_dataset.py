@@ -10,6 +10,13 @@
   and a spread chosen so the median sits well below the mean (long tail), then clipped the way
   vLLM filters ShareGPT (each side >= 4 tokens, prompt <= 1024, prompt + output <= 2048).
   Prompt content is random tokens, as above.
+- `shared-prefix`: `num_prefixes` system prompts of `prefix_len` tokens; each request is one
+  of them (drawn uniformly) followed by a user turn of its own (`input_len`, as `random`).
+  What prefix caching and cache-aware routing are for.
+- `multi-turn`: conversations whose every turn resends the history: turn k's prompt is the
+  user turns and assistant replies before it (replies are random tokens of `output_len`, not
+  what the server answered) plus a new user turn. Turn k+1 is sent only once turn k ended
+  (`BenchRequest.after`), as a chat client would.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ class BenchRequest:
     prompt: str | list[int]     # text, or token ids (the completions endpoint accepts both)
     prompt_len: int             # tokens the server will see for a completions request
     output_len: int             # max_tokens sent (with ignore_eos, the tokens generated)
+    after: int | None = None    # multi-turn: the index of the request that must end first
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,15 @@ class PromptMaker:
             return ids, length
         return self._text_of_length(rng, ids, length)
 
+    def join(self, parts: list[str | list[int]]) -> tuple[str | list[int], int]:
+        """Parts made by `make`, one after another, with the joined prompt's length (text
+        may merge a token at each seam; the count is the re-encoded one)."""
+        if self.as_token_ids:
+            ids = [t for part in parts for t in part]
+            return ids, len(ids)
+        text = "".join(parts)
+        return text, len(self.tokenizer.encode(text, add_special_tokens=True))
+
     def _text_of_length(self, rng: np.random.Generator, ids: list[int],
                         length: int) -> tuple[str, int]:
         # decoding then encoding merges or splits tokens at the seams: trim or top up the
@@ -132,4 +149,51 @@ def sharegpt_like_dataset(tokenizer: Tokenizer, num_prompts: int, seed: int = 0,
     for n_in, n_out in sharegpt_like_lengths(rng, num_prompts, output_len):
         prompt, actual = maker.make(rng, n_in)
         out.append(BenchRequest(prompt, actual, n_out))
+    return out
+
+
+def shared_prefix_dataset(tokenizer: Tokenizer, num_prompts: int, num_prefixes: int,
+                          prefix_len: int, input_len: int, output_len: int,
+                          range_ratio: float = 0.0, seed: int = 0,
+                          as_token_ids: bool = False) -> list[BenchRequest]:
+    """`num_prefixes` system prompts of `prefix_len` tokens, each request one of them plus a
+    user turn of its own."""
+    if num_prefixes < 1 or prefix_len < 1:
+        raise ValueError("num_prefixes and prefix_len must be >= 1")
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tokenizer, as_token_ids)
+    prefixes = [maker.make(rng, prefix_len)[0] for _ in range(num_prefixes)]
+    which = rng.integers(0, num_prefixes, num_prompts).tolist()
+    in_lens = uniform_lengths(rng, num_prompts, input_len, range_ratio)
+    out_lens = uniform_lengths(rng, num_prompts, output_len, range_ratio)
+    out = []
+    for p, n_in, n_out in zip(which, in_lens.tolist(), out_lens.tolist()):
+        prompt, actual = maker.join([prefixes[p], maker.make(rng, n_in)[0]])
+        out.append(BenchRequest(prompt, actual, n_out))
+    return out
+
+
+def multi_turn_dataset(tokenizer: Tokenizer, num_prompts: int, num_conversations: int,
+                       input_len: int, output_len: int, range_ratio: float = 0.0,
+                       seed: int = 0, as_token_ids: bool = False) -> list[BenchRequest]:
+    """`num_prompts` turns spread over `num_conversations` conversations (turn-major order:
+    every conversation's first turn, then every second turn, ...); each turn resends the
+    conversation so far and waits for the previous turn."""
+    if num_conversations < 1:
+        raise ValueError("num_conversations must be >= 1")
+    rng = np.random.default_rng(seed)
+    maker = PromptMaker(tokenizer, as_token_ids)
+    in_lens = uniform_lengths(rng, num_prompts, input_len, range_ratio).tolist()
+    out_lens = uniform_lengths(rng, num_prompts, output_len, range_ratio).tolist()
+    history: list[list] = [[] for _ in range(num_conversations)]
+    last: list[int | None] = [None] * num_conversations
+    out = []
+    for index in range(num_prompts):
+        c = index % num_conversations
+        history[c].append(maker.make(rng, in_lens[index])[0])
+        prompt, actual = maker.join(history[c])
+        out.append(BenchRequest(prompt, actual, out_lens[index], after=last[c]))
+        # the reply the next turn resends: random tokens of the length this turn generates
+        history[c].append(maker.make(rng, out_lens[index])[0])
+        last[c] = index
     return out

@@ -17,7 +17,8 @@ from services.bench_client import (ApiTarget, RequestResult, SendOptions, _Strea
                                    arrival_gaps, compute_metrics, error_summary, meets_slos,
                                    parse_goodput, run_requests, send_offsets)
 from services.bench_dataset import (SHAREGPT_MAX_TOTAL, SHAREGPT_PROMPT, BenchRequest,
-                                    random_dataset, sharegpt_like_dataset, sharegpt_like_lengths)
+                                    multi_turn_dataset, random_dataset, shared_prefix_dataset,
+                                    sharegpt_like_dataset, sharegpt_like_lengths)
 from services.cli import main as pacer_main
 from shared.model_source import resolve_model
 from shared.tokenizer import load_tokenizer
@@ -84,6 +85,33 @@ def test_sharegpt_like_dataset_prompts_have_the_drawn_lengths(tokenizer):
 
 
 # ---- arrivals ----------------------------------------------------------------------------
+
+def test_shared_prefix_dataset_draws_each_prompt_from_a_few_prefixes(tokenizer):
+    reqs = shared_prefix_dataset(tokenizer, 40, 4, 64, 16, 8, seed=3, as_token_ids=True)
+    assert reqs == shared_prefix_dataset(tokenizer, 40, 4, 64, 16, 8, seed=3, as_token_ids=True)
+    prefixes = {tuple(r.prompt[:64]) for r in reqs}
+    assert len(prefixes) == 4
+    assert all(r.prompt_len == len(r.prompt) == 80 and r.output_len == 8 for r in reqs)
+    assert len({tuple(r.prompt[64:]) for r in reqs}) == 40       # every user turn its own
+    # as text: the re-encoded prompts of one prefix still share its tokens (but the seam)
+    text = shared_prefix_dataset(tokenizer, 12, 2, 64, 16, 8, seed=3)
+    encoded = [tokenizer.encode(r.prompt, add_special_tokens=True) for r in text]
+    assert all(len(ids) == r.prompt_len for ids, r in zip(encoded, text))
+    assert len({tuple(ids[:60]) for ids in encoded}) == 2
+
+
+def test_multi_turn_dataset_resends_the_history_after_the_previous_turn(tokenizer):
+    reqs = multi_turn_dataset(tokenizer, 9, 3, 10, 5, seed=4, as_token_ids=True)
+    assert reqs == multi_turn_dataset(tokenizer, 9, 3, 10, 5, seed=4, as_token_ids=True)
+    for index, r in enumerate(reqs):
+        turn = index // 3
+        assert r.prompt_len == len(r.prompt) == 10 * (turn + 1) + 5 * turn
+        if turn == 0:
+            assert r.after is None
+        else:   # its previous turn, then the previous reply, then a new user turn
+            assert r.after == index - 3
+            assert r.prompt[:reqs[r.after].prompt_len] == reqs[r.after].prompt
+
 
 @pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])
 def test_gamma_gaps_have_mean_one_over_rate_and_variance_one_over_b(burstiness):
@@ -228,6 +256,18 @@ def test_token_id_prompts_and_failures_are_counted_not_raised(served: Served,  #
 
 
 @pytest.mark.slow
+def test_a_later_turn_is_sent_after_the_one_it_continues(served: Served,  # noqa: F811
+                                                            tokenizer):
+    reqs = multi_turn_dataset(tokenizer, 4, 2, 8, 3, seed=6, as_token_ids=True)
+    target = ApiTarget(served.base_url, "/v1/completions", "smollm2-135m", API_KEY)
+    results, _ = asyncio.run(run_requests(target, reqs, SendOptions(), max_concurrency=4))
+    assert all(r.success for r in results), [r.error for r in results]
+    for r, req in zip(results, reqs):
+        if req.after is not None:
+            before = results[req.after]
+            assert r.sent_at >= before.sent_at + before.e2el
+
+
 def test_pacer_bench_command_prints_and_writes_json(served: Served, tmp_path, capsys):  # noqa: F811
     out = tmp_path / "result.json"
     rc = pacer_main(["bench", "--base-url", served.base_url, "--api-key", API_KEY,
