@@ -349,5 +349,6 @@ def _stop(sup: Supervisor, shutdown_timeout_s: float) -> None:
         print("pacer up: stopping", file=sys.stderr, flush=True)
     # the gateway drains first and ends what is left, so the scheduler then stops quickly
     limit = shutdown_timeout_s + STOP_MARGIN_S
-    sup.stop_all(timeouts={"gateway": limit, "scheduler": limit})
+    sup.stop_all(timeouts={c.name: limit for c in sup.children
+                           if c.name == "gateway" or c.name.endswith("scheduler")})
 

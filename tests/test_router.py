@@ -163,3 +163,45 @@ def test_the_router_asks_for_exactly_the_blocks_a_prompt_can_hit():
     assert len(cacheable_hashes(list(range(16)), BLOCK)) == 3
     assert len(cacheable_hashes(list(range(17)), BLOCK)) == 4
     assert cacheable_hashes(list(range(17)), BLOCK) == block_hashes(list(range(16)), BLOCK)
+
+
+# ---- how pacer up wires replicas -----------------------------------------------------------
+
+def _up_args(*argv: str):
+    import argparse
+
+    from services import up
+    from shared.engine_args import EngineArgs
+    parser = argparse.ArgumentParser()
+    up.register(parser.add_subparsers())
+    args = parser.parse_args(["up", *argv])
+    return up._service_argvs(args, EngineArgs.from_cli(args))
+
+
+def test_pacer_up_replicas_start_own_stream_schedulers_and_a_routing_gateway():
+    services = _up_args("--replicas", "2", "--router", "least-loaded")
+    argvs = dict(services.argvs)
+    assert set(argvs) == {"r0 worker rank 0", "r1 worker rank 0", "r0 scheduler",
+                          "r1 scheduler", "gateway"}
+    for r in ("r0", "r1"):
+        sched = argvs[f"{r} scheduler"]
+        assert "--own-request-stream" in sched and "--role" not in sched
+        assert sched[sched.index("--instance") + 1] == r
+        worker = argvs[f"{r} worker rank 0"]
+        assert worker[worker.index("--instance") + 1] == r and "--threads" in worker
+    gateway = argvs["gateway"]
+    assert gateway[gateway.index("--instances") + 1] == "r0:1,r1:1"
+    assert gateway[gateway.index("--router") + 1] == "least-loaded"
+    # prefix routing is the default; without --replicas nothing changes
+    gateway = dict(_up_args("--replicas", "2").argvs)["gateway"]
+    assert gateway[gateway.index("--router") + 1] == "prefix"
+    plain = dict(_up_args().argvs)
+    assert "--router" not in plain["gateway"] and "--own-request-stream" not in plain["scheduler"]
+
+
+def test_pacer_up_refuses_replicas_with_pd_and_a_router_alone():
+    from shared.errors import PacerError
+    with pytest.raises(PacerError, match="not supported"):
+        _up_args("--replicas", "2", "--prefill-workers", "1", "--decode-workers", "1")
+    with pytest.raises(PacerError, match="--router needs --replicas"):
+        _up_args("--router", "prefix")

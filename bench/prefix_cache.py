@@ -1,0 +1,181 @@
+"""Prefix caching and cache-aware routing, measured through the served system in one run
+(docs/design.md#prefix-caching, docs/design.md#cache-aware-routing).
+
+Workloads (services/bench_dataset.py, token-id prompts, greedy, EOS ignored), each sent by the
+`pacer bench` client code with at most `--max-concurrency` requests in flight:
+
+  shared   `--num-prefixes` system prompts of `--prefix-len` tokens, `--num-prompts` requests,
+           each one of them plus a user turn of `--input-len` tokens
+  unique   `--num-unique` random prompts of the same total length: no prefix to share
+
+Servers (`pacer up` on free ports, the default model unless flags say otherwise):
+
+  on       one engine, prefix caching on (the default), `--kv-blocks` KV blocks
+  off      the same, `--no-prefix-caching`
+  prefix   `--replicas 2 --router prefix`, `--kv-blocks` / 2 blocks each (the same memory)
+  rr       `--replicas 2 --router round-robin`, the same
+
+Reported: TTFT median and output/total throughput of `shared` on vs off (target: TTFT >= 3x
+better cached); throughput of `unique` on vs off (the cost of caching when nothing is shared,
+target <= 2 %); hit rate (from /metrics, in tokens) and TTFT of `shared` on one engine, with
+prefix routing and with round-robin (target: prefix routing keeps >= 90 % of the one-engine
+hit rate), and how many requests each replica got.
+
+    python bench/prefix_cache.py [--num-prompts 128] [--num-prefixes 8] [--prefix-len 1024]
+        [--input-len 64] [--output-len 16] [--max-concurrency 16] [--kv-blocks 768]
+        [--num-unique 64] [--data-seed 0] [--json docs/prefix_cache.json] [engine flags]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import replace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import redis  # noqa: E402
+
+from bench.common import print_table, write_json  # noqa: E402
+from bench.served_vs_inprocess import ServedSystem, start_served  # noqa: E402
+from services.bench_client import (ApiTarget, SendOptions, compute_metrics,  # noqa: E402
+                                   error_summary, run_requests)
+from services.bench_cmd import (prefix_cache_counters, prefix_cache_hit_rate,  # noqa: E402
+                                run_async)
+from services.bench_dataset import (BenchRequest, random_dataset,  # noqa: E402
+                                    shared_prefix_dataset)
+from services.up import engine_flags  # noqa: E402
+from shared.cpu import cpu_flags  # noqa: E402
+from shared.engine_args import EngineArgs  # noqa: E402
+from shared.keys import Keys  # noqa: E402
+from shared.model_source import resolve_model  # noqa: E402
+from shared.tokenizer import load_tokenizer  # noqa: E402
+
+SERVERS = {"on": (), "off": ("--no-prefix-caching",),
+           "prefix": ("--replicas", "2", "--router", "prefix"),
+           "rr": ("--replicas", "2", "--router", "round-robin")}
+FLAGS_SHOWN = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
+               "amx_tile")
+
+
+def run_pass(system: ServedSystem, requests: list[BenchRequest], concurrency: int) -> dict:
+    target = ApiTarget(system.base_url, "/v1/completions", system.model)
+    opts = SendOptions(temperature=0.0, ignore_eos=True, timeout_s=1200.0)
+    before = prefix_cache_counters(system.base_url)
+    results, duration = run_async(run_requests(target, requests, opts,
+                                               max_concurrency=concurrency))
+    time.sleep(0.3)          # the stats hash is written at most every 0.1 s
+    m = compute_metrics(results, duration)
+    return {"ok": m["completed"], "failed": m["failed"], "seconds": round(duration, 2),
+            "ttft_med_ms": m["median_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"],
+            "out_tok_s": m["output_throughput"], "total_tok_s": m["total_token_throughput"],
+            "hit_rate_pct": prefix_cache_hit_rate(before, prefix_cache_counters(system.base_url)),
+            "errors": error_summary(results)}
+
+
+def per_replica(system: ServedSystem) -> list[int]:
+    """Requests each replica's own stream carried (XLEN: entries stay after XACK)."""
+    r = redis.Redis.from_url(system.redis_url)
+    try:
+        return [r.xlen(Keys().for_instance(f"r{i}").instance_requests) for i in range(2)]
+    finally:
+        r.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    EngineArgs.add_cli_args(ap)
+    ap.add_argument("--num-prompts", type=int, default=128)
+    ap.add_argument("--num-prefixes", type=int, default=8)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--num-unique", type=int, default=64)
+    ap.add_argument("--max-concurrency", type=int, default=16)
+    ap.add_argument("--kv-blocks", type=int, default=768,
+                    help="KV blocks of the one engine; each of 2 replicas gets half")
+    ap.add_argument("--servers", default=",".join(SERVERS),
+                    help=f"which to run, of {','.join(SERVERS)}")
+    ap.add_argument("--data-seed", type=int, default=0, help="seed of the workloads")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    engine_args = EngineArgs.from_cli(args)
+    source = resolve_model(engine_args.model)
+    tokenizer = load_tokenizer(source)
+    shared = shared_prefix_dataset(tokenizer, args.num_prompts, args.num_prefixes,
+                                   args.prefix_len, args.input_len, args.output_len,
+                                   seed=args.data_seed, as_token_ids=True)
+    unique = random_dataset(tokenizer, args.num_unique, args.prefix_len + args.input_len,
+                            args.output_len, seed=args.data_seed + 1, as_token_ids=True)
+    warm = random_dataset(tokenizer, 4, 64, 4, seed=args.data_seed + 2, as_token_ids=True)
+    flags = sorted(set(FLAGS_SHOWN) & set(cpu_flags()))
+    print(f"{platform.processor() or platform.machine()}, {len(os.sched_getaffinity(0))} cores, "
+          f"flags {' '.join(flags)}; shared: {len(shared)} requests over {args.num_prefixes} "
+          f"prefixes of {args.prefix_len} + {args.input_len} tokens; unique: {len(unique)} of "
+          f"{args.prefix_len + args.input_len}; {args.output_len} new tokens each; "
+          f"concurrency {args.max_concurrency}", flush=True)
+    rows, tmp = [], tempfile.mkdtemp(prefix="prefix-cache-")
+    for name in args.servers.split(","):
+        replicas = name in ("prefix", "rr")
+        blocks = args.kv_blocks // 2 if replicas else args.kv_blocks
+        log_path = os.path.join(tmp, f"{name}.log")
+        print(f"server {name}: pacer up {' '.join(SERVERS[name])} --num-kv-blocks {blocks} "
+              f"(log: {log_path})", flush=True)
+        system = start_served(replace(engine_args, num_kv_blocks=blocks), source.name,
+                              log_path, *SERVERS[name])
+        try:
+            run_pass(system, warm, args.max_concurrency)
+            workloads = [("unique", unique), ("shared", shared)] if name in ("on", "off") \
+                else [("shared", shared)]
+            for workload, requests in workloads:
+                row = {"server": name, "workload": workload,
+                       **run_pass(system, requests, args.max_concurrency)}
+                if replicas:
+                    row["per_replica"] = per_replica(system)
+                rows.append(row)
+                print(f"  {workload}: {row}", flush=True)
+        finally:
+            system.stop()
+    print_table(rows, ["server", "workload", "ok", "seconds", "ttft_med_ms", "ttft_p99_ms",
+                       "out_tok_s", "total_tok_s", "hit_rate_pct", "per_replica"])
+    summary = summarize(rows)
+    for key, value in summary.items():
+        print(f"{key}: {value}")
+    write_json(args.json, {"rows": rows, "summary": summary, "cpu_flags": flags,
+                           "cores": len(os.sched_getaffinity(0)),
+                           "engine_flags": engine_flags(engine_args), "config": {
+                               k: v for k, v in vars(args).items()
+                               if k in ("num_prompts", "num_prefixes", "prefix_len", "input_len",
+                                        "output_len", "num_unique", "max_concurrency",
+                                        "kv_blocks", "data_seed")}})
+
+
+def summarize(rows: list[dict]) -> dict:
+    by = {(r["server"], r["workload"]): r for r in rows}
+    out = {}
+
+    def ratio(a, b, key):
+        if a in by and b in by and by[b][key]:
+            return round(by[a][key] / by[b][key], 3)
+        return None
+    out["shared_ttft_off_over_on"] = ratio(("off", "shared"), ("on", "shared"), "ttft_med_ms")
+    out["shared_throughput_on_over_off"] = ratio(("on", "shared"), ("off", "shared"),
+                                                 "total_tok_s")
+    out["unique_throughput_on_over_off"] = ratio(("on", "unique"), ("off", "unique"),
+                                                 "total_tok_s")
+    for server in ("on", "prefix", "rr"):
+        if (server, "shared") in by:
+            out[f"hit_rate_{server}_pct"] = by[(server, "shared")]["hit_rate_pct"]
+    out["prefix_hit_rate_over_one_engine"] = ratio(("prefix", "shared"), ("on", "shared"),
+                                                   "hit_rate_pct")
+    out["rr_hit_rate_over_one_engine"] = ratio(("rr", "shared"), ("on", "shared"),
+                                               "hit_rate_pct")
+    out["ttft_rr_over_prefix"] = ratio(("rr", "shared"), ("prefix", "shared"), "ttft_med_ms")
+    return out
+
+
+if __name__ == "__main__":
+    main()
