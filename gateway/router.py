@@ -10,10 +10,15 @@ request and the upstream XADDs there. Policies (`--router`):
   more), then the emptier KV cache.
 - `prefix` (the default with replicas): the cheapest by
 
-      cost = prompt tokens not cached there + LOAD_TOKENS · load + a full-cache penalty
+      cost = prompt tokens not cached there + the work already queued there, in tokens
+             (+ a penalty as its KV cache fills)
 
-  so the instance holding the longest prefix wins unless it is busier by more than that
-  prefix is worth; with no prefix cached anywhere this is least-loaded.
+  The queued work is what this gateway sent there and is not done with: each request's
+  uncached prompt tokens until its first token comes back, then DECODE_TOKENS until it ends
+  (a decode shares its iteration with the others); requests the instance's stats count
+  beyond those (another gateway's) are UNKNOWN_TOKENS each. So the instance holding the
+  longest prefix wins unless the work waiting there outweighs recomputing the prefix
+  elsewhere; with no prefix cached anywhere this is the least work queued.
 
 What an instance holds cached is the set of block hashes its scheduler publishes
 (`pacer:inst:{id}:cached_blocks`, SADD on caching, SREM on eviction, DEL when its index
@@ -38,8 +43,9 @@ from shared.keys import Keys
 from shared.prefix_hash import cacheable_hashes
 
 POLICIES = ("round-robin", "least-loaded", "prefix")
-LOAD_TOKENS = 256            # prompt tokens one request in flight is worth, against a prefix
-KV_FULL_LOAD = 8             # requests' worth added as an instance's KV cache goes 90 -> 100 %
+DECODE_TOKENS = 64           # prompt tokens' worth of work a request is once it decodes
+UNKNOWN_TOKENS = 256         # ...and one in flight that another gateway sent
+KV_FULL_TOKENS = 2048        # added as an instance's KV cache goes from 90 to 100 % full
 RECENT_S = 10.0              # how long a routed prefix counts as on its way to being cached
 RECENT_MAX = 1 << 16         # block hashes remembered at most
 STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
@@ -53,12 +59,14 @@ class Candidate:
     cached_tokens: int = 0       # the prompt's leading tokens it holds (or was just sent)
     load: int = 0                # requests in flight there
     kv_usage: float = 0.0        # 0..1
+    queued_tokens: int = 0       # the work in flight there, in prompt tokens' worth
 
 
 def cost(c: Candidate, prompt_len: int) -> float:
-    """Tokens' worth of work a request adds by going to `c` (the prefix policy's score)."""
-    pressure = KV_FULL_LOAD * max(0.0, c.kv_usage - 0.9) / 0.1
-    return prompt_len - c.cached_tokens + LOAD_TOKENS * (c.load + pressure)
+    """Tokens' worth of work before this request's first token if it goes to `c` (the prefix
+    policy's score)."""
+    pressure = KV_FULL_TOKENS * max(0.0, c.kv_usage - 0.9) / 0.1
+    return prompt_len - c.cached_tokens + c.queued_tokens + pressure
 
 
 def pick(policy: str, candidates: Sequence[Candidate], prompt_len: int, turn: int) -> int:
@@ -98,32 +106,48 @@ class ReplicaRouter:
         self.instances = list(instances)
         self._keys = [keys.for_instance(i) for i in self.instances]
         self._turns = itertools.count()
-        self._outstanding = [0] * len(self.instances)
-        self._sent_to: dict[str, int] = {}                    # request id -> instance index
+        self._outstanding = [0] * len(self.instances)         # requests in flight
+        self._queued = [0] * len(self.instances)              # their work, in tokens
+        # request id -> (instance index, the work it counts for there)
+        self._sent_to: dict[str, tuple[int, int]] = {}
         self._recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         self.block_size: int | None = None                    # learnt from the stats hashes
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
 
     async def choose(self, request_id: str, prompt_token_ids: Sequence[int]) -> str:
         """The request stream to XADD the request to; counts it in flight there."""
+        self.ended(request_id)       # a submission retried after a dropped connection
         turn = next(self._turns)
+        work = len(prompt_token_ids)
         if self.policy == "round-robin" or len(self.instances) == 1:
             index = turn % len(self.instances)
         else:
             candidates, hashes = await self._candidates(prompt_token_ids)
             index = pick(self.policy, candidates, len(prompt_token_ids), turn)
+            work -= candidates[index].cached_tokens
             if self.policy == "prefix":
                 self._remember(hashes, index)
         self._outstanding[index] += 1
+        self._queued[index] += work
         self.chosen[index] += 1
-        self._sent_to[request_id] = index
+        self._sent_to[request_id] = (index, work)
         return self._keys[index].instance_requests
+
+    def prefilled(self, request_id: str) -> None:
+        """The request's first token came: from now on it weighs as a decode."""
+        entry = self._sent_to.get(request_id)
+        if entry is not None and entry[1] != DECODE_TOKENS:
+            index, work = entry
+            self._queued[index] += DECODE_TOKENS - work
+            self._sent_to[request_id] = (index, DECODE_TOKENS)
 
     def ended(self, request_id: str) -> None:
         """The request ended (however): it no longer loads its instance."""
-        index = self._sent_to.pop(request_id, None)
-        if index is not None:
+        entry = self._sent_to.pop(request_id, None)
+        if entry is not None:
+            index, work = entry
             self._outstanding[index] -= 1
+            self._queued[index] -= work
 
     async def _candidates(self, prompt_token_ids: Sequence[int]
                           ) -> tuple[list[Candidate], list[bytes]]:
@@ -148,8 +172,10 @@ class ReplicaRouter:
                 published = replies[index * step + 1]
                 cached = self.block_size * leading(
                     [p or r == index for p, r in zip(published, recent)])
-            load = max(int(running + waiting), self._outstanding[index])
-            candidates.append(Candidate(instance, cached, load, usage))
+            mine = self._outstanding[index]
+            others = max(0, int(running + waiting) - mine)      # another gateway's
+            candidates.append(Candidate(instance, cached, mine + others, usage,
+                                        self._queued[index] + UNKNOWN_TOKENS * others))
         return candidates, hashes
 
     def _recent_owner(self, h: bytes, now: float) -> int | None:

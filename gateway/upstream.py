@@ -79,6 +79,11 @@ class Upstream:
 
         return await self._live_connection(send, "submit request")
 
+    def prefilled(self, request_id: str) -> None:
+        """The request's first token came back."""
+        if self.replicas is not None:
+            self.replicas.prefilled(request_id)
+
     def ended(self, request_id: str) -> None:
         """The request ended, however: it no longer loads its replica."""
         if self.replicas is not None:

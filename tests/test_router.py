@@ -10,7 +10,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway.router import LOAD_TOKENS, Candidate, ReplicaRouter, leading, pick
+from gateway.router import DECODE_TOKENS, Candidate, ReplicaRouter, leading, pick
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import BlockManager, Request
 from shared.keys import Keys
@@ -27,20 +27,20 @@ def test_the_longest_cached_prefix_wins_at_equal_load():
     assert pick("prefix", cands, 1000, turn=2) == 1        # whoever's turn it is
 
 
-def test_load_outweighs_a_prefix_worth_less_than_the_extra_load():
-    # r1 holds 512 tokens but runs 3 more requests: 3 * LOAD_TOKENS > 512
-    cands = [Candidate("r0", 0, 1), Candidate("r1", 512, 4)]
-    assert 3 * LOAD_TOKENS > 512
+def test_queued_work_outweighs_a_prefix_worth_less():
+    # r1 holds 512 tokens but has 700 more tokens of work queued: 1000 + 100 < 488 + 800
+    cands = [Candidate("r0", 0, 1, queued_tokens=100), Candidate("r1", 512, 4, queued_tokens=800)]
     assert pick("prefix", cands, 1000, turn=0) == 0
-    # ...while a prefix worth more than that keeps it
-    cands = [Candidate("r0", 0, 1), Candidate("r1", 960, 4)]
+    # ...while a prefix worth more than that keeps it: 40 + 800 < 1100
+    cands = [Candidate("r0", 0, 1, queued_tokens=100), Candidate("r1", 960, 4, queued_tokens=800)]
     assert pick("prefix", cands, 1000, turn=0) == 1
 
 
-def test_with_nothing_cached_prefix_routing_is_least_loaded():
-    cands = [Candidate("r0", 0, 5), Candidate("r1", 0, 1), Candidate("r2", 0, 3)]
+def test_with_nothing_cached_prefix_routing_takes_the_least_work():
+    cands = [Candidate("r0", 0, 1, queued_tokens=500), Candidate("r1", 0, 3, queued_tokens=100),
+             Candidate("r2", 0, 2, queued_tokens=300)]
     assert pick("prefix", cands, 100, turn=0) == 1
-    assert pick("least-loaded", cands, 100, turn=0) == 1
+    assert pick("least-loaded", cands, 100, turn=0) == 0       # it counts requests
 
 
 def test_a_full_kv_cache_counts_as_load():
@@ -91,14 +91,20 @@ def test_the_router_reads_published_sets_and_remembers_what_it_sent(redis_server
             assert router.block_size == BLOCK
             router.ended("learn")
             chosen.append(await router.choose("a", SYSTEM + [7, 8, 9, 10, 11]))
-            # a new prefix nobody holds: least loaded (r0: r1 has "a" in flight)
+            # "a" counts for its 5 uncached tokens on r1 until its first token
+            assert router._queued == [0, 5]
+            # a new prefix nobody holds: the least work queued (r0)
             fresh = list(range(900, 940))
             chosen.append(await router.choose("b", fresh + [1]))
             # the same new prefix again, before anyone published it: follows "b"
             chosen.append(await router.choose("c", fresh + [2, 3]))
+            assert router._queued == [41 + 2, 5]
+            router.prefilled("b")
+            router.prefilled("b")                                   # once is enough
+            assert router._queued == [DECODE_TOKENS + 2, 5]
             for rid in ("a", "b", "c"):
                 router.ended(rid)
-            assert router._outstanding == [0, 0]
+            assert router._outstanding == [0, 0] and router._queued == [0, 0]
             return chosen
         finally:
             await client.aclose()
