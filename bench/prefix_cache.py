@@ -17,7 +17,9 @@ Servers (`pacer up` on free ports, the default model unless flags say otherwise)
 
 Reported: TTFT median and output/total throughput of `shared` on vs off (target: TTFT >= 3x
 better cached); throughput of `unique` on vs off (the cost of caching when nothing is shared,
-target <= 2 %); hit rate (from /metrics, in tokens) and TTFT of `shared` on one engine, with
+target <= 2 %; on a shared machine the served figure's noise is larger than that, so the
+scheduling core is also timed alone on `unique`, caching on vs off, best of 5 alternated: the
+host time caching adds is all it can add, the plans and workers being the same); hit rate (from /metrics, in tokens) and TTFT of `shared` on one engine, with
 prefix routing and with round-robin (target: prefix routing keeps >= 90 % of the one-engine
 hit rate), and how many requests each replica got.
 
@@ -48,7 +50,11 @@ from services.bench_cmd import (prefix_cache_counters, prefix_cache_hit_rate,  #
 from services.bench_dataset import (BenchRequest, random_dataset,  # noqa: E402
                                     shared_prefix_dataset)
 from services.up import engine_flags  # noqa: E402
+from scheduler_svc.build import build_scheduler  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
+from shared.engine_layout import engine_layout  # noqa: E402
+from shared.plan import SampledToken, StepResult  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.keys import Keys  # noqa: E402
 from shared.model_source import resolve_model  # noqa: E402
@@ -74,6 +80,36 @@ def run_pass(system: ServedSystem, requests: list[BenchRequest], concurrency: in
             "out_tok_s": m["output_throughput"], "total_tok_s": m["total_token_throughput"],
             "hit_rate_pct": prefix_cache_hit_rate(before, prefix_cache_counters(system.base_url)),
             "errors": error_summary(results)}
+
+
+def core_seconds(engine_args: EngineArgs, requests: list[BenchRequest]) -> float:
+    """CPU seconds the scheduling core alone takes to run `requests` (all at once) to the
+    end, every sampling row drawing a dummy token."""
+    sched = build_scheduler(engine_layout(engine_args))
+    for i, r in enumerate(requests):
+        sched.add_request(str(i), list(r.prompt), SamplingParams(max_tokens=r.output_len,
+                                                                  ignore_eos=True))
+    token = SampledToken(5)
+    started = time.process_time()
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        rows = plan.num_scheduled_tokens
+        sampled = {rid: token for rid, n in rows.items()
+                   if sched.get_request(rid).num_uncomputed_tokens == n}
+        sched.update(plan, StepResult(plan.step, sampled))
+    return time.process_time() - started
+
+
+def core_overhead(engine_args: EngineArgs, requests: list[BenchRequest],
+                  repeats: int = 5) -> dict:
+    best = {True: float("inf"), False: float("inf")}
+    for _ in range(repeats):
+        for caching in (True, False):
+            args = replace(engine_args, enable_prefix_caching=caching)
+            best[caching] = min(best[caching], core_seconds(args, requests))
+    return {"core_s_caching_on": round(best[True], 4), "core_s_caching_off": round(best[False], 4),
+            "core_ms_added_per_request": round((best[True] - best[False]) * 1e3 / len(requests),
+                                               4)}
 
 
 def per_replica(system: ServedSystem) -> list[int]:
@@ -117,6 +153,8 @@ def main() -> None:
           f"prefixes of {args.prefix_len} + {args.input_len} tokens; unique: {len(unique)} of "
           f"{args.prefix_len + args.input_len}; {args.output_len} new tokens each; "
           f"concurrency {args.max_concurrency}", flush=True)
+    core = core_overhead(replace(engine_args, num_kv_blocks=args.kv_blocks), unique)
+    print(f"scheduling core alone on unique: {core}", flush=True)
     rows, tmp = [], tempfile.mkdtemp(prefix="prefix-cache-")
     for name in args.servers.split(","):
         replicas = name in ("prefix", "rr")
@@ -142,6 +180,11 @@ def main() -> None:
     print_table(rows, ["server", "workload", "ok", "seconds", "ttft_med_ms", "ttft_p99_ms",
                        "out_tok_s", "total_tok_s", "hit_rate_pct", "per_replica"])
     summary = summarize(rows)
+    summary.update(core)
+    if ("on", "unique") in {(r["server"], r["workload"]) for r in rows}:
+        served = next(r for r in rows if r["server"] == "on" and r["workload"] == "unique")
+        summary["core_added_share_of_served_time_pct"] = round(
+            100 * (core["core_s_caching_on"] - core["core_s_caching_off"]) / served["seconds"], 4)
     for key, value in summary.items():
         print(f"{key}: {value}")
     write_json(args.json, {"rows": rows, "summary": summary, "cpu_flags": flags,
