@@ -7,6 +7,7 @@ one `batch_transfer_async_write` of all its segments; `transfer_check_status` re
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from gpu_worker.kv_transfer.connector import KVConnector, pool_descriptor
@@ -26,6 +27,9 @@ class MooncakeConnector(KVConnector):
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
                  tp: int = 1, rank: int = 0) -> None:
         super().__init__()
+        # the engine logs through glog, which reads its level when the library loads: keep
+        # its per-connection INFO lines out of the service's log unless asked for
+        os.environ.setdefault("GLOG_minloglevel", "1")
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
