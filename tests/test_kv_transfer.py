@@ -246,3 +246,35 @@ def test_sends_without_a_connector_are_refused(tiny, decode_runner):
                                           [decode_runner.kv_descriptor()])])
     with pytest.raises(PacerError, match="--kv-connector mooncake"):
         runner.execute(plan)
+
+
+# ---- TP: a follower's failed send reaches rank 0's result ----------------------------------
+
+def test_a_failed_send_on_a_follower_rank_is_reported_by_rank_0(tiny):
+    from gpu_worker.kv_cache import allocate_kv_pool
+    from services.engine import LLMEngine
+    path, prompt = tiny
+    cfg = load_model_config(resolve_model(path))
+    peer0 = make_connector("mooncake", tp=2, rank=0)         # the decode side's rank 0
+    pool = allocate_kv_pool(cfg, 32, BLOCK, cfg.num_kv_heads // 2, torch.float32, "cpu")
+    peer0.register(pool)
+    peers = [peer0.descriptor(), {**peer0.descriptor(), "rank": 1, "session": "127.0.0.1:1"}]
+    with LLMEngine(EngineArgs(model=path, dtype="float32", tp=2, block_size=BLOCK,
+                              num_kv_blocks=32, max_model_len=512, kv_connector="mooncake",
+                              kv_timeout_s=5), progress=False) as engine:
+        plan = IterationPlan(0, [NewRequestData("r", prompt, len(prompt), GREEDY, SRC_BLOCKS, 0)],
+                             [], {"r": len(prompt)},
+                             kv_sends=[KVSend("r", "d", SRC_BLOCKS, DST_BLOCKS, peers)])
+        result = engine.runner.execute(plan)
+    assert pool[:, :, DST_BLOCKS].abs().sum() > 0         # rank 0's own send arrived ...
+    assert result.kv_failed == ["r"]            # ... rank 1's peer is unreachable
+    assert "r" in result.sampled
+    peer0.close()
+
+
+def test_the_worker_heartbeat_carries_the_kv_descriptor(decode_runner):
+    from gpu_worker.service import worker_heartbeat
+    from shared.protocol import decode as decode_msg, encode
+    beat = worker_heartbeat(0, 1, 32, BLOCK, kv=decode_runner.kv_descriptor)()
+    assert decode_msg(encode(beat)).extra["kv"] == decode_runner.kv_descriptor()
+    assert "kv" not in worker_heartbeat(0, 1, 32, BLOCK)().extra
