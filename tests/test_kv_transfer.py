@@ -7,11 +7,13 @@ with another layout is refused."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 
 import pytest
 import torch
 
+os.environ.setdefault("GLOG_minloglevel", "1")     # the engine's INFO lines, as in serving
 pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda "
                                               "and libibverbs1 (make setup installs them)")
 
