@@ -280,6 +280,9 @@ class PrefillSide:
         """The K/V each scheduled chunk fills goes to its reserved blocks, layer by layer."""
         sends = []
         block_size = self.core.block_manager.block_size
+        # a request new to the workers may start after a cached prefix (prefix caching): its
+        # blocks are sent too, with the first chunk
+        fresh = {r.request_id for r in plan.new_requests}
         for rid, rows in plan.num_scheduled_tokens.items():
             res = self._reservations.get(rid)
             request = self.core.get_request(rid)
@@ -290,7 +293,8 @@ class PrefillSide:
                 res.sent_ok = self._still_there(res)    # a fresh start sends everything again
             if not res.sent_ok:
                 continue
-            first, last = start // block_size, (start + rows - 1) // block_size
+            first = 0 if rid in fresh else start // block_size
+            last = (start + rows - 1) // block_size
             sends.append(KVSend(rid, res.decode_instance, request.block_table[first:last + 1],
                                 res.block_ids[first:last + 1], res.peers))
         return replace(plan, kv_sends=sends) if sends else plan

@@ -282,15 +282,18 @@ class SchedulerService:
             if stats is not None:
                 pipe.hset(self.keys.stats, mapping=stats)
             self._queue_outbox(pipe, outbox)
+            if disagg_out is not None:
+                self.prefill.queue(pipe, disagg_out)
+            if self.decode is not None:
+                self.decode.queue(pipe)
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
             if claim:
                 self.takeover.queue_claim(pipe, claim)
+            # replies read back from the end: every command below returns one
             if disagg_out is not None:
-                self.prefill.queue(pipe, disagg_out)
                 pipe.xread({self.keys.reservations: self.prefill.cursor}, count=1000)
             if self.decode is not None:
-                self.decode.queue(pipe)
                 pipe.xread({self.keys.handoff: self.decode.cursor}, count=1000, block=block_ms)
             if room:
                 pipe.xreadgroup(self.keys.requests_group, self.config.scheduler_id,

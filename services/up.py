@@ -196,9 +196,8 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
     workers, schedulers, heartbeats, groups = [], [], {}, {}
     for inst in instances:
         ikeys = keys.for_instance(inst.id)
-        flags = engine_flags(replace(engine, tp=inst.tp,
-                                     kv_connector="mooncake" if inst.id else engine.kv_connector)
-                             if hasattr(engine, "kv_connector") else replace(engine, tp=inst.tp))
+        flags = engine_flags(replace(engine, tp=inst.tp, kv_connector="mooncake")
+                             if inst.id else engine)
         where = ["--instance", inst.id] if inst.id else []
         for r in range(inst.tp):
             name = inst.name(f"worker rank {r}")
