@@ -18,6 +18,9 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--tp", type=int, default=1, help="worker ranks /health waits for")
+    p.add_argument("--instances", default="",
+                   help="P/D: the engine instances /health waits for and /metrics reports, "
+                        "as ID:TP,... (e.g. p0:1,d0:1); default: the colocated engine")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     add_request_policy_args(p)
@@ -43,11 +46,24 @@ def add_request_policy_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds running requests get to finish")
 
 
+def parse_instances(text: str) -> tuple[tuple[str, int], ...]:
+    """"p0:1,d0:2" -> (("p0", 1), ("d0", 2))."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, _, tp = item.partition(":")
+        try:
+            out.append((name, int(tp or 1)))
+        except ValueError:
+            raise SystemExit(f"--instances: {item!r} is not ID:TP") from None
+    return tuple(out)
+
+
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
     return GatewayConfig(host=args.host, port=args.port, redis_url=args.redis_url,
                          key_prefix=args.key_prefix, model=args.model,
                          served_model_name=args.served_model_name,
                          max_model_len=args.max_model_len, api_key=args.api_key, tp=args.tp,
+                         instances=parse_instances(args.instances),
                          gateway_id=args.gateway_id or new_gateway_id(),
                          max_body_bytes=args.max_body_bytes,
                          max_waiting_requests=args.max_waiting_requests,

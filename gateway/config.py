@@ -27,6 +27,8 @@ class GatewayConfig:
     max_model_len: int | None = None       # default: the model's context length
     api_key: str | None = None             # when set, /v1/* needs "Authorization: Bearer <key>"
     tp: int = 1                            # worker ranks whose heartbeats /health requires
+    # P/D: (instance id, TP degree) of every engine instance; empty: the colocated engine
+    instances: tuple[tuple[str, int], ...] = ()
     gateway_id: str = field(default_factory=new_gateway_id)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # a request whose finish event arrived waits at most this long for missing token events

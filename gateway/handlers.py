@@ -122,7 +122,7 @@ async def health(request: web.Request) -> web.Response:
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     try:
-        missing = await state.upstream.missing_services(state.config.tp)
+        missing = await state.upstream.missing_services(state.config.tp, state.config.instances)
     except RedisError as e:
         missing = [f"redis ({e})"]
     if missing:
@@ -138,7 +138,9 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
-    body = await state.metrics.render(state.redis, state.keys.stats)
+    instances = [i for i, _ in state.config.instances] or [""]
+    body = await state.metrics.render(state.redis, {
+        i: state.keys.for_instance(i).stats for i in instances})
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -53,34 +53,67 @@ _SCHEDULER_STATS = {
                               "Mean |predicted - measured| / measured iteration time (EWMA)", False),
     "cost_observations_total": ("pacer:iteration_cost_observations",
                                 "Iteration times the cost model has fitted", True),
+    # P/D (docs/design.md#pd-disaggregation): the prefill side's KV sends, both sides' hand-offs
+    "kv_transfer_bytes_total": ("pacer:kv_transfer_bytes", "KV cache bytes sent to decode "
+                                "instances", True),
+    "kv_transfer_seconds_total": ("pacer:kv_transfer_seconds",
+                                  "Seconds KV sends took, first submit to last completion", True),
+    "kv_transfer_exposed_seconds_total": ("pacer:kv_transfer_exposed_seconds",
+                                          "Seconds of KV sends not hidden behind the forward",
+                                          True),
+    "kv_transfer_failures_total": ("pacer:kv_transfer_failures",
+                                   "Requests whose KV sends failed (recomputed)", True),
+    "handoffs_total": ("pacer:handoffs", "Requests handed from prefill to decode", True),
+    "handoffs_recomputed_total": ("pacer:handoffs_recomputed",
+                                  "Hand-offs whose K/V did not arrive (recomputed)", True),
+    "num_requests_reserved": ("pacer:num_requests_reserved",
+                              "Decode side: prompts with blocks reserved, K/V on the way", False),
+    "num_requests_awaiting_reservation": ("pacer:num_requests_awaiting_reservation",
+                                          "Prefill side: prompts waiting for decode blocks",
+                                          False),
 }
+# reported for every instance even when unknown; the P/D fields only where they apply
+_CORE_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
+                "num_preemptions_total")
 
 
 class SchedulerStats:
-    """A collector that reports the last snapshot of the scheduler's `stats` hash."""
+    """A collector that reports the last snapshot of each engine instance's `stats` hash:
+    unlabelled for the colocated engine, labelled `instance` for P/D instances."""
 
     def __init__(self) -> None:
-        self.snapshot: dict[str, float] = {}
+        self.snapshots: dict[str, dict[str, float]] = {"": {}}
 
-    async def refresh(self, redis: aioredis.Redis, key: str) -> None:
-        try:
-            raw = await redis.hgetall(key)
-        except RedisError as e:
-            log.warning("scheduler stats unreadable", error=str(e))
-            raw = {}
-        self.snapshot = {}
-        for field, value in raw.items():
+    async def refresh(self, redis: aioredis.Redis, keys: dict[str, str]) -> None:
+        """`keys`: instance id ("" for the colocated engine) -> its stats hash key."""
+        self.snapshots = {}
+        for instance, key in keys.items():
             try:
-                self.snapshot[_text(field)] = float(value)
-            except ValueError:
-                log.warning("scheduler stat is not a number", field=_text(field))
+                raw = await redis.hgetall(key)
+            except RedisError as e:
+                log.warning("scheduler stats unreadable", error=str(e), instance=instance)
+                raw = {}
+            snapshot = self.snapshots[instance] = {}
+            for field, value in raw.items():
+                try:
+                    snapshot[_text(field)] = float(value)
+                except ValueError:
+                    log.warning("scheduler stat is not a number", field=_text(field))
 
     def collect(self):
+        labelled = list(self.snapshots) != [""]
         for field, (name, doc, is_counter) in _SCHEDULER_STATS.items():
-            # no scheduler yet: NaN says "unknown", where 0 would claim an empty queue
-            value = self.snapshot.get(field, math.nan)
-            family = CounterMetricFamily if is_counter else GaugeMetricFamily
-            yield family(name, doc, value=value)
+            family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
+                name, doc, labels=["instance"] if labelled else None)
+            for instance, snapshot in self.snapshots.items():
+                # no scheduler yet: NaN says "unknown", where 0 would claim an empty queue
+                value = snapshot.get(field, math.nan)
+                if not labelled:
+                    family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
+                        name, doc, value=value)
+                elif not math.isnan(value) or field in _CORE_FIELDS:
+                    family.add_metric([instance], value)
+            yield family
 
 
 def _text(value: bytes | str) -> str:
@@ -111,6 +144,6 @@ class GatewayMetrics:
         self.scheduler_stats = SchedulerStats()
         r.register(self.scheduler_stats)
 
-    async def render(self, redis: aioredis.Redis, stats_key: str) -> bytes:
-        await self.scheduler_stats.refresh(redis, stats_key)
+    async def render(self, redis: aioredis.Redis, stats_keys: dict[str, str]) -> bytes:
+        await self.scheduler_stats.refresh(redis, stats_keys)
         return generate_latest(self.registry)

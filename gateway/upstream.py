@@ -134,11 +134,15 @@ class Upstream:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
         raise asyncio.CancelledError
 
-    async def missing_services(self, tp: int) -> list[str]:
-        """Which services /health needs but whose heartbeat key has expired."""
+    async def missing_services(self, tp: int,
+                               instances: tuple[tuple[str, int], ...] = ()) -> list[str]:
+        """Which services /health needs but whose heartbeat key has expired: a scheduler,
+        and every worker rank of the colocated engine (or of each P/D instance)."""
         schedulers = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
         missing = [] if schedulers else ["scheduler"]
-        ranks = [self.keys.hb_worker(r) for r in range(tp)]
-        alive = await asyncio.gather(*(self.redis.exists(k) for k in ranks))
-        missing += [f"worker rank {r}" for r in range(tp) if not alive[r]]
+        ranks = [(f"worker rank {r}" if not inst else f"instance {inst} worker rank {r}",
+                  self.keys.for_instance(inst).hb_worker(r))
+                 for inst, degree in (instances or (("", tp),)) for r in range(degree)]
+        alive = await asyncio.gather(*(self.redis.exists(k) for _, k in ranks))
+        missing += [name for (name, _), up in zip(ranks, alive) if not up]
         return missing

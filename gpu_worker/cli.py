@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from shared.engine_args import EngineArgs
-from shared.service_args import add_service_args
+from shared.service_args import add_instance_args, add_service_args
 
 
 def register(sub) -> None:
@@ -12,6 +12,10 @@ def register(sub) -> None:
     EngineArgs.add_cli_args(p)
     add_service_args(p)
     p.add_argument("--rank", type=int, default=0, help="this process's TP rank, 0..tp-1")
+    add_instance_args(p)
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU: torch threads of this rank (default: the cores, shared out "
+                        "among the ranks)")
     p.add_argument("--tp-host", default="127.0.0.1",
                    help="rank 0: the address the other ranks reach it at (torch.distributed)")
     p.set_defaults(run=run)
@@ -32,5 +36,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.rank < engine_args.tp:
         raise PacerError(f"--rank must be in [0, {engine_args.tp}), got {args.rank}")
     layout = engine_layout(engine_args)
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     return run_redis_service(args.redis_url, lambda redis, stop: serve_worker(
-        redis, Keys(args.key_prefix), layout, args.rank, stop, tp_host=args.tp_host))
+        redis, Keys(args.key_prefix).for_instance(args.instance), layout, args.rank, stop, tp_host=args.tp_host))

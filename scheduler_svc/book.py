@@ -114,7 +114,7 @@ class RequestBook:
             return          # else: our own entry handed back to us (a claim); nothing new
         if rid in self._early_aborts:
             del self._early_aborts[rid]
-            self._finish_now(entry_id, msg, "abort", len(output_token_ids or ()))
+            self.finish_now(entry_id, msg, "abort", len(output_token_ids or ()))
             return
         if output_token_ids and self._already_done(entry_id, msg, output_token_ids):
             return
@@ -122,14 +122,28 @@ class RequestBook:
             self.core.add_request(rid, msg.prompt_token_ids, msg.sampling, reply_to=msg.reply_to,
                                   output_token_ids=output_token_ids)
         except InvalidRequestError as e:
-            self._finish_now(entry_id, msg, "error", 0, str(e), "invalid_request_error")
+            self.finish_now(entry_id, msg, "error", 0, str(e), "invalid_request_error")
             return
-        self._entries[rid] = _Entry(entry_id, msg.reply_to, msg.gateway_id)
-        if msg.deadline is not None:
-            heapq.heappush(self._deadlines, (msg.deadline, rid))
+        self.track(entry_id, msg)
         log.info("request admitted to queue", request_id=rid, gateway_id=msg.gateway_id,
                  prompt_tokens=len(msg.prompt_token_ids), max_tokens=msg.sampling.max_tokens,
                  resumed_at=len(output_token_ids or ()))
+
+    def track(self, entry_id: bytes | str, msg: RequestMsg) -> None:
+        """Answer for a request the core holds: its entry, channel and deadline."""
+        self._entries[msg.request_id] = _Entry(entry_id, msg.reply_to, msg.gateway_id)
+        if msg.deadline is not None:
+            heapq.heappush(self._deadlines, (msg.deadline, msg.request_id))
+
+    def aborted_early(self, request_id: str) -> bool:
+        """Whether an abort for this id came before the request (forgotten once asked)."""
+        return self._early_aborts.pop(request_id, False) is None
+
+    def hand_off(self, request_id: str) -> bool:
+        """P/D: the request now belongs to a decode instance; forget it without a finish
+        event or an ack (its entry was XCLAIMed to the new owner)."""
+        self._errors.pop(request_id, None)
+        return self._entries.pop(request_id, None) is not None
 
     def _already_done(self, entry_id: bytes | str, msg: RequestMsg, tokens: list[int]) -> bool:
         """A taken-over request whose last streamed token already ended it (its scheduler
@@ -139,10 +153,10 @@ class RequestBook:
         status = stop_status(probe, self.core.eos_token_ids, self.core.max_model_len)
         if status is None:
             return False
-        self._finish_now(entry_id, msg, status.finish_reason, len(tokens))
+        self.finish_now(entry_id, msg, status.finish_reason, len(tokens))
         return True
 
-    def _finish_now(self, entry_id: bytes | str, msg: RequestMsg, reason: str,
+    def finish_now(self, entry_id: bytes | str, msg: RequestMsg, reason: str,
                     num_output_tokens: int, error: str | None = None,
                     error_type: str = "server_error") -> None:
         event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids),

@@ -5,7 +5,11 @@ import argparse
 import socket
 
 from shared.engine_args import EngineArgs
-from shared.service_args import add_service_args
+from shared.service_args import add_instance_args, add_service_args
+
+
+# measured with bench/disaggregation.py (docs/benchmarks.md#pd-disaggregation)
+DISAGG_MIN_PROMPT_TOKENS = 256
 
 
 def register(sub) -> None:
@@ -19,6 +23,12 @@ def register(sub) -> None:
                    help="pull new requests only while fewer wait (default: --max-num-seqs)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to finish running requests after SIGTERM")
+    add_instance_args(p)
+    p.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
+                   help="P/D: prefill instances take new requests and hand them to decode "
+                        "instances with their K/V (docs/design.md#pd-disaggregation)")
+    p.add_argument("--disagg-min-prompt-tokens", type=int, default=DISAGG_MIN_PROMPT_TOKENS,
+                   help="prefill role: shorter prompts are prefilled on the decode instance")
     p.set_defaults(run=run)
 
 
@@ -38,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     config = SchedulerServiceConfig(
         scheduler_id=args.scheduler_id or socket.gethostname(), tp=engine_args.tp,
         max_waiting=args.max_waiting or engine_args.max_num_seqs,
-        drain_timeout_s=args.drain_timeout)
+        drain_timeout_s=args.drain_timeout, role=args.role, instance=args.instance,
+        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens)
+    keys = Keys(args.key_prefix).for_instance(args.instance)
     return run_redis_service(args.redis_url, lambda redis, stop: serve(
-        redis, Keys(args.key_prefix), build_scheduler(layout), config, stop))
+        redis, keys, build_scheduler(layout), config, stop))

@@ -42,7 +42,8 @@ from redis.exceptions import RedisError
 
 from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.core import Scheduler
-from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recovery
+from scheduler_svc.disagg import DECODE_QUARANTINE_S, DecodeSide, PrefillSide, decoders_from
+from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch
@@ -65,6 +66,18 @@ class SchedulerServiceConfig:
     result_block_ms: int = 500
     drain_timeout_s: float = 30.0
     worker_silence_warn_s: float = 10.0
+    # P/D (docs/design.md#pd-disaggregation): "colocated", "prefill" or "decode"; the engine
+    # instance whose keys this scheduler plans on; prompts shorter than this are prefilled on
+    # the decode instance itself
+    role: str = "colocated"
+    instance: str = ""
+    disagg_min_prompt_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        if self.role not in ("colocated", "prefill", "decode"):
+            raise ValueError(f"--role must be colocated, prefill or decode, got {self.role!r}")
+        if self.role != "colocated" and not self.instance:
+            raise ValueError(f"--role {self.role} needs --instance ID")
 
 
 class SchedulerService:
@@ -74,7 +87,14 @@ class SchedulerService:
         self.book = RequestBook(core)
         self.stats = SchedulerStats()
         self.workers = WorkerWatch(keys, config.tp)
-        self.takeover = Takeover(redis, keys, config.scheduler_id, self.book)
+        self.started_at = time.time()
+        self.prefill = PrefillSide(keys, config.instance, core, self.book,
+                                   config.disagg_min_prompt_tokens) \
+            if config.role == "prefill" else None
+        self.decode = DecodeSide(keys, config.instance, config.scheduler_id, core, self.book,
+                                 self.started_at) if config.role == "decode" else None
+        self.takeover = Takeover(redis, keys, config.scheduler_id, self.book,
+                                 admit=self.prefill.admit if self.prefill else None)
         self.cursors = Cursors()
         self.recovery = Recovery(redis, keys, core, self.book, self.workers, self.takeover,
                                  self.cursors, self._drain_expired)
@@ -89,6 +109,10 @@ class SchedulerService:
         await self.recovery.prepare()
         self.cursors.aborts = await stream_tail_id(self.redis, self.keys.aborts)
         self.cursors.results = await stream_tail_id(self.redis, self.keys.results)
+        if self.prefill is not None:
+            self.prefill.cursor = await stream_tail_id(self.redis, self.keys.reservations)
+        if self.decode is not None:
+            self.decode.cursor = await stream_tail_id(self.redis, self.keys.handoff)
 
     async def start(self, stop: asyncio.Event) -> bool:
         """Wait for the workers, let them finish what a previous scheduler sent, take back
@@ -106,6 +130,8 @@ class SchedulerService:
                 continue
             if taken:
                 log.info("took back unfinished requests", count=taken)
+            if self.decode is not None:
+                await asyncio.sleep(DECODE_QUARANTINE_S)
             return True
 
     async def _barrier(self) -> None:
@@ -124,6 +150,8 @@ class SchedulerService:
                 "read worker heartbeats", lambda: self.redis.mget(self.workers.heartbeat_keys))
             if all(values):
                 self.workers.record(values)
+                if self.decode is not None:
+                    self.decode.set_workers(values)
                 return self._layouts_agree(values)
             if time.monotonic() - logged > 5.0:
                 missing = [r for r, v in enumerate(values) if not v]
@@ -161,14 +189,33 @@ class SchedulerService:
                 if not await self._step():
                     return
             except Interrupted as e:
+                if isinstance(e, RedisLost):
+                    self._forget_disagg_state()
                 if not await self.recovery.recover(e, stop, self.wait_for_workers):
                     return
 
+    def _forget_disagg_state(self) -> None:
+        """Redis restarted empty: reservations and hand-offs in flight went with it."""
+        if self.prefill is not None:
+            self.prefill.forget_all()
+            self.prefill.cursor = "0-0"
+        if self.decode is not None:
+            for rid in list(self.decode._reserved_at):
+                self.core.cancel_reservation(rid)
+            self.decode._reserved_at.clear()
+            self.decode.cursor = "0-0"
+
     async def _step(self) -> bool:
         """Intake, then one iteration if there is work. False: stop serving."""
-        busy = self.core.has_unfinished()
+        busy = self.core.has_schedulable()
         await self._intake(pull=self._drain_deadline is None, block=not busy)
         self.book.expire(time.time())
+        if self.decode is not None:
+            self.decode.expire()
+        if not self.core.has_schedulable():     # nothing, or reservations awaiting their K/V
+            if self._drain_deadline is None:
+                return True
+            return self.core.has_unfinished() and not self._drain_expired()
         if not self.core.has_unfinished():
             return self._drain_deadline is None
         if self._drain_expired():
@@ -180,6 +227,8 @@ class SchedulerService:
     async def _iterate(self) -> bool:
         """One plan out, its result in, the core updated. False: no result will come."""
         plan = self.core.schedule()
+        if self.prefill is not None:
+            plan = self.prefill.add_sends(plan)
         if plan.is_empty and not plan.dropped_request_ids:
             # only aborts of queued requests to report; no worker needs to hear of it
             if not self._apply(plan, StepResult(plan.step, {})):
@@ -200,8 +249,11 @@ class SchedulerService:
     def _apply(self, plan: IterationPlan, result: StepResult) -> int:
         """Update the core; returns how many requests got a token or finished."""
         outputs = self.core.update(plan, result)
+        if self.prefill is not None:
+            self.prefill.observe(result)
         for output in outputs:
-            if output.finished:
+            if output.finished and not (self.prefill is not None
+                                        and self.prefill.finished(output)):
                 self.book.finished(output)
         self.stats.mark_dirty()
         return len(outputs)
@@ -212,10 +264,16 @@ class SchedulerService:
         """Write stats, flush the outbox, read requests and aborts: one round trip."""
         outbox = self.book.take_outbox()
         room = max(0, self.config.max_waiting - self.core.num_waiting) if pull else 0
+        if self.decode is not None:
+            room = 0                 # new requests are the prefill instances'
+        disagg_out = self.prefill.take() if self.prefill is not None else None
+        block_ms = self.config.idle_block_ms if block else None
+        if block and self.prefill is not None and self.prefill.waiting_for_reservations:
+            block_ms = 5             # a reservation may come any moment
         idle = not self.core.has_unfinished()
         # stats go first: a client that saw its request end and then scrapes /metrics must
         # not find the request still holding blocks
-        stats = self.stats.snapshot(self.core) if self.stats.due(idle) else None
+        stats = self.stats_snapshot() if self.stats.due(idle) else None
         gateways = self._housekeeping_due()
         claim = room if gateways is not None else 0
 
@@ -224,14 +282,22 @@ class SchedulerService:
             if stats is not None:
                 pipe.hset(self.keys.stats, mapping=stats)
             self._queue_outbox(pipe, outbox)
+            if disagg_out is not None:
+                self.prefill.queue(pipe, disagg_out)
+            if self.decode is not None:
+                self.decode.queue(pipe)
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
             if claim:
                 self.takeover.queue_claim(pipe, claim)
+            # replies read back from the end: every command below returns one
+            if disagg_out is not None:
+                pipe.xread({self.keys.reservations: self.prefill.cursor}, count=1000)
+            if self.decode is not None:
+                pipe.xread({self.keys.handoff: self.decode.cursor}, count=1000, block=block_ms)
             if room:
                 pipe.xreadgroup(self.keys.requests_group, self.config.scheduler_id,
-                                {self.keys.requests: ">"}, count=room,
-                                block=self.config.idle_block_ms if block else None)
+                                {self.keys.requests: ">"}, count=room, block=block_ms)
             pipe.xread({self.keys.aborts: self.cursors.aborts}, count=1000)
             return await pipe.execute()
 
@@ -240,14 +306,33 @@ class SchedulerService:
             replies = await self.recovery.retrying("intake", exchange)
         except Interrupted:          # RedisLost
             self.book.put_back(outbox)
+            if disagg_out is not None:
+                self.prefill.put_back(disagg_out)
             raise
         self._receive_aborts(replies.pop())
         if room:
             self._receive_requests(replies.pop())
+        if self.decode is not None:
+            self.decode.receive(replies.pop())
+        if disagg_out is not None:
+            self.prefill.receive_reservations(replies.pop())
         if claim:
             await self._resume_claimed(self.takeover.claimed(replies.pop()))
         if gateways:
             self._check_gateways(gateways, replies.pop())
+        if self.prefill is not None:
+            if gateways is not None:
+                await self._find_decoders()
+            else:
+                self.prefill.retry()
+
+    async def _find_decoders(self) -> None:
+        """The decode instances alive now, from the scheduler heartbeats."""
+        async def scan() -> list:
+            keys = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
+            return await self.redis.mget(keys) if keys else []
+        self.prefill.housekeeping(decoders_from(await self.recovery.retrying("find decoders",
+                                                                             scan)))
 
     def _housekeeping_due(self) -> list[str] | None:
         """The gateways to check when housekeeping is due this intake, else None."""
@@ -267,7 +352,10 @@ class SchedulerService:
     def _receive_requests(self, reply) -> None:
         for _, stream_entries in reply or []:
             for entry_id, fields in stream_entries:
-                self.book.receive(entry_id, fields)
+                if self.prefill is None:
+                    self.book.receive(entry_id, fields)
+                elif (msg := self.book.decode(entry_id, fields)) is not None:
+                    self.prefill.admit(entry_id, msg)
 
     async def _resume_claimed(self, entries: list) -> None:
         if entries:
@@ -380,13 +468,19 @@ class SchedulerService:
             pipe = self.redis.pipeline(transaction=False)
             self._queue_outbox(pipe, outbox)
             await pipe.execute()
-        await self.redis.hset(self.keys.stats, mapping=self.stats.snapshot(self.core))
+        await self.redis.hset(self.keys.stats, mapping=self.stats_snapshot())
+
+    def stats_snapshot(self) -> dict[str, float]:
+        role = self.prefill or self.decode
+        return {**self.stats.snapshot(self.core), **(role.stats() if role else {})}
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat("scheduler", self.config.scheduler_id, time.time(), {
             "pid": os.getpid(), "num_kv_blocks": self.core.block_manager.num_total_blocks,
             "running": self.core.num_running, "waiting": self.core.num_waiting,
-            "iterations": self.stats.num_plans_sent})
+            "iterations": self.stats.num_plans_sent, "role": self.config.role,
+            "instance": self.config.instance, "started_at": self.started_at,
+            "free_blocks": self.core.block_manager.num_free_blocks})
 
 
 def _decode_result(fields: dict) -> StepResult | None:

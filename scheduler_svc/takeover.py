@@ -36,8 +36,11 @@ PENDING_BATCH = 256
 
 class Takeover:
     def __init__(self, redis: aioredis.Redis, keys: Keys, consumer: str,
-                 book: RequestBook) -> None:
+                 book: RequestBook, admit=None) -> None:
+        """`admit(entry_id, msg, output_token_ids)`: where a taken-over request goes
+        (default: the book; a P/D prefill instance routes it first)."""
         self.redis, self.keys, self.consumer, self.book = redis, keys, consumer, book
+        self.admit = admit or book.admit
         self.claim_cursor: bytes | str = "0-0"
 
     async def take_back_pending(self) -> int:
@@ -83,7 +86,7 @@ class Takeover:
     def _resume_one(self, entry_id: bytes | str, msg: RequestMsg, tokens: list[int]) -> None:
         log.info("request taken over", request_id=msg.request_id,
                  tokens_already_streamed=len(tokens))
-        self.book.admit(entry_id, msg, output_token_ids=tokens)
+        self.admit(entry_id, msg, output_token_ids=tokens)
 
     async def keep_leases(self) -> None:
         """Until cancelled: keep this scheduler's live entries from looking abandoned."""

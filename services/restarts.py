@@ -15,23 +15,25 @@ import redis
 import structlog
 
 from services.supervisor import Child, Supervisor, describe_exit, stop_child, wait_quietly
-from shared.keys import Keys
 
 log = structlog.get_logger("restarts")
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
-WORKER_PREFIX = "worker rank "
 
 
 class Restarter:
-    def __init__(self, sup: Supervisor, redis_url: str, keys: Keys, scheduler_id: str) -> None:
-        self.sup, self.redis_url, self.keys, self.scheduler_id = sup, redis_url, keys, scheduler_id
+    def __init__(self, sup: Supervisor, redis_url: str, heartbeat_keys: dict[str, str],
+                 groups: dict[str, str]) -> None:
+        """`heartbeat_keys`: child name -> its heartbeat key; `groups`: child name -> the
+        group it restarts with (the ranks of one TP group)."""
+        self.sup, self.redis_url = sup, redis_url
+        self.heartbeat_keys, self.groups = heartbeat_keys, groups
         self._recent: dict[str, deque[float]] = {}
 
     def handle(self, child: Child, stopping) -> bool:
         """Restart `child` (and its group); False if it died too often to try again."""
-        service = "worker group" if child.name.startswith(WORKER_PREFIX) else child.name
+        service = self.groups.get(child.name, child.name)
         recent = self._recent.setdefault(service, deque())
         now = time.monotonic()
         while recent and now - recent[0] > RESTART_WINDOW_S:
@@ -55,13 +57,13 @@ class Restarter:
         return True
 
     def _group(self, child: Child) -> list[Child]:
-        if not child.name.startswith(WORKER_PREFIX):
+        group = self.groups.get(child.name)
+        if group is None:
             return [child]
-        return [c for c in self.sup.children if c.name.startswith(WORKER_PREFIX)]
+        return [c for c in self.sup.children if self.groups.get(c.name) == group]
 
     def _forget_heartbeats(self, group: list[Child]) -> None:
-        keys = [self._heartbeat_key(c.name) for c in group]
-        keys = [k for k in keys if k is not None]
+        keys = [self.heartbeat_keys[c.name] for c in group if c.name in self.heartbeat_keys]
         if not keys:
             return
         client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0,
@@ -72,10 +74,3 @@ class Restarter:
             log.warning("heartbeat keys not deleted", keys=keys, error=str(e))
         finally:
             client.close()
-
-    def _heartbeat_key(self, name: str) -> str | None:
-        if name.startswith(WORKER_PREFIX):
-            return self.keys.hb_worker(int(name.removeprefix(WORKER_PREFIX)))
-        if name == "scheduler":
-            return self.keys.hb_scheduler(self.scheduler_id)
-        return None

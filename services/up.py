@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from dataclasses import fields
+from dataclasses import dataclass, fields, replace
 from urllib.parse import urlsplit
 
 import structlog
@@ -51,7 +51,49 @@ def register(sub) -> None:
                    help="seconds to wait for /health to turn 200")
     add_request_policy_args(p)
     p.add_argument("--log-level", default="info")
+    g = p.add_argument_group("P/D disaggregation (docs/design.md#pd-disaggregation)")
+    g.add_argument("--prefill-workers", type=int, default=0,
+                   help="prefill instances (with --decode-workers; default: colocated)")
+    g.add_argument("--decode-workers", type=int, default=0, help="decode instances")
+    g.add_argument("--prefill-tp", type=int, default=None, help="TP degree of each prefill "
+                   "instance (default: --tp)")
+    g.add_argument("--decode-tp", type=int, default=None, help="TP degree of each decode "
+                   "instance (default: --tp)")
+    g.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
+                   help="shorter prompts are prefilled on the decode instance itself")
+    g.add_argument("--prefill-threads", type=int, default=None,
+                   help="CPU: torch threads of each prefill worker (default: shared out)")
+    g.add_argument("--decode-threads", type=int, default=None,
+                   help="CPU: torch threads of each decode worker")
     p.set_defaults(run=run)
+
+
+@dataclass(frozen=True)
+class Instance:
+    """One engine instance `pacer up` starts: its id ("" colocated), role and TP degree."""
+    id: str
+    role: str
+    tp: int
+    threads: int | None = None
+
+    def name(self, service: str) -> str:
+        return f"{self.id} {service}" if self.id else service
+
+
+def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]:
+    p, d = args.prefill_workers, args.decode_workers
+    if not p and not d:
+        return [Instance("", "colocated", engine.tp)]
+    if p < 1 or d < 1:
+        raise PacerError(f"P/D needs at least one of each: --prefill-workers {p} "
+                         f"--decode-workers {d}")
+    ptp, dtp = args.prefill_tp or engine.tp, args.decode_tp or engine.tp
+    if ptp != dtp:
+        raise PacerError(f"--prefill-tp {ptp} and --decode-tp {dtp} differ: a prefill rank "
+                         "sends its K/V heads to the decode rank of the same index, so both "
+                         "sides need the same TP degree")
+    return ([Instance(f"p{i}", "prefill", ptp, args.prefill_threads) for i in range(p)]
+            + [Instance(f"d{i}", "decode", dtp, args.decode_threads) for i in range(d)])
 
 
 def engine_flags(args: EngineArgs) -> list[str]:
@@ -126,23 +168,57 @@ def scheduler_id() -> str:
     return socket.gethostname()
 
 
-def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> list[tuple[str, list[str]]]:
+def instance_scheduler_id(instance: Instance) -> str:
+    return f"{scheduler_id()}-{instance.id}" if instance.id else scheduler_id()
+
+
+@dataclass
+class Services:
+    """The children `pacer up` starts, in start order, and what a restart needs of them."""
+    argvs: list[tuple[str, list[str]]]
+    heartbeat_keys: dict[str, str]
+    groups: dict[str, str]              # child name -> the group it restarts with
+
+
+def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
     common = ["--redis-url", args.redis_url, "--key-prefix", args.key_prefix,
               "--log-level", args.log_level]
-    flags = engine_flags(engine)
+    keys = Keys(args.key_prefix)
+    instances = instances_of(args, engine)
     gateway = ["gateway", "--host", args.host, "--port", str(args.port), "--tp", str(engine.tp),
                *common]
+    if instances[0].id:
+        gateway += ["--instances", ",".join(f"{i.id}:{i.tp}" for i in instances)]
     for name in ("model", "max_model_len", *POLICY_FLAGS):
         value = getattr(args, name)
         if value is not None:
             gateway += [f"--{name.replace('_', '-')}", str(value)]
-    # stopped in reverse: the gateway first, the scheduler drains while workers still run
-    return [*[(f"worker rank {r}", pacer_argv("worker", "--rank", str(r), *flags, *common))
-              for r in range(engine.tp)],
-            ("scheduler", pacer_argv("scheduler", *flags, *common, "--scheduler-id",
-                                     scheduler_id(), "--drain-timeout",
-                                     str(args.shutdown_timeout))),
-            ("gateway", pacer_argv(*gateway))]
+    workers, schedulers, heartbeats, groups = [], [], {}, {}
+    for inst in instances:
+        ikeys = keys.for_instance(inst.id)
+        flags = engine_flags(replace(engine, tp=inst.tp, kv_connector="mooncake")
+                             if inst.id else engine)
+        where = ["--instance", inst.id] if inst.id else []
+        for r in range(inst.tp):
+            name = inst.name(f"worker rank {r}")
+            argv = pacer_argv("worker", "--rank", str(r), *flags, *where, *common)
+            if inst.threads:
+                argv += ["--threads", str(inst.threads)]
+            workers.append((name, argv))
+            heartbeats[name] = ikeys.hb_worker(r)
+            groups[name] = inst.name("worker group")
+        name, sid = inst.name("scheduler"), instance_scheduler_id(inst)
+        argv = pacer_argv("scheduler", *flags, *common, *where, "--scheduler-id", sid,
+                          "--drain-timeout", str(args.shutdown_timeout))
+        if inst.id:
+            argv += ["--role", inst.role]
+            if args.disagg_min_prompt_tokens is not None:
+                argv += ["--disagg-min-prompt-tokens", str(args.disagg_min_prompt_tokens)]
+        schedulers.append((name, argv))
+        heartbeats[name] = keys.hb_scheduler(sid)
+    # stopped in reverse: the gateway first, the schedulers drain while workers still run
+    return Services([*workers, *schedulers, ("gateway", pacer_argv(*gateway))], heartbeats,
+                    groups)
 
 
 def _health(base_url: str) -> tuple[int | None, dict]:
@@ -223,7 +299,8 @@ def run(args: argparse.Namespace) -> int:
             start_redis(sup, host, port, url.password)
         redis_note = describe_redis(args.redis_url, started)
         log.info("redis", redis=redis_note, started_here=started)
-        for name, argv in _service_argvs(args, engine):
+        services = _service_argvs(args, engine)
+        for name, argv in services.argvs:
             sup.start(name, argv)
         http_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
         base_url = f"http://{http_host}:{args.port}"
@@ -234,7 +311,7 @@ def run(args: argparse.Namespace) -> int:
                   f"(Ctrl-C to stop)\npacer up: {redis_note}")
         # among the services' logs at a terminal, set the line apart
         print(f"\n{banner}\n" if sys.stdout.isatty() else banner, flush=True)
-        restarter = Restarter(sup, args.redis_url, Keys(args.key_prefix), scheduler_id())
+        restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups)
         return _watch(sup, stopping, restarter)
     finally:
         _stop(sup, args.shutdown_timeout)

@@ -7,6 +7,8 @@ Who sends what (key names in `shared/keys.py`):
 
     gateway   --RequestMsg-->  requests stream  --> scheduler (consumer group)
     gateway   --AbortMsg---->  aborts stream    --> every scheduler
+    P/D: prefill scheduler --ReserveMsg/HandoffMsg/CancelMsg--> a decode instance's handoff
+         stream; decode scheduler --ReservedMsg--> the prefill instance's reservations stream
     scheduler --PlanMsg----->  plans stream     --> worker rank 0
     worker 0  --StepResultMsg> results stream   --> scheduler
     worker 0  --TokenBatch-->  tokens:{gateway} --> gateway (one per iteration per gateway)
@@ -216,6 +218,52 @@ class FinishEvent(_Plain):
                                 f"got {self.finish_reason!r}")
 
 
+# ---- P/D hand-off (docs/design.md#pd-disaggregation) --------------------------------------
+
+@_kind("reserve")
+@dataclass(frozen=True)
+class ReserveMsg(_Plain):
+    """Prefill instance -> a decode instance's handoff stream: hold blocks for this prompt."""
+    request: bytes                   # the encoded RequestMsg
+    prefill_instance: str
+
+
+@_kind("reserved")
+@dataclass(frozen=True)
+class ReservedMsg(_Plain):
+    """Decode instance -> the prefill instance's reservations stream: where to write, or why
+    not (`error`; empty block_ids)."""
+    request_id: str
+    decode_instance: str
+    decode_consumer: str             # its scheduler's consumer name (the XCLAIM target)
+    block_ids: list[int]
+    peers: list[dict]                # the KV connector descriptor of each decode rank
+    incarnation: float               # the decode scheduler's start time
+    error: str = ""
+
+
+@_kind("handoff")
+@dataclass(frozen=True)
+class HandoffMsg(_Plain):
+    """Prefill instance -> decode instance: the request is yours (its request-stream entry
+    was XCLAIMed to you in the same pipeline). `output_token_ids`: what its client already
+    has (the first token, or none for a short prompt the decode side prefills itself);
+    `kv_received`: the sessions its prompt's K/V were written into, one per rank (empty:
+    recompute)."""
+    request: bytes                   # the encoded RequestMsg
+    entry_id: str                    # its entry in the requests stream
+    output_token_ids: list[int]
+    kv_received: list[str]
+
+
+@_kind("cancel")
+@dataclass(frozen=True)
+class CancelMsg(_Plain):
+    """Prefill instance -> decode instance: free the reservation, the request is not coming."""
+    request_id: str
+    reason: str = ""
+
+
 @_kind("heartbeat")
 @dataclass(frozen=True)
 class Heartbeat(_Plain):
@@ -225,7 +273,8 @@ class Heartbeat(_Plain):
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-Message = RequestMsg | AbortMsg | PlanMsg | StepResultMsg | TokenBatch | FinishEvent | Heartbeat
+Message = (RequestMsg | AbortMsg | PlanMsg | StepResultMsg | TokenBatch | FinishEvent | Heartbeat
+           | ReserveMsg | ReservedMsg | HandoffMsg | CancelMsg)
 
 
 def encode(msg: Message) -> bytes:
@@ -270,6 +319,12 @@ def summary_fields(msg: Message) -> dict[str, int | str]:
         return {"step": msg.result.step, "sampled": len(msg.result.sampled)}
     if isinstance(msg, RequestMsg):
         return {"request_id": msg.request_id, "prompt_tokens": len(msg.prompt_token_ids)}
+    if isinstance(msg, (ReservedMsg, CancelMsg)):
+        return {"kind": msg.KIND, "request_id": msg.request_id}
+    if isinstance(msg, (ReserveMsg, HandoffMsg)):
+        inner = decode(msg.request)
+        return {"kind": msg.KIND, "request_id": inner.request_id,
+                "prompt_tokens": len(inner.prompt_token_ids)}
     return {}
 
 

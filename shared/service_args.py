@@ -17,3 +17,11 @@ def add_redis_args(p: argparse.ArgumentParser) -> None:
 def add_service_args(p: argparse.ArgumentParser) -> None:
     add_redis_args(p)
     p.add_argument("--log-level", default="info")
+
+
+def add_instance_args(p: argparse.ArgumentParser) -> None:
+    """The engine instance a scheduler or worker belongs to (docs/design.md#pd-disaggregation):
+    its plans, results, stats and worker heartbeats live under `pacer:inst:{id}:`."""
+    p.add_argument("--instance", default="",
+                   help="engine instance id (P/D: one per prefill or decode instance; "
+                        "default: the colocated engine)")

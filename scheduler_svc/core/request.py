@@ -55,6 +55,9 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
     reply_to: str = ""                       # served mode: the gateway's token channel
+    # P/D decode side: set when the K/V of the prompt arrived from a prefill instance, until
+    # the workers have been told of the request (docs/design.md#pd-disaggregation)
+    kv_received: list[str] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -67,7 +67,9 @@ class _Iteration:
             request_id=request.request_id, token_ids=request.all_token_ids,
             num_prompt_tokens=request.num_prompt_tokens, sampling=request.sampling,
             block_table=list(request.block_table),
-            num_computed_tokens=request.num_computed_tokens, reply_to=request.reply_to))
+            num_computed_tokens=request.num_computed_tokens, reply_to=request.reply_to,
+            kv_received=request.kv_received or []))
+        request.kv_received = None
         self._add(request, rows)
 
     def _add(self, request: Request, rows: int) -> None:
@@ -95,6 +97,8 @@ class Scheduler:
         self._finished_ids: list[str] = []           # workers drop these with the next plan
         self._preempted_ids: list[str] = []          # ...and these, recomputed later
         self._aborted: list[RequestOutput] = []      # reported by the next update()
+        # P/D decode side: blocks held for prompts a prefill instance is computing
+        self._reserved: dict[str, Request] = {}
         self._num_arrivals = 0
         self._next_step = 0
         self._in_flight: tuple[int, list[tuple[Request, int]]] | None = None
@@ -124,11 +128,72 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
             self._finished_ids.append(request_id)   # workers hold its state
+        elif self._reserved.pop(request_id, None) is not None:
+            pass                                    # held blocks only
         else:
             self._waiting.remove(request)           # never sent, or dropped at preemption
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self._aborted.append(_output(request, []))
+
+    # ---- P/D: the decode side (docs/design.md#pd-disaggregation) -------------------------
+
+    def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                reply_to: str = "") -> list[int] | None:
+        """Hold the blocks a prompt's K/V will be written into by a prefill instance, plus
+        room for the first decode. Returns the block ids (the same ones again for an id
+        already reserved), or None when the pool has no room now. InvalidRequestError if
+        the request could never be served here."""
+        held = self._reserved.get(request_id)
+        if held is not None:
+            return list(held.block_table)
+        self._validate(request_id, prompt_token_ids, sampling)
+        request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
+                          reply_to=reply_to)
+        if self.block_manager.allocate(request, len(prompt_token_ids) + 1) is None:
+            return None
+        self._num_arrivals += 1
+        self._requests[request_id] = request
+        self._reserved[request_id] = request
+        return list(request.block_table)
+
+    def activate(self, request_id: str, first_token_id: int,
+                 kv_received: list[str] | None) -> None:
+        """A reserved request handed over with its first token: with `kv_received` (the
+        prompt's K/V arrived) it runs on as a decode; without, its K/V did not arrive and it
+        is recomputed here from prompt + first token, like a preempted request."""
+        request = self._reserved.pop(request_id)
+        request.output_token_ids.append(first_token_id)
+        if kv_received:
+            request.num_computed_tokens = request.num_prompt_tokens
+            request.kv_received = list(kv_received)
+            request.status = RequestStatus.RUNNING
+            self._running.append(request)
+            return
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        self.policy.requeue_preempted(self._waiting, request)
+
+    def cancel_reservation(self, request_id: str) -> bool:
+        """Free a reservation whose request will not come (its prefill side gave it up)."""
+        request = self._reserved.pop(request_id, None)
+        if request is None:
+            return False
+        self.block_manager.free(request)
+        del self._requests[request_id]
+        return True
+
+    def is_reserved(self, request_id: str) -> bool:
+        return request_id in self._reserved
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    def has_schedulable(self) -> bool:
+        """Work a plan can carry now: running or waiting requests, or aborts to report
+        (reservations wait for their K/V)."""
+        return bool(self._running) or bool(self._waiting) or bool(self._aborted)
 
     def recompute_running(self) -> list[str]:
         """The workers lost their KV cache (a worker died): forget the plan in flight and send
@@ -141,6 +206,7 @@ class Scheduler:
         for request in reversed(lost):       # each goes to the front: admission order kept
             self.block_manager.free(request)
             request.num_computed_tokens = 0
+            request.kv_received = None
             request.status = RequestStatus.PREEMPTED
             self.policy.requeue_preempted(self._waiting, request)
         self.block_manager.reset_prefix_cache()
@@ -241,7 +307,10 @@ class Scheduler:
             new_block_ids = self._allocate_or_preempt(request, rows, index, iteration)
             if new_block_ids is None:
                 return          # it preempted itself, so it was the last one running
-            iteration.add_cached(request, rows, new_block_ids)
+            if request.kv_received is not None:
+                iteration.add_new(request, rows)    # handed over: new to the workers
+            else:
+                iteration.add_cached(request, rows, new_block_ids)
             index += 1
 
     def _chunk_rows(self, request: Request, iteration: _Iteration) -> int:
@@ -273,6 +342,7 @@ class Scheduler:
         self._running.remove(victim)
         self.block_manager.free(victim)
         victim.num_computed_tokens = 0
+        victim.kv_received = None
         victim.status = RequestStatus.PREEMPTED
         self.policy.requeue_preempted(self._waiting, victim)
         iteration.preempted_ids.append(victim.request_id)

@@ -1,0 +1,176 @@
+"""P/D disaggregation, measured served (docs/design.md#pd-disaggregation): steady decode
+streams while ~1.5k-token prompts arrive, on the default model, two ways in one run:
+
+- colocated: `pacer up` with chunked prefill at the defaults, its worker on every core;
+- P/D: `pacer up --prefill-workers 1 --decode-workers 1`, one core per pool's worker.
+
+Every token is stamped at the client when its SSE chunk arrives. Reported per mode: the decode
+streams' median and worst inter-token gap (and worst/median), the long prompts' TTFT; for
+P/D, the KV bytes and transfer ms per long prompt, the transfer's GB/s and the share of it
+hidden behind the prefill (1 - exposed / send time, from the prefill instance's counters).
+
+    python bench/disaggregation.py [--streams 6] [--long-len 1500] [--long-at 3,9]
+        [--repeats 1] [--json out.json] [--plot docs/disaggregation.png]
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import aiohttp  # noqa: E402
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+
+from bench.common import print_table, random_prompts, write_json  # noqa: E402
+from bench.served_vs_inprocess import start_served  # noqa: E402
+from services.bench_client import ApiTarget, SendOptions, send_request  # noqa: E402
+from services.bench_dataset import BenchRequest  # noqa: E402
+from shared.cpu import cpu_flags  # noqa: E402
+from shared.engine_args import EngineArgs  # noqa: E402
+from shared.keys import Keys  # noqa: E402
+from shared.model_config import load_model_config  # noqa: E402
+from shared.model_source import resolve_model  # noqa: E402
+
+MODES = {
+    "colocated": (),
+    "pd": ("--prefill-workers", "1", "--decode-workers", "1", "--prefill-threads", "1",
+           "--decode-threads", "1"),
+}
+
+
+async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]],
+                  long_at: list[float], args) -> dict:
+    target = ApiTarget(base_url, "/v1/completions", "smollm2-135m")
+    opts = SendOptions(temperature=0.0, ignore_eos=True, timeout_s=600.0)
+    async with aiohttp.ClientSession() as session:
+        async def later(req: BenchRequest, at: float):
+            await asyncio.sleep(at)
+            return await send_request(session, target, req, opts)
+        tasks = [later(BenchRequest(p, len(p), args.stream_tokens), 0.0) for p in streams]
+        tasks += [later(BenchRequest(p, len(p), args.long_tokens), at)
+                  for p, at in zip(longs, long_at)]
+        results = await asyncio.gather(*tasks)
+    bad = [r.error for r in results if not r.success]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
+    stream_results, long_results = results[:len(streams)], results[len(streams):]
+    if not streams:                 # the warm-up
+        return {}
+    gaps = np.array([g for r in stream_results for g in r.itl]) * 1e3
+    timeline = [(r.sent_at + r.ttft + np.cumsum([0.0, *r.itl])).tolist() for r in stream_results]
+    return {"gap_median_ms": float(np.median(gaps)), "gap_p99_ms": float(np.percentile(gaps, 99)),
+            "gap_max_ms": float(gaps.max()),
+            "gap_max_over_median": float(gaps.max() / np.median(gaps)),
+            "long_ttft_ms": [r.ttft * 1e3 for r in long_results],
+            "long_sent_at": [r.sent_at for r in long_results], "timeline": timeline}
+
+
+def transfer_figures(redis_url: str, longs: int) -> dict:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        raw = client.hgetall(Keys().for_instance("p0").stats)
+    finally:
+        client.close()
+    s = {k.decode(): float(v) for k, v in raw.items()}
+    sent, send_s = s.get("kv_transfer_bytes_total", 0.0), s.get("kv_transfer_seconds_total", 0.0)
+    exposed = s.get("kv_transfer_exposed_seconds_total", 0.0)
+    return {"kv_bytes_per_long_prompt": sent / max(longs, 1),
+            "transfer_ms_per_long_prompt": send_s * 1e3 / max(longs, 1),
+            "exposed_ms_per_long_prompt": exposed * 1e3 / max(longs, 1),
+            "transfer_gb_per_s": sent / send_s / 1e9 if send_s else None,
+            "hidden_share": 1.0 - exposed / send_s if send_s else None,
+            "handoffs": s.get("handoffs_total", 0.0),
+            "kv_failures": s.get("kv_transfer_failures_total", 0.0)}
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for run, colour in zip(runs, ("C0", "C2")):
+        t0 = min(t[0] for t in run["timeline"])
+        for i, t in enumerate(run["timeline"]):
+            t = np.array(t) - t0
+            ax.plot(t[1:], np.diff(t) * 1e3, ".", ms=3, color=colour,
+                    label=run["mode"] if i == 0 else None)
+        for at in run["long_sent_at"]:
+            ax.axvline(at - t0, color=colour, ls=":", lw=0.8)
+    ax.set(yscale="log", xlabel="seconds since the streams started",
+           ylabel="decode inter-token gap (ms)",
+           title="decode streams while ~1.5k-token prompts arrive (dotted)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=6)
+    ap.add_argument("--stream-tokens", type=int, default=96)
+    ap.add_argument("--long-len", type=int, default=1500)
+    ap.add_argument("--long-tokens", type=int, default=4)
+    ap.add_argument("--long-at", default="3,9", help="seconds after the streams start")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    long_at = [float(x) for x in args.long_at.split(",")]
+    cfg = load_model_config(resolve_model(None))
+    avoid = tuple(cfg.eos_token_ids)
+    engine = EngineArgs(dtype=args.dtype, kv_cache_memory="512MiB")
+    rows, runs = [], []
+    logs = tempfile.mkdtemp(prefix="pacer-disagg-")
+    for rep in range(args.repeats):
+        streams = random_prompts(args.streams, 16, 48, cfg.vocab_size, rep, avoid)
+        longs = random_prompts(len(long_at), args.long_len - 100, args.long_len + 100,
+                               cfg.vocab_size, 100 + rep, avoid)
+        for mode, flags in MODES.items():
+            system = start_served(engine, "smollm2-135m", os.path.join(logs, f"{mode}-{rep}.log"),
+                                  flags)
+            try:
+                warm = random_prompts(1, args.long_len, args.long_len, cfg.vocab_size, 999, avoid)
+                asyncio.run(one_run(system.base_url, [], warm, [0.0], args))   # warm-up
+                base = transfer_figures(system.redis_url, 1) if mode == "pd" else {}
+                run = asyncio.run(one_run(system.base_url, streams, longs, long_at, args))
+                time.sleep(0.5)                          # the last stats write
+                figures = transfer_figures(system.redis_url, 1) if mode == "pd" else {}
+                if figures:      # minus the warm-up's prompt
+                    n = len(longs)
+                    for k in ("kv_bytes_per_long_prompt", "transfer_ms_per_long_prompt",
+                              "exposed_ms_per_long_prompt"):
+                        figures[k] = (figures[k] - base[k]) / n
+            finally:
+                system.stop()
+            run["mode"] = mode
+            runs.append(run)
+            rows.append({"repeat": rep, "mode": mode,
+                         **{k: v for k, v in run.items() if k.startswith("gap")},
+                         "long_ttft_median_ms": float(np.median(run["long_ttft_ms"])),
+                         **figures})
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    print(f"{args.streams} decode streams x {args.stream_tokens} tokens, prompts of "
+          f"~{args.long_len} tokens at {args.long_at} s, dtype {args.dtype}, "
+          f"{os.cpu_count()} cores, CPU flags {' '.join(flags)}; logs in {logs}")
+    print_table(rows, ["repeat", "mode", "gap_median_ms", "gap_p99_ms", "gap_max_ms",
+                       "gap_max_over_median", "long_ttft_median_ms"])
+    pd = [r for r in rows if r["mode"] == "pd"]
+    print_table(pd, ["repeat", "kv_bytes_per_long_prompt", "transfer_ms_per_long_prompt",
+                     "exposed_ms_per_long_prompt", "transfer_gb_per_s", "hidden_share",
+                     "handoffs", "kv_failures"])
+    write_json(args.json, {"rows": rows, "args": vars(args), "cpu_flags": flags})
+    if args.plot:
+        plot(runs[:len(MODES)], args.plot)
+
+
+if __name__ == "__main__":
+    main()

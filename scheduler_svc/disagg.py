@@ -1,0 +1,476 @@
+"""P/D disaggregation in the scheduler service: what a prefill instance and a decode instance
+do beyond the colocated loop (docs/design.md#pd-disaggregation).
+
+A request's life, and who owns its entry in the requests stream at each point:
+
+    gateway        XADD requests                                   (pending: nobody yet)
+    prefill P      XREADGROUP: the entry is P's. A prompt shorter than
+                   --disagg-min-prompt-tokens is handed over at once (below).
+                   Otherwise XADD ReserveMsg -> decode D's handoff stream
+    decode D       allocates blocks for prompt + 1 token, XADD ReservedMsg -> P
+    prefill P      admits the request with max_tokens 1; every plan carries KV sends for the
+                   blocks its chunk fills (layer by layer, into D's reserved blocks); the
+                   worker streams the first token to the client and answers once the sends
+                   are done
+    prefill P      one pipeline: XCLAIM the entry to D's consumer name, XADD HandoffMsg
+                   (first token, the sessions written into) -> D; the core already freed P's
+                   blocks (the sends completed before the result came)
+    decode D       the reserved request becomes a running decode at num_computed_tokens =
+                   prompt length (or, when its K/V did not all arrive, is recomputed here)
+                   and ends like any request: finish event, XACK of the entry
+
+Every failure falls back on the rules of the colocated service: an entry is owned by exactly
+one live scheduler, which resumes it from its progress record if it restarts (`takeover.py`),
+and K/V that may be missing is recomputed, never trusted.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import structlog
+
+from scheduler_svc.book import RequestBook
+from scheduler_svc.core import Scheduler
+from scheduler_svc.core.request import Request, stop_status
+from shared.errors import InvalidRequestError
+from shared.keys import Keys
+from shared.outputs import RequestOutput
+from shared.plan import IterationPlan, KVSend, StepResult
+from shared.protocol import (CancelMsg, HandoffMsg, Heartbeat, ProtocolError, RequestMsg,
+                             ReservedMsg, ReserveMsg, decode, encode, from_fields, to_fields)
+
+log = structlog.get_logger("scheduler.disagg")
+
+HANDOFF_MAXLEN = 100_000
+RESERVE_RETRY_S = 5.0          # no answer to a ReserveMsg: ask again (maybe another instance)
+NO_ROOM_RETRY_S = 0.2          # the decode instance had no room: ask again this soon
+# a new decode scheduler waits this long before its first plan: a prefill worker still writing
+# into blocks its predecessor reserved has finished that iteration and seen the restart
+DECODE_QUARANTINE_S = 2.0
+RESERVATION_TTL_S = 600.0      # a reservation nobody handed over nor cancelled is freed
+NO_ROOM = "no free KV blocks"
+
+
+@dataclass
+class _Decoder:
+    """A decode instance as its scheduler's heartbeat describes it."""
+    instance: str
+    consumer: str
+    free_blocks: int
+    running: int
+    started_at: float
+
+
+@dataclass
+class _Reservation:
+    decode_instance: str
+    decode_consumer: str
+    block_ids: list[int]
+    peers: list[dict]
+    incarnation: float
+    sent_ok: bool = True           # every send so far completed
+
+
+@dataclass
+class _Pending:
+    """A long prompt waiting for a decode instance's reservation."""
+    entry_id: bytes | str
+    msg: RequestMsg
+    output_token_ids: list[int]
+    asked: str = ""                # the decode instance asked
+    asked_at: float = 0.0
+
+
+@dataclass
+class Outgoing:
+    """What the prefill side owes Redis after an iteration."""
+    reserves: list[tuple[str, ReserveMsg]] = field(default_factory=list)   # (instance, msg)
+    cancels: list[tuple[str, CancelMsg]] = field(default_factory=list)
+    handoffs: list[tuple[str, str, bytes | str, HandoffMsg]] = field(default_factory=list)
+
+
+def stream_messages(reply) -> Iterator[tuple[bytes | str, object]]:
+    """(entry id, message) of an XREAD reply; an undecodable entry is logged and skipped
+    (its id still comes, as None's, so the cursor moves past it)."""
+    for _, entries in reply or []:
+        for entry_id, fields in entries:
+            try:
+                yield entry_id, from_fields(fields)
+            except ProtocolError as e:
+                log.error("undecodable P/D message skipped", error=str(e))
+                yield entry_id, None
+
+
+def decoders_from(values: list[bytes | None]) -> dict[str, _Decoder]:
+    """Decode instances among scheduler heartbeat values."""
+    found = {}
+    for value in values:
+        if not value:
+            continue
+        try:
+            beat = decode(value)
+        except ProtocolError:
+            continue
+        extra = getattr(beat, "extra", {})
+        if isinstance(beat, Heartbeat) and extra.get("role") == "decode":
+            found[extra["instance"]] = _Decoder(extra["instance"], beat.id,
+                                                int(extra.get("free_blocks", 0)),
+                                                int(extra.get("running", 0)),
+                                                float(extra.get("started_at", 0.0)))
+    return found
+
+
+class PrefillSide:
+    def __init__(self, keys: Keys, instance: str, core: Scheduler, book: RequestBook,
+                 min_prompt_tokens: int) -> None:
+        self.keys, self.instance, self.core, self.book = keys, instance, core, book
+        self.min_prompt_tokens = min_prompt_tokens
+        self.decoders: dict[str, _Decoder] = {}
+        self._promised: dict[str, int] = {}          # blocks asked of each since its heartbeat
+        self._pending: dict[str, _Pending] = {}
+        self._reservations: dict[str, _Reservation] = {}
+        self._msgs: dict[str, tuple[bytes | str, RequestMsg]] = {}
+        self.out = Outgoing()
+        self.cursor: bytes | str = "$"
+        self.kv_bytes_total = 0
+        self.kv_send_ms_total = 0.0
+        self.kv_exposed_ms_total = 0.0
+        self.handoffs_total = 0
+        self.kv_failed_total = 0
+
+    @property
+    def waiting_for_reservations(self) -> bool:
+        return bool(self._pending)
+
+    # ---- in ------------------------------------------------------------------------------
+
+    def admit(self, entry_id: bytes | str, msg: RequestMsg,
+              output_token_ids: list[int] | None = None) -> None:
+        """A request this instance now owns (new, or taken back with the tokens its client
+        has). A short prompt, or one that already has its first token, goes to a decode
+        instance as it is; a long one first gets blocks reserved there."""
+        tokens = list(output_token_ids or ())
+        if msg.request_id in self._msgs or msg.request_id in self._pending:
+            self.book.admit(entry_id, msg)          # a duplicate: the book acks it
+            return
+        pending = _Pending(entry_id, msg, tokens)
+        if tokens or len(msg.prompt_token_ids) < self.min_prompt_tokens:
+            self._pending[msg.request_id] = pending
+            self._hand_over_whole(pending)
+            return
+        self._pending[msg.request_id] = pending
+        self._ask(pending)
+
+    def _choose(self, blocks: int) -> _Decoder | None:
+        """The decode instance with the most free blocks (less what was asked of it since
+        its last heartbeat), then the fewest running requests."""
+        best = None
+        for d in self.decoders.values():
+            free = d.free_blocks - self._promised.get(d.instance, 0)
+            key = (free, -d.running)
+            if best is None or key > best[0]:
+                best = (key, d)
+        if best is None:
+            return None
+        self._promised[best[1].instance] = self._promised.get(best[1].instance, 0) + blocks
+        return best[1]
+
+    def _ask(self, pending: _Pending) -> None:
+        block_size = self.core.block_manager.block_size
+        decoder = self._choose(-(-(len(pending.msg.prompt_token_ids) + 1) // block_size))
+        pending.asked_at = time.monotonic()
+        if decoder is None:
+            pending.asked = ""
+            return
+        pending.asked = decoder.instance
+        self.out.reserves.append((decoder.instance, ReserveMsg(encode(pending.msg),
+                                                               self.instance)))
+
+    def _hand_over_whole(self, pending: _Pending) -> None:
+        decoder = self._choose(0)
+        pending.asked_at = time.monotonic()
+        if decoder is None:
+            pending.asked = ""
+            return
+        del self._pending[pending.msg.request_id]
+        if self.book.aborted_early(pending.msg.request_id):
+            self.book.finish_now(pending.entry_id, pending.msg, "abort",
+                                 len(pending.output_token_ids))
+            return
+        self._queue_handoff(decoder.instance, decoder.consumer, pending.entry_id, pending.msg,
+                            pending.output_token_ids, [])
+
+    def _queue_handoff(self, instance: str, consumer: str, entry_id: bytes | str,
+                       msg: RequestMsg, tokens: list[int], kv_received: list[str]) -> None:
+        entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        self.out.handoffs.append((instance, consumer, entry_id,
+                                  HandoffMsg(encode(msg), entry, tokens, kv_received)))
+        self.handoffs_total += 1
+        log.info("request handed over", request_id=msg.request_id, decode_instance=instance,
+                 with_kv=bool(kv_received), output_tokens=len(tokens))
+
+    def receive_reservations(self, reply) -> None:
+        for entry_id, msg in stream_messages(reply):
+            self.cursor = entry_id
+            if isinstance(msg, ReservedMsg):
+                self._reserved(msg)
+
+    def _reserved(self, msg: ReservedMsg) -> None:
+        pending = self._pending.get(msg.request_id)
+        if pending is None or pending.asked != msg.decode_instance:
+            if msg.block_ids:       # nobody wants it any more (aborted, or asked elsewhere)
+                self.out.cancels.append((msg.decode_instance,
+                                         CancelMsg(msg.request_id, "not wanted")))
+            return
+        if not msg.block_ids:
+            log.info("decode instance refused a reservation", request_id=msg.request_id,
+                     decode_instance=msg.decode_instance, error=msg.error)
+            if msg.error == NO_ROOM:
+                pending.asked_at = time.monotonic() - RESERVE_RETRY_S + NO_ROOM_RETRY_S
+            else:       # it cannot take K/V (or the request): it prefills it, or refuses it
+                self._hand_over_whole(pending)
+            return
+        del self._pending[msg.request_id]
+        rid = msg.request_id
+        if self.book.aborted_early(rid):
+            self.out.cancels.append((msg.decode_instance, CancelMsg(rid, "aborted")))
+            self.book.finish_now(pending.entry_id, pending.msg, "abort", 0)
+            return
+        prefill_only = replace(pending.msg, sampling=replace(pending.msg.sampling, max_tokens=1))
+        self.book.admit(pending.entry_id, prefill_only)
+        if self.core.get_request(rid) is None:    # refused (an invalid request): finished
+            self.out.cancels.append((msg.decode_instance, CancelMsg(rid, "refused")))
+            return
+        self._msgs[rid] = (pending.entry_id, pending.msg)
+        self._reservations[rid] = _Reservation(msg.decode_instance, msg.decode_consumer,
+                                               list(msg.block_ids), list(msg.peers),
+                                               msg.incarnation)
+
+    def housekeeping(self, decoders: dict[str, _Decoder]) -> None:
+        """New heartbeats of the decode instances: forget what was promised since, ask again
+        where no answer came, stop sending into an instance that restarted."""
+        self.decoders, self._promised = decoders, {}
+        for rid, res in self._reservations.items():
+            now = decoders.get(res.decode_instance)
+            if res.sent_ok and (now is None or now.started_at != res.incarnation):
+                log.warning("decode instance restarted or gone; its reservation is void",
+                            request_id=rid, decode_instance=res.decode_instance)
+                res.sent_ok = False
+        self.retry()
+
+    def retry(self) -> None:
+        now = time.monotonic()
+        for pending in list(self._pending.values()):
+            if now - pending.asked_at < RESERVE_RETRY_S and pending.asked:
+                continue
+            if pending.output_token_ids or \
+                    len(pending.msg.prompt_token_ids) < self.min_prompt_tokens:
+                self._hand_over_whole(pending)
+            else:
+                if pending.asked:
+                    self.out.cancels.append((pending.asked, CancelMsg(pending.msg.request_id,
+                                                                      "asked again")))
+                self._ask(pending)
+
+    # ---- each iteration ------------------------------------------------------------------
+
+    def add_sends(self, plan: IterationPlan) -> IterationPlan:
+        """The K/V each scheduled chunk fills goes to its reserved blocks, layer by layer."""
+        sends = []
+        block_size = self.core.block_manager.block_size
+        # a request new to the workers may start after a cached prefix (prefix caching): its
+        # blocks are sent too, with the first chunk
+        fresh = {r.request_id for r in plan.new_requests}
+        for rid, rows in plan.num_scheduled_tokens.items():
+            res = self._reservations.get(rid)
+            request = self.core.get_request(rid)
+            if res is None or request is None:
+                continue
+            start = request.num_computed_tokens
+            if start == 0:
+                res.sent_ok = self._still_there(res)    # a fresh start sends everything again
+            if not res.sent_ok:
+                continue
+            first = 0 if rid in fresh else start // block_size
+            last = (start + rows - 1) // block_size
+            sends.append(KVSend(rid, res.decode_instance, request.block_table[first:last + 1],
+                                res.block_ids[first:last + 1], res.peers))
+        return replace(plan, kv_sends=sends) if sends else plan
+
+    def _still_there(self, res: _Reservation) -> bool:
+        now = self.decoders.get(res.decode_instance)
+        return now is not None and now.started_at == res.incarnation
+
+    def observe(self, result: StepResult) -> None:
+        for rid in result.kv_failed:
+            res = self._reservations.get(rid)
+            if res is not None and res.sent_ok:
+                log.warning("KV transfer failed; the decode side will recompute", request_id=rid,
+                            decode_instance=res.decode_instance)
+                res.sent_ok = False
+                self.kv_failed_total += 1
+        stats = result.kv_stats or {}
+        self.kv_bytes_total += int(stats.get("bytes", 0))
+        self.kv_send_ms_total += float(stats.get("send_ms", 0.0))
+        self.kv_exposed_ms_total += float(stats.get("exposed_ms", 0.0))
+
+    def finished(self, output: RequestOutput) -> bool:
+        """A request the prefill core finished after its first token: hand it over (True),
+        or, when that token really ended it, let the book finish it (False)."""
+        rid = output.request_id
+        entry = self._msgs.pop(rid, None)
+        res = self._reservations.pop(rid, None)
+        if entry is None or res is None:
+            return False
+        entry_id, msg = entry
+        tokens = [t.token_id for t in output.new_tokens]
+        probe = Request(rid, msg.prompt_token_ids, msg.sampling, 0, output_token_ids=tokens)
+        ended = stop_status(probe, self.core.eos_token_ids, self.core.max_model_len)
+        if output.finish_reason == "abort" or ended is not None or not tokens:
+            self.out.cancels.append((res.decode_instance, CancelMsg(rid, "finished")))
+            if ended is not None:
+                self.book.finished(replace(output, finish_reason=ended.finish_reason))
+                return True
+            return False
+        self.book.hand_off(rid)
+        received = [p["session"] for p in res.peers] if res.sent_ok else []
+        self._queue_handoff(res.decode_instance, res.decode_consumer, entry_id, msg, tokens,
+                            received)
+        return True
+
+    def forget_all(self) -> None:
+        """Redis was lost: every request ended with an error event; nothing is pending."""
+        self._pending.clear()
+        self._reservations.clear()
+        self._msgs.clear()
+        self.out = Outgoing()
+
+    # ---- out -----------------------------------------------------------------------------
+
+    def take(self) -> Outgoing:
+        out, self.out = self.out, Outgoing()
+        return out
+
+    def queue(self, pipe, out: Outgoing) -> None:
+        for instance, msg in out.reserves:
+            pipe.xadd(self.keys.for_instance(instance).handoff, to_fields(msg),
+                      maxlen=HANDOFF_MAXLEN, approximate=True)
+        for instance, consumer, entry_id, msg in out.handoffs:
+            # ownership moves first: should the XADD be lost, the decode scheduler still
+            # finds the entry among its own pending ones at its next restart
+            pipe.xclaim(self.keys.requests, self.keys.requests_group, consumer, 0, [entry_id],
+                        justid=True)
+            pipe.xadd(self.keys.for_instance(instance).handoff, to_fields(msg),
+                      maxlen=HANDOFF_MAXLEN, approximate=True)
+        for instance, msg in out.cancels:
+            pipe.xadd(self.keys.for_instance(instance).handoff, to_fields(msg),
+                      maxlen=HANDOFF_MAXLEN, approximate=True)
+
+    def put_back(self, out: Outgoing) -> None:
+        self.out.reserves[:0] = out.reserves
+        self.out.handoffs[:0] = out.handoffs
+        self.out.cancels[:0] = out.cancels
+
+    def stats(self) -> dict[str, float]:
+        return {"kv_transfer_bytes_total": self.kv_bytes_total,
+                "kv_transfer_seconds_total": round(self.kv_send_ms_total / 1e3, 6),
+                "kv_transfer_exposed_seconds_total": round(self.kv_exposed_ms_total / 1e3, 6),
+                "kv_transfer_failures_total": self.kv_failed_total,
+                "handoffs_total": self.handoffs_total,
+                "num_requests_awaiting_reservation": len(self._pending)}
+
+
+class DecodeSide:
+    def __init__(self, keys: Keys, instance: str, consumer: str, core: Scheduler,
+                 book: RequestBook, started_at: float) -> None:
+        self.keys, self.instance, self.consumer = keys, instance, consumer
+        self.core, self.book, self.started_at = core, book, started_at
+        self.cursor: bytes | str = "$"
+        self.peers: list[dict] = []          # this instance's workers' KV descriptors
+        self._replies: list[tuple[str, ReservedMsg]] = []
+        self._reserved_at: dict[str, float] = {}
+        self.handoffs_total = 0
+        self.recomputed_total = 0
+
+    def set_workers(self, values: list[bytes | None]) -> None:
+        """This instance's worker heartbeats: the KV descriptors handed to prefill sides."""
+        peers = []
+        for value in values:
+            try:
+                peers.append(decode(value).extra.get("kv") or {})
+            except (ProtocolError, AttributeError, TypeError):
+                peers.append({})
+        self.peers = peers
+
+    def receive(self, reply) -> None:
+        for entry_id, msg in stream_messages(reply):
+            self.cursor = entry_id
+            if isinstance(msg, ReserveMsg):
+                self._reserve(msg)
+            elif isinstance(msg, HandoffMsg):
+                self._take(msg)
+            elif isinstance(msg, CancelMsg) and self.core.cancel_reservation(msg.request_id):
+                self._reserved_at.pop(msg.request_id, None)
+                log.info("reservation cancelled", request_id=msg.request_id, reason=msg.reason)
+
+    def _reserve(self, msg: ReserveMsg) -> None:
+        request = decode(msg.request)
+        rid = request.request_id
+        error, blocks = "", []
+        if not all(p.get("session") for p in self.peers):
+            error = "this decode instance's workers publish no KV connector"
+        else:
+            try:
+                blocks = self.core.reserve(rid, request.prompt_token_ids, request.sampling,
+                                           request.reply_to) or []
+                error = "" if blocks else NO_ROOM
+            except InvalidRequestError as e:
+                error = str(e)
+        if blocks:
+            self._reserved_at.setdefault(rid, time.monotonic())
+        self._replies.append((msg.prefill_instance, ReservedMsg(
+            rid, self.instance, self.consumer, blocks, self.peers if blocks else [],
+            self.started_at, error)))
+
+    def _take(self, msg: HandoffMsg) -> None:
+        request = decode(msg.request)
+        rid = request.request_id
+        self._reserved_at.pop(rid, None)
+        self.handoffs_total += 1
+        if self.book.aborted_early(rid):
+            self.core.cancel_reservation(rid)
+            self.book.finish_now(msg.entry_id, request, "abort", len(msg.output_token_ids))
+            return
+        if self.core.get_request(rid) is not None and not self.core.is_reserved(rid):
+            return          # a repeated hand-off of a request this instance already runs
+        if self.core.is_reserved(rid) and msg.output_token_ids:
+            ours = [p.get("session") for p in self.peers]
+            kv = list(msg.kv_received) if msg.kv_received == ours else None
+            if kv is None:
+                self.recomputed_total += 1
+            self.core.activate(rid, msg.output_token_ids[0], kv)
+            self.book.track(msg.entry_id, request)
+            return
+        self.core.cancel_reservation(rid)
+        self.book.admit(msg.entry_id, request, output_token_ids=msg.output_token_ids)
+
+    def expire(self) -> None:
+        now = time.monotonic()
+        for rid, at in list(self._reserved_at.items()):
+            if now - at > RESERVATION_TTL_S:
+                del self._reserved_at[rid]
+                if self.core.cancel_reservation(rid):
+                    log.warning("reservation never handed over; freed", request_id=rid)
+
+    def queue(self, pipe) -> None:
+        replies, self._replies = self._replies, []
+        for instance, msg in replies:
+            pipe.xadd(self.keys.for_instance(instance).reservations, to_fields(msg),
+                      maxlen=HANDOFF_MAXLEN, approximate=True)
+
+    def stats(self) -> dict[str, float]:
+        return {"num_requests_reserved": self.core.num_reserved,
+                "handoffs_total": self.handoffs_total,
+                "handoffs_recomputed_total": self.recomputed_total}

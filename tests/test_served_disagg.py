@@ -1,0 +1,232 @@
+"""P/D disaggregation served with real processes (docs/design.md#pd-disaggregation): `pacer up
+--prefill-workers 1 --decode-workers 1` runs a prefill instance and a decode instance, each
+with its own scheduler and workers, a real Redis between them and the Mooncake transfer engine
+moving the K/V. Greedy output (float32) equals transformers' on prompts longer than the
+prefill budget (so the prefill side chunks), with concurrent streams; a short prompt is
+prefilled on the decode instance; the prefill side's blocks are free after the hand-off; and
+a killed prefill worker, a killed decode worker or a transfer that never completes each end
+with every stream exact."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import redis
+import torch
+
+from shared.keys import Keys
+from shared.model_source import resolve_model
+from shared.protocol import decode
+from shared.tokenizer import load_tokenizer
+from tests.helpers_tiny_model import write_tiny_llama
+from tests.served_fixture import API_KEY, start_served, wait_for
+
+pytestmark = pytest.mark.slow
+pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
+
+BUDGET = 32                        # --max-num-batched-tokens: the long prompts take 2-3 chunks
+LONG = [list(range(20, 20 + n)) for n in (70, 45, 90)] + [[100, 3, 200, 7] * 15]
+SHORT = [[5, 6, 7, 8, 9]]           # under --disagg-min-prompt-tokens: prefilled on d0
+NEW_TOKENS = 16
+LONG_RUN = 200                     # tokens per stream where a process is killed mid-stream
+P0, D0 = Keys().for_instance("p0"), Keys().for_instance("d0")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=5)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny) -> dict[tuple[int, ...], list[str]]:
+    """transformers' greedy tokens for every prompt (LONG_RUN of them), each as the gateway
+    names it; a request for fewer expects the first ones."""
+    from transformers import LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(tiny, torch_dtype=torch.float32).eval()
+    tok = load_tokenizer(resolve_model(tiny))
+    out = {}
+    for prompt in LONG + SHORT:
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=LONG_RUN, do_sample=False,
+                             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             pad_token_id=0, eos_token_id=None)
+        out[tuple(prompt)] = [tok.decode([t]) for t in ids[0, len(prompt):].tolist()]
+    return out
+
+
+def first(expected, prompts, n: int = NEW_TOKENS) -> list[list[str]]:
+    return [expected[tuple(p)][:n] for p in prompts]
+
+
+def complete(base_url: str, model: str, prompt: list[int], n: int = NEW_TOKENS) -> list[str]:
+    """The tokens of a streamed completion, as its logprobs name them."""
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True, "logprobs": 0}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {API_KEY}"})
+    tokens: list[str] = []
+    with urllib.request.urlopen(req, timeout=180) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            tokens += (event["choices"][0].get("logprobs") or {}).get("tokens") or []
+    return tokens
+
+
+def all_concurrently(served, model: str, prompts: list[list[int]],
+                     n: int = NEW_TOKENS) -> list[list[str]]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: complete(served.base_url, model, p, n), prompts))
+
+
+def start_pd(tiny: str, tmp_path, *extra: str, env: dict | None = None):
+    model = os.path.basename(tiny)
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        served = start_served(str(tmp_path / "up.log"), "--model", tiny, "--dtype", "float32",
+                              "--max-model-len", "512", "--served-model-name", model,
+                              "--max-num-batched-tokens", str(BUDGET),
+                              "--prefill-workers", "1", "--decode-workers", "1",
+                              "--disagg-min-prompt-tokens", "16", *extra)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return served, model
+
+
+def stats(served, keys: Keys) -> dict[str, float]:
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        return {k.decode(): float(v) for k, v in r.hgetall(keys.stats).items()}
+    finally:
+        r.close()
+
+
+def worker_pid(served, keys: Keys, rank: int = 0) -> int:
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        return decode(r.get(keys.hb_worker(rank))).extra["pid"]
+    finally:
+        r.close()
+
+
+def labelled(served, name: str, instance: str) -> float:
+    status, body = served.get("/metrics")
+    assert status == 200
+    for line in body.decode().splitlines():
+        if line.startswith(f'{name}{{instance="{instance}"}} '):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} for {instance} not in /metrics")
+
+
+def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, tmp_path):
+    served, model = start_pd(tiny, tmp_path)
+    try:
+        prompts = LONG + SHORT
+        got = all_concurrently(served, model, prompts)
+        assert got == first(expected, prompts)
+        # the long prompts went with their K/V, the short one was prefilled on d0
+        try:
+            p_stats = wait_for(lambda: (s := stats(served, P0)).get("handoffs_total")
+                               == len(prompts) and s, 30, "prefill stats")
+        except AssertionError:
+            raise AssertionError(f"{stats(served, P0)}\n{stats(served, D0)}") from None
+        assert p_stats["kv_transfer_bytes_total"] > 0
+        assert p_stats["kv_transfer_failures_total"] == 0
+        d_stats = stats(served, D0)
+        assert d_stats["handoffs_recomputed_total"] == 0
+        assert d_stats["prefix_cache_queries_total"] == len(SHORT[0])   # only it was admitted
+        # the prefill side's blocks are free once every request was handed over
+        wait_for(lambda: labelled(served, "pacer:kv_cache_usage_perc", "p0") == 0.0, 30,
+                 "prefill blocks freed")
+        assert labelled(served, "pacer:handoffs_total", "p0") == len(prompts)
+        assert labelled(served, "pacer:kv_transfer_bytes_total", "p0") > 0
+    finally:
+        assert served.stop() == 0, served.log_tail()
+
+
+def test_pd_tp2_on_both_sides(tiny, expected, tmp_path):
+    served, model = start_pd(tiny, tmp_path, "--tp", "2")
+    try:
+        got = all_concurrently(served, model, LONG[:2])
+        assert got == first(expected, LONG[:2])
+        assert stats(served, P0)["kv_transfer_failures_total"] == 0
+        assert stats(served, D0)["handoffs_recomputed_total"] == 0
+    finally:
+        assert served.stop() == 0, served.log_tail()
+
+
+def _kill_when(served, keys: Keys, predicate, what: str) -> None:
+    pid = worker_pid(served, keys)
+    wait_for(predicate, 60, what)
+    os.kill(pid, signal.SIGKILL)
+
+
+def test_pd_failures_lose_and_repeat_nothing(tiny, expected, tmp_path):
+    """A prefill worker killed while it sends, a decode worker killed mid-stream, then the
+    decode scheduler killed mid-stream: every stream still ends with transformers' tokens."""
+    served, model = start_pd(tiny, tmp_path)
+    try:
+        prompts = LONG
+        with ThreadPoolExecutor(1) as pool:
+            # the prefill worker dies while it computes and sends a prompt's chunks
+            running = pool.submit(all_concurrently, served, model, prompts, LONG_RUN)
+            _kill_when(served, P0, lambda: stats(served, P0).get("kv_transfer_bytes_total", 0) > 0,
+                       "a KV send started")
+            assert running.result(timeout=240) == first(expected, prompts, LONG_RUN)
+            # the decode worker dies while it streams
+            running = pool.submit(all_concurrently, served, model, prompts, LONG_RUN)
+            before = stats(served, D0).get("handoffs_total", 0)
+            _kill_when(served, D0,
+                       lambda: stats(served, D0).get("handoffs_total", 0) > before,
+                       "a request handed over")
+            assert running.result(timeout=240) == first(expected, prompts, LONG_RUN)
+            # the decode scheduler dies while it streams: restarted under the same name, it
+            # takes back the requests handed to it from their progress records
+            running = pool.submit(all_concurrently, served, model, prompts, LONG_RUN)
+            before = stats(served, D0).get("handoffs_total", 0)
+            wait_for(lambda: stats(served, D0).get("handoffs_total", 0) > before, 60,
+                     "a request handed over")
+            pid = scheduler_pid(served, "d0")
+            os.kill(pid, signal.SIGKILL)
+            assert running.result(timeout=240) == first(expected, prompts, LONG_RUN)
+        with open(served.log_path, encoding="utf-8", errors="replace") as f:
+            log = f.read()
+        for child in ("p0 worker rank 0", "d0 worker rank 0", "d0 scheduler"):
+            assert f"{child} exited (killed by SIGKILL)" in log, child
+    finally:
+        assert served.stop() == 0, served.log_tail()
+
+
+def scheduler_pid(served, instance: str) -> int:
+    from services.up import Instance, instance_scheduler_id
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        sid = instance_scheduler_id(Instance(instance, "decode", 1))
+        return decode(r.get(Keys().hb_scheduler(sid))).extra["pid"]
+    finally:
+        r.close()
+
+
+def test_pd_transfer_that_never_completes_is_recomputed(tiny, expected, tmp_path):
+    served, model = start_pd(tiny, tmp_path, env={"PACER_KV_FAULT": "hang",
+                                                  "PACER_KV_TIMEOUT_S": "2"})
+    try:
+        got = all_concurrently(served, model, LONG[:2])
+        assert got == first(expected, LONG[:2])
+        assert stats(served, P0)["kv_transfer_failures_total"] >= 1
+        assert stats(served, D0)["handoffs_recomputed_total"] >= 1
+    finally:
+        assert served.stop() == 0, served.log_tail()
