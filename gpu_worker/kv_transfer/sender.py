@@ -97,6 +97,8 @@ class LayerSender:
             self._first_submit = time.perf_counter()
         n, bb = self.num_blocks, self.block_bytes
         for s in self.sends:
+            if not s.runs:          # nothing to send: no write
+                continue
             peer_n = s.peer["num_blocks"]
             segments = [(block_offset(layer, kv, src, n, bb), block_offset(layer, kv, dst, peer_n, bb),
                          count * bb) for src, dst, count in s.runs for kv in (0, 1)]
