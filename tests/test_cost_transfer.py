@@ -4,29 +4,22 @@ prompt: ~2 GB; NVLink ~2 ms, NVSwitch fabric ~5 ms, IB HDR ~40 ms, PCIe Gen5 ~30
 within 25 %, GQA's cut, layer streaming, and `pacer cost --transfer`."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
-from services import cost_cmd
 from shared.cost_model import (MODELS, estimate_iteration, estimate_transfer,
                                exposed_transfer_ms, kv_transfer_bytes)
 from shared.errors import PacerError
 from shared.fabric import FABRICS, KVLink, load_fabric
 from shared.hardware import HARDWARE
+from tests.test_cost_model import _cost_cli, assert_close
 
 LLAMA2, LLAMA3 = MODELS["llama-2-7b"], MODELS["llama-3-8b"]
 H100 = HARDWARE["h100"]
-TOLERANCE = 0.25
 PROMPT = 4096
 # The worked example: fabric -> (its GB/s, ~ms to move the ~2 GB of a 4k Llama-2-7B prompt).
 REFERENCE = {"nvlink": (900, 2), "nvswitch": (400, 5), "ib-hdr": (50, 40), "pcie5": (64, 30)}
-
-
-def assert_close(ours: float, reference: float, what: str) -> None:
-    error = ours / reference - 1
-    assert abs(error) <= TOLERANCE, f"{what}: ours {ours:.4g}, reference {reference:.4g} ({error:+.1%})"
 
 
 def test_kv_bytes_of_a_4k_llama2_prompt_are_about_2_gb():
@@ -89,13 +82,6 @@ def test_unknown_fabric_is_a_user_error():
     for bad in ("infiniband", "0", "-3", "nan"):
         with pytest.raises(PacerError, match="unknown fabric"):
             load_fabric(bad)
-
-
-def _cost_cli(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="pacer")
-    cost_cmd.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["cost", *argv])
-    return args.run(args)
 
 
 def test_cli_table_reproduces_the_worked_example_with_gqa_beside_it(capsys):
