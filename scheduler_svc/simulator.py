@@ -89,7 +89,7 @@ class SimResult:
     prefill_done_s: list[float] = field(default_factory=list)
     transfer_ms: list[float] = field(default_factory=list)
     exposed_ms: list[float] = field(default_factory=list)
-    instances: str = ""                      # e.g. "2 colocated", "1 prefill + 1 decode"
+    instances: str = ""                      # what ran it, in words
 
 
 @dataclass(frozen=True)

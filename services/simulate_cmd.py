@@ -277,9 +277,12 @@ def _run_sweep(args: argparse.Namespace, model, hw, cost, pools: tuple[int, int]
         plot_sweep(knob, values, points, args.plot,
                    title=f"{model.name} on {hw.name}, {args.disagg} vs {sum(pools)} colocated")
     if args.json:
+        disagg = _disagg_dict(args, pools)
+        if knob == "fabric":
+            del disagg["disagg"]["fabric"]
         print(json.dumps({"model": model.name, "hardware": hw.name,
                           "workload": _workload_dict(args, None)}
-                         | _disagg_dict(args, pools)
+                         | disagg
                          | {"sweep": {"knob": knob, "values": values},
                             "points": [{"value": v, "modes": p} for v, p in zip(values, points)]},
                          indent=2))
