@@ -12,6 +12,7 @@ waited for their sends after the forward) / (the transfer's own time at that GB/
 
     python bench/disaggregation.py [--streams 6] [--long-len 1500] [--long-at 3,9]
         [--repeats 1] [--json out.json] [--plot docs/disaggregation.png]
+    python bench/disaggregation.py --threshold     # the --disagg-min-prompt-tokens cut-off
 """
 from __future__ import annotations
 
@@ -144,6 +145,44 @@ def plot(runs: list[dict], path: str) -> None:
     plt.close(fig)
 
 
+def threshold(args) -> list[dict]:
+    """Conditional disaggregation's cut-off, in-process: the iteration time of `--streams`
+    decodes alone against the same decodes with an L-token prompt riding along whole, for
+    each L (alternated, median of `--threshold-repeats`). A prompt whose ride costs the
+    streams less than `--threshold-ratio` x their gap is cheaper to prefill on the decode
+    instance than to move."""
+    from services.engine import LLMEngine
+    from shared.sampling import SamplingParams
+    engine = LLMEngine(EngineArgs(dtype=args.dtype, target_tbt_ms="off",
+                                  max_num_batched_tokens=2048), progress=False)
+    cfg = engine.model_config
+    avoid = tuple(cfg.eos_token_ids)
+    decode_sp = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(random_prompts(args.streams, 16, 48, cfg.vocab_size, 7, avoid)):
+        engine.add_request(p, decode_sp, request_id=f"s{i}")
+    for _ in range(3):
+        engine.step()                   # every stream past its prompt
+
+    def timed_step() -> float:
+        t = time.perf_counter()
+        engine.step()
+        return (time.perf_counter() - t) * 1e3
+
+    rows = []
+    for n, length in enumerate(int(x) for x in args.threshold_lengths.split(",")):
+        alone, riding = [], []
+        for k in range(args.threshold_repeats):
+            alone.append(timed_step())
+            prompt = random_prompts(1, length, length, cfg.vocab_size, 1000 * n + k, avoid)[0]
+            engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                               request_id=f"p{length}-{k}")
+            riding.append(timed_step())
+        a, r = float(np.median(alone)), float(np.median(riding))
+        rows.append({"prompt_tokens": length, "decode_ms": a, "with_prompt_ms": r,
+                     "ratio": r / a})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--streams", type=int, default=6)
@@ -155,7 +194,23 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--threshold", action="store_true",
+                    help="only measure the conditional-disaggregation cut-off (in-process)")
+    ap.add_argument("--threshold-lengths", default="16,32,64,128,256,512,1024")
+    ap.add_argument("--threshold-repeats", type=int, default=7)
+    ap.add_argument("--threshold-ratio", type=float, default=1.5)
     args = ap.parse_args()
+    if args.threshold:
+        rows = threshold(args)
+        flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+        print(f"{args.streams} decode streams, dtype {args.dtype}, {os.cpu_count()} cores, "
+              f"CPU flags {' '.join(flags)}")
+        print_table(rows, ["prompt_tokens", "decode_ms", "with_prompt_ms", "ratio"])
+        fits = [r["prompt_tokens"] for r in rows if r["ratio"] <= args.threshold_ratio]
+        print(f"longest prompt that costs the streams at most {args.threshold_ratio}x their "
+              f"gap: {max(fits) if fits else None} tokens")
+        write_json(args.json, {"threshold": rows, "args": vars(args), "cpu_flags": flags})
+        return
     long_at = [float(x) for x in args.long_at.split(",")]
     cfg = load_model_config(resolve_model(None))
     avoid = tuple(cfg.eos_token_ids)

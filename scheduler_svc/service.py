@@ -42,11 +42,13 @@ from redis.exceptions import RedisError
 
 from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.core import Scheduler
-from scheduler_svc.disagg import DECODE_QUARANTINE_S, DecodeSide, PrefillSide, decoders_from
+from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, decoders_from,
+                                  kv_descriptors)
 from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch
+from shared.errors import PacerError
 from shared.keys import PLANS_MAXLEN, Keys
 from shared.lifecycle import cancel_tasks, clear_key, keep_heartbeat, stream_tail_id
 from shared.plan import IterationPlan, StepResult
@@ -75,9 +77,9 @@ class SchedulerServiceConfig:
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):
-            raise ValueError(f"--role must be colocated, prefill or decode, got {self.role!r}")
+            raise PacerError(f"--role must be colocated, prefill or decode, got {self.role!r}")
         if self.role != "colocated" and not self.instance:
-            raise ValueError(f"--role {self.role} needs --instance ID")
+            raise PacerError(f"--role {self.role} needs --instance ID")
 
 
 class SchedulerService:
@@ -152,6 +154,8 @@ class SchedulerService:
                 self.workers.record(values)
                 if self.decode is not None:
                     self.decode.set_workers(values)
+                if self.prefill is not None:
+                    self.prefill.own = kv_descriptors(values)
                 return self._layouts_agree(values)
             if time.monotonic() - logged > 5.0:
                 missing = [r for r, v in enumerate(values) if not v]

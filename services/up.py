@@ -288,6 +288,7 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineArgs.from_cli(args)
     # refuse bad flags here, before anything starts
     engine_layout(engine)
+    instances_of(args, engine)
     url = urlsplit(args.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
     stopping = _Signals()
