@@ -163,7 +163,7 @@ def main() -> None:
         print(f"server {name}: pacer up {' '.join(SERVERS[name])} --num-kv-blocks {blocks} "
               f"(log: {log_path})", flush=True)
         system = start_served(replace(engine_args, num_kv_blocks=blocks), source.name,
-                              log_path, *SERVERS[name])
+                              log_path, SERVERS[name])
         try:
             run_pass(system, warm, args.max_concurrency)
             workloads = [("unique", unique), ("shared", shared)] if name in ("on", "off") \

@@ -124,14 +124,15 @@ class ServedSystem:
 
 
 def start_served(engine_args: EngineArgs, model: str, log_path: str,
-                 *extra: str) -> ServedSystem:
-    """`pacer up` on free ports with these engine flags (and `extra` flags of its own)."""
+                 extra: tuple[str, ...] = ()) -> ServedSystem:
+    """`pacer up` with these engine flags (and `extra` flags) on free ports, once healthy."""
     port, redis_port = free_port(), free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--port", str(port),
-             "--redis-url", redis_url, "--log-level", "warning", *engine_flags(engine_args), *extra],
+             "--redis-url", redis_url, "--log-level", "warning", *engine_flags(engine_args),
+             *extra],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     system = ServedSystem(proc, f"http://127.0.0.1:{port}", redis_url, log_path, model)
     end = time.monotonic() + STARTUP_TIMEOUT_S

@@ -30,8 +30,9 @@ PYTHON="${PYTHON:-python3}"
 WHEELS="$CACHE/wheelhouse"
 CONTEXT="$CACHE/context"
 # Debian packages of the base image: the interpreter, venv support (pip comes
-# from ensurepip) and Redis, so one image serves every compose service.
-BASE_PACKAGES="python3,python3-venv,redis-server"
+# from ensurepip), Redis, so one image serves every compose service, and libibverbs1,
+# which the Mooncake transfer engine (P/D's KV transfer) loads even over TCP.
+BASE_PACKAGES="python3,python3-venv,redis-server,libibverbs1"
 # Package folders that go into the image; tests, benchmarks and docs stay out.
 SOURCE_PATHS=(pyproject.toml README.md services gateway scheduler_svc gpu_worker shared)
 

@@ -1,8 +1,11 @@
-"""The paged KV block pool: per layer, K and V tensors of [num_blocks, block_size, KVH, hd].
+"""The paged KV block pool: one contiguous tensor [L, 2, num_blocks, block_size, KVH, hd] per
+rank, handed to the model as per-layer (K, V) views of [num_blocks, block_size, KVH, hd].
 
 Only this rank's KV heads live here. Which request owns which block is decided by the
 scheduler's BlockManager; the worker only writes through slot mappings and reads through
-block tables.
+block tables. One allocation means one memory registration covers the whole pool for the KV
+connector (gpu_worker/kv_transfer), and block (l, kv, b) starts at byte
+((l·2 + kv)·num_blocks + b)·block_bytes of it (`block_offset`).
 """
 from __future__ import annotations
 
@@ -11,8 +14,29 @@ import torch
 from shared.model_config import ModelConfig
 
 
+def allocate_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, num_kv_heads: int,
+                     dtype: torch.dtype, device: str) -> torch.Tensor:
+    """The whole pool, zeroed: [L, 2 (K, V), num_blocks, block_size, KVH, hd]."""
+    return torch.zeros((cfg.num_layers, 2, num_blocks, block_size, num_kv_heads, cfg.head_dim),
+                       dtype=dtype, device=device)
+
+
+def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, the (K, V) views of the pool the model and the attention backends use."""
+    return [(pool[layer, 0], pool[layer, 1]) for layer in range(pool.shape[0])]
+
+
+def block_bytes(pool: torch.Tensor) -> int:
+    """Bytes of one block of K (or V) of one layer."""
+    return pool[0, 0, 0].numel() * pool.element_size()
+
+
+def block_offset(layer: int, kv: int, block: int, num_blocks: int, nbytes: int) -> int:
+    """Byte offset of block `block` of layer `layer`'s K (kv=0) or V (kv=1) in the pool."""
+    return ((layer * 2 + kv) * num_blocks + block) * nbytes
+
+
 def allocate_kv_cache(cfg: ModelConfig, num_blocks: int, block_size: int, num_kv_heads: int,
                       dtype: torch.dtype, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    shape = (num_blocks, block_size, num_kv_heads, cfg.head_dim)
-    return [(torch.zeros(shape, dtype=dtype, device=device),
-             torch.zeros(shape, dtype=dtype, device=device)) for _ in range(cfg.num_layers)]
+    """Per layer (K, V) of [num_blocks, block_size, KVH, hd], views of one contiguous pool."""
+    return layer_views(allocate_kv_pool(cfg, num_blocks, block_size, num_kv_heads, dtype, device))

@@ -7,11 +7,17 @@ never carries token values: a decode's input is the last token this runner drew.
 A new request may start past a cached prefix (docs/design.md#prefix-caching): its first
 blocks hold K/V another request computed. The runner refuses one whose prefix blocks this
 process never wrote — a restarted worker answering a plan made for the one before it —
-rather than attend over a cache it does not have.
+rather than attend over a cache it does not have — unless a prefill instance wrote it
+(P/D, `kv_received`) into this very process's pool.
+
+P/D (docs/architecture.md#kv-transfer): with a KV connector (`kv_connector`), a plan's
+`kv_sends` leave layer by layer during the forward and are waited for before the result goes
+back (failures in `StepResult.kv_failed`, figures in `kv_stats`).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +28,8 @@ from torch.profiler import record_function
 from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
 from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.host_memory import keep_freed_memory
-from gpu_worker.kv_cache import allocate_kv_cache
+from gpu_worker.kv_cache import allocate_kv_pool, layer_views
+from gpu_worker.kv_transfer import LayerSender, make_connector
 from gpu_worker.model.layers import RotaryEmbedding
 from gpu_worker.model.llama import LlamaForCausalLM
 from gpu_worker.parallel import SINGLE, TPGroup
@@ -53,6 +60,14 @@ class RunnerConfig:
     attention_backend: str = "auto"      # resolved here when still auto (shared/attention_choice.py)
     profile_tokens: int = 0              # CUDA: rows of the memory-profiling forward (0: none)
     gpu_memory_utilization: float = 0.9
+    # P/D's KV transfer (gpu_worker/kv_transfer): "none" or "mooncake"; where its engine
+    # listens, over which protocol and device; how long an iteration waits for its sends
+    kv_connector: str = "none"
+    kv_host: str = "127.0.0.1"
+    kv_protocol: str = "tcp"
+    kv_device: str = ""
+    kv_timeout_s: float = 10.0
+    kv_layer_streaming: bool = True      # False: every layer leaves after the forward (bench)
 
 
 @dataclass
@@ -104,8 +119,13 @@ class ModelRunner:
             log.info("attention backend", backend=choice.backend, block_size=rc.block_size,
                      reason=choice.reason, device=rc.device, dtype=rc.dtype)
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        self.kv_caches = allocate_kv_cache(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,
-                                           DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
+        self.kv_pool = allocate_kv_pool(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,
+                                        DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
+        self.kv_caches = layer_views(self.kv_pool)
+        self.kv_connector = make_connector(rc.kv_connector, rc.kv_host, rc.kv_protocol,
+                                           rc.kv_device, tp.size, tp.rank)
+        if self.kv_connector is not None:
+            self.kv_connector.register(self.kv_pool)
         self.sampler = Sampler(rc.seed)
         self.requests: dict[str, _RequestState] = {}
         self._written = bytearray(rc.num_kv_blocks)     # 1: this process wrote K/V there
@@ -146,15 +166,23 @@ class ModelRunner:
                              f"--max-num-batched-tokens)")
         return figures
 
+    def kv_descriptor(self) -> dict | None:
+        """This rank's registered pool, for the worker heartbeat (shared/kv_layout.py); None
+        without a KV connector."""
+        return self.kv_connector.descriptor() if self.kv_connector is not None else None
+
     @torch.inference_mode()
     def execute(self, plan: IterationPlan) -> StepResult:
         started = time.perf_counter()
+        sender = self._kv_sender(plan)      # refuses a bad send before any state changes
         self._apply(plan)
         if plan.is_empty:
-            return StepResult(plan.step, {})
+            return self._with_sends(StepResult(plan.step, {}), sender)
         input_ids, chunks, order = self._inputs(plan)
         meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device, self.act_dtype)
-        logits = self.model(input_ids, self.kv_caches, meta, self.backend)
+        streaming = sender is not None and self.rc.kv_layer_streaming
+        logits = self.model(input_ids, self.kv_caches, meta, self.backend,
+                            after_layer=sender.after_layer if streaming else None)
         sampling_ids = [rid for rid, c in zip(order, chunks) if c.samples]
         states = [self.requests[r] for r in sampling_ids]
         with record_function("sampling"):
@@ -169,15 +197,40 @@ class ModelRunner:
             s.num_computed_tokens += n
         for s, t in zip(states, tokens):
             s.token_ids.append(t.token_id)
-        return StepResult(plan.step, dict(zip(sampling_ids, tokens)),
-                          forward_ms=(time.perf_counter() - started) * 1e3)
+        # forward_ms (the cost model's input) is the compute; the wait for the sends is
+        # kv_stats["exposed_ms"]
+        return self._with_sends(StepResult(plan.step, dict(zip(sampling_ids, tokens)),
+                                           forward_ms=(time.perf_counter() - started) * 1e3),
+                                sender)
+
+    def _kv_sender(self, plan: IterationPlan) -> LayerSender | None:
+        if not plan.kv_sends:
+            return None
+        if self.kv_connector is None:
+            raise PacerError(f"plan {plan.step} sends K/V of "
+                             f"{[s.request_id for s in plan.kv_sends]} but this worker has no KV "
+                             "connector: start it with --kv-connector mooncake")
+        return LayerSender(self.kv_connector, plan.kv_sends, self.tp.rank,
+                           self.rc.kv_timeout_s, self.kv_pool)
+
+    @staticmethod
+    def _with_sends(result: StepResult, sender: LayerSender | None) -> StepResult:
+        """Wait for the iteration's sends (they must end before its result goes out)."""
+        if sender is None:
+            return result
+        failed, stats = sender.finish()
+        if failed:
+            log.warning("kv sends failed or timed out", step=result.step, requests=failed)
+        return dataclasses.replace(result, kv_failed=failed, kv_stats=stats)
 
     def _apply(self, plan: IterationPlan) -> None:
         for rid in plan.dropped_request_ids:
             self.requests.pop(rid, None)
         for new in plan.new_requests:
             cached = new.block_table[:-(-new.num_computed_tokens // self.rc.block_size)]
-            if not all(self._written[b] for b in cached):
+            if new.kv_received:
+                self._accept_received(plan.step, new, cached)
+            elif not all(self._written[b] for b in cached):
                 raise UnknownKVCache(
                     f"plan {plan.step}: request {new.request_id} starts after a cached prefix "
                     "in blocks this worker never wrote (it restarted); the scheduler must "
@@ -187,6 +240,20 @@ class ModelRunner:
             s = self.requests[cached.request_id]
             s.block_table.extend(cached.new_block_ids)
             assert s.num_computed_tokens == cached.num_computed_tokens, cached.request_id
+
+    def _accept_received(self, step: int, new: NewRequestData, cached: list[int]) -> None:
+        """P/D: a prefill instance wrote the cached prefix into this rank's pool, through the
+        session kv_received[rank]. Only this process's own session proves the pool it wrote
+        into is this one (a restarted worker has another)."""
+        rank = self.tp.rank
+        theirs = new.kv_received[rank] if rank < len(new.kv_received) else None
+        ours = self.kv_connector.descriptor()["session"] if self.kv_connector else None
+        if ours is None or theirs != ours:
+            raise UnknownKVCache(
+                f"plan {step}: request {new.request_id}'s K/V was written to KV session "
+                f"{theirs}, not this worker's ({ours}); the scheduler must recompute")
+        for b in cached:
+            self._written[b] = 1
 
     def _inputs(self, plan: IterationPlan):
         ids: list[int] = []
@@ -223,7 +290,10 @@ def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConf
                         dtype=args.dtype, device=args.device, seed=args.seed, progress=progress,
                         attention_backend=args.attention_backend,
                         profile_tokens=args.max_num_batched_tokens,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        kv_connector=args.kv_connector, kv_host=args.kv_host,
+                        kv_protocol=args.kv_protocol, kv_device=args.kv_device,
+                        kv_timeout_s=args.kv_timeout_s)
 
 
 def build_runner(layout: EngineLayout, tp: TPGroup | None = None,

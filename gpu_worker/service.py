@@ -23,7 +23,8 @@ Ranks > 0 follow rank 0 over torch.distributed (`gpu_worker.tp.follower`); they 
 the address rank 0 writes to the rendezvous key (`gpu_worker.tp.rendezvous`). Rank 0 forwards
 each plan's bytes to them as they came from Redis, without decoding and encoding them again.
 Every rank keeps its heartbeat key alive; the heartbeat carries the KV pool's size so the
-scheduler can refuse a mismatch.
+scheduler can refuse a mismatch, and with a KV connector (P/D) the pool's descriptor under
+"kv" (shared/kv_layout.py): where a prefill rank writes this rank's K/V.
 
 Rank 0 measures how long it waits for plans (from sending a result to receiving the next
 plan) against how long it computes, and writes both to the `stats` hash.
@@ -35,7 +36,7 @@ import dataclasses
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -257,8 +258,10 @@ def _decode_plan(fields: dict) -> tuple[IterationPlan | None, bytes]:
 
 
 def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
-                     loop: PlanLoop | None = None):
-    """A heartbeat factory for one rank; rank 0's carries its wait/busy counters."""
+                     loop: PlanLoop | None = None,
+                     kv: Callable[[], dict | None] = lambda: None):
+    """A heartbeat factory for one rank; rank 0's carries its wait/busy counters. `kv`: this
+    rank's KV connector descriptor, once its runner has one."""
     started_at = time.time()     # with the pid, tells a restarted rank from the one before
 
     def make() -> Heartbeat:
@@ -267,6 +270,9 @@ def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
         if loop is not None:
             extra.update(loop.stats())
             extra.update(loop.answered())
+        descriptor = kv()
+        if descriptor is not None:
+            extra["kv"] = descriptor
         return Heartbeat("worker", str(rank), time.time(), extra)
     return make
 
@@ -278,9 +284,12 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
     """Load this rank's model, then serve until stopped. Returns an exit code."""
     tp = layout.args.tp
     if rank > 0:
-        beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size)
+        built: list = []        # the follower's runner, once loaded: its KV descriptor
+        beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size,
+                                kv=lambda: built[0].kv_descriptor() if built else None)
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat,
-                                     serve_follower(redis, keys, layout, rank, stop))
+                                     serve_follower(redis, keys, layout, rank, stop,
+                                                    on_runner=built.append))
     if tp > 1:
         executor = await start_rank0(redis, keys, layout, tp_host)
     else:
@@ -294,7 +303,9 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
         run_id = await redis_run_id(redis)
         loop = PlanLoop(redis, keys, executor, executor.requests,
                         await stream_tail_id(redis, keys.plans), run_id)
-        beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop)
+        runner = executor.runner if isinstance(executor, TPExecutor) else executor
+        beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop,
+                                kv=runner.kv_descriptor)
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))
     finally:
         if tp > 1:

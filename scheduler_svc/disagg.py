@@ -36,6 +36,7 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.core.request import Request, stop_status
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
+from shared.kv_layout import KVLayoutError, check_peer_layout
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, KVSend, StepResult
 from shared.protocol import (CancelMsg, HandoffMsg, Heartbeat, ProtocolError, RequestMsg,
@@ -103,6 +104,17 @@ def stream_messages(reply) -> Iterator[tuple[bytes | str, object]]:
                 yield entry_id, None
 
 
+def kv_descriptors(values: list[bytes | None]) -> list[dict]:
+    """The KV connector descriptor in each worker rank's heartbeat ({} where none)."""
+    out = []
+    for value in values:
+        try:
+            out.append(decode(value).extra.get("kv") or {})
+        except (ProtocolError, AttributeError, TypeError):
+            out.append({})
+    return out
+
+
 def decoders_from(values: list[bytes | None]) -> dict[str, _Decoder]:
     """Decode instances among scheduler heartbeat values."""
     found = {}
@@ -134,6 +146,8 @@ class PrefillSide:
         self._msgs: dict[str, tuple[bytes | str, RequestMsg]] = {}
         self.out = Outgoing()
         self.cursor: bytes | str = "$"
+        self.own: list[dict] = []            # this instance's workers' KV descriptors
+        self._refused: set[str] = set()      # decode instances whose pools do not match ours
         self.kv_bytes_total = 0
         self.kv_send_ms_total = 0.0
         self.kv_exposed_ms_total = 0.0
@@ -232,6 +246,16 @@ class PrefillSide:
             else:       # it cannot take K/V (or the request): it prefills it, or refuses it
                 self._hand_over_whole(pending)
             return
+        mismatch = self._layout_mismatch(msg.peers)
+        if mismatch:
+            if msg.decode_instance not in self._refused:
+                self._refused.add(msg.decode_instance)
+                log.error("decode instance's KV pool cannot take ours; its requests are "
+                          "prefilled there", decode_instance=msg.decode_instance,
+                          error=mismatch)
+            self.out.cancels.append((msg.decode_instance, CancelMsg(msg.request_id, mismatch)))
+            self._hand_over_whole(pending)
+            return
         del self._pending[msg.request_id]
         rid = msg.request_id
         if self.book.aborted_early(rid):
@@ -247,6 +271,18 @@ class PrefillSide:
         self._reservations[rid] = _Reservation(msg.decode_instance, msg.decode_consumer,
                                                list(msg.block_ids), list(msg.peers),
                                                msg.incarnation)
+
+    def _layout_mismatch(self, peers: list[dict]) -> str:
+        """Why this instance's ranks cannot write into `peers` ("" if they can)."""
+        if len(peers) != len(self.own):
+            return (f"this prefill instance has TP {len(self.own)}, the decode instance TP "
+                    f"{len(peers)}: both sides need the same degree")
+        try:
+            for own, peer in zip(self.own, peers):
+                check_peer_layout(own, peer)
+        except KVLayoutError as e:
+            return str(e)
+        return ""
 
     def housekeeping(self, decoders: dict[str, _Decoder]) -> None:
         """New heartbeats of the decode instances: forget what was promised since, ask again
@@ -280,6 +316,9 @@ class PrefillSide:
         """The K/V each scheduled chunk fills goes to its reserved blocks, layer by layer."""
         sends = []
         block_size = self.core.block_manager.block_size
+        # a request new to the workers may start after a cached prefix (prefix caching): its
+        # blocks are sent too, with the first chunk
+        fresh = {r.request_id for r in plan.new_requests}
         for rid, rows in plan.num_scheduled_tokens.items():
             res = self._reservations.get(rid)
             request = self.core.get_request(rid)
@@ -290,7 +329,8 @@ class PrefillSide:
                 res.sent_ok = self._still_there(res)    # a fresh start sends everything again
             if not res.sent_ok:
                 continue
-            first, last = start // block_size, (start + rows - 1) // block_size
+            first = 0 if rid in fresh else start // block_size
+            last = (start + rows - 1) // block_size
             sends.append(KVSend(rid, res.decode_instance, request.block_table[first:last + 1],
                                 res.block_ids[first:last + 1], res.peers))
         return replace(plan, kv_sends=sends) if sends else plan
@@ -392,13 +432,7 @@ class DecodeSide:
 
     def set_workers(self, values: list[bytes | None]) -> None:
         """This instance's worker heartbeats: the KV descriptors handed to prefill sides."""
-        peers = []
-        for value in values:
-            try:
-                peers.append(decode(value).extra.get("kv") or {})
-            except (ProtocolError, AttributeError, TypeError):
-                peers.append({})
-        self.peers = peers
+        self.peers = kv_descriptors(values)
 
     def receive(self, reply) -> None:
         for entry_id, msg in stream_messages(reply):

@@ -43,11 +43,13 @@ from redis.exceptions import RedisError
 from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
-from scheduler_svc.disagg import DECODE_QUARANTINE_S, DecodeSide, PrefillSide, decoders_from
+from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, decoders_from,
+                                  kv_descriptors)
 from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch
+from shared.errors import PacerError
 from shared.keys import PLANS_MAXLEN, Keys
 from shared.lifecycle import cancel_tasks, clear_key, keep_heartbeat, stream_tail_id
 from shared.plan import IterationPlan, StepResult
@@ -76,9 +78,9 @@ class SchedulerServiceConfig:
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):
-            raise ValueError(f"--role must be colocated, prefill or decode, got {self.role!r}")
+            raise PacerError(f"--role must be colocated, prefill or decode, got {self.role!r}")
         if self.role != "colocated" and not self.instance:
-            raise ValueError(f"--role {self.role} needs --instance ID")
+            raise PacerError(f"--role {self.role} needs --instance ID")
 
 
 class SchedulerService:
@@ -158,6 +160,8 @@ class SchedulerService:
                 self.workers.record(values)
                 if self.decode is not None:
                     self.decode.set_workers(values)
+                if self.prefill is not None:
+                    self.prefill.own = kv_descriptors(values)
                 return self._layouts_agree(values)
             if time.monotonic() - logged > 5.0:
                 missing = [r for r, v in enumerate(values) if not v]
@@ -290,15 +294,18 @@ class SchedulerService:
                 pipe.hset(self.keys.stats, mapping=stats)
             self._queue_outbox(pipe, outbox)
             queue_block_events(pipe, self.keys.cached_blocks, block_events)
+            if disagg_out is not None:
+                self.prefill.queue(pipe, disagg_out)
+            if self.decode is not None:
+                self.decode.queue(pipe)
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
             if claim:
                 self.takeover.queue_claim(pipe, claim)
+            # replies read back from the end: every command below returns one
             if disagg_out is not None:
-                self.prefill.queue(pipe, disagg_out)
                 pipe.xread({self.keys.reservations: self.prefill.cursor}, count=1000)
             if self.decode is not None:
-                self.decode.queue(pipe)
                 pipe.xread({self.keys.handoff: self.decode.cursor}, count=1000, block=block_ms)
             if room:
                 pipe.xreadgroup(self.keys.requests_group, self.config.scheduler_id,

@@ -3,6 +3,12 @@
 Latencies in ms as mean, median, p99 and max (as vLLM's benchmark reports them). The
 headline (docs/design.md#why-chunked-prefill) is `tbt max / median`: hundreds without chunking
 when a long prompt lands, a few with it.
+
+Goodput (DistServe's measure, docs/design.md#pd-disaggregation-pricing-the-hop): requests per
+second that met both a TTFT SLO and a TBT SLO, the latter on each request's worst gap (every
+stall is felt, so a mean per request would hide what chunked prefill and disaggregation are
+about). A P/D run adds the transfer: alone on the fabric, what of it came after the prefill,
+and the first token as the prefill side would have streamed it.
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ def latency_stats(values_ms: Sequence[float]) -> dict[str, float | int]:
             "p99": float(np.percentile(a, 99)), "max": float(a.max())}
 
 
-def summarize(result: SimResult) -> dict[str, Any]:
+def summarize(result: SimResult, ttft_slo_ms: float = math.inf,
+              tbt_slo_ms: float = math.inf) -> dict[str, Any]:
     first = np.asarray(result.first_token_s)
     finish = np.asarray(result.finish_s)
     arrival = np.asarray([a.arrival_s for a in result.arrivals])
@@ -35,13 +42,19 @@ def summarize(result: SimResult) -> dict[str, Any]:
     in_tokens = sum(a.prompt_len for a in result.arrivals)
     span = float(finish.max() - arrival.min()) if finish.size else math.nan
     tbt_stats = latency_stats(tbt)
+    worst = np.asarray(result.worst_tbt_ms, dtype=float)
+    met = (ttft_ms <= ttft_slo_ms) & ~(worst > tbt_slo_ms)     # nan worst: a single token
     summary: dict[str, Any] = {
         "mode": result.mode,
+        "instances": result.instances,
         "requests": len(result.arrivals),
         "rejected": len(result.rejected),
         "ttft_ms": latency_stats(ttft_ms),
         "tbt_ms": tbt_stats,
         "tbt_max_over_median": tbt_stats["max"] / tbt_stats["median"] if tbt.size else math.nan,
+        "slo": {"ttft_ms": ttft_slo_ms, "tbt_ms": tbt_slo_ms},
+        "slo_attainment": float(met.mean()) if met.size else math.nan,
+        "goodput_rps": int(met.sum()) / span,
         "iteration_ms": latency_stats(np.frombuffer(result.timeline.ms, dtype=float)),
         "iterations": len(result.timeline),
         "preemptions": result.num_preemptions,
@@ -54,6 +67,17 @@ def summarize(result: SimResult) -> dict[str, Any]:
     }
     for kind in sorted(set(kinds.tolist()) - {"main"}):
         summary[f"ttft_ms_{kind}"] = latency_stats(ttft_ms[kinds == kind])
+    prefill_done = np.asarray(result.prefill_done_s, dtype=float)
+    moved = ~np.isnan(prefill_done)
+    if moved.any():
+        transfer = np.asarray(result.transfer_ms, dtype=float)[moved]
+        exposed = np.asarray(result.exposed_ms, dtype=float)[moved]
+        summary |= {
+            "ttft_prefill_side_ms": latency_stats((prefill_done - arrival)[moved] * 1e3),
+            "transfer_ms": latency_stats(transfer),
+            "exposed_transfer_ms": latency_stats(exposed),
+            "transfer_hidden": 1 - float(exposed.sum() / transfer.sum()),
+        }
     return summary
 
 
@@ -62,6 +86,12 @@ _ROWS = [("TTFT mean ms", "ttft_ms", "mean"), ("TTFT median ms", "ttft_ms", "med
          ("TBT mean ms", "tbt_ms", "mean"), ("TBT median ms", "tbt_ms", "median"),
          ("TBT p99 ms", "tbt_ms", "p99"), ("TBT max ms", "tbt_ms", "max"),
          ("TBT max / median", "tbt_max_over_median", None),
+         ("SLO attainment", "slo_attainment", None), ("goodput req/s", "goodput_rps", None),
+         ("TTFT p99, token 1 from prefill side", "ttft_prefill_side_ms", "p99"),
+         ("transfer median ms", "transfer_ms", "median"),
+         ("exposed transfer median ms", "exposed_transfer_ms", "median"),
+         ("exposed transfer max ms", "exposed_transfer_ms", "max"),
+         ("transfer hidden", "transfer_hidden", None),
          ("iteration median ms", "iteration_ms", "median"),
          ("iteration max ms", "iteration_ms", "max"),
          ("iterations", "iterations", None), ("preemptions", "preemptions", None),
@@ -69,6 +99,9 @@ _ROWS = [("TTFT mean ms", "ttft_ms", "mean"), ("TTFT median ms", "ttft_ms", "med
          ("requests/s", "requests_per_s", None), ("output tok/s", "output_tokens_per_s", None),
          ("total tok/s", "total_tokens_per_s", None), ("simulated s", "duration_s", None),
          ("sim wall s (cpu s)", None, None)]
+
+
+_SHARES = ("slo_attainment", "transfer_hidden")
 
 
 def _cell(summary: dict[str, Any], label: str, key: str | None, sub: str | None) -> str:
@@ -79,6 +112,8 @@ def _cell(summary: dict[str, Any], label: str, key: str | None, sub: str | None)
     if key not in summary:
         return "-"
     value = summary[key][sub] if sub else summary[key]
+    if key in _SHARES:
+        return f"{value:.1%}"
     if isinstance(value, int):
         return str(value)
     return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.3g}"
@@ -91,6 +126,11 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
     for key in extra:
         kind = key.removeprefix("ttft_ms_")
         rows += [(f"TTFT {kind} median ms", key, "median"), (f"TTFT {kind} max ms", key, "max")]
+    slo = summaries[0]["slo"]
+    rows = [(f"{label} (TTFT <= {slo['ttft_ms']:g} ms, every TBT <= {slo['tbt_ms']:g} ms)"
+             if key == "slo_attainment" else label, key, sub) for label, key, sub in rows]
+    if not any("transfer_ms" in s for s in summaries):
+        rows = [r for r in rows if "transfer" not in r[0] and "prefill side" not in r[0]]
     header = ["metric"] + [s["mode"] for s in summaries]
     table = [header] + [[label] + [_cell(s, label, key, sub) for s in summaries]
                         for label, key, sub in rows]

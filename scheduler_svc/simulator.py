@@ -7,9 +7,31 @@ A token is stamped with the clock at the end of the iteration that produced it, 
 TTFT (arrival → first token) and TBT (gap between a request's consecutive tokens) exactly as
 docs/design.md#why-chunked-prefill counts them: a decode shares the wall time of everything
 it rode with.
+
+A run is a cluster of engine instances, each a `Scheduler` of its own with its own clock,
+driven by one queue of events (an iteration ends, a request arrives):
+
+- `simulate`: `instances` colocated ones, each running prefill chunks beside its decodes;
+  arrivals go to the one with the fewest prompt tokens still to prefill;
+- `simulate_disaggregated` (docs/design.md#pd-disaggregation-pricing-the-hop): prefill and
+  decode instances, as the served system runs them (docs/design.md#pd-disaggregation). A
+  request first has a decode instance `reserve` blocks for its prompt plus one token (the
+  one with the most free blocks; with no room anywhere it waits, first come first served);
+  then the least loaded prefill instance runs it with `max_tokens` 1. Each forward there sends
+  its chunks' K/V over the instance's `KVLink`, layer by layer as the forward runs (or a
+  prompt's whole K/V after its last chunk), and the instance answers once its sends are done,
+  as the served worker does; at that answer the decode instance `activate`s the request,
+  which decodes on. Prompts shorter than `min_prompt_tokens` are prefilled by a decode
+  instance itself (conditional disaggregation).
+
+  TTFT counts as the worked example of P/D does, prefill + transfer + first decode: up to the
+  first token out of the decode pool. The token the prefill side samples first (which the
+  served system streams at once) is reported apart, and the gap after it is not a TBT.
 """
 from __future__ import annotations
 
+import heapq
+import math
 import time
 from array import array
 from collections import deque
@@ -21,12 +43,13 @@ from scheduler_svc.core import Scheduler
 from shared.config import SchedulerConfig
 from shared.cost_model import RooflineCost
 from shared.errors import InvalidRequestError
+from shared.fabric import Fabric, KVLink
 from shared.plan import SampledToken, StepResult
 from shared.sampling import SamplingParams
 
 _DUMMY = SampledToken(0)
 _TIMELINE_FIELDS = ("end_s", "ms", "decode_rows", "prefill_rows", "num_running",
-                    "num_waiting", "max_tbt_ms")
+                    "num_waiting", "max_tbt_ms", "instance")
 
 
 @dataclass
@@ -39,6 +62,7 @@ class Timeline:
     num_running: array = field(default_factory=lambda: array("l"))
     num_waiting: array = field(default_factory=lambda: array("l"))
     max_tbt_ms: array = field(default_factory=lambda: array("d"))   # 0 when no decode token
+    instance: array = field(default_factory=lambda: array("l"))     # which instance ran it
 
     def __len__(self) -> int:
         return len(self.ms)
@@ -59,37 +83,242 @@ class SimResult:
     num_preemptions: int
     wall_s: float                            # how long the simulation itself took
     cpu_s: float                             # ...in this process's CPU time (a busy host)
+    worst_tbt_ms: list[float] = field(default_factory=list)   # per request; nan: one token
+    # P/D only, per request (nan where it never went over the fabric): the prefill side's
+    # first token, the transfer alone on the fabric, and what of it came after the prefill.
+    prefill_done_s: list[float] = field(default_factory=list)
+    transfer_ms: list[float] = field(default_factory=list)
+    exposed_ms: list[float] = field(default_factory=list)
+    instances: str = ""                      # what ran it, in words
+
+
+@dataclass(frozen=True)
+class Hop:
+    """How a prefilled request's K/V reach a decode instance."""
+    fabric: Fabric
+    kv_bytes_per_token: float
+    num_layers: int
+    layer_streaming: bool = True
+
+    @classmethod
+    def of(cls, cost: RooflineCost, fabric: Fabric, layer_streaming: bool = True) -> Hop:
+        return cls(fabric, cost.model.kv_bytes_per_token(cost.dtype_bytes), cost.model.num_layers,
+                   layer_streaming)
 
 
 def simulate(arrivals: Iterable[Arrival], config: SchedulerConfig, cost: RooflineCost,
-             mode: str = "") -> SimResult:
-    """Run every arrival to completion on the fake clock; deterministic for its inputs."""
-    started, started_cpu = time.perf_counter(), time.process_time()
+             mode: str = "", instances: int = 1) -> SimResult:
+    """Run every arrival to completion on the fake clock, on `instances` colocated engine
+    instances alike; deterministic for its inputs."""
+    pool = [_Instance(i, "both", _scheduler(config)) for i in range(instances)]
+    return _Cluster(pool, cost).run(arrivals, mode,
+                                    f"{instances} instance(s), prefill beside decode")
+
+
+def simulate_disaggregated(arrivals: Iterable[Arrival], prefill_config: SchedulerConfig,
+                           decode_config: SchedulerConfig, cost: RooflineCost, hop: Hop,
+                           num_prefill: int = 1, num_decode: int = 1, mode: str = "disagg",
+                           min_prompt_tokens: int = 0) -> SimResult:
+    """The same arrivals on `num_prefill` prefill instances and `num_decode` decode instances,
+    the K/V of every prompt priced over `hop` between them."""
+    pool = [_Instance(i, "prefill", _scheduler(prefill_config), KVLink(hop.fabric))
+            for i in range(num_prefill)]
+    pool += [_Instance(num_prefill + i, "decode", _scheduler(decode_config))
+             for i in range(num_decode)]
+    return _Cluster(pool, cost, hop, min_prompt_tokens).run(
+        arrivals, mode, f"{num_prefill} prefill + {num_decode} decode instance(s), K/V over "
+        f"{hop.fabric.name} ({hop.fabric.gb_per_s:g} GB/s)"
+        + (", layer streaming" if hop.layer_streaming else ", sent after the prefill"))
+
+
+def _scheduler(config: SchedulerConfig) -> Scheduler:
     # Every simulated prompt is the same id repeated (below): prefix caching would turn each
     # into a hit, so it is off — arrivals carry lengths, not contents.
-    sched = Scheduler(replace(config, enable_prefix_caching=False), eos_token_ids=None,
-                      max_model_len=config.max_model_len)
-    pending = deque(sorted(arrivals, key=lambda a: a.arrival_s))
-    state = _State()
-    now = 0.0
-    while pending or sched.has_unfinished():
-        while pending and pending[0].arrival_s <= now:
-            state.add(sched, pending.popleft())
-        if not sched.has_unfinished():
-            now = pending[0].arrival_s       # idle until the next arrival
-            continue
+    return Scheduler(replace(config, enable_prefix_caching=False), eos_token_ids=None,
+                     max_model_len=config.max_model_len)
+
+
+@dataclass(eq=False)
+class _Instance:
+    index: int
+    role: str                                # "both", "prefill" or "decode"
+    sched: Scheduler
+    link: KVLink | None = None               # a prefill instance's way out for K/V
+    plan: object = None                      # the plan in flight, None when idle
+    chunks: list = field(default_factory=list)
+    ms: float = 0.0                          # the iteration, its sends' wait included
+    queued_prompt_tokens: int = 0            # routed here, not yet through their prefill
+
+    @property
+    def load(self) -> tuple:
+        """Least loaded first: prompt tokens still to prefill, then requests held."""
+        sched = self.sched
+        return (self.queued_prompt_tokens, sched.num_running + sched.num_waiting, self.index)
+
+    @property
+    def room(self) -> tuple:
+        """Roomiest first: free KV blocks, then the fewest running requests."""
+        sched = self.sched
+        return (-sched.block_manager.num_free_blocks, sched.num_running, self.index)
+
+
+class _Cluster:
+    def __init__(self, pool: list[_Instance], cost: RooflineCost, hop: Hop | None = None,
+                 min_prompt_tokens: int = 0) -> None:
+        self.pool = pool
+        self.cost = cost
+        self.hop = hop
+        self.min_prompt_tokens = min_prompt_tokens
+        self.entry = [i for i in pool if i.role != "decode"]       # where prompts go
+        self.decoders = [i for i in pool if i.role == "decode"]
+        self.events: list[tuple[float, int, _Instance]] = []       # iterations' ends
+        self.seq = 0
+        self.state = _State()
+        self.reserved: dict[str, _Instance] = {}   # request id -> the decode instance
+        self.no_room: deque[Arrival] = deque()     # waiting for a decode instance's blocks
+
+    def run(self, arrivals: Iterable[Arrival], mode: str, instances: str) -> SimResult:
+        started, started_cpu = time.perf_counter(), time.process_time()
+        pending = deque(sorted(arrivals, key=lambda a: a.arrival_s))
+        state, events = self.state, self.events
+        while events or pending:
+            now = min(events[0][0] if events else math.inf,
+                      pending[0].arrival_s if pending else math.inf)
+            while events and events[0][0] <= now:
+                self._end_iteration(heapq.heappop(events)[2], now)
+            while pending and pending[0].arrival_s <= now:
+                self._arrive(pending.popleft())
+            for instance in self.pool:
+                if instance.plan is None and instance.sched.has_schedulable():
+                    self._start_iteration(instance, now)
+        stuck = [i.index for i in self.pool if i.sched.has_unfinished()]
+        if stuck or self.no_room:
+            raise RuntimeError(f"instances {stuck} planned nothing with work waiting and no "
+                               "event to come")
+        return SimResult(mode, state.arrivals, state.first, state.finish, state.tbt,
+                         state.timeline, state.rejected,
+                         sum(i.sched.num_preemptions_total for i in self.pool),
+                         time.perf_counter() - started, time.process_time() - started_cpu,
+                         state.worst, state.prefill_done, state.transfer_ms, state.exposed_ms,
+                         instances)
+
+    # ---- arrivals ----------------------------------------------------------------------
+
+    def _arrive(self, arrival: Arrival) -> None:
+        if not self.decoders or arrival.output_len == 1:    # nothing to decode elsewhere
+            self._prefill_at(min(self.entry, key=lambda i: i.load), arrival, None)
+        elif arrival.prompt_len < self.min_prompt_tokens:  # not worth the hop
+            self.state.add(min(self.decoders, key=lambda i: i.room).sched, arrival)
+        else:
+            self.no_room.append(arrival)
+            self._reserve_in_order()
+
+    def _reserve_in_order(self) -> None:
+        """Reservations first come, first served: the head waits for room, the rest behind."""
+        state = self.state
+        while self.no_room:
+            arrival = self.no_room[0]
+            request_id = str(len(state.arrivals))     # the id it gets once admitted
+            target = min(self.decoders, key=lambda i: i.room)
+            try:
+                blocks = target.sched.reserve(request_id, [1] * arrival.prompt_len,
+                                              _sampling(arrival.output_len))
+            except InvalidRequestError as e:
+                state.rejected.append((arrival, str(e)))
+                blocks = []
+            if blocks is None:
+                return
+            self.no_room.popleft()
+            if not blocks:
+                continue
+            if self._prefill_at(min(self.entry, key=lambda i: i.load), arrival, 1):
+                self.reserved[request_id] = target
+            else:
+                target.sched.cancel_reservation(request_id)
+
+    def _prefill_at(self, instance: _Instance, arrival: Arrival, max_tokens: int | None) -> bool:
+        added = self.state.add(instance.sched, arrival, max_tokens)
+        if added:
+            instance.queued_prompt_tokens += arrival.prompt_len
+        return added
+
+    # ---- iterations --------------------------------------------------------------------
+
+    def _start_iteration(self, instance: _Instance, now: float) -> None:
+        sched = instance.sched
         plan = sched.schedule()
-        if plan.is_empty:
-            if not pending:
-                raise RuntimeError("the scheduler planned nothing with work waiting and no "
-                                   "arrival to come")
-            now = max(now, pending[0].arrival_s)
+        if plan.is_empty:            # it waits for an arrival or for room to free up
             sched.update(plan, StepResult(plan.step, {}))
-            continue
-        now = state.run(sched, plan, cost, now)
-    return SimResult(mode, state.arrivals, state.first, state.finish, state.tbt, state.timeline,
-                     state.rejected, sched.num_preemptions_total, time.perf_counter() - started,
-                     time.process_time() - started_cpu)
+            return
+        rows_of = plan.num_scheduled_tokens
+        ids = [c.request_id for c in plan.cached_requests] + \
+              [r.request_id for r in plan.new_requests]
+        chunks = [(rows_of[c.request_id], c.num_computed_tokens + rows_of[c.request_id])
+                  for c in plan.cached_requests]
+        chunks += [(rows_of[r.request_id], r.num_computed_tokens + rows_of[r.request_id])
+                   for r in plan.new_requests]
+        ms = self.cost.iteration_ms(chunks)
+        if instance.link is not None:
+            ms = self._send(instance, ids, chunks, now, ms)
+        instance.plan, instance.chunks, instance.ms = plan, chunks, ms
+        heapq.heappush(self.events, (now + ms / 1e3, self.seq, instance))
+        self.seq += 1
+
+    def _send(self, instance: _Instance, ids: list[str], chunks: list, now: float,
+              ms: float) -> float:
+        """A prefill forward's K/V sends for the requests that go on to a decode instance; the
+        worker answers once they are done. Returns the iteration's ms, the wait included."""
+        hop, sched, state = self.hop, instance.sched, self.state
+        computed_s = now + ms / 1e3
+        going = [(request_id, q) for request_id, (q, _) in zip(ids, chunks)
+                 if request_id in self.reserved]
+        if not going:
+            return ms
+        if hop.layer_streaming:
+            done = instance.link.send_layers(now, computed_s, hop.num_layers,
+                                             [q * hop.kv_bytes_per_token for _, q in going])
+        else:                    # a prompt's whole K/V once its last chunk is computed
+            done = [instance.link.send(computed_s, sched.get_request(request_id).num_prompt_tokens
+                                       * hop.kv_bytes_per_token)
+                    for request_id, q in going
+                    if sched.get_request(request_id).num_uncomputed_tokens == q]
+        wait_ms = max(0.0, (max(done, default=computed_s) - computed_s) * 1e3)
+        for request_id, _ in going:          # every request of the forward waited for it
+            state.add_exposed(int(request_id), wait_ms)
+        return ms + wait_ms
+
+    def _end_iteration(self, instance: _Instance, now: float) -> None:
+        sched, plan = instance.sched, instance.plan
+        sampled = {request_id: _DUMMY for request_id, rows in plan.num_scheduled_tokens.items()
+                   if sched.get_request(request_id).num_uncomputed_tokens == rows}
+        outputs = sched.update(plan, StepResult(plan.step, sampled))
+        instance.plan = None
+        if instance.role != "decode":
+            for out in outputs:
+                if out.num_output_tokens == 1:       # its prefill is over
+                    instance.queued_prompt_tokens -= out.num_prompt_tokens
+        if instance.role == "prefill":
+            outputs = [out for out in outputs if not self._hand_over(out, now)]
+        self.state.record(instance, sched, instance.chunks, instance.ms, plan.total_tokens,
+                          outputs, now)
+        if instance.role == "decode" and self.no_room:
+            self._reserve_in_order()                 # blocks may have been freed
+
+    def _hand_over(self, out, now: float) -> bool:
+        """A prefilled request, its K/V sent: the decode instance holding its reservation
+        takes it on with the first token."""
+        target = self.reserved.pop(out.request_id, None)
+        if target is None:
+            return False
+        target.sched.activate(out.request_id, out.new_tokens[0].token_id, ["simulated"])
+        i = int(out.request_id)
+        self.state.handed_over(i, now, self.hop.fabric.transfer_ms(
+            self.state.arrivals[i].prompt_len * self.hop.kv_bytes_per_token))
+        return True
+
+
+def _sampling(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 
 
 class _State:
@@ -100,53 +329,59 @@ class _State:
         self.first: list[float] = []
         self.last: list[float] = []
         self.finish: list[float] = []
+        self.worst: list[float] = []
+        self.prefill_done: list[float] = []
+        self.transfer_ms: list[float] = []
+        self.exposed_ms: list[float] = []
         self.tbt = array("d")
         self.timeline = Timeline()
         self.rejected: list[tuple[Arrival, str]] = []
 
-    def add(self, sched: Scheduler, arrival: Arrival) -> None:
+    def add(self, sched: Scheduler, arrival: Arrival, max_tokens: int | None = None) -> bool:
+        """Queue the arrival on `sched` as request str(its index); False if it was rejected.
+        `max_tokens`: 1 on a prefill instance (the rest is decoded elsewhere)."""
         request_id = str(len(self.arrivals))
         try:
             # The prompt's ids never matter to the clock: one shared id keeps memory small.
             sched.add_request(request_id, [1] * arrival.prompt_len,
-                              SamplingParams(max_tokens=arrival.output_len, ignore_eos=True))
+                              _sampling(max_tokens or arrival.output_len))
         except InvalidRequestError as e:
             self.rejected.append((arrival, str(e)))
-            return
+            return False
         self.arrivals.append(arrival)
         nan = float("nan")
-        self.first.append(nan)
-        self.last.append(nan)
-        self.finish.append(nan)
+        for column in (self.first, self.last, self.finish, self.worst, self.prefill_done,
+                       self.transfer_ms, self.exposed_ms):
+            column.append(nan)
+        return True
 
-    def run(self, sched: Scheduler, plan, cost: RooflineCost, now: float) -> float:
-        """Price the plan, advance the clock, stamp the tokens; returns the new time."""
-        rows_of = plan.num_scheduled_tokens
-        chunks = [(rows_of[c.request_id], c.num_computed_tokens + rows_of[c.request_id])
-                  for c in plan.cached_requests]
-        chunks += [(rows_of[r.request_id], r.num_computed_tokens + rows_of[r.request_id])
-                   for r in plan.new_requests]
-        sampled = {}
-        for request_id, rows in rows_of.items():
-            if sched.get_request(request_id).num_uncomputed_tokens == rows:
-                sampled[request_id] = _DUMMY
-        ms = cost.iteration_ms(chunks)
-        now += ms / 1e3
-        outputs = sched.update(plan, StepResult(plan.step, sampled))
+    def add_exposed(self, i: int, ms: float) -> None:
+        """A prefill forward of request i waited `ms` for its K/V sends."""
+        self.exposed_ms[i] = ms if self.exposed_ms[i] != self.exposed_ms[i] else \
+            self.exposed_ms[i] + ms
+
+    def handed_over(self, i: int, now: float, transfer_ms: float) -> None:
+        """Request i's first token, sampled on the prefill side, reached the decode side."""
+        self.prefill_done[i] = now
+        self.transfer_ms[i] = transfer_ms
+
+    def record(self, instance: _Instance, sched: Scheduler, chunks: list, ms: float,
+               total_rows: int, outputs, now: float) -> None:
+        """Stamp the tokens of an iteration that ended at `now` and add it to the timeline."""
         max_gap = self._stamp(outputs, now)
         decode_rows = sum(1 for q, _ in chunks if q == 1)
         t = self.timeline
         t.end_s.append(now)
         t.ms.append(ms)
         t.decode_rows.append(decode_rows)
-        t.prefill_rows.append(plan.total_tokens - decode_rows)
+        t.prefill_rows.append(total_rows - decode_rows)
         t.num_running.append(sched.num_running)
         t.num_waiting.append(sched.num_waiting)
         t.max_tbt_ms.append(max_gap)
-        return now
+        t.instance.append(instance.index)
 
     def _stamp(self, outputs, now: float) -> float:
-        first, last, tbt = self.first, self.last, self.tbt
+        first, last, tbt, worst = self.first, self.last, self.tbt, self.worst
         max_gap = 0.0
         for out in outputs:
             i = int(out.request_id)
@@ -155,6 +390,8 @@ class _State:
                 gap = (now - previous) * 1e3
                 tbt.append(gap)
                 max_gap = gap if gap > max_gap else max_gap
+                if not gap <= worst[i]:              # also when worst is still nan
+                    worst[i] = gap
             else:
                 first[i] = now
             last[i] = now

@@ -1,6 +1,9 @@
-"""`pacer cost`: the roofline estimate of one iteration, from the command line.
+"""`pacer cost`: the roofline estimate of one iteration, or of one request's P/D hop, from
+the command line.
 
     pacer cost --model llama-2-7b --hw h100 --decode 8x1024 --prefill 4096 --prefill 1024@2048
+    pacer cost --transfer 4096 --fabric ib-hdr      # KV bytes of a 4k prompt, time over IB HDR
+    pacer cost --transfer 4096                      # every fabric, beside a GQA model
 """
 from __future__ import annotations
 
@@ -10,8 +13,10 @@ import re
 import sys
 from dataclasses import asdict
 
-from shared.cost_model import ChunkShape, IterationCost, estimate_iteration, load_model_shape
+from shared.cost_model import (ChunkShape, IterationCost, TransferCost, estimate_iteration,
+                               estimate_transfer, load_model_shape)
 from shared.errors import PacerError
+from shared.fabric import FABRICS, load_fabric
 from shared.hardware import HardwareProfile, load_hardware
 
 _DECODE = re.compile(r"(\d+)[xX](\d+)")
@@ -33,6 +38,16 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="B requests decoding at context L (repeatable)")
     p.add_argument("--prefill", action="append", default=[], metavar="N[@S]",
                    help="a prefill chunk of N tokens over a cached prefix of S (repeatable)")
+    t = p.add_argument_group("the P/D hop (docs/design.md#pd-disaggregation-pricing-the-hop)")
+    t.add_argument("--transfer", type=int, metavar="L_P",
+                   help="instead of an iteration: the KV cache of an L_P-token prompt moved "
+                        "from a prefill to a decode instance, its bytes and transfer time")
+    t.add_argument("--fabric", default="all",
+                   help=f"{', '.join(FABRICS)}, a bandwidth in GB/s, a comma list, or all "
+                        "(default: a table of every built-in fabric)")
+    t.add_argument("--vs", default="llama-3-8b", metavar="MODEL",
+                   help="a second model beside --model in the table (default llama-3-8b: GQA, "
+                        "8 KV heads of 32); none to leave it out")
     p.add_argument("--dtype-bytes", type=float, default=2.0,
                    help="bytes per weight and KV element (default 2: fp16/bf16)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -66,6 +81,8 @@ def _hardware(args: argparse.Namespace) -> HardwareProfile:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.transfer is not None:
+        return run_transfer(args)
     try:
         chunks = [c for spec in args.decode for c in parse_decode(spec)]
         chunks += [parse_prefill(spec) for spec in args.prefill]
@@ -87,6 +104,84 @@ def run(args: argparse.Namespace) -> int:
         work = ", ".join([f"decode {d}" for d in args.decode] + [f"prefill {p}" for p in args.prefill])
         print(format_table(cost, model.name, hw, args.dtype_bytes, work))
     return 0
+
+
+def run_transfer(args: argparse.Namespace) -> int:
+    try:
+        if args.decode or args.prefill:
+            raise PacerError("--transfer prices a hop, not an iteration: leave out --decode "
+                             "and --prefill")
+        if args.transfer < 1:
+            raise PacerError(f"--transfer must be >= 1 token, got {args.transfer}")
+        if not args.dtype_bytes > 0:
+            raise PacerError(f"--dtype-bytes must be > 0, got {args.dtype_bytes}")
+        names = [args.model] + ([] if args.vs.lower() in ("none", args.model.lower()) else [args.vs])
+        models = [load_model_shape(name) for name in names]
+        specs = list(FABRICS) if args.fabric.lower() == "all" else args.fabric.split(",")
+        fabrics = [load_fabric(spec) for spec in specs]
+        hw = _hardware(args)
+        rows = [[estimate_transfer(m, args.transfer, f, hw, args.dtype_bytes) for m in models]
+                for f in fabrics]
+    except PacerError as e:
+        print(f"pacer cost: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"prompt_len": args.transfer, "hardware": hw.name,
+                          "dtype_bytes": args.dtype_bytes,
+                          "rows": [asdict(c) for row in rows for c in row]}, indent=2))
+    elif len(rows) == 1 and args.fabric.lower() != "all":
+        print(format_transfer(rows[0][0], hw.name, args.dtype_bytes))
+    else:
+        print(format_transfer_table(rows, models, hw.name, args.dtype_bytes))
+    return 0
+
+
+def _bytes(n: float) -> str:
+    return f"{_si(n, 'B')} ({n / 2**30:.3g} GiB)" if n >= 2**30 else _si(n, "B")
+
+
+def format_transfer(cost: TransferCost, hw: str, dtype_bytes: float) -> str:
+    rows = [
+        ("model", f"{cost.model} ({dtype_bytes:g} B/elem)"),
+        ("prompt", f"{cost.prompt_len} tokens"),
+        ("KV per token", f"{cost.kv_bytes_per_token / 1024:g} KiB"),
+        ("KV per request", _bytes(cost.kv_bytes)),
+        ("fabric", f"{cost.fabric}: {cost.gb_per_s:g} GB/s ({FABRICS[cost.fabric].what})"
+                   if cost.fabric in FABRICS else cost.fabric),
+        ("transfer", f"{cost.transfer_ms:.3g} ms (all of it after the prefill)"),
+        ("prefill", f"{cost.prefill_ms:.3g} ms on {hw}, one iteration"),
+        ("layer streamed", f"{cost.exposed_ms:.3g} ms exposed after the prefill "
+                           f"(hidden while the fabric moves >= {cost.hiding_gb_per_s:.3g} GB/s)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def format_transfer_table(rows: list[list[TransferCost]], models: list, hw: str,
+                          dtype_bytes: float) -> str:
+    """One row per fabric; per model, the transfer alone and what layer streaming leaves."""
+    first = rows[0]
+    lines = [f"KV cache of a {first[0].prompt_len}-token prompt ({dtype_bytes:g} B/elem), "
+             f"prefilled in one iteration on {hw}:"]
+    for model, cost in zip(models, first):
+        ratio = first[0].kv_bytes / cost.kv_bytes
+        gqa = (f"; {model.num_kv_heads} KV heads of {model.num_heads}: {ratio:.3g}x fewer bytes "
+               f"than {first[0].model}" if cost is not first[0] else "")
+        lines.append(f"  {cost.model}: {cost.kv_bytes_per_token / 1024:g} KiB/token, "
+                     f"{_bytes(cost.kv_bytes)}; prefill {cost.prefill_ms:.3g} ms, hides the "
+                     f"transfer above {cost.hiding_gb_per_s:.3g} GB/s{gqa}")
+    header = ["fabric", "GB/s"]
+    for cost in first:
+        header += [f"{cost.model} ms", "streamed ms"]
+    table = [header] + [[row[0].fabric, f"{row[0].gb_per_s:g}"]
+                        + [f"{v:.3g}" for c in row for v in (c.transfer_ms, c.exposed_ms)]
+                        for row in rows]
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
+                        enumerate(zip(r, widths))) for r in table]
+    lines.append("ms: the transfer alone; streamed: what is left after the prefill when each "
+                 "layer's K/V leave as soon as it is computed")
+    return "\n".join(lines)
 
 
 def _si(value: float, unit: str) -> str:

@@ -7,6 +7,13 @@ steady decodes, a 100k-token prompt now and then; ORCA only vs chunked prefill u
     pacer simulate --compare --model llama-2-7b --hw h100 --num-requests 3000 \\
         --request-rate 4 --prompt-len uniform:256:1024 --output-len uniform:128:512 \\
         --long-prompt-rate 0.005 --long-prompt-len 100000 --max-iteration-ms 20 --plot sim.png
+
+P/D disaggregation against colocated chunked prefill on as many GPUs, one run
+(docs/design.md#pd-disaggregation-pricing-the-hop); `--sweep` repeats it over one knob:
+
+    pacer simulate --disagg 1:1 --fabric ib-hdr --request-rate 2 \\
+        --prompt-len uniform:2000:6000 --output-len uniform:128:512 --max-iteration-ms 20
+    pacer simulate --disagg 1:1 --sweep request-rate=1,2,3,4 ...
 """
 from __future__ import annotations
 
@@ -20,6 +27,11 @@ from shared.config import SchedulerConfig, kv_block_bytes, num_blocks_for_memory
 from shared.errors import PacerError
 
 MODES = {"orca": False, "chunked": True}     # mode name -> enable_chunked_prefill
+SWEEP_KNOBS = ("request-rate", "prompt-len", "output-len", "fabric")
+# Goodput's SLOs: a second to the first token; every gap within ~5 pure-decode iterations of a
+# 7B model on an H100 (a stall a reader notices).
+DEFAULT_TTFT_SLO_MS = 1000.0
+DEFAULT_TBT_SLO_MS = 50.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -66,6 +78,28 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="ORCA only: whole prompts in one iteration")
     m.add_argument("--compare", action="store_true",
                    help="run ORCA only and chunked prefill on the same arrivals")
+    d = p.add_argument_group("P/D disaggregation (docs/design.md#pd-disaggregation-pricing-the-hop)")
+    d.add_argument("--disagg", default=None, metavar="P:D",
+                   help="P prefill and D decode instances, the KV of every prompt moved "
+                        "between them, against P+D colocated chunked-prefill instances")
+    d.add_argument("--fabric", default="ib-hdr",
+                   help="nvlink, nvswitch, ib-hdr, pcie5 or a bandwidth in GB/s (default ib-hdr)")
+    d.add_argument("--no-layer-streaming", dest="layer_streaming", action="store_false",
+                   help="send a prompt's K/V only once its prefill is over")
+    d.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
+                   help="the prefill instances' token budget (default: --max-num-batched-tokens; "
+                        "no latency budget there, no decode waits on them)")
+    d.add_argument("--disagg-min-prompt-tokens", type=int, default=0,
+                   help="prompts shorter than this are prefilled by a decode instance itself, "
+                        "as the served system's flag (default 0: every prompt goes over)")
+    d.add_argument("--ttft-slo-ms", type=float, default=DEFAULT_TTFT_SLO_MS,
+                   help=f"goodput counts requests whose TTFT is within this "
+                        f"(default {DEFAULT_TTFT_SLO_MS:g})")
+    d.add_argument("--tbt-slo-ms", type=float, default=DEFAULT_TBT_SLO_MS,
+                   help=f"...and whose every token gap is within this (default {DEFAULT_TBT_SLO_MS:g})")
+    d.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
+                   help=f"with --disagg: one run per value of a knob ({', '.join(SWEEP_KNOBS)}), "
+                        "a table of both modes' goodput and tails; --plot draws it")
     m.add_argument("--json", action="store_true", help="print one JSON object")
     m.add_argument("--timeline", default=None, help="write the per-iteration timeline JSON here")
     m.add_argument("--plot", default=None, help="draw TBT timeline and CDF to this PNG")
@@ -105,8 +139,6 @@ def scheduler_config(args: argparse.Namespace, model, arrivals, cost) -> Schedul
 
 
 def run(args: argparse.Namespace) -> int:
-    from scheduler_svc.sim_report import format_table, summarize
-    from scheduler_svc.simulator import simulate
     from shared.cost_model import RooflineCost, load_model_shape
     from shared.hardware import load_hardware
 
@@ -115,29 +147,173 @@ def run(args: argparse.Namespace) -> int:
             raise PacerError(f"--dtype-bytes must be > 0, got {args.dtype_bytes}")
         model, hw = load_model_shape(args.model), load_hardware(args.hw)
         cost = RooflineCost(model, hw, args.dtype_bytes)
+        pools = _check_disagg_flags(args)
+        if args.sweep:
+            return _run_sweep(args, model, hw, cost, pools, *parse_sweep(args.sweep, args))
         arrivals = build_arrivals(args)
         config = scheduler_config(args, model, arrivals, cost)
+        results = _run_modes(args, arrivals, config, cost, pools)
     except PacerError as e:
         print(f"pacer simulate: error: {e}", file=sys.stderr)
         return 2
-    modes = list(MODES) if args.compare else [
-        next(k for k, v in MODES.items() if v == config.enable_chunked_prefill)]
-    results = [simulate(arrivals, replace(config, enable_chunked_prefill=MODES[mode]), cost, mode)
-               for mode in modes]
-    summaries = [summarize(r) for r in results]
+    summaries = [_summary(args, r) for r in results]
     _write_outputs(args, results)
     if args.json:
         print(json.dumps({"model": model.name, "hardware": hw.name,
                           "config": _config_dict(config),
-                          "workload": _workload_dict(args, arrivals),
-                          "modes": {s["mode"]: s for s in summaries}}, indent=2))
+                          "workload": _workload_dict(args, arrivals)}
+                         | _disagg_dict(args, pools)
+                         | {"modes": {s["mode"]: s for s in summaries}}, indent=2))
     else:
         print(f"{model.name} on {hw.name}: {len(arrivals)} requests, "
               f"{config.max_num_batched_tokens}-row budget"
               + (f", {config.max_iteration_ms:g} ms latency budget" if config.max_iteration_ms
-                 else "") + f", {config.num_kv_blocks} KV blocks of {config.block_size}")
+                 else "") + f", {config.num_kv_blocks} KV blocks of {config.block_size}"
+              + "".join(f"\n{s['mode']}: {s['instances']}" for s in summaries if pools))
+        from scheduler_svc.sim_report import format_table
         print(format_table(summaries))
     return 0
+
+
+def _summary(args: argparse.Namespace, result) -> dict:
+    from scheduler_svc.sim_report import summarize
+    return summarize(result, args.ttft_slo_ms, args.tbt_slo_ms)
+
+
+def parse_disagg(spec: str) -> tuple[int, int]:
+    """'1:3' -> (1, 3): prefill and decode instances."""
+    parts = spec.split(":")
+    try:
+        p, d = (int(x) for x in parts)
+    except ValueError:
+        p = d = 0
+    if len(parts) != 2 or p < 1 or d < 1:
+        raise PacerError(f"--disagg {spec!r}: expected P:D with P, D >= 1, e.g. 1:1")
+    return p, d
+
+
+def parse_sweep(spec: str, args: argparse.Namespace) -> tuple[str, list[str]]:
+    """'request-rate=1,2,4' -> ('request-rate', ['1', '2', '4']), each value checked."""
+    from scheduler_svc.arrivals import parse_length
+    from shared.fabric import load_fabric
+
+    knob, _, values = spec.partition("=")
+    values = [v.strip() for v in values.split(",") if v.strip()]
+    if knob not in SWEEP_KNOBS or not values:
+        raise PacerError(f"--sweep {spec!r}: expected KNOB=V1,V2,... with KNOB one of "
+                         f"{', '.join(SWEEP_KNOBS)}")
+    if args.trace and knob != "fabric":
+        raise PacerError(f"--sweep {knob}: the workload comes from --trace")
+    check = {"request-rate": _rate, "prompt-len": parse_length, "output-len": parse_length,
+             "fabric": load_fabric}[knob]
+    for value in values:
+        check(value)
+    return knob, values
+
+
+def _rate(value: str) -> float:
+    try:
+        rate = float(value)
+    except ValueError:
+        rate = math.nan
+    if not rate > 0:
+        raise PacerError(f"a request rate must be a number > 0 (or inf), got {value!r}")
+    return rate
+
+
+def _check_disagg_flags(args: argparse.Namespace) -> tuple[int, int] | None:
+    for flag in ("ttft_slo_ms", "tbt_slo_ms"):
+        if not getattr(args, flag) > 0:
+            raise PacerError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if not args.disagg:
+        if args.sweep:
+            raise PacerError("--sweep compares the two modes of --disagg: give --disagg P:D")
+        return None
+    if args.compare:
+        raise PacerError("--disagg compares colocated with disaggregated; leave out --compare")
+    budget = args.prefill_max_num_batched_tokens
+    if budget is not None and budget < 1:
+        raise PacerError(f"--prefill-max-num-batched-tokens must be >= 1, got {budget}")
+    if args.disagg_min_prompt_tokens < 0:
+        raise PacerError("--disagg-min-prompt-tokens must be >= 0, got "
+                         f"{args.disagg_min_prompt_tokens}")
+    return parse_disagg(args.disagg)
+
+
+def _run_modes(args: argparse.Namespace, arrivals: list, config: SchedulerConfig, cost,
+               pools: tuple[int, int] | None) -> list:
+    """ORCA and/or chunked on one instance, or colocated vs disaggregated on P+D GPUs."""
+    from scheduler_svc.simulator import Hop, simulate, simulate_disaggregated
+    from shared.fabric import load_fabric
+
+    if pools is None:
+        modes = list(MODES) if args.compare else [
+            next(k for k, v in MODES.items() if v == config.enable_chunked_prefill)]
+        return [simulate(arrivals, replace(config, enable_chunked_prefill=MODES[mode]), cost,
+                         mode) for mode in modes]
+    p, d = pools
+    hop = Hop.of(cost, load_fabric(args.fabric), args.layer_streaming)
+    # The prefill side: its own token budget and no latency budget (no decode rides there).
+    prefill = replace(config, max_num_batched_tokens=args.prefill_max_num_batched_tokens
+                      or config.max_num_batched_tokens, max_iteration_ms=None,
+                      iteration_cost=None)
+    return [simulate(arrivals, config, cost, "colocated", instances=p + d),
+            simulate_disaggregated(arrivals, prefill, config, cost, hop, p, d, "disagg",
+                                   args.disagg_min_prompt_tokens)]
+
+
+def _run_sweep(args: argparse.Namespace, model, hw, cost, pools: tuple[int, int],
+               knob: str, values: list[str]) -> int:
+    points = []
+    for value in values:
+        point = argparse.Namespace(**vars(args))
+        setattr(point, knob.replace("-", "_"), _rate(value) if knob == "request-rate" else value)
+        arrivals = build_arrivals(point)
+        config = scheduler_config(point, model, arrivals, cost)
+        summaries = [_summary(args, r) for r in _run_modes(point, arrivals, config, cost, pools)]
+        points.append({s["mode"]: s for s in summaries})
+    if args.plot:
+        from scheduler_svc.sim_plot import plot_sweep
+        plot_sweep(knob, values, points, args.plot,
+                   title=f"{model.name} on {hw.name}, {args.disagg} vs {sum(pools)} colocated")
+    if args.json:
+        disagg = _disagg_dict(args, pools)
+        if knob == "fabric":
+            del disagg["disagg"]["fabric"]
+        print(json.dumps({"model": model.name, "hardware": hw.name,
+                          "workload": _workload_dict(args, None)}
+                         | disagg
+                         | {"sweep": {"knob": knob, "values": values},
+                            "points": [{"value": v, "modes": p} for v, p in zip(values, points)]},
+                         indent=2))
+    else:
+        print(f"{model.name} on {hw.name}: {sum(pools)} colocated instances vs "
+              f"{pools[0]} prefill + {pools[1]} decode; goodput: TTFT <= {args.ttft_slo_ms:g} ms "
+              f"and every TBT <= {args.tbt_slo_ms:g} ms")
+        print(format_sweep(knob, values, points))
+    return 0
+
+
+def format_sweep(knob: str, values: list[str], points: list[dict]) -> str:
+    """One row per value: each mode's goodput and tails, and which mode's goodput is higher
+    (by more than 2 %: the runs end at slightly different times)."""
+    def ms(x: float) -> str:
+        return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+    header = [knob, "goodput co", "goodput pd", "TTFT p99 co", "TTFT p99 pd", "TBT max co",
+              "TBT max pd", "exposed ms", "better"]
+    table = [header]
+    for value, point in zip(values, points):
+        co, pd = point["colocated"], point["disagg"]
+        ratio = pd["goodput_rps"] / co["goodput_rps"] if co["goodput_rps"] else math.inf
+        better = "disagg" if ratio > 1.02 else "colocated" if ratio < 1 / 1.02 else "tie"
+        table.append([value, f"{co['goodput_rps']:.3g}", f"{pd['goodput_rps']:.3g}",
+                      ms(co["ttft_ms"]["p99"]), ms(pd["ttft_ms"]["p99"]),
+                      ms(co["tbt_ms"]["max"]), ms(pd["tbt_ms"]["max"]),
+                      ms(pd.get("exposed_transfer_ms", {}).get("median", math.nan)), better])
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(r, widths))) for r in table)
 
 
 def _write_outputs(args: argparse.Namespace, results: list) -> None:
@@ -146,7 +322,20 @@ def _write_outputs(args: argparse.Namespace, results: list) -> None:
             json.dump({r.mode: r.timeline.to_dict() for r in results}, f)
     if args.plot:
         from scheduler_svc.sim_plot import plot
-        plot(results, args.plot, title=f"{args.model} on {args.hw}")
+        plot(results, args.plot, title=f"{args.model} on {args.hw}"
+             + (f", {args.disagg} over {args.fabric}" if args.disagg else ""),
+             ttft=bool(args.disagg))
+
+
+def _disagg_dict(args: argparse.Namespace, pools: tuple[int, int] | None) -> dict:
+    if pools is None:
+        return {}
+    return {"disagg": {"prefill_instances": pools[0], "decode_instances": pools[1],
+                       "colocated_instances": sum(pools), "fabric": args.fabric,
+                       "layer_streaming": args.layer_streaming,
+                       "prefill_max_num_batched_tokens": args.prefill_max_num_batched_tokens,
+                       "min_prompt_tokens": args.disagg_min_prompt_tokens},
+            "slo": {"ttft_ms": args.ttft_slo_ms, "tbt_ms": args.tbt_slo_ms}}
 
 
 def _config_dict(config: SchedulerConfig) -> dict:
@@ -155,8 +344,9 @@ def _config_dict(config: SchedulerConfig) -> dict:
             if f.name not in per_mode_or_object}
 
 
-def _workload_dict(args: argparse.Namespace, arrivals: list) -> dict:
+def _workload_dict(args: argparse.Namespace, arrivals: list | None) -> dict:
     keys = (["trace"] if args.trace else
             ["num_requests", "request_rate", "burstiness", "prompt_len", "output_len",
              "long_prompt_rate", "long_prompt_len", "long_output_len"])
-    return {k: getattr(args, k) for k in keys} | {"seed": args.seed, "requests": len(arrivals)}
+    out = {k: getattr(args, k) for k in keys} | {"seed": args.seed}
+    return out if arrivals is None else out | {"requests": len(arrivals)}

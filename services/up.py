@@ -220,9 +220,8 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
     workers, schedulers, heartbeats, groups = [], [], {}, {}
     for inst in instances:
         ikeys = keys.for_instance(inst.id)
-        flags = engine_flags(replace(engine, tp=inst.tp, kv_connector="mooncake"
-                                     if inst.role != "colocated" else engine.kv_connector)
-                             if hasattr(engine, "kv_connector") else replace(engine, tp=inst.tp))
+        flags = engine_flags(replace(engine, tp=inst.tp, kv_connector="mooncake")
+                             if inst.role != "colocated" else replace(engine, tp=inst.tp))
         where = ["--instance", inst.id] if inst.id else []
         for r in range(inst.tp):
             name = inst.name(f"worker rank {r}")
@@ -315,6 +314,7 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineArgs.from_cli(args)
     # refuse bad flags here, before anything starts
     engine_layout(engine)
+    instances_of(args, engine)
     url = urlsplit(args.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
     stopping = _Signals()

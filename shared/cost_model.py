@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from shared.errors import PacerError
+from shared.fabric import Fabric
 from shared.hardware import HardwareProfile, load_hardware
 from shared.json_file import read_json_object
 from shared.online_cost import OnlineIterationCost
@@ -320,6 +321,62 @@ class RooflineCost:
         while fits(guess + 1):
             guess += 1
         return guess
+
+
+# ---- the P/D hop (docs/design.md#pd-disaggregation-pricing-the-hop) ------------------------
+
+
+def kv_transfer_bytes(model: ModelShape, prompt_len: int, dtype_bytes: float = 2) -> float:
+    """The KV cache a prefill instance hands to a decode instance: L_p · K_tok."""
+    return prompt_len * model.kv_bytes_per_token(dtype_bytes)
+
+
+def exposed_transfer_ms(transfer_ms: float, prefill_ms: float, num_layers: int) -> float:
+    """What a transfer adds after the prefill ends, with layer streaming: layer i's K/V leave
+    as soon as layer i is computed, i/L of the way through a prefill of `prefill_ms`, and the
+    link sends the L pieces of T/L ms each one after another. The last piece leaves at the
+    end of the prefill, so at least T/L is exposed; when the link is the slower side, the
+    pieces queue and what the prefill could not hide is exposed too:
+
+        exposed = max(T/L, T - P·(L-1)/L) = T/L + max(0, T - P)·(L-1)/L
+
+    Without streaming (num_layers = 1) the whole T is exposed."""
+    if num_layers < 1:
+        raise PacerError(f"num_layers must be >= 1, got {num_layers}")
+    return max(transfer_ms / num_layers, transfer_ms - prefill_ms * (num_layers - 1) / num_layers)
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    """One request's hop over one fabric (`pacer cost --transfer`)."""
+
+    model: str
+    fabric: str
+    gb_per_s: float
+    prompt_len: int
+    kv_bytes_per_token: float
+    kv_bytes: float
+    transfer_ms: float            # alone on the fabric, nothing overlapped
+    prefill_ms: float             # the prompt prefilled in one iteration, by the roofline
+    exposed_ms: float             # what layer streaming behind that prefill leaves exposed
+    hiding_gb_per_s: float        # the bandwidth at which the transfer takes the prefill's time
+
+
+def estimate_transfer(model: ModelShape, prompt_len: int, fabric: Fabric, hw: HardwareProfile,
+                      dtype_bytes: float = 2) -> TransferCost:
+    """The hop of a `prompt_len` prompt's KV cache over `fabric`, and how much of it layer
+    streaming hides behind the prompt's prefill on `hw`."""
+    if prompt_len < 1:
+        raise PacerError(f"a prompt needs at least 1 token, got {prompt_len}")
+    nbytes = kv_transfer_bytes(model, prompt_len, dtype_bytes)
+    transfer = fabric.transfer_ms(nbytes)
+    prefill = estimate_iteration([(prompt_len, prompt_len)], model, hw, dtype_bytes).time_ms
+    return TransferCost(
+        model=model.name, fabric=fabric.name, gb_per_s=fabric.gb_per_s, prompt_len=prompt_len,
+        kv_bytes_per_token=model.kv_bytes_per_token(dtype_bytes), kv_bytes=nbytes,
+        transfer_ms=transfer, prefill_ms=prefill,
+        exposed_ms=exposed_transfer_ms(transfer, prefill, model.num_layers),
+        hiding_gb_per_s=nbytes / prefill / 1e6)
 
 
 def latency_cost_for(max_iteration_ms: float | None, hw: str | None, model_config: Any,

@@ -36,6 +36,31 @@ class EngineArgs:
     target_tbt_ms: str = "off"
     hw: str | None = None
     seed: int | None = None
+    # ---- P/D: the KV connector a worker moves K/V with (gpu_worker/kv_transfer,
+    # docs/architecture.md#kv-transfer); `none` refuses plans that send K/V ----
+    kv_connector: str = "none"
+    kv_host: str = "127.0.0.1"
+    kv_protocol: str = "tcp"
+    kv_device: str = ""
+    kv_timeout_s: float = 10.0
+
+    @staticmethod
+    def add_kv_cli_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--kv-connector", default="none", choices=["none", "mooncake"],
+                       help="P/D: what moves K/V between a prefill and a decode instance: "
+                            "mooncake (the Mooncake transfer engine) or none (default)")
+        p.add_argument("--kv-host", default="127.0.0.1",
+                       help="P/D: the address this worker's KV transfer engine listens on, "
+                            "as peers reach it")
+        p.add_argument("--kv-protocol", default="tcp",
+                       help="P/D: the transfer engine's protocol: tcp (default) or rdma")
+        p.add_argument("--kv-device", default="",
+                       help="P/D: RDMA devices for the transfer engine, comma-separated "
+                            "(default: all it finds)")
+        p.add_argument("--kv-timeout-s", type=float, default=10.0,
+                       help="P/D: how long an iteration waits for its K/V sends before it "
+                            "reports them failed")
+    # ---- end of the KV connector's part ----
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser,
@@ -86,6 +111,7 @@ class EngineArgs:
                        help="use the roofline of this hardware profile (h100, h200, a100, or a "
                             "JSON written by `pacer calibrate`) instead of the online fit")
         p.add_argument("--seed", type=int, default=None, help="seed for unseeded sampling")
+        EngineArgs.add_kv_cli_args(p)
 
     @classmethod
     def from_cli(cls, args: argparse.Namespace) -> "EngineArgs":

@@ -30,6 +30,7 @@ BUDGET = 32                        # --max-num-batched-tokens: the long prompts 
 LONG = [list(range(20, 20 + n)) for n in (70, 45, 90)] + [[100, 3, 200, 7] * 15]
 SHORT = [[5, 6, 7, 8, 9]]           # under --disagg-min-prompt-tokens: prefilled on d0
 NEW_TOKENS = 16
+LONG_RUN = 200                     # tokens per stream where a process is killed mid-stream
 P0, D0 = Keys().for_instance("p0"), Keys().for_instance("d0")
 
 
@@ -40,13 +41,18 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny) -> dict[tuple[int, ...], list[str]]:
-    """transformers' greedy tokens for every prompt, each as the gateway names it."""
-    return greedy_token_texts(tiny, LONG + SHORT, NEW_TOKENS)
+    """transformers' greedy tokens for every prompt (LONG_RUN of them), each as the gateway
+    names it; a request for fewer expects the first ones."""
+    return greedy_token_texts(tiny, LONG + SHORT, LONG_RUN)
 
 
-def complete(base_url: str, model: str, prompt: list[int]) -> list[str]:
+def first(expected, prompts, n: int = NEW_TOKENS) -> list[list[str]]:
+    return [expected[tuple(p)][:n] for p in prompts]
+
+
+def complete(base_url: str, model: str, prompt: list[int], n: int = NEW_TOKENS) -> list[str]:
     """The tokens of a streamed completion, as its logprobs name them."""
-    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+    body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
             "ignore_eos": True, "stream": True, "logprobs": 0}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
@@ -63,9 +69,10 @@ def complete(base_url: str, model: str, prompt: list[int]) -> list[str]:
     return tokens
 
 
-def all_concurrently(served, model: str, prompts: list[list[int]]) -> list[list[int]]:
+def all_concurrently(served, model: str, prompts: list[list[int]],
+                     n: int = NEW_TOKENS) -> list[list[str]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(lambda p: complete(served.base_url, model, p), prompts))
+        return list(pool.map(lambda p: complete(served.base_url, model, p, n), prompts))
 
 
 def start_pd(tiny: str, tmp_path, *extra: str, env: dict | None = None):
@@ -117,10 +124,13 @@ def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, 
     try:
         prompts = LONG + SHORT
         got = all_concurrently(served, model, prompts)
-        assert got == [expected[tuple(p)] for p in prompts]
+        assert got == first(expected, prompts)
         # the long prompts went with their K/V, the short one was prefilled on d0
-        p_stats = wait_for(lambda: (s := stats(served, P0)).get("handoffs_total") == len(prompts)
-                           and s, 30, "prefill stats")
+        try:
+            p_stats = wait_for(lambda: (s := stats(served, P0)).get("handoffs_total")
+                               == len(prompts) and s, 30, "prefill stats")
+        except AssertionError:
+            raise AssertionError(f"{stats(served, P0)}\n{stats(served, D0)}") from None
         assert p_stats["kv_transfer_bytes_total"] > 0
         assert p_stats["kv_transfer_failures_total"] == 0
         d_stats = stats(served, D0)
@@ -129,8 +139,8 @@ def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, 
         # the prefill side's blocks are free once every request was handed over
         wait_for(lambda: labelled(served, "pacer:kv_cache_usage_perc", "p0") == 0.0, 30,
                  "prefill blocks freed")
-        assert labelled(served, "pacer:handoffs", "p0") == len(prompts)
-        assert labelled(served, "pacer:kv_transfer_bytes", "p0") > 0
+        assert labelled(served, "pacer:handoffs_total", "p0") == len(prompts)
+        assert labelled(served, "pacer:kv_transfer_bytes_total", "p0") > 0
     finally:
         assert served.stop() == 0, served.log_tail()
 
@@ -139,7 +149,7 @@ def test_pd_tp2_on_both_sides(tiny, expected, tmp_path):
     served, model = start_pd(tiny, tmp_path, "--tp", "2")
     try:
         got = all_concurrently(served, model, LONG[:2])
-        assert got == [expected[tuple(p)] for p in LONG[:2]]
+        assert got == first(expected, LONG[:2])
         assert stats(served, P0)["kv_transfer_failures_total"] == 0
         assert stats(served, D0)["handoffs_recomputed_total"] == 0
     finally:
@@ -153,26 +163,49 @@ def _kill_when(served, keys: Keys, predicate, what: str) -> None:
 
 
 def test_pd_failures_lose_and_repeat_nothing(tiny, expected, tmp_path):
-    """A prefill worker killed while it sends, then a decode worker killed mid-stream: every
-    stream still ends with transformers' tokens."""
+    """A prefill worker killed while it sends, a decode worker killed mid-stream, then the
+    decode scheduler killed mid-stream: every stream still ends with transformers' tokens."""
     served, model = start_pd(tiny, tmp_path)
     try:
         prompts = LONG
         with ThreadPoolExecutor(1) as pool:
             # the prefill worker dies while it computes and sends a prompt's chunks
-            running = pool.submit(all_concurrently, served, model, prompts)
+            running = pool.submit(all_concurrently, served, model, prompts, LONG_RUN)
             _kill_when(served, P0, lambda: stats(served, P0).get("kv_transfer_bytes_total", 0) > 0,
                        "a KV send started")
-            assert running.result(timeout=240) == [expected[tuple(p)] for p in prompts]
+            assert running.result(timeout=240) == first(expected, prompts, LONG_RUN)
             # the decode worker dies while it streams
-            running = pool.submit(all_concurrently, served, model, prompts)
+            running = pool.submit(all_concurrently, served, model, prompts, LONG_RUN)
             before = stats(served, D0).get("handoffs_total", 0)
             _kill_when(served, D0,
                        lambda: stats(served, D0).get("handoffs_total", 0) > before,
                        "a request handed over")
-            assert running.result(timeout=240) == [expected[tuple(p)] for p in prompts]
+            assert running.result(timeout=240) == first(expected, prompts, LONG_RUN)
+            # the decode scheduler dies while it streams: restarted under the same name, it
+            # takes back the requests handed to it from their progress records
+            running = pool.submit(all_concurrently, served, model, prompts, LONG_RUN)
+            before = stats(served, D0).get("handoffs_total", 0)
+            wait_for(lambda: stats(served, D0).get("handoffs_total", 0) > before, 60,
+                     "a request handed over")
+            pid = scheduler_pid(served, "d0")
+            os.kill(pid, signal.SIGKILL)
+            assert running.result(timeout=240) == first(expected, prompts, LONG_RUN)
+        with open(served.log_path, encoding="utf-8", errors="replace") as f:
+            log = f.read()
+        for child in ("p0 worker rank 0", "d0 worker rank 0", "d0 scheduler"):
+            assert f"{child} exited (killed by SIGKILL)" in log, child
     finally:
         assert served.stop() == 0, served.log_tail()
+
+
+def scheduler_pid(served, instance: str) -> int:
+    from services.up import Instance, instance_scheduler_id
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        sid = instance_scheduler_id(Instance(instance, "decode", 1))
+        return decode(r.get(Keys().hb_scheduler(sid))).extra["pid"]
+    finally:
+        r.close()
 
 
 def test_pd_transfer_that_never_completes_is_recomputed(tiny, expected, tmp_path):
@@ -180,7 +213,7 @@ def test_pd_transfer_that_never_completes_is_recomputed(tiny, expected, tmp_path
                                                   "PACER_KV_TIMEOUT_S": "2"})
     try:
         got = all_concurrently(served, model, LONG[:2])
-        assert got == [expected[tuple(p)] for p in LONG[:2]]
+        assert got == first(expected, LONG[:2])
         assert stats(served, P0)["kv_transfer_failures_total"] >= 1
         assert stats(served, D0)["handoffs_recomputed_total"] >= 1
     finally:

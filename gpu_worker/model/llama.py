@@ -120,11 +120,15 @@ class LlamaForCausalLM(nn.Module):
                     module.weight.data = module.weight.data.new_empty(0)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, backend) -> torch.Tensor:
-        """input_ids: [T] -> logits of the sampling rows: [S, V] (float32)."""
+                meta: AttentionMetadata, backend, after_layer=None) -> torch.Tensor:
+        """input_ids: [T] -> logits of the sampling rows: [S, V] (float32). `after_layer(l)`,
+        when given, is called once layer l has written its K/V to the pool (P/D's layer
+        streaming, gpu_worker/kv_transfer)."""
         x = self.embed_tokens(input_ids).to(self.act_dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, self.rotary, kv_cache, meta, backend)
+            if after_layer is not None:
+                after_layer(index)
         h = self.norm(x[meta.sample_rows])
         with record_function("lm_head"):
             return self.lm_head(h).float()

@@ -4,10 +4,13 @@ store; and the check, after each iteration, that every rank sampled the same tok
 
 A plan goes as two broadcasts: the length, then a uint8 tensor; length 0 means shut down.
 After each iteration the ranks all-gather an 8-byte digest of the tokens they sampled, so a
-divergence stops the group instead of corrupting output silently.
+divergence stops the group instead of corrupting output silently. An iteration with KV sends
+(P/D) also gathers every rank's failed sends, so rank 0 reports a request whose K/V any rank
+failed to send.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import zlib
@@ -58,3 +61,20 @@ def check_agreement(result: StepResult, group: ProcessTPGroup, device: str) -> N
         odd = [r for r, v in enumerate(values) if v != values[0]]
         raise PacerError(f"tensor-parallel ranks {odd} sampled different tokens than rank 0 "
                          f"at step {result.step}")
+
+
+def gather_kv_failed(result: StepResult, group: ProcessTPGroup) -> StepResult:
+    """Every rank's `kv_failed`, united (sorted) on every rank; the other figures stay this
+    rank's own. Call on every rank after an iteration whose plan had KV sends."""
+    data = json.dumps(result.kv_failed).encode()
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(group.size)]
+    dist.all_gather(sizes, size, group=group.control)
+    width = max(int(n.item()) for n in sizes)
+    mine = torch.zeros(width, dtype=torch.uint8)
+    mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    parts = [torch.empty(width, dtype=torch.uint8) for _ in range(group.size)]
+    dist.all_gather(parts, mine, group=group.control)
+    failed = {rid for part, n in zip(parts, sizes)
+              for rid in json.loads(part[:int(n.item())].numpy().tobytes())}
+    return dataclasses.replace(result, kv_failed=sorted(failed))

@@ -9,7 +9,8 @@ import time
 import torch
 
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tp.broadcast import broadcast_bytes, check_agreement, share_sampling_seed
+from gpu_worker.tp.broadcast import (broadcast_bytes, check_agreement, gather_kv_failed,
+                                     share_sampling_seed)
 from gpu_worker.tp.group import JOIN_TIMEOUT_S, ProcessTPGroup, destroy, wait_until
 from gpu_worker.tp.liveness import FOLLOWER_GRACE_S, NAME_THE_DEAD_S, first_line
 from gpu_worker.tp.store_keys import DONE, READY, SHUTDOWN
@@ -54,6 +55,8 @@ class TPExecutor:
             broadcast_bytes(wire if wire is not None else encode(PlanMsg(plan)), self.group)
             mid = time.perf_counter()
             result = self.runner.execute(plan)
+            if plan.kv_sends:
+                result = gather_kv_failed(result, self.group)
             end = time.perf_counter()
             check_agreement(result, self.group, self.runner.rc.device)
             self.control_seconds += (mid - start) + (time.perf_counter() - end)

@@ -3,7 +3,8 @@ sampled tokens agree, until rank 0 shuts the group down (an empty broadcast)."""
 from __future__ import annotations
 
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tp.broadcast import broadcast_bytes, check_agreement, share_sampling_seed
+from gpu_worker.tp.broadcast import (broadcast_bytes, check_agreement, gather_kv_failed,
+                                     share_sampling_seed)
 from gpu_worker.tp.group import ProcessTPGroup, destroy
 from gpu_worker.tp.liveness import NAME_THE_DEAD_S, first_line
 from gpu_worker.tp.store_keys import DONE, READY
@@ -24,6 +25,8 @@ def run_follower(runner: ModelRunner, group: ProcessTPGroup) -> None:
             if not isinstance(msg, PlanMsg):
                 raise PacerError(f"tp rank {group.rank}: expected a plan, got {msg.KIND}")
             result = runner.execute(msg.plan)
+            if msg.plan.kv_sends:
+                gather_kv_failed(result, group)
             check_agreement(result, group, runner.rc.device)
         except RuntimeError as e:
             why = group.liveness.wait_for_death(NAME_THE_DEAD_S)

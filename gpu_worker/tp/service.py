@@ -59,8 +59,9 @@ async def start_rank0(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
 
 
 async def serve_follower(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, rank: int,
-                         stop: asyncio.Event) -> int:
-    """Join the newest group rank 0 announced and follow it until it ends."""
+                         stop: asyncio.Event, on_runner=lambda runner: None) -> int:
+    """Join the newest group rank 0 announced and follow it until it ends. `on_runner` is
+    called with the runner once it is built (its KV descriptor goes into the heartbeat)."""
     not_before = time.time() - STALE_RENDEZVOUS_S
     while not stop.is_set():
         found = await read_rendezvous(redis, keys, stop, not_before)
@@ -86,6 +87,7 @@ async def serve_follower(redis: aioredis.Redis, keys: Keys, layout: EngineLayout
         return 0
     _share_cores(layout)
     runner = await asyncio.to_thread(build_runner, _rank_layout(layout, rank), group, False)
+    on_runner(runner)
     log.info("tp follower ready", rank=rank)
     await asyncio.to_thread(run_follower, runner, group)
     log.info("tp group ended by rank 0", rank=rank)

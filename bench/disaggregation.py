@@ -1,0 +1,273 @@
+"""P/D disaggregation, measured served (docs/design.md#pd-disaggregation): steady decode
+streams while ~1.5k-token prompts arrive, on the default model, two ways in one run:
+
+- colocated: `pacer up` with chunked prefill at the defaults, its worker on every core;
+- P/D: `pacer up --prefill-workers 1 --decode-workers 1`, one core per pool's worker.
+
+Every token is stamped at the client when its SSE chunk arrives. Reported per mode: the decode
+streams' median and worst inter-token gap (and worst/median), the long prompts' TTFT; for
+P/D, the KV bytes per long prompt, the connector's own GB/s (measured alone after the runs)
+and the share of the transfer hidden behind the prefill: 1 - (ms the prefill iterations
+waited for their sends after the forward) / (the transfer's own time at that GB/s).
+
+    python bench/disaggregation.py [--streams 6] [--long-len 1500] [--long-at 3,9]
+        [--repeats 1] [--json out.json] [--plot docs/disaggregation.png]
+    python bench/disaggregation.py --threshold     # the --disagg-min-prompt-tokens cut-off
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import aiohttp  # noqa: E402
+import numpy as np  # noqa: E402
+import redis  # noqa: E402
+
+from bench.common import print_table, random_prompts, write_json  # noqa: E402
+from bench.served_vs_inprocess import start_served  # noqa: E402
+from services.bench_client import ApiTarget, SendOptions, send_request  # noqa: E402
+from services.bench_dataset import BenchRequest  # noqa: E402
+from shared.cpu import cpu_flags  # noqa: E402
+from shared.engine_args import EngineArgs  # noqa: E402
+from shared.keys import Keys  # noqa: E402
+from shared.model_config import load_model_config  # noqa: E402
+from shared.model_source import resolve_model  # noqa: E402
+
+MODES = {
+    "colocated": (),
+    "pd": ("--prefill-workers", "1", "--decode-workers", "1", "--prefill-threads", "1",
+           "--decode-threads", "1"),
+}
+
+
+async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]],
+                  long_at: list[float], args) -> dict:
+    target = ApiTarget(base_url, "/v1/completions", "smollm2-135m")
+    opts = SendOptions(temperature=0.0, ignore_eos=True, timeout_s=600.0)
+    async with aiohttp.ClientSession() as session:
+        async def later(req: BenchRequest, at: float):
+            await asyncio.sleep(at)
+            return await send_request(session, target, req, opts)
+        tasks = [later(BenchRequest(p, len(p), args.stream_tokens), 0.0) for p in streams]
+        tasks += [later(BenchRequest(p, len(p), args.long_tokens), at)
+                  for p, at in zip(longs, long_at)]
+        results = await asyncio.gather(*tasks)
+    bad = [r.error for r in results if not r.success]
+    if bad:
+        raise RuntimeError(f"{len(bad)} requests failed, e.g. {bad[0]}")
+    stream_results, long_results = results[:len(streams)], results[len(streams):]
+    if not streams:                 # the warm-up
+        return {}
+    gaps = np.array([g for r in stream_results for g in r.itl]) * 1e3
+    timeline = [(r.sent_at + r.ttft + np.cumsum([0.0, *r.itl])).tolist() for r in stream_results]
+    return {"gap_median_ms": float(np.median(gaps)), "gap_p99_ms": float(np.percentile(gaps, 99)),
+            "gap_max_ms": float(gaps.max()),
+            "gap_max_over_median": float(gaps.max() / np.median(gaps)),
+            "long_ttft_ms": [r.ttft * 1e3 for r in long_results],
+            "long_sent_at": [r.sent_at for r in long_results], "timeline": timeline}
+
+
+def raw_transfer_gbs(long_len: int, dtype: str) -> float:
+    """The connector's own GB/s for one long prompt's K/V, nothing computing beside it
+    (bench/kv_transfer.py's measurement): what the transfer would cost if nothing hid it."""
+    import multiprocessing as mp
+
+    import torch
+
+    from bench.kv_transfer import decode_pool, raw_gbs
+    from gpu_worker.kv_transfer import make_connector
+    from gpu_worker.model_runner import DTYPES
+    from shared.config import kv_cache_dtype
+    cfg = load_model_config(resolve_model(None))
+    blocks = -(-long_len // 16)
+    kv_dtype = kv_cache_dtype(EngineArgs(dtype=dtype).resolved().dtype, "cpu")
+    shape = (cfg.num_layers, 2, blocks, 16, cfg.num_kv_heads, cfg.head_dim)
+    pool = torch.zeros(shape, dtype=DTYPES[kv_dtype])
+    conn = make_connector("mooncake")
+    conn.register(pool)
+    ctx = mp.get_context("spawn")
+    to_parent, from_parent = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=decode_pool, args=(shape, kv_dtype, to_parent, from_parent))
+    child.start()
+    try:
+        peer = to_parent.get(timeout=120)
+        own = conn.descriptor()
+        gbs, _ = raw_gbs(conn, peer, blocks, blocks, own["block_bytes"], cfg.num_layers, 3)
+    finally:
+        from_parent.put(None)
+        child.join(30)
+        conn.close()
+    return gbs
+
+
+def transfer_figures(redis_url: str, longs: int) -> dict:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        raw = client.hgetall(Keys().for_instance("p0").stats)
+    finally:
+        client.close()
+    s = {k.decode(): float(v) for k, v in raw.items()}
+    sent, send_s = s.get("kv_transfer_bytes_total", 0.0), s.get("kv_transfer_seconds_total", 0.0)
+    exposed = s.get("kv_transfer_exposed_seconds_total", 0.0)
+    return {"kv_bytes_per_long_prompt": sent / max(longs, 1),
+            "transfer_ms_per_long_prompt": send_s * 1e3 / max(longs, 1),
+            "exposed_ms_per_long_prompt": exposed * 1e3 / max(longs, 1),
+            "handoffs": s.get("handoffs_total", 0.0),
+            "kv_failures": s.get("kv_transfer_failures_total", 0.0)}
+
+
+def plot(runs: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for run, colour in zip(runs, ("C0", "C2")):
+        t0 = min(t[0] for t in run["timeline"])
+        for i, t in enumerate(run["timeline"]):
+            t = np.array(t) - t0
+            ax.plot(t[1:], np.diff(t) * 1e3, ".", ms=3, color=colour,
+                    label=run["mode"] if i == 0 else None)
+        for at in run["long_sent_at"]:
+            ax.axvline(at - t0, color=colour, ls=":", lw=0.8)
+    ax.set(yscale="log", xlabel="seconds since the streams started",
+           ylabel="decode inter-token gap (ms)",
+           title="decode streams while ~1.5k-token prompts arrive (dotted)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def threshold(args) -> list[dict]:
+    """Conditional disaggregation's cut-off, in-process: the iteration time of `--streams`
+    decodes alone against the same decodes with an L-token prompt riding along whole, for
+    each L (alternated, median of `--threshold-repeats`). A prompt whose ride costs the
+    streams less than `--threshold-ratio` x their gap is cheaper to prefill on the decode
+    instance than to move."""
+    from services.engine import LLMEngine
+    from shared.sampling import SamplingParams
+    engine = LLMEngine(EngineArgs(dtype=args.dtype, target_tbt_ms="off",
+                                  max_num_batched_tokens=2048), progress=False)
+    cfg = engine.model_config
+    avoid = tuple(cfg.eos_token_ids)
+    decode_sp = SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(random_prompts(args.streams, 16, 48, cfg.vocab_size, 7, avoid)):
+        engine.add_request(p, decode_sp, request_id=f"s{i}")
+    for _ in range(3):
+        engine.step()                   # every stream past its prompt
+
+    def timed_step() -> float:
+        t = time.perf_counter()
+        engine.step()
+        return (time.perf_counter() - t) * 1e3
+
+    rows = []
+    for n, length in enumerate(int(x) for x in args.threshold_lengths.split(",")):
+        alone, riding = [], []
+        for k in range(args.threshold_repeats):
+            alone.append(timed_step())
+            prompt = random_prompts(1, length, length, cfg.vocab_size, 1000 * n + k, avoid)[0]
+            engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0),
+                               request_id=f"p{length}-{k}")
+            riding.append(timed_step())
+        a, r = float(np.median(alone)), float(np.median(riding))
+        rows.append({"prompt_tokens": length, "decode_ms": a, "with_prompt_ms": r,
+                     "ratio": r / a})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--streams", type=int, default=6)
+    ap.add_argument("--stream-tokens", type=int, default=96)
+    ap.add_argument("--long-len", type=int, default=1500)
+    ap.add_argument("--long-tokens", type=int, default=4)
+    ap.add_argument("--long-at", default="3,9", help="seconds after the streams start")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--threshold", action="store_true",
+                    help="only measure the conditional-disaggregation cut-off (in-process)")
+    ap.add_argument("--threshold-lengths", default="16,32,64,128,256,512,1024")
+    ap.add_argument("--threshold-repeats", type=int, default=7)
+    ap.add_argument("--threshold-ratio", type=float, default=1.5)
+    args = ap.parse_args()
+    if args.threshold:
+        rows = threshold(args)
+        flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+        print(f"{args.streams} decode streams, dtype {args.dtype}, {os.cpu_count()} cores, "
+              f"CPU flags {' '.join(flags)}")
+        print_table(rows, ["prompt_tokens", "decode_ms", "with_prompt_ms", "ratio"])
+        fits = [r["prompt_tokens"] for r in rows if r["ratio"] <= args.threshold_ratio]
+        print(f"longest prompt that costs the streams at most {args.threshold_ratio}x their "
+              f"gap: {max(fits) if fits else None} tokens")
+        write_json(args.json, {"threshold": rows, "args": vars(args), "cpu_flags": flags})
+        return
+    long_at = [float(x) for x in args.long_at.split(",")]
+    cfg = load_model_config(resolve_model(None))
+    avoid = tuple(cfg.eos_token_ids)
+    engine = EngineArgs(dtype=args.dtype, kv_cache_memory="512MiB")
+    rows, runs = [], []
+    logs = tempfile.mkdtemp(prefix="pacer-disagg-")
+    for rep in range(args.repeats):
+        streams = random_prompts(args.streams, 16, 48, cfg.vocab_size, rep, avoid)
+        longs = random_prompts(len(long_at), args.long_len - 100, args.long_len + 100,
+                               cfg.vocab_size, 100 + rep, avoid)
+        for mode, flags in MODES.items():
+            system = start_served(engine, "smollm2-135m", os.path.join(logs, f"{mode}-{rep}.log"),
+                                  flags)
+            try:
+                warm = random_prompts(1, args.long_len, args.long_len, cfg.vocab_size, 999, avoid)
+                asyncio.run(one_run(system.base_url, [], warm, [0.0], args))   # warm-up
+                base = transfer_figures(system.redis_url, 1) if mode == "pd" else {}
+                run = asyncio.run(one_run(system.base_url, streams, longs, long_at, args))
+                time.sleep(0.5)                          # the last stats write
+                figures = transfer_figures(system.redis_url, 1) if mode == "pd" else {}
+                if figures:      # minus the warm-up's prompt
+                    n = len(longs)
+                    for k in ("kv_bytes_per_long_prompt", "transfer_ms_per_long_prompt",
+                              "exposed_ms_per_long_prompt"):
+                        figures[k] = (figures[k] - base[k]) / n
+            finally:
+                system.stop()
+            run["mode"] = mode
+            runs.append(run)
+            rows.append({"repeat": rep, "mode": mode,
+                         **{k: v for k, v in run.items() if k.startswith("gap")},
+                         "long_ttft_median_ms": float(np.median(run["long_ttft_ms"])),
+                         **figures})
+    gbs = raw_transfer_gbs(args.long_len, args.dtype)
+    for row in rows:
+        if "kv_bytes_per_long_prompt" in row:       # against the transfer's own time
+            own_ms = row["kv_bytes_per_long_prompt"] / gbs / 1e6
+            row["transfer_own_ms"] = own_ms
+            row["hidden_share"] = 1.0 - row["exposed_ms_per_long_prompt"] / own_ms
+    flags = sorted(cpu_flags() & {"avx2", "avx512f", "avx512_bf16", "amx_bf16"})
+    print(f"{args.streams} decode streams x {args.stream_tokens} tokens, prompts of "
+          f"~{args.long_len} tokens at {args.long_at} s, dtype {args.dtype}, "
+          f"{os.cpu_count()} cores, CPU flags {' '.join(flags)}; logs in {logs}")
+    print_table(rows, ["repeat", "mode", "gap_median_ms", "gap_p99_ms", "gap_max_ms",
+                       "gap_max_over_median", "long_ttft_median_ms"])
+    pd = [r for r in rows if r["mode"] == "pd"]
+    print(f"\nP/D transfer per long prompt (the connector alone: {gbs:.2f} GB/s; send ms spans "
+          "the prefill iterations that carried it, exposed ms is what they waited after their "
+          "forward)")
+    print_table(pd, ["repeat", "kv_bytes_per_long_prompt", "transfer_own_ms",
+                     "transfer_ms_per_long_prompt", "exposed_ms_per_long_prompt",
+                     "hidden_share", "handoffs", "kv_failures"])
+    write_json(args.json, {"rows": rows, "args": vars(args), "cpu_flags": flags,
+                           "connector_gb_per_s": gbs})
+    if args.plot:
+        plot(runs[:len(MODES)], args.plot)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The KV connector interface: what moves K/V blocks from this rank's pool into a peer's.
+
+    conn.register(pool)                      # the pool tensor, once (one registration)
+    conn.descriptor() -> dict                # published in the worker heartbeat (shared/kv_layout.py)
+    h = conn.write(peer_descriptor, [(src_offset, dst_offset, length), ...])   # asynchronous
+    conn.wait([h, ...], timeout_s) -> [ok, ...]
+    conn.close()
+
+Offsets are bytes into the two pools (this rank's, the peer's). An implementation provides
+`register`, `descriptor`, `_submit`, `_poll` and `close`; the Mooncake transfer engine's is
+`mooncake.py`, and NIXL or torch.distributed could stand in behind the same five calls.
+
+Test hook: PACER_KV_FAULT=hang makes every write a send that never completes, so the
+timeout path runs (docs/failure-modes.md).
+"""
+from __future__ import annotations
+
+import os
+import time
+from abc import ABC, abstractmethod
+
+from gpu_worker.kv_cache import block_bytes
+
+FAULT_ENV = "PACER_KV_FAULT"
+_HANG = object()          # the handle of a write the fault hook swallowed: never completes
+
+
+class KVConnector(ABC):
+    def __init__(self) -> None:
+        fault = os.environ.get(FAULT_ENV, "")
+        if fault not in ("", "hang"):
+            raise ValueError(f"{FAULT_ENV} must be 'hang' or unset, got {fault!r}")
+        self._hang = fault == "hang"
+
+    @abstractmethod
+    def register(self, pool) -> None:
+        """Make the pool tensor (contiguous) readable and writable by peers."""
+
+    @abstractmethod
+    def descriptor(self) -> dict:
+        """What a peer needs to write into the registered pool (shared/kv_layout.py)."""
+
+    def write(self, peer: dict, segments: list[tuple[int, int, int]]):
+        """Start copying each (src_offset, dst_offset, length) from the own pool into the
+        peer's; returns a handle for `poll`/`wait`."""
+        if self._hang:
+            return _HANG
+        return self._submit(peer, segments)
+
+    def poll(self, handle) -> bool | None:
+        """True: done; False: failed; None: still in flight. Never blocks."""
+        if handle is _HANG:
+            return None
+        return self._poll(handle)
+
+    def wait(self, handles: list, timeout_s: float) -> list[bool]:
+        """Wait until every write finished or `timeout_s` passed; ok flags in order (a write
+        still in flight at the deadline is not ok)."""
+        deadline = time.perf_counter() + timeout_s
+        done: list[bool | None] = [None] * len(handles)
+        pause = 20e-6
+        while True:
+            for i, h in enumerate(handles):
+                if done[i] is None:
+                    done[i] = self.poll(h)
+            if all(d is not None for d in done) or time.perf_counter() >= deadline:
+                return [bool(d) for d in done]
+            time.sleep(pause)
+            pause = min(pause * 2, 1e-3)
+
+    @abstractmethod
+    def _submit(self, peer: dict, segments: list[tuple[int, int, int]]): ...
+
+    @abstractmethod
+    def _poll(self, handle) -> bool | None: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unregister the pool and stop the engine (idempotent)."""
+
+
+def pool_descriptor(engine: str, session: str, pool, tp: int, rank: int) -> dict:
+    """The descriptor of a registered pool [L, 2, N, block_size, KVH, hd]."""
+    return {"engine": engine, "session": session, "base": pool.data_ptr(),
+            "num_layers": pool.shape[0], "num_blocks": pool.shape[2],
+            "block_bytes": block_bytes(pool), "dtype": str(pool.dtype).removeprefix("torch."),
+            "tp": tp, "rank": rank}

@@ -1,0 +1,39 @@
+"""The KV connector descriptor a worker rank publishes in its heartbeat (extra["kv"]), and the
+check that a prefill rank's pool and a decode rank's pool have the same layout.
+
+A descriptor (gpu_worker/kv_transfer builds it):
+
+    {"engine": "mooncake", "session": "10.0.0.5:15123", "base": <address of the pool>,
+     "num_layers": L, "num_blocks": N, "block_bytes": <one block of K (or V) of one layer>,
+     "dtype": "bfloat16", "tp": tp, "rank": r}
+
+Block (l, kv, b) of that pool starts at base + ((l·2 + kv)·N + b)·block_bytes. Pure Python:
+the scheduler can run the same check on two instances' heartbeats before pairing them.
+"""
+from __future__ import annotations
+
+from shared.errors import PacerError
+
+# what both sides of a transfer must agree on (num_blocks may differ: each side's own pool)
+LAYOUT_FIELDS = ("engine", "num_layers", "block_bytes", "dtype", "tp")
+
+
+class KVLayoutError(PacerError):
+    """Two instances whose KV pools cannot exchange blocks."""
+
+
+def check_peer_layout(own: dict, peer: dict) -> None:
+    """Raise KVLayoutError unless `peer`'s pool can take blocks of `own`'s, rank r to rank r."""
+    if own.get("tp") != peer.get("tp"):
+        raise KVLayoutError(
+            f"KV transfer between unequal tensor-parallel degrees: this instance has TP "
+            f"{own.get('tp')}, the peer (session {peer.get('session')}) TP {peer.get('tp')}; "
+            "run both pools with the same --tp (heads are not re-sliced)")
+    if own.get("rank") != peer.get("rank"):
+        raise KVLayoutError(f"KV transfer from rank {own.get('rank')} to the peer's rank "
+                            f"{peer.get('rank')}: ranks map one to one")
+    differ = [f"{k} {own.get(k)!r} vs {peer.get(k)!r}" for k in LAYOUT_FIELDS
+              if own.get(k) != peer.get(k)]
+    if differ:
+        raise KVLayoutError(f"the peer's KV pool (session {peer.get('session')}) has another "
+                            f"layout: {', '.join(differ)} (this instance vs the peer)")

@@ -1,0 +1,154 @@
+"""The P/D roles of the scheduler service from plain objects (docs/design.md#pd-disaggregation):
+the decode side's reservations and hand-offs on a real scheduling core, the prefill side's
+sends and its refusal of a decode pool whose layout differs. The served paths, with real
+processes and the real transfer engine, are tests/test_served_disagg.py's."""
+from __future__ import annotations
+
+from scheduler_svc.book import RequestBook
+from scheduler_svc.core import RequestStatus, Scheduler
+from scheduler_svc.disagg import DecodeSide, PrefillSide, _Decoder
+from shared.config import SchedulerConfig
+from shared.keys import Keys
+from shared.plan import SampledToken, StepResult
+from shared.protocol import (CancelMsg, HandoffMsg, RequestMsg, ReservedMsg, ReserveMsg, encode,
+                             to_fields)
+from shared.sampling import SamplingParams
+
+BLOCK = 4
+
+
+def core(num_blocks: int = 16) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=8,
+                                     num_kv_blocks=num_blocks, block_size=BLOCK,
+                                     max_model_len=128))
+
+
+def request(rid: str, n: int, max_tokens: int = 8) -> RequestMsg:
+    return RequestMsg(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens,
+                                                                    temperature=0.0,
+                                                                    ignore_eos=True),
+                      f"tokens:{rid}", "gw", 0.0)
+
+
+def descriptor(session: str, tp: int = 1, rank: int = 0) -> dict:
+    return {"engine": "mooncake", "session": session, "base": 0, "num_layers": 2,
+            "num_blocks": 16, "block_bytes": 64, "dtype": "float32", "tp": tp, "rank": rank}
+
+
+def reply(*msgs) -> list:
+    """An XREAD reply carrying these messages."""
+    return [[b"stream", [(f"{i + 1}-0".encode(), to_fields(m)) for i, m in enumerate(msgs)]]]
+
+
+def decode_side(c: Scheduler) -> DecodeSide:
+    side = DecodeSide(Keys(), "d0", "host-d0", c, RequestBook(c), started_at=1.0)
+    side.peers = [descriptor("d0:1")]
+    return side
+
+
+def test_a_reservation_becomes_a_running_decode_past_its_prompt():
+    c = core()
+    side = decode_side(c)
+    msg = request("r", 9)
+    side.receive(reply(ReserveMsg(encode(msg), "p0")))
+    (instance, reserved), = side._replies
+    assert instance == "p0" and reserved.block_ids == [0, 1, 2]     # 9 + 1 tokens, 4 a block
+    assert reserved.peers == [descriptor("d0:1")] and c.num_reserved == 1
+    assert not c.has_schedulable()              # the K/V is on its way: nothing to run yet
+    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], ["d0:1"])))
+    plan = c.schedule()
+    new, = plan.new_requests                    # new to the workers, its prefix in the pool
+    assert new.num_computed_tokens == 9 and new.token_ids[-1] == 77
+    assert new.kv_received == ["d0:1"] and plan.num_scheduled_tokens == {"r": 1}
+
+
+def test_a_hand_off_into_another_worker_is_recomputed_here():
+    c = core()
+    side = decode_side(c)
+    msg = request("r", 9)
+    side.receive(reply(ReserveMsg(encode(msg), "p0")))
+    side.peers = [descriptor("d0:2")]           # the decode worker restarted since
+    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], ["d0:1"])))
+    plan = c.schedule()
+    new, = plan.new_requests
+    assert new.num_computed_tokens == 0 and new.kv_received == []
+    assert plan.num_scheduled_tokens == {"r": 8}          # prompt + first token, chunked
+    assert side.recomputed_total == 1
+
+
+def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
+    c = core(num_blocks=4)
+    side = decode_side(c)
+    side.receive(reply(ReserveMsg(encode(request("a", 9, max_tokens=2)), "p0")))
+    assert c.block_manager.num_free_blocks == 1
+    side.receive(reply(ReserveMsg(encode(request("b", 9, max_tokens=2)), "p0")))
+    assert side._replies[-1][1].error == "no free KV blocks"
+    side.receive(reply(CancelMsg("a", "asked again")))
+    assert c.block_manager.num_free_blocks == 4 and c.num_reserved == 0
+    c.add_request("w", list(range(10)), SamplingParams(max_tokens=2))   # one waits here
+    side.receive(reply(ReserveMsg(encode(request("c", 3, max_tokens=2)), "p0")))
+    assert side._replies[-1][1].block_ids == []
+
+
+def prefill_side(c: Scheduler, own: list[dict]) -> PrefillSide:
+    side = PrefillSide(Keys(), "p0", c, RequestBook(c), min_prompt_tokens=8)
+    side.own = own
+    side.decoders = {"d0": _Decoder("d0", "host-d0", 100, 0, 1.0)}
+    return side
+
+
+def test_the_prefill_side_sends_each_chunk_and_hands_over_with_the_first_token():
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    msg = request("r", 10)
+    side.admit(b"9-0", msg)
+    (instance, ask), = side.take().reserves
+    assert instance == "d0"
+    side.receive_reservations(reply(ReservedMsg("r", "d0", "host-d0", [7, 8, 9],
+                                                [descriptor("d0:1")], 1.0)))
+    plan = side.add_sends(c.schedule())                     # 8 rows: blocks 0 and 1
+    send, = plan.kv_sends
+    assert (send.src_block_ids, send.dst_block_ids) == ([0, 1], [7, 8])
+    c.update(plan, StepResult(plan.step, {}))
+    plan = side.add_sends(c.schedule())                     # the last 2 rows: block 2
+    assert plan.kv_sends[0].dst_block_ids == [9]
+    out, = c.update(plan, StepResult(plan.step, {"r": SampledToken(5)}))
+    assert out.finished and side.finished(out)
+    (instance, consumer, entry, handoff), = side.take().handoffs
+    assert (instance, consumer, entry) == ("d0", "host-d0", b"9-0")
+    assert handoff.output_token_ids == [5] and handoff.kv_received == ["d0:1"]
+    assert c.block_manager.num_free_blocks == 16            # freed: the sends were done
+
+
+def test_a_decode_pool_of_another_layout_prefills_the_request_itself():
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    msg = request("r", 10)
+    side.admit(b"9-0", msg)
+    side.take()
+    side.receive_reservations(reply(ReservedMsg(
+        "r", "d0", "host-d0", [7, 8, 9], [descriptor("d0:1", tp=2), descriptor("d0:2", 2, 1)],
+        1.0)))
+    out = side.take()
+    assert [m.reason for _, m in out.cancels] and "TP 1" in out.cancels[0][1].reason
+    (_, _, _, handoff), = out.handoffs
+    assert handoff.output_token_ids == [] and handoff.kv_received == []
+    assert c.get_request("r") is None                       # never prefilled here
+
+
+def test_a_short_prompt_goes_whole_and_a_failed_send_hands_over_without_kv():
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"1-0", request("short", 5))
+    (_, _, _, whole), = side.take().handoffs
+    assert whole.output_token_ids == [] and whole.kv_received == []
+    side.admit(b"2-0", request("r", 8))
+    side.receive_reservations(reply(ReservedMsg("r", "d0", "host-d0", [3, 4, 5],
+                                                [descriptor("d0:1")], 1.0)))
+    plan = side.add_sends(c.schedule())
+    out, = c.update(plan, StepResult(plan.step, {"r": SampledToken(6)}, kv_failed=["r"]))
+    side.observe(StepResult(plan.step, {}, kv_failed=["r"]))
+    assert side.finished(out)
+    (_, _, _, handoff), = side.take().handoffs
+    assert handoff.output_token_ids == [6] and handoff.kv_received == []
+    assert RequestStatus.RUNNING not in {r.status for r in c._requests.values()}

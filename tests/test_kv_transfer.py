@@ -1,0 +1,282 @@
+"""P/D's KV transfer through the real Mooncake transfer engine (TCP on loopback): the connector
+moves bytes between two processes; a prefill ModelRunner streams a chunked prompt's K/V, layer
+by layer, into the blocks a decode ModelRunner in another process reserved, and the decode
+side continues exactly as one runner would (and as transformers does); a decode rank refuses
+K/V written to another session; a send that never completes times out into kv_failed; a peer
+with another layout is refused."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+
+import pytest
+import torch
+
+os.environ.setdefault("GLOG_minloglevel", "1")     # the engine's INFO lines, as in serving
+pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-non-cuda "
+                                              "and libibverbs1 (make setup installs them)")
+
+from gpu_worker.kv_transfer import coalesce, make_connector            # noqa: E402
+from gpu_worker.model_runner import UnknownKVCache, build_runner       # noqa: E402
+from shared.engine_args import EngineArgs                              # noqa: E402
+from shared.engine_layout import engine_layout                         # noqa: E402
+from shared.errors import PacerError                                   # noqa: E402
+from shared.kv_layout import KVLayoutError                             # noqa: E402
+from shared.model_config import load_model_config                      # noqa: E402
+from shared.model_source import resolve_model                          # noqa: E402
+from shared.plan import (CachedRequestData, IterationPlan, KVSend,     # noqa: E402
+                         NewRequestData)
+from shared.sampling import SamplingParams                             # noqa: E402
+from tests.helpers_tiny_model import write_tiny_llama                  # noqa: E402
+
+BLOCK = 16
+CHUNKS = (16, 16, 13)               # a 45-token prompt prefilled in three chunks
+NEW_TOKENS = 8
+SRC_BLOCKS = [0, 1, 2]              # the prefill side's blocks of the prompt
+DST_BLOCKS = [7, 8, 20]             # the decode side's (two runs: 7-8, 20)
+DECODE_TABLE = DST_BLOCKS + [21]    # ... and one more block for the decoded tokens
+GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
+SPAWN = mp.get_context("spawn")
+
+
+def reply(child, inbox, timeout_s: float = 300):
+    """The child's message, or a failure as soon as the child died without one."""
+    for _ in range(int(timeout_s)):
+        try:
+            return inbox.get(timeout=1)
+        except queue.Empty:
+            if not child.is_alive():
+                pytest.fail(f"the child process died (exit code {child.exitcode})")
+    pytest.fail(f"no reply from the child process in {timeout_s} s")
+
+
+def runner_for(path: str, connector: str = "mooncake", **kv):
+    return build_runner(engine_layout(EngineArgs(
+        model=path, dtype="float32", block_size=BLOCK, num_kv_blocks=32, max_model_len=512,
+        kv_connector=connector, **kv)), progress=False)
+
+
+def prefill_plans(prompt: list[int], blocks: list[int], sends: list[KVSend]) -> list[IterationPlan]:
+    """The prompt in CHUNKS; the last chunk's plan carries `sends`."""
+    plans, done = [], 0
+    for step, n in enumerate(CHUNKS):
+        new = [NewRequestData("r", prompt, len(prompt), GREEDY, list(blocks), 0)] if step == 0 else []
+        cached = [CachedRequestData("r", [], done)] if step else []
+        last = step == len(CHUNKS) - 1
+        plans.append(IterationPlan(step, new, cached, {"r": n}, kv_sends=sends if last else []))
+        done += n
+    return plans
+
+
+def decode(runner, start_step: int, computed: int, tokens: list[int]) -> list[int]:
+    """Decode until NEW_TOKENS tokens: one row per plan."""
+    step = start_step
+    while len(tokens) < NEW_TOKENS:
+        result = runner.execute(IterationPlan(step, [], [CachedRequestData("r", [], computed)],
+                                              {"r": 1}))
+        tokens.append(result.sampled["r"].token_id)
+        step, computed = step + 1, computed + 1
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_llama(tmp_path_factory.mktemp("tiny"), seed=0)
+    g = torch.Generator().manual_seed(3)
+    vocab = load_model_config(resolve_model(path)).vocab_size
+    return path, torch.randint(3, vocab, (sum(CHUNKS),), generator=g).tolist()
+
+
+@pytest.fixture(scope="module")
+def decode_runner(tiny):
+    return runner_for(tiny[0])
+
+
+# ---- (a) the connector alone, between two processes ---------------------------------------
+
+def _pool(fill: float) -> torch.Tensor:
+    """A small pool [L=2, 2, N=8, block 4, 1 head, hd 8] in float32."""
+    return torch.full((2, 2, 8, 4, 1, 8), fill, dtype=torch.float32)
+
+
+def _receiver(to_parent, from_parent) -> None:
+    conn = make_connector("mooncake")
+    pool = _pool(0.0)
+    conn.register(pool)
+    to_parent.put(conn.descriptor())
+    from_parent.get()                           # the parent's writes are done
+    to_parent.put(pool.numpy().tobytes())
+    conn.close()
+
+
+def test_connector_moves_bytes_between_processes():
+    to_parent, from_parent = SPAWN.Queue(), SPAWN.Queue()
+    child = SPAWN.Process(target=_receiver, args=(to_parent, from_parent))
+    child.start()
+    try:
+        peer = reply(child, to_parent)
+        conn = make_connector("mooncake")
+        src = torch.arange(_pool(0).numel(), dtype=torch.float32).view_as(_pool(0))
+        conn.register(src)
+        bb = conn.descriptor()["block_bytes"]
+        assert bb == 4 * 8 * 4 and peer["block_bytes"] == bb
+        # source blocks 1, 2, 3 of layer 0's K -> the peer's blocks 5, 6, 0 of layer 1's V
+        runs = coalesce([1, 2, 3], [5, 6, 0])
+        assert runs == [(1, 5, 2), (3, 0, 1)]
+        dst_base = (1 * 2 + 1) * 8 * bb
+        handle = conn.write(peer, [(s * bb, dst_base + d * bb, n * bb) for s, d, n in runs])
+        assert conn.wait([handle], timeout_s=30) == [True]
+        from_parent.put("done")
+        got = torch.frombuffer(bytearray(reply(child, to_parent)),
+                               dtype=torch.float32).view_as(src)
+        want = _pool(0.0)
+        want[1, 1, 5:7] = src[0, 0, 1:3]
+        want[1, 1, 0] = src[0, 0, 3]
+        assert torch.equal(got, want)
+        conn.close()
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+
+
+# ---- (b) a prefill runner in one process, a decode runner in another -----------------------
+
+def _prefill_side(path: str, prompt: list[int], peer: dict, out) -> None:
+    runner = runner_for(path)
+    sends = [KVSend("r", "decode-0", SRC_BLOCKS, DST_BLOCKS, [peer])]
+    results = [runner.execute(p) for p in prefill_plans(prompt, SRC_BLOCKS, sends)]
+    out.put((results[-1].sampled["r"].token_id, [r.kv_failed for r in results],
+             results[-1].kv_stats))
+
+
+def test_prefill_and_decode_runners_in_two_processes_match_one_runner(tiny, decode_runner):
+    path, prompt = tiny
+    out = SPAWN.Queue()
+    child = SPAWN.Process(target=_prefill_side,
+                          args=(path, prompt, decode_runner.kv_descriptor(), out))
+    child.start()
+    try:
+        first, failed, stats = reply(child, out)
+    finally:
+        child.join(timeout=60)
+    assert child.exitcode == 0
+    assert failed == [[], [], []]
+    block_bytes = decode_runner.kv_descriptor()["block_bytes"]
+    layers = decode_runner.cfg.num_layers
+    assert stats["requests"] == 1 and stats["bytes"] == layers * 2 * len(SRC_BLOCKS) * block_bytes
+    assert stats["send_ms"] >= stats["exposed_ms"] >= 0
+
+    assert decode_runner.kv_pool[:, :, DST_BLOCKS].abs().sum() > 0      # the K/V arrived
+    session = decode_runner.kv_descriptor()["session"]
+    result = decode_runner.execute(IterationPlan(0, [NewRequestData(
+        "r", prompt + [first], len(prompt), GREEDY, list(DECODE_TABLE), len(prompt),
+        kv_received=[session])], [], {"r": 1}))
+    ours = decode(decode_runner, 1, len(prompt) + 1, [first, result.sampled["r"].token_id])
+    decode_runner.execute(IterationPlan(100, [], [], {}, finished_request_ids=["r"]))
+
+    # one runner, same chunks, no transfer
+    alone = runner_for(path, connector="none")
+    last = [alone.execute(p) for p in prefill_plans(prompt, SRC_BLOCKS + [3], [])][-1]
+    reference = decode(alone, len(CHUNKS), len(prompt), [last.sampled["r"].token_id])
+    assert ours == reference
+
+    from transformers import AutoModelForCausalLM
+    from tests.test_engine_parity import assert_same_tokens
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
+                      dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False,
+                      eos_token_id=None, pad_token_id=0, top_p=None, top_k=None,
+                      temperature=None, output_scores=True, return_dict_in_generate=True)
+    assert_same_tokens(ours, out.sequences[0, len(prompt):].tolist(),
+                       torch.stack(out.scores)[:, 0], "P/D")
+
+
+# ---- (c) K/V written to another session is refused ---------------------------------------
+
+@pytest.mark.parametrize("connector", ["mooncake", "none"])
+def test_kv_received_by_another_session_is_refused(tiny, decode_runner, connector):
+    path, prompt = tiny
+    runner = decode_runner if connector == "mooncake" else runner_for(path, connector="none")
+    plan = IterationPlan(0, [NewRequestData(
+        "x", prompt + [5], len(prompt), GREEDY, list(DECODE_TABLE), len(prompt),
+        kv_received=["127.0.0.1:1"])], [], {"x": 1})
+    with pytest.raises(UnknownKVCache, match="127.0.0.1:1"):
+        runner.execute(plan)
+
+
+# ---- (d) a send that never completes times out ---------------------------------------------
+
+def test_a_send_that_never_completes_fails_after_the_timeout(tiny, decode_runner, monkeypatch):
+    path, prompt = tiny
+    monkeypatch.setenv("PACER_KV_FAULT", "hang")
+    runner = runner_for(path, kv_timeout_s=0.5)
+    sends = [KVSend("r", "decode-0", SRC_BLOCKS, DST_BLOCKS, [decode_runner.kv_descriptor()])]
+    results = [runner.execute(p) for p in prefill_plans(prompt, SRC_BLOCKS, sends)]
+    assert [r.kv_failed for r in results] == [[], [], ["r"]]
+    assert results[-1].kv_stats["exposed_ms"] >= 500
+    assert "r" in results[-1].sampled          # the prefill itself went on
+
+
+# ---- (e) refusals: another layout, another TP degree, no connector ---------------------------
+
+@pytest.mark.parametrize("change,message", [
+    ({"tp": 2}, "TP 1.*TP 2"),
+    ({"block_bytes": 4}, "block_bytes"),
+    ({"dtype": "bfloat16"}, "dtype"),
+    ({"num_blocks": 2}, "destination block outside"),
+])
+def test_a_peer_with_another_layout_is_refused(tiny, decode_runner, change, message):
+    path, prompt = tiny
+    runner = runner_for(path)
+    peer = {**decode_runner.kv_descriptor(), **change}
+    plan = prefill_plans(prompt, SRC_BLOCKS, [KVSend("r", "d", SRC_BLOCKS, DST_BLOCKS, [peer])])
+    plan = IterationPlan(0, plan[0].new_requests, [], {"r": len(prompt)},
+                         kv_sends=plan[-1].kv_sends)
+    with pytest.raises(KVLayoutError, match=message):
+        runner.execute(plan)
+    assert not runner.requests                  # refused before anything changed
+
+
+def test_sends_without_a_connector_are_refused(tiny, decode_runner):
+    path, prompt = tiny
+    runner = runner_for(path, connector="none")
+    plan = IterationPlan(0, [NewRequestData("r", prompt, len(prompt), GREEDY, SRC_BLOCKS, 0)],
+                         [], {"r": len(prompt)},
+                         kv_sends=[KVSend("r", "d", SRC_BLOCKS, DST_BLOCKS,
+                                          [decode_runner.kv_descriptor()])])
+    with pytest.raises(PacerError, match="--kv-connector mooncake"):
+        runner.execute(plan)
+
+
+# ---- TP: a follower's failed send reaches rank 0's result ----------------------------------
+
+def test_a_failed_send_on_a_follower_rank_is_reported_by_rank_0(tiny):
+    from gpu_worker.kv_cache import allocate_kv_pool
+    from services.engine import LLMEngine
+    path, prompt = tiny
+    cfg = load_model_config(resolve_model(path))
+    peer0 = make_connector("mooncake", tp=2, rank=0)         # the decode side's rank 0
+    pool = allocate_kv_pool(cfg, 32, BLOCK, cfg.num_kv_heads // 2, torch.float32, "cpu")
+    peer0.register(pool)
+    peers = [peer0.descriptor(), {**peer0.descriptor(), "rank": 1, "session": "127.0.0.1:1"}]
+    with LLMEngine(EngineArgs(model=path, dtype="float32", tp=2, block_size=BLOCK,
+                              num_kv_blocks=32, max_model_len=512, kv_connector="mooncake",
+                              kv_timeout_s=5), progress=False) as engine:
+        plan = IterationPlan(0, [NewRequestData("r", prompt, len(prompt), GREEDY, SRC_BLOCKS, 0)],
+                             [], {"r": len(prompt)},
+                             kv_sends=[KVSend("r", "d", SRC_BLOCKS, DST_BLOCKS, peers)])
+        result = engine.runner.execute(plan)
+    assert pool[:, :, DST_BLOCKS].abs().sum() > 0         # rank 0's own send arrived ...
+    assert result.kv_failed == ["r"]            # ... rank 1's peer is unreachable
+    assert "r" in result.sampled
+    peer0.close()
+
+
+def test_the_worker_heartbeat_carries_the_kv_descriptor(decode_runner):
+    from gpu_worker.service import worker_heartbeat
+    from shared.protocol import decode as decode_msg, encode
+    beat = worker_heartbeat(0, 1, 32, BLOCK, kv=decode_runner.kv_descriptor)()
+    assert decode_msg(encode(beat)).extra["kv"] == decode_runner.kv_descriptor()
+    assert "kv" not in worker_heartbeat(0, 1, 32, BLOCK)().extra
