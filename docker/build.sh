@@ -13,7 +13,7 @@
 #
 # Environment knobs:
 #   PACER_IMAGE         image to build              (pacer:latest)
-#   PACER_BASE_IMAGE    base image                  (pacer-base:bookworm)
+#   PACER_BASE_IMAGE    base image                  (pacer-base:bookworm-<hash of its packages>)
 #   PACER_DEBIAN_MIRROR debootstrap mirror          (first bookworm URI in apt sources)
 #   PACER_TORCH_SPEC    torch requirement           (torch==2.13.0+cpu)
 #   PACER_CACHE_DIR     wheelhouse + staging dir    (<repo>/.cache/docker)
@@ -23,7 +23,6 @@ set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 IMAGE="${PACER_IMAGE:-pacer:latest}"
-BASE_IMAGE="${PACER_BASE_IMAGE:-pacer-base:bookworm}"
 TORCH_SPEC="${PACER_TORCH_SPEC:-torch==2.13.0+cpu}"
 CACHE="${PACER_CACHE_DIR:-$REPO/.cache/docker}"
 PYTHON="${PYTHON:-python3}"
@@ -33,6 +32,9 @@ CONTEXT="$CACHE/context"
 # from ensurepip), Redis, so one image serves every compose service, and libibverbs1,
 # which the Mooncake transfer engine (P/D's KV transfer) loads even over TCP.
 BASE_PACKAGES="python3,python3-venv,redis-server,libibverbs1"
+# the default base's tag names its package set: a base made before a package was added is
+# not reused (the image build is offline and could not add it)
+BASE_IMAGE="${PACER_BASE_IMAGE:-pacer-base:bookworm-$(printf %s "$BASE_PACKAGES" | sha1sum | cut -c1-8)}"
 # Package folders that go into the image; tests, benchmarks and docs stay out.
 SOURCE_PATHS=(pyproject.toml README.md services gateway scheduler_svc gpu_worker shared)
 

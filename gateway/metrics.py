@@ -64,6 +64,8 @@ _SCHEDULER_STATS = {
     "kv_transfer_failures_total": ("pacer:kv_transfer_failures",
                                    "Requests whose KV sends failed (recomputed)", True),
     "handoffs_total": ("pacer:handoffs", "Requests handed from prefill to decode", True),
+    "handoffs_with_kv_total": ("pacer:handoffs_with_kv", "Requests handed over with their "
+                               "prompt's K/V (the rest are prefilled on the decode side)", True),
     "handoffs_recomputed_total": ("pacer:handoffs_recomputed",
                                   "Hand-offs whose K/V did not arrive (recomputed)", True),
     "num_requests_reserved": ("pacer:num_requests_reserved",

@@ -152,6 +152,7 @@ class PrefillSide:
         self.kv_send_ms_total = 0.0
         self.kv_exposed_ms_total = 0.0
         self.handoffs_total = 0
+        self.handoffs_with_kv_total = 0
         self.kv_failed_total = 0
 
     @property
@@ -222,6 +223,7 @@ class PrefillSide:
         self.out.handoffs.append((instance, consumer, entry_id,
                                   HandoffMsg(encode(msg), entry, tokens, kv_received)))
         self.handoffs_total += 1
+        self.handoffs_with_kv_total += bool(kv_received)
         log.info("request handed over", request_id=msg.request_id, decode_instance=instance,
                  with_kv=bool(kv_received), output_tokens=len(tokens))
 
@@ -415,6 +417,7 @@ class PrefillSide:
                 "kv_transfer_exposed_seconds_total": round(self.kv_exposed_ms_total / 1e3, 6),
                 "kv_transfer_failures_total": self.kv_failed_total,
                 "handoffs_total": self.handoffs_total,
+                "handoffs_with_kv_total": self.handoffs_with_kv_total,
                 "num_requests_awaiting_reservation": len(self._pending)}
 
 
