@@ -31,6 +31,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import print_table, random_prompts, write_json  # noqa: E402
 from shared.config import AUTO_TBT_FACTOR  # noqa: E402
+from scheduler_svc.cost_replay import iteration_kind, prediction_errors  # noqa: E402
 from shared.cost_model import RooflineCost, model_shape_of  # noqa: E402
 from shared.online_cost import OnlineIterationCost  # noqa: E402
 from scheduler_svc.build import build_scheduler  # noqa: E402
@@ -49,12 +50,6 @@ class Run:
     token_times: dict[str, list[float]] = field(default_factory=dict)   # request -> stamps
     added_at: dict[str, float] = field(default_factory=dict)
     iterations: list[dict] = field(default_factory=list)  # start_s, ms, chunks, kind
-
-
-def iteration_kind(chunks: list[tuple[int, int]]) -> str:
-    prefill = any(q > 1 for q, _ in chunks)
-    decode = any(q == 1 for q, _ in chunks)
-    return "mixed" if prefill and decode else "prefill" if prefill else "decode"
 
 
 def one_step(engine: LLMEngine, run: Run, t0: float) -> None:
@@ -137,20 +132,11 @@ def summarize(run: Run) -> dict:
 
 def cost_model_error(runs: list[Run], cost) -> list[dict]:
     """Per iteration kind: the median absolute percentage error of the prediction, and the
-    median measured / predicted (how far the machine runs from the model)."""
-    rows = []
-    for kind in ("decode", "mixed", "prefill"):
-        its = [it for r in runs for it in r.iterations if it["kind"] == kind]
-        if not its:
-            continue
-        measured = np.array([it["ms"] for it in its])
-        predicted = np.array([cost.iteration_ms(it["chunks"]) for it in its])
-        rows.append({"kind": kind, "iterations": len(its),
-                     "measured_median_ms": float(np.median(measured)),
-                     "predicted_median_ms": float(np.median(predicted)),
-                     "mape_pct": float(np.median(np.abs(predicted - measured) / measured) * 100),
-                     "measured_over_predicted": float(np.median(measured / predicted))})
-    return rows
+    median measured / predicted (how far the machine runs from the model); `cost` as it is
+    now (the online fit is not taught again: it learned during the runs)."""
+    its = [(it["chunks"], it["ms"]) for r in runs for it in r.iterations]
+    predicted = np.array([cost.iteration_ms(chunks) for chunks, _ in its])
+    return [row for row in prediction_errors(its, predicted) if row["kind"] != "all"]
 
 
 def hardware(args: argparse.Namespace):
@@ -266,7 +252,8 @@ def main() -> None:
                            "online_coefficients_ms": online.coefficients_ms,
                            "hardware": hw.to_dict() if profile is None else profile,
                            "args": vars(args),
-                           "iterations": {f"{r.mode}-{i // 2}": r.iterations
+                           "model": "smollm2-135m",
+                           "iterations": {f"{r.mode}-{i // len(MODES)}": r.iterations
                                           for i, r in enumerate(runs)}})
     if args.plot:
         plot(runs, cost, args.plot)
