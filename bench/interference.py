@@ -15,6 +15,11 @@ the online fit's are from the measured iteration time.
         [--plot docs/interference.png] [--max-num-batched-tokens N] [--max-iteration-ms MS]
 
 Without --hw it runs `pacer calibrate --quick` in-process first.
+
+`--throughput-repeats N` adds, on the same engine afterwards, what the token-gap target costs in
+throughput: the concurrency-32 workload (32 prompts of ~100 tokens at once, 64 new tokens each,
+EOS ignored) at the fixed budget (`--target-tbt-ms off`) and at the defaults (`auto`),
+alternated A, B, N times; output tokens per second of each.
 """
 from __future__ import annotations
 
@@ -82,9 +87,8 @@ def mode_config(base, mode: str, online: OnlineIterationCost):
                    target_tbt_ms=None, iteration_cost=online)
 
 
-def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
-             avoid: tuple[int, ...], seed: int, online: OnlineIterationCost) -> Run:
-    """One run: the streams, long prompts at fixed iterations, until everything finished."""
+def use_mode(engine: LLMEngine, mode: str, online: OnlineIterationCost) -> None:
+    """Give the idle engine a scheduler configured for `mode`."""
     old = engine.scheduler                  # idle: one empty plan tells the runner which
     plan = old.schedule()                   # requests it finished last, then the policy swaps
     old.update(plan, engine.runner.execute(plan))
@@ -93,6 +97,12 @@ def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
         base = replace(base, iteration_cost=None)
     layout = replace(engine.layout, scheduler_config=mode_config(base, mode, online))
     engine.scheduler = build_scheduler(layout)
+
+
+def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
+             avoid: tuple[int, ...], seed: int, online: OnlineIterationCost) -> Run:
+    """One run: the streams, long prompts at fixed iterations, until everything finished."""
+    use_mode(engine, mode, online)
     stream_prompts = random_prompts(args.streams, 16, 48, vocab, seed, avoid)
     long_prompts = random_prompts(len(args.long_at), args.long_len - 100, args.long_len + 100,
                                   vocab, seed + 1, avoid)
@@ -112,6 +122,20 @@ def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
         one_step(engine, run, t0)
         step += 1
     return run
+
+
+def run_throughput(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
+                   avoid: tuple[int, ...], seed: int, online: OnlineIterationCost) -> dict:
+    """The concurrency-32 workload in `mode`: every prompt at once, until all are done."""
+    use_mode(engine, mode, online)
+    prompts = random_prompts(args.throughput_prompts, 90, 110, vocab, 1000 + seed, avoid)
+    sp = SamplingParams(max_tokens=args.throughput_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, [sp] * len(prompts))
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.tokens) for o in outputs)
+    return {"mode": mode, "repeat": seed, "seconds": seconds, "output_tokens": tokens,
+            "output_tok_per_s": tokens / seconds}
 
 
 def gaps_ms(run: Run, prefix: str) -> np.ndarray:
@@ -197,6 +221,11 @@ def main() -> None:
                     default=EngineArgs.max_num_batched_tokens, help="as pacer up")
     ap.add_argument("--max-iteration-ms", type=float, default=None,
                     help="as pacer up: cap each iteration's predicted time (chunked mode)")
+    ap.add_argument("--throughput-repeats", type=int, default=0,
+                    help="then the concurrency-32 throughput, fixed budget vs defaults, "
+                         "alternated this many times (0: not run)")
+    ap.add_argument("--throughput-prompts", type=int, default=32)
+    ap.add_argument("--throughput-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -247,7 +276,20 @@ def main() -> None:
     print(f"\nonline fit vs measured iteration time (coefficients {online.coefficients_ms}):")
     print_table(online_errors, ["kind", "iterations", "measured_median_ms", "predicted_median_ms",
                                 "mape_pct", "measured_over_predicted"])
+    throughput = [run_throughput(engine, mode, args, vocab, avoid, seed=rep, online=online)
+                  for rep in range(args.throughput_repeats) for mode in ("budget", "default")]
+    if throughput:
+        by = {m: [t["output_tok_per_s"] for t in throughput if t["mode"] == m]
+              for m in ("budget", "default")}
+        ratios["default_over_budget_throughput"] = float(np.median(
+            [d / b for d, b in zip(by["default"], by["budget"])]))
+        print(f"\nconcurrency {args.throughput_prompts}, ~100-token prompts x "
+              f"{args.throughput_tokens} tokens, alternated:")
+        print_table(throughput, ["repeat", "mode", "seconds", "output_tokens", "output_tok_per_s"])
+        print(f"default / fixed budget throughput (median of pairs): "
+              f"{ratios['default_over_budget_throughput']:.3f}")
     write_json(args.json, {"runs": summaries, "ratios": ratios, "cost_model": errors,
+                           "throughput": throughput,
                            "online_cost_model": online_errors,
                            "online_coefficients_ms": online.coefficients_ms,
                            "hardware": hw.to_dict() if profile is None else profile,
