@@ -15,6 +15,11 @@ the online fit's are from the measured iteration time.
         [--plot docs/interference.png] [--max-num-batched-tokens N] [--max-iteration-ms MS]
 
 Without --hw it runs `pacer calibrate --quick` in-process first.
+
+`--throughput-repeats N` adds, on the same engine afterwards, what the token-gap target costs in
+throughput: the concurrency-32 workload (32 prompts of ~100 tokens at once, 64 new tokens each,
+EOS ignored) at the fixed budget (`--target-tbt-ms off`) and at the defaults (`auto`),
+alternated A, B, N times; output tokens per second of each.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np  # noqa: E402
 
 from bench.common import print_table, random_prompts, write_json  # noqa: E402
 from shared.config import AUTO_TBT_FACTOR  # noqa: E402
+from scheduler_svc.cost_replay import iteration_kind, prediction_errors  # noqa: E402
 from shared.cost_model import RooflineCost, model_shape_of  # noqa: E402
 from shared.online_cost import OnlineIterationCost  # noqa: E402
 from scheduler_svc.build import build_scheduler  # noqa: E402
@@ -49,12 +55,6 @@ class Run:
     token_times: dict[str, list[float]] = field(default_factory=dict)   # request -> stamps
     added_at: dict[str, float] = field(default_factory=dict)
     iterations: list[dict] = field(default_factory=list)  # start_s, ms, chunks, kind
-
-
-def iteration_kind(chunks: list[tuple[int, int]]) -> str:
-    prefill = any(q > 1 for q, _ in chunks)
-    decode = any(q == 1 for q, _ in chunks)
-    return "mixed" if prefill and decode else "prefill" if prefill else "decode"
 
 
 def one_step(engine: LLMEngine, run: Run, t0: float) -> None:
@@ -87,9 +87,8 @@ def mode_config(base, mode: str, online: OnlineIterationCost):
                    target_tbt_ms=None, iteration_cost=online)
 
 
-def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
-             avoid: tuple[int, ...], seed: int, online: OnlineIterationCost) -> Run:
-    """One run: the streams, long prompts at fixed iterations, until everything finished."""
+def use_mode(engine: LLMEngine, mode: str, online: OnlineIterationCost) -> None:
+    """Give the idle engine a scheduler configured for `mode`."""
     old = engine.scheduler                  # idle: one empty plan tells the runner which
     plan = old.schedule()                   # requests it finished last, then the policy swaps
     old.update(plan, engine.runner.execute(plan))
@@ -98,6 +97,12 @@ def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
         base = replace(base, iteration_cost=None)
     layout = replace(engine.layout, scheduler_config=mode_config(base, mode, online))
     engine.scheduler = build_scheduler(layout)
+
+
+def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
+             avoid: tuple[int, ...], seed: int, online: OnlineIterationCost) -> Run:
+    """One run: the streams, long prompts at fixed iterations, until everything finished."""
+    use_mode(engine, mode, online)
     stream_prompts = random_prompts(args.streams, 16, 48, vocab, seed, avoid)
     long_prompts = random_prompts(len(args.long_at), args.long_len - 100, args.long_len + 100,
                                   vocab, seed + 1, avoid)
@@ -119,6 +124,20 @@ def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
     return run
 
 
+def run_throughput(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
+                   avoid: tuple[int, ...], seed: int, online: OnlineIterationCost) -> dict:
+    """The concurrency-32 workload in `mode`: every prompt at once, until all are done."""
+    use_mode(engine, mode, online)
+    prompts = random_prompts(args.throughput_prompts, 90, 110, vocab, 1000 + seed, avoid)
+    sp = SamplingParams(max_tokens=args.throughput_tokens, temperature=0.0, ignore_eos=True)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, [sp] * len(prompts))
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.tokens) for o in outputs)
+    return {"mode": mode, "repeat": seed, "seconds": seconds, "output_tokens": tokens,
+            "output_tok_per_s": tokens / seconds}
+
+
 def gaps_ms(run: Run, prefix: str) -> np.ndarray:
     return np.concatenate([np.diff(t) * 1e3 for rid, t in run.token_times.items()
                            if rid.startswith(prefix) and len(t) > 1] or [np.empty(0)])
@@ -137,20 +156,11 @@ def summarize(run: Run) -> dict:
 
 def cost_model_error(runs: list[Run], cost) -> list[dict]:
     """Per iteration kind: the median absolute percentage error of the prediction, and the
-    median measured / predicted (how far the machine runs from the model)."""
-    rows = []
-    for kind in ("decode", "mixed", "prefill"):
-        its = [it for r in runs for it in r.iterations if it["kind"] == kind]
-        if not its:
-            continue
-        measured = np.array([it["ms"] for it in its])
-        predicted = np.array([cost.iteration_ms(it["chunks"]) for it in its])
-        rows.append({"kind": kind, "iterations": len(its),
-                     "measured_median_ms": float(np.median(measured)),
-                     "predicted_median_ms": float(np.median(predicted)),
-                     "mape_pct": float(np.median(np.abs(predicted - measured) / measured) * 100),
-                     "measured_over_predicted": float(np.median(measured / predicted))})
-    return rows
+    median measured / predicted (how far the machine runs from the model); `cost` as it is
+    now (the online fit is not taught again: it learned during the runs)."""
+    its = [(it["chunks"], it["ms"]) for r in runs for it in r.iterations]
+    predicted = np.array([cost.iteration_ms(chunks) for chunks, _ in its])
+    return [row for row in prediction_errors(its, predicted) if row["kind"] != "all"]
 
 
 def hardware(args: argparse.Namespace):
@@ -211,6 +221,11 @@ def main() -> None:
                     default=EngineArgs.max_num_batched_tokens, help="as pacer up")
     ap.add_argument("--max-iteration-ms", type=float, default=None,
                     help="as pacer up: cap each iteration's predicted time (chunked mode)")
+    ap.add_argument("--throughput-repeats", type=int, default=0,
+                    help="then the concurrency-32 throughput, fixed budget vs defaults, "
+                         "alternated this many times (0: not run)")
+    ap.add_argument("--throughput-prompts", type=int, default=32)
+    ap.add_argument("--throughput-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
@@ -261,12 +276,26 @@ def main() -> None:
     print(f"\nonline fit vs measured iteration time (coefficients {online.coefficients_ms}):")
     print_table(online_errors, ["kind", "iterations", "measured_median_ms", "predicted_median_ms",
                                 "mape_pct", "measured_over_predicted"])
+    throughput = [run_throughput(engine, mode, args, vocab, avoid, seed=rep, online=online)
+                  for rep in range(args.throughput_repeats) for mode in ("budget", "default")]
+    if throughput:
+        by = {m: [t["output_tok_per_s"] for t in throughput if t["mode"] == m]
+              for m in ("budget", "default")}
+        ratios["default_over_budget_throughput"] = float(np.median(
+            [d / b for d, b in zip(by["default"], by["budget"])]))
+        print(f"\nconcurrency {args.throughput_prompts}, ~100-token prompts x "
+              f"{args.throughput_tokens} tokens, alternated:")
+        print_table(throughput, ["repeat", "mode", "seconds", "output_tokens", "output_tok_per_s"])
+        print(f"default / fixed budget throughput (median of pairs): "
+              f"{ratios['default_over_budget_throughput']:.3f}")
     write_json(args.json, {"runs": summaries, "ratios": ratios, "cost_model": errors,
+                           "throughput": throughput,
                            "online_cost_model": online_errors,
                            "online_coefficients_ms": online.coefficients_ms,
                            "hardware": hw.to_dict() if profile is None else profile,
                            "args": vars(args),
-                           "iterations": {f"{r.mode}-{i // 2}": r.iterations
+                           "model": "smollm2-135m",
+                           "iterations": {f"{r.mode}-{i // len(MODES)}": r.iterations
                                           for i, r in enumerate(runs)}})
     if args.plot:
         plot(runs, cost, args.plot)

@@ -58,6 +58,10 @@ def summarize(result: SimResult, ttft_slo_ms: float = math.inf,
         "iteration_ms": latency_stats(np.frombuffer(result.timeline.ms, dtype=float)),
         "iterations": len(result.timeline),
         "preemptions": result.num_preemptions,
+        # the memory wall (docs/design.md#the-memory-wall): what one instance's pool holds,
+        # and the most requests it ran at once
+        "kv_capacity_tokens": result.kv_tokens,
+        "running_max": max(result.timeline.num_running, default=0),
         "duration_s": span,
         "requests_per_s": len(result.arrivals) / span,
         "output_tokens_per_s": out_tokens / span,
@@ -65,6 +69,12 @@ def summarize(result: SimResult, ttft_slo_ms: float = math.inf,
         "sim_wall_s": result.wall_s,
         "sim_cpu_s": result.cpu_s,
     }
+    if len(result.cost_errors):
+        errors = np.frombuffer(result.cost_errors, dtype=float) * 100
+        summary["online_cost"] = {
+            "median_abs_error_pct": float(np.median(errors)),
+            "p90_abs_error_pct": float(np.percentile(errors, 90)),
+            "coefficients_ms": result.cost_coefficients_ms}
     for kind in sorted(set(kinds.tolist()) - {"main"}):
         summary[f"ttft_ms_{kind}"] = latency_stats(ttft_ms[kinds == kind])
     prefill_done = np.asarray(result.prefill_done_s, dtype=float)
@@ -94,7 +104,11 @@ _ROWS = [("TTFT mean ms", "ttft_ms", "mean"), ("TTFT median ms", "ttft_ms", "med
          ("transfer hidden", "transfer_hidden", None),
          ("iteration median ms", "iteration_ms", "median"),
          ("iteration max ms", "iteration_ms", "max"),
+         ("online cost model error median %", "online_cost", "median_abs_error_pct"),
+         ("online cost model error p90 %", "online_cost", "p90_abs_error_pct"),
          ("iterations", "iterations", None), ("preemptions", "preemptions", None),
+         ("KV capacity tokens (per instance)", "kv_capacity_tokens", None),
+         ("running max (per instance)", "running_max", None),
          ("requests (rejected)", None, None),
          ("requests/s", "requests_per_s", None), ("output tok/s", "output_tokens_per_s", None),
          ("total tok/s", "total_tokens_per_s", None), ("simulated s", "duration_s", None),
@@ -131,6 +145,8 @@ def format_table(summaries: list[dict[str, Any]]) -> str:
              if key == "slo_attainment" else label, key, sub) for label, key, sub in rows]
     if not any("transfer_ms" in s for s in summaries):
         rows = [r for r in rows if "transfer" not in r[0] and "prefill side" not in r[0]]
+    if not any("online_cost" in s for s in summaries):
+        rows = [r for r in rows if r[1] != "online_cost"]
     header = ["metric"] + [s["mode"] for s in summaries]
     table = [header] + [[label] + [_cell(s, label, key, sub) for s in summaries]
                         for label, key, sub in rows]

@@ -37,6 +37,7 @@ from array import array
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
+from operator import itemgetter
 
 from scheduler_svc.arrivals import Arrival
 from scheduler_svc.core import Scheduler
@@ -48,6 +49,7 @@ from shared.plan import SampledToken, StepResult
 from shared.sampling import SamplingParams
 
 _DUMMY = SampledToken(0)
+_ROWS = itemgetter(0)                        # a chunk's q_rows
 _TIMELINE_FIELDS = ("end_s", "ms", "decode_rows", "prefill_rows", "num_running",
                     "num_waiting", "max_tbt_ms", "instance")
 
@@ -90,6 +92,11 @@ class SimResult:
     transfer_ms: list[float] = field(default_factory=list)
     exposed_ms: list[float] = field(default_factory=list)
     instances: str = ""                      # what ran it, in words
+    kv_tokens: int = 0                       # the KV pool of one instance, in tokens
+    # --cost online: each iteration's |predicted - clock| / clock, as the core's model saw it
+    # before learning from that iteration, and the first instance's fitted coefficients
+    cost_errors: array = field(default_factory=lambda: array("d"))
+    cost_coefficients_ms: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -133,9 +140,13 @@ def simulate_disaggregated(arrivals: Iterable[Arrival], prefill_config: Schedule
 
 def _scheduler(config: SchedulerConfig) -> Scheduler:
     # Every simulated prompt is the same id repeated (below): prefix caching would turn each
-    # into a hit, so it is off — arrivals carry lengths, not contents.
-    return Scheduler(replace(config, enable_prefix_caching=False), eos_token_ids=None,
-                     max_model_len=config.max_model_len)
+    # into a hit, so it is off — arrivals carry lengths, not contents. A cost model that
+    # learns (shared/online_cost.py) is copied fresh: each instance fits its own, as each
+    # served scheduler does.
+    fresh = getattr(config.iteration_cost, "fresh", None)
+    return Scheduler(replace(config, enable_prefix_caching=False,
+                             iteration_cost=fresh() if fresh else config.iteration_cost),
+                     eos_token_ids=None, max_model_len=config.max_model_len)
 
 
 @dataclass(eq=False)
@@ -147,6 +158,7 @@ class _Instance:
     plan: object = None                      # the plan in flight, None when idle
     chunks: list = field(default_factory=list)
     ms: float = 0.0                          # the iteration, its sends' wait included
+    forward_ms: float = 0.0                  # ...and without it: what a worker would time
     queued_prompt_tokens: int = 0            # routed here, not yet through their prefill
 
     @property
@@ -195,12 +207,15 @@ class _Cluster:
         if stuck or self.no_room:
             raise RuntimeError(f"instances {stuck} planned nothing with work waiting and no "
                                "event to come")
+        first = self.pool[0].sched
         return SimResult(mode, state.arrivals, state.first, state.finish, state.tbt,
                          state.timeline, state.rejected,
                          sum(i.sched.num_preemptions_total for i in self.pool),
                          time.perf_counter() - started, time.process_time() - started_cpu,
                          state.worst, state.prefill_done, state.transfer_ms, state.exposed_ms,
-                         instances)
+                         instances, first.config.num_kv_blocks * first.config.block_size,
+                         state.cost_errors,
+                         getattr(first.config.iteration_cost, "coefficients_ms", {}))
 
     # ---- arrivals ----------------------------------------------------------------------
 
@@ -251,16 +266,17 @@ class _Cluster:
             sched.update(plan, StepResult(plan.step, {}))
             return
         rows_of = plan.num_scheduled_tokens
-        ids = [c.request_id for c in plan.cached_requests] + \
-              [r.request_id for r in plan.new_requests]
-        chunks = [(rows_of[c.request_id], c.num_computed_tokens + rows_of[c.request_id])
-                  for c in plan.cached_requests]
+        chunks = [(rows, c.num_computed_tokens + rows) for c in plan.cached_requests
+                  for rows in (rows_of[c.request_id],)]
         chunks += [(rows_of[r.request_id], r.num_computed_tokens + rows_of[r.request_id])
                    for r in plan.new_requests]
-        ms = self.cost.iteration_ms(chunks)
+        forward_ms = ms = self.cost.iteration_ms(chunks)
         if instance.link is not None:
+            ids = [c.request_id for c in plan.cached_requests] + \
+                  [r.request_id for r in plan.new_requests]
             ms = self._send(instance, ids, chunks, now, ms)
         instance.plan, instance.chunks, instance.ms = plan, chunks, ms
+        instance.forward_ms = forward_ms
         heapq.heappush(self.events, (now + ms / 1e3, self.seq, instance))
         self.seq += 1
 
@@ -289,9 +305,13 @@ class _Cluster:
 
     def _end_iteration(self, instance: _Instance, now: float) -> None:
         sched, plan = instance.sched, instance.plan
-        sampled = {request_id: _DUMMY for request_id, rows in plan.num_scheduled_tokens.items()
-                   if sched.get_request(request_id).num_uncomputed_tokens == rows}
-        outputs = sched.update(plan, StepResult(plan.step, sampled))
+        sampled = dict.fromkeys(sched.samples_in_flight(), _DUMMY)
+        learning = sched.config.iteration_cost
+        if hasattr(learning, "observe"):      # it learns from the clock, as from a worker
+            predicted = learning.iteration_ms(instance.chunks)
+            self.state.cost_errors.append(abs(predicted - instance.forward_ms)
+                                          / instance.forward_ms)
+        outputs = sched.update(plan, StepResult(plan.step, sampled, instance.forward_ms))
         instance.plan = None
         if instance.role != "decode":
             for out in outputs:
@@ -333,7 +353,9 @@ class _State:
         self.prefill_done: list[float] = []
         self.transfer_ms: list[float] = []
         self.exposed_ms: list[float] = []
+        self.index_of: dict[str, int] = {}         # request id -> i (int() costs 6x more)
         self.tbt = array("d")
+        self.cost_errors = array("d")
         self.timeline = Timeline()
         self.rejected: list[tuple[Arrival, str]] = []
 
@@ -348,6 +370,7 @@ class _State:
         except InvalidRequestError as e:
             self.rejected.append((arrival, str(e)))
             return False
+        self.index_of[request_id] = len(self.arrivals)
         self.arrivals.append(arrival)
         nan = float("nan")
         for column in (self.first, self.last, self.finish, self.worst, self.prefill_done,
@@ -369,7 +392,7 @@ class _State:
                total_rows: int, outputs, now: float) -> None:
         """Stamp the tokens of an iteration that ended at `now` and add it to the timeline."""
         max_gap = self._stamp(outputs, now)
-        decode_rows = sum(1 for q, _ in chunks if q == 1)
+        decode_rows = list(map(_ROWS, chunks)).count(1)
         t = self.timeline
         t.end_s.append(now)
         t.ms.append(ms)
@@ -382,13 +405,14 @@ class _State:
 
     def _stamp(self, outputs, now: float) -> float:
         first, last, tbt, worst = self.first, self.last, self.tbt, self.worst
+        index_of, add_gap = self.index_of, tbt.append
         max_gap = 0.0
         for out in outputs:
-            i = int(out.request_id)
+            i = index_of[out.request_id]
             previous = last[i]
             if previous == previous:                 # not nan: a gap since the last token
                 gap = (now - previous) * 1e3
-                tbt.append(gap)
+                add_gap(gap)
                 max_gap = gap if gap > max_gap else max_gap
                 if not gap <= worst[i]:              # also when worst is still nan
                     worst[i] = gap

@@ -1,6 +1,13 @@
 """`pacer calibrate`: measure this machine's matmul rate and memory bandwidth with torch and
 write a hardware profile that `pacer cost --hw hw.json` (and the scheduler) can load.
 
+Besides the rates it fits the GEMM efficiency curve (docs/design.md#small-chunks-run-below-peak):
+matmuls of M rows against one K x N weight, M from a few rows to thousands, each priced as
+`2·M·K·N / (rate · M / (M + r½))`; `gemm_half_rows` is the r½ that fits them best (the median
+of what each M implies), fitted on bfloat16, the serving dtype where it is native. And it
+records the memory the device holds (`memory_gib`: the GPU's, or this host's RAM), for the
+KV capacity (docs/design.md#the-memory-wall).
+
 Each figure is the best of several timed repetitions after a warm-up: a roofline wants what
 the machine can sustain, and a busy neighbour only ever makes a repetition slower.
 """
@@ -26,6 +33,8 @@ class Plan:
     """What to measure: sizes depend on the device and on --quick."""
 
     matmul_sizes: tuple[int, ...]
+    gemm_rows: tuple[int, ...]              # M of the efficiency curve's matmuls...
+    gemm_kn: int                            # ...against one gemm_kn x gemm_kn weight
     copy_mib: int                           # several times any last-level cache
     attention: tuple[int, int, int, int]    # batch, heads, seq, head_dim
     min_seconds: float                      # time each measurement for at least this long
@@ -33,11 +42,16 @@ class Plan:
 
 
 PLANS = {
-    ("cpu", True): Plan((256, 512, 1024), 256, (1, 8, 512, 64), 0.15, 20),
-    ("cpu", False): Plan((512, 1024, 2048), 1024, (1, 8, 2048, 64), 1.0, 50),
-    ("cuda", True): Plan((1024, 4096), 256, (2, 16, 2048, 128), 0.1, 50),
-    ("cuda", False): Plan((2048, 4096, 8192), 1024, (4, 32, 4096, 128), 0.5, 200),
+    ("cpu", True): Plan((256, 512, 1024), (8, 32, 128, 512), 1024, 256, (1, 8, 512, 64),
+                        0.15, 20),
+    ("cpu", False): Plan((512, 1024, 2048), (4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048),
+                         2048, 1024, (1, 8, 2048, 64), 1.0, 50),
+    ("cuda", True): Plan((1024, 4096), (64, 256, 1024, 4096), 4096, 256, (2, 16, 2048, 128),
+                         0.1, 50),
+    ("cuda", False): Plan((2048, 4096, 8192), (16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
+                                               8192), 8192, 1024, (4, 32, 4096, 128), 0.5, 200),
 }
+CURVE_DTYPE = "bfloat16"
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -76,6 +90,43 @@ def measure_matmul(torch: Any, device: str, sync: Callable[[], None], plan: Plan
             rows.append({"dtype": dtype, "m": n, "n": n, "k": n, "seconds": seconds,
                          "tflops": 2 * n**3 / seconds / 1e12})
     return rows
+
+
+def measure_gemm_rows(torch: Any, device: str, sync: Callable[[], None], plan: Plan) -> list[dict]:
+    """Matmuls of M rows against one square weight, as a layer's GEMM over an iteration's rows."""
+    rows = []
+    kn = plan.gemm_kn
+    for dtype in DTYPES:
+        w = torch.randn(kn, kn, device=device, dtype=getattr(torch, dtype))
+        for m in plan.gemm_rows:
+            x = torch.randn(m, kn, device=device, dtype=getattr(torch, dtype))
+            seconds = _best_seconds(lambda: torch.mm(x, w), sync, plan)
+            rows.append({"dtype": dtype, "m": m, "n": kn, "k": kn, "seconds": seconds,
+                         "tflops": 2 * m * kn * kn / seconds / 1e12})
+    return rows
+
+
+def fit_gemm_half_rows(rows: list[dict], tflops: float) -> float:
+    """The r½ of `rate · M / (M + r½)` that the matmuls of `rows` (one dtype) fit best against
+    the sustained `tflops`: each M implies r½ = seconds · rate / (2·K·N) − M; the median of
+    those, never below 0 (a tall matmul that beat the square ones implies none)."""
+    implied = sorted(r["seconds"] * tflops * 1e12 / (2 * r["k"] * r["n"]) - r["m"] for r in rows)
+    if not implied:
+        return 0.0
+    mid = len(implied) // 2
+    median = implied[mid] if len(implied) % 2 else (implied[mid - 1] + implied[mid]) / 2
+    return max(0.0, round(median, 1))
+
+
+def device_memory_gib(torch: Any, device: str) -> float | None:
+    """What the device holds: the GPU's memory, or this host's RAM."""
+    try:
+        if device == "cuda":
+            return torch.cuda.get_device_properties(0).total_memory / 2**30
+        import os
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError, RuntimeError):
+        return None
 
 
 def measure_bandwidth(torch: Any, device: str, sync: Callable[[], None], plan: Plan) -> list[dict]:
@@ -125,16 +176,25 @@ def calibrate(quick: bool, device: str = "auto") -> dict[str, Any]:
     plan = PLANS[(dev, quick)]
     torch.manual_seed(0)
     matmul = measure_matmul(torch, dev, sync, plan)
+    gemm_rows = measure_gemm_rows(torch, dev, sync, plan)
     bandwidth = measure_bandwidth(torch, dev, sync, plan)
     attention = measure_attention(torch, dev, sync, plan)
+    tflops = {d: max(r["tflops"] for r in matmul + gemm_rows if r["dtype"] == d) for d in DTYPES}
+    half_rows = {d: fit_gemm_half_rows([r for r in gemm_rows if r["dtype"] == d], tflops[d])
+                 for d in DTYPES}
+    memory = device_memory_gib(torch, dev)
     return {
         "name": f"calibrated {dev} ({dev_name})",
-        "tflops": {d: max(r["tflops"] for r in matmul if r["dtype"] == d) for d in DTYPES},
+        "tflops": tflops,
         "bandwidth_tbps": max(r["tbps"] for r in bandwidth),
+        "gemm_half_rows": half_rows[CURVE_DTYPE],
+        "memory_gib": None if memory is None else round(memory, 2),
         "measured_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "measurements": {"device": dev, "device_name": dev_name, "torch": torch.__version__,
                          "threads": torch.get_num_threads(), "quick": quick,
-                         "matmul": matmul, "bandwidth": bandwidth, "attention": attention},
+                         "matmul": matmul, "gemm_rows": gemm_rows,
+                         "gemm_half_rows": half_rows, "bandwidth": bandwidth,
+                         "attention": attention},
     }
 
 
@@ -145,6 +205,9 @@ def format_table(profile: dict[str, Any]) -> str:
     for r in m["matmul"]:
         what = f"matmul {r['dtype']} {r['m']}x{r['k']}x{r['n']}"
         lines.append(f"{what:<34} {r['seconds']:>10.5f} {r['tflops'] * 1e3:>9.1f} GFLOP/s")
+    for r in m.get("gemm_rows", []):
+        what = f"matmul {r['dtype']} {r['m']} rows x{r['k']}x{r['n']}"
+        lines.append(f"{what:<34} {r['seconds']:>10.5f} {r['tflops'] * 1e3:>9.1f} GFLOP/s")
     for r in m["bandwidth"]:
         what = f"{r['kind']} {r['bytes'] / 2**20:.0f} MiB moved"
         lines.append(f"{what:<34} {r['seconds']:>10.5f} {r['tbps'] * 1e3:>12.1f} GB/s")
@@ -153,6 +216,10 @@ def format_table(profile: dict[str, Any]) -> str:
         lines.append(f"{what:<34} {r['seconds']:>10.5f} {r['tflops'] * 1e3:>9.1f} GFLOP/s")
     rates = ", ".join(f"{d} {t * 1e3:.1f} GFLOP/s" for d, t in profile["tflops"].items())
     lines.append(f"profile: {rates}; bandwidth {profile['bandwidth_tbps'] * 1e3:.1f} GB/s")
+    halves = ", ".join(f"{d} {v:g}" for d, v in m.get("gemm_half_rows", {}).items())
+    memory = profile.get("memory_gib")
+    lines.append(f"GEMM half-rate rows (r½): {halves} (the profile takes {CURVE_DTYPE}'s); "
+                 f"memory {'unknown' if memory is None else f'{memory:g} GiB'}")
     return "\n".join(lines)
 
 

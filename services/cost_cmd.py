@@ -13,8 +13,9 @@ import re
 import sys
 from dataclasses import asdict
 
-from shared.cost_model import (ChunkShape, IterationCost, TransferCost, estimate_iteration,
-                               estimate_transfer, load_model_shape)
+from shared.cost_model import (ChunkShape, IterationCost, KVCapacity, TransferCost,
+                               estimate_iteration, estimate_transfer, kv_capacity,
+                               load_model_shape)
 from shared.errors import PacerError
 from shared.fabric import FABRICS, load_fabric
 from shared.hardware import HardwareProfile, load_hardware
@@ -92,18 +93,44 @@ def run(args: argparse.Namespace) -> int:
             raise PacerError(f"--dtype-bytes must be > 0, got {args.dtype_bytes}")
         model, hw = load_model_shape(args.model), _hardware(args)
         cost = estimate_iteration(chunks, model, hw, args.dtype_bytes)
+        capacity = _capacity(model, hw, args.dtype_bytes)
     except PacerError as e:
         print(f"pacer cost: error: {e}", file=sys.stderr)
         return 2
+    longest = max(kv for _, kv in chunks)
     if args.json:
         out = asdict(cost) | {"model": model.name, "hardware": hw.name,
                               "ridge": hw.ridge(args.dtype_bytes), "decode": args.decode,
-                              "prefill": args.prefill}
+                              "prefill": args.prefill,
+                              "kv_capacity": None if capacity is None else
+                              asdict(capacity) | {"sequences_at_longest_context":
+                                                  capacity.sequences(longest)}}
         print(json.dumps(out, indent=2))
     else:
         work = ", ".join([f"decode {d}" for d in args.decode] + [f"prefill {p}" for p in args.prefill])
         print(format_table(cost, model.name, hw, args.dtype_bytes, work))
+        if capacity is not None:
+            print(format_capacity(capacity, longest))
     return 0
+
+
+def _capacity(model, hw: HardwareProfile, dtype_bytes: float) -> KVCapacity | None:
+    """The KV capacity where the profile states its memory and the weights fit in it."""
+    if hw.memory_gib is None:
+        return None
+    try:
+        return kv_capacity(model, hw, dtype_bytes)
+    except PacerError:
+        return None
+
+
+def format_capacity(capacity: KVCapacity, context_len: int) -> str:
+    """docs/design.md#the-memory-wall: what the pool holds, and the batch that allows."""
+    gib = 2**30
+    return (f"{'KV capacity':<16}  {capacity.tokens:,} tokens ({capacity.kv_bytes / gib:.1f} GiB "
+            f"of {capacity.memory_bytes / gib:g} GiB at {capacity.utilization:g}, after "
+            f"{capacity.weight_bytes / gib:.1f} GiB of weights): "
+            f"{capacity.sequences(context_len):,} requests at a {context_len:,}-token context")
 
 
 def run_transfer(args: argparse.Namespace) -> int:
@@ -203,7 +230,8 @@ def format_table(cost: IterationCost, model: str, hw: HardwareProfile, dtype_byt
         ("KV bytes", _si(cost.kv_bytes, "B")),
         ("total bytes", _si(cost.bytes, "B")),
         ("intensity", f"{cost.intensity:.3g} FLOP/B (ridge {hw.ridge(dtype_bytes):.3g})"),
-        ("compute time", f"{cost.compute_ms:.3f} ms"),
+        ("compute time", f"{cost.compute_ms:.3f} ms (GEMMs at {cost.gemm_efficiency:.0%} of "
+                         f"the rate, r½ {hw.gemm_half_rows:g} rows)"),
         ("memory time", f"{cost.memory_ms:.3f} ms"),
         ("wall time", f"{cost.time_ms:.3f} ms ({cost.bound}-bound)"),
     ]

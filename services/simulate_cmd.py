@@ -14,6 +14,21 @@ P/D disaggregation against colocated chunked prefill on as many GPUs, one run
     pacer simulate --disagg 1:1 --fabric ib-hdr --request-rate 2 \\
         --prompt-len uniform:2000:6000 --output-len uniform:128:512 --max-iteration-ms 20
     pacer simulate --disagg 1:1 --sweep request-rate=1,2,3,4 ...
+
+The serving default's cost model and token-gap target (docs/design.md#the-online-cost-model):
+the core plans with the online fit, seeded from the roofline, learning from the clock:
+
+    pacer simulate --cost online --target-tbt-ms auto ...
+
+The memory wall (docs/design.md#the-memory-wall): the KV pool as the device holds it, what
+`--gpu-memory-utilization` of its memory leaves after the weights:
+
+    pacer simulate --kv-cache-memory auto --prompt-len 16000 ...
+
+How far each cost model is from a real run's measured iterations (the `iterations` of
+`bench/interference.py --json`), the online fit learning as it goes:
+
+    pacer simulate --replay docs/interference_defaults.json --model smollm2-135m
 """
 from __future__ import annotations
 
@@ -23,10 +38,12 @@ import math
 import sys
 from dataclasses import fields, replace
 
-from shared.config import SchedulerConfig, kv_block_bytes, num_blocks_for_memory
+from shared.config import AUTO_TBT_FACTOR, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
+from shared.engine_args import parse_tbt_target
 from shared.errors import PacerError
 
 MODES = {"orca": False, "chunked": True}     # mode name -> enable_chunked_prefill
+DEFAULT_MODEL, DEFAULT_HW = "llama-2-7b", "h100"
 SWEEP_KNOBS = ("request-rate", "prompt-len", "output-len", "fabric")
 # Goodput's SLOs: a second to the first token; every gap within ~5 pure-decode iterations of a
 # 7B model on an H100 (a stall a reader notices).
@@ -58,19 +75,36 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help='JSONL of {"arrival_s", "prompt_len", "output_len"} (replaces the above)')
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("model, hardware and scheduler")
-    s.add_argument("--model", default="llama-2-7b",
-                   help="llama-2-7b, llama-2-13b, llama-3-8b, smollm2-135m, or a config.json")
-    s.add_argument("--hw", default="h100", help="h100, h200, a100, or a `pacer calibrate` JSON")
-    s.add_argument("--dtype-bytes", type=float, default=2.0, help="weight and KV element size")
+    s.add_argument("--model", default=None,
+                   help="llama-2-7b (default), llama-2-13b, llama-3-8b, smollm2-135m, or a "
+                        "config.json")
+    s.add_argument("--hw", default=None,
+                   help="h100 (default), h200, a100, or a `pacer calibrate` JSON; with --replay "
+                        "the profile the file records, if any")
+    s.add_argument("--dtype-bytes", type=float, default=None,
+                   help="weight and KV element size (default 2; with --replay the run's)")
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget (default 2048, a GPU-sized one)")
     s.add_argument("--max-num-seqs", type=int, default=256)
     s.add_argument("--max-iteration-ms", type=float, default=None,
                    help="latency budget: cut prefill chunks to fit this many ms")
+    s.add_argument("--target-tbt-ms", default="off", type=parse_tbt_target,
+                   help="token-gap target while decodes run, as the served flag: auto "
+                        f"({AUTO_TBT_FACTOR:g}x the predicted pure-decode iteration), ms, or "
+                        "off (default)")
+    s.add_argument("--cost", default="roofline", choices=("roofline", "online"),
+                   help="the cost model the core plans with: the roofline of --hw (default), "
+                        "or the served default's online fit, seeded from that roofline and "
+                        "learning from each iteration's time on the clock")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-kv-blocks", type=int, default=None,
                    help="KV blocks (overrides --kv-cache-memory)")
-    s.add_argument("--kv-cache-memory", default="60GiB", help="KV pool size, e.g. 60GiB")
+    s.add_argument("--kv-cache-memory", default="60GiB",
+                   help="KV pool size per instance, e.g. 60GiB (default), or auto: what "
+                        "--gpu-memory-utilization of the profile's memory leaves after the "
+                        "weights and a forward's activations")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="with --kv-cache-memory auto: the share of the device's memory used")
     s.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the longest request of the workload)")
     m = p.add_argument_group("modes and output")
@@ -100,6 +134,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     d.add_argument("--sweep", default=None, metavar="KNOB=V1,V2,...",
                    help=f"with --disagg: one run per value of a knob ({', '.join(SWEEP_KNOBS)}), "
                         "a table of both modes' goodput and tails; --plot draws it")
+    m.add_argument("--replay", default=None, metavar="FILE.json",
+                   help="instead of a simulation: each cost model's prediction against the "
+                        "measured iterations ({chunks, ms}) of a real run, e.g. the JSON of "
+                        "bench/interference.py")
     m.add_argument("--json", action="store_true", help="print one JSON object")
     m.add_argument("--timeline", default=None, help="write the per-iteration timeline JSON here")
     m.add_argument("--plot", default=None, help="draw TBT timeline and CDF to this PNG")
@@ -123,28 +161,61 @@ def build_arrivals(args: argparse.Namespace) -> list:
     return sorted(arrivals, key=lambda a: a.arrival_s)
 
 
+def kv_pool_memory(args: argparse.Namespace, model, hw) -> str | int:
+    """--kv-cache-memory, or with `auto` what the device holds for K/V
+    (docs/design.md#the-memory-wall)."""
+    if args.kv_cache_memory != "auto":
+        return args.kv_cache_memory
+    from shared.cost_model import kv_capacity
+    return kv_capacity(model, hw, args.dtype_bytes, args.gpu_memory_utilization,
+                       args.max_num_batched_tokens, args.max_num_seqs).kv_bytes
+
+
 def scheduler_config(args: argparse.Namespace, model, arrivals, cost) -> SchedulerConfig:
+    """`cost` is the roofline the clock runs on; the core plans with it, or with an online fit
+    seeded from it (--cost online)."""
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(
-        args.kv_cache_memory, int(kv_block_bytes(model.num_layers, model.num_kv_heads,
-                                                 model.head_dim, args.block_size,
-                                                 args.dtype_bytes)))
+        kv_pool_memory(args, model, cost.hw),
+        int(kv_block_bytes(model.num_layers, model.num_kv_heads, model.head_dim,
+                           args.block_size, args.dtype_bytes)))
     longest = max(a.prompt_len + a.output_len for a in arrivals)
+    tbt = args.target_tbt_ms
+    budgeted = args.max_iteration_ms is not None or tbt != "off"
     return SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=num_blocks, block_size=args.block_size,
         max_model_len=args.max_model_len or longest,
         enable_chunked_prefill=args.enable_chunked_prefill,
         max_iteration_ms=args.max_iteration_ms,
-        iteration_cost=cost if args.max_iteration_ms is not None else None)
+        target_tbt_ms=None if tbt in ("auto", "off") else float(tbt),
+        target_tbt_factor=AUTO_TBT_FACTOR if tbt == "auto" else None,
+        iteration_cost=planning_cost(args, cost) if budgeted else None)
+
+
+def planning_cost(args: argparse.Namespace, cost):
+    """The model the core plans with (each simulated scheduler gets its own fresh copy of an
+    online one: scheduler_svc/simulator.py)."""
+    if args.cost == "online":
+        from shared.online_cost import OnlineIterationCost
+        return OnlineIterationCost.seeded_from(cost)
+    return cost
 
 
 def run(args: argparse.Namespace) -> int:
     from shared.cost_model import RooflineCost, load_model_shape
     from shared.hardware import load_hardware
 
+    if args.replay:
+        from services.replay_cmd import run_replay
+        return run_replay(args)
+    args.model, args.hw = args.model or DEFAULT_MODEL, args.hw or DEFAULT_HW
+    args.dtype_bytes = 2.0 if args.dtype_bytes is None else args.dtype_bytes
     try:
         if not args.dtype_bytes > 0:
             raise PacerError(f"--dtype-bytes must be > 0, got {args.dtype_bytes}")
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise PacerError("--gpu-memory-utilization must be in (0, 1], got "
+                             f"{args.gpu_memory_utilization}")
         model, hw = load_model_shape(args.model), load_hardware(args.hw)
         cost = RooflineCost(model, hw, args.dtype_bytes)
         pools = _check_disagg_flags(args)

@@ -18,6 +18,12 @@ Refinements over the round numbers of docs/design.md#reference-figures, each sma
 - A chunk's causal pairs are exact: q_rows · S + q_rows · (q_rows + 1) / 2.
 - Activations between kernels are left out: they matter only at thousands of rows, where
   compute dominates anyway, and the reference figures leave them out too.
+- Small GEMMs run below the sustained rate (docs/design.md#small-chunks-run-below-peak): a
+  matmul over M rows runs at `rate · M / (M + r½)`, r½ = the profile's `gemm_half_rows`. The
+  layers' GEMMs run over the iteration's T rows, the LM head's over its n sampling rows, so
+  the linear compute time is `(2·P_layers·(T + r½) + 2·P_head·(n + r½)) / rate`: the curve
+  costs every iteration r½ rows' worth of GEMM time. Attention is left at the full rate (a
+  small chunk's attention is priced by its KV bytes).
 
 Two ways to evaluate the model, both here and held to the same answers by the tests:
 - `estimate_iteration` / `max_prefill_tokens_within`: the model as stated, with every term
@@ -33,6 +39,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from operator import itemgetter, mul
 from typing import Any, Iterable, Sequence
 
 from shared.errors import PacerError
@@ -147,7 +154,7 @@ def load_model_shape(spec: str) -> ModelShape:
 @dataclass(frozen=True)
 class IterationCost:
     time_ms: float
-    flops: float
+    flops: float              # the work done, whatever rate it runs at
     bytes: float
     intensity: float          # FLOPs per byte loaded; compare with hw.ridge()
     bound: str                # "compute" | "memory"
@@ -158,6 +165,7 @@ class IterationCost:
     weight_bytes: float
     kv_bytes: float
     num_tokens: int           # Q rows in the iteration
+    gemm_efficiency: float = 1.0   # the linear FLOPs' share of the rate, by the GEMMs' rows
 
 
 @dataclass
@@ -190,20 +198,29 @@ class _Work:
         return out
 
 
+def gemm_idle_flops(model: ModelShape, hw: HardwareProfile) -> float:
+    """What the GEMM efficiency curve costs an iteration, in FLOPs at the full rate: r½ rows'
+    worth through every layer and through the LM head (module docstring)."""
+    return hw.gemm_half_rows * 2.0 * (model.num_layers * model.layer_matmul_params
+                                      + model.lm_head_params)
+
+
 def _roofline(work: _Work, model: ModelShape, hw: HardwareProfile, dtype_bytes: float) -> IterationCost:
     if work.num_chunks == 0:
         raise PacerError("an iteration needs at least one chunk")
     weight_bytes = model.params_read_per_iteration * dtype_bytes
     flops = work.linear_flops + work.attention_flops
     total_bytes = weight_bytes + work.kv_bytes
-    compute_ms = flops / hw.flops_per_s(dtype_bytes) * 1e3
+    idle = gemm_idle_flops(model, hw)
+    compute_ms = (flops + idle) / hw.flops_per_s(dtype_bytes) * 1e3
     memory_ms = total_bytes / hw.bytes_per_s * 1e3
     return IterationCost(
         time_ms=max(compute_ms, memory_ms), flops=flops, bytes=total_bytes,
         intensity=flops / total_bytes, bound="compute" if compute_ms >= memory_ms else "memory",
         compute_ms=compute_ms, memory_ms=memory_ms, linear_flops=work.linear_flops,
         attention_flops=work.attention_flops, weight_bytes=weight_bytes,
-        kv_bytes=work.kv_bytes, num_tokens=work.num_tokens)
+        kv_bytes=work.kv_bytes, num_tokens=work.num_tokens,
+        gemm_efficiency=work.linear_flops / (work.linear_flops + idle))
 
 
 def _sum(chunks: Iterable[ChunkShape], model: ModelShape, dtype_bytes: float) -> _Work:
@@ -250,13 +267,16 @@ def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[ChunkSha
 # ---- closed form, for callers that ask every iteration -----------------------------------
 
 
+_Q, _KV = itemgetter(0), itemgetter(1)
+
+
 def _sums(chunks: Sequence[ChunkShape]) -> tuple[int, int, float, int]:
     """(Q rows, chunks, causal (query, key) pairs, KV rows read + written)."""
-    rows = kv = pairs = 0
-    for q, kv_len in chunks:
-        rows += q
-        kv += kv_len
-        pairs += q * kv_len - q * (q - 1) // 2     # q·prefix + q(q+1)/2
+    qs, kvs = list(map(_Q, chunks)), list(map(_KV, chunks))
+    rows, kv = sum(qs), sum(kvs)
+    # pairs: Σ q·prefix + q(q+1)/2 = Σ q·kv_len - q(q-1)/2, each q(q-1) even (summed in C:
+    # the simulator asks this of hundreds of chunks every iteration)
+    pairs = sum(map(mul, qs, kvs)) - (sum(map(mul, qs, qs)) - rows) // 2
     return rows, len(chunks), pairs, kv + rows
 
 
@@ -275,6 +295,7 @@ class RooflineCost:
             "_row_flops": 2.0 * m.num_layers * m.layer_matmul_params,
             "_chunk_flops": 2.0 * m.lm_head_params,     # the sampling row's LM head
             "_pair_flops": float(m.attention_flops_per_pair),
+            "_idle_flops": gemm_idle_flops(m, self.hw),  # the GEMM efficiency curve's toll
             "_kv_bytes": m.kv_bytes_per_token(d),
             "_weight_bytes": m.params_read_per_iteration * d,
             "_flops_per_ms": self.hw.flops_per_s(d) / 1e3,
@@ -284,7 +305,9 @@ class RooflineCost:
             object.__setattr__(self, name, value)
 
     def _flops(self, rows: float, chunks: float, pairs: float) -> float:
-        return self._row_flops * rows + self._chunk_flops * chunks + self._pair_flops * pairs
+        """FLOPs at the full rate, the efficiency curve's idle GEMM time included."""
+        return (self._row_flops * rows + self._chunk_flops * chunks + self._pair_flops * pairs
+                + self._idle_flops)
 
     def iteration_ms(self, chunks: Sequence[ChunkShape]) -> float:
         """The roofline wall time of one forward over `chunks`, as `estimate_iteration`."""
@@ -321,6 +344,50 @@ class RooflineCost:
         while fits(guess + 1):
             guess += 1
         return guess
+
+
+# ---- the KV capacity (docs/design.md#the-memory-wall) -------------------------------------
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """How many context tokens' K/V one device holds: what `utilization` of its memory leaves
+    after the weights, one forward's activations and the CUDA context, as the served system
+    sizes its pool on CUDA (shared/gpu_memory.py)."""
+
+    memory_bytes: float
+    utilization: float
+    weight_bytes: float
+    activation_bytes: float
+    kv_bytes: float               # the pool
+    kv_bytes_per_token: float
+    tokens: int                   # context tokens the pool holds, all requests together
+
+    def sequences(self, context_len: int) -> int:
+        """How many requests of `context_len` tokens fit at once (the batch the wall allows)."""
+        return self.tokens // max(1, context_len)
+
+
+def kv_capacity(model: ModelShape, hw: HardwareProfile, dtype_bytes: float = 2,
+                utilization: float = 0.9, max_num_batched_tokens: int = 2048,
+                max_num_seqs: int = 256) -> KVCapacity:
+    """The KV pool `hw` holds for `model`; PacerError when the profile names no memory or the
+    weights leave no room."""
+    from shared import gpu_memory
+
+    if hw.memory_bytes is None:
+        raise PacerError(f"hardware {hw.name!r} states no memory_gib: give the KV pool's size "
+                         "(--kv-cache-memory or --num-kv-blocks)")
+    if not 0 < utilization <= 1:
+        raise PacerError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    weights = gpu_memory.weight_bytes(model, dtype_bytes)
+    activations = gpu_memory.activation_bytes(model, max_num_batched_tokens, max_num_seqs,
+                                              dtype_bytes)
+    pool = gpu_memory.kv_pool_bytes(int(hw.memory_bytes), utilization, int(weights),
+                                    int(activations))
+    per_token = model.kv_bytes_per_token(dtype_bytes)
+    return KVCapacity(hw.memory_bytes, utilization, weights, activations, pool, per_token,
+                      int(pool // per_token))
 
 
 # ---- the P/D hop (docs/design.md#pd-disaggregation-pricing-the-hop) ------------------------

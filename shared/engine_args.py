@@ -96,7 +96,7 @@ class EngineArgs:
                        help="context length (default: the model's)")
         p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", help="whole prompts in one iteration (ORCA only)")
-        p.add_argument("--target-tbt-ms", default=target_tbt, type=_tbt_target,
+        p.add_argument("--target-tbt-ms", default=target_tbt, type=parse_tbt_target,
                        help=f"token-gap target while decodes run: auto (default {target_tbt}: "
                             f"{AUTO_TBT_FACTOR:g}x the predicted pure-decode iteration), off, or ms; "
                             "caps the prefill rows that ride along, by the iteration-cost model "
@@ -134,7 +134,7 @@ class EngineArgs:
         return args
 
 
-def _tbt_target(text: str) -> str:
+def parse_tbt_target(text: str) -> str:
     if text in ("auto", "off"):
         return text
     try:

@@ -1,5 +1,6 @@
-"""Hardware profiles for the roofline cost model: a sustained matmul rate per dtype and an
-HBM (or DRAM) bandwidth.
+"""Hardware profiles for the roofline cost model: a sustained matmul rate per dtype, an HBM
+(or DRAM) bandwidth, how fast small GEMMs run against that rate, and how much memory the
+device holds.
 
 Built-in profiles are round numbers for sustained rates, not vendor peaks. `h100` is the
 pair of the hand-worked figures (docs/design.md#reference-figures): ~500 TFLOP/s for fp16
@@ -25,13 +26,20 @@ HALF_DTYPES = ("bfloat16", "float16")   # either one stands for "16-bit tensor-c
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """Sustained matmul TFLOP/s per dtype name and memory bandwidth in TB/s (10**12 B/s)."""
+    """Sustained matmul TFLOP/s per dtype name and memory bandwidth in TB/s (10**12 B/s).
+
+    `gemm_half_rows`: the GEMM efficiency curve by rows (docs/design.md#small-chunks-run-below-peak):
+    a matmul over M rows runs at `tflops · M / (M + gemm_half_rows)`, half the rate at
+    M = gemm_half_rows; 0 means every matmul at the full rate. `memory_gib`: what the device
+    holds (HBM, or RAM for a CPU), for the KV capacity; None when unknown."""
 
     name: str
     tflops: Mapping[str, float]
     bandwidth_tbps: float
     measured_at: str | None = None
     measurements: Mapping[str, Any] = field(default_factory=dict, compare=False)
+    gemm_half_rows: float = 0.0
+    memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         if not self.tflops:
@@ -39,6 +47,20 @@ class HardwareProfile:
         for dtype, rate in self.tflops.items():
             _check_positive(f"{self.name}: tflops[{dtype}]", rate)
         _check_positive(f"{self.name}: bandwidth_tbps", self.bandwidth_tbps)
+        if not (isinstance(self.gemm_half_rows, (int, float)) and math.isfinite(self.gemm_half_rows)
+                and self.gemm_half_rows >= 0):
+            raise PacerError(f"{self.name}: gemm_half_rows must be a number >= 0, "
+                             f"got {self.gemm_half_rows!r}")
+        if self.memory_gib is not None:
+            _check_positive(f"{self.name}: memory_gib", self.memory_gib)
+
+    def gemm_efficiency(self, rows: float) -> float:
+        """The share of the matmul rate a GEMM over `rows` rows reaches: rows / (rows + r½)."""
+        return rows / (rows + self.gemm_half_rows) if rows > 0 else 0.0
+
+    @property
+    def memory_bytes(self) -> float | None:
+        return None if self.memory_gib is None else self.memory_gib * 2**30
 
     def flops_per_s(self, dtype_bytes: float) -> float:
         """The matmul rate for operands of `dtype_bytes`: 4+ bytes use float32, anything
@@ -74,7 +96,8 @@ class HardwareProfile:
 
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "tflops": dict(self.tflops),
-                "bandwidth_tbps": self.bandwidth_tbps, "measured_at": self.measured_at,
+                "bandwidth_tbps": self.bandwidth_tbps, "gemm_half_rows": self.gemm_half_rows,
+                "memory_gib": self.memory_gib, "measured_at": self.measured_at,
                 "measurements": dict(self.measurements)}
 
 
@@ -83,13 +106,20 @@ def _check_positive(what: str, value: Any) -> None:
         raise PacerError(f"{what} must be a positive number, got {value!r}")
 
 
-# Sustained dense rates. H100 SXM: the pair of docs/design.md#reference-figures. H200: the
-# same compute die with HBM3e at 4.8 TB/s. A100 SXM 80GB: ~80% of its 312 TFLOP/s bf16 peak,
-# 2.0 TB/s HBM2e. float32 rates are the non-tensor-core vendor figures.
+# Sustained dense rates. H100 SXM: the pair of docs/design.md#reference-figures, 80 GiB.
+# H200: the same compute die with 141 GiB of HBM3e at 4.8 TB/s. A100 SXM 80GB: ~80% of its
+# 312 TFLOP/s bf16 peak, 2.0 TB/s HBM2e. float32 rates are the non-tensor-core vendor figures.
+# GEMM_HALF_ROWS: a round estimate, not a measurement (`pacer calibrate` fits it where it runs):
+# a GEMM of 256 rows at 80 % of the sustained rate, 2,048 rows at 97 %; below ~150 rows a
+# 7B model's GEMMs are memory-bound on these GPUs anyway.
+GEMM_HALF_ROWS = 64.0
 HARDWARE: dict[str, HardwareProfile] = {
-    "h100": HardwareProfile("h100", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 3.35),
-    "h200": HardwareProfile("h200", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 4.8),
-    "a100": HardwareProfile("a100", {"bfloat16": 250.0, "float16": 250.0, FLOAT32: 19.5}, 2.0),
+    "h100": HardwareProfile("h100", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 3.35,
+                            gemm_half_rows=GEMM_HALF_ROWS, memory_gib=80.0),
+    "h200": HardwareProfile("h200", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 4.8,
+                            gemm_half_rows=GEMM_HALF_ROWS, memory_gib=141.0),
+    "a100": HardwareProfile("a100", {"bfloat16": 250.0, "float16": 250.0, FLOAT32: 19.5}, 2.0,
+                            gemm_half_rows=GEMM_HALF_ROWS, memory_gib=80.0),
 }
 
 
@@ -106,6 +136,8 @@ def hardware_from_dict(data: Mapping[str, Any], default_name: str = "calibrated"
         bandwidth_tbps=data["bandwidth_tbps"],
         measured_at=data.get("measured_at"),
         measurements=dict(data.get("measurements") or {}),
+        gemm_half_rows=data.get("gemm_half_rows") or 0.0,
+        memory_gib=data.get("memory_gib"),
     )
 
 

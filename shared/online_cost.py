@@ -56,11 +56,33 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
+def _seed_shapes() -> list[list[Chunk]]:
+    """Iterations a server sees, to fit a prior to another cost model: pure decodes at a few
+    batch sizes and contexts, prefill chunks alone and beside decodes."""
+    shapes: list[list[Chunk]] = [[(1, ctx)] * b for b in (1, 8, 32, 128) for ctx in (256, 2048)]
+    for n in (32, 128, 512, 2048):
+        for prefix in (0, 2048):
+            shapes.append([(n, prefix + n)])
+            shapes.append([(1, 1024)] * 8 + [(n, prefix + n)])
+    return shapes
+
+
+def prior_from(cost) -> tuple[float, ...]:
+    """Coefficients (NAMES, in ms) fitted by least squares to what `cost` (anything with
+    `iteration_ms`, the roofline say) predicts for `_seed_shapes()`: the seed of an online
+    model before its first measurement."""
+    fit = OnlineIterationCost(prior_ms=(0.0,) * 4, forgetting=1.0, prior_weight=1e-9)
+    for chunks in _seed_shapes():
+        fit.observe(chunks, cost.iteration_ms(chunks))
+    return tuple(fit.coefficients_ms.values())
+
+
 class OnlineIterationCost:
     """The fitted model; mutable: `observe` after every forward."""
 
     def __init__(self, prior_ms: Sequence[float] = CPU_PRIOR_MS, forgetting: float = 0.98,
                  prior_weight: float = 0.5) -> None:
+        self.prior_ms = tuple(prior_ms)
         self.forgetting = forgetting
         # prior coefficients in scaled units, and how many observations' worth they count for
         self._prior = [p / s for p, s in zip(prior_ms, _SCALE)]
@@ -70,6 +92,15 @@ class OnlineIterationCost:
         self.theta = list(self._prior)
         self.observations = 0
         self.mean_abs_error = 0.0                    # |predicted − measured| / measured, EWMA
+
+    @classmethod
+    def seeded_from(cls, cost, **kw) -> OnlineIterationCost:
+        """An online model whose prior is `cost`'s predictions (the roofline of a profile)."""
+        return cls(prior_from(cost), **kw)
+
+    def fresh(self) -> OnlineIterationCost:
+        """The same model before any measurement: one per scheduler (each learns its own)."""
+        return OnlineIterationCost(self.prior_ms, self.forgetting, self._prior_weight)
 
     @property
     def coefficients_ms(self) -> dict[str, float]:

@@ -37,8 +37,8 @@ class NewRequestData:
     kv_received: list[str] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class CachedRequestData:
+@dataclass(slots=True)    # not frozen: the core makes one per decode per iteration, and a
+class CachedRequestData:  # frozen dataclass's __init__ costs ~3x (docs/benchmarks.md#cost-model-and-simulation)
     request_id: str
     new_block_ids: list[int]        # appended to the worker's block table
     num_computed_tokens: int        # before this iteration's chunk

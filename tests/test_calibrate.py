@@ -26,6 +26,10 @@ def test_quick_calibration_writes_a_profile_the_cost_model_loads(tmp_path, capsy
     for row in raw["matmul"] + raw["attention"]:
         assert math.isfinite(row["tflops"]) and row["tflops"] > 0
     assert data["bandwidth_tbps"] == max(row["tbps"] for row in raw["bandwidth"])
+    # the efficiency curve, fitted on matmuls of a few rows to hundreds; the memory held
+    assert {row["m"] for row in raw["gemm_rows"]} == set(calibrate_cmd.PLANS[("cpu", True)].gemm_rows)
+    assert data["gemm_half_rows"] == raw["gemm_half_rows"]["bfloat16"] >= 0
+    assert data["memory_gib"] > 0
 
     hw = load_hardware(str(output))
     for dtype_bytes in (2, 4):
@@ -34,3 +38,16 @@ def test_quick_calibration_writes_a_profile_the_cost_model_loads(tmp_path, capsy
         for ms in (cost.time_ms, cost.compute_ms, cost.memory_ms):
             assert math.isfinite(ms) and ms > 0
         assert cost.time_ms == max(cost.compute_ms, cost.memory_ms)
+
+
+def test_gemm_half_rows_fit_from_plain_numbers():
+    # a 1 TFLOP/s machine whose GEMMs follow M / (M + 40) exactly, and one that is flat
+    def row(m, half):
+        return {"m": m, "k": 100, "n": 100, "seconds": 2 * 100 * 100 * (m + half) / 1e12}
+
+    assert calibrate_cmd.fit_gemm_half_rows([row(m, 40) for m in (8, 64, 512)], 1.0) == 40
+    assert calibrate_cmd.fit_gemm_half_rows([row(m, 0) for m in (8, 64, 512)], 1.0) == 0
+    # noise on one point does not move the median; faster than the rate implies none
+    noisy = [row(8, 40), row(64, 40), row(512, 400)]
+    assert calibrate_cmd.fit_gemm_half_rows(noisy, 1.0) == 40
+    assert calibrate_cmd.fit_gemm_half_rows([row(64, -30)], 1.0) == 0

@@ -202,9 +202,11 @@ def test_roofline_chunks_are_the_largest_that_fit():
     assert cut >= 10
 
 
-def test_closed_form_matches_the_cost_models_search():
+@pytest.mark.parametrize("gemm_half_rows", [0.0, 16.0, 256.0])   # with the efficiency curve
+def test_closed_form_matches_the_cost_models_search(gemm_half_rows):
     rng = random.Random(5)
-    hw = HardwareProfile("toy", {"bfloat16": 3.0, "float32": 1.0}, bandwidth_tbps=0.2)
+    hw = HardwareProfile("toy", {"bfloat16": 3.0, "float32": 1.0}, bandwidth_tbps=0.2,
+                         gemm_half_rows=gemm_half_rows)
     for dtype_bytes in (2, 4):
         cost = RooflineCost(TOY_MODEL, hw, dtype_bytes)
         for _ in range(200):

@@ -48,6 +48,7 @@ class _Iteration:
     token_budget: int
     latency: IterationLatency | None = None
     scheduled: list[tuple[Request, int]] = field(default_factory=list)   # (request, rows)
+    samples: list[str] = field(default_factory=list)   # whose chunk reaches their last token
     new_requests: list[NewRequestData] = field(default_factory=list)
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
@@ -75,6 +76,8 @@ class _Iteration:
     def _add(self, request: Request, rows: int) -> None:
         self.scheduled.append((request, rows))
         self.num_tokens += rows
+        if rows == request.num_uncomputed_tokens:
+            self.samples.append(request.request_id)
 
 
 class Scheduler:
@@ -101,7 +104,8 @@ class Scheduler:
         self._reserved: dict[str, Request] = {}
         self._num_arrivals = 0
         self._next_step = 0
-        self._in_flight: tuple[int, list[tuple[Request, int]]] | None = None
+        # the plan awaiting update(): (step, its (request, rows), the ids that sample)
+        self._in_flight: tuple[int, list[tuple[Request, int]], list[str]] | None = None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -250,24 +254,49 @@ class Scheduler:
         tokens, apply stop conditions. Returns one output per request that got a token or
         finished (pending aborts first)."""
         scheduled = self._in_flight_for(plan, result)
-        # A scheduled request is running unless it was aborted since (identity, not
-        # is_finished: this runs for every row of every iteration).
+        samples = self._in_flight[2]
+        # A scheduled request is running unless it was aborted since, and then its abort
+        # waits in `_aborted` to be reported (identity, not is_finished: this runs for every
+        # row of every iteration).
         running = RequestStatus.RUNNING
-        live = [(request, rows) for request, rows in scheduled if request.status is running]
-        _check_sampled(plan.step, scheduled, live, result)
+        live = scheduled if not self._aborted else \
+            [(request, rows) for request, rows in scheduled if request.status is running]
+        _check_sampled(plan.step, scheduled, live, samples, result)
         self._observe_cost(scheduled, result.forward_ms)
         self._in_flight = None
         outputs, self._aborted = self._aborted, []
         block_size = self.block_manager.block_size
+        caching, sampled, max_model_len = self._caching, result.sampled, self.max_model_len
+        eos_token_ids, add_output = self.eos_token_ids, outputs.append
         for request, rows in live:
-            request.num_computed_tokens += rows
+            computed = request.num_computed_tokens = request.num_computed_tokens + rows
             # a block just filled (K/V of all its tokens now computed) joins the prefix cache
-            if self._caching and \
-                    request.num_computed_tokens >= (request.num_cached_blocks + 1) * block_size:
+            if caching and computed >= (request.num_cached_blocks + 1) * block_size:
                 self.block_manager.cache_computed_blocks(request)
-            if request.num_uncomputed_tokens == 0:
-                outputs.append(self._append_token(request, result.sampled[request.request_id]))
+            output_ids = request.output_token_ids
+            num_prompt = len(request.prompt_token_ids)
+            if num_prompt + len(output_ids) != computed:
+                continue                # a prompt chunk short of the end samples nothing
+            # the sampled token appended; the common case (it stops nothing) inline: one per
+            # request per iteration comes through here
+            token = sampled[request.request_id]
+            token_id = token.token_id
+            output_ids.append(token_id)
+            sampling = request.sampling
+            num_output = len(output_ids)
+            if num_output < sampling.max_tokens and num_prompt + num_output < max_model_len \
+                    and token_id not in sampling.stop_token_ids \
+                    and (sampling.ignore_eos or token_id not in eos_token_ids):
+                add_output(RequestOutput(request.request_id, [token], False, None, num_prompt,
+                                         num_output))
+            else:
+                add_output(self._stop(request, token))
         return outputs
+
+    def samples_in_flight(self) -> list[str]:
+        """The requests of the plan in flight whose chunk reaches the end of their tokens:
+        those the workers sample a token for (a simulator's stand-in for them asks)."""
+        return [] if self._in_flight is None else list(self._in_flight[2])
 
     # ---- scheduling steps ----------------------------------------------------------------
 
@@ -300,9 +329,31 @@ class Scheduler:
         return IterationLatency(cost, budget_ms, config.block_size, decodes)
 
     def _continue_running(self, iteration: _Iteration) -> None:
-        index = 0
-        while index < len(self._running) and iteration.budget_left > 0:
-            request = self._running[index]
+        running = self._running
+        max_model_len = self.max_model_len
+        block_size = self.block_manager.block_size
+        budget = iteration.token_budget
+        add_cached, add_scheduled = iteration.cached_requests.append, iteration.scheduled.append
+        add_sample = iteration.samples.append
+        index, num_tokens_so_far = 0, iteration.num_tokens    # written back before the calls
+        while index < len(running) and num_tokens_so_far < budget:   # budget left
+            request = running[index]
+            # The common case, spelled out (this runs for every decode of every iteration): a
+            # decode whose last block still has room, already known to the workers. It is
+            # what the general path below does for it, without the calls.
+            computed = request.num_computed_tokens
+            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+            if num_tokens - computed == 1 and num_tokens <= max_model_len \
+                    and computed < len(request.block_table) * block_size \
+                    and request.kv_received is None:
+                request_id = request.request_id
+                add_cached(CachedRequestData(request_id, [], computed))
+                add_scheduled((request, 1))
+                add_sample(request_id)
+                num_tokens_so_far += 1
+                index += 1
+                continue
+            iteration.num_tokens = num_tokens_so_far
             rows = self._chunk_rows(request, iteration)
             if rows == 0:
                 index += 1      # its prefill waits for an iteration with time to spare
@@ -314,7 +365,9 @@ class Scheduler:
                 iteration.add_new(request, rows)    # handed over: new to the workers
             else:
                 iteration.add_cached(request, rows, new_block_ids)
+            num_tokens_so_far = iteration.num_tokens
             index += 1
+        iteration.num_tokens = num_tokens_so_far
 
     def _chunk_rows(self, request: Request, iteration: _Iteration) -> int:
         """Rows of a running request this iteration: a decode's one, or a prefill chunk cut
@@ -406,7 +459,7 @@ class Scheduler:
             finished_request_ids=self._finished_ids,
             preempted_request_ids=self._preempted_ids + iteration.preempted_ids)
         self._finished_ids, self._preempted_ids = [], []
-        self._in_flight = (plan.step, iteration.scheduled)
+        self._in_flight = (plan.step, iteration.scheduled, iteration.samples)
         self._next_step += 1
         return plan
 
@@ -426,10 +479,11 @@ class Scheduler:
             raise ValueError(f"result of step {result.step} given for plan {plan.step}")
         return self._in_flight[1]
 
-    def _append_token(self, request: Request, token: SampledToken) -> RequestOutput:
-        request.output_token_ids.append(token.token_id)
+    def _stop(self, request: Request, token: SampledToken) -> RequestOutput:
+        """The token just appended ended the request, or will not: `stop_status` decides (the
+        update loop tests its conditions inline first)."""
         status = stop_status(request, self.eos_token_ids, self.max_model_len)
-        if status is None:      # the common case, built directly: one per token
+        if status is None:
             return RequestOutput(request.request_id, [token], False, None,
                                  len(request.prompt_token_ids), len(request.output_token_ids))
         self._finish(request, status)
@@ -479,9 +533,15 @@ def _output(request: Request, new_tokens: list[SampledToken]) -> RequestOutput:
 
 
 def _check_sampled(step: int, scheduled: list[tuple[Request, int]],
-                   live: list[tuple[Request, int]], result: StepResult) -> None:
+                   live: list[tuple[Request, int]], samples: list[str],
+                   result: StepResult) -> None:
     """The workers must sample exactly the requests whose chunk reached their last token
-    (aborted ones may or may not have a token; it is dropped)."""
+    (aborted ones may or may not have a token; it is dropped). `samples`: those ids, as
+    `schedule()` found them; with no abort since, nothing has changed them."""
+    sampled = result.sampled
+    if live is scheduled and len(sampled) == len(samples) and \
+            all(map(sampled.__contains__, samples)):
+        return
     expected = {r.request_id for r, rows in live if rows == r.num_uncomputed_tokens}
     got = set(result.sampled)
     if len(live) < len(scheduled):
