@@ -8,8 +8,9 @@ from shared.engine_args import EngineArgs
 from shared.service_args import add_instance_args, add_service_args
 
 
-# measured with bench/disaggregation.py (docs/benchmarks.md#pd-disaggregation)
-DISAGG_MIN_PROMPT_TOKENS = 256
+# measured with `bench/disaggregation.py --threshold` (docs/benchmarks.md#pd-disaggregation-served):
+# the longest prompt whose prefill, riding with 8 decodes, costs them at most 1.5x their gap
+DISAGG_MIN_PROMPT_TOKENS = 32
 
 
 def register(sub) -> None:

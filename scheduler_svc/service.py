@@ -74,7 +74,7 @@ class SchedulerServiceConfig:
     # the decode instance itself
     role: str = "colocated"
     instance: str = ""
-    disagg_min_prompt_tokens: int = 256
+    disagg_min_prompt_tokens: int = 32
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):
