@@ -170,13 +170,11 @@ class PrefillSide:
         if msg.request_id in self._msgs or msg.request_id in self._pending:
             self.book.admit(entry_id, msg)          # a duplicate: the book acks it
             return
-        pending = _Pending(entry_id, msg, tokens)
+        pending = self._pending[msg.request_id] = _Pending(entry_id, msg, tokens)
         if tokens or len(msg.prompt_token_ids) < self.min_prompt_tokens:
-            self._pending[msg.request_id] = pending
             self._hand_over_whole(pending)
-            return
-        self._pending[msg.request_id] = pending
-        self._ask(pending)
+        else:
+            self._ask(pending)
 
     def _choose(self, blocks: int) -> _Decoder | None:
         """The decode instance with the most free blocks (less what was asked of it since
@@ -496,6 +494,14 @@ class DecodeSide:
                 del self._reserved_at[rid]
                 if self.core.cancel_reservation(rid):
                     log.warning("reservation never handed over; freed", request_id=rid)
+
+    def forget_all(self) -> None:
+        """Redis was lost: the reservations' prefill sides will ask again."""
+        for rid in self._reserved_at:
+            self.core.cancel_reservation(rid)
+        self._reserved_at.clear()
+        self._replies.clear()
+        self.cursor = "0-0"
 
     def queue(self, pipe) -> None:
         replies, self._replies = self._replies, []

@@ -210,10 +210,7 @@ class SchedulerService:
             self.prefill.forget_all()
             self.prefill.cursor = "0-0"
         if self.decode is not None:
-            for rid in list(self.decode._reserved_at):
-                self.core.cancel_reservation(rid)
-            self.decode._reserved_at.clear()
-            self.decode.cursor = "0-0"
+            self.decode.forget_all()
 
     async def _step(self) -> bool:
         """Intake, then one iteration if there is work. False: stop serving."""
