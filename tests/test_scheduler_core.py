@@ -53,6 +53,8 @@ class WorkerRequest:
     num_prompt_tokens: int
     block_table: list[int]
     num_computed_tokens: int
+    sampling: SamplingParams
+    stopped: bool = False       # its last token stops it: rows of plans made ahead skip it
 
 
 class FakeWorker:
@@ -62,7 +64,8 @@ class FakeWorker:
     Its KV cache holds, in each slot, the whole prefix ending at the token written there (what
     real K/V depend on). Every row checks that the slots it attends over hold exactly its own
     prefix (a prefix cache hit included), and that it writes only into blocks no other live
-    request holds."""
+    request holds. Like the model runner, it skips the rows of a request whose last token
+    was a stop token (a plan made ahead, docs/design.md#overlap, gives it one more)."""
 
     def __init__(self, sched: Scheduler,
                  next_token: Callable[[str, int], int] = lambda request_id, n: TOKEN) -> None:
@@ -70,6 +73,7 @@ class FakeWorker:
         self.next_token = next_token
         self.requests: dict[str, WorkerRequest] = {}
         self.kv: dict[int, tuple[int, ...]] = {}        # slot -> the prefix its K/V encode
+        self.num_skipped = 0
 
     def lose_kv_cache(self, plan: IterationPlan | None = None) -> None:
         """The workers restarted (after receiving `plan`, never answered): every slot's
@@ -84,14 +88,20 @@ class FakeWorker:
         sampled = {}
         for request_id, rows in plan.num_scheduled_tokens.items():
             wr = self.requests[request_id]
+            if wr.stopped:
+                self.num_skipped += 1
+                continue
             kv_len = wr.num_computed_tokens + rows
             assert rows >= 1 and kv_len <= len(wr.token_ids) <= self.sched.max_model_len
             assert len(wr.block_table) * self.sched.block_manager.block_size >= kv_len
             self._write_and_read(request_id, wr, kv_len)
             wr.num_computed_tokens = kv_len
             if kv_len == len(wr.token_ids):
-                token = self.next_token(request_id, len(wr.token_ids) - wr.num_prompt_tokens)
+                num_generated = len(wr.token_ids) - wr.num_prompt_tokens
+                assert num_generated < wr.sampling.max_tokens, f"{request_id} past max_tokens"
+                token = self.next_token(request_id, num_generated)
                 wr.token_ids.append(token)
+                wr.stopped = wr.sampling.stops_on(token, self.sched.eos_token_ids)
                 sampled[request_id] = SampledToken(token)
         return StepResult(plan.step, sampled)
 
@@ -103,7 +113,7 @@ class FakeWorker:
             assert new.request_id not in self.requests, f"{new.request_id} sent twice"
             self.requests[new.request_id] = WorkerRequest(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_table),
-                new.num_computed_tokens)
+                new.num_computed_tokens, new.sampling)
         for cached in plan.cached_requests:
             wr = self.requests[cached.request_id]
             assert wr.num_computed_tokens == cached.num_computed_tokens
