@@ -19,8 +19,8 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import random_prompts, write_json  # noqa: E402  (OpenMP policy first)
 import gpu_worker.model_runner as model_runner  # noqa: E402
-from bench.common import random_prompts, write_json  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
