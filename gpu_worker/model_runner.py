@@ -131,6 +131,7 @@ class ModelRunner:
             self.kv_connector.register(self.kv_pool)
         self.sampler = Sampler(rc.seed)
         self.eos_token_ids = token_id_set(cfg.eos_token_ids)
+        self._last_step: int | None = None      # the last plan run here
         self.requests: dict[str, _RequestState] = {}
         self._written = bytearray(rc.num_kv_blocks)     # 1: this process wrote K/V there
         if rc.device.startswith("cuda") and rc.profile_tokens:
@@ -178,6 +179,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: IterationPlan) -> StepResult:
         started = time.perf_counter()
+        if plan.after_step is not None and plan.after_step != self._last_step:
+            return self._skip(plan)
+        self._last_step = plan.step
         sender = self._kv_sender(plan)      # refuses a bad send before any state changes
         self._apply(plan)
         scheduled = self._scheduled(plan)
@@ -210,6 +214,18 @@ class ModelRunner:
         return self._with_sends(StepResult(plan.step, dict(zip(sampling_ids, tokens)),
                                            forward_ms=(time.perf_counter() - started) * 1e3),
                                 sender)
+
+    def _skip(self, plan: IterationPlan) -> StepResult:
+        """A plan made ahead of one this process never ran (it was lost, or went to a worker
+        before this one): its rows assume state this process lacks. Only what it drops is
+        forgotten; the scheduler, missing the lost plan's result, recomputes
+        (docs/design.md#overlap)."""
+        if self.tp.rank == 0:
+            log.warning("plan made ahead of a plan not run here; skipped", step=plan.step,
+                        after_step=plan.after_step, last_step=self._last_step)
+        for rid in plan.dropped_request_ids:
+            self.requests.pop(rid, None)
+        return StepResult(plan.step, {})
 
     def _kv_sender(self, plan: IterationPlan) -> LayerSender | None:
         if not plan.kv_sends:

@@ -52,7 +52,7 @@ class _Iteration:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     num_tokens: int = 0
-    ahead: bool = False         # planned while another plan runs: it never preempts
+    ahead: int | None = None    # planned while this step runs: it never preempts
     stalled: bool = False       # ...and stops where it would have had to
 
     @property
@@ -261,7 +261,7 @@ class Scheduler:
     def schedule(self) -> IterationPlan:
         """Decide the next iteration. An empty plan still carries the ids to drop."""
         self._require_updated()
-        return self._emit_plan(self._decide(ahead=False))
+        return self._emit_plan(self._decide(ahead=None))
 
     def can_schedule_ahead(self) -> bool:
         """Whether `schedule_ahead()` may run now: exactly one plan in flight, and the last
@@ -283,12 +283,13 @@ class Scheduler:
         flight = self._flights[0]
         assumed = self._assume_done(flight)
         try:
-            iteration = self._decide(ahead=True, finishing=assumed[1])
+            iteration = self._decide(ahead=flight.step, finishing=assumed[1])
         finally:
             self._undo_assumed(assumed[0])
         return self._emit_plan(iteration)
 
-    def _decide(self, ahead: bool, finishing: frozenset[Request] = frozenset()) -> _Iteration:
+    def _decide(self, ahead: int | None,
+                finishing: frozenset[Request] = frozenset()) -> _Iteration:
         iteration = _Iteration(self.config.max_num_batched_tokens, self._latency_budget(),
                                ahead=ahead)
         self._continue_running(iteration, finishing)
@@ -468,7 +469,7 @@ class Scheduler:
         """Blocks for `rows` more rows of running[index], preempting until they fit (a plan
         made ahead stalls instead: None)."""
         while (new_block_ids := self.block_manager.allocate(request, rows)) is None:
-            if iteration.ahead:
+            if iteration.ahead is not None:
                 iteration.stalled = True
                 return None
             # Only requests not yet scheduled this iteration may lose their blocks.
@@ -543,7 +544,8 @@ class Scheduler:
             cached_requests=iteration.cached_requests,
             num_scheduled_tokens={r.request_id: rows for r, rows in iteration.scheduled},
             finished_request_ids=self._finished_ids,
-            preempted_request_ids=self._preempted_ids + iteration.preempted_ids)
+            preempted_request_ids=self._preempted_ids + iteration.preempted_ids,
+            after_step=iteration.ahead)
         self._finished_ids, self._preempted_ids = [], []
         if iteration.scheduled:     # an empty plan has nothing for update() to apply
             self._flights.append(_Flight(plan.step, iteration.scheduled, iteration.samples))
