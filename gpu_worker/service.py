@@ -40,6 +40,7 @@ import dataclasses
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -124,17 +125,34 @@ class PlanLoop:
         self._answered: dict[str, str] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Until `stop`: a plan that was read is always run and answered before returning."""
+        """Until `stop`: a plan that was read is always run and answered before returning.
+        The read for the next plans goes out as the last one read starts to run, so a plan
+        the scheduler sends meanwhile is here when the forward ends."""
         self.plan_wait.start()
         answering: asyncio.Task | None = None
+        reading: asyncio.Task | None = None
+        entries: deque = deque()
         try:
-            while not stop.is_set():
-                for entry_id, fields in await self._read_plans():
-                    self._plans_after = entry_id
-                    plan, wire = _decode_plan(fields)
-                    if plan is not None:
-                        answering = await self._run_plan(plan, wire, entry_id, answering)
+            while True:
+                if not entries:
+                    if reading is None:
+                        if stop.is_set():
+                            break
+                        reading = asyncio.create_task(self._read_plans())
+                    entries.extend(await reading)
+                    reading = None
+                    continue
+                entry_id, fields = entries.popleft()
+                self._plans_after = entry_id
+                plan, wire = _decode_plan(fields)
+                if plan is None:
+                    continue
+                if not entries and not stop.is_set():
+                    reading = asyncio.create_task(self._read_plans())
+                answering = await self._run_plan(plan, wire, entry_id, answering)
         finally:
+            if reading is not None:
+                reading.cancel()
             if answering is not None:
                 await answering
             self._thread.shutdown(wait=True)

@@ -20,7 +20,9 @@ iteration instead.
 
 The caller drives it in a strict loop: `plan = schedule()`, run the plan, `update(plan,
 result)`, repeat. `update()` advances `num_computed_tokens`, so a second `schedule()` before it
-would schedule the same rows twice and is refused.
+would schedule the same rows twice and is refused. The served loop overlaps: with one plan in
+flight, `schedule_ahead()` makes the next as if the first's result were in, and results are
+applied in order (docs/design.md#overlap).
 
 Aborts are reported by the next `update()` as `RequestOutput(finished=True,
 finish_reason="abort")`; `has_unfinished()` stays true until they have been reported.
