@@ -29,7 +29,8 @@ from gateway.router import ReplicaRouter
 from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
-from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
+from shared.protocol import (AbortMsg, Heartbeat, ProtocolError, RequestMsg, decode, encode,
+                             to_fields)
 from shared.redis_retry import retry_redis
 from shared.sampling import SamplingParams
 
@@ -152,13 +153,32 @@ class Upstream:
 
     async def missing_services(self, tp: int,
                                instances: tuple[tuple[str, int], ...] = ()) -> list[str]:
-        """Which services /health needs but whose heartbeat key has expired: a scheduler,
-        and every worker rank of the colocated engine (or of each P/D instance)."""
-        schedulers = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
-        missing = [] if schedulers else ["scheduler"]
+        """Which services /health needs but whose heartbeat key has expired: the scheduler and
+        every worker rank of the colocated engine, or of each engine instance (replica or P/D
+        instance; a scheduler's heartbeat names its instance)."""
+        beats = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
+        if not instances:
+            missing = [] if beats else ["scheduler"]
+        else:
+            up = scheduler_instances(await self.redis.mget(beats)) if beats else set()
+            missing = [f"instance {inst} scheduler" for inst, _ in instances if inst not in up]
         ranks = [(f"worker rank {r}" if not inst else f"instance {inst} worker rank {r}",
                   self.keys.for_instance(inst).hb_worker(r))
                  for inst, degree in (instances or (("", tp),)) for r in range(degree)]
         alive = await asyncio.gather(*(self.redis.exists(k) for _, k in ranks))
         missing += [name for (name, _), up in zip(ranks, alive) if not up]
         return missing
+
+
+def scheduler_instances(values: list[bytes | None]) -> set[str]:
+    """The engine instances whose scheduler heartbeats are among `values` (expired keys read
+    as None; an undecodable value counts for none)."""
+    found = set()
+    for value in values:
+        try:
+            beat = decode(value) if value else None
+        except ProtocolError:
+            continue
+        if isinstance(beat, Heartbeat) and beat.service == "scheduler":
+            found.add(str(beat.extra.get("instance", "")))
+    return found
