@@ -2,7 +2,11 @@
 
 `pacer up --replicas N` runs N engine instances (r0, r1, ...), each the only consumer of its
 own request stream `pacer:inst:{id}:requests`; the gateway's `ReplicaRouter` picks one per
-request and the upstream XADDs there. Policies (`--router`):
+request and the upstream XADDs there. With P/D and several prefill instances (`pacer up
+--prefill-workers P`, P > 1) the candidates are the prefill instances: the request goes to
+the shared stream naming the one chosen, and whichever prefill scheduler reads it hands it
+to that one (`PrefillSide.route`); the request stops loading it at its first token, when it
+moves to a decode instance. Policies (`--router`):
 
 - `round-robin`: in turn.
 - `least-loaded`: the fewest requests in flight (running + waiting, as the instance's `stats`
@@ -143,7 +147,7 @@ class ReplicaRouter:
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
 
     async def choose(self, request_id: str, prompt_token_ids: Sequence[int]) -> str:
-        """The request stream to XADD the request to; counts it in flight there."""
+        """The instance the request goes to; counts it in flight there."""
         self.ended(request_id)       # a submission retried after a dropped connection
         turn = next(self._turns)
         work = len(prompt_token_ids)
@@ -159,7 +163,7 @@ class ReplicaRouter:
         self._queued[index] += work
         self.chosen[index] += 1
         self._sent_to[request_id] = (index, work)
-        return self._keys[index].instance_requests
+        return self.instances[index]
 
     def prefilled(self, request_id: str) -> None:
         """The request's first token came: from now on it weighs as a decode."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import replace
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -44,11 +45,13 @@ T = TypeVar("T")
 
 class Upstream:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str,
-                 replicas: ReplicaRouter | None = None) -> None:
+                 replicas: ReplicaRouter | None = None, prefill: bool = False) -> None:
         self.redis = redis
         self.keys = keys
-        # data-parallel replicas: each request goes to the stream of the one this picks
+        # data-parallel replicas: each request goes to the stream of the one this picks; with
+        # `prefill` (P/D), to the shared stream, naming the prefill instance this picks
         self.replicas = replicas
+        self.prefill = prefill
         self.gateway_id = gateway_id
         self.reply_to = keys.tokens(gateway_id)
         self._pending_aborts: set[asyncio.Task] = set()
@@ -64,14 +67,19 @@ class Upstream:
         """`deadline`: time.time() after which the scheduler ends the request. Returns the
         run id of the Redis that took the request: when Redis restarts, only the requests
         the old one took are lost."""
-        fields = to_fields(RequestMsg(
+        msg = RequestMsg(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             reply_to=self.reply_to, gateway_id=self.gateway_id, arrival_time=arrival_time,
-            deadline=deadline))
+            deadline=deadline)
 
         async def send() -> str:
-            stream = self.keys.requests if self.replicas is None else \
-                await self.replicas.choose(request_id, prompt_token_ids)
+            stream, fields = self.keys.requests, to_fields(msg)
+            if self.replicas is not None:
+                instance = await self.replicas.choose(request_id, prompt_token_ids)
+                if self.prefill:
+                    fields = to_fields(replace(msg, instance=instance))
+                else:
+                    stream = self.keys.for_instance(instance).instance_requests
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(stream, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
             pipe.info("server")
@@ -81,9 +89,12 @@ class Upstream:
         return await self._live_connection(send, "submit request")
 
     def prefilled(self, request_id: str) -> None:
-        """The request's first token came back."""
+        """The request's first token came back (P/D: it has left its prefill instance)."""
         if self.replicas is not None:
-            self.replicas.prefilled(request_id)
+            if self.prefill:
+                self.replicas.ended(request_id)
+            else:
+                self.replicas.prefilled(request_id)
 
     def ended(self, request_id: str) -> None:
         """The request ended, however: it no longer loads its replica."""

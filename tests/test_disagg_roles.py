@@ -152,3 +152,30 @@ def test_a_short_prompt_goes_whole_and_a_failed_send_hands_over_without_kv():
     (_, _, _, handoff), = side.take().handoffs
     assert handoff.output_token_ids == [6] and handoff.kv_received == []
     assert RequestStatus.RUNNING not in {r.status for r in c._requests.values()}
+
+
+def test_a_request_the_router_chose_for_another_prefill_instance_is_handed_there():
+    """The gateway's router names the prefill instance holding the prompt's prefix; the one
+    that read the entry hands it over (XCLAIM + notice) unless it is the one named, or the
+    one named has no live scheduler; the named one admits it from the notice."""
+    from dataclasses import replace
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.prefills = {"p0": "host-p0", "p1": "host-p1"}
+    side.route(b"9-0", replace(request("a", 10), instance="p1"))
+    side.route(b"9-1", replace(request("b", 10), instance="p0"))
+    side.route(b"9-2", replace(request("c", 10), instance="p2"))   # no live p2: kept here
+    side.route(b"9-3", request("d", 10))                          # nobody chosen
+    out = side.take()
+    (instance, consumer, entry, notice), = out.forwards
+    assert (instance, consumer, entry) == ("p1", "host-p1", b"9-0")
+    assert notice.entry_id == "9-0" and notice.output_token_ids == [] and not notice.kv_received
+    assert [i for i, _ in out.reserves] == ["d0", "d0", "d0"]     # b, c, d asked d0 for blocks
+    assert side.forwarded_total == 1
+    # p1 receives the notice on its reservations stream and admits the request
+    c1 = core()
+    p1 = PrefillSide(Keys(), "p1", c1, RequestBook(c1), min_prompt_tokens=8)
+    p1.decoders = {"d0": _Decoder("d0", "host-d0", 100, 0, 1.0)}
+    p1.receive_reservations(reply(notice))
+    (instance, ask), = p1.take().reserves
+    assert instance == "d0" and ask.prefill_instance == "p1"

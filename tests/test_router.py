@@ -160,7 +160,7 @@ def test_the_router_reads_published_sets_and_remembers_what_it_sent(redis_server
             await client.aclose()
 
     chosen = asyncio.run(scenario())
-    assert chosen[1:] == [r1.instance_requests, r0.instance_requests, r0.instance_requests]
+    assert chosen[1:] == ["r1", "r0", "r0"]
     sync.close()
 
 
@@ -168,8 +168,7 @@ def test_round_robin_needs_no_redis_reads():
     async def scenario() -> list[str]:
         router = ReplicaRouter(None, Keys(), ["r0", "r1"], "round-robin")  # type: ignore[arg-type]
         return [await router.choose(str(i), [1, 2, 3]) for i in range(3)]
-    assert asyncio.run(scenario()) == ["pacer:inst:r0:requests", "pacer:inst:r1:requests",
-                                       "pacer:inst:r0:requests"]
+    assert asyncio.run(scenario()) == ["r0", "r1", "r0"]
 
 
 # ---- what a replica publishes --------------------------------------------------------------
@@ -261,3 +260,20 @@ def test_pacer_up_refuses_replicas_with_pd_and_a_router_alone():
         _up_args("--replicas", "2", "--prefill-workers", "1", "--decode-workers", "1")
     with pytest.raises(PacerError, match="--router needs --replicas"):
         _up_args("--router", "prefix")
+    with pytest.raises(PacerError, match="--router needs --replicas"):
+        _up_args("--router", "prefix", "--prefill-workers", "1", "--decode-workers", "1")
+
+
+def test_pacer_up_routes_between_several_prefill_instances():
+    argvs = dict(_up_args("--prefill-workers", "2", "--decode-workers", "1").argvs)
+    gateway = argvs["gateway"]
+    assert gateway[gateway.index("--instances") + 1] == "p0:1,p1:1,d0:1"
+    assert gateway[gateway.index("--router") + 1] == "prefix"
+    assert gateway[gateway.index("--route-prefill") + 1] == "p0,p1"
+    for name in ("p0 scheduler", "p1 scheduler"):
+        sched = argvs[name]
+        assert sched[sched.index("--role") + 1] == "prefill"
+        assert "--own-request-stream" not in sched         # they share the request stream
+    # one prefill instance: nothing to choose
+    one = dict(_up_args("--prefill-workers", "1", "--decode-workers", "1").argvs)["gateway"]
+    assert "--router" not in one and "--route-prefill" not in one
