@@ -144,7 +144,8 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--num-unique", type=int, default=64)
+    ap.add_argument("--num-unique", type=int, default=64,
+                    help="0: no unique workload (nor the core's timing on it)")
     ap.add_argument("--max-concurrency", type=int, default=16)
     ap.add_argument("--kv-blocks", type=int, default=768,
                     help="KV blocks of the one engine; each of 2 replicas gets half")
@@ -168,7 +169,8 @@ def main() -> None:
           f"prefixes of {args.prefix_len} + {args.input_len} tokens; unique: {len(unique)} of "
           f"{args.prefix_len + args.input_len}; {args.output_len} new tokens each; "
           f"concurrency {args.max_concurrency}", flush=True)
-    core = core_overhead(replace(engine_args, num_kv_blocks=args.kv_blocks), unique)
+    core = core_overhead(replace(engine_args, num_kv_blocks=args.kv_blocks), unique) \
+        if unique else {}
     print(f"scheduling core alone on unique: {core}", flush=True)
     rows, tmp = [], tempfile.mkdtemp(prefix="prefix-cache-")
     for name in args.servers.split(","):
@@ -181,8 +183,8 @@ def main() -> None:
                               log_path, SERVERS[name])
         try:
             run_pass(system, warm, args.max_concurrency)
-            workloads = [("unique", unique), ("shared", shared)] if name in ("on", "off") \
-                else [("shared", shared)]
+            workloads = [("unique", unique), ("shared", shared)] \
+                if name in ("on", "off") and unique else [("shared", shared)]
             for workload, requests in workloads:
                 row = {"server": name, "workload": workload,
                        **run_pass(system, requests, args.max_concurrency)}

@@ -4,6 +4,8 @@ sends and its refusal of a decode pool whose layout differs. The served paths, w
 processes and the real transfer engine, are tests/test_served_disagg.py's."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from scheduler_svc.book import RequestBook
 from scheduler_svc.core import RequestStatus, Scheduler
 from scheduler_svc.disagg import DecodeSide, PrefillSide, _Decoder
@@ -158,7 +160,6 @@ def test_a_request_the_router_chose_for_another_prefill_instance_is_handed_there
     """The gateway's router names the prefill instance holding the prompt's prefix; the one
     that read the entry hands it over (XCLAIM + notice) unless it is the one named, or the
     one named has no live scheduler; the named one admits it from the notice."""
-    from dataclasses import replace
     c = core()
     side = prefill_side(c, [descriptor("p0:1")])
     side.prefills = {"p0": "host-p0", "p1": "host-p1"}
