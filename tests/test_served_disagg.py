@@ -181,6 +181,8 @@ def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
         assert handoffs == len(prompts)
         (home_a,) = homes[0]
         assert labelled(served, "pacer:prefix_cache_hits_total", home_a) >= 96 * 2
+        forwarded = sum(labelled(served, "pacer:requests_forwarded_total", i) for i in p)
+        assert forwarded <= len(prompts)   # exposed per instance; how many: who read each entry
         # all at once: whichever instance prefills a prompt, its output is exact
         got = all_concurrently(served, model, prompts)
         assert got == [want[tuple(q)][:NEW_TOKENS] for q in prompts]
