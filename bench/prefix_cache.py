@@ -21,7 +21,8 @@ target <= 2 %; on a shared machine the served figure's noise is larger than that
 scheduling core is also timed alone on `unique`, caching on vs off, best of 5 alternated: the
 host time caching adds is all it can add, the plans and workers being the same); hit rate (from /metrics, in tokens) and TTFT of `shared` on one engine, with
 prefix routing and with round-robin (target: prefix routing keeps >= 90 % of the one-engine
-hit rate), and how many requests each replica got.
+hit rate), how many requests and distinct system prompts each replica got, and how many
+system prompts both replicas served (each computed and cached twice).
 
     python bench/prefix_cache.py [--num-prompts 128] [--num-prefixes 8] [--prefix-len 1024]
         [--input-len 64] [--output-len 16] [--max-concurrency 16] [--kv-blocks 768]
@@ -54,6 +55,7 @@ from scheduler_svc.build import build_scheduler  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
 from shared.engine_layout import engine_layout  # noqa: E402
 from shared.plan import SampledToken, StepResult  # noqa: E402
+from shared.protocol import from_fields  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.keys import Keys  # noqa: E402
@@ -112,13 +114,26 @@ def core_overhead(engine_args: EngineArgs, requests: list[BenchRequest],
                                                4)}
 
 
-def per_replica(system: ServedSystem) -> list[int]:
-    """Requests each replica's own stream carried (XLEN: entries stay after XACK)."""
+def placement(system: ServedSystem, requests: list[BenchRequest], prefix_len: int) -> dict:
+    """Where the requests of `requests` went (each replica's stream keeps its entries after
+    XACK): how many each replica carried, how many distinct system prompts each served, and
+    how many system prompts were served by both (each such copy was computed and cached
+    twice)."""
+    prefix_of = {tuple(r.prompt[:prefix_len]) for r in requests}
     r = redis.Redis.from_url(system.redis_url)
     try:
-        return [r.xlen(Keys().for_instance(f"r{i}").instance_requests) for i in range(2)]
+        served: list[set] = []
+        counts = []
+        for i in range(2):
+            stream = Keys().for_instance(f"r{i}").instance_requests
+            prompts = [from_fields(fields).prompt_token_ids for _, fields in r.xrange(stream)]
+            mine = [tuple(p[:prefix_len]) for p in prompts if tuple(p[:prefix_len]) in prefix_of]
+            counts.append(len(mine))
+            served.append(set(mine))
     finally:
         r.close()
+    return {"per_replica": counts, "prefixes_per_replica": [len(s) for s in served],
+            "prefixes_on_both": len(served[0] & served[1])}
 
 
 def main() -> None:
@@ -129,7 +144,8 @@ def main() -> None:
     ap.add_argument("--prefix-len", type=int, default=1024)
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=16)
-    ap.add_argument("--num-unique", type=int, default=64)
+    ap.add_argument("--num-unique", type=int, default=64,
+                    help="0: no unique workload (nor the core's timing on it)")
     ap.add_argument("--max-concurrency", type=int, default=16)
     ap.add_argument("--kv-blocks", type=int, default=768,
                     help="KV blocks of the one engine; each of 2 replicas gets half")
@@ -153,7 +169,8 @@ def main() -> None:
           f"prefixes of {args.prefix_len} + {args.input_len} tokens; unique: {len(unique)} of "
           f"{args.prefix_len + args.input_len}; {args.output_len} new tokens each; "
           f"concurrency {args.max_concurrency}", flush=True)
-    core = core_overhead(replace(engine_args, num_kv_blocks=args.kv_blocks), unique)
+    core = core_overhead(replace(engine_args, num_kv_blocks=args.kv_blocks), unique) \
+        if unique else {}
     print(f"scheduling core alone on unique: {core}", flush=True)
     rows, tmp = [], tempfile.mkdtemp(prefix="prefix-cache-")
     for name in args.servers.split(","):
@@ -166,19 +183,20 @@ def main() -> None:
                               log_path, SERVERS[name])
         try:
             run_pass(system, warm, args.max_concurrency)
-            workloads = [("unique", unique), ("shared", shared)] if name in ("on", "off") \
-                else [("shared", shared)]
+            workloads = [("unique", unique), ("shared", shared)] \
+                if name in ("on", "off") and unique else [("shared", shared)]
             for workload, requests in workloads:
                 row = {"server": name, "workload": workload,
                        **run_pass(system, requests, args.max_concurrency)}
                 if replicas:
-                    row["per_replica"] = per_replica(system)
+                    row.update(placement(system, requests, args.prefix_len))
                 rows.append(row)
                 print(f"  {workload}: {row}", flush=True)
         finally:
             system.stop()
     print_table(rows, ["server", "workload", "ok", "seconds", "ttft_med_ms", "ttft_p99_ms",
-                       "out_tok_s", "total_tok_s", "hit_rate_pct", "per_replica"])
+                       "out_tok_s", "total_tok_s", "hit_rate_pct", "per_replica",
+                       "prefixes_per_replica", "prefixes_on_both"])
     summary = summarize(rows)
     summary.update(core)
     if ("on", "unique") in {(r["server"], r["workload"]) for r in rows}:

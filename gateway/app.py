@@ -75,9 +75,10 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
                                        health_check_interval=30, retry=Retry(NoBackoff(), 0))
     replicas = None
     if state.config.router:
-        replicas = ReplicaRouter(state.redis, state.keys,
+        replicas = ReplicaRouter(state.redis, state.keys, state.config.route_prefill or
                                  [i for i, _ in state.config.instances], state.config.router)
-    state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id, replicas)
+    state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id, replicas,
+                              prefill=bool(state.config.route_prefill))
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
     heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router.fail_all)
     tasks = [asyncio.create_task(state.router.run(), name="token-router"),

@@ -25,6 +25,9 @@ def register(sub) -> None:
                    help="data-parallel replicas: send each request to one of --instances, "
                         "each reading its own request stream (docs/design.md#cache-aware-"
                         "routing); default: the shared request stream")
+    p.add_argument("--route-prefill", default="",
+                   help="P/D: with --router, the prefill instances (ID,...) it chooses among; "
+                        "requests go to the shared stream naming the one chosen")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     add_request_policy_args(p)
@@ -68,6 +71,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          served_model_name=args.served_model_name,
                          max_model_len=args.max_model_len, api_key=args.api_key, tp=args.tp,
                          instances=parse_instances(args.instances), router=args.router,
+                         route_prefill=tuple(filter(None, args.route_prefill.split(","))),
                          gateway_id=args.gateway_id or new_gateway_id(),
                          max_body_bytes=args.max_body_bytes,
                          max_waiting_requests=args.max_waiting_requests,

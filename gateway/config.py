@@ -32,6 +32,9 @@ class GatewayConfig:
     # data-parallel replicas (the instances above): round-robin, least-loaded or prefix;
     # None: every request goes to the shared request stream
     router: str | None = None
+    # P/D: the prefill instances the router chooses among (requests stay on the shared
+    # stream, naming the one chosen); empty: the router's instances are replicas
+    route_prefill: tuple[str, ...] = ()
     gateway_id: str = field(default_factory=new_gateway_id)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     # a request whose finish event arrived waits at most this long for missing token events
@@ -59,6 +62,9 @@ class GatewayConfig:
             raise PacerError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
         if self.router is not None and not self.instances:
             raise PacerError("--router needs --instances (the replicas it routes between)")
+        if self.route_prefill and (self.router is None or not set(self.route_prefill)
+                                   <= {i for i, _ in self.instances}):
+            raise PacerError("--route-prefill needs --router and names among --instances")
         if not self.gateway_id or any(c in self.gateway_id for c in " :*?[]"):
             raise PacerError(f"gateway id {self.gateway_id!r} must be non-empty, "
                              "without spaces, ':' or glob characters")

@@ -68,6 +68,9 @@ _SCHEDULER_STATS = {
                                "prompt's K/V (the rest are prefilled on the decode side)", True),
     "handoffs_recomputed_total": ("pacer:handoffs_recomputed",
                                   "Hand-offs whose K/V did not arrive (recomputed)", True),
+    "requests_forwarded_total": ("pacer:requests_forwarded",
+                                 "Prefill side: new requests handed to the prefill instance "
+                                 "the router chose", True),
     "num_requests_reserved": ("pacer:num_requests_reserved",
                               "Decode side: prompts with blocks reserved, K/V on the way", False),
     "num_requests_awaiting_reservation": ("pacer:num_requests_awaiting_reservation",

@@ -2,13 +2,22 @@
 
 `pacer up --replicas N` runs N engine instances (r0, r1, ...), each the only consumer of its
 own request stream `pacer:inst:{id}:requests`; the gateway's `ReplicaRouter` picks one per
-request and the upstream XADDs there. Policies (`--router`):
+request and the upstream XADDs there. With P/D and several prefill instances (`pacer up
+--prefill-workers P`, P > 1) the candidates are the prefill instances: the request goes to
+the shared stream naming the one chosen, and whichever prefill scheduler reads it hands it
+to that one (`PrefillSide.route`); the request stops loading it at its first token, when it
+moves to a decode instance. Policies (`--router`):
 
 - `round-robin`: in turn.
 - `least-loaded`: the fewest requests in flight (running + waiting, as the instance's `stats`
   hash says, or as this gateway counts those it sent and that have not ended, whichever is
   more), then the emptier KV cache.
-- `prefix` (the default with replicas): the cheapest by
+- `prefix` (the default with replicas): a prefix stays where it is cached. The replica whose
+  cached prefix of the prompt is longer than every other's by at least STICKY_SHARE of the
+  prompt gets the request, unless it is clearly overloaded: more than OVERLOAD_FACTOR times
+  the requests in flight of the least loaded replica plus OVERLOAD_MARGIN, or its KV cache
+  over 90 % full. Otherwise (a new prefix, one cached on several replicas alike, or an
+  overloaded holder) the cheapest by
 
       cost = prompt tokens not cached there + the work already queued there, in tokens
              (+ a penalty as its KV cache fills)
@@ -16,9 +25,9 @@ request and the upstream XADDs there. Policies (`--router`):
   The queued work is what this gateway sent there and is not done with: each request's
   uncached prompt tokens until its first token comes back, then DECODE_TOKENS until it ends
   (a decode shares its iteration with the others); requests the instance's stats count
-  beyond those (another gateway's) are UNKNOWN_TOKENS each. So the instance holding the
-  longest prefix wins unless the work waiting there outweighs recomputing the prefix
-  elsewhere; with no prefix cached anywhere this is the least work queued.
+  beyond those (another gateway's) are UNKNOWN_TOKENS each. With no prefix cached anywhere
+  this is the least work queued. Why a prefix sticks rather than being weighed against the
+  load each time: docs/design.md#cache-aware-routing.
 
 What an instance holds cached is the set of block hashes its scheduler publishes
 (`pacer:inst:{id}:cached_blocks`, SADD on caching, SREM on eviction, DEL when its index
@@ -48,6 +57,10 @@ UNKNOWN_TOKENS = 256         # ...and one in flight that another gateway sent
 KV_FULL_TOKENS = 2048        # added as an instance's KV cache goes from 90 to 100 % full
 RECENT_S = 10.0              # how long a routed prefix counts as on its way to being cached
 RECENT_MAX = 1 << 16         # block hashes remembered at most
+STICKY_SHARE = 0.5           # a cached prefix leading by this share of the prompt stays put...
+OVERLOAD_FACTOR = 2          # ...unless its replica has more than this many times the
+OVERLOAD_MARGIN = 4          #    least loaded one's requests in flight, plus this many
+KV_FULL = 0.9                # ...or a KV cache fuller than this
 STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                 "block_size")
 
@@ -65,8 +78,24 @@ class Candidate:
 def cost(c: Candidate, prompt_len: int) -> float:
     """Tokens' worth of work before this request's first token if it goes to `c` (the prefix
     policy's score)."""
-    pressure = KV_FULL_TOKENS * max(0.0, c.kv_usage - 0.9) / 0.1
+    pressure = KV_FULL_TOKENS * max(0.0, c.kv_usage - KV_FULL) / (1.0 - KV_FULL)
     return prompt_len - c.cached_tokens + c.queued_tokens + pressure
+
+
+def sticky_holder(candidates: Sequence[Candidate], order: Sequence[int],
+                  prompt_len: int) -> int | None:
+    """The candidate a request's prefix sticks to: the one whose cached prefix leads every
+    other's by at least STICKY_SHARE of the prompt, if it is not clearly overloaded."""
+    holder = max(order, key=lambda i: candidates[i].cached_tokens)
+    runner_up = max((candidates[i].cached_tokens for i in order if i != holder), default=0)
+    lead = candidates[holder].cached_tokens - runner_up
+    if lead <= 0 or lead < STICKY_SHARE * prompt_len:
+        return None
+    least = min(c.load for c in candidates)
+    h = candidates[holder]
+    if h.load > OVERLOAD_FACTOR * least + OVERLOAD_MARGIN or h.kv_usage > KV_FULL:
+        return None
+    return holder
 
 
 def pick(policy: str, candidates: Sequence[Candidate], prompt_len: int, turn: int) -> int:
@@ -79,6 +108,9 @@ def pick(policy: str, candidates: Sequence[Candidate], prompt_len: int, turn: in
     if policy == "least-loaded":
         return min(order, key=lambda i: (candidates[i].load, candidates[i].kv_usage))
     if policy == "prefix":
+        holder = sticky_holder(candidates, order, prompt_len)
+        if holder is not None:
+            return holder
         return min(order, key=lambda i: (cost(candidates[i], prompt_len), candidates[i].load))
     raise ValueError(f"unknown router policy {policy!r}; one of {POLICIES}")
 
@@ -115,7 +147,7 @@ class ReplicaRouter:
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
 
     async def choose(self, request_id: str, prompt_token_ids: Sequence[int]) -> str:
-        """The request stream to XADD the request to; counts it in flight there."""
+        """The instance the request goes to; counts it in flight there."""
         self.ended(request_id)       # a submission retried after a dropped connection
         turn = next(self._turns)
         work = len(prompt_token_ids)
@@ -131,7 +163,7 @@ class ReplicaRouter:
         self._queued[index] += work
         self.chosen[index] += 1
         self._sent_to[request_id] = (index, work)
-        return self._keys[index].instance_requests
+        return self.instances[index]
 
     def prefilled(self, request_id: str) -> None:
         """The request's first token came: from now on it weighs as a decode."""

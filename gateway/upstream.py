@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from dataclasses import replace
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -29,7 +30,8 @@ from gateway.router import ReplicaRouter
 from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
-from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
+from shared.protocol import (AbortMsg, Heartbeat, ProtocolError, RequestMsg, decode, encode,
+                             to_fields)
 from shared.redis_retry import retry_redis
 from shared.sampling import SamplingParams
 
@@ -43,11 +45,13 @@ T = TypeVar("T")
 
 class Upstream:
     def __init__(self, redis: aioredis.Redis, keys: Keys, gateway_id: str,
-                 replicas: ReplicaRouter | None = None) -> None:
+                 replicas: ReplicaRouter | None = None, prefill: bool = False) -> None:
         self.redis = redis
         self.keys = keys
-        # data-parallel replicas: each request goes to the stream of the one this picks
+        # data-parallel replicas: each request goes to the stream of the one this picks; with
+        # `prefill` (P/D), to the shared stream, naming the prefill instance this picks
         self.replicas = replicas
+        self.prefill = prefill
         self.gateway_id = gateway_id
         self.reply_to = keys.tokens(gateway_id)
         self._pending_aborts: set[asyncio.Task] = set()
@@ -63,14 +67,19 @@ class Upstream:
         """`deadline`: time.time() after which the scheduler ends the request. Returns the
         run id of the Redis that took the request: when Redis restarts, only the requests
         the old one took are lost."""
-        fields = to_fields(RequestMsg(
+        msg = RequestMsg(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             reply_to=self.reply_to, gateway_id=self.gateway_id, arrival_time=arrival_time,
-            deadline=deadline))
+            deadline=deadline)
 
         async def send() -> str:
-            stream = self.keys.requests if self.replicas is None else \
-                await self.replicas.choose(request_id, prompt_token_ids)
+            stream, fields = self.keys.requests, to_fields(msg)
+            if self.replicas is not None:
+                instance = await self.replicas.choose(request_id, prompt_token_ids)
+                if self.prefill:
+                    fields = to_fields(replace(msg, instance=instance))
+                else:
+                    stream = self.keys.for_instance(instance).instance_requests
             pipe = self.redis.pipeline(transaction=False)
             pipe.xadd(stream, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
             pipe.info("server")
@@ -80,9 +89,12 @@ class Upstream:
         return await self._live_connection(send, "submit request")
 
     def prefilled(self, request_id: str) -> None:
-        """The request's first token came back."""
+        """The request's first token came back (P/D: it has left its prefill instance)."""
         if self.replicas is not None:
-            self.replicas.prefilled(request_id)
+            if self.prefill:
+                self.replicas.ended(request_id)
+            else:
+                self.replicas.prefilled(request_id)
 
     def ended(self, request_id: str) -> None:
         """The request ended, however: it no longer loads its replica."""
@@ -152,13 +164,32 @@ class Upstream:
 
     async def missing_services(self, tp: int,
                                instances: tuple[tuple[str, int], ...] = ()) -> list[str]:
-        """Which services /health needs but whose heartbeat key has expired: a scheduler,
-        and every worker rank of the colocated engine (or of each P/D instance)."""
-        schedulers = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
-        missing = [] if schedulers else ["scheduler"]
+        """Which services /health needs but whose heartbeat key has expired: the scheduler and
+        every worker rank of the colocated engine, or of each engine instance (replica or P/D
+        instance; a scheduler's heartbeat names its instance)."""
+        beats = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
+        if not instances:
+            missing = [] if beats else ["scheduler"]
+        else:
+            up = scheduler_instances(await self.redis.mget(beats)) if beats else set()
+            missing = [f"instance {inst} scheduler" for inst, _ in instances if inst not in up]
         ranks = [(f"worker rank {r}" if not inst else f"instance {inst} worker rank {r}",
                   self.keys.for_instance(inst).hb_worker(r))
                  for inst, degree in (instances or (("", tp),)) for r in range(degree)]
         alive = await asyncio.gather(*(self.redis.exists(k) for _, k in ranks))
         missing += [name for (name, _), up in zip(ranks, alive) if not up]
         return missing
+
+
+def scheduler_instances(values: list[bytes | None]) -> set[str]:
+    """The engine instances whose scheduler heartbeats are among `values` (expired keys read
+    as None; an undecodable value counts for none)."""
+    found = set()
+    for value in values:
+        try:
+            beat = decode(value) if value else None
+        except ProtocolError:
+            continue
+        if isinstance(beat, Heartbeat) and beat.service == "scheduler":
+            found.add(str(beat.extra.get("instance", "")))
+    return found

@@ -90,6 +90,8 @@ class Outgoing:
     reserves: list[tuple[str, ReserveMsg]] = field(default_factory=list)   # (instance, msg)
     cancels: list[tuple[str, CancelMsg]] = field(default_factory=list)
     handoffs: list[tuple[str, str, bytes | str, HandoffMsg]] = field(default_factory=list)
+    # new requests for the prefill instance the router chose: (instance, consumer, entry, msg)
+    forwards: list[tuple[str, str, bytes | str, HandoffMsg]] = field(default_factory=list)
 
 
 def stream_messages(reply) -> Iterator[tuple[bytes | str, object]]:
@@ -115,9 +117,9 @@ def kv_descriptors(values: list[bytes | None]) -> list[dict]:
     return out
 
 
-def decoders_from(values: list[bytes | None]) -> dict[str, _Decoder]:
-    """Decode instances among scheduler heartbeat values."""
-    found = {}
+def scheduler_beats(values: list[bytes | None], role: str) -> list[Heartbeat]:
+    """The heartbeats of schedulers in `role` among scheduler heartbeat values."""
+    found = []
     for value in values:
         if not value:
             continue
@@ -125,13 +127,23 @@ def decoders_from(values: list[bytes | None]) -> dict[str, _Decoder]:
             beat = decode(value)
         except ProtocolError:
             continue
-        extra = getattr(beat, "extra", {})
-        if isinstance(beat, Heartbeat) and extra.get("role") == "decode":
-            found[extra["instance"]] = _Decoder(extra["instance"], beat.id,
-                                                int(extra.get("free_blocks", 0)),
-                                                int(extra.get("running", 0)),
-                                                float(extra.get("started_at", 0.0)))
+        if isinstance(beat, Heartbeat) and beat.extra.get("role") == role:
+            found.append(beat)
     return found
+
+
+def decoders_from(values: list[bytes | None]) -> dict[str, _Decoder]:
+    """Decode instances among scheduler heartbeat values."""
+    return {b.extra["instance"]: _Decoder(b.extra["instance"], b.id,
+                                          int(b.extra.get("free_blocks", 0)),
+                                          int(b.extra.get("running", 0)),
+                                          float(b.extra.get("started_at", 0.0)))
+            for b in scheduler_beats(values, "decode")}
+
+
+def prefills_from(values: list[bytes | None]) -> dict[str, str]:
+    """Prefill instances among scheduler heartbeat values: instance -> consumer name."""
+    return {b.extra["instance"]: b.id for b in scheduler_beats(values, "prefill")}
 
 
 class PrefillSide:
@@ -140,6 +152,7 @@ class PrefillSide:
         self.keys, self.instance, self.core, self.book = keys, instance, core, book
         self.min_prompt_tokens = min_prompt_tokens
         self.decoders: dict[str, _Decoder] = {}
+        self.prefills: dict[str, str] = {}           # live prefill instances: their consumers
         self._promised: dict[str, int] = {}          # blocks asked of each since its heartbeat
         self._pending: dict[str, _Pending] = {}
         self._reservations: dict[str, _Reservation] = {}
@@ -154,12 +167,26 @@ class PrefillSide:
         self.handoffs_total = 0
         self.handoffs_with_kv_total = 0
         self.kv_failed_total = 0
+        self.forwarded_total = 0             # new requests handed to the prefill instance chosen
 
     @property
     def waiting_for_reservations(self) -> bool:
         return bool(self._pending)
 
     # ---- in ------------------------------------------------------------------------------
+
+    def route(self, entry_id: bytes | str, msg: RequestMsg) -> None:
+        """A new entry of the request stream: this instance's, unless the gateway's router
+        chose another live prefill instance (which holds its prefix): that one is handed the
+        entry. Only new entries: one taken over is kept (its chosen instance may be dead)."""
+        consumer = self.prefills.get(msg.instance) if msg.instance != self.instance else None
+        if consumer is None:
+            self.admit(entry_id, msg)
+            return
+        entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        self.out.forwards.append((msg.instance, consumer, entry_id,
+                                  HandoffMsg(encode(msg), entry, [], [])))
+        self.forwarded_total += 1
 
     def admit(self, entry_id: bytes | str, msg: RequestMsg,
               output_token_ids: list[int] | None = None) -> None:
@@ -230,6 +257,8 @@ class PrefillSide:
             self.cursor = entry_id
             if isinstance(msg, ReservedMsg):
                 self._reserved(msg)
+            elif isinstance(msg, HandoffMsg):        # another prefill instance forwarded it
+                self.admit(msg.entry_id, decode(msg.request))
 
     def _reserved(self, msg: ReservedMsg) -> None:
         pending = self._pending.get(msg.request_id)
@@ -284,10 +313,10 @@ class PrefillSide:
             return str(e)
         return ""
 
-    def housekeeping(self, decoders: dict[str, _Decoder]) -> None:
-        """New heartbeats of the decode instances: forget what was promised since, ask again
-        where no answer came, stop sending into an instance that restarted."""
-        self.decoders, self._promised = decoders, {}
+    def housekeeping(self, decoders: dict[str, _Decoder], prefills: dict[str, str]) -> None:
+        """New heartbeats of the decode and prefill instances: forget what was promised since,
+        ask again where no answer came, stop sending into an instance that restarted."""
+        self.decoders, self._promised, self.prefills = decoders, {}, prefills
         for rid, res in self._reservations.items():
             now = decoders.get(res.decode_instance)
             if res.sent_ok and (now is None or now.started_at != res.incarnation):
@@ -403,11 +432,19 @@ class PrefillSide:
         for instance, msg in out.cancels:
             pipe.xadd(self.keys.for_instance(instance).handoff, to_fields(msg),
                       maxlen=HANDOFF_MAXLEN, approximate=True)
+        for instance, consumer, entry_id, msg in out.forwards:
+            # as for a hand-off: should the notice be lost, the chosen instance's scheduler
+            # finds the entry among its own pending ones at its next restart
+            pipe.xclaim(self.keys.requests, self.keys.requests_group, consumer, 0, [entry_id],
+                        justid=True)
+            pipe.xadd(self.keys.for_instance(instance).reservations, to_fields(msg),
+                      maxlen=HANDOFF_MAXLEN, approximate=True)
 
     def put_back(self, out: Outgoing) -> None:
         self.out.reserves[:0] = out.reserves
         self.out.handoffs[:0] = out.handoffs
         self.out.cancels[:0] = out.cancels
+        self.out.forwards[:0] = out.forwards
 
     def stats(self) -> dict[str, float]:
         return {"kv_transfer_bytes_total": self.kv_bytes_total,
@@ -416,6 +453,7 @@ class PrefillSide:
                 "kv_transfer_failures_total": self.kv_failed_total,
                 "handoffs_total": self.handoffs_total,
                 "handoffs_with_kv_total": self.handoffs_with_kv_total,
+                "requests_forwarded_total": self.forwarded_total,
                 "num_requests_awaiting_reservation": len(self._pending)}
 
 

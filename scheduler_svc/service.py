@@ -51,7 +51,7 @@ from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
 from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, decoders_from,
-                                  kv_descriptors)
+                                  kv_descriptors, prefills_from)
 from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
@@ -117,15 +117,21 @@ class SchedulerService:
         self._overlap = config.overlap and config.role == "colocated"
         self._housekeeping_at = 0.0
         self._gateway_misses: dict[str, int] = {}
-        if keys.own_requests:        # a replica: the gateway's router reads its cache
+        if self.publishes_cache:     # the gateway's router reads it
             core.block_manager.keep_events()
+
+    @property
+    def publishes_cache(self) -> bool:
+        """Whether this scheduler publishes its cached block hashes for the gateway's router:
+        a replica's, and a P/D prefill instance's (docs/design.md#cache-aware-routing)."""
+        return self.keys.own_requests or self.config.role == "prefill"
 
     # ---- start-up ------------------------------------------------------------------------
 
     async def prepare(self) -> None:
         """Create the consumer group and note where the aborts and results streams end."""
         await self.recovery.prepare()
-        if self.keys.own_requests:   # the index starts empty (docs/design.md#prefix-caching)
+        if self.publishes_cache:     # the index starts empty (docs/design.md#prefix-caching)
             await self.recovery.retrying("clear cached blocks",
                                          lambda: self.redis.delete(self.keys.cached_blocks))
         self.cursors.aborts = await stream_tail_id(self.redis, self.keys.aborts)
@@ -368,8 +374,8 @@ class SchedulerService:
         async def scan() -> list:
             keys = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
             return await self.redis.mget(keys) if keys else []
-        self.prefill.housekeeping(decoders_from(await self.recovery.retrying("find decoders",
-                                                                             scan)))
+        beats = await self.recovery.retrying("find decoders", scan)
+        self.prefill.housekeeping(decoders_from(beats), prefills_from(beats))
 
     def _housekeeping_due(self) -> list[str] | None:
         """The gateways to check when housekeeping is due this intake, else None."""
@@ -392,7 +398,7 @@ class SchedulerService:
                 if self.prefill is None:
                     self.book.receive(entry_id, fields)
                 elif (msg := self.book.decode(entry_id, fields)) is not None:
-                    self.prefill.admit(entry_id, msg)
+                    self.prefill.route(entry_id, msg)
 
     async def _resume_claimed(self, entries: list) -> None:
         if entries:
@@ -501,10 +507,10 @@ class SchedulerService:
     async def flush(self) -> None:
         """Publish and ack what the last iteration finished (at exit)."""
         outbox = self.book.take_outbox()
-        if outbox or self.keys.own_requests:
+        if outbox or self.publishes_cache:
             pipe = self.redis.pipeline(transaction=False)
             self._queue_outbox(pipe, outbox)
-            if self.keys.own_requests:   # a successor starts with an empty index
+            if self.publishes_cache:     # a successor starts with an empty index
                 pipe.delete(self.keys.cached_blocks)
             await pipe.execute()
         await self.redis.hset(self.keys.stats, mapping=self.stats_snapshot())

@@ -74,8 +74,9 @@ def register(sub) -> None:
                    help="engine instances r0..rN-1 (a scheduler and --tp workers each) behind "
                         "the one gateway, each reading its own request stream")
     g.add_argument("--router", default=None, choices=("round-robin", "least-loaded", "prefix"),
-                   help="how the gateway picks a replica (default with --replicas: prefix, the "
-                        "one holding the longest cached prefix, weighed against load)")
+                   help="how the gateway picks a replica, or a prefill instance of several "
+                        "(default: prefix, the one holding the prompt's prefix unless "
+                        "overloaded)")
     p.set_defaults(run=run)
 
 
@@ -96,11 +97,11 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
     replicas = getattr(args, "replicas", 0)
     if replicas and (p or d):
         raise PacerError("--replicas with --prefill-workers/--decode-workers is not supported "
-                         "yet (routing to prefill instances by prefix is future work)")
+                         "(with P/D, the router chooses among the prefill instances)")
     if replicas < 0:
         raise PacerError(f"--replicas must be >= 1, got {replicas}")
-    if getattr(args, "router", None) and not replicas:
-        raise PacerError("--router needs --replicas N")
+    if getattr(args, "router", None) and not replicas and p < 2:
+        raise PacerError("--router needs --replicas N or --prefill-workers N (N > 1)")
     if replicas:
         # on CPU the replicas share the cores out instead of each spinning on all of them
         threads = (max(1, len(os.sched_getaffinity(0)) // (replicas * engine.tp))
@@ -212,10 +213,13 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
     gateway = ["gateway", "--host", args.host, "--port", str(args.port), "--tp", str(engine.tp),
                *common]
     replicas = instances[0].role == "colocated" and bool(instances[0].id)
+    prefills = [i.id for i in instances if i.role == "prefill"]
     if instances[0].id:
         gateway += ["--instances", ",".join(f"{i.id}:{i.tp}" for i in instances)]
-    if replicas:
+    if replicas or len(prefills) > 1:
         gateway += ["--router", args.router or "prefix"]
+    if len(prefills) > 1:
+        gateway += ["--route-prefill", ",".join(prefills)]
     for name in ("model", "max_model_len", *POLICY_FLAGS):
         value = getattr(args, name)
         if value is not None:

@@ -16,9 +16,9 @@ An operator watching the system with `redis-cli` sees (with the default prefix `
 | `pacer:stats` | hash (`STATS_FIELDS`) | scheduler | gateway `/metrics` |
 | `pacer:tp:rendezvous` | string (JSON `{addr, port, pid, time}`) | worker rank 0 | worker ranks > 0 (where to join the TP group) |
 | `pacer:inst:{id}:requests` | stream, group `schedulers` | gateway's router (XADD) | replica `id`'s scheduler (`--own-request-stream`) |
-| `pacer:inst:{id}:cached_blocks` | set of block hashes | replica `id`'s scheduler (SADD, SREM, DEL) | gateway's router (SMISMEMBER) |
+| `pacer:inst:{id}:cached_blocks` | set of block hashes | replica or P/D prefill instance `id`'s scheduler (SADD, SREM, DEL) | gateway's router (SMISMEMBER) |
 | `pacer:inst:{id}:handoff` | stream | prefill schedulers (reserve, ready, cancel) | decode instance `id`'s scheduler |
-| `pacer:inst:{id}:reservations` | stream | decode schedulers (reserved blocks) | prefill instance `id`'s scheduler |
+| `pacer:inst:{id}:reservations` | stream | decode schedulers (reserved blocks), other prefill schedulers (requests the router chose `id` for) | prefill instance `id`'s scheduler |
 
 With P/D disaggregation (docs/design.md#pd-disaggregation) every engine instance owns its
 plans, results, stats, worker heartbeats and rendezvous under `pacer:inst:{id}:` (e.g.
@@ -100,8 +100,9 @@ class Keys:
 
     @property
     def cached_blocks(self) -> str:
-        """A replica's prefix cache as a set of block hashes (32 raw bytes each): SADD when a
-        block is cached, SREM when evicted, DEL when the index empties."""
+        """A replica's (or P/D prefill instance's) prefix cache as a set of block hashes (32
+        raw bytes each): SADD when a block is cached, SREM when evicted, DEL when the index
+        empties."""
         return f"{self._own}cached_blocks"
 
     @property
@@ -163,5 +164,6 @@ class Keys:
 
     @property
     def reservations(self) -> str:
-        """A prefill instance's inbox: the blocks decode instances reserved for it."""
+        """A prefill instance's inbox: the blocks decode instances reserved for it, and the
+        requests other prefill schedulers read but the gateway's router chose it for."""
         return f"{self._own}reservations"

@@ -82,6 +82,9 @@ class RequestMsg(_Plain):
     gateway_id: str
     arrival_time: float              # time.time() when the gateway received the request
     deadline: float | None = None    # time.time() after which the request may be dropped
+    # P/D: the prefill instance the gateway's router chose (docs/design.md#cache-aware-routing);
+    # a prefill scheduler that reads a request chosen for another live one hands it over there
+    instance: str = ""
 
     def _to_body(self) -> dict:
         body = super()._to_body()
@@ -248,7 +251,9 @@ class ReservedMsg(_Plain):
 @dataclass(frozen=True)
 class HandoffMsg(_Plain):
     """Prefill instance -> decode instance: the request is yours (its request-stream entry
-    was XCLAIMed to you in the same pipeline). `output_token_ids`: what its client already
+    was XCLAIMed to you in the same pipeline). Also prefill instance -> the prefill instance
+    the gateway's router chose for a request the first one read (on the latter's
+    reservations stream, with no tokens and no K/V). `output_token_ids`: what its client already
     has (the first token, or none for a short prompt the decode side prefills itself);
     `kv_received`: the sessions its prompt's K/V were written into, one per rank (empty:
     recompute)."""
@@ -320,7 +325,9 @@ def summary_fields(msg: Message) -> dict[str, int | str]:
     if isinstance(msg, StepResultMsg):
         return {"step": msg.result.step, "sampled": len(msg.result.sampled)}
     if isinstance(msg, RequestMsg):
-        return {"request_id": msg.request_id, "prompt_tokens": len(msg.prompt_token_ids)}
+        routed = {"instance": msg.instance} if msg.instance else {}
+        return {"request_id": msg.request_id, "prompt_tokens": len(msg.prompt_token_ids),
+                **routed}
     if isinstance(msg, (ReservedMsg, CancelMsg)):
         return {"kind": msg.KIND, "request_id": msg.request_id}
     if isinstance(msg, (ReserveMsg, HandoffMsg)):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 from scheduler_svc.book import RequestBook
 from scheduler_svc.core import RequestStatus, Scheduler
@@ -166,3 +167,29 @@ def test_a_worker_of_another_role_is_refused_and_a_pd_worker_needs_a_connector()
     done = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--role", "decode",
                            "--instance", "d0"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "--kv-connector mooncake" in done.stderr
+
+
+def test_a_request_the_router_chose_for_another_prefill_instance_is_handed_there():
+    """The gateway's router names the prefill instance holding the prompt's prefix; the one
+    that read the entry hands it over (XCLAIM + notice) unless it is the one named, or the
+    one named has no live scheduler; the named one admits it from the notice."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.prefills = {"p0": "host-p0", "p1": "host-p1"}
+    side.route(b"9-0", replace(request("a", 10), instance="p1"))
+    side.route(b"9-1", replace(request("b", 10), instance="p0"))
+    side.route(b"9-2", replace(request("c", 10), instance="p2"))   # no live p2: kept here
+    side.route(b"9-3", request("d", 10))                          # nobody chosen
+    out = side.take()
+    (instance, consumer, entry, notice), = out.forwards
+    assert (instance, consumer, entry) == ("p1", "host-p1", b"9-0")
+    assert notice.entry_id == "9-0" and notice.output_token_ids == [] and not notice.kv_received
+    assert [i for i, _ in out.reserves] == ["d0", "d0", "d0"]     # b, c, d asked d0 for blocks
+    assert side.forwarded_total == 1
+    # p1 receives the notice on its reservations stream and admits the request
+    c1 = core()
+    p1 = PrefillSide(Keys(), "p1", c1, RequestBook(c1), min_prompt_tokens=8)
+    p1.decoders = {"d0": _Decoder("d0", "host-d0", 100, 0, 1.0)}
+    p1.receive_reservations(reply(notice))
+    (instance, ask), = p1.take().reserves
+    assert instance == "d0" and ask.prefill_instance == "p1"

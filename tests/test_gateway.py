@@ -25,8 +25,8 @@ from gateway.streams import RequestStream
 from gateway.text_output import TextOutput
 from shared.detokenizer import IncrementalDetokenizer
 from shared.keys import Keys
-from shared.protocol import (AbortMsg, FinishEvent, RequestMsg, TokenBatch, TokenEvent, encode,
-                             from_fields)
+from shared.protocol import (AbortMsg, FinishEvent, Heartbeat, RequestMsg, TokenBatch, TokenEvent,
+                             encode, from_fields)
 from shared.tokenizer import Tokenizer
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
@@ -443,6 +443,39 @@ async def test_health_needs_a_scheduler_and_every_worker_rank(h: Harness) -> Non
     assert (await health())[0] == 200
     await h.redis.delete(h.keys.hb_scheduler("s0"))
     assert await health() == (503, {"status": "unhealthy", "missing": ["scheduler"]})
+
+
+async def test_health_with_replicas_needs_each_replicas_scheduler_and_workers(
+        h: Harness, config: GatewayConfig) -> None:
+    import dataclasses
+    import time
+    replicas = dataclasses.replace(config, key_prefix="gwhealth:", gateway_id="replicas",
+                                   instances=(("r0", 1), ("r1", 1)), router="prefix")
+    keys = Keys("gwhealth:")
+
+    def beat(instance: str) -> bytes:
+        return encode(Heartbeat("scheduler", f"host-{instance}", time.time(),
+                                {"instance": instance, "role": "colocated"}))
+
+    async with serve(replicas) as url:
+        async def health() -> tuple[int, list[str]]:
+            async with h.session.get(url + "/health") as r:
+                return r.status, (await r.json()).get("missing", [])
+
+        for i in ("r0", "r1"):
+            await h.redis.set(keys.for_instance(i).hb_worker(0), b"x", ex=30)
+        # r0's scheduler alone is not enough: r1 would take requests nobody reads
+        await h.redis.set(keys.hb_scheduler("host-r0"), beat("r0"), ex=30)
+        assert await health() == (503, ["instance r1 scheduler"])
+        await h.redis.set(keys.hb_scheduler("junk"), b"not a heartbeat", ex=30)
+        assert await health() == (503, ["instance r1 scheduler"])
+        await h.redis.set(keys.hb_scheduler("host-r1"), beat("r1"), ex=30)
+        assert await health() == (200, [])
+        await h.redis.delete(keys.for_instance("r1").hb_worker(0))
+        assert await health() == (503, ["instance r1 worker rank 0"])
+        await h.redis.delete(keys.hb_scheduler("host-r0"))
+        assert await health() == (503, ["instance r0 scheduler", "instance r1 worker rank 0"])
+    await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwhealth:*")])
 
 
 async def test_metrics_exposes_gateway_and_scheduler_numbers(h: Harness) -> None:

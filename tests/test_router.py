@@ -27,13 +27,42 @@ def test_the_longest_cached_prefix_wins_at_equal_load():
     assert pick("prefix", cands, 1000, turn=2) == 1        # whoever's turn it is
 
 
-def test_queued_work_outweighs_a_prefix_worth_less():
-    # r1 holds 512 tokens but has 700 more tokens of work queued: 1000 + 100 < 488 + 800
+def test_a_prefix_sticks_to_its_replica_through_a_passing_queue():
+    # r1 holds 512 of 1000 tokens and has 700 more tokens of work queued: weighed alone,
+    # 1000 + 100 < 488 + 800 would move the prefix; it stays, r1 not being overloaded
     cands = [Candidate("r0", 0, 1, queued_tokens=100), Candidate("r1", 512, 4, queued_tokens=800)]
-    assert pick("prefix", cands, 1000, turn=0) == 0
-    # ...while a prefix worth more than that keeps it: 40 + 800 < 1100
-    cands = [Candidate("r0", 0, 1, queued_tokens=100), Candidate("r1", 960, 4, queued_tokens=800)]
     assert pick("prefix", cands, 1000, turn=0) == 1
+    # clearly overloaded (13 requests in flight > 2 x 4 + 4): the cost decides, and r0 is cheaper
+    cands = [Candidate("r0", 0, 4, queued_tokens=100),
+             Candidate("r1", 512, 13, queued_tokens=3000)]
+    assert pick("prefix", cands, 1000, turn=0) == 0
+    # at 12 (= 2 x 4 + 4) it is not yet
+    cands = [Candidate("r0", 0, 4, queued_tokens=100),
+             Candidate("r1", 512, 12, queued_tokens=3000)]
+    assert pick("prefix", cands, 1000, turn=0) == 1
+
+
+def test_a_short_lead_is_weighed_against_the_work_queued():
+    # r1's cached prefix covers less than half the prompt: the cost decides (1100 < 1600)
+    cands = [Candidate("r0", 0, 1, queued_tokens=100), Candidate("r1", 400, 2, queued_tokens=1000)]
+    assert pick("prefix", cands, 1000, turn=0) == 0
+    # ...and with little queued there it still wins (600 + 100 < 1000 + 100)
+    cands = [Candidate("r0", 0, 1, queued_tokens=100), Candidate("r1", 400, 2, queued_tokens=100)]
+    assert pick("prefix", cands, 1000, turn=0) == 1
+
+
+def test_a_prefix_cached_on_two_replicas_goes_to_the_less_busy_one():
+    # the same 960 tokens on r0 and r2: neither leads, the cost picks the one with less queued
+    cands = [Candidate("r0", 960, 5, queued_tokens=900), Candidate("r1", 0, 2),
+             Candidate("r2", 960, 3, queued_tokens=300)]
+    assert pick("prefix", cands, 1000, turn=0) == 2
+    # a longer match on r0 (a later turn of the same chat) leads by 512 of 1000: r0
+    cands = [Candidate("r0", 960, 5, queued_tokens=900), Candidate("r1", 0, 2),
+             Candidate("r2", 448, 3, queued_tokens=300)]
+    assert pick("prefix", cands, 1000, turn=0) == 0
+    # ...unless r0 is clearly overloaded (5 > 2 x 0 + 4 with an idle r1)
+    cands[1] = Candidate("r1", 0, 0)
+    assert pick("prefix", cands, 1000, turn=0) == 2
 
 
 def test_with_nothing_cached_prefix_routing_takes_the_least_work():
@@ -48,6 +77,27 @@ def test_a_full_kv_cache_counts_as_load():
     assert pick("prefix", cands, 600, turn=0) == 1
     cands = [Candidate("r0", 512, 1, kv_usage=0.5), Candidate("r1", 0, 1, kv_usage=0.2)]
     assert pick("prefix", cands, 600, turn=0) == 0
+    # over 90 % the holder is no longer sticky, but the prefix may still be worth the wait
+    cands = [Candidate("r0", 1024, 1, kv_usage=0.92), Candidate("r1", 0, 1, kv_usage=0.2)]
+    assert pick("prefix", cands, 1100, turn=0) == 0
+
+
+def test_new_prefixes_spread_and_then_stick():
+    """A burst as the shared-prefix bench sends it (16 requests, 7 system prompts of 1,024
+    tokens + 64): played through the router's bookkeeping with nothing finishing, each
+    prefix ends up on one replica only, and the replicas get prefixes alike."""
+    seq = [0, 1, 2, 3, 2, 4, 3, 5, 1, 0, 5, 5, 6, 6, 1, 1]
+    where: dict[int, int] = {}
+    queued, load = [0, 0], [0, 0]
+    for turn, p in enumerate(seq):
+        cands = [Candidate(f"r{i}", 1024 if where.get(p) == i else 0, load[i],
+                           queued_tokens=queued[i]) for i in range(2)]
+        i = pick("prefix", cands, 1088, turn)
+        assert where.setdefault(p, i) == i, f"prefix {p} moved at request {turn}"
+        queued[i] += 1088 - cands[i].cached_tokens
+        load[i] += 1
+    prefixes_on = [sum(1 for r in where.values() if r == i) for i in range(2)]
+    assert sorted(prefixes_on) == [3, 4]
 
 
 def test_ties_and_round_robin_take_turns():
@@ -110,7 +160,7 @@ def test_the_router_reads_published_sets_and_remembers_what_it_sent(redis_server
             await client.aclose()
 
     chosen = asyncio.run(scenario())
-    assert chosen[1:] == [r1.instance_requests, r0.instance_requests, r0.instance_requests]
+    assert chosen[1:] == ["r1", "r0", "r0"]
     sync.close()
 
 
@@ -118,8 +168,7 @@ def test_round_robin_needs_no_redis_reads():
     async def scenario() -> list[str]:
         router = ReplicaRouter(None, Keys(), ["r0", "r1"], "round-robin")  # type: ignore[arg-type]
         return [await router.choose(str(i), [1, 2, 3]) for i in range(3)]
-    assert asyncio.run(scenario()) == ["pacer:inst:r0:requests", "pacer:inst:r1:requests",
-                                       "pacer:inst:r0:requests"]
+    assert asyncio.run(scenario()) == ["r0", "r1", "r0"]
 
 
 # ---- what a replica publishes --------------------------------------------------------------
@@ -211,3 +260,20 @@ def test_pacer_up_refuses_replicas_with_pd_and_a_router_alone():
         _up_args("--replicas", "2", "--prefill-workers", "1", "--decode-workers", "1")
     with pytest.raises(PacerError, match="--router needs --replicas"):
         _up_args("--router", "prefix")
+    with pytest.raises(PacerError, match="--router needs --replicas"):
+        _up_args("--router", "prefix", "--prefill-workers", "1", "--decode-workers", "1")
+
+
+def test_pacer_up_routes_between_several_prefill_instances():
+    argvs = dict(_up_args("--prefill-workers", "2", "--decode-workers", "1").argvs)
+    gateway = argvs["gateway"]
+    assert gateway[gateway.index("--instances") + 1] == "p0:1,p1:1,d0:1"
+    assert gateway[gateway.index("--router") + 1] == "prefix"
+    assert gateway[gateway.index("--route-prefill") + 1] == "p0,p1"
+    for name in ("p0 scheduler", "p1 scheduler"):
+        sched = argvs[name]
+        assert sched[sched.index("--role") + 1] == "prefill"
+        assert "--own-request-stream" not in sched         # they share the request stream
+    # one prefill instance: nothing to choose
+    one = dict(_up_args("--prefill-workers", "1", "--decode-workers", "1").argvs)["gateway"]
+    assert "--router" not in one and "--route-prefill" not in one

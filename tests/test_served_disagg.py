@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from shared.keys import Keys
-from shared.protocol import decode
+from shared.protocol import decode, from_fields
 from tests.helpers_tiny_model import greedy_token_texts, write_tiny_llama
 from tests.served_fixture import API_KEY, start_served, wait_for
 
@@ -141,6 +141,53 @@ def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, 
         assert labelled(served, "pacer:handoffs_total", "p0") == len(prompts)
         assert labelled(served, "pacer:kv_transfer_bytes_total", "p0") > 0
     finally:
+        assert served.stop() == 0, served.log_tail()
+
+
+# two families of prompts, each a long shared prefix (6 full blocks of 16) and its own tail
+PREFIX_A = [(7 * i) % 200 + 10 for i in range(96)]
+PREFIX_B = [(11 * i + 3) % 200 + 10 for i in range(96)]
+FAMILIES = [[PREFIX_A + [30 + i, 40 + i, 50 + i, 60 + i, 70] for i in range(3)],
+            [PREFIX_B + [31 + i, 41 + i, 51 + i] for i in range(3)]]
+
+
+def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
+    """`--prefill-workers 2`: the gateway's router names the prefill instance holding a
+    prompt's prefix (its published cached blocks), whichever prefill scheduler reads the
+    entry hands it there, and every request of a family after its first finds the 96-token
+    prefix cached on that instance; greedy output equals transformers'."""
+    prompts = [p for pair in zip(*FAMILIES) for p in pair]           # A0 B0 A1 B1 A2 B2
+    want = greedy_token_texts(tiny, prompts, NEW_TOKENS)
+    served, model = start_pd(tiny, tmp_path, "--prefill-workers", "2")
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        for prompt in prompts:                                       # one after another
+            assert complete(served.base_url, model, prompt) == want[tuple(prompt)][:NEW_TOKENS]
+        chosen: dict[tuple[int, ...], str] = {}
+        for _, fields in r.xrange(Keys().requests):
+            msg = from_fields(fields)
+            chosen[tuple(msg.prompt_token_ids)] = msg.instance
+        homes = [{chosen[tuple(p)] for p in family} for family in FAMILIES]
+        assert all(len(h) == 1 for h in homes), homes                # one instance a family
+        p = {i: Keys().for_instance(i) for i in ("p0", "p1")}
+        hits = wait_for(lambda: (h := {i: stats(served, k).get("prefix_cache_hits_total", 0)
+                                       for i, k in p.items()})
+                        and sum(h.values()) >= 96 * 4 and h, 30, "prefix hits")
+        for (home,) in homes:
+            assert r.scard(p[home].cached_blocks) >= 6              # what it published
+        expected_hits = {i: 96 * 2 * sum(h == {i} for h in homes) for i in p}
+        assert hits == expected_hits
+        handoffs = sum(stats(served, k).get("handoffs_total", 0) for k in p.values())
+        assert handoffs == len(prompts)
+        (home_a,) = homes[0]
+        assert labelled(served, "pacer:prefix_cache_hits_total", home_a) >= 96 * 2
+        forwarded = sum(labelled(served, "pacer:requests_forwarded_total", i) for i in p)
+        assert forwarded <= len(prompts)   # exposed per instance; how many: who read each entry
+        # all at once: whichever instance prefills a prompt, its output is exact
+        got = all_concurrently(served, model, prompts)
+        assert got == [want[tuple(q)][:NEW_TOKENS] for q in prompts]
+    finally:
+        r.close()
         assert served.stop() == 0, served.log_tail()
 
 
