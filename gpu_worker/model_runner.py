@@ -26,6 +26,7 @@ from gpu_worker.kv_cache import allocate_kv_cache
 from gpu_worker.model.layers import RotaryEmbedding
 from gpu_worker.model.llama import LlamaForCausalLM
 from gpu_worker.parallel import SINGLE, TPGroup
+from gpu_worker.quant import resolve_quantization
 from gpu_worker.sampler import Sampler
 from gpu_worker.weights import iter_weights
 from shared.attention_choice import choose_attention_here
@@ -53,6 +54,7 @@ class RunnerConfig:
     attention_backend: str = "auto"      # resolved here when still auto (shared/attention_choice.py)
     profile_tokens: int = 0              # CUDA: rows of the memory-profiling forward (0: none)
     gpu_memory_utilization: float = 0.9
+    quantization: str = "none"           # auto|none|int8|int4 (gpu_worker/quant)
 
 
 @dataclass
@@ -82,13 +84,16 @@ class ModelRunner:
         # straight into its shard, so the host never holds a float32 model (unverified on a
         # GPU).
         on_host = rc.device == "cpu"
+        self.quantization = resolve_quantization(rc.quantization, source, cfg, tp.size, rc.device)
+        quant = None if self.quantization == "none" else self.quantization
         with torch.device("cpu" if on_host else rc.device), \
                 (contextlib.nullcontext() if on_host else _default_dtype(self.dtype)):
-            model = LlamaForCausalLM(cfg, tp)
+            model = LlamaForCausalLM(cfg, tp, quant)
         if not on_host:     # RoPE tables computed on the host, as on CPU (same bits), then moved
             model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                            cfg.rope_theta)
-        model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0))
+        model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0,
+                                        quantized=quant is not None))
         # On CPU the residual stream, norms and attention math stay in float32 whatever the
         # weight dtype; the KV cache is stored in the weights' dtype (shared/config.py).
         self.act_dtype = DTYPES[activation_dtype(rc.dtype, rc.device)]
@@ -102,7 +107,8 @@ class ModelRunner:
         self.backend = select_backend(choice.backend, rc.device, rc.block_size)
         if tp.rank == 0:
             log.info("attention backend", backend=choice.backend, block_size=rc.block_size,
-                     reason=choice.reason, device=rc.device, dtype=rc.dtype)
+                     reason=choice.reason, device=rc.device, dtype=rc.dtype,
+                     quantization=self.quantization)
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.kv_caches = allocate_kv_cache(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,
                                            DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
@@ -223,7 +229,8 @@ def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConf
                         dtype=args.dtype, device=args.device, seed=args.seed, progress=progress,
                         attention_backend=args.attention_backend,
                         profile_tokens=args.max_num_batched_tokens,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+                        gpu_memory_utilization=args.gpu_memory_utilization,
+                        quantization=args.quantization)
 
 
 def build_runner(layout: EngineLayout, tp: TPGroup | None = None,

@@ -21,15 +21,15 @@ from shared.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None):
         super().__init__()
         self.num_heads = tp.shard(cfg.num_heads, "query heads")
         self.num_kv_heads = tp.shard(cfg.num_kv_heads, "KV heads")
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], tp)
-        self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], tp, quant)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp, quant)
 
     def forward(self, x, rotary, kv_cache, meta, backend, out_dtype):
         # x: [T, d] -> qkv: [T, (H + 2·KVH)·hd] on this rank, in the residual stream's dtype
@@ -47,10 +47,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     fused = None        # the CPU kernels' silu_and_mul (bfloat16 weights), see set_dtypes
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
+                                                 quant)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, quant)
         self.local_ffn = self.gate_up_proj.local_sizes[0]
 
     def forward(self, x, out_dtype):
@@ -67,12 +68,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, tp)
+        self.self_attn = LlamaAttention(cfg, tp, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp, quant)
 
     def forward(self, x, rotary, kv_cache, meta, backend):
         # x is the residual stream; the norms hand the GEMMs their input in the weights' dtype
@@ -83,13 +84,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None):
+        """`quant` ("int4", "int8" or None): the matrices' scheme (gpu_worker/quant); the
+        layers then hold packed integers and no float weights."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.quant = quant
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, quant)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, quant) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, quant)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
@@ -111,8 +115,11 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = fused_ops
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.qweight = self.embed_tokens.qweight
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+                if module.qweight is not None:
+                    continue            # packed already, in its integer layout
                 module.packed = prepack(module.weight.data)
                 if module.packed is not None and module.weight is not self.embed_tokens.weight:
                     # the packed copy replaces W (only its dtype is read from now on); a tied

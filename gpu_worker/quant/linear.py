@@ -1,0 +1,80 @@
+"""Packed quantized weights and their GEMMs on CPU: y = x Wᵀ with W held as integers.
+
+    Int4Weight  torch's int4 CPU layout (`_convert_weight_to_int4pack_for_cpu`: two codes a
+                byte) with group-wise (scale, zero) pairs [K / group, N, 2];
+                `_weight_int4pack_mm_for_cpu`
+    Int8Weight  int8 [N, K] with one scale per output channel; `_weight_int8pack_mm`; also the
+                embedding table (rows looked up and widened)
+
+Both take bfloat16 activations (measured on the AVX-512 machine, 2 threads: with float32
+activations these kernels are 10-30x slower; float16 ones 50x) and return bfloat16; the
+caller casts at the edge (gpu_worker/model/layers.py `_matmul`). The scales are stored in
+bfloat16 too (the kernels ask for the activations' dtype). N is padded to a multiple of 16
+for the int4 layout; the padding rows are zero and cut from the output.
+
+Where they win and where they lose (docs in README "Quantized weights"): at one to a few rows
+they read 4x (int4) or 2x (int8) fewer bytes than bfloat16 and win; at 32 rows and more the
+bfloat16 AMX GEMM is faster on machines with AMX.
+"""
+from __future__ import annotations
+
+import torch
+
+from gpu_worker.quant.tensor import QTensor
+
+ACT_DTYPE = torch.bfloat16
+
+
+class Int4Weight:
+    scheme = "int4"
+
+    def __init__(self, q: QTensor):
+        assert q.scheme == "int4"
+        n, k = q.shape
+        self.out_features, self.in_features, self.group = n, k, q.group
+        pad = -n % 16
+        codes, scale, zero = q.codes, q.scale, q.zero
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, k)])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+            zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1)
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACT_DTYPE).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                       self.scales_zeros)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+
+
+class Int8Weight:
+    scheme = "int8"
+
+    def __init__(self, q: QTensor):
+        assert q.scheme == "int8" and q.group == q.shape[1], "int8 packs per output channel"
+        self.out_features, self.in_features = q.shape
+        self.codes = q.codes.contiguous()
+        self.scale_f32 = q.scale.reshape(-1).contiguous()
+        self.scale = self.scale_f32.to(ACT_DTYPE)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale_f32.nbytes + self.scale.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
+        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` widened to float32: codes · scale, the values `mm` multiplies by."""
+        return self.codes[ids].to(torch.float32) * self.scale_f32[ids].unsqueeze(-1)
+
+
+def pack(q: QTensor) -> Int4Weight | Int8Weight:
+    return Int4Weight(q) if q.scheme == "int4" else Int8Weight(q)
