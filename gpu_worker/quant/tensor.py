@@ -59,7 +59,10 @@ class QTensor:
 
     def cols(self, start: int, n: int) -> "QTensor":
         """Columns [start, start + n): both ends must fall on group boundaries (the row-parallel
-        shard of a tensor-parallel rank; the caller checks and says which)."""
+        shard of a tensor-parallel rank; the caller checks and says which). One group per row
+        (int8 per channel) keeps its scale: any cut of the row falls inside it."""
+        if self.group == self.shape[1]:
+            return QTensor(self.scheme, self.codes.narrow(1, start, n), self.scale, self.zero, n)
         assert start % self.group == 0 and n % self.group == 0, (start, n, self.group)
         g0, gn = start // self.group, n // self.group
         return QTensor(self.scheme, self.codes.narrow(1, start, n), self.scale.narrow(1, g0, gn),
