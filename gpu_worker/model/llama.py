@@ -34,8 +34,19 @@ class LlamaAttention(nn.Module):
     def forward(self, x, rotary, kv_cache, meta, backend, out_dtype):
         # x: [T, d] -> qkv: [T, (H + 2·KVH)·hd] on this rank, in the residual stream's dtype
         T = x.shape[0]
-        qkv = self.qkv_proj(x, out_dtype=out_dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj.weight.dtype == torch.bfloat16 and rotary.fused is not None:
+            # bfloat16 GEMMs on CPU: an iteration of decodes alone runs RoPE, the K/V store and
+            # attention as one op on the GEMM's own output (the backend says None otherwise)
+            qkv = self.qkv_proj(x, out_dtype=torch.bfloat16)
+            block = getattr(backend, "decode_block", None)
+            with record_function("attention"):
+                o = block(qkv, rotary, kv_cache, meta, self.scale, q_size) if block else None
+            if o is not None:
+                return self.o_proj(o, out_dtype=out_dtype)
+            qkv = qkv.float()           # the residual stream's dtype on CPU
+        else:
+            qkv = self.qkv_proj(x, out_dtype=out_dtype)
         qk = rotary(meta.positions, qkv[:, :q_size + kv_size].view(T, -1, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
@@ -75,12 +86,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, tp, quant)
 
-    def forward(self, x, rotary, kv_cache, meta, backend):
-        # x is the residual stream; the norms hand the GEMMs their input in the weights' dtype
+    def forward(self, x, delta, rotary, kv_cache, meta, backend):
+        """x is the residual stream and `delta` the previous layer's MLP output, not added yet
+        (None before the first layer): the norms add it in the same pass (x += delta, in
+        place) and hand the GEMMs their input in the weights' dtype. With the CPU kernels'
+        norms, the attention and MLP outputs stay in that dtype too (the norm widens them as
+        it adds). Returns (x, this layer's MLP output)."""
         mm = self.mlp.gate_up_proj.weight.dtype
-        a = self.self_attn(self.input_layernorm(x, mm), rotary, kv_cache, meta, backend, x.dtype)
+        fused = self.input_layernorm.fused
+        narrow = mm if fused is not None and hasattr(fused, "decode_attention_block") else x.dtype
+        h = self.input_layernorm.add_(x, delta, mm)
+        a = self.self_attn(h, rotary, kv_cache, meta, backend, narrow)
         h = self.post_attention_layernorm.add_(x, a, mm)           # x += a, in place
-        return x + self.mlp(h, x.dtype)
+        return x, self.mlp(h, narrow)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,8 +148,10 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata, backend) -> torch.Tensor:
         """input_ids: [T] -> logits of the sampling rows: [S, V] (float32)."""
         x = self.embed_tokens(input_ids).to(self.act_dtype)
+        delta = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, self.rotary, kv_cache, meta, backend)
+            x, delta = layer(x, delta, self.rotary, kv_cache, meta, backend)
+        x.add_(delta)
         h = self.norm(x[meta.sample_rows])
         with record_function("lm_head"):
             return self.lm_head(h).float()
