@@ -31,23 +31,29 @@ def test_the_kernels_of_this_cpu_are_built():
     assert kernels.level == RUNNABLE[-1]
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 2, 128), (6, 2, 32)])  # AVX-512 paths, generic
-def test_decode_kernel_matches_the_torch_path(kernels, cache_dtype, heads, kvh, d):
-    g = torch.Generator().manual_seed(0)
-    blocks, bs = 200, 16
+def _decodes(g, kv_lens: list[int], blocks: int, kvh: int, d: int, cache_dtype, bs: int = 16):
+    """Random K/V caches and the metadata of one decode row per kv_len, blocks scattered."""
     k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
     v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
     perm = torch.randperm(blocks, generator=g).tolist()
     chunks, used = [], 0
-    for kv_len in [1, 7, 16, 17, 100, 333]:        # decodes over prefixes of many shapes
+    for kv_len in kv_lens:
         n = -(-kv_len // bs)
         chunks.append(Chunk(1, kv_len, perm[used:used + n]))
         used += n
-    meta = build_attention_metadata(chunks, bs)
-    q = torch.randn(len(chunks), heads, d, generator=g)
-    k = torch.randn(len(chunks), kvh, d, generator=g)
-    v = torch.randn(len(chunks), kvh, d, generator=g)
+    return k_cache, v_cache, build_attention_metadata(chunks, bs)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 2, 128), (6, 2, 32)])  # AVX-512 paths, generic
+def test_decode_kernel_matches_the_torch_path(kernels, cache_dtype, heads, kvh, d):
+    g = torch.Generator().manual_seed(0)
+    # decodes over prefixes of many shapes
+    k_cache, v_cache, meta = _decodes(g, [1, 7, 16, 17, 100, 333], 200, kvh, d, cache_dtype)
+    T = meta.positions.shape[0]
+    q = torch.randn(T, heads, d, generator=g)
+    k = torch.randn(T, kvh, d, generator=g)
+    v = torch.randn(T, kvh, d, generator=g)
     fast = TorchAttentionBackend(kernels).forward(
         q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
     ref = TorchAttentionBackend(None).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
@@ -136,17 +142,9 @@ def test_decode_block_equals_the_op_by_op_path(kernels, cache_dtype, heads, kvh,
     and the same output bits."""
     from gpu_worker.model.layers import RotaryEmbedding
     g = torch.Generator().manual_seed(7)
-    blocks, bs = 64, 16
-    k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
-    v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
-    perm = torch.randperm(blocks, generator=g).tolist()
-    chunks, used = [], 0
-    for kv_len in [1, 17, 100, 250]:
-        n = -(-kv_len // bs)
-        chunks.append(Chunk(1, kv_len, perm[used:used + n]))
-        used += n
-    meta = build_attention_metadata(chunks, bs)
-    T = len(chunks)
+    bs = 16
+    k_cache, v_cache, meta = _decodes(g, [1, 17, 100, 250], 64, kvh, d, cache_dtype, bs)
+    T = meta.positions.shape[0]
     qkv = torch.randn(T, (heads + 2 * kvh) * d, generator=g).to(torch.bfloat16)
     rot = RotaryEmbedding(d, 1024, 10000.0)
     rot.fused = kernels
