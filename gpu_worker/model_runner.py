@@ -98,7 +98,10 @@ class ModelRunner:
         # weight dtype; the KV cache is stored in the weights' dtype (shared/config.py).
         self.act_dtype = DTYPES[activation_dtype(rc.dtype, rc.device)]
         self.model = model.to(device=rc.device).eval()
-        fused = cpu_kernels() if rc.device == "cpu" and self.dtype != self.act_dtype else None
+        # the fused ops serve wherever the GEMMs read bfloat16: bfloat16 weights, and quantized
+        # ones whatever --dtype says (their kernels take bfloat16 activations)
+        narrow = self.dtype != self.act_dtype or quant is not None
+        fused = cpu_kernels() if rc.device == "cpu" and narrow else None
         self.model.set_dtypes(self.dtype, self.act_dtype, fused)
         choice = choose_attention_here(rc.attention_backend, rc.device, rc.dtype, rc.block_size)
         if choice.block_size != rc.block_size:

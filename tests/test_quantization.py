@@ -106,6 +106,38 @@ def test_int8_gemm_matches_its_dequantized_weights(shape, rows):
     assert torch.equal(packed.embedding(ids), q.dequantize()[ids])
 
 
+@pytest.mark.parametrize("shape", [(960, 576), (40, 64), (576, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_many_rows_widen_the_weights_to_exactly_their_values(shape, monkeypatch):
+    """From `many_rows` rows on, the CPU kernels widen W to bfloat16 for one bfloat16 GEMM:
+    W's values are the ones the int kernels use, rounded once to bfloat16."""
+    from gpu_worker.cpu_kernels import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no CPU kernels here: torch's int kernels serve every size")
+    n, k = shape
+    q4 = quantize_int4(torch.from_numpy(_random(n, k)), 32)
+    w4 = Int4Weight(q4)
+    n_pad = w4.scales_zeros.shape[1]
+    w_t = torch.empty(k, n_pad, dtype=ACT_DTYPE)
+    kernels.dequantize_int4pack(w4.packed, w4.scales_zeros, 32, w_t)
+    s, z = (w4.scales_zeros[..., i].float().t()[:n].repeat_interleave(32, dim=1) for i in (0, 1))
+    want = ((q4.codes.float() - 8) * s + z).to(ACT_DTYPE)
+    assert torch.equal(w_t[:, :n].t(), want) and not w_t[:, n:].any()
+    q8 = quantize_int8(torch.from_numpy(_random(n, k)))
+    w8 = Int8Weight(q8)
+    wide = torch.empty(n, k, dtype=ACT_DTYPE)
+    kernels.dequantize_int8(w8.codes, w8.scale, wide)
+    assert torch.equal(wide, (q8.codes.float() * w8.scale.float().unsqueeze(1)).to(ACT_DTYPE))
+    x = torch.randn(Int4Weight.many_rows + 3, k)
+    for packed in (w4, w8):
+        wide_y = packed.mm(x)
+        monkeypatch.setattr(type(packed), "many_rows", 10 ** 9)
+        narrow_y = packed.mm(x)
+        assert wide_y.shape == narrow_y.shape == (x.shape[0], n)
+        ref = narrow_y.float()
+        torch.testing.assert_close(wide_y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
 def test_quantization_error_is_what_the_scheme_allows():
     """Against the float weights: int4 within half a step of its group, int8 of its row."""
     w = torch.from_numpy(_random(256, 576))

@@ -193,6 +193,33 @@ void decode_attention_block(const torch::Tensor& qkv, const torch::Tensor& posit
     TORCH_CHECK(false, "decode_attention_block: a float32 or bfloat16 cache only");
 }
 
+void dequantize_int4pack(const torch::Tensor& packed, const torch::Tensor& scales_zeros,
+                         int64_t group, torch::Tensor& out) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && scales_zeros.dtype() == torch::kBFloat16 &&
+                  out.dtype() == torch::kBFloat16,
+              "dequantize_int4pack: uint8 packed, bfloat16 scales_and_zeros and out");
+  TORCH_CHECK(all_contiguous({&packed, &scales_zeros, &out}) && out.dim() == 2 &&
+                  scales_zeros.dim() == 3 && scales_zeros.size(2) == 2,
+              "dequantize_int4pack: contiguous packed, scales_and_zeros [K / g, N, 2], out [K, N]");
+  const int64_t K = out.size(0), N = out.size(1);
+  TORCH_CHECK(N % 64 == 0 && group > 0 && K % group == 0 && packed.numel() * 2 == N * K &&
+                  scales_zeros.size(0) == K / group && scales_zeros.size(1) == N,
+              "dequantize_int4pack: N a multiple of 64, K of the group; sizes that agree");
+  pacer::dequantize_int4pack(packed.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N, K, group,
+                             mut_ptr<bf16>(out));
+}
+
+void dequantize_int8(const torch::Tensor& codes, const torch::Tensor& scale, torch::Tensor& out) {
+  TORCH_CHECK(codes.dtype() == torch::kInt8 && scale.dtype() == torch::kBFloat16 &&
+                  out.dtype() == torch::kBFloat16,
+              "dequantize_int8: int8 codes, bfloat16 scales and out");
+  TORCH_CHECK(all_contiguous({&codes, &scale, &out}) && codes.dim() == 2 &&
+                  out.sizes() == codes.sizes() && scale.numel() == codes.size(0),
+              "dequantize_int8: contiguous codes [N, K], scales [N], out [N, K]");
+  pacer::dequantize_int8(codes.data_ptr<int8_t>(), ptr<bf16>(scale), codes.size(0),
+                         codes.size(1), mut_ptr<bf16>(out));
+}
+
 void silu_and_mul(const torch::Tensor& gate_up, torch::Tensor& out) {
   TORCH_CHECK(gate_up.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
               "silu_and_mul: bfloat16 in and out");
@@ -212,6 +239,9 @@ void pacer_bind(pybind11::module_& m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "varlen causal attention of chunks over a paged KV cache (CPU, AVX-512)");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; out = RMSNorm(x) in out's dtype (CPU)");
+  m.def("dequantize_int4pack", &dequantize_int4pack,
+        "torch's CPU int4 layout widened to bfloat16, transposed: out [K, N]");
+  m.def("dequantize_int8", &dequantize_int8, "int8 per-channel codes widened to bfloat16");
   m.def("decode_attention_block", &decode_attention_block,
         "RoPE + K/V store + decode attention from a bfloat16 fused qkv, one row per request");
   m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, float32)");

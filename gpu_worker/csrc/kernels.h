@@ -49,4 +49,10 @@ void rotary(float* qk, int64_t stride, const int64_t* positions, const float* co
 // out[t] = silu(gate[t]) * up[t] for gate_up = [gate | up] of [T, 2F].
 void silu_and_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t F);
 
+// Quantized weights widened to bfloat16 (dequant.cpp: the layouts there): torch's CPU int4
+// layout to W transposed, out [K, N]; int8 per-channel codes to W, out [N, K].
+void dequantize_int4pack(const uint8_t* packed, const bf16* scales_zeros, int64_t N, int64_t K,
+                         int64_t group, bf16* out);
+void dequantize_int8(const int8_t* codes, const bf16* scale, int64_t N, int64_t K, bf16* out);
+
 }  // namespace pacer

@@ -126,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         self.act_dtype = act_dtype
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                if module.quant:
+                    continue        # integers; the placeholder says bfloat16, their GEMMs' input
                 module.weight.data = module.weight.data.to(weight_dtype)
             elif isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.to(act_dtype)

@@ -9,30 +9,39 @@
 Both take bfloat16 activations (measured on the AVX-512 machine, 2 threads: with float32
 activations these kernels are 10-30x slower; float16 ones 50x) and return bfloat16; the
 caller casts at the edge (gpu_worker/model/layers.py `_matmul`). The scales are stored in
-bfloat16 too (the kernels ask for the activations' dtype). N is padded to a multiple of 16
+bfloat16 too (the kernels ask for the activations' dtype). N is padded to a multiple of 64
 for the int4 layout; the padding rows are zero and cut from the output.
 
-Where they win and where they lose (docs in README "Quantized weights"): at one to a few rows
-they read 4x (int4) or 2x (int8) fewer bytes than bfloat16 and win; at 32 rows and more the
-bfloat16 AMX GEMM is faster on machines with AMX.
+Chosen by rows: torch's kernels are built for a few rows (decodes) and read 4x (int4) or 2x
+(int8) fewer bytes than bfloat16 there; from `many_rows` rows on (prefill chunks, many
+decodes) the weight is widened to bfloat16 for that one GEMM by the CPU kernels (csrc/
+dequant.cpp) and multiplied by torch's bfloat16 GEMM (oneDNN: AMX or AVX512-BF16), which wins
+by more than the widening costs. Without the CPU kernels, torch's kernels serve every size.
 """
 from __future__ import annotations
 
 import torch
 
+from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.quant.tensor import QTensor
 
 ACT_DTYPE = torch.bfloat16
 
 
+def _widening_kernels():
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "dequantize_int4pack") else None
+
+
 class Int4Weight:
     scheme = "int4"
+    many_rows = 16          # from this many rows on, widen to bfloat16 (measured: README)
 
     def __init__(self, q: QTensor):
         assert q.scheme == "int4"
         n, k = q.shape
         self.out_features, self.in_features, self.group = n, k, q.group
-        pad = -n % 16
+        pad = -n % 64
         codes, scale, zero = q.codes, q.scale, q.zero
         if pad:
             codes = torch.cat([codes, codes.new_zeros(pad, k)])
@@ -48,13 +57,20 @@ class Int4Weight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
-                                                       self.scales_zeros)
+        kernels = _widening_kernels() if x.shape[0] >= self.many_rows else None
+        if kernels is not None:
+            w_t = x.new_empty((self.in_features, self.scales_zeros.shape[1]))
+            kernels.dequantize_int4pack(self.packed, self.scales_zeros, self.group, w_t)
+            y = torch.mm(x, w_t)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                           self.scales_zeros)
         return y if y.shape[1] == self.out_features else y[:, :self.out_features]
 
 
 class Int8Weight:
     scheme = "int8"
+    many_rows = 16          # from this many rows on, widen to bfloat16 (measured: README)
 
     def __init__(self, q: QTensor):
         assert q.scheme == "int8" and q.group == q.shape[1], "int8 packs per output channel"
@@ -69,6 +85,11 @@ class Int8Weight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
+        kernels = _widening_kernels() if x.shape[0] >= self.many_rows else None
+        if kernels is not None:
+            w = x.new_empty((self.out_features, self.in_features))
+            kernels.dequantize_int8(self.codes, self.scale, w)
+            return torch.mm(x, w.t())
         return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
