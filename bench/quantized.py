@@ -13,7 +13,7 @@ predicted from everything before it. llama.cpp's rows come from its server (gree
 `llama-perplexity` (built beside `llama-server` by `--setup`).
 
     python bench/quantized.py --setup                  # build llama-server + llama-perplexity
-    python bench/quantized.py [--engines pacer-int4,pacer-int8,pacer-float,llamacpp]
+    python bench/quantized.py [--engines pacer-int4,pacer-int8,pacer-float,pacer-float32,llamacpp]
                               [--skip-speed] [--skip-accuracy] [--json docs/quantized.json]
 """
 from __future__ import annotations
@@ -40,7 +40,8 @@ TEXT = os.path.join(ROOT, "docs", "design.md")
 # pacer engine name -> its flags (the model: the default GGUF, Q4_1 with a Q8_0 embedding)
 PACER = {"pacer-int4": ["--quantization", "int4"],
          "pacer-int8": ["--quantization", "int8"],
-         "pacer-float": ["--quantization", "none"]}        # --dtype auto: this CPU's best float
+         "pacer-float": ["--quantization", "none"],         # --dtype auto: this CPU's best float
+         "pacer-float32": ["--quantization", "none", "--dtype", "float32"]}
 
 
 def setup() -> None:
@@ -96,7 +97,7 @@ def server_command(engine: str, port: int) -> list[str]:
             "-c", str(32 * 256), "-t", threads, "-cb", "--alias", "smollm2-135m"]
 
 
-def measure_speed(engine: str) -> dict:
+def start_server(engine: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     log_path = os.path.join(CACHE, f"quantized-{engine}.log")
     with open(log_path, "wb") as f:
@@ -104,13 +105,53 @@ def measure_speed(engine: str) -> dict:
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(f"http://127.0.0.1:{port}", proc, log_path)
-        result = run_workloads(f"http://127.0.0.1:{port}")
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def measure_speed(engine: str) -> dict:
+    proc, base_url = start_server(engine)
+    try:
+        result = run_workloads(base_url)
         holder = worker_pid(proc.pid) if engine in PACER else proc.pid
         return {"engine": engine, "c1_tok_s": result["c1"]["tok_s"],
                 "c1_itl_ms": result["c1"]["median_itl_ms"], "c32_tok_s": result["c32"]["tok_s"],
                 "c32_ttft_ms": result["c32"]["median_ttft_ms"], "rss_mib": rss_mib(holder)}
     finally:
         stop(proc)
+
+
+def single_stream_rounds(engines: list[str], rounds: int) -> list[dict]:
+    """Every engine's server up at once, one stream at a time, engines taking turns for
+    `rounds` rounds: on a shared machine, each round meets the same load."""
+    from services.bench_client import ApiTarget, SendOptions, compute_metrics, run_requests
+    from services.bench_cmd import run_async
+    from services.bench_dataset import random_dataset
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+    reqs = random_dataset(load_tokenizer(resolve_model(None)), 8, 106, 64, 0.0, seed=1)
+    servers = {e: start_server(e) for e in engines}
+    rows = []
+    try:
+        targets = {e: ApiTarget(url, "/v1/completions", "smollm2-135m", None)
+                   for e, (_, url) in servers.items()}
+        opts = SendOptions(0.0, True, 600.0)
+        for e in engines:                                                   # warm-up
+            run_async(run_requests(targets[e], reqs[:2], opts, max_concurrency=1))
+        for r in range(rounds):
+            for e in engines:
+                results, duration = run_async(run_requests(targets[e], reqs, opts,
+                                                           max_concurrency=1))
+                m = compute_metrics(results, duration)
+                rows.append({"round": r, "engine": e, "c1_tok_s": m["output_throughput"],
+                             "c1_itl_ms": m.get("median_itl_ms"), "failed": m["failed"]})
+                log(f"round {r} {e}: {m['output_throughput']:.1f} tok/s")
+    finally:
+        for proc, _ in servers.values():
+            stop(proc)
+    return rows
 
 
 # ---- accuracy -----------------------------------------------------------------------------
@@ -232,9 +273,12 @@ def measure_accuracy(engines: list[str], tokens: int, ctx: int) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--setup", action="store_true")
-    ap.add_argument("--engines", default="pacer-int4,pacer-int8,pacer-float,llamacpp")
+    ap.add_argument("--engines", default="pacer-int4,pacer-int8,pacer-float,pacer-float32,llamacpp")
     ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--skip-accuracy", action="store_true")
+    ap.add_argument("--single-stream-rounds", type=int, default=0,
+                    help="instead of the speed table: one stream only, every engine up at "
+                         "once, taking turns for this many rounds")
     ap.add_argument("--tokens", type=int, default=64, help="greedy tokens per parity prompt")
     ap.add_argument("--ppl-ctx", type=int, default=512)
     ap.add_argument("--json", default=None)
@@ -246,8 +290,10 @@ def main() -> None:
     engines = [e.strip() for e in args.engines.split(",") if e.strip()]
     flags = cpu_flags()
     shown = " ".join(f for f in SHOWN_FLAGS if f in flags)
-    speed, accuracy = [], []
-    if not args.skip_speed:
+    speed, accuracy, rounds = [], [], []
+    if args.single_stream_rounds:
+        rounds = single_stream_rounds(engines, args.single_stream_rounds)
+    elif not args.skip_speed:
         for engine in engines:
             started = time.monotonic()
             try:
@@ -262,10 +308,13 @@ def main() -> None:
     if speed:
         print_table(speed, ["engine", "c1_tok_s", "c1_itl_ms", "c32_tok_s", "c32_ttft_ms",
                             "rss_mib"])
+    if rounds:
+        print_table(rounds, ["round", "engine", "c1_tok_s", "c1_itl_ms", "failed"])
     if accuracy:
         print_table(accuracy, ["engine", "identical", "mean_tokens_to_divergence",
                                "min_tokens_to_divergence", "ppl"])
-    write_json(args.json, {"cpu_flags": shown, "speed": speed, "accuracy": accuracy})
+    write_json(args.json, {"cpu_flags": shown, "speed": speed, "single_stream_rounds": rounds,
+                           "accuracy": accuracy})
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ def _widening_kernels():
 
 class Int4Weight:
     scheme = "int4"
-    many_rows = 16          # from this many rows on, widen to bfloat16 (measured: README)
+    many_rows = 24          # from this many rows on, widen to bfloat16 (measured: README)
 
     def __init__(self, q: QTensor):
         assert q.scheme == "int4"
@@ -71,6 +71,7 @@ class Int4Weight:
 class Int8Weight:
     scheme = "int8"
     many_rows = 16          # from this many rows on, widen to bfloat16 (measured: README)
+    CHUNK = 4096
 
     def __init__(self, q: QTensor):
         assert q.scheme == "int8" and q.group == q.shape[1], "int8 packs per output channel"
@@ -86,11 +87,17 @@ class Int8Weight:
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         kernels = _widening_kernels() if x.shape[0] >= self.many_rows else None
-        if kernels is not None:
-            w = x.new_empty((self.out_features, self.in_features))
-            kernels.dequantize_int8(self.codes, self.scale, w)
-            return torch.mm(x, w.t())
-        return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        if kernels is None:
+            return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        # widened CHUNK rows at a time: a whole LM head in bfloat16 (56 MB for SmolLM2) would
+        # be a fresh mapping, page-faulted in on every call; a few MB are reused from the heap
+        y = x.new_empty((x.shape[0], self.out_features))
+        w = x.new_empty((min(self.CHUNK, self.out_features), self.in_features))
+        for n0 in range(0, self.out_features, self.CHUNK):
+            n = min(self.CHUNK, self.out_features - n0)
+            kernels.dequantize_int8(self.codes[n0:n0 + n], self.scale[n0:n0 + n], w[:n])
+            torch.mm(x, w[:n].t(), out=y[:, n0:n0 + n])
+        return y
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` widened to float32: codes · scale, the values `mm` multiplies by."""
