@@ -205,7 +205,8 @@ class RMSNorm(nn.Module):
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x += delta in place (the residual stream), then RMSNorm(x) in out_dtype."""
         out_dtype = out_dtype or x.dtype
-        if self.fused is not None and x.dtype == torch.float32 and x.is_contiguous():
+        if self.fused is not None and x.dtype == torch.float32 and x.is_contiguous() and \
+                (delta is None or delta.is_contiguous()):
             out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
             self.fused.add_rms_norm(x, delta, self.weight, self.eps, out)
             return out

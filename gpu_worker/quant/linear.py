@@ -65,7 +65,7 @@ class Int4Weight:
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
                                                            self.scales_zeros)
-        return y if y.shape[1] == self.out_features else y[:, :self.out_features]
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
 
 
 class Int8Weight:
