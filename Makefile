@@ -20,8 +20,8 @@ kernels: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
-	@# the Mooncake transfer engine (P/D's KV transfer) loads libibverbs even over TCP
-	@(ldconfig -p | grep -q libibverbs.so.1 && ldconfig -p | grep -q libnuma.so.1) || (apt-get update -qq && apt-get install -y -qq libibverbs1 libnuma1)
+	@# the Mooncake transfer engine (P/D's KV transfer) loads libibverbs, libnuma and libcurl even over TCP
+	@(ldconfig -p | grep -q libibverbs.so.1 && ldconfig -p | grep -q libnuma.so.1 && ldconfig -p | grep -q libcurl.so.4) || (apt-get update -qq && apt-get install -y -qq libibverbs1 libnuma1 libcurl4)
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH)" 2>/dev/null \

@@ -29,9 +29,10 @@ PYTHON="${PYTHON:-python3}"
 WHEELS="$CACHE/wheelhouse"
 CONTEXT="$CACHE/context"
 # Debian packages of the base image: the interpreter, venv support (pip comes
-# from ensurepip), Redis, so one image serves every compose service, and libibverbs1 and
-# libnuma1, which the Mooncake transfer engine (P/D's KV transfer) loads even over TCP.
-BASE_PACKAGES="python3,python3-venv,redis-server,libibverbs1,libnuma1"
+# from ensurepip), Redis, so one image serves every compose service, and libibverbs1,
+# libnuma1 and libcurl4, which the Mooncake transfer engine (P/D's KV transfer) loads even
+# over TCP.
+BASE_PACKAGES="python3,python3-venv,redis-server,libibverbs1,libnuma1,libcurl4"
 # the default base's tag names its package set: a base made before a package was added is
 # not reused (the image build is offline and could not add it)
 BASE_IMAGE="${PACER_BASE_IMAGE:-pacer-base:bookworm-$(printf %s "$BASE_PACKAGES" | sha1sum | cut -c1-8)}"

@@ -30,6 +30,7 @@ driven by one queue of events (an iteration ends, a request arrives):
 """
 from __future__ import annotations
 
+import gc
 import heapq
 import math
 import time
@@ -191,8 +192,33 @@ class _Cluster:
 
     def run(self, arrivals: Iterable[Arrival], mode: str, instances: str) -> SimResult:
         started, started_cpu = time.perf_counter(), time.process_time()
+        # The run allocates objects by the million and frees them by reference count (it makes
+        # no cycles): the cyclic collector would only walk the ever-growing heap of requests,
+        # ~10 % of the run (docs/benchmarks.md#simulator-speed).
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self._loop(arrivals)
+        finally:
+            if collecting:
+                gc.enable()
+        stuck = [i.index for i in self.pool if i.sched.has_unfinished()]
+        if stuck or self.no_room:
+            raise RuntimeError(f"instances {stuck} planned nothing with work waiting and no "
+                               "event to come")
+        first, state = self.pool[0].sched, self.state
+        return SimResult(mode, state.arrivals, state.first, state.finish, state.tbt,
+                         state.timeline, state.rejected,
+                         sum(i.sched.num_preemptions_total for i in self.pool),
+                         time.perf_counter() - started, time.process_time() - started_cpu,
+                         state.worst, state.prefill_done, state.transfer_ms, state.exposed_ms,
+                         instances, first.config.num_kv_blocks * first.config.block_size,
+                         state.cost_errors,
+                         getattr(first.config.iteration_cost, "coefficients_ms", {}))
+
+    def _loop(self, arrivals: Iterable[Arrival]) -> None:
         pending = deque(sorted(arrivals, key=lambda a: a.arrival_s))
-        state, events = self.state, self.events
+        events = self.events
         while events or pending:
             now = min(events[0][0] if events else math.inf,
                       pending[0].arrival_s if pending else math.inf)
@@ -203,19 +229,6 @@ class _Cluster:
             for instance in self.pool:
                 if instance.plan is None and instance.sched.has_schedulable():
                     self._start_iteration(instance, now)
-        stuck = [i.index for i in self.pool if i.sched.has_unfinished()]
-        if stuck or self.no_room:
-            raise RuntimeError(f"instances {stuck} planned nothing with work waiting and no "
-                               "event to come")
-        first = self.pool[0].sched
-        return SimResult(mode, state.arrivals, state.first, state.finish, state.tbt,
-                         state.timeline, state.rejected,
-                         sum(i.sched.num_preemptions_total for i in self.pool),
-                         time.perf_counter() - started, time.process_time() - started_cpu,
-                         state.worst, state.prefill_done, state.transfer_ms, state.exposed_ms,
-                         instances, first.config.num_kv_blocks * first.config.block_size,
-                         state.cost_errors,
-                         getattr(first.config.iteration_cost, "coefficients_ms", {}))
 
     # ---- arrivals ----------------------------------------------------------------------
 
@@ -313,14 +326,15 @@ class _Cluster:
                                           / instance.forward_ms)
         outputs = sched.update(plan, StepResult(plan.step, sampled, instance.forward_ms))
         instance.plan = None
-        if instance.role != "decode":
+        if instance.role == "prefill":
             for out in outputs:
                 if out.num_output_tokens == 1:       # its prefill is over
                     instance.queued_prompt_tokens -= out.num_prompt_tokens
-        if instance.role == "prefill":
             outputs = [out for out in outputs if not self._hand_over(out, now)]
-        self.state.record(instance, sched, instance.chunks, instance.ms, plan.total_tokens,
-                          outputs, now)
+        prefilled = self.state.record(instance, sched, instance.chunks, instance.ms,
+                                      plan.total_tokens, outputs, now)
+        if instance.role == "both":       # every output stamped: first tokens end prefills
+            instance.queued_prompt_tokens -= prefilled
         if instance.role == "decode" and self.no_room:
             self._reserve_in_order()                 # blocks may have been freed
 
@@ -389,9 +403,10 @@ class _State:
         self.transfer_ms[i] = transfer_ms
 
     def record(self, instance: _Instance, sched: Scheduler, chunks: list, ms: float,
-               total_rows: int, outputs, now: float) -> None:
-        """Stamp the tokens of an iteration that ended at `now` and add it to the timeline."""
-        max_gap = self._stamp(outputs, now)
+               total_rows: int, outputs, now: float) -> int:
+        """Stamp the tokens of an iteration that ended at `now` and add it to the timeline.
+        Returns the prompt tokens of the requests whose first token this was."""
+        max_gap, prefilled = self._stamp(outputs, now)
         decode_rows = list(map(_ROWS, chunks)).count(1)
         t = self.timeline
         t.end_s.append(now)
@@ -402,11 +417,13 @@ class _State:
         t.num_waiting.append(sched.num_waiting)
         t.max_tbt_ms.append(max_gap)
         t.instance.append(instance.index)
+        return prefilled
 
-    def _stamp(self, outputs, now: float) -> float:
+    def _stamp(self, outputs, now: float) -> tuple[float, int]:
+        """(the longest gap, the prompt tokens of first tokens)."""
         first, last, tbt, worst = self.first, self.last, self.tbt, self.worst
         index_of, add_gap = self.index_of, tbt.append
-        max_gap = 0.0
+        max_gap, prefilled = 0.0, 0
         for out in outputs:
             i = index_of[out.request_id]
             previous = last[i]
@@ -418,7 +435,8 @@ class _State:
                     worst[i] = gap
             else:
                 first[i] = now
+                prefilled += out.num_prompt_tokens
             last[i] = now
             if out.finished:
                 self.finish[i] = now
-        return max_gap
+        return max_gap, prefilled

@@ -14,7 +14,7 @@ from gpu_worker.kv_transfer.connector import KVConnector, pool_descriptor
 from shared.errors import PacerError
 
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU, TCP; the CUDA build is "
-                "mooncake-transfer-engine) and apt-get install libibverbs1")
+                "mooncake-transfer-engine) and apt-get install libibverbs1 libnuma1 libcurl4")
 
 
 @dataclass

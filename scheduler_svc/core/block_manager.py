@@ -158,14 +158,23 @@ class BlockManager:
         """
         table = request.block_table
         needed = -(-(request.num_computed_tokens + num_new_tokens) // self.block_size)
-        if table and needed <= len(table):
-            return []           # the common decode: its last block still has room
+        if table and not cached_prefix:
+            if needed <= len(table):
+                return []       # the common decode: its last block still has room
+            if needed == len(table) + 1 and self._free_plain:
+                # the next most common: a decode starting a block (what the general path below
+                # does for it, without the calls; the request holds blocks already)
+                block_id = self._free_plain.popleft()
+                self._ref_counts[block_id] += 1
+                table.append(block_id)
+                return [block_id]
         holder = self._holders.get(request.request_id)
         assert holder is None or holder is request, \
             f"request id {request.request_id!r} is held by another request object"
         assert not cached_prefix or not table, "a cached prefix is taken at admission only"
         # A cached block that is free would count twice: it cannot also be handed out fresh.
-        free_in_prefix = sum(1 for b in cached_prefix if self._ref_counts[b] == 0)
+        free_in_prefix = sum(1 for b in cached_prefix if self._ref_counts[b] == 0) \
+            if cached_prefix else 0
         missing = needed - len(table) - len(cached_prefix)
         if missing > self.num_free_blocks - free_in_prefix:
             return None
@@ -174,10 +183,17 @@ class BlockManager:
                 del self._free_cached[block_id]
             self._ref_counts[block_id] += 1
         new_ids = list(cached_prefix)
-        for _ in range(max(missing, 0)):
-            block_id = self._take_free()
-            self._ref_counts[block_id] += 1
-            new_ids.append(block_id)
+        if missing > 0:
+            # unregistered blocks first, in one go (a prompt takes dozens), then cached ones
+            num_plain = min(missing, len(self._free_plain))
+            take_plain = self._free_plain.popleft
+            fresh = [take_plain() for _ in range(num_plain)]
+            if missing > num_plain:
+                fresh += [self._take_free() for _ in range(missing - num_plain)]
+            ref_counts = self._ref_counts
+            for block_id in fresh:
+                ref_counts[block_id] += 1
+            new_ids += fresh
         table.extend(new_ids)
         if cached_prefix:
             request.num_cached_blocks = len(cached_prefix)
@@ -207,15 +223,17 @@ class BlockManager:
         if self._holders.pop(request.request_id, None) is None:
             return
         table = request.block_table
+        ref_counts, hash_of = self._ref_counts, self._hash_of
+        free_plain, free_cached = self._free_plain.append, self._free_cached
         # Tail first: the head blocks are the likeliest to be shared, so they become the most
         # recently used and are evicted last.
         for block_id in reversed(table):
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                if self._hash_of[block_id] is None:
-                    self._free_plain.append(block_id)
+            ref_counts[block_id] -= 1
+            if ref_counts[block_id] == 0:
+                if hash_of[block_id] is None:
+                    free_plain(block_id)
                 else:
-                    self._free_cached[block_id] = None
+                    free_cached[block_id] = None
         table.clear()
         request.num_cached_blocks = 0
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.latency_budget import IterationLatency
@@ -334,25 +335,32 @@ class Scheduler:
         block_size = self.block_manager.block_size
         budget = iteration.token_budget
         add_cached, add_scheduled = iteration.cached_requests.append, iteration.scheduled.append
-        add_sample = iteration.samples.append
+        add_sample, allocate = iteration.samples.append, self.block_manager.allocate
         index, num_tokens_so_far = 0, iteration.num_tokens    # written back before the calls
         while index < len(running) and num_tokens_so_far < budget:   # budget left
-            request = running[index]
             # The common case, spelled out (this runs for every decode of every iteration): a
-            # decode whose last block still has room, already known to the workers. It is
-            # what the general path below does for it, without the calls.
-            computed = request.num_computed_tokens
-            num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
-            if num_tokens - computed == 1 and num_tokens <= max_model_len \
-                    and computed < len(request.block_table) * block_size \
-                    and request.kv_received is None:
+            # run of decodes already known to the workers, each with room left in its last
+            # block or a free block to take, one row each, as many as the budget has rows.
+            # It is what the general path below does for them, without the calls; with no
+            # block free, that path preempts.
+            decodes_from = num_tokens_so_far
+            for request in islice(running, index, index + budget - num_tokens_so_far):
+                computed = request.num_computed_tokens
+                num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
+                if num_tokens - computed != 1 or num_tokens > max_model_len \
+                        or request.kv_received is not None \
+                        or (new_block_ids := [] if computed < len(request.block_table) * block_size
+                            else allocate(request, 1)) is None:
+                    break
                 request_id = request.request_id
-                add_cached(CachedRequestData(request_id, [], computed))
+                add_cached(CachedRequestData(request_id, new_block_ids, computed))
                 add_scheduled((request, 1))
                 add_sample(request_id)
                 num_tokens_so_far += 1
-                index += 1
-                continue
+            index += num_tokens_so_far - decodes_from
+            if index == len(running) or num_tokens_so_far >= budget:
+                break
+            request = running[index]
             iteration.num_tokens = num_tokens_so_far
             rows = self._chunk_rows(request, iteration)
             if rows == 0:
