@@ -43,7 +43,7 @@ from shared.errors import PacerError
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource
 from shared.plan import IterationPlan, NewRequestData, StepResult
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, token_id_set
 
 log = structlog.get_logger("worker")
 
@@ -80,6 +80,9 @@ class _RequestState:
     block_table: list[int]
     num_computed_tokens: int
     reply_to: str = ""
+    # its last token was a stop token (`SamplingParams.stops_on`): rows a plan made ahead gives
+    # it are skipped, never computed nor streamed (docs/design.md#overlap)
+    stopped: bool = False
 
 
 class UnknownKVCache(RuntimeError):
@@ -136,6 +139,8 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register(self.kv_pool)
         self.sampler = Sampler(rc.seed)
+        self.eos_token_ids = token_id_set(cfg.eos_token_ids)
+        self._last_step: int | None = None      # the last plan run here
         self.requests: dict[str, _RequestState] = {}
         self._written = bytearray(rc.num_kv_blocks)     # 1: this process wrote K/V there
         if rc.device.startswith("cuda") and rc.profile_tokens:
@@ -183,11 +188,15 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: IterationPlan) -> StepResult:
         started = time.perf_counter()
+        if plan.after_step is not None and plan.after_step != self._last_step:
+            return self._skip(plan)
+        self._last_step = plan.step
         sender = self._kv_sender(plan)      # refuses a bad send before any state changes
         self._apply(plan)
-        if plan.is_empty:
+        scheduled = self._scheduled(plan)
+        if not scheduled:
             return self._with_sends(StepResult(plan.step, {}), sender)
-        input_ids, chunks, order = self._inputs(plan)
+        input_ids, chunks, order = self._inputs(scheduled)
         meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device, self.act_dtype)
         streaming = sender is not None and self.rc.kv_layer_streaming
         logits = self.model(input_ids, self.kv_caches, meta, self.backend,
@@ -198,19 +207,34 @@ class ModelRunner:
             tokens = self.sampler.sample(logits, [s.sampling for s in states],
                                          [len(s.token_ids) - s.num_prompt_tokens for s in states])
         size, written = self.rc.block_size, self._written
-        for rid, n in plan.num_scheduled_tokens.items():
+        for rid, n in scheduled.items():
             s = self.requests[rid]
             for index in range(s.num_computed_tokens // size,
                                (s.num_computed_tokens + n - 1) // size + 1):
                 written[s.block_table[index]] = 1
             s.num_computed_tokens += n
+        eos = self.eos_token_ids
         for s, t in zip(states, tokens):
             s.token_ids.append(t.token_id)
+            if s.sampling.stops_on(t.token_id, eos):
+                s.stopped = True
         # forward_ms (the cost model's input) is the compute; the wait for the sends is
         # kv_stats["exposed_ms"]
         return self._with_sends(StepResult(plan.step, dict(zip(sampling_ids, tokens)),
                                            forward_ms=(time.perf_counter() - started) * 1e3),
                                 sender)
+
+    def _skip(self, plan: IterationPlan) -> StepResult:
+        """A plan made ahead of one this process never ran (it was lost, or went to a worker
+        before this one): its rows assume state this process lacks. Only what it drops is
+        forgotten; the scheduler, missing the lost plan's result, recomputes
+        (docs/design.md#overlap)."""
+        if self.tp.rank == 0:
+            log.warning("plan made ahead of a plan not run here; skipped", step=plan.step,
+                        after_step=plan.after_step, last_step=self._last_step)
+        for rid in plan.dropped_request_ids:
+            self.requests.pop(rid, None)
+        return StepResult(plan.step, {})
 
     def _kv_sender(self, plan: IterationPlan) -> LayerSender | None:
         if not plan.kv_sends:
@@ -264,11 +288,19 @@ class ModelRunner:
         for b in cached:
             self._written[b] = 1
 
-    def _inputs(self, plan: IterationPlan):
+    def _scheduled(self, plan: IterationPlan) -> dict[str, int]:
+        """The plan's rows, less those of requests that already stopped here."""
+        rows = plan.num_scheduled_tokens
+        requests = self.requests
+        if not any(requests[rid].stopped for rid in rows):
+            return rows
+        return {rid: n for rid, n in rows.items() if not requests[rid].stopped}
+
+    def _inputs(self, scheduled: dict[str, int]):
         ids: list[int] = []
         chunks: list[Chunk] = []
         order: list[str] = []
-        for rid, n in plan.num_scheduled_tokens.items():
+        for rid, n in scheduled.items():
             s = self.requests[rid]
             start = s.num_computed_tokens
             ids.extend(s.token_ids[start:start + n])

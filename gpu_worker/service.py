@@ -8,6 +8,10 @@ Rank 0 is the only rank that talks to Redis about work:
     so a client never waits on the next plan; the progress record lets a scheduler that takes
     a request over resume where the client is, see `shared/progress.py`)
 
+That pipeline goes out while the loop reads and runs the next plan, which the scheduler sent
+before this result (docs/design.md#overlap); results still leave in plan order: the next one
+waits for this one to be sent.
+
 Every XREAD of plans also asks the server for its run_id, in the same pipeline (so from the
 same server). Another run_id is a Redis that restarted and kept nothing: the cursor into the
 old plans stream means nothing there (an XREAD after an id the new stream has not reached
@@ -36,6 +40,7 @@ import dataclasses
 import os
 import socket
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -120,17 +125,36 @@ class PlanLoop:
         self._answered: dict[str, str] = {}
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Until `stop`: a plan that was read is always run and answered before returning."""
+        """Until `stop`: a plan that was read is always run and answered before returning.
+        The read for the next plans goes out as the last one read starts to run, so a plan
+        the scheduler sends meanwhile is here when the forward ends."""
         self.plan_wait.start()
+        answering: asyncio.Task | None = None
+        reading: asyncio.Task | None = None
+        entries: deque = deque()
         try:
-            while not stop.is_set():
-                for entry_id, fields in await self._read_plans():
-                    self._plans_after = entry_id
-                    plan, wire = _decode_plan(fields)
-                    if plan is not None and await self._run_plan(plan, wire):
-                        self._answered = {"answered_run_id": self._run_id,
-                                          "answered_plan": stream_id_text(entry_id)}
+            while True:
+                if not entries:
+                    if reading is None:
+                        if stop.is_set():
+                            break
+                        reading = asyncio.create_task(self._read_plans())
+                    entries.extend(await reading)
+                    reading = None
+                    continue
+                entry_id, fields = entries.popleft()
+                self._plans_after = entry_id
+                plan, wire = _decode_plan(fields)
+                if plan is None:
+                    continue
+                if not entries and not stop.is_set():
+                    reading = asyncio.create_task(self._read_plans())
+                answering = await self._run_plan(plan, wire, entry_id, answering)
         finally:
+            if reading is not None:
+                reading.cancel()
+            if answering is not None:
+                await answering
             self._thread.shutdown(wait=True)
             self.plan_wait.discard()
 
@@ -152,23 +176,35 @@ class PlanLoop:
             return []
         return [entry for _, entries in reply or [] for entry in entries]
 
-    async def _run_plan(self, plan: IterationPlan, wire: bytes) -> bool:
-        """Run the plan and send its result; False if that went to a Redis that is gone.
-        `wire`: the plan's bytes as they came from the plans stream."""
+    async def _run_plan(self, plan: IterationPlan, wire: bytes, entry_id: bytes | str,
+                        answering: asyncio.Task | None) -> asyncio.Task:
+        """Run the plan; returns the task sending its result, once the previous plan's
+        (`answering`) is sent. `wire`: the plan's bytes as they came from the plans stream."""
         self.plan_wait.stop()
         self.busy.start()
         fresh = self._forget_stale(plan)
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(self._thread, self._execute, fresh,
                                             wire if fresh is plan else None)
-        batches = token_batches(result, self.requests)
+        batches = token_batches(result, self.requests)     # before the next plan runs
         self.busy.stop()
-        self.publish.start()
-        sent = await self._send(plan.step, batches, result)
-        self.publish.stop()
+        if answering is not None:
+            await answering
         self.num_iterations += 1
         self.plan_wait.start()
-        return sent
+        return asyncio.create_task(self._answer(plan.step, batches, result, entry_id,
+                                                self._run_id))
+
+    async def _answer(self, step: int, batches: dict[str, TokenBatch], result: StepResult,
+                      entry_id: bytes | str, run_id: str) -> None:
+        """Send the result of the plan `entry_id` of the Redis with `run_id`; noted as
+        answered unless that Redis is gone."""
+        self.publish.start()
+        sent = await self._send(step, batches, result, run_id)
+        self.publish.stop()
+        if sent:
+            self._answered = {"answered_run_id": run_id,
+                              "answered_plan": stream_id_text(entry_id)}
 
     def _execute(self, plan: IterationPlan, wire: bytes | None) -> StepResult:
         """A TP group's rank 0 forwards the plan's bytes as they came (`wire`; None when
@@ -189,7 +225,8 @@ class PlanLoop:
         return dataclasses.replace(
             plan, finished_request_ids=[*self.requests, *plan.finished_request_ids])
 
-    async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult) -> bool:
+    async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult,
+                    run_id: str) -> bool:
         with_stats = time.monotonic() - self._stats_at >= STATS_INTERVAL_S
         if with_stats:
             self._stats_at = time.monotonic()
@@ -199,7 +236,7 @@ class PlanLoop:
             await retry_redis(
                 lambda: self._result_pipeline(batches, result, with_stats).execute(),
                 f"send result of step {step}", log,
-                before_retry=lambda: self._check_same_redis(step))
+                before_retry=lambda: self._check_same_redis(step, run_id))
             return True
         except _RedisReplaced:
             return False
@@ -216,10 +253,10 @@ class PlanLoop:
             pipe.hset(self.keys.stats, mapping=self.stats())
         return pipe
 
-    async def _check_same_redis(self, step: int) -> None:
-        """After a failed send: is Redis still the server the plan came from? If not, the
-        plan went with the old one and nobody waits for its result."""
-        if (await self.redis.info("server"))["run_id"] != self._run_id:
+    async def _check_same_redis(self, step: int, run_id: str) -> None:
+        """After a failed send: is Redis still the server the plan came from (`run_id`)? If
+        not, the plan went with the old one and nobody waits for its result."""
+        if (await self.redis.info("server"))["run_id"] != run_id:
             log.warning("redis restarted while a plan ran; its result is dropped", step=step)
             raise _RedisReplaced()
 

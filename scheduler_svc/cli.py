@@ -30,6 +30,9 @@ def register(sub) -> None:
                         "instances with their K/V (docs/design.md#pd-disaggregation)")
     p.add_argument("--disagg-min-prompt-tokens", type=int, default=DISAGG_MIN_PROMPT_TOKENS,
                    help="prefill role: shorter prompts are prefilled on the decode instance")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="debugging: plan each iteration only after the last one's result is "
+                        "in, instead of while it runs (docs/design.md#overlap)")
     p.add_argument("--own-request-stream", action="store_true",
                    help="a data-parallel replica (pacer up --replicas): read the instance's own "
                         "request stream pacer:inst:{id}:requests, fed by the gateway's router, "
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         scheduler_id=args.scheduler_id or socket.gethostname(), tp=engine_args.tp,
         max_waiting=args.max_waiting or engine_args.max_num_seqs,
         drain_timeout_s=args.drain_timeout, role=args.role, instance=args.instance,
-        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens)
+        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens, overlap=args.overlap)
     keys = Keys(args.key_prefix).for_instance(args.instance)
     if args.own_request_stream:
         if not args.instance or args.role != "colocated":

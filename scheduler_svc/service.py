@@ -1,15 +1,21 @@
 """The scheduler service: the pure core in a short asyncio loop over Redis streams.
 
-One iteration, strictly in order (the core refuses a second plan before the first's update):
+One iteration:
 
     intake    one pipeline: HSET stats when due, PUBLISH finish events, XACK finished
               entries, DEL their progress records, XREADGROUP new requests (only while the
               waiting queue is below its bound), XREAD aborts; once a second also MGET the
               heartbeats of the gateways holding live requests and XAUTOCLAIM abandoned ones
-    schedule  plan = core.schedule()
+    schedule  plan = core.schedule_ahead() while one plan is in flight (overlap), else
+              core.schedule()
     send      XADD PlanMsg to the plans stream (MAXLEN ~)
-    wait      XREAD the results stream after the last id seen, for this plan's step
+    wait      XREAD the results stream after the last id seen, for the oldest plan's step
     update    outputs = core.update(plan, result); finished ones go to the next intake
+
+With overlap (the default; `--no-overlap` turns it off) the plan for iteration t+1 is in the
+plans stream before the workers finish t, so they never wait for the scheduler's host work:
+at most two plans are in flight, their results applied in order (docs/design.md#overlap).
+P/D roles keep the strict order: plan, wait, update.
 
 Failures, and what the loop does about them (the worker, plan and Redis cases are
 `recovery.py`'s):
@@ -34,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -75,6 +82,8 @@ class SchedulerServiceConfig:
     role: str = "colocated"
     instance: str = ""
     disagg_min_prompt_tokens: int = 32
+    # plan iteration t+1 while t runs (docs/design.md#overlap); colocated only
+    overlap: bool = True
 
     def __post_init__(self) -> None:
         if self.role not in ("colocated", "prefill", "decode"):
@@ -102,6 +111,9 @@ class SchedulerService:
         self.recovery = Recovery(redis, keys, core, self.book, self.workers, self.takeover,
                                  self.cursors, self._drain_expired)
         self._drain_deadline: float | None = None
+        # plans sent whose results are not applied yet, oldest first: (plan, entry id)
+        self._flight: deque[tuple[IterationPlan, bytes | str]] = deque()
+        self._overlap = config.overlap and config.role == "colocated"
         self._housekeeping_at = 0.0
         self._gateway_misses: dict[str, int] = {}
         if keys.own_requests:        # a replica: the gateway's router reads its cache
@@ -199,6 +211,7 @@ class SchedulerService:
                 if not await self._step():
                     return
             except Interrupted as e:
+                self._flight.clear()        # the core forgets them too (recompute_running)
                 if isinstance(e, RedisLost):
                     self._forget_disagg_state()
                 if not await self.recovery.recover(e, stop, self.wait_for_workers):
@@ -214,11 +227,13 @@ class SchedulerService:
 
     async def _step(self) -> bool:
         """Intake, then one iteration if there is work. False: stop serving."""
-        busy = self.core.has_schedulable()
+        busy = self.core.has_schedulable() or bool(self._flight)
         await self._intake(pull=self._drain_deadline is None, block=not busy)
         self.book.expire(time.time())
         if self.decode is not None:
             self.decode.expire()
+        if self._flight:
+            return await self._iterate()        # a result is due: apply it in order
         if not self.core.has_schedulable():     # nothing, or reservations awaiting their K/V
             if self._drain_deadline is None:
                 return True
@@ -232,21 +247,29 @@ class SchedulerService:
         return await self._iterate()
 
     async def _iterate(self) -> bool:
-        """One plan out, its result in, the core updated. False: no result will come."""
-        plan = self.core.schedule()
-        if self.prefill is not None:
-            plan = self.prefill.add_sends(plan)
-        if plan.is_empty and not plan.dropped_request_ids:
-            # only aborts of queued requests to report; no worker needs to hear of it
-            if not self._apply(plan, StepResult(plan.step, {})):
-                # nothing could be admitted and nothing changed: do not spin
-                await asyncio.sleep(self.config.idle_block_ms / 1000)
-            self.stats.went_idle()
-            return True
-        plan_id = await self._send(plan)
+        """A plan out (with overlap, the next one while the last runs), the oldest result
+        in, the core updated. False: no result will come."""
+        if not self._flight:
+            plan = self.core.schedule()
+            if self.prefill is not None:
+                plan = self.prefill.add_sends(plan)
+            if plan.is_empty and not plan.dropped_request_ids:
+                # only aborts of queued requests to report; no worker needs to hear of it
+                if not self._apply(plan, StepResult(plan.step, {})):
+                    # nothing could be admitted and nothing changed: do not spin
+                    await asyncio.sleep(self.config.idle_block_ms / 1000)
+                self.stats.went_idle()
+                return True
+            self._flight.append((plan, await self._send(plan)))
+        if self._overlap and self.core.has_schedulable() and self.core.can_schedule_ahead():
+            plan = self.core.schedule_ahead()
+            if not plan.is_empty or plan.dropped_request_ids:
+                self._flight.append((plan, await self._send(plan)))
+        plan, plan_id = self._flight[0]
         result = await self._wait_result(plan.step, plan_id)
         if result is None:
             return False
+        self._flight.popleft()
         self.stats.result_received()
         self._apply(plan, result)
         if not self.core.has_unfinished():

@@ -52,6 +52,9 @@ def register(sub) -> None:
                    help="seconds to wait for /health to turn 200")
     add_request_policy_args(p)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="debugging: schedulers plan each iteration only after the last one's "
+                        "result is in (docs/design.md#overlap)")
     g = p.add_argument_group("P/D disaggregation (docs/design.md#pd-disaggregation)")
     g.add_argument("--prefill-workers", type=int, default=0,
                    help="prefill instances (with --decode-workers; default: colocated)")
@@ -234,6 +237,8 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
         name, sid = inst.name("scheduler"), instance_scheduler_id(inst)
         argv = pacer_argv("scheduler", *flags, *common, *where, "--scheduler-id", sid,
                           "--drain-timeout", str(args.shutdown_timeout))
+        if not args.overlap:
+            argv += ["--no-overlap"]
         if replicas:
             argv += ["--own-request-stream"]
         elif inst.id:

@@ -71,6 +71,10 @@ class IterationPlan:
     preempted_request_ids: list[str] = field(default_factory=list)
     # P/D prefill instances: K/V leaving with this iteration, layer by layer
     kv_sends: list[KVSend] = field(default_factory=list)
+    # a plan made ahead (docs/design.md#overlap): made on the assumption that plan
+    # `after_step` ran just before it; workers that did not run that one (it was lost) skip
+    # this plan, forgetting only its dropped ids. None: made with every result in
+    after_step: int | None = None
 
     @property
     def dropped_request_ids(self) -> list[str]:

@@ -33,7 +33,7 @@ from shared.plan import (CachedRequestData, IterationPlan, KVSend, NewRequestDat
                          SampledToken, StepResult)
 from shared.sampling import SamplingParams
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2        # 2: plans carry "after" (docs/design.md#overlap)
 STREAM_FIELD = "m"       # streams carry one field holding the encoded message
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -120,6 +120,7 @@ class PlanMsg:
             "preempted": p.preempted_request_ids,
             "kv_sends": [[k.request_id, k.peer, k.src_block_ids, k.dst_block_ids, k.peers]
                          for k in p.kv_sends],
+            "after": p.after_step,
         }
 
     @classmethod
@@ -134,6 +135,7 @@ class PlanMsg:
             preempted_request_ids=list(body["preempted"]),
             kv_sends=[KVSend(rid, peer, list(src), list(dst), list(peers))
                       for rid, peer, src, dst, peers in body["kv_sends"]],
+            after_step=body["after"],
         )
         return cls(plan)
 

@@ -2,6 +2,7 @@
 (stop conditions) and the worker (the sampler)."""
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from shared.errors import InvalidRequestError
@@ -39,6 +40,13 @@ class SamplingParams:
         # a temperature this small is greedy in all but name; dividing by it overflows
         return self.temperature < _GREEDY_BELOW or self.top_k == 1
 
+    def stops_on(self, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+        """Whether sampling `token_id` ends the request by itself (a stop token, or EOS unless
+        ignored). The scheduler applies it with the length limits (`stop_status`); a worker
+        applies it alone, to skip the rows a plan made ahead gave a request that had already
+        stopped (docs/design.md#overlap)."""
+        return token_id in self.stop_token_ids or (not self.ignore_eos and token_id in eos_token_ids)
+
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
@@ -47,3 +55,12 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
         return cls(**d)
+
+
+def token_id_set(ids: Iterable[int] | int | None) -> frozenset[int]:
+    """EOS ids as a set, from a model config's tuple, a single id, or None."""
+    if ids is None:
+        return frozenset()
+    if isinstance(ids, int):
+        return frozenset((ids,))
+    return frozenset(int(i) for i in ids)

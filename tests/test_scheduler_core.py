@@ -53,6 +53,8 @@ class WorkerRequest:
     num_prompt_tokens: int
     block_table: list[int]
     num_computed_tokens: int
+    sampling: SamplingParams
+    stopped: bool = False       # its last token stops it: rows of plans made ahead skip it
 
 
 class FakeWorker:
@@ -62,7 +64,8 @@ class FakeWorker:
     Its KV cache holds, in each slot, the whole prefix ending at the token written there (what
     real K/V depend on). Every row checks that the slots it attends over hold exactly its own
     prefix (a prefix cache hit included), and that it writes only into blocks no other live
-    request holds."""
+    request holds. Like the model runner, it skips the rows of a request whose last token
+    was a stop token (a plan made ahead, docs/design.md#overlap, gives it one more)."""
 
     def __init__(self, sched: Scheduler,
                  next_token: Callable[[str, int], int] = lambda request_id, n: TOKEN) -> None:
@@ -70,6 +73,7 @@ class FakeWorker:
         self.next_token = next_token
         self.requests: dict[str, WorkerRequest] = {}
         self.kv: dict[int, tuple[int, ...]] = {}        # slot -> the prefix its K/V encode
+        self.num_skipped = 0
 
     def lose_kv_cache(self, plan: IterationPlan | None = None) -> None:
         """The workers restarted (after receiving `plan`, never answered): every slot's
@@ -84,14 +88,20 @@ class FakeWorker:
         sampled = {}
         for request_id, rows in plan.num_scheduled_tokens.items():
             wr = self.requests[request_id]
+            if wr.stopped:
+                self.num_skipped += 1
+                continue
             kv_len = wr.num_computed_tokens + rows
             assert rows >= 1 and kv_len <= len(wr.token_ids) <= self.sched.max_model_len
             assert len(wr.block_table) * self.sched.block_manager.block_size >= kv_len
             self._write_and_read(request_id, wr, kv_len)
             wr.num_computed_tokens = kv_len
             if kv_len == len(wr.token_ids):
-                token = self.next_token(request_id, len(wr.token_ids) - wr.num_prompt_tokens)
+                num_generated = len(wr.token_ids) - wr.num_prompt_tokens
+                assert num_generated < wr.sampling.max_tokens, f"{request_id} past max_tokens"
+                token = self.next_token(request_id, num_generated)
                 wr.token_ids.append(token)
+                wr.stopped = wr.sampling.stops_on(token, self.sched.eos_token_ids)
                 sampled[request_id] = SampledToken(token)
         return StepResult(plan.step, sampled)
 
@@ -103,7 +113,7 @@ class FakeWorker:
             assert new.request_id not in self.requests, f"{new.request_id} sent twice"
             self.requests[new.request_id] = WorkerRequest(
                 list(new.token_ids), new.num_prompt_tokens, list(new.block_table),
-                new.num_computed_tokens)
+                new.num_computed_tokens, new.sampling)
         for cached in plan.cached_requests:
             wr = self.requests[cached.request_id]
             assert wr.num_computed_tokens == cached.num_computed_tokens
@@ -552,3 +562,60 @@ def test_a_shared_prefix_is_computed_once_and_outlives_a_preemption():
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks
     assert bm.prefix_cache_hits >= 3 * 12 and bm.prefix_cache_queries > bm.prefix_cache_hits
+
+
+# ---- planning ahead (docs/design.md#overlap) ---------------------------------------------
+
+def test_a_plan_made_ahead_continues_every_decode_and_skips_a_known_last_token():
+    sched = make_scheduler()
+    worker = FakeWorker(sched)
+    add(sched, "long", 3, max_tokens=8)
+    add(sched, "short", 3, max_tokens=2)
+    first = sched.schedule()                     # both prompts; each samples its first token
+    ahead = sched.schedule_ahead()               # made before the first result is in
+    assert ahead.num_scheduled_tokens == {"long": 1, "short": 1}
+    assert [c.num_computed_tokens for c in ahead.cached_requests] == [3, 3]
+    assert not sched.can_schedule_ahead()        # two plans in flight: the limit
+    outputs = sched.update(first, worker.execute(first))
+    assert tokens(outputs) == [TOKEN, TOKEN]
+    third = sched.schedule_ahead()               # short's token in flight is its last
+    assert third.num_scheduled_tokens == {"long": 1}
+    outputs = sched.update(ahead, worker.execute(ahead))
+    assert final([o for o in outputs if o.request_id == "short"]).finish_reason == "length"
+    sched.update(third, worker.execute(third))
+    assert sched.get_request("long").num_output_tokens == 3
+
+
+def test_a_stop_token_in_flight_drops_the_row_planned_ahead_and_frees_blocks_once():
+    sched = make_scheduler(block_size=4)
+    worker = FakeWorker(sched, next_token=eos_at(0))
+    add(sched, "a", 4, max_tokens=8)                 # its first token will be EOS
+    add(sched, "b", 4, max_tokens=8, ignore_eos=True)
+    first = sched.schedule()
+    ahead = sched.schedule_ahead()                   # a's decode is planned: a new block
+    assert ahead.num_scheduled_tokens == {"a": 1, "b": 1}
+    outputs = sched.update(first, worker.execute(first))
+    assert final([o for o in outputs if o.request_id == "a"]).finish_reason == "stop"
+    bm = sched.block_manager
+    assert bm.num_used_blocks == len(sched.get_request("b").block_table)   # a's all freed
+    result = worker.execute(ahead)
+    assert set(result.sampled) == {"b"} and worker.num_skipped == 1
+    outputs = sched.update(ahead, result)
+    assert [o.request_id for o in outputs] == ["b"]
+    bm.check_integrity()
+    assert sched.schedule().finished_request_ids == ["a"]   # the workers forget it now
+
+
+def test_a_plan_made_ahead_never_preempts_it_stalls_and_the_next_plan_waits():
+    sched = make_scheduler(block_size=4, num_blocks=4)
+    worker = FakeWorker(sched)
+    add(sched, "a", 8, max_tokens=8)
+    add(sched, "b", 8, max_tokens=8)
+    first = sched.schedule()                         # 2 full blocks each: the pool is full
+    ahead = sched.schedule_ahead()                   # a needs a third block: none free
+    assert ahead.is_empty and not ahead.preempted_request_ids
+    assert sched.num_preemptions_total == 0 and not sched.can_schedule_ahead()
+    sched.update(first, worker.execute(first))
+    sched.update(ahead, worker.execute(ahead))       # empty: nothing to apply
+    plan = sched.schedule()                          # made with the results in: preempts
+    assert plan.preempted_request_ids == ["b"] and plan.num_scheduled_tokens == {"a": 1}

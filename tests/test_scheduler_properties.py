@@ -1,6 +1,9 @@
 """Property test: random arrivals, prompt lengths, max_tokens, budgets, sequence caps, block
 sizes, pool sizes, aborts (some while a plan runs), prompts sharing prefixes of random
-lengths, prefix caching on or off, and workers that lose their KV cache while a plan runs.
+lengths, prefix caching on or off, and workers that lose their KV cache while a plan runs;
+driven strictly (schedule, run, update) or with overlap, as the served loop does
+(`schedule_ahead()` while a plan runs, docs/design.md#overlap), which must end every request
+exactly where the strict loop does.
 Every step keeps the invariants (`check_plan`, the FakeWorker's protocol checks — every row
 reads exactly its own prefix's K/V, writes only into blocks no other request holds —, and
 `check_integrity`: ref counts equal table counts, free + used = total, a cached block's hash
@@ -15,6 +18,7 @@ iterations. A lost KV cache sends everything back to the queue, so each one rest
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, event, given, settings
@@ -23,7 +27,7 @@ from hypothesis import strategies as st
 from scheduler_svc.core import Scheduler
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
-from shared.plan import IterationPlan
+from shared.plan import IterationPlan, StepResult
 from shared.sampling import SamplingParams
 from test_scheduler_core import EOS, TOKEN, FakeWorker, check_plan, make_scheduler
 
@@ -98,8 +102,12 @@ def check_orca(sched: Scheduler, plan: IterationPlan) -> None:
 
 class Driver:
     def __init__(self, sched: Scheduler, arrivals: list[Arrival], aborts: list[Abort],
-                 kv_losses: frozenset[int] = frozenset()) -> None:
+                 kv_losses: frozenset[int] = frozenset(), overlap: bool = False) -> None:
         self.sched, self.arrivals, self.aborts = sched, arrivals, aborts
+        self.overlap = overlap
+        # overlap: plans sent, with the result the workers gave (they run plans in order)
+        self.in_flight: deque[tuple[IterationPlan, StepResult]] = deque()
+        self.num_ahead = 0
         self.kv_losses = kv_losses  # steps whose plan is lost with the workers' KV cache
         eos_at = {f"r{i}": a.eos_at for i, a in enumerate(arrivals)}
         self.worker = FakeWorker(sched, lambda rid, n: EOS if n == eos_at[rid] else TOKEN)
@@ -125,6 +133,9 @@ class Driver:
                 self.sched.abort(f"r{ab.index}")
 
     def step(self, step: int) -> None:
+        if self.overlap:
+            self.step_overlapped(step)
+            return
         self.arrive(step)
         self.abort(step, while_running=False)
         plan = self.sched.schedule()
@@ -144,18 +155,55 @@ class Driver:
             self.outputs.setdefault(out.request_id, []).append(out)
         self.sched.block_manager.check_integrity()
 
+    def step_overlapped(self, step: int) -> None:
+        """As the served loop: a plan out if none is in flight, the next one made ahead while
+        one is, then the oldest result applied."""
+        sched = self.sched
+        self.arrive(step)
+        self.abort(step, while_running=False)
+        if not self.in_flight:
+            if not sched.has_schedulable():
+                return
+            self.send(sched.schedule())
+        if sched.has_schedulable() and sched.can_schedule_ahead():
+            plan = sched.schedule_ahead()
+            self.num_ahead += 1
+            if not plan.is_empty or plan.dropped_request_ids:
+                self.send(plan)
+        if step in self.kv_losses:
+            # the workers restarted with both plans unanswered: no block's content survives
+            self.worker.lose_kv_cache()
+            self.in_flight.clear()
+            sched.recompute_running()
+            assert sched.block_manager.num_cached_blocks == 0
+            sched.block_manager.check_integrity()
+            return
+        self.abort(step, while_running=True)
+        plan, result = self.in_flight.popleft()
+        for out in sched.update(plan, result):
+            self.outputs.setdefault(out.request_id, []).append(out)
+        sched.block_manager.check_integrity()
+
+    def send(self, plan: IterationPlan) -> None:
+        check_plan(self.sched, plan)
+        if not self.sched.config.enable_chunked_prefill:
+            check_orca(self.sched, plan)
+        self.in_flight.append((plan, self.worker.execute(plan)))
+
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(configs(), st.lists(arrivals, min_size=2, max_size=12), st.lists(aborts, max_size=4),
-       st.frozensets(st.integers(0, 40), max_size=2))
-def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts, kv_losses):
+       st.frozensets(st.integers(0, 40), max_size=2), st.booleans())
+def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts, kv_losses,
+                                                      overlap):
     sched = make_scheduler(**config)
-    driver = Driver(sched, arrivals, aborts, kv_losses)
+    driver = Driver(sched, arrivals, aborts, kv_losses, overlap)
     last_arrival = max(a.step for a in arrivals)
+    # with overlap a plan that stalled for blocks costs one more step before the next
     bound = (last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)) \
-        * (1 + len(kv_losses))
+        * (1 + len(kv_losses)) * (2 if overlap else 1)
     step = 0
-    while step <= last_arrival or sched.has_unfinished():
+    while step <= last_arrival or sched.has_unfinished() or driver.in_flight:
         assert step <= bound, "the scheduler stopped making progress"
         driver.step(step)
         step += 1
@@ -163,6 +211,9 @@ def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts, 
     # `pytest --hypothesis-show-statistics` shows how often the hard paths were exercised
     event(f"preemptions: {min(sched.num_preemptions_total, 3)}")
     event(f"accepted requests: {min(len(driver.accepted), 4)}")
+    if overlap:
+        event(f"plans made ahead: {'0' if not driver.num_ahead else '>0'}")
+        event(f"rows skipped after a stop token: {'>0' if driver.worker.num_skipped else '0'}")
     bm = sched.block_manager
     event(f"prefix cache hit tokens: {'0' if not bm.prefix_cache_hits else '>0'}")
     assert bm.prefix_cache_hits <= bm.prefix_cache_queries

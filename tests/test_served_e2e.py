@@ -16,7 +16,7 @@ import redis
 
 from services.up import redis_answers
 from shared.keys import Keys
-from shared.protocol import decode
+from shared.protocol import TokenBatch, decode
 from tests.served_fixture import API_KEY, Served, read_json, served, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -125,6 +125,46 @@ def test_greedy_output_equals_in_process_engine(served: Served):
         assert got.usage.completion_tokens == len(expected.token_ids), prompt
         assert got.choices[0].text == engine.tokenizer.decode(expected.token_ids), prompt
         assert got.choices[0].finish_reason == expected.finish_reason, prompt
+
+
+def test_a_stop_token_ends_the_stream_with_nothing_after_it(served: Served):
+    """The scheduler plans the next iteration before this one's token is known
+    (docs/design.md#overlap), so the request's row is already planned when its stop token
+    comes: the worker skips it, and the client gets exactly the tokens up to the stop token."""
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+    from shared.sampling import SamplingParams
+
+    engine = LLMEngine(EngineArgs(kv_cache_memory="32MiB"), progress=False)
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    [full] = engine.generate([ids], [SamplingParams(max_tokens=24, temperature=0.0,
+                                                    ignore_eos=True)])
+    k = next(i for i in range(3, 24) if full.token_ids[i] not in full.token_ids[:i])
+    # what the worker publishes, seen on every gateway channel (the gateway trims a token
+    # that comes after the finish event, but nothing orders the two publishers)
+    r = redis.Redis.from_url(served.redis_url)
+    listener = r.pubsub()
+    listener.psubscribe(KEYS.tokens("*"))
+    assert listener.get_message(timeout=5.0)["type"] == "psubscribe"
+    stream = client(served).completions.create(
+        model=MODEL, prompt=ids, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True, "stop_token_ids": [full.token_ids[k]]})
+    chunks = list(stream)
+    time.sleep(0.5)             # any late token event lands meanwhile
+    published = []
+    while (message := listener.get_message(timeout=0.1)) is not None:
+        if message["type"] == "pmessage" and isinstance(batch := decode(message["data"]),
+                                                        TokenBatch):
+            published += [e.token_id for e in batch.events]
+    listener.close()
+    r.close()
+    assert published == full.token_ids[:k + 1]
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == engine.tokenizer.decode(full.token_ids[:k + 1])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == k + 1
+    wait_for(lambda: scheduler_idle(served), 10.0, "blocks freed after the stop token")
 
 
 def test_client_disconnect_frees_kv_blocks(served: Served):

@@ -79,11 +79,11 @@ def build_attention_metadata(chunks: list[Chunk], block_size: int,
     kv_lens = torch.tensor([c.kv_len for c in chunks], dtype=torch.int64)
     cu_q = torch.zeros(len(chunks) + 1, dtype=torch.int64)
     torch.cumsum(q_rows, 0, out=cu_q[1:])
-    max_blocks = max(-(-c.kv_len // block_size) for c in chunks)
-    tables = torch.zeros(len(chunks), max_blocks, dtype=torch.int64)
-    for i, c in enumerate(chunks):
-        n = -(-c.kv_len // block_size)
-        tables[i, :n] = torch.tensor(c.block_table[:n], dtype=torch.int64)
+    num_blocks = [-(-c.kv_len // block_size) for c in chunks]
+    max_blocks = max(num_blocks)
+    # one tensor from padded lists: a slice assignment per chunk costs ~10x (at 32 decodes)
+    tables = torch.tensor([c.block_table[:n] + [0] * (max_blocks - n)
+                           for c, n in zip(chunks, num_blocks)], dtype=torch.int64)
 
     # positions of every row: kv_len - q_rows + (row - q_start)
     total = int(cu_q[-1])

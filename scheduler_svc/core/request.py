@@ -88,9 +88,8 @@ def stop_status(request: Request, eos_token_ids: frozenset[int],
 
     A stop token beats max_tokens: a request whose last allowed token is EOS reports "stop".
     """
-    token = request.output_token_ids[-1]
     sampling = request.sampling
-    if token in sampling.stop_token_ids or (not sampling.ignore_eos and token in eos_token_ids):
+    if sampling.stops_on(request.output_token_ids[-1], eos_token_ids):
         return RequestStatus.FINISHED_STOPPED
     if request.num_output_tokens >= sampling.max_tokens:
         return RequestStatus.FINISHED_LENGTH

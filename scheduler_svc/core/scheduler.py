@@ -20,7 +20,9 @@ iteration instead.
 
 The caller drives it in a strict loop: `plan = schedule()`, run the plan, `update(plan,
 result)`, repeat. `update()` advances `num_computed_tokens`, so a second `schedule()` before it
-would schedule the same rows twice and is refused.
+would schedule the same rows twice and is refused. The served loop overlaps: with one plan in
+flight, `schedule_ahead()` makes the next as if the first's result were in, and results are
+applied in order (docs/design.md#overlap).
 
 Aborts are reported by the next `update()` as `RequestOutput(finished=True,
 finish_reason="abort")`; `has_unfinished()` stays true until they have been reported.
@@ -28,7 +30,6 @@ finish_reason="abort")`; `has_unfinished()` stays true until they have been repo
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -40,7 +41,7 @@ from shared.config import SchedulerConfig
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
 from shared.plan import CachedRequestData, IterationPlan, NewRequestData, SampledToken, StepResult
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, token_id_set
 
 
 @dataclass
@@ -54,6 +55,8 @@ class _Iteration:
     cached_requests: list[CachedRequestData] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     num_tokens: int = 0
+    ahead: int | None = None    # planned while this step runs: it never preempts
+    stalled: bool = False       # ...and stops where it would have had to
 
     @property
     def budget_left(self) -> int:
@@ -81,6 +84,20 @@ class _Iteration:
             self.samples.append(request.request_id)
 
 
+_PLACEHOLDER = -1           # the token a plan in flight samples, while the next is planned
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A plan sent and not yet update()d: its (request, rows), the ids that sample, and
+    whether any of its requests stopped running since it was made (then update() skips
+    them)."""
+    step: int
+    scheduled: list[tuple[Request, int]]
+    samples: list[str]
+    dirty: bool = False
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig,
                  eos_token_ids: tuple[int, ...] | int | None = None,
@@ -89,7 +106,7 @@ class Scheduler:
         the model's and the config's); None means `config.max_model_len`."""
         self.config = config
         self.max_model_len = config.max_model_len if max_model_len is None else max_model_len
-        self.eos_token_ids = _id_set(eos_token_ids)
+        self.eos_token_ids = token_id_set(eos_token_ids)
         self.policy = policy or FcfsPolicy()
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -105,8 +122,9 @@ class Scheduler:
         self._reserved: dict[str, Request] = {}
         self._num_arrivals = 0
         self._next_step = 0
-        # the plan awaiting update(): (step, its (request, rows), the ids that sample)
-        self._in_flight: tuple[int, list[tuple[Request, int]], list[str]] | None = None
+        # plans awaiting update(), oldest first: one, or two once `schedule_ahead()` ran
+        self._flights: deque[_Flight] = deque()
+        self._sync_next = False       # a plan made ahead stalled: the next one waits
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -140,6 +158,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self._aborted.append(_output(request, []))
+        self._left_running()
 
     # ---- P/D: the decode side (docs/design.md#pd-disaggregation) -------------------------
 
@@ -209,7 +228,8 @@ class Scheduler:
         its prompt plus the tokens it generated (preemption, for all of them at once). The
         prefix cache is emptied too: no block's content is known any more.
         Returns their ids in admission order."""
-        self._in_flight = None
+        self._flights.clear()
+        self._sync_next = False
         lost, self._running = self._running, []
         for request in reversed(lost):       # each goes to the front: admission order kept
             self.block_manager.free(request)
@@ -244,27 +264,87 @@ class Scheduler:
     def schedule(self) -> IterationPlan:
         """Decide the next iteration. An empty plan still carries the ids to drop."""
         self._require_updated()
-        iteration = _Iteration(self.config.max_num_batched_tokens, self._latency_budget())
-        self._continue_running(iteration)
-        if not iteration.preempted_ids:
-            self._admit_waiting(iteration)
+        return self._emit_plan(self._decide(ahead=None))
+
+    def can_schedule_ahead(self) -> bool:
+        """Whether `schedule_ahead()` may run now: exactly one plan in flight, and the last
+        plan made ahead did not stall for want of blocks (then the next one waits for the
+        results, so that it can preempt)."""
+        return len(self._flights) == 1 and not self._sync_next
+
+    def schedule_ahead(self) -> IterationPlan:
+        """Decide the iteration after the one in flight, before its result is in
+        (docs/design.md#overlap): every request of the plan in flight is taken to have
+        computed its rows and, where it samples, to have drawn one more token that stops
+        nothing. Requests that the token will certainly end (max_tokens, the context length)
+        get no rows; one that an EOS or stop token ends gets a row the workers skip and
+        `update()` drops. It never preempts: where it would have to, it stops, and the next
+        plan is made with the results in (`can_schedule_ahead()` is then False)."""
+        if not self.can_schedule_ahead():
+            raise RuntimeError("schedule_ahead() needs exactly one plan in flight and no "
+                               "stalled plan before it")
+        flight = self._flights[0]
+        assumed = self._assume_done(flight)
+        try:
+            iteration = self._decide(ahead=flight.step, finishing=assumed[1])
+        finally:
+            self._undo_assumed(assumed[0])
         return self._emit_plan(iteration)
+
+    def _decide(self, ahead: int | None,
+                finishing: frozenset[Request] = frozenset()) -> _Iteration:
+        iteration = _Iteration(self.config.max_num_batched_tokens, self._latency_budget(),
+                               ahead=ahead)
+        self._continue_running(iteration, finishing)
+        if not iteration.preempted_ids and not iteration.stalled:
+            self._admit_waiting(iteration)
+        return iteration
+
+    def _assume_done(self, flight: _Flight) -> tuple[list[tuple[Request, int, bool]],
+                                                      frozenset[Request]]:
+        """Advance the requests of the plan in flight as if its result were in, with a
+        placeholder for each token it samples; returns what to undo, and the requests that
+        token would end whatever it is."""
+        done, finishing = [], []
+        running, max_model_len = RequestStatus.RUNNING, self.max_model_len
+        for request, rows in flight.scheduled:
+            if request.status is not running:
+                continue            # aborted since: no longer in the running list
+            samples = rows == request.num_uncomputed_tokens
+            request.num_computed_tokens += rows
+            if samples:
+                request.output_token_ids.append(_PLACEHOLDER)
+                if len(request.output_token_ids) >= request.sampling.max_tokens \
+                        or request.num_tokens >= max_model_len:
+                    finishing.append(request)
+            done.append((request, rows, samples))
+        return done, frozenset(finishing)
+
+    @staticmethod
+    def _undo_assumed(done: list[tuple[Request, int, bool]]) -> None:
+        for request, rows, samples in done:
+            request.num_computed_tokens -= rows
+            if samples:
+                request.output_token_ids.pop()
 
     def update(self, plan: IterationPlan, result: StepResult) -> list[RequestOutput]:
         """Apply what the workers did with `plan`: advance computed tokens, append sampled
         tokens, apply stop conditions. Returns one output per request that got a token or
         finished (pending aborts first)."""
-        scheduled = self._in_flight_for(plan, result)
-        samples = self._in_flight[2]
-        # A scheduled request is running unless it was aborted since, and then its abort
-        # waits in `_aborted` to be reported (identity, not is_finished: this runs for every
-        # row of every iteration).
+        flight = self._flight_for(plan, result)
+        if flight is None:          # an empty plan: only aborts to report
+            outputs, self._aborted = self._aborted, []
+            return outputs
+        scheduled = flight.scheduled
+        # A scheduled request is running unless it was aborted (its abort waits in `_aborted`
+        # to be reported) or, for a plan made ahead, stopped by the result before this one
+        # (identity, not is_finished: this runs for every row of every iteration).
         running = RequestStatus.RUNNING
-        live = scheduled if not self._aborted else \
+        live = scheduled if not flight.dirty else \
             [(request, rows) for request, rows in scheduled if request.status is running]
-        _check_sampled(plan.step, scheduled, live, samples, result)
-        self._observe_cost(scheduled, result.forward_ms)
-        self._in_flight = None
+        _check_sampled(plan.step, scheduled, live, flight.samples, result)
+        self._observe_cost(live, result.forward_ms)
+        self._flights.popleft()
         outputs, self._aborted = self._aborted, []
         block_size = self.block_manager.block_size
         caching, sampled, max_model_len = self._caching, result.sampled, self.max_model_len
@@ -295,9 +375,9 @@ class Scheduler:
         return outputs
 
     def samples_in_flight(self) -> list[str]:
-        """The requests of the plan in flight whose chunk reaches the end of their tokens:
-        those the workers sample a token for (a simulator's stand-in for them asks)."""
-        return [] if self._in_flight is None else list(self._in_flight[2])
+        """The requests of the oldest plan in flight whose chunk reaches the end of their
+        tokens: those the workers sample a token for (a simulator's stand-in for them asks)."""
+        return list(self._flights[0].samples) if self._flights else []
 
     # ---- scheduling steps ----------------------------------------------------------------
 
@@ -329,7 +409,8 @@ class Scheduler:
             return None
         return IterationLatency(cost, budget_ms, config.block_size, decodes)
 
-    def _continue_running(self, iteration: _Iteration) -> None:
+    def _continue_running(self, iteration: _Iteration,
+                          finishing: frozenset[Request] = frozenset()) -> None:
         running = self._running
         max_model_len = self.max_model_len
         block_size = self.block_manager.block_size
@@ -349,6 +430,7 @@ class Scheduler:
                 num_tokens = len(request.prompt_token_ids) + len(request.output_token_ids)
                 if num_tokens - computed != 1 or num_tokens > max_model_len \
                         or request.kv_received is not None \
+                        or finishing and request in finishing \
                         or (new_block_ids := [] if computed < len(request.block_table) * block_size
                             else allocate(request, 1)) is None:
                     break
@@ -361,6 +443,9 @@ class Scheduler:
             if index == len(running) or num_tokens_so_far >= budget:
                 break
             request = running[index]
+            if finishing and request in finishing:
+                index += 1      # the token in flight ends it: nothing to plan
+                continue
             iteration.num_tokens = num_tokens_so_far
             rows = self._chunk_rows(request, iteration)
             if rows == 0:
@@ -368,7 +453,7 @@ class Scheduler:
                 continue
             new_block_ids = self._allocate_or_preempt(request, rows, index, iteration)
             if new_block_ids is None:
-                return          # it preempted itself, so it was the last one running
+                return          # it preempted itself (the last one running), or stalled
             if request.kv_received is not None:
                 iteration.add_new(request, rows)    # handed over: new to the workers
             else:
@@ -392,8 +477,12 @@ class Scheduler:
 
     def _allocate_or_preempt(self, request: Request, rows: int, index: int,
                              iteration: _Iteration) -> list[int] | None:
-        """Blocks for `rows` more rows of running[index], preempting until they fit."""
+        """Blocks for `rows` more rows of running[index], preempting until they fit (a plan
+        made ahead stalls instead: None)."""
         while (new_block_ids := self.block_manager.allocate(request, rows)) is None:
+            if iteration.ahead is not None:
+                iteration.stalled = True
+                return None
             # Only requests not yet scheduled this iteration may lose their blocks.
             victim = self.policy.pick_victim(self._running[index:])
             self._preempt(victim, iteration)
@@ -411,6 +500,7 @@ class Scheduler:
         self.policy.requeue_preempted(self._waiting, victim)
         iteration.preempted_ids.append(victim.request_id)
         self.num_preemptions_total += 1
+        self._left_running()
 
     def _admit_waiting(self, iteration: _Iteration) -> None:
         while self._waiting and len(self._running) < self.config.max_num_seqs:
@@ -465,27 +555,41 @@ class Scheduler:
             cached_requests=iteration.cached_requests,
             num_scheduled_tokens={r.request_id: rows for r, rows in iteration.scheduled},
             finished_request_ids=self._finished_ids,
-            preempted_request_ids=self._preempted_ids + iteration.preempted_ids)
+            preempted_request_ids=self._preempted_ids + iteration.preempted_ids,
+            after_step=iteration.ahead)
         self._finished_ids, self._preempted_ids = [], []
-        self._in_flight = (plan.step, iteration.scheduled, iteration.samples)
+        if iteration.scheduled:     # an empty plan has nothing for update() to apply
+            self._flights.append(_Flight(plan.step, iteration.scheduled, iteration.samples))
+        self._sync_next = iteration.stalled
         self._next_step += 1
         return plan
 
     # ---- bookkeeping ---------------------------------------------------------------------
 
     def _require_updated(self) -> None:
-        if self._in_flight is not None and self._in_flight[1]:
-            raise RuntimeError(f"plan {self._in_flight[0]} has not been update()d; "
+        if self._flights:
+            raise RuntimeError(f"plan {self._flights[0].step} has not been update()d; "
                                "call update(plan, result) before the next schedule()")
 
-    def _in_flight_for(self, plan: IterationPlan, result: StepResult) -> list[tuple[Request, int]]:
-        if self._in_flight is None or self._in_flight[0] != plan.step:
-            waiting_for = None if self._in_flight is None else self._in_flight[0]
-            raise ValueError(f"update() got plan {plan.step}, but the plan awaiting its result "
-                             f"is {waiting_for}")
+    def _flight_for(self, plan: IterationPlan, result: StepResult) -> _Flight | None:
         if result.step != plan.step:
             raise ValueError(f"result of step {result.step} given for plan {plan.step}")
-        return self._in_flight[1]
+        flight = self._flights[0] if self._flights else None
+        if flight is not None and flight.step == plan.step:
+            return flight
+        if plan.is_empty:
+            if result.sampled:
+                raise ValueError(f"step {plan.step}: expected sampled tokens for [], got "
+                                 f"{sorted(result.sampled)}")
+            return None
+        waiting_for = None if flight is None else flight.step
+        raise ValueError(f"update() got plan {plan.step}, but the plan awaiting its result "
+                         f"is {waiting_for}")
+
+    def _left_running(self) -> None:
+        """A request stopped running: plans in flight that carry it must skip it."""
+        for flight in self._flights:
+            flight.dirty = True
 
     def _stop(self, request: Request, token: SampledToken) -> RequestOutput:
         """The token just appended ended the request, or will not: `stop_status` decides (the
@@ -503,6 +607,7 @@ class Scheduler:
         self.block_manager.free(request)
         del self._requests[request.request_id]
         self._finished_ids.append(request.request_id)
+        self._left_running()
 
     def _validate(self, request_id: str, prompt_token_ids: list[int],
                   sampling: SamplingParams) -> None:
@@ -522,14 +627,6 @@ class Scheduler:
                 f"request {request_id!r}: {longest} tokens (prompt {num_prompt} + max_tokens "
                 f"{sampling.max_tokens}) need {blocks} KV blocks, but the whole pool has "
                 f"{self.block_manager.num_total_blocks}; lower max_tokens or add KV memory")
-
-
-def _id_set(ids: tuple[int, ...] | Iterable[int] | int | None) -> frozenset[int]:
-    if ids is None:
-        return frozenset()
-    if isinstance(ids, int):
-        return frozenset((ids,))
-    return frozenset(int(i) for i in ids)
 
 
 def _output(request: Request, new_tokens: list[SampledToken]) -> RequestOutput:

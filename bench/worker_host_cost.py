@@ -1,0 +1,112 @@
+"""Where a decode iteration's time goes on the worker: host work (plan bookkeeping, inputs,
+attention metadata, sampling, the update after it) against the model's forward.
+
+A batch of `--batch` requests (random ~`--input-len`-token prompts) is prefilled, then
+`--steps` decode iterations are timed phase by phase (ModelRunner.execute's parts, wrapped
+here by timers; the scheduler's schedule() and update() beside them for context). Each
+phase's median over the steps is printed, in ms per iteration.
+
+    python bench/worker_host_cost.py [--batch 32] [--steps 40] [--dtype bfloat16]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import random_prompts, write_json  # noqa: E402  (OpenMP policy first)
+import gpu_worker.model_runner as model_runner  # noqa: E402
+from services.engine import LLMEngine  # noqa: E402
+from shared.engine_args import EngineArgs  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
+
+PHASES = ("schedule", "apply plan", "inputs", "attention metadata", "forward", "sampling",
+          "after sampling", "update")
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.current: dict[str, float] = defaultdict(float)
+        self.steps: list[dict[str, float]] = []
+
+    def wrap(self, name: str, fn):
+        def timed(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.current[name] += (time.perf_counter() - t) * 1e3
+        return timed
+
+    def end_step(self) -> None:
+        self.steps.append(dict(self.current))
+        self.current.clear()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    EngineArgs.add_cli_args(ap)
+    ap.set_defaults(kv_cache_memory="512MiB")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--input-len", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    engine = LLMEngine(EngineArgs.from_cli(args), progress=False)
+    runner, sched = engine.runner, engine.scheduler
+    timers = Timers()
+    for name, owner, attr in (("apply plan", runner, "_apply"), ("inputs", runner, "_inputs"),
+                              ("forward", runner.model, "forward"),
+                              ("sampling", runner.sampler, "sample"),
+                              ("schedule", sched, "schedule"), ("update", sched, "update")):
+        setattr(owner, attr, timers.wrap(name, getattr(owner, attr)))
+    model_runner.build_attention_metadata = timers.wrap(
+        "attention metadata", model_runner.build_attention_metadata)
+    execute = runner.execute
+
+    def timed_execute(plan):
+        t = time.perf_counter()
+        result = execute(plan)
+        timers.current["execute"] += (time.perf_counter() - t) * 1e3
+        return result
+    runner.execute = timed_execute
+
+    prompts = random_prompts(args.batch, args.input_len, args.input_len,
+                             engine.model_config.vocab_size, seed=0,
+                             avoid=engine.model_config.eos_token_ids)
+    sp = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    ids = {engine.add_request(p, sp) for p in prompts}
+    started: set[str] = set()
+    while started != ids:                   # the prefills
+        started.update(o.request_id for o in engine.step())
+    for _ in range(4):
+        engine.step()                       # warm decodes
+    timers.steps.clear()
+    timers.current.clear()
+    for _ in range(args.steps):
+        engine.step()
+        timers.end_step()
+
+    med = {name: statistics.median(s.get(name, 0.0) for s in timers.steps)
+           for name in (*PHASES, "execute")}
+    named = sum(med[n] for n in ("apply plan", "inputs", "attention metadata", "forward",
+                                 "sampling"))
+    med["after sampling"] = max(0.0, med["execute"] - named)
+    total = med["execute"] + med["schedule"] + med["update"]
+    print(f"batch {args.batch} decodes, median over {args.steps} iterations (ms):")
+    for name in PHASES:
+        print(f"  {name:20s} {med[name]:8.2f}  {100 * med[name] / total:5.1f} %")
+    host = total - med["forward"]
+    print(f"  host work outside the forward: {host:.2f} ms of {total:.2f} ms "
+          f"({100 * host / total:.1f} %)")
+    write_json(args.json, {"batch": args.batch, "steps": args.steps, "median_ms": med})
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
