@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from shared.engine_args import EngineArgs
-from shared.service_args import add_instance_args, add_service_args
+from shared.service_args import ROLES, add_instance_args, add_service_args
 
 
 def register(sub) -> None:
@@ -13,6 +13,10 @@ def register(sub) -> None:
     add_service_args(p)
     p.add_argument("--rank", type=int, default=0, help="this process's TP rank, 0..tp-1")
     add_instance_args(p)
+    p.add_argument("--role", choices=ROLES, default=None,
+                   help="the role of this rank's instance, as its scheduler has it: announced "
+                        "in the heartbeat (the scheduler refuses a worker of another role); "
+                        "prefill and decode need --kv-connector (default: not stated)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: torch threads of this rank (default: the cores, shared out "
                         "among the ranks)")
@@ -35,9 +39,15 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli(args)
     if not 0 <= args.rank < engine_args.tp:
         raise PacerError(f"--rank must be in [0, {engine_args.tp}), got {args.rank}")
+    if args.role in ("prefill", "decode") and engine_args.kv_connector == "none":
+        raise PacerError(f"--role {args.role}: the K/V of a P/D instance move between "
+                         "instances; give --kv-connector mooncake")
+    if args.role in ("prefill", "decode") and not args.instance:
+        raise PacerError(f"--role {args.role} needs --instance ID")
     layout = engine_layout(engine_args)
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
     return run_redis_service(args.redis_url, lambda redis, stop: serve_worker(
-        redis, Keys(args.key_prefix).for_instance(args.instance), layout, args.rank, stop, tp_host=args.tp_host))
+        redis, Keys(args.key_prefix).for_instance(args.instance), layout, args.rank, stop,
+        tp_host=args.tp_host, role=args.role))

@@ -296,14 +296,17 @@ def _decode_plan(fields: dict) -> tuple[IterationPlan | None, bytes]:
 
 def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
                      loop: PlanLoop | None = None,
-                     kv: Callable[[], dict | None] = lambda: None):
+                     kv: Callable[[], dict | None] = lambda: None, role: str | None = None):
     """A heartbeat factory for one rank; rank 0's carries its wait/busy counters. `kv`: this
-    rank's KV connector descriptor, once its runner has one."""
+    rank's KV connector descriptor, once its runner has one; `role`: its instance's role, when
+    stated (`pacer worker --role`; the scheduler refuses another)."""
     started_at = time.time()     # with the pid, tells a restarted rank from the one before
 
     def make() -> Heartbeat:
         extra = {"pid": os.getpid(), "started_at": started_at, "rank": rank, "tp": tp,
                  "num_kv_blocks": num_kv_blocks, "block_size": block_size}
+        if role is not None:
+            extra["role"] = role
         if loop is not None:
             extra.update(loop.stats())
             extra.update(loop.answered())
@@ -317,13 +320,15 @@ def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
 # ---- start-up ----------------------------------------------------------------------------
 
 async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, rank: int,
-                       stop: asyncio.Event, tp_host: str = "127.0.0.1") -> int:
+                       stop: asyncio.Event, tp_host: str = "127.0.0.1",
+                       role: str | None = None) -> int:
     """Load this rank's model, then serve until stopped. Returns an exit code."""
     tp = layout.args.tp
     if rank > 0:
         built: list = []        # the follower's runner, once loaded: its KV descriptor
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size,
-                                kv=lambda: built[0].kv_descriptor() if built else None)
+                                kv=lambda: built[0].kv_descriptor() if built else None,
+                                role=role)
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat,
                                      serve_follower(redis, keys, layout, rank, stop,
                                                     on_runner=built.append))
@@ -342,7 +347,7 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
                         await stream_tail_id(redis, keys.plans), run_id)
         runner = executor.runner if isinstance(executor, TPExecutor) else executor
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop,
-                                kv=runner.kv_descriptor)
+                                kv=runner.kv_descriptor, role=role)
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))
     finally:
         if tp > 1:

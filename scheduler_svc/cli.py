@@ -5,7 +5,7 @@ import argparse
 import socket
 
 from shared.engine_args import EngineArgs
-from shared.service_args import add_instance_args, add_service_args
+from shared.service_args import ROLES, add_instance_args, add_service_args
 
 
 # measured with `bench/disaggregation.py --threshold` (docs/benchmarks.md#pd-disaggregation-served):
@@ -25,7 +25,7 @@ def register(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds to finish running requests after SIGTERM")
     add_instance_args(p)
-    p.add_argument("--role", choices=("colocated", "prefill", "decode"), default="colocated",
+    p.add_argument("--role", choices=ROLES, default="colocated",
                    help="P/D: prefill instances take new requests and hand them to decode "
                         "instances with their K/V (docs/design.md#pd-disaggregation)")
     p.add_argument("--disagg-min-prompt-tokens", type=int, default=DISAGG_MIN_PROMPT_TOKENS,

@@ -55,11 +55,12 @@ from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, 
 from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
-from scheduler_svc.workers import WorkerWatch
+from scheduler_svc.workers import WorkerWatch, role_disagreement
 from shared.errors import PacerError
 from shared.keys import PLANS_MAXLEN, Keys
 from shared.lifecycle import cancel_tasks, clear_key, keep_heartbeat, stream_tail_id
 from shared.plan import IterationPlan, StepResult
+from shared.service_args import ROLES
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
                              from_fields, to_fields)
 
@@ -86,7 +87,7 @@ class SchedulerServiceConfig:
     overlap: bool = True
 
     def __post_init__(self) -> None:
-        if self.role not in ("colocated", "prefill", "decode"):
+        if self.role not in ROLES:
             raise PacerError(f"--role must be colocated, prefill or decode, got {self.role!r}")
         if self.role != "colocated" and not self.instance:
             raise PacerError(f"--role {self.role} needs --instance ID")
@@ -195,6 +196,10 @@ class SchedulerService:
             if theirs != mine:
                 log.error("worker KV pool disagrees with the scheduler's; start both with the "
                           "same engine flags", rank=rank, worker=theirs, scheduler=mine)
+                return False
+            why = role_disagreement(extra, rank, self.config.role)
+            if why:
+                log.error(why, rank=rank, worker=extra["role"], scheduler=self.config.role)
                 return False
         return True
 

@@ -35,6 +35,16 @@ def incarnation(value: bytes | None) -> Incarnation | None:
     return int(msg.extra.get("pid", -1)), float(msg.extra.get("started_at", msg.time))
 
 
+def role_disagreement(extra: dict, rank: int, role: str) -> str | None:
+    """Why a worker (its heartbeat's `extra`) cannot serve a scheduler of `role`: it was started
+    with another `--role`. None when it agrees or stated none."""
+    theirs = extra.get("role")
+    if theirs is None or theirs == role:
+        return None
+    return (f"worker rank {rank} of this instance was started with --role {theirs}, this "
+            f"scheduler with --role {role}; start both with the same role")
+
+
 class WorkerWatch:
     def __init__(self, keys: Keys, tp: int) -> None:
         self.heartbeat_keys = [keys.hb_worker(rank) for rank in range(tp)]

@@ -229,6 +229,8 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
         for r in range(inst.tp):
             name = inst.name(f"worker rank {r}")
             argv = pacer_argv("worker", "--rank", str(r), *flags, *where, *common)
+            if inst.id and not replicas:
+                argv += ["--role", inst.role]
             if inst.threads:
                 argv += ["--threads", str(inst.threads)]
             workers.append((name, argv))

@@ -19,6 +19,10 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
+# what an engine instance does (docs/design.md#pd-disaggregation)
+ROLES = ("colocated", "prefill", "decode")
+
+
 def add_instance_args(p: argparse.ArgumentParser) -> None:
     """The engine instance a scheduler or worker belongs to (docs/design.md#pd-disaggregation):
     its plans, results, stats and worker heartbeats live under `pacer:inst:{id}:`."""

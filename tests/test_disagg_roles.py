@@ -4,9 +4,13 @@ sends and its refusal of a decode pool whose layout differs. The served paths, w
 processes and the real transfer engine, are tests/test_served_disagg.py's."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 from scheduler_svc.book import RequestBook
 from scheduler_svc.core import RequestStatus, Scheduler
 from scheduler_svc.disagg import DecodeSide, PrefillSide, _Decoder
+from scheduler_svc.workers import role_disagreement
 from shared.config import SchedulerConfig
 from shared.keys import Keys
 from shared.plan import SampledToken, StepResult
@@ -152,3 +156,13 @@ def test_a_short_prompt_goes_whole_and_a_failed_send_hands_over_without_kv():
     (_, _, _, handoff), = side.take().handoffs
     assert handoff.output_token_ids == [6] and handoff.kv_received == []
     assert RequestStatus.RUNNING not in {r.status for r in c._requests.values()}
+
+
+def test_a_worker_of_another_role_is_refused_and_a_pd_worker_needs_a_connector():
+    assert role_disagreement({}, 0, "decode") is None                   # role not stated
+    assert role_disagreement({"role": "decode"}, 0, "decode") is None
+    why = role_disagreement({"role": "prefill"}, 1, "decode")
+    assert "rank 1" in why and "--role prefill" in why and "--role decode" in why
+    done = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--role", "decode",
+                           "--instance", "d0"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "--kv-connector mooncake" in done.stderr
