@@ -38,7 +38,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(_HERE, "csrc")
 GLUE = "bindings.cpp"               # torch-facing checks and bindings: compiled once
 MODULE_SOURCE = "module.cpp"        # the level's module definition: once per level, tiny
-KERNELS = ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp")   # once per level
+KERNELS = ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp", "dequant.cpp")   # per level
 HEADERS = ("kernels.h", "vec.h")
 
 

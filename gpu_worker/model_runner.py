@@ -33,6 +33,7 @@ from gpu_worker.kv_transfer import LayerSender, make_connector
 from gpu_worker.model.layers import RotaryEmbedding
 from gpu_worker.model.llama import LlamaForCausalLM
 from gpu_worker.parallel import SINGLE, TPGroup
+from gpu_worker.quant import resolve_quantization
 from gpu_worker.sampler import Sampler
 from gpu_worker.weights import iter_weights
 from shared.attention_choice import choose_attention_here
@@ -68,6 +69,7 @@ class RunnerConfig:
     kv_device: str = ""
     kv_timeout_s: float = 10.0
     kv_layer_streaming: bool = True      # False: every layer leaves after the forward (bench)
+    quantization: str = "none"           # auto|none|int8|int4 (gpu_worker/quant)
 
 
 @dataclass
@@ -100,18 +102,24 @@ class ModelRunner:
         # straight into its shard, so the host never holds a float32 model (unverified on a
         # GPU).
         on_host = rc.device == "cpu"
+        self.quantization = resolve_quantization(rc.quantization, source, cfg, tp.size, rc.device)
+        quant = None if self.quantization == "none" else self.quantization
         with torch.device("cpu" if on_host else rc.device), \
                 (contextlib.nullcontext() if on_host else _default_dtype(self.dtype)):
-            model = LlamaForCausalLM(cfg, tp)
+            model = LlamaForCausalLM(cfg, tp, quant)
         if not on_host:     # RoPE tables computed on the host, as on CPU (same bits), then moved
             model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                            cfg.rope_theta)
-        model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0))
+        model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0,
+                                        quantized=quant is not None))
         # On CPU the residual stream, norms and attention math stay in float32 whatever the
         # weight dtype; the KV cache is stored in the weights' dtype (shared/config.py).
         self.act_dtype = DTYPES[activation_dtype(rc.dtype, rc.device)]
         self.model = model.to(device=rc.device).eval()
-        fused = cpu_kernels() if rc.device == "cpu" and self.dtype != self.act_dtype else None
+        # the fused ops serve wherever the GEMMs read bfloat16: bfloat16 weights, and quantized
+        # ones whatever --dtype says (their kernels take bfloat16 activations)
+        narrow = self.dtype != self.act_dtype or quant is not None
+        fused = cpu_kernels() if rc.device == "cpu" and narrow else None
         self.model.set_dtypes(self.dtype, self.act_dtype, fused)
         choice = choose_attention_here(rc.attention_backend, rc.device, rc.dtype, rc.block_size)
         if choice.block_size != rc.block_size:
@@ -120,7 +128,8 @@ class ModelRunner:
         self.backend = select_backend(choice.backend, rc.device, rc.block_size)
         if tp.rank == 0:
             log.info("attention backend", backend=choice.backend, block_size=rc.block_size,
-                     reason=choice.reason, device=rc.device, dtype=rc.dtype)
+                     reason=choice.reason, device=rc.device, dtype=rc.dtype,
+                     quantization=self.quantization)
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.kv_pool = allocate_kv_pool(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,
                                         DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
@@ -325,7 +334,7 @@ def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConf
                         gpu_memory_utilization=args.gpu_memory_utilization,
                         kv_connector=args.kv_connector, kv_host=args.kv_host,
                         kv_protocol=args.kv_protocol, kv_device=args.kv_device,
-                        kv_timeout_s=args.kv_timeout_s)
+                        kv_timeout_s=args.kv_timeout_s, quantization=args.quantization)
 
 
 def build_runner(layout: EngineLayout, tp: TPGroup | None = None,

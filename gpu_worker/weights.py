@@ -1,5 +1,8 @@
 """Reading a model's weights one tensor at a time, as float32 CPU tensors in HF layout.
 
+With `quantized=True`, GGUF's Q4_0, Q4_1 and Q8_0 matrices come as they are stored instead:
+a QTensor of integer codes and scales (gpu_worker/quant/tensor.py), never widened to float.
+
 Names follow HF's LlamaForCausalLM (`model.layers.3.self_attn.q_proj.weight`), so the model
 code knows one naming scheme whatever the file format. Every name and shape is checked
 against the config before the first tensor is read: a bad file fails fast and says why.
@@ -19,6 +22,7 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from tqdm import tqdm
 
+from gpu_worker.quant.tensor import GGUF_QUANT_TYPES, QTensor, from_gguf
 from shared.errors import ModelLoadError
 from shared.model_config import ModelConfig, open_gguf
 from shared.model_source import ModelSource
@@ -62,12 +66,13 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def iter_weights(source: ModelSource, config: ModelConfig,
-                 progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 CPU tensor) pairs, one tensor in memory at a time. Names, shapes and
-    GGUF types are checked before this returns: a ModelLoadError comes before any tensor."""
+def iter_weights(source: ModelSource, config: ModelConfig, progress: bool = True,
+                 quantized: bool = False) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
+    """(HF name, float32 CPU tensor) pairs, one tensor in memory at a time; with `quantized`,
+    a GGUF's quantized matrices as QTensors. Names, shapes and GGUF types are checked before
+    this returns: a ModelLoadError comes before any tensor."""
     if source.kind == "gguf":
-        return _iter_gguf(source.path, config, progress)
+        return _iter_gguf(source.path, config, progress, quantized)
     return _iter_safetensors(source.path, config, progress)
 
 
@@ -155,19 +160,33 @@ def _check_gguf(reader: GGUFReader, config: ModelConfig, path: str) -> None:
     _check_names(shapes, config, path)
 
 
-def _iter_gguf(path: str, config: ModelConfig,
-               progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_gguf(path: str, config: ModelConfig, progress: bool,
+               quantized: bool) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
     reader = open_gguf(path)
     _check_gguf(reader, config, path)
-    return _gguf_tensors(reader, config, progress)
+    return _gguf_tensors(reader, config, progress, quantized)
 
 
-def _gguf_tensors(reader: GGUFReader, config: ModelConfig,
-                  progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _unpermute_order(rows: int, n_heads: int) -> torch.Tensor:
+    """_unpermute as a row order, for codes and scales alike."""
+    return torch.from_numpy(_unpermute(np.arange(rows).reshape(rows, 1), n_heads)[:, 0].copy())
+
+
+def _gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool,
+                  quantized: bool) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
     with _progress(len(reader.tensors), progress) as bar:
         for t in reader.tensors:
             name = hf_name(t.name)
             shape = tuple(int(d) for d in reversed(t.shape))
+            if quantized and t.tensor_type in GGUF_QUANT_TYPES and len(shape) == 2:
+                q = from_gguf(t.data, t.tensor_type, shape)
+                if name.endswith("q_proj.weight"):
+                    q = q.permute_rows(_unpermute_order(shape[0], config.num_heads))
+                elif name.endswith("k_proj.weight"):
+                    q = q.permute_rows(_unpermute_order(shape[0], config.num_kv_heads))
+                yield name, q
+                bar.update()
+                continue
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
             if name.endswith("q_proj.weight"):
                 w = _unpermute(w, config.num_heads)

@@ -16,6 +16,9 @@ from shared.errors import PacerError
 class EngineArgs:
     model: str | None = None
     dtype: str = "auto"
+    # auto: a GGUF in the precision it ships (int4 for Q4_0/Q4_1, int8 for Q8_0), a float
+    # checkpoint as it is; none: every weight widened to --dtype (gpu_worker/quant)
+    quantization: str = "auto"
     device: str = "cpu"
     tp: int = 1
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
@@ -71,6 +74,10 @@ class EngineArgs:
                        choices=["auto", "float32", "bfloat16", "float16"],
                        help="weight dtype; auto (default): bfloat16 on CUDA and on CPUs with "
                             "native bf16 (AVX512-BF16/AMX), float32 on other CPUs")
+        p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
+                       help="weights as integers on CPU: auto (default) serves a GGUF in its own "
+                            "precision (int4 for Q4_0/Q4_1, int8 for Q8_0) and a float checkpoint "
+                            "as is; int8/int4 quantize at load; none widens every weight to --dtype")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
         p.add_argument("--max-num-batched-tokens", type=int, default=budget,

@@ -52,8 +52,10 @@ def body(i: int) -> dict:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     # float32: recovery recomputes a stream's tokens in other batches, and only the float32
-    # path is batch-invariant on every CPU (oneDNN's AMX bf16 GEMMs are not)
-    system = start_served(str(tmp_path_factory.mktemp("chaos") / "pacer-up.log"), "--dtype", "float32")
+    # path is batch-invariant on every CPU (oneDNN's AMX bf16 GEMMs are not; nor, unproven,
+    # the int4 kernel the default GGUF gets with --quantization auto)
+    system = start_served(str(tmp_path_factory.mktemp("chaos") / "pacer-up.log"), "--dtype", "float32",
+                          "--quantization", "none")
     try:
         yield system
     finally:

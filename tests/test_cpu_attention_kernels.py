@@ -31,23 +31,29 @@ def test_the_kernels_of_this_cpu_are_built():
     assert kernels.level == RUNNABLE[-1]
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 2, 128), (6, 2, 32)])  # AVX-512 paths, generic
-def test_decode_kernel_matches_the_torch_path(kernels, cache_dtype, heads, kvh, d):
-    g = torch.Generator().manual_seed(0)
-    blocks, bs = 200, 16
+def _decodes(g, kv_lens: list[int], blocks: int, kvh: int, d: int, cache_dtype, bs: int = 16):
+    """Random K/V caches and the metadata of one decode row per kv_len, blocks scattered."""
     k_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
     v_cache = torch.randn(blocks, bs, kvh, d, generator=g).to(cache_dtype)
     perm = torch.randperm(blocks, generator=g).tolist()
     chunks, used = [], 0
-    for kv_len in [1, 7, 16, 17, 100, 333]:        # decodes over prefixes of many shapes
+    for kv_len in kv_lens:
         n = -(-kv_len // bs)
         chunks.append(Chunk(1, kv_len, perm[used:used + n]))
         used += n
-    meta = build_attention_metadata(chunks, bs)
-    q = torch.randn(len(chunks), heads, d, generator=g)
-    k = torch.randn(len(chunks), kvh, d, generator=g)
-    v = torch.randn(len(chunks), kvh, d, generator=g)
+    return k_cache, v_cache, build_attention_metadata(chunks, bs)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 2, 128), (6, 2, 32)])  # AVX-512 paths, generic
+def test_decode_kernel_matches_the_torch_path(kernels, cache_dtype, heads, kvh, d):
+    g = torch.Generator().manual_seed(0)
+    # decodes over prefixes of many shapes
+    k_cache, v_cache, meta = _decodes(g, [1, 7, 16, 17, 100, 333], 200, kvh, d, cache_dtype)
+    T = meta.positions.shape[0]
+    q = torch.randn(T, heads, d, generator=g)
+    k = torch.randn(T, kvh, d, generator=g)
+    v = torch.randn(T, kvh, d, generator=g)
     fast = TorchAttentionBackend(kernels).forward(
         q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
     ref = TorchAttentionBackend(None).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, d ** -0.5)
@@ -126,6 +132,53 @@ def test_fused_norm_and_rotary_match_torch(kernels):
     assert got.data_ptr() == qkv.data_ptr()                      # rotated in place
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(qkv[:, 12 * 64:], values)                 # V, beside it, untouched
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (6, 2, 32)])      # AVX-512 path, generic
+def test_decode_block_equals_the_op_by_op_path(kernels, cache_dtype, heads, kvh, d):
+    """RoPE + K/V store + decode attention as one op, from a bfloat16 qkv, against the ops it
+    replaces (widen, rotary_, write_kv, paged_decode_attention, round): the same cache bits
+    and the same output bits."""
+    from gpu_worker.model.layers import RotaryEmbedding
+    g = torch.Generator().manual_seed(7)
+    bs = 16
+    k_cache, v_cache, meta = _decodes(g, [1, 17, 100, 250], 64, kvh, d, cache_dtype, bs)
+    T = meta.positions.shape[0]
+    qkv = torch.randn(T, (heads + 2 * kvh) * d, generator=g).to(torch.bfloat16)
+    rot = RotaryEmbedding(d, 1024, 10000.0)
+    rot.fused = kernels
+    backend = TorchAttentionBackend(kernels)
+    k1, v1 = k_cache.clone(), v_cache.clone()
+    wide = qkv.float()
+    qk = rot(meta.positions, wide[:, :(heads + kvh) * d].view(T, -1, d))
+    v = wide[:, (heads + kvh) * d:].view(T, kvh, d)
+    ref = backend.forward(qk[:, :heads], qk[:, heads:], v, k1, v1, meta, d ** -0.5)
+    ref = ref.reshape(T, heads * d).to(torch.bfloat16)
+    k2, v2 = k_cache.clone(), v_cache.clone()
+    got = backend.decode_block(qkv, rot, (k2, v2), meta, d ** -0.5, heads * d)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert torch.equal(got, ref)
+    # an iteration with a prefill chunk is not the block's: None, the caller goes op by op
+    mixed = build_attention_metadata([Chunk(1, 5, [0]), Chunk(3, 3, [1])], bs)
+    assert backend.decode_block(qkv[:4].new_zeros(4, qkv.shape[1]), rot, (k2, v2), mixed,
+                                d ** -0.5, heads * d) is None
+
+
+def test_fused_norm_adds_a_bfloat16_delta(kernels):
+    """The residual add of a bfloat16 GEMM output, widened in the norm's pass: the same x as
+    adding the widened tensor, the same norm as with a float32 delta."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 576, generator=g)
+    delta = torch.randn(64, 576, generator=g).to(torch.bfloat16)
+    w = torch.randn(576, generator=g)
+    x1, x2, x3 = x.clone(), x.clone(), x + delta.float()
+    out1, out2, out3 = (torch.empty(64, 576, dtype=torch.bfloat16) for _ in range(3))
+    kernels.add_rms_norm(x1, delta, w, 1e-5, out1)
+    kernels.add_rms_norm(x2, delta.float(), w, 1e-5, out2)
+    kernels.add_rms_norm(x3, None, w, 1e-5, out3)                 # added beforehand
+    assert torch.equal(x1, x + delta.float()) and torch.equal(x1, x2)
+    assert torch.equal(out1, out2) and torch.equal(out1, out3)
 
 
 def test_fused_silu_and_mul_matches_torch(kernels):

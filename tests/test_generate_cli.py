@@ -124,7 +124,7 @@ def test_gguf_with_unsupported_architecture(tiny, tmp_path):
 
 
 def test_quantized_gguf_generates(tiny, tmp_path):
-    """Q8_0 / Q4_0 / Q4_1 files load (dequantized) and generate."""
+    """Q8_0 / Q4_0 / Q4_1 files load (quantized: --quantization auto) and generate."""
     for qtype in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1):
         gguf = write_tiny_gguf(tmp_path / f"{qtype.name}.gguf", tiny, tensor_type=qtype)
         prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hello"}])

@@ -43,7 +43,7 @@ MAX_TOKENS = 200
 KILL_AFTER_CHUNKS = 4          # every stream has streamed this much before the kill
 STREAM_DEADLINE_S = 90.0       # a stream open this long hangs: the failure looked for
 ENGINE_FLAGS = ["--num-kv-blocks", "128", "--max-model-len", "512",
-                "--dtype", "float32"]   # batch-invariant on every CPU (see test_chaos.py)
+                "--dtype", "float32", "--quantization", "none"]   # batch-invariant (see test_chaos.py)
 
 
 @dataclass

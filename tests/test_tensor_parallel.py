@@ -38,7 +38,8 @@ def run_tp(model: str, prompts, sampling, tp: int, **overrides) -> tuple[list[li
     """Generate to completion; returns tokens and the number of preemptions."""
     if overrides.get("num_kv_blocks", 512) is None:
         overrides["num_kv_blocks"] = kv_blocks_to_force_preemption(prompts, 16)
-    with LLMEngine(EngineArgs(model=model, block_size=16, tp=tp, **{"dtype": "float32", **overrides}),
+    with LLMEngine(EngineArgs(model=model, block_size=16, tp=tp,
+                                 **{"dtype": "float32", "quantization": "none", **overrides}),
                    progress=False) as engine:
         results = engine.generate(prompts, sampling)
         bm = engine.scheduler.block_manager

@@ -50,6 +50,28 @@ class TorchAttentionBackend:
             out.index_copy_(0, g.q_index.flatten(), o)
         return out
 
+    def decode_block(self, qkv: torch.Tensor, rotary, kv_cache, meta: AttentionMetadata,
+                     scale: float, q_size: int) -> torch.Tensor | None:
+        """An iteration of decodes alone, from the fused projection's bfloat16 output qkv
+        [T, (H + 2·KVH)·d]: RoPE, the K/V store and attention in one C++ op (csrc/
+        paged_decode.cpp), the output [T, H·d] in bfloat16 for o_proj. None when the
+        iteration holds a prefill chunk, or the kernels cannot run it: then the caller takes
+        the op-by-op path."""
+        kernels = self._kernels
+        if kernels is None or not hasattr(kernels, "decode_attention_block") or \
+                len(meta.groups) != 1 or qkv.dtype != torch.bfloat16:
+            return None
+        g = meta.groups[0]
+        k_cache, v_cache = kv_cache
+        if g.q_index.shape[1] != 1 or g.fresh or not g.all_rows or \
+                k_cache.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        out = qkv.new_empty((qkv.shape[0], q_size))
+        kernels.decode_attention_block(qkv, meta.positions, rotary.cos, rotary.sin, k_cache,
+                                       v_cache, meta.slot_mapping, g.block_tables, g.kv_lens,
+                                       scale, out)
+        return out
+
     def _prefill_in_kernel(self, head_dim: int, group: int) -> bool:
         key = (head_dim, group)
         if key not in self._prefill_supported:          # once per shape, not once per layer

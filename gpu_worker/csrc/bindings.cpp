@@ -92,22 +92,33 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
     TORCH_CHECK(false, "paged_prefill_attention: a float32 or bfloat16 cache only");
 }
 
+template <typename O>
+void add_rms_norm_to(torch::Tensor& x, const c10::optional<torch::Tensor>& delta,
+                     const torch::Tensor& w, float eps, O* out) {
+  const int64_t T = x.size(0), D = x.size(1);
+  if (delta && delta->dtype() == torch::kBFloat16)
+    pacer::add_rms_norm(x.data_ptr<float>(), ptr<bf16>(*delta), w.data_ptr<float>(), out, T, D,
+                        eps);
+  else
+    pacer::add_rms_norm(x.data_ptr<float>(), delta ? delta->data_ptr<float>() : nullptr,
+                        w.data_ptr<float>(), out, T, D, eps);
+}
+
 void add_rms_norm(torch::Tensor& x, const c10::optional<torch::Tensor>& delta,
                   const torch::Tensor& w, double eps, torch::Tensor& out) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && w.dtype() == torch::kFloat32 &&
-                  (!delta || delta->dtype() == torch::kFloat32),
-              "add_rms_norm: float32 input, delta and weight");
+                  (!delta || delta->dtype() == torch::kFloat32 ||
+                   delta->dtype() == torch::kBFloat16),
+              "add_rms_norm: float32 input and weight, float32 or bfloat16 delta");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && w.is_contiguous() &&
                   (!delta || (delta->is_contiguous() && delta->sizes() == x.sizes())) &&
                   out.sizes() == x.sizes() && w.size(0) == x.size(1),
               "add_rms_norm: contiguous [T, d] tensors");
-  const int64_t T = x.size(0), D = x.size(1);
-  const float* dp = delta ? delta->data_ptr<float>() : nullptr;
   const float e = static_cast<float>(eps);
   if (out.dtype() == torch::kBFloat16)
-    pacer::add_rms_norm(x.data_ptr<float>(), dp, w.data_ptr<float>(), mut_ptr<bf16>(out), T, D, e);
+    add_rms_norm_to(x, delta, w, e, mut_ptr<bf16>(out));
   else if (out.dtype() == torch::kFloat32)
-    pacer::add_rms_norm(x.data_ptr<float>(), dp, w.data_ptr<float>(), out.data_ptr<float>(), T, D, e);
+    add_rms_norm_to(x, delta, w, e, out.data_ptr<float>());
   else
     TORCH_CHECK(false, "add_rms_norm: bfloat16 or float32 output");
 }
@@ -129,6 +140,86 @@ void rotary_(torch::Tensor& qk, const torch::Tensor& positions, const torch::Ten
                 sin.data_ptr<float>(), T, qk.size(1), qk.size(2));
 }
 
+template <typename T>
+void decode_block(const torch::Tensor& qkv, const torch::Tensor& positions, const torch::Tensor& cos,
+                  const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                  const torch::Tensor& slots, const torch::Tensor& block_tables,
+                  const torch::Tensor& kv_lens, double scale, torch::Tensor& out) {
+  const int64_t D = k_cache.size(3);
+  pacer::decode_attention_block<T>(
+      ptr<bf16>(qkv), positions.data_ptr<int64_t>(), cos.data_ptr<float>(), sin.data_ptr<float>(),
+      mut_ptr<T>(k_cache), mut_ptr<T>(v_cache), slots.data_ptr<int64_t>(),
+      block_tables.data_ptr<int64_t>(), kv_lens.data_ptr<int64_t>(), qkv.size(0),
+      out.size(1) / D, k_cache.size(2), D, k_cache.size(1), block_tables.size(1),
+      static_cast<float>(scale), mut_ptr<bf16>(out));
+}
+
+void decode_attention_block(const torch::Tensor& qkv, const torch::Tensor& positions,
+                            const torch::Tensor& cos, const torch::Tensor& sin,
+                            torch::Tensor& k_cache, torch::Tensor& v_cache,
+                            const torch::Tensor& slots, const torch::Tensor& block_tables,
+                            const torch::Tensor& kv_lens, double scale, torch::Tensor& out) {
+  TORCH_CHECK(qkv.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16 &&
+                  cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32,
+              "decode_attention_block: bfloat16 qkv and out, float32 RoPE tables");
+  TORCH_CHECK(positions.dtype() == torch::kInt64 && slots.dtype() == torch::kInt64 &&
+                  block_tables.dtype() == torch::kInt64 && kv_lens.dtype() == torch::kInt64,
+              "decode_attention_block: int64 positions, slots, block tables and lengths");
+  TORCH_CHECK(k_cache.dtype() == v_cache.dtype() && k_cache.dim() == 4 &&
+                  k_cache.sizes() == v_cache.sizes(),
+              "decode_attention_block: K and V caches [blocks, block_size, KVH, d] alike");
+  TORCH_CHECK(all_contiguous({&qkv, &positions, &cos, &sin, &k_cache, &v_cache, &slots,
+                              &block_tables, &kv_lens, &out}),
+              "decode_attention_block: contiguous tensors only");
+  const int64_t G = qkv.size(0), D = k_cache.size(3), KVH = k_cache.size(2);
+  TORCH_CHECK(qkv.dim() == 2 && out.dim() == 2 && out.size(0) == G && out.size(1) % D == 0 &&
+                  (out.size(1) / D) % KVH == 0 && qkv.size(1) == out.size(1) + 2 * KVH * D &&
+                  cos.size(1) == D && D % 2 == 0 && positions.numel() == G &&
+                  slots.numel() == G && kv_lens.numel() == G && block_tables.size(0) == G,
+              "decode_attention_block: qkv [G, (H + 2 KVH) d], out [G, H d], one row each");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t g = 0; g < G; ++g)
+    TORCH_CHECK(pos[g] >= 0 && pos[g] < cos.size(0) && slot[g] >= 0 && slot[g] < num_slots,
+                "decode_attention_block: a position or slot out of range");
+  if (k_cache.dtype() == torch::kBFloat16)
+    decode_block<bf16>(qkv, positions, cos, sin, k_cache, v_cache, slots, block_tables, kv_lens,
+                       scale, out);
+  else if (k_cache.dtype() == torch::kFloat32)
+    decode_block<float>(qkv, positions, cos, sin, k_cache, v_cache, slots, block_tables,
+                        kv_lens, scale, out);
+  else
+    TORCH_CHECK(false, "decode_attention_block: a float32 or bfloat16 cache only");
+}
+
+void dequantize_int4pack(const torch::Tensor& packed, const torch::Tensor& scales_zeros,
+                         int64_t group, torch::Tensor& out) {
+  TORCH_CHECK(packed.dtype() == torch::kUInt8 && scales_zeros.dtype() == torch::kBFloat16 &&
+                  out.dtype() == torch::kBFloat16,
+              "dequantize_int4pack: uint8 packed, bfloat16 scales_and_zeros and out");
+  TORCH_CHECK(all_contiguous({&packed, &scales_zeros, &out}) && out.dim() == 2 &&
+                  scales_zeros.dim() == 3 && scales_zeros.size(2) == 2,
+              "dequantize_int4pack: contiguous packed, scales_and_zeros [K / g, N, 2], out [K, N]");
+  const int64_t K = out.size(0), N = out.size(1);
+  TORCH_CHECK(N % 64 == 0 && group > 0 && K % group == 0 && packed.numel() * 2 == N * K &&
+                  scales_zeros.size(0) == K / group && scales_zeros.size(1) == N,
+              "dequantize_int4pack: N a multiple of 64, K of the group; sizes that agree");
+  pacer::dequantize_int4pack(packed.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N, K, group,
+                             mut_ptr<bf16>(out));
+}
+
+void dequantize_int8(const torch::Tensor& codes, const torch::Tensor& scale, torch::Tensor& out) {
+  TORCH_CHECK(codes.dtype() == torch::kInt8 && scale.dtype() == torch::kBFloat16 &&
+                  out.dtype() == torch::kBFloat16,
+              "dequantize_int8: int8 codes, bfloat16 scales and out");
+  TORCH_CHECK(all_contiguous({&codes, &scale, &out}) && codes.dim() == 2 &&
+                  out.sizes() == codes.sizes() && scale.numel() == codes.size(0),
+              "dequantize_int8: contiguous codes [N, K], scales [N], out [N, K]");
+  pacer::dequantize_int8(codes.data_ptr<int8_t>(), ptr<bf16>(scale), codes.size(0),
+                         codes.size(1), mut_ptr<bf16>(out));
+}
+
 void silu_and_mul(const torch::Tensor& gate_up, torch::Tensor& out) {
   TORCH_CHECK(gate_up.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
               "silu_and_mul: bfloat16 in and out");
@@ -148,6 +239,11 @@ void pacer_bind(pybind11::module_& m) {
   m.def("paged_prefill_attention", &paged_prefill_attention,
         "varlen causal attention of chunks over a paged KV cache (CPU, AVX-512)");
   m.def("add_rms_norm", &add_rms_norm, "x += delta; out = RMSNorm(x) in out's dtype (CPU)");
+  m.def("dequantize_int4pack", &dequantize_int4pack,
+        "torch's CPU int4 layout widened to bfloat16, transposed: out [K, N]");
+  m.def("dequantize_int8", &dequantize_int8, "int8 per-channel codes widened to bfloat16");
+  m.def("decode_attention_block", &decode_attention_block,
+        "RoPE + K/V store + decode attention from a bfloat16 fused qkv, one row per request");
   m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's silu(gate) * up, bfloat16 (CPU)");
 }

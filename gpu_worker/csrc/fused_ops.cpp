@@ -2,7 +2,8 @@
 // float32 and the GEMMs read bfloat16: each replaces several torch ops (and their passes over
 // memory) with one.
 //
-//   add_rms_norm(x, delta?, w, eps, out): x += delta (in place, when given), then
+//   add_rms_norm(x, delta?, w, eps, out): x += delta (in place, when given; float32 or
+//       bfloat16 — a bfloat16 GEMM's output added without a cast of its own), then
 //       out = x * rsqrt(mean(x²) + eps) * w, rounded to out's dtype (bfloat16 or float32)
 //   rotary_(qk, positions, cos, sin): rotate-half RoPE in place on qk [T, heads, d] (rows may
 //       be strided: qk is a view into the fused qkv projection)
@@ -15,32 +16,34 @@
 
 namespace pacer {
 
-template <typename O>
-void add_rms_norm(float* xp, const float* dp, const float* wp, O* op, int64_t T, int64_t D,
+template <typename O, typename Dl>
+void add_rms_norm(float* xp, const Dl* dp, const float* wp, O* op, int64_t T, int64_t D,
                   float eps) {
 #pragma omp parallel for schedule(static)
   for (int64_t t = 0; t < T; ++t) {
     float* xr = xp + t * D;
-    float ss = 0.f;
     if (dp) {
-      const float* dr = dp + t * D;
-      for (int64_t i = 0; i < D; ++i) {
-        xr[i] += dr[i];
-        ss += xr[i] * xr[i];
-      }
-    } else {
-      for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
+      const Dl* dr = dp + t * D;
+      for (int64_t i = 0; i < D; ++i) xr[i] += to_float(dr[i]);
     }
+    // one loop for every variant (delta or not, float32 or bfloat16): the compiler orders the
+    // sum the same way, so the norm's bits do not depend on how the delta arrived
+    float ss = 0.f;
+    for (int64_t i = 0; i < D; ++i) ss += xr[i] * xr[i];
     const float r = 1.f / std::sqrt(ss / D + eps);
     O* orow = op + t * D;
     for (int64_t i = 0; i < D; ++i) orow[i] = from_float<O>(xr[i] * r * wp[i]);
   }
 }
 
-template void add_rms_norm<float>(float*, const float*, const float*, float*, int64_t, int64_t,
-                                 float);
-template void add_rms_norm<bf16>(float*, const float*, const float*, bf16*, int64_t, int64_t,
-                                float);
+template void add_rms_norm<float, float>(float*, const float*, const float*, float*, int64_t,
+                                        int64_t, float);
+template void add_rms_norm<bf16, float>(float*, const float*, const float*, bf16*, int64_t,
+                                       int64_t, float);
+template void add_rms_norm<float, bf16>(float*, const bf16*, const float*, float*, int64_t,
+                                       int64_t, float);
+template void add_rms_norm<bf16, bf16>(float*, const bf16*, const float*, bf16*, int64_t,
+                                      int64_t, float);
 
 void rotary(float* p, int64_t stride, const int64_t* pos, const float* cp, const float* sp,
             int64_t T, int64_t heads, int64_t D) {

@@ -15,6 +15,15 @@ void paged_decode(const float* q, const T* k_cache, const T* v_cache, const int6
                   const int64_t* kv_lens, int64_t G, int64_t H, int64_t D, int64_t BS,
                   int64_t KVH, int64_t max_blocks, float scale, float* out);
 
+// RoPE + K/V store + decode attention for G single-row requests, from the fused projection's
+// output qkv [G, (H + 2 KVH) D] (bf16) to out [G, H D] (bf16); slots [G] index cache rows.
+template <typename T>
+void decode_attention_block(const bf16* qkv, const int64_t* positions, const float* cos,
+                            const float* sin, T* k_cache, T* v_cache, const int64_t* slots,
+                            const int64_t* block_tables, const int64_t* kv_lens, int64_t G,
+                            int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
+                            float scale, bf16* out);
+
 // Whether this build has the prefill kernel for a head size and GQA group.
 bool paged_prefill_supported(int64_t head_dim, int64_t group);
 
@@ -26,9 +35,10 @@ void paged_prefill(const float* q, const T* k_cache, const T* v_cache, const int
                    int64_t D, int64_t BS, int64_t KVH, int64_t max_blocks, int64_t min_rows,
                    float scale, float* out);
 
-// x += delta (when not null); out = x * rsqrt(mean(x^2) + eps) * w in O (float or bf16).
-template <typename O>
-void add_rms_norm(float* x, const float* delta, const float* w, O* out, int64_t T, int64_t D,
+// x += delta (when not null; float or bf16); out = x * rsqrt(mean(x^2) + eps) * w in O
+// (float or bf16).
+template <typename O, typename Dl = float>
+void add_rms_norm(float* x, const Dl* delta, const float* w, O* out, int64_t T, int64_t D,
                   float eps);
 
 // Rotate-half RoPE in place on rows of `stride` floats holding `heads` heads of D; positions
@@ -38,5 +48,11 @@ void rotary(float* qk, int64_t stride, const int64_t* positions, const float* co
 
 // out[t] = silu(gate[t]) * up[t] for gate_up = [gate | up] of [T, 2F].
 void silu_and_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t F);
+
+// Quantized weights widened to bfloat16 (dequant.cpp: the layouts there): torch's CPU int4
+// layout to W transposed, out [K, N]; int8 per-channel codes to W, out [N, K].
+void dequantize_int4pack(const uint8_t* packed, const bf16* scales_zeros, int64_t N, int64_t K,
+                         int64_t group, bf16* out);
+void dequantize_int8(const int8_t* codes, const bf16* scale, int64_t N, int64_t K, bf16* out);
 
 }  // namespace pacer

@@ -161,6 +161,47 @@ void paged_decode(const float* qp, const T* kp, const T* vp, const int64_t* bt,
   }
 }
 
+// A whole decode step of attention from the fused projection's bfloat16 output, for the
+// single-row path where each of these used to be its own torch op (and tensor): widen q and k,
+// rotate them (rotate-half RoPE at each row's position), store k and v in their cache slots,
+// attend, round the output to bfloat16 for the next GEMM. Same arithmetic as those ops.
+template <typename T>
+void decode_attention_block(const bf16* qkv, const int64_t* positions, const float* cos,
+                            const float* sin, T* k_cache, T* v_cache, const int64_t* slots,
+                            const int64_t* bt, const int64_t* lens, int64_t G, int64_t H,
+                            int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks, float scale,
+                            bf16* out) {
+  const int64_t row = (H + 2 * KVH) * D, qn = H * D, kn = KVH * D;
+  std::vector<float> q(G * qn), o(G * qn), k(kn);
+  for (int64_t g = 0; g < G; ++g) {
+    const bf16* r = qkv + g * row;
+    float* qg = q.data() + g * qn;
+    for (int64_t i = 0; i < qn; ++i) qg[i] = to_float(r[i]);
+    for (int64_t i = 0; i < kn; ++i) k[i] = to_float(r[qn + i]);
+    // fused_ops.cpp's rotary itself: the bits of the op-by-op path
+    rotary(qg, qn, positions + g, cos, sin, 1, H, D);
+    rotary(k.data(), kn, positions + g, cos, sin, 1, KVH, D);
+    T* kd = k_cache + slots[g] * kn;
+    T* vd = v_cache + slots[g] * kn;
+    for (int64_t i = 0; i < kn; ++i) {
+      kd[i] = from_float<T>(k[i]);
+      vd[i] = from_float<T>(to_float(r[qn + kn + i]));
+    }
+  }
+  paged_decode<T>(q.data(), k_cache, v_cache, bt, lens, G, H, D, BS, KVH, max_blocks, scale,
+                  o.data());
+  for (int64_t i = 0; i < G * qn; ++i) out[i] = to_bf16(o[i]);
+}
+
+template void decode_attention_block<float>(const bf16*, const int64_t*, const float*,
+                                            const float*, float*, float*, const int64_t*,
+                                            const int64_t*, const int64_t*, int64_t, int64_t,
+                                            int64_t, int64_t, int64_t, int64_t, float, bf16*);
+template void decode_attention_block<bf16>(const bf16*, const int64_t*, const float*,
+                                           const float*, bf16*, bf16*, const int64_t*,
+                                           const int64_t*, const int64_t*, int64_t, int64_t,
+                                           int64_t, int64_t, int64_t, int64_t, float, bf16*);
+
 template void paged_decode<float>(const float*, const float*, const float*, const int64_t*,
                                   const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                                   int64_t, float, float*);

@@ -7,6 +7,13 @@ bfloat16 pointwise ops are slower): `_matmul` casts at the edge of each GEMM.
 Every parallel layer owns a `load(part, full_tensor)` that copies this rank's slice of a full
 checkpoint tensor; `part` names the piece of a fused weight (q/k/v, gate/up). The model's
 loader records each (parameter, part) it fills so it can prove every one was loaded once.
+
+Quantized (`quant` = "int4" or "int8", gpu_worker/quant/): a layer holds no float weight (its
+`weight` is an empty bfloat16 tensor that only says the GEMMs' input dtype) but `qweight`, a
+packed integer matrix. `load` takes a QTensor straight from a GGUF (or quantizes a float
+tensor), cuts this rank's rows (column-parallel: whole heads, with their groups' scales) or
+columns (row-parallel: on group boundaries, scales cut with them), and packs once every part
+of a fused weight has arrived. The vocabulary matrices are int8 per channel under both schemes.
 """
 from __future__ import annotations
 
@@ -15,12 +22,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_worker.parallel import TPGroup
+from gpu_worker.quant import INT4_GROUP
+from gpu_worker.quant.linear import Int8Weight, pack
+from gpu_worker.quant.tensor import QTensor, cat_rows, to_scheme
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-            packed: torch.Tensor | None = None) -> torch.Tensor:
+            packed: torch.Tensor | None = None, qweight=None) -> torch.Tensor:
     """x Wᵀ in the weight's dtype, returned in out_dtype (x's dtype unless given); through
-    the prepacked copy of W when there is one (see `prepack`)."""
+    the prepacked copy of W when there is one (see `prepack`), or the quantized one."""
+    if qweight is not None:
+        y = qweight.mm(x)
+        out_dtype = out_dtype or x.dtype
+        return y if y.dtype == out_dtype else y.to(out_dtype)
     x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
     if packed is not None:
         y = torch.ops.mkldnn._linear_pointwise(x_in, packed, None, "none", [], "")
@@ -46,73 +60,110 @@ def prepack(weight: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
+def _placeholder() -> nn.Parameter:
+    """A quantized layer's `weight`: no values, only the GEMMs' input dtype."""
+    return nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ with W's output rows split across ranks; fused parts are split one by one,
     so rank r holds [q_r; k_r; v_r] and needs no communication
     (docs/design.md#tensor-parallelism)."""
 
     packed = None        # see prepack()
+    qweight = None       # the packed quantized matrix (quant set)
 
-    def __init__(self, in_features: int, part_sizes: list[int], tp: TPGroup):
+    def __init__(self, in_features: int, part_sizes: list[int], tp: TPGroup,
+                 quant: str | None = None):
         super().__init__()
         self.local_sizes = [tp.shard(s, "output features") for s in part_sizes]
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(sum(self.local_sizes), in_features),
-                                   requires_grad=False)
+        self.quant = quant
+        self.weight = _placeholder() if quant else nn.Parameter(
+            torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
         self.parts = list(range(len(part_sizes)))
+        self._pending: dict[int, QTensor] = {}
 
-    def load(self, part: int, full: torch.Tensor) -> None:
+    def load(self, part: int, full: torch.Tensor | QTensor) -> None:
         n = self.local_sizes[part]
+        if self.quant:
+            q = to_scheme(full, self.quant, INT4_GROUP)
+            self._pending[part] = q.rows(self.tp.rank * n, n)
+            if len(self._pending) == len(self.parts):   # every part here: pack them as one
+                self.qweight = pack(cat_rows([self._pending.pop(p) for p in self.parts]))
+            return
         offset = sum(self.local_sizes[:part])
         self.weight.data[offset:offset + n].copy_(full.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return _matmul(x, self.weight, out_dtype, self.packed)
+        return _matmul(x, self.weight, out_dtype, self.packed, self.qweight)
 
 
 class RowParallelLinear(nn.Module):
     """y = all_reduce(x_r W_rᵀ): W's input columns split across ranks; one all-reduce."""
 
     packed = None        # see prepack()
+    qweight = None       # the packed quantized matrix (quant set)
 
-    def __init__(self, in_features: int, out_features: int, tp: TPGroup):
+    def __init__(self, in_features: int, out_features: int, tp: TPGroup,
+                 quant: str | None = None):
         super().__init__()
         self.tp = tp
+        self.quant = quant
         self.local_in = tp.shard(in_features, "input features")
-        self.weight = nn.Parameter(torch.empty(out_features, self.local_in), requires_grad=False)
+        self.weight = _placeholder() if quant else nn.Parameter(
+            torch.empty(out_features, self.local_in), requires_grad=False)
         self.parts = [0]
 
-    def load(self, part: int, full: torch.Tensor) -> None:
+    def load(self, part: int, full: torch.Tensor | QTensor) -> None:
+        if self.quant:      # int4: groups never straddle ranks (gpu_worker/quant checks tp)
+            q = to_scheme(full, self.quant, INT4_GROUP)
+            self.qweight = pack(q.cols(self.tp.rank * self.local_in, self.local_in))
+            return
         self.weight.data.copy_(full.narrow(1, self.tp.rank * self.local_in, self.local_in))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return self.tp.all_reduce(_matmul(x, self.weight, out_dtype, self.packed))
+        return self.tp.all_reduce(_matmul(x, self.weight, out_dtype, self.packed, self.qweight))
 
 
 class VocabParallelEmbedding(nn.Module):
     """Rank r holds vocabulary rows [r·V/tp, (r+1)·V/tp); ids outside give zeros, and one
     all-reduce sums the ranks' rows into the full embedding."""
 
-    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup):
+    qweight = None       # quantized: an Int8Weight (rows looked up and widened)
+
+    def __init__(self, vocab_size: int, hidden: int, tp: TPGroup, quant: str | None = None):
         super().__init__()
         self.tp = tp
         self.vocab_size = vocab_size
         self.padded_vocab = -(-vocab_size // tp.size) * tp.size
         self.local_vocab = self.padded_vocab // tp.size
         self.start = tp.rank * self.local_vocab
-        self.weight = nn.Parameter(torch.zeros(self.local_vocab, hidden), requires_grad=False)
+        self.quant = quant
+        self.weight = _placeholder() if quant else nn.Parameter(
+            torch.zeros(self.local_vocab, hidden), requires_grad=False)
         self.parts = [0]
 
-    def load(self, part: int, full: torch.Tensor) -> None:
+    def load(self, part: int, full: torch.Tensor | QTensor) -> None:
         n = max(0, min(self.local_vocab, self.vocab_size - self.start))
+        if self.quant:      # int8 per channel under both schemes: rows must be looked up
+            q = to_scheme(full, "int8").rows(self.start, n)
+            pad = self.local_vocab - n                       # vocabulary padding: zero rows
+            self.qweight = Int8Weight(QTensor(
+                "int8", torch.cat([q.codes, q.codes.new_zeros(pad, q.shape[1])]),
+                torch.cat([q.scale, q.scale.new_ones(pad, 1)]), None, q.group))
+            return
         self.weight.data[:n].copy_(full.narrow(0, self.start, n))
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.embedding(ids) if self.qweight is not None else F.embedding(ids, self.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(ids, self.weight)
+            return self._lookup(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.local_vocab)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self._lookup(local.masked_fill(outside, 0))
         x = x.masked_fill(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(x)
 
@@ -124,7 +175,8 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed = None        # see prepack()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: [S, d] -> [S, V]
-        logits = self.tp.all_gather_last_dim(_matmul(h, self.weight, packed=self.packed))
+        logits = self.tp.all_gather_last_dim(_matmul(h, self.weight, packed=self.packed,
+                                                     qweight=self.qweight))
         return logits[:, :self.vocab_size]
 
 
@@ -153,7 +205,8 @@ class RMSNorm(nn.Module):
              out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x += delta in place (the residual stream), then RMSNorm(x) in out_dtype."""
         out_dtype = out_dtype or x.dtype
-        if self.fused is not None and x.dtype == torch.float32 and x.is_contiguous():
+        if self.fused is not None and x.dtype == torch.float32 and x.is_contiguous() and \
+                (delta is None or delta.is_contiguous()):
             out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
             self.fused.add_rms_norm(x, delta, self.weight, self.eps, out)
             return out

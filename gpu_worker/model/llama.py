@@ -21,21 +21,32 @@ from shared.model_config import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None):
         super().__init__()
         self.num_heads = tp.shard(cfg.num_heads, "query heads")
         self.num_kv_heads = tp.shard(cfg.num_kv_heads, "KV heads")
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], tp)
-        self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], tp, quant)
+        self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp, quant)
 
     def forward(self, x, rotary, kv_cache, meta, backend, out_dtype):
         # x: [T, d] -> qkv: [T, (H + 2·KVH)·hd] on this rank, in the residual stream's dtype
         T = x.shape[0]
-        qkv = self.qkv_proj(x, out_dtype=out_dtype)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if self.qkv_proj.weight.dtype == torch.bfloat16 and rotary.fused is not None:
+            # bfloat16 GEMMs on CPU: an iteration of decodes alone runs RoPE, the K/V store and
+            # attention as one op on the GEMM's own output (the backend says None otherwise)
+            qkv = self.qkv_proj(x, out_dtype=torch.bfloat16)
+            block = getattr(backend, "decode_block", None)
+            with record_function("attention"):
+                o = block(qkv, rotary, kv_cache, meta, self.scale, q_size) if block else None
+            if o is not None:
+                return self.o_proj(o, out_dtype=out_dtype)
+            qkv = qkv.float()           # the residual stream's dtype on CPU
+        else:
+            qkv = self.qkv_proj(x, out_dtype=out_dtype)
         qk = rotary(meta.positions, qkv[:, :q_size + kv_size].view(T, -1, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
@@ -47,10 +58,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     fused = None        # the CPU kernels' silu_and_mul (bfloat16 weights), see set_dtypes
 
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp,
+                                                 quant)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp, quant)
         self.local_ffn = self.gate_up_proj.local_sizes[0]
 
     def forward(self, x, out_dtype):
@@ -67,29 +79,39 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, tp)
+        self.self_attn = LlamaAttention(cfg, tp, quant)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg, tp)
+        self.mlp = LlamaMLP(cfg, tp, quant)
 
-    def forward(self, x, rotary, kv_cache, meta, backend):
-        # x is the residual stream; the norms hand the GEMMs their input in the weights' dtype
+    def forward(self, x, delta, rotary, kv_cache, meta, backend):
+        """x is the residual stream and `delta` the previous layer's MLP output, not added yet
+        (None before the first layer): the norms add it in the same pass (x += delta, in
+        place) and hand the GEMMs their input in the weights' dtype. With the CPU kernels'
+        norms, the attention and MLP outputs stay in that dtype too (the norm widens them as
+        it adds). Returns (x, this layer's MLP output)."""
         mm = self.mlp.gate_up_proj.weight.dtype
-        a = self.self_attn(self.input_layernorm(x, mm), rotary, kv_cache, meta, backend, x.dtype)
+        fused = self.input_layernorm.fused
+        narrow = mm if fused is not None and hasattr(fused, "decode_attention_block") else x.dtype
+        h = self.input_layernorm.add_(x, delta, mm)
+        a = self.self_attn(h, rotary, kv_cache, meta, backend, narrow)
         h = self.post_attention_layernorm.add_(x, a, mm)           # x += a, in place
-        return x + self.mlp(h, x.dtype)
+        return x, self.mlp(h, narrow)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None):
+        """`quant` ("int4", "int8" or None): the matrices' scheme (gpu_worker/quant); the
+        layers then hold packed integers and no float weights."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp) for _ in range(cfg.num_layers))
+        self.quant = quant
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp, quant)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, tp, quant) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, quant)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
@@ -104,6 +126,8 @@ class LlamaForCausalLM(nn.Module):
         self.act_dtype = act_dtype
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                if module.quant:
+                    continue        # integers; the placeholder says bfloat16, their GEMMs' input
                 module.weight.data = module.weight.data.to(weight_dtype)
             elif isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.to(act_dtype)
@@ -111,8 +135,11 @@ class LlamaForCausalLM(nn.Module):
                 module.fused = fused_ops
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+            self.lm_head.qweight = self.embed_tokens.qweight
         for module in self.modules():
             if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)):
+                if module.qweight is not None:
+                    continue            # packed already, in its integer layout
                 module.packed = prepack(module.weight.data)
                 if module.packed is not None and module.weight is not self.embed_tokens.weight:
                     # the packed copy replaces W (only its dtype is read from now on); a tied
@@ -125,10 +152,12 @@ class LlamaForCausalLM(nn.Module):
         when given, is called once layer l has written its K/V to the pool (P/D's layer
         streaming, gpu_worker/kv_transfer)."""
         x = self.embed_tokens(input_ids).to(self.act_dtype)
+        delta = None
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x = layer(x, self.rotary, kv_cache, meta, backend)
+            x, delta = layer(x, delta, self.rotary, kv_cache, meta, backend)
             if after_layer is not None:
                 after_layer(index)
+        x.add_(delta)
         h = self.norm(x[meta.sample_rows])
         with record_function("lm_head"):
             return self.lm_head(h).float()

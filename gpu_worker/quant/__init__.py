@@ -1,0 +1,67 @@
+"""Quantized weights on CPU (`--quantization auto|none|int8|int4`).
+
+    tensor.py  QTensor: codes + group-wise scales, from GGUF blocks or quantized from floats
+    linear.py  the packed layouts and their GEMMs (torch's int4/int8 CPU kernels)
+
+`resolve_quantization` turns the flag into one scheme for the model's matrices: `auto` serves a
+GGUF in the precision it ships (int4 when its layer matrices are Q4_0/Q4_1, int8 when Q8_0,
+float when F32/F16/BF16) and an HF checkpoint as it is. The vocabulary matrices (embedding and
+LM head) are int8 per output channel under both schemes: the embedding looks rows up, which
+the int4 layout cannot do. The refusals come before any weight is read.
+"""
+from __future__ import annotations
+
+from shared.errors import PacerError
+from shared.model_config import ModelConfig, open_gguf
+from shared.model_source import ModelSource
+
+CHOICES = ("auto", "none", "int8", "int4")
+INT4_GROUP = 32
+
+
+def gguf_matrix_types(source: ModelSource) -> set[str]:
+    """The GGUF types of the layer matrices (blk.*, two dimensions)."""
+    reader = open_gguf(source.path)
+    return {t.tensor_type.name for t in reader.tensors
+            if t.name.startswith("blk.") and len(t.shape) == 2}
+
+
+def resolve_quantization(requested: str, source: ModelSource, cfg: ModelConfig, tp: int = 1,
+                         device: str = "cpu") -> str:
+    """`none`, `int8` or `int4`; a PacerError that says why when the model cannot be served so."""
+    if requested not in CHOICES:
+        raise PacerError(f"--quantization must be one of {', '.join(CHOICES)}, got {requested!r}")
+    scheme = requested
+    if requested == "auto":
+        scheme = "none"
+        if source.kind == "gguf":
+            types = gguf_matrix_types(source)
+            if types and types <= {"Q4_0", "Q4_1"}:
+                scheme = "int4"
+            elif types and types <= {"Q4_0", "Q4_1", "Q8_0"}:
+                scheme = "int8"       # a mix: the widest of its types
+    if scheme == "none":
+        return scheme
+    if device != "cpu":
+        if requested == "auto":
+            return "none"
+        raise PacerError(f"--quantization {scheme}: quantized weights run on CPU only "
+                         f"(device {device}); use --quantization none")
+    if scheme == "int4":
+        _check_int4_groups(cfg, tp)
+    return scheme
+
+
+def _check_int4_groups(cfg: ModelConfig, tp: int) -> None:
+    """int4 groups run along each matrix's input dimension, per rank: every input width (the
+    row-parallel ones cut by tp) must divide into groups of INT4_GROUP."""
+    widths = {"hidden_size": cfg.hidden_size,
+              f"attention output input (heads · head_dim / tp={tp})":
+                  cfg.num_heads * cfg.head_dim // tp,
+              f"intermediate_size / tp={tp}": cfg.intermediate_size // tp}
+    bad = {name: w for name, w in widths.items() if w % INT4_GROUP}
+    if bad:
+        said = ", ".join(f"{name} = {w}" for name, w in bad.items())
+        raise PacerError(f"--quantization int4 needs every matrix's input width to divide into "
+                         f"groups of {INT4_GROUP}, and {said} does not; use --quantization int8 "
+                         f"or none")

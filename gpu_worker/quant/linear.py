@@ -1,0 +1,128 @@
+"""Packed quantized weights and their GEMMs on CPU: y = x Wᵀ with W held as integers.
+
+    Int4Weight  torch's int4 CPU layout (`_convert_weight_to_int4pack_for_cpu`: two codes a
+                byte) with group-wise (scale, zero) pairs [K / group, N, 2];
+                `_weight_int4pack_mm_for_cpu`
+    Int8Weight  int8 [N, K] with one scale per output channel; `_weight_int8pack_mm`; also the
+                embedding table (rows looked up and widened)
+
+Both take bfloat16 activations (measured on the AVX-512 machine, 2 threads: with float32
+activations these kernels are 10-30x slower; float16 ones 50x) and return bfloat16; the
+caller casts at the edge (gpu_worker/model/layers.py `_matmul`). The scales are stored in
+bfloat16 too (the kernels ask for the activations' dtype). N is padded to a multiple of 64
+for the int4 layout; the padding rows are zero and cut from the output.
+
+Chosen by rows: torch's kernels are built for a few rows (decodes) and read 4x (int4) or 2x
+(int8) fewer bytes than bfloat16 there; from `many_rows` rows on (prefill chunks, many
+decodes) the weight is widened to bfloat16 for that one GEMM by the CPU kernels (csrc/
+dequant.cpp) and multiplied by torch's bfloat16 GEMM (oneDNN: AMX or AVX512-BF16), which wins
+by more than the widening costs. Without the CPU kernels, torch's kernels serve every size.
+On a CPU without native bf16 dot products (AVX2 only: a bf16 GEMM there widens to float32 in
+software, 8x slower) the widened weight is multiplied in float32 instead.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from gpu_worker.cpu_kernels import best_level, cpu_kernels
+from gpu_worker.quant.tensor import QTensor
+from shared.cpu import NATIVE_BF16_FLAGS, cpu_flags
+
+ACT_DTYPE = torch.bfloat16
+
+
+def _widening_kernels():
+    kernels = cpu_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "dequantize_int4pack") else None
+
+
+@functools.cache
+def _bf16_gemm_native() -> bool:
+    """bf16 GEMMs in hardware: the CPU has AVX512-BF16 or AMX and its kernels are not held below
+    AVX-512 (PACER_CPU_ISA, gpu_worker/cpu_kernels.py)."""
+    return bool(NATIVE_BF16_FLAGS & cpu_flags()) and best_level() == "avx512"
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w for a widened bf16 weight: in bf16 where that is native, else in float32."""
+    if _bf16_gemm_native():
+        return torch.mm(x, w, out=out)
+    y = torch.mm(x.float(), w.float()).to(ACT_DTYPE)
+    return y if out is None else out.copy_(y)
+
+
+class Int4Weight:
+    scheme = "int4"
+    many_rows = 24          # from this many rows on, widen to bfloat16 (measured: README)
+
+    def __init__(self, q: QTensor):
+        assert q.scheme == "int4"
+        n, k = q.shape
+        self.out_features, self.in_features, self.group = n, k, q.group
+        pad = -n % 64
+        codes, scale, zero = q.codes, q.scale, q.zero
+        if pad:
+            codes = torch.cat([codes, codes.new_zeros(pad, k)])
+            scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
+            zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            codes.to(torch.int32).contiguous(), 1)
+        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACT_DTYPE).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_zeros.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
+        kernels = _widening_kernels() if x.shape[0] >= self.many_rows else None
+        if kernels is not None:
+            w_t = x.new_empty((self.in_features, self.scales_zeros.shape[1]))
+            kernels.dequantize_int4pack(self.packed, self.scales_zeros, self.group, w_t)
+            y = _mm(x, w_t)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group,
+                                                           self.scales_zeros)
+        return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
+
+
+class Int8Weight:
+    scheme = "int8"
+    many_rows = 16          # from this many rows on, widen to bfloat16 (measured: README)
+    CHUNK = 4096
+
+    def __init__(self, q: QTensor):
+        assert q.scheme == "int8" and q.group == q.shape[1], "int8 packs per output channel"
+        self.out_features, self.in_features = q.shape
+        self.codes = q.codes.contiguous()
+        self.scale_f32 = q.scale.reshape(-1).contiguous()
+        self.scale = self.scale_f32.to(ACT_DTYPE)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale_f32.nbytes + self.scale.nbytes
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
+        kernels = _widening_kernels() if x.shape[0] >= self.many_rows else None
+        if kernels is None:
+            return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
+        # widened CHUNK rows at a time: a whole LM head in bfloat16 (56 MB for SmolLM2) would
+        # be a fresh mapping, page-faulted in on every call; a few MB are reused from the heap
+        y = x.new_empty((x.shape[0], self.out_features))
+        w = x.new_empty((min(self.CHUNK, self.out_features), self.in_features))
+        for n0 in range(0, self.out_features, self.CHUNK):
+            n = min(self.CHUNK, self.out_features - n0)
+            kernels.dequantize_int8(self.codes[n0:n0 + n], self.scale[n0:n0 + n], w[:n])
+            _mm(x, w[:n].t(), out=y[:, n0:n0 + n])
+        return y
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` widened to float32: codes · scale, the values `mm` multiplies by."""
+        return self.codes[ids].to(torch.float32) * self.scale_f32[ids].unsqueeze(-1)
+
+
+def pack(q: QTensor) -> Int4Weight | Int8Weight:
+    return Int4Weight(q) if q.scheme == "int4" else Int8Weight(q)

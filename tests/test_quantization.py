@@ -1,0 +1,259 @@
+"""Quantized weights (gpu_worker/quant, --quantization): GGUF Q4_0/Q4_1/Q8_0 blocks load as
+codes + scales that dequantize to exactly the `gguf` package's values; the int4/int8 GEMMs
+match a dequantized reference within stated tolerances for the model's shapes and odd ones;
+`auto` picks the file's own precision; refusals say why; tp=3 int4 gives tp=1's tokens."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from gpu_worker.quant import resolve_quantization
+from gpu_worker.quant.linear import ACT_DTYPE, Int4Weight, Int8Weight
+from gpu_worker.quant.tensor import from_gguf, quantize_int4, quantize_int8, to_scheme
+from gpu_worker.weights import iter_weights
+from services.engine import LLMEngine
+from shared.engine_args import EngineArgs
+from shared.errors import PacerError
+from shared.model_config import load_model_config
+from shared.model_source import resolve_model
+from shared.sampling import SamplingParams
+from tests.helpers_tiny_model import write_tiny_gguf, write_tiny_llama
+
+# SmolLM2-135M's matrices (N, K): qkv, o, gate_up, down, LM head; then odd ones (N not a
+# multiple of 16: padded; K of one group; K of three groups)
+MODEL_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+ODD_SHAPES = [(40, 64), (17, 32), (48, 96), (320, 192)]
+
+
+def _random(n: int, k: int, seed: int = 0) -> np.ndarray:
+    g = np.random.default_rng(seed)
+    # rows of different magnitudes, and a few outliers: scales differ group to group
+    return (g.standard_normal((n, k)) * g.uniform(0.01, 1.0, (n, 1))
+            + (g.random((n, k)) < 0.01) * 4.0).astype(np.float32)
+
+
+# ---- GGUF blocks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("shape", [(64, 32), (48, 96), (960, 576)])
+def test_gguf_blocks_dequantize_to_the_gguf_reference(qtype, shape):
+    w = _random(*shape)
+    raw = quantize(w, qtype)
+    q = from_gguf(raw, qtype, shape)
+    assert q.scheme == ("int8" if qtype == Q.Q8_0 else "int4") and q.group == 32
+    reference = torch.from_numpy(dequantize(raw, qtype).reshape(shape).astype(np.float32))
+    if qtype == Q.Q4_1:   # zero = m + 8·d is one rounding away from q·d + m
+        torch.testing.assert_close(q.dequantize(), reference, rtol=0, atol=1e-6)
+    else:
+        assert torch.equal(q.dequantize(), reference)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
+def test_quantized_loading_gives_the_dequantized_loaders_values(tmp_path, qtype):
+    """Q/K rows unpermuted like the float path; norms stay float."""
+    hf = write_tiny_llama(tmp_path / "hf", hidden_size=64, intermediate_size=128)
+    path = write_tiny_gguf(tmp_path / "m.gguf", hf, qtype)
+    source = resolve_model(path)
+    cfg = load_model_config(source)
+    floats = dict(iter_weights(source, cfg, progress=False))
+    quantized = dict(iter_weights(source, cfg, progress=False, quantized=True))
+    assert floats.keys() == quantized.keys()
+    for name, t in quantized.items():
+        if floats[name].dim() == 1:
+            assert isinstance(t, torch.Tensor) and torch.equal(t, floats[name]), name
+        else:
+            torch.testing.assert_close(t.dequantize(), floats[name], rtol=0, atol=1e-6,
+                                       msg=name)
+
+
+# ---- the GEMMs -----------------------------------------------------------------------------
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.to(ACT_DTYPE).float() @ w.t()
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_int4_gemm_matches_its_dequantized_weights(shape, rows):
+    n, k = shape
+    q = quantize_int4(torch.from_numpy(_random(n, k, seed=rows)), 32)
+    # the kernel's scales are bfloat16: the reference dequantizes with the same ones
+    q.scale, q.zero = q.scale.to(ACT_DTYPE).float(), q.zero.to(ACT_DTYPE).float()
+    x = torch.randn(rows, k)
+    y = Int4Weight(q).mm(x)
+    assert y.shape == (rows, n) and y.dtype == ACT_DTYPE
+    ref = _reference(x, q.dequantize())
+    # bfloat16 output (8 bits of mantissa) over sums of k products
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rows", [1, 3, 32])
+def test_int8_gemm_matches_its_dequantized_weights(shape, rows):
+    n, k = shape
+    q = quantize_int8(torch.from_numpy(_random(n, k, seed=rows)))
+    q.scale = q.scale.to(ACT_DTYPE).float()
+    x = torch.randn(rows, k)
+    packed = Int8Weight(q)
+    y = packed.mm(x)
+    assert y.shape == (rows, n) and y.dtype == ACT_DTYPE
+    ref = _reference(x, q.dequantize())
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    ids = torch.tensor([0, n - 1, n // 2])
+    assert torch.equal(packed.embedding(ids), q.dequantize()[ids])
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (40, 64), (576, 1536)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_many_rows_widen_the_weights_to_exactly_their_values(shape, monkeypatch):
+    """From `many_rows` rows on, the CPU kernels widen W to bfloat16 for one bfloat16 GEMM:
+    W's values are the ones the int kernels use, rounded once to bfloat16."""
+    from gpu_worker.cpu_kernels import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("no CPU kernels here: torch's int kernels serve every size")
+    n, k = shape
+    q4 = quantize_int4(torch.from_numpy(_random(n, k)), 32)
+    w4 = Int4Weight(q4)
+    n_pad = w4.scales_zeros.shape[1]
+    w_t = torch.empty(k, n_pad, dtype=ACT_DTYPE)
+    kernels.dequantize_int4pack(w4.packed, w4.scales_zeros, 32, w_t)
+    s, z = (w4.scales_zeros[..., i].float().t()[:n].repeat_interleave(32, dim=1) for i in (0, 1))
+    want = ((q4.codes.float() - 8) * s + z).to(ACT_DTYPE)
+    assert torch.equal(w_t[:, :n].t(), want) and not w_t[:, n:].any()
+    q8 = quantize_int8(torch.from_numpy(_random(n, k)))
+    w8 = Int8Weight(q8)
+    wide = torch.empty(n, k, dtype=ACT_DTYPE)
+    kernels.dequantize_int8(w8.codes, w8.scale, wide)
+    assert torch.equal(wide, (q8.codes.float() * w8.scale.float().unsqueeze(1)).to(ACT_DTYPE))
+    x = torch.randn(Int4Weight.many_rows + 3, k)
+    for packed in (w4, w8):
+        wide_y = packed.mm(x)
+        monkeypatch.setattr(type(packed), "many_rows", 10 ** 9)
+        narrow_y = packed.mm(x)
+        assert wide_y.shape == narrow_y.shape == (x.shape[0], n)
+        ref = narrow_y.float()
+        torch.testing.assert_close(wide_y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_quantization_error_is_what_the_scheme_allows():
+    """Against the float weights: int4 within half a step of its group, int8 of its row."""
+    w = torch.from_numpy(_random(256, 576))
+    q4 = quantize_int4(w, 32)
+    step4 = q4.scale.repeat_interleave(32, dim=1)
+    assert ((q4.dequantize() - w).abs() <= step4 / 2 + 1e-5).all()
+    q8 = quantize_int8(w)
+    assert ((q8.dequantize() - w).abs() <= q8.scale / 2 + 1e-6).all()
+    # a Q8_0 tensor asked for as int8 becomes per channel; a Q4 one as int8 too
+    raw = quantize(w.numpy(), Q.Q8_0)
+    per_channel = to_scheme(from_gguf(raw, Q.Q8_0, (256, 576)), "int8")
+    assert per_channel.group == 576
+
+
+# ---- choosing, and refusing ----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory) -> str:
+    return write_tiny_llama(tmp_path_factory.mktemp("q") / "hf", hidden_size=64,
+                            intermediate_size=128)
+
+
+@pytest.mark.parametrize("qtype,want", [(Q.Q4_0, "int4"), (Q.Q4_1, "int4"), (Q.Q8_0, "int8"),
+                                        (Q.F32, "none"), (Q.F16, "none")],
+                         ids=lambda v: getattr(v, "name", v))
+def test_auto_serves_a_gguf_in_its_own_precision(tmp_path, tiny_hf, qtype, want):
+    source = resolve_model(write_tiny_gguf(tmp_path / "m.gguf", tiny_hf, qtype))
+    assert resolve_quantization("auto", source, load_model_config(source)) == want
+
+
+def test_auto_serves_a_float_checkpoint_as_it_is_and_quantizes_when_asked(tiny_hf):
+    source = resolve_model(tiny_hf)
+    cfg = load_model_config(source)
+    assert resolve_quantization("auto", source, cfg) == "none"
+    assert resolve_quantization("int4", source, cfg) == "int4"
+    assert resolve_quantization("int8", source, cfg) == "int8"
+    with pytest.raises(PacerError, match="CPU only"):
+        resolve_quantization("int4", source, cfg, device="cuda")
+    assert resolve_quantization("auto", source, cfg, device="cuda") == "none"
+
+
+def test_int4_refuses_shapes_that_do_not_divide_into_groups(tmp_path):
+    odd = write_tiny_llama(tmp_path / "odd", hidden_size=48, intermediate_size=96,
+                           num_attention_heads=4, num_key_value_heads=2)
+    source = resolve_model(odd)
+    cfg = load_model_config(source)
+    with pytest.raises(PacerError, match=r"int4 .* groups of 32.*hidden_size = 48.*int8 or none"):
+        resolve_quantization("int4", source, cfg)
+    assert resolve_quantization("int8", source, cfg) == "int8"
+    # a tp whose row-parallel shard cuts a group: 1536 / 9 heads... here 64 / tp=2 = 32 fits,
+    # 128 / tp=4 = 32 fits, but 64 / tp=4 = 16 does not
+    ok = resolve_model(write_tiny_llama(tmp_path / "ok", hidden_size=64, intermediate_size=128))
+    with pytest.raises(PacerError, match="tp=4"):
+        resolve_quantization("int4", ok, load_model_config(ok), tp=4)
+
+
+def test_an_unknown_quantization_is_refused(tiny_hf):
+    source = resolve_model(tiny_hf)
+    with pytest.raises(PacerError, match="one of auto, none, int8, int4"):
+        resolve_quantization("int3", source, load_model_config(source))
+
+
+# ---- serving -------------------------------------------------------------------------------
+
+def _greedy(model: str, prompts, tokens: int, **args) -> tuple[list[list], LLMEngine]:
+    """Greedy SampledTokens (with the top-2 log-probabilities) of each prompt."""
+    with LLMEngine(EngineArgs(model=model, block_size=16, num_kv_blocks=256,
+                              max_model_len=512, **args), progress=False) as engine:
+        out = engine.generate(prompts, [SamplingParams(max_tokens=tokens, temperature=0.0,
+                                                       ignore_eos=True, logprobs=2)] * len(prompts))
+        return [c.tokens for c in out], engine
+
+
+# The GEMMs round their output to bfloat16 (gpu_worker/quant/linear.py): tp ranks round their
+# partial sums where tp=1 rounds the whole, so two runs can part where the top two
+# log-probabilities lie within bfloat16's rounding (2^-8 relative) of each other.
+BF16_TIE = 0.02
+
+
+def assert_same_greedy(ours: list, ref: list, what: str) -> None:
+    """Token for token; a divergence only where the reference's top two were a bf16 near-tie."""
+    ids, ref_ids = [t.token_id for t in ours], [t.token_id for t in ref]
+    if ids == ref_ids:
+        return
+    i = next(k for k, (a, b) in enumerate(zip(ids, ref_ids)) if a != b)
+    (_, first), (_, second) = ref[i].top_logprobs[:2]
+    print(f"{what}: diverges at token {i}, top-2 log-probability gap {first - second:.2e}")
+    assert first - second < BF16_TIE, f"{what}: token {i} differs, gap {first - second}"
+
+
+PROMPTS = [[5, 6, 7], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57],
+           list(range(60, 100))]
+
+
+def test_a_quantized_model_holds_no_float_matrices(tmp_path, tiny_hf):
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf, Q.Q4_1)
+    _, engine = _greedy(gguf, PROMPTS[:1], 2, dtype="float32")
+    model = engine.runner.model
+    assert engine.runner.quantization == "int4"
+    for name, module in model.named_modules():
+        if hasattr(module, "qweight") and hasattr(module, "weight"):
+            assert module.qweight is not None and module.weight.numel() == 0, name
+    assert model.layers[0].mlp.gate_up_proj.qweight.scheme == "int4"
+    assert model.embed_tokens.qweight.scheme == "int8"
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_tp3_quantized_gives_tp1_tokens(tmp_path, quantization):
+    """6 query heads, 3 KV heads, hidden 96, intermediate 192: each rank holds 2 heads (32
+    columns of o_proj: one int4 group) and 64 columns of down_proj; from a Q4_0 GGUF."""
+    hf = write_tiny_llama(tmp_path / "six", seed=2, hidden_size=96, intermediate_size=192,
+                          num_attention_heads=6, num_key_value_heads=3, num_hidden_layers=2)
+    gguf = write_tiny_gguf(tmp_path / "six.gguf", hf, Q.Q4_0)
+    args = dict(dtype="float32", quantization=quantization, max_num_batched_tokens=16)
+    single, engine = _greedy(gguf, PROMPTS, 12, tp=1, **args)
+    assert engine.runner.quantization == quantization
+    three, _ = _greedy(gguf, PROMPTS, 12, tp=3, **args)
+    for k, (o, s) in enumerate(zip(three, single)):
+        assert_same_greedy(o, s, f"tp=3 {quantization} prompt {k} vs tp=1")
