@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 
 from gateway.config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
-                            DEFAULT_SHUTDOWN_TIMEOUT_S, GatewayConfig, new_gateway_id)
+                            DEFAULT_SHUTDOWN_TIMEOUT_S, POLICIES, GatewayConfig,
+                            new_gateway_id)
 from shared.service_args import add_service_args
 
 
@@ -21,7 +22,7 @@ def register(sub) -> None:
     p.add_argument("--instances", default="",
                    help="P/D: the engine instances /health waits for and /metrics reports, "
                         "as ID:TP,... (e.g. p0:1,d0:1); default: the colocated engine")
-    p.add_argument("--router", default=None, choices=("round-robin", "least-loaded", "prefix"),
+    p.add_argument("--router", default=None, choices=POLICIES,
                    help="data-parallel replicas: send each request to one of --instances, "
                         "each reading its own request stream (docs/design.md#cache-aware-"
                         "routing); default: the shared request stream")

@@ -10,6 +10,8 @@ from shared.keys import DEFAULT_PREFIX
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+# how the router picks an engine instance (gateway/router.py)
+POLICIES = ("round-robin", "least-loaded", "prefix")
 
 
 def new_gateway_id() -> str:

@@ -48,10 +48,10 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 
+from gateway.config import POLICIES
 from shared.keys import Keys
 from shared.prefix_hash import cacheable_hashes
 
-POLICIES = ("round-robin", "least-loaded", "prefix")
 DECODE_TOKENS = 64           # prompt tokens' worth of work a request is once it decodes
 UNKNOWN_TOKENS = 256         # ...and one in flight that another gateway sent
 KV_FULL_TOKENS = 2048        # added as an instance's KV cache goes from 90 to 100 % full

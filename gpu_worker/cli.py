@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 
 from shared.engine_args import EngineArgs
-from shared.service_args import ROLES, add_instance_args, add_service_args
+from shared.service_args import ROLES, add_instance_args, add_service_args, check_role
 
 
 def register(sub) -> None:
@@ -39,11 +39,11 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli(args)
     if not 0 <= args.rank < engine_args.tp:
         raise PacerError(f"--rank must be in [0, {engine_args.tp}), got {args.rank}")
+    if args.role is not None:
+        check_role(args.role, args.instance)
     if args.role in ("prefill", "decode") and engine_args.kv_connector == "none":
         raise PacerError(f"--role {args.role}: the K/V of a P/D instance move between "
                          "instances; give --kv-connector mooncake")
-    if args.role in ("prefill", "decode") and not args.instance:
-        raise PacerError(f"--role {args.role} needs --instance ID")
     layout = engine_layout(engine_args)
     if args.threads:
         import torch

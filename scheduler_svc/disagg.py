@@ -420,25 +420,26 @@ class PrefillSide:
 
     def queue(self, pipe, out: Outgoing) -> None:
         for instance, msg in out.reserves:
-            pipe.xadd(self.keys.for_instance(instance).handoff, to_fields(msg),
-                      maxlen=HANDOFF_MAXLEN, approximate=True)
+            self._notify(pipe, self.keys.for_instance(instance).handoff, msg)
         for instance, consumer, entry_id, msg in out.handoffs:
-            # ownership moves first: should the XADD be lost, the decode scheduler still
-            # finds the entry among its own pending ones at its next restart
-            pipe.xclaim(self.keys.requests, self.keys.requests_group, consumer, 0, [entry_id],
-                        justid=True)
-            pipe.xadd(self.keys.for_instance(instance).handoff, to_fields(msg),
-                      maxlen=HANDOFF_MAXLEN, approximate=True)
+            self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).handoff, msg)
         for instance, msg in out.cancels:
-            pipe.xadd(self.keys.for_instance(instance).handoff, to_fields(msg),
-                      maxlen=HANDOFF_MAXLEN, approximate=True)
+            self._notify(pipe, self.keys.for_instance(instance).handoff, msg)
         for instance, consumer, entry_id, msg in out.forwards:
-            # as for a hand-off: should the notice be lost, the chosen instance's scheduler
-            # finds the entry among its own pending ones at its next restart
-            pipe.xclaim(self.keys.requests, self.keys.requests_group, consumer, 0, [entry_id],
-                        justid=True)
-            pipe.xadd(self.keys.for_instance(instance).reservations, to_fields(msg),
-                      maxlen=HANDOFF_MAXLEN, approximate=True)
+            self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).reservations,
+                       msg)
+
+    def _move(self, pipe, consumer: str, entry_id, stream: str, notice) -> None:
+        """A request entry to another scheduler: ownership moves first (XCLAIM), then the
+        notice; should the notice be lost, that scheduler still finds the entry among its own
+        pending ones at its next restart."""
+        pipe.xclaim(self.keys.requests, self.keys.requests_group, consumer, 0, [entry_id],
+                    justid=True)
+        self._notify(pipe, stream, notice)
+
+    @staticmethod
+    def _notify(pipe, stream: str, msg) -> None:
+        pipe.xadd(stream, to_fields(msg), maxlen=HANDOFF_MAXLEN, approximate=True)
 
     def put_back(self, out: Outgoing) -> None:
         self.out.reserves[:0] = out.reserves

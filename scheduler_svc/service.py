@@ -56,11 +56,10 @@ from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recover
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, role_disagreement
-from shared.errors import PacerError
 from shared.keys import PLANS_MAXLEN, Keys
 from shared.lifecycle import cancel_tasks, clear_key, keep_heartbeat, stream_tail_id
 from shared.plan import IterationPlan, StepResult
-from shared.service_args import ROLES
+from shared.service_args import check_role
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
                              from_fields, to_fields)
 
@@ -87,10 +86,7 @@ class SchedulerServiceConfig:
     overlap: bool = True
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise PacerError(f"--role must be colocated, prefill or decode, got {self.role!r}")
-        if self.role != "colocated" and not self.instance:
-            raise PacerError(f"--role {self.role} needs --instance ID")
+        check_role(self.role, self.instance)
 
 
 class SchedulerService:

@@ -28,6 +28,7 @@ from urllib.parse import urlsplit
 import structlog
 
 from gateway.cli import POLICY_FLAGS, add_request_policy_args
+from gateway.config import POLICIES
 from services.restarts import Restarter
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
 from shared.engine_args import EngineArgs
@@ -73,7 +74,7 @@ def register(sub) -> None:
     g.add_argument("--replicas", type=int, default=0,
                    help="engine instances r0..rN-1 (a scheduler and --tp workers each) behind "
                         "the one gateway, each reading its own request stream")
-    g.add_argument("--router", default=None, choices=("round-robin", "least-loaded", "prefix"),
+    g.add_argument("--router", default=None, choices=POLICIES,
                    help="how the gateway picks a replica, or a prefill instance of several "
                         "(default: prefix, the one holding the prompt's prefix unless "
                         "overloaded)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -21,6 +22,14 @@ def add_service_args(p: argparse.ArgumentParser) -> None:
 
 # what an engine instance does (docs/design.md#pd-disaggregation)
 ROLES = ("colocated", "prefill", "decode")
+
+
+def check_role(role: str, instance: str) -> None:
+    """A PacerError unless `role` is one of ROLES and a P/D role names its instance."""
+    if role not in ROLES:
+        raise PacerError(f"--role must be colocated, prefill or decode, got {role!r}")
+    if role != "colocated" and not instance:
+        raise PacerError(f"--role {role} needs --instance ID")
 
 
 def add_instance_args(p: argparse.ArgumentParser) -> None:
