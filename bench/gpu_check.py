@@ -4,8 +4,12 @@
       CPU float32 reference path; bfloat16 top-1 agreement with the float32 reference over a
       teacher-forced sequence (1k positions; 128 in smoke mode).
   (b) speed: a random-weight model of Llama-3-8B's shape (a small one in smoke mode), in-process
-      decode tok/s at a few batch sizes and one long prefill, each beside the roofline of
-      `pacer cost` for the same shape and hardware (the ratio is the figure that matters).
+      decode tok/s at a few batch sizes, with CUDA graphs and without, and one long prefill,
+      each beside the roofline of `pacer cost` for the same shape and hardware (the ratio is
+      the figure that matters).
+  (c) served: the same random-weight model behind `pacer up` (`--load-format dummy`) against
+      the same engine in-process at concurrency 64 (bench/served_vs_inprocess.py): the ratio
+      shows whether the Redis hop is hidden. Needs redis-server on the PATH.
 
     python -m bench.gpu_check --device cuda --out docs/gpu_check.json     # on a GPU
     python -m bench.gpu_check --device cpu --out /tmp/smoke.json          # smoke mode (CI)
@@ -13,8 +17,9 @@
 Smoke mode (--device cpu) runs the same code on tiny shapes so that the script is not broken
 when a GPU arrives; there the device under test runs our Triton kernel under TRITON_INTERPRET=1
 (when triton is installed), so (a) compares it with the torch path end to end. Its speed
-figures mean nothing. The served path at concurrency 64 and CUDA graphs are not part of this
-script yet (the JSON says so).
+figures mean nothing, and (c) is skipped (two engines and a Redis on the CI machine's two
+cores would add minutes and say nothing). Each part that fails leaves its traceback in the
+JSON and the others still run.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 
 SMOKE_SHAPE = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                    num_attention_heads=8, num_key_value_heads=2, vocab_size=512)
@@ -39,7 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default="auto",
                     help="the device run's backend (smoke mode: triton when installed)")
     ap.add_argument("--hw", default="h200", help="hardware profile for the roofline")
-    ap.add_argument("--skip-speed", action="store_true", help="only (a)")
+    ap.add_argument("--skip-speed", action="store_true", help="no (b)")
+    ap.add_argument("--skip-served", action="store_true", help="no (c)")
+    ap.add_argument("--profile", action="store_true",
+                    help="(b) also lists the GPU time per kernel of eager decode steps")
     args = ap.parse_args(argv)
     smoke = args.device == "cpu"
     backend = args.attention_backend
@@ -59,19 +68,34 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__, "python": platform.python_version(),
                     "gpu": torch.cuda.get_device_name(args.device)
                     if args.device.startswith("cuda") else None,
-                    "cuda_graphs": "not implemented yet (docs/gpu.md)",
-                    "served": "not part of this script yet (bench/served_vs_inprocess.py)"}
+                    }
     started = time.perf_counter()
+
+    def part(name, fn, *fn_args):
+        t0 = time.perf_counter()
+        try:
+            report[name] = fn(*fn_args)
+        except Exception:                   # keep going: the other parts still tell something
+            report[name] = {"error": traceback.format_exc()}
+            print(report[name]["error"], file=sys.stderr)
+        report.setdefault("part_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        with open(args.out, "w") as f:      # after every part: a killed run keeps what it had
+            json.dump(report, f, indent=2)
+
     with tempfile.TemporaryDirectory() as tmp:
-        report["parity"] = parity(tmp, args.device, backend, smoke)
-    if not args.skip_speed:
-        # smoke mode times the torch path: the interpreter's speed says nothing
-        report["speed"] = speed(args.device, "torch" if smoke else backend, smoke, args.hw)
+        part("parity", parity, tmp, args.device, backend, smoke)
+        if not args.skip_speed:
+            # smoke mode times the torch path: the interpreter's speed says nothing
+            part("speed", speed, args.device, "torch" if smoke else backend, smoke, args.hw,
+                 args.profile)
+        if not smoke and not args.skip_served:
+            part("served", served, tmp, args.device)
     report["seconds"] = round(time.perf_counter() - started, 1)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     p = report["parity"]
-    ok = p["greedy_equal"] and p["bf16_top1_agreement"] >= p["bf16_threshold"]
+    ok = not any("error" in v for v in report.values() if isinstance(v, dict)) and \
+        p["greedy_equal"] and p["bf16_top1_agreement"] >= p["bf16_threshold"]
     print(json.dumps({"out": args.out, "ok": ok, "parity": report["parity"]}, indent=2))
     return 0 if ok else 1
 
@@ -91,8 +115,8 @@ def _greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]
     return [c.token_ids for c in engine.generate(prompts, [sp] * len(prompts))]
 
 
-def _teacher_forced_top1(engine, ids: list[int]):
-    """argmax of every position of one prefill of `ids`: [len(ids)] on the host."""
+def _teacher_forced_logits(engine, ids: list[int]):
+    """logits of every position of one prefill of `ids`: [len(ids), V] float32 on the host."""
     import torch
     from gpu_worker.attention import Chunk, build_attention_metadata
     runner = engine.runner
@@ -104,7 +128,25 @@ def _teacher_forced_top1(engine, ids: list[int]):
     with torch.inference_mode():
         logits = runner.model(torch.tensor(ids, device=runner.rc.device), runner.kv_caches, meta,
                               runner.backend)
-    return logits.argmax(-1).cpu()
+    return logits.float().cpu()
+
+
+def _margins(ref_logits, ref_top1, other_top1) -> list[float]:
+    import torch
+    rows = torch.nonzero(ref_top1 != other_top1).flatten()
+    return sorted(round(float(ref_logits[r, ref_top1[r]] - ref_logits[r, other_top1[r]]), 5)
+                  for r in rows)
+
+
+def _hf_top1(model_dir: str, device: str, ids: list[int]):
+    """transformers' bfloat16 model on `device`: argmax of every position of `ids`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    with torch.inference_mode():
+        top1 = hf(torch.tensor([ids], device=device)).logits[0].argmax(-1).cpu()
+    del hf
+    return top1
 
 
 def parity(tmp: str, device: str, backend: str, smoke: bool) -> dict:
@@ -122,7 +164,8 @@ def parity(tmp: str, device: str, backend: str, smoke: bool) -> dict:
 
     ref = _engine(model, "cpu", "float32", "torch")
     ref_tokens = _greedy(ref, prompts, steps)
-    ref_top1 = _teacher_forced_top1(ref, forced)
+    ref_logits = _teacher_forced_logits(ref, forced)
+    ref_top1 = ref_logits.argmax(-1)
     ref.shutdown()
 
     dut = _engine(model, device, "float32", backend)
@@ -130,14 +173,22 @@ def parity(tmp: str, device: str, backend: str, smoke: bool) -> dict:
     dut.shutdown()
     # bf16 on the device (on CPU the residual stream stays float32: shared/config.py)
     bf = _engine(model, device, "bfloat16", backend)
-    bf_top1 = _teacher_forced_top1(bf, forced)
+    bf_top1 = _teacher_forced_logits(bf, forced).argmax(-1)
     bf.shutdown()
+    hf_top1 = _hf_top1(model, device, forced)
     return {"prompts": len(prompts), "greedy_steps": steps,
             "greedy_equal": dut_tokens == ref_tokens,
             "first_mismatch": next(([i, j] for i, (a, b) in enumerate(zip(dut_tokens, ref_tokens))
                                     for j, (x, y) in enumerate(zip(a, b)) if x != y), None),
             "bf16_positions": positions,
             "bf16_top1_agreement": float((bf_top1 == ref_top1).float().mean()),
+            # the same measure for transformers' own bfloat16 model on the device: what
+            # bfloat16 costs this random model's close logits anyway
+            "hf_bf16_top1_agreement": float((hf_top1 == ref_top1).float().mean()),
+            # where bfloat16 picked another token: how far below float32's top logit it was,
+            # beside the spread of the logits (a near-tie is a margin far below the spread)
+            "bf16_disagreement_margins": _margins(ref_logits, ref_top1, bf_top1),
+            "fp32_logit_std": float(ref_logits.std()),
             # a tiny random model's logits are close together: the smoke run's bar is lower
             "bf16_threshold": 0.95 if smoke else 0.99}
 
@@ -165,9 +216,7 @@ def _random_model(shape: dict, device: str, dtype):
             model = LlamaForCausalLM(cfg, SINGLE)
     finally:
         torch.set_default_dtype(before)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            p.fill_(1.0) if pname.endswith("norm.weight") else p.normal_(0, 0.02)
+    model.init_random()
     fused = None
     if device == "cpu" and dtype != act:
         from gpu_worker.cpu_kernels import cpu_kernels
@@ -176,9 +225,10 @@ def _random_model(shape: dict, device: str, dtype):
     return cfg, model.eval(), act
 
 
-def speed(device: str, backend: str, smoke: bool, hw_name: str) -> dict:
+def speed(device: str, backend: str, smoke: bool, hw_name: str, profile: bool = False) -> dict:
     import torch
     from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
+    from gpu_worker.cuda_graphs import CAPTURABLE_BACKENDS, DecodeGraphs
     from gpu_worker.kv_cache import allocate_kv_cache
     from shared.cost_model import ModelShape, estimate_iteration
     from shared.attention_choice import choose_attention_here
@@ -192,52 +242,140 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str) -> dict:
     bs = choice.block_size
     cfg, model, act = _random_model(shape, device, dtype)
     attn = select_backend(choice.backend, device, bs)
-    per_seq = -(-max(context + steps + 8, prefill) // bs)
-    num_blocks = max(batches) * per_seq
-    caches = allocate_kv_cache(cfg, num_blocks, bs, cfg.num_kv_heads, dtype, device)
+    per_seq = -(-(context + steps + 8) // bs)
+    num_blocks = max(max(batches) * per_seq, -(-prefill // bs))
+    # one block more: the graphs' padding rows write there (gpu_worker/cuda_graphs.py)
+    caches = allocate_kv_cache(cfg, num_blocks + 1, bs, cfg.num_kv_heads, dtype, device)
     hw = load_hardware(hw_name)
     mshape = ModelShape("llama-3-8b-shape" if not smoke else "smoke-shape", cfg.num_layers,
                         cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                         cfg.head_dim, cfg.vocab_size)
+    graphs = None
+    if device.startswith("cuda") and choice.backend in CAPTURABLE_BACKENDS:
+        graphs = DecodeGraphs(model, caches, attn, bs, per_seq, num_blocks, device,
+                              list(batches))
 
     def sync():
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
 
-    def step(chunks, n_ids):
-        meta = build_attention_metadata(chunks, bs, device, act)
+    def step(chunks, n_ids, graphed=False):
+        """One forward and the argmax's copy to the host, as an iteration does."""
         ids = torch.randint(3, cfg.vocab_size, (n_ids,), device=device)
         with torch.inference_mode():
-            return model(ids, caches, meta, attn).argmax(-1).cpu()
+            if graphed:
+                logits = graphs.run(ids, chunks, graphs.size_for(chunks))
+            else:
+                meta = build_attention_metadata(chunks, bs, device, act)
+                logits = model(ids, caches, meta, attn)
+            return logits.argmax(-1).cpu()
 
     rows = []
-    for b in batches:
-        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
-        for _ in range(2):                                   # warm-up (compiles the kernels)
-            step([Chunk(1, context, t) for t in tables], b)
-        sync()
-        t0 = time.perf_counter()
-        for s in range(steps):
-            step([Chunk(1, context + s, t) for t in tables], b)
-        sync()
-        ms = (time.perf_counter() - t0) * 1e3 / steps
-        roof = estimate_iteration([(1, context)] * b, mshape, hw, 2).time_ms
-        rows.append({"what": f"decode batch {b} at context {context}", "ms_per_step": ms,
-                     "tok_s": b * 1e3 / ms, "roofline_ms": roof, "ratio_to_roofline": ms / roof})
-    step([Chunk(prefill, prefill, list(range(per_seq)))], prefill)           # warm-up
+    for graphed in ([False, True] if graphs is not None else [False]):
+        for b in batches:
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+            for _ in range(2):                               # warm-up (compiles the kernels)
+                step([Chunk(1, context, t) for t in tables], b, graphed)
+            sync()
+            t0 = time.perf_counter()
+            for s in range(steps):
+                step([Chunk(1, context + s, t) for t in tables], b, graphed)
+            sync()
+            ms = (time.perf_counter() - t0) * 1e3 / steps
+            roof = estimate_iteration([(1, context)] * b, mshape, hw, 2).time_ms
+            rows.append({"what": f"decode batch {b} at context {context}", "cuda_graphs": graphed,
+                         "ms_per_step": ms, "tok_s": b * 1e3 / ms, "roofline_ms": roof,
+                         "ratio_to_roofline": ms / roof})
+    profiles = {}
+    if profile and device.startswith("cuda"):
+        for b in (1, max(batches)):
+            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+            profiles[f"decode batch {b}, eager"] = _kernel_table(
+                lambda: step([Chunk(1, context, t) for t in tables], b))
+    table = list(range(-(-prefill // bs)))
+    step([Chunk(prefill, prefill, table)], prefill)                         # warm-up
     sync()
     t0 = time.perf_counter()
-    step([Chunk(prefill, prefill, list(range(per_seq)))], prefill)
+    step([Chunk(prefill, prefill, table)], prefill)
     sync()
     ms = (time.perf_counter() - t0) * 1e3
     roof = estimate_iteration([(prefill, prefill)], mshape, hw, 2).time_ms
-    rows.append({"what": f"prefill {prefill}", "ms_per_step": ms, "tok_s": prefill * 1e3 / ms,
-                 "roofline_ms": roof, "ratio_to_roofline": ms / roof})
+    rows.append({"what": f"prefill {prefill}", "cuda_graphs": False, "ms_per_step": ms,
+                 "tok_s": prefill * 1e3 / ms, "roofline_ms": roof, "ratio_to_roofline": ms / roof})
     for r in rows:
-        print(f"{r['what']:>32}: {r['ms_per_step']:9.2f} ms, {r['tok_s']:10.1f} tok/s, "
-              f"{r['ratio_to_roofline']:8.2f}x the {hw_name} roofline", file=sys.stderr)
+        print(f"{r['what']:>32} graphs={r['cuda_graphs']!s:5}: {r['ms_per_step']:9.2f} ms, "
+              f"{r['tok_s']:10.1f} tok/s, {r['ratio_to_roofline']:8.2f}x the {hw_name} roofline",
+              file=sys.stderr)
     return {"shape": shape, "dtype": "bfloat16", "attention_backend": choice.backend,
-            "block_size": bs, "hardware": hw_name, "cuda_graphs": False, "rows": rows}
+            "block_size": bs, "hardware": hw_name, "rows": rows, "kernel_profiles": profiles}
+
+
+def _kernel_table(run, steps: int = 3) -> dict:
+    """GPU time per step by kernel (torch.profiler), the largest first: where a step's time
+    goes apart from the gaps between kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append((e.key, us / steps, e.count / steps))
+    rows.sort(key=lambda r: -r[1])
+    return {"kernel_us_per_step": round(sum(r[1] for r in rows), 1),
+            "kernels_per_step": round(sum(r[2] for r in rows), 1),
+            "top": [{"kernel": k[:100], "us": round(us, 1), "calls": round(c, 1)}
+                    for k, us, c in rows[:20]]}
+
+
+# ---- (c) served ---------------------------------------------------------------------------
+
+def write_shape_dir(path: str, shape: dict) -> str:
+    """A model directory for `--load-format dummy` (random weights, nothing else read): a
+    config.json of `shape` and a word-level tokenizer with one word per id of the vocabulary,
+    so every sampled id decodes to text and streams as its own event."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    os.makedirs(path, exist_ok=True)
+    words = ["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(3, shape["vocab_size"])]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                   "eos_token": "</s>"}, f)
+    config = dict(shape, architectures=["LlamaForCausalLM"], model_type="llama",
+                  head_dim=shape["hidden_size"] // shape["num_attention_heads"],
+                  rope_theta=5e5, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    return path
+
+
+def served(tmp: str, device: str) -> dict:
+    """bench/served_vs_inprocess.py on the random Llama-3-8B-shaped model, concurrency 64."""
+    import subprocess
+    model = write_shape_dir(os.path.join(tmp, "llama3-8b-shape"), LLAMA3_8B_SHAPE)
+    out = os.path.join(tmp, "served.json")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    cmd = [sys.executable, os.path.join(root, "bench", "served_vs_inprocess.py"),
+           "--model", model, "--load-format", "dummy", "--device", device,
+           "--dtype", "bfloat16", "--kv-cache-memory", "24GiB", "--max-num-seqs", "64",
+           "--max-num-batched-tokens", "4096", "--concurrency", "64", "--num-prompts", "192",
+           "--output-len", "128", "--repeats", "2", "--json", out]
+    print("served:", " ".join(cmd[2:]), file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, cwd=root, timeout=300, capture_output=True, text=True)
+    print(proc.stdout[-6000:], proc.stderr[-6000:], file=sys.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"served_vs_inprocess.py exited with {proc.returncode}:\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(out) as f:
+        result = json.load(f)
+    return {"command": "python bench/served_vs_inprocess.py " + " ".join(cmd[3:-2]),
+            "summary": result["summary"], "rows": result["rows"]}
 
 
 if __name__ == "__main__":

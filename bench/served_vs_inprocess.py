@@ -143,7 +143,10 @@ def start_served(engine_args: EngineArgs, model: str, log_path: str,
     end = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < end:
         if proc.poll() is not None:
-            raise RuntimeError(f"pacer up exited with {proc.returncode}; log: {log_path}")
+            with open(log_path, errors="replace") as f:
+                tail = f.read()[-4000:]
+            raise RuntimeError(f"pacer up exited with {proc.returncode}; log: {log_path}, "
+                               f"ending:\n{tail}")
         try:
             with urllib.request.urlopen(f"{system.base_url}/health", timeout=2.0) as r:
                 if r.status == 200:

@@ -49,7 +49,7 @@ SHUTDOWN_ERROR = "the server shut down before the request finished; send it agai
 
 
 def create_app(config: GatewayConfig) -> web.Application:
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, weights=False)     # the tokenizer and config only
     context = load_model_config(source).max_position_embeddings
     state = GatewayState(
         config=config, keys=Keys(config.key_prefix), tokenizer=load_tokenizer(source),

@@ -27,6 +27,7 @@ from torch.profiler import record_function
 
 from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
 from gpu_worker.cpu_kernels import cpu_kernels
+from gpu_worker.cuda_graphs import CAPTURABLE_BACKENDS, DecodeGraphs, capture_sizes
 from gpu_worker.host_memory import keep_freed_memory
 from gpu_worker.kv_cache import allocate_kv_pool, layer_views
 from gpu_worker.kv_transfer import LayerSender, make_connector
@@ -61,6 +62,10 @@ class RunnerConfig:
     attention_backend: str = "auto"      # resolved here when still auto (shared/attention_choice.py)
     profile_tokens: int = 0              # CUDA: rows of the memory-profiling forward (0: none)
     gpu_memory_utilization: float = 0.9
+    # the pool's size came from --gpu-memory-utilization (False: --kv-cache-memory or
+    # --num-kv-blocks said it; the profile then only logs, since the memory other processes
+    # hold is no part of this one's share)
+    kv_from_utilization: bool = True
     # P/D's KV transfer (gpu_worker/kv_transfer): "none" or "mooncake"; where its engine
     # listens, over which protocol and device; how long an iteration waits for its sends
     kv_connector: str = "none"
@@ -70,6 +75,10 @@ class RunnerConfig:
     kv_timeout_s: float = 10.0
     kv_layer_streaming: bool = True      # False: every layer leaves after the forward (bench)
     quantization: str = "none"           # auto|none|int8|int4 (gpu_worker/quant)
+    load_format: str = "auto"            # dummy: random weights, no checkpoint read
+    cuda_graphs: bool = True             # CUDA: decodes replay captured graphs
+    max_model_len: int = 0               # the graphs' longest context (0: the model's)
+    max_num_seqs: int = 256              # the graphs' largest batch
 
 
 @dataclass
@@ -110,8 +119,13 @@ class ModelRunner:
         if not on_host:     # RoPE tables computed on the host, as on CPU (same bits), then moved
             model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                            cfg.rope_theta)
-        model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0,
-                                        quantized=quant is not None))
+        if rc.load_format == "dummy":
+            if quant is not None:
+                raise PacerError("--load-format dummy makes float weights: pass --quantization none")
+            model.init_random()
+        else:
+            model.load_weights(iter_weights(source, cfg, progress=rc.progress and tp.rank == 0,
+                                            quantized=quant is not None))
         # On CPU the residual stream, norms and attention math stay in float32 whatever the
         # weight dtype; the KV cache is stored in the weights' dtype (shared/config.py).
         self.act_dtype = DTYPES[activation_dtype(rc.dtype, rc.device)]
@@ -131,9 +145,21 @@ class ModelRunner:
                      reason=choice.reason, device=rc.device, dtype=rc.dtype,
                      quantization=self.quantization)
         kv_heads = self.model.layers[0].self_attn.num_kv_heads
-        self.kv_pool = allocate_kv_pool(cfg, rc.num_kv_blocks, rc.block_size, kv_heads,
+        graphs = (rc.cuda_graphs and rc.device.startswith("cuda") and tp.size == 1
+                  and choice.backend in CAPTURABLE_BACKENDS and rc.kv_connector == "none")
+        # with graphs, one block more than the scheduler knows: where padding rows write
+        self.kv_pool = allocate_kv_pool(cfg, rc.num_kv_blocks + graphs, rc.block_size, kv_heads,
                                         DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
         self.kv_caches = layer_views(self.kv_pool)
+        self.graphs = None
+        if graphs:
+            longest = rc.max_model_len or cfg.max_position_embeddings
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.backend, rc.block_size,
+                                       -(-longest // rc.block_size), rc.num_kv_blocks,
+                                       rc.device, capture_sizes(rc.max_num_seqs))
+        elif rc.device.startswith("cuda") and tp.rank == 0:
+            log.info("cuda graphs off", asked=rc.cuda_graphs, tp=tp.size, backend=choice.backend,
+                     kv_connector=rc.kv_connector)
         self.kv_connector = make_connector(rc.kv_connector, rc.kv_host, rc.kv_protocol,
                                            rc.kv_device, tp.size, tp.rank)
         if self.kv_connector is not None:
@@ -169,7 +195,7 @@ class ModelRunner:
         figures = {"peak_reserved": peak, "total": total, "allowed": allowed,
                    "outside_torch": used_by_others, "profile_tokens": tokens}
         log.info("gpu memory after a profiled forward", **figures)
-        if peak + used_by_others > allowed:
+        if self.rc.kv_from_utilization and peak + used_by_others > allowed:
             pool = sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
             per_block = pool // self.rc.num_kv_blocks
             fits = self.rc.num_kv_blocks - -(-(peak + used_by_others - allowed) // per_block)
@@ -197,10 +223,17 @@ class ModelRunner:
         if not scheduled:
             return self._with_sends(StepResult(plan.step, {}), sender)
         input_ids, chunks, order = self._inputs(scheduled)
-        meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device, self.act_dtype)
-        streaming = sender is not None and self.rc.kv_layer_streaming
-        logits = self.model(input_ids, self.kv_caches, meta, self.backend,
-                            after_layer=sender.after_layer if streaming else None)
+        size = self.graphs.size_for(chunks) if self.graphs is not None else None
+        if size is not None:
+            logits = self.graphs.run(input_ids, chunks, size)
+            if not all(c.samples for c in chunks):
+                logits = logits[[i for i, c in enumerate(chunks) if c.samples]]
+        else:
+            meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device,
+                                            self.act_dtype)
+            streaming = sender is not None and self.rc.kv_layer_streaming
+            logits = self.model(input_ids, self.kv_caches, meta, self.backend,
+                                after_layer=sender.after_layer if streaming else None)
         sampling_ids = [rid for rid, c in zip(order, chunks) if c.samples]
         states = [self.requests[r] for r in sampling_ids]
         with record_function("sampling"):
@@ -332,9 +365,13 @@ def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConf
                         attention_backend=args.attention_backend,
                         profile_tokens=args.max_num_batched_tokens,
                         gpu_memory_utilization=args.gpu_memory_utilization,
+                        kv_from_utilization=args.kv_cache_memory is None
+                        and args.num_kv_blocks is None,
                         kv_connector=args.kv_connector, kv_host=args.kv_host,
                         kv_protocol=args.kv_protocol, kv_device=args.kv_device,
-                        kv_timeout_s=args.kv_timeout_s, quantization=args.quantization)
+                        kv_timeout_s=args.kv_timeout_s, quantization=args.quantization,
+                        load_format=args.load_format, cuda_graphs=args.cuda_graphs,
+                        max_model_len=layout.max_model_len, max_num_seqs=args.max_num_seqs)
 
 
 def build_runner(layout: EngineLayout, tp: TPGroup | None = None,

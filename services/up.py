@@ -131,6 +131,8 @@ def engine_flags(args: EngineArgs) -> list[str]:
             flags += [] if value else ["--no-chunked-prefill"]
         elif f.name == "enable_prefix_caching":
             flags += [] if value else ["--no-prefix-caching"]
+        elif f.name == "cuda_graphs":
+            flags += [] if value else ["--no-cuda-graphs"]
         elif value is not None:
             flags += [f"--{f.name.replace('_', '-')}", str(value)]
     return flags

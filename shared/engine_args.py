@@ -30,6 +30,10 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     block_size: int | None = None         # None: the attention backend's default
     attention_backend: str = "auto"
+    # dummy: random weights made on the device, no checkpoint read (benchmarks of a model's
+    # shape, e.g. bench/gpu_check.py); auto: read the checkpoint
+    load_format: str = "auto"
+    cuda_graphs: bool = True              # CUDA: decode iterations replay captured graphs
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
@@ -99,6 +103,12 @@ class EngineArgs:
         p.add_argument("--attention-backend", default="auto", choices=BACKENDS,
                        help="auto (default): flash-attn on CUDA when installed, else our "
                             "Triton kernel; torch (+ C++ kernels) on CPU")
+        p.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                       help="auto (default): read the checkpoint; dummy: random weights of the "
+                            "model's shape, for benchmarks (needs only its config.json)")
+        p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                       help="CUDA: run decode iterations eagerly instead of replaying "
+                            "captured CUDA graphs (docs/gpu.md#cuda-graphs)")
         p.add_argument("--max-model-len", type=int, default=None,
                        help="context length (default: the model's)")
         p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",

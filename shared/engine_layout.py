@@ -42,7 +42,7 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
     args = args.resolved()
     if args.dtype not in DTYPE_BYTES:
         raise PacerError(f"--dtype must be one of {sorted(DTYPE_BYTES)}, got {args.dtype!r}")
-    source = resolve_model(args.model)
+    source = resolve_model(args.model, weights=args.load_format != "dummy")
     cfg = load_model_config(source)
     check_tp_fits(cfg, args.tp)       # before anything is spawned or loaded
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(

@@ -6,7 +6,7 @@ torch) and by every worker alike, so it is computed here from the GPU's total me
 model's shape — deterministic, the same on both sides. The worker then measures the real
 figures after loading and one forward of the full token budget (gpu_worker/model_runner.py
 `profile_memory`), logs them beside this estimate, and fails with the block count that would
-fit when the estimate was too generous. Unverified on a GPU (docs/gpu.md).
+fit when the estimate was too generous (docs/gpu.md#kv-pool-size).
 """
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ import subprocess
 
 from shared.errors import PacerError
 
-CUDA_CONTEXT_BYTES = 1 << 30     # CUDA context, cuBLAS workspaces, allocator slack
+# CUDA context, cuBLAS workspaces, allocator slack — and nvidia-smi's total, which is above
+# what CUDA hands out (H200: 143771 MiB by nvidia-smi, 143156 MiB by cudaMemGetInfo, with
+# ~0.8 GB taken outside torch by the context)
+CUDA_CONTEXT_BYTES = 2 << 30
 
 
 def weight_bytes(cfg, dtype_bytes: int, tp: int = 1) -> int:

@@ -39,22 +39,23 @@ def default_model_path(package: str = DEFAULT_MODEL_PACKAGE) -> str:
     return files[0]
 
 
-def resolve_model(spec: str | os.PathLike | None) -> ModelSource:
+def resolve_model(spec: str | os.PathLike | None, weights: bool = True) -> ModelSource:
+    """`weights=False` (`--load-format dummy`): an HF directory needs only its config.json."""
     if spec is None or str(spec) == DEFAULT_MODEL_NAME:
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL_NAME)
     path = os.path.abspath(os.path.expanduser(os.fspath(spec)))
     if os.path.isdir(path):
-        return _hf_dir(path)
+        return _hf_dir(path, weights)
     if os.path.isfile(path):
         return _gguf_file(path)
     raise ModelLoadError(f"model {path}: no such file or directory "
                          "(give an HF model directory, a .gguf file, or smollm2-135m)")
 
 
-def _hf_dir(path: str) -> ModelSource:
+def _hf_dir(path: str, weights: bool = True) -> ModelSource:
     if not os.access(path, os.R_OK | os.X_OK):
         raise ModelLoadError(f"model directory {path}: not readable")
-    missing = [pattern for pattern in ("config.json", "*.safetensors")
+    missing = [pattern for pattern in ("config.json", "*.safetensors")[:2 if weights else 1]
                if not glob.glob(os.path.join(path, pattern))]
     if missing:
         raise ModelLoadError(f"model directory {path}: has no {' and no '.join(missing)} "

@@ -94,3 +94,22 @@ def test_bfloat16():
     assert out.dtype == torch.bfloat16
     assert torch.allclose(out.float(), ref.float(), atol=3e-2, rtol=3e-2), \
         (out.float() - ref.float()).abs().max()
+
+
+@pytest.mark.parametrize("split_len", [16, 32])
+@pytest.mark.parametrize("heads,kvh", [(4, 1), (6, 2)])
+def test_split_kv_decodes(split_len, heads, kvh):
+    """Decodes alone with each request's keys cut into slices (split-KV) and merged: contexts
+    shorter than a slice, on a slice edge and across several, block size 16 and key tile 16."""
+    spec = [(1, 1), (1, 16), (1, 17), (1, 45), (1, 64)]
+    out, ref = _both(*_case(spec, 16, heads, kvh, 24, torch.float32, seed=4, blocks=40), 16,
+                     block_n=16, split_len=split_len)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+
+
+def test_split_kv_bfloat16():
+    spec = [(1, 40), (1, 3)]
+    out, ref = _both(*_case(spec, 16, 8, 2, 32, torch.bfloat16, seed=5), 16, block_n=16,
+                     split_len=16)
+    assert torch.allclose(out.float(), ref.float(), atol=3e-2, rtol=3e-2), \
+        (out.float() - ref.float()).abs().max()

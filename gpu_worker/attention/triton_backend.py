@@ -12,10 +12,9 @@ Softmax is the online (flash) form in float32, exp2 with the scale folded into l
 Query row i of a chunk of q_len rows sits at position kv_len - q_len + i and sees keys
 0..that position (docs/design.md#chunks), the same rule as the torch backend.
 
-Verified on CPU only, under TRITON_INTERPRET=1 against the torch backend
-(tests/test_triton_attention.py). Not yet run on a GPU: tile sizes and num_warps below are
-first guesses, and a long-context decode at small batch launches only R * KVH programs (no
-split-KV yet), which under-fills a large GPU.
+Tested on CPU under TRITON_INTERPRET=1 against the torch backend
+(tests/test_triton_attention.py), and timed on an H200 by bench/gpu_check.sh (docs/gpu.md).
+An iteration of few decodes splits each request's keys across programs (split-KV, below).
 """
 from __future__ import annotations
 
@@ -38,13 +37,14 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _paged_attention_kernel(
-        Q, K, V, O, cu_seqlens_q, kv_lens, block_table,
+        Q, K, V, O, cu_seqlens_q, kv_lens, block_table, part_m, part_l, part_acc,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-        scale_log2, head_dim, group, block_size,
+        scale_log2, head_dim, group, block_size, num_rows, num_heads, split_len, num_splits,
         BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    tile = tl.program_id(0)
+        BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr):
+    tile = tl.program_id(0) // num_splits
+    split = tl.program_id(0) % num_splits
     req = tl.program_id(1)
     kvh = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q + req)
@@ -63,14 +63,19 @@ def _paged_attention_kernel(
                     other=0.0)
         # rows past the chunk get positions >= kv_len: they see every key and stay finite
         q_pos = kv_len - q_len + qi
-        # keys this tile can see: up to its last row's position (the causal bound)
+        # keys this tile can see: up to its last row's position (the causal bound); with
+        # SPLIT, only this program's slice of them
         hi = tl.minimum(kv_len, kv_len - q_len + (tile + 1) * BLOCK_Q)
+        lo = 0
+        if SPLIT:
+            lo = split * split_len
+            hi = tl.minimum(hi, lo + split_len)
 
         m_i = tl.full([BLOCK_Q * GROUP_P], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q * GROUP_P], tl.float32)
         acc = tl.zeros([BLOCK_Q * GROUP_P, BLOCK_D], tl.float32)
         table = block_table + req.to(tl.int64) * stride_bt
-        for start in range(0, hi, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
             n_ok = n < hi
             page = tl.load(table + n // block_size, mask=n_ok, other=0).to(tl.int64)
@@ -102,22 +107,79 @@ def _paged_attention_kernel(
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        out = acc / l_i[:, None]
-        o_off = (q_start + qi).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-        tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        if SPLIT:
+            # unnormalised partials of this key slice, combined by _combine_splits_kernel
+            # (a slice past kv_len writes nothing: the combine reads only the slices in use)
+            if lo < hi:
+                p_off = (split * num_rows + q_start + qi).to(tl.int64) * num_heads + head
+                tl.store(part_m + p_off, m_i, mask=row_ok)
+                tl.store(part_l + p_off, l_i, mask=row_ok)
+                tl.store(part_acc + p_off[:, None] * BLOCK_D + d[None, :], acc,
+                         mask=row_ok[:, None])
+        else:
+            out = acc / l_i[:, None]
+            o_off = (q_start + qi).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+            tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty),
+                     mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_splits_kernel(O, part_m, part_l, part_acc, kv_lens, stride_ot, stride_oh,
+                           head_dim, num_rows, num_heads, split_len,
+                           BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Decodes only (row r is request r): one program per (row, head) merges the key slices
+    in use, flash-decoding's log-sum-exp combine."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    used = tl.cdiv(tl.load(kv_lens + row), split_len)
+    s = tl.arange(0, BLOCK_S)
+    ok = s < used
+    off = (s * num_rows + row).to(tl.int64) * num_heads + head
+    m = tl.load(part_m + off, mask=ok, other=float("-inf"))
+    w = tl.exp2(m - tl.max(m, 0))
+    w = tl.where(ok, w, 0.0)
+    denom = tl.sum(tl.load(part_l + off, mask=ok, other=0.0) * w, 0)
+    d = tl.arange(0, BLOCK_D)
+    acc = tl.load(part_acc + off[:, None] * BLOCK_D + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(O + row.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh + d,
+             out.to(O.dtype.element_ty), mask=d < head_dim)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# Split-KV for decodes (flash-decoding): an iteration of decodes alone launches one program
+# per (request, KV head) — 8 programs for one Llama-3-8B stream, on a GPU of 132 SMs. Below
+# SPLIT_BELOW_PROGRAMS such programs, each request's keys are cut into slices of split_len
+# (a multiple of the key tile) attended by programs of their own, then merged. The slice
+# length comes from max_seqlen_k — under CUDA graphs the longest context the graph allows, so
+# a short context uses few slices — keeping at most MAX_SPLITS slices.
+SPLIT_BELOW_PROGRAMS = 128
+MAX_SPLITS = 128
+
+
+def _splits(meta: AttentionMetadata, programs: int, block_n: int,
+            split_len: int | None) -> tuple[int, int]:
+    """(num_splits, split_len); (1, 0) when the iteration is not split."""
+    if split_len is None:
+        if meta.max_seqlen_q != 1 or programs >= SPLIT_BELOW_PROGRAMS or _INTERPRETED:
+            return 1, 0
+        split_len = block_n * max(1, triton.cdiv(triton.cdiv(meta.max_seqlen_k, block_n),
+                                                 MAX_SPLITS))
+    assert meta.max_seqlen_q == 1 and split_len % block_n == 0, (meta.max_seqlen_q, split_len)
+    return triton.cdiv(meta.max_seqlen_k, split_len), split_len
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
-                    block_n: int | None = None, rows: int | None = None) -> torch.Tensor:
+                    block_n: int | None = None, rows: int | None = None,
+                    split_len: int | None = None) -> torch.Tensor:
     """q: [T, H, d]; caches: [blocks, block_size, KVH, d] (already holding this iteration's
-    K/V). `block_n` (keys per tile) and `rows` (query rows x heads per tile) override the
-    defaults, for tests that want many tiles from small shapes."""
+    K/V). `block_n` (keys per tile), `rows` (query rows x heads per tile) and `split_len`
+    (keys per split-KV slice; decodes only) override the defaults, for tests that want many
+    tiles or slices from small shapes."""
     T, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     group = H // KVH
@@ -132,17 +194,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     block_n = block_n or 64
     block_d = max(16, _pow2(D))
     R = meta.cu_seqlens_q.shape[0] - 1
-    grid = (triton.cdiv(meta.max_seqlen_q, block_q), R, KVH)
+    num_splits, split_len = _splits(meta, R * KVH, block_n, split_len)
+    split = num_splits > 1
+    if split:
+        part_m = torch.empty((num_splits, T, H), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_splits, T, H, block_d), dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out                 # not read
+    grid = (triton.cdiv(meta.max_seqlen_q, block_q) * num_splits, R, KVH)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seqused_k, meta.block_table,
+        part_m, part_l, part_acc,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_table.stride(0),
-        scale * _LOG2E, D, group, block_size,
+        scale * _LOG2E, D, group, block_size, T, H, split_len, num_splits,
         BLOCK_Q=block_q, GROUP_P=group_p, BLOCK_N=block_n, BLOCK_D=block_d,
         IEEE=k_cache.dtype == torch.float32,     # float32: no TF32 (exact against the CPU)
-        UPCAST=_INTERPRETED and k_cache.dtype != torch.float32,
+        UPCAST=_INTERPRETED and k_cache.dtype != torch.float32, SPLIT=split,
         num_warps=4 if block_q * group_p <= 64 else 8)
+    if split:
+        _combine_splits_kernel[(R, H)](
+            out, part_m, part_l, part_acc, meta.seqused_k, out.stride(0), out.stride(1),
+            D, T, H, split_len, BLOCK_S=max(2, _pow2(num_splits)), BLOCK_D=block_d)
     return out
 
 

@@ -44,6 +44,12 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
     return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
+def gpu_16bit(x: torch.Tensor) -> bool:
+    """Where the Triton pointwise ops serve (gpu_worker/model/triton_ops.py): 16-bit tensors
+    on CUDA; float32 keeps torch's ops (the parity tests' bits)."""
+    return x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
 def prepack(weight: torch.Tensor) -> torch.Tensor | None:
     """W reordered once into oneDNN's blocked layout, or None where that does not apply.
 
@@ -175,9 +181,33 @@ class ParallelLMHead(VocabParallelEmbedding):
     packed = None        # see prepack()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:  # h: [S, d] -> [S, V]
-        logits = self.tp.all_gather_last_dim(_matmul(h, self.weight, packed=self.packed,
-                                                     qweight=self.qweight))
+        if h.is_cuda and self.weight.dtype in (torch.bfloat16, torch.float16):
+            local = _mm_float32_out(h.to(self.weight.dtype), self.weight)
+        else:
+            local = _matmul(h, self.weight, packed=self.packed, qweight=self.qweight)
+        logits = self.tp.all_gather_last_dim(local)
         return logits[:, :self.vocab_size]
+
+
+def _mm_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x Wᵀ with 16-bit operands, accumulated and returned in float32 (cuBLAS writes the
+    float32 accumulator instead of rounding it to 16 bits): logits keep the precision that
+    decides close top-1 calls. A torch without the dtype overload of mm rounds, as F.linear
+    does."""
+    global _MM_OUT_DTYPE
+    if _MM_OUT_DTYPE is not False:
+        try:
+            y = torch.mm(x, weight.t(), out_dtype=torch.float32)
+            _MM_OUT_DTYPE = True
+            return y
+        except (RuntimeError, TypeError):
+            if _MM_OUT_DTYPE:           # it worked before: this is another error
+                raise
+            _MM_OUT_DTYPE = False        # decided once, before any graph is captured
+    return F.linear(x, weight).float()
+
+
+_MM_OUT_DTYPE: bool | None = None
 
 
 class RMSNorm(nn.Module):
@@ -210,6 +240,10 @@ class RMSNorm(nn.Module):
             out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
             self.fused.add_rms_norm(x, delta, self.weight, self.eps, out)
             return out
+        if delta is not None and gpu_16bit(x) and x.is_contiguous() and delta.is_contiguous():
+            from gpu_worker.model import triton_ops
+            out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+            return triton_ops.add_rms_norm_(x, delta, self.weight, self.eps, out)
         if delta is not None:
             x.add_(delta)
         y = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -237,6 +271,9 @@ class RotaryEmbedding(nn.Module):
         if self.fused is not None and qk.dtype == torch.float32:
             self.fused.rotary_(qk, positions, self.cos, self.sin)
             return qk
+        if gpu_16bit(qk) and qk.stride(-1) == 1:
+            from gpu_worker.model import triton_ops
+            return triton_ops.rope_(qk, positions, self.cos, self.sin)
         cos = self.cos[positions].unsqueeze(1).to(qk.dtype)
         sin = self.sin[positions].unsqueeze(1).to(qk.dtype)
         return qk * cos + _rotate_half(qk) * sin

@@ -14,7 +14,7 @@ from torch.profiler import record_function
 from gpu_worker.attention import AttentionMetadata
 from gpu_worker.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                      RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
-                                     prepack)
+                                     gpu_16bit, prepack)
 from gpu_worker.parallel import TPGroup
 from shared.errors import ModelLoadError
 from shared.model_config import ModelConfig
@@ -72,6 +72,9 @@ class LlamaMLP(nn.Module):
         if self.fused is not None and gate_up.dtype == torch.bfloat16:
             h = gate_up.new_empty((gate_up.shape[0], self.local_ffn))
             self.fused.silu_and_mul(gate_up, h)         # one pass, rounded once
+        elif gpu_16bit(gate_up):
+            from gpu_worker.model import triton_ops
+            h = triton_ops.silu_and_mul(gate_up, self.local_ffn)
         else:
             gate, up = gate_up[:, :self.local_ffn], gate_up[:, self.local_ffn:]
             h = nn.functional.silu(gate) * up
@@ -163,6 +166,17 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head(h).float()
 
     # ---- loading ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def init_random(self, std: float = 0.02, seed: int = 0) -> None:
+        """`--load-format dummy`: N(0, std) matrices and unit norms, made where the parameters
+        are (on the device), reproducible for a seed."""
+        gen = torch.Generator(device=self.embed_tokens.weight.device).manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, std, generator=gen)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copy each checkpoint tensor's shard into its parameter; prove every (parameter,

@@ -129,7 +129,7 @@ def _follower_main(argv: list[str]) -> int:
         return None if os.getppid() == parent else f"tp rank 0 (pid {parent}) is gone"
 
     try:
-        source = resolve_model(spec["model"])
+        source = resolve_model(spec["model"], weights=spec["runner"]["load_format"] != "dummy")
         cfg = load_model_config(source)
         device = device_for_rank(spec["runner"]["device"], args.rank)
         group = init_tp_group(args.rank, args.tp, args.master_addr, args.master_port,
