@@ -122,7 +122,7 @@ def _row_params(row: int, p: SamplingParams, n: int) -> tuple:
 
 
 def _seed_columns(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cols = table[:, [_SEED_LO, _SEED_HI, _INDEX]].to(torch.int64)   # exact: each < 2**32
+    cols = table[:, _SEED_LO:_INDEX + 1].to(torch.int64)     # exact: each value < 2**32
     return cols[:, 0], cols[:, 1], cols[:, 2]
 
 

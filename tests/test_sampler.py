@@ -242,3 +242,59 @@ def test_seeded_uniforms_are_uniform_and_inside_the_open_interval():
     stat = float(((counts - counts.mean()) ** 2 / counts.mean()).sum())
     assert stat < 37.7                                  # chi-square, 15 df, p = 0.001
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])   # hi bits and lo bits count
+
+
+# ---- on CUDA (skipped without a GPU; the prepared GPU check runs them) ----------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_step_syncs_only_in_its_one_copy(monkeypatch):
+    """With torch's sync debug mode set to error, a step that mixes every kind of row (and
+    logprobs) syncs nowhere but in the sampler's one read of the device."""
+    import gpu_worker.sampler as sampler_module
+    x = logits(rows=6, vocab=32_000).cuda()
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.8, seed=3, top_k=20),
+              SamplingParams(temperature=1.0, top_p=0.7, logprobs=0),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4)]
+    s = Sampler(seed=0)
+    s.sample(x, params, [0] * 6)
+    reads = []
+
+    def one_read(t):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            reads.append(t.numel())
+            return t.tolist()
+        finally:
+            torch.cuda.set_sync_debug_mode(2)
+    monkeypatch.setattr(sampler_module, "to_host", one_read)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode(2)
+    try:
+        out = s.sample(x, params, list(range(6)))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(reads) == 1 and out[0].token_id == int(x[0].argmax())
+
+
+@cuda
+def test_cuda_seeded_tokens_equal_the_cpu_ones():
+    """The hash gives the same uniforms on both devices, so seeded draws from the same
+    float32 logits agree (a draw may differ only where the devices' log rounds a near-tie
+    differently: allow 1 in 100)."""
+    x = logits(rows=64, vocab=5000, seed=9)
+    params = [SamplingParams(temperature=0.9, seed=1000 + i) for i in range(64)]
+    u_cpu = seeded_uniform(torch.arange(64), torch.zeros(64, dtype=torch.int64),
+                           torch.full((64,), 5), 5000)
+    u_gpu = seeded_uniform(torch.arange(64).cuda(), torch.zeros(64, dtype=torch.int64).cuda(),
+                           torch.full((64,), 5).cuda(), 5000)
+    assert torch.equal(u_cpu, u_gpu.cpu())
+    same = 0
+    for n in range(10):
+        a = [t.token_id for t in Sampler().sample(x, params, [n] * 64)]
+        b = [t.token_id for t in Sampler().sample(x.cuda(), params, [n] * 64)]
+        same += sum(i == j for i, j in zip(a, b))
+    assert same >= 0.99 * 640, same
