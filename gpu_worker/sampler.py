@@ -1,8 +1,14 @@
-"""Sampling from the LM head's rows: greedy, temperature, top-k, top-p, per-request seeds,
-log-probabilities.
+"""Sampling from the LM head's rows on the logits' device: greedy, temperature, top-k, top-p,
+per-request seeds, log-probabilities — the whole batch at once, and one copy to the host per
+step (the sampled ids, with the log-probabilities the rows asked for).
 
-A seeded request draws its n-th token from a generator seeded with (seed, n), so its output
-depends on nothing else in the batch and survives preemption and recomputation unchanged.
+A sampled row draws by the Gumbel-max trick: the argmax of its masked, temperature-scaled
+logits plus Gumbel noise -log(-log U), one uniform U per vocabulary entry, is a draw from
+their softmax. A seeded request's U come from a counter-based hash of (seed, output index,
+vocabulary index), computed with integer tensor ops on the device, so its n-th token depends
+only on (seed, n, its logits): not on the rest of the batch, and the same after preemption
+and recomputation. Unseeded rows take their U from one generator on the device.
+docs/gpu.md#sampling has the details.
 """
 from __future__ import annotations
 
@@ -11,63 +17,166 @@ import torch
 from shared.plan import SampledToken
 from shared.sampling import SamplingParams
 
-_SEED_STRIDE = 1_000_003
+_MASK32 = 0xFFFFFFFF
+_UNIFORM_BITS = 23          # U = (m + 1/2) / 2**23: strictly inside (0, 1), exact in float32
+# the per-row parameters, packed into one host tensor (one copy to the device per step)
+_ROW, _TEMPERATURE, _TOP_P, _TOP_K, _SEEDED, _SEED_LO, _SEED_HI, _INDEX = range(8)
+
+
+def to_host(t: torch.Tensor) -> list:
+    """The sampler's only read of the device: one per step (tests count the calls)."""
+    return t.tolist()
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) held in int64, without ever overflowing int64:
+    the halves of x times a 32-bit constant stay below 2**48."""
+    lo = (x & 0xFFFF) * c
+    hi = (((x >> 16) * c) & 0xFFFF) << 16
+    return (lo + hi) & _MASK32
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mixer (xor-shift-multiply, the "lowbias32" constants) on int64
+    tensors holding values in [0, 2**32); the same bits on every device."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor,
+                   vocab: int) -> torch.Tensor:
+    """[R, vocab] float32 uniforms in (0, 1), a pure function of each row's (seed, output
+    index) and the column. Arguments: int64 [R] tensors, each value in [0, 2**32)."""
+    key = hash32((seed_lo + 0x9E3779B9) & _MASK32)
+    key = hash32(key ^ seed_hi)
+    key = hash32(key ^ index)[:, None]
+    column = torch.arange(vocab, device=key.device, dtype=torch.int64)[None, :]
+    bits = hash32(hash32(key ^ column) ^ ((key * 5 + 0x632BE5AB) & _MASK32))
+    return _centered(bits >> (32 - _UNIFORM_BITS))
+
+
+def _centered(m: torch.Tensor) -> torch.Tensor:
+    """Integers m in [0, 2**23) -> (m + 1/2) / 2**23 in float32: never 0 nor 1."""
+    return (m.to(torch.float32) + 0.5) * (2.0 ** -_UNIFORM_BITS)
 
 
 class Sampler:
     def __init__(self, seed: int | None = None):
-        self._unseeded = torch.Generator(device="cpu")
-        if seed is None:
-            self._unseeded.seed()
-        else:
-            self._unseeded.manual_seed(seed)
+        self._seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        """The unseeded rows' generator, one per device, made on first use."""
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self._seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self._seed)
+            self._generators[device] = gen
+        return gen
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_index: list[int]) -> list[SampledToken]:
-        """logits: [S, V] float32, one row per sampling request; output_index[i] is how many
-        tokens row i's request has generated before this one."""
-        # Greedy rows: one argmax over every row on the logits' device and one copy of the
-        # ids to the host per step — no boolean-mask indexing, no per-row sync. The rows that
-        # sample are then overwritten (the argmax of a row is cheap beside its draw).
-        if any(p.greedy for p in params):
-            token_ids = logits.argmax(dim=-1).to("cpu", torch.int64)
+        """logits: [S, V], one row per sampling request; output_index[i] is how many tokens
+        row i's request has generated before this one. Everything runs on the logits'
+        device; the ids (and the log-probabilities asked for) reach the host in one copy."""
+        token_ids = logits.argmax(dim=-1)               # greedy rows: exact argmax
+        drawn = [i for i, p in enumerate(params) if not p.greedy]
+        if drawn:
+            table = _to_device(torch.tensor(
+                [_row_params(i, params[i], output_index[i]) for i in drawn], dtype=torch.float64),
+                logits.device)
+            rows = table[:, _ROW].to(torch.int64)
+            chosen = self._draw(logits.index_select(0, rows), table,
+                                [params[i] for i in drawn])
+            token_ids = token_ids.index_copy(0, rows, chosen)
+        return _finish(logits, params, token_ids)
+
+    def _draw(self, logits: torch.Tensor, table: torch.Tensor,
+              params: list[SamplingParams]) -> torch.Tensor:
+        """[R] ids drawn from [R, V] logits; `table`: the rows' packed parameters."""
+        x = logits.float() / table[:, _TEMPERATURE, None].float()
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            x = _top_k_top_p(x, table)
+        seeded = [p.seed is not None for p in params]
+        if all(seeded):
+            u = seeded_uniform(*_seed_columns(table), x.shape[1])
         else:
-            token_ids = torch.empty(len(params), dtype=torch.int64)
-        for i, p in enumerate(params):
-            if not p.greedy:
-                token_ids[i] = self._draw(logits[i], p, output_index[i])
-        return self._with_logprobs(logits, params, token_ids)
+            u = torch.rand(x.shape, generator=self._generator(x.device), device=x.device)
+            u = _centered((u * 2.0 ** _UNIFORM_BITS).floor().clamp_(max=2 ** _UNIFORM_BITS - 1))
+            if any(seeded):
+                u = torch.where(table[:, _SEEDED, None] > 0,
+                                seeded_uniform(*_seed_columns(table), x.shape[1]), u)
+        return (x - torch.log(-torch.log(u))).argmax(dim=-1)
 
-    def _draw(self, row: torch.Tensor, p: SamplingParams, n: int) -> int:
-        row = row.float() / p.temperature
-        if p.top_k > 0:
-            kth = torch.topk(row, min(p.top_k, row.shape[-1])).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            cum = torch.softmax(sorted_logits, -1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_logits, -1) >= p.top_p   # keep the first past p
-            drop[0] = False                     # a top_p that rounds to 0 keeps the top token
-            row = row.scatter(0, order[drop], float("-inf"))
-        probs = torch.softmax(row, -1).cpu()
-        gen = self._unseeded
-        if p.seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed(p.seed * _SEED_STRIDE + n)
-        return int(torch.multinomial(probs, 1, generator=gen))
 
-    @staticmethod
-    def _with_logprobs(logits: torch.Tensor, params: list[SamplingParams],
-                       token_ids: torch.Tensor) -> list[SampledToken]:
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
-        out = [SampledToken(int(t)) for t in token_ids.tolist()]
-        if not want:
-            return out
-        logp = torch.log_softmax(logits[want].float(), dim=-1).cpu()
-        for row, i in enumerate(want):
-            tok = int(token_ids[i])
-            top = None
-            if params[i].logprobs:
-                vals, ids = torch.topk(logp[row], params[i].logprobs)
-                top = list(zip(ids.tolist(), vals.tolist()))
-            out[i] = SampledToken(tok, float(logp[row, tok]), top)
-        return out
+def _row_params(row: int, p: SamplingParams, n: int) -> tuple:
+    seed = p.seed if p.seed is not None else 0
+    return (row, p.temperature, p.top_p, p.top_k, p.seed is not None,
+            seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, n & 0xFFFFFFFF)
+
+
+def _seed_columns(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cols = table[:, _SEED_LO:_INDEX + 1].to(torch.int64)     # exact: each value < 2**32
+    return cols[:, 0], cols[:, 1], cols[:, 2]
+
+
+def _top_k_top_p(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Mask (-inf) what each row's top-k and top-p leave out; k = 0 and p = 1 are off. Ties
+    with the k-th value stay in; top-p keeps the smallest prefix (by probability) whose mass
+    reaches p, so a p that rounds to 0 keeps the most likely token."""
+    vocab = x.shape[1]
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    k = table[:, _TOP_K].to(torch.int64)
+    k = torch.where(k > 0, k.clamp(max=vocab), vocab)
+    kth = sorted_x.gather(1, (k - 1)[:, None])
+    sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    probs = torch.softmax(sorted_x, dim=-1)
+    top_p = table[:, _TOP_P, None].float()
+    drop = (probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1.0)
+    drop[:, 0] = False
+    drop = drop | (sorted_x == float("-inf"))
+    return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto the device without waiting for it (pinned, non-blocking on CUDA)."""
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _finish(logits: torch.Tensor, params: list[SamplingParams],
+            token_ids: torch.Tensor) -> list[SampledToken]:
+    """The ids, and for the rows that asked the chosen token's log-probability and the top
+    N, gathered on the device and brought to the host in one copy."""
+    want = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not want:
+        return [SampledToken(t) for t in to_host(token_ids)]
+    top_n = max(params[i].logprobs for i in want)
+    rows = _to_device(torch.tensor(want, dtype=torch.int64), logits.device)
+    logp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
+    chosen = logp.gather(1, token_ids.index_select(0, rows)[:, None])
+    parts = [token_ids.double(), chosen.double().flatten()]
+    if top_n:
+        vals, ids = torch.topk(logp, top_n, dim=-1)
+        parts += [vals.double().flatten(), ids.double().flatten()]
+    flat = to_host(torch.cat(parts))          # ids < 2**53 and float32 values: exact in float64
+    n_rows, w = len(params), len(want)
+    out = [SampledToken(int(t)) for t in flat[:n_rows]]
+    vals, ids = flat[n_rows + w:n_rows + w + w * top_n], flat[n_rows + w + w * top_n:]
+    for j, i in enumerate(want):
+        top = None
+        if params[i].logprobs:
+            n = params[i].logprobs
+            top = [(int(t), v) for t, v in zip(ids[j * top_n:j * top_n + n],
+                                                vals[j * top_n:j * top_n + n])]
+        out[i] = SampledToken(out[i].token_id, flat[n_rows + j], top)
+    return out

@@ -50,6 +50,7 @@ import structlog
 
 from gpu_worker.model_runner import build_runner
 from gpu_worker.tp.executor import TPExecutor
+from gpu_worker.tp.group import bind_device, on_device
 from gpu_worker.tp.service import serve_follower, start_rank0
 from shared.engine_layout import EngineLayout
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
@@ -108,14 +109,17 @@ class PlanLoop:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, executor: Executor,
                  requests: Mapping[str, RequestView], plans_after: bytes | str,
-                 run_id: str) -> None:
-        """`plans_after`: the cursor into the plans stream of the Redis with `run_id`."""
+                 run_id: str, device: str = "cpu") -> None:
+        """`plans_after`: the cursor into the plans stream of the Redis with `run_id`;
+        `device`: the executor's (rank 0's), made current on the forward thread."""
         self.redis, self.keys, self.executor, self.requests = redis, keys, executor, requests
         self._plans_after = plans_after
         self._run_id = run_id
         # one thread runs every forward: the event loop keeps heartbeats and signals alive
-        # while torch computes, and thread-local torch state stays on one thread
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        # while torch computes, and thread-local torch state (the current CUDA device) stays
+        # on one thread
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward",
+                                          initializer=bind_device, initargs=(device,))
         self.plan_wait = Stopwatch()
         self.busy = Stopwatch()
         self.publish = Stopwatch()
@@ -335,7 +339,8 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
     if tp > 1:
         executor = await start_rank0(redis, keys, layout, tp_host)
     else:
-        executor = await asyncio.to_thread(build_runner, layout, None, True)
+        executor = await asyncio.to_thread(on_device, layout.args.device, build_runner, layout,
+                                           None, True)
     try:
         if stop.is_set():
             return 0
@@ -343,9 +348,9 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
         # its first plan only after it saw our heartbeat, so that plan cannot be missed (the
         # run_id first: should Redis restart in between, the first read starts over)
         run_id = await redis_run_id(redis)
-        loop = PlanLoop(redis, keys, executor, executor.requests,
-                        await stream_tail_id(redis, keys.plans), run_id)
         runner = executor.runner if isinstance(executor, TPExecutor) else executor
+        loop = PlanLoop(redis, keys, executor, executor.requests,
+                        await stream_tail_id(redis, keys.plans), run_id, runner.rc.device)
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop,
                                 kv=runner.kv_descriptor, role=role)
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))

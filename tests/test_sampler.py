@@ -1,9 +1,11 @@
 """The sampler: greedy, temperature, top-k, top-p, per-request seeds, log-probabilities."""
 from __future__ import annotations
 
+import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
-from gpu_worker.sampler import Sampler
+from gpu_worker.sampler import Sampler, hash32, seeded_uniform
 from shared.sampling import SamplingParams
 
 
@@ -88,3 +90,211 @@ def test_extreme_parameters_never_produce_nan():
         t = s.sample(x, [p], [0])[0].token_id
         assert 0 <= t < x.shape[1]
     assert s.sample(x, [SamplingParams(temperature=1.0, top_p=1e-45)], [0])[0].token_id == int(x.argmax())
+
+
+# ---- the device sampler: distribution, masks, seeds, one copy per step ----------------------
+
+# chi-square critical values at p = 0.001 by degrees of freedom (a correct sampler fails a
+# given seed's test with probability 0.001; the seeds below are fixed, so the test is stable)
+_CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}
+
+
+def _expected(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution `p` should sample from row `x`, computed the plain way."""
+    x = x / p.temperature
+    probs = torch.softmax(x, -1)
+    order = torch.argsort(probs, descending=True)
+    keep = torch.zeros_like(probs, dtype=torch.bool)
+    if p.top_k:
+        keep[order[:p.top_k]] = True
+    else:
+        keep[:] = True
+    masked = torch.where(keep, probs, torch.zeros_like(probs))
+    masked = masked / masked.sum()
+    if p.top_p < 1.0:
+        cum = masked[order].cumsum(0)
+        nucleus = order[:int((cum - masked[order] < p.top_p).sum())]
+        keep2 = torch.zeros_like(keep)
+        keep2[nucleus] = True
+        masked = torch.where(keep2, masked, torch.zeros_like(masked))
+        masked = masked / masked.sum()
+    return masked
+
+
+def _chi2(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
+    n = counts.sum()
+    support = expected > 0
+    assert counts[~support].sum() == 0, "sampled a token outside the support"
+    e = expected[support] * n
+    return float(((counts[support] - e) ** 2 / e).sum()), int(support.sum()) - 1
+
+
+@pytest.mark.parametrize("p", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7),
+                               SamplingParams(temperature=1.5, top_k=5),
+                               SamplingParams(temperature=1.0, top_p=0.8),
+                               SamplingParams(temperature=1.3, top_k=6, top_p=0.9)])
+@pytest.mark.parametrize("seeded", [True, False])
+def test_draws_follow_the_masked_softmax(p, seeded):
+    """8 000 draws of one row (seeded: one request's tokens 0..7999; unseeded: one batch of
+    8 000 rows) against the softmax of its masked, temperature-scaled logits."""
+    x = torch.tensor([1.5, 1.0, 0.6, 0.2, 0.0, -0.4, -1.0, -2.0])
+    n = 8000
+    if seeded:
+        p = SamplingParams(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p, seed=11)
+    out = Sampler(seed=5).sample(x.expand(n, -1), [p] * n, list(range(n)))
+    counts = torch.bincount(torch.tensor([t.token_id for t in out]), minlength=8).float()
+    stat, df = _chi2(counts, _expected(x, p))
+    assert stat < _CHI2_999[df], (stat, df, counts)
+
+
+def test_masks_hold_row_by_row_in_a_mixed_batch():
+    x = logits(rows=6, vocab=40, seed=3)
+    params = [SamplingParams(temperature=2.0, top_k=3), SamplingParams(temperature=1.0, top_p=0.3),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=3.0, top_k=5, top_p=0.5, seed=9),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=1e-6, seed=2)]
+    support = [set(torch.nonzero(_expected(x[i], p)).flatten().tolist()) if not p.greedy
+               else {int(x[i].argmax())} for i, p in enumerate(params)]
+    s = Sampler(seed=0)
+    for step in range(150):
+        out = s.sample(x, params, [step] * 6)
+        for i, t in enumerate(out):
+            assert t.token_id in support[i], (i, t.token_id, support[i])
+    assert support[5] == {int(x[5].argmax())}     # a top_p that rounds to 0: the top token
+
+
+def test_seeded_tokens_ignore_batch_composition_and_position():
+    """A seeded request's n-th token, alone and in batches of other sizes, orders and mixes
+    (greedy, unseeded, other seeds, other masks), for n = 0..29."""
+    torch.manual_seed(0)
+    mine = logits(rows=1, vocab=300, seed=4)[0]
+    p = SamplingParams(temperature=1.2, top_k=50, top_p=0.95, seed=2**40 - 3)
+    alone = [Sampler().sample(mine[None], [p], [n])[0].token_id for n in range(30)]
+    others = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.5, seed=1), SamplingParams(temperature=1.0, top_p=0.5)]
+    for size in (2, 5, 17):
+        x = logits(rows=size, vocab=300, seed=size)
+        at = size // 2
+        x[at] = mine
+        params = [others[i % len(others)] for i in range(size)]
+        params[at] = p
+        for n in range(30):
+            idx = [(n + i) % 7 for i in range(size)]
+            idx[at] = n
+            assert Sampler(seed=size).sample(x, params, idx)[at].token_id == alone[n]
+    assert len(set(alone)) > 5
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts every way a tensor's values can reach Python or the host."""
+    READS = {"tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.reads: list[tuple[str, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in self.READS or (name == "to" and "cpu" in repr(args[1:]) + repr(kwargs)):
+            self.reads.append((name, args[0].numel()))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("with_logprobs", [False, True])
+def test_one_copy_to_the_host_per_step(with_logprobs):
+    """Greedy, unseeded, seeded, top-k/top-p rows (and logprobs for two of them): one read of
+    the device per step, of S ids plus, per row that asked, its logprob and top-N pairs."""
+    x = logits(rows=6, vocab=1000)
+    lp = [3, 0] if with_logprobs else [None, None]
+    params = [SamplingParams(temperature=0.0, logprobs=lp[0]), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.8, seed=3, top_k=20),
+              SamplingParams(temperature=1.0, top_p=0.7, logprobs=lp[1]),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4)]
+    s = Sampler(seed=0)
+    s.sample(x, params, [0] * 6)            # the generator is made on first use
+    with _HostReads() as mode:
+        out = s.sample(x, params, list(range(6)))
+    # 6 ids; 2 rows asked: each its logprob, and top-3 (the most any asked) values and ids
+    expected_numel = 6 + (2 + 2 * 3 * 2 if with_logprobs else 0)
+    assert mode.reads == [("tolist", expected_numel)], mode.reads
+    assert len(out) == 6 and out[0].token_id == int(x[0].argmax())
+
+
+def test_hash_matches_a_plain_python_reference():
+    """The overflow-free 32-bit multiply in int64 tensors equals the plain integer one."""
+    def ref(v: int) -> int:
+        m = 0xFFFFFFFF
+        v ^= v >> 16
+        v = (v * 0x7FEB352D) & m
+        v ^= v >> 15
+        v = (v * 0x846CA68B) & m
+        return v ^ (v >> 16)
+    xs = [0, 1, 2, 12345, 0x7FFFFFFF, 0x80000000, 0xDEADBEEF, 0xFFFFFFFE, 0xFFFFFFFF]
+    assert hash32(torch.tensor(xs)).tolist() == [ref(v) for v in xs]
+
+
+def test_seeded_uniforms_are_uniform_and_inside_the_open_interval():
+    u = seeded_uniform(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]),
+                       torch.tensor([0, 0, 0]), 200_000)
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.003
+    counts = torch.histc(u[0], bins=16, min=0, max=1)
+    stat = float(((counts - counts.mean()) ** 2 / counts.mean()).sum())
+    assert stat < 37.7                                  # chi-square, 15 df, p = 0.001
+    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])   # hi bits and lo bits count
+
+
+# ---- on CUDA (skipped without a GPU; the prepared GPU check runs them) ----------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda
+def test_cuda_step_syncs_only_in_its_one_copy(monkeypatch):
+    """With torch's sync debug mode set to error, a step that mixes every kind of row (and
+    logprobs) syncs nowhere but in the sampler's one read of the device."""
+    import gpu_worker.sampler as sampler_module
+    x = logits(rows=6, vocab=32_000).cuda()
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=1.0),
+              SamplingParams(temperature=0.8, seed=3, top_k=20),
+              SamplingParams(temperature=1.0, top_p=0.7, logprobs=0),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4)]
+    s = Sampler(seed=0)
+    s.sample(x, params, [0] * 6)
+    reads = []
+
+    def one_read(t):
+        torch.cuda.set_sync_debug_mode(0)
+        try:
+            reads.append(t.numel())
+            return t.tolist()
+        finally:
+            torch.cuda.set_sync_debug_mode(2)
+    monkeypatch.setattr(sampler_module, "to_host", one_read)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode(2)
+    try:
+        out = s.sample(x, params, list(range(6)))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert len(reads) == 1 and out[0].token_id == int(x[0].argmax())
+
+
+@cuda
+def test_cuda_seeded_tokens_equal_the_cpu_ones():
+    """The hash gives the same uniforms on both devices, so seeded draws from the same
+    float32 logits agree (a draw may differ only where the devices' log rounds a near-tie
+    differently: allow 1 in 100)."""
+    x = logits(rows=64, vocab=5000, seed=9)
+    params = [SamplingParams(temperature=0.9, seed=1000 + i) for i in range(64)]
+    u_cpu = seeded_uniform(torch.arange(64), torch.zeros(64, dtype=torch.int64),
+                           torch.full((64,), 5), 5000)
+    u_gpu = seeded_uniform(torch.arange(64).cuda(), torch.zeros(64, dtype=torch.int64).cuda(),
+                           torch.full((64,), 5).cuda(), 5000)
+    assert torch.equal(u_cpu, u_gpu.cpu())
+    same = 0
+    for n in range(10):
+        a = [t.token_id for t in Sampler().sample(x, params, [n] * 64)]
+        b = [t.token_id for t in Sampler().sample(x.cuda(), params, [n] * 64)]
+        same += sum(i == j for i, j in zip(a, b))
+    assert same >= 0.99 * 640, same

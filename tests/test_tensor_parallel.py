@@ -279,3 +279,59 @@ def test_rank_0_forwards_a_plans_bytes_as_they_came_from_redis():
     loop = PlanLoop(None, Keys(), executor, {}, "0-0", "run")
     loop._execute(plan, wire)
     assert executor.wires == [wire]
+
+
+# ---- the agreement check ------------------------------------------------------------------
+
+AGREEMENT_RANK = textwrap.dedent("""
+    import json, sys
+    from gpu_worker.tp.broadcast import AgreementCheck
+    from gpu_worker.tp.group import destroy, init_tp_group
+    from shared.errors import PacerError
+    from shared.plan import SampledToken, StepResult
+    rank, port, diverge_at = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    group = init_tp_group(rank, 2, "127.0.0.1", port, "gloo")
+    check = AgreementCheck(group)
+    outcome = {"every": check.every, "error": None, "steps": 0}
+    try:
+        for step in range(1, 11):
+            token = 7 if rank == 1 and step == diverge_at else step
+            check.after(StepResult(step, {"a": SampledToken(token), "b": SampledToken(3)}))
+            outcome["steps"] = step
+    except PacerError as e:
+        outcome["error"] = str(e)
+    group.store.add("pacer/left", 1)       # leave together: the watchdog would see a death
+    while group.store.add("pacer/left", 0) < 2:
+        pass
+    destroy(group)
+    print(json.dumps(outcome), flush=True)
+""")
+
+
+@pytest.mark.parametrize("every,diverge_at,completed,when", [
+    (None, 3, 2, "at step 3"),                 # the default: every iteration
+    ("4", 6, 7, "between steps 5 and 8"),      # the check at 4 passes; step 6 is caught at 8
+])
+def test_ranks_that_sample_differently_are_stopped(every, diverge_at, completed, when):
+    """Two real ranks (gloo): rank 1 samples another token at one step; both ranks stop
+    with the step named, checking every iteration (default) or every N (rank 0's
+    PACER_TP_CHECK_EVERY, which the follower takes from it)."""
+    from gpu_worker.tp.group import find_free_port
+    port = find_free_port()
+    procs = []
+    for rank in (0, 1):
+        env = {k: v for k, v in os.environ.items() if k != "PACER_TP_CHECK_EVERY"}
+        if every and rank == 0:
+            env["PACER_TP_CHECK_EVERY"] = every
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", AGREEMENT_RANK, str(rank), str(port), str(diverge_at)],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outcomes = []
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        outcomes.append(json.loads(out))
+    for o in outcomes:
+        assert o["every"] == int(every or 1)
+        assert o["steps"] == completed and o["error"].endswith(when), o
+        assert "ranks [1] sampled different tokens" in o["error"]

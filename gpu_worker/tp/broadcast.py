@@ -3,8 +3,9 @@ protocol.py's PlanMsg, never pickle) on the gloo control group, the sampling see
 store; and the check, after each iteration, that every rank sampled the same tokens.
 
 A plan goes as two broadcasts: the length, then a uint8 tensor; length 0 means shut down.
-After each iteration the ranks all-gather an 8-byte digest of the tokens they sampled, so a
-divergence stops the group instead of corrupting output silently. An iteration with KV sends
+The ranks all-gather an 8-byte running digest of the tokens they sampled (every iteration,
+or every PACER_TP_CHECK_EVERY), so a divergence stops the group instead of corrupting output
+silently. An iteration with KV sends
 (P/D) also gathers every rank's failed sends, so rank 0 reports a request whose K/V any rank
 failed to send.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import secrets
 import zlib
 
@@ -20,7 +22,7 @@ import torch.distributed as dist
 
 from gpu_worker.sampler import Sampler
 from gpu_worker.tp.group import ProcessTPGroup
-from gpu_worker.tp.store_keys import SEED
+from gpu_worker.tp.store_keys import CHECK_EVERY, SEED
 from shared.errors import PacerError
 from shared.plan import StepResult
 
@@ -50,17 +52,61 @@ def share_sampling_seed(runner, group: ProcessTPGroup) -> None:
     runner.sampler = Sampler(seed)
 
 
-def check_agreement(result: StepResult, group: ProcessTPGroup, device: str) -> None:
-    """All ranks must have sampled the same tokens; they append them to their own state."""
-    body = json.dumps(sorted((rid, t.token_id) for rid, t in result.sampled.items()))
-    digest = torch.tensor([zlib.crc32(body.encode())], dtype=torch.int64, device=device)
-    parts = [torch.empty_like(digest) for _ in range(group.size)]
-    dist.all_gather(parts, digest)
-    values = [int(p.item()) for p in parts]
-    if len(set(values)) > 1:
-        odd = [r for r, v in enumerate(values) if v != values[0]]
-        raise PacerError(f"tensor-parallel ranks {odd} sampled different tokens than rank 0 "
-                         f"at step {result.step}")
+TP_CHECK_EVERY_ENV = "PACER_TP_CHECK_EVERY"
+
+
+def check_every() -> int:
+    """How many iterations one agreement check covers: PACER_TP_CHECK_EVERY, default 1."""
+    raw = os.environ.get(TP_CHECK_EVERY_ENV, "1").strip()
+    try:
+        every = int(raw)
+    except ValueError:
+        every = 0
+    if every < 1:
+        raise PacerError(f"{TP_CHECK_EVERY_ENV} must be an integer >= 1, got {raw!r}")
+    return every
+
+
+class AgreementCheck:
+    """All ranks must have sampled the same tokens (they append them to their own state).
+
+    Each iteration's tokens are folded into a running CRC-32 on the host; every `every`
+    iterations the ranks all-gather it on the gloo control group (host memory: no copy to or
+    from the device, no NCCL launch, no sync with the GPU's stream) and read the gathered
+    digests in one `.tolist()`. The digest is cumulative, so a check every N iterations still
+    catches a divergence in any of them, at most N - 1 iterations late. Every rank runs the
+    same plans in the same order, so their counters agree; N is rank 0's (its environment,
+    or `every`), passed through the store, so the ranks' collectives always pair up."""
+
+    def __init__(self, group: ProcessTPGroup, every: int | None = None):
+        self.group = group
+        if group.rank == 0:
+            self.every = every if every is not None else check_every()
+            group.store.set(CHECK_EVERY, str(self.every))
+        else:
+            self.every = int(group.store.get(CHECK_EVERY))
+        self._digest = 0
+        self._pending = 0
+        self._since: int | None = None
+
+    def after(self, result: StepResult) -> None:
+        body = json.dumps(sorted((rid, t.token_id) for rid, t in result.sampled.items()))
+        self._digest = zlib.crc32(body.encode(), self._digest)
+        self._since = result.step if self._since is None else self._since
+        self._pending += 1
+        if self._pending < self.every:
+            return
+        since, self._pending, self._since = self._since, 0, None
+        mine = torch.tensor([self._digest], dtype=torch.int64)
+        parts = [torch.empty_like(mine) for _ in range(self.group.size)]
+        dist.all_gather(parts, mine, group=self.group.control)
+        values = torch.cat(parts).tolist()
+        if len(set(values)) > 1:
+            odd = [r for r, v in enumerate(values) if v != values[0]]
+            when = (f"at step {result.step}" if since == result.step
+                    else f"between steps {since} and {result.step}")
+            raise PacerError(f"tensor-parallel ranks {odd} sampled different tokens than "
+                             f"rank 0 {when}")
 
 
 def gather_kv_failed(result: StepResult, group: ProcessTPGroup) -> StepResult:

@@ -9,7 +9,7 @@ import time
 import torch
 
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tp.broadcast import (broadcast_bytes, check_agreement, gather_kv_failed,
+from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv_failed,
                                      share_sampling_seed)
 from gpu_worker.tp.group import JOIN_TIMEOUT_S, ProcessTPGroup, destroy, wait_until
 from gpu_worker.tp.liveness import FOLLOWER_GRACE_S, NAME_THE_DEAD_S, first_line
@@ -34,6 +34,7 @@ class TPExecutor:
         self._closed = False
         self._failed: str | None = None
         share_sampling_seed(runner, group)
+        self._agreement = AgreementCheck(group)
         wait_until(lambda: group.store.add(READY, 0) >= group.size - 1, ready_timeout_s,
                    followers.check if followers else None,
                    "the tensor-parallel followers to load the model", lambda: group.down)
@@ -58,7 +59,7 @@ class TPExecutor:
             if plan.kv_sends:
                 result = gather_kv_failed(result, self.group)
             end = time.perf_counter()
-            check_agreement(result, self.group, self.runner.rc.device)
+            self._agreement.after(result)
             self.control_seconds += (mid - start) + (time.perf_counter() - end)
             return result
         except RuntimeError as e:          # gloo/NCCL errors: a peer died or timed out

@@ -3,9 +3,9 @@ sampled tokens agree, until rank 0 shuts the group down (an empty broadcast)."""
 from __future__ import annotations
 
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tp.broadcast import (broadcast_bytes, check_agreement, gather_kv_failed,
+from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv_failed,
                                      share_sampling_seed)
-from gpu_worker.tp.group import ProcessTPGroup, destroy
+from gpu_worker.tp.group import ProcessTPGroup, bind_device, destroy
 from gpu_worker.tp.liveness import NAME_THE_DEAD_S, first_line
 from gpu_worker.tp.store_keys import DONE, READY
 from shared.errors import PacerError
@@ -14,7 +14,9 @@ from shared.protocol import PlanMsg, decode
 
 def run_follower(runner: ModelRunner, group: ProcessTPGroup) -> None:
     """Receive plans from rank 0 and run them until rank 0 shuts the group down."""
+    bind_device(runner.rc.device)            # this thread runs the forwards
     share_sampling_seed(runner, group)
+    agreement = AgreementCheck(group)
     group.store.add(READY, 1)
     while True:
         try:
@@ -27,7 +29,7 @@ def run_follower(runner: ModelRunner, group: ProcessTPGroup) -> None:
             result = runner.execute(msg.plan)
             if msg.plan.kv_sends:
                 gather_kv_failed(result, group)
-            check_agreement(result, group, runner.rc.device)
+            agreement.after(result)
         except RuntimeError as e:
             why = group.liveness.wait_for_death(NAME_THE_DEAD_S)
             raise PacerError(why or f"tensor-parallel iteration failed on rank {group.rank}: "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -18,13 +19,18 @@ import torch
 import torch.distributed as dist
 
 from gpu_worker.parallel import TPGroup
-from gpu_worker.tp.liveness import Liveness, exit_process, record_only
+from gpu_worker.tp.liveness import Liveness, exit_process, first_line, record_only
 from gpu_worker.tp.store_keys import JOINED
 from shared.errors import PacerError
 
 DEFAULT_TIMEOUT_S = 30.0       # one forward collective; a live rank never waits this long
 JOIN_TIMEOUT_S = 300.0         # served ranks may start minutes apart
 IDLE_TIMEOUT = timedelta(days=3650)   # followers wait for the next plan as long as rank 0 idles
+# NCCL reports errors asynchronously: without this a collective whose peer died or hung
+# spins on the GPU, and the host waits in its next copy from the device for ever. With it,
+# the NCCL watchdog aborts the communicators and ends the process once a collective has
+# failed or run past the group's timeout (docs/failure-modes.md). Set unless already set.
+NCCL_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
 
 
 # ---- addresses, devices, cores -----------------------------------------------------------
@@ -39,6 +45,20 @@ def device_for_rank(device: str, rank: int) -> str:
         return device
     base = int(device.split(":")[1]) if ":" in device else 0
     return f"cuda:{base + rank}"
+
+
+def bind_device(device: str) -> None:
+    """Make `device` this thread's current CUDA device (it is per thread: Triton launches,
+    CUDA graphs, NCCL and tensors made with a bare "cuda" use it). Call at the start of every
+    thread or function that loads, profiles or runs forwards; nothing to do off CUDA."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device_for_rank(device, 0))      # a bare "cuda" is cuda:0
+
+
+def on_device(device: str, fn: Callable, *args):
+    """fn(*args) on this thread with `device` current: for asyncio.to_thread calls."""
+    bind_device(device)
+    return fn(*args)
 
 
 def find_free_port(host: str = "127.0.0.1") -> int:
@@ -88,7 +108,12 @@ def init_tp_group(rank: int, size: int, master_addr: str, master_port: int, back
         raise PacerError("this process already belongs to a torch.distributed group "
                          "(one tensor-parallel group per process)")
     if backend == "nccl":
-        torch.cuda.set_device(device or device_for_rank("cuda", rank))
+        bind_device(device or device_for_rank("cuda", rank))
+        for name, value in NCCL_ENV.items():
+            os.environ.setdefault(name, value)
+    on_dead = on_dead or (record_only if rank == 0 else exit_process(rank))
+    if backend == "nccl":
+        on_dead = _then_abort_nccl(on_dead)
     group = ProcessTPGroup(rank=rank, size=size)
     try:
         group.store = store = dist.TCPStore(
@@ -100,13 +125,25 @@ def init_tp_group(rank: int, size: int, master_addr: str, master_port: int, back
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         group.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        group.liveness = Liveness(master_addr, master_port, rank, size, extra_check,
-                                  on_dead or (record_only if rank == 0 else exit_process(rank)))
+        group.liveness = Liveness(master_addr, master_port, rank, size, extra_check, on_dead)
         group.liveness.start()
     except BaseException:
         destroy(group)
         raise
     return group
+
+
+def _then_abort_nccl(on_dead: Callable[[str], None]) -> Callable[[str], None]:
+    """After `on_dead`, abort this rank's NCCL communicators: a forward waiting on a
+    collective that a dead rank will never join fails now, not at the group's timeout."""
+    def abort(why: str) -> None:
+        on_dead(why)
+        try:
+            dist.group.WORLD._get_backend(torch.device("cuda")).abort()
+        except (RuntimeError, AttributeError, ValueError) as e:
+            print(f"pacer: could not abort the NCCL communicators: {first_line(e)}",
+                  file=sys.stderr, flush=True)
+    return abort
 
 
 def wait_until(done: Callable[[], bool], timeout_s: float,

@@ -20,7 +20,8 @@ import torch
 from gpu_worker.model_runner import build_runner
 from gpu_worker.tp.executor import TPExecutor
 from gpu_worker.tp.follower import run_follower
-from gpu_worker.tp.group import backend_for, device_for_rank, init_tp_group, threads_per_rank
+from gpu_worker.tp.group import (backend_for, device_for_rank, init_tp_group, on_device,
+                                 threads_per_rank)
 from gpu_worker.tp.rendezvous import listening, publish_rendezvous, read_rendezvous
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
@@ -54,7 +55,8 @@ async def start_rank0(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
     group = await asyncio.to_thread(init_tp_group, 0, tp, addr, port, backend_for(device),
                                     device=device_for_rank(device, 0))
     _share_cores(layout)
-    runner = await asyncio.to_thread(build_runner, _rank_layout(layout, 0), group, True)
+    mine = _rank_layout(layout, 0)
+    runner = await asyncio.to_thread(on_device, mine.args.device, build_runner, mine, group, True)
     return await asyncio.to_thread(TPExecutor, runner, group)
 
 
@@ -86,9 +88,11 @@ async def serve_follower(redis: aioredis.Redis, keys: Keys, layout: EngineLayout
     else:
         return 0
     _share_cores(layout)
-    runner = await asyncio.to_thread(build_runner, _rank_layout(layout, rank), group, False)
+    mine = _rank_layout(layout, rank)
+    runner = await asyncio.to_thread(on_device, mine.args.device, build_runner, mine, group,
+                                     False)
     on_runner(runner)
     log.info("tp follower ready", rank=rank)
-    await asyncio.to_thread(run_follower, runner, group)
+    await asyncio.to_thread(run_follower, runner, group)     # binds its device itself
     log.info("tp group ended by rank 0", rank=rank)
     return 0

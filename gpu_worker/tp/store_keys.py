@@ -1,8 +1,8 @@
 """Names the ranks of one tensor-parallel group share in its rendezvous store (torch's
 TCPStore, hosted by rank 0)."""
 
-JOINED, READY, DONE, SEED, SHUTDOWN, DOWN = (
-    f"pacer/{k}" for k in ("joined", "ready", "done", "seed", "shutdown", "down"))
+JOINED, READY, DONE, SEED, CHECK_EVERY, SHUTDOWN, DOWN = (
+    f"pacer/{k}" for k in ("joined", "ready", "done", "seed", "check_every", "shutdown", "down"))
 
 
 def heartbeat_counter(rank: int) -> str:
