@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 14, docs/gpu.md): parity on a tiny random Llama, then decode and
-# prefill speed of a random-weight Llama-3-8B-shaped model beside the roofline; one JSON file.
+# The prepared GPU check (docs/gpu.md): parity on a tiny random Llama, decode (CUDA graphs on and
+# off) and prefill speed of a random-weight Llama-3-8B-shaped model beside the roofline, and that
+# model served vs in-process (needs redis-server); one JSON file.
 #
 #   bench/gpu_check.sh                                   # cuda, writes docs/gpu_check.json
 #   bench/gpu_check.sh --device cpu --out /tmp/s.json    # smoke mode (tiny shapes; CI)
