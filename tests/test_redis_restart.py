@@ -319,3 +319,37 @@ def test_rank_0s_heartbeat_tells_which_plans_it_answered():
     assert not watch.answered(answered, "run-b", "1700000000000-5")   # another Redis
     assert not watch.answered(beat({}), "run-a", "1-0")               # nothing answered yet
     assert not watch.answered([None], "run-a", "1-0")
+
+
+async def test_one_script_call_records_every_tokens_progress_and_its_ttl():
+    """Rank 0 appends each token to its request's progress record in one script call per
+    iteration; the TTL is set at output index 0 and every PROGRESS_REFRESH_EVERY tokens."""
+    import redis.asyncio as aioredis
+    from types import SimpleNamespace
+    from gpu_worker.service import PROGRESS_REFRESH_EVERY
+    from shared.keys import PROGRESS_TTL_S
+    from shared.progress import decode_progress
+    from shared.protocol import TokenBatch, TokenEvent
+    proc, url = start_redis()
+    client = aioredis.Redis.from_url(url)
+    try:
+        keys = Keys()
+        loop = SimpleNamespace(keys=keys)
+        for index in range(PROGRESS_REFRESH_EVERY + 2):
+            batches = [TokenBatch([TokenEvent("a", index, 100 + index, None, None)]),
+                       TokenBatch([TokenEvent("b", index, 200 + index, None, None)])]
+            pipe = client.pipeline(transaction=False)
+            PlanLoop._record_progress(loop, pipe, batches)
+            await pipe.execute()
+            if index == 0:
+                assert 0 < await client.ttl(keys.progress("a")) <= PROGRESS_TTL_S
+                await client.persist(keys.progress("a"))          # so a refresh shows
+            if index == 1:
+                assert await client.ttl(keys.progress("a")) == -1     # no refresh at 1
+        assert await client.ttl(keys.progress("a")) > 0           # refreshed at 64
+        n = PROGRESS_REFRESH_EVERY + 2
+        assert decode_progress(await client.get(keys.progress("a"))) == [100 + i for i in range(n)]
+        assert decode_progress(await client.get(keys.progress("b"))) == [200 + i for i in range(n)]
+    finally:
+        await client.aclose()
+        stop_redis(proc)
