@@ -36,6 +36,8 @@ _N = len(NAMES)
 _SCALE = (1.0, 1e-1, 1e-2, 1e-5, 1.0, 1e-1)
 # A prior for a small model on a CPU; a few iterations' measurements outweigh it.
 CPU_PRIOR_MS = (20.0, 0.3, 0.25, 1e-4, 0.0, 0.0)
+# a measured time off its prediction by more than this share weighs less (robust to outliers)
+_HUBER = 0.3
 
 
 def _features(decode_rows: int, prefill_rows: int, pairs: int,
@@ -105,7 +107,7 @@ class OnlineIterationCost:
     """The fitted model; mutable: `observe` after every forward."""
 
     def __init__(self, prior_ms: Sequence[float] = CPU_PRIOR_MS, forgetting: float = 0.98,
-                 prior_weight: float = 0.5, wide_from_rows: int | None = None) -> None:
+                 prior_weight: float = 0.05, wide_from_rows: int | None = None) -> None:
         self.prior_ms = tuple(prior_ms) + (0.0,) * (_N - len(prior_ms))
         self.forgetting = forgetting
         # the worker's row count from which its GEMMs widen their weights (None: no such path)
@@ -116,6 +118,8 @@ class OnlineIterationCost:
         self._a = [[0.0] * _N for _ in range(_N)]    # Σ λ^k x xᵀ
         self._b = [0.0] * _N                         # Σ λ^k x y
         self.theta = list(self._prior)
+        # the prior's time for one decode: the unit of the weights (see `observe`)
+        self._unit_ms = max(self._prior_ms_of(features([(1, 1)], wide_from_rows)), 1e-9)
         self.observations = 0
         self.mean_abs_error = 0.0                    # |predicted − measured| / measured, EWMA
 
@@ -145,17 +149,29 @@ class OnlineIterationCost:
         predicted = self.iteration_ms(chunks)
         err = abs(predicted - measured_ms) / measured_ms
         self.mean_abs_error = err if self.observations == 0 else 0.9 * self.mean_abs_error + 0.1 * err
+        # What counts is the error relative to the iteration's size (5 ms off a 10 ms decode
+        # step matters, off a 500 ms prefill not): each iteration weighs 1/size², its size as
+        # the prior prices its shape (a fixed scale, so that a change of machine speed leaves
+        # old and new iterations of one shape weighing alike), against a one-decode iteration.
+        # A time far off the prediction (a noisy neighbour's burst) weighs less (Huber).
+        r = self._unit_ms / max(self._prior_ms_of(x), 1e-9)
+        off = abs(measured_ms - predicted) / max(predicted, 1e-9)
+        if self.observations and off > _HUBER:
+            r *= _HUBER / off
         lam = self.forgetting
         for i in range(_N):
-            self._b[i] = lam * self._b[i] + x[i] * measured_ms
+            self._b[i] = lam * self._b[i] + r * x[i] * measured_ms
             for j in range(_N):
-                self._a[i][j] = lam * self._a[i][j] + x[i] * x[j]
+                self._a[i][j] = lam * self._a[i][j] + r * x[i] * x[j]
         self.observations += 1
         w = self._prior_weight
         a = [[self._a[i][j] + (w if i == j else 0.0) for j in range(_N)] for i in range(_N)]
         b = [self._b[i] + w * self._prior[i] for i in range(_N)]
         theta = _solve(a, b)
         self.theta = [max(0.0, t) for t in theta] if all(map(math.isfinite, theta)) else self.theta
+
+    def _prior_ms_of(self, x: Sequence[float]) -> float:
+        return sum(p * f for p, f in zip(self._prior, x))
 
     def _ms(self, decode_rows: int, prefill_rows: int, pairs: int) -> float:
         return sum(t * f for t, f in zip(self.theta, _features(decode_rows, prefill_rows, pairs,
