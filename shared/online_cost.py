@@ -82,6 +82,27 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float]:
     return x
 
 
+def _solve_non_negative(a: list[list[float]], b: list[float]) -> list[float]:
+    """The least-squares solution with every coefficient ≥ 0: a coefficient that comes out
+    negative is held at 0 and the others solved again without it (an active set). Clipping
+    it without solving again would leave the others fitted around a value it does not have:
+    with the widening terms, a per-row cost below the threshold that wants to be negative,
+    clipped, once left eight decodes predicted at 350 ms where they took 30."""
+    free = list(range(len(b)))
+    theta = [0.0] * len(b)
+    while free:
+        x = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+        if not all(map(math.isfinite, x)):
+            return x + [math.nan] * (len(b) - len(x))
+        worst = min(range(len(free)), key=lambda k: x[k])
+        if x[worst] >= 0:
+            for k, i in enumerate(free):
+                theta[i] = x[k]
+            return theta
+        free.pop(worst)
+    return theta
+
+
 def _seed_shapes() -> list[list[Chunk]]:
     """Iterations a server sees, to fit a prior to another cost model: pure decodes at a few
     batch sizes and contexts, prefill chunks alone and beside decodes."""
@@ -167,8 +188,9 @@ class OnlineIterationCost:
         w = self._prior_weight
         a = [[self._a[i][j] + (w if i == j else 0.0) for j in range(_N)] for i in range(_N)]
         b = [self._b[i] + w * self._prior[i] for i in range(_N)]
-        theta = _solve(a, b)
-        self.theta = [max(0.0, t) for t in theta] if all(map(math.isfinite, theta)) else self.theta
+        theta = _solve_non_negative(a, b)
+        if all(map(math.isfinite, theta)):
+            self.theta = theta
 
     def _prior_ms_of(self, x: Sequence[float]) -> float:
         return sum(p * f for p, f in zip(self._prior, x))

@@ -161,6 +161,23 @@ def test_a_noisy_neighbours_bursts_barely_move_the_fit():
             true_ms(probe, INT4, wide_from=WIDE_FROM), rel=0.25), cost.coefficients_ms
 
 
+def test_a_coefficient_held_at_zero_leaves_the_others_fitted():
+    """Where the per-row path is cheaper than the widened one's per-row price (a coefficient
+    the data want below 0), the fit holds it at 0 and fits the rest without it: the widened
+    iterations stay right, the per-row ones as close as non-negative coefficients allow."""
+    rng = random.Random(7)
+    truth = {**INT4, "per_narrow_row_ms": -0.5}
+    cost = OnlineIterationCost()
+    for _ in range(400):
+        chunks = int4_traffic(rng)
+        cost.observe(chunks, true_ms(chunks, truth, wide_from=WIDE_FROM), WIDE_FROM)
+    assert cost.coefficients_ms["per_narrow_row_ms"] == 0.0
+    assert all(v >= 0 for v in cost.coefficients_ms.values())
+    for probe in ([(1, 400)] * 8 + [(128, 800)], [(1, 400)] * 32, [(1, 400)] * 8):
+        assert cost.iteration_ms(probe) == pytest.approx(
+            true_ms(probe, truth, wide_from=WIDE_FROM), rel=0.1), cost.coefficients_ms
+
+
 @pytest.mark.parametrize("wide_from", [None, WIDE_FROM])
 def test_the_cap_is_the_largest_chunk_within_budget_never_over(wide_from):
     """Against an exhaustive search: across the threshold the cost steps (up by the widening,
