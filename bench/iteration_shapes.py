@@ -10,6 +10,7 @@ timed iteration's chunks and forward_ms go to --json, for fitting cost models of
 
     python bench/iteration_shapes.py [--decodes 1,8,16,24,32,64] [--prefill 0,16,64,256,512]
         [--dtype auto] [--quantization auto] [--json out.json]
+    python bench/iteration_shapes.py --fit out.json [--wide-from-rows 24]
 """
 from __future__ import annotations
 
@@ -70,13 +71,15 @@ def timed_iterations(engine, batch: int, chunk: int, args, vocab: int, avoid) ->
     return out
 
 
-def fit(iterations: list[dict], widening: bool = True) -> OnlineIterationCost:
-    """The online model after every iteration in the order measured (as a scheduler learns);
-    `widening=False`: without the widening threshold (the four-coefficient model)."""
+def fit(iterations: list[dict], widening: bool = True,
+        wide_from_rows: int | None = None) -> OnlineIterationCost:
+    """The online model after every iteration in the order measured (as a scheduler learns,
+    without forgetting); `widening=False`: without the widening threshold (the four-coefficient
+    model); `wide_from_rows` where the file does not record what the worker reported."""
     model = OnlineIterationCost(forgetting=1.0)
     for it in iterations:
         model.observe([tuple(c) for c in it["chunks"]], it["forward_ms"],
-                      it.get("wide_from_rows") if widening else None)
+                      it.get("wide_from_rows", wide_from_rows) if widening else None)
     return model
 
 
@@ -110,6 +113,8 @@ def main() -> None:
     ap.add_argument("--quantization", default="auto")
     ap.add_argument("--json", default=None)
     ap.add_argument("--fit", default=None, help="fit a saved --json run instead of measuring")
+    ap.add_argument("--wide-from-rows", type=int, default=None,
+                    help="with --fit: the worker's widening threshold, where the file lacks it")
     args = ap.parse_args()
     if args.fit:
         import json
@@ -129,7 +134,7 @@ def main() -> None:
                     iterations += timed_iterations(engine, b, n, args, vocab, avoid)
         print(f"{engine.args.dtype}, quantization {engine.args.quantization}, "
               f"torch threads {__import__('torch').get_num_threads()}")
-    model, plain = fit(iterations), fit(iterations, widening=False)
+    model, plain = fit(iterations, wide_from_rows=args.wide_from_rows), fit(iterations, False)
     print_table(summary(iterations, model),
                 ["decodes", "prefill_rows", "iterations", "forward_ms", "fit_ms"])
     print(f"least squares over every iteration (no forgetting), widening from "
