@@ -73,7 +73,8 @@ def one_step(engine: LLMEngine, run: Run, t0: float) -> None:
             run.token_times.setdefault(out.request_id, []).append(now - t0)
     if chunks:
         run.iterations.append({"start_s": start - t0, "ms": (now - start) * 1e3,
-                               "forward_ms": result.forward_ms, "chunks": chunks,
+                               "forward_ms": result.forward_ms,
+                               "wide_from_rows": result.wide_from_rows, "chunks": chunks,
                                "kind": iteration_kind(chunks)})
 
 
