@@ -11,8 +11,9 @@ from shared.online_cost import NAMES, OnlineIterationCost
 
 TRUE = {"fixed_ms": 12.0, "per_decode_row_ms": 0.5, "per_prefill_row_ms": 0.4,
         "per_pair_ms": 2e-5, "widen_ms": 0.0, "per_narrow_row_ms": 0.0}
-# int4 weights on a CPU, as measured (docs/benchmarks.md#iteration-cost-by-shape): from 24 rows
-# on each GEMM widens its weight first (41 ms an iteration); below, each row costs 1.2 ms more
+# int4 weights on a CPU, near what was measured (docs/benchmarks.md#iteration-cost-by-shape):
+# from 24 rows on each GEMM widens its weight first (41 ms an iteration); below, each row costs
+# 1.2 ms more
 INT4 = {"fixed_ms": 12.0, "per_decode_row_ms": 1.3, "per_prefill_row_ms": 0.34,
         "per_pair_ms": 7e-4, "widen_ms": 41.0, "per_narrow_row_ms": 1.2}
 WIDE_FROM = 24
