@@ -171,7 +171,7 @@ class OnlineIterationCost:
         err = abs(predicted - measured_ms) / measured_ms
         self.mean_abs_error = err if self.observations == 0 else 0.9 * self.mean_abs_error + 0.1 * err
         # What counts is the error relative to the iteration's size (5 ms off a 10 ms decode
-        # step matters, off a 500 ms prefill not): each iteration weighs 1/size², its size as
+        # step matters, off a 500 ms prefill not): each iteration weighs 1/size, its size as
         # the prior prices its shape (a fixed scale, so that a change of machine speed leaves
         # old and new iterations of one shape weighing alike), against a one-decode iteration.
         # A time far off the prediction (a noisy neighbour's burst) weighs less (Huber).
