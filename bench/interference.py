@@ -11,7 +11,8 @@ a server keeps it). Reported per mode: median and worst inter-token gap of the d
 the long prompts' TTFT; per iteration kind, how far the calibrated roofline's prediction and
 the online fit's are from the measured iteration time.
 
-    python bench/interference.py [--repeats 2] [--dtype auto] [--hw hw.json] [--json out.json]
+    python bench/interference.py [--repeats 2] [--dtype auto] [--quantization auto] [--hw hw.json]
+        [--json out.json]
         [--plot docs/interference.png] [--max-num-batched-tokens N] [--max-iteration-ms MS]
 
 Without --hw it runs `pacer calibrate --quick` in-process first.
@@ -72,7 +73,9 @@ def one_step(engine: LLMEngine, run: Run, t0: float) -> None:
             run.token_times.setdefault(out.request_id, []).append(now - t0)
     if chunks:
         run.iterations.append({"start_s": start - t0, "ms": (now - start) * 1e3,
-                               "chunks": chunks, "kind": iteration_kind(chunks)})
+                               "forward_ms": result.forward_ms,
+                               "wide_from_rows": result.wide_from_rows, "chunks": chunks,
+                               "kind": iteration_kind(chunks)})
 
 
 def mode_config(base, mode: str, online: OnlineIterationCost):
@@ -217,6 +220,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="A, B pairs")
     ap.add_argument("--hw", default=None, help="hardware JSON (default: calibrate --quick now)")
     ap.add_argument("--dtype", default="auto", help="as pacer up (default auto)")
+    ap.add_argument("--quantization", default="auto", help="as pacer up (default auto)")
     ap.add_argument("--max-num-batched-tokens", type=int,
                     default=EngineArgs.max_num_batched_tokens, help="as pacer up")
     ap.add_argument("--max-iteration-ms", type=float, default=None,
@@ -236,10 +240,12 @@ def main() -> None:
     if args.max_iteration_ms is not None and hw_path is None:   # the engine reads a file
         hw_path = os.path.join(tempfile.mkdtemp(), "hw.json")
         write_json(hw_path, profile)
-    engine = LLMEngine(EngineArgs(dtype=args.dtype, max_num_batched_tokens=args.max_num_batched_tokens,
+    engine = LLMEngine(EngineArgs(dtype=args.dtype, quantization=args.quantization,
+                                  max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_iteration_ms=args.max_iteration_ms, hw=hw_path),
                        progress=False)
     args.dtype = engine.args.dtype          # auto, resolved
+    args.quantization = engine.runner.quantization
     cost = RooflineCost(model_shape_of(engine.model_config, "smollm2-135m"), hw,
                         DTYPE_BYTES[args.dtype])
     online = OnlineIterationCost()          # the serving default's model, learning all along
@@ -255,7 +261,8 @@ def main() -> None:
           f"tokens per run, budget {engine.scheduler_config.max_num_batched_tokens} rows"
           + (f" and {args.max_iteration_ms:g} ms per iteration" if args.max_iteration_ms else "")
           + ", "
-          f"{args.dtype}, torch threads {__import__('torch').get_num_threads()}")
+          f"{args.dtype}, quantization {args.quantization}, "
+          f"torch threads {__import__('torch').get_num_threads()}")
     print_table(summaries, ["repeat", "mode", "gap_median_ms", "gap_p99_ms", "gap_max_ms",
                             "gap_max_over_median", "long_ttft_median_ms", "long_ttft_max_ms",
                             "iterations"])
@@ -268,6 +275,11 @@ def main() -> None:
              for d, o in zip(by_mode["default"], by_mode["orca"])])),
         "orca_over_default_gap_max": float(np.median(
             [o["gap_max_ms"] / d["gap_max_ms"] for d, o in zip(by_mode["default"], by_mode["orca"])])),
+        # against a gap with no prefill in it: ORCA's median is a pure-decode gap (its long
+        # prompts take one iteration each), where the defaults' median may be a chunked one
+        "default_gap_max_over_orca_gap_median": float(np.median(
+            [d["gap_max_ms"] / o["gap_median_ms"]
+             for d, o in zip(by_mode["default"], by_mode["orca"])])),
     }
     print("medians over repeats: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
     print(f"\nroofline ({hw.name}) vs measured iteration time:")

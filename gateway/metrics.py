@@ -49,6 +49,13 @@ _SCHEDULER_STATS = {
                                 "Fitted cost per prefill row, ms", False),
     "cost_per_pair_ms": ("pacer:iteration_cost_per_pair_ms",
                          "Fitted cost per attended query-key pair, ms", False),
+    "cost_widen_ms": ("pacer:iteration_cost_widen_ms", "Fitted cost of widening packed weights, "
+                      "per iteration from cost_wide_from_rows rows on, ms", False),
+    "cost_per_narrow_row_ms": ("pacer:iteration_cost_per_narrow_row_ms", "Fitted extra cost "
+                               "per row below cost_wide_from_rows (packed-weight kernels), ms",
+                               False),
+    "cost_wide_from_rows": ("pacer:iteration_cost_wide_from_rows", "Rows from which the "
+                            "worker widens packed weights (0: never)", False),
     "cost_prediction_error": ("pacer:iteration_cost_prediction_error",
                               "Mean |predicted - measured| / measured iteration time (EWMA)", False),
     "cost_observations_total": ("pacer:iteration_cost_observations",

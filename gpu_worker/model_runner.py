@@ -35,6 +35,7 @@ from gpu_worker.model.layers import RotaryEmbedding
 from gpu_worker.model.llama import LlamaForCausalLM
 from gpu_worker.parallel import SINGLE, TPGroup
 from gpu_worker.quant import resolve_quantization
+from gpu_worker.quant.linear import wide_from_rows
 from gpu_worker.sampler import Sampler
 from gpu_worker.weights import iter_weights
 from shared.attention_choice import choose_attention_here
@@ -113,6 +114,7 @@ class ModelRunner:
         on_host = rc.device == "cpu"
         self.quantization = resolve_quantization(rc.quantization, source, cfg, tp.size, rc.device)
         quant = None if self.quantization == "none" else self.quantization
+        self.wide_from_rows = wide_from_rows(self.quantization)     # with each result
         with torch.device("cpu" if on_host else rc.device), \
                 (contextlib.nullcontext() if on_host else _default_dtype(self.dtype)):
             model = LlamaForCausalLM(cfg, tp, quant)
@@ -254,7 +256,8 @@ class ModelRunner:
         # forward_ms (the cost model's input) is the compute; the wait for the sends is
         # kv_stats["exposed_ms"]
         return self._with_sends(StepResult(plan.step, dict(zip(sampling_ids, tokens)),
-                                           forward_ms=(time.perf_counter() - started) * 1e3),
+                                           forward_ms=(time.perf_counter() - started) * 1e3,
+                                           wide_from_rows=self.wide_from_rows),
                                 sender)
 
     def _skip(self, plan: IterationPlan) -> StepResult:

@@ -74,5 +74,6 @@ def cost_model_fields(cost) -> dict[str, float]:
     if not hasattr(cost, "coefficients_ms"):
         return {}
     return {**{f"cost_{name}": round(v, 9) for name, v in cost.coefficients_ms.items()},
+            "cost_wide_from_rows": cost.wide_from_rows or 0,
             "cost_prediction_error": round(cost.mean_abs_error, 6),
             "cost_observations_total": cost.observations}

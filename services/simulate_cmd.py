@@ -90,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="latency budget: cut prefill chunks to fit this many ms")
     s.add_argument("--target-tbt-ms", default="off", type=parse_tbt_target,
                    help="token-gap target while decodes run, as the served flag: auto "
-                        f"({AUTO_TBT_FACTOR:g}x the predicted pure-decode iteration), ms, or "
+                        f"({AUTO_TBT_FACTOR:g}x the predicted decodes plus one block), ms, or "
                         "off (default)")
     s.add_argument("--cost", default="roofline", choices=("roofline", "online"),
                    help="the cost model the core plans with: the roofline of --hw (default), "

@@ -19,7 +19,8 @@ DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # `--target-tbt-ms auto`: an iteration that carries prefill may take this many times the
-# predicted pure-decode iteration (docs/benchmarks.md#interference measures it)
+# predicted time of its decodes plus one block of prefill rows (docs/design.md#the-token-gap-target;
+# docs/benchmarks.md#interference measures it)
 AUTO_TBT_FACTOR = 3.0
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
@@ -66,7 +67,7 @@ class SchedulerConfig:
     max_iteration_ms: float | None = None
     # The token-gap target (docs/design.md#the-token-gap-target): while decodes run, prefill
     # rides along only as far as keeps the iteration within `target_tbt_ms`, or within
-    # `target_tbt_factor` x the predicted pure-decode iteration (`--target-tbt-ms auto`).
+    # `target_tbt_factor` x the predicted decodes plus one block (`--target-tbt-ms auto`).
     # With no decode running, prefill takes the whole token budget.
     target_tbt_ms: float | None = None
     target_tbt_factor: float | None = None

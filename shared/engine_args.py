@@ -115,7 +115,7 @@ class EngineArgs:
                        action="store_false", help="whole prompts in one iteration (ORCA only)")
         p.add_argument("--target-tbt-ms", default=target_tbt, type=parse_tbt_target,
                        help=f"token-gap target while decodes run: auto (default {target_tbt}: "
-                            f"{AUTO_TBT_FACTOR:g}x the predicted pure-decode iteration), off, or ms; "
+                            f"{AUTO_TBT_FACTOR:g}x the predicted decodes plus one block), off, or ms; "
                             "caps the prefill rows that ride along, by the iteration-cost model "
                             "fitted online from measured forward times")
         p.add_argument("--no-prefix-caching", dest="enable_prefix_caching",

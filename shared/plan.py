@@ -104,6 +104,9 @@ class StepResult:
     step: int
     sampled: dict[str, SampledToken]
     forward_ms: float | None = None     # rank 0's measured time for the plan (cost model input)
+    # rows from which the worker's GEMMs widen packed weights first (int4/int8 on CPU), a cost
+    # per iteration the cost model prices (shared/online_cost.py); None: one GEMM path
+    wide_from_rows: int | None = None
     # P/D: requests whose K/V sends did not complete (the decode side recomputes them), and
     # the sends' figures: bytes, ms spent sending, ms of it after the forward ended (exposed)
     kv_failed: list[str] = field(default_factory=list)

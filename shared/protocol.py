@@ -163,6 +163,7 @@ class StepResultMsg:
     def _to_body(self) -> dict:
         # sampled: [request_id, token_id, logprob, top_logprobs]
         return {"step": self.result.step, "forward_ms": self.result.forward_ms,
+                "wide_from_rows": self.result.wide_from_rows,
                 "sampled": [[rid, s.token_id, s.logprob, s.top_logprobs]
                             for rid, s in self.result.sampled.items()],
                 "kv_failed": self.result.kv_failed, "kv_stats": self.result.kv_stats}
@@ -173,6 +174,7 @@ class StepResultMsg:
                    for rid, tok, lp, top in body["sampled"]}
         return cls(StepResult(step=body["step"], sampled=sampled,
                               forward_ms=body.get("forward_ms"),
+                              wide_from_rows=body.get("wide_from_rows"),
                               kv_failed=list(body.get("kv_failed", ())),
                               kv_stats=body.get("kv_stats")))
 

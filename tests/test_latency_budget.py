@@ -339,9 +339,10 @@ def test_beside_decodes_prefill_is_capped_to_the_factor_of_a_decode_iteration(fa
     while sched.get_request("long").num_output_tokens == 0:
         plan = sched.schedule()
         chunks = chunks_of(sched, plan)
-        decode_ms = RowCost().iteration_ms([c for c in chunks if c[0] == 1])
+        decodes = [c for c in chunks if c[0] == 1]
+        floor_ms = RowCost().iteration_ms(decodes + [(4, 4)])     # the decodes and one block
         assert plan.total_tokens <= 512                            # the token budget still caps
-        assert RowCost().iteration_ms(chunks) <= max(factor * decode_ms, decode_ms + 4)  # one block floor
+        assert RowCost().iteration_ms(chunks) <= max(factor * floor_ms, floor_ms)
         sched.update(plan, worker.execute(plan))
 
 
@@ -358,13 +359,13 @@ def test_measured_forward_times_reach_the_cost_model():
     seen = []
 
     class Recording(RowCost):
-        def observe(self, chunks, ms):
-            seen.append((sorted(chunks), ms))
+        def observe(self, chunks, ms, wide_from_rows=None):
+            seen.append((sorted(chunks), ms, wide_from_rows))
 
     sched = make_target(factor=3.0, cost=Recording())
     add(sched, "a", 5, max_tokens=3)
     add(sched, "b", 2, max_tokens=3)
     plan = sched.schedule()
     result = FakeWorker(sched).execute(plan)
-    sched.update(plan, StepResult(result.step, result.sampled, forward_ms=7.5))
-    assert seen == [([(2, 2), (5, 5)], 7.5)]
+    sched.update(plan, StepResult(result.step, result.sampled, forward_ms=7.5, wide_from_rows=24))
+    assert seen == [([(2, 2), (5, 5)], 7.5, 24)]

@@ -56,7 +56,8 @@ plan_msgs = plans.map(PlanMsg)
 sampled = st.builds(SampledToken, token_id=st.integers(0, 2**31 - 1), logprob=logprob,
                     top_logprobs=top_logprobs)
 step_result_msgs = st.builds(StepResult, step=st.integers(0, 2**40),
-                             sampled=st.dictionaries(ids, sampled, max_size=8)).map(StepResultMsg)
+                             sampled=st.dictionaries(ids, sampled, max_size=8),
+                             wide_from_rows=st.none() | st.integers(1, 4096)).map(StepResultMsg)
 
 token_events = st.builds(TokenEvent, request_id=ids, index=st.integers(0, 100_000),
                          token_id=st.integers(0, 2**31 - 1), logprob=logprob,

@@ -244,6 +244,18 @@ def test_a_quantized_model_holds_no_float_matrices(tmp_path, tiny_hf):
     assert model.embed_tokens.qweight.scheme == "int8"
 
 
+@pytest.mark.parametrize("qtype,wide_from", [(Q.Q4_1, Int4Weight.many_rows), (None, None)])
+def test_the_worker_tells_the_cost_model_where_its_gemms_widen(tmp_path, tiny_hf, qtype, wide_from):
+    """The widening threshold reaches the online cost model with the step results
+    (shared/online_cost.py); a float model has none."""
+    model = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf, qtype) if qtype else tiny_hf
+    _, engine = _greedy(model, PROMPTS, 2, dtype="float32", target_tbt_ms="auto")
+    cost = engine.scheduler.config.iteration_cost
+    assert cost.observations > 0 and cost.wide_from_rows == wide_from
+    if wide_from is None:
+        assert cost.coefficients_ms["widen_ms"] == cost.coefficients_ms["per_narrow_row_ms"] == 0
+
+
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_tp3_quantized_gives_tp1_tokens(tmp_path, quantization):
     """6 query heads, 3 KV heads, hidden 96, intermediate 192: each rank holds 2 heads (32

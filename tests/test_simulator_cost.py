@@ -17,7 +17,7 @@ from services.cli import main
 from shared.config import AUTO_TBT_FACTOR
 from shared.cost_model import MODELS, kv_capacity
 from shared.hardware import HARDWARE
-from shared.online_cost import OnlineIterationCost, prior_from
+from shared.online_cost import NAMES, OnlineIterationCost, prior_from
 from tests.test_simulator import H100_7B, config
 
 
@@ -28,7 +28,7 @@ def test_an_online_model_seeded_from_the_roofline_starts_near_it():
         assert online.iteration_ms(chunks) == pytest.approx(H100_7B.iteration_ms(chunks), rel=0.3)
     assert online.fresh().coefficients_ms == online.coefficients_ms
     assert online.fresh() is not online
-    assert len(prior_from(H100_7B)) == 4
+    assert len(prior_from(H100_7B)) == len(NAMES) and prior_from(H100_7B)[4:] == (0.0, 0.0)
 
 
 def test_the_simulator_plans_with_the_online_fit_and_it_learns_from_the_clock():

@@ -124,5 +124,14 @@ class Int8Weight:
         return self.codes[ids].to(torch.float32) * self.scale_f32[ids].unsqueeze(-1)
 
 
+def wide_from_rows(scheme: str) -> int | None:
+    """The row count from which the layer GEMMs of `scheme` widen their weights (a cost per
+    GEMM, whatever the rows: what the scheduler's cost model prices per iteration,
+    shared/online_cost.py); None where every size takes one path."""
+    if scheme not in ("int4", "int8") or _widening_kernels() is None:
+        return None
+    return (Int4Weight if scheme == "int4" else Int8Weight).many_rows
+
+
 def pack(q: QTensor) -> Int4Weight | Int8Weight:
     return Int4Weight(q) if q.scheme == "int4" else Int8Weight(q)

@@ -343,7 +343,7 @@ class Scheduler:
         live = scheduled if not flight.dirty else \
             [(request, rows) for request, rows in scheduled if request.status is running]
         _check_sampled(plan.step, scheduled, live, flight.samples, result)
-        self._observe_cost(live, result.forward_ms)
+        self._observe_cost(live, result)
         self._flights.popleft()
         outputs, self._aborted = self._aborted, []
         block_size = self.block_manager.block_size
@@ -381,11 +381,12 @@ class Scheduler:
 
     # ---- scheduling steps ----------------------------------------------------------------
 
-    def _observe_cost(self, scheduled: list[tuple[Request, int]], forward_ms: float | None) -> None:
+    def _observe_cost(self, scheduled: list[tuple[Request, int]], result: StepResult) -> None:
         """Feed the measured forward time to a cost model that learns (shared/online_cost.py)."""
         observe = getattr(self.config.iteration_cost, "observe", None)
-        if observe is not None and forward_ms is not None and scheduled:
-            observe([(rows, r.num_computed_tokens + rows) for r, rows in scheduled], forward_ms)
+        if observe is not None and result.forward_ms is not None and scheduled:
+            observe([(rows, r.num_computed_tokens + rows) for r, rows in scheduled],
+                    result.forward_ms, result.wide_from_rows)
 
     def _latency_budget(self) -> IterationLatency | None:
         """This iteration's time budget: `max_iteration_ms` always; the token-gap target only
@@ -404,7 +405,11 @@ class Scheduler:
         elif config.target_tbt_ms is not None:
             budget_ms = config.target_tbt_ms
         elif config.target_tbt_factor is not None:
-            budget_ms = config.target_tbt_factor * cost.iteration_ms(decodes)
+            # a multiple of the cheapest iteration that moves a waiting prompt: the decodes
+            # and one block of prefill rows (where a prefill row makes the GEMMs take a costlier
+            # path, int4 weights widened, that is well above the decodes alone)
+            block = config.block_size
+            budget_ms = config.target_tbt_factor * cost.iteration_ms(decodes + [(block, block)])
         else:
             return None
         return IterationLatency(cost, budget_ms, config.block_size, decodes)
