@@ -19,7 +19,8 @@ import numpy as np
 
 from shared.errors import PacerError
 
-Iteration = tuple[list[tuple[int, int]], float]     # (chunks, measured ms)
+# (chunks, measured ms, the worker's wide_from_rows: None for float weights or an older file)
+Iteration = tuple[list[tuple[int, int]], float, "int | None"]
 KINDS = ("decode", "mixed", "prefill")
 
 
@@ -45,8 +46,9 @@ def read_iterations(path: str) -> tuple[list[Iteration], dict[str, Any]]:
             for it in run:
                 chunks = [(int(q), int(kv)) for q, kv in it["chunks"]]
                 ms = float(it["ms"])
+                wide = it.get("wide_from_rows")
                 if chunks and ms > 0:
-                    out.append((chunks, ms))
+                    out.append((chunks, ms, None if wide is None else int(wide)))
     except (TypeError, KeyError, ValueError) as e:
         raise PacerError(f"{path}: expected iterations of {{\"chunks\": [[q_rows, kv_len], "
                          f"...], \"ms\": measured}} ({e!r})") from None
@@ -60,10 +62,10 @@ def predictions(iterations: Iterable[Iteration], cost) -> np.ndarray:
     only after predicting it."""
     observe = getattr(cost, "observe", None)
     out = []
-    for chunks, ms in iterations:
+    for chunks, ms, wide_from_rows in iterations:
         out.append(cost.iteration_ms(chunks))
-        if observe is not None:
-            observe(chunks, ms)
+        if observe is not None:             # the threshold as the worker reported it
+            observe(chunks, ms, wide_from_rows=wide_from_rows)
     return np.asarray(out, dtype=float)
 
 

@@ -10,7 +10,8 @@ from dataclasses import replace
 import pytest
 
 from scheduler_svc.arrivals import Arrival, synthetic
-from scheduler_svc.cost_replay import iteration_kind, prediction_errors, predictions
+from scheduler_svc.cost_replay import (iteration_kind, prediction_errors, predictions,
+                                      read_iterations)
 from scheduler_svc.sim_report import summarize
 from scheduler_svc.simulator import simulate
 from services.cli import main
@@ -102,7 +103,7 @@ def recorded_run(n: int = 120) -> list[dict]:
 
 
 def test_the_online_fit_predicts_each_iteration_before_it_learns_from_it():
-    its = [(it["chunks"], it["ms"]) for it in recorded_run()]
+    its = [(it["chunks"], it["ms"], None) for it in recorded_run()]
     online = OnlineIterationCost()
     predicted = predictions(its, online)
     assert online.observations == len(its)
@@ -112,6 +113,29 @@ def test_the_online_fit_predicts_each_iteration_before_it_learns_from_it():
     # a model that does not learn is simply evaluated
     roof = prediction_errors(its, predictions(its, H100_7B))
     assert all(row["measured_over_predicted"] > 3 for row in roof)    # an H100 roofline on a CPU
+
+
+def test_the_replay_hands_the_workers_widening_threshold_to_the_fit(tmp_path):
+    """A run of int4 weights records the row count from which the worker widens them
+    (`wide_from_rows`); the replay passes it on, so the online fit learns the widening cost."""
+    rng = random.Random(2)
+    its = []
+    for _ in range(150):
+        chunks = [(1, rng.randint(20, 400)) for _ in range(rng.randint(1, 8))]
+        if rng.random() < 0.5:
+            rows = rng.choice([8, 16, 64, 256])
+            chunks.append((rows, rows))
+        rows = sum(q for q, _ in chunks)
+        ms = 25 + (50 + 0.3 * rows if rows >= 24 else 2.5 * rows)
+        its.append({"chunks": chunks, "ms": ms * rng.uniform(0.98, 1.02), "wide_from_rows": 24})
+    path = tmp_path / "int4.json"
+    path.write_text(json.dumps({"iterations": {"default-0": its}}))
+    iterations, _ = read_iterations(str(path))
+    assert {w for _, _, w in iterations} == {24}
+    online = OnlineIterationCost()
+    late = prediction_errors(iterations, predictions(iterations, online), skip=60)
+    assert online.coefficients_ms["widen_ms"] > 30
+    assert all(row["mape_pct"] < 10 for row in late), late
 
 
 def test_cli_replay_reads_a_bench_json(tmp_path, capsys):
