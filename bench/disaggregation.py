@@ -221,7 +221,9 @@ def transfer_figures(redis_url: str, longs: int) -> dict:
             "transfer_ms_per_long_prompt": send_s * 1e3 / max(longs, 1),
             "exposed_ms_per_long_prompt": exposed * 1e3 / max(longs, 1),
             "handoffs": s.get("handoffs_total", 0.0),
-            "kv_failures": s.get("kv_transfer_failures_total", 0.0)}
+            "kv_failures": s.get("kv_transfer_failures_total", 0.0),
+            "ttft_goal_met": s.get("ttft_goal_met_total", 0.0),
+            "ttft_goal_missed": s.get("ttft_goal_missed_total", 0.0)}
 
 
 def plot(runs: list[dict], path: str) -> None:
@@ -371,7 +373,8 @@ def main() -> None:
           "forward)")
     print_table(pd, ["repeat", "kv_bytes_per_long_prompt", "transfer_own_ms",
                      "transfer_ms_per_long_prompt", "exposed_ms_per_long_prompt",
-                     "hidden_share", "handoffs", "kv_failures"])
+                     "hidden_share", "handoffs", "kv_failures", "ttft_goal_met",
+                     "ttft_goal_missed"])
     for run in runs:
         if run.get("late"):
             print(f"\nP/D late text chunks (steady gaps over 1.5x the median), run {run['mode']}: "

@@ -6,8 +6,11 @@ a prefill instance."""
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from scheduler_svc.core import Scheduler
 from scheduler_svc.core.request import Request
@@ -17,6 +20,10 @@ from shared.errors import PacerError
 from shared.online_cost import OnlineIterationCost
 from shared.plan import SampledToken, StepResult
 from shared.sampling import SamplingParams
+from test_scheduler_core import make_scheduler
+from test_scheduler_properties import Driver, configs, expected_tokens
+from test_scheduler_properties import aborts as abort_st
+from test_scheduler_properties import arrivals as arrival_st
 
 FIXED_MS = 10.0
 _PROMPTS = itertools.count(1)
@@ -175,9 +182,71 @@ def test_a_long_prompt_is_not_starved_by_a_stream_of_short_ones():
     assert sched.ttft_goal.met_total > 0
 
 
+def test_pool_runs_dry_the_least_urgent_running_prompt_yields():
+    """A short prompt admitted ahead of a running long one ranks before it: when the long
+    one's next chunk finds no free block, it is the one preempted, not the short one already
+    placed in this iteration."""
+    clock = Clock()
+    config = SchedulerConfig(max_num_batched_tokens=8, num_kv_blocks=4, block_size=4,
+                             max_model_len=4096, iteration_cost=cost(),
+                             target_ttft_factor=AUTO_TTFT_FACTOR)
+    sched = Scheduler(config, eos_token_ids=2, clock=clock)
+    add(sched, "long", 15, at=0.0)
+    assert step(sched, clock) == {"long": 8}              # 2 of the 4 blocks
+    add(sched, "short", 5, at=clock.now)                  # the earlier deadline: 2 blocks
+    plan = sched.schedule()
+    assert plan.num_scheduled_tokens == {"short": 5}
+    assert plan.preempted_request_ids == ["long"]
+    assert [r.request_id for r in plan.new_requests] == ["short"]
+
+
 def test_without_a_goal_nothing_is_counted_and_order_is_fcfs():
     sched, clock = make()
     add(sched, "long", 500)
     add(sched, "short", 20)
     assert list(step(sched, clock)) == ["long"]
     assert sched.ttft_goal is None
+
+
+# ---- random traffic, the same invariants as without a goal ---------------------------------
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(configs(), st.sampled_from([None, 1.0, 60.0, 400.0]),
+       st.lists(arrival_st, min_size=2, max_size=12), st.lists(abort_st, max_size=4),
+       st.frozensets(st.integers(0, 40), max_size=2), st.booleans())
+def test_random_traffic_with_a_ttft_goal_keeps_invariants_and_finishes(
+        config, target_ms, arrivals, aborts, kv_losses, overlap):
+    """Reordering by deadline changes who goes first, never what anyone gets: the fake
+    worker checks every row's K/V, blocks all come back, every request ends with the tokens
+    it would have had first come, first served, and each first token is counted once. The
+    clock moves 50 ms a step, so goals are met, missed and starved past."""
+    clock = Clock()
+    base = make_scheduler(**config)
+    sched = Scheduler(replace(base.config, iteration_cost=cost(), target_ttft_ms=target_ms,
+                              target_ttft_factor=AUTO_TTFT_FACTOR if target_ms is None else None),
+                      base.eos_token_ids, base.max_model_len, clock=clock)
+    driver = Driver(sched, arrivals, aborts, kv_losses, overlap)
+    last_arrival = max(a.step for a in arrivals)
+    bound = (last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)) \
+        * (1 + len(kv_losses)) * (2 if overlap else 1)
+    step = 0
+    while step <= last_arrival or sched.has_unfinished() or driver.in_flight:
+        assert step <= bound, "the scheduler stopped making progress"
+        driver.step(step)
+        clock.now += 0.05
+        step += 1
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+    aborted = {ab.index for ab in aborts}
+    first_tokens = 0
+    for i in driver.accepted:
+        outs = driver.outputs[f"r{i}"]
+        got = [t.token_id for o in outs for t in o.new_tokens]
+        first_tokens += bool(got)
+        want, reason = expected_tokens(sched, arrivals[i])
+        assert [o.finished for o in outs].count(True) == 1
+        if outs[-1].finish_reason == "abort":
+            assert i in aborted and got == want[:len(got)]
+        else:
+            assert (got, outs[-1].finish_reason) == (want, reason)
+    goal = sched.ttft_goal
+    assert goal.met_total + goal.missed_total == first_tokens
