@@ -21,7 +21,7 @@ from shared.online_cost import OnlineIterationCost
 from shared.plan import SampledToken, StepResult
 from shared.sampling import SamplingParams
 from test_scheduler_core import make_scheduler
-from test_scheduler_properties import Driver, configs, expected_tokens
+from test_scheduler_properties import Driver, configs
 from test_scheduler_properties import aborts as abort_st
 from test_scheduler_properties import arrivals as arrival_st
 
@@ -226,27 +226,10 @@ def test_random_traffic_with_a_ttft_goal_keeps_invariants_and_finishes(
                               target_ttft_factor=AUTO_TTFT_FACTOR if target_ms is None else None),
                       base.eos_token_ids, base.max_model_len, clock=clock)
     driver = Driver(sched, arrivals, aborts, kv_losses, overlap)
-    last_arrival = max(a.step for a in arrivals)
-    bound = (last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)) \
-        * (1 + len(kv_losses)) * (2 if overlap else 1)
-    step = 0
-    while step <= last_arrival or sched.has_unfinished() or driver.in_flight:
-        assert step <= bound, "the scheduler stopped making progress"
-        driver.step(step)
+
+    def tick() -> None:
         clock.now += 0.05
-        step += 1
-    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
-    aborted = {ab.index for ab in aborts}
-    first_tokens = 0
-    for i in driver.accepted:
-        outs = driver.outputs[f"r{i}"]
-        got = [t.token_id for o in outs for t in o.new_tokens]
-        first_tokens += bool(got)
-        want, reason = expected_tokens(sched, arrivals[i])
-        assert [o.finished for o in outs].count(True) == 1
-        if outs[-1].finish_reason == "abort":
-            assert i in aborted and got == want[:len(got)]
-        else:
-            assert (got, outs[-1].finish_reason) == (want, reason)
+    driver.run_to_end(tick)
+    first_tokens = driver.check_outputs()
     goal = sched.ttft_goal
     assert goal.met_total + goal.missed_total == first_tokens
