@@ -8,11 +8,9 @@ Every token is stamped at the client when its SSE chunk arrives; each chunk name
 (logprobs). A chunk can carry two or more: the pieces of one character, held by the detokenizer
 until whole (random prompts make such text), so its gap spans two decode steps although
 none was late; it counts as one gap per token, each its share. Reported per mode: the decode
-streams' median and worst inter-token gap (and worst/median) once every stream has its first
-token (before that the streams' own admissions disturb each other; the worst/median over all
-gaps is printed beside it), the same over text chunks as a reader sees them, the long prompts'
-TTFT; for
-P/D, the KV bytes per long prompt, the connector's own GB/s (measured alone after the runs)
+streams' median and worst inter-token gap (and worst/median) once every stream is decoding
+(`steady_start`; the worst/median over all gaps is printed beside it), the same over text
+chunks as a reader sees them, the long prompts' TTFT; for P/D, the KV bytes per long prompt, the connector's own GB/s (measured alone after the runs)
 and the share of the transfer hidden behind the prefill: 1 - (ms the prefill iterations
 waited for their sends after the forward) / (the transfer's own time at that GB/s).
 
@@ -82,9 +80,7 @@ async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]
     timeline = [(wall + r.sent_at + r.ttft + np.cumsum([0.0, *r.itl])).tolist()
                 for r in stream_results]
     chunk_tokens = [r.chunk_tokens for r in stream_results]
-    # steady: the gaps that end once every stream has its first token (the streams' own
-    # admissions, one after another, are not the long prompts' doing); all: every gap
-    steady_from = max(t[0] for t in timeline)
+    steady_from = steady_start(timeline)
     text = chunk_gaps(timeline, chunk_tokens, steady_from, per_token=False)
     gaps = chunk_gaps(timeline, chunk_tokens, steady_from)
     every = chunk_gaps(timeline, chunk_tokens, 0.0)
@@ -98,6 +94,16 @@ async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]
             "long_ttft_ms": [r.ttft * 1e3 for r in long_results],
             "long_sent_at": [wall + r.sent_at for r in long_results], "timeline": timeline,
             "chunk_tokens": chunk_tokens}
+
+
+def steady_start(timeline: list[list[float]]) -> float:
+    """When every stream is decoding: its second text chunk is in. Before, the streams' own
+    admissions disturb each other (not the long prompts' doing), and with P/D a stream's first
+    gap is its hand-off — the first token comes from the prefill instance, the second from the
+    decode instance — which counts toward the hop, not the decode pool's pace (as
+    docs/design.md#pd-disaggregation-pricing-the-hop counts it). The worst/median over every
+    gap is reported beside."""
+    return max(t[min(1, len(t) - 1)] for t in timeline)
 
 
 def chunk_gaps(timeline: list[list[float]], chunk_tokens: list[list[int]], since: float,
@@ -151,7 +157,7 @@ def late_tokens(run: dict, steps: list[dict], factor: float = 1.5) -> list[dict]
     whose result carried its chunk (the last result sent before it reached the client) and
     how many tokens the chunk carried."""
     timeline, chunk_tokens = run["timeline"], run["chunk_tokens"]
-    steady_from = max(t[0] for t in timeline)
+    steady_from = steady_start(timeline)
     gaps = [(t[i] - t[i - 1], t[i], s, chunk_tokens[s][i] if i < len(chunk_tokens[s]) else 1)
             for s, t in enumerate(timeline) for i in range(1, len(t)) if t[i] > steady_from]
     median = float(np.median([g for g, _, _, _ in gaps]))
@@ -382,7 +388,11 @@ def main() -> None:
             print_table(run["late"], list(run["late"][0]))
     write_json(args.json, {"rows": rows, "args": vars(args), "cpu_flags": flags,
                            "connector_gb_per_s": gbs,
-                           "late_tokens": [run.get("late", []) for run in runs]})
+                           "late_tokens": [run.get("late", []) for run in runs],
+                           "timelines": {run["mode"]: {"timeline": run["timeline"],
+                                                       "chunk_tokens": run["chunk_tokens"],
+                                                       "long_sent_at": run["long_sent_at"]}
+                                         for run in runs}})
     if args.plot:
         plot(runs[:len(MODES)], args.plot)
 
