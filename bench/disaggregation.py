@@ -4,17 +4,26 @@ streams while ~1.5k-token prompts arrive, on the default model, two ways in one 
 - colocated: `pacer up` with chunked prefill at the defaults, its worker on every core;
 - P/D: `pacer up --prefill-workers 1 --decode-workers 1`, one core per pool's worker.
 
-Every token is stamped at the client when its SSE chunk arrives. Reported per mode: the decode
-streams' median and worst inter-token gap (and worst/median) once every stream has its first
-token (before that the streams' own admissions disturb each other; the worst/median over all
-gaps is printed beside it), the long prompts' TTFT; for
-P/D, the KV bytes per long prompt, the connector's own GB/s (measured alone after the runs)
+Every token is stamped at the client when its SSE chunk arrives; each chunk names its tokens
+(logprobs). A chunk can carry two or more: the pieces of one character, held by the detokenizer
+until whole (random prompts make such text), so its gap spans two decode steps although
+none was late; it counts as one gap per token, each its share. Reported per mode: the decode
+streams' median and worst inter-token gap (and worst/median) once every stream is decoding
+(`steady_start`; the worst/median over all gaps is printed beside it), the same over text
+chunks as a reader sees them, the long prompts' TTFT; for P/D, the KV bytes per long prompt, the connector's own GB/s (measured alone after the runs)
 and the share of the transfer hidden behind the prefill: 1 - (ms the prefill iterations
 waited for their sends after the forward) / (the transfer's own time at that GB/s).
 
     python bench/disaggregation.py [--streams 6] [--long-len 1500] [--long-at 2,5]
         [--repeats 1] [--json out.json] [--plot docs/disaggregation.png]
     python bench/disaggregation.py --threshold     # the --disagg-min-prompt-tokens cut-off
+
+Late chunks are traced: after a P/D run the decode instance's plans and results streams (each
+entry stamped by Redis when it was added) give every decode step's times — plan sent, result
+sent (with the tokens: one pipeline), rank 0's forward — and each steady chunk gap over 1.5x
+the median is printed beside the step whose result carried it and the tokens it carried: was
+the step slow (the forward, or the scheduler's turn between result and plan), the chunk late on
+its way (result sent -> client), or a held character?
 """
 from __future__ import annotations
 
@@ -51,7 +60,7 @@ MODES = {
 async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]],
                   long_at: list[float], args) -> dict:
     target = ApiTarget(base_url, "/v1/completions", "smollm2-135m")
-    opts = SendOptions(temperature=0.0, ignore_eos=True, timeout_s=600.0)
+    opts = SendOptions(temperature=0.0, ignore_eos=True, timeout_s=600.0, logprobs=True)
     async with aiohttp.ClientSession() as session:
         async def later(req: BenchRequest, at: float):
             await asyncio.sleep(at)
@@ -66,19 +75,110 @@ async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]
     stream_results, long_results = results[:len(streams)], results[len(streams):]
     if not streams:                 # the warm-up
         return {}
-    timeline = [(r.sent_at + r.ttft + np.cumsum([0.0, *r.itl])).tolist() for r in stream_results]
-    # steady: the gaps that end once every stream has its first token (the streams' own
-    # admissions, one after another, are not the long prompts' doing); all: every gap
-    steady_from = max(t[0] for t in timeline)
-    ends = np.concatenate([t[1:] for t in timeline])
-    every = np.concatenate([np.diff(t) for t in timeline]) * 1e3
-    gaps = every[ends > steady_from]
+    # on the wall clock, as Redis stamps stream entries
+    wall = time.time() - time.perf_counter()
+    timeline = [(wall + r.sent_at + r.ttft + np.cumsum([0.0, *r.itl])).tolist()
+                for r in stream_results]
+    chunk_tokens = [r.chunk_tokens for r in stream_results]
+    steady_from = steady_start(timeline)
+    text = chunk_gaps(timeline, chunk_tokens, steady_from, per_token=False)
+    gaps = chunk_gaps(timeline, chunk_tokens, steady_from)
+    every = chunk_gaps(timeline, chunk_tokens, 0.0)
     return {"gap_median_ms": float(np.median(gaps)), "gap_p99_ms": float(np.percentile(gaps, 99)),
             "gap_max_ms": float(gaps.max()),
             "gap_max_over_median": float(gaps.max() / np.median(gaps)),
             "all_gaps_max_over_median": float(every.max() / np.median(every)),
+            "text_gap_max_ms": float(text.max()),
+            "text_gap_max_over_median": float(text.max() / np.median(text)),
+            "chunks_of_several_tokens": sum(k > 1 for c in chunk_tokens for k in c[1:]),
             "long_ttft_ms": [r.ttft * 1e3 for r in long_results],
-            "long_sent_at": [r.sent_at for r in long_results], "timeline": timeline}
+            "long_sent_at": [wall + r.sent_at for r in long_results], "timeline": timeline,
+            "chunk_tokens": chunk_tokens}
+
+
+def steady_start(timeline: list[list[float]]) -> float:
+    """When every stream is decoding: its second text chunk is in. Before, the streams' own
+    admissions disturb each other (not the long prompts' doing), and with P/D a stream's first
+    gap is its hand-off — the first token comes from the prefill instance, the second from the
+    decode instance — which counts toward the hop, not the decode pool's pace (as
+    docs/design.md#pd-disaggregation-pricing-the-hop counts it). The worst/median over every
+    gap is reported beside."""
+    return max(t[min(1, len(t) - 1)] for t in timeline)
+
+
+def chunk_gaps(timeline: list[list[float]], chunk_tokens: list[list[int]], since: float,
+               per_token: bool = True) -> np.ndarray:
+    """Gaps (ms) between a stream's text chunks that end after `since`. A chunk can carry
+    several tokens: the pieces of one character, which the detokenizer holds until it is whole
+    (random token ids make many). `per_token`: such a chunk's gap counts as one gap per token,
+    each its share of the time — the pace the decode pool kept, which the text could not show;
+    else one gap per chunk, what a reader sees."""
+    out = []
+    for t, tokens in zip(timeline, chunk_tokens):
+        for i in range(1, len(t)):
+            if t[i] <= since:
+                continue
+            k = tokens[i] if per_token and i < len(tokens) else 1
+            out += [(t[i] - t[i - 1]) / k] * k
+    return np.array(out) * 1e3
+
+
+def decode_steps(redis_url: str) -> list[dict]:
+    """The decode instance's steps from its plans and results streams: plan sent and result
+    sent (wall s, Redis's stamps), rank 0's forward ms, rows."""
+    from shared.protocol import PlanMsg, StepResultMsg, from_fields
+    client = redis.Redis.from_url(redis_url)
+    keys = Keys().for_instance("d0")
+    try:
+        plans, results = client.xrange(keys.plans), client.xrange(keys.results)
+    finally:
+        client.close()
+
+    def stamp(entry_id: bytes) -> float:
+        ms, seq = entry_id.decode().split("-")
+        return int(ms) / 1e3 + int(seq) * 1e-6
+    steps: dict[int, dict] = {}
+    for entry_id, fields in plans:
+        msg = from_fields(fields)
+        if isinstance(msg, PlanMsg):
+            steps.setdefault(msg.plan.step, {})["plan_s"] = stamp(entry_id)
+            steps[msg.plan.step]["rows"] = sum(msg.plan.num_scheduled_tokens.values())
+            steps[msg.plan.step]["new"] = len(msg.plan.new_requests)
+    for entry_id, fields in results:
+        msg = from_fields(fields)
+        if isinstance(msg, StepResultMsg) and msg.result.step in steps:
+            steps[msg.result.step].update(result_s=stamp(entry_id),
+                                          forward_ms=msg.result.forward_ms or 0.0)
+    return [{"step": k, **v} for k, v in sorted(steps.items()) if "result_s" in v]
+
+
+def late_tokens(run: dict, steps: list[dict], factor: float = 1.5) -> list[dict]:
+    """Each steady gap between text chunks over `factor` x the median, with the decode step
+    whose result carried its chunk (the last result sent before it reached the client) and
+    how many tokens the chunk carried."""
+    timeline, chunk_tokens = run["timeline"], run["chunk_tokens"]
+    steady_from = steady_start(timeline)
+    gaps = [(t[i] - t[i - 1], t[i], s, chunk_tokens[s][i] if i < len(chunk_tokens[s]) else 1)
+            for s, t in enumerate(timeline) for i in range(1, len(t)) if t[i] > steady_from]
+    median = float(np.median([g for g, _, _, _ in gaps]))
+    result_s = np.array([st["result_s"] for st in steps])
+    rows = []
+    for gap, at, stream, tokens in gaps:
+        if gap <= factor * median:
+            continue
+        i = int(np.searchsorted(result_s, at)) - 1
+        st, before = steps[i], steps[i - 1] if i > 0 else None
+        same = sum(1 for t in timeline for x in t if abs(x - at) < 0.010)
+        rows.append({"at_s": at - min(t[0] for t in timeline), "stream": stream,
+                     "gap_ms": gap * 1e3, "chunk_tokens": tokens, "step": st["step"],
+                     "delivery_ms": (at - st["result_s"]) * 1e3,
+                     "step_ms": (st["result_s"] - before["result_s"]) * 1e3 if before else None,
+                     "forward_ms": st["forward_ms"],
+                     "sched_turn_ms": (st["plan_s"] - before["result_s"]) * 1e3 if before else None,
+                     "plan_to_result_ms": (st["result_s"] - st["plan_s"]) * 1e3,
+                     "rows": st["rows"], "new_requests": st["new"],
+                     "tokens_within_10ms": same})
+    return rows
 
 
 def raw_transfer_gbs(long_len: int, dtype: str) -> float:
@@ -127,7 +227,9 @@ def transfer_figures(redis_url: str, longs: int) -> dict:
             "transfer_ms_per_long_prompt": send_s * 1e3 / max(longs, 1),
             "exposed_ms_per_long_prompt": exposed * 1e3 / max(longs, 1),
             "handoffs": s.get("handoffs_total", 0.0),
-            "kv_failures": s.get("kv_transfer_failures_total", 0.0)}
+            "kv_failures": s.get("kv_transfer_failures_total", 0.0),
+            "ttft_goal_met": s.get("ttft_goal_met_total", 0.0),
+            "ttft_goal_missed": s.get("ttft_goal_missed_total", 0.0)}
 
 
 def plot(runs: list[dict], path: str) -> None:
@@ -202,6 +304,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--modes", default=",".join(MODES), help="of: " + ", ".join(MODES))
     ap.add_argument("--threshold", action="store_true",
                     help="only measure the conditional-disaggregation cut-off (in-process)")
     ap.add_argument("--threshold-lengths", default="16,32,64,128,256,512,1024")
@@ -229,7 +332,8 @@ def main() -> None:
         streams = random_prompts(args.streams, 16, 48, cfg.vocab_size, rep, avoid)
         longs = random_prompts(len(long_at), args.long_len - 100, args.long_len + 100,
                                cfg.vocab_size, 100 + rep, avoid)
-        for mode, flags in MODES.items():
+        for mode in args.modes.split(","):
+            flags = MODES[mode]
             system = start_served(engine, "smollm2-135m", os.path.join(logs, f"{mode}-{rep}.log"),
                                   flags)
             try:
@@ -239,6 +343,8 @@ def main() -> None:
                 run = asyncio.run(one_run(system.base_url, streams, longs, long_at, args))
                 time.sleep(0.5)                          # the last stats write
                 figures = transfer_figures(system.redis_url, 1) if mode == "pd" else {}
+                if mode == "pd":
+                    run["late"] = late_tokens(run, decode_steps(system.redis_url))
                 if figures:      # minus the warm-up's prompt
                     n = len(longs)
                     for k in ("kv_bytes_per_long_prompt", "transfer_ms_per_long_prompt",
@@ -250,6 +356,7 @@ def main() -> None:
             runs.append(run)
             rows.append({"repeat": rep, "mode": mode,
                          **{k: v for k, v in run.items() if "gap" in k},
+                         "chunks_of_several_tokens": run["chunks_of_several_tokens"],
                          "long_ttft_median_ms": float(np.median(run["long_ttft_ms"])),
                          **figures})
     gbs = raw_transfer_gbs(args.long_len, args.dtype)
@@ -263,16 +370,29 @@ def main() -> None:
           f"~{args.long_len} tokens at {args.long_at} s, dtype {args.dtype}, "
           f"{os.cpu_count()} cores, CPU flags {' '.join(flags)}; logs in {logs}")
     print_table(rows, ["repeat", "mode", "gap_median_ms", "gap_p99_ms", "gap_max_ms",
-                       "gap_max_over_median", "all_gaps_max_over_median", "long_ttft_median_ms"])
+                       "gap_max_over_median", "all_gaps_max_over_median", "text_gap_max_ms",
+                       "text_gap_max_over_median", "chunks_of_several_tokens",
+                       "long_ttft_median_ms"])
     pd = [r for r in rows if r["mode"] == "pd"]
     print(f"\nP/D transfer per long prompt (the connector alone: {gbs:.2f} GB/s; send ms spans "
           "the prefill iterations that carried it, exposed ms is what they waited after their "
           "forward)")
     print_table(pd, ["repeat", "kv_bytes_per_long_prompt", "transfer_own_ms",
                      "transfer_ms_per_long_prompt", "exposed_ms_per_long_prompt",
-                     "hidden_share", "handoffs", "kv_failures"])
+                     "hidden_share", "handoffs", "kv_failures", "ttft_goal_met",
+                     "ttft_goal_missed"])
+    for run in runs:
+        if run.get("late"):
+            print(f"\nP/D late text chunks (steady gaps over 1.5x the median), run {run['mode']}: "
+                  "the decode step whose result carried each; delivery = result sent -> client")
+            print_table(run["late"], list(run["late"][0]))
     write_json(args.json, {"rows": rows, "args": vars(args), "cpu_flags": flags,
-                           "connector_gb_per_s": gbs})
+                           "connector_gb_per_s": gbs,
+                           "late_tokens": [run.get("late", []) for run in runs],
+                           "timelines": {run["mode"]: {"timeline": run["timeline"],
+                                                       "chunk_tokens": run["chunk_tokens"],
+                                                       "long_sent_at": run["long_sent_at"]}
+                                         for run in runs}})
     if args.plot:
         plot(runs[:len(MODES)], args.plot)
 

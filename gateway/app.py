@@ -34,7 +34,7 @@ from gateway.streams import TokenRouter
 from gateway.upstream import Upstream
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
-from shared.lifecycle import run_service
+from shared.lifecycle import freeze_heap, run_service
 from shared.model_config import load_model_config
 from shared.model_source import resolve_model
 from shared.tokenizer import load_tokenizer
@@ -89,6 +89,7 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     except TimeoutError:
         log.warning("token channel not subscribed yet; Redis may be down",
                     redis_url=state.config.redis_url)
+    freeze_heap()
     log.info("gateway ready", gateway_id=state.config.gateway_id, model=state.served_model_name)
     yield
     for task in tasks:

@@ -78,6 +78,11 @@ _SCHEDULER_STATS = {
     "requests_forwarded_total": ("pacer:requests_forwarded",
                                  "Prefill side: new requests handed to the prefill instance "
                                  "the router chose", True),
+    "ttft_goal_met_total": ("pacer:ttft_goal_met", "Prefill side: prompts whose first token met "
+                            "the TTFT goal (docs/design.md#the-ttft-goal)", True),
+    "ttft_goal_missed_total": ("pacer:ttft_goal_missed",
+                               "Prefill side: prompts whose first token missed the TTFT goal",
+                               True),
     "num_requests_reserved": ("pacer:num_requests_reserved",
                               "Decode side: prompts with blocks reserved, K/V on the way", False),
     "num_requests_awaiting_reservation": ("pacer:num_requests_awaiting_reservation",

@@ -54,8 +54,8 @@ from gpu_worker.tp.group import bind_device, on_device
 from gpu_worker.tp.service import serve_follower, start_rank0
 from shared.engine_layout import EngineLayout
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
-from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, keep_heartbeat, redis_run_id,
-                              stream_id_text, stream_tail_id)
+from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
+                              redis_run_id, stream_id_text, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, TokenBatch,
@@ -347,9 +347,12 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size,
                                 kv=lambda: built[0].kv_descriptor() if built else None,
                                 role=role)
+        def loaded(runner) -> None:
+            built.append(runner)
+            freeze_heap()
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat,
                                      serve_follower(redis, keys, layout, rank, stop,
-                                                    on_runner=built.append))
+                                                    on_runner=loaded))
     if tp > 1:
         executor = await start_rank0(redis, keys, layout, tp_host)
     else:
@@ -367,6 +370,7 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
                         await stream_tail_id(redis, keys.plans), run_id, runner.rc.device)
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop,
                                 kv=runner.kv_descriptor, role=role)
+        freeze_heap()
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))
     finally:
         if tp > 1:

@@ -120,7 +120,7 @@ class RequestBook:
             return
         try:
             self.core.add_request(rid, msg.prompt_token_ids, msg.sampling, reply_to=msg.reply_to,
-                                  output_token_ids=output_token_ids)
+                                  output_token_ids=output_token_ids, arrival_s=msg.arrival_time)
         except InvalidRequestError as e:
             self.finish_now(entry_id, msg, "error", 0, str(e), "invalid_request_error")
             return

@@ -65,4 +65,4 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("--own-request-stream needs --instance ID and --role colocated")
         keys = keys.owning_requests()
     return run_redis_service(args.redis_url, lambda redis, stop: serve(
-        redis, keys, build_scheduler(layout), config, stop))
+        redis, keys, build_scheduler(layout, args.role), config, stop))

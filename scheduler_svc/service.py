@@ -57,7 +57,8 @@ from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, role_disagreement
 from shared.keys import PLANS_MAXLEN, Keys
-from shared.lifecycle import cancel_tasks, clear_key, keep_heartbeat, stream_tail_id
+from shared.lifecycle import (cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
+                              stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.service_args import check_role
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
@@ -545,6 +546,7 @@ async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
     try:
         if not await service.start(stop):
             return 0 if stop.is_set() else 2
+        freeze_heap()
         log.info("scheduler ready", scheduler_id=config.scheduler_id, tp=config.tp,
                  num_kv_blocks=core.block_manager.num_total_blocks)
         await service.run(stop)

@@ -65,6 +65,7 @@ class SchedulerStats:
             "scheduler_overhead_iterations_total": self.num_overhead_samples,
             "scheduler_round_trip_seconds_total": round(self.round_trip.total_s, 6),
             **cost_model_fields(core.config.iteration_cost),
+            **ttft_goal_fields(core),
             "updated_at": round(time.time(), 3),
         }
 
@@ -77,3 +78,11 @@ def cost_model_fields(cost) -> dict[str, float]:
             "cost_wide_from_rows": cost.wide_from_rows or 0,
             "cost_prediction_error": round(cost.mean_abs_error, 6),
             "cost_observations_total": cost.observations}
+
+
+def ttft_goal_fields(core: Scheduler) -> dict[str, float]:
+    """A prefill instance's TTFT goal attainment: prompts whose first token met / missed it."""
+    goal = core.ttft_goal
+    if goal is None:
+        return {}
+    return {"ttft_goal_met_total": goal.met_total, "ttft_goal_missed_total": goal.missed_total}

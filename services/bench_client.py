@@ -51,6 +51,9 @@ class SendOptions:
     temperature: float = 0.0
     ignore_eos: bool = True
     timeout_s: float = 300.0           # per request, from send to the end of its stream
+    # completions: ask for each token's logprob, so that every chunk names its tokens
+    # (`RequestResult.chunk_tokens`: a chunk may carry several, e.g. the pieces of one character)
+    logprobs: bool = False
 
 
 @dataclass
@@ -64,6 +67,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     sent_at: float = 0.0               # perf_counter() at send, for the run's own clock
     error: str = ""
+    chunk_tokens: list[int] = field(default_factory=list)   # tokens of each text chunk
 
     @property
     def tpot(self) -> float | None:
@@ -85,6 +89,8 @@ def request_body(target: ApiTarget, req: BenchRequest, opts: SendOptions) -> dic
         body["messages"] = [{"role": "user", "content": text}]
     else:
         body["prompt"] = req.prompt
+        if opts.logprobs:
+            body["logprobs"] = 0
     return body
 
 
@@ -122,6 +128,9 @@ class _Stream:
                 r.itl.append(now - self.last_text_at)
             self.last_text_at = now
             self.text_chunks += 1
+            logprobs = (data.get("choices") or [{}])[0].get("logprobs") or {}
+            if logprobs.get("tokens"):
+                r.chunk_tokens.append(len(logprobs["tokens"]))
         usage = data.get("usage")
         if usage:
             r.output_tokens = int(usage.get("completion_tokens", 0))

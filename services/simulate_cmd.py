@@ -39,7 +39,7 @@ import sys
 from dataclasses import fields, replace
 
 from shared.config import AUTO_TBT_FACTOR, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
-from shared.engine_args import parse_tbt_target
+from shared.engine_args import parse_latency_target
 from shared.errors import PacerError
 
 MODES = {"orca": False, "chunked": True}     # mode name -> enable_chunked_prefill
@@ -88,7 +88,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=256)
     s.add_argument("--max-iteration-ms", type=float, default=None,
                    help="latency budget: cut prefill chunks to fit this many ms")
-    s.add_argument("--target-tbt-ms", default="off", type=parse_tbt_target,
+    s.add_argument("--target-tbt-ms", default="off", type=parse_latency_target,
                    help="token-gap target while decodes run, as the served flag: auto "
                         f"({AUTO_TBT_FACTOR:g}x the predicted decodes plus one block), ms, or "
                         "off (default)")

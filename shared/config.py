@@ -22,6 +22,9 @@ DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # predicted time of its decodes plus one block of prefill rows (docs/design.md#the-token-gap-target;
 # docs/benchmarks.md#interference measures it)
 AUTO_TBT_FACTOR = 3.0
+# `--target-ttft-ms auto` (P/D prefill instances): a prompt's first token within this many
+# times its own predicted prefill, plus one full-budget iteration (docs/design.md#the-ttft-goal)
+AUTO_TTFT_FACTOR = 3.0
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
           "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
@@ -71,6 +74,12 @@ class SchedulerConfig:
     # With no decode running, prefill takes the whole token budget.
     target_tbt_ms: float | None = None
     target_tbt_factor: float | None = None
+    # The TTFT goal of a P/D prefill instance (docs/design.md#the-ttft-goal): prompts ordered
+    # by deadline, iterations sized so that each placed prompt still meets its goal, attainment
+    # counted. A goal of `target_ttft_ms`, or `target_ttft_factor` x the prompt's own predicted
+    # prefill (`--target-ttft-ms auto`); both None: first come, first served.
+    target_ttft_ms: float | None = None
+    target_ttft_factor: float | None = None
     iteration_cost: IterationCostModel | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -82,7 +91,10 @@ class SchedulerConfig:
         if ms is not None:
             if not (isinstance(ms, (int, float)) and math.isfinite(ms) and ms > 0):
                 raise PacerError(f"--max-iteration-ms must be a positive number, got {ms!r}")
-        for name in ("max_iteration_ms", "target_tbt_ms", "target_tbt_factor"):
+        if self.target_ttft_ms is not None and self.target_ttft_factor is not None:
+            raise PacerError("a TTFT goal is target_ttft_ms or target_ttft_factor, not both")
+        for name in ("max_iteration_ms", "target_tbt_ms", "target_tbt_factor", "target_ttft_ms",
+                     "target_ttft_factor"):
             if getattr(self, name) is not None and self.iteration_cost is None:
                 raise PacerError(f"{name} needs a cost model (iteration_cost)")
 

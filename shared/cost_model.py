@@ -447,11 +447,11 @@ def estimate_transfer(model: ModelShape, prompt_len: int, fabric: Fabric, hw: Ha
 
 
 def latency_cost_for(max_iteration_ms: float | None, hw: str | None, model_config: Any,
-                     dtype_bytes: float, target_tbt_ms: str = "off"):
-    """The cost model behind `--max-iteration-ms` and `--target-tbt-ms`: the roofline of `--hw`
-    when one is named, else the model fitted online from measured forward times
-    (shared/online_cost.py); None when neither budget is asked for."""
-    if max_iteration_ms is None and target_tbt_ms == "off":
+                     dtype_bytes: float, target_tbt_ms: str = "off", target_ttft_ms: str = "off"):
+    """The cost model behind `--max-iteration-ms`, `--target-tbt-ms` and `--target-ttft-ms`:
+    the roofline of `--hw` when one is named, else the model fitted online from measured
+    forward times (shared/online_cost.py); None when no budget or goal is asked for."""
+    if max_iteration_ms is None and target_tbt_ms == "off" and target_ttft_ms == "off":
         return None
     if hw is None:
         return OnlineIterationCost()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 from shared.attention_choice import BACKENDS, choose_attention_here
 from shared.cpu import auto_dtype
-from shared.config import (AUTO_TBT_FACTOR, DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY,
+from shared.config import (AUTO_TBT_FACTOR, AUTO_TTFT_FACTOR, DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY,
                            DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
 from shared.errors import PacerError
 
@@ -41,6 +41,8 @@ class EngineArgs:
     # "auto", "off" or ms; the in-process engine's default is off (offline: no one waits
     # between tokens), the serving commands' is auto
     target_tbt_ms: str = "off"
+    # "auto", "off" or ms: the TTFT goal of a P/D prefill instance (other roles ignore it)
+    target_ttft_ms: str = "auto"
     hw: str | None = None
     seed: int | None = None
     # ---- P/D: the KV connector a worker moves K/V with (gpu_worker/kv_transfer,
@@ -113,11 +115,17 @@ class EngineArgs:
                        help="context length (default: the model's)")
         p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", help="whole prompts in one iteration (ORCA only)")
-        p.add_argument("--target-tbt-ms", default=target_tbt, type=parse_tbt_target,
+        p.add_argument("--target-tbt-ms", default=target_tbt, type=parse_latency_target,
                        help=f"token-gap target while decodes run: auto (default {target_tbt}: "
                             f"{AUTO_TBT_FACTOR:g}x the predicted decodes plus one block), off, or ms; "
                             "caps the prefill rows that ride along, by the iteration-cost model "
                             "fitted online from measured forward times")
+        p.add_argument("--target-ttft-ms", default="auto", type=parse_latency_target,
+                       help=f"P/D prefill instances: the time-to-first-token goal the prefill "
+                            f"scheduler orders prompts by (earliest deadline first) and sizes "
+                            f"iterations to; auto (default): {AUTO_TTFT_FACTOR:g}x the prompt's "
+                            f"own predicted prefill plus one full-budget iteration; off (first "
+                            f"come, first served) or ms")
         p.add_argument("--no-prefix-caching", dest="enable_prefix_caching",
                        action="store_false",
                        help="never reuse the K/V of a prefix another request computed")
@@ -151,7 +159,7 @@ class EngineArgs:
         return args
 
 
-def parse_tbt_target(text: str) -> str:
+def parse_latency_target(text: str) -> str:
     if text in ("auto", "off"):
         return text
     try:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shared.config import (AUTO_TBT_FACTOR, SchedulerConfig, kv_block_bytes, kv_cache_dtype,
+from shared.config import (AUTO_TBT_FACTOR, AUTO_TTFT_FACTOR, SchedulerConfig, kv_block_bytes, kv_cache_dtype,
                            num_blocks_for_memory)
 from shared.cost_model import latency_cost_for
 from shared import gpu_memory
@@ -59,8 +59,10 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         max_iteration_ms=args.max_iteration_ms,
         target_tbt_ms=None if args.target_tbt_ms in ("auto", "off") else float(args.target_tbt_ms),
         target_tbt_factor=AUTO_TBT_FACTOR if args.target_tbt_ms == "auto" else None,
+        target_ttft_ms=None if args.target_ttft_ms in ("auto", "off") else float(args.target_ttft_ms),
+        target_ttft_factor=AUTO_TTFT_FACTOR if args.target_ttft_ms == "auto" else None,
         iteration_cost=latency_cost_for(args.max_iteration_ms, args.hw, cfg, DTYPE_BYTES[args.dtype],
-                                        args.target_tbt_ms))
+                                        args.target_tbt_ms, args.target_ttft_ms))
     return EngineLayout(args, source, cfg, max_model_len, scheduler_config)
 
 

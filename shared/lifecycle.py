@@ -12,6 +12,7 @@ nothing new); a second one cancels the main coroutine, for an operator who will 
 from __future__ import annotations
 
 import asyncio
+import gc
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -42,6 +43,16 @@ def run_service(main: ServiceMain) -> int:
     except ImportError:   # not on Windows
         return asyncio.run(_with_signals(main))
     return uvloop.run(_with_signals(main))
+
+
+def freeze_heap() -> None:
+    """Once a service has loaded what it keeps (model, tokenizer, modules: ~7 x 10^5 Python
+    objects in a worker), collect once and move everything alive out of the cyclic
+    collector's reach (`gc.freeze`). A full collection then walks only what was made since:
+    over the whole heap it took 0.1-0.9 s here (more under load) in workers, schedulers and
+    the gateway alike, stalling whatever iteration or token it landed on."""
+    gc.collect()
+    gc.freeze()
 
 
 def run_redis_service(redis_url: str, main: RedisServiceMain) -> int:

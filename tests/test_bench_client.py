@@ -15,7 +15,7 @@ from aiohttp import web
 
 from services.bench_client import (ApiTarget, RequestResult, SendOptions, _Stream,
                                    arrival_gaps, compute_metrics, error_summary, meets_slos,
-                                   parse_goodput, run_requests, send_offsets)
+                                   parse_goodput, request_body, run_requests, send_offsets)
 from services.bench_dataset import (SHAREGPT_MAX_TOTAL, SHAREGPT_PROMPT, BenchRequest,
                                     multi_turn_dataset, random_dataset, shared_prefix_dataset,
                                     sharegpt_like_dataset, sharegpt_like_lengths)
@@ -212,6 +212,19 @@ def test_stream_parsing_times_only_text_chunks_and_reads_usage():
     s2.feed(json.dumps({"choices": [{"text": "a"}]}), 0.5)
     s2.feed(json.dumps({"error": {"message": "generation failed: x", "type": "server_error"}}), 0.6)
     assert r2.ttft == 0.5 and r2.error == "generation failed: x"
+
+
+def test_stream_with_logprobs_counts_the_tokens_of_each_text_chunk():
+    """A character split over two tokens comes in one chunk once whole: it names both."""
+    r = RequestResult(sent_at=0.0)
+    s = _Stream(r, chat=False)
+    s.feed(json.dumps({"choices": [{"text": "a", "logprobs": {"tokens": ["a"]}}]}), 0.5)
+    s.feed(json.dumps({"choices": [{"text": "é", "logprobs": {"tokens": ["\\xc3", "\\xa9"]}}]}),
+           0.7)
+    assert r.chunk_tokens == [1, 2] and r.itl == [pytest.approx(0.2)]
+    body = request_body(ApiTarget("http://x"), BenchRequest([1, 2], 2, 4),
+                        SendOptions(logprobs=True))
+    assert body["logprobs"] == 0
 
 
 # ---- against the real served system (`pacer up`) -----------------------------------------

@@ -184,6 +184,41 @@ class Driver:
             self.outputs.setdefault(out.request_id, []).append(out)
         sched.block_manager.check_integrity()
 
+    def run_to_end(self, tick=lambda: None) -> None:
+        """Step until every arrival came and every request ended (`tick()` after each step),
+        within a bound that only a scheduler that stopped making progress exceeds; then every
+        block must be free."""
+        sched, arrivals = self.sched, self.arrivals
+        last_arrival = max(a.step for a in arrivals)
+        # with overlap a plan that stalled for blocks costs one more step before the next
+        bound = (last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)) \
+            * (1 + len(self.kv_losses)) * (2 if self.overlap else 1)
+        step = 0
+        while step <= last_arrival or sched.has_unfinished() or self.in_flight:
+            assert step <= bound, "the scheduler stopped making progress"
+            self.step(step)
+            tick()
+            step += 1
+        assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+
+    def check_outputs(self) -> int:
+        """Every accepted request ended once, with the tokens it should have (a prefix of them
+        if aborted); returns how many got at least one token."""
+        aborted = {ab.index for ab in self.aborts}
+        with_tokens = 0
+        for i in self.accepted:
+            outs = self.outputs[f"r{i}"]
+            got = [t.token_id for o in outs for t in o.new_tokens]
+            with_tokens += bool(got)
+            want, reason = expected_tokens(self.sched, self.arrivals[i])
+            assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
+            assert outs[-1].num_output_tokens == len(got)
+            if outs[-1].finish_reason == "abort":
+                assert i in aborted and got == want[:len(got)]
+            else:
+                assert (got, outs[-1].finish_reason) == (want, reason)
+        return with_tokens
+
     def send(self, plan: IterationPlan) -> None:
         check_plan(self.sched, plan)
         if not self.sched.config.enable_chunked_prefill:
@@ -198,16 +233,7 @@ def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts, 
                                                       overlap):
     sched = make_scheduler(**config)
     driver = Driver(sched, arrivals, aborts, kv_losses, overlap)
-    last_arrival = max(a.step for a in arrivals)
-    # with overlap a plan that stalled for blocks costs one more step before the next
-    bound = (last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)) \
-        * (1 + len(kv_losses)) * (2 if overlap else 1)
-    step = 0
-    while step <= last_arrival or sched.has_unfinished() or driver.in_flight:
-        assert step <= bound, "the scheduler stopped making progress"
-        driver.step(step)
-        step += 1
-    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+    driver.run_to_end()
     # `pytest --hypothesis-show-statistics` shows how often the hard paths were exercised
     event(f"preemptions: {min(sched.num_preemptions_total, 3)}")
     event(f"accepted requests: {min(len(driver.accepted), 4)}")
@@ -217,14 +243,4 @@ def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts, 
     bm = sched.block_manager
     event(f"prefix cache hit tokens: {'0' if not bm.prefix_cache_hits else '>0'}")
     assert bm.prefix_cache_hits <= bm.prefix_cache_queries
-    aborted = {ab.index for ab in aborts}
-    for i in driver.accepted:
-        outs = driver.outputs[f"r{i}"]
-        got = [t.token_id for o in outs for t in o.new_tokens]
-        want, reason = expected_tokens(sched, arrivals[i])
-        assert [o.finished for o in outs].count(True) == 1 and outs[-1].finished
-        assert outs[-1].num_output_tokens == len(got)
-        if outs[-1].finish_reason == "abort":
-            assert i in aborted and got == want[:len(got)]
-        else:
-            assert (got, outs[-1].finish_reason) == (want, reason)
+    driver.check_outputs()

@@ -134,6 +134,9 @@ def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, 
         assert p_stats["kv_transfer_bytes_total"] > 0
         assert p_stats["kv_transfer_failures_total"] == 0
         assert p_stats["handoffs_with_kv_total"] == len(LONG)      # SHORT went without
+        # every prompt p0 prefilled counted against its TTFT goal (auto by default)
+        assert p_stats["ttft_goal_met_total"] + p_stats["ttft_goal_missed_total"] == len(LONG)
+        assert "ttft_goal_met_total" not in stats(served, D0)      # the prefill side's goal
         assert stats(served, D0)["handoffs_recomputed_total"] == 0
         # the prefill side's blocks are free once every request was handed over
         wait_for(lambda: labelled(served, "pacer:kv_cache_usage_perc", "p0") == 0.0, 30,
@@ -188,6 +191,22 @@ def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
         assert got == [want[tuple(q)][:NEW_TOKENS] for q in prompts]
     finally:
         r.close()
+        assert served.stop() == 0, served.log_tail()
+
+
+def test_pd_ttft_goal_flag_is_taken_and_attainment_counted(tiny, expected, tmp_path):
+    """`--target-ttft-ms` reaches the prefill scheduler: with a goal no prompt can meet, each
+    one p0 prefills is counted as a miss, in its stats hash and in /metrics; output exact."""
+    served, model = start_pd(tiny, tmp_path, "--target-ttft-ms", "0.001")
+    try:
+        got = all_concurrently(served, model, LONG[:2])
+        assert got == first(expected, LONG[:2])
+        wait_for(lambda: stats(served, P0).get("ttft_goal_missed_total") == 2, 30,
+                 "misses counted")
+        assert stats(served, P0)["ttft_goal_met_total"] == 0
+        assert labelled(served, "pacer:ttft_goal_missed_total", "p0") == 2
+        assert labelled(served, "pacer:ttft_goal_met_total", "p0") == 0
+    finally:
         assert served.stop() == 0, served.log_tail()
 
 

@@ -7,6 +7,7 @@ tests run in microseconds from plain ints.
 - `request.py`       one request's state (vLLM v1's single representation) and its stop rule
 - `block_manager.py` paged KV block accounting: free queue, ref counts, block tables
 - `policy.py`        FCFS ordering and the preemption victim, kept apart from the loop
+- `ttft_goal.py`     a P/D prefill instance's TTFT goal: deadline order, iteration size, attainment
 - `scheduler.py`     the iteration loop: continue running, preempt, admit, build the plan
 """
 from scheduler_svc.core.block_manager import BlockManager

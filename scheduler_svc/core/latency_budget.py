@@ -6,6 +6,9 @@ is cut to what still fits. So that a waiting prompt cannot starve behind decodes
 fill the budget, the first prefill of an iteration may always take `min_rows` (one KV block):
 the iteration then runs over budget by one block's worth of rows, and the queue moves.
 
+A TTFT goal (`ttft_goal.py`) may lower the budget as prefills are placed (`tighten`); with
+no other budget it starts unbounded (`budget_ms` None).
+
 The cost model is passed in (`shared.config.IterationCostModel`), so the core reads no
 hardware profile and imports nothing beyond the stdlib.
 """
@@ -18,7 +21,7 @@ from shared.cost_model import ChunkShape
 class IterationLatency:
     """One `schedule()` call's view of the budget: the chunks placed so far."""
 
-    def __init__(self, cost: IterationCostModel, budget_ms: float, min_rows: int,
+    def __init__(self, cost: IterationCostModel, budget_ms: float | None, min_rows: int,
                  decode_chunks: list[ChunkShape]) -> None:
         self._cost = cost
         self._budget_ms = budget_ms
@@ -29,7 +32,7 @@ class IterationLatency:
     def prefill_rows(self, wanted: int, prefix_len: int) -> int:
         """How many of `wanted` prefill rows over a cached `prefix_len` fit; may be 0."""
         floor = 0 if self._has_prefill else min(wanted, self._min_rows)
-        if wanted <= floor:
+        if wanted <= floor or self._budget_ms is None:
             return wanted
         fits = self._cost.max_prefill_rows(self._budget_ms, self._chunks, prefix_len)
         return min(wanted, max(fits, floor))
@@ -38,6 +41,12 @@ class IterationLatency:
         """ORCA mode never cuts a prompt: it goes whole if it fits, or if it is the first
         prefill of the iteration (else a long prompt would wait for ever)."""
         return not self._has_prefill or self.prefill_rows(rows, prefix_len) == rows
+
+    def tighten(self, limit_ms: float | None) -> None:
+        """The iteration may take at most `limit_ms` (None: no new bound)."""
+        if limit_ms is not None:
+            self._budget_ms = limit_ms if self._budget_ms is None else min(self._budget_ms,
+                                                                           limit_ms)
 
     def add_prefill(self, rows: int, prefix_len: int) -> None:
         self._chunks.append((rows, prefix_len + rows))

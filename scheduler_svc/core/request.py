@@ -58,6 +58,8 @@ class Request:
     # P/D decode side: set when the K/V of the prompt arrived from a prefill instance, until
     # the workers have been told of the request (docs/design.md#pd-disaggregation)
     kv_received: list[str] | None = None
+    # when the request arrived, in seconds of the scheduler's clock (the TTFT goal's start)
+    arrival_s: float = 0.0
 
     @property
     def num_prompt_tokens(self) -> int:

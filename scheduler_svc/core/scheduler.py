@@ -13,6 +13,10 @@ Every iteration is decided afresh, in this order:
    (docs/design.md#prefix-caching); blocks are registered in the cache by `update()`, once
    the iteration that filled them is done.
 
+A P/D prefill instance may have a TTFT goal (`ttft_goal.py`): then the requests still
+prefilling are ordered by their deadlines before each iteration (running ones too), and every
+chunk placed bounds how long the iteration may grow.
+
 With `max_iteration_ms` set, a latency budget also sizes every prefill chunk (continued or
 new): the decodes are reserved first and the chunk is cut to what the cost model says still
 fits (`latency_budget.py`). ORCA-only mode then limits how many whole prompts join one
@@ -29,7 +33,9 @@ finish_reason="abort")`; `has_unfinished()` stays true until they have been repo
 """
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -37,6 +43,7 @@ from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.latency_budget import IterationLatency
 from scheduler_svc.core.policy import FcfsPolicy
 from scheduler_svc.core.request import Request, RequestStatus, stop_status
+from scheduler_svc.core.ttft_goal import TtftGoal
 from shared.config import SchedulerConfig
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
@@ -57,6 +64,7 @@ class _Iteration:
     num_tokens: int = 0
     ahead: int | None = None    # planned while this step runs: it never preempts
     stalled: bool = False       # ...and stops where it would have had to
+    now: float = 0.0            # the clock when it was decided (read only with a TTFT goal)
 
     @property
     def budget_left(self) -> int:
@@ -101,9 +109,11 @@ class _Flight:
 class Scheduler:
     def __init__(self, config: SchedulerConfig,
                  eos_token_ids: tuple[int, ...] | int | None = None,
-                 max_model_len: int | None = None, policy: FcfsPolicy | None = None) -> None:
+                 max_model_len: int | None = None, policy: FcfsPolicy | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         """`max_model_len` is the effective context length (the caller takes the smaller of
-        the model's and the config's); None means `config.max_model_len`."""
+        the model's and the config's); None means `config.max_model_len`. `clock`: seconds,
+        read only by a TTFT goal (the gateway stamps arrivals with time.time())."""
         self.config = config
         self.max_model_len = config.max_model_len if max_model_len is None else max_model_len
         self.eos_token_ids = token_id_set(eos_token_ids)
@@ -125,20 +135,28 @@ class Scheduler:
         # plans awaiting update(), oldest first: one, or two once `schedule_ahead()` ran
         self._flights: deque[_Flight] = deque()
         self._sync_next = False       # a plan made ahead stalled: the next one waits
+        self.clock = clock
+        self.ttft_goal = None if config.target_ttft_ms is None and \
+            config.target_ttft_factor is None else TtftGoal(
+                config.iteration_cost, config.max_num_batched_tokens, config.target_ttft_ms,
+                config.target_ttft_factor)
 
     # ---- requests in and out -------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling: SamplingParams, reply_to: str = "",
-                    output_token_ids: list[int] | None = None) -> None:
+                    output_token_ids: list[int] | None = None,
+                    arrival_s: float | None = None) -> None:
         """Queue a request; InvalidRequestError if it could never be served as given.
 
         `output_token_ids`: tokens it already generated elsewhere (a request taken over from
         a scheduler that died); it is recomputed from prompt + those, like a preempted one.
+        `arrival_s`: when it arrived by `clock` (default: now).
         """
         self._validate(request_id, prompt_token_ids, sampling)
         request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
-                          output_token_ids=list(output_token_ids or ()), reply_to=reply_to)
+                          output_token_ids=list(output_token_ids or ()), reply_to=reply_to,
+                          arrival_s=self.clock() if arrival_s is None else arrival_s)
         self._num_arrivals += 1
         self._requests[request_id] = request
         self.policy.enqueue(self._waiting, request)
@@ -295,10 +313,40 @@ class Scheduler:
                 finishing: frozenset[Request] = frozenset()) -> _Iteration:
         iteration = _Iteration(self.config.max_num_batched_tokens, self._latency_budget(),
                                ahead=ahead)
+        if self.ttft_goal is not None:
+            self._decide_by_deadline(iteration, finishing)
+            return iteration
         self._continue_running(iteration, finishing)
         if not iteration.preempted_ids and not iteration.stalled:
             self._admit_waiting(iteration)
         return iteration
+
+    def _decide_by_deadline(self, iteration: _Iteration, finishing: frozenset[Request]) -> None:
+        """With a TTFT goal (`ttft_goal.py`): running prefills and waiting prompts in one
+        order of urgency, each placed while the budgets allow. Both lists are kept sorted by
+        it, so the last running is the least urgent (preemption takes it first) and the head of
+        the queue the most urgent waiting one (nobody overtakes it)."""
+        iteration.now = now = self.clock()
+        key = self.ttft_goal.priority
+        keys = {r: key(r, now) for r in (*self._running, *self._waiting)}
+        self._running.sort(key=keys.__getitem__)
+        self._waiting = deque(sorted(self._waiting, key=keys.__getitem__))
+        waiting = set(self._waiting)
+        admitting, placed = True, 0     # running[:placed]: decided this iteration
+        for request in sorted(keys, key=keys.__getitem__):      # stable: running first on ties
+            if iteration.budget_left == 0:
+                return
+            if request in waiting:
+                admitting = admitting and not iteration.preempted_ids and \
+                    not iteration.stalled and self._admit_head(iteration)
+                if admitting:   # it goes among the more urgent ones, ahead of the rest
+                    self._running.insert(placed, self._running.pop())
+                    placed += 1
+            elif request.status is RequestStatus.RUNNING:   # not preempted meanwhile
+                if request not in finishing and \
+                        not self._continue_one(request, placed, iteration):
+                    return
+                placed += 1
 
     def _assume_done(self, flight: _Flight) -> tuple[list[tuple[Request, int, bool]],
                                                       frozenset[Request]]:
@@ -349,6 +397,8 @@ class Scheduler:
         block_size = self.block_manager.block_size
         caching, sampled, max_model_len = self._caching, result.sampled, self.max_model_len
         eos_token_ids, add_output = self.eos_token_ids, outputs.append
+        goal = self.ttft_goal
+        now = self.clock() if goal is not None else 0.0
         for request, rows in live:
             computed = request.num_computed_tokens = request.num_computed_tokens + rows
             # a block just filled (K/V of all its tokens now computed) joins the prefix cache
@@ -365,6 +415,8 @@ class Scheduler:
             output_ids.append(token_id)
             sampling = request.sampling
             num_output = len(output_ids)
+            if goal is not None and num_output == 1:
+                goal.first_token(request, now)
             if num_output < sampling.max_tokens and num_prompt + num_output < max_model_len \
                     and token_id not in sampling.stop_token_ids \
                     and (sampling.ignore_eos or token_id not in eos_token_ids):
@@ -398,10 +450,11 @@ class Scheduler:
         # Every decode is reserved up front, so a prefill earlier in the running list cannot
         # take the time of a decode later in it.
         decodes = [(1, r.num_tokens) for r in self._running if self._rows_wanted(r) == 1]
+        budget_ms = None
         if config.max_iteration_ms is not None:
             budget_ms = config.max_iteration_ms
         elif not decodes:
-            return None
+            pass
         elif config.target_tbt_ms is not None:
             budget_ms = config.target_tbt_ms
         elif config.target_tbt_factor is not None:
@@ -410,8 +463,8 @@ class Scheduler:
             # path, int4 weights widened, that is well above the decodes alone)
             block = config.block_size
             budget_ms = config.target_tbt_factor * cost.iteration_ms(decodes + [(block, block)])
-        else:
-            return None
+        if budget_ms is None and self.ttft_goal is None:
+            return None         # a TTFT goal bounds the iteration as its prefills are placed
         return IterationLatency(cost, budget_ms, config.block_size, decodes)
 
     def _continue_running(self, iteration: _Iteration,
@@ -452,20 +505,26 @@ class Scheduler:
                 index += 1      # the token in flight ends it: nothing to plan
                 continue
             iteration.num_tokens = num_tokens_so_far
-            rows = self._chunk_rows(request, iteration)
-            if rows == 0:
-                index += 1      # its prefill waits for an iteration with time to spare
-                continue
-            new_block_ids = self._allocate_or_preempt(request, rows, index, iteration)
-            if new_block_ids is None:
+            if not self._continue_one(request, index, iteration):
                 return          # it preempted itself (the last one running), or stalled
-            if request.kv_received is not None:
-                iteration.add_new(request, rows)    # handed over: new to the workers
-            else:
-                iteration.add_cached(request, rows, new_block_ids)
             num_tokens_so_far = iteration.num_tokens
             index += 1
         iteration.num_tokens = num_tokens_so_far
+
+    def _continue_one(self, request: Request, index: int, iteration: _Iteration) -> bool:
+        """Rows for running[index] (`request`), if the budgets leave any; False when it
+        preempted itself (the last one running) or stalled: the iteration stops there."""
+        rows = self._chunk_rows(request, iteration)
+        if rows == 0:
+            return True         # its prefill waits for an iteration with time to spare
+        new_block_ids = self._allocate_or_preempt(request, rows, index, iteration)
+        if new_block_ids is None:
+            return False
+        if request.kv_received is not None:
+            iteration.add_new(request, rows)    # handed over: new to the workers
+        else:
+            iteration.add_cached(request, rows, new_block_ids)
+        return True
 
     def _chunk_rows(self, request: Request, iteration: _Iteration) -> int:
         """Rows of a running request this iteration: a decode's one, or a prefill chunk cut
@@ -477,8 +536,16 @@ class Scheduler:
         if iteration.latency is not None:   # decodes were reserved already
             rows = iteration.latency.prefill_rows(rows, request.num_computed_tokens)
             if rows:
-                iteration.latency.add_prefill(rows, request.num_computed_tokens)
+                self._place_prefill(iteration, request, rows)
         return rows
+
+    def _place_prefill(self, iteration: _Iteration, request: Request, rows: int) -> None:
+        """A prefill chunk joins the iteration's latency budget; with a TTFT goal, it also
+        bounds how long the iteration may grow."""
+        latency = iteration.latency
+        latency.add_prefill(rows, request.num_computed_tokens)
+        if self.ttft_goal is not None:
+            latency.tighten(self.ttft_goal.iteration_limit_ms(request, rows, iteration.now))
 
     def _allocate_or_preempt(self, request: Request, rows: int, index: int,
                              iteration: _Iteration) -> list[int] | None:
@@ -508,20 +575,28 @@ class Scheduler:
         self._left_running()
 
     def _admit_waiting(self, iteration: _Iteration) -> None:
-        while self._waiting and len(self._running) < self.config.max_num_seqs:
-            request = self._waiting[0]
-            cached_prefix = self.block_manager.find_cached_prefix(request)
-            num_cached_tokens = len(cached_prefix) * self.block_manager.block_size
-            request.num_computed_tokens = num_cached_tokens
-            rows = self._admission_rows(request, iteration)
-            if rows == 0 or self.block_manager.allocate(request, rows, cached_prefix) is None:
-                request.num_computed_tokens = 0
-                return          # FCFS: nobody overtakes the head of the queue
-            self.block_manager.count_admission(request, num_cached_tokens)
-            self._waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self._running.append(request)
-            iteration.add_new(request, rows)
+        while self._admit_head(iteration):
+            pass                # FCFS: nobody overtakes the head of the queue
+
+    def _admit_head(self, iteration: _Iteration) -> bool:
+        """Admit the head of the waiting queue if the budgets, the sequence cap and the pool
+        allow; False if not (or nobody waits)."""
+        if not self._waiting or len(self._running) >= self.config.max_num_seqs:
+            return False
+        request = self._waiting[0]
+        cached_prefix = self.block_manager.find_cached_prefix(request)
+        num_cached_tokens = len(cached_prefix) * self.block_manager.block_size
+        request.num_computed_tokens = num_cached_tokens
+        rows = self._admission_rows(request, iteration)
+        if rows == 0 or self.block_manager.allocate(request, rows, cached_prefix) is None:
+            request.num_computed_tokens = 0
+            return False
+        self.block_manager.count_admission(request, num_cached_tokens)
+        self._waiting.popleft()
+        request.status = RequestStatus.RUNNING
+        self._running.append(request)
+        iteration.add_new(request, rows)
+        return True
 
     def _admission_rows(self, request: Request, iteration: _Iteration) -> int:
         rows = self._admission_rows_by_tokens(request, iteration)
@@ -534,7 +609,7 @@ class Scheduler:
         elif not latency.whole_prefill_fits(rows, prefix):
             rows = 0
         if rows:
-            latency.add_prefill(rows, prefix)
+            self._place_prefill(iteration, request, rows)
         return rows
 
     def _admission_rows_by_tokens(self, request: Request, iteration: _Iteration) -> int:
