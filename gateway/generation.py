@@ -119,6 +119,11 @@ class Generation:
             self._stop_waiting()
             self._consume(events)
             self._done_upstream = finish is not None
+            if self._text.stopped or finish is not None:
+                # no longer load on its instance before the client can see the end: a client
+                # that sends its next request at once is routed without it (ended() is
+                # idempotent; __aexit__ calls it again for every other way out)
+                self._upstream.ended(self.request_id)
             if self._text.stopped:
                 self.finish_reason = "stop"
                 yield Delta(self._text.take(final=True), self._take_logprobs(), "stop")
