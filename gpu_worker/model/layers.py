@@ -194,20 +194,12 @@ def _mm_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     float32 accumulator instead of rounding it to 16 bits): logits keep the precision that
     decides close top-1 calls. A torch without the dtype overload of mm rounds, as F.linear
     does."""
-    global _MM_OUT_DTYPE
-    if _MM_OUT_DTYPE is not False:
-        try:
-            y = torch.mm(x, weight.t(), out_dtype=torch.float32)
-            _MM_OUT_DTYPE = True
-            return y
-        except (RuntimeError, TypeError):
-            if _MM_OUT_DTYPE:           # it worked before: this is another error
-                raise
-            _MM_OUT_DTYPE = False        # decided once, before any graph is captured
+    if _MM_HAS_OUT_DTYPE:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
     return F.linear(x, weight).float()
 
 
-_MM_OUT_DTYPE: bool | None = None
+_MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
 class RMSNorm(nn.Module):
