@@ -132,10 +132,37 @@ def test_many_rows_widen_the_weights_to_exactly_their_values(shape, monkeypatch)
     for packed in (w4, w8):
         wide_y = packed.mm(x)
         monkeypatch.setattr(type(packed), "many_rows", 10 ** 9)
+        monkeypatch.setattr(Int4Weight, "amx_rows", 10 ** 9)
         narrow_y = packed.mm(x)
         assert wide_y.shape == narrow_y.shape == (x.shape[0], n)
         ref = narrow_y.float()
         torch.testing.assert_close(wide_y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES[:4] + [(40, 64), (320, 192)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("group", [32, 64])
+def test_amx_int4_gemm_multiplies_the_widened_weights(shape, group):
+    """On AMX (csrc/dequant.cpp int4pack_mm_amx) W is widened in cache to the bfloat16 values
+    dequantize_int4pack writes and multiplied with float32 sums: equal to the widened GEMM
+    up to the order of the sums, so within one bfloat16 rounding; rows in whole tiles of 16
+    and not (the last tile padded)."""
+    from gpu_worker.quant.linear import _amx_kernels
+    kernels = _amx_kernels()
+    if kernels is None:
+        pytest.skip("no AMX here (CPU flags amx_tile/amx_bf16, an AVX-512 kernel build)")
+    n, k = shape
+    w4 = Int4Weight(quantize_int4(torch.from_numpy(_random(n, k, seed=group)), group))
+    n_pad = w4.scales_zeros.shape[1]
+    w_t = torch.empty(k, n_pad, dtype=ACT_DTYPE)
+    kernels.dequantize_int4pack(w4.packed, w4.scales_zeros, group, w_t)
+    for rows in (Int4Weight.amx_rows, 16, 33):
+        x = torch.randn(rows, k, dtype=ACT_DTYPE)
+        y = torch.empty(rows, n_pad, dtype=ACT_DTYPE)
+        kernels.int4pack_mm_amx(x, w4.packed, w4.scales_zeros, group, y)
+        ref = x.float() @ w_t.float()
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+        assert torch.equal(w4.mm(x), y[:, :n])
 
 
 def test_quantization_error_is_what_the_scheme_allows():
@@ -244,7 +271,7 @@ def test_a_quantized_model_holds_no_float_matrices(tmp_path, tiny_hf):
     assert model.embed_tokens.qweight.scheme == "int8"
 
 
-@pytest.mark.parametrize("qtype,wide_from", [(Q.Q4_1, Int4Weight.many_rows), (None, None)])
+@pytest.mark.parametrize("qtype,wide_from", [(Q.Q4_1, Int4Weight.wide_from()), (None, None)])
 def test_the_worker_tells_the_cost_model_where_its_gemms_widen(tmp_path, tiny_hf, qtype, wide_from):
     """The widening threshold reaches the online cost model with the step results
     (shared/online_cost.py); a float model has none."""

@@ -209,6 +209,24 @@ void dequantize_int4pack(const torch::Tensor& packed, const torch::Tensor& scale
                              mut_ptr<bf16>(out));
 }
 
+void int4pack_mm_amx(const torch::Tensor& x, const torch::Tensor& packed,
+                     const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
+  TORCH_CHECK(pacer::amx_ready(), "int4pack_mm_amx: no AMX here (see amx_ready)");
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && packed.dtype() == torch::kUInt8 &&
+                  scales_zeros.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
+              "int4pack_mm_amx: bfloat16 x, uint8 packed, bfloat16 scales_and_zeros and out");
+  TORCH_CHECK(all_contiguous({&x, &packed, &scales_zeros, &out}) && x.dim() == 2 &&
+                  out.dim() == 2 && scales_zeros.dim() == 3 && scales_zeros.size(2) == 2,
+              "int4pack_mm_amx: contiguous x [M, K], scales_and_zeros [K / g, N, 2], out [M, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == M && N % 64 == 0 && K % 32 == 0 && group > 0 && K % group == 0 &&
+                  packed.numel() * 2 == N * K && scales_zeros.size(0) == K / group &&
+                  scales_zeros.size(1) == N,
+              "int4pack_mm_amx: N a multiple of 64, K of 32 and of the group; sizes that agree");
+  pacer::int4pack_mm_amx(ptr<bf16>(x), M, packed.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N,
+                         K, group, mut_ptr<bf16>(out));
+}
+
 void dequantize_int8(const torch::Tensor& codes, const torch::Tensor& scale, torch::Tensor& out) {
   TORCH_CHECK(codes.dtype() == torch::kInt8 && scale.dtype() == torch::kBFloat16 &&
                   out.dtype() == torch::kBFloat16,
@@ -241,6 +259,10 @@ void pacer_bind(pybind11::module_& m) {
   m.def("add_rms_norm", &add_rms_norm, "x += delta; out = RMSNorm(x) in out's dtype (CPU)");
   m.def("dequantize_int4pack", &dequantize_int4pack,
         "torch's CPU int4 layout widened to bfloat16, transposed: out [K, N]");
+  m.def("amx_ready", &pacer::amx_ready,
+        "whether int4pack_mm_amx runs here (an AVX-512 build, a CPU and OS with AMX-BF16)");
+  m.def("int4pack_mm_amx", &int4pack_mm_amx,
+        "x (bf16) times torch's CPU int4 layout, widened in cache and multiplied on AMX tiles");
   m.def("dequantize_int8", &dequantize_int8, "int8 per-channel codes widened to bfloat16");
   m.def("decode_attention_block", &decode_attention_block,
         "RoPE + K/V store + decode attention from a bfloat16 fused qkv, one row per request");

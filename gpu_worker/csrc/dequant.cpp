@@ -9,7 +9,20 @@
 //       bfloat16; w = (q - 8) · scale + zero, written transposed: out [K, N] (contiguous rows
 //       of N, as the layout runs)
 //   dequantize_int8: codes [N, K] int8, scales [N] bfloat16; out [N, K]
+//
+// Where the CPU has AMX, int4pack_mm_amx does better than widen-then-GEMM: it widens 64
+// output columns at a time into a buffer that stays in cache, laid out as AMX's bf16 tiles
+// want (pairs of K interleaved), and multiplies it there with the tile unit at once, so the
+// widened weight never reaches memory and no GEMM library reorders it again. The weights it
+// multiplies are the very bf16 values dequantize_int4pack writes.
 // (bindings.cpp checks the tensors; this file sees raw pointers.)
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include "kernels.h"
 
 namespace pacer {
@@ -26,14 +39,65 @@ inline __m256i round_bf16(__m512 v) {
 
 // 16 rows' (q - 8) · scale + zero: the (scale, zero) bfloat16 pairs read as one 32-bit word
 // each, scale in its low half, zero in its high half
+inline __m512 widen16f(__m128i codes, __m512 s, __m512 z) {
+  const __m512 q = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)),
+                                 _mm512_set1_ps(8.f));
+  return _mm512_fmadd_ps(q, s, z);
+}
 inline __m256i widen16(__m128i codes, const bf16* pairs) {
   const __m512i sz = _mm512_loadu_si512(pairs);
   const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
   const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(0xFFFF0000)));
-  const __m512 q = _mm512_sub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(codes)),
-                                 _mm512_set1_ps(8.f));
-  return round_bf16(_mm512_fmadd_ps(q, s, z));
+  return round_bf16(widen16f(codes, s, z));
 }
+
+// Columns [64b, 64b + 64) of W (all K rows) widened to bfloat16 in AMX's B-tile order:
+// w[p][n][2] = (W[2p][n], W[2p + 1][n]) for p < K / 2, n < 64 (a tile row is 16 such pairs).
+// (AMX CPUs all have AVX512-BF16, whose one instruction rounds 32 floats to bfloat16 as
+// round_bf16 does, finite weights flushed below 2^-126: none in a checkpoint's scales' range)
+__attribute__((target("avx512bf16"))) void widen_block_vnni(const uint8_t* packed,
+                                                            const bf16* sz, int64_t N, int64_t K,
+                                                            int64_t group, int64_t b, bf16* w) {
+  // interleave two 16-lane rows (k in the low half, k + 1 in the high): lane i of the result
+  // takes element i / 2 of the low half when i is even, of the high half when odd
+  alignas(64) static const uint16_t kZip[32] = {0, 16, 1, 17, 2,  18, 3,  19, 4,  20, 5,
+                                                21, 6, 22, 7, 23, 8,  24, 9,  25, 10, 26,
+                                                11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i zip = _mm512_load_si512(kZip);
+  for (int64_t k = 0; k < K; k += 2) {
+    const bf16* sk = sz + ((k / group) * N + b * 64) * 2;   // k + 1 in k's group (even sizes)
+    __m256i lo[2], hi[2];
+    for (int r = 0; r < 2; ++r) {
+      const __m256i bytes = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(packed + (b * K + k + r) * 32));
+      lo[r] = _mm256_and_si256(bytes, _mm256_set1_epi8(0x0F));
+      hi[r] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), _mm256_set1_epi8(0x0F));
+    }
+    const __m128i codes[2][4] = {
+        {_mm256_castsi256_si128(lo[0]), _mm256_extracti128_si256(lo[0], 1),
+         _mm256_castsi256_si128(hi[0]), _mm256_extracti128_si256(hi[0], 1)},
+        {_mm256_castsi256_si128(lo[1]), _mm256_extracti128_si256(lo[1], 1),
+         _mm256_castsi256_si128(hi[1]), _mm256_extracti128_si256(hi[1], 1)}};
+    bf16* row = w + (k / 2) * 128;
+    for (int q = 0; q < 4; ++q) {
+      const __m512i pairs = _mm512_loadu_si512(sk + q * 32);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 z =
+          _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+      const __m512bh both = _mm512_cvtne2ps_pbh(widen16f(codes[1][q], s, z),
+                                                widen16f(codes[0][q], s, z));
+      _mm512_storeu_si512(row + q * 32, _mm512_permutexvar_epi16(zip, (__m512i)both));
+    }
+  }
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
 #endif
 
 }  // namespace
@@ -87,5 +151,79 @@ void dequantize_int8(const int8_t* codes, const bf16* scale, int64_t N, int64_t 
     for (; k < K; ++k) o[k] = to_bf16(static_cast<float>(c[k]) * s);
   }
 }
+
+#if defined(__AVX512F__)
+bool amx_ready() {
+  // Linux hands a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM
+  // for XFEATURE_XTILEDATA); the request fails where the CPU or the kernel has no AMX.
+  static const bool ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ready;
+}
+
+// x [M, K] bf16 times W (torch's int4 layout, see above) into out [M, N] bf16: per thread,
+// 64 columns of W widened into a cached buffer, then 16 rows of x at a time against it on
+// the tile unit (tiles 0-3: the 16 x 64 float accumulators; 4: x; 5, 6: W).
+__attribute__((target("amx-tile,amx-bf16"))) void int4pack_mm_amx(
+    const bf16* x, int64_t M, const uint8_t* packed, const bf16* sz, int64_t N, int64_t K,
+    int64_t group, bf16* out) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  std::vector<bf16> xpad;
+  const bf16* xa = x;
+  if (Mp != M) {     // whole tiles of rows: the last one padded with zeros
+    xpad.assign(Mp * K, bf16{0});
+    std::memcpy(xpad.data(), x, M * K * sizeof(bf16));
+    xa = xpad.data();
+  }
+#pragma omp parallel
+  {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    std::vector<bf16> w(K * 64);
+    alignas(64) float acc[16 * 64];
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < N / 64; ++b) {
+      widen_block_vnni(packed, sz, N, K, group, b, w.data());
+      for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+          const bf16* wk = w.data() + (k0 / 2) * 128;
+          _tile_loadd(4, xa + m0 * K + k0, K * sizeof(bf16));
+          _tile_loadd(5, wk, 256);
+          _tile_dpbf16ps(0, 4, 5);
+          _tile_loadd(6, wk + 32, 256);
+          _tile_dpbf16ps(1, 4, 6);
+          _tile_loadd(5, wk + 64, 256);
+          _tile_dpbf16ps(2, 4, 5);
+          _tile_loadd(6, wk + 96, 256);
+          _tile_dpbf16ps(3, 4, 6);
+        }
+        _tile_stored(0, acc, 256);
+        _tile_stored(1, acc + 16, 256);
+        _tile_stored(2, acc + 32, 256);
+        _tile_stored(3, acc + 48, 256);
+        for (int64_t r = 0; r < 16 && m0 + r < M; ++r) {
+          bf16* o = out + (m0 + r) * N + b * 64;
+          for (int j = 0; j < 4; ++j)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + 16 * j),
+                                round_bf16(_mm512_load_ps(acc + r * 64 + 16 * j)));
+        }
+      }
+    }
+    _tile_release();
+  }
+}
+#else
+bool amx_ready() { return false; }
+void int4pack_mm_amx(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t, int64_t,
+                     bf16*) {}
+#endif
 
 }  // namespace pacer

@@ -55,4 +55,10 @@ void dequantize_int4pack(const uint8_t* packed, const bf16* scales_zeros, int64_
                          int64_t group, bf16* out);
 void dequantize_int8(const int8_t* codes, const bf16* scale, int64_t N, int64_t K, bf16* out);
 
+// Whether this build and CPU run int4pack_mm_amx (AVX-512 builds on a CPU with AMX-BF16, the OS
+// permitting); out [M, N] = x [M, K] (bf16) times W in torch's int4 layout, widened in cache.
+bool amx_ready();
+void int4pack_mm_amx(const bf16* x, int64_t M, const uint8_t* packed, const bf16* scales_zeros,
+                     int64_t N, int64_t K, int64_t group, bf16* out);
+
 }  // namespace pacer

@@ -18,7 +18,10 @@ decodes) the weight is widened to bfloat16 for that one GEMM by the CPU kernels 
 dequant.cpp) and multiplied by torch's bfloat16 GEMM (oneDNN: AMX or AVX512-BF16), which wins
 by more than the widening costs. Without the CPU kernels, torch's kernels serve every size.
 On a CPU without native bf16 dot products (AVX2 only: a bf16 GEMM there widens to float32 in
-software, 8x slower) the widened weight is multiplied in float32 instead.
+software, 8x slower) the widened weight is multiplied in float32 instead. On a CPU with AMX the
+int4 weights skip that round trip: from `amx_rows` rows on, the kernel widens 64 columns at a
+time into cache and multiplies them there on the tile unit (csrc/dequant.cpp
+`int4pack_mm_amx`; docs/benchmarks.md#quantized-weights has the figures).
 """
 from __future__ import annotations
 
@@ -30,12 +33,25 @@ from gpu_worker.cpu_kernels import best_level, cpu_kernels
 from gpu_worker.quant.tensor import QTensor
 from shared.cpu import NATIVE_BF16_FLAGS, cpu_flags
 
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+
 ACT_DTYPE = torch.bfloat16
 
 
 def _widening_kernels():
     kernels = cpu_kernels()
     return kernels if kernels is not None and hasattr(kernels, "dequantize_int4pack") else None
+
+
+@functools.cache
+def _amx_kernels():
+    """The CPU kernels when they run int4 GEMMs on AMX tiles here: an AVX-512 build not held
+    lower (PACER_CPU_ISA), a CPU with AMX-BF16, and the OS's leave (`amx_ready`)."""
+    kernels = _widening_kernels()
+    if (kernels is None or not hasattr(kernels, "amx_ready") or best_level() != "avx512"
+            or not AMX_FLAGS <= cpu_flags()):
+        return None
+    return kernels if kernels.amx_ready() else None
 
 
 @functools.cache
@@ -56,6 +72,7 @@ def _mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> to
 class Int4Weight:
     scheme = "int4"
     many_rows = 24          # from this many rows on, widen to bfloat16 (measured: README)
+    amx_rows = 10           # with AMX, from this many rows on: int4pack_mm_amx (measured)
 
     def __init__(self, q: QTensor):
         assert q.scheme == "int4"
@@ -75,10 +92,23 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
+    @classmethod
+    def wide_from(cls) -> int | None:
+        """The row count from which these GEMMs widen the weight (on AMX tiles or to a bf16
+        copy), here; None without the CPU kernels."""
+        if _amx_kernels() is not None:
+            return cls.amx_rows
+        return cls.many_rows if _widening_kernels() is not None else None
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
-        kernels = _widening_kernels() if x.shape[0] >= self.many_rows else None
-        if kernels is not None:
+        rows = x.shape[0]
+        amx = _amx_kernels() if rows >= self.amx_rows else None
+        kernels = _widening_kernels() if amx is None and rows >= self.many_rows else None
+        if amx is not None:
+            y = x.new_empty((rows, self.scales_zeros.shape[1]))
+            amx.int4pack_mm_amx(x.contiguous(), self.packed, self.scales_zeros, self.group, y)
+        elif kernels is not None:
             w_t = x.new_empty((self.in_features, self.scales_zeros.shape[1]))
             kernels.dequantize_int4pack(self.packed, self.scales_zeros, self.group, w_t)
             y = _mm(x, w_t)
@@ -128,9 +158,11 @@ def wide_from_rows(scheme: str) -> int | None:
     """The row count from which the layer GEMMs of `scheme` widen their weights (a cost per
     GEMM, whatever the rows: what the scheduler's cost model prices per iteration,
     shared/online_cost.py); None where every size takes one path."""
-    if scheme not in ("int4", "int8") or _widening_kernels() is None:
+    if scheme == "int4":
+        return Int4Weight.wide_from()
+    if scheme != "int8" or _widening_kernels() is None:
         return None
-    return (Int4Weight if scheme == "int4" else Int8Weight).many_rows
+    return Int8Weight.many_rows
 
 
 def pack(q: QTensor) -> Int4Weight | Int8Weight:
