@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from gpu_worker.quant import resolve_quantization
+from gpu_worker.quant import linear, resolve_quantization
 from gpu_worker.quant.linear import ACT_DTYPE, Int4Weight, Int8Weight
 from gpu_worker.quant.tensor import from_gguf, quantize_int4, quantize_int8, to_scheme
 from gpu_worker.weights import iter_weights
@@ -129,10 +129,10 @@ def test_many_rows_widen_the_weights_to_exactly_their_values(shape, monkeypatch)
     kernels.dequantize_int8(w8.codes, w8.scale, wide)
     assert torch.equal(wide, (q8.codes.float() * w8.scale.float().unsqueeze(1)).to(ACT_DTYPE))
     x = torch.randn(Int4Weight.many_rows + 3, k)
+    monkeypatch.setattr(linear, "_amx_kernels", lambda: None)   # the path of CPUs without AMX
     for packed in (w4, w8):
         wide_y = packed.mm(x)
         monkeypatch.setattr(type(packed), "many_rows", 10 ** 9)
-        monkeypatch.setattr(Int4Weight, "amx_rows", 10 ** 9)
         narrow_y = packed.mm(x)
         assert wide_y.shape == narrow_y.shape == (x.shape[0], n)
         ref = narrow_y.float()
@@ -147,8 +147,7 @@ def test_amx_int4_gemm_multiplies_the_widened_weights(shape, group):
     dequantize_int4pack writes and multiplied with float32 sums: equal to the widened GEMM
     up to the order of the sums, so within one bfloat16 rounding; rows in whole tiles of 16
     and not (the last tile padded)."""
-    from gpu_worker.quant.linear import _amx_kernels
-    kernels = _amx_kernels()
+    kernels = linear._amx_kernels()
     if kernels is None:
         pytest.skip("no AMX here (CPU flags amx_tile/amx_bf16, an AVX-512 kernel build)")
     n, k = shape
@@ -163,6 +162,22 @@ def test_amx_int4_gemm_multiplies_the_widened_weights(shape, group):
         ref = x.float() @ w_t.float()
         torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
         assert torch.equal(w4.mm(x), y[:, :n])
+
+
+@pytest.mark.parametrize("shape", [(49152, 576), (960, 576), (48, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_amx_int8_gemm_matches_its_dequantized_weights(shape):
+    """The int8 LM head on AMX (int8_mm_amx): codes exact in bfloat16, the row scale applied
+    to the float32 sums, so only the output's rounding separates it from x @ (c · s)ᵀ."""
+    if linear._amx_kernels() is None:
+        pytest.skip("no AMX here (CPU flags amx_tile/amx_bf16, an AVX-512 kernel build)")
+    n, k = shape
+    w8 = Int8Weight(quantize_int8(torch.from_numpy(_random(n, k))))
+    for rows in (Int8Weight.amx_rows, 16, 33):
+        x = torch.randn(rows, k, dtype=ACT_DTYPE)
+        y = w8.mm(x)
+        ref = x.float() @ (w8.codes.float() * w8.scale.float().unsqueeze(1)).t()
+        assert y.shape == (rows, n) and y.dtype == ACT_DTYPE
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
 
 
 def test_quantization_error_is_what_the_scheme_allows():

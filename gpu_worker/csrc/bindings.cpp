@@ -227,6 +227,23 @@ void int4pack_mm_amx(const torch::Tensor& x, const torch::Tensor& packed,
                          K, group, mut_ptr<bf16>(out));
 }
 
+void int8_mm_amx(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                 torch::Tensor& out) {
+  TORCH_CHECK(pacer::amx_ready(), "int8_mm_amx: no AMX here (see amx_ready)");
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && codes.dtype() == torch::kInt8 &&
+                  scale.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
+              "int8_mm_amx: bfloat16 x, int8 codes, bfloat16 scales and out");
+  TORCH_CHECK(all_contiguous({&x, &codes, &scale, &out}) && x.dim() == 2 && codes.dim() == 2 &&
+                  out.dim() == 2,
+              "int8_mm_amx: contiguous x [M, K], codes [N, K], scales [N], out [M, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && scale.numel() == N && out.size(0) == M && out.size(1) == N &&
+                  N % 16 == 0 && K % 32 == 0,
+              "int8_mm_amx: N a multiple of 16, K of 32; sizes that agree");
+  pacer::int8_mm_amx(ptr<bf16>(x), M, codes.data_ptr<int8_t>(), ptr<bf16>(scale), N, K,
+                     mut_ptr<bf16>(out));
+}
+
 void dequantize_int8(const torch::Tensor& codes, const torch::Tensor& scale, torch::Tensor& out) {
   TORCH_CHECK(codes.dtype() == torch::kInt8 && scale.dtype() == torch::kBFloat16 &&
                   out.dtype() == torch::kBFloat16,
@@ -263,6 +280,8 @@ void pacer_bind(pybind11::module_& m) {
         "whether int4pack_mm_amx runs here (an AVX-512 build, a CPU and OS with AMX-BF16)");
   m.def("int4pack_mm_amx", &int4pack_mm_amx,
         "x (bf16) times torch's CPU int4 layout, widened in cache and multiplied on AMX tiles");
+  m.def("int8_mm_amx", &int8_mm_amx,
+        "x (bf16) times int8 per-row codes, on AMX tiles (the LM head at many rows)");
   m.def("dequantize_int8", &dequantize_int8, "int8 per-channel codes widened to bfloat16");
   m.def("decode_attention_block", &decode_attention_block,
         "RoPE + K/V store + decode attention from a bfloat16 fused qkv, one row per request");

@@ -16,6 +16,7 @@
 // widened weight never reaches memory and no GEMM library reorders it again. The weights it
 // multiplies are the very bf16 values dequantize_int4pack writes.
 // (bindings.cpp checks the tensors; this file sees raw pointers.)
+#include <algorithm>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -220,8 +221,87 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4pack_mm_amx(
     _tile_release();
   }
 }
+
+// The int8 LM head on AMX, computed transposed so that the codes' rows need no reordering:
+// out^T [N, M] = W [N, K] x^T, W's rows (16 at a time, widened to bfloat16: integers up to
+// 127 are exact there) as the A tile and x^T in pair order as the B tile; each output is
+// scaled by its row's scale as it is written back into out [M, N].
+__attribute__((target("amx-tile,amx-bf16"))) void int8_mm_amx(const bf16* x, int64_t M,
+                                                               const int8_t* codes,
+                                                               const bf16* scale, int64_t N,
+                                                               int64_t K, bf16* out) {
+  const int64_t Mp = (M + 15) / 16 * 16;
+  // x^T in pair order: xt[p][m] = (x[m][2p], x[m][2p + 1]) as one 32-bit word; rows m >= M zero
+  std::vector<uint32_t> xt(K / 2 * Mp, 0);
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t p = 0; p < K / 2; ++p) xt[p * Mp + m] = x32[m * (K / 2) + p];
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7,
+                                                             6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+#pragma omp parallel
+  {
+    TileConfig cfg{};
+    cfg.palette = 1;
+    for (int t = 0; t < 7; ++t) {
+      cfg.rows[t] = 16;
+      cfg.colsb[t] = 64;
+    }
+    _tile_loadconfig(&cfg);
+    std::vector<bf16> a(16 * K);
+    alignas(64) float acc[4][16 * 16];
+#pragma omp for schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+      for (int64_t i = 0; i < 16 * K; i += 16) {   // 16 rows of codes, exactly, to bfloat16
+        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n0 * K + i))));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.data() + i),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(c), 16)));
+      }
+      const __m512 s = load16(scale + n0);
+      for (int64_t mt0 = 0; mt0 < Mp / 16; mt0 += 4) {
+        const int64_t tiles = std::min<int64_t>(4, Mp / 16 - mt0);
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0; k0 < K; k0 += 32) {
+          const uint32_t* xk = xt.data() + (k0 / 2) * Mp + mt0 * 16;
+          const int64_t stride = Mp * 4;
+          _tile_loadd(4, a.data() + k0, K * sizeof(bf16));
+          _tile_loadd(5, xk, stride);
+          _tile_dpbf16ps(0, 4, 5);
+          if (tiles > 1) {
+            _tile_loadd(6, xk + 16, stride);
+            _tile_dpbf16ps(1, 4, 6);
+          }
+          if (tiles > 2) {
+            _tile_loadd(5, xk + 32, stride);
+            _tile_dpbf16ps(2, 4, 5);
+          }
+          if (tiles > 3) {
+            _tile_loadd(6, xk + 48, stride);
+            _tile_dpbf16ps(3, 4, 6);
+          }
+        }
+        _tile_stored(0, acc[0], 64);
+        _tile_stored(1, acc[1], 64);
+        _tile_stored(2, acc[2], 64);
+        _tile_stored(3, acc[3], 64);
+        for (int64_t t = 0; t < tiles; ++t)   // acc[t][n][m]: row m of out is column m here
+          for (int64_t m = 0; m < 16 && (mt0 + t) * 16 + m < M; ++m) {
+            const __m512 col = _mm512_i32gather_ps(column, acc[t] + m, 4);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + ((mt0 + t) * 16 + m) * N + n0),
+                                round_bf16(_mm512_mul_ps(col, s)));
+          }
+      }
+    }
+    _tile_release();
+  }
+}
 #else
 bool amx_ready() { return false; }
+void int8_mm_amx(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, bf16*) {}
 void int4pack_mm_amx(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t, int64_t,
                      bf16*) {}
 #endif

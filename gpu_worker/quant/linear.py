@@ -69,10 +69,23 @@ def _mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> to
     return y if out is None else out.copy_(y)
 
 
-class Int4Weight:
+class _Packed:
+    many_rows: int          # from this many rows on, widen the weight (to bf16 in memory)
+    amx_rows: int           # with AMX, from this many rows on: the tile kernels
+
+    @classmethod
+    def wide_from(cls) -> int | None:
+        """The row count from which these GEMMs widen the weight (on AMX tiles or to a bf16
+        copy), here; None without the CPU kernels."""
+        if _amx_kernels() is not None:
+            return cls.amx_rows
+        return cls.many_rows if _widening_kernels() is not None else None
+
+
+class Int4Weight(_Packed):
     scheme = "int4"
-    many_rows = 24          # from this many rows on, widen to bfloat16 (measured: README)
-    amx_rows = 10           # with AMX, from this many rows on: int4pack_mm_amx (measured)
+    many_rows = 24          # measured: docs/benchmarks.md#quantized-weights
+    amx_rows = 10
 
     def __init__(self, q: QTensor):
         assert q.scheme == "int4"
@@ -92,14 +105,6 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
-    @classmethod
-    def wide_from(cls) -> int | None:
-        """The row count from which these GEMMs widen the weight (on AMX tiles or to a bf16
-        copy), here; None without the CPU kernels."""
-        if _amx_kernels() is not None:
-            return cls.amx_rows
-        return cls.many_rows if _widening_kernels() is not None else None
-
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
@@ -118,9 +123,10 @@ class Int4Weight:
         return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
 
 
-class Int8Weight:
+class Int8Weight(_Packed):
     scheme = "int8"
-    many_rows = 16          # from this many rows on, widen to bfloat16 (measured: README)
+    many_rows = 16          # measured: docs/benchmarks.md#quantized-weights
+    amx_rows = 5
     CHUNK = 4096
 
     def __init__(self, q: QTensor):
@@ -136,7 +142,14 @@ class Int8Weight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
-        kernels = _widening_kernels() if x.shape[0] >= self.many_rows else None
+        rows = x.shape[0]
+        amx = (_amx_kernels() if rows >= self.amx_rows and self.out_features % 16 == 0
+               and self.in_features % 32 == 0 else None)
+        if amx is not None:
+            y = x.new_empty((rows, self.out_features))
+            amx.int8_mm_amx(x.contiguous(), self.codes, self.scale, y)
+            return y
+        kernels = _widening_kernels() if rows >= self.many_rows else None
         if kernels is None:
             return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
         # widened CHUNK rows at a time: a whole LM head in bfloat16 (56 MB for SmolLM2) would
@@ -158,11 +171,9 @@ def wide_from_rows(scheme: str) -> int | None:
     """The row count from which the layer GEMMs of `scheme` widen their weights (a cost per
     GEMM, whatever the rows: what the scheduler's cost model prices per iteration,
     shared/online_cost.py); None where every size takes one path."""
-    if scheme == "int4":
-        return Int4Weight.wide_from()
-    if scheme != "int8" or _widening_kernels() is None:
+    if scheme not in ("int4", "int8"):
         return None
-    return Int8Weight.many_rows
+    return (Int4Weight if scheme == "int4" else Int8Weight).wide_from()
 
 
 def pack(q: QTensor) -> Int4Weight | Int8Weight:
