@@ -99,6 +99,17 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16];
   uint8_t rows[16];
 };
+
+// The calling thread's tiles 0-6, each 16 rows of 64 bytes (16 floats, or 32 bfloat16)
+__attribute__((target("amx-tile"))) void load_tiles_16x64() {
+  TileConfig cfg{};
+  cfg.palette = 1;
+  for (int t = 0; t < 7; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
 #endif
 
 }  // namespace
@@ -177,13 +188,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4pack_mm_amx(
   }
 #pragma omp parallel
   {
-    TileConfig cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 7; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    load_tiles_16x64();
     std::vector<bf16> w(K * 64);
     alignas(64) float acc[16 * 64];
 #pragma omp for schedule(static)
@@ -241,13 +246,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void int8_mm_amx(const bf16* x, int
                                             _mm512_set1_epi32(16));
 #pragma omp parallel
   {
-    TileConfig cfg{};
-    cfg.palette = 1;
-    for (int t = 0; t < 7; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
+    load_tiles_16x64();
     std::vector<bf16> a(16 * K);
     alignas(64) float acc[4][16 * 16];
 #pragma omp for schedule(static)
