@@ -96,8 +96,9 @@ def use_mode(engine: LLMEngine, mode: str, online: OnlineIterationCost) -> None:
     plan = old.schedule()                   # requests it finished last, then the policy swaps
     old.update(plan, engine.runner.execute(plan))
     base = engine.layout.scheduler_config
-    if mode != "default" and base.max_iteration_ms is None:
-        base = replace(base, iteration_cost=None)
+    if mode != "default" and base.max_iteration_ms is None:   # (a colocated engine has no
+        base = replace(base, iteration_cost=None,                # TTFT goal: build_scheduler)
+                       target_ttft_ms=None, target_ttft_factor=None)
     layout = replace(engine.layout, scheduler_config=mode_config(base, mode, online))
     engine.scheduler = build_scheduler(layout)
 

@@ -24,17 +24,18 @@ from shared.engine_args import EngineArgs  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 
-def run_ours(prompts, new_tokens, dtype, budget, max_seqs) -> dict:
+def run_ours(prompts, new_tokens, dtype, budget, max_seqs, quantization="auto") -> dict:
     engine = LLMEngine(EngineArgs(dtype=dtype, max_num_batched_tokens=budget,
-                                  max_num_seqs=max_seqs), progress=False)
+                                  max_num_seqs=max_seqs, quantization=quantization),
+                       progress=False)
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:4], [SamplingParams(max_tokens=4, temperature=0.0)] * 4)  # warm-up
     t = time.perf_counter()
     results = engine.generate(prompts, [sp] * len(prompts))
     elapsed = time.perf_counter() - t
     n = sum(len(r.token_ids) for r in results)
-    return {"engine": "pacer", "dtype": dtype, "seconds": elapsed, "output_tokens": n,
-            "tok_s": n / elapsed, "_engine": engine}
+    return {"engine": "pacer", "dtype": dtype, "quantization": quantization, "seconds": elapsed,
+            "output_tokens": n, "tok_s": n / elapsed, "_engine": engine}
 
 
 def run_hf(prompts, new_tokens, dtype, batch_size) -> dict:
@@ -60,8 +61,8 @@ def run_hf(prompts, new_tokens, dtype, batch_size) -> dict:
                                  top_p=None, top_k=None, temperature=None)
             n += (out.shape[1] - width) * len(batch)
     elapsed = time.perf_counter() - t
-    return {"engine": f"transformers (batch {batch_size})", "dtype": dtype, "seconds": elapsed,
-            "output_tokens": n, "tok_s": n / elapsed}
+    return {"engine": f"transformers (batch {batch_size})", "dtype": dtype, "quantization": "none",
+            "seconds": elapsed, "output_tokens": n, "tok_s": n / elapsed}
 
 
 def profile_iterations(engine: LLMEngine, prompts, new_tokens: int, iterations: int = 8) -> dict:
@@ -126,6 +127,8 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int,
                     default=DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS, help="as pacer generate")
     ap.add_argument("--max-num-seqs", type=int, default=EngineArgs.max_num_seqs)
+    ap.add_argument("--quantization", default="auto",
+                    help="as pacer up, for every pacer run (auto: the GGUF's int4 by default)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
 
@@ -135,13 +138,14 @@ def main() -> None:
           f"{args.new_tokens} new tokens each, torch threads {torch.get_num_threads()}")
     rows = []
     for dt in filter(None, args.dtypes.split(",")):
-        rows.append(run_ours(prompts, args.new_tokens, dt, args.max_num_batched_tokens, args.max_num_seqs))
+        rows.append(run_ours(prompts, args.new_tokens, dt, args.max_num_batched_tokens,
+                             args.max_num_seqs, args.quantization))
         print(f"  pacer {dt}: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
     for dt in filter(None, args.hf_dtypes.split(",")):
         rows.append(run_hf(prompts, args.new_tokens, dt, args.hf_batch_size))
         print(f"  transformers {dt}: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
     print()
-    print_table(rows, ["engine", "dtype", "seconds", "output_tokens", "tok_s"])
+    print_table(rows, ["engine", "dtype", "quantization", "seconds", "output_tokens", "tok_s"])
     ours = max((r for r in rows if r["engine"] == "pacer"), key=lambda r: r["tok_s"], default=None)
     hf = max((r for r in rows if r["engine"] != "pacer"), key=lambda r: r["tok_s"], default=None)
     report = {"rows": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rows]}

@@ -1,0 +1,105 @@
+"""The quantized GEMMs by rows: each path gpu_worker/quant/linear.py can take, timed on the
+default model's shapes, to set where one path hands over to the next (`amx_rows`, `many_rows`).
+
+Per row count, the whole model's layer GEMMs (30 layers x qkv, o, gate_up, down as int4, each
+a distinct weight so that they stream from memory as in a forward) and the LM head (int8,
+49152 x 576), best of 5, ms:
+
+    aten    torch's int4 / int8 kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
+    widen   the weight widened to bfloat16 in memory, then torch's bf16 GEMM
+    amx     widened in cache and multiplied on AMX tiles (`int4pack_mm_amx`, `int8_mm_amx`)
+    bf16    for scale: the same GEMMs on prepacked bfloat16 weights (`--quantization none`)
+
+    python bench/quant_gemms.py [--rows 1,4,8,10,16,24,32,64,128,512] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import print_table, write_json  # noqa: E402
+import torch  # noqa: E402
+
+from gpu_worker.model.layers import prepack  # noqa: E402
+from gpu_worker.quant import linear  # noqa: E402
+from gpu_worker.quant.linear import Int4Weight, Int8Weight  # noqa: E402
+from gpu_worker.quant.tensor import QTensor, quantize_int8  # noqa: E402
+from shared.cpu import cpu_flags  # noqa: E402
+
+LAYERS = 30
+LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+LM_HEAD = (49152, 576)
+SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def best_ms(fn, repeats: int = 5) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best * 1e3
+
+
+def random_int4(n: int, k: int, group: int = 32) -> Int4Weight:
+    return Int4Weight(QTensor("int4", torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                              torch.rand(n, k // group) * 0.01, torch.rand(n, k // group) * 0.01,
+                              group))
+
+
+def forced(path: str):
+    """Row thresholds that send every size down `path`."""
+    never, always = 10 ** 9, 0
+    return {"aten": (never, never), "widen": (always, never), "amx": (never, always)}[path]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="1,4,8,10,16,24,32,64,128,512")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    layers = {name: [random_int4(*shape) for _ in range(LAYERS)]
+              for name, shape in LAYER_SHAPES.items()}
+    head = Int8Weight(quantize_int8(torch.randn(*LM_HEAD) * 0.02))
+    bf16 = [prepack(torch.randn(shape, dtype=torch.bfloat16))
+            for shape in LAYER_SHAPES.values() for _ in range(LAYERS)]
+    bf16_head = prepack(torch.randn(LM_HEAD, dtype=torch.bfloat16))
+    paths = ["aten", "widen"] + (["amx"] if linear._amx_kernels() is not None else [])
+    saved = {cls: (cls.many_rows, cls.amx_rows) for cls in (Int4Weight, Int8Weight)}
+    rows_out = []
+    try:
+        for rows in (int(r) for r in args.rows.split(",")):
+            row = {"rows": rows}
+            xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+            for path in paths:
+                for cls in (Int4Weight, Int8Weight):
+                    cls.many_rows, cls.amx_rows = forced(path)
+                row[f"{path}_layers_ms"] = best_ms(lambda: [
+                    w.mm(xs[w.in_features]) for ws in layers.values() for w in ws])
+                row[f"{path}_head_ms"] = best_ms(lambda: head.mm(xs[576]))
+            row["bf16_layers_ms"] = best_ms(lambda: [
+                torch.ops.mkldnn._linear_pointwise(xs[576 if i < 3 * LAYERS else 1536], w, None,
+                                                   "none", [], "")
+                for i, w in enumerate(bf16)])
+            row["bf16_head_ms"] = best_ms(lambda: torch.ops.mkldnn._linear_pointwise(
+                xs[576], bf16_head, None, "none", [], ""))
+            rows_out.append(row)
+            print(f"rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()
+                                               if k != "rows"), flush=True)
+    finally:
+        for cls, (many, amx) in saved.items():
+            cls.many_rows, cls.amx_rows = many, amx
+    flags = " ".join(f for f in SHOWN_FLAGS if f in cpu_flags())
+    print(f"\nCPU flags: {flags}; torch threads {torch.get_num_threads()}")
+    print_table(rows_out, list(rows_out[0]))
+    write_json(args.json, {"cpu_flags": flags, "threads": torch.get_num_threads(),
+                           "rows": rows_out})
+
+
+if __name__ == "__main__":
+    main()
