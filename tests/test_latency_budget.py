@@ -335,7 +335,7 @@ def test_beside_decodes_prefill_is_capped_to_the_factor_of_a_decode_iteration(fa
     sched = make_target(factor=factor)
     worker = FakeWorker(sched)
     start_decoding(sched, worker, 4)
-    add(sched, "long", 300, max_tokens=2)
+    add(sched, "long", 600, max_tokens=2)     # longer than the token budget: no stretch
     while sched.get_request("long").num_output_tokens == 0:
         plan = sched.schedule()
         chunks = chunks_of(sched, plan)
@@ -344,6 +344,26 @@ def test_beside_decodes_prefill_is_capped_to_the_factor_of_a_decode_iteration(fa
         assert plan.total_tokens <= 512                            # the token budget still caps
         assert RowCost().iteration_ms(chunks) <= max(factor * floor_ms, floor_ms)
         sched.update(plan, worker.execute(plan))
+
+
+@pytest.mark.parametrize("streams,prompts,prompt_len,stretch", [
+    (2, 2, 300, 1), (2, 4, 300, 1.5), (2, 8, 300, 2.5), (6, 5, 300, 11 / 6), (6, 12, 300, 3),
+    (8, 0, 300, 1), (2, 8, 600, 1)])
+def test_waiting_prompts_stretch_the_gap_by_what_they_add_to_the_streams(streams, prompts,
+                                                                         prompt_len, stretch):
+    """`streams` decode while `prompts` prompts wait: the target stretches by (streams +
+    prompts) / streams, streams counted as at least STRETCH_MIN_STREAMS (4): 2 streams and
+    2 prompts hold it. Prompts longer than the token budget (512: the last case) are long
+    prompts, what the target chunks: they do not stretch it."""
+    sched = make_target(factor=3.0)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, streams)
+    for i in range(prompts):
+        add(sched, f"p{i}", prompt_len, max_tokens=2)
+    add(sched, "long", 1000, max_tokens=2)      # something to chunk in every case
+    chunks = chunks_of(sched, sched.schedule())
+    floor_ms = RowCost().iteration_ms([(1, 0)] * streams + [(4, 4)])
+    assert RowCost().iteration_ms(chunks) == pytest.approx(3.0 * floor_ms * stretch, abs=1)
 
 
 def test_a_fixed_target_in_ms():

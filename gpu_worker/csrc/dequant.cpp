@@ -191,7 +191,9 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4pack_mm_amx(
     load_tiles_16x64();
     std::vector<bf16> w(K * 64);
     alignas(64) float acc[16 * 64];
-#pragma omp for schedule(static)
+    // blocks handed out one at a time: a thread the OS takes away for a while (other
+    // processes share a server's cores) leaves its share to the others, not to a barrier
+#pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < N / 64; ++b) {
       widen_block_vnni(packed, sz, N, K, group, b, w.data());
       for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
@@ -249,7 +251,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void int8_mm_amx(const bf16* x, int
     load_tiles_16x64();
     std::vector<bf16> a(16 * K);
     alignas(64) float acc[4][16 * 16];
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 8)   // as above
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
       for (int64_t i = 0; i < 16 * K; i += 16) {   // 16 rows of codes, exactly, to bfloat16
         const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(

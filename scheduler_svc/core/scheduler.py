@@ -37,7 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from itertools import islice
+from itertools import chain, islice
 
 from scheduler_svc.core.block_manager import BlockManager
 from scheduler_svc.core.latency_budget import IterationLatency
@@ -93,6 +93,7 @@ class _Iteration:
 
 
 _PLACEHOLDER = -1           # the token a plan in flight samples, while the next is planned
+STRETCH_MIN_STREAMS = 4     # the token-gap target's stretch counts at least this many streams
 
 
 @dataclass(slots=True)
@@ -463,6 +464,15 @@ class Scheduler:
             # path, int4 weights widened, that is well above the decodes alone)
             block = config.block_size
             budget_ms = config.target_tbt_factor * cost.iteration_ms(decodes + [(block, block)])
+            # Prompts waiting for their first token, those whose whole prompt fits one
+            # iteration's tokens, stretch it by (streams + prompts) / streams, streams counted
+            # as at least a few: a longer iteration delays each running stream once but brings
+            # every waiting prompt's first token nearer (docs/design.md#the-token-gap-target)
+            prompts = sum(1 for r in chain(self._waiting, self._running)
+                          if r.num_tokens <= config.max_num_batched_tokens
+                          and r.num_tokens - r.num_computed_tokens > 1)
+            streams = len(decodes)
+            budget_ms *= max(1.0, (streams + prompts) / max(streams, STRETCH_MIN_STREAMS))
         if budget_ms is None and self.ttft_goal is None:
             return None         # a TTFT goal bounds the iteration as its prefills are placed
         return IterationLatency(cost, budget_ms, config.block_size, decodes)
