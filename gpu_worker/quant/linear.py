@@ -135,6 +135,7 @@ class Int8Weight(_Packed):
         self.codes = q.codes.contiguous()
         self.scale_f32 = q.scale.reshape(-1).contiguous()
         self.scale = self.scale_f32.to(ACT_DTYPE)
+        self.amx_shape = self.out_features % 16 == 0 and self.in_features % 32 == 0  # tiles
 
     @property
     def nbytes(self) -> int:
@@ -143,8 +144,7 @@ class Int8Weight(_Packed):
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
-        amx = (_amx_kernels() if rows >= self.amx_rows and self.out_features % 16 == 0
-               and self.in_features % 32 == 0 else None)
+        amx = _amx_kernels() if rows >= self.amx_rows and self.amx_shape else None
         if amx is not None:
             y = x.new_empty((rows, self.out_features))
             amx.int8_mm_amx(x.contiguous(), self.codes, self.scale, y)

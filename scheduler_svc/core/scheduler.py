@@ -467,8 +467,11 @@ class Scheduler:
             # Prompts waiting for their first token, those whose whole prompt fits one
             # iteration's tokens, stretch it by (streams + prompts) / streams, streams counted
             # as at least a few: a longer iteration delays each running stream once but brings
-            # every waiting prompt's first token nearer (docs/design.md#the-token-gap-target)
-            prompts = sum(1 for r in chain(self._waiting, self._running)
+            # every waiting prompt's first token nearer (docs/design.md#the-token-gap-target).
+            # Of the queue, the first max_num_seqs at most: no iteration admits more, and a
+            # long queue costs this per-iteration count nothing more.
+            waiting = islice(self._waiting, config.max_num_seqs)
+            prompts = sum(1 for r in chain(waiting, self._running)
                           if r.num_tokens <= config.max_num_batched_tokens
                           and r.num_tokens - r.num_computed_tokens > 1)
             streams = len(decodes)
