@@ -90,6 +90,7 @@ def setup_llama_server() -> None:
     build = os.path.join(dest, "build")
     run(["cmake", "-S", dest, "-B", build, "-DCMAKE_BUILD_TYPE=Release", *ggml_isa_flags(),
          "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"])
+    run(["cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
 
 
 def ggml_isa_flags() -> list[str]:
@@ -101,7 +102,6 @@ def ggml_isa_flags() -> list[str]:
               "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
     return ["-DGGML_NATIVE=OFF", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF",
             *[f"-D{opt}={'ON' if flag in flags else 'OFF'}" for opt, flag in wanted.items()]]
-    run(["cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
 
 
 def setup_hf_copy(dtype: str) -> str:

@@ -4,31 +4,15 @@ KV pool so small that preemption happens."""
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
 
 from services.engine import LLMEngine
 from shared.engine_args import EngineArgs
-from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
 from tests.helpers_tiny_model import write_tiny_llama
-
-NEW_TOKENS = 32
-CHAT_PROMPTS = [
-    "Hi!",
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "Explain in two sentences why the sky is blue.",
-    "List five prime numbers and say why each is prime.",
-    "Translate 'good morning, how are you today?' into French, Spanish and German.",
-    "You are a careful assistant. Summarise the plot of Romeo and Juliet for a child, "
-    "in simple words, and say what lesson the story teaches about rushing into decisions.",
-    "Here is some Python code:\n\ndef add(a, b):\n    return a - b\n\nprint(add(2, 3))\n\n"
-    "What does it print, what is the bug, and how would you fix it? Answer step by step, "
-    "and then write a unit test with pytest that would have caught the bug before release.",
-]
+from tests.hf_reference import NEW_TOKENS, assert_same_tokens, hf_greedy
 
 # (name, engine overrides, expect preemption)
 CONFIGS = [
@@ -36,28 +20,6 @@ CONFIGS = [
     ("budget-16", dict(max_num_batched_tokens=16, num_kv_blocks=512), False),
     ("preempting", dict(max_num_batched_tokens=64, num_kv_blocks=None), True),
 ]
-
-
-def hf_greedy(model, prompt: list[int], eos: int | None) -> tuple[list[int], torch.Tensor]:
-    """transformers' greedy continuation and the logits it chose from (for near-tie checks)."""
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos,
-                         pad_token_id=eos if eos is not None else 0, top_p=None, top_k=None,
-                         temperature=None, output_scores=True, return_dict_in_generate=True)
-    return out.sequences[0, len(prompt):].tolist(), torch.stack(out.scores)[:, 0]
-
-
-def assert_same_tokens(ours: list[int], ref: list[int], ref_logits: torch.Tensor, what: str):
-    """Exact equality; a divergence is accepted only at a genuine float32 near-tie of the
-    reference (top-2 logit gap below 1e-4), and the gap is printed."""
-    if ours == ref:
-        return
-    i = next((k for k, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
-    assert i < len(ours) and i < len(ref), f"{what}: lengths differ {len(ours)} vs {len(ref)}"
-    top2 = torch.topk(ref_logits[i], 2).values
-    gap = float(top2[0] - top2[1])
-    print(f"{what}: diverges at token {i}: ours {ours[i]} vs HF {ref[i]}, HF top-2 gap {gap:.2e}")
-    assert gap < 1e-4, f"{what}: token {i} differs ({ours[i]} vs {ref[i]}) with HF logit gap {gap}"
 
 
 def kv_blocks_to_force_preemption(prompts: list[list[int]], block_size: int) -> int:
@@ -112,31 +74,15 @@ def test_tiny_llama_matches_transformers(tiny, name, overrides, expect_preemptio
 
 # ---- (b) the default SmolLM2 GGUF, which transformers reads too ------------------------------
 
-@pytest.fixture(scope="module")
-def smollm(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-    from shared.tokenizer import load_tokenizer
-    source = resolve_model(None)
-    d = tmp_path_factory.mktemp("gguf")
-    os.symlink(source.path, d / os.path.basename(source.path))
-    hf = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=os.path.basename(source.path),
-                                              torch_dtype=torch.float32).eval()
-    tok = load_tokenizer(source)
-    prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHAT_PROMPTS]
-    assert len({len(p) for p in prompts}) == len(prompts)
-    refs = [hf_greedy(hf, p, tok.eos_token_id) for p in prompts]
-    return prompts, refs
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name,overrides,expect_preemption", CONFIGS)
-def test_smollm2_gguf_matches_transformers(smollm, name, overrides, expect_preemption):
-    prompts, refs = smollm
+def test_smollm2_gguf_matches_transformers(smollm_chat, name, overrides, expect_preemption):
+    prompts, refs = smollm_chat
     check_parity("smollm2-135m", prompts, refs, name, overrides, expect_preemption)
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_tokens_do_not_depend_on_chunking_or_preemption(smollm):
+def test_smollm2_bf16_tokens_do_not_depend_on_chunking_or_preemption(smollm_chat):
     """The bf16 CPU fast path (attention kernels over the paged cache, prepacked GEMMs, fused
     norm/RoPE/SwiGLU) computes every row the same way whatever shares its iteration: a big
     budget, 16-token chunks beside other requests, and a preempting KV pool give the same
@@ -149,7 +95,7 @@ def test_smollm2_bf16_tokens_do_not_depend_on_chunking_or_preemption(smollm):
     if amx_in_use():
         pytest.skip("oneDNN's AMX bf16 GEMMs block rows by batch size: a row's bits depend on "
                     "the batch (2-4x faster than without AMX, so they stay on)")
-    prompts, _ = smollm
+    prompts, _ = smollm_chat
     outs = {}
     for name, overrides, expect_preemption in CONFIGS:
         outs[name], engine = run_engine("smollm2-135m", prompts, {**overrides, "dtype": "bfloat16"})

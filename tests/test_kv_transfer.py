@@ -183,7 +183,7 @@ def test_prefill_and_decode_runners_in_two_processes_match_one_runner(tiny, deco
     assert ours == reference
 
     from transformers import AutoModelForCausalLM
-    from tests.test_engine_parity import assert_same_tokens
+    from tests.hf_reference import assert_same_tokens
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     out = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
                       dtype=torch.long), max_new_tokens=NEW_TOKENS, do_sample=False,

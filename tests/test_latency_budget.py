@@ -25,7 +25,7 @@ from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.hardware import HardwareProfile
 from shared.plan import IterationPlan, StepResult
-from test_scheduler_core import FakeWorker, add, check_plan, run, step
+from test_scheduler_core import FakeWorker, add, check_plan, step
 from test_scheduler_properties import Driver, check_orca
 from test_scheduler_properties import aborts as abort_st
 from test_scheduler_properties import arrivals as arrival_st

@@ -13,7 +13,8 @@ from services.engine import LLMEngine
 from shared.engine_args import EngineArgs
 from shared.plan import IterationPlan, NewRequestData
 from shared.sampling import SamplingParams
-from tests.test_engine_parity import NEW_TOKENS, assert_same_tokens, hf_greedy, tiny_llama_and_hf
+from tests.hf_reference import NEW_TOKENS, assert_same_tokens, hf_greedy
+from tests.test_engine_parity import tiny_llama_and_hf
 
 BLOCK = 16
 

@@ -281,8 +281,8 @@ def scheduler_pid(served, instance: str) -> int:
 
 
 def test_pd_transfer_that_never_completes_is_recomputed(tiny, expected, tmp_path):
-    served, model = start_pd(tiny, tmp_path, env={"PACER_KV_FAULT": "hang",
-                                                  "PACER_KV_TIMEOUT_S": "2"})
+    served, model = start_pd(tiny, tmp_path, "--kv-timeout-s", "2",
+                             env={"PACER_KV_FAULT": "hang"})
     try:
         got = all_concurrently(served, model, LONG[:2])
         assert got == first(expected, LONG[:2])

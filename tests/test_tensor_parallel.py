@@ -27,8 +27,8 @@ from shared.plan import IterationPlan, StepResult
 from shared.protocol import STREAM_FIELD, PlanMsg, to_fields
 from shared.sampling import SamplingParams
 from tests.helpers_tiny_model import write_tiny_llama
-from tests.test_engine_parity import (CHAT_PROMPTS, CONFIGS, NEW_TOKENS, assert_same_tokens,
-                                      hf_greedy, kv_blocks_to_force_preemption, tiny)  # noqa: F401
+from tests.hf_reference import NEW_TOKENS, assert_same_tokens
+from tests.test_engine_parity import CONFIGS, kv_blocks_to_force_preemption, tiny  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEADLINE_S = 20      # a hang would last the 30 s collective timeout or forever; death takes ~1 s
@@ -92,21 +92,10 @@ SMOL_TOKENS = 16
 
 
 @pytest.fixture(scope="module")
-def smollm_small(tmp_path_factory):
+def smollm_small(smollm_chat):
     """4 chat prompts and transformers' first 16 greedy tokens for each."""
-    from transformers import AutoModelForCausalLM
-
-    from shared.model_source import resolve_model
-    from shared.tokenizer import load_tokenizer
-    source = resolve_model(None)
-    d = tmp_path_factory.mktemp("gguf")
-    os.symlink(source.path, d / os.path.basename(source.path))
-    hf = AutoModelForCausalLM.from_pretrained(str(d), gguf_file=os.path.basename(source.path),
-                                              torch_dtype="float32").eval()
-    tok = load_tokenizer(source)
-    prompts = [tok.encode_chat([{"role": "user", "content": c}]) for c in CHAT_PROMPTS[3:7]]
-    refs = [hf_greedy(hf, p, tok.eos_token_id) for p in prompts]
-    return prompts, [(r[:SMOL_TOKENS], logits[:SMOL_TOKENS]) for r, logits in refs]
+    prompts, refs = smollm_chat
+    return prompts[3:7], [(r[:SMOL_TOKENS], logits[:SMOL_TOKENS]) for r, logits in refs[3:7]]
 
 
 @pytest.mark.slow
