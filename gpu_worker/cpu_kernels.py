@@ -26,6 +26,7 @@ import threading
 import structlog
 
 from gpu_worker import kernel_build
+from shared.cpu import cpu_flags
 
 log = structlog.get_logger("worker")
 
@@ -35,7 +36,7 @@ _loaded: dict[str, object] = {}      # level -> module (or None when it cannot l
 
 def best_level(flags: frozenset[str] | None = None) -> str:
     """The highest ISA level this CPU runs, or the one PACER_CPU_ISA asks for if it runs."""
-    flags = kernel_build.cpu_flags() if flags is None else flags
+    flags = cpu_flags() if flags is None else flags
     runnable = kernel_build.supported_levels(flags)
     forced = os.environ.get("PACER_CPU_ISA", "").strip()
     if not forced:

@@ -10,8 +10,9 @@ from gpu_worker import kernel_build
 from gpu_worker.attention import Chunk, build_attention_metadata
 from gpu_worker.attention.torch_backend import TorchAttentionBackend
 from gpu_worker.cpu_kernels import cpu_kernels
+from shared.cpu import cpu_flags
 
-RUNNABLE = kernel_build.supported_levels(kernel_build.cpu_flags())
+RUNNABLE = kernel_build.supported_levels(cpu_flags())
 
 
 @pytest.fixture(params=kernel_build.LEVEL_NAMES)

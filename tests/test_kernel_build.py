@@ -13,6 +13,7 @@ import pytest
 
 from gpu_worker import cpu_kernels as ck
 from gpu_worker import kernel_build as kb
+from shared.cpu import cpu_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVX2_ONLY = frozenset("fpu sse sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split())
@@ -24,14 +25,14 @@ def test_levels_follow_the_cpu_flags():
     assert kb.supported_levels(AVX2_ONLY) == ["generic", "avx2"]
     assert kb.supported_levels(AVX512) == ["generic", "avx2", "avx512"]
     assert kb.supported_levels(AVX2_ONLY - {"fma"}) == ["generic"]   # x86-64-v3 needs FMA too
-    assert kb.cpu_flags(os.devnull) == frozenset()
+    assert cpu_flags(os.devnull) == frozenset()
 
 
 def test_the_best_level_runs_here_and_a_level_can_be_forced(monkeypatch):
     monkeypatch.delenv("PACER_CPU_ISA", raising=False)
     assert ck.best_level(AVX2_ONLY) == "avx2"
     assert ck.best_level(AVX512) == "avx512"
-    here = kb.supported_levels(kb.cpu_flags())
+    here = kb.supported_levels(cpu_flags())
     assert ck.best_level() == here[-1]
     monkeypatch.setenv("PACER_CPU_ISA", "generic")
     assert ck.best_level(AVX512) == "generic"
@@ -44,7 +45,7 @@ def test_the_best_level_runs_here_and_a_level_can_be_forced(monkeypatch):
 
 
 def test_the_forced_level_is_the_one_a_process_loads():
-    here = kb.supported_levels(kb.cpu_flags())
+    here = kb.supported_levels(cpu_flags())
     for level in here:
         out = subprocess.run(
             [sys.executable, "-c", "from gpu_worker.cpu_kernels import cpu_kernels; "
