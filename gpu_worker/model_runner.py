@@ -95,8 +95,10 @@ class _RequestState:
     stopped: bool = False
 
 
-class UnknownKVCache(RuntimeError):
-    """A plan relies on K/V this process does not hold."""
+class UnknownKVCache(Exception):
+    """A plan relies on K/V this process does not hold. Every rank of a TP group raises it
+    at the same point, before any collective: not a RuntimeError, which the TP executors
+    read as a peer's death and wait for it to show (10 s)."""
 
 
 class ModelRunner:

@@ -52,7 +52,8 @@ from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
 from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, decoders_from,
                                   kv_descriptors, prefills_from)
-from scheduler_svc.recovery import WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost
+from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost,
+                                    WorkersLost)
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, role_disagreement
@@ -314,6 +315,9 @@ class SchedulerService:
         stats = self.stats_snapshot() if self.stats.due(idle) else None
         gateways = self._housekeeping_due()
         claim = room if gateways is not None else 0
+        # idle, the workers may have been restarted (their KV cache and every cached prefix
+        # gone) with no plan in flight to notice it: look before the next plan goes out
+        watch_workers = idle and not self._flight
         block_events = self.core.block_manager.take_events()
 
         async def exchange() -> list:
@@ -328,6 +332,8 @@ class SchedulerService:
                 self.decode.queue(pipe)
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
+            if watch_workers:
+                pipe.mget(self.workers.heartbeat_keys)
             if claim:
                 self.takeover.queue_claim(pipe, claim)
             # replies read back from the end: every command below returns one
@@ -358,6 +364,7 @@ class SchedulerService:
             self.prefill.receive_reservations(replies.pop())
         if claim:
             await self._resume_claimed(self.takeover.claimed(replies.pop()))
+        lost = self.workers.lost_in(replies.pop()) if watch_workers else []
         if gateways:
             self._check_gateways(gateways, replies.pop())
         if self.prefill is not None:
@@ -365,6 +372,8 @@ class SchedulerService:
                 await self._find_decoders()
             else:
                 self.prefill.retry()
+        if lost:
+            raise WorkersLost(lost)
 
     async def _find_decoders(self) -> None:
         """The decode instances alive now, from the scheduler heartbeats."""

@@ -14,7 +14,7 @@ from collections import deque
 import redis
 import structlog
 
-from services.supervisor import Child, Supervisor, describe_exit, stop_child, wait_quietly
+from services.supervisor import Child, Supervisor, describe_exit, stop_children, wait_quietly
 
 log = structlog.get_logger("restarts")
 
@@ -47,9 +47,7 @@ class Restarter:
         recent.append(time.monotonic())
         group = self._group(child)
         self._forget_heartbeats(group)
-        for member in group:
-            if member.returncode is None:
-                stop_child(member, 5.0)      # a surviving rank waits for a peer that is gone
+        stop_children(group, 5.0)            # a surviving rank waits for a peer that is gone
         for member in group:
             self.sup.restart(member)
         print(f"pacer up: {child.name} exited ({describe_exit(child.returncode)}); restarted "

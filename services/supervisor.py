@@ -81,27 +81,43 @@ class Supervisor:
         return exited
 
     def stop_all(self, timeouts: dict[str, float] | None = None,
-                 default_timeout_s: float = 10.0) -> None:
-        """SIGTERM each child in reverse start order, waiting for each; SIGKILL stragglers."""
+                 default_timeout_s: float = 10.0, groups: dict[str, str] | None = None) -> None:
+        """SIGTERM each child in reverse start order, waiting for each; SIGKILL stragglers.
+        Children of one group (`groups`: child name -> group, e.g. a TP group's ranks) are
+        signalled together and then waited for: a follower rank leaves only when its rank 0
+        ends the group, so waiting for it first would always run out its timeout."""
+        batches: list[list[Child]] = []
         for child in reversed(self.children):
-            timeout = (timeouts or {}).get(child.name, default_timeout_s)
-            stop_child(child, timeout)
+            group = (groups or {}).get(child.name)
+            if batches and group is not None and group == (groups or {}).get(batches[-1][0].name):
+                batches[-1].append(child)
+            else:
+                batches.append([child])
+        for batch in batches:
+            timeout = max((timeouts or {}).get(c.name, default_timeout_s) for c in batch)
+            stop_children(batch, timeout)
 
 
-def stop_child(child: Child, timeout_s: float) -> int | None:
-    if child.returncode is not None:
-        return child.returncode
-    try:
-        child.proc.send_signal(signal.SIGTERM)
-    except ProcessLookupError:
-        return child.returncode
-    try:
-        return child.proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        log.warning("did not stop in time; killing", child=child.name, pid=child.pid,
-                    timeout_s=timeout_s)
-        child.proc.kill()
-        return child.proc.wait()
+def stop_children(children: list[Child], timeout_s: float) -> list[int | None]:
+    """SIGTERM every child, then wait for each until one shared deadline; SIGKILL those
+    still running at it. Their exit codes, in order."""
+    for child in children:
+        if child.returncode is None:
+            try:
+                child.proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout_s
+    codes = []
+    for child in children:
+        try:
+            codes.append(child.proc.wait(max(0.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            log.warning("did not stop in time; killing", child=child.name, pid=child.pid,
+                        timeout_s=timeout_s)
+            child.proc.kill()
+            codes.append(child.proc.wait())
+    return codes
 
 
 def describe_exit(code: int) -> str:

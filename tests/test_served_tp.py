@@ -66,5 +66,12 @@ def test_tp2_served_matches_in_process_and_survives_a_dead_rank(tiny, tmp_path):
         assert status == 200, read_json(body)
         print(f"\ntp=2 group back {time.monotonic() - killed:.1f} s after rank 1 was killed")
         assert [complete(served.base_url, model, p) for p in PROMPTS] == expected
+        # the scheduler, idle when the group went, noticed the new one before planning for it:
+        # no plan relied on a prefix cached in the old group's KV (which kills the new group)
+        log_text = served.log_tail(10**8)
+        assert "never wrote" not in log_text and log_text.count("restarted worker rank 0") == 1
     finally:
+        stopped = time.monotonic()
         assert served.stop() == 0, served.log_tail()
+    # the ranks were stopped together: a follower leaves only when rank 0 ends the group
+    assert "did not stop in time" not in served.log_tail(10**8), time.monotonic() - stopped
