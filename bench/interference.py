@@ -61,10 +61,13 @@ class Run:
 def one_step(engine: LLMEngine, run: Run, t0: float) -> None:
     """`LLMEngine.step()` spelled out so that the plan's chunks are seen for the cost model."""
     start = time.perf_counter()
+    latency = engine.scheduler._latency_budget()       # what schedule() is about to work to
     plan = engine.scheduler.schedule()
     chunks = [(plan.num_scheduled_tokens[r.request_id],
                r.num_computed_tokens + plan.num_scheduled_tokens[r.request_id])
               for r in [*plan.new_requests, *plan.cached_requests]]
+    cost = engine.scheduler.config.iteration_cost
+    predicted_ms = cost.iteration_ms(chunks) if cost is not None and chunks else None
     result = engine.runner.execute(plan)
     outputs = engine.scheduler.update(plan, result)
     now = time.perf_counter()
@@ -75,7 +78,8 @@ def one_step(engine: LLMEngine, run: Run, t0: float) -> None:
         run.iterations.append({"start_s": start - t0, "ms": (now - start) * 1e3,
                                "forward_ms": result.forward_ms,
                                "wide_from_rows": result.wide_from_rows, "chunks": chunks,
-                               "kind": iteration_kind(chunks)})
+                               "kind": iteration_kind(chunks), "predicted_ms": predicted_ms,
+                               "budget_ms": latency.budget_ms if latency else None})
 
 
 def mode_config(base, mode: str, online: OnlineIterationCost):

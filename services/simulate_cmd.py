@@ -38,7 +38,7 @@ import math
 import sys
 from dataclasses import fields, replace
 
-from shared.config import AUTO_TBT_FACTOR, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
+from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
 from shared.engine_args import parse_latency_target
 from shared.errors import PacerError
 
@@ -90,7 +90,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="latency budget: cut prefill chunks to fit this many ms")
     s.add_argument("--target-tbt-ms", default="off", type=parse_latency_target,
                    help="token-gap target while decodes run, as the served flag: auto "
-                        f"({AUTO_TBT_FACTOR:g}x the predicted decodes plus one block), ms, or "
+                        f"({AUTO_TBT_TEXT}), ms, or "
                         "off (default)")
     s.add_argument("--cost", default="roofline", choices=("roofline", "online"),
                    help="the cost model the core plans with: the roofline of --hw (default), "

@@ -19,9 +19,12 @@ DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # `--target-tbt-ms auto`: an iteration that carries prefill may take this many times the
-# predicted time of its decodes plus one block of prefill rows (docs/design.md#the-token-gap-target;
-# docs/benchmarks.md#interference measures it)
-AUTO_TBT_FACTOR = 3.0
+# predicted time of its decodes alone, and at least one fewer times that of its decodes plus one
+# block of prefill rows (docs/design.md#the-token-gap-target; docs/benchmarks.md#interference
+# measures it)
+AUTO_TBT_FACTOR = 4.0
+AUTO_TBT_TEXT = (f"{AUTO_TBT_FACTOR:g}x the predicted decodes, at least "
+                 f"{AUTO_TBT_FACTOR - 1:g}x the decodes plus one block")
 # `--target-ttft-ms auto` (P/D prefill instances): a prompt's first token within this many
 # times its own predicted prefill, plus one full-budget iteration (docs/design.md#the-ttft-goal)
 AUTO_TTFT_FACTOR = 3.0
@@ -70,7 +73,8 @@ class SchedulerConfig:
     max_iteration_ms: float | None = None
     # The token-gap target (docs/design.md#the-token-gap-target): while decodes run, prefill
     # rides along only as far as keeps the iteration within `target_tbt_ms`, or within
-    # `target_tbt_factor` x the predicted decodes plus one block (`--target-tbt-ms auto`).
+    # `target_tbt_factor` x the predicted decodes, at least `target_tbt_factor` - 1 x the
+    # decodes plus one block (`--target-tbt-ms auto`).
     # With no decode running, prefill takes the whole token budget.
     target_tbt_ms: float | None = None
     target_tbt_factor: float | None = None

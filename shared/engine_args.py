@@ -7,7 +7,7 @@ from dataclasses import dataclass, fields, replace
 
 from shared.attention_choice import BACKENDS, choose_attention_here
 from shared.cpu import auto_dtype
-from shared.config import (AUTO_TBT_FACTOR, AUTO_TTFT_FACTOR, DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY,
+from shared.config import (AUTO_TBT_TEXT, AUTO_TTFT_FACTOR, DEFAULT_BLOCK_SIZE, DEFAULT_KV_CACHE_MEMORY,
                            DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS)
 from shared.errors import PacerError
 
@@ -117,7 +117,7 @@ class EngineArgs:
                        action="store_false", help="whole prompts in one iteration (ORCA only)")
         p.add_argument("--target-tbt-ms", default=target_tbt, type=parse_latency_target,
                        help=f"token-gap target while decodes run: auto (default {target_tbt}: "
-                            f"{AUTO_TBT_FACTOR:g}x the predicted decodes plus one block), off, or ms; "
+                            f"{AUTO_TBT_TEXT}), off, or ms; "
                             "caps the prefill rows that ride along, by the iteration-cost model "
                             "fitted online from measured forward times")
         p.add_argument("--target-ttft-ms", default="auto", type=parse_latency_target,

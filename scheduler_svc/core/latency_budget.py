@@ -29,6 +29,10 @@ class IterationLatency:
         self._chunks = decode_chunks
         self._has_prefill = False
 
+    @property
+    def budget_ms(self) -> float | None:
+        return self._budget_ms
+
     def prefill_rows(self, wanted: int, prefix_len: int) -> int:
         """How many of `wanted` prefill rows over a cached `prefix_len` fit; may be 0."""
         floor = 0 if self._has_prefill else min(wanted, self._min_rows)

@@ -459,11 +459,14 @@ class Scheduler:
         elif config.target_tbt_ms is not None:
             budget_ms = config.target_tbt_ms
         elif config.target_tbt_factor is not None:
-            # a multiple of the cheapest iteration that moves a waiting prompt: the decodes
-            # and one block of prefill rows (where a prefill row makes the GEMMs take a costlier
-            # path, int4 weights widened, that is well above the decodes alone)
-            block = config.block_size
-            budget_ms = config.target_tbt_factor * cost.iteration_ms(decodes + [(block, block)])
+            # a multiple of the decodes alone (the best-measured shape there is: steady, where
+            # a fit of the mixed shapes swings), and at least one fewer of the cheapest
+            # iteration that moves a waiting prompt, the decodes and one block of prefill rows
+            # (where a prefill row makes the GEMMs take a costlier path, int4 weights widened
+            # without AMX, that is well above the decodes alone)
+            block, factor = config.block_size, config.target_tbt_factor
+            budget_ms = max(factor * cost.iteration_ms(decodes),
+                            (factor - 1) * cost.iteration_ms(decodes + [(block, block)]))
             # Prompts waiting for their first token, those whose whole prompt fits one
             # iteration's tokens, stretch it by (streams + prompts) / streams, streams counted
             # as at least a few: a longer iteration delays each running stream once but brings
