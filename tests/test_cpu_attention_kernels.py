@@ -46,11 +46,15 @@ def _decodes(g, kv_lens: list[int], blocks: int, kvh: int, d: int, cache_dtype, 
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kvh,d", [(9, 3, 64), (8, 2, 128), (6, 2, 32)])  # AVX-512 paths, generic
-def test_decode_kernel_matches_the_torch_path(kernels, cache_dtype, heads, kvh, d):
+@pytest.mark.parametrize("heads,kvh,d,bs", [(9, 3, 64, 16), (8, 2, 128, 16), (6, 2, 32, 16),
+                                            (9, 3, 64, 5), (8, 2, 128, 32)])  # AVX-512, generic
+def test_decode_kernel_matches_the_torch_path(kernels, cache_dtype, heads, kvh, d, bs):
+    """Decodes over contexts of many lengths; block sizes that split 16-key groups (5) or hold
+    two (32) take the kernel's per-key and per-block addressing."""
     g = torch.Generator().manual_seed(0)
     # decodes over prefixes of many shapes
-    k_cache, v_cache, meta = _decodes(g, [1, 7, 16, 17, 100, 333], 200, kvh, d, cache_dtype)
+    k_cache, v_cache, meta = _decodes(g, [1, 7, 16, 17, 100, 333, 1500], 700, kvh, d,
+                                      cache_dtype, bs)
     T = meta.positions.shape[0]
     q = torch.randn(T, heads, d, generator=g)
     k = torch.randn(T, kvh, d, generator=g)
