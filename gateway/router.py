@@ -183,6 +183,8 @@ class ReplicaRouter:
 
     async def _candidates(self, prompt_token_ids: Sequence[int]
                           ) -> tuple[list[Candidate], list[bytes]]:
+        if self.policy == "prefix" and not self.block_size:
+            await self._learn_block_size()
         hashes = (cacheable_hashes(prompt_token_ids, self.block_size)
                   if self.policy == "prefix" and self.block_size else [])
         pipe = self.redis.pipeline(transaction=False)
@@ -209,6 +211,18 @@ class ReplicaRouter:
             candidates.append(Candidate(instance, cached, mine + others, usage,
                                         self._queued[index] + UNKNOWN_TOKENS * others))
         return candidates, hashes
+
+    async def _learn_block_size(self) -> None:
+        """The block size from the instances' stats hashes, before the first prompt is hashed:
+        learnt only from the replies of the same round trip, the first request of a prefix
+        went unhashed and unremembered, and the second could be sent elsewhere."""
+        pipe = self.redis.pipeline(transaction=False)
+        for k in self._keys:
+            pipe.hget(k.stats, "block_size")
+        for value in await pipe.execute():
+            if _number(value):
+                self.block_size = int(_number(value))
+                return
 
     def _recent_owner(self, h: bytes, now: float) -> int | None:
         entry = self._recent.get(h)

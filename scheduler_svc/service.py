@@ -138,6 +138,11 @@ class SchedulerService:
             self.prefill.cursor = await stream_tail_id(self.redis, self.keys.reservations)
         if self.decode is not None:
             self.decode.cursor = await stream_tail_id(self.redis, self.keys.handoff)
+        # before the heartbeat (which /health waits for): a gateway's router reads the block
+        # size it hashes prompts with from here, and a request may come at once
+        stats = self.stats_snapshot()
+        await self.recovery.retrying("write stats", lambda: self.redis.hset(self.keys.stats,
+                                                                           mapping=stats))
 
     async def start(self, stop: asyncio.Event) -> bool:
         """Wait for the workers, let them finish what a previous scheduler sent, take back
