@@ -164,6 +164,32 @@ def test_the_router_reads_published_sets_and_remembers_what_it_sent(redis_server
     sync.close()
 
 
+def test_the_first_prompt_a_router_sees_is_hashed_and_remembered(redis_server):
+    """The block size is read before the first prompt is hashed: the first request of a new
+    prefix is remembered, so the second follows it while nothing is published yet (learnt
+    from the same round trip's replies, it went unhashed, and the second, its replica busy
+    with the first, went to the other)."""
+    keys = Keys("rt1:")
+    sync = redis.Redis.from_url(redis_server)
+    for k in (keys.for_instance("r0"), keys.for_instance("r1")):
+        sync.hset(k.stats, mapping={"num_requests_running": 0, "num_requests_waiting": 0,
+                                    "kv_cache_usage_perc": 0.1, "block_size": BLOCK})
+    sync.close()
+    fresh = list(range(900, 940))
+
+    async def scenario() -> list[str]:
+        client = aioredis.Redis.from_url(redis_server)
+        router = ReplicaRouter(client, keys, ["r0", "r1"], "prefix")
+        try:
+            return [await router.choose("first", fresh + [1]),
+                    await router.choose("second", fresh + [2])]
+        finally:
+            await client.aclose()
+
+    first, second = asyncio.run(scenario())
+    assert second == first
+
+
 def test_round_robin_needs_no_redis_reads():
     async def scenario() -> list[str]:
         router = ReplicaRouter(None, Keys(), ["r0", "r1"], "round-robin")  # type: ignore[arg-type]
