@@ -369,7 +369,7 @@ class SchedulerService:
             self.prefill.receive_reservations(replies.pop())
         if claim:
             await self._resume_claimed(self.takeover.claimed(replies.pop()))
-        lost = self.workers.lost_in(replies.pop()) if watch_workers else []
+        lost = self.workers.restarted_in(replies.pop()) if watch_workers else []
         if gateways:
             self._check_gateways(gateways, replies.pop())
         if self.prefill is not None:

@@ -65,6 +65,12 @@ class WorkerWatch:
         except (ProtocolError, AttributeError, KeyError, ValueError):
             return False
 
+    def restarted_in(self, values: list[bytes | None]) -> list[int]:
+        """Ranks whose key now names another process than at `record` (a restart); an expired
+        key is not one: an idle worker that missed a heartbeat still holds its KV cache."""
+        return [rank for rank, (value, before) in enumerate(zip(values, self._planned_for))
+                if value is not None and incarnation(value) != before]
+
     def lost_in(self, values: list[bytes | None]) -> list[int]:
         """Ranks that died or were restarted since `record` (MGET of `heartbeat_keys`)."""
         return [rank for rank, (value, before) in enumerate(zip(values, self._planned_for))
