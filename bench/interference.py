@@ -61,8 +61,8 @@ class Run:
 def one_step(engine: LLMEngine, run: Run, t0: float) -> None:
     """`LLMEngine.step()` spelled out so that the plan's chunks are seen for the cost model."""
     start = time.perf_counter()
-    latency = engine.scheduler._latency_budget()       # what schedule() is about to work to
     plan = engine.scheduler.schedule()
+    latency = engine.scheduler.last_latency_budget       # what that plan was made to
     chunks = [(plan.num_scheduled_tokens[r.request_id],
                r.num_computed_tokens + plan.num_scheduled_tokens[r.request_id])
               for r in [*plan.new_requests, *plan.cached_requests]]

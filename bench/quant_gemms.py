@@ -1,5 +1,5 @@
 """The quantized GEMMs by rows: each path gpu_worker/quant/linear.py can take, timed on the
-default model's shapes, to set where one path hands over to the next (`amx_rows`, `many_rows`).
+default model's shapes, to set where one path hands over to the next (`amx_rows`, `fma_rows`, `many_rows`).
 
 Per row count, the whole model's layer GEMMs (30 layers x qkv, o, gate_up, down as int4, each
 a distinct weight so that they stream from memory as in a forward) and the LM head (int8,
@@ -8,6 +8,10 @@ a distinct weight so that they stream from memory as in a forward) and the LM he
     aten    torch's int4 / int8 kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
     widen   the weight widened to bfloat16 in memory, then torch's bf16 GEMM
     amx     widened in cache and multiplied on AMX tiles (`int4pack_mm_amx`, `int8_mm_amx`)
+    fma     widened to float32 in cache and multiplied with FMA (`int4pack_mm_fma`,
+            `int8_mm_fma`): CPUs with neither AMX nor native bf16 (AVX2); to see it on an
+            AVX-512 machine, hold everything at AVX2: PACER_CPU_ISA=avx2
+            ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
     bf16    for scale: the same GEMMs on prepacked bfloat16 weights (`--quantization none`)
 
     python bench/quant_gemms.py [--rows 1,4,8,10,16,24,32,64,128,512] [--json out.json]
@@ -52,9 +56,10 @@ def random_int4(n: int, k: int, group: int = 32) -> Int4Weight:
 
 
 def forced(path: str):
-    """Row thresholds that send every size down `path`."""
+    """Row thresholds (many_rows, amx_rows, fma_rows) that send every size down `path`."""
     never, always = 10 ** 9, 0
-    return {"aten": (never, never), "widen": (always, never), "amx": (never, always)}[path]
+    return {"aten": (never, never, never), "widen": (always, never, never),
+            "amx": (never, always, never), "fma": (never, never, always)}[path]
 
 
 def main() -> None:
@@ -69,8 +74,9 @@ def main() -> None:
     bf16 = [prepack(torch.randn(shape, dtype=torch.bfloat16))
             for shape in LAYER_SHAPES.values() for _ in range(LAYERS)]
     bf16_head = prepack(torch.randn(LM_HEAD, dtype=torch.bfloat16))
-    paths = ["aten", "widen"] + (["amx"] if linear._amx_kernels() is not None else [])
-    saved = {cls: (cls.many_rows, cls.amx_rows) for cls in (Int4Weight, Int8Weight)}
+    paths = ["aten", "widen"] + (["amx"] if linear._amx_kernels() is not None else []) + \
+        (["fma"] if linear._fma_kernels() is not None else [])
+    saved = {cls: (cls.many_rows, cls.amx_rows, cls.fma_rows) for cls in (Int4Weight, Int8Weight)}
     rows_out = []
     try:
         for rows in (int(r) for r in args.rows.split(",")):
@@ -78,7 +84,7 @@ def main() -> None:
             xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
             for path in paths:
                 for cls in (Int4Weight, Int8Weight):
-                    cls.many_rows, cls.amx_rows = forced(path)
+                    cls.many_rows, cls.amx_rows, cls.fma_rows = forced(path)
                 row[f"{path}_layers_ms"] = best_ms(lambda: [
                     w.mm(xs[w.in_features]) for ws in layers.values() for w in ws])
                 row[f"{path}_head_ms"] = best_ms(lambda: head.mm(xs[576]))
@@ -92,9 +98,11 @@ def main() -> None:
             print(f"rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()
                                                if k != "rows"), flush=True)
     finally:
-        for cls, (many, amx) in saved.items():
-            cls.many_rows, cls.amx_rows = many, amx
+        for cls, (many, amx, fma) in saved.items():
+            cls.many_rows, cls.amx_rows, cls.fma_rows = many, amx, fma
     flags = " ".join(f for f in SHOWN_FLAGS if f in cpu_flags())
+    held = os.environ.get("PACER_CPU_ISA")
+    flags += f" (kernels held at {held})" if held else ""
     print(f"\nCPU flags: {flags}; torch threads {torch.get_num_threads()}")
     print_table(rows_out, list(rows_out[0]))
     write_json(args.json, {"cpu_flags": flags, "threads": torch.get_num_threads(),

@@ -61,8 +61,7 @@ STICKY_SHARE = 0.5           # a cached prefix leading by this share of the prom
 OVERLOAD_FACTOR = 2          # ...unless its replica has more than this many times the
 OVERLOAD_MARGIN = 4          #    least loaded one's requests in flight, plus this many
 KV_FULL = 0.9                # ...or a KV cache fuller than this
-STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
-                "block_size")
+STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
 
 @dataclass(frozen=True)
@@ -198,9 +197,7 @@ class ReplicaRouter:
         recent = [self._recent_owner(h, now) for h in hashes]
         candidates = []
         for index, instance in enumerate(self.instances):
-            running, waiting, usage, block_size = (_number(v) for v in replies[index * step])
-            if block_size and not self.block_size:
-                self.block_size = int(block_size)
+            running, waiting, usage = (_number(v) for v in replies[index * step])
             cached = 0
             if hashes:
                 published = replies[index * step + 1]

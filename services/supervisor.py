@@ -86,10 +86,11 @@ class Supervisor:
         Children of one group (`groups`: child name -> group, e.g. a TP group's ranks) are
         signalled together and then waited for: a follower rank leaves only when its rank 0
         ends the group, so waiting for it first would always run out its timeout."""
+        group_of = groups or {}
         batches: list[list[Child]] = []
         for child in reversed(self.children):
-            group = (groups or {}).get(child.name)
-            if batches and group is not None and group == (groups or {}).get(batches[-1][0].name):
+            group = group_of.get(child.name)
+            if batches and group is not None and group == group_of.get(batches[-1][0].name):
                 batches[-1].append(child)
             else:
                 batches.append([child])

@@ -333,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     host, port = url.hostname or "127.0.0.1", url.port or 6379
     stopping = _Signals()
     sup = Supervisor()
-    groups: dict[str, str] = {}          # filled once the services are known
+    services: Services | None = None
     try:
         # only a plain redis:// URL can be a server of ours; rediss:// and unix sockets are used
         started = url.scheme == "redis" and not redis_answers(host, port)
@@ -342,7 +342,6 @@ def run(args: argparse.Namespace) -> int:
         redis_note = describe_redis(args.redis_url, started)
         log.info("redis", redis=redis_note, started_here=started)
         services = _service_argvs(args, engine)
-        groups.update(services.groups)
         for name, argv in services.argvs:
             sup.start(name, argv)
         http_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -357,7 +356,7 @@ def run(args: argparse.Namespace) -> int:
         restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups)
         return _watch(sup, stopping, restarter)
     finally:
-        _stop(sup, args.shutdown_timeout, groups)
+        _stop(sup, args.shutdown_timeout, services.groups if services else {})
 
 
 def _stop(sup: Supervisor, shutdown_timeout_s: float, groups: dict[str, str]) -> None:

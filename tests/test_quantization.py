@@ -129,7 +129,9 @@ def test_many_rows_widen_the_weights_to_exactly_their_values(shape, monkeypatch)
     kernels.dequantize_int8(w8.codes, w8.scale, wide)
     assert torch.equal(wide, (q8.codes.float() * w8.scale.float().unsqueeze(1)).to(ACT_DTYPE))
     x = torch.randn(Int4Weight.many_rows + 3, k)
-    monkeypatch.setattr(linear, "_amx_kernels", lambda: None)   # the path of CPUs without AMX
+    # the path of CPUs with neither AMX nor FMA kernels
+    monkeypatch.setattr(linear, "_amx_kernels", lambda: None)
+    monkeypatch.setattr(linear, "_fma_kernels", lambda: None)
     for packed in (w4, w8):
         wide_y = packed.mm(x)
         monkeypatch.setattr(type(packed), "many_rows", 10 ** 9)
@@ -178,6 +180,60 @@ def test_amx_int8_gemm_matches_its_dequantized_weights(shape):
         ref = x.float() @ (w8.codes.float() * w8.scale.float().unsqueeze(1)).t()
         assert y.shape == (rows, n) and y.dtype == ACT_DTYPE
         torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+
+
+def _fma_kernels():
+    from gpu_worker.cpu_kernels import cpu_kernels
+    kernels = cpu_kernels()
+    if kernels is None or not kernels.fma_ready():
+        pytest.skip("no AVX2/FMA kernel build here")
+    return kernels
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES[:4] + [(40, 64), (320, 192)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("group", [32, 64])
+def test_fma_int4_gemm_multiplies_the_float_weights(shape, group, monkeypatch):
+    """Without AMX or native bf16 (csrc/dequant.cpp int4pack_mm_fma), W is widened in cache to
+    float32 and multiplied with FMA: x @ W in float32 up to the order of the sums and the
+    output's bfloat16 rounding; row counts that fill the 6-row tiles and leave each remainder."""
+    kernels = _fma_kernels()
+    n, k = shape
+    q4 = quantize_int4(torch.from_numpy(_random(n, k, seed=group)), group)
+    w4 = Int4Weight(q4)
+    n_pad = w4.scales_zeros.shape[1]
+    s, z = (w4.scales_zeros[..., i].float().t()[:n].repeat_interleave(group, dim=1)
+            for i in (0, 1))
+    w = (q4.codes.float() - 8) * s + z                 # the values the packed scales give
+    monkeypatch.setattr(linear, "_amx_kernels", lambda: None)
+    monkeypatch.setattr(linear, "_fma_kernels", lambda: kernels)
+    for rows in range(1, 14):
+        x = torch.randn(rows, k, dtype=ACT_DTYPE)
+        y = torch.empty(rows, n_pad, dtype=ACT_DTYPE)
+        kernels.int4pack_mm_fma(x, w4.packed, w4.scales_zeros, group, y)
+        ref = x.float() @ w.t()
+        torch.testing.assert_close(y[:, :n].float(), ref, rtol=2 ** -7,
+                                   atol=1e-4 * ref.abs().max().item())
+        assert not y[:, n:].any()
+        if rows >= Int4Weight.fma_rows:
+            assert torch.equal(w4.mm(x), y[:, :n])
+
+
+@pytest.mark.parametrize("shape", [(49152, 576), (960, 576), (48, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_fma_int8_gemm_matches_its_dequantized_weights(shape, monkeypatch):
+    """The int8 LM head with FMA (int8_mm_fma): codes times their row's scale in float32,
+    so only the sums' order and the output's rounding separate it from x @ (c · s)ᵀ."""
+    kernels = _fma_kernels()
+    n, k = shape
+    w8 = Int8Weight(quantize_int8(torch.from_numpy(_random(n, k))))
+    monkeypatch.setattr(linear, "_amx_kernels", lambda: None)
+    monkeypatch.setattr(linear, "_fma_kernels", lambda: kernels)
+    for rows in (Int8Weight.fma_rows, 13, 33):
+        x = torch.randn(rows, k, dtype=ACT_DTYPE)
+        y = w8.mm(x)
+        ref = x.float() @ (w8.codes.float() * w8.scale.float().unsqueeze(1)).t()
+        assert y.shape == (rows, n) and y.dtype == ACT_DTYPE
+        torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-4 * ref.abs().max().item())
 
 
 def test_quantization_error_is_what_the_scheme_allows():

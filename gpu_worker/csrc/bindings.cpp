@@ -209,39 +209,68 @@ void dequantize_int4pack(const torch::Tensor& packed, const torch::Tensor& scale
                              mut_ptr<bf16>(out));
 }
 
-void int4pack_mm_amx(const torch::Tensor& x, const torch::Tensor& packed,
-                     const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
-  TORCH_CHECK(pacer::amx_ready(), "int4pack_mm_amx: no AMX here (see amx_ready)");
+using Int4Mm = void (*)(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t,
+                       int64_t, bf16*);
+using Int8Mm = void (*)(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, bf16*);
+
+// out [M, N] = x [M, K] times W in torch's int4 layout, by one of the kernels that widen W in
+// cache (AMX tiles, or FMA)
+void int4pack_mm(const char* name, Int4Mm kernel, const torch::Tensor& x,
+                 const torch::Tensor& packed, const torch::Tensor& scales_zeros, int64_t group,
+                 torch::Tensor& out) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && packed.dtype() == torch::kUInt8 &&
                   scales_zeros.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
-              "int4pack_mm_amx: bfloat16 x, uint8 packed, bfloat16 scales_and_zeros and out");
+              name, ": bfloat16 x, uint8 packed, bfloat16 scales_and_zeros and out");
   TORCH_CHECK(all_contiguous({&x, &packed, &scales_zeros, &out}) && x.dim() == 2 &&
                   out.dim() == 2 && scales_zeros.dim() == 3 && scales_zeros.size(2) == 2,
-              "int4pack_mm_amx: contiguous x [M, K], scales_and_zeros [K / g, N, 2], out [M, N]");
+              name, ": contiguous x [M, K], scales_and_zeros [K / g, N, 2], out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
   TORCH_CHECK(out.size(0) == M && N % 64 == 0 && K % 32 == 0 && group > 0 && K % group == 0 &&
                   packed.numel() * 2 == N * K && scales_zeros.size(0) == K / group &&
                   scales_zeros.size(1) == N,
-              "int4pack_mm_amx: N a multiple of 64, K of 32 and of the group; sizes that agree");
-  pacer::int4pack_mm_amx(ptr<bf16>(x), M, packed.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N,
-                         K, group, mut_ptr<bf16>(out));
+              name, ": N a multiple of 64, K of 32 and of the group; sizes that agree");
+  kernel(ptr<bf16>(x), M, packed.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N, K, group,
+         mut_ptr<bf16>(out));
+}
+
+// out [M, N] = x [M, K] times int8 codes [N, K] with one scale per row (the LM head)
+void int8_mm(const char* name, Int8Mm kernel, const torch::Tensor& x, const torch::Tensor& codes,
+             const torch::Tensor& scale, torch::Tensor& out) {
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && codes.dtype() == torch::kInt8 &&
+                  scale.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
+              name, ": bfloat16 x, int8 codes, bfloat16 scales and out");
+  TORCH_CHECK(all_contiguous({&x, &codes, &scale, &out}) && x.dim() == 2 && codes.dim() == 2 &&
+                  out.dim() == 2,
+              name, ": contiguous x [M, K], codes [N, K], scales [N], out [M, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.size(1) == K && scale.numel() == N && out.size(0) == M && out.size(1) == N &&
+                  N % 16 == 0 && K % 32 == 0,
+              name, ": N a multiple of 16, K of 32; sizes that agree");
+  kernel(ptr<bf16>(x), M, codes.data_ptr<int8_t>(), ptr<bf16>(scale), N, K, mut_ptr<bf16>(out));
+}
+
+void int4pack_mm_amx(const torch::Tensor& x, const torch::Tensor& packed,
+                     const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
+  TORCH_CHECK(pacer::amx_ready(), "int4pack_mm_amx: no AMX here (see amx_ready)");
+  int4pack_mm("int4pack_mm_amx", pacer::int4pack_mm_amx, x, packed, scales_zeros, group, out);
 }
 
 void int8_mm_amx(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
                  torch::Tensor& out) {
   TORCH_CHECK(pacer::amx_ready(), "int8_mm_amx: no AMX here (see amx_ready)");
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && codes.dtype() == torch::kInt8 &&
-                  scale.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
-              "int8_mm_amx: bfloat16 x, int8 codes, bfloat16 scales and out");
-  TORCH_CHECK(all_contiguous({&x, &codes, &scale, &out}) && x.dim() == 2 && codes.dim() == 2 &&
-                  out.dim() == 2,
-              "int8_mm_amx: contiguous x [M, K], codes [N, K], scales [N], out [M, N]");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.size(1) == K && scale.numel() == N && out.size(0) == M && out.size(1) == N &&
-                  N % 16 == 0 && K % 32 == 0,
-              "int8_mm_amx: N a multiple of 16, K of 32; sizes that agree");
-  pacer::int8_mm_amx(ptr<bf16>(x), M, codes.data_ptr<int8_t>(), ptr<bf16>(scale), N, K,
-                     mut_ptr<bf16>(out));
+  int8_mm("int8_mm_amx", pacer::int8_mm_amx, x, codes, scale, out);
+}
+
+void int4pack_mm_fma(const torch::Tensor& x, const torch::Tensor& packed,
+                     const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
+  TORCH_CHECK(pacer::fma_ready(), "int4pack_mm_fma: this build has no AVX2/FMA kernels");
+  int4pack_mm("int4pack_mm_fma", pacer::int4pack_mm_fma, x, packed, scales_zeros, group, out);
+}
+
+void int8_mm_fma(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                 torch::Tensor& out) {
+  TORCH_CHECK(pacer::fma_ready(), "int8_mm_fma: this build has no AVX2/FMA kernels");
+  int8_mm("int8_mm_fma", pacer::int8_mm_fma, x, codes, scale, out);
 }
 
 void dequantize_int8(const torch::Tensor& codes, const torch::Tensor& scale, torch::Tensor& out) {
@@ -282,6 +311,12 @@ void pacer_bind(pybind11::module_& m) {
         "x (bf16) times torch's CPU int4 layout, widened in cache and multiplied on AMX tiles");
   m.def("int8_mm_amx", &int8_mm_amx,
         "x (bf16) times int8 per-row codes, on AMX tiles (the LM head at many rows)");
+  m.def("fma_ready", &pacer::fma_ready,
+        "whether this build has int4pack_mm_fma and int8_mm_fma (AVX2 + FMA or above)");
+  m.def("int4pack_mm_fma", &int4pack_mm_fma,
+        "x (bf16) times torch's CPU int4 layout, widened to float32 in cache, FMA");
+  m.def("int8_mm_fma", &int8_mm_fma,
+        "x (bf16) times int8 per-row codes, widened to float32 in cache, FMA");
   m.def("dequantize_int8", &dequantize_int8, "int8 per-channel codes widened to bfloat16");
   m.def("decode_attention_block", &decode_attention_block,
         "RoPE + K/V store + decode attention from a bfloat16 fused qkv, one row per request");

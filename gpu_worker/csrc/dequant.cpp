@@ -24,6 +24,10 @@
 #include <unistd.h>
 #endif
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "kernels.h"
 
 namespace pacer {
@@ -305,6 +309,145 @@ bool amx_ready() { return false; }
 void int8_mm_amx(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, bf16*) {}
 void int4pack_mm_amx(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t, int64_t,
                      bf16*) {}
+#endif
+
+
+// Without AMX or native bf16 GEMMs (AVX2 + FMA CPUs, AVX-512 ones without AVX512-BF16), the
+// many-row GEMMs widen the weights to float32 in cache and multiply there with FMA, the way the
+// AMX kernels do on tiles: int4pack_mm_fma 64 output columns of W at a time ([K][64] floats,
+// which stay in L2), int8_mm_fma 16 rows of the LM head's codes at a time ([16][K] floats).
+// Neither writes a widened weight to memory. x and out are bfloat16 as for the other paths;
+// the sums are float32 over the float32 weights.
+#if defined(__AVX2__) && defined(__FMA__)
+namespace {
+
+inline __m256 load8(const bf16* p) {      // 8 bfloat16 -> float32
+  return _mm256_castsi256_ps(_mm256_slli_epi32(
+      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+inline __m128i round8_bf16(__m256 v) {    // 8 floats to bfloat16, round to nearest even
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  // per 128-bit lane r0-3 r0-3 | r4-7 r4-7; quadwords 0 and 2 are r0-7
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+
+// 8 rows' (q - 8) · scale + zero from 8 codes (the low 8 bytes) and 8 (scale, zero) pairs
+inline __m256 widen8f(__m128i codes, const bf16* pairs) {
+  const __m256i sz = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs));
+  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
+  const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(sz, _mm256_set1_epi32(0xFFFF0000)));
+  const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)),
+                                 _mm256_set1_ps(8.f));
+  return _mm256_fmadd_ps(q, s, z);
+}
+
+// Columns [64b, 64b + 64) of W, all K rows, widened to float32: w[k][64]
+void widen_block_f32(const uint8_t* packed, const bf16* sz, int64_t N, int64_t K, int64_t group,
+                     int64_t b, float* w) {
+  for (int64_t k = 0; k < K; ++k) {
+    const uint8_t* p = packed + (b * K + k) * 32;
+    const bf16* s = sz + ((k / group) * N + b * 64) * 2;
+    float* row = w + k * 64;
+    for (int h = 0; h < 32; h += 8) {    // byte j: row j (low nibble), row 32 + j (high)
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + h));
+      const __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
+      const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
+      _mm256_storeu_ps(row + h, widen8f(lo, s + 2 * h));
+      _mm256_storeu_ps(row + 32 + h, widen8f(hi, s + 2 * (32 + h)));
+    }
+  }
+}
+
+// R rows of x (float32, row stride K) times 16 columns of w (row stride ldw) into out (bf16,
+// row stride N): 2R accumulators, each w load shared by the R rows
+template <int R>
+inline void rows_by_16(const float* x, int64_t K, const float* w, int64_t ldw, bf16* out,
+                       int64_t N) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(w + k * ldw), w1 = _mm256_loadu_ps(w + k * ldw + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * K + k);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * N), round8_bf16(acc[r][0]));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * N + 8), round8_bf16(acc[r][1]));
+  }
+}
+
+constexpr int kRows = 6;    // 12 accumulators + 2 weights + 1 broadcast of AVX2's 16 registers
+
+// out[m0:M, 16 columns] for every row tile, R rows at a time
+inline void all_rows_by_16(const float* xf, int64_t M, int64_t K, const float* w, int64_t ldw,
+                           bf16* out, int64_t N) {
+  int64_t m = 0;
+  for (; m + kRows <= M; m += kRows) rows_by_16<kRows>(xf + m * K, K, w, ldw, out + m * N, N);
+  switch (M - m) {
+    case 5: rows_by_16<5>(xf + m * K, K, w, ldw, out + m * N, N); break;
+    case 4: rows_by_16<4>(xf + m * K, K, w, ldw, out + m * N, N); break;
+    case 3: rows_by_16<3>(xf + m * K, K, w, ldw, out + m * N, N); break;
+    case 2: rows_by_16<2>(xf + m * K, K, w, ldw, out + m * N, N); break;
+    case 1: rows_by_16<1>(xf + m * K, K, w, ldw, out + m * N, N); break;
+    default: break;
+  }
+}
+
+std::vector<float> widen_x(const bf16* x, int64_t M, int64_t K) {
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = to_float(x[i]);
+  return xf;
+}
+
+}  // namespace
+
+bool fma_ready() { return true; }
+
+void int4pack_mm_fma(const bf16* x, int64_t M, const uint8_t* packed, const bf16* sz, int64_t N,
+                     int64_t K, int64_t group, bf16* out) {
+  const std::vector<float> xf = widen_x(x, M, K);
+#pragma omp parallel
+  {
+    std::vector<float> w(K * 64);
+    // dynamically, as the AMX kernel: a preempted thread leaves its blocks to the others
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < N / 64; ++b) {
+      widen_block_f32(packed, sz, N, K, group, b, w.data());
+      for (int c = 0; c < 64; c += 16)
+        all_rows_by_16(xf.data(), M, K, w.data() + c, 64, out + b * 64 + c, N);
+    }
+  }
+}
+
+void int8_mm_fma(const bf16* x, int64_t M, const int8_t* codes, const bf16* scale, int64_t N,
+                 int64_t K, bf16* out) {
+  const std::vector<float> xf = widen_x(x, M, K);
+#pragma omp parallel
+  {
+    std::vector<float> w(K * 16);      // 16 code rows, transposed and scaled: w[k][16]
+#pragma omp for schedule(dynamic, 8)
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+      for (int j = 0; j < 16; ++j) {
+        const int8_t* c = codes + (n0 + j) * K;
+        const float s = to_float(scale[n0 + j]);
+        for (int64_t k = 0; k < K; ++k) w[k * 16 + j] = static_cast<float>(c[k]) * s;
+      }
+      all_rows_by_16(xf.data(), M, K, w.data(), 16, out + n0, N);
+    }
+  }
+}
+#else
+bool fma_ready() { return false; }
+void int4pack_mm_fma(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t, int64_t,
+                     bf16*) {}
+void int8_mm_fma(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, bf16*) {}
 #endif
 
 }  // namespace pacer

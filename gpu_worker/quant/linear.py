@@ -21,7 +21,10 @@ On a CPU without native bf16 dot products (AVX2 only: a bf16 GEMM there widens t
 software, 8x slower) the widened weight is multiplied in float32 instead. On a CPU with AMX the
 int4 weights skip that round trip: from `amx_rows` rows on, the kernel widens 64 columns at a
 time into cache and multiplies them there on the tile unit (csrc/dequant.cpp
-`int4pack_mm_amx`; docs/benchmarks.md#quantized-weights has the figures).
+`int4pack_mm_amx`; docs/benchmarks.md#quantized-weights has the figures). Without AMX or native
+bf16 GEMMs (AVX2 CPUs), from `fma_rows` rows on, kernels of the same shape widen to float32 in
+cache and multiply with FMA (`int4pack_mm_fma`, `int8_mm_fma`): no widened weight in memory,
+no bf16 detour.
 """
 from __future__ import annotations
 
@@ -55,6 +58,18 @@ def _amx_kernels():
 
 
 @functools.cache
+def _fma_kernels():
+    """The CPU kernels when many-row GEMMs widen to float32 in cache and multiply with FMA
+    here: a build with those kernels (AVX2 and above) on a CPU with neither AMX nor native bf16
+    GEMMs, where the other paths would widen the weight to memory."""
+    kernels = _widening_kernels()
+    if (kernels is None or not hasattr(kernels, "fma_ready") or not kernels.fma_ready()
+            or _amx_kernels() is not None or _bf16_gemm_native()):
+        return None
+    return kernels
+
+
+@functools.cache
 def _bf16_gemm_native() -> bool:
     """bf16 GEMMs in hardware: the CPU has AVX512-BF16 or AMX and its kernels are not held below
     AVX-512 (PACER_CPU_ISA, gpu_worker/cpu_kernels.py)."""
@@ -72,20 +87,35 @@ def _mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> to
 class _Packed:
     many_rows: int          # from this many rows on, widen the weight (to bf16 in memory)
     amx_rows: int           # with AMX, from this many rows on: the tile kernels
+    fma_rows: int           # without AMX or native bf16, from this many rows on: FMA in cache
 
     @classmethod
     def wide_from(cls) -> int | None:
-        """The row count from which these GEMMs widen the weight (on AMX tiles or to a bf16
-        copy), here; None without the CPU kernels."""
+        """The row count from which these GEMMs widen the weight (in cache or to a bf16 copy),
+        here; None without the CPU kernels."""
         if _amx_kernels() is not None:
             return cls.amx_rows
+        if _fma_kernels() is not None:
+            return cls.fma_rows
         return cls.many_rows if _widening_kernels() is not None else None
+
+    def _in_cache(self, rows: int):
+        """The kernel that widens this weight in cache for `rows` rows (`int4pack_mm_amx`,
+        `int8_mm_fma`, ...: suffix "amx" or "fma") as (module, suffix), or (None, None)."""
+        amx = _amx_kernels()
+        if amx is not None:
+            return (amx, "amx") if rows >= self.amx_rows else (None, None)
+        fma = _fma_kernels()
+        if fma is not None and rows >= self.fma_rows:
+            return fma, "fma"
+        return None, None
 
 
 class Int4Weight(_Packed):
     scheme = "int4"
     many_rows = 24          # measured: docs/benchmarks.md#quantized-weights
     amx_rows = 10
+    fma_rows = 8
 
     def __init__(self, q: QTensor):
         assert q.scheme == "int4"
@@ -108,11 +138,12 @@ class Int4Weight(_Packed):
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
-        amx = _amx_kernels() if rows >= self.amx_rows else None
-        kernels = _widening_kernels() if amx is None and rows >= self.many_rows else None
-        if amx is not None:
+        tiles, suffix = self._in_cache(rows)
+        kernels = _widening_kernels() if tiles is None and rows >= self.many_rows else None
+        if tiles is not None:
             y = x.new_empty((rows, self.scales_zeros.shape[1]))
-            amx.int4pack_mm_amx(x.contiguous(), self.packed, self.scales_zeros, self.group, y)
+            getattr(tiles, f"int4pack_mm_{suffix}")(x.contiguous(), self.packed,
+                                                     self.scales_zeros, self.group, y)
         elif kernels is not None:
             w_t = x.new_empty((self.in_features, self.scales_zeros.shape[1]))
             kernels.dequantize_int4pack(self.packed, self.scales_zeros, self.group, w_t)
@@ -127,6 +158,7 @@ class Int8Weight(_Packed):
     scheme = "int8"
     many_rows = 16          # measured: docs/benchmarks.md#quantized-weights
     amx_rows = 5
+    fma_rows = 16
     CHUNK = 4096
 
     def __init__(self, q: QTensor):
@@ -135,7 +167,7 @@ class Int8Weight(_Packed):
         self.codes = q.codes.contiguous()
         self.scale_f32 = q.scale.reshape(-1).contiguous()
         self.scale = self.scale_f32.to(ACT_DTYPE)
-        self.amx_shape = self.out_features % 16 == 0 and self.in_features % 32 == 0  # tiles
+        self.tile_shape = self.out_features % 16 == 0 and self.in_features % 32 == 0
 
     @property
     def nbytes(self) -> int:
@@ -144,10 +176,10 @@ class Int8Weight(_Packed):
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
-        amx = _amx_kernels() if rows >= self.amx_rows and self.amx_shape else None
-        if amx is not None:
+        tiles, suffix = self._in_cache(rows) if self.tile_shape else (None, None)
+        if tiles is not None:
             y = x.new_empty((rows, self.out_features))
-            amx.int8_mm_amx(x.contiguous(), self.codes, self.scale, y)
+            getattr(tiles, f"int8_mm_{suffix}")(x.contiguous(), self.codes, self.scale, y)
             return y
         kernels = _widening_kernels() if rows >= self.many_rows else None
         if kernels is None:

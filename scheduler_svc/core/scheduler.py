@@ -136,6 +136,7 @@ class Scheduler:
         # plans awaiting update(), oldest first: one, or two once `schedule_ahead()` ran
         self._flights: deque[_Flight] = deque()
         self._sync_next = False       # a plan made ahead stalled: the next one waits
+        self.last_latency_budget: IterationLatency | None = None   # the last plan's, if any
         self.clock = clock
         self.ttft_goal = None if config.target_ttft_ms is None and \
             config.target_ttft_factor is None else TtftGoal(
@@ -312,7 +313,8 @@ class Scheduler:
 
     def _decide(self, ahead: int | None,
                 finishing: frozenset[Request] = frozenset()) -> _Iteration:
-        iteration = _Iteration(self.config.max_num_batched_tokens, self._latency_budget(),
+        self.last_latency_budget = self._latency_budget()
+        iteration = _Iteration(self.config.max_num_batched_tokens, self.last_latency_budget,
                                ahead=ahead)
         if self.ttft_goal is not None:
             self._decide_by_deadline(iteration, finishing)
