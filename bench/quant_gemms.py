@@ -1,5 +1,6 @@
 """The quantized GEMMs by rows: each path gpu_worker/quant/linear.py can take, timed on the
-default model's shapes, to set where one path hands over to the next (`amx_rows`, `fma_rows`, `many_rows`).
+default model's shapes, to set where one path hands over to the next (`amx_rows`, `dpbf16_rows`, `fma_rows`,
+`many_rows`).
 
 Per row count, the whole model's layer GEMMs (30 layers x qkv, o, gate_up, down as int4, each
 a distinct weight so that they stream from memory as in a forward) and the LM head (int8,
@@ -8,6 +9,8 @@ a distinct weight so that they stream from memory as in a forward) and the LM he
     aten    torch's int4 / int8 kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
     widen   the weight widened to bfloat16 in memory, then torch's bf16 GEMM
     amx     widened in cache and multiplied on AMX tiles (`int4pack_mm_amx`, `int8_mm_amx`)
+    dpbf16  int4 widened in cache and multiplied with AVX512-BF16's `vdpbf16ps`
+            (`int4pack_mm_dpbf16`: AVX512-BF16 without AMX; the LM head widens there)
     fma     widened to float32 in cache and multiplied with FMA (`int4pack_mm_fma`,
             `int8_mm_fma`): CPUs with neither AMX nor native bf16 (AVX2); to see it on an
             AVX-512 machine, hold everything at AVX2: PACER_CPU_ISA=avx2
@@ -55,11 +58,17 @@ def random_int4(n: int, k: int, group: int = 32) -> Int4Weight:
                               group))
 
 
-def forced(path: str):
-    """Row thresholds (many_rows, amx_rows, fma_rows) that send every size down `path`."""
+THRESHOLDS = ("many_rows", "amx_rows", "dpbf16_rows", "fma_rows")
+
+
+def forced(path: str, cls) -> dict[str, int | None]:
+    """Row thresholds of `cls` that send every size down `path` (a scheme without a kernel
+    there keeps None, and its GEMMs take torch's kernel)."""
     never, always = 10 ** 9, 0
-    return {"aten": (never, never, never), "widen": (always, never, never),
-            "amx": (never, always, never), "fma": (never, never, always)}[path]
+    chosen = {"aten": None, "widen": "many_rows", "amx": "amx_rows", "dpbf16": "dpbf16_rows",
+              "fma": "fma_rows"}[path]
+    return {name: None if getattr(cls, name) is None else (always if name == chosen else never)
+            for name in THRESHOLDS}
 
 
 def main() -> None:
@@ -75,8 +84,10 @@ def main() -> None:
             for shape in LAYER_SHAPES.values() for _ in range(LAYERS)]
     bf16_head = prepack(torch.randn(LM_HEAD, dtype=torch.bfloat16))
     paths = ["aten", "widen"] + (["amx"] if linear._amx_kernels() is not None else []) + \
+        (["dpbf16"] if linear._dpbf16_kernels() is not None else []) + \
         (["fma"] if linear._fma_kernels() is not None else [])
-    saved = {cls: (cls.many_rows, cls.amx_rows, cls.fma_rows) for cls in (Int4Weight, Int8Weight)}
+    saved = {cls: {name: getattr(cls, name) for name in THRESHOLDS}
+             for cls in (Int4Weight, Int8Weight)}
     rows_out = []
     try:
         for rows in (int(r) for r in args.rows.split(",")):
@@ -84,7 +95,8 @@ def main() -> None:
             xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
             for path in paths:
                 for cls in (Int4Weight, Int8Weight):
-                    cls.many_rows, cls.amx_rows, cls.fma_rows = forced(path)
+                    for name, value in forced(path, cls).items():
+                        setattr(cls, name, value)
                 row[f"{path}_layers_ms"] = best_ms(lambda: [
                     w.mm(xs[w.in_features]) for ws in layers.values() for w in ws])
                 row[f"{path}_head_ms"] = best_ms(lambda: head.mm(xs[576]))
@@ -98,8 +110,9 @@ def main() -> None:
             print(f"rows {rows}: " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()
                                                if k != "rows"), flush=True)
     finally:
-        for cls, (many, amx, fma) in saved.items():
-            cls.many_rows, cls.amx_rows, cls.fma_rows = many, amx, fma
+        for cls, values in saved.items():
+            for name, value in values.items():
+                setattr(cls, name, value)
     flags = " ".join(f for f in SHOWN_FLAGS if f in cpu_flags())
     held = os.environ.get("PACER_CPU_ISA")
     flags += f" (kernels held at {held})" if held else ""

@@ -129,8 +129,9 @@ def test_many_rows_widen_the_weights_to_exactly_their_values(shape, monkeypatch)
     kernels.dequantize_int8(w8.codes, w8.scale, wide)
     assert torch.equal(wide, (q8.codes.float() * w8.scale.float().unsqueeze(1)).to(ACT_DTYPE))
     x = torch.randn(Int4Weight.many_rows + 3, k)
-    # the path of CPUs with neither AMX nor FMA kernels
+    # the path of CPUs with none of the in-cache kernels (AMX, AVX512-BF16, FMA)
     monkeypatch.setattr(linear, "_amx_kernels", lambda: None)
+    monkeypatch.setattr(linear, "_dpbf16_kernels", lambda: None)
     monkeypatch.setattr(linear, "_fma_kernels", lambda: None)
     for packed in (w4, w8):
         wide_y = packed.mm(x)
@@ -141,29 +142,44 @@ def test_many_rows_widen_the_weights_to_exactly_their_values(shape, monkeypatch)
         torch.testing.assert_close(wide_y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
+IN_CACHE = {   # kind -> (the kernels when they run here, why not, the rows that reach it, rows tried)
+    "amx": (lambda: linear._amx_kernels(),
+            "no AMX here (CPU flags amx_tile/amx_bf16, an AVX-512 kernel build)",
+            "amx_rows", (16, 33)),
+    "dpbf16": (lambda: linear._dpbf16_kernels(),
+               "no AVX512-BF16 without AMX here (an AVX-512 kernel build, CPU flag avx512_bf16, "
+               "no amx_tile)", "dpbf16_rows", (1, 6, 13, 33)),
+}
+
+
 @pytest.mark.parametrize("shape", MODEL_SHAPES[:4] + [(40, 64), (320, 192)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("group", [32, 64])
-def test_amx_int4_gemm_multiplies_the_widened_weights(shape, group):
-    """On AMX (csrc/dequant.cpp int4pack_mm_amx) W is widened in cache to the bfloat16 values
-    dequantize_int4pack writes and multiplied with float32 sums: equal to the widened GEMM
-    up to the order of the sums, so within one bfloat16 rounding; rows in whole tiles of 16
-    and not (the last tile padded)."""
-    kernels = linear._amx_kernels()
+@pytest.mark.parametrize("kind", sorted(IN_CACHE))
+def test_in_cache_int4_gemm_multiplies_the_widened_weights(shape, group, kind):
+    """On AMX (csrc/dequant.cpp int4pack_mm_amx) and on AVX512-BF16 without it
+    (int4pack_mm_dpbf16) W is widened in cache to the bfloat16 values dequantize_int4pack
+    writes and multiplied with float32 sums: equal to the widened GEMM up to the order of the
+    sums, so within one bfloat16 rounding; rows in whole tiles (16 on AMX, 6 with vdpbf16ps)
+    and not; above the row threshold the weight's own mm takes that kernel."""
+    available, why, threshold, tried = IN_CACHE[kind]
+    kernels = available()
     if kernels is None:
-        pytest.skip("no AMX here (CPU flags amx_tile/amx_bf16, an AVX-512 kernel build)")
+        pytest.skip(why)
+    threshold = getattr(Int4Weight, threshold)
     n, k = shape
     w4 = Int4Weight(quantize_int4(torch.from_numpy(_random(n, k, seed=group)), group))
     n_pad = w4.scales_zeros.shape[1]
     w_t = torch.empty(k, n_pad, dtype=ACT_DTYPE)
     kernels.dequantize_int4pack(w4.packed, w4.scales_zeros, group, w_t)
-    for rows in (Int4Weight.amx_rows, 16, 33):
+    for rows in (threshold, *tried):
         x = torch.randn(rows, k, dtype=ACT_DTYPE)
         y = torch.empty(rows, n_pad, dtype=ACT_DTYPE)
-        kernels.int4pack_mm_amx(x, w4.packed, w4.scales_zeros, group, y)
+        getattr(kernels, f"int4pack_mm_{kind}")(x, w4.packed, w4.scales_zeros, group, y)
         ref = x.float() @ w_t.float()
         torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
-        assert torch.equal(w4.mm(x), y[:, :n])
+        if rows >= threshold:
+            assert torch.equal(w4.mm(x), y[:, :n])
 
 
 @pytest.mark.parametrize("shape", [(49152, 576), (960, 576), (48, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -206,6 +222,7 @@ def test_fma_int4_gemm_multiplies_the_float_weights(shape, group, monkeypatch):
             for i in (0, 1))
     w = (q4.codes.float() - 8) * s + z                 # the values the packed scales give
     monkeypatch.setattr(linear, "_amx_kernels", lambda: None)
+    monkeypatch.setattr(linear, "_dpbf16_kernels", lambda: None)
     monkeypatch.setattr(linear, "_fma_kernels", lambda: kernels)
     for rows in range(1, 14):
         x = torch.randn(rows, k, dtype=ACT_DTYPE)
@@ -227,6 +244,7 @@ def test_fma_int8_gemm_matches_its_dequantized_weights(shape, monkeypatch):
     n, k = shape
     w8 = Int8Weight(quantize_int8(torch.from_numpy(_random(n, k))))
     monkeypatch.setattr(linear, "_amx_kernels", lambda: None)
+    monkeypatch.setattr(linear, "_dpbf16_kernels", lambda: None)
     monkeypatch.setattr(linear, "_fma_kernels", lambda: kernels)
     for rows in (Int8Weight.fma_rows, 13, 33):
         x = torch.randn(rows, k, dtype=ACT_DTYPE)

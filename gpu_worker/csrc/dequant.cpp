@@ -304,11 +304,75 @@ __attribute__((target("amx-tile,amx-bf16"))) void int8_mm_amx(const bf16* x, int
     _tile_release();
   }
 }
+
+// Where the CPU has AVX512-BF16 but no AMX: the same in-cache widening as int4pack_mm_amx
+// (widen_block_vnni, the very bf16 weights), multiplied by `vdpbf16ps` instead of tiles:
+// six rows of x at a time, each (x[2p], x[2p + 1]) pair broadcast against 16 columns' pairs,
+// 24 float32 accumulators for 6 rows x 64 columns.
+namespace {
+template <int R>
+__attribute__((target("avx512bf16"))) inline void dpbf16_rows(const uint32_t* x32, int64_t K,
+                                                              const bf16* w, bf16* out,
+                                                              int64_t N) {
+  __m512 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < K / 2; ++p) {
+    const bf16* wp = w + p * 128;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp), w1 = (__m512bh)_mm512_loadu_si512(wp + 32),
+                   w2 = (__m512bh)_mm512_loadu_si512(wp + 64), w3 = (__m512bh)_mm512_loadu_si512(wp + 96);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x32[r * (K / 2) + p]));
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 4; ++c)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + 16 * c), round_bf16(acc[r][c]));
+}
+}  // namespace
+
+bool dpbf16_ready() { return __builtin_cpu_supports("avx512bf16"); }
+
+__attribute__((target("avx512bf16"))) void int4pack_mm_dpbf16(
+    const bf16* x, int64_t M, const uint8_t* packed, const bf16* sz, int64_t N, int64_t K,
+    int64_t group, bf16* out) {
+  const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);   // (x[m][2p], x[m][2p + 1])
+  constexpr int kR = 6;
+#pragma omp parallel
+  {
+    std::vector<bf16> w(K * 64);
+    // blocks handed out one at a time, as int4pack_mm_amx does
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < N / 64; ++b) {
+      widen_block_vnni(packed, sz, N, K, group, b, w.data());
+      bf16* ob = out + b * 64;
+      int64_t m = 0;
+      for (; m + kR <= M; m += kR) dpbf16_rows<kR>(x32 + m * (K / 2), K, w.data(), ob + m * N, N);
+      const uint32_t* xr = x32 + m * (K / 2);
+      bf16* orow = ob + m * N;
+      switch (M - m) {
+        case 5: dpbf16_rows<5>(xr, K, w.data(), orow, N); break;
+        case 4: dpbf16_rows<4>(xr, K, w.data(), orow, N); break;
+        case 3: dpbf16_rows<3>(xr, K, w.data(), orow, N); break;
+        case 2: dpbf16_rows<2>(xr, K, w.data(), orow, N); break;
+        case 1: dpbf16_rows<1>(xr, K, w.data(), orow, N); break;
+        default: break;
+      }
+    }
+  }
+}
 #else
 bool amx_ready() { return false; }
 void int8_mm_amx(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, bf16*) {}
 void int4pack_mm_amx(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t, int64_t,
                      bf16*) {}
+bool dpbf16_ready() { return false; }
+void int4pack_mm_dpbf16(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t,
+                        int64_t, bf16*) {}
 #endif
 
 

@@ -21,7 +21,8 @@ On a CPU without native bf16 dot products (AVX2 only: a bf16 GEMM there widens t
 software, 8x slower) the widened weight is multiplied in float32 instead. On a CPU with AMX the
 int4 weights skip that round trip: from `amx_rows` rows on, the kernel widens 64 columns at a
 time into cache and multiplies them there on the tile unit (csrc/dequant.cpp
-`int4pack_mm_amx`; docs/benchmarks.md#quantized-weights has the figures). Without AMX or native
+`int4pack_mm_amx`; docs/benchmarks.md#quantized-weights has the figures). With AVX512-BF16 but
+no AMX the same widening feeds `vdpbf16ps` instead (`int4pack_mm_dpbf16`, from `dpbf16_rows`). Without AMX or native
 bf16 GEMMs (AVX2 CPUs), from `fma_rows` rows on, kernels of the same shape widen to float32 in
 cache and multiply with FMA (`int4pack_mm_fma`, `int8_mm_fma`): no widened weight in memory,
 no bf16 detour.
@@ -58,6 +59,19 @@ def _amx_kernels():
 
 
 @functools.cache
+def _dpbf16_kernels():
+    """The CPU kernels when int4 GEMMs widen in cache and multiply with AVX512-BF16's dot
+    products here: an AVX-512 build not held lower, a CPU with AVX512-BF16 and no AMX tiles
+    (those take `int4pack_mm_amx`)."""
+    kernels = _widening_kernels()
+    if (kernels is None or not hasattr(kernels, "dpbf16_ready") or best_level() != "avx512"
+            or "avx512_bf16" not in cpu_flags() or _amx_kernels() is not None
+            or not kernels.dpbf16_ready()):
+        return None
+    return kernels
+
+
+@functools.cache
 def _fma_kernels():
     """The CPU kernels when many-row GEMMs widen to float32 in cache and multiply with FMA
     here: a build with those kernels (AVX2 and above) on a CPU with neither AMX nor native bf16
@@ -88,6 +102,8 @@ class _Packed:
     many_rows: int          # from this many rows on, widen the weight (to bf16 in memory)
     amx_rows: int           # with AMX, from this many rows on: the tile kernels
     fma_rows: int           # without AMX or native bf16, from this many rows on: FMA in cache
+    dpbf16_rows: int | None  # AVX512-BF16 without AMX, from this many rows on: vdpbf16ps in
+                             # cache (None: no such kernel for this scheme)
 
     @classmethod
     def wide_from(cls) -> int | None:
@@ -95,16 +111,21 @@ class _Packed:
         here; None without the CPU kernels."""
         if _amx_kernels() is not None:
             return cls.amx_rows
+        if cls.dpbf16_rows is not None and _dpbf16_kernels() is not None:
+            return cls.dpbf16_rows
         if _fma_kernels() is not None:
             return cls.fma_rows
         return cls.many_rows if _widening_kernels() is not None else None
 
     def _in_cache(self, rows: int):
         """The kernel that widens this weight in cache for `rows` rows (`int4pack_mm_amx`,
-        `int8_mm_fma`, ...: suffix "amx" or "fma") as (module, suffix), or (None, None)."""
+        `int8_mm_fma`, ...: suffix "amx", "dpbf16" or "fma") as (module, suffix), or (None, None)."""
         amx = _amx_kernels()
         if amx is not None:
             return (amx, "amx") if rows >= self.amx_rows else (None, None)
+        dp = _dpbf16_kernels() if self.dpbf16_rows is not None else None
+        if dp is not None:
+            return (dp, "dpbf16") if rows >= self.dpbf16_rows else (None, None)
         fma = _fma_kernels()
         if fma is not None and rows >= self.fma_rows:
             return fma, "fma"
@@ -116,6 +137,7 @@ class Int4Weight(_Packed):
     many_rows = 24          # measured: docs/benchmarks.md#quantized-weights
     amx_rows = 10
     fma_rows = 8
+    dpbf16_rows = 10
 
     def __init__(self, q: QTensor):
         assert q.scheme == "int4"
@@ -159,6 +181,7 @@ class Int8Weight(_Packed):
     many_rows = 16          # measured: docs/benchmarks.md#quantized-weights
     amx_rows = 5
     fma_rows = 16
+    dpbf16_rows = None      # the LM head widens to memory there (oneDNN's bf16 GEMM)
     CHUNK = 4096
 
     def __init__(self, q: QTensor):
