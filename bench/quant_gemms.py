@@ -9,8 +9,8 @@ a distinct weight so that they stream from memory as in a forward) and the LM he
     aten    torch's int4 / int8 kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`)
     widen   the weight widened to bfloat16 in memory, then torch's bf16 GEMM
     amx     widened in cache and multiplied on AMX tiles (`int4pack_mm_amx`, `int8_mm_amx`)
-    dpbf16  int4 widened in cache and multiplied with AVX512-BF16's `vdpbf16ps`
-            (`int4pack_mm_dpbf16`: AVX512-BF16 without AMX; the LM head widens there)
+    dpbf16  widened in cache and multiplied with AVX512-BF16's `vdpbf16ps`
+            (`int4pack_mm_dpbf16`, `int8_mm_dpbf16`: AVX512-BF16 without AMX)
     fma     widened to float32 in cache and multiplied with FMA (`int4pack_mm_fma`,
             `int8_mm_fma`): CPUs with neither AMX nor native bf16 (AVX2); to see it on an
             AVX-512 machine, hold everything at AVX2: PACER_CPU_ISA=avx2
@@ -61,14 +61,13 @@ def random_int4(n: int, k: int, group: int = 32) -> Int4Weight:
 THRESHOLDS = ("many_rows", "amx_rows", "dpbf16_rows", "fma_rows")
 
 
-def forced(path: str, cls) -> dict[str, int | None]:
-    """Row thresholds of `cls` that send every size down `path` (a scheme without a kernel
-    there keeps None, and its GEMMs take torch's kernel)."""
+def forced(path: str) -> dict[str, int]:
+    """Row thresholds that send every size down `path`."""
     never, always = 10 ** 9, 0
     chosen = {"aten": None, "widen": "many_rows", "amx": "amx_rows", "dpbf16": "dpbf16_rows",
               "fma": "fma_rows"}[path]
-    return {name: None if getattr(cls, name) is None else (always if name == chosen else never)
-            for name in THRESHOLDS}
+    return {name: always if name == chosen else never for name in THRESHOLDS} | \
+        {"dpbf16_max_rows": None}
 
 
 def main() -> None:
@@ -86,7 +85,7 @@ def main() -> None:
     paths = ["aten", "widen"] + (["amx"] if linear._amx_kernels() is not None else []) + \
         (["dpbf16"] if linear._dpbf16_kernels() is not None else []) + \
         (["fma"] if linear._fma_kernels() is not None else [])
-    saved = {cls: {name: getattr(cls, name) for name in THRESHOLDS}
+    saved = {cls: {name: getattr(cls, name) for name in (*THRESHOLDS, "dpbf16_max_rows")}
              for cls in (Int4Weight, Int8Weight)}
     rows_out = []
     try:
@@ -95,7 +94,7 @@ def main() -> None:
             xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
             for path in paths:
                 for cls in (Int4Weight, Int8Weight):
-                    for name, value in forced(path, cls).items():
+                    for name, value in forced(path).items():
                         setattr(cls, name, value)
                 row[f"{path}_layers_ms"] = best_ms(lambda: [
                     w.mm(xs[w.in_features]) for ws in layers.values() for w in ws])

@@ -183,19 +183,24 @@ def test_in_cache_int4_gemm_multiplies_the_widened_weights(shape, group, kind):
 
 
 @pytest.mark.parametrize("shape", [(49152, 576), (960, 576), (48, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_amx_int8_gemm_matches_its_dequantized_weights(shape):
-    """The int8 LM head on AMX (int8_mm_amx): codes exact in bfloat16, the row scale applied
-    to the float32 sums, so only the output's rounding separates it from x @ (c · s)ᵀ."""
-    if linear._amx_kernels() is None:
-        pytest.skip("no AMX here (CPU flags amx_tile/amx_bf16, an AVX-512 kernel build)")
+@pytest.mark.parametrize("kind", sorted(IN_CACHE))
+def test_in_cache_int8_gemm_matches_its_dequantized_weights(shape, kind):
+    """The int8 LM head on AMX (int8_mm_amx) and with vdpbf16ps (int8_mm_dpbf16): codes exact
+    in bfloat16, the row scale applied to the float32 sums, so only the sums' order and the
+    output's rounding separate it from x @ (c · s)ᵀ; rows in whole tiles and not."""
+    available, why, threshold, tried = IN_CACHE[kind]
+    if available() is None:
+        pytest.skip(why)
     n, k = shape
     w8 = Int8Weight(quantize_int8(torch.from_numpy(_random(n, k))))
-    for rows in (Int8Weight.amx_rows, 16, 33):
+    for rows in (getattr(Int8Weight, threshold), *tried):
         x = torch.randn(rows, k, dtype=ACT_DTYPE)
-        y = w8.mm(x)
+        y = torch.empty(rows, n, dtype=ACT_DTYPE)
+        getattr(available(), f"int8_mm_{kind}")(x, w8.codes, w8.scale, y)
         ref = x.float() @ (w8.codes.float() * w8.scale.float().unsqueeze(1)).t()
-        assert y.shape == (rows, n) and y.dtype == ACT_DTYPE
         torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
+        if rows >= getattr(Int8Weight, threshold):
+            assert torch.equal(w8.mm(x), y)
 
 
 def _fma_kernels():

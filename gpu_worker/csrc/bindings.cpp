@@ -268,6 +268,12 @@ void int4pack_mm_dpbf16(const torch::Tensor& x, const torch::Tensor& packed,
               out);
 }
 
+void int8_mm_dpbf16(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+                    torch::Tensor& out) {
+  TORCH_CHECK(pacer::dpbf16_ready(), "int8_mm_dpbf16: no AVX512-BF16 here (an AVX-512 build)");
+  int8_mm("int8_mm_dpbf16", pacer::int8_mm_dpbf16, x, codes, scale, out);
+}
+
 void int4pack_mm_fma(const torch::Tensor& x, const torch::Tensor& packed,
                      const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
   TORCH_CHECK(pacer::fma_ready(), "int4pack_mm_fma: this build has no AVX2/FMA kernels");
@@ -322,6 +328,8 @@ void pacer_bind(pybind11::module_& m) {
         "whether this build and CPU run int4pack_mm_dpbf16 (AVX-512 build, AVX512-BF16)");
   m.def("int4pack_mm_dpbf16", &int4pack_mm_dpbf16,
         "x (bf16) times torch's CPU int4 layout, widened in cache, AVX512-BF16 dot products");
+  m.def("int8_mm_dpbf16", &int8_mm_dpbf16,
+        "x (bf16) times int8 per-row codes, AVX512-BF16 dot products (the LM head at many rows)");
   m.def("fma_ready", &pacer::fma_ready,
         "whether this build has int4pack_mm_fma and int8_mm_fma (AVX2 + FMA or above)");
   m.def("int4pack_mm_fma", &int4pack_mm_fma,

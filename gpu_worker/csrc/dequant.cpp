@@ -33,6 +33,24 @@
 namespace pacer {
 namespace {
 
+// tile.template operator()<R>(m) for rows [m, m + R) of [0, M): whole tiles of R rows, then
+// one of the rows left (the microkernels below keep R rows' accumulators in registers)
+template <int R, typename Tile>
+inline void rest_of_rows(int64_t left, int64_t m, Tile& tile) {
+  if constexpr (R > 0) {
+    if (left == R)
+      tile.template operator()<R>(m);
+    else
+      rest_of_rows<R - 1>(left, m, tile);
+  }
+}
+template <int R, typename Tile>
+inline void in_row_tiles(int64_t M, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R) tile.template operator()<R>(m);
+  rest_of_rows<R - 1>(M - m, m, tile);
+}
+
 #if defined(__AVX512F__)
 // 16 floats to bfloat16, round to nearest even (finite values: these are weights)
 inline __m256i round_bf16(__m512 v) {
@@ -93,6 +111,16 @@ __attribute__((target("avx512bf16"))) void widen_block_vnni(const uint8_t* packe
                                                 widen16f(codes[0][q], s, z));
       _mm512_storeu_si512(row + q * 32, _mm512_permutexvar_epi16(zip, (__m512i)both));
     }
+  }
+}
+
+// n int8 codes (a multiple of 16), exactly, to bfloat16
+inline void widen_code_rows(const int8_t* codes, int64_t n, bf16* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 c = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(c), 16)));
   }
 }
 
@@ -257,12 +285,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void int8_mm_amx(const bf16* x, int
     alignas(64) float acc[4][16 * 16];
 #pragma omp for schedule(dynamic, 8)   // as above
     for (int64_t n0 = 0; n0 < N; n0 += 16) {
-      for (int64_t i = 0; i < 16 * K; i += 16) {   // 16 rows of codes, exactly, to bfloat16
-        const __m512 c = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + n0 * K + i))));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(a.data() + i),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(c), 16)));
-      }
+      widen_code_rows(codes + n0 * K, 16 * K, a.data());
       const __m512 s = load16(scale + n0);
       for (int64_t mt0 = 0; mt0 < Mp / 16; mt0 += 4) {
         const int64_t tiles = std::min<int64_t>(4, Mp / 16 - mt0);
@@ -333,6 +356,28 @@ __attribute__((target("avx512bf16"))) inline void dpbf16_rows(const uint32_t* x3
     for (int c = 0; c < 4; ++c)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + 16 * c), round_bf16(acc[r][c]));
 }
+
+// The int8 LM head the same way, transposed as int8_mm_amx is: out[m][n] = s[n] sum_k
+// c[n][k] x[m][k], four code rows (widened to bfloat16: exact) against R rows of x, 32 k at a
+// time, each product a 16-lane vector of partial sums reduced at the end.
+template <int R>
+__attribute__((target("avx512bf16"))) inline void dpbf16_t_rows(const bf16* a, const bf16* x,
+                                                                int64_t K, const float* s,
+                                                                bf16* out, int64_t N) {
+  __m512 acc[4][R];
+  for (int j = 0; j < 4; ++j)
+    for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += 32) {
+    __m512bh c[4];
+    for (int j = 0; j < 4; ++j) c[j] = (__m512bh)_mm512_loadu_si512(a + j * K + k0);
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * K + k0);
+      for (int j = 0; j < 4; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], c[j], xv);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 4; ++j) out[r * N + j] = to_bf16(s[j] * _mm512_reduce_add_ps(acc[j][r]));
+}
 }  // namespace
 
 bool dpbf16_ready() { return __builtin_cpu_supports("avx512bf16"); }
@@ -341,7 +386,6 @@ __attribute__((target("avx512bf16"))) void int4pack_mm_dpbf16(
     const bf16* x, int64_t M, const uint8_t* packed, const bf16* sz, int64_t N, int64_t K,
     int64_t group, bf16* out) {
   const uint32_t* x32 = reinterpret_cast<const uint32_t*>(x);   // (x[m][2p], x[m][2p + 1])
-  constexpr int kR = 6;
 #pragma omp parallel
   {
     std::vector<bf16> w(K * 64);
@@ -350,18 +394,31 @@ __attribute__((target("avx512bf16"))) void int4pack_mm_dpbf16(
     for (int64_t b = 0; b < N / 64; ++b) {
       widen_block_vnni(packed, sz, N, K, group, b, w.data());
       bf16* ob = out + b * 64;
-      int64_t m = 0;
-      for (; m + kR <= M; m += kR) dpbf16_rows<kR>(x32 + m * (K / 2), K, w.data(), ob + m * N, N);
-      const uint32_t* xr = x32 + m * (K / 2);
-      bf16* orow = ob + m * N;
-      switch (M - m) {
-        case 5: dpbf16_rows<5>(xr, K, w.data(), orow, N); break;
-        case 4: dpbf16_rows<4>(xr, K, w.data(), orow, N); break;
-        case 3: dpbf16_rows<3>(xr, K, w.data(), orow, N); break;
-        case 2: dpbf16_rows<2>(xr, K, w.data(), orow, N); break;
-        case 1: dpbf16_rows<1>(xr, K, w.data(), orow, N); break;
-        default: break;
-      }
+      in_row_tiles<6>(M, [&]<int R>(int64_t m) {
+        dpbf16_rows<R>(x32 + m * (K / 2), K, w.data(), ob + m * N, N);
+      });
+    }
+  }
+}
+
+// The int8 LM head with vdpbf16ps (int8_mm_dpbf16): 16 code rows widened at a time, as
+// int8_mm_amx does, then four of them against six rows of x.
+__attribute__((target("avx512bf16"))) void int8_mm_dpbf16(const bf16* x, int64_t M,
+                                                           const int8_t* codes,
+                                                           const bf16* scale, int64_t N,
+                                                           int64_t K, bf16* out) {
+#pragma omp parallel
+  {
+    std::vector<bf16> a(16 * K);
+    float s[16];
+#pragma omp for schedule(dynamic, 8)   // as int8_mm_amx
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+      widen_code_rows(codes + n0 * K, 16 * K, a.data());
+      for (int j = 0; j < 16; ++j) s[j] = to_float(scale[n0 + j]);
+      for (int j = 0; j < 16; j += 4)
+        in_row_tiles<6>(M, [&]<int R>(int64_t m) {
+          dpbf16_t_rows<R>(a.data() + j * K, x + m * K, K, s + j, out + m * N + n0 + j, N);
+        });
     }
   }
 }
@@ -373,6 +430,7 @@ void int4pack_mm_amx(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t,
 bool dpbf16_ready() { return false; }
 void int4pack_mm_dpbf16(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t,
                         int64_t, bf16*) {}
+void int8_mm_dpbf16(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, bf16*) {}
 #endif
 
 
@@ -452,16 +510,9 @@ constexpr int kRows = 6;    // 12 accumulators + 2 weights + 1 broadcast of AVX2
 // out[m0:M, 16 columns] for every row tile, R rows at a time
 inline void all_rows_by_16(const float* xf, int64_t M, int64_t K, const float* w, int64_t ldw,
                            bf16* out, int64_t N) {
-  int64_t m = 0;
-  for (; m + kRows <= M; m += kRows) rows_by_16<kRows>(xf + m * K, K, w, ldw, out + m * N, N);
-  switch (M - m) {
-    case 5: rows_by_16<5>(xf + m * K, K, w, ldw, out + m * N, N); break;
-    case 4: rows_by_16<4>(xf + m * K, K, w, ldw, out + m * N, N); break;
-    case 3: rows_by_16<3>(xf + m * K, K, w, ldw, out + m * N, N); break;
-    case 2: rows_by_16<2>(xf + m * K, K, w, ldw, out + m * N, N); break;
-    case 1: rows_by_16<1>(xf + m * K, K, w, ldw, out + m * N, N); break;
-    default: break;
-  }
+  in_row_tiles<kRows>(M, [&]<int R>(int64_t m) {
+    rows_by_16<R>(xf + m * K, K, w, ldw, out + m * N, N);
+  });
 }
 
 std::vector<float> widen_x(const bf16* x, int64_t M, int64_t K) {

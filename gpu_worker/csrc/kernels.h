@@ -63,11 +63,13 @@ void int4pack_mm_amx(const bf16* x, int64_t M, const uint8_t* packed, const bf16
 // out [M, N] = x [M, K] (bf16) times int8 codes [N, K] with one scale per row, on AMX.
 void int8_mm_amx(const bf16* x, int64_t M, const int8_t* codes, const bf16* scale, int64_t N,
                  int64_t K, bf16* out);
-// The int4 product on AVX512-BF16 without AMX: widened in cache as for AMX, multiplied with
+// The int4 and int8 products on AVX512-BF16 without AMX: widened in cache as for AMX, multiplied with
 // vdpbf16ps (dpbf16_ready: an AVX-512 build on a CPU with AVX512-BF16).
 bool dpbf16_ready();
 void int4pack_mm_dpbf16(const bf16* x, int64_t M, const uint8_t* packed, const bf16* scales_zeros,
                         int64_t N, int64_t K, int64_t group, bf16* out);
+void int8_mm_dpbf16(const bf16* x, int64_t M, const int8_t* codes, const bf16* scale, int64_t N,
+                    int64_t K, bf16* out);
 // The same two products with FMA on float32 weights widened in cache (AVX2 and AVX-512 builds;
 // fma_ready says whether this build has them).
 bool fma_ready();

@@ -22,10 +22,10 @@ software, 8x slower) the widened weight is multiplied in float32 instead. On a C
 int4 weights skip that round trip: from `amx_rows` rows on, the kernel widens 64 columns at a
 time into cache and multiplies them there on the tile unit (csrc/dequant.cpp
 `int4pack_mm_amx`; docs/benchmarks.md#quantized-weights has the figures). With AVX512-BF16 but
-no AMX the same widening feeds `vdpbf16ps` instead (`int4pack_mm_dpbf16`, from `dpbf16_rows`). Without AMX or native
-bf16 GEMMs (AVX2 CPUs), from `fma_rows` rows on, kernels of the same shape widen to float32 in
-cache and multiply with FMA (`int4pack_mm_fma`, `int8_mm_fma`): no widened weight in memory,
-no bf16 detour.
+no AMX the same widening feeds `vdpbf16ps` instead (`int4pack_mm_dpbf16`, `int8_mm_dpbf16`,
+from `dpbf16_rows`). Without AMX or native bf16 GEMMs (AVX2 CPUs), from `fma_rows` rows on,
+kernels of the same shape widen to float32 in cache and multiply with FMA (`int4pack_mm_fma`,
+`int8_mm_fma`): no widened weight in memory, no bf16 detour.
 """
 from __future__ import annotations
 
@@ -60,8 +60,8 @@ def _amx_kernels():
 
 @functools.cache
 def _dpbf16_kernels():
-    """The CPU kernels when int4 GEMMs widen in cache and multiply with AVX512-BF16's dot
-    products here: an AVX-512 build not held lower, a CPU with AVX512-BF16 and no AMX tiles
+    """The CPU kernels when int4 and int8 GEMMs widen in cache and multiply with AVX512-BF16's
+    dot products here: an AVX-512 build not held lower, a CPU with AVX512-BF16 and no AMX tiles
     (those take `int4pack_mm_amx`)."""
     kernels = _widening_kernels()
     if (kernels is None or not hasattr(kernels, "dpbf16_ready") or best_level() != "avx512"
@@ -102,8 +102,8 @@ class _Packed:
     many_rows: int          # from this many rows on, widen the weight (to bf16 in memory)
     amx_rows: int           # with AMX, from this many rows on: the tile kernels
     fma_rows: int           # without AMX or native bf16, from this many rows on: FMA in cache
-    dpbf16_rows: int | None  # AVX512-BF16 without AMX, from this many rows on: vdpbf16ps in
-                             # cache (None: no such kernel for this scheme)
+    dpbf16_rows: int        # AVX512-BF16 without AMX, from this many rows on: vdpbf16ps in cache
+    dpbf16_max_rows: int | None = None     # ...up to this many (beyond: widened to memory)
 
     @classmethod
     def wide_from(cls) -> int | None:
@@ -111,7 +111,7 @@ class _Packed:
         here; None without the CPU kernels."""
         if _amx_kernels() is not None:
             return cls.amx_rows
-        if cls.dpbf16_rows is not None and _dpbf16_kernels() is not None:
+        if _dpbf16_kernels() is not None:
             return cls.dpbf16_rows
         if _fma_kernels() is not None:
             return cls.fma_rows
@@ -123,9 +123,11 @@ class _Packed:
         amx = _amx_kernels()
         if amx is not None:
             return (amx, "amx") if rows >= self.amx_rows else (None, None)
-        dp = _dpbf16_kernels() if self.dpbf16_rows is not None else None
+        dp = _dpbf16_kernels()
         if dp is not None:
-            return (dp, "dpbf16") if rows >= self.dpbf16_rows else (None, None)
+            top = self.dpbf16_max_rows
+            return (dp, "dpbf16") if self.dpbf16_rows <= rows and (top is None or rows <= top) \
+                else (None, None)
         fma = _fma_kernels()
         if fma is not None and rows >= self.fma_rows:
             return fma, "fma"
@@ -181,7 +183,8 @@ class Int8Weight(_Packed):
     many_rows = 16          # measured: docs/benchmarks.md#quantized-weights
     amx_rows = 5
     fma_rows = 16
-    dpbf16_rows = None      # the LM head widens to memory there (oneDNN's bf16 GEMM)
+    dpbf16_rows = 1         # at one row too: 1.5 ms for the LM head against torch's 1.9
+    dpbf16_max_rows = 48    # its transposed sums lose to widening from 64 rows (13 vs 12 ms)
     CHUNK = 4096
 
     def __init__(self, q: QTensor):
