@@ -1,8 +1,9 @@
 """The cost of the message queue: the same engine in-process vs served through Redis.
 
-One workload (random token-id prompts, default 64 of 100-200 tokens, 64 new tokens each,
-greedy, EOS ignored) with at most 32 requests in flight, run two ways in one process's run,
-alternating A, B, A, B … (the machine is shared and noisy):
+One workload a round (random token-id prompts, default 64 of 100-200 tokens, 64 new tokens
+each, greedy, EOS ignored; each round's prompts its own, so that none is found in a prefix
+cache) with at most 32 requests in flight, run two ways in one process's run, alternating A,
+B, A, B … (the machine is shared and noisy):
 
   A  in-process: `LLMEngine` stepped in a loop; a request enters when one finishes (like
      `--max-concurrency 32`); times from the step outputs (TTFT: added -> first token; ITL:
@@ -307,17 +308,20 @@ def main() -> None:
     engine_args = EngineArgs.from_cli(args)
 
     engine = LLMEngine(engine_args, progress=False)
-    # prompt lengths vary (uniform, as vLLM's random dataset); output lengths are fixed
-    requests = [BenchRequest(r.prompt, r.prompt_len, args.output_len) for r in
+    # prompt lengths vary (uniform, as vLLM's random dataset); output lengths are fixed. Each
+    # round has prompts of its own (seed + round): a round that repeated the last one's would
+    # find them in the prefix cache of both systems and time decodes alone.
+    def workload(seed: int) -> list[BenchRequest]:
+        return [BenchRequest(r.prompt, r.prompt_len, args.output_len) for r in
                 random_dataset(engine.tokenizer, args.num_prompts, args.input_len,
-                               args.output_len, args.range_ratio, args.data_seed,
-                               as_token_ids=True)]
+                               args.output_len, args.range_ratio, seed, as_token_ids=True)]
+    requests = workload(args.data_seed)
     n_tokens = sum(r.prompt_len for r in requests)
     print(f"{len(requests)} prompts ({n_tokens} prompt tokens, "
           f"{min(r.prompt_len for r in requests)}-{max(r.prompt_len for r in requests)} each), "
           f"{args.output_len} new tokens each, concurrency {args.concurrency}, "
           f"engine flags: {' '.join(engine_flags(engine_args))}", flush=True)
-    warm = requests[:2]
+    warm = requests[:2]        # seed's own prompts; the rounds' come from seed + 1, + 2, ...
     run_inprocess(engine, warm, args.concurrency)
 
     log_path = os.path.join(tempfile.mkdtemp(prefix="served-vs-inprocess-"), "pacer-up.log")
@@ -331,6 +335,7 @@ def main() -> None:
         for system in systems.values():
             run_served(system, warm, args.concurrency)
         for i in range(args.repeats):
+            requests = workload(args.data_seed + 1 + i)     # the warm-up's are seed's own
             results, duration = run_inprocess(engine, requests, args.concurrency)
             rows.append(row("in-process", i, results, duration))
             print(f"  round {i} in-process: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
