@@ -249,42 +249,27 @@ void int8_mm(const char* name, Int8Mm kernel, const torch::Tensor& x, const torc
   kernel(ptr<bf16>(x), M, codes.data_ptr<int8_t>(), ptr<bf16>(scale), N, K, mut_ptr<bf16>(out));
 }
 
-void int4pack_mm_amx(const torch::Tensor& x, const torch::Tensor& packed,
-                     const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
-  TORCH_CHECK(pacer::amx_ready(), "int4pack_mm_amx: no AMX here (see amx_ready)");
-  int4pack_mm("int4pack_mm_amx", pacer::int4pack_mm_amx, x, packed, scales_zeros, group, out);
+// The bindings of the in-cache kernels: refused where `ready` says this build or CPU cannot
+// run `kernel` (`missing` says why), then the shared checks above
+auto int4_binding(const char* name, Int4Mm kernel, bool (*ready)(), const char* missing) {
+  return [=](const torch::Tensor& x, const torch::Tensor& packed,
+             const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
+    TORCH_CHECK(ready(), name, ": ", missing);
+    int4pack_mm(name, kernel, x, packed, scales_zeros, group, out);
+  };
 }
 
-void int8_mm_amx(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                 torch::Tensor& out) {
-  TORCH_CHECK(pacer::amx_ready(), "int8_mm_amx: no AMX here (see amx_ready)");
-  int8_mm("int8_mm_amx", pacer::int8_mm_amx, x, codes, scale, out);
+auto int8_binding(const char* name, Int8Mm kernel, bool (*ready)(), const char* missing) {
+  return [=](const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
+             torch::Tensor& out) {
+    TORCH_CHECK(ready(), name, ": ", missing);
+    int8_mm(name, kernel, x, codes, scale, out);
+  };
 }
 
-void int4pack_mm_dpbf16(const torch::Tensor& x, const torch::Tensor& packed,
-                        const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
-  TORCH_CHECK(pacer::dpbf16_ready(), "int4pack_mm_dpbf16: no AVX512-BF16 here (an AVX-512 build)");
-  int4pack_mm("int4pack_mm_dpbf16", pacer::int4pack_mm_dpbf16, x, packed, scales_zeros, group,
-              out);
-}
-
-void int8_mm_dpbf16(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                    torch::Tensor& out) {
-  TORCH_CHECK(pacer::dpbf16_ready(), "int8_mm_dpbf16: no AVX512-BF16 here (an AVX-512 build)");
-  int8_mm("int8_mm_dpbf16", pacer::int8_mm_dpbf16, x, codes, scale, out);
-}
-
-void int4pack_mm_fma(const torch::Tensor& x, const torch::Tensor& packed,
-                     const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
-  TORCH_CHECK(pacer::fma_ready(), "int4pack_mm_fma: this build has no AVX2/FMA kernels");
-  int4pack_mm("int4pack_mm_fma", pacer::int4pack_mm_fma, x, packed, scales_zeros, group, out);
-}
-
-void int8_mm_fma(const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
-                 torch::Tensor& out) {
-  TORCH_CHECK(pacer::fma_ready(), "int8_mm_fma: this build has no AVX2/FMA kernels");
-  int8_mm("int8_mm_fma", pacer::int8_mm_fma, x, codes, scale, out);
-}
+constexpr const char* kNoAmx = "no AMX here (see amx_ready)";
+constexpr const char* kNoDpbf16 = "no AVX512-BF16 here (an AVX-512 build)";
+constexpr const char* kNoFma = "this build has no AVX2/FMA kernels";
 
 void dequantize_int8(const torch::Tensor& codes, const torch::Tensor& scale, torch::Tensor& out) {
   TORCH_CHECK(codes.dtype() == torch::kInt8 && scale.dtype() == torch::kBFloat16 &&
@@ -320,21 +305,25 @@ void pacer_bind(pybind11::module_& m) {
         "torch's CPU int4 layout widened to bfloat16, transposed: out [K, N]");
   m.def("amx_ready", &pacer::amx_ready,
         "whether int4pack_mm_amx runs here (an AVX-512 build, a CPU and OS with AMX-BF16)");
-  m.def("int4pack_mm_amx", &int4pack_mm_amx,
+  m.def("int4pack_mm_amx",
+        int4_binding("int4pack_mm_amx", pacer::int4pack_mm_amx, pacer::amx_ready, kNoAmx),
         "x (bf16) times torch's CPU int4 layout, widened in cache and multiplied on AMX tiles");
-  m.def("int8_mm_amx", &int8_mm_amx,
+  m.def("int8_mm_amx", int8_binding("int8_mm_amx", pacer::int8_mm_amx, pacer::amx_ready, kNoAmx),
         "x (bf16) times int8 per-row codes, on AMX tiles (the LM head at many rows)");
   m.def("dpbf16_ready", &pacer::dpbf16_ready,
         "whether this build and CPU run int4pack_mm_dpbf16 (AVX-512 build, AVX512-BF16)");
-  m.def("int4pack_mm_dpbf16", &int4pack_mm_dpbf16,
+  m.def("int4pack_mm_dpbf16", int4_binding("int4pack_mm_dpbf16", pacer::int4pack_mm_dpbf16,
+                                           pacer::dpbf16_ready, kNoDpbf16),
         "x (bf16) times torch's CPU int4 layout, widened in cache, AVX512-BF16 dot products");
-  m.def("int8_mm_dpbf16", &int8_mm_dpbf16,
+  m.def("int8_mm_dpbf16", int8_binding("int8_mm_dpbf16", pacer::int8_mm_dpbf16,
+                                       pacer::dpbf16_ready, kNoDpbf16),
         "x (bf16) times int8 per-row codes, AVX512-BF16 dot products (the LM head at many rows)");
   m.def("fma_ready", &pacer::fma_ready,
         "whether this build has int4pack_mm_fma and int8_mm_fma (AVX2 + FMA or above)");
-  m.def("int4pack_mm_fma", &int4pack_mm_fma,
+  m.def("int4pack_mm_fma",
+        int4_binding("int4pack_mm_fma", pacer::int4pack_mm_fma, pacer::fma_ready, kNoFma),
         "x (bf16) times torch's CPU int4 layout, widened to float32 in cache, FMA");
-  m.def("int8_mm_fma", &int8_mm_fma,
+  m.def("int8_mm_fma", int8_binding("int8_mm_fma", pacer::int8_mm_fma, pacer::fma_ready, kNoFma),
         "x (bf16) times int8 per-row codes, widened to float32 in cache, FMA");
   m.def("dequantize_int8", &dequantize_int8, "int8 per-channel codes widened to bfloat16");
   m.def("decode_attention_block", &decode_attention_block,
