@@ -343,7 +343,8 @@ class ModelRunner:
             start = s.num_computed_tokens
             ids.extend(s.token_ids[start:start + n])
             kv_len = start + n
-            chunks.append(Chunk(n, kv_len, s.block_table, samples=kv_len == len(s.token_ids)))
+            chunks.append(Chunk(n, kv_len, s.block_table, samples=kv_len == len(s.token_ids),
+                                prompt_row=n == 1 and kv_len <= s.num_prompt_tokens))
             order.append(rid)
         return torch.tensor(ids, dtype=torch.int64, device=self.rc.device), chunks, order
 

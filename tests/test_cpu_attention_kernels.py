@@ -107,6 +107,35 @@ def test_prefill_kernel_matches_the_torch_path(kernels, cache_dtype, heads, kvh,
     assert torch.allclose(fast, ref, atol=2e-5, rtol=1e-4), (fast - ref).abs().max()
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_a_prompt_row_has_the_same_bits_whatever_chunk_it_ends(kernels, cache_dtype):
+    """A prompt's last row, in one chunk with the rest of its prompt or alone (the token
+    budget cut the prompt one row short), comes from the prefill kernel either way: the decode
+    kernel sums in another order, and its bits would change the greedy tokens after it."""
+    if not kernels.paged_prefill_supported(64, 3):
+        pytest.skip(f"the {kernels.level} kernels have no prefill attention: torch serves it")
+    g = torch.Generator().manual_seed(5)
+    bs, n = 16, 41
+    table = torch.randperm(20, generator=g)[:3].tolist()
+    q, k, v = (torch.randn(n, h, 64, generator=g) for h in (9, 3, 3))
+    cache = [torch.zeros(20, bs, 3, 64, dtype=cache_dtype) for _ in range(2)]
+    backend = TorchAttentionBackend(kernels)
+    whole = backend.forward(q, k, v, *[c.clone() for c in cache],
+                            build_attention_metadata([Chunk(n, n, table)], bs), 0.125)
+    k_cache, v_cache = (c.clone() for c in cache)
+    backend.forward(q[:-1], k[:-1], v[:-1], k_cache, v_cache,
+                    build_attention_metadata([Chunk(n - 1, n - 1, table, samples=False)], bs),
+                    0.125)
+    for prompt_row in (True, False):                # False: the same row taken as a decode
+        last = backend.forward(q[-1:], k[-1:], v[-1:], k_cache.clone(), v_cache.clone(),
+                               build_attention_metadata([Chunk(1, n, table,
+                                                               prompt_row=prompt_row)], bs),
+                               0.125)
+        torch.testing.assert_close(last[0], whole[-1])
+        if prompt_row:
+            assert torch.equal(last[0], whole[-1])
+
+
 def test_fused_norm_and_rotary_match_torch(kernels):
     """The bfloat16-weight path's fused ops against the torch ops they replace."""
     from gpu_worker.model.layers import RMSNorm, RotaryEmbedding

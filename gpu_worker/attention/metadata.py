@@ -32,11 +32,15 @@ class Chunk:
     kv_len: int
     block_table: list[int]
     samples: bool = True
+    # a chunk of one row at a prompt position (a prompt's last chunk, cut to one row): it is
+    # attended as the rest of its prompt is, not as a decode (see AttentionGroup.prompt_rows)
+    prompt_row: bool = False
 
 
 @dataclass
 class AttentionGroup:
-    """Chunks with the same q_rows, attended as one padded batch of G requests."""
+    """Chunks with the same q_rows (and prompt_rows), attended as one padded batch of G
+    requests."""
     q_index: torch.Tensor        # [G, q] rows of the flat batch
     block_tables: torch.Tensor   # [G, blocks]; padded with block 0 (masked out)
     kv_len_max: int
@@ -44,6 +48,10 @@ class AttentionGroup:
     fresh: bool                  # every chunk is a whole prompt: keys are the chunk itself
     all_rows: bool               # the group is the whole flat batch, in order
     mask_dtype: torch.dtype = torch.float32
+    # single rows at prompt positions (Chunk.prompt_row): a backend whose prompt chunks and
+    # decodes take different kernels gives these the prompt chunks' kernel, so that how a
+    # prompt was cut into chunks never changes the bits of its rows
+    prompt_rows: bool = False
 
     @functools.cached_property
     def mask(self) -> torch.Tensor:
@@ -105,11 +113,11 @@ def build_attention_metadata(chunks: list[Chunk], block_size: int,
 
 def _groups(chunks: list[Chunk], cu_q: torch.Tensor, tables: torch.Tensor, block_size: int,
             device, dtype: torch.dtype) -> list[AttentionGroup]:
-    by_rows: dict[int, list[int]] = {}
+    by_rows: dict[tuple[int, bool], list[int]] = {}
     for i, c in enumerate(chunks):
-        by_rows.setdefault(c.q_rows, []).append(i)
+        by_rows.setdefault((c.q_rows, c.q_rows == 1 and c.prompt_row), []).append(i)
     groups = []
-    for q, members in by_rows.items():
+    for (q, prompt_rows), members in by_rows.items():
         idx = torch.tensor(members)
         kv = torch.tensor([chunks[i].kv_len for i in members])
         kv_max = int(kv.max())
@@ -118,5 +126,5 @@ def _groups(chunks: list[Chunk], cu_q: torch.Tensor, tables: torch.Tensor, block
         groups.append(AttentionGroup(
             q_index=q_index.to(device), block_tables=tables[idx, :blocks].to(device),
             kv_len_max=kv_max, kv_lens=kv.to(device), fresh=bool((kv == q).all()),
-            all_rows=len(by_rows) == 1, mask_dtype=dtype))
+            all_rows=len(by_rows) == 1, mask_dtype=dtype, prompt_rows=prompt_rows))
     return groups

@@ -41,7 +41,9 @@ class TorchAttentionBackend:
             G, rows = g.q_index.shape
             if rows > 1 and prefill_in_kernel:
                 continue
-            if rows == 1 and not g.fresh and kernels is not None:
+            if rows == 1 and not g.fresh and g.prompt_rows and prefill_in_kernel:
+                o = self._prefill_rows(_rows(q, g), k_cache, v_cache, g, scale)
+            elif rows == 1 and not g.fresh and kernels is not None:
                 o = self._decode(_rows(q, g), k_cache, v_cache, g, scale)
             else:
                 o = self._attend(q, k, v, k_cache, v_cache, g, scale)
@@ -63,7 +65,7 @@ class TorchAttentionBackend:
             return None
         g = meta.groups[0]
         k_cache, v_cache = kv_cache
-        if g.q_index.shape[1] != 1 or g.fresh or not g.all_rows or \
+        if g.q_index.shape[1] != 1 or g.fresh or not g.all_rows or g.prompt_rows or \
                 k_cache.dtype not in (torch.float32, torch.bfloat16):
             return None
         out = qkv.new_empty((qkv.shape[0], q_size))
@@ -84,6 +86,19 @@ class TorchAttentionBackend:
         q = q.contiguous()                                            # [G, H, d] float32
         o = torch.empty_like(q)
         self._kernels.paged_decode_attention(q, k_cache, v_cache, g.block_tables, g.kv_lens, scale, o)
+        return o
+
+    def _prefill_rows(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, g,
+                      scale: float) -> torch.Tensor:
+        """Single rows at prompt positions by the prefill kernel, which computes every other
+        row of their prompts (the decode kernel's sums run in another order): a prompt's
+        bits do not depend on where the budget cut its chunks."""
+        q = q.contiguous()                                            # [G, H, d] float32
+        o = torch.empty_like(q)
+        G = q.shape[0]
+        self._kernels.paged_prefill_attention(
+            q, k_cache, v_cache, g.block_tables.to(torch.int32),
+            torch.arange(G + 1, dtype=torch.int32), g.kv_lens.to(torch.int32), 1, scale, o)
         return o
 
     def _attend(self, q, k, v, k_cache, v_cache, g, scale: float) -> torch.Tensor:

@@ -45,41 +45,9 @@ inline void softmax_avx512(float* s, int64_t L) {
   }
 }
 
-// Sixteen vectors' horizontal sums as one vector (lane i: the sum of v[i]): a tree of
-// unpacks and 128-bit lane shuffles, 15 adds where sixteen reductions take 64 and a chain.
-inline __m512 sum16(const __m512* v) {
-  __m512 s2[8], s4[4];
-  for (int i = 0; i < 8; ++i)      // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
-    s2[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {    // per lane: the lane's sum for each of four vectors
-    const __m512d a = _mm512_castps_pd(s2[2 * i]), b = _mm512_castps_pd(s2[2 * i + 1]);
-    s4[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 w01 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(s4[0], s4[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 w23 = _mm512_add_ps(_mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                   _mm512_shuffle_f32x4(s4[2], s4[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(w01, w23, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
-// A row of one KV head (16 * NC elements) on its way into L1: one head's rows are strided
-// by the other heads', which the hardware prefetchers follow poorly (from DRAM, a 1.5k-token
-// context took 2.7x as long as from cache without this).
-template <int NC, typename T>
-inline void prefetch_row(const T* p) {
-  for (size_t off = 0; off < NC * 16 * sizeof(T); off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
-}
-
-inline const int64_t kAhead = 16;     // keys prefetched ahead of the ones in use
-
 // One request, one KV head and the `group` query heads that share it, head_dim = 16 * NC:
 // the group's queries (pass 1) and outputs (pass 2) stay in registers while the request's
-// K and V rows of this head stream past once each, a cache block (BS tokens, one table
-// lookup) at a time; pass 1 scores 16 keys per query head at once (sum16).
+// K and V rows of this head stream past once each.
 template <int NC, typename T>
 void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table,
                                int64_t L, int64_t BS, int64_t row, int64_t group, float scale,
@@ -88,52 +56,27 @@ void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t
   __m512 qv[MAXG][NC];
   for (int64_t j = 0; j < group; ++j)
     for (int c = 0; c < NC; ++c) qv[j][c] = _mm512_loadu_ps(qh + j * NC * 16 + c * 16);
-  const __m512 vscale = _mm512_set1_ps(scale);
-  auto key_row = [&](const T* base, int64_t t) { return base + (table[t / BS] * BS + t % BS) * row; };
-  for (int64_t t = 0; t < std::min(L, kAhead); ++t) prefetch_row<NC>(key_row(kp, t));
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {                      // pass 1: scores
-    const int64_t n = std::min<int64_t>(16, L - t0);
-    for (int64_t t = t0 + kAhead; t < std::min(L, t0 + 16 + kAhead); ++t)
-      prefetch_row<NC>(key_row(kp, t));
-    __m512 kv[16][NC];
-    // the 16 keys lie in one block when blocks are a multiple of 16 tokens (the default 16)
-    const T* block = BS % 16 == 0 ? kp + (table[t0 / BS] * BS + t0 % BS) * row : nullptr;
-    for (int64_t k = 0; k < 16; ++k) {
-      if (k < n) {
-        const int64_t t = t0 + k;
-        const T* kt = block ? block + k * row : key_row(kp, t);
-        for (int c = 0; c < NC; ++c) kv[k][c] = load16(kt + c * 16);
-      } else {
-        for (int c = 0; c < NC; ++c) kv[k][c] = _mm512_setzero_ps();
-      }
-    }
+  for (int64_t t = 0; t < L; ++t) {                             // pass 1: scores
+    const T* kt = kp + (table[t / BS] * BS + t % BS) * row;
+    __m512 kv[NC];
+    for (int c = 0; c < NC; ++c) kv[c] = load16(kt + c * 16);
     for (int64_t j = 0; j < group; ++j) {
-      __m512 acc[16];
-      for (int k = 0; k < 16; ++k) {
-        acc[k] = _mm512_mul_ps(qv[j][0], kv[k][0]);
-        for (int c = 1; c < NC; ++c) acc[k] = _mm512_fmadd_ps(qv[j][c], kv[k][c], acc[k]);
-      }
-      _mm512_mask_storeu_ps(scores + j * L + t0, first_lanes(n),
-                            _mm512_mul_ps(sum16(acc), vscale));
+      __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
+      for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[j][c], kv[c], acc);
+      scores[j * L + t] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
-  for (int64_t t = 0; t < std::min(L, kAhead); ++t) prefetch_row<NC>(key_row(vp, t));
   for (int64_t j = 0; j < group; ++j) softmax_avx512(scores + j * L, L);
   __m512 acc[MAXG][NC];                                         // pass 2: out = P V
   for (int64_t j = 0; j < group; ++j)
     for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
-  for (int64_t b0 = 0; b0 < L; b0 += BS) {
-    const T* vb = vp + table[b0 / BS] * BS * row;
-    const int64_t n = std::min(BS, L - b0);
-    for (int64_t k = 0; k < n; ++k) {
-      if (b0 + k + kAhead < L) prefetch_row<NC>(key_row(vp, b0 + k + kAhead));
-      const T* vt = vb + k * row;
-      __m512 vv[NC];
-      for (int c = 0; c < NC; ++c) vv[c] = load16(vt + c * 16);
-      for (int64_t j = 0; j < group; ++j) {
-        const __m512 p = _mm512_set1_ps(scores[j * L + b0 + k]);
-        for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_fmadd_ps(p, vv[c], acc[j][c]);
-      }
+  for (int64_t t = 0; t < L; ++t) {
+    const T* vt = vp + (table[t / BS] * BS + t % BS) * row;
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load16(vt + c * 16);
+    for (int64_t j = 0; j < group; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j * L + t]);
+      for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_fmadd_ps(p, vv[c], acc[j][c]);
     }
   }
   for (int64_t j = 0; j < group; ++j)
