@@ -157,7 +157,7 @@ def single_stream_rounds(engines: list[str], rounds: int) -> list[dict]:
 # ---- accuracy -----------------------------------------------------------------------------
 
 def parity_prompts(tok) -> list[list[int]]:
-    from tests.test_engine_parity import CHAT_PROMPTS
+    from tests.hf_reference import CHAT_PROMPTS
     return [tok.encode_chat([{"role": "user", "content": c}]) for c in CHAT_PROMPTS]
 
 
