@@ -82,9 +82,8 @@ def main() -> None:
     bf16 = [prepack(torch.randn(shape, dtype=torch.bfloat16))
             for shape in LAYER_SHAPES.values() for _ in range(LAYERS)]
     bf16_head = prepack(torch.randn(LM_HEAD, dtype=torch.bfloat16))
-    paths = ["aten", "widen"] + (["amx"] if linear._amx_kernels() is not None else []) + \
-        (["dpbf16"] if linear._dpbf16_kernels() is not None else []) + \
-        (["fma"] if linear._fma_kernels() is not None else [])
+    in_cache = linear._in_cache_kernels()[1]      # the in-cache kind this CPU takes, if any
+    paths = ["aten", "widen"] + ([in_cache] if in_cache else [])
     saved = {cls: {name: getattr(cls, name) for name in (*THRESHOLDS, "dpbf16_max_rows")}
              for cls in (Int4Weight, Int8Weight)}
     rows_out = []

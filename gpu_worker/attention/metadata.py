@@ -115,7 +115,7 @@ def _groups(chunks: list[Chunk], cu_q: torch.Tensor, tables: torch.Tensor, block
             device, dtype: torch.dtype) -> list[AttentionGroup]:
     by_rows: dict[tuple[int, bool], list[int]] = {}
     for i, c in enumerate(chunks):
-        by_rows.setdefault((c.q_rows, c.q_rows == 1 and c.prompt_row), []).append(i)
+        by_rows.setdefault((c.q_rows, c.prompt_row), []).append(i)
     groups = []
     for (q, prompt_rows), members in by_rows.items():
         idx = torch.tensor(members)

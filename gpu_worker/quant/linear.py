@@ -60,13 +60,12 @@ def _amx_kernels():
 
 @functools.cache
 def _dpbf16_kernels():
-    """The CPU kernels when int4 and int8 GEMMs widen in cache and multiply with AVX512-BF16's
-    dot products here: an AVX-512 build not held lower, a CPU with AVX512-BF16 and no AMX tiles
-    (those take `int4pack_mm_amx`)."""
+    """The CPU kernels when they run int4 and int8 GEMMs with AVX512-BF16's dot products here:
+    an AVX-512 build not held lower and a CPU with AVX512-BF16 (AMX, where there is some, comes
+    first: `_in_cache_kernels`)."""
     kernels = _widening_kernels()
     if (kernels is None or not hasattr(kernels, "dpbf16_ready") or best_level() != "avx512"
-            or "avx512_bf16" not in cpu_flags() or _amx_kernels() is not None
-            or not kernels.dpbf16_ready()):
+            or "avx512_bf16" not in cpu_flags() or not kernels.dpbf16_ready()):
         return None
     return kernels
 
@@ -74,13 +73,25 @@ def _dpbf16_kernels():
 @functools.cache
 def _fma_kernels():
     """The CPU kernels when many-row GEMMs widen to float32 in cache and multiply with FMA
-    here: a build with those kernels (AVX2 and above) on a CPU with neither AMX nor native bf16
-    GEMMs, where the other paths would widen the weight to memory."""
+    here: a build with those kernels (AVX2 and above) on a CPU without native bf16 GEMMs, where
+    the other paths would widen the weight to memory."""
     kernels = _widening_kernels()
     if (kernels is None or not hasattr(kernels, "fma_ready") or not kernels.fma_ready()
-            or _amx_kernels() is not None or _bf16_gemm_native()):
+            or _bf16_gemm_native()):
         return None
     return kernels
+
+
+def _in_cache_kernels():
+    """(kernels, kind) of the GEMMs that widen in cache here, the best this CPU has: "amx",
+    "dpbf16" or "fma"; (None, None) where none does. (Not cached itself: tests hold each
+    kind's finder to None to take the next.)"""
+    for kind, find in (("amx", _amx_kernels), ("dpbf16", _dpbf16_kernels),
+                       ("fma", _fma_kernels)):
+        kernels = find()
+        if kernels is not None:
+            return kernels, kind
+    return None, None
 
 
 @functools.cache
@@ -109,29 +120,20 @@ class _Packed:
     def wide_from(cls) -> int | None:
         """The row count from which these GEMMs widen the weight (in cache or to a bf16 copy),
         here; None without the CPU kernels."""
-        if _amx_kernels() is not None:
-            return cls.amx_rows
-        if _dpbf16_kernels() is not None:
-            return cls.dpbf16_rows
-        if _fma_kernels() is not None:
-            return cls.fma_rows
+        kernels, kind = _in_cache_kernels()
+        if kernels is not None:
+            return getattr(cls, f"{kind}_rows")
         return cls.many_rows if _widening_kernels() is not None else None
 
     def _in_cache(self, rows: int):
-        """The kernel that widens this weight in cache for `rows` rows (`int4pack_mm_amx`,
-        `int8_mm_fma`, ...: suffix "amx", "dpbf16" or "fma") as (module, suffix), or (None, None)."""
-        amx = _amx_kernels()
-        if amx is not None:
-            return (amx, "amx") if rows >= self.amx_rows else (None, None)
-        dp = _dpbf16_kernels()
-        if dp is not None:
-            top = self.dpbf16_max_rows
-            return (dp, "dpbf16") if self.dpbf16_rows <= rows and (top is None or rows <= top) \
-                else (None, None)
-        fma = _fma_kernels()
-        if fma is not None and rows >= self.fma_rows:
-            return fma, "fma"
-        return None, None
+        """The kernels that widen this weight in cache for `rows` rows, and their kind (the
+        suffix of `int4pack_mm_amx`, `int8_mm_fma`, ...), or (None, None)."""
+        kernels, kind = _in_cache_kernels()
+        if kernels is None or rows < getattr(self, f"{kind}_rows") or \
+                kind == "dpbf16" and self.dpbf16_max_rows is not None \
+                and rows > self.dpbf16_max_rows:
+            return None, None
+        return kernels, kind
 
 
 class Int4Weight(_Packed):
