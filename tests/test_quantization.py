@@ -206,6 +206,15 @@ def test_in_cache_int8_gemm_matches_its_dequantized_weights(shape, kind):
         torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
         if rows >= getattr(Int8Weight, threshold) and _chosen(kind):
             assert torch.equal(w8.mm(x), y)
+        if kind == "dpbf16":    # float32 logits: the same sums, unrounded
+            y32 = torch.empty(rows, n)
+            available().int8_mm_dpbf16(x, w8.codes, w8.scale, y32)
+            assert torch.equal(y32.to(ACT_DTYPE), y)
+            one = torch.empty(1, n)                 # a row's logits whatever the batch
+            available().int8_mm_dpbf16(x[-1:].contiguous(), w8.codes, w8.scale, one)
+            assert torch.equal(one[0], y32[-1])
+            if _chosen(kind) and rows <= Int8Weight.dpbf16_max_rows:
+                assert torch.equal(w8.mm(x, torch.float32), y32)
 
 
 def _fma_kernels():

@@ -211,7 +211,8 @@ void dequantize_int4pack(const torch::Tensor& packed, const torch::Tensor& scale
 
 using Int4Mm = void (*)(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t,
                        int64_t, bf16*);
-using Int8Mm = void (*)(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, bf16*);
+template <typename O>
+using Int8Mm = void (*)(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, O*);
 
 // out [M, N] = x [M, K] times W in torch's int4 layout, by one of the kernels that widen W in
 // cache (AMX tiles, or FMA)
@@ -233,12 +234,15 @@ void int4pack_mm(const char* name, Int4Mm kernel, const torch::Tensor& x,
          mut_ptr<bf16>(out));
 }
 
-// out [M, N] = x [M, K] times int8 codes [N, K] with one scale per row (the LM head)
-void int8_mm(const char* name, Int8Mm kernel, const torch::Tensor& x, const torch::Tensor& codes,
-             const torch::Tensor& scale, torch::Tensor& out) {
+// out [M, N] = x [M, K] times int8 codes [N, K] with one scale per row (the LM head); out in
+// bfloat16, or in float32 where the kernel has that variant (`f32`, else null)
+void int8_mm(const char* name, Int8Mm<bf16> kernel, Int8Mm<float> f32, const torch::Tensor& x,
+             const torch::Tensor& codes, const torch::Tensor& scale, torch::Tensor& out) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && codes.dtype() == torch::kInt8 &&
-                  scale.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
-              name, ": bfloat16 x, int8 codes, bfloat16 scales and out");
+                  scale.dtype() == torch::kBFloat16 &&
+                  (out.dtype() == torch::kBFloat16 || f32 && out.dtype() == torch::kFloat32),
+              name, ": bfloat16 x, int8 codes, bfloat16 scales, ",
+              f32 ? "float32 or bfloat16 out" : "bfloat16 out");
   TORCH_CHECK(all_contiguous({&x, &codes, &scale, &out}) && x.dim() == 2 && codes.dim() == 2 &&
                   out.dim() == 2,
               name, ": contiguous x [M, K], codes [N, K], scales [N], out [M, N]");
@@ -246,7 +250,10 @@ void int8_mm(const char* name, Int8Mm kernel, const torch::Tensor& x, const torc
   TORCH_CHECK(codes.size(1) == K && scale.numel() == N && out.size(0) == M && out.size(1) == N &&
                   N % 16 == 0 && K % 32 == 0,
               name, ": N a multiple of 16, K of 32; sizes that agree");
-  kernel(ptr<bf16>(x), M, codes.data_ptr<int8_t>(), ptr<bf16>(scale), N, K, mut_ptr<bf16>(out));
+  if (out.dtype() == torch::kFloat32)
+    f32(ptr<bf16>(x), M, codes.data_ptr<int8_t>(), ptr<bf16>(scale), N, K, out.data_ptr<float>());
+  else
+    kernel(ptr<bf16>(x), M, codes.data_ptr<int8_t>(), ptr<bf16>(scale), N, K, mut_ptr<bf16>(out));
 }
 
 // The bindings of the in-cache kernels: refused where `ready` says this build or CPU cannot
@@ -259,11 +266,12 @@ auto int4_binding(const char* name, Int4Mm kernel, bool (*ready)(), const char* 
   };
 }
 
-auto int8_binding(const char* name, Int8Mm kernel, bool (*ready)(), const char* missing) {
+auto int8_binding(const char* name, Int8Mm<bf16> kernel, bool (*ready)(), const char* missing,
+                  Int8Mm<float> f32 = nullptr) {
   return [=](const torch::Tensor& x, const torch::Tensor& codes, const torch::Tensor& scale,
              torch::Tensor& out) {
     TORCH_CHECK(ready(), name, ": ", missing);
-    int8_mm(name, kernel, x, codes, scale, out);
+    int8_mm(name, kernel, f32, x, codes, scale, out);
   };
 }
 
@@ -315,9 +323,11 @@ void pacer_bind(pybind11::module_& m) {
   m.def("int4pack_mm_dpbf16", int4_binding("int4pack_mm_dpbf16", pacer::int4pack_mm_dpbf16,
                                            pacer::dpbf16_ready, kNoDpbf16),
         "x (bf16) times torch's CPU int4 layout, widened in cache, AVX512-BF16 dot products");
-  m.def("int8_mm_dpbf16", int8_binding("int8_mm_dpbf16", pacer::int8_mm_dpbf16,
-                                       pacer::dpbf16_ready, kNoDpbf16),
-        "x (bf16) times int8 per-row codes, AVX512-BF16 dot products (the LM head at many rows)");
+  m.def("int8_mm_dpbf16", int8_binding("int8_mm_dpbf16", pacer::int8_mm_dpbf16<bf16>,
+                                       pacer::dpbf16_ready, kNoDpbf16,
+                                       pacer::int8_mm_dpbf16<float>),
+        "x (bf16) times int8 per-row codes, AVX512-BF16 dot products (the LM head); out "
+        "float32 or bf16");
   m.def("fma_ready", &pacer::fma_ready,
         "whether this build has int4pack_mm_fma and int8_mm_fma (AVX2 + FMA or above)");
   m.def("int4pack_mm_fma",

@@ -357,13 +357,35 @@ __attribute__((target("avx512bf16"))) inline void dpbf16_rows(const uint32_t* x3
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N + 16 * c), round_bf16(acc[r][c]));
 }
 
+// Lane j of the result: the sum of a_j's 16 lanes (four horizontal sums for the price of
+// about one: pairs interleaved and added, then the 128-bit quarters)
+inline __m128 sum4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+  const __m512d t0 = _mm512_castps_pd(
+      _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1)));
+  const __m512d t1 = _mm512_castps_pd(
+      _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3)));
+  const __m512d t = _mm512_castps_pd(_mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(t0, t1)),
+                                                   _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t1))));
+  const __m256 h = _mm256_add_ps(_mm256_castpd_ps(_mm512_castpd512_pd256(t)),
+                                 _mm256_castpd_ps(_mm512_extractf64x4_pd(t, 1)));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+inline void store4(float* out, __m128 v) { _mm_storeu_ps(out, v); }
+inline void store4(bf16* out, __m128 v) {
+  alignas(16) float f[4];
+  _mm_store_ps(f, v);
+  for (int j = 0; j < 4; ++j) out[j] = to_bf16(f[j]);
+}
+
 // The int8 LM head the same way, transposed as int8_mm_amx is: out[m][n] = s[n] sum_k
 // c[n][k] x[m][k], four code rows (widened to bfloat16: exact) against R rows of x, 32 k at a
-// time, each product a 16-lane vector of partial sums reduced at the end.
-template <int R>
+// time, each product a 16-lane vector of partial sums reduced four at a time at the end. Each
+// output's sums run in one order whatever R is: a row's logits do not depend on the batch.
+template <int R, typename O>
 __attribute__((target("avx512bf16"))) inline void dpbf16_t_rows(const bf16* a, const bf16* x,
                                                                 int64_t K, const float* s,
-                                                                bf16* out, int64_t N) {
+                                                                O* out, int64_t N) {
   __m512 acc[4][R];
   for (int j = 0; j < 4; ++j)
     for (int r = 0; r < R; ++r) acc[j][r] = _mm512_setzero_ps();
@@ -375,8 +397,9 @@ __attribute__((target("avx512bf16"))) inline void dpbf16_t_rows(const bf16* a, c
       for (int j = 0; j < 4; ++j) acc[j][r] = _mm512_dpbf16_ps(acc[j][r], c[j], xv);
     }
   }
+  const __m128 sv = _mm_loadu_ps(s);
   for (int r = 0; r < R; ++r)
-    for (int j = 0; j < 4; ++j) out[r * N + j] = to_bf16(s[j] * _mm512_reduce_add_ps(acc[j][r]));
+    store4(out + r * N, _mm_mul_ps(sv, sum4(acc[0][r], acc[1][r], acc[2][r], acc[3][r])));
 }
 }  // namespace
 
@@ -402,11 +425,13 @@ __attribute__((target("avx512bf16"))) void int4pack_mm_dpbf16(
 }
 
 // The int8 LM head with vdpbf16ps (int8_mm_dpbf16): 16 code rows widened at a time, as
-// int8_mm_amx does, then four of them against six rows of x.
+// int8_mm_amx does, then four of them against six rows of x; out in float32 (the logits,
+// unrounded) or bfloat16.
+template <typename O>
 __attribute__((target("avx512bf16"))) void int8_mm_dpbf16(const bf16* x, int64_t M,
                                                            const int8_t* codes,
                                                            const bf16* scale, int64_t N,
-                                                           int64_t K, bf16* out) {
+                                                           int64_t K, O* out) {
 #pragma omp parallel
   {
     std::vector<bf16> a(16 * K);
@@ -417,7 +442,7 @@ __attribute__((target("avx512bf16"))) void int8_mm_dpbf16(const bf16* x, int64_t
       for (int j = 0; j < 16; ++j) s[j] = to_float(scale[n0 + j]);
       for (int j = 0; j < 16; j += 4)
         in_row_tiles<6>(M, [&]<int R>(int64_t m) {
-          dpbf16_t_rows<R>(a.data() + j * K, x + m * K, K, s + j, out + m * N + n0 + j, N);
+          dpbf16_t_rows<R, O>(a.data() + j * K, x + m * K, K, s + j, out + m * N + n0 + j, N);
         });
     }
   }
@@ -430,8 +455,13 @@ void int4pack_mm_amx(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t,
 bool dpbf16_ready() { return false; }
 void int4pack_mm_dpbf16(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t,
                         int64_t, bf16*) {}
-void int8_mm_dpbf16(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, bf16*) {}
+template <typename O>
+void int8_mm_dpbf16(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, O*) {}
 #endif
+template void int8_mm_dpbf16<float>(const bf16*, int64_t, const int8_t*, const bf16*, int64_t,
+                                    int64_t, float*);
+template void int8_mm_dpbf16<bf16>(const bf16*, int64_t, const int8_t*, const bf16*, int64_t,
+                                   int64_t, bf16*);
 
 
 // Without AMX or native bf16 GEMMs (AVX2 + FMA CPUs, AVX-512 ones without AVX512-BF16), the

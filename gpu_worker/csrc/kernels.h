@@ -68,8 +68,10 @@ void int8_mm_amx(const bf16* x, int64_t M, const int8_t* codes, const bf16* scal
 bool dpbf16_ready();
 void int4pack_mm_dpbf16(const bf16* x, int64_t M, const uint8_t* packed, const bf16* scales_zeros,
                         int64_t N, int64_t K, int64_t group, bf16* out);
+// (int8_mm_dpbf16: out in float32 or bfloat16)
+template <typename O>
 void int8_mm_dpbf16(const bf16* x, int64_t M, const int8_t* codes, const bf16* scale, int64_t N,
-                    int64_t K, bf16* out);
+                    int64_t K, O* out);
 // The same two products with FMA on float32 weights widened in cache (AVX2 and AVX-512 builds;
 // fma_ready says whether this build has them).
 bool fma_ready();

@@ -32,8 +32,8 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
     """x Wᵀ in the weight's dtype, returned in out_dtype (x's dtype unless given); through
     the prepacked copy of W when there is one (see `prepack`), or the quantized one."""
     if qweight is not None:
-        y = qweight.mm(x)
         out_dtype = out_dtype or x.dtype
+        y = qweight.mm(x, out_dtype)
         return y if y.dtype == out_dtype else y.to(out_dtype)
     x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
     if packed is not None:

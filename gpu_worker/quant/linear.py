@@ -161,7 +161,8 @@ class Int4Weight(_Packed):
     def nbytes(self) -> int:
         return self.packed.nbytes + self.scales_zeros.nbytes
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x Wᵀ in bfloat16 (`out_dtype` is the caller's to cast to)."""
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
         tiles, suffix = self._in_cache(rows)
@@ -201,12 +202,15 @@ class Int8Weight(_Packed):
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scale_f32.nbytes + self.scale.nbytes
 
-    def mm(self, x: torch.Tensor) -> torch.Tensor:
+    def mm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """x Wᵀ in bfloat16, or in float32 where `out_dtype` asks it and the kernel can write
+        it (with AVX512-BF16: the LM head's logits, unrounded, with no copy after)."""
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
         tiles, suffix = self._in_cache(rows) if self.tile_shape else (None, None)
         if tiles is not None:
-            y = x.new_empty((rows, self.out_features))
+            wide = out_dtype == torch.float32 and suffix == "dpbf16"
+            y = x.new_empty((rows, self.out_features), dtype=torch.float32 if wide else ACT_DTYPE)
             getattr(tiles, f"int8_mm_{suffix}")(x.contiguous(), self.codes, self.scale, y)
             return y
         kernels = _widening_kernels() if rows >= self.many_rows else None
