@@ -37,7 +37,8 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(_HERE, "csrc")
 GLUE = "bindings.cpp"               # torch-facing checks and bindings: compiled once
 MODULE_SOURCE = "module.cpp"        # the level's module definition: once per level, tiny
-KERNELS = ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp", "dequant.cpp")   # per level
+KERNELS = ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp", "dequant.cpp",
+           "int4_vnni.cpp")   # per level
 HEADERS = ("kernels.h", "vec.h")
 
 
@@ -64,6 +65,9 @@ LEVEL_NAMES = tuple(level.name for level in LEVELS)
 # hidden symbols: each level's library binds its own copies of inline functions
 _COMMON_FLAGS = ("-O3", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 _KERNEL_FLAGS = ("-ffast-math", "-fopenmp")
+# kernels whose float math must be done as written (their tests compare against a reference
+# op by op; -ffast-math would reorder and turn divisions into reciprocals)
+EXACT_MATH = frozenset({"int4_vnni.cpp"})
 
 
 def level(name: str) -> IsaLevel:
@@ -112,8 +116,9 @@ def _glue_flags(module: str = "") -> list[str]:
             *name, f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
 
 
-def _kernel_flags(lvl: IsaLevel) -> list[str]:
-    return [*_COMMON_FLAGS, *_KERNEL_FLAGS, *lvl.march]
+def _kernel_flags(lvl: IsaLevel, src: str = "") -> list[str]:
+    exact = ["-fno-fast-math"] if src in EXACT_MATH else []
+    return [*_COMMON_FLAGS, *_KERNEL_FLAGS, *exact, *lvl.march]
 
 
 def _link_flags() -> list[str]:
@@ -128,7 +133,9 @@ def _stamp(lvl: IsaLevel) -> str:
     for name in (GLUE, MODULE_SOURCE, *KERNELS, *HEADERS):
         with open(os.path.join(CSRC, name), "rb") as f:
             h.update(name.encode() + f.read())
-    h.update(" ".join(_glue_flags() + _kernel_flags(lvl) + _link_flags()).encode())
+    for src in KERNELS:
+        h.update(" ".join(_kernel_flags(lvl, src)).encode())
+    h.update(" ".join(_glue_flags() + _link_flags()).encode())
     try:
         h.update(subprocess.run([_compiler(), "--version"], capture_output=True, check=False).stdout)
     except OSError:
@@ -201,7 +208,7 @@ def _build(levels: list[IsaLevel], out_dir: str, jobs: int, say) -> None:
             objects[lvl.name].append(module_obj)
             for src in KERNELS:
                 obj = os.path.join(work, f"{lvl.name}-{src.replace('.cpp', '.o')}")
-                jobs_list.append((src, obj, _kernel_flags(lvl)))
+                jobs_list.append((src, obj, _kernel_flags(lvl, src)))
                 objects[lvl.name].append(obj)
         say(f"kernels: compiling {len(jobs_list)} files for {', '.join(l.name for l in levels)} "
             f"({jobs} at a time) ...")

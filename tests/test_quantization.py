@@ -12,7 +12,7 @@ from gguf.quants import dequantize, quantize
 
 from gpu_worker.quant import linear, resolve_quantization
 from gpu_worker.quant.linear import ACT_DTYPE, Int4Weight, Int8Weight
-from gpu_worker.quant.tensor import from_gguf, quantize_int4, quantize_int8, to_scheme
+from gpu_worker.quant.tensor import QTensor, from_gguf, quantize_int4, quantize_int8, to_scheme
 from gpu_worker.weights import iter_weights
 from services.engine import LLMEngine
 from shared.engine_args import EngineArgs
@@ -116,7 +116,7 @@ def test_many_rows_widen_the_weights_to_exactly_their_values(shape, monkeypatch)
         pytest.skip("no CPU kernels here: torch's int kernels serve every size")
     n, k = shape
     q4 = quantize_int4(torch.from_numpy(_random(n, k)), 32)
-    w4 = Int4Weight(q4)
+    w4 = Int4Weight(q4, vnni=False)
     n_pad = w4.scales_zeros.shape[1]
     w_t = torch.empty(k, n_pad, dtype=ACT_DTYPE)
     kernels.dequantize_int4pack(w4.packed, w4.scales_zeros, 32, w_t)
@@ -173,7 +173,7 @@ def test_in_cache_int4_gemm_multiplies_the_widened_weights(shape, group, kind):
         pytest.skip(why)
     threshold = getattr(Int4Weight, threshold)
     n, k = shape
-    w4 = Int4Weight(quantize_int4(torch.from_numpy(_random(n, k, seed=group)), group))
+    w4 = Int4Weight(quantize_int4(torch.from_numpy(_random(n, k, seed=group)), group), vnni=False)
     n_pad = w4.scales_zeros.shape[1]
     w_t = torch.empty(k, n_pad, dtype=ACT_DTYPE)
     kernels.dequantize_int4pack(w4.packed, w4.scales_zeros, group, w_t)
@@ -185,6 +185,52 @@ def test_in_cache_int4_gemm_multiplies_the_widened_weights(shape, group, kind):
         torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3 * ref.abs().max().item())
         if rows >= threshold and _chosen(kind):
             assert torch.equal(w4.mm(x), y[:, :n])
+
+
+def _w4a8_reference(x: torch.Tensor, q: QTensor) -> torch.Tensor:
+    """What int4_mm_vnni computes, in float64: x quantized per block of 32 (d = max|x| / 127,
+    codes round(x / d), ties to even) times the file's weights."""
+    m, k = x.shape
+    xb = x.float().view(m, k // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    xq = (torch.round(xb * inv) * (amax / 127)).view(m, k)
+    return xq.double() @ q.dequantize().double().t()
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES[:4] + [(40, 64), (320, 192)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("group", [32, 64])
+def test_vnni_int4_gemm_is_its_8_bit_activations_times_the_weights(shape, group):
+    """With AVX512-VNNI and no AMX (csrc/int4_vnni.cpp) the int4 weights are kept in the VNNI
+    layout and x is quantized to 8 bits per block of 32: the result is that product up to
+    float32 sums (and bfloat16 output rounding); every row remainder of its 8-row tiles; a
+    row's output is the same alone as in a batch; the weights' own mm takes it for every row
+    count, and the cost model sees no widening."""
+    kernels = linear._vnni_kernels()
+    if kernels is None:
+        pytest.skip("no AVX512-VNNI here, or AMX (an AVX-512 kernel build, CPU flag avx512_vnni)")
+    n, k = shape
+    q = quantize_int4(torch.from_numpy(_random(n, k, seed=group)), group)
+    q.scale, q.zero = q.scale.to(ACT_DTYPE).float(), q.zero.to(ACT_DTYPE).float()
+    w4 = Int4Weight(q)
+    assert w4.vnni is not None and w4.packed is None and linear.wide_from_rows("int4") is None
+    n_pad = w4.scales_zeros.shape[1]
+    for rows in (*range(1, 18), 64, 70):
+        x = torch.randn(rows, k, dtype=ACT_DTYPE)
+        y = torch.empty(rows, n_pad)
+        kernels.int4_mm_vnni(x, w4.vnni, w4.scales_zeros, group, y)
+        ref = _w4a8_reference(x, q)
+        torch.testing.assert_close(y[:, :n].double(), ref, rtol=1e-5,
+                                   atol=1e-5 * ref.abs().max().item())
+        assert not y[:, n:].any()
+        yb = torch.empty(rows, n_pad, dtype=ACT_DTYPE)
+        kernels.int4_mm_vnni(x, w4.vnni, w4.scales_zeros, group, yb)
+        assert torch.equal(y.to(ACT_DTYPE), yb)
+        assert torch.equal(w4.mm(x), yb[:, :n])
+        one = torch.empty(1, n_pad)
+        kernels.int4_mm_vnni(x[-1:].contiguous(), w4.vnni, w4.scales_zeros, group, one)
+        assert torch.equal(one[0], y[-1])
 
 
 @pytest.mark.parametrize("shape", [(49152, 576), (960, 576), (48, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
@@ -235,7 +281,7 @@ def test_fma_int4_gemm_multiplies_the_float_weights(shape, group, monkeypatch):
     kernels = _fma_kernels()
     n, k = shape
     q4 = quantize_int4(torch.from_numpy(_random(n, k, seed=group)), group)
-    w4 = Int4Weight(q4)
+    w4 = Int4Weight(q4, vnni=False)
     n_pad = w4.scales_zeros.shape[1]
     s, z = (w4.scales_zeros[..., i].float().t()[:n].repeat_interleave(group, dim=1)
             for i in (0, 1))

@@ -275,6 +275,33 @@ auto int8_binding(const char* name, Int8Mm<bf16> kernel, bool (*ready)(), const 
   };
 }
 
+// out [M, N] = x [M, K] times int4 weights in the VNNI layout (csrc/int4_vnni.cpp)
+void int4_mm_vnni(const torch::Tensor& x, const torch::Tensor& w,
+                  const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
+  TORCH_CHECK(pacer::vnni_ready(), "int4_mm_vnni: no AVX512-VNNI here (an AVX-512 build)");
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kUInt8 &&
+                  scales_zeros.dtype() == torch::kBFloat16 &&
+                  (out.dtype() == torch::kBFloat16 || out.dtype() == torch::kFloat32),
+              "int4_mm_vnni: bfloat16 x, uint8 weights, bfloat16 scales, bfloat16 or float32 out");
+  TORCH_CHECK(all_contiguous({&x, &w, &scales_zeros, &out}) && x.dim() == 2 && w.dim() == 3 &&
+                  out.dim() == 2 && scales_zeros.dim() == 3 && scales_zeros.size(2) == 2,
+              "int4_mm_vnni: contiguous x [M, K], w [N / 16, K / 32, 256], scales_and_zeros "
+              "[K / g, N, 2], out [M, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == M && N % 16 == 0 && K % 32 == 0 && group > 0 && group % 32 == 0 &&
+                  K % group == 0 && w.size(0) * 16 == N && w.size(1) * 32 == K &&
+                  w.size(2) == 256 && scales_zeros.size(0) == K / group &&
+                  scales_zeros.size(1) == N,
+              "int4_mm_vnni: N a multiple of 16, K of the group, the group of 32; sizes that "
+              "agree");
+  if (out.dtype() == torch::kFloat32)
+    pacer::int4_mm_vnni(ptr<bf16>(x), M, w.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N, K,
+                        group, out.data_ptr<float>());
+  else
+    pacer::int4_mm_vnni(ptr<bf16>(x), M, w.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N, K,
+                        group, mut_ptr<bf16>(out));
+}
+
 constexpr const char* kNoAmx = "no AMX here (see amx_ready)";
 constexpr const char* kNoDpbf16 = "no AVX512-BF16 here (an AVX-512 build)";
 constexpr const char* kNoFma = "this build has no AVX2/FMA kernels";
@@ -328,6 +355,10 @@ void pacer_bind(pybind11::module_& m) {
                                        pacer::int8_mm_dpbf16<float>),
         "x (bf16) times int8 per-row codes, AVX512-BF16 dot products (the LM head); out "
         "float32 or bf16");
+  m.def("vnni_ready", &pacer::vnni_ready,
+        "whether this build and CPU run int4_mm_vnni (AVX-512 build, AVX512-VNNI)");
+  m.def("int4_mm_vnni", &int4_mm_vnni,
+        "x (bf16, quantized to 8 bits per 32) times int4 weights in the VNNI layout, VNNI");
   m.def("fma_ready", &pacer::fma_ready,
         "whether this build has int4pack_mm_fma and int8_mm_fma (AVX2 + FMA or above)");
   m.def("int4pack_mm_fma",

@@ -33,24 +33,6 @@
 namespace pacer {
 namespace {
 
-// tile.template operator()<R>(m) for rows [m, m + R) of [0, M): whole tiles of R rows, then
-// one of the rows left (the microkernels below keep R rows' accumulators in registers)
-template <int R, typename Tile>
-inline void rest_of_rows(int64_t left, int64_t m, Tile& tile) {
-  if constexpr (R > 0) {
-    if (left == R)
-      tile.template operator()<R>(m);
-    else
-      rest_of_rows<R - 1>(left, m, tile);
-  }
-}
-template <int R, typename Tile>
-inline void in_row_tiles(int64_t M, Tile&& tile) {
-  int64_t m = 0;
-  for (; m + R <= M; m += R) tile.template operator()<R>(m);
-  rest_of_rows<R - 1>(M - m, m, tile);
-}
-
 #if defined(__AVX512F__)
 // 16 floats to bfloat16, round to nearest even (finite values: these are weights)
 inline __m256i round_bf16(__m512 v) {

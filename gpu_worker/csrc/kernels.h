@@ -72,6 +72,12 @@ void int4pack_mm_dpbf16(const bf16* x, int64_t M, const uint8_t* packed, const b
 template <typename O>
 void int8_mm_dpbf16(const bf16* x, int64_t M, const int8_t* codes, const bf16* scale, int64_t N,
                     int64_t K, O* out);
+// int4 weights (in int4_vnni.cpp's layout) times x quantized to 8 bits per block of 32, with
+// AVX512-VNNI (vnni_ready: an AVX-512 build on a CPU with it); out in bfloat16 or float32.
+bool vnni_ready();
+template <typename O>
+void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, const bf16* scales_zeros, int64_t N,
+                  int64_t K, int64_t group, O* out);
 // The same two products with FMA on float32 weights widened in cache (AVX2 and AVX-512 builds;
 // fma_ready says whether this build has them).
 bool fma_ready();

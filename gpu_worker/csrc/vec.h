@@ -31,6 +31,24 @@ static inline bf16 to_bf16(float f) {
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
 
+// tile.template operator()<R>(m) for rows [m, m + R) of [0, M): whole tiles of R rows, then
+// one of the rows left (the microkernels below keep R rows' accumulators in registers)
+template <int R, typename Tile>
+inline void rest_of_rows(int64_t left, int64_t m, Tile& tile) {
+  if constexpr (R > 0) {
+    if (left == R)
+      tile.template operator()<R>(m);
+    else
+      rest_of_rows<R - 1>(left, m, tile);
+  }
+}
+template <int R, typename Tile>
+inline void in_row_tiles(int64_t M, Tile&& tile) {
+  int64_t m = 0;
+  for (; m + R <= M; m += R) tile.template operator()<R>(m);
+  rest_of_rows<R - 1>(M - m, m, tile);
+}
+
 template <typename O> static inline O from_float(float x);
 template <> inline float from_float<float>(float x) { return x; }
 template <> inline bf16 from_float<bf16>(float x) { return to_bf16(x); }

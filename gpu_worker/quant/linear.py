@@ -30,6 +30,7 @@ kernels of the same shape widen to float32 in cache and multiply with FMA (`int4
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -68,6 +69,32 @@ def _dpbf16_kernels():
             or "avx512_bf16" not in cpu_flags() or not kernels.dpbf16_ready()):
         return None
     return kernels
+
+
+@functools.cache
+def _vnni_kernels():
+    """The CPU kernels when int4 weights are kept in the VNNI layout and every int4 GEMM runs
+    `int4_mm_vnni` (8-bit activations, AVX512-VNNI): an AVX-512 build not held lower, a CPU
+    with AVX512-VNNI and without AMX (whose tile kernels take torch's layout and win there).
+    PACER_INT4_VNNI=0 keeps bfloat16 activations instead (perplexity +0.15 % over float32's
+    rather than +0.37 %, at a cost in speed: docs/benchmarks.md#quantized-weights)."""
+    kernels = _widening_kernels()
+    if (kernels is None or not hasattr(kernels, "vnni_ready") or best_level() != "avx512"
+            or os.environ.get("PACER_INT4_VNNI", "1") == "0"
+            or "avx512_vnni" not in cpu_flags() or AMX_FLAGS <= cpu_flags()
+            or not kernels.vnni_ready()):
+        return None
+    return kernels
+
+
+def int4_vnni_layout(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] (uint8 0..15; N a multiple of 16, K of 32) in the layout of
+    csrc/int4_vnni.cpp: [N / 16, K / 32, 256] bytes, per 16 columns and 32 k four 64-byte
+    vectors, byte 4c + i of vector p holding column c's codes for k = 4p + i (low nibble) and
+    k = 16 + 4p + i (high nibble)."""
+    n, k = codes.shape
+    c = codes.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
+    return (c[..., 0] | (c[..., 1] << 4)).contiguous().view(n // 16, k // 32, 256)
 
 
 @functools.cache
@@ -143,7 +170,9 @@ class Int4Weight(_Packed):
     fma_rows = 8
     dpbf16_rows = 10
 
-    def __init__(self, q: QTensor):
+    def __init__(self, q: QTensor, vnni: bool | None = None):
+        """`vnni`: keep the codes in the VNNI layout (`int4_vnni_layout`) instead of torch's,
+        and multiply every row count with `int4_mm_vnni`; None: where `_vnni_kernels` says."""
         assert q.scheme == "int4"
         n, k = q.shape
         self.out_features, self.in_features, self.group = n, k, q.group
@@ -153,18 +182,33 @@ class Int4Weight(_Packed):
             codes = torch.cat([codes, codes.new_zeros(pad, k)])
             scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
             zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+        if vnni is None:
+            vnni = _vnni_kernels() is not None and k % 32 == 0 and q.group % 32 == 0
+        self.vnni = int4_vnni_layout(codes.contiguous()) if vnni else None
+        self.packed = None if vnni else torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             codes.to(torch.int32).contiguous(), 1)
         self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACT_DTYPE).contiguous()
 
+    @classmethod
+    def wide_from(cls) -> int | None:
+        """None where the weights take the VNNI layout: int4_mm_vnni for every row count,
+        nothing widened."""
+        return None if _vnni_kernels() is not None else super().wide_from()
+
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_zeros.nbytes
+        codes = self.vnni if self.vnni is not None else self.packed
+        return codes.nbytes + self.scales_zeros.nbytes
 
     def mm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x Wᵀ in bfloat16 (`out_dtype` is the caller's to cast to)."""
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
+        if self.vnni is not None:
+            y = x.new_empty((rows, self.scales_zeros.shape[1]))
+            _vnni_kernels().int4_mm_vnni(x.contiguous(), self.vnni, self.scales_zeros,
+                                         self.group, y)
+            return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
         tiles, suffix = self._in_cache(rows)
         kernels = _widening_kernels() if tiles is None and rows >= self.many_rows else None
         if tiles is not None:

@@ -1,0 +1,147 @@
+// int4 weights times 8-bit activations with AVX512-VNNI integer dot products (docs/
+// quantization.md#int4-times-int8-activations): what llama.cpp does for a Q4 file, here for
+// every row count. `vpdpbusd` multiplies 64 byte pairs per instruction, twice the pairs of
+// AVX512-BF16's `vdpbf16ps`, and the 4-bit codes enter it as they are (a mask and a shift),
+// with no widening to bfloat16 first.
+//
+// Weights, in the layout `int4_vnni_layout` (gpu_worker/quant/linear.py) writes: for each block
+// of 16 output columns and 32 k, 256 bytes, four 64-byte vectors p = 0..3, byte 4c + i of
+// vector p holding column c's codes for k = 4p + i (low nibble) and k = 16 + 4p + i (high
+// nibble): one vector and a nibble are one `vpdpbusd` operand, 16 columns x 4 k.
+//
+// Activations: each row of x quantized in blocks of 32 k (`quantize_rows`): d = max|x| / 127,
+// q = round(x / d) in int8, and the block's sum of q. With the file's w = (c - 8) s + z per
+// group, one block's contribution to out[m][n] is
+//     d (s sum(q c) + (z - 8 s) sum q)
+// (s, z the block's group's scale and zero for column n), summed over the blocks in k order in
+// float32. A row's output depends on that row alone, whatever the batch.
+//
+//   x            [M, K] bfloat16
+//   w            [N / 16, K / 32, 256] uint8
+//   scales_zeros [K / group, N, 2] bfloat16 (scale, zero) pairs
+//   out          [M, N] bfloat16 or float32
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "kernels.h"
+
+namespace pacer {
+
+#if defined(__AVX512F__)
+namespace {
+
+constexpr int64_t kBlock = 32;
+
+// rows [m0, m1) of x: codes q [M][K] int8, per block d [M][K/32] and sum q [M][K/32]
+void quantize_rows(const bf16* x, int64_t m0, int64_t m1, int64_t K, int8_t* q, float* d,
+                   float* sum) {
+  const int64_t nb = K / kBlock;
+  for (int64_t m = m0; m < m1; ++m)
+    for (int64_t b = 0; b < nb; ++b) {
+      const bf16* xb = x + m * K + b * kBlock;
+      const __m512 lo = load16(xb), hi = load16(xb + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      // (this file is compiled without -ffast-math: kernel_build.EXACT_MATH)
+      const float db = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));   // nearest, ties even
+      const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      int8_t* qb = q + m * K + b * kBlock;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(ql));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qh));
+      d[m * nb + b] = db;
+      sum[m * nb + b] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh)));
+    }
+}
+
+inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
+inline void store16(bf16* out, __m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);        // round to nearest even (finite sums)
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+
+// R rows of x against one block of 16 columns; each k block's integer sums turned into
+// float32 and added in k order
+template <int R, typename O>
+__attribute__((target("avx512vnni"))) inline void vnni_rows(
+    const int8_t* q, const float* d, const float* sum, int64_t K, const uint8_t* w,
+    const bf16* sz, int64_t N, int64_t group, O* out) {
+  const int64_t nb = K / kBlock;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+    const __m512i* wb = reinterpret_cast<const __m512i*>(w + b * 256);
+    for (int p = 0; p < 4; ++p) {
+      const __m512i v = _mm512_loadu_si512(wb + p);
+      const __m512i lo = _mm512_and_si512(v, nibble);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * K + b * kBlock);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], lo, _mm512_set1_epi32(qr[p]));
+        dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(qr[p + 4]));
+      }
+    }
+    const __m512i pairs = _mm512_loadu_si512(sz + (b * kBlock / group) * N * 2);
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+    const __m512 bias = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);       // z - 8 s
+    for (int r = 0; r < R; ++r) {
+      const __m512 block = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot[r]),
+                                           _mm512_mul_ps(bias, _mm512_set1_ps(sum[r * nb + b])));
+      acc[r] = _mm512_fmadd_ps(block, _mm512_set1_ps(d[r * nb + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) store16(out + r * N, acc[r]);
+}
+
+}  // namespace
+
+bool vnni_ready() { return __builtin_cpu_supports("avx512vnni"); }
+
+template <typename O>
+void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, const bf16* sz, int64_t N,
+                  int64_t K, int64_t group, O* out) {
+  constexpr int R = 8;
+  constexpr int64_t kRowChunk = 64;      // rows whose codes stay in L1/L2 while columns pass
+  const int64_t nb = K / kBlock;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * nb), sum(M * nb);
+  const int64_t chunks = (M + kRowChunk - 1) / kRowChunk, cblocks = N / 16;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m) quantize_rows(x, m, m + 1, K, q.data(), d.data(), sum.data());
+#pragma omp for schedule(dynamic, 4) collapse(2)
+    for (int64_t c = 0; c < chunks; ++c)
+      for (int64_t cb = 0; cb < cblocks; ++cb) {
+        const int64_t m0 = c * kRowChunk;
+        in_row_tiles<R>(std::min(M, m0 + kRowChunk) - m0, [&]<int T>(int64_t i) {
+          const int64_t m = m0 + i;
+          vnni_rows<T, O>(q.data() + m * K, d.data() + m * nb, sum.data() + m * nb, K,
+                          w + cb * nb * 256, sz + cb * 16 * 2, N, group, out + m * N + cb * 16);
+        });
+      }
+  }
+}
+#else
+bool vnni_ready() { return false; }
+template <typename O>
+void int4_mm_vnni(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t, int64_t,
+                  O*) {}
+#endif
+
+template void int4_mm_vnni<bf16>(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t,
+                                 int64_t, int64_t, bf16*);
+template void int4_mm_vnni<float>(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t,
+                                  int64_t, int64_t, float*);
+
+}  // namespace pacer
