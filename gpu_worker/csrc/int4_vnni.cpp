@@ -1,6 +1,6 @@
-// int4 weights times 8-bit activations with AVX512-VNNI integer dot products (docs/
-// quantization.md#int4-times-int8-activations): what llama.cpp does for a Q4 file, here for
-// every row count. `vpdpbusd` multiplies 64 byte pairs per instruction, twice the pairs of
+// int4 weights times 8-bit activations with AVX512-VNNI integer dot products
+// (docs/benchmarks.md#quantized-weights): what llama.cpp does for a Q4 file, here for every
+// row count. `vpdpbusd` multiplies 64 byte pairs per instruction, twice the pairs of
 // AVX512-BF16's `vdpbf16ps`, and the 4-bit codes enter it as they are (a mask and a shift),
 // with no widening to bfloat16 first.
 //

@@ -26,6 +26,11 @@ no AMX the same widening feeds `vdpbf16ps` instead (`int4pack_mm_dpbf16`, `int8_
 from `dpbf16_rows`). Without AMX or native bf16 GEMMs (AVX2 CPUs), from `fma_rows` rows on,
 kernels of the same shape widen to float32 in cache and multiply with FMA (`int4pack_mm_fma`,
 `int8_mm_fma`): no widened weight in memory, no bf16 detour.
+
+With AVX512-VNNI and no AMX, int4 weights take none of those paths: their codes are kept in
+a layout of their own (`int4_vnni_layout`, instead of torch's) and every row count runs
+`int4_mm_vnni` (csrc/int4_vnni.cpp), x quantized to 8 bits per block of 32 and multiplied with
+`vpdpbusd`, as llama.cpp serves a Q4 file (PACER_INT4_VNNI=0 declines it).
 """
 from __future__ import annotations
 
