@@ -38,7 +38,7 @@ CSRC = os.path.join(_HERE, "csrc")
 GLUE = "bindings.cpp"               # torch-facing checks and bindings: compiled once
 MODULE_SOURCE = "module.cpp"        # the level's module definition: once per level, tiny
 KERNELS = ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp", "dequant.cpp",
-           "int4_vnni.cpp")   # per level
+           "int4_vnni.cpp", "sampling.cpp")   # per level
 HEADERS = ("kernels.h", "vec.h")
 
 
@@ -66,8 +66,8 @@ LEVEL_NAMES = tuple(level.name for level in LEVELS)
 _COMMON_FLAGS = ("-O3", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 _KERNEL_FLAGS = ("-ffast-math", "-fopenmp")
 # kernels whose float math must be done as written (their tests compare against a reference
-# op by op; -ffast-math would reorder and turn divisions into reciprocals)
-EXACT_MATH = frozenset({"int4_vnni.cpp"})
+# op by op; -ffast-math would reorder, turn divisions into reciprocals and drop NaN tests)
+EXACT_MATH = frozenset({"int4_vnni.cpp", "sampling.cpp"})
 
 
 def level(name: str) -> IsaLevel:

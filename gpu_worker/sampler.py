@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_worker.cpu_kernels import cpu_kernels
 from shared.plan import SampledToken
 from shared.sampling import SamplingParams
 
@@ -85,7 +86,7 @@ class Sampler:
         """logits: [S, V], one row per sampling request; output_index[i] is how many tokens
         row i's request has generated before this one. Everything runs on the logits'
         device; the ids (and the log-probabilities asked for) reach the host in one copy."""
-        token_ids = logits.argmax(dim=-1)               # greedy rows: exact argmax
+        token_ids = argmax(logits)                      # greedy rows: exact argmax
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
             table = _to_device(torch.tensor(
@@ -112,7 +113,21 @@ class Sampler:
             if any(seeded):
                 u = torch.where(table[:, _SEEDED, None] > 0,
                                 seeded_uniform(*_seed_columns(table), x.shape[1]), u)
-        return (x - torch.log(-torch.log(u))).argmax(dim=-1)
+        return argmax(x - torch.log(-torch.log(u)))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, -1) (the first index of each row's largest value, a NaN the largest);
+    for float32 logits on CPU the kernels' (csrc/sampling.cpp: 0.1 ms for 32 rows of 49,152
+    against torch's 1.3 ms here)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and \
+            x.is_contiguous() and x.shape[1] > 0:
+        kernels = cpu_kernels()
+        if kernels is not None and hasattr(kernels, "argmax_rows"):
+            out = torch.empty(x.shape[0], dtype=torch.int64)
+            kernels.argmax_rows(x, out)
+            return out
+    return x.argmax(dim=-1)
 
 
 def _row_params(row: int, p: SamplingParams, n: int) -> tuple:

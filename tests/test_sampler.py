@@ -5,12 +5,30 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from gpu_worker.sampler import Sampler, hash32, seeded_uniform
+from gpu_worker.cpu_kernels import cpu_kernels
+from gpu_worker.sampler import Sampler, argmax, hash32, seeded_uniform
 from shared.sampling import SamplingParams
 
 
 def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 49152, 49157])
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_the_kernels_argmax_is_torchs(rows, vocab):
+    """csrc/sampling.cpp against torch.argmax: ties (the first wins), NaN (the first NaN),
+    rows of -inf, +inf, vocabularies that do not fill a vector."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here: torch's argmax serves")
+    x = logits(rows, vocab, seed=vocab)
+    if vocab > 3:
+        x[0, 1] = x[0, 3] = x[0].max() + 1
+    if rows > 1:
+        x[1, vocab // 2] = x[1, vocab - 1] = float("nan")
+        x[2] = float("-inf")
+        x[-1, -1] = float("inf")
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
 
 
 def test_greedy_is_argmax():

@@ -302,6 +302,15 @@ void int4_mm_vnni(const torch::Tensor& x, const torch::Tensor& w,
                         group, mut_ptr<bf16>(out));
 }
 
+void argmax_rows(const torch::Tensor& x, torch::Tensor& out) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && out.dtype() == torch::kInt64,
+              "argmax_rows: float32 x, int64 out");
+  TORCH_CHECK(all_contiguous({&x, &out}) && x.dim() == 2 && x.size(1) > 0 && out.dim() == 1 &&
+                  out.size(0) == x.size(0),
+              "argmax_rows: contiguous x [S, V > 0], out [S]");
+  pacer::argmax_rows(x.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr<int64_t>());
+}
+
 constexpr const char* kNoAmx = "no AMX here (see amx_ready)";
 constexpr const char* kNoDpbf16 = "no AVX512-BF16 here (an AVX-512 build)";
 constexpr const char* kNoFma = "this build has no AVX2/FMA kernels";
@@ -355,6 +364,8 @@ void pacer_bind(pybind11::module_& m) {
                                        pacer::int8_mm_dpbf16<float>),
         "x (bf16) times int8 per-row codes, AVX512-BF16 dot products (the LM head); out "
         "float32 or bf16");
+  m.def("argmax_rows", &argmax_rows,
+        "each row's first index of its largest value (a NaN the largest): torch.argmax(-1)");
   m.def("vnni_ready", &pacer::vnni_ready,
         "whether this build and CPU run int4_mm_vnni (AVX-512 build, AVX512-VNNI)");
   m.def("int4_mm_vnni", &int4_mm_vnni,

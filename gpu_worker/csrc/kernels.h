@@ -78,6 +78,9 @@ bool vnni_ready();
 template <typename O>
 void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, const bf16* scales_zeros, int64_t N,
                   int64_t K, int64_t group, O* out);
+// out[s] = the first index of row s's largest value, a NaN counting as the largest
+// (torch.argmax's answer); x [S, V] float32
+void argmax_rows(const float* x, int64_t S, int64_t V, int64_t* out);
 // The same two products with FMA on float32 weights widened in cache (AVX2 and AVX-512 builds;
 // fma_ready says whether this build has them).
 bool fma_ready();
