@@ -34,14 +34,6 @@ namespace pacer {
 namespace {
 
 #if defined(__AVX512F__)
-// 16 floats to bfloat16, round to nearest even (finite values: these are weights)
-inline __m256i round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
 // 16 rows' (q - 8) · scale + zero: the (scale, zero) bfloat16 pairs read as one 32-bit word
 // each, scale in its low half, zero in its high half
 inline __m512 widen16f(__m128i codes, __m512 s, __m512 z) {

@@ -71,11 +71,7 @@ static inline __m512 load_bf16(const bf16* p, __mmask16 k) {
 }
 
 static inline void store_bf16(bf16* p, __m512 v, __mmask16 k) {
-  // round to nearest even: add 0x7FFF + the lowest kept bit, keep the high half
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_mask_storeu_epi16(p, k, _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  _mm256_mask_storeu_epi16(p, k, round_bf16(v));
 }
 #endif
 

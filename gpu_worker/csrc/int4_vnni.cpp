@@ -59,11 +59,7 @@ void quantize_rows(const bf16* x, int64_t m0, int64_t m1, int64_t K, int8_t* q, 
 
 inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
 inline void store16(bf16* out, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);        // round to nearest even (finite sums)
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), round_bf16(v));
 }
 
 // R rows of x against one block of 16 columns; each k block's integer sums turned into

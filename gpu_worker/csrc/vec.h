@@ -62,6 +62,14 @@ static inline __mmask16 first_lanes(int64_t n) {   // lanes [0, n), n clamped to
   return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1);
 }
 
+// 16 floats to bfloat16, round to nearest even (finite values: weights, sums)
+static inline __m256i round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 static inline __m512 load16(const pacer::bf16* p) {   // bfloat16 -> float32: shift left 16
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
