@@ -280,9 +280,8 @@ void int4_mm_vnni(const torch::Tensor& x, const torch::Tensor& w,
                   const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
   TORCH_CHECK(pacer::vnni_ready(), "int4_mm_vnni: no AVX512-VNNI here (an AVX-512 build)");
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kUInt8 &&
-                  scales_zeros.dtype() == torch::kBFloat16 &&
-                  (out.dtype() == torch::kBFloat16 || out.dtype() == torch::kFloat32),
-              "int4_mm_vnni: bfloat16 x, uint8 weights, bfloat16 scales, bfloat16 or float32 out");
+                  scales_zeros.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
+              "int4_mm_vnni: bfloat16 x, uint8 weights, bfloat16 scales and out");
   TORCH_CHECK(all_contiguous({&x, &w, &scales_zeros, &out}) && x.dim() == 2 && w.dim() == 3 &&
                   out.dim() == 2 && scales_zeros.dim() == 3 && scales_zeros.size(2) == 2,
               "int4_mm_vnni: contiguous x [M, K], w [N / 16, K / 32, 256], scales_and_zeros "
@@ -294,12 +293,8 @@ void int4_mm_vnni(const torch::Tensor& x, const torch::Tensor& w,
                   scales_zeros.size(1) == N,
               "int4_mm_vnni: N a multiple of 16, K of the group, the group of 32; sizes that "
               "agree");
-  if (out.dtype() == torch::kFloat32)
-    pacer::int4_mm_vnni(ptr<bf16>(x), M, w.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N, K,
-                        group, out.data_ptr<float>());
-  else
-    pacer::int4_mm_vnni(ptr<bf16>(x), M, w.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N, K,
-                        group, mut_ptr<bf16>(out));
+  pacer::int4_mm_vnni(ptr<bf16>(x), M, w.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N, K,
+                      group, mut_ptr<bf16>(out));
 }
 
 void argmax_rows(const torch::Tensor& x, torch::Tensor& out) {

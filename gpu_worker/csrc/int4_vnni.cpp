@@ -19,12 +19,9 @@
 //   x            [M, K] bfloat16
 //   w            [N / 16, K / 32, 256] uint8
 //   scales_zeros [K / group, N, 2] bfloat16 (scale, zero) pairs
-//   out          [M, N] bfloat16 or float32
-#include <omp.h>
-
+//   out          [M, N] bfloat16
 #include <algorithm>
-#include <cmath>
-#include <vector>
+#include <memory>
 
 #include "kernels.h"
 
@@ -35,39 +32,29 @@ namespace {
 
 constexpr int64_t kBlock = 32;
 
-// rows [m0, m1) of x: codes q [M][K] int8, per block d [M][K/32] and sum q [M][K/32]
-void quantize_rows(const bf16* x, int64_t m0, int64_t m1, int64_t K, int8_t* q, float* d,
-                   float* sum) {
-  const int64_t nb = K / kBlock;
-  for (int64_t m = m0; m < m1; ++m)
-    for (int64_t b = 0; b < nb; ++b) {
-      const bf16* xb = x + m * K + b * kBlock;
-      const __m512 lo = load16(xb), hi = load16(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      // (this file is compiled without -ffast-math: kernel_build.EXACT_MATH)
-      const float db = amax / 127.f;
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));   // nearest, ties even
-      const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      int8_t* qb = q + m * K + b * kBlock;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb), _mm512_cvtsepi32_epi8(ql));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + 16), _mm512_cvtsepi32_epi8(qh));
-      d[m * nb + b] = db;
-      sum[m * nb + b] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh)));
-    }
-}
-
-inline void store16(float* out, __m512 v) { _mm512_storeu_ps(out, v); }
-inline void store16(bf16* out, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), round_bf16(v));
+// one row of x [K]: codes q [K] int8, per block d [K / 32] and sum q [K / 32]
+void quantize_row(const bf16* x, int64_t K, int8_t* q, float* d, float* sum) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const bf16* xb = x + b * kBlock;
+    const __m512 lo = load16(xb), hi = load16(xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    // (this file is compiled without -ffast-math: kernel_build.EXACT_MATH)
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));   // nearest, ties even
+    const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(ql));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(qh));
+    d[b] = amax / 127.f;
+    sum[b] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh)));
+  }
 }
 
 // R rows of x against one block of 16 columns; each k block's integer sums turned into
 // float32 and added in k order
-template <int R, typename O>
+template <int R>
 __attribute__((target("avx512vnni"))) inline void vnni_rows(
     const int8_t* q, const float* d, const float* sum, int64_t K, const uint8_t* w,
-    const bf16* sz, int64_t N, int64_t group, O* out) {
+    const bf16* sz, int64_t N, int64_t group, bf16* out) {
   const int64_t nb = K / kBlock;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
@@ -96,48 +83,44 @@ __attribute__((target("avx512vnni"))) inline void vnni_rows(
       acc[r] = _mm512_fmadd_ps(block, _mm512_set1_ps(d[r * nb + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) store16(out + r * N, acc[r]);
+  for (int r = 0; r < R; ++r)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N), round_bf16(acc[r]));
 }
 
 }  // namespace
 
 bool vnni_ready() { return __builtin_cpu_supports("avx512vnni"); }
 
-template <typename O>
 void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, const bf16* sz, int64_t N,
-                  int64_t K, int64_t group, O* out) {
+                  int64_t K, int64_t group, bf16* out) {
   constexpr int R = 8;
   constexpr int64_t kRowChunk = 64;      // rows whose codes stay in L1/L2 while columns pass
   const int64_t nb = K / kBlock;
-  std::vector<int8_t> q(M * K);
-  std::vector<float> d(M * nb), sum(M * nb);
+  // every element is written before it is read: no zero-filling
+  const std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
+  const std::unique_ptr<float[]> d(new float[M * nb]), sum(new float[M * nb]);
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk, cblocks = N / 16;
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) quantize_rows(x, m, m + 1, K, q.data(), d.data(), sum.data());
+    for (int64_t m = 0; m < M; ++m)
+      quantize_row(x + m * K, K, q.get() + m * K, d.get() + m * nb, sum.get() + m * nb);
 #pragma omp for schedule(dynamic, 4) collapse(2)
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t cb = 0; cb < cblocks; ++cb) {
         const int64_t m0 = c * kRowChunk;
         in_row_tiles<R>(std::min(M, m0 + kRowChunk) - m0, [&]<int T>(int64_t i) {
           const int64_t m = m0 + i;
-          vnni_rows<T, O>(q.data() + m * K, d.data() + m * nb, sum.data() + m * nb, K,
-                          w + cb * nb * 256, sz + cb * 16 * 2, N, group, out + m * N + cb * 16);
+          vnni_rows<T>(q.get() + m * K, d.get() + m * nb, sum.get() + m * nb, K,
+                       w + cb * nb * 256, sz + cb * 16 * 2, N, group, out + m * N + cb * 16);
         });
       }
   }
 }
 #else
 bool vnni_ready() { return false; }
-template <typename O>
 void int4_mm_vnni(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t, int64_t,
-                  O*) {}
+                  bf16*) {}
 #endif
-
-template void int4_mm_vnni<bf16>(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t,
-                                 int64_t, int64_t, bf16*);
-template void int4_mm_vnni<float>(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t,
-                                  int64_t, int64_t, float*);
 
 }  // namespace pacer

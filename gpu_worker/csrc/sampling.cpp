@@ -13,15 +13,6 @@
 namespace pacer {
 namespace {
 
-int64_t argmax_row_scalar(const float* x, int64_t V) {
-  int64_t best = 0;
-  for (int64_t i = 0; i < V; ++i) {
-    if (std::isnan(x[i])) return i;
-    if (x[i] > x[best]) best = i;
-  }
-  return best;
-}
-
 #if defined(__AVX512F__)
 int64_t argmax_row(const float* x, int64_t V) {
   __m512 mv = _mm512_set1_ps(-INFINITY);
@@ -44,7 +35,14 @@ int64_t argmax_row(const float* x, int64_t V) {
   return _mm512_mask_reduce_min_epi32(top, iv);
 }
 #else
-int64_t argmax_row(const float* x, int64_t V) { return argmax_row_scalar(x, V); }
+int64_t argmax_row(const float* x, int64_t V) {
+  int64_t best = 0;
+  for (int64_t i = 0; i < V; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[best]) best = i;
+  }
+  return best;
+}
 #endif
 
 }  // namespace

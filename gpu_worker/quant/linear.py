@@ -187,8 +187,8 @@ class Int4Weight(_Packed):
             codes = torch.cat([codes, codes.new_zeros(pad, k)])
             scale = torch.cat([scale, scale.new_zeros(pad, scale.shape[1])])
             zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
-        if vnni is None:
-            vnni = _vnni_kernels() is not None and k % 32 == 0 and q.group % 32 == 0
+        if vnni is None:        # (the groups are 32-256 wide and divide K: torch's layout's rule)
+            vnni = _vnni_kernels() is not None
         self.vnni = int4_vnni_layout(codes.contiguous()) if vnni else None
         self.packed = None if vnni else torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             codes.to(torch.int32).contiguous(), 1)
@@ -209,14 +209,13 @@ class Int4Weight(_Packed):
         """x Wᵀ in bfloat16 (`out_dtype` is the caller's to cast to)."""
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
+        tiles, suffix = (None, None) if self.vnni is not None else self._in_cache(rows)
+        kernels = _widening_kernels() if tiles is None and rows >= self.many_rows else None
         if self.vnni is not None:
             y = x.new_empty((rows, self.scales_zeros.shape[1]))
             _vnni_kernels().int4_mm_vnni(x.contiguous(), self.vnni, self.scales_zeros,
                                          self.group, y)
-            return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
-        tiles, suffix = self._in_cache(rows)
-        kernels = _widening_kernels() if tiles is None and rows >= self.many_rows else None
-        if tiles is not None:
+        elif tiles is not None:
             y = x.new_empty((rows, self.scales_zeros.shape[1]))
             getattr(tiles, f"int4pack_mm_{suffix}")(x.contiguous(), self.packed,
                                                      self.scales_zeros, self.group, y)
