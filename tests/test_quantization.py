@@ -215,11 +215,11 @@ def test_vnni_int4_gemm_is_its_8_bit_activations_times_the_weights(shape, group)
     q.scale, q.zero = q.scale.to(ACT_DTYPE).float(), q.zero.to(ACT_DTYPE).float()
     w4 = Int4Weight(q)
     assert w4.vnni is not None and w4.packed is None and linear.wide_from_rows("int4") is None
-    n_pad = w4.scales_zeros.shape[1]
+    n_pad = w4.padded_out
     for rows in (*range(1, 18), 64, 70):
         x = torch.randn(rows, k, dtype=ACT_DTYPE)
         y = torch.empty(rows, n_pad, dtype=ACT_DTYPE)
-        kernels.int4_mm_vnni(x, w4.vnni, w4.scales_zeros, group, y)
+        kernels.int4_mm_vnni(x, w4.vnni, group, y)
         ref = _w4a8_reference(x, q)
         # float32 sums, then one bfloat16 rounding
         torch.testing.assert_close(y[:, :n].double(), ref, rtol=2 ** -8,
@@ -227,7 +227,7 @@ def test_vnni_int4_gemm_is_its_8_bit_activations_times_the_weights(shape, group)
         assert not y[:, n:].any()
         assert torch.equal(w4.mm(x), y[:, :n])
         one = torch.empty(1, n_pad, dtype=ACT_DTYPE)
-        kernels.int4_mm_vnni(x[-1:].contiguous(), w4.vnni, w4.scales_zeros, group, one)
+        kernels.int4_mm_vnni(x[-1:].contiguous(), w4.vnni, group, one)
         assert torch.equal(one[0], y[-1])
 
 

@@ -276,25 +276,22 @@ auto int8_binding(const char* name, Int8Mm<bf16> kernel, bool (*ready)(), const 
 }
 
 // out [M, N] = x [M, K] times int4 weights in the VNNI layout (csrc/int4_vnni.cpp)
-void int4_mm_vnni(const torch::Tensor& x, const torch::Tensor& w,
-                  const torch::Tensor& scales_zeros, int64_t group, torch::Tensor& out) {
+void int4_mm_vnni(const torch::Tensor& x, const torch::Tensor& w, int64_t group,
+                  torch::Tensor& out) {
   TORCH_CHECK(pacer::vnni_ready(), "int4_mm_vnni: no AVX512-VNNI here (an AVX-512 build)");
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kUInt8 &&
-                  scales_zeros.dtype() == torch::kBFloat16 && out.dtype() == torch::kBFloat16,
-              "int4_mm_vnni: bfloat16 x, uint8 weights, bfloat16 scales and out");
-  TORCH_CHECK(all_contiguous({&x, &w, &scales_zeros, &out}) && x.dim() == 2 && w.dim() == 3 &&
-                  out.dim() == 2 && scales_zeros.dim() == 3 && scales_zeros.size(2) == 2,
-              "int4_mm_vnni: contiguous x [M, K], w [N / 16, K / 32, 256], scales_and_zeros "
-              "[K / g, N, 2], out [M, N]");
+                  out.dtype() == torch::kBFloat16,
+              "int4_mm_vnni: bfloat16 x and out, uint8 weights");
+  TORCH_CHECK(all_contiguous({&x, &w, &out}) && x.dim() == 2 && w.dim() == 3 && out.dim() == 2,
+              "int4_mm_vnni: contiguous x [M, K], w [N / 16, K / group, 64 + 8 group], "
+              "out [M, N]");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(out.size(0) == M && N % 16 == 0 && K % 32 == 0 && group > 0 && group % 32 == 0 &&
-                  K % group == 0 && w.size(0) * 16 == N && w.size(1) * 32 == K &&
-                  w.size(2) == 256 && scales_zeros.size(0) == K / group &&
-                  scales_zeros.size(1) == N,
+  TORCH_CHECK(out.size(0) == M && N % 16 == 0 && group > 0 && group % 32 == 0 &&
+                  K % group == 0 && w.size(0) * 16 == N && w.size(1) * group == K &&
+                  w.size(2) == 64 + 8 * group,
               "int4_mm_vnni: N a multiple of 16, K of the group, the group of 32; sizes that "
               "agree");
-  pacer::int4_mm_vnni(ptr<bf16>(x), M, w.data_ptr<uint8_t>(), ptr<bf16>(scales_zeros), N, K,
-                      group, mut_ptr<bf16>(out));
+  pacer::int4_mm_vnni(ptr<bf16>(x), M, w.data_ptr<uint8_t>(), N, K, group, mut_ptr<bf16>(out));
 }
 
 void argmax_rows(const torch::Tensor& x, torch::Tensor& out) {

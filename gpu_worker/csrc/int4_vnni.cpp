@@ -4,10 +4,15 @@
 // AVX512-BF16's `vdpbf16ps`, and the 4-bit codes enter it as they are (a mask and a shift),
 // with no widening to bfloat16 first.
 //
-// Weights, in the layout `int4_vnni_layout` (gpu_worker/quant/linear.py) writes: for each block
-// of 16 output columns and 32 k, 256 bytes, four 64-byte vectors p = 0..3, byte 4c + i of
-// vector p holding column c's codes for k = 4p + i (low nibble) and k = 16 + 4p + i (high
-// nibble): one vector and a nibble are one `vpdpbusd` operand, 16 columns x 4 k.
+// Weights, in the layout `int4_vnni_layout` (gpu_worker/quant/linear.py) writes: one stream of
+// bytes per block of 16 output columns, in k order, each group of k as its 16 (scale, zero)
+// bfloat16 pairs (64 bytes) followed by its codes, 256 bytes per 32 k: four 64-byte vectors
+// p = 0..3, byte 4c + i of vector p holding column c's codes for k = 4p + i (low nibble) and
+// k = 16 + 4p + i (high nibble): one vector and a nibble are one `vpdpbusd` operand, 16
+// columns x 4 k. A column block's scales travel with its codes (as in a GGUF Q4 block), so one
+// row of x reads the weights in one sequential pass; kept apart, [K / group, N] scales were a
+// strided read, a page apart for every block of 32 k, which the hardware prefetcher did not
+// follow.
 //
 // Activations: each row of x quantized in blocks of 32 k (`quantize_rows`): d = max|x| / 127,
 // q = round(x / d) in int8, and the block's sum of q. With the file's w = (c - 8) s + z per
@@ -17,8 +22,7 @@
 // float32. A row's output depends on that row alone, whatever the batch.
 //
 //   x            [M, K] bfloat16
-//   w            [N / 16, K / 32, 256] uint8
-//   scales_zeros [K / group, N, 2] bfloat16 (scale, zero) pairs
+//   w            [N / 16, K / group, 64 + 8 group] uint8 (scales, zeros and codes)
 //   out          [M, N] bfloat16
 #include <algorithm>
 #include <memory>
@@ -54,15 +58,16 @@ void quantize_row(const bf16* x, int64_t K, int8_t* q, float* d, float* sum) {
 template <int R>
 __attribute__((target("avx512vnni"))) inline void vnni_rows(
     const int8_t* q, const float* d, const float* sum, int64_t K, const uint8_t* w,
-    const bf16* sz, int64_t N, int64_t group, bf16* out) {
-  const int64_t nb = K / kBlock;
+    int64_t N, int64_t group, bf16* out) {
+  const int64_t nb = K / kBlock, per_group = group / kBlock;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    const __m512i* wb = reinterpret_cast<const __m512i*>(w + b * 256);
+    const uint8_t* gp = w + (b / per_group) * (64 + 8 * group);    // the block's group
+    const __m512i* wb = reinterpret_cast<const __m512i*>(gp + 64 + (b % per_group) * 256);
     for (int p = 0; p < 4; ++p) {
       const __m512i v = _mm512_loadu_si512(wb + p);
       const __m512i lo = _mm512_and_si512(v, nibble);
@@ -73,7 +78,7 @@ __attribute__((target("avx512vnni"))) inline void vnni_rows(
         dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(qr[p + 4]));
       }
     }
-    const __m512i pairs = _mm512_loadu_si512(sz + (b * kBlock / group) * N * 2);
+    const __m512i pairs = _mm512_loadu_si512(gp);
     const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
     const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
     const __m512 bias = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);       // z - 8 s
@@ -91,8 +96,8 @@ __attribute__((target("avx512vnni"))) inline void vnni_rows(
 
 bool vnni_ready() { return __builtin_cpu_supports("avx512vnni"); }
 
-void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, const bf16* sz, int64_t N,
-                  int64_t K, int64_t group, bf16* out) {
+void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t K,
+                  int64_t group, bf16* out) {
   constexpr int R = 8;
   constexpr int64_t kRowChunk = 64;      // rows whose codes stay in L1/L2 while columns pass
   const int64_t nb = K / kBlock;
@@ -100,6 +105,7 @@ void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, const bf16* sz, in
   const std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
   const std::unique_ptr<float[]> d(new float[M * nb]), sum(new float[M * nb]);
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk, cblocks = N / 16;
+  const int64_t cstride = (K / group) * (64 + 8 * group);      // bytes per 16 columns
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -112,15 +118,14 @@ void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, const bf16* sz, in
         in_row_tiles<R>(std::min(M, m0 + kRowChunk) - m0, [&]<int T>(int64_t i) {
           const int64_t m = m0 + i;
           vnni_rows<T>(q.get() + m * K, d.get() + m * nb, sum.get() + m * nb, K,
-                       w + cb * nb * 256, sz + cb * 16 * 2, N, group, out + m * N + cb * 16);
+                       w + cb * cstride, N, group, out + m * N + cb * 16);
         });
       }
   }
 }
 #else
 bool vnni_ready() { return false; }
-void int4_mm_vnni(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t, int64_t,
-                  bf16*) {}
+void int4_mm_vnni(const bf16*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, bf16*) {}
 #endif
 
 }  // namespace pacer

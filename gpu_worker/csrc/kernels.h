@@ -75,8 +75,8 @@ void int8_mm_dpbf16(const bf16* x, int64_t M, const int8_t* codes, const bf16* s
 // int4 weights (in int4_vnni.cpp's layout) times x quantized to 8 bits per block of 32, with
 // AVX512-VNNI (vnni_ready: an AVX-512 build on a CPU with it).
 bool vnni_ready();
-void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, const bf16* scales_zeros, int64_t N,
-                  int64_t K, int64_t group, bf16* out);
+void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t K,
+                  int64_t group, bf16* out);
 // out[s] = the first index of row s's largest value, a NaN counting as the largest
 // (torch.argmax's answer); x [S, V] float32
 void argmax_rows(const float* x, int64_t S, int64_t V, int64_t* out);

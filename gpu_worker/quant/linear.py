@@ -92,14 +92,17 @@ def _vnni_kernels():
     return kernels
 
 
-def int4_vnni_layout(codes: torch.Tensor) -> torch.Tensor:
-    """int4 codes [N, K] (uint8 0..15; N a multiple of 16, K of 32) in the layout of
-    csrc/int4_vnni.cpp: [N / 16, K / 32, 256] bytes, per 16 columns and 32 k four 64-byte
-    vectors, byte 4c + i of vector p holding column c's codes for k = 4p + i (low nibble) and
-    k = 16 + 4p + i (high nibble)."""
+def int4_vnni_layout(codes: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
+    """int4 codes [N, K] (uint8 0..15; N a multiple of 16, K of the group, the group of 32)
+    and their (scale, zero) pairs [K / group, N, 2] (bfloat16) in the layout of
+    csrc/int4_vnni.cpp: [N / 16, K / group, 64 + 8·group] bytes, per 16 columns and group its
+    16 pairs, then per 32 k four 64-byte vectors, byte 4c + i of vector p holding column c's
+    codes for k = 4p + i (low nibble) and k = 16 + 4p + i (high nibble)."""
     n, k = codes.shape
     c = codes.view(n // 16, 16, k // 32, 2, 4, 4).permute(0, 2, 4, 1, 5, 3)
-    return (c[..., 0] | (c[..., 1] << 4)).contiguous().view(n // 16, k // 32, 256)
+    packed = (c[..., 0] | (c[..., 1] << 4)).contiguous().view(n // 16, k // group, 8 * group)
+    pairs = scales_zeros.view(k // group, n // 16, 16 * 2).transpose(0, 1).contiguous()
+    return torch.cat([pairs.view(torch.uint8), packed], dim=-1)
 
 
 @functools.cache
@@ -189,10 +192,13 @@ class Int4Weight(_Packed):
             zero = torch.cat([zero, zero.new_zeros(pad, zero.shape[1])])
         if vnni is None:        # (the groups are 32-256 wide and divide K: torch's layout's rule)
             vnni = _vnni_kernels() is not None
-        self.vnni = int4_vnni_layout(codes.contiguous()) if vnni else None
+        scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACT_DTYPE).contiguous()
+        self.padded_out = n + pad
+        # the VNNI layout holds the scales beside the codes; torch's keeps them apart
+        self.vnni = int4_vnni_layout(codes.contiguous(), scales_zeros, q.group) if vnni else None
         self.packed = None if vnni else torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             codes.to(torch.int32).contiguous(), 1)
-        self.scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(ACT_DTYPE).contiguous()
+        self.scales_zeros = None if vnni else scales_zeros
 
     @classmethod
     def wide_from(cls) -> int | None:
@@ -202,8 +208,9 @@ class Int4Weight(_Packed):
 
     @property
     def nbytes(self) -> int:
-        codes = self.vnni if self.vnni is not None else self.packed
-        return codes.nbytes + self.scales_zeros.nbytes
+        if self.vnni is not None:
+            return self.vnni.nbytes
+        return self.packed.nbytes + self.scales_zeros.nbytes
 
     def mm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x Wᵀ in bfloat16 (`out_dtype` is the caller's to cast to)."""
@@ -212,15 +219,14 @@ class Int4Weight(_Packed):
         tiles, suffix = (None, None) if self.vnni is not None else self._in_cache(rows)
         kernels = _widening_kernels() if tiles is None and rows >= self.many_rows else None
         if self.vnni is not None:
-            y = x.new_empty((rows, self.scales_zeros.shape[1]))
-            _vnni_kernels().int4_mm_vnni(x.contiguous(), self.vnni, self.scales_zeros,
-                                         self.group, y)
+            y = x.new_empty((rows, self.padded_out))
+            _vnni_kernels().int4_mm_vnni(x.contiguous(), self.vnni, self.group, y)
         elif tiles is not None:
-            y = x.new_empty((rows, self.scales_zeros.shape[1]))
+            y = x.new_empty((rows, self.padded_out))
             getattr(tiles, f"int4pack_mm_{suffix}")(x.contiguous(), self.packed,
                                                      self.scales_zeros, self.group, y)
         elif kernels is not None:
-            w_t = x.new_empty((self.in_features, self.scales_zeros.shape[1]))
+            w_t = x.new_empty((self.in_features, self.padded_out))
             kernels.dequantize_int4pack(self.packed, self.scales_zeros, self.group, w_t)
             y = _mm(x, w_t)
         else:
