@@ -2,7 +2,7 @@
 
 `make setup` (and `pip install` of a wheel, through setup.py) runs this; a serving or test
 process never compiles. The compute kernels (no torch header) are compiled once per level; the
-torch glue (bindings.cpp, the one heavy file) once, for baseline x86-64. Each level's library
+torch glue (bindings.cpp and decoder.cpp, the heavy files) once, for baseline x86-64. Each level's library
 links the glue with that level's kernels, in a folder keyed by the torch build:
 
     gpu_worker/_kernels/torch-2.13.0+cpu-py311-cxx11abi1/pacer_cpu_avx512.so
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join(_HERE, "csrc")
-GLUE = "bindings.cpp"               # torch-facing checks and bindings: compiled once
+GLUE = ("bindings.cpp", "decoder.cpp")     # torch-facing checks and bindings: compiled once
 MODULE_SOURCE = "module.cpp"        # the level's module definition: once per level, tiny
 KERNELS = ("paged_decode.cpp", "paged_prefill.cpp", "fused_ops.cpp", "dequant.cpp",
            "int4_vnni.cpp", "sampling.cpp")   # per level
@@ -130,7 +130,7 @@ def _link_flags() -> list[str]:
 def _stamp(lvl: IsaLevel) -> str:
     """Changes whenever the library would: sources, headers, flags, compiler, torch."""
     h = hashlib.sha256()
-    for name in (GLUE, MODULE_SOURCE, *KERNELS, *HEADERS):
+    for name in (*GLUE, MODULE_SOURCE, *KERNELS, *HEADERS):
         with open(os.path.join(CSRC, name), "rb") as f:
             h.update(name.encode() + f.read())
     for src in KERNELS:
@@ -199,9 +199,9 @@ def _build(levels: list[IsaLevel], out_dir: str, jobs: int, say) -> None:
     work = os.path.join(out_dir, f"build-{os.getpid()}")
     os.makedirs(work, exist_ok=True)
     try:
-        glue = os.path.join(work, "bindings.o")
-        jobs_list = [(GLUE, glue, _glue_flags())]
-        objects = {lvl.name: [glue] for lvl in levels}
+        glue = [os.path.join(work, src.replace(".cpp", ".o")) for src in GLUE]
+        jobs_list = [(src, obj, _glue_flags()) for src, obj in zip(GLUE, glue)]
+        objects = {lvl.name: list(glue) for lvl in levels}
         for lvl in levels:
             module_obj = os.path.join(work, f"{lvl.name}-module.o")
             jobs_list.append((MODULE_SOURCE, module_obj, _glue_flags(module_name(lvl.name))))

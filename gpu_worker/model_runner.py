@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import structlog
 import torch
-from torch.profiler import record_function
 
 from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
 from gpu_worker.cpu_kernels import cpu_kernels
@@ -34,6 +33,7 @@ from gpu_worker.kv_transfer import LayerSender, make_connector
 from gpu_worker.model.layers import RotaryEmbedding
 from gpu_worker.model.llama import LlamaForCausalLM
 from gpu_worker.parallel import SINGLE, TPGroup
+from gpu_worker.profiling import scope
 from gpu_worker.quant import resolve_quantization
 from gpu_worker.quant.linear import wide_from_rows
 from gpu_worker.sampler import Sampler
@@ -240,7 +240,7 @@ class ModelRunner:
                                 after_layer=sender.after_layer if streaming else None)
         sampling_ids = [rid for rid, c in zip(order, chunks) if c.samples]
         states = [self.requests[r] for r in sampling_ids]
-        with record_function("sampling"):
+        with scope("sampling"):
             tokens = self.sampler.sample(logits, [s.sampling for s in states],
                                          [len(s.token_ids) - s.num_prompt_tokens for s in states])
         size, written = self.rc.block_size, self._written

@@ -59,20 +59,27 @@ class TorchAttentionBackend:
         paged_decode.cpp), the output [T, H·d] in bfloat16 for o_proj. None when the
         iteration holds a prefill chunk, or the kernels cannot run it: then the caller takes
         the op-by-op path."""
-        kernels = self._kernels
-        if kernels is None or not hasattr(kernels, "decode_attention_block") or \
-                len(meta.groups) != 1 or qkv.dtype != torch.bfloat16:
-            return None
-        g = meta.groups[0]
         k_cache, v_cache = kv_cache
-        if g.q_index.shape[1] != 1 or g.fresh or not g.all_rows or g.prompt_rows or \
-                k_cache.dtype not in (torch.float32, torch.bfloat16):
+        g = self.decode_group(meta, k_cache.dtype)
+        if g is None or qkv.dtype != torch.bfloat16:
             return None
         out = qkv.new_empty((qkv.shape[0], q_size))
-        kernels.decode_attention_block(qkv, meta.positions, rotary.cos, rotary.sin, k_cache,
-                                       v_cache, meta.slot_mapping, g.block_tables, g.kv_lens,
-                                       scale, out)
+        self._kernels.decode_attention_block(qkv, meta.positions, rotary.cos, rotary.sin,
+                                             k_cache, v_cache, meta.slot_mapping, g.block_tables,
+                                             g.kv_lens, scale, out)
         return out
+
+    def decode_group(self, meta: AttentionMetadata, cache_dtype: torch.dtype):
+        """The iteration's one group when it holds decodes alone (one row per request over
+        its cache, no prompt row) that the kernels' decode_attention_block runs; else None."""
+        kernels = self._kernels
+        if kernels is None or not hasattr(kernels, "decode_attention_block") or \
+                len(meta.groups) != 1 or cache_dtype not in (torch.float32, torch.bfloat16):
+            return None
+        g = meta.groups[0]
+        if g.q_index.shape[1] != 1 or g.fresh or not g.all_rows or g.prompt_rows:
+            return None
+        return g
 
     def _prefill_in_kernel(self, head_dim: int, group: int) -> bool:
         key = (head_dim, group)

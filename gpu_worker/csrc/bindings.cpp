@@ -329,6 +329,8 @@ void silu_and_mul(const torch::Tensor& gate_up, torch::Tensor& out) {
 
 }  // namespace
 
+void pacer_bind_decoder(pybind11::module_& m);   // decoder.cpp
+
 void pacer_bind(pybind11::module_& m) {
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (CPU, float32 or bfloat16 cache)");
@@ -374,4 +376,5 @@ void pacer_bind(pybind11::module_& m) {
         "RoPE + K/V store + decode attention from a bfloat16 fused qkv, one row per request");
   m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's silu(gate) * up, bfloat16 (CPU)");
+  pacer_bind_decoder(m);
 }

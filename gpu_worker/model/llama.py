@@ -9,13 +9,13 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from gpu_worker.attention import AttentionMetadata
 from gpu_worker.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNorm,
                                      RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding,
                                      gpu_16bit, prepack)
 from gpu_worker.parallel import TPGroup
+from gpu_worker.profiling import scope
 from shared.errors import ModelLoadError
 from shared.model_config import ModelConfig
 
@@ -40,7 +40,7 @@ class LlamaAttention(nn.Module):
             # attention as one op on the GEMM's own output (the backend says None otherwise)
             qkv = self.qkv_proj(x, out_dtype=torch.bfloat16)
             block = getattr(backend, "decode_block", None)
-            with record_function("attention"):
+            with scope("attention"):
                 o = block(qkv, rotary, kv_cache, meta, self.scale, q_size) if block else None
             if o is not None:
                 return self.o_proj(o, out_dtype=out_dtype)
@@ -50,7 +50,7 @@ class LlamaAttention(nn.Module):
         qk = rotary(meta.positions, qkv[:, :q_size + kv_size].view(T, -1, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
-        with record_function("attention"):
+        with scope("attention"):
             o = backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(o.reshape(T, q_size), out_dtype=out_dtype)
 
@@ -119,6 +119,10 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.act_dtype = torch.float32
+        # decodes alone through the kernels' DecoderStack where it applies (_decoder_stack);
+        # False keeps the layer-by-layer path (the tests compare the two)
+        self.native_decode = True
+        self._stack = None          # (the kv caches it was built over, the stack or None)
 
     def set_dtypes(self, weight_dtype: torch.dtype, act_dtype: torch.dtype,
                    fused_ops=None) -> None:
@@ -155,15 +159,59 @@ class LlamaForCausalLM(nn.Module):
         when given, is called once layer l has written its K/V to the pool (P/D's layer
         streaming, gpu_worker/kv_transfer)."""
         x = self.embed_tokens(input_ids).to(self.act_dtype)
-        delta = None
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            x, delta = layer(x, delta, self.rotary, kv_cache, meta, backend)
-            if after_layer is not None:
-                after_layer(index)
+        stack = self._decoder_stack(kv_caches) if after_layer is None else None
+        group = backend.decode_group(meta, kv_caches[0][0].dtype) \
+            if stack is not None and hasattr(backend, "decode_group") else None
+        if group is not None:       # decodes alone: every layer in one C++ call
+            delta = stack.decode(x, None, meta.positions, meta.slot_mapping,
+                                 group.block_tables, group.kv_lens)
+        else:
+            delta = None
+            for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+                x, delta = layer(x, delta, self.rotary, kv_cache, meta, backend)
+                if after_layer is not None:
+                    after_layer(index)
         x.add_(delta)
         h = self.norm(x[meta.sample_rows])
-        with record_function("lm_head"):
+        with scope("lm_head"):
             return self.lm_head(h).float()
+
+    def _decoder_stack(self, kv_caches):
+        """The CPU kernels' DecoderStack over these caches (csrc/decoder.cpp: an iteration of
+        decodes runs every layer in one call, the same kernels as the layers' own path), built
+        once; None where it does not apply: `native_decode` off, no kernels with it, sharded
+        weights, or a layer whose matrices are not unpadded int4 in the VNNI layout."""
+        if not self.native_decode:
+            return None
+        if self._stack is not None and self._stack[0] is kv_caches:
+            return self._stack[1]
+        stack = self._build_decoder_stack(kv_caches)
+        self._stack = (kv_caches, stack)
+        return stack
+
+    def _build_decoder_stack(self, kv_caches):
+        kernels = self.norm.fused
+        if kernels is None or not hasattr(kernels, "DecoderStack") or not kernels.vnni_ready() \
+                or self.act_dtype != torch.float32 or self.rotary.fused is None:
+            return None
+        linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
+                    layer.mlp.down_proj) for layer in self.layers]
+        weights = [m.qweight for four in linears for m in four]
+        if any(m.tp.size != 1 for four in linears for m in four) or not all(
+                getattr(w, "vnni", None) is not None and w.padded_out == w.out_features
+                and w.group == weights[0].group for w in weights):
+            return None
+        cfg, attn = self.cfg, self.layers[0].self_attn
+        stack = kernels.DecoderStack(cfg.hidden_size, attn.num_heads, attn.num_kv_heads,
+                                     attn.head_dim, self.layers[0].mlp.local_ffn,
+                                     weights[0].group, self.layers[0].input_layernorm.eps,
+                                     attn.scale, self.rotary.cos, self.rotary.sin)
+        for layer, (qkv, o, gate_up, down), (k_cache, v_cache) in zip(self.layers, linears,
+                                                                        kv_caches):
+            stack.add_layer(layer.input_layernorm.weight, qkv.qweight.vnni, o.qweight.vnni,
+                            layer.post_attention_layernorm.weight, gate_up.qweight.vnni,
+                            down.qweight.vnni, k_cache, v_cache)
+        return stack
 
     # ---- loading ---------------------------------------------------------------------------
 

@@ -1,0 +1,200 @@
+// The decoder's layers for an iteration of decodes alone, in one call from Python
+// (docs/design.md#one-call-per-decode-step): per layer the residual add and RMSNorm, the fused
+// qkv GEMM, RoPE + K/V store + attention, o_proj, the second norm, gate/up, SwiGLU and down —
+// the same kernels, in the same order and on the same dtypes as the op-by-op path of
+// gpu_worker/model/llama.py, so the bits are the same. What it removes is the host work between
+// them: ~300 Python calls, their checks and tensors per step, which cost one request's decode
+// more than its attention did.
+//
+// Torch glue like bindings.cpp (compiled once, for baseline x86-64); the kernels are the
+// level's. Offered where every layer's four matrices are int4 in the VNNI layout
+// (csrc/int4_vnni.cpp) and nothing is sharded; gpu_worker/model/llama.py decides.
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+namespace {
+
+using pacer::bf16;
+
+bf16* bf16_ptr(torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<c10::BFloat16>()); }
+
+// int4 weights in the VNNI layout: [N / 16, K / group, 64 + 8 group] bytes
+struct Int4Matrix {
+  torch::Tensor w;
+  int64_t n = 0, k = 0;
+};
+
+struct Layer {
+  torch::Tensor norm1, norm2;           // float32 [hidden]
+  Int4Matrix qkv, o, gate_up, down;
+  torch::Tensor k_cache, v_cache;       // [blocks, block_size, KVH, D], float32 or bfloat16
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t ffn,
+               int64_t group, double eps, double scale, torch::Tensor cos, torch::Tensor sin)
+      : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), ffn_(ffn),
+        group_(group), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
+        cos_(std::move(cos)), sin_(std::move(sin)) {
+    TORCH_CHECK(pacer::vnni_ready(), "DecoderStack: no AVX512-VNNI here (an AVX-512 build)");
+    TORCH_CHECK(group > 0 && group % 32 == 0 && hidden % group == 0 && ffn % group == 0,
+                "DecoderStack: the hidden and FFN sizes in groups of a multiple of 32");
+    TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "DecoderStack: heads");
+    TORCH_CHECK(cos_.dtype() == torch::kFloat32 && sin_.dtype() == torch::kFloat32 &&
+                    cos_.is_contiguous() && sin_.is_contiguous() && cos_.dim() == 2 &&
+                    cos_.sizes() == sin_.sizes() && cos_.size(1) == head_dim,
+                "DecoderStack: float32 RoPE tables [positions, head_dim]");
+  }
+
+  void add_layer(torch::Tensor norm1, torch::Tensor qkv, torch::Tensor o, torch::Tensor norm2,
+                 torch::Tensor gate_up, torch::Tensor down, torch::Tensor k_cache,
+                 torch::Tensor v_cache) {
+    const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
+    Layer l;
+    l.norm1 = norm(std::move(norm1));
+    l.norm2 = norm(std::move(norm2));
+    l.qkv = matrix(std::move(qkv), q + 2 * kv, hidden_, "qkv");
+    l.o = matrix(std::move(o), hidden_, q, "o");
+    l.gate_up = matrix(std::move(gate_up), 2 * ffn_, hidden_, "gate_up");
+    l.down = matrix(std::move(down), hidden_, ffn_, "down");
+    TORCH_CHECK(k_cache.dtype() == v_cache.dtype() && k_cache.sizes() == v_cache.sizes() &&
+                    k_cache.dim() == 4 && k_cache.size(2) == kv_heads_ &&
+                    k_cache.size(3) == head_dim_ && k_cache.is_contiguous() &&
+                    v_cache.is_contiguous() &&
+                    (k_cache.dtype() == torch::kFloat32 || k_cache.dtype() == torch::kBFloat16),
+                "DecoderStack: K and V caches [blocks, block_size, KVH, D], float32 or bf16");
+    l.k_cache = std::move(k_cache);
+    l.v_cache = std::move(v_cache);
+    layers_.push_back(std::move(l));
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [G, hidden] float32, the residual stream (updated in place); delta the MLP output not
+  // yet added (bfloat16, or none before the first layer). Returns the last layer's MLP output.
+  torch::Tensor decode(torch::Tensor& x, const c10::optional<torch::Tensor>& delta,
+                       const torch::Tensor& positions, const torch::Tensor& slots,
+                       const torch::Tensor& block_tables, const torch::Tensor& kv_lens) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: no layers");
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden_ &&
+                    x.is_contiguous(), "DecoderStack.decode: x [G, hidden] float32");
+    const int64_t G = x.size(0);
+    TORCH_CHECK(!delta || (delta->dtype() == torch::kBFloat16 && delta->sizes() == x.sizes() &&
+                           delta->is_contiguous()),
+                "DecoderStack.decode: delta [G, hidden] bfloat16");
+    for (const torch::Tensor* t : {&positions, &slots, &block_tables, &kv_lens})
+      TORCH_CHECK(t->dtype() == torch::kInt64 && t->is_contiguous(),
+                  "DecoderStack.decode: contiguous int64 positions, slots, block tables, lengths");
+    TORCH_CHECK(positions.numel() == G && slots.numel() == G && kv_lens.numel() == G &&
+                    block_tables.dim() == 2 && block_tables.size(0) == G,
+                "DecoderStack.decode: one position, slot, block-table row and length per row");
+    const torch::Tensor& k0 = layers_[0].k_cache;
+    const int64_t BS = k0.size(1), num_slots = k0.size(0) * BS, max_blocks = block_tables.size(1);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int64_t* bt = block_tables.data_ptr<int64_t>();
+    const int64_t* lens = kv_lens.data_ptr<int64_t>();
+    for (int64_t g = 0; g < G; ++g) {
+      TORCH_CHECK(pos[g] >= 0 && pos[g] < cos_.size(0) && slot[g] >= 0 && slot[g] < num_slots,
+                  "DecoderStack.decode: a position or slot out of range");
+      TORCH_CHECK(lens[g] >= 1 && lens[g] <= max_blocks * BS,
+                  "DecoderStack.decode: a length beyond its block table");
+      for (int64_t b = 0; b < (lens[g] + BS - 1) / BS; ++b)
+        TORCH_CHECK(bt[g * max_blocks + b] >= 0 && bt[g * max_blocks + b] < k0.size(0),
+                    "DecoderStack.decode: a block id out of the pool");
+    }
+    const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
+    auto opts = x.options().dtype(torch::kBFloat16);
+    torch::Tensor out = torch::empty({G, hidden_}, opts);
+    std::vector<bf16> h(G * hidden_), qkv(G * (q + 2 * kv)), attn(G * q), a(G * hidden_),
+        gu(G * 2 * ffn_), act(G * ffn_);
+    float* xp = x.data_ptr<float>();
+    const bf16* d = delta ? reinterpret_cast<const bf16*>(delta->data_ptr<c10::BFloat16>())
+                          : nullptr;
+    bf16* dp = bf16_ptr(out);
+    {
+      pybind11::gil_scoped_release unlocked;      // no Python object is touched below
+      for (Layer& l : layers_) {
+        if (d)
+          pacer::add_rms_norm(xp, d, l.norm1.data_ptr<float>(), h.data(), G, hidden_, eps_);
+        else
+          pacer::add_rms_norm(xp, static_cast<const float*>(nullptr), l.norm1.data_ptr<float>(),
+                              h.data(), G, hidden_, eps_);
+        mm(h.data(), G, l.qkv, qkv.data());
+        attend(l, qkv.data(), pos, slot, bt, lens, G, BS, max_blocks, attn.data());
+        mm(attn.data(), G, l.o, a.data());
+        pacer::add_rms_norm(xp, static_cast<const bf16*>(a.data()), l.norm2.data_ptr<float>(),
+                            h.data(), G, hidden_, eps_);
+        mm(h.data(), G, l.gate_up, gu.data());
+        pacer::silu_and_mul(gu.data(), act.data(), G, ffn_);
+        mm(act.data(), G, l.down, dp);
+        d = dp;
+      }
+    }
+    return out;
+  }
+
+ private:
+  torch::Tensor norm(torch::Tensor w) const {
+    TORCH_CHECK(w.dtype() == torch::kFloat32 && w.is_contiguous() && w.dim() == 1 &&
+                    w.size(0) == hidden_, "DecoderStack: float32 norm weights [hidden]");
+    return w;
+  }
+
+  Int4Matrix matrix(torch::Tensor w, int64_t n, int64_t k, const char* name) const {
+    TORCH_CHECK(w.dtype() == torch::kUInt8 && w.is_contiguous() && w.dim() == 3 &&
+                    w.size(0) * 16 == n && w.size(1) * group_ == k &&
+                    w.size(2) == 64 + 8 * group_,
+                "DecoderStack: ", name, " must be int4 in the VNNI layout, [", n / 16, ", ",
+                k / group_, ", ", 64 + 8 * group_, "] bytes, unpadded");
+    return Int4Matrix{std::move(w), n, k};
+  }
+
+  void mm(const bf16* in, int64_t G, const Int4Matrix& m, bf16* out) const {
+    pacer::int4_mm_vnni(in, G, m.w.data_ptr<uint8_t>(), m.n, m.k, group_, out);
+  }
+
+  void attend(Layer& l, const bf16* qkv, const int64_t* pos, const int64_t* slot,
+              const int64_t* bt, const int64_t* lens, int64_t G, int64_t BS, int64_t max_blocks,
+              bf16* out) const {
+    const float* c = cos_.data_ptr<float>();
+    const float* s = sin_.data_ptr<float>();
+    if (l.k_cache.dtype() == torch::kBFloat16)
+      pacer::decode_attention_block<bf16>(qkv, pos, c, s, bf16_ptr(l.k_cache),
+                                          bf16_ptr(l.v_cache), slot, bt, lens, G, heads_,
+                                          kv_heads_, head_dim_, BS, max_blocks, scale_, out);
+    else
+      pacer::decode_attention_block<float>(qkv, pos, c, s, l.k_cache.data_ptr<float>(),
+                                           l.v_cache.data_ptr<float>(), slot, bt, lens, G,
+                                           heads_, kv_heads_, head_dim_, BS, max_blocks, scale_,
+                                           out);
+  }
+
+  int64_t hidden_, heads_, kv_heads_, head_dim_, ffn_, group_;
+  float eps_, scale_;
+  torch::Tensor cos_, sin_;
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void pacer_bind_decoder(pybind11::module_& m) {
+  namespace py = pybind11;
+  py::class_<DecoderStack>(m, "DecoderStack",
+                           "the decoder's layers for an iteration of decodes alone, one call")
+      .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double,
+                    torch::Tensor, torch::Tensor>(),
+           py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
+           py::arg("ffn"), py::arg("group"), py::arg("eps"), py::arg("scale"), py::arg("cos"),
+           py::arg("sin"))
+      .def("add_layer", &DecoderStack::add_layer,
+           "norm1, qkv, o, norm2, gate_up, down (int4, VNNI layout), k_cache, v_cache")
+      .def_property_readonly("num_layers", &DecoderStack::num_layers)
+      .def("decode", &DecoderStack::decode,
+           "x (float32, in place), delta (bf16 or None), positions, slots, block tables, "
+           "lengths -> the last layer's MLP output (bf16)");
+}

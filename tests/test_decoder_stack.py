@@ -1,0 +1,115 @@
+"""The kernels' DecoderStack (csrc/decoder.cpp): an iteration of decodes alone runs every
+layer in one C++ call where the matrices are int4 in the VNNI layout. It must give the
+layer-by-layer path's logits bit for bit, fall back wherever it does not apply, and refuse
+bad input with a clear error instead of reading out of bounds."""
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from gpu_worker.quant import linear
+from services.engine import LLMEngine
+from shared.engine_args import EngineArgs
+from shared.sampling import SamplingParams
+from tests.helpers_tiny_model import write_tiny_gguf, write_tiny_llama
+
+pytestmark = pytest.mark.skipif(
+    linear._vnni_kernels() is None,
+    reason="the stack needs int4 in the VNNI layout: AVX512-VNNI without AMX, an AVX-512 build")
+
+PROMPTS = [[5, 6, 7], list(range(40, 58)), list(range(60, 100)), list(range(3, 70))]
+
+
+def _engine(gguf: str, dtype: str, **args) -> LLMEngine:
+    return LLMEngine(EngineArgs(model=gguf, block_size=16, num_kv_blocks=256, max_model_len=512,
+                                dtype=dtype, **args), progress=False)
+
+
+def _decode_forward(engine: LLMEngine, steps: int):
+    """Run the engine `steps` iterations; the arguments of the last decode-only forward."""
+    model = engine.runner.model
+    seen, forward = [], model.forward
+
+    def capture(ids, kv, meta, backend, after_layer=None):
+        if backend.decode_group(meta, kv[0][0].dtype) is not None:
+            seen.append((ids, kv, meta, backend))
+        return forward(ids, kv, meta, backend, after_layer)
+
+    model.forward = capture
+    for _ in range(steps):
+        engine.step()
+    model.forward = forward
+    assert seen, "no iteration of decodes alone"
+    return forward, seen[-1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])   # the KV cache's dtype follows
+def test_the_stack_gives_the_layers_logits_bit_for_bit(tmp_path, dtype):
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", write_tiny_llama(tmp_path / "hf"), Q.Q4_1)
+    with _engine(gguf, dtype) as engine:
+        for p in PROMPTS:
+            engine.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+        forward, (ids, kv, meta, backend) = _decode_forward(engine, 12)
+        model = engine.runner.model
+        assert ids.shape[0] == len(PROMPTS) and model._decoder_stack(kv) is not None
+        stacked = forward(ids, kv, meta, backend)
+        streamed = []           # P/D's per-layer hand-off needs the layers one by one
+        assert torch.equal(forward(ids, kv, meta, backend, streamed.append), stacked)
+        assert streamed == list(range(len(model.layers)))
+        model.native_decode = False
+        layered = forward(ids, kv, meta, backend)
+        assert torch.equal(stacked, layered)
+
+
+def test_greedy_tokens_are_the_same_with_and_without_the_stack(tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", write_tiny_llama(tmp_path / "hf", seed=3), Q.Q4_0)
+    sp = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
+    runs = []
+    for native in (True, False):
+        with _engine(gguf, "bfloat16", max_num_batched_tokens=32) as engine:
+            engine.runner.model.native_decode = native
+            runs.append([c.token_ids for c in engine.generate(PROMPTS, sp)])
+            assert (engine.runner.model._stack is not None) == native
+    assert runs[0] == runs[1]
+
+
+def test_the_stack_stands_aside_where_it_does_not_apply(tmp_path):
+    """o_proj of 96 columns pads to 128 (int4 weights are padded to 64 columns): the layers'
+    own path serves."""
+    hf = write_tiny_llama(tmp_path / "hf", hidden_size=96, intermediate_size=192,
+                          num_attention_heads=6, num_key_value_heads=3)
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", hf, Q.Q4_0)
+    with _engine(gguf, "float32") as engine:
+        engine.add_request(PROMPTS[1], SamplingParams(max_tokens=6, temperature=0.0))
+        _, (ids, kv, meta, backend) = _decode_forward(engine, 4)
+        assert engine.runner.model._decoder_stack(kv) is None
+
+
+def test_the_stack_refuses_bad_input_clearly(tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", write_tiny_llama(tmp_path / "hf"), Q.Q4_1)
+    with _engine(gguf, "float32") as engine:
+        engine.add_request(PROMPTS[2], SamplingParams(max_tokens=8, temperature=0.0))
+        _, (ids, kv, meta, backend) = _decode_forward(engine, 3)
+        model = engine.runner.model
+        stack = model._decoder_stack(kv)
+        g = meta.groups[0]
+        x = torch.zeros(1, model.cfg.hidden_size)
+        far = torch.tensor([10 ** 6])
+        with pytest.raises(RuntimeError, match="position or slot out of range"):
+            stack.decode(x, None, far, meta.slot_mapping, g.block_tables, g.kv_lens)
+        with pytest.raises(RuntimeError, match="position or slot out of range"):
+            stack.decode(x, None, meta.positions, far, g.block_tables, g.kv_lens)
+        with pytest.raises(RuntimeError, match="block id out of the pool"):
+            stack.decode(x, None, meta.positions, meta.slot_mapping,
+                         torch.full_like(g.block_tables, 10 ** 6), g.kv_lens)
+        with pytest.raises(RuntimeError, match="x \\[G, hidden\\] float32"):
+            stack.decode(x.double(), None, meta.positions, meta.slot_mapping, g.block_tables,
+                         g.kv_lens)
+        layer = model.layers[0]
+        with pytest.raises(RuntimeError, match="int4 in the VNNI layout"):
+            stack.add_layer(layer.input_layernorm.weight, layer.mlp.down_proj.qweight.vnni,
+                            layer.self_attn.o_proj.qweight.vnni,
+                            layer.post_attention_layernorm.weight,
+                            layer.mlp.gate_up_proj.qweight.vnni, layer.mlp.down_proj.qweight.vnni,
+                            *kv[0])
