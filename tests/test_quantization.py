@@ -231,6 +231,29 @@ def test_vnni_int4_gemm_is_its_8_bit_activations_times_the_weights(shape, group)
         assert torch.equal(one[0], y[-1])
 
 
+def test_the_avx2_build_multiplies_the_vnni_layout_to_the_same_bits():
+    """The avx2 build's int4_mm_vnni (vpmaddubsw + vpmaddwd for each vpdpbusd) gives the
+    AVX-512 build's result bit for bit: the integer sums are exact in both and the float
+    steps the same, so a model answers alike on both kinds of CPU."""
+    from gpu_worker.cpu_kernels import cpu_kernels
+    from shared.cpu import cpu_flags
+    if not {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags():
+        pytest.skip("needs a CPU that runs both builds (AVX512-VNNI)")
+    builds = [cpu_kernels(level) for level in ("avx512", "avx2")]
+    if any(k is None or not hasattr(k, "int4_mm_vnni") for k in builds):
+        pytest.skip("the avx2 and avx512 kernel builds")
+    for (n, k), group in (((960, 576), 32), ((576, 1536), 32), ((64, 128), 64)):
+        q = quantize_int4(torch.from_numpy(_random(n, k, seed=n)), group)
+        w4 = Int4Weight(q, vnni=True)
+        for rows in (1, 3, 4, 5, 8, 9, 17, 70):
+            x = torch.randn(rows, k, dtype=ACT_DTYPE)
+            ys = [torch.empty(rows, w4.padded_out, dtype=ACT_DTYPE) for _ in builds]
+            for kernels, y in zip(builds, ys):
+                kernels.int4_mm_vnni(x, w4.vnni, group, y)
+            assert torch.equal(ys[0], ys[1]), (n, k, rows)
+            assert ys[0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("shape", [(49152, 576), (960, 576), (48, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("kind", sorted(IN_CACHE))
 def test_in_cache_int8_gemm_matches_its_dequantized_weights(shape, kind):

@@ -2,7 +2,8 @@
 // (docs/benchmarks.md#quantized-weights): what llama.cpp does for a Q4 file, here for every
 // row count. `vpdpbusd` multiplies 64 byte pairs per instruction, twice the pairs of
 // AVX512-BF16's `vdpbf16ps`, and the 4-bit codes enter it as they are (a mask and a shift),
-// with no widening to bfloat16 first.
+// with no widening to bfloat16 first. The avx2 build computes the same integer dot products
+// with `vpmaddubsw` + `vpmaddwd` (below) and gives the same bits.
 //
 // Weights, in the layout `int4_vnni_layout` (gpu_worker/quant/linear.py) writes: one stream of
 // bytes per block of 16 output columns, in k order, each group of k as its 16 (scale, zero)
@@ -92,13 +93,124 @@ __attribute__((target("avx512vnni"))) inline void vnni_rows(
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N), round_bf16(acc[r]));
 }
 
+constexpr int kTile = 8;           // rows a microkernel holds (16 of 32 zmm registers)
+
 }  // namespace
 
 bool vnni_ready() { return __builtin_cpu_supports("avx512vnni"); }
 
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same product on AVX2 (the avx2 build): `vpdpbusd` does not exist there, so each of its
+// 4-byte dot products is `vpmaddubsw` (byte pairs to 16 bits) then `vpmaddwd` by ones (pairs of
+// those to 32 bits), as llama.cpp's AVX2 Q4 kernels do. No 16-bit sum saturates: a pair of
+// products is at most 2 * 15 * 127 and the two nibbles' pairs are added before widening
+// (7620 < 32767), so the integer sums equal vpdpbusd's and the float steps are the same
+// operations in the same order: both builds give the same bits. 16 columns are two halves of
+// 8 (the first and last 32 bytes of each 64-byte vector).
+#include <immintrin.h>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int kTile = 4;           // rows a microkernel holds (AVX2 has 16 ymm registers)
+
+float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+__m256 load8(const bf16* p) {       // bfloat16 -> float32: shift left 16
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+// 8 floats to bfloat16 as round_bf16 (vec.h) rounds 16
+__m128i round_bf16_8(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i packed = _mm256_packus_epi32(r, r);        // per 128-bit lane
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+
+void quantize_row(const bf16* x, int64_t K, int8_t* q, float* d, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const bf16* xb = x + b * kBlock;
+    __m256 v[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      v[i] = load8(xb + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+    }
+    const float amax = hmax8(m);
+    // (this file is compiled without -ffast-math: kernel_build.EXACT_MATH)
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    alignas(32) int32_t c[32];
+    int32_t total = 0;
+    for (int i = 0; i < 4; ++i)     // nearest, ties even (|c| <= 127: no clamp needed)
+      _mm256_store_si256(reinterpret_cast<__m256i*>(c + 8 * i),
+                         _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv)));
+    for (int i = 0; i < 32; ++i) {
+      q[b * kBlock + i] = static_cast<int8_t>(c[i]);
+      total += c[i];
+    }
+    d[b] = amax / 127.f;
+    sum[b] = static_cast<float>(total);
+  }
+}
+
+template <int R>
+inline void vnni_rows(const int8_t* q, const float* d, const float* sum, int64_t K,
+                      const uint8_t* w, int64_t N, int64_t group, bf16* out) {
+  const int64_t nb = K / kBlock, per_group = group / kBlock;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* gp = w + (b / per_group) * (64 + 8 * group);    // the block's group
+      const uint8_t* wb = gp + 64 + (b % per_group) * 256 + 32 * half;
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p));
+        const __m256i lo = _mm256_and_si256(v, nibble);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * K + b * kBlock);
+          const __m256i pairs = _mm256_add_epi16(
+              _mm256_maddubs_epi16(lo, _mm256_set1_epi32(qr[p])),
+              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(qr[p + 4])));
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+        }
+      }
+      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 32 * half));
+      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+      const __m256 z = _mm256_castsi256_ps(
+          _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+      const __m256 bias = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);       // z - 8 s
+      for (int r = 0; r < R; ++r) {
+        const __m256 block = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot[r]),
+                                             _mm256_mul_ps(bias, _mm256_set1_ps(sum[r * nb + b])));
+        acc[r] = _mm256_fmadd_ps(block, _mm256_set1_ps(d[r * nb + b]), acc[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * N + 8 * half), round_bf16_8(acc[r]));
+  }
+}
+
+}  // namespace
+
+bool vnni_ready() { return true; }    // the avx2 build runs only where AVX2 and FMA are
+#endif
+
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t K,
                   int64_t group, bf16* out) {
-  constexpr int R = 8;
+  constexpr int R = kTile;
   constexpr int64_t kRowChunk = 64;      // rows whose codes stay in L1/L2 while columns pass
   const int64_t nb = K / kBlock;
   // every element is written before it is read: no zero-filling

@@ -27,10 +27,11 @@ from `dpbf16_rows`). Without AMX or native bf16 GEMMs (AVX2 CPUs), from `fma_row
 kernels of the same shape widen to float32 in cache and multiply with FMA (`int4pack_mm_fma`,
 `int8_mm_fma`): no widened weight in memory, no bf16 detour.
 
-With AVX512-VNNI and no AMX, int4 weights take none of those paths: their codes are kept in
-a layout of their own (`int4_vnni_layout`, instead of torch's) and every row count runs
-`int4_mm_vnni` (csrc/int4_vnni.cpp), x quantized to 8 bits per block of 32 and multiplied with
-`vpdpbusd`, as llama.cpp serves a Q4 file (PACER_INT4_VNNI=0 declines it).
+With AVX512-VNNI and no AMX, and on AVX2 CPUs, int4 weights take none of those paths: their
+codes are kept in a layout of their own (`int4_vnni_layout`, instead of torch's) and every row
+count runs `int4_mm_vnni` (csrc/int4_vnni.cpp), x quantized to 8 bits per block of 32 and
+multiplied with integer dot products (`vpdpbusd`; on AVX2 `vpmaddubsw` + `vpmaddwd`, the same
+bits), as llama.cpp serves a Q4 file (PACER_INT4_VNNI=0 declines it).
 """
 from __future__ import annotations
 
@@ -79,17 +80,19 @@ def _dpbf16_kernels():
 @functools.cache
 def _vnni_kernels():
     """The CPU kernels when int4 weights are kept in the VNNI layout and every int4 GEMM runs
-    `int4_mm_vnni` (8-bit activations, AVX512-VNNI): an AVX-512 build not held lower, a CPU
-    with AVX512-VNNI and without AMX (whose tile kernels take torch's layout and win there).
+    `int4_mm_vnni` (8-bit activations): an AVX-512 build on a CPU with AVX512-VNNI and without
+    AMX (whose tile kernels take torch's layout and win there), or the avx2 build (it beat
+    torch's int4 kernel and the FMA path at every row count, docs/benchmarks.md).
     PACER_INT4_VNNI=0 keeps bfloat16 activations instead (perplexity +0.15 % over float32's
     rather than +0.37 %, at a cost in speed: docs/benchmarks.md#quantized-weights)."""
     kernels = _widening_kernels()
-    if (kernels is None or not hasattr(kernels, "vnni_ready") or best_level() != "avx512"
-            or os.environ.get("PACER_INT4_VNNI", "1") == "0"
-            or "avx512_vnni" not in cpu_flags() or AMX_FLAGS <= cpu_flags()
-            or not kernels.vnni_ready()):
+    if kernels is None or not hasattr(kernels, "vnni_ready") or \
+            os.environ.get("PACER_INT4_VNNI", "1") == "0":
         return None
-    return kernels
+    level, flags = best_level(), cpu_flags()
+    if level == "avx512" and ("avx512_vnni" not in flags or AMX_FLAGS <= flags):
+        return None
+    return kernels if level in ("avx512", "avx2") and kernels.vnni_ready() else None
 
 
 def int4_vnni_layout(codes: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
