@@ -9,7 +9,9 @@ instead of gathering them first:
   prefix, flash-attention style (AVX-512 levels; head_dim 64 or 128);
 - `add_rms_norm`, `rotary_` and `silu_and_mul` (csrc/fused_ops.cpp): residual add + RMSNorm +
   cast, RoPE in place, SwiGLU — each one pass instead of several torch ops (used with
-  bfloat16 weights).
+  bfloat16 weights);
+- `DecoderStack` (csrc/decoder.cpp): every layer of an iteration of decodes alone in one call,
+  where the matrices are int4 in the VNNI layout (docs/design.md#one-call-per-decode-step).
 
 The level is the best one the CPU runs (`generic` < `avx2` < `avx512`); PACER_CPU_ISA=<level>
 forces a lower one (a higher one than the CPU runs is refused). With PACER_CPU_KERNELS=0, or
