@@ -55,6 +55,27 @@ def _widening_kernels():
 
 
 @functools.cache
+def torch_int4_layout_is_ours() -> bool:
+    """Whether torch's CPU int4 layout here is the one our kernels read (csrc/dequant.cpp's
+    widening, AMX, AVX512-BF16 and FMA kernels). torch packs by its own CPU capability, and its
+    AVX2 packing is not the AVX-512 one those kernels were written for: on an AVX2 CPU they
+    would read wrong codes, so there torch's own int4 kernel serves weights in torch's layout
+    at every size. Probed once: a known matrix packed by torch, widened back by ours."""
+    kernels = _widening_kernels()
+    if kernels is None:
+        return False
+    n, k, group = 64, 64, 32
+    codes = torch.randint(0, 16, (n, k), generator=torch.Generator().manual_seed(0),
+                          dtype=torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    ones = torch.ones(k // group, n)
+    scales_zeros = torch.stack([ones, torch.zeros_like(ones)], dim=-1).to(ACT_DTYPE)
+    w_t = torch.empty(k, n, dtype=ACT_DTYPE)
+    kernels.dequantize_int4pack(packed, scales_zeros, group, w_t)
+    return torch.equal(w_t.t().float(), codes.float() - 8)
+
+
+@functools.cache
 def _amx_kernels():
     """The CPU kernels when they run int4 GEMMs on AMX tiles here: an AVX-512 build not held
     lower (PACER_CPU_ISA), a CPU with AMX-BF16, and the OS's leave (`amx_ready`)."""
@@ -205,9 +226,14 @@ class Int4Weight(_Packed):
 
     @classmethod
     def wide_from(cls) -> int | None:
-        """None where the weights take the VNNI layout: int4_mm_vnni for every row count,
-        nothing widened."""
-        return None if _vnni_kernels() is not None else super().wide_from()
+        """None where the weights take the VNNI layout (int4_mm_vnni for every row count,
+        nothing widened) or where our kernels cannot read torch's layout."""
+        if _vnni_kernels() is not None or not torch_int4_layout_is_ours():
+            return None
+        return super().wide_from()
+
+    def _in_cache(self, rows: int):
+        return super()._in_cache(rows) if torch_int4_layout_is_ours() else (None, None)
 
     @property
     def nbytes(self) -> int:
@@ -220,7 +246,8 @@ class Int4Weight(_Packed):
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
         tiles, suffix = (None, None) if self.vnni is not None else self._in_cache(rows)
-        kernels = _widening_kernels() if tiles is None and rows >= self.many_rows else None
+        kernels = _widening_kernels() if tiles is None and rows >= self.many_rows and \
+            torch_int4_layout_is_ours() else None
         if self.vnni is not None:
             y = x.new_empty((rows, self.padded_out))
             _vnni_kernels().int4_mm_vnni(x.contiguous(), self.vnni, self.group, y)
