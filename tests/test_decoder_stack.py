@@ -97,15 +97,14 @@ def test_the_stack_refuses_bad_input_clearly(tmp_path):
         x = torch.zeros(1, model.cfg.hidden_size)
         far = torch.tensor([10 ** 6])
         with pytest.raises(RuntimeError, match="position or slot out of range"):
-            stack.decode(x, None, far, meta.slot_mapping, g.block_tables, g.kv_lens)
+            stack.decode(x, far, meta.slot_mapping, g.block_tables, g.kv_lens)
         with pytest.raises(RuntimeError, match="position or slot out of range"):
-            stack.decode(x, None, meta.positions, far, g.block_tables, g.kv_lens)
+            stack.decode(x, meta.positions, far, g.block_tables, g.kv_lens)
         with pytest.raises(RuntimeError, match="block id out of the pool"):
-            stack.decode(x, None, meta.positions, meta.slot_mapping,
+            stack.decode(x, meta.positions, meta.slot_mapping,
                          torch.full_like(g.block_tables, 10 ** 6), g.kv_lens)
         with pytest.raises(RuntimeError, match="x \\[G, hidden\\] float32"):
-            stack.decode(x.double(), None, meta.positions, meta.slot_mapping, g.block_tables,
-                         g.kv_lens)
+            stack.decode(x.double(), meta.positions, meta.slot_mapping, g.block_tables, g.kv_lens)
         layer = model.layers[0]
         with pytest.raises(RuntimeError, match="int4 in the VNNI layout"):
             stack.add_layer(layer.input_layernorm.weight, layer.mlp.down_proj.qweight.vnni,

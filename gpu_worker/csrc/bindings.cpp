@@ -278,7 +278,7 @@ auto int8_binding(const char* name, Int8Mm<bf16> kernel, bool (*ready)(), const 
 // out [M, N] = x [M, K] times int4 weights in the VNNI layout (csrc/int4_vnni.cpp)
 void int4_mm_vnni(const torch::Tensor& x, const torch::Tensor& w, int64_t group,
                   torch::Tensor& out) {
-  TORCH_CHECK(pacer::vnni_ready(), "int4_mm_vnni: no AVX512-VNNI here (an AVX-512 build)");
+  TORCH_CHECK(pacer::vnni_ready(), "int4_mm_vnni: neither AVX512-VNNI nor an avx2 build here");
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kUInt8 &&
                   out.dtype() == torch::kBFloat16,
               "int4_mm_vnni: bfloat16 x and out, uint8 weights");
@@ -361,9 +361,9 @@ void pacer_bind(pybind11::module_& m) {
   m.def("argmax_rows", &argmax_rows,
         "each row's first index of its largest value (a NaN the largest): torch.argmax(-1)");
   m.def("vnni_ready", &pacer::vnni_ready,
-        "whether this build and CPU run int4_mm_vnni (AVX-512 build, AVX512-VNNI)");
+        "whether this build and CPU run int4_mm_vnni (AVX-512 build with AVX512-VNNI, or avx2)");
   m.def("int4_mm_vnni", &int4_mm_vnni,
-        "x (bf16, quantized to 8 bits per 32) times int4 weights in the VNNI layout, VNNI");
+        "x (bf16, quantized to 8 bits per 32) times int4 weights in the VNNI layout");
   m.def("fma_ready", &pacer::fma_ready,
         "whether this build has int4pack_mm_fma and int8_mm_fma (AVX2 + FMA or above)");
   m.def("int4pack_mm_fma",

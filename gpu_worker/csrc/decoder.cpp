@@ -11,6 +11,7 @@
 // (csrc/int4_vnni.cpp) and nothing is sharded; gpu_worker/model/llama.py decides.
 #include <torch/extension.h>
 
+#include <memory>
 #include <vector>
 
 #include "kernels.h"
@@ -72,20 +73,14 @@ class DecoderStack {
     layers_.push_back(std::move(l));
   }
 
-  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
-
-  // x [G, hidden] float32, the residual stream (updated in place); delta the MLP output not
-  // yet added (bfloat16, or none before the first layer). Returns the last layer's MLP output.
-  torch::Tensor decode(torch::Tensor& x, const c10::optional<torch::Tensor>& delta,
-                       const torch::Tensor& positions, const torch::Tensor& slots,
+  // x [G, hidden] float32, the embedded rows: the residual stream (updated in place). Returns
+  // the last layer's MLP output (bfloat16), not added to x yet.
+  torch::Tensor decode(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& slots,
                        const torch::Tensor& block_tables, const torch::Tensor& kv_lens) {
     TORCH_CHECK(!layers_.empty(), "DecoderStack: no layers");
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden_ &&
                     x.is_contiguous(), "DecoderStack.decode: x [G, hidden] float32");
     const int64_t G = x.size(0);
-    TORCH_CHECK(!delta || (delta->dtype() == torch::kBFloat16 && delta->sizes() == x.sizes() &&
-                           delta->is_contiguous()),
-                "DecoderStack.decode: delta [G, hidden] bfloat16");
     for (const torch::Tensor* t : {&positions, &slots, &block_tables, &kv_lens})
       TORCH_CHECK(t->dtype() == torch::kInt64 && t->is_contiguous(),
                   "DecoderStack.decode: contiguous int64 positions, slots, block tables, lengths");
@@ -110,28 +105,29 @@ class DecoderStack {
     const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
     auto opts = x.options().dtype(torch::kBFloat16);
     torch::Tensor out = torch::empty({G, hidden_}, opts);
-    std::vector<bf16> h(G * hidden_), qkv(G * (q + 2 * kv)), attn(G * q), a(G * hidden_),
-        gu(G * 2 * ffn_), act(G * ffn_);
+    // every element is written before it is read: no zero-filling
+    const auto buffer = [G](int64_t per_row) { return std::unique_ptr<bf16[]>(new bf16[G * per_row]); };
+    const auto h = buffer(hidden_), qkv = buffer(q + 2 * kv), attn = buffer(q), a = buffer(hidden_),
+               gu = buffer(2 * ffn_), act = buffer(ffn_);
     float* xp = x.data_ptr<float>();
-    const bf16* d = delta ? reinterpret_cast<const bf16*>(delta->data_ptr<c10::BFloat16>())
-                          : nullptr;
+    const bf16* d = nullptr;          // the previous layer's MLP output (none before the first)
     bf16* dp = bf16_ptr(out);
     {
       pybind11::gil_scoped_release unlocked;      // no Python object is touched below
       for (Layer& l : layers_) {
         if (d)
-          pacer::add_rms_norm(xp, d, l.norm1.data_ptr<float>(), h.data(), G, hidden_, eps_);
+          pacer::add_rms_norm(xp, d, l.norm1.data_ptr<float>(), h.get(), G, hidden_, eps_);
         else
           pacer::add_rms_norm(xp, static_cast<const float*>(nullptr), l.norm1.data_ptr<float>(),
-                              h.data(), G, hidden_, eps_);
-        mm(h.data(), G, l.qkv, qkv.data());
-        attend(l, qkv.data(), pos, slot, bt, lens, G, BS, max_blocks, attn.data());
-        mm(attn.data(), G, l.o, a.data());
-        pacer::add_rms_norm(xp, static_cast<const bf16*>(a.data()), l.norm2.data_ptr<float>(),
-                            h.data(), G, hidden_, eps_);
-        mm(h.data(), G, l.gate_up, gu.data());
-        pacer::silu_and_mul(gu.data(), act.data(), G, ffn_);
-        mm(act.data(), G, l.down, dp);
+                              h.get(), G, hidden_, eps_);
+        mm(h.get(), G, l.qkv, qkv.get());
+        attend(l, qkv.get(), pos, slot, bt, lens, G, BS, max_blocks, attn.get());
+        mm(attn.get(), G, l.o, a.get());
+        pacer::add_rms_norm(xp, static_cast<const bf16*>(a.get()), l.norm2.data_ptr<float>(),
+                            h.get(), G, hidden_, eps_);
+        mm(h.get(), G, l.gate_up, gu.get());
+        pacer::silu_and_mul(gu.get(), act.get(), G, ffn_);
+        mm(act.get(), G, l.down, dp);
         d = dp;
       }
     }
@@ -193,8 +189,7 @@ void pacer_bind_decoder(pybind11::module_& m) {
            py::arg("sin"))
       .def("add_layer", &DecoderStack::add_layer,
            "norm1, qkv, o, norm2, gate_up, down (int4, VNNI layout), k_cache, v_cache")
-      .def_property_readonly("num_layers", &DecoderStack::num_layers)
       .def("decode", &DecoderStack::decode,
-           "x (float32, in place), delta (bf16 or None), positions, slots, block tables, "
-           "lengths -> the last layer's MLP output (bf16)");
+           "x (float32, in place), positions, slots, block tables, lengths -> the last "
+           "layer's MLP output (bf16)");
 }

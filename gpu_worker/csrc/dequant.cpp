@@ -24,10 +24,6 @@
 #include <unistd.h>
 #endif
 
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include "kernels.h"
 
 namespace pacer {
@@ -446,20 +442,6 @@ template void int8_mm_dpbf16<bf16>(const bf16*, int64_t, const int8_t*, const bf
 // the sums are float32 over the float32 weights.
 #if defined(__AVX2__) && defined(__FMA__)
 namespace {
-
-inline __m256 load8(const bf16* p) {      // 8 bfloat16 -> float32
-  return _mm256_castsi256_ps(_mm256_slli_epi32(
-      _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
-}
-
-inline __m128i round8_bf16(__m256 v) {    // 8 floats to bfloat16, round to nearest even
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  // per 128-bit lane r0-3 r0-3 | r4-7 r4-7; quadwords 0 and 2 are r0-7
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-}
 
 // 8 rows' (q - 8) · scale + zero from 8 codes (the low 8 bytes) and 8 (scale, zero) pairs
 inline __m256 widen8f(__m128i codes, const bf16* pairs) {

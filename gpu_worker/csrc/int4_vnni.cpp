@@ -15,7 +15,7 @@
 // strided read, a page apart for every block of 32 k, which the hardware prefetcher did not
 // follow.
 //
-// Activations: each row of x quantized in blocks of 32 k (`quantize_rows`): d = max|x| / 127,
+// Activations: each row of x quantized in blocks of 32 k (`quantize_row`): d = max|x| / 127,
 // q = round(x / d) in int8, and the block's sum of q. With the file's w = (c - 8) s + z per
 // group, one block's contribution to out[m][n] is
 //     d (s sum(q c) + (z - 8 s) sum q)
@@ -107,8 +107,6 @@ bool vnni_ready() { return __builtin_cpu_supports("avx512vnni"); }
 // (7620 < 32767), so the integer sums equal vpdpbusd's and the float steps are the same
 // operations in the same order: both builds give the same bits. 16 columns are two halves of
 // 8 (the first and last 32 bytes of each 64-byte vector).
-#include <immintrin.h>
-
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -118,21 +116,6 @@ float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   m = _mm_max_ps(m, _mm_movehl_ps(m, m));
   return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-__m256 load8(const bf16* p) {       // bfloat16 -> float32: shift left 16
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-
-// 8 floats to bfloat16 as round_bf16 (vec.h) rounds 16
-__m128i round_bf16_8(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_srli_epi32(
-      _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-  const __m256i packed = _mm256_packus_epi32(r, r);        // per 128-bit lane
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
 }
 
 void quantize_row(const bf16* x, int64_t K, int8_t* q, float* d, float* sum) {
@@ -198,7 +181,7 @@ inline void vnni_rows(const int8_t* q, const float* d, const float* sum, int64_t
       }
     }
     for (int r = 0; r < R; ++r)
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * N + 8 * half), round_bf16_8(acc[r]));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * N + 8 * half), round8_bf16(acc[r]));
   }
 }
 

@@ -73,7 +73,7 @@ template <typename O>
 void int8_mm_dpbf16(const bf16* x, int64_t M, const int8_t* codes, const bf16* scale, int64_t N,
                     int64_t K, O* out);
 // int4 weights (in int4_vnni.cpp's layout) times x quantized to 8 bits per block of 32, with
-// AVX512-VNNI (vnni_ready: an AVX-512 build on a CPU with it).
+// integer dot products (vnni_ready: an AVX-512 build on a CPU with AVX512-VNNI, or an avx2 build).
 bool vnni_ready();
 void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t K,
                   int64_t group, bf16* out);

@@ -163,8 +163,8 @@ class LlamaForCausalLM(nn.Module):
         group = backend.decode_group(meta, kv_caches[0][0].dtype) \
             if stack is not None and hasattr(backend, "decode_group") else None
         if group is not None:       # decodes alone: every layer in one C++ call
-            delta = stack.decode(x, None, meta.positions, meta.slot_mapping,
-                                 group.block_tables, group.kv_lens)
+            delta = stack.decode(x, meta.positions, meta.slot_mapping, group.block_tables,
+                                 group.kv_lens)
         else:
             delta = None
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -191,8 +191,8 @@ class LlamaForCausalLM(nn.Module):
 
     def _build_decoder_stack(self, kv_caches):
         kernels = self.norm.fused
-        if kernels is None or not hasattr(kernels, "DecoderStack") or not kernels.vnni_ready() \
-                or self.act_dtype != torch.float32 or self.rotary.fused is None:
+        if kernels is None or not hasattr(kernels, "DecoderStack") or \
+                self.act_dtype != torch.float32 or self.rotary.fused is None:
             return None
         linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj) for layer in self.layers]

@@ -176,9 +176,16 @@ class _Packed:
     dpbf16_max_rows: int | None = None     # ...up to this many (beyond: widened to memory)
 
     @classmethod
+    def _kernels_read_layout(cls) -> bool:
+        """Whether our widening kernels read this scheme's packed layout here."""
+        return True
+
+    @classmethod
     def wide_from(cls) -> int | None:
         """The row count from which these GEMMs widen the weight (in cache or to a bf16 copy),
         here; None without the CPU kernels."""
+        if not cls._kernels_read_layout():
+            return None
         kernels, kind = _in_cache_kernels()
         if kernels is not None:
             return getattr(cls, f"{kind}_rows")
@@ -187,12 +194,17 @@ class _Packed:
     def _in_cache(self, rows: int):
         """The kernels that widen this weight in cache for `rows` rows, and their kind (the
         suffix of `int4pack_mm_amx`, `int8_mm_fma`, ...), or (None, None)."""
-        kernels, kind = _in_cache_kernels()
+        kernels, kind = _in_cache_kernels() if self._kernels_read_layout() else (None, None)
         if kernels is None or rows < getattr(self, f"{kind}_rows") or \
                 kind == "dpbf16" and self.dpbf16_max_rows is not None \
                 and rows > self.dpbf16_max_rows:
             return None, None
         return kernels, kind
+
+    def _widening(self, rows: int):
+        """The kernels that widen this weight to memory for `rows` rows, or None."""
+        return _widening_kernels() if rows >= self.many_rows and self._kernels_read_layout() \
+            else None
 
 
 class Int4Weight(_Packed):
@@ -226,14 +238,13 @@ class Int4Weight(_Packed):
 
     @classmethod
     def wide_from(cls) -> int | None:
-        """None where the weights take the VNNI layout (int4_mm_vnni for every row count,
-        nothing widened) or where our kernels cannot read torch's layout."""
-        if _vnni_kernels() is not None or not torch_int4_layout_is_ours():
-            return None
-        return super().wide_from()
+        """None where the weights take the VNNI layout: int4_mm_vnni for every row count,
+        nothing widened."""
+        return None if _vnni_kernels() is not None else super().wide_from()
 
-    def _in_cache(self, rows: int):
-        return super()._in_cache(rows) if torch_int4_layout_is_ours() else (None, None)
+    @classmethod
+    def _kernels_read_layout(cls) -> bool:
+        return torch_int4_layout_is_ours()
 
     @property
     def nbytes(self) -> int:
@@ -246,8 +257,7 @@ class Int4Weight(_Packed):
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
         tiles, suffix = (None, None) if self.vnni is not None else self._in_cache(rows)
-        kernels = _widening_kernels() if tiles is None and rows >= self.many_rows and \
-            torch_int4_layout_is_ours() else None
+        kernels = self._widening(rows) if tiles is None and self.vnni is None else None
         if self.vnni is not None:
             y = x.new_empty((rows, self.padded_out))
             _vnni_kernels().int4_mm_vnni(x.contiguous(), self.vnni, self.group, y)
@@ -297,7 +307,7 @@ class Int8Weight(_Packed):
             y = x.new_empty((rows, self.out_features), dtype=torch.float32 if wide else ACT_DTYPE)
             getattr(tiles, f"int8_mm_{suffix}")(x.contiguous(), self.codes, self.scale, y)
             return y
-        kernels = _widening_kernels() if rows >= self.many_rows else None
+        kernels = self._widening(rows)
         if kernels is None:
             return torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scale)
         # widened CHUNK rows at a time: a whole LM head in bfloat16 (56 MB for SmolLM2) would
