@@ -1,6 +1,6 @@
 """The quantized GEMMs by rows: each path gpu_worker/quant/linear.py can take, timed on the
 default model's shapes, to set where one path hands over to the next (`amx_rows`, `dpbf16_rows`, `fma_rows`,
-`many_rows`).
+`many_rows`, `vnni_amx_rows`).
 
 Per row count, the whole model's layer GEMMs (30 layers x qkv, o, gate_up, down as int4, each
 a distinct weight so that they stream from memory as in a forward) and the LM head (int8,
@@ -16,7 +16,9 @@ a distinct weight so that they stream from memory as in a forward) and the LM he
             AVX-512 machine, hold everything at AVX2: PACER_CPU_ISA=avx2
             ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
     vnni    int4 only: the codes in the VNNI layout, x quantized to 8 bits per block of 32,
-            `vpdpbusd` (`int4_mm_vnni`: AVX512-VNNI without AMX, every row count)
+            `vpdpbusd` (`int4_mm_vnni`: AVX512-VNNI or AVX2, every row count)
+    vnni_amx  the VNNI layout widened in cache and multiplied on AMX tiles (`int4vnni_mm_amx`,
+            what AMX CPUs take from `vnni_amx_rows` rows on)
     bf16    for scale: the same GEMMs on prepacked bfloat16 weights (`--quantization none`)
 
     python bench/quant_gemms.py [--rows 1,4,8,10,16,24,32,64,128,512] [--json out.json]
@@ -71,6 +73,12 @@ def forced(path: str) -> dict[str, int]:
         {"dpbf16_max_rows": None}
 
 
+def vnni_mm(w: Int4Weight, x: torch.Tensor, kernel: str) -> torch.Tensor:
+    y = x.new_empty((x.shape[0], w.padded_out))
+    getattr(linear._vnni_kernels(), kernel)(x, w.vnni, w.group, y)
+    return y
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,4,8,10,16,24,32,64,128,512")
@@ -102,8 +110,10 @@ def main() -> None:
                 row[f"{path}_layers_ms"] = best_ms(lambda: [
                     w.mm(xs[w.in_features]) for ws in layers.values() for w in ws])
                 row[f"{path}_head_ms"] = best_ms(lambda: head.mm(xs[576]))
-            if vnni is not None:
-                row["vnni_layers_ms"] = best_ms(lambda: [w.mm(xs[w.in_features]) for w in vnni])
+            for name, kernel in (("vnni", "int4_mm_vnni"), ("vnni_amx", "int4vnni_mm_amx")):
+                if vnni is not None and (name == "vnni" or linear._amx_kernels() is not None):
+                    row[f"{name}_layers_ms"] = best_ms(lambda: [
+                        vnni_mm(w, xs[w.in_features], kernel) for w in vnni])
             row["bf16_layers_ms"] = best_ms(lambda: [
                 torch.ops.mkldnn._linear_pointwise(xs[576 if i < 3 * LAYERS else 1536], w, None,
                                                    "none", [], "")

@@ -207,19 +207,22 @@ def _w4a8_reference(x: torch.Tensor, q: QTensor) -> torch.Tensor:
                          ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("group", [32, 64])
 def test_vnni_int4_gemm_is_its_8_bit_activations_times_the_weights(shape, group):
-    """With AVX512-VNNI and no AMX (csrc/int4_vnni.cpp) the int4 weights are kept in the VNNI
+    """With AVX512-VNNI or AVX2 (csrc/int4_vnni.cpp) the int4 weights are kept in the VNNI
     layout and x is quantized to 8 bits per block of 32: the result is that product up to
     float32 sums and the bfloat16 output's rounding; every row remainder of its 8-row tiles; a
     row's output is the same alone as in a batch; the weights' own mm takes it for every row
-    count, and the cost model sees no widening."""
+    count (on AMX up to `vnni_amx_rows`), and the cost model sees no widening (on AMX from
+    there)."""
     kernels = linear._vnni_kernels()
     if kernels is None:
-        pytest.skip("no AVX512-VNNI here, or AMX (an AVX-512 kernel build, CPU flag avx512_vnni)")
+        pytest.skip("no AVX512-VNNI or AVX2 kernel build here (CPU flag avx512_vnni or avx2)")
     n, k = shape
     q = quantize_int4(torch.from_numpy(_random(n, k, seed=group)), group)
     q.scale, q.zero = q.scale.to(ACT_DTYPE).float(), q.zero.to(ACT_DTYPE).float()
     w4 = Int4Weight(q)
-    assert w4.vnni is not None and w4.packed is None and linear.wide_from_rows("int4") is None
+    amx = linear._amx_kernels() is not None        # (many rows: the AMX test below)
+    assert w4.vnni is not None and w4.packed is None
+    assert linear.wide_from_rows("int4") == (Int4Weight.vnni_amx_rows if amx else None)
     n_pad = w4.padded_out
     for rows in (*range(1, 18), 64, 70):
         x = torch.randn(rows, k, dtype=ACT_DTYPE)
@@ -230,10 +233,37 @@ def test_vnni_int4_gemm_is_its_8_bit_activations_times_the_weights(shape, group)
         torch.testing.assert_close(y[:, :n].double(), ref, rtol=2 ** -8,
                                    atol=1e-5 * ref.abs().max().item())
         assert not y[:, n:].any()
-        assert torch.equal(w4.mm(x), y[:, :n])
+        if not amx or rows < Int4Weight.vnni_amx_rows:
+            assert torch.equal(w4.mm(x), y[:, :n])
         one = torch.empty(1, n_pad, dtype=ACT_DTYPE)
         kernels.int4_mm_vnni(x[-1:].contiguous(), w4.vnni, group, one)
         assert torch.equal(one[0], y[-1])
+
+
+@pytest.mark.parametrize("shape,group", [((960, 576), 32), ((576, 1536), 32), ((64, 96), 32),
+                                         ((960, 576), 64), ((40, 192), 64)],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else f"g{v}")
+def test_amx_widens_the_vnni_layout_to_torch_layouts_weights(shape, group):
+    """On AMX, many rows of int4 weights in the VNNI layout are widened in cache and multiplied
+    on the tiles (`int4vnni_mm_amx`): the same bf16 weights as torch's layout widened by
+    `int4pack_mm_amx`, so the same bits as that kernel, for every remainder of its 16-row
+    tiles and N padded to its 64 columns; the weights' own mm takes it from `vnni_amx_rows`."""
+    kernels = linear._amx_kernels()
+    if kernels is None or linear._vnni_kernels() is None or not linear.torch_int4_layout_is_ours():
+        pytest.skip("no AMX here (CPU flags amx_tile amx_bf16, an AVX-512 kernel build)")
+    n, k = shape
+    q = quantize_int4(torch.from_numpy(_random(n, k, seed=n + group)), group)
+    vnni, torch_layout = Int4Weight(q, vnni=True), Int4Weight(q, vnni=False)
+    for rows in (1, 15, 16, 17, 33, 64, 100):
+        x = torch.randn(rows, k, dtype=ACT_DTYPE)
+        ours, theirs = (torch.empty(rows, vnni.padded_out, dtype=ACT_DTYPE) for _ in range(2))
+        kernels.int4vnni_mm_amx(x, vnni.vnni, group, ours)
+        kernels.int4pack_mm_amx(x, torch_layout.packed, torch_layout.scales_zeros, group, theirs)
+        assert torch.equal(ours.view(torch.int16), theirs.view(torch.int16)), (n, k, rows)
+        assert ours.abs().sum() > 0
+        if rows >= Int4Weight.vnni_amx_rows:
+            assert torch.equal(vnni.mm(x), ours[:, :n])
+    assert linear.wide_from_rows("int4") == Int4Weight.vnni_amx_rows
 
 
 def test_the_avx2_build_multiplies_the_vnni_layout_to_the_same_bits():

@@ -275,23 +275,27 @@ auto int8_binding(const char* name, Int8Mm<bf16> kernel, bool (*ready)(), const 
   };
 }
 
-// out [M, N] = x [M, K] times int4 weights in the VNNI layout (csrc/int4_vnni.cpp)
-void int4_mm_vnni(const torch::Tensor& x, const torch::Tensor& w, int64_t group,
-                  torch::Tensor& out) {
-  TORCH_CHECK(pacer::vnni_ready(), "int4_mm_vnni: neither AVX512-VNNI nor an avx2 build here");
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kUInt8 &&
-                  out.dtype() == torch::kBFloat16,
-              "int4_mm_vnni: bfloat16 x and out, uint8 weights");
-  TORCH_CHECK(all_contiguous({&x, &w, &out}) && x.dim() == 2 && w.dim() == 3 && out.dim() == 2,
-              "int4_mm_vnni: contiguous x [M, K], w [N / 16, K / group, 64 + 8 group], "
-              "out [M, N]");
-  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
-  TORCH_CHECK(out.size(0) == M && N % 16 == 0 && group > 0 && group % 32 == 0 &&
-                  K % group == 0 && w.size(0) * 16 == N && w.size(1) * group == K &&
-                  w.size(2) == 64 + 8 * group,
-              "int4_mm_vnni: N a multiple of 16, K of the group, the group of 32; sizes that "
-              "agree");
-  pacer::int4_mm_vnni(ptr<bf16>(x), M, w.data_ptr<uint8_t>(), N, K, group, mut_ptr<bf16>(out));
+// out [M, N] = x [M, K] times int4 weights in the VNNI layout (csrc/int4_vnni.cpp), by
+// `kernel` (int4_mm_vnni, or int4vnni_mm_amx: N a multiple of 64 there) where `ready`
+using VnniMm = void (*)(const bf16*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, bf16*);
+auto vnni_binding(const char* name, VnniMm kernel, bool (*ready)(), const char* missing,
+                  int64_t columns) {
+  return [=](const torch::Tensor& x, const torch::Tensor& w, int64_t group, torch::Tensor& out) {
+    TORCH_CHECK(ready(), name, ": ", missing);
+    TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kUInt8 &&
+                    out.dtype() == torch::kBFloat16,
+                name, ": bfloat16 x and out, uint8 weights");
+    TORCH_CHECK(all_contiguous({&x, &w, &out}) && x.dim() == 2 && w.dim() == 3 &&
+                    out.dim() == 2,
+                name, ": contiguous x [M, K], w [N / 16, K / group, 64 + 8 group], out [M, N]");
+    const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+    TORCH_CHECK(out.size(0) == M && N % columns == 0 && group > 0 && group % 32 == 0 &&
+                    K % group == 0 && w.size(0) * 16 == N && w.size(1) * group == K &&
+                    w.size(2) == 64 + 8 * group,
+                name, ": N a multiple of ", columns, ", K of the group, the group of 32; sizes "
+                "that agree");
+    kernel(ptr<bf16>(x), M, w.data_ptr<uint8_t>(), N, K, group, mut_ptr<bf16>(out));
+  };
 }
 
 void argmax_rows(const torch::Tensor& x, torch::Tensor& out) {
@@ -362,8 +366,13 @@ void pacer_bind(pybind11::module_& m) {
         "each row's first index of its largest value (a NaN the largest): torch.argmax(-1)");
   m.def("vnni_ready", &pacer::vnni_ready,
         "whether this build and CPU run int4_mm_vnni (AVX-512 build with AVX512-VNNI, or avx2)");
-  m.def("int4_mm_vnni", &int4_mm_vnni,
+  m.def("int4_mm_vnni",
+        vnni_binding("int4_mm_vnni", pacer::int4_mm_vnni, pacer::vnni_ready,
+                     "neither AVX512-VNNI nor an avx2 build here", 16),
         "x (bf16, quantized to 8 bits per 32) times int4 weights in the VNNI layout");
+  m.def("int4vnni_mm_amx",
+        vnni_binding("int4vnni_mm_amx", pacer::int4vnni_mm_amx, pacer::amx_ready, kNoAmx, 64),
+        "x (bf16) times int4 weights in the VNNI layout, widened in cache, on AMX tiles");
   m.def("fma_ready", &pacer::fma_ready,
         "whether this build has int4pack_mm_fma and int8_mm_fma (AVX2 + FMA or above)");
   m.def("int4pack_mm_fma",

@@ -84,6 +84,64 @@ __attribute__((target("avx512bf16"))) void widen_block_vnni(const uint8_t* packe
   }
 }
 
+// The same 64 columns of W widened from the VNNI layout instead (csrc/int4_vnni.cpp: per 16
+// columns and group, the 16 (scale, zero) pairs, then per 32 k four 64-byte vectors whose
+// byte 4c + i holds column c's codes for k = 4p + i and, high nibble, k = 16 + 4p + i) into
+// the same pair order, to the same bf16 values: one vector's nibble is 16 columns x 4 k,
+// whose pairs (k, k + 1) and (k + 2, k + 3) are two tile rows of 16 columns.
+__attribute__((target("avx512bf16"))) void widen_block_from_vnni(const uint8_t* w, int64_t K,
+                                                                 int64_t group, int64_t b,
+                                                                 bf16* out) {
+  const int64_t gbytes = 64 + 8 * group, cstride = (K / group) * gbytes;
+  // element e of part j is column 4j + e / 4: its scale and zero spread to match
+  __m512i spread[4];
+  for (int j = 0; j < 4; ++j)
+    spread[j] = _mm512_add_epi32(_mm512_set1_epi32(4 * j),
+                                 _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9,
+                                                                    8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                   2));
+  // 32-bit pairs (k, k + 1) of columns 0-15, and (k + 2, k + 3): the even and odd words of
+  // two halves of 8 columns
+  const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int64_t c = 0; c < 4; ++c) {
+    const uint8_t* wc = w + (4 * b + c) * cstride;
+    for (int64_t g = 0; g < K / group; ++g) {
+      const uint8_t* gp = wc + g * gbytes;
+      const __m512i pairs = _mm512_loadu_si512(gp);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+      __m512 sj[4], zj[4];
+      for (int j = 0; j < 4; ++j) {
+        sj[j] = _mm512_permutexvar_ps(spread[j], s);
+        zj[j] = _mm512_permutexvar_ps(spread[j], z);
+      }
+      for (int64_t v = 0; v < group / 8; ++v) {      // the group's vectors, 4 per 32 k
+        const __m512i bytes = _mm512_loadu_si512(gp + 64 + 64 * v);
+        for (int h = 0; h < 2; ++h) {
+          const __m512i codes = h ? _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble)
+                                  : _mm512_and_si512(bytes, nibble);
+          __m512 f[4];
+          for (int j = 0; j < 4; ++j) {
+            const __m128i part = j == 0   ? _mm512_castsi512_si128(codes)
+                                 : j == 1 ? _mm512_extracti32x4_epi32(codes, 1)
+                                 : j == 2 ? _mm512_extracti32x4_epi32(codes, 2)
+                                          : _mm512_extracti32x4_epi32(codes, 3);
+            f[j] = widen16f(part, sj[j], zj[j]);
+          }
+          const __m512i lo = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]);    // columns 0-7
+          const __m512i hi = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);    // columns 8-15
+          const int64_t k = g * group + (v / 4) * 32 + 16 * h + 4 * (v % 4);
+          bf16* row = out + (k / 2) * 128 + 16 * c * 2;
+          _mm512_storeu_si512(row, _mm512_permutex2var_epi32(lo, even, hi));
+          _mm512_storeu_si512(row + 128, _mm512_permutex2var_epi32(lo, odd, hi));
+        }
+      }
+    }
+  }
+}
+
 // n int8 codes (a multiple of 16), exactly, to bfloat16
 inline void widen_code_rows(const int8_t* codes, int64_t n, bf16* out) {
   for (int64_t i = 0; i < n; i += 16) {
@@ -174,12 +232,14 @@ bool amx_ready() {
   return ready;
 }
 
-// x [M, K] bf16 times W (torch's int4 layout, see above) into out [M, N] bf16: per thread,
-// 64 columns of W widened into a cached buffer, then 16 rows of x at a time against it on
-// the tile unit (tiles 0-3: the 16 x 64 float accumulators; 4: x; 5, 6: W).
-__attribute__((target("amx-tile,amx-bf16"))) void int4pack_mm_amx(
-    const bf16* x, int64_t M, const uint8_t* packed, const bf16* sz, int64_t N, int64_t K,
-    int64_t group, bf16* out) {
+// x [M, K] bf16 times W into out [M, N] bf16: per thread, 64 columns of W widened into a
+// cached buffer (`widen(b, w)`: columns [64b, 64b + 64) in pair order), then 16 rows of x at a
+// time against it on the tile unit (tiles 0-3: the 16 x 64 float accumulators; 4: x; 5, 6: W).
+namespace {
+template <typename Widen>
+__attribute__((target("amx-tile,amx-bf16"))) void widened_mm_amx(const bf16* x, int64_t M,
+                                                                 int64_t N, int64_t K,
+                                                                 bf16* out, Widen widen) {
   const int64_t Mp = (M + 15) / 16 * 16;
   std::vector<bf16> xpad;
   const bf16* xa = x;
@@ -197,7 +257,7 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4pack_mm_amx(
     // processes share a server's cores) leaves its share to the others, not to a barrier
 #pragma omp for schedule(dynamic, 1)
     for (int64_t b = 0; b < N / 64; ++b) {
-      widen_block_vnni(packed, sz, N, K, group, b, w.data());
+      widen(b, w.data());
       for (int64_t m0 = 0; m0 < Mp; m0 += 16) {
         _tile_zero(0);
         _tile_zero(1);
@@ -229,6 +289,24 @@ __attribute__((target("amx-tile,amx-bf16"))) void int4pack_mm_amx(
     }
     _tile_release();
   }
+}
+
+}  // namespace
+
+// torch's int4 layout (see above)
+void int4pack_mm_amx(const bf16* x, int64_t M, const uint8_t* packed, const bf16* sz, int64_t N,
+                     int64_t K, int64_t group, bf16* out) {
+  widened_mm_amx(x, M, N, K, out, [&](int64_t b, bf16* w) {
+    widen_block_vnni(packed, sz, N, K, group, b, w);
+  });
+}
+
+// the VNNI layout: the same products, from the same bf16 weights
+void int4vnni_mm_amx(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t K,
+                     int64_t group, bf16* out) {
+  widened_mm_amx(x, M, N, K, out, [&](int64_t b, bf16* wide) {
+    widen_block_from_vnni(w, K, group, b, wide);
+  });
 }
 
 // The int8 LM head on AMX, computed transposed so that the codes' rows need no reordering:
@@ -422,6 +500,7 @@ bool amx_ready() { return false; }
 void int8_mm_amx(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, bf16*) {}
 void int4pack_mm_amx(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t, int64_t,
                      bf16*) {}
+void int4vnni_mm_amx(const bf16*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, bf16*) {}
 bool dpbf16_ready() { return false; }
 void int4pack_mm_dpbf16(const bf16*, int64_t, const uint8_t*, const bf16*, int64_t, int64_t,
                         int64_t, bf16*) {}

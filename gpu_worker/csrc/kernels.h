@@ -60,6 +60,9 @@ void dequantize_int8(const int8_t* codes, const bf16* scale, int64_t N, int64_t 
 bool amx_ready();
 void int4pack_mm_amx(const bf16* x, int64_t M, const uint8_t* packed, const bf16* scales_zeros,
                      int64_t N, int64_t K, int64_t group, bf16* out);
+// The same for int4 weights in int4_vnni.cpp's layout: the same bf16 weights, the same sums.
+void int4vnni_mm_amx(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t K,
+                     int64_t group, bf16* out);
 // out [M, N] = x [M, K] (bf16) times int8 codes [N, K] with one scale per row, on AMX.
 void int8_mm_amx(const bf16* x, int64_t M, const int8_t* codes, const bf16* scale, int64_t N,
                  int64_t K, bf16* out);

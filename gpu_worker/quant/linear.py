@@ -27,11 +27,14 @@ from `dpbf16_rows`). Without AMX or native bf16 GEMMs (AVX2 CPUs), from `fma_row
 kernels of the same shape widen to float32 in cache and multiply with FMA (`int4pack_mm_fma`,
 `int8_mm_fma`): no widened weight in memory, no bf16 detour.
 
-With AVX512-VNNI and no AMX, and on AVX2 CPUs, int4 weights take none of those paths: their
+With AVX512-VNNI (AMX or not) and on AVX2 CPUs, int4 weights take none of those paths: their
 codes are kept in a layout of their own (`int4_vnni_layout`, instead of torch's) and every row
 count runs `int4_mm_vnni` (csrc/int4_vnni.cpp), x quantized to 8 bits per block of 32 and
-multiplied with integer dot products (`vpdpbusd`; on AVX2 `vpmaddubsw` + `vpmaddwd`, the same
-bits), as llama.cpp serves a Q4 file (PACER_INT4_VNNI=0 declines it).
+multiplied with integer dot products (`vpdpbusd`; on AVX2 `vpmaddubsw` + `vpmaddwd`, the same bits),
+as llama.cpp serves a Q4 file (PACER_INT4_VNNI=0 declines it); a row's output depends on that
+row alone. On AMX, from `vnni_amx_rows` rows on, the VNNI layout is widened in cache and
+multiplied on the tiles as torch's is (`int4vnni_mm_amx`: the same bf16 weights, the same
+sums as `int4pack_mm_amx`).
 """
 from __future__ import annotations
 
@@ -101,17 +104,18 @@ def _dpbf16_kernels():
 @functools.cache
 def _vnni_kernels():
     """The CPU kernels when int4 weights are kept in the VNNI layout and every int4 GEMM runs
-    `int4_mm_vnni` (8-bit activations): an AVX-512 build on a CPU with AVX512-VNNI and without
-    AMX (whose tile kernels take torch's layout and win there), or the avx2 build (it beat
-    torch's int4 kernel and the FMA path at every row count, docs/benchmarks.md).
+    `int4_mm_vnni` (8-bit activations): an AVX-512 build on a CPU with AVX512-VNNI, or the
+    avx2 build (it beat torch's int4 kernel and the FMA path at every row count, and the AMX
+    tile kernels up to `vnni_amx_rows` rows, from which AMX CPUs widen the VNNI layout into
+    cache for the tiles instead: `int4vnni_mm_amx`, docs/benchmarks.md).
     PACER_INT4_VNNI=0 keeps bfloat16 activations instead (perplexity +0.15 % over float32's
     rather than +0.37 %, at a cost in speed: docs/benchmarks.md#quantized-weights)."""
     kernels = _widening_kernels()
     if kernels is None or not hasattr(kernels, "vnni_ready") or \
             os.environ.get("PACER_INT4_VNNI", "1") == "0":
         return None
-    level, flags = best_level(), cpu_flags()
-    if level == "avx512" and ("avx512_vnni" not in flags or AMX_FLAGS <= flags):
+    level = best_level()
+    if level == "avx512" and "avx512_vnni" not in cpu_flags():
         return None
     return kernels if level in ("avx512", "avx2") and kernels.vnni_ready() else None
 
@@ -213,6 +217,7 @@ class Int4Weight(_Packed):
     amx_rows = 10
     fma_rows = 8
     dpbf16_rows = 10
+    vnni_amx_rows = 40      # the VNNI layout on AMX: from this many rows on, the tiles
 
     def __init__(self, q: QTensor, vnni: bool | None = None):
         """`vnni`: keep the codes in the VNNI layout (`int4_vnni_layout`) instead of torch's,
@@ -238,9 +243,11 @@ class Int4Weight(_Packed):
 
     @classmethod
     def wide_from(cls) -> int | None:
-        """None where the weights take the VNNI layout: int4_mm_vnni for every row count,
-        nothing widened."""
-        return None if _vnni_kernels() is not None else super().wide_from()
+        """Where the weights take the VNNI layout: None (int4_mm_vnni for every row count,
+        nothing widened), or with AMX `vnni_amx_rows`."""
+        if _vnni_kernels() is None:
+            return super().wide_from()
+        return cls.vnni_amx_rows if _amx_kernels() is not None else None
 
     @classmethod
     def _kernels_read_layout(cls) -> bool:
@@ -260,7 +267,11 @@ class Int4Weight(_Packed):
         kernels = self._widening(rows) if tiles is None and self.vnni is None else None
         if self.vnni is not None:
             y = x.new_empty((rows, self.padded_out))
-            _vnni_kernels().int4_mm_vnni(x.contiguous(), self.vnni, self.group, y)
+            amx = _amx_kernels() if rows >= self.vnni_amx_rows else None
+            if amx is not None:
+                amx.int4vnni_mm_amx(x.contiguous(), self.vnni, self.group, y)
+            else:
+                _vnni_kernels().int4_mm_vnni(x.contiguous(), self.vnni, self.group, y)
         elif tiles is not None:
             y = x.new_empty((rows, self.padded_out))
             getattr(tiles, f"int4pack_mm_{suffix}")(x.contiguous(), self.packed,
