@@ -45,33 +45,82 @@ inline void softmax_avx512(float* s, int64_t L) {
   }
 }
 
+// lane i = the sum of v[i]'s 16 lanes: a tree of shuffles and adds, 45 + 1 operations for
+// 16 sums where 16 reductions would take ~8 each (the tree's last step leaves the sums
+// transposed by 4 x 4, which one permutation undoes)
+inline __m512 sum16(const __m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int i = 0; i < 8; ++i)     // lanes 0-7: v[2i] halved, 8-15: v[2i + 1]
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)     // 128-bit chunk c: v[4i + c] in 4 lanes
+    x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)     // chunk c: v[8i + c] and v[8i + 4 + c], 2 lanes each
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+  // lane 4c + r: v[4r + c]
+  const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88),
+                                 _mm512_shuffle_ps(y[0], y[1], 0xDD));
+  const __m512i back = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(back, t);
+}
+
 // One request, one KV head and the `group` query heads that share it, head_dim = 16 * NC:
-// the group's queries (pass 1) and outputs (pass 2) stay in registers while the request's
-// K and V rows of this head stream past once each.
+// the request's K and V rows of this head stream past once each. Scores 16 keys at a time:
+// the chunk's K rows widened once into a float buffer, then per query head 16 partial
+// products summed by one tree (`sum16`); the next chunk's rows are prefetched meanwhile (the
+// block table says where they are). Outputs stay in registers while the V rows pass. Against
+// one key at a time with a reduction each: 30 layers of 32 requests x 180 keys 17 -> 14 ms
+// (the same per-key loop with only the prefetch added stayed at 17).
 template <int NC, typename T>
 void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table,
                                int64_t L, int64_t BS, int64_t row, int64_t group, float scale,
                                float* scores, float* oh) {
-  constexpr int MAXG = 8;
-  __m512 qv[MAXG][NC];
-  for (int64_t j = 0; j < group; ++j)
-    for (int c = 0; c < NC; ++c) qv[j][c] = _mm512_loadu_ps(qh + j * NC * 16 + c * 16);
-  for (int64_t t = 0; t < L; ++t) {                             // pass 1: scores
-    const T* kt = kp + (table[t / BS] * BS + t % BS) * row;
-    __m512 kv[NC];
-    for (int c = 0; c < NC; ++c) kv[c] = load16(kt + c * 16);
+  constexpr int MAXG = 8, D = 16 * NC;
+  // each key's offset in the pool, from the block table once (no division per key)
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(L);
+  for (int64_t t = 0, b = 0; t < L; ++b)
+    for (int64_t i = 0; i < BS && t < L; ++i, ++t) offsets[t] = (table[b] * BS + i) * row;
+  auto at = [&](const T* base, int64_t t) { return base + offsets[t]; };
+  auto prefetch = [&](const T* base, int64_t t0) {
+    for (int64_t t = t0; t < std::min(L, t0 + 16); ++t)
+      for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(at(base, t)) + b, _MM_HINT_T0);
+  };
+  alignas(64) float kf[16][D];
+  const __m512 sv = _mm512_set1_ps(scale);
+  prefetch(kp, 0);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {                      // pass 1: scores
+    const int64_t n = std::min<int64_t>(16, L - t0);
+    prefetch(kp, t0 + 16);
+    for (int64_t u = 0; u < n; ++u) {
+      const T* kt = at(kp, t0 + u);
+      for (int c = 0; c < NC; ++c) _mm512_store_ps(kf[u] + c * 16, load16(kt + c * 16));
+    }
+    for (int64_t u = n; u < 16; ++u)
+      for (int c = 0; c < NC; ++c) _mm512_store_ps(kf[u] + c * 16, _mm512_setzero_ps());
     for (int64_t j = 0; j < group; ++j) {
-      __m512 acc = _mm512_mul_ps(qv[j][0], kv[0]);
-      for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[j][c], kv[c], acc);
-      scores[j * L + t] = _mm512_reduce_add_ps(acc) * scale;
+      __m512 qv[NC], part[16];
+      for (int c = 0; c < NC; ++c) qv[c] = _mm512_loadu_ps(qh + j * D + c * 16);
+      for (int u = 0; u < 16; ++u) {
+        __m512 acc = _mm512_mul_ps(qv[0], _mm512_load_ps(kf[u]));
+        for (int c = 1; c < NC; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_load_ps(kf[u] + c * 16), acc);
+        part[u] = acc;
+      }
+      _mm512_mask_storeu_ps(scores + j * L + t0, first_lanes(n),
+                            _mm512_mul_ps(sum16(part), sv));
     }
   }
   for (int64_t j = 0; j < group; ++j) softmax_avx512(scores + j * L, L);
   __m512 acc[MAXG][NC];                                         // pass 2: out = P V
   for (int64_t j = 0; j < group; ++j)
     for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
+  prefetch(vp, 0);
   for (int64_t t = 0; t < L; ++t) {
-    const T* vt = vp + (table[t / BS] * BS + t % BS) * row;
+    if (t % 16 == 0) prefetch(vp, t + 16);
+    const T* vt = at(vp, t);
     __m512 vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = load16(vt + c * 16);
     for (int64_t j = 0; j < group; ++j) {
