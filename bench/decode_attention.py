@@ -13,11 +13,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import write_json  # noqa: E402  (OpenMP policy first)
+from bench.common import best_ms, write_json  # noqa: E402  (OpenMP policy first)
 import torch  # noqa: E402
 
 from gpu_worker.cpu_kernels import cpu_kernels  # noqa: E402
@@ -25,16 +24,6 @@ from shared.cpu import cpu_flags  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-
-
-def best_ms(fn, repeats: int = 10) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def main() -> None:
@@ -61,8 +50,9 @@ def main() -> None:
             kernels.paged_decode_attention(q, k, v, tables, lens, HEAD_DIM ** -0.5, out)
 
     mb = args.batch * args.context * KV_HEADS * HEAD_DIM * 2 * 2 * LAYERS / 1e6
-    cold = best_ms(lambda: step(pools))
-    hot = best_ms(lambda: step([pools[0]] * LAYERS))
+    step(pools)                          # warm-up
+    cold = best_ms(lambda: step(pools), 10)
+    hot = best_ms(lambda: step([pools[0]] * LAYERS), 10)
     flags = " ".join(f for f in SHOWN_FLAGS if f in cpu_flags())
     print(f"CPU flags: {flags}; torch threads {torch.get_num_threads()}; kernels {kernels.level}")
     print(f"{args.batch} requests x {args.context} keys, {LAYERS} layers, {mb:.0f} MB of K/V: "

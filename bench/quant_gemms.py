@@ -28,11 +28,10 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import best_ms, print_table, write_json  # noqa: E402
 import torch  # noqa: E402
 
 from gpu_worker.model.layers import prepack  # noqa: E402
@@ -45,15 +44,6 @@ LAYERS = 30
 LAYER_SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 LM_HEAD = (49152, 576)
 SHOWN_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
-def best_ms(fn, repeats: int = 5) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best * 1e3
 
 
 def random_int4(n: int, k: int, group: int = 32) -> QTensor:
