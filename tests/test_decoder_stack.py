@@ -16,7 +16,7 @@ from tests.helpers_tiny_model import write_tiny_gguf, write_tiny_llama
 
 pytestmark = pytest.mark.skipif(
     linear._vnni_kernels() is None,
-    reason="the stack needs int4 in the VNNI layout: AVX512-VNNI without AMX, an AVX-512 build")
+    reason="the stack needs int4 in the VNNI layout: AVX512-VNNI (or AVX2) kernels")
 
 PROMPTS = [[5, 6, 7], list(range(40, 58)), list(range(60, 100)), list(range(3, 70))]
 
@@ -45,14 +45,16 @@ def _decode_forward(engine: LLMEngine, steps: int):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])   # the KV cache's dtype follows
-def test_the_stack_gives_the_layers_logits_bit_for_bit(tmp_path, dtype):
+@pytest.mark.parametrize("requests", [len(PROMPTS), 44])     # 44: past vnni_amx_rows (AMX tiles)
+def test_the_stack_gives_the_layers_logits_bit_for_bit(tmp_path, dtype, requests):
     gguf = write_tiny_gguf(tmp_path / "m.gguf", write_tiny_llama(tmp_path / "hf"), Q.Q4_1)
+    prompts = (PROMPTS * requests)[:requests]
     with _engine(gguf, dtype) as engine:
-        for p in PROMPTS:
+        for p in prompts:
             engine.add_request(p, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-        forward, (ids, kv, meta, backend) = _decode_forward(engine, 12)
+        forward, (ids, kv, meta, backend) = _decode_forward(engine, 14)
         model = engine.runner.model
-        assert ids.shape[0] == len(PROMPTS) and model._decoder_stack(kv) is not None
+        assert ids.shape[0] == requests and model._decoder_stack(kv) is not None
         stacked = forward(ids, kv, meta, backend)
         streamed = []           # P/D's per-layer hand-off needs the layers one by one
         assert torch.equal(forward(ids, kv, meta, backend, streamed.append), stacked)

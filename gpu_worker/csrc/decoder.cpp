@@ -37,11 +37,14 @@ struct Layer {
 class DecoderStack {
  public:
   DecoderStack(int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t ffn,
-               int64_t group, double eps, double scale, torch::Tensor cos, torch::Tensor sin)
+               int64_t group, double eps, double scale, torch::Tensor cos, torch::Tensor sin,
+               int64_t tiles_from_rows)
       : hidden_(hidden), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim), ffn_(ffn),
         group_(group), eps_(static_cast<float>(eps)), scale_(static_cast<float>(scale)),
-        cos_(std::move(cos)), sin_(std::move(sin)) {
+        cos_(std::move(cos)), sin_(std::move(sin)), tiles_from_rows_(tiles_from_rows) {
     TORCH_CHECK(pacer::vnni_ready(), "DecoderStack: no AVX512-VNNI here (an AVX-512 build)");
+    TORCH_CHECK(tiles_from_rows < 0 || pacer::amx_ready(),
+                "DecoderStack: tiles_from_rows given, but no AMX here (see amx_ready)");
     TORCH_CHECK(group > 0 && group % 32 == 0 && hidden % group == 0 && ffn % group == 0,
                 "DecoderStack: the hidden and FFN sizes in groups of a multiple of 32");
     TORCH_CHECK(heads % kv_heads == 0 && head_dim % 2 == 0, "DecoderStack: heads");
@@ -150,8 +153,13 @@ class DecoderStack {
     return Int4Matrix{std::move(w), n, k};
   }
 
+  // as Int4Weight.mm chooses (gpu_worker/quant/linear.py): from `tiles_from_rows` rows on,
+  // the VNNI layout widened onto AMX tiles (the matrices are unpadded: N a multiple of 64)
   void mm(const bf16* in, int64_t G, const Int4Matrix& m, bf16* out) const {
-    pacer::int4_mm_vnni(in, G, m.w.data_ptr<uint8_t>(), m.n, m.k, group_, out);
+    if (tiles_from_rows_ >= 0 && G >= tiles_from_rows_)
+      pacer::int4vnni_mm_amx(in, G, m.w.data_ptr<uint8_t>(), m.n, m.k, group_, out);
+    else
+      pacer::int4_mm_vnni(in, G, m.w.data_ptr<uint8_t>(), m.n, m.k, group_, out);
   }
 
   void attend(Layer& l, const bf16* qkv, const int64_t* pos, const int64_t* slot,
@@ -173,6 +181,7 @@ class DecoderStack {
   int64_t hidden_, heads_, kv_heads_, head_dim_, ffn_, group_;
   float eps_, scale_;
   torch::Tensor cos_, sin_;
+  int64_t tiles_from_rows_;     // < 0: never
   std::vector<Layer> layers_;
 };
 
@@ -183,10 +192,10 @@ void pacer_bind_decoder(pybind11::module_& m) {
   py::class_<DecoderStack>(m, "DecoderStack",
                            "the decoder's layers for an iteration of decodes alone, one call")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, double, double,
-                    torch::Tensor, torch::Tensor>(),
+                    torch::Tensor, torch::Tensor, int64_t>(),
            py::arg("hidden"), py::arg("heads"), py::arg("kv_heads"), py::arg("head_dim"),
            py::arg("ffn"), py::arg("group"), py::arg("eps"), py::arg("scale"), py::arg("cos"),
-           py::arg("sin"))
+           py::arg("sin"), py::arg("tiles_from_rows") = -1)
       .def("add_layer", &DecoderStack::add_layer,
            "norm1, qkv, o, norm2, gate_up, down (int4, VNNI layout), k_cache, v_cache")
       .def("decode", &DecoderStack::decode,

@@ -16,6 +16,7 @@ from gpu_worker.model.layers import (ColumnParallelLinear, ParallelLMHead, RMSNo
                                      gpu_16bit, prepack)
 from gpu_worker.parallel import TPGroup
 from gpu_worker.profiling import scope
+from gpu_worker.quant.linear import vnni_tiles_from_rows
 from shared.errors import ModelLoadError
 from shared.model_config import ModelConfig
 
@@ -205,7 +206,8 @@ class LlamaForCausalLM(nn.Module):
         stack = kernels.DecoderStack(cfg.hidden_size, attn.num_heads, attn.num_kv_heads,
                                      attn.head_dim, self.layers[0].mlp.local_ffn,
                                      weights[0].group, self.layers[0].input_layernorm.eps,
-                                     attn.scale, self.rotary.cos, self.rotary.sin)
+                                     attn.scale, self.rotary.cos, self.rotary.sin,
+                                     tiles_from_rows=vnni_tiles_from_rows())
         for layer, (qkv, o, gate_up, down), (k_cache, v_cache) in zip(self.layers, linears,
                                                                         kv_caches):
             stack.add_layer(layer.input_layernorm.weight, qkv.qweight.vnni, o.qweight.vnni,

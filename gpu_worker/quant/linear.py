@@ -120,6 +120,13 @@ def _vnni_kernels():
     return kernels if level in ("avx512", "avx2") and kernels.vnni_ready() else None
 
 
+def vnni_tiles_from_rows() -> int:
+    """The row count from which int4 GEMMs in the VNNI layout take the AMX tiles here
+    (`int4vnni_mm_amx`), or -1 where they never do (no AMX): Int4Weight.mm's rule, and the
+    kernels' DecoderStack's, so that both paths give a row the same bits."""
+    return Int4Weight.vnni_amx_rows if _amx_kernels() is not None else -1
+
+
 def int4_vnni_layout(codes: torch.Tensor, scales_zeros: torch.Tensor, group: int) -> torch.Tensor:
     """int4 codes [N, K] (uint8 0..15; N a multiple of 16, K of the group, the group of 32)
     and their (scale, zero) pairs [K / group, N, 2] (bfloat16) in the layout of
@@ -267,9 +274,8 @@ class Int4Weight(_Packed):
         kernels = self._widening(rows) if tiles is None and self.vnni is None else None
         if self.vnni is not None:
             y = x.new_empty((rows, self.padded_out))
-            amx = _amx_kernels() if rows >= self.vnni_amx_rows else None
-            if amx is not None:
-                amx.int4vnni_mm_amx(x.contiguous(), self.vnni, self.group, y)
+            if 0 <= vnni_tiles_from_rows() <= rows:
+                _amx_kernels().int4vnni_mm_amx(x.contiguous(), self.vnni, self.group, y)
             else:
                 _vnni_kernels().int4_mm_vnni(x.contiguous(), self.vnni, self.group, y)
         elif tiles is not None:
