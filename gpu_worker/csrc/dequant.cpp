@@ -38,9 +38,8 @@ inline __m512 widen16f(__m128i codes, __m512 s, __m512 z) {
   return _mm512_fmadd_ps(q, s, z);
 }
 inline __m256i widen16(__m128i codes, const bf16* pairs) {
-  const __m512i sz = _mm512_loadu_si512(pairs);
-  const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(sz, 16));
-  const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(sz, _mm512_set1_epi32(0xFFFF0000)));
+  __m512 s, z;
+  load16_pairs(pairs, s, z);
   return round_bf16(widen16f(codes, s, z));
 }
 
@@ -73,10 +72,8 @@ __attribute__((target("avx512bf16"))) void widen_block_vnni(const uint8_t* packe
          _mm256_castsi256_si128(hi[1]), _mm256_extracti128_si256(hi[1], 1)}};
     bf16* row = w + (k / 2) * 128;
     for (int q = 0; q < 4; ++q) {
-      const __m512i pairs = _mm512_loadu_si512(sk + q * 32);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-      const __m512 z =
-          _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+      __m512 s, z;
+      load16_pairs(sk + q * 32, s, z);
       const __m512bh both = _mm512_cvtne2ps_pbh(widen16f(codes[1][q], s, z),
                                                 widen16f(codes[0][q], s, z));
       _mm512_storeu_si512(row + q * 32, _mm512_permutexvar_epi16(zip, (__m512i)both));
@@ -109,10 +106,8 @@ __attribute__((target("avx512bf16"))) void widen_block_from_vnni(const uint8_t* 
     const uint8_t* wc = w + (4 * b + c) * cstride;
     for (int64_t g = 0; g < K / group; ++g) {
       const uint8_t* gp = wc + g * gbytes;
-      const __m512i pairs = _mm512_loadu_si512(gp);
-      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
-      __m512 sj[4], zj[4];
+      __m512 s, z, sj[4], zj[4];
+      load16_pairs(gp, s, z);
       for (int j = 0; j < 4; ++j) {
         sj[j] = _mm512_permutexvar_ps(spread[j], s);
         zj[j] = _mm512_permutexvar_ps(spread[j], z);
@@ -524,9 +519,8 @@ namespace {
 
 // 8 rows' (q - 8) · scale + zero from 8 codes (the low 8 bytes) and 8 (scale, zero) pairs
 inline __m256 widen8f(__m128i codes, const bf16* pairs) {
-  const __m256i sz = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(pairs));
-  const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(sz, 16));
-  const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(sz, _mm256_set1_epi32(0xFFFF0000)));
+  __m256 s, z;
+  load8_pairs(pairs, s, z);
   const __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes)),
                                  _mm256_set1_ps(8.f));
   return _mm256_fmadd_ps(q, s, z);

@@ -79,9 +79,8 @@ __attribute__((target("avx512vnni"))) inline void vnni_rows(
         dot[r] = _mm512_dpbusd_epi32(dot[r], hi, _mm512_set1_epi32(qr[p + 4]));
       }
     }
-    const __m512i pairs = _mm512_loadu_si512(gp);
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32(0xFFFF0000)));
+    __m512 s, z;
+    load16_pairs(gp, s, z);
     const __m512 bias = _mm512_fnmadd_ps(_mm512_set1_ps(8.f), s, z);       // z - 8 s
     for (int r = 0; r < R; ++r) {
       const __m512 block = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot[r]),
@@ -169,10 +168,8 @@ inline void vnni_rows(const int8_t* q, const float* d, const float* sum, int64_t
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
         }
       }
-      const __m256i pairs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gp + 32 * half));
-      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-      const __m256 z = _mm256_castsi256_ps(
-          _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+      __m256 s, z;
+      load8_pairs(gp + 32 * half, s, z);
       const __m256 bias = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);       // z - 8 s
       for (int r = 0; r < R; ++r) {
         const __m256 block = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot[r]),

@@ -63,6 +63,14 @@ static inline __m256 load8(const pacer::bf16* p) {      // 8 bfloat16 -> float32
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
 }
 
+// 8 (scale, zero) bfloat16 pairs of the int4 layouts, each read as one 32-bit word (scale in
+// its low half, zero in its high half), as float32 scales and zeros
+static inline void load8_pairs(const void* p, __m256& s, __m256& z) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  s = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+  z = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+
 static inline __m128i round8_bf16(__m256 v) {    // 8 floats to bfloat16, round to nearest even
   const __m256i bits = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
@@ -85,6 +93,13 @@ static inline __m256i round_bf16(__m512 v) {
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
   const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
   return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+// 16 such pairs (load8_pairs)
+static inline void load16_pairs(const void* p, __m512& s, __m512& z) {
+  const __m512i w = _mm512_loadu_si512(p);
+  s = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  z = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(0xFFFF0000)));
 }
 
 static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }

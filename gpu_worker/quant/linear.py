@@ -254,7 +254,8 @@ class Int4Weight(_Packed):
         nothing widened), or with AMX `vnni_amx_rows`."""
         if _vnni_kernels() is None:
             return super().wide_from()
-        return cls.vnni_amx_rows if _amx_kernels() is not None else None
+        tiles_from = vnni_tiles_from_rows()
+        return tiles_from if tiles_from >= 0 else None
 
     @classmethod
     def _kernels_read_layout(cls) -> bool:
