@@ -129,7 +129,7 @@ def test_many_rows_widen_the_weights_to_exactly_their_values(shape, monkeypatch)
     want = ((q4.codes.float() - 8) * s + z).to(ACT_DTYPE)
     assert torch.equal(w_t[:, :n].t(), want) and not w_t[:, n:].any()
     q8 = quantize_int8(torch.from_numpy(_random(n, k)))
-    w8 = Int8Weight(q8)
+    w8 = Int8Weight(q8, vnni=False)
     wide = torch.empty(n, k, dtype=ACT_DTYPE)
     kernels.dequantize_int8(w8.codes, w8.scale, wide)
     assert torch.equal(wide, (q8.codes.float() * w8.scale.float().unsqueeze(1)).to(ACT_DTYPE))
@@ -289,6 +289,58 @@ def test_the_avx2_build_multiplies_the_vnni_layout_to_the_same_bits():
             assert ys[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("shape", [(49152, 576), (960, 576), (48, 96), (16, 32)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_vnni_int8_gemm_is_its_8_bit_activations_times_the_weights(shape):
+    """With AVX512-VNNI (no AMX) or AVX2 the int8 codes take the VNNI order and x is quantized
+    to 8 bits per block of 32 (`int8_mm_vnni`): the result is that product up to float32 sums
+    (and the bfloat16 output's rounding); float32 logits are those sums unrounded; a row's
+    output is the same alone as in a batch; the weights' own mm and embedding take it."""
+    kernels = linear._vnni_kernels()
+    if kernels is None or linear._amx_kernels() is not None:
+        pytest.skip("int8 codes keep their [N, K] order here (no AVX512-VNNI or AVX2 build, or AMX)")
+    n, k = shape
+    q = quantize_int8(torch.from_numpy(_random(n, k, seed=n)))
+    q.scale = q.scale.to(ACT_DTYPE).float()
+    w8 = Int8Weight(q)
+    assert w8.vnni is not None and w8.codes is None
+    assert linear.wide_from_rows("int8") is None
+    for rows in (*range(1, 10), 17, 64, 70):
+        x = torch.randn(rows, k, dtype=ACT_DTYPE)
+        y32 = torch.empty(rows, n)
+        kernels.int8_mm_vnni(x, w8.vnni, w8.scale, y32)
+        ref = _w4a8_reference(x, q)
+        torch.testing.assert_close(y32.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+        assert torch.equal(w8.mm(x, torch.float32), y32)
+        assert torch.equal(w8.mm(x), y32.to(ACT_DTYPE))
+        one = torch.empty(1, n)
+        kernels.int8_mm_vnni(x[-1:].contiguous(), w8.vnni, w8.scale, one)
+        assert torch.equal(one[0], y32[-1])
+    ids = torch.tensor([0, n - 1, n // 2, 5])
+    assert torch.equal(w8.embedding(ids), q.dequantize()[ids])
+
+
+def test_the_avx2_build_multiplies_int8_codes_to_the_same_bits():
+    """The avx2 build's int8_mm_vnni (c's sign moved onto x's codes, vpmaddubsw + vpmaddwd)
+    gives the AVX-512 build's float32 logits bit for bit."""
+    from gpu_worker.cpu_kernels import cpu_kernels
+    from shared.cpu import cpu_flags
+    if not {"avx512f", "avx512bw", "avx512_vnni"} <= cpu_flags():
+        pytest.skip("needs a CPU that runs both builds (AVX512-VNNI)")
+    builds = [cpu_kernels(level) for level in ("avx512", "avx2")]
+    if any(b is None or not hasattr(b, "int8_mm_vnni") for b in builds):
+        pytest.skip("the avx2 and avx512 kernel builds")
+    for n, k in ((49152, 576), (960, 576), (48, 96)):
+        w8 = Int8Weight(quantize_int8(torch.from_numpy(_random(n, k, seed=k))), vnni=True)
+        for rows in (1, 3, 4, 5, 8, 9, 70):
+            x = torch.randn(rows, k, dtype=ACT_DTYPE)
+            ys = [torch.empty(rows, n) for _ in builds]
+            for kernels, y in zip(builds, ys):
+                kernels.int8_mm_vnni(x, w8.vnni, w8.scale, y)
+            assert torch.equal(ys[0], ys[1]), (n, k, rows)
+            assert ys[0].abs().sum() > 0
+
+
 @pytest.mark.parametrize("shape", [(49152, 576), (960, 576), (48, 96)], ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("kind", sorted(IN_CACHE))
 def test_in_cache_int8_gemm_matches_its_dequantized_weights(shape, kind):
@@ -299,7 +351,7 @@ def test_in_cache_int8_gemm_matches_its_dequantized_weights(shape, kind):
     if available() is None:
         pytest.skip(why)
     n, k = shape
-    w8 = Int8Weight(quantize_int8(torch.from_numpy(_random(n, k))))
+    w8 = Int8Weight(quantize_int8(torch.from_numpy(_random(n, k))), vnni=False)
     for rows in (getattr(Int8Weight, threshold), *tried):
         x = torch.randn(rows, k, dtype=ACT_DTYPE)
         y = torch.empty(rows, n, dtype=ACT_DTYPE)
@@ -365,7 +417,7 @@ def test_fma_int8_gemm_matches_its_dequantized_weights(shape, monkeypatch):
     so only the sums' order and the output's rounding separate it from x @ (c · s)ᵀ."""
     kernels = _fma_kernels()
     n, k = shape
-    w8 = Int8Weight(quantize_int8(torch.from_numpy(_random(n, k))))
+    w8 = Int8Weight(quantize_int8(torch.from_numpy(_random(n, k))), vnni=False)
     monkeypatch.setattr(linear, "_amx_kernels", lambda: None)
     monkeypatch.setattr(linear, "_dpbf16_kernels", lambda: None)
     monkeypatch.setattr(linear, "_fma_kernels", lambda: kernels)

@@ -298,6 +298,30 @@ auto vnni_binding(const char* name, VnniMm kernel, bool (*ready)(), const char* 
   };
 }
 
+// out [M, N] (float32 or bf16) = x [M, K] times int8 codes in the VNNI order [N / 16, K / 4,
+// 16, 4] (csrc/int4_vnni.cpp) with one bfloat16 scale per column
+void int8_mm_vnni(const torch::Tensor& x, const torch::Tensor& w8, const torch::Tensor& scale,
+                  torch::Tensor& out) {
+  TORCH_CHECK(pacer::vnni_ready(), "int8_mm_vnni: neither AVX512-VNNI nor an avx2 build here");
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && w8.dtype() == torch::kInt8 &&
+                  scale.dtype() == torch::kBFloat16 &&
+                  (out.dtype() == torch::kBFloat16 || out.dtype() == torch::kFloat32),
+              "int8_mm_vnni: bfloat16 x and scales, int8 codes, float32 or bfloat16 out");
+  TORCH_CHECK(all_contiguous({&x, &w8, &scale, &out}) && x.dim() == 2 && w8.dim() == 4 &&
+                  out.dim() == 2,
+              "int8_mm_vnni: contiguous x [M, K], codes [N / 16, K / 4, 16, 4], out [M, N]");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1);
+  TORCH_CHECK(out.size(0) == M && K % 32 == 0 && w8.size(0) * 16 == N && w8.size(1) * 4 == K &&
+                  w8.size(2) == 16 && w8.size(3) == 4 && scale.numel() == N,
+              "int8_mm_vnni: K a multiple of 32; sizes that agree");
+  if (out.dtype() == torch::kFloat32)
+    pacer::int8_mm_vnni(ptr<bf16>(x), M, w8.data_ptr<int8_t>(), ptr<bf16>(scale), N, K,
+                        out.data_ptr<float>());
+  else
+    pacer::int8_mm_vnni(ptr<bf16>(x), M, w8.data_ptr<int8_t>(), ptr<bf16>(scale), N, K,
+                        mut_ptr<bf16>(out));
+}
+
 void argmax_rows(const torch::Tensor& x, torch::Tensor& out) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && out.dtype() == torch::kInt64,
               "argmax_rows: float32 x, int64 out");
@@ -370,6 +394,9 @@ void pacer_bind(pybind11::module_& m) {
         vnni_binding("int4_mm_vnni", pacer::int4_mm_vnni, pacer::vnni_ready,
                      "neither AVX512-VNNI nor an avx2 build here", 16),
         "x (bf16, quantized to 8 bits per 32) times int4 weights in the VNNI layout");
+  m.def("int8_mm_vnni", &int8_mm_vnni,
+        "x (bf16, quantized to 8 bits per 32) times int8 per-column codes in the VNNI order; "
+        "out float32 or bf16");
   m.def("int4vnni_mm_amx",
         vnni_binding("int4vnni_mm_amx", pacer::int4vnni_mm_amx, pacer::amx_ready, kNoAmx, 64),
         "x (bf16) times int4 weights in the VNNI layout, widened in cache, on AMX tiles");

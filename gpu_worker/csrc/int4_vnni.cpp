@@ -25,8 +25,20 @@
 //   x            [M, K] bfloat16
 //   w            [N / 16, K / group, 64 + 8 group] uint8 (scales, zeros and codes)
 //   out          [M, N] bfloat16
+//
+// int8 weights with one scale per output column (the LM head, `--quantization int8`) the same
+// way (`int8_mm_vnni`): codes in the order [N / 16, K / 4, 16, 4] (one 64-byte vector is 16
+// columns x 4 k, a `vpdpbusd` operand), the same 8-bit rows of x, and per block the exact
+// integer sum sum(q c) turned into float32: out[m][n] = s_n sum_b d_b sum(q c). `vpdpbusd`
+// multiplies unsigned by signed bytes: the codes enter as c + 128 (a flipped sign bit) and
+// 128 sum q comes off the integer sum; AVX2 moves c's sign onto q instead (`vpsignb`, as
+// llama.cpp's Q8 kernels do). Both sums are exact, and the float steps are the same: both
+// builds give the same bits, and a row's output depends on that row alone.
+//
+//   w8           [N / 16, K / 4, 16, 4] int8, scale [N] bfloat16, out [M, N] float32 or bf16
 #include <algorithm>
 #include <memory>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -90,6 +102,46 @@ __attribute__((target("avx512vnni"))) inline void vnni_rows(
   }
   for (int r = 0; r < R; ++r)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N), round_bf16(acc[r]));
+}
+
+// R rows of x against one block of 16 int8 columns (`w8`: its K / 4 vectors of 64 bytes)
+template <int R, typename O>
+__attribute__((target("avx512vnni"))) inline void vnni8_rows(
+    const int8_t* q, const float* d, const float* sum, int64_t K, const int8_t* w8,
+    const bf16* scale, int64_t N, O* out) {
+  const int64_t nb = K / kBlock;
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));     // c + 128, unsigned
+  // one row: two integer chains per block (the sum is exact in any order) for the latency
+  constexpr int C = R < 4 ? 2 : 1;
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i dot[C][R];
+    for (int c = 0; c < C; ++c)
+      for (int r = 0; r < R; ++r) dot[c][r] = _mm512_setzero_si512();
+    const __m512i* wb = reinterpret_cast<const __m512i*>(w8 + b * 512);
+    for (int p = 0; p < 8; ++p) {
+      const __m512i u = _mm512_xor_si512(_mm512_loadu_si512(wb + p), flip);
+      for (int r = 0; r < R; ++r) {
+        const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * K + b * kBlock);
+        dot[p % C][r] = _mm512_dpbusd_epi32(dot[p % C][r], u, _mm512_set1_epi32(qr[p]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      __m512i total = dot[0][r];
+      if constexpr (C == 2) total = _mm512_add_epi32(total, dot[1][r]);
+      total = _mm512_sub_epi32(total, _mm512_set1_epi32(128 * static_cast<int32_t>(sum[r * nb + b])));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_set1_ps(d[r * nb + b]), acc[r]);
+    }
+  }
+  const __m512 s = load16(scale);
+  for (int r = 0; r < R; ++r) {
+    const __m512 y = _mm512_mul_ps(acc[r], s);
+    if constexpr (std::is_same_v<O, float>)
+      _mm512_storeu_ps(out + r * N, y);
+    else
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * N), round_bf16(y));
+  }
 }
 
 constexpr int kTile = 8;           // rows a microkernel holds (16 of 32 zmm registers)
@@ -182,22 +234,62 @@ inline void vnni_rows(const int8_t* q, const float* d, const float* sum, int64_t
   }
 }
 
+// int8: c's sign moved onto q (`vpsignb`), |c| the unsigned operand; a pair of products is at
+// most 2 * 128 * 127 < 32767, so `vpmaddubsw` never saturates and the sums are vpdpbusd's
+template <int R, typename O>
+inline void vnni8_rows(const int8_t* q, const float* d, const float* sum, int64_t K,
+                       const int8_t* w8, const bf16* scale, int64_t N, O* out) {
+  (void)sum;                       // (the unsigned operand is |c|: nothing to take off)
+  const int64_t nb = K / kBlock;
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      __m256i dot[R];
+      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+      const int8_t* wb = w8 + b * 512 + 32 * half;
+      for (int p = 0; p < 8; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p));
+        const __m256i a = _mm256_abs_epi8(v);
+        for (int r = 0; r < R; ++r) {
+          const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * K + b * kBlock);
+          const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(qr[p]), v);
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sq), ones));
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]), _mm256_set1_ps(d[r * nb + b]), acc[r]);
+    }
+    const __m256 s = load8(scale + 8 * half);
+    for (int r = 0; r < R; ++r) {
+      const __m256 y = _mm256_mul_ps(acc[r], s);
+      if constexpr (std::is_same_v<O, float>)
+        _mm256_storeu_ps(out + r * N + 8 * half, y);
+      else
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * N + 8 * half), round8_bf16(y));
+    }
+  }
+}
+
 }  // namespace
 
 bool vnni_ready() { return true; }    // the avx2 build runs only where AVX2 and FMA are
 #endif
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t K,
-                  int64_t group, bf16* out) {
-  constexpr int R = kTile;
+namespace {
+
+// x's rows quantized once, then every (row tile, block of 16 columns) pair handed to
+// tile<T>(q, d, sum, m, cb): T rows from row m against column block cb
+template <typename Tile>
+void vnni_product(const bf16* x, int64_t M, int64_t N, int64_t K, Tile&& tile) {
   constexpr int64_t kRowChunk = 64;      // rows whose codes stay in L1/L2 while columns pass
   const int64_t nb = K / kBlock;
   // every element is written before it is read: no zero-filling
   const std::unique_ptr<int8_t[]> q(new int8_t[M * K]);
   const std::unique_ptr<float[]> d(new float[M * nb]), sum(new float[M * nb]);
   const int64_t chunks = (M + kRowChunk - 1) / kRowChunk, cblocks = N / 16;
-  const int64_t cstride = (K / group) * (64 + 8 * group);      // bytes per 16 columns
 #pragma omp parallel
   {
 #pragma omp for schedule(static)
@@ -207,17 +299,43 @@ void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t
     for (int64_t c = 0; c < chunks; ++c)
       for (int64_t cb = 0; cb < cblocks; ++cb) {
         const int64_t m0 = c * kRowChunk;
-        in_row_tiles<R>(std::min(M, m0 + kRowChunk) - m0, [&]<int T>(int64_t i) {
+        in_row_tiles<kTile>(std::min(M, m0 + kRowChunk) - m0, [&]<int T>(int64_t i) {
           const int64_t m = m0 + i;
-          vnni_rows<T>(q.get() + m * K, d.get() + m * nb, sum.get() + m * nb, K,
-                       w + cb * cstride, N, group, out + m * N + cb * 16);
+          tile.template operator()<T>(q.get() + m * K, d.get() + m * nb, sum.get() + m * nb, m,
+                                      cb);
         });
       }
   }
 }
+
+}  // namespace
+
+void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t K,
+                  int64_t group, bf16* out) {
+  const int64_t cstride = (K / group) * (64 + 8 * group);      // bytes per 16 columns
+  vnni_product(x, M, N, K, [&]<int T>(const int8_t* q, const float* d, const float* sum,
+                                      int64_t m, int64_t cb) {
+    vnni_rows<T>(q, d, sum, K, w + cb * cstride, N, group, out + m * N + cb * 16);
+  });
+}
+
+template <typename O>
+void int8_mm_vnni(const bf16* x, int64_t M, const int8_t* w8, const bf16* scale, int64_t N,
+                  int64_t K, O* out) {
+  vnni_product(x, M, N, K, [&]<int T>(const int8_t* q, const float* d, const float* sum,
+                                      int64_t m, int64_t cb) {
+    vnni8_rows<T>(q, d, sum, K, w8 + cb * 16 * K, scale + cb * 16, N, out + m * N + cb * 16);
+  });
+}
 #else
 bool vnni_ready() { return false; }
 void int4_mm_vnni(const bf16*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, bf16*) {}
+template <typename O>
+void int8_mm_vnni(const bf16*, int64_t, const int8_t*, const bf16*, int64_t, int64_t, O*) {}
 #endif
+template void int8_mm_vnni<float>(const bf16*, int64_t, const int8_t*, const bf16*, int64_t,
+                                  int64_t, float*);
+template void int8_mm_vnni<bf16>(const bf16*, int64_t, const int8_t*, const bf16*, int64_t,
+                                 int64_t, bf16*);
 
 }  // namespace pacer

@@ -80,6 +80,11 @@ void int8_mm_dpbf16(const bf16* x, int64_t M, const int8_t* codes, const bf16* s
 bool vnni_ready();
 void int4_mm_vnni(const bf16* x, int64_t M, const uint8_t* w, int64_t N, int64_t K,
                   int64_t group, bf16* out);
+// int8 codes [N / 16, K / 4, 16, 4] (int4_vnni.cpp's order) with one scale per column, times x
+// quantized the same way; out [M, N] float32 (the logits) or bfloat16
+template <typename O>
+void int8_mm_vnni(const bf16* x, int64_t M, const int8_t* w8, const bf16* scale, int64_t N,
+                  int64_t K, O* out);
 // out[s] = the first index of row s's largest value, a NaN counting as the largest
 // (torch.argmax's answer); x [S, V] float32
 void argmax_rows(const float* x, int64_t S, int64_t V, int64_t* out);

@@ -199,7 +199,8 @@ class LlamaForCausalLM(nn.Module):
                     layer.mlp.down_proj) for layer in self.layers]
         weights = [m.qweight for four in linears for m in four]
         if any(m.tp.size != 1 for four in linears for m in four) or not all(
-                getattr(w, "vnni", None) is not None and w.padded_out == w.out_features
+                getattr(w, "scheme", None) == "int4" and w.vnni is not None
+                and w.padded_out == w.out_features
                 and w.group == weights[0].group for w in weights):
             return None
         cfg, attn = self.cfg, self.layers[0].self_attn

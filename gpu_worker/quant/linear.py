@@ -293,6 +293,20 @@ class Int4Weight(_Packed):
         return y if y.shape[1] == self.out_features else y[:, :self.out_features].contiguous()
 
 
+def int8_vnni_layout(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (N a multiple of 16, K of 4) in the order of csrc/int4_vnni.cpp's
+    int8 product: [N / 16, K / 4, 16, 4], one 64-byte vector per 16 columns and 4 k."""
+    n, k = codes.shape
+    return codes.view(n // 16, 16, k // 4, 4).transpose(1, 2).contiguous()
+
+
+def _int8_vnni() -> bool:
+    """Whether int8 weights take the VNNI order here and `int8_mm_vnni` serves every row
+    count: where int4 weights take `int4_mm_vnni`, but not on AMX CPUs, whose tile kernels
+    read the codes as they are (measured there: docs/benchmarks.md#quantized-weights)."""
+    return _vnni_kernels() is not None and _amx_kernels() is None
+
+
 class Int8Weight(_Packed):
     scheme = "int8"
     many_rows = 16          # measured: docs/benchmarks.md#quantized-weights
@@ -302,23 +316,40 @@ class Int8Weight(_Packed):
     dpbf16_max_rows = 48    # its transposed sums lose to widening from 64 rows (13 vs 12 ms)
     CHUNK = 4096
 
-    def __init__(self, q: QTensor):
+    def __init__(self, q: QTensor, vnni: bool | None = None):
+        """`vnni`: keep the codes in the VNNI order (`int8_vnni_layout`) instead of [N, K]
+        and multiply every row count with `int8_mm_vnni` (x quantized to 8 bits per block of
+        32, as for int4); None: where `_int8_vnni` says and the shape allows."""
         assert q.scheme == "int8" and q.group == q.shape[1], "int8 packs per output channel"
         self.out_features, self.in_features = q.shape
-        self.codes = q.codes.contiguous()
         self.scale_f32 = q.scale.reshape(-1).contiguous()
         self.scale = self.scale_f32.to(ACT_DTYPE)
         self.tile_shape = self.out_features % 16 == 0 and self.in_features % 32 == 0
+        if vnni is None:
+            vnni = self.tile_shape and _int8_vnni()
+        self.vnni = int8_vnni_layout(q.codes) if vnni else None
+        self.codes = None if vnni else q.codes.contiguous()
+
+    @classmethod
+    def wide_from(cls) -> int | None:
+        """None where the codes take the VNNI order (nothing widened at any row count)."""
+        return None if _int8_vnni() else super().wide_from()
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale_f32.nbytes + self.scale.nbytes
+        codes = self.vnni if self.vnni is not None else self.codes
+        return codes.nbytes + self.scale_f32.nbytes + self.scale.nbytes
 
     def mm(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """x Wᵀ in bfloat16, or in float32 where `out_dtype` asks it and the kernel can write
-        it (with AVX512-BF16: the LM head's logits, unrounded, with no copy after)."""
+        it (with AVX512-BF16 or the VNNI order: the LM head's logits, unrounded, no copy)."""
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
+        if self.vnni is not None:
+            y = x.new_empty((rows, self.out_features),
+                            dtype=torch.float32 if out_dtype == torch.float32 else ACT_DTYPE)
+            _vnni_kernels().int8_mm_vnni(x.contiguous(), self.vnni, self.scale, y)
+            return y
         tiles, suffix = self._in_cache(rows) if self.tile_shape else (None, None)
         if tiles is not None:
             wide = out_dtype == torch.float32 and suffix == "dpbf16"
@@ -340,7 +371,9 @@ class Int8Weight(_Packed):
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` widened to float32: codes · scale, the values `mm` multiplies by."""
-        return self.codes[ids].to(torch.float32) * self.scale_f32[ids].unsqueeze(-1)
+        codes = self.codes[ids] if self.vnni is None else \
+            self.vnni[ids // 16, :, ids % 16].reshape(*ids.shape, self.in_features)
+        return codes.to(torch.float32) * self.scale_f32[ids].unsqueeze(-1)
 
 
 def wide_from_rows(scheme: str) -> int | None:
