@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 
@@ -50,6 +51,14 @@ from shared.sampling import SamplingParams, token_id_set
 log = structlog.get_logger("worker")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# CPU, quantized weights: an iteration of at most this many rows runs on one torch thread
+# fewer than the worker has, leaving a core to the scheduler, the gateway and Redis, which
+# otherwise stall both of the forward's threads at every barrier whenever they run (2 cores,
+# served single streams: 155 against 138 tok/s at 2 streams, 104 against 78 at one; from 4
+# streams on the second thread wins: docs/benchmarks.md#one-thread-for-few-rows).
+# PACER_FEW_ROWS=0 turns it off.
+FEW_ROWS = int(os.environ.get("PACER_FEW_ROWS", "2"))
 
 
 @dataclass(frozen=True)
@@ -173,6 +182,10 @@ class ModelRunner:
         self._last_step: int | None = None      # the last plan run here
         self.requests: dict[str, _RequestState] = {}
         self._written = bytearray(rc.num_kv_blocks)     # 1: this process wrote K/V there
+        # torch threads for many rows and for few (FEW_ROWS), set on the forward thread
+        self._threads = torch.get_num_threads()
+        self._few_rows_threads = max(1, self._threads - 1) \
+            if rc.device == "cpu" and self.quantization != "none" else self._threads
         if rc.device.startswith("cuda") and rc.profile_tokens:
             self.profile_memory(rc.profile_tokens)
 
@@ -227,22 +240,14 @@ class ModelRunner:
         if not scheduled:
             return self._with_sends(StepResult(plan.step, {}), sender)
         input_ids, chunks, order = self._inputs(scheduled)
-        size = self.graphs.size_for(chunks) if self.graphs is not None else None
-        if size is not None:
-            logits = self.graphs.run(input_ids, chunks, size)
-            if not all(c.samples for c in chunks):
-                logits = logits[[i for i, c in enumerate(chunks) if c.samples]]
-        else:
-            meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device,
-                                            self.act_dtype)
-            streaming = sender is not None and self.rc.kv_layer_streaming
-            logits = self.model(input_ids, self.kv_caches, meta, self.backend,
-                                after_layer=sender.after_layer if streaming else None)
         sampling_ids = [rid for rid, c in zip(order, chunks) if c.samples]
         states = [self.requests[r] for r in sampling_ids]
-        with scope("sampling"):
-            tokens = self.sampler.sample(logits, [s.sampling for s in states],
-                                         [len(s.token_ids) - s.num_prompt_tokens for s in states])
+        with self._threads_for(len(input_ids)):
+            logits = self._logits(input_ids, chunks, sender)
+            with scope("sampling"):
+                tokens = self.sampler.sample(
+                    logits, [s.sampling for s in states],
+                    [len(s.token_ids) - s.num_prompt_tokens for s in states])
         size, written = self.rc.block_size, self._written
         for rid, n in scheduled.items():
             s = self.requests[rid]
@@ -261,6 +266,34 @@ class ModelRunner:
                                            forward_ms=(time.perf_counter() - started) * 1e3,
                                            wide_from_rows=self.wide_from_rows),
                                 sender)
+
+    def _logits(self, input_ids: torch.Tensor, chunks: list[Chunk],
+                sender: LayerSender | None) -> torch.Tensor:
+        """The forward: the sampling rows' logits."""
+        size = self.graphs.size_for(chunks) if self.graphs is not None else None
+        if size is not None:
+            logits = self.graphs.run(input_ids, chunks, size)
+            if not all(c.samples for c in chunks):
+                logits = logits[[i for i, c in enumerate(chunks) if c.samples]]
+            return logits
+        meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device,
+                                        self.act_dtype)
+        streaming = sender is not None and self.rc.kv_layer_streaming
+        return self.model(input_ids, self.kv_caches, meta, self.backend,
+                          after_layer=sender.after_layer if streaming else None)
+
+    @contextlib.contextmanager
+    def _threads_for(self, rows: int):
+        """One torch thread fewer for an iteration of at most FEW_ROWS rows; the count
+        the worker was given again after it."""
+        if rows > FEW_ROWS or self._few_rows_threads == self._threads:
+            yield
+            return
+        torch.set_num_threads(self._few_rows_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(self._threads)
 
     def _skip(self, plan: IterationPlan) -> StepResult:
         """A plan made ahead of one this process never ran (it was lost, or went to a worker

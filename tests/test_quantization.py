@@ -560,3 +560,38 @@ def test_tp3_quantized_gives_tp1_tokens(tmp_path, quantization):
     three, _ = _greedy(gguf, PROMPTS, 12, tp=3, **args)
     for k, (o, s) in enumerate(zip(three, single)):
         assert_same_greedy(o, s, f"tp=3 {quantization} prompt {k} vs tp=1")
+
+
+def test_few_rows_run_on_one_thread_fewer(tmp_path, tiny_hf, monkeypatch):
+    """CPU, quantized: the forward of an iteration of at most FEW_ROWS rows runs on one torch
+    thread fewer than the worker has (a core left to the services beside it), a larger one on
+    all of them, and the count is the worker's again after it; the tokens are those of a
+    runner that never changes its thread count."""
+    import gpu_worker.model_runner as model_runner
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf, Q.Q4_1)
+    before = torch.get_num_threads()
+    seen: list[tuple[int, int]] = []
+    logits = model_runner.ModelRunner._logits
+
+    def watched(self, input_ids, chunks, sender):
+        seen.append((len(input_ids), torch.get_num_threads()))
+        return logits(self, input_ids, chunks, sender)
+
+    def run() -> list[list[int]]:
+        one, _ = _greedy(gguf, PROMPTS[:1], 6)        # a prefill, then one decode at a time
+        three, _ = _greedy(gguf, PROMPTS[:3], 4)      # three decodes at a time
+        assert torch.get_num_threads() == 3
+        return [[t.token_id for t in c] for c in one + three]
+    try:
+        torch.set_num_threads(3)
+        monkeypatch.setattr(model_runner.ModelRunner, "_logits", watched)
+        varied = run()
+        first, few = list(seen), model_runner.FEW_ROWS
+        monkeypatch.setattr(model_runner, "FEW_ROWS", 0)
+        fixed = run()
+    finally:
+        torch.set_num_threads(before)
+    assert few >= 1 and (1, 2) in first and (3, 3) in first
+    assert all(threads == (2 if rows <= few else 3) for rows, threads in first)
+    assert all(threads == 3 for _, threads in seen[len(first):])
+    assert varied == fixed
