@@ -68,7 +68,8 @@ class Supervisor:
         """A new process for a child that exited, in its place in the stop order."""
         fresh = Child(child.name, child.argv, subprocess.Popen(
             child.argv, stdout=child.stdout, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None))
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None),
+            stdout=child.stdout)
         self.children[self.children.index(child)] = fresh
         log.info("restarted", child=child.name, pid=fresh.pid)
         return fresh

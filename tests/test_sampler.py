@@ -316,3 +316,35 @@ def test_cuda_seeded_tokens_equal_the_cpu_ones():
         b = [t.token_id for t in Sampler().sample(x.cuda(), params, [n] * 64)]
         same += sum(i == j for i, j in zip(a, b))
     assert same >= 0.99 * 640, same
+
+
+def test_a_long_kernel_lets_other_python_threads_run():
+    """The compute kernels release the GIL (csrc/bindings.cpp kReleaseGil): while one runs, the
+    worker's event loop thread can send the last step's tokens. With a switch interval far
+    longer than the call, another thread gets the GIL during it only if the kernel lets go."""
+    import sys
+    import threading
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here")
+    x = torch.randn(32, 1 << 20)
+    out = torch.empty(32, dtype=torch.int64)
+    spins, done = [0], threading.Event()
+
+    def spin() -> None:
+        while not done.is_set():
+            spins[0] += 1
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.5)
+    thread = threading.Thread(target=spin)
+    try:
+        thread.start()
+        before = spins[0]
+        cpu_kernels().argmax_rows(x, out)
+        during = spins[0] - before
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(interval)
+    assert during > 0
+    assert torch.equal(out, x.argmax(dim=-1))

@@ -359,57 +359,77 @@ void silu_and_mul(const torch::Tensor& gate_up, torch::Tensor& out) {
 
 void pacer_bind_decoder(pybind11::module_& m);   // decoder.cpp
 
+// Kernels that run long enough to matter let other Python threads run meanwhile (the
+// worker's event loop sends the last step's tokens while this step computes): they touch no
+// Python object. Elementwise ones of a few microseconds keep the GIL rather than hand it over.
+const auto kReleaseGil = pybind11::call_guard<pybind11::gil_scoped_release>();
+
 void pacer_bind(pybind11::module_& m) {
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (CPU, float32 or bfloat16 cache)");
+        "decode attention over a paged KV cache (CPU, float32 or bfloat16 cache)",
+        kReleaseGil);
   m.def("paged_prefill_supported", &pacer::paged_prefill_supported,
         "whether this build has the prefill kernel for a head_dim and GQA group");
   m.def("paged_prefill_attention", &paged_prefill_attention,
-        "varlen causal attention of chunks over a paged KV cache (CPU, AVX-512)");
+        "varlen causal attention of chunks over a paged KV cache (CPU, AVX-512)",
+        kReleaseGil);
   m.def("add_rms_norm", &add_rms_norm, "x += delta; out = RMSNorm(x) in out's dtype (CPU)");
   m.def("dequantize_int4pack", &dequantize_int4pack,
-        "torch's CPU int4 layout widened to bfloat16, transposed: out [K, N]");
+        "torch's CPU int4 layout widened to bfloat16, transposed: out [K, N]",
+        kReleaseGil);
   m.def("amx_ready", &pacer::amx_ready,
         "whether int4pack_mm_amx runs here (an AVX-512 build, a CPU and OS with AMX-BF16)");
   m.def("int4pack_mm_amx",
         int4_binding("int4pack_mm_amx", pacer::int4pack_mm_amx, pacer::amx_ready, kNoAmx),
-        "x (bf16) times torch's CPU int4 layout, widened in cache and multiplied on AMX tiles");
+        "x (bf16) times torch's CPU int4 layout, widened in cache and multiplied on AMX tiles",
+        kReleaseGil);
   m.def("int8_mm_amx", int8_binding("int8_mm_amx", pacer::int8_mm_amx, pacer::amx_ready, kNoAmx),
-        "x (bf16) times int8 per-row codes, on AMX tiles (the LM head at many rows)");
+        "x (bf16) times int8 per-row codes, on AMX tiles (the LM head at many rows)",
+        kReleaseGil);
   m.def("dpbf16_ready", &pacer::dpbf16_ready,
         "whether this build and CPU run int4pack_mm_dpbf16 (AVX-512 build, AVX512-BF16)");
   m.def("int4pack_mm_dpbf16", int4_binding("int4pack_mm_dpbf16", pacer::int4pack_mm_dpbf16,
                                            pacer::dpbf16_ready, kNoDpbf16),
-        "x (bf16) times torch's CPU int4 layout, widened in cache, AVX512-BF16 dot products");
+        "x (bf16) times torch's CPU int4 layout, widened in cache, AVX512-BF16 dot products",
+        kReleaseGil);
   m.def("int8_mm_dpbf16", int8_binding("int8_mm_dpbf16", pacer::int8_mm_dpbf16<bf16>,
                                        pacer::dpbf16_ready, kNoDpbf16,
                                        pacer::int8_mm_dpbf16<float>),
         "x (bf16) times int8 per-row codes, AVX512-BF16 dot products (the LM head); out "
-        "float32 or bf16");
+        "float32 or bf16",
+        kReleaseGil);
   m.def("argmax_rows", &argmax_rows,
-        "each row's first index of its largest value (a NaN the largest): torch.argmax(-1)");
+        "each row's first index of its largest value (a NaN the largest): torch.argmax(-1)",
+        kReleaseGil);
   m.def("vnni_ready", &pacer::vnni_ready,
         "whether this build and CPU run int4_mm_vnni (AVX-512 build with AVX512-VNNI, or avx2)");
   m.def("int4_mm_vnni",
         vnni_binding("int4_mm_vnni", pacer::int4_mm_vnni, pacer::vnni_ready,
                      "neither AVX512-VNNI nor an avx2 build here", 16),
-        "x (bf16, quantized to 8 bits per 32) times int4 weights in the VNNI layout");
+        "x (bf16, quantized to 8 bits per 32) times int4 weights in the VNNI layout",
+        kReleaseGil);
   m.def("int8_mm_vnni", &int8_mm_vnni,
         "x (bf16, quantized to 8 bits per 32) times int8 per-column codes in the VNNI order; "
-        "out float32 or bf16");
+        "out float32 or bf16",
+        kReleaseGil);
   m.def("int4vnni_mm_amx",
         vnni_binding("int4vnni_mm_amx", pacer::int4vnni_mm_amx, pacer::amx_ready, kNoAmx, 64),
-        "x (bf16) times int4 weights in the VNNI layout, widened in cache, on AMX tiles");
+        "x (bf16) times int4 weights in the VNNI layout, widened in cache, on AMX tiles",
+        kReleaseGil);
   m.def("fma_ready", &pacer::fma_ready,
         "whether this build has int4pack_mm_fma and int8_mm_fma (AVX2 + FMA or above)");
   m.def("int4pack_mm_fma",
         int4_binding("int4pack_mm_fma", pacer::int4pack_mm_fma, pacer::fma_ready, kNoFma),
-        "x (bf16) times torch's CPU int4 layout, widened to float32 in cache, FMA");
+        "x (bf16) times torch's CPU int4 layout, widened to float32 in cache, FMA",
+        kReleaseGil);
   m.def("int8_mm_fma", int8_binding("int8_mm_fma", pacer::int8_mm_fma, pacer::fma_ready, kNoFma),
-        "x (bf16) times int8 per-row codes, widened to float32 in cache, FMA");
-  m.def("dequantize_int8", &dequantize_int8, "int8 per-channel codes widened to bfloat16");
+        "x (bf16) times int8 per-row codes, widened to float32 in cache, FMA",
+        kReleaseGil);
+  m.def("dequantize_int8", &dequantize_int8, "int8 per-channel codes widened to bfloat16",
+        kReleaseGil);
   m.def("decode_attention_block", &decode_attention_block,
-        "RoPE + K/V store + decode attention from a bfloat16 fused qkv, one row per request");
+        "RoPE + K/V store + decode attention from a bfloat16 fused qkv, one row per request",
+        kReleaseGil);
   m.def("rotary_", &rotary_, "rotate-half RoPE in place (CPU, float32)");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU's silu(gate) * up, bfloat16 (CPU)");
   pacer_bind_decoder(m);
