@@ -160,7 +160,7 @@ def start_served(engine_args: EngineArgs, model: str, log_path: str,
 
 
 WORKER_FIELDS = ("worker_plan_wait_seconds_total", "worker_busy_seconds_total",
-                 "worker_publish_seconds_total", "worker_iterations_total",
+                 "worker_forward_seconds_total", "worker_publish_seconds_total", "worker_iterations_total",
                  "scheduler_overhead_seconds_total", "scheduler_overhead_iterations_total")
 
 
@@ -207,6 +207,7 @@ def plan_wait_share(snaps: list[dict[str, float]]) -> dict:
             "publish_share": d["worker_publish_seconds_total"] / total,
             "plan_wait_ms_per_iteration": d["worker_plan_wait_seconds_total"] / iters * 1e3,
             "busy_ms_per_iteration": d["worker_busy_seconds_total"] / iters * 1e3,
+            "forward_ms_per_iteration": d["worker_forward_seconds_total"] / iters * 1e3,
             "scheduler_overhead_ms_per_iteration":
                 d["scheduler_overhead_seconds_total"] / sched_iters * 1e3 if sched_iters else None}
 
@@ -242,6 +243,7 @@ def row(mode: str, round_no: int, results, duration: float, extra: dict | None =
         out["plan_wait_share"] = extra["plan_wait_share"]
         out["plan_wait_ms_it"] = extra["plan_wait_ms_per_iteration"]
         out["busy_ms_it"] = extra["busy_ms_per_iteration"]
+        out["forward_ms_it"] = extra["forward_ms_per_iteration"]
         out["sched_ms_it"] = extra["scheduler_overhead_ms_per_iteration"]
     return out
 
@@ -269,7 +271,8 @@ def print_report(rows: list[dict], s: dict) -> None:
     print()
     print_table(rows, ["mode", "round", "ok", "failed", "seconds", "tok_s", "ttft_med_ms",
                        "ttft_p99_ms", "itl_med_ms", "itl_p99_ms", "tpot_med_ms",
-                       "plan_wait_share", "plan_wait_ms_it", "busy_ms_it", "sched_ms_it"])
+                       "plan_wait_share", "plan_wait_ms_it", "busy_ms_it", "forward_ms_it",
+                       "sched_ms_it"])
     for r in rows:
         for message, count in r["errors"]:
             print(f"  {r['mode']} round {r['round']}: failed x{count}: {message}")

@@ -40,6 +40,9 @@ _SCHEDULER_STATS = {
                                        "Seconds worker rank 0 waited for the next plan", True),
     "worker_busy_seconds_total": ("pacer:worker_busy_seconds",
                                   "Seconds worker rank 0 spent running plans", True),
+    "worker_forward_seconds_total": ("pacer:worker_forward_seconds",
+                                     "Of the busy seconds, those rank 0's forward thread ran "
+                                     "plans (the rest: handing them over, the GIL)", True),
     "worker_iterations_total": ("pacer:worker_iterations", "Plans worker rank 0 ran", True),
     # the iteration-cost model fitted online (docs/design.md#the-online-cost-model)
     "cost_fixed_ms": ("pacer:iteration_cost_fixed_ms", "Fitted fixed cost of an iteration, ms", False),

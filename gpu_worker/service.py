@@ -31,7 +31,8 @@ scheduler can refuse a mismatch, and with a KV connector (P/D) the pool's descri
 "kv" (shared/kv_layout.py): where a prefill rank writes this rank's K/V.
 
 Rank 0 measures how long it waits for plans (from sending a result to receiving the next
-plan) against how long it computes, and writes both to the `stats` hash.
+plan) against how long it computes (and, of that, how long its forward thread runs the plan),
+and writes them to the `stats` hash.
 """
 from __future__ import annotations
 
@@ -129,6 +130,10 @@ class PlanLoop:
                                           initializer=bind_device, initargs=(device,))
         self.plan_wait = Stopwatch()
         self.busy = Stopwatch()
+        # the forward thread's share of `busy`; the rest is the hand-over to that thread and
+        # back (the GIL, whenever the event loop holds it: docs/benchmarks.md#one-stream-served-
+        # where-the-gap-to-in-process-goes) and the token batches
+        self.forward = Stopwatch()
         self.publish = Stopwatch()
         self.num_iterations = 0
         self._stats_at = 0.0
@@ -220,9 +225,13 @@ class PlanLoop:
     def _execute(self, plan: IterationPlan, wire: bytes | None) -> StepResult:
         """A TP group's rank 0 forwards the plan's bytes as they came (`wire`; None when
         the plan was changed here)."""
-        if wire is not None and isinstance(self.executor, TPExecutor):
-            return self.executor.execute(plan, wire)
-        return self.executor.execute(plan)
+        self.forward.start()
+        try:
+            if wire is not None and isinstance(self.executor, TPExecutor):
+                return self.executor.execute(plan, wire)
+            return self.executor.execute(plan)
+        finally:
+            self.forward.stop()
 
     def _forget_stale(self, plan: IterationPlan) -> IterationPlan:
         """A step that is not after the last one: a new scheduler, which knows nothing of
@@ -295,6 +304,7 @@ class PlanLoop:
     def stats(self) -> dict[str, float]:
         return {"worker_plan_wait_seconds_total": round(self.plan_wait.total_s, 6),
                 "worker_busy_seconds_total": round(self.busy.total_s, 6),
+                "worker_forward_seconds_total": round(self.forward.total_s, 6),
                 "worker_publish_seconds_total": round(self.publish.total_s, 6),
                 "worker_iterations_total": self.num_iterations}
 
