@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import structlog
@@ -178,6 +179,10 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register(self.kv_pool)
         self.sampler = Sampler(rc.seed)
+        # called on the forward thread as an iteration's layers start (its inputs, metadata
+        # and embedding done): the worker's plan loop holds its own Python work back until
+        # then (gpu_worker/service.py PlanLoop.handed_over)
+        self.on_forward: Callable[[], None] | None = None
         self.eos_token_ids = token_id_set(cfg.eos_token_ids)
         self._last_step: int | None = None      # the last plan run here
         self.requests: dict[str, _RequestState] = {}
@@ -272,6 +277,8 @@ class ModelRunner:
         """The forward: the sampling rows' logits."""
         size = self.graphs.size_for(chunks) if self.graphs is not None else None
         if size is not None:
+            if self.on_forward is not None:
+                self.on_forward()
             logits = self.graphs.run(input_ids, chunks, size)
             if not all(c.samples for c in chunks):
                 logits = logits[[i for i, c in enumerate(chunks) if c.samples]]
@@ -280,7 +287,8 @@ class ModelRunner:
                                         self.act_dtype)
         streaming = sender is not None and self.rc.kv_layer_streaming
         return self.model(input_ids, self.kv_caches, meta, self.backend,
-                          after_layer=sender.after_layer if streaming else None)
+                          after_layer=sender.after_layer if streaming else None,
+                          before_layers=self.on_forward)
 
     @contextlib.contextmanager
     def _threads_for(self, rows: int):

@@ -31,10 +31,10 @@ def _decode_forward(engine: LLMEngine, steps: int):
     model = engine.runner.model
     seen, forward = [], model.forward
 
-    def capture(ids, kv, meta, backend, after_layer=None):
+    def capture(ids, kv, meta, backend, **hooks):
         if backend.decode_group(meta, kv[0][0].dtype) is not None:
             seen.append((ids, kv, meta, backend))
-        return forward(ids, kv, meta, backend, after_layer)
+        return forward(ids, kv, meta, backend, **hooks)
 
     model.forward = capture
     for _ in range(steps):
@@ -74,6 +74,37 @@ def test_greedy_tokens_are_the_same_with_and_without_the_stack(tmp_path):
             runs.append([c.token_ids for c in engine.generate(PROMPTS, sp)])
             assert (engine.runner.model._stack is not None) == native
     assert runs[0] == runs[1]
+
+
+def test_the_runner_says_when_the_layers_start(tmp_path):
+    """`on_forward` (the worker's event loop waits for it before its own Python work, see
+    gpu_worker/service.py PlanLoop.handed_over) is called once a forward, after the embedding
+    and before any layer: on the stack's path and on the layers' own."""
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", write_tiny_llama(tmp_path / "hf", seed=3), Q.Q4_0)
+    with _engine(gguf, "bfloat16", max_num_batched_tokens=32) as engine:
+        model, events = engine.runner.model, []
+        embed, layer, stack = model.embed_tokens.forward, model.layers[0].forward, \
+            model._decoder_stack
+
+        class Recorded:            # the C++ stack's methods cannot be replaced: wrap it
+            def __init__(self, inner):
+                self.inner = inner
+
+            def decode(self, *a):
+                events.append("stack")
+                return self.inner.decode(*a)
+
+        model.embed_tokens.forward = lambda *a: events.append("embed") or embed(*a)
+        model.layers[0].forward = lambda *a: events.append("layers") or layer(*a)
+        model._decoder_stack = lambda kv: (lambda s: s and Recorded(s))(stack(kv))
+        engine.runner.on_forward = lambda: events.append("handed over")
+        engine.generate(PROMPTS[:2], [SamplingParams(max_tokens=4, temperature=0.0)] * 2)
+    forwards = [events[i:i + 3] for i in range(0, len(events), 3)]
+    assert len(events) == 3 * len(forwards)
+    assert ["embed", "handed over", "layers"] in forwards       # prefills
+    assert ["embed", "handed over", "stack"] in forwards        # decodes alone
+    assert all(f in (["embed", "handed over", "layers"], ["embed", "handed over", "stack"])
+               for f in forwards)
 
 
 def test_the_stack_stands_aside_where_it_does_not_apply(tmp_path):

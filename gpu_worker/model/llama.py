@@ -155,14 +155,17 @@ class LlamaForCausalLM(nn.Module):
                     module.weight.data = module.weight.data.new_empty(0)
 
     def forward(self, input_ids: torch.Tensor, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                meta: AttentionMetadata, backend, after_layer=None) -> torch.Tensor:
+                meta: AttentionMetadata, backend, after_layer=None,
+                before_layers=None) -> torch.Tensor:
         """input_ids: [T] -> logits of the sampling rows: [S, V] (float32). `after_layer(l)`,
         when given, is called once layer l has written its K/V to the pool (P/D's layer
-        streaming, gpu_worker/kv_transfer)."""
+        streaming, gpu_worker/kv_transfer); `before_layers()` as the layers start."""
         x = self.embed_tokens(input_ids).to(self.act_dtype)
         stack = self._decoder_stack(kv_caches) if after_layer is None else None
         group = backend.decode_group(meta, kv_caches[0][0].dtype) \
             if stack is not None and hasattr(backend, "decode_group") else None
+        if before_layers is not None:
+            before_layers()
         if group is not None:       # decodes alone: every layer in one C++ call
             delta = stack.decode(x, meta.positions, meta.slot_mapping, group.block_tables,
                                  group.kv_lens)
