@@ -160,8 +160,9 @@ def start_served(engine_args: EngineArgs, model: str, log_path: str,
 
 
 WORKER_FIELDS = ("worker_plan_wait_seconds_total", "worker_busy_seconds_total",
-                 "worker_forward_seconds_total", "worker_publish_seconds_total", "worker_iterations_total",
-                 "scheduler_overhead_seconds_total", "scheduler_overhead_iterations_total")
+                 "worker_forward_seconds_total", "worker_publish_seconds_total",
+                 "worker_iterations_total", "scheduler_overhead_seconds_total",
+                 "scheduler_overhead_iterations_total")
 
 
 async def poll_stats(redis_url: str, stop: asyncio.Event) -> list[dict[str, float]]:

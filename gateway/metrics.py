@@ -41,8 +41,9 @@ _SCHEDULER_STATS = {
     "worker_busy_seconds_total": ("pacer:worker_busy_seconds",
                                   "Seconds worker rank 0 spent running plans", True),
     "worker_forward_seconds_total": ("pacer:worker_forward_seconds",
-                                     "Of the busy seconds, those rank 0's forward thread ran "
-                                     "plans (the rest: handing them over, the GIL)", True),
+                                     "Of the busy seconds, those rank 0's runner timed as "
+                                     "its forward (the rest: handing plans over, the GIL, "
+                                     "P/D's exposed sends)", True),
     "worker_iterations_total": ("pacer:worker_iterations", "Plans worker rank 0 ran", True),
     # the iteration-cost model fitted online (docs/design.md#the-online-cost-model)
     "cost_fixed_ms": ("pacer:iteration_cost_fixed_ms", "Fitted fixed cost of an iteration, ms", False),

@@ -31,8 +31,8 @@ scheduler can refuse a mismatch, and with a KV connector (P/D) the pool's descri
 "kv" (shared/kv_layout.py): where a prefill rank writes this rank's K/V.
 
 Rank 0 measures how long it waits for plans (from sending a result to receiving the next
-plan) against how long it computes (and, of that, how long its forward thread runs the plan),
-and writes them to the `stats` hash.
+plan) against how long it computes (and, of that, what the runner timed as the forward), and
+writes them to the `stats` hash.
 """
 from __future__ import annotations
 
@@ -134,10 +134,11 @@ class PlanLoop:
                                           initializer=bind_device, initargs=(device,))
         self.plan_wait = Stopwatch()
         self.busy = Stopwatch()
-        # the forward thread's share of `busy`; the rest is the hand-over to that thread and
-        # back (the GIL, whenever the event loop holds it: docs/benchmarks.md#one-stream-served-
-        # where-the-gap-to-in-process-goes) and the token batches
-        self.forward = Stopwatch()
+        # of `busy`, what the runner timed as its compute (each result's forward_ms, the cost
+        # model's input); the rest is the hand-over to the forward thread and back (the GIL,
+        # whenever the event loop holds it: docs/benchmarks.md#one-stream-served-where-the-gap-
+        # to-in-process-goes), P/D's exposed sends and the token batches
+        self.forward_s = 0.0
         self.publish = Stopwatch()
         # set by the forward thread as the model starts on a plan's inputs (or as it returns)
         self._handed_over = threading.Event()
@@ -216,6 +217,7 @@ class PlanLoop:
         result = await running
         batches = token_batches(result, self.requests)     # before the next plan runs
         self.busy.stop()
+        self.forward_s += (result.forward_ms or 0.0) / 1e3
         if answering is not None:
             await answering
         self.num_iterations += 1
@@ -237,14 +239,12 @@ class PlanLoop:
     def _execute(self, plan: IterationPlan, wire: bytes | None) -> StepResult:
         """A TP group's rank 0 forwards the plan's bytes as they came (`wire`; None when
         the plan was changed here)."""
-        self.forward.start()
         try:
             if wire is not None and isinstance(self.executor, TPExecutor):
                 return self.executor.execute(plan, wire)
             return self.executor.execute(plan)
         finally:
-            self.forward.stop()
-            self._handed_over.set()
+            self._handed_over.set()         # a plan that ran no forward ends the wait too
 
     def handed_over(self) -> None:
         """The runner's `on_forward`: the forward thread has built the iteration's inputs and
@@ -322,7 +322,7 @@ class PlanLoop:
     def stats(self) -> dict[str, float]:
         return {"worker_plan_wait_seconds_total": round(self.plan_wait.total_s, 6),
                 "worker_busy_seconds_total": round(self.busy.total_s, 6),
-                "worker_forward_seconds_total": round(self.forward.total_s, 6),
+                "worker_forward_seconds_total": round(self.forward_s, 6),
                 "worker_publish_seconds_total": round(self.publish.total_s, 6),
                 "worker_iterations_total": self.num_iterations}
 

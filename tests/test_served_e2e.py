@@ -94,7 +94,7 @@ def test_sixteen_concurrent_streams_complete(served: Served):
     assert after["cost_fixed_ms"] > 0 and 0 <= after["cost_prediction_error"] < 10
     assert served.metrics()["pacer:iteration_cost_fixed_ms"] == pytest.approx(
         after["cost_fixed_ms"], rel=0.5)
-    # rank 0's forward thread ran the plans within its busy time; both reach /metrics
+    # rank 0's runner timed its forwards within its busy time; both reach /metrics
     forward = after["worker_forward_seconds_total"] - before.get("worker_forward_seconds_total", 0)
     busy = after["worker_busy_seconds_total"] - before.get("worker_busy_seconds_total", 0)
     assert 0 < forward <= busy
