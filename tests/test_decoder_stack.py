@@ -45,7 +45,8 @@ def _decode_forward(engine: LLMEngine, steps: int):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])   # the KV cache's dtype follows
-@pytest.mark.parametrize("requests", [1, 2, len(PROMPTS), 44])   # up to 4: one OpenMP region; 44: AMX tiles
+# 1, 2: few rows (each thread one contiguous range of columns); 44: past vnni_amx_rows (AMX tiles)
+@pytest.mark.parametrize("requests", [1, 2, len(PROMPTS), 44])
 def test_the_stack_gives_the_layers_logits_bit_for_bit(tmp_path, dtype, requests):
     gguf = write_tiny_gguf(tmp_path / "m.gguf", write_tiny_llama(tmp_path / "hf"), Q.Q4_1)
     prompts = (PROMPTS * requests)[:requests]
