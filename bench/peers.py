@@ -9,10 +9,14 @@ Engines (each an OpenAI-compatible server on a loopback port, started and stoppe
 
 Workloads (the `pacer bench` client, random ~106-token prompts, 64 output tokens, greedy,
 EOS ignored): 64 prompts at concurrency 32; and 8 prompts one at a time (single stream).
+Every engine is up at once (the idle ones' CPU is logged); the 32-stream run visits each in
+turn, and the single stream runs `--c1-rounds` rounds, each round visiting every engine with
+fresh prompts: the one-stream figure is the median of the rounds, its ratio the median of
+the rounds' ratios, so that a noisy spell of a shared machine falls on every engine alike.
 
     python bench/peers.py --setup                     # once: venv, build, model copy (minutes)
     python bench/peers.py [--engines pacer,vllm,llamacpp] [--vllm-dtypes bfloat16,float32]
-                          [--json docs/peers.json]
+                          [--c1-rounds 5] [--json docs/peers.json]
 
 Everything it installs lives under .cache/peers/ (git-ignored). Prints the CPU's flags with the
 table: figures from different machines are not comparable.
@@ -170,7 +174,12 @@ def server_command(engine: str, dtype: str, port: int) -> tuple[list[str], dict]
              "-c", str(32 * 256), "-t", threads, "-cb", "--alias", "smollm2-135m"], {})
 
 
-def run_workloads(base_url: str) -> dict:
+WORKLOADS = {"c32": (64, 32), "c1": (8, 1)}      # name -> (prompts, concurrency)
+
+
+def run_workload(base_url: str, name: str, seed: int) -> dict:
+    """One workload against one server: fresh random prompts for each `seed`, so that no
+    engine's prompt cache carries over from a round before."""
     from services.bench_client import ApiTarget, SendOptions, compute_metrics, run_requests
     from services.bench_cmd import run_async
     from services.bench_dataset import random_dataset
@@ -178,33 +187,95 @@ def run_workloads(base_url: str) -> dict:
     from shared.tokenizer import load_tokenizer
     tok = load_tokenizer(resolve_model(None))
     target = ApiTarget(base_url, "/v1/completions", "smollm2-135m", None)
-    opts = SendOptions(0.0, True, 600.0)
-    out = {}
-    for name, n, conc in (("c32", 64, 32), ("c1", 8, 1)):
-        reqs = random_dataset(tok, n, 106, 64, 0.0, seed=1)
-        run_async(run_requests(target, reqs[:2], opts, max_concurrency=2))        # warm-up
-        results, duration = run_async(run_requests(target, reqs, opts, max_concurrency=conc))
-        m = compute_metrics(results, duration)
-        out[name] = {"tok_s": m["output_throughput"], "median_ttft_ms": m.get("median_ttft_ms"),
-                     "median_itl_ms": m.get("median_itl_ms"), "failed": m["failed"]}
-        log(f"  {name}: {m['output_throughput']:.1f} tok/s, failed {m['failed']}")
-    return out
+    n, conc = WORKLOADS[name]
+    reqs = random_dataset(tok, n, 106, 64, 0.0, seed=seed)
+    results, duration = run_async(run_requests(target, reqs, SendOptions(0.0, True, 600.0),
+                                               max_concurrency=conc))
+    m = compute_metrics(results, duration)
+    return {"tok_s": m["output_throughput"], "median_ttft_ms": m.get("median_ttft_ms"),
+            "median_itl_ms": m.get("median_itl_ms"), "failed": m["failed"]}
 
 
-def measure(engine: str, dtype: str) -> dict:
-    port = free_port()
-    cmd, extra_env = server_command(engine, dtype, port)
-    log_path = os.path.join(CACHE, f"{engine}-{dtype}.log")
-    with open(log_path, "wb") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, **extra_env}, start_new_session=True)
-    try:
+class Server:
+    """One engine's server, up from `start()` until `stop()`."""
+
+    def __init__(self, engine: str, dtype: str) -> None:
+        self.engine, self.dtype = engine, dtype
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        cmd, extra_env = server_command(self.engine, self.dtype, self.port)
+        log_path = os.path.join(CACHE, f"{self.engine}-{self.dtype}.log")
+        with open(log_path, "wb") as f:
+            self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **extra_env}, start_new_session=True)
         started = time.monotonic()
-        wait_ready(f"http://127.0.0.1:{port}", proc, log_path)
-        log(f"{engine} {dtype}: ready in {time.monotonic() - started:.0f} s")
-        return {"engine": engine, "dtype": dtype, **run_workloads(f"http://127.0.0.1:{port}")}
+        wait_ready(self.url, self.proc, log_path)
+        log(f"{self.engine} {self.dtype}: ready in {time.monotonic() - started:.0f} s")
+        run_workload(self.url, "c1", seed=0)        # warm-up (its prompts are never reused)
+
+    def idle_cpu_share(self, seconds: float = 3.0) -> float:
+        """The CPU its process group takes while nobody sends it anything (cores' worth)."""
+        def ticks() -> int:
+            total = 0
+            for pid in os.listdir("/proc"):
+                try:
+                    if pid.isdigit() and os.getpgid(int(pid)) == self.proc.pid:
+                        with open(f"/proc/{pid}/stat") as f:
+                            fields = f.read().rsplit(")", 1)[1].split()
+                        total += int(fields[11]) + int(fields[12])
+                except (OSError, ProcessLookupError, IndexError):
+                    continue
+            return total
+        before = ticks()
+        time.sleep(seconds)
+        return (ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+
+
+def median(values: list[float]) -> float:
+    import statistics
+    return statistics.median(values)
+
+
+def measure(runs: list[tuple[str, str]], c1_rounds: int) -> list[dict]:
+    """Every engine up at once; 32 streams on each in turn; then `c1_rounds` rounds of one
+    stream, each round visiting every engine (the order turned by one each round), so that a
+    noisy spell of a shared machine falls on all of them alike."""
+    servers: list[Server] = []
+    try:
+        for engine, dtype in runs:
+            server = Server(engine, dtype)
+            try:
+                server.start()
+            except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
+                log(f"{engine} {dtype}: {e}")
+                server.stop()
+                continue
+            servers.append(server)
+        for server in servers:
+            log(f"{server.engine} {server.dtype}: {server.idle_cpu_share():.3f} cores idle")
+        out = {id(s): {"engine": s.engine, "dtype": s.dtype, "c1_rounds": []} for s in servers}
+        for server in servers:
+            r = run_workload(server.url, "c32", seed=1)
+            out[id(server)]["c32"] = r
+            log(f"{server.engine} {server.dtype} c32: {r['tok_s']:.1f} tok/s, failed {r['failed']}")
+        for rnd in range(c1_rounds):
+            turn = rnd % len(servers) if servers else 0
+            for server in servers[turn:] + servers[:turn]:
+                r = run_workload(server.url, "c1", seed=2 + rnd)
+                out[id(server)]["c1_rounds"].append(r)
+                log(f"round {rnd + 1} {server.engine} {server.dtype} c1: {r['tok_s']:.1f} tok/s, "
+                    f"ITL {r['median_itl_ms']:.2f} ms")
+        return [out[id(s)] for s in servers]
     finally:
-        stop(proc)
+        for server in servers:
+            server.stop()
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -227,6 +298,8 @@ def main() -> None:
     ap.add_argument("--setup", action="store_true", help="install and build the peers, then exit")
     ap.add_argument("--engines", default="pacer,vllm,llamacpp")
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
+    ap.add_argument("--c1-rounds", type=int, default=5,
+                    help="rounds of the one-stream workload, alternating the engines")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.makedirs(CACHE, exist_ok=True)
@@ -246,19 +319,39 @@ def main() -> None:
     runs += [("vllm", dt) for dt in args.vllm_dtypes.split(",") if "vllm" in engines]
     runs += [("llamacpp", "q4_1")] if "llamacpp" in engines else []
     rows = []
-    for engine, dtype in runs:
-        try:
-            r = measure(engine, dtype)
-        except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
-            log(f"{engine} {dtype}: {e}")
-            continue
-        rows.append({"engine": engine, "dtype": dtype, "c32_tok_s": r["c32"]["tok_s"],
-                     "c32_ttft_ms": r["c32"]["median_ttft_ms"], "c1_tok_s": r["c1"]["tok_s"],
-                     "c1_itl_ms": r["c1"]["median_itl_ms"]})
+    for r in measure(runs, args.c1_rounds):
+        c1 = r["c1_rounds"]
+        rows.append({"engine": r["engine"], "dtype": r["dtype"], "c32_tok_s": r["c32"]["tok_s"],
+                     "c32_ttft_ms": r["c32"]["median_ttft_ms"],
+                     "c32_failed": r["c32"]["failed"],
+                     "c1_tok_s": median([x["tok_s"] for x in c1]),
+                     "c1_itl_ms": median([x["median_itl_ms"] for x in c1]),
+                     "c1_tok_s_rounds": [round(x["tok_s"], 1) for x in c1],
+                     "c1_itl_ms_rounds": [round(x["median_itl_ms"], 2) for x in c1]})
     print(f"CPU flags: {shown}; cores: {os.cpu_count()}")
     if rows:
         print_table(rows, ["engine", "dtype", "c32_tok_s", "c32_ttft_ms", "c1_tok_s", "c1_itl_ms"])
-    write_json(args.json, {"cpu_flags": shown, "rows": rows})
+        print_ratios(rows)
+    write_json(args.json, {"cpu_flags": shown, "c1_rounds": args.c1_rounds, "rows": rows})
+
+
+def print_ratios(rows: list[dict]) -> None:
+    """pacer's figures over each other engine's: 32 streams, and one stream as the median of
+    the rounds' ratios (each round's engines ran minutes apart at most): output tokens/s (the
+    prompt's prefill included) and decode speed (the inverse of the median inter-token
+    latency)."""
+    pacer = next((r for r in rows if r["engine"] == "pacer"), None)
+    if pacer is None:
+        return
+    for other in rows:
+        if other is pacer:
+            continue
+        output = [a / b for a, b in zip(pacer["c1_tok_s_rounds"], other["c1_tok_s_rounds"])]
+        decode = [b / a for a, b in zip(pacer["c1_itl_ms_rounds"], other["c1_itl_ms_rounds"])]
+        print(f"pacer / {other['engine']} {other['dtype']}: 32 streams "
+              f"{pacer['c32_tok_s'] / other['c32_tok_s']:.2f}x; one stream output "
+              f"{median(output):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in output)}), "
+              f"decode {median(decode):.2f}x (rounds: {', '.join(f'{x:.2f}' for x in decode)})")
 
 
 if __name__ == "__main__":
