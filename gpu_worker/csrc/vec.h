@@ -58,6 +58,7 @@ template <> inline bf16 from_float<bf16>(float x) { return to_bf16(x); }
 #if defined(__AVX2__)
 #include <immintrin.h>
 
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 static inline __m256 load8(const pacer::bf16* p) {      // 8 bfloat16 -> float32
   return _mm256_castsi256_ps(_mm256_slli_epi32(
       _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
