@@ -122,8 +122,9 @@ def main() -> None:
     flags = " ".join(f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
                      if f in cpu_flags())
     print(f"CPU flags: {flags}; cores: {os.cpu_count()}")
+    first_seed = args.seed
     for rnd in range(args.rounds):
-        args.seed += rnd
+        args.seed = first_seed + rnd          # fresh prompts each round
         rows, run = measure(args)
         print(f"round {rnd + 1}: {run['iterations']} iterations, {run['tok_s']:.1f} tok/s, "
               f"median ITL {run['median_itl_ms']:.2f} ms, failed {run['failed']}; "
