@@ -1,4 +1,5 @@
-"""Helpers the benchmarks share: seeded workloads, bandwidth measurement, table printing."""
+"""Helpers the benchmarks share: seeded workloads, bandwidth measurement, table printing,
+CPU time from /proc."""
 from __future__ import annotations
 
 import json
@@ -67,3 +68,32 @@ def write_json(path: str | None, data: dict) -> None:
     if path:
         with open(path, "w") as f:
             json.dump(data, f, indent=2)
+
+
+def run_random_workload(base_url: str, model: str, num_prompts: int, concurrency: int,
+                        seed: int, input_len: int = 106, output_len: int = 64,
+                        model_source: str | None = None) -> dict:
+    """`pacer bench`'s random workload (greedy, EOS ignored) against an OpenAI-compatible
+    server serving `model`; its metrics. `model_source`: the tokenizer's (default model)."""
+    from services.bench_client import ApiTarget, SendOptions, compute_metrics, run_requests
+    from services.bench_cmd import run_async
+    from services.bench_dataset import random_dataset
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+    tok = load_tokenizer(resolve_model(model_source))
+    reqs = random_dataset(tok, num_prompts, input_len, output_len, 0.0, seed=seed)
+    target = ApiTarget(base_url, "/v1/completions", model, None)
+    results, duration = run_async(run_requests(target, reqs, SendOptions(0.0, True, 600.0),
+                                               max_concurrency=concurrency))
+    return compute_metrics(results, duration)
+
+
+def cpu_ticks(stat_path: str) -> int:
+    """User plus system clock ticks of the process or thread whose /proc stat file this is;
+    0 once it is gone."""
+    try:
+        with open(stat_path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+    except (OSError, IndexError):
+        return 0

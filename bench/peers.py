@@ -39,11 +39,12 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from statistics import median
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import cpu_ticks, print_table, run_random_workload, write_json  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
 
 CACHE = os.path.join(ROOT, ".cache", "peers")
@@ -204,18 +205,7 @@ WORKLOADS = {"c32": (64, 32), "c1": (8, 1)}      # name -> (prompts, concurrency
 def run_workload(base_url: str, name: str, seed: int) -> dict:
     """One workload against one server: fresh random prompts for each `seed`, so that no
     engine's prompt cache carries over from a round before."""
-    from services.bench_client import ApiTarget, SendOptions, compute_metrics, run_requests
-    from services.bench_cmd import run_async
-    from services.bench_dataset import random_dataset
-    from shared.model_source import resolve_model
-    from shared.tokenizer import load_tokenizer
-    tok = load_tokenizer(resolve_model(None))
-    target = ApiTarget(base_url, "/v1/completions", "smollm2-135m", None)
-    n, conc = WORKLOADS[name]
-    reqs = random_dataset(tok, n, 106, 64, 0.0, seed=seed)
-    results, duration = run_async(run_requests(target, reqs, SendOptions(0.0, True, 600.0),
-                                               max_concurrency=conc))
-    m = compute_metrics(results, duration)
+    m = run_random_workload(base_url, "smollm2-135m", *WORKLOADS[name], seed=seed)
     return {"tok_s": m["output_throughput"], "median_ttft_ms": m.get("median_ttft_ms"),
             "median_itl_ms": m.get("median_itl_ms"), "failed": m["failed"]}
 
@@ -228,6 +218,8 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
+        self.c32: dict = {}                 # the workloads' results
+        self.c1_rounds: list[dict] = []
 
     def start(self) -> None:
         cmd, extra_env = server_command(self.engine, self.dtype, self.port, self.isa)
@@ -244,13 +236,11 @@ class Server:
         """The CPU its process group takes while nobody sends it anything (cores' worth)."""
         def ticks() -> int:
             total = 0
-            for pid in os.listdir("/proc"):
+            for pid in filter(str.isdigit, os.listdir("/proc")):
                 try:
-                    if pid.isdigit() and os.getpgid(int(pid)) == self.proc.pid:
-                        with open(f"/proc/{pid}/stat") as f:
-                            fields = f.read().rsplit(")", 1)[1].split()
-                        total += int(fields[11]) + int(fields[12])
-                except (OSError, ProcessLookupError, IndexError):
+                    if os.getpgid(int(pid)) == self.proc.pid:
+                        total += cpu_ticks(f"/proc/{pid}/stat")
+                except ProcessLookupError:
                     continue
             return total
         before = ticks()
@@ -262,12 +252,7 @@ class Server:
             stop(self.proc)
 
 
-def median(values: list[float]) -> float:
-    import statistics
-    return statistics.median(values)
-
-
-def measure(runs: list[tuple[str, str]], c1_rounds: int, isa: str = "native") -> list[dict]:
+def measure(runs: list[tuple[str, str]], c1_rounds: int, isa: str = "native") -> list[Server]:
     """Every engine up at once; 32 streams on each in turn; then `c1_rounds` rounds of one
     stream, each round visiting every engine (the order turned by one each round), so that a
     noisy spell of a shared machine falls on all of them alike."""
@@ -284,19 +269,17 @@ def measure(runs: list[tuple[str, str]], c1_rounds: int, isa: str = "native") ->
             servers.append(server)
         for server in servers:
             log(f"{server.engine} {server.dtype}: {server.idle_cpu_share():.3f} cores idle")
-        out = {id(s): {"engine": s.engine, "dtype": s.dtype, "c1_rounds": []} for s in servers}
         for server in servers:
-            r = run_workload(server.url, "c32", seed=1)
-            out[id(server)]["c32"] = r
+            r = server.c32 = run_workload(server.url, "c32", seed=1)
             log(f"{server.engine} {server.dtype} c32: {r['tok_s']:.1f} tok/s, failed {r['failed']}")
         for rnd in range(c1_rounds):
             turn = rnd % len(servers) if servers else 0
             for server in servers[turn:] + servers[:turn]:
                 r = run_workload(server.url, "c1", seed=2 + rnd)
-                out[id(server)]["c1_rounds"].append(r)
+                server.c1_rounds.append(r)
                 log(f"round {rnd + 1} {server.engine} {server.dtype} c1: {r['tok_s']:.1f} tok/s, "
                     f"ITL {r['median_itl_ms']:.2f} ms")
-        return [out[id(s)] for s in servers]
+        return servers
     finally:
         for server in servers:
             server.stop()
@@ -354,11 +337,12 @@ def main() -> None:
     rows = []
     if "llamacpp" in engines and not os.path.exists(llama_server(args.isa)):
         raise SystemExit(f"no llama-server for --isa {args.isa}: run with --setup first")
-    for r in measure(runs, args.c1_rounds, args.isa):
-        c1 = r["c1_rounds"]
-        rows.append({"engine": r["engine"], "dtype": r["dtype"], "c32_tok_s": r["c32"]["tok_s"],
-                     "c32_ttft_ms": r["c32"]["median_ttft_ms"],
-                     "c32_failed": r["c32"]["failed"],
+    for server in measure(runs, args.c1_rounds, args.isa):
+        c1 = server.c1_rounds
+        rows.append({"engine": server.engine, "dtype": server.dtype,
+                     "c32_tok_s": server.c32["tok_s"],
+                     "c32_ttft_ms": server.c32["median_ttft_ms"],
+                     "c32_failed": server.c32["failed"],
                      "c1_tok_s": median([x["tok_s"] for x in c1]),
                      "c1_itl_ms": median([x["median_itl_ms"] for x in c1]),
                      "c1_tok_s_rounds": [round(x["tok_s"], 1) for x in c1],

@@ -7,7 +7,7 @@ drives it. Read from /proc before and after the run (Linux), so it costs the ser
 
 The processes are found by the `--redis-url` on their command line (`pacer up` passes it to
 each service) and the redis-server by its port; the iterations are rank 0's
-`worker_iterations_total` in the stats hash. On a machine with few cores, what the services
+`worker_iterations_total`, read from its heartbeat. On a machine with few cores, what the services
 take is what the forward cannot have (docs/benchmarks.md#redis-replies-parsed-in-c).
 """
 from __future__ import annotations
@@ -15,13 +15,15 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from urllib.parse import urlparse
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import print_table  # noqa: E402
+from bench.common import cpu_ticks, print_table, run_random_workload  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
+from shared.keys import HEARTBEAT_INTERVAL_S  # noqa: E402
 
 
 def find_processes(redis_url: str) -> dict[int, str]:
@@ -47,24 +49,24 @@ def find_processes(redis_url: str) -> dict[int, str]:
 
 def thread_ticks(pid: int) -> dict[int, int]:
     """tid -> user + system clock ticks so far."""
-    out = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out[int(tid)] = int(fields[11]) + int(fields[12])
-        except (OSError, IndexError):
-            continue
-    return out
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return {}
+    return {int(tid): cpu_ticks(f"/proc/{pid}/task/{tid}/stat") for tid in tids}
 
 
 def worker_iterations(redis_url: str, prefix: str) -> int:
+    """Rank 0's iterations so far, from its heartbeat: refreshed every HEARTBEAT_INTERVAL_S
+    whatever the traffic (the stats hash is written only beside a result, so it can miss the
+    last iterations of a run)."""
     import redis
     from shared.keys import Keys
-    value = redis.Redis.from_url(redis_url).hget(Keys(prefix).stats, "worker_iterations_total")
+    from shared.protocol import decode
+    value = redis.Redis.from_url(redis_url).get(Keys(prefix).hb_worker(0))
     if value is None:
-        raise SystemExit("no worker_iterations_total in the stats hash: is rank 0 serving there?")
-    return int(float(value))
+        raise SystemExit("no worker heartbeat at this Redis and prefix: is rank 0 serving there?")
+    return int(decode(value).extra["worker_iterations_total"])
 
 
 def served_model(base_url: str) -> str:
@@ -75,33 +77,23 @@ def served_model(base_url: str) -> str:
 
 
 def measure(args) -> tuple[list[dict], dict]:
-    from services.bench_client import ApiTarget, SendOptions, compute_metrics, run_requests
-    from services.bench_cmd import run_async
-    from services.bench_dataset import random_dataset
-    from shared.model_source import resolve_model
-    from shared.tokenizer import load_tokenizer
     procs = find_processes(args.redis_url)
     if not procs:
         raise SystemExit(f"no pacer services found with --redis-url {args.redis_url}")
-    tok = load_tokenizer(resolve_model(args.model))
-    target = ApiTarget(args.base_url, "/v1/completions", served_model(args.base_url), None)
-    reqs = random_dataset(tok, args.num_prompts, args.input_len, args.output_len, 0.0,
-                          seed=args.seed)
+    model = served_model(args.base_url)
     before = {pid: thread_ticks(pid) for pid in procs}
     iterations = worker_iterations(args.redis_url, args.key_prefix)
-    results, duration = run_async(run_requests(target, reqs, SendOptions(0.0, True, 600.0),
-                                               max_concurrency=args.max_concurrency))
+    m = run_random_workload(args.base_url, model, args.num_prompts, args.max_concurrency,
+                            args.seed, args.input_len, args.output_len, args.model)
+    time.sleep(HEARTBEAT_INTERVAL_S * 2)      # a heartbeat written after the run's end
     iterations = worker_iterations(args.redis_url, args.key_prefix) - iterations
-    hz = os.sysconf("SC_CLK_TCK")
+    per_it = 1e3 / os.sysconf("SC_CLK_TCK") / max(iterations, 1)
     rows = []
     for pid, name in sorted(procs.items(), key=lambda kv: kv[1]):
-        after = thread_ticks(pid)
-        spent = {tid: t - before[pid].get(tid, 0) for tid, t in after.items()}
+        spent = {tid: t - before[pid].get(tid, 0) for tid, t in thread_ticks(pid).items()}
         main, others = spent.pop(pid, 0), sum(spent.values())
-        per_it = 1e3 / hz / max(iterations, 1)
         rows.append({"process": name, "pid": pid, "event_loop_ms": main * per_it,
                      "other_threads_ms": others * per_it, "total_ms": (main + others) * per_it})
-    m = compute_metrics(results, duration)
     return rows, {"iterations": iterations, "tok_s": m["output_throughput"],
                   "median_itl_ms": m.get("median_itl_ms"), "failed": m["failed"]}
 

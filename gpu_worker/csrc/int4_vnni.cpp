@@ -296,27 +296,25 @@ void vnni_product(const bf16* x, int64_t M, int64_t N, int64_t K, Tile&& tile) {
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m)
       quantize_row(x + m * K, K, q.get() + m * K, d.get() + m * nb, sum.get() + m * nb);
+    // the rows of chunk c against column block cb
+    auto rows_by_columns = [&](int64_t c, int64_t cb) {
+      const int64_t m0 = c * kRowChunk;
+      in_row_tiles<kTile>(std::min(M, m0 + kRowChunk) - m0, [&]<int T>(int64_t i) {
+        const int64_t m = m0 + i;
+        tile.template operator()<T>(q.get() + m * K, d.get() + m * nb, sum.get() + m * nb, m,
+                                    cb);
+      });
+    };
     if (M <= kFewRows) {
-      // few rows read the weights once: each thread one contiguous range of columns, a
-      // sequential read the hardware prefetcher follows (chunks handed out in turn interleave
-      // the threads' reads: docs/benchmarks.md#one-stream-contiguous-columns)
+      // few rows (one chunk) read the weights once: each thread one contiguous range of
+      // columns, a sequential read the hardware prefetcher follows (chunks handed out in turn
+      // interleave the threads' reads: docs/benchmarks.md#one-stream-contiguous-columns)
 #pragma omp for schedule(static)
-      for (int64_t cb = 0; cb < cblocks; ++cb)
-        in_row_tiles<kTile>(M, [&]<int T>(int64_t m) {
-          tile.template operator()<T>(q.get() + m * K, d.get() + m * nb, sum.get() + m * nb, m,
-                                      cb);
-        });
+      for (int64_t cb = 0; cb < cblocks; ++cb) rows_by_columns(0, cb);
     } else {
 #pragma omp for schedule(dynamic, 4) collapse(2)
       for (int64_t c = 0; c < chunks; ++c)
-        for (int64_t cb = 0; cb < cblocks; ++cb) {
-          const int64_t m0 = c * kRowChunk;
-          in_row_tiles<kTile>(std::min(M, m0 + kRowChunk) - m0, [&]<int T>(int64_t i) {
-            const int64_t m = m0 + i;
-            tile.template operator()<T>(q.get() + m * K, d.get() + m * nb, sum.get() + m * nb,
-                                        m, cb);
-          });
-        }
+        for (int64_t cb = 0; cb < cblocks; ++cb) rows_by_columns(c, cb);
     }
   }
 }

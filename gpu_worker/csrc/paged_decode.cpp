@@ -38,6 +38,17 @@ inline void softmax_rows(float* scores, int64_t group, int64_t L) {
   }
 }
 
+// each of L keys' offset in the pool, from the block table once (no division per key); the
+// calling thread's buffer, valid until its next call
+inline const std::vector<int64_t>& key_offsets(const int64_t* table, int64_t L, int64_t BS,
+                                               int64_t row) {
+  thread_local std::vector<int64_t> offsets;
+  offsets.resize(L);
+  for (int64_t t = 0, b = 0; t < L; ++b)
+    for (int64_t i = 0; i < BS && t < L; ++i, ++t) offsets[t] = (table[b] * BS + i) * row;
+  return offsets;
+}
+
 #if defined(__AVX512F__)
 // softmax of s[0..L) in place
 inline void softmax_avx512(float* s, int64_t L) {
@@ -94,11 +105,7 @@ void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t
                                int64_t L, int64_t BS, int64_t row, int64_t group, float scale,
                                float* scores, float* oh) {
   constexpr int MAXG = 8, D = 16 * NC;
-  // each key's offset in the pool, from the block table once (no division per key)
-  thread_local std::vector<int64_t> offsets;
-  offsets.resize(L);
-  for (int64_t t = 0, b = 0; t < L; ++b)
-    for (int64_t i = 0; i < BS && t < L; ++i, ++t) offsets[t] = (table[b] * BS + i) * row;
+  const std::vector<int64_t>& offsets = key_offsets(table, L, BS, row);
   auto at = [&](const T* base, int64_t t) { return base + offsets[t]; };
   auto prefetch = [&](const T* base, int64_t t0) {
     for (int64_t t = t0; t < std::min(L, t0 + 16); ++t)
@@ -169,10 +176,7 @@ void decode_head_avx2(const float* qh, const T* kp, const T* vp, const int64_t* 
                       int64_t L, int64_t BS, int64_t row, int64_t group, float scale,
                       float* scores, float* oh) {
   constexpr int D = 8 * NC;
-  thread_local std::vector<int64_t> offsets;
-  offsets.resize(L);
-  for (int64_t t = 0, b = 0; t < L; ++b)
-    for (int64_t i = 0; i < BS && t < L; ++i, ++t) offsets[t] = (table[b] * BS + i) * row;
+  const std::vector<int64_t>& offsets = key_offsets(table, L, BS, row);
   alignas(32) float kf[8][D];
   alignas(32) float tail[8];
   const __m256 sv = _mm256_set1_ps(scale);
@@ -276,13 +280,14 @@ void paged_decode(const float* qp, const T* kp, const T* vp, const int64_t* bt,
           continue;
         }
 #elif defined(__AVX2__) && defined(__FMA__)
-        if (D == 64 || D == 128) {
-          if (D == 64)
-            decode_head_avx2<8, T>(qp + first, k, v, table, L, BS, row, group, fscale,
-                                   scores.data(), op + first);
-          else
-            decode_head_avx2<16, T>(qp + first, k, v, table, L, BS, row, group, fscale,
-                                    scores.data(), op + first);
+        if (D == 64) {
+          decode_head_avx2<8, T>(qp + first, k, v, table, L, BS, row, group, fscale,
+                                 scores.data(), op + first);
+          continue;
+        }
+        if (D == 128) {
+          decode_head_avx2<16, T>(qp + first, k, v, table, L, BS, row, group, fscale,
+                                  scores.data(), op + first);
           continue;
         }
 #endif
