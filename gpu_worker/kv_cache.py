@@ -9,16 +9,24 @@ connector (gpu_worker/kv_transfer), and block (l, kv, b) starts at byte
 """
 from __future__ import annotations
 
+import math
+
 import torch
+
+from gpu_worker.host_memory import huge_page_buffer
 
 from shared.model_config import ModelConfig
 
 
 def allocate_kv_pool(cfg: ModelConfig, num_blocks: int, block_size: int, num_kv_heads: int,
                      dtype: torch.dtype, device: str) -> torch.Tensor:
-    """The whole pool, zeroed: [L, 2 (K, V), num_blocks, block_size, KVH, hd]."""
-    return torch.zeros((cfg.num_layers, 2, num_blocks, block_size, num_kv_heads, cfg.head_dim),
-                       dtype=dtype, device=device)
+    """The whole pool, zeroed: [L, 2 (K, V), num_blocks, block_size, KVH, hd]. On CPU in huge
+    pages (gpu_worker/host_memory.py), written once here so that no page faults in mid-step."""
+    shape = (cfg.num_layers, 2, num_blocks, block_size, num_kv_heads, cfg.head_dim)
+    if device != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return huge_page_buffer(nbytes).view(dtype).view(shape).zero_()
 
 
 def layer_views(pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

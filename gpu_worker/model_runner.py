@@ -29,7 +29,7 @@ import torch
 from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
 from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.cuda_graphs import CAPTURABLE_BACKENDS, DecodeGraphs, capture_sizes
-from gpu_worker.host_memory import keep_freed_memory
+from gpu_worker.host_memory import keep_freed_memory, move_to_huge_pages
 from gpu_worker.kv_cache import allocate_kv_pool, layer_views
 from gpu_worker.kv_transfer import LayerSender, make_connector
 from gpu_worker.model.layers import RotaryEmbedding
@@ -149,6 +149,8 @@ class ModelRunner:
         narrow = self.dtype != self.act_dtype or quant is not None
         fused = cpu_kernels() if rc.device == "cpu" and narrow else None
         self.model.set_dtypes(self.dtype, self.act_dtype, fused)
+        if rc.device == "cpu":
+            move_to_huge_pages(self.model)
         choice = choose_attention_here(rc.attention_backend, rc.device, rc.dtype, rc.block_size)
         if choice.block_size != rc.block_size:
             raise PacerError(f"block size {rc.block_size} is not the {choice.backend} backend's "
