@@ -196,7 +196,8 @@ def server_command(engine: str, dtype: str, port: int,
                 {"VLLM_CPU_KVCACHE_SPACE": "2"})
     from shared.model_source import resolve_model
     return ([llama_server(isa), "-m", resolve_model(None).path, "--port", str(port), "-np", "32",
-             "-c", str(32 * 256), "-t", threads, "-cb", "--alias", "smollm2-135m"], {})
+             # 512 tokens a slot: a prompt of up to 200 tokens and its 64 new ones fit
+             "-c", str(32 * 512), "-t", threads, "-cb", "--alias", "smollm2-135m"], {})
 
 
 WORKLOADS = {"c32": (64, 32), "c1": (8, 1)}      # name -> (prompts, concurrency)

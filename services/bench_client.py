@@ -200,7 +200,9 @@ async def run_requests(target: ApiTarget, requests: Sequence[BenchRequest], opts
     results in input order and the run's duration (first send -> last completion)."""
     offsets = send_offsets(len(requests), rate, burstiness, seed)
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    connector = aiohttp.TCPConnector(limit=max_concurrency or 0)
+    # a connection per request: servers that close a kept-alive connection after so many
+    # requests (llama-server) otherwise fail the request that raced the close
+    connector = aiohttp.TCPConnector(limit=max_concurrency or 0, force_close=True)
     ended = [asyncio.Event() for _ in requests]
 
     async with aiohttp.ClientSession(connector=connector) as session:
