@@ -25,6 +25,7 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import types
 
 import structlog
 import torch
@@ -86,8 +87,8 @@ def _tensors_of(model: torch.nn.Module):
         for value in vars(module).values():
             if isinstance(value, torch.Tensor):
                 yield value
-            elif not isinstance(value, (torch.nn.Module, type, dict, list, tuple)) and \
-                    hasattr(value, "__dict__"):
+            elif not isinstance(value, (torch.nn.Module, type, types.ModuleType, dict, list,
+                                        tuple)) and hasattr(value, "__dict__"):
                 yield from (t for t in vars(value).values() if isinstance(t, torch.Tensor))
 
 
