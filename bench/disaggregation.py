@@ -192,9 +192,12 @@ def raw_transfer_gbs(long_len: int, dtype: str) -> float:
     from gpu_worker.kv_transfer import make_connector
     from gpu_worker.model_runner import DTYPES
     from shared.config import kv_cache_dtype
-    cfg = load_model_config(resolve_model(None))
+    from shared.model_config import quantization_scheme
+    source = resolve_model(None)
+    cfg = load_model_config(source)
     blocks = -(-long_len // 16)
-    kv_dtype = kv_cache_dtype(EngineArgs(dtype=dtype).resolved().dtype, "cpu")
+    kv_dtype = kv_cache_dtype(EngineArgs(dtype=dtype).resolved().dtype, "cpu",
+                              quantization_scheme("auto", source, "cpu"))
     shape = (cfg.num_layers, 2, blocks, 16, cfg.num_kv_heads, cfg.head_dim)
     pool = torch.zeros(shape, dtype=DTYPES[kv_dtype])
     conn = make_connector("mooncake")

@@ -26,7 +26,6 @@ from bench.common import print_table, random_prompts, write_json  # noqa: E402
 from gpu_worker.kv_cache import block_offset  # noqa: E402
 from gpu_worker.kv_transfer import make_connector  # noqa: E402
 from gpu_worker.model_runner import DTYPES, build_runner  # noqa: E402
-from shared.config import kv_cache_dtype  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.engine_layout import engine_layout  # noqa: E402
 from shared.plan import CachedRequestData, IterationPlan, KVSend, NewRequestData  # noqa: E402
@@ -96,7 +95,7 @@ def main() -> int:
     runner = build_runner(layout, progress=False)
     pool = runner.kv_pool
     own = runner.kv_descriptor()
-    kv_dtype = kv_cache_dtype(layout.args.dtype, layout.args.device)
+    kv_dtype = str(pool.dtype).removeprefix("torch.")
     ctx = mp.get_context("spawn")
     to_parent, from_parent = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=decode_pool, args=(tuple(pool.shape), kv_dtype, to_parent,

@@ -31,10 +31,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bench.common import print_table, write_json  # noqa: E402
-from bench.peers import (CACHE, LLAMA_SERVER, SHOWN_FLAGS, free_port, log,  # noqa: E402
-                         run_workloads, setup_llama_server, stop, wait_ready)
+from bench.peers import (CACHE, SHOWN_FLAGS, free_port, llama_server, log,  # noqa: E402
+                         run_workload, setup_llama_server, stop, wait_ready)
 from shared.cpu import cpu_flags  # noqa: E402
 
+LLAMA_SERVER = llama_server("native")
 LLAMA_PERPLEXITY = os.path.join(os.path.dirname(LLAMA_SERVER), "llama-perplexity")
 TEXT = os.path.join(ROOT, "docs", "design.md")
 # pacer engine name -> its flags (the model: the default GGUF, Q4_1 with a Q8_0 embedding)
@@ -94,7 +95,7 @@ def server_command(engine: str, port: int) -> list[str]:
                 "--redis-url", f"redis://127.0.0.1:{free_port()}/0", *PACER[engine]]
     threads = str(os.cpu_count() or 2)
     return [LLAMA_SERVER, "-m", resolve_model(None).path, "--port", str(port), "-np", "32",
-            "-c", str(32 * 256), "-t", threads, "-cb", "--alias", "smollm2-135m"]
+            "-c", str(32 * 512), "-t", threads, "-cb", "--alias", "smollm2-135m"]
 
 
 def start_server(engine: str) -> tuple[subprocess.Popen, str]:
@@ -114,7 +115,8 @@ def start_server(engine: str) -> tuple[subprocess.Popen, str]:
 def measure_speed(engine: str) -> dict:
     proc, base_url = start_server(engine)
     try:
-        result = run_workloads(base_url)
+        result = {name: run_workload(base_url, name, seed) for name, seed in (("c32", 0),
+                                                                              ("c1", 1))}
         holder = worker_pid(proc.pid) if engine in PACER else proc.pid
         return {"engine": engine, "c1_tok_s": result["c1"]["tok_s"],
                 "c1_itl_ms": result["c1"]["median_itl_ms"], "c32_tok_s": result["c32"]["tok_s"],

@@ -164,8 +164,9 @@ class ModelRunner:
         graphs = (rc.cuda_graphs and rc.device.startswith("cuda") and tp.size == 1
                   and choice.backend in CAPTURABLE_BACKENDS and rc.kv_connector == "none")
         # with graphs, one block more than the scheduler knows: where padding rows write
+        kv_dtype = DTYPES[kv_cache_dtype(rc.dtype, rc.device, self.quantization)]
         self.kv_pool = allocate_kv_pool(cfg, rc.num_kv_blocks + graphs, rc.block_size, kv_heads,
-                                        DTYPES[kv_cache_dtype(rc.dtype, rc.device)], rc.device)
+                                        kv_dtype, rc.device)
         self.kv_caches = layer_views(self.kv_pool)
         self.graphs = None
         if graphs:

@@ -14,7 +14,8 @@ from shared.cost_model import latency_cost_for
 from shared import gpu_memory
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
-from shared.model_config import ModelConfig, check_tp_fits, load_model_config
+from shared.model_config import (ModelConfig, check_tp_fits, load_model_config,
+                                 quantization_scheme)
 from shared.model_source import ModelSource, resolve_model
 
 # Bytes per element of each --dtype, so that the block count is known without importing torch
@@ -48,7 +49,9 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(
         _kv_cache_memory(args, cfg),
         kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
-                       args.block_size, DTYPE_BYTES[kv_cache_dtype(args.dtype, args.device)]))
+                       args.block_size, DTYPE_BYTES[kv_cache_dtype(
+                           args.dtype, args.device,
+                           quantization_scheme(args.quantization, source, args.device))]))
     max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
                         cfg.max_position_embeddings)
     scheduler_config = SchedulerConfig(

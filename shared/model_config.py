@@ -150,6 +150,29 @@ def open_gguf(path: str) -> GGUFReader:
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
 
 
+def gguf_matrix_types(path: str) -> set[str]:
+    """The GGUF types of the layer matrices (blk.*, two dimensions)."""
+    return {t.tensor_type.name for t in open_gguf(path).tensors
+            if t.name.startswith("blk.") and len(t.shape) == 2}
+
+
+def quantization_scheme(requested: str, source: ModelSource, device: str) -> str:
+    """What `--quantization` means for this model: `none`, `int8` or `int4`. `auto` serves a
+    GGUF in the precision it ships (int4 when its layer matrices are Q4_0/Q4_1, int8 when
+    Q8_0 is among them, float otherwise) on CPU, and anything else as it is. No checks: the
+    worker's `resolve_quantization` refuses what cannot be served."""
+    if requested != "auto":
+        return requested
+    if source.kind != "gguf" or device != "cpu":
+        return "none"
+    types = gguf_matrix_types(source.path)
+    if types and types <= {"Q4_0", "Q4_1"}:
+        return "int4"
+    if types and types <= {"Q4_0", "Q4_1", "Q8_0"}:
+        return "int8"       # a mix: the widest of its types
+    return "none"
+
+
 def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     return default if field is None else field.contents()

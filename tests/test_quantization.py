@@ -535,6 +535,24 @@ def test_a_quantized_model_holds_no_float_matrices(tmp_path, tiny_hf):
     assert model.embed_tokens.qweight.scheme == "int8"
 
 
+@pytest.mark.parametrize("model,quantization,kv", [("q4", "auto", "bfloat16"),
+                                                   ("q4", "none", "float32"),
+                                                   ("hf", "int8", "bfloat16"),
+                                                   ("hf", "auto", "float32")])
+def test_quantized_weights_keep_a_bfloat16_kv_cache_whatever_the_dtype(tmp_path, tiny_hf, model,
+                                                                       quantization, kv):
+    """The pool the layout sizes is the pool the runner allocates: same dtype, same bytes."""
+    path = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf, Q.Q4_1) if model == "q4" else tiny_hf
+    with LLMEngine(EngineArgs(model=path, block_size=16, max_model_len=512, dtype="float32",
+                              quantization=quantization, kv_cache_memory="1MiB"),
+                   progress=False) as engine:
+        pool, blocks = engine.runner.kv_pool, engine.scheduler.config.num_kv_blocks
+        assert pool.dtype == getattr(torch, kv)
+        assert pool.shape[2] == blocks
+        nbytes = pool.numel() * pool.element_size()
+        assert nbytes <= 1 << 20 < nbytes + nbytes // blocks
+
+
 @pytest.mark.parametrize("qtype,wide_from", [(Q.Q4_1, Int4Weight.wide_from()), (None, None)])
 def test_the_worker_tells_the_cost_model_where_its_gemms_widen(tmp_path, tiny_hf, qtype, wide_from):
     """The widening threshold reaches the online cost model with the step results

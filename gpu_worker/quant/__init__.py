@@ -12,18 +12,11 @@ the int4 layout cannot do. The refusals come before any weight is read.
 from __future__ import annotations
 
 from shared.errors import PacerError
-from shared.model_config import ModelConfig, open_gguf
+from shared.model_config import ModelConfig, quantization_scheme
 from shared.model_source import ModelSource
 
 CHOICES = ("auto", "none", "int8", "int4")
 INT4_GROUP = 32
-
-
-def gguf_matrix_types(source: ModelSource) -> set[str]:
-    """The GGUF types of the layer matrices (blk.*, two dimensions)."""
-    reader = open_gguf(source.path)
-    return {t.tensor_type.name for t in reader.tensors
-            if t.name.startswith("blk.") and len(t.shape) == 2}
 
 
 def resolve_quantization(requested: str, source: ModelSource, cfg: ModelConfig, tp: int = 1,
@@ -31,20 +24,10 @@ def resolve_quantization(requested: str, source: ModelSource, cfg: ModelConfig, 
     """`none`, `int8` or `int4`; a PacerError that says why when the model cannot be served so."""
     if requested not in CHOICES:
         raise PacerError(f"--quantization must be one of {', '.join(CHOICES)}, got {requested!r}")
-    scheme = requested
-    if requested == "auto":
-        scheme = "none"
-        if source.kind == "gguf":
-            types = gguf_matrix_types(source)
-            if types and types <= {"Q4_0", "Q4_1"}:
-                scheme = "int4"
-            elif types and types <= {"Q4_0", "Q4_1", "Q8_0"}:
-                scheme = "int8"       # a mix: the widest of its types
+    scheme = quantization_scheme(requested, source, device)
     if scheme == "none":
         return scheme
     if device != "cpu":
-        if requested == "auto":
-            return "none"
         raise PacerError(f"--quantization {scheme}: quantized weights run on CPU only "
                          f"(device {device}); use --quantization none")
     if scheme == "int4":
