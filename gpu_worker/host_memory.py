@@ -1,10 +1,10 @@
 """Host memory for CPU forwards: freed activations kept in the process, and the weights and
 the KV pool in transparent huge pages.
 
-Freed activations. glibc's malloc serves blocks above its mmap threshold with a fresh mmap and unmaps them on
-free, and trims the top of the heap once enough is free. A forward on CPU allocates and frees
-tens of megabytes of activations per layer, so each iteration page-faults the same memory in
-again: measured here, a 1024-token prefill iteration spent ~30 % of its time in page faults
+Freed activations. glibc's malloc serves blocks above its mmap threshold with a fresh mmap
+and unmaps them on free, and trims the top of the heap once enough is free. A forward on CPU
+allocates and frees tens of megabytes of activations per layer, so each iteration page-faults
+the same memory in again: measured here, a 1024-token prefill iteration spent ~30 % of its time in page faults
 (740 → 510 ms with the thresholds below). Raising the mmap threshold to glibc's maximum and
 the trim threshold to 1 GiB keeps those blocks in the heap for reuse.
 
@@ -63,8 +63,8 @@ HUGE_PAGE = 2 << 20
 
 def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """`nbytes` of zeroed host memory (uint8) starting on a 2 MiB boundary, advised into
-    transparent huge pages (unless PACER_HUGE_PAGES=0). Lazily backed: a page becomes resident when first written. The
-    mapping lives as long as a tensor over it does."""
+    transparent huge pages (unless PACER_HUGE_PAGES=0). Lazily backed: a page becomes
+    resident when first written. The mapping lives as long as a tensor over it does."""
     size = nbytes + HUGE_PAGE
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(mm, dtype=torch.uint8)     # holds a reference to the mapping

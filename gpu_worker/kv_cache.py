@@ -14,7 +14,6 @@ import math
 import torch
 
 from gpu_worker.host_memory import huge_page_buffer
-
 from shared.model_config import ModelConfig
 
 
