@@ -4,9 +4,9 @@ the KV pool in transparent huge pages.
 Freed activations. glibc's malloc serves blocks above its mmap threshold with a fresh mmap
 and unmaps them on free, and trims the top of the heap once enough is free. A forward on CPU
 allocates and frees tens of megabytes of activations per layer, so each iteration page-faults
-the same memory in again: measured here, a 1024-token prefill iteration spent ~30 % of its time in page faults
-(740 → 510 ms with the thresholds below). Raising the mmap threshold to glibc's maximum and
-the trim threshold to 1 GiB keeps those blocks in the heap for reuse.
+the same memory in again: measured here, a 1024-token prefill iteration spent ~30 % of its
+time in page faults (740 → 510 ms with the thresholds below). Raising the mmap threshold to
+glibc's maximum and the trim threshold to 1 GiB keeps those blocks in the heap for reuse.
 
 Only glibc has `mallopt`; elsewhere this does nothing.
 
