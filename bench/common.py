@@ -2,6 +2,7 @@
 CPU time from /proc."""
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import time
@@ -27,6 +28,17 @@ def random_prompts(n: int, min_len: int, max_len: int, vocab: int, seed: int = 0
                 ids.append(t)
         out.append(ids)
     return out
+
+
+def engine_arg_parser(doc: str) -> argparse.ArgumentParser:
+    """The parser of a benchmark that builds engines in process: every engine flag, a 512 MiB
+    KV pool by default (a shared machine; some build two engines), and --json."""
+    from shared.engine_args import EngineArgs
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    EngineArgs.add_cli_args(ap)
+    ap.set_defaults(kv_cache_memory="512MiB")
+    ap.add_argument("--json", default=None, help="write the results here")
+    return ap
 
 
 def measure_bandwidth_gbs(mb: int = 256, repeats: int = 5) -> float:

@@ -11,7 +11,6 @@ pages (/proc/self/smaps of its mappings).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -19,23 +18,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import random_prompts, write_json  # noqa: E402  (OpenMP policy first)
+from bench.common import engine_arg_parser, random_prompts, write_json  # noqa: E402
+from gpu_worker.host_memory import mapping_fields  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 
-def huge_kib(ptr: int) -> int:
-    """AnonHugePages of the mapping that holds address `ptr`, in KiB."""
-    inside, kib = False, 0
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= ptr < hi
-        elif inside and line.startswith("AnonHugePages:"):
-            kib = int(line.split()[1])
-    return kib
+def huge_mib(ptr: int) -> int:
+    """MiB of huge pages under the mapping that holds address `ptr`."""
+    return int(mapping_fields(ptr).get("AnonHugePages", "0 kB").split()[0]) >> 10
 
 
 def build(args, huge: bool) -> LLMEngine:
@@ -64,14 +56,11 @@ def decode_round(engine: LLMEngine, args, seed: int) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    EngineArgs.add_cli_args(ap)
-    ap.set_defaults(kv_cache_memory="512MiB")
+    ap = engine_arg_parser(__doc__)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--input-len", type=int, default=106)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=6)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     engines = {"4k": build(args, False), "huge": build(args, True)}
     for name, engine in engines.items():
@@ -79,8 +68,8 @@ def main() -> None:
         weight = runner.model.layers[0].mlp.down_proj
         w = getattr(weight, "qweight", None)
         w = getattr(w, "vnni", None) if w is not None else weight.weight
-        print(f"{name}: huge pages under the weights {huge_kib(w.data_ptr()) >> 10} MiB, "
-              f"under the KV pool {huge_kib(runner.kv_pool.data_ptr()) >> 10} MiB")
+        print(f"{name}: huge pages under the weights {huge_mib(w.data_ptr())} MiB, "
+              f"under the KV pool {huge_mib(runner.kv_pool.data_ptr())} MiB")
         decode_round(engine, args, seed=1)              # warm
     ms: dict[str, list[float]] = {name: [] for name in engines}
     for r in range(args.rounds):

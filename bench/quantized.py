@@ -33,10 +33,10 @@ sys.path.insert(0, ROOT)
 from bench.common import print_table, write_json  # noqa: E402
 from bench.peers import (CACHE, SHOWN_FLAGS, free_port, llama_server, log,  # noqa: E402
                          run_workload, setup_llama_server, stop, wait_ready)
+from bench.peers import server_command as peers_server_command  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
 
-LLAMA_SERVER = llama_server("native")
-LLAMA_PERPLEXITY = os.path.join(os.path.dirname(LLAMA_SERVER), "llama-perplexity")
+LLAMA_PERPLEXITY = os.path.join(os.path.dirname(llama_server("native")), "llama-perplexity")
 TEXT = os.path.join(ROOT, "docs", "design.md")
 # pacer engine name -> its flags (the model: the default GGUF, Q4_1 with a Q8_0 embedding)
 PACER = {"pacer-int4": ["--quantization", "int4"],
@@ -89,13 +89,10 @@ def worker_pid(root: int) -> int:
 
 
 def server_command(engine: str, port: int) -> list[str]:
-    from shared.model_source import resolve_model
     if engine in PACER:
         return [sys.executable, "-m", "services.cli", "up", "--port", str(port),
                 "--redis-url", f"redis://127.0.0.1:{free_port()}/0", *PACER[engine]]
-    threads = str(os.cpu_count() or 2)
-    return [LLAMA_SERVER, "-m", resolve_model(None).path, "--port", str(port), "-np", "32",
-            "-c", str(32 * 512), "-t", threads, "-cb", "--alias", "smollm2-135m"]
+    return peers_server_command("llamacpp", "q4_1", port)[0]      # as bench/peers.py runs it
 
 
 def start_server(engine: str) -> tuple[subprocess.Popen, str]:

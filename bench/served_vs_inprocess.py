@@ -26,7 +26,6 @@ earlier.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import statistics
@@ -41,7 +40,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import engine_arg_parser, print_table, write_json  # noqa: E402
 from services.bench_client import (ApiTarget, RequestResult, SendOptions,  # noqa: E402
                                    compute_metrics, error_summary, run_requests)
 from services.bench_cmd import run_async  # noqa: E402
@@ -295,9 +294,7 @@ def print_report(rows: list[dict], s: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    EngineArgs.add_cli_args(ap)
-    ap.set_defaults(kv_cache_memory="512MiB")   # two engines live at once on a shared machine
+    ap = engine_arg_parser(__doc__)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--input-len", type=int, default=150)
     ap.add_argument("--range-ratio", type=float, default=0.33, help="150 ± 33%%: 100-200 tokens")
@@ -307,7 +304,6 @@ def main() -> None:
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the workload")
     ap.add_argument("--also-no-overlap", action="store_true",
                     help="a third mode each round: pacer up --no-overlap")
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     engine_args = EngineArgs.from_cli(args)
 

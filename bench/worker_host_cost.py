@@ -10,7 +10,6 @@ phase's median over the steps is printed, in ms per iteration.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -19,7 +18,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import random_prompts, write_json  # noqa: E402  (OpenMP policy first)
+from bench.common import engine_arg_parser, random_prompts, write_json  # noqa: E402  (OpenMP policy first)
 import gpu_worker.model_runner as model_runner  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
@@ -49,13 +48,10 @@ class Timers:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    EngineArgs.add_cli_args(ap)
-    ap.set_defaults(kv_cache_memory="512MiB")
+    ap = engine_arg_parser(__doc__)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=150)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--json", default=None)
     args = ap.parse_args()
     engine = LLMEngine(EngineArgs.from_cli(args), progress=False)
     runner, sched = engine.runner, engine.scheduler

@@ -78,6 +78,26 @@ def huge_page_buffer(nbytes: int) -> torch.Tensor:
     return whole[start:start + nbytes]
 
 
+def mapping_fields(address: int) -> dict[str, str]:
+    """The /proc/self/smaps fields (`AnonHugePages`, `THPeligible`, ...) of the mapping that
+    holds `address`; empty where there is no such file (not Linux) or no such mapping."""
+    fields: dict[str, str] = {}
+    inside = False
+    try:
+        lines = open("/proc/self/smaps").readlines()
+    except OSError:
+        return fields
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:          # a mapping's first line: lo-hi perms ...
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
 def _tensors_of(model: torch.nn.Module):
     """Every tensor a module of the model holds: parameters, buffers, and tensors in plain
     attributes, one level into non-module objects (the quantized weights' codes and scales)."""

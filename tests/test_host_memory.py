@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_worker.host_memory import HUGE_PAGE, huge_page_buffer, move_to_huge_pages
+from gpu_worker.host_memory import (HUGE_PAGE, huge_page_buffer, mapping_fields,
+                                     move_to_huge_pages)
 from gpu_worker.kv_cache import allocate_kv_pool
 from shared.model_config import ModelConfig
 
@@ -17,21 +18,6 @@ def _thp_mode() -> str:
     return text.split("[")[1].split("]")[0]
 
 
-def _vma_fields(address: int) -> dict[str, str]:
-    """The /proc/self/smaps fields of the mapping that holds `address`."""
-    fields: dict[str, str] = {}
-    inside = False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside:
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    return fields
-
-
 def test_buffer_is_zeroed_aligned_and_advised():
     buf = huge_page_buffer(3 * HUGE_PAGE + 123)
     assert buf.dtype == torch.uint8 and buf.numel() == 3 * HUGE_PAGE + 123
@@ -41,7 +27,7 @@ def test_buffer_is_zeroed_aligned_and_advised():
     assert int(buf[-1]) == 7
     if _thp_mode() == "never":
         pytest.skip("transparent huge pages are off on this kernel: the advice is ignored")
-    assert _vma_fields(buf.data_ptr()).get("THPeligible") == "1"
+    assert mapping_fields(buf.data_ptr()).get("THPeligible") == "1"
 
 
 class _Holder:
