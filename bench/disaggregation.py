@@ -328,7 +328,7 @@ def main() -> None:
     long_at = [float(x) for x in args.long_at.split(",")]
     cfg = load_model_config(resolve_model(None))
     avoid = tuple(cfg.eos_token_ids)
-    engine = EngineArgs(dtype=args.dtype, kv_cache_memory="512MiB")
+    engine = EngineArgs.serving(dtype=args.dtype, kv_cache_memory="512MiB")
     rows, runs = [], []
     logs = tempfile.mkdtemp(prefix="pacer-disagg-")
     for rep in range(args.repeats):
@@ -377,13 +377,14 @@ def main() -> None:
                        "text_gap_max_over_median", "chunks_of_several_tokens",
                        "long_ttft_median_ms"])
     pd = [r for r in rows if r["mode"] == "pd"]
-    print(f"\nP/D transfer per long prompt (the connector alone: {gbs:.2f} GB/s; send ms spans "
-          "the prefill iterations that carried it, exposed ms is what they waited after their "
-          "forward)")
-    print_table(pd, ["repeat", "kv_bytes_per_long_prompt", "transfer_own_ms",
-                     "transfer_ms_per_long_prompt", "exposed_ms_per_long_prompt",
-                     "hidden_share", "handoffs", "kv_failures", "ttft_goal_met",
-                     "ttft_goal_missed"])
+    if pd:
+        print(f"\nP/D transfer per long prompt (the connector alone: {gbs:.2f} GB/s; send ms spans "
+              "the prefill iterations that carried it, exposed ms is what they waited after "
+              "their forward)")
+        print_table(pd, ["repeat", "kv_bytes_per_long_prompt", "transfer_own_ms",
+                         "transfer_ms_per_long_prompt", "exposed_ms_per_long_prompt",
+                         "hidden_share", "handoffs", "kv_failures", "ttft_goal_met",
+                         "ttft_goal_missed"])
     for run in runs:
         if run.get("late"):
             print(f"\nP/D late text chunks (steady gaps over 1.5x the median), run {run['mode']}: "

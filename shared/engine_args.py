@@ -143,6 +143,14 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)
                       if hasattr(args, f.name)}).resolved()
 
+    @classmethod
+    def serving(cls, **changes) -> "EngineArgs":
+        """What `pacer up` runs with when given no engine flag, with `changes` (the dataclass's
+        own defaults are the in-process engine's: no token-gap target)."""
+        p = argparse.ArgumentParser()
+        cls.add_cli_args(p)
+        return replace(cls.from_cli(p.parse_args([])), **changes)
+
     def resolved(self) -> "EngineArgs":
         """`auto` replaced by the dtype this machine serves fastest in, the attention backend
         and block size decided (shared/attention_choice.py; an error for a pair that cannot

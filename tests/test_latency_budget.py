@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -294,6 +294,11 @@ def test_engine_flags_parse_and_build_the_cost_model():
     assert (args.max_iteration_ms, args.hw, args.enable_chunked_prefill) == (25.0, "h100", False)
     defaults = EngineArgs.from_cli(p.parse_args([]))
     assert defaults.enable_chunked_prefill and defaults.max_iteration_ms is None
+    # what `pacer up` serves with, for the benches that start one: the token-gap target on,
+    # where the in-process engine's own default leaves it off
+    assert defaults.target_tbt_ms == "auto" and EngineArgs().target_tbt_ms == "off"
+    assert EngineArgs.serving(kv_cache_memory="512MiB") == replace(defaults,
+                                                                   kv_cache_memory="512MiB")
     assert latency_cost_for(None, "h100", TOY_MODEL, 2) is None
     cost = latency_cost_for(25.0, "h100", TOY_MODEL, 2)
     assert cost.hw.name == "h100" and cost.model.num_layers == TOY_MODEL.num_layers
