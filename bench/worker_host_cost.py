@@ -6,7 +6,7 @@ A batch of `--batch` requests (random ~`--input-len`-token prompts) is prefilled
 here by timers; the scheduler's schedule() and update() beside them for context). Each
 phase's median over the steps is printed, in ms per iteration.
 
-    python bench/worker_host_cost.py [--batch 32] [--steps 40] [--dtype bfloat16]
+    python bench/worker_host_cost.py [--batch 32] [--steps 40] [--dtype bfloat16] [--temperature 1]
 """
 from __future__ import annotations
 
@@ -52,6 +52,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--input-len", type=int, default=150)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0 (default): greedy; above it every row is drawn (the API's default is 1)")
     args = ap.parse_args()
     engine = LLMEngine(EngineArgs.from_cli(args), progress=False)
     runner, sched = engine.runner, engine.scheduler
@@ -75,7 +77,7 @@ def main() -> None:
     prompts = random_prompts(args.batch, args.input_len, args.input_len,
                              engine.model_config.vocab_size, seed=0,
                              avoid=engine.model_config.eos_token_ids)
-    sp = SamplingParams(max_tokens=args.steps + 8, temperature=0.0, ignore_eos=True)
+    sp = SamplingParams(max_tokens=args.steps + 8, temperature=args.temperature, ignore_eos=True)
     ids = {engine.add_request(p, sp) for p in prompts}
     started: set[str] = set()
     while started != ids:                   # the prefills

@@ -19,6 +19,8 @@ from shared.plan import SampledToken
 from shared.sampling import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
+# top-k/top-p look at each row's this many largest first (_top_k_top_p)
+NUCLEUS_WIDTH = 1024
 _UNIFORM_BITS = 23          # U = (m + 1/2) / 2**23: strictly inside (0, 1), exact in float32
 # the per-row parameters, packed into one host tensor (one copy to the device per step)
 _ROW, _TEMPERATURE, _TOP_P, _TOP_K, _SEEDED, _SEED_LO, _SEED_HI, _INDEX = range(8)
@@ -105,15 +107,25 @@ class Sampler:
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             x = _top_k_top_p(x, table)
         seeded = [p.seed is not None for p in params]
+        if not any(seeded):
+            return self._inverse_cdf(x)
+        # a seeded row: the Gumbel trick over uniforms that are a function of its seed, its
+        # output index and the column alone, so its token ignores the rest of the batch
+        u = seeded_uniform(*_seed_columns(table), x.shape[1])
+        chosen = argmax(x - torch.log(-torch.log(u)))
         if all(seeded):
-            u = seeded_uniform(*_seed_columns(table), x.shape[1])
-        else:
-            u = torch.rand(x.shape, generator=self._generator(x.device), device=x.device)
-            u = _centered((u * 2.0 ** _UNIFORM_BITS).floor().clamp_(max=2 ** _UNIFORM_BITS - 1))
-            if any(seeded):
-                u = torch.where(table[:, _SEEDED, None] > 0,
-                                seeded_uniform(*_seed_columns(table), x.shape[1]), u)
-        return argmax(x - torch.log(-torch.log(u)))
+            return chosen
+        return torch.where(table[:, _SEEDED] > 0, chosen, self._inverse_cdf(x))
+
+    def _inverse_cdf(self, x: torch.Tensor) -> torch.Tensor:
+        """[R] ids, each row's drawn from softmax(x) by its inverse CDF: one uniform a row,
+        where the Gumbel trick draws one a token and takes two logarithms of each (32 rows of
+        49,152 on 2 CPU cores: 1.8 ms against 12.6, docs/benchmarks.md#sampling). Masked
+        tokens (-inf) have no width in the CDF and are never drawn: u is in (0, total]."""
+        cdf = torch.cumsum(torch.softmax(x, dim=-1), dim=-1, dtype=torch.float64)
+        u = 1.0 - torch.rand((x.shape[0], 1), generator=self._generator(x.device),
+                             device=x.device, dtype=torch.float64)
+        return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=x.shape[1] - 1).flatten()
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
@@ -144,7 +156,46 @@ def _seed_columns(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
 def _top_k_top_p(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Mask (-inf) what each row's top-k and top-p leave out; k = 0 and p = 1 are off. Ties
     with the k-th value stay in; top-p keeps the smallest prefix (by probability) whose mass
-    reaches p, so a p that rounds to 0 keeps the most likely token."""
+    reaches p, so a p that rounds to 0 keeps the most likely token.
+
+    Sorting whole rows is what costs (32 rows of 49,152: 56 ms on 2 CPU cores), so on a CPU
+    each row's largest come first (NUCLEUS_WIDTH of them for top-p: 8 ms; k for top-k alone):
+    where k is within them and they hold at least p of the mass, the nucleus is a prefix of
+    them. Rows where not are sorted whole. That needs a look at the values, free on a CPU; on
+    a GPU it would be a sync, so there every row is sorted whole."""
+    vocab = x.shape[1]
+    if x.device.type != "cpu":
+        return _top_k_top_p_sorted(x, table)
+    k = table[:, _TOP_K].to(torch.int64)
+    top_p = table[:, _TOP_P, None].float()
+    # top-k alone needs each row's k largest; a nucleus, the wider window
+    nucleus_rows = bool((top_p < 1.0).any())
+    width = min(vocab, NUCLEUS_WIDTH if nucleus_rows else int(k.max()))
+    if width == vocab:
+        return _top_k_top_p_sorted(x, table)
+    vals, order = torch.topk(x, width, dim=-1)              # each row's largest, descending
+    # the k-th value (ties with it stay in), -inf for rows without top-k
+    kth = vals.gather(1, (k.clamp(1, width) - 1)[:, None])
+    kth = torch.where(((k > 0) & (k < vocab))[:, None], kth, float("-inf"))
+    masked = x.masked_fill(x < kth, float("-inf"))
+    if not nucleus_rows:
+        return masked
+    vals = vals.masked_fill(vals < kth, float("-inf"))
+    probs = torch.exp(vals - torch.logsumexp(masked, dim=-1, keepdim=True))
+    drop = (probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1.0)
+    drop[:, 0] = False
+    nucleus = torch.full_like(x, float("-inf")).scatter(1, order, vals.masked_fill(drop, float("-inf")))
+    out = torch.where(top_p < 1.0, nucleus, masked)
+    # rows whose k reaches past the candidates, or whose nucleus does
+    whole = ((k > width) & (k < vocab)) | ((top_p[:, 0] < 1.0) & (probs.sum(dim=-1) < top_p[:, 0]))
+    if bool(whole.any()):
+        rows = whole.nonzero().flatten()
+        out[rows] = _top_k_top_p_sorted(x[rows], table[rows])
+    return out
+
+
+def _top_k_top_p_sorted(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """_top_k_top_p by sorting whole rows."""
     vocab = x.shape[1]
     sorted_x, order = torch.sort(x, dim=-1, descending=True)
     k = table[:, _TOP_K].to(torch.int64)
