@@ -21,7 +21,6 @@ from shared.sampling import SamplingParams
 _MASK32 = 0xFFFFFFFF
 # top-k/top-p look at each row's this many largest first (_top_k_top_p)
 NUCLEUS_WIDTH = 1024
-_UNIFORM_BITS = 23          # U = (m + 1/2) / 2**23: strictly inside (0, 1), exact in float32
 # the per-row parameters, packed into one host tensor (one copy to the device per step)
 _ROW, _TEMPERATURE, _TOP_P, _TOP_K, _SEEDED, _SEED_LO, _SEED_HI, _INDEX = range(8)
 
@@ -49,21 +48,24 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_uniform(seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor,
-                   vocab: int) -> torch.Tensor:
-    """[R, vocab] float32 uniforms in (0, 1), a pure function of each row's (seed, output
+def seeded_bits(seed_lo: torch.Tensor, seed_hi: torch.Tensor, index: torch.Tensor,
+                columns: int) -> torch.Tensor:
+    """[R, columns] 32-bit words (in int64), a pure function of each row's (seed, output
     index) and the column. Arguments: int64 [R] tensors, each value in [0, 2**32)."""
     key = hash32((seed_lo + 0x9E3779B9) & _MASK32)
     key = hash32(key ^ seed_hi)
     key = hash32(key ^ index)[:, None]
-    column = torch.arange(vocab, device=key.device, dtype=torch.int64)[None, :]
-    bits = hash32(hash32(key ^ column) ^ ((key * 5 + 0x632BE5AB) & _MASK32))
-    return _centered(bits >> (32 - _UNIFORM_BITS))
+    column = torch.arange(columns, device=key.device, dtype=torch.int64)[None, :]
+    return hash32(hash32(key ^ column) ^ ((key * 5 + 0x632BE5AB) & _MASK32))
 
 
-def _centered(m: torch.Tensor) -> torch.Tensor:
-    """Integers m in [0, 2**23) -> (m + 1/2) / 2**23 in float32: never 0 nor 1."""
-    return (m.to(torch.float32) + 0.5) * (2.0 ** -_UNIFORM_BITS)
+def seeded_row_uniforms(seed_lo: torch.Tensor, seed_hi: torch.Tensor,
+                        index: torch.Tensor) -> torch.Tensor:
+    """[R, 1] float64 uniforms in (0, 1), one a row, from 52 bits of two words:
+    (2m + 1) / 2**53, exact, never 0 nor 1."""
+    bits = seeded_bits(seed_lo, seed_hi, index, 2) >> 6          # 26 bits each
+    m = bits[:, :1] * (1 << 26) + bits[:, 1:]
+    return (2 * m + 1).to(torch.float64) * 2.0 ** -53
 
 
 class Sampler:
@@ -106,26 +108,27 @@ class Sampler:
         x = logits.float() / table[:, _TEMPERATURE, None].float()
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             x = _top_k_top_p(x, table)
+        # one uniform a row: a seeded row's a function of its seed and output index alone
+        # (so its token depends on nothing else in the batch), the others' from the generator
         seeded = [p.seed is not None for p in params]
-        if not any(seeded):
-            return self._inverse_cdf(x)
-        # a seeded row: the Gumbel trick over uniforms that are a function of its seed, its
-        # output index and the column alone, so its token ignores the rest of the batch
-        u = seeded_uniform(*_seed_columns(table), x.shape[1])
-        chosen = argmax(x - torch.log(-torch.log(u)))
         if all(seeded):
-            return chosen
-        return torch.where(table[:, _SEEDED] > 0, chosen, self._inverse_cdf(x))
+            u = seeded_row_uniforms(*_seed_columns(table))
+        else:
+            u = 1.0 - torch.rand((x.shape[0], 1), generator=self._generator(x.device),
+                                 device=x.device, dtype=torch.float64)     # in (0, 1]
+            if any(seeded):
+                u = torch.where(table[:, _SEEDED, None] > 0,
+                                seeded_row_uniforms(*_seed_columns(table)), u)
+        return inverse_cdf(x, u)
 
-    def _inverse_cdf(self, x: torch.Tensor) -> torch.Tensor:
-        """[R] ids, each row's drawn from softmax(x) by its inverse CDF: one uniform a row,
-        where the Gumbel trick draws one a token and takes two logarithms of each (32 rows of
-        49,152 on 2 CPU cores: 1.8 ms against 12.6, docs/benchmarks.md#sampling). Masked
-        tokens (-inf) have no width in the CDF and are never drawn: u is in (0, total]."""
-        cdf = torch.cumsum(torch.softmax(x, dim=-1), dim=-1, dtype=torch.float64)
-        u = 1.0 - torch.rand((x.shape[0], 1), generator=self._generator(x.device),
-                             device=x.device, dtype=torch.float64)
-        return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=x.shape[1] - 1).flatten()
+
+def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[R] ids, row r's drawn from softmax(x[r]) by its inverse CDF at u[r] (in (0, 1]): one
+    uniform a row, where the Gumbel trick draws one a token and takes two logarithms of each
+    (32 rows of 49,152 on 2 CPU cores: 1.8 ms against 12.6, docs/benchmarks.md#sampling).
+    Masked tokens (-inf) have no width in the CDF and are never drawn: u · total > 0."""
+    cdf = torch.cumsum(torch.softmax(x, dim=-1), dim=-1, dtype=torch.float64)
+    return torch.searchsorted(cdf, u * cdf[:, -1:]).clamp_(max=x.shape[1] - 1).flatten()
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from gpu_worker.cpu_kernels import cpu_kernels
-from gpu_worker.sampler import Sampler, argmax, hash32, seeded_uniform
+from gpu_worker.sampler import Sampler, argmax, hash32, seeded_bits, seeded_row_uniforms
 from shared.sampling import SamplingParams
 
 
@@ -284,14 +284,22 @@ def test_hash_matches_a_plain_python_reference():
 
 
 def test_seeded_uniforms_are_uniform_and_inside_the_open_interval():
-    u = seeded_uniform(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]),
-                       torch.tensor([0, 0, 0]), 200_000)
-    assert float(u.min()) > 0 and float(u.max()) < 1
-    assert abs(float(u.mean()) - 0.5) < 0.003
-    counts = torch.histc(u[0], bins=16, min=0, max=1)
-    stat = float(((counts - counts.mean()) ** 2 / counts.mean()).sum())
-    assert stat < 37.7                                  # chi-square, 15 df, p = 0.001
-    assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])   # hi bits and lo bits count
+    """A seeded row's uniform over its output index (one seed's successive tokens), and the
+    hash's words over columns, are uniform; the seed's high and low words both count."""
+    n = 200_000
+    for seed_lo, seed_hi in ((5, 0), (5, 1), (6, 0)):
+        u = seeded_row_uniforms(torch.full((n,), seed_lo), torch.full((n,), seed_hi),
+                                torch.arange(n))[:, 0]
+        assert u.dtype == torch.float64 and float(u.min()) > 0 and float(u.max()) < 1
+        assert abs(float(u.mean()) - 0.5) < 0.003
+        counts = torch.histc(u.float(), bins=16, min=0, max=1)
+        stat = float(((counts - counts.mean()) ** 2 / counts.mean()).sum())
+        assert stat < 37.7                              # chi-square, 15 df, p = 0.001
+    words = seeded_bits(torch.tensor([5, 5, 6]), torch.tensor([0, 1, 0]), torch.tensor([0, 0, 0]),
+                        100_000)
+    assert int(words.min()) >= 0 and int(words.max()) < 2 ** 32
+    assert abs(float(words.double().mean()) / 2 ** 32 - 0.5) < 0.005
+    assert not torch.equal(words[0], words[1]) and not torch.equal(words[0], words[2])
 
 
 # ---- on CUDA (skipped without a GPU; the prepared GPU check runs them) ----------------------
@@ -333,14 +341,14 @@ def test_cuda_step_syncs_only_in_its_one_copy(monkeypatch):
 @cuda
 def test_cuda_seeded_tokens_equal_the_cpu_ones():
     """The hash gives the same uniforms on both devices, so seeded draws from the same
-    float32 logits agree (a draw may differ only where the devices' log rounds a near-tie
-    differently: allow 1 in 100)."""
+    float32 logits agree (a draw may differ only where the devices' softmax rounds a CDF
+    boundary onto the other side of u: allow 1 in 100)."""
     x = logits(rows=64, vocab=5000, seed=9)
     params = [SamplingParams(temperature=0.9, seed=1000 + i) for i in range(64)]
-    u_cpu = seeded_uniform(torch.arange(64), torch.zeros(64, dtype=torch.int64),
-                           torch.full((64,), 5), 5000)
-    u_gpu = seeded_uniform(torch.arange(64).cuda(), torch.zeros(64, dtype=torch.int64).cuda(),
-                           torch.full((64,), 5).cuda(), 5000)
+    u_cpu = seeded_row_uniforms(torch.arange(64), torch.zeros(64, dtype=torch.int64),
+                                torch.full((64,), 5))
+    u_gpu = seeded_row_uniforms(torch.arange(64).cuda(), torch.zeros(64, dtype=torch.int64).cuda(),
+                                torch.full((64,), 5).cuda())
     assert torch.equal(u_cpu, u_gpu.cpu())
     same = 0
     for n in range(10):
