@@ -187,10 +187,12 @@ def _top_k_top_p(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     probs = torch.exp(vals - torch.logsumexp(masked, dim=-1, keepdim=True))
     drop = (probs.cumsum(dim=-1) - probs >= top_p) & (top_p < 1.0)
     drop[:, 0] = False
-    nucleus = torch.full_like(x, float("-inf")).scatter(1, order, vals.masked_fill(drop, float("-inf")))
+    nucleus = torch.full_like(x, float("-inf")).scatter(1, order,
+                                                        vals.masked_fill(drop, float("-inf")))
     out = torch.where(top_p < 1.0, nucleus, masked)
     # rows whose k reaches past the candidates, or whose nucleus does
-    whole = ((k > width) & (k < vocab)) | ((top_p[:, 0] < 1.0) & (probs.sum(dim=-1) < top_p[:, 0]))
+    whole = ((k > width) & (k < vocab)) \
+        | ((top_p[:, 0] < 1.0) & (probs.sum(dim=-1) < top_p[:, 0]))
     if bool(whole.any()):
         rows = whole.nonzero().flatten()
         out[rows] = _top_k_top_p_sorted(x[rows], table[rows])
