@@ -107,7 +107,7 @@ class Sampler:
         """[R] ids drawn from [R, V] logits; `table`: the rows' packed parameters."""
         x = logits.float() / table[:, _TEMPERATURE, None].float()
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            x = _top_k_top_p(x, table)
+            x = _top_k_top_p(x, table, params)
         # one uniform a row: a seeded row's a function of its seed and output index alone
         # (so its token depends on nothing else in the batch), the others' from the generator
         seeded = [p.seed is not None for p in params]
@@ -156,7 +156,8 @@ def _seed_columns(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     return cols[:, 0], cols[:, 1], cols[:, 2]
 
 
-def _top_k_top_p(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+def _top_k_top_p(x: torch.Tensor, table: torch.Tensor,
+                 params: list[SamplingParams]) -> torch.Tensor:
     """Mask (-inf) what each row's top-k and top-p leave out; k = 0 and p = 1 are off. Ties
     with the k-th value stay in; top-p keeps the smallest prefix (by probability) whose mass
     reaches p, so a p that rounds to 0 keeps the most likely token.
@@ -165,15 +166,16 @@ def _top_k_top_p(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     each row's largest come first (NUCLEUS_WIDTH of them for top-p: 8 ms; k for top-k alone):
     where k is within them and they hold at least p of the mass, the nucleus is a prefix of
     them. Rows where not are sorted whole. That needs a look at the values, free on a CPU; on
-    a GPU it would be a sync, so there every row is sorted whole."""
+    a GPU it would be a sync, so there every row is sorted whole. `params`: the rows' own, on
+    the host (the window's width comes from them)."""
     vocab = x.shape[1]
     if x.device.type != "cpu":
         return _top_k_top_p_sorted(x, table)
     k = table[:, _TOP_K].to(torch.int64)
     top_p = table[:, _TOP_P, None].float()
     # top-k alone needs each row's k largest; a nucleus, the wider window
-    nucleus_rows = bool((top_p < 1.0).any())
-    width = min(vocab, NUCLEUS_WIDTH if nucleus_rows else int(k.max()))
+    nucleus_rows = any(p.top_p < 1.0 for p in params)
+    width = min(vocab, NUCLEUS_WIDTH if nucleus_rows else max(p.top_k for p in params))
     if width == vocab:
         return _top_k_top_p_sorted(x, table)
     vals, order = torch.topk(x, width, dim=-1)              # each row's largest, descending
