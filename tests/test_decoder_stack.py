@@ -65,6 +65,77 @@ def test_the_stack_gives_the_layers_logits_bit_for_bit(tmp_path, dtype, requests
         assert torch.equal(stacked, layered)
 
 
+# head_dim 64: the prefill kernel's size (the tiny model's 16 has none, so no mixed call)
+WIDE = dict(hidden_size=256, intermediate_size=512)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_iterations_with_prompt_chunks_give_the_layers_logits_bit_for_bit(tmp_path, dtype):
+    """DecoderStack.mixed: decodes beside chunks of many rows, of one row at a prompt position
+    (the budget cut a prompt to its last row), and prompts alone."""
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", write_tiny_llama(tmp_path / "hf", **WIDE), Q.Q4_1)
+    with _engine(gguf, dtype, max_num_batched_tokens=24) as engine:
+        model = engine.runner.model
+        if not engine.runner.backend._prefill_in_kernel(64, 2):
+            pytest.skip("no prefill kernel in this build (AVX-512 only): no mixed call")
+        forward, checked = model.forward, []
+
+        def compare(ids, kv, meta, backend, **hooks):
+            stack = model._decoder_stack(kv)
+            by_prefill = model._mixed_rows(stack, meta, backend, kv) if stack else None
+            if by_prefill is None or hooks.get("after_layer"):
+                return forward(ids, kv, meta, backend, **hooks)
+            one_call = forward(ids, kv, meta, backend, **hooks)
+            model.native_decode = False
+            layered = forward(ids, kv, meta, backend)
+            model.native_decode = True
+            assert torch.equal(one_call, layered)
+            checked.append((int((by_prefill == 0).sum()), int(by_prefill.sum()),
+                            any(g.prompt_rows for g in meta.groups)))
+            return one_call
+
+        model.forward = compare
+        # 24 rows of the first prompt alone, then its last row beside the next one's chunk,
+        # then decodes beside chunks
+        for p in (list(range(5, 30)), PROMPTS[1], PROMPTS[2], PROMPTS[3]):
+            engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+    assert any(decodes and prompts for decodes, prompts, _ in checked), checked
+    assert any(decodes == 0 for decodes, _, _ in checked), checked
+    assert any(one_row for _, _, one_row in checked), checked
+
+
+def test_the_mixed_call_refuses_inconsistent_chunks(tmp_path):
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", write_tiny_llama(tmp_path / "hf", **WIDE), Q.Q4_1)
+    with _engine(gguf, "bfloat16") as engine:
+        kv = engine.runner.kv_caches
+        stack = engine.runner.model._decoder_stack(kv)
+        if not engine.runner.backend._prefill_in_kernel(64, 2):
+            pytest.skip("no prefill kernel in this build (AVX-512 only): no mixed call")
+        x = torch.zeros(3, 256)
+        i64, i32 = (lambda *v: torch.tensor(v, dtype=torch.int64)), \
+            (lambda *v: torch.tensor(v, dtype=torch.int32))
+        table, cu, lens = i32(1, 2).view(1, 2), i32(0, 3), i32(3)
+        ok = dict(positions=i64(0, 1, 2), slots=i64(16, 17, 18))
+        rows = torch.ones(3, dtype=torch.uint8)
+        stack.mixed(x, ok["positions"], ok["slots"], table, cu, lens, rows)   # well formed
+        with pytest.raises(RuntimeError, match="position or slot"):
+            stack.mixed(x, i64(0, 1, 5), ok["slots"], table, cu, lens, rows)
+        with pytest.raises(RuntimeError, match="position or slot"):
+            stack.mixed(x, ok["positions"], i64(16, 17, 10 ** 9), table, cu, lens, rows)
+        with pytest.raises(RuntimeError, match="two kernels"):
+            stack.mixed(x, ok["positions"], ok["slots"], table, cu, lens,
+                        torch.tensor([1, 0, 1], dtype=torch.uint8))
+        with pytest.raises(RuntimeError, match="decode of more than one row"):
+            stack.mixed(x, ok["positions"], ok["slots"], table, cu, lens, torch.zeros_like(rows))
+        with pytest.raises(RuntimeError, match="block id"):
+            stack.mixed(x, ok["positions"], ok["slots"], i32(1, 10 ** 6).view(1, 2), cu,
+                        i32(20), rows)
+        with pytest.raises(RuntimeError, match="cu_seqlens_q from 0"):
+            stack.mixed(x, ok["positions"], ok["slots"], table, i32(0, 2), lens, rows)
+
+
 def test_greedy_tokens_are_the_same_with_and_without_the_stack(tmp_path):
     gguf = write_tiny_gguf(tmp_path / "m.gguf", write_tiny_llama(tmp_path / "hf", seed=3), Q.Q4_0)
     sp = [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)] * len(PROMPTS)
@@ -94,6 +165,10 @@ def test_the_runner_says_when_the_layers_start(tmp_path):
             def decode(self, *a):
                 events.append("stack")
                 return self.inner.decode(*a)
+
+            def mixed(self, *a):
+                events.append("stack")
+                return self.inner.mixed(*a)
 
         model.embed_tokens.forward = lambda *a: events.append("embed") or embed(*a)
         model.layers[0].forward = lambda *a: events.append("layers") or layer(*a)

@@ -81,6 +81,26 @@ class TorchAttentionBackend:
             return None
         return g
 
+    def mixed_rows(self, meta: AttentionMetadata, cache_dtype: torch.dtype, head_dim: int,
+                   group: int) -> torch.Tensor | None:
+        """For an iteration with prompt chunks, which rows `forward` would attend by the
+        prefill kernel (1) and which by the decode kernel (0), [T] uint8: the kernels'
+        DecoderStack.mixed then runs every layer in one call with the same bits. None where
+        `forward` would use anything else (torch's attention for a chunk, no prefill kernel for
+        this head size) or the iteration is decodes alone (`decode_group`'s)."""
+        kernels = self._kernels
+        if kernels is None or cache_dtype not in (torch.float32, torch.bfloat16) or \
+                not self._prefill_in_kernel(head_dim, group) or \
+                self.decode_group(meta, cache_dtype) is not None:
+            return None
+        by_prefill = torch.ones(meta.positions.shape[0], dtype=torch.uint8)
+        for g in meta.groups:
+            if g.q_index.shape[1] == 1 and not g.prompt_rows:
+                if g.fresh:             # a one-token prompt: torch's attention in `forward`
+                    return None
+                by_prefill[g.q_index.flatten()] = 0
+        return by_prefill
+
     def _prefill_in_kernel(self, head_dim: int, group: int) -> bool:
         key = (head_dim, group)
         if key not in self._prefill_supported:          # once per shape, not once per layer

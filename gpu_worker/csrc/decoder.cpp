@@ -105,6 +105,92 @@ class DecoderStack {
         TORCH_CHECK(bt[g * max_blocks + b] >= 0 && bt[g * max_blocks + b] < k0.size(0),
                     "DecoderStack.decode: a block id out of the pool");
     }
+    return run(x, [&](Layer& l, const bf16* qkv, bf16* attn) {
+      attend(l, qkv, pos, slot, bt, lens, G, BS, max_blocks, attn);
+    });
+  }
+
+  // An iteration with prompt chunks (docs/design.md#one-call-per-iteration): the same layers,
+  // with each chunk's rows attended by the kernel the layers' own path gives them — the prefill
+  // kernel for chunks of two or more rows and for single rows at prompt positions, the decode
+  // kernel for decodes — so the bits are the layers' path's. x [T, hidden] float32 in place;
+  // positions, slots [T] int64; the flash-attn form of the chunks: block_table [R, blocks],
+  // cu_seqlens_q [R + 1], kv_lens [R] (int32); by_prefill [T] uint8: 1 where a row is
+  // attended by the prefill kernel (the same for every row of a chunk; a decode's chunk is one row).
+  torch::Tensor mixed(torch::Tensor& x, const torch::Tensor& positions, const torch::Tensor& slots,
+                      const torch::Tensor& block_table, const torch::Tensor& cu_seqlens_q,
+                      const torch::Tensor& kv_lens, const torch::Tensor& by_prefill) {
+    TORCH_CHECK(!layers_.empty(), "DecoderStack: no layers");
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == hidden_ &&
+                    x.is_contiguous(), "DecoderStack.mixed: x [T, hidden] float32");
+    TORCH_CHECK(pacer::paged_prefill_supported(head_dim_, heads_ / kv_heads_),
+                "DecoderStack.mixed: this build has no prefill kernel for the head size");
+    const int64_t T = x.size(0);
+    for (const torch::Tensor* t : {&positions, &slots})
+      TORCH_CHECK(t->dtype() == torch::kInt64 && t->is_contiguous() && t->numel() == T,
+                  "DecoderStack.mixed: contiguous int64 positions and slots, one per row");
+    for (const torch::Tensor* t : {&block_table, &cu_seqlens_q, &kv_lens})
+      TORCH_CHECK(t->dtype() == torch::kInt32 && t->is_contiguous(),
+                  "DecoderStack.mixed: contiguous int32 block table, cu_seqlens_q and lengths");
+    TORCH_CHECK(by_prefill.dtype() == torch::kUInt8 && by_prefill.is_contiguous() &&
+                    by_prefill.numel() == T, "DecoderStack.mixed: by_prefill [T] uint8");
+    const int64_t R = kv_lens.numel();
+    TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == R && cu_seqlens_q.numel() == R + 1,
+                "DecoderStack.mixed: one block-table row, length and cu_seqlens step per chunk");
+    const torch::Tensor& k0 = layers_[0].k_cache;
+    const int64_t BS = k0.size(1), num_slots = k0.size(0) * BS, MB = block_table.size(1);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    const int32_t* bt = block_table.data_ptr<int32_t>();
+    const int32_t* cu = cu_seqlens_q.data_ptr<int32_t>();
+    const int32_t* lens = kv_lens.data_ptr<int32_t>();
+    const uint8_t* pre = by_prefill.data_ptr<uint8_t>();
+    TORCH_CHECK(cu[0] == 0 && cu[R] == T, "DecoderStack.mixed: cu_seqlens_q from 0 to the rows");
+    // the decode kernel's requests, and the prefill kernel's chunks gathered into a batch of
+    // their own (whole chunks: the kernel's tiles start at each chunk's first row)
+    Split split;
+    split.pre_cu.push_back(0);
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t rows = cu[r + 1] - cu[r];
+      TORCH_CHECK(rows >= 1 && lens[r] >= rows && lens[r] <= MB * BS,
+                  "DecoderStack.mixed: a chunk of no rows, or a length beyond its block table");
+      for (int64_t b = 0; b < (lens[r] + BS - 1) / BS; ++b)
+        TORCH_CHECK(bt[r * MB + b] >= 0 && bt[r * MB + b] < k0.size(0),
+                    "DecoderStack.mixed: a block id out of the pool");
+      for (int64_t t = cu[r]; t < cu[r + 1]; ++t) {
+        TORCH_CHECK(pos[t] == lens[r] - rows + (t - cu[r]) && pos[t] < cos_.size(0) &&
+                        slot[t] >= 0 && slot[t] < num_slots,
+                    "DecoderStack.mixed: a position or slot out of range");
+        TORCH_CHECK(pre[t] == pre[cu[r]], "DecoderStack.mixed: a chunk's rows of two kernels");
+      }
+      if (pre[cu[r]]) {
+        for (int64_t t = cu[r]; t < cu[r + 1]; ++t) split.pre_rows.push_back(t);
+        split.pre_cu.push_back(static_cast<int32_t>(split.pre_rows.size()));
+        split.pre_lens.push_back(lens[r]);
+        split.pre_bt.insert(split.pre_bt.end(), bt + r * MB, bt + (r + 1) * MB);
+      } else {
+        TORCH_CHECK(rows == 1, "DecoderStack.mixed: a decode of more than one row");
+        split.dec_rows.push_back(cu[r]);
+        split.dec_lens.push_back(lens[r]);
+        split.dec_bt.insert(split.dec_bt.end(), bt + r * MB, bt + (r + 1) * MB);
+      }
+    }
+    return run(x, [&](Layer& l, const bf16* qkv, bf16* attn) {
+      attend_mixed(l, qkv, pos, slot, split, T, BS, MB, attn);
+    });
+  }
+
+ private:
+  struct Split {
+    std::vector<int64_t> dec_rows, dec_lens, dec_bt, pre_rows;
+    std::vector<int32_t> pre_cu, pre_lens, pre_bt;
+  };
+
+  // every layer over G rows, attention by `attend(layer, qkv, out)`; returns the last layer's
+  // MLP output (bfloat16), not added to x yet
+  template <typename Attend>
+  torch::Tensor run(torch::Tensor& x, const Attend& attend_rows) {
+    const int64_t G = x.size(0);
     const int64_t q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
     auto opts = x.options().dtype(torch::kBFloat16);
     torch::Tensor out = torch::empty({G, hidden_}, opts);
@@ -124,7 +210,7 @@ class DecoderStack {
           pacer::add_rms_norm(xp, static_cast<const float*>(nullptr), l.norm1.data_ptr<float>(),
                               h.get(), G, hidden_, eps_);
         mm(h.get(), G, l.qkv, qkv.get());
-        attend(l, qkv.get(), pos, slot, bt, lens, G, BS, max_blocks, attn.get());
+        attend_rows(l, qkv.get(), attn.get());
         mm(attn.get(), G, l.o, a.get());
         pacer::add_rms_norm(xp, static_cast<const bf16*>(a.get()), l.norm2.data_ptr<float>(),
                             h.get(), G, hidden_, eps_);
@@ -137,7 +223,6 @@ class DecoderStack {
     return out;
   }
 
- private:
   torch::Tensor norm(torch::Tensor w) const {
     TORCH_CHECK(w.dtype() == torch::kFloat32 && w.is_contiguous() && w.dim() == 1 &&
                     w.size(0) == hidden_, "DecoderStack: float32 norm weights [hidden]");
@@ -178,6 +263,59 @@ class DecoderStack {
                                            out);
   }
 
+  // RoPE and the K/V store for every row as decode_attention_block does them (rotary's bits),
+  // then the decode kernel over the decodes and the prefill kernel over the chunks
+  template <typename T>
+  void attend_split(const bf16* qkv, const int64_t* pos, const int64_t* slot, const Split& sp,
+                    int64_t T_rows, int64_t BS, int64_t MB, T* k_cache, T* v_cache,
+                    bf16* out) const {
+    const float* c = cos_.data_ptr<float>();
+    const float* s = sin_.data_ptr<float>();
+    const int64_t row = (heads_ + 2 * kv_heads_) * head_dim_, qn = heads_ * head_dim_,
+                  kn = kv_heads_ * head_dim_;
+    const int64_t Gd = static_cast<int64_t>(sp.dec_rows.size()),
+                  Tp = static_cast<int64_t>(sp.pre_rows.size());
+    std::vector<float> qd(Gd * qn), od(Gd * qn), qp(Tp * qn), op(Tp * qn), k(kn);
+    std::vector<float*> dest(T_rows);
+    for (int64_t i = 0; i < Gd; ++i) dest[sp.dec_rows[i]] = qd.data() + i * qn;
+    for (int64_t i = 0; i < Tp; ++i) dest[sp.pre_rows[i]] = qp.data() + i * qn;
+    for (int64_t t = 0; t < T_rows; ++t) {
+      const bf16* r = qkv + t * row;
+      float* qt = dest[t];
+      for (int64_t i = 0; i < qn; ++i) qt[i] = pacer::to_float(r[i]);
+      for (int64_t i = 0; i < kn; ++i) k[i] = pacer::to_float(r[qn + i]);
+      pacer::rotary(qt, qn, pos + t, c, s, 1, heads_, head_dim_);
+      pacer::rotary(k.data(), kn, pos + t, c, s, 1, kv_heads_, head_dim_);
+      T* kd = k_cache + slot[t] * kn;
+      T* vd = v_cache + slot[t] * kn;
+      for (int64_t i = 0; i < kn; ++i) {
+        kd[i] = pacer::from_float<T>(k[i]);
+        vd[i] = pacer::from_float<T>(pacer::to_float(r[qn + kn + i]));
+      }
+    }
+    if (Gd)
+      pacer::paged_decode<T>(qd.data(), k_cache, v_cache, sp.dec_bt.data(), sp.dec_lens.data(),
+                             Gd, heads_, head_dim_, BS, kv_heads_, MB, scale_, od.data());
+    if (Tp)
+      pacer::paged_prefill<T>(qp.data(), k_cache, v_cache, sp.pre_bt.data(), sp.pre_cu.data(),
+                              sp.pre_lens.data(), static_cast<int64_t>(sp.pre_lens.size()),
+                              heads_, head_dim_, BS, kv_heads_, MB, 1, scale_, op.data());
+    for (int64_t i = 0; i < Gd; ++i)
+      for (int64_t j = 0; j < qn; ++j) out[sp.dec_rows[i] * qn + j] = pacer::to_bf16(od[i * qn + j]);
+    for (int64_t i = 0; i < Tp; ++i)
+      for (int64_t j = 0; j < qn; ++j) out[sp.pre_rows[i] * qn + j] = pacer::to_bf16(op[i * qn + j]);
+  }
+
+  void attend_mixed(Layer& l, const bf16* qkv, const int64_t* pos, const int64_t* slot,
+                    const Split& sp, int64_t T_rows, int64_t BS, int64_t MB, bf16* out) const {
+    if (l.k_cache.dtype() == torch::kBFloat16)
+      attend_split<bf16>(qkv, pos, slot, sp, T_rows, BS, MB, bf16_ptr(l.k_cache),
+                         bf16_ptr(l.v_cache), out);
+    else
+      attend_split<float>(qkv, pos, slot, sp, T_rows, BS, MB, l.k_cache.data_ptr<float>(),
+                          l.v_cache.data_ptr<float>(), out);
+  }
+
   int64_t hidden_, heads_, kv_heads_, head_dim_, ffn_, group_;
   float eps_, scale_;
   torch::Tensor cos_, sin_;
@@ -200,5 +338,8 @@ void pacer_bind_decoder(pybind11::module_& m) {
            "norm1, qkv, o, norm2, gate_up, down (int4, VNNI layout), k_cache, v_cache")
       .def("decode", &DecoderStack::decode,
            "x (float32, in place), positions, slots, block tables, lengths -> the last "
-           "layer's MLP output (bf16)");
+           "layer's MLP output (bf16)")
+      .def("mixed", &DecoderStack::mixed,
+           "x (float32, in place), positions, slots, block_table, cu_seqlens_q, kv_lens "
+           "(int32), by_prefill (uint8 per row) -> the last layer's MLP output (bf16)");
 }

@@ -166,9 +166,14 @@ class LlamaForCausalLM(nn.Module):
             if stack is not None and hasattr(backend, "decode_group") else None
         if before_layers is not None:
             before_layers()
+        by_prefill = self._mixed_rows(stack, meta, backend, kv_caches) \
+            if stack is not None and group is None else None
         if group is not None:       # decodes alone: every layer in one C++ call
             delta = stack.decode(x, meta.positions, meta.slot_mapping, group.block_tables,
                                  group.kv_lens)
+        elif by_prefill is not None:    # with prompt chunks: the same, each row's kernel its own
+            delta = stack.mixed(x, meta.positions, meta.slot_mapping, meta.block_table,
+                                meta.cu_seqlens_q, meta.seqused_k, by_prefill)
         else:
             delta = None
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
@@ -179,6 +184,15 @@ class LlamaForCausalLM(nn.Module):
         h = self.norm(x[meta.sample_rows])
         with scope("lm_head"):
             return self.lm_head(h).float()
+
+    def _mixed_rows(self, stack, meta, backend, kv_caches):
+        """The rows' kernels for DecoderStack.mixed (TorchAttentionBackend.mixed_rows), or None
+        where the layers' own path serves the iteration."""
+        if not hasattr(backend, "mixed_rows") or not hasattr(stack, "mixed"):
+            return None
+        attn = self.layers[0].self_attn
+        return backend.mixed_rows(meta, kv_caches[0][0].dtype, attn.head_dim,
+                                  attn.num_heads // attn.num_kv_heads)
 
     def _decoder_stack(self, kv_caches):
         """The CPU kernels' DecoderStack over these caches (csrc/decoder.cpp: an iteration of
