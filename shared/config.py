@@ -19,12 +19,12 @@ DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # `--target-tbt-ms auto`: an iteration that carries prefill may take this many times the
-# predicted time of its decodes alone, and at least one fewer times that of its decodes plus one
-# block of prefill rows (docs/design.md#the-token-gap-target; docs/benchmarks.md#interference
-# measures it)
+# predicted time of its decodes alone, and at least that of its decodes plus one block of
+# prefill rows (one fewer times that where the GEMMs widen their weights from some row count)
+# (docs/design.md#the-token-gap-target; docs/benchmarks.md#interference measures it)
 AUTO_TBT_FACTOR = 4.0
-AUTO_TBT_TEXT = (f"{AUTO_TBT_FACTOR:g}x the predicted decodes, at least "
-                 f"{AUTO_TBT_FACTOR - 1:g}x the decodes plus one block")
+AUTO_TBT_TEXT = (f"{AUTO_TBT_FACTOR:g}x the predicted decodes, at least the decodes plus one "
+                 f"block ({AUTO_TBT_FACTOR - 1:g}x that where the GEMMs widen their weights)")
 # `--target-ttft-ms auto` (P/D prefill instances): a prompt's first token within this many
 # times its own predicted prefill, plus one full-budget iteration (docs/design.md#the-ttft-goal)
 AUTO_TTFT_FACTOR = 3.0

@@ -462,13 +462,15 @@ class Scheduler:
             budget_ms = config.target_tbt_ms
         elif config.target_tbt_factor is not None:
             # a multiple of the decodes alone (the best-measured shape there is: steady, where
-            # a fit of the mixed shapes swings), and at least one fewer of the cheapest
-            # iteration that moves a waiting prompt, the decodes and one block of prefill rows
-            # (where a prefill row makes the GEMMs take a costlier path, int4 weights widened
-            # without AMX, that is well above the decodes alone)
+            # a fit of the mixed shapes swings), and at least the cheapest iteration that
+            # moves a waiting prompt, the decodes and one block of prefill rows; where the
+            # GEMMs widen their weights from some row count on (a cost per iteration however
+            # few the rows), at least one fewer times that, so that each widening moves
+            # factor - 1 blocks' worth of time
             block, factor = config.block_size, config.target_tbt_factor
+            floor = 1.0 if getattr(cost, "wide_from_rows", None) is None else factor - 1
             budget_ms = max(factor * cost.iteration_ms(decodes),
-                            (factor - 1) * cost.iteration_ms(decodes + [(block, block)]))
+                            floor * cost.iteration_ms(decodes + [(block, block)]))
             # Prompts waiting for their first token, those whose whole prompt fits one
             # iteration's tokens, stretch it by (streams + prompts) / streams, streams counted
             # as at least a few: a longer iteration delays each running stream once but brings
