@@ -38,6 +38,12 @@ _SCALE = (1.0, 1e-1, 1e-2, 1e-5, 1.0, 1e-1)
 CPU_PRIOR_MS = (20.0, 0.3, 0.25, 1e-4, 0.0, 0.0)
 # a measured time off its prediction by more than this share weighs less (robust to outliers)
 _HUBER = 0.3
+# Each kind of iteration (decodes alone, decodes with prefill, prefill alone) also keeps how far
+# the fit is off it, measured / predicted, as a moving average of this weight per observation
+# (each ratio held within 1 ± _HUBER of the average so far: a neighbour's burst moves it
+# little); the prediction is the fit's times that.
+_BIAS_RATE = 0.15
+KINDS = ("decode", "mixed", "prefill")
 
 
 def _features(decode_rows: int, prefill_rows: int, pairs: int,
@@ -47,6 +53,10 @@ def _features(decode_rows: int, prefill_rows: int, pairs: int,
     narrow_rows = rows if wide_from_rows is not None and not wide else 0
     return (1.0, decode_rows * _SCALE[1], prefill_rows * _SCALE[2], pairs * _SCALE[3],
             1.0 if wide else 0.0, narrow_rows * _SCALE[5])
+
+
+def kind_of(decode_rows: int, prefill_rows: int) -> str:
+    return "decode" if not prefill_rows else "prefill" if not decode_rows else "mixed"
 
 
 def _shape(chunks: Sequence[Chunk]) -> tuple[int, int, int]:
@@ -143,6 +153,18 @@ class OnlineIterationCost:
         self._unit_ms = max(self._prior_ms_of(features([(1, 1)], wide_from_rows)), 1e-9)
         self.observations = 0
         self.mean_abs_error = 0.0                    # |predicted − measured| / measured, EWMA
+        # per kind of iteration, measured / the fit's prediction, a moving average: a linear
+        # fit over every kind leaves each kind a bias of its own (on a 2-core CPU it priced
+        # decodes alone 13 % high and decodes with a prompt chunk 15 % low: the iterations the
+        # token-gap target sizes), which this takes out
+        self.bias = dict.fromkeys(KINDS, 1.0)
+        # Decodes alone are priced from their own measured time instead (a moving average,
+        # and the features of the last one): while a long prompt is chunked no iteration is
+        # of decodes alone, the fit learns from mixed ones only and its price of the decodes
+        # drifts (8.4 -> 14.1 ms over one prompt here, against 10-11 measured), and with it
+        # the token-gap target it sets. The fit only scales it to the shape asked.
+        self._decode_ms: float | None = None
+        self._decode_x: tuple[float, ...] | None = None
 
     @classmethod
     def seeded_from(cls, cost, **kw) -> OnlineIterationCost:
@@ -166,10 +188,22 @@ class OnlineIterationCost:
             self.wide_from_rows = wide_from_rows
         if not chunks or not (measured_ms > 0 and math.isfinite(measured_ms)):
             return
-        x = features(chunks, self.wide_from_rows)
-        predicted = self.iteration_ms(chunks)
-        err = abs(predicted - measured_ms) / measured_ms
+        decode_rows, prefill_rows, pairs = _shape(chunks)
+        x = _features(decode_rows, prefill_rows, pairs, self.wide_from_rows)
+        kind = kind_of(decode_rows, prefill_rows)
+        predicted = self._fit_ms(x)
+        err = abs(self._ms(decode_rows, prefill_rows, pairs) - measured_ms) / measured_ms
         self.mean_abs_error = err if self.observations == 0 else 0.9 * self.mean_abs_error + 0.1 * err
+        bias = self.bias[kind]
+        ratio = min(max(measured_ms / max(predicted, 1e-9), bias * (1 - _HUBER)),
+                    bias * (1 + _HUBER))
+        self.bias[kind] = bias + _BIAS_RATE * (ratio - bias)
+        if kind == "decode":
+            # (the earlier average carried to this shape by the fit; the step held as above)
+            before = self._ms(decode_rows, prefill_rows, pairs) if self._decode_ms else measured_ms
+            held = min(max(measured_ms, before * (1 - _HUBER)), before * (1 + _HUBER))
+            self._decode_ms = before + _BIAS_RATE * (held - before)
+            self._decode_x = x
         # What counts is the error relative to the iteration's size (5 ms off a 10 ms decode
         # step matters, off a 500 ms prefill not): each iteration weighs 1/size, its size as
         # the prior prices its shape (a fixed scale, so that a change of machine speed leaves
@@ -195,9 +229,15 @@ class OnlineIterationCost:
     def _prior_ms_of(self, x: Sequence[float]) -> float:
         return sum(p * f for p, f in zip(self._prior, x))
 
+    def _fit_ms(self, x: Sequence[float]) -> float:
+        return sum(t * f for t, f in zip(self.theta, x))
+
     def _ms(self, decode_rows: int, prefill_rows: int, pairs: int) -> float:
-        return sum(t * f for t, f in zip(self.theta, _features(decode_rows, prefill_rows, pairs,
-                                                                self.wide_from_rows)))
+        x = _features(decode_rows, prefill_rows, pairs, self.wide_from_rows)
+        kind = kind_of(decode_rows, prefill_rows)
+        if kind == "decode" and self._decode_ms is not None:
+            return self._decode_ms * self._fit_ms(x) / max(self._fit_ms(self._decode_x), 1e-9)
+        return self._fit_ms(x) * self.bias[kind]
 
     def iteration_ms(self, chunks: Sequence[Chunk]) -> float:
         return self._ms(*_shape(chunks))
@@ -221,19 +261,20 @@ class OnlineIterationCost:
         edge = big if self.wide_from_rows is None else max(0, self.wide_from_rows - rows0)
         # [lo, hi): first the wide side, then the narrow one; on each, ms rises with N
         for lo, hi in ((edge, big), (0, edge)):
-            n = self._largest_on_side(ms, budget_ms, lo, hi, prefix_len) if lo < hi else None
+            n = self._largest_on_side(ms, budget_ms, lo, hi, prefix_len,
+                                      self.bias[kind_of(decodes, 2)]) if lo < hi else None
             if n is not None:
                 return n
         return 0
 
-    def _largest_on_side(self, ms, budget_ms: float, lo: int, hi: int,
-                         prefix_len: int) -> int | None:
+    def _largest_on_side(self, ms, budget_ms: float, lo: int, hi: int, prefix_len: int,
+                         bias: float) -> int | None:
         """Largest x in [lo, hi) with ms(x) <= budget_ms, ms rising on the interval; None if
         none. The quadratic in x (pairs grow as x²) gives a guess, corrected row by row."""
         if ms(lo) > budget_ms:
             return None
-        per_row = self.theta[2] * _SCALE[2]
-        per_pair = self.theta[3] * _SCALE[3]
+        per_row = self.theta[2] * _SCALE[2] * bias
+        per_pair = self.theta[3] * _SCALE[3] * bias
         base = ms(lo)
         left = budget_ms - base
         a = per_pair / 2
