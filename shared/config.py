@@ -22,7 +22,7 @@ DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # predicted time of its decodes alone, and at least that of its decodes plus one block of
 # prefill rows (one fewer times that where the GEMMs widen their weights from some row count)
 # (docs/design.md#the-token-gap-target; docs/benchmarks.md#interference measures it)
-AUTO_TBT_FACTOR = 4.0
+AUTO_TBT_FACTOR = 3.0
 AUTO_TBT_TEXT = (f"{AUTO_TBT_FACTOR:g}x the predicted decodes, at least the decodes plus one "
                  f"block ({AUTO_TBT_FACTOR - 1:g}x that where the GEMMs widen their weights)")
 # `--target-ttft-ms auto` (P/D prefill instances): a prompt's first token within this many

@@ -1,5 +1,6 @@
 """The latency budget (`max_iteration_ms`): the cost model caps how much prefill rides along
-with the decodes, decodes always run, and a prompt always makes at least one block of progress.
+with the decodes, decodes always run, and a prompt always makes progress: at least one block
+(the tests' blocks are of 4 tokens), or MIN_PREFILL_ROWS rows where blocks are larger.
 
 Costs are plain ints: `RowCost` prices an iteration at `row_ms` per Q row plus `kv_ms` per
 KV row, so the expected chunk sizes can be worked out by hand. The roofline's closed form
@@ -142,6 +143,19 @@ def test_decodes_over_budget_still_run_and_a_prompt_moves_one_block_at_a_time():
         if "long" in plan.num_scheduled_tokens:
             sizes.append(plan.num_scheduled_tokens["long"])
     assert sizes == [4, 4, 2]                    # one block per iteration
+
+
+@pytest.mark.parametrize("wide_from_rows,moves", [(None, 4), (24, 16)])
+def test_the_floor_is_a_few_rows_unless_the_gemms_widen(wide_from_rows, moves):
+    """With 16-token blocks: a prompt beside decodes that fill the budget moves
+    MIN_PREFILL_ROWS (4) rows an iteration, or a whole block where the GEMMs widen their
+    weights from some row count (a widening paid for 4 rows is the dearest iteration)."""
+    sched = make(budget_ms=2, block_size=16, cost=RowCost(wide_from_rows=wide_from_rows))
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 5)
+    add(sched, "long", 40, max_tokens=1)
+    plan, _ = step(sched, worker)
+    assert plan.num_scheduled_tokens["long"] == moves
 
 
 def test_only_the_first_prefill_gets_the_floor():

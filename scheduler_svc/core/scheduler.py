@@ -94,6 +94,12 @@ class _Iteration:
 
 _PLACEHOLDER = -1           # the token a plan in flight samples, while the next is planned
 STRETCH_MIN_STREAMS = 4     # the token-gap target's stretch counts at least this many streams
+# the rows the first prompt chunk of an iteration may always take, whatever the latency
+# budget (so that a prompt always moves), where a GEMM costs by its rows (no widening step):
+# a few rows beside the decodes, not a KV block's 16 — over a long prefix each row's
+# attention costs more than a decode row, and 16 of them alone were 2-3 decode steps
+# (docs/design.md#the-token-gap-target)
+MIN_PREFILL_ROWS = 4
 
 
 @dataclass(slots=True)
@@ -463,14 +469,14 @@ class Scheduler:
         elif config.target_tbt_factor is not None:
             # a multiple of the decodes alone (the best-measured shape there is: steady, where
             # a fit of the mixed shapes swings), and at least the cheapest iteration that
-            # moves a waiting prompt, the decodes and one block of prefill rows; where the
-            # GEMMs widen their weights from some row count on (a cost per iteration however
-            # few the rows), at least one fewer times that, so that each widening moves
-            # factor - 1 blocks' worth of time
-            block, factor = config.block_size, config.target_tbt_factor
-            floor = 1.0 if getattr(cost, "wide_from_rows", None) is None else factor - 1
+            # moves a waiting prompt, the decodes and the rows a prompt may always take; where
+            # the GEMMs widen their weights from some row count on (a cost per iteration
+            # however few the rows), at least one fewer times the decodes and a block, so that
+            # each widening moves factor - 1 blocks' worth of time
+            factor, rows = config.target_tbt_factor, self._min_prefill_rows()
+            floor = factor - 1 if self._widens() else 1.0
             budget_ms = max(factor * cost.iteration_ms(decodes),
-                            floor * cost.iteration_ms(decodes + [(block, block)]))
+                            floor * cost.iteration_ms(decodes + [(rows, rows)]))
             # Prompts waiting for their first token, those whose whole prompt fits one
             # iteration's tokens, stretch it by (streams + prompts) / streams, streams counted
             # as at least a few: a longer iteration delays each running stream once but brings
@@ -485,7 +491,18 @@ class Scheduler:
             budget_ms *= max(1.0, (streams + prompts) / max(streams, STRETCH_MIN_STREAMS))
         if budget_ms is None and self.ttft_goal is None:
             return None         # a TTFT goal bounds the iteration as its prefills are placed
-        return IterationLatency(cost, budget_ms, config.block_size, decodes)
+        return IterationLatency(cost, budget_ms, self._min_prefill_rows(), decodes)
+
+    def _min_prefill_rows(self) -> int:
+        """What the first prompt chunk of an iteration may always take: MIN_PREFILL_ROWS, or a
+        whole KV block where the GEMMs widen their weights from some row count (a widening
+        paid for a few rows is the dearest iteration there is)."""
+        block = self.config.block_size
+        return block if self._widens() else min(block, MIN_PREFILL_ROWS)
+
+    def _widens(self) -> bool:
+        """Whether the cost model knows of a row count from which the GEMMs widen."""
+        return getattr(self.config.iteration_cost, "wide_from_rows", None) is not None
 
     def _continue_running(self, iteration: _Iteration,
                           finishing: frozenset[Request] = frozenset()) -> None:
