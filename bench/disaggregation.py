@@ -9,7 +9,8 @@ Every token is stamped at the client when its SSE chunk arrives; each chunk name
 until whole (random prompts make such text), so its gap spans two decode steps although
 none was late; it counts as one gap per token, each its share. Reported per mode: the decode
 streams' median and worst inter-token gap (and worst/median) once every stream is decoding
-(`steady_start`; the worst/median over all gaps is printed beside it), the same over text
+(`steady_start`; the worst/median over all gaps is printed beside it), the worst against the
+median of the "quiet" gaps, those with no long prompt in the system, the same over text
 chunks as a reader sees them, the long prompts' TTFT; for P/D, the KV bytes per long prompt, the connector's own GB/s (measured alone after the runs)
 and the share of the transfer hidden behind the prefill: 1 - (ms the prefill iterations
 waited for their sends after the forward) / (the transfer's own time at that GB/s).
@@ -18,10 +19,11 @@ waited for their sends after the forward) / (the transfer's own time at that GB/
         [--repeats 1] [--json out.json] [--plot docs/disaggregation.png]
     python bench/disaggregation.py --threshold     # the --disagg-min-prompt-tokens cut-off
 
-Late chunks are traced: after a P/D run the decode instance's plans and results streams (each
-entry stamped by Redis when it was added) give every decode step's times — plan sent, result
-sent (with the tokens: one pipeline), rank 0's forward — and each steady chunk gap over 1.5x
-the median is printed beside the step whose result carried it and the tokens it carried: was
+Late chunks are traced: after a run the plans and results streams of the instance that
+decodes (P/D's decode instance; colocated, the one) (each entry stamped by Redis when it was
+added) give every step's times — plan sent, result sent (with the tokens: one pipeline), rank
+0's forward, rows — and each steady chunk gap over 1.5x the median (colocated: 3x) is printed
+beside the step whose result carried it and the tokens it carried: was
 the step slow (the forward, or the scheduler's turn between result and plan), the chunk late on
 its way (result sent -> client), or a held character?
 """
@@ -50,6 +52,11 @@ from shared.keys import Keys  # noqa: E402
 from shared.model_config import load_model_config  # noqa: E402
 from shared.model_source import resolve_model  # noqa: E402
 
+QUIET_AFTER_S = 0.2     # a long prompt's first token, then this long, before gaps are "quiet"
+# per mode: the instance whose steps carry the streams' tokens, and the gap (x the median)
+# from which a chunk is traced as late (colocated, every gap while a prompt is chunked is
+# longer by design: the worst are what to see)
+LATE = {"colocated": ("", 3.0), "pd": ("d0", 1.5)}
 MODES = {
     "colocated": (),
     "pd": ("--prefill-workers", "1", "--decode-workers", "1", "--prefill-threads", "1",
@@ -84,9 +91,18 @@ async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]
     text = chunk_gaps(timeline, chunk_tokens, steady_from, per_token=False)
     gaps = chunk_gaps(timeline, chunk_tokens, steady_from)
     every = chunk_gaps(timeline, chunk_tokens, 0.0)
+    # the pace with no long prompt in the system: gaps that end before one is sent or over
+    # QUIET_AFTER_S after its first token (the median over every steady gap counts the
+    # slower iterations of a prompt chunked beside the streams, most of a run where
+    # prefill is slow)
+    busy = [(wall + r.sent_at, wall + r.sent_at + r.ttft + QUIET_AFTER_S) for r in long_results]
+    quiet = chunk_gaps(timeline, chunk_tokens, steady_from, outside=busy)
     return {"gap_median_ms": float(np.median(gaps)), "gap_p99_ms": float(np.percentile(gaps, 99)),
             "gap_max_ms": float(gaps.max()),
             "gap_max_over_median": float(gaps.max() / np.median(gaps)),
+            "gap_quiet_median_ms": float(np.median(quiet)) if len(quiet) else float("nan"),
+            "gap_max_over_quiet_median": float(gaps.max() / np.median(quiet))
+            if len(quiet) else float("nan"),
             "all_gaps_max_over_median": float(every.max() / np.median(every)),
             "text_gap_max_ms": float(text.max()),
             "text_gap_max_over_median": float(text.max() / np.median(text)),
@@ -107,28 +123,31 @@ def steady_start(timeline: list[list[float]]) -> float:
 
 
 def chunk_gaps(timeline: list[list[float]], chunk_tokens: list[list[int]], since: float,
-               per_token: bool = True) -> np.ndarray:
+               per_token: bool = True,
+               outside: list[tuple[float, float]] = ()) -> np.ndarray:
     """Gaps (ms) between a stream's text chunks that end after `since`. A chunk can carry
     several tokens: the pieces of one character, which the detokenizer holds until it is whole
     (random token ids make many). `per_token`: such a chunk's gap counts as one gap per token,
     each its share of the time — the pace the decode pool kept, which the text could not show;
-    else one gap per chunk, what a reader sees."""
+    else one gap per chunk, what a reader sees. `outside`: leave out gaps that end within any
+    of these (start, end) wall-clock spans."""
     out = []
     for t, tokens in zip(timeline, chunk_tokens):
         for i in range(1, len(t)):
-            if t[i] <= since:
+            if t[i] <= since or any(a <= t[i] <= b for a, b in outside):
                 continue
             k = tokens[i] if per_token and i < len(tokens) else 1
             out += [(t[i] - t[i - 1]) / k] * k
     return np.array(out) * 1e3
 
 
-def decode_steps(redis_url: str) -> list[dict]:
-    """The decode instance's steps from its plans and results streams: plan sent and result
-    sent (wall s, Redis's stamps), rank 0's forward ms, rows."""
+def decode_steps(redis_url: str, instance: str = "") -> list[dict]:
+    """The steps of the instance that decodes (P/D's "d0", or "" colocated) from its plans and
+    results streams: plan sent and result sent (wall s, Redis's stamps), rank 0's forward ms,
+    rows."""
     from shared.protocol import PlanMsg, StepResultMsg, from_fields
     client = redis.Redis.from_url(redis_url)
-    keys = Keys().for_instance("d0")
+    keys = Keys().for_instance(instance) if instance else Keys()
     try:
         plans, results = client.xrange(keys.plans), client.xrange(keys.results)
     finally:
@@ -346,8 +365,8 @@ def main() -> None:
                 run = asyncio.run(one_run(system.base_url, streams, longs, long_at, args))
                 time.sleep(0.5)                          # the last stats write
                 figures = transfer_figures(system.redis_url, 1) if mode == "pd" else {}
-                if mode == "pd":
-                    run["late"] = late_tokens(run, decode_steps(system.redis_url))
+                run["late"] = late_tokens(run, decode_steps(system.redis_url, LATE[mode][0]),
+                                          LATE[mode][1])
                 if figures:      # minus the warm-up's prompt
                     n = len(longs)
                     for k in ("kv_bytes_per_long_prompt", "transfer_ms_per_long_prompt",
@@ -373,7 +392,8 @@ def main() -> None:
           f"~{args.long_len} tokens at {args.long_at} s, dtype {args.dtype}, "
           f"{os.cpu_count()} cores, CPU flags {' '.join(flags)}; logs in {logs}")
     print_table(rows, ["repeat", "mode", "gap_median_ms", "gap_p99_ms", "gap_max_ms",
-                       "gap_max_over_median", "all_gaps_max_over_median", "text_gap_max_ms",
+                       "gap_max_over_median", "gap_quiet_median_ms", "gap_max_over_quiet_median",
+                       "all_gaps_max_over_median", "text_gap_max_ms",
                        "text_gap_max_over_median", "chunks_of_several_tokens",
                        "long_ttft_median_ms"])
     pd = [r for r in rows if r["mode"] == "pd"]
@@ -387,9 +407,12 @@ def main() -> None:
                          "ttft_goal_missed"])
     for run in runs:
         if run.get("late"):
-            print(f"\nP/D late text chunks (steady gaps over 1.5x the median), run {run['mode']}: "
-                  "the decode step whose result carried each; delivery = result sent -> client")
-            print_table(run["late"], list(run["late"][0]))
+            late = sorted(run["late"], key=lambda r: -r["gap_ms"])[:12]
+            print(f"\nLate text chunks, run {run['mode']} (steady gaps over "
+                  f"{LATE[run['mode']][1]:g}x the median; the {len(late)} longest of "
+                  f"{len(run['late'])}): the step whose result carried each; delivery = result "
+                  "sent -> client")
+            print_table(late, list(late[0]))
     write_json(args.json, {"rows": rows, "args": vars(args), "cpu_flags": flags,
                            "connector_gb_per_s": gbs,
                            "late_tokens": [run.get("late", []) for run in runs],
