@@ -19,12 +19,14 @@ DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # `--target-tbt-ms auto`: an iteration that carries prefill may take this many times the
-# predicted time of its decodes alone, and at least that of its decodes plus one block of
-# prefill rows (one fewer times that where the GEMMs widen their weights from some row count)
-# (docs/design.md#the-token-gap-target; docs/benchmarks.md#interference measures it)
+# predicted time of its decodes alone, and at least that of its decodes plus the few prefill
+# rows a prompt may always take (where the GEMMs widen their weights from some row count: one
+# fewer times the decodes plus a block) (docs/design.md#the-token-gap-target;
+# docs/benchmarks.md#one-call-for-mixed-iterations measures it)
 AUTO_TBT_FACTOR = 3.0
-AUTO_TBT_TEXT = (f"{AUTO_TBT_FACTOR:g}x the predicted decodes, at least the decodes plus one "
-                 f"block ({AUTO_TBT_FACTOR - 1:g}x that where the GEMMs widen their weights)")
+AUTO_TBT_TEXT = (f"{AUTO_TBT_FACTOR:g}x the predicted decodes, at least the decodes plus a few "
+                 f"prompt rows ({AUTO_TBT_FACTOR - 1:g}x the decodes plus a block where the "
+                 f"GEMMs widen their weights)")
 # `--target-ttft-ms auto` (P/D prefill instances): a prompt's first token within this many
 # times its own predicted prefill, plus one full-budget iteration (docs/design.md#the-ttft-goal)
 AUTO_TTFT_FACTOR = 3.0
@@ -73,8 +75,8 @@ class SchedulerConfig:
     max_iteration_ms: float | None = None
     # The token-gap target (docs/design.md#the-token-gap-target): while decodes run, prefill
     # rides along only as far as keeps the iteration within `target_tbt_ms`, or within
-    # `target_tbt_factor` x the predicted decodes, at least `target_tbt_factor` - 1 x the
-    # decodes plus one block (`--target-tbt-ms auto`).
+    # `target_tbt_factor` x the predicted decodes, at least the decodes plus the rows a
+    # prompt may always take (`--target-tbt-ms auto`; scheduler_svc/core/scheduler.py).
     # With no decode running, prefill takes the whole token budget.
     target_tbt_ms: float | None = None
     target_tbt_factor: float | None = None

@@ -3,8 +3,9 @@ N Q rows", "at most M ms", as a cost model estimates it.
 
 Decodes always run: their chunks are reserved before any prefill is sized, and a prefill chunk
 is cut to what still fits. So that a waiting prompt cannot starve behind decodes that alone
-fill the budget, the first prefill of an iteration may always take `min_rows` (one KV block):
-the iteration then runs over budget by one block's worth of rows, and the queue moves.
+fill the budget, the first prefill of an iteration may always take `min_rows` (a few rows, or
+one KV block where the GEMMs widen their weights: the scheduler's `_min_prefill_rows`): the
+iteration then runs over budget by that many rows, and the queue moves.
 
 A TTFT goal (`ttft_goal.py`) may lower the budget as prefills are placed (`tighten`); with
 no other budget it starts unbounded (`budget_ms` None).
