@@ -55,6 +55,13 @@ def _features(decode_rows: int, prefill_rows: int, pairs: int,
             1.0 if wide else 0.0, narrow_rows * _SCALE[5])
 
 
+def _moved(average: float, value: float) -> float:
+    """One step of the moving averages above, the value held within 1 ± _HUBER of the
+    average so far."""
+    held = min(max(value, average * (1 - _HUBER)), average * (1 + _HUBER))
+    return average + _BIAS_RATE * (held - average)
+
+
 def kind_of(decode_rows: int, prefill_rows: int) -> str:
     return "decode" if not prefill_rows else "prefill" if not decode_rows else "mixed"
 
@@ -157,7 +164,7 @@ class OnlineIterationCost:
         # fit over every kind leaves each kind a bias of its own (on a 2-core CPU it priced
         # decodes alone 13 % high and decodes with a prompt chunk 15 % low: the iterations the
         # token-gap target sizes), which this takes out
-        self.bias = dict.fromkeys(KINDS, 1.0)
+        self.bias = dict.fromkeys(KINDS, 1.0)     # ("decode": only until one is measured)
         # Decodes alone are priced from their own measured time instead (a moving average,
         # and the features of the last one): while a long prompt is chunked no iteration is
         # of decodes alone, the fit learns from mixed ones only and its price of the decodes
@@ -192,18 +199,14 @@ class OnlineIterationCost:
         x = _features(decode_rows, prefill_rows, pairs, self.wide_from_rows)
         kind = kind_of(decode_rows, prefill_rows)
         predicted = self._fit_ms(x)
-        err = abs(self._ms(decode_rows, prefill_rows, pairs) - measured_ms) / measured_ms
+        guess = self._ms(decode_rows, prefill_rows, pairs)
+        err = abs(guess - measured_ms) / measured_ms
         self.mean_abs_error = err if self.observations == 0 else 0.9 * self.mean_abs_error + 0.1 * err
-        bias = self.bias[kind]
-        ratio = min(max(measured_ms / max(predicted, 1e-9), bias * (1 - _HUBER)),
-                    bias * (1 + _HUBER))
-        self.bias[kind] = bias + _BIAS_RATE * (ratio - bias)
-        if kind == "decode":
-            # (the earlier average carried to this shape by the fit; the step held as above)
-            before = self._ms(decode_rows, prefill_rows, pairs) if self._decode_ms else measured_ms
-            held = min(max(measured_ms, before * (1 - _HUBER)), before * (1 + _HUBER))
-            self._decode_ms = before + _BIAS_RATE * (held - before)
+        if kind == "decode":        # the earlier average, carried to this shape by the fit
+            self._decode_ms = _moved(guess if self._decode_ms else measured_ms, measured_ms)
             self._decode_x = x
+        else:
+            self.bias[kind] = _moved(self.bias[kind], measured_ms / max(predicted, 1e-9))
         # What counts is the error relative to the iteration's size (5 ms off a 10 ms decode
         # step matters, off a 500 ms prefill not): each iteration weighs 1/size, its size as
         # the prior prices its shape (a fixed scale, so that a change of machine speed leaves

@@ -87,11 +87,11 @@ class TorchAttentionBackend:
         prefill kernel (1) and which by the decode kernel (0), [T] uint8: the kernels'
         DecoderStack.mixed then runs every layer in one call with the same bits. None where
         `forward` would use anything else (torch's attention for a chunk, no prefill kernel for
-        this head size) or the iteration is decodes alone (`decode_group`'s)."""
+        this head size). Asked only of an iteration that is not decodes alone (`decode_group`
+        said None)."""
         kernels = self._kernels
         if kernels is None or cache_dtype not in (torch.float32, torch.bfloat16) or \
-                not self._prefill_in_kernel(head_dim, group) or \
-                self.decode_group(meta, cache_dtype) is not None:
+                not self._prefill_in_kernel(head_dim, group):
             return None
         by_prefill = torch.ones(meta.positions.shape[0], dtype=torch.uint8)
         for g in meta.groups:

@@ -188,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
     def _mixed_rows(self, stack, meta, backend, kv_caches):
         """The rows' kernels for DecoderStack.mixed (TorchAttentionBackend.mixed_rows), or None
         where the layers' own path serves the iteration."""
-        if not hasattr(backend, "mixed_rows") or not hasattr(stack, "mixed"):
+        if not hasattr(backend, "mixed_rows"):
             return None
         attn = self.layers[0].self_attn
         return backend.mixed_rows(meta, kv_caches[0][0].dtype, attn.head_dim,
