@@ -160,14 +160,20 @@ def decode_steps(redis_url: str, instance: str = "") -> list[dict]:
     for entry_id, fields in plans:
         msg = from_fields(fields)
         if isinstance(msg, PlanMsg):
-            steps.setdefault(msg.plan.step, {})["plan_s"] = stamp(entry_id)
-            steps[msg.plan.step]["rows"] = sum(msg.plan.num_scheduled_tokens.values())
-            steps[msg.plan.step]["new"] = len(msg.plan.new_requests)
+            plan = msg.plan
+            computed = {r.request_id: r.num_computed_tokens
+                        for r in [*plan.new_requests, *plan.cached_requests]}
+            steps[plan.step] = {"plan_s": stamp(entry_id),
+                                "rows": sum(plan.num_scheduled_tokens.values()),
+                                "new": len(plan.new_requests),
+                                "chunks": [[n, computed.get(rid, 0) + n] for rid, n
+                                           in plan.num_scheduled_tokens.items()]}
     for entry_id, fields in results:
         msg = from_fields(fields)
         if isinstance(msg, StepResultMsg) and msg.result.step in steps:
             steps[msg.result.step].update(result_s=stamp(entry_id),
-                                          forward_ms=msg.result.forward_ms or 0.0)
+                                          forward_ms=msg.result.forward_ms or 0.0,
+                                          wide_from_rows=msg.result.wide_from_rows)
     return [{"step": k, **v} for k, v in sorted(steps.items()) if "result_s" in v]
 
 
@@ -365,8 +371,8 @@ def main() -> None:
                 run = asyncio.run(one_run(system.base_url, streams, longs, long_at, args))
                 time.sleep(0.5)                          # the last stats write
                 figures = transfer_figures(system.redis_url, 1) if mode == "pd" else {}
-                run["late"] = late_tokens(run, decode_steps(system.redis_url, LATE[mode][0]),
-                                          LATE[mode][1])
+                run["steps"] = decode_steps(system.redis_url, LATE[mode][0])
+                run["late"] = late_tokens(run, run["steps"], LATE[mode][1])
                 if figures:      # minus the warm-up's prompt
                     n = len(longs)
                     for k in ("kv_bytes_per_long_prompt", "transfer_ms_per_long_prompt",
@@ -374,7 +380,7 @@ def main() -> None:
                         figures[k] = (figures[k] - base[k]) / n
             finally:
                 system.stop()
-            run["mode"] = mode
+            run["mode"], run["repeat"] = mode, rep
             runs.append(run)
             rows.append({"repeat": rep, "mode": mode,
                          **{k: v for k, v in run.items() if "gap" in k},
@@ -419,7 +425,12 @@ def main() -> None:
                            "timelines": {run["mode"]: {"timeline": run["timeline"],
                                                        "chunk_tokens": run["chunk_tokens"],
                                                        "long_sent_at": run["long_sent_at"]}
-                                         for run in runs}})
+                                         for run in runs},
+                           # the decoding instance's steps, as scheduler_svc/cost_replay.py
+                           # reads them (ms: rank 0's forward)
+                           "iterations": {f"{run['mode']}-{run['repeat']}": [
+                               {**step, "ms": step["forward_ms"]} for step in run["steps"]]
+                               for run in runs}})
     if args.plot:
         plot(runs[:len(MODES)], args.plot)
 

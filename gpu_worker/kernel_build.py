@@ -67,7 +67,7 @@ _COMMON_FLAGS = ("-O3", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-fvisibil
 _KERNEL_FLAGS = ("-ffast-math", "-fopenmp")
 # kernels whose float math must be done as written (their tests compare against a reference
 # op by op; -ffast-math would reorder, turn divisions into reciprocals and drop NaN tests)
-EXACT_MATH = frozenset({"int4_vnni.cpp", "sampling.cpp"})
+EXACT_MATH = frozenset({"int4_vnni.cpp", "paged_prefill.cpp", "sampling.cpp"})
 
 
 def level(name: str) -> IsaLevel:

@@ -77,7 +77,7 @@ def test_iterations_with_prompt_chunks_give_the_layers_logits_bit_for_bit(tmp_pa
     with _engine(gguf, dtype, max_num_batched_tokens=24) as engine:
         model = engine.runner.model
         if not engine.runner.backend._prefill_in_kernel(64, 2):
-            pytest.skip("no prefill kernel in this build (AVX-512 only): no mixed call")
+            pytest.skip("no prefill kernel in this build (AVX2 and AVX-512 only): no mixed call")
         forward, checked = model.forward, []
 
         def compare(ids, kv, meta, backend, **hooks):
@@ -112,7 +112,7 @@ def test_the_mixed_call_refuses_inconsistent_chunks(tmp_path):
         kv = engine.runner.kv_caches
         stack = engine.runner.model._decoder_stack(kv)
         if not engine.runner.backend._prefill_in_kernel(64, 2):
-            pytest.skip("no prefill kernel in this build (AVX-512 only): no mixed call")
+            pytest.skip("no prefill kernel in this build (AVX2 and AVX-512 only): no mixed call")
         x = torch.zeros(3, 256)
         i64, i32 = (lambda *v: torch.tensor(v, dtype=torch.int64)), \
             (lambda *v: torch.tensor(v, dtype=torch.int32))

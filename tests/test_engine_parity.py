@@ -91,7 +91,11 @@ def test_smollm2_bf16_tokens_do_not_depend_on_chunking_or_preemption(smollm_chat
     from gpu_worker.cpu_kernels import cpu_kernels
     kernels = cpu_kernels()
     if kernels is None or not kernels.paged_prefill_supported(64, 3):
-        pytest.skip("no CPU kernels with AVX-512 here: the torch fallback is not batch-invariant")
+        pytest.skip("no prefill attention kernel here: the torch fallback is not batch-invariant")
+    from gpu_worker.model.layers import prepack
+    if prepack(torch.zeros(16, 16, dtype=torch.bfloat16)) is None:
+        pytest.skip("no oneDNN bf16 linear prepack here (no AVX-512 BW/VL/DQ): torch's bf16 "
+                    "GEMMs are not batch-invariant")
     if amx_in_use():
         pytest.skip("oneDNN's AMX bf16 GEMMs block rows by batch size: a row's bits depend on "
                     "the batch (2-4x faster than without AMX, so they stay on)")

@@ -76,7 +76,7 @@ void paged_prefill_attention(const torch::Tensor& q, const torch::Tensor& k_cach
                              const torch::Tensor& cu_seqlens_q, const torch::Tensor& kv_lens,
                              int64_t min_rows, double scale, torch::Tensor& out) {
   TORCH_CHECK(pacer::paged_prefill_supported(q.size(2), q.size(1) / k_cache.size(2)),
-              "paged_prefill_attention: needs AVX-512 and head_dim 64 or 128");
+              "paged_prefill_attention: needs an AVX2 or AVX-512 build and head_dim 64 or 128");
   TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
               "paged_prefill_attention: float32 queries and output only");
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "paged_prefill_attention: K and V dtypes differ");

@@ -110,7 +110,7 @@ class DecoderStack {
     });
   }
 
-  // An iteration with prompt chunks (docs/design.md#one-call-per-iteration): the same layers,
+  // An iteration with prompt chunks (docs/design.md#one-call-per-decode-step): the same layers,
   // with each chunk's rows attended by the kernel the layers' own path gives them — the prefill
   // kernel for chunks of two or more rows and for single rows at prompt positions, the decode
   // kernel for decodes — so the bits are the layers' path's. x [T, hidden] float32 in place;
@@ -269,41 +269,13 @@ class DecoderStack {
   void attend_split(const bf16* qkv, const int64_t* pos, const int64_t* slot, const Split& sp,
                     int64_t T_rows, int64_t BS, int64_t MB, T* k_cache, T* v_cache,
                     bf16* out) const {
-    const float* c = cos_.data_ptr<float>();
-    const float* s = sin_.data_ptr<float>();
-    const int64_t row = (heads_ + 2 * kv_heads_) * head_dim_, qn = heads_ * head_dim_,
-                  kn = kv_heads_ * head_dim_;
-    const int64_t Gd = static_cast<int64_t>(sp.dec_rows.size()),
-                  Tp = static_cast<int64_t>(sp.pre_rows.size());
-    std::vector<float> qd(Gd * qn), od(Gd * qn), qp(Tp * qn), op(Tp * qn), k(kn);
-    std::vector<float*> dest(T_rows);
-    for (int64_t i = 0; i < Gd; ++i) dest[sp.dec_rows[i]] = qd.data() + i * qn;
-    for (int64_t i = 0; i < Tp; ++i) dest[sp.pre_rows[i]] = qp.data() + i * qn;
-    for (int64_t t = 0; t < T_rows; ++t) {
-      const bf16* r = qkv + t * row;
-      float* qt = dest[t];
-      for (int64_t i = 0; i < qn; ++i) qt[i] = pacer::to_float(r[i]);
-      for (int64_t i = 0; i < kn; ++i) k[i] = pacer::to_float(r[qn + i]);
-      pacer::rotary(qt, qn, pos + t, c, s, 1, heads_, head_dim_);
-      pacer::rotary(k.data(), kn, pos + t, c, s, 1, kv_heads_, head_dim_);
-      T* kd = k_cache + slot[t] * kn;
-      T* vd = v_cache + slot[t] * kn;
-      for (int64_t i = 0; i < kn; ++i) {
-        kd[i] = pacer::from_float<T>(k[i]);
-        vd[i] = pacer::from_float<T>(pacer::to_float(r[qn + kn + i]));
-      }
-    }
-    if (Gd)
-      pacer::paged_decode<T>(qd.data(), k_cache, v_cache, sp.dec_bt.data(), sp.dec_lens.data(),
-                             Gd, heads_, head_dim_, BS, kv_heads_, MB, scale_, od.data());
-    if (Tp)
-      pacer::paged_prefill<T>(qp.data(), k_cache, v_cache, sp.pre_bt.data(), sp.pre_cu.data(),
-                              sp.pre_lens.data(), static_cast<int64_t>(sp.pre_lens.size()),
-                              heads_, head_dim_, BS, kv_heads_, MB, 1, scale_, op.data());
-    for (int64_t i = 0; i < Gd; ++i)
-      for (int64_t j = 0; j < qn; ++j) out[sp.dec_rows[i] * qn + j] = pacer::to_bf16(od[i * qn + j]);
-    for (int64_t i = 0; i < Tp; ++i)
-      for (int64_t j = 0; j < qn; ++j) out[sp.pre_rows[i] * qn + j] = pacer::to_bf16(op[i * qn + j]);
+    pacer::mixed_attention_block<T>(
+        qkv, pos, cos_.data_ptr<float>(), sin_.data_ptr<float>(), k_cache, v_cache, slot, T_rows,
+        sp.dec_rows.data(), sp.dec_bt.data(), sp.dec_lens.data(),
+        static_cast<int64_t>(sp.dec_rows.size()), sp.pre_rows.data(),
+        static_cast<int64_t>(sp.pre_rows.size()), sp.pre_bt.data(), sp.pre_cu.data(),
+        sp.pre_lens.data(), static_cast<int64_t>(sp.pre_lens.size()), heads_, kv_heads_,
+        head_dim_, BS, MB, scale_, out);
   }
 
   void attend_mixed(Layer& l, const bf16* qkv, const int64_t* pos, const int64_t* slot,

@@ -45,23 +45,23 @@ template void add_rms_norm<float, bf16>(float*, const bf16*, const float*, float
 template void add_rms_norm<bf16, bf16>(float*, const bf16*, const float*, bf16*, int64_t,
                                       int64_t, float);
 
+__attribute__((noinline)) void rotary_row(float* v, const int64_t at, const float* cp,
+                                          const float* sp, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  const float* c = cp + at * D;
+  const float* s = sp + at * D;
+  for (int64_t h = 0; h < heads; ++h, v += D)
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = v[i], x2 = v[i + half];
+      v[i] = x1 * c[i] - x2 * s[i];
+      v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+    }
+}
+
 void rotary(float* p, int64_t stride, const int64_t* pos, const float* cp, const float* sp,
             int64_t T, int64_t heads, int64_t D) {
-  const int64_t half = D / 2;
 #pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < T; ++t) {
-    const int64_t at = pos[t];
-    const float* c = cp + at * D;
-    const float* s = sp + at * D;
-    for (int64_t h = 0; h < heads; ++h) {
-      float* v = p + t * stride + h * D;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = v[i], x2 = v[i + half];
-        v[i] = x1 * c[i] - x2 * s[i];
-        v[i + half] = x2 * c[i + half] + x1 * s[i + half];
-      }
-    }
-  }
+  for (int64_t t = 0; t < T; ++t) rotary_row(p + t * stride, pos[t], cp, sp, heads, D);
 }
 
 #if defined(__AVX512F__)

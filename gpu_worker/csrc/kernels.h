@@ -42,9 +42,33 @@ void add_rms_norm(float* x, const Dl* delta, const float* w, O* out, int64_t T, 
                   float eps);
 
 // Rotate-half RoPE in place on rows of `stride` floats holding `heads` heads of D; positions
-// must lie in the tables (the caller checks).
+// must lie in the tables (the caller checks). rotary_row: one row, on the calling thread (one
+// compiled copy: every caller gets the same bits).
 void rotary(float* qk, int64_t stride, const int64_t* positions, const float* cos,
             const float* sin, int64_t T, int64_t heads, int64_t D);
+void rotary_row(float* v, int64_t position, const float* cos, const float* sin, int64_t heads,
+                int64_t D);
+
+// RoPE and the K/V store for `rows` rows of the fused projection's output qkv
+// [rows, (H + 2 KVH) D] (bf16), as the op-by-op path does them: row t's rotated query (float32)
+// to q_rows[t], its K and V to the cache row slots[t]; rows in parallel when there are many.
+template <typename T>
+void rope_and_store(const bf16* qkv, const int64_t* positions, const float* cos, const float* sin,
+                    T* k_cache, T* v_cache, const int64_t* slots, int64_t rows, int64_t H,
+                    int64_t KVH, int64_t D, float* const* q_rows);
+
+// RoPE + K/V store + attention for an iteration with prompt chunks, from qkv as above to out
+// [rows, H D] (bf16): the decode kernel over the rows dec_rows [Gd] (their block tables
+// dec_bt [Gd, MB] int64, lengths dec_lens), the prefill kernel over the chunks whose rows are
+// pre_rows [Tp] (whole chunks, in order: pre_cu [R + 1], pre_lens [R], pre_bt [R, MB] int32).
+template <typename T>
+void mixed_attention_block(const bf16* qkv, const int64_t* positions, const float* cos,
+                           const float* sin, T* k_cache, T* v_cache, const int64_t* slots,
+                           int64_t rows, const int64_t* dec_rows, const int64_t* dec_bt,
+                           const int64_t* dec_lens, int64_t Gd, const int64_t* pre_rows,
+                           int64_t Tp, const int32_t* pre_bt, const int32_t* pre_cu,
+                           const int32_t* pre_lens, int64_t R, int64_t H, int64_t KVH, int64_t D,
+                           int64_t BS, int64_t MB, float scale, bf16* out);
 
 // out[t] = silu(gate[t]) * up[t] for gate_up = [gate | up] of [T, 2F].
 void silu_and_mul(const bf16* gate_up, bf16* out, int64_t T, int64_t F);

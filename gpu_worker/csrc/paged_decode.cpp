@@ -308,27 +308,50 @@ void decode_attention_block(const bf16* qkv, const int64_t* positions, const flo
                             const int64_t* bt, const int64_t* lens, int64_t G, int64_t H,
                             int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks, float scale,
                             bf16* out) {
-  const int64_t row = (H + 2 * KVH) * D, qn = H * D, kn = KVH * D;
-  std::vector<float> q(G * qn), o(G * qn), k(kn);
-  for (int64_t g = 0; g < G; ++g) {
-    const bf16* r = qkv + g * row;
-    float* qg = q.data() + g * qn;
-    for (int64_t i = 0; i < qn; ++i) qg[i] = to_float(r[i]);
-    for (int64_t i = 0; i < kn; ++i) k[i] = to_float(r[qn + i]);
-    // fused_ops.cpp's rotary itself: the bits of the op-by-op path
-    rotary(qg, qn, positions + g, cos, sin, 1, H, D);
-    rotary(k.data(), kn, positions + g, cos, sin, 1, KVH, D);
-    T* kd = k_cache + slots[g] * kn;
-    T* vd = v_cache + slots[g] * kn;
-    for (int64_t i = 0; i < kn; ++i) {
-      kd[i] = from_float<T>(k[i]);
-      vd[i] = from_float<T>(to_float(r[qn + kn + i]));
-    }
-  }
+  const int64_t qn = H * D;
+  std::vector<float> q(G * qn), o(G * qn);
+  std::vector<float*> q_rows(G);
+  for (int64_t g = 0; g < G; ++g) q_rows[g] = q.data() + g * qn;
+  rope_and_store<T>(qkv, positions, cos, sin, k_cache, v_cache, slots, G, H, KVH, D,
+                    q_rows.data());
   paged_decode<T>(q.data(), k_cache, v_cache, bt, lens, G, H, D, BS, KVH, max_blocks, scale,
                   o.data());
   for (int64_t i = 0; i < G * qn; ++i) out[i] = to_bf16(o[i]);
 }
+
+template <typename T>
+void rope_and_store(const bf16* qkv, const int64_t* positions, const float* cos, const float* sin,
+                    T* k_cache, T* v_cache, const int64_t* slots, int64_t rows, int64_t H,
+                    int64_t KVH, int64_t D, float* const* q_rows) {
+  const int64_t row = (H + 2 * KVH) * D, qn = H * D, kn = KVH * D;
+#pragma omp parallel if (rows >= 16)
+  {
+    std::vector<float> k(kn);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < rows; ++t) {
+      const bf16* r = qkv + t * row;
+      float* qt = q_rows[t];
+      for (int64_t i = 0; i < qn; ++i) qt[i] = to_float(r[i]);
+      for (int64_t i = 0; i < kn; ++i) k[i] = to_float(r[qn + i]);
+      // fused_ops.cpp's rotary itself: the bits of the op-by-op path
+      rotary_row(qt, positions[t], cos, sin, H, D);
+      rotary_row(k.data(), positions[t], cos, sin, KVH, D);
+      T* kd = k_cache + slots[t] * kn;
+      T* vd = v_cache + slots[t] * kn;
+      for (int64_t i = 0; i < kn; ++i) {
+        kd[i] = from_float<T>(k[i]);
+        vd[i] = from_float<T>(to_float(r[qn + kn + i]));
+      }
+    }
+  }
+}
+
+template void rope_and_store<float>(const bf16*, const int64_t*, const float*, const float*,
+                                    float*, float*, const int64_t*, int64_t, int64_t, int64_t,
+                                    int64_t, float* const*);
+template void rope_and_store<bf16>(const bf16*, const int64_t*, const float*, const float*,
+                                   bf16*, bf16*, const int64_t*, int64_t, int64_t, int64_t,
+                                   int64_t, float* const*);
 
 template void decode_attention_block<float>(const bf16*, const int64_t*, const float*,
                                             const float*, float*, float*, const int64_t*,
