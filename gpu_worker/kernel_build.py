@@ -66,7 +66,8 @@ LEVEL_NAMES = tuple(level.name for level in LEVELS)
 _COMMON_FLAGS = ("-O3", "-fPIC", "-std=c++20", "-fvisibility=hidden", "-fvisibility-inlines-hidden")
 _KERNEL_FLAGS = ("-ffast-math", "-fopenmp")
 # kernels whose float math must be done as written (their tests compare against a reference
-# op by op; -ffast-math would reorder, turn divisions into reciprocals and drop NaN tests)
+# op by op, or a row's bits must not depend on the code path that computed it; -ffast-math
+# would reorder, turn divisions into reciprocals and drop NaN tests)
 EXACT_MATH = frozenset({"int4_vnni.cpp", "paged_prefill.cpp", "sampling.cpp"})
 
 
