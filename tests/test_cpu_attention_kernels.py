@@ -169,6 +169,27 @@ def test_prompt_rows_have_the_same_bits_whatever_their_tiles(kernels, cache_dtyp
     assert torch.equal(got[:45], whole[-45:])
 
 
+def test_prefill_kernel_packs_long_prefixes_in_rounds(kernels):
+    """Chunks whose packed K/V together exceed the kernel's packing buffer (8M floats) are
+    packed and attended a round at a time: here ten chunks over 2,300-key prefixes (~8.8M
+    floats), against the torch path."""
+    if not kernels.paged_prefill_supported(64, 3):
+        pytest.skip(f"the {kernels.level} kernels have no prefill attention: torch serves it")
+    g = torch.Generator().manual_seed(7)
+    bs, n_chunks, kv_len, rows = 16, 10, 2300, 3
+    per = -(-kv_len // bs)
+    k_cache, v_cache = (torch.randn(n_chunks * per, bs, 3, 64, generator=g).to(torch.bfloat16)
+                        for _ in range(2))
+    perm = torch.randperm(n_chunks * per, generator=g).tolist()
+    chunks = [Chunk(rows, kv_len, perm[i * per:(i + 1) * per], samples=False)
+              for i in range(n_chunks)]
+    meta = build_attention_metadata(chunks, bs)
+    q, k, v = (torch.randn(n_chunks * rows, h, 64, generator=g) for h in (9, 3, 3))
+    fast = TorchAttentionBackend(kernels).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.125)
+    ref = TorchAttentionBackend(None).forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, 0.125)
+    assert torch.allclose(fast, ref, atol=2e-5, rtol=1e-4), (fast - ref).abs().max()
+
+
 def test_fused_norm_and_rotary_match_torch(kernels):
     """The bfloat16-weight path's fused ops against the torch ops they replace."""
     from gpu_worker.model.layers import RMSNorm, RotaryEmbedding
