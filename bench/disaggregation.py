@@ -143,8 +143,9 @@ def chunk_gaps(timeline: list[list[float]], chunk_tokens: list[list[int]], since
 
 def decode_steps(redis_url: str, instance: str = "") -> list[dict]:
     """The steps of the instance that decodes (P/D's "d0", or "" colocated) from its plans and
-    results streams: plan sent and result sent (wall s, Redis's stamps), rank 0's forward ms,
-    rows."""
+    results streams: plan sent and result sent (wall s, Redis's stamps), rank 0's forward
+    (`ms`), rows, and the chunks as (q_rows, kv_len) with the worker's wide_from_rows: the
+    iterations scheduler_svc/cost_replay.py replays."""
     from shared.protocol import PlanMsg, StepResultMsg, from_fields
     client = redis.Redis.from_url(redis_url)
     keys = Keys().for_instance(instance) if instance else Keys()
@@ -172,7 +173,7 @@ def decode_steps(redis_url: str, instance: str = "") -> list[dict]:
         msg = from_fields(fields)
         if isinstance(msg, StepResultMsg) and msg.result.step in steps:
             steps[msg.result.step].update(result_s=stamp(entry_id),
-                                          forward_ms=msg.result.forward_ms or 0.0,
+                                          ms=msg.result.forward_ms or 0.0,
                                           wide_from_rows=msg.result.wide_from_rows)
     return [{"step": k, **v} for k, v in sorted(steps.items()) if "result_s" in v]
 
@@ -198,7 +199,7 @@ def late_tokens(run: dict, steps: list[dict], factor: float = 1.5) -> list[dict]
                      "gap_ms": gap * 1e3, "chunk_tokens": tokens, "step": st["step"],
                      "delivery_ms": (at - st["result_s"]) * 1e3,
                      "step_ms": (st["result_s"] - before["result_s"]) * 1e3 if before else None,
-                     "forward_ms": st["forward_ms"],
+                     "forward_ms": st["ms"],
                      "sched_turn_ms": (st["plan_s"] - before["result_s"]) * 1e3 if before else None,
                      "plan_to_result_ms": (st["result_s"] - st["plan_s"]) * 1e3,
                      "rows": st["rows"], "new_requests": st["new"],
@@ -426,11 +427,10 @@ def main() -> None:
                                                        "chunk_tokens": run["chunk_tokens"],
                                                        "long_sent_at": run["long_sent_at"]}
                                          for run in runs},
-                           # the decoding instance's steps, as scheduler_svc/cost_replay.py
-                           # reads them (ms: rank 0's forward)
-                           "iterations": {f"{run['mode']}-{run['repeat']}": [
-                               {**step, "ms": step["forward_ms"]} for step in run["steps"]]
-                               for run in runs}})
+                           # the decoding instance's steps, in the form
+                           # scheduler_svc/cost_replay.py reads (ms: rank 0's forward)
+                           "iterations": {f"{run['mode']}-{run['repeat']}": run["steps"]
+                                          for run in runs}})
     if args.plot:
         plot(runs[:len(MODES)], args.plot)
 

@@ -45,11 +45,11 @@ template void add_rms_norm<float, bf16>(float*, const bf16*, const float*, float
 template void add_rms_norm<bf16, bf16>(float*, const bf16*, const float*, bf16*, int64_t,
                                       int64_t, float);
 
-__attribute__((noinline)) void rotary_row(float* v, const int64_t at, const float* cp,
+__attribute__((noinline)) void rotary_row(float* v, int64_t position, const float* cp,
                                           const float* sp, int64_t heads, int64_t D) {
   const int64_t half = D / 2;
-  const float* c = cp + at * D;
-  const float* s = sp + at * D;
+  const float* c = cp + position * D;
+  const float* s = sp + position * D;
   for (int64_t h = 0; h < heads; ++h, v += D)
     for (int64_t i = 0; i < half; ++i) {
       const float x1 = v[i], x2 = v[i + half];

@@ -362,12 +362,18 @@ void mixed_attention_block(const bf16* qkv, const int64_t* positions, const floa
   // reused call after call (every layer of every iteration): no allocation, no page faults
   static thread_local std::vector<float> qd, od, qp, op;
   static thread_local std::vector<float*> q_rows, o_rows;
-  qd.resize(Gd * qn), od.resize(Gd * qn), qp.resize(Tp * qn), op.resize(Tp * qn);
-  q_rows.resize(rows), o_rows.resize(rows);
-  for (int64_t i = 0; i < Gd; ++i)
-    q_rows[dec_rows[i]] = qd.data() + i * qn, o_rows[dec_rows[i]] = od.data() + i * qn;
-  for (int64_t i = 0; i < Tp; ++i)
-    q_rows[pre_rows[i]] = qp.data() + i * qn, o_rows[pre_rows[i]] = op.data() + i * qn;
+  for (auto* v : {&qd, &od}) v->resize(Gd * qn);
+  for (auto* v : {&qp, &op}) v->resize(Tp * qn);
+  q_rows.resize(rows);
+  o_rows.resize(rows);
+  for (int64_t i = 0; i < Gd; ++i) {
+    q_rows[dec_rows[i]] = qd.data() + i * qn;
+    o_rows[dec_rows[i]] = od.data() + i * qn;
+  }
+  for (int64_t i = 0; i < Tp; ++i) {
+    q_rows[pre_rows[i]] = qp.data() + i * qn;
+    o_rows[pre_rows[i]] = op.data() + i * qn;
+  }
   rope_and_store<T>(qkv, positions, cos, sin, k_cache, v_cache, slots, rows, H, KVH, D,
                     q_rows.data());
   if (Gd)
