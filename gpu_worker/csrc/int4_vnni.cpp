@@ -76,11 +76,11 @@ __attribute__((target("avx512vnni"))) inline void vnni_rows(
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+  const uint8_t* gp = w;            // the block's group (no division per block)
+  for (int64_t b = 0, in_group = 0; b < nb; ++b) {
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-    const uint8_t* gp = w + (b / per_group) * (64 + 8 * group);    // the block's group
-    const __m512i* wb = reinterpret_cast<const __m512i*>(gp + 64 + (b % per_group) * 256);
+    const __m512i* wb = reinterpret_cast<const __m512i*>(gp + 64 + in_group * 256);
     for (int p = 0; p < 4; ++p) {
       const __m512i v = _mm512_loadu_si512(wb + p);
       const __m512i lo = _mm512_and_si512(v, nibble);
@@ -98,6 +98,10 @@ __attribute__((target("avx512vnni"))) inline void vnni_rows(
       const __m512 block = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(dot[r]),
                                            _mm512_mul_ps(bias, _mm512_set1_ps(sum[r * nb + b])));
       acc[r] = _mm512_fmadd_ps(block, _mm512_set1_ps(d[r * nb + b]), acc[r]);
+    }
+    if (++in_group == per_group) {
+      in_group = 0;
+      gp += 64 + 8 * group;
     }
   }
   for (int r = 0; r < R; ++r)
@@ -203,30 +207,39 @@ inline void vnni_rows(const int8_t* q, const float* d, const float* sum, int64_t
   for (int half = 0; half < 2; ++half) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* gp = w + (b / per_group) * (64 + 8 * group);    // the block's group
-      const uint8_t* wb = gp + 64 + (b % per_group) * 256 + 32 * half;
-      __m256i dot[R];
-      for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+    const uint8_t* gp = w;            // the block's group (no division per block)
+    for (int64_t b = 0, in_group = 0; b < nb; ++b) {
+      const uint8_t* wb = gp + 64 + in_group * 256 + 32 * half;
+      // the block's pairs summed in 16 bits, widened once: 4 vectors x 2 nibbles of pairs
+      // are at most 8 * 3810 = 30480 < 32767 in magnitude, so no sum wraps
+      __m256i pairs[R];
+      for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
       for (int p = 0; p < 4; ++p) {
         const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 64 * p));
         const __m256i lo = _mm256_and_si256(v, nibble);
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
         for (int r = 0; r < R; ++r) {
           const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * K + b * kBlock);
-          const __m256i pairs = _mm256_add_epi16(
-              _mm256_maddubs_epi16(lo, _mm256_set1_epi32(qr[p])),
-              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(qr[p + 4])));
-          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(pairs, ones));
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(qr[p])));
+          pairs[r] = _mm256_add_epi16(pairs[r],
+                                      _mm256_maddubs_epi16(hi, _mm256_set1_epi32(qr[p + 4])));
+          // keep the sum a chain: reassociated into a tree, every product stays live at
+          // once and spills to the stack (the integer sum is the same either way)
+          asm("" : "+x"(pairs[r]));
         }
       }
       __m256 s, z;
       load8_pairs(gp + 32 * half, s, z);
       const __m256 bias = _mm256_fnmadd_ps(_mm256_set1_ps(8.f), s, z);       // z - 8 s
       for (int r = 0; r < R; ++r) {
-        const __m256 block = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot[r]),
+        const __m256i dot = _mm256_madd_epi16(pairs[r], ones);
+        const __m256 block = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(dot),
                                              _mm256_mul_ps(bias, _mm256_set1_ps(sum[r * nb + b])));
         acc[r] = _mm256_fmadd_ps(block, _mm256_set1_ps(d[r * nb + b]), acc[r]);
+      }
+      if (++in_group == per_group) {
+        in_group = 0;
+        gp += 64 + 8 * group;
       }
     }
     for (int r = 0; r < R; ++r)
@@ -256,6 +269,7 @@ inline void vnni8_rows(const int8_t* q, const float* d, const float* sum, int64_
           const int32_t* qr = reinterpret_cast<const int32_t*>(q + r * K + b * kBlock);
           const __m256i sq = _mm256_sign_epi8(_mm256_set1_epi32(qr[p]), v);
           dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(a, sq), ones));
+          asm("" : "+x"(dot[r]));      // a chain, as in vnni_rows
         }
       }
       for (int r = 0; r < R; ++r)
