@@ -22,6 +22,12 @@ a distinct weight so that they stream from memory as in a forward) and the LM he
     bf16    for scale: the same GEMMs on prepacked bfloat16 weights (`--quantization none`)
 
     python bench/quant_gemms.py [--rows 1,4,8,10,16,24,32,64,128,512] [--json out.json]
+
+With `--in-cache`: the VNNI kernels' arithmetic alone, on one thread, each shape's one weight
+multiplied 20 times in a row so that it stays in cache; GMAC/s per shape and row count (what
+docs/benchmarks.md#integer-gemms-without-a-division-or-a-spill compares between builds).
+
+    python bench/quant_gemms.py --in-cache [--rows 4,32,128]
 """
 from __future__ import annotations
 
@@ -69,12 +75,45 @@ def vnni_mm(w: Int4Weight, x: torch.Tensor, kernel: str) -> torch.Tensor:
     return y
 
 
+def hot_gmacs(rows: list[int]) -> list[dict]:
+    """GMAC/s of `int4_mm_vnni` on each layer shape and of `int8_mm_vnni` on the LM head, one
+    thread, the weight hot in cache."""
+    torch.set_num_threads(1)
+    weights = {name: Int4Weight(random_int4(*shape), vnni=True)
+               for name, shape in LAYER_SHAPES.items()}
+    head = Int8Weight(quantize_int8(torch.randn(*LM_HEAD) * 0.02))
+    assert head.vnni is not None, "no VNNI-order int8 here"
+    out = []
+    for m in rows:
+        row: dict = {"rows": m}
+        for name, w in [*weights.items(), ("lm_head", head)]:
+            x = torch.randn(m, w.in_features, dtype=torch.bfloat16)
+            calls = 20 if name != "lm_head" else 3
+            if name == "lm_head":
+                ms = best_ms(lambda: [w.mm(x, torch.float32) for _ in range(calls)])
+            else:
+                ms = best_ms(lambda: [vnni_mm(w, x, "int4_mm_vnni") for _ in range(calls)])
+            row[f"{name}_gmac_s"] = m * w.out_features * w.in_features * calls / ms / 1e6
+        out.append(row)
+        print(f"rows {m}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "rows"),
+              flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="1,4,8,10,16,24,32,64,128,512")
+    ap.add_argument("--in-cache", action="store_true",
+                    help="the VNNI kernels alone, one thread, weights in cache: GMAC/s")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.manual_seed(0)
+    if args.in_cache:
+        if linear._vnni_kernels() is None:
+            sys.exit("no VNNI kernels here (AVX512-VNNI or an avx2 build)")
+        rows_out = hot_gmacs([int(r) for r in args.rows.split(",")])
+        report(rows_out, args.json)
+        return
     codes = {name: [random_int4(*shape) for _ in range(LAYERS)]
              for name, shape in LAYER_SHAPES.items()}
     layers = {name: [Int4Weight(q, vnni=False) for q in qs] for name, qs in codes.items()}
@@ -117,12 +156,16 @@ def main() -> None:
         for cls, values in saved.items():
             for name, value in values.items():
                 setattr(cls, name, value)
+    report(rows_out, args.json)
+
+
+def report(rows_out: list[dict], json_path: str | None) -> None:
     flags = " ".join(f for f in SHOWN_FLAGS if f in cpu_flags())
     held = os.environ.get("PACER_CPU_ISA")
     flags += f" (kernels held at {held})" if held else ""
     print(f"\nCPU flags: {flags}; torch threads {torch.get_num_threads()}")
     print_table(rows_out, list(rows_out[0]))
-    write_json(args.json, {"cpu_flags": flags, "threads": torch.get_num_threads(),
+    write_json(json_path, {"cpu_flags": flags, "threads": torch.get_num_threads(),
                            "rows": rows_out})
 
 
