@@ -156,10 +156,10 @@ bool vnni_ready() { return __builtin_cpu_supports("avx512vnni"); }
 
 #elif defined(__AVX2__) && defined(__FMA__)
 // The same product on AVX2 (the avx2 build): `vpdpbusd` does not exist there, so each of its
-// 4-byte dot products is `vpmaddubsw` (byte pairs to 16 bits) then `vpmaddwd` by ones (pairs of
-// those to 32 bits), as llama.cpp's AVX2 Q4 kernels do. No 16-bit sum saturates: a pair of
-// products is at most 2 * 15 * 127 and the two nibbles' pairs are added before widening
-// (7620 < 32767), so the integer sums equal vpdpbusd's and the float steps are the same
+// 4-byte dot products is `vpmaddubsw` (byte pairs to 16 bits), and a block's 16-bit pair sums
+// are widened by one `vpmaddwd` by ones (pairs of those to 32 bits). No 16-bit sum saturates or
+// wraps: a pair of products is at most 2 * 15 * 127 = 3810 and a block adds 8 of them per lane
+// (30480 < 32767), so the integer sums equal vpdpbusd's and the float steps are the same
 // operations in the same order: both builds give the same bits. 16 columns are two halves of
 // 8 (the first and last 32 bytes of each 64-byte vector).
 namespace {
