@@ -93,6 +93,38 @@ inline __m512 sum16(const __m512* v) {
   return _mm512_permutexvar_ps(back, t);
 }
 
+// G query heads' outputs over the V rows: out[j] = sum over t of scores[j * L + t] v_t, the
+// terms added in t order (head_dim = 16 * NC; row(t) is key t's V row)
+template <int NC, int G, typename T, typename Row, typename Prefetch>
+inline void weighted_values(const float* scores, int64_t L, Row&& row, Prefetch&& prefetch,
+                            const T* vp, float* oh) {
+  __m512 acc[G][NC];
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
+  prefetch(vp, 0);
+  for (int64_t t = 0; t < L; ++t) {
+    if (t % 16 == 0) prefetch(vp, t + 16);
+    const T* vt = row(t);
+    __m512 vv[NC];
+    for (int c = 0; c < NC; ++c) vv[c] = load16(vt + c * 16);
+    for (int j = 0; j < G; ++j) {
+      const __m512 p = _mm512_set1_ps(scores[j * L + t]);
+      for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_fmadd_ps(p, vv[c], acc[j][c]);
+    }
+  }
+  for (int j = 0; j < G; ++j)
+    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + j * NC * 16 + c * 16, acc[j][c]);
+}
+
+// f.template operator()<n>() for a run-time n in [1, N]
+template <int N, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (N > 1) {
+    if (n < N) return with_count<N - 1>(n, f);
+  }
+  f.template operator()<N>();
+}
+
 // One request, one KV head and the `group` query heads that share it, head_dim = 16 * NC:
 // the request's K and V rows of this head stream past once each. Scores 16 keys at a time:
 // the chunk's K rows widened once into a float buffer, then per query head 16 partial
@@ -137,22 +169,14 @@ void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t
     }
   }
   for (int64_t j = 0; j < group; ++j) softmax_avx512(scores + j * L, L);
-  __m512 acc[MAXG][NC];                                         // pass 2: out = P V
-  for (int64_t j = 0; j < group; ++j)
-    for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
-  prefetch(vp, 0);
-  for (int64_t t = 0; t < L; ++t) {
-    if (t % 16 == 0) prefetch(vp, t + 16);
-    const T* vt = at(vp, t);
-    __m512 vv[NC];
-    for (int c = 0; c < NC; ++c) vv[c] = load16(vt + c * 16);
-    for (int64_t j = 0; j < group; ++j) {
-      const __m512 p = _mm512_set1_ps(scores[j * L + t]);
-      for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_fmadd_ps(p, vv[c], acc[j][c]);
-    }
-  }
-  for (int64_t j = 0; j < group; ++j)
-    for (int c = 0; c < NC; ++c) _mm512_storeu_ps(oh + j * NC * 16 + c * 16, acc[j][c]);
+  // pass 2: out = P V, for as many query heads at a time as keep their outputs in registers
+  // (a group-sized array of them spilled to the stack on every key)
+  constexpr int kHeads = std::min(MAXG, 24 / NC);
+  for (int64_t j0 = 0; j0 < group; j0 += kHeads)
+    with_count<kHeads>(std::min<int64_t>(kHeads, group - j0), [&]<int G>() {
+      weighted_values<NC, G>(scores + j0 * L, L, [&](int64_t t) { return at(vp, t); }, prefetch,
+                             vp, oh + j0 * D);
+    });
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
