@@ -83,16 +83,16 @@ def hot_gmacs(rows: list[int]) -> list[dict]:
                for name, shape in LAYER_SHAPES.items()}
     head = Int8Weight(quantize_int8(torch.randn(*LM_HEAD) * 0.02))
     assert head.vnni is not None, "no VNNI-order int8 here"
+    # (weight, its product, calls a timing): the LM head is large, a few calls fill the time
+    products = {name: (w, lambda w, x: vnni_mm(w, x, "int4_mm_vnni"), 20)
+                for name, w in weights.items()}
+    products["lm_head"] = (head, lambda w, x: w.mm(x, torch.float32), 3)
     out = []
     for m in rows:
         row: dict = {"rows": m}
-        for name, w in [*weights.items(), ("lm_head", head)]:
+        for name, (w, product, calls) in products.items():
             x = torch.randn(m, w.in_features, dtype=torch.bfloat16)
-            calls = 20 if name != "lm_head" else 3
-            if name == "lm_head":
-                ms = best_ms(lambda: [w.mm(x, torch.float32) for _ in range(calls)])
-            else:
-                ms = best_ms(lambda: [vnni_mm(w, x, "int4_mm_vnni") for _ in range(calls)])
+            ms = best_ms(lambda: [product(w, x) for _ in range(calls)])
             row[f"{name}_gmac_s"] = m * w.out_features * w.in_features * calls / ms / 1e6
         out.append(row)
         print(f"rows {m}: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items() if k != "rows"),
