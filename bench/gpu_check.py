@@ -24,6 +24,7 @@ JSON and the others still run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -84,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         part("parity", parity, tmp, args.device, backend, smoke)
+        if not smoke:
+            part("kernels", kernels, args.device)
         if not args.skip_speed:
             # smoke mode times the torch path: the interpreter's speed says nothing
             part("speed", speed, args.device, "torch" if smoke else backend, smoke, args.hw,
@@ -94,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out, "w") as f:
         json.dump(report, f, indent=2)
     p = report["parity"]
+    k = report.get("kernels", {})
     ok = not any("error" in v for v in report.values() if isinstance(v, dict)) and \
-        p["greedy_equal"] and p["bf16_top1_agreement"] >= p["bf16_threshold"]
+        p["greedy_equal"] and p["bf16_top1_agreement"] >= p["bf16_threshold"] and \
+        k.get("rope_store_equal", True) and k.get("argmax_equal", True) and \
+        all(err < (1e-3 if key.startswith("float32") else 0.1) for key, err in
+            k.get("split_decodes_max_abs_error_against_torch", {}).items())
     print(json.dumps({"out": args.out, "ok": ok, "parity": report["parity"]}, indent=2))
     return 0 if ok else 1
 
@@ -193,6 +200,93 @@ def parity(tmp: str, device: str, backend: str, smoke: bool) -> dict:
             "bf16_threshold": 0.95 if smoke else 0.99}
 
 
+# ---- (a') our kernels on the device --------------------------------------------------------
+
+def kernels(device: str) -> dict:
+    """Each Triton kernel of the GPU path against what it replaces, on the device: the split-KV
+    decode merged in the attention kernel (its atomic count) and by a kernel of its own, against
+    the torch backend, over many calls of random decode batches; RoPE + K/V store in one
+    launch against rope_ and write_kv (bit for bit); the one-row GEMM on Llama-3-8B's matrices
+    against float32 (and cuBLAS's time beside ours, and which one serves); the argmax."""
+    import random
+
+    import torch
+    import torch.nn.functional as F
+    from gpu_worker.attention import Chunk, build_attention_metadata, triton_backend
+    from gpu_worker.attention.torch_backend import TorchAttentionBackend, write_kv
+    from gpu_worker.model import triton_gemv, triton_ops
+    from gpu_worker.model.layers import RotaryEmbedding
+    out: dict = {}
+    rng = random.Random(0)
+    g = torch.Generator(device=device).manual_seed(0)
+    bs, heads, kvh, d, max_len = 16, 32, 8, 128, 4096
+    blocks = 64 * -(-max_len // bs)                      # the largest batch at the longest
+    worst = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        kc = torch.randn(blocks, bs, kvh, d, generator=g, device=device).to(dtype)
+        vc = torch.randn(blocks, bs, kvh, d, generator=g, device=device).to(dtype)
+        for call in range(100 if dtype == torch.bfloat16 else 20):
+            n = rng.choice([1, 1, 2, 3, 8, 17, 64])
+            lens = [rng.randrange(1, max_len + 1) for _ in range(n)]
+            perm = torch.randperm(blocks).tolist()
+            chunks, used = [], 0
+            for kv in lens:
+                chunks.append(Chunk(1, kv, perm[used:used + -(-kv // bs)]))
+                used += -(-kv // bs)
+            meta = build_attention_metadata(chunks, bs, device, dtype)
+            q, k, v = (torch.randn(n, h, d, generator=g, device=device).to(dtype)
+                       for h in (heads, kvh, kvh))
+            # the torch backend stores this step's K/V, then both read the same caches
+            ref = TorchAttentionBackend(None).forward(q, k, v, kc, vc, meta, d ** -0.5).float()
+            for fused in (True, False):
+                triton_backend.FUSED_COMBINE = fused
+                o = triton_backend.paged_attention(q, kc, vc, meta, d ** -0.5).float()
+                key = f"{str(dtype)[6:]}, merged {'in the attention kernel' if fused else 'apart'}"
+                worst[key] = max(worst.get(key, 0.0), float((o - ref).abs().max()))
+        triton_backend.FUSED_COMBINE = True
+    out["split_decodes_max_abs_error_against_torch"] = worst
+    rotary = RotaryEmbedding(d, 8192, 5e5).to(device)
+    T = 64
+    qkv = torch.randn(T, (heads + 2 * kvh) * d, generator=g, device=device).to(torch.bfloat16)
+    positions = torch.randint(0, 8192, (T,), generator=g, device=device)
+    slots = torch.randperm(64 * bs, device=device)[:T]
+    pool = torch.randn(2, 64, bs, kvh, d, generator=g, device=device).to(torch.bfloat16)
+    want_pool, want_qkv = pool.clone(), qkv.clone()
+    qk = want_qkv[:, :(heads + kvh) * d].view(T, -1, d)
+    triton_ops.rope_(qk, positions, rotary.cos, rotary.sin)
+    write_kv(qk[:, heads:], want_qkv[:, (heads + kvh) * d:].view(T, kvh, d), want_pool[0],
+             want_pool[1], slots)
+    triton_ops.rope_store_(qkv, positions, slots, rotary.cos, rotary.sin, pool[0], pool[1],
+                           heads, kvh, d)
+    q_end, v_start = heads * d, (heads + kvh) * d       # keys go to the cache alone
+    out["rope_store_equal"] = bool(torch.equal(pool, want_pool) and
+                                   torch.equal(qkv[:, :q_end], want_qkv[:, :q_end]) and
+                                   torch.equal(qkv[:, v_start:], want_qkv[:, v_start:]))
+    gemv = {}
+    for name, (n_out, k_in) in {"qkv": (6144, 4096), "o": (4096, 4096),
+                                "gate_up": (28672, 4096), "down": (4096, 14336)}.items():
+        w = (torch.randn(n_out, k_in, generator=g, device=device) * 0.02).to(torch.bfloat16)
+        x = torch.randn(1, k_in, generator=g, device=device).to(torch.bfloat16)
+        serves = triton_gemv.serves(x, w)
+        ref = F.linear(x.float(), w.float())
+        err = float(((triton_gemv.gemv(x, w).float() - ref).abs().max() / ref.abs().max()))
+        ours = triton_gemv._time(lambda: triton_gemv.gemv(x, w), 50)
+        theirs = triton_gemv._time(lambda: F.linear(x, w), 50)
+        gemv[name] = {"shape": [n_out, k_in], "serves": serves, "max_rel_error": err,
+                      "triton_us": round(ours * 1e3, 1), "cublas_us": round(theirs * 1e3, 1),
+                      "triton_tb_s": round(w.numel() * 2 / ours / 1e9, 2),
+                      "cublas_tb_s": round(w.numel() * 2 / theirs / 1e9, 2)}
+    out["one_row_gemm"] = gemv
+    equal = True
+    for rows in (1, 7, 256):
+        x = torch.randn(rows, 128256, generator=g, device=device)
+        x[0, 5] = x[0, 100000] = x[0].max() + 1
+        equal &= bool(torch.equal(triton_ops.argmax_rows(x), x.argmax(-1)))
+    out["argmax_equal"] = equal
+    print("kernels:", json.dumps(out), file=sys.stderr, flush=True)
+    return out
+
+
 # ---- (b) speed ----------------------------------------------------------------------------
 
 def _random_model(shape: dict, device: str, dtype):
@@ -230,6 +324,7 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str, profile: bool = 
     from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
     from gpu_worker.cuda_graphs import CAPTURABLE_BACKENDS, DecodeGraphs
     from gpu_worker.kv_cache import allocate_kv_cache
+    from gpu_worker.sampler import argmax
     from shared.cost_model import ModelShape, estimate_iteration
     from shared.attention_choice import choose_attention_here
     from shared.hardware import load_hardware
@@ -259,33 +354,67 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str, profile: bool = 
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
 
+    pick = [argmax]
+
     def step(chunks, n_ids, graphed=False):
         """One forward and the argmax's copy to the host, as an iteration does."""
-        ids = torch.randint(3, cfg.vocab_size, (n_ids,), device=device)
+        ids = torch.randint(3, cfg.vocab_size, (n_ids,))      # on the host, as a plan's are
         with torch.inference_mode():
             if graphed:
                 logits = graphs.run(ids, chunks, graphs.size_for(chunks))
             else:
                 meta = build_attention_metadata(chunks, bs, device, act)
-                logits = model(ids, caches, meta, attn)
-            return logits.argmax(-1).cpu()
+                logits = model(ids.to(device), caches, meta, attn)
+            return pick[0](logits).cpu()
+
+    def timed(b, graphed):
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
+        for _ in range(2):                               # warm-up (compiles the kernels)
+            step([Chunk(1, context, t) for t in tables], b, graphed)
+        sync()
+        t0 = time.perf_counter()
+        for s in range(steps):
+            step([Chunk(1, context + s, t) for t in tables], b, graphed)
+        sync()
+        return (time.perf_counter() - t0) * 1e3 / steps
 
     rows = []
     for graphed in ([False, True] if graphs is not None else [False]):
         for b in batches:
-            tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
-            for _ in range(2):                               # warm-up (compiles the kernels)
-                step([Chunk(1, context, t) for t in tables], b, graphed)
-            sync()
-            t0 = time.perf_counter()
-            for s in range(steps):
-                step([Chunk(1, context + s, t) for t in tables], b, graphed)
-            sync()
-            ms = (time.perf_counter() - t0) * 1e3 / steps
+            ms = timed(b, graphed)
             roof = estimate_iteration([(1, context)] * b, mshape, hw, 2).time_ms
             rows.append({"what": f"decode batch {b} at context {context}", "cuda_graphs": graphed,
                          "ms_per_step": ms, "tok_s": b * 1e3 / ms, "roofline_ms": roof,
                          "ratio_to_roofline": ms / roof})
+    ablation = []
+    if graphs is not None:
+        # batch 1 with graphs again, each of the one-row decode's kernel changes (docs/gpu.md)
+        # taken out in turn, then all of them: what each is worth on this GPU
+        from contextlib import ExitStack
+        from unittest import mock
+
+        from gpu_worker.attention import triton_backend
+        from gpu_worker.model import triton_gemv
+        changes = {
+            "one-row GEMM": lambda: mock.patch.object(triton_gemv, "serves",
+                                                      lambda *a: False),
+            "split merge in the attention kernel": lambda: mock.patch.object(
+                triton_backend, "FUSED_COMBINE", False),
+            "RoPE + K/V store in one launch": lambda: mock.patch.object(
+                attn, "rope_store_attend", None, create=True),
+            "Triton argmax": lambda: _swapped(pick, lambda x: x.argmax(-1)),
+        }
+        variants = [("none", [])] + [(k, [k]) for k in changes] + [("all", list(changes))]
+        for rnd in range(2):                  # two rounds, alternating: the GPU drifts a little
+            for name, off in variants:
+                with ExitStack() as stack:
+                    for k in off:
+                        stack.enter_context(changes[k]())
+                    graphs = DecodeGraphs(model, caches, attn, bs, per_seq, num_blocks,
+                                          device, [1])
+                    ms = timed(1, True)
+                ablation.append({"without": name, "round": rnd, "ms_per_step": ms})
+                print(f"batch 1, graphs, without {name}: {ms:.3f} ms", file=sys.stderr)
     profiles = {}
     if profile and device.startswith("cuda"):
         for b in (1, max(batches)):
@@ -307,7 +436,18 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str, profile: bool = 
               f"{r['tok_s']:10.1f} tok/s, {r['ratio_to_roofline']:8.2f}x the {hw_name} roofline",
               file=sys.stderr)
     return {"shape": shape, "dtype": "bfloat16", "attention_backend": choice.backend,
-            "block_size": bs, "hardware": hw_name, "rows": rows, "kernel_profiles": profiles}
+            "block_size": bs, "hardware": hw_name, "rows": rows, "ablation_batch_1": ablation,
+            "kernel_profiles": profiles}
+
+
+@contextlib.contextmanager
+def _swapped(box: list, value):
+    """box[0] is `value` inside the block."""
+    before, box[0] = box[0], value
+    try:
+        yield
+    finally:
+        box[0] = before
 
 
 def _kernel_table(run, steps: int = 3) -> dict:

@@ -277,7 +277,8 @@ class ModelRunner:
 
     def _logits(self, input_ids: torch.Tensor, chunks: list[Chunk],
                 sender: LayerSender | None) -> torch.Tensor:
-        """The forward: the sampling rows' logits."""
+        """The forward: the sampling rows' logits. `input_ids` on the host (a graph's inputs
+        go to the GPU in one copy with the rest of its rows)."""
         size = self.graphs.size_for(chunks) if self.graphs is not None else None
         if size is not None:
             if self.on_forward is not None:
@@ -289,7 +290,7 @@ class ModelRunner:
         meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device,
                                         self.act_dtype)
         streaming = sender is not None and self.rc.kv_layer_streaming
-        return self.model(input_ids, self.kv_caches, meta, self.backend,
+        return self.model(input_ids.to(self.rc.device), self.kv_caches, meta, self.backend,
                           after_layer=sender.after_layer if streaming else None,
                           before_layers=self.on_forward)
 
@@ -390,7 +391,7 @@ class ModelRunner:
             chunks.append(Chunk(n, kv_len, s.block_table, samples=kv_len == len(s.token_ids),
                                 prompt_row=n == 1 and kv_len <= s.num_prompt_tokens))
             order.append(rid)
-        return torch.tensor(ids, dtype=torch.int64, device=self.rc.device), chunks, order
+        return torch.tensor(ids, dtype=torch.int64), chunks, order     # on the host
 
 
 @contextlib.contextmanager

@@ -12,6 +12,9 @@ docs/gpu.md#sampling has the details.
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
 from gpu_worker.cpu_kernels import cpu_kernels
@@ -134,7 +137,7 @@ def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, -1) (the first index of each row's largest value, a NaN the largest);
     for float32 logits on CPU the kernels' (csrc/sampling.cpp: 0.1 ms for 32 rows of 49,152
-    against torch's 1.3 ms here)."""
+    against torch's 1.3 ms here); on a GPU Triton's (gpu_worker/model/triton_ops.py)."""
     if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 and \
             x.is_contiguous() and x.shape[1] > 0:
         kernels = cpu_kernels()
@@ -142,7 +145,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             out = torch.empty(x.shape[0], dtype=torch.int64)
             kernels.argmax_rows(x, out)
             return out
+    if x.is_cuda and x.dim() == 2 and x.shape[1] > 0 and _has_triton():
+        from gpu_worker.model.triton_ops import argmax_rows
+        return argmax_rows(x if x.stride(-1) == 1 else x.contiguous())
     return x.argmax(dim=-1)
+
+
+@functools.cache
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None
 
 
 def _row_params(row: int, p: SamplingParams, n: int) -> tuple:

@@ -22,6 +22,7 @@ if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
 from gpu_worker.attention import Chunk, build_attention_metadata  # noqa: E402
 from gpu_worker.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from gpu_worker.attention.triton_backend import TritonAttentionBackend, paged_attention  # noqa: E402
+from gpu_worker.attention import triton_backend  # noqa: E402
 
 DEVICE = "cpu" if os.environ["TRITON_INTERPRET"] == "1" else "cuda"
 
@@ -96,15 +97,23 @@ def test_bfloat16():
         (out.float() - ref.float()).abs().max()
 
 
+@pytest.mark.parametrize("fused_combine", [True, False])
 @pytest.mark.parametrize("split_len", [16, 32])
 @pytest.mark.parametrize("heads,kvh", [(4, 1), (6, 2)])
-def test_split_kv_decodes(split_len, heads, kvh):
+def test_split_kv_decodes(split_len, heads, kvh, fused_combine, monkeypatch):
     """Decodes alone with each request's keys cut into slices (split-KV) and merged: contexts
-    shorter than a slice, on a slice edge and across several, block size 16 and key tile 16."""
-    spec = [(1, 1), (1, 16), (1, 17), (1, 45), (1, 64)]
-    out, ref = _both(*_case(spec, 16, heads, kvh, 24, torch.float32, seed=4, blocks=40), 16,
-                     block_n=16, split_len=split_len)
-    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+    shorter than a slice, on a slice edge and across several (more than the merge reads at
+    once), block size 16 and key tile 16; merged by the last slice's program or by a kernel of
+    its own. The merge's counts are left zero for the next call."""
+    monkeypatch.setattr(triton_backend, "FUSED_COMBINE", fused_combine)
+    monkeypatch.setattr(triton_backend, "_counters", {})
+    spec = [(1, 1), (1, 16), (1, 17), (1, 45), (1, 64), (1, 150)]
+    for _ in range(2):
+        out, ref = _both(*_case(spec, 16, heads, kvh, 24, torch.float32, seed=4, blocks=40),
+                         16, block_n=16, split_len=split_len)
+        assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+    assert all(not c.any() for c in triton_backend._counters.values())
+    assert bool(triton_backend._counters) == fused_combine
 
 
 def test_split_kv_bfloat16():

@@ -15,7 +15,8 @@ if importlib.util.find_spec("triton") is None:
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 on CPU", allow_module_level=True)
 
-from gpu_worker.model import triton_ops  # noqa: E402
+from gpu_worker.attention.torch_backend import write_kv  # noqa: E402
+from gpu_worker.model import triton_gemv, triton_ops  # noqa: E402
 from gpu_worker.model.layers import RotaryEmbedding  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -35,6 +36,34 @@ def test_rope_in_place_equals_rotate_half(dtype, heads, kvh, d):
     triton_ops.rope_(qk, positions, rotary.cos, rotary.sin)
     torch.testing.assert_close(qk.float(), want.float(), atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(qkv[:, (heads + kvh) * d:], v_before)  # V untouched
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kvh,d,bs", [(4, 2, 16, 16), (6, 2, 24, 5), (3, 3, 8, 1)])
+def test_rope_store_equals_rope_then_write_kv(dtype, cache_dtype, heads, kvh, d, bs):
+    """The one launch of the Triton backend (queries rotated in place, rotated keys and the
+    values stored in their slots) against torch's RoPE and write_kv, bit for bit in the cache
+    dtype; slots in any order, over several pages, the rest of the cache untouched."""
+    cache_dtype = cache_dtype or dtype
+    g = torch.Generator().manual_seed(3)
+    rotary = RotaryEmbedding(d, 64, 10000.0)
+    T, blocks = 7, 12
+    qkv = torch.randn(T, (heads + 2 * kvh) * d, generator=g).to(dtype)
+    positions = torch.tensor([0, 5, 63, 1, 2, 30, 17])
+    slots = torch.randperm(blocks * bs, generator=g)[:T]
+    pool = torch.randn(2, blocks, bs, kvh, d, generator=g).to(cache_dtype)
+    want_pool, want_qkv = pool.clone(), qkv.clone()
+    qk = want_qkv[:, :(heads + kvh) * d].view(T, -1, d)
+    triton_ops.rope_(qk, positions, rotary.cos, rotary.sin)      # the three launches it replaces
+    write_kv(qk[:, heads:], want_qkv[:, (heads + kvh) * d:].view(T, kvh, d), want_pool[0],
+             want_pool[1], slots)
+    q = triton_ops.rope_store_(qkv, positions, slots, rotary.cos, rotary.sin, pool[0], pool[1],
+                               heads, kvh, d)
+    assert q.shape == (T, heads, d) and q.data_ptr() == qkv.data_ptr()
+    assert torch.equal(q, want_qkv[:, :heads * d].view(T, heads, d))
+    assert torch.equal(pool, want_pool)
+    assert torch.equal(qkv[:, (heads + kvh) * d:], want_qkv[:, (heads + kvh) * d:])  # V as was
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -63,3 +92,37 @@ def test_silu_and_mul(dtype):
     got = triton_ops.silu_and_mul(gate_up, n)
     assert got.shape == (3, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), want, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("vocab", [1, 17, 4096, 4097, 9000])
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_argmax_rows_is_torchs(rows, vocab):
+    """The GPU's greedy argmax against torch.argmax: ties across and within the 4,096-column
+    parts (the first wins), a NaN (the first NaN), a row of -inf, +inf."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(rows, vocab, generator=g)
+    if vocab > 4096:
+        x[0, 5] = x[0, 4096] = x[0].max() + 1                   # a tie across two parts
+    elif vocab > 3:
+        x[0, 1] = x[0, 3] = x[0].max() + 1
+    if rows > 1:
+        x[1, vocab // 2] = x[1, vocab - 1] = float("nan")
+        x[2] = float("-inf")
+        x[-1, -1] = float("inf")
+    assert torch.equal(triton_ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,tile", [(37, 300, (4, 128)), (64, 1024, (16, 256)),
+                                      (5, 2100, (8, 512))])
+def test_gemv_equals_linear(dtype, n, k, tile):
+    """The one-row GEMM (gpu_worker/model/triton_gemv.py) against F.linear in float32: shapes
+    that fill neither tile dimension; off a GPU it never serves the model."""
+    g = torch.Generator().manual_seed(n)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    got = triton_gemv.gemv(x, w, tile)
+    assert got.shape == (1, n) and got.dtype == dtype
+    want = F.linear(x.float(), w.float())
+    torch.testing.assert_close(got.float(), want, atol=TOL[dtype] * 4, rtol=TOL[dtype])
+    assert not triton_gemv.serves(x, w)

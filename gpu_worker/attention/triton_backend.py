@@ -37,12 +37,13 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 @triton.jit
 def _paged_attention_kernel(
-        Q, K, V, O, cu_seqlens_q, kv_lens, block_table, part_m, part_l, part_acc,
+        Q, K, V, O, cu_seqlens_q, kv_lens, block_table, part_m, part_l, part_acc, counters,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
         scale_log2, head_dim, group, block_size, num_rows, num_heads, split_len, num_splits,
         BLOCK_Q: tl.constexpr, GROUP_P: tl.constexpr, BLOCK_N: tl.constexpr,
-        BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr):
+        BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, SPLIT: tl.constexpr,
+        FUSED_COMBINE: tl.constexpr):
     tile = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     req = tl.program_id(1)
@@ -108,19 +109,64 @@ def _paged_attention_kernel(
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         if SPLIT:
-            # unnormalised partials of this key slice, combined by _combine_splits_kernel
-            # (a slice past kv_len writes nothing: the combine reads only the slices in use)
+            # unnormalised partials of this key slice; the last slice of (request, KV head) to
+            # finish merges them (a slice past kv_len writes nothing and is not counted)
             if lo < hi:
                 p_off = (split * num_rows + q_start + qi).to(tl.int64) * num_heads + head
                 tl.store(part_m + p_off, m_i, mask=row_ok)
                 tl.store(part_l + p_off, l_i, mask=row_ok)
                 tl.store(part_acc + p_off[:, None] * BLOCK_D + d[None, :], acc,
                          mask=row_ok[:, None])
+                if FUSED_COMBINE:
+                    tl.debug_barrier()          # every thread's partials before the count
+                    counter = counters + req * tl.num_programs(2) + kvh
+                    used = tl.cdiv(kv_len, split_len)
+                    if tl.atomic_add(counter, 1, sem="acq_rel") == used - 1:
+                        tl.store(counter, 0)    # zero again for the next layer
+                        _combine_group(O, part_m, part_l, part_acc, q_start, kvh * group,
+                                       group, used, stride_ot, stride_oh, head_dim, num_rows,
+                                       num_heads, GROUP_P, BLOCK_D)
         else:
             out = acc / l_i[:, None]
             o_off = (q_start + qi).to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
             tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty),
                      mask=row_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _combine_group(O, part_m, part_l, part_acc, row, head0, group, used, stride_ot, stride_oh,
+                   head_dim, num_rows, num_heads, GROUP_P: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Decode row `row`, query heads head0 .. head0 + group: flash-decoding's log-sum-exp merge
+    of the `used` key slices' partials, read a few slices at a time (past L1: other programs
+    wrote them)."""
+    CHUNK: tl.constexpr = 8
+    g = tl.arange(0, GROUP_P)
+    g_ok = g < group
+    head = head0 + g
+    s = tl.arange(0, CHUNK)
+    d = tl.arange(0, BLOCK_D)
+    mx = tl.full([GROUP_P], float("-inf"), tl.float32)
+    for c in range(0, used, CHUNK):
+        off = ((c + s[:, None]) * num_rows + row).to(tl.int64) * num_heads + head[None, :]
+        ok = ((c + s[:, None]) < used) & g_ok[None, :]
+        mx = tl.maximum(mx, tl.max(tl.load(part_m + off, mask=ok, other=float("-inf"),
+                                           cache_modifier=".cg"), 0))
+    mx = tl.where(g_ok, mx, 0.0)                        # padding heads: nothing to merge
+    denom = tl.zeros([GROUP_P], tl.float32)
+    out = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
+    for c in range(0, used, CHUNK):
+        off = ((c + s[:, None]) * num_rows + row).to(tl.int64) * num_heads + head[None, :]
+        ok = ((c + s[:, None]) < used) & g_ok[None, :]
+        m = tl.load(part_m + off, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        w = tl.where(ok, tl.exp2(m - mx[None, :]), 0.0)                     # [CHUNK, G]
+        denom += tl.sum(tl.load(part_l + off, mask=ok, other=0.0, cache_modifier=".cg") * w, 0)
+        acc = tl.load(part_acc + off[:, :, None] * BLOCK_D + d[None, None, :],
+                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")  # [CHUNK, G, D]
+        out += tl.sum(acc * w[:, :, None], 0)
+    out = out / tl.where(g_ok, denom, 1.0)[:, None]
+    o_off = row.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+    tl.store(O + o_off[:, None] + d[None, :], out.to(O.dtype.element_ty),
+             mask=g_ok[:, None] & (d[None, :] < head_dim))
 
 
 @triton.jit
@@ -158,6 +204,20 @@ def _pow2(n: int) -> int:
 # a short context uses few slices — keeping at most MAX_SPLITS slices.
 SPLIT_BELOW_PROGRAMS = 128
 MAX_SPLITS = 128
+# The merge runs in the attention kernel itself, in the last program of each (request, KV
+# head) to finish, found through an atomic count per pair (zeroed again by that program): one
+# launch a layer fewer than a kernel of its own (_combine_splits_kernel).
+FUSED_COMBINE = True
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_counters(device: torch.device, n: int) -> torch.Tensor:
+    """Zeroed int32 counts, at least n, kept per device (each kernel leaves them zero).
+    Allocated by the first, eager forward of a size, before a CUDA graph captures it."""
+    have = _counters.get(device)
+    if have is None or have.numel() < n:
+        have = _counters[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return have
 
 
 def _splits(meta: AttentionMetadata, programs: int, block_n: int,
@@ -200,12 +260,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         part_m = torch.empty((num_splits, T, H), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty((num_splits, T, H, block_d), dtype=torch.float32, device=q.device)
+        counters = _split_counters(q.device, R * KVH) if FUSED_COMBINE else part_m
     else:
-        part_m = part_l = part_acc = out                 # not read
+        part_m = part_l = part_acc = counters = out      # not read
     grid = (triton.cdiv(meta.max_seqlen_q, block_q) * num_splits, R, KVH)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, meta.cu_seqlens_q, meta.seqused_k, meta.block_table,
-        part_m, part_l, part_acc,
+        part_m, part_l, part_acc, counters,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), meta.block_table.stride(0),
@@ -213,8 +274,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_Q=block_q, GROUP_P=group_p, BLOCK_N=block_n, BLOCK_D=block_d,
         IEEE=k_cache.dtype == torch.float32,     # float32: no TF32 (exact against the CPU)
         UPCAST=_INTERPRETED and k_cache.dtype != torch.float32, SPLIT=split,
-        num_warps=4 if block_q * group_p <= 64 else 8)
-    if split:
+        FUSED_COMBINE=FUSED_COMBINE, num_warps=4 if block_q * group_p <= 64 else 8)
+    if split and not FUSED_COMBINE:
         _combine_splits_kernel[(R, H)](
             out, part_m, part_l, part_acc, meta.seqused_k, out.stride(0), out.stride(1),
             D, T, H, split_len, BLOCK_S=max(2, _pow2(num_splits)), BLOCK_D=block_d)
@@ -228,4 +289,14 @@ class TritonAttentionBackend:
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, scale)
+
+    def rope_store_attend(self, qkv: torch.Tensor, rotary, kv_cache, meta: AttentionMetadata,
+                          scale: float, n_heads: int, n_kv: int) -> torch.Tensor:
+        """From the QKV GEMM's 16-bit output [T, (H + 2·KVH)·hd]: RoPE and the K/V store as
+        one launch (gpu_worker/model/triton_ops.py rope_store_), then attention; [T, H, hd]."""
+        from gpu_worker.model.triton_ops import rope_store_
+        k_cache, v_cache = kv_cache
+        q = rope_store_(qkv, meta.positions, meta.slot_mapping, rotary.cos, rotary.sin, k_cache,
+                        v_cache, n_heads, n_kv, k_cache.shape[-1])
         return paged_attention(q, k_cache, v_cache, meta, scale)

@@ -48,6 +48,13 @@ class LlamaAttention(nn.Module):
             qkv = qkv.float()           # the residual stream's dtype on CPU
         else:
             qkv = self.qkv_proj(x, out_dtype=out_dtype)
+            fused = getattr(backend, "rope_store_attend", None)
+            if fused is not None and gpu_16bit(qkv):
+                # Triton on a GPU: RoPE and the K/V store in one launch, then attention
+                with scope("attention"):
+                    o = fused(qkv, rotary, kv_cache, meta, self.scale, self.num_heads,
+                              self.num_kv_heads)
+                return self.o_proj(o.reshape(T, q_size), out_dtype=out_dtype)
         qk = rotary(meta.positions, qkv[:, :q_size + kv_size].view(T, -1, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
