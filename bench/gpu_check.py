@@ -209,6 +209,7 @@ def kernels(device: str) -> dict:
     launch against rope_ and write_kv (bit for bit); the one-row GEMM on Llama-3-8B's matrices
     against float32 (and cuBLAS's time beside ours, and which one serves); the argmax."""
     import random
+    from unittest import mock
 
     import torch
     import torch.nn.functional as F
@@ -239,11 +240,10 @@ def kernels(device: str) -> dict:
             # the torch backend stores this step's K/V, then both read the same caches
             ref = TorchAttentionBackend(None).forward(q, k, v, kc, vc, meta, d ** -0.5).float()
             for fused in (True, False):
-                triton_backend.FUSED_COMBINE = fused
-                o = triton_backend.paged_attention(q, kc, vc, meta, d ** -0.5).float()
+                with mock.patch.object(triton_backend, "FUSED_COMBINE", fused):
+                    o = triton_backend.paged_attention(q, kc, vc, meta, d ** -0.5).float()
                 key = f"{str(dtype)[6:]}, merged {'in the attention kernel' if fused else 'apart'}"
                 worst[key] = max(worst.get(key, 0.0), float((o - ref).abs().max()))
-        triton_backend.FUSED_COMBINE = True
     out["split_decodes_max_abs_error_against_torch"] = worst
     rotary = RotaryEmbedding(d, 8192, 5e5).to(device)
     T = 64
@@ -388,33 +388,35 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str, profile: bool = 
                          "ratio_to_roofline": ms / roof})
     ablation = []
     if graphs is not None:
-        # batch 1 with graphs again, each of the one-row decode's kernel changes (docs/gpu.md)
-        # taken out in turn, then all of them: what each is worth on this GPU
+        # batch 1 with graphs again, each of the one-row decode's kernel choices
+        # (docs/gpu.md#one-row-decode) switched from its default in turn, then all of them:
+        # what each is worth on this GPU
         from contextlib import ExitStack
         from unittest import mock
 
         from gpu_worker.attention import triton_backend
         from gpu_worker.model import triton_gemv
-        changes = {
-            "one-row GEMM": lambda: mock.patch.object(triton_gemv, "serves",
-                                                      lambda *a: False),
-            "split merge in the attention kernel": lambda: mock.patch.object(
-                triton_backend, "FUSED_COMBINE", False),
-            "RoPE + K/V store in one launch": lambda: mock.patch.object(
+        switches = {
+            "cuBLAS for one row": lambda: mock.patch.object(triton_gemv, "serves",
+                                                            lambda *a: False),
+            "RoPE and the K/V store apart": lambda: mock.patch.object(
                 attn, "rope_store_attend", None, create=True),
-            "Triton argmax": lambda: _swapped(pick, lambda x: x.argmax(-1)),
+            "torch's argmax": lambda: _swapped(pick, lambda x: x.argmax(-1)),
+            "split merge in the attention kernel": lambda: mock.patch.object(
+                triton_backend, "FUSED_COMBINE", not triton_backend.FUSED_COMBINE),
         }
-        variants = [("none", [])] + [(k, [k]) for k in changes] + [("all", list(changes))]
+        variants = [("defaults", [])] + [(k, [k]) for k in switches] + \
+            [("all four", list(switches))]
         for rnd in range(2):                  # two rounds, alternating: the GPU drifts a little
-            for name, off in variants:
+            for name, changed in variants:
                 with ExitStack() as stack:
-                    for k in off:
-                        stack.enter_context(changes[k]())
+                    for k in changed:
+                        stack.enter_context(switches[k]())
                     graphs = DecodeGraphs(model, caches, attn, bs, per_seq, num_blocks,
                                           device, [1])
                     ms = timed(1, True)
-                ablation.append({"without": name, "round": rnd, "ms_per_step": ms})
-                print(f"batch 1, graphs, without {name}: {ms:.3f} ms", file=sys.stderr)
+                ablation.append({"switched": name, "round": rnd, "ms_per_step": ms})
+                print(f"batch 1, graphs, {name}: {ms:.3f} ms", file=sys.stderr)
     profiles = {}
     if profile and device.startswith("cuda"):
         for b in (1, max(batches)):

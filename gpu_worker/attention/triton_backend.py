@@ -204,10 +204,13 @@ def _pow2(n: int) -> int:
 # a short context uses few slices — keeping at most MAX_SPLITS slices.
 SPLIT_BELOW_PROGRAMS = 128
 MAX_SPLITS = 128
-# The merge runs in the attention kernel itself, in the last program of each (request, KV
-# head) to finish, found through an atomic count per pair (zeroed again by that program): one
-# launch a layer fewer than a kernel of its own (_combine_splits_kernel).
-FUSED_COMBINE = True
+# FUSED_COMBINE: the merge runs in the attention kernel itself, in the last program of each
+# (request, KV head) to finish, found through an atomic count per pair (zeroed again by that
+# program): one launch a layer fewer than _combine_splits_kernel. Off until a GPU has run it:
+# it is right under the interpreter and compiles for sm_80/sm_90 (tests), but the ordering of
+# its atomic and loads, and its speed, are unproven on hardware. bench/gpu_check.py checks it
+# against the torch backend there and times it (docs/gpu.md#one-row-decode).
+FUSED_COMBINE = False
 _counters: dict[torch.device, torch.Tensor] = {}
 
 

@@ -15,10 +15,13 @@ a shape first met while capturing takes cuBLAS.
 """
 from __future__ import annotations
 
+import structlog
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+log = structlog.get_logger("worker")
 
 _CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=st)
             for bn, bk, w, st in [(4, 512, 4, 1), (4, 1024, 4, 1), (8, 512, 4, 1),
@@ -88,7 +91,15 @@ def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
         if torch.cuda.is_current_stream_capturing():
             return False
         x = x.contiguous()
-        ours = _time(lambda: gemv(x, weight))            # the first call also autotunes
+        try:
+            ours = _time(lambda: gemv(x, weight))        # the first call also autotunes
+        except Exception as e:                            # e.g. a GPU Triton cannot build for
+            log.warning("one-row gemm: cuBLAS serves", shape=list(weight.shape),
+                        error=f"{type(e).__name__}: {e}"[:500])
+            _faster[key] = False
+            return False
         theirs = _time(lambda: F.linear(x, weight))
         _faster[key] = ours < theirs
+        log.info("one-row gemm", shape=list(weight.shape), triton_us=round(ours * 1e3, 1),
+                 cublas_us=round(theirs * 1e3, 1), serves="triton" if ours < theirs else "cublas")
     return _faster[key]
