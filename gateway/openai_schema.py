@@ -12,6 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shared.sampling import MAX_REPETITION_PENALTY
+
 MAX_LOGPROBS = 20
 MAX_TIMEOUT_S = 86_400.0
 # Every integer must fit the wire format (msgpack int64) and the sampler: a seed is multiplied
@@ -61,6 +63,9 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     logprobs: int | None                    # None: none; 0: sampled token only; N: top-N too
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float               # vLLM's extension; 1 is off
     stream: bool
     include_usage: bool
     timeout: float | None = None            # seconds; pacer's extension: a deadline
@@ -214,6 +219,15 @@ def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | No
     top_k = _field(body, "top_k", (int,), 0)
     if top_k < -1:
         raise APIError(f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
+    penalties = {name: _number(body, name, 0.0) for name in ("presence_penalty",
+                                                              "frequency_penalty")}
+    for name, value in penalties.items():
+        if not -2 <= value <= 2:
+            raise APIError(f"'{name}' must be in [-2, 2], got {value:g}", param=name)
+    repetition = _number(body, "repetition_penalty", 1.0)
+    if not 0 < repetition <= MAX_REPETITION_PENALTY:
+        raise APIError(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}], got "
+                       f"{repetition:g}", param="repetition_penalty")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
     timeout = _field(body, "timeout", (int, float), None)
@@ -226,7 +240,7 @@ def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | No
         seed=seed, stop=_stop(body),
         stop_token_ids=tuple(_int_list(_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
         ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
-        stream=stream, include_usage=include_usage,
+        repetition_penalty=repetition, **penalties, stream=stream, include_usage=include_usage,
         timeout=None if timeout is None else float(timeout))
 
 

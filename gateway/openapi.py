@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.openai_schema import CHAT_ROLES, INT_BOUND, MAX_LOGPROBS, MAX_TIMEOUT_S, SEED_BOUND
+from shared.sampling import MAX_REPETITION_PENALTY
 
 _INT64 = {"type": "integer", "minimum": -INT_BOUND, "maximum": INT_BOUND - 1}
 _STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
@@ -32,6 +33,13 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "top_k": {"type": "integer", "minimum": -1, "maximum": vocab_size, "nullable": True},
         "seed": {"type": "integer", "minimum": -SEED_BOUND, "maximum": SEED_BOUND,
                  "nullable": True},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+        "repetition_penalty": {"type": "number", "exclusiveMinimum": True, "minimum": 0,
+                               "maximum": MAX_REPETITION_PENALTY, "nullable": True,
+                               "description": "vLLM's extension: a logit of a token in the "
+                                              "prompt or the output is divided by it (if "
+                                              "positive) or multiplied (if negative)"},
         "stop": {**_STOP, "nullable": True},
         "stop_token_ids": {"type": "array", "items": token_id, "nullable": True},
         "ignore_eos": {"type": "boolean", "nullable": True},

@@ -46,4 +46,7 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=req.top_k, seed=req.seed,
                           stop_token_ids=tuple(dict.fromkeys(req.stop_token_ids + extra_eos)),
-                          ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+                          ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+                          presence_penalty=req.presence_penalty,
+                          frequency_penalty=req.frequency_penalty,
+                          repetition_penalty=req.repetition_penalty)

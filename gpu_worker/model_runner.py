@@ -255,7 +255,8 @@ class ModelRunner:
             with scope("sampling"):
                 tokens = self.sampler.sample(
                     logits, [s.sampling for s in states],
-                    [len(s.token_ids) - s.num_prompt_tokens for s in states])
+                    [len(s.token_ids) - s.num_prompt_tokens for s in states],
+                    [(s.token_ids, s.num_prompt_tokens) for s in states])
         size, written = self.rc.block_size, self._written
         for rid, n in scheduled.items():
             s = self.requests[rid]

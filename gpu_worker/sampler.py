@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections.abc import Sequence
 
 import torch
 
@@ -89,10 +90,19 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               output_index: list[int]) -> list[SampledToken]:
+               output_index: list[int],
+               histories: Sequence[tuple[Sequence[int], int]] | None = None
+               ) -> list[SampledToken]:
         """logits: [S, V], one row per sampling request; output_index[i] is how many tokens
-        row i's request has generated before this one. Everything runs on the logits'
-        device; the ids (and the log-probabilities asked for) reach the host in one copy."""
+        row i's request has generated before this one; histories[i] its tokens so far and
+        how many of them are the prompt (needed by the rows with penalties). Everything runs
+        on the logits' device; the ids (and the log-probabilities asked for) reach the host
+        in one copy. Log-probabilities are the model's, before any penalty (as vLLM's)."""
+        raw = logits
+        penalized = [i for i, p in enumerate(params) if p.penalized]
+        if penalized:
+            assert histories is not None, "penalties need the requests' tokens"
+            logits = apply_penalties(logits, {i: (params[i], histories[i]) for i in penalized})
         token_ids = argmax(logits)                      # greedy rows: exact argmax
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
@@ -103,7 +113,7 @@ class Sampler:
             chosen = self._draw(logits.index_select(0, rows), table,
                                 [params[i] for i in drawn])
             token_ids = token_ids.index_copy(0, rows, chosen)
-        return _finish(logits, params, token_ids)
+        return _finish(raw, params, token_ids)
 
     def _draw(self, logits: torch.Tensor, table: torch.Tensor,
               params: list[SamplingParams]) -> torch.Tensor:
@@ -123,6 +133,34 @@ class Sampler:
                 u = torch.where(table[:, _SEEDED, None] > 0,
                                 seeded_row_uniforms(*_seed_columns(table)), u)
         return inverse_cdf(x, u)
+
+
+def apply_penalties(logits: torch.Tensor,
+                    rows: dict[int, tuple[SamplingParams, tuple[Sequence[int], int]]]
+                    ) -> torch.Tensor:
+    """A copy of logits [S, V] with each listed row's penalties applied, given its params and
+    (tokens so far, prompt length). The repetition penalty first, over the prompt's and the
+    output's distinct tokens, in transformers' form (a logit below 0 times the penalty, any
+    other divided by it), so greedy output matches its `repetition_penalty` bit for bit; then
+    the frequency penalty times each token's count in the output, and the presence penalty
+    once for each token there."""
+    out = logits.clone()
+    vocab = out.shape[1]
+    for i, (p, (tokens, num_prompt)) in rows.items():
+        row = out[i]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(tokens)), dtype=torch.int64, device=out.device)
+            score = row.gather(0, seen)
+            score = torch.where(score < 0, score * p.repetition_penalty,
+                                score / p.repetition_penalty)
+            row.scatter_(0, seen, score)
+        generated = tokens[num_prompt:]
+        if generated and (p.frequency_penalty or p.presence_penalty):
+            ids = torch.tensor(generated, dtype=torch.int64, device=out.device)
+            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)
+            row.sub_(counts * p.frequency_penalty + (counts > 0).to(row.dtype)
+                     * p.presence_penalty)
+    return out
 
 
 def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ from shared.errors import InvalidRequestError
 
 
 _GREEDY_BELOW = 1e-5
+MAX_REPETITION_PENALTY = 2.0
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: int | None = None       # None: none; 0: the sampled token's; N: plus top-N
+    # OpenAI's penalties, subtracted from a token's logit: once if it is in the output so far
+    # (presence), once per time it is there (frequency); vLLM's repetition penalty divides a
+    # positive logit (multiplies a negative one) of any token in the prompt or the output
+    presence_penalty: float = 0.0     # [-2, 2]
+    frequency_penalty: float = 0.0    # [-2, 2]
+    repetition_penalty: float = 1.0   # (0, 2]; 1 is off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -34,6 +41,17 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k!r}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
+                                      f"got {self.repetition_penalty!r}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or
+                    self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,139 @@
+"""Presence, frequency and repetition penalties (OpenAI's two, vLLM's third): the sampler's
+arithmetic against transformers' repetition processor and the OpenAI formula, greedy output
+through the whole engine against transformers generating with the same penalties (float32,
+chunked and preempted too), and the API's bounds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gateway.openai_schema import APIError, parse_chat, parse_completion
+from gpu_worker.sampler import Sampler, apply_penalties
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+from tests.hf_reference import NEW_TOKENS, assert_same_tokens
+from tests.test_engine_parity import CONFIGS, run_engine, tiny_llama_and_hf
+
+
+class OpenAIPenalties:
+    """The OpenAI formula as a transformers logits processor: each token's logit less
+    frequency x its count in the generated text, less presence once if it is there."""
+
+    def __init__(self, prompt_len: int, frequency: float, presence: float):
+        self.prompt_len, self.frequency, self.presence = prompt_len, frequency, presence
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor):
+        generated = input_ids[0, self.prompt_len:]
+        if not len(generated):
+            return scores
+        counts = torch.bincount(generated, minlength=scores.shape[1]).to(scores.dtype)
+        return scores - (counts * self.frequency + (counts > 0).to(scores.dtype) * self.presence)
+
+
+def test_repetition_penalty_is_transformers_bit_for_bit():
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 50, generator=g) * 4
+    tokens = [[1, 7, 7, 30], [2, 49, 0], [5]]
+    params = [SamplingParams(repetition_penalty=r) for r in (1.3, 0.7, 1.0)]
+    got = apply_penalties(logits, {i: (p, (t, 2)) for i, (p, t) in enumerate(zip(params, tokens))
+                                   if p.penalized})
+    for i, (p, t) in enumerate(zip(params, tokens)):
+        want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
+            torch.tensor([t]), logits[i:i + 1].clone())[0] if p.penalized else logits[i]
+        assert torch.equal(got[i], want), i
+    assert not torch.equal(got, logits)                     # a copy was changed, not the input
+
+
+def test_frequency_and_presence_count_the_output_only():
+    logits = torch.zeros(1, 8)
+    p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    # prompt [3, 3, 4], output [3, 5, 5, 5]
+    got = apply_penalties(logits, {0: (p, ([3, 3, 4, 3, 5, 5, 5], 3))})[0]
+    want = torch.zeros(8)
+    want[3] = -(0.5 * 1 + 0.25)
+    want[5] = -(0.5 * 3 + 0.25)
+    assert torch.equal(got, want)                          # token 4, prompt only: untouched
+
+
+def test_greedy_follows_the_penalized_logits_and_reports_the_models_logprobs():
+    logits = torch.tensor([[3.0, 2.9, -1.0, 0.5]])
+    p = SamplingParams(temperature=0.0, presence_penalty=1.0, logprobs=1)
+    out = Sampler().sample(logits, [p], [1], [([7, 0], 1)])[0]   # token 0 already generated
+    assert out.token_id == 1
+    assert out.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))
+    assert Sampler().sample(logits, [SamplingParams(temperature=0.0)], [1])[0].token_id == 0
+
+
+@pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3),
+                                 dict(repetition_penalty=0), dict(repetition_penalty=2.5)])
+def test_out_of_range_is_refused(bad):
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(**bad)
+    name = next(iter(bad))
+    for parse, body in ((parse_completion, {"model": "m", "prompt": "hi"}),
+                        (parse_chat, {"model": "m", "messages": [{"role": "user",
+                                                                   "content": "hi"}]})):
+        with pytest.raises(APIError) as e:
+            parse({**body, **bad})
+        assert e.value.param == name
+
+
+def test_the_api_passes_them_on():
+    req = parse_completion({"model": "m", "prompt": "hi", "presence_penalty": 0.5,
+                            "frequency_penalty": -0.25, "repetition_penalty": 1.2})
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == \
+        (0.5, -0.25, 1.2)
+    req = parse_completion({"model": "m", "prompt": "hi", "presence_penalty": None})
+    assert (req.presence_penalty, req.frequency_penalty, req.repetition_penalty) == (0, 0, 1)
+
+
+# ---- the whole engine against transformers ----------------------------------------------------
+
+PENALTIES = [("repetition", dict(repetition_penalty=1.3)),
+             ("frequency+presence", dict(frequency_penalty=0.6, presence_penalty=0.4)),
+             ("all three", dict(repetition_penalty=1.15, frequency_penalty=0.3,
+                                presence_penalty=-0.2))]
+
+
+@pytest.fixture(scope="module")
+def tiny_with_refs(tmp_path_factory):
+    path, hf = tiny_llama_and_hf(tmp_path_factory)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
+               for n in (5, 23, 40, 71)]
+    eos = hf.config.eos_token_id
+    refs = {}
+    for name, kw in PENALTIES:
+        refs[name] = []
+        for p in prompts:
+            processors = [OpenAIPenalties(len(p), kw.get("frequency_penalty", 0.0),
+                                          kw.get("presence_penalty", 0.0))]
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p),
+                                                                            dtype=torch.long),
+                              max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos, top_p=None, top_k=None, temperature=None,
+                              repetition_penalty=kw.get("repetition_penalty", 1.0),
+                              logits_processor=processors, output_scores=True,
+                              return_dict_in_generate=True)
+            refs[name].append((out.sequences[0, len(p):].tolist(), torch.stack(out.scores)[:, 0]))
+    return path, prompts, refs
+
+
+@pytest.mark.parametrize("config,overrides,expect_preemption", CONFIGS)
+@pytest.mark.parametrize("penalty,kw", PENALTIES)
+def test_greedy_with_penalties_matches_transformers(tiny_with_refs, penalty, kw, config,
+                                                    overrides, expect_preemption):
+    """Greedy tokens equal transformers' under the same penalties (the repetition one through
+    its own processor, OpenAI's through the formula above): with a large budget, 16-row
+    chunks, and a KV pool small enough to preempt, whose recomputed requests must count
+    their earlier output as output."""
+    path, prompts, refs = tiny_with_refs
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, **kw)
+    ours, engine = run_engine(path, prompts, {**overrides, "max_model_len": 512}, params)
+    if expect_preemption:
+        assert engine.scheduler.num_preemptions_total > 0
+    for k, (o, (r, logits)) in enumerate(zip(ours, refs[penalty])):
+        assert_same_tokens(o, r, logits, f"{penalty} {config} prompt {k}")
+    plain, _ = run_engine(path, prompts, {**overrides, "max_model_len": 512})
+    assert ours != plain                                    # the penalties changed something
