@@ -122,14 +122,25 @@ def test_greedy_output_equals_in_process_engine(served: Served):
 
     engine = LLMEngine(EngineArgs(kv_cache_memory="32MiB"), progress=False)
     c = client(served)
-    for prompt in PROMPTS:
+    # the last with penalties: they travel through the plan to the worker's sampler
+    penalties = [{}] * len(PROMPTS) + [dict(frequency_penalty=0.8, presence_penalty=0.5,
+                                            repetition_penalty=1.2)]
+    for prompt, extra in zip(PROMPTS + PROMPTS[:1], penalties):
         ids = engine.tokenizer.encode(prompt)
         # one request at a time on both sides: the same batches, so the same float sums
-        [expected] = engine.generate([ids], [SamplingParams(max_tokens=24, temperature=0.0)])
-        got = c.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0)
+        [expected] = engine.generate([ids], [SamplingParams(max_tokens=24, temperature=0.0,
+                                                            **extra)])
+        got = c.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
+                                   **{k: v for k, v in extra.items()
+                                      if k != "repetition_penalty"},
+                                   extra_body={k: v for k, v in extra.items()
+                                               if k == "repetition_penalty"})
         assert got.usage.completion_tokens == len(expected.token_ids), prompt
         assert got.choices[0].text == engine.tokenizer.decode(expected.token_ids), prompt
         assert got.choices[0].finish_reason == expected.finish_reason, prompt
+        if prompt == PROMPTS[0] and not extra:
+            plain = expected.token_ids
+    assert expected.token_ids != plain          # the penalties changed the first prompt's text
 
 
 def test_a_stop_token_ends_the_stream_with_nothing_after_it(served: Served):
