@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shared.sampling import MAX_REPETITION_PENALTY
+from shared.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_REPETITION_PENALTY
 
 MAX_LOGPROBS = 20
 MAX_TIMEOUT_S = 86_400.0
@@ -66,6 +66,7 @@ class GenerationRequest:
     presence_penalty: float
     frequency_penalty: float
     repetition_penalty: float               # vLLM's extension; 1 is off
+    logit_bias: tuple[tuple[int, float], ...]
     stream: bool
     include_usage: bool
     timeout: float | None = None            # seconds; pacer's extension: a deadline
@@ -111,6 +112,28 @@ def _int_list(value: Any, name: str) -> list[int]:
                                               and -INT_BOUND <= t < INT_BOUND for t in value):
         raise APIError(f"'{name}' must be a list of integers", param=name)
     return value
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"token id": bias} (the ids as strings, JSON's keys), bias in [-100, 100]."""
+    bias = _field(body, "logit_bias", (dict,), {})
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise APIError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens",
+                       param="logit_bias")
+    pairs = []
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            token = -1
+        if not 0 <= token < INT_BOUND:
+            raise APIError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -100 <= value <= 100:
+            raise APIError(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} "
+                           f"for token {key}", param="logit_bias")
+        pairs.append((token, float(value)))
+    return tuple(sorted(pairs))
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -240,7 +263,7 @@ def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | No
         seed=seed, stop=_stop(body),
         stop_token_ids=tuple(_int_list(_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
         ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
-        repetition_penalty=repetition, **penalties, stream=stream, include_usage=include_usage,
+        repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body), stream=stream, include_usage=include_usage,
         timeout=None if timeout is None else float(timeout))
 
 

@@ -40,6 +40,14 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                                "description": "vLLM's extension: a logit of a token in the "
                                               "prompt or the output is divided by it (if "
                                               "positive) or multiplied (if negative)"},
+        "logit_bias": {"type": "object", "nullable": True, "maxProperties": 16,
+                       # ids with fewer digits than the vocabulary's size: all inside it
+                       "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,%d})$"
+                                         % max(0, len(str(vocab_size)) - 2)},
+                       "additionalProperties": {"type": "number", "minimum": -100,
+                                                "maximum": 100},
+                       "description": "token id (a string) -> bias added to its logit; "
+                                      "ids past the vocabulary are refused"},
         "stop": {**_STOP, "nullable": True},
         "stop_token_ids": {"type": "array", "items": token_id, "nullable": True},
         "ignore_eos": {"type": "boolean", "nullable": True},

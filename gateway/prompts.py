@@ -40,6 +40,10 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                        f"the prompt has {num_prompt_tokens} tokens and max_tokens is "
                        f"{max_tokens}, {num_prompt_tokens + max_tokens} in all",
                        param="max_tokens", code="context_length_exceeded")
+    bad = [t for t, _ in req.logit_bias if t >= tokenizer.vocab_size]
+    if bad:
+        raise APIError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
+                       f"[0, {tokenizer.vocab_size})", param="logit_bias")
     # the scheduler stops on the primary EOS itself; other end-of-turn ids are stop tokens
     extra_eos = () if req.ignore_eos else tuple(
         t for t in tokenizer.eos_token_ids if t != tokenizer.eos_token_id)
@@ -49,4 +53,5 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                           ignore_eos=req.ignore_eos, logprobs=req.logprobs,
                           presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty,
-                          repetition_penalty=req.repetition_penalty)
+                          repetition_penalty=req.repetition_penalty,
+                          logit_bias=req.logit_bias)

@@ -99,10 +99,10 @@ class Sampler:
         on the logits' device; the ids (and the log-probabilities asked for) reach the host
         in one copy. Log-probabilities are the model's, before any penalty (as vLLM's)."""
         raw = logits
-        penalized = [i for i, p in enumerate(params) if p.penalized]
-        if penalized:
+        adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+        if adjusted:
             assert histories is not None, "penalties need the requests' tokens"
-            logits = apply_penalties(logits, {i: (params[i], histories[i]) for i in penalized})
+            logits = apply_penalties(logits, {i: (params[i], histories[i]) for i in adjusted})
         token_ids = argmax(logits)                      # greedy rows: exact argmax
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
@@ -138,16 +138,20 @@ class Sampler:
 def apply_penalties(logits: torch.Tensor,
                     rows: dict[int, tuple[SamplingParams, tuple[Sequence[int], int]]]
                     ) -> torch.Tensor:
-    """A copy of logits [S, V] with each listed row's penalties applied, given its params and
-    (tokens so far, prompt length). The repetition penalty first, over the prompt's and the
-    output's distinct tokens, in transformers' form (a logit below 0 times the penalty, any
-    other divided by it), so greedy output matches its `repetition_penalty` bit for bit; then
-    the frequency penalty times each token's count in the output, and the presence penalty
-    once for each token there."""
+    """A copy of logits [S, V] with each listed row's logit bias and penalties applied, given
+    its params and (tokens so far, prompt length), in vLLM's order. The bias first; then the
+    repetition penalty, over the prompt's and the output's distinct tokens, in transformers'
+    form (a logit below 0 times the penalty, any other divided by it), so greedy output
+    matches its `repetition_penalty` bit for bit; then the frequency penalty times each
+    token's count in the output, and the presence penalty once for each token there."""
     out = logits.clone()
     vocab = out.shape[1]
     for i, (p, (tokens, num_prompt)) in rows.items():
         row = out[i]
+        if p.logit_bias:
+            ids, bias = zip(*p.logit_bias)
+            row.index_add_(0, torch.tensor(ids, dtype=torch.int64, device=out.device),
+                           torch.tensor(bias, dtype=row.dtype, device=out.device))
         if p.repetition_penalty != 1.0:
             seen = torch.tensor(sorted(set(tokens)), dtype=torch.int64, device=out.device)
             score = row.gather(0, seen)

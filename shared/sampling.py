@@ -10,6 +10,7 @@ from shared.errors import InvalidRequestError
 
 _GREEDY_BELOW = 1e-5
 MAX_REPETITION_PENALTY = 2.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclass(frozen=True)
@@ -28,9 +29,17 @@ class SamplingParams:
     presence_penalty: float = 0.0     # [-2, 2]
     frequency_penalty: float = 0.0    # [-2, 2]
     repetition_penalty: float = 1.0   # (0, 2]; 1 is off
+    # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b))
+                                                     for t, b in self.logit_bias))
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES or \
+                any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
+            raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} "
+                                      "token ids >= 0, each with a bias in [-100, 100]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
@@ -49,8 +58,9 @@ class SamplingParams:
                                       f"got {self.repetition_penalty!r}")
 
     @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler changes this request's logits first (a bias, a penalty)."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or
                     self.repetition_penalty != 1.0)
 
     @property
@@ -68,6 +78,7 @@ class SamplingParams:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
+        d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return d
 
     @classmethod

@@ -37,10 +37,10 @@ def test_repetition_penalty_is_transformers_bit_for_bit():
     tokens = [[1, 7, 7, 30], [2, 49, 0], [5]]
     params = [SamplingParams(repetition_penalty=r) for r in (1.3, 0.7, 1.0)]
     got = apply_penalties(logits, {i: (p, (t, 2)) for i, (p, t) in enumerate(zip(params, tokens))
-                                   if p.penalized})
+                                   if p.adjusts_logits})
     for i, (p, t) in enumerate(zip(params, tokens)):
         want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
-            torch.tensor([t]), logits[i:i + 1].clone())[0] if p.penalized else logits[i]
+            torch.tensor([t]), logits[i:i + 1].clone())[0] if p.adjusts_logits else logits[i]
         assert torch.equal(got[i], want), i
     assert not torch.equal(got, logits)                     # a copy was changed, not the input
 
@@ -137,3 +137,32 @@ def test_greedy_with_penalties_matches_transformers(tiny_with_refs, penalty, kw,
         assert_same_tokens(o, r, logits, f"{penalty} {config} prompt {k}")
     plain, _ = run_engine(path, prompts, {**overrides, "max_model_len": 512})
     assert ours != plain                                    # the penalties changed something
+
+
+def test_logit_bias_comes_first_and_can_ban_or_force_a_token():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    force = SamplingParams(temperature=0.0, logit_bias=((3, 100.0),))
+    ban = SamplingParams(temperature=0.0, logit_bias=[[0, -100], [1, -100]])   # from the wire
+    assert ban.logit_bias == ((0, -100.0), (1, -100.0))
+    assert [t.token_id for t in Sampler().sample(logits.repeat(2, 1), [force, ban], [0, 0],
+                                                 [([5], 1), ([5], 1)])] == [3, 2]
+    both = SamplingParams(logit_bias=((0, 1.0),), repetition_penalty=2.0)
+    got = apply_penalties(torch.tensor([[2.0, -1.0]]), {0: (both, ([0, 1], 2))})[0]
+    assert torch.equal(got, torch.tensor([1.5, -2.0]))     # (2 + 1) / 2, then -1 * 2
+
+
+@pytest.mark.parametrize("bias,error", [
+    ([1, 2], "must be a object"), ({"x": 1}, "keys must be token ids"),
+    ({"-3": 1}, "keys must be token ids"), ({"5": 101}, "in [-100, 100]"),
+    ({"5": "1"}, "in [-100, 100]"), ({"5": True}, "in [-100, 100]")])
+def test_bad_logit_bias_is_refused(bias, error):
+    with pytest.raises(APIError) as e:
+        parse_completion({"model": "m", "prompt": "hi", "logit_bias": bias})
+    assert e.value.param == "logit_bias" and error.split()[-1] in str(e.value), str(e.value)
+
+
+def test_logit_bias_parsed():
+    req = parse_completion({"model": "m", "prompt": "hi", "logit_bias": {"7": -100, "3": 2.5}})
+    assert req.logit_bias == ((3, 2.5), (7, -100.0))
+    assert SamplingParams.from_dict(SamplingParams(logit_bias=req.logit_bias).to_dict()) == \
+        SamplingParams(logit_bias=req.logit_bias)

@@ -122,19 +122,19 @@ def test_greedy_output_equals_in_process_engine(served: Served):
 
     engine = LLMEngine(EngineArgs(kv_cache_memory="32MiB"), progress=False)
     c = client(served)
-    # the last with penalties: they travel through the plan to the worker's sampler
+    # the last with a logit bias and penalties: they travel through the plan to the sampler
     penalties = [{}] * len(PROMPTS) + [dict(frequency_penalty=0.8, presence_penalty=0.5,
-                                            repetition_penalty=1.2)]
+                                            logit_bias={"28": 4.0})]
     for prompt, extra in zip(PROMPTS + PROMPTS[:1], penalties):
         ids = engine.tokenizer.encode(prompt)
         # one request at a time on both sides: the same batches, so the same float sums
-        [expected] = engine.generate([ids], [SamplingParams(max_tokens=24, temperature=0.0,
-                                                            **extra)])
+        bias = tuple((int(t), b) for t, b in extra.get("logit_bias", {}).items())
+        [expected] = engine.generate([ids], [SamplingParams(
+            max_tokens=24, temperature=0.0, **{**extra, "logit_bias": bias},
+            repetition_penalty=1.2 if extra else 1.0)])
         got = c.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0,
-                                   **{k: v for k, v in extra.items()
-                                      if k != "repetition_penalty"},
-                                   extra_body={k: v for k, v in extra.items()
-                                               if k == "repetition_penalty"})
+                                   **extra, extra_body={"repetition_penalty": 1.2} if extra
+                                   else None)
         assert got.usage.completion_tokens == len(expected.token_ids), prompt
         assert got.choices[0].text == engine.tokenizer.decode(expected.token_ids), prompt
         assert got.choices[0].finish_reason == expected.finish_reason, prompt
