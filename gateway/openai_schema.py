@@ -216,10 +216,28 @@ def _message(m: Any, i: int) -> dict:
     return {**m, "content": content}
 
 
-def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | None,
-            logprobs: int | None) -> GenerationRequest:
+def _refuse_what_would_be_ignored(body: dict) -> None:
+    """Fields that change what the answer must be, which this server does not do: a clear
+    error rather than an answer that silently ignores them. (Fields with no effect on the
+    answer, such as `user`, are accepted.)"""
     if _field(body, "n", (int,), 1) != 1:
         raise APIError("only n=1 is supported", param="n")
+    if _field(body, "best_of", (int,), 1) != 1:
+        raise APIError("only best_of=1 is supported", param="best_of")
+    fmt = _field(body, "response_format", (dict,), None)
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise APIError(f"response_format {fmt.get('type')!r} is not supported (only 'text': "
+                       "no constrained decoding here)", param="response_format")
+    for name in ("tools", "functions"):
+        if _field(body, name, (list,), None):
+            raise APIError(f"'{name}' are not supported (no tool calling here)", param=name)
+    if _field(body, "suffix", (str,), None):
+        raise APIError("'suffix' is not supported", param="suffix")
+
+
+def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | None,
+            logprobs: int | None) -> GenerationRequest:
+    _refuse_what_would_be_ignored(body)
     stream = _field(body, "stream", (bool,), False)
     options = _field(body, "stream_options", (dict,), None)
     if options is not None and not stream:

@@ -52,6 +52,13 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "stop_token_ids": {"type": "array", "items": token_id, "nullable": True},
         "ignore_eos": {"type": "boolean", "nullable": True},
         "n": {"type": "integer", "enum": [1], "nullable": True},
+        # accepted only at the values that change nothing (openai_schema refuses the rest)
+        "best_of": {"type": "integer", "enum": [1], "nullable": True},
+        "response_format": {"type": "object", "nullable": True,
+                            "properties": {"type": {"type": "string", "enum": ["text"]}}},
+        "tools": {"type": "array", "maxItems": 0, "nullable": True},
+        "functions": {"type": "array", "maxItems": 0, "nullable": True},
+        "suffix": {"type": "string", "maxLength": 0, "nullable": True},
         "stream": {"type": "boolean", "nullable": True},
         "stream_options": {"type": "object", "nullable": True,
                            "properties": {"include_usage": {"type": "boolean"}}},

@@ -166,3 +166,16 @@ def test_logit_bias_parsed():
     assert req.logit_bias == ((3, 2.5), (7, -100.0))
     assert SamplingParams.from_dict(SamplingParams(logit_bias=req.logit_bias).to_dict()) == \
         SamplingParams(logit_bias=req.logit_bias)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n", 2), ("best_of", 3), ("response_format", {"type": "json_object"}),
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("suffix", "end")])
+def test_what_would_be_silently_ignored_is_refused(field, value):
+    with pytest.raises(APIError) as e:
+        parse_completion({"model": "m", "prompt": "hi", field: value})
+    assert e.value.param == field
+    # their neutral values (as clients send by default) are fine
+    neutral = {"n": 1, "best_of": 1, "response_format": {"type": "text"}, "tools": [],
+               "suffix": None}[field]
+    parse_completion({"model": "m", "prompt": "hi", field: neutral, "user": "someone"})
