@@ -12,7 +12,8 @@ from shared.errors import InvalidRequestError, PacerError
 from shared.sampling import SamplingParams
 
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                   "ignore_eos", "logprobs")
+                   "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "logit_bias")
 
 
 def register(sub) -> None:
@@ -48,6 +49,8 @@ def read_prompts(path: str, tokenizer, defaults: dict) -> tuple[list[list[int]],
             prompts.append(_tokens_of(item, tokenizer))
             fields = {k: item[k] for k in SAMPLING_FIELDS if k in item}
             params.append(SamplingParams(**{**defaults, **fields}))
+            if any(t >= tokenizer.vocab_size for t, _ in params[-1].logit_bias):
+                raise InvalidRequestError(f"logit_bias: token ids must be < {tokenizer.vocab_size}")
         except (InvalidRequestError, TypeError, ValueError) as e:
             raise PacerError(f"{where}: {e}") from None
     return prompts, params

@@ -34,8 +34,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "logit_bias", tuple((int(t), float(b))
-                                                     for t, b in self.logit_bias))
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else \
+            self.logit_bias                   # OpenAI's {"id": bias} too (offline input)
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b))
+                                                            for t, b in pairs)))
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES or \
                 any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
             raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} "

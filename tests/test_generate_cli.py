@@ -42,7 +42,8 @@ def test_generate_every_input_kind_in_order(tiny, tmp_path):
     prompts = write_lines(tmp_path / "in.jsonl", [
         {"prompt": "hello world"},
         {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3},
-        {"prompt_token_ids": [5, 6, 7, 8], "temperature": 0.7, "seed": 3, "ignore_eos": True},
+        {"prompt_token_ids": [5, 6, 7, 8], "temperature": 0.7, "seed": 3, "ignore_eos": True,
+         "logit_bias": {"9": 3.5}, "presence_penalty": 0.5, "repetition_penalty": 1.1},
     ])
     out = tmp_path / "out.jsonl"
     proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output", str(out),
@@ -77,6 +78,8 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "ok"}\n{"text": "x"}\n', "line 2: needs one of"),
     ('{"prompt": "ok", "temperature": -1}\n', "temperature must be >= 0"),
     ('{"prompt_token_ids": [1, 99999999]}\n', "prompt_token_ids"),
+    ('{"prompt": "ok", "logit_bias": {"99999999": 1}}\n', "logit_bias"),
+    ('{"prompt": "ok", "frequency_penalty": 5}\n', "frequency_penalty must be in [-2, 2]"),
     ("", "has no prompts"),
 ])
 def test_malformed_prompts_file(tiny, tmp_path, content, needle):
