@@ -38,7 +38,7 @@ from gpu_worker.parallel import SINGLE, TPGroup
 from gpu_worker.profiling import scope
 from gpu_worker.quant import resolve_quantization
 from gpu_worker.quant.linear import wide_from_rows
-from gpu_worker.sampler import Sampler
+from gpu_worker.sampler import Sampler, TokenCounts
 from gpu_worker.weights import iter_weights
 from shared.attention_choice import choose_attention_here
 from shared.config import activation_dtype, kv_cache_dtype
@@ -103,6 +103,8 @@ class _RequestState:
     # its last token was a stop token (`SamplingParams.stops_on`): rows a plan made ahead gives
     # it are skipped, never computed nor streamed (docs/design.md#overlap)
     stopped: bool = False
+    # what its penalties need, kept up to date between steps (requests with penalties only)
+    token_counts: TokenCounts | None = None
 
 
 class UnknownKVCache(Exception):
@@ -256,7 +258,8 @@ class ModelRunner:
                 tokens = self.sampler.sample(
                     logits, [s.sampling for s in states],
                     [len(s.token_ids) - s.num_prompt_tokens for s in states],
-                    [(s.token_ids, s.num_prompt_tokens) for s in states])
+                    [(s.token_ids, s.num_prompt_tokens) for s in states],
+                    [s.token_counts for s in states])
         size, written = self.rc.block_size, self._written
         for rid, n in scheduled.items():
             s = self.requests[rid]
@@ -407,7 +410,8 @@ def _default_dtype(dtype: torch.dtype):
 
 def _state_of(new: NewRequestData) -> _RequestState:
     return _RequestState(list(new.token_ids), new.num_prompt_tokens, new.sampling,
-                         list(new.block_table), new.num_computed_tokens, new.reply_to)
+                         list(new.block_table), new.num_computed_tokens, new.reply_to,
+                         token_counts=TokenCounts() if new.sampling.adjusts_logits else None)
 
 
 def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConfig:

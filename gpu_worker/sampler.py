@@ -91,18 +91,21 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_index: list[int],
-               histories: Sequence[tuple[Sequence[int], int]] | None = None
-               ) -> list[SampledToken]:
+               histories: Sequence[tuple[Sequence[int], int]] | None = None,
+               counts: Sequence[TokenCounts | None] | None = None) -> list[SampledToken]:
         """logits: [S, V], one row per sampling request; output_index[i] is how many tokens
         row i's request has generated before this one; histories[i] its tokens so far and
-        how many of them are the prompt (needed by the rows with penalties). Everything runs
+        how many of them are the prompt (needed by the rows with penalties), and counts[i]
+        the TokenCounts kept for it between steps (or None: rebuilt). Everything runs
         on the logits' device; the ids (and the log-probabilities asked for) reach the host
         in one copy. Log-probabilities are the model's, before any penalty (as vLLM's)."""
         raw = logits
         adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
         if adjusted:
             assert histories is not None, "penalties need the requests' tokens"
-            logits = apply_penalties(logits, {i: (params[i], histories[i]) for i in adjusted})
+            kept = {i: counts[i] for i in adjusted if counts is not None and counts[i]}
+            logits = apply_penalties(logits, {i: (params[i], histories[i]) for i in adjusted},
+                                     kept)
         token_ids = argmax(logits)                      # greedy rows: exact argmax
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
@@ -135,35 +138,80 @@ class Sampler:
         return inverse_cdf(x, u)
 
 
+class TokenCounts:
+    """One request's tokens as its penalties need them, on the logits' device, brought up to
+    date with the tokens appended since the last step rather than rebuilt every step: the
+    distinct tokens of the prompt and the output (the repetition penalty's), and the
+    output's distinct tokens with how often each occurs (the frequency and presence
+    penalties'). Sparse: a step touches only these tokens' logits, not the vocabulary."""
+
+    def __init__(self) -> None:
+        self.device: torch.device | None = None
+        self.upto = 0
+
+    def _reset(self, device: torch.device) -> None:
+        self.device, self.upto = device, 0
+        self._seen: set[int] = set()
+        self._at: dict[int, int] = {}           # output token -> its place in out_ids
+        self.seen_ids = torch.empty(0, dtype=torch.int64, device=device)
+        self.out_ids = torch.empty(0, dtype=torch.int64, device=device)
+        self.out_counts = torch.empty(0, dtype=torch.float32, device=device)
+
+    def update(self, tokens: Sequence[int], num_prompt: int,
+               device: torch.device) -> "TokenCounts":
+        if self.device != device or len(tokens) < self.upto:
+            self._reset(device)
+        new = tokens[self.upto:]
+        fresh = [t for t in dict.fromkeys(new) if t not in self._seen]
+        if fresh:
+            self._seen.update(fresh)
+            self.seen_ids = torch.cat([self.seen_ids, _ids(fresh, device)])
+        output = tokens[max(self.upto, num_prompt):]
+        if output:
+            first = [t for t in dict.fromkeys(output) if t not in self._at]
+            if first:
+                self._at.update(zip(first, range(len(self._at), len(self._at) + len(first))))
+                self.out_ids = torch.cat([self.out_ids, _ids(first, device)])
+                self.out_counts = torch.cat([self.out_counts, torch.zeros(len(first),
+                                                                          device=device)])
+            self.out_counts.index_add_(0, _ids([self._at[t] for t in output], device),
+                                       torch.ones(len(output), device=device))
+        self.upto = len(tokens)
+        return self
+
+
+def _ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
 def apply_penalties(logits: torch.Tensor,
-                    rows: dict[int, tuple[SamplingParams, tuple[Sequence[int], int]]]
-                    ) -> torch.Tensor:
+                    rows: dict[int, tuple[SamplingParams, tuple[Sequence[int], int]]],
+                    counts: dict[int, TokenCounts] | None = None) -> torch.Tensor:
     """A copy of logits [S, V] with each listed row's logit bias and penalties applied, given
     its params and (tokens so far, prompt length), in vLLM's order. The bias first; then the
-    repetition penalty, over the prompt's and the output's distinct tokens, in transformers'
-    form (a logit below 0 times the penalty, any other divided by it), so greedy output
-    matches its `repetition_penalty` bit for bit; then the frequency penalty times each
-    token's count in the output, and the presence penalty once for each token there."""
+    repetition penalty on the tokens of the prompt and the output, in transformers' form (a
+    logit below 0 times the penalty, any other divided by it), so greedy output matches its
+    `repetition_penalty` bit for bit; then the frequency penalty times each token's count in
+    the output, and the presence penalty once for each token there. `counts`: the rows'
+    TokenCounts kept between steps (made here when not given)."""
     out = logits.clone()
-    vocab = out.shape[1]
+    counts = counts if counts is not None else {}
     for i, (p, (tokens, num_prompt)) in rows.items():
         row = out[i]
         if p.logit_bias:
             ids, bias = zip(*p.logit_bias)
-            row.index_add_(0, torch.tensor(ids, dtype=torch.int64, device=out.device),
-                           torch.tensor(bias, dtype=row.dtype, device=out.device))
+            row.index_add_(0, _ids(ids, row.device),
+                           torch.tensor(bias, dtype=row.dtype, device=row.device))
+        if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
+            continue
+        c = counts.setdefault(i, TokenCounts()).update(tokens, num_prompt, row.device)
         if p.repetition_penalty != 1.0:
-            seen = torch.tensor(sorted(set(tokens)), dtype=torch.int64, device=out.device)
-            score = row.gather(0, seen)
-            score = torch.where(score < 0, score * p.repetition_penalty,
-                                score / p.repetition_penalty)
-            row.scatter_(0, seen, score)
-        generated = tokens[num_prompt:]
-        if generated and (p.frequency_penalty or p.presence_penalty):
-            ids = torch.tensor(generated, dtype=torch.int64, device=out.device)
-            counts = torch.bincount(ids, minlength=vocab)[:vocab].to(row.dtype)
-            row.sub_(counts * p.frequency_penalty + (counts > 0).to(row.dtype)
-                     * p.presence_penalty)
+            score = row[c.seen_ids]
+            row[c.seen_ids] = torch.where(score < 0, score * p.repetition_penalty,
+                                          score / p.repetition_penalty)
+        if (p.frequency_penalty or p.presence_penalty) and len(c.out_ids):
+            n = c.out_counts.to(row.dtype)
+            row.index_add_(0, c.out_ids, -(n * p.frequency_penalty + p.presence_penalty))
     return out
 
 

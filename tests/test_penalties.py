@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gateway.openai_schema import APIError, parse_chat, parse_completion
-from gpu_worker.sampler import Sampler, apply_penalties
+from gpu_worker.sampler import Sampler, TokenCounts, apply_penalties
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from tests.hf_reference import NEW_TOKENS, assert_same_tokens
@@ -59,7 +59,7 @@ def test_frequency_and_presence_count_the_output_only():
 def test_greedy_follows_the_penalized_logits_and_reports_the_models_logprobs():
     logits = torch.tensor([[3.0, 2.9, -1.0, 0.5]])
     p = SamplingParams(temperature=0.0, presence_penalty=1.0, logprobs=1)
-    out = Sampler().sample(logits, [p], [1], [([7, 0], 1)])[0]   # token 0 already generated
+    out = Sampler().sample(logits, [p], [1], [([2, 0], 1)])[0]   # token 0 already generated
     assert out.token_id == 1
     assert out.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))
     assert Sampler().sample(logits, [SamplingParams(temperature=0.0)], [1])[0].token_id == 0
@@ -179,3 +179,17 @@ def test_what_would_be_silently_ignored_is_refused(field, value):
     neutral = {"n": 1, "best_of": 1, "response_format": {"type": "text"}, "tools": [],
                "suffix": None}[field]
     parse_completion({"model": "m", "prompt": "hi", field: neutral, "user": "someone"})
+
+
+def test_counts_kept_between_steps_equal_counts_rebuilt():
+    """TokenCounts brought up to date step by step (as the runner keeps them) gives the
+    logits a fresh one gives, repeated tokens and prompt tokens reappearing included."""
+    g = torch.Generator().manual_seed(4)
+    p = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=-0.3)
+    tokens, kept = [3, 9, 3, 11], {0: TokenCounts()}
+    for step in range(12):
+        logits = torch.randn(1, 16, generator=g)
+        a = apply_penalties(logits, {0: (p, (tokens, 4))}, kept)
+        b = apply_penalties(logits, {0: (p, (tokens, 4))})
+        assert torch.equal(a, b), step
+        tokens = tokens + [int(torch.randint(0, 16, (1,), generator=g)) if step % 3 else 3]
