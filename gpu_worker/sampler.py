@@ -188,31 +188,51 @@ def apply_penalties(logits: torch.Tensor,
                     rows: dict[int, tuple[SamplingParams, tuple[Sequence[int], int]]],
                     counts: dict[int, TokenCounts] | None = None) -> torch.Tensor:
     """A copy of logits [S, V] with each listed row's logit bias and penalties applied, given
-    its params and (tokens so far, prompt length), in vLLM's order. The bias first; then the
-    repetition penalty on the tokens of the prompt and the output, in transformers' form (a
-    logit below 0 times the penalty, any other divided by it), so greedy output matches its
+    its params and (tokens so far, prompt length), in vLLM's order, every row in one pass of
+    each kind over the logits of the tokens concerned. The bias first; then the repetition
+    penalty on the tokens of the prompt and the output, in transformers' form (a logit below
+    0 times the penalty, any other divided by it), so greedy output matches its
     `repetition_penalty` bit for bit; then the frequency penalty times each token's count in
     the output, and the presence penalty once for each token there. `counts`: the rows'
     TokenCounts kept between steps (made here when not given)."""
     out = logits.clone()
+    flat, vocab, device = out.view(-1), out.shape[1], out.device
     counts = counts if counts is not None else {}
+    bias: list[tuple[int, float]] = []
+    rep: list[tuple[torch.Tensor, float]] = []
+    freq: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
     for i, (p, (tokens, num_prompt)) in rows.items():
-        row = out[i]
-        if p.logit_bias:
-            ids, bias = zip(*p.logit_bias)
-            row.index_add_(0, _ids(ids, row.device),
-                           torch.tensor(bias, dtype=row.dtype, device=row.device))
+        bias += [(i * vocab + t, b) for t, b in p.logit_bias]
         if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
             continue
-        c = counts.setdefault(i, TokenCounts()).update(tokens, num_prompt, row.device)
+        c = counts.setdefault(i, TokenCounts()).update(tokens, num_prompt, device)
         if p.repetition_penalty != 1.0:
-            score = row[c.seen_ids]
-            row[c.seen_ids] = torch.where(score < 0, score * p.repetition_penalty,
-                                          score / p.repetition_penalty)
+            rep.append((c.seen_ids + i * vocab, p.repetition_penalty))
         if (p.frequency_penalty or p.presence_penalty) and len(c.out_ids):
-            n = c.out_counts.to(row.dtype)
-            row.index_add_(0, c.out_ids, -(n * p.frequency_penalty + p.presence_penalty))
+            freq.append((c.out_ids + i * vocab, c.out_counts, p.frequency_penalty,
+                         p.presence_penalty))
+    if bias:
+        at, b = zip(*bias)
+        flat.index_add_(0, _ids(at, device), torch.tensor(b, dtype=out.dtype, device=device))
+    if rep:
+        at = torch.cat([a for a, _ in rep])
+        by = _per_entry([r for _, r in rep], [len(a) for a, _ in rep], out.dtype, device)
+        score = flat[at]
+        flat[at] = torch.where(score < 0, score * by, score / by)
+    if freq:
+        at = torch.cat([a for a, *_ in freq])
+        n = torch.cat([c for _, c, *_ in freq]).to(out.dtype)
+        sizes = [len(a) for a, *_ in freq]
+        f = _per_entry([f for *_, f, _ in freq], sizes, out.dtype, device)
+        pres = _per_entry([p for *_, p in freq], sizes, out.dtype, device)
+        flat.index_add_(0, at, -(n * f + pres))
     return out
+
+
+def _per_entry(values: list[float], sizes: list[int], dtype, device) -> torch.Tensor:
+    """Each row's value repeated for each of its entries."""
+    return torch.repeat_interleave(torch.tensor(values, dtype=dtype, device=device),
+                                   torch.tensor(sizes, device=device))
 
 
 def inverse_cdf(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
