@@ -4,7 +4,8 @@ logits (docs/benchmarks.md#sampling).
 The in-process engine decodes `--rows` requests at temperature 1 for a few steps; the logits of
 one decode step are kept, then `Sampler.sample` is timed on them (median of `--repeats`
 calls) for greedy, temperature 1 (the OpenAI API's default), temperature 0.7 with top-p 0.9,
-top-k 50, and a seeded draw, at 1, 8 and all rows. Real logits matter: the top-k/top-p cost
+top-k 50, a seeded draw, and greedy with penalties over a 1k-token history, at 1, 8 and
+all rows. Real logits matter: the top-k/top-p cost
 depends on how much of the vocabulary the nucleus takes, and random logits make it far wider
 than a language model's. Also printed: the nucleus sizes (tokens in top-p 0.9) of those logits.
 
@@ -22,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import engine_arg_parser, print_table, random_prompts, write_json  # noqa: E402  (OpenMP policy first)
 import torch  # noqa: E402
 
+from gpu_worker.sampler import TokenCounts  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
@@ -33,7 +35,12 @@ CASES = {
     "t 0.7, top-p 0.9": SamplingParams(temperature=0.7, top_p=0.9),
     "t 1, top-k 50": SamplingParams(temperature=1.0, top_k=50),
     "t 1, seeded": SamplingParams(temperature=1.0, seed=7),
+    # greedy with all three penalties over a history of HISTORY tokens (half of them output),
+    # the counts kept between calls as the runner keeps them: a step's cost, one new token
+    "greedy, penalties": SamplingParams(temperature=0.0, presence_penalty=0.5,
+                                        frequency_penalty=0.5, repetition_penalty=1.1),
 }
+HISTORY = 1000
 
 
 def decode_logits(engine: LLMEngine, rows: int, vocab: int) -> torch.Tensor:
@@ -42,10 +49,10 @@ def decode_logits(engine: LLMEngine, rows: int, vocab: int) -> torch.Tensor:
     kept: list[torch.Tensor] = []
     original = sampler.sample
 
-    def keep(logits, params, output_index):
+    def keep(logits, *rest):
         if logits.shape[0] == rows:
             kept.append(logits.detach().clone())
-        return original(logits, params, output_index)
+        return original(logits, *rest)
 
     sampler.sample = keep
     try:
@@ -77,9 +84,15 @@ def main() -> None:
         row = {"rows": r}
         for name, params in CASES.items():
             times = []
+            gen = torch.Generator().manual_seed(r)
+            histories = [(torch.randint(0, vocab, (HISTORY,), generator=gen).tolist(),
+                          HISTORY // 2) for _ in range(r)]
+            counts = [TokenCounts() for _ in range(r)]
             for k in range(args.repeats):
+                for tokens, _ in histories:
+                    tokens.append(int(torch.randint(0, vocab, (1,), generator=gen)))
                 start = time.perf_counter()
-                sampler.sample(logits[:r], [params] * r, [k] * r)
+                sampler.sample(logits[:r], [params] * r, [k] * r, histories, counts)
                 times.append((time.perf_counter() - start) * 1e3)
             row[name] = statistics.median(times)
         rows.append(row)
