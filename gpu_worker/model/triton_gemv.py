@@ -1,5 +1,5 @@
 """One row times a 16-bit weight matrix on a GPU, in Triton, where it beats cuBLAS
-(docs/gpu.md#one-row-gemms).
+(docs/gpu.md#one-row-decode).
 
 A decode step of one stream reads every weight once for one row: the GEMMs are pure
 bandwidth. On an H200 cuBLAS read the two large matrices of a Llama-3-8B layer (gate/up,
