@@ -76,34 +76,40 @@ def _cases():
                dict(X=b16, W=b16, Y=b16), config.kwargs, ())
 
 
-def main() -> None:
-    """In a process without TRITON_INTERPRET: compile every case for each target and print
-    {target: {case: "ok" or the error}} as JSON."""
+ARCHS = (90, 80)
+
+
+def main(arch: int) -> None:
+    """In a process without TRITON_INTERPRET: compile every case for sm_`arch` and print
+    {case: "ok" or the error} as JSON."""
     from triton.backends.compiler import GPUTarget
-    out = {}
-    for arch in (90, 80):
-        target, results = GPUTarget("cuda", arch, 32), {}
-        for name, fn, pointers, constexprs, floats in _cases():
-            try:
-                ok = bool(_compile(fn, target, pointers, constexprs, floats).asm["cubin"])
-                results[name] = "ok" if ok else "no machine code"
-            except Exception as e:                       # reported per case by the test
-                results[name] = f"{type(e).__name__}: {e}"[:2000]
-        out[f"sm_{arch}"] = results
-    print(json.dumps(out))
+    target, results = GPUTarget("cuda", arch, 32), {}
+    for name, fn, pointers, constexprs, floats in _cases():
+        try:
+            ok = bool(_compile(fn, target, pointers, constexprs, floats).asm["cubin"])
+            results[name] = "ok" if ok else "no machine code"
+        except Exception as e:                           # reported per case by the test
+            results[name] = f"{type(e).__name__}: {e}"[:2000]
+    print(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
+    """{"sm_N": results}: one process per target, side by side."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", "from tests.test_triton_compile import main; "
-                           "main()"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    procs = {f"sm_{arch}": subprocess.Popen(
+        [sys.executable, "-c", f"from tests.test_triton_compile import main; main({arch})"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for arch in ARCHS}
+    out = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+    return out
 
 
-@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+@pytest.mark.parametrize("arch", [f"sm_{a}" for a in ARCHS])
 def test_every_gpu_kernel_compiles(compiled, arch):
     failed = {name: r for name, r in compiled[arch].items() if r != "ok"}
     assert not failed, failed
