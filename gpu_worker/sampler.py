@@ -195,7 +195,7 @@ def apply_penalties(logits: torch.Tensor,
     `repetition_penalty` bit for bit; then the frequency penalty times each token's count in
     the output, and the presence penalty once for each token there. `counts`: the rows'
     TokenCounts kept between steps (made here when not given)."""
-    out = logits.clone()
+    out = logits.clone(memory_format=torch.contiguous_format)   # a vocabulary slice too
     flat, vocab, device = out.view(-1), out.shape[1], out.device
     counts = counts if counts is not None else {}
     bias: list[tuple[int, float]] = []

@@ -193,3 +193,14 @@ def test_counts_kept_between_steps_equal_counts_rebuilt():
         b = apply_penalties(logits, {0: (p, (tokens, 4))})
         assert torch.equal(a, b), step
         tokens = tokens + [int(torch.randint(0, 16, (1,), generator=g)) if step % 3 else 3]
+
+
+def test_logits_that_are_a_slice_of_a_padded_vocabulary():
+    """The LM head's logits can be a column slice (a vocabulary padded for the GEMM)."""
+    padded = torch.randn(3, 12)
+    logits = padded[:, :10]
+    p = SamplingParams(logit_bias=((9, 5.0),), frequency_penalty=1.0)
+    got = apply_penalties(logits, {1: (p, ([2, 9, 9], 1))})
+    want = logits.clone()
+    want[1, 9] = want[1, 9] + 5.0 - 2.0                      # the bias, then 2 x frequency
+    assert got.shape == (3, 10) and torch.equal(got, want)
