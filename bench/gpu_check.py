@@ -24,7 +24,6 @@ JSON and the others still run.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
@@ -354,8 +353,6 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str, profile: bool = 
         if device.startswith("cuda"):
             torch.cuda.synchronize(device)
 
-    pick = [argmax]
-
     def step(chunks, n_ids, graphed=False):
         """One forward and the argmax's copy to the host, as an iteration does."""
         ids = torch.randint(3, cfg.vocab_size, (n_ids,))      # on the host, as a plan's are
@@ -365,7 +362,7 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str, profile: bool = 
             else:
                 meta = build_attention_metadata(chunks, bs, device, act)
                 logits = model(ids.to(device), caches, meta, attn)
-            return pick[0](logits).cpu()
+            return argmax(logits).cpu()
 
     def timed(b, graphed):
         tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(b)]
@@ -395,13 +392,14 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str, profile: bool = 
         from unittest import mock
 
         from gpu_worker.attention import triton_backend
-        from gpu_worker.model import triton_gemv
+        from gpu_worker.model import triton_gemv, triton_ops
         switches = {
             "cuBLAS for one row": lambda: mock.patch.object(triton_gemv, "serves",
                                                             lambda *a: False),
             "RoPE and the K/V store apart": lambda: mock.patch.object(
                 attn, "rope_store_attend", None, create=True),
-            "torch's argmax": lambda: _swapped(pick, lambda x: x.argmax(-1)),
+            "torch's argmax": lambda: mock.patch.object(triton_ops, "argmax_rows",
+                                                        lambda x: x.argmax(-1)),
             "split merge in the attention kernel": lambda: mock.patch.object(
                 triton_backend, "FUSED_COMBINE", not triton_backend.FUSED_COMBINE),
         }
@@ -440,16 +438,6 @@ def speed(device: str, backend: str, smoke: bool, hw_name: str, profile: bool = 
     return {"shape": shape, "dtype": "bfloat16", "attention_backend": choice.backend,
             "block_size": bs, "hardware": hw_name, "rows": rows, "ablation_batch_1": ablation,
             "kernel_profiles": profiles}
-
-
-@contextlib.contextmanager
-def _swapped(box: list, value):
-    """box[0] is `value` inside the block."""
-    before, box[0] = box[0], value
-    try:
-        yield
-    finally:
-        box[0] = before
 
 
 def _kernel_table(run, steps: int = 3) -> dict:

@@ -85,14 +85,13 @@ def main() -> None:
         for name, params in CASES.items():
             times = []
             gen = torch.Generator().manual_seed(r)
-            histories = [(torch.randint(0, vocab, (HISTORY,), generator=gen).tolist(),
-                          HISTORY // 2) for _ in range(r)]
-            counts = [TokenCounts() for _ in range(r)]
+            counts = [TokenCounts(torch.randint(0, vocab, (HISTORY,), generator=gen).tolist(),
+                                  HISTORY // 2) for _ in range(r)]
             for k in range(args.repeats):
-                for tokens, _ in histories:
-                    tokens.append(int(torch.randint(0, vocab, (1,), generator=gen)))
+                for c in counts:
+                    c.tokens.append(int(torch.randint(0, vocab, (1,), generator=gen)))
                 start = time.perf_counter()
-                sampler.sample(logits[:r], [params] * r, [k] * r, histories, counts)
+                sampler.sample(logits[:r], [params] * r, [k] * r, counts)
                 times.append((time.perf_counter() - start) * 1e3)
             row[name] = statistics.median(times)
         rows.append(row)

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from shared.sampling import MAX_LOGIT_BIAS_ENTRIES, MAX_REPETITION_PENALTY
+from shared.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
+                             MAX_REPETITION_PENALTY)
 
 MAX_LOGPROBS = 20
 MAX_TIMEOUT_S = 86_400.0
@@ -129,8 +130,9 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         if not 0 <= token < INT_BOUND:
             raise APIError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                not -100 <= value <= 100:
-            raise APIError(f"'logit_bias' values must be numbers in [-100, 100], got {value!r} "
+                not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise APIError(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                           f"{MAX_LOGIT_BIAS:g}], got {value!r} "
                            f"for token {key}", param="logit_bias")
         pairs.append((token, float(value)))
     return tuple(sorted(pairs))
@@ -263,8 +265,9 @@ def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | No
     penalties = {name: _number(body, name, 0.0) for name in ("presence_penalty",
                                                               "frequency_penalty")}
     for name, value in penalties.items():
-        if not -2 <= value <= 2:
-            raise APIError(f"'{name}' must be in [-2, 2], got {value:g}", param=name)
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            raise APIError(f"'{name}' must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got "
+                           f"{value:g}", param=name)
     repetition = _number(body, "repetition_penalty", 1.0)
     if not 0 < repetition <= MAX_REPETITION_PENALTY:
         raise APIError(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}], got "

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.openai_schema import CHAT_ROLES, INT_BOUND, MAX_LOGPROBS, MAX_TIMEOUT_S, SEED_BOUND
-from shared.sampling import MAX_REPETITION_PENALTY
+from shared.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY
 
 _INT64 = {"type": "integer", "minimum": -INT_BOUND, "maximum": INT_BOUND - 1}
 _STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
@@ -33,8 +33,10 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "top_k": {"type": "integer", "minimum": -1, "maximum": vocab_size, "nullable": True},
         "seed": {"type": "integer", "minimum": -SEED_BOUND, "maximum": SEED_BOUND,
                  "nullable": True},
-        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
-        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+        "presence_penalty": {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY,
+                             "nullable": True},
+        "frequency_penalty": {"type": "number", "minimum": -MAX_PENALTY,
+                              "maximum": MAX_PENALTY, "nullable": True},
         "repetition_penalty": {"type": "number", "exclusiveMinimum": True, "minimum": 0,
                                "maximum": MAX_REPETITION_PENALTY, "nullable": True,
                                "description": "vLLM's extension: a logit of a token in the "
@@ -44,8 +46,9 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                        # ids with fewer digits than the vocabulary's size: all inside it
                        "propertyNames": {"pattern": "^(0|[1-9][0-9]{0,%d})$"
                                          % max(0, len(str(vocab_size)) - 2)},
-                       "additionalProperties": {"type": "number", "minimum": -100,
-                                                "maximum": 100},
+                       "additionalProperties": {"type": "number",
+                                                "minimum": -MAX_LOGIT_BIAS,
+                                                "maximum": MAX_LOGIT_BIAS},
                        "description": "token id (a string) -> bias added to its logit; "
                                       "ids past the vocabulary are refused"},
         "stop": {**_STOP, "nullable": True},

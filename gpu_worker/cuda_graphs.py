@@ -48,24 +48,25 @@ class DecodeGraphs:
         self.device = device
         self.sizes = sorted(sizes)
         n, w = self.sizes[-1], max_blocks_per_seq
-        self.pinned = torch.device(device).type == "cuda"
+        on_gpu = torch.device(device).type == "cuda"
         # the step's inputs reach the GPU as two copies from page-locked host buffers: rows
         # (ids, positions, slots, KV lengths) of int64 for every buffered row, and the block
         # tables of the rows run; each buffer is filled whole on the host, padding included
-        self.host_rows = torch.zeros((4, n), dtype=torch.int64, pin_memory=self.pinned)
+        # a padding row: token 0 at position 0, its K/V to the scratch block, one key
+        self.padding_row = np.array([[0], [0], [scratch_block * block_size], [1]])
+        self.host_rows = torch.empty((4, n), dtype=torch.int64, pin_memory=on_gpu)
+        self.host_rows.numpy()[:] = self.padding_row
         self.host_tables = torch.full((n, w), scratch_block, dtype=torch.int32,
-                                      pin_memory=self.pinned)
-        self.copied = torch.cuda.Event() if self.pinned else None
-        self.rows_buf = torch.zeros((4, n), dtype=torch.int64, device=device)
+                                      pin_memory=on_gpu)
+        self.copied = torch.cuda.Event() if on_gpu else None
+        self.rows_buf = self.host_rows.to(device, copy=True)
         self.ids, self.positions, self.slots, self.kv_lens = self.rows_buf
-        self.slots.fill_(scratch_block * block_size)
-        self.kv_lens.fill_(1)
-        self.tables = torch.full((n, w), scratch_block, dtype=torch.int32, device=device)
+        self.tables = self.host_tables.to(device, copy=True)
         self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.rows = torch.arange(n, dtype=torch.int64, device=device)
         self.max_len = w * block_size
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if torch.device(device).type == "cuda":
+        if on_gpu:
             self._capture()
         # elsewhere (tests on CPU) `run` fills the same buffers and runs the model eagerly
         # over them: everything but the capture itself
@@ -122,7 +123,7 @@ class DecodeGraphs:
         rows[1, :n] = pos
         rows[2, :n] = tables[np.arange(n), pos // bs].astype(np.int64) * bs + pos % bs
         rows[3, :n] = kv
-        rows[:, n:size] = np.array([[0], [0], [self.scratch * bs], [1]])
+        rows[:, n:size] = self.padding_row
         self.rows_buf.copy_(self.host_rows, non_blocking=True)
         self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)   # whole rows: one
         # copy (columns past `width` hold older tables, never read: no key reaches them)

@@ -258,7 +258,6 @@ class ModelRunner:
                 tokens = self.sampler.sample(
                     logits, [s.sampling for s in states],
                     [len(s.token_ids) - s.num_prompt_tokens for s in states],
-                    [(s.token_ids, s.num_prompt_tokens) for s in states],
                     [s.token_counts for s in states])
         size, written = self.rc.block_size, self._written
         for rid, n in scheduled.items():
@@ -409,9 +408,11 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def _state_of(new: NewRequestData) -> _RequestState:
-    return _RequestState(list(new.token_ids), new.num_prompt_tokens, new.sampling,
-                         list(new.block_table), new.num_computed_tokens, new.reply_to,
-                         token_counts=TokenCounts() if new.sampling.adjusts_logits else None)
+    tokens = list(new.token_ids)
+    return _RequestState(tokens, new.num_prompt_tokens, new.sampling, list(new.block_table),
+                         new.num_computed_tokens, new.reply_to,
+                         token_counts=TokenCounts(tokens, new.num_prompt_tokens)
+                         if new.sampling.adjusts_logits else None)
 
 
 def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConfig:

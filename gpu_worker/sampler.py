@@ -12,13 +12,12 @@ docs/gpu.md#sampling has the details.
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 from collections.abc import Sequence
 
 import torch
 
 from gpu_worker.cpu_kernels import cpu_kernels
+from shared.attention_choice import installed
 from shared.plan import SampledToken
 from shared.sampling import SamplingParams
 
@@ -27,6 +26,7 @@ _MASK32 = 0xFFFFFFFF
 NUCLEUS_WIDTH = 1024
 # the per-row parameters, packed into one host tensor (one copy to the device per step)
 _ROW, _TEMPERATURE, _TOP_P, _TOP_K, _SEEDED, _SEED_LO, _SEED_HI, _INDEX = range(8)
+_TRITON = installed("triton")        # the GPU's argmax (triton_ops.argmax_rows)
 
 
 def to_host(t: torch.Tensor) -> list:
@@ -91,21 +91,16 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_index: list[int],
-               histories: Sequence[tuple[Sequence[int], int]] | None = None,
                counts: Sequence[TokenCounts | None] | None = None) -> list[SampledToken]:
         """logits: [S, V], one row per sampling request; output_index[i] is how many tokens
-        row i's request has generated before this one; histories[i] its tokens so far and
-        how many of them are the prompt (needed by the rows with penalties), and counts[i]
-        the TokenCounts kept for it between steps (or None: rebuilt). Everything runs
-        on the logits' device; the ids (and the log-probabilities asked for) reach the host
-        in one copy. Log-probabilities are the model's, before any penalty (as vLLM's)."""
+        row i's request has generated before this one; counts[i] its TokenCounts, which a
+        row whose params adjust its logits (a bias, a penalty) needs. Everything runs on the
+        logits' device; the ids (and the log-probabilities asked for) reach the host in one
+        copy. Log-probabilities are the model's, before any penalty (as vLLM's)."""
         raw = logits
-        adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+        adjusted = {i: (p, counts[i]) for i, p in enumerate(params) if p.adjusts_logits}
         if adjusted:
-            assert histories is not None, "penalties need the requests' tokens"
-            kept = {i: counts[i] for i in adjusted if counts is not None and counts[i]}
-            logits = apply_penalties(logits, {i: (params[i], histories[i]) for i in adjusted},
-                                     kept)
+            logits = apply_penalties(logits, adjusted)
         token_ids = argmax(logits)                      # greedy rows: exact argmax
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
@@ -143,30 +138,27 @@ class TokenCounts:
     date with the tokens appended since the last step rather than rebuilt every step: the
     distinct tokens of the prompt and the output (the repetition penalty's), and the
     output's distinct tokens with how often each occurs (the frequency and presence
-    penalties'). Sparse: a step touches only these tokens' logits, not the vocabulary."""
+    penalties'). Sparse: a step touches only these tokens' logits, not the vocabulary.
+    `tokens` is the request's own list, which only grows (the runner appends each token)."""
 
-    def __init__(self) -> None:
-        self.device: torch.device | None = None
+    def __init__(self, tokens: list[int], num_prompt: int) -> None:
+        self.tokens, self.num_prompt = tokens, num_prompt
         self.upto = 0
-
-    def _reset(self, device: torch.device) -> None:
-        self.device, self.upto = device, 0
         self._seen: set[int] = set()
         self._at: dict[int, int] = {}           # output token -> its place in out_ids
-        self.seen_ids = torch.empty(0, dtype=torch.int64, device=device)
-        self.out_ids = torch.empty(0, dtype=torch.int64, device=device)
-        self.out_counts = torch.empty(0, dtype=torch.float32, device=device)
+        self.seen_ids = self.out_ids = self.out_counts = None
 
-    def update(self, tokens: Sequence[int], num_prompt: int,
-               device: torch.device) -> "TokenCounts":
-        if self.device != device or len(tokens) < self.upto:
-            self._reset(device)
-        new = tokens[self.upto:]
+    def update(self, device: torch.device) -> "TokenCounts":
+        if self.seen_ids is None:
+            self.seen_ids = torch.empty(0, dtype=torch.int64, device=device)
+            self.out_ids = torch.empty(0, dtype=torch.int64, device=device)
+            self.out_counts = torch.empty(0, dtype=torch.float32, device=device)
+        new = self.tokens[self.upto:]
         fresh = [t for t in dict.fromkeys(new) if t not in self._seen]
         if fresh:
             self._seen.update(fresh)
             self.seen_ids = torch.cat([self.seen_ids, _ids(fresh, device)])
-        output = tokens[max(self.upto, num_prompt):]
+        output = self.tokens[max(self.upto, self.num_prompt):]
         if output:
             first = [t for t in dict.fromkeys(output) if t not in self._at]
             if first:
@@ -176,7 +168,7 @@ class TokenCounts:
                                                                           device=device)])
             self.out_counts.index_add_(0, _ids([self._at[t] for t in output], device),
                                        torch.ones(len(output), device=device))
-        self.upto = len(tokens)
+        self.upto = len(self.tokens)
         return self
 
 
@@ -185,27 +177,24 @@ def _ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor,
-                    rows: dict[int, tuple[SamplingParams, tuple[Sequence[int], int]]],
-                    counts: dict[int, TokenCounts] | None = None) -> torch.Tensor:
+                    rows: dict[int, tuple[SamplingParams, TokenCounts]]) -> torch.Tensor:
     """A copy of logits [S, V] with each listed row's logit bias and penalties applied, given
-    its params and (tokens so far, prompt length), in vLLM's order, every row in one pass of
-    each kind over the logits of the tokens concerned. The bias first; then the repetition
-    penalty on the tokens of the prompt and the output, in transformers' form (a logit below
-    0 times the penalty, any other divided by it), so greedy output matches its
-    `repetition_penalty` bit for bit; then the frequency penalty times each token's count in
-    the output, and the presence penalty once for each token there. `counts`: the rows'
-    TokenCounts kept between steps (made here when not given)."""
+    its params and its request's TokenCounts, in vLLM's order, every row in one pass of each
+    kind over the logits of the tokens concerned. The bias first; then the repetition penalty
+    on the tokens of the prompt and the output, in transformers' form (a logit below 0 times
+    the penalty, any other divided by it), so greedy output matches its `repetition_penalty`
+    bit for bit; then the frequency penalty times each token's count in the output, and the
+    presence penalty once for each token there."""
     out = logits.clone(memory_format=torch.contiguous_format)   # a vocabulary slice too
     flat, vocab, device = out.view(-1), out.shape[1], out.device
-    counts = counts if counts is not None else {}
     bias: list[tuple[int, float]] = []
     rep: list[tuple[torch.Tensor, float]] = []
     freq: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
-    for i, (p, (tokens, num_prompt)) in rows.items():
+    for i, (p, counts) in rows.items():
         bias += [(i * vocab + t, b) for t, b in p.logit_bias]
         if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
             continue
-        c = counts.setdefault(i, TokenCounts()).update(tokens, num_prompt, device)
+        c = counts.update(device)
         if p.repetition_penalty != 1.0:
             rep.append((c.seen_ids + i * vocab, p.repetition_penalty))
         if (p.frequency_penalty or p.presence_penalty) and len(c.out_ids):
@@ -255,15 +244,10 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             out = torch.empty(x.shape[0], dtype=torch.int64)
             kernels.argmax_rows(x, out)
             return out
-    if x.is_cuda and x.dim() == 2 and x.shape[1] > 0 and _has_triton():
+    if x.is_cuda and x.dim() == 2 and x.shape[1] > 0 and _TRITON:
         from gpu_worker.model.triton_ops import argmax_rows
         return argmax_rows(x if x.stride(-1) == 1 else x.contiguous())
     return x.argmax(dim=-1)
-
-
-@functools.cache
-def _has_triton() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 def _row_params(row: int, p: SamplingParams, n: int) -> tuple:

@@ -10,6 +10,8 @@ from shared.errors import InvalidRequestError
 
 _GREEDY_BELOW = 1e-5
 MAX_REPETITION_PENALTY = 2.0
+MAX_PENALTY = 2.0                     # presence and frequency: [-2, 2], as OpenAI's
+MAX_LOGIT_BIAS = 100.0                # logit_bias values: [-100, 100], as OpenAI's
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
@@ -39,9 +41,10 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b))
                                                             for t, b in pairs)))
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES or \
-                any(t < 0 or not -100 <= b <= 100 for t, b in self.logit_bias):
+                any(t < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias):
             raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} "
-                                      "token ids >= 0, each with a bias in [-100, 100]")
+                                      f"token ids >= 0, each with a bias in [-{MAX_LOGIT_BIAS:g}, "
+                                      f"{MAX_LOGIT_BIAS:g}]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if self.temperature < 0:
@@ -53,8 +56,9 @@ class SamplingParams:
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
-            if not -2 <= getattr(self, name) <= 2:
-                raise InvalidRequestError(f"{name} must be in [-2, 2], got {getattr(self, name)!r}")
+            if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
+                raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
+                                          f"got {getattr(self, name)!r}")
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
                                       f"got {self.repetition_penalty!r}")

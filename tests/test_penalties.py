@@ -36,7 +36,8 @@ def test_repetition_penalty_is_transformers_bit_for_bit():
     logits = torch.randn(3, 50, generator=g) * 4
     tokens = [[1, 7, 7, 30], [2, 49, 0], [5]]
     params = [SamplingParams(repetition_penalty=r) for r in (1.3, 0.7, 1.0)]
-    got = apply_penalties(logits, {i: (p, (t, 2)) for i, (p, t) in enumerate(zip(params, tokens))
+    got = apply_penalties(logits, {i: (p, TokenCounts(t, 2))
+                                   for i, (p, t) in enumerate(zip(params, tokens))
                                    if p.adjusts_logits})
     for i, (p, t) in enumerate(zip(params, tokens)):
         want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(
@@ -49,7 +50,7 @@ def test_frequency_and_presence_count_the_output_only():
     logits = torch.zeros(1, 8)
     p = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
     # prompt [3, 3, 4], output [3, 5, 5, 5]
-    got = apply_penalties(logits, {0: (p, ([3, 3, 4, 3, 5, 5, 5], 3))})[0]
+    got = apply_penalties(logits, {0: (p, TokenCounts([3, 3, 4, 3, 5, 5, 5], 3))})[0]
     want = torch.zeros(8)
     want[3] = -(0.5 * 1 + 0.25)
     want[5] = -(0.5 * 3 + 0.25)
@@ -59,7 +60,7 @@ def test_frequency_and_presence_count_the_output_only():
 def test_greedy_follows_the_penalized_logits_and_reports_the_models_logprobs():
     logits = torch.tensor([[3.0, 2.9, -1.0, 0.5]])
     p = SamplingParams(temperature=0.0, presence_penalty=1.0, logprobs=1)
-    out = Sampler().sample(logits, [p], [1], [([2, 0], 1)])[0]   # token 0 already generated
+    out = Sampler().sample(logits, [p], [1], [TokenCounts([2, 0], 1)])[0]   # 0 was generated
     assert out.token_id == 1
     assert out.logprob == pytest.approx(float(torch.log_softmax(logits, -1)[0, 1]))
     assert Sampler().sample(logits, [SamplingParams(temperature=0.0)], [1])[0].token_id == 0
@@ -145,9 +146,9 @@ def test_logit_bias_comes_first_and_can_ban_or_force_a_token():
     ban = SamplingParams(temperature=0.0, logit_bias=[[0, -100], [1, -100]])   # from the wire
     assert ban.logit_bias == ((0, -100.0), (1, -100.0))
     assert [t.token_id for t in Sampler().sample(logits.repeat(2, 1), [force, ban], [0, 0],
-                                                 [([5], 1), ([5], 1)])] == [3, 2]
+                                                 [TokenCounts([5], 1)] * 2)] == [3, 2]
     both = SamplingParams(logit_bias=((0, 1.0),), repetition_penalty=2.0)
-    got = apply_penalties(torch.tensor([[2.0, -1.0]]), {0: (both, ([0, 1], 2))})[0]
+    got = apply_penalties(torch.tensor([[2.0, -1.0]]), {0: (both, TokenCounts([0, 1], 2))})[0]
     assert torch.equal(got, torch.tensor([1.5, -2.0]))     # (2 + 1) / 2, then -1 * 2
 
 
@@ -186,13 +187,14 @@ def test_counts_kept_between_steps_equal_counts_rebuilt():
     logits a fresh one gives, repeated tokens and prompt tokens reappearing included."""
     g = torch.Generator().manual_seed(4)
     p = SamplingParams(repetition_penalty=1.4, frequency_penalty=0.7, presence_penalty=-0.3)
-    tokens, kept = [3, 9, 3, 11], {0: TokenCounts()}
+    tokens = [3, 9, 3, 11]
+    kept = TokenCounts(tokens, 4)
     for step in range(12):
         logits = torch.randn(1, 16, generator=g)
-        a = apply_penalties(logits, {0: (p, (tokens, 4))}, kept)
-        b = apply_penalties(logits, {0: (p, (tokens, 4))})
+        a = apply_penalties(logits, {0: (p, kept)})
+        b = apply_penalties(logits, {0: (p, TokenCounts(list(tokens), 4))})
         assert torch.equal(a, b), step
-        tokens = tokens + [int(torch.randint(0, 16, (1,), generator=g)) if step % 3 else 3]
+        tokens.append(int(torch.randint(0, 16, (1,), generator=g)) if step % 3 else 3)
 
 
 def test_logits_that_are_a_slice_of_a_padded_vocabulary():
@@ -200,7 +202,7 @@ def test_logits_that_are_a_slice_of_a_padded_vocabulary():
     padded = torch.randn(3, 12)
     logits = padded[:, :10]
     p = SamplingParams(logit_bias=((9, 5.0),), frequency_penalty=1.0)
-    got = apply_penalties(logits, {1: (p, ([2, 9, 9], 1))})
+    got = apply_penalties(logits, {1: (p, TokenCounts([2, 9, 9], 1))})
     want = logits.clone()
     want[1, 9] = want[1, 9] + 5.0 - 2.0                      # the bias, then 2 x frequency
     assert got.shape == (3, 10) and torch.equal(got, want)

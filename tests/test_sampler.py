@@ -14,20 +14,27 @@ def logits(rows: int = 4, vocab: int = 50, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
 
 
-@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 49152, 49157])
-@pytest.mark.parametrize("rows", [1, 3, 33])
-def test_the_kernels_argmax_is_torchs(rows, vocab):
-    """csrc/sampling.cpp against torch.argmax: ties (the first wins), NaN (the first NaN),
-    rows of -inf, +inf, vocabularies that do not fill a vector."""
-    if cpu_kernels() is None:
-        pytest.skip("no CPU kernels here: torch's argmax serves")
+def argmax_case(rows: int, vocab: int, tie: tuple[int, int] = (1, 3)) -> torch.Tensor:
+    """Logits an argmax gets wrong easily: a tie for the largest at the columns `tie` (the
+    first must win), two NaNs (the first wins), a row of -inf, +inf in the last column."""
     x = logits(rows, vocab, seed=vocab)
-    if vocab > 3:
-        x[0, 1] = x[0, 3] = x[0].max() + 1
+    if vocab > max(tie):
+        x[0, tie[0]] = x[0, tie[1]] = x[0].max() + 1
     if rows > 1:
         x[1, vocab // 2] = x[1, vocab - 1] = float("nan")
         x[2] = float("-inf")
         x[-1, -1] = float("inf")
+    return x
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 49152, 49157])
+@pytest.mark.parametrize("rows", [1, 3, 33])
+def test_the_kernels_argmax_is_torchs(rows, vocab):
+    """csrc/sampling.cpp against torch.argmax: those cases, and vocabularies that do not fill
+    a vector."""
+    if cpu_kernels() is None:
+        pytest.skip("no CPU kernels here: torch's argmax serves")
+    x = argmax_case(rows, vocab)
     assert torch.equal(argmax(x), x.argmax(dim=-1))
 
 

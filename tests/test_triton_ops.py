@@ -18,6 +18,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from gpu_worker.attention.torch_backend import write_kv  # noqa: E402
 from gpu_worker.model import triton_gemv, triton_ops  # noqa: E402
 from gpu_worker.model.layers import RotaryEmbedding  # noqa: E402
+from tests.test_sampler import argmax_case  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -97,18 +98,9 @@ def test_silu_and_mul(dtype):
 @pytest.mark.parametrize("vocab", [1, 17, 4096, 4097, 9000])
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_argmax_rows_is_torchs(rows, vocab):
-    """The GPU's greedy argmax against torch.argmax: ties across and within the 4,096-column
-    parts (the first wins), a NaN (the first NaN), a row of -inf, +inf."""
-    g = torch.Generator().manual_seed(vocab)
-    x = torch.randn(rows, vocab, generator=g)
-    if vocab > 4096:
-        x[0, 5] = x[0, 4096] = x[0].max() + 1                   # a tie across two parts
-    elif vocab > 3:
-        x[0, 1] = x[0, 3] = x[0].max() + 1
-    if rows > 1:
-        x[1, vocab // 2] = x[1, vocab - 1] = float("nan")
-        x[2] = float("-inf")
-        x[-1, -1] = float("inf")
+    """The GPU's greedy argmax against torch.argmax on the sampler tests' hard cases, with the
+    tie across two 4,096-column parts where the vocabulary has two."""
+    x = argmax_case(rows, vocab, tie=(5, 4096) if vocab > 4096 else (1, 3))
     assert torch.equal(triton_ops.argmax_rows(x), x.argmax(dim=-1))
 
 

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from gpu_worker.attention.metadata import AttentionMetadata
 from gpu_worker.attention.torch_backend import write_kv
+from gpu_worker.model.triton_ops import rope_store_
 
 _LOG2E = 1.4426950408889634
 # Triton's interpreter (numpy underneath) gets tl.dot on bfloat16/float16 operands wrong, so
@@ -298,7 +299,6 @@ class TritonAttentionBackend:
                           scale: float, n_heads: int, n_kv: int) -> torch.Tensor:
         """From the QKV GEMM's 16-bit output [T, (H + 2·KVH)·hd]: RoPE and the K/V store as
         one launch (gpu_worker/model/triton_ops.py rope_store_), then attention; [T, H, hd]."""
-        from gpu_worker.model.triton_ops import rope_store_
         k_cache, v_cache = kv_cache
         q = rope_store_(qkv, meta.positions, meta.slot_mapping, rotary.cos, rotary.sin, k_cache,
                         v_cache, n_heads, n_kv, k_cache.shape[-1])

@@ -38,7 +38,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
     x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
     if packed is not None:
         y = torch.ops.mkldnn._linear_pointwise(x_in, packed, None, "none", [], "")
-    elif x_in.shape[0] == 1 and gpu_16bit(x_in) and _gemv_serves(x_in, weight):
+    elif x_in.is_cuda and _gemv_serves(x_in, weight):
         from gpu_worker.model.triton_gemv import gemv
         y = gemv(x_in, weight)
     else:
@@ -48,7 +48,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
 
 
 def _gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    from gpu_worker.model.triton_gemv import serves
+    from gpu_worker.model.triton_gemv import serves     # imports Triton: on a GPU only
     return serves(x, weight)
 
 

@@ -83,14 +83,13 @@ def _time(fn, reps: int = 20) -> float:
 def serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `gemv` serves this product: one row, 16-bit operands on a GPU, and measured
     faster than cuBLAS for this weight shape (timed once per shape, never while capturing)."""
-    if x.shape[0] != 1 or not weight.is_cuda or weight.dtype not in (torch.bfloat16,
-                                                                      torch.float16):
+    if x.shape[0] != 1 or x.stride(-1) != 1 or not weight.is_cuda or \
+            weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     key = (*weight.shape, weight.dtype, weight.device)
     if key not in _faster:
         if torch.cuda.is_current_stream_capturing():
             return False
-        x = x.contiguous()
         try:
             ours = _time(lambda: gemv(x, weight))        # the first call also autotunes
         except Exception as e:                            # e.g. a GPU Triton cannot build for
