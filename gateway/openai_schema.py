@@ -135,7 +135,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
                            f"{MAX_LOGIT_BIAS:g}], got {value!r} "
                            f"for token {key}", param="logit_bias")
         pairs.append((token, float(value)))
-    return tuple(sorted(pairs))
+    return tuple(pairs)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -284,7 +284,8 @@ def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | No
         seed=seed, stop=_stop(body),
         stop_token_ids=tuple(_int_list(_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
         ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
-        repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body), stream=stream, include_usage=include_usage,
+        repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body),
+        stream=stream, include_usage=include_usage,
         timeout=None if timeout is None else float(timeout))
 
 
