@@ -184,3 +184,37 @@ class Generation:
 
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+async def merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:
+    """(choice index, delta) from every generation as each comes. Closed early (aclosing),
+    it stops reading them all; their owners abort what is still running upstream."""
+    if len(gens) == 1:           # the usual request: no task, no queue
+        async for delta in gens[0].deltas():
+            yield 0, delta
+        return
+    queue: asyncio.Queue[tuple[int, Delta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, gen: Generation) -> None:
+        try:
+            async for delta in gen.deltas():
+                queue.put_nowait((index, delta))
+            queue.put_nowait((index, None))
+        except Exception as e:   # the consumer raises it
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+    try:
+        live = len(tasks)
+        while live:
+            index, item = await queue.get()
+            if item is None:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

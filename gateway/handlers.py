@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -17,7 +18,7 @@ from gateway import openai_schema as oai
 from gateway.generation import Generation
 from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
-from gateway.prompts import prompt_token_ids, sampling_params
+from gateway.prompts import choice_sampling, prompt_token_ids, sampling_params
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.state import STATE, GatewayState, WaitingSlot
 
@@ -54,20 +55,32 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
         raise APIError(f"The model `{req.model}` does not exist (this server serves "
                        f"`{state.served_model_name}`)", status=404, param="model",
                        code="model_not_found")
-    ids = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer)
-    sampling = sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
+    prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer)
+    samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
+                 for ids in prompts]
+    # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
+    choices = [(ids, choice_sampling(sampling, j))
+               for ids, sampling in zip(prompts, samplings) for j in range(req.n)]
+    slots = [slot] + _admit_more(state, len(choices) - 1)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     with structlog.contextvars.bound_contextvars(request_id=request_id):
-        gen = Generation(request_id=request_id, prompt_token_ids=ids, sampling=sampling,
-                         stop=req.stop, tokenizer=state.tokenizer, upstream=state.upstream,
-                         router=state.router, metrics=state.metrics, arrival=arrival,
-                         slot=slot, timeout_s=req.timeout or state.config.request_timeout_s)
-        async with gen:
-            await _start(gen, state)
-            shape = Shape(req, request_id, state.served_model_name)
+        async with contextlib.AsyncExitStack() as stack:
+            for place in slots:     # each generation gives its own back; these are for a raise
+                stack.callback(place.release)
+            gens = [await stack.enter_async_context(Generation(
+                request_id=request_id if len(choices) == 1 else f"{request_id}-{index}",
+                prompt_token_ids=ids, sampling=sampling, stop=req.stop,
+                tokenizer=state.tokenizer, upstream=state.upstream, router=state.router,
+                metrics=state.metrics, arrival=arrival, slot=place,
+                timeout_s=req.timeout or state.config.request_timeout_s))
+                for index, ((ids, sampling), place) in enumerate(zip(choices, slots))]
+            for gen in gens:        # one by one: a failed start leaves none in flight
+                await _start(gen, state)
+            shape = Shape(req, request_id, state.served_model_name,
+                          num_prompt_tokens=sum(map(len, prompts)))
             if req.stream:
-                return await stream_sse(request, gen, shape)
-            return await full_json(gen, shape)
+                return await stream_sse(request, gens, shape)
+            return await full_json(gens, shape)
 
 
 def _admit(state: GatewayState) -> WaitingSlot:
@@ -75,12 +88,21 @@ def _admit(state: GatewayState) -> WaitingSlot:
     if state.draining:
         raise APIError("the server is shutting down; send the request to another replica",
                        status=503, type="server_error")
-    if state.num_waiting >= state.config.max_waiting_requests:
+    return _admit_more(state, 1)[0]
+
+
+def _admit_more(state: GatewayState, count: int) -> list[WaitingSlot]:
+    """`count` more places in the queue (a request's other choices), all or none."""
+    bound = state.config.max_waiting_requests
+    if count >= bound:
+        raise APIError(f"this request asks for {count + 1} choices; the gateway queues at "
+                       f"most {bound} requests (--max-waiting-requests)", param="n")
+    if count and state.num_waiting + count > state.config.max_waiting_requests:
         state.metrics.requests_rejected.inc()
         raise APIError(f"the server is overloaded: {state.num_waiting} requests are waiting; "
                        f"retry in {RETRY_AFTER_S} s", status=429, type="rate_limit_error",
                        headers={"Retry-After": str(RETRY_AFTER_S)})
-    return WaitingSlot(state)
+    return [WaitingSlot(state) for _ in range(count)]
 
 
 async def _start(gen: Generation, state: GatewayState) -> None:

@@ -1,8 +1,9 @@
 """OpenAI's request fields, checked once into a typed value, and OpenAI's response shapes.
 
-Only what we serve is accepted: `n` must be 1, `model` must be the served name. Field types
-are checked strictly (`true` is not an integer, `"0.5"` is not a number) because a silently
-coerced parameter is a wrong answer the client cannot see.
+Only what we serve is accepted: `model` must be the served name, and a field that would change
+the answer in a way we do not serve (tools, a JSON response format, `best_of` above `n`) is
+refused rather than ignored. Field types are checked strictly (`true` is not an integer, `"0.5"`
+is not a number) because a silently coerced parameter is a wrong answer the client cannot see.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ MIN_TEMPERATURE = 1e-5
 # The sampler compares in float32, where a smaller top_p rounds to 0 and drops every token
 # (NaN probabilities, a crashed worker); this one keeps exactly the most likely token.
 MIN_TOP_P = 1e-6
+# Most choices one request may ask for (prompts x n): each is a request of its own upstream.
+MAX_CHOICES = 128
 # The roles OpenAI accepts (any other is a 400 there too); the chat template renders each one.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -53,7 +56,7 @@ class GenerationRequest:
     """A completions or chat request after validation; prompt text is not yet tokenized."""
     endpoint: Literal["completions", "chat"]
     model: str
-    prompt: str | list[int] | None          # completions
+    prompts: tuple[str | list[int], ...]    # completions: one or more; chat: none
     messages: list[dict] | None             # chat, content flattened to strings
     max_tokens: int | None                  # None: the endpoint's default
     temperature: float
@@ -70,6 +73,7 @@ class GenerationRequest:
     logit_bias: tuple[tuple[int, float], ...]
     stream: bool
     include_usage: bool
+    n: int = 1                              # choices per prompt
     timeout: float | None = None            # seconds; pacer's extension: a deadline
 
 
@@ -150,25 +154,27 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 def parse_completion(body: Any) -> GenerationRequest:
     body = _object(body)
-    prompt = _field(body, "prompt", (str, list))
-    if isinstance(prompt, list):
-        prompt = _completion_prompt_list(prompt)
     logprobs = _field(body, "logprobs", (int,), None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
     if _field(body, "echo", (bool,), False):
         raise APIError("'echo' is not supported", param="echo")
-    return _common(body, "completions", prompt=prompt, messages=None,
+    prompts = _completion_prompts(_field(body, "prompt", (str, list)))
+    return _common(body, "completions", prompts=prompts, messages=None,
                    max_tokens=_field(body, "max_tokens", (int,), None), logprobs=logprobs)
 
 
-def _completion_prompt_list(prompt: list) -> str | list[int]:
-    """A list of token ids, or a batch of one prompt (we serve n=1, one prompt per request)."""
+def _completion_prompts(prompt: str | list) -> tuple[str | list[int], ...]:
+    """OpenAI's four shapes: a string, a list of token ids, or a batch (a list) of either."""
+    if isinstance(prompt, str):
+        return (prompt,)
     if prompt and all(isinstance(p, (str, list)) for p in prompt):
-        if len(prompt) != 1:
-            raise APIError("only one prompt per request is supported", param="prompt")
-        return prompt[0] if isinstance(prompt[0], str) else _int_list(prompt[0], "prompt")
-    ids = _int_list(prompt, "prompt")
+        return tuple(p if isinstance(p, str) else _nonempty_ids(p) for p in prompt)
+    return (_nonempty_ids(prompt),)
+
+
+def _nonempty_ids(value: Any) -> list[int]:
+    ids = _int_list(value, "prompt")
     if not ids:
         raise APIError("'prompt' must not be empty", param="prompt")
     return ids
@@ -188,7 +194,7 @@ def parse_chat(body: Any) -> GenerationRequest:
     max_tokens = _field(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", (int,), None)
-    return _common(body, "chat", prompt=None, messages=messages, max_tokens=max_tokens,
+    return _common(body, "chat", prompts=(), messages=messages, max_tokens=max_tokens,
                    logprobs=(top or 0) if want else None)
 
 
@@ -222,10 +228,6 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
     """Fields that change what the answer must be, which this server does not do: a clear
     error rather than an answer that silently ignores them. (Fields with no effect on the
     answer, such as `user`, are accepted.)"""
-    if _field(body, "n", (int,), 1) != 1:
-        raise APIError("only n=1 is supported", param="n")
-    if _field(body, "best_of", (int,), 1) != 1:
-        raise APIError("only best_of=1 is supported", param="best_of")
     fmt = _field(body, "response_format", (dict,), None)
     if fmt is not None and fmt.get("type", "text") != "text":
         raise APIError(f"response_format {fmt.get('type')!r} is not supported (only 'text': "
@@ -237,9 +239,28 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
         raise APIError("'suffix' is not supported", param="suffix")
 
 
-def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | None,
+def _choices(body: dict, num_prompts: int) -> int:
+    """`n`, checked with `best_of` (OpenAI: at least n; above it would rank candidates, which
+    this server does not do) and against MAX_CHOICES over every prompt."""
+    n = _field(body, "n", (int,), 1)
+    if n < 1:
+        raise APIError(f"'n' must be at least 1, got {n}", param="n")
+    best_of = _field(body, "best_of", (int,), None)
+    if best_of is not None and best_of < n:
+        raise APIError(f"'best_of' must be at least 'n' ({n}), got {best_of}", param="best_of")
+    if best_of is not None and best_of > n:
+        raise APIError(f"'best_of' above 'n' is not supported (no ranking of candidates "
+                       f"here), got {best_of} with n={n}", param="best_of")
+    if n * num_prompts > MAX_CHOICES:
+        raise APIError(f"at most {MAX_CHOICES} choices per request, got n={n} for "
+                       f"{num_prompts} prompt(s)", param="n")
+    return n
+
+
+def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | None,
             logprobs: int | None) -> GenerationRequest:
     _refuse_what_would_be_ignored(body)
+    n = _choices(body, max(1, len(prompts)))
     stream = _field(body, "stream", (bool,), False)
     options = _field(body, "stream_options", (dict,), None)
     if options is not None and not stream:
@@ -279,13 +300,13 @@ def _common(body: dict, endpoint: str, *, prompt, messages, max_tokens: int | No
         raise APIError(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}",
                        param="timeout")
     return GenerationRequest(
-        endpoint=endpoint, model=_field(body, "model", (str,)), prompt=prompt, messages=messages,
+        endpoint=endpoint, model=_field(body, "model", (str,)), prompts=prompts, messages=messages,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
         seed=seed, stop=_stop(body),
         stop_token_ids=tuple(_int_list(_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
         ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
         repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body),
-        stream=stream, include_usage=include_usage,
+        stream=stream, include_usage=include_usage, n=n,
         timeout=None if timeout is None else float(timeout))
 
 
@@ -323,17 +344,19 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
                          "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
 
 
-def completion_choice(text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, logprobs: dict | None,
+                      finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": 0, "message": {"role": "assistant", "content": text},
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text},
             "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_delta_choice(delta: dict, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_delta_choice(index: int, delta: dict, logprobs: dict | None,
+                      finish_reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def envelope(endpoint: str, response_id: str, model: str, created: int, *, chunk: bool) -> dict:

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.openai_schema import CHAT_ROLES, INT_BOUND, MAX_LOGPROBS, MAX_TIMEOUT_S, SEED_BOUND
+from gateway.openai_schema import (CHAT_ROLES, INT_BOUND, MAX_CHOICES, MAX_LOGPROBS, MAX_TIMEOUT_S,
+                                   SEED_BOUND)
 from shared.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY
 
 _INT64 = {"type": "integer", "minimum": -INT_BOUND, "maximum": INT_BOUND - 1}
@@ -54,9 +55,11 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "stop": {**_STOP, "nullable": True},
         "stop_token_ids": {"type": "array", "items": token_id, "nullable": True},
         "ignore_eos": {"type": "boolean", "nullable": True},
-        "n": {"type": "integer", "enum": [1], "nullable": True},
+        "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
+              "description": f"choices per prompt; at most {MAX_CHOICES} over all prompts"},
         # accepted only at the values that change nothing (openai_schema refuses the rest)
-        "best_of": {"type": "integer", "enum": [1], "nullable": True},
+        "best_of": {"type": "integer", "enum": [1], "nullable": True,
+                    "description": "equal to n, or absent: no ranking of candidates here"},
         "response_format": {"type": "object", "nullable": True,
                             "properties": {"type": {"type": "string", "enum": ["text"]}}},
         "tools": {"type": "array", "maxItems": 0, "nullable": True},
@@ -79,8 +82,8 @@ def _completion_request(model: str, max_model_len: int, vocab_size: int) -> dict
         "model": {"type": "string", "enum": [model]},
         "prompt": {"oneOf": [
             {"type": "string"}, ids,
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": ids}]},
+            {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string"}},
+            {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": ids}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "nullable": True},
         "echo": {"type": "boolean", "enum": [False], "nullable": True},
         **_sampling_fields(max_model_len, vocab_size)}}

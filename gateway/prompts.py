@@ -1,6 +1,8 @@
 """From a validated request to what the scheduler needs: prompt token ids and SamplingParams."""
 from __future__ import annotations
 
+import dataclasses
+
 from gateway.openai_schema import APIError, GenerationRequest
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
@@ -8,21 +10,36 @@ from shared.tokenizer import Tokenizer
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 
 
-def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer) -> list[int]:
-    """Tokenize (chat: render the template first). CPU-bound: run it off the event loop."""
+def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer) -> list[list[int]]:
+    """Each prompt's ids (chat: one, its template rendered first). CPU-bound: run it off the
+    event loop."""
     if req.endpoint == "chat":
-        ids = tokenizer.encode_chat(req.messages)
-    elif isinstance(req.prompt, list):
-        ids = req.prompt
-        bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
-        if bad:
-            raise APIError(f"token id {bad[0]} is outside the vocabulary "
-                           f"[0, {tokenizer.vocab_size})", param="prompt")
-    else:
-        ids = tokenizer.encode(req.prompt, add_special_tokens=True)
+        return [_nonempty(tokenizer.encode_chat(req.messages), "messages")]
+    return [_nonempty(_prompt_ids(p, tokenizer), "prompt") for p in req.prompts]
+
+
+def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=True)
+    bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+    if bad:
+        raise APIError(f"token id {bad[0]} is outside the vocabulary "
+                       f"[0, {tokenizer.vocab_size})", param="prompt")
+    return prompt
+
+
+def _nonempty(ids: list[int], param: str) -> list[int]:
     if not ids:
-        raise APIError("the prompt is empty", param="prompt")
+        raise APIError("the prompt is empty", param=param)
     return ids
+
+
+def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of a prompt's n choices: a seeded request gives choice j the seed + j (vLLM's
+    rule), so that the n samples differ and each can be reproduced alone."""
+    if j == 0 or sampling.seed is None:
+        return sampling
+    return dataclasses.replace(sampling, seed=sampling.seed + j)
 
 
 def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int,

@@ -11,12 +11,13 @@ A stream (chat shown; completions carry `text` instead of `delta`):
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 
 import structlog
 from aiohttp import web
 
 from gateway import openai_schema as oai
-from gateway.generation import Delta, Generation
+from gateway.generation import Delta, Generation, merged_deltas
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob
 
 log = structlog.get_logger("gateway.responses")
@@ -29,13 +30,16 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 
 
 class Shape:
-    """The response shape of one endpoint for one request."""
+    """The response shape of one endpoint for one request (its choices indexed 0..k-1)."""
 
-    def __init__(self, req: GenerationRequest, response_id: str, model: str) -> None:
+    def __init__(self, req: GenerationRequest, response_id: str, model: str, *,
+                 num_prompt_tokens: int) -> None:
         self.req = req
         self.chat = req.endpoint == "chat"
+        self.num_prompt_tokens = num_prompt_tokens    # each prompt once, whatever n is
         self._envelope = (response_id, model, int(time.time()))
-        self._text_offset = 0     # completions logprobs: where the next token's text starts
+        # completions logprobs: where each choice's next token's text starts
+        self._text_offset: dict[int, int] = {}
 
     def body(self, *, chunk: bool) -> dict:
         body = oai.envelope(self.req.endpoint, *self._envelope, chunk=chunk)
@@ -43,66 +47,80 @@ class Shape:
             body["usage"] = None     # OpenAI: null on every chunk but the usage chunk
         return body
 
-    def logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+    def usage(self, gens: list[Generation]) -> dict:
+        return oai.usage(self.num_prompt_tokens, sum(g.num_output_tokens for g in gens))
+
+    def logprobs(self, index: int, entries: list[TokenLogprob]) -> dict | None:
         if self.req.logprobs is None:
             return None
         if self.chat:
             return oai.chat_logprobs(entries)
-        result = oai.completion_logprobs(entries, self._text_offset)
-        self._text_offset += sum(len(e.token) for e in entries)
-        return result
+        offset = self._text_offset.get(index, 0)
+        self._text_offset[index] = offset + sum(len(e.token) for e in entries)
+        return oai.completion_logprobs(entries, offset)
 
-    def chunk(self, text: str | None, entries: list[TokenLogprob], finish: str | None) -> dict:
+    def chunk(self, index: int, text: str | None, entries: list[TokenLogprob],
+              finish: str | None) -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
-            choice = oai.chat_delta_choice(delta, self.logprobs(entries), finish)
+            choice = oai.chat_delta_choice(index, delta, self.logprobs(index, entries), finish)
         else:
-            choice = oai.completion_choice(text or "", self.logprobs(entries), finish)
+            choice = oai.completion_choice(index, text or "", self.logprobs(index, entries),
+                                           finish)
         return {**self.body(chunk=True), "choices": [choice]}
 
 
-async def full_json(gen: Generation, shape: Shape) -> web.Response:
-    texts: list[str] = []
-    entries: list[TokenLogprob] = []
-    async for delta in gen.deltas():
-        if delta.error is not None:
-            raise APIError(f"generation failed: {delta.error}",
-                           status=ERROR_STATUS.get(delta.error_type, 500), type=delta.error_type)
-        texts.append(delta.text)
-        entries += delta.logprobs
+async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
+    texts: list[list[str]] = [[] for _ in gens]
+    entries: list[list[TokenLogprob]] = [[] for _ in gens]
+    async with aclosing(merged_deltas(gens)) as deltas:
+        async for index, delta in deltas:
+            if delta.error is not None:
+                raise APIError(f"generation failed: {delta.error}",
+                               status=ERROR_STATUS.get(delta.error_type, 500),
+                               type=delta.error_type)
+            texts[index].append(delta.text)
+            entries[index] += delta.logprobs
     make = oai.chat_choice if shape.chat else oai.completion_choice
     body = {**shape.body(chunk=False),
-            "choices": [make("".join(texts), shape.logprobs(entries), gen.finish_reason)],
-            "usage": oai.usage(gen.num_prompt_tokens, gen.num_output_tokens)}
+            "choices": [make(i, "".join(texts[i]), shape.logprobs(i, entries[i]),
+                             gen.finish_reason) for i, gen in enumerate(gens)],
+            "usage": shape.usage(gens)}
     return web.json_response(body)
 
 
-async def stream_sse(request: web.Request, gen: Generation, shape: Shape) -> web.StreamResponse:
+async def stream_sse(request: web.Request, gens: list[Generation],
+                     shape: Shape) -> web.StreamResponse:
     response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     try:
         if shape.chat:
-            first = oai.chat_delta_choice({"role": "assistant", "content": ""}, None, None)
-            await response.write(oai.sse({**shape.body(chunk=True), "choices": [first]}))
-        async for delta in gen.deltas():
-            await _write_delta(response, shape, delta)
+            for i in range(len(gens)):
+                first = oai.chat_delta_choice(i, {"role": "assistant", "content": ""}, None,
+                                              None)
+                await response.write(oai.sse({**shape.body(chunk=True), "choices": [first]}))
+        async with aclosing(merged_deltas(gens)) as deltas:
+            async for index, delta in deltas:
+                await _write_delta(response, shape, index, delta)
+                if delta.error is not None:
+                    break            # the others end with it (aborted upstream)
         if shape.req.include_usage:
             await response.write(oai.sse({**shape.body(chunk=True), "choices": [],
-                                          "usage": oai.usage(gen.num_prompt_tokens,
-                                                             gen.num_output_tokens)}))
+                                          "usage": shape.usage(gens)}))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
     except ConnectionResetError:
-        log.info("client disconnected during the stream", request_id=gen.request_id)
+        log.info("client disconnected during the stream", request_id=gens[0].request_id)
     return response
 
 
-async def _write_delta(response: web.StreamResponse, shape: Shape, delta: Delta) -> None:
+async def _write_delta(response: web.StreamResponse, shape: Shape, index: int,
+                       delta: Delta) -> None:
     if delta.error is not None:
         await response.write(oai.sse(oai.error_body(f"generation failed: {delta.error}",
                                                     delta.error_type)))
         return
     if delta.text or delta.logprobs:
-        await response.write(oai.sse(shape.chunk(delta.text, delta.logprobs, None)))
+        await response.write(oai.sse(shape.chunk(index, delta.text, delta.logprobs, None)))
     if delta.finish_reason is not None:
-        await response.write(oai.sse(shape.chunk(None, [], delta.finish_reason)))
+        await response.write(oai.sse(shape.chunk(index, None, [], delta.finish_reason)))

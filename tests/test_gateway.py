@@ -361,6 +361,66 @@ async def test_completion_logprobs_shape(h: Harness) -> None:
     assert lp["text_offset"] == [0, len(tokens[0]), len(tokens[0]) + len(tokens[1])]
 
 
+# ---- several choices: n and a batch of prompts ------------------------------------------------
+
+async def test_n_and_a_prompt_batch_are_choices_in_openais_order(h: Harness) -> None:
+    """Choice i * n + j is prompt i's j-th sample, a request of its own upstream whose seed
+    is the request's + j; each choice's logprobs count text offsets from its own start;
+    usage counts each prompt once and every choice's tokens."""
+    prompts = ["Say hello.", [5, 6, 7]]
+    status, body = await h.post("/v1/completions", completion(
+        prompt=prompts, n=2, seed=7, max_tokens=3, logprobs=0))
+    assert status == 200, body
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    assert all(c["text"] == reply_text(h.tok, 3) for c in choices)
+    assert all(c["logprobs"]["text_offset"][0] == 0 for c in choices)
+    sent = {i: h.fake.received[f"{body['id']}-{i}"] for i in range(4)}
+    assert [sent[i].sampling.seed for i in range(4)] == [7, 8, 7, 8]
+    first = h.tok.encode("Say hello.", add_special_tokens=True)
+    assert [sent[i].prompt_token_ids for i in range(4)] == [first, first, [5, 6, 7], [5, 6, 7]]
+    assert body["usage"] == {"prompt_tokens": len(first) + 3, "completion_tokens": 12,
+                             "total_tokens": len(first) + 15}
+
+
+async def test_a_streamed_chat_with_n_sends_each_choice_whole(h: Harness) -> None:
+    data = await h.sse("/v1/chat/completions", chat(n=3, max_tokens=4,
+                                                    stream_options={"include_usage": True}))
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    usage = chunks.pop()
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    by_index: dict[int, list[dict]] = {}
+    for c in chunks:
+        (choice,) = c["choices"]
+        by_index.setdefault(choice["index"], []).append(choice)
+    assert sorted(by_index) == [0, 1, 2]
+    for choices in by_index.values():
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in choices) == reply_text(h.tok, 4)
+        assert [c["finish_reason"] for c in choices][-1] == "length"
+        assert all(c["finish_reason"] is None for c in choices[:-1])
+    assert len({c["id"] for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_failed_choice_ends_the_answer_and_aborts_the_others(h: Harness,
+                                                                    stream: bool) -> None:
+    body = completion(prompt=["[error]", "[slow]"], max_tokens=100)
+    if stream:
+        data = await h.sse("/v1/completions", body)
+        assert "the fake worker failed" in json.loads(data[-2])["error"]["message"]
+        assert data[-1] == "[DONE]"
+    else:
+        status, answer = await h.post("/v1/completions", body)
+        assert status == 500 and "the fake worker failed" in answer["error"]["message"]
+    # the slow one went upstream last (choices start one by one, in order)
+    slow = [rid for rid, msg in h.fake.received.items()
+            if h.tok.decode(msg.prompt_token_ids).endswith("[slow]")][-1]
+    assert slow.endswith("-1")
+    await wait_for_abort(h, slow)
+
+
 async def test_duplicate_and_overtaken_events_still_give_the_exact_text(h: Harness) -> None:
     for marker in ("[dup]", "[finish-first]", "[dup][finish-first]"):
         status, body = await h.post("/v1/completions", completion(prompt=marker, max_tokens=40))
@@ -593,7 +653,12 @@ BAD_REQUESTS = {
     "missing prompt": ("/v1/completions", {"model": MODEL}, 400),
     "missing messages": ("/v1/chat/completions", {"model": MODEL}, 400),
     "missing model": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, 400),
-    "n=2": ("/v1/completions", completion(n=2), 400),
+    "n=0": ("/v1/completions", completion(n=0), 400),
+    "best_of below n": ("/v1/completions", completion(n=3, best_of=2), 400),
+    "best_of above n": ("/v1/completions", completion(best_of=2), 400),
+    "choices past the bound": ("/v1/completions", completion(prompt=["a", "b"], n=65), 400),
+    "an empty prompt in a batch": ("/v1/completions", completion(prompt=[[1, 2], []]), 400),
+    "a bad token id in a batch": ("/v1/completions", completion(prompt=["fine", [10**9]]), 400),
     "logprobs above 20": ("/v1/completions", completion(logprobs=50), 400),
     "top_logprobs without logprobs": ("/v1/chat/completions", chat(top_logprobs=2), 400),
     "stream_options without stream": ("/v1/completions", completion(stream_options={"include_usage": True}), 400),

@@ -85,6 +85,22 @@ def test_a_full_queue_answers_429_with_retry_after_at_once(served: Served):
     assert served.metrics()["pacer:requests_rejected_total"] == len(refused)
 
 
+def test_each_choice_takes_a_place_in_the_queue(served: Served):
+    """n choices are n requests upstream: more than the queue holds is a 400 (it could never
+    be admitted), as many as it holds are served."""
+    async def go(n: int):
+        async with aiohttp.ClientSession() as session:
+            return await post_json(session, served.base_url, "/v1/completions",
+                                   long_body(max_tokens=4, n=n))
+
+    wait_idle(served)
+    status, body, _ = asyncio.run(go(MAX_WAITING + 1))
+    assert status == 400 and body["error"]["param"] == "n", body
+    status, body, _ = asyncio.run(go(MAX_WAITING))
+    assert status == 200 and len(body["choices"]) == MAX_WAITING, body
+    assert body["usage"]["completion_tokens"] == 4 * MAX_WAITING
+
+
 def test_a_streaming_request_past_its_deadline_ends_with_a_timeout_error(served: Served):
     async def go():
         async with aiohttp.ClientSession() as session:

@@ -143,6 +143,23 @@ def test_greedy_output_equals_in_process_engine(served: Served):
     assert expected.token_ids != plain          # the penalties changed the first prompt's text
 
 
+def test_n_samples_are_the_seeded_requests_and_a_prompt_batch_its_prompts(served: Served):
+    """Choice j of a seeded request with n samples is the single request seeded seed + j,
+    though the n ran in one batch; a batch of prompts answers each as alone."""
+    c = client(served)
+    sampled = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=1.0)
+    together = c.completions.create(**sampled, n=3, seed=11)
+    texts = [ch.text for ch in sorted(together.choices, key=lambda ch: ch.index)]
+    alone = [c.completions.create(**sampled, seed=11 + j).choices[0].text for j in range(3)]
+    assert texts == alone
+    assert len(set(texts)) > 1                  # the samples differ
+    assert together.usage.completion_tokens == 36
+    batch = c.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=8, temperature=0)
+    assert [ch.text for ch in sorted(batch.choices, key=lambda ch: ch.index)] == [
+        c.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+        for p in PROMPTS[:2]]
+
+
 def test_a_stop_token_ends_the_stream_with_nothing_after_it(served: Served):
     """The scheduler plans the next iteration before this one's token is known
     (docs/design.md#overlap), so the request's row is already planned when its stop token
