@@ -54,7 +54,8 @@ class Generation:
         self.sampling = sampling
         self._tokenizer = tokenizer
         self._upstream, self._router, self._metrics = upstream, router, metrics
-        self._text = TextOutput(IncrementalDetokenizer(tokenizer, prompt_token_ids), stop)
+        self._text = TextOutput(IncrementalDetokenizer(tokenizer, prompt_token_ids), stop,
+                                sampling.min_tokens)
         self._arrival = arrival                 # time.monotonic() when the request came in
         self._last_token_at: float | None = None
         self._submitted = False

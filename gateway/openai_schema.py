@@ -71,6 +71,8 @@ class GenerationRequest:
     frequency_penalty: float
     repetition_penalty: float               # vLLM's extension; 1 is off
     logit_bias: tuple[tuple[int, float], ...]
+    min_tokens: int                         # vLLM's: no end before this many tokens
+    min_p: float                            # vLLM's: 0 is off
     stream: bool
     include_usage: bool
     n: int = 1                              # choices per prompt
@@ -295,6 +297,13 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
                        f"{repetition:g}", param="repetition_penalty")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    min_tokens = _field(body, "min_tokens", (int,), 0)
+    if min_tokens < 0 or max_tokens is not None and min_tokens > max_tokens:
+        raise APIError(f"'min_tokens' must be in [0, max_tokens], got {min_tokens}",
+                       param="min_tokens")
+    min_p = _number(body, "min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise APIError(f"'min_p' must be in [0, 1], got {min_p:g}", param="min_p")
     timeout = _field(body, "timeout", (int, float), None)
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         raise APIError(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}",
@@ -306,6 +315,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         stop_token_ids=tuple(_int_list(_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
         ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
         repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body),
+        min_tokens=min_tokens, min_p=min_p,
         stream=stream, include_usage=include_usage, n=n,
         timeout=None if timeout is None else float(timeout))
 

@@ -52,6 +52,13 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                                                 "maximum": MAX_LOGIT_BIAS},
                        "description": "token id (a string) -> bias added to its logit; "
                                       "ids past the vocabulary are refused"},
+        "min_tokens": {"type": "integer", "minimum": 0, "maximum": max_model_len - 1,
+                       "nullable": True,
+                       "description": "vLLM's extension: no EOS, stop token or stop string "
+                                      "before this many tokens; at most max_tokens"},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True,
+                  "description": "vLLM's extension: tokens less likely than min_p times the "
+                                 "most likely one are not drawn"},
         "stop": {**_STOP, "nullable": True},
         "stop_token_ids": {"type": "array", "items": token_id, "nullable": True},
         "ignore_eos": {"type": "boolean", "nullable": True},

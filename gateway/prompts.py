@@ -52,6 +52,9 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
     room = max_model_len - num_prompt_tokens
     max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if req.endpoint == "completions"
                                     else room)
+    if req.min_tokens > max_tokens:
+        raise APIError(f"'min_tokens' ({req.min_tokens}) is above max_tokens ({max_tokens})",
+                       param="min_tokens")
     if max_tokens > room:
         raise APIError(f"This model's maximum context length is {max_model_len} tokens; "
                        f"the prompt has {num_prompt_tokens} tokens and max_tokens is "
@@ -71,4 +74,4 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                           presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty,
-                          logit_bias=req.logit_bias)
+                          logit_bias=req.logit_bias, min_tokens=req.min_tokens, min_p=req.min_p)

@@ -12,10 +12,15 @@ from shared.detokenizer import IncrementalDetokenizer
 
 
 class TextOutput:
-    def __init__(self, detokenizer: IncrementalDetokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, detokenizer: IncrementalDetokenizer, stop: tuple[str, ...] = (),
+                 min_tokens: int = 0) -> None:
         self._detok = detokenizer
         self._stop = stop
         self._longest_stop = max((len(s) for s in stop), default=0)
+        # vLLM's min_tokens: a stop string counts only once the text has this many tokens
+        # (and then only where it ends in the newest token's text, as every search)
+        self._min_tokens = min_tokens
+        self._tokens = 0
         self.text = ""
         self.stopped = False      # a stop string was found; text ends right before it
         self._sent = 0
@@ -25,6 +30,7 @@ class TextOutput:
             return
         before = len(self.text)
         self.text += self._detok.add(token_id)
+        self._tokens += 1
         self._find_stop(before)
 
     def finish(self) -> None:
@@ -47,7 +53,7 @@ class TextOutput:
         return piece
 
     def _find_stop(self, before: int) -> None:
-        if not self._stop or len(self.text) == before:
+        if not self._stop or len(self.text) == before or self._tokens < self._min_tokens:
             return
         # a stop string that ends in the new text starts at most len(stop)-1 chars before it
         start = max(0, before - self._longest_stop + 1)

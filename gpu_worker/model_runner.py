@@ -258,7 +258,7 @@ class ModelRunner:
                 tokens = self.sampler.sample(
                     logits, [s.sampling for s in states],
                     [len(s.token_ids) - s.num_prompt_tokens for s in states],
-                    [s.token_counts for s in states])
+                    [s.token_counts for s in states], self.eos_token_ids)
         size, written = self.rc.block_size, self._written
         for rid, n in scheduled.items():
             s = self.requests[rid]

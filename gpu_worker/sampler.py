@@ -25,7 +25,7 @@ _MASK32 = 0xFFFFFFFF
 # top-k/top-p look at each row's this many largest first (_top_k_top_p)
 NUCLEUS_WIDTH = 1024
 # the per-row parameters, packed into one host tensor (one copy to the device per step)
-_ROW, _TEMPERATURE, _TOP_P, _TOP_K, _SEEDED, _SEED_LO, _SEED_HI, _INDEX = range(8)
+_ROW, _TEMPERATURE, _TOP_P, _TOP_K, _SEEDED, _SEED_LO, _SEED_HI, _INDEX, _MIN_P = range(9)
 _TRITON = installed("triton")        # the GPU's argmax (triton_ops.argmax_rows)
 
 
@@ -91,16 +91,25 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_index: list[int],
-               counts: Sequence[TokenCounts | None] | None = None) -> list[SampledToken]:
+               counts: Sequence[TokenCounts | None] | None = None,
+               eos_token_ids: frozenset[int] = frozenset()) -> list[SampledToken]:
         """logits: [S, V], one row per sampling request; output_index[i] is how many tokens
         row i's request has generated before this one; counts[i] its TokenCounts, which a
-        row whose params adjust its logits (a bias, a penalty) needs. Everything runs on the
-        logits' device; the ids (and the log-probabilities asked for) reach the host in one
-        copy. Log-probabilities are the model's, before any penalty (as vLLM's)."""
+        row whose params adjust its logits (a bias, a penalty) needs; `eos_token_ids` are
+        kept from rows short of their min_tokens. Everything runs on the logits' device; the
+        ids (and the log-probabilities asked for) reach the host in one copy.
+        Log-probabilities are the model's, before any penalty (as vLLM's)."""
         raw = logits
         adjusted = {i: (p, counts[i]) for i, p in enumerate(params) if p.adjusts_logits}
         if adjusted:
             logits = apply_penalties(logits, adjusted)
+        banned = [(i, t) for i, p in enumerate(params)
+                  for t in p.suppressed(output_index[i], eos_token_ids) if t < logits.shape[1]]
+        if banned:
+            logits = logits.clone(memory_format=torch.contiguous_format) if logits is raw \
+                else logits
+            rows, ids = zip(*banned)
+            logits[_ids(rows, logits.device), _ids(ids, logits.device)] = float("-inf")
         token_ids = argmax(logits)                      # greedy rows: exact argmax
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
@@ -119,6 +128,10 @@ class Sampler:
         x = logits.float() / table[:, _TEMPERATURE, None].float()
         if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
             x = _top_k_top_p(x, table, params)
+        if any(p.min_p > 0 for p in params):
+            # p(t) < min_p * p(best) where x(t) < x(best) + log(min_p); log(0) = -inf keeps all
+            floor = x.max(dim=-1, keepdim=True).values + torch.log(table[:, _MIN_P, None]).float()
+            x = x.masked_fill(x < floor, float("-inf"))
         # one uniform a row: a seeded row's a function of its seed and output index alone
         # (so its token depends on nothing else in the batch), the others' from the generator
         seeded = [p.seed is not None for p in params]
@@ -253,7 +266,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
 def _row_params(row: int, p: SamplingParams, n: int) -> tuple:
     seed = p.seed if p.seed is not None else 0
     return (row, p.temperature, p.top_p, p.top_k, p.seed is not None,
-            seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, n & 0xFFFFFFFF)
+            seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF, n & 0xFFFFFFFF, p.min_p)
 
 
 def _seed_columns(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

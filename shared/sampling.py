@@ -33,6 +33,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # (0, 2]; 1 is off
     # OpenAI's logit_bias: (token id, bias in [-100, 100]) pairs added to the logits first
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    # vLLM's: no EOS and no stop token (nor stop string) before this many output tokens
+    min_tokens: int = 0
+    # vLLM's: drop tokens less likely than min_p times the most likely one; 0 is off
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -47,6 +51,11 @@ class SamplingParams:
                                       f"{MAX_LOGIT_BIAS:g}]")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequestError(f"min_tokens must be an integer in [0, max_tokens="
+                                      f"{self.max_tokens}], got {self.min_tokens!r}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
@@ -68,6 +77,13 @@ class SamplingParams:
         """Whether the sampler changes this request's logits first (a bias, a penalty)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or
                     self.repetition_penalty != 1.0)
+
+    def suppressed(self, output_index: int, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
+        """The ids the sampler must not draw as output token `output_index` (0-based): before
+        min_tokens, every id that would end the request."""
+        if output_index >= self.min_tokens:
+            return ()
+        return self.stop_token_ids + (() if self.ignore_eos else tuple(sorted(eos_token_ids)))
 
     @property
     def greedy(self) -> bool:

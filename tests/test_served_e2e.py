@@ -160,6 +160,17 @@ def test_n_samples_are_the_seeded_requests_and_a_prompt_batch_its_prompts(served
         for p in PROMPTS[:2]]
 
 
+def test_min_tokens_holds_the_end_off(served: Served):
+    c = client(served)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "What is 2+2?"}],
+               max_tokens=40, temperature=0)
+    plain = c.chat.completions.create(**ask)
+    assert plain.choices[0].finish_reason == "stop" and plain.usage.completion_tokens < 20
+    held = c.chat.completions.create(**ask, extra_body={"min_tokens": 20})
+    assert held.usage.completion_tokens >= 20
+    assert held.choices[0].message.content.startswith(plain.choices[0].message.content)
+
+
 def test_a_stop_token_ends_the_stream_with_nothing_after_it(served: Served):
     """The scheduler plans the next iteration before this one's token is known
     (docs/design.md#overlap), so the request's row is already planned when its stop token

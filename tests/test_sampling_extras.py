@@ -1,0 +1,121 @@
+"""vLLM's min_tokens and min_p: the sampler's masks, greedy output through the whole engine
+against transformers' `min_new_tokens` (float32, chunked and preempted too), stop strings held
+off until min_tokens, and the API's bounds."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gateway.openai_schema import APIError, parse_chat, parse_completion
+from gateway.text_output import TextOutput
+from gpu_worker.sampler import Sampler
+from shared.detokenizer import IncrementalDetokenizer
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+from tests.hf_reference import NEW_TOKENS, assert_same_tokens
+from tests.test_engine_parity import CONFIGS, run_engine, tiny_llama_and_hf
+
+EOS_BIAS = 100.0      # makes EOS every step's argmax, unless masked
+
+
+def test_min_tokens_keeps_eos_and_stop_tokens_out_until_reached():
+    logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]] * 3)        # 1 is the best, 2 next
+    p = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=(2,), logprobs=0)
+    eos = frozenset({1})
+    got = Sampler().sample(logits, [p] * 3, [0, 1, 2], eos_token_ids=eos)
+    assert [t.token_id for t in got] == [3, 3, 1]           # EOS and the stop token masked
+    assert got[0].logprob == pytest.approx(torch.log_softmax(logits[0], -1)[3].item())
+    ignoring = SamplingParams(temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert Sampler().sample(logits[:1], [ignoring], [0], eos_token_ids=eos)[0].token_id == 1
+
+
+def test_min_p_never_draws_a_token_below_its_share_of_the_best():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(400, 1)
+    drawn = {}
+    for min_p in (0.0, 0.2):
+        params = [SamplingParams(temperature=1.0, min_p=min_p, seed=s) for s in range(400)]
+        drawn[min_p] = {t.token_id for t in Sampler().sample(logits, params, [0] * 400)}
+    assert drawn[0.0] == {0, 1, 2, 3}
+    assert drawn[0.2] == {0, 1, 2}                          # 0.05 < 0.2 x 0.5
+
+
+@pytest.fixture(scope="module")
+def tiny_with_refs(tmp_path_factory):
+    """transformers' greedy output with EOS pushed to the top and `min_new_tokens`: it must
+    pick the best other token until then, and EOS right after."""
+    from transformers import LogitsProcessorList
+    path, hf = tiny_llama_and_hf(tmp_path_factory)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
+               for n in (7, 26, 49)]
+    eos = hf.config.eos_token_id
+
+    def bias_eos(input_ids, scores):
+        scores = scores.clone()
+        scores[:, eos] += EOS_BIAS
+        return scores
+
+    refs = []
+    for p in prompts:
+        out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                          max_new_tokens=NEW_TOKENS, min_new_tokens=9, do_sample=False,
+                          eos_token_id=eos, pad_token_id=eos, top_p=None, top_k=None,
+                          temperature=None, logits_processor=LogitsProcessorList([bias_eos]),
+                          output_scores=True, return_dict_in_generate=True)
+        refs.append((out.sequences[0, len(p):].tolist(), torch.stack(out.scores)[:, 0]))
+    return path, prompts, eos, refs
+
+
+@pytest.mark.parametrize("config,overrides,expect_preemption", CONFIGS)
+def test_greedy_with_min_tokens_matches_transformers(tiny_with_refs, config, overrides,
+                                                     expect_preemption):
+    path, prompts, eos, refs = tiny_with_refs
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, min_tokens=9,
+                            logit_bias=((eos, EOS_BIAS),))
+    ours, _ = run_engine(path, prompts, {**overrides, "max_model_len": 512}, params)
+    for k, (o, (r, logits)) in enumerate(zip(ours, refs)):
+        assert len(o) == 10 and o[-1] == eos, o                  # nine tokens, then EOS
+        assert_same_tokens(o, r, logits, f"min_tokens {config} prompt {k}")
+
+
+def test_a_stop_string_counts_only_from_min_tokens_on(tokenizer):
+    ids = tokenizer.encode(" stop here, stop there, and go on")
+
+    def text(min_tokens: int) -> str:
+        out = TextOutput(IncrementalDetokenizer(tokenizer, []), ("stop",), min_tokens)
+        for t in ids:
+            out.add(t)
+        out.finish()
+        return out.text
+
+    assert text(0) == " "
+    after = text(4)                                           # past the first "stop"
+    assert after.startswith(" stop here,") and after.rstrip().endswith(",")
+    assert "there" not in after
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+    return load_tokenizer(resolve_model(None))
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "0.1"}, "min_p")])
+def test_out_of_range_is_refused(body, param):
+    with pytest.raises(APIError) as e:
+        parse_completion({"model": "m", "prompt": "hi", **body})
+    assert e.value.param == param
+
+
+def test_the_api_passes_them_on():
+    req = parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                      "min_tokens": 3, "min_p": 0.05})
+    assert (req.min_tokens, req.min_p) == (3, 0.05)
+    with pytest.raises(InvalidRequestError):
+        SamplingParams(max_tokens=2, min_tokens=3)
+    p = SamplingParams(max_tokens=4, min_tokens=3, min_p=0.1)
+    assert SamplingParams.from_dict(p.to_dict()) == p
