@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -11,9 +12,7 @@ from shared.engine_args import EngineArgs
 from shared.errors import InvalidRequestError, PacerError
 from shared.sampling import SamplingParams
 
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop_token_ids",
-                   "ignore_eos", "logprobs", "presence_penalty", "frequency_penalty",
-                   "repetition_penalty", "logit_bias")
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def register(sub) -> None:
