@@ -48,7 +48,8 @@ class Generation:
     def __init__(self, *, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                  stop: tuple[str, ...], tokenizer: Tokenizer, upstream: Upstream,
                  router: TokenRouter, metrics: GatewayMetrics, arrival: float,
-                 slot: WaitingSlot | None = None, timeout_s: float | None = None) -> None:
+                 slot: WaitingSlot | None = None, timeout_s: float | None = None,
+                 echo: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
@@ -68,6 +69,7 @@ class Generation:
         self._timer: asyncio.TimerHandle | None = None
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
+        self._echo = echo                       # the prompt's text, sent before the output
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -118,6 +120,10 @@ class Generation:
         while True:
             events, finish = await self._stream.next()
             self._stop_waiting()
+            if self._echo is not None:
+                if finish is None or finish.error is None:
+                    yield self._echo_delta()
+                self._echo = None
             self._consume(events)
             self._done_upstream = finish is not None
             if self._text.stopped or finish is not None:
@@ -136,6 +142,23 @@ class Generation:
             logprobs = self._take_logprobs()
             if piece or logprobs:
                 yield Delta(piece, logprobs)
+
+    def _echo_delta(self) -> Delta:
+        """The prompt, and with logprobs each of its tokens' (the first has none): they
+        arrived ahead of the first token."""
+        if self.sampling.prompt_logprobs is None:
+            return Delta(self._echo)
+        ids, known = self.prompt_token_ids, self._stream.prompt_logprobs
+        missing = [pos for pos in range(1, len(ids)) if pos not in known]
+        if missing:
+            log.error("prompt logprobs missing", request_id=self.request_id,
+                      first_missing=missing[0], count=len(missing))
+        entries = [TokenLogprob(self._token_text(ids[0]), None, None)]
+        for pos in range(1, len(ids)):
+            logprob, top = known.get(pos, (None, None))
+            entries.append(TokenLogprob(self._token_text(ids[pos]), logprob,
+                                        [(self._token_text(t), lp) for t, lp in top or []]))
+        return Delta(self._echo, entries)
 
     def _consume(self, events: list[TokenEvent]) -> None:
         """Feed tokens to the text until a stop string appears; their logprobs wait."""

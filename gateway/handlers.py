@@ -59,8 +59,10 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
     samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
                  for ids in prompts]
     # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
-    choices = [(ids, choice_sampling(sampling, j))
-               for ids, sampling in zip(prompts, samplings) for j in range(req.n)]
+    echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts] \
+        if req.echo else [None] * len(prompts)
+    choices = [(ids, choice_sampling(sampling, j), echo)
+               for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]
     slots = [slot] + _admit_more(state, len(choices) - 1)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -72,8 +74,8 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                 prompt_token_ids=ids, sampling=sampling, stop=req.stop,
                 tokenizer=state.tokenizer, upstream=state.upstream, router=state.router,
                 metrics=state.metrics, arrival=arrival, slot=place,
-                timeout_s=req.timeout or state.config.request_timeout_s))
-                for index, ((ids, sampling), place) in enumerate(zip(choices, slots))]
+                timeout_s=req.timeout or state.config.request_timeout_s, echo=echo))
+                for index, ((ids, sampling, echo), place) in enumerate(zip(choices, slots))]
             for gen in gens:        # one by one: a failed start leaves none in flight
                 await _start(gen, state)
             shape = Shape(req, request_id, state.served_model_name,

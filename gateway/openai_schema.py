@@ -76,6 +76,7 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     n: int = 1                              # choices per prompt
+    echo: bool = False                      # completions: the prompt before the output
     timeout: float | None = None            # seconds; pacer's extension: a deadline
 
 
@@ -159,11 +160,10 @@ def parse_completion(body: Any) -> GenerationRequest:
     logprobs = _field(body, "logprobs", (int,), None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
-    if _field(body, "echo", (bool,), False):
-        raise APIError("'echo' is not supported", param="echo")
     prompts = _completion_prompts(_field(body, "prompt", (str, list)))
     return _common(body, "completions", prompts=prompts, messages=None,
-                   max_tokens=_field(body, "max_tokens", (int,), None), logprobs=logprobs)
+                   max_tokens=_field(body, "max_tokens", (int,), None), logprobs=logprobs,
+                   echo=_field(body, "echo", (bool,), False))
 
 
 def _completion_prompts(prompt: str | list) -> tuple[str | list[int], ...]:
@@ -196,6 +196,8 @@ def parse_chat(body: Any) -> GenerationRequest:
     max_tokens = _field(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = _field(body, "max_tokens", (int,), None)
+    if _field(body, "echo", (bool,), False):
+        raise APIError("'echo' is served on /v1/completions only", param="echo")
     return _common(body, "chat", prompts=(), messages=messages, max_tokens=max_tokens,
                    logprobs=(top or 0) if want else None)
 
@@ -260,7 +262,7 @@ def _choices(body: dict, num_prompts: int) -> int:
 
 
 def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | None,
-            logprobs: int | None) -> GenerationRequest:
+            logprobs: int | None, echo: bool = False) -> GenerationRequest:
     _refuse_what_would_be_ignored(body)
     n = _choices(body, max(1, len(prompts)))
     stream = _field(body, "stream", (bool,), False)
@@ -316,7 +318,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
         repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body),
         min_tokens=min_tokens, min_p=min_p,
-        stream=stream, include_usage=include_usage, n=n,
+        stream=stream, include_usage=include_usage, n=n, echo=echo,
         timeout=None if timeout is None else float(timeout))
 
 
@@ -326,8 +328,8 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
 class TokenLogprob:
     """One output token's log-probability, with token ids already turned into text."""
     token: str
-    logprob: float | None
-    top: list[tuple[str, float]]
+    logprob: float | None                   # None: an echoed prompt's first token
+    top: list[tuple[str, float]] | None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -343,7 +345,7 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
         at += len(e.token)
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries],
+            "top_logprobs": [None if e.top is None else dict(e.top) for e in entries],
             "text_offset": offsets}
 
 

@@ -92,7 +92,9 @@ def _completion_request(model: str, max_model_len: int, vocab_size: int) -> dict
             {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": {"type": "string"}},
             {"type": "array", "minItems": 1, "maxItems": MAX_CHOICES, "items": ids}]},
         "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "nullable": True},
-        "echo": {"type": "boolean", "enum": [False], "nullable": True},
+        "echo": {"type": "boolean", "nullable": True,
+                 "description": "the prompt before the output; with logprobs, its tokens' "
+                                "too (the first has none)"},
         **_sampling_fields(max_model_len, vocab_size)}}
 
 

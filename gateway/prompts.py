@@ -74,4 +74,5 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                           presence_penalty=req.presence_penalty,
                           frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty,
-                          logit_bias=req.logit_bias, min_tokens=req.min_tokens, min_p=req.min_p)
+                          logit_bias=req.logit_bias, min_tokens=req.min_tokens, min_p=req.min_p,
+                          prompt_logprobs=req.logprobs if req.echo else None)

@@ -23,7 +23,8 @@ import structlog
 from redis.exceptions import RedisError
 
 from shared.lifecycle import cancel_requested
-from shared.protocol import FinishEvent, ProtocolError, TokenBatch, TokenEvent, decode
+from shared.protocol import (FinishEvent, PromptLogprobsEvent, ProtocolError, TokenBatch,
+                             TokenEvent, TopLogprobs, decode)
 from shared.redis_retry import retry_redis
 
 log = structlog.get_logger("gateway.streams")
@@ -37,7 +38,7 @@ class LocalFailure:
     error_type: str = "server_error"
 
 
-Item = TokenEvent | FinishEvent | LocalFailure
+Item = TokenEvent | PromptLogprobsEvent | FinishEvent | LocalFailure
 
 
 class RequestStream:
@@ -52,6 +53,9 @@ class RequestStream:
         self._pending: dict[int, TokenEvent] = {}     # arrived ahead of a gap
         self._finish: FinishEvent | None = None
         self._gave_up = False
+        # prompt position -> (log-probability, top ones), as computed (echo with logprobs);
+        # all of them are in before the first token (published in order, ahead of it)
+        self.prompt_logprobs: dict[int, tuple[float, TopLogprobs | None]] = {}
 
     def push(self, item: Item) -> None:
         self._queue.put_nowait(item)
@@ -91,6 +95,11 @@ class RequestStream:
             self._gave_up = True
 
     def _accept(self, item: Item, ready: list[TokenEvent]) -> None:
+        if isinstance(item, PromptLogprobsEvent):
+            tops = item.top_logprobs or [None] * len(item.logprobs)
+            for k, entry in enumerate(zip(item.logprobs, tops)):
+                self.prompt_logprobs.setdefault(item.start + k, entry)   # a recompute's again
+            return
         if isinstance(item, FinishEvent):
             self._finish = self._finish or item
             return
@@ -168,6 +177,8 @@ class TokenRouter:
             log.warning("undecodable message on token channel", error=str(e))
             return
         if isinstance(msg, TokenBatch):
+            for prompt in msg.prompt:
+                self._deliver(prompt.request_id, prompt)
             for event in msg.events:
                 self._deliver(event.request_id, event)
         elif isinstance(msg, FinishEvent):

@@ -46,7 +46,7 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource
-from shared.plan import IterationPlan, NewRequestData, StepResult
+from shared.plan import IterationPlan, NewRequestData, PromptLogprobs, StepResult
 from shared.sampling import SamplingParams, token_id_set
 
 log = structlog.get_logger("worker")
@@ -105,6 +105,16 @@ class _RequestState:
     stopped: bool = False
     # what its penalties need, kept up to date between steps (requests with penalties only)
     token_counts: TokenCounts | None = None
+
+
+@dataclass(frozen=True)
+class _Span:
+    """Rows of one request's prompt chunk whose logits give prompt log-probabilities."""
+    request_id: str
+    start: int                  # the position of its first row
+    rows: range                 # in the flat batch
+    targets: list[int]          # the token after each row
+    top: int                    # top log-probabilities asked for
 
 
 class UnknownKVCache(Exception):
@@ -252,8 +262,14 @@ class ModelRunner:
         input_ids, chunks, order = self._inputs(scheduled)
         sampling_ids = [rid for rid, c in zip(order, chunks) if c.samples]
         states = [self.requests[r] for r in sampling_ids]
+        spans = self._prompt_logprob_spans(order, chunks)
         with self._threads_for(len(input_ids)):
-            logits = self._logits(input_ids, chunks, sender)
+            logits = self._logits(input_ids, chunks, sender,
+                                  [row for span in spans for row in span.rows])
+            prompt_logprobs = {}
+            if spans:
+                logits, extra = logits[:len(states)], logits[len(states):]
+                prompt_logprobs = self._prompt_logprobs(extra, spans)
             with scope("sampling"):
                 tokens = self.sampler.sample(
                     logits, [s.sampling for s in states],
@@ -275,14 +291,50 @@ class ModelRunner:
         # kv_stats["exposed_ms"]
         return self._with_sends(StepResult(plan.step, dict(zip(sampling_ids, tokens)),
                                            forward_ms=(time.perf_counter() - started) * 1e3,
-                                           wide_from_rows=self.wide_from_rows),
+                                           wide_from_rows=self.wide_from_rows,
+                                           prompt_logprobs=prompt_logprobs),
                                 sender)
 
+    def _prompt_logprob_spans(self, order: list[str], chunks: list[Chunk]) -> list[_Span]:
+        """The rows whose logits give prompt log-probabilities: of a request that asked, each
+        row of a prompt position but the last (whose logits sample the first output token)."""
+        spans, row = [], 0
+        for rid, chunk in zip(order, chunks):
+            s = self.requests[rid]
+            start = chunk.kv_len - chunk.q_rows
+            end = min(chunk.kv_len, s.num_prompt_tokens - 1)
+            if s.sampling.prompt_logprobs is not None and start < end:
+                spans.append(_Span(rid, start, range(row, row + end - start),
+                                   s.token_ids[start + 1:end + 1], s.sampling.prompt_logprobs))
+            row += chunk.q_rows
+        return spans
+
+    def _prompt_logprobs(self, logits: torch.Tensor,
+                         spans: list[_Span]) -> dict[str, PromptLogprobs]:
+        """Row r's logits predict the token after it: its log-probability and top ones."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        targets = torch.tensor([t for span in spans for t in span.targets],
+                               device=logprobs.device)
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        k = max(span.top for span in spans)
+        top_lp, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0],) * 2)
+        top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+        out, at = {}, 0
+        for span in spans:
+            n = len(span.targets)
+            tops = [list(zip(ids[:span.top], lps[:span.top]))
+                    for ids, lps in zip(top_ids[at:at + n], top_lp[at:at + n])]
+            out[span.request_id] = PromptLogprobs(span.start + 1, chosen[at:at + n],
+                                                  tops if span.top else None)
+            at += n
+        return out
+
     def _logits(self, input_ids: torch.Tensor, chunks: list[Chunk],
-                sender: LayerSender | None) -> torch.Tensor:
-        """The forward: the sampling rows' logits. `input_ids` on the host (a graph's inputs
-        go to the GPU in one copy with the rest of its rows)."""
-        size = self.graphs.size_for(chunks) if self.graphs is not None else None
+                sender: LayerSender | None, extra_rows: list[int] = ()) -> torch.Tensor:
+        """The forward: the sampling rows' logits, then `extra_rows`'. `input_ids` on the
+        host (a graph's inputs go to the GPU in one copy with the rest of its rows)."""
+        size = self.graphs.size_for(chunks) if self.graphs is not None and not extra_rows \
+            else None
         if size is not None:
             if self.on_forward is not None:
                 self.on_forward()
@@ -292,6 +344,9 @@ class ModelRunner:
             return logits
         meta = build_attention_metadata(chunks, self.rc.block_size, self.rc.device,
                                         self.act_dtype)
+        if extra_rows:
+            meta.sample_rows = torch.cat([meta.sample_rows, torch.tensor(
+                extra_rows, dtype=meta.sample_rows.dtype, device=meta.sample_rows.device)])
         streaming = sender is not None and self.rc.kv_layer_streaming
         return self.model(input_ids.to(self.rc.device), self.kv_caches, meta, self.backend,
                           after_layer=sender.after_layer if streaming else None,

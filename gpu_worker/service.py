@@ -60,8 +60,9 @@ from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, freeze_heap, k
                               redis_run_id, stream_id_text, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
-from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, TokenBatch,
-                             TokenEvent, encode, from_fields, message_bytes, to_fields)
+from shared.protocol import (Heartbeat, PlanMsg, PromptLogprobsEvent, ProtocolError,
+                             StepResultMsg, TokenBatch, TokenEvent, encode, from_fields,
+                             message_bytes, to_fields)
 from shared.redis_retry import TRANSIENT, retry_redis
 
 log = structlog.get_logger("worker")
@@ -106,6 +107,11 @@ def token_batches(result: StepResult,
     `len(token_ids) - num_prompt_tokens - 1` (prompt of 5, first sampled token: index 0).
     """
     events: dict[str, list[TokenEvent]] = {}
+    prompt: dict[str, list[PromptLogprobsEvent]] = {}
+    for rid, p in result.prompt_logprobs.items():
+        if requests[rid].reply_to:
+            prompt.setdefault(requests[rid].reply_to, []).append(
+                PromptLogprobsEvent(rid, p.start, p.logprobs, p.top_logprobs))
     for rid, token in result.sampled.items():
         state = requests[rid]
         if not state.reply_to:
@@ -113,7 +119,8 @@ def token_batches(result: StepResult,
         index = len(state.token_ids) - state.num_prompt_tokens - 1
         events.setdefault(state.reply_to, []).append(
             TokenEvent(rid, index, token.token_id, token.logprob, token.top_logprobs))
-    return {channel: TokenBatch(evs) for channel, evs in events.items()}
+    return {channel: TokenBatch(events.get(channel, []), prompt.get(channel, []))
+            for channel in events.keys() | prompt.keys()}
 
 
 class PlanLoop:

@@ -23,6 +23,10 @@ class Completion:
     prompt_token_ids: list[int]
     tokens: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
+    # position -> (log-probability, top ones) of each prompt token after the first, with
+    # SamplingParams.prompt_logprobs; a recomputed prompt's repeats agree and are kept once
+    prompt_logprobs: dict[int, tuple[float, list[tuple[int, float]] | None]] = \
+        field(default_factory=dict)
 
     @property
     def token_ids(self) -> list[int]:
@@ -87,7 +91,15 @@ class LLMEngine:
         """One iteration: plan, forward + sample, update. Returns per-request deltas."""
         plan = self.scheduler.schedule()
         result = self.runner.execute(plan)
-        return self.scheduler.update(plan, result)
+        outputs = self.scheduler.update(plan, result)
+        if result.prompt_logprobs:
+            by_id = {out.request_id: out for out in outputs}
+            for rid, logprobs in result.prompt_logprobs.items():
+                if rid not in by_id:
+                    by_id[rid] = RequestOutput(rid)
+                    outputs.append(by_id[rid])
+                by_id[rid].prompt_logprobs = logprobs
+        return outputs
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams],
                  on_output=None) -> list[Completion]:
@@ -100,6 +112,11 @@ class LLMEngine:
             for out in self.step():
                 c = done[out.request_id]
                 c.tokens.extend(out.new_tokens)
+                if out.prompt_logprobs is not None:
+                    p = out.prompt_logprobs
+                    tops = p.top_logprobs or [None] * len(p.logprobs)
+                    for k, entry in enumerate(zip(p.logprobs, tops)):
+                        c.prompt_logprobs.setdefault(p.start + k, entry)
                 if out.finished:
                     c.finish_reason = out.finish_reason
                 if on_output is not None:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.plan import SampledToken
+from shared.plan import PromptLogprobs, SampledToken
 
 
 @dataclass(slots=True)    # one per request per iteration: slots make it cheaper to build
@@ -14,3 +14,5 @@ class RequestOutput:
     finish_reason: str | None = None      # "stop" | "length" | "abort"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    # prompt log-probabilities computed this iteration (SamplingParams.prompt_logprobs)
+    prompt_logprobs: PromptLogprobs | None = None

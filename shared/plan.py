@@ -99,6 +99,15 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Prompt tokens' log-probabilities from one chunk of a request's prompt: entry k is the
+    token at position `start + k`, given the tokens before it, with its top alternatives."""
+    start: int
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What the workers send back for one plan: the token each sampling request drew."""
     step: int
@@ -111,3 +120,6 @@ class StepResult:
     # the sends' figures: bytes, ms spent sending, ms of it after the forward ended (exposed)
     kv_failed: list[str] = field(default_factory=list)
     kv_stats: dict | None = None
+    # the prompt log-probabilities this step computed (requests that asked), for the gateway:
+    # rank 0 publishes them with the tokens; the scheduler never needs them
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

@@ -189,22 +189,42 @@ class TokenEvent:
     top_logprobs: TopLogprobs | None = None
 
 
+@dataclass(frozen=True)
+class PromptLogprobsEvent:
+    """Prompt log-probabilities of one request (shared/plan.py PromptLogprobs), positions
+    `start`, `start + 1`, ...; a recomputed prompt sends some again."""
+    request_id: str
+    start: int
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs] | None = None
+
+
 @_kind("token_batch")
 @dataclass(frozen=True)
 class TokenBatch:
-    """All token events of one iteration for the requests of one gateway."""
+    """All token events of one iteration for the requests of one gateway, and the prompt
+    log-probabilities it computed (before the tokens: a request's come before its first)."""
     events: list[TokenEvent] = field(default_factory=list)
+    prompt: list[PromptLogprobsEvent] = field(default_factory=list)
     KIND: ClassVar[str]
 
     def _to_body(self) -> dict:
         # events: [request_id, index, token_id, logprob, top_logprobs]
-        return {"events": [[e.request_id, e.index, e.token_id, e.logprob, e.top_logprobs]
+        body = {"events": [[e.request_id, e.index, e.token_id, e.logprob, e.top_logprobs]
                            for e in self.events]}
+        if self.prompt:
+            # prompt: [request_id, start, logprobs, top_logprobs]
+            body["prompt"] = [[e.request_id, e.start, e.logprobs, e.top_logprobs]
+                              for e in self.prompt]
+        return body
 
     @classmethod
     def _from_body(cls, body: dict) -> "TokenBatch":
         return cls([TokenEvent(rid, idx, tok, lp, _tops(top))
-                    for rid, idx, tok, lp, top in body["events"]])
+                    for rid, idx, tok, lp, top in body["events"]],
+                   [PromptLogprobsEvent(rid, start, list(lps),
+                                        None if tops is None else [_tops(t) for t in tops])
+                    for rid, start, lps, tops in body.get("prompt", ())])
 
 
 @_kind("finish")

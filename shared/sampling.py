@@ -37,6 +37,9 @@ class SamplingParams:
     min_tokens: int = 0
     # vLLM's: drop tokens less likely than min_p times the most likely one; 0 is off
     min_p: float = 0.0
+    # the prompt's own log-probabilities (each prompt token's given those before it), as
+    # OpenAI's `echo` with `logprobs` returns them: None: none; 0: the token's; N: plus top-N
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -62,8 +65,10 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k!r}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidRequestError(f"logprobs must be in [0, 20], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 20:
+                raise InvalidRequestError(f"{name} must be in [0, 20], got {value!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "

@@ -58,13 +58,16 @@ def tiny_llama_and_hf(tmp_path_factory):
     return path, AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
 
 
+def random_prompts(vocab_size: int, seed: int, lengths) -> list[list[int]]:
+    """Prompts of the given lengths, token ids drawn past the special ones (0-2)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab_size, (n,), generator=g).tolist() for n in lengths]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     path, hf = tiny_llama_and_hf(tmp_path_factory)
-    g = torch.Generator().manual_seed(1)
-    vocab = hf.config.vocab_size
-    lengths = [3, 9, 17, 30, 45, 64, 81, 120]
-    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+    prompts = random_prompts(hf.config.vocab_size, 1, [3, 9, 17, 30, 45, 64, 81, 120])
     refs = [hf_greedy(hf, p, hf.config.eos_token_id) for p in prompts]
     return path, prompts, refs
 

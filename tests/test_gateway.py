@@ -25,8 +25,8 @@ from gateway.streams import RequestStream
 from gateway.text_output import TextOutput
 from shared.detokenizer import IncrementalDetokenizer
 from shared.keys import Keys
-from shared.protocol import (AbortMsg, FinishEvent, Heartbeat, RequestMsg, TokenBatch, TokenEvent,
-                             encode, from_fields)
+from shared.protocol import (AbortMsg, FinishEvent, Heartbeat, PromptLogprobsEvent, RequestMsg,
+                             TokenBatch, TokenEvent, encode, from_fields)
 from shared.tokenizer import Tokenizer
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
@@ -77,6 +77,10 @@ class FakeScheduler:
         slow = "[slow]" in prompt
         output = self._output(msg, repeat=slow)
         sent, reason = 0, ("stop" if output[-1] == self.tok.eos_token_id else "length")
+        if msg.sampling.prompt_logprobs is not None:     # each prompt token after the first
+            n, k = len(msg.prompt_token_ids) - 1, msg.sampling.prompt_logprobs
+            await self.redis.publish(msg.reply_to, encode(TokenBatch([], [PromptLogprobsEvent(
+                msg.request_id, 1, [-0.25] * n, [[(7 + j, -1.0 - j) for j in range(k)]] * n)])))
         for i, token_id in enumerate(output):
             if ("[error]" in prompt and i == 2) or "[invalid]" in prompt:
                 reason = "error"
@@ -419,6 +423,45 @@ async def test_a_failed_choice_ends_the_answer_and_aborts_the_others(h: Harness,
             if h.tok.decode(msg.prompt_token_ids).endswith("[slow]")][-1]
     assert slow.endswith("-1")
     await wait_for_abort(h, slow)
+
+
+# ---- echo --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_echo_puts_the_prompt_and_its_logprobs_first(h: Harness, stream: bool) -> None:
+    """OpenAI's echo: the text starts with the prompt; with logprobs the tokens do too, the
+    first with none (what evaluation harnesses read a prompt's score from)."""
+    prompt = "Say hello."
+    ids = h.tok.encode(prompt, add_special_tokens=True)
+    body = completion(prompt=prompt, echo=True, logprobs=1, max_tokens=2)
+    if stream:
+        chunks = [json.loads(d)["choices"][0] for d in (await h.sse("/v1/completions", body))[:-1]]
+        assert chunks[0]["text"] == prompt                   # the first chunk is the prompt
+        text = "".join(c["text"] for c in chunks)
+        lp = {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
+              for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    else:
+        status, answer = await h.post("/v1/completions", body)
+        assert status == 200, answer
+        text, lp = answer["choices"][0]["text"], answer["choices"][0]["logprobs"]
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+    assert text == prompt + reply_text(h.tok, 2)
+    assert lp["tokens"][:len(ids)] == [h.tok.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp["token_logprobs"][:len(ids)] == [None] + [-0.25] * (len(ids) - 1)
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {
+        h.tok.decode([7], skip_special_tokens=False): -1.0}
+    assert len(lp["tokens"]) == len(ids) + 2
+    assert lp["text_offset"][len(ids)] == len(prompt)        # the output's text follows it
+
+
+async def test_echo_without_logprobs_asks_for_none_and_chat_refuses_it(h: Harness) -> None:
+    status, answer = await h.post("/v1/completions", completion(prompt=[5, 6], echo=True,
+                                                                max_tokens=2))
+    assert status == 200 and answer["choices"][0]["text"] == \
+        h.tok.decode([5, 6]) + reply_text(h.tok, 2)
+    assert h.fake.received[answer["id"]].sampling.prompt_logprobs is None
+    status, answer = await h.post("/v1/chat/completions", chat(echo=True))
+    assert status == 400 and answer["error"]["param"] == "echo"
 
 
 async def test_duplicate_and_overtaken_events_still_give_the_exact_text(h: Harness) -> None:

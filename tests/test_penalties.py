@@ -12,7 +12,7 @@ from gpu_worker.sampler import Sampler, TokenCounts, apply_penalties
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from tests.hf_reference import NEW_TOKENS, assert_same_tokens
-from tests.test_engine_parity import CONFIGS, run_engine, tiny_llama_and_hf
+from tests.test_engine_parity import CONFIGS, random_prompts, run_engine, tiny_llama_and_hf
 
 
 class OpenAIPenalties:
@@ -100,9 +100,7 @@ PENALTIES = [("repetition", dict(repetition_penalty=1.3)),
 @pytest.fixture(scope="module")
 def tiny_with_refs(tmp_path_factory):
     path, hf = tiny_llama_and_hf(tmp_path_factory)
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
-               for n in (5, 23, 40, 71)]
+    prompts = random_prompts(hf.config.vocab_size, 2, (5, 23, 40, 71))
     eos = hf.config.eos_token_id
     refs = {}
     for name, kw in PENALTIES:

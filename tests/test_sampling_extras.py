@@ -13,7 +13,7 @@ from shared.detokenizer import IncrementalDetokenizer
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from tests.hf_reference import NEW_TOKENS, assert_same_tokens
-from tests.test_engine_parity import CONFIGS, run_engine, tiny_llama_and_hf
+from tests.test_engine_parity import CONFIGS, random_prompts, run_engine, tiny_llama_and_hf
 
 EOS_BIAS = 100.0      # makes EOS every step's argmax, unless masked
 
@@ -46,9 +46,7 @@ def tiny_with_refs(tmp_path_factory):
     pick the best other token until then, and EOS right after."""
     from transformers import LogitsProcessorList
     path, hf = tiny_llama_and_hf(tmp_path_factory)
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(3, hf.config.vocab_size, (n,), generator=g).tolist()
-               for n in (7, 26, 49)]
+    prompts = random_prompts(hf.config.vocab_size, 5, (7, 26, 49))
     eos = hf.config.eos_token_id
 
     def bias_eos(input_ids, scores):

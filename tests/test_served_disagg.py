@@ -144,8 +144,35 @@ def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, 
                  "prefill blocks freed")
         assert labelled(served, "pacer:handoffs_total", "p0") == len(prompts)
         assert labelled(served, "pacer:kv_transfer_bytes_total", "p0") > 0
+        # a prompt scored (echo, logprobs): the prefill side computes them, chunked
+        assert prompt_logprobs(served, model, LONG[2]) == pytest.approx(
+            in_process_prompt_logprobs(tiny, LONG[2]), abs=1e-4)
     finally:
         assert served.stop() == 0, served.log_tail()
+
+
+def prompt_logprobs(served, model: str, prompt: list[int]) -> list[float]:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True,
+            "logprobs": 0}
+    req = urllib.request.Request(f"{served.base_url}/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=180) as r:
+        logprobs = json.loads(r.read())["choices"][0]["logprobs"]["token_logprobs"]
+    assert logprobs[0] is None and len(logprobs) == len(prompt) + 1
+    return logprobs[1:len(prompt)]
+
+
+def in_process_prompt_logprobs(tiny: str, prompt: list[int]) -> list[float]:
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+    from shared.sampling import SamplingParams
+    engine = LLMEngine(EngineArgs(model=tiny, dtype="float32", max_model_len=512,
+                                  num_kv_blocks=64), progress=False)
+    [c] = engine.generate([prompt], [SamplingParams(max_tokens=1, temperature=0.0,
+                                                    prompt_logprobs=0)])
+    return [c.prompt_logprobs[pos][0] for pos in range(1, len(prompt))]
 
 
 # two families of prompts, each a long shared prefix (6 full blocks of 16) and its own tail

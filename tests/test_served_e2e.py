@@ -171,6 +171,30 @@ def test_min_tokens_holds_the_end_off(served: Served):
     assert held.choices[0].message.content.startswith(plain.choices[0].message.content)
 
 
+def test_echo_with_logprobs_scores_a_prompt_as_in_process(served: Served):
+    """The request evaluation harnesses send to score a text (echo, logprobs, one token):
+    the prompt's log-probabilities equal the in-process engine's, through the worker's
+    publish and the gateway."""
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+    from shared.sampling import SamplingParams
+
+    engine = LLMEngine(EngineArgs(kv_cache_memory="32MiB"), progress=False)
+    ids = engine.tokenizer.encode(PROMPTS[2] + " It walked through the quiet town at night.")
+    [want] = engine.generate([ids], [SamplingParams(max_tokens=1, temperature=0.0,
+                                                    prompt_logprobs=1)])
+    got = client(served).completions.create(model=MODEL, prompt=ids, max_tokens=1,
+                                            temperature=0, echo=True, logprobs=1)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
+    assert got.choices[0].text.startswith(engine.tokenizer.decode(ids))
+    for pos in range(1, len(ids)):
+        assert lp.token_logprobs[pos] == pytest.approx(want.prompt_logprobs[pos][0], abs=1e-5)
+    # greedy: where the prompt's token is the model's first choice, it is the top one
+    assert sum(lp.token_logprobs[p] == max(lp.top_logprobs[p].values())
+               for p in range(1, len(ids))) > 0
+
+
 def test_a_stop_token_ends_the_stream_with_nothing_after_it(served: Served):
     """The scheduler plans the next iteration before this one's token is known
     (docs/design.md#overlap), so the request's row is already planned when its stop token

@@ -89,8 +89,10 @@ class BlockManager:
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The blocks of the longest cached run of the request's leading full blocks; changes
         nothing. The last token is always left out: it must be computed for its logits, and
-        its K/V must go into a block the request holds alone."""
-        if not self.enable_prefix_caching or request.block_table:
+        its K/V must go into a block the request holds alone. A request that wants its
+        prompt's log-probabilities computes every row (they come from the logits)."""
+        if not self.enable_prefix_caching or request.block_table \
+                or request.sampling.prompt_logprobs is not None:
             return []
         num_blocks = (request.num_tokens - 1) // self.block_size
         found = []
