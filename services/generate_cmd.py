@@ -116,6 +116,9 @@ def _write(path: str, results, tokenizer) -> None:
                 if r.tokens and r.tokens[0].logprob is not None:
                     line["logprobs"] = [t.logprob for t in r.tokens]
                     line["top_logprobs"] = [t.top_logprobs for t in r.tokens]
+                if r.prompt_logprobs:       # position 0 has none
+                    line["prompt_logprobs"] = [None] + [
+                        r.prompt_logprobs[p][0] for p in range(1, len(r.prompt_token_ids))]
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
     except OSError as e:
         raise PacerError(f"cannot write output file {path}: {e}") from None

@@ -43,7 +43,8 @@ def test_generate_every_input_kind_in_order(tiny, tmp_path):
         {"prompt": "hello world"},
         {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 3},
         {"prompt_token_ids": [5, 6, 7, 8], "temperature": 0.7, "seed": 3, "ignore_eos": True,
-         "logit_bias": {"9": 3.5}, "presence_penalty": 0.5, "repetition_penalty": 1.1},
+         "logit_bias": {"9": 3.5}, "presence_penalty": 0.5, "repetition_penalty": 1.1,
+         "min_tokens": 2, "min_p": 0.05, "prompt_logprobs": 0},
     ])
     out = tmp_path / "out.jsonl"
     proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output", str(out),
@@ -56,6 +57,9 @@ def test_generate_every_input_kind_in_order(tiny, tmp_path):
     assert rows[2]["prompt_tokens"] == 4
     assert len(rows[1]["token_ids"]) <= 3 and len(rows[2]["token_ids"]) == 6
     assert rows[2]["finish_reason"] == "length"
+    lps = rows[2]["prompt_logprobs"]
+    assert lps[0] is None and len(lps) == 4 and all(lp < 0 for lp in lps[1:])
+    assert "prompt_logprobs" not in rows[0]
     for r in rows:
         assert r["finish_reason"] in ("stop", "length")
 
