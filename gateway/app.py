@@ -119,13 +119,17 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
         return web.json_response(error_body("internal server error", "server_error"), status=500)
 
 
+KEYED_PATHS = ("/tokenize", "/detokenize")
+
+
 def _auth(api_key: str | None):
     expected = f"Bearer {api_key}".encode() if api_key else None
 
     @web.middleware
     async def auth(request: web.Request, handler) -> web.StreamResponse:
-        # like vLLM: the OpenAI routes need the key, /health and /metrics do not
-        if expected is not None and request.path.startswith("/v1/"):
+        # the OpenAI routes and the tokenizer's need the key, /health and /metrics do not
+        if expected is not None and (request.path.startswith("/v1/")
+                                     or request.path in KEYED_PATHS):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, expected):
                 return web.json_response(

@@ -51,10 +51,7 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                             id_prefix: str, state: GatewayState, slot: WaitingSlot,
                             arrival: float) -> web.StreamResponse:
     req = parse(await _read_json(request, state.config.max_body_bytes))
-    if req.model != state.served_model_name:
-        raise APIError(f"The model `{req.model}` does not exist (this server serves "
-                       f"`{state.served_model_name}`)", status=404, param="model",
-                       code="model_not_found")
+    _check_model(req.model, state)
     prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer)
     samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
                  for ids in prompts]
@@ -135,6 +132,36 @@ async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
         raise APIError(f"the request body is not valid JSON: {e}") from e
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    req = oai.parse_tokenize(await _read_json(request, state.config.max_body_bytes))
+    _check_model(req.model, state)
+    if req.messages is not None:
+        ids = await asyncio.to_thread(state.tokenizer.encode_chat, req.messages)
+    else:
+        ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt, req.add_special_tokens)
+    return web.json_response({"count": len(ids), "max_model_len": state.max_model_len,
+                              "tokens": ids})
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    model, ids = oai.parse_detokenize(await _read_json(request, state.config.max_body_bytes))
+    _check_model(model, state)
+    bad = [t for t in ids if not 0 <= t < state.tokenizer.vocab_size]
+    if bad:
+        raise APIError(f"token id {bad[0]} is outside the vocabulary "
+                       f"[0, {state.tokenizer.vocab_size})", param="tokens")
+    return web.json_response({"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)})
+
+
+def _check_model(model: str | None, state: GatewayState) -> None:
+    if model is not None and model != state.served_model_name:
+        raise APIError(f"The model `{model}` does not exist (this server serves "
+                       f"`{state.served_model_name}`)", status=404, param="model",
+                       code="model_not_found")
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     return web.json_response(oai.models_list(state.served_model_name, state.max_model_len))
@@ -172,6 +199,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/openapi.json", openapi)

@@ -202,6 +202,37 @@ def parse_chat(body: Any) -> GenerationRequest:
                    logprobs=(top or 0) if want else None)
 
 
+@dataclass(frozen=True)
+class TokenizeRequest:
+    """vLLM's /tokenize: a prompt (with the special tokens the model adds, unless told not
+    to) or chat messages (rendered by the chat template, as generation renders them)."""
+    model: str | None
+    prompt: str | None
+    messages: list[dict] | None
+    add_special_tokens: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeRequest:
+    body = _object(body)
+    model = _field(body, "model", (str,), None)
+    if ("prompt" in body) == ("messages" in body):
+        raise APIError("give one of 'prompt' or 'messages'")
+    if "messages" in body:
+        messages = [_message(m, i) for i, m in enumerate(_field(body, "messages", (list,)))]
+        if not messages:
+            raise APIError("'messages' must hold at least one message", param="messages")
+        return TokenizeRequest(model, None, messages, False)
+    return TokenizeRequest(model, _field(body, "prompt", (str,)), None,
+                           _field(body, "add_special_tokens", (bool,), True))
+
+
+def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
+    """vLLM's /detokenize: (model, token ids)."""
+    body = _object(body)
+    return _field(body, "model", (str,), None), _int_list(_field(body, "tokens", (list,)),
+                                                         "tokens")
+
+
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
         raise APIError(f"the request body must be a JSON object, got {_json_type(body)}")

@@ -117,6 +117,30 @@ def _chat_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, 
         **_sampling_fields(max_model_len, vocab_size)}}
 
 
+def _tokenize_request(model: str) -> dict[str, Any]:
+    return {"type": "object", "properties": {
+        "model": {"type": "string", "enum": [model], "nullable": True},
+        "prompt": {"type": "string"},
+        "add_special_tokens": {"type": "boolean", "nullable": True}},
+        "required": ["prompt"]}
+
+
+def _detokenize_request(model: str, vocab_size: int) -> dict[str, Any]:
+    return {"type": "object", "required": ["tokens"], "properties": {
+        "model": {"type": "string", "enum": [model], "nullable": True},
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                              "maximum": vocab_size - 1}}}}
+
+
+def _post(summary: str, schema_ref: str) -> dict[str, Any]:
+    return {"post": {"summary": summary,
+                     "requestBody": {"required": True, "content": {"application/json": {
+                         "schema": {"$ref": schema_ref}}}},
+                     "responses": {s: {"description": d} for s, d in (
+                         ("200", summary), ("400", "invalid request"),
+                         ("404", "unknown model"))}}}
+
+
 def _generation_path(summary: str, schema_ref: str) -> dict[str, Any]:
     errors = {str(s): {"description": d, "content": {"application/json": {"schema": _ERROR}}}
               for s, d in ((400, "invalid request"), (401, "missing or wrong API key"),
@@ -150,6 +174,10 @@ def openapi_spec(model: str, max_model_len: int, vocab_size: int) -> dict[str, A
             "/v1/chat/completions": _generation_path(
                 "chat completion", "#/components/schemas/ChatCompletionRequest"),
             "/v1/models": _get("the served model"),
+            "/tokenize": _post("a prompt's token ids (vLLM's)",
+                               "#/components/schemas/TokenizeRequest"),
+            "/detokenize": _post("token ids' text (vLLM's)",
+                                 "#/components/schemas/DetokenizeRequest"),
             "/health": _get("200 while a scheduler and every worker rank are alive",
                             ("200", "503")),
             "/openapi.json": _get("this description"),
@@ -157,5 +185,7 @@ def openapi_spec(model: str, max_model_len: int, vocab_size: int) -> dict[str, A
         "components": {"schemas": {
             "CompletionRequest": _completion_request(model, max_model_len, vocab_size),
             "ChatCompletionRequest": _chat_request(model, max_model_len, vocab_size),
+            "TokenizeRequest": _tokenize_request(model),
+            "DetokenizeRequest": _detokenize_request(model, vocab_size),
         }},
     }

@@ -464,6 +464,28 @@ async def test_echo_without_logprobs_asks_for_none_and_chat_refuses_it(h: Harnes
     assert status == 400 and answer["error"]["param"] == "echo"
 
 
+# ---- the tokenizer's routes (vLLM's) ----------------------------------------------------------
+
+async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) -> None:
+    status, body = await h.post("/tokenize", {"model": MODEL, "prompt": "Say hello."})
+    assert status == 200, body
+    assert body["tokens"] == h.tok.encode("Say hello.", add_special_tokens=True)
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN
+    messages = [{"role": "user", "content": "hi"}]
+    status, chat_ids = await h.post("/tokenize", {"messages": messages})
+    assert status == 200 and chat_ids["tokens"] == h.tok.encode_chat(messages)
+    status, text = await h.post("/detokenize", {"tokens": chat_ids["tokens"]})
+    assert status == 200 and text["prompt"] == h.tok.apply_chat_template(messages)
+    for path, bad, param in (("/tokenize", {"prompt": "x", "messages": messages}, None),
+                             ("/tokenize", {"prompt": 5}, "prompt"),
+                             ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                             ("/detokenize", {"tokens": "abc"}, "tokens")):
+        status, answer = await h.post(path, bad)
+        assert status == 400 and answer["error"]["param"] == param, (path, bad, answer)
+    status, answer = await h.post("/tokenize", {"model": "gpt-4", "prompt": "x"})
+    assert status == 404
+
+
 async def test_duplicate_and_overtaken_events_still_give_the_exact_text(h: Harness) -> None:
     for marker in ("[dup]", "[finish-first]", "[dup][finish-first]"):
         status, body = await h.post("/v1/completions", completion(prompt=marker, max_tokens=40))
@@ -623,6 +645,8 @@ async def test_api_key_is_required_on_the_openai_routes(h: Harness, config: Gate
                                   headers={"Authorization": "Bearer sekret"}) as r:
             assert r.status == 200
             assert (await r.json())["choices"][0]["text"] == reply_text(h.tok, 2)
+        async with h.session.post(url + "/tokenize", json={"prompt": "x"}) as r:
+            assert r.status == 401              # the tokenizer's routes too
         async with h.session.get(url + "/health") as r:
             assert r.status in (200, 503)       # not behind the key
 
