@@ -13,6 +13,7 @@ from shared.errors import InvalidRequestError, PacerError
 from shared.sampling import SamplingParams
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+INPUT_FIELDS = ("prompt", "messages", "prompt_token_ids")
 
 
 def register(sub) -> None:
@@ -46,6 +47,11 @@ def read_prompts(path: str, tokenizer, defaults: dict) -> tuple[list[list[int]],
             raise PacerError(f"{where}: not valid JSON ({e.msg})") from None
         try:
             prompts.append(_tokens_of(item, tokenizer))
+            unknown = sorted(set(item) - set(SAMPLING_FIELDS) - set(INPUT_FIELDS))
+            if unknown:     # a field read by nobody would be an answer that ignores it
+                raise InvalidRequestError(
+                    f"unknown field {unknown[0]!r} (a line takes one of {', '.join(INPUT_FIELDS)}"
+                    f" and SamplingParams' fields: {', '.join(SAMPLING_FIELDS)})")
             fields = {k: item[k] for k in SAMPLING_FIELDS if k in item}
             params.append(SamplingParams(**{**defaults, **fields}))
             if any(t >= tokenizer.vocab_size for t, _ in params[-1].logit_bias):

@@ -808,6 +808,18 @@ async def test_tokens_past_the_schedulers_count_are_not_output() -> None:
     assert [t.index for t in tokens] == [0, 1] and finish.finish_reason == "abort"
 
 
+async def test_a_recomputed_prompts_logprobs_are_kept_once() -> None:
+    """A preempted prompt computed again sends some positions twice: the first stays."""
+    stream = RequestStream("r")
+    for item in (PromptLogprobsEvent("r", 1, [-1.0, -2.0]),
+                 PromptLogprobsEvent("r", 1, [-9.0, -9.0, -3.0], [[(4, -0.5)]] * 3),
+                 TokenEvent("r", 0, 10)):
+        stream.push(item)
+    tokens, _ = await stream.next()
+    assert [t.index for t in tokens] == [0]
+    assert stream.prompt_logprobs == {1: (-1.0, None), 2: (-2.0, None), 3: (-3.0, [(4, -0.5)])}
+
+
 def _log_a_few_lines() -> None:
     """Configure the gateway's logging, log through structlog and the stdlib, and undo it."""
     import logging

@@ -83,6 +83,7 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "ok", "temperature": -1}\n', "temperature must be >= 0"),
     ('{"prompt_token_ids": [1, 99999999]}\n', "prompt_token_ids"),
     ('{"prompt": "ok", "logit_bias": {"99999999": 1}}\n', "logit_bias"),
+    ('{"prompt": "ok", "stop": ["."]}\n', "unknown field 'stop'"),
     ("", "has no prompts"),
 ])
 def test_malformed_prompts_file(tiny, tmp_path, content, needle):

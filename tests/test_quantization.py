@@ -591,9 +591,9 @@ def test_few_rows_run_on_one_thread_fewer(tmp_path, tiny_hf, monkeypatch):
     seen: list[tuple[int, int]] = []
     logits = model_runner.ModelRunner._logits
 
-    def watched(self, input_ids, chunks, sender):
+    def watched(self, input_ids, *rest):
         seen.append((len(input_ids), torch.get_num_threads()))
-        return logits(self, input_ids, chunks, sender)
+        return logits(self, input_ids, *rest)
 
     def run() -> list[list[int]]:
         one, _ = _greedy(gguf, PROMPTS[:1], 6)        # a prefill, then one decode at a time
