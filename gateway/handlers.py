@@ -60,7 +60,7 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
         if req.echo else [None] * len(prompts)
     choices = [(ids, choice_sampling(sampling, j), echo)
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]
-    slots = [slot] + _admit_more(state, len(choices) - 1)
+    slots = [slot] + _admit_choices(state, len(choices) - 1)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
     with structlog.contextvars.bound_contextvars(request_id=request_id):
         async with contextlib.AsyncExitStack() as stack:
@@ -87,15 +87,20 @@ def _admit(state: GatewayState) -> WaitingSlot:
     if state.draining:
         raise APIError("the server is shutting down; send the request to another replica",
                        status=503, type="server_error")
-    return _admit_more(state, 1)[0]
+    return _take_places(state, 1)[0]
 
 
-def _admit_more(state: GatewayState, count: int) -> list[WaitingSlot]:
-    """`count` more places in the queue (a request's other choices), all or none."""
+def _admit_choices(state: GatewayState, count: int) -> list[WaitingSlot]:
+    """Places for a request's choices past its first, all or none; more choices than the
+    queue holds could never be admitted together: a 400, not a 429."""
     bound = state.config.max_waiting_requests
-    if count >= bound:
+    if count + 1 > bound:
         raise APIError(f"this request asks for {count + 1} choices; the gateway queues at "
                        f"most {bound} requests (--max-waiting-requests)", param="n")
+    return _take_places(state, count)
+
+
+def _take_places(state: GatewayState, count: int) -> list[WaitingSlot]:
     if count and state.num_waiting + count > state.config.max_waiting_requests:
         state.metrics.requests_rejected.inc()
         raise APIError(f"the server is overloaded: {state.num_waiting} requests are waiting; "

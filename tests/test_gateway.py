@@ -808,6 +808,26 @@ async def test_tokens_past_the_schedulers_count_are_not_output() -> None:
     assert [t.index for t in tokens] == [0, 1] and finish.finish_reason == "abort"
 
 
+async def test_a_queue_of_one_admits_one_request_and_refuses_a_second() -> None:
+    from types import SimpleNamespace
+
+    from gateway.handlers import _admit, _admit_choices
+    from gateway.metrics import GatewayMetrics
+    from gateway.openai_schema import APIError
+    state = SimpleNamespace(draining=False, num_waiting=0, metrics=GatewayMetrics(),
+                            config=SimpleNamespace(max_waiting_requests=1))
+    slot = _admit(state)
+    assert state.num_waiting == 1 and _admit_choices(state, 0) == []
+    with pytest.raises(APIError) as e:
+        _admit(state)
+    assert e.value.status == 429
+    with pytest.raises(APIError) as e:
+        _admit_choices(state, 1)                  # two choices never fit a queue of one
+    assert e.value.status == 400 and e.value.param == "n"
+    slot.release()
+    assert state.num_waiting == 0
+
+
 async def test_a_recomputed_prompts_logprobs_are_kept_once() -> None:
     """A preempted prompt computed again sends some positions twice: the first stays."""
     stream = RequestStream("r")
