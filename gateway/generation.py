@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gateway.metrics import GatewayMetrics
-from gateway.openai_schema import TokenLogprob
+from gateway.openai_schema import TokenLogprob, vllm_prompt_logprobs
 from gateway.state import WaitingSlot
 from gateway.streams import TokenRouter
 from gateway.text_output import TextOutput
@@ -155,10 +155,19 @@ class Generation:
                       first_missing=missing[0], count=len(missing))
         entries = [TokenLogprob(self._token_text(ids[0]), None, None)]
         for pos in range(1, len(ids)):
-            logprob, top = known.get(pos, (None, None))
-            entries.append(TokenLogprob(self._token_text(ids[pos]), logprob,
-                                        [(self._token_text(t), lp) for t, lp in top or []]))
+            entry = known.get(pos)
+            text = self._token_text(ids[pos])
+            if entry is None:
+                entries.append(TokenLogprob(text, None, []))
+            else:
+                entries.append(TokenLogprob(text, entry.logprob, [
+                    (self._token_text(t), lp) for t, lp in entry.top or []]))
         return Delta(self._echo, entries)
+
+    def prompt_logprobs(self, top: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs` of this request's prompt (once its answer is in)."""
+        return vllm_prompt_logprobs(self.prompt_token_ids, self._stream.prompt_logprobs, top,
+                                    self._token_text)
 
     def _consume(self, events: list[TokenEvent]) -> None:
         """Feed tokens to the text until a stop string appears; their logprobs wait."""

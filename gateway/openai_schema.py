@@ -77,6 +77,7 @@ class GenerationRequest:
     include_usage: bool
     n: int = 1                              # choices per prompt
     echo: bool = False                      # completions: the prompt before the output
+    prompt_logprobs: int | None = None      # vLLM's: the prompt's, in the answer (top-N)
     timeout: float | None = None            # seconds; pacer's extension: a deadline
 
 
@@ -334,6 +335,14 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
     if min_tokens < 0 or max_tokens is not None and min_tokens > max_tokens:
         raise APIError(f"'min_tokens' must be in [0, max_tokens], got {min_tokens}",
                        param="min_tokens")
+    prompt_logprobs = _field(body, "prompt_logprobs", (int,), None)
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
+        raise APIError(f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
+                       param="prompt_logprobs")
+    if prompt_logprobs is not None and stream:
+        raise APIError("'prompt_logprobs' are returned in a non-streamed answer only (with a "
+                       "stream, use echo and logprobs on /v1/completions)",
+                       param="prompt_logprobs")
     min_p = _number(body, "min_p", 0.0)
     if not 0 <= min_p <= 1:
         raise APIError(f"'min_p' must be in [0, 1], got {min_p:g}", param="min_p")
@@ -350,6 +359,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body),
         min_tokens=min_tokens, min_p=min_p,
         stream=stream, include_usage=include_usage, n=n, echo=echo,
+        prompt_logprobs=prompt_logprobs,
         timeout=None if timeout is None else float(timeout))
 
 
@@ -385,6 +395,26 @@ def chat_logprobs(entries: list[TokenLogprob]) -> dict:
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
     return {"content": [{**item(e.token, e.logprob),
                          "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+
+
+def vllm_prompt_logprobs(ids: list[int], entries: dict, top: int, text) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: None for the first token, then for each token a dict from
+    token id to {logprob, rank, decoded_token}: the token's own and the `top` most likely.
+    `entries`: position -> PromptEntry; `text`: a token id's text."""
+    def item(token_id: int, logprob: float, rank: int) -> tuple[str, dict]:
+        return str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text(token_id)}
+
+    out: list[dict | None] = [None]
+    for pos in range(1, len(ids)):
+        entry = entries.get(pos)
+        if entry is None:
+            out.append(None)
+            continue
+        found = dict([item(ids[pos], entry.logprob, entry.rank)])
+        for rank, (token_id, logprob) in enumerate((entry.top or [])[:top], 1):
+            found.setdefault(*item(token_id, logprob, rank))
+        out.append(found)
+    return out
 
 
 def completion_choice(index: int, text: str, logprobs: dict | None,

@@ -56,6 +56,10 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                        "nullable": True,
                        "description": "vLLM's extension: no EOS, stop token or stop string "
                                       "before this many tokens; at most max_tokens"},
+        "prompt_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                            "nullable": True,
+                            "description": "vLLM's extension: the prompt's log-probabilities "
+                                           "(with the top N) in the answer; not with stream"},
         "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True,
                   "description": "vLLM's extension: tokens less likely than min_p times the "
                                  "most likely one are not drawn"},

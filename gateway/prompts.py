@@ -75,4 +75,12 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                           frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty,
                           logit_bias=req.logit_bias, min_tokens=req.min_tokens, min_p=req.min_p,
-                          prompt_logprobs=req.logprobs if req.echo else None)
+                          prompt_logprobs=_prompt_logprobs(req))
+
+
+def _prompt_logprobs(req: GenerationRequest) -> int | None:
+    """How many top prompt log-probabilities the answer needs: echo's with logprobs, vLLM's
+    own field's, or none."""
+    asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs)
+             if k is not None]
+    return max(asked) if asked else None

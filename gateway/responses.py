@@ -86,6 +86,12 @@ async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
             "choices": [make(i, "".join(texts[i]), shape.logprobs(i, entries[i]),
                              gen.finish_reason) for i, gen in enumerate(gens)],
             "usage": shape.usage(gens)}
+    top = shape.req.prompt_logprobs
+    if top is not None and shape.chat:      # vLLM's places: a chat's one prompt, the answer's
+        body["prompt_logprobs"] = gens[0].prompt_logprobs(top)
+    elif top is not None:                   # each completion choice's own
+        for choice, gen in zip(body["choices"], gens):
+            choice["prompt_logprobs"] = gen.prompt_logprobs(top)
     return web.json_response(body)
 
 

@@ -23,8 +23,9 @@ import structlog
 from redis.exceptions import RedisError
 
 from shared.lifecycle import cancel_requested
+from shared.plan import PromptEntry
 from shared.protocol import (FinishEvent, PromptLogprobsEvent, ProtocolError, TokenBatch,
-                             TokenEvent, TopLogprobs, decode)
+                             TokenEvent, decode)
 from shared.redis_retry import retry_redis
 
 log = structlog.get_logger("gateway.streams")
@@ -53,9 +54,9 @@ class RequestStream:
         self._pending: dict[int, TokenEvent] = {}     # arrived ahead of a gap
         self._finish: FinishEvent | None = None
         self._gave_up = False
-        # prompt position -> (log-probability, top ones), as computed (echo with logprobs);
-        # all of them are in before the first token (published in order, ahead of it)
-        self.prompt_logprobs: dict[int, tuple[float, TopLogprobs | None]] = {}
+        # prompt position -> its entry, as computed (SamplingParams.prompt_logprobs); all of
+        # them are in before the first token (published in order, ahead of it)
+        self.prompt_logprobs: dict[int, PromptEntry] = {}
 
     def push(self, item: Item) -> None:
         self._queue.put_nowait(item)
@@ -96,9 +97,8 @@ class RequestStream:
 
     def _accept(self, item: Item, ready: list[TokenEvent]) -> None:
         if isinstance(item, PromptLogprobsEvent):
-            tops = item.top_logprobs or [None] * len(item.logprobs)
-            for k, entry in enumerate(zip(item.logprobs, tops)):
-                self.prompt_logprobs.setdefault(item.start + k, entry)   # a recompute's again
+            for pos, entry in item.logprobs.by_position():
+                self.prompt_logprobs.setdefault(pos, entry)      # a recompute's come again
             return
         if isinstance(item, FinishEvent):
             self._finish = self._finish or item

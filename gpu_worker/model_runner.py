@@ -311,11 +311,14 @@ class ModelRunner:
 
     def _prompt_logprobs(self, logits: torch.Tensor,
                          spans: list[_Span]) -> dict[str, PromptLogprobs]:
-        """Row r's logits predict the token after it: its log-probability and top ones."""
+        """Row r's logits predict the token after it: its log-probability, its rank and the
+        top ones."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         targets = torch.tensor([t for span in spans for t in span.targets],
                                device=logprobs.device)
-        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        chosen = logprobs.gather(1, targets[:, None])
+        ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        chosen = chosen[:, 0].tolist()
         k = max(span.top for span in spans)
         top_lp, top_ids = (logprobs.topk(k, dim=-1) if k else (logprobs[:, :0],) * 2)
         top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
@@ -325,7 +328,7 @@ class ModelRunner:
             tops = [list(zip(ids[:span.top], lps[:span.top]))
                     for ids, lps in zip(top_ids[at:at + n], top_lp[at:at + n])]
             out[span.request_id] = PromptLogprobs(span.start + 1, chosen[at:at + n],
-                                                  tops if span.top else None)
+                                                  ranks[at:at + n], tops if span.top else None)
             at += n
         return out
 

@@ -111,7 +111,7 @@ def token_batches(result: StepResult,
     for rid, p in result.prompt_logprobs.items():
         if requests[rid].reply_to:
             prompt.setdefault(requests[rid].reply_to, []).append(
-                PromptLogprobsEvent(rid, p.start, p.logprobs, p.top_logprobs))
+                PromptLogprobsEvent(rid, p))
     for rid, token in result.sampled.items():
         state = requests[rid]
         if not state.reply_to:

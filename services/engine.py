@@ -12,7 +12,7 @@ from scheduler_svc.build import build_scheduler
 from shared.engine_args import EngineArgs
 from shared.engine_layout import EngineLayout, engine_layout
 from shared.outputs import RequestOutput
-from shared.plan import SampledToken
+from shared.plan import PromptEntry, SampledToken
 from shared.sampling import SamplingParams
 from shared.tokenizer import load_tokenizer
 
@@ -23,10 +23,9 @@ class Completion:
     prompt_token_ids: list[int]
     tokens: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
-    # position -> (log-probability, top ones) of each prompt token after the first, with
-    # SamplingParams.prompt_logprobs; a recomputed prompt's repeats agree and are kept once
-    prompt_logprobs: dict[int, tuple[float, list[tuple[int, float]] | None]] = \
-        field(default_factory=dict)
+    # position -> each prompt token's after the first, with SamplingParams.prompt_logprobs;
+    # a recomputed prompt's repeats agree and are kept once
+    prompt_logprobs: dict[int, PromptEntry] = field(default_factory=dict)
 
     @property
     def token_ids(self) -> list[int]:
@@ -113,10 +112,8 @@ class LLMEngine:
                 c = done[out.request_id]
                 c.tokens.extend(out.new_tokens)
                 if out.prompt_logprobs is not None:
-                    p = out.prompt_logprobs
-                    tops = p.top_logprobs or [None] * len(p.logprobs)
-                    for k, entry in enumerate(zip(p.logprobs, tops)):
-                        c.prompt_logprobs.setdefault(p.start + k, entry)
+                    for pos, entry in out.prompt_logprobs.by_position():
+                        c.prompt_logprobs.setdefault(pos, entry)
                 if out.finished:
                     c.finish_reason = out.finish_reason
                 if on_output is not None:

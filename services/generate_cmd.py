@@ -124,7 +124,7 @@ def _write(path: str, results, tokenizer) -> None:
                     line["top_logprobs"] = [t.top_logprobs for t in r.tokens]
                 if r.prompt_logprobs:       # position 0 has none
                     line["prompt_logprobs"] = [None] + [
-                        r.prompt_logprobs[p][0] for p in range(1, len(r.prompt_token_ids))]
+                        r.prompt_logprobs[p].logprob for p in range(1, len(r.prompt_token_ids))]
                 f.write(json.dumps(line, ensure_ascii=False) + "\n")
     except OSError as e:
         raise PacerError(f"cannot write output file {path}: {e}") from None

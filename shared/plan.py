@@ -16,7 +16,9 @@ reaches the end of every token the request has.
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shared.sampling import SamplingParams
 
@@ -98,13 +100,27 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None
 
 
+class PromptEntry(NamedTuple):
+    """One prompt token's log-probability given those before it, its rank among the
+    vocabulary's (1: the most likely) and the top ones (None where none were asked for)."""
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]] | None
+
+
 @dataclass(frozen=True)
 class PromptLogprobs:
     """Prompt tokens' log-probabilities from one chunk of a request's prompt: entry k is the
-    token at position `start + k`, given the tokens before it, with its top alternatives."""
+    token at position `start + k`."""
     start: int
     logprobs: list[float]
+    ranks: list[int]
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+    def by_position(self) -> Iterator[tuple[int, PromptEntry]]:
+        for k, (logprob, rank) in enumerate(zip(self.logprobs, self.ranks)):
+            yield self.start + k, PromptEntry(
+                logprob, rank, None if self.top_logprobs is None else self.top_logprobs[k])
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ import msgpack
 
 from shared.errors import PacerError
 from shared.plan import (CachedRequestData, IterationPlan, KVSend, NewRequestData,
-                         SampledToken, StepResult)
+                         PromptLogprobs, SampledToken, StepResult)
 from shared.sampling import SamplingParams
 
 SCHEMA_VERSION = 2        # 2: plans carry "after" (docs/design.md#overlap)
@@ -191,12 +191,10 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class PromptLogprobsEvent:
-    """Prompt log-probabilities of one request (shared/plan.py PromptLogprobs), positions
-    `start`, `start + 1`, ...; a recomputed prompt sends some again."""
+    """Prompt log-probabilities of one request from one chunk; a recomputed prompt sends
+    some positions again."""
     request_id: str
-    start: int
-    logprobs: list[float]
-    top_logprobs: list[TopLogprobs] | None = None
+    logprobs: PromptLogprobs
 
 
 @_kind("token_batch")
@@ -213,18 +211,19 @@ class TokenBatch:
         body = {"events": [[e.request_id, e.index, e.token_id, e.logprob, e.top_logprobs]
                            for e in self.events]}
         if self.prompt:
-            # prompt: [request_id, start, logprobs, top_logprobs]
-            body["prompt"] = [[e.request_id, e.start, e.logprobs, e.top_logprobs]
-                              for e in self.prompt]
+            # prompt: [request_id, start, logprobs, ranks, top_logprobs]
+            body["prompt"] = [[e.request_id, e.logprobs.start, e.logprobs.logprobs,
+                               e.logprobs.ranks, e.logprobs.top_logprobs] for e in self.prompt]
         return body
 
     @classmethod
     def _from_body(cls, body: dict) -> "TokenBatch":
         return cls([TokenEvent(rid, idx, tok, lp, _tops(top))
                     for rid, idx, tok, lp, top in body["events"]],
-                   [PromptLogprobsEvent(rid, start, list(lps),
-                                        None if tops is None else [_tops(t) for t in tops])
-                    for rid, start, lps, tops in body.get("prompt", ())])
+                   [PromptLogprobsEvent(rid, PromptLogprobs(
+                       start, list(lps), list(ranks),
+                       None if tops is None else [_tops(t) for t in tops]))
+                    for rid, start, lps, ranks, tops in body.get("prompt", ())])
 
 
 @_kind("finish")

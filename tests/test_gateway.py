@@ -25,6 +25,7 @@ from gateway.streams import RequestStream
 from gateway.text_output import TextOutput
 from shared.detokenizer import IncrementalDetokenizer
 from shared.keys import Keys
+from shared.plan import PromptLogprobs
 from shared.protocol import (AbortMsg, FinishEvent, Heartbeat, PromptLogprobsEvent, RequestMsg,
                              TokenBatch, TokenEvent, encode, from_fields)
 from shared.tokenizer import Tokenizer
@@ -80,7 +81,8 @@ class FakeScheduler:
         if msg.sampling.prompt_logprobs is not None:     # each prompt token after the first
             n, k = len(msg.prompt_token_ids) - 1, msg.sampling.prompt_logprobs
             await self.redis.publish(msg.reply_to, encode(TokenBatch([], [PromptLogprobsEvent(
-                msg.request_id, 1, [-0.25] * n, [[(7 + j, -1.0 - j) for j in range(k)]] * n)])))
+                msg.request_id, PromptLogprobs(1, [-0.25] * n, [2] * n,
+                                               [[(7 + j, -1.0 - j) for j in range(k)]] * n))])))
         for i, token_id in enumerate(output):
             if ("[error]" in prompt and i == 2) or "[invalid]" in prompt:
                 reason = "error"
@@ -452,6 +454,30 @@ async def test_echo_puts_the_prompt_and_its_logprobs_first(h: Harness, stream: b
         h.tok.decode([7], skip_special_tokens=False): -1.0}
     assert len(lp["tokens"]) == len(ids) + 2
     assert lp["text_offset"][len(ids)] == len(prompt)        # the output's text follows it
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_vllms_prompt_logprobs_field(h: Harness, path: str) -> None:
+    """vLLM's shape: None for the first token, then {token id: {logprob, rank,
+    decoded_token}} of the token and the top ones; a chat's at the top, a completion's in
+    each choice; refused with a stream."""
+    chat_path = path.endswith("chat/completions")
+    body = (chat if chat_path else completion)(max_tokens=2, prompt_logprobs=1, n=2)
+    status, answer = await h.post(path, body)
+    assert status == 200, answer
+    sent = h.fake.received[f"{answer['id']}-0"]
+    ids = sent.prompt_token_ids
+    assert sent.sampling.prompt_logprobs == 1
+    lists = [answer["prompt_logprobs"]] if chat_path else \
+        [c["prompt_logprobs"] for c in answer["choices"]]
+    for got in lists:
+        assert len(got) == len(ids) and got[0] is None
+        text = h.tok.decode([ids[1]], skip_special_tokens=False)
+        assert got[1] == {str(ids[1]): {"logprob": -0.25, "rank": 2, "decoded_token": text},
+                          "7": {"logprob": -1.0, "rank": 1,
+                                "decoded_token": h.tok.decode([7], skip_special_tokens=False)}}
+    status, answer = await h.post(path, {**body, "stream": True})
+    assert status == 400 and answer["error"]["param"] == "prompt_logprobs"
 
 
 async def test_echo_without_logprobs_asks_for_none_and_chat_refuses_it(h: Harness) -> None:
@@ -831,13 +857,15 @@ async def test_a_queue_of_one_admits_one_request_and_refuses_a_second() -> None:
 async def test_a_recomputed_prompts_logprobs_are_kept_once() -> None:
     """A preempted prompt computed again sends some positions twice: the first stays."""
     stream = RequestStream("r")
-    for item in (PromptLogprobsEvent("r", 1, [-1.0, -2.0]),
-                 PromptLogprobsEvent("r", 1, [-9.0, -9.0, -3.0], [[(4, -0.5)]] * 3),
+    for item in (PromptLogprobsEvent("r", PromptLogprobs(1, [-1.0, -2.0], [1, 5])),
+                 PromptLogprobsEvent("r", PromptLogprobs(1, [-9.0, -9.0, -3.0], [9, 9, 2],
+                                                         [[(4, -0.5)]] * 3)),
                  TokenEvent("r", 0, 10)):
         stream.push(item)
     tokens, _ = await stream.next()
     assert [t.index for t in tokens] == [0]
-    assert stream.prompt_logprobs == {1: (-1.0, None), 2: (-2.0, None), 3: (-3.0, [(4, -0.5)])}
+    assert stream.prompt_logprobs == {1: (-1.0, 1, None), 2: (-2.0, 5, None),
+                                      3: (-3.0, 2, [(4, -0.5)])}
 
 
 def _log_a_few_lines() -> None:

@@ -32,12 +32,17 @@ def tiny_with_refs(tmp_path_factory):
 def check(prompt: list[int], got: dict, ref: torch.Tensor, what: str) -> None:
     assert sorted(got) == list(range(1, len(prompt))), what      # every token but the first
     for pos in range(1, len(prompt)):
-        logprob, top = got[pos]
+        entry = got[pos]
         row = ref[pos - 1]
-        assert abs(logprob - row[prompt[pos]].item()) < TOLERANCE, (what, pos)
+        want = row[prompt[pos]]
+        assert abs(entry.logprob - want.item()) < TOLERANCE, (what, pos)
+        # its rank among the vocabulary's, where no other logprob is within the tolerance
+        if not ((row - want).abs() < TOLERANCE).sum() > 1:
+            assert entry.rank == int((row > want).sum()) + 1, (what, pos)
         want_lp, want_ids = row.topk(TOP)
-        assert [t for t, _ in top] == want_ids.tolist(), (what, pos)
-        assert torch.allclose(torch.tensor([lp for _, lp in top]), want_lp, atol=TOLERANCE)
+        assert [t for t, _ in entry.top] == want_ids.tolist(), (what, pos)
+        assert torch.allclose(torch.tensor([lp for _, lp in entry.top]), want_lp,
+                              atol=TOLERANCE)
 
 
 @pytest.mark.parametrize("config,overrides,expect_preemption", CONFIGS)

@@ -172,7 +172,7 @@ def in_process_prompt_logprobs(tiny: str, prompt: list[int]) -> list[float]:
                                   num_kv_blocks=64), progress=False)
     [c] = engine.generate([prompt], [SamplingParams(max_tokens=1, temperature=0.0,
                                                     prompt_logprobs=0)])
-    return [c.prompt_logprobs[pos][0] for pos in range(1, len(prompt))]
+    return [c.prompt_logprobs[pos].logprob for pos in range(1, len(prompt))]
 
 
 # two families of prompts, each a long shared prefix (6 full blocks of 16) and its own tail

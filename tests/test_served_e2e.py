@@ -189,10 +189,19 @@ def test_echo_with_logprobs_scores_a_prompt_as_in_process(served: Served):
     assert len(lp.tokens) == len(ids) + 1 and lp.token_logprobs[0] is None
     assert got.choices[0].text.startswith(engine.tokenizer.decode(ids))
     for pos in range(1, len(ids)):
-        assert lp.token_logprobs[pos] == pytest.approx(want.prompt_logprobs[pos][0], abs=1e-5)
+        assert lp.token_logprobs[pos] == pytest.approx(want.prompt_logprobs[pos].logprob, abs=1e-5)
     # greedy: where the prompt's token is the model's first choice, it is the top one
     assert sum(lp.token_logprobs[p] == max(lp.top_logprobs[p].values())
                for p in range(1, len(ids))) > 0
+    # vLLM's field, on a chat: the template's tokens, each with its rank
+    answer = client(served).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=2,
+        temperature=0, extra_body={"prompt_logprobs": 1})
+    scored = answer.model_extra["prompt_logprobs"]
+    assert len(scored) == answer.usage.prompt_tokens and scored[0] is None
+    for entries in scored[1:]:
+        best = min(entries.values(), key=lambda e: e["rank"])
+        assert best["rank"] == 1 and best["logprob"] == max(e["logprob"] for e in entries.values())
 
 
 def test_a_stop_token_ends_the_stream_with_nothing_after_it(served: Served):
