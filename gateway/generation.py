@@ -23,7 +23,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import TokenLogprob, vllm_prompt_logprobs
 from gateway.state import WaitingSlot
 from gateway.streams import TokenRouter
-from gateway.text_output import TextOutput
+from shared.text_output import TextOutput
 from gateway.upstream import REDIS_RESTARTED, Upstream
 from shared.detokenizer import IncrementalDetokenizer
 from shared.protocol import FinishEvent, TokenEvent

@@ -10,10 +10,12 @@ import time
 from shared.config import DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS
 from shared.engine_args import EngineArgs
 from shared.errors import InvalidRequestError, PacerError
+from shared.detokenizer import IncrementalDetokenizer
 from shared.sampling import SamplingParams
+from shared.text_output import TextOutput
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-INPUT_FIELDS = ("prompt", "messages", "prompt_token_ids")
+INPUT_FIELDS = ("prompt", "messages", "prompt_token_ids", "stop")
 
 
 def register(sub) -> None:
@@ -29,8 +31,10 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def read_prompts(path: str, tokenizer, defaults: dict) -> tuple[list[list[int]], list[SamplingParams]]:
-    """Parse the prompts file; any bad line raises PacerError naming the file and line."""
+def read_prompts(path: str, tokenizer, defaults: dict
+                 ) -> tuple[list[list[int]], list[SamplingParams], list[tuple[str, ...]]]:
+    """Parse the prompts file: each line's prompt, sampling and stop strings; any bad line
+    raises PacerError naming the file and line."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
@@ -38,7 +42,7 @@ def read_prompts(path: str, tokenizer, defaults: dict) -> tuple[list[list[int]],
         raise PacerError(f"cannot read prompts file {path}: {e}") from None
     if not lines:
         raise PacerError(f"prompts file {path} has no prompts")
-    prompts, params = [], []
+    prompts, params, stops = [], [], []
     for n, line in lines:
         where = f"{path} line {n}"
         try:
@@ -50,14 +54,23 @@ def read_prompts(path: str, tokenizer, defaults: dict) -> tuple[list[list[int]],
             unknown = sorted(set(item) - set(SAMPLING_FIELDS) - set(INPUT_FIELDS))
             if unknown:     # a field read by nobody would be an answer that ignores it
                 raise InvalidRequestError(
-                    f"unknown field {unknown[0]!r} (a line takes one of {', '.join(INPUT_FIELDS)}"
+                    f"unknown field {unknown[0]!r} (a line takes {', '.join(INPUT_FIELDS)}"
                     f" and SamplingParams' fields: {', '.join(SAMPLING_FIELDS)})")
+            stops.append(_stop_strings(item.get("stop", [])))
             fields = {k: item[k] for k in SAMPLING_FIELDS if k in item}
             params.append(SamplingParams(**{**defaults, **fields}))
             if any(t >= tokenizer.vocab_size for t, _ in params[-1].logit_bias):
                 raise InvalidRequestError(f"logit_bias: token ids must be < {tokenizer.vocab_size}")
         except (InvalidRequestError, TypeError, ValueError) as e:
             raise PacerError(f"{where}: {e}") from None
+    return prompts, params, stops
+
+
+def _stop_strings(stop) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise InvalidRequestError("stop must be a string or a list of strings")
+    return tuple(s for s in stops if s)
     return prompts, params
 
 
@@ -86,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs.from_cli(args))
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, ignore_eos=args.ignore_eos)
-    prompts, params = read_prompts(args.prompts, engine.tokenizer, defaults)
+    prompts, params, stops = read_prompts(args.prompts, engine.tokenizer, defaults)
     for i, ids in enumerate(prompts):
         if len(ids) >= engine.max_model_len:
             raise PacerError(f"{args.prompts} prompt {i}: {len(ids)} tokens, but the model's "
@@ -95,16 +108,32 @@ def run(args: argparse.Namespace) -> int:
     counted = [0]
     start = time.perf_counter()
 
+    # the gateway's stop strings: the text ends before the first, the request there
+    texts = {str(i): TextOutput(IncrementalDetokenizer(engine.tokenizer, ids), stop, p.min_tokens)
+             for i, (ids, p, stop) in enumerate(zip(prompts, params, stops)) if stop}
+
     def progress(out):
         counted[0] += len(out.new_tokens)
-        if out.finished:
+        text, ended = texts.get(out.request_id), out.finished
+        if text is not None and not text.stopped:
+            for token in out.new_tokens:
+                text.add(token.token_id)
+            if out.finished:
+                text.finish()
+            elif text.stopped:
+                engine.abort(out.request_id)
+                ended = True
+        if ended:
             bar.update(1)
             bar.set_postfix(tok_s=f"{counted[0] / (time.perf_counter() - start):.1f}")
 
     results = engine.generate(prompts, params, on_output=progress)
     bar.close()
     elapsed = time.perf_counter() - start
-    _write(args.output, results, engine.tokenizer)
+    for i, r in enumerate(results):
+        if str(i) in texts and texts[str(i)].stopped:
+            r.finish_reason = "stop"
+    _write(args.output, results, engine.tokenizer, texts)
     n_in = sum(len(p) for p in prompts)
     print(f"{len(results)} requests, {n_in} prompt tokens, {counted[0]} output tokens in "
           f"{elapsed:.2f} s: {counted[0] / elapsed:.1f} output tok/s, "
@@ -112,12 +141,13 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(path: str, results, tokenizer) -> None:
+def _write(path: str, results, tokenizer, texts: dict[str, TextOutput]) -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             for i, r in enumerate(results):
+                text = texts[str(i)].text if str(i) in texts else tokenizer.decode(r.token_ids)
                 line = {"index": i, "prompt_tokens": len(r.prompt_token_ids),
-                        "token_ids": r.token_ids, "text": tokenizer.decode(r.token_ids),
+                        "token_ids": r.token_ids, "text": text,
                         "finish_reason": r.finish_reason}
                 if r.tokens and r.tokens[0].logprob is not None:
                     line["logprobs"] = [t.logprob for t in r.tokens]

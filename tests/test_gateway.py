@@ -22,7 +22,7 @@ from gateway.app import create_app, serve
 from gateway.config import GatewayConfig
 from gateway.state import STATE
 from gateway.streams import RequestStream
-from gateway.text_output import TextOutput
+from shared.text_output import TextOutput
 from shared.detokenizer import IncrementalDetokenizer
 from shared.keys import Keys
 from shared.plan import PromptLogprobs

@@ -64,6 +64,29 @@ def test_generate_every_input_kind_in_order(tiny, tmp_path):
         assert r["finish_reason"] in ("stop", "length")
 
 
+def test_a_stop_string_ends_the_text_before_it_and_the_request_there(tiny, tmp_path):
+    """The gateway's rule offline: the first stop string in the output ends its text just
+    before it, finish_reason "stop", and the request stops being computed."""
+    line = {"prompt_token_ids": [9, 10, 11], "ignore_eos": True}
+    out = tmp_path / "free.jsonl"
+    proc = pacer("generate", "--model", tiny, "--prompts", write_lines(tmp_path / "a.jsonl", [line]),
+                 "--output", str(out), "--max-tokens", "24", "--num-kv-blocks", "64")
+    assert proc.returncode == 0, proc.stderr
+    free = json.loads(out.read_text())
+    stop = free["text"][len(free["text"]) // 3:][:3]           # some text a third of the way in
+    assert stop.strip(), free["text"]
+    out = tmp_path / "stopped.jsonl"
+    proc = pacer("generate", "--model", tiny, "--prompts",
+                 write_lines(tmp_path / "b.jsonl", [{**line, "stop": stop}]),
+                 "--output", str(out), "--max-tokens", "24", "--num-kv-blocks", "64")
+    assert proc.returncode == 0, proc.stderr
+    stopped = json.loads(out.read_text())
+    assert stopped["finish_reason"] == "stop"
+    assert stopped["text"] == free["text"][:free["text"].index(stop)]
+    assert len(stopped["token_ids"]) < 24 and \
+        stopped["token_ids"] == free["token_ids"][:len(stopped["token_ids"])]
+
+
 def test_seeded_line_is_reproducible(tiny, tmp_path):
     line = {"prompt_token_ids": [9, 10, 11], "temperature": 1.0, "seed": 42, "ignore_eos": True}
     outs = []
@@ -83,7 +106,8 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "ok", "temperature": -1}\n', "temperature must be >= 0"),
     ('{"prompt_token_ids": [1, 99999999]}\n', "prompt_token_ids"),
     ('{"prompt": "ok", "logit_bias": {"99999999": 1}}\n', "logit_bias"),
-    ('{"prompt": "ok", "stop": ["."]}\n', "unknown field 'stop'"),
+    ('{"prompt": "ok", "stops": ["."]}\n', "unknown field 'stops'"),
+    ('{"prompt": "ok", "stop": [1]}\n', "stop must be a string or a list of strings"),
     ("", "has no prompts"),
 ])
 def test_malformed_prompts_file(tiny, tmp_path, content, needle):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gateway.openai_schema import APIError, parse_chat, parse_completion
-from gateway.text_output import TextOutput
+from shared.text_output import TextOutput
 from gpu_worker.sampler import Sampler
 from shared.detokenizer import IncrementalDetokenizer
 from shared.errors import InvalidRequestError
