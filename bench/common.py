@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import time
 
@@ -74,6 +75,20 @@ def best_ms(fn, repeats: int = 5) -> float:
         fn()
         best = min(best, time.perf_counter() - t)
     return best * 1e3
+
+
+def hf_default_model(dtype: str):
+    """transformers' model of the default model (its GGUF, widened), in `dtype`, for eval."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_source import resolve_model
+    src = resolve_model(None)
+    folder = tempfile.mkdtemp()
+    os.symlink(src.path, os.path.join(folder, os.path.basename(src.path)))
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=os.path.basename(src.path),
+                                                torch_dtype=getattr(torch, dtype)).eval()
 
 
 def write_json(path: str | None, data: dict) -> None:

@@ -16,7 +16,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import measure_bandwidth_gbs, print_table, random_prompts, write_json  # noqa: E402
+from bench.common import (hf_default_model, measure_bandwidth_gbs, print_table,  # noqa: E402
+                          random_prompts, write_json)
 import torch  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from shared.config import DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS  # noqa: E402
@@ -39,14 +40,7 @@ def run_ours(prompts, new_tokens, dtype, budget, max_seqs, quantization="auto") 
 
 
 def run_hf(prompts, new_tokens, dtype, batch_size) -> dict:
-    from transformers import AutoModelForCausalLM
-    from shared.model_source import resolve_model
-    import tempfile
-    src = resolve_model(None)
-    d = tempfile.mkdtemp()
-    os.symlink(src.path, os.path.join(d, os.path.basename(src.path)))
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=os.path.basename(src.path),
-                                                 torch_dtype=getattr(torch, dtype)).eval()
+    model = hf_default_model(dtype)
     pad = 2
     t = time.perf_counter()
     n = 0
