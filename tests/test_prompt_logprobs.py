@@ -94,3 +94,16 @@ def test_prompt_logprobs_with_tensor_parallelism(tiny_with_refs):
         results = engine.generate(prompts, [params] * len(prompts))
     for k, (prompt, c, ref) in enumerate(zip(prompts, results, refs)):
         check(prompt, c.prompt_logprobs, ref, f"tp=2 prompt {k}")
+
+
+def test_scoring_iterations_stay_out_of_the_online_cost_fit(tiny_with_refs):
+    """An iteration that scores prompt rows runs the LM head over each: a shape the token-gap
+    target's cost model has no term for, so it is not folded into the fit."""
+    path, prompts, _ = tiny_with_refs
+    engine = LLMEngine(EngineArgs(model=path, block_size=16, dtype="float32", num_kv_blocks=64,
+                                  quantization="none", target_tbt_ms="auto"), progress=False)
+    cost = engine.scheduler.config.iteration_cost
+    engine.generate(prompts, [SamplingParams(max_tokens=1, prompt_logprobs=0)] * len(prompts))
+    assert cost.observations == 0
+    engine.generate(prompts, [SamplingParams(max_tokens=2, temperature=0.0)] * len(prompts))
+    assert cost.observations > 0

@@ -445,7 +445,11 @@ class Scheduler:
     def _observe_cost(self, scheduled: list[tuple[Request, int]], result: StepResult) -> None:
         """Feed the measured forward time to a cost model that learns (shared/online_cost.py)."""
         observe = getattr(self.config.iteration_cost, "observe", None)
-        if observe is not None and result.forward_ms is not None and scheduled:
+        # rows scored for their prompt log-probabilities run the LM head each: a shape the
+        # fit has no term for, kept out of it rather than bending it
+        scoring = any(r.sampling.prompt_logprobs is not None and r.num_computed_tokens <
+                      r.num_prompt_tokens for r, _ in scheduled)
+        if observe is not None and result.forward_ms is not None and scheduled and not scoring:
             observe([(rows, r.num_computed_tokens + rows) for r, rows in scheduled],
                     result.forward_ms, result.wide_from_rows)
 
