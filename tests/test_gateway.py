@@ -563,6 +563,16 @@ async def test_streaming_client_that_disconnects_is_aborted(h: Harness) -> None:
     assert await wait_for_abort(h, first["id"]) == "client disconnected"
 
 
+async def test_a_client_gone_from_a_stream_of_choices_aborts_every_one(h: Harness) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(h.url + "/v1/completions",
+                                json=completion(prompt="[slow]", max_tokens=100, stream=True,
+                                                n=3)) as r:
+            first = json.loads((await r.content.readuntil(b"\n\n"))[len(b"data: "):])
+    for j in range(3):
+        assert await wait_for_abort(h, f"{first['id']}-{j}") == "client disconnected"
+
+
 async def test_non_streaming_client_that_disconnects_is_aborted(h: Harness) -> None:
     before = set(h.fake.received)
     async with aiohttp.ClientSession() as session:
