@@ -126,12 +126,13 @@ class Sampler:
               params: list[SamplingParams]) -> torch.Tensor:
         """[R] ids drawn from [R, V] logits; `table`: the rows' packed parameters."""
         x = logits.float() / table[:, _TEMPERATURE, None].float()
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            x = _top_k_top_p(x, table, params)
         if any(p.min_p > 0 for p in params):
-            # p(t) < min_p * p(best) where x(t) < x(best) + log(min_p); log(0) = -inf keeps all
+            # first, as vLLM (top-p then weighs what is left): p(t) < min_p * p(best) where
+            # x(t) < x(best) + log(min_p); log(0) = -inf keeps all
             floor = x.max(dim=-1, keepdim=True).values + torch.log(table[:, _MIN_P, None]).float()
             x = x.masked_fill(x < floor, float("-inf"))
+        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+            x = _top_k_top_p(x, table, params)
         # one uniform a row: a seeded row's a function of its seed and output index alone
         # (so its token depends on nothing else in the batch), the others' from the generator
         seeded = [p.seed is not None for p in params]

@@ -38,6 +38,10 @@ def test_min_p_never_draws_a_token_below_its_share_of_the_best():
         drawn[min_p] = {t.token_id for t in Sampler().sample(logits, params, [0] * 400)}
     assert drawn[0.0] == {0, 1, 2, 3}
     assert drawn[0.2] == {0, 1, 2}                          # 0.05 < 0.2 x 0.5
+    # before top-p, as vLLM: the nucleus of what is left (0.53, 0.84 of it) stops at two
+    # tokens where the whole distribution's (0.5, 0.8, 0.95) would need three
+    params = [SamplingParams(temperature=1.0, min_p=0.2, top_p=0.83, seed=s) for s in range(400)]
+    assert {t.token_id for t in Sampler().sample(logits, params, [0] * 400)} == {0, 1}
 
 
 @pytest.fixture(scope="module")
