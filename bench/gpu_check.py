@@ -99,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     k = report.get("kernels", {})
     ok = not any("error" in v for v in report.values() if isinstance(v, dict)) and \
         p["greedy_equal"] and p["bf16_top1_agreement"] >= p["bf16_threshold"] and \
+        p["prompt_logprobs_max_abs_error"] < 1e-3 and \
         k.get("rope_store_equal", True) and k.get("argmax_equal", True) and \
         all(err < (1e-3 if key.startswith("float32") else 0.1) for key, err in
             k.get("split_decodes_max_abs_error_against_torch", {}).items())
@@ -119,6 +120,14 @@ def _greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]
     from shared.sampling import SamplingParams
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [c.token_ids for c in engine.generate(prompts, [sp] * len(prompts))]
+
+
+def _prompt_logprobs(engine, prompt: list[int]) -> list[float]:
+    """The prompt's own log-probabilities (echo with logprobs), positions 1.."""
+    from shared.sampling import SamplingParams
+    [c] = engine.generate([prompt], [SamplingParams(temperature=0.0, max_tokens=1,
+                                                    prompt_logprobs=2)])
+    return [c.prompt_logprobs[pos].logprob for pos in range(1, len(prompt))]
 
 
 def _teacher_forced_logits(engine, ids: list[int]):
@@ -172,10 +181,12 @@ def parity(tmp: str, device: str, backend: str, smoke: bool) -> dict:
     ref_tokens = _greedy(ref, prompts, steps)
     ref_logits = _teacher_forced_logits(ref, forced)
     ref_top1 = ref_logits.argmax(-1)
+    ref_scored = _prompt_logprobs(ref, prompts[-1])
     ref.shutdown()
 
     dut = _engine(model, device, "float32", backend)
     dut_tokens = _greedy(dut, prompts, steps)
+    dut_scored = _prompt_logprobs(dut, prompts[-1])
     dut.shutdown()
     # bf16 on the device (on CPU the residual stream stays float32: shared/config.py)
     bf = _engine(model, device, "bfloat16", backend)
@@ -186,6 +197,9 @@ def parity(tmp: str, device: str, backend: str, smoke: bool) -> dict:
             "greedy_equal": dut_tokens == ref_tokens,
             "first_mismatch": next(([i, j] for i, (a, b) in enumerate(zip(dut_tokens, ref_tokens))
                                     for j, (x, y) in enumerate(zip(a, b)) if x != y), None),
+            # echo with logprobs on the device, float32, against the CPU's
+            "prompt_logprobs_max_abs_error": max(abs(a - b) for a, b in zip(dut_scored,
+                                                                             ref_scored)),
             "bf16_positions": positions,
             "bf16_top1_agreement": float((bf_top1 == ref_top1).float().mean()),
             # the same measure for transformers' own bfloat16 model on the device: what

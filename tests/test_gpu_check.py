@@ -20,6 +20,7 @@ def test_gpu_check_smoke_mode(tmp_path):
     report = json.loads(out.read_text())
     assert report["smoke"] and report["parity"]["greedy_equal"]
     assert report["parity"]["bf16_top1_agreement"] >= report["parity"]["bf16_threshold"]
+    assert report["parity"]["prompt_logprobs_max_abs_error"] < 1e-3
     rows = report["speed"]["rows"]
     assert [r["what"].split()[0] for r in rows] == ["decode"] * 3 + ["prefill"]
     assert all(r["tok_s"] > 0 and r["roofline_ms"] > 0 for r in rows)
