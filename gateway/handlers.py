@@ -25,6 +25,8 @@ from gateway.state import STATE, GatewayState, WaitingSlot
 log = structlog.get_logger("gateway.handlers")
 
 RETRY_AFTER_S = 1
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 128
 SUBSCRIBE_WAIT_S = 2.0
 
 
@@ -62,7 +64,9 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]
     slots = [slot] + _admit_choices(state, len(choices) - 1)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    with structlog.contextvars.bound_contextvars(request_id=request_id):
+    client_id = _client_request_id(request)
+    with structlog.contextvars.bound_contextvars(
+            request_id=request_id, **({"client_request_id": client_id} if client_id else {})):
         async with contextlib.AsyncExitStack() as stack:
             for place in slots:     # each generation gives its own back; these are for a raise
                 stack.callback(place.release)
@@ -76,10 +80,24 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
             for gen in gens:        # one by one: a failed start leaves none in flight
                 await _start(gen, state)
             shape = Shape(req, request_id, state.served_model_name,
-                          num_prompt_tokens=sum(map(len, prompts)))
+                          num_prompt_tokens=sum(map(len, prompts)),
+                          headers={REQUEST_ID_HEADER: client_id or request_id})
             if req.stream:
                 return await stream_sse(request, gens, shape)
             return await full_json(gens, shape)
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's own id for the request (X-Request-Id, as vLLM reads it): logged beside
+    ours and sent back, so that a client can find its request in our logs."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return None
+    if not 0 < len(given) <= MAX_REQUEST_ID_CHARS or not given.isprintable() \
+            or not given.isascii():
+        raise APIError(f"the {REQUEST_ID_HEADER} header must be 1-{MAX_REQUEST_ID_CHARS} "
+                       "printable ASCII characters")
+    return given
 
 
 def _admit(state: GatewayState) -> WaitingSlot:

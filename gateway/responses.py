@@ -33,8 +33,9 @@ class Shape:
     """The response shape of one endpoint for one request (its choices indexed 0..k-1)."""
 
     def __init__(self, req: GenerationRequest, response_id: str, model: str, *,
-                 num_prompt_tokens: int) -> None:
+                 num_prompt_tokens: int, headers: dict[str, str] | None = None) -> None:
         self.req = req
+        self.headers = headers or {}                  # sent with the answer or the stream
         self.chat = req.endpoint == "chat"
         self.num_prompt_tokens = num_prompt_tokens    # each prompt once, whatever n is
         self._envelope = (response_id, model, int(time.time()))
@@ -92,12 +93,12 @@ async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
     elif top is not None:                   # each completion choice's own
         for choice, gen in zip(body["choices"], gens):
             choice["prompt_logprobs"] = gen.prompt_logprobs(top)
-    return web.json_response(body)
+    return web.json_response(body, headers=shape.headers)
 
 
 async def stream_sse(request: web.Request, gens: list[Generation],
                      shape: Shape) -> web.StreamResponse:
-    response = web.StreamResponse(headers=SSE_HEADERS)
+    response = web.StreamResponse(headers={**SSE_HEADERS, **shape.headers})
     await response.prepare(request)
     try:
         if shape.chat:

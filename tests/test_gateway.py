@@ -512,6 +512,22 @@ async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) 
     assert status == 404
 
 
+async def test_a_clients_request_id_is_sent_back_and_logged(h: Harness, capsys) -> None:
+    """X-Request-Id (vLLM reads it too): sent back with the answer and the stream, and
+    logged beside our id; without one, ours is sent."""
+    for stream in (False, True):
+        async with h.session.post(h.url + "/v1/completions", headers={"X-Request-Id": "job-7/a"},
+                                  json=completion(max_tokens=2, stream=stream)) as r:
+            assert r.status == 200 and r.headers["X-Request-Id"] == "job-7/a"
+            await r.read()
+    async with h.session.post(h.url + "/v1/completions", json=completion(max_tokens=2)) as r:
+        assert r.headers["X-Request-Id"] == (await r.json())["id"]
+    assert "client_request_id=job-7/a" in capsys.readouterr().out
+    async with h.session.post(h.url + "/v1/completions", headers={"X-Request-Id": "x" * 129},
+                              json=completion(max_tokens=2)) as r:
+        assert r.status == 400
+
+
 async def test_duplicate_and_overtaken_events_still_give_the_exact_text(h: Harness) -> None:
     for marker in ("[dup]", "[finish-first]", "[dup][finish-first]"):
         status, body = await h.post("/v1/completions", completion(prompt=marker, max_tokens=40))
