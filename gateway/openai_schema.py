@@ -75,6 +75,7 @@ class GenerationRequest:
     min_p: float                            # vLLM's: 0 is off
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False          # vLLM's: usage so far on every chunk
     n: int = 1                              # choices per prompt
     echo: bool = False                      # completions: the prompt before the output
     prompt_logprobs: int | None = None      # vLLM's: the prompt's, in the answer (top-N)
@@ -302,8 +303,10 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
     if options is not None and not stream:
         raise APIError("'stream_options' needs 'stream' to be true", param="stream_options")
     include_usage = (options or {}).get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise APIError("'stream_options.include_usage' must be a boolean", param="stream_options")
+    continuous_usage = (options or {}).get("continuous_usage_stats", False)
+    if not isinstance(include_usage, bool) or not isinstance(continuous_usage, bool):
+        raise APIError("'stream_options.include_usage' and 'continuous_usage_stats' must be "
+                       "booleans", param="stream_options")
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise APIError(f"'temperature' must be >= 0, got {temperature}", param="temperature")
@@ -358,7 +361,9 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
         repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body),
         min_tokens=min_tokens, min_p=min_p,
-        stream=stream, include_usage=include_usage, n=n, echo=echo,
+        stream=stream, include_usage=include_usage,
+        continuous_usage=include_usage and continuous_usage, n=n,     # vLLM's: only with it
+        echo=echo,
         prompt_logprobs=prompt_logprobs,
         timeout=None if timeout is None else float(timeout))
 

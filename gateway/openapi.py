@@ -78,7 +78,8 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "suffix": {"type": "string", "maxLength": 0, "nullable": True},
         "stream": {"type": "boolean", "nullable": True},
         "stream_options": {"type": "object", "nullable": True,
-                           "properties": {"include_usage": {"type": "boolean"}}},
+                           "properties": {"include_usage": {"type": "boolean"},
+                                          "continuous_usage_stats": {"type": "boolean"}}},
         "timeout": {"type": "number", "exclusiveMinimum": True, "minimum": 0,
                     "maximum": MAX_TIMEOUT_S, "nullable": True,
                     "description": "pacer's extension: seconds before the request is ended "

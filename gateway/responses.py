@@ -61,14 +61,17 @@ class Shape:
         return oai.completion_logprobs(entries, offset)
 
     def chunk(self, index: int, text: str | None, entries: list[TokenLogprob],
-              finish: str | None) -> dict:
+              finish: str | None, usage: dict | None = None) -> dict:
         if self.chat:
             delta = {} if text is None else {"content": text}
             choice = oai.chat_delta_choice(index, delta, self.logprobs(index, entries), finish)
         else:
             choice = oai.completion_choice(index, text or "", self.logprobs(index, entries),
                                            finish)
-        return {**self.body(chunk=True), "choices": [choice]}
+        body = {**self.body(chunk=True), "choices": [choice]}
+        if usage is not None:
+            body["usage"] = usage
+        return body
 
 
 async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
@@ -108,7 +111,9 @@ async def stream_sse(request: web.Request, gens: list[Generation],
                 await response.write(oai.sse({**shape.body(chunk=True), "choices": [first]}))
         async with aclosing(merged_deltas(gens)) as deltas:
             async for index, delta in deltas:
-                await _write_delta(response, shape, index, delta)
+                # vLLM's continuous_usage_stats: the tokens so far on every chunk
+                usage = shape.usage(gens) if shape.req.continuous_usage else None
+                await _write_delta(response, shape, index, delta, usage)
                 if delta.error is not None:
                     break            # the others end with it (aborted upstream)
         if shape.req.include_usage:
@@ -122,12 +127,13 @@ async def stream_sse(request: web.Request, gens: list[Generation],
 
 
 async def _write_delta(response: web.StreamResponse, shape: Shape, index: int,
-                       delta: Delta) -> None:
+                       delta: Delta, usage: dict | None) -> None:
     if delta.error is not None:
         await response.write(oai.sse(oai.error_body(f"generation failed: {delta.error}",
                                                     delta.error_type)))
         return
     if delta.text or delta.logprobs:
-        await response.write(oai.sse(shape.chunk(index, delta.text, delta.logprobs, None)))
+        await response.write(oai.sse(shape.chunk(index, delta.text, delta.logprobs, None,
+                                                 usage)))
     if delta.finish_reason is not None:
-        await response.write(oai.sse(shape.chunk(index, None, [], delta.finish_reason)))
+        await response.write(oai.sse(shape.chunk(index, None, [], delta.finish_reason, usage)))

@@ -528,6 +528,15 @@ async def test_a_clients_request_id_is_sent_back_and_logged(h: Harness, capsys) 
         assert r.status == 400
 
 
+async def test_continuous_usage_stats_count_every_chunk(h: Harness) -> None:
+    data = await h.sse("/v1/completions", completion(
+        max_tokens=5, n=2, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    chunks = [json.loads(d) for d in data[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 10
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 10
+
+
 async def test_duplicate_and_overtaken_events_still_give_the_exact_text(h: Harness) -> None:
     for marker in ("[dup]", "[finish-first]", "[dup][finish-first]"):
         status, body = await h.post("/v1/completions", completion(prompt=marker, max_tokens=40))
