@@ -154,6 +154,10 @@ def _generation_path(summary: str, schema_ref: str) -> dict[str, Any]:
                            (503, "shutting down, or Redis unreachable"))}
     return {"post": {
         "summary": summary,
+        "parameters": [{"name": "X-Request-Id", "in": "header", "required": False,
+                        "description": "the client's id for the request: logged, sent back",
+                        "schema": {"type": "string", "minLength": 1, "maxLength": 128,
+                                   "pattern": "^[ -~]+$"}}],
         "requestBody": {"required": True, "content": {"application/json": {
             "schema": {"$ref": schema_ref}}}},
         "responses": {"200": {"description": "the completion, or an SSE stream with "
