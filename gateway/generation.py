@@ -149,19 +149,15 @@ class Generation:
         if self.sampling.prompt_logprobs is None:
             return Delta(self._echo)
         ids, known = self.prompt_token_ids, self._stream.prompt_logprobs
-        missing = [pos for pos in range(1, len(ids)) if pos not in known]
-        if missing:
-            log.error("prompt logprobs missing", request_id=self.request_id,
-                      first_missing=missing[0], count=len(missing))
         entries = [TokenLogprob(self._token_text(ids[0]), None, None)]
         for pos in range(1, len(ids)):
             entry = known.get(pos)
-            text = self._token_text(ids[pos])
-            if entry is None:
-                entries.append(TokenLogprob(text, None, []))
-            else:
-                entries.append(TokenLogprob(text, entry.logprob, [
-                    (self._token_text(t), lp) for t, lp in entry.top or []]))
+            entries.append(TokenLogprob(
+                self._token_text(ids[pos]), entry and entry.logprob,
+                [(self._token_text(t), lp) for t, lp in (entry and entry.top) or []]))
+        if len(known) < len(ids) - 1:
+            log.error("prompt logprobs missing", request_id=self.request_id,
+                      missing=len(ids) - 1 - len(known))
         return Delta(self._echo, entries)
 
     def prompt_logprobs(self, top: int) -> list[dict | None]:

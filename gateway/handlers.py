@@ -18,15 +18,13 @@ from gateway import openai_schema as oai
 from gateway.generation import Generation
 from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
-from gateway.prompts import choice_sampling, prompt_token_ids, sampling_params
+from gateway.prompts import check_vocabulary, choice_sampling, prompt_token_ids, sampling_params
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.state import STATE, GatewayState, WaitingSlot
 
 log = structlog.get_logger("gateway.handlers")
 
 RETRY_AFTER_S = 1
-REQUEST_ID_HEADER = "X-Request-Id"
-MAX_REQUEST_ID_CHARS = 128
 SUBSCRIBE_WAIT_S = 2.0
 
 
@@ -64,7 +62,7 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]
     slots = [slot] + _admit_choices(state, len(choices) - 1)
     request_id = f"{id_prefix}-{uuid.uuid4().hex}"
-    client_id = _client_request_id(request)
+    client_id = oai.client_request_id(request.headers)
     with structlog.contextvars.bound_contextvars(
             request_id=request_id, **({"client_request_id": client_id} if client_id else {})):
         async with contextlib.AsyncExitStack() as stack:
@@ -81,23 +79,10 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                 await _start(gen, state)
             shape = Shape(req, request_id, state.served_model_name,
                           num_prompt_tokens=sum(map(len, prompts)),
-                          headers={REQUEST_ID_HEADER: client_id or request_id})
+                          headers={oai.REQUEST_ID_HEADER: client_id or request_id})
             if req.stream:
                 return await stream_sse(request, gens, shape)
             return await full_json(gens, shape)
-
-
-def _client_request_id(request: web.Request) -> str | None:
-    """The client's own id for the request (X-Request-Id, as vLLM reads it): logged beside
-    ours and sent back, so that a client can find its request in our logs."""
-    given = request.headers.get(REQUEST_ID_HEADER)
-    if given is None:
-        return None
-    if not 0 < len(given) <= MAX_REQUEST_ID_CHARS or not given.isprintable() \
-            or not given.isascii():
-        raise APIError(f"the {REQUEST_ID_HEADER} header must be 1-{MAX_REQUEST_ID_CHARS} "
-                       "printable ASCII characters")
-    return given
 
 
 def _admit(state: GatewayState) -> WaitingSlot:
@@ -171,10 +156,7 @@ async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     model, ids = oai.parse_detokenize(await _read_json(request, state.config.max_body_bytes))
     _check_model(model, state)
-    bad = [t for t in ids if not 0 <= t < state.tokenizer.vocab_size]
-    if bad:
-        raise APIError(f"token id {bad[0]} is outside the vocabulary "
-                       f"[0, {state.tokenizer.vocab_size})", param="tokens")
+    check_vocabulary(ids, state.tokenizer, "tokens")
     return web.json_response({"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)})
 
 

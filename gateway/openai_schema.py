@@ -29,6 +29,9 @@ MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 # Most choices one request may ask for (prompts x n): each is a request of its own upstream.
 MAX_CHOICES = 128
+# The client's own id for a request (vLLM reads it too): logged beside ours, sent back.
+REQUEST_ID_HEADER = "X-Request-Id"
+MAX_REQUEST_ID_CHARS = 128
 # The roles OpenAI accepts (any other is a 400 there too); the chat template renders each one.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -156,6 +159,16 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 
 # ---- requests ---------------------------------------------------------------------------------
+
+def client_request_id(headers) -> str | None:
+    """The REQUEST_ID_HEADER's value, if given: 1-MAX_REQUEST_ID_CHARS printable ASCII."""
+    given = headers.get(REQUEST_ID_HEADER)
+    if given is not None and not (0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii()
+                                  and given.isprintable()):
+        raise APIError(f"the {REQUEST_ID_HEADER} header must be 1-{MAX_REQUEST_ID_CHARS} "
+                       "printable ASCII characters")
+    return given
+
 
 def parse_completion(body: Any) -> GenerationRequest:
     body = _object(body)
@@ -334,10 +347,9 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
                        f"{repetition:g}", param="repetition_penalty")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
-    min_tokens = _field(body, "min_tokens", (int,), 0)
-    if min_tokens < 0 or max_tokens is not None and min_tokens > max_tokens:
-        raise APIError(f"'min_tokens' must be in [0, max_tokens], got {min_tokens}",
-                       param="min_tokens")
+    min_tokens = _field(body, "min_tokens", (int,), 0)       # at most max_tokens: prompts.py
+    if min_tokens < 0:
+        raise APIError(f"'min_tokens' must be at least 0, got {min_tokens}", param="min_tokens")
     prompt_logprobs = _field(body, "prompt_logprobs", (int,), None)
     if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
         raise APIError(f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",

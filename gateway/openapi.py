@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.openai_schema import (CHAT_ROLES, INT_BOUND, MAX_CHOICES, MAX_LOGPROBS, MAX_TIMEOUT_S,
+from gateway.openai_schema import (CHAT_ROLES, INT_BOUND, MAX_CHOICES, MAX_LOGPROBS,
+                                   MAX_REQUEST_ID_CHARS, MAX_TIMEOUT_S, REQUEST_ID_HEADER,
                                    SEED_BOUND)
 from shared.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY
 
@@ -137,34 +138,37 @@ def _detokenize_request(model: str, vocab_size: int) -> dict[str, Any]:
                                               "maximum": vocab_size - 1}}}}
 
 
-def _post(summary: str, schema_ref: str) -> dict[str, Any]:
-    return {"post": {"summary": summary,
+def _post(summary: str, schema_ref: str, responses: dict[str, Any], **more) -> dict[str, Any]:
+    return {"post": {"summary": summary, **more,
                      "requestBody": {"required": True, "content": {"application/json": {
                          "schema": {"$ref": schema_ref}}}},
-                     "responses": {s: {"description": d} for s, d in (
-                         ("200", summary), ("400", "invalid request"),
-                         ("404", "unknown model"))}}}
+                     "responses": responses}}
+
+
+def _errors(*pairs: tuple[int, str]) -> dict[str, Any]:
+    return {str(s): {"description": d, "content": {"application/json": {"schema": _ERROR}}}
+            for s, d in pairs}
+
+
+def _tokenizer_path(summary: str, schema_ref: str) -> dict[str, Any]:
+    return _post(summary, schema_ref, {"200": {"description": summary},
+                                       **_errors((400, "invalid request"),
+                                                 (404, "unknown model"))})
 
 
 def _generation_path(summary: str, schema_ref: str) -> dict[str, Any]:
-    errors = {str(s): {"description": d, "content": {"application/json": {"schema": _ERROR}}}
-              for s, d in ((400, "invalid request"), (401, "missing or wrong API key"),
-                           (404, "unknown model"), (408, "the request's deadline passed"),
-                           (413, "body too large"), (429, "queue full; see Retry-After"),
-                           (503, "shutting down, or Redis unreachable"))}
-    return {"post": {
-        "summary": summary,
-        "parameters": [{"name": "X-Request-Id", "in": "header", "required": False,
-                        "description": "the client's id for the request: logged, sent back",
-                        "schema": {"type": "string", "minLength": 1, "maxLength": 128,
-                                   "pattern": "^[ -~]+$"}}],
-        "requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": schema_ref}}}},
-        "responses": {"200": {"description": "the completion, or an SSE stream with "
-                                             "\"stream\": true",
-                              "content": {"application/json": {"schema": {"type": "object"}},
-                                          "text/event-stream": {"schema": {"type": "string"}}}},
-                      **errors}}}
+    request_id = {"name": REQUEST_ID_HEADER, "in": "header", "required": False,
+                  "description": "the client's id for the request: logged, sent back",
+                  "schema": {"type": "string", "minLength": 1,
+                             "maxLength": MAX_REQUEST_ID_CHARS, "pattern": "^[ -~]+$"}}
+    ok = {"description": "the completion, or an SSE stream with \"stream\": true",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "string"}}}}
+    return _post(summary, schema_ref, {"200": ok, **_errors(
+        (400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
+        (408, "the request's deadline passed"), (413, "body too large"),
+        (429, "queue full; see Retry-After"), (503, "shutting down, or Redis unreachable"))},
+        parameters=[request_id])
 
 
 def _get(summary: str, statuses: tuple[str, ...] = ("200",)) -> dict[str, Any]:
@@ -183,10 +187,10 @@ def openapi_spec(model: str, max_model_len: int, vocab_size: int) -> dict[str, A
             "/v1/chat/completions": _generation_path(
                 "chat completion", "#/components/schemas/ChatCompletionRequest"),
             "/v1/models": _get("the served model"),
-            "/tokenize": _post("a prompt's token ids (vLLM's)",
-                               "#/components/schemas/TokenizeRequest"),
-            "/detokenize": _post("token ids' text (vLLM's)",
-                                 "#/components/schemas/DetokenizeRequest"),
+            "/tokenize": _tokenizer_path("a prompt's token ids (vLLM's)",
+                                         "#/components/schemas/TokenizeRequest"),
+            "/detokenize": _tokenizer_path("token ids' text (vLLM's)",
+                                           "#/components/schemas/DetokenizeRequest"),
             "/health": _get("200 while a scheduler and every worker rank are alive",
                             ("200", "503")),
             "/openapi.json": _get("this description"),

@@ -21,11 +21,16 @@ def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer) -> list[list[
 def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=True)
-    bad = [t for t in prompt if not 0 <= t < tokenizer.vocab_size]
+    return check_vocabulary(prompt, tokenizer, "prompt")
+
+
+def check_vocabulary(ids: list[int], tokenizer: Tokenizer, param: str) -> list[int]:
+    """`ids`, or a 400 naming the first that is not a token of this model."""
+    bad = [t for t in ids if not 0 <= t < tokenizer.vocab_size]
     if bad:
-        raise APIError(f"token id {bad[0]} is outside the vocabulary "
-                       f"[0, {tokenizer.vocab_size})", param="prompt")
-    return prompt
+        raise APIError(f"{param}: token id {bad[0]} is outside the vocabulary "
+                       f"[0, {tokenizer.vocab_size})", param=param)
+    return ids
 
 
 def _nonempty(ids: list[int], param: str) -> list[int]:
@@ -60,10 +65,7 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                        f"the prompt has {num_prompt_tokens} tokens and max_tokens is "
                        f"{max_tokens}, {num_prompt_tokens + max_tokens} in all",
                        param="max_tokens", code="context_length_exceeded")
-    bad = [t for t, _ in req.logit_bias if t >= tokenizer.vocab_size]
-    if bad:
-        raise APIError(f"logit_bias: token id {bad[0]} is outside the vocabulary "
-                       f"[0, {tokenizer.vocab_size})", param="logit_bias")
+    check_vocabulary([t for t, _ in req.logit_bias], tokenizer, "logit_bias")
     # the scheduler stops on the primary EOS itself; other end-of-turn ids are stop tokens
     extra_eos = () if req.ignore_eos else tuple(
         t for t in tokenizer.eos_token_ids if t != tokenizer.eos_token_id)

@@ -259,10 +259,9 @@ class ModelRunner:
         scheduled = self._scheduled(plan)
         if not scheduled:
             return self._with_sends(StepResult(plan.step, {}), sender)
-        input_ids, chunks, order = self._inputs(scheduled)
+        input_ids, chunks, order, spans = self._inputs(scheduled)
         sampling_ids = [rid for rid, c in zip(order, chunks) if c.samples]
         states = [self.requests[r] for r in sampling_ids]
-        spans = self._prompt_logprob_spans(order, chunks)
         with self._threads_for(len(input_ids)):
             logits = self._logits(input_ids, chunks, sender,
                                   [row for span in spans for row in span.rows])
@@ -294,20 +293,6 @@ class ModelRunner:
                                            wide_from_rows=self.wide_from_rows,
                                            prompt_logprobs=prompt_logprobs),
                                 sender)
-
-    def _prompt_logprob_spans(self, order: list[str], chunks: list[Chunk]) -> list[_Span]:
-        """The rows whose logits give prompt log-probabilities: of a request that asked, each
-        row of a prompt position but the last (whose logits sample the first output token)."""
-        spans, row = [], 0
-        for rid, chunk in zip(order, chunks):
-            s = self.requests[rid]
-            start = chunk.kv_len - chunk.q_rows
-            end = min(chunk.kv_len, s.num_prompt_tokens - 1)
-            if s.sampling.prompt_logprobs is not None and start < end:
-                spans.append(_Span(rid, start, range(row, row + end - start),
-                                   s.token_ids[start + 1:end + 1], s.sampling.prompt_logprobs))
-            row += chunk.q_rows
-        return spans
 
     def _prompt_logprobs(self, logits: torch.Tensor,
                          spans: list[_Span]) -> dict[str, PromptLogprobs]:
@@ -444,18 +429,26 @@ class ModelRunner:
         return {rid: n for rid, n in rows.items() if not requests[rid].stopped}
 
     def _inputs(self, scheduled: dict[str, int]):
+        """The flat batch's ids (on the host), its chunks and their requests in order, and
+        the rows whose logits give prompt log-probabilities: of a request that asked, each
+        row of a prompt position but the last (whose logits sample the first output token)."""
         ids: list[int] = []
         chunks: list[Chunk] = []
         order: list[str] = []
+        spans: list[_Span] = []
         for rid, n in scheduled.items():
             s = self.requests[rid]
             start = s.num_computed_tokens
-            ids.extend(s.token_ids[start:start + n])
             kv_len = start + n
+            if s.sampling.prompt_logprobs is not None and start < s.num_prompt_tokens - 1:
+                end = min(kv_len, s.num_prompt_tokens - 1)
+                spans.append(_Span(rid, start, range(len(ids), len(ids) + end - start),
+                                   s.token_ids[start + 1:end + 1], s.sampling.prompt_logprobs))
+            ids.extend(s.token_ids[start:kv_len])
             chunks.append(Chunk(n, kv_len, s.block_table, samples=kv_len == len(s.token_ids),
                                 prompt_row=n == 1 and kv_len <= s.num_prompt_tokens))
             order.append(rid)
-        return torch.tensor(ids, dtype=torch.int64), chunks, order     # on the host
+        return torch.tensor(ids, dtype=torch.int64), chunks, order, spans
 
 
 @contextlib.contextmanager

@@ -101,15 +101,10 @@ class Sampler:
         Log-probabilities are the model's, before any penalty (as vLLM's)."""
         raw = logits
         adjusted = {i: (p, counts[i]) for i, p in enumerate(params) if p.adjusts_logits}
-        if adjusted:
-            logits = apply_penalties(logits, adjusted)
-        banned = [(i, t) for i, p in enumerate(params)
-                  for t in p.suppressed(output_index[i], eos_token_ids) if t < logits.shape[1]]
-        if banned:
-            logits = logits.clone(memory_format=torch.contiguous_format) if logits is raw \
-                else logits
-            rows, ids = zip(*banned)
-            logits[_ids(rows, logits.device), _ids(ids, logits.device)] = float("-inf")
+        banned = [(i, t) for i, p in enumerate(params) if p.min_tokens > output_index[i]
+                  for t in p.suppressed(output_index[i], eos_token_ids)]
+        if adjusted or banned:
+            logits = apply_penalties(logits, adjusted, banned)
         token_ids = argmax(logits)                      # greedy rows: exact argmax
         drawn = [i for i, p in enumerate(params) if not p.greedy]
         if drawn:
@@ -191,14 +186,16 @@ def _ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor,
-                    rows: dict[int, tuple[SamplingParams, TokenCounts]]) -> torch.Tensor:
+                    rows: dict[int, tuple[SamplingParams, TokenCounts]],
+                    banned: Sequence[tuple[int, int]] = ()) -> torch.Tensor:
     """A copy of logits [S, V] with each listed row's logit bias and penalties applied, given
     its params and its request's TokenCounts, in vLLM's order, every row in one pass of each
     kind over the logits of the tokens concerned. The bias first; then the repetition penalty
     on the tokens of the prompt and the output, in transformers' form (a logit below 0 times
     the penalty, any other divided by it), so greedy output matches its `repetition_penalty`
     bit for bit; then the frequency penalty times each token's count in the output, and the
-    presence penalty once for each token there."""
+    presence penalty once for each token there. Last, each (row, token) of `banned` (a
+    request short of its min_tokens: what would end it) is masked out."""
     out = logits.clone(memory_format=torch.contiguous_format)   # a vocabulary slice too
     flat, vocab, device = out.view(-1), out.shape[1], out.device
     bias: list[tuple[int, float]] = []
@@ -229,6 +226,10 @@ def apply_penalties(logits: torch.Tensor,
         f = _per_entry([f for *_, f, _ in freq], sizes, out.dtype, device)
         pres = _per_entry([p for *_, p in freq], sizes, out.dtype, device)
         flat.index_add_(0, at, -(n * f + pres))
+    banned = [(i, t) for i, t in banned if t < vocab]
+    if banned:
+        at, ids = zip(*banned)
+        out[_ids(at, device), _ids(ids, device)] = float("-inf")
     return out
 
 

@@ -107,11 +107,6 @@ def token_batches(result: StepResult,
     `len(token_ids) - num_prompt_tokens - 1` (prompt of 5, first sampled token: index 0).
     """
     events: dict[str, list[TokenEvent]] = {}
-    prompt: dict[str, list[PromptLogprobsEvent]] = {}
-    for rid, p in result.prompt_logprobs.items():
-        if requests[rid].reply_to:
-            prompt.setdefault(requests[rid].reply_to, []).append(
-                PromptLogprobsEvent(rid, p))
     for rid, token in result.sampled.items():
         state = requests[rid]
         if not state.reply_to:
@@ -119,8 +114,12 @@ def token_batches(result: StepResult,
         index = len(state.token_ids) - state.num_prompt_tokens - 1
         events.setdefault(state.reply_to, []).append(
             TokenEvent(rid, index, token.token_id, token.logprob, token.top_logprobs))
-    return {channel: TokenBatch(events.get(channel, []), prompt.get(channel, []))
-            for channel in events.keys() | prompt.keys()}
+    batches = {channel: TokenBatch(evs) for channel, evs in events.items()}
+    for rid, p in result.prompt_logprobs.items():      # rare: only requests that ask
+        if requests[rid].reply_to:
+            batch = batches.setdefault(requests[rid].reply_to, TokenBatch())
+            batch.prompt.append(PromptLogprobsEvent(rid, p))
+    return batches
 
 
 class PlanLoop:

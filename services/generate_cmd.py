@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     counted = [0]
     start = time.perf_counter()
 
-    # the gateway's stop strings: the text ends before the first, the request there
+    # the gateway's stop strings: the text ends before the first, the request there (keyed
+    # by the ids engine.generate gives: the input's index)
     texts = {str(i): TextOutput(IncrementalDetokenizer(engine.tokenizer, ids), stop, p.min_tokens)
              for i, (ids, p, stop) in enumerate(zip(prompts, params, stops)) if stop}
 
@@ -130,8 +131,8 @@ def run(args: argparse.Namespace) -> int:
     results = engine.generate(prompts, params, on_output=progress)
     bar.close()
     elapsed = time.perf_counter() - start
-    for i, r in enumerate(results):
-        if str(i) in texts and texts[str(i)].stopped:
+    for r in results:
+        if r.request_id in texts and texts[r.request_id].stopped:
             r.finish_reason = "stop"
     _write(args.output, results, engine.tokenizer, texts)
     n_in = sum(len(p) for p in prompts)
@@ -145,7 +146,8 @@ def _write(path: str, results, tokenizer, texts: dict[str, TextOutput]) -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
             for i, r in enumerate(results):
-                text = texts[str(i)].text if str(i) in texts else tokenizer.decode(r.token_ids)
+                text = texts[r.request_id].text if r.request_id in texts \
+                    else tokenizer.decode(r.token_ids)
                 line = {"index": i, "prompt_tokens": len(r.prompt_token_ids),
                         "token_ids": r.token_ids, "text": text,
                         "finish_reason": r.finish_reason}

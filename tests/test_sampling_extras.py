@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gateway.openai_schema import APIError, parse_chat, parse_completion
+from gateway.prompts import sampling_params
 from shared.text_output import TextOutput
 from gpu_worker.sampler import Sampler
 from shared.detokenizer import IncrementalDetokenizer
@@ -106,10 +107,12 @@ def tokenizer():
 
 @pytest.mark.parametrize("body,param", [
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+    ({"min_tokens": 17}, "min_tokens"),                     # above the default of 16
     ({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"min_p": "0.1"}, "min_p")])
-def test_out_of_range_is_refused(body, param):
+def test_out_of_range_is_refused(tokenizer, body, param):
     with pytest.raises(APIError) as e:
-        parse_completion({"model": "m", "prompt": "hi", **body})
+        req = parse_completion({"model": "m", "prompt": "hi", **body})
+        sampling_params(req, 2, 512, tokenizer)
     assert e.value.param == param
 
 
