@@ -4,8 +4,8 @@ logits (docs/benchmarks.md#sampling).
 The in-process engine decodes `--rows` requests at temperature 1 for a few steps; the logits of
 one decode step are kept, then `Sampler.sample` is timed on them (median of `--repeats`
 calls) for greedy, temperature 1 (the OpenAI API's default), temperature 0.7 with top-p 0.9,
-top-k 50, a seeded draw, and greedy with penalties over a 1k-token history, at 1, 8 and
-all rows. Real logits matter: the top-k/top-p cost
+top-k 50, a seeded draw, greedy with penalties over a 1k-token history, and greedy under a
+JSON schema (the grammar's mask computed and applied first), at 1, 8 and all rows. Real logits matter: the top-k/top-p cost
 depends on how much of the vocabulary the nucleus takes, and random logits make it far wider
 than a language model's. Also printed: the nucleus sizes (tokens in top-p 0.9) of those logits.
 
@@ -24,6 +24,7 @@ from bench.common import engine_arg_parser, print_table, random_prompts, write_j
 import torch  # noqa: E402
 
 from gpu_worker.sampler import TokenCounts  # noqa: E402
+from gpu_worker.structured import mask_rows  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
@@ -39,8 +40,13 @@ CASES = {
     # the counts kept between calls as the runner keeps them: a step's cost, one new token
     "greedy, penalties": SamplingParams(temperature=0.0, presence_penalty=0.5,
                                         frequency_penalty=0.5, repetition_penalty=1.1),
+    # greedy under a JSON schema, every row inside a string value (the widest mask: almost
+    # any token may come next), the grammar's mask computed and applied then the draw
+    "greedy, JSON schema": SamplingParams(temperature=0.0, structured_outputs={"json": {
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}}),
 }
 HISTORY = 1000
+IN_A_STRING = '{"name": "Ada'
 
 
 def decode_logits(engine: LLMEngine, rows: int, vocab: int) -> torch.Tensor:
@@ -87,11 +93,16 @@ def main() -> None:
             gen = torch.Generator().manual_seed(r)
             counts = [TokenCounts(torch.randint(0, vocab, (HISTORY,), generator=gen).tolist(),
                                   HISTORY // 2) for _ in range(r)]
+            matchers = [engine.runner.grammars.matcher(
+                str(i), params, engine.tokenizer.encode(IN_A_STRING)) for i in range(r)]
             for k in range(args.repeats):
                 for c in counts:
                     c.tokens.append(int(torch.randint(0, vocab, (1,), generator=gen)))
+                step_logits = logits[:r].clone()
                 start = time.perf_counter()
-                sampler.sample(logits[:r], [params] * r, [k] * r, counts)
+                if matchers[0] is not None:
+                    mask_rows(step_logits, list(range(r)), matchers)
+                sampler.sample(step_logits, [params] * r, [k] * r, counts)
                 times.append((time.perf_counter() - start) * 1e3)
             row[name] = statistics.median(times)
         rows.append(row)

@@ -13,6 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shared.errors import InvalidRequestError
+from shared.structured import KINDS, structured_pair
 from shared.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                              MAX_REPETITION_PENALTY)
 
@@ -82,6 +84,7 @@ class GenerationRequest:
     n: int = 1                              # choices per prompt
     echo: bool = False                      # completions: the prompt before the output
     prompt_logprobs: int | None = None      # vLLM's: the prompt's, in the answer (top-N)
+    structured_outputs: tuple[str, str] | None = None   # what the output must match (kind, text)
     timeout: float | None = None            # seconds; pacer's extension: a deadline
 
 
@@ -278,15 +281,46 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
     """Fields that change what the answer must be, which this server does not do: a clear
     error rather than an answer that silently ignores them. (Fields with no effect on the
     answer, such as `user`, are accepted.)"""
-    fmt = _field(body, "response_format", (dict,), None)
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise APIError(f"response_format {fmt.get('type')!r} is not supported (only 'text': "
-                       "no constrained decoding here)", param="response_format")
     for name in ("tools", "functions"):
         if _field(body, name, (list,), None):
             raise APIError(f"'{name}' are not supported (no tool calling here)", param=name)
     if _field(body, "suffix", (str,), None):
         raise APIError("'suffix' is not supported", param="suffix")
+
+
+def _structured_outputs(body: dict) -> tuple[str, str] | None:
+    """What the output must match (shared/structured.py), from OpenAI's `response_format`
+    (json_object, json_schema), vLLM's `structured_outputs` ({kind: spec}) or its older
+    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`: one of them."""
+    given: list[tuple[str, Any]] = []
+    fmt = _field(body, "response_format", (dict,), None)
+    kind = (fmt or {}).get("type", "text")
+    if kind == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise APIError("response_format.json_schema must be an object with a 'schema' (a "
+                           "JSON schema)", param="response_format")
+        given.append(("response_format", {"json": spec["schema"]}))
+    elif kind != "text":
+        raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                       f"got {kind!r:.100}", param="response_format")
+    if (spec := _field(body, "structured_outputs", (dict,), None)) is not None:
+        given.append(("structured_outputs", spec))
+    guided = {k: body[f"guided_{k}"] for k in KINDS if body.get(f"guided_{k}") is not None}
+    if guided:
+        given.append((f"guided_{next(iter(guided))}", guided))
+    if len(given) > 1:
+        raise APIError(f"give one constraint on the output, not {' and '.join(n for n, _ in given)}",
+                       param=given[1][0])
+    if not given:
+        return None
+    param, spec = given[0]
+    try:
+        return structured_pair(spec)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=param) from None
 
 
 def _choices(body: dict, num_prompts: int) -> int:
@@ -376,7 +410,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         stream=stream, include_usage=include_usage,
         continuous_usage=include_usage and continuous_usage, n=n,     # vLLM's: only with it
         echo=echo,
-        prompt_logprobs=prompt_logprobs,
+        prompt_logprobs=prompt_logprobs, structured_outputs=_structured_outputs(body),
         timeout=None if timeout is None else float(timeout))
 
 

@@ -72,8 +72,20 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         # accepted only at the values that change nothing (openai_schema refuses the rest)
         "best_of": {"type": "integer", "enum": [1], "nullable": True,
                     "description": "equal to n, or absent: no ranking of candidates here"},
-        "response_format": {"type": "object", "nullable": True,
-                            "properties": {"type": {"type": "string", "enum": ["text"]}}},
+        "response_format": {"type": "object", "nullable": True, "properties": {
+            "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+            "json_schema": {"type": "object", "properties": {
+                "name": {"type": "string"}, "schema": {"type": "object"},
+                "strict": {"type": "boolean", "nullable": True}}}}},
+        "structured_outputs": {
+            "type": "object", "nullable": True, "minProperties": 1, "maxProperties": 1,
+            "description": "vLLM's: what the output must match, one of a JSON schema, a "
+                           "regular expression, a list of choices, a Lark or GBNF grammar",
+            "properties": {"json": {"oneOf": [{"type": "object"}, {"type": "string"}]},
+                           "regex": {"type": "string"}, "grammar": {"type": "string"},
+                           "choice": {"type": "array", "minItems": 1,
+                                      "items": {"type": "string", "minLength": 1}},
+                           "json_object": {"type": "boolean"}}},
         "tools": {"type": "array", "maxItems": 0, "nullable": True},
         "functions": {"type": "array", "maxItems": 0, "nullable": True},
         "suffix": {"type": "string", "maxLength": 0, "nullable": True},

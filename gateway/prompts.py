@@ -77,7 +77,8 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                           frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty,
                           logit_bias=req.logit_bias, min_tokens=req.min_tokens, min_p=req.min_p,
-                          prompt_logprobs=_prompt_logprobs(req))
+                          prompt_logprobs=_prompt_logprobs(req),
+                          structured_outputs=req.structured_outputs)
 
 
 def _prompt_logprobs(req: GenerationRequest) -> int | None:

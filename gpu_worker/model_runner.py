@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
@@ -39,6 +40,7 @@ from gpu_worker.profiling import scope
 from gpu_worker.quant import resolve_quantization
 from gpu_worker.quant.linear import wide_from_rows
 from gpu_worker.sampler import Sampler, TokenCounts
+from gpu_worker.structured import Grammars, mask_rows
 from gpu_worker.weights import iter_weights
 from shared.attention_choice import choose_attention_here
 from shared.config import activation_dtype, kv_cache_dtype
@@ -105,6 +107,8 @@ class _RequestState:
     stopped: bool = False
     # what its penalties need, kept up to date between steps (requests with penalties only)
     token_counts: TokenCounts | None = None
+    # its structured output's grammar matcher, past its output so far (gpu_worker/structured.py)
+    matcher: Any = None
 
 
 @dataclass(frozen=True)
@@ -194,6 +198,7 @@ class ModelRunner:
         if self.kv_connector is not None:
             self.kv_connector.register(self.kv_pool)
         self.sampler = Sampler(rc.seed)
+        self.grammars = Grammars(source, cfg.vocab_size, token_id_set(cfg.eos_token_ids))
         # called on the forward thread as an iteration's layers start (its inputs, metadata
         # and embedding done): the worker's plan loop holds its own Python work back until
         # then (gpu_worker/service.py PlanLoop.handed_over)
@@ -270,6 +275,9 @@ class ModelRunner:
                 logits, extra = logits[:len(states)], logits[len(states):]
                 prompt_logprobs = self._prompt_logprobs(extra, spans)
             with scope("sampling"):
+                constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+                if constrained:
+                    mask_rows(logits, constrained, [states[i].matcher for i in constrained])
                 tokens = self.sampler.sample(
                     logits, [s.sampling for s in states],
                     [len(s.token_ids) - s.num_prompt_tokens for s in states],
@@ -282,8 +290,12 @@ class ModelRunner:
                 written[s.block_table[index]] = 1
             s.num_computed_tokens += n
         eos = self.eos_token_ids
-        for s, t in zip(states, tokens):
+        for rid, s, t in zip(sampling_ids, states, tokens):
             s.token_ids.append(t.token_id)
+            if s.matcher is not None and not s.matcher.consume_token(t.token_id):
+                log.warning("a sampled token does not match its grammar; unconstrained from here",
+                            request_id=rid, error=s.matcher.get_error())
+                s.matcher = None
             if s.sampling.stops_on(t.token_id, eos):
                 s.stopped = True
         # forward_ms (the cost model's input) is the compute; the wait for the sends is
@@ -400,7 +412,9 @@ class ModelRunner:
                     f"plan {plan.step}: request {new.request_id} starts after a cached prefix "
                     "in blocks this worker never wrote (it restarted); the scheduler must "
                     "recompute")
-            self.requests[new.request_id] = _state_of(new)
+            state = self.requests[new.request_id] = _state_of(new)
+            state.matcher = self.grammars.matcher(new.request_id, new.sampling,
+                                                  state.token_ids[new.num_prompt_tokens:])
         for cached in plan.cached_requests:
             s = self.requests[cached.request_id]
             s.block_table.extend(cached.new_block_ids)

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from shared.errors import InvalidRequestError
+from shared.structured import structured_pair
 
 
 _GREEDY_BELOW = 1e-5
@@ -40,6 +41,9 @@ class SamplingParams:
     # the prompt's own log-probabilities (each prompt token's given those before it), as
     # OpenAI's `echo` with `logprobs` returns them: None: none; 0: the token's; N: plus top-N
     prompt_logprobs: int | None = None
+    # what the output must match (shared/structured.py): (kind, text), e.g. ("json", a JSON
+    # schema); vLLM's {kind: spec} is taken too. None: free text
+    structured_outputs: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
@@ -73,6 +77,12 @@ class SamplingParams:
             if not -MAX_PENALTY <= getattr(self, name) <= MAX_PENALTY:
                 raise InvalidRequestError(f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], "
                                           f"got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            object.__setattr__(self, "structured_outputs", structured_pair(self.structured_outputs))
+            if self.ignore_eos or self.min_tokens:
+                # a finished grammar allows only EOS: neither could be honoured
+                raise InvalidRequestError("structured outputs end where the grammar does: not "
+                                          "with ignore_eos or min_tokens")
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
                                       f"got {self.repetition_penalty!r}")

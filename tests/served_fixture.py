@@ -82,10 +82,11 @@ def wait_for(predicate, timeout_s: float, what: str):
 
 
 def completion(base_url: str, model: str, prompt: list[int], max_tokens: int,
-               timeout_s: float = 60.0) -> dict:
-    """The choice of one greedy, not streamed completion of token ids, with its logprobs."""
+               timeout_s: float = 60.0, **fields) -> dict:
+    """The choice of one greedy, not streamed completion of token ids, with its logprobs
+    (and any other `fields` of the request)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "logprobs": 0}
+            "ignore_eos": True, "logprobs": 0, **fields}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
                                           "Authorization": f"Bearer {API_KEY}"})

@@ -168,7 +168,7 @@ def test_logit_bias_parsed():
 
 
 @pytest.mark.parametrize("field,value", [
-    ("best_of", 3), ("response_format", {"type": "json_object"}),
+    ("best_of", 3), ("response_format", {"type": "xml"}),
     ("tools", [{"type": "function", "function": {"name": "f"}}]), ("suffix", "end")])
 def test_what_would_be_silently_ignored_is_refused(field, value):
     with pytest.raises(APIError) as e:

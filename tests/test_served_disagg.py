@@ -22,7 +22,7 @@ from scheduler_svc.service import HOUSEKEEPING_S
 from shared.keys import Keys
 from shared.protocol import decode, from_fields
 from tests.helpers_tiny_model import greedy_token_texts, write_tiny_llama
-from tests.served_fixture import API_KEY, start_served, wait_for
+from tests.served_fixture import API_KEY, completion, start_served, wait_for
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("mooncake.engine", reason="the Mooncake transfer engine is not installed")
@@ -147,6 +147,13 @@ def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, 
         # a prompt scored (echo, logprobs): the prefill side computes them, chunked
         assert prompt_logprobs(served, model, LONG[2]) == pytest.approx(
             in_process_prompt_logprobs(tiny, LONG[2]), abs=1e-4)
+        # under a grammar: p0 samples the first token through its matcher, d0 makes its own
+        # from the tokens handed over
+        digits = {"regex": "[0-9]{6}"}
+        want, tok = in_process(tiny, LONG[1], max_tokens=12, structured_outputs=digits)
+        assert completion(served.base_url, model, LONG[1], 12, ignore_eos=False,
+                          structured_outputs=digits)["text"] == tok.decode(want.token_ids)
+        assert len(tok.decode(want.token_ids)) == 6
     finally:
         assert served.stop() == 0, served.log_tail()
 
@@ -164,14 +171,19 @@ def prompt_logprobs(served, model: str, prompt: list[int]) -> list[float]:
     return logprobs[1:len(prompt)]
 
 
-def in_process_prompt_logprobs(tiny: str, prompt: list[int]) -> list[float]:
+def in_process(tiny: str, prompt: list[int], **sampling):
+    """The in-process engine's greedy Completion of `prompt`, and its tokenizer."""
     from services.engine import LLMEngine
     from shared.engine_args import EngineArgs
     from shared.sampling import SamplingParams
     engine = LLMEngine(EngineArgs(model=tiny, dtype="float32", max_model_len=512,
                                   num_kv_blocks=64), progress=False)
-    [c] = engine.generate([prompt], [SamplingParams(max_tokens=1, temperature=0.0,
-                                                    prompt_logprobs=0)])
+    [c] = engine.generate([prompt], [SamplingParams(temperature=0.0, **sampling)])
+    return c, engine.tokenizer
+
+
+def in_process_prompt_logprobs(tiny: str, prompt: list[int]) -> list[float]:
+    c, _ = in_process(tiny, prompt, max_tokens=1, prompt_logprobs=0)
     return [c.prompt_logprobs[pos].logprob for pos in range(1, len(prompt))]
 
 

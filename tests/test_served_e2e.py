@@ -171,6 +171,38 @@ def test_min_tokens_holds_the_end_off(served: Served):
     assert held.choices[0].message.content.startswith(plain.choices[0].message.content)
 
 
+def test_structured_outputs_served_as_in_process(served: Served):
+    """A JSON schema through response_format (streamed) gives the in-process engine's text,
+    which parses and follows the schema; a choice through vLLM's field; a bad grammar is a
+    400 naming the field."""
+    import json
+
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+    from shared.sampling import SamplingParams
+    from tests.test_structured_outputs import QUESTION, SCHEMA
+
+    engine = LLMEngine(EngineArgs(kv_cache_memory="32MiB"), progress=False)
+    messages = [{"role": "user", "content": QUESTION}]
+    [want] = engine.generate([engine.tokenizer.encode_chat(messages)], [SamplingParams(
+        max_tokens=48, temperature=0.0, structured_outputs={"json": SCHEMA})])
+    c = client(served)
+    chunks = list(c.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=48, temperature=0, stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "city",
+                                                                "schema": SCHEMA}}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == engine.tokenizer.decode(want.token_ids)
+    assert json.loads(text)["city"] in ("Paris", "Rome")
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    picked = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["Paris", "Lyon"]}})
+    assert picked.choices[0].text in ("Paris", "Lyon")
+    with pytest.raises(openai.BadRequestError, match="unclosed character class"):
+        c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
+                             extra_body={"guided_regex": "[a-"})
+
+
 def test_echo_with_logprobs_scores_a_prompt_as_in_process(served: Served):
     """The request evaluation harnesses send to score a text (echo, logprobs, one token):
     the prompt's log-probabilities equal the in-process engine's, through the worker's

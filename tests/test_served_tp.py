@@ -22,10 +22,11 @@ from tests.served_fixture import completion, read_json, start_served
 pytestmark = pytest.mark.slow
 PROMPTS = [[5, 6, 7, 8, 9], list(range(20, 60)), [100, 3, 200, 7] * 5]
 NEW_TOKENS = 12
+DIGITS = "[0-9]{6}"
 
 
-def complete(base_url: str, model: str, prompt: list[int]) -> list[int]:
-    choice = completion(base_url, model, prompt, NEW_TOKENS)
+def complete(base_url: str, model: str, prompt: list[int], **fields) -> list[int]:
+    choice = completion(base_url, model, prompt, NEW_TOKENS, **fields)
     return choice["text"], choice["logprobs"]["tokens"]
 
 
@@ -40,12 +41,19 @@ def test_tp2_served_matches_in_process_and_survives_a_dead_rank(tiny, tmp_path):
     results = engine.generate(
         PROMPTS, [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)] * 3)
     # the text, and each token as the gateway's logprobs show it (its own decode)
+    # and under a grammar (each rank masks by its own matcher)
+    results += engine.generate(PROMPTS[:1], [SamplingParams(
+        max_tokens=NEW_TOKENS, temperature=0.0, structured_outputs={"regex": DIGITS})])
     expected = [(tok.decode(r.token_ids), [tok.decode([t]) for t in r.token_ids]) for r in results]
+    assert len(expected[-1][0]) == 6 and expected[-1][0].isdigit()
     model = os.path.basename(tiny)
     served = start_served(str(tmp_path / "up.log"), "--model", tiny, "--tp", "2", "--dtype", "float32",
                           "--max-model-len", "512", "--served-model-name", model)
     try:
-        assert [complete(served.base_url, model, p) for p in PROMPTS] == expected
+        assert [complete(served.base_url, model, p) for p in PROMPTS] == expected[:3]
+        text, tokens = complete(served.base_url, model, PROMPTS[0], ignore_eos=False,
+                                structured_outputs={"regex": DIGITS})
+        assert (text, tokens[:6]) == (expected[3][0], expected[3][1][:6])    # then the EOS
 
         r = redis.Redis.from_url(served.redis_url)
         try:
@@ -65,7 +73,7 @@ def test_tp2_served_matches_in_process_and_survives_a_dead_rank(tiny, tmp_path):
             time.sleep(0.2)
         assert status == 200, read_json(body)
         print(f"\ntp=2 group back {time.monotonic() - killed:.1f} s after rank 1 was killed")
-        assert [complete(served.base_url, model, p) for p in PROMPTS] == expected
+        assert [complete(served.base_url, model, p) for p in PROMPTS] == expected[:3]
         # the scheduler, idle when the group went, noticed the new one before planning for it:
         # no plan relied on a prefix cached in the old group's KV (which kills the new group)
         log_text = served.log_tail(10**8)

@@ -1,0 +1,84 @@
+"""Structured outputs: what a request's output must match, as vLLM's `structured_outputs`
+names it, and its grammar for the worker's matcher (docs/design.md#structured-outputs).
+
+A request carries its constraint as a (kind, text) pair of strings, so it travels in a plan
+like any other sampling parameter:
+
+- ("json", a JSON schema's text): OpenAI's `response_format` json_schema; json_object is the
+  schema {"type": "object"};
+- ("regex", a regular expression);
+- ("choice", a JSON list of strings): the output is one of them;
+- ("grammar", a Lark or GBNF grammar).
+
+The grammars are llguidance's: compiled lazily on the worker, a token mask a step.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from shared.errors import InvalidRequestError
+
+KINDS = ("json", "regex", "choice", "grammar")
+ANY_JSON_OBJECT = '{"type": "object"}'
+MAX_SPEC_CHARS = 100_000
+_LLGUIDANCE_FORMAT = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+
+
+def structured_pair(value: Any) -> tuple[str, str] | None:
+    """(kind, text) from vLLM's shape, {kind: spec} with one kind (a JSON schema or the
+    choices as JSON values; {"json_object": true} for any object), or from a (kind, text)
+    pair; None for none. Raises InvalidRequestError on anything else."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        given = {k: v for k, v in value.items() if v is not None and v is not False}
+        if set(given) == {"json_object"}:
+            return "json", ANY_JSON_OBJECT
+        if len(given) != 1 or next(iter(given)) not in KINDS:
+            raise InvalidRequestError(
+                f"structured_outputs takes exactly one of {', '.join(KINDS)} or json_object, "
+                f"got {sorted(given) or 'none'}")
+        kind, spec = next(iter(given.items()))
+        if kind == "json" and isinstance(spec, dict):
+            spec = json.dumps(spec)
+        elif kind == "choice":
+            if not isinstance(spec, list) or not spec or \
+                    not all(isinstance(c, str) and c for c in spec):
+                raise InvalidRequestError("structured_outputs.choice must be a non-empty list of "
+                                          "non-empty strings")
+            spec = json.dumps(spec)
+        value = (kind, spec)
+    if not (isinstance(value, (tuple, list)) and len(value) == 2 and value[0] in KINDS
+            and isinstance(value[1], str)):
+        raise InvalidRequestError(f"structured_outputs must be {{kind: spec}} with kind one of "
+                                  f"{', '.join(KINDS)}, got {value!r:.200}")
+    kind, text = value
+    if not text or len(text) > MAX_SPEC_CHARS:
+        raise InvalidRequestError(f"structured_outputs.{kind} must be 1-{MAX_SPEC_CHARS} "
+                                  "characters")
+    check_grammar(kind, text)
+    return kind, text
+
+
+@functools.lru_cache(maxsize=256)
+def grammar(kind: str, text: str) -> str:
+    """llguidance's grammar for a valid (kind, text)."""
+    import llguidance
+    if kind == "json":
+        json.loads(text)              # llguidance takes bad JSON text and fails later
+    return llguidance.grammar_from(_LLGUIDANCE_FORMAT[kind], text)
+
+
+@functools.lru_cache(maxsize=256)
+def check_grammar(kind: str, text: str) -> None:
+    """Raises InvalidRequestError, saying why, if (kind, text) is no grammar llguidance can
+    serve (checked once per distinct constraint)."""
+    from llguidance import LLMatcher
+    try:
+        error = LLMatcher.validate_grammar(grammar(kind, text))
+    except (ValueError, TypeError) as e:      # json.JSONDecodeError is a ValueError
+        error = str(e)
+    if error:
+        raise InvalidRequestError(f"structured_outputs.{kind} is not valid: {error.strip():.500}")

@@ -1,0 +1,156 @@
+"""Structured outputs: the constraint's forms and errors, the worker's token masks, and greedy
+output of the default model under a JSON schema and a choice equal to transformers' with the
+same grammar masking its logits (float32; a big budget, 16-row chunks, a preempting pool)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from gpu_worker.structured import Grammars, mask_rows
+from shared.errors import InvalidRequestError
+from shared.model_source import resolve_model
+from shared.sampling import SamplingParams
+from shared.structured import ANY_JSON_OBJECT, structured_pair
+from shared.tokenizer import load_tokenizer
+from tests.hf_reference import assert_same_tokens
+from services.engine import EngineArgs, LLMEngine
+from tests.test_engine_parity import CONFIGS
+
+SCHEMA = {"type": "object", "additionalProperties": False,
+          "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                         "population_millions": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["city", "population_millions"]}
+QUESTION = "What is the capital of France, and how many million people live there? Answer in JSON."
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model(None))
+
+
+def test_the_constraint_forms():
+    assert structured_pair({"json": SCHEMA}) == ("json", json.dumps(SCHEMA))
+    assert structured_pair({"json": '{"type": "string"}'}) == ("json", '{"type": "string"}')
+    assert structured_pair({"json_object": True}) == ("json", ANY_JSON_OBJECT)
+    assert structured_pair({"choice": ["yes", "no"], "regex": None}) == ("choice", '["yes", "no"]')
+    assert structured_pair(["regex", "[0-9]+"]) == ("regex", "[0-9]+")     # the wire's form
+    p = SamplingParams.from_dict(SamplingParams(structured_outputs={"regex": "a+"}).to_dict()
+                                 | {"structured_outputs": ["regex", "a+"]})
+    assert p.structured_outputs == ("regex", "a+")
+
+
+@pytest.mark.parametrize("value,says", [
+    ({"json": '{"type": "objecx"}'}, "not valid"),
+    ({"json": "{not json"}, "not valid"),
+    ({"regex": "[a-"}, "unclosed character class"),
+    ({"grammar": "start: undefined_rule"}, "not valid"),
+    ({"choice": []}, "non-empty list"),
+    ({"choice": ["a", 3]}, "non-empty list"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one"),
+    ({"xml": "<a/>"}, "exactly one"),
+    ({"regex": ""}, "characters"),
+    ("json", "must be"),
+])
+def test_a_bad_constraint_is_refused_saying_why(value, says):
+    with pytest.raises(InvalidRequestError, match=says):
+        SamplingParams(structured_outputs=value)
+
+
+@pytest.mark.parametrize("extra", [{"ignore_eos": True}, {"min_tokens": 2, "max_tokens": 4}])
+def test_constraints_that_could_not_be_honoured_together_are_refused(extra):
+    with pytest.raises(InvalidRequestError, match="end where the grammar does"):
+        SamplingParams(structured_outputs={"regex": "a"}, **extra)
+
+
+def test_the_mask_leaves_only_what_the_grammar_allows(tokenizer):
+    vocab = tokenizer.vocab_size
+    grammars = Grammars(resolve_model(None), vocab, [tokenizer.eos_token_id])
+    digits = SamplingParams(structured_outputs={"regex": "[0-9]{2}"})
+    words = SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    free = grammars.matcher("free", SamplingParams(), [])
+    assert free is None
+    first = tokenizer.encode("4")
+    after_one = grammars.matcher("a", digits, first)         # one digit out: one more to go
+    logits = torch.zeros(3, vocab)
+    mask_rows(logits, [0, 2], [after_one, grammars.matcher("b", words, [])])
+    allowed = [set((row > float("-inf")).nonzero().flatten().tolist()) for row in logits]
+    assert allowed[1] == set(range(vocab))                    # an unconstrained row untouched
+    assert allowed[0] and all(tokenizer.decode([t]).isdigit() and len(tokenizer.decode([t])) == 1
+                              for t in allowed[0])
+    texts = {tokenizer.decode([t]) for t in allowed[2]}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
+    done = grammars.matcher("c", digits, tokenizer.encode("42"))
+    logits = torch.zeros(1, vocab)
+    mask_rows(logits, [0], [done])
+    assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
+
+
+@pytest.fixture(scope="module")
+def constrained_refs(default_hf, tokenizer):
+    """transformers' greedy output with llguidance's mask on its logits, for each prompt and
+    constraint (the same grammar and vocabulary the worker uses)."""
+    from transformers import LogitsProcessorList
+    cases = [(QUESTION, {"json": SCHEMA}), (QUESTION, {"json_object": True}),
+             ("Is the sea salty? Answer yes or no.", {"choice": ["yes", "no", "maybe"]}),
+             ("Give a date in ISO form.", {"regex": r"[0-9]{4}-[0-9]{2}-[0-9]{2}"})]
+    grammars = Grammars(resolve_model(None), default_hf.config.vocab_size,
+                        [tokenizer.eos_token_id])
+    refs = []
+    for text, spec in cases:
+        prompt = tokenizer.encode_chat([{"role": "user", "content": text}])
+        params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, structured_outputs=spec)
+        state = {"matcher": grammars.matcher("ref", params, []), "seen": len(prompt)}
+
+        def constrain(input_ids, scores, state=state):
+            for t in input_ids[0, state["seen"]:].tolist():
+                assert state["matcher"].consume_token(t)
+            state["seen"] = input_ids.shape[1]
+            scores = scores.clone()
+            mask_rows(scores, [0], [state["matcher"]])
+            return scores
+
+        out = default_hf.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id, top_p=None, top_k=None, temperature=None,
+            logits_processor=LogitsProcessorList([constrain]), output_scores=True,
+            return_dict_in_generate=True)
+        refs.append((prompt, params, out.sequences[0, len(prompt):].tolist(),
+                     torch.stack(out.scores)[:, 0]))
+    return refs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,overrides,expect_preemption", CONFIGS)
+def test_greedy_structured_output_matches_transformers(constrained_refs, tokenizer, name,
+                                                       overrides, expect_preemption):
+    """The four constraints in one batch, each prompt twice (a prefix-cache hit)."""
+    prompts = [prompt for prompt, *_ in constrained_refs] * 2
+    params = [p for _, p, *_ in constrained_refs] * 2
+    # preempting: room for the longest request alone, with its whole budget
+    blocks = overrides["num_kv_blocks"] or -(-(max(map(len, prompts)) + MAX_TOKENS) // 16)
+    engine = LLMEngine(EngineArgs(model="smollm2-135m", block_size=16, dtype="float32",
+                                  quantization="none", **{**overrides, "num_kv_blocks": blocks}),
+                       progress=False)
+    ours = [r.token_ids for r in engine.generate(prompts, params)]
+    assert not expect_preemption or engine.scheduler.num_preemptions_total > 0
+    for k, (_, p, ref, logits) in enumerate(constrained_refs * 2):
+        assert_same_tokens(ours[k], ref, logits, f"{p.structured_outputs[0]} {name}")
+    for o, (_, p, *_) in zip(ours, constrained_refs):
+        assert o[-1] == tokenizer.eos_token_id, "the grammar ended within the budget"
+        text = tokenizer.decode(o)
+        kind, spec = p.structured_outputs
+        if spec == ANY_JSON_OBJECT:
+            assert isinstance(json.loads(text), dict)
+        elif kind == "json":
+            answer = json.loads(text)
+            assert set(answer) == {"city", "population_millions"}
+            assert answer["city"] in ("Paris", "Rome")
+        elif kind == "choice":
+            assert text in json.loads(spec)
+        else:
+            assert len(text) == 10 and text[4] == text[7] == "-"
+
