@@ -400,6 +400,7 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
         # run_id first: should Redis restart in between, the first read starts over)
         run_id = await redis_run_id(redis)
         runner = executor.runner if isinstance(executor, TPExecutor) else executor
+        runner.grammars.warm()
         loop = PlanLoop(redis, keys, executor, executor.requests,
                         await stream_tail_id(redis, keys.plans), run_id, runner.rc.device)
         runner.on_forward = loop.handed_over

@@ -9,6 +9,7 @@ output tokens so far, so its state is a function of the tokens alone.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 import structlog
@@ -22,24 +23,34 @@ log = structlog.get_logger()
 
 
 class Grammars:
-    """Makes matchers for one model: its vocabulary as llguidance reads it is built on the
-    first constrained request (~0.2 s for a 49k vocabulary), then shared."""
+    """Makes matchers for one model. Its vocabulary as llguidance reads it (~0.5 s for the
+    default model's 49k tokens, after the weights were read) is built once: by `warm()` in the
+    background as a served worker starts, else on the first constrained request."""
 
     def __init__(self, source: ModelSource, vocab_size: int, eos_token_ids: Iterable[int]):
         self.source, self.vocab_size = source, vocab_size
         self.eos_token_ids = sorted(eos_token_ids)
         self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def warm(self) -> None:
+        """Build the vocabulary on a thread of its own, so that the first constrained request
+        does not stall every stream of its iteration."""
+        threading.Thread(target=self._vocabulary, name="grammar-vocabulary", daemon=True).start()
 
     def _vocabulary(self):
-        if self._tokenizer is None:
-            from llguidance import LLTokenizer
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = self._build()
+            return self._tokenizer
 
-            from shared.tokenizer import load_tokenizer
-            backend = load_tokenizer(self.source).backend
-            self._tokenizer = LLTokenizer(
-                backend.to_str(), n_vocab=max(self.vocab_size, backend.get_vocab_size()),
-                eos_token=self.eos_token_ids)
-        return self._tokenizer
+    def _build(self):
+        from llguidance import LLTokenizer
+
+        from shared.tokenizer import load_tokenizer
+        backend = load_tokenizer(self.source).backend
+        return LLTokenizer(backend.to_str(), n_vocab=max(self.vocab_size, backend.get_vocab_size()),
+                           eos_token=self.eos_token_ids)
 
     def matcher(self, request_id: str, sampling: SamplingParams, output: Sequence[int]):
         """A matcher for `sampling`'s constraint that has taken `output` (the request's

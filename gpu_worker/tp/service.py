@@ -91,6 +91,7 @@ async def serve_follower(redis: aioredis.Redis, keys: Keys, layout: EngineLayout
     mine = _rank_layout(layout, rank)
     runner = await asyncio.to_thread(on_device, mine.args.device, build_runner, mine, group,
                                      False)
+    runner.grammars.warm()
     on_runner(runner)
     log.info("tp follower ready", rank=rank)
     await asyncio.to_thread(run_follower, runner, group)     # binds its device itself
