@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -19,6 +21,8 @@ from shared.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY
                              MAX_REPETITION_PENALTY)
 
 MAX_LOGPROBS = 20
+NAMED_TOOL_CHOICE = '{"type": "function", "function": {"name": ...}}'
+TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")      # OpenAI's rule for a function's name
 MAX_TIMEOUT_S = 86_400.0
 # Every integer must fit the wire format (msgpack int64) and the sampler: a seed is multiplied
 # by a stride and must stay inside torch's 64-bit seed range.
@@ -85,6 +89,8 @@ class GenerationRequest:
     echo: bool = False                      # completions: the prompt before the output
     prompt_logprobs: int | None = None      # vLLM's: the prompt's, in the answer (top-N)
     structured_outputs: tuple[str, str] | None = None   # what the output must match (kind, text)
+    tools: tuple[dict, ...] = ()            # chat: shown to the template
+    tool_choice: str | None = None          # "required" or a function's name: tool calls out
     timeout: float | None = None            # seconds; pacer's extension: a deadline
 
 
@@ -281,17 +287,79 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
     """Fields that change what the answer must be, which this server does not do: a clear
     error rather than an answer that silently ignores them. (Fields with no effect on the
     answer, such as `user`, are accepted.)"""
-    for name in ("tools", "functions"):
-        if _field(body, name, (list,), None):
-            raise APIError(f"'{name}' are not supported (no tool calling here)", param=name)
+    if _field(body, "functions", (list,), None):
+        raise APIError("'functions' are not supported: send 'tools'", param="functions")
     if _field(body, "suffix", (str,), None):
         raise APIError("'suffix' is not supported", param="suffix")
 
 
-def _structured_outputs(body: dict) -> tuple[str, str] | None:
+def _tool_choice(body: dict, endpoint: str) -> tuple[tuple[dict, ...], str | None]:
+    """The tools the chat template is shown, and what the output must be: "required" (a
+    list of calls to any of them), a function's name (one call of it), or None (text).
+    OpenAI's default with tools, "auto", needs a parser of the model's own tool-call
+    format; none is built in (as vLLM without --tool-call-parser), so it is refused."""
+    tools = _field(body, "tools", (list,), None) or []
+    choice = _field(body, "tool_choice", (str, dict), "auto" if tools else "none")
+    if not tools and choice == "none":
+        return (), None
+    if endpoint != "chat":
+        raise APIError("'tools' are served on /v1/chat/completions only", param="tools")
+    names = [_tool_name(t, i) for i, t in enumerate(tools)]
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or \
+                function.get("name") not in names:
+            raise APIError(f"'tool_choice' must name one of the tools ({', '.join(names)}) as "
+                           + NAMED_TOOL_CHOICE, param="tool_choice")
+        return tuple(tools), function["name"]
+    if choice == "none":
+        return (), None                  # as vLLM: tools not shown when none may be called
+    if choice == "auto":
+        raise APIError("tool_choice 'auto' needs a parser of this model's tool-call format, "
+                       "which this server does not have: send tool_choice 'required' or "
+                       f"{NAMED_TOOL_CHOICE} (calls made by constrained decoding), or 'none'",
+                       param="tool_choice")
+    if choice != "required":
+        raise APIError(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, "
+                       f"got {choice!r:.100}", param="tool_choice")
+    if not tools:
+        raise APIError("tool_choice 'required' needs 'tools'", param="tool_choice")
+    return tuple(tools), "required"
+
+
+def _tool_name(tool: Any, i: int) -> str:
+    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(function, dict) or tool.get("type") != "function" or \
+            not isinstance(function.get("name"), str) or \
+            not TOOL_NAME.fullmatch(function["name"]) or \
+            not isinstance(function.get("parameters", {}), dict):
+        raise APIError(f"tools[{i}] must be " + '{"type": "function", "function": {"name": '
+                       '1-64 of a-z A-Z 0-9 _ -, "parameters": a JSON schema}}', param="tools")
+    return function["name"]
+
+
+def tool_call_constraint(tools: tuple[dict, ...], choice: str, parallel: bool) -> dict:
+    """vLLM's structured_outputs for a tool choice: the named function's parameters, or a
+    list of {"name", "parameters"} objects, one of the tools' each (at most one unless
+    parallel calls are allowed)."""
+    def parameters(tool: dict) -> dict:
+        return tool["function"].get("parameters") or {"type": "object"}
+    if choice != "required":
+        return {"json": parameters(next(t for t in tools if t["function"]["name"] == choice))}
+    calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"type": "string",
+                                                   "enum": [t["function"]["name"]]},
+                                          "parameters": parameters(t)},
+         "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}}
+    return {"json": calls if parallel else {**calls, "maxItems": 1}}
+
+
+def _structured_outputs(body: dict, tools: tuple[dict, ...],
+                        tool_choice: str | None) -> tuple[str, str] | None:
     """What the output must match (shared/structured.py), from OpenAI's `response_format`
     (json_object, json_schema), vLLM's `structured_outputs` ({kind: spec}) or its older
-    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`: one of them."""
+    `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or a tool choice
+    that makes the output tool calls: one of them."""
     given: list[tuple[str, Any]] = []
     fmt = _field(body, "response_format", (dict,), None)
     kind = (fmt or {}).get("type", "text")
@@ -311,6 +379,9 @@ def _structured_outputs(body: dict) -> tuple[str, str] | None:
     guided = {k: body[f"guided_{k}"] for k in KINDS if body.get(f"guided_{k}") is not None}
     if guided:
         given.append((f"guided_{next(iter(guided))}", guided))
+    if tool_choice is not None:
+        given.append(("tool_choice", tool_call_constraint(
+            tools, tool_choice, _field(body, "parallel_tool_calls", (bool,), True))))
     if len(given) > 1:
         raise APIError(f"give one constraint on the output, not {' and '.join(n for n, _ in given)}",
                        param=given[1][0])
@@ -344,6 +415,7 @@ def _choices(body: dict, num_prompts: int) -> int:
 def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | None,
             logprobs: int | None, echo: bool = False) -> GenerationRequest:
     _refuse_what_would_be_ignored(body)
+    tools, tool_choice = _tool_choice(body, endpoint)
     n = _choices(body, max(1, len(prompts)))
     stream = _field(body, "stream", (bool,), False)
     options = _field(body, "stream_options", (dict,), None)
@@ -410,7 +482,8 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         stream=stream, include_usage=include_usage,
         continuous_usage=include_usage and continuous_usage, n=n,     # vLLM's: only with it
         echo=echo,
-        prompt_logprobs=prompt_logprobs, structured_outputs=_structured_outputs(body),
+        prompt_logprobs=prompt_logprobs, tools=tools, tool_choice=tool_choice,
+        structured_outputs=_structured_outputs(body, tools, tool_choice),
         timeout=None if timeout is None else float(timeout))
 
 
@@ -473,9 +546,32 @@ def completion_choice(index: int, text: str, logprobs: dict | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs, "finish_reason": finish_reason}
+def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text} if tool_calls is None else \
+        {"role": "assistant", "content": None, "tool_calls": tool_calls}
+    return {"index": index, "message": message, "logprobs": logprobs,
+            "finish_reason": finish_reason}
+
+
+def tool_calls(tool_choice: str, text: str) -> list[dict] | None:
+    """The calls an output under `tool_choice` makes: the named function's, its arguments the
+    text; or the list 'required' made (None if it does not parse: the output was cut short)."""
+    if tool_choice != "required":
+        return [tool_call(tool_choice, text)]
+    try:
+        calls = json.loads(text)
+    except ValueError:
+        return None
+    return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+            for c in calls]
+
+
+def tool_call(name: str, arguments: str, index: int | None = None) -> dict:
+    """One call in OpenAI's shape (a stream's delta carries its index)."""
+    call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+    return call if index is None else {"index": index, **call}
 
 
 def chat_delta_choice(index: int, delta: dict, logprobs: dict | None,

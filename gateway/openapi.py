@@ -86,7 +86,23 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                            "choice": {"type": "array", "minItems": 1,
                                       "items": {"type": "string", "minLength": 1}},
                            "json_object": {"type": "boolean"}}},
-        "tools": {"type": "array", "maxItems": 0, "nullable": True},
+        "tools": {"type": "array", "nullable": True, "description": "chat only", "items": {
+            "type": "object", "required": ["type", "function"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "function": {"type": "object", "required": ["name"], "properties": {
+                    "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                    "description": {"type": "string"},
+                    "parameters": {"type": "object"}}}}}},
+        "tool_choice": {
+            "nullable": True,
+            "description": "'required' or a named function: calls made by constrained "
+                           "decoding; 'auto' needs a tool-call parser, which is not built in",
+            "oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                      {"type": "object", "required": ["type", "function"], "properties": {
+                          "type": {"type": "string", "enum": ["function"]},
+                          "function": {"type": "object", "required": ["name"],
+                                       "properties": {"name": {"type": "string"}}}}}]},
+        "parallel_tool_calls": {"type": "boolean", "nullable": True},
         "functions": {"type": "array", "maxItems": 0, "nullable": True},
         "suffix": {"type": "string", "maxLength": 0, "nullable": True},
         "stream": {"type": "boolean", "nullable": True},

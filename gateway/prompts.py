@@ -14,7 +14,8 @@ def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer) -> list[list[
     """Each prompt's ids (chat: one, its template rendered first). CPU-bound: run it off the
     event loop."""
     if req.endpoint == "chat":
-        return [_nonempty(tokenizer.encode_chat(req.messages), "messages")]
+        return [_nonempty(tokenizer.encode_chat(req.messages, list(req.tools) or None),
+                          "messages")]
     return [_nonempty(_prompt_ids(p, tokenizer), "prompt") for p in req.prompts]
 
 

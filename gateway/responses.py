@@ -41,6 +41,10 @@ class Shape:
         self._envelope = (response_id, model, int(time.time()))
         # completions logprobs: where each choice's next token's text starts
         self._text_offset: dict[int, int] = {}
+        # tool calls in a stream: the choices whose named call has begun; 'required''s text
+        # and logprobs held until the list is whole
+        self._called: set[int] = set()
+        self._held: dict[int, tuple[str, list[TokenLogprob]]] = {}
 
     def body(self, *, chunk: bool) -> dict:
         body = oai.envelope(self.req.endpoint, *self._envelope, chunk=chunk)
@@ -60,10 +64,25 @@ class Shape:
         self._text_offset[index] = offset + sum(len(e.token) for e in entries)
         return oai.completion_logprobs(entries, offset)
 
+    def choice(self, index: int, text: str, entries: list[TokenLogprob],
+               finish: str | None) -> dict:
+        """A whole answer's choice."""
+        logprobs = self.logprobs(index, entries)
+        if not self.chat:
+            return oai.completion_choice(index, text, logprobs, finish)
+        calls = oai.tool_calls(self.req.tool_choice, text) if self.req.tool_choice else None
+        return oai.chat_choice(index, text, logprobs, _finish_of_calls(finish, calls), calls)
+
     def chunk(self, index: int, text: str | None, entries: list[TokenLogprob],
-              finish: str | None, usage: dict | None = None) -> dict:
+              finish: str | None, usage: dict | None = None) -> dict | None:
+        """A stream's chunk; None when there is nothing to send yet."""
         if self.chat:
-            delta = {} if text is None else {"content": text}
+            if self.req.tool_choice:
+                delta, entries, finish = self._tool_delta(index, text, entries, finish)
+                if delta is None:
+                    return None
+            else:
+                delta = {} if text is None else {"content": text}
             choice = oai.chat_delta_choice(index, delta, self.logprobs(index, entries), finish)
         else:
             choice = oai.completion_choice(index, text or "", self.logprobs(index, entries),
@@ -72,6 +91,35 @@ class Shape:
         if usage is not None:
             body["usage"] = usage
         return body
+
+    def _tool_delta(self, index: int, text: str | None, entries: list[TokenLogprob],
+                    finish: str | None) -> tuple[dict | None, list[TokenLogprob], str | None]:
+        """A named function's arguments stream as they come, its first delta naming it;
+        'required''s list goes whole at the finish (or, cut short, as text)."""
+        choice = self.req.tool_choice
+        if choice != "required":
+            if text is None:
+                return {}, entries, _finish_of_calls(finish, True)
+            if index in self._called:
+                return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, \
+                    entries, None
+            self._called.add(index)
+            return {"tool_calls": [oai.tool_call(choice, text, 0)]}, entries, None
+        held, held_entries = self._held.get(index, ("", []))
+        if text is not None:
+            self._held[index] = (held + text, held_entries + entries)
+            return None, [], None
+        self._held.pop(index, None)
+        calls = oai.tool_calls(choice, held)
+        if calls is None:
+            return {"content": held}, held_entries, finish
+        return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, held_entries, \
+            _finish_of_calls(finish, calls)
+
+
+def _finish_of_calls(finish: str | None, calls) -> str | None:
+    """An output that made tool calls and ended where its grammar did: "tool_calls"."""
+    return "tool_calls" if calls is not None and finish == "stop" else finish
 
 
 async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
@@ -85,10 +133,9 @@ async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
                                type=delta.error_type)
             texts[index].append(delta.text)
             entries[index] += delta.logprobs
-    make = oai.chat_choice if shape.chat else oai.completion_choice
     body = {**shape.body(chunk=False),
-            "choices": [make(i, "".join(texts[i]), shape.logprobs(i, entries[i]),
-                             gen.finish_reason) for i, gen in enumerate(gens)],
+            "choices": [shape.choice(i, "".join(texts[i]), entries[i], gen.finish_reason)
+                        for i, gen in enumerate(gens)],
             "usage": shape.usage(gens)}
     top = shape.req.prompt_logprobs
     if top is not None and shape.chat:      # vLLM's places: a chat's one prompt, the answer's
@@ -132,8 +179,10 @@ async def _write_delta(response: web.StreamResponse, shape: Shape, index: int,
         await response.write(oai.sse(oai.error_body(f"generation failed: {delta.error}",
                                                     delta.error_type)))
         return
-    if delta.text or delta.logprobs:
-        await response.write(oai.sse(shape.chunk(index, delta.text, delta.logprobs, None,
-                                                 usage)))
+    chunks = [shape.chunk(index, delta.text, delta.logprobs, None, usage)] \
+        if delta.text or delta.logprobs else []
     if delta.finish_reason is not None:
-        await response.write(oai.sse(shape.chunk(index, None, [], delta.finish_reason, usage)))
+        chunks.append(shape.chunk(index, None, [], delta.finish_reason, usage))
+    for chunk in chunks:
+        if chunk is not None:
+            await response.write(oai.sse(chunk))

@@ -62,17 +62,20 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """`tools`: OpenAI's function definitions, for a template that shows them."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
         return render_chat_template(
             self.chat_template, messages, bos_token=self._token_text(self._bos_token_id),
             eos_token=self._token_text(self._eos_token_id),
-            add_generation_prompt=add_generation_prompt)
+            add_generation_prompt=add_generation_prompt, tools=tools)
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         # the template writes every special token itself (transformers does the same)
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools),
+                           add_special_tokens=False)
 
     def _token_text(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.id_to_token(token_id) or "")

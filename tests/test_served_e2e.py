@@ -203,6 +203,60 @@ def test_structured_outputs_served_as_in_process(served: Served):
                              extra_body={"guided_regex": "[a-"})
 
 
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False,
+                   "properties": {"city": {"type": "string", "enum": ["Paris", "Rome", "Oslo"]},
+                                  "unit": {"type": "string", "enum": ["C", "F"]}},
+                   "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False,
+                                       "properties": {"timezone": {"type": "string",
+                                                                   "enum": ["UTC", "CET"]}},
+                                       "required": ["timezone"]}}}
+
+
+def test_tool_calls_by_constrained_decoding(served: Served):
+    """A named function and 'required' give tool calls whose arguments follow the tools'
+    schemas, streamed or not, alike; 'auto' (no parser of the model's own format) is a 400;
+    a conversation that carries a call and its result goes on."""
+    import json
+
+    c = client(served)
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+               tools=[WEATHER, TIME], max_tokens=40, temperature=0)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    answer = c.chat.completions.create(**ask, tool_choice=named)
+    [call] = answer.choices[0].message.tool_calls
+    assert answer.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    arguments = json.loads(call.function.arguments)
+    assert arguments["city"] in ("Paris", "Rome", "Oslo") and arguments["unit"] in ("C", "F")
+    streamed, names = "", []
+    for chunk in c.chat.completions.create(**ask, tool_choice=named, stream=True):
+        for delta_call in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            names += [delta_call.function.name] if delta_call.function.name else []
+            streamed += delta_call.function.arguments or ""
+    assert names == ["get_weather"] and streamed == call.function.arguments
+    ask["max_tokens"] = 120                               # a list is longer
+    required = c.chat.completions.create(**ask, tool_choice="required")
+    calls = required.choices[0].message.tool_calls
+    assert calls and all(cl.function.name in ("get_weather", "get_time") for cl in calls)
+    assert required.choices[0].finish_reason == "tool_calls"
+    streamed = [cl for chunk in c.chat.completions.create(**ask, tool_choice="required",
+                                                          stream=True)
+                if chunk.choices for cl in chunk.choices[0].delta.tool_calls or []]
+    assert [(cl.function.name, cl.function.arguments) for cl in streamed] == \
+        [(cl.function.name, cl.function.arguments) for cl in calls]
+    with pytest.raises(openai.BadRequestError, match="tool-call format"):
+        c.chat.completions.create(**ask)                     # tool_choice 'auto', the default
+    # the call and its result in the history, then an answer in words
+    history = ask["messages"] + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"}]
+    reply = c.chat.completions.create(**{**ask, "messages": history}, tool_choice="none")
+    assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
+
+
 def test_echo_with_logprobs_scores_a_prompt_as_in_process(served: Served):
     """The request evaluation harnesses send to score a text (echo, logprobs, one token):
     the prompt's log-probabilities equal the in-process engine's, through the worker's

@@ -154,3 +154,52 @@ def test_greedy_structured_output_matches_transformers(constrained_refs, tokeniz
         else:
             assert len(text) == 10 and text[4] == text[7] == "-"
 
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def test_a_tool_choice_becomes_the_constraint_of_its_calls():
+    from gateway.openai_schema import parse_chat
+    named = parse_chat({**CHAT, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "get_weather"}}})
+    assert named.tool_choice == "get_weather" and named.tools == (TOOL,)
+    assert json.loads(named.structured_outputs[1]) == TOOL["function"]["parameters"]
+    required = parse_chat({**CHAT, "tools": [TOOL], "tool_choice": "required",
+                           "parallel_tool_calls": False})
+    calls = json.loads(required.structured_outputs[1])
+    assert calls["type"] == "array" and calls["maxItems"] == 1
+    assert calls["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+    none = parse_chat({**CHAT, "tools": [TOOL], "tool_choice": "none"})
+    assert (none.tools, none.tool_choice, none.structured_outputs) == ((), None, None)
+
+
+@pytest.mark.parametrize("fields,param,says", [
+    ({"tools": [TOOL]}, "tool_choice", "tool-call format"),                # auto, the default
+    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "must name one of the tools"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"},
+     "tools", "tools\\[0\\] must be"),
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice", "one constraint"),
+])
+def test_a_tool_request_that_cannot_be_served_says_why(fields, param, says):
+    from gateway.openai_schema import APIError, parse_chat
+    with pytest.raises(APIError, match=says) as e:
+        parse_chat({**CHAT, **fields})
+    assert e.value.param == param
+
+
+def test_tool_calls_read_from_the_output():
+    from gateway.openai_schema import tool_calls
+    [call] = tool_calls("get_weather", '{"city": "Oslo"}')
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Oslo"}'}
+    calls = tool_calls("required", '[{"name": "a", "parameters": {"x": 1}}, '
+                                   '{"name": "b", "parameters": {}}]')
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [("a", '{"x": 1}'), ("b", "{}")]
+    assert len({c["id"] for c in calls}) == 2
+    assert tool_calls("required", '[{"name": "a", "param') is None        # cut short
