@@ -75,11 +75,13 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
     """Set to -inf, in place, each listed row's logits of the tokens its matcher does not
     allow next. The masks are computed on the host (one bit a token) and unpacked on the
     logits' device; columns past the masks' vocabulary are never allowed."""
-    from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
+    # llguidance.torch is not imported: it compiles a kernel of its own with torch.compile
+    # (and imports dynamo, ~2 s) where a shift and a fill do
     vocab = logits.shape[1]
-    bits = allocate_token_bitmask(len(rows), vocab)           # int32 [R, ceil(V / 32)]
+    bits = torch.empty((len(rows), -(-vocab // 32)), dtype=torch.int32)
+    row_bytes = bits.shape[1] * 4
     for i, m in enumerate(matchers):
-        fill_next_token_bitmask(m, bits, i)
+        m.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
     bits = bits.to(logits.device, non_blocking=True)
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     allowed = ((bits[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()

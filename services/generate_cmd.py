@@ -71,7 +71,6 @@ def _stop_strings(stop) -> tuple[str, ...]:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise InvalidRequestError("stop must be a string or a list of strings")
     return tuple(s for s in stops if s)
-    return prompts, params
 
 
 def _tokens_of(item, tokenizer) -> list[int]:

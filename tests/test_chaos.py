@@ -1,4 +1,5 @@
-"""Chaos with real processes: 32 concurrent greedy streams against `pacer up` while a worker
+"""Chaos with real processes: 32 concurrent greedy streams (every fourth under a grammar)
+against `pacer up` while a worker
 is killed (-9), then the scheduler, then Redis is restarted.
 
 After a worker's or the scheduler's death every stream must end with exactly the text of an
@@ -44,9 +45,15 @@ PREAMBLE = ("Answer in plain English, one short paragraph, no lists, no headings
             "apologies; if a question is unclear, guess the likeliest meaning and say so. ")
 
 
+# every fourth stream under a grammar whose matcher a recovery must rebuild from the tokens
+# (longer than MAX_TOKENS can reach, so those streams too end by length)
+GRAMMAR = {"regex": "[a-z ,.]{600}"}
+
+
 def body(i: int) -> dict:
+    limits = {"structured_outputs": GRAMMAR} if i % 4 == 3 else {"ignore_eos": True}
     return {"model": "smollm2-135m", "prompt": f"{PREAMBLE}{PROMPTS[i % len(PROMPTS)]} ({i})",
-            "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            "max_tokens": MAX_TOKENS, "temperature": 0, **limits}
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +73,7 @@ def served(tmp_path_factory):
 def reference(served: Served) -> list[str]:
     results, _ = asyncio.run(run_streams(served, None))
     assert all(r.error is None and r.finish_reason == "length" for r in results)
+    assert all(set(r.text) <= set("abcdefghijklmnopqrstuvwxyz ,.") for r in results[3::4])
     end = time.monotonic() + 5.0         # the stats hash is written on going idle
     while served.metrics().get("pacer:prefix_cache_hits_total", 0) == 0:
         assert time.monotonic() < end, "no stream took the preamble from the prefix cache"
