@@ -1,6 +1,5 @@
 """Chaos with real processes: 32 concurrent greedy streams (every fourth under a grammar)
-against `pacer up` while a worker
-is killed (-9), then the scheduler, then Redis is restarted.
+against `pacer up` while a worker is killed (-9), then the scheduler, then Redis is restarted.
 
 After a worker's or the scheduler's death every stream must end with exactly the text of an
 undisturbed run (no token missing, none repeated); after Redis restarts (it keeps nothing)
