@@ -9,11 +9,13 @@ output tokens so far, so its state is a function of the tokens alone.
 """
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterable, Sequence
 
 import structlog
 import torch
+import torch.nn.functional as F
 
 from shared.model_source import ModelSource
 from shared.sampling import SamplingParams
@@ -73,17 +75,26 @@ class Grammars:
 
 def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
     """Set to -inf, in place, each listed row's logits of the tokens its matcher does not
-    allow next. The masks are computed on the host (one bit a token) and unpacked on the
-    logits' device; columns past the masks' vocabulary are never allowed."""
+    allow next. The masks are computed on the host, one bit a token, and widened on the
+    logits' device by a table of 256 bytes' eight (0 or -inf) values: added to the logits,
+    an allowed one is unchanged (x + 0) and the others -inf. (A boolean masked_fill over the
+    vocabulary costs 7x as much on a CPU: 3.3 ms against 0.5 at 32 rows.)"""
     # llguidance.torch is not imported: it compiles a kernel of its own with torch.compile
-    # (and imports dynamo, ~2 s) where a shift and a fill do
+    # (and imports dynamo, ~2 s)
     vocab = logits.shape[1]
     bits = torch.empty((len(rows), -(-vocab // 32)), dtype=torch.int32)
     row_bytes = bits.shape[1] * 4
     for i, m in enumerate(matchers):
         m.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
-    bits = bits.to(logits.device, non_blocking=True)
-    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
-    allowed = ((bits[:, :, None] >> shifts) & 1).flatten(1)[:, :vocab].bool()
+    byte_values = bits.view(torch.uint8).to(logits.device, non_blocking=True).long()
+    additive = F.embedding(byte_values, _byte_table(logits.device, logits.dtype)).flatten(1)
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-    logits[index] = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    logits.index_add_(0, index, additive[:, :vocab])
+
+
+@functools.lru_cache(maxsize=8)
+def _byte_table(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: byte b's bit k (little-endian: token 8j + k of byte j) as 0 (allowed) or
+    -inf."""
+    bits = (torch.arange(256)[:, None] >> torch.arange(8)) & 1
+    return torch.where(bits.bool(), 0.0, float("-inf")).to(device=device, dtype=dtype)
