@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from shared.errors import InvalidRequestError
-from shared.structured import KINDS, structured_pair
 from shared.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                              MAX_REPETITION_PENALTY)
+from shared.structured import KINDS, structured_pair
 
 MAX_LOGPROBS = 20
 NAMED_TOOL_CHOICE = '{"type": "function", "function": {"name": ...}}'
@@ -300,8 +300,8 @@ def _tool_choice(body: dict, endpoint: str) -> tuple[tuple[dict, ...], str | Non
     format; none is built in (as vLLM without --tool-call-parser), so it is refused."""
     tools = _field(body, "tools", (list,), None) or []
     choice = _field(body, "tool_choice", (str, dict), "auto" if tools else "none")
-    if not tools and choice == "none":
-        return (), None
+    if not tools and choice in ("none", "auto"):
+        return (), None                  # nothing to call
     if endpoint != "chat":
         raise APIError("'tools' are served on /v1/chat/completions only", param="tools")
     names = [_tool_name(t, i) for i, t in enumerate(tools)]
