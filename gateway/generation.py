@@ -49,14 +49,14 @@ class Generation:
                  stop: tuple[str, ...], tokenizer: Tokenizer, upstream: Upstream,
                  router: TokenRouter, metrics: GatewayMetrics, arrival: float,
                  slot: WaitingSlot | None = None, timeout_s: float | None = None,
-                 echo: str | None = None) -> None:
+                 echo: str | None = None, include_stop: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self._tokenizer = tokenizer
         self._upstream, self._router, self._metrics = upstream, router, metrics
         self._text = TextOutput(IncrementalDetokenizer(tokenizer, prompt_token_ids), stop,
-                                sampling.min_tokens)
+                                sampling.min_tokens, include_stop)
         self._arrival = arrival                 # time.monotonic() when the request came in
         self._last_token_at: float | None = None
         self._submitted = False

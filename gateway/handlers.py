@@ -52,11 +52,14 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                             arrival: float) -> web.StreamResponse:
     req = parse(await _read_json(request, state.config.max_body_bytes))
     _check_model(req.model, state)
-    prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer)
+    prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer,
+                                      state.max_model_len)
     samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
                  for ids in prompts]
     # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
-    echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in req.prompts] \
+    # (a truncated prompt: the text of the tokens kept)
+    echoes = [p if isinstance(p, str) and req.truncate_prompt_tokens is None
+              else state.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)] \
         if req.echo else [None] * len(prompts)
     choices = [(ids, choice_sampling(sampling, j), echo)
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]
@@ -73,7 +76,8 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                 prompt_token_ids=ids, sampling=sampling, stop=req.stop,
                 tokenizer=state.tokenizer, upstream=state.upstream, router=state.router,
                 metrics=state.metrics, arrival=arrival, slot=place,
-                timeout_s=req.timeout or state.config.request_timeout_s, echo=echo))
+                timeout_s=req.timeout or state.config.request_timeout_s, echo=echo,
+                include_stop=req.include_stop_str_in_output))
                 for index, ((ids, sampling, echo), place) in enumerate(zip(choices, slots))]
             for gen in gens:        # one by one: a failed start leaves none in flight
                 await _start(gen, state)

@@ -89,6 +89,9 @@ class GenerationRequest:
     echo: bool = False                      # completions: the prompt before the output
     prompt_logprobs: int | None = None      # vLLM's: the prompt's, in the answer (top-N)
     structured_outputs: tuple[str, str] | None = None   # what the output must match (kind, text)
+    include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text
+    allowed_token_ids: tuple[int, ...] = ()   # vLLM's: only these may be drawn
+    truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last N tokens
     tools: tuple[dict, ...] = ()            # chat: shown to the template
     tool_choice: str | None = None          # "required" or a function's name: tool calls out
     timeout: float | None = None            # seconds; pacer's extension: a deadline
@@ -293,6 +296,16 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
         raise APIError("'suffix' is not supported", param="suffix")
 
 
+def _truncate_prompt_tokens(body: dict) -> int | None:
+    """vLLM's truncate_prompt_tokens: keep the prompt's last N tokens (N >= 1; -1: as many as
+    the model's context takes with the answer, which prompts.py resolves)."""
+    n = _field(body, "truncate_prompt_tokens", (int,), None)
+    if n is not None and n < 1 and n != -1:
+        raise APIError(f"'truncate_prompt_tokens' must be at least 1, or -1 (the model's "
+                       f"context), got {n}", param="truncate_prompt_tokens")
+    return n
+
+
 def _tool_choice(body: dict, endpoint: str) -> tuple[tuple[dict, ...], str | None]:
     """The tools the chat template is shown, and what the output must be: "required" (a
     list of calls to any of them), a function's name (one call of it), or None (text).
@@ -483,6 +496,10 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         continuous_usage=include_usage and continuous_usage, n=n,     # vLLM's: only with it
         echo=echo,
         prompt_logprobs=prompt_logprobs, tools=tools, tool_choice=tool_choice,
+        include_stop_str_in_output=_field(body, "include_stop_str_in_output", (bool,), False),
+        allowed_token_ids=tuple(_int_list(_field(body, "allowed_token_ids", (list,), []),
+                                          "allowed_token_ids")),
+        truncate_prompt_tokens=_truncate_prompt_tokens(body),
         structured_outputs=_structured_outputs(body, tools, tool_choice),
         timeout=None if timeout is None else float(timeout))
 

@@ -66,6 +66,14 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                                  "most likely one are not drawn"},
         "stop": {**_STOP, "nullable": True},
         "stop_token_ids": {"type": "array", "items": token_id, "nullable": True},
+        "allowed_token_ids": {"type": "array", "items": token_id, "nullable": True,
+                              "description": "vLLM's: only these ids may be drawn"},
+        "include_stop_str_in_output": {"type": "boolean", "nullable": True,
+                                       "description": "vLLM's: the text ends with the stop "
+                                                      "string, not before it"},
+        "truncate_prompt_tokens": {"type": "integer", "minimum": -1, "nullable": True,
+                                   "description": "vLLM's: only the prompt's last N tokens "
+                                                  "(-1: the model's context)"},
         "ignore_eos": {"type": "boolean", "nullable": True},
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
               "description": f"choices per prompt; at most {MAX_CHOICES} over all prompts"},

@@ -10,13 +10,18 @@ from shared.tokenizer import Tokenizer
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 
 
-def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer) -> list[list[int]]:
-    """Each prompt's ids (chat: one, its template rendered first). CPU-bound: run it off the
-    event loop."""
+def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer,
+                     max_model_len: int) -> list[list[int]]:
+    """Each prompt's ids (chat: one, its template rendered first), the last
+    `truncate_prompt_tokens` of them if asked (-1: the model's context). CPU-bound: run it off
+    the event loop."""
     if req.endpoint == "chat":
-        return [_nonempty(tokenizer.encode_chat(req.messages, list(req.tools) or None),
-                          "messages")]
-    return [_nonempty(_prompt_ids(p, tokenizer), "prompt") for p in req.prompts]
+        prompts = [_nonempty(tokenizer.encode_chat(req.messages, list(req.tools) or None),
+                             "messages")]
+    else:
+        prompts = [_nonempty(_prompt_ids(p, tokenizer), "prompt") for p in req.prompts]
+    keep = max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+    return prompts if keep is None else [ids[-keep:] for ids in prompts]
 
 
 def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
@@ -67,6 +72,7 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                        f"{max_tokens}, {num_prompt_tokens + max_tokens} in all",
                        param="max_tokens", code="context_length_exceeded")
     check_vocabulary([t for t, _ in req.logit_bias], tokenizer, "logit_bias")
+    check_vocabulary(list(req.allowed_token_ids), tokenizer, "allowed_token_ids")
     # the scheduler stops on the primary EOS itself; other end-of-turn ids are stop tokens
     extra_eos = () if req.ignore_eos else tuple(
         t for t in tokenizer.eos_token_ids if t != tokenizer.eos_token_id)
@@ -78,6 +84,7 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                           frequency_penalty=req.frequency_penalty,
                           repetition_penalty=req.repetition_penalty,
                           logit_bias=req.logit_bias, min_tokens=req.min_tokens, min_p=req.min_p,
+                          allowed_token_ids=req.allowed_token_ids,
                           prompt_logprobs=_prompt_logprobs(req),
                           structured_outputs=req.structured_outputs)
 

@@ -100,7 +100,8 @@ class Sampler:
         ids (and the log-probabilities asked for) reach the host in one copy.
         Log-probabilities are the model's, before any penalty (as vLLM's)."""
         raw = logits
-        adjusted = {i: (p, counts[i]) for i, p in enumerate(params) if p.adjusts_logits}
+        adjusted = {i: (p, counts[i] if counts is not None else None)
+                    for i, p in enumerate(params) if p.adjusts_logits}
         banned = [(i, t) for i, p in enumerate(params) if p.min_tokens > output_index[i]
                   for t in p.suppressed(output_index[i], eos_token_ids)]
         if adjusted or banned:
@@ -194,15 +195,18 @@ def apply_penalties(logits: torch.Tensor,
     on the tokens of the prompt and the output, in transformers' form (a logit below 0 times
     the penalty, any other divided by it), so greedy output matches its `repetition_penalty`
     bit for bit; then the frequency penalty times each token's count in the output, and the
-    presence penalty once for each token there. Last, each (row, token) of `banned` (a
-    request short of its min_tokens: what would end it) is masked out."""
+    presence penalty once for each token there. Last, a row with allowed_token_ids has every
+    other id masked out (-inf), and so has each (row, token) of `banned` (a request short of
+    its min_tokens: what would end it)."""
     out = logits.clone(memory_format=torch.contiguous_format)   # a vocabulary slice too
     flat, vocab, device = out.view(-1), out.shape[1], out.device
     bias: list[tuple[int, float]] = []
+    allowed: list[tuple[int, int]] = []
     rep: list[tuple[torch.Tensor, float]] = []
     freq: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
     for i, (p, counts) in rows.items():
         bias += [(i * vocab + t, b) for t, b in p.logit_bias]
+        allowed += [(i, t) for t in p.allowed_token_ids if t < vocab]
         if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
             continue
         c = counts.update(device)
@@ -226,6 +230,12 @@ def apply_penalties(logits: torch.Tensor,
         f = _per_entry([f for *_, f, _ in freq], sizes, out.dtype, device)
         pres = _per_entry([p for *_, p in freq], sizes, out.dtype, device)
         flat.index_add_(0, at, -(n * f + pres))
+    if allowed:          # vLLM's allowed_token_ids: every other id of those rows masked
+        rows_of = sorted({i for i, _ in allowed})
+        keep = torch.full((len(rows_of), vocab), float("-inf"), dtype=out.dtype, device=device)
+        at = {i: k for k, i in enumerate(rows_of)}
+        keep[_ids([at[i] for i, _ in allowed], device), _ids([t for _, t in allowed], device)] = 0
+        out.index_add_(0, _ids(rows_of, device), keep)
     banned = [(i, t) for i, t in banned if t < vocab]
     if banned:
         at, ids = zip(*banned)

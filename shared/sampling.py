@@ -41,12 +41,18 @@ class SamplingParams:
     # the prompt's own log-probabilities (each prompt token's given those before it), as
     # OpenAI's `echo` with `logprobs` returns them: None: none; 0: the token's; N: plus top-N
     prompt_logprobs: int | None = None
+    # vLLM's: only these ids may be drawn (empty: any)
+    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # what the output must match (shared/structured.py): (kind, text), e.g. ("json", a JSON
     # schema); vLLM's {kind: spec} is taken too. None: free text
     structured_outputs: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "allowed_token_ids",
+                           tuple(sorted({int(t) for t in self.allowed_token_ids})))
+        if any(t < 0 for t in self.allowed_token_ids):
+            raise InvalidRequestError("allowed_token_ids must be token ids >= 0")
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else \
             self.logit_bias                   # OpenAI's {"id": bias} too (offline input)
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b))
@@ -89,9 +95,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the sampler changes this request's logits first (a bias, a penalty)."""
+        """Whether the sampler changes this request's logits first (a bias, a penalty, a set
+        of allowed ids)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or
-                    self.repetition_penalty != 1.0)
+                    self.repetition_penalty != 1.0 or self.allowed_token_ids)
 
     def suppressed(self, output_index: int, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
         """The ids the sampler must not draw as output token `output_index` (0-based): before
@@ -116,6 +123,7 @@ class SamplingParams:
         d = asdict(self)
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
+        d["allowed_token_ids"] = list(self.allowed_token_ids)
         return d
 
     @classmethod

@@ -13,16 +13,18 @@ from shared.detokenizer import IncrementalDetokenizer
 
 class TextOutput:
     def __init__(self, detokenizer: IncrementalDetokenizer, stop: tuple[str, ...] = (),
-                 min_tokens: int = 0) -> None:
+                 min_tokens: int = 0, include_stop: bool = False) -> None:
         self._detok = detokenizer
         self._stop = stop
+        self._include_stop = include_stop      # vLLM's include_stop_str_in_output
         self._longest_stop = max((len(s) for s in stop), default=0)
         # vLLM's min_tokens: a stop string counts only once the text has this many tokens
         # (and then only where it ends in the newest token's text, as every search)
         self._min_tokens = min_tokens
         self._tokens = 0
         self.text = ""
-        self.stopped = False      # a stop string was found; text ends right before it
+        self.stopped = False      # a stop string was found; text ends right before it (or
+        #                           with it, include_stop)
         self._sent = 0
 
     def add(self, token_id: int) -> None:
@@ -57,9 +59,10 @@ class TextOutput:
             return
         # a stop string that ends in the new text starts at most len(stop)-1 chars before it
         start = max(0, before - self._longest_stop + 1)
-        hits = [i for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        hits = [(i, len(s)) for s in self._stop if (i := self.text.find(s, start)) >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            at, length = min(hits)
+            self.text = self.text[:at + length if self._include_stop else at]
             self.stopped = True
 
     def _held_back(self) -> int:

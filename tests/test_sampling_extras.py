@@ -124,3 +124,48 @@ def test_the_api_passes_them_on():
         SamplingParams(max_tokens=2, min_tokens=3)
     p = SamplingParams(max_tokens=4, min_tokens=3, min_p=0.1)
     assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+def test_allowed_token_ids_leave_only_those_to_draw():
+    logits = torch.tensor([[5.0, 1.0, 0.5, 3.0]] * 200)
+    only = (1, 2)
+    greedy = Sampler().sample(logits[:1], [SamplingParams(temperature=0.0,
+                                                          allowed_token_ids=only)], [0])
+    assert greedy[0].token_id == 1                          # the best of those allowed
+    drawn = Sampler().sample(logits, [SamplingParams(temperature=1.0, seed=s,
+                                                     allowed_token_ids=only)
+                                      for s in range(200)], [0] * 200)
+    assert {t.token_id for t in drawn} == {1, 2}
+    mixed = Sampler().sample(logits[:2], [SamplingParams(temperature=0.0),
+                                          SamplingParams(temperature=0.0, allowed_token_ids=(3,))],
+                             [0, 0])
+    assert [t.token_id for t in mixed] == [0, 3]            # the other row untouched
+    assert SamplingParams.from_dict(SamplingParams(allowed_token_ids=[3, 1, 3]).to_dict()) \
+        .allowed_token_ids == (1, 3)
+
+
+def test_a_stop_string_kept_in_the_text_when_asked(tokenizer):
+    ids = tokenizer.encode(" one, two, stop here, three")
+
+    def text(include: bool) -> str:
+        out = TextOutput(IncrementalDetokenizer(tokenizer, []), ("stop",), include_stop=include)
+        for t in ids:
+            out.add(t)
+        out.finish()
+        return out.text
+
+    assert text(False) == " one, two, "
+    assert text(True) == " one, two, stop"
+
+
+def test_truncate_prompt_tokens_keeps_the_last_ones(tokenizer):
+    from gateway.prompts import prompt_token_ids
+    body = {"model": "m", "prompt": "one two three four five six seven"}
+    whole = prompt_token_ids(parse_completion(body), tokenizer, 2048)[0]
+    kept = prompt_token_ids(parse_completion({**body, "truncate_prompt_tokens": 3}), tokenizer,
+                            2048)[0]
+    assert kept == whole[-3:] and len(whole) > 3
+    assert prompt_token_ids(parse_completion({**body, "truncate_prompt_tokens": -1}), tokenizer,
+                            4)[0] == whole[-4:]
+    with pytest.raises(APIError, match="truncate_prompt_tokens"):
+        parse_completion({**body, "truncate_prompt_tokens": 0})

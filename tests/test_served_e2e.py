@@ -257,6 +257,24 @@ def test_tool_calls_by_constrained_decoding(served: Served):
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
 
 
+def test_vllm_allowed_ids_stop_string_kept_and_prompt_truncated(served: Served):
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+    tok = load_tokenizer(resolve_model(None))
+    c = client(served)
+    allowed = tok.encode(" yes no")
+    picked = c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                                  extra_body={"allowed_token_ids": allowed})
+    assert picked.choices[0].text.replace(" yes", "").replace(" no", "") == ""
+    counted = c.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12,
+                                   temperature=0, stop=["5"],
+                                   extra_body={"include_stop_str_in_output": True})
+    assert counted.choices[0].text.endswith("5") and counted.choices[0].finish_reason == "stop"
+    cut = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=2, temperature=0,
+                               extra_body={"truncate_prompt_tokens": 4})
+    assert cut.usage.prompt_tokens == 4
+
+
 def test_echo_with_logprobs_scores_a_prompt_as_in_process(served: Served):
     """The request evaluation harnesses send to score a text (echo, logprobs, one token):
     the prompt's log-probabilities equal the in-process engine's, through the worker's
