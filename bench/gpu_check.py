@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     k = report.get("kernels", {})
     ok = not any("error" in v for v in report.values() if isinstance(v, dict)) and \
         p["greedy_equal"] and p["bf16_top1_agreement"] >= p["bf16_threshold"] and \
-        p["prompt_logprobs_max_abs_error"] < 1e-3 and \
+        p["prompt_logprobs_max_abs_error"] < 1e-3 and p["structured_equal"] and \
         k.get("rope_store_equal", True) and k.get("argmax_equal", True) and \
         all(err < (1e-3 if key.startswith("float32") else 0.1) for key, err in
             k.get("split_decodes_max_abs_error_against_torch", {}).items())
@@ -130,8 +130,18 @@ def _prompt_logprobs(engine, prompt: list[int]) -> list[float]:
     return [c.prompt_logprobs[pos].logprob for pos in range(1, len(prompt))]
 
 
+def _constrained(engine, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy under a grammar (structured outputs): the mask is unpacked on the device."""
+    from shared.sampling import SamplingParams
+    sp = SamplingParams(temperature=0.0, max_tokens=12,
+                        structured_outputs={"regex": "[0-9]{3}-[a-z]{4}"})
+    return [c.token_ids for c in engine.generate(prompts, [sp] * len(prompts))]
+
+
 def _teacher_forced_logits(engine, ids: list[int]):
-    """logits of every position of one prefill of `ids`: [len(ids), V] float32 on the host."""
+    """logits of every position of one prefill of `ids`: [len(ids), V] float32 on the host.
+    Its K/V go into the pool's first blocks, which the scheduler does not know of: the
+    engine's last use."""
     import torch
     from gpu_worker.attention import Chunk, build_attention_metadata
     runner = engine.runner
@@ -179,14 +189,17 @@ def parity(tmp: str, device: str, backend: str, smoke: bool) -> dict:
 
     ref = _engine(model, "cpu", "float32", "torch")
     ref_tokens = _greedy(ref, prompts, steps)
+    ref_scored = _prompt_logprobs(ref, prompts[-1])
+    ref_constrained = _constrained(ref, prompts)
+    # last: it writes K/V into the pool's first blocks behind the prefix cache's back
     ref_logits = _teacher_forced_logits(ref, forced)
     ref_top1 = ref_logits.argmax(-1)
-    ref_scored = _prompt_logprobs(ref, prompts[-1])
     ref.shutdown()
 
     dut = _engine(model, device, "float32", backend)
     dut_tokens = _greedy(dut, prompts, steps)
     dut_scored = _prompt_logprobs(dut, prompts[-1])
+    dut_constrained = _constrained(dut, prompts)
     dut.shutdown()
     # bf16 on the device (on CPU the residual stream stays float32: shared/config.py)
     bf = _engine(model, device, "bfloat16", backend)
@@ -200,6 +213,8 @@ def parity(tmp: str, device: str, backend: str, smoke: bool) -> dict:
             # echo with logprobs on the device, float32, against the CPU's
             "prompt_logprobs_max_abs_error": max(abs(a - b) for a, b in zip(dut_scored,
                                                                              ref_scored)),
+            # greedy under a grammar, its mask applied on the device, against the CPU's
+            "structured_equal": dut_constrained == ref_constrained,
             "bf16_positions": positions,
             "bf16_top1_agreement": float((bf_top1 == ref_top1).float().mean()),
             # the same measure for transformers' own bfloat16 model on the device: what
