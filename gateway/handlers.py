@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.metadata
 import json
 import time
 import uuid
@@ -25,6 +26,10 @@ from gateway.state import STATE, GatewayState, WaitingSlot
 log = structlog.get_logger("gateway.handlers")
 
 RETRY_AFTER_S = 1
+try:
+    PACKAGE_VERSION = importlib.metadata.version("pacer")
+except importlib.metadata.PackageNotFoundError:      # run from a checkout, not installed
+    PACKAGE_VERSION = "unknown"
 SUBSCRIBE_WAIT_S = 2.0
 
 
@@ -176,6 +181,19 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response(oai.models_list(state.served_model_name, state.max_model_len))
 
 
+async def model(request: web.Request) -> web.Response:
+    """OpenAI's retrieve-model: the served model's entry, or a 404."""
+    state = request.app[STATE]
+    _check_model(request.match_info["model"], state)
+    [entry] = oai.models_list(state.served_model_name, state.max_model_len)["data"]
+    return web.json_response(entry)
+
+
+async def version(request: web.Request) -> web.Response:
+    """vLLM's /version: this package's."""
+    return web.json_response({"version": PACKAGE_VERSION})
+
+
 async def health(request: web.Request) -> web.Response:
     """200 only while a scheduler and every worker rank keep their heartbeat keys alive."""
     state = request.app[STATE]
@@ -208,6 +226,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model}", model)
+    app.router.add_get("/version", version)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)

@@ -223,6 +223,13 @@ def openapi_spec(model: str, max_model_len: int, vocab_size: int) -> dict[str, A
             "/v1/chat/completions": _generation_path(
                 "chat completion", "#/components/schemas/ChatCompletionRequest"),
             "/v1/models": _get("the served model"),
+            "/v1/models/{model}": {"get": {
+                "summary": "the served model's entry, or a 404",
+                "parameters": [{"name": "model", "in": "path", "required": True,
+                                "schema": {"type": "string"}}],
+                "responses": {"200": {"description": "the model"},
+                              "404": {"description": "no such model"}}}},
+            "/version": _get("this server's version (vLLM's)"),
             "/tokenize": _tokenizer_path("a prompt's token ids (vLLM's)",
                                          "#/components/schemas/TokenizeRequest"),
             "/detokenize": _tokenizer_path("token ids' text (vLLM's)",

@@ -6,6 +6,7 @@ through Redis exactly as in production; what answers them is `FakeScheduler` bel
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import re
 from dataclasses import dataclass
@@ -216,6 +217,13 @@ async def test_models_lists_the_served_model(h: Harness) -> None:
     assert r.status == 200
     assert [m["id"] for m in body["data"]] == [MODEL]
     assert body["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    async with h.session.get(h.url + f"/v1/models/{MODEL}") as r:
+        assert r.status == 200 and (await r.json())["id"] == MODEL
+    async with h.session.get(h.url + "/v1/models/another") as r:
+        assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    async with h.session.get(h.url + "/version") as r:
+        assert r.status == 200 and (await r.json())["version"] == importlib.metadata.version(
+            "pacer")
 
 
 async def test_completion_shape_usage_and_the_request_message(h: Harness) -> None:
