@@ -91,6 +91,7 @@ class GenerationRequest:
     structured_outputs: tuple[str, str] | None = None   # what the output must match (kind, text)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text
     allowed_token_ids: tuple[int, ...] = ()   # vLLM's: only these may be drawn
+    bad_words: tuple[str, ...] = ()           # vLLM's: words never completed
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last N tokens
     tools: tuple[dict, ...] = ()            # chat: shown to the template
     tool_choice: str | None = None          # "required" or a function's name: tool calls out
@@ -160,6 +161,13 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
                            f"for token {key}", param="logit_bias")
         pairs.append((token, float(value)))
     return tuple(pairs)
+
+
+def _bad_words(body: dict) -> tuple[str, ...]:
+    words = _field(body, "bad_words", (list,), [])
+    if not all(isinstance(w, str) and w.strip() for w in words):
+        raise APIError("'bad_words' must be a list of non-blank strings", param="bad_words")
+    return tuple(words)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -499,6 +507,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         include_stop_str_in_output=_field(body, "include_stop_str_in_output", (bool,), False),
         allowed_token_ids=tuple(_int_list(_field(body, "allowed_token_ids", (list,), []),
                                           "allowed_token_ids")),
+        bad_words=_bad_words(body),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
         structured_outputs=_structured_outputs(body, tools, tool_choice),
         timeout=None if timeout is None else float(timeout))

@@ -68,6 +68,9 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "stop_token_ids": {"type": "array", "items": token_id, "nullable": True},
         "allowed_token_ids": {"type": "array", "items": token_id, "nullable": True,
                               "description": "vLLM's: only these ids may be drawn"},
+        "bad_words": {"type": "array", "nullable": True,
+                      "items": {"type": "string", "pattern": "\\S"},
+                      "description": "vLLM's: words the output never completes"},
         "include_stop_str_in_output": {"type": "boolean", "nullable": True,
                                        "description": "vLLM's: the text ends with the stop "
                                                       "string, not before it"},

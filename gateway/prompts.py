@@ -85,8 +85,15 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                           repetition_penalty=req.repetition_penalty,
                           logit_bias=req.logit_bias, min_tokens=req.min_tokens, min_p=req.min_p,
                           allowed_token_ids=req.allowed_token_ids,
+                          bad_words_token_ids=bad_words_token_ids(req.bad_words, tokenizer),
                           prompt_logprobs=_prompt_logprobs(req),
                           structured_outputs=req.structured_outputs)
+
+
+def bad_words_token_ids(words: tuple[str, ...], tokenizer: Tokenizer) -> list[list[int]]:
+    """vLLM's bad_words as token sequences: each word as it would start the text and as it
+    would come after a space."""
+    return [tokenizer.encode(prefix + w.lstrip()) for w in words for prefix in ("", " ")]
 
 
 def _prompt_logprobs(req: GenerationRequest) -> int | None:

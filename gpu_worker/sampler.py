@@ -158,6 +158,11 @@ class TokenCounts:
         self._at: dict[int, int] = {}           # output token -> its place in out_ids
         self.seen_ids = self.out_ids = self.out_counts = None
 
+    @property
+    def output(self) -> list[int]:
+        """The request's output tokens so far."""
+        return self.tokens[self.num_prompt:]
+
     def update(self, device: torch.device) -> "TokenCounts":
         if self.seen_ids is None:
             self.seen_ids = torch.empty(0, dtype=torch.int64, device=device)
@@ -182,6 +187,14 @@ class TokenCounts:
         return self
 
 
+def bad_word_ends(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The ids that would complete one of `words` (token sequences) after `output`: each
+    word's last token, where the output ends with the rest of it (a one-token word: always)."""
+    return [w[-1] for w in words
+            if len(w) == 1 or (len(w) - 1 <= len(output) and
+                               list(output[len(output) - len(w) + 1:]) == list(w[:-1]))]
+
+
 def _ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64, device=device)
 
@@ -197,16 +210,19 @@ def apply_penalties(logits: torch.Tensor,
     bit for bit; then the frequency penalty times each token's count in the output, and the
     presence penalty once for each token there. Last, a row with allowed_token_ids has every
     other id masked out (-inf), and so has each (row, token) of `banned` (a request short of
-    its min_tokens: what would end it)."""
+    its min_tokens: what would end it) and each token that would complete a bad word."""
     out = logits.clone(memory_format=torch.contiguous_format)   # a vocabulary slice too
     flat, vocab, device = out.view(-1), out.shape[1], out.device
     bias: list[tuple[int, float]] = []
     allowed: list[tuple[int, int]] = []
+    bad: list[tuple[int, int]] = []
     rep: list[tuple[torch.Tensor, float]] = []
     freq: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
     for i, (p, counts) in rows.items():
         bias += [(i * vocab + t, b) for t, b in p.logit_bias]
         allowed += [(i, t) for t in p.allowed_token_ids if t < vocab]
+        if p.bad_words_token_ids:
+            bad += [(i, t) for t in bad_word_ends(p.bad_words_token_ids, counts.output)]
         if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
             continue
         c = counts.update(device)
@@ -236,7 +252,7 @@ def apply_penalties(logits: torch.Tensor,
         at = {i: k for k, i in enumerate(rows_of)}
         keep[_ids([at[i] for i, _ in allowed], device), _ids([t for _, t in allowed], device)] = 0
         out.index_add_(0, _ids(rows_of, device), keep)
-    banned = [(i, t) for i, t in banned if t < vocab]
+    banned = [(i, t) for i, t in [*banned, *bad] if t < vocab]
     if banned:
         at, ids = zip(*banned)
         out[_ids(at, device), _ids(ids, device)] = float("-inf")

@@ -43,6 +43,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # vLLM's: only these ids may be drawn (empty: any)
     allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # vLLM's bad_words, as token sequences: a sequence's last token is never drawn where the
+    # output so far ends with the rest of it (the gateway tokenizes each word, with and
+    # without a leading space)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
     # what the output must match (shared/structured.py): (kind, text), e.g. ("json", a JSON
     # schema); vLLM's {kind: spec} is taken too. None: free text
     structured_outputs: tuple[str, str] | None = None
@@ -53,6 +57,11 @@ class SamplingParams:
                            tuple(sorted({int(t) for t in self.allowed_token_ids})))
         if any(t < 0 for t in self.allowed_token_ids):
             raise InvalidRequestError("allowed_token_ids must be token ids >= 0")
+        object.__setattr__(self, "bad_words_token_ids", tuple(
+            dict.fromkeys(tuple(int(t) for t in seq) for seq in self.bad_words_token_ids)))
+        if any(not seq or min(seq) < 0 for seq in self.bad_words_token_ids):
+            raise InvalidRequestError("bad_words_token_ids must be non-empty lists of token "
+                                      "ids >= 0")
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else \
             self.logit_bias                   # OpenAI's {"id": bias} too (offline input)
         object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b))
@@ -96,9 +105,10 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the sampler changes this request's logits first (a bias, a penalty, a set
-        of allowed ids)."""
+        of allowed ids, bad words)."""
         return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty or
-                    self.repetition_penalty != 1.0 or self.allowed_token_ids)
+                    self.repetition_penalty != 1.0 or self.allowed_token_ids or
+                    self.bad_words_token_ids)
 
     def suppressed(self, output_index: int, eos_token_ids: frozenset[int]) -> tuple[int, ...]:
         """The ids the sampler must not draw as output token `output_index` (0-based): before
@@ -124,6 +134,7 @@ class SamplingParams:
         d["stop_token_ids"] = list(self.stop_token_ids)
         d["logit_bias"] = [list(pair) for pair in self.logit_bias]
         d["allowed_token_ids"] = list(self.allowed_token_ids)
+        d["bad_words_token_ids"] = [list(seq) for seq in self.bad_words_token_ids]
         return d
 
     @classmethod

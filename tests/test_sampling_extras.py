@@ -169,3 +169,34 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(tokenizer):
                             4)[0] == whole[-4:]
     with pytest.raises(APIError, match="truncate_prompt_tokens"):
         parse_completion({**body, "truncate_prompt_tokens": 0})
+
+
+def test_a_bad_word_is_never_completed():
+    from gpu_worker.sampler import TokenCounts, bad_word_ends
+    assert bad_word_ends([(7,), (3, 4), (1, 3, 5)], [9, 1, 3]) == [7, 4, 5]
+    assert bad_word_ends([(3, 4)], [9, 3]) == [4] and bad_word_ends([(1, 3, 5)], [3]) == []
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 9.0, 8.0]] * 2)   # 4 the best, 5 next
+    p = SamplingParams(temperature=0.0, bad_words_token_ids=((2, 4),))
+    tokens = [[0, 0, 2], [0, 0, 1]]                                # prompt 0, 0; output 2 / 1
+    got = Sampler().sample(logits, [p, p], [1, 1], [TokenCounts(t, 2) for t in tokens])
+    assert [t.token_id for t in got] == [5, 4]        # after 2, 4 would complete the word
+
+
+@pytest.mark.slow
+def test_bad_words_kept_out_of_greedy_output(tokenizer):
+    """In process: the word the model writes first is never completed once it is a bad
+    word, and the gateway's tokenizing gives both its forms."""
+    from gateway.prompts import bad_words_token_ids
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+
+    engine = LLMEngine(EngineArgs(kv_cache_memory="32MiB"), progress=False)
+    prompt = engine.tokenizer.encode("The capital of France is")
+    [free] = engine.generate([prompt], [SamplingParams(max_tokens=8, temperature=0.0)])
+    text = engine.tokenizer.decode(free.token_ids)
+    assert "Paris" in text
+    words = bad_words_token_ids(("Paris",), engine.tokenizer)
+    assert words == [engine.tokenizer.encode("Paris"), engine.tokenizer.encode(" Paris")]
+    [held] = engine.generate([prompt], [SamplingParams(max_tokens=8, temperature=0.0,
+                                                       bad_words_token_ids=words)])
+    assert "Paris" not in engine.tokenizer.decode(held.token_ids)

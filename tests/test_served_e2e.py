@@ -257,7 +257,7 @@ def test_tool_calls_by_constrained_decoding(served: Served):
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
 
 
-def test_vllm_allowed_ids_stop_string_kept_and_prompt_truncated(served: Served):
+def test_vllm_allowed_ids_bad_words_stop_string_kept_and_prompt_truncated(served: Served):
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
     tok = load_tokenizer(resolve_model(None))
@@ -273,6 +273,10 @@ def test_vllm_allowed_ids_stop_string_kept_and_prompt_truncated(served: Served):
     cut = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=2, temperature=0,
                                extra_body={"truncate_prompt_tokens": 4})
     assert cut.usage.prompt_tokens == 4
+    ask = dict(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert "Paris" in c.completions.create(**ask).choices[0].text
+    assert "Paris" not in c.completions.create(
+        **ask, extra_body={"bad_words": ["Paris"]}).choices[0].text
 
 
 def test_echo_with_logprobs_scores_a_prompt_as_in_process(served: Served):
