@@ -21,7 +21,7 @@ from shared.model_source import ModelSource
 from shared.sampling import SamplingParams
 from shared.structured import grammar
 
-log = structlog.get_logger()
+log = structlog.get_logger("worker")
 
 
 class Grammars:
