@@ -203,3 +203,32 @@ def test_tool_calls_read_from_the_output():
         [("a", '{"x": 1}'), ("b", "{}")]
     assert len({c["id"] for c in calls}) == 2
     assert tool_calls("required", '[{"name": "a", "param') is None        # cut short
+
+
+def _nested(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+@pytest.mark.parametrize("spec", [
+    {"regex": "(a|aa)*(b|bb)*c{1000}"}, {"regex": "[a-z]{1,90000}"},
+    {"json": {"type": "string", "pattern": "^(a+)+$"}}, {"json": _nested(300)},
+    {"json": {"type": "string", "enum": [f"w{i}" for i in range(5000)]}},
+    {"grammar": 'start: x\nx: x x | "a"'}, {"choice": [f"option {i}" for i in range(20000)]},
+])
+def test_a_hostile_constraint_is_refused_or_served(tokenizer, spec):
+    """Backtracking regexes, huge repetitions, deep nesting, ambiguous grammars: each is
+    either a clear refusal or a matcher that gives a mask (each took 0.2-1.7 ms here, by
+    hand; a stalled one would meet the test timeout)."""
+    try:
+        params = SamplingParams(structured_outputs=spec)
+    except InvalidRequestError as e:
+        assert "structured_outputs" in str(e)
+        return
+    grammars = Grammars(resolve_model(None), tokenizer.vocab_size, [tokenizer.eos_token_id])
+    matcher = grammars.matcher("hostile", params, [])
+    logits = torch.zeros(1, tokenizer.vocab_size)
+    mask_rows(logits, [0], [matcher])
+    assert (logits[0] > float("-inf")).any()
