@@ -154,7 +154,8 @@ async def tokenize(request: web.Request) -> web.Response:
     req = oai.parse_tokenize(await _read_json(request, state.config.max_body_bytes))
     _check_model(req.model, state)
     if req.messages is not None:
-        ids = await asyncio.to_thread(state.tokenizer.encode_chat, req.messages)
+        ids = await asyncio.to_thread(state.tokenizer.encode_chat, req.messages,
+                                      list(req.tools) or None)
     else:
         ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt, req.add_special_tokens)
     return web.json_response({"count": len(ids), "max_model_len": state.max_model_len,

@@ -240,11 +240,13 @@ def parse_chat(body: Any) -> GenerationRequest:
 @dataclass(frozen=True)
 class TokenizeRequest:
     """vLLM's /tokenize: a prompt (with the special tokens the model adds, unless told not
-    to) or chat messages (rendered by the chat template, as generation renders them)."""
+    to) or chat messages (rendered by the chat template, with any tools, as generation
+    renders them)."""
     model: str | None
     prompt: str | None
     messages: list[dict] | None
     add_special_tokens: bool
+    tools: tuple[dict, ...] = ()
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
@@ -256,7 +258,10 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         messages = [_message(m, i) for i, m in enumerate(_field(body, "messages", (list,)))]
         if not messages:
             raise APIError("'messages' must hold at least one message", param="messages")
-        return TokenizeRequest(model, None, messages, False)
+        tools = _field(body, "tools", (list,), None) or []
+        for i, tool in enumerate(tools):
+            _tool_name(tool, i)
+        return TokenizeRequest(model, None, messages, False, tuple(tools))
     return TokenizeRequest(model, _field(body, "prompt", (str,)), None,
                            _field(body, "add_special_tokens", (bool,), True))
 

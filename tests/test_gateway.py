@@ -508,10 +508,14 @@ async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) 
     messages = [{"role": "user", "content": "hi"}]
     status, chat_ids = await h.post("/tokenize", {"messages": messages})
     assert status == 200 and chat_ids["tokens"] == h.tok.encode_chat(messages)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    status, with_tools = await h.post("/tokenize", {"messages": messages, "tools": tools})
+    assert status == 200 and with_tools["tokens"] == h.tok.encode_chat(messages, tools)
     status, text = await h.post("/detokenize", {"tokens": chat_ids["tokens"]})
     assert status == 200 and text["prompt"] == h.tok.apply_chat_template(messages)
     for path, bad, param in (("/tokenize", {"prompt": "x", "messages": messages}, None),
                              ("/tokenize", {"prompt": 5}, "prompt"),
+                             ("/tokenize", {"messages": messages, "tools": [{}]}, "tools"),
                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
                              ("/detokenize", {"tokens": "abc"}, "tokens")):
         status, answer = await h.post(path, bad)
