@@ -89,14 +89,17 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                 "name": {"type": "string"}, "schema": {"type": "object"},
                 "strict": {"type": "boolean", "nullable": True}}}}},
         "structured_outputs": {
-            "type": "object", "nullable": True, "minProperties": 1, "maxProperties": 1,
+            "type": "object", "nullable": True, "minProperties": 1,
             "description": "vLLM's: what the output must match, one of a JSON schema, a "
                            "regular expression, a list of choices, a Lark or GBNF grammar",
             "properties": {"json": {"oneOf": [{"type": "object"}, {"type": "string"}]},
                            "regex": {"type": "string"}, "grammar": {"type": "string"},
                            "choice": {"type": "array", "minItems": 1,
                                       "items": {"type": "string", "minLength": 1}},
-                           "json_object": {"type": "boolean"}}},
+                           "json_object": {"type": "boolean"},
+                           "disable_any_whitespace": {"type": "boolean"},
+                           "disable_additional_properties": {"type": "boolean"},
+                           "whitespace_pattern": {"type": "string"}}},
         "tools": {"type": "array", "nullable": True, "description": "chat only", "items": {
             "type": "object", "required": ["type", "function"], "properties": {
                 "type": {"type": "string", "enum": ["function"]},

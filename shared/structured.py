@@ -21,6 +21,9 @@ from typing import Any
 from shared.errors import InvalidRequestError
 
 KINDS = ("json", "regex", "choice", "grammar")
+# vLLM's options of structured_outputs, for a JSON schema: compact JSON (no whitespace between
+# its tokens); whitespace of a given pattern; every object closed to the properties it names
+JSON_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties")
 ANY_JSON_OBJECT = '{"type": "object"}'
 MAX_SPEC_CHARS = 100_000
 _LLGUIDANCE_FORMAT = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
@@ -28,21 +31,30 @@ _LLGUIDANCE_FORMAT = {"json": "json", "regex": "regex", "choice": "choice", "gra
 
 def structured_pair(value: Any) -> tuple[str, str] | None:
     """(kind, text) from vLLM's shape, {kind: spec} with one kind (a JSON schema or the
-    choices as JSON values; {"json_object": true} for any object), or from a (kind, text)
-    pair; None for none. Raises InvalidRequestError on anything else."""
+    choices as JSON values; {"json_object": true} for any object) and vLLM's options for JSON
+    (JSON_OPTIONS), or from a (kind, text) pair; None for none. Raises InvalidRequestError on
+    anything else."""
     if value is None:
         return None
     if isinstance(value, dict):
-        given = {k: v for k, v in value.items() if v is not None and v is not False}
+        options = {k: value[k] for k in JSON_OPTIONS if value.get(k) not in (None, False)}
+        given = {k: v for k, v in value.items()
+                 if k not in JSON_OPTIONS and v is not None and v is not False}
+        unknown = sorted(set(given) - set(KINDS) - {"json_object"})
+        if unknown:
+            raise InvalidRequestError(f"structured_outputs does not take {unknown[0]!r} (it "
+                                      f"takes one of {', '.join(KINDS)} or json_object, and "
+                                      f"{', '.join(JSON_OPTIONS)})")
         if set(given) == {"json_object"}:
-            return "json", ANY_JSON_OBJECT
-        if len(given) != 1 or next(iter(given)) not in KINDS:
+            given = {"json": ANY_JSON_OBJECT}
+        if len(given) != 1:
             raise InvalidRequestError(
                 f"structured_outputs takes exactly one of {', '.join(KINDS)} or json_object, "
                 f"got {sorted(given) or 'none'}")
         kind, spec = next(iter(given.items()))
-        if kind == "json" and isinstance(spec, dict):
-            spec = json.dumps(spec)
+        if kind == "json":
+            spec = json.dumps(_with_options(spec, options)) if options or \
+                isinstance(spec, dict) else spec
         elif kind == "choice":
             if not isinstance(spec, list) or not spec or \
                     not all(isinstance(c, str) and c for c in spec):
@@ -60,6 +72,48 @@ def structured_pair(value: Any) -> tuple[str, str] | None:
                                   "characters")
     check_grammar(kind, text)
     return kind, text
+
+
+def _with_options(schema: Any, options: dict) -> dict:
+    """A JSON schema with vLLM's options written into it, as llguidance reads them."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {e}") from None
+    if not isinstance(schema, dict):
+        raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object)")
+    if options.get("disable_additional_properties"):
+        schema = _closed(schema)
+    guidance = dict(schema.get("x-guidance") or {})
+    if options.get("disable_any_whitespace"):
+        guidance["whitespace_flexible"] = False
+    if options.get("whitespace_pattern"):
+        if not isinstance(options["whitespace_pattern"], str):
+            raise InvalidRequestError("structured_outputs.whitespace_pattern must be a string")
+        guidance["whitespace_pattern"] = options["whitespace_pattern"]
+    return {**schema, "x-guidance": guidance} if guidance else schema
+
+
+def _closed(schema: Any) -> Any:
+    """The schema with additionalProperties false on every object schema that leaves it
+    open (vLLM's disable_additional_properties), subschemas included wherever JSON Schema
+    puts them."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in ("properties", "$defs", "definitions", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
+        if isinstance(out.get(key), dict):
+            out[key] = _closed(out[key])
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(out.get(key), list):
+            out[key] = [_closed(sub) for sub in out[key]]
+    if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 @functools.lru_cache(maxsize=256)

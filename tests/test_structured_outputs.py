@@ -42,6 +42,42 @@ def test_the_constraint_forms():
     assert p.structured_outputs == ("regex", "a+")
 
 
+def test_vllm_s_json_options_are_written_into_the_schema():
+    nested = {"type": "object", "properties": {"inner": {"type": "object"},
+                                               "list": {"type": "array",
+                                                        "items": {"type": "object"}}}}
+    kind, text = structured_pair({"json": nested, "disable_any_whitespace": True,
+                                  "disable_additional_properties": True})
+    schema = json.loads(text)
+    assert kind == "json" and schema["x-guidance"] == {"whitespace_flexible": False}
+    assert schema["additionalProperties"] is False
+    assert schema["properties"]["inner"]["additionalProperties"] is False
+    assert schema["properties"]["list"]["items"]["additionalProperties"] is False
+    assert json.loads(structured_pair({"json_object": True, "whitespace_pattern": " ?"})[1]) == \
+        {"type": "object", "x-guidance": {"whitespace_pattern": " ?"}}
+    # only JSON has them; a regex is unchanged
+    assert structured_pair({"regex": "a+", "disable_any_whitespace": True}) == ("regex", "a+")
+
+
+@pytest.mark.slow
+def test_no_whitespace_beyond_the_separators_when_asked():
+    """The default model spreads an object over lines; with disable_any_whitespace it does
+    not (greedy, in process)."""
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+
+    engine = LLMEngine(EngineArgs(kv_cache_memory="32MiB"), progress=False)
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": QUESTION}])
+    texts = {}
+    for compact in (False, True):
+        [out] = engine.generate([prompt], [SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.0,
+            structured_outputs={"json": SCHEMA, "disable_any_whitespace": compact})])
+        texts[compact] = engine.tokenizer.decode(out.token_ids)
+    assert "\n" in texts[False] and "\n" not in texts[True]
+    assert json.loads(texts[True])["city"] in ("Paris", "Rome")
+
+
 @pytest.mark.parametrize("value,says", [
     ({"json": '{"type": "objecx"}'}, "not valid"),
     ({"json": "{not json"}, "not valid"),
@@ -50,7 +86,9 @@ def test_the_constraint_forms():
     ({"choice": []}, "non-empty list"),
     ({"choice": ["a", 3]}, "non-empty list"),
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
-    ({"xml": "<a/>"}, "exactly one"),
+    ({"xml": "<a/>"}, "does not take 'xml'"),
+    ({"json": "{not json", "disable_any_whitespace": True}, "not valid JSON"),
+    ({"disable_any_whitespace": True}, "exactly one"),
     ({"regex": ""}, "characters"),
     ("json", "must be"),
 ])
