@@ -84,12 +84,24 @@ def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
     vocab = logits.shape[1]
     bits = torch.empty((len(rows), -(-vocab // 32)), dtype=torch.int32)
     row_bytes = bits.shape[1] * 4
-    for i, m in enumerate(matchers):
-        m.unsafe_compute_mask_ptr(bits.data_ptr() + i * row_bytes, row_bytes)
+    if len(matchers) == 1:
+        matchers[0].unsafe_compute_mask_ptr(bits.data_ptr(), row_bytes)
+    else:        # the rows on llguidance's own threads, the GIL let go
+        _executor().unsafe_compute_mask_ptr(list(zip(matchers, range(len(matchers)))),
+                                            bits.data_ptr(), row_bytes, len(matchers))
     byte_values = bits.view(torch.uint8).to(logits.device, non_blocking=True).long()
     additive = F.embedding(byte_values, _byte_table(logits.device, logits.dtype)).flatten(1)
     index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
     logits.index_add_(0, index, additive[:, :vocab])
+
+
+@functools.lru_cache(maxsize=1)
+def _executor():
+    """llguidance's thread pool for a batch's masks, one thread per torch thread: a mask the
+    grammar engine has not met before (a bounded repetition makes every position new) costs
+    ~0.3 ms a row, 10 ms for 32 rows on one thread, 5 on two."""
+    from llguidance import LLExecutor
+    return LLExecutor(max(1, torch.get_num_threads()))
 
 
 @functools.lru_cache(maxsize=8)

@@ -54,6 +54,8 @@ class SendOptions:
     # completions: ask for each token's logprob, so that every chunk names its tokens
     # (`RequestResult.chunk_tokens`: a chunk may carry several, e.g. the pieces of one character)
     logprobs: bool = False
+    # more fields of every request (e.g. structured_outputs), over the ones above
+    extra_body: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -91,7 +93,7 @@ def request_body(target: ApiTarget, req: BenchRequest, opts: SendOptions) -> dic
         body["prompt"] = req.prompt
         if opts.logprobs:
             body["logprobs"] = 0
-    return body
+    return {**body, **opts.extra_body}
 
 
 def chunk_text(data: dict, chat: bool) -> str:

@@ -70,6 +70,9 @@ def register(sub) -> None:
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly the drawn output lengths (default on)")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--extra-body", type=_json_object, default={}, metavar="JSON",
+                   help="more fields of every request, e.g. '{\"structured_outputs\": "
+                        "{\"regex\": \"[a-z ]+\"}}' (with --no-ignore-eos)")
     p.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                    help="SLOs for goodput, e.g. ttft:2000 tpot:200 (names: ttft, tpot, e2el)")
     p.add_argument("--request-timeout", type=float, default=300.0,
@@ -234,6 +237,16 @@ def run_async(coro):
         return runner.run(coro)
 
 
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
 def run(args: argparse.Namespace) -> int:
     from services.bench_client import (ApiTarget, SendOptions, compute_metrics, error_summary,
                                        parse_goodput, result_records, run_requests)
@@ -249,7 +262,8 @@ def run(args: argparse.Namespace) -> int:
     requests = build_requests(args)
     model = args.model or served_model_name(args.base_url, args.api_key)
     target = ApiTarget(args.base_url, args.endpoint, model, args.api_key)
-    opts = SendOptions(args.temperature, args.ignore_eos, args.request_timeout)
+    opts = SendOptions(args.temperature, args.ignore_eos, args.request_timeout,
+                       extra_body=args.extra_body)
     print(f"pacer bench: {len(requests)} {args.dataset} prompts to {target.url} "
           f"(rate {args.request_rate:g}/s, burstiness {args.burstiness:g}, "
           f"max concurrency {args.max_concurrency or 'none'})", file=sys.stderr, flush=True)
