@@ -225,6 +225,11 @@ def test_stream_with_logprobs_counts_the_tokens_of_each_text_chunk():
     body = request_body(ApiTarget("http://x"), BenchRequest([1, 2], 2, 4),
                         SendOptions(logprobs=True))
     assert body["logprobs"] == 0
+    extra = {"structured_outputs": {"regex": "[a-z]+"}, "temperature": 0.7}
+    body = request_body(ApiTarget("http://x"), BenchRequest([1, 2], 2, 4),
+                        SendOptions(ignore_eos=False, extra_body=extra))
+    assert body["structured_outputs"] == extra["structured_outputs"]
+    assert body["temperature"] == 0.7 and body["max_tokens"] == 4     # over the others
 
 
 # ---- against the real served system (`pacer up`) -----------------------------------------
