@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from gateway.openai_schema import APIError, GenerationRequest
 from shared.sampling import SamplingParams
@@ -90,10 +91,12 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                           structured_outputs=req.structured_outputs)
 
 
-def bad_words_token_ids(words: tuple[str, ...], tokenizer: Tokenizer) -> list[list[int]]:
+@functools.lru_cache(maxsize=64)
+def bad_words_token_ids(words: tuple[str, ...], tokenizer: Tokenizer) -> tuple[tuple[int, ...], ...]:
     """vLLM's bad_words as token sequences: each word as it would start the text and as it
-    would come after a space."""
-    return [tokenizer.encode(prefix + w.lstrip()) for w in words for prefix in ("", " ")]
+    would come after a space (once per word list, whatever the number of prompts)."""
+    return tuple(tuple(tokenizer.encode(prefix + w.lstrip())) for w in words
+                 for prefix in ("", " "))
 
 
 def _prompt_logprobs(req: GenerationRequest) -> int | None:

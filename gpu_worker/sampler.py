@@ -158,11 +158,6 @@ class TokenCounts:
         self._at: dict[int, int] = {}           # output token -> its place in out_ids
         self.seen_ids = self.out_ids = self.out_counts = None
 
-    @property
-    def output(self) -> list[int]:
-        """The request's output tokens so far."""
-        return self.tokens[self.num_prompt:]
-
     def update(self, device: torch.device) -> "TokenCounts":
         if self.seen_ids is None:
             self.seen_ids = torch.empty(0, dtype=torch.int64, device=device)
@@ -187,12 +182,14 @@ class TokenCounts:
         return self
 
 
-def bad_word_ends(words: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
-    """The ids that would complete one of `words` (token sequences) after `output`: each
-    word's last token, where the output ends with the rest of it (a one-token word: always)."""
+def bad_word_ends(words: Sequence[Sequence[int]], tokens: Sequence[int],
+                  num_prompt: int) -> list[int]:
+    """The ids that would complete one of `words` (token sequences) after the output so far,
+    `tokens[num_prompt:]`: each word's last token, where the output ends with the rest of it
+    (a one-token word: always). Only each word's length of the tail is looked at."""
     return [w[-1] for w in words
-            if len(w) == 1 or (len(w) - 1 <= len(output) and
-                               list(output[len(output) - len(w) + 1:]) == list(w[:-1]))]
+            if len(w) == 1 or (len(tokens) - num_prompt >= len(w) - 1 and
+                               list(tokens[len(tokens) - len(w) + 1:]) == list(w[:-1]))]
 
 
 def _ids(values: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -222,7 +219,8 @@ def apply_penalties(logits: torch.Tensor,
         bias += [(i * vocab + t, b) for t, b in p.logit_bias]
         allowed += [(i, t) for t in p.allowed_token_ids if t < vocab]
         if p.bad_words_token_ids:
-            bad += [(i, t) for t in bad_word_ends(p.bad_words_token_ids, counts.output)]
+            bad += [(i, t) for t in bad_word_ends(p.bad_words_token_ids, counts.tokens,
+                                                  counts.num_prompt)]
         if p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty:
             continue
         c = counts.update(device)

@@ -173,8 +173,9 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(tokenizer):
 
 def test_a_bad_word_is_never_completed():
     from gpu_worker.sampler import TokenCounts, bad_word_ends
-    assert bad_word_ends([(7,), (3, 4), (1, 3, 5)], [9, 1, 3]) == [7, 4, 5]
-    assert bad_word_ends([(3, 4)], [9, 3]) == [4] and bad_word_ends([(1, 3, 5)], [3]) == []
+    assert bad_word_ends([(7,), (3, 4), (1, 3, 5)], [9, 1, 3], 0) == [7, 4, 5]
+    assert bad_word_ends([(3, 4)], [9, 3], 1) == [4]
+    assert bad_word_ends([(1, 3, 5)], [1, 3], 1) == []         # the 1 is the prompt's
     logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 9.0, 8.0]] * 2)   # 4 the best, 5 next
     p = SamplingParams(temperature=0.0, bad_words_token_ids=((2, 4),))
     tokens = [[0, 0, 2], [0, 0, 1]]                                # prompt 0, 0; output 2 / 1
@@ -196,7 +197,8 @@ def test_bad_words_kept_out_of_greedy_output(tokenizer):
     text = engine.tokenizer.decode(free.token_ids)
     assert "Paris" in text
     words = bad_words_token_ids(("Paris",), engine.tokenizer)
-    assert words == [engine.tokenizer.encode("Paris"), engine.tokenizer.encode(" Paris")]
+    assert words == (tuple(engine.tokenizer.encode("Paris")),
+                     tuple(engine.tokenizer.encode(" Paris")))
     [held] = engine.generate([prompt], [SamplingParams(max_tokens=8, temperature=0.0,
                                                        bad_words_token_ids=words)])
     assert "Paris" not in engine.tokenizer.decode(held.token_ids)
