@@ -69,12 +69,16 @@ REFERENCE = [
 # ---- A: in-process -----------------------------------------------------------------------
 
 def run_inprocess(engine: LLMEngine, requests: list[BenchRequest],
-                  concurrency: int) -> tuple[list[RequestResult], float]:
-    """Step the engine with at most `concurrency` requests in it; time tokens as they come."""
+                  concurrency: int) -> tuple[list[RequestResult], float, dict]:
+    """Step the engine with at most `concurrency` requests in it; time tokens as they come.
+
+    Also returns the iterations it took and the time inside `step()` per iteration, to set
+    beside the served worker's (more iterations, or slower ones?)."""
     pending = deque(requests)
     live: dict[str, tuple[RequestResult, list[float]]] = {}   # id -> (result, [last token at])
     results: list[RequestResult] = []
     start = time.perf_counter()
+    steps, step_s = 0, 0.0
     while pending or live:
         while pending and len(live) < concurrency:
             req = pending.popleft()
@@ -82,8 +86,10 @@ def run_inprocess(engine: LLMEngine, requests: list[BenchRequest],
             r = RequestResult(prompt_len=req.prompt_len, sent_at=time.perf_counter())
             live[engine.add_request(req.prompt, sp)] = (r, [])
             results.append(r)
+        before = time.perf_counter()
         outputs = engine.step()
         now = time.perf_counter()
+        steps, step_s = steps + 1, step_s + now - before
         for out in outputs:
             r, last = live[out.request_id]
             for _ in out.new_tokens:
@@ -98,7 +104,8 @@ def run_inprocess(engine: LLMEngine, requests: list[BenchRequest],
                 r.success = out.finish_reason == "length"
                 r.error = "" if r.success else f"finished with {out.finish_reason}"
                 del live[out.request_id]
-    return results, time.perf_counter() - start
+    return results, time.perf_counter() - start, {"iterations": steps,
+                                                   "step_ms_it": step_s / max(steps, 1) * 1e3}
 
 
 # ---- B: served ---------------------------------------------------------------------------
@@ -239,7 +246,11 @@ def row(mode: str, round_no: int, results, duration: float, extra: dict | None =
            "ttft_med_ms": m["median_ttft_ms"], "ttft_p99_ms": m["p99_ttft_ms"],
            "itl_med_ms": m["median_itl_ms"], "itl_p99_ms": m["p99_itl_ms"],
            "tpot_med_ms": m["median_tpot_ms"], "errors": error_summary(results)}
+    if extra and "step_ms_it" in extra:           # in-process
+        out["iterations"] = extra["iterations"]
+        out["busy_ms_it"] = extra["step_ms_it"]
     if extra and extra.get("available"):
+        out["iterations"] = extra["iterations"]
         out["plan_wait_share"] = extra["plan_wait_share"]
         out["plan_wait_ms_it"] = extra["plan_wait_ms_per_iteration"]
         out["busy_ms_it"] = extra["busy_ms_per_iteration"]
@@ -271,7 +282,7 @@ def print_report(rows: list[dict], s: dict) -> None:
     print()
     print_table(rows, ["mode", "round", "ok", "failed", "seconds", "tok_s", "ttft_med_ms",
                        "ttft_p99_ms", "itl_med_ms", "itl_p99_ms", "tpot_med_ms",
-                       "plan_wait_share", "plan_wait_ms_it", "busy_ms_it", "forward_ms_it",
+                       "iterations", "plan_wait_share", "plan_wait_ms_it", "busy_ms_it", "forward_ms_it",
                        "sched_ms_it"])
     for r in rows:
         for message, count in r["errors"]:
@@ -322,7 +333,7 @@ def main() -> None:
           f"{args.output_len} new tokens each, concurrency {args.concurrency}, "
           f"engine flags: {' '.join(engine_flags(engine_args))}", flush=True)
     warm = requests[:2]        # seed's own prompts; the rounds' come from seed + 1, + 2, ...
-    run_inprocess(engine, warm, args.concurrency)
+    run_inprocess(engine, warm, args.concurrency)   # (first-call costs out of the rounds)
 
     log_path = os.path.join(tempfile.mkdtemp(prefix="served-vs-inprocess-"), "pacer-up.log")
     print(f"starting pacer up (log: {log_path}) ...", flush=True)
@@ -336,8 +347,8 @@ def main() -> None:
             run_served(system, warm, args.concurrency)
         for i in range(args.repeats):
             requests = workload(args.data_seed + 1 + i)     # the warm-up's are seed's own
-            results, duration = run_inprocess(engine, requests, args.concurrency)
-            rows.append(row("in-process", i, results, duration))
+            results, duration, steps = run_inprocess(engine, requests, args.concurrency)
+            rows.append(row("in-process", i, results, duration, steps))
             print(f"  round {i} in-process: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
             for mode, system in systems.items():
                 results, duration, stats = run_served(system, requests, args.concurrency)

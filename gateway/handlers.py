@@ -7,7 +7,7 @@ import importlib.metadata
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import structlog
@@ -21,6 +21,7 @@ from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
 from gateway.prompts import check_vocabulary, choice_sampling, prompt_token_ids, sampling_params
 from gateway.responses import Shape, full_json, stream_sse
+from gateway.responses_api import ResponseShape, chat_body, response_json, response_sse
 from gateway.state import STATE, GatewayState, WaitingSlot
 
 log = structlog.get_logger("gateway.handlers")
@@ -33,6 +34,23 @@ except importlib.metadata.PackageNotFoundError:      # run from a checkout, not 
 SUBSCRIBE_WAIT_S = 2.0
 
 
+# How a request's generations are answered: (HTTP request, generations, parsed request,
+# response id, model name, prompt tokens, headers) -> the response
+Answer = Callable[[web.Request, list[Generation], GenerationRequest, str, str, int,
+                   dict[str, str]], Awaitable[web.StreamResponse]]
+
+
+async def _openai_answer(request: web.Request, gens: list[Generation], req: GenerationRequest,
+                         response_id: str, model: str, num_prompt_tokens: int,
+                         headers: dict[str, str]) -> web.StreamResponse:
+    """Completions' and chat completions' shape: a JSON body, or SSE chunks."""
+    shape = Shape(req, response_id, model, num_prompt_tokens=num_prompt_tokens,
+                  headers=headers)
+    if req.stream:
+        return await stream_sse(request, gens, shape)
+    return await full_json(gens, shape)
+
+
 async def completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, oai.parse_completion, "cmpl")
 
@@ -41,20 +59,41 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, oai.parse_chat, "chatcmpl")
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    """OpenAI's Responses API, through the chat path (gateway/responses_api.py)."""
+    echo: dict = {}
+
+    def parse(body: Any) -> GenerationRequest:
+        chat, fields = chat_body(body)
+        echo.update(fields)
+        return oai.parse_chat(chat)
+
+    async def answer(request: web.Request, gens: list[Generation], req: GenerationRequest,
+                     response_id: str, model: str, num_prompt_tokens: int,
+                     headers: dict[str, str]) -> web.StreamResponse:
+        shape = ResponseShape(response_id, model, echo, num_prompt_tokens, headers)
+        if req.stream:
+            return await response_sse(request, gens, shape)
+        return await response_json(gens, shape)
+    return await _generate(request, parse, "resp", answer, id_joiner="_")
+
+
 async def _generate(request: web.Request, parse: Callable[[Any], GenerationRequest],
-                    id_prefix: str) -> web.StreamResponse:
+                    id_prefix: str, answer: Answer = _openai_answer,
+                    id_joiner: str = "-") -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
     slot = _admit(state)
     try:
-        return await _generate_in_slot(request, parse, id_prefix, state, slot, arrival)
+        return await _generate_in_slot(request, parse, f"{id_prefix}{id_joiner}", answer,
+                                       state, slot, arrival)
     finally:
         slot.release()
 
 
 async def _generate_in_slot(request: web.Request, parse: Callable[[Any], GenerationRequest],
-                            id_prefix: str, state: GatewayState, slot: WaitingSlot,
-                            arrival: float) -> web.StreamResponse:
+                            id_prefix: str, answer: Answer, state: GatewayState,
+                            slot: WaitingSlot, arrival: float) -> web.StreamResponse:
     req = parse(await _read_json(request, state.config.max_body_bytes))
     _check_model(req.model, state)
     prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer,
@@ -69,7 +108,7 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
     choices = [(ids, choice_sampling(sampling, j), echo)
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]
     slots = [slot] + _admit_choices(state, len(choices) - 1)
-    request_id = f"{id_prefix}-{uuid.uuid4().hex}"
+    request_id = f"{id_prefix}{uuid.uuid4().hex}"
     client_id = oai.client_request_id(request.headers)
     with structlog.contextvars.bound_contextvars(
             request_id=request_id, **({"client_request_id": client_id} if client_id else {})):
@@ -86,12 +125,9 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                 for index, ((ids, sampling, echo), place) in enumerate(zip(choices, slots))]
             for gen in gens:        # one by one: a failed start leaves none in flight
                 await _start(gen, state)
-            shape = Shape(req, request_id, state.served_model_name,
-                          num_prompt_tokens=sum(map(len, prompts)),
-                          headers={oai.REQUEST_ID_HEADER: client_id or request_id})
-            if req.stream:
-                return await stream_sse(request, gens, shape)
-            return await full_json(gens, shape)
+            return await answer(request, gens, req, request_id, state.served_model_name,
+                                sum(map(len, prompts)),
+                                {oai.REQUEST_ID_HEADER: client_id or request_id})
 
 
 def _admit(state: GatewayState) -> WaitingSlot:
@@ -226,6 +262,7 @@ async def metrics(request: web.Request) -> web.Response:
 def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/version", version)

@@ -103,7 +103,7 @@ class GenerationRequest:
 _MISSING = object()
 
 
-def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = _MISSING) -> Any:
+def read_field(body: dict, name: str, kinds: tuple[type, ...], default: Any = _MISSING) -> Any:
     value = body.get(name, _MISSING)
     if value is _MISSING or (value is None and default is not _MISSING):
         if default is _MISSING:
@@ -130,7 +130,7 @@ def _json_type(value: Any) -> str:
 
 
 def _number(body: dict, name: str, default: float) -> float:
-    return float(_field(body, name, (int, float), default))
+    return float(read_field(body, name, (int, float), default))
 
 
 def _int_list(value: Any, name: str) -> list[int]:
@@ -142,7 +142,7 @@ def _int_list(value: Any, name: str) -> list[int]:
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias} (the ids as strings, JSON's keys), bias in [-100, 100]."""
-    bias = _field(body, "logit_bias", (dict,), {})
+    bias = read_field(body, "logit_bias", (dict,), {})
     if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise APIError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens",
                        param="logit_bias")
@@ -164,14 +164,14 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
 
 
 def _bad_words(body: dict) -> tuple[str, ...]:
-    words = _field(body, "bad_words", (list,), [])
+    words = read_field(body, "bad_words", (list,), [])
     if not all(isinstance(w, str) and w.strip() for w in words):
         raise APIError("'bad_words' must be a list of non-blank strings", param="bad_words")
     return tuple(words)
 
 
 def _stop(body: dict) -> tuple[str, ...]:
-    stop = _field(body, "stop", (str, list), [])
+    stop = read_field(body, "stop", (str, list), [])
     stops = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stops):
         raise APIError("'stop' must be a string or a list of strings", param="stop")
@@ -192,13 +192,13 @@ def client_request_id(headers) -> str | None:
 
 def parse_completion(body: Any) -> GenerationRequest:
     body = _object(body)
-    logprobs = _field(body, "logprobs", (int,), None)
+    logprobs = read_field(body, "logprobs", (int,), None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
-    prompts = _completion_prompts(_field(body, "prompt", (str, list)))
+    prompts = _completion_prompts(read_field(body, "prompt", (str, list)))
     return _common(body, "completions", prompts=prompts, messages=None,
-                   max_tokens=_field(body, "max_tokens", (int,), None), logprobs=logprobs,
-                   echo=_field(body, "echo", (bool,), False))
+                   max_tokens=read_field(body, "max_tokens", (int,), None), logprobs=logprobs,
+                   echo=read_field(body, "echo", (bool,), False))
 
 
 def _completion_prompts(prompt: str | list) -> tuple[str | list[int], ...]:
@@ -219,19 +219,19 @@ def _nonempty_ids(value: Any) -> list[int]:
 
 def parse_chat(body: Any) -> GenerationRequest:
     body = _object(body)
-    messages = [_message(m, i) for i, m in enumerate(_field(body, "messages", (list,)))]
+    messages = [_message(m, i) for i, m in enumerate(read_field(body, "messages", (list,)))]
     if not messages:
         raise APIError("'messages' must hold at least one message", param="messages")
-    want = _field(body, "logprobs", (bool,), False)
-    top = _field(body, "top_logprobs", (int,), None)
+    want = read_field(body, "logprobs", (bool,), False)
+    top = read_field(body, "top_logprobs", (int,), None)
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise APIError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
     if top is not None and not want:
         raise APIError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
-    max_tokens = _field(body, "max_completion_tokens", (int,), None)
+    max_tokens = read_field(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
-        max_tokens = _field(body, "max_tokens", (int,), None)
-    if _field(body, "echo", (bool,), False):
+        max_tokens = read_field(body, "max_tokens", (int,), None)
+    if read_field(body, "echo", (bool,), False):
         raise APIError("'echo' is served on /v1/completions only", param="echo")
     return _common(body, "chat", prompts=(), messages=messages, max_tokens=max_tokens,
                    logprobs=(top or 0) if want else None)
@@ -251,25 +251,25 @@ class TokenizeRequest:
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
     body = _object(body)
-    model = _field(body, "model", (str,), None)
+    model = read_field(body, "model", (str,), None)
     if ("prompt" in body) == ("messages" in body):
         raise APIError("give one of 'prompt' or 'messages'")
     if "messages" in body:
-        messages = [_message(m, i) for i, m in enumerate(_field(body, "messages", (list,)))]
+        messages = [_message(m, i) for i, m in enumerate(read_field(body, "messages", (list,)))]
         if not messages:
             raise APIError("'messages' must hold at least one message", param="messages")
-        tools = _field(body, "tools", (list,), None) or []
+        tools = read_field(body, "tools", (list,), None) or []
         for i, tool in enumerate(tools):
             _tool_name(tool, i)
         return TokenizeRequest(model, None, messages, False, tuple(tools))
-    return TokenizeRequest(model, _field(body, "prompt", (str,)), None,
-                           _field(body, "add_special_tokens", (bool,), True))
+    return TokenizeRequest(model, read_field(body, "prompt", (str,)), None,
+                           read_field(body, "add_special_tokens", (bool,), True))
 
 
 def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
     """vLLM's /detokenize: (model, token ids)."""
     body = _object(body)
-    return _field(body, "model", (str,), None), _int_list(_field(body, "tokens", (list,)),
+    return read_field(body, "model", (str,), None), _int_list(read_field(body, "tokens", (list,)),
                                                          "tokens")
 
 
@@ -303,16 +303,16 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
     """Fields that change what the answer must be, which this server does not do: a clear
     error rather than an answer that silently ignores them. (Fields with no effect on the
     answer, such as `user`, are accepted.)"""
-    if _field(body, "functions", (list,), None):
+    if read_field(body, "functions", (list,), None):
         raise APIError("'functions' are not supported: send 'tools'", param="functions")
-    if _field(body, "suffix", (str,), None):
+    if read_field(body, "suffix", (str,), None):
         raise APIError("'suffix' is not supported", param="suffix")
 
 
 def _truncate_prompt_tokens(body: dict) -> int | None:
     """vLLM's truncate_prompt_tokens: keep the prompt's last N tokens (N >= 1; -1: as many as
     the model's context takes with the answer, which prompts.py resolves)."""
-    n = _field(body, "truncate_prompt_tokens", (int,), None)
+    n = read_field(body, "truncate_prompt_tokens", (int,), None)
     if n is not None and n < 1 and n != -1:
         raise APIError(f"'truncate_prompt_tokens' must be at least 1, or -1 (the model's "
                        f"context), got {n}", param="truncate_prompt_tokens")
@@ -324,8 +324,8 @@ def _tool_choice(body: dict, endpoint: str) -> tuple[tuple[dict, ...], str | Non
     list of calls to any of them), a function's name (one call of it), or None (text).
     OpenAI's default with tools, "auto", needs a parser of the model's own tool-call
     format; none is built in (as vLLM without --tool-call-parser), so it is refused."""
-    tools = _field(body, "tools", (list,), None) or []
-    choice = _field(body, "tool_choice", (str, dict), "auto" if tools else "none")
+    tools = read_field(body, "tools", (list,), None) or []
+    choice = read_field(body, "tool_choice", (str, dict), "auto" if tools else "none")
     if not tools and choice in ("none", "auto"):
         return (), None                  # nothing to call
     if endpoint != "chat":
@@ -387,7 +387,7 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...],
     `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or a tool choice
     that makes the output tool calls: one of them."""
     given: list[tuple[str, Any]] = []
-    fmt = _field(body, "response_format", (dict,), None)
+    fmt = read_field(body, "response_format", (dict,), None)
     kind = (fmt or {}).get("type", "text")
     if kind == "json_object":
         given.append(("response_format", {"json_object": True}))
@@ -400,14 +400,14 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...],
     elif kind != "text":
         raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                        f"got {kind!r:.100}", param="response_format")
-    if (spec := _field(body, "structured_outputs", (dict,), None)) is not None:
+    if (spec := read_field(body, "structured_outputs", (dict,), None)) is not None:
         given.append(("structured_outputs", spec))
     guided = {k: body[f"guided_{k}"] for k in KINDS if body.get(f"guided_{k}") is not None}
     if guided:
         given.append((f"guided_{next(iter(guided))}", guided))
     if tool_choice is not None:
         given.append(("tool_choice", tool_call_constraint(
-            tools, tool_choice, _field(body, "parallel_tool_calls", (bool,), True))))
+            tools, tool_choice, read_field(body, "parallel_tool_calls", (bool,), True))))
     if len(given) > 1:
         raise APIError(f"give one constraint on the output, not {' and '.join(n for n, _ in given)}",
                        param=given[1][0])
@@ -423,10 +423,10 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...],
 def _choices(body: dict, num_prompts: int) -> int:
     """`n`, checked with `best_of` (OpenAI: at least n; above it would rank candidates, which
     this server does not do) and against MAX_CHOICES over every prompt."""
-    n = _field(body, "n", (int,), 1)
+    n = read_field(body, "n", (int,), 1)
     if n < 1:
         raise APIError(f"'n' must be at least 1, got {n}", param="n")
-    best_of = _field(body, "best_of", (int,), None)
+    best_of = read_field(body, "best_of", (int,), None)
     if best_of is not None and best_of < n:
         raise APIError(f"'best_of' must be at least 'n' ({n}), got {best_of}", param="best_of")
     if best_of is not None and best_of > n:
@@ -443,8 +443,8 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
     _refuse_what_would_be_ignored(body)
     tools, tool_choice = _tool_choice(body, endpoint)
     n = _choices(body, max(1, len(prompts)))
-    stream = _field(body, "stream", (bool,), False)
-    options = _field(body, "stream_options", (dict,), None)
+    stream = read_field(body, "stream", (bool,), False)
+    options = read_field(body, "stream_options", (dict,), None)
     if options is not None and not stream:
         raise APIError("'stream_options' needs 'stream' to be true", param="stream_options")
     include_usage = (options or {}).get("include_usage", False)
@@ -457,14 +457,14 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         raise APIError(f"'temperature' must be >= 0, got {temperature}", param="temperature")
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0
-    seed = _field(body, "seed", (int,), None)
+    seed = read_field(body, "seed", (int,), None)
     if seed is not None and not -SEED_BOUND <= seed <= SEED_BOUND:
         raise APIError(f"'seed' must be in [-2**40, 2**40], got {seed}", param="seed")
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise APIError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")
     top_p = max(top_p, MIN_TOP_P)
-    top_k = _field(body, "top_k", (int,), 0)
+    top_k = read_field(body, "top_k", (int,), 0)
     if top_k < -1:
         raise APIError(f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
     penalties = {name: _number(body, name, 0.0) for name in ("presence_penalty",
@@ -479,10 +479,10 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
                        f"{repetition:g}", param="repetition_penalty")
     if max_tokens is not None and max_tokens < 1:
         raise APIError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
-    min_tokens = _field(body, "min_tokens", (int,), 0)       # at most max_tokens: prompts.py
+    min_tokens = read_field(body, "min_tokens", (int,), 0)       # at most max_tokens: prompts.py
     if min_tokens < 0:
         raise APIError(f"'min_tokens' must be at least 0, got {min_tokens}", param="min_tokens")
-    prompt_logprobs = _field(body, "prompt_logprobs", (int,), None)
+    prompt_logprobs = read_field(body, "prompt_logprobs", (int,), None)
     if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_LOGPROBS:
         raise APIError(f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {prompt_logprobs}",
                        param="prompt_logprobs")
@@ -493,24 +493,24 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
     min_p = _number(body, "min_p", 0.0)
     if not 0 <= min_p <= 1:
         raise APIError(f"'min_p' must be in [0, 1], got {min_p:g}", param="min_p")
-    timeout = _field(body, "timeout", (int, float), None)
+    timeout = read_field(body, "timeout", (int, float), None)
     if timeout is not None and not 0 < timeout <= MAX_TIMEOUT_S:
         raise APIError(f"'timeout' must be in (0, {MAX_TIMEOUT_S}] seconds, got {timeout}",
                        param="timeout")
     return GenerationRequest(
-        endpoint=endpoint, model=_field(body, "model", (str,)), prompts=prompts, messages=messages,
+        endpoint=endpoint, model=read_field(body, "model", (str,)), prompts=prompts, messages=messages,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
         seed=seed, stop=_stop(body),
-        stop_token_ids=tuple(_int_list(_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
-        ignore_eos=_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
+        stop_token_ids=tuple(_int_list(read_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
+        ignore_eos=read_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
         repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body),
         min_tokens=min_tokens, min_p=min_p,
         stream=stream, include_usage=include_usage,
         continuous_usage=include_usage and continuous_usage, n=n,     # vLLM's: only with it
         echo=echo,
         prompt_logprobs=prompt_logprobs, tools=tools, tool_choice=tool_choice,
-        include_stop_str_in_output=_field(body, "include_stop_str_in_output", (bool,), False),
-        allowed_token_ids=tuple(_int_list(_field(body, "allowed_token_ids", (list,), []),
+        include_stop_str_in_output=read_field(body, "include_stop_str_in_output", (bool,), False),
+        allowed_token_ids=tuple(_int_list(read_field(body, "allowed_token_ids", (list,), []),
                                           "allowed_token_ids")),
         bad_words=_bad_words(body),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),

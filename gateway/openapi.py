@@ -165,6 +165,34 @@ def _chat_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, 
         **_sampling_fields(max_model_len, vocab_size)}}
 
 
+def _responses_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, Any]:
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"type": "string", "enum": ["input_text", "output_text"]},
+                           "text": {"type": "string"}}}
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "type": {"type": "string", "enum": ["message"]},
+        "role": {"type": "string", "enum": ["user", "system", "developer", "assistant"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": part}]}}}
+    fmt = {"type": "object", "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "name": {"type": "string"}, "schema": {"type": "object"}}}
+    sampling = _sampling_fields(max_model_len, vocab_size)
+    for name in ("max_tokens", "n", "best_of", "logprobs", "stream_options", "response_format",
+                 "prompt_logprobs", "truncate_prompt_tokens"):
+        sampling.pop(name, None)       # chat's or not taken here
+    return {"type": "object", "required": ["model", "input"], "properties": {
+        "model": {"type": "string", "enum": [model]},
+        "input": {"oneOf": [{"type": "string"},
+                            {"type": "array", "minItems": 1, "items": message}]},
+        "instructions": {"type": "string", "nullable": True},
+        "max_output_tokens": {"type": "integer", "minimum": 1, "maximum": max_model_len - 1,
+                              "nullable": True},
+        "text": {"type": "object", "properties": {"format": fmt}},
+        "store": {"type": "boolean"},
+        "truncation": {"type": "string", "enum": ["disabled", "auto"]},
+        **sampling}}
+
+
 def _tokenize_request(model: str) -> dict[str, Any]:
     return {"type": "object", "properties": {
         "model": {"type": "string", "enum": [model], "nullable": True},
@@ -222,12 +250,15 @@ def openapi_spec(model: str, max_model_len: int, vocab_size: int) -> dict[str, A
     return {
         "openapi": "3.0.3",
         "info": {"title": "pacer", "version": "1",
-                 "description": "OpenAI-compatible completions and chat completions"},
+                 "description": "OpenAI-compatible completions, chat completions and responses"},
         "paths": {
             "/v1/completions": _generation_path("text completion",
                                                 "#/components/schemas/CompletionRequest"),
             "/v1/chat/completions": _generation_path(
                 "chat completion", "#/components/schemas/ChatCompletionRequest"),
+            "/v1/responses": _generation_path(
+                "a response (OpenAI's Responses API: text in and out, nothing stored)",
+                "#/components/schemas/ResponsesRequest"),
             "/v1/models": _get("the served model"),
             "/v1/models/{model}": {"get": {
                 "summary": "the served model's entry, or a 404",
@@ -247,6 +278,7 @@ def openapi_spec(model: str, max_model_len: int, vocab_size: int) -> dict[str, A
         "components": {"schemas": {
             "CompletionRequest": _completion_request(model, max_model_len, vocab_size),
             "ChatCompletionRequest": _chat_request(model, max_model_len, vocab_size),
+            "ResponsesRequest": _responses_request(model, max_model_len, vocab_size),
             "TokenizeRequest": _tokenize_request(model),
             "DetokenizeRequest": _detokenize_request(model, vocab_size),
         }},

@@ -122,7 +122,9 @@ def _finish_of_calls(finish: str | None, calls) -> str | None:
     return "tool_calls" if calls is not None and finish == "stop" else finish
 
 
-async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
+async def collect(gens: list[Generation]) -> tuple[list[str], list[list[TokenLogprob]]]:
+    """Each generation's whole text and logprobs, once all have finished; a failed one is
+    an APIError (nothing has been sent yet)."""
     texts: list[list[str]] = [[] for _ in gens]
     entries: list[list[TokenLogprob]] = [[] for _ in gens]
     async with aclosing(merged_deltas(gens)) as deltas:
@@ -133,8 +135,13 @@ async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
                                type=delta.error_type)
             texts[index].append(delta.text)
             entries[index] += delta.logprobs
+    return ["".join(t) for t in texts], entries
+
+
+async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
+    texts, entries = await collect(gens)
     body = {**shape.body(chunk=False),
-            "choices": [shape.choice(i, "".join(texts[i]), entries[i], gen.finish_reason)
+            "choices": [shape.choice(i, texts[i], entries[i], gen.finish_reason)
                         for i, gen in enumerate(gens)],
             "usage": shape.usage(gens)}
     top = shape.req.prompt_logprobs

@@ -573,6 +573,45 @@ async def test_a_failed_generation_is_a_server_error(h: Harness) -> None:
     assert data[-1] == "[DONE]"
 
 
+async def _response_events(h: Harness, body: dict) -> list[dict]:
+    async with h.session.post(h.url + "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status == 200
+        raw = (await r.read()).decode()
+    events = []
+    for block in raw.split("\n\n")[:-1]:
+        kind, data = block.split("\n")
+        events.append(json.loads(data.removeprefix("data: ")))
+        assert kind == f"event: {events[-1]['type']}"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
+    body = {"model": MODEL, "instructions": "Be brief.", "max_output_tokens": 4,
+            "input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]}
+    status, answer = await h.post("/v1/responses", body)
+    assert status == 200 and answer["object"] == "response" and answer["id"].startswith("resp_")
+    assert answer["status"] == "incomplete"
+    assert answer["incomplete_details"] == {"reason": "max_output_tokens"}
+    [message] = answer["output"]
+    assert message["content"][0]["text"] == reply_text(h.tok, 4)
+    assert answer["usage"]["output_tokens"] == 4 and answer["instructions"] == "Be brief."
+    sent = list(h.fake.received.values())[-1]               # the latest request
+    assert h.tok.decode(sent.prompt_token_ids).count("Be brief.") == 1
+    events = await _response_events(h, {**body, "max_output_tokens": 60})
+    assert [e["type"] for e in events[:4]] == ["response.created", "response.in_progress",
+                                               "response.output_item.added",
+                                               "response.content_part.added"]
+    assert events[-1]["type"] == "response.completed"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
+        == events[-1]["response"]["output"][0]["content"][0]["text"] == REPLY
+    status, failed = await h.post("/v1/responses", {"model": MODEL, "input": "[error]"})
+    assert status == 500 and "the fake worker failed" in failed["error"]["message"]
+    events = await _response_events(h, {"model": MODEL, "input": "[error]"})
+    assert events[-1]["type"] == "response.failed"
+    assert "the fake worker failed" in events[-1]["response"]["error"]["message"]
+
+
 async def test_the_token_listener_resubscribes_after_its_connection_drops(h: Harness) -> None:
     channel = h.keys.tokens(h.config.gateway_id)
 
@@ -804,6 +843,24 @@ BAD_REQUESTS = {
     "stream_options without stream": ("/v1/completions", completion(stream_options={"include_usage": True}), 400),
     "oversized body": ("/v1/completions", completion(prompt="x" * (128 * 1024)), 413),
     "unknown route": ("/v1/embeddings", completion(), 404),
+    "responses: missing input": ("/v1/responses", {"model": MODEL}, 400),
+    "responses: empty input": ("/v1/responses", {"model": MODEL, "input": []}, 400),
+    "responses: a function call output item": ("/v1/responses", {"model": MODEL, "input": [
+        {"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400),
+    "responses: an image part": ("/v1/responses", {"model": MODEL, "input": [
+        {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400),
+    "responses: chat's messages": ("/v1/responses", {"model": MODEL, "input": "x",
+                                                     "messages": []}, 400),
+    "responses: max_output_tokens 0": ("/v1/responses", {"model": MODEL, "input": "x",
+                                                         "max_output_tokens": 0}, 400),
+    "responses: a stored response": ("/v1/responses", {"model": MODEL, "input": "x",
+                                                       "previous_response_id": "resp_1"}, 400),
+    "responses: tools": ("/v1/responses", {"model": MODEL, "input": "x",
+                                           "tools": [{"type": "web_search"}]}, 400),
+    "responses: a schema format without a schema": ("/v1/responses", {
+        "model": MODEL, "input": "x", "text": {"format": {"type": "json_schema"}}}, 400),
+    "responses: unknown truncation": ("/v1/responses", {"model": MODEL, "input": "x",
+                                                        "truncation": "middle"}, 400),
 }
 
 

@@ -257,6 +257,52 @@ def test_tool_calls_by_constrained_decoding(served: Served):
     assert reply.choices[0].message.content and not reply.choices[0].message.tool_calls
 
 
+def test_responses_api_answers_as_chat_completions_do(served: Served):
+    """/v1/responses through the openai client: greedy text and token counts equal to the
+    chat endpoint's for the same messages, streamed or not; a text that max_output_tokens
+    cuts is "incomplete"; a Pydantic text format parses; what needs a stored response or
+    a tool is a 400."""
+    import pydantic
+
+    c = client(served)
+    system, question = "Answer in one short sentence.", "What is the capital of France?"
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": system},
+                               {"role": "user", "content": question}],
+        max_tokens=40, temperature=0)
+    assert chat.choices[0].finish_reason == "stop"
+    answer = c.responses.create(model=MODEL, instructions=system, input=question,
+                                max_output_tokens=40, temperature=0)
+    assert answer.status == "completed" and answer.output_text == chat.choices[0].message.content
+    assert (answer.usage.input_tokens, answer.usage.output_tokens) == \
+        (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    # the same as a list of input items with text parts, streamed
+    items = [{"role": "system", "content": system},
+             {"role": "user", "content": [{"type": "input_text", "text": question}]}]
+    events = list(c.responses.create(model=MODEL, input=items, max_output_tokens=40,
+                                     temperature=0, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[-1].type == "response.completed"
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
+        answer.output_text == events[-1].response.output_text
+    cut = c.responses.create(model=MODEL, input=question, max_output_tokens=3, temperature=0)
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.usage.output_tokens == 3
+
+    class City(pydantic.BaseModel):
+        name: str
+        country: str
+    parsed = c.responses.parse(model=MODEL, input="Give a city as JSON.", text_format=City,
+                               max_output_tokens=60, temperature=0)
+    assert parsed.status == "completed" and parsed.output_parsed.name
+    for refused in ({"previous_response_id": "resp_1"}, {"tools": [WEATHER]},
+                    {"input": [{"type": "function_call_output", "call_id": "c", "output": "y"}]}):
+        with pytest.raises(openai.BadRequestError):
+            c.responses.create(**{"model": MODEL, "input": question, **refused})
+    with pytest.raises(openai.BadRequestError, match="send 'input'"):
+        c.responses.create(model=MODEL, input=question, extra_body={"messages": items})
+
+
 def test_vllm_allowed_ids_bad_words_stop_string_kept_and_prompt_truncated(served: Served):
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer

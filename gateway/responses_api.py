@@ -1,0 +1,244 @@
+"""OpenAI's Responses API (`POST /v1/responses`), served by the chat path
+(docs/api.md#the-responses-api).
+
+A request is read into the chat completions body it means (`input` and `instructions` become
+messages, `max_output_tokens` the token limit, `text.format` the response format) and goes
+through `parse_chat` and the same generation as /v1/chat/completions; only the answer's shape
+is this module's: a `response` object, or a stream of typed events
+
+    event: response.created             {"response": {... "status": "in_progress"}}
+    event: response.in_progress
+    event: response.output_item.added   the assistant message, empty
+    event: response.content_part.added  its output_text part, empty
+    event: response.output_text.delta   {"delta": "Hel"} ... one per piece of text
+    event: response.output_text.done    {"text": the whole text}
+    event: response.content_part.done
+    event: response.output_item.done
+    event: response.completed           {"response": {... "output": [...], "usage": {...}}}
+
+each with a `sequence_number`. A response cut by `max_output_tokens` ends "incomplete" (its
+event `response.incomplete`); a generation that fails ends with `response.failed`, or a 4xx/5xx
+before any byte of a non-streamed answer. Nothing is stored: `previous_response_id`, and what
+needs a stored response, is refused; `store` is answered false. Tools are refused here (the
+chat endpoint serves `tool_choice` "required" and named functions).
+"""
+from __future__ import annotations
+
+import json
+import time
+from contextlib import aclosing
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from gateway.generation import Generation, merged_deltas
+from gateway.openai_schema import APIError, read_field
+from gateway.responses import SSE_HEADERS, collect
+
+log = structlog.get_logger("gateway.responses_api")
+
+# vLLM's sampling extensions, taken on /v1/responses as on the chat endpoint
+SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
+                   "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
+                   "ignore_eos", "bad_words", "allowed_token_ids", "include_stop_str_in_output",
+                   "timeout")
+# Chat fields that have another spelling here: sent, they would be silently ignored
+CHAT_SPELLINGS = {"messages": "input", "max_tokens": "max_output_tokens",
+                  "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+                  "n": None, "logprobs": None, "stream_options": None}
+# Fields that need a stored response or a server-side tool; none is kept or run here
+NOT_SERVED = ("previous_response_id", "conversation", "prompt", "top_logprobs")
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+def chat_body(body: Any) -> tuple[dict, dict]:
+    """The chat completions body a Responses request means, and the request's own fields
+    that its response object repeats."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    for name, instead in CHAT_SPELLINGS.items():
+        if name in body:
+            raise APIError(f"'{name}' is not a field of /v1/responses" +
+                           (f": send '{instead}'" if instead else ""), param=name)
+    for name in NOT_SERVED:
+        if body.get(name) is not None:
+            raise APIError(f"'{name}' is not served: responses are not stored here, and "
+                           f"each request stands alone", param=name)
+    if read_field(body, "background", (bool,), False):
+        raise APIError("'background' responses are not served (nothing is stored)",
+                       param="background")
+    if read_field(body, "tools", (list,), None):
+        raise APIError("'tools' are not served on /v1/responses: send them to "
+                       "/v1/chat/completions with tool_choice 'required' or a named function",
+                       param="tools")
+    if read_field(body, "include", (list,), None):
+        raise APIError("'include' is not served (no reasoning, tool results or logprobs to "
+                       "add)", param="include")
+    instructions = read_field(body, "instructions", (str,), None)
+    messages = ([{"role": "system", "content": instructions}] if instructions else []) + \
+        _messages(read_field(body, "input", (str, list)))
+    chat: dict[str, Any] = {"model": read_field(body, "model", (str,)), "messages": messages,
+                            "stream": read_field(body, "stream", (bool,), False)}
+    max_output = read_field(body, "max_output_tokens", (int,), None)
+    if max_output is not None:
+        if max_output < 1:
+            raise APIError(f"'max_output_tokens' must be at least 1, got {max_output}",
+                           param="max_output_tokens")
+        chat["max_tokens"] = max_output
+    for name in ("temperature", "top_p", *SAMPLING_EXTRAS):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    text = read_field(body, "text", (dict,), None) or {}
+    fmt = text.get("format") or {"type": "text"}
+    if not isinstance(fmt, dict):
+        raise APIError("'text.format' must be an object", param="text.format")
+    if fmt.get("type") == "json_schema":
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.get("name", "response"), "schema": fmt.get("schema"),
+            "strict": fmt.get("strict")}}
+    elif fmt.get("type") != "text":
+        chat["response_format"] = {"type": fmt.get("type")}
+    truncation = read_field(body, "truncation", (str,), "disabled")
+    if truncation not in ("disabled", "auto"):
+        raise APIError(f"'truncation' must be 'disabled' or 'auto', got {truncation!r:.60}",
+                       param="truncation")
+    if truncation == "auto":          # the input's end, as much as the context holds
+        chat["truncate_prompt_tokens"] = -1
+    metadata = read_field(body, "metadata", (dict,), None)
+    echo = {"instructions": instructions, "max_output_tokens": max_output,
+            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "text": {"format": fmt}, "truncation": truncation, "metadata": metadata or {}}
+    return chat, echo
+
+
+def _messages(given: str | list) -> list[dict]:
+    if isinstance(given, str):
+        return [{"role": "user", "content": given}]
+    if not given:
+        raise APIError("'input' must hold at least one message", param="input")
+    messages = []
+    for i, item in enumerate(given):
+        param = f"input[{i}]"
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
+            raise APIError(f"{param}: only messages with text are served, got {kind!r:.60}",
+                           param=param)
+        role, content = item.get("role"), item.get("content")
+        if role not in INPUT_ROLES:
+            raise APIError(f"{param}.role must be one of {', '.join(INPUT_ROLES)}, got "
+                           f"{role!r:.60}", param=f"{param}.role")
+        if isinstance(content, list):
+            if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
+                       and isinstance(p.get("text"), str) for p in content):
+                raise APIError(f"{param}.content: only text parts ({', '.join(TEXT_PARTS)}) "
+                               f"are served", param=f"{param}.content")
+            content = "".join(p["text"] for p in content)
+        elif not isinstance(content, str):
+            raise APIError(f"{param}.content must be a string or a list of text parts",
+                           param=f"{param}.content")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+class ResponseShape:
+    """One response's object and events; `echo`: the request's fields it repeats."""
+
+    def __init__(self, response_id: str, model: str, echo: dict, num_prompt_tokens: int,
+                 headers: dict[str, str]) -> None:
+        self.response_id, self.model, self.echo = response_id, model, echo
+        self.num_prompt_tokens, self.headers = num_prompt_tokens, headers
+        self.message_id = "msg_" + response_id.removeprefix("resp_")
+        self.created_at = int(time.time())
+        self._sequence = 0
+
+    def response(self, status: str, output: list[dict], *, usage: dict | None = None,
+                 incomplete: str | None = None, error: dict | None = None) -> dict:
+        return {"id": self.response_id, "object": "response", "created_at": self.created_at,
+                "status": status, "error": error,
+                "incomplete_details": None if incomplete is None else {"reason": incomplete},
+                "model": self.model, "output": output, "parallel_tool_calls": True,
+                "tool_choice": "none", "tools": [], "previous_response_id": None,
+                "store": False, "usage": usage, **self.echo}
+
+    def message(self, text: str | None, status: str) -> dict:
+        content = [] if text is None else [self.part(text)]
+        return {"type": "message", "id": self.message_id, "status": status,
+                "role": "assistant", "content": content}
+
+    @staticmethod
+    def part(text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def usage(self, num_output_tokens: int) -> dict:
+        return {"input_tokens": self.num_prompt_tokens,
+                "input_tokens_details": {"cached_tokens": 0},
+                "output_tokens": num_output_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.num_prompt_tokens + num_output_tokens}
+
+    def final(self, text: str, gen: Generation) -> dict:
+        """The finished response: completed, or incomplete where max_output_tokens cut it."""
+        cut = gen.finish_reason == "length"
+        return self.response("incomplete" if cut else "completed",
+                             [self.message(text, "incomplete" if cut else "completed")],
+                             usage=self.usage(gen.num_output_tokens),
+                             incomplete="max_output_tokens" if cut else None)
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+    def item_fields(self, **more: Any) -> dict:
+        return {"item_id": self.message_id, "output_index": 0, "content_index": 0, **more}
+
+
+async def response_json(gens: list[Generation], shape: ResponseShape) -> web.Response:
+    [text], _ = await collect(gens)
+    return web.json_response(shape.final(text, gens[0]), headers=shape.headers)
+
+
+async def response_sse(request: web.Request, gens: list[Generation],
+                       shape: ResponseShape) -> web.StreamResponse:
+    [gen] = gens
+    response = web.StreamResponse(headers={**SSE_HEADERS, **shape.headers})
+    await response.prepare(request)
+    started = shape.response("in_progress", [])
+    try:
+        await response.write(shape.event("response.created", response=started))
+        await response.write(shape.event("response.in_progress", response=started))
+        await response.write(shape.event("response.output_item.added", output_index=0,
+                                         item=shape.message(None, "in_progress")))
+        await response.write(shape.event("response.content_part.added",
+                                         **shape.item_fields(part=shape.part(""))))
+        pieces: list[str] = []
+        async with aclosing(merged_deltas(gens)) as deltas:
+            async for _, delta in deltas:
+                if delta.error is not None:
+                    failed = shape.response("failed", [], error={
+                        "code": delta.error_type,
+                        "message": f"generation failed: {delta.error}"})
+                    await response.write(shape.event("response.failed", response=failed))
+                    await response.write_eof()
+                    return response
+                if delta.text:
+                    pieces.append(delta.text)
+                    await response.write(shape.event(
+                        "response.output_text.delta",
+                        **shape.item_fields(delta=delta.text, logprobs=[])))
+        text = "".join(pieces)
+        final = shape.final(text, gen)
+        await response.write(shape.event("response.output_text.done",
+                                         **shape.item_fields(text=text, logprobs=[])))
+        await response.write(shape.event("response.content_part.done",
+                                         **shape.item_fields(part=shape.part(text))))
+        await response.write(shape.event("response.output_item.done", output_index=0,
+                                         item=final["output"][0]))
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        await response.write(shape.event(kind, response=final))
+        await response.write_eof()
+    except ConnectionResetError:     # the generation's owner aborts it upstream
+        log.info("client disconnected during the stream", request_id=gen.request_id)
+    return response
