@@ -69,6 +69,9 @@ class Generation:
         self._timer: asyncio.TimerHandle | None = None
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
+        # of the prompt, the tokens the prefix cache held: known from the scheduler's finish
+        # event (None before it, and for a stream the gateway ended at a stop string)
+        self.num_cached_tokens: int | None = None
         self._echo = echo                       # the prompt's text, sent before the output
 
     @property
@@ -190,6 +193,7 @@ class Generation:
     def _last_delta(self, finish: FinishEvent) -> Delta:
         self.finish_reason = finish.finish_reason
         self.num_output_tokens = max(self.num_output_tokens, finish.num_output_tokens)
+        self.num_cached_tokens = finish.num_cached_tokens
         self._text.finish()
         if self._text.stopped:      # the flushed tail completed a stop string
             self.finish_reason = "stop"

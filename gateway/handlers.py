@@ -78,6 +78,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
     return await _generate(request, parse, "resp", answer, id_joiner="_")
 
 
+async def stored_response(request: web.Request) -> web.Response:
+    """OpenAI's retrieve, delete and cancel of a stored response: nothing is stored here."""
+    raise APIError(f"no response {request.match_info['response_id']!r:.80} is stored: this "
+                   "server keeps none (every response says \"store\": false)", status=404,
+                   param="response_id", code="response_not_found")
+
+
 async def _generate(request: web.Request, parse: Callable[[Any], GenerationRequest],
                     id_prefix: str, answer: Answer = _openai_answer,
                     id_joiner: str = "-") -> web.StreamResponse:
@@ -263,6 +270,9 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/responses", responses)
+    app.router.add_get("/v1/responses/{response_id}", stored_response)
+    app.router.add_delete("/v1/responses/{response_id}", stored_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", stored_response)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{model}", model)
     app.router.add_get("/version", version)

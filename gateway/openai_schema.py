@@ -528,9 +528,14 @@ class TokenLogprob:
     top: list[tuple[str, float]] | None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens` (the prompt tokens the prefix
+    cache held) once the scheduler has said it."""
+    body = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
 
 
 def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:

@@ -53,7 +53,10 @@ class Shape:
         return body
 
     def usage(self, gens: list[Generation]) -> dict:
-        return oai.usage(self.num_prompt_tokens, sum(g.num_output_tokens for g in gens))
+        # each prompt's cached tokens once, as its tokens are counted (its first choice's)
+        cached = [g.num_cached_tokens for g in gens[::self.req.n]]
+        return oai.usage(self.num_prompt_tokens, sum(g.num_output_tokens for g in gens),
+                         None if None in cached else sum(cached))
 
     def logprobs(self, index: int, entries: list[TokenLogprob]) -> dict | None:
         if self.req.logprobs is None:

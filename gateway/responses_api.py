@@ -171,9 +171,9 @@ class ResponseShape:
     def part(text: str) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
-    def usage(self, num_output_tokens: int) -> dict:
+    def usage(self, num_output_tokens: int, num_cached_tokens: int | None) -> dict:
         return {"input_tokens": self.num_prompt_tokens,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": num_cached_tokens or 0},
                 "output_tokens": num_output_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.num_prompt_tokens + num_output_tokens}
@@ -183,7 +183,7 @@ class ResponseShape:
         cut = gen.finish_reason == "length"
         return self.response("incomplete" if cut else "completed",
                              [self.message(text, "incomplete" if cut else "completed")],
-                             usage=self.usage(gen.num_output_tokens),
+                             usage=self.usage(gen.num_output_tokens, gen.num_cached_tokens),
                              incomplete="max_output_tokens" if cut else None)
 
     def event(self, kind: str, **fields: Any) -> bytes:

@@ -223,7 +223,8 @@ class RequestBook:
         error, error_type = self._errors.pop(output.request_id, (None, "server_error"))
         reason = "error" if error is not None else output.finish_reason
         event = FinishEvent(output.request_id, reason, output.num_prompt_tokens,
-                            output.num_output_tokens, error, error_type)
+                            output.num_output_tokens, error, error_type,
+                            output.num_cached_tokens)
         self._outbox.finishes.append((entry.reply_to, encode(event)))
         self._outbox.acks.append(entry.entry_id)
         self._outbox.ended_ids.append(output.request_id)

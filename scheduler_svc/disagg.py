@@ -243,10 +243,12 @@ class PrefillSide:
                             pending.output_token_ids, [])
 
     def _queue_handoff(self, instance: str, consumer: str, entry_id: bytes | str,
-                       msg: RequestMsg, tokens: list[int], kv_received: list[str]) -> None:
+                       msg: RequestMsg, tokens: list[int], kv_received: list[str],
+                       num_cached_tokens: int = 0) -> None:
         entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         self.out.handoffs.append((instance, consumer, entry_id,
-                                  HandoffMsg(encode(msg), entry, tokens, kv_received)))
+                                  HandoffMsg(encode(msg), entry, tokens, kv_received,
+                                             num_cached_tokens)))
         self.handoffs_total += 1
         self.handoffs_with_kv_total += bool(kv_received)
         log.info("request handed over", request_id=msg.request_id, decode_instance=instance,
@@ -402,7 +404,7 @@ class PrefillSide:
         self.book.hand_off(rid)
         received = [p["session"] for p in res.peers] if res.sent_ok else []
         self._queue_handoff(res.decode_instance, res.decode_consumer, entry_id, msg, tokens,
-                            received)
+                            received, output.num_cached_tokens)
         return True
 
     def forget_all(self) -> None:
@@ -520,7 +522,7 @@ class DecodeSide:
             kv = list(msg.kv_received) if msg.kv_received == ours else None
             if kv is None:
                 self.recomputed_total += 1
-            self.core.activate(rid, msg.output_token_ids[0], kv)
+            self.core.activate(rid, msg.output_token_ids[0], kv, msg.num_cached_tokens)
             self.book.track(msg.entry_id, request)
             return
         self.core.cancel_reservation(rid)

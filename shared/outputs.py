@@ -16,3 +16,6 @@ class RequestOutput:
     num_output_tokens: int = 0
     # prompt log-probabilities computed this iteration (SamplingParams.prompt_logprobs)
     prompt_logprobs: PromptLogprobs | None = None
+    # of the prompt, the tokens found in the prefix cache when the request was first admitted
+    # (set once it finished: the usage's cached tokens)
+    num_cached_tokens: int = 0

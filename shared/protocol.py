@@ -237,6 +237,7 @@ class FinishEvent(_Plain):
     # OpenAI error type: "invalid_request_error" (the request can never be served as given,
     # answered 4xx) or "server_error"
     error_type: str = "server_error"
+    num_cached_tokens: int = 0       # of the prompt, found in the prefix cache
 
     def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
@@ -282,6 +283,7 @@ class HandoffMsg(_Plain):
     entry_id: str                    # its entry in the requests stream
     output_token_ids: list[int]
     kv_received: list[str]
+    num_cached_tokens: int = 0       # of the prompt, in the prefill side's prefix cache
 
 
 @_kind("cancel")

@@ -125,7 +125,8 @@ class FakeScheduler:
         event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids), num_output_tokens,
                             ("needs more KV blocks than the pool has" if invalid
                              else "the fake worker failed") if reason == "error" else None,
-                            "invalid_request_error" if invalid else "server_error")
+                            "invalid_request_error" if invalid else "server_error",
+                            num_cached_tokens=len(msg.prompt_token_ids) // 2)
         await self.redis.publish(msg.reply_to, encode(event))
 
     async def _aborted(self, request_id: str) -> bool:
@@ -237,7 +238,8 @@ async def test_completion_shape_usage_and_the_request_message(h: Harness) -> Non
                       "finish_reason": "length"}
     prompt_ids = h.tok.encode("Say hello.", add_special_tokens=True)
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 5,
-                             "total_tokens": len(prompt_ids) + 5}
+                             "total_tokens": len(prompt_ids) + 5,
+                             "prompt_tokens_details": {"cached_tokens": len(prompt_ids) // 2}}
     msg = h.fake.received[body["id"]]
     assert msg.prompt_token_ids == prompt_ids
     assert msg.reply_to == h.keys.tokens(h.config.gateway_id)
@@ -394,7 +396,8 @@ async def test_n_and_a_prompt_batch_are_choices_in_openais_order(h: Harness) -> 
     first = h.tok.encode("Say hello.", add_special_tokens=True)
     assert [sent[i].prompt_token_ids for i in range(4)] == [first, first, [5, 6, 7], [5, 6, 7]]
     assert body["usage"] == {"prompt_tokens": len(first) + 3, "completion_tokens": 12,
-                             "total_tokens": len(first) + 15}
+                             "total_tokens": len(first) + 15,    # each prompt once: its cache
+                             "prompt_tokens_details": {"cached_tokens": len(first) // 2 + 1}}
 
 
 async def test_a_streamed_chat_with_n_sends_each_choice_whole(h: Harness) -> None:
@@ -596,6 +599,8 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
     [message] = answer["output"]
     assert message["content"][0]["text"] == reply_text(h.tok, 4)
     assert answer["usage"]["output_tokens"] == 4 and answer["instructions"] == "Be brief."
+    usage = answer["usage"]                                  # the fake caches half a prompt
+    assert usage["input_tokens_details"]["cached_tokens"] == usage["input_tokens"] // 2
     sent = list(h.fake.received.values())[-1]               # the latest request
     assert h.tok.decode(sent.prompt_token_ids).count("Be brief.") == 1
     events = await _response_events(h, {**body, "max_output_tokens": 60})
@@ -605,6 +610,8 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
     assert events[-1]["type"] == "response.completed"
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
         == events[-1]["response"]["output"][0]["content"][0]["text"] == REPLY
+    async with h.session.get(f"{h.url}/v1/responses/{answer['id']}") as r:
+        assert r.status == 404 and "keeps none" in (await r.json())["error"]["message"]
     status, failed = await h.post("/v1/responses", {"model": MODEL, "input": "[error]"})
     assert status == 500 and "the fake worker failed" in failed["error"]["message"]
     events = await _response_events(h, {"model": MODEL, "input": "[error]"})

@@ -537,7 +537,8 @@ def test_update_is_required_between_plans_and_must_match():
 
 def test_a_shared_prefix_is_computed_once_and_outlives_a_preemption():
     """b and c take a's cached prompt blocks; the pool then runs dry, the latest admitted (c)
-    is preempted while its blocks are shared, and on return it takes them back."""
+    is preempted while its blocks are shared, and on return it takes them back. Each
+    finished output says how many prompt tokens its first admission found cached."""
     sched = make_scheduler(budget=64, num_blocks=10, block_size=4)
     worker = FakeWorker(sched)
     shared = prompt(12)                                    # 3 full blocks
@@ -551,14 +552,16 @@ def test_a_shared_prefix_is_computed_once_and_outlives_a_preemption():
             for n in plan.new_requests} == {"b": (12, 1), "c": (12, 1)}
     a, b, c = (sched.get_request(r) for r in "abc")
     assert a.block_table[:3] == b.block_table[:3] == c.block_table[:3]
-    preempted = False
+    preempted, cached = False, {}
     while sched.has_unfinished():
-        plan, _ = step(sched, worker)
+        plan, outputs = step(sched, worker)
+        cached |= {o.request_id: o.num_cached_tokens for o in outputs if o.finished}
         preempted |= "c" in plan.preempted_request_ids
         for new in plan.new_requests:
             if new.request_id == "c":                       # back after its preemption
                 assert new.num_computed_tokens >= 12
     assert preempted and sched.num_preemptions_total >= 1
+    assert cached == {"a": 0, "b": 12, "c": 12}
     bm = sched.block_manager
     assert bm.num_free_blocks == bm.num_total_blocks
     assert bm.prefix_cache_hits >= 3 * 12 and bm.prefix_cache_queries > bm.prefix_cache_hits

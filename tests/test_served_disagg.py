@@ -70,6 +70,17 @@ def complete(base_url: str, model: str, prompt: list[int], n: int = NEW_TOKENS) 
     return tokens
 
 
+def usage_of(base_url: str, model: str, prompt: list[int]) -> dict:
+    """The usage of a non-streamed greedy completion of NEW_TOKENS tokens."""
+    body = {"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+            "ignore_eos": True}
+    req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(req, timeout=180) as r:
+        return json.loads(r.read())["usage"]
+
+
 def all_concurrently(served, model: str, prompts: list[list[int]],
                      n: int = NEW_TOKENS) -> list[list[str]]:
     with ThreadPoolExecutor(len(prompts)) as pool:
@@ -235,6 +246,9 @@ def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
         # all at once: whichever instance prefills a prompt, its output is exact
         got = all_concurrently(served, model, prompts)
         assert got == [want[tuple(q)][:NEW_TOKENS] for q in prompts]
+        # the prefill side's cache hit reaches the client, though the decode side finishes
+        assert usage_of(served.base_url, model, FAMILIES[0][1])["prompt_tokens_details"] == \
+            {"cached_tokens": 96}
     finally:
         r.close()
         assert served.stop() == 0, served.log_tail()

@@ -60,6 +60,9 @@ class Request:
     kv_received: list[str] | None = None
     # when the request arrived, in seconds of the scheduler's clock (the TTFT goal's start)
     arrival_s: float = 0.0
+    # prompt tokens the prefix cache held at its first admission (None until admitted; a P/D
+    # decode side takes the prefill side's): OpenAI's usage.prompt_tokens_details.cached_tokens
+    num_cached_prompt_tokens: int | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -211,12 +211,14 @@ class Scheduler:
         return list(request.block_table)
 
     def activate(self, request_id: str, first_token_id: int,
-                 kv_received: list[str] | None) -> None:
+                 kv_received: list[str] | None, num_cached_tokens: int = 0) -> None:
         """A reserved request handed over with its first token: with `kv_received` (the
         prompt's K/V arrived) it runs on as a decode; without, its K/V did not arrive and it
-        is recomputed here from prompt + first token, like a preempted request."""
+        is recomputed here from prompt + first token, like a preempted request.
+        `num_cached_tokens`: what the prefill side's prefix cache held of the prompt."""
         request = self._reserved.pop(request_id)
         request.output_token_ids.append(first_token_id)
+        request.num_cached_prompt_tokens = num_cached_tokens
         if kv_received:
             request.num_computed_tokens = request.num_prompt_tokens
             request.kv_received = list(kv_received)
@@ -633,6 +635,8 @@ class Scheduler:
             request.num_computed_tokens = 0
             return False
         self.block_manager.count_admission(request, num_cached_tokens)
+        if request.num_cached_prompt_tokens is None:
+            request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
         self._waiting.popleft()
         request.status = RequestStatus.RUNNING
         self._running.append(request)
@@ -755,7 +759,8 @@ def _output(request: Request, new_tokens: list[SampledToken]) -> RequestOutput:
         request_id=request.request_id, new_tokens=new_tokens,
         finished=request.status.is_finished, finish_reason=request.status.finish_reason,
         num_prompt_tokens=request.num_prompt_tokens,
-        num_output_tokens=request.num_output_tokens)
+        num_output_tokens=request.num_output_tokens,
+        num_cached_tokens=request.num_cached_prompt_tokens or 0)
 
 
 def _check_sampled(step: int, scheduled: list[tuple[Request, int]],
