@@ -4,6 +4,7 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field
 
+from gateway.tool_parsers import PARSERS
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX
 
@@ -45,6 +46,8 @@ class GatewayConfig:
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     request_timeout_s: float | None = None   # a deadline for requests that bring none
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S   # on SIGTERM, for running ones
+    # the model's tool-call format (gateway/tool_parsers.py): serves tool_choice "auto"
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port < 65536:
@@ -67,6 +70,9 @@ class GatewayConfig:
         if self.route_prefill and (self.router is None or not set(self.route_prefill)
                                    <= {i for i, _ in self.instances}):
             raise PacerError("--route-prefill needs --router and names among --instances")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise PacerError(f"--tool-call-parser must be one of {', '.join(PARSERS)}, got "
+                             f"{self.tool_call_parser!r}")
         if not self.gateway_id or any(c in self.gateway_id for c in " :*?[]"):
             raise PacerError(f"gateway id {self.gateway_id!r} must be non-empty, "
                              "without spaces, ':' or glob characters")

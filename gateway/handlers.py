@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import importlib.metadata
 import json
 import time
@@ -23,6 +24,7 @@ from gateway.prompts import check_vocabulary, choice_sampling, prompt_token_ids,
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.responses_api import ResponseShape, chat_body, response_json, response_sse
 from gateway.state import STATE, GatewayState, WaitingSlot
+from gateway.tool_parsers import PARSERS
 
 log = structlog.get_logger("gateway.handlers")
 
@@ -44,8 +46,9 @@ async def _openai_answer(request: web.Request, gens: list[Generation], req: Gene
                          response_id: str, model: str, num_prompt_tokens: int,
                          headers: dict[str, str]) -> web.StreamResponse:
     """Completions' and chat completions' shape: a JSON body, or SSE chunks."""
+    parser = request.app[STATE].config.tool_call_parser
     shape = Shape(req, response_id, model, num_prompt_tokens=num_prompt_tokens,
-                  headers=headers)
+                  headers=headers, tool_parser=PARSERS[parser] if parser else None)
     if req.stream:
         return await stream_sse(request, gens, shape)
     return await full_json(gens, shape)
@@ -56,7 +59,9 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oai.parse_chat, "chatcmpl")
+    auto_tools = request.app[STATE].config.tool_call_parser is not None
+    return await _generate(request, functools.partial(oai.parse_chat, auto_tools=auto_tools),
+                           "chatcmpl")
 
 
 async def responses(request: web.Request) -> web.StreamResponse:

@@ -94,7 +94,9 @@ class GenerationRequest:
     bad_words: tuple[str, ...] = ()           # vLLM's: words never completed
     truncate_prompt_tokens: int | None = None  # vLLM's: only the prompt's last N tokens
     tools: tuple[dict, ...] = ()            # chat: shown to the template
-    tool_choice: str | None = None          # "required" or a function's name: tool calls out
+    # "required" or a function's name: tool calls out; "auto": words or calls, parsed
+    tool_choice: str | None = None
+    parallel_tool_calls: bool = True        # "auto": False keeps only the first call
     timeout: float | None = None            # seconds; pacer's extension: a deadline
 
 
@@ -217,7 +219,8 @@ def _nonempty_ids(value: Any) -> list[int]:
     return ids
 
 
-def parse_chat(body: Any) -> GenerationRequest:
+def parse_chat(body: Any, auto_tools: bool = False) -> GenerationRequest:
+    """`auto_tools`: tool_choice "auto" is served (a tool-call parser is configured)."""
     body = _object(body)
     messages = [_message(m, i) for i, m in enumerate(read_field(body, "messages", (list,)))]
     if not messages:
@@ -234,7 +237,7 @@ def parse_chat(body: Any) -> GenerationRequest:
     if read_field(body, "echo", (bool,), False):
         raise APIError("'echo' is served on /v1/completions only", param="echo")
     return _common(body, "chat", prompts=(), messages=messages, max_tokens=max_tokens,
-                   logprobs=(top or 0) if want else None)
+                   logprobs=(top or 0) if want else None, auto_tools=auto_tools)
 
 
 @dataclass(frozen=True)
@@ -319,11 +322,13 @@ def _truncate_prompt_tokens(body: dict) -> int | None:
     return n
 
 
-def _tool_choice(body: dict, endpoint: str) -> tuple[tuple[dict, ...], str | None]:
+def _tool_choice(body: dict, endpoint: str,
+                 auto_tools: bool = False) -> tuple[tuple[dict, ...], str | None]:
     """The tools the chat template is shown, and what the output must be: "required" (a
-    list of calls to any of them), a function's name (one call of it), or None (text).
-    OpenAI's default with tools, "auto", needs a parser of the model's own tool-call
-    format; none is built in (as vLLM without --tool-call-parser), so it is refused."""
+    list of calls to any of them), a function's name (one call of it), "auto" (words or
+    calls, as the model decides), or None (text). OpenAI's default with tools, "auto", needs
+    a parser of the model's own tool-call format (`auto_tools`: the gateway was started with
+    --tool-call-parser); without one it is refused, as vLLM does."""
     tools = read_field(body, "tools", (list,), None) or []
     choice = read_field(body, "tool_choice", (str, dict), "auto" if tools else "none")
     if not tools and choice in ("none", "auto"):
@@ -340,11 +345,13 @@ def _tool_choice(body: dict, endpoint: str) -> tuple[tuple[dict, ...], str | Non
         return tuple(tools), function["name"]
     if choice == "none":
         return (), None                  # as vLLM: tools not shown when none may be called
+    if choice == "auto" and auto_tools:
+        return tuple(tools), "auto"
     if choice == "auto":
-        raise APIError("tool_choice 'auto' needs a parser of this model's tool-call format, "
-                       "which this server does not have: send tool_choice 'required' or "
-                       f"{NAMED_TOOL_CHOICE} (calls made by constrained decoding), or 'none'",
-                       param="tool_choice")
+        raise APIError("tool_choice 'auto' needs a parser of this model's tool-call format "
+                       "(start the server with --tool-call-parser hermes or llama3_json): "
+                       f"send tool_choice 'required' or {NAMED_TOOL_CHOICE} (calls made by "
+                       "constrained decoding), or 'none'", param="tool_choice")
     if choice != "required":
         raise APIError(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, "
                        f"got {choice!r:.100}", param="tool_choice")
@@ -405,7 +412,7 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...],
     guided = {k: body[f"guided_{k}"] for k in KINDS if body.get(f"guided_{k}") is not None}
     if guided:
         given.append((f"guided_{next(iter(guided))}", guided))
-    if tool_choice is not None:
+    if tool_choice is not None and tool_choice != "auto":    # auto: the model's own format
         given.append(("tool_choice", tool_call_constraint(
             tools, tool_choice, read_field(body, "parallel_tool_calls", (bool,), True))))
     if len(given) > 1:
@@ -439,9 +446,9 @@ def _choices(body: dict, num_prompts: int) -> int:
 
 
 def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | None,
-            logprobs: int | None, echo: bool = False) -> GenerationRequest:
+            logprobs: int | None, echo: bool = False, auto_tools: bool = False) -> GenerationRequest:
     _refuse_what_would_be_ignored(body)
-    tools, tool_choice = _tool_choice(body, endpoint)
+    tools, tool_choice = _tool_choice(body, endpoint, auto_tools)
     n = _choices(body, max(1, len(prompts)))
     stream = read_field(body, "stream", (bool,), False)
     options = read_field(body, "stream_options", (dict,), None)
@@ -509,6 +516,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         continuous_usage=include_usage and continuous_usage, n=n,     # vLLM's: only with it
         echo=echo,
         prompt_logprobs=prompt_logprobs, tools=tools, tool_choice=tool_choice,
+        parallel_tool_calls=read_field(body, "parallel_tool_calls", (bool,), True),
         include_stop_str_in_output=read_field(body, "include_stop_str_in_output", (bool,), False),
         allowed_token_ids=tuple(_int_list(read_field(body, "allowed_token_ids", (list,), []),
                                           "allowed_token_ids")),
@@ -582,10 +590,12 @@ def completion_choice(index: int, text: str, logprobs: dict | None,
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, logprobs: dict | None, finish_reason: str | None,
+def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
                 tool_calls: list[dict] | None = None) -> dict:
+    """`text`: the content, also beside tool calls ("auto": words before them); calls made
+    by constrained decoding have none (their text is the calls)."""
     message = {"role": "assistant", "content": text} if tool_calls is None else \
-        {"role": "assistant", "content": None, "tool_calls": tool_calls}
+        {"role": "assistant", "content": text, "tool_calls": tool_calls}
     return {"index": index, "message": message, "logprobs": logprobs,
             "finish_reason": finish_reason}
 

@@ -19,6 +19,7 @@ from aiohttp import web
 from gateway import openai_schema as oai
 from gateway.generation import Delta, Generation, merged_deltas
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob
+from gateway.tool_parsers import ToolParser, ToolStream, parse_calls
 
 log = structlog.get_logger("gateway.responses")
 
@@ -33,8 +34,10 @@ class Shape:
     """The response shape of one endpoint for one request (its choices indexed 0..k-1)."""
 
     def __init__(self, req: GenerationRequest, response_id: str, model: str, *,
-                 num_prompt_tokens: int, headers: dict[str, str] | None = None) -> None:
+                 num_prompt_tokens: int, headers: dict[str, str] | None = None,
+                 tool_parser: ToolParser | None = None) -> None:
         self.req = req
+        self.tool_parser = tool_parser                # the model's format, for "auto"
         self.headers = headers or {}                  # sent with the answer or the stream
         self.chat = req.endpoint == "chat"
         self.num_prompt_tokens = num_prompt_tokens    # each prompt once, whatever n is
@@ -45,6 +48,7 @@ class Shape:
         # and logprobs held until the list is whole
         self._called: set[int] = set()
         self._held: dict[int, tuple[str, list[TokenLogprob]]] = {}
+        self._auto: dict[int, ToolStream] = {}       # "auto": each choice's parse so far
 
     def body(self, *, chunk: bool) -> dict:
         body = oai.envelope(self.req.endpoint, *self._envelope, chunk=chunk)
@@ -73,8 +77,22 @@ class Shape:
         logprobs = self.logprobs(index, entries)
         if not self.chat:
             return oai.completion_choice(index, text, logprobs, finish)
+        if self.req.tool_choice == "auto":
+            content, found = parse_calls(self.tool_parser, text)
+            calls = self._openai_calls(found)
+            return oai.chat_choice(index, content, logprobs, _finish_of_calls(finish, calls),
+                                   calls)
         calls = oai.tool_calls(self.req.tool_choice, text) if self.req.tool_choice else None
-        return oai.chat_choice(index, text, logprobs, _finish_of_calls(finish, calls), calls)
+        return oai.chat_choice(index, text if calls is None else None, logprobs,
+                               _finish_of_calls(finish, calls), calls)
+
+    def _openai_calls(self, found: list[tuple[str, str]]) -> list[dict] | None:
+        """Parsed calls in OpenAI's shape (the first alone without parallel calls); None for
+        none."""
+        if not found:
+            return None
+        kept = found if self.req.parallel_tool_calls else found[:1]
+        return [oai.tool_call(name, arguments) for name, arguments in kept]
 
     def chunk(self, index: int, text: str | None, entries: list[TokenLogprob],
               finish: str | None, usage: dict | None = None) -> dict | None:
@@ -100,6 +118,8 @@ class Shape:
         """A named function's arguments stream as they come, its first delta naming it;
         'required''s list goes whole at the finish (or, cut short, as text)."""
         choice = self.req.tool_choice
+        if choice == "auto":
+            return self._auto_delta(index, text, entries, finish)
         if choice != "required":
             if text is None:
                 return {}, entries, _finish_of_calls(finish, True)
@@ -118,6 +138,30 @@ class Shape:
             return {"content": held}, held_entries, finish
         return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, held_entries, \
             _finish_of_calls(finish, calls)
+
+
+    def _auto_delta(self, index: int, text: str | None, entries: list[TokenLogprob],
+                    finish: str | None) -> tuple[dict | None, list[TokenLogprob], str | None]:
+        """Words go out as they come, up to where a call may begin; the rest is held and at
+        the finish sent as the calls (or, not parsing, as words)."""
+        stream = self._auto.setdefault(index, ToolStream(self.tool_parser))
+        held, held_entries = self._held.get(index, ("", []))
+        if text is not None:
+            out = stream.feed(text)
+            held_entries = held_entries + entries
+            if not out:
+                self._held[index] = (held, held_entries)
+                return None, [], None
+            self._held.pop(index, None)
+            return {"content": out}, held_entries, None
+        self._held.pop(index, None)
+        del self._auto[index]
+        content, found = stream.finish()
+        calls = self._openai_calls(found)
+        delta: dict = {"content": content} if content else {}
+        if calls:
+            delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+        return delta, held_entries, _finish_of_calls(finish, calls)
 
 
 def _finish_of_calls(finish: str | None, calls) -> str | None:

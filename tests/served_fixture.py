@@ -135,7 +135,7 @@ def wait_healthy(served: Served, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory) -> Iterator[Served]:
     log_path = str(tmp_path_factory.mktemp("served") / "pacer-up.log")
-    system = start_served(log_path)
+    system = start_served(log_path, "--tool-call-parser", "hermes")   # tool_choice auto
     try:
         yield system
     finally:

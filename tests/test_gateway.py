@@ -38,6 +38,7 @@ MODEL = "test-model"
 PREFIX = "gwtest:"
 MAX_MODEL_LEN = 128
 REPLY = "Hello world, this is pacer. STOP here and more words."
+TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
 # ---- STAND-IN FOR THE REAL SCHEDULER ---------------------------------------------------------
@@ -51,6 +52,7 @@ REPLY = "Hello world, this is pacer. STOP here and more words."
 #   [finish-first]  the FinishEvent overtakes the last token batch
 #   [error]         the request fails with finish_reason "error" after two tokens
 #   [invalid]       the scheduler rejects the request as one that can never be served
+#   [tool]          the output is TOOL_REPLY, a call in the hermes format, then EOS
 
 class FakeScheduler:
     def __init__(self, redis: aioredis.Redis, keys: Keys, tokenizer: Tokenizer) -> None:
@@ -106,6 +108,8 @@ class FakeScheduler:
 
     def _output(self, msg: RequestMsg, repeat: bool) -> list[int]:
         sp = msg.sampling
+        if "[tool]" in self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False):
+            return (self.tok.encode(TOOL_REPLY) + [self.tok.eos_token_id])[:sp.max_tokens]
         if repeat or sp.ignore_eos:
             ids = (self.reply_ids * (sp.max_tokens // len(self.reply_ids) + 1))[:sp.max_tokens]
         else:
@@ -181,7 +185,7 @@ class Harness:
 def config(redis_server: str) -> GatewayConfig:
     return GatewayConfig(port=0, redis_url=redis_server, key_prefix=PREFIX, tp=2,
                          served_model_name=MODEL, max_model_len=MAX_MODEL_LEN,
-                         max_body_bytes=64 * 1024)
+                         max_body_bytes=64 * 1024, tool_call_parser="hermes")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -574,6 +578,36 @@ async def test_a_failed_generation_is_a_server_error(h: Harness) -> None:
     data = await h.sse("/v1/completions", completion(prompt="[error]", max_tokens=10))
     assert "the fake worker failed" in json.loads(data[-2])["error"]["message"]
     assert data[-1] == "[DONE]"
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+async def test_tool_choice_auto_parses_the_models_own_format(h: Harness) -> None:
+    """With --tool-call-parser hermes, "auto" (the default with tools) is served: the words
+    before the call are the content, the call is a tool call, streamed or not; words alone
+    stay words."""
+    body = chat("[tool] Weather in Paris?", tools=TOOLS)
+    status, answer = await h.post("/v1/chat/completions", body)
+    assert status == 200, answer
+    [choice] = answer["choices"]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking."
+    [call] = choice["message"]["tool_calls"]
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    sent = list(h.fake.received.values())[-1]
+    assert sent.prompt_token_ids == h.tok.encode_chat(body["messages"], TOOLS)  # the template's
+    assert sent.sampling.structured_outputs is None                   # nothing constrained
+    chunks = [json.loads(d) for d in (await h.sse("/v1/chat/completions", body))[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking."
+    [streamed] = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert streamed["index"] == 0 and streamed["function"] == call["function"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    status, words = await h.post("/v1/chat/completions", chat(tools=TOOLS))
+    assert words["choices"][0]["message"] == {"role": "assistant", "content": REPLY}
+    assert words["choices"][0]["finish_reason"] == "stop"
 
 
 async def _response_events(h: Harness, body: dict) -> list[dict]:

@@ -218,8 +218,9 @@ TIME = {"type": "function", "function": {
 
 def test_tool_calls_by_constrained_decoding(served: Served):
     """A named function and 'required' give tool calls whose arguments follow the tools'
-    schemas, streamed or not, alike; 'auto' (no parser of the model's own format) is a 400;
-    a conversation that carries a call and its result goes on."""
+    schemas, streamed or not, alike; 'auto' (the server parses the hermes format) gives the
+    model's words, or, where a regex makes it write a call in that format, the call; a
+    conversation that carries a call and its result goes on."""
     import json
 
     c = client(served)
@@ -247,8 +248,21 @@ def test_tool_calls_by_constrained_decoding(served: Served):
                 if chunk.choices for cl in chunk.choices[0].delta.tool_calls or []]
     assert [(cl.function.name, cl.function.arguments) for cl in streamed] == \
         [(cl.function.name, cl.function.arguments) for cl in calls]
-    with pytest.raises(openai.BadRequestError, match="tool-call format"):
-        c.chat.completions.create(**ask)                     # tool_choice 'auto', the default
+    auto = c.chat.completions.create(**ask)                  # tool_choice 'auto', the default
+    assert auto.choices[0].message.content and not auto.choices[0].message.tool_calls
+    hermes = {"structured_outputs": {"regex": (
+        r'Checking\.<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
+        r'"unit": "(C|F)"\}\}</tool_call>')}}
+    forced = c.chat.completions.create(**ask, extra_body=hermes)
+    [call] = forced.choices[0].message.tool_calls
+    assert forced.choices[0].finish_reason == "tool_calls"
+    assert forced.choices[0].message.content == "Checking." and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
+    deltas = [chunk.choices[0].delta for chunk in c.chat.completions.create(
+        **ask, extra_body=hermes, stream=True) if chunk.choices]
+    assert "".join(d.content or "" for d in deltas) == "Checking."
+    assert [(tc.function.name, tc.function.arguments) for d in deltas
+            for tc in d.tool_calls or []] == [(call.function.name, call.function.arguments)]
     # the call and its result in the history, then an answer in words
     history = ask["messages"] + [
         {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},

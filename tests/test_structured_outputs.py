@@ -212,10 +212,14 @@ def test_a_tool_choice_becomes_the_constraint_of_its_calls():
     assert calls["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
     none = parse_chat({**CHAT, "tools": [TOOL], "tool_choice": "none"})
     assert (none.tools, none.tool_choice, none.structured_outputs) == ((), None, None)
+    # "auto" (the default with tools) where a parser of the model's format is configured:
+    # the tools shown, nothing constrained
+    auto = parse_chat({**CHAT, "tools": [TOOL]}, auto_tools=True)
+    assert (auto.tools, auto.tool_choice, auto.structured_outputs) == ((TOOL,), "auto", None)
 
 
 @pytest.mark.parametrize("fields,param,says", [
-    ({"tools": [TOOL]}, "tool_choice", "tool-call format"),                # auto, the default
+    ({"tools": [TOOL]}, "tool_choice", "--tool-call-parser"),   # auto, the default: no parser
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice", "must name one of the tools"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"},

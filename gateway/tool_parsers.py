@@ -1,0 +1,143 @@
+"""Parsers of a model's own tool-call format, for `tool_choice: "auto"` (docs/api.md#tool-calls).
+
+With "auto" the model decides whether to answer in words or call a tool, and writes a call in
+the format it was trained on; nothing constrains it. `pacer up --tool-call-parser NAME` names
+the format (vLLM's `--tool-call-parser`), and the gateway turns the text into OpenAI's
+`tool_calls`:
+
+    hermes        <tool_call>{"name": "f", "arguments": {...}}</tool_call>, one block a call,
+                  words before the first block are the message's content (Hermes, Qwen)
+    llama3_json   the whole output a JSON object {"name": "f", "parameters": {...}} (or
+                  several separated by ';'), as Llama 3.1+ write them
+
+A text whose calls do not parse (cut short by max_tokens, say) is returned as content. While
+streaming, the content is sent as it comes up to where a call may begin; from there the text
+is held and, at the end, sent as the calls (or, if they do not parse, as content).
+"""
+from __future__ import annotations
+
+import json
+from typing import Protocol
+
+Call = tuple[str, str]            # (function name, arguments as JSON text)
+
+
+class ToolParser(Protocol):
+    name: str
+
+    def split(self, text: str) -> tuple[str, list[Call]] | None:
+        """The content before the calls and the calls; None: calls begun but not parseable."""
+
+    def held_from(self, text: str) -> int:
+        """Where the text that may be a call begins (len(text): none of it may be)."""
+
+
+def _call(obj: object, arguments_key: str) -> Call | None:
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    arguments = obj.get(arguments_key, obj.get("arguments", {}))
+    if isinstance(arguments, str):             # some models write the arguments as a string
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    return obj["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+class HermesParser:
+    name = "hermes"
+    START, END = "<tool_call>", "</tool_call>"
+
+    def split(self, text: str) -> tuple[str, list[Call]] | None:
+        first = text.find(self.START)
+        if first < 0:
+            return text, []
+        calls, at = [], first
+        while (at := text.find(self.START, at)) >= 0:
+            end = text.find(self.END, at)
+            body = text[at + len(self.START):end if end >= 0 else len(text)]
+            try:
+                call = _call(json.loads(body), "arguments")
+            except ValueError:
+                return None
+            if call is None:
+                return None
+            calls.append(call)
+            if end < 0:
+                break
+            at = end + len(self.END)
+        return text[:first], calls
+
+    def held_from(self, text: str) -> int:
+        found = text.find(self.START)
+        if found >= 0:
+            return found
+        for k in range(min(len(self.START) - 1, len(text)), 0, -1):   # a start cut in two
+            if self.START.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+
+class Llama3JsonParser:
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def split(self, text: str) -> tuple[str, list[Call]] | None:
+        body = text.strip().removeprefix(self.TAG).strip()
+        if not body.startswith("{"):
+            return text, []
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                obj, at = decoder.raw_decode(body, at)
+            except ValueError:
+                return None
+            call = _call(obj, "parameters")
+            if call is None:
+                return None
+            calls.append(call)
+            while at < len(body) and body[at] in "; \n\t":
+                at += 1
+        return "", calls
+
+    def held_from(self, text: str) -> int:
+        body = text.lstrip()
+        if not body or body.startswith(("{", self.TAG)) or self.TAG.startswith(body):
+            return 0                 # nothing but blanks yet, or the output is a call
+        return len(text)
+
+
+PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+
+
+def parse_calls(parser: ToolParser, text: str) -> tuple[str | None, list[Call]]:
+    """A whole output: its content (None when it only calls) and its calls."""
+    split = parser.split(text)
+    if split is None or not split[1]:
+        return text, []
+    content, calls = split
+    return content.strip() or None, calls
+
+
+class ToolStream:
+    """One streamed output under "auto": what may be sent as content now, and at the end the
+    calls (or the held text as content)."""
+
+    def __init__(self, parser: ToolParser) -> None:
+        self.parser, self.text, self.sent = parser, "", 0
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        upto = max(self.sent, self.parser.held_from(self.text))
+        out, self.sent = self.text[self.sent:upto], upto
+        return out
+
+    def finish(self) -> tuple[str, list[Call]]:
+        """The content not sent yet, and the calls."""
+        split = self.parser.split(self.text)
+        if split is None or not split[1]:
+            return self.text[self.sent:], []
+        content, calls = split
+        return content[self.sent:].rstrip(), calls
