@@ -67,19 +67,21 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's Responses API, through the chat path (gateway/responses_api.py)."""
     echo: dict = {}
+    name = request.app[STATE].config.tool_call_parser
+    parser = PARSERS[name] if name else None
 
     def parse(body: Any) -> GenerationRequest:
         chat, fields = chat_body(body)
         echo.update(fields)
-        return oai.parse_chat(chat)
+        return oai.parse_chat(chat, auto_tools=parser is not None)
 
     async def answer(request: web.Request, gens: list[Generation], req: GenerationRequest,
                      response_id: str, model: str, num_prompt_tokens: int,
                      headers: dict[str, str]) -> web.StreamResponse:
         shape = ResponseShape(response_id, model, echo, num_prompt_tokens, headers)
         if req.stream:
-            return await response_sse(request, gens, shape)
-        return await response_json(gens, shape)
+            return await response_sse(request, gens, req, parser, shape)
+        return await response_json(gens, req, parser, shape)
     return await _generate(request, parse, "resp", answer, id_joiner="_")
 
 

@@ -110,7 +110,7 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "tool_choice": {
             "nullable": True,
             "description": "'required' or a named function: calls made by constrained "
-                           "decoding; 'auto' needs a tool-call parser, which is not built in",
+                           "decoding; 'auto' needs the server's --tool-call-parser",
             "oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
                       {"type": "object", "required": ["type", "function"], "properties": {
                           "type": {"type": "string", "enum": ["function"]},
@@ -178,8 +178,8 @@ def _responses_request(model: str, max_model_len: int, vocab_size: int) -> dict[
         "name": {"type": "string"}, "schema": {"type": "object"}}}
     sampling = _sampling_fields(max_model_len, vocab_size)
     for name in ("max_tokens", "n", "best_of", "logprobs", "stream_options", "response_format",
-                 "prompt_logprobs", "truncate_prompt_tokens"):
-        sampling.pop(name, None)       # chat's or not taken here
+                 "prompt_logprobs", "truncate_prompt_tokens", "tools", "tool_choice"):
+        sampling.pop(name, None)       # chat's (its tools' shape is another) or not taken here
     return {"type": "object", "required": ["model", "input"], "properties": {
         "model": {"type": "string", "enum": [model]},
         "input": {"oneOf": [{"type": "string"},
@@ -190,6 +190,11 @@ def _responses_request(model: str, max_model_len: int, vocab_size: int) -> dict[
         "text": {"type": "object", "properties": {"format": fmt}},
         "store": {"type": "boolean"},
         "truncation": {"type": "string", "enum": ["disabled", "auto"]},
+        "tools": {"type": "array", "items": {
+            "type": "object", "required": ["type", "name"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "parameters": {"type": "object"}}}},
         **sampling}}
 
 

@@ -77,22 +77,8 @@ class Shape:
         logprobs = self.logprobs(index, entries)
         if not self.chat:
             return oai.completion_choice(index, text, logprobs, finish)
-        if self.req.tool_choice == "auto":
-            content, found = parse_calls(self.tool_parser, text)
-            calls = self._openai_calls(found)
-            return oai.chat_choice(index, content, logprobs, _finish_of_calls(finish, calls),
-                                   calls)
-        calls = oai.tool_calls(self.req.tool_choice, text) if self.req.tool_choice else None
-        return oai.chat_choice(index, text if calls is None else None, logprobs,
-                               _finish_of_calls(finish, calls), calls)
-
-    def _openai_calls(self, found: list[tuple[str, str]]) -> list[dict] | None:
-        """Parsed calls in OpenAI's shape (the first alone without parallel calls); None for
-        none."""
-        if not found:
-            return None
-        kept = found if self.req.parallel_tool_calls else found[:1]
-        return [oai.tool_call(name, arguments) for name, arguments in kept]
+        content, calls = split_calls(self.req, self.tool_parser, text)
+        return oai.chat_choice(index, content, logprobs, finish_of_calls(finish, calls), calls)
 
     def chunk(self, index: int, text: str | None, entries: list[TokenLogprob],
               finish: str | None, usage: dict | None = None) -> dict | None:
@@ -122,7 +108,7 @@ class Shape:
             return self._auto_delta(index, text, entries, finish)
         if choice != "required":
             if text is None:
-                return {}, entries, _finish_of_calls(finish, True)
+                return {}, entries, finish_of_calls(finish, True)
             if index in self._called:
                 return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, \
                     entries, None
@@ -137,7 +123,7 @@ class Shape:
         if calls is None:
             return {"content": held}, held_entries, finish
         return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, held_entries, \
-            _finish_of_calls(finish, calls)
+            finish_of_calls(finish, calls)
 
 
     def _auto_delta(self, index: int, text: str | None, entries: list[TokenLogprob],
@@ -157,14 +143,34 @@ class Shape:
         self._held.pop(index, None)
         del self._auto[index]
         content, found = stream.finish()
-        calls = self._openai_calls(found)
+        calls = openai_calls(found, self.req.parallel_tool_calls)
         delta: dict = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-        return delta, held_entries, _finish_of_calls(finish, calls)
+        return delta, held_entries, finish_of_calls(finish, calls)
 
 
-def _finish_of_calls(finish: str | None, calls) -> str | None:
+def split_calls(req: GenerationRequest, parser: ToolParser | None,
+                text: str) -> tuple[str | None, list[dict] | None]:
+    """A whole chat output's content and tool calls (OpenAI's shape; None: no calls): the
+    calls constrained decoding made ("required", a named function: the text is the calls),
+    the calls the model wrote in its own format ("auto"), or the text alone."""
+    if req.tool_choice == "auto":
+        content, found = parse_calls(parser, text)
+        return content, openai_calls(found, req.parallel_tool_calls)
+    calls = oai.tool_calls(req.tool_choice, text) if req.tool_choice else None
+    return (text if calls is None else None), calls
+
+
+def openai_calls(found: list[tuple[str, str]], parallel: bool) -> list[dict] | None:
+    """Parsed calls in OpenAI's shape (the first alone without parallel calls); None for none."""
+    if not found:
+        return None
+    return [oai.tool_call(name, arguments) for name, arguments in (found if parallel
+                                                                    else found[:1])]
+
+
+def finish_of_calls(finish: str | None, calls) -> str | None:
     """An output that made tool calls and ended where its grammar did: "tool_calls"."""
     return "tool_calls" if calls is not None and finish == "stop" else finish
 

@@ -16,11 +16,16 @@ is this module's: a `response` object, or a stream of typed events
     event: response.output_item.done
     event: response.completed           {"response": {... "output": [...], "usage": {...}}}
 
-each with a `sequence_number`. A response cut by `max_output_tokens` ends "incomplete" (its
-event `response.incomplete`); a generation that fails ends with `response.failed`, or a 4xx/5xx
-before any byte of a non-streamed answer. Nothing is stored: `previous_response_id`, and what
-needs a stored response, is refused; `store` is answered false. Tools are refused here (the
-chat endpoint serves `tool_choice` "required" and named functions).
+each with a `sequence_number`. Function tools go to the chat path as its tools (the calls
+made by constrained decoding for "required" or a named function, parsed from the model's own
+format for "auto"); each call is a `function_call` output item after the message (its events
+`response.output_item.added`, `response.function_call_arguments.delta` / `.done`,
+`response.output_item.done`), and earlier calls and their outputs in `input` become the
+chat's assistant tool calls and tool messages. A response cut by `max_output_tokens` ends
+"incomplete" (its event `response.incomplete`); a generation that fails ends with
+`response.failed`, or a 4xx/5xx before any byte of a non-streamed answer. Nothing is stored:
+`previous_response_id`, and what needs a stored response, is refused; `store` is answered
+false.
 """
 from __future__ import annotations
 
@@ -33,8 +38,9 @@ import structlog
 from aiohttp import web
 
 from gateway.generation import Generation, merged_deltas
-from gateway.openai_schema import APIError, read_field
-from gateway.responses import SSE_HEADERS, collect
+from gateway.openai_schema import APIError, GenerationRequest, read_field
+from gateway.responses import SSE_HEADERS, collect, split_calls
+from gateway.tool_parsers import ToolParser, ToolStream
 
 log = structlog.get_logger("gateway.responses_api")
 
@@ -69,10 +75,6 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     if read_field(body, "background", (bool,), False):
         raise APIError("'background' responses are not served (nothing is stored)",
                        param="background")
-    if read_field(body, "tools", (list,), None):
-        raise APIError("'tools' are not served on /v1/responses: send them to "
-                       "/v1/chat/completions with tool_choice 'required' or a named function",
-                       param="tools")
     if read_field(body, "include", (list,), None):
         raise APIError("'include' is not served (no reasoning, tool results or logprobs to "
                        "add)", param="include")
@@ -81,6 +83,12 @@ def chat_body(body: Any) -> tuple[dict, dict]:
         _messages(read_field(body, "input", (str, list)))
     chat: dict[str, Any] = {"model": read_field(body, "model", (str,)), "messages": messages,
                             "stream": read_field(body, "stream", (bool,), False)}
+    tools = [_tool(t, i) for i, t in enumerate(read_field(body, "tools", (list,), None) or [])]
+    choice = read_field(body, "tool_choice", (str, dict), "auto" if tools else "none")
+    if tools:
+        chat["tools"] = tools
+        chat["tool_choice"] = _tool_choice(choice)
+        chat["parallel_tool_calls"] = read_field(body, "parallel_tool_calls", (bool,), True)
     max_output = read_field(body, "max_output_tokens", (int,), None)
     if max_output is not None:
         if max_output < 1:
@@ -109,8 +117,29 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     metadata = read_field(body, "metadata", (dict,), None)
     echo = {"instructions": instructions, "max_output_tokens": max_output,
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
-            "text": {"format": fmt}, "truncation": truncation, "metadata": metadata or {}}
+            "text": {"format": fmt}, "truncation": truncation, "metadata": metadata or {},
+            "tools": body.get("tools") or [], "tool_choice": choice,
+            "parallel_tool_calls": chat.get("parallel_tool_calls", True)}
     return chat, echo
+
+
+def _tool(tool: Any, i: int) -> dict:
+    """A Responses function tool ({"type", "name", "parameters", ...}) as chat's."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        raise APIError(f"tools[{i}]: only function tools are served (nothing runs tools "
+                       f"here), got {kind!r:.60}", param="tools")
+    function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+    return {"type": "function", "function": function}
+
+
+def _tool_choice(choice: str | dict) -> str | dict:
+    if isinstance(choice, dict):
+        if choice.get("type") != "function":
+            raise APIError("'tool_choice' must be 'none', 'auto', 'required' or "
+                           '{"type": "function", "name": ...}', param="tool_choice")
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
 
 
 def _messages(given: str | list) -> list[dict]:
@@ -118,13 +147,25 @@ def _messages(given: str | list) -> list[dict]:
         return [{"role": "user", "content": given}]
     if not given:
         raise APIError("'input' must hold at least one message", param="input")
-    messages = []
+    messages: list[dict] = []
     for i, item in enumerate(given):
         param = f"input[{i}]"
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            kind = item.get("type") if isinstance(item, dict) else type(item).__name__
-            raise APIError(f"{param}: only messages with text are served, got {kind!r:.60}",
-                           param=param)
+        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        if kind == "function_call":
+            call = {"id": _text(item, "call_id", param), "type": "function", "function": {
+                "name": _text(item, "name", param), "arguments": _text(item, "arguments", param)}}
+            if messages and messages[-1].get("tool_calls"):     # calls made together
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", param),
+                             "content": _text(item, "output", param)})
+            continue
+        if kind != "message":
+            raise APIError(f"{param}: only messages, function calls and their outputs are "
+                           f"served, got {kind!r:.60}", param=param)
         role, content = item.get("role"), item.get("content")
         if role not in INPUT_ROLES:
             raise APIError(f"{param}.role must be one of {', '.join(INPUT_ROLES)}, got "
@@ -140,6 +181,12 @@ def _messages(given: str | list) -> list[dict]:
                            param=f"{param}.content")
         messages.append({"role": role, "content": content})
     return messages
+
+
+def _text(item: dict, name: str, param: str) -> str:
+    if not isinstance(item.get(name), str):
+        raise APIError(f"{param}.{name} must be a string", param=f"{param}.{name}")
+    return item[name]
 
 
 class ResponseShape:
@@ -158,8 +205,7 @@ class ResponseShape:
         return {"id": self.response_id, "object": "response", "created_at": self.created_at,
                 "status": status, "error": error,
                 "incomplete_details": None if incomplete is None else {"reason": incomplete},
-                "model": self.model, "output": output, "parallel_tool_calls": True,
-                "tool_choice": "none", "tools": [], "previous_response_id": None,
+                "model": self.model, "output": output, "previous_response_id": None,
                 "store": False, "usage": usage, **self.echo}
 
     def message(self, text: str | None, status: str) -> dict:
@@ -171,6 +217,14 @@ class ResponseShape:
     def part(text: str) -> dict:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
 
+    @staticmethod
+    def function_call(call: dict, status: str = "completed", arguments: str | None = None) -> dict:
+        """An OpenAI chat tool call (`oai.tool_call`) as a Responses output item."""
+        return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
+                "call_id": call["id"], "name": call["function"]["name"],
+                "arguments": call["function"]["arguments"] if arguments is None else arguments,
+                "status": status}
+
     def usage(self, num_output_tokens: int, num_cached_tokens: int | None) -> dict:
         return {"input_tokens": self.num_prompt_tokens,
                 "input_tokens_details": {"cached_tokens": num_cached_tokens or 0},
@@ -178,13 +232,22 @@ class ResponseShape:
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.num_prompt_tokens + num_output_tokens}
 
-    def final(self, text: str, gen: Generation) -> dict:
-        """The finished response: completed, or incomplete where max_output_tokens cut it."""
-        cut = gen.finish_reason == "length"
-        return self.response("incomplete" if cut else "completed",
-                             [self.message(text, "incomplete" if cut else "completed")],
+    @staticmethod
+    def status(gen: Generation) -> str:
+        """completed, or incomplete where max_output_tokens cut the output."""
+        return "incomplete" if gen.finish_reason == "length" else "completed"
+
+    def final(self, content: str | None, calls: list[dict] | None, gen: Generation) -> dict:
+        """The finished response: its message (unless it only calls), then its calls."""
+        status = self.status(gen)
+        output = [self.message(content or "", status)] if content or not calls else []
+        return self.finished(output + [self.function_call(c) for c in calls or []], gen)
+
+    def finished(self, output: list[dict], gen: Generation) -> dict:
+        status = self.status(gen)
+        return self.response(status, output,
                              usage=self.usage(gen.num_output_tokens, gen.num_cached_tokens),
-                             incomplete="max_output_tokens" if cut else None)
+                             incomplete="max_output_tokens" if status == "incomplete" else None)
 
     def event(self, kind: str, **fields: Any) -> bytes:
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
@@ -195,25 +258,60 @@ class ResponseShape:
         return {"item_id": self.message_id, "output_index": 0, "content_index": 0, **more}
 
 
-async def response_json(gens: list[Generation], shape: ResponseShape) -> web.Response:
+async def response_json(gens: list[Generation], req: GenerationRequest,
+                        parser: ToolParser | None, shape: ResponseShape) -> web.Response:
     [text], _ = await collect(gens)
-    return web.json_response(shape.final(text, gens[0]), headers=shape.headers)
+    return web.json_response(shape.final(*split_calls(req, parser, text), gens[0]),
+                             headers=shape.headers)
 
 
-async def response_sse(request: web.Request, gens: list[Generation],
-                       shape: ResponseShape) -> web.StreamResponse:
+class _MessageEvents:
+    """The assistant message's events in a stream, opened at its first text."""
+
+    def __init__(self, response: web.StreamResponse, shape: ResponseShape) -> None:
+        self.response, self.shape = response, shape
+        self.pieces: list[str] = []
+        self.opened = False
+
+    async def text(self, piece: str) -> None:
+        shape = self.shape
+        if not self.opened:
+            self.opened = True
+            await self.response.write(shape.event("response.output_item.added", output_index=0,
+                                                  item=shape.message(None, "in_progress")))
+            await self.response.write(shape.event("response.content_part.added",
+                                                  **shape.item_fields(part=shape.part(""))))
+        if piece:
+            self.pieces.append(piece)
+            await self.response.write(shape.event(
+                "response.output_text.delta", **shape.item_fields(delta=piece, logprobs=[])))
+
+    async def close(self, status: str) -> str:
+        shape, text = self.shape, "".join(self.pieces)
+        await self.response.write(shape.event("response.output_text.done",
+                                              **shape.item_fields(text=text, logprobs=[])))
+        await self.response.write(shape.event("response.content_part.done",
+                                              **shape.item_fields(part=shape.part(text))))
+        await self.response.write(shape.event("response.output_item.done", output_index=0,
+                                              item=shape.message(text, status)))
+        return text
+
+
+async def response_sse(request: web.Request, gens: list[Generation], req: GenerationRequest,
+                       parser: ToolParser | None, shape: ResponseShape) -> web.StreamResponse:
+    """The events of one response. Words stream as they come; under a tool choice, up to
+    where a call may begin ("auto"; none for calls made by constrained decoding), and the
+    calls follow whole at the end."""
     [gen] = gens
     response = web.StreamResponse(headers={**SSE_HEADERS, **shape.headers})
     await response.prepare(request)
     started = shape.response("in_progress", [])
+    message = _MessageEvents(response, shape)
+    calls_stream = ToolStream(parser) if req.tool_choice == "auto" else None
+    whole: list[str] = []
     try:
         await response.write(shape.event("response.created", response=started))
         await response.write(shape.event("response.in_progress", response=started))
-        await response.write(shape.event("response.output_item.added", output_index=0,
-                                         item=shape.message(None, "in_progress")))
-        await response.write(shape.event("response.content_part.added",
-                                         **shape.item_fields(part=shape.part(""))))
-        pieces: list[str] = []
         async with aclosing(merged_deltas(gens)) as deltas:
             async for _, delta in deltas:
                 if delta.error is not None:
@@ -223,21 +321,38 @@ async def response_sse(request: web.Request, gens: list[Generation],
                     await response.write(shape.event("response.failed", response=failed))
                     await response.write_eof()
                     return response
-                if delta.text:
-                    pieces.append(delta.text)
-                    await response.write(shape.event(
-                        "response.output_text.delta",
-                        **shape.item_fields(delta=delta.text, logprobs=[])))
-        text = "".join(pieces)
-        final = shape.final(text, gen)
-        await response.write(shape.event("response.output_text.done",
-                                         **shape.item_fields(text=text, logprobs=[])))
-        await response.write(shape.event("response.content_part.done",
-                                         **shape.item_fields(part=shape.part(text))))
-        await response.write(shape.event("response.output_item.done", output_index=0,
-                                         item=final["output"][0]))
-        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-        await response.write(shape.event(kind, response=final))
+                whole.append(delta.text)
+                if req.tool_choice and calls_stream is None:
+                    continue                       # the text is the calls
+                piece = calls_stream.feed(delta.text) if calls_stream else delta.text
+                if piece:
+                    await message.text(piece)
+        _, calls = split_calls(req, parser, "".join(whole))
+        if calls_stream is not None:
+            tail, _ = calls_stream.finish()
+            if tail:
+                await message.text(tail)
+        status = shape.status(gen)
+        output = []
+        if message.opened or not calls:          # a message, unless the output only calls
+            await message.text("")
+            output.append(shape.message(await message.close(status), status))
+        for call in calls or []:
+            index = len(output)
+            await response.write(shape.event("response.output_item.added", output_index=index,
+                                             item=shape.function_call(call, "in_progress", "")))
+            ids = {"item_id": shape.function_call(call)["id"], "output_index": index}
+            arguments = call["function"]["arguments"]
+            await response.write(shape.event("response.function_call_arguments.delta",
+                                             **ids, delta=arguments))
+            await response.write(shape.event("response.function_call_arguments.done",
+                                             **ids, arguments=arguments))
+            item = shape.function_call(call)
+            await response.write(shape.event("response.output_item.done", output_index=index,
+                                             item=item))
+            output.append(item)
+        await response.write(shape.event(f"response.{status}",
+                                         response=shape.finished(output, gen)))
         await response.write_eof()
     except ConnectionResetError:     # the generation's owner aborts it upstream
         log.info("client disconnected during the stream", request_id=gen.request_id)

@@ -653,6 +653,48 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
     assert "the fake worker failed" in events[-1]["response"]["error"]["message"]
 
 
+async def test_responses_api_function_tools_and_their_history(h: Harness) -> None:
+    """Function tools on /v1/responses: the hermes call the fake writes becomes a
+    function_call item after the message, streamed or not; earlier calls and outputs in
+    `input` reach the chat template as the assistant's tool calls and a tool message."""
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": TOOLS[0]["function"]["parameters"]}
+    body = {"model": MODEL, "input": "[tool] Weather in Paris?", "tools": [tool]}
+    status, answer = await h.post("/v1/responses", body)
+    assert status == 200, answer
+    message, call = answer["output"]
+    assert message["content"][0]["text"] == "Checking." and answer["status"] == "completed"
+    assert (call["type"], call["name"], call["arguments"]) == \
+        ("function_call", "get_weather", '{"city": "Paris"}')
+    assert call["call_id"].startswith("call_") and call["id"].startswith("fc_")
+    assert answer["tools"] == [tool] and answer["tool_choice"] == "auto"
+    events = await _response_events(h, body)
+    kinds = [e["type"] for e in events]
+    assert kinds[-5:] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done",
+                          "response.output_item.done", "response.completed"]
+    final = events[-1]["response"]["output"]
+    assert final[0]["content"][0]["text"] == "Checking."
+    assert {k: final[1][k] for k in ("name", "arguments")} == \
+        {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+    assert events[-3]["arguments"] == final[1]["arguments"]
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+                "arguments": '{"city": "Paris"}'},
+               {"type": "function_call_output", "call_id": "call_1", "output": "18 C"}]
+    status, reply = await h.post("/v1/responses", {**body, "input": history})
+    assert status == 200 and reply["output"][0]["content"][0]["text"] == REPLY
+    sent = list(h.fake.received.values())[-1]
+    chat_tools = [{"type": "function", "function": {"name": "get_weather",
+                                                    "parameters": tool["parameters"]}}]
+    assert sent.prompt_token_ids == h.tok.encode_chat([
+        history[0],
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}], chat_tools)
+
+
 async def test_the_token_listener_resubscribes_after_its_connection_drops(h: Harness) -> None:
     channel = h.keys.tokens(h.config.gateway_id)
 
@@ -886,8 +928,10 @@ BAD_REQUESTS = {
     "unknown route": ("/v1/embeddings", completion(), 404),
     "responses: missing input": ("/v1/responses", {"model": MODEL}, 400),
     "responses: empty input": ("/v1/responses", {"model": MODEL, "input": []}, 400),
-    "responses: a function call output item": ("/v1/responses", {"model": MODEL, "input": [
-        {"type": "function_call_output", "call_id": "c", "output": "x"}]}, 400),
+    "responses: a function call output without its output": ("/v1/responses", {
+        "model": MODEL, "input": [{"type": "function_call_output", "call_id": "c"}]}, 400),
+    "responses: a reasoning item": ("/v1/responses", {"model": MODEL, "input": [
+        {"type": "reasoning", "summary": []}]}, 400),
     "responses: an image part": ("/v1/responses", {"model": MODEL, "input": [
         {"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, 400),
     "responses: chat's messages": ("/v1/responses", {"model": MODEL, "input": "x",
@@ -896,8 +940,8 @@ BAD_REQUESTS = {
                                                          "max_output_tokens": 0}, 400),
     "responses: a stored response": ("/v1/responses", {"model": MODEL, "input": "x",
                                                        "previous_response_id": "resp_1"}, 400),
-    "responses: tools": ("/v1/responses", {"model": MODEL, "input": "x",
-                                           "tools": [{"type": "web_search"}]}, 400),
+    "responses: a hosted tool": ("/v1/responses", {"model": MODEL, "input": "x",
+                                                   "tools": [{"type": "web_search"}]}, 400),
     "responses: a schema format without a schema": ("/v1/responses", {
         "model": MODEL, "input": "x", "text": {"format": {"type": "json_schema"}}}, 400),
     "responses: unknown truncation": ("/v1/responses", {"model": MODEL, "input": "x",

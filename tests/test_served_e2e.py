@@ -274,8 +274,10 @@ def test_tool_calls_by_constrained_decoding(served: Served):
 def test_responses_api_answers_as_chat_completions_do(served: Served):
     """/v1/responses through the openai client: greedy text and token counts equal to the
     chat endpoint's for the same messages, streamed or not; a text that max_output_tokens
-    cuts is "incomplete"; a Pydantic text format parses; what needs a stored response or
-    a tool is a 400."""
+    cuts is "incomplete"; a Pydantic text format parses; a function tool is called and its
+    output taken back; what needs a stored response or a hosted tool is a 400."""
+    import json
+
     import pydantic
 
     c = client(served)
@@ -309,8 +311,31 @@ def test_responses_api_answers_as_chat_completions_do(served: Served):
     parsed = c.responses.parse(model=MODEL, input="Give a city as JSON.", text_format=City,
                                max_output_tokens=60, temperature=0)
     assert parsed.status == "completed" and parsed.output_parsed.name
-    for refused in ({"previous_response_id": "resp_1"}, {"tools": [WEATHER]},
-                    {"input": [{"type": "function_call_output", "call_id": "c", "output": "y"}]}):
+    # function tools: a named one (constrained decoding), then its output sent back
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": WEATHER["function"]["parameters"]}
+    called = c.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                tools=[tool], max_output_tokens=40, temperature=0,
+                                tool_choice={"type": "function", "name": "get_weather"})
+    [call] = called.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments)["unit"] in ("C", "F")
+    streamed = list(c.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                       tools=[tool], max_output_tokens=40, temperature=0,
+                                       tool_choice={"type": "function", "name": "get_weather"},
+                                       stream=True))
+    [done] = [e.item for e in streamed if e.type == "response.output_item.done"]
+    assert (done.name, done.arguments) == (call.name, call.arguments)
+    follow = c.responses.create(
+        model=MODEL, tools=[tool], tool_choice="none", max_output_tokens=20, temperature=0,
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                "arguments": call.arguments},
+               {"type": "function_call_output", "call_id": call.call_id, "output": "18 C"}])
+    assert follow.output_text
+    for refused in ({"previous_response_id": "resp_1"},
+                    {"tools": [{"type": "web_search"}]},
+                    {"input": [{"type": "reasoning", "summary": []}]}):
         with pytest.raises(openai.BadRequestError):
             c.responses.create(**{"model": MODEL, "input": question, **refused})
     with pytest.raises(openai.BadRequestError, match="send 'input'"):
