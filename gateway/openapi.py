@@ -190,6 +190,9 @@ def _responses_request(model: str, max_model_len: int, vocab_size: int) -> dict[
         "text": {"type": "object", "properties": {"format": fmt}},
         "store": {"type": "boolean"},
         "truncation": {"type": "string", "enum": ["disabled", "auto"]},
+        "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS},
+        "include": {"type": "array",
+                    "items": {"type": "string", "enum": ["message.output_text.logprobs"]}},
         "tools": {"type": "array", "items": {
             "type": "object", "required": ["type", "name"], "properties": {
                 "type": {"type": "string", "enum": ["function"]},

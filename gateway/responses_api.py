@@ -1,31 +1,23 @@
-"""OpenAI's Responses API (`POST /v1/responses`), served by the chat path
-(docs/api.md#the-responses-api).
+"""OpenAI's Responses API (`POST /v1/responses`), served by the chat path: what is taken
+and what is answered, docs/api.md#the-responses-api.
 
 A request is read into the chat completions body it means (`input` and `instructions` become
-messages, `max_output_tokens` the token limit, `text.format` the response format) and goes
-through `parse_chat` and the same generation as /v1/chat/completions; only the answer's shape
-is this module's: a `response` object, or a stream of typed events
+messages, function-call items the assistant's tool calls and tool messages,
+`max_output_tokens` the token limit, `text.format` the response format) and goes through
+`parse_chat` and the same generation as /v1/chat/completions; only the answer's shape is this
+module's: a `response` object (a message, then a `function_call` item per call), or a stream
+of typed events
 
     event: response.created             {"response": {... "status": "in_progress"}}
     event: response.in_progress
-    event: response.output_item.added   the assistant message, empty
+    event: response.output_item.added   the assistant message, empty (at its first text)
     event: response.content_part.added  its output_text part, empty
     event: response.output_text.delta   {"delta": "Hel"} ... one per piece of text
     event: response.output_text.done    {"text": the whole text}
     event: response.content_part.done
     event: response.output_item.done
+    ...                                 each call: item added, arguments delta and done, done
     event: response.completed           {"response": {... "output": [...], "usage": {...}}}
-
-each with a `sequence_number`. Function tools go to the chat path as its tools (the calls
-made by constrained decoding for "required" or a named function, parsed from the model's own
-format for "auto"); each call is a `function_call` output item after the message (its events
-`response.output_item.added`, `response.function_call_arguments.delta` / `.done`,
-`response.output_item.done`), and earlier calls and their outputs in `input` become the
-chat's assistant tool calls and tool messages. A response cut by `max_output_tokens` ends
-"incomplete" (its event `response.incomplete`); a generation that fails ends with
-`response.failed`, or a 4xx/5xx before any byte of a non-streamed answer. Nothing is stored:
-`previous_response_id`, and what needs a stored response, is refused; `store` is answered
-false.
 """
 from __future__ import annotations
 
@@ -38,7 +30,8 @@ import structlog
 from aiohttp import web
 
 from gateway.generation import Generation, merged_deltas
-from gateway.openai_schema import APIError, GenerationRequest, read_field
+from gateway import openai_schema as oai
+from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob, read_field
 from gateway.responses import SSE_HEADERS, collect, split_calls
 from gateway.tool_parsers import ToolParser, ToolStream
 
@@ -54,7 +47,8 @@ CHAT_SPELLINGS = {"messages": "input", "max_tokens": "max_output_tokens",
                   "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                   "n": None, "logprobs": None, "stream_options": None}
 # Fields that need a stored response or a server-side tool; none is kept or run here
-NOT_SERVED = ("previous_response_id", "conversation", "prompt", "top_logprobs")
+NOT_SERVED = ("previous_response_id", "conversation", "prompt")
+LOGPROBS_INCLUDE = "message.output_text.logprobs"    # the one `include` served
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -75,9 +69,10 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     if read_field(body, "background", (bool,), False):
         raise APIError("'background' responses are not served (nothing is stored)",
                        param="background")
-    if read_field(body, "include", (list,), None):
-        raise APIError("'include' is not served (no reasoning, tool results or logprobs to "
-                       "add)", param="include")
+    include = read_field(body, "include", (list,), None) or []
+    if any(item != LOGPROBS_INCLUDE for item in include):
+        raise APIError(f"'include' serves {LOGPROBS_INCLUDE!r} only (no reasoning or tool "
+                       "results here)", param="include")
     instructions = read_field(body, "instructions", (str,), None)
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + \
         _messages(read_field(body, "input", (str, list)))
@@ -87,8 +82,9 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     choice = read_field(body, "tool_choice", (str, dict), "auto" if tools else "none")
     if tools:
         chat["tools"] = tools
-        chat["tool_choice"] = _tool_choice(choice)
         chat["parallel_tool_calls"] = read_field(body, "parallel_tool_calls", (bool,), True)
+    if tools or body.get("tool_choice") is not None:    # chat's checks: 'required' needs tools
+        chat["tool_choice"] = _tool_choice(choice)
     max_output = read_field(body, "max_output_tokens", (int,), None)
     if max_output is not None:
         if max_output < 1:
@@ -98,6 +94,14 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     for name in ("temperature", "top_p", *SAMPLING_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
+    top_logprobs = read_field(body, "top_logprobs", (int,), None)
+    if include or top_logprobs is not None:        # the output text's, as chat gives them
+        if tools:
+            raise APIError("logprobs beside tools are not served on /v1/responses",
+                           param="top_logprobs" if top_logprobs is not None else "include")
+        chat["logprobs"] = True
+        if top_logprobs is not None:
+            chat["top_logprobs"] = top_logprobs
     text = read_field(body, "text", (dict,), None) or {}
     fmt = text.get("format") or {"type": "text"}
     if not isinstance(fmt, dict):
@@ -116,6 +120,7 @@ def chat_body(body: Any) -> tuple[dict, dict]:
         chat["truncate_prompt_tokens"] = -1
     metadata = read_field(body, "metadata", (dict,), None)
     echo = {"instructions": instructions, "max_output_tokens": max_output,
+            "top_logprobs": top_logprobs,
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "text": {"format": fmt}, "truncation": truncation, "metadata": metadata or {},
             "tools": body.get("tools") or [], "tool_choice": choice,
@@ -183,6 +188,11 @@ def _messages(given: str | list) -> list[dict]:
     return messages
 
 
+def _logprobs(entries: list[TokenLogprob] | None) -> list[dict]:
+    """An output text's logprobs in OpenAI's shape (chat's: token, logprob, bytes, top)."""
+    return oai.chat_logprobs(entries)["content"] if entries else []
+
+
 def _text(item: dict, name: str, param: str) -> str:
     if not isinstance(item.get(name), str):
         raise APIError(f"{param}.{name} must be a string", param=f"{param}.{name}")
@@ -208,14 +218,16 @@ class ResponseShape:
                 "model": self.model, "output": output, "previous_response_id": None,
                 "store": False, "usage": usage, **self.echo}
 
-    def message(self, text: str | None, status: str) -> dict:
-        content = [] if text is None else [self.part(text)]
+    def message(self, text: str | None, status: str,
+                logprobs: list[TokenLogprob] | None = None) -> dict:
+        content = [] if text is None else [self.part(text, logprobs)]
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}
 
     @staticmethod
-    def part(text: str) -> dict:
-        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    def part(text: str, logprobs: list[TokenLogprob] | None = None) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [],
+                "logprobs": _logprobs(logprobs)}
 
     @staticmethod
     def function_call(call: dict, status: str = "completed", arguments: str | None = None) -> dict:
@@ -237,10 +249,11 @@ class ResponseShape:
         """completed, or incomplete where max_output_tokens cut the output."""
         return "incomplete" if gen.finish_reason == "length" else "completed"
 
-    def final(self, content: str | None, calls: list[dict] | None, gen: Generation) -> dict:
+    def final(self, content: str | None, calls: list[dict] | None, gen: Generation,
+              logprobs: list[TokenLogprob] | None = None) -> dict:
         """The finished response: its message (unless it only calls), then its calls."""
         status = self.status(gen)
-        output = [self.message(content or "", status)] if content or not calls else []
+        output = [self.message(content or "", status, logprobs)] if content or not calls else []
         return self.finished(output + [self.function_call(c) for c in calls or []], gen)
 
     def finished(self, output: list[dict], gen: Generation) -> dict:
@@ -260,8 +273,8 @@ class ResponseShape:
 
 async def response_json(gens: list[Generation], req: GenerationRequest,
                         parser: ToolParser | None, shape: ResponseShape) -> web.Response:
-    [text], _ = await collect(gens)
-    return web.json_response(shape.final(*split_calls(req, parser, text), gens[0]),
+    [text], [entries] = await collect(gens)
+    return web.json_response(shape.final(*split_calls(req, parser, text), gens[0], entries),
                              headers=shape.headers)
 
 
@@ -271,9 +284,10 @@ class _MessageEvents:
     def __init__(self, response: web.StreamResponse, shape: ResponseShape) -> None:
         self.response, self.shape = response, shape
         self.pieces: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
         self.opened = False
 
-    async def text(self, piece: str) -> None:
+    async def text(self, piece: str, logprobs: list[TokenLogprob] | None = None) -> None:
         shape = self.shape
         if not self.opened:
             self.opened = True
@@ -283,17 +297,20 @@ class _MessageEvents:
                                                   **shape.item_fields(part=shape.part(""))))
         if piece:
             self.pieces.append(piece)
+            self.logprobs += logprobs or []
             await self.response.write(shape.event(
-                "response.output_text.delta", **shape.item_fields(delta=piece, logprobs=[])))
+                "response.output_text.delta",
+                **shape.item_fields(delta=piece, logprobs=_logprobs(logprobs))))
 
     async def close(self, status: str) -> str:
-        shape, text = self.shape, "".join(self.pieces)
-        await self.response.write(shape.event("response.output_text.done",
-                                              **shape.item_fields(text=text, logprobs=[])))
+        shape, text, logprobs = self.shape, "".join(self.pieces), self.logprobs
+        await self.response.write(shape.event(
+            "response.output_text.done",
+            **shape.item_fields(text=text, logprobs=_logprobs(logprobs))))
         await self.response.write(shape.event("response.content_part.done",
-                                              **shape.item_fields(part=shape.part(text))))
+                                              **shape.item_fields(part=shape.part(text, logprobs))))
         await self.response.write(shape.event("response.output_item.done", output_index=0,
-                                              item=shape.message(text, status)))
+                                              item=shape.message(text, status, logprobs)))
         return text
 
 
@@ -326,7 +343,7 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                     continue                       # the text is the calls
                 piece = calls_stream.feed(delta.text) if calls_stream else delta.text
                 if piece:
-                    await message.text(piece)
+                    await message.text(piece, delta.logprobs)
         _, calls = split_calls(req, parser, "".join(whole))
         if calls_stream is not None:
             tail, _ = calls_stream.finish()
@@ -336,7 +353,7 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
         output = []
         if message.opened or not calls:          # a message, unless the output only calls
             await message.text("")
-            output.append(shape.message(await message.close(status), status))
+            output.append(shape.message(await message.close(status), status, message.logprobs))
         for call in calls or []:
             index = len(output)
             await response.write(shape.event("response.output_item.added", output_index=index,

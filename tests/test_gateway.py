@@ -644,6 +644,17 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
     assert events[-1]["type"] == "response.completed"
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
         == events[-1]["response"]["output"][0]["content"][0]["text"] == REPLY
+    # the output text's logprobs (the fake's: -0.5 each, its top ones next to it)
+    status, scored = await h.post("/v1/responses", {**body, "top_logprobs": 2})
+    entries = scored["output"][0]["content"][0]["logprobs"]
+    assert [e["logprob"] for e in entries] == [-0.5] * 4
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)
+    assert "".join(e["token"] for e in entries) == reply_text(h.tok, 4)
+    events = await _response_events(h, {**body, "include": ["message.output_text.logprobs"]})
+    streamed = [x for e in events if e["type"] == "response.output_text.delta"
+                for x in e["logprobs"]]
+    assert [e["token"] for e in streamed] == [e["token"] for e in entries]
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == streamed
     async with h.session.get(f"{h.url}/v1/responses/{answer['id']}") as r:
         assert r.status == 404 and "keeps none" in (await r.json())["error"]["message"]
     status, failed = await h.post("/v1/responses", {"model": MODEL, "input": "[error]"})
@@ -942,6 +953,12 @@ BAD_REQUESTS = {
                                                        "previous_response_id": "resp_1"}, 400),
     "responses: a hosted tool": ("/v1/responses", {"model": MODEL, "input": "x",
                                                    "tools": [{"type": "web_search"}]}, 400),
+    "responses: tool_choice required without tools": ("/v1/responses", {
+        "model": MODEL, "input": "x", "tool_choice": "required"}, 400),
+    "responses: an include not served": ("/v1/responses", {
+        "model": MODEL, "input": "x", "include": ["reasoning.encrypted_content"]}, 400),
+    "responses: top_logprobs above 20": ("/v1/responses", {
+        "model": MODEL, "input": "x", "top_logprobs": 21}, 400),
     "responses: a schema format without a schema": ("/v1/responses", {
         "model": MODEL, "input": "x", "text": {"format": {"type": "json_schema"}}}, 400),
     "responses: unknown truncation": ("/v1/responses", {"model": MODEL, "input": "x",

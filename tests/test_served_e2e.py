@@ -301,6 +301,17 @@ def test_responses_api_answers_as_chat_completions_do(served: Served):
     assert events[0].type == "response.created" and events[-1].type == "response.completed"
     assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == \
         answer.output_text == events[-1].response.output_text
+    # the output text's logprobs, chat's for the same tokens
+    scored_chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2)
+    scored = c.responses.create(model=MODEL, input=question, max_output_tokens=6,
+                                temperature=0, top_logprobs=2)
+    mine = scored.output[0].content[0].logprobs
+    theirs = scored_chat.choices[0].logprobs.content
+    assert [(e.token, len(e.top_logprobs)) for e in mine] == \
+        [(e.token, len(e.top_logprobs)) for e in theirs]
+    assert [e.logprob for e in mine] == pytest.approx([e.logprob for e in theirs], abs=1e-4)
     cut = c.responses.create(model=MODEL, input=question, max_output_tokens=3, temperature=0)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
     assert cut.usage.output_tokens == 3
