@@ -1,4 +1,4 @@
-"""Parsers of a model's own tool-call format, for `tool_choice: "auto"` (docs/api.md#tool-calls).
+"""Parsers of a model's own tool-call format, for `tool_choice: "auto"` (docs/api.md#requests).
 
 With "auto" the model decides whether to answer in words or call a tool, and writes a call in
 the format it was trained on; nothing constrains it. `pacer up --tool-call-parser NAME` names
