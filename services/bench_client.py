@@ -26,7 +26,7 @@ import numpy as np
 
 from services.bench_dataset import BenchRequest
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
 
@@ -40,6 +40,11 @@ class ApiTarget:
     @property
     def chat(self) -> bool:
         return self.endpoint.rstrip("/").endswith("/chat/completions")
+
+    @property
+    def responses(self) -> bool:
+        """OpenAI's Responses API: typed events, the usage in the last one."""
+        return self.endpoint.rstrip("/").endswith("/responses")
 
     @property
     def url(self) -> str:
@@ -81,6 +86,12 @@ class RequestResult:
 # ---- one request -------------------------------------------------------------------------
 
 def request_body(target: ApiTarget, req: BenchRequest, opts: SendOptions) -> dict:
+    if target.responses:
+        if not isinstance(req.prompt, str):
+            raise ValueError("the responses endpoint takes text prompts, not token ids")
+        return {"model": target.model, "input": req.prompt, "max_output_tokens": req.output_len,
+                "temperature": opts.temperature, "ignore_eos": opts.ignore_eos, "stream": True,
+                **opts.extra_body}
     body = {"model": target.model, "max_tokens": req.output_len,
             "temperature": opts.temperature, "ignore_eos": opts.ignore_eos, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -108,8 +119,8 @@ def chunk_text(data: dict, chat: bool) -> str:
 class _Stream:
     """Folds SSE data lines into a RequestResult as they arrive."""
 
-    def __init__(self, result: RequestResult, chat: bool) -> None:
-        self.result, self.chat = result, chat
+    def __init__(self, result: RequestResult, chat: bool, responses: bool = False) -> None:
+        self.result, self.chat, self.responses = result, chat, responses
         self.last_text_at: float | None = None
         self.text_chunks = 0
         self.done = False
@@ -123,13 +134,11 @@ class _Stream:
         if "error" in data:
             r.error = str((data["error"] or {}).get("message", data["error"]))
             return
+        if self.responses:
+            self._feed_event(data, now)
+            return
         if chunk_text(data, self.chat):
-            if self.last_text_at is None:
-                r.ttft = now - r.sent_at
-            else:
-                r.itl.append(now - self.last_text_at)
-            self.last_text_at = now
-            self.text_chunks += 1
+            self._text_at(now)
             logprobs = (data.get("choices") or [{}])[0].get("logprobs") or {}
             if logprobs.get("tokens"):
                 r.chunk_tokens.append(len(logprobs["tokens"]))
@@ -138,13 +147,36 @@ class _Stream:
             r.output_tokens = int(usage.get("completion_tokens", 0))
             r.prompt_len = int(usage.get("prompt_tokens", r.prompt_len))
 
+    def _text_at(self, now: float) -> None:
+        r = self.result
+        if self.last_text_at is None:
+            r.ttft = now - r.sent_at
+        else:
+            r.itl.append(now - self.last_text_at)
+        self.last_text_at = now
+        self.text_chunks += 1
+
+    def _feed_event(self, event: dict, now: float) -> None:
+        """A Responses API event: text deltas timed; the last event, its usage or error."""
+        kind = event.get("type")
+        if kind == "response.output_text.delta" and event.get("delta"):
+            self._text_at(now)
+        elif kind in ("response.completed", "response.incomplete", "response.failed"):
+            self.done = True
+            response = event.get("response") or {}
+            if response.get("error"):
+                self.result.error = str(response["error"].get("message", response["error"]))
+            usage = response.get("usage") or {}
+            self.result.output_tokens = int(usage.get("output_tokens", 0))
+            self.result.prompt_len = int(usage.get("input_tokens", self.result.prompt_len))
+
 
 async def send_request(session: aiohttp.ClientSession, target: ApiTarget, req: BenchRequest,
                        opts: SendOptions) -> RequestResult:
     """Never raises for a failed request: the failure is recorded in the result."""
     result = RequestResult(prompt_len=req.prompt_len)
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
-    stream = _Stream(result, target.chat)
+    stream = _Stream(result, target.chat, target.responses)
     result.sent_at = time.perf_counter()
     try:
         body = request_body(target, req, opts)

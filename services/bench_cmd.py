@@ -34,7 +34,7 @@ def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a running server the way vLLM's `bench serve` does")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", default="/v1/completions",
-                   choices=["/v1/completions", "/v1/chat/completions"])
+                   choices=["/v1/completions", "/v1/chat/completions", "/v1/responses"])
     p.add_argument("--model", default=None,
                    help="the served model name sent as `model` (default: ask /v1/models)")
     p.add_argument("--tokenizer", default=None,
@@ -93,7 +93,7 @@ def build_requests(args: argparse.Namespace) -> list:
     from shared.tokenizer import load_tokenizer
 
     as_ids = args.prompt_format == "ids"
-    if as_ids and args.endpoint.endswith("/chat/completions"):
+    if as_ids and args.endpoint != "/v1/completions":
         raise PacerError("--prompt-format ids needs --endpoint /v1/completions")
     if args.num_prompts < 1:
         raise PacerError(f"--num-prompts must be >= 1, got {args.num_prompts}")

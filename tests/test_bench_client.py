@@ -214,6 +214,29 @@ def test_stream_parsing_times_only_text_chunks_and_reads_usage():
     assert r2.ttft == 0.5 and r2.error == "generation failed: x"
 
 
+def test_responses_events_time_text_deltas_and_read_the_last_events_usage():
+    r = RequestResult(prompt_len=3, sent_at=10.0)
+    s = _Stream(r, chat=False, responses=True)
+    started = {"response": {"status": "in_progress", "error": None, "usage": None}}
+    s.feed(json.dumps({"type": "response.created", **started}), 10.1)
+    s.feed(json.dumps({"type": "response.output_text.delta", "delta": "Hi"}), 11.0)
+    s.feed(json.dumps({"type": "response.output_text.delta", "delta": " there"}), 11.5)
+    s.feed(json.dumps({"type": "response.output_text.done", "text": "Hi there"}), 11.5)
+    assert not s.done
+    s.feed(json.dumps({"type": "response.incomplete", "response": {
+        "error": None, "usage": {"input_tokens": 30, "output_tokens": 2}}}), 11.5)
+    assert r.ttft == pytest.approx(1.0) and r.itl == [pytest.approx(0.5)]
+    assert (r.output_tokens, r.prompt_len, s.done, r.error) == (2, 30, True, "")
+    r2 = RequestResult(sent_at=0.0)
+    s2 = _Stream(r2, chat=False, responses=True)
+    s2.feed(json.dumps({"type": "response.failed", "response": {
+        "error": {"code": "server_error", "message": "generation failed: x"}}}), 0.5)
+    assert s2.done and r2.error == "generation failed: x"
+    body = request_body(ApiTarget("http://x", "/v1/responses"), BenchRequest("hi", 1, 4),
+                        SendOptions())
+    assert (body["input"], body["max_output_tokens"], body["stream"]) == ("hi", 4, True)
+
+
 def test_stream_with_logprobs_counts_the_tokens_of_each_text_chunk():
     """A character split over two tokens comes in one chunk once whole: it names both."""
     r = RequestResult(sent_at=0.0)
@@ -238,7 +261,8 @@ MODEL = "smollm2-135m"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("endpoint", ["/v1/completions", "/v1/chat/completions",
+                                      "/v1/responses"])
 def test_client_measures_a_real_run(served: Served, tokenizer, endpoint):  # noqa: F811
     reqs = random_dataset(tokenizer, 4, 24, 6, 0.0, seed=2)
     target = ApiTarget(served.base_url, endpoint, MODEL, API_KEY)
