@@ -125,7 +125,6 @@ class Shape:
         return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, held_entries, \
             finish_of_calls(finish, calls)
 
-
     def _auto_delta(self, index: int, text: str | None, entries: list[TokenLogprob],
                     finish: str | None) -> tuple[dict | None, list[TokenLogprob], str | None]:
         """Words go out as they come, up to where a call may begin; the rest is held and at

@@ -344,11 +344,13 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                 piece = calls_stream.feed(delta.text) if calls_stream else delta.text
                 if piece:
                     await message.text(piece, delta.logprobs)
-        _, calls = split_calls(req, parser, "".join(whole))
+        content, calls = split_calls(req, parser, "".join(whole))
         if calls_stream is not None:
             tail, _ = calls_stream.finish()
             if tail:
                 await message.text(tail)
+        elif req.tool_choice and calls is None and content:
+            await message.text(content)           # a list of calls cut short: its text
         status = shape.status(gen)
         output = []
         if message.opened or not calls:          # a message, unless the output only calls

@@ -689,6 +689,15 @@ async def test_responses_api_function_tools_and_their_history(h: Harness) -> Non
     assert {k: final[1][k] for k in ("name", "arguments")} == \
         {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert events[-3]["arguments"] == final[1]["arguments"]
+    # 'required' whose output is no list of calls (the fake ignores the constraint; on a
+    # server, max_output_tokens cut short): its text comes back as the message, streamed too
+    required = {**body, "input": "Weather in Paris?", "tool_choice": "required"}
+    status, answer = await h.post("/v1/responses", required)
+    assert [o["type"] for o in answer["output"]] == ["message"]
+    assert answer["output"][0]["content"][0]["text"] == REPLY
+    events = await _response_events(h, required)
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
+        == REPLY == events[-1]["response"]["output"][0]["content"][0]["text"]
     history = [{"role": "user", "content": "Weather in Paris?"},
                {"type": "function_call", "call_id": "call_1", "name": "get_weather",
                 "arguments": '{"city": "Paris"}'},
