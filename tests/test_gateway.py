@@ -742,6 +742,18 @@ async def test_streaming_client_that_disconnects_is_aborted(h: Harness) -> None:
     assert await wait_for_abort(h, first["id"]) == "client disconnected"
 
 
+async def test_a_client_gone_from_a_responses_stream_is_aborted(h: Harness) -> None:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(h.url + "/v1/responses", json={
+                "model": MODEL, "input": "[slow]", "max_output_tokens": 60,
+                "stream": True}) as r:
+            assert r.status == 200, await r.text()
+            created = (await r.content.readuntil(b"\n\n")).decode().split("\n")[1]
+            await r.content.readuntil(b"response.output_text.delta")   # tokens flowing
+    response_id = json.loads(created[len("data: "):])["response"]["id"]
+    assert await wait_for_abort(h, response_id) == "client disconnected"
+
+
 async def test_a_client_gone_from_a_stream_of_choices_aborts_every_one(h: Harness) -> None:
     async with aiohttp.ClientSession() as session:
         async with session.post(h.url + "/v1/completions",
