@@ -142,6 +142,8 @@ class Shape:
         self._held.pop(index, None)
         del self._auto[index]
         content, found = stream.finish()
+        if not known_calls(self.req, found):
+            content, found = stream.text[stream.sent:], []
         calls = openai_calls(found, self.req.parallel_tool_calls)
         delta: dict = {"content": content} if content else {}
         if calls:
@@ -156,9 +158,18 @@ def split_calls(req: GenerationRequest, parser: ToolParser | None,
     the calls the model wrote in its own format ("auto"), or the text alone."""
     if req.tool_choice == "auto":
         content, found = parse_calls(parser, text)
+        if not known_calls(req, found):
+            return text, None
         return content, openai_calls(found, req.parallel_tool_calls)
     calls = oai.tool_calls(req.tool_choice, text) if req.tool_choice else None
     return (text if calls is None else None), calls
+
+
+def known_calls(req: GenerationRequest, found: list[tuple[str, str]]) -> bool:
+    """Whether every call names one of the request's tools: a call of a function the client
+    never offered is words, not a call."""
+    names = {t["function"]["name"] for t in req.tools}
+    return all(name in names for name, _ in found)
 
 
 def openai_calls(found: list[tuple[str, str]], parallel: bool) -> list[dict] | None:

@@ -346,7 +346,9 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                     await message.text(piece, delta.logprobs)
         content, calls = split_calls(req, parser, "".join(whole))
         if calls_stream is not None:
-            tail, _ = calls_stream.finish()
+            tail, found = calls_stream.finish()
+            if calls is None and found:          # calls of functions never offered: words
+                tail = calls_stream.text[calls_stream.sent:]
             if tail:
                 await message.text(tail)
         elif req.tool_choice and calls is None and content:

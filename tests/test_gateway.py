@@ -608,6 +608,14 @@ async def test_tool_choice_auto_parses_the_models_own_format(h: Harness) -> None
     status, words = await h.post("/v1/chat/completions", chat(tools=TOOLS))
     assert words["choices"][0]["message"] == {"role": "assistant", "content": REPLY}
     assert words["choices"][0]["finish_reason"] == "stop"
+    # a call of a function the client never offered is words, streamed or not
+    other = [{"type": "function", "function": {"name": "get_time", "parameters": {}}}]
+    status, words = await h.post("/v1/chat/completions", {**body, "tools": other})
+    assert words["choices"][0]["message"] == {"role": "assistant", "content": TOOL_REPLY}
+    chunks = [json.loads(d) for d in
+              (await h.sse("/v1/chat/completions", {**body, "tools": other}))[:-1]]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == TOOL_REPLY
+    assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
 
 
 async def _response_events(h: Harness, body: dict) -> list[dict]:
@@ -689,6 +697,14 @@ async def test_responses_api_function_tools_and_their_history(h: Harness) -> Non
     assert {k: final[1][k] for k in ("name", "arguments")} == \
         {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert events[-3]["arguments"] == final[1]["arguments"]
+    # a call of a function not offered: the message's words, streamed or not
+    unknown = {**body, "tools": [{**tool, "name": "get_time"}]}
+    status, answer = await h.post("/v1/responses", unknown)
+    assert [o["type"] for o in answer["output"]] == ["message"]
+    assert answer["output"][0]["content"][0]["text"] == TOOL_REPLY
+    events = await _response_events(h, unknown)
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
+        == TOOL_REPLY == events[-1]["response"]["output"][0]["content"][0]["text"]
     # 'required' whose output is no list of calls (the fake ignores the constraint; on a
     # server, max_output_tokens cut short): its text comes back as the message, streamed too
     required = {**body, "input": "Weather in Paris?", "tool_choice": "required"}
