@@ -672,6 +672,16 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
     assert "the fake worker failed" in events[-1]["response"]["error"]["message"]
 
 
+async def _words_only(h: Harness, body: dict, text: str) -> None:
+    """The response is one message of `text`, streamed or not."""
+    status, answer = await h.post("/v1/responses", body)
+    assert [o["type"] for o in answer["output"]] == ["message"]
+    assert answer["output"][0]["content"][0]["text"] == text
+    events = await _response_events(h, body)
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
+        == text == events[-1]["response"]["output"][0]["content"][0]["text"]
+
+
 async def test_responses_api_function_tools_and_their_history(h: Harness) -> None:
     """Function tools on /v1/responses: the hermes call the fake writes becomes a
     function_call item after the message, streamed or not; earlier calls and outputs in
@@ -698,22 +708,11 @@ async def test_responses_api_function_tools_and_their_history(h: Harness) -> Non
         {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert events[-3]["arguments"] == final[1]["arguments"]
     # a call of a function not offered: the message's words, streamed or not
-    unknown = {**body, "tools": [{**tool, "name": "get_time"}]}
-    status, answer = await h.post("/v1/responses", unknown)
-    assert [o["type"] for o in answer["output"]] == ["message"]
-    assert answer["output"][0]["content"][0]["text"] == TOOL_REPLY
-    events = await _response_events(h, unknown)
-    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
-        == TOOL_REPLY == events[-1]["response"]["output"][0]["content"][0]["text"]
+    await _words_only(h, {**body, "tools": [{**tool, "name": "get_time"}]}, TOOL_REPLY)
     # 'required' whose output is no list of calls (the fake ignores the constraint; on a
     # server, max_output_tokens cut short): its text comes back as the message, streamed too
-    required = {**body, "input": "Weather in Paris?", "tool_choice": "required"}
-    status, answer = await h.post("/v1/responses", required)
-    assert [o["type"] for o in answer["output"]] == ["message"]
-    assert answer["output"][0]["content"][0]["text"] == REPLY
-    events = await _response_events(h, required)
-    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
-        == REPLY == events[-1]["response"]["output"][0]["content"][0]["text"]
+    await _words_only(h, {**body, "input": "Weather in Paris?", "tool_choice": "required"},
+                      REPLY)
     history = [{"role": "user", "content": "Weather in Paris?"},
                {"type": "function_call", "call_id": "call_1", "name": "get_weather",
                 "arguments": '{"city": "Paris"}'},
