@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -24,7 +25,6 @@ from gateway.prompts import check_vocabulary, choice_sampling, prompt_token_ids,
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.responses_api import ResponseShape, chat_body, response_json, response_sse
 from gateway.state import STATE, GatewayState, WaitingSlot
-from gateway.tool_parsers import PARSERS
 
 log = structlog.get_logger("gateway.handlers")
 
@@ -36,39 +36,45 @@ except importlib.metadata.PackageNotFoundError:      # run from a checkout, not 
 SUBSCRIBE_WAIT_S = 2.0
 
 
+@dataclass(frozen=True)
+class Reply:
+    """What every answer's envelope carries."""
+    response_id: str
+    model: str
+    num_prompt_tokens: int          # each prompt once, whatever n is
+    headers: dict[str, str]
+
+
 # How a request's generations are answered: (HTTP request, generations, parsed request,
-# response id, model name, prompt tokens, headers) -> the response
-Answer = Callable[[web.Request, list[Generation], GenerationRequest, str, str, int,
-                   dict[str, str]], Awaitable[web.StreamResponse]]
+# envelope) -> the response
+Answer = Callable[[web.Request, list[Generation], GenerationRequest, Reply],
+                  Awaitable[web.StreamResponse]]
 
 
 async def _openai_answer(request: web.Request, gens: list[Generation], req: GenerationRequest,
-                         response_id: str, model: str, num_prompt_tokens: int,
-                         headers: dict[str, str]) -> web.StreamResponse:
+                         reply: Reply) -> web.StreamResponse:
     """Completions' and chat completions' shape: a JSON body, or SSE chunks."""
-    parser = request.app[STATE].config.tool_call_parser
-    shape = Shape(req, response_id, model, num_prompt_tokens=num_prompt_tokens,
-                  headers=headers, tool_parser=PARSERS[parser] if parser else None)
+    shape = Shape(req, reply.response_id, reply.model, num_prompt_tokens=reply.num_prompt_tokens,
+                  headers=reply.headers, tool_parser=request.app[STATE].tool_parser)
     if req.stream:
         return await stream_sse(request, gens, shape)
     return await full_json(gens, shape)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oai.parse_completion, "cmpl")
+    return await _generate(request, oai.parse_completion, "cmpl-")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    auto_tools = request.app[STATE].config.tool_call_parser is not None
+    auto_tools = request.app[STATE].tool_parser is not None
     return await _generate(request, functools.partial(oai.parse_chat, auto_tools=auto_tools),
-                           "chatcmpl")
+                           "chatcmpl-")
 
 
 async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's Responses API, through the chat path (gateway/responses_api.py)."""
-    echo: dict = {}
-    name = request.app[STATE].config.tool_call_parser
-    parser = PARSERS[name] if name else None
+    echo: dict = {}                 # the request's fields its response object repeats
+    parser = request.app[STATE].tool_parser
 
     def parse(body: Any) -> GenerationRequest:
         chat, fields = chat_body(body)
@@ -76,13 +82,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
         return oai.parse_chat(chat, auto_tools=parser is not None)
 
     async def answer(request: web.Request, gens: list[Generation], req: GenerationRequest,
-                     response_id: str, model: str, num_prompt_tokens: int,
-                     headers: dict[str, str]) -> web.StreamResponse:
-        shape = ResponseShape(response_id, model, echo, num_prompt_tokens, headers)
+                     reply: Reply) -> web.StreamResponse:
+        shape = ResponseShape(reply.response_id, reply.model, echo, reply.num_prompt_tokens,
+                              reply.headers)
         if req.stream:
             return await response_sse(request, gens, req, parser, shape)
         return await response_json(gens, req, parser, shape)
-    return await _generate(request, parse, "resp", answer, id_joiner="_")
+    return await _generate(request, parse, "resp_", answer)
 
 
 async def stored_response(request: web.Request) -> web.Response:
@@ -93,14 +99,13 @@ async def stored_response(request: web.Request) -> web.Response:
 
 
 async def _generate(request: web.Request, parse: Callable[[Any], GenerationRequest],
-                    id_prefix: str, answer: Answer = _openai_answer,
-                    id_joiner: str = "-") -> web.StreamResponse:
+                    id_prefix: str, answer: Answer = _openai_answer) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
     slot = _admit(state)
     try:
-        return await _generate_in_slot(request, parse, f"{id_prefix}{id_joiner}", answer,
-                                       state, slot, arrival)
+        return await _generate_in_slot(request, parse, id_prefix, answer, state, slot,
+                                       arrival)
     finally:
         slot.release()
 
@@ -139,9 +144,9 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                 for index, ((ids, sampling, echo), place) in enumerate(zip(choices, slots))]
             for gen in gens:        # one by one: a failed start leaves none in flight
                 await _start(gen, state)
-            return await answer(request, gens, req, request_id, state.served_model_name,
-                                sum(map(len, prompts)),
-                                {oai.REQUEST_ID_HEADER: client_id or request_id})
+            return await answer(request, gens, req, Reply(
+                request_id, state.served_model_name, sum(map(len, prompts)),
+                {oai.REQUEST_ID_HEADER: client_id or request_id}))
 
 
 def _admit(state: GatewayState) -> WaitingSlot:

@@ -387,8 +387,8 @@ def tool_call_constraint(tools: tuple[dict, ...], choice: str, parallel: bool) -
     return {"json": calls if parallel else {**calls, "maxItems": 1}}
 
 
-def _structured_outputs(body: dict, tools: tuple[dict, ...],
-                        tool_choice: str | None) -> tuple[str, str] | None:
+def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | None,
+                        parallel_tool_calls: bool) -> tuple[str, str] | None:
     """What the output must match (shared/structured.py), from OpenAI's `response_format`
     (json_object, json_schema), vLLM's `structured_outputs` ({kind: spec}) or its older
     `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, or a tool choice
@@ -413,8 +413,8 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...],
     if guided:
         given.append((f"guided_{next(iter(guided))}", guided))
     if tool_choice is not None and tool_choice != "auto":    # auto: the model's own format
-        given.append(("tool_choice", tool_call_constraint(
-            tools, tool_choice, read_field(body, "parallel_tool_calls", (bool,), True))))
+        given.append(("tool_choice", tool_call_constraint(tools, tool_choice,
+                                                          parallel_tool_calls)))
     if len(given) > 1:
         raise APIError(f"give one constraint on the output, not {' and '.join(n for n, _ in given)}",
                        param=given[1][0])
@@ -449,6 +449,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
             logprobs: int | None, echo: bool = False, auto_tools: bool = False) -> GenerationRequest:
     _refuse_what_would_be_ignored(body)
     tools, tool_choice = _tool_choice(body, endpoint, auto_tools)
+    parallel_tool_calls = read_field(body, "parallel_tool_calls", (bool,), True)
     n = _choices(body, max(1, len(prompts)))
     stream = read_field(body, "stream", (bool,), False)
     options = read_field(body, "stream_options", (dict,), None)
@@ -516,13 +517,13 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         continuous_usage=include_usage and continuous_usage, n=n,     # vLLM's: only with it
         echo=echo,
         prompt_logprobs=prompt_logprobs, tools=tools, tool_choice=tool_choice,
-        parallel_tool_calls=read_field(body, "parallel_tool_calls", (bool,), True),
+        parallel_tool_calls=parallel_tool_calls,
         include_stop_str_in_output=read_field(body, "include_stop_str_in_output", (bool,), False),
         allowed_token_ids=tuple(_int_list(read_field(body, "allowed_token_ids", (list,), []),
                                           "allowed_token_ids")),
         bad_words=_bad_words(body),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
-        structured_outputs=_structured_outputs(body, tools, tool_choice),
+        structured_outputs=_structured_outputs(body, tools, tool_choice, parallel_tool_calls),
         timeout=None if timeout is None else float(timeout))
 
 

@@ -48,7 +48,8 @@ class Shape:
         # and logprobs held until the list is whole
         self._called: set[int] = set()
         self._held: dict[int, tuple[str, list[TokenLogprob]]] = {}
-        self._auto: dict[int, ToolStream] = {}       # "auto": each choice's parse so far
+        # "auto": each choice's parse so far, and the logprobs of the text it holds
+        self._auto: dict[int, tuple[ToolStream, list[TokenLogprob]]] = {}
 
     def body(self, *, chunk: bool) -> dict:
         body = oai.envelope(self.req.endpoint, *self._envelope, chunk=chunk)
@@ -129,26 +130,18 @@ class Shape:
                     finish: str | None) -> tuple[dict | None, list[TokenLogprob], str | None]:
         """Words go out as they come, up to where a call may begin; the rest is held and at
         the finish sent as the calls (or, not parsing, as words)."""
-        stream = self._auto.setdefault(index, ToolStream(self.tool_parser))
-        held, held_entries = self._held.get(index, ("", []))
+        stream, held = self._auto.pop(index, None) or (ToolStream(self.tool_parser), [])
+        held = held + entries
         if text is not None:
             out = stream.feed(text)
-            held_entries = held_entries + entries
-            if not out:
-                self._held[index] = (held, held_entries)
-                return None, [], None
-            self._held.pop(index, None)
-            return {"content": out}, held_entries, None
-        self._held.pop(index, None)
-        del self._auto[index]
-        content, found = stream.finish()
-        if not known_calls(self.req, found):
-            content, found = stream.text[stream.sent:], []
+            self._auto[index] = (stream, [] if out else held)
+            return ({"content": out}, held, None) if out else (None, [], None)
+        content, found = stream.finish(tool_names(self.req))
         calls = openai_calls(found, self.req.parallel_tool_calls)
         delta: dict = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-        return delta, held_entries, finish_of_calls(finish, calls)
+        return delta, held, finish_of_calls(finish, calls)
 
 
 def split_calls(req: GenerationRequest, parser: ToolParser | None,
@@ -157,19 +150,15 @@ def split_calls(req: GenerationRequest, parser: ToolParser | None,
     calls constrained decoding made ("required", a named function: the text is the calls),
     the calls the model wrote in its own format ("auto"), or the text alone."""
     if req.tool_choice == "auto":
-        content, found = parse_calls(parser, text)
-        if not known_calls(req, found):
-            return text, None
+        content, found = parse_calls(parser, text, tool_names(req))
         return content, openai_calls(found, req.parallel_tool_calls)
     calls = oai.tool_calls(req.tool_choice, text) if req.tool_choice else None
     return (text if calls is None else None), calls
 
 
-def known_calls(req: GenerationRequest, found: list[tuple[str, str]]) -> bool:
-    """Whether every call names one of the request's tools: a call of a function the client
-    never offered is words, not a call."""
-    names = {t["function"]["name"] for t in req.tools}
-    return all(name in names for name, _ in found)
+def tool_names(req: GenerationRequest) -> set[str]:
+    """The functions the request offers: a call of any other is words, not a call."""
+    return {t["function"]["name"] for t in req.tools}
 
 
 def openai_calls(found: list[tuple[str, str]], parallel: bool) -> list[dict] | None:

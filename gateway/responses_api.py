@@ -32,7 +32,7 @@ from aiohttp import web
 from gateway.generation import Generation, merged_deltas
 from gateway import openai_schema as oai
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob, read_field
-from gateway.responses import SSE_HEADERS, collect, split_calls
+from gateway.responses import SSE_HEADERS, collect, openai_calls, split_calls, tool_names
 from gateway.tool_parsers import ToolParser, ToolStream
 
 log = structlog.get_logger("gateway.responses_api")
@@ -325,7 +325,8 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
     started = shape.response("in_progress", [])
     message = _MessageEvents(response, shape)
     calls_stream = ToolStream(parser) if req.tool_choice == "auto" else None
-    whole: list[str] = []
+    constrained = bool(req.tool_choice) and calls_stream is None   # the text is the calls
+    held: list[str] = []
     try:
         await response.write(shape.event("response.created", response=started))
         await response.write(shape.event("response.in_progress", response=started))
@@ -338,21 +339,22 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                     await response.write(shape.event("response.failed", response=failed))
                     await response.write_eof()
                     return response
-                whole.append(delta.text)
-                if req.tool_choice and calls_stream is None:
-                    continue                       # the text is the calls
+                if constrained:
+                    held.append(delta.text)
+                    continue
                 piece = calls_stream.feed(delta.text) if calls_stream else delta.text
                 if piece:
                     await message.text(piece, delta.logprobs)
-        content, calls = split_calls(req, parser, "".join(whole))
+        calls = None
         if calls_stream is not None:
-            tail, found = calls_stream.finish()
-            if calls is None and found:          # calls of functions never offered: words
-                tail = calls_stream.text[calls_stream.sent:]
+            tail, found = calls_stream.finish(tool_names(req))
+            calls = openai_calls(found, req.parallel_tool_calls)
             if tail:
                 await message.text(tail)
-        elif req.tool_choice and calls is None and content:
-            await message.text(content)           # a list of calls cut short: its text
+        elif constrained:
+            content, calls = split_calls(req, parser, "".join(held))
+            if calls is None and content:
+                await message.text(content)       # a list of calls cut short: its text
         status = shape.status(gen)
         output = []
         if message.opened or not calls:          # a message, unless the output only calls

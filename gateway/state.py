@@ -9,6 +9,7 @@ from aiohttp import web
 from gateway.config import GatewayConfig
 from gateway.metrics import GatewayMetrics
 from gateway.streams import TokenRouter
+from gateway.tool_parsers import PARSERS, ToolParser
 from gateway.upstream import Upstream
 from shared.keys import Keys
 from shared.tokenizer import Tokenizer
@@ -27,6 +28,11 @@ class GatewayState:
     router: TokenRouter | None = None
     draining: bool = False                     # SIGTERM: no new requests
     num_waiting: int = 0                       # sent upstream, no token or end seen yet
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        """The model's tool-call format (--tool-call-parser), which serves tool_choice auto."""
+        return PARSERS.get(self.config.tool_call_parser or "")
 
 
 class WaitingSlot:

@@ -17,6 +17,8 @@ is held and, at the end, sent as the calls (or, if they do not parse, as content
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Collection
 from typing import Protocol
 
 Call = tuple[str, str]            # (function name, arguments as JSON text)
@@ -28,8 +30,9 @@ class ToolParser(Protocol):
     def split(self, text: str) -> tuple[str, list[Call]] | None:
         """The content before the calls and the calls; None: calls begun but not parseable."""
 
-    def held_from(self, text: str) -> int:
-        """Where the text that may be a call begins (len(text): none of it may be)."""
+    def held_from(self, text: str, sent: int) -> int:
+        """Where the text that may be a call begins (len(text): none of it may be); nothing
+        before `sent` (already out as words) is looked at again."""
 
 
 def _call(obj: object, arguments_key: str) -> Call | None:
@@ -70,8 +73,8 @@ class HermesParser:
             at = end + len(self.END)
         return text[:first], calls
 
-    def held_from(self, text: str) -> int:
-        found = text.find(self.START)
+    def held_from(self, text: str, sent: int) -> int:
+        found = text.find(self.START, sent)
         if found >= 0:
             return found
         for k in range(min(len(self.START) - 1, len(text)), 0, -1):   # a start cut in two
@@ -102,23 +105,35 @@ class Llama3JsonParser:
                 at += 1
         return "", calls
 
-    def held_from(self, text: str) -> int:
-        body = text.lstrip()
+    def held_from(self, text: str, sent: int) -> int:
+        if sent:
+            return len(text)         # words went out: the output is no call
+        body = text[_BLANKS.match(text).end():]
         if not body or body.startswith(("{", self.TAG)) or self.TAG.startswith(body):
             return 0                 # nothing but blanks yet, or the output is a call
         return len(text)
 
 
+_BLANKS = re.compile(r"\s*")
+
+
 PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
 
 
-def parse_calls(parser: ToolParser, text: str) -> tuple[str | None, list[Call]]:
-    """A whole output: its content (None when it only calls) and its calls."""
+def _split(parser: ToolParser, text: str, names: Collection[str]) -> tuple[str, list[Call]]:
+    """The words before the calls and the calls; the whole text as words, no calls, where
+    the calls do not parse or one names a function the request did not offer."""
     split = parser.split(text)
-    if split is None or not split[1]:
+    if split is None or not all(name in names for name, _ in split[1]):
         return text, []
-    content, calls = split
-    return content.strip() or None, calls
+    return split
+
+
+def parse_calls(parser: ToolParser, text: str,
+                names: Collection[str]) -> tuple[str | None, list[Call]]:
+    """A whole output: its content (None when it only calls) and its calls."""
+    content, calls = _split(parser, text, names)
+    return (content.strip() or None, calls) if calls else (text, [])
 
 
 class ToolStream:
@@ -130,14 +145,11 @@ class ToolStream:
 
     def feed(self, piece: str) -> str:
         self.text += piece
-        upto = max(self.sent, self.parser.held_from(self.text))
+        upto = max(self.sent, self.parser.held_from(self.text, self.sent))
         out, self.sent = self.text[self.sent:upto], upto
         return out
 
-    def finish(self) -> tuple[str, list[Call]]:
-        """The content not sent yet, and the calls."""
-        split = self.parser.split(self.text)
-        if split is None or not split[1]:
-            return self.text[self.sent:], []
-        content, calls = split
-        return content[self.sent:].rstrip(), calls
+    def finish(self, names: Collection[str]) -> tuple[str, list[Call]]:
+        """The content not sent yet, and the calls (of the functions in `names`)."""
+        content, calls = _split(self.parser, self.text, names)
+        return (content[self.sent:].rstrip(), calls) if calls else (self.text[self.sent:], [])

@@ -9,6 +9,7 @@ import pytest
 from gateway.tool_parsers import PARSERS, ToolStream, parse_calls
 
 HERMES, LLAMA = PARSERS["hermes"], PARSERS["llama3_json"]
+NAMES = {"get_weather", "now", "a", "b", "x"}     # the functions the requests offer
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
 
 CASES = [   # (parser, text, content, calls)
@@ -37,7 +38,7 @@ CASES = [   # (parser, text, content, calls)
 
 @pytest.mark.parametrize("parser,text,content,calls", CASES)
 def test_a_whole_output(parser, text, content, calls):
-    assert parse_calls(parser, text) == ((text, []) if not calls else (content, calls))
+    assert parse_calls(parser, text, NAMES) == ((text, []) if not calls else (content, calls))
     for _, arguments in calls:
         json.loads(arguments)
 
@@ -48,7 +49,7 @@ def test_streamed_in_pieces_of_any_size_gives_the_same_answer(parser, text, cont
         stream, sent = ToolStream(parser), ""
         for at in range(0, len(text), size):
             sent += stream.feed(text[at:at + size])
-        tail, got = stream.finish()
+        tail, got = stream.finish(NAMES)
         assert got == calls
         if calls:        # the words before the calls, none of the call's text
             assert (sent + tail).strip() == (content or "")
@@ -63,4 +64,12 @@ def test_words_go_out_until_a_call_may_begin():
     assert stream.feed("box> is it") == "<toolbox> is it"
     assert stream.feed(" <tool_call>{") == " "
     assert stream.feed('"name": "x"}') == ""
-    assert stream.finish() == ("", [("x", "{}")])
+    assert stream.finish(NAMES) == ("", [("x", "{}")])
+
+
+def test_a_call_of_a_function_not_offered_is_words():
+    text = f"Let me look.\n<tool_call>\n{WEATHER}\n</tool_call>"
+    assert parse_calls(HERMES, text, {"get_time"}) == (text, [])
+    stream = ToolStream(HERMES)
+    sent = stream.feed(text)
+    assert sent + stream.finish({"get_time"})[0] == text
