@@ -17,6 +17,7 @@ waited for their sends after the forward) / (the transfer's own time at that GB/
 
     python bench/disaggregation.py [--streams 6] [--long-len 1500] [--long-at 2,5]
         [--repeats 1] [--json out.json] [--plot docs/disaggregation.png]
+        [--modes colocated,pd,pd-strict]    # pd-strict: the decode instance not planning ahead
     python bench/disaggregation.py --threshold     # the --disagg-min-prompt-tokens cut-off
 
 Late chunks are traced: after a run the plans and results streams of the instance that
@@ -56,12 +57,17 @@ QUIET_AFTER_S = 0.2     # a long prompt's first token, then this long, before ga
 # per mode: the instance whose steps carry the streams' tokens, and the gap (x the median)
 # from which a chunk is traced as late (colocated, every gap while a prompt is chunked is
 # longer by design: the worst are what to see)
-LATE = {"colocated": ("", 3.0), "pd": ("d0", 1.5)}
+LATE = {"colocated": ("", 3.0), "pd": ("d0", 1.5), "pd-strict": ("d0", 1.5)}
+PD_FLAGS = ("--prefill-workers", "1", "--decode-workers", "1", "--prefill-threads", "1",
+            "--decode-threads", "1")
 MODES = {
     "colocated": (),
-    "pd": ("--prefill-workers", "1", "--decode-workers", "1", "--prefill-threads", "1",
-           "--decode-threads", "1"),
+    "pd": PD_FLAGS,
+    # the decode instance's scheduler plans each step only once the last result is in (no
+    # overlap, as before it planned ahead): what planning ahead gives the decode pool
+    "pd-strict": (*PD_FLAGS, "--no-overlap"),
 }
+DEFAULT_MODES = "colocated,pd"
 
 
 async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]],
@@ -333,7 +339,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
-    ap.add_argument("--modes", default=",".join(MODES), help="of: " + ", ".join(MODES))
+    ap.add_argument("--modes", default=DEFAULT_MODES, help="of: " + ", ".join(MODES))
     ap.add_argument("--threshold", action="store_true",
                     help="only measure the conditional-disaggregation cut-off (in-process)")
     ap.add_argument("--threshold-lengths", default="16,32,64,128,256,512,1024")
@@ -368,10 +374,10 @@ def main() -> None:
             try:
                 warm = random_prompts(1, args.long_len, args.long_len, cfg.vocab_size, 999, avoid)
                 asyncio.run(one_run(system.base_url, [], warm, [0.0], args))   # warm-up
-                base = transfer_figures(system.redis_url, 1) if mode == "pd" else {}
+                base = transfer_figures(system.redis_url, 1) if mode != "colocated" else {}
                 run = asyncio.run(one_run(system.base_url, streams, longs, long_at, args))
                 time.sleep(0.5)                          # the last stats write
-                figures = transfer_figures(system.redis_url, 1) if mode == "pd" else {}
+                figures = transfer_figures(system.redis_url, 1) if mode != "colocated" else {}
                 run["steps"] = decode_steps(system.redis_url, LATE[mode][0])
                 run["late"] = late_tokens(run, run["steps"], LATE[mode][1])
                 if figures:      # minus the warm-up's prompt
@@ -403,12 +409,12 @@ def main() -> None:
                        "all_gaps_max_over_median", "text_gap_max_ms",
                        "text_gap_max_over_median", "chunks_of_several_tokens",
                        "long_ttft_median_ms"])
-    pd = [r for r in rows if r["mode"] == "pd"]
+    pd = [r for r in rows if r["mode"] != "colocated"]
     if pd:
         print(f"\nP/D transfer per long prompt (the connector alone: {gbs:.2f} GB/s; send ms spans "
               "the prefill iterations that carried it, exposed ms is what they waited after "
               "their forward)")
-        print_table(pd, ["repeat", "kv_bytes_per_long_prompt", "transfer_own_ms",
+        print_table(pd, ["repeat", "mode", "kv_bytes_per_long_prompt", "transfer_own_ms",
                          "transfer_ms_per_long_prompt", "exposed_ms_per_long_prompt",
                          "hidden_share", "handoffs", "kv_failures", "ttft_goal_met",
                          "ttft_goal_missed"])
@@ -432,7 +438,8 @@ def main() -> None:
                            "iterations": {f"{run['mode']}-{run['repeat']}": run["steps"]
                                           for run in runs}})
     if args.plot:
-        plot(runs[:len(MODES)], args.plot)
+        plot([run for run in runs if run["repeat"] == 0
+              and run["mode"] in DEFAULT_MODES.split(",")], args.plot)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ One iteration:
 With overlap (the default; `--no-overlap` turns it off) the plan for iteration t+1 is in the
 plans stream before the workers finish t, so they never wait for the scheduler's host work:
 at most two plans are in flight, their results applied in order (docs/design.md#overlap).
-P/D roles keep the strict order: plan, wait, update.
+A P/D decode instance plans ahead too (its steps are short, so the turn between them is a
+large share); a prefill instance keeps the strict order: plan, wait, update.
 
 Failures, and what the loop does about them (the worker, plan and Redis cases are
 `recovery.py`'s):
@@ -84,7 +85,7 @@ class SchedulerServiceConfig:
     role: str = "colocated"
     instance: str = ""
     disagg_min_prompt_tokens: int = 32
-    # plan iteration t+1 while t runs (docs/design.md#overlap); colocated only
+    # plan iteration t+1 while t runs (docs/design.md#overlap); not on a prefill instance
     overlap: bool = True
 
     def __post_init__(self) -> None:
@@ -112,7 +113,7 @@ class SchedulerService:
         self._drain_deadline: float | None = None
         # plans sent whose results are not applied yet, oldest first: (plan, entry id)
         self._flight: deque[tuple[IterationPlan, bytes | str]] = deque()
-        self._overlap = config.overlap and config.role == "colocated"
+        self._overlap = config.overlap and config.role != "prefill"
         self._housekeeping_at = 0.0
         self._gateway_misses: dict[str, int] = {}
         if self.publishes_cache:     # the gateway's router reads it

@@ -95,6 +95,36 @@ def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
     assert side._replies[-1][1].block_ids == []
 
 
+def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_reservations_back():
+    # the decode instance plans ahead (docs/design.md#overlap): a request handed over while
+    # a plan runs joins the plan made ahead; blocks an abort freed while a plan in flight
+    # may still write them go to no reservation (a prefill instance writes those at any
+    # time) until that plan's result is in
+    c = core(num_blocks=8)
+    side = decode_side(c)
+    a, b, d = request("a", 9), request("b", 9), request("d", 3)
+    side.receive(reply(ReserveMsg(encode(a), "p0"), HandoffMsg(encode(a), "5-0", [77],
+                                                               ["d0:1"])))
+    first = c.schedule()
+    side.receive(reply(ReserveMsg(encode(b), "p0"), HandoffMsg(encode(b), "6-0", [78],
+                                                               ["d0:1"])))
+    ahead = c.schedule_ahead()
+    assert first.num_scheduled_tokens == {"a": 1}
+    assert ahead.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert [n.request_id for n in ahead.new_requests] == ["b"]
+    assert ahead.new_requests[0].kv_received == ["d0:1"]
+    c.abort("a")                                # its blocks free, both plans still carry it
+    free = c.block_manager.num_free_blocks
+    side.receive(reply(ReserveMsg(encode(d), "p0")))
+    assert side._replies[-1][1].error == "no free KV blocks" and free >= 2
+    c.update(first, StepResult(first.step, {"a": SampledToken(1)}))
+    side.receive(reply(ReserveMsg(encode(d), "p0")))
+    assert side._replies[-1][1].error              # the plan made ahead still carries "a"
+    c.update(ahead, StepResult(ahead.step, {"a": SampledToken(2), "b": SampledToken(3)}))
+    side.receive(reply(ReserveMsg(encode(d), "p0")))
+    assert side._replies[-1][1].block_ids and c.num_reserved == 1
+
+
 def prefill_side(c: Scheduler, own: list[dict]) -> PrefillSide:
     side = PrefillSide(Keys(), "p0", c, RequestBook(c), min_prompt_tokens=8)
     side.own = own

@@ -137,6 +137,9 @@ class Scheduler:
         self._aborted: list[RequestOutput] = []      # reported by the next update()
         # P/D decode side: blocks held for prompts a prefill instance is computing
         self._reserved: dict[str, Request] = {}
+        # the newest plan in flight when a running request was aborted: until its result is
+        # in, the aborted request's freed blocks may still be written by the workers
+        self._aborted_during_step = -1
         self._num_arrivals = 0
         self._next_step = 0
         # plans awaiting update(), oldest first: one, or two once `schedule_ahead()` ran
@@ -177,6 +180,8 @@ class Scheduler:
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
             self._finished_ids.append(request_id)   # workers hold its state
+            if self._flights:                       # ...and may still run its rows
+                self._aborted_during_step = self._flights[-1].step
         elif self._reserved.pop(request_id, None) is not None:
             pass                                    # held blocks only
         else:
@@ -192,8 +197,9 @@ class Scheduler:
                 reply_to: str = "") -> list[int] | None:
         """Hold the blocks a prompt's K/V will be written into by a prefill instance, plus
         room for the first decode. Returns the block ids (the same ones again for an id
-        already reserved), or None when the pool has no room now or requests already wait
-        here (a preempted one must not starve behind new reservations). InvalidRequestError if
+        already reserved), or None when the pool has no room now, requests already wait
+        here (a preempted one must not starve behind new reservations) or a plan in flight
+        may still write blocks an abort freed. InvalidRequestError if
         the request could never be served here."""
         held = self._reserved.get(request_id)
         if held is not None:
@@ -201,6 +207,11 @@ class Scheduler:
         self._validate(request_id, prompt_token_ids, sampling)
         if self._waiting:
             return None         # requests already here (preempted ones, say) go first
+        if self._flights and self._flights[0].step <= self._aborted_during_step:
+            # a plan in flight may still write an aborted request's rows into blocks it
+            # freed; a plan would reuse them only after that one, but a prefill instance
+            # writes reserved blocks whenever it likes: not before that plan's result is in
+            return None
         request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
                           reply_to=reply_to)
         if self.block_manager.allocate(request, len(prompt_token_ids) + 1) is None:
