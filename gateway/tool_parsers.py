@@ -9,6 +9,9 @@ the format (vLLM's `--tool-call-parser`), and the gateway turns the text into Op
                   words before the first block are the message's content (Hermes, Qwen)
     llama3_json   the whole output a JSON object {"name": "f", "parameters": {...}} (or
                   several separated by ';'), as Llama 3.1+ write them
+    pythonic      the whole output a Python list of calls with keyword arguments,
+                  [f(city="Paris"), g()], as Llama 3.2 and 4 write them (Llama 4 inside
+                  <|python_start|> ... <|python_end|>); read with `ast`, never run
 
 A text whose calls do not parse (cut short by max_tokens, say) is returned as content. While
 streaming, the content is sent as it comes up to where a call may begin; from there the text
@@ -16,6 +19,7 @@ is held and, at the end, sent as the calls (or, if they do not parse, as content
 """
 from __future__ import annotations
 
+import ast
 import json
 import re
 from collections.abc import Collection
@@ -106,18 +110,53 @@ class Llama3JsonParser:
         return "", calls
 
     def held_from(self, text: str, sent: int) -> int:
-        if sent:
-            return len(text)         # words went out: the output is no call
-        body = text[_BLANKS.match(text).end():]
-        if not body or body.startswith(("{", self.TAG)) or self.TAG.startswith(body):
-            return 0                 # nothing but blanks yet, or the output is a call
-        return len(text)
+        return _held_if_whole_output(text, sent, "{", self.TAG)
 
 
 _BLANKS = re.compile(r"\s*")
 
 
-PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser())}
+def _held_if_whole_output(text: str, sent: int, opening: str, tag: str) -> int:
+    """`held_from` for formats whose calls are the whole output: all of it is held while it
+    may still be calls (blanks, `opening` or `tag` first), none once it cannot."""
+    if sent:
+        return len(text)             # words went out: the output is no call
+    body = text[_BLANKS.match(text).end():]
+    if not body or body.startswith((opening, tag)) or tag.startswith(body):
+        return 0                     # nothing but blanks yet, or the output is a call
+    return len(text)
+
+
+class PythonicParser:
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def split(self, text: str) -> tuple[str, list[Call]] | None:
+        body = text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+        if not body.startswith("["):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return None
+            calls = []
+            for node in tree.elts:
+                if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) \
+                        or node.args or any(kw.arg is None for kw in node.keywords):
+                    return None          # positional or ** arguments: no JSON object for them
+                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}
+                calls.append((node.func.id,
+                              json.dumps(arguments, ensure_ascii=False, allow_nan=False)))
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            return None                  # not Python, not literals, or not JSON (a set, NaN)
+        return "", calls
+
+    def held_from(self, text: str, sent: int) -> int:
+        return _held_if_whole_output(text, sent, "[", self.START)
+
+
+PARSERS: dict[str, ToolParser] = {p.name: p for p in (HermesParser(), Llama3JsonParser(),
+                                                      PythonicParser())}
 
 
 def _split(parser: ToolParser, text: str, names: Collection[str]) -> tuple[str, list[Call]]:

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.tool_parsers import PARSERS, ToolStream, parse_calls
 
-HERMES, LLAMA = PARSERS["hermes"], PARSERS["llama3_json"]
+HERMES, LLAMA, PYTHONIC = PARSERS["hermes"], PARSERS["llama3_json"], PARSERS["pythonic"]
 NAMES = {"get_weather", "now", "a", "b", "x"}     # the functions the requests offer
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
 
@@ -33,6 +33,17 @@ CASES = [   # (parser, text, content, calls)
     (LLAMA, "  Paris is the capital.", "  Paris is the capital.", []),
     (LLAMA, '{"name": "a", "parameters": ', '{"name": "a", "parameters": ', []),
     (LLAMA, '{"not": "a call"}', '{"not": "a call"}', []),
+    (PYTHONIC, '[get_weather(city="Paris", unit="C")]', None,
+     [("get_weather", '{"city": "Paris", "unit": "C"}')]),
+    (PYTHONIC, "<|python_start|>[a(), b(x=1)]<|python_end|>", None, [("a", "{}"), ("b", '{"x": 1}')]),
+    (PYTHONIC, " [now(n=True, z=None, l=[1, 2.5], d={'k': 'v'}, s='é')]\n", None,
+     [("now", '{"n": true, "z": null, "l": [1, 2.5], "d": {"k": "v"}, "s": "é"}')]),
+    (PYTHONIC, "Paris is the capital.", "Paris is the capital.", []),
+    (PYTHONIC, '[get_weather(city="Pa', '[get_weather(city="Pa', []),          # cut short
+    (PYTHONIC, "[1, 2, 3]", "[1, 2, 3]", []),                                  # a list, no calls
+    (PYTHONIC, '[get_weather("Paris")]', '[get_weather("Paris")]', []),        # positional
+    (PYTHONIC, "[a(x={1, 2})]", "[a(x={1, 2})]", []),                          # no JSON for a set
+    (PYTHONIC, "[a(x=open('f'))]", "[a(x=open('f'))]", []),                    # not a literal
 ]
 
 
