@@ -95,14 +95,14 @@ def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
     assert side._replies[-1][1].block_ids == []
 
 
-def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_reservations_back():
+def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_blocks_back():
     # the decode instance plans ahead (docs/design.md#overlap): a request handed over while
-    # a plan runs joins the plan made ahead; blocks an abort freed while a plan in flight
-    # may still write them go to no reservation (a prefill instance writes those at any
-    # time) until that plan's result is in
+    # a plan runs joins the plan made ahead; the blocks an abort freed while plans in flight
+    # may still write them go to no reservation (a prefill instance writes those at any time)
+    # until those plans' results are in; other free blocks do
     c = core(num_blocks=8)
     side = decode_side(c)
-    a, b, d = request("a", 9), request("b", 9), request("d", 3)
+    a, b = request("a", 9), request("b", 9)
     side.receive(reply(ReserveMsg(encode(a), "p0"), HandoffMsg(encode(a), "5-0", [77],
                                                                ["d0:1"])))
     first = c.schedule()
@@ -113,16 +113,23 @@ def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_reservat
     assert ahead.num_scheduled_tokens == {"a": 1, "b": 1}
     assert [n.request_id for n in ahead.new_requests] == ["b"]
     assert ahead.new_requests[0].kv_received == ["d0:1"]
+    held_by_a = set(c.get_request("a").block_table)
     c.abort("a")                                # its blocks free, both plans still carry it
-    free = c.block_manager.num_free_blocks
-    side.receive(reply(ReserveMsg(encode(d), "p0")))
-    assert side._replies[-1][1].error == "no free KV blocks" and free >= 2
+    assert c.block_manager.num_free_blocks == 5     # 2 never used, a's 3
+    side.receive(reply(ReserveMsg(encode(request("small", 3)), "p0")))
+    assert side._replies[-1][1].block_ids       # a never-used block: given at once
+    assert not set(side._replies[-1][1].block_ids) & held_by_a
+    big = request("big", 9)                     # 3 blocks: one of them would be a's
+    side.receive(reply(ReserveMsg(encode(big), "p0")))
+    assert side._replies[-1][1].error == "no free KV blocks"
+    assert c.block_manager.num_free_blocks == 4 and c.num_reserved == 1
     c.update(first, StepResult(first.step, {"a": SampledToken(1)}))
-    side.receive(reply(ReserveMsg(encode(d), "p0")))
+    side.receive(reply(ReserveMsg(encode(big), "p0")))
     assert side._replies[-1][1].error              # the plan made ahead still carries "a"
     c.update(ahead, StepResult(ahead.step, {"a": SampledToken(2), "b": SampledToken(3)}))
-    side.receive(reply(ReserveMsg(encode(d), "p0")))
-    assert side._replies[-1][1].block_ids and c.num_reserved == 1
+    side.receive(reply(ReserveMsg(encode(big), "p0")))
+    assert side._replies[-1][1].block_ids and c.num_reserved == 2
+    c.block_manager.check_integrity()
 
 
 def prefill_side(c: Scheduler, own: list[dict]) -> PrefillSide:

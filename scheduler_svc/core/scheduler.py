@@ -137,9 +137,9 @@ class Scheduler:
         self._aborted: list[RequestOutput] = []      # reported by the next update()
         # P/D decode side: blocks held for prompts a prefill instance is computing
         self._reserved: dict[str, Request] = {}
-        # the newest plan in flight when a running request was aborted: until its result is
-        # in, the aborted request's freed blocks may still be written by the workers
-        self._aborted_during_step = -1
+        # blocks an abort freed while plans in flight may still write the request's rows into
+        # them: block id -> the newest such plan's step (docs/design.md#overlap)
+        self._unsettled: dict[int, int] = {}
         self._num_arrivals = 0
         self._next_step = 0
         # plans awaiting update(), oldest first: one, or two once `schedule_ahead()` ran
@@ -181,7 +181,8 @@ class Scheduler:
             self._running.remove(request)
             self._finished_ids.append(request_id)   # workers hold its state
             if self._flights:                       # ...and may still run its rows
-                self._aborted_during_step = self._flights[-1].step
+                step = self._flights[-1].step
+                self._unsettled.update((block_id, step) for block_id in request.block_table)
         elif self._reserved.pop(request_id, None) is not None:
             pass                                    # held blocks only
         else:
@@ -199,7 +200,7 @@ class Scheduler:
         room for the first decode. Returns the block ids (the same ones again for an id
         already reserved), or None when the pool has no room now, requests already wait
         here (a preempted one must not starve behind new reservations) or a plan in flight
-        may still write blocks an abort freed. InvalidRequestError if
+        may still write one of the blocks it would get (an abort freed it). InvalidRequestError if
         the request could never be served here."""
         held = self._reserved.get(request_id)
         if held is not None:
@@ -207,14 +208,15 @@ class Scheduler:
         self._validate(request_id, prompt_token_ids, sampling)
         if self._waiting:
             return None         # requests already here (preempted ones, say) go first
-        if self._flights and self._flights[0].step <= self._aborted_during_step:
-            # a plan in flight may still write an aborted request's rows into blocks it
-            # freed; a plan would reuse them only after that one, but a prefill instance
-            # writes reserved blocks whenever it likes: not before that plan's result is in
-            return None
         request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
                           reply_to=reply_to)
         if self.block_manager.allocate(request, len(prompt_token_ids) + 1) is None:
+            return None
+        if self._holds_unsettled(request):
+            # a plan in flight may still write an aborted request's rows into one of these;
+            # a plan would reuse it only after that one, but a prefill instance writes
+            # reserved blocks whenever it likes: not before that plan's result is in
+            self.block_manager.free(request)
             return None
         self._num_arrivals += 1
         self._requests[request_id] = request
@@ -239,6 +241,16 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         self.policy.requeue_preempted(self._waiting, request)
+
+    def _holds_unsettled(self, request: Request) -> bool:
+        if not self._unsettled:
+            return False
+        oldest = self._flights[0].step if self._flights else None
+        if oldest is None:
+            self._unsettled.clear()
+        else:
+            self._unsettled = {b: s for b, s in self._unsettled.items() if s >= oldest}
+        return any(b in self._unsettled for b in request.block_table)
 
     def cancel_reservation(self, request_id: str) -> bool:
         """Free a reservation whose request will not come (its prefill side gave it up)."""
