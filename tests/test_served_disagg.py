@@ -165,6 +165,20 @@ def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, 
         assert completion(served.base_url, model, LONG[1], 12, ignore_eos=False,
                           structured_outputs=digits)["text"] == tok.decode(want.token_ids)
         assert len(tok.decode(want.token_ids)) == 6
+        # stop strings end requests by an abort on d0 while its plans run ahead (their blocks
+        # held back from reservations until those plans ran): the long prompts reserved
+        # meanwhile still come out exact, the stopped ones end where the string begins
+        full = completion(served.base_url, model, SHORT[0], 60)["text"]
+        stop = full[len(full) // 2:len(full) // 2 + 3]
+        with ThreadPoolExecutor(len(LONG) + 4) as pool:
+            stopped = [pool.submit(completion, served.base_url, model, SHORT[0], 60,
+                                   stop=[stop]) for _ in range(4)]
+            longs = [pool.submit(complete, served.base_url, model, p, 24) for p in LONG]
+            assert [f.result() for f in longs] == first(expected, LONG, 24)
+            for f in stopped:
+                choice = f.result()
+                assert (choice["finish_reason"], choice["text"]) == \
+                    ("stop", full[:full.index(stop)])
     finally:
         assert served.stop() == 0, served.log_tail()
 
