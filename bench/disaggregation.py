@@ -57,7 +57,8 @@ QUIET_AFTER_S = 0.2     # a long prompt's first token, then this long, before ga
 # per mode: the instance whose steps carry the streams' tokens, and the gap (x the median)
 # from which a chunk is traced as late (colocated, every gap while a prompt is chunked is
 # longer by design: the worst are what to see)
-LATE = {"colocated": ("", 3.0), "pd": ("d0", 1.5), "pd-strict": ("d0", 1.5)}
+LATE = {"colocated": ("", 3.0), "pd": ("d0", 1.5)}
+LATE["pd-strict"] = LATE["pd"]
 PD_FLAGS = ("--prefill-workers", "1", "--decode-workers", "1", "--prefill-threads", "1",
             "--decode-threads", "1")
 MODES = {

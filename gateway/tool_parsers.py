@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 from collections.abc import Collection
 from typing import Protocol
 
@@ -113,15 +112,12 @@ class Llama3JsonParser:
         return _held_if_whole_output(text, sent, "{", self.TAG)
 
 
-_BLANKS = re.compile(r"\s*")
-
-
 def _held_if_whole_output(text: str, sent: int, opening: str, tag: str) -> int:
     """`held_from` for formats whose calls are the whole output: all of it is held while it
     may still be calls (blanks, `opening` or `tag` first), none once it cannot."""
     if sent:
         return len(text)             # words went out: the output is no call
-    body = text[_BLANKS.match(text).end():]
+    body = text.lstrip()
     if not body or body.startswith((opening, tag)) or tag.startswith(body):
         return 0                     # nothing but blanks yet, or the output is a call
     return len(text)

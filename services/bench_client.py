@@ -26,7 +26,6 @@ import numpy as np
 
 from services.bench_dataset import BenchRequest
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 SLO_METRICS = ("ttft", "tpot", "e2el")
 
 

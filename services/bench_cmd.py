@@ -23,6 +23,8 @@ import urllib.request
 
 from shared.errors import PacerError
 
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+
 WIDTH = 50
 LATENCIES = (("ttft", "Time to First Token", "TTFT"),
              ("tpot", "Time per Output Token (excl. 1st token)", "TPOT"),
@@ -33,8 +35,7 @@ LATENCIES = (("ttft", "Time to First Token", "TTFT"),
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark a running server the way vLLM's `bench serve` does")
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--endpoint", default="/v1/completions",
-                   choices=["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+    p.add_argument("--endpoint", default="/v1/completions", choices=ENDPOINTS)
     p.add_argument("--model", default=None,
                    help="the served model name sent as `model` (default: ask /v1/models)")
     p.add_argument("--tokenizer", default=None,

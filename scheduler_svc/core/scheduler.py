@@ -138,7 +138,8 @@ class Scheduler:
         # P/D decode side: blocks held for prompts a prefill instance is computing
         self._reserved: dict[str, Request] = {}
         # blocks an abort freed while plans in flight may still write the request's rows into
-        # them: block id -> the newest such plan's step (docs/design.md#overlap)
+        # them: block id -> the newest such plan's step, dropped once its result is in
+        # (docs/design.md#overlap)
         self._unsettled: dict[int, int] = {}
         self._num_arrivals = 0
         self._next_step = 0
@@ -212,7 +213,7 @@ class Scheduler:
                           reply_to=reply_to)
         if self.block_manager.allocate(request, len(prompt_token_ids) + 1) is None:
             return None
-        if self._holds_unsettled(request):
+        if any(block_id in self._unsettled for block_id in request.block_table):
             # a plan in flight may still write an aborted request's rows into one of these;
             # a plan would reuse it only after that one, but a prefill instance writes
             # reserved blocks whenever it likes: not before that plan's result is in
@@ -241,16 +242,6 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         self.policy.requeue_preempted(self._waiting, request)
-
-    def _holds_unsettled(self, request: Request) -> bool:
-        if not self._unsettled:
-            return False
-        oldest = self._flights[0].step if self._flights else None
-        if oldest is None:
-            self._unsettled.clear()
-        else:
-            self._unsettled = {b: s for b, s in self._unsettled.items() if s >= oldest}
-        return any(b in self._unsettled for b in request.block_table)
 
     def cancel_reservation(self, request_id: str) -> bool:
         """Free a reservation whose request will not come (its prefill side gave it up)."""
@@ -427,6 +418,8 @@ class Scheduler:
         _check_sampled(plan.step, scheduled, live, flight.samples, result)
         self._observe_cost(live, result)
         self._flights.popleft()
+        if self._unsettled:         # this plan and every one before it have run
+            self._unsettled = {b: s for b, s in self._unsettled.items() if s > plan.step}
         outputs, self._aborted = self._aborted, []
         block_size = self.block_manager.block_size
         caching, sampled, max_model_len = self._caching, result.sampled, self.max_model_len
