@@ -17,7 +17,8 @@ waited for their sends after the forward) / (the transfer's own time at that GB/
 
     python bench/disaggregation.py [--streams 6] [--long-len 1500] [--long-at 2,5]
         [--repeats 1] [--json out.json] [--plot docs/disaggregation.png]
-        [--modes colocated,pd,pd-strict]    # pd-strict: the decode instance not planning ahead
+        [--modes colocated,pd,pd-strict,pd-unpinned]    # pd-strict: the decode instance not
+        # planning ahead; pd-unpinned: the forward threads without cores of their own
     python bench/disaggregation.py --threshold     # the --disagg-min-prompt-tokens cut-off
 
 Late chunks are traced: after a run the plans and results streams of the instance that
@@ -58,7 +59,7 @@ QUIET_AFTER_S = 0.2     # a long prompt's first token, then this long, before ga
 # from which a chunk is traced as late (colocated, every gap while a prompt is chunked is
 # longer by design: the worst are what to see)
 LATE = {"colocated": ("", 3.0), "pd": ("d0", 1.5)}
-LATE["pd-strict"] = LATE["pd"]
+LATE["pd-strict"] = LATE["pd-unpinned"] = LATE["pd"]
 PD_FLAGS = ("--prefill-workers", "1", "--decode-workers", "1", "--prefill-threads", "1",
             "--decode-threads", "1")
 MODES = {
@@ -67,6 +68,9 @@ MODES = {
     # the decode instance's scheduler plans each step only once the last result is in (no
     # overlap, as before it planned ahead): what planning ahead gives the decode pool
     "pd-strict": (*PD_FLAGS, "--no-overlap"),
+    # the forward threads left to the kernel's placement, as before they had cores of their own
+    # (docs/design.md#cores-for-the-forward-threads)
+    "pd-unpinned": (*PD_FLAGS, "--no-pin-cpus"),
 }
 DEFAULT_MODES = "colocated,pd"
 

@@ -20,6 +20,9 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="CPU: torch threads of this rank (default: the cores, shared out "
                         "among the ranks)")
+    p.add_argument("--cpus", default=None,
+                   help="CPU: the cores this rank's forward thread runs on, e.g. 0-1 (default: "
+                        "any; `pacer up` gives each rank its own where they fit)")
     p.add_argument("--tp-host", default="127.0.0.1",
                    help="rank 0: the address the other ranks reach it at (torch.distributed)")
     p.set_defaults(run=run)
@@ -45,6 +48,14 @@ def run(args: argparse.Namespace) -> int:
         raise PacerError(f"--role {args.role}: the K/V of a P/D instance move between "
                          "instances; give --kv-connector mooncake")
     layout = engine_layout(engine_args)
+    if args.cpus:
+        from shared.cpu import parse_cpu_list, set_forward_cpus
+        try:
+            set_forward_cpus(parse_cpu_list(args.cpus))
+        except ValueError as e:
+            raise PacerError(f"--cpus: {e}") from None
+        import structlog
+        structlog.get_logger("worker").info("forward thread pinned", cpus=args.cpus)
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)

@@ -54,6 +54,7 @@ from gpu_worker.model_runner import build_runner
 from gpu_worker.tp.executor import TPExecutor
 from gpu_worker.tp.group import bind_device, on_device
 from gpu_worker.tp.service import serve_follower, start_rank0
+from shared.cpu import pin_forward_thread
 from shared.engine_layout import EngineLayout
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
@@ -122,6 +123,13 @@ def token_batches(result: StepResult,
     return batches
 
 
+def _forward_thread(device: str) -> None:
+    """The start of the thread that runs every forward: its device current, its cores its own
+    where `--cpus` gave them."""
+    bind_device(device)
+    pin_forward_thread()
+
+
 class PlanLoop:
     """Rank 0's loop: plans in, tokens and results out."""
 
@@ -137,7 +145,7 @@ class PlanLoop:
         # while torch computes, and thread-local torch state (the current CUDA device) stays
         # on one thread
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward",
-                                          initializer=bind_device, initargs=(device,))
+                                          initializer=_forward_thread, initargs=(device,))
         self.plan_wait = Stopwatch()
         self.busy = Stopwatch()
         # of `busy`, what the runner timed as its compute (each result's forward_ms, the cost

@@ -31,6 +31,7 @@ from gateway.cli import POLICY_FLAGS, add_request_policy_args
 from gateway.config import POLICIES
 from services.restarts import Restarter
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
+from shared.cpu import format_cpu_list, place_ranks
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
@@ -53,6 +54,9 @@ def register(sub) -> None:
                    help="seconds to wait for /health to turn 200")
     add_request_policy_args(p)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
+                   help="CPU, several worker ranks: each rank's forward thread on cores of its "
+                        "own, where they fit (docs/design.md#cores-for-the-forward-threads)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="debugging: schedulers plan each iteration only after the last one's "
                         "result is in (docs/design.md#overlap)")
@@ -118,8 +122,24 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
         raise PacerError(f"--prefill-tp {ptp} and --decode-tp {dtp} differ: a prefill rank "
                          "sends its K/V heads to the decode rank of the same index, so both "
                          "sides need the same TP degree")
-    return ([Instance(f"p{i}", "prefill", ptp, args.prefill_threads) for i in range(p)]
-            + [Instance(f"d{i}", "decode", dtp, args.decode_threads) for i in range(d)])
+    # on CPU the instances share the cores out, as replicas do
+    shared_out = (max(1, len(os.sched_getaffinity(0)) // (p * ptp + d * dtp))
+                  if engine.device == "cpu" else None)
+    return ([Instance(f"p{i}", "prefill", ptp, args.prefill_threads or shared_out)
+             for i in range(p)]
+            + [Instance(f"d{i}", "decode", dtp, args.decode_threads or shared_out)
+               for i in range(d)])
+
+
+def rank_cpus(instances: list[Instance], engine: EngineArgs) -> list[list[int]] | None:
+    """Each worker rank's cores (instances in order, ranks in order), or None: not on CPU,
+    one rank, or more threads than cores."""
+    if engine.device != "cpu":
+        return None
+    cores = sorted(os.sched_getaffinity(0))
+    ranks = sum(i.tp for i in instances)
+    threads = [i.threads or max(1, len(cores) // ranks) for i in instances for _ in range(i.tp)]
+    return place_ranks(threads, cores)
 
 
 def engine_flags(args: EngineArgs) -> list[str]:
@@ -228,6 +248,7 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
         if value is not None:
             gateway += [f"--{name.replace('_', '-')}", str(value)]
     workers, schedulers, heartbeats, groups = [], [], {}, {}
+    cpus = iter(rank_cpus(instances, engine) or []) if args.pin_cpus else iter(())
     for inst in instances:
         ikeys = keys.for_instance(inst.id)
         flags = engine_flags(replace(engine, tp=inst.tp, kv_connector="mooncake")
@@ -240,6 +261,9 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
                 argv += ["--role", inst.role]
             if inst.threads:
                 argv += ["--threads", str(inst.threads)]
+            mine = next(cpus, None)
+            if mine:
+                argv += ["--cpus", format_cpu_list(mine)]
             workers.append((name, argv))
             heartbeats[name] = ikeys.hb_worker(r)
             groups[name] = inst.name("worker group")

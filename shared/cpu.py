@@ -3,6 +3,7 @@ CPU kernels and the dtype `--dtype auto` serves in."""
 from __future__ import annotations
 
 import functools
+import os
 
 # bfloat16 dot products in hardware: AVX512-BF16 (Cooper Lake, Zen 4 and later) or AMX
 # (Sapphire Rapids and later). Without them a bf16 GEMM widens to float32 in software.
@@ -32,3 +33,67 @@ def auto_dtype(device: str, flags: frozenset[str] | None = None) -> str:
         return "bfloat16"
     flags = cpu_flags() if flags is None else flags
     return "bfloat16" if device == "cpu" and NATIVE_BF16_FLAGS & flags else "float32"
+
+
+# ---- cores for the forward threads -------------------------------------------------------
+# Two compute threads on one core take turns at the kernel scheduler's granularity: on two
+# cores a P/D prefill thread that woke beside the decode thread held it off its core for
+# 8 ms while the other core sat idle (docs/design.md#cores-for-the-forward-threads). `pacer
+# up` therefore gives each worker rank's forward thread cores of its own where there are
+# enough (`place_ranks`), and the worker pins that thread (`pin_forward_thread`); its other
+# threads (the event loop, the K/V transfer) stay free to run wherever a core is idle.
+
+_forward_cpus: frozenset[int] | None = None
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """"0-3,6" -> [0, 1, 2, 3, 6] (the kernel's cpulist format)."""
+    cpus: list[int] = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        lo, dash, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi if dash else lo)
+        except ValueError:
+            raise ValueError(f"not a CPU list: {text!r} (e.g. 0-3,6)") from None
+        if first < 0 or last < first:
+            raise ValueError(f"not a CPU list: {text!r} (e.g. 0-3,6)")
+        cpus += range(first, last + 1)
+    if not cpus:
+        raise ValueError(f"not a CPU list: {text!r} (e.g. 0-3,6)")
+    return sorted(set(cpus))
+
+
+def format_cpu_list(cpus: list[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
+def place_ranks(threads: list[int], cores: list[int]) -> list[list[int]] | None:
+    """Disjoint cores for ranks that run `threads[i]` compute threads each, in order, or None
+    when they do not fit (then none is pinned: sharing is better than stacking) or when there
+    is one rank (it has every core anyway)."""
+    if len(threads) < 2 or sum(threads) > len(cores):
+        return None
+    placed, at = [], 0
+    for n in threads:
+        placed.append(cores[at:at + n])
+        at += n
+    return placed
+
+
+def set_forward_cpus(cpus: list[int] | None) -> None:
+    """The cores this process's forward thread is to run on (None: wherever)."""
+    global _forward_cpus
+    if cpus:
+        allowed = os.sched_getaffinity(0)
+        if not set(cpus) <= allowed:
+            raise ValueError(f"CPUs {format_cpu_list(sorted(set(cpus) - allowed))} are not "
+                             f"available to this process (it may use "
+                             f"{format_cpu_list(sorted(allowed))})")
+    _forward_cpus = frozenset(cpus) if cpus else None
+
+
+def pin_forward_thread() -> None:
+    """Called by the thread that runs the forwards, before its first: keeps it (and the
+    OpenMP team it starts, which inherits its mask) on its cores."""
+    if _forward_cpus:
+        os.sched_setaffinity(0, _forward_cpus)      # pid 0: the calling thread

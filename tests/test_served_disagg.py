@@ -122,6 +122,17 @@ def worker_pid(served, keys: Keys, rank: int = 0) -> int:
         r.close()
 
 
+def pinned_threads(pid: int) -> list[str]:
+    """The CPU lists of a process's threads that may run on fewer cores than it may."""
+    def allowed(path: str) -> str:
+        with open(path) as f:
+            return next(line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("Cpus_allowed_list:"))
+    whole = allowed(f"/proc/{pid}/status")
+    return [mask for tid in os.listdir(f"/proc/{pid}/task")
+            if (mask := allowed(f"/proc/{pid}/task/{tid}/status")) != whole]
+
+
 def labelled(served, name: str, instance: str) -> float:
     status, body = served.get("/metrics")
     assert status == 200
@@ -150,6 +161,11 @@ def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, 
         assert p_stats["ttft_goal_met_total"] + p_stats["ttft_goal_missed_total"] == len(LONG)
         assert "ttft_goal_met_total" not in stats(served, D0)      # the prefill side's goal
         assert stats(served, D0)["handoffs_recomputed_total"] == 0
+        # each pool's forward thread on a core of its own (the other threads free)
+        if len(os.sched_getaffinity(0)) >= 2:
+            cores = [pinned_threads(worker_pid(served, keys)) for keys in (P0, D0)]
+            assert all(len(c) == 1 for c in cores), cores
+            assert cores[0] != cores[1], cores
         # the prefill side's blocks are free once every request was handed over
         wait_for(lambda: labelled(served, "pacer:kv_cache_usage_perc", "p0") == 0.0, 30,
                  "prefill blocks freed")

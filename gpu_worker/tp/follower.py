@@ -8,6 +8,7 @@ from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv_
 from gpu_worker.tp.group import ProcessTPGroup, bind_device, destroy
 from gpu_worker.tp.liveness import NAME_THE_DEAD_S, first_line
 from gpu_worker.tp.store_keys import DONE, READY
+from shared.cpu import pin_forward_thread
 from shared.errors import PacerError
 from shared.protocol import PlanMsg, decode
 
@@ -15,6 +16,7 @@ from shared.protocol import PlanMsg, decode
 def run_follower(runner: ModelRunner, group: ProcessTPGroup) -> None:
     """Receive plans from rank 0 and run them until rank 0 shuts the group down."""
     bind_device(runner.rc.device)            # this thread runs the forwards
+    pin_forward_thread()
     share_sampling_seed(runner, group)
     agreement = AgreementCheck(group)
     group.store.add(READY, 1)

@@ -42,8 +42,8 @@ def _rank_layout(layout: EngineLayout, rank: int) -> EngineLayout:
 
 def _share_cores(layout: EngineLayout) -> None:
     threads = threads_per_rank(layout.args.device, layout.args.tp)
-    if threads:
-        torch.set_num_threads(threads)
+    if threads:         # never more than `--threads` asked for
+        torch.set_num_threads(min(threads, torch.get_num_threads()))
 
 
 async def start_rank0(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
