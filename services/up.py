@@ -108,9 +108,7 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
     if getattr(args, "router", None) and not replicas and p < 2:
         raise PacerError("--router needs --replicas N or --prefill-workers N (N > 1)")
     if replicas:
-        # on CPU the replicas share the cores out instead of each spinning on all of them
-        threads = (max(1, len(os.sched_getaffinity(0)) // (replicas * engine.tp))
-                   if engine.device == "cpu" else None)
+        threads = shared_out(engine, replicas * engine.tp)
         return [Instance(f"r{i}", "colocated", engine.tp, threads) for i in range(replicas)]
     if not p and not d:
         return [Instance("", "colocated", engine.tp)]
@@ -122,24 +120,29 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
         raise PacerError(f"--prefill-tp {ptp} and --decode-tp {dtp} differ: a prefill rank "
                          "sends its K/V heads to the decode rank of the same index, so both "
                          "sides need the same TP degree")
-    # on CPU the instances share the cores out, as replicas do
-    shared_out = (max(1, len(os.sched_getaffinity(0)) // (p * ptp + d * dtp))
-                  if engine.device == "cpu" else None)
-    return ([Instance(f"p{i}", "prefill", ptp, args.prefill_threads or shared_out)
+    threads = shared_out(engine, p * ptp + d * dtp)
+    return ([Instance(f"p{i}", "prefill", ptp, args.prefill_threads or threads)
              for i in range(p)]
-            + [Instance(f"d{i}", "decode", dtp, args.decode_threads or shared_out)
+            + [Instance(f"d{i}", "decode", dtp, args.decode_threads or threads)
                for i in range(d)])
+
+
+def shared_out(engine: EngineArgs, ranks: int) -> int | None:
+    """On CPU, the torch threads of each of `ranks` worker ranks that share this machine's
+    cores (instead of each spinning on all of them); elsewhere None."""
+    if engine.device != "cpu":
+        return None
+    return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
 def rank_cpus(instances: list[Instance], engine: EngineArgs) -> list[list[int]] | None:
     """Each worker rank's cores (instances in order, ranks in order), or None: not on CPU,
     one rank, or more threads than cores."""
-    if engine.device != "cpu":
+    default = shared_out(engine, sum(i.tp for i in instances))
+    if default is None:
         return None
-    cores = sorted(os.sched_getaffinity(0))
-    ranks = sum(i.tp for i in instances)
-    threads = [i.threads or max(1, len(cores) // ranks) for i in instances for _ in range(i.tp)]
-    return place_ranks(threads, cores)
+    threads = [i.threads or default for i in instances for _ in range(i.tp)]
+    return place_ranks(threads, sorted(os.sched_getaffinity(0)))
 
 
 def engine_flags(args: EngineArgs) -> list[str]:

@@ -47,19 +47,20 @@ _forward_cpus: frozenset[int] | None = None
 
 
 def parse_cpu_list(text: str) -> list[int]:
-    """"0-3,6" -> [0, 1, 2, 3, 6] (the kernel's cpulist format)."""
+    """Reads the kernel's CPU list format: "0-3,6" is [0, 1, 2, 3, 6]."""
+    bad = ValueError(f"not a CPU list: {text!r} (e.g. 0-3,6)")
     cpus: list[int] = []
     for part in filter(None, (p.strip() for p in text.split(","))):
         lo, dash, hi = part.partition("-")
         try:
             first, last = int(lo), int(hi if dash else lo)
         except ValueError:
-            raise ValueError(f"not a CPU list: {text!r} (e.g. 0-3,6)") from None
+            raise bad from None
         if first < 0 or last < first:
-            raise ValueError(f"not a CPU list: {text!r} (e.g. 0-3,6)")
+            raise bad
         cpus += range(first, last + 1)
     if not cpus:
-        raise ValueError(f"not a CPU list: {text!r} (e.g. 0-3,6)")
+        raise bad
     return sorted(set(cpus))
 
 
