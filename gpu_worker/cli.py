@@ -22,7 +22,7 @@ def register(sub) -> None:
                         "among the ranks)")
     p.add_argument("--cpus", default=None,
                    help="CPU: the cores this rank's forward thread runs on, e.g. 0-1 (default: "
-                        "any; `pacer up` gives each rank its own where they fit)")
+                        "any; `pacer up` gives each engine instance its own where they fit)")
     p.add_argument("--tp-host", default="127.0.0.1",
                    help="rank 0: the address the other ranks reach it at (torch.distributed)")
     p.set_defaults(run=run)

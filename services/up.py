@@ -31,7 +31,7 @@ from gateway.cli import POLICY_FLAGS, add_request_policy_args
 from gateway.config import POLICIES
 from services.restarts import Restarter
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
-from shared.cpu import format_cpu_list, place_ranks
+from shared.cpu import format_cpu_list, place_instances
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
@@ -55,8 +55,9 @@ def register(sub) -> None:
     add_request_policy_args(p)
     p.add_argument("--log-level", default="info")
     p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
-                   help="CPU, several worker ranks: each rank's forward thread on cores of its "
-                        "own, where they fit (docs/design.md#cores-for-the-forward-threads)")
+                   help="CPU, several engine instances (P/D, replicas): each instance's forward "
+                        "threads on cores of their own, where they fit "
+                        "(docs/design.md#cores-for-the-forward-threads)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="debugging: schedulers plan each iteration only after the last one's "
                         "result is in (docs/design.md#overlap)")
@@ -136,13 +137,17 @@ def shared_out(engine: EngineArgs, ranks: int) -> int | None:
 
 
 def rank_cpus(instances: list[Instance], engine: EngineArgs) -> list[list[int]] | None:
-    """Each worker rank's cores (instances in order, ranks in order), or None: not on CPU,
-    one rank, or more threads than cores."""
+    """Each worker rank's cores (instances in order, ranks in order; the ranks of one
+    instance share its cores: they meet at every layer, and one that a service holds up must
+    be free to move), or None: not on CPU, one instance, or more threads than cores."""
     default = shared_out(engine, sum(i.tp for i in instances))
     if default is None:
         return None
-    threads = [i.threads or default for i in instances for _ in range(i.tp)]
-    return place_ranks(threads, sorted(os.sched_getaffinity(0)))
+    placed = place_instances([i.tp * (i.threads or default) for i in instances],
+                             sorted(os.sched_getaffinity(0)))
+    if placed is None:
+        return None
+    return [cores for inst, cores in zip(instances, placed) for _ in range(inst.tp)]
 
 
 def engine_flags(args: EngineArgs) -> list[str]:

@@ -39,9 +39,10 @@ def auto_dtype(device: str, flags: frozenset[str] | None = None) -> str:
 # Two compute threads on one core take turns at the kernel scheduler's granularity: on two
 # cores a P/D prefill thread that woke beside the decode thread held it off its core for
 # 8 ms while the other core sat idle (docs/design.md#cores-for-the-forward-threads). `pacer
-# up` therefore gives each worker rank's forward thread cores of its own where there are
-# enough (`place_ranks`), and the worker pins that thread (`pin_forward_thread`); its other
-# threads (the event loop, the K/V transfer) stay free to run wherever a core is idle.
+# up` therefore gives each engine instance's forward threads cores of their own where there
+# are enough (`place_instances`), and each worker rank pins its forward thread to its
+# instance's cores (`pin_forward_thread`); other threads (the event loop, the K/V transfer)
+# stay free to run wherever a core is idle.
 
 _forward_cpus: frozenset[int] | None = None
 
@@ -68,10 +69,10 @@ def format_cpu_list(cpus: list[int]) -> str:
     return ",".join(map(str, sorted(cpus)))
 
 
-def place_ranks(threads: list[int], cores: list[int]) -> list[list[int]] | None:
-    """Disjoint cores for ranks that run `threads[i]` compute threads each, in order, or None
-    when they do not fit (then none is pinned: sharing is better than stacking) or when there
-    is one rank (it has every core anyway)."""
+def place_instances(threads: list[int], cores: list[int]) -> list[list[int]] | None:
+    """Disjoint cores for engine instances that run `threads[i]` compute threads in all, in
+    order, or None when they do not fit (then none is pinned: sharing is better than
+    stacking) or when there is one instance (it has every core anyway)."""
     if len(threads) < 2 or sum(threads) > len(cores):
         return None
     placed, at = [], 0

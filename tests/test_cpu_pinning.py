@@ -1,5 +1,5 @@
 """Cores for the forward threads (docs/design.md#cores-for-the-forward-threads): the CPU list
-format, how `pacer up` shares the cores out among worker ranks, and the pin itself (a real
+format, how `pacer up` shares the cores out among engine instances, and the pin itself (a real
 thread's mask, read back from the kernel). The served P/D test checks the pins of running
 workers."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from shared import cpu
-from shared.cpu import format_cpu_list, parse_cpu_list, place_ranks
+from shared.cpu import format_cpu_list, parse_cpu_list, place_instances
 
 
 def test_cpu_lists_read_and_written_as_the_kernel_writes_them():
@@ -24,12 +24,12 @@ def test_cpu_lists_read_and_written_as_the_kernel_writes_them():
             parse_cpu_list(bad)
 
 
-def test_ranks_get_disjoint_cores_only_where_they_fit():
-    assert place_ranks([1, 1], [0, 1]) == [[0], [1]]
-    assert place_ranks([2, 1, 1], [0, 1, 2, 3, 4]) == [[0, 1], [2], [3]]
-    assert place_ranks([2, 2], [4, 5, 6, 7]) == [[4, 5], [6, 7]]
-    assert place_ranks([1, 1, 1], [0, 1]) is None          # stacked: left to the kernel
-    assert place_ranks([2], [0, 1]) is None                 # one rank has every core anyway
+def test_instances_get_disjoint_cores_only_where_they_fit():
+    assert place_instances([1, 1], [0, 1]) == [[0], [1]]
+    assert place_instances([2, 1, 1], [0, 1, 2, 3, 4]) == [[0, 1], [2], [3]]
+    assert place_instances([2, 2], [4, 5, 6, 7]) == [[4, 5], [6, 7]]
+    assert place_instances([1, 1, 1], [0, 1]) is None      # stacked: left to the kernel
+    assert place_instances([2], [0, 1]) is None             # one has every core anyway
 
 
 def _worker_cpus(monkeypatch, cores: set[int], *argv: str) -> dict[str, str | None]:
@@ -51,8 +51,9 @@ def test_pacer_up_gives_pd_ranks_cores_of_their_own(monkeypatch):
     assert got == {"p0 worker rank 0": "0", "d0 worker rank 0": "1"}
     got = _worker_cpus(monkeypatch, {0, 1, 2, 3}, "--prefill-workers", "1",
                        "--decode-workers", "1", "--prefill-tp", "2", "--decode-tp", "2")
-    assert got == {"p0 worker rank 0": "0", "p0 worker rank 1": "1",
-                   "d0 worker rank 0": "2", "d0 worker rank 1": "3"}
+    # the ranks of one instance share its cores (they meet at every layer)
+    assert got == {"p0 worker rank 0": "0,1", "p0 worker rank 1": "0,1",
+                   "d0 worker rank 0": "2,3", "d0 worker rank 1": "2,3"}
     # asked for more threads than there are cores: nothing pinned
     got = _worker_cpus(monkeypatch, {0, 1}, "--prefill-workers", "1", "--decode-workers", "1",
                        "--prefill-threads", "2", "--decode-threads", "2")
@@ -62,10 +63,10 @@ def test_pacer_up_gives_pd_ranks_cores_of_their_own(monkeypatch):
     assert set(got.values()) == {None}
 
 
-def test_pacer_up_leaves_one_worker_unpinned_and_pins_tp_ranks(monkeypatch):
+def test_pacer_up_leaves_one_instance_unpinned_and_pins_replicas(monkeypatch):
     assert _worker_cpus(monkeypatch, {0, 1, 2, 3}) == {"worker rank 0": None}
     assert _worker_cpus(monkeypatch, {0, 1, 2, 3}, "--tp", "2") == \
-        {"worker rank 0": "0,1", "worker rank 1": "2,3"}
+        {"worker rank 0": None, "worker rank 1": None}
     assert _worker_cpus(monkeypatch, {0, 1}, "--replicas", "2") == \
         {"r0 worker rank 0": "0", "r1 worker rank 0": "1"}
 
