@@ -136,14 +136,14 @@ def shared_out(engine: EngineArgs, ranks: int) -> int | None:
     return max(1, len(os.sched_getaffinity(0)) // ranks)
 
 
-def rank_cpus(instances: list[Instance], engine: EngineArgs) -> list[list[int]] | None:
+def rank_cpus(instances: list[Instance]) -> list[list[int]] | None:
     """Each worker rank's cores (instances in order, ranks in order; the ranks of one
     instance share its cores: they meet at every layer, and one that a service holds up must
-    be free to move), or None: not on CPU, one instance, or more threads than cores."""
-    default = shared_out(engine, sum(i.tp for i in instances))
-    if default is None:
+    be free to move), or None: one instance, not on CPU (no thread counts), or more threads
+    than cores."""
+    if len(instances) < 2 or any(i.threads is None for i in instances):
         return None
-    placed = place_instances([i.tp * (i.threads or default) for i in instances],
+    placed = place_instances([i.tp * i.threads for i in instances],
                              sorted(os.sched_getaffinity(0)))
     if placed is None:
         return None
@@ -256,7 +256,7 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
         if value is not None:
             gateway += [f"--{name.replace('_', '-')}", str(value)]
     workers, schedulers, heartbeats, groups = [], [], {}, {}
-    cpus = iter(rank_cpus(instances, engine) or []) if args.pin_cpus else iter(())
+    cpus = iter(rank_cpus(instances) or []) if args.pin_cpus else iter(())
     for inst in instances:
         ikeys = keys.for_instance(inst.id)
         flags = engine_flags(replace(engine, tp=inst.tp, kv_connector="mooncake")

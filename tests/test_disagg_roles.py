@@ -97,9 +97,9 @@ def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
 
 def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_blocks_back():
     # the decode instance plans ahead (docs/design.md#overlap): a request handed over while
-    # a plan runs joins the plan made ahead; the blocks an abort freed while plans in flight
-    # may still write them go to no reservation (a prefill instance writes those at any time)
-    # until those plans' results are in; other free blocks do
+    # a plan runs joins the plan made ahead; an abort's blocks go back to the pool only once
+    # the plans in flight, which still run its rows, have run: meanwhile no reservation (a
+    # prefill instance writes those at any time) can get them; other free blocks go as usual
     c = core(num_blocks=8)
     side = decode_side(c)
     a, b = request("a", 9), request("b", 9)
@@ -114,19 +114,20 @@ def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_bloc
     assert [n.request_id for n in ahead.new_requests] == ["b"]
     assert ahead.new_requests[0].kv_received == ["d0:1"]
     held_by_a = set(c.get_request("a").block_table)
-    c.abort("a")                                # its blocks free, both plans still carry it
-    assert c.block_manager.num_free_blocks == 5     # 2 never used, a's 3
+    c.abort("a")                                # both plans still carry it
+    assert c.block_manager.num_free_blocks == 2     # the 2 never used; a's 3 held
     side.receive(reply(ReserveMsg(encode(request("small", 3)), "p0")))
     assert side._replies[-1][1].block_ids       # a never-used block: given at once
     assert not set(side._replies[-1][1].block_ids) & held_by_a
-    big = request("big", 9)                     # 3 blocks: one of them would be a's
+    big = request("big", 9)                     # 3 blocks: only a's would do
     side.receive(reply(ReserveMsg(encode(big), "p0")))
     assert side._replies[-1][1].error == "no free KV blocks"
-    assert c.block_manager.num_free_blocks == 4 and c.num_reserved == 1
+    assert c.block_manager.num_free_blocks == 1 and c.num_reserved == 1
     c.update(first, StepResult(first.step, {"a": SampledToken(1)}))
     side.receive(reply(ReserveMsg(encode(big), "p0")))
     assert side._replies[-1][1].error              # the plan made ahead still carries "a"
     c.update(ahead, StepResult(ahead.step, {"a": SampledToken(2), "b": SampledToken(3)}))
+    assert c.block_manager.num_free_blocks == 4     # a's back
     side.receive(reply(ReserveMsg(encode(big), "p0")))
     assert side._replies[-1][1].block_ids and c.num_reserved == 2
     c.block_manager.check_integrity()

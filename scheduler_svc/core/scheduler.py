@@ -137,10 +137,11 @@ class Scheduler:
         self._aborted: list[RequestOutput] = []      # reported by the next update()
         # P/D decode side: blocks held for prompts a prefill instance is computing
         self._reserved: dict[str, Request] = {}
-        # blocks an abort freed while plans in flight may still write the request's rows into
-        # them: block id -> the newest such plan's step, dropped once its result is in
-        # (docs/design.md#overlap)
-        self._unsettled: dict[int, int] = {}
+        # requests aborted while plans in flight still run their rows (the workers learn of an
+        # abort from a later plan), with the newest such plan's step: their blocks go back to
+        # the pool once that plan's result is in, never to a reservation meanwhile, which a
+        # prefill instance would write in no order with the plans (docs/design.md#overlap)
+        self._free_after: list[tuple[int, Request]] = []
         self._num_arrivals = 0
         self._next_step = 0
         # plans awaiting update(), oldest first: one, or two once `schedule_ahead()` ran
@@ -174,21 +175,22 @@ class Scheduler:
         self.policy.enqueue(self._waiting, request)
 
     def abort(self, request_id: str) -> None:
-        """Stop a request in any state and free its blocks now. Unknown ids are ignored."""
+        """Stop a request in any state and free its blocks: now, or where plans in flight
+        still run its rows, once their results are in. Unknown ids are ignored."""
         request = self._requests.pop(request_id, None)
         if request is None:
             return
         if request.status is RequestStatus.RUNNING:
             self._running.remove(request)
             self._finished_ids.append(request_id)   # workers hold its state
-            if self._flights:                       # ...and may still run its rows
-                step = self._flights[-1].step
-                self._unsettled.update((block_id, step) for block_id in request.block_table)
         elif self._reserved.pop(request_id, None) is not None:
             pass                                    # held blocks only
         else:
             self._waiting.remove(request)           # never sent, or dropped at preemption
-        self.block_manager.free(request)
+        if request.status is RequestStatus.RUNNING and self._flights:
+            self._free_after.append((self._flights[-1].step, request))
+        else:
+            self.block_manager.free(request)
         request.status = RequestStatus.FINISHED_ABORTED
         self._aborted.append(_output(request, []))
         self._left_running()
@@ -199,9 +201,8 @@ class Scheduler:
                 reply_to: str = "") -> list[int] | None:
         """Hold the blocks a prompt's K/V will be written into by a prefill instance, plus
         room for the first decode. Returns the block ids (the same ones again for an id
-        already reserved), or None when the pool has no room now, requests already wait
-        here (a preempted one must not starve behind new reservations) or a plan in flight
-        may still write one of the blocks it would get (an abort freed it). InvalidRequestError if
+        already reserved), or None when the pool has no room now or requests already wait
+        here (a preempted one must not starve behind new reservations). InvalidRequestError if
         the request could never be served here."""
         held = self._reserved.get(request_id)
         if held is not None:
@@ -212,12 +213,6 @@ class Scheduler:
         request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
                           reply_to=reply_to)
         if self.block_manager.allocate(request, len(prompt_token_ids) + 1) is None:
-            return None
-        if any(block_id in self._unsettled for block_id in request.block_table):
-            # a plan in flight may still write an aborted request's rows into one of these;
-            # a plan would reuse it only after that one, but a prefill instance writes
-            # reserved blocks whenever it likes: not before that plan's result is in
-            self.block_manager.free(request)
             return None
         self._num_arrivals += 1
         self._requests[request_id] = request
@@ -271,6 +266,7 @@ class Scheduler:
         prefix cache is emptied too: no block's content is known any more.
         Returns their ids in admission order."""
         self._flights.clear()
+        self._free_aborted(self._next_step)     # no plan runs any more
         self._sync_next = False
         lost, self._running = self._running, []
         for request in reversed(lost):       # each goes to the front: admission order kept
@@ -418,8 +414,8 @@ class Scheduler:
         _check_sampled(plan.step, scheduled, live, flight.samples, result)
         self._observe_cost(live, result)
         self._flights.popleft()
-        if self._unsettled:         # this plan and every one before it have run
-            self._unsettled = {b: s for b, s in self._unsettled.items() if s > plan.step}
+        if self._free_after:        # this plan and every one before it have run
+            self._free_aborted(plan.step)
         outputs, self._aborted = self._aborted, []
         block_size = self.block_manager.block_size
         caching, sampled, max_model_len = self._caching, result.sampled, self.max_model_len
@@ -726,6 +722,16 @@ class Scheduler:
         waiting_for = None if flight is None else flight.step
         raise ValueError(f"update() got plan {plan.step}, but the plan awaiting its result "
                          f"is {waiting_for}")
+
+    def _free_aborted(self, step: int) -> None:
+        """Free the blocks of aborted requests whose plans in flight ran up to `step`."""
+        keep = []
+        for after, request in self._free_after:
+            if after <= step:
+                self.block_manager.free(request)
+            else:
+                keep.append((after, request))
+        self._free_after = keep
 
     def _left_running(self) -> None:
         """A request stopped running: plans in flight that carry it must skip it."""
