@@ -6,6 +6,7 @@ the wrong rotary frequencies still produces fluent-looking text that is subtly w
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 from dataclasses import dataclass
@@ -135,14 +136,49 @@ def _ids(value: Any) -> list[int]:
 
 # ---- GGUF ---------------------------------------------------------------------------------
 
+class _PlainViewReader(GGUFReader):
+    """gguf-py's reader, its values sliced from a plain ndarray over the file's mapping.
+
+    The reader builds every metadata value, each of a tokenizer's ~100k strings included, from
+    two slices of its `np.memmap`; a memmap's slice runs Python (`__getitem__`,
+    `__array_finalize__`) where an ndarray's does not. Slicing a plain view of the same mapping
+    gives the same values and tensors (zero-copy still) in a quarter of the time: 0.5 s against
+    2.0 s for the default model, paid by the gateway and by every worker as it starts.
+    `_get` is the reader's one primitive read; `READER` falls back to gguf-py's own class
+    should a release change its signature.
+    """
+
+    def _get(self, offset: int, dtype, count: int = 1, override_order=None) -> np.ndarray:
+        plain = self.__dict__.get("_plain")
+        if plain is None:
+            plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+        count = int(count)
+        arr = plain[offset:offset + np.dtype(dtype).itemsize * count].view(dtype)[:count]
+        order = self.byte_order if override_order is None else override_order
+        # "I" (the file's order is the machine's) leaves the dtype as it is
+        return arr if order == "I" else arr.view(arr.dtype.newbyteorder(order))
+
+
+def _reader_class() -> type[GGUFReader]:
+    try:
+        params = list(inspect.signature(GGUFReader._get).parameters)
+    except (AttributeError, TypeError, ValueError):
+        return GGUFReader
+    return _PlainViewReader if params == ["self", "offset", "dtype", "count",
+                                          "override_order"] else GGUFReader
+
+
+READER = _reader_class()
+
+
 @functools.lru_cache(maxsize=2)
 def _cached_reader(path: str, mtime_ns: int, size: int) -> GGUFReader:
-    return GGUFReader(path)
+    return READER(path)
 
 
 def open_gguf(path: str) -> GGUFReader:
-    """One parsed GGUF per file per process: parsing the 100k tokenizer strings takes ~2 s,
-    and the config, the tokenizer and the weights all read the same file."""
+    """One parsed GGUF per file per process: the config, the tokenizer and the weights all read
+    the same file, and parsing its ~100k tokenizer strings is most of a start-up's reading."""
     try:
         st = os.stat(path)
         return _cached_reader(os.path.realpath(path), st.st_mtime_ns, st.st_size)

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from gpu_worker.weights import expected_shapes, iter_weights
 from helpers_tiny_model import encode_gguf_tensor, write_tiny_gguf, write_tiny_llama
 from shared.errors import ModelLoadError
-from shared.model_config import load_model_config
+from shared.model_config import READER, _PlainViewReader, load_model_config
 from shared.model_source import resolve_model
 
 
@@ -48,6 +48,35 @@ def test_default_gguf_equals_transformers(default_hf):
     for name, tensor in ours.items():
         assert torch.equal(tensor, reference[name]), name
     assert torch.equal(ours["model.embed_tokens.weight"], reference["lm_head.weight"])
+
+
+# ---- reading GGUF through a plain view -----------------------------------------------------
+
+def _same_reading(path: str) -> None:
+    from gguf import GGUFReader
+    if READER is not _PlainViewReader:
+        pytest.skip("this gguf-py's reader changed its _get: pacer reads through gguf-py's own")
+    theirs, ours = GGUFReader(path), _PlainViewReader(path)
+    assert list(theirs.fields) == list(ours.fields)
+    for name, a in theirs.fields.items():
+        b = ours.fields[name]
+        assert (a.offset, a.types, a.data, len(a.parts)) == (b.offset, b.types, b.data,
+                                                            len(b.parts)), name
+        for x, y in zip(a.parts, b.parts):
+            assert x.dtype == y.dtype and np.array_equal(x, y), name
+    assert [(t.name, t.tensor_type, t.shape.tolist(), t.data.dtype, t.data.shape)
+            for t in theirs.tensors] == [(t.name, t.tensor_type, t.shape.tolist(),
+                                          t.data.dtype, t.data.shape) for t in ours.tensors]
+    for a, b in zip(theirs.tensors, ours.tensors):
+        assert a.data.tobytes() == b.data.tobytes(), a.name
+
+
+def test_plain_view_reads_the_default_gguf_as_gguf_py_does():
+    _same_reading(resolve_model(None).path)
+
+
+def test_plain_view_reads_quantized_tiny_gguf_as_gguf_py_does(tiny_dirs, tmp_path):
+    _same_reading(str(write_tiny_gguf(tmp_path / "m.gguf", tiny_dirs["untied"], Q.Q4_1)))
 
 
 # ---- tiny models --------------------------------------------------------------------------
