@@ -11,7 +11,9 @@ none was late; it counts as one gap per token, each its share. Reported per mode
 streams' median and worst inter-token gap (and worst/median) once every stream is decoding
 (`steady_start`; the worst/median over all gaps is printed beside it), the worst against the
 median of the "quiet" gaps, those with no long prompt in the system, the same over text
-chunks as a reader sees them, the long prompts' TTFT; for P/D, the KV bytes per long prompt, the connector's own GB/s (measured alone after the runs)
+chunks as a reader sees them, the long prompts' TTFT, the decoding worker's forward thread's
+time on a core and time waiting for one per decode step (Linux schedstat: what the threads
+left on its core cost it); for P/D, the KV bytes per long prompt, the connector's own GB/s (measured alone after the runs)
 and the share of the transfer hidden behind the prefill: 1 - (ms the prefill iterations
 waited for their sends after the forward) / (the transfer's own time at that GB/s).
 
@@ -46,6 +48,7 @@ import redis  # noqa: E402
 
 from bench.common import print_table, random_prompts, write_json  # noqa: E402
 from bench.served_vs_inprocess import start_served  # noqa: E402
+from bench.services_cpu import find_processes  # noqa: E402
 from services.bench_client import ApiTarget, SendOptions, send_request  # noqa: E402
 from services.bench_dataset import BenchRequest  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
@@ -150,6 +153,51 @@ def chunk_gaps(timeline: list[list[float]], chunk_tokens: list[list[int]], since
             k = tokens[i] if per_token and i < len(tokens) else 1
             out += [(t[i] - t[i - 1]) / k] * k
     return np.array(out) * 1e3
+
+
+def decoding_worker(redis_url: str, mode: str) -> int | None:
+    """The pid of the worker that decodes the streams: P/D's decode worker (rank 0), or the
+    one colocated worker."""
+    want = "--role decode" if mode != "colocated" else ""
+    for pid, name in find_processes(redis_url).items():
+        if name in ("worker", "worker 0"):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if want in argv:
+                return pid
+    return None
+
+
+def thread_schedstats(pid: int | None) -> dict[int, tuple[int, int]]:
+    """tid -> (ns on a CPU, ns runnable but waiting for one) so far (Linux schedstat)."""
+    out: dict[int, tuple[int, int]] = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task") if pid else []
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+        except (OSError, ValueError):
+            continue
+        out[int(tid)] = (run_ns, wait_ns)
+    return out
+
+
+def forward_wait(before: dict, after: dict, steps: int) -> dict:
+    """Over a run, the decoding worker's busiest thread (its forward thread): how long it ran
+    and how long it waited, runnable, for a core that another thread held, per decode step."""
+    deltas = {tid: (after[tid][0] - before.get(tid, (0, 0))[0],
+                    after[tid][1] - before.get(tid, (0, 0))[1]) for tid in after}
+    if not deltas or not steps:
+        return {}
+    run_ns, wait_ns = max(deltas.values())
+    return {"forward_run_ms_per_step": run_ns / steps / 1e6,
+            "forward_runqueue_ms_per_step": wait_ns / steps / 1e6}
 
 
 def decode_steps(redis_url: str, instance: str = "") -> list[dict]:
@@ -380,10 +428,16 @@ def main() -> None:
                 warm = random_prompts(1, args.long_len, args.long_len, cfg.vocab_size, 999, avoid)
                 asyncio.run(one_run(system.base_url, [], warm, [0.0], args))   # warm-up
                 base = transfer_figures(system.redis_url, 1) if mode != "colocated" else {}
+                decoder = decoding_worker(system.redis_url, mode)
+                sched_before, began = thread_schedstats(decoder), time.time()
                 run = asyncio.run(one_run(system.base_url, streams, longs, long_at, args))
+                sched_after, ended = thread_schedstats(decoder), time.time()
                 time.sleep(0.5)                          # the last stats write
                 figures = transfer_figures(system.redis_url, 1) if mode != "colocated" else {}
                 run["steps"] = decode_steps(system.redis_url, LATE[mode][0])
+                waits = forward_wait(sched_before, sched_after, sum(
+                    1 for step in run["steps"] if step["rows"]
+                    and began <= step["result_s"] <= ended))
                 run["late"] = late_tokens(run, run["steps"], LATE[mode][1])
                 if figures:      # minus the warm-up's prompt
                     n = len(longs)
@@ -398,7 +452,7 @@ def main() -> None:
                          **{k: v for k, v in run.items() if "gap" in k},
                          "chunks_of_several_tokens": run["chunks_of_several_tokens"],
                          "long_ttft_median_ms": float(np.median(run["long_ttft_ms"])),
-                         **figures})
+                         **waits, **figures})
     gbs = raw_transfer_gbs(args.long_len, args.dtype)
     for row in rows:
         if "kv_bytes_per_long_prompt" in row:       # against the transfer's own time
@@ -414,6 +468,10 @@ def main() -> None:
                        "all_gaps_max_over_median", "text_gap_max_ms",
                        "text_gap_max_over_median", "chunks_of_several_tokens",
                        "long_ttft_median_ms"])
+    print("\nThe decoding worker's forward thread over the run, per decode step (Linux "
+          "schedstat): on a core, and runnable but waiting while another thread held its core")
+    print_table(rows, ["repeat", "mode", "forward_run_ms_per_step",
+                       "forward_runqueue_ms_per_step"])
     pd = [r for r in rows if r["mode"] != "colocated"]
     if pd:
         print(f"\nP/D transfer per long prompt (the connector alone: {gbs:.2f} GB/s; send ms spans "
