@@ -79,6 +79,24 @@ def test_plain_view_reads_quantized_tiny_gguf_as_gguf_py_does(tiny_dirs, tmp_pat
     _same_reading(str(write_tiny_gguf(tmp_path / "m.gguf", tiny_dirs["untied"], Q.Q4_1)))
 
 
+def test_plain_view_reads_a_big_endian_gguf_as_gguf_py_does(tmp_path):
+    import gguf
+    path = str(tmp_path / "big.gguf")
+    writer = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
+    writer.add_uint32("x.u32", 7)
+    writer.add_float32("x.f32", 1.5)
+    writer.add_string("x.str", "hello")
+    writer.add_array("x.ints", [1, 2, 3])
+    writer.add_array("x.strs", ["a", "bc", ""])
+    writer.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    _same_reading(path)
+    assert _PlainViewReader(path).fields["x.strs"].contents() == ["a", "bc", ""]
+
+
 # ---- tiny models --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("which", ["untied", "tied"])
