@@ -158,17 +158,8 @@ def chunk_gaps(timeline: list[list[float]], chunk_tokens: list[list[int]], since
 def decoding_worker(redis_url: str, mode: str) -> int | None:
     """The pid of the worker that decodes the streams: P/D's decode worker (rank 0), or the
     one colocated worker."""
-    want = "--role decode" if mode != "colocated" else ""
-    for pid, name in find_processes(redis_url).items():
-        if name in ("worker", "worker 0"):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    argv = f.read().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if want in argv:
-                return pid
-    return None
+    want = "worker 0" if mode == "colocated" else "worker decode 0"
+    return next((pid for pid, name in find_processes(redis_url).items() if name == want), None)
 
 
 def thread_schedstats(pid: int | None) -> dict[int, tuple[int, int]]:

@@ -27,7 +27,8 @@ from shared.keys import HEARTBEAT_INTERVAL_S  # noqa: E402
 
 
 def find_processes(redis_url: str) -> dict[int, str]:
-    """pid -> name of the services that talk to `redis_url` and of its redis-server."""
+    """pid -> name of the services that talk to `redis_url` ("scheduler decode", "worker
+    prefill 0": the service, its P/D role if any, its rank) and of its redis-server."""
     port = str(urlparse(redis_url).port or 6379)
     found = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
@@ -39,8 +40,9 @@ def find_processes(redis_url: str) -> dict[int, str]:
         if "services.cli" in argv and redis_url in argv:
             role = argv[argv.index("services.cli") + 1]
             if role != "up":
-                rank = argv[argv.index("--rank") + 1] if "--rank" in argv else ""
-                found[int(pid)] = f"{role} {rank}".strip()
+                name = [role] + [argv[argv.index(flag) + 1] for flag in ("--role", "--rank")
+                                 if flag in argv[:-1]]
+                found[int(pid)] = " ".join(name)
         elif argv and os.path.basename(argv[0]).startswith("redis-server") \
                 and any(a.endswith(f":{port}") or a == port for a in argv):
             found[int(pid)] = "redis-server"
