@@ -608,7 +608,7 @@ def tool_calls(tool_choice: str, text: str) -> list[dict] | None:
         return [tool_call(tool_choice, text)]
     try:
         calls = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
             for c in calls]

@@ -45,7 +45,7 @@ def _call(obj: object, arguments_key: str) -> Call | None:
     if isinstance(arguments, str):             # some models write the arguments as a string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):     # not JSON, or nested past the parser's depth
             return None
     if not isinstance(arguments, dict):
         return None
@@ -66,7 +66,7 @@ class HermesParser:
             body = text[at + len(self.START):end if end >= 0 else len(text)]
             try:
                 call = _call(json.loads(body), "arguments")
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             if call is None:
                 return None
@@ -98,7 +98,7 @@ class Llama3JsonParser:
         while at < len(body):
             try:
                 obj, at = decoder.raw_decode(body, at)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
             call = _call(obj, "parameters")
             if call is None:

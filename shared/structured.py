@@ -79,7 +79,7 @@ def _with_options(schema: Any, options: dict) -> dict:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {e}") from None
     if not isinstance(schema, dict):
         raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object)")

@@ -71,6 +71,30 @@ async def test_oversized_headers_and_bodies_are_refused(gateway) -> None:
     assert r.status == 200 and "/v1/chat/completions" in spec["paths"]
 
 
+@ASYNC
+@pytest.mark.parametrize("depth", [129, 5_000, 20_000])
+async def test_bodies_nested_too_deep_are_refused_saying_so(gateway, depth: int) -> None:
+    # past ~1,000 levels Python's JSON parser raises RecursionError, which once answered 500
+    url, session, _ = gateway
+    raw = ('{"model": "m", "prompt": "hi", "max_tokens": 2, "metadata": '
+           + "[" * depth + "]" * depth + "}")
+    async with session.post(f"{url}/v1/completions", data=raw,
+                            headers={"Content-Type": "application/json"}) as r:
+        answer = await r.json()
+    assert r.status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert "more than 128 deep" in answer["error"]["message"]
+
+
+def test_json_depth_counts_nesting_without_recursion() -> None:
+    from gateway.handlers import json_depth
+    assert json_depth("x", 10) == 0
+    assert json_depth({"a": [1, {"b": []}]}, 10) == 4       # object, array, object, array
+    deep: list = []
+    for _ in range(100_000):
+        deep = [deep]
+    assert json_depth(deep, 128) == 129          # stops one past the limit
+
 def test_nothing_read_from_redis_is_unpickled_or_evaluated() -> None:
     # a bare eval( or exec( call (a method such as torch's module.eval() is not one)
     forbidden = re.compile(r"\bpickle\b|\bmarshal\b|(?<![.\w])(eval|exec)\(|yaml\.load\(|\bdill\b")

@@ -88,6 +88,9 @@ def test_no_whitespace_beyond_the_separators_when_asked():
     ({"regex": "a", "choice": ["a"]}, "exactly one"),
     ({"xml": "<a/>"}, "does not take 'xml'"),
     ({"json": "{not json", "disable_any_whitespace": True}, "not valid JSON"),
+    # nested past Python's JSON parser's depth: a RecursionError, refused as bad JSON
+    ({"json": '{"items": ' * 5000 + "{}" + "}" * 5000, "disable_any_whitespace": True},
+     "not valid JSON"),
     ({"disable_any_whitespace": True}, "exactly one"),
     ({"regex": ""}, "characters"),
     ("json", "must be"),

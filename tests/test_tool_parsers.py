@@ -45,6 +45,11 @@ CASES = [   # (parser, text, content, calls)
     (PYTHONIC, '[get_weather("Paris")]', '[get_weather("Paris")]', []),        # positional
     (PYTHONIC, "[a(x={1, 2})]", "[a(x={1, 2})]", []),                          # no JSON for a set
     (PYTHONIC, "[a(x=open('f'))]", "[a(x=open('f'))]", []),                    # not a literal
+    # nested past Python's JSON parser's depth (a RecursionError there): words, not a failure
+    (HERMES, DEEP := '<tool_call>{"name": "a", "arguments": {"x": ' + "[" * 5000 + "]" * 5000
+     + "}}</tool_call>", DEEP, []),
+    (LLAMA, DEEP_LLAMA := '{"name": "a", "parameters": {"x": ' + "[" * 5000 + "]" * 5000 + "}}",
+     DEEP_LLAMA, []),
 ]
 
 
