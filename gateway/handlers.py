@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import functools
 import importlib.metadata
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -25,6 +24,8 @@ from gateway.prompts import check_vocabulary, choice_sampling, prompt_token_ids,
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.responses_api import ResponseShape, chat_body, response_json, response_sse
 from gateway.state import STATE, GatewayState, WaitingSlot
+from shared.errors import InvalidRequestError
+from shared.json_file import parse_user_json
 
 log = structlog.get_logger("gateway.handlers")
 
@@ -34,9 +35,6 @@ try:
 except importlib.metadata.PackageNotFoundError:      # run from a checkout, not installed
     PACKAGE_VERSION = "unknown"
 SUBSCRIBE_WAIT_S = 2.0
-# arrays and objects within each other in a request body: a JSON schema goes some tens deep;
-# Python's parser and the recursive walks after it stop near a thousand with a RecursionError
-MAX_JSON_DEPTH = 128
 
 
 @dataclass(frozen=True)
@@ -201,32 +199,10 @@ async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
     except web.HTTPRequestEntityTooLarge as e:
         raise APIError(f"the request body is larger than {max_body_bytes} bytes",
                        status=413) from e
-    too_deep = f"the request body nests arrays and objects more than {MAX_JSON_DEPTH} deep"
     try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise APIError(too_deep) from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise APIError(f"the request body is not valid JSON: {e}") from e
-    if json_depth(body, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise APIError(too_deep)
-    return body
-
-
-def json_depth(value: Any, limit: int) -> int:
-    """How deep arrays and objects nest in a parsed JSON value (a scalar: 0), counted without
-    recursion and no further than `limit` + 1."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        if not isinstance(item, (dict, list)):
-            continue
-        deepest = max(deepest, depth)
-        if deepest > limit:
-            break
-        todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict)
-                                                     else item))
-    return deepest
+        return parse_user_json(raw)
+    except InvalidRequestError as e:
+        raise APIError(f"the request body {e}") from None
 
 
 async def tokenize(request: web.Request) -> web.Response:

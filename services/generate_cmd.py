@@ -10,6 +10,7 @@ import time
 from shared.config import DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS
 from shared.engine_args import EngineArgs
 from shared.errors import InvalidRequestError, PacerError
+from shared.json_file import parse_user_json
 from shared.detokenizer import IncrementalDetokenizer
 from shared.sampling import SamplingParams
 from shared.text_output import TextOutput
@@ -46,9 +47,9 @@ def read_prompts(path: str, tokenizer, defaults: dict
     for n, line in lines:
         where = f"{path} line {n}"
         try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise PacerError(f"{where}: not valid JSON ({e.msg})") from None
+            item = parse_user_json(line)
+        except InvalidRequestError as e:
+            raise PacerError(f"{where} {e}") from None
         try:
             prompts.append(_tokens_of(item, tokenizer))
             unknown = sorted(set(item) - set(SAMPLING_FIELDS) - set(INPUT_FIELDS))

@@ -1,11 +1,16 @@
-"""Reading a JSON object that a user named on the command line, with a PacerError that says
-which file and why."""
+"""JSON that a user gives: an object in a file named on the command line (a PacerError that
+says which file and why), and a request body or a line of a prompts file (`parse_user_json`:
+an InvalidRequestError that says why)."""
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from shared.errors import PacerError
+from shared.errors import InvalidRequestError, PacerError
+
+# arrays and objects within each other: a JSON schema goes some tens deep; Python's parser and
+# every recursive walk after it stop near a thousand with a RecursionError
+MAX_JSON_DEPTH = 128
 
 
 def read_json_object(path: str, what: str) -> dict[str, Any]:
@@ -17,3 +22,36 @@ def read_json_object(path: str, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PacerError(f"{what} {path} is not a JSON object")
     return data
+
+
+def parse_user_json(text: str | bytes) -> Any:
+    """The value `text` holds. Raises InvalidRequestError for text that is not JSON, nests
+    arrays and objects more than MAX_JSON_DEPTH deep, or holds a string with a lone UTF-16
+    surrogate (JSON's \\u escapes can write one; it is no text, and the tokenizer and every
+    encoder after it refuse it). Its message has no subject: "is not valid JSON: ...", for
+    the caller to say what was read."""
+    too_deep = f"nests arrays and objects more than {MAX_JSON_DEPTH} deep"
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise InvalidRequestError(too_deep) from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"is not valid JSON: {e}") from None
+    todo = [(value, 1)]                          # walked without recursion
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InvalidRequestError(f"has a string with a lone UTF-16 surrogate "
+                                          f"({item[e.start]!a}): not text") from None
+        elif isinstance(item, (dict, list)):
+            if depth > MAX_JSON_DEPTH:
+                raise InvalidRequestError(too_deep)
+            if isinstance(item, dict):
+                todo.extend((key, depth) for key in item)
+                todo.extend((child, depth + 1) for child in item.values())
+            else:
+                todo.extend((child, depth + 1) for child in item)
+    return value

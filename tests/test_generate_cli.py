@@ -101,7 +101,9 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
 
 
 @pytest.mark.parametrize("content,needle", [
-    ("{not json\n", "line 1: not valid JSON"),
+    ("{not json\n", "line 1 is not valid JSON"),
+    ('{"prompt": "a\\ud800"}\n', "line 1 has a string with a lone UTF-16 surrogate"),
+    ('{"prompt": "ok", "x": ' + "[" * 2000 + "]" * 2000 + "}\n", "line 1 nests arrays"),
     ('{"prompt": "ok"}\n{"text": "x"}\n', "line 2: needs one of"),
     ('{"prompt": "ok", "temperature": -1}\n', "temperature must be >= 0"),
     ('{"prompt_token_ids": [1, 99999999]}\n', "prompt_token_ids"),

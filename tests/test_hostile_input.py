@@ -15,6 +15,8 @@ import pytest_asyncio
 
 from gateway.app import serve
 from gateway.config import GatewayConfig
+from shared.errors import InvalidRequestError
+from shared.json_file import MAX_JSON_DEPTH, parse_user_json
 from tests.helpers_tiny_model import write_tiny_llama
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
@@ -86,14 +88,30 @@ async def test_bodies_nested_too_deep_are_refused_saying_so(gateway, depth: int)
     assert "more than 128 deep" in answer["error"]["message"]
 
 
-def test_json_depth_counts_nesting_without_recursion() -> None:
-    from gateway.handlers import json_depth
-    assert json_depth("x", 10) == 0
-    assert json_depth({"a": [1, {"b": []}]}, 10) == 4       # object, array, object, array
-    deep: list = []
-    for _ in range(100_000):
-        deep = [deep]
-    assert json_depth(deep, 128) == 129          # stops one past the limit
+@ASYNC
+@pytest.mark.parametrize("where", ["prompt", "stop", "key"])
+async def test_a_lone_surrogate_is_refused_not_a_server_error(gateway, where: str) -> None:
+    # JSON's \\u escapes can write half a UTF-16 pair; the tokenizer raised on it (a 500)
+    url, session, _ = gateway
+    fields = {"prompt": '"prompt": "a\\ud800b"', "stop": '"prompt": "hi", "stop": ["\\udc00"]',
+              "key": '"prompt": "hi", "logit_bias": {"\\ud83d": 1}'}[where]
+    raw = '{"model": "m", "max_tokens": 2, ' + fields + "}"
+    async with session.post(f"{url}/v1/completions", data=raw,
+                            headers={"Content-Type": "application/json"}) as r:
+        answer = await r.json()
+    assert r.status == 400, answer
+    assert "lone UTF-16 surrogate" in answer["error"]["message"]
+
+
+def test_a_body_at_the_depth_limit_passes_and_one_deeper_does_not() -> None:
+    at_limit: list = []
+    for _ in range(MAX_JSON_DEPTH - 2):
+        at_limit = [at_limit]
+    parse_user_json(json.dumps({"a": at_limit}))     # an object, then MAX_JSON_DEPTH - 1 arrays
+    assert parse_user_json('{"text": "a pair of surrogates \\ud83d\\ude00 is fine"}')
+    with pytest.raises(InvalidRequestError, match="more than"):
+        parse_user_json(json.dumps({"a": [at_limit]}))
+
 
 def test_nothing_read_from_redis_is_unpickled_or_evaluated() -> None:
     # a bare eval( or exec( call (a method such as torch's module.eval() is not one)
