@@ -124,17 +124,20 @@ class SchedulerStats:
     def collect(self):
         labelled = list(self.snapshots) != [""]
         for field, (name, doc, is_counter) in _SCHEDULER_STATS.items():
-            family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
-                name, doc, labels=["instance"] if labelled else None)
+            kind = CounterMetricFamily if is_counter else GaugeMetricFamily
+            family = kind(name, doc, labels=["instance"]) if labelled else None
             for instance, snapshot in self.snapshots.items():
-                # no scheduler yet: NaN says "unknown", where 0 would claim an empty queue
+                # no scheduler yet: NaN says "unknown", where 0 would claim an empty queue; a
+                # field its scheduler never reports (P/D's on a colocated engine) is left out
                 value = snapshot.get(field, math.nan)
-                if not labelled:
-                    family = (CounterMetricFamily if is_counter else GaugeMetricFamily)(
-                        name, doc, value=value)
-                elif not math.isnan(value) or field in _CORE_FIELDS:
+                if math.isnan(value) and field not in _CORE_FIELDS:
+                    continue
+                if labelled:
                     family.add_metric([instance], value)
-            yield family
+                else:
+                    family = kind(name, doc, value=value)
+            if family is not None:
+                yield family
 
 
 def _text(value: bytes | str) -> str:
