@@ -293,6 +293,15 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
                     groups)
 
 
+def _check_gateway_flags(services: Services) -> None:
+    """Read the gateway's argv as the gateway will (a bad --port or --max-body-bytes raises
+    PacerError here, before Redis and the workers start, not after the model loads)."""
+    from gateway.cli import config_from_args
+    from services.cli import build_parser
+    argv = dict(services.argvs)["gateway"]
+    config_from_args(build_parser().parse_args(argv[argv.index("services.cli") + 1:]))
+
+
 def _health(base_url: str) -> tuple[int | None, dict]:
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as r:
@@ -361,6 +370,7 @@ def run(args: argparse.Namespace) -> int:
     # refuse bad flags here, before anything starts
     engine_layout(engine)
     instances_of(args, engine)
+    _check_gateway_flags(_service_argvs(args, engine))
     url = urlsplit(args.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
     stopping = _Signals()
