@@ -35,6 +35,7 @@ try:
 except importlib.metadata.PackageNotFoundError:      # run from a checkout, not installed
     PACKAGE_VERSION = "unknown"
 SUBSCRIBE_WAIT_S = 2.0
+THREADED_PARSE_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True)
@@ -200,7 +201,11 @@ async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
         raise APIError(f"the request body is larger than {max_body_bytes} bytes",
                        status=413) from e
     try:
-        return parse_user_json(raw)
+        if len(raw) < THREADED_PARSE_BYTES:
+            return parse_user_json(raw)
+        # a big body (~10 ms a MB of token ids here) parsed on the event loop would hold every
+        # stream's next token; on a thread the loop gets the GIL back every few ms
+        return await asyncio.to_thread(parse_user_json, raw)
     except InvalidRequestError as e:
         raise APIError(f"the request body {e}") from None
 
