@@ -23,7 +23,7 @@ DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # rows a prompt may always take (where the GEMMs widen their weights from some row count: one
 # fewer times the decodes plus a block) (docs/design.md#the-token-gap-target;
 # docs/benchmarks.md#one-call-for-mixed-iterations measures it)
-AUTO_TBT_FACTOR = 2.0
+AUTO_TBT_FACTOR = 1.5
 AUTO_TBT_TEXT = (f"{AUTO_TBT_FACTOR:g}x the predicted decodes, at least the decodes plus a few "
                  f"prompt rows ({AUTO_TBT_FACTOR - 1:g}x the decodes plus a block where the "
                  f"GEMMs widen their weights)")
