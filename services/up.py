@@ -294,7 +294,7 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
 
 
 def _check_gateway_flags(services: Services) -> None:
-    """Read the gateway's argv as the gateway will (a bad --port or --max-body-bytes raises
+    """Read the gateway's argv as the gateway will (a bad --port or --max-waiting-requests raises
     PacerError here, before Redis and the workers start, not after the model loads)."""
     from gateway.cli import config_from_args
     from services.cli import build_parser
