@@ -124,3 +124,30 @@ def cpu_ticks(stat_path: str) -> int:
         return int(fields[11]) + int(fields[12])
     except (OSError, IndexError):
         return 0
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process under `pid`, children first, from /proc (`pacer up` starts each service in
+    a session of its own: its process group is not all of them)."""
+    children: dict[int, list[int]] = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def thread_ids(pid: int | None) -> list[int]:
+    """The threads of process `pid` (none once it is gone)."""
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")] if pid else []
+    except OSError:
+        return []

@@ -46,7 +46,7 @@ import aiohttp  # noqa: E402
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 
-from bench.common import print_table, random_prompts, write_json  # noqa: E402
+from bench.common import print_table, random_prompts, thread_ids, write_json  # noqa: E402
 from bench.served_vs_inprocess import start_served  # noqa: E402
 from bench.services_cpu import find_processes  # noqa: E402
 from services.bench_client import ApiTarget, SendOptions, send_request  # noqa: E402
@@ -165,11 +165,7 @@ def decoding_worker(redis_url: str, mode: str) -> int | None:
 def thread_schedstats(pid: int | None) -> dict[int, tuple[int, int]]:
     """tid -> (ns on a CPU, ns runnable but waiting for one) so far (Linux schedstat)."""
     out: dict[int, tuple[int, int]] = {}
-    try:
-        tids = os.listdir(f"/proc/{pid}/task") if pid else []
-    except OSError:
-        return out
-    for tid in tids:
+    for tid in thread_ids(pid):
         try:
             with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
                 run_ns, wait_ns = (int(x) for x in f.read().split()[:2])

@@ -48,7 +48,8 @@ from statistics import median
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import cpu_ticks, print_table, run_random_workload, write_json  # noqa: E402
+from bench.common import (cpu_ticks, descendants, print_table,  # noqa: E402
+                          run_random_workload, write_json)
 from shared.cpu import cpu_flags  # noqa: E402
 
 CACHE = os.path.join(ROOT, ".cache", "peers")
@@ -246,22 +247,8 @@ class Server:
         self.check_kernels()                        # after a forward: every library is in
 
     def pids(self) -> list[int]:
-        """Its process and every descendant (`pacer up` starts each service in a session of
-        its own, so its process group is not all of them)."""
-        children: dict[int, list[int]] = {}
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(pid))
-        found, todo = [], [self.proc.pid]
-        while todo:
-            pid = todo.pop()
-            found.append(pid)
-            todo.extend(children.get(pid, []))
-        return found
+        """Its process and every descendant."""
+        return [self.proc.pid, *descendants(self.proc.pid)]
 
     def kernel_levels(self) -> set[str]:
         """The ISA levels of the kernel libraries its processes have mapped (KERNEL_LIBRARIES)."""

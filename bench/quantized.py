@@ -30,7 +30,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import print_table, write_json  # noqa: E402
+from bench.common import descendants, print_table, write_json  # noqa: E402
 from bench.peers import (CACHE, SHOWN_FLAGS, free_port, llama_server, log,  # noqa: E402
                          run_workload, setup_llama_server, stop, wait_ready)
 from bench.peers import server_command as peers_server_command  # noqa: E402
@@ -59,20 +59,6 @@ def rss_mib(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
     return kb / 1024
-
-
-def descendants(pid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    children: dict[int, list[int]] = {}
-    for line in out.splitlines():
-        p, pp = (int(v) for v in line.split())
-        children.setdefault(pp, []).append(p)
-    found, todo = [], [pid]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            found.append(c)
-            todo.append(c)
-    return found
 
 
 def worker_pid(root: int) -> int:

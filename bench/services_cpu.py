@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.common import cpu_ticks, print_table, run_random_workload  # noqa: E402
+from bench.common import cpu_ticks, print_table, run_random_workload, thread_ids  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
 from shared.keys import HEARTBEAT_INTERVAL_S  # noqa: E402
 
@@ -51,11 +51,7 @@ def find_processes(redis_url: str) -> dict[int, str]:
 
 def thread_ticks(pid: int) -> dict[int, int]:
     """tid -> user + system clock ticks so far."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return {}
-    return {int(tid): cpu_ticks(f"/proc/{pid}/task/{tid}/stat") for tid in tids}
+    return {tid: cpu_ticks(f"/proc/{pid}/task/{tid}/stat") for tid in thread_ids(pid)}
 
 
 def worker_iterations(redis_url: str, prefix: str) -> int:

@@ -367,15 +367,15 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging("up", args.log_level)
     engine = EngineArgs.from_cli(args)
-    # refuse bad flags here, before anything starts
+    # refuse bad flags here, before anything starts (the instances' layout is checked as
+    # the services' command lines are made)
     engine_layout(engine)
-    instances_of(args, engine)
-    _check_gateway_flags(_service_argvs(args, engine))
+    services = _service_argvs(args, engine)
+    _check_gateway_flags(services)
     url = urlsplit(args.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
     stopping = _Signals()
     sup = Supervisor()
-    services: Services | None = None
     try:
         # only a plain redis:// URL can be a server of ours; rediss:// and unix sockets are used
         started = url.scheme == "redis" and not redis_answers(host, port)
@@ -383,7 +383,6 @@ def run(args: argparse.Namespace) -> int:
             start_redis(sup, host, port, url.password)
         redis_note = describe_redis(args.redis_url, started)
         log.info("redis", redis=redis_note, started_here=started)
-        services = _service_argvs(args, engine)
         for name, argv in services.argvs:
             sup.start(name, argv)
         http_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -398,7 +397,7 @@ def run(args: argparse.Namespace) -> int:
         restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups)
         return _watch(sup, stopping, restarter)
     finally:
-        _stop(sup, args.shutdown_timeout, services.groups if services else {})
+        _stop(sup, args.shutdown_timeout, services.groups)
 
 
 def _stop(sup: Supervisor, shutdown_timeout_s: float, groups: dict[str, str]) -> None:

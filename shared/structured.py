@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 from shared.errors import InvalidRequestError
+from shared.json_file import parse_user_json
 
 KINDS = ("json", "regex", "choice", "grammar")
 # vLLM's options of structured_outputs, for a JSON schema: compact JSON (no whitespace between
@@ -78,9 +79,9 @@ def _with_options(schema: Any, options: dict) -> dict:
     """A JSON schema with vLLM's options written into it, as llguidance reads them."""
     if isinstance(schema, str):
         try:
-            schema = json.loads(schema)
-        except (ValueError, RecursionError) as e:
-            raise InvalidRequestError(f"structured_outputs.json is not valid JSON: {e}") from None
+            schema = parse_user_json(schema)
+        except InvalidRequestError as e:
+            raise InvalidRequestError(f"structured_outputs.json {e}") from None
     if not isinstance(schema, dict):
         raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object)")
     if options.get("disable_additional_properties"):
