@@ -79,6 +79,9 @@ _SCHEDULER_STATS = {
                                "prompt's K/V (the rest are prefilled on the decode side)", True),
     "handoffs_recomputed_total": ("pacer:handoffs_recomputed",
                                   "Hand-offs whose K/V did not arrive (recomputed)", True),
+    "kv_check_failures_total": ("pacer:kv_check_failures",
+                                "Decode side: received K/V whose digests differed from what "
+                                "was sent (recomputed; docs/design.md#kv-integrity)", True),
     "requests_forwarded_total": ("pacer:requests_forwarded",
                                  "Prefill side: new requests handed to the prefill instance "
                                  "the router chose", True),

@@ -31,7 +31,7 @@ from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
 from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.cuda_graphs import CAPTURABLE_BACKENDS, DecodeGraphs, capture_sizes
 from gpu_worker.host_memory import keep_freed_memory, move_to_huge_pages
-from gpu_worker.kv_cache import allocate_kv_pool, layer_views
+from gpu_worker.kv_cache import allocate_kv_pool, block_digests, layer_views
 from gpu_worker.kv_transfer import LayerSender, make_connector
 from gpu_worker.model.layers import RotaryEmbedding
 from gpu_worker.model.llama import LlamaForCausalLM
@@ -48,7 +48,7 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource
-from shared.plan import IterationPlan, NewRequestData, PromptLogprobs, StepResult
+from shared.plan import IterationPlan, KVCheck, NewRequestData, PromptLogprobs, StepResult
 from shared.sampling import SamplingParams, token_id_set
 
 log = structlog.get_logger("worker")
@@ -260,10 +260,11 @@ class ModelRunner:
             return self._skip(plan)
         self._last_step = plan.step
         sender = self._kv_sender(plan)      # refuses a bad send before any state changes
+        verified = [c.request_id for c in plan.kv_checks if self._kv_intact(c)]
         self._apply(plan)
         scheduled = self._scheduled(plan)
         if not scheduled:
-            return self._with_sends(StepResult(plan.step, {}), sender)
+            return self._with_kv(StepResult(plan.step, {}, kv_verified=verified), sender)
         input_ids, chunks, order, spans = self._inputs(scheduled)
         sampling_ids = [rid for rid, c in zip(order, chunks) if c.samples]
         states = [self.requests[r] for r in sampling_ids]
@@ -300,11 +301,11 @@ class ModelRunner:
                 s.stopped = True
         # forward_ms (the cost model's input) is the compute; the wait for the sends is
         # kv_stats["exposed_ms"]
-        return self._with_sends(StepResult(plan.step, dict(zip(sampling_ids, tokens)),
-                                           forward_ms=(time.perf_counter() - started) * 1e3,
-                                           wide_from_rows=self.wide_from_rows,
-                                           prompt_logprobs=prompt_logprobs),
-                                sender)
+        return self._with_kv(StepResult(plan.step, dict(zip(sampling_ids, tokens)),
+                                        forward_ms=(time.perf_counter() - started) * 1e3,
+                                        wide_from_rows=self.wide_from_rows,
+                                        prompt_logprobs=prompt_logprobs, kv_verified=verified),
+                             sender)
 
     def _prompt_logprobs(self, logits: torch.Tensor,
                          spans: list[_Span]) -> dict[str, PromptLogprobs]:
@@ -391,14 +392,27 @@ class ModelRunner:
                            self.rc.kv_timeout_s, self.kv_pool)
 
     @staticmethod
-    def _with_sends(result: StepResult, sender: LayerSender | None) -> StepResult:
-        """Wait for the iteration's sends (they must end before its result goes out)."""
+    def _with_kv(result: StepResult, sender: LayerSender | None) -> StepResult:
+        """Wait for the iteration's sends (they must end before its result goes out); the
+        digests of what they sent, as this rank's."""
         if sender is None:
             return result
-        failed, stats = sender.finish()
+        failed, digests, stats = sender.finish()
         if failed:
             log.warning("kv sends failed or timed out", step=result.step, requests=failed)
-        return dataclasses.replace(result, kv_failed=failed, kv_stats=stats)
+        return dataclasses.replace(result, kv_failed=failed, kv_stats=stats,
+                                   kv_digests={rid: [d] for rid, d in digests.items()})
+
+    def _kv_intact(self, check: KVCheck) -> bool:
+        """P/D: whether the received blocks hold what the prefill side sent into them
+        (docs/design.md#kv-integrity)."""
+        rank = self.tp.rank
+        want = check.digests[rank] if rank < len(check.digests) else None
+        ok = want is not None and block_digests(self.kv_pool, check.block_ids) == want
+        if not ok:
+            log.warning("received K/V differs from what was sent; it will be recomputed",
+                        request_id=check.request_id, rank=rank)
+        return ok
 
     def _apply(self, plan: IterationPlan) -> None:
         for rid in plan.dropped_request_ids:

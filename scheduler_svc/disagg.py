@@ -38,7 +38,7 @@ from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.kv_layout import KVLayoutError, check_peer_layout
 from shared.outputs import RequestOutput
-from shared.plan import IterationPlan, KVSend, StepResult
+from shared.plan import IterationPlan, KVCheck, KVSend, StepResult
 from shared.protocol import (CancelMsg, HandoffMsg, Heartbeat, ProtocolError, RequestMsg,
                              ReservedMsg, ReserveMsg, decode, encode, from_fields, to_fields)
 
@@ -72,6 +72,17 @@ class _Reservation:
     peers: list[dict]
     incarnation: float
     sent_ok: bool = True           # every send so far completed
+    # destination block -> per rank, the digest of what was last sent into it
+    digests: dict[int, list[int]] = field(default_factory=dict)
+
+    def kv_check(self, num_prompt_tokens: int, block_size: int) -> list:
+        """[blocks, per rank their digests] of the prompt's blocks, for the decode side to
+        verify; [] if some block's digest is missing."""
+        blocks = self.block_ids[:-(-num_prompt_tokens // block_size)]
+        if not blocks or any(b not in self.digests for b in blocks):
+            return []
+        ranks = len(self.digests[blocks[0]])
+        return [blocks, [[self.digests[b][r] for b in blocks] for r in range(ranks)]]
 
 
 @dataclass
@@ -244,11 +255,11 @@ class PrefillSide:
 
     def _queue_handoff(self, instance: str, consumer: str, entry_id: bytes | str,
                        msg: RequestMsg, tokens: list[int], kv_received: list[str],
-                       num_cached_tokens: int = 0) -> None:
+                       num_cached_tokens: int = 0, kv_check: list | None = None) -> None:
         entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
         self.out.handoffs.append((instance, consumer, entry_id,
                                   HandoffMsg(encode(msg), entry, tokens, kv_received,
-                                             num_cached_tokens)))
+                                             num_cached_tokens, kv_check or [])))
         self.handoffs_total += 1
         self.handoffs_with_kv_total += bool(kv_received)
         log.info("request handed over", request_id=msg.request_id, decode_instance=instance,
@@ -358,6 +369,7 @@ class PrefillSide:
             start = request.num_computed_tokens
             if start == 0:
                 res.sent_ok = self._still_there(res)    # a fresh start sends everything again
+                res.digests.clear()
             if not res.sent_ok:
                 continue
             first = 0 if rid in fresh else start // block_size
@@ -370,7 +382,13 @@ class PrefillSide:
         now = self.decoders.get(res.decode_instance)
         return now is not None and now.started_at == res.incarnation
 
-    def observe(self, result: StepResult) -> None:
+    def observe(self, plan: IterationPlan, result: StepResult) -> None:
+        for send in plan.kv_sends:
+            per_rank = result.kv_digests.get(send.request_id)
+            res = self._reservations.get(send.request_id)
+            if per_rank and res is not None:
+                for i, block in enumerate(send.dst_block_ids):
+                    res.digests[block] = [d[i] for d in per_rank]
         for rid in result.kv_failed:
             res = self._reservations.get(rid)
             if res is not None and res.sent_ok:
@@ -402,9 +420,11 @@ class PrefillSide:
                 return True
             return False
         self.book.hand_off(rid)
-        received = [p["session"] for p in res.peers] if res.sent_ok else []
+        check = res.kv_check(len(msg.prompt_token_ids), self.core.block_manager.block_size) \
+            if res.sent_ok else []
+        received = [p["session"] for p in res.peers] if check else []
         self._queue_handoff(res.decode_instance, res.decode_consumer, entry_id, msg, tokens,
-                            received, output.num_cached_tokens)
+                            received, output.num_cached_tokens, check)
         return True
 
     def forget_all(self) -> None:
@@ -469,8 +489,13 @@ class DecodeSide:
         self.peers: list[dict] = []          # this instance's workers' KV descriptors
         self._replies: list[tuple[str, ReservedMsg]] = []
         self._reserved_at: dict[str, float] = {}
+        # handed-over requests whose received K/V the workers verify before they run
+        # (docs/design.md#kv-integrity): due in the next plan, then in flight
+        self._checks_due: dict[str, tuple[KVCheck, HandoffMsg]] = {}
+        self._checking: dict[str, HandoffMsg] = {}
         self.handoffs_total = 0
         self.recomputed_total = 0
+        self.kv_check_failures_total = 0
 
     def set_workers(self, values: list[bytes | None]) -> None:
         """This instance's worker heartbeats: the KV descriptors handed to prefill sides."""
@@ -518,15 +543,64 @@ class DecodeSide:
         if self.core.get_request(rid) is not None and not self.core.is_reserved(rid):
             return          # a repeated hand-off of a request this instance already runs
         if self.core.is_reserved(rid) and msg.output_token_ids:
-            ours = [p.get("session") for p in self.peers]
-            kv = list(msg.kv_received) if msg.kv_received == ours else None
-            if kv is None:
-                self.recomputed_total += 1
-            self.core.activate(rid, msg.output_token_ids[0], kv, msg.num_cached_tokens)
             self.book.track(msg.entry_id, request)
+            ours = [p.get("session") for p in self.peers]
+            if msg.kv_received == ours and msg.kv_check:
+                blocks, digests = msg.kv_check
+                table = self.core.get_request(rid).block_table[:len(blocks)]
+                self._checks_due[rid] = (KVCheck(rid, table, digests), msg)
+            else:
+                self._activate(msg, False)
             return
         self.core.cancel_reservation(rid)
         self.book.admit(msg.entry_id, request, output_token_ids=msg.output_token_ids)
+
+    def _activate(self, msg: HandoffMsg, kv_intact: bool) -> None:
+        """The reserved request runs on as a decode, or is recomputed here."""
+        rid = decode(msg.request).request_id
+        if not self.core.is_reserved(rid):
+            return                      # aborted meanwhile: the core reported it
+        if not kv_intact:
+            self.recomputed_total += 1
+        self.core.activate(rid, msg.output_token_ids[0],
+                           list(msg.kv_received) if kv_intact else None, msg.num_cached_tokens)
+
+    @property
+    def checks_due(self) -> bool:
+        return bool(self._checks_due)
+
+    def add_checks(self, plan: IterationPlan) -> IterationPlan:
+        """The due K/V checks ride on this plan."""
+        if not self._checks_due:
+            return plan
+        due, self._checks_due = self._checks_due, {}
+        self._checking.update((rid, msg) for rid, (_, msg) in due.items())
+        return replace(plan, kv_checks=[check for check, _ in due.values()])
+
+    def observe(self, plan: IterationPlan, result: StepResult) -> None:
+        """Each checked request runs on with the K/V it received if every rank verified it;
+        else it is recomputed."""
+        verified = set(result.kv_verified)
+        for check in plan.kv_checks:
+            msg = self._checking.pop(check.request_id, None)
+            if msg is None:
+                continue
+            intact = check.request_id in verified
+            if not intact:
+                self.kv_check_failures_total += 1
+                log.warning("received K/V failed its check; recomputing",
+                            request_id=check.request_id)
+            self._activate(msg, intact)
+
+    def checks_lost(self) -> None:
+        """The plans carrying checks were lost (a worker died): check again, on the new
+        workers' pools (a restarted worker's fails, and the request is recomputed)."""
+        for rid, msg in self._checking.items():
+            blocks, digests = msg.kv_check
+            table = self.core.get_request(rid).block_table[:len(blocks)] \
+                if self.core.is_reserved(rid) else list(blocks)
+            self._checks_due[rid] = (KVCheck(rid, table, digests), msg)
+        self._checking.clear()
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -538,9 +612,11 @@ class DecodeSide:
 
     def forget_all(self) -> None:
         """Redis was lost: the reservations' prefill sides will ask again."""
-        for rid in self._reserved_at:
+        for rid in [*self._reserved_at, *self._checks_due, *self._checking]:
             self.core.cancel_reservation(rid)
         self._reserved_at.clear()
+        self._checks_due.clear()
+        self._checking.clear()
         self._replies.clear()
         self.cursor = "0-0"
 
@@ -553,4 +629,5 @@ class DecodeSide:
     def stats(self) -> dict[str, float]:
         return {"num_requests_reserved": self.core.num_reserved,
                 "handoffs_total": self.handoffs_total,
-                "handoffs_recomputed_total": self.recomputed_total}
+                "handoffs_recomputed_total": self.recomputed_total,
+                "kv_check_failures_total": self.kv_check_failures_total}

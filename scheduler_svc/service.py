@@ -227,6 +227,8 @@ class SchedulerService:
                     return
             except Interrupted as e:
                 self._flight.clear()        # the core forgets them too (recompute_running)
+                if self.decode is not None:
+                    self.decode.checks_lost()
                 if isinstance(e, RedisLost):
                     self._forget_disagg_state()
                 if not await self.recovery.recover(e, stop, self.wait_for_workers):
@@ -242,14 +244,14 @@ class SchedulerService:
 
     async def _step(self) -> bool:
         """Intake, then one iteration if there is work. False: stop serving."""
-        busy = self.core.has_schedulable() or bool(self._flight)
+        busy = self._has_work() or bool(self._flight)
         await self._intake(pull=self._drain_deadline is None, block=not busy)
         self.book.expire(time.time())
         if self.decode is not None:
             self.decode.expire()
         if self._flight:
             return await self._iterate()        # a result is due: apply it in order
-        if not self.core.has_schedulable():     # nothing, or reservations awaiting their K/V
+        if not self._has_work():                # nothing, or reservations awaiting their K/V
             if self._drain_deadline is None:
                 return True
             return self.core.has_unfinished() and not self._drain_expired()
@@ -261,6 +263,11 @@ class SchedulerService:
             return False
         return await self._iterate()
 
+    def _has_work(self) -> bool:
+        """A plan would carry something: rows, aborts, or (P/D decode) K/V checks."""
+        return self.core.has_schedulable() or (self.decode is not None
+                                               and self.decode.checks_due)
+
     async def _iterate(self) -> bool:
         """A plan out (with overlap, the next one while the last runs), the oldest result
         in, the core updated. False: no result will come."""
@@ -268,7 +275,9 @@ class SchedulerService:
             plan = self.core.schedule()
             if self.prefill is not None:
                 plan = self.prefill.add_sends(plan)
-            if plan.is_empty and not plan.dropped_request_ids:
+            if self.decode is not None:
+                plan = self.decode.add_checks(plan)
+            if plan.is_empty and not plan.dropped_request_ids and not plan.kv_checks:
                 # only aborts of queued requests to report; no worker needs to hear of it
                 if not self._apply(plan, StepResult(plan.step, {})):
                     # nothing could be admitted and nothing changed: do not spin
@@ -278,7 +287,9 @@ class SchedulerService:
             self._flight.append((plan, await self._send(plan)))
         if self._overlap and self.core.has_schedulable() and self.core.can_schedule_ahead():
             plan = self.core.schedule_ahead()
-            if not plan.is_empty or plan.dropped_request_ids:
+            if self.decode is not None:
+                plan = self.decode.add_checks(plan)
+            if not plan.is_empty or plan.dropped_request_ids or plan.kv_checks:
                 self._flight.append((plan, await self._send(plan)))
         plan, plan_id = self._flight[0]
         result = await self._wait_result(plan.step, plan_id)
@@ -295,7 +306,9 @@ class SchedulerService:
         """Update the core; returns how many requests got a token or finished."""
         outputs = self.core.update(plan, result)
         if self.prefill is not None:
-            self.prefill.observe(result)
+            self.prefill.observe(plan, result)
+        if self.decode is not None:
+            self.decode.observe(plan, result)
         for output in outputs:
             if output.finished and not (self.prefill is not None
                                         and self.prefill.finished(output)):

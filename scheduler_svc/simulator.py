@@ -107,11 +107,13 @@ class Hop:
     kv_bytes_per_token: float
     num_layers: int
     layer_streaming: bool = True
+    # each side's digest of the K/V it sent or received, per token (docs/design.md#kv-integrity)
+    digest_ms_per_token: float = 0.0
 
     @classmethod
     def of(cls, cost: RooflineCost, fabric: Fabric, layer_streaming: bool = True) -> Hop:
         return cls(fabric, cost.model.kv_bytes_per_token(cost.dtype_bytes), cost.model.num_layers,
-                   layer_streaming)
+                   layer_streaming, cost.kv_digest_ms(1))
 
 
 def simulate(arrivals: Iterable[Arrival], config: SchedulerConfig, cost: RooflineCost,
@@ -161,6 +163,10 @@ class _Instance:
     ms: float = 0.0                          # the iteration, its sends' wait included
     forward_ms: float = 0.0                  # ...and without it: what a worker would time
     queued_prompt_tokens: int = 0            # routed here, not yet through their prefill
+    # a decode instance's hand-overs (request id, first token, prompt tokens) whose received
+    # K/V the next plan checks (docs/design.md#kv-integrity), and those the plan in flight does
+    checks_due: list = field(default_factory=list)
+    checking: list = field(default_factory=list)
 
     @property
     def load(self) -> tuple:
@@ -227,7 +233,8 @@ class _Cluster:
             while pending and pending[0].arrival_s <= now:
                 self._arrive(pending.popleft())
             for instance in self.pool:
-                if instance.plan is None and instance.sched.has_schedulable():
+                if instance.plan is None and (instance.sched.has_schedulable()
+                                              or instance.checks_due):
                     self._start_iteration(instance, now)
 
     # ---- arrivals ----------------------------------------------------------------------
@@ -275,7 +282,8 @@ class _Cluster:
     def _start_iteration(self, instance: _Instance, now: float) -> None:
         sched = instance.sched
         plan = sched.schedule()
-        if plan.is_empty:            # it waits for an arrival or for room to free up
+        checks, instance.checks_due = instance.checks_due, []
+        if plan.is_empty and not checks:     # it waits for an arrival or for room to free up
             sched.update(plan, StepResult(plan.step, {}))
             return
         rows_of = plan.num_scheduled_tokens
@@ -283,7 +291,10 @@ class _Cluster:
                   for rows in (rows_of[c.request_id],)]
         chunks += [(rows_of[r.request_id], r.num_computed_tokens + rows_of[r.request_id])
                    for r in plan.new_requests]
-        forward_ms = ms = self.cost.iteration_ms(chunks)
+        forward_ms = ms = self.cost.iteration_ms(chunks) if chunks else 0.0
+        if checks:                   # each rank digests the received blocks first
+            ms += self.hop.digest_ms_per_token * sum(n for _, _, n in checks)
+        instance.checking = checks
         if instance.link is not None:
             ids = [c.request_id for c in plan.cached_requests] + \
                   [r.request_id for r in plan.new_requests]
@@ -314,18 +325,22 @@ class _Cluster:
         wait_ms = max(0.0, (max(done, default=computed_s) - computed_s) * 1e3)
         for request_id, _ in going:          # every request of the forward waited for it
             state.add_exposed(int(request_id), wait_ms)
-        return ms + wait_ms
+        # then the digests of the blocks sent, for the decode side's check
+        return ms + wait_ms + hop.digest_ms_per_token * sum(q for _, q in going)
 
     def _end_iteration(self, instance: _Instance, now: float) -> None:
         sched, plan = instance.sched, instance.plan
         sampled = dict.fromkeys(sched.samples_in_flight(), _DUMMY)
         learning = sched.config.iteration_cost
-        if hasattr(learning, "observe"):      # it learns from the clock, as from a worker
+        if hasattr(learning, "observe") and instance.chunks:  # it learns from the clock
             predicted = learning.iteration_ms(instance.chunks)
             self.state.cost_errors.append(abs(predicted - instance.forward_ms)
                                           / instance.forward_ms)
         outputs = sched.update(plan, StepResult(plan.step, sampled, instance.forward_ms))
         instance.plan = None
+        for request_id, token, _ in instance.checking:   # checked: they decode from here
+            sched.activate(request_id, token, ["simulated"])
+        instance.checking = []
         if instance.role == "prefill":
             for out in outputs:
                 if out.num_output_tokens == 1:       # its prefill is over
@@ -344,8 +359,9 @@ class _Cluster:
         target = self.reserved.pop(out.request_id, None)
         if target is None:
             return False
-        target.sched.activate(out.request_id, out.new_tokens[0].token_id, ["simulated"])
         i = int(out.request_id)
+        target.checks_due.append((out.request_id, out.new_tokens[0].token_id,
+                                  self.state.arrivals[i].prompt_len))
         self.state.handed_over(i, now, self.hop.fabric.transfer_ms(
             self.state.arrivals[i].prompt_len * self.hop.kv_bytes_per_token))
         return True

@@ -46,6 +46,7 @@ from shared.errors import PacerError
 from shared.fabric import Fabric
 from shared.hardware import HardwareProfile, load_hardware
 from shared.json_file import read_json_object
+from shared.kv_layout import DIGEST_READ_SHARE
 from shared.online_cost import OnlineIterationCost
 
 # One chunk of an iteration as the cost model sees it: (q_rows, kv_len). Not the runner's
@@ -314,6 +315,11 @@ class RooflineCost:
         rows, n, pairs, kv = _sums(chunks)
         return max(self._flops(rows, n, pairs) / self._flops_per_ms,
                    (self._weight_bytes + self._kv_bytes * kv) / self._bytes_per_ms)
+
+    def kv_digest_ms(self, tokens: int) -> float:
+        """P/D: one side's digest of `tokens` tokens' K/V blocks (docs/design.md#kv-integrity),
+        memory-bound: it reads DIGEST_READ_SHARE of their bytes."""
+        return tokens * self._kv_bytes * DIGEST_READ_SHARE / self._bytes_per_ms
 
     def max_prefill_rows(self, budget_ms: float, chunks: Sequence[ChunkShape], prefix_len: int) -> int:
         """Largest N such that `chunks + [(N, prefix_len + N)]` runs within `budget_ms`."""

@@ -14,6 +14,12 @@ from __future__ import annotations
 
 from shared.errors import PacerError
 
+# the received-K/V check (docs/design.md#kv-integrity): one sampled 4-byte word per this many
+# bytes of each (layer, K|V, block), plus its last word; each sample reads a cache line, so
+# a digest reads ~64/1024 of the K/V it covers (what the simulator prices)
+DIGEST_STRIDE_BYTES = 1024
+DIGEST_READ_SHARE = 64 / DIGEST_STRIDE_BYTES
+
 # what both sides of a transfer must agree on (num_blocks may differ: each side's own pool)
 LAYOUT_FIELDS = ("engine", "num_layers", "block_bytes", "dtype", "tp")
 

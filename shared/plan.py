@@ -60,6 +60,16 @@ class KVSend:
 
 
 @dataclass(frozen=True)
+class KVCheck:
+    """P/D, the decode side: before activating a handed-over request, each rank compares a
+    digest of the blocks its K/V were written into with the one the prefill side took of the
+    blocks it sent (digests[rank][i] for block_ids[i]; docs/design.md#kv-integrity)."""
+    request_id: str
+    block_ids: list[int]
+    digests: list[list[int]]
+
+
+@dataclass(frozen=True)
 class IterationPlan:
     step: int
     new_requests: list[NewRequestData]
@@ -73,6 +83,8 @@ class IterationPlan:
     preempted_request_ids: list[str] = field(default_factory=list)
     # P/D prefill instances: K/V leaving with this iteration, layer by layer
     kv_sends: list[KVSend] = field(default_factory=list)
+    # P/D decode instances: received K/V to verify before this plan runs
+    kv_checks: list[KVCheck] = field(default_factory=list)
     # a plan made ahead (docs/design.md#overlap): made on the assumption that plan
     # `after_step` ran just before it; workers that did not run that one (it was lost) skip
     # this plan, forgetting only its dropped ids. None: made with every result in
@@ -136,6 +148,11 @@ class StepResult:
     # the sends' figures: bytes, ms spent sending, ms of it after the forward ended (exposed)
     kv_failed: list[str] = field(default_factory=list)
     kv_stats: dict | None = None
+    # P/D: request id -> per rank, the digest of each source block this step sent (in the
+    # order of its KVSend's blocks); and, on a decode instance, the kv_checks that passed on
+    # every rank (one not listed, failed or never run, is recomputed)
+    kv_digests: dict[str, list[list[int]]] = field(default_factory=dict)
+    kv_verified: list[str] = field(default_factory=list)
     # the prompt log-probabilities this step computed (requests that asked), for the gateway:
     # rank 0 publishes them with the tokens; the scheduler never needs them
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)

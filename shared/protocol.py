@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 import msgpack
 
 from shared.errors import PacerError
-from shared.plan import (CachedRequestData, IterationPlan, KVSend, NewRequestData,
+from shared.plan import (CachedRequestData, IterationPlan, KVCheck, KVSend, NewRequestData,
                          PromptLogprobs, SampledToken, StepResult)
 from shared.sampling import SamplingParams
 
@@ -123,6 +123,7 @@ class PlanMsg:
             "preempted": p.preempted_request_ids,
             "kv_sends": [[k.request_id, k.peer, k.src_block_ids, k.dst_block_ids, k.peers]
                          for k in p.kv_sends],
+            "kv_checks": [[c.request_id, c.block_ids, c.digests] for c in p.kv_checks],
             "after": p.after_step,
         }
 
@@ -138,6 +139,8 @@ class PlanMsg:
             preempted_request_ids=list(body["preempted"]),
             kv_sends=[KVSend(rid, peer, list(src), list(dst), list(peers))
                       for rid, peer, src, dst, peers in body["kv_sends"]],
+            kv_checks=[KVCheck(rid, list(blocks), [list(d) for d in digests])
+                       for rid, blocks, digests in body["kv_checks"]],
             after_step=body["after"],
         )
         return cls(plan)
@@ -166,7 +169,9 @@ class StepResultMsg:
                 "wide_from_rows": self.result.wide_from_rows,
                 "sampled": [[rid, s.token_id, s.logprob, s.top_logprobs]
                             for rid, s in self.result.sampled.items()],
-                "kv_failed": self.result.kv_failed, "kv_stats": self.result.kv_stats}
+                "kv_failed": self.result.kv_failed, "kv_stats": self.result.kv_stats,
+                "kv_digests": self.result.kv_digests,
+                "kv_verified": self.result.kv_verified}
 
     @classmethod
     def _from_body(cls, body: dict) -> "StepResultMsg":
@@ -176,7 +181,10 @@ class StepResultMsg:
                               forward_ms=body.get("forward_ms"),
                               wide_from_rows=body.get("wide_from_rows"),
                               kv_failed=list(body.get("kv_failed", ())),
-                              kv_stats=body.get("kv_stats")))
+                              kv_stats=body.get("kv_stats"),
+                              kv_digests={rid: [list(d) for d in per_rank] for rid, per_rank
+                                          in body.get("kv_digests", {}).items()},
+                              kv_verified=list(body.get("kv_verified", ()))))
 
 
 @dataclass(frozen=True)
@@ -278,12 +286,14 @@ class HandoffMsg(_Plain):
     reservations stream, with no tokens and no K/V). `output_token_ids`: what its client already
     has (the first token, or none for a short prompt the decode side prefills itself);
     `kv_received`: the sessions its prompt's K/V were written into, one per rank (empty:
-    recompute)."""
+    recompute); `kv_check`: [destination block ids, per rank the digests of what was sent into
+    them], verified on the decode side before the K/V is trusted."""
     request: bytes                   # the encoded RequestMsg
     entry_id: str                    # its entry in the requests stream
     output_token_ids: list[int]
     kv_received: list[str]
     num_cached_tokens: int = 0       # of the prompt, in the prefill side's prefix cache
+    kv_check: list = field(default_factory=list)
 
 
 @_kind("cancel")

@@ -8,13 +8,15 @@ import subprocess
 import sys
 from dataclasses import replace
 
+import pytest
+
 from scheduler_svc.book import RequestBook
 from scheduler_svc.core import RequestStatus, Scheduler
 from scheduler_svc.disagg import DecodeSide, PrefillSide, _Decoder
 from scheduler_svc.workers import role_disagreement
 from shared.config import SchedulerConfig
 from shared.keys import Keys
-from shared.plan import SampledToken, StepResult
+from shared.plan import IterationPlan, SampledToken, StepResult
 from shared.protocol import (CancelMsg, HandoffMsg, RequestMsg, ReservedMsg, ReserveMsg, encode,
                              to_fields)
 from shared.sampling import SamplingParams
@@ -45,6 +47,24 @@ def reply(*msgs) -> list:
     return [[b"stream", [(f"{i + 1}-0".encode(), to_fields(m)) for i, m in enumerate(msgs)]]]
 
 
+def handoff(msg: RequestMsg, entry: str, token: int, sessions: list[str]) -> HandoffMsg:
+    """A hand-off with the K/V written into the reserved blocks and their digests."""
+    blocks = -(-len(msg.prompt_token_ids) // BLOCK)
+    return HandoffMsg(encode(msg), entry, [token], sessions, 0,
+                      [list(range(blocks)), [[1000 + i for i in range(blocks)]]])
+
+
+def checked(c: Scheduler, side: DecodeSide, intact: bool = True) -> IterationPlan:
+    """One plan carrying the due K/V checks, answered as the workers would."""
+    plan = side.add_checks(c.schedule())
+    assert plan.kv_checks and plan.is_empty
+    result = StepResult(plan.step, {},
+                        kv_verified=[k.request_id for k in plan.kv_checks] if intact else [])
+    c.update(plan, result)
+    side.observe(plan, result)
+    return plan
+
+
 def decode_side(c: Scheduler) -> DecodeSide:
     side = DecodeSide(Keys(), "d0", "host-d0", c, RequestBook(c), started_at=1.0)
     side.peers = [descriptor("d0:1")]
@@ -60,11 +80,49 @@ def test_a_reservation_becomes_a_running_decode_past_its_prompt():
     assert instance == "p0" and reserved.block_ids == [0, 1, 2]     # 9 + 1 tokens, 4 a block
     assert reserved.peers == [descriptor("d0:1")] and c.num_reserved == 1
     assert not c.has_schedulable()              # the K/V is on its way: nothing to run yet
-    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], ["d0:1"])))
+    side.receive(reply(handoff(msg, "5-0", 77, ["d0:1"])))
+    assert not c.has_schedulable() and side.checks_due     # its K/V is checked first
+    check, = checked(c, side).kv_checks
+    assert check.block_ids == [0, 1, 2] and check.digests == [[1000, 1001, 1002]]
     plan = c.schedule()
     new, = plan.new_requests                    # new to the workers, its prefix in the pool
     assert new.num_computed_tokens == 9 and new.token_ids[-1] == 77
     assert new.kv_received == ["d0:1"] and plan.num_scheduled_tokens == {"r": 1}
+    assert side.recomputed_total == 0
+
+
+@pytest.mark.parametrize("why", ["the check failed", "no digests came"])
+def test_received_kv_that_fails_its_check_or_has_none_is_recomputed(why):
+    c = core()
+    side = decode_side(c)
+    msg = request("r", 9)
+    side.receive(reply(ReserveMsg(encode(msg), "p0")))
+    if why == "the check failed":
+        side.receive(reply(handoff(msg, "5-0", 77, ["d0:1"])))
+        checked(c, side, intact=False)
+        assert side.kv_check_failures_total == 1
+    else:
+        side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], ["d0:1"])))
+        assert not side.checks_due
+    plan = c.schedule()
+    new, = plan.new_requests
+    assert new.num_computed_tokens == 0 and new.kv_received == []
+    assert side.recomputed_total == 1
+
+
+def test_a_request_aborted_while_its_kv_is_checked_is_not_activated():
+    c = core()
+    side = decode_side(c)
+    msg = request("r", 9)
+    side.receive(reply(ReserveMsg(encode(msg), "p0")))
+    side.receive(reply(handoff(msg, "5-0", 77, ["d0:1"])))
+    plan = side.add_checks(c.schedule())
+    c.abort("r")
+    result = StepResult(plan.step, {}, kv_verified=["r"])
+    out, = c.update(plan, result)
+    side.observe(plan, result)
+    assert out.finish_reason == "abort" and not c.has_unfinished()
+    assert c.block_manager.num_free_blocks == 16
 
 
 def test_a_hand_off_into_another_worker_is_recomputed_here():
@@ -73,7 +131,7 @@ def test_a_hand_off_into_another_worker_is_recomputed_here():
     msg = request("r", 9)
     side.receive(reply(ReserveMsg(encode(msg), "p0")))
     side.peers = [descriptor("d0:2")]           # the decode worker restarted since
-    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], ["d0:1"])))
+    side.receive(reply(handoff(msg, "5-0", 77, ["d0:1"])))
     plan = c.schedule()
     new, = plan.new_requests
     assert new.num_computed_tokens == 0 and new.kv_received == []
@@ -97,22 +155,23 @@ def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
 
 def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_blocks_back():
     # the decode instance plans ahead (docs/design.md#overlap): a request handed over while
-    # a plan runs joins the plan made ahead; an abort's blocks go back to the pool only once
-    # the plans in flight, which still run its rows, have run: meanwhile no reservation (a
-    # prefill instance writes those at any time) can get them; other free blocks go as usual
+    # a plan runs has its K/V checked by the plan made ahead, and joins the next; an abort's
+    # blocks go back to the pool only once the plans in flight, which still run its rows,
+    # have run: meanwhile no reservation (a prefill instance writes those at any time) can
+    # get them; other free blocks go as usual
     c = core(num_blocks=8)
     side = decode_side(c)
     a, b = request("a", 9), request("b", 9)
-    side.receive(reply(ReserveMsg(encode(a), "p0"), HandoffMsg(encode(a), "5-0", [77],
-                                                               ["d0:1"])))
+    side.receive(reply(ReserveMsg(encode(a), "p0"), handoff(a, "5-0", 77, ["d0:1"])))
+    checked(c, side)
     first = c.schedule()
-    side.receive(reply(ReserveMsg(encode(b), "p0"), HandoffMsg(encode(b), "6-0", [78],
-                                                               ["d0:1"])))
-    ahead = c.schedule_ahead()
+    side.receive(reply(ReserveMsg(encode(b), "p0")))
+    b_blocks = c.get_request("b").block_table
+    side.receive(reply(HandoffMsg(encode(b), "6-0", [78], ["d0:1"], 0,
+                                  [b_blocks, [[0] * len(b_blocks)]])))
+    ahead = side.add_checks(c.schedule_ahead())
     assert first.num_scheduled_tokens == {"a": 1}
-    assert ahead.num_scheduled_tokens == {"a": 1, "b": 1}
-    assert [n.request_id for n in ahead.new_requests] == ["b"]
-    assert ahead.new_requests[0].kv_received == ["d0:1"]
+    assert ahead.num_scheduled_tokens == {"a": 1} and ahead.kv_checks[0].request_id == "b"
     held_by_a = set(c.get_request("a").block_table)
     c.abort("a")                                # both plans still carry it
     assert c.block_manager.num_free_blocks == 2     # the 2 never used; a's 3 held
@@ -122,12 +181,19 @@ def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_bloc
     big = request("big", 9)                     # 3 blocks: only a's would do
     side.receive(reply(ReserveMsg(encode(big), "p0")))
     assert side._replies[-1][1].error == "no free KV blocks"
-    assert c.block_manager.num_free_blocks == 1 and c.num_reserved == 1
+    assert c.block_manager.num_free_blocks == 1
+    assert c.num_reserved == 2                  # "small", and "b" while its K/V is checked
     c.update(first, StepResult(first.step, {"a": SampledToken(1)}))
     side.receive(reply(ReserveMsg(encode(big), "p0")))
     assert side._replies[-1][1].error              # the plan made ahead still carries "a"
-    c.update(ahead, StepResult(ahead.step, {"a": SampledToken(2), "b": SampledToken(3)}))
+    result = StepResult(ahead.step, {"a": SampledToken(2)}, kv_verified=["b"])
+    c.update(ahead, result)
+    side.observe(ahead, result)
     assert c.block_manager.num_free_blocks == 4     # a's back
+    after = c.schedule()
+    assert after.num_scheduled_tokens == {"b": 1}
+    assert after.new_requests[0].kv_received == ["d0:1"]
+    c.update(after, StepResult(after.step, {"b": SampledToken(3)}))
     side.receive(reply(ReserveMsg(encode(big), "p0")))
     assert side._replies[-1][1].block_ids and c.num_reserved == 2
     c.block_manager.check_integrity()
@@ -152,14 +218,19 @@ def test_the_prefill_side_sends_each_chunk_and_hands_over_with_the_first_token()
     plan = side.add_sends(c.schedule())                     # 8 rows: blocks 0 and 1
     send, = plan.kv_sends
     assert (send.src_block_ids, send.dst_block_ids) == ([0, 1], [7, 8])
-    c.update(plan, StepResult(plan.step, {}))
+    result = StepResult(plan.step, {}, kv_digests={"r": [[10, 11]]})
+    c.update(plan, result)
+    side.observe(plan, result)
     plan = side.add_sends(c.schedule())                     # the last 2 rows: block 2
     assert plan.kv_sends[0].dst_block_ids == [9]
-    out, = c.update(plan, StepResult(plan.step, {"r": SampledToken(5)}))
+    result = StepResult(plan.step, {"r": SampledToken(5)}, kv_digests={"r": [[12]]})
+    out, = c.update(plan, result)
+    side.observe(plan, result)
     assert out.finished and side.finished(out)
     (instance, consumer, entry, handoff), = side.take().handoffs
     assert (instance, consumer, entry) == ("d0", "host-d0", b"9-0")
     assert handoff.output_token_ids == [5] and handoff.kv_received == ["d0:1"]
+    assert handoff.kv_check == [[7, 8, 9], [[10, 11, 12]]]
     assert c.block_manager.num_free_blocks == 16            # freed: the sends were done
 
 
@@ -190,7 +261,7 @@ def test_a_short_prompt_goes_whole_and_a_failed_send_hands_over_without_kv():
                                                 [descriptor("d0:1")], 1.0)))
     plan = side.add_sends(c.schedule())
     out, = c.update(plan, StepResult(plan.step, {"r": SampledToken(6)}, kv_failed=["r"]))
-    side.observe(StepResult(plan.step, {}, kv_failed=["r"]))
+    side.observe(plan, StepResult(plan.step, {}, kv_failed=["r"]))
     assert side.finished(out)
     (_, _, _, handoff), = side.take().handoffs
     assert handoff.output_token_ids == [6] and handoff.kv_received == []

@@ -25,8 +25,8 @@ from shared.errors import PacerError                                   # noqa: E
 from shared.kv_layout import KVLayoutError                             # noqa: E402
 from shared.model_config import load_model_config                      # noqa: E402
 from shared.model_source import resolve_model                          # noqa: E402
-from shared.plan import (CachedRequestData, IterationPlan, KVSend,     # noqa: E402
-                         NewRequestData)
+from shared.plan import (CachedRequestData, IterationPlan, KVCheck,    # noqa: E402
+                         KVSend, NewRequestData)
 from shared.sampling import SamplingParams                             # noqa: E402
 from tests.helpers_tiny_model import write_tiny_llama                  # noqa: E402
 
@@ -148,7 +148,7 @@ def _prefill_side(path: str, prompt: list[int], peer: dict, out) -> None:
     sends = [KVSend("r", "decode-0", SRC_BLOCKS, DST_BLOCKS, [peer])]
     results = [runner.execute(p) for p in prefill_plans(prompt, SRC_BLOCKS, sends)]
     out.put((results[-1].sampled["r"].token_id, [r.kv_failed for r in results],
-             results[-1].kv_stats))
+             results[-1].kv_stats, results[-1].kv_digests))
 
 
 def test_prefill_and_decode_runners_in_two_processes_match_one_runner(tiny, decode_runner):
@@ -158,7 +158,7 @@ def test_prefill_and_decode_runners_in_two_processes_match_one_runner(tiny, deco
                           args=(path, prompt, decode_runner.kv_descriptor(), out))
     child.start()
     try:
-        first, failed, stats = reply(child, out)
+        first, failed, stats, digests = reply(child, out)
     finally:
         child.join(timeout=60)
     assert child.exitcode == 0
@@ -169,10 +169,16 @@ def test_prefill_and_decode_runners_in_two_processes_match_one_runner(tiny, deco
     assert stats["send_ms"] >= stats["exposed_ms"] >= 0
 
     assert decode_runner.kv_pool[:, :, DST_BLOCKS].abs().sum() > 0      # the K/V arrived
+    # what arrived is what was sent: the digests of the blocks sent check out on the decode
+    # side (a check with another digest does not)
+    assert list(digests) == ["r"] and len(digests["r"]) == 1 and len(digests["r"][0]) == 3
+    checks = [KVCheck("r", DST_BLOCKS, digests["r"]),
+              KVCheck("x", DST_BLOCKS, [[d + 1 for d in digests["r"][0]]])]
     session = decode_runner.kv_descriptor()["session"]
     result = decode_runner.execute(IterationPlan(0, [NewRequestData(
         "r", prompt + [first], len(prompt), GREEDY, list(DECODE_TABLE), len(prompt),
-        kv_received=[session])], [], {"r": 1}))
+        kv_received=[session])], [], {"r": 1}, kv_checks=checks))
+    assert result.kv_verified == ["r"]
     ours = decode(decode_runner, 1, len(prompt) + 1, [first, result.sampled["r"].token_id])
     decode_runner.execute(IterationPlan(100, [], [], {}, finished_request_ids=["r"]))
 

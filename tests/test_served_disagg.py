@@ -363,13 +363,21 @@ def scheduler_pid(served, instance: str) -> int:
         r.close()
 
 
-def test_pd_transfer_that_never_completes_is_recomputed(tiny, expected, tmp_path):
+@pytest.mark.parametrize("fault", ["hang", "drop"])
+def test_pd_transfer_that_never_completes_or_lies_is_recomputed(tiny, expected, tmp_path, fault):
+    # hang: the sends never complete and time out; drop: the transport reports them done
+    # but wrote nothing, and only the decode side's check of what arrived can tell
     served, model = start_pd(tiny, tmp_path, "--kv-timeout-s", "2",
-                             env={"PACER_KV_FAULT": "hang"})
+                             env={"PACER_KV_FAULT": fault})
     try:
         got = all_concurrently(served, model, LONG[:2])
         assert got == first(expected, LONG[:2])
-        assert stats(served, P0)["kv_transfer_failures_total"] >= 1
+        failures = stats(served, P0)["kv_transfer_failures_total"]
+        checks_failed = stats(served, D0)["kv_check_failures_total"]
+        if fault == "hang":
+            assert failures >= 1 and checks_failed == 0
+        else:
+            assert failures == 0 and checks_failed == 2
         assert stats(served, D0)["handoffs_recomputed_total"] >= 1
     finally:
         assert served.stop() == 0, served.log_tail()

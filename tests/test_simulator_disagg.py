@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -31,12 +32,20 @@ def test_the_hop_by_hand():
     assert result.prefill_done_s == pytest.approx([0.015])
     assert result.transfer_ms == pytest.approx([10.0])
     assert result.exposed_ms == pytest.approx([5.0])
-    # The decode instance takes it on at 15 ms: the next tokens at 16 and 17. TTFT counts to
-    # the first token out of the decode pool, and the gap after the prefill side's is no TBT.
+    # The decode instance checks the K/V it received at 15 ms (a plan of no rows; the digests
+    # cost nothing here) and takes it on: the next tokens at 16 and 17. TTFT counts to the
+    # first token out of the decode pool, and the gap after the prefill side's is no TBT.
     assert result.first_token_s == pytest.approx([0.016])
     assert list(result.tbt_ms) == pytest.approx([1.0])
     assert result.finish_s == pytest.approx([0.017])
-    assert list(result.timeline.instance) == [0, 0, 0, 1, 1]
+    assert list(result.timeline.instance) == [0, 0, 0, 1, 1, 1]
+    assert list(result.timeline.decode_rows[3:]) == [0, 1, 1]
+    # With the digests priced at 0.1 ms a token: each prefill iteration digests what it sent
+    # after its sends, and the check digests the 10 prompt tokens: first token 2 ms later.
+    priced = simulate_disaggregated(arrivals, small, small, RowsCost(),
+                                    replace(hop, digest_ms_per_token=0.1))
+    assert list(priced.timeline.ms[:4]) == pytest.approx([6.4, 6.4, 3.2, 1.0])
+    assert priced.first_token_s == pytest.approx([0.018])
     # Sent whole after the prefill: 10 ms of waiting after the last chunk.
     whole = simulate_disaggregated(arrivals, small, small, RowsCost(),
                                    Hop(hop.fabric, 1e6, 2, layer_streaming=False))

@@ -10,8 +10,9 @@ Offsets are bytes into the two pools (this rank's, the peer's). An implementatio
 `register`, `descriptor`, `_submit`, `_poll` and `close`; the Mooncake transfer engine's is
 `mooncake.py`, and NIXL or torch.distributed could stand in behind the same five calls.
 
-Test hook: PACER_KV_FAULT=hang makes every write a send that never completes, so the
-timeout path runs (docs/failure-modes.md).
+Test hooks (docs/failure-modes.md): PACER_KV_FAULT=hang makes every write a send that never
+completes, so the timeout path runs; PACER_KV_FAULT=drop makes every write report success
+without moving a byte (a transport that lies), so the decode side's check must catch it.
 """
 from __future__ import annotations
 
@@ -23,14 +24,16 @@ from gpu_worker.kv_cache import block_bytes
 
 FAULT_ENV = "PACER_KV_FAULT"
 _HANG = object()          # the handle of a write the fault hook swallowed: never completes
+_DROP = object()          # ... or reports done
+FAULTS = {"": None, "hang": _HANG, "drop": _DROP}
 
 
 class KVConnector(ABC):
     def __init__(self) -> None:
         fault = os.environ.get(FAULT_ENV, "")
-        if fault not in ("", "hang"):
-            raise ValueError(f"{FAULT_ENV} must be 'hang' or unset, got {fault!r}")
-        self._hang = fault == "hang"
+        if fault not in FAULTS:
+            raise ValueError(f"{FAULT_ENV} must be 'hang', 'drop' or unset, got {fault!r}")
+        self._fault = FAULTS[fault]
 
     @abstractmethod
     def register(self, pool) -> None:
@@ -43,14 +46,16 @@ class KVConnector(ABC):
     def write(self, peer: dict, segments: list[tuple[int, int, int]]):
         """Start copying each (src_offset, dst_offset, length) from the own pool into the
         peer's; returns a handle for `poll`/`wait`."""
-        if self._hang:
-            return _HANG
+        if self._fault is not None:
+            return self._fault
         return self._submit(peer, segments)
 
     def poll(self, handle) -> bool | None:
         """True: done; False: failed; None: still in flight. Never blocks."""
         if handle is _HANG:
             return None
+        if handle is _DROP:
+            return True
         return self._poll(handle)
 
     def wait(self, handles: list, timeout_s: float) -> list[bool]:

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from gpu_worker.kv_cache import block_offset
+from gpu_worker.kv_cache import block_digests, block_offset
 from gpu_worker.kv_transfer.connector import KVConnector
 from shared.kv_layout import KVLayoutError, check_peer_layout
 from shared.plan import KVSend
@@ -46,6 +46,7 @@ class _Send:
             if any(not 0 <= b < n for b in ids):
                 raise KVLayoutError(f"KV send of {send.request_id}: a {side} block outside "
                                     f"the pool's {n}")
+        self.src_block_ids = send.src_block_ids
         self.runs = coalesce(send.src_block_ids, send.dst_block_ids)
         self.handles: list = []
         self.done_at: list[float] = []    # when handles[i] was seen complete (in order)
@@ -73,9 +74,10 @@ class LayerSender:
             self._next_layer += 1
         self._poll()
 
-    def finish(self) -> tuple[list[str], dict]:
+    def finish(self) -> tuple[list[str], dict[str, list[int]], dict]:
         """Send what is left, wait for every write (at most timeout_s); the requests whose
-        sends failed or timed out, and this iteration's figures."""
+        sends failed or timed out, the digests of the blocks the others sent (the decode
+        side checks them, docs/design.md#kv-integrity), and this iteration's figures."""
         start = time.perf_counter()     # what follows is exposed: the iteration waits
         if self._next_layer < self.num_layers:
             self.after_layer(self.num_layers - 1)
@@ -87,7 +89,9 @@ class LayerSender:
         end = time.perf_counter()
         self._poll(end)
         last = end if failed else max((t for s in self.sends for t in s.done_at), default=end)
-        return failed, {"bytes": sum(s.nbytes for s in self.sends),
+        digests = {s.request_id: block_digests(self.pool, s.src_block_ids)
+                   for s in self.sends if s.request_id not in failed}
+        return failed, digests, {"bytes": sum(s.nbytes for s in self.sends),
                         "send_ms": round((last - self._first_submit) * 1e3, 3),
                         "exposed_ms": round((end - start) * 1e3, 3),
                         "requests": len(self.sends)}

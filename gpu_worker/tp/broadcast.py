@@ -109,10 +109,24 @@ class AgreementCheck:
                              f"rank 0 {when}")
 
 
-def gather_kv_failed(result: StepResult, group: ProcessTPGroup) -> StepResult:
-    """Every rank's `kv_failed`, united (sorted) on every rank; the other figures stay this
-    rank's own. Call on every rank after an iteration whose plan had KV sends."""
-    data = json.dumps(result.kv_failed).encode()
+def gather_kv(result: StepResult, group: ProcessTPGroup) -> StepResult:
+    """The P/D fields united on every rank: `kv_failed` (failed on any rank), `kv_digests`
+    (rank r's digests at index r, for requests no rank failed) and `kv_verified` (verified on
+    every rank); the other figures stay this rank's own. Call on every rank after an
+    iteration whose plan had KV sends or checks."""
+    parts = _all_gather_json([result.kv_failed, {rid: d[0] for rid, d in result.kv_digests.items()},
+                              result.kv_verified], group)
+    failed = {rid for part in parts for rid in part[0]}
+    digests = {rid: [part[1][rid] for part in parts] for rid in parts[0][1]
+               if rid not in failed and all(rid in part[1] for part in parts)}
+    verified = set.intersection(*(set(part[2]) for part in parts))
+    return dataclasses.replace(result, kv_failed=sorted(failed), kv_digests=digests,
+                               kv_verified=[rid for rid in result.kv_verified if rid in verified])
+
+
+def _all_gather_json(value, group: ProcessTPGroup) -> list:
+    """Every rank's `value` (JSON-able), in rank order."""
+    data = json.dumps(value).encode()
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(group.size)]
     dist.all_gather(sizes, size, group=group.control)
@@ -121,6 +135,4 @@ def gather_kv_failed(result: StepResult, group: ProcessTPGroup) -> StepResult:
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     parts = [torch.empty(width, dtype=torch.uint8) for _ in range(group.size)]
     dist.all_gather(parts, mine, group=group.control)
-    failed = {rid for part, n in zip(parts, sizes)
-              for rid in json.loads(part[:int(n.item())].numpy().tobytes())}
-    return dataclasses.replace(result, kv_failed=sorted(failed))
+    return [json.loads(part[:int(n.item())].numpy().tobytes()) for part, n in zip(parts, sizes)]

@@ -9,7 +9,7 @@ import time
 import torch
 
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv_failed,
+from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv,
                                      share_sampling_seed)
 from gpu_worker.tp.group import JOIN_TIMEOUT_S, ProcessTPGroup, destroy, wait_until
 from gpu_worker.tp.liveness import FOLLOWER_GRACE_S, NAME_THE_DEAD_S, first_line
@@ -56,8 +56,8 @@ class TPExecutor:
             broadcast_bytes(wire if wire is not None else encode(PlanMsg(plan)), self.group)
             mid = time.perf_counter()
             result = self.runner.execute(plan)
-            if plan.kv_sends:
-                result = gather_kv_failed(result, self.group)
+            if plan.kv_sends or plan.kv_checks:
+                result = gather_kv(result, self.group)
             end = time.perf_counter()
             self._agreement.after(result)
             self.control_seconds += (mid - start) + (time.perf_counter() - end)

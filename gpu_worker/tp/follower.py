@@ -3,7 +3,7 @@ sampled tokens agree, until rank 0 shuts the group down (an empty broadcast)."""
 from __future__ import annotations
 
 from gpu_worker.model_runner import ModelRunner
-from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv_failed,
+from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv,
                                      share_sampling_seed)
 from gpu_worker.tp.group import ProcessTPGroup, bind_device, destroy
 from gpu_worker.tp.liveness import NAME_THE_DEAD_S, first_line
@@ -29,8 +29,8 @@ def run_follower(runner: ModelRunner, group: ProcessTPGroup) -> None:
             if not isinstance(msg, PlanMsg):
                 raise PacerError(f"tp rank {group.rank}: expected a plan, got {msg.KIND}")
             result = runner.execute(msg.plan)
-            if msg.plan.kv_sends:
-                gather_kv_failed(result, group)
+            if msg.plan.kv_sends or msg.plan.kv_checks:
+                gather_kv(result, group)
             agreement.after(result)
         except RuntimeError as e:
             why = group.liveness.wait_for_death(NAME_THE_DEAD_S)
