@@ -292,10 +292,11 @@ def raw_transfer_gbs(long_len: int, dtype: str) -> float:
 def transfer_figures(redis_url: str, longs: int) -> dict:
     client = redis.Redis.from_url(redis_url)
     try:
-        raw = client.hgetall(Keys().for_instance("p0").stats)
+        s, d = ({k.decode(): float(v) for k, v in
+                 client.hgetall(Keys().for_instance(instance).stats).items()}
+                for instance in ("p0", "d0"))
     finally:
         client.close()
-    s = {k.decode(): float(v) for k, v in raw.items()}
     sent, send_s = s.get("kv_transfer_bytes_total", 0.0), s.get("kv_transfer_seconds_total", 0.0)
     exposed = s.get("kv_transfer_exposed_seconds_total", 0.0)
     return {"kv_bytes_per_long_prompt": sent / max(longs, 1),
@@ -303,6 +304,9 @@ def transfer_figures(redis_url: str, longs: int) -> dict:
             "exposed_ms_per_long_prompt": exposed * 1e3 / max(longs, 1),
             "handoffs": s.get("handoffs_total", 0.0),
             "kv_failures": s.get("kv_transfer_failures_total", 0.0),
+            # the decode side: K/V that failed its check, hand-offs recomputed for any reason
+            "kv_check_failures": d.get("kv_check_failures_total", 0.0),
+            "recomputed": d.get("handoffs_recomputed_total", 0.0),
             "ttft_goal_met": s.get("ttft_goal_met_total", 0.0),
             "ttft_goal_missed": s.get("ttft_goal_missed_total", 0.0)}
 
@@ -466,7 +470,8 @@ def main() -> None:
               "their forward)")
         print_table(pd, ["repeat", "mode", "kv_bytes_per_long_prompt", "transfer_own_ms",
                          "transfer_ms_per_long_prompt", "exposed_ms_per_long_prompt",
-                         "hidden_share", "handoffs", "kv_failures", "ttft_goal_met",
+                         "hidden_share", "handoffs", "kv_failures", "kv_check_failures",
+                         "recomputed", "ttft_goal_met",
                          "ttft_goal_missed"])
     for run in runs:
         if run.get("late"):
