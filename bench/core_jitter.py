@@ -7,19 +7,24 @@ running beside it unless `--beside` asks. The work (`--work`):
   cache   float32 256x256 matmuls written in place: compute in the core's own caches
   memory  sums over a 128 MB float32 buffer: read from memory, as a decode step reads the
           weights and the KV cache
+  decode  the real thing: the default model at the defaults (`LLMEngine`, one thread), six
+          requests decoding, one `step()` a step (`--step-ms` does not apply)
 
-What runs beside it (`--beside`):
+What runs beside it (`--beside`), on the other core:
 
-  idle   nothing else (the default)
-  spin   a second process spinning on the other core (a prefill pool's core kept busy)
+  idle     nothing else (the default)
+  spin     a process spinning in registers (a core kept busy, no memory traffic)
+  stream   a process summing a 128 MB buffer without pause (memory traffic only)
+  prefill  the default model prefilling ~1.5k-token prompts back to back (`LLMEngine`, one
+           thread, max_tokens 1): what a P/D prefill pool does beside the decode pool
 
 Prints the steps' median, p99, worst, worst/median and how many steps were over 1.5x the median,
 and the worst/median within each window of `--window` steps (a `bench/disaggregation.py` stream
 decodes 200 tokens: 200 steps), so that a served run's worst/median can be read against what the machine itself
 gives a loop that has no Python, no Redis and no other thread in it.
 
-    python bench/core_jitter.py [--seconds 30] [--step-ms 11] [--core -1] [--work memory|cache]
-        [--beside idle|spin]
+    python bench/core_jitter.py [--seconds 30] [--step-ms 11] [--core -1]
+        [--work memory|cache|decode] [--beside idle|spin|stream|prefill]
         [--window 200] [--json out.json]
 """
 from __future__ import annotations
@@ -36,14 +41,72 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import torch, write_json  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
+from shared.sampling import SamplingParams  # noqa: E402
 
 
-def spin(core: int, stop) -> None:
+DECODE_STREAMS = 6               # as bench/disaggregation.py's
+PROMPT_TOKENS, LONG_PROMPT_TOKENS = 100, 1500
+
+
+def neighbour(kind: str, core: int, ready, stop) -> None:
+    """What runs beside the timed core: `kind` on `core` until `stop`; `ready` once it runs."""
     os.sched_setaffinity(0, {core})
-    x = 0
-    while not stop.is_set():
-        for _ in range(100_000):
-            x += 1
+    if kind == "spin":
+        x = 0
+        ready.set()
+        while not stop.is_set():
+            for _ in range(100_000):
+                x += 1
+    elif kind == "stream":
+        read = piece("memory")
+        ready.set()
+        while not stop.is_set():
+            for _ in range(32):
+                read()
+    else:                                       # prefill
+        torch.set_num_threads(1)
+        engine, prompts = default_engine(), random_prompts(LONG_PROMPT_TOKENS, seed=1)
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        ready.set()
+        while not stop.is_set():
+            engine.add_request(next(prompts), one)
+            while engine.has_unfinished():
+                engine.step()
+
+
+def default_engine():
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+    return LLMEngine(EngineArgs(), progress=False)
+
+
+def random_prompts(length: int, seed: int):
+    """Endless fresh prompts of random token ids (none found in a prefix cache)."""
+    rng = np.random.default_rng(seed)
+    while True:
+        yield rng.integers(100, 40_000, length).tolist()
+
+
+def measure_decode(seconds: float) -> np.ndarray:
+    """The times of `step()` of an engine with DECODE_STREAMS requests decoding; a request
+    that ends is replaced, and the steps that carry its prompt are not counted."""
+    engine, prompts = default_engine(), random_prompts(PROMPT_TOKENS, seed=0)
+    sampling = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    started: set[str] = set()              # requests past their first token
+    steps = []
+    end = time.perf_counter() + seconds
+    while True:
+        while engine.scheduler.num_running + engine.scheduler.num_waiting < DECODE_STREAMS:
+            engine.add_request(next(prompts), sampling)
+        t = time.perf_counter()
+        outputs = engine.step()
+        now = time.perf_counter()
+        if all(out.request_id in started for out in outputs) and \
+                len(outputs) == DECODE_STREAMS:
+            steps.append((now - t) * 1e3)    # decodes only
+        started.update(out.request_id for out in outputs)
+        if now > end:
+            return np.array(steps)
 
 
 def piece(work: str):
@@ -108,8 +171,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--step-ms", type=float, default=11.0)
     ap.add_argument("--core", type=int, default=-1, help="the core to time on (-1: the last)")
-    ap.add_argument("--work", choices=("cache", "memory"), default="memory")
-    ap.add_argument("--beside", choices=("idle", "spin"), default="idle")
+    ap.add_argument("--work", choices=("cache", "memory", "decode"), default="memory")
+    ap.add_argument("--beside", choices=("idle", "spin", "stream", "prefill"), default="idle")
     ap.add_argument("--window", type=int, default=200)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -118,17 +181,25 @@ def main() -> None:
     other = next((c for c in cores if c != core), None)
     torch.set_num_threads(1)
     os.sched_setaffinity(0, {core})
-    stop = multiprocessing.Event()
-    spinner = None
-    if args.beside == "spin" and other is not None:
-        spinner = multiprocessing.Process(target=spin, args=(other, stop), daemon=True)
-        spinner.start()
+    spawn = multiprocessing.get_context("spawn")
+    stop, ready = spawn.Event(), spawn.Event()
+    beside = None
+    if args.beside != "idle" and other is not None:
+        beside = spawn.Process(target=neighbour, args=(args.beside, other, ready, stop),
+                               daemon=True)
+        beside.start()
+        if not ready.wait(600):
+            sys.exit(f"the {args.beside} process beside did not start")
     try:
-        result = summary(measure(args.work, args.seconds, args.step_ms), args.window)
+        steps = measure_decode(args.seconds) if args.work == "decode" else \
+            measure(args.work, args.seconds, args.step_ms)
+        result = summary(steps, args.window)
     finally:
         stop.set()
-        if spinner is not None:
-            spinner.join(5)
+        if beside is not None:
+            beside.join(30)
+            if beside.is_alive():
+                beside.kill()
     flags = " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
                      if f in cpu_flags())
     with open("/proc/loadavg") as f:
