@@ -406,9 +406,11 @@ class ModelRunner:
     def _kv_intact(self, check: KVCheck) -> bool:
         """P/D: whether the received blocks hold what the prefill side sent into them
         (docs/design.md#kv-integrity)."""
-        rank = self.tp.rank
+        rank, blocks = self.tp.rank, check.block_ids
         want = check.digests[rank] if rank < len(check.digests) else None
-        ok = want is not None and block_digests(self.kv_pool, check.block_ids) == want
+        ok = (want is not None and len(want) == len(blocks)
+              and all(0 <= b < self.kv_pool.shape[2] for b in blocks)
+              and block_digests(self.kv_pool, blocks) == want)
         if not ok:
             log.warning("received K/V differs from what was sent; it will be recomputed",
                         request_id=check.request_id, rank=rank)

@@ -545,15 +545,32 @@ class DecodeSide:
         if self.core.is_reserved(rid) and msg.output_token_ids:
             self.book.track(msg.entry_id, request)
             ours = [p.get("session") for p in self.peers]
-            if msg.kv_received == ours and msg.kv_check:
-                blocks, digests = msg.kv_check
-                table = self.core.get_request(rid).block_table[:len(blocks)]
-                self._checks_due[rid] = (KVCheck(rid, table, digests), msg)
+            check = self._check_for(rid, msg) if msg.kv_received == ours else None
+            if check is not None:
+                self._checks_due[rid] = (check, msg)
             else:
                 self._activate(msg, False)
             return
         self.core.cancel_reservation(rid)
         self.book.admit(msg.entry_id, request, output_token_ids=msg.output_token_ids)
+
+    def _check_for(self, rid: str, msg: HandoffMsg) -> KVCheck | None:
+        """The check of a hand-off's K/V: the digests it carries, one list per rank of this
+        instance, of the prompt's first blocks of our reservation; None where it carries none
+        that fits (then the prompt is recomputed, never trusted)."""
+        table = self.core.get_request(rid).block_table
+        try:
+            blocks, digests = msg.kv_check
+            fits = (0 < len(blocks) <= len(table) and list(blocks) == table[:len(blocks)]
+                    and len(digests) == len(self.peers)
+                    and all(len(d) == len(blocks) and all(type(x) is int for x in d)
+                            for d in digests))
+        except (TypeError, ValueError):
+            fits = False
+        if not fits:
+            log.warning("hand-off without a fitting K/V check; recomputing", request_id=rid)
+            return None
+        return KVCheck(rid, list(blocks), [list(d) for d in digests])
 
     def _activate(self, msg: HandoffMsg, kv_intact: bool) -> None:
         """The reserved request runs on as a decode, or is recomputed here."""
@@ -596,10 +613,8 @@ class DecodeSide:
         """The plans carrying checks were lost (a worker died): check again, on the new
         workers' pools (a restarted worker's fails, and the request is recomputed)."""
         for rid, msg in self._checking.items():
-            blocks, digests = msg.kv_check
-            table = self.core.get_request(rid).block_table[:len(blocks)] \
-                if self.core.is_reserved(rid) else list(blocks)
-            self._checks_due[rid] = (KVCheck(rid, table, digests), msg)
+            if self.core.is_reserved(rid):
+                self._checks_due[rid] = (self._check_for(rid, msg), msg)
         self._checking.clear()
 
     def expire(self) -> None:

@@ -302,3 +302,22 @@ def test_a_request_the_router_chose_for_another_prefill_instance_is_handed_there
     p1.receive_reservations(reply(notice))
     (instance, ask), = p1.take().reserves
     assert instance == "d0" and ask.prefill_instance == "p1"
+
+
+@pytest.mark.parametrize("kv_check", [
+    [[0, 1, 2]],                                  # no digests
+    [[0, 1, 2], [[1, 2, 3], [1, 2, 3]]],          # two ranks' digests, one rank here
+    [[0, 1, 2], [[1, 2]]],                        # a digest short
+    [[0, 1, 7], [[1, 2, 3]]],                     # blocks other than the reservation's
+    [[0, 1, 2], [["a", 2, 3]]],                   # not a digest
+    "garbage",
+])
+def test_a_hand_off_whose_check_does_not_fit_is_recomputed(kv_check):
+    c = core()
+    side = decode_side(c)
+    msg = request("r", 9)
+    side.receive(reply(ReserveMsg(encode(msg), "p0")))
+    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], ["d0:1"], 0, kv_check)))
+    assert not side.checks_due
+    new, = c.schedule().new_requests
+    assert new.num_computed_tokens == 0 and side.recomputed_total == 1

@@ -181,7 +181,8 @@ def test_prefill_and_decode_runners_in_two_processes_match_one_runner(tiny, deco
     # side (a check with another digest does not)
     assert list(digests) == ["r"] and len(digests["r"]) == 1 and len(digests["r"][0]) == 3
     checks = [KVCheck("r", DST_BLOCKS, digests["r"]),
-              KVCheck("x", DST_BLOCKS, [[d + 1 for d in digests["r"][0]]])]
+              KVCheck("x", DST_BLOCKS, [[d + 1 for d in digests["r"][0]]]),
+              KVCheck("y", [10_000], [[0]]), KVCheck("z", DST_BLOCKS, [])]   # refused, no raise
     session = decode_runner.kv_descriptor()["session"]
     result = decode_runner.execute(IterationPlan(0, [NewRequestData(
         "r", prompt + [first], len(prompt), GREEDY, list(DECODE_TABLE), len(prompt),
