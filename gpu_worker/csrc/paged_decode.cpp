@@ -95,16 +95,14 @@ inline __m512 sum16(const __m512* v) {
 
 // G query heads' outputs over the V rows: out[j] = sum over t of scores[j * L + t] v_t, the
 // terms added in t order (head_dim = 16 * NC; row(t) is key t's V row)
-template <int NC, int G, typename T, typename Row, typename Prefetch>
-inline void weighted_values(const float* scores, int64_t L, Row&& row, Prefetch&& prefetch,
+template <int NC, int G, typename T>
+inline void weighted_values(const float* scores, int64_t L, const int64_t* offsets,
                             const T* vp, float* oh) {
   __m512 acc[G][NC];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
-  prefetch(vp, 0);
   for (int64_t t = 0; t < L; ++t) {
-    if (t % 16 == 0) prefetch(vp, t + 16);
-    const T* vt = row(t);
+    const T* vt = vp + offsets[t];
     __m512 vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = load16(vt + c * 16);
     for (int j = 0; j < G; ++j) {
@@ -129,30 +127,25 @@ inline void with_count(int64_t n, F&& f) {
 // One request, one KV head and the `group` query heads that share it, head_dim = 16 * NC:
 // the request's K and V rows of this head stream past once each. Scores 16 keys at a time:
 // the chunk's K rows widened once into a float buffer, then per query head 16 partial
-// products summed by one tree (`sum16`); the next chunk's rows are prefetched meanwhile (the
-// block table says where they are). Outputs stay in registers while the V rows pass. Against
-// one key at a time with a reduction each: 30 layers of 32 requests x 180 keys 16.6 -> 13.4 ms
-// (bench/decode_attention.py; the per-key loop with only the prefetch added stayed at ~17).
+// products summed by one tree (`sum16`). Outputs stay in registers while the V rows pass.
+// Against one key at a time with a reduction each: 30 layers of 32 requests x 180 keys 16.6 ->
+// 13.4 ms (bench/decode_attention.py). No software prefetch: the one written here for the next
+// chunk's rows was compiled away by GCC 12 (called through a lambda, none was left in the
+// library), and made real it changed nothing measurable on a 2-core EPYC VM (11.6 ms, against
+// 11.3-11.8; docs/benchmarks.md#decode-attention-the-prefetch-that-was-not-there).
 template <int NC, typename T>
 void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table,
                                int64_t L, int64_t BS, int64_t row, int64_t group, float scale,
                                float* scores, float* oh) {
   constexpr int MAXG = 8, D = 16 * NC;
   const std::vector<int64_t>& offsets = key_offsets(table, L, BS, row);
-  auto at = [&](const T* base, int64_t t) { return base + offsets[t]; };
-  auto prefetch = [&](const T* base, int64_t t0) {
-    for (int64_t t = t0; t < std::min(L, t0 + 16); ++t)
-      for (int64_t b = 0; b < D * int64_t(sizeof(T)); b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(at(base, t)) + b, _MM_HINT_T0);
-  };
+  const int64_t* off = offsets.data();
   alignas(64) float kf[16][D];
   const __m512 sv = _mm512_set1_ps(scale);
-  prefetch(kp, 0);
   for (int64_t t0 = 0; t0 < L; t0 += 16) {                      // pass 1: scores
     const int64_t n = std::min<int64_t>(16, L - t0);
-    prefetch(kp, t0 + 16);
     for (int64_t u = 0; u < n; ++u) {
-      const T* kt = at(kp, t0 + u);
+      const T* kt = kp + off[t0 + u];
       for (int c = 0; c < NC; ++c) _mm512_store_ps(kf[u] + c * 16, load16(kt + c * 16));
     }
     for (int64_t u = n; u < 16; ++u)
@@ -175,8 +168,7 @@ void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t
   constexpr int kHeads = std::min(MAXG, 24 / NC);
   for (int64_t j0 = 0; j0 < group; j0 += kHeads)
     with_count<kHeads>(std::min<int64_t>(kHeads, group - j0), [&]<int G>() {
-      weighted_values<NC, G>(scores + j0 * L, L, [&](int64_t t) { return at(vp, t); }, prefetch,
-                             vp, oh + j0 * D);
+      weighted_values<NC, G>(scores + j0 * L, L, off, vp, oh + j0 * D);
     });
 }
 
