@@ -17,6 +17,8 @@
 #include <cmath>
 #include <vector>
 
+#include <xmmintrin.h>    // _mm_prefetch (SSE: every x86-64 level)
+
 #include "kernels.h"
 
 namespace pacer {
@@ -47,6 +49,23 @@ inline const std::vector<int64_t>& key_offsets(const int64_t* table, int64_t L, 
   for (int64_t t = 0, b = 0; t < L; ++b)
     for (int64_t i = 0; i < BS && t < L; ++i, ++t) offsets[t] = (table[b] * BS + i) * row;
   return offsets;
+}
+
+// Software prefetch of the K or V rows of keys t0 .. t1-1 (one row: `bytes` at
+// base + offsets[t] elements of `elem` bytes) into L2, kPrefetchAhead keys before they are
+// read. Into L2, not L1: a decode task's rows are scattered a block at a time, and an L1
+// prefetch (or none) holds the core's few L1 miss slots, so each chunk's lines come a few at a
+// time; L2 keeps many more in flight. 30 layers of 32 requests x 180 keys: 12.4-12.9 ->
+// 6.8 ms (docs/benchmarks.md#decode-attention-the-prefetch-that-was-not-there). A plain
+// function, called directly: GCC 12 drops a prefetch reached through a lambda.
+constexpr int64_t kPrefetchAhead = 32;
+
+inline void prefetch_rows(const void* base, std::size_t elem, const int64_t* offsets,
+                          int64_t t0, int64_t t1, int64_t bytes) {
+  const char* b0 = static_cast<const char*>(base);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t b = 0; b < bytes; b += 64)
+      _mm_prefetch(b0 + offsets[t] * int64_t(elem) + b, _MM_HINT_T1);
 }
 
 #if defined(__AVX512F__)
@@ -101,7 +120,11 @@ inline void weighted_values(const float* scores, int64_t L, const int64_t* offse
   __m512 acc[G][NC];
   for (int j = 0; j < G; ++j)
     for (int c = 0; c < NC; ++c) acc[j][c] = _mm512_setzero_ps();
+  constexpr int64_t kRow = 16 * NC * int64_t(sizeof(T));
   for (int64_t t = 0; t < L; ++t) {
+    if (t % 16 == 0)
+      prefetch_rows(vp, sizeof(T), offsets, t + kPrefetchAhead,
+                    std::min(L, t + kPrefetchAhead + 16), kRow);
     const T* vt = vp + offsets[t];
     __m512 vv[NC];
     for (int c = 0; c < NC; ++c) vv[c] = load16(vt + c * 16);
@@ -125,14 +148,11 @@ inline void with_count(int64_t n, F&& f) {
 }
 
 // One request, one KV head and the `group` query heads that share it, head_dim = 16 * NC:
-// the request's K and V rows of this head stream past once each. Scores 16 keys at a time:
-// the chunk's K rows widened once into a float buffer, then per query head 16 partial
-// products summed by one tree (`sum16`). Outputs stay in registers while the V rows pass.
-// Against one key at a time with a reduction each: 30 layers of 32 requests x 180 keys 16.6 ->
-// 13.4 ms (bench/decode_attention.py). No software prefetch: the one written here for the next
-// chunk's rows was compiled away by GCC 12 (called through a lambda, none was left in the
-// library), and made real it changed nothing measurable on a 2-core EPYC VM (11.6 ms, against
-// 11.3-11.8; docs/benchmarks.md#decode-attention-the-prefetch-that-was-not-there).
+// the request's K and V rows of this head stream past once each, prefetched into L2 ahead
+// (`prefetch_rows`). Scores 16 keys at a time: the chunk's K rows widened once into a float
+// buffer, then per query head 16 partial products summed by one tree (`sum16`). Outputs stay
+// in registers while the V rows pass. Against one key at a time with a reduction each: 30
+// layers of 32 requests x 180 keys 16.6 -> 13.4 ms (bench/decode_attention.py).
 template <int NC, typename T>
 void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t* table,
                                int64_t L, int64_t BS, int64_t row, int64_t group, float scale,
@@ -142,8 +162,14 @@ void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t
   const int64_t* off = offsets.data();
   alignas(64) float kf[16][D];
   const __m512 sv = _mm512_set1_ps(scale);
+  prefetch_rows(kp, sizeof(T), off, 0, std::min(L, kPrefetchAhead), D * int64_t(sizeof(T)));
   for (int64_t t0 = 0; t0 < L; t0 += 16) {                      // pass 1: scores
     const int64_t n = std::min<int64_t>(16, L - t0);
+    prefetch_rows(kp, sizeof(T), off, t0 + kPrefetchAhead, std::min(L, t0 + kPrefetchAhead + 16),
+                  D * int64_t(sizeof(T)));
+    if (t0 + kPrefetchAhead >= L)         // V's first rows, for pass 2
+      prefetch_rows(vp, sizeof(T), off, std::max<int64_t>(0, t0 + kPrefetchAhead - L),
+                    std::min(L, t0 + kPrefetchAhead + 16 - L), D * int64_t(sizeof(T)));
     for (int64_t u = 0; u < n; ++u) {
       const T* kt = kp + off[t0 + u];
       for (int c = 0; c < NC; ++c) _mm512_store_ps(kf[u] + c * 16, load16(kt + c * 16));
@@ -197,8 +223,15 @@ void decode_head_avx2(const float* qh, const T* kp, const T* vp, const int64_t* 
   alignas(32) float kf[8][D];
   alignas(32) float tail[8];
   const __m256 sv = _mm256_set1_ps(scale);
+  const int64_t* off = offsets.data();
+  prefetch_rows(kp, sizeof(T), off, 0, std::min(L, kPrefetchAhead), D * int64_t(sizeof(T)));
   for (int64_t t0 = 0; t0 < L; t0 += 8) {                       // pass 1: scores
     const int64_t n = std::min<int64_t>(8, L - t0);
+    prefetch_rows(kp, sizeof(T), off, t0 + kPrefetchAhead, std::min(L, t0 + kPrefetchAhead + 8),
+                  D * int64_t(sizeof(T)));
+    if (t0 + kPrefetchAhead >= L)         // V's first rows, for pass 2
+      prefetch_rows(vp, sizeof(T), off, std::max<int64_t>(0, t0 + kPrefetchAhead - L),
+                    std::min(L, t0 + kPrefetchAhead + 8 - L), D * int64_t(sizeof(T)));
     for (int64_t u = 0; u < n; ++u) {
       const T* kt = kp + offsets[t0 + u];
       for (int c = 0; c < NC; ++c) _mm256_store_ps(kf[u] + c * 8, load8(kt + c * 8));
@@ -229,6 +262,9 @@ void decode_head_avx2(const float* qh, const T* kp, const T* vp, const int64_t* 
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
     const float* pj = scores + j * L;
     for (int64_t t = 0; t < L; ++t) {
+      if (j == 0 && t % 8 == 0)
+        prefetch_rows(vp, sizeof(T), off, t + kPrefetchAhead, std::min(L, t + kPrefetchAhead + 8),
+                      D * int64_t(sizeof(T)));
       const T* vt = vp + offsets[t];
       const __m256 p = _mm256_set1_ps(pj[t]);
       for (int c = 0; c < NC; ++c) acc[c] = _mm256_fmadd_ps(p, load8(vt + c * 8), acc[c]);
