@@ -490,9 +490,10 @@ class DecodeSide:
         self._replies: list[tuple[str, ReservedMsg]] = []
         self._reserved_at: dict[str, float] = {}
         # handed-over requests whose received K/V the workers verify before they run
-        # (docs/design.md#kv-integrity): due in the next plan, then in flight
-        self._checks_due: dict[str, tuple[KVCheck, HandoffMsg]] = {}
-        self._checking: dict[str, HandoffMsg] = {}
+        # (docs/design.md#kv-integrity); those in `_due` ride on the next plan, the others'
+        # check is in flight
+        self._checks: dict[str, tuple[KVCheck, HandoffMsg]] = {}
+        self._due: set[str] = set()
         self.handoffs_total = 0
         self.recomputed_total = 0
         self.kv_check_failures_total = 0
@@ -547,9 +548,10 @@ class DecodeSide:
             ours = [p.get("session") for p in self.peers]
             check = self._check_for(rid, msg) if msg.kv_received == ours else None
             if check is not None:
-                self._checks_due[rid] = (check, msg)
+                self._checks[rid] = (check, msg)
+                self._due.add(rid)
             else:
-                self._activate(msg, False)
+                self._activate(rid, msg, False)
             return
         self.core.cancel_reservation(rid)
         self.book.admit(msg.entry_id, request, output_token_ids=msg.output_token_ids)
@@ -572,9 +574,8 @@ class DecodeSide:
             return None
         return KVCheck(rid, list(blocks), [list(d) for d in digests])
 
-    def _activate(self, msg: HandoffMsg, kv_intact: bool) -> None:
+    def _activate(self, rid: str, msg: HandoffMsg, kv_intact: bool) -> None:
         """The reserved request runs on as a decode, or is recomputed here."""
-        rid = decode(msg.request).request_id
         if not self.core.is_reserved(rid):
             return                      # aborted meanwhile: the core reported it
         if not kv_intact:
@@ -584,38 +585,35 @@ class DecodeSide:
 
     @property
     def checks_due(self) -> bool:
-        return bool(self._checks_due)
+        return bool(self._due)
 
     def add_checks(self, plan: IterationPlan) -> IterationPlan:
         """The due K/V checks ride on this plan."""
-        if not self._checks_due:
+        if not self._due:
             return plan
-        due, self._checks_due = self._checks_due, {}
-        self._checking.update((rid, msg) for rid, (_, msg) in due.items())
-        return replace(plan, kv_checks=[check for check, _ in due.values()])
+        checks = [self._checks[rid][0] for rid in self._due]
+        self._due.clear()
+        return replace(plan, kv_checks=checks)
 
     def observe(self, plan: IterationPlan, result: StepResult) -> None:
         """Each checked request runs on with the K/V it received if every rank verified it;
         else it is recomputed."""
         verified = set(result.kv_verified)
         for check in plan.kv_checks:
-            msg = self._checking.pop(check.request_id, None)
-            if msg is None:
-                continue
-            intact = check.request_id in verified
+            rid = check.request_id
+            if rid in self._due or rid not in self._checks:
+                continue                # due again (its plan was lost), or already done
+            _, msg = self._checks.pop(rid)
+            intact = rid in verified
             if not intact:
                 self.kv_check_failures_total += 1
-                log.warning("received K/V failed its check; recomputing",
-                            request_id=check.request_id)
-            self._activate(msg, intact)
+                log.warning("received K/V failed its check; recomputing", request_id=rid)
+            self._activate(rid, msg, intact)
 
     def checks_lost(self) -> None:
         """The plans carrying checks were lost (a worker died): check again, on the new
         workers' pools (a restarted worker's fails, and the request is recomputed)."""
-        for rid, msg in self._checking.items():
-            if self.core.is_reserved(rid):
-                self._checks_due[rid] = (self._check_for(rid, msg), msg)
-        self._checking.clear()
+        self._due.update(self._checks)
 
     def expire(self) -> None:
         now = time.monotonic()
@@ -627,11 +625,11 @@ class DecodeSide:
 
     def forget_all(self) -> None:
         """Redis was lost: the reservations' prefill sides will ask again."""
-        for rid in [*self._reserved_at, *self._checks_due, *self._checking]:
+        for rid in [*self._reserved_at, *self._checks]:
             self.core.cancel_reservation(rid)
         self._reserved_at.clear()
-        self._checks_due.clear()
-        self._checking.clear()
+        self._checks.clear()
+        self._due.clear()
         self._replies.clear()
         self.cursor = "0-0"
 

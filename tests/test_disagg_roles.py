@@ -321,3 +321,20 @@ def test_a_hand_off_whose_check_does_not_fit_is_recomputed(kv_check):
     assert not side.checks_due
     new, = c.schedule().new_requests
     assert new.num_computed_tokens == 0 and side.recomputed_total == 1
+
+
+def test_a_check_whose_plan_was_lost_rides_on_the_next_plan():
+    c = core()
+    side = decode_side(c)
+    msg = request("r", 9)
+    side.receive(reply(ReserveMsg(encode(msg), "p0")))
+    side.receive(reply(handoff(msg, "5-0", 77, ["d0:1"])))
+    lost = side.add_checks(c.schedule())
+    assert [k.request_id for k in lost.kv_checks] == ["r"] and not side.checks_due
+    c.recompute_running()                       # the worker died with that plan
+    side.checks_lost()
+    assert side.checks_due and c.is_reserved("r")
+    check, = checked(c, side).kv_checks         # checked again, on the new worker's pool
+    assert check == lost.kv_checks[0]
+    new, = c.schedule().new_requests
+    assert new.num_computed_tokens == 9 and side.recomputed_total == 0
