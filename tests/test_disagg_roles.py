@@ -65,6 +65,18 @@ def checked(c: Scheduler, side: DecodeSide, intact: bool = True) -> IterationPla
     return plan
 
 
+def handed_over(kv_check=None) -> tuple[Scheduler, DecodeSide]:
+    """A decode side that reserved blocks for "r" (9 tokens) and got its hand-off: with the
+    digests of handoff(), or with `kv_check` as given."""
+    c = core()
+    side = decode_side(c)
+    msg = request("r", 9)
+    side.receive(reply(ReserveMsg(encode(msg), "p0")))
+    side.receive(reply(handoff(msg, "5-0", 77, ["d0:1"]) if kv_check is None else
+                       HandoffMsg(encode(msg), "5-0", [77], ["d0:1"], 0, kv_check)))
+    return c, side
+
+
 def decode_side(c: Scheduler) -> DecodeSide:
     side = DecodeSide(Keys(), "d0", "host-d0", c, RequestBook(c), started_at=1.0)
     side.peers = [descriptor("d0:1")]
@@ -93,16 +105,12 @@ def test_a_reservation_becomes_a_running_decode_past_its_prompt():
 
 @pytest.mark.parametrize("why", ["the check failed", "no digests came"])
 def test_received_kv_that_fails_its_check_or_has_none_is_recomputed(why):
-    c = core()
-    side = decode_side(c)
-    msg = request("r", 9)
-    side.receive(reply(ReserveMsg(encode(msg), "p0")))
     if why == "the check failed":
-        side.receive(reply(handoff(msg, "5-0", 77, ["d0:1"])))
+        c, side = handed_over()
         checked(c, side, intact=False)
         assert side.kv_check_failures_total == 1
     else:
-        side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], ["d0:1"])))
+        c, side = handed_over(kv_check=[])
         assert not side.checks_due
     plan = c.schedule()
     new, = plan.new_requests
@@ -111,11 +119,7 @@ def test_received_kv_that_fails_its_check_or_has_none_is_recomputed(why):
 
 
 def test_a_request_aborted_while_its_kv_is_checked_is_not_activated():
-    c = core()
-    side = decode_side(c)
-    msg = request("r", 9)
-    side.receive(reply(ReserveMsg(encode(msg), "p0")))
-    side.receive(reply(handoff(msg, "5-0", 77, ["d0:1"])))
+    c, side = handed_over()
     plan = side.add_checks(c.schedule())
     c.abort("r")
     result = StepResult(plan.step, {}, kv_verified=["r"])
@@ -313,22 +317,14 @@ def test_a_request_the_router_chose_for_another_prefill_instance_is_handed_there
     "garbage",
 ])
 def test_a_hand_off_whose_check_does_not_fit_is_recomputed(kv_check):
-    c = core()
-    side = decode_side(c)
-    msg = request("r", 9)
-    side.receive(reply(ReserveMsg(encode(msg), "p0")))
-    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], ["d0:1"], 0, kv_check)))
+    c, side = handed_over(kv_check)
     assert not side.checks_due
     new, = c.schedule().new_requests
     assert new.num_computed_tokens == 0 and side.recomputed_total == 1
 
 
 def test_a_check_whose_plan_was_lost_rides_on_the_next_plan():
-    c = core()
-    side = decode_side(c)
-    msg = request("r", 9)
-    side.receive(reply(ReserveMsg(encode(msg), "p0")))
-    side.receive(reply(handoff(msg, "5-0", 77, ["d0:1"])))
+    c, side = handed_over()
     lost = side.add_checks(c.schedule())
     assert [k.request_id for k in lost.kv_checks] == ["r"] and not side.checks_due
     c.recompute_running()                       # the worker died with that plan
