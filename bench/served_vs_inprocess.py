@@ -16,13 +16,18 @@ B, A, B … (the machine is shared and noisy):
   C  with `--also-no-overlap`: a second `pacer up --no-overlap` (the scheduler plans each
      iteration only once the last result is in, docs/design.md#overlap), driven like B;
      the rounds go A, B, C, A, B, C ...
+  H  with `--also-http`: the same engine and an HTTP server in one process, no Redis
+     (bench/inprocess_http.py), driven like B. A pays nothing to stream tokens; H pays what
+     any server on these cores pays (detokenizing, SSE, a socket write and a client read per
+     token); B/H is what the Redis hops and the split into processes cost on top.
 
-Prints output tokens/s of each, the ratio served/in-process (target >= 0.95), TTFT/ITL
+Prints output tokens/s of each, the ratio served/in-process (target >= 0.95), with H also
+served/H, TTFT/ITL
 medians, the worker's plan-wait share, and for context other engines' figures measured
 earlier.
 
     python bench/served_vs_inprocess.py [--repeats 2] [--num-prompts 64] [--json out.json]
-        [--also-no-overlap] [engine flags: --dtype, --kv-cache-memory, ...]
+        [--also-no-overlap] [--also-http] [engine flags: --dtype, --kv-cache-memory, ...]
 """
 from __future__ import annotations
 
@@ -136,16 +141,17 @@ class ServedSystem:
 
 
 def start_served(engine_args: EngineArgs, model: str, log_path: str,
-                 extra: tuple[str, ...] = ()) -> ServedSystem:
-    """`pacer up` with these engine flags (and `extra` flags) on free ports, once healthy."""
+                 extra: tuple[str, ...] = (), http_only: bool = False) -> ServedSystem:
+    """`pacer up` with these engine flags (and `extra` flags) on free ports, once healthy;
+    with `http_only`, bench/inprocess_http.py instead (no Redis: `redis_url` is empty)."""
     port, redis_port = free_port(), free_port()
-    redis_url = f"redis://127.0.0.1:{redis_port}/0"
+    redis_url = "" if http_only else f"redis://127.0.0.1:{redis_port}/0"
+    argv = [os.path.join(ROOT, "bench", "inprocess_http.py"), "--port", str(port)] \
+        if http_only else ["-m", "services.cli", "up", "--port", str(port),
+                           "--redis-url", redis_url, "--log-level", "warning"]
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "services.cli", "up", "--port", str(port),
-             "--redis-url", redis_url, "--log-level", "warning", *engine_flags(engine_args),
-             *extra],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, *argv, *engine_flags(engine_args), *extra],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     system = ServedSystem(proc, f"http://127.0.0.1:{port}", redis_url, log_path, model)
     end = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < end:
@@ -222,6 +228,10 @@ def plan_wait_share(snaps: list[dict[str, float]]) -> dict:
 async def _served_pass(system: ServedSystem, requests: list[BenchRequest], concurrency: int):
     target = ApiTarget(system.base_url, "/v1/completions", system.model)
     opts = SendOptions(temperature=0.0, ignore_eos=True, timeout_s=600.0)
+    if not system.redis_url:          # the in-process HTTP server: no stats to read
+        results, duration = await run_requests(target, requests, opts,
+                                               max_concurrency=concurrency)
+        return results, duration, {}
     stop = asyncio.Event()
     poller = asyncio.create_task(poll_stats(system.redis_url, stop))
     try:
@@ -260,6 +270,7 @@ def row(mode: str, round_no: int, results, duration: float, extra: dict | None =
 
 
 NO_OVERLAP = "served --no-overlap"
+HTTP = "in-process + HTTP"
 
 
 def summary(rows: list[dict]) -> dict:
@@ -267,7 +278,11 @@ def summary(rows: list[dict]) -> dict:
         vals = [r[key] for r in rows if r["mode"] == mode and r.get(key) is not None]
         return statistics.median(vals) if vals else None
     a, b, c = med("in-process", "tok_s"), med("served", "tok_s"), med(NO_OVERLAP, "tok_s")
+    h = med(HTTP, "tok_s")
     return {"inprocess_tok_s": a, "served_tok_s": b, "ratio": b / a if a and b else None,
+            "http_tok_s": h, "served_over_http": b / h if b and h else None,
+            "http_over_inprocess": h / a if a and h else None,
+            "http_itl_med_ms": med(HTTP, "itl_med_ms"),
             "inprocess_ttft_med_ms": med("in-process", "ttft_med_ms"),
             "served_ttft_med_ms": med("served", "ttft_med_ms"),
             "inprocess_itl_med_ms": med("in-process", "itl_med_ms"),
@@ -290,6 +305,10 @@ def print_report(rows: list[dict], s: dict) -> None:
     print(f"\nmedians over rounds: in-process {s['inprocess_tok_s']:.1f} tok/s, "
           f"served {s['served_tok_s']:.1f} tok/s, served/in-process = {s['ratio']:.2f}x "
           f"(target >= 0.95)")
+    if s["http_tok_s"] is not None:
+        print(f"  in-process + HTTP {s['http_tok_s']:.1f} tok/s: {s['http_over_inprocess']:.2f}x "
+              f"in-process (streaming over HTTP on these cores); served / it = "
+              f"{s['served_over_http']:.2f}x (the Redis hops and the processes)")
     if s["no_overlap_tok_s"] is not None:
         print(f"  served --no-overlap {s['no_overlap_tok_s']:.1f} tok/s, "
               f"{s['no_overlap_ratio']:.2f}x in-process")
@@ -315,6 +334,9 @@ def main() -> None:
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the workload")
     ap.add_argument("--also-no-overlap", action="store_true",
                     help="a third mode each round: pacer up --no-overlap")
+    ap.add_argument("--also-http", action="store_true",
+                    help="a mode each round: the engine behind an HTTP server in one process "
+                         "(bench/inprocess_http.py), no Redis")
     args = ap.parse_args()
     engine_args = EngineArgs.from_cli(args)
 
@@ -343,6 +365,9 @@ def main() -> None:
         if args.also_no_overlap:
             systems[NO_OVERLAP] = start_served(engine_args, engine.source.name,
                                                log_path + ".no-overlap", ("--no-overlap",))
+        if args.also_http:
+            systems[HTTP] = start_served(engine_args, engine.source.name, log_path + ".http",
+                                         http_only=True)
         for system in systems.values():
             run_served(system, warm, args.concurrency)
         for i in range(args.repeats):
