@@ -2,7 +2,8 @@
 
 One workload a round (random token-id prompts, default 64 of 100-200 tokens, 64 new tokens
 each, greedy, EOS ignored; each round's prompts its own, so that none is found in a prefix
-cache) with at most 32 requests in flight, run two ways in one process's run, alternating A,
+cache; `--same-prompts --no-prefix-caching`: one set for every round, to see how far the
+schedule moves from run to run) with at most 32 requests in flight, run two ways in one process's run, alternating A,
 B, A, B … (the machine is shared and noisy):
 
   A  in-process: `LLMEngine` stepped in a loop; a request enters when one finishes (like
@@ -334,11 +335,17 @@ def main() -> None:
     ap.add_argument("--data-seed", type=int, default=0, help="seed of the workload")
     ap.add_argument("--also-no-overlap", action="store_true",
                     help="a third mode each round: pacer up --no-overlap")
+    ap.add_argument("--same-prompts", action="store_true",
+                    help="every round the same prompts (with --no-prefix-caching, so that none "
+                         "is found cached): how far a schedule moves from run to run")
     ap.add_argument("--also-http", action="store_true",
                     help="a mode each round: the engine behind an HTTP server in one process "
                          "(bench/inprocess_http.py), no Redis")
     args = ap.parse_args()
     engine_args = EngineArgs.from_cli(args)
+    if args.same_prompts and engine_args.enable_prefix_caching:
+        ap.error("--same-prompts needs --no-prefix-caching: a repeated prompt would be found "
+                 "in the prefix cache, and the round would time its decodes alone")
 
     engine = LLMEngine(engine_args, progress=False)
     # prompt lengths vary (uniform, as vLLM's random dataset); output lengths are fixed. Each
@@ -371,7 +378,8 @@ def main() -> None:
         for system in systems.values():
             run_served(system, warm, args.concurrency)
         for i in range(args.repeats):
-            requests = workload(args.data_seed + 1 + i)     # the warm-up's are seed's own
+            # the warm-up's are seed's own
+            requests = workload(args.data_seed + 1 + (0 if args.same_prompts else i))
             results, duration, steps = run_inprocess(engine, requests, args.concurrency)
             rows.append(row("in-process", i, results, duration, steps))
             print(f"  round {i} in-process: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
