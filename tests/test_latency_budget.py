@@ -377,15 +377,16 @@ def test_beside_decodes_prefill_is_capped_to_the_factor_of_a_decode_iteration(fa
         sched.update(plan, worker.execute(plan))
 
 
-@pytest.mark.parametrize("streams,prompts,prompt_len,stretch", [
+@pytest.mark.parametrize("streams,prompts,prompt_len,ratio", [
     (2, 2, 300, 1), (2, 4, 300, 1.5), (2, 8, 300, 2.5), (6, 5, 300, 11 / 6), (6, 12, 300, 3),
     (8, 0, 300, 1), (2, 8, 600, 1)])
 def test_waiting_prompts_stretch_the_gap_by_what_they_add_to_the_streams(streams, prompts,
-                                                                         prompt_len, stretch):
-    """`streams` decode while `prompts` prompts wait: the target stretches by (streams +
-    prompts) / streams, streams counted as at least STRETCH_MIN_STREAMS (4): 2 streams and
-    2 prompts hold it. Prompts longer than the token budget (512: the last case) are long
-    prompts, what the target chunks: they do not stretch it."""
+                                                                         prompt_len, ratio):
+    """`streams` decode while `prompts` prompts wait: the target stretches by ((streams +
+    prompts) / streams) squared, streams counted as at least STRETCH_MIN_STREAMS (4): 2
+    streams and 2 prompts hold it. Prompts longer than the token budget (512: the last case)
+    are long prompts, what the target chunks: they do not stretch it."""
+    stretch = ratio ** 2
     sched = make_target(factor=3.0)
     worker = FakeWorker(sched)
     start_decoding(sched, worker, streams)

@@ -94,6 +94,7 @@ class _Iteration:
 
 _PLACEHOLDER = -1           # the token a plan in flight samples, while the next is planned
 STRETCH_MIN_STREAMS = 4     # the token-gap target's stretch counts at least this many streams
+STRETCH_POWER = 2           # ... and is that ratio squared (docs/design.md#the-token-gap-target)
 # the rows the first prompt chunk of an iteration may always take, whatever the latency
 # budget (so that a prompt always moves), where a GEMM costs by its rows (no widening step):
 # a few rows beside the decodes, not a KV block's 16 — over a long prefix each row's
@@ -496,9 +497,10 @@ class Scheduler:
             budget_ms = max(factor * cost.iteration_ms(decodes),
                             floor * cost.iteration_ms(decodes + [(rows, rows)]))
             # Prompts waiting for their first token, those whose whole prompt fits one
-            # iteration's tokens, stretch it by (streams + prompts) / streams, streams counted
-            # as at least a few: a longer iteration delays each running stream once but brings
-            # every waiting prompt's first token nearer (docs/design.md#the-token-gap-target).
+            # iteration's tokens, stretch it by ((streams + prompts) / streams) squared,
+            # streams counted as at least a few: a longer iteration delays each running
+            # stream once but brings every waiting prompt's first token nearer, and a burst
+            # admitted faster decodes in fuller iterations (docs/design.md#the-token-gap-target).
             # Of the queue, the first max_num_seqs at most: no iteration admits more, and a
             # long queue costs this per-iteration count nothing more.
             waiting = islice(self._waiting, config.max_num_seqs)
@@ -506,7 +508,8 @@ class Scheduler:
                           if r.num_tokens <= config.max_num_batched_tokens
                           and r.num_tokens - r.num_computed_tokens > 1)
             streams = len(decodes)
-            budget_ms *= max(1.0, (streams + prompts) / max(streams, STRETCH_MIN_STREAMS))
+            budget_ms *= max(1.0, (streams + prompts)
+                             / max(streams, STRETCH_MIN_STREAMS)) ** STRETCH_POWER
         if budget_ms is None and self.ttft_goal is None:
             return None         # a TTFT goal bounds the iteration as its prefills are placed
         return IterationLatency(cost, budget_ms, self._min_prefill_rows(), decodes)
