@@ -16,6 +16,7 @@ gateway's incremental detokenizer and framed as the gateway frames them.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import queue
 import sys
@@ -44,16 +45,35 @@ class EngineThread:
         self.engine, self.loop = engine, loop
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()
         self.streams: dict[str, asyncio.Queue] = {}
+        self.failed: str | None = None
+        self._ids = itertools.count()
         threading.Thread(target=self._run, name="engine", daemon=True).start()
 
     def submit(self, ids: list[int], sampling: SamplingParams) -> asyncio.Queue:
+        """The request's outputs as they come; a str instead if the engine failed."""
         out: asyncio.Queue = asyncio.Queue()
-        rid = f"r{id(out)}"
+        if self.failed is not None:
+            out.put_nowait(self.failed)
+            return out
+        rid = f"r{next(self._ids)}"
         self.streams[rid] = out
         self.inbox.put((rid, ids, sampling))
         return out
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:       # every stream ends with it, none waits forever
+            self.loop.call_soon_threadsafe(self._fail, f"engine failed: {e!r}")
+            raise
+
+    def _fail(self, error: str) -> None:
+        self.failed = error
+        for stream in self.streams.values():
+            stream.put_nowait(error)
+        self.streams.clear()
+
+    def _loop(self) -> None:
         while True:
             block = not self.engine.has_unfinished()
             while True:
@@ -92,6 +112,9 @@ def completions(engine: LLMEngine, worker: EngineThread, model: str):
         n = 0
         while True:
             out = await outputs.get()
+            if isinstance(out, str):
+                await response.write(oai.sse(oai.error_body(out, "internal_error")))
+                return response
             text = "".join(detok.add(t.token_id) for t in out.new_tokens)
             n += len(out.new_tokens)
             if out.finished:
