@@ -165,11 +165,12 @@ void decode_head_avx512(const float* qh, const T* kp, const T* vp, const int64_t
   alignas(64) float kf[16][D];
   const __m512 sv = _mm512_set1_ps(scale);
   prefetch_rows(kp, sizeof(T), off, 0, std::min(L, kPrefetchAhead), D * int64_t(sizeof(T)));
+  prefetch_rows(vp, sizeof(T), off, 0, std::min(L, kPrefetchAhead - L), D * int64_t(sizeof(T)));
   for (int64_t t0 = 0; t0 < L; t0 += 16) {                      // pass 1: scores
     const int64_t n = std::min<int64_t>(16, L - t0);
     prefetch_rows(kp, sizeof(T), off, t0 + kPrefetchAhead, std::min(L, t0 + kPrefetchAhead + 16),
                   D * int64_t(sizeof(T)));
-    if (t0 + kPrefetchAhead >= L)         // V's first rows, for pass 2
+    if (t0 + kPrefetchAhead + 16 > L)    // V's first rows, for pass 2
       prefetch_rows(vp, sizeof(T), off, std::max<int64_t>(0, t0 + kPrefetchAhead - L),
                     std::min(L, t0 + kPrefetchAhead + 16 - L), D * int64_t(sizeof(T)));
     for (int64_t u = 0; u < n; ++u) {
@@ -227,11 +228,12 @@ void decode_head_avx2(const float* qh, const T* kp, const T* vp, const int64_t* 
   const __m256 sv = _mm256_set1_ps(scale);
   const int64_t* off = offsets.data();
   prefetch_rows(kp, sizeof(T), off, 0, std::min(L, kPrefetchAhead), D * int64_t(sizeof(T)));
+  prefetch_rows(vp, sizeof(T), off, 0, std::min(L, kPrefetchAhead - L), D * int64_t(sizeof(T)));
   for (int64_t t0 = 0; t0 < L; t0 += 8) {                       // pass 1: scores
     const int64_t n = std::min<int64_t>(8, L - t0);
     prefetch_rows(kp, sizeof(T), off, t0 + kPrefetchAhead, std::min(L, t0 + kPrefetchAhead + 8),
                   D * int64_t(sizeof(T)));
-    if (t0 + kPrefetchAhead >= L)         // V's first rows, for pass 2
+    if (t0 + kPrefetchAhead + 8 > L)    // V's first rows, for pass 2
       prefetch_rows(vp, sizeof(T), off, std::max<int64_t>(0, t0 + kPrefetchAhead - L),
                     std::min(L, t0 + kPrefetchAhead + 8 - L), D * int64_t(sizeof(T)));
     for (int64_t u = 0; u < n; ++u) {
