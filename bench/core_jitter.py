@@ -30,6 +30,7 @@ gives a loop that has no Python, no Redis and no other thread in it.
 from __future__ import annotations
 
 import argparse
+import itertools
 import multiprocessing
 import os
 import sys
@@ -39,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import torch, write_json  # noqa: E402
+from bench.common import random_prompts, torch, write_json  # noqa: E402
 from shared.cpu import cpu_flags  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
@@ -65,7 +66,8 @@ def neighbour(kind: str, core: int, ready, stop) -> None:
                 read()
     else:                                       # prefill
         torch.set_num_threads(1)
-        engine, prompts = default_engine(), random_prompts(LONG_PROMPT_TOKENS, seed=1)
+        engine = default_engine()
+        prompts = fresh_prompts(engine, LONG_PROMPT_TOKENS, seed=1)
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         ready.set()
         while not stop.is_set():
@@ -80,17 +82,18 @@ def default_engine():
     return LLMEngine(EngineArgs(), progress=False)
 
 
-def random_prompts(length: int, seed: int):
-    """Endless fresh prompts of random token ids (none found in a prefix cache)."""
-    rng = np.random.default_rng(seed)
-    while True:
-        yield rng.integers(100, 40_000, length).tolist()
+def fresh_prompts(engine, length: int, seed: int):
+    """Endless prompts of random token ids (`random_prompts`), none found in a prefix cache."""
+    vocab = engine.model_config.vocab_size
+    return itertools.chain.from_iterable(
+        random_prompts(16, length, length, vocab, seed=seed + 1000 * i) for i in itertools.count())
 
 
 def measure_decode(seconds: float) -> np.ndarray:
     """The times of `step()` of an engine with DECODE_STREAMS requests decoding; a request
     that ends is replaced, and the steps that carry its prompt are not counted."""
-    engine, prompts = default_engine(), random_prompts(PROMPT_TOKENS, seed=0)
+    engine = default_engine()
+    prompts = fresh_prompts(engine, PROMPT_TOKENS, seed=0)
     sampling = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
     started: set[str] = set()              # requests past their first token
     steps = []

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import engine_arg_parser  # noqa: E402
 from gateway import openai_schema as oai  # noqa: E402
+from gateway.responses import SSE_HEADERS  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
 from shared.detokenizer import IncrementalDetokenizer  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
@@ -106,8 +107,7 @@ def completions(engine: LLMEngine, worker: EngineThread, model: str):
         head = oai.envelope("completion", "cmpl-inprocess", model, int(time.time()), chunk=True)
         detok = IncrementalDetokenizer(engine.tokenizer, ids)
         outputs = worker.submit(ids, sampling)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                               "Cache-Control": "no-cache"})
+        response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(request)
         n = 0
         while True:

@@ -127,7 +127,7 @@ def free_port() -> int:
 class ServedSystem:
     proc: subprocess.Popen
     base_url: str
-    redis_url: str
+    redis_url: str | None   # None: bench/inprocess_http.py, no Redis and no stats to read
     log_path: str
     model: str           # the served model name
 
@@ -144,9 +144,9 @@ class ServedSystem:
 def start_served(engine_args: EngineArgs, model: str, log_path: str,
                  extra: tuple[str, ...] = (), http_only: bool = False) -> ServedSystem:
     """`pacer up` with these engine flags (and `extra` flags) on free ports, once healthy;
-    with `http_only`, bench/inprocess_http.py instead (no Redis: `redis_url` is empty)."""
+    with `http_only`, bench/inprocess_http.py instead (no Redis)."""
     port, redis_port = free_port(), free_port()
-    redis_url = "" if http_only else f"redis://127.0.0.1:{redis_port}/0"
+    redis_url = None if http_only else f"redis://127.0.0.1:{redis_port}/0"
     argv = [os.path.join(ROOT, "bench", "inprocess_http.py"), "--port", str(port)] \
         if http_only else ["-m", "services.cli", "up", "--port", str(port),
                            "--redis-url", redis_url, "--log-level", "warning"]
@@ -229,18 +229,15 @@ def plan_wait_share(snaps: list[dict[str, float]]) -> dict:
 async def _served_pass(system: ServedSystem, requests: list[BenchRequest], concurrency: int):
     target = ApiTarget(system.base_url, "/v1/completions", system.model)
     opts = SendOptions(temperature=0.0, ignore_eos=True, timeout_s=600.0)
-    if not system.redis_url:          # the in-process HTTP server: no stats to read
-        results, duration = await run_requests(target, requests, opts,
-                                               max_concurrency=concurrency)
-        return results, duration, {}
     stop = asyncio.Event()
-    poller = asyncio.create_task(poll_stats(system.redis_url, stop))
+    poller = asyncio.create_task(poll_stats(system.redis_url, stop)) if system.redis_url \
+        else None
     try:
         results, duration = await run_requests(target, requests, opts,
                                                max_concurrency=concurrency)
     finally:
         stop.set()
-        snaps = await poller
+        snaps = await poller if poller is not None else []
     return results, duration, plan_wait_share(snaps)
 
 
