@@ -49,14 +49,18 @@ class Generation:
                  stop: tuple[str, ...], tokenizer: Tokenizer, upstream: Upstream,
                  router: TokenRouter, metrics: GatewayMetrics, arrival: float,
                  slot: WaitingSlot | None = None, timeout_s: float | None = None,
-                 echo: str | None = None, include_stop: bool = False) -> None:
+                 echo: str | None = None, include_stop: bool = False,
+                 skip_special_tokens: bool = True) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self._tokenizer = tokenizer
         self._upstream, self._router, self._metrics = upstream, router, metrics
-        self._text = TextOutput(IncrementalDetokenizer(tokenizer, prompt_token_ids), stop,
-                                sampling.min_tokens, include_stop)
+        eos = frozenset(tokenizer.eos_token_ids)
+        self._text = TextOutput(IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                                       skip_special_tokens=skip_special_tokens),
+                                stop, sampling.min_tokens, include_stop,
+                                ends=lambda token_id: sampling.stops_on(token_id, eos))
         self._arrival = arrival                 # time.monotonic() when the request came in
         self._last_token_at: float | None = None
         self._submitted = False

@@ -142,7 +142,8 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                 tokenizer=state.tokenizer, upstream=state.upstream, router=state.router,
                 metrics=state.metrics, arrival=arrival, slot=place,
                 timeout_s=req.timeout or state.config.request_timeout_s, echo=echo,
-                include_stop=req.include_stop_str_in_output))
+                include_stop=req.include_stop_str_in_output,
+                skip_special_tokens=req.skip_special_tokens))
                 for index, ((ids, sampling, echo), place) in enumerate(zip(choices, slots))]
             for gen in gens:        # one by one: a failed start leaves none in flight
                 await _start(gen, state)
@@ -216,7 +217,8 @@ async def tokenize(request: web.Request) -> web.Response:
     _check_model(req.model, state)
     if req.messages is not None:
         ids = await asyncio.to_thread(state.tokenizer.encode_chat, req.messages,
-                                      list(req.tools) or None)
+                                      list(req.tools) or None, req.add_generation_prompt,
+                                      req.continue_final_message)
     else:
         ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt, req.add_special_tokens)
     return web.json_response({"count": len(ids), "max_model_len": state.max_model_len,

@@ -7,6 +7,7 @@ is not a number) because a silently coerced parameter is a wrong answer the clie
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -98,6 +99,9 @@ class GenerationRequest:
     tool_choice: str | None = None
     parallel_tool_calls: bool = True        # "auto": False keeps only the first call
     timeout: float | None = None            # seconds; pacer's extension: a deadline
+    skip_special_tokens: bool = True        # vLLM's: special tokens left out of the text
+    add_generation_prompt: bool = True      # chat, vLLM's: the template opens the answer's turn
+    continue_final_message: bool = False    # chat, vLLM's: the answer goes on with the last one
 
 
 # ---- field readers ---------------------------------------------------------------------------
@@ -236,8 +240,24 @@ def parse_chat(body: Any, auto_tools: bool = False) -> GenerationRequest:
         max_tokens = read_field(body, "max_tokens", (int,), None)
     if read_field(body, "echo", (bool,), False):
         raise APIError("'echo' is served on /v1/completions only", param="echo")
-    return _common(body, "chat", prompts=(), messages=messages, max_tokens=max_tokens,
-                   logprobs=(top or 0) if want else None, auto_tools=auto_tools)
+    request = _common(body, "chat", prompts=(), messages=messages, max_tokens=max_tokens,
+                      logprobs=(top or 0) if want else None, auto_tools=auto_tools)
+    add_generation_prompt, continue_final_message = _chat_format(body)
+    return dataclasses.replace(request, add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message)
+
+
+def _chat_format(body: dict) -> tuple[bool, bool]:
+    """vLLM's add_generation_prompt and continue_final_message: a new turn for the answer (the
+    default), or the final message left open for the model to go on with (a prefilled
+    answer); not both."""
+    add = read_field(body, "add_generation_prompt", (bool,), True)
+    cont = read_field(body, "continue_final_message", (bool,), False)
+    if add and cont:
+        raise APIError("'continue_final_message' needs 'add_generation_prompt' to be false: the "
+                       "first goes on with the last message, the second opens a new one",
+                       param="continue_final_message")
+    return add, cont
 
 
 @dataclass(frozen=True)
@@ -250,6 +270,8 @@ class TokenizeRequest:
     messages: list[dict] | None
     add_special_tokens: bool
     tools: tuple[dict, ...] = ()
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
@@ -264,7 +286,7 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         tools = read_field(body, "tools", (list,), None) or []
         for i, tool in enumerate(tools):
             _tool_name(tool, i)
-        return TokenizeRequest(model, None, messages, False, tuple(tools))
+        return TokenizeRequest(model, None, messages, False, tuple(tools), *_chat_format(body))
     return TokenizeRequest(model, read_field(body, "prompt", (str,)), None,
                            read_field(body, "add_special_tokens", (bool,), True))
 
@@ -524,7 +546,8 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         bad_words=_bad_words(body),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
         structured_outputs=_structured_outputs(body, tools, tool_choice, parallel_tool_calls),
-        timeout=None if timeout is None else float(timeout))
+        timeout=None if timeout is None else float(timeout),
+        skip_special_tokens=read_field(body, "skip_special_tokens", (bool,), True))
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -548,14 +571,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None 
 
 
 def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
-    """The legacy completions shape; offsets count from the start of the generated text."""
+    """The legacy completions shape; offsets count from the start of the generated text. Each
+    `top_logprobs` holds the chosen token's too (up to `logprobs` + 1 entries, as OpenAI and
+    vLLM answer); chat's `top_logprobs` are the top ones alone."""
     offsets, at = [], text_offset
     for e in entries:
         offsets.append(at)
         at += len(e.token)
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.top is None else dict(e.top) for e in entries],
+            "top_logprobs": [None if e.top is None else {**dict(e.top), e.token: e.logprob}
+                             for e in entries],
             "text_offset": offsets}
 
 

@@ -78,6 +78,9 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                                    "description": "vLLM's: only the prompt's last N tokens "
                                                   "(-1: the model's context)"},
         "ignore_eos": {"type": "boolean", "nullable": True},
+        "skip_special_tokens": {"type": "boolean", "nullable": True,
+                                "description": "vLLM's: special tokens left out of the text "
+                                               "(the default) or written in it"},
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
               "description": f"choices per prompt; at most {MAX_CHOICES} over all prompts"},
         # accepted only at the values that change nothing (openai_schema refuses the rest)
@@ -162,7 +165,18 @@ def _chat_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, 
         "logprobs": {"type": "boolean", "nullable": True},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                          "nullable": True},
+        **CHAT_FORMAT_FIELDS,
         **_sampling_fields(max_model_len, vocab_size)}}
+
+
+# vLLM's: how the chat template ends the prompt; not both true
+CHAT_FORMAT_FIELDS = {
+    "add_generation_prompt": {"type": "boolean", "nullable": True,
+                              "description": "the template opens the answer's turn (default)"},
+    "continue_final_message": {"type": "boolean", "nullable": True,
+                               "description": "the final message is left open and the answer "
+                                              "goes on with it; needs add_generation_prompt "
+                                              "false"}}
 
 
 def _responses_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, Any]:

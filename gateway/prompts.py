@@ -14,15 +14,35 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer,
                      max_model_len: int) -> list[list[int]]:
     """Each prompt's ids (chat: one, its template rendered first), the last
-    `truncate_prompt_tokens` of them if asked (-1: the model's context). CPU-bound: run it off
-    the event loop."""
+    `truncate_prompt_tokens` of them if asked (-1: as many as the context holds beside the
+    answer, `answer_room`). CPU-bound: run it off the event loop."""
     if req.endpoint == "chat":
-        prompts = [_nonempty(tokenizer.encode_chat(req.messages, list(req.tools) or None),
-                             "messages")]
+        prompts = [_nonempty(tokenizer.encode_chat(req.messages, list(req.tools) or None,
+                                                   req.add_generation_prompt,
+                                                   req.continue_final_message), "messages")]
     else:
         prompts = [_nonempty(_prompt_ids(p, tokenizer), "prompt") for p in req.prompts]
-    keep = max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+    if req.truncate_prompt_tokens == -1:
+        return [_fit(ids, req, max_model_len) for ids in prompts]
+    keep = req.truncate_prompt_tokens
     return prompts if keep is None else [ids[-keep:] for ids in prompts]
+
+
+def _fit(ids: list[int], req: GenerationRequest, max_model_len: int) -> list[int]:
+    """`truncate_prompt_tokens: -1` (the Responses API's `truncation: "auto"`): the prompt's
+    end, cut only as far as the answer needs room: its max_tokens (or the completions default).
+    A chat without max_tokens whose prompt fits keeps it whole and answers in the rest; one that
+    does not fit keeps an eighth of the context for the answer."""
+    if req.max_tokens is not None:
+        room = req.max_tokens
+    elif req.endpoint == "completions":
+        room = DEFAULT_COMPLETION_MAX_TOKENS
+    elif len(ids) < max_model_len:
+        return ids
+    else:
+        room = max_model_len // 8
+    keep = max(max_model_len - max(room, req.min_tokens, 1), 1)
+    return ids[-keep:]
 
 
 def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:

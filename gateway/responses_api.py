@@ -41,7 +41,7 @@ log = structlog.get_logger("gateway.responses_api")
 SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence_penalty",
                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                    "ignore_eos", "bad_words", "allowed_token_ids", "include_stop_str_in_output",
-                   "timeout")
+                   "timeout", "skip_special_tokens")
 # Chat fields that have another spelling here: sent, they would be silently ignored
 CHAT_SPELLINGS = {"messages": "input", "max_tokens": "max_output_tokens",
                   "max_completion_tokens": "max_output_tokens", "response_format": "text.format",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 import time
@@ -110,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
 
     # the gateway's stop strings: the text ends before the first, the request there (keyed
     # by the ids engine.generate gives: the input's index)
-    texts = {str(i): TextOutput(IncrementalDetokenizer(engine.tokenizer, ids), stop, p.min_tokens)
+    eos = frozenset(engine.tokenizer.eos_token_ids)
+    texts = {str(i): TextOutput(IncrementalDetokenizer(engine.tokenizer, ids), stop, p.min_tokens,
+                                ends=functools.partial(p.stops_on, eos_token_ids=eos))
              for i, (ids, p, stop) in enumerate(zip(prompts, params, stops)) if stop}
 
     def progress(out):
@@ -134,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     for r in results:
         if r.request_id in texts and texts[r.request_id].stopped:
             r.finish_reason = "stop"
-    _write(args.output, results, engine.tokenizer, texts)
+    _write(args.output, results, params, engine.tokenizer, texts)
     n_in = sum(len(p) for p in prompts)
     print(f"{len(results)} requests, {n_in} prompt tokens, {counted[0]} output tokens in "
           f"{elapsed:.2f} s: {counted[0] / elapsed:.1f} output tok/s, "
@@ -142,12 +145,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(path: str, results, tokenizer, texts: dict[str, TextOutput]) -> None:
+def _write(path: str, results, params, tokenizer, texts: dict[str, TextOutput]) -> None:
+    eos = frozenset(tokenizer.eos_token_ids)
     try:
         with open(path, "w", encoding="utf-8") as f:
-            for i, r in enumerate(results):
+            for i, (r, p) in enumerate(zip(results, params)):
+                # the text leaves out the token that ended the request (EOS, a stop token)
+                shown = r.token_ids[:-1] if r.token_ids and p.stops_on(r.token_ids[-1], eos) \
+                    else r.token_ids
                 text = texts[r.request_id].text if r.request_id in texts \
-                    else tokenizer.decode(r.token_ids)
+                    else tokenizer.decode(shown)
                 line = {"index": i, "prompt_tokens": len(r.prompt_token_ids),
                         "token_ids": r.token_ids, "text": text,
                         "finish_reason": r.finish_reason}

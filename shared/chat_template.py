@@ -84,13 +84,32 @@ def _content_text(i: int, content: Any) -> str:
 
 def render_chat_template(template: str, messages: Any, *, bos_token: str = "",
                          eos_token: str = "", add_generation_prompt: bool = True,
-                         tools: list | None = None) -> str:
+                         tools: list | None = None, continue_final_message: bool = False) -> str:
+    """`continue_final_message`: the text ends where the final message's content does (no
+    end-of-turn after it), so that the model goes on with that message (a prefilled answer)."""
+    if add_generation_prompt and continue_final_message:
+        raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both "
+                                  "be true: the first opens a new message, the second goes on "
+                                  "with the last one")
     checked = validate_messages(messages)
     try:
-        return _compile(template).render(
+        rendered = _compile(template).render(
             messages=checked, bos_token=bos_token, eos_token=eos_token,
             add_generation_prompt=add_generation_prompt, tools=tools)
     except InvalidRequestError:
         raise
     except Exception as e:  # the template is foreign code: any failure is the request's
         raise InvalidRequestError(f"chat template failed: {type(e).__name__}: {e}") from e
+    return _open_final_message(rendered, checked[-1]["content"]) if continue_final_message \
+        else rendered
+
+
+def _open_final_message(rendered: str, final: str) -> str:
+    """The rendered chat cut after the final message's content: its last occurrence as given,
+    or stripped (templates often trim a message)."""
+    for content in (final, final.strip()):
+        at = rendered.rfind(content) if content else -1
+        if at >= 0:
+            return rendered[:at + len(content)]
+    raise InvalidRequestError("continue_final_message needs a final message with content that "
+                              "the chat template writes out as given")

@@ -8,15 +8,21 @@ receives the start of a stop string that the next token completes:
 """
 from __future__ import annotations
 
+from typing import Callable
+
 from shared.detokenizer import IncrementalDetokenizer
 
 
 class TextOutput:
     def __init__(self, detokenizer: IncrementalDetokenizer, stop: tuple[str, ...] = (),
-                 min_tokens: int = 0, include_stop: bool = False) -> None:
+                 min_tokens: int = 0, include_stop: bool = False,
+                 ends: Callable[[int], bool] | None = None) -> None:
+        """`ends`: whether a token ends the request by itself (EOS, a stop token): its text is
+        left out, as vLLM does, unless `include_stop`."""
         self._detok = detokenizer
         self._stop = stop
         self._include_stop = include_stop      # vLLM's include_stop_str_in_output
+        self._ends = None if include_stop else ends
         self._longest_stop = max((len(s) for s in stop), default=0)
         # vLLM's min_tokens: a stop string counts only once the text has this many tokens
         # (and then only where it ends in the newest token's text, as every search)
@@ -28,7 +34,7 @@ class TextOutput:
         self._sent = 0
 
     def add(self, token_id: int) -> None:
-        if self.stopped:
+        if self.stopped or (self._ends is not None and self._ends(token_id)):
             return
         before = len(self.text)
         self.text += self._detok.add(token_id)

@@ -63,18 +63,24 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
-        """`tools`: OpenAI's function definitions, for a template that shows them."""
+                            tools: list[dict] | None = None,
+                            continue_final_message: bool = False) -> str:
+        """`tools`: OpenAI's function definitions, for a template that shows them;
+        `continue_final_message`: the last message left open, for the model to go on with."""
         if not self.chat_template:
             raise InvalidRequestError("this model has no chat template; use /v1/completions")
         return render_chat_template(
             self.chat_template, messages, bos_token=self._token_text(self._bos_token_id),
             eos_token=self._token_text(self._eos_token_id),
-            add_generation_prompt=add_generation_prompt, tools=tools)
+            add_generation_prompt=add_generation_prompt, tools=tools,
+            continue_final_message=continue_final_message)
 
-    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None,
+                    add_generation_prompt: bool = True,
+                    continue_final_message: bool = False) -> list[int]:
         # the template writes every special token itself (transformers does the same)
-        return self.encode(self.apply_chat_template(messages, tools=tools),
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt, tools,
+                                                    continue_final_message),
                            add_special_tokens=False)
 
     def _token_text(self, token_id: int | None) -> str:

@@ -39,6 +39,7 @@ MODEL = "test-model"
 PREFIX = "gwtest:"
 MAX_MODEL_LEN = 128
 REPLY = "Hello world, this is pacer. STOP here and more words."
+SPECIAL_ID = 1          # the default model's <|im_start|>: a special token, not its EOS
 TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
 
@@ -54,6 +55,7 @@ TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": 
 #   [error]         the request fails with finish_reason "error" after two tokens
 #   [invalid]       the scheduler rejects the request as one that can never be served
 #   [tool]          the output is TOOL_REPLY, a call in the hermes format, then EOS
+#   [special]       the output is "Hi", a special token (not EOS), " there", then EOS
 
 class FakeScheduler:
     def __init__(self, redis: aioredis.Redis, keys: Keys, tokenizer: Tokenizer) -> None:
@@ -109,8 +111,12 @@ class FakeScheduler:
 
     def _output(self, msg: RequestMsg, repeat: bool) -> list[int]:
         sp = msg.sampling
-        if "[tool]" in self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False):
+        prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
+        if "[tool]" in prompt:
             return (self.tok.encode(TOOL_REPLY) + [self.tok.eos_token_id])[:sp.max_tokens]
+        if "[special]" in prompt:
+            return (self.tok.encode("Hi") + [SPECIAL_ID] + self.tok.encode(" there") +
+                    [self.tok.eos_token_id])[:sp.max_tokens]
         if repeat or sp.ignore_eos:
             ids = (self.reply_ids * (sp.max_tokens // len(self.reply_ids) + 1))[:sp.max_tokens]
         else:
@@ -281,6 +287,44 @@ async def test_chat_accepts_every_openai_role(h: Harness) -> None:
     status, body = await h.post("/v1/chat/completions", {**chat(max_tokens=2), "messages": messages})
     assert status == 200, body
     assert h.fake.received[body["id"]].prompt_token_ids == h.tok.encode_chat(messages)
+
+
+async def test_chat_continues_the_final_message_when_asked(h: Harness) -> None:
+    """vLLM's continue_final_message (with add_generation_prompt false): the prompt ends with
+    the final message's content, no end of turn after it, so the answer goes on with it."""
+    messages = [{"role": "user", "content": "Say hello."},
+                {"role": "assistant", "content": "The answer is"}]
+    body = {**chat(max_tokens=2), "messages": messages}
+    status, answer = await h.post("/v1/chat/completions", {
+        **body, "continue_final_message": True, "add_generation_prompt": False})
+    assert status == 200, answer
+    prompt = h.tok.decode(h.fake.received[answer["id"]].prompt_token_ids, skip_special_tokens=False)
+    whole = h.tok.apply_chat_template(messages, add_generation_prompt=False)
+    assert prompt.endswith("The answer is") and whole.startswith(prompt) and len(whole) > len(prompt)
+    status, answer = await h.post("/v1/chat/completions", {**body, "add_generation_prompt": False})
+    assert status == 200, answer           # no new turn opened for the answer
+    assert h.fake.received[answer["id"]].prompt_token_ids == h.tok.encode(whole)
+    status, tokenized = await h.post("/tokenize", {"messages": messages, "add_generation_prompt":
+                                                   False, "continue_final_message": True})
+    assert status == 200 and h.tok.decode(tokenized["tokens"], skip_special_tokens=False) == prompt
+    for path in ("/v1/chat/completions", "/tokenize"):   # both true: a 400 that says why
+        status, error = await h.post(path, {**body, "continue_final_message": True})
+        assert status == 400 and error["error"]["param"] == "continue_final_message", error
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_skip_special_tokens_false_keeps_them_in_the_text(h: Harness, path: str) -> None:
+    special = h.tok.decode([SPECIAL_ID], skip_special_tokens=False)
+    body = completion(prompt="[special]") if path == "/v1/completions" else chat("[special]")
+
+    async def text(**kw) -> str:
+        status, answer = await h.post(path, {**body, **kw})
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        return choice["text"] if "text" in choice else choice["message"]["content"]
+
+    assert await text() == "Hi there"
+    assert await text(skip_special_tokens=False) == f"Hi{special} there"
 
 
 async def test_chat_sse_shape_with_usage_chunk(h: Harness) -> None:
@@ -466,8 +510,12 @@ async def test_echo_puts_the_prompt_and_its_logprobs_first(h: Harness, stream: b
     assert text == prompt + reply_text(h.tok, 2)
     assert lp["tokens"][:len(ids)] == [h.tok.decode([t], skip_special_tokens=False) for t in ids]
     assert lp["token_logprobs"][:len(ids)] == [None] + [-0.25] * (len(ids) - 1)
+    # the fake's top prompt token is id 7; the prompt's own token stands beside it, as OpenAI's
+    # legacy shape holds the chosen token too (up to logprobs + 1 entries)
+    assert ids[1] != 7
     assert lp["top_logprobs"][0] is None and lp["top_logprobs"][1] == {
-        h.tok.decode([7], skip_special_tokens=False): -1.0}
+        h.tok.decode([7], skip_special_tokens=False): -1.0,
+        h.tok.decode([ids[1]], skip_special_tokens=False): -0.25}
     assert len(lp["tokens"]) == len(ids) + 2
     assert lp["text_offset"][len(ids)] == len(prompt)        # the output's text follows it
 

@@ -158,6 +158,29 @@ def test_a_stop_string_kept_in_the_text_when_asked(tokenizer):
     assert text(True) == " one, two, stop"
 
 
+def test_the_token_that_ends_a_request_is_left_out_of_its_text(tokenizer):
+    """vLLM's rule: the stop token (or EOS, written out with skip_special_tokens false) that
+    ended a request is not in its text, unless include_stop_str_in_output."""
+    ids = tokenizer.encode(" one, two.")
+    eos = frozenset(tokenizer.eos_token_ids)
+    sampling = SamplingParams(stop_token_ids=(ids[-1],))
+
+    def text(ids, include: bool = False, skip_special: bool = True) -> str:
+        out = TextOutput(IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip_special),
+                         include_stop=include, ends=lambda t: sampling.stops_on(t, eos))
+        for t in ids:
+            out.add(t)
+        out.finish()
+        return out.text
+
+    assert text(ids) == " one, two"
+    assert text(ids, include=True) == " one, two."
+    eos_text = tokenizer.decode([tokenizer.eos_token_id], skip_special_tokens=False)
+    assert text(ids[:-1] + [tokenizer.eos_token_id], skip_special=False) == " one, two"
+    assert text(ids[:-1] + [tokenizer.eos_token_id], include=True, skip_special=False) \
+        == " one, two" + eos_text
+
+
 def test_truncate_prompt_tokens_keeps_the_last_ones(tokenizer):
     from gateway.prompts import prompt_token_ids
     body = {"model": "m", "prompt": "one two three four five six seven"}
@@ -165,10 +188,32 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(tokenizer):
     kept = prompt_token_ids(parse_completion({**body, "truncate_prompt_tokens": 3}), tokenizer,
                             2048)[0]
     assert kept == whole[-3:] and len(whole) > 3
-    assert prompt_token_ids(parse_completion({**body, "truncate_prompt_tokens": -1}), tokenizer,
-                            4)[0] == whole[-4:]
     with pytest.raises(APIError, match="truncate_prompt_tokens"):
         parse_completion({**body, "truncate_prompt_tokens": 0})
+
+
+def test_truncate_minus_one_leaves_the_answer_room(tokenizer):
+    """-1 (and the Responses API's truncation "auto") cuts a prompt that does not fit down to
+    what fits beside the answer, and a request that then passes every length check."""
+    from gateway.prompts import prompt_token_ids
+    body = {"model": "m", "prompt": " ".join(["word"] * 60), "truncate_prompt_tokens": -1}
+    whole = prompt_token_ids(parse_completion({**body, "truncate_prompt_tokens": None}),
+                             tokenizer, 2048)[0]
+    for extra, room in (({"max_tokens": 5}, 5), ({}, 16)):     # 16: the completions default
+        req = parse_completion({**body, **extra})
+        [kept] = prompt_token_ids(req, tokenizer, 40)
+        assert kept == whole[-(40 - room):]
+        assert sampling_params(req, len(kept), 40, tokenizer).max_tokens == room
+    assert prompt_token_ids(parse_completion(body), tokenizer, 2048)[0] == whole   # it fits
+    chat = {"model": "m", "truncate_prompt_tokens": -1,
+            "messages": [{"role": "user", "content": " ".join(["word"] * 60)}]}
+    whole = prompt_token_ids(parse_chat({**chat, "truncate_prompt_tokens": None}), tokenizer,
+                             2048)[0]
+    # without max_tokens a chat prompt that fits stays whole; one that does not keeps 1/8 free
+    assert prompt_token_ids(parse_chat(chat), tokenizer, len(whole) + 1)[0] == whole
+    req = parse_chat(chat)
+    [kept] = prompt_token_ids(req, tokenizer, 64)
+    assert kept == whole[-56:] and sampling_params(req, 56, 64, tokenizer).max_tokens == 8
 
 
 def test_a_bad_word_is_never_completed():
