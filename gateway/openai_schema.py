@@ -558,6 +558,9 @@ class TokenLogprob:
     token: str
     logprob: float | None                   # None: an echoed prompt's first token
     top: list[tuple[str, float]] | None
+    # chat's `bytes`: each token's own bytes (part of a character, for some), token then top;
+    # None: its text's UTF-8
+    raw: tuple[bytes, ...] | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
@@ -586,10 +589,15 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict:
-    def item(token: str, logprob: float | None) -> dict:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
-    return {"content": [{**item(e.token, e.logprob),
-                         "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}
+    def item(token: str, logprob: float | None, raw: bytes | None) -> dict:
+        return {"token": token, "logprob": logprob,
+                "bytes": list(token.encode("utf-8") if raw is None else raw)}
+
+    def entry(e: TokenLogprob) -> dict:
+        raw = e.raw or (None,) * (1 + len(e.top))
+        return {**item(e.token, e.logprob, raw[0]),
+                "top_logprobs": [item(t, lp, b) for (t, lp), b in zip(e.top, raw[1:])]}
+    return {"content": [entry(e) for e in entries]}
 
 
 def vllm_prompt_logprobs(ids: list[int], entries: dict, top: int, text) -> list[dict | None]:

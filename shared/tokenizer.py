@@ -7,6 +7,7 @@ the pre-tokenizer is chosen). No transformers at runtime: it takes seconds to im
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from gguf import GGUFReader
@@ -19,6 +20,25 @@ from shared.model_config import eos_token_ids, gguf_value, open_gguf, read_json
 from shared.model_source import ModelSource
 
 _CONTROL, _USER_DEFINED = 3, 4     # llama.cpp token types
+_REPLACEMENT = "\ufffd"
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_decoder() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's): each byte is written as one printable character,
+    the printable Latin-1 bytes as themselves and the rest as 256, 257, ... in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_BYTE_LEVEL_DECODER = _byte_level_decoder()
 
 
 class Tokenizer:
@@ -53,6 +73,21 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, also where it is part of a character (what OpenAI's
+        logprobs `bytes` carry, so that a client can join them into the text): its text, or
+        for a token whose text alone is not whole UTF-8, the bytes under its vocabulary entry
+        (a byte-level BPE entry, or a byte-fallback `<0xNN>`)."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if _REPLACEMENT not in text:
+            return text.encode("utf-8")
+        entry = self.id_to_token(token_id) or ""
+        if (m := _BYTE_FALLBACK.fullmatch(entry)) is not None:
+            return bytes([int(m.group(1), 16)])
+        if entry and all(c in _BYTE_LEVEL_DECODER for c in entry):
+            return bytes(_BYTE_LEVEL_DECODER[c] for c in entry)
+        return text.encode("utf-8")
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Special tokens written in the text (e.g. <|im_start|>) are always recognised;

@@ -39,6 +39,7 @@ MODEL = "test-model"
 PREFIX = "gwtest:"
 MAX_MODEL_LEN = 128
 REPLY = "Hello world, this is pacer. STOP here and more words."
+EMOJI_REPLY = "Party 🎉 你好"
 SPECIAL_ID = 1          # the default model's <|im_start|>: a special token, not its EOS
 TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
 
@@ -56,6 +57,7 @@ TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": 
 #   [invalid]       the scheduler rejects the request as one that can never be served
 #   [tool]          the output is TOOL_REPLY, a call in the hermes format, then EOS
 #   [special]       the output is "Hi", a special token (not EOS), " there", then EOS
+#   [emoji]         the output is EMOJI_REPLY (tokens that split its characters), then EOS
 
 class FakeScheduler:
     def __init__(self, redis: aioredis.Redis, keys: Keys, tokenizer: Tokenizer) -> None:
@@ -114,6 +116,8 @@ class FakeScheduler:
         prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
         if "[tool]" in prompt:
             return (self.tok.encode(TOOL_REPLY) + [self.tok.eos_token_id])[:sp.max_tokens]
+        if "[emoji]" in prompt:
+            return (self.tok.encode(EMOJI_REPLY) + [self.tok.eos_token_id])[:sp.max_tokens]
         if "[special]" in prompt:
             return (self.tok.encode("Hi") + [SPECIAL_ID] + self.tok.encode(" there") +
                     [self.tok.eos_token_id])[:sp.max_tokens]
@@ -287,6 +291,19 @@ async def test_chat_accepts_every_openai_role(h: Harness) -> None:
     status, body = await h.post("/v1/chat/completions", {**chat(max_tokens=2), "messages": messages})
     assert status == 200, body
     assert h.fake.received[body["id"]].prompt_token_ids == h.tok.encode_chat(messages)
+
+
+async def test_chat_logprobs_bytes_join_into_the_text(h: Harness) -> None:
+    """OpenAI's `bytes`: a token that holds part of a character carries those bytes (its text
+    alone is a replacement character), so the bytes join into the answer's UTF-8."""
+    status, body = await h.post("/v1/chat/completions", chat("[emoji]", logprobs=True,
+                                                             top_logprobs=1))
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert any("\ufffd" in e["token"] for e in content)
+    assert content[-1]["token"] == h.tok.decode([h.tok.eos_token_id], skip_special_tokens=False)
+    assert bytes(b for e in content[:-1] for b in e["bytes"]) == EMOJI_REPLY.encode("utf-8")
+    assert body["choices"][0]["message"]["content"] == EMOJI_REPLY
 
 
 async def test_chat_continues_the_final_message_when_asked(h: Harness) -> None:

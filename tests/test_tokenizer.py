@@ -93,6 +93,17 @@ def test_gguf_special_tokens(smol):
 
 
 @pytest.mark.slow
+def test_token_bytes_join_into_the_text(smol):
+    """OpenAI's logprobs `bytes`: tokens that each hold part of a character still join into
+    its UTF-8 bytes (their text alone is a replacement character)."""
+    text = "I love 🎉 and 你好 parties"
+    ids = smol.encode(text)
+    assert any("\ufffd" in smol.decode([i]) for i in ids)     # some split a character
+    assert b"".join(smol.token_bytes(i) for i in ids) == text.encode("utf-8")
+    assert smol.token_bytes(2) == b"<|im_end|>"                 # special: its text
+
+
+@pytest.mark.slow
 def test_gguf_chat_template_matches_transformers(smol, reference):
     for messages in ([{"role": "user", "content": "What is 2+2?"}],
                      [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"},
