@@ -58,7 +58,7 @@ from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recove
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, role_disagreement
-from shared.keys import PLANS_MAXLEN, Keys
+from shared.keys import HEARTBEAT_TTL_S, PLANS_MAXLEN, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
                               stream_tail_id)
 from shared.plan import IterationPlan, StepResult
@@ -438,8 +438,10 @@ class SchedulerService:
                 self.book.abort(fields)
 
     def _check_gateways(self, gateways: list[str], heartbeats: list) -> None:
-        """Abort the requests of a gateway whose heartbeat is gone: nobody reads their
-        tokens, and their KV blocks are better spent on live clients."""
+        """Stop the requests of a gateway whose heartbeat is gone: nobody reads their tokens,
+        and their KV blocks are better spent on live clients. Each ends with an error, not a
+        bare abort: a gateway that was only paused (stopped, swapping) reads it when it comes
+        back, and tells its clients that the request was dropped."""
         misses = {}
         for gateway_id, beat in zip(gateways, heartbeats):
             if beat is None:
@@ -452,7 +454,9 @@ class SchedulerService:
                 log.warning("gateway gone; aborting its requests", gateway_id=gateway_id,
                             requests=len(rids))
                 for rid in rids:
-                    self.book.stop(rid)
+                    self.book.stop(rid, f"gateway {gateway_id} sent no heartbeat for over "
+                                        f"{HEARTBEAT_TTL_S} s, so its requests were dropped; "
+                                        f"send the request again")
 
     # ---- plans and results ---------------------------------------------------------------
 

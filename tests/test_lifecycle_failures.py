@@ -113,6 +113,52 @@ def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Serv
         log.close()
 
 
+def test_a_paused_gateway_tells_its_clients_their_requests_were_dropped(served: Served, tmp_path):
+    """A gateway stopped (SIGSTOP) past its heartbeat's life looks dead to the scheduler, which
+    drops its requests; once it runs again its client gets an error event saying so, not a
+    stream that merely ends."""
+    port = free_port()
+    log = open(tmp_path / "gateway.log", "wb")
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "gateway", "--port", str(port),
+         "--redis-url", served.redis_url, "--api-key", API_KEY],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    other = Served(f"http://127.0.0.1:{port}", served.redis_url, gateway, str(tmp_path / "gateway.log"))
+    try:
+        wait_healthy(other, 60.0)
+        result = asyncio.run(_stream_with_a_pause(other, served))
+        assert result.error is not None and "no heartbeat" in result.error["message"], result
+        assert result.done and result.text           # the tokens before it, then [DONE]
+        wait_idle(served, timeout_s=30.0)
+    finally:
+        if gateway.poll() is None:
+            os.kill(gateway.pid, signal.SIGCONT)
+            gateway.kill()
+        gateway.wait()
+        log.close()
+
+
+async def _stream_with_a_pause(s: Served, scheduler_side: Served) -> StreamResult:
+    paused = asyncio.Event()
+
+    def on_chunk(result: StreamResult) -> None:
+        if len(result.chunk_times) == 3 and not paused.is_set():
+            os.kill(s.proc.pid, signal.SIGSTOP)
+            paused.set()
+
+    async def resume_once_dropped() -> None:
+        await paused.wait()
+        # the scheduler gives up on the gateway once its heartbeat key has expired twice over
+        await asyncio.to_thread(wait_idle, scheduler_side, 30.0)
+        os.kill(s.proc.pid, signal.SIGCONT)
+
+    async with aiohttp.ClientSession() as session:
+        resumer = asyncio.create_task(resume_once_dropped())
+        result = await stream_completion(session, s.base_url, long_body(), DEADLINE_S, on_chunk)
+        await resumer
+    return result
+
+
 async def _stream_then_kill(s: Served) -> float:
     killed = asyncio.Event()
 
