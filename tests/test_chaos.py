@@ -58,8 +58,8 @@ def body(i: int) -> dict:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     # float32: recovery recomputes a stream's tokens in other batches, and only the float32
-    # path is batch-invariant on every CPU (oneDNN's AMX bf16 GEMMs are not; nor, unproven,
-    # the int4 kernel the default GGUF gets with --quantization auto)
+    # path is batch-invariant on every CPU (on AMX, oneDNN's bf16 GEMMs and the int4 GEMMs of
+    # 40 rows or more are not; elsewhere the defaults are too: tests/test_batch_invariance.py)
     system = start_served(str(tmp_path_factory.mktemp("chaos") / "pacer-up.log"), "--dtype", "float32",
                           "--quantization", "none")
     try:

@@ -37,14 +37,27 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
         return y if y.dtype == out_dtype else y.to(out_dtype)
     x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
     if packed is not None:
-        y = torch.ops.mkldnn._linear_pointwise(x_in, packed, None, "none", [], "")
+        y = _rows_as_in_a_batch(
+            x_in, lambda a: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
     elif x_in.is_cuda and _gemv_serves(x_in, weight):
         from gpu_worker.model.triton_gemv import gemv
         y = gemv(x_in, weight)
+    elif x_in.dtype == torch.bfloat16 and not x_in.is_cuda:
+        y = _rows_as_in_a_batch(x_in, lambda a: F.linear(a, weight))
     else:
         y = F.linear(x_in, weight)
     out_dtype = out_dtype or x.dtype
     return y if y.dtype == out_dtype else y.to(out_dtype)
+
+
+def _rows_as_in_a_batch(x: torch.Tensor, gemm) -> torch.Tensor:
+    """oneDNN's bfloat16 GEMM on CPU sums a lone row in another order than the same row among
+    two or more (every count from two on agrees, on real activations), so a token's bits, and a
+    greedy stream's path, would change with what shares its iteration: a lone row is computed
+    as two and the copy dropped (tests/test_cpu_attention_kernels.py)."""
+    if x.shape[0] != 1:
+        return gemm(x)
+    return gemm(x.expand(2, -1).contiguous())[:1]
 
 
 def _gemv_serves(x: torch.Tensor, weight: torch.Tensor) -> bool:
