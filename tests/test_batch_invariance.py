@@ -1,9 +1,10 @@
 """A greedy stream's tokens depend on its own request alone, in the configurations served by
 default (the default model's int4 weights) and with bfloat16 weights (a Hugging Face model on
 a bf16 CPU): not on what shares its iterations, and not on whether its tokens were decoded or
-recomputed after a preemption or a failure (docs/design.md#recovery-by-recompute). float32
-is held to transformers' tokens elsewhere (tests/test_engine_parity.py); these configurations
-have no reference to match, only themselves.
+recomputed after a preemption or a failure (docs/design.md#recovery-by-recompute; a prefix
+cache hit on an earlier answer's blocks is the one case not yet covered, as that page says).
+float32 is held to transformers' tokens elsewhere (tests/test_engine_parity.py); these
+configurations have no reference to match, only themselves.
 """
 from __future__ import annotations
 
