@@ -33,10 +33,10 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
-def read_prompts(path: str, tokenizer, defaults: dict
+def read_prompts(path: str, tokenizer, defaults: dict, max_model_len: int
                  ) -> tuple[list[list[int]], list[SamplingParams], list[tuple[str, ...]]]:
     """Parse the prompts file: each line's prompt, sampling and stop strings; any bad line
-    raises PacerError naming the file and line."""
+    raises PacerError naming the file and line, before anything runs."""
     try:
         with open(path, encoding="utf-8") as f:
             lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
@@ -53,6 +53,9 @@ def read_prompts(path: str, tokenizer, defaults: dict
             raise PacerError(f"{where} {e}") from None
         try:
             prompts.append(_tokens_of(item, tokenizer))
+            if len(prompts[-1]) >= max_model_len:
+                raise InvalidRequestError(f"the prompt has {len(prompts[-1])} tokens, but the "
+                                          f"model's context is {max_model_len}")
             unknown = sorted(set(item) - set(SAMPLING_FIELDS) - set(INPUT_FIELDS))
             if unknown:     # a field read by nobody would be an answer that ignores it
                 raise InvalidRequestError(
@@ -61,8 +64,13 @@ def read_prompts(path: str, tokenizer, defaults: dict
             stops.append(_stop_strings(item.get("stop", [])))
             fields = {k: item[k] for k in SAMPLING_FIELDS if k in item}
             params.append(SamplingParams(**{**defaults, **fields}))
-            if any(t >= tokenizer.vocab_size for t, _ in params[-1].logit_bias):
-                raise InvalidRequestError(f"logit_bias: token ids must be < {tokenizer.vocab_size}")
+            p = params[-1]
+            for name, ids in (("logit_bias", [t for t, _ in p.logit_bias]),
+                              ("allowed_token_ids", p.allowed_token_ids),
+                              ("bad_words_token_ids", [t for w in p.bad_words_token_ids for t in w]),
+                              ("stop_token_ids", p.stop_token_ids)):
+                if any(t >= tokenizer.vocab_size for t in ids):
+                    raise InvalidRequestError(f"{name}: token ids must be < {tokenizer.vocab_size}")
         except (InvalidRequestError, TypeError, ValueError) as e:
             raise PacerError(f"{where}: {e}") from None
     return prompts, params, stops
@@ -100,11 +108,8 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine(EngineArgs.from_cli(args))
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, ignore_eos=args.ignore_eos)
-    prompts, params, stops = read_prompts(args.prompts, engine.tokenizer, defaults)
-    for i, ids in enumerate(prompts):
-        if len(ids) >= engine.max_model_len:
-            raise PacerError(f"{args.prompts} prompt {i}: {len(ids)} tokens, but the model's "
-                             f"context is {engine.max_model_len}")
+    prompts, params, stops = read_prompts(args.prompts, engine.tokenizer, defaults,
+                                          engine.max_model_len)
     bar = tqdm(total=len(prompts), desc="generate", unit="req", file=sys.stderr)
     counted = [0]
     start = time.perf_counter()
@@ -115,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
     texts = {str(i): TextOutput(IncrementalDetokenizer(engine.tokenizer, ids), stop, p.min_tokens,
                                 ends=functools.partial(p.stops_on, eos_token_ids=eos))
              for i, (ids, p, stop) in enumerate(zip(prompts, params, stops)) if stop}
+
+    ended_ids: set[str] = set()     # a stop string ends a request here, then the engine again
 
     def progress(out):
         counted[0] += len(out.new_tokens)
@@ -127,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
             elif text.stopped:
                 engine.abort(out.request_id)
                 ended = True
-        if ended:
+        if ended and out.request_id not in ended_ids:
+            ended_ids.add(out.request_id)
             bar.update(1)
             bar.set_postfix(tok_s=f"{counted[0] / (time.perf_counter() - start):.1f}")
 

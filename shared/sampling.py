@@ -2,6 +2,7 @@
 (stop conditions) and the worker (the sampler)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
@@ -14,6 +15,12 @@ MAX_REPETITION_PENALTY = 2.0
 MAX_PENALTY = 2.0                     # presence and frequency: [-2, 2], as OpenAI's
 MAX_LOGIT_BIAS = 100.0                # logit_bias values: [-100, 100], as OpenAI's
 MAX_LOGIT_BIAS_ENTRIES = 1024
+
+
+_INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "min_tokens", "prompt_logprobs")
+_OPTIONAL_FIELDS = ("seed", "logprobs", "prompt_logprobs")
+_FLOAT_FIELDS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+                 "repetition_penalty", "min_p")
 
 
 @dataclass(frozen=True)
@@ -52,6 +59,7 @@ class SamplingParams:
     structured_outputs: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "allowed_token_ids",
                            tuple(sorted({int(t) for t in self.allowed_token_ids})))
@@ -101,6 +109,22 @@ class SamplingParams:
         if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
             raise InvalidRequestError(f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}], "
                                       f"got {self.repetition_penalty!r}")
+
+    def _check_types(self) -> None:
+        """Numbers of the right kind, so that a bad value from any caller (an offline input
+        file, a test) is a clear error here rather than a crash in the sampler mid-batch."""
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if not (value is None and name in _OPTIONAL_FIELDS) and \
+                    (not isinstance(value, int) or isinstance(value, bool)):
+                raise InvalidRequestError(f"{name} must be an integer, got {value!r}")
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or \
+                    not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
 
     @property
     def adjusts_logits(self) -> bool:

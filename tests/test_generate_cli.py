@@ -108,6 +108,11 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "ok", "temperature": -1}\n', "temperature must be >= 0"),
     ('{"prompt_token_ids": [1, 99999999]}\n', "prompt_token_ids"),
     ('{"prompt": "ok", "logit_bias": {"99999999": 1}}\n', "logit_bias"),
+    ('{"prompt": "ok", "allowed_token_ids": [99999999]}\n', "allowed_token_ids"),
+    ('{"prompt": "a"}\n{"prompt": "b", "logprobs": 1.5}\n', "line 2: logprobs must be an integer"),
+    ('{"prompt": "ok", "top_k": 2.5}\n', "top_k must be an integer"),
+    ('{"prompt": "ok", "seed": "x"}\n', "seed must be an integer"),
+    ('{"prompt": "ok", "temperature": "hot"}\n', "temperature must be a finite number"),
     ('{"prompt": "ok", "stops": ["."]}\n', "unknown field 'stops'"),
     ('{"prompt": "ok", "stop": [1]}\n', "stop must be a string or a list of strings"),
     ("", "has no prompts"),
@@ -120,10 +125,11 @@ def test_malformed_prompts_file(tiny, tmp_path, content, needle):
 
 
 def test_prompt_longer_than_context(tiny, tmp_path):
-    prompts = write_lines(tmp_path / "long.jsonl", [{"prompt_token_ids": [5] * 600}])
+    prompts = write_lines(tmp_path / "long.jsonl", [{"prompt_token_ids": [5] * 6},
+                                                   {"prompt_token_ids": [5] * 600}])
     proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output", str(tmp_path / "o"),
                  "--max-model-len", "512")
-    assert_one_line_error(proc, "600 tokens", "512")
+    assert_one_line_error(proc, "line 2: the prompt has 600 tokens", "512")
 
 
 def test_missing_prompts_file(tiny, tmp_path):
