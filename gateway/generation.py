@@ -94,10 +94,13 @@ class Generation:
         if self._submitted and not self._done_upstream:
             reason = "stop string" if self._text.stopped else "client disconnected"
             self._upstream.abort_soon(self.request_id, reason)
-        if self.finish_reason is not None:
+        # a request whose client left before its end counts as vLLM counts it: "abort", with
+        # the tokens it generated (so the latency histograms and the token counter agree)
+        reason = self.finish_reason or ("abort" if self._submitted else None)
+        if reason is not None:
             self._metrics.e2e_request_latency.observe(time.monotonic() - self._arrival)
             self._metrics.generation_tokens.inc(self.num_output_tokens)
-            self._metrics.request_success.labels(self.finish_reason).inc()
+            self._metrics.request_success.labels(reason).inc()
         log.info("request ended", request_id=self.request_id, finish_reason=self.finish_reason,
                  prompt_tokens=self.num_prompt_tokens, output_tokens=self.num_output_tokens)
 

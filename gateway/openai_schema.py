@@ -16,6 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gateway.tool_parsers import PARSERS
 from shared.errors import InvalidRequestError
 from shared.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                              MAX_REPETITION_PENALTY)
@@ -371,8 +372,8 @@ def _tool_choice(body: dict, endpoint: str,
         return tuple(tools), "auto"
     if choice == "auto":
         raise APIError("tool_choice 'auto' needs a parser of this model's tool-call format "
-                       "(start the server with --tool-call-parser hermes or llama3_json): "
-                       f"send tool_choice 'required' or {NAMED_TOOL_CHOICE} (calls made by "
+                       f"(start the server with --tool-call-parser {' or '.join(PARSERS)}): "
+                       "send tool_choice 'required' or a named function (calls made by "
                        "constrained decoding), or 'none'", param="tool_choice")
     if choice != "required":
         raise APIError(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, "

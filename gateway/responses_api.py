@@ -84,7 +84,7 @@ def chat_body(body: Any) -> tuple[dict, dict]:
         chat["tools"] = tools
         chat["parallel_tool_calls"] = read_field(body, "parallel_tool_calls", (bool,), True)
     if tools or body.get("tool_choice") is not None:    # chat's checks: 'required' needs tools
-        chat["tool_choice"] = _tool_choice(choice)
+        chat["tool_choice"] = _tool_choice(choice, tools)
     max_output = read_field(body, "max_output_tokens", (int,), None)
     if max_output is not None:
         if max_output < 1:
@@ -129,21 +129,29 @@ def chat_body(body: Any) -> tuple[dict, dict]:
 
 
 def _tool(tool: Any, i: int) -> dict:
-    """A Responses function tool ({"type", "name", "parameters", ...}) as chat's."""
+    """A Responses function tool ({"type", "name", "parameters", ...}) as chat's; checked here,
+    so that an error shows this API's shape, not chat's."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
         kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
         raise APIError(f"tools[{i}]: only function tools are served (nothing runs tools "
                        f"here), got {kind!r:.60}", param="tools")
+    if not isinstance(tool.get("name"), str) or not oai.TOOL_NAME.fullmatch(tool["name"]) or \
+            not isinstance(tool.get("parameters", {}), dict):
+        raise APIError(f"tools[{i}] must be " + '{"type": "function", "name": 1-64 of a-z A-Z '
+                       '0-9 _ -, "parameters": a JSON schema} (chat\'s nested "function" is '
+                       'not this API\'s shape)', param="tools")
     function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
     return {"type": "function", "function": function}
 
 
-def _tool_choice(choice: str | dict) -> str | dict:
+def _tool_choice(choice: str | dict, tools: list[dict]) -> str | dict:
     if isinstance(choice, dict):
-        if choice.get("type") != "function":
+        names = [t["function"]["name"] for t in tools]
+        if choice.get("type") != "function" or choice.get("name") not in names:
             raise APIError("'tool_choice' must be 'none', 'auto', 'required' or "
-                           '{"type": "function", "name": ...}', param="tool_choice")
-        return {"type": "function", "function": {"name": choice.get("name")}}
+                           '{"type": "function", "name": ...} naming one of the tools ('
+                           + ", ".join(names) + ")", param="tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
     return choice
 
 
@@ -231,7 +239,8 @@ class ResponseShape:
 
     @staticmethod
     def function_call(call: dict, status: str = "completed", arguments: str | None = None) -> dict:
-        """An OpenAI chat tool call (`oai.tool_call`) as a Responses output item."""
+        """An OpenAI chat tool call (`oai.tool_call`) as a Responses output item; `status`
+        incomplete where max_output_tokens cut the output (its arguments may not parse)."""
         return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"),
                 "call_id": call["id"], "name": call["function"]["name"],
                 "arguments": call["function"]["arguments"] if arguments is None else arguments,
@@ -254,7 +263,7 @@ class ResponseShape:
         """The finished response: its message (unless it only calls), then its calls."""
         status = self.status(gen)
         output = [self.message(content or "", status, logprobs)] if content or not calls else []
-        return self.finished(output + [self.function_call(c) for c in calls or []], gen)
+        return self.finished(output + [self.function_call(c, status) for c in calls or []], gen)
 
     def finished(self, output: list[dict], gen: Generation) -> dict:
         status = self.status(gen)
@@ -295,7 +304,7 @@ class _MessageEvents:
                                                   item=shape.message(None, "in_progress")))
             await self.response.write(shape.event("response.content_part.added",
                                                   **shape.item_fields(part=shape.part(""))))
-        if piece:
+        if piece or logprobs:       # a token with no text of its own (EOS) has logprobs
             self.pieces.append(piece)
             self.logprobs += logprobs or []
             await self.response.write(shape.event(
@@ -343,7 +352,7 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                     held.append(delta.text)
                     continue
                 piece = calls_stream.feed(delta.text) if calls_stream else delta.text
-                if piece:
+                if piece or delta.logprobs:
                     await message.text(piece, delta.logprobs)
         calls = None
         if calls_stream is not None:
@@ -370,7 +379,7 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                                              **ids, delta=arguments))
             await response.write(shape.event("response.function_call_arguments.done",
                                              **ids, arguments=arguments))
-            item = shape.function_call(call)
+            item = shape.function_call(call, status)
             await response.write(shape.event("response.output_item.done", output_index=index,
                                              item=item))
             output.append(item)

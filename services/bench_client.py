@@ -271,8 +271,11 @@ def parse_goodput(specs: Sequence[str]) -> dict[str, float]:
         name, sep, value = spec.partition(":")
         if not sep or name not in SLO_METRICS:
             raise ValueError(f"goodput SLO {spec!r}: use NAME:MS with NAME one of {SLO_METRICS}")
-        slos[name] = float(value)
-        if slos[name] <= 0:
+        try:
+            slos[name] = float(value)
+        except ValueError:
+            raise ValueError(f"goodput SLO {spec!r}: the limit must be a number of ms") from None
+        if not slos[name] > 0:
             raise ValueError(f"goodput SLO {spec!r}: the limit must be > 0 ms")
     return slos
 

@@ -19,9 +19,11 @@ import math
 import os
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 
 from shared.errors import PacerError
+from shared.json_file import check_output_path
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
@@ -255,7 +257,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         slos = parse_goodput(args.goodput or [])
     except ValueError as e:
-        raise PacerError(str(e)) from e
+        raise PacerError(f"--goodput: {e}") from e
+    if not args.request_timeout > 0:
+        raise PacerError(f"--request-timeout must be > 0 seconds, got {args.request_timeout:g}")
+    url = urllib.parse.urlsplit(args.base_url)
+    if url.scheme not in ("http", "https") or not url.netloc:
+        raise PacerError(f"--base-url must be an http:// or https:// URL, got {args.base_url!r}")
+    if args.result_json:
+        check_output_path(args.result_json, "--result-json")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise PacerError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.request_rate <= 0 or args.burstiness <= 0:

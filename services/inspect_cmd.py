@@ -19,9 +19,10 @@ from typing import Any
 
 import redis
 
+from shared.errors import PacerError
 from shared.keys import Keys
 from shared.protocol import STREAM_FIELD, ProtocolError, decode
-from shared.service_args import add_redis_args
+from shared.service_args import add_redis_args, shown_url
 
 STREAMS = ("plans", "results", "requests", "aborts")
 LIST_SHOWN = 8          # ids of a longer list print as the first ones and a count
@@ -37,7 +38,12 @@ def register(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
+    if args.count < 1:
+        raise PacerError(f"--count must be >= 1, got {args.count}")
+    try:
+        client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
+    except ValueError as e:
+        raise PacerError(f"--redis-url {shown_url(args.redis_url)!r}: {e}") from None
     keys = Keys(args.key_prefix)
     try:
         if args.what == "stats":
@@ -48,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
                 show_entry(entry_id, fields, args.json)
             if args.what == "requests" and not args.json:
                 show_pending(client, keys)
+    except redis.ConnectionError as e:
+        raise PacerError(f"cannot reach Redis at {shown_url(args.redis_url)}: {e}") from None
     finally:
         client.close()
     return 0

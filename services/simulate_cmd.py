@@ -41,6 +41,7 @@ from dataclasses import fields, replace
 from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
 from shared.engine_args import parse_latency_target
 from shared.errors import PacerError
+from shared.json_file import check_output_path
 
 MODES = {"orca": False, "chunked": True}     # mode name -> enable_chunked_prefill
 DEFAULT_MODEL, DEFAULT_HW = "llama-2-7b", "h100"
@@ -216,6 +217,11 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < args.gpu_memory_utilization <= 1:
             raise PacerError("--gpu-memory-utilization must be in (0, 1], got "
                              f"{args.gpu_memory_utilization}")
+        if args.block_size < 1:
+            raise PacerError(f"--block-size must be >= 1, got {args.block_size}")
+        for flag, path in (("--plot", args.plot), ("--timeline", getattr(args, "timeline", None))):
+            if path:
+                check_output_path(path, flag)
         model, hw = load_model_shape(args.model), load_hardware(args.hw)
         cost = RooflineCost(model, hw, args.dtype_bytes)
         pools = _check_disagg_flags(args)

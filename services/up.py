@@ -35,6 +35,7 @@ from shared.cpu import format_cpu_list, place_instances
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
+from shared.service_args import shown_url
 
 log = structlog.get_logger("up")
 
@@ -205,9 +206,7 @@ def describe_redis(redis_url: str, started: bool) -> str:
     """Which Redis `pacer up` uses, for its log and banner (a password in the URL is masked).
     A Redis found listening may be another one: on Debian, installing redis-server starts a
     system one on 6379."""
-    url = urlsplit(redis_url)
-    shown = url._replace(netloc=url.netloc.replace(f":{url.password}@", ":***@")).geturl() \
-        if url.password else redis_url
+    url, shown = urlsplit(redis_url), shown_url(redis_url)
     if started:
         return f"Redis {shown}: a redis-server started by pacer up (stopped with it, keeps nothing)"
     if url.scheme != "redis":

@@ -1,9 +1,10 @@
 """JSON that a user gives: an object in a file named on the command line (a PacerError that
 says which file and why), and a request body or a line of a prompts file (`parse_user_json`:
-an InvalidRequestError that says why)."""
+an InvalidRequestError that says why); and a file a command is to write (`check_output_path`)."""
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 from shared.errors import InvalidRequestError, PacerError
@@ -22,6 +23,17 @@ def read_json_object(path: str, what: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise PacerError(f"{what} {path} is not a JSON object")
     return data
+
+
+def check_output_path(path: str, flag: str) -> None:
+    """A file a command will write after a long run: refused before the run, not after it,
+    where its folder is missing or it names a folder."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder):
+        raise PacerError(f"{flag} {path}: " + ("is a folder" if os.path.isdir(path) else
+                                               f"no folder {folder} to write it in"))
+    if not os.access(folder, os.W_OK):
+        raise PacerError(f"{flag} {path}: the folder {folder} is not writable")
 
 
 def parse_user_json(text: str | bytes) -> Any:

@@ -3,6 +3,7 @@ and `pacer inspect`."""
 from __future__ import annotations
 
 import argparse
+from urllib.parse import urlsplit
 
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX
@@ -13,6 +14,13 @@ DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 def add_redis_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
+
+
+def shown_url(redis_url: str) -> str:
+    """A Redis URL fit for a log or an error: its password, if it has one, masked."""
+    url = urlsplit(redis_url)
+    return url._replace(netloc=url.netloc.replace(f":{url.password}@", ":***@")).geturl() \
+        if url.password else redis_url
 
 
 def add_service_args(p: argparse.ArgumentParser) -> None:

@@ -392,3 +392,20 @@ async def test_failures_midstream_cut_and_timeout_are_recorded():
     assert not any(r.success for r in results)
     m = compute_metrics(results, 1.0)
     assert (m["completed"], m["failed"]) == (0, 3)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["inspect", "plans", "--count", "0"], "--count must be >= 1"),
+    (["inspect", "plans", "--redis-url", "redis://:pw@127.0.0.1:1/0"], "cannot reach Redis at redis://:***@"),
+    (["inspect", "plans", "--redis-url", "notaurl"], "--redis-url 'notaurl'"),
+    (["bench", "--base-url", "notaurl"], "--base-url must be an http"),
+    (["bench", "--result-json", "/nonexistent/dir/x.json"], "no folder /nonexistent/dir"),
+    (["bench", "--request-timeout", "0"], "--request-timeout must be > 0"),
+    (["bench", "--goodput", "ttft:abc"], "must be a number of ms"),
+    (["simulate", "--block-size", "0"], "--block-size must be >= 1"),
+    (["simulate", "--plot", "/nonexistent/x.png"], "no folder /nonexistent"),
+])
+def test_a_bad_command_line_gets_one_clear_line_before_any_work(argv, needle, capsys):
+    assert pacer_main(argv) != 0
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and "pw@" not in err, err

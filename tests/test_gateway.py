@@ -729,6 +729,15 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
                 for x in e["logprobs"]]
     assert [e["token"] for e in streamed] == [e["token"] for e in entries]
     assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == streamed
+    # to the end of turn: its token, which has no text of its own, has its entry streamed too
+    whole_body = {**body, "max_output_tokens": 60, "top_logprobs": 1}
+    status, whole = await h.post("/v1/responses", whole_body)
+    entries = whole["output"][0]["content"][0]["logprobs"]
+    assert len(entries) == whole["usage"]["output_tokens"] == len(h.tok.encode(REPLY)) + 1
+    events = await _response_events(h, whole_body)
+    streamed = [x for e in events if e["type"] == "response.output_text.delta"
+                for x in e["logprobs"]]
+    assert streamed == entries == events[-1]["response"]["output"][0]["content"][0]["logprobs"]
     async with h.session.get(f"{h.url}/v1/responses/{answer['id']}") as r:
         assert r.status == 404 and "keeps none" in (await r.json())["error"]["message"]
     status, failed = await h.post("/v1/responses", {"model": MODEL, "input": "[error]"})
@@ -773,6 +782,25 @@ async def test_responses_api_function_tools_and_their_history(h: Harness) -> Non
     assert {k: final[1][k] for k in ("name", "arguments")} == \
         {"name": "get_weather", "arguments": '{"city": "Paris"}'}
     assert events[-3]["arguments"] == final[1]["arguments"]
+    # a named call cut short by max_output_tokens: an incomplete item, streamed or not
+    named = {**body, "tool_choice": {"type": "function", "name": "get_weather"},
+             "max_output_tokens": 3}
+    status, cut = await h.post("/v1/responses", named)
+    assert status == 200 and cut["status"] == "incomplete", cut
+    assert [o["status"] for o in cut["output"] if o["type"] == "function_call"] == ["incomplete"]
+    events = await _response_events(h, named)
+    assert [o["status"] for o in events[-1]["response"]["output"]
+            if o["type"] == "function_call"] == ["incomplete"]
+    assert [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"
+            and e["item"]["type"] == "function_call"] == ["incomplete"]
+    # chat's shapes are refused in this API's words, not chat's
+    for wrong, param in (({"tool_choice": {"type": "function",
+                                           "function": {"name": "get_weather"}}}, "tool_choice"),
+                         ({"tools": [{"type": "function", "function": tool}]}, "tools")):
+        status, error = await h.post("/v1/responses", {**body, **wrong})
+        assert status == 400 and error["error"]["param"] == param, error
+        assert '"name": ' in error["error"]["message"] and \
+            '"function": {"name"' not in error["error"]["message"], error
     # a call of a function not offered: the message's words, streamed or not
     await _words_only(h, {**body, "tools": [{**tool, "name": "get_time"}]}, TOOL_REPLY)
     # 'required' whose output is no list of calls (the fake ignores the constraint; on a
@@ -816,11 +844,26 @@ async def test_the_token_listener_resubscribes_after_its_connection_drops(h: Har
 # ---- disconnects -----------------------------------------------------------------------------
 
 async def test_streaming_client_that_disconnects_is_aborted(h: Harness) -> None:
+    before = await _metric_values(h)
     async with aiohttp.ClientSession() as session:
         async with session.post(h.url + "/v1/completions",
                                 json=completion(prompt="[slow]", max_tokens=100, stream=True)) as r:
             first = json.loads((await r.content.readuntil(b"\n\n"))[len(b"data: "):])
     assert await wait_for_abort(h, first["id"]) == "client disconnected"
+    # counted as vLLM counts it: an "abort", with the tokens it generated
+    after = await _metric_values(h)
+    key = 'pacer:request_success_total{finished_reason="abort"}'
+    assert after.get(key, 0) == before.get(key, 0) + 1
+    assert after["pacer:generation_tokens_total"] > before.get("pacer:generation_tokens_total", 0)
+    assert after["pacer:e2e_request_latency_seconds_count"] == \
+        before.get("pacer:e2e_request_latency_seconds_count", 0) + 1
+
+
+async def _metric_values(h: Harness) -> dict[str, float]:
+    async with h.session.get(h.url + "/metrics") as r:
+        text = await r.text()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
 
 
 async def test_a_client_gone_from_a_responses_stream_is_aborted(h: Harness) -> None:
