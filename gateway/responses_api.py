@@ -161,19 +161,25 @@ def _messages(given: str | list) -> list[dict]:
     if not given:
         raise APIError("'input' must hold at least one message", param="input")
     messages: list[dict] = []
+    call_ids: set[str] = set()
     for i, item in enumerate(given):
         param = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
         if kind == "function_call":
             call = {"id": _text(item, "call_id", param), "type": "function", "function": {
                 "name": _text(item, "name", param), "arguments": _text(item, "arguments", param)}}
+            call_ids.add(call["id"])
             if messages and messages[-1].get("tool_calls"):     # calls made together
                 messages[-1]["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             continue
         if kind == "function_call_output":
-            messages.append({"role": "tool", "tool_call_id": _text(item, "call_id", param),
+            call_id = _text(item, "call_id", param)
+            if call_id not in call_ids:      # as OpenAI: an output answers a call given before
+                raise APIError(f"{param}: no function_call with call_id {call_id!r:.60} comes "
+                               "before this output in 'input'", param=param)
+            messages.append({"role": "tool", "tool_call_id": call_id,
                              "content": _text(item, "output", param)})
             continue
         if kind != "message":

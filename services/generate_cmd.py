@@ -86,6 +86,8 @@ def _stop_strings(stop) -> tuple[str, ...]:
 def _tokens_of(item, tokenizer) -> list[int]:
     if not isinstance(item, dict):
         raise InvalidRequestError("each line must be a JSON object")
+    if len({"prompt", "messages", "prompt_token_ids"} & set(item)) > 1:
+        raise InvalidRequestError("give one of 'prompt', 'messages' or 'prompt_token_ids'")
     if "prompt_token_ids" in item:
         ids = item["prompt_token_ids"]
         if not (isinstance(ids, list) and ids and all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in ids)):

@@ -1089,6 +1089,9 @@ BAD_REQUESTS = {
     "responses: empty input": ("/v1/responses", {"model": MODEL, "input": []}, 400),
     "responses: a function call output without its output": ("/v1/responses", {
         "model": MODEL, "input": [{"type": "function_call_output", "call_id": "c"}]}, 400),
+    "responses: a function call output answering no call": ("/v1/responses", {
+        "model": MODEL, "input": [{"type": "function_call_output", "call_id": "c",
+                                   "output": "18 C"}]}, 400),
     "responses: a reasoning item": ("/v1/responses", {"model": MODEL, "input": [
         {"type": "reasoning", "summary": []}]}, 400),
     "responses: an image part": ("/v1/responses", {"model": MODEL, "input": [

@@ -109,6 +109,7 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt_token_ids": [1, 99999999]}\n', "prompt_token_ids"),
     ('{"prompt": "ok", "logit_bias": {"99999999": 1}}\n', "logit_bias"),
     ('{"prompt": "ok", "allowed_token_ids": [99999999]}\n', "allowed_token_ids"),
+    ('{"prompt": "ok", "prompt_token_ids": [5]}\n', "give one of 'prompt'"),
     ('{"prompt": "a"}\n{"prompt": "b", "logprobs": 1.5}\n', "line 2: logprobs must be an integer"),
     ('{"prompt": "ok", "top_k": 2.5}\n', "top_k must be an integer"),
     ('{"prompt": "ok", "seed": "x"}\n', "seed must be an integer"),
