@@ -304,7 +304,11 @@ class PrefillSide:
             self.out.cancels.append((msg.decode_instance, CancelMsg(rid, "aborted")))
             self.book.finish_now(pending.entry_id, pending.msg, "abort", 0)
             return
-        prefill_only = replace(pending.msg, sampling=replace(pending.msg.sampling, max_tokens=1))
+        # the first token only: min_tokens at most 1 keeps EOS and stop tokens from it, as the
+        # whole request's min_tokens does
+        sampling = pending.msg.sampling
+        prefill_only = replace(pending.msg, sampling=replace(
+            sampling, max_tokens=1, min_tokens=min(sampling.min_tokens, 1)))
         self.book.admit(pending.entry_id, prefill_only)
         if self.core.get_request(rid) is None:    # refused (an invalid request): finished
             self.out.cancels.append((msg.decode_instance, CancelMsg(rid, "refused")))
@@ -411,8 +415,11 @@ class PrefillSide:
             return False
         entry_id, msg = entry
         tokens = [t.token_id for t in output.new_tokens]
-        probe = Request(rid, msg.prompt_token_ids, msg.sampling, 0, output_token_ids=tokens)
-        ended = stop_status(probe, self.core.eos_token_ids, self.core.max_model_len)
+        # ended before its first token (a client gone, a deadline passed mid-prefill): nothing
+        # to hand over, and no last token to ask stop_status about
+        ended = None if not tokens else stop_status(
+            Request(rid, msg.prompt_token_ids, msg.sampling, 0, output_token_ids=tokens),
+            self.core.eos_token_ids, self.core.max_model_len)
         if output.finish_reason == "abort" or ended is not None or not tokens:
             self.out.cancels.append((res.decode_instance, CancelMsg(rid, "finished")))
             if ended is not None:
@@ -477,7 +484,11 @@ class PrefillSide:
                 "handoffs_total": self.handoffs_total,
                 "handoffs_with_kv_total": self.handoffs_with_kv_total,
                 "requests_forwarded_total": self.forwarded_total,
-                "num_requests_awaiting_reservation": len(self._pending)}
+                "num_requests_awaiting_reservation": self.num_awaiting_reservation}
+
+    @property
+    def num_awaiting_reservation(self) -> int:
+        return len(self._pending)
 
 
 class DecodeSide:

@@ -334,3 +334,40 @@ def test_a_check_whose_plan_was_lost_rides_on_the_next_plan():
     assert check == lost.kv_checks[0]
     new, = c.schedule().new_requests
     assert new.num_computed_tokens == 9 and side.recomputed_total == 0
+
+
+def _reserved_on_the_prefill_side(msg: RequestMsg) -> tuple[Scheduler, PrefillSide]:
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", msg)
+    side.take()
+    side.receive_reservations(reply(ReservedMsg(msg.request_id, "d0", "host-d0", [7, 8, 9],
+                                                [descriptor("d0:1")], 1.0)))
+    return c, side
+
+
+def test_a_request_ended_before_its_first_token_is_cancelled_not_handed_over():
+    """A deadline passed (or a client gone) mid-prefill: the request ends with no token, its
+    reservation is cancelled, and nothing asks for a last token it does not have (that took
+    the prefill scheduler down, in a crash loop as each restart took the request back)."""
+    c, side = _reserved_on_the_prefill_side(request("r", 10))
+    plan = side.add_sends(c.schedule())                     # the first chunk is running
+    side.book.stop("r", "the request's deadline passed", "timeout_error")
+    result = StepResult(plan.step, {}, kv_digests={"r": [[10, 11]]})
+    outs = c.update(plan, result)
+    side.observe(plan, result)
+    [out] = [o for o in outs if o.request_id == "r"]
+    assert out.finished and not out.new_tokens
+    assert side.finished(out) is False
+    assert side.take().cancels == [("d0", CancelMsg("r", "finished"))]
+
+
+def test_min_tokens_reach_the_prefill_leg_as_one_at_most():
+    """The prefill instance samples the first token only: min_tokens 30 of 40 becomes 1 of 1
+    there (EOS still kept from that token), where it used to fail SamplingParams' check and
+    take the prefill scheduler down."""
+    sampling = SamplingParams(max_tokens=40, min_tokens=30, temperature=0.0)
+    c, _side = _reserved_on_the_prefill_side(replace(request("r", 10), sampling=sampling))
+    admitted = c.get_request("r").sampling
+    assert (admitted.max_tokens, admitted.min_tokens) == (1, 1)
+    assert admitted.suppressed(0, frozenset({2})) == sampling.suppressed(0, frozenset({2}))

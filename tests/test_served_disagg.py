@@ -181,6 +181,11 @@ def test_pd_output_equals_transformers_and_frees_prefill_blocks(tiny, expected, 
         assert completion(served.base_url, model, LONG[1], 12, ignore_eos=False,
                           structured_outputs=digits)["text"] == tok.decode(want.token_ids)
         assert len(tok.decode(want.token_ids)) == 6
+        # min_tokens beyond the first token: p0 samples that one under min_tokens 1 (the whole
+        # request's value failed SamplingParams' check there and took p0's scheduler down)
+        want, tok = in_process(tiny, LONG[0], max_tokens=12, min_tokens=10)
+        assert completion(served.base_url, model, LONG[0], 12, ignore_eos=False,
+                          min_tokens=10)["text"] == tok.decode(want.token_ids)
         # stop strings end requests by an abort on d0 while its plans run ahead (their blocks
         # held back from reservations until those plans ran): the long prompts reserved
         # meanwhile still come out exact, the stopped ones end where the string begins
