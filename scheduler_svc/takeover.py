@@ -12,6 +12,11 @@ scheduler that died, from the consumer group's pending entries list (PEL).
 A request taken over resumes from its progress record (`shared/progress.py`): the tokens its
 client already has are added as generated tokens and recomputed, and the next token event
 carries the next output index, so the client's stream continues without a repeat.
+
+A request that was live each time its scheduler stopped, MAX_TAKEOVERS times over, ends with
+an error instead: the group counts each delivery (a take-back and a claim count, a lease
+does not), and a request that kills the scheduler serving it must not keep every scheduler
+down, restart after restart, with every other request it holds.
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ log = structlog.get_logger("scheduler.takeover")
 CLAIM_IDLE_MS = 5_000
 LEASE_REFRESH_S = 1.0
 PENDING_BATCH = 256
+MAX_TAKEOVERS = 3
 
 
 class Takeover:
@@ -78,9 +84,23 @@ class Takeover:
                 msgs.append((entry_id, msg))
         if not msgs:
             return 0
-        records = await self.redis.mget([self.keys.progress(m.request_id) for _, m in msgs])
-        for (entry_id, msg), record in zip(msgs, records):
-            self._resume_one(entry_id, msg, decode_progress(record))
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.mget([self.keys.progress(m.request_id) for _, m in msgs])
+        for entry_id, _ in msgs:
+            pipe.xpending_range(self.keys.requests, self.keys.requests_group, min=entry_id,
+                                max=entry_id, count=1)
+        records, *pending = await pipe.execute()
+        for (entry_id, msg), record, info in zip(msgs, records, pending):
+            tokens = decode_progress(record)
+            takeovers = info[0]["times_delivered"] - 1 if info else 0
+            if takeovers >= MAX_TAKEOVERS:
+                log.error("request dropped: its scheduler stopped each time it served it",
+                          request_id=msg.request_id, takeovers=takeovers)
+                self.book.finish_now(entry_id, msg, "error", len(tokens), error=(
+                    f"the scheduler serving this request stopped {takeovers} times while it "
+                    f"ran, so it was dropped (it may be what stops it); see the server's log"))
+                continue
+            self._resume_one(entry_id, msg, tokens)
         return len(msgs)
 
     def _resume_one(self, entry_id: bytes | str, msg: RequestMsg, tokens: list[int]) -> None:

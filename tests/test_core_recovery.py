@@ -8,6 +8,7 @@ from scheduler_svc.core import RequestStatus, Scheduler
 from shared.config import SchedulerConfig
 from shared.plan import SampledToken, StepResult
 from shared.sampling import SamplingParams
+from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
 
 
 def make_scheduler() -> Scheduler:
@@ -107,3 +108,46 @@ def test_a_restarted_scheduler_trusts_no_cache() -> None:
     plan, _ = run_step(second)
     assert [(n.request_id, n.num_computed_tokens) for n in plan.new_requests] == [("c", 20)]
     assert bm.prefix_cache_hits == 20
+
+
+def test_a_request_taken_over_again_and_again_is_dropped_with_an_error(redis_server) -> None:
+    """A request live each time its scheduler stopped, MAX_TAKEOVERS times, ends with an error
+    when the next scheduler takes it back, rather than being served (and perhaps stopping that
+    one too); one taken over once is resumed. Real Redis: its group counts the deliveries."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from scheduler_svc.book import RequestBook
+    from scheduler_svc.takeover import MAX_TAKEOVERS, Takeover
+    from shared.keys import Keys
+    from shared.protocol import FinishEvent, RequestMsg, decode, to_fields
+
+    keys = Keys("poison-test:")
+
+    async def deliver(r, rid: str) -> None:
+        await r.xadd(keys.requests, to_fields(RequestMsg(
+            rid, [1, 2, 3], SamplingParams(max_tokens=4), f"tokens:{rid}", "gw", 0.0)))
+        await r.xreadgroup(keys.requests_group, "s", {keys.requests: ">"})
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_server)
+        await r.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
+        await deliver(r, "poison")
+        for _ in range(MAX_TAKEOVERS - 1):   # restarts that took it back, and stopped again
+            await r.xreadgroup(keys.requests_group, "s", {keys.requests: "0"})
+        await deliver(r, "once")             # live at the last stop only
+        core = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4,
+                                         num_kv_blocks=8, block_size=4, max_model_len=64))
+        book = RequestBook(core)
+        await Takeover(r, keys, "s", book).take_back_pending()
+        await r.aclose()
+        return core, book.take_outbox()
+
+    core, outbox = asyncio.run(go())
+    assert core.get_request("once") is not None and core.get_request("poison") is None
+    [(channel, data)] = outbox.finishes
+    event = decode(data)
+    assert channel == "tokens:poison" and isinstance(event, FinishEvent)
+    assert event.finish_reason == "error" and f"stopped {MAX_TAKEOVERS} times" in event.error
+    assert len(outbox.acks) == 1 and outbox.ended_ids == ["poison"]
