@@ -78,6 +78,9 @@ WaitForWorkers = Callable[[asyncio.Event], Awaitable[bool]]
 ReadResult = Callable[[int, int | None], Awaitable[StepResult | None]]
 
 
+MAX_WORKER_LOSSES = 3
+
+
 class Recovery:
     def __init__(self, redis: aioredis.Redis, keys: Keys, core: Scheduler, book: RequestBook,
                  workers: WorkerWatch, takeover: Takeover, cursors: Cursors,
@@ -86,6 +89,8 @@ class Recovery:
         self.workers, self.takeover, self.cursors = workers, takeover, cursors
         self._drain_expired = drain_expired
         self.run_id: str | None = None
+        # request id -> how many worker groups were lost while it ran (see MAX_WORKER_LOSSES)
+        self._worker_losses: dict[str, int] = {}
 
     async def prepare(self) -> None:
         """Create the consumer group and note which server this is."""
@@ -169,10 +174,26 @@ class Recovery:
         recomputed = self.core.recompute_running()
         log.warning("worker group lost; recomputing running requests", ranks=lost.args[0],
                     recomputed=len(recomputed))
+        self._drop_requests_that_keep_losing_workers(recomputed)
         if not await wait_for_workers(stop):
             return False
         log.info("worker group back", waited_s=round(time.monotonic() - since, 2))
         return True
+
+    def _drop_requests_that_keep_losing_workers(self, running: list[str]) -> None:
+        """A request running each time the worker group was lost, MAX_WORKER_LOSSES times over,
+        ends with an error rather than being recomputed again: one request that takes the
+        workers down (a bug) must not take them down restart after restart, with every other
+        request, until `pacer up` gives up."""
+        counts = {rid: self._worker_losses.get(rid, 0) + 1 for rid in running}
+        self._worker_losses = counts           # requests not running at a loss start over
+        for rid, n in counts.items():
+            if n >= MAX_WORKER_LOSSES:
+                log.error("request dropped: the workers were lost each time it ran",
+                          request_id=rid, losses=n)
+                self.book.stop(rid, f"the worker group was lost {n} times while this request "
+                                    f"ran, so it was dropped (it may be what stops it); see "
+                                    f"the server's log")
 
     async def _after_redis_lost(self) -> None:
         """Redis kept nothing: every request's entry and its client's token channel are

@@ -151,3 +151,33 @@ def test_a_request_taken_over_again_and_again_is_dropped_with_an_error(redis_ser
     assert channel == "tokens:poison" and isinstance(event, FinishEvent)
     assert event.finish_reason == "error" and f"stopped {MAX_TAKEOVERS} times" in event.error
     assert len(outbox.acks) == 1 and outbox.ended_ids == ["poison"]
+
+
+def test_a_request_running_at_every_worker_loss_is_dropped_with_an_error() -> None:
+    """Running each time the worker group was lost, MAX_WORKER_LOSSES times over: it ends with
+    an error instead of being recomputed again; a request that joined later, running at the
+    last loss only, is recomputed as ever."""
+    from scheduler_svc.book import RequestBook
+    from scheduler_svc.recovery import MAX_WORKER_LOSSES, Recovery
+    from shared.keys import Keys
+    from shared.protocol import RequestMsg
+
+    core = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4,
+                                     num_kv_blocks=32, block_size=4, max_model_len=64))
+    book = RequestBook(core)
+    recovery = Recovery(None, Keys(), core, book, None, None, None, lambda: False)
+
+    def admit(rid: str) -> None:
+        book.admit(f"{rid}-entry", RequestMsg(rid, [1, 2, 3], SamplingParams(max_tokens=8),
+                                              f"tokens:{rid}", "gw", 0.0))
+
+    admit("poison")
+    for loss in range(1, MAX_WORKER_LOSSES + 1):
+        if loss == MAX_WORKER_LOSSES:
+            admit("late")
+        plan = core.schedule()
+        assert "poison" in plan.num_scheduled_tokens          # it runs at every loss
+        recovery._drop_requests_that_keep_losing_workers(core.recompute_running())
+    assert core.get_request("poison") is None
+    assert core.get_request("late") is not None
+    assert f"lost {MAX_WORKER_LOSSES} times" in book._errors["poison"][0]
