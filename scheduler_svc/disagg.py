@@ -51,7 +51,7 @@ NO_ROOM_RETRY_S = 0.2          # the decode instance had no room: ask again this
 # into blocks its predecessor reserved has finished that iteration and seen the restart
 DECODE_QUARANTINE_S = 2.0
 RESERVATION_TTL_S = 600.0      # a reservation nobody handed over nor cancelled is freed
-NO_ROOM = "no free KV blocks"
+NO_ROOM = "no room now (no free KV blocks, or requests already waiting there)"
 
 
 @dataclass

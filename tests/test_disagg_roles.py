@@ -12,7 +12,7 @@ import pytest
 
 from scheduler_svc.book import RequestBook
 from scheduler_svc.core import RequestStatus, Scheduler
-from scheduler_svc.disagg import DecodeSide, PrefillSide, _Decoder
+from scheduler_svc.disagg import NO_ROOM, DecodeSide, PrefillSide, _Decoder
 from scheduler_svc.workers import role_disagreement
 from shared.config import SchedulerConfig
 from shared.keys import Keys
@@ -149,7 +149,7 @@ def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
     side.receive(reply(ReserveMsg(encode(request("a", 9, max_tokens=2)), "p0")))
     assert c.block_manager.num_free_blocks == 1
     side.receive(reply(ReserveMsg(encode(request("b", 9, max_tokens=2)), "p0")))
-    assert side._replies[-1][1].error == "no free KV blocks"
+    assert side._replies[-1][1].error == NO_ROOM
     side.receive(reply(CancelMsg("a", "asked again")))
     assert c.block_manager.num_free_blocks == 4 and c.num_reserved == 0
     c.add_request("w", list(range(10)), SamplingParams(max_tokens=2))   # one waits here
@@ -184,7 +184,7 @@ def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_bloc
     assert not set(side._replies[-1][1].block_ids) & held_by_a
     big = request("big", 9)                     # 3 blocks: only a's would do
     side.receive(reply(ReserveMsg(encode(big), "p0")))
-    assert side._replies[-1][1].error == "no free KV blocks"
+    assert side._replies[-1][1].error == NO_ROOM
     assert c.block_manager.num_free_blocks == 1
     assert c.num_reserved == 2                  # "small", and "b" while its K/V is checked
     c.update(first, StepResult(first.step, {"a": SampledToken(1)}))
