@@ -169,6 +169,57 @@ def engine_flags(args: EngineArgs) -> list[str]:
 
 # ---- Redis -------------------------------------------------------------------------------
 
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1", "0.0.0.0")
+
+
+def _checked_redis_url(redis_url: str):
+    """The URL split, or one clear line for one the services could never use."""
+    import redis
+    try:
+        url = urlsplit(redis_url)
+        url.port                                  # raises for a port out of range
+        redis.Redis.from_url(redis_url)           # its scheme and options; connects to nothing
+    except ValueError as e:
+        raise PacerError(f"--redis-url {shown_url(redis_url)!r}: {e}") from None
+    return url
+
+
+def _check_redis_db(redis_url: str) -> None:
+    """A Redis that answers but refuses the URL's database (a server has 16 unless set
+    otherwise): one clear line now, not services retrying it forever."""
+    import redis
+    client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        client.ping()
+    except redis.ResponseError as e:
+        if "DB index" in str(e):
+            raise PacerError(f"--redis-url {shown_url(redis_url)}: {e}") from None
+    except redis.RedisError:
+        pass                         # not answering yet, or a password: the services wait
+    finally:
+        client.close()
+
+
+def _check_listen_address(host: str, port: int) -> None:
+    """Where the gateway is to listen: a fixed port (pacer up waits on it) that is free now."""
+    import socket
+    if port == 0:
+        raise PacerError("--port 0 (any free port) is for `pacer gateway` alone: pacer up waits "
+                         "for /health on the port it gives, so give one")
+    try:
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise PacerError(f"cannot listen on --host {host}: {e.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the gateway binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            raise PacerError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+
+
 def redis_answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
     import socket
     try:
@@ -371,15 +422,20 @@ def run(args: argparse.Namespace) -> int:
     engine_layout(engine)
     services = _service_argvs(args, engine)
     _check_gateway_flags(services)
-    url = urlsplit(args.redis_url)
+    _check_listen_address(args.host, args.port)
+    url = _checked_redis_url(args.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
     stopping = _Signals()
     sup = Supervisor()
     try:
         # only a plain redis:// URL can be a server of ours; rediss:// and unix sockets are used
         started = url.scheme == "redis" and not redis_answers(host, port)
+        if started and host not in LOCAL_HOSTS:
+            raise PacerError(f"no Redis answers at {shown_url(args.redis_url)} (pacer up "
+                             f"starts one only on a local address: {', '.join(LOCAL_HOSTS)})")
         if started:
             start_redis(sup, host, port, url.password)
+        _check_redis_db(args.redis_url)
         redis_note = describe_redis(args.redis_url, started)
         log.info("redis", redis=redis_note, started_here=started)
         for name, argv in services.argvs:

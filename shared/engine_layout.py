@@ -46,6 +46,8 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
     source = resolve_model(args.model, weights=args.load_format != "dummy")
     cfg = load_model_config(source)
     check_tp_fits(cfg, args.tp)       # before anything is spawned or loaded
+    if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
+        raise PacerError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(
         _kv_cache_memory(args, cfg),
         kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,

@@ -28,3 +28,37 @@ def test_a_bad_gateway_flag_is_refused_before_redis_or_a_worker_starts():
     assert "worker" not in proc.stderr.lower(), proc.stderr
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", redis_port)) != 0
+
+
+def _up(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "up", *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
+    port, redis_port = _free_port(), _free_port()
+    local = f"redis://127.0.0.1:{redis_port}"
+    cases = [
+        (["--port", "0", "--redis-url", f"{local}/0"], "--port 0"),
+        (["--port", str(port), "--redis-url", f"{local}/99"], "DB index is out of range"),
+        (["--port", str(port), "--redis-url", "redis://127.0.0.1:70000/0"], "Port out of range"),
+        (["--port", str(port), "--redis-url", "http://127.0.0.1:1/0"], "Redis URL must specify"),
+        (["--port", str(port), "--redis-url", "redis://:pw@10.255.255.1:6379/0"],
+         "no Redis answers at redis://:***@10.255.255.1"),
+        (["--port", str(port), "--host", "256.1.1.1", "--redis-url", f"{local}/0"],
+         "cannot listen on --host 256.1.1.1"),
+        (["--port", str(port), "--num-kv-blocks", "0", "--redis-url", f"{local}/0"],
+         "--num-kv-blocks must be >= 1"),
+    ]
+    for flags, needle in cases:
+        proc = _up(*flags)
+        assert proc.returncode != 0 and needle in proc.stderr, (flags, proc.stderr[-2000:])
+        assert "Traceback" not in proc.stderr and "pw@" not in proc.stderr, proc.stderr[-2000:]
+    with socket.socket() as taken:                  # the gateway's port already in use
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        proc = _up("--port", str(port), "--redis-url", f"{local}/0")
+    assert proc.returncode != 0 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr, \
+        proc.stderr[-2000:]
+    with socket.socket() as s:                       # the Redis pacer up started is stopped
+        assert s.connect_ex(("127.0.0.1", redis_port)) != 0
