@@ -54,6 +54,9 @@ class GatewayConfig:
             raise PacerError(f"--port must be in [0, 65535], got {self.port}")
         if self.tp < 1:
             raise PacerError(f"--tp must be >= 1, got {self.tp}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise PacerError("--api-key is empty: give a key, or leave the flag out to serve "
+                             "without one")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise PacerError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_body_bytes < 1024:

@@ -77,7 +77,7 @@ def register(sub) -> None:
     g.add_argument("--decode-threads", type=int, default=None,
                    help="CPU: torch threads of each decode worker")
     g = p.add_argument_group("data-parallel replicas (docs/design.md#cache-aware-routing)")
-    g.add_argument("--replicas", type=int, default=0,
+    g.add_argument("--replicas", type=int, default=None,
                    help="engine instances r0..rN-1 (a scheduler and --tp workers each) behind "
                         "the one gateway, each reading its own request stream")
     g.add_argument("--router", default=None, choices=POLICIES,
@@ -101,12 +101,14 @@ class Instance:
 
 def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]:
     p, d = args.prefill_workers, args.decode_workers
-    replicas = getattr(args, "replicas", 0)
+    replicas = getattr(args, "replicas", None)
     if replicas and (p or d):
         raise PacerError("--replicas with --prefill-workers/--decode-workers is not supported "
                          "(with P/D, the router chooses among the prefill instances)")
-    if replicas < 0:
+    if replicas is not None and replicas < 1:
         raise PacerError(f"--replicas must be >= 1, got {replicas}")
+    if getattr(args, "prefill_threads", None) is not None and args.prefill_threads < 1:
+        raise PacerError(f"--prefill-threads must be >= 1, got {args.prefill_threads}")
     if getattr(args, "router", None) and not replicas and p < 2:
         raise PacerError("--router needs --replicas N or --prefill-workers N (N > 1)")
     if replicas:

@@ -6,6 +6,8 @@ Torch-free: the scheduler service sizes its block manager from it without loadin
 """
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 
 from shared.config import (AUTO_TBT_FACTOR, AUTO_TTFT_FACTOR, SchedulerConfig, kv_block_bytes, kv_cache_dtype,
@@ -46,6 +48,8 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
     source = resolve_model(args.model, weights=args.load_format != "dummy")
     cfg = load_model_config(source)
     check_tp_fits(cfg, args.tp)       # before anything is spawned or loaded
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", args.device):
+        raise PacerError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise PacerError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(

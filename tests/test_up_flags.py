@@ -49,6 +49,14 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
          "cannot listen on --host 256.1.1.1"),
         (["--port", str(port), "--num-kv-blocks", "0", "--redis-url", f"{local}/0"],
          "--num-kv-blocks must be >= 1"),
+        (["--port", str(port), "--replicas", "0", "--redis-url", f"{local}/0"],
+         "--replicas must be >= 1"),
+        (["--port", str(port), "--api-key", "", "--redis-url", f"{local}/0"],
+         "--api-key is empty"),
+        (["--port", str(port), "--device", "nonsense", "--redis-url", f"{local}/0"],
+         "--device must be cpu or cuda[:N]"),
+        (["--port", str(port), "--prefill-workers", "1", "--decode-workers", "1",
+          "--prefill-threads", "0", "--redis-url", f"{local}/0"], "--prefill-threads must be"),
     ]
     for flags, needle in cases:
         proc = _up(*flags)
