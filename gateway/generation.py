@@ -219,11 +219,12 @@ class Generation:
         self._last_token_at = now
 
     def _logprob(self, event: TokenEvent) -> TokenLogprob:
-        top = event.top_logprobs or []
-        return TokenLogprob(token=self._token_text(event.token_id), logprob=event.logprob,
-                            top=[(self._token_text(t), lp) for t, lp in top],
-                            raw=tuple(map(self._tokenizer.token_bytes,
-                                          [event.token_id, *(t for t, _ in top)])))
+        ids = [event.token_id, *(t for t, _ in event.top_logprobs or [])]
+        texts = [self._token_text(t) for t in ids]
+        return TokenLogprob(token=texts[0], logprob=event.logprob,
+                            top=[(text, lp) for text, (_, lp) in
+                                 zip(texts[1:], event.top_logprobs or [])],
+                            raw=tuple(map(self._tokenizer.token_bytes, ids, texts)))
 
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)

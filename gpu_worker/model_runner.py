@@ -475,27 +475,27 @@ class ModelRunner:
                 spans.append(_Span(rid, start, range(len(ids), len(ids) + end - start),
                                    s.token_ids[start + 1:end + 1], s.sampling.prompt_logprobs))
             ids.extend(s.token_ids[start:kv_len])
-            for chunk in _chunks_of(s, start, kv_len):
-                chunks.append(chunk)
+            if n > 1 and kv_len > s.num_prompt_tokens:     # a recompute past the prompt: rare
+                recomputed = _recompute_chunks(s, start, kv_len)
+                chunks += recomputed
+                order += [rid] * len(recomputed)
+            else:
+                chunks.append(Chunk(n, kv_len, s.block_table, samples=kv_len == len(s.token_ids),
+                                    prompt_row=n == 1 and kv_len <= s.num_prompt_tokens))
                 order.append(rid)
         return torch.tensor(ids, dtype=torch.int64), chunks, order, spans
 
 
-def _chunks_of(s: _RequestState, start: int, kv_len: int) -> list[Chunk]:
-    """A request's rows start..kv_len-1 as attention chunks. Rows at prompt positions form one
-    chunk, attended by the prompt kernel however the budget cut the prompt. Rows past the prompt
-    were each decoded once: in a chunk that recomputes them (after a preemption or a failure)
-    each is a row of its own, attended as a decode (docs/design.md#recovery-by-recompute), so
-    that their K/V, and every token after them, have the bits an undisturbed run gives."""
-    samples = kv_len == len(s.token_ids)
-    prompt_end = s.num_prompt_tokens
-    if kv_len - start == 1 or kv_len <= prompt_end:
-        return [Chunk(kv_len - start, kv_len, s.block_table, samples=samples,
-                      prompt_row=kv_len - start == 1 and kv_len <= prompt_end)]
-    split = max(start, prompt_end)
+def _recompute_chunks(s: _RequestState, start: int, kv_len: int) -> list[Chunk]:
+    """A chunk of several rows that reaches past the prompt: a recompute of decoded tokens
+    (after a preemption or a failure). The rows at prompt positions stay one chunk, attended by
+    the prompt kernel however the budget cut the prompt; each row past the prompt becomes a row
+    of its own, attended as the decode it first was (docs/design.md#recovery-by-recompute), so
+    that its K/V, and every token after it, have the bits an undisturbed run gives."""
+    split = max(start, s.num_prompt_tokens)
     chunks = [Chunk(split - start, split, s.block_table, samples=False,
                     prompt_row=split - start == 1)] if split > start else []
-    return chunks + [Chunk(1, p + 1, s.block_table, samples=samples and p + 1 == kv_len)
+    return chunks + [Chunk(1, p + 1, s.block_table, samples=p + 1 == len(s.token_ids))
                      for p in range(split, kv_len)]
 
 

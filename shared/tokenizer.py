@@ -74,12 +74,14 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self.backend.id_to_token(token_id)
 
-    def token_bytes(self, token_id: int) -> bytes:
+    def token_bytes(self, token_id: int, text: str | None = None) -> bytes:
         """The bytes a token stands for, also where it is part of a character (what OpenAI's
         logprobs `bytes` carry, so that a client can join them into the text): its text, or
         for a token whose text alone is not whole UTF-8, the bytes under its vocabulary entry
-        (a byte-level BPE entry, or a byte-fallback `<0xNN>`)."""
-        text = self.decode([token_id], skip_special_tokens=False)
+        (a byte-level BPE entry, or a byte-fallback `<0xNN>`). `text`: the token's own text,
+        where the caller decoded it already."""
+        if text is None:
+            text = self.decode([token_id], skip_special_tokens=False)
         if _REPLACEMENT not in text:
             return text.encode("utf-8")
         entry = self.id_to_token(token_id) or ""

@@ -6,12 +6,14 @@ Tests run in file order; the last one stops `pacer up` with SIGTERM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -92,50 +94,45 @@ def test_a_redis_with_a_password_serves_requests(served: Served):
     assert PASSWORD not in log
 
 
-def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Served, tmp_path):
+@contextlib.contextmanager
+def second_gateway(served: Served, tmp_path) -> Iterator[Served]:
+    """Another gateway on the same Redis, its own process (to kill or stop), healthy."""
     port = free_port()
     log = open(tmp_path / "gateway.log", "wb")
     gateway = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "gateway", "--port", str(port),
          "--redis-url", served.redis_url, "--api-key", API_KEY],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    other = Served(f"http://127.0.0.1:{port}", served.redis_url, gateway, str(tmp_path / "gateway.log"))
     try:
+        other = Served(f"http://127.0.0.1:{port}", served.redis_url, gateway,
+                       str(tmp_path / "gateway.log"))
         wait_healthy(other, 60.0)
+        yield other
+    finally:
+        if gateway.poll() is None:
+            os.kill(gateway.pid, signal.SIGCONT)       # a stopped one must run to die
+            gateway.kill()
+        gateway.wait()
+        log.close()
+
+
+def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Served, tmp_path):
+    with second_gateway(served, tmp_path) as other:
         killed_at = asyncio.run(_stream_then_kill(other))
         wait_idle(served, timeout_s=30.0)
         print(f"\ngateway kill -9: its request was aborted and its KV blocks freed "
               f"{time.monotonic() - killed_at:.2f} s later")
-    finally:
-        if gateway.poll() is None:
-            gateway.kill()
-        gateway.wait()
-        log.close()
 
 
 def test_a_paused_gateway_tells_its_clients_their_requests_were_dropped(served: Served, tmp_path):
     """A gateway stopped (SIGSTOP) past its heartbeat's life looks dead to the scheduler, which
     drops its requests; once it runs again its client gets an error event saying so, not a
     stream that merely ends."""
-    port = free_port()
-    log = open(tmp_path / "gateway.log", "wb")
-    gateway = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "gateway", "--port", str(port),
-         "--redis-url", served.redis_url, "--api-key", API_KEY],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    other = Served(f"http://127.0.0.1:{port}", served.redis_url, gateway, str(tmp_path / "gateway.log"))
-    try:
-        wait_healthy(other, 60.0)
+    with second_gateway(served, tmp_path) as other:
         result = asyncio.run(_stream_with_a_pause(other, served))
         assert result.error is not None and "no heartbeat" in result.error["message"], result
         assert result.done and result.text           # the tokens before it, then [DONE]
         wait_idle(served, timeout_s=30.0)
-    finally:
-        if gateway.poll() is None:
-            os.kill(gateway.pid, signal.SIGCONT)
-            gateway.kill()
-        gateway.wait()
-        log.close()
 
 
 async def _stream_with_a_pause(s: Served, scheduler_side: Served) -> StreamResult:
