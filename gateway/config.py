@@ -57,6 +57,9 @@ class GatewayConfig:
         if self.api_key is not None and not self.api_key.strip():
             raise PacerError("--api-key is empty: give a key, or leave the flag out to serve "
                              "without one")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise PacerError("--served-model-name is empty: give a name, or leave the flag out "
+                             "to serve the model under its own")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise PacerError(f"--max-model-len must be >= 2, got {self.max_model_len}")
         if self.max_body_bytes < 1024:

@@ -31,6 +31,8 @@ from gateway.cli import POLICY_FLAGS, add_request_policy_args
 from gateway.config import POLICIES
 from services.restarts import Restarter
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
+from shared import gpu_memory
+from shared.config import parse_size
 from shared.cpu import format_cpu_list, place_instances
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
@@ -345,6 +347,20 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
                     groups)
 
 
+def _check_device(engine: EngineArgs, ranks: int) -> None:
+    """A CUDA device this torch can use; on CPU, KV pools that fit in the machine's memory
+    (each worker rank allocates its own --kv-cache-memory)."""
+    if engine.device.startswith("cuda"):
+        gpu_memory.check_cuda_device(engine.device, engine.tp)
+    elif engine.kv_cache_memory is not None and not engine.num_kv_blocks:
+        total = parse_size(engine.kv_cache_memory) * ranks
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        if total > physical:
+            raise PacerError(f"--kv-cache-memory {engine.kv_cache_memory} for each of {ranks} "
+                             f"worker rank(s) is {total / 2**30:.1f} GiB, more than this "
+                             f"machine's {physical / 2**30:.1f} GiB of memory")
+
+
 def _check_gateway_flags(services: Services) -> None:
     """Read the gateway's argv as the gateway will (a bad --port or --max-waiting-requests raises
     PacerError here, before Redis and the workers start, not after the model loads)."""
@@ -421,8 +437,14 @@ def run(args: argparse.Namespace) -> int:
     engine = EngineArgs.from_cli(args)
     # refuse bad flags here, before anything starts (the instances' layout is checked as
     # the services' command lines are made)
-    engine_layout(engine)
+    layout = engine_layout(engine)
+    if args.startup_timeout <= 0:
+        raise PacerError(f"--startup-timeout must be > 0, got {args.startup_timeout:g}")
+    if args.disagg_min_prompt_tokens is not None and args.disagg_min_prompt_tokens < 0:
+        raise PacerError(f"--disagg-min-prompt-tokens must be >= 0, "
+                         f"got {args.disagg_min_prompt_tokens}")
     services = _service_argvs(args, engine)
+    _check_device(layout.args, sum("worker rank" in name for name, _ in services.argvs))
     _check_gateway_flags(services)
     _check_listen_address(args.host, args.port)
     url = _checked_redis_url(args.redis_url)

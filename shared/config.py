@@ -32,7 +32,8 @@ AUTO_TBT_TEXT = (f"{AUTO_TBT_FACTOR:g}x the predicted decodes, at least the deco
 AUTO_TTFT_FACTOR = 3.0
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2,
-          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+          "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4,
+          "tb": 1000**4, "tib": 1024**4}
 
 
 def parse_size(text: str | int) -> int:

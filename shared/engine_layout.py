@@ -58,8 +58,12 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
                        args.block_size, DTYPE_BYTES[kv_cache_dtype(
                            args.dtype, args.device,
                            quantization_scheme(args.quantization, source, args.device))]))
-    max_model_len = min(args.max_model_len or cfg.max_position_embeddings,
-                        cfg.max_position_embeddings)
+    max_model_len = args.max_model_len or cfg.max_position_embeddings
+    if not 2 <= max_model_len <= cfg.max_position_embeddings:
+        raise PacerError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] (the "
+                         f"model's context), got {max_model_len}")
+    if args.kv_timeout_s <= 0:
+        raise PacerError(f"--kv-timeout-s must be > 0, got {args.kv_timeout_s:g}")
     scheduler_config = SchedulerConfig(
         max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
         num_kv_blocks=num_blocks, block_size=args.block_size,

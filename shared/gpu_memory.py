@@ -52,6 +52,20 @@ def kv_pool_bytes(total: int, utilization: float, weights: int, activations: int
     return pool
 
 
+def check_cuda_device(device: str, ranks: int = 1) -> None:
+    """PacerError in one line when `device` (cuda or cuda:N, one GPU a rank from N on) is not
+    there for this torch: a CPU build, no GPU visible, or too few of them."""
+    import torch
+    if not torch.backends.cuda.is_built():
+        raise PacerError(f"--device {device}: this torch ({torch.__version__}) is built without "
+                         f"CUDA; install a CUDA build of torch or serve with --device cpu")
+    count = torch.cuda.device_count()
+    first = int(device.partition(":")[2] or 0)
+    if first + ranks > count:
+        raise PacerError(f"--device {device} with {ranks} rank(s) needs GPUs {first}.."
+                         f"{first + ranks - 1}, and {count} GPU(s) are visible")
+
+
 def cuda_total_memory(device: str) -> int:
     """Total bytes of the GPU `device` names (cuda or cuda:N), asked of nvidia-smi so that the
     scheduler need not import torch nor open a CUDA context; torch when there is no

@@ -57,11 +57,31 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
          "--device must be cpu or cuda[:N]"),
         (["--port", str(port), "--prefill-workers", "1", "--decode-workers", "1",
           "--prefill-threads", "0", "--redis-url", f"{local}/0"], "--prefill-threads must be"),
+        (["--port", str(port), "--max-model-len", "100000", "--redis-url", f"{local}/0"],
+         "--max-model-len must be in [2, 8192] (the model's context), got 100000"),
+        (["--port", str(port), "--served-model-name", " ", "--redis-url", f"{local}/0"],
+         "--served-model-name is empty"),
+        (["--port", str(port), "--startup-timeout", "0", "--redis-url", f"{local}/0"],
+         "--startup-timeout must be > 0"),
+        (["--port", str(port), "--kv-timeout-s", "-1", "--redis-url", f"{local}/0"],
+         "--kv-timeout-s must be > 0"),
+        (["--port", str(port), "--prefill-workers", "1", "--decode-workers", "1",
+          "--disagg-min-prompt-tokens", "-1", "--redis-url", f"{local}/0"],
+         "--disagg-min-prompt-tokens must be >= 0"),
+        (["--port", str(port), "--kv-cache-memory", "64TiB", "--redis-url", f"{local}/0"],
+         "more than this machine's"),
     ]
     for flags, needle in cases:
         proc = _up(*flags)
         assert proc.returncode != 0 and needle in proc.stderr, (flags, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr and "pw@" not in proc.stderr, proc.stderr[-2000:]
+    import torch
+    if not torch.cuda.is_available():     # a CPU build, or no GPU: refused before the workers
+        proc = _up("--port", str(port), "--device", "cuda", "--kv-cache-memory", "1GiB",
+                   "--redis-url", f"{local}/0")
+        assert proc.returncode != 0 and "--device cuda" in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr and "worker" not in proc.stderr.lower(), \
+            proc.stderr[-2000:]
     with socket.socket() as taken:                  # the gateway's port already in use
         taken.bind(("127.0.0.1", port))
         taken.listen()

@@ -52,6 +52,9 @@ def bind_device(device: str) -> None:
     CUDA graphs, NCCL and tensors made with a bare "cuda" use it). Call at the start of every
     thread or function that loads, profiles or runs forwards; nothing to do off CUDA."""
     if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise PacerError(f"--device {device}: this torch ({torch.__version__}) sees no "
+                             f"CUDA GPU")
         torch.cuda.set_device(device_for_rank(device, 0))      # a bare "cuda" is cuda:0
 
 
