@@ -48,7 +48,8 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource
-from shared.plan import IterationPlan, KVCheck, NewRequestData, PromptLogprobs, StepResult
+from shared.plan import (NO_TOKEN, IterationPlan, KVCheck, NewRequestData, PromptLogprobs,
+                         StepResult)
 from shared.sampling import SamplingParams, token_id_set
 
 log = structlog.get_logger("worker")
@@ -282,7 +283,8 @@ class ModelRunner:
                 tokens = self.sampler.sample(
                     logits, [s.sampling for s in states],
                     [len(s.token_ids) - s.num_prompt_tokens for s in states],
-                    [s.token_counts for s in states], self.eos_token_ids)
+                    [s.token_counts for s in states], self.eos_token_ids,
+                    masked=bool(constrained))
         size, written = self.rc.block_size, self._written
         for rid, n in scheduled.items():
             s = self.requests[rid]
@@ -292,6 +294,9 @@ class ModelRunner:
             s.num_computed_tokens += n
         eos = self.eos_token_ids
         for rid, s, t in zip(sampling_ids, states, tokens):
+            if t.token_id == NO_TOKEN:       # nothing to append: the scheduler ends it
+                s.stopped = True
+                continue
             s.token_ids.append(t.token_id)
             if s.matcher is not None and not s.matcher.consume_token(t.token_id):
                 log.warning("a sampled token does not match its grammar; unconstrained from here",

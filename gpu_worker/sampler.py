@@ -18,7 +18,7 @@ import torch
 
 from gpu_worker.cpu_kernels import cpu_kernels
 from shared.attention_choice import installed
-from shared.plan import SampledToken
+from shared.plan import NO_TOKEN, SampledToken
 from shared.sampling import SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -92,13 +92,17 @@ class Sampler:
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                output_index: list[int],
                counts: Sequence[TokenCounts | None] | None = None,
-               eos_token_ids: frozenset[int] = frozenset()) -> list[SampledToken]:
+               eos_token_ids: frozenset[int] = frozenset(),
+               masked: bool = False) -> list[SampledToken]:
         """logits: [S, V], one row per sampling request; output_index[i] is how many tokens
         row i's request has generated before this one; counts[i] its TokenCounts, which a
         row whose params adjust its logits (a bias, a penalty) needs; `eos_token_ids` are
         kept from rows short of their min_tokens. Everything runs on the logits' device; the
         ids (and the log-probabilities asked for) reach the host in one copy.
-        Log-probabilities are the model's, before any penalty (as vLLM's)."""
+        Log-probabilities are the model's, before any penalty (as vLLM's), after the mask
+        of a structured output (`masked`: some rows have one), -inf as -9999 (as vLLM's, so
+        that the JSON they go into stays JSON). A row whose masks leave no token gets
+        NO_TOKEN."""
         raw = logits
         adjusted = {i: (p, counts[i] if counts is not None else None)
                     for i, p in enumerate(params) if p.adjusts_logits}
@@ -116,6 +120,9 @@ class Sampler:
             chosen = self._draw(logits.index_select(0, rows), table,
                                 [params[i] for i in drawn])
             token_ids = token_ids.index_copy(0, rows, chosen)
+        if masked or adjusted or banned:      # a row may have nothing left
+            none_left = logits.gather(1, token_ids[:, None]).squeeze(1) == float("-inf")
+            token_ids = token_ids.masked_fill(none_left, NO_TOKEN)
         return _finish(raw, params, token_ids)
 
     def _draw(self, logits: torch.Tensor, table: torch.Tensor,
@@ -361,6 +368,10 @@ def _top_k_top_p_sorted(x: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
 
 
+# the least log-probability reported: a masked token's (-inf) is no JSON number
+LOGPROB_FLOOR = -9999.0
+
+
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor onto the device without waiting for it (pinned, non-blocking on CUDA)."""
     if device.type == "cpu":
@@ -380,7 +391,8 @@ def _finish(logits: torch.Tensor, params: list[SamplingParams],
     top_n = max(params[i].logprobs for i in want)
     rows = _to_device(torch.tensor(want, dtype=torch.int64), logits.device)
     logp = torch.log_softmax(logits.index_select(0, rows).float(), dim=-1)
-    chosen = logp.gather(1, token_ids.index_select(0, rows)[:, None])
+    logp = logp.clamp_min_(LOGPROB_FLOOR)
+    chosen = logp.gather(1, token_ids.index_select(0, rows).clamp_min(0)[:, None])
     parts = [token_ids.double(), chosen.double().flatten()]
     if top_n:
         vals, ids = torch.topk(logp, top_n, dim=-1)

@@ -220,7 +220,8 @@ class RequestBook:
         entry = self._entries.pop(output.request_id, None)
         if entry is None:
             return
-        error, error_type = self._errors.pop(output.request_id, (None, "server_error"))
+        error, error_type = self._errors.pop(output.request_id, (
+            output.error, "invalid_request_error" if output.error else "server_error"))
         reason = "error" if error is not None else output.finish_reason
         event = FinishEvent(output.request_id, reason, output.num_prompt_tokens,
                             output.num_output_tokens, error, error_type,

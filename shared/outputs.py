@@ -19,3 +19,5 @@ class RequestOutput:
     # of the prompt, the tokens found in the prefix cache when the request was first admitted
     # (set once it finished: the usage's cached tokens)
     num_cached_tokens: int = 0
+    # finish_reason "error": why (the request's tokens ran out of choices: shared/plan.NO_TOKEN)
+    error: str | None = None

@@ -104,6 +104,14 @@ class IterationPlan:
         return not self.num_scheduled_tokens
 
 
+# SampledToken.token_id where every token of the row was masked (a grammar, allowed_token_ids,
+# bad_words and min_tokens that leave nothing between them): no token, the request ends with
+# an error (docs/api.md#structured-outputs)
+NO_TOKEN = -1
+NO_TOKEN_ERROR = ("the request's constraints leave no token to generate (its structured output, "
+                  "allowed_token_ids, bad_words and min_tokens allow nothing together)")
+
+
 @dataclass(frozen=True)
 class SampledToken:
     """One sampled token of one request, with its log-probability and top alternatives."""

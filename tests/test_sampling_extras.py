@@ -3,13 +3,18 @@ against transformers' `min_new_tokens` (float32, chunked and preempted too), sto
 off until min_tokens, and the API's bounds."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from gateway.openai_schema import APIError, parse_chat, parse_completion
 from gateway.prompts import sampling_params
 from shared.text_output import TextOutput
-from gpu_worker.sampler import Sampler
+from gpu_worker.sampler import LOGPROB_FLOOR, Sampler
+from services.engine import LLMEngine
+from shared.engine_args import EngineArgs
+from shared.plan import NO_TOKEN
 from shared.detokenizer import IncrementalDetokenizer
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
@@ -124,6 +129,41 @@ def test_the_api_passes_them_on():
         SamplingParams(max_tokens=2, min_tokens=3)
     p = SamplingParams(max_tokens=4, min_tokens=3, min_p=0.1)
     assert SamplingParams.from_dict(p.to_dict()) == p
+
+
+def test_a_row_with_every_token_masked_gets_no_token_and_finite_logprobs():
+    """A grammar that allows only EOS (its mask: -inf elsewhere, applied before the sampler)
+    while min_tokens bans EOS, or allowed_token_ids of a banned token alone: nothing to draw,
+    greedy or not; the other rows untouched; a masked token's log-probability is a JSON
+    number."""
+    inf = float("-inf")
+    logits = torch.tensor([[inf, 1.0, inf, inf], [5.0, 1.0, 0.5, 3.0], [5.0, 1.0, 0.5, 3.0]])
+    ban_eos = dict(min_tokens=2, logprobs=2)
+    params = [SamplingParams(temperature=0.0, **ban_eos), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=1.0, seed=3, allowed_token_ids=(1,), **ban_eos)]
+    got = Sampler().sample(logits, params, [0, 0, 0], eos_token_ids=frozenset({1}), masked=True)
+    assert [t.token_id for t in got] == [NO_TOKEN, 0, NO_TOKEN]
+    values = [v for t in got for v in [t.logprob, *(lp for _, lp in t.top_logprobs)]]
+    assert all(math.isfinite(v) for v in values) and LOGPROB_FLOOR in values
+    # one allowed token left: drawn as before
+    ok = SamplingParams(temperature=0.0, allowed_token_ids=(1, 2), min_tokens=2)
+    assert Sampler().sample(logits[1:2], [ok], [0], eos_token_ids=frozenset({1}))[0].token_id == 2
+
+
+def test_a_request_left_no_token_ends_with_an_error_and_frees_its_blocks(tmp_path_factory):
+    path, _hf = tiny_llama_and_hf(tmp_path_factory)
+    engine = LLMEngine(EngineArgs(model=path, dtype="float32", quantization="none",
+                                  block_size=16, num_kv_blocks=64), progress=False)
+    with engine:
+        eos = next(iter(engine.scheduler.eos_token_ids))
+        stuck = SamplingParams(max_tokens=8, temperature=0.0, allowed_token_ids=(eos,),
+                               min_tokens=3)
+        plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        out = engine.generate([[5, 6, 7, 8], [5, 6, 7, 8]], [stuck, plain])
+        assert (out[0].finish_reason, out[0].token_ids) == ("error", [])
+        assert (out[1].finish_reason, len(out[1].token_ids)) == ("length", 8)
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_total_blocks
 
 
 def test_allowed_token_ids_leave_only_those_to_draw():

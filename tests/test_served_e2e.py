@@ -201,6 +201,16 @@ def test_structured_outputs_served_as_in_process(served: Served):
     with pytest.raises(openai.BadRequestError, match="unclosed character class"):
         c.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8,
                              extra_body={"guided_regex": "[a-"})
+    # with its top alternatives: the tokens the grammar rules out have a JSON number
+    scored = c.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, temperature=0, logprobs=True,
+        top_logprobs=3, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    forced = scored.choices[0].logprobs.content[-1].top_logprobs    # the end, forced
+    assert [t.logprob for t in forced][1:] == [-9999.0] * 2
+    # a grammar and bad_words that leave nothing: an error, not a token they forbid
+    with pytest.raises(openai.BadRequestError, match="leave no token to generate"):
+        c.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                  extra_body={"guided_choice": ["yes"], "bad_words": ["yes"]})
 
 
 WEATHER = {"type": "function", "function": {

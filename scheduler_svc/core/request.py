@@ -20,6 +20,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"      # no token could be sampled (shared/plan.NO_TOKEN)
 
     @property
     def is_finished(self) -> bool:
@@ -27,7 +28,8 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI-style reason: "stop" | "length" | "abort", or None while unfinished."""
+        """The OpenAI-style reason: "stop" | "length" | "abort" | "error", or None while
+        unfinished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -35,6 +37,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 

@@ -47,7 +47,8 @@ from scheduler_svc.core.ttft_goal import TtftGoal
 from shared.config import SchedulerConfig
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
-from shared.plan import CachedRequestData, IterationPlan, NewRequestData, SampledToken, StepResult
+from shared.plan import (NO_TOKEN, NO_TOKEN_ERROR, CachedRequestData, IterationPlan, NewRequestData,
+                         SampledToken, StepResult)
 from shared.sampling import SamplingParams, token_id_set
 
 
@@ -436,6 +437,11 @@ class Scheduler:
             # request per iteration comes through here
             token = sampled[request.request_id]
             token_id = token.token_id
+            if token_id == NO_TOKEN:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                add_output(_output(request, []))
+                outputs[-1].error = NO_TOKEN_ERROR
+                continue
             output_ids.append(token_id)
             sampling = request.sampling
             num_output = len(output_ids)
