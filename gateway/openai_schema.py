@@ -20,7 +20,7 @@ from gateway.tool_parsers import PARSERS
 from shared.errors import InvalidRequestError
 from shared.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                              MAX_REPETITION_PENALTY)
-from shared.structured import KINDS, structured_pair
+from shared.structured import JSON_OPTIONS, KINDS, structured_pair
 
 MAX_LOGPROBS = 20
 NAMED_TOOL_CHOICE = '{"type": "function", "function": {"name": ...}}'
@@ -335,6 +335,16 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
         raise APIError("'suffix' is not supported", param="suffix")
 
 
+def _allowed_token_ids(body: dict) -> tuple[int, ...]:
+    """vLLM's allowed_token_ids: the only ids the output may hold; an empty list would allow
+    nothing (vLLM refuses it too)."""
+    ids = read_field(body, "allowed_token_ids", (list,), None)
+    if ids == []:
+        raise APIError("'allowed_token_ids' is empty: it would allow no token",
+                       param="allowed_token_ids")
+    return tuple(_int_list(ids or [], "allowed_token_ids"))
+
+
 def _truncate_prompt_tokens(body: dict) -> int | None:
     """vLLM's truncate_prompt_tokens: keep the prompt's last N tokens (N >= 1; -1: as many as
     the model's context takes with the answer, which prompts.py resolves)."""
@@ -430,8 +440,13 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
     elif kind != "text":
         raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                        f"got {kind!r:.100}", param="response_format")
+    options: dict[str, Any] = {}
     if (spec := read_field(body, "structured_outputs", (dict,), None)) is not None:
-        given.append(("structured_outputs", spec))
+        named = {k for k, v in spec.items() if v is not None and v is not False}
+        if named and named <= set(JSON_OPTIONS):     # vLLM's options for another field's schema
+            options = {k: spec[k] for k in named}
+        else:
+            given.append(("structured_outputs", spec))
     guided = {k: body[f"guided_{k}"] for k in KINDS if body.get(f"guided_{k}") is not None}
     if guided:
         given.append((f"guided_{next(iter(guided))}", guided))
@@ -441,12 +456,22 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
     if len(given) > 1:
         raise APIError(f"give one constraint on the output, not {' and '.join(n for n, _ in given)}",
                        param=given[1][0])
+    if options and not given:
+        given.append(("structured_outputs", options))     # structured_pair says what is missing
+    elif options:
+        if not (isinstance(given[0][1], dict) and {"json", "json_object"} & set(given[0][1])):
+            raise APIError(f"structured_outputs' {', '.join(sorted(options))} apply to a JSON "
+                           f"schema, not to {given[0][0]}", param="structured_outputs")
+        given[0] = (given[0][0], {**given[0][1], **options})
     if not given:
         return None
     param, spec = given[0]
     try:
         return structured_pair(spec)
     except InvalidRequestError as e:
+        if param == "tool_choice":      # the schema is the tools' parameters, not a field sent
+            raise APIError(f"the tools' parameters are not a schema the calls can follow: "
+                           f"{str(e).partition(': ')[2] or e}", param="tools") from None
         raise APIError(str(e), param=param) from None
 
 
@@ -542,8 +567,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         prompt_logprobs=prompt_logprobs, tools=tools, tool_choice=tool_choice,
         parallel_tool_calls=parallel_tool_calls,
         include_stop_str_in_output=read_field(body, "include_stop_str_in_output", (bool,), False),
-        allowed_token_ids=tuple(_int_list(read_field(body, "allowed_token_ids", (list,), []),
-                                          "allowed_token_ids")),
+        allowed_token_ids=_allowed_token_ids(body),
         bad_words=_bad_words(body),
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
         structured_outputs=_structured_outputs(body, tools, tool_choice, parallel_tool_calls),

@@ -94,6 +94,7 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                        param="max_tokens", code="context_length_exceeded")
     check_vocabulary([t for t, _ in req.logit_bias], tokenizer, "logit_bias")
     check_vocabulary(list(req.allowed_token_ids), tokenizer, "allowed_token_ids")
+    check_vocabulary(list(req.stop_token_ids), tokenizer, "stop_token_ids")
     # the scheduler stops on the primary EOS itself; other end-of-turn ids are stop tokens
     extra_eos = () if req.ignore_eos else tuple(
         t for t in tokenizer.eos_token_ids if t != tokenizer.eos_token_id)

@@ -42,6 +42,13 @@ SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence
                    "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens",
                    "ignore_eos", "bad_words", "allowed_token_ids", "include_stop_str_in_output",
                    "timeout", "skip_special_tokens")
+# vLLM's fields that chat takes and that mean the same here: structured outputs, the prompt's
+# truncation, the chat template's turn
+CHAT_EXTRAS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+               "guided_grammar", "truncate_prompt_tokens", "add_generation_prompt",
+               "continue_final_message")
+# Fields of the other endpoints whose answer a response object has no place for
+NOT_ON_RESPONSES = ("best_of", "echo", "prompt_logprobs", "suffix", "functions")
 # Chat fields that have another spelling here: sent, they would be silently ignored
 CHAT_SPELLINGS = {"messages": "input", "max_tokens": "max_output_tokens",
                   "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
@@ -62,6 +69,10 @@ def chat_body(body: Any) -> tuple[dict, dict]:
         if name in body:
             raise APIError(f"'{name}' is not a field of /v1/responses" +
                            (f": send '{instead}'" if instead else ""), param=name)
+    for name in NOT_ON_RESPONSES:
+        if body.get(name) not in (None, False):
+            raise APIError(f"'{name}' is not served on /v1/responses (a response object has no "
+                           f"place for it)", param=name)
     for name in NOT_SERVED:
         if body.get(name) is not None:
             raise APIError(f"'{name}' is not served: responses are not stored here, and "
@@ -91,7 +102,7 @@ def chat_body(body: Any) -> tuple[dict, dict]:
             raise APIError(f"'max_output_tokens' must be at least 1, got {max_output}",
                            param="max_output_tokens")
         chat["max_tokens"] = max_output
-    for name in ("temperature", "top_p", *SAMPLING_EXTRAS):
+    for name in ("temperature", "top_p", *SAMPLING_EXTRAS, *CHAT_EXTRAS):
         if body.get(name) is not None:
             chat[name] = body[name]
     top_logprobs = read_field(body, "top_logprobs", (int,), None)
@@ -117,6 +128,9 @@ def chat_body(body: Any) -> tuple[dict, dict]:
         raise APIError(f"'truncation' must be 'disabled' or 'auto', got {truncation!r:.60}",
                        param="truncation")
     if truncation == "auto":          # the input's end, as much as the context holds
+        if body.get("truncate_prompt_tokens") is not None:
+            raise APIError("give 'truncation' or vLLM's 'truncate_prompt_tokens', not both",
+                           param="truncate_prompt_tokens")
         chat["truncate_prompt_tokens"] = -1
     metadata = read_field(body, "metadata", (dict,), None)
     echo = {"instructions": instructions, "max_output_tokens": max_output,

@@ -747,6 +747,24 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
     assert "the fake worker failed" in events[-1]["response"]["error"]["message"]
 
 
+async def test_responses_api_takes_vllm_s_chat_fields(h: Harness) -> None:
+    """What chat takes of vLLM's (structured outputs, truncate_prompt_tokens) means the same
+    on /v1/responses, never dropped on the way."""
+    body = {"model": MODEL, "input": "yes or no?", "max_output_tokens": 2}
+    for extra, constraint in [({"structured_outputs": {"choice": ["yes", "no"]}}, "choice"),
+                              ({"guided_regex": "[a-z]+"}, "regex")]:
+        status, _ = await h.post("/v1/responses", {**body, **extra})
+        assert status == 200
+        sent = list(h.fake.received.values())[-1]
+        assert sent.sampling.structured_outputs[0] == constraint
+    status, _ = await h.post("/v1/responses", {**body, "truncate_prompt_tokens": 3})
+    assert status == 200 and len(list(h.fake.received.values())[-1].prompt_token_ids) == 3
+    for refused in ({"best_of": 2}, {"echo": True}, {"prompt_logprobs": 1},
+                    {"truncation": "auto", "truncate_prompt_tokens": 3}):
+        status, error = await h.post("/v1/responses", {**body, **refused})
+        assert status == 400 and error["error"]["param"] in refused, error
+
+
 async def _words_only(h: Harness, body: dict, text: str) -> None:
     """The response is one message of `text`, streamed or not."""
     status, answer = await h.post("/v1/responses", body)
@@ -1070,6 +1088,9 @@ BAD_REQUESTS = {
     "prompt a number": ("/v1/completions", completion(prompt=5), 400),
     "stop a number list": ("/v1/completions", completion(stop=[1]), 400),
     "token id outside the vocabulary": ("/v1/completions", completion(prompt=[10**9]), 400),
+    "a stop token id outside the vocabulary": ("/v1/completions",
+                                               completion(stop_token_ids=[-1]), 400),
+    "allowed_token_ids empty": ("/v1/chat/completions", chat(allowed_token_ids=[]), 400),
     "empty prompt": ("/v1/completions", completion(prompt=""), 400),
     "missing prompt": ("/v1/completions", {"model": MODEL}, 400),
     "missing messages": ("/v1/chat/completions", {"model": MODEL}, 400),

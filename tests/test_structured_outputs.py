@@ -57,6 +57,15 @@ def test_vllm_s_json_options_are_written_into_the_schema():
         {"type": "object", "x-guidance": {"whitespace_pattern": " ?"}}
     # only JSON has them; a regex is unchanged
     assert structured_pair({"regex": "a+", "disable_any_whitespace": True}) == ("regex", "a+")
+    # vLLM's options alone in structured_outputs, for response_format's schema
+    from gateway.openai_schema import APIError, parse_chat
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+    compact = parse_chat({**chat, "response_format": {"type": "json_object"},
+                          "structured_outputs": {"disable_any_whitespace": True}})
+    assert json.loads(compact.structured_outputs[1])["x-guidance"] == {"whitespace_flexible": False}
+    with pytest.raises(APIError, match="apply to a JSON schema, not to guided_regex"):
+        parse_chat({**chat, "guided_regex": "a+",
+                    "structured_outputs": {"disable_any_whitespace": True}})
 
 
 @pytest.mark.slow
@@ -232,6 +241,8 @@ def test_a_tool_choice_becomes_the_constraint_of_its_calls():
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ({"tools": [TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "tool_choice", "one constraint"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
+      "tool_choice": "required"}, "tools", "the tools' parameters are not a schema"),
 ])
 def test_a_tool_request_that_cannot_be_served_says_why(fields, param, says):
     from gateway.openai_schema import APIError, parse_chat
