@@ -325,6 +325,17 @@ def _message(m: Any, i: int) -> dict:
     return {**m, "content": content}
 
 
+# vLLM's and OpenAI's fields that would change the answer and that this server does not do
+NOT_SERVED_FIELDS = {
+    "use_beam_search": "no beam search here (vLLM serves it apart, as its beam_search API)",
+    "prompt_embeds": "prompts are text or token ids here",
+    "logits_processors": "no custom logits processors run here",
+    "return_tokens_as_token_ids": "tokens are returned as text",
+    "chat_template": "the model's own chat template renders the messages",
+    "audio": "text output only",
+}
+
+
 def _refuse_what_would_be_ignored(body: dict) -> None:
     """Fields that change what the answer must be, which this server does not do: a clear
     error rather than an answer that silently ignores them. (Fields with no effect on the
@@ -333,6 +344,13 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
         raise APIError("'functions' are not supported: send 'tools'", param="functions")
     if read_field(body, "suffix", (str,), None):
         raise APIError("'suffix' is not supported", param="suffix")
+    for name, why in NOT_SERVED_FIELDS.items():
+        if body.get(name) not in (None, False, [], {}, ""):
+            raise APIError(f"'{name}' is not served: {why}", param=name)
+    modalities = read_field(body, "modalities", (list,), None)
+    if modalities is not None and modalities != ["text"]:
+        raise APIError(f"'modalities' serves ['text'] only, got {modalities!r:.80}",
+                       param="modalities")
 
 
 def _allowed_token_ids(body: dict) -> tuple[int, ...]:

@@ -103,23 +103,12 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                            "disable_any_whitespace": {"type": "boolean"},
                            "disable_additional_properties": {"type": "boolean"},
                            "whitespace_pattern": {"type": "string"}}},
-        "tools": {"type": "array", "nullable": True, "description": "chat only", "items": {
-            "type": "object", "required": ["type", "function"], "properties": {
-                "type": {"type": "string", "enum": ["function"]},
-                "function": {"type": "object", "required": ["name"], "properties": {
-                    "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
-                    "description": {"type": "string"},
-                    "parameters": {"type": "object"}}}}}},
-        "tool_choice": {
-            "nullable": True,
-            "description": "'required' or a named function: calls made by constrained "
-                           "decoding; 'auto' needs the server's --tool-call-parser",
-            "oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
-                      {"type": "object", "required": ["type", "function"], "properties": {
-                          "type": {"type": "string", "enum": ["function"]},
-                          "function": {"type": "object", "required": ["name"],
-                                       "properties": {"name": {"type": "string"}}}}}]},
-        "parallel_tool_calls": {"type": "boolean", "nullable": True},
+        # vLLM's older spellings of structured_outputs' kinds
+        "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}], "nullable": True},
+        "guided_regex": {"type": "string", "nullable": True},
+        "guided_choice": {"type": "array", "minItems": 1, "nullable": True,
+                          "items": {"type": "string", "minLength": 1}},
+        "guided_grammar": {"type": "string", "nullable": True},
         "functions": {"type": "array", "maxItems": 0, "nullable": True},
         "suffix": {"type": "string", "maxLength": 0, "nullable": True},
         "stream": {"type": "boolean", "nullable": True},
@@ -165,9 +154,30 @@ def _chat_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, 
         "logprobs": {"type": "boolean", "nullable": True},
         "top_logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                          "nullable": True},
-        **CHAT_FORMAT_FIELDS,
+        **CHAT_FORMAT_FIELDS, **CHAT_TOOL_FIELDS,
         **_sampling_fields(max_model_len, vocab_size)}}
 
+
+# chat's function tools; /v1/responses takes the same choices with its flatter tool shape
+CHAT_TOOL_FIELDS = {
+    "tools": {"type": "array", "nullable": True, "items": {
+        "type": "object", "required": ["type", "function"], "properties": {
+            "type": {"type": "string", "enum": ["function"]},
+            "function": {"type": "object", "required": ["name"], "properties": {
+                "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
+                "description": {"type": "string"},
+                "parameters": {"type": "object"}}}}}},
+    "tool_choice": {
+        "nullable": True,
+        "description": "'required' or a named function: calls made by constrained "
+                       "decoding; 'auto' needs the server's --tool-call-parser",
+        "oneOf": [{"type": "string", "enum": ["none", "auto", "required"]},
+                  {"type": "object", "required": ["type", "function"], "properties": {
+                      "type": {"type": "string", "enum": ["function"]},
+                      "function": {"type": "object", "required": ["name"],
+                                   "properties": {"name": {"type": "string"}}}}}]},
+    "parallel_tool_calls": {"type": "boolean", "nullable": True},
+}
 
 # vLLM's: how the chat template ends the prompt; not both true
 CHAT_FORMAT_FIELDS = {
@@ -192,8 +202,8 @@ def _responses_request(model: str, max_model_len: int, vocab_size: int) -> dict[
         "name": {"type": "string"}, "schema": {"type": "object"}}}
     sampling = _sampling_fields(max_model_len, vocab_size)
     for name in ("max_tokens", "n", "best_of", "logprobs", "stream_options", "response_format",
-                 "prompt_logprobs", "truncate_prompt_tokens", "tools", "tool_choice"):
-        sampling.pop(name, None)       # chat's (its tools' shape is another) or not taken here
+                 "prompt_logprobs", "functions", "suffix"):
+        sampling.pop(name, None)       # chat's spellings, or not taken here
     return {"type": "object", "required": ["model", "input"], "properties": {
         "model": {"type": "string", "enum": [model]},
         "input": {"oneOf": [{"type": "string"},
@@ -212,15 +222,26 @@ def _responses_request(model: str, max_model_len: int, vocab_size: int) -> dict[
                 "type": {"type": "string", "enum": ["function"]},
                 "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"},
                 "parameters": {"type": "object"}}}},
+        "tool_choice": {"oneOf": [
+            {"type": "string", "enum": ["none", "auto", "required"]},
+            {"type": "object", "required": ["type", "name"], "properties": {
+                "type": {"type": "string", "enum": ["function"]},
+                "name": {"type": "string"}}}]},
+        "parallel_tool_calls": {"type": "boolean"},
+        **CHAT_FORMAT_FIELDS,
         **sampling}}
 
 
-def _tokenize_request(model: str) -> dict[str, Any]:
+def _tokenize_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, Any]:
+    """A prompt, or chat messages (with any tools) as generation renders them."""
+    chat = _chat_request(model, max_model_len, vocab_size)["properties"]
     return {"type": "object", "properties": {
         "model": {"type": "string", "enum": [model], "nullable": True},
         "prompt": {"type": "string"},
+        "messages": chat["messages"], "tools": CHAT_TOOL_FIELDS["tools"],
+        **CHAT_FORMAT_FIELDS,
         "add_special_tokens": {"type": "boolean", "nullable": True}},
-        "required": ["prompt"]}
+        "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
 
 
 def _detokenize_request(model: str, vocab_size: int) -> dict[str, Any]:
@@ -301,7 +322,7 @@ def openapi_spec(model: str, max_model_len: int, vocab_size: int) -> dict[str, A
             "CompletionRequest": _completion_request(model, max_model_len, vocab_size),
             "ChatCompletionRequest": _chat_request(model, max_model_len, vocab_size),
             "ResponsesRequest": _responses_request(model, max_model_len, vocab_size),
-            "TokenizeRequest": _tokenize_request(model),
+            "TokenizeRequest": _tokenize_request(model, max_model_len, vocab_size),
             "DetokenizeRequest": _detokenize_request(model, vocab_size),
         }},
     }
