@@ -46,7 +46,9 @@ def add_request_policy_args(p: argparse.ArgumentParser) -> None:
     and `pacer up`."""
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: the model's name)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1/*")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and "
+                        "/detokenize")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="requests waiting for their first token beyond which new ones get 429")
     p.add_argument("--request-timeout", type=float, default=None,
