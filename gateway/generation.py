@@ -77,6 +77,8 @@ class Generation:
         # event (None before it, and for a stream the gateway ended at a stop string)
         self.num_cached_tokens: int | None = None
         self._echo = echo                       # the prompt's text, sent before the output
+        self._echo_text = echo or ""            # kept: the output's offsets count from its end
+        self._skip_special_tokens = skip_special_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -159,12 +161,20 @@ class Generation:
         if self.sampling.prompt_logprobs is None:
             return Delta(self._echo)
         ids, known = self.prompt_token_ids, self._stream.prompt_logprobs
-        entries = [TokenLogprob(self._token_text(ids[0]), None, None)]
+        # each prompt token's place in its text, as the output's are found
+        text = IncrementalDetokenizer(self._tokenizer,
+                                      skip_special_tokens=self._skip_special_tokens)
+        offsets = []
+        for t in ids:
+            offsets.append(len(text.text))
+            text.add(t)
+        entries = [TokenLogprob(self._token_text(ids[0]), None, None, offset=0)]
         for pos in range(1, len(ids)):
             entry = known.get(pos)
             entries.append(TokenLogprob(
                 self._token_text(ids[pos]), entry and entry.logprob,
-                [(self._token_text(t), lp) for t, lp in (entry and entry.top) or []]))
+                [(self._token_text(t), lp) for t, lp in (entry and entry.top) or []],
+                offset=offsets[pos]))
         if len(known) < len(ids) - 1:
             log.error("prompt logprobs missing", request_id=self.request_id,
                       missing=len(ids) - 1 - len(known))
@@ -184,7 +194,7 @@ class Generation:
             start = len(self._text.text)
             self._text.add(event.token_id)
             if self.sampling.logprobs is not None:
-                self._pending.append((start, self._logprob(event)))
+                self._pending.append((start, self._logprob(event, len(self._echo_text) + start)))
             if self._text.stopped:
                 break
 
@@ -218,13 +228,14 @@ class Generation:
                 self._metrics.inter_token_latency.observe(gap)
         self._last_token_at = now
 
-    def _logprob(self, event: TokenEvent) -> TokenLogprob:
+    def _logprob(self, event: TokenEvent, offset: int) -> TokenLogprob:
         ids = [event.token_id, *(t for t, _ in event.top_logprobs or [])]
         texts = [self._token_text(t) for t in ids]
         return TokenLogprob(token=texts[0], logprob=event.logprob,
                             top=[(text, lp) for text, (_, lp) in
                                  zip(texts[1:], event.top_logprobs or [])],
-                            raw=tuple(map(self._tokenizer.token_bytes, ids, texts)))
+                            raw=tuple(map(self._tokenizer.token_bytes, ids, texts)),
+                            offset=offset)
 
     def _token_text(self, token_id: int) -> str:
         return self._tokenizer.decode([token_id], skip_special_tokens=False)

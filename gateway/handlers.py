@@ -124,7 +124,8 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
     # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
     # (a truncated prompt: the text of the tokens kept)
     echoes = [p if isinstance(p, str) and req.truncate_prompt_tokens is None
-              else state.tokenizer.decode(ids) for p, ids in zip(req.prompts, prompts)] \
+              else state.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+              for p, ids in zip(req.prompts, prompts)] \
         if req.echo else [None] * len(prompts)
     choices = [(ids, choice_sampling(sampling, j), echo)
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]

@@ -604,6 +604,9 @@ class TokenLogprob:
     # chat's `bytes`: each token's own bytes (part of a character, for some), token then top;
     # None: its text's UTF-8
     raw: tuple[bytes, ...] | None = None
+    # where the token's text starts in its choice's text (echoed prompt included): a special
+    # token left out of the text, or one that only begins a character, adds nothing there
+    offset: int | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
@@ -622,7 +625,7 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
     vLLM answer); chat's `top_logprobs` are the top ones alone."""
     offsets, at = [], text_offset
     for e in entries:
-        offsets.append(at)
+        offsets.append(at if e.offset is None else e.offset)
         at += len(e.token)
     return {"tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],

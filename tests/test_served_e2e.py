@@ -407,6 +407,19 @@ def test_echo_with_logprobs_scores_a_prompt_as_in_process(served: Served):
     # greedy: where the prompt's token is the model's first choice, it is the top one
     assert sum(lp.token_logprobs[p] == max(lp.top_logprobs[p].values())
                for p in range(1, len(ids))) > 0
+    # each token's text_offset is where its text stands in the choice's text, also where a
+    # special token (the chat template's) is left out of it or written in it
+    turn = engine.tokenizer.encode("<|im_start|>")
+    for skip in (True, False):
+        got = client(served).completions.create(
+            model=MODEL, prompt=turn + ids[:6], max_tokens=4, temperature=0, echo=True,
+            logprobs=0, extra_body={"skip_special_tokens": skip, "ignore_eos": True})
+        text, lp = got.choices[0].text, got.choices[0].logprobs
+        start = engine.tokenizer.decode(ids[:6])
+        assert text.startswith(start if skip else "<|im_start|>" + start)
+        assert lp.text_offset[1] == (0 if skip else len("<|im_start|>"))
+        for token, at in zip(lp.tokens[1:], lp.text_offset[1:]):
+            assert text.startswith(token, at), (text, token, at)
     # vLLM's field, on a chat: the template's tokens, each with its rank
     answer = client(served).chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Name a colour."}], max_tokens=2,
