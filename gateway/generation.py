@@ -50,7 +50,7 @@ class Generation:
                  router: TokenRouter, metrics: GatewayMetrics, arrival: float,
                  slot: WaitingSlot | None = None, timeout_s: float | None = None,
                  echo: str | None = None, include_stop: bool = False,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, echo_only: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
@@ -79,6 +79,7 @@ class Generation:
         self._echo = echo                       # the prompt's text, sent before the output
         self._echo_text = echo or ""            # kept: the output's offsets count from its end
         self._skip_special_tokens = skip_special_tokens
+        self._echo_only = echo_only             # the generated token left out of the answer
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -136,7 +137,7 @@ class Generation:
                 if finish is None or finish.error is None:
                     yield self._echo_delta()
                 self._echo = None
-            self._consume(events)
+            self._consume([] if self._echo_only else events)
             self._done_upstream = finish is not None
             if self._text.stopped or finish is not None:
                 # no longer load on its instance before the client can see the end: a client
@@ -209,7 +210,10 @@ class Generation:
 
     def _last_delta(self, finish: FinishEvent) -> Delta:
         self.finish_reason = finish.finish_reason
-        self.num_output_tokens = max(self.num_output_tokens, finish.num_output_tokens)
+        if not self._echo_only:
+            self.num_output_tokens = max(self.num_output_tokens, finish.num_output_tokens)
+        elif finish.error is None:
+            self.finish_reason = "length"       # max_tokens 0 reached: nothing generated
         self.num_cached_tokens = finish.num_cached_tokens
         self._text.finish()
         if self._text.stopped:      # the flushed tail completed a stop string

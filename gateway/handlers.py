@@ -143,7 +143,7 @@ async def _generate_in_slot(request: web.Request, parse: Callable[[Any], Generat
                 tokenizer=state.tokenizer, upstream=state.upstream, router=state.router,
                 metrics=state.metrics, arrival=arrival, slot=place,
                 timeout_s=req.timeout or state.config.request_timeout_s, echo=echo,
-                include_stop=req.include_stop_str_in_output,
+                include_stop=req.include_stop_str_in_output, echo_only=req.echo_only,
                 skip_special_tokens=req.skip_special_tokens))
                 for index, ((ids, sampling, echo), place) in enumerate(zip(choices, slots))]
             for gen in gens:        # one by one: a failed start leaves none in flight

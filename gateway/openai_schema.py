@@ -89,6 +89,9 @@ class GenerationRequest:
     continuous_usage: bool = False          # vLLM's: usage so far on every chunk
     n: int = 1                              # choices per prompt
     echo: bool = False                      # completions: the prompt before the output
+    # completions, echo with max_tokens 0 (vLLM's echo without generation: scoring a text):
+    # one token is generated upstream and left out of the answer
+    echo_only: bool = False
     prompt_logprobs: int | None = None      # vLLM's: the prompt's, in the answer (top-N)
     structured_outputs: tuple[str, str] | None = None   # what the output must match (kind, text)
     include_stop_str_in_output: bool = False  # vLLM's: the stop string ends the text
@@ -203,9 +206,12 @@ def parse_completion(body: Any) -> GenerationRequest:
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise APIError(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
     prompts = _completion_prompts(read_field(body, "prompt", (str, list)))
-    return _common(body, "completions", prompts=prompts, messages=None,
-                   max_tokens=read_field(body, "max_tokens", (int,), None), logprobs=logprobs,
-                   echo=read_field(body, "echo", (bool,), False))
+    echo = read_field(body, "echo", (bool,), False)
+    max_tokens = read_field(body, "max_tokens", (int,), None)
+    echo_only = echo and max_tokens == 0
+    request = _common(body, "completions", prompts=prompts, messages=None,
+                      max_tokens=1 if echo_only else max_tokens, logprobs=logprobs, echo=echo)
+    return dataclasses.replace(request, echo_only=True) if echo_only else request
 
 
 def _completion_prompts(prompt: str | list) -> tuple[str | list[int], ...]:

@@ -134,8 +134,10 @@ def _completion_request(model: str, max_model_len: int, vocab_size: int) -> dict
         "logprobs": {"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS, "nullable": True},
         "echo": {"type": "boolean", "nullable": True,
                  "description": "the prompt before the output; with logprobs, its tokens' "
-                                "too (the first has none)"},
-        **_sampling_fields(max_model_len, vocab_size)}}
+                                "too (the first has none); with max_tokens 0, the prompt alone"},
+        **_sampling_fields(max_model_len, vocab_size),
+        "max_tokens": {"type": "integer", "minimum": 0, "maximum": max_model_len - 1,
+                       "nullable": True, "description": "0 only with echo"}}}
 
 
 def _chat_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, Any]:

@@ -404,6 +404,12 @@ def test_echo_with_logprobs_scores_a_prompt_as_in_process(served: Served):
     assert got.choices[0].text.startswith(engine.tokenizer.decode(ids))
     for pos in range(1, len(ids)):
         assert lp.token_logprobs[pos] == pytest.approx(want.prompt_logprobs[pos].logprob, abs=1e-5)
+    # max_tokens 0 (vLLM's echo without generation): the prompt and its scores alone
+    only = client(served).completions.create(model=MODEL, prompt=ids, max_tokens=0,
+                                             temperature=0, echo=True, logprobs=1)
+    assert only.choices[0].text == engine.tokenizer.decode(ids)
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
+    assert (only.usage.completion_tokens, only.choices[0].finish_reason) == (0, "length")
     # greedy: where the prompt's token is the model's first choice, it is the top one
     assert sum(lp.token_logprobs[p] == max(lp.top_logprobs[p].values())
                for p in range(1, len(ids))) > 0
