@@ -36,6 +36,9 @@ except importlib.metadata.PackageNotFoundError:      # run from a checkout, not 
     PACKAGE_VERSION = "unknown"
 SUBSCRIBE_WAIT_S = 2.0
 THREADED_PARSE_BYTES = 256 * 1024
+# a request body still arriving after this long is refused (408): a client that opens
+# requests and never finishes them holds nothing for long
+BODY_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -104,18 +107,23 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
                     id_prefix: str, answer: Answer = _openai_answer) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
+    if state.draining:
+        _admit(state)               # refused before the body is read
+    # the body first: a client that sends it slowly (or never) holds no place in the queue
+    body = await _read_json(request, state.config.max_body_bytes)
     slot = _admit(state)
     try:
-        return await _generate_in_slot(request, parse, id_prefix, answer, state, slot,
+        return await _generate_in_slot(request, body, parse, id_prefix, answer, state, slot,
                                        arrival)
     finally:
         slot.release()
 
 
-async def _generate_in_slot(request: web.Request, parse: Callable[[Any], GenerationRequest],
+async def _generate_in_slot(request: web.Request, body: Any,
+                            parse: Callable[[Any], GenerationRequest],
                             id_prefix: str, answer: Answer, state: GatewayState,
                             slot: WaitingSlot, arrival: float) -> web.StreamResponse:
-    req = parse(await _read_json(request, state.config.max_body_bytes))
+    req = parse(body)
     _check_model(req.model, state)
     prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer,
                                       state.max_model_len)
@@ -198,10 +206,14 @@ async def _start(gen: Generation, state: GatewayState) -> None:
 
 async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
     try:
-        raw = await request.read()
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge as e:
         raise APIError(f"the request body is larger than {max_body_bytes} bytes",
                        status=413) from e
+    except TimeoutError:
+        raise APIError(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                       status=408, type="timeout_error") from None
     try:
         if len(raw) < THREADED_PARSE_BYTES:
             return parse_user_json(raw)

@@ -208,8 +208,8 @@ async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
 async def stream_sse(request: web.Request, gens: list[Generation],
                      shape: Shape) -> web.StreamResponse:
     response = web.StreamResponse(headers={**SSE_HEADERS, **shape.headers})
-    await response.prepare(request)
     try:
+        await response.prepare(request)     # a client gone already fails here
         if shape.chat:
             for i in range(len(gens)):
                 first = oai.chat_delta_choice(i, {"role": "assistant", "content": ""}, None,

@@ -350,13 +350,13 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
     calls follow whole at the end."""
     [gen] = gens
     response = web.StreamResponse(headers={**SSE_HEADERS, **shape.headers})
-    await response.prepare(request)
     started = shape.response("in_progress", [])
     message = _MessageEvents(response, shape)
     calls_stream = ToolStream(parser) if req.tool_choice == "auto" else None
     constrained = bool(req.tool_choice) and calls_stream is None   # the text is the calls
     held: list[str] = []
     try:
+        await response.prepare(request)     # a client gone already fails here
         await response.write(shape.event("response.created", response=started))
         await response.write(shape.event("response.in_progress", response=started))
         async with aclosing(merged_deltas(gens)) as deltas:

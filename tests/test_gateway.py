@@ -175,6 +175,7 @@ class Harness:
     fake: FakeScheduler
     tok: Tokenizer
     config: GatewayConfig
+    state: object = None           # the gateway's GatewayState
 
     async def post(self, path: str, body: dict) -> tuple[int, dict]:
         async with self.session.post(self.url + path, json=body) as r:
@@ -207,7 +208,7 @@ async def h(config: GatewayConfig, redis_server: str):
     fake = FakeScheduler(redis, keys, app[STATE].tokenizer)
     fake_task = asyncio.create_task(fake.run())
     async with serve(config, app) as url, aiohttp.ClientSession() as session:
-        yield Harness(url, session, redis, keys, fake, app[STATE].tokenizer, config)
+        yield Harness(url, session, redis, keys, fake, app[STATE].tokenizer, config, app[STATE])
     fake_task.cancel()
     await asyncio.gather(fake_task, return_exceptions=True)
     await redis.aclose()
@@ -1214,6 +1215,28 @@ async def test_tokens_past_the_schedulers_count_are_not_output() -> None:
         stream.push(item)
     tokens, finish = await stream.next()
     assert [t.index for t in tokens] == [0, 1] and finish.finish_reason == "abort"
+
+
+async def test_a_body_that_never_arrives_holds_no_place_and_times_out(h: Harness,
+                                                                      monkeypatch) -> None:
+    """Headers and a few bytes of a body, then nothing (slowloris): no place in the bounded
+    queue while it waits, and a 408 once the body is overdue."""
+    import gateway.handlers
+    monkeypatch.setattr(gateway.handlers, "BODY_TIMEOUT_S", 1.0)
+    host, port = h.url.removeprefix("http://").rsplit(":", 1)
+    conns = [await asyncio.open_connection(host, int(port)) for _ in range(3)]
+    for _, writer in conns:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                     b"Content-Type: application/json\r\n\r\n{\"mo")
+        await writer.drain()
+    await asyncio.sleep(0.3)
+    assert h.state.num_waiting == 0
+    status, ok = await h.post("/v1/completions", completion(max_tokens=2))
+    assert status == 200
+    for reader, writer in conns:
+        head = await asyncio.wait_for(reader.read(4096), 5.0)
+        assert head.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in head
+        writer.close()
 
 
 async def test_a_queue_of_one_admits_one_request_and_refuses_a_second() -> None:
