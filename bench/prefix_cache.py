@@ -179,7 +179,11 @@ def main() -> None:
         log_path = os.path.join(tmp, f"{name}.log")
         print(f"server {name}: pacer up {' '.join(SERVERS[name])} --num-kv-blocks {blocks} "
               f"(log: {log_path})", flush=True)
-        system = start_served(replace(engine_args, num_kv_blocks=blocks), source.name,
+        # a context the replicas' halved pools hold (pacer up refuses a smaller pool), far
+        # longer than these prompts
+        system = start_served(replace(engine_args, num_kv_blocks=blocks,
+                                      max_model_len=engine_args.max_model_len or 2048),
+                              source.name,
                               log_path, SERVERS[name])
         try:
             run_pass(system, warm, args.max_concurrency)

@@ -42,6 +42,8 @@ from shared.tokenizer import load_tokenizer
 log = structlog.get_logger("gateway")
 
 SUBSCRIBE_TIMEOUT_S = 10.0
+REDIS_CONNECTIONS = 64               # the gateway's pool; a command beyond them waits
+REDIS_CONNECTION_WAIT_S = 10.0       # ... this long at most, then it is a Redis error
 HEADER_LIMITS = {"max_line_size": 8190, "max_field_size": 8190, "max_headers": 64}
 KEEPALIVE_TIMEOUT_S = 75.0
 DRAIN_POLL_S = 0.05
@@ -66,9 +68,12 @@ def create_app(config: GatewayConfig) -> web.Application:
 async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     """The Redis connection, the one token listener and the heartbeat, for the app's life."""
     state = app[STATE]
-    # blocking pub/sub reads need a socket timeout longer than their 1 s wait
-    state.redis = aioredis.Redis.from_url(state.config.redis_url, socket_timeout=10,
-                                          health_check_interval=30)
+    # blocking pub/sub reads need a socket timeout longer than their 1 s wait. A burst of
+    # requests (each an XADD, a client gone an abort) waits for a connection of the pool
+    # rather than failing with "Too many connections" past redis-py's 100
+    state.redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
+        state.config.redis_url, max_connections=REDIS_CONNECTIONS,
+        timeout=REDIS_CONNECTION_WAIT_S, socket_timeout=10, health_check_interval=30))
     # the token listener gets a connection that never reconnects behind its back: events
     # published while it was away are lost, so it must know, and end the open streams
     listener = aioredis.Redis.from_url(state.config.redis_url, socket_timeout=10,

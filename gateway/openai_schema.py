@@ -18,11 +18,15 @@ from typing import Any, Literal
 
 from gateway.tool_parsers import PARSERS
 from shared.errors import InvalidRequestError
-from shared.sampling import (MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
-                             MAX_REPETITION_PENALTY)
+from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
+                             MAX_REPETITION_PENALTY, MAX_TOKEN_IDS)
 from shared.structured import JSON_OPTIONS, KINDS, structured_pair
 
 MAX_LOGPROBS = 20
+# stop strings (and bad words): each is looked for after every token of its request
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1024
+MAX_BAD_WORD_CHARS = 128      # bad words are tokenized as the request is read
 NAMED_TOOL_CHOICE = '{"type": "function", "function": {"name": ...}}'
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")      # OpenAI's rule for a function's name
 MAX_TIMEOUT_S = 86_400.0
@@ -147,6 +151,9 @@ def _int_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                               and -INT_BOUND <= t < INT_BOUND for t in value):
         raise APIError(f"'{name}' must be a list of integers", param=name)
+    if len(value) > MAX_TOKEN_IDS:
+        raise APIError(f"'{name}' takes at most {MAX_TOKEN_IDS} token ids, got {len(value)}",
+                       param=name)
     return value
 
 
@@ -177,6 +184,9 @@ def _bad_words(body: dict) -> tuple[str, ...]:
     words = read_field(body, "bad_words", (list,), [])
     if not all(isinstance(w, str) and w.strip() for w in words):
         raise APIError("'bad_words' must be a list of non-blank strings", param="bad_words")
+    if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_BAD_WORD_CHARS for w in words):
+        raise APIError(f"'bad_words' takes at most {MAX_BAD_WORDS} words of at most "
+                       f"{MAX_BAD_WORD_CHARS} characters", param="bad_words")
     return tuple(words)
 
 
@@ -185,6 +195,10 @@ def _stop(body: dict) -> tuple[str, ...]:
     stops = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, str) for s in stops):
         raise APIError("'stop' must be a string or a list of strings", param="stop")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise APIError(f"'stop' takes at most {MAX_STOP_STRINGS} strings of at most "
+                       f"{MAX_STOP_CHARS} characters (each is looked for after every token)",
+                       param="stop")
     return tuple(s for s in stops if s)
 
 

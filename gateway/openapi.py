@@ -10,12 +10,16 @@ from __future__ import annotations
 from typing import Any
 
 from gateway.openai_schema import (CHAT_ROLES, INT_BOUND, MAX_CHOICES, MAX_LOGPROBS,
-                                   MAX_REQUEST_ID_CHARS, MAX_TIMEOUT_S, REQUEST_ID_HEADER,
-                                   SEED_BOUND)
-from shared.sampling import MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY
+                                   MAX_BAD_WORD_CHARS, MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS,
+                                   MAX_STOP_STRINGS,
+                                   MAX_TIMEOUT_S, REQUEST_ID_HEADER, SEED_BOUND)
+from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY,
+                             MAX_TOKEN_IDS)
 
 _INT64 = {"type": "integer", "minimum": -INT_BOUND, "maximum": INT_BOUND - 1}
-_STOP = {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}]}
+_STOP = {"oneOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
+                   {"type": "array", "maxItems": MAX_STOP_STRINGS,
+                    "items": {"type": "string", "maxLength": MAX_STOP_CHARS}}]}
 _ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
     "type": "object", "required": ["message", "type"],
     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
@@ -65,11 +69,14 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                   "description": "vLLM's extension: tokens less likely than min_p times the "
                                  "most likely one are not drawn"},
         "stop": {**_STOP, "nullable": True},
-        "stop_token_ids": {"type": "array", "items": token_id, "nullable": True},
+        "stop_token_ids": {"type": "array", "items": token_id, "nullable": True,
+                           "maxItems": MAX_TOKEN_IDS},
         "allowed_token_ids": {"type": "array", "items": token_id, "nullable": True,
+                              "minItems": 1, "maxItems": MAX_TOKEN_IDS,
                               "description": "vLLM's: only these ids may be drawn"},
-        "bad_words": {"type": "array", "nullable": True,
-                      "items": {"type": "string", "pattern": "\\S"},
+        "bad_words": {"type": "array", "nullable": True, "maxItems": MAX_BAD_WORDS,
+                      "items": {"type": "string", "pattern": "\\S",
+                                "maxLength": MAX_BAD_WORD_CHARS},
                       "description": "vLLM's: words the output never completes"},
         "include_stop_str_in_output": {"type": "boolean", "nullable": True,
                                        "description": "vLLM's: the text ends with the stop "

@@ -17,11 +17,15 @@ def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer,
     `truncate_prompt_tokens` of them if asked (-1: as many as the context holds beside the
     answer, `answer_room`). CPU-bound: run it off the event loop."""
     if req.endpoint == "chat":
-        prompts = [_nonempty(tokenizer.encode_chat(req.messages, list(req.tools) or None,
-                                                   req.add_generation_prompt,
-                                                   req.continue_final_message), "messages")]
+        text = tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
+                                             list(req.tools) or None, req.continue_final_message)
+        # the template writes every special token itself (transformers does the same)
+        prompts = [_nonempty(_text_ids(text, tokenizer, req, max_model_len, False, "messages"),
+                             "messages")]
     else:
-        prompts = [_nonempty(_prompt_ids(p, tokenizer), "prompt") for p in req.prompts]
+        prompts = [_nonempty(_text_ids(p, tokenizer, req, max_model_len, True, "prompt")
+                             if isinstance(p, str) else check_vocabulary(p, tokenizer, "prompt"),
+                             "prompt") for p in req.prompts]
     if req.truncate_prompt_tokens == -1:
         return [_fit(ids, req, max_model_len) for ids in prompts]
     keep = req.truncate_prompt_tokens
@@ -45,10 +49,20 @@ def _fit(ids: list[int], req: GenerationRequest, max_model_len: int) -> list[int
     return ids[-keep:]
 
 
-def _prompt_ids(prompt: str | list[int], tokenizer: Tokenizer) -> list[int]:
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=True)
-    return check_vocabulary(prompt, tokenizer, "prompt")
+def _text_ids(text: str, tokenizer: Tokenizer, req: GenerationRequest, max_model_len: int,
+              add_special_tokens: bool, param: str) -> list[int]:
+    """A text's ids; one too long to fit the context whatever it says is refused before it is
+    tokenized (a few megabytes would take seconds and gigabytes to find out), or with
+    truncate_prompt_tokens only its end is tokenized (twice what could fit: what is kept)."""
+    fits = max_model_len * tokenizer.most_chars_per_token
+    if len(text) > fits:
+        if req.truncate_prompt_tokens is None:
+            raise APIError(f"This model's maximum context length is {max_model_len} tokens; the "
+                           f"{param}'s {len(text)} characters are more than that many tokens "
+                           f"hold (at most {tokenizer.most_chars_per_token} characters a "
+                           f"token)", param=param, code="context_length_exceeded")
+        text = text[-2 * fits:]
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def check_vocabulary(ids: list[int], tokenizer: Tokenizer, param: str) -> list[int]:

@@ -438,6 +438,13 @@ def run(args: argparse.Namespace) -> int:
     # refuse bad flags here, before anything starts (the instances' layout is checked as
     # the services' command lines are made)
     layout = engine_layout(engine)
+    pool_tokens = layout.num_kv_blocks * layout.args.block_size
+    if pool_tokens < layout.max_model_len:
+        # as vLLM refuses it: a request the context allows could never be scheduled
+        raise PacerError(f"the KV pool holds {pool_tokens} tokens ({layout.num_kv_blocks} "
+                         f"blocks of {layout.args.block_size}), fewer than the context of "
+                         f"{layout.max_model_len}: give --max-model-len {pool_tokens} or less, "
+                         f"or more --kv-cache-memory")
     if args.startup_timeout <= 0:
         raise PacerError(f"--startup-timeout must be > 0, got {args.startup_timeout:g}")
     if args.disagg_min_prompt_tokens is not None and args.disagg_min_prompt_tokens < 0:

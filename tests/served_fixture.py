@@ -27,6 +27,7 @@ API_KEY = "served-test-key"
 STARTUP_TIMEOUT_S = 240.0
 # small enough to allocate fast on a shared machine, large enough for 16 streams at once
 KV_CACHE_MEMORY = "128MiB"
+MAX_MODEL_LEN = 2048
 
 
 @dataclass
@@ -100,10 +101,14 @@ def start_served(log_path: str, *extra_args: str) -> Served:
     port, redis_port = free_port(), free_port()
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     log = open(log_path, "wb")
+    # the default model's context (8192) is more than KV_CACHE_MEMORY holds, which pacer up
+    # refuses; these tests' prompts are far shorter
+    context = [] if {"--model", "--max-model-len"} & set(extra_args) else \
+        ["--max-model-len", str(MAX_MODEL_LEN)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--port", str(port),
          "--redis-url", redis_url, "--api-key", API_KEY, "--kv-cache-memory", KV_CACHE_MEMORY,
-         *extra_args],
+         *context, *extra_args],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     served = Served(f"http://127.0.0.1:{port}", redis_url, proc, log_path)

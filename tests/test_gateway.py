@@ -1092,6 +1092,12 @@ BAD_REQUESTS = {
     "a stop token id outside the vocabulary": ("/v1/completions",
                                                completion(stop_token_ids=[-1]), 400),
     "allowed_token_ids empty": ("/v1/chat/completions", chat(allowed_token_ids=[]), 400),
+    "allowed_token_ids too many": ("/v1/completions", completion(allowed_token_ids=[5] * 1025),
+                                   400),
+    "stop_token_ids too many": ("/v1/completions", completion(stop_token_ids=[5] * 1025), 400),
+    "bad_words too many": ("/v1/completions", completion(bad_words=["a"] * 1025), 400),
+    "stop strings too many": ("/v1/completions", completion(stop=["a"] * 65), 400),
+    "a stop string too long": ("/v1/completions", completion(stop="a" * 1025), 400),
     "beam search": ("/v1/completions", completion(use_beam_search=True), 400),
     "a chat template of the request's": ("/v1/chat/completions", chat(chat_template="{{ 1 }}"),
                                          400),
@@ -1237,6 +1243,37 @@ async def test_a_body_that_never_arrives_holds_no_place_and_times_out(h: Harness
         head = await asyncio.wait_for(reader.read(4096), 5.0)
         assert head.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in head
         writer.close()
+
+
+async def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(
+        h: Harness, monkeypatch) -> None:
+    """More characters than the context's tokens can hold: a 400 without tokenizing (which
+    took seconds and gigabytes for megabytes of text); with truncate_prompt_tokens, its end."""
+    calls = []
+    encode = h.tok.encode
+    monkeypatch.setattr(h.tok, "encode", lambda text, **kw: calls.append(len(text)) or
+                        encode(text, **kw))
+    long = "ab " * (MAX_MODEL_LEN * h.tok.most_chars_per_token // 3 + 1)
+    for body in (completion(prompt=long), chat(long)):
+        path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+        status, error = await h.post(path, body)
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+    assert calls == []
+    longer = long * 3                  # past twice what fits: only its end is tokenized
+    status, ok = await h.post("/v1/completions", completion(prompt=longer, max_tokens=2,
+                                                            truncate_prompt_tokens=8))
+    assert status == 200 and calls and calls[-1] < len(longer)
+    assert list(h.fake.received.values())[-1].prompt_token_ids == encode(longer)[-8:]
+
+
+async def test_a_burst_of_redis_commands_waits_for_connections_rather_than_failing(
+        h: Harness) -> None:
+    """More commands in flight than the gateway's pool has connections (a burst of requests
+    and aborts): they wait their turn, none fails with "Too many connections"."""
+    from gateway.app import REDIS_CONNECTIONS
+    waits = [h.state.redis.blpop([f"{PREFIX}nothing-{i}"], timeout=0.3)
+             for i in range(REDIS_CONNECTIONS * 2 + 30)]
+    assert await asyncio.gather(*waits) == [None] * len(waits)
 
 
 async def test_a_queue_of_one_admits_one_request_and_refuses_a_second() -> None:

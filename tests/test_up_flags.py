@@ -70,6 +70,8 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
          "--disagg-min-prompt-tokens must be >= 0"),
         (["--port", str(port), "--kv-cache-memory", "64TiB", "--redis-url", f"{local}/0"],
          "more than this machine's"),
+        (["--port", str(port), "--num-kv-blocks", "96", "--redis-url", f"{local}/0"],
+         "the KV pool holds 1536 tokens (96 blocks of 16), fewer than the context of 8192"),
     ]
     for flags, needle in cases:
         proc = _up(*flags)
