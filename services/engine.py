@@ -23,6 +23,7 @@ class Completion:
     prompt_token_ids: list[int]
     tokens: list[SampledToken] = field(default_factory=list)
     finish_reason: str | None = None
+    error: str | None = None              # finish_reason "error": why
     # position -> each prompt token's after the first, with SamplingParams.prompt_logprobs;
     # a recomputed prompt's repeats agree and are kept once
     prompt_logprobs: dict[int, PromptEntry] = field(default_factory=dict)
@@ -115,7 +116,7 @@ class LLMEngine:
                     for pos, entry in out.prompt_logprobs.by_position():
                         c.prompt_logprobs.setdefault(pos, entry)
                 if out.finished:
-                    c.finish_reason = out.finish_reason
+                    c.finish_reason, c.error = out.finish_reason, out.error
                 if on_output is not None:
                     on_output(out)
         return [done[str(i)] for i in range(len(prompts))]

@@ -168,6 +168,8 @@ def _write(path: str, results, params, tokenizer, texts: dict[str, TextOutput]) 
                 line = {"index": i, "prompt_tokens": len(r.prompt_token_ids),
                         "token_ids": r.token_ids, "text": text,
                         "finish_reason": r.finish_reason}
+                if r.error is not None:
+                    line["error"] = r.error
                 if r.tokens and r.tokens[0].logprob is not None:
                     line["logprobs"] = [t.logprob for t in r.tokens]
                     line["top_logprobs"] = [t.top_logprobs for t in r.tokens]

@@ -161,6 +161,7 @@ def test_a_request_left_no_token_ends_with_an_error_and_frees_its_blocks(tmp_pat
         plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         out = engine.generate([[5, 6, 7, 8], [5, 6, 7, 8]], [stuck, plain])
         assert (out[0].finish_reason, out[0].token_ids) == ("error", [])
+        assert "leave no token to generate" in out[0].error
         assert (out[1].finish_reason, len(out[1].token_ids)) == ("length", 8)
         bm = engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_total_blocks
