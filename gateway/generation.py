@@ -73,8 +73,8 @@ class Generation:
         self._timer: asyncio.TimerHandle | None = None
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
-        # of the prompt, the tokens the prefix cache held: known from the scheduler's finish
-        # event (None before it, and for a stream the gateway ended at a stop string)
+        # of the prompt, the tokens the prefix cache held: sent with the first token by the
+        # worker, and in the scheduler's finish event (None before either)
         self.num_cached_tokens: int | None = None
         self._echo = echo                       # the prompt's text, sent before the output
         self._echo_text = echo or ""            # kept: the output's offsets count from its end
@@ -137,6 +137,8 @@ class Generation:
                 if finish is None or finish.error is None:
                     yield self._echo_delta()
                 self._echo = None
+            if self.num_cached_tokens is None:       # the finish event's, if it comes, agrees
+                self.num_cached_tokens = self._stream.num_cached_tokens
             self._consume([] if self._echo_only else events)
             self._done_upstream = finish is not None
             if self._text.stopped or finish is not None:

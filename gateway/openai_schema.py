@@ -709,9 +709,31 @@ def tool_calls(tool_choice: str, text: str) -> list[dict] | None:
     try:
         calls = json.loads(text)
     except (ValueError, RecursionError):
-        return None
+        # cut short (max_tokens): the calls written whole before the cut are calls still
+        calls = _whole_items(text)
+    calls = [c for c in calls if isinstance(c, dict) and isinstance(c.get("name"), str)
+             and "parameters" in c]
     return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-            for c in calls]
+            for c in calls] or None
+
+
+def _whole_items(text: str) -> list:
+    """The items of a JSON array cut short that were written whole before the cut."""
+    decoder, items = json.JSONDecoder(), []
+    at = text.find("[") + 1
+    if at == 0:
+        return items
+    while True:
+        at = len(text) - len(text[at:].lstrip())
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return items
+        items.append(item)
+        at = len(text) - len(text[at:].lstrip())
+        if not text.startswith(",", at):
+            return items
+        at += 1
 
 
 def tool_call(name: str, arguments: str, index: int | None = None) -> dict:

@@ -57,6 +57,8 @@ class RequestStream:
         # prompt position -> its entry, as computed (SamplingParams.prompt_logprobs); all of
         # them are in before the first token (published in order, ahead of it)
         self.prompt_logprobs: dict[int, PromptEntry] = {}
+        # of the prompt, the tokens the prefix cache held: sent with the first token
+        self.num_cached_tokens: int | None = None
 
     def push(self, item: Item) -> None:
         self._queue.put_nowait(item)
@@ -177,6 +179,9 @@ class TokenRouter:
             log.warning("undecodable message on token channel", error=str(e))
             return
         if isinstance(msg, TokenBatch):
+            for rid, cached in msg.cached.items():
+                if (stream := self._streams.get(rid)) is not None:
+                    stream.num_cached_tokens = cached
             for prompt in msg.prompt:
                 self._deliver(prompt.request_id, prompt)
             for event in msg.events:

@@ -110,6 +110,9 @@ class _RequestState:
     token_counts: TokenCounts | None = None
     # its structured output's grammar matcher, past its output so far (gpu_worker/structured.py)
     matcher: Any = None
+    # of its prompt, the tokens the prefix cache held when first scheduled (None: it came
+    # back with tokens already made, recomputed or handed over), sent with its first token
+    num_cached_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -519,7 +522,9 @@ def _state_of(new: NewRequestData) -> _RequestState:
     return _RequestState(tokens, new.num_prompt_tokens, new.sampling, list(new.block_table),
                          new.num_computed_tokens, new.reply_to,
                          token_counts=TokenCounts(tokens, new.num_prompt_tokens)
-                         if new.sampling.adjusts_logits else None)
+                         if new.sampling.adjusts_logits else None,
+                         num_cached_tokens=new.num_computed_tokens
+                         if len(tokens) == new.num_prompt_tokens else None)
 
 
 def runner_config_for(layout: EngineLayout, progress: bool = True) -> RunnerConfig:

@@ -98,6 +98,7 @@ class RequestView(Protocol):
     token_ids: list[int]
     num_prompt_tokens: int
     reply_to: str
+    num_cached_tokens: int | None
 
 
 def token_batches(result: StepResult,
@@ -116,6 +117,10 @@ def token_batches(result: StepResult,
         events.setdefault(state.reply_to, []).append(
             TokenEvent(rid, index, token.token_id, token.logprob, token.top_logprobs))
     batches = {channel: TokenBatch(evs) for channel, evs in events.items()}
+    for channel, evs in events.items():
+        for e in evs:
+            if e.index == 0 and (cached := requests[e.request_id].num_cached_tokens) is not None:
+                batches[channel].cached[e.request_id] = cached
     for rid, p in result.prompt_logprobs.items():      # rare: only requests that ask
         if requests[rid].reply_to:
             batch = batches.setdefault(requests[rid].reply_to, TokenBatch())

@@ -212,12 +212,18 @@ class TokenBatch:
     log-probabilities it computed (before the tokens: a request's come before its first)."""
     events: list[TokenEvent] = field(default_factory=list)
     prompt: list[PromptLogprobsEvent] = field(default_factory=list)
+    # request id -> its prompt tokens the prefix cache held when it was first scheduled, for
+    # the requests whose first token is here (the usage's cached tokens, known to the gateway
+    # also where it ends a stream itself, at a stop string, before the finish event)
+    cached: dict[str, int] = field(default_factory=dict)
     KIND: ClassVar[str]
 
     def _to_body(self) -> dict:
         # events: [request_id, index, token_id, logprob, top_logprobs]
         body = {"events": [[e.request_id, e.index, e.token_id, e.logprob, e.top_logprobs]
                            for e in self.events]}
+        if self.cached:
+            body["cached"] = self.cached
         if self.prompt:
             # prompt: [request_id, start, logprobs, ranks, top_logprobs]
             body["prompt"] = [[e.request_id, e.logprobs.start, e.logprobs.logprobs,
@@ -231,7 +237,8 @@ class TokenBatch:
                    [PromptLogprobsEvent(rid, PromptLogprobs(
                        start, list(lps), list(ranks),
                        None if tops is None else [_tops(t) for t in tops]))
-                    for rid, start, lps, ranks, tops in body.get("prompt", ())])
+                    for rid, start, lps, ranks, tops in body.get("prompt", ())],
+                   dict(body.get("cached", {})))
 
 
 @_kind("finish")

@@ -60,5 +60,14 @@ def test_a_shared_system_prompt_is_computed_once(served: Served):
     finally:
         r.close()
     assert stats["prefix_cache_hits_total"] == hits
+    # a stop string the gateway ends the answer at (before the scheduler's finish event): the
+    # cached count came with the first token
+    c = openai.OpenAI(base_url=f"{served.base_url}/v1", api_key=API_KEY, max_retries=0)
+    cut = c.chat.completions.create(
+        model="smollm2-135m", max_tokens=16, temperature=0, stop=[" "],
+        messages=[{"role": "system", "content": SYSTEM},
+                  {"role": "user", "content": "Can I rent a bike for a week?"}])
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.usage.prompt_tokens_details.cached_tokens >= hits
     print(f"\nprefix of {int(queried)} prompt tokens: TTFT miss {miss_ttft * 1000:.0f} ms, "
           f"hit {hit_ttft * 1000:.0f} ms ({int(hits)} tokens cached)")

@@ -261,6 +261,11 @@ def test_tool_calls_read_from_the_output():
         [("a", '{"x": 1}'), ("b", "{}")]
     assert len({c["id"] for c in calls}) == 2
     assert tool_calls("required", '[{"name": "a", "param') is None        # cut short
+    # cut short after whole calls (a small model may go on adding calls up to max_tokens):
+    # those made whole are calls still
+    cut = tool_calls("required", '[{"name": "a", "parameters": {"x": 1}},\n {"name": "b", '
+                                 '"parameters": {}}\n\n,\n{"name": "a", "parameters": {"x"')
+    assert [c["function"]["name"] for c in cut] == ["a", "b"]
 
 
 def _nested(depth: int) -> dict:
