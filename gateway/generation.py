@@ -216,7 +216,8 @@ class Generation:
             self.num_output_tokens = max(self.num_output_tokens, finish.num_output_tokens)
         elif finish.error is None:
             self.finish_reason = "length"       # max_tokens 0 reached: nothing generated
-        self.num_cached_tokens = finish.num_cached_tokens
+        if finish.num_cached_tokens is not None:    # a local failure's has none
+            self.num_cached_tokens = finish.num_cached_tokens
         self._text.finish()
         if self._text.stopped:      # the flushed tail completed a stop string
             self.finish_reason = "stop"

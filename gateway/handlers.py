@@ -107,8 +107,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
                     id_prefix: str, answer: Answer = _openai_answer) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
-    if state.draining:
-        _admit(state)               # refused before the body is read
+    _refuse_if_draining(state)      # before the body is read
     # the body first: a client that sends it slowly (or never) holds no place in the queue
     body = await _read_json(request, state.config.max_body_bytes)
     slot = _admit(state)
@@ -163,10 +162,14 @@ async def _generate_in_slot(request: web.Request, body: Any,
 
 def _admit(state: GatewayState) -> WaitingSlot:
     """Refuse at once what would only wait: a draining server, a full queue."""
+    _refuse_if_draining(state)
+    return _take_places(state, 1)[0]
+
+
+def _refuse_if_draining(state: GatewayState) -> None:
     if state.draining:
         raise APIError("the server is shutting down; send the request to another replica",
                        status=503, type="server_error")
-    return _take_places(state, 1)[0]
 
 
 def _admit_choices(state: GatewayState, count: int) -> list[WaitingSlot]:
