@@ -20,6 +20,7 @@ from gateway.tool_parsers import PARSERS
 from shared.errors import InvalidRequestError
 from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                              MAX_REPETITION_PENALTY, MAX_TOKEN_IDS)
+from shared.chat_template import PART_SEPARATOR
 from shared.structured import JSON_OPTIONS, KINDS, structured_pair
 
 MAX_LOGPROBS = 20
@@ -325,6 +326,25 @@ def _object(body: Any) -> dict:
     return body
 
 
+def text_of_parts(parts: list, param: str, kinds: tuple[str, ...]) -> str:
+    """A message's text parts as one string, joined as vLLM joins them (a newline between)."""
+    for j, part in enumerate(parts):
+        at = f"{param}.content[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds:
+            raise APIError(f"{at}: only text parts ({', '.join(kinds)}) are served, got "
+                           f"{kind if kind is not None else json_type(part)!r:.60}", param=at)
+        if not isinstance(part.get("text"), str):
+            raise APIError(f"{at}.text must be a string", param=f"{at}.text")
+    return PART_SEPARATOR.join(part["text"] for part in parts)
+
+
+def json_type(value: Any) -> str:
+    """What JSON calls a Python value's type (for errors about a client's JSON)."""
+    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
+            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
 def _message(m: Any, i: int) -> dict:
     param = f"messages[{i}]"
     if not isinstance(m, dict) or not isinstance(m.get("role"), str):
@@ -336,10 +356,7 @@ def _message(m: Any, i: int) -> dict:
     if content is None:
         content = ""
     elif isinstance(content, list):   # content parts: only text is served
-        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                   for p in content):
-            raise APIError(f"{param}.content: only text parts are supported", param=param)
-        content = "".join(p["text"] for p in content)
+        content = text_of_parts(content, param, ("text",))
     elif not isinstance(content, str):
         raise APIError(f"{param}.content must be a string or a list of text parts", param=param)
     return {**m, "content": content}

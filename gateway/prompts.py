@@ -57,8 +57,8 @@ def _text_ids(text: str, tokenizer: Tokenizer, req: GenerationRequest, max_model
     fits = max_model_len * tokenizer.most_chars_per_token
     if len(text) > fits:
         if req.truncate_prompt_tokens is None:
-            raise APIError(f"This model's maximum context length is {max_model_len} tokens; the "
-                           f"{param}'s {len(text)} characters are more than that many tokens "
+            raise APIError(f"This model's maximum context length is {max_model_len} tokens; "
+                           f"{len(text)} characters of {param} are more than that many tokens "
                            f"hold (at most {tokenizer.most_chars_per_token} characters a "
                            f"token)", param=param, code="context_length_exceeded")
         text = text[-2 * fits:]

@@ -146,7 +146,7 @@ def _tool(tool: Any, i: int) -> dict:
     """A Responses function tool ({"type", "name", "parameters", ...}) as chat's; checked here,
     so that an error shows this API's shape, not chat's."""
     if not isinstance(tool, dict) or tool.get("type") != "function":
-        kind = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+        kind = tool.get("type") if isinstance(tool, dict) else oai.json_type(tool)
         raise APIError(f"tools[{i}]: only function tools are served (nothing runs tools "
                        f"here), got {kind!r:.60}", param="tools")
     if not isinstance(tool.get("name"), str) or not oai.TOOL_NAME.fullmatch(tool["name"]) or \
@@ -178,7 +178,7 @@ def _messages(given: str | list) -> list[dict]:
     call_ids: set[str] = set()
     for i, item in enumerate(given):
         param = f"input[{i}]"
-        kind = item.get("type", "message") if isinstance(item, dict) else type(item).__name__
+        kind = item.get("type", "message") if isinstance(item, dict) else oai.json_type(item)
         if kind == "function_call":
             call = {"id": _text(item, "call_id", param), "type": "function", "function": {
                 "name": _text(item, "name", param), "arguments": _text(item, "arguments", param)}}
@@ -204,11 +204,7 @@ def _messages(given: str | list) -> list[dict]:
             raise APIError(f"{param}.role must be one of {', '.join(INPUT_ROLES)}, got "
                            f"{role!r:.60}", param=f"{param}.role")
         if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") in TEXT_PARTS
-                       and isinstance(p.get("text"), str) for p in content):
-                raise APIError(f"{param}.content: only text parts ({', '.join(TEXT_PARTS)}) "
-                               f"are served", param=f"{param}.content")
-            content = "".join(p["text"] for p in content)
+            content = oai.text_of_parts(content, param, TEXT_PARTS)
         elif not isinstance(content, str):
             raise APIError(f"{param}.content must be a string or a list of text parts",
                            param=f"{param}.content")

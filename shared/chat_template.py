@@ -50,6 +50,10 @@ def _compile(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
+# between a message's text parts, as vLLM joins them for templates that expect a string
+PART_SEPARATOR = "\n"
+
+
 def validate_messages(messages: Any) -> list[dict]:
     """Checked copies of OpenAI-style messages. Content given as a list of text parts is
     joined with newlines, as vLLM does for templates that expect a string."""
@@ -79,7 +83,7 @@ def _content_text(i: int, content: Any) -> str:
             raise InvalidRequestError(f"messages[{i}].content[{j}] must be "
                                       '{"type": "text", "text": "..."} (only text is supported)')
         texts.append(part["text"])
-    return "\n".join(texts)
+    return PART_SEPARATOR.join(texts)
 
 
 def render_chat_template(template: str, messages: Any, *, bos_token: str = "",
@@ -92,24 +96,36 @@ def render_chat_template(template: str, messages: Any, *, bos_token: str = "",
                                   "be true: the first opens a new message, the second goes on "
                                   "with the last one")
     checked = validate_messages(messages)
-    try:
-        rendered = _compile(template).render(
-            messages=checked, bos_token=bos_token, eos_token=eos_token,
-            add_generation_prompt=add_generation_prompt, tools=tools)
-    except InvalidRequestError:
-        raise
-    except Exception as e:  # the template is foreign code: any failure is the request's
-        raise InvalidRequestError(f"chat template failed: {type(e).__name__}: {e}") from e
-    return _open_final_message(rendered, checked[-1]["content"]) if continue_final_message \
-        else rendered
+
+    def render(chat: list[dict]) -> str:
+        try:
+            return _compile(template).render(
+                messages=chat, bos_token=bos_token, eos_token=eos_token,
+                add_generation_prompt=add_generation_prompt, tools=tools)
+        except InvalidRequestError:
+            raise
+        except Exception as e:  # the template is foreign code: any failure is the request's
+            raise InvalidRequestError(f"chat template failed: {type(e).__name__}: {e}") from e
+
+    rendered = render(checked)
+    if not continue_final_message:
+        return rendered
+    # where the final message's content begins: found by rendering a marker in its place (its
+    # text alone may also occur in what the template writes around it: "\n", ">", "end")
+    marked = render([*checked[:-1], {**checked[-1], "content": _FINAL_MARK}])
+    return _open_final_message(rendered, marked.rfind(_FINAL_MARK), checked[-1]["content"])
 
 
-def _open_final_message(rendered: str, final: str) -> str:
-    """The rendered chat cut after the final message's content: its last occurrence as given,
-    or stripped (templates often trim a message)."""
-    for content in (final, final.strip()):
-        at = rendered.rfind(content) if content else -1
-        if at >= 0:
+# stands in for the final message's content to find where the template writes it (private-use
+# characters no template writes)
+_FINAL_MARK = "\ue000pacer-final-message\ue001"
+
+
+def _open_final_message(rendered: str, at: int, final: str) -> str:
+    """The rendered chat cut after the final message's content, which begins at `at`: as
+    given, or stripped (templates often trim a message)."""
+    for content in (final, final.strip(), final.lstrip()):
+        if at >= 0 and content and rendered.startswith(content, at):
             return rendered[:at + len(content)]
     raise InvalidRequestError("continue_final_message needs a final message with content that "
                               "the chat template writes out as given")

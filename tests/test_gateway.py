@@ -328,6 +328,28 @@ async def test_chat_continues_the_final_message_when_asked(h: Harness) -> None:
     for path in ("/v1/chat/completions", "/tokenize"):   # both true: a 400 that says why
         status, error = await h.post(path, {**body, "continue_final_message": True})
         assert status == 400 and error["error"]["param"] == "continue_final_message", error
+    # content the template also writes around it ("\n", ">", "end"): cut where it is written
+    for final in ("\n", ">", "end"):
+        ask = [messages[0], {"role": "assistant", "content": final}]
+        status, tokenized = await h.post("/tokenize", {"messages": ask, "add_generation_prompt":
+                                                       False, "continue_final_message": True})
+        head = h.tok.apply_chat_template(messages[:1], add_generation_prompt=True)
+        assert h.tok.decode(tokenized["tokens"], skip_special_tokens=False) == head + final
+
+
+async def test_text_parts_are_joined_as_vllm_joins_them(h: Harness) -> None:
+    """A message's text parts with a newline between (as vLLM, and as `pacer generate`), on
+    chat and on the Responses API."""
+    parts = [{"type": "text", "text": "A"}, {"type": "text", "text": "B"}]
+    want = h.tok.encode_chat([{"role": "user", "content": "A\nB"}])
+    status, tokenized = await h.post("/tokenize", {"messages": [{"role": "user", "content": parts}]})
+    assert status == 200 and tokenized["tokens"] == want
+    status, _ = await h.post("/v1/responses", {"model": MODEL, "max_output_tokens": 2, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": t} for t in "AB"]}]})
+    assert status == 200 and list(h.fake.received.values())[-1].prompt_token_ids == want
+    status, error = await h.post("/v1/chat/completions", chat(max_tokens=2) | {"messages": [
+        {"role": "user", "content": [{"type": "text", "text": 5}]}]})
+    assert status == 400 and error["error"]["param"] == "messages[0].content[0].text", error
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
