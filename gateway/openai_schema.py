@@ -127,7 +127,7 @@ def read_field(body: dict, name: str, kinds: tuple[type, ...], default: Any = _M
     # bool is an int in Python, never in JSON
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join(_JSON_NAMES[k] for k in kinds)
-        raise APIError(f"'{name}' must be {names}, got {_json_type(value)}", param=name)
+        raise APIError(f"'{name}' must be {names}, got {json_type(value)}", param=name)
     if isinstance(value, int) and not isinstance(value, bool) and not -INT_BOUND <= value < INT_BOUND:
         raise APIError(f"'{name}' is out of range", param=name)
     if isinstance(value, float) and not math.isfinite(value):
@@ -139,7 +139,8 @@ _JSON_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a b
                list: "an array", dict: "an object"}
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
+    """What JSON calls a Python value's type (for errors about a client's JSON)."""
     return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
             dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
 
@@ -322,7 +323,7 @@ def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
 
 def _object(body: Any) -> dict:
     if not isinstance(body, dict):
-        raise APIError(f"the request body must be a JSON object, got {_json_type(body)}")
+        raise APIError(f"the request body must be a JSON object, got {json_type(body)}")
     return body
 
 
@@ -338,11 +339,6 @@ def text_of_parts(parts: list, param: str, kinds: tuple[str, ...]) -> str:
             raise APIError(f"{at}.text must be a string", param=f"{at}.text")
     return PART_SEPARATOR.join(part["text"] for part in parts)
 
-
-def json_type(value: Any) -> str:
-    """What JSON calls a Python value's type (for errors about a client's JSON)."""
-    return {dict: "object", list: "array", str: "string", bool: "boolean", int: "number",
-            float: "number", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _message(m: Any, i: int) -> dict:

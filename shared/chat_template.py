@@ -68,7 +68,33 @@ def _validate_message(i: int, message: Any) -> dict:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise InvalidRequestError(f"messages[{i}].role must be a non-empty string")
-    return {**message, "content": _content_text(i, message.get("content"))}
+    checked = {**message, "content": _content_text(i, message.get("content"))}
+    if message.get("tool_calls") is not None:
+        checked["tool_calls"] = _past_tool_calls(i, message["tool_calls"])
+    return checked
+
+
+def _past_tool_calls(i: int, calls: Any) -> list[dict]:
+    """An assistant message's earlier tool calls, checked, their arguments parsed from their
+    JSON as vLLM hands them to the chat template (templates write `arguments | tojson`)."""
+    at = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise InvalidRequestError(f"{at} must be a list of calls")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise InvalidRequestError(f"{at}[{j}] must be " + '{"type": "function", "id": ..., '
+                                      '"function": {"name": ..., "arguments": "{...}"}}')
+        arguments = fn.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments) if arguments.strip() else {}
+            except (ValueError, RecursionError):
+                raise InvalidRequestError(f"{at}[{j}].function.arguments is not valid JSON") \
+                    from None
+        out.append({**call, "function": {**fn, "arguments": arguments}})
+    return out
 
 
 def _content_text(i: int, content: Any) -> str:

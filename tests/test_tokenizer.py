@@ -205,6 +205,23 @@ def test_template_globals():
     assert text == '<s>4[{"role": "user", "content": "é"}, {"role": "assistant", "content": "x"}]Trueuser</s>'
 
 
+def test_earlier_tool_calls_reach_the_template_with_their_arguments_parsed():
+    """As vLLM hands them over: a template that writes `arguments | tojson` (Qwen's, Llama
+    3.1's) writes the object, not a JSON string of it."""
+    calls = [{"id": "c1", "type": "function",
+              "function": {"name": "f", "arguments": '{"city": "Oslo"}'}}]
+    text = render_chat_template(
+        "{% for m in messages %}{% for c in m.tool_calls or [] %}"
+        "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}",
+        [{"role": "user", "content": "w"},
+         {"role": "assistant", "content": "", "tool_calls": calls}])
+    assert text == '{"city": "Oslo"}'
+    for bad, says in (("garbage", "must be a list"), ([5], r"tool_calls\[0\] must be"),
+                      ([{"function": {"name": "f", "arguments": "{oops"}}], "not valid JSON")):
+        with pytest.raises(InvalidRequestError, match=says):
+            validate_messages([{"role": "assistant", "content": "", "tool_calls": bad}])
+
+
 @pytest.mark.parametrize("messages, message", [
     ([], "non-empty list"),
     ("hello", "non-empty list"),
