@@ -27,7 +27,7 @@ from redis.backoff import NoBackoff
 from gateway.config import GatewayConfig
 from gateway.handlers import add_routes
 from gateway.metrics import GatewayMetrics
-from gateway.openai_schema import APIError, error_body
+from gateway.openai_schema import REQUEST_ID_HEADER, APIError, error_body, valid_request_id
 from gateway.router import ReplicaRouter
 from gateway.state import STATE, GatewayState
 from gateway.streams import TokenRouter
@@ -111,17 +111,30 @@ async def _errors(request: web.Request, handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except APIError as e:
-        return web.json_response(e.body(), status=e.status, headers=e.headers)
+        return _refused(request, e.body(), e.status, e.headers)
     except InvalidRequestError as e:
-        return web.json_response(error_body(str(e), "invalid_request_error"), status=400)
+        return _refused(request, error_body(str(e), "invalid_request_error"), 400)
     except web.HTTPException as e:
         if e.status < 400:
             raise
         kind = "invalid_request_error" if e.status < 500 else "server_error"
-        return web.json_response(error_body(e.reason, kind), status=e.status)
+        return _refused(request, error_body(e.reason, kind), e.status)
     except Exception:
         log.exception("unhandled error", path=request.path)
-        return web.json_response(error_body("internal server error", "server_error"), status=500)
+        return _refused(request, error_body("internal server error", "server_error"), 500)
+
+
+def _refused(request: web.Request, body: dict, status: int,
+             headers: dict | None = None) -> web.Response:
+    """An error answer, logged (a refusal is a client's mistake: info), with the client's
+    X-Request-Id sent back as on every other answer."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    headers = dict(headers or {})
+    if given is not None and valid_request_id(given):
+        headers.setdefault(REQUEST_ID_HEADER, given)
+    log.info("request refused", path=request.path, status=status,
+             error=body["error"]["message"][:200], client_request_id=given and given[:80])
+    return web.json_response(body, status=status, headers=headers)
 
 
 KEYED_PATHS = ("/tokenize", "/detokenize")

@@ -104,7 +104,7 @@ class Generation:
             self._metrics.e2e_request_latency.observe(time.monotonic() - self._arrival)
             self._metrics.generation_tokens.inc(self.num_output_tokens)
             self._metrics.request_success.labels(reason).inc()
-        log.info("request ended", request_id=self.request_id, finish_reason=self.finish_reason,
+        log.info("request ended", request_id=self.request_id, finish_reason=reason,
                  prompt_tokens=self.num_prompt_tokens, output_tokens=self.num_output_tokens)
 
     async def start(self) -> None:
@@ -228,6 +228,10 @@ class Generation:
         now = time.monotonic()
         if self._last_token_at is None:
             self._metrics.time_to_first_token.observe(now - self._arrival)
+            # the first token's companions came with it: no gap after it (one observation a
+            # token past the first, so the count is the tokens less the requests, as vLLM's)
+            for _ in range(num_tokens - 1):
+                self._metrics.inter_token_latency.observe(0.0)
         else:
             # tokens that arrive together share the gap since the previous arrival
             gap = (now - self._last_token_at) / num_tokens

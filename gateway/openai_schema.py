@@ -206,11 +206,14 @@ def _stop(body: dict) -> tuple[str, ...]:
 
 # ---- requests ---------------------------------------------------------------------------------
 
+def valid_request_id(given: str) -> bool:
+    return 0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii() and given.isprintable()
+
+
 def client_request_id(headers) -> str | None:
     """The REQUEST_ID_HEADER's value, if given: 1-MAX_REQUEST_ID_CHARS printable ASCII."""
     given = headers.get(REQUEST_ID_HEADER)
-    if given is not None and not (0 < len(given) <= MAX_REQUEST_ID_CHARS and given.isascii()
-                                  and given.isprintable()):
+    if given is not None and not valid_request_id(given):
         raise APIError(f"the {REQUEST_ID_HEADER} header must be 1-{MAX_REQUEST_ID_CHARS} "
                        "printable ASCII characters")
     return given

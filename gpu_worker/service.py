@@ -216,7 +216,13 @@ class PlanLoop:
                         old_run_id=self._run_id, run_id=info["run_id"])
             self._run_id, self._plans_after = info["run_id"], "0-0"
             return []
-        return [entry for _, entries in reply or [] for entry in entries]
+        entries = [entry for _, entries in reply or [] for entry in entries]
+        if not entries:         # idle: the counters a result would carry, brought up to date
+            try:
+                await self.redis.hset(self.keys.stats, mapping=self.stats())
+            except TRANSIENT:
+                pass
+        return entries
 
     async def _run_plan(self, plan: IterationPlan, wire: bytes, entry_id: bytes | str,
                         answering: asyncio.Task | None) -> asyncio.Task:

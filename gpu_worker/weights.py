@@ -90,8 +90,9 @@ def _check_names(found: dict[str, tuple[int, ...]], config: ModelConfig, where: 
 
 
 def _progress(total: int, enabled: bool) -> tqdm:
+    # a bar at a terminal only: into a file or a pipe it would break the JSON log lines
     return tqdm(total=total, desc="loading weights", unit="tensor", file=sys.stderr,
-                disable=not enabled, leave=False)
+                disable=not enabled or not sys.stderr.isatty(), leave=False)
 
 
 # ---- safetensors --------------------------------------------------------------------------

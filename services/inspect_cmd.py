@@ -50,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
             show_stats(client.hgetall(keys.stats), args.json)
         else:
             stream = getattr(keys, args.what)
-            for entry_id, fields in client.xrevrange(stream, count=args.count):
+            entries = client.xrevrange(stream, count=args.count)
+            if not entries and not args.json:
+                print(f"no entries in {stream} (check --key-prefix and --redis-url)")
+            for entry_id, fields in entries:
                 show_entry(entry_id, fields, args.json)
             if args.what == "requests" and not args.json:
                 show_pending(client, keys)

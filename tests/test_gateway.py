@@ -1177,8 +1177,10 @@ async def test_bad_requests_get_openai_errors_and_the_service_keeps_serving(h: H
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     before = len(h.fake.received)
     async with h.session.post(h.url + path, data=data,
-                              headers={"Content-Type": "application/json"}) as r:
+                              headers={"Content-Type": "application/json",
+                                       "X-Request-Id": "client-7"}) as r:
         assert r.status == expected, await r.text()
+        assert r.headers.get("X-Request-Id") == "client-7"      # sent back on a refusal too
         error = (await r.json())["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert len(h.fake.received) == before          # nothing was enqueued
@@ -1296,6 +1298,22 @@ async def test_a_burst_of_redis_commands_waits_for_connections_rather_than_faili
     waits = [h.state.redis.blpop([f"{PREFIX}nothing-{i}"], timeout=0.3)
              for i in range(REDIS_CONNECTIONS * 2 + 30)]
     assert await asyncio.gather(*waits) == [None] * len(waits)
+
+
+async def test_the_token_gap_histogram_counts_every_token_past_the_first() -> None:
+    """vLLM's count (tokens less requests), also where the first token's companions arrive
+    with it (a slow event loop finds several batches at once): one gap of 0 each."""
+    from types import SimpleNamespace
+
+    from gateway.generation import Generation
+    from gateway.metrics import GatewayMetrics
+    metrics = GatewayMetrics()
+    gen = SimpleNamespace(_last_token_at=None, _arrival=0.0, _metrics=metrics)
+    for arrived in (3, 1, 2):                  # 6 tokens of one request
+        Generation._observe_latency(gen, arrived)
+    count = metrics.registry.get_sample_value("pacer:inter_token_latency_seconds_count")
+    assert count == 5
+    assert metrics.registry.get_sample_value("pacer:time_to_first_token_seconds_count") == 1
 
 
 async def test_a_queue_of_one_admits_one_request_and_refuses_a_second() -> None:

@@ -80,3 +80,9 @@ def test_inspect_requests_shows_pending_per_consumer(filled, capsys):
 def test_inspect_stats(filled, capsys):
     rows = [line.split() for line in inspect(capsys, filled, "stats").splitlines()]
     assert rows == [["num_requests_running", "2"], ["worker_iterations_total", "7"]]
+
+
+def test_inspect_says_when_a_stream_is_empty(filled, capsys):
+    """A wrong --key-prefix finds nothing: said, as for stats, not a silent exit."""
+    assert main(["inspect", "plans", "--redis-url", filled, "--key-prefix", "nope:"]) == 0
+    assert "no entries in nope:plans" in capsys.readouterr().out

@@ -479,6 +479,23 @@ def test_a_stop_token_ends_the_stream_with_nothing_after_it(served: Served):
     wait_for(lambda: scheduler_idle(served), 10.0, "blocks freed after the stop token")
 
 
+def test_the_workers_counters_in_metrics_catch_up_once_idle(served: Served):
+    """The stats hash (and so /metrics) gets rank 0's counters with a result at most every
+    0.1 s; the last iterations before the server goes idle reach it all the same."""
+    client(served).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5,
+                                      temperature=0)
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        def caught_up():
+            beat = decode(r.get(KEYS.hb_worker(0)))
+            done = beat.extra["worker_iterations_total"]
+            return stats_hash(served).get("worker_iterations_total") == done and \
+                served.metrics().get("pacer:worker_iterations_total") == done
+        wait_for(caught_up, 10.0, "the worker's iterations in the stats hash and /metrics")
+    finally:
+        r.close()
+
+
 def test_client_disconnect_frees_kv_blocks(served: Served):
     stream = client(served).completions.create(
         model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0, stream=True,
