@@ -153,10 +153,17 @@ def _int_list(value: Any, name: str) -> list[int]:
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                               and -INT_BOUND <= t < INT_BOUND for t in value):
         raise APIError(f"'{name}' must be a list of integers", param=name)
-    if len(value) > MAX_TOKEN_IDS:
-        raise APIError(f"'{name}' takes at most {MAX_TOKEN_IDS} token ids, got {len(value)}",
-                       param=name)
     return value
+
+
+def _token_id_list(body: dict, name: str) -> tuple[int, ...]:
+    """A sampling field's token ids (allowed_token_ids, stop_token_ids): at most
+    MAX_TOKEN_IDS, each paid for on every step of its batch."""
+    ids = _int_list(read_field(body, name, (list,), []), name)
+    if len(ids) > MAX_TOKEN_IDS:
+        raise APIError(f"'{name}' takes at most {MAX_TOKEN_IDS} token ids, got {len(ids)}",
+                       param=name)
+    return tuple(ids)
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
@@ -396,7 +403,7 @@ def _allowed_token_ids(body: dict) -> tuple[int, ...]:
     if ids == []:
         raise APIError("'allowed_token_ids' is empty: it would allow no token",
                        param="allowed_token_ids")
-    return tuple(_int_list(ids or [], "allowed_token_ids"))
+    return _token_id_list(body, "allowed_token_ids")
 
 
 def _truncate_prompt_tokens(body: dict) -> int | None:
@@ -611,7 +618,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         endpoint=endpoint, model=read_field(body, "model", (str,)), prompts=prompts, messages=messages,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=max(top_k, 0),
         seed=seed, stop=_stop(body),
-        stop_token_ids=tuple(_int_list(read_field(body, "stop_token_ids", (list,), []), "stop_token_ids")),
+        stop_token_ids=_token_id_list(body, "stop_token_ids"),
         ignore_eos=read_field(body, "ignore_eos", (bool,), False), logprobs=logprobs,
         repetition_penalty=repetition, **penalties, logit_bias=_logit_bias(body),
         min_tokens=min_tokens, min_p=min_p,

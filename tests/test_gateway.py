@@ -1316,6 +1316,15 @@ async def test_the_token_gap_histogram_counts_every_token_past_the_first() -> No
     assert metrics.registry.get_sample_value("pacer:time_to_first_token_seconds_count") == 1
 
 
+async def test_long_token_id_lists_are_not_held_to_the_sampling_fields_bound() -> None:
+    """The bound on allowed_token_ids and stop_token_ids is theirs alone: a token-id prompt
+    and /detokenize take any length."""
+    from gateway.openai_schema import parse_completion, parse_detokenize
+    ids = [5] * 3000
+    assert parse_completion({"model": MODEL, "prompt": ids}).prompts == (ids,)
+    assert parse_detokenize({"tokens": ids}) == (None, ids)
+
+
 async def test_a_queue_of_one_admits_one_request_and_refuses_a_second() -> None:
     from types import SimpleNamespace
 
