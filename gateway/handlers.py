@@ -237,8 +237,10 @@ async def tokenize(request: web.Request) -> web.Response:
                                       req.continue_final_message)
     else:
         ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt, req.add_special_tokens)
-    return web.json_response({"count": len(ids), "max_model_len": state.max_model_len,
-                              "tokens": ids})
+    answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+    if req.return_token_strs:
+        answer["token_strs"] = [state.tokenizer.id_to_token(t) for t in ids]
+    return web.json_response(answer)
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -305,11 +305,13 @@ class TokenizeRequest:
     tools: tuple[dict, ...] = ()
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    return_token_strs: bool = False         # vLLM's: each token's vocabulary entry too
 
 
 def parse_tokenize(body: Any) -> TokenizeRequest:
     body = _object(body)
     model = read_field(body, "model", (str,), None)
+    strs = read_field(body, "return_token_strs", (bool,), False)
     if ("prompt" in body) == ("messages" in body):
         raise APIError("give one of 'prompt' or 'messages'")
     if "messages" in body:
@@ -319,9 +321,11 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         tools = read_field(body, "tools", (list,), None) or []
         for i, tool in enumerate(tools):
             _tool_name(tool, i)
-        return TokenizeRequest(model, None, messages, False, tuple(tools), *_chat_format(body))
+        return TokenizeRequest(model, None, messages, False, tuple(tools), *_chat_format(body),
+                               return_token_strs=strs)
     return TokenizeRequest(model, read_field(body, "prompt", (str,)), None,
-                           read_field(body, "add_special_tokens", (bool,), True))
+                           read_field(body, "add_special_tokens", (bool,), True),
+                           return_token_strs=strs)
 
 
 def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:

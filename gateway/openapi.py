@@ -249,7 +249,9 @@ def _tokenize_request(model: str, max_model_len: int, vocab_size: int) -> dict[s
         "prompt": {"type": "string"},
         "messages": chat["messages"], "tools": CHAT_TOOL_FIELDS["tools"],
         **CHAT_FORMAT_FIELDS,
-        "add_special_tokens": {"type": "boolean", "nullable": True}},
+        "add_special_tokens": {"type": "boolean", "nullable": True},
+        "return_token_strs": {"type": "boolean", "nullable": True,
+                              "description": "vLLM's: each token's vocabulary entry too"}},
         "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
 
 

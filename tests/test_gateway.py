@@ -337,6 +337,13 @@ async def test_chat_continues_the_final_message_when_asked(h: Harness) -> None:
         assert h.tok.decode(tokenized["tokens"], skip_special_tokens=False) == head + final
 
 
+async def test_tokenize_returns_token_strings_when_asked(h: Harness) -> None:
+    status, got = await h.post("/tokenize", {"prompt": "hi there", "return_token_strs": True})
+    assert status == 200 and got["token_strs"] == [h.tok.id_to_token(t) for t in got["tokens"]]
+    status, got = await h.post("/tokenize", {"prompt": "hi there"})
+    assert "token_strs" not in got
+
+
 async def test_text_parts_are_joined_as_vllm_joins_them(h: Harness) -> None:
     """A message's text parts with a newline between (as vLLM, and as `pacer generate`), on
     chat and on the Responses API."""
