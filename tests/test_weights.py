@@ -2,6 +2,7 @@
 type), equal to what transformers loads; refused files name the tensor and the reason."""
 import dataclasses
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -157,9 +158,13 @@ def test_tensors_that_do_not_fit_the_config(tiny_dirs, tmp_path):
             iter_weights(source, dataclasses.replace(config, intermediate_size=96))
 
 
-def test_progress_bar_on_stderr(tiny_dirs, capsys):
+def test_progress_bar_on_stderr_at_a_terminal_only(tiny_dirs, capsys, monkeypatch):
+    """A bar at a terminal; into a file or a pipe (a served worker's JSON log lines) none."""
     source = resolve_model(tiny_dirs["untied"])
     config = load_model_config(source)
+    list(iter_weights(source, config, progress=True))          # captured: not a terminal
+    assert capsys.readouterr() == ("", "")
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     list(iter_weights(source, config, progress=True))
     out, err = capsys.readouterr()
     assert "loading weights" in err and out == ""
