@@ -22,7 +22,7 @@ import structlog
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import TokenLogprob, vllm_prompt_logprobs
 from gateway.state import WaitingSlot
-from gateway.streams import TokenRouter
+from gateway.streams import RequestStream, TokenRouter
 from shared.text_output import TextOutput
 from gateway.upstream import REDIS_RESTARTED, Upstream
 from shared.detokenizer import IncrementalDetokenizer
@@ -73,13 +73,16 @@ class Generation:
         self._timer: asyncio.TimerHandle | None = None
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
-        # of the prompt, the tokens the prefix cache held: sent with the first token by the
-        # worker, and in the scheduler's finish event (None before either)
-        self.num_cached_tokens: int | None = None
+        self._stream: RequestStream | None = None
         self._echo = echo                       # the prompt's text, sent before the output
-        self._echo_text = echo or ""            # kept: the output's offsets count from its end
+        self._text_offset = len(echo or "")     # where the output's text starts in the choice's
         self._skip_special_tokens = skip_special_tokens
         self._echo_only = echo_only             # the generated token left out of the answer
+
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """Of the prompt, the tokens the prefix cache held (None before the first token)."""
+        return None if self._stream is None else self._stream.num_cached_tokens
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,8 +140,6 @@ class Generation:
                 if finish is None or finish.error is None:
                     yield self._echo_delta()
                 self._echo = None
-            if self.num_cached_tokens is None:       # the finish event's, if it comes, agrees
-                self.num_cached_tokens = self._stream.num_cached_tokens
             self._consume([] if self._echo_only else events)
             self._done_upstream = finish is not None
             if self._text.stopped or finish is not None:
@@ -197,7 +198,7 @@ class Generation:
             start = len(self._text.text)
             self._text.add(event.token_id)
             if self.sampling.logprobs is not None:
-                self._pending.append((start, self._logprob(event, len(self._echo_text) + start)))
+                self._pending.append((start, self._logprob(event, self._text_offset + start)))
             if self._text.stopped:
                 break
 
@@ -216,8 +217,6 @@ class Generation:
             self.num_output_tokens = max(self.num_output_tokens, finish.num_output_tokens)
         elif finish.error is None:
             self.finish_reason = "length"       # max_tokens 0 reached: nothing generated
-        if finish.num_cached_tokens is not None:    # a local failure's has none
-            self.num_cached_tokens = finish.num_cached_tokens
         self._text.finish()
         if self._text.stopped:      # the flushed tail completed a stop string
             self.finish_reason = "stop"

@@ -20,7 +20,7 @@ from gateway.tool_parsers import PARSERS
 from shared.errors import InvalidRequestError
 from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                              MAX_REPETITION_PENALTY, MAX_TOKEN_IDS)
-from shared.chat_template import PART_SEPARATOR
+from shared import chat_template
 from shared.structured import JSON_OPTIONS, KINDS, structured_pair
 
 MAX_LOGPROBS = 20
@@ -342,17 +342,11 @@ def _object(body: Any) -> dict:
 
 
 def text_of_parts(parts: list, param: str, kinds: tuple[str, ...]) -> str:
-    """A message's text parts as one string, joined as vLLM joins them (a newline between)."""
-    for j, part in enumerate(parts):
-        at = f"{param}.content[{j}]"
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in kinds:
-            raise APIError(f"{at}: only text parts ({', '.join(kinds)}) are served, got "
-                           f"{kind if kind is not None else json_type(part)!r:.60}", param=at)
-        if not isinstance(part.get("text"), str):
-            raise APIError(f"{at}.text must be a string", param=f"{at}.text")
-    return PART_SEPARATOR.join(part["text"] for part in parts)
-
+    """shared.chat_template's, its error a 400 naming the content."""
+    try:
+        return chat_template.text_of_parts(parts, param, kinds)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param=f"{param}.content") from None
 
 
 def _message(m: Any, i: int) -> dict:
@@ -403,8 +397,7 @@ def _refuse_what_would_be_ignored(body: dict) -> None:
 def _allowed_token_ids(body: dict) -> tuple[int, ...]:
     """vLLM's allowed_token_ids: the only ids the output may hold; an empty list would allow
     nothing (vLLM refuses it too)."""
-    ids = read_field(body, "allowed_token_ids", (list,), None)
-    if ids == []:
+    if body.get("allowed_token_ids") == []:
         raise APIError("'allowed_token_ids' is empty: it would allow no token",
                        param="allowed_token_ids")
     return _token_id_list(body, "allowed_token_ids")
@@ -744,6 +737,9 @@ def tool_calls(tool_choice: str, text: str) -> list[dict] | None:
             for c in calls] or None
 
 
+_SPACE = re.compile(r"[ \t\n\r]*")         # JSON's whitespace
+
+
 def _whole_items(text: str) -> list:
     """The items of a JSON array cut short that were written whole before the cut."""
     decoder, items = json.JSONDecoder(), []
@@ -751,13 +747,12 @@ def _whole_items(text: str) -> list:
     if at == 0:
         return items
     while True:
-        at = len(text) - len(text[at:].lstrip())
         try:
-            item, at = decoder.raw_decode(text, at)
+            item, at = decoder.raw_decode(text, _SPACE.match(text, at).end())
         except (ValueError, RecursionError):
             return items
         items.append(item)
-        at = len(text) - len(text[at:].lstrip())
+        at = _SPACE.match(text, at).end()
         if not text.startswith(",", at):
             return items
         at += 1

@@ -57,7 +57,9 @@ class RequestStream:
         # prompt position -> its entry, as computed (SamplingParams.prompt_logprobs); all of
         # them are in before the first token (published in order, ahead of it)
         self.prompt_logprobs: dict[int, PromptEntry] = {}
-        # of the prompt, the tokens the prefix cache held: sent with the first token
+        # of the prompt, the tokens the prefix cache held: sent with the first token, and in
+        # the scheduler's finish event (a stream the gateway ends at a stop string has no
+        # finish event)
         self.num_cached_tokens: int | None = None
 
     def push(self, item: Item) -> None:
@@ -104,6 +106,8 @@ class RequestStream:
             return
         if isinstance(item, FinishEvent):
             self._finish = self._finish or item
+            if item.num_cached_tokens is not None:
+                self.num_cached_tokens = item.num_cached_tokens
             return
         if isinstance(item, LocalFailure):
             if self._finish is None:

@@ -108,19 +108,19 @@ def token_batches(result: StepResult,
     Call after `execute`: the sampled token is already appended, so its output position is
     `len(token_ids) - num_prompt_tokens - 1` (prompt of 5, first sampled token: index 0).
     """
-    events: dict[str, list[TokenEvent]] = {}
+    batches: dict[str, TokenBatch] = {}
     for rid, token in result.sampled.items():
         state = requests[rid]
         if not state.reply_to or token.token_id == NO_TOKEN:   # NO_TOKEN: the scheduler ends it
             continue
         index = len(state.token_ids) - state.num_prompt_tokens - 1
-        events.setdefault(state.reply_to, []).append(
-            TokenEvent(rid, index, token.token_id, token.logprob, token.top_logprobs))
-    batches = {channel: TokenBatch(evs) for channel, evs in events.items()}
-    for channel, evs in events.items():
-        for e in evs:
-            if e.index == 0 and (cached := requests[e.request_id].num_cached_tokens) is not None:
-                batches[channel].cached[e.request_id] = cached
+        batch = batches.get(state.reply_to)
+        if batch is None:
+            batch = batches[state.reply_to] = TokenBatch()
+        batch.events.append(TokenEvent(rid, index, token.token_id, token.logprob,
+                                       token.top_logprobs))
+        if index == 0 and state.num_cached_tokens is not None:    # its first token
+            batch.cached[rid] = state.num_cached_tokens
     for rid, p in result.prompt_logprobs.items():      # rare: only requests that ask
         if requests[rid].reply_to:
             batch = batches.setdefault(requests[rid].reply_to, TokenBatch())
@@ -163,6 +163,7 @@ class PlanLoop:
         self._handed_over = threading.Event()
         self.num_iterations = 0
         self._stats_at = 0.0
+        self._stats_stale = False       # a result went without them since they were written
         self._last_step: int | None = None
         self._answered: dict[str, str] = {}
 
@@ -217,9 +218,10 @@ class PlanLoop:
             self._run_id, self._plans_after = info["run_id"], "0-0"
             return []
         entries = [entry for _, entries in reply or [] for entry in entries]
-        if not entries:         # idle: the counters a result would carry, brought up to date
+        if not entries and self._stats_stale:   # idle: the counters the last results left out
             try:
                 await self.redis.hset(self.keys.stats, mapping=self.stats())
+                self._stats_stale = False
             except TRANSIENT:
                 pass
         return entries
@@ -293,6 +295,7 @@ class PlanLoop:
         with_stats = time.monotonic() - self._stats_at >= STATS_INTERVAL_S
         if with_stats:
             self._stats_at = time.monotonic()
+        self._stats_stale = not with_stats
         try:
             # a fresh pipeline each try: a failed execute() has emptied the last one; the
             # scheduler waits for this result, and skips a duplicate by its step

@@ -5,7 +5,7 @@ import argparse
 import socket
 
 from shared.engine_args import EngineArgs
-from shared.service_args import ROLES, add_instance_args, add_service_args
+from shared.service_args import ROLES, add_instance_args, add_service_args, non_negative_int
 
 
 # measured with `bench/disaggregation.py --threshold` (docs/benchmarks.md#pd-disaggregation-served):
@@ -28,7 +28,8 @@ def register(sub) -> None:
     p.add_argument("--role", choices=ROLES, default="colocated",
                    help="P/D: prefill instances take new requests and hand them to decode "
                         "instances with their K/V (docs/design.md#pd-disaggregation)")
-    p.add_argument("--disagg-min-prompt-tokens", type=int, default=DISAGG_MIN_PROMPT_TOKENS,
+    p.add_argument("--disagg-min-prompt-tokens", type=non_negative_int,
+                   default=DISAGG_MIN_PROMPT_TOKENS,
                    help="prefill role: shorter prompts are prefilled on the decode instance")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="debugging: plan each iteration only after the last one's result is "

@@ -35,9 +35,10 @@ from shared import gpu_memory
 from shared.config import parse_size
 from shared.cpu import format_cpu_list, place_instances
 from shared.engine_args import EngineArgs
+from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
-from shared.service_args import shown_url
+from shared.service_args import non_negative_int, positive_seconds, shown_url
 
 log = structlog.get_logger("up")
 
@@ -53,7 +54,7 @@ def register(sub) -> None:
     p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0",
                    help="a Redis to use; started here when none answers on a local address")
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
-    p.add_argument("--startup-timeout", type=float, default=600.0,
+    p.add_argument("--startup-timeout", type=positive_seconds, default=600.0,
                    help="seconds to wait for /health to turn 200")
     add_request_policy_args(p)
     p.add_argument("--log-level", default="info")
@@ -72,7 +73,7 @@ def register(sub) -> None:
                    "instance (default: --tp)")
     g.add_argument("--decode-tp", type=int, default=None, help="TP degree of each decode "
                    "instance (default: --tp)")
-    g.add_argument("--disagg-min-prompt-tokens", type=int, default=None,
+    g.add_argument("--disagg-min-prompt-tokens", type=non_negative_int, default=None,
                    help="shorter prompts are prefilled on the decode instance itself")
     g.add_argument("--prefill-threads", type=int, default=None,
                    help="CPU: torch threads of each prefill worker (default: shared out)")
@@ -347,9 +348,17 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
                     groups)
 
 
-def _check_device(engine: EngineArgs, ranks: int) -> None:
-    """A CUDA device this torch can use; on CPU, KV pools that fit in the machine's memory
-    (each worker rank allocates its own --kv-cache-memory)."""
+def _check_memory(layout: EngineLayout, ranks: int) -> None:
+    """A KV pool that holds one request of the whole context (as vLLM refuses one that
+    cannot: such a request could never be scheduled); a CUDA device this torch can use; on
+    CPU, KV pools that fit in the machine's memory (each rank allocates its own)."""
+    pool_tokens = layout.num_kv_blocks * layout.args.block_size
+    if pool_tokens < layout.max_model_len:
+        raise PacerError(f"the KV pool holds {pool_tokens} tokens ({layout.num_kv_blocks} "
+                         f"blocks of {layout.args.block_size}), fewer than the context of "
+                         f"{layout.max_model_len}: give --max-model-len {pool_tokens} or less, "
+                         f"or more --kv-cache-memory")
+    engine = layout.args
     if engine.device.startswith("cuda"):
         gpu_memory.check_cuda_device(engine.device, engine.tp)
     elif engine.kv_cache_memory is not None and not engine.num_kv_blocks:
@@ -438,20 +447,8 @@ def run(args: argparse.Namespace) -> int:
     # refuse bad flags here, before anything starts (the instances' layout is checked as
     # the services' command lines are made)
     layout = engine_layout(engine)
-    pool_tokens = layout.num_kv_blocks * layout.args.block_size
-    if pool_tokens < layout.max_model_len:
-        # as vLLM refuses it: a request the context allows could never be scheduled
-        raise PacerError(f"the KV pool holds {pool_tokens} tokens ({layout.num_kv_blocks} "
-                         f"blocks of {layout.args.block_size}), fewer than the context of "
-                         f"{layout.max_model_len}: give --max-model-len {pool_tokens} or less, "
-                         f"or more --kv-cache-memory")
-    if args.startup_timeout <= 0:
-        raise PacerError(f"--startup-timeout must be > 0, got {args.startup_timeout:g}")
-    if args.disagg_min_prompt_tokens is not None and args.disagg_min_prompt_tokens < 0:
-        raise PacerError(f"--disagg-min-prompt-tokens must be >= 0, "
-                         f"got {args.disagg_min_prompt_tokens}")
     services = _service_argvs(args, engine)
-    _check_device(layout.args, sum("worker rank" in name for name, _ in services.argvs))
+    _check_memory(layout, sum("worker rank" in name for name, _ in services.argvs))
     _check_gateway_flags(services)
     _check_listen_address(args.host, args.port)
     url = _checked_redis_url(args.redis_url)

@@ -102,14 +102,19 @@ def _content_text(i: int, content: Any) -> str:
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts")
-    texts = []
-    for j, part in enumerate(content):
-        if not (isinstance(part, dict) and part.get("type") == "text"
-                and isinstance(part.get("text"), str)):
-            raise InvalidRequestError(f"messages[{i}].content[{j}] must be "
-                                      '{"type": "text", "text": "..."} (only text is supported)')
-        texts.append(part["text"])
-    return PART_SEPARATOR.join(texts)
+    return text_of_parts(content, f"messages[{i}]")
+
+
+def text_of_parts(parts: list, at: str, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A message's text parts (`at`: the message, for errors) as one string, joined as vLLM
+    joins them for templates that expect a string: a newline between."""
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in kinds or not isinstance(part.get("text"), str):
+            raise InvalidRequestError(f"{at}.content[{j}] must be " + '{"type": "text", '
+                                      '"text": "..."} (only text parts are served: '
+                                      f"{', '.join(kinds)})")
+    return PART_SEPARATOR.join(part["text"] for part in parts)
 
 
 def render_chat_template(template: str, messages: Any, *, bos_token: str = "",

@@ -11,6 +11,22 @@ from shared.keys import DEFAULT_PREFIX
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
+def non_negative_int(text: str) -> int:
+    """An argparse type: an integer >= 0, or argparse's one-line error naming the flag."""
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds > 0."""
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def add_redis_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")

@@ -356,7 +356,8 @@ async def test_text_parts_are_joined_as_vllm_joins_them(h: Harness) -> None:
     assert status == 200 and list(h.fake.received.values())[-1].prompt_token_ids == want
     status, error = await h.post("/v1/chat/completions", chat(max_tokens=2) | {"messages": [
         {"role": "user", "content": [{"type": "text", "text": 5}]}]})
-    assert status == 400 and error["error"]["param"] == "messages[0].content[0].text", error
+    assert status == 400 and error["error"]["param"] == "messages[0].content", error
+    assert error["error"]["message"].startswith("messages[0].content[0] must be"), error
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

@@ -38,39 +38,33 @@ def _up(*flags: str) -> subprocess.CompletedProcess:
 def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
     port, redis_port = _free_port(), _free_port()
     local = f"redis://127.0.0.1:{redis_port}"
+
+    def flags(*given: str, redis_url: str = f"{local}/0") -> list[str]:
+        return ["--port", str(port), *given, "--redis-url", redis_url]
+
+    pd = ("--prefill-workers", "1", "--decode-workers", "1")
     cases = [
         (["--port", "0", "--redis-url", f"{local}/0"], "--port 0"),
-        (["--port", str(port), "--redis-url", f"{local}/99"], "DB index is out of range"),
-        (["--port", str(port), "--redis-url", "redis://127.0.0.1:70000/0"], "Port out of range"),
-        (["--port", str(port), "--redis-url", "http://127.0.0.1:1/0"], "Redis URL must specify"),
-        (["--port", str(port), "--redis-url", "redis://:pw@10.255.255.1:6379/0"],
+        (flags(redis_url=f"{local}/99"), "DB index is out of range"),
+        (flags(redis_url="redis://127.0.0.1:70000/0"), "Port out of range"),
+        (flags(redis_url="http://127.0.0.1:1/0"), "Redis URL must specify"),
+        (flags(redis_url="redis://:pw@10.255.255.1:6379/0"),
          "no Redis answers at redis://:***@10.255.255.1"),
-        (["--port", str(port), "--host", "256.1.1.1", "--redis-url", f"{local}/0"],
-         "cannot listen on --host 256.1.1.1"),
-        (["--port", str(port), "--num-kv-blocks", "0", "--redis-url", f"{local}/0"],
-         "--num-kv-blocks must be >= 1"),
-        (["--port", str(port), "--replicas", "0", "--redis-url", f"{local}/0"],
-         "--replicas must be >= 1"),
-        (["--port", str(port), "--api-key", "", "--redis-url", f"{local}/0"],
-         "--api-key is empty"),
-        (["--port", str(port), "--device", "nonsense", "--redis-url", f"{local}/0"],
-         "--device must be cpu or cuda[:N]"),
-        (["--port", str(port), "--prefill-workers", "1", "--decode-workers", "1",
-          "--prefill-threads", "0", "--redis-url", f"{local}/0"], "--prefill-threads must be"),
-        (["--port", str(port), "--max-model-len", "100000", "--redis-url", f"{local}/0"],
+        (flags("--host", "256.1.1.1"), "cannot listen on --host 256.1.1.1"),
+        (flags("--num-kv-blocks", "0"), "--num-kv-blocks must be >= 1"),
+        (flags("--replicas", "0"), "--replicas must be >= 1"),
+        (flags("--api-key", ""), "--api-key is empty"),
+        (flags("--device", "nonsense"), "--device must be cpu or cuda[:N]"),
+        (flags(*pd, "--prefill-threads", "0"), "--prefill-threads must be"),
+        (flags("--max-model-len", "100000"),
          "--max-model-len must be in [2, 8192] (the model's context), got 100000"),
-        (["--port", str(port), "--served-model-name", " ", "--redis-url", f"{local}/0"],
-         "--served-model-name is empty"),
-        (["--port", str(port), "--startup-timeout", "0", "--redis-url", f"{local}/0"],
-         "--startup-timeout must be > 0"),
-        (["--port", str(port), "--kv-timeout-s", "-1", "--redis-url", f"{local}/0"],
-         "--kv-timeout-s must be > 0"),
-        (["--port", str(port), "--prefill-workers", "1", "--decode-workers", "1",
-          "--disagg-min-prompt-tokens", "-1", "--redis-url", f"{local}/0"],
-         "--disagg-min-prompt-tokens must be >= 0"),
-        (["--port", str(port), "--kv-cache-memory", "64TiB", "--redis-url", f"{local}/0"],
-         "more than this machine's"),
-        (["--port", str(port), "--num-kv-blocks", "96", "--redis-url", f"{local}/0"],
+        (flags("--served-model-name", " "), "--served-model-name is empty"),
+        (flags("--startup-timeout", "0"), "--startup-timeout: must be > 0"),
+        (flags("--kv-timeout-s", "-1"), "--kv-timeout-s must be > 0"),
+        (flags(*pd, "--disagg-min-prompt-tokens", "-1"),
+         "--disagg-min-prompt-tokens: must be >= 0"),
+        (flags("--kv-cache-memory", "64TiB"), "more than this machine's"),
+        (flags("--num-kv-blocks", "96"),
          "the KV pool holds 1536 tokens (96 blocks of 16), fewer than the context of 8192"),
     ]
     for flags, needle in cases:

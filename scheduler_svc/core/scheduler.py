@@ -438,9 +438,7 @@ class Scheduler:
             token = sampled[request.request_id]
             token_id = token.token_id
             if token_id == NO_TOKEN:
-                self._finish(request, RequestStatus.FINISHED_ERROR)
-                add_output(_output(request, []))
-                outputs[-1].error = NO_TOKEN_ERROR
+                add_output(self._fail(request, NO_TOKEN_ERROR))
                 continue
             output_ids.append(token_id)
             sampling = request.sampling
@@ -756,6 +754,13 @@ class Scheduler:
                                  len(request.prompt_token_ids), len(request.output_token_ids))
         self._finish(request, status)
         return _output(request, [token])
+
+    def _fail(self, request: Request, error: str) -> RequestOutput:
+        """The request ends with an error its workers found (no token could be sampled)."""
+        self._finish(request, RequestStatus.FINISHED_ERROR)
+        output = _output(request, [])
+        output.error = error
+        return output
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
