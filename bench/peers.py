@@ -9,6 +9,8 @@ Engines (each an OpenAI-compatible server on a loopback port, started and stoppe
 
 Workloads (the `pacer bench` client, random ~106-token prompts, 64 output tokens, greedy,
 EOS ignored): 64 prompts at concurrency 32; and 8 prompts one at a time (single stream).
+With `--long-rounds N`, also long prompts (a retrieval workload): 16 prompts of ~1,024 tokens,
+128 output tokens, at concurrency 8, N rounds alternating the engines as the single stream's.
 Every engine is up at once (the idle ones' CPU is logged); the 32-stream run visits each in
 turn, and the single stream runs `--c1-rounds` rounds, each round visiting every engine with
 fresh prompts: the one-stream figure is the median of the rounds, its ratio the median of
@@ -16,7 +18,8 @@ the rounds' ratios, so that a noisy spell of a shared machine falls on every eng
 
     python bench/peers.py --setup                     # once: venv, build, model copy (minutes)
     python bench/peers.py [--engines pacer,vllm,llamacpp] [--vllm-dtypes bfloat16,float32]
-                          [--c1-rounds 5] [--isa native|avx2] [--json docs/peers.json]
+                          [--c1-rounds 5] [--long-rounds 0] [--isa native|avx2]
+                          [--json docs/peers.json]
 
 `--isa avx2` holds every engine to what an AVX2-only CPU has on a CPU with more: pacer's kernels
 and torch by environment variables, vLLM's by the same variables and `bench/avx2_hold/` (its
@@ -208,19 +211,23 @@ def server_command(engine: str, dtype: str, port: int,
                  "--max-model-len", "2048"], env)
     from shared.model_source import resolve_model
     return ([llama_server(isa), "-m", resolve_model(None).path, "--port", str(port), "-np", "32",
-             # 512 tokens a slot: a prompt of up to 200 tokens and its 64 new ones fit
-             "-c", str(32 * 512), "-t", threads, "-cb", "--alias", "smollm2-135m"], {})
+             # 1,280 tokens a slot: a long prompt of up to ~1,100 tokens and its 128 new ones fit
+             "-c", str(32 * 1280), "-t", threads, "-cb", "--alias", "smollm2-135m"], {})
 
 
-WORKLOADS = {"c32": (64, 32), "c1": (8, 1)}      # name -> (prompts, concurrency)
+# name -> (prompts, concurrency, prompt tokens, output tokens)
+WORKLOADS = {"c32": (64, 32, 106, 64), "c1": (8, 1, 106, 64), "long": (16, 8, 1024, 128)}
 
 
 def run_workload(base_url: str, name: str, seed: int) -> dict:
     """One workload against one server: fresh random prompts for each `seed`, so that no
     engine's prompt cache carries over from a round before."""
-    m = run_random_workload(base_url, "smollm2-135m", *WORKLOADS[name], seed=seed)
+    prompts, concurrency, input_len, output_len = WORKLOADS[name]
+    m = run_random_workload(base_url, "smollm2-135m", prompts, concurrency, seed=seed,
+                            input_len=input_len, output_len=output_len)
     return {"tok_s": m["output_throughput"], "median_ttft_ms": m.get("median_ttft_ms"),
-            "median_itl_ms": m.get("median_itl_ms"), "failed": m["failed"]}
+            "median_itl_ms": m.get("median_itl_ms"), "p99_itl_ms": m.get("p99_itl_ms"),
+            "failed": m["failed"]}
 
 
 class Server:
@@ -233,6 +240,7 @@ class Server:
         self.proc: subprocess.Popen | None = None
         self.c32: dict = {}                 # the workloads' results
         self.c1_rounds: list[dict] = []
+        self.long_rounds: list[dict] = []
 
     def start(self) -> None:
         cmd, extra_env = server_command(self.engine, self.dtype, self.port, self.isa)
@@ -294,10 +302,12 @@ class Server:
             stop(self.proc)
 
 
-def measure(runs: list[tuple[str, str]], c1_rounds: int, isa: str = "native") -> list[Server]:
+def measure(runs: list[tuple[str, str]], c1_rounds: int, isa: str = "native",
+            long_rounds: int = 0) -> list[Server]:
     """Every engine up at once; 32 streams on each in turn; then `c1_rounds` rounds of one
-    stream, each round visiting every engine (the order turned by one each round), so that a
-    noisy spell of a shared machine falls on all of them alike."""
+    stream and `long_rounds` of long prompts, each round visiting every engine (the order
+    turned by one each round), so that a noisy spell of a shared machine falls on all of them
+    alike."""
     servers: list[Server] = []
     try:
         for engine, dtype in runs:
@@ -315,16 +325,28 @@ def measure(runs: list[tuple[str, str]], c1_rounds: int, isa: str = "native") ->
             r = server.c32 = run_workload(server.url, "c32", seed=1)
             log(f"{server.engine} {server.dtype} c32: {r['tok_s']:.1f} tok/s, failed {r['failed']}")
         for rnd in range(c1_rounds):
-            turn = rnd % len(servers) if servers else 0
-            for server in servers[turn:] + servers[:turn]:
-                r = run_workload(server.url, "c1", seed=2 + rnd)
+            for server, r in visit_in_turn(servers, rnd, "c1", 2 + rnd):
                 server.c1_rounds.append(r)
                 log(f"round {rnd + 1} {server.engine} {server.dtype} c1: {r['tok_s']:.1f} tok/s, "
                     f"ITL {r['median_itl_ms']:.2f} ms")
+        for rnd in range(long_rounds):
+            for server, r in visit_in_turn(servers, rnd, "long", 100 + rnd):
+                server.long_rounds.append(r)
+                log(f"round {rnd + 1} {server.engine} {server.dtype} long: {r['tok_s']:.1f} "
+                    f"tok/s, TTFT {r['median_ttft_ms']:.0f} ms, ITL {r['median_itl_ms']:.1f} ms "
+                    f"(p99 {r['p99_itl_ms']:.1f}), failed {r['failed']}")
         return servers
     finally:
         for server in servers:
             server.stop()
+
+
+def visit_in_turn(servers: list[Server], rnd: int, workload: str, seed: int):
+    """Round `rnd` of `workload`: every server once, the order turned by one each round;
+    yields (server, its result) as each is measured."""
+    turn = rnd % len(servers) if servers else 0
+    for server in servers[turn:] + servers[:turn]:
+        yield server, run_workload(server.url, workload, seed=seed)
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -349,6 +371,9 @@ def main() -> None:
     ap.add_argument("--vllm-dtypes", default="bfloat16,float32")
     ap.add_argument("--c1-rounds", type=int, default=5,
                     help="rounds of the one-stream workload, alternating the engines")
+    ap.add_argument("--long-rounds", type=int, default=0,
+                    help="rounds of the long-prompt workload (16 x ~1,024 tokens, 128 out, 8 "
+                         "at once), alternating the engines; 0: not run")
     ap.add_argument("--isa", choices=("native", "avx2"), default="native",
                     help="avx2: hold every engine to what an AVX2-only CPU has (pacer's and "
                     "vLLM's kernels and torch at avx2, pacer in float32 as --dtype auto picks "
@@ -376,8 +401,8 @@ def main() -> None:
     rows = []
     if "llamacpp" in engines and not os.path.exists(llama_server(args.isa)):
         raise SystemExit(f"no llama-server for --isa {args.isa}: run with --setup first")
-    for server in measure(runs, args.c1_rounds, args.isa):
-        c1 = server.c1_rounds
+    for server in measure(runs, args.c1_rounds, args.isa, args.long_rounds):
+        c1, long = server.c1_rounds, server.long_rounds
         rows.append({"engine": server.engine, "dtype": server.dtype,
                      "c32_tok_s": server.c32["tok_s"],
                      "c32_ttft_ms": server.c32["median_ttft_ms"],
@@ -386,12 +411,21 @@ def main() -> None:
                      "c1_itl_ms": median([x["median_itl_ms"] for x in c1]),
                      "c1_tok_s_rounds": [round(x["tok_s"], 1) for x in c1],
                      "c1_itl_ms_rounds": [round(x["median_itl_ms"], 2) for x in c1]})
+        if long:
+            rows[-1] |= {"long_tok_s": median([x["tok_s"] for x in long]),
+                         "long_ttft_ms": median([x["median_ttft_ms"] for x in long]),
+                         "long_itl_ms": median([x["median_itl_ms"] for x in long]),
+                         "long_p99_itl_ms": median([x["p99_itl_ms"] for x in long]),
+                         "long_failed": sum(x["failed"] for x in long),
+                         "long_rounds": [{k: round(v, 1) for k, v in x.items()} for x in long]}
     print(f"CPU flags: {shown}; cores: {os.cpu_count()}")
     if rows:
-        print_table(rows, ["engine", "dtype", "c32_tok_s", "c32_ttft_ms", "c1_tok_s", "c1_itl_ms"])
+        print_table(rows, ["engine", "dtype", "c32_tok_s", "c32_ttft_ms", "c1_tok_s", "c1_itl_ms"]
+                    + (["long_tok_s", "long_ttft_ms", "long_itl_ms", "long_p99_itl_ms",
+                        "long_failed"] if args.long_rounds else []))
         print_ratios(rows)
     write_json(args.json, {"cpu_flags": shown, "isa": args.isa, "c1_rounds": args.c1_rounds,
-                           "rows": rows})
+                           "long_rounds": args.long_rounds, "rows": rows})
 
 
 def print_ratios(rows: list[dict]) -> None:

@@ -34,15 +34,16 @@ from test_scheduler_properties import arrivals as arrival_st
 
 @dataclass(frozen=True)
 class RowCost:
-    """time = row_ms · Q rows + kv_ms · KV rows, summed over chunks."""
+    """time = row_ms · Q rows + kv_ms · KV rows, summed over chunks, + fixed_ms an iteration."""
     row_ms: int = 1
     kv_ms: int = 0
+    fixed_ms: int = 0
     # what OnlineIterationCost says of the worker's GEMMs: from how many rows they widen
     # their weights (None: one path for every size); only the target's floor reads it
     wide_from_rows: int | None = None
 
     def iteration_ms(self, chunks: Sequence[tuple[int, int]]) -> int:
-        return sum(self.row_ms * q + self.kv_ms * kv for q, kv in chunks)
+        return self.fixed_ms + sum(self.row_ms * q + self.kv_ms * kv for q, kv in chunks)
 
     def max_prefill_rows(self, budget_ms: float, chunks: Sequence[tuple[int, int]],
                          prefix_len: int) -> int:
@@ -379,7 +380,7 @@ def test_beside_decodes_prefill_is_capped_to_the_factor_of_a_decode_iteration(fa
 
 @pytest.mark.parametrize("streams,prompts,prompt_len,ratio", [
     (2, 2, 300, 1), (2, 4, 300, 1.5), (2, 8, 300, 2.5), (6, 5, 300, 11 / 6), (6, 12, 300, 3),
-    (8, 0, 300, 1), (2, 8, 600, 1)])
+    (8, 0, 300, 1), (2, 2, 600, 1)])
 def test_waiting_prompts_stretch_the_gap_by_what_they_add_to_the_streams(streams, prompts,
                                                                          prompt_len, ratio):
     """`streams` decode while `prompts` prompts wait: the target stretches by ((streams +
@@ -397,6 +398,106 @@ def test_waiting_prompts_stretch_the_gap_by_what_they_add_to_the_streams(streams
     target_ms = max(3.0 * RowCost().iteration_ms([(1, 0)] * streams),
                     RowCost().iteration_ms([(1, 0)] * streams + [(4, 4)]))
     assert RowCost().iteration_ms(chunks) == pytest.approx(target_ms * stretch, abs=1)
+
+
+class Clock:
+    """The scheduler's clock, moved by hand (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_paced(clock: Clock, max_seqs: int = 16, cost: RowCost = RowCost()) -> Scheduler:
+    config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_seqs, num_kv_blocks=1024,
+                             block_size=4, max_model_len=1024, target_tbt_factor=1.5,
+                             iteration_cost=cost, enable_prefix_caching=False)
+    return Scheduler(config, eos_token_ids=2, max_model_len=1024, clock=clock)
+
+
+def test_a_prompt_behind_its_ttft_goal_lifts_the_gap_target():
+    """The prompts' pace: one 1,000-row prompt beside 10 streams (RowCost: 1 ms a row). Its
+    TTFT goal is 3x its prefill alone plus a full-budget iteration: 3 * 1000 + 512 ms. On
+    arrival it needs 1000 / 3512 of the time left, less than the target leaves it (1.5 x the
+    10 decodes: 5 rows); with 995 rows to go and 1.98 s left, a little over half (an iteration
+    of 10 / (1 - 0.503) ms: 10 rows);
+    with less time left than its prefill, PACE_MAX_SHARE (0.8: 10 / 0.2 ms, 40 rows)."""
+    clock = Clock()
+    sched = make_paced(clock)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 10)
+    add(sched, "long", 1000, max_tokens=2)
+    arrival = clock.now
+    rows = []
+    for left_s in (3.512, 1.98, 0.5):      # 995 rows left after the first
+        clock.now = arrival + 3.512 - left_s
+        plan, _ = step(sched, worker)
+        rows.append(plan.num_scheduled_tokens["long"])
+    assert rows == [5, 10, 40]
+
+
+def test_the_pace_takes_the_prompts_earliest_deadline_first():
+    """Four 600-row prompts waiting beside 2 streams (longer than the token budget: they do not
+    stretch the target): each alone could make its goal (3 * 600 + 512 ms), not all of them
+    one after another (the fourth needs 2,400 of its 2,312 ms): the iteration grows to what
+    the most pressed of them needs, here past PACE_MAX_SHARE, so 2 / (1 - 0.8) ms; with
+    three, the 1,000-row prompt behind them is the most pressed (2,800 of 3,512 ms): 2 / (1 -
+    0.797) ms, 9 rows in all. With it alone, max(1.5 x 2, 2 + 4) ms."""
+    for prompts, total in ((4, 10), (3, 9), (0, 6)):
+        clock = Clock()
+        sched = make_paced(clock)
+        worker = FakeWorker(sched)
+        start_decoding(sched, worker, 2)
+        for i in range(prompts):
+            add(sched, f"p{i}", 600, max_tokens=2)
+        add(sched, "long", 1000, max_tokens=2)
+        assert sched.schedule().total_tokens == total
+
+
+def test_long_prompts_in_a_closed_loop_keep_the_batch_decoding():
+    """The collapse the pace prevents: eight slots, each request a 600-row prompt (longer than
+    the token budget: no stretch) and 40 tokens,
+    a new one as each ends; an iteration costs 10 ms and 1 ms a row, and the clock moves by
+    it. Held to 1.5x the decodes alone, prompts move a few rows an iteration; few requests get
+    to decode, so the decodes' iteration is short, so the prompts move slower still: most of
+    the slots sit prefilling (a median TTFT of three goals, 3 * (600 + 2 * 10) + 522 ms, one
+    slot of eight decoding). With the pace the prompts move PACE_MAX_SHARE of the time, the
+    first tokens come in half the time and more than three slots decode."""
+    cost = RowCost(fixed_ms=10)
+    goal_s = (3 * (600 + 2 * 10) + 522) / 1e3
+
+    def run(paced: bool) -> tuple[float, float]:
+        clock = Clock()
+        sched = make_paced(clock, max_seqs=8, cost=cost)
+        if not paced:
+            sched._pace_goal = None
+        worker = FakeWorker(sched)
+        arrived, ttft, decoding = {}, [], []
+        for i in range(8):
+            add(sched, f"r{i}", 600, max_tokens=40)
+            arrived[f"r{i}"] = clock.now
+        added = 8
+        while sched.has_unfinished():
+            plan = sched.schedule()
+            chunks = chunks_of(sched, plan)
+            decoding.append(sum(1 for q, _ in chunks if q == 1))
+            clock.now += cost.iteration_ms(chunks) / 1e3
+            for out in sched.update(plan, worker.execute(plan)):
+                if out.num_output_tokens == 1:
+                    ttft.append(clock.now - arrived[out.request_id])
+                if out.finished and added < 40:
+                    rid = f"r{added}"
+                    add(sched, rid, 600, max_tokens=40)
+                    arrived[rid], added = clock.now, added + 1
+        return sorted(ttft)[len(ttft) // 2], sum(decoding) / len(decoding)
+
+    paced_ttft, paced_decoding = run(paced=True)
+    held_ttft, held_decoding = run(paced=False)
+    assert held_ttft > 3 * goal_s and held_decoding < 1.5
+    assert paced_ttft < held_ttft / 2       # eight prompts at once wait for each other: the
+    assert paced_decoding >= 3              # median is over the goal, paced or not
 
 
 def test_a_fixed_target_in_ms():

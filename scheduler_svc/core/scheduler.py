@@ -44,7 +44,7 @@ from scheduler_svc.core.latency_budget import IterationLatency
 from scheduler_svc.core.policy import FcfsPolicy
 from scheduler_svc.core.request import Request, RequestStatus, stop_status
 from scheduler_svc.core.ttft_goal import TtftGoal
-from shared.config import SchedulerConfig
+from shared.config import AUTO_TTFT_FACTOR, SchedulerConfig
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
 from shared.plan import (NO_TOKEN, NO_TOKEN_ERROR, CachedRequestData, IterationPlan, NewRequestData,
@@ -102,6 +102,11 @@ STRETCH_POWER = 2           # ... and is that ratio squared (docs/design.md#the-
 # attention costs more than a decode row, and 16 of them alone were 2-3 decode steps
 # (docs/design.md#the-token-gap-target)
 MIN_PREFILL_ROWS = 4
+# the most of an iteration the prompts' TTFT pace may claim beside the decodes (the pace
+# stretches the token-gap target to decodes / (1 - share)): 5x the decodes at most, so that
+# prompts that cannot make their goals at any pace still leave the streams a steady gap
+# (docs/design.md#the-prompts-pace)
+PACE_MAX_SHARE = 0.8
 
 
 @dataclass(slots=True)
@@ -122,7 +127,8 @@ class Scheduler:
                  clock: Callable[[], float] = time.time) -> None:
         """`max_model_len` is the effective context length (the caller takes the smaller of
         the model's and the config's); None means `config.max_model_len`. `clock`: seconds,
-        read only by a TTFT goal (the gateway stamps arrivals with time.time())."""
+        read only by a TTFT goal and by the token-gap target's pace (the gateway stamps arrivals
+        with time.time())."""
         self.config = config
         self.max_model_len = config.max_model_len if max_model_len is None else max_model_len
         self.eos_token_ids = token_id_set(eos_token_ids)
@@ -155,6 +161,13 @@ class Scheduler:
             config.target_ttft_factor is None else TtftGoal(
                 config.iteration_cost, config.max_num_batched_tokens, config.target_ttft_ms,
                 config.target_ttft_factor)
+        # the token-gap target's own TTFT goal, for the prompts' pace (never an EDF order):
+        # a TTFT goal the auto target keeps the prompts on course for, where no instance-wide
+        # goal orders them
+        self._pace_goal = TtftGoal(config.iteration_cost, config.max_num_batched_tokens,
+                                   factor=AUTO_TTFT_FACTOR) \
+            if config.target_tbt_factor is not None and config.iteration_cost is not None \
+            and self.ttft_goal is None else None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -514,9 +527,33 @@ class Scheduler:
             streams = len(decodes)
             budget_ms *= max(1.0, (streams + prompts)
                              / max(streams, STRETCH_MIN_STREAMS)) ** STRETCH_POWER
+            if self._pace_goal is not None:
+                budget_ms = max(budget_ms, self._prefill_pace_ms(cost.iteration_ms(decodes)))
         if budget_ms is None and self.ttft_goal is None:
             return None         # a TTFT goal bounds the iteration as its prefills are placed
         return IterationLatency(cost, budget_ms, self._min_prefill_rows(), decodes)
+
+    def _prefill_pace_ms(self, decodes_ms: float) -> float:
+        """The iteration that keeps the prompts waiting for their first token on course for
+        their TTFT goals, beside `decodes_ms` of decodes (docs/design.md#the-prompts-pace).
+        Earliest deadline first, each prompt's deadline must hold the prefill alone of it and
+        of every prompt before it: the largest such sum over the time left is the share U of
+        every iteration from now on that prefill needs, so an iteration of
+        decodes_ms / (1 - U), U at most PACE_MAX_SHARE (a deadline past or out of reach asks
+        for that much)."""
+        goal, now = self._pace_goal, self.clock()
+        prompts = [r for r in chain(self._running, islice(self._waiting, self.config.max_num_seqs))
+                   if not r.output_token_ids and r.num_computed_tokens < r.num_prompt_tokens]
+        deadlines = {r: goal.deadline(r) for r in prompts}
+        share = work = 0.0
+        for request in sorted(prompts, key=deadlines.__getitem__):
+            work += goal.prefill_ms(request.num_computed_tokens, request.num_prompt_tokens)
+            left = (deadlines[request] - now) * 1e3
+            share = max(share, work / left if left > work else PACE_MAX_SHARE)
+            if share >= PACE_MAX_SHARE:
+                share = PACE_MAX_SHARE
+                break
+        return decodes_ms / (1.0 - share)
 
     def _min_prefill_rows(self) -> int:
         """What the first prompt chunk of an iteration may always take: MIN_PREFILL_ROWS, or a
