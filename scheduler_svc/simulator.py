@@ -120,8 +120,9 @@ def simulate(arrivals: Iterable[Arrival], config: SchedulerConfig, cost: Rooflin
              mode: str = "", instances: int = 1) -> SimResult:
     """Run every arrival to completion on the fake clock, on `instances` colocated engine
     instances alike; deterministic for its inputs."""
-    pool = [_Instance(i, "both", _scheduler(config)) for i in range(instances)]
-    return _Cluster(pool, cost).run(arrivals, mode,
+    clock = SimClock()
+    pool = [_Instance(i, "both", _scheduler(config, clock)) for i in range(instances)]
+    return _Cluster(pool, cost, clock).run(arrivals, mode,
                                     f"{instances} instance(s), prefill beside decode")
 
 
@@ -131,17 +132,29 @@ def simulate_disaggregated(arrivals: Iterable[Arrival], prefill_config: Schedule
                            min_prompt_tokens: int = 0) -> SimResult:
     """The same arrivals on `num_prefill` prefill instances and `num_decode` decode instances,
     the K/V of every prompt priced over `hop` between them."""
-    pool = [_Instance(i, "prefill", _scheduler(prefill_config), KVLink(hop.fabric))
+    clock = SimClock()
+    pool = [_Instance(i, "prefill", _scheduler(prefill_config, clock), KVLink(hop.fabric))
             for i in range(num_prefill)]
-    pool += [_Instance(num_prefill + i, "decode", _scheduler(decode_config))
+    pool += [_Instance(num_prefill + i, "decode", _scheduler(decode_config, clock))
              for i in range(num_decode)]
-    return _Cluster(pool, cost, hop, min_prompt_tokens).run(
+    return _Cluster(pool, cost, clock, hop, min_prompt_tokens).run(
         arrivals, mode, f"{num_prefill} prefill + {num_decode} decode instance(s), K/V over "
         f"{hop.fabric.name} ({hop.fabric.gb_per_s:g} GB/s)"
         + (", layer streaming" if hop.layer_streaming else ", sent after the prefill"))
 
 
-def _scheduler(config: SchedulerConfig) -> Scheduler:
+class SimClock:
+    """The simulated time in seconds, as every simulated scheduler reads it (a TTFT goal's
+    deadlines, the token-gap target's pace): moved by the cluster's event loop."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _scheduler(config: SchedulerConfig, clock: SimClock) -> Scheduler:
     # Every simulated prompt is the same id repeated (below): prefix caching would turn each
     # into a hit, so it is off — arrivals carry lengths, not contents. A cost model that
     # learns (shared/online_cost.py) is copied fresh: each instance fits its own, as each
@@ -149,7 +162,7 @@ def _scheduler(config: SchedulerConfig) -> Scheduler:
     fresh = getattr(config.iteration_cost, "fresh", None)
     return Scheduler(replace(config, enable_prefix_caching=False,
                              iteration_cost=fresh() if fresh else config.iteration_cost),
-                     eos_token_ids=None, max_model_len=config.max_model_len)
+                     eos_token_ids=None, max_model_len=config.max_model_len, clock=clock)
 
 
 @dataclass(eq=False)
@@ -182,9 +195,10 @@ class _Instance:
 
 
 class _Cluster:
-    def __init__(self, pool: list[_Instance], cost: RooflineCost, hop: Hop | None = None,
-                 min_prompt_tokens: int = 0) -> None:
+    def __init__(self, pool: list[_Instance], cost: RooflineCost, clock: SimClock,
+                 hop: Hop | None = None, min_prompt_tokens: int = 0) -> None:
         self.pool = pool
+        self.clock = clock
         self.cost = cost
         self.hop = hop
         self.min_prompt_tokens = min_prompt_tokens
@@ -228,6 +242,7 @@ class _Cluster:
         while events or pending:
             now = min(events[0][0] if events else math.inf,
                       pending[0].arrival_s if pending else math.inf)
+            self.clock.now = now
             while events and events[0][0] <= now:
                 self._end_iteration(heapq.heappop(events)[2], now)
             while pending and pending[0].arrival_s <= now:
@@ -396,7 +411,8 @@ class _State:
         try:
             # The prompt's ids never matter to the clock: one shared id keeps memory small.
             sched.add_request(request_id, [1] * arrival.prompt_len,
-                              _sampling(max_tokens or arrival.output_len))
+                              _sampling(max_tokens or arrival.output_len),
+                              arrival_s=arrival.arrival_s)
         except InvalidRequestError as e:
             self.rejected.append((arrival, str(e)))
             return False

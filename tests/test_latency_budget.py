@@ -26,7 +26,8 @@ from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.hardware import HardwareProfile
 from shared.plan import IterationPlan, StepResult
-from test_scheduler_core import FakeWorker, add, check_plan, step
+from test_scheduler_core import FakeWorker, add, check_plan, prompt, step
+from shared.sampling import SamplingParams
 from test_scheduler_properties import Driver, check_orca
 from test_scheduler_properties import aborts as abort_st
 from test_scheduler_properties import arrivals as arrival_st
@@ -423,7 +424,7 @@ def test_a_prompt_behind_its_ttft_goal_lifts_the_gap_target():
     arrival it needs 1000 / 3512 of the time left, less than the target leaves it (1.5 x the
     10 decodes: 5 rows); with 995 rows to go and 1.98 s left, a little over half (an iteration
     of 10 / (1 - 0.503) ms: 10 rows);
-    with less time left than its prefill, PACE_MAX_SHARE (0.8: 10 / 0.2 ms, 40 rows)."""
+    with less time left than its prefill, PACE_MAX_SHARE (0.9: 10 / 0.1 ms, 90 rows)."""
     clock = Clock()
     sched = make_paced(clock)
     worker = FakeWorker(sched)
@@ -435,17 +436,18 @@ def test_a_prompt_behind_its_ttft_goal_lifts_the_gap_target():
         clock.now = arrival + 3.512 - left_s
         plan, _ = step(sched, worker)
         rows.append(plan.num_scheduled_tokens["long"])
-    assert rows == [5, 10, 40]
+    assert rows == [5, 10, 90]
 
 
-def test_the_pace_takes_the_prompts_earliest_deadline_first():
-    """Four 600-row prompts waiting beside 2 streams (longer than the token budget: they do not
-    stretch the target): each alone could make its goal (3 * 600 + 512 ms), not all of them
-    one after another (the fourth needs 2,400 of its 2,312 ms): the iteration grows to what
-    the most pressed of them needs, here past PACE_MAX_SHARE, so 2 / (1 - 0.8) ms; with
-    three, the 1,000-row prompt behind them is the most pressed (2,800 of 3,512 ms): 2 / (1 -
-    0.797) ms, 9 rows in all. With it alone, max(1.5 x 2, 2 + 4) ms."""
-    for prompts, total in ((4, 10), (3, 9), (0, 6)):
+def test_the_pace_adds_up_the_prompts_in_the_order_they_get_rows():
+    """Four 600-row prompts queued beside 2 streams, then a 1,000-row one (all longer than the
+    token budget: none stretches the target). Each of the four alone could make its goal (3 *
+    600 + 512 ms), not all of them one after another: the fourth would need 2,400 of its
+    2,312 ms, and asks for nothing (what it waits for is the three before it); the 1,000-row
+    prompt after them, 3,400 of 3,512 ms, past PACE_MAX_SHARE: 2 / (1 - 0.9) ms. With three
+    before it, 2,800 of 3,512 ms: 2 / (1 - 0.797) ms, 9 rows in all. With it alone, the
+    target: max(1.5 x 2, 2 + 4) ms."""
+    for prompts, total in ((4, 20), (3, 9), (0, 6)):
         clock = Clock()
         sched = make_paced(clock)
         worker = FakeWorker(sched)
@@ -454,6 +456,39 @@ def test_the_pace_takes_the_prompts_earliest_deadline_first():
             add(sched, f"p{i}", 600, max_tokens=2)
         add(sched, "long", 1000, max_tokens=2)
         assert sched.schedule().total_tokens == total
+
+
+def test_a_prompt_late_behind_another_asks_for_nothing():
+    """A 100-row prompt queued behind a 1,000-row one, a second later: past its goal (3 * 100 +
+    512 ms), but a longer iteration would go to the prompt before it, which is on course
+    (~1,000 of 2,512 ms left): the target stays, max(1.5 x 2, 2 + 4) ms."""
+    clock = Clock()
+    sched = make_paced(clock)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 2)
+    add(sched, "long", 1000, max_tokens=2)
+    add(sched, "short", 100, max_tokens=2)
+    step(sched, worker)
+    clock.now += 1.0
+    assert sched.schedule().total_tokens == 6
+
+
+def test_the_pace_counts_from_when_a_place_was_free():
+    """A prompt that arrived 10 s ago and waited for one of three places, all held by streams:
+    when a stream ends and it takes the place, its goal counts from then, so it gets what the
+    target leaves (max(1.5 x 2, 2 + 4) - 2 rows), not PACE_MAX_SHARE of the iteration: its wait
+    was the streams', which no iteration's length shortens."""
+    clock = Clock()
+    sched = make_paced(clock, max_seqs=3)
+    worker = FakeWorker(sched)
+    add(sched, "s0", 3, max_tokens=3)
+    add(sched, "s1", 3, max_tokens=200)
+    add(sched, "s2", 3, max_tokens=200)
+    sched.add_request("late", prompt(1000), SamplingParams(max_tokens=2),
+                      arrival_s=clock.now - 10)
+    while "late" not in (plan := step(sched, worker)[0]).num_scheduled_tokens:
+        pass                                # s0 ends after its three tokens
+    assert plan.num_scheduled_tokens["late"] == 4
 
 
 def test_long_prompts_in_a_closed_loop_keep_the_batch_decoding():

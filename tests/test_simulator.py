@@ -8,11 +8,13 @@ import pytest
 
 from scheduler_svc.arrivals import Arrival, arrival_times, parse_length, read_trace, synthetic
 from scheduler_svc.sim_report import summarize
-from scheduler_svc.simulator import simulate
+from scheduler_svc.core import Scheduler
+from scheduler_svc.simulator import Hop, simulate, simulate_disaggregated
 from services.cli import main
 from shared.config import SchedulerConfig
 from shared.cost_model import MODELS, RooflineCost
 from shared.errors import PacerError
+from shared.fabric import load_fabric
 from shared.hardware import HARDWARE
 
 H100_7B = RooflineCost(MODELS["llama-2-7b"], HARDWARE["h100"])
@@ -42,6 +44,26 @@ def test_clock_follows_the_iteration_costs():
     assert result.first_token_s == pytest.approx([0.010, 0.014])
     assert list(result.tbt_ms) == pytest.approx([1.0, 3.0, 1.0])
     assert result.finish_s == pytest.approx([0.014, 0.015])
+
+
+def test_the_schedulers_read_the_simulated_clock(monkeypatch):
+    """What a scheduler times by its clock (a TTFT goal's deadlines, the token-gap target's
+    pace) is simulated time: each request arrives at its arrival's time, by the clock the
+    scheduler reads then, on every instance of a P/D cluster too."""
+    seen = []
+    add_request = Scheduler.add_request
+
+    def spy(self, request_id, prompt_token_ids, sampling, *args, arrival_s=None, **kw):
+        seen.append((arrival_s, self.clock()))
+        return add_request(self, request_id, prompt_token_ids, sampling, *args,
+                           arrival_s=arrival_s, **kw)
+
+    monkeypatch.setattr(Scheduler, "add_request", spy)
+    arrivals = [Arrival(0.25, 10, 3), Arrival(1.5, 2, 2)]
+    simulate(arrivals, config(), H100_7B)
+    simulate_disaggregated(arrivals, config(), config(), H100_7B,
+                           Hop.of(H100_7B, load_fabric("nvlink")))
+    assert seen == [(0.25, 0.25), (1.5, 1.5)] * 2
 
 
 def test_every_request_gets_exactly_its_output_length():

@@ -63,6 +63,10 @@ class Request:
     kv_received: list[str] | None = None
     # when the request arrived, in seconds of the scheduler's clock (the TTFT goal's start)
     arrival_s: float = 0.0
+    # when a free place could first have taken it, by the same clock (None: not seen yet, or
+    # it never waited for one): where the token-gap target's pace counts its goal from
+    # (docs/design.md#the-prompts-pace)
+    place_s: float | None = None
     # prompt tokens the prefix cache held at its first admission (None until admitted; a P/D
     # decode side takes the prefill side's): OpenAI's usage.prompt_tokens_details.cached_tokens
     num_cached_prompt_tokens: int | None = None

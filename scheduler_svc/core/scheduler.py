@@ -103,10 +103,11 @@ STRETCH_POWER = 2           # ... and is that ratio squared (docs/design.md#the-
 # (docs/design.md#the-token-gap-target)
 MIN_PREFILL_ROWS = 4
 # the most of an iteration the prompts' TTFT pace may claim beside the decodes (the pace
-# stretches the token-gap target to decodes / (1 - share)): 5x the decodes at most, so that
-# prompts that cannot make their goals at any pace still leave the streams a steady gap
+# stretches the token-gap target to decodes / (1 - share)): 10x the decodes at most, so that
+# prompts that cannot make their goals at any pace still leave the streams a steady gap; 0.8
+# (5x) was too little to pull a queue of long prompts back on course once it fell behind
 # (docs/design.md#the-prompts-pace)
-PACE_MAX_SHARE = 0.8
+PACE_MAX_SHARE = 0.9
 
 
 @dataclass(slots=True)
@@ -536,20 +537,33 @@ class Scheduler:
     def _prefill_pace_ms(self, decodes_ms: float) -> float:
         """The iteration that keeps the prompts waiting for their first token on course for
         their TTFT goals, beside `decodes_ms` of decodes (docs/design.md#the-prompts-pace).
-        Earliest deadline first, each prompt's deadline must hold the prefill alone of it and
-        of every prompt before it: the largest such sum over the time left is the share U of
-        every iteration from now on that prefill needs, so an iteration of
-        decodes_ms / (1 - U), U at most PACE_MAX_SHARE (a deadline past or out of reach asks
-        for that much)."""
+        The prompts counted are those being prefilled and those of the queue a free place
+        could take: prompts that wait for a place wait for the streams to end, which longer
+        iterations would only delay, and a prompt's goal counts from when a place was first
+        free for it (`Request.place_s`; its arrival if it never waited for one, the gateway's
+        stamp). In the order they get rows, each prompt's deadline must
+        hold its own prefill alone and that of every prompt before it: the largest such sum
+        over the time left is the share U of every iteration from now on that prefill needs,
+        so an iteration of decodes_ms / (1 - U), U at most PACE_MAX_SHARE. The first prompt
+        past its deadline, or out of reach of it, asks for that most; one further back asks
+        for nothing: what it waits for is the prompts before it, and a longer iteration would
+        go to them."""
         goal, now = self._pace_goal, self.clock()
-        prompts = [r for r in chain(self._running, islice(self._waiting, self.config.max_num_seqs))
-                   if not r.output_token_ids and r.num_computed_tokens < r.num_prompt_tokens]
-        deadlines = {r: goal.deadline(r) for r in prompts}
+        free = self.config.max_num_seqs - len(self._running)
+        for request in islice(self._waiting, max(free, 0)):
+            if request.place_s is None:
+                request.place_s = now
+        prompts = (r for r in chain(self._running, islice(self._waiting, max(free, 0)))
+                   if not r.output_token_ids and r.num_computed_tokens < r.num_prompt_tokens)
         share = work = 0.0
-        for request in sorted(prompts, key=deadlines.__getitem__):
+        for index, request in enumerate(prompts):
             work += goal.prefill_ms(request.num_computed_tokens, request.num_prompt_tokens)
-            left = (deadlines[request] - now) * 1e3
-            share = max(share, work / left if left > work else PACE_MAX_SHARE)
+            start = request.arrival_s if request.place_s is None else request.place_s
+            left = (start - now) * 1e3 + goal.goal_ms(request.num_prompt_tokens)
+            if left > work:
+                share = max(share, work / left)
+            elif index == 0:
+                share = PACE_MAX_SHARE
             if share >= PACE_MAX_SHARE:
                 share = PACE_MAX_SHARE
                 break
