@@ -26,7 +26,7 @@ DEFAULT_KV_CACHE_MEMORY = "2GiB"
 AUTO_TBT_FACTOR = 1.5
 AUTO_TBT_TEXT = (f"{AUTO_TBT_FACTOR:g}x the predicted decodes, at least the decodes plus a few "
                  f"prompt rows ({AUTO_TBT_FACTOR - 1:g}x the decodes plus a block where the "
-                 f"GEMMs widen their weights)")
+                 f"GEMMs widen their weights), longer while prompts fall behind a TTFT goal")
 # `--target-ttft-ms auto` (P/D prefill instances): a prompt's first token within this many
 # times its own predicted prefill, plus one full-budget iteration (docs/design.md#the-ttft-goal)
 AUTO_TTFT_FACTOR = 3.0
