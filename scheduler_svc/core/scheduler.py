@@ -541,13 +541,12 @@ class Scheduler:
         could take: prompts that wait for a place wait for the streams to end, which longer
         iterations would only delay, and a prompt's goal counts from when a place was first
         free for it (`Request.place_s`; its arrival if it never waited for one, the gateway's
-        stamp). In the order they get rows, each prompt's deadline must
-        hold its own prefill alone and that of every prompt before it: the largest such sum
-        over the time left is the share U of every iteration from now on that prefill needs,
-        so an iteration of decodes_ms / (1 - U), U at most PACE_MAX_SHARE. The first prompt
-        past its deadline, or out of reach of it, asks for that most; one further back asks
-        for nothing: what it waits for is the prompts before it, and a longer iteration would
-        go to them."""
+        stamp). In the order they get rows, each prompt's deadline must hold its own prefill
+        alone and that of every prompt before it: the largest such sum over the time left is
+        the share U of every iteration from now on that prefill needs, so an iteration of
+        decodes_ms / (1 - U), U at most PACE_MAX_SHARE. The first prompt past its deadline,
+        or out of reach of it, asks for that most; one further back asks for nothing: what it
+        waits for is the prompts before it, and a longer iteration would go to them."""
         goal, now = self._pace_goal, self.clock()
         free = self.config.max_num_seqs - len(self._running)
         for request in islice(self._waiting, max(free, 0)):
