@@ -459,17 +459,18 @@ def test_the_pace_adds_up_the_prompts_in_the_order_they_get_rows():
 
 
 def test_a_prompt_late_behind_another_asks_for_nothing():
-    """A 100-row prompt queued behind a 1,000-row one, a second later: past its goal (3 * 100 +
-    512 ms), but a longer iteration would go to the prompt before it, which is on course
-    (~1,000 of 2,512 ms left): the target stays, max(1.5 x 2, 2 + 4) ms."""
+    """Two 1,000-row prompts queued together; 1.6 s later the second cannot make its goal (3 *
+    1000 + 512 ms) behind the first (1,996 rows of work, 1,912 ms left) and asks for nothing:
+    a longer iteration would go to the first, which needs 996 of its 1,912 ms, U = 0.52, less
+    than the target already gives it: max(1.5 x 2, 2 + 4) ms."""
     clock = Clock()
     sched = make_paced(clock)
     worker = FakeWorker(sched)
     start_decoding(sched, worker, 2)
-    add(sched, "long", 1000, max_tokens=2)
-    add(sched, "short", 100, max_tokens=2)
+    add(sched, "first", 1000, max_tokens=2)
+    add(sched, "second", 1000, max_tokens=2)
     step(sched, worker)
-    clock.now += 1.0
+    clock.now += 1.6
     assert sched.schedule().total_tokens == 6
 
 

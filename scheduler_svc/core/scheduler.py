@@ -537,8 +537,8 @@ class Scheduler:
     def _prefill_pace_ms(self, decodes_ms: float) -> float:
         """The iteration that keeps the prompts waiting for their first token on course for
         their TTFT goals, beside `decodes_ms` of decodes (docs/design.md#the-prompts-pace).
-        The prompts counted are those being prefilled and those of the queue a free place
-        could take: prompts that wait for a place wait for the streams to end, which longer
+        The prompts counted are those longer than the token budget (shorter ones stretch the
+        target instead), being prefilled or in the queue where a free place could take them: prompts that wait for a place wait for the streams to end, which longer
         iterations would only delay, and a prompt's goal counts from when a place was first
         free for it (`Request.place_s`; its arrival if it never waited for one, the gateway's
         stamp). In the order they get rows, each prompt's deadline must hold its own prefill
@@ -552,8 +552,10 @@ class Scheduler:
         for request in islice(self._waiting, max(free, 0)):
             if request.place_s is None:
                 request.place_s = now
+        longer = self.config.max_num_batched_tokens
         prompts = (r for r in chain(self._running, islice(self._waiting, max(free, 0)))
-                   if not r.output_token_ids and r.num_computed_tokens < r.num_prompt_tokens)
+                   if not r.output_token_ids and r.num_computed_tokens < r.num_prompt_tokens
+                   and r.num_prompt_tokens > longer)
         share = work = 0.0
         for index, request in enumerate(prompts):
             work += goal.prefill_ms(request.num_computed_tokens, request.num_prompt_tokens)
