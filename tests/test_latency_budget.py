@@ -268,10 +268,22 @@ def test_random_traffic_under_a_latency_budget(budget, max_seqs, block_size, slo
                              max_model_len=128, enable_chunked_prefill=chunked,
                              max_iteration_ms=budget_ms, iteration_cost=cost)
     sched = Scheduler(config, 2, 128)
+
+    def check(plan: IterationPlan) -> None:
+        check_latency(sched, plan, cost)
+        if not chunked:
+            check_orca(sched, plan)
+
+    drive_random_traffic(sched, arrivals, aborts, check)
+
+
+def drive_random_traffic(sched: Scheduler, arrivals, aborts, each_plan) -> None:
+    """Run the arrivals and aborts to the end, every plan checked (`each_plan` after the
+    common checks). The oldest running request still moves every iteration (the floor), so
+    the bound of test_scheduler_properties holds unchanged; everything ends and every block
+    comes back."""
     driver = Driver(sched, arrivals, aborts)
     last_arrival = max(a.step for a in arrivals)
-    # The oldest running request still moves every iteration (the floor), so the bound of
-    # test_scheduler_properties holds unchanged.
     bound = last_arrival + 3 + sum(a.num_prompt + a.max_tokens for a in arrivals)
     step_no = 0
     while step_no <= last_arrival or sched.has_unfinished():
@@ -280,9 +292,7 @@ def test_random_traffic_under_a_latency_budget(budget, max_seqs, block_size, slo
         driver.abort(step_no, while_running=False)
         plan = sched.schedule()
         check_plan(sched, plan)
-        check_latency(sched, plan, cost)
-        if not chunked:
-            check_orca(sched, plan)
+        each_plan(plan)
         result = driver.worker.execute(plan)
         driver.abort(step_no, while_running=True)
         for out in sched.update(plan, result):
@@ -291,6 +301,28 @@ def test_random_traffic_under_a_latency_budget(budget, max_seqs, block_size, slo
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
     for i in driver.accepted:
         assert driver.outputs[f"r{i}"][-1].finished
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(1, 40), st.integers(1, 6), st.integers(1, 8), st.integers(8, 64),
+       st.integers(0, 10), st.integers(0, 2), st.lists(arrival_st, min_size=2, max_size=12),
+       st.lists(abort_st, max_size=4))
+def test_random_traffic_under_the_auto_target_and_its_pace(budget, max_seqs, block_size, slots,
+                                                           fixed_ms, kv_ms, arrivals, aborts):
+    """The token-gap target at its auto factor with the prompts' pace, the clock moved by each
+    iteration's cost: plans stay valid, the oldest running request still moves every
+    iteration (so the progress bound of test_scheduler_properties holds), everything ends."""
+    cost = RowCost(row_ms=1, kv_ms=kv_ms, fixed_ms=fixed_ms)
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
+                             num_kv_blocks=max(1, slots // block_size), block_size=block_size,
+                             max_model_len=128, target_tbt_factor=1.5, iteration_cost=cost)
+    clock = Clock()
+    sched = Scheduler(config, 2, 128, clock=clock)
+
+    def advance(plan: IterationPlan) -> None:
+        clock.now += cost.iteration_ms(chunks_of(sched, plan)) / 1e3
+
+    drive_random_traffic(sched, arrivals, aborts, advance)
 
 
 # ---- configuration ------------------------------------------------------------------------
