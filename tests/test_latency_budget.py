@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.core import Scheduler
+from scheduler_svc.simulator import SimClock
 from shared.config import SchedulerConfig
 from shared.online_cost import OnlineIterationCost
 from shared.cost_model import (ModelShape, RooflineCost, estimate_iteration, latency_cost_for,
@@ -316,7 +317,7 @@ def test_random_traffic_under_the_auto_target_and_its_pace(budget, max_seqs, blo
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              num_kv_blocks=max(1, slots // block_size), block_size=block_size,
                              max_model_len=128, target_tbt_factor=1.5, iteration_cost=cost)
-    clock = Clock()
+    clock = SimClock()
     sched = Scheduler(config, 2, 128, clock=clock)
 
     def advance(plan: IterationPlan) -> None:
@@ -433,17 +434,7 @@ def test_waiting_prompts_stretch_the_gap_by_what_they_add_to_the_streams(streams
     assert RowCost().iteration_ms(chunks) == pytest.approx(target_ms * stretch, abs=1)
 
 
-class Clock:
-    """The scheduler's clock, moved by hand (seconds)."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make_paced(clock: Clock, max_seqs: int = 16, cost: RowCost = RowCost()) -> Scheduler:
+def make_paced(clock: SimClock, max_seqs: int = 16, cost: RowCost = RowCost()) -> Scheduler:
     config = SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max_seqs, num_kv_blocks=1024,
                              block_size=4, max_model_len=1024, target_tbt_factor=1.5,
                              iteration_cost=cost, enable_prefix_caching=False)
@@ -457,7 +448,7 @@ def test_a_prompt_behind_its_ttft_goal_lifts_the_gap_target():
     10 decodes: 5 rows); with 995 rows to go and 1.98 s left, a little over half (an iteration
     of 10 / (1 - 0.503) ms: 10 rows);
     with less time left than its prefill, PACE_MAX_SHARE (0.9: 10 / 0.1 ms, 90 rows)."""
-    clock = Clock()
+    clock = SimClock()
     sched = make_paced(clock)
     worker = FakeWorker(sched)
     start_decoding(sched, worker, 10)
@@ -480,7 +471,7 @@ def test_the_pace_adds_up_the_prompts_in_the_order_they_get_rows():
     before it, 2,800 of 3,512 ms: 2 / (1 - 0.797) ms, 9 rows in all. With it alone, the
     target: max(1.5 x 2, 2 + 4) ms."""
     for prompts, total in ((4, 20), (3, 9), (0, 6)):
-        clock = Clock()
+        clock = SimClock()
         sched = make_paced(clock)
         worker = FakeWorker(sched)
         start_decoding(sched, worker, 2)
@@ -495,7 +486,7 @@ def test_a_prompt_late_behind_another_asks_for_nothing():
     1000 + 512 ms) behind the first (1,996 rows of work, 1,912 ms left) and asks for nothing:
     a longer iteration would go to the first, which needs 996 of its 1,912 ms, U = 0.52, less
     than the target already gives it: max(1.5 x 2, 2 + 4) ms."""
-    clock = Clock()
+    clock = SimClock()
     sched = make_paced(clock)
     worker = FakeWorker(sched)
     start_decoding(sched, worker, 2)
@@ -511,7 +502,7 @@ def test_the_pace_counts_from_when_a_place_was_free():
     when a stream ends and it takes the place, its goal counts from then, so it gets what the
     target leaves (max(1.5 x 2, 2 + 4) - 2 rows), not PACE_MAX_SHARE of the iteration: its wait
     was the streams', which no iteration's length shortens."""
-    clock = Clock()
+    clock = SimClock()
     sched = make_paced(clock, max_seqs=3)
     worker = FakeWorker(sched)
     add(sched, "s0", 3, max_tokens=3)
@@ -537,7 +528,7 @@ def test_long_prompts_in_a_closed_loop_keep_the_batch_decoding():
     goal_s = (3 * (600 + 2 * 10) + 522) / 1e3
 
     def run(paced: bool) -> tuple[float, float]:
-        clock = Clock()
+        clock = SimClock()
         sched = make_paced(clock, max_seqs=8, cost=cost)
         if not paced:
             sched._pace_goal = None

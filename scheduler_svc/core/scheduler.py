@@ -162,9 +162,8 @@ class Scheduler:
             config.target_ttft_factor is None else TtftGoal(
                 config.iteration_cost, config.max_num_batched_tokens, config.target_ttft_ms,
                 config.target_ttft_factor)
-        # the token-gap target's own TTFT goal, for the prompts' pace (never an EDF order):
-        # a TTFT goal the auto target keeps the prompts on course for, where no instance-wide
-        # goal orders them
+        # the TTFT goal the auto token-gap target keeps long prompts on course for (the
+        # prompts' pace; never an order of the queue)
         self._pace_goal = TtftGoal(config.iteration_cost, config.max_num_batched_tokens,
                                    factor=AUTO_TTFT_FACTOR) \
             if config.target_tbt_factor is not None and config.iteration_cost is not None \
@@ -512,7 +511,8 @@ class Scheduler:
             # each widening moves factor - 1 blocks' worth of time
             factor, rows = config.target_tbt_factor, self._min_prefill_rows()
             floor = factor - 1 if self._widens() else 1.0
-            budget_ms = max(factor * cost.iteration_ms(decodes),
+            decodes_ms = cost.iteration_ms(decodes)
+            budget_ms = max(factor * decodes_ms,
                             floor * cost.iteration_ms(decodes + [(rows, rows)]))
             # Prompts waiting for their first token, those whose whole prompt fits one
             # iteration's tokens, stretch it by ((streams + prompts) / streams) squared,
@@ -528,47 +528,48 @@ class Scheduler:
             streams = len(decodes)
             budget_ms *= max(1.0, (streams + prompts)
                              / max(streams, STRETCH_MIN_STREAMS)) ** STRETCH_POWER
-            if self._pace_goal is not None:
-                budget_ms = max(budget_ms, self._prefill_pace_ms(cost.iteration_ms(decodes)))
+            if self._pace_goal is not None and (share := self._prefill_pace_share()):
+                budget_ms = max(budget_ms, decodes_ms / (1.0 - share))
         if budget_ms is None and self.ttft_goal is None:
             return None         # a TTFT goal bounds the iteration as its prefills are placed
         return IterationLatency(cost, budget_ms, self._min_prefill_rows(), decodes)
 
-    def _prefill_pace_ms(self, decodes_ms: float) -> float:
-        """The iteration that keeps the prompts waiting for their first token on course for
-        their TTFT goals, beside `decodes_ms` of decodes (docs/design.md#the-prompts-pace).
-        The prompts counted are those longer than the token budget (shorter ones stretch the
-        target instead), being prefilled or in the queue where a free place could take them: prompts that wait for a place wait for the streams to end, which longer
-        iterations would only delay, and a prompt's goal counts from when a place was first
-        free for it (`Request.place_s`; its arrival if it never waited for one, the gateway's
-        stamp). In the order they get rows, each prompt's deadline must hold its own prefill
-        alone and that of every prompt before it: the largest such sum over the time left is
-        the share U of every iteration from now on that prefill needs, so an iteration of
-        decodes_ms / (1 - U), U at most PACE_MAX_SHARE. The first prompt past its deadline,
-        or out of reach of it, asks for that most; one further back asks for nothing: what it
-        waits for is the prompts before it, and a longer iteration would go to them."""
+    def _prefill_pace_share(self) -> float:
+        """The share of every iteration that keeps the long prompts on course for their TTFT
+        goals (docs/design.md#the-prompts-pace): beside decodes of D ms, an iteration may take
+        D / (1 - share). The prompts counted are those longer than the token budget (shorter
+        ones stretch the target instead), being prefilled or in the queue where a free place
+        could take them: prompts that wait for a place wait for the streams to end, which
+        longer iterations would only delay, and a prompt's goal counts from when a place was
+        first free for it (`Request.place_s`; its arrival if it never waited for one). In the
+        order they get rows, each prompt's deadline must hold its own prefill alone and that
+        of every prompt before it: the largest such sum over the time left is the share,
+        at most PACE_MAX_SHARE. The first prompt past its deadline, or out of reach of it,
+        asks for that most; one further back asks for nothing: what it waits for is the
+        prompts before it, and a longer iteration would go to them."""
         goal, now = self._pace_goal, self.clock()
-        free = self.config.max_num_seqs - len(self._running)
-        for request in islice(self._waiting, max(free, 0)):
+        longer = self.config.max_num_batched_tokens
+        placed = list(islice(self._waiting,
+                             max(self.config.max_num_seqs - len(self._running), 0)))
+        for request in placed:           # queued prompts a free place could take now
             if request.place_s is None:
                 request.place_s = now
-        longer = self.config.max_num_batched_tokens
-        prompts = (r for r in chain(self._running, islice(self._waiting, max(free, 0)))
-                   if not r.output_token_ids and r.num_computed_tokens < r.num_prompt_tokens
-                   and r.num_prompt_tokens > longer)
         share = work = 0.0
-        for index, request in enumerate(prompts):
+        index = 0
+        for request in chain(self._running, placed):
+            if request.output_token_ids or request.num_prompt_tokens <= longer \
+                    or request.num_computed_tokens >= request.num_prompt_tokens:
+                continue
             work += goal.prefill_ms(request.num_computed_tokens, request.num_prompt_tokens)
-            start = request.arrival_s if request.place_s is None else request.place_s
-            left = (start - now) * 1e3 + goal.goal_ms(request.num_prompt_tokens)
+            left = (goal.deadline(request, request.place_s) - now) * 1e3
             if left > work:
                 share = max(share, work / left)
             elif index == 0:
-                share = PACE_MAX_SHARE
+                return PACE_MAX_SHARE
             if share >= PACE_MAX_SHARE:
-                share = PACE_MAX_SHARE
-                break
-        return decodes_ms / (1.0 - share)
+                return PACE_MAX_SHARE
+            index += 1
+        return share
 
     def _min_prefill_rows(self) -> int:
         """What the first prompt chunk of an iteration may always take: MIN_PREFILL_ROWS, or a

@@ -57,8 +57,10 @@ class TtftGoal:
         return (self.factor * self.prefill_ms(0, num_prompt_tokens)
                 + self.prefill_ms(0, self.token_budget))
 
-    def deadline(self, request: Request) -> float:
-        return request.arrival_s + self.goal_ms(request.num_prompt_tokens) / 1e3
+    def deadline(self, request: Request, since: float | None = None) -> float:
+        """When its first token is due: the goal after its arrival, or after `since`."""
+        start = request.arrival_s if since is None else since
+        return start + self.goal_ms(request.num_prompt_tokens) / 1e3
 
     # ---- ordering and sizing ---------------------------------------------------------------
 
