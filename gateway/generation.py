@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from gateway.metrics import GatewayMetrics
-from gateway.openai_schema import TokenLogprob, vllm_prompt_logprobs
+from gateway.openai_schema import StopReason, TokenLogprob, vllm_prompt_logprobs
 from gateway.state import WaitingSlot
 from gateway.streams import RequestStream, TokenRouter
 from shared.text_output import TextOutput
@@ -42,6 +42,7 @@ class Delta:
     finish_reason: str | None = None      # set on the last delta
     error: str | None = None              # finish_reason == "error"
     error_type: str = "server_error"
+    stop_reason: StopReason = None        # on the last delta (openai_schema.StopReason)
 
 
 class Generation:
@@ -56,7 +57,8 @@ class Generation:
         self.sampling = sampling
         self._tokenizer = tokenizer
         self._upstream, self._router, self._metrics = upstream, router, metrics
-        eos = frozenset(tokenizer.eos_token_ids)
+        self._eos = eos = frozenset(tokenizer.eos_token_ids)
+        self._last_token_id: int | None = None
         self._text = TextOutput(IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                                        skip_special_tokens=skip_special_tokens),
                                 stop, sampling.min_tokens, include_stop,
@@ -83,6 +85,18 @@ class Generation:
     def num_cached_tokens(self) -> int | None:
         """Of the prompt, the tokens the prefix cache held (None before the first token)."""
         return None if self._stream is None else self._stream.num_cached_tokens
+
+    @property
+    def stop_reason(self) -> StopReason:
+        """The stop string found, or the stop token that ended it (EOS unless ignored is
+        not one: vLLM's null), once finished with "stop"."""
+        if self._text.stopped:
+            return self._text.stop_string
+        last, sampling = self._last_token_id, self.sampling
+        if self.finish_reason != "stop" or last not in sampling.stop_token_ids or \
+                (not sampling.ignore_eos and last in self._eos):
+            return None
+        return last
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -149,7 +163,8 @@ class Generation:
                 self._upstream.ended(self.request_id)
             if self._text.stopped:
                 self.finish_reason = "stop"
-                yield Delta(self._text.take(final=True), self._take_logprobs(), "stop")
+                yield Delta(self._text.take(final=True), self._take_logprobs(), "stop",
+                            stop_reason=self.stop_reason)
                 return
             if finish is not None:
                 yield self._last_delta(finish)
@@ -195,6 +210,7 @@ class Generation:
             self._observe_latency(len(events))
         for event in events:
             self.num_output_tokens += 1
+            self._last_token_id = event.token_id
             start = len(self._text.text)
             self._text.add(event.token_id)
             if self.sampling.logprobs is not None:
@@ -221,7 +237,7 @@ class Generation:
         if self._text.stopped:      # the flushed tail completed a stop string
             self.finish_reason = "stop"
         return Delta(self._text.take(final=True), self._take_logprobs(final=True),
-                     self.finish_reason, finish.error, finish.error_type)
+                     self.finish_reason, finish.error, finish.error_type, self.stop_reason)
 
     def _observe_latency(self, num_tokens: int) -> None:
         now = time.monotonic()

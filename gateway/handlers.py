@@ -22,7 +22,8 @@ from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
 from gateway.prompts import check_vocabulary, choice_sampling, prompt_token_ids, sampling_params
 from gateway.responses import Shape, full_json, stream_sse
-from gateway.responses_api import ResponseShape, chat_body, response_json, response_sse
+from gateway.responses_api import (ResponseShape, chat_body, in_responses_terms, response_json,
+                                   response_sse)
 from gateway.state import STATE, GatewayState, WaitingSlot
 from shared.errors import InvalidRequestError
 from shared.json_file import parse_user_json
@@ -80,10 +81,13 @@ async def responses(request: web.Request) -> web.StreamResponse:
     """OpenAI's Responses API, through the chat path (gateway/responses_api.py)."""
     echo: dict = {}                 # the request's fields its response object repeats
     parser = request.app[STATE].tool_parser
+    translated = False              # its fields are the chat path's from here on
 
     def parse(body: Any) -> GenerationRequest:
+        nonlocal translated
         chat, fields = chat_body(body)
         echo.update(fields)
+        translated = True
         return oai.parse_chat(chat, auto_tools=parser is not None)
 
     async def answer(request: web.Request, gens: list[Generation], req: GenerationRequest,
@@ -93,7 +97,10 @@ async def responses(request: web.Request) -> web.StreamResponse:
         if req.stream:
             return await response_sse(request, gens, req, parser, shape)
         return await response_json(gens, req, parser, shape)
-    return await _generate(request, parse, "resp_", answer)
+    try:
+        return await _generate(request, parse, "resp_", answer)
+    except APIError as error:
+        raise in_responses_terms(error) if translated else error from None
 
 
 async def stored_response(request: web.Request) -> web.Response:

@@ -706,19 +706,25 @@ def vllm_prompt_logprobs(ids: list[int], entries: dict, top: int, text) -> list[
     return out
 
 
+StopReason = str | int | None
+"""vLLM's `stop_reason` beside a choice's finish_reason: the stop string found, or the stop
+token id sampled (one of `stop_token_ids`), else null (EOS, length, a grammar's end)."""
+
+
 def completion_choice(index: int, text: str, logprobs: dict | None,
-                      finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+                      finish_reason: str | None, stop_reason: StopReason = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def chat_choice(index: int, text: str | None, logprobs: dict | None, finish_reason: str | None,
-                tool_calls: list[dict] | None = None) -> dict:
+                tool_calls: list[dict] | None = None, stop_reason: StopReason = None) -> dict:
     """`text`: the content, also beside tool calls ("auto": words before them); calls made
     by constrained decoding have none (their text is the calls)."""
     message = {"role": "assistant", "content": text} if tool_calls is None else \
         {"role": "assistant", "content": text, "tool_calls": tool_calls}
     return {"index": index, "message": message, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+            "finish_reason": finish_reason, "stop_reason": stop_reason}
 
 
 def tool_calls(tool_choice: str, text: str) -> list[dict] | None:
@@ -766,8 +772,9 @@ def tool_call(name: str, arguments: str, index: int | None = None) -> dict:
 
 
 def chat_delta_choice(index: int, delta: dict, logprobs: dict | None,
-                      finish_reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+                      finish_reason: str | None, stop_reason: StopReason = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+            "stop_reason": stop_reason}
 
 
 def envelope(endpoint: str, response_id: str, model: str, created: int, *, chunk: bool) -> dict:

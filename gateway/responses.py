@@ -73,16 +73,18 @@ class Shape:
         return oai.completion_logprobs(entries, offset)
 
     def choice(self, index: int, text: str, entries: list[TokenLogprob],
-               finish: str | None) -> dict:
+               finish: str | None, stop_reason: oai.StopReason = None) -> dict:
         """A whole answer's choice."""
         logprobs = self.logprobs(index, entries)
         if not self.chat:
-            return oai.completion_choice(index, text, logprobs, finish)
+            return oai.completion_choice(index, text, logprobs, finish, stop_reason)
         content, calls = split_calls(self.req, self.tool_parser, text)
-        return oai.chat_choice(index, content, logprobs, finish_of_calls(finish, calls), calls)
+        return oai.chat_choice(index, content, logprobs, finish_of_calls(finish, calls), calls,
+                               stop_reason)
 
     def chunk(self, index: int, text: str | None, entries: list[TokenLogprob],
-              finish: str | None, usage: dict | None = None) -> dict | None:
+              finish: str | None, usage: dict | None = None,
+              stop_reason: oai.StopReason = None) -> dict | None:
         """A stream's chunk; None when there is nothing to send yet."""
         if self.chat:
             if self.req.tool_choice:
@@ -91,10 +93,11 @@ class Shape:
                     return None
             else:
                 delta = {} if text is None else {"content": text}
-            choice = oai.chat_delta_choice(index, delta, self.logprobs(index, entries), finish)
+            choice = oai.chat_delta_choice(index, delta, self.logprobs(index, entries), finish,
+                                           stop_reason)
         else:
             choice = oai.completion_choice(index, text or "", self.logprobs(index, entries),
-                                           finish)
+                                           finish, stop_reason)
         body = {**self.body(chunk=True), "choices": [choice]}
         if usage is not None:
             body["usage"] = usage
@@ -193,7 +196,8 @@ async def collect(gens: list[Generation]) -> tuple[list[str], list[list[TokenLog
 async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
     texts, entries = await collect(gens)
     body = {**shape.body(chunk=False),
-            "choices": [shape.choice(i, texts[i], entries[i], gen.finish_reason)
+            "choices": [shape.choice(i, texts[i], entries[i], gen.finish_reason,
+                                     gen.stop_reason)
                         for i, gen in enumerate(gens)],
             "usage": shape.usage(gens)}
     top = shape.req.prompt_logprobs
@@ -241,7 +245,8 @@ async def _write_delta(response: web.StreamResponse, shape: Shape, index: int,
     chunks = [shape.chunk(index, delta.text, delta.logprobs, None, usage)] \
         if delta.text or delta.logprobs else []
     if delta.finish_reason is not None:
-        chunks.append(shape.chunk(index, None, [], delta.finish_reason, usage))
+        chunks.append(shape.chunk(index, None, [], delta.finish_reason, usage,
+                                  delta.stop_reason))
     for chunk in chunks:
         if chunk is not None:
             await response.write(oai.sse(chunk))

@@ -22,6 +22,7 @@ of typed events
 from __future__ import annotations
 
 import json
+import re
 import time
 from contextlib import aclosing
 from typing import Any
@@ -53,6 +54,18 @@ NOT_ON_RESPONSES = ("best_of", "echo", "prompt_logprobs", "suffix", "functions")
 CHAT_SPELLINGS = {"messages": "input", "max_tokens": "max_output_tokens",
                   "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
                   "n": None, "logprobs": None, "stream_options": None}
+
+
+def in_responses_terms(error: APIError) -> APIError:
+    """An error the chat path raised, naming the field as /v1/responses spells it (a prompt
+    too long for the context is 'input''s fault here, not 'messages'')."""
+    name = CHAT_SPELLINGS.get(error.param or "")
+    if name is not None:
+        error.message = re.sub(rf"\b{re.escape(error.param)}\b", name, error.message)
+        error.args, error.param = (error.message,), name
+    return error
+
+
 # Fields that need a stored response or a server-side tool; none is kept or run here
 NOT_SERVED = ("previous_response_id", "conversation", "prompt")
 LOGPROBS_INCLUDE = "message.output_text.logprobs"    # the one `include` served

@@ -31,6 +31,7 @@ class TextOutput:
         self.text = ""
         self.stopped = False      # a stop string was found; text ends right before it (or
         #                           with it, include_stop)
+        self.stop_string: str | None = None     # the one found (vLLM's stop_reason)
         self._sent = 0
 
     def add(self, token_id: int) -> None:
@@ -65,9 +66,9 @@ class TextOutput:
             return
         # a stop string that ends in the new text starts at most len(stop)-1 chars before it
         start = max(0, before - self._longest_stop + 1)
-        hits = [(i, len(s)) for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        hits = [(i, len(s), s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
         if hits:
-            at, length = min(hits)
+            at, length, self.stop_string = min(hits)
             self.text = self.text[:at + length if self._include_stop else at]
             self.stopped = True
 

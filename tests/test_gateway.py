@@ -85,7 +85,8 @@ class FakeScheduler:
         prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
         slow = "[slow]" in prompt
         output = self._output(msg, repeat=slow)
-        sent, reason = 0, ("stop" if output[-1] == self.tok.eos_token_id else "length")
+        ends = (self.tok.eos_token_id, *msg.sampling.stop_token_ids)
+        sent, reason = 0, ("stop" if output[-1] in ends else "length")
         if msg.sampling.prompt_logprobs is not None:     # each prompt token after the first
             n, k = len(msg.prompt_token_ids) - 1, msg.sampling.prompt_logprobs
             await self.redis.publish(msg.reply_to, encode(TokenBatch([], [PromptLogprobsEvent(
@@ -125,7 +126,8 @@ class FakeScheduler:
             ids = (self.reply_ids * (sp.max_tokens // len(self.reply_ids) + 1))[:sp.max_tokens]
         else:
             ids = (self.reply_ids + [self.tok.eos_token_id])[:sp.max_tokens]
-        return ids
+        stops = [i for i, t in enumerate(ids) if t in sp.stop_token_ids]
+        return ids[:stops[0] + 1] if stops else ids
 
     def _event(self, msg: RequestMsg, index: int, token_id: int) -> TokenEvent:
         n = msg.sampling.logprobs
@@ -251,7 +253,7 @@ async def test_completion_shape_usage_and_the_request_message(h: Harness) -> Non
     assert body["model"] == MODEL
     [choice] = body["choices"]
     assert choice == {"index": 0, "text": reply_text(h.tok, 5), "logprobs": None,
-                      "finish_reason": "length"}
+                      "finish_reason": "length", "stop_reason": None}
     prompt_ids = h.tok.encode("Say hello.", add_special_tokens=True)
     assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 5,
                              "total_tokens": len(prompt_ids) + 5,
@@ -438,6 +440,28 @@ async def test_stop_string_cuts_the_text_and_aborts_upstream(h: Harness) -> None
     assert body["choices"][0]["text"] == "Hello world, this is pacer. "
     assert body["choices"][0]["finish_reason"] == "stop"
     assert await wait_for_abort(h, body["id"]) == "stop string"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_stop_reason_names_the_stop_string_or_token_as_vllm_does(h: Harness, path: str,
+                                                                       stream: bool) -> None:
+    third = h.tok.encode(REPLY)[2]
+    base = completion(max_tokens=40) if path == "/v1/completions" else chat(max_tokens=40)
+    for extra, reason, stop_reason in (
+            ({"stop": ["zzz", "STOP"]}, "stop", "STOP"),
+            ({"stop_token_ids": [third]}, "stop", third),
+            ({}, "stop", None),                        # EOS
+            ({"max_tokens": 2}, "length", None)):
+        if stream:
+            chunks = [json.loads(d) for d in (await h.sse(path, {**base, **extra}))[:-1]]
+            last = chunks[-1]["choices"][0]
+            assert all(c["choices"][0]["stop_reason"] is None for c in chunks[:-1]), chunks
+        else:
+            status, body = await h.post(path, {**base, **extra})
+            assert status == 200, body
+            last = body["choices"][0]
+        assert (last["finish_reason"], last["stop_reason"]) == (reason, stop_reason), extra
 
 
 async def test_streamed_text_never_shows_the_start_of_a_stop_string(h: Harness) -> None:
@@ -791,9 +815,16 @@ async def test_responses_api_takes_vllm_s_chat_fields(h: Harness) -> None:
     status, _ = await h.post("/v1/responses", {**body, "truncate_prompt_tokens": 3})
     assert status == 200 and len(list(h.fake.received.values())[-1].prompt_token_ids) == 3
     for refused in ({"best_of": 2}, {"echo": True}, {"prompt_logprobs": 1},
-                    {"truncation": "auto", "truncate_prompt_tokens": 3}):
+                    {"truncation": "auto", "truncate_prompt_tokens": 3}, {"messages": []}):
         status, error = await h.post("/v1/responses", {**body, **refused})
         assert status == 400 and error["error"]["param"] in refused, error
+    # what the chat path refuses is named as /v1/responses spells it
+    for wrong, param in (({"input": "word " * 200}, "input"),
+                         ({"max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens")):
+        status, error = await h.post("/v1/responses", {**body, **wrong})
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+        assert error["error"]["param"] == param, error
+        assert "max_tokens" not in error["error"]["message"], error
 
 
 async def _words_only(h: Harness, body: dict, text: str) -> None:
