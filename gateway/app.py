@@ -23,6 +23,7 @@ import structlog
 from aiohttp import web
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
 from gateway.handlers import add_routes
@@ -37,6 +38,8 @@ from shared.keys import Keys
 from shared.lifecycle import freeze_heap, run_service
 from shared.model_config import load_model_config
 from shared.model_source import resolve_model
+from shared.redis_retry import PERMANENT
+from shared.service_args import refused_credentials
 from shared.tokenizer import load_tokenizer
 
 log = structlog.get_logger("gateway")
@@ -192,7 +195,22 @@ async def _until_no_open(state: GatewayState, timeout_s: float) -> bool:
     return not state.router.num_open
 
 
+async def _check_credentials(redis_url: str) -> None:
+    """A Redis that refuses the URL's credentials stops the gateway at once; one that does
+    not answer yet does not (it serves, and /health says Redis is away, until it is back)."""
+    client = aioredis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        await client.ping()
+    except PERMANENT as e:
+        raise refused_credentials(redis_url, e) from None
+    except (RedisError, OSError):
+        pass
+    finally:
+        await client.aclose()
+
+
 async def _serve_until(config: GatewayConfig, stop: asyncio.Event) -> int:
+    await _check_credentials(config.redis_url)
     app = create_app(config)
     async with serve(config, app) as url:
         log.info("listening", url=url)

@@ -13,13 +13,21 @@ from shared.service_args import ROLES, add_instance_args, add_service_args, non_
 DISAGG_MIN_PROMPT_TOKENS = 32
 
 
+def default_scheduler_id(instance: str | None) -> str:
+    """The scheduler's consumer name, the same across its restarts so that it takes back its
+    own unfinished requests at once: the host name, and the instance's id beside it (two
+    instances' schedulers on one host must not share a name, or a heartbeat)."""
+    host = socket.gethostname()
+    return f"{host}-{instance}" if instance else host
+
+
 def register(sub) -> None:
     p = sub.add_parser("scheduler", help="run the scheduler service against a Redis")
     EngineArgs.add_cli_args(p)
     add_service_args(p)
     p.add_argument("--scheduler-id", default=None,
                    help="consumer name in the request group; keep it across restarts so the "
-                        "scheduler takes back its unfinished requests (default: the host name)")
+                        "scheduler takes back its unfinished requests (default: the host name, with -ID for --instance ID)")
     p.add_argument("--max-waiting", type=int, default=None,
                    help="pull new requests only while fewer wait (default: --max-num-seqs)")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -56,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs.from_cli(args)
     layout = engine_layout(engine_args)
     config = SchedulerServiceConfig(
-        scheduler_id=args.scheduler_id or socket.gethostname(), tp=engine_args.tp,
+        scheduler_id=args.scheduler_id or default_scheduler_id(args.instance), tp=engine_args.tp,
         max_waiting=args.max_waiting or engine_args.max_num_seqs,
         drain_timeout_s=args.drain_timeout, role=args.role, instance=args.instance,
         disagg_min_prompt_tokens=args.disagg_min_prompt_tokens, overlap=args.overlap)

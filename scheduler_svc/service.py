@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, role_disagreement
 from shared.keys import HEARTBEAT_TTL_S, PLANS_MAXLEN, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
-                              stream_tail_id)
+                              live_namesake, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.service_args import check_role
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
@@ -553,7 +554,7 @@ class SchedulerService:
 
     def heartbeat(self) -> Heartbeat:
         return Heartbeat("scheduler", self.config.scheduler_id, time.time(), {
-            "pid": os.getpid(), "num_kv_blocks": self.core.block_manager.num_total_blocks,
+            "pid": os.getpid(), "host": socket.gethostname(), "num_kv_blocks": self.core.block_manager.num_total_blocks,
             "running": self.core.num_running, "waiting": self.core.num_waiting,
             "iterations": self.stats.num_plans_sent, "role": self.config.role,
             "instance": self.config.instance, "started_at": self.started_at,
@@ -572,9 +573,14 @@ def _decode_result(fields: dict) -> StepResult | None:
 async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
                 config: SchedulerServiceConfig, stop: asyncio.Event) -> int:
     """Prepare, wait for the workers, run until stopped and drained. Returns an exit code."""
+    hb_key = keys.hb_scheduler(config.scheduler_id)
+    if (pid := await live_namesake(redis, hb_key)) is not None:
+        # two schedulers under one name would take each other's requests as a dead one's
+        log.error("this scheduler id is taken by a scheduler running on this host: give "
+                  "each one its own --scheduler-id", scheduler_id=config.scheduler_id, pid=pid)
+        return 2
     service = SchedulerService(redis, keys, core, config)
     await service.prepare()
-    hb_key = keys.hb_scheduler(config.scheduler_id)
     tasks = [asyncio.create_task(keep_heartbeat(redis, hb_key, service.heartbeat),
                                  name="scheduler-heartbeat"),
              asyncio.create_task(service.takeover.keep_leases(), name="scheduler-leases")]

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import signal
 import sys
 import time
@@ -29,16 +28,17 @@ import structlog
 
 from gateway.cli import POLICY_FLAGS, add_request_policy_args
 from gateway.config import POLICIES
+from scheduler_svc.cli import default_scheduler_id
 from services.restarts import Restarter
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
 from shared import gpu_memory
-from shared.config import parse_size
 from shared.cpu import format_cpu_list, place_instances
 from shared.engine_args import EngineArgs
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
-from shared.service_args import non_negative_int, positive_seconds, shown_url
+from shared.service_args import (non_negative_int, positive_seconds, refused_credentials,
+                                 shown_url)
 
 log = structlog.get_logger("up")
 
@@ -191,16 +191,18 @@ def _checked_redis_url(redis_url: str):
 
 def _check_redis_db(redis_url: str) -> None:
     """A Redis that answers but refuses the URL's database (a server has 16 unless set
-    otherwise): one clear line now, not services retrying it forever."""
+    otherwise) or its credentials: one clear line now, not services retrying it forever."""
     import redis
     client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
     try:
         client.ping()
+    except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as e:
+        raise refused_credentials(redis_url, e) from None
     except redis.ResponseError as e:
         if "DB index" in str(e):
             raise PacerError(f"--redis-url {shown_url(redis_url)}: {e}") from None
     except redis.RedisError:
-        pass                         # not answering yet, or a password: the services wait
+        pass                         # not answering yet: the services wait
     finally:
         client.close()
 
@@ -273,14 +275,8 @@ def describe_redis(redis_url: str, started: bool) -> str:
 
 # ---- the services ------------------------------------------------------------------------
 
-def scheduler_id() -> str:
-    """The scheduler's consumer name, the same across its restarts so that it takes back its
-    own unfinished requests at once."""
-    return socket.gethostname()
-
-
 def instance_scheduler_id(instance: Instance) -> str:
-    return f"{scheduler_id()}-{instance.id}" if instance.id else scheduler_id()
+    return default_scheduler_id(instance.id)
 
 
 @dataclass
@@ -352,22 +348,24 @@ def _check_memory(layout: EngineLayout, ranks: int) -> None:
     """A KV pool that holds one request of the whole context (as vLLM refuses one that
     cannot: such a request could never be scheduled); a CUDA device this torch can use; on
     CPU, KV pools that fit in the machine's memory (each rank allocates its own)."""
-    pool_tokens = layout.num_kv_blocks * layout.args.block_size
+    engine = layout.args
+    sized_by = "--num-kv-blocks" if engine.num_kv_blocks else "--kv-cache-memory"
+    pool_tokens = layout.num_kv_blocks * engine.block_size
     if pool_tokens < layout.max_model_len:
         raise PacerError(f"the KV pool holds {pool_tokens} tokens ({layout.num_kv_blocks} "
-                         f"blocks of {layout.args.block_size}), fewer than the context of "
+                         f"blocks of {engine.block_size}), fewer than the context of "
                          f"{layout.max_model_len}: give --max-model-len {pool_tokens} or less, "
-                         f"or more --kv-cache-memory")
-    engine = layout.args
+                         f"or more {sized_by}")
     if engine.device.startswith("cuda"):
         gpu_memory.check_cuda_device(engine.device, engine.tp)
-    elif engine.kv_cache_memory is not None and not engine.num_kv_blocks:
-        total = parse_size(engine.kv_cache_memory) * ranks
+    elif engine.kv_cache_memory is not None or engine.num_kv_blocks:
+        total = layout.num_kv_blocks * layout.kv_block_bytes * ranks
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if total > physical:
-            raise PacerError(f"--kv-cache-memory {engine.kv_cache_memory} for each of {ranks} "
-                             f"worker rank(s) is {total / 2**30:.1f} GiB, more than this "
-                             f"machine's {physical / 2**30:.1f} GiB of memory")
+            given = engine.num_kv_blocks or engine.kv_cache_memory
+            raise PacerError(f"{sized_by} {given} for each of {ranks} worker rank(s) is "
+                             f"{total / 2**30:.1f} GiB, more than this machine's "
+                             f"{physical / 2**30:.1f} GiB of memory")
 
 
 def _check_gateway_flags(services: Services) -> None:

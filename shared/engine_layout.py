@@ -33,6 +33,8 @@ class EngineLayout:
     max_model_len: int
     scheduler_config: SchedulerConfig
 
+    kv_block_bytes: int         # one block of one rank's KV pool
+
     @property
     def num_kv_blocks(self) -> int:
         return self.scheduler_config.num_kv_blocks
@@ -52,12 +54,13 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         raise PacerError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise PacerError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
-    num_blocks = args.num_kv_blocks or num_blocks_for_memory(
-        _kv_cache_memory(args, cfg),
-        kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
-                       args.block_size, DTYPE_BYTES[kv_cache_dtype(
-                           args.dtype, args.device,
-                           quantization_scheme(args.quantization, source, args.device))]))
+    block_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
+                                 args.block_size, DTYPE_BYTES[kv_cache_dtype(
+                                     args.dtype, args.device,
+                                     quantization_scheme(args.quantization, source,
+                                                         args.device))])
+    num_blocks = args.num_kv_blocks or num_blocks_for_memory(_kv_cache_memory(args, cfg),
+                                                             block_bytes)
     max_model_len = args.max_model_len or cfg.max_position_embeddings
     if not 2 <= max_model_len <= cfg.max_position_embeddings:
         raise PacerError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] (the "
@@ -76,7 +79,7 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         target_ttft_factor=AUTO_TTFT_FACTOR if args.target_ttft_ms == "auto" else None,
         iteration_cost=latency_cost_for(args.max_iteration_ms, args.hw, cfg, DTYPE_BYTES[args.dtype],
                                         args.target_tbt_ms, args.target_ttft_ms))
-    return EngineLayout(args, source, cfg, max_model_len, scheduler_config)
+    return EngineLayout(args, source, cfg, max_model_len, scheduler_config, block_bytes)
 
 
 def _kv_cache_memory(args: EngineArgs, cfg: ModelConfig) -> str | int:

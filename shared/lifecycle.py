@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -23,8 +25,9 @@ from redis.exceptions import RedisError
 
 from shared.errors import PacerError
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
-from shared.protocol import Heartbeat, encode
-from shared.redis_retry import retry_redis
+from shared.protocol import Heartbeat, ProtocolError, decode, encode
+from shared.redis_retry import PERMANENT, retry_redis
+from shared.service_args import refused_credentials, shown_url
 
 log = structlog.get_logger("lifecycle")
 
@@ -98,8 +101,12 @@ async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis
     redis = aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
                                     health_check_interval=30)
     try:
-        await retry_redis(redis.ping, f"connect to {url}", log, errors=(RedisError, OSError),
+        await retry_redis(redis.ping, f"connect to {shown_url(url)}", log,
+                          errors=(RedisError, OSError),
                           give_up=lambda: stop is not None and stop.is_set())
+    except PERMANENT as e:
+        await redis.aclose()
+        raise refused_credentials(url, e) from None
     except BaseException:
         await redis.aclose()
         raise
@@ -118,6 +125,29 @@ async def keep_heartbeat(redis: aioredis.Redis, key: str,
             log.warning("heartbeat not written", key=key, error=str(e))
         await asyncio.sleep(interval_s)
     raise asyncio.CancelledError
+
+
+async def live_namesake(redis: aioredis.Redis, key: str) -> int | None:
+    """The pid of another live process of this host whose heartbeat is `key` (a service
+    started under the name of one that runs), or None: none, this host's process that held
+    it is gone (a restart, which takes the name back), or another host's (it cannot be
+    checked from here; its heartbeat lapses if it is gone)."""
+    raw = await redis.get(key)
+    try:
+        extra = decode(raw).extra if raw is not None else {}
+    except ProtocolError:
+        return None
+    pid = extra.get("pid")
+    if extra.get("host") != socket.gethostname() or not isinstance(pid, int) \
+            or pid == os.getpid():
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass                        # alive, another user's
+    return pid
 
 
 def cancel_requested() -> bool:

@@ -18,6 +18,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from redis.exceptions import AuthenticationError, AuthorizationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -27,6 +28,8 @@ RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
 # failures that say nothing about the operation, only that Redis was not reachable
 TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# ... of which these are no passing state: a password or a user refused stays refused
+PERMANENT: tuple[type[BaseException], ...] = (AuthenticationError, AuthorizationError)
 
 
 async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
@@ -41,6 +44,8 @@ async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
                 await before_retry()
             tries += 1
             return await op()
+        except PERMANENT:
+            raise
         except errors as e:
             if give_up() or (attempts is not None and tries >= attempts):
                 raise

@@ -39,6 +39,15 @@ def shown_url(redis_url: str) -> str:
         if url.password else redis_url
 
 
+def refused_credentials(redis_url: str, error: Exception) -> PacerError:
+    """A Redis that refuses the URL's password or user: that does not pass with time, so the
+    service stops at once, saying so (and where to give a password if the URL has none)."""
+    hint = "" if urlsplit(redis_url).password else \
+        " (give its password in the URL: redis://:PASSWORD@HOST:PORT/DB)"
+    return PacerError(f"--redis-url {shown_url(redis_url)}: Redis refused the credentials"
+                      f"{hint}: {error}")
+
+
 def add_service_args(p: argparse.ArgumentParser) -> None:
     add_redis_args(p)
     p.add_argument("--log-level", default="info")

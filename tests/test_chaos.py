@@ -23,7 +23,7 @@ import aiohttp
 import pytest
 import redis
 
-from services.up import scheduler_id
+from scheduler_svc.cli import default_scheduler_id
 from shared.keys import Keys
 from shared.protocol import decode
 from tests.served_fixture import Served, start_served, wait_healthy
@@ -146,7 +146,7 @@ def test_a_killed_worker_is_restarted_and_every_stream_completes_exactly(served,
 
 def test_a_killed_scheduler_is_restarted_and_every_stream_completes_exactly(served, reference):
     wait_healthy(served)
-    pid = heartbeat_pid(served, KEYS.hb_scheduler(scheduler_id()))
+    pid = heartbeat_pid(served, KEYS.hb_scheduler(default_scheduler_id(None)))
     results, killed_at = asyncio.run(run_streams(served, lambda: os.kill(pid, signal.SIGKILL)))
     assert_exact(results, reference, served)
     print(f"\nscheduler kill -9: streams stalled {stall_after(results, killed_at):.2f} s "

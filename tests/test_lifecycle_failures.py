@@ -116,6 +116,23 @@ def second_gateway(served: Served, tmp_path) -> Iterator[Served]:
         log.close()
 
 
+@pytest.mark.parametrize("password", [None, "wrong-pass"], ids=["none", "wrong"])
+def test_credentials_the_redis_refuses_stop_every_service_at_once(password_redis: str,
+                                                                  password: str | None):
+    """A refused password does not pass with time: `pacer up` and each service alone stop
+    with one line naming the URL (its password masked), instead of retrying for ever."""
+    url = password_redis.replace(f":{PASSWORD}@", f":{password}@" if password else "")
+    port = str(free_port())
+    for argv in (["up", "--port", port], ["gateway", "--port", port], ["scheduler"],
+                 ["worker", "--rank", "0"]):
+        proc = subprocess.run([sys.executable, "-m", "services.cli", *argv, "--redis-url", url],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and "Redis refused the credentials" in out, (argv, out[-2000:])
+        assert "Traceback" not in out and "retrying" not in out, (argv, out[-2000:])
+        assert password is None or password not in out, (argv, out[-2000:])
+
+
 def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Served, tmp_path):
     with second_gateway(served, tmp_path) as other:
         killed_at = asyncio.run(_stream_then_kill(other))

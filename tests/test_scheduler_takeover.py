@@ -207,6 +207,25 @@ def pending(s: System) -> dict[str, int]:
         r.close()
 
 
+def test_a_second_scheduler_under_a_running_ones_name_refuses_to_start(system: System):
+    """Two schedulers under one consumer name would each take the other's requests for a
+    dead scheduler's (and share one heartbeat): the second one on the host stops at once."""
+    namesake = system.start("namesake", "scheduler", "--model", system.model, *ENGINE_FLAGS,
+                            "--redis-url", system.redis_url, "--scheduler-id", SCHEDULER_A)
+    try:
+        assert namesake.proc.wait(60) == 2, namesake.log_tail()
+    finally:
+        namesake.stop()
+    assert "this scheduler id is taken" in namesake.log_tail(), namesake.log_tail()
+    assert system.processes[SCHEDULER_A].proc.poll() is None     # the first one serves on
+
+
+def test_the_default_scheduler_id_is_the_hosts_and_the_instances():
+    from scheduler_svc.cli import default_scheduler_id
+    assert default_scheduler_id("p0") != default_scheduler_id("d0")
+    assert default_scheduler_id("p0").startswith(default_scheduler_id(None))
+
+
 def test_another_scheduler_takes_over_a_killed_schedulers_streams_exactly(system: System):
     reference, ref_tap, _ = asyncio.run(run_streams(system))
     assert_complete(reference, ref_tap, system)

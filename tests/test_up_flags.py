@@ -65,7 +65,9 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
          "--disagg-min-prompt-tokens: must be >= 0"),
         (flags("--kv-cache-memory", "64TiB"), "more than this machine's"),
         (flags("--num-kv-blocks", "96"),
-         "the KV pool holds 1536 tokens (96 blocks of 16), fewer than the context of 8192"),
+         "the KV pool holds 1536 tokens (96 blocks of 16), fewer than the context of 8192: "
+         "give --max-model-len 1536 or less, or more --num-kv-blocks"),
+        (flags("--num-kv-blocks", "1000000000"), "more than this machine's"),
     ]
     for flags, needle in cases:
         proc = _up(*flags)
