@@ -39,7 +39,7 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch
 from shared.keys import Keys
-from shared.lifecycle import redis_run_id
+from shared.lifecycle import redis_run_id, stream_id_order, stream_id_text, stream_tail_id
 from shared.plan import StepResult
 from shared.redis_retry import retry_redis
 
@@ -96,6 +96,28 @@ class Recovery:
         """Create the consumer group and note which server this is."""
         await self.ensure_group()
         self.run_id = await redis_run_id(self.redis)
+
+    async def aborts_from(self) -> bytes | str:
+        """Where this scheduler reads the aborts stream from: just before the oldest request
+        it may still take (one pending in the group, a stopped scheduler's or its own before a
+        restart, or one no scheduler has read yet), so that an abort sent while no scheduler
+        ran still reaches it (an abort comes after its request, and both streams' ids are the
+        one server's clock); the stream's end if no request waits. Aborts of requests since
+        finished are kept as early ones, a bounded few (book.abort)."""
+        tail = await stream_tail_id(self.redis, self.keys.aborts)
+        requests, group = self.keys.requests, self.keys.requests_group
+        oldest = [entry["min"] for entry in [await self.redis.xpending(requests, group)]
+                  if entry["pending"]]
+        info = next(g for g in await self.redis.xinfo_groups(requests)
+                    if stream_id_text(g["name"]) == group)
+        if stream_id_order(await stream_tail_id(self.redis, requests)) > \
+                stream_id_order(info["last-delivered-id"]):
+            oldest.append(info["last-delivered-id"])        # not read by any scheduler yet
+        if not oldest:
+            return tail
+        ms, _ = min(map(stream_id_order, oldest))
+        start = f"{max(ms - 1, 0)}-0"       # every abort of that millisecond on
+        return start if stream_id_order(start) < stream_id_order(tail) else tail
 
     async def ensure_group(self) -> None:
         try:

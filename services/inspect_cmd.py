@@ -5,6 +5,9 @@
     pacer inspect requests               queued requests, and each consumer's pending count
     pacer inspect aborts
     pacer inspect stats                  the scheduler's and rank 0's counters
+    pacer inspect stats --instance d0    an engine instance's (P/D, --replicas): its own keys
+    pacer inspect handoff --instance d0  a decode instance's inbox (reserve, hand-off, cancel)
+    pacer inspect reservations --instance p0   what prefill instance p0 was sent
 
 Each entry prints as its id and readable fields on one line, then the decoded message as
 indented `key: value` lines; `--json` prints one JSON object per entry instead (for pipes).
@@ -25,12 +28,17 @@ from shared.protocol import STREAM_FIELD, ProtocolError, decode
 from shared.service_args import add_redis_args, shown_url
 
 STREAMS = ("plans", "results", "requests", "aborts")
+INSTANCE_STREAMS = ("handoff", "reservations")      # P/D: an instance's alone
+INSTANCES_HINT = ("P/D and --replicas keep each engine instance's keys under "
+                  "{prefix}inst:ID: (give --instance ID)")
 LIST_SHOWN = 8          # ids of a longer list print as the first ones and a count
 
 
 def register(sub) -> None:
     p = sub.add_parser("inspect", help="decode the Redis streams and stats for a person")
-    p.add_argument("what", choices=[*STREAMS, "stats"])
+    p.add_argument("what", choices=[*STREAMS, *INSTANCE_STREAMS, "stats"])
+    p.add_argument("--instance", default="",
+                   help="an engine instance's keys (P/D: p0, d0, ...; --replicas: r0, ...)")
     p.add_argument("--count", type=int, default=5, help="newest entries to show (streams)")
     p.add_argument("--json", action="store_true", help="one JSON object per entry")
     add_redis_args(p)
@@ -44,15 +52,20 @@ def run(args: argparse.Namespace) -> int:
         client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
     except ValueError as e:
         raise PacerError(f"--redis-url {shown_url(args.redis_url)!r}: {e}") from None
-    keys = Keys(args.key_prefix)
+    if args.what in INSTANCE_STREAMS and not args.instance:
+        raise PacerError(f"{args.what} is an engine instance's stream: give --instance ID")
+    keys = Keys(args.key_prefix).for_instance(args.instance)
+    hint = "" if args.instance else "; " + INSTANCES_HINT.format(prefix=args.key_prefix)
     try:
+        if args.instance and client.exists(keys.instance_requests):
+            keys = keys.owning_requests()        # a replica reads a request stream of its own
         if args.what == "stats":
-            show_stats(client.hgetall(keys.stats), args.json)
+            show_stats(client.hgetall(keys.stats), args.json, hint)
         else:
             stream = getattr(keys, args.what)
             entries = client.xrevrange(stream, count=args.count)
             if not entries and not args.json:
-                print(f"no entries in {stream} (check --key-prefix and --redis-url)")
+                print(f"no entries in {stream} (check --key-prefix and --redis-url{hint})")
             for entry_id, fields in entries:
                 show_entry(entry_id, fields, args.json)
             if args.what == "requests" and not args.json:
@@ -91,13 +104,13 @@ def show_entry(entry_id: bytes, fields: dict, as_json: bool) -> None:
         print(line)
 
 
-def show_stats(raw: dict, as_json: bool) -> None:
+def show_stats(raw: dict, as_json: bool, hint: str = "") -> None:
     stats = {_text(k): _text(v) for k, v in sorted(raw.items())}
     if as_json:
         print(json.dumps(stats))
         return
     if not stats:
-        print("no stats yet (no scheduler has run against this Redis and prefix)")
+        print(f"no stats yet (no scheduler has run against this Redis and prefix{hint})")
     width = max((len(k) for k in stats), default=0)
     for k, v in stats.items():
         print(f"{k:<{width}}  {v}")
@@ -138,6 +151,12 @@ def _shorten(value: Any) -> Any:
         if len(value) > LIST_SHOWN and all(isinstance(v, int) for v in value):
             return [*value[:LIST_SHOWN], f"... {len(value)} in all"]
         return [_shorten(v) for v in value]
+    if isinstance(value, bytes):        # a message inside a message (P/D's hand-off)
+        try:
+            inner = decode(value)
+        except ProtocolError:
+            return f"<{len(value)} bytes>"
+        return {"kind": inner.KIND, **_shorten(dataclasses.asdict(inner))}
     return value
 
 

@@ -11,7 +11,8 @@ from services.cli import main
 from shared.keys import Keys
 from shared.plan import (CachedRequestData, IterationPlan, NewRequestData, SampledToken,
                          StepResult)
-from shared.protocol import PlanMsg, RequestMsg, StepResultMsg, to_fields
+from shared.protocol import (CancelMsg, PlanMsg, RequestMsg, ReserveMsg, StepResultMsg, encode,
+                             to_fields)
 from shared.sampling import SamplingParams
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
@@ -86,3 +87,27 @@ def test_inspect_says_when_a_stream_is_empty(filled, capsys):
     """A wrong --key-prefix finds nothing: said, as for stats, not a silent exit."""
     assert main(["inspect", "plans", "--redis-url", filled, "--key-prefix", "nope:"]) == 0
     assert "no entries in nope:plans" in capsys.readouterr().out
+
+
+def test_inspect_an_engine_instances_own_keys(filled, capsys):
+    """P/D and replicas keep an instance's streams and stats under pacer:inst:ID:; --instance
+    reads them, and without it an empty answer says where they are."""
+    d0 = KEYS.for_instance("d0")
+    request = encode(RequestMsg("r-pd", list(range(30)), SamplingParams(), "ch", "gw-1", 1.0))
+    r = redis.Redis.from_url(filled)
+    r.xadd(d0.handoff, to_fields(ReserveMsg(request, "p0")))
+    r.xadd(d0.handoff, to_fields(CancelMsg("r-pd", "no decode instance took it")))
+    r.hset(d0.stats, mapping={"num_requests_running": 5})
+    r.close()
+    out = inspect(capsys, filled, "handoff", "--instance", "d0")
+    assert out.index("kind=cancel") < out.index("kind=reserve"), out        # newest first
+    assert 'reason: "no decode instance took it"' in out and 'prefill_instance: "p0"' in out
+    assert 'kind: "request"' in out and 'request_id: "r-pd"' in out, out    # the inner one
+    rows = [line.split() for line in inspect(capsys, filled, "stats", "--instance",
+                                             "d0").splitlines()]
+    assert rows == [["num_requests_running", "5"]]
+    assert main(["inspect", "stats", "--redis-url", filled, "--key-prefix", "pd:"]) == 0
+    assert "give --instance ID" in capsys.readouterr().out
+    assert main(["inspect", "handoff", "--redis-url", filled, "--key-prefix", KEYS.prefix]) != 0
+    assert "handoff is an engine instance's stream: give --instance ID" in \
+        capsys.readouterr().err

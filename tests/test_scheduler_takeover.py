@@ -12,6 +12,7 @@ come exactly once. `pytest -s` prints how long the take-over took.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -271,3 +272,44 @@ def longest_pause(r: StreamResult, killed_at: float) -> tuple[float, float]:
     gaps = [(max(a, killed_at), b) for a, b in zip(r.chunk_times, r.chunk_times[1:])
             if b > killed_at]
     return max(gaps, key=lambda gap: gap[1] - gap[0])
+
+
+def test_an_abort_sent_while_no_scheduler_runs_reaches_the_one_that_takes_the_request(
+        system: System):
+    """A client leaves while its scheduler is down: the abort waits in the aborts stream,
+    and the scheduler that takes the request back (here the same one, restarted) reads it
+    and ends the request, rather than running it to max_tokens for nobody."""
+    name = SCHEDULER_B if SCHEDULER_B in system.processes else SCHEDULER_A
+    scheduler = system.processes[name].proc
+    aborts = redis.Redis.from_url(system.redis_url)
+
+    async def leave_while_down() -> str:
+        async with TokenTap(system.redis_url) as tap, aiohttp.ClientSession() as session:
+            async with session.post(f"{system.gateway.base_url}/v1/completions",
+                                    json={**body(7), "stream": True},
+                                    headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+                assert r.status == 200
+                first = await r.content.readline()      # data: {...} of the first token
+                request_id = json.loads(first.decode()[len("data: "):])["id"]
+                os.kill(scheduler.pid, signal.SIGKILL)
+                assert await asyncio.to_thread(scheduler.wait, 10) == -signal.SIGKILL
+                before = aborts.xlen(KEYS.aborts)
+            # the connection is closed here: the gateway sends the abort
+            deadline = time.monotonic() + 10
+            while aborts.xlen(KEYS.aborts) == before and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert aborts.xlen(KEYS.aborts) > before, system.logs()
+            system.start_scheduler(name)
+            deadline = time.monotonic() + STREAM_DEADLINE_S
+            while request_id not in tap.finished and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            finish = tap.finished.get(request_id)
+        assert finish is not None and finish.finish_reason == "abort", (finish, system.logs())
+        assert finish.num_output_tokens < MAX_TOKENS, finish
+        return request_id
+
+    try:
+        asyncio.run(leave_while_down())
+    finally:
+        aborts.close()
+    assert pending(system).get(name) == 0, pending(system)
