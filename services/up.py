@@ -228,15 +228,25 @@ def _check_listen_address(host: str, port: int) -> None:
 
 
 def redis_answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    return _listener(host, port, timeout_s) == "redis"
+
+
+def _listener(host: str, port: int, timeout_s: float = 0.5) -> str | None:
+    """What listens at host:port: "redis", "other" (it takes the connection, but does not
+    answer PING as Redis does), or None."""
     import socket
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as s:
+        s = socket.create_connection((host, port), timeout=timeout_s)
+    except OSError:
+        return None
+    with s:
+        try:
             s.sendall(b"PING\r\n")
             reply = s.recv(64)
-    except OSError:
-        return False
+        except OSError:
+            return "other"
     # a password-protected Redis answers -NOAUTH: it is there, just not ours to start
-    return reply.startswith((b"+PONG", b"-NOAUTH"))
+    return "redis" if reply.startswith((b"+PONG", b"-NOAUTH")) else "other"
 
 
 def start_redis(sup: Supervisor, host: str, port: int, password: str | None = None) -> Child:
@@ -455,7 +465,11 @@ def run(args: argparse.Namespace) -> int:
     sup = Supervisor()
     try:
         # only a plain redis:// URL can be a server of ours; rediss:// and unix sockets are used
-        started = url.scheme == "redis" and not redis_answers(host, port)
+        listener = _listener(host, port) if url.scheme == "redis" else "redis"
+        if listener == "other" and host in LOCAL_HOSTS:     # where it would start its own
+            raise PacerError(f"something that is not Redis listens at {host}:{port} (it does "
+                             f"not answer PING): give --redis-url of a Redis, or free the port")
+        started = listener != "redis"
         if started and host not in LOCAL_HOSTS:
             raise PacerError(f"no Redis answers at {shown_url(args.redis_url)} (pacer up "
                              f"starts one only on a local address: {', '.join(LOCAL_HOSTS)})")

@@ -62,7 +62,13 @@ def run_redis_service(redis_url: str, main: RedisServiceMain) -> int:
     """`run_service` for a service that talks to one Redis: `main(redis, stop)` gets a client
     once the server answers, closed when `main` returns."""
     async def with_redis(stop: asyncio.Event) -> int:
-        redis = await connect_redis(redis_url, stop)
+        try:
+            redis = await connect_redis(redis_url, stop)
+        except (RedisError, OSError):
+            if stop.is_set():       # told to stop while Redis was away: nothing to drain
+                log.info("stopped before redis answered")
+                return 0
+            raise
         try:
             return await main(redis, stop)
         finally:

@@ -133,6 +133,26 @@ def test_credentials_the_redis_refuses_stop_every_service_at_once(password_redis
         assert password is None or password not in out, (argv, out[-2000:])
 
 
+@pytest.mark.parametrize("service", [["scheduler"], ["worker", "--rank", "0"]])
+def test_sigterm_while_redis_is_away_stops_a_service_cleanly(service: list[str]):
+    url = f"redis://127.0.0.1:{free_port()}/0"      # nothing listens there
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *service, "--redis-url", url],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        lines = []
+        for line in proc.stdout:            # wait until it is retrying the connection
+            lines.append(line)
+            if "redis unavailable; retrying" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out = "".join(lines) + proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "stopped before redis answered" in out, out[-2000:]
+    assert "Traceback" not in out, out[-2000:]
+
+
 def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Served, tmp_path):
     with second_gateway(served, tmp_path) as other:
         killed_at = asyncio.run(_stream_then_kill(other))

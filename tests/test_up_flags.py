@@ -80,6 +80,12 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
         assert proc.returncode != 0 and "--device cuda" in proc.stderr, proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr and "worker" not in proc.stderr.lower(), \
             proc.stderr[-2000:]
+    with socket.socket() as other:                  # not a Redis on the Redis port
+        other.bind(("127.0.0.1", redis_port))
+        other.listen()
+        proc = _up("--port", str(port), "--redis-url", f"{local}/0")
+    assert proc.returncode != 0 and "something that is not Redis listens at" in proc.stderr, \
+        proc.stderr[-2000:]
     with socket.socket() as taken:                  # the gateway's port already in use
         taken.bind(("127.0.0.1", port))
         taken.listen()
