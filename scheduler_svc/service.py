@@ -574,7 +574,7 @@ async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
                 config: SchedulerServiceConfig, stop: asyncio.Event) -> int:
     """Prepare, wait for the workers, run until stopped and drained. Returns an exit code."""
     hb_key = keys.hb_scheduler(config.scheduler_id)
-    if (pid := await live_namesake(redis, hb_key)) is not None:
+    if (pid := await live_namesake(redis, hb_key, "scheduler")) is not None:
         # two schedulers under one name would take each other's requests as a dead one's
         log.error("this scheduler id is taken by a scheduler running on this host: give "
                   "each one its own --scheduler-id", scheduler_id=config.scheduler_id, pid=pid)

@@ -133,11 +133,12 @@ async def keep_heartbeat(redis: aioredis.Redis, key: str,
     raise asyncio.CancelledError
 
 
-async def live_namesake(redis: aioredis.Redis, key: str) -> int | None:
-    """The pid of another live process of this host whose heartbeat is `key` (a service
-    started under the name of one that runs), or None: none, this host's process that held
-    it is gone (a restart, which takes the name back), or another host's (it cannot be
-    checked from here; its heartbeat lapses if it is gone)."""
+async def live_namesake(redis: aioredis.Redis, key: str, service: str) -> int | None:
+    """The pid of another live `service` process of this host whose heartbeat is `key` (a
+    service started under the name of one that runs), or None: none, this host's process
+    that held it is gone (a restart, which takes the name back; a pid since reused by
+    another program does not count), or another host's (it cannot be checked from here; its
+    heartbeat lapses if it is gone)."""
     raw = await redis.get(key)
     try:
         extra = decode(raw).extra if raw is not None else {}
@@ -153,6 +154,12 @@ async def live_namesake(redis: aioredis.Redis, key: str) -> int | None:
         return None
     except PermissionError:
         pass                        # alive, another user's
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if service.encode() not in f.read():
+                return None         # the pid is another program's now
+    except OSError:
+        pass                        # no /proc to ask: alive is all there is to go by
     return pid
 
 
