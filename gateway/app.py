@@ -39,7 +39,7 @@ from shared.lifecycle import freeze_heap, run_service
 from shared.model_config import load_model_config
 from shared.model_source import resolve_model
 from shared.redis_retry import PERMANENT
-from shared.service_args import refused_credentials
+from shared.service_args import refused_credentials, shown_url
 from shared.tokenizer import load_tokenizer
 
 log = structlog.get_logger("gateway")
@@ -96,7 +96,7 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
         await asyncio.wait_for(state.router.subscribed.wait(), SUBSCRIBE_TIMEOUT_S)
     except TimeoutError:
         log.warning("token channel not subscribed yet; Redis may be down",
-                    redis_url=state.config.redis_url)
+                    redis_url=shown_url(state.config.redis_url))
     freeze_heap()
     log.info("gateway ready", gateway_id=state.config.gateway_id, model=state.served_model_name)
     yield

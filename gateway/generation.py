@@ -57,7 +57,8 @@ class Generation:
         self.sampling = sampling
         self._tokenizer = tokenizer
         self._upstream, self._router, self._metrics = upstream, router, metrics
-        self._eos = eos = frozenset(tokenizer.eos_token_ids)
+        eos = frozenset(tokenizer.eos_token_ids)
+        self._eos_id = tokenizer.eos_token_id
         self._last_token_id: int | None = None
         self._text = TextOutput(IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                                        skip_special_tokens=skip_special_tokens),
@@ -88,13 +89,14 @@ class Generation:
 
     @property
     def stop_reason(self) -> StopReason:
-        """The stop string found, or the stop token that ended it (EOS unless ignored is
-        not one: vLLM's null), once finished with "stop"."""
+        """The stop string found, or the stop token that ended it, once finished with "stop":
+        as vLLM's, the model's one EOS (unless ignored) gives null, and its other end-of-turn
+        ids (stop tokens here, as there) their id."""
         if self._text.stopped:
             return self._text.stop_string
         last, sampling = self._last_token_id, self.sampling
         if self.finish_reason != "stop" or last not in sampling.stop_token_ids or \
-                (not sampling.ignore_eos and last in self._eos):
+                (not sampling.ignore_eos and last == self._eos_id):
             return None
         return last
 

@@ -108,8 +108,10 @@ class Recovery:
         requests, group = self.keys.requests, self.keys.requests_group
         oldest = [entry["min"] for entry in [await self.redis.xpending(requests, group)]
                   if entry["pending"]]
-        info = next(g for g in await self.redis.xinfo_groups(requests)
-                    if stream_id_text(g["name"]) == group)
+        info = next((g for g in await self.redis.xinfo_groups(requests)
+                     if stream_id_text(g["name"]) == group), None)
+        if info is None:
+            raise RedisLost()       # the group went with a Redis that restarted just now
         if stream_id_order(await stream_tail_id(self.redis, requests)) > \
                 stream_id_order(info["last-delivered-id"]):
             oldest.append(info["last-delivered-id"])        # not read by any scheduler yet

@@ -134,7 +134,8 @@ class SchedulerService:
         if self.publishes_cache:     # the index starts empty (docs/design.md#prefix-caching)
             await self.recovery.retrying("clear cached blocks",
                                          lambda: self.redis.delete(self.keys.cached_blocks))
-        self.cursors.aborts = await self.recovery.aborts_from()
+        self.cursors.aborts = await self.recovery.retrying("find where to read aborts",
+                                                          self.recovery.aborts_from)
         self.cursors.results = await stream_tail_id(self.redis, self.keys.results)
         if self.prefill is not None:
             self.prefill.cursor = await stream_tail_id(self.redis, self.keys.reservations)

@@ -32,6 +32,7 @@ from scheduler_svc.cli import default_scheduler_id
 from services.restarts import Restarter
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
 from shared import gpu_memory
+from shared.config import parse_size
 from shared.cpu import format_cpu_list, place_instances
 from shared.engine_args import EngineArgs
 from shared.engine_layout import EngineLayout
@@ -232,8 +233,9 @@ def redis_answers(host: str, port: int, timeout_s: float = 0.5) -> bool:
 
 
 def _listener(host: str, port: int, timeout_s: float = 0.5) -> str | None:
-    """What listens at host:port: "redis", "other" (it takes the connection, but does not
-    answer PING as Redis does), or None."""
+    """What listens at host:port: "redis" (it answers PING in Redis's protocol: PONG, or an
+    error such as NOAUTH or LOADING), "other" (it takes the connection, but answers otherwise
+    or not in time), or None."""
     import socket
     try:
         s = socket.create_connection((host, port), timeout=timeout_s)
@@ -245,8 +247,9 @@ def _listener(host: str, port: int, timeout_s: float = 0.5) -> str | None:
             reply = s.recv(64)
         except OSError:
             return "other"
-    # a password-protected Redis answers -NOAUTH: it is there, just not ours to start
-    return "redis" if reply.startswith((b"+PONG", b"-NOAUTH")) else "other"
+    # a password-protected Redis answers -NOAUTH, one loading its data -LOADING: it is
+    # there, just not ours to start
+    return "redis" if reply.startswith((b"+", b"-")) else "other"
 
 
 def start_redis(sup: Supervisor, host: str, port: int, password: str | None = None) -> Child:
@@ -354,10 +357,11 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
                     groups)
 
 
-def _check_memory(layout: EngineLayout, ranks: int) -> None:
+def _check_memory(layout: EngineLayout, ranks: int, rank_tp: int) -> None:
     """A KV pool that holds one request of the whole context (as vLLM refuses one that
     cannot: such a request could never be scheduled); a CUDA device this torch can use; on
-    CPU, KV pools that fit in the machine's memory (each rank allocates its own)."""
+    CPU, KV pools that fit in the machine's memory (each of `ranks` allocates its own, of
+    `--kv-cache-memory`, or `--num-kv-blocks` blocks of its 1/`rank_tp` of the heads)."""
     engine = layout.args
     sized_by = "--num-kv-blocks" if engine.num_kv_blocks else "--kv-cache-memory"
     pool_tokens = layout.num_kv_blocks * engine.block_size
@@ -369,7 +373,13 @@ def _check_memory(layout: EngineLayout, ranks: int) -> None:
     if engine.device.startswith("cuda"):
         gpu_memory.check_cuda_device(engine.device, engine.tp)
     elif engine.kv_cache_memory is not None or engine.num_kv_blocks:
-        total = layout.num_kv_blocks * layout.kv_block_bytes * ranks
+        if engine.num_kv_blocks:
+            heads = layout.model_config.num_kv_heads
+            per_rank = engine.num_kv_blocks * layout.kv_block_bytes \
+                * (heads // rank_tp) // (heads // engine.tp)
+        else:
+            per_rank = parse_size(engine.kv_cache_memory)
+        total = per_rank * ranks
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if total > physical:
             given = engine.num_kv_blocks or engine.kv_cache_memory
@@ -456,7 +466,8 @@ def run(args: argparse.Namespace) -> int:
     # the services' command lines are made)
     layout = engine_layout(engine)
     services = _service_argvs(args, engine)
-    _check_memory(layout, sum("worker rank" in name for name, _ in services.argvs))
+    _check_memory(layout, sum("worker rank" in name for name, _ in services.argvs),
+                  max(instance.tp for instance in instances_of(args, engine)))
     _check_gateway_flags(services)
     _check_listen_address(args.host, args.port)
     url = _checked_redis_url(args.redis_url)
@@ -467,8 +478,9 @@ def run(args: argparse.Namespace) -> int:
         # only a plain redis:// URL can be a server of ours; rediss:// and unix sockets are used
         listener = _listener(host, port) if url.scheme == "redis" else "redis"
         if listener == "other" and host in LOCAL_HOSTS:     # where it would start its own
-            raise PacerError(f"something that is not Redis listens at {host}:{port} (it does "
-                             f"not answer PING): give --redis-url of a Redis, or free the port")
+            raise PacerError(f"something listens at {host}:{port} that does not answer PING as "
+                             f"Redis does (not Redis, or a Redis too busy to answer in time): "
+                             f"give --redis-url of a Redis, or free the port")
         started = listener != "redis"
         if started and host not in LOCAL_HOSTS:
             raise PacerError(f"no Redis answers at {shown_url(args.redis_url)} (pacer up "

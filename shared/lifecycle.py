@@ -108,7 +108,7 @@ async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis
                                     health_check_interval=30)
     try:
         await retry_redis(redis.ping, f"connect to {shown_url(url)}", log,
-                          errors=(RedisError, OSError),
+                          errors=(RedisError, OSError), permanent=PERMANENT,
                           give_up=lambda: stop is not None and stop.is_set())
     except PERMANENT as e:
         await redis.aclose()
@@ -139,7 +139,10 @@ async def live_namesake(redis: aioredis.Redis, key: str, service: str) -> int | 
     that held it is gone (a restart, which takes the name back; a pid since reused by
     another program does not count), or another host's (it cannot be checked from here; its
     heartbeat lapses if it is gone)."""
-    raw = await redis.get(key)
+    try:
+        raw = await redis.get(key)
+    except RedisError:
+        return None                 # not known: the start goes on, as before this check
     try:
         extra = decode(raw).extra if raw is not None else {}
     except ProtocolError:

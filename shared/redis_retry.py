@@ -11,6 +11,8 @@ doubling to RETRY_MAX_S. What differs between callers is only when to stop tryin
 - `before_retry()`: awaited before every try after a failure; raises to abandon (the server
   that answers now is not the one the operation was meant for: another run_id)
 - `attempts`: at most this many tries (a client's request waits for one more, not forever)
+- `permanent`: failures re-raised at once (connecting: a refused password stays refused;
+  a service already running keeps retrying even those, as it does any other)
 """
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
                       give_up: Callable[[], bool] = lambda: False,
                       before_retry: Callable[[], Awaitable[None]] | None = None,
                       attempts: int | None = None,
-                      errors: tuple[type[BaseException], ...] = TRANSIENT) -> T:
+                      errors: tuple[type[BaseException], ...] = TRANSIENT,
+                      permanent: tuple[type[BaseException], ...] = ()) -> T:
     delay, tries = RETRY_FIRST_S, 0
     while True:
         try:
@@ -44,7 +47,7 @@ async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
                 await before_retry()
             tries += 1
             return await op()
-        except PERMANENT:
+        except permanent:
             raise
         except errors as e:
             if give_up() or (attempts is not None and tries >= attempts):

@@ -3,7 +3,7 @@ and `pacer inspect`."""
 from __future__ import annotations
 
 import argparse
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX
@@ -33,16 +33,24 @@ def add_redis_args(p: argparse.ArgumentParser) -> None:
 
 
 def shown_url(redis_url: str) -> str:
-    """A Redis URL fit for a log or an error: its password, if it has one, masked."""
+    """A Redis URL fit for a log or an error: its password, if it has one, masked (in the
+    URL's user part, or redis-py's `?password=`)."""
     url = urlsplit(redis_url)
-    return url._replace(netloc=url.netloc.replace(f":{url.password}@", ":***@")).geturl() \
-        if url.password else redis_url
+    if url.password:
+        url = url._replace(netloc=url.netloc.replace(f":{url.password}@", ":***@"))
+    query = [(k, "***" if k == "password" else v) for k, v in parse_qsl(url.query, True)]
+    return url._replace(query=urlencode(query, safe="*")).geturl() if url.query else url.geturl()
+
+
+def _has_password(redis_url: str) -> bool:
+    url = urlsplit(redis_url)
+    return bool(url.password) or "password" in dict(parse_qsl(url.query, True))
 
 
 def refused_credentials(redis_url: str, error: Exception) -> PacerError:
     """A Redis that refuses the URL's password or user: that does not pass with time, so the
     service stops at once, saying so (and where to give a password if the URL has none)."""
-    hint = "" if urlsplit(redis_url).password else \
+    hint = "" if _has_password(redis_url) else \
         " (give its password in the URL: redis://:PASSWORD@HOST:PORT/DB)"
     return PacerError(f"--redis-url {shown_url(redis_url)}: Redis refused the credentials"
                       f"{hint}: {error}")

@@ -84,7 +84,7 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
         other.bind(("127.0.0.1", redis_port))
         other.listen()
         proc = _up("--port", str(port), "--redis-url", f"{local}/0")
-    assert proc.returncode != 0 and "something that is not Redis listens at" in proc.stderr, \
+    assert proc.returncode != 0 and "that does not answer PING as Redis does" in proc.stderr, \
         proc.stderr[-2000:]
     with socket.socket() as taken:                  # the gateway's port already in use
         taken.bind(("127.0.0.1", port))
