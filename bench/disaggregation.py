@@ -60,6 +60,7 @@ from shared.model_config import load_model_config  # noqa: E402
 from shared.model_source import resolve_model  # noqa: E402
 
 QUIET_AFTER_S = 0.2     # a long prompt's first token, then this long, before gaps are "quiet"
+BEFORE_S = 1.0          # the streams' gap before a prompt: the median over this long
 # per mode: the instance whose steps carry the streams' tokens, and the gap (x the median)
 # from which a chunk is traced as late (colocated, every gap while a prompt is chunked is
 # longer by design: the worst are what to see)
@@ -116,7 +117,8 @@ async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]
     # streams that end before the long prompts are in measure nothing of them (a faster decode
     # step once ended every 200-token stream before the first prompt came, and P/D looked flat)
     outlast = min(t[-1] for t in timeline) >= max(end for _, end in busy)
-    return {"streams_outlast_prompts": outlast,"gap_median_ms": float(np.median(gaps)), "gap_p99_ms": float(np.percentile(gaps, 99)),
+    windows = prompt_windows(timeline, chunk_tokens, steady_from, busy)
+    return {"streams_outlast_prompts": outlast, **windows, "gap_median_ms": float(np.median(gaps)), "gap_p99_ms": float(np.percentile(gaps, 99)),
             "gap_max_ms": float(gaps.max()),
             "gap_max_over_median": float(gaps.max() / np.median(gaps)),
             "gap_quiet_median_ms": float(np.median(quiet)) if len(quiet) else float("nan"),
@@ -129,6 +131,45 @@ async def one_run(base_url: str, streams: list[list[int]], longs: list[list[int]
             "long_ttft_ms": [r.ttft * 1e3 for r in long_results],
             "long_sent_at": [wall + r.sent_at for r in long_results], "timeline": timeline,
             "chunk_tokens": chunk_tokens}
+
+
+def prompt_windows(timeline: list[list[float]], chunk_tokens: list[list[int]],
+                   steady_from: float, busy: list[tuple[float, float]]) -> dict:
+    """What each long prompt cost the streams, against their gap just before it: the worst
+    (and median) gap from its arrival until QUIET_AFTER_S after its first token, over the
+    median quiet gap of the BEFORE_S before it (the last quiet BEFORE_S before it where
+    another prompt was in then). The streams slow as their contexts grow and the machine has
+    its own noise: the same worst-over-before of windows as long with no prompt in them, after
+    the last one, is that floor ("control"); NaN where the streams ended too soon for one."""
+    def gaps(since: float, until: float) -> np.ndarray:
+        return chunk_gaps(timeline, chunk_tokens, since, outside=[(until, float("inf"))])
+
+    def quiet_before(at: float) -> np.ndarray:
+        ends = [t[i] for t in timeline for i in range(1, len(t))
+                if steady_from < t[i] < at and not any(a <= t[i] <= b for a, b in busy)]
+        if not ends:
+            return np.array([])
+        last = max(ends)
+        return chunk_gaps(timeline, chunk_tokens, max(steady_from, last - BEFORE_S),
+                          outside=[*busy, (last + 1e-6, float("inf"))])
+
+    worst, median = [], []
+    for start, end in busy:
+        before, within = quiet_before(start), gaps(start, end)
+        if len(before) and len(within):
+            worst.append(float(within.max() / np.median(before)))
+            median.append(float(np.median(within) / np.median(before)))
+    control, length = [], max(end - start for start, end in busy)
+    at, stop = max(end for _, end in busy) + BEFORE_S, min(t[-1] for t in timeline)
+    while at + length <= stop:
+        before, within = gaps(at - BEFORE_S, at), gaps(at, at + length)
+        if len(before) and len(within):
+            control.append(float(within.max() / np.median(before)))
+        at += length
+    nan = float("nan")
+    return {"prompt_worst_over_before": max(worst, default=nan),
+            "prompt_median_over_before": max(median, default=nan),
+            "control_worst_over_before": max(control, default=nan)}
 
 
 def steady_start(timeline: list[list[float]]) -> float:
@@ -447,7 +488,7 @@ def main() -> None:
             run["mode"], run["repeat"] = mode, rep
             runs.append(run)
             rows.append({"repeat": rep, "mode": mode,
-                         **{k: v for k, v in run.items() if "gap" in k},
+                         **{k: v for k, v in run.items() if "gap" in k or "over_before" in k},
                          "chunks_of_several_tokens": run["chunks_of_several_tokens"],
                          "streams_outlast_prompts": run["streams_outlast_prompts"],
                          "long_ttft_median_ms": float(np.median(run["long_ttft_ms"])),
@@ -462,6 +503,14 @@ def main() -> None:
     print(f"{args.streams} decode streams x {args.stream_tokens} tokens, prompts of "
           f"~{args.long_len} tokens at {args.long_at} s, dtype {args.dtype}, "
           f"{os.cpu_count()} cores, CPU flags {' '.join(flags)}; logs in {logs}")
+    print(f"What each long prompt cost the streams: the worst and the median gap from its "
+          f"arrival to {QUIET_AFTER_S:g} s after its first token, over the streams' median gap "
+          f"in the {BEFORE_S:g} s before it (the largest over the prompts); control: the worst "
+          f"over the same of windows as long with no prompt in them (the streams' own drift "
+          f"and the machine's noise)")
+    print_table(rows, ["repeat", "mode", "prompt_worst_over_before", "prompt_median_over_before",
+                       "control_worst_over_before", "long_ttft_median_ms"])
+    print("\nOver the whole run")
     print_table(rows, ["repeat", "mode", "gap_median_ms", "gap_p99_ms", "gap_max_ms",
                        "gap_max_over_median", "gap_quiet_median_ms", "gap_max_over_quiet_median",
                        "all_gaps_max_over_median", "text_gap_max_ms",

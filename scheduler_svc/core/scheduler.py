@@ -102,12 +102,12 @@ STRETCH_POWER = 2           # ... and is that ratio squared (docs/design.md#the-
 # attention costs more than a decode row, and 16 of them alone were 2-3 decode steps
 # (docs/design.md#the-token-gap-target)
 MIN_PREFILL_ROWS = 4
-# the most of an iteration the prompts' TTFT pace may claim beside the decodes (the pace
-# stretches the token-gap target to decodes / (1 - share)): 10x the decodes at most, so that
-# prompts that cannot make their goals at any pace still leave the streams a steady gap; 0.8
-# (5x) was too little to pull a queue of long prompts back on course once it fell behind
-# (docs/design.md#the-prompts-pace)
-PACE_MAX_SHARE = 0.9
+# the longest iteration the prompts' TTFT pace may ask for, in multiples of the decodes alone
+# (the pace stretches the token-gap target to decodes / (1 - share)): the most a long prompt
+# may cost the streams' token gap; prompts that cannot make their goals at that pace miss
+# them (10x gave the streams gaps of 9-11x their median beside two long prompts;
+# docs/design.md#the-prompts-pace)
+PACE_MAX_GAP = 3.0
 
 
 @dataclass(slots=True)
@@ -528,14 +528,22 @@ class Scheduler:
             streams = len(decodes)
             budget_ms *= max(1.0, (streams + prompts)
                              / max(streams, STRETCH_MIN_STREAMS)) ** STRETCH_POWER
-            if self._pace_goal is not None and (share := self._prefill_pace_share()):
-                budget_ms = max(budget_ms, decodes_ms / (1.0 - share))
+            if self._pace_goal is not None:
+                share, long_prompts = self._prefill_pace()
+                if share:
+                    # at most PACE_MAX_GAP x the decodes, unless the long prompts outnumber
+                    # the streams (counted as at least a few): then the iterations are the
+                    # prompts', stretched as above, and the streams few
+                    most = PACE_MAX_GAP * max(1.0, long_prompts / max(
+                        streams, STRETCH_MIN_STREAMS)) ** STRETCH_POWER
+                    budget_ms = max(budget_ms, decodes_ms * (
+                        min(1.0 / (1.0 - share), most) if share < 1.0 else most))
         if budget_ms is None and self.ttft_goal is None:
             return None         # a TTFT goal bounds the iteration as its prefills are placed
         return IterationLatency(cost, budget_ms, self._min_prefill_rows(), decodes)
 
-    def _prefill_pace_share(self) -> float:
-        """The share of every iteration that keeps the long prompts on course for their TTFT
+    def _prefill_pace(self) -> tuple[float, int]:
+        """(share, prompts): the share of every iteration that keeps the long prompts on course for their TTFT
         goals (docs/design.md#the-prompts-pace): beside decodes of D ms, an iteration may take
         D / (1 - share). The prompts counted are those longer than the token budget (shorter
         ones stretch the target instead), being prefilled or in the queue where a free place
@@ -543,10 +551,11 @@ class Scheduler:
         longer iterations would only delay, and a prompt's goal counts from when a place was
         first free for it (`Request.place_s`; its arrival if it never waited for one). In the
         order they get rows, each prompt's deadline must hold its own prefill alone and that
-        of every prompt before it: the largest such sum over the time left is the share,
-        at most PACE_MAX_SHARE. The first prompt past its deadline, or out of reach of it,
-        asks for that most; one further back asks for nothing: what it waits for is the
-        prompts before it, and a longer iteration would go to them."""
+        of every prompt before it: the largest such sum over the time left is the share (the
+        caller bounds the iteration whatever it is). The first prompt past its deadline, or
+        out of reach of it, asks for the whole (1); one further back asks for nothing: what it
+        waits for is the prompts before it, and a longer iteration would go to them. `prompts`:
+        how many were counted."""
         goal, now = self._pace_goal, self.clock()
         longer = self.config.max_num_batched_tokens
         placed = list(islice(self._waiting,
@@ -554,22 +563,18 @@ class Scheduler:
         for request in placed:           # queued prompts a free place could take now
             if request.place_s is None:
                 request.place_s = now
+        prompts = [r for r in chain(self._running, placed)
+                   if not r.output_token_ids and r.num_prompt_tokens > longer
+                   and r.num_computed_tokens < r.num_prompt_tokens]
         share = work = 0.0
-        index = 0
-        for request in chain(self._running, placed):
-            if request.output_token_ids or request.num_prompt_tokens <= longer \
-                    or request.num_computed_tokens >= request.num_prompt_tokens:
-                continue
+        for index, request in enumerate(prompts):
             work += goal.prefill_ms(request.num_computed_tokens, request.num_prompt_tokens)
             left = (goal.deadline(request, request.place_s) - now) * 1e3
             if left > work:
                 share = max(share, work / left)
             elif index == 0:
-                return PACE_MAX_SHARE
-            if share >= PACE_MAX_SHARE:
-                return PACE_MAX_SHARE
-            index += 1
-        return share
+                return 1.0, len(prompts)
+        return share, len(prompts)
 
     def _min_prefill_rows(self) -> int:
         """What the first prompt chunk of an iteration may always take: MIN_PREFILL_ROWS, or a
