@@ -548,7 +548,8 @@ def main() -> None:
                            "late_tokens": [run.get("late", []) for run in runs],
                            "timelines": {run["mode"]: {"timeline": run["timeline"],
                                                        "chunk_tokens": run["chunk_tokens"],
-                                                       "long_sent_at": run["long_sent_at"]}
+                                                       "long_sent_at": run["long_sent_at"],
+                                                       "long_ttft_ms": run["long_ttft_ms"]}
                                          for run in runs},
                            # the decoding instance's steps, in the form
                            # scheduler_svc/cost_replay.py reads (ms: rank 0's forward)

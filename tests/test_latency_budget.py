@@ -94,6 +94,21 @@ def test_prefill_is_cut_to_what_fits_beside_the_decodes():
     assert sizes == [17, 17, 17, 17, 17, 15]
 
 
+def test_a_short_prompt_cut_by_the_latency_budget_goes_on_before_the_long_one():
+    """20 rows an iteration (1 ms a row); a 100-row prompt (longer than the 64-row token
+    budget) prefilling, then a 30-row one arrives: it takes the iteration's 20 rows, and the
+    next iteration its last 10 before the long prompt's chunk, although it was admitted
+    after it (docs/design.md#short-prompts-beside-long-ones)."""
+    sched = make(budget_ms=20, token_budget=64, num_blocks=256)
+    worker = FakeWorker(sched)
+    add(sched, "long", 100, max_tokens=2)
+    assert list(step(sched, worker)[0].num_scheduled_tokens.items()) == [("long", 20)]
+    add(sched, "short", 30, max_tokens=2)
+    assert list(step(sched, worker)[0].num_scheduled_tokens.items()) == [("short", 20)]
+    assert list(step(sched, worker)[0].num_scheduled_tokens.items()) == [("short", 10),
+                                                                          ("long", 10)]
+
+
 def test_kv_rows_shrink_later_chunks():
     sched = make(budget_ms=100, cost=RowCost(row_ms=2, kv_ms=1))
     worker = FakeWorker(sched)
@@ -441,6 +456,17 @@ def make_paced(clock: SimClock, max_seqs: int = 16, cost: RowCost = RowCost()) -
     return Scheduler(config, eos_token_ids=2, max_model_len=1024, clock=clock)
 
 
+def paced_beside(streams: int, prompts: int) -> tuple[SimClock, Scheduler, FakeWorker]:
+    """A paced scheduler with `streams` decoding and `prompts` 600-row prompts queued."""
+    clock = SimClock()
+    sched = make_paced(clock)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, streams)
+    for i in range(prompts):
+        add(sched, f"p{i}", 600, max_tokens=2)
+    return clock, sched, worker
+
+
 def test_a_prompt_behind_its_ttft_goal_lifts_the_gap_target():
     """The prompts' pace: one 1,000-row prompt beside 10 streams (RowCost: 1 ms a row). Its
     TTFT goal is 3x its prefill alone plus a full-budget iteration: 3 * 1000 + 512 ms. On
@@ -471,13 +497,19 @@ def test_the_pace_adds_up_the_prompts_in_the_order_they_get_rows():
     the second 600-row one 1,200 of its 2,312 ms: 26 ms, 16 rows); behind three, the third
     600-row one needs 1,800 of 2,312 ms (0.78), held to PACE_MAX_GAP x the decodes: 30 ms."""
     for prompts, total in ((0, 15), (1, 18), (2, 26), (3, 30)):
-        clock = SimClock()
-        sched = make_paced(clock)
-        worker = FakeWorker(sched)
-        start_decoding(sched, worker, 10)
-        for i in range(prompts):
-            add(sched, f"p{i}", 600, max_tokens=2)
+        _, sched, _ = paced_beside(10, prompts)
         add(sched, "long", 1000, max_tokens=2)
+        assert sched.schedule().total_tokens == total
+
+
+def test_the_pace_stretches_where_long_prompts_outnumber_the_streams():
+    """Two streams (2 ms of decodes) beside long prompts far behind their goals: four or
+    fewer get PACE_MAX_GAP x the decodes (6 ms, 4 rows); six, 3 x (6 / 4) ** 2 = 6.75x
+    (13.5 ms, 11 rows); eight, 3 x (8 / 4) ** 2, held to PACE_MAX_STRETCHED_GAP: 20 ms."""
+    for prompts, total in ((4, 6), (6, 13), (8, 20)):
+        clock, sched, worker = paced_beside(2, prompts)
+        step(sched, worker)
+        clock.now += 30                     # every goal long past
         assert sched.schedule().total_tokens == total
 
 
@@ -517,7 +549,7 @@ def test_the_pace_counts_from_when_a_place_was_free():
 
 def test_long_prompts_in_a_closed_loop_keep_the_batch_decoding():
     """The collapse the pace prevents: eight slots, each request a 600-row prompt (longer than
-    the token budget: no stretch) and 40 tokens,
+    the token budget: the target's stretch for short prompts leaves it) and 40 tokens,
     a new one as each ends; an iteration costs 10 ms and 1 ms a row, and the clock moves by
     it. Held to 1.5x the decodes alone, prompts move a few rows an iteration; few requests get
     to decode, so the decodes' iteration is short, so the prompts move slower still: most of

@@ -258,6 +258,26 @@ def test_waiting_requests_are_admitted_first_come_first_served():
     assert list(plan.num_scheduled_tokens.items()) == [("a", 6), ("b", 2)]
 
 
+def test_a_short_prompt_does_not_wait_behind_long_ones():
+    """Two 100-row prompts (longer than the 16-row budget), the first prefilling, the second
+    queued, then a 6-row one: it is admitted at once, past the queued long prompt, and the
+    prefilling one's chunk takes what it leaves; first come, first served it waited until
+    both long prompts were prefilled (docs/design.md#short-prompts-beside-long-ones)."""
+    sched = make_scheduler(budget=16, max_seqs=8, num_blocks=128, prefix_caching=False)
+    worker = FakeWorker(sched)
+    add(sched, "long", 100, max_tokens=2)
+    add(sched, "later", 100, max_tokens=2)
+    plan, _ = step(sched, worker)
+    assert list(plan.num_scheduled_tokens.items()) == [("long", 16)]
+    add(sched, "short", 6, max_tokens=2)
+    plan, outputs = step(sched, worker)
+    assert list(plan.num_scheduled_tokens.items()) == [("short", 6), ("long", 10)]
+    assert [o.request_id for o in outputs if o.new_tokens] == ["short"]
+    _, outs = run(sched, worker)
+    for request_id in ("short", "long", "later"):
+        assert final(outs[request_id]).num_output_tokens == 2
+
+
 # ---- block tables ------------------------------------------------------------------------
 
 def test_new_requests_carry_the_full_table_and_cached_ones_only_new_blocks():

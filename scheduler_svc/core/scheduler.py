@@ -8,8 +8,11 @@ Every iteration is decided afresh, in this order:
    most recently admitted running request is preempted (blocks freed, recomputed later);
 2. if nothing was preempted, admit waiting requests first come, first served while the token
    budget and the sequence cap allow; a prompt longer than the budget left is cut into a chunk
-   that rides along with the decodes. With prefix caching a request first takes the longest
-   run of cached blocks matching its tokens and computes only from there
+   that rides along with the decodes. One exception (chunked prefill): a short prompt (its
+   rows fit one iteration's token budget) does not wait behind a long one; while one waits
+   for rows, queued or part-way through its prefill, the long prompts' chunks are sized
+   after it (docs/design.md#short-prompts-beside-long-ones). With prefix caching a request first
+   takes the longest run of cached blocks matching its tokens and computes only from there
    (docs/design.md#prefix-caching); blocks are registered in the cache by `update()`, once
    the iteration that filled them is done.
 
@@ -105,9 +108,12 @@ MIN_PREFILL_ROWS = 4
 # the longest iteration the prompts' TTFT pace may ask for, in multiples of the decodes alone
 # (the pace stretches the token-gap target to decodes / (1 - share)): the most a long prompt
 # may cost the streams' token gap; prompts that cannot make their goals at that pace miss
-# them (10x gave the streams gaps of 9-11x their median beside two long prompts;
-# docs/design.md#the-prompts-pace)
+# them (10x gave the streams gaps of 9-11x their median beside two long prompts). Where the
+# long prompts outnumber the streams (counted as at least STRETCH_MIN_STREAMS) it stretches
+# by (prompts / streams) ** STRETCH_POWER, to PACE_MAX_STRETCHED_GAP at most
+# (docs/design.md#the-prompts-pace)
 PACE_MAX_GAP = 3.0
+PACE_MAX_STRETCHED_GAP = 10.0
 
 
 @dataclass(slots=True)
@@ -352,7 +358,12 @@ class Scheduler:
         if self.ttft_goal is not None:
             self._decide_by_deadline(iteration, finishing)
             return iteration
-        self._continue_running(iteration, finishing)
+        deferred = self._continue_running(iteration, finishing, self._short_prompt_waits())
+        if deferred:
+            if not iteration.preempted_ids and not iteration.stalled:
+                self._admit_short(iteration)
+            for request in deferred:
+                self._continue_deferred(request, iteration)
         if not iteration.preempted_ids and not iteration.stalled:
             self._admit_waiting(iteration)
         return iteration
@@ -374,7 +385,7 @@ class Scheduler:
                 return
             if request in waiting:
                 admitting = admitting and not iteration.preempted_ids and \
-                    not iteration.stalled and self._admit_head(iteration)
+                    not iteration.stalled and self._admit(self._waiting[0], iteration)
                 if admitting:   # it goes among the more urgent ones, ahead of the rest
                     self._running.insert(placed, self._running.pop())
                     placed += 1
@@ -528,34 +539,27 @@ class Scheduler:
             streams = len(decodes)
             budget_ms *= max(1.0, (streams + prompts)
                              / max(streams, STRETCH_MIN_STREAMS)) ** STRETCH_POWER
-            if self._pace_goal is not None:
-                share, long_prompts = self._prefill_pace()
-                if share:
-                    # at most PACE_MAX_GAP x the decodes, unless the long prompts outnumber
-                    # the streams (counted as at least a few): then the iterations are the
-                    # prompts', stretched as above, and the streams few
-                    most = PACE_MAX_GAP * max(1.0, long_prompts / max(
-                        streams, STRETCH_MIN_STREAMS)) ** STRETCH_POWER
-                    budget_ms = max(budget_ms, decodes_ms * (
-                        min(1.0 / (1.0 - share), most) if share < 1.0 else most))
+            if self._pace_goal is not None and (times := self._prefill_pace(streams)):
+                budget_ms = max(budget_ms, times * decodes_ms)
         if budget_ms is None and self.ttft_goal is None:
             return None         # a TTFT goal bounds the iteration as its prefills are placed
         return IterationLatency(cost, budget_ms, self._min_prefill_rows(), decodes)
 
-    def _prefill_pace(self) -> tuple[float, int]:
-        """(share, prompts): the share of every iteration that keeps the long prompts on course for their TTFT
-        goals (docs/design.md#the-prompts-pace): beside decodes of D ms, an iteration may take
-        D / (1 - share). The prompts counted are those longer than the token budget (shorter
-        ones stretch the target instead), being prefilled or in the queue where a free place
-        could take them: prompts that wait for a place wait for the streams to end, which
-        longer iterations would only delay, and a prompt's goal counts from when a place was
-        first free for it (`Request.place_s`; its arrival if it never waited for one). In the
-        order they get rows, each prompt's deadline must hold its own prefill alone and that
-        of every prompt before it: the largest such sum over the time left is the share (the
-        caller bounds the iteration whatever it is). The first prompt past its deadline, or
-        out of reach of it, asks for the whole (1); one further back asks for nothing: what it
-        waits for is the prompts before it, and a longer iteration would go to them. `prompts`:
-        how many were counted."""
+    def _prefill_pace(self, streams: int) -> float:
+        """How many times the decodes alone an iteration may take to keep the long prompts on
+        course for their TTFT goals (docs/design.md#the-prompts-pace); 0: the target as it
+        is. Every iteration from now on needs a share U of its time for prefill: beside
+        decodes of D ms, it may take D / (1 - U), PACE_MAX_GAP x D at most (stretched where
+        the long prompts outnumber the `streams`). The prompts counted are those longer than
+        the token budget (shorter ones stretch the target instead), being prefilled or in
+        the queue where a free place could take them: prompts that wait for a place wait for
+        the streams to end, which longer iterations would only delay, and a prompt's goal
+        counts from when a place was first free for it (`Request.place_s`; its arrival if it
+        never waited for one). In the order they get rows, each prompt's deadline must hold
+        its own prefill alone and that of every prompt before it: the largest such sum over
+        the time left is U. The first prompt past its deadline, or out of reach of it, asks
+        for the most; one further back asks for nothing: what it waits for is the prompts
+        before it, and a longer iteration would go to them."""
         goal, now = self._pace_goal, self.clock()
         longer = self.config.max_num_batched_tokens
         placed = list(islice(self._waiting,
@@ -566,6 +570,11 @@ class Scheduler:
         prompts = [r for r in chain(self._running, placed)
                    if not r.output_token_ids and r.num_prompt_tokens > longer
                    and r.num_computed_tokens < r.num_prompt_tokens]
+        if not prompts:
+            return 0.0
+        # the iterations are the prompts' where they outnumber the streams, and few pay
+        most = min(PACE_MAX_STRETCHED_GAP, PACE_MAX_GAP * max(
+            1.0, len(prompts) / max(streams, STRETCH_MIN_STREAMS)) ** STRETCH_POWER)
         share = work = 0.0
         for index, request in enumerate(prompts):
             work += goal.prefill_ms(request.num_computed_tokens, request.num_prompt_tokens)
@@ -573,8 +582,10 @@ class Scheduler:
             if left > work:
                 share = max(share, work / left)
             elif index == 0:
-                return 1.0, len(prompts)
-        return share, len(prompts)
+                return most
+            if share >= 1.0 - 1.0 / most:
+                return most              # no prompt further back can ask for more
+        return 1.0 / (1.0 - share) if share else 0.0
 
     def _min_prefill_rows(self) -> int:
         """What the first prompt chunk of an iteration may always take: MIN_PREFILL_ROWS, or a
@@ -588,7 +599,12 @@ class Scheduler:
         return getattr(self.config.iteration_cost, "wide_from_rows", None) is not None
 
     def _continue_running(self, iteration: _Iteration,
-                          finishing: frozenset[Request] = frozenset()) -> None:
+                          finishing: frozenset[Request] = frozenset(),
+                          defer_long: bool = False) -> list[Request]:
+        """Rows for the running requests, in admission order; with `defer_long`, the
+        prefills longer than the token budget are left out and returned, for
+        `_continue_deferred` once the short prompts are in."""
+        deferred: list[Request] = []
         running = self._running
         max_model_len = self.max_model_len
         block_size = self.block_manager.block_size
@@ -624,12 +640,18 @@ class Scheduler:
             if finishing and request in finishing:
                 index += 1      # the token in flight ends it: nothing to plan
                 continue
+            if defer_long and self._rows_wanted(request) > budget \
+                    and request.kv_received is None:
+                deferred.append(request)
+                index += 1
+                continue
             iteration.num_tokens = num_tokens_so_far
             if not self._continue_one(request, index, iteration):
-                return          # it preempted itself (the last one running), or stalled
+                return deferred  # it preempted itself (the last one running), or stalled
             num_tokens_so_far = iteration.num_tokens
             index += 1
         iteration.num_tokens = num_tokens_so_far
+        return deferred
 
     def _continue_one(self, request: Request, index: int, iteration: _Iteration) -> bool:
         """Rows for running[index] (`request`), if the budgets leave any; False when it
@@ -694,16 +716,53 @@ class Scheduler:
         self.num_preemptions_total += 1
         self._left_running()
 
+    def _short_prompt_waits(self) -> bool:
+        """Whether a short prompt (its rows fit one iteration's token budget) waits for rows:
+        part-way through its prefill, or queued where a free place could take it (among the
+        first max_num_seqs of the queue). Then the long prompts' chunks wait for it within
+        the iteration (chunked prefill, FCFS scheduling); first come, first served alone left
+        it waiting until every prompt admitted before it was prefilled
+        (docs/design.md#short-prompts-beside-long-ones)."""
+        config = self.config
+        if not config.enable_chunked_prefill:
+            return False
+        budget = config.max_num_batched_tokens
+        if any(1 < self._rows_wanted(r) <= budget for r in self._running):
+            return True
+        return bool(self._waiting) and len(self._running) < config.max_num_seqs and any(
+            self._rows_wanted(r) <= budget for r in islice(self._waiting, config.max_num_seqs))
+
+    def _admit_short(self, iteration: _Iteration) -> None:
+        """Admit the short prompts of the queue's first max_num_seqs, in their order, past
+        any longer one, while the budgets, the sequence cap and the pool allow."""
+        longest = self.config.max_num_batched_tokens
+        for request in [r for r in islice(self._waiting, self.config.max_num_seqs)
+                        if self._rows_wanted(r) <= longest]:
+            if not self._admit(request, iteration):
+                return
+
+    def _continue_deferred(self, request: Request, iteration: _Iteration) -> None:
+        """A long prompt's chunk, placed after the short prompts admitted past it: what the
+        budgets leave, from free blocks only (it never preempts: the requests it would take
+        blocks from may be in this iteration already); no rows, and it waits, if none."""
+        rows = min(self._rows_wanted(request), iteration.budget_left)
+        if rows and iteration.latency is not None:
+            rows = iteration.latency.prefill_rows(rows, request.num_computed_tokens)
+        if not rows or (new_block_ids := self.block_manager.allocate(request, rows)) is None:
+            return
+        if iteration.latency is not None:
+            self._place_prefill(iteration, request, rows)
+        iteration.add_cached(request, rows, new_block_ids)
+
     def _admit_waiting(self, iteration: _Iteration) -> None:
-        while self._admit_head(iteration):
+        while self._waiting and self._admit(self._waiting[0], iteration):
             pass                # FCFS: nobody overtakes the head of the queue
 
-    def _admit_head(self, iteration: _Iteration) -> bool:
-        """Admit the head of the waiting queue if the budgets, the sequence cap and the pool
-        allow; False if not (or nobody waits)."""
-        if not self._waiting or len(self._running) >= self.config.max_num_seqs:
+    def _admit(self, request: Request, iteration: _Iteration) -> bool:
+        """Admit `request`, from the waiting queue, if the budgets, the sequence cap and the
+        pool allow; False if not."""
+        if len(self._running) >= self.config.max_num_seqs:
             return False
-        request = self._waiting[0]
         cached_prefix = self.block_manager.find_cached_prefix(request)
         num_cached_tokens = len(cached_prefix) * self.block_manager.block_size
         request.num_computed_tokens = num_cached_tokens
@@ -714,7 +773,10 @@ class Scheduler:
         self.block_manager.count_admission(request, num_cached_tokens)
         if request.num_cached_prompt_tokens is None:
             request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
-        self._waiting.popleft()
+        if self._waiting[0] is request:
+            self._waiting.popleft()
+        else:
+            self._waiting.remove(request)
         request.status = RequestStatus.RUNNING
         self._running.append(request)
         iteration.add_new(request, rows)
