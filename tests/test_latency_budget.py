@@ -94,6 +94,28 @@ def test_prefill_is_cut_to_what_fits_beside_the_decodes():
     assert sizes == [17, 17, 17, 17, 17, 15]
 
 
+def test_long_prompts_that_cannot_get_blocks_beside_a_short_one_still_move():
+    """A pool of 16 four-row blocks, 30 ms an iteration at 1 ms a row and 1 ms per row of
+    context: a short prompt admitted past a long one leaves it no time, a second long one is
+    admitted, and the pool fills with the two half-prefilled prompts while another short one
+    waits. Placed after the short ones, the long prompts never preempt; with nothing else
+    able to move they take their blocks as before, preempting, and every request ends."""
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=8, num_kv_blocks=16,
+                             block_size=4, max_model_len=1024, max_iteration_ms=30,
+                             iteration_cost=RowCost(row_ms=1, kv_ms=1),
+                             enable_prefix_caching=False)
+    sched = Scheduler(config, eos_token_ids=2, max_model_len=1024)
+    worker = FakeWorker(sched)
+    arrive = {0: [("L1", 60)], 3: [("L2", 60), ("S", 8)], 8: [("S2", 16)]}
+    for n in range(60):
+        for request_id, length in arrive.get(n, []):
+            add(sched, request_id, length, max_tokens=2)
+        step(sched, worker)
+        if not sched.has_unfinished():
+            break
+    assert not sched.has_unfinished()
+
+
 def test_a_short_prompt_cut_by_the_latency_budget_goes_on_before_the_long_one():
     """20 rows an iteration (1 ms a row); a 100-row prompt (longer than the 64-row token
     budget) prefilling, then a 30-row one arrives: it takes the iteration's 20 rows, and the

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from scheduler_svc.core import RequestStatus, Scheduler
+from scheduler_svc.core.scheduler import MAX_DEFERRALS
 from shared.config import SchedulerConfig
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
@@ -276,6 +277,23 @@ def test_a_short_prompt_does_not_wait_behind_long_ones():
     _, outs = run(sched, worker)
     for request_id in ("short", "long", "later"):
         assert final(outs[request_id]).num_output_tokens == 2
+
+
+def test_a_long_prompt_is_not_held_back_for_good_by_short_ones():
+    """A short prompt arrives every iteration, filling the 16-row budget: the 100-row prompt
+    waits for them at most MAX_DEFERRALS iterations in a row, then takes its turn first, so
+    its prefill ends while they keep coming (seven turns, one in nine iterations)."""
+    sched = make_scheduler(budget=16, max_seqs=8, num_blocks=256, prefix_caching=False)
+    worker = FakeWorker(sched)
+    add(sched, "long", 100, max_tokens=2)
+    first = None
+    for n in range(1, 200):
+        add(sched, f"s{n}", 16, max_tokens=1)
+        plan, outputs = step(sched, worker)
+        if any(o.request_id == "long" and o.new_tokens for o in outputs):
+            first = n
+            break
+    assert first is not None and first <= 7 * (MAX_DEFERRALS + 1)
 
 
 # ---- block tables ------------------------------------------------------------------------

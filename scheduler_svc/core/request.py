@@ -70,6 +70,9 @@ class Request:
     # prompt tokens the prefix cache held at its first admission (None until admitted; a P/D
     # decode side takes the prefill side's): OpenAI's usage.prompt_tokens_details.cached_tokens
     num_cached_prompt_tokens: int | None = None
+    # iterations in a row its prefill waited for short prompts placed before it (the
+    # scheduler stops deferring it after a few: a long prompt is never held back for good)
+    num_deferred: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

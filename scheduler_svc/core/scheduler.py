@@ -105,6 +105,9 @@ STRETCH_POWER = 2           # ... and is that ratio squared (docs/design.md#the-
 # attention costs more than a decode row, and 16 of them alone were 2-3 decode steps
 # (docs/design.md#the-token-gap-target)
 MIN_PREFILL_ROWS = 4
+# a long prompt's prefill waits for short prompts this many iterations in a row at most, then
+# takes its turn first (docs/design.md#short-prompts-beside-long-ones)
+MAX_DEFERRALS = 8
 # the longest iteration the prompts' TTFT pace may ask for, in multiples of the decodes alone
 # (the pace stretches the token-gap target to decodes / (1 - share)): the most a long prompt
 # may cost the streams' token gap; prompts that cannot make their goals at that pace miss
@@ -364,6 +367,13 @@ class Scheduler:
                 self._admit_short(iteration)
             for request in deferred:
                 self._continue_deferred(request, iteration)
+            if not iteration.scheduled and not iteration.stalled:
+                # nothing could move (no free block for anyone): the deferred prompts take
+                # their blocks as before, preempting; nobody is in the iteration yet
+                for request in deferred:
+                    if request.status is RequestStatus.RUNNING and not self._continue_one(
+                            request, self._running.index(request), iteration):
+                        break
         if not iteration.preempted_ids and not iteration.stalled:
             self._admit_waiting(iteration)
         return iteration
@@ -642,9 +652,11 @@ class Scheduler:
                 continue
             if defer_long and self._rows_wanted(request) > budget \
                     and request.kv_received is None:
-                deferred.append(request)
-                index += 1
-                continue
+                if request.num_deferred < MAX_DEFERRALS:
+                    deferred.append(request)
+                    index += 1
+                    continue
+                request.num_deferred = 0    # its turn first, this once
             iteration.num_tokens = num_tokens_so_far
             if not self._continue_one(request, index, iteration):
                 return deferred  # it preempted itself (the last one running), or stalled
@@ -743,13 +755,18 @@ class Scheduler:
 
     def _continue_deferred(self, request: Request, iteration: _Iteration) -> None:
         """A long prompt's chunk, placed after the short prompts admitted past it: what the
-        budgets leave, from free blocks only (it never preempts: the requests it would take
+        budgets and the free blocks leave (it never preempts: the requests it would take
         blocks from may be in this iteration already); no rows, and it waits, if none."""
-        rows = min(self._rows_wanted(request), iteration.budget_left)
-        if rows and iteration.latency is not None:
+        block_size = self.block_manager.block_size
+        rows = min(self._rows_wanted(request), iteration.budget_left,
+                   (len(request.block_table) + self.block_manager.num_free_blocks) * block_size
+                   - request.num_computed_tokens)
+        if rows > 0 and iteration.latency is not None:
             rows = iteration.latency.prefill_rows(rows, request.num_computed_tokens)
-        if not rows or (new_block_ids := self.block_manager.allocate(request, rows)) is None:
+        if rows <= 0 or (new_block_ids := self.block_manager.allocate(request, rows)) is None:
+            request.num_deferred += 1
             return
+        request.num_deferred = 0
         if iteration.latency is not None:
             self._place_prefill(iteration, request, rows)
         iteration.add_cached(request, rows, new_block_ids)
@@ -770,6 +787,8 @@ class Scheduler:
         if rows == 0 or self.block_manager.allocate(request, rows, cached_prefix) is None:
             request.num_computed_tokens = 0
             return False
+        if iteration.latency is not None:    # placed once its blocks are in hand
+            self._place_prefill(iteration, request, rows)
         self.block_manager.count_admission(request, num_cached_tokens)
         if request.num_cached_prompt_tokens is None:
             request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
@@ -792,8 +811,6 @@ class Scheduler:
             rows = latency.prefill_rows(rows, prefix)
         elif not latency.whole_prefill_fits(rows, prefix):
             rows = 0
-        if rows:
-            self._place_prefill(iteration, request, rows)
         return rows
 
     def _admission_rows_by_tokens(self, request: Request, iteration: _Iteration) -> int:
