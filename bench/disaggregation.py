@@ -7,8 +7,12 @@ streams while ~1.5k-token prompts arrive, on the default model, two ways in one 
 Every token is stamped at the client when its SSE chunk arrives; each chunk names its tokens
 (logprobs). A chunk can carry two or more: the pieces of one character, held by the detokenizer
 until whole (random prompts make such text), so its gap spans two decode steps although
-none was late; it counts as one gap per token, each its share. Reported per mode: the decode
-streams' median and worst inter-token gap (and worst/median) once every stream is decoding
+none was late; it counts as one gap per token, each its share. Reported per mode, first,
+what each long prompt cost the streams: the worst and the median gap from its arrival to
+QUIET_AFTER_S after its first token over the streams' median quiet gap in the BEFORE_S before
+it (the largest over the prompts), beside "control" windows as long with no prompt in them
+(`prompt_windows`); then over the whole run: the decode streams' median and worst
+inter-token gap (and worst/median) once every stream is decoding
 (`steady_start`; the worst/median over all gaps is printed beside it), the worst against the
 median of the "quiet" gaps, those with no long prompt in the system, the same over text
 chunks as a reader sees them, the long prompts' TTFT, whether the streams decoded until after the last long prompt's first

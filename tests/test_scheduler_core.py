@@ -279,13 +279,17 @@ def test_a_short_prompt_does_not_wait_behind_long_ones():
         assert final(outs[request_id]).num_output_tokens == 2
 
 
-def test_a_long_prompt_is_not_held_back_for_good_by_short_ones():
+@pytest.mark.parametrize("running", [True, False])
+def test_a_long_prompt_is_not_held_back_for_good_by_short_ones(running):
     """A short prompt arrives every iteration, filling the 16-row budget: the 100-row prompt
-    waits for them at most MAX_DEFERRALS iterations in a row, then takes its turn first, so
-    its prefill ends while they keep coming (seven turns, one in nine iterations)."""
+    (prefilling already, or still queued) waits for them at most MAX_DEFERRALS iterations in
+    a row, then takes its turn first, so its prefill ends while they keep coming (seven
+    turns of 16 rows, one in nine iterations at worst)."""
     sched = make_scheduler(budget=16, max_seqs=8, num_blocks=256, prefix_caching=False)
     worker = FakeWorker(sched)
     add(sched, "long", 100, max_tokens=2)
+    if running:
+        step(sched, worker)
     first = None
     for n in range(1, 200):
         add(sched, f"s{n}", 16, max_tokens=1)

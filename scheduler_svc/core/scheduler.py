@@ -111,7 +111,7 @@ MAX_DEFERRALS = 8
 # the longest iteration the prompts' TTFT pace may ask for, in multiples of the decodes alone
 # (the pace stretches the token-gap target to decodes / (1 - share)): the most a long prompt
 # may cost the streams' token gap; prompts that cannot make their goals at that pace miss
-# them (10x gave the streams gaps of 9-11x their median beside two long prompts). Where the
+# them (10x gave the streams gaps of 8-10x their median beside two long prompts). Where the
 # long prompts outnumber the streams (counted as at least STRETCH_MIN_STREAMS) it stretches
 # by (prompts / streams) ** STRETCH_POWER, to PACE_MAX_STRETCHED_GAP at most
 # (docs/design.md#the-prompts-pace)
@@ -361,16 +361,18 @@ class Scheduler:
         if self.ttft_goal is not None:
             self._decide_by_deadline(iteration, finishing)
             return iteration
-        deferred = self._continue_running(iteration, finishing, self._short_prompt_waits())
+        short_waits = self._short_prompt_waits()
+        deferred = self._continue_running(iteration, finishing, short_waits)
+        if short_waits and not iteration.preempted_ids and not iteration.stalled:
+            self._admit_short(iteration)
         if deferred:
-            if not iteration.preempted_ids and not iteration.stalled:
-                self._admit_short(iteration)
             for request in deferred:
                 self._continue_deferred(request, iteration)
             if not iteration.scheduled and not iteration.stalled:
                 # nothing could move (no free block for anyone): the deferred prompts take
                 # their blocks as before, preempting; nobody is in the iteration yet
                 for request in deferred:
+                    request.num_deferred = 0
                     if request.status is RequestStatus.RUNNING and not self._continue_one(
                             request, self._running.index(request), iteration):
                         break
@@ -650,13 +652,12 @@ class Scheduler:
             if finishing and request in finishing:
                 index += 1      # the token in flight ends it: nothing to plan
                 continue
-            if defer_long and self._rows_wanted(request) > budget \
-                    and request.kv_received is None:
-                if request.num_deferred < MAX_DEFERRALS:
-                    deferred.append(request)
-                    index += 1
-                    continue
-                request.num_deferred = 0    # its turn first, this once
+            if defer_long and request.num_deferred < MAX_DEFERRALS \
+                    and self._rows_wanted(request) > budget and request.kv_received is None:
+                deferred.append(request)
+                index += 1
+                continue
+            request.num_deferred = 0    # its turn first, this once, or no short prompt waits
             iteration.num_tokens = num_tokens_so_far
             if not self._continue_one(request, index, iteration):
                 return deferred  # it preempted itself (the last one running), or stalled
@@ -746,12 +747,20 @@ class Scheduler:
 
     def _admit_short(self, iteration: _Iteration) -> None:
         """Admit the short prompts of the queue's first max_num_seqs, in their order, past
-        any longer one, while the budgets, the sequence cap and the pool allow."""
-        longest = self.config.max_num_batched_tokens
-        for request in [r for r in islice(self._waiting, self.config.max_num_seqs)
-                        if self._rows_wanted(r) <= longest]:
-            if not self._admit(request, iteration):
-                return
+        any longer one, while the budgets, the sequence cap and the pool allow; a long one
+        passed MAX_DEFERRALS times in a row stops them: its turn, first come, first served."""
+        longest, queued, passed = self.config.max_num_batched_tokens, [], set()
+        for request in list(islice(self._waiting, self.config.max_num_seqs)):
+            if self._rows_wanted(request) > longest:
+                if request.num_deferred >= MAX_DEFERRALS:
+                    break
+                queued.append(request)
+            elif self._admit(request, iteration):
+                passed.update(queued)
+            else:
+                break
+        for request in passed:
+            request.num_deferred += 1
 
     def _continue_deferred(self, request: Request, iteration: _Iteration) -> None:
         """A long prompt's chunk, placed after the short prompts admitted past it: what the
@@ -773,7 +782,7 @@ class Scheduler:
 
     def _admit_waiting(self, iteration: _Iteration) -> None:
         while self._waiting and self._admit(self._waiting[0], iteration):
-            pass                # FCFS: nobody overtakes the head of the queue
+            pass                # FCFS (short prompts went first already: `_admit_short`)
 
     def _admit(self, request: Request, iteration: _Iteration) -> bool:
         """Admit `request`, from the waiting queue, if the budgets, the sequence cap and the
@@ -789,6 +798,7 @@ class Scheduler:
             return False
         if iteration.latency is not None:    # placed once its blocks are in hand
             self._place_prefill(iteration, request, rows)
+        request.num_deferred = 0
         self.block_manager.count_admission(request, num_cached_tokens)
         if request.num_cached_prompt_tokens is None:
             request.num_cached_prompt_tokens = min(num_cached_tokens, request.num_prompt_tokens)
