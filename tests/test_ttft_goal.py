@@ -125,9 +125,12 @@ def test_config_takes_one_goal_and_needs_a_cost_model():
 # ---- the scheduler with the goal -----------------------------------------------------------
 
 def test_an_urgent_short_prompt_overtakes_a_running_long_one():
-    """Without a goal the long prompt keeps the whole token budget until it is done; with the
-    auto goal a short prompt arriving meanwhile has the earlier deadline and goes first."""
-    for factor, expect in ((None, {"long": 100}), (AUTO_TTFT_FACTOR, {"short": 20, "long": 80})):
+    """With the auto goal a short prompt arriving meanwhile has the earlier deadline and goes
+    first; without one it goes first too, as a short prompt past a long one
+    (docs/design.md#short-prompts-beside-long-ones; first come, first served alone kept the
+    whole token budget for the long prompt until it was done)."""
+    for factor, expect in ((None, {"short": 20, "long": 80}),
+                           (AUTO_TTFT_FACTOR, {"short": 20, "long": 80})):
         sched, clock = make(factor=factor)
         add(sched, "long", 300, at=0.0)
         assert step(sched, clock) == {"long": 100}
