@@ -203,11 +203,15 @@ def test_pool_runs_dry_the_least_urgent_running_prompt_yields():
     assert [r.request_id for r in plan.new_requests] == ["short"]
 
 
-def test_without_a_goal_nothing_is_counted_and_order_is_fcfs():
+def test_without_a_goal_nothing_is_counted_and_order_is_fcfs_short_prompts_first():
+    """First come, first served, but a short prompt does not wait behind long ones
+    (docs/design.md#short-prompts-beside-long-ones): long, later (both over the 100-row
+    budget) and short queued in that order give short, then long; later waits."""
     sched, clock = make()
     add(sched, "long", 500)
+    add(sched, "later", 400)
     add(sched, "short", 20)
-    assert list(step(sched, clock)) == ["long"]
+    assert step(sched, clock) == {"short": 20, "long": 80}
     assert sched.ttft_goal is None
 
 
