@@ -95,10 +95,14 @@ def test_iterations_with_prompt_chunks_give_the_layers_logits_bit_for_bit(tmp_pa
             return one_call
 
         model.forward = compare
-        # 24 rows of the first prompt alone, then its last row beside the next one's chunk,
-        # then decodes beside chunks
-        for p in (list(range(5, 30)), PROMPTS[1], PROMPTS[2], PROMPTS[3]):
-            engine.add_request(p, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        # 24 rows of the first prompt alone, then its last row beside the next one's chunk
+        # (they arrive once it is in: arriving with it, these short prompts would go first,
+        # docs/design.md#short-prompts-beside-long-ones), then decodes beside chunks
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        engine.add_request(list(range(5, 30)), greedy)
+        engine.step()
+        for p in (PROMPTS[1], PROMPTS[2], PROMPTS[3]):
+            engine.add_request(p, greedy)
         while engine.has_unfinished():
             engine.step()
     assert any(decodes and prompts for decodes, prompts, _ in checked), checked
