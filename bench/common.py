@@ -91,10 +91,11 @@ def hf_default_model(dtype: str):
                                                 torch_dtype=getattr(torch, dtype)).eval()
 
 
-def write_json(path: str | None, data: dict) -> None:
+def write_json(path: str | None, data: dict, indent: int | None = 2) -> None:
+    """`indent` None: one line, for data of many numbers (a timeline of thousands)."""
     if path:
         with open(path, "w") as f:
-            json.dump(data, f, indent=2)
+            json.dump(data, f, indent=indent, separators=None if indent else (",", ":"))
 
 
 def run_random_workload(base_url: str, model: str, num_prompts: int, concurrency: int,

@@ -558,7 +558,7 @@ def main() -> None:
                            # the decoding instance's steps, in the form
                            # scheduler_svc/cost_replay.py reads (ms: rank 0's forward)
                            "iterations": {f"{run['mode']}-{run['repeat']}": run["steps"]
-                                          for run in runs}})
+                                          for run in runs}}, indent=None)
     if args.plot:
         plot([run for run in runs if run["repeat"] == 0
               and run["mode"] in DEFAULT_MODES.split(",")], args.plot)

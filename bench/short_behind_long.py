@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import aiohttp  # noqa: E402
 
-from bench.common import print_table, random_prompts, write_json  # noqa: E402
+from bench.common import engine_arg_parser, print_table, random_prompts, write_json  # noqa: E402
 from bench.served_vs_inprocess import start_served  # noqa: E402
 from services.bench_client import ApiTarget, SendOptions, send_request  # noqa: E402
 from services.bench_dataset import BenchRequest  # noqa: E402
@@ -58,7 +58,6 @@ async def one_run(base_url: str, longs: list[list[int]], shorts: list[list[int]]
 
 
 def main() -> None:
-    from bench.common import engine_arg_parser
     ap = engine_arg_parser(__doc__)
     ap.add_argument("--long", type=int, default=4)
     ap.add_argument("--long-len", type=int, default=3900)

@@ -675,24 +675,44 @@ class Scheduler:
         new_block_ids = self._allocate_or_preempt(request, rows, index, iteration)
         if new_block_ids is None:
             return False
-        if request.kv_received is not None:
-            iteration.add_new(request, rows)    # handed over: new to the workers
-        else:
-            iteration.add_cached(request, rows, new_block_ids)
+        self._add_chunk(request, rows, new_block_ids, iteration)
         return True
+
+    def _continue_deferred(self, request: Request, iteration: _Iteration) -> None:
+        """A long prompt's chunk, placed after the short prompts admitted past it: what the
+        budgets and the free blocks leave (it never preempts: the requests it would take
+        blocks from may be in this iteration already); no rows, and it waits, if none."""
+        free_rows = (len(request.block_table) + self.block_manager.num_free_blocks) \
+            * self.block_manager.block_size - request.num_computed_tokens
+        rows = min(self._chunk_rows(request, iteration), free_rows)
+        if rows <= 0 or (new_block_ids := self.block_manager.allocate(request, rows)) is None:
+            request.num_deferred += 1
+            return
+        request.num_deferred = 0
+        self._add_chunk(request, rows, new_block_ids, iteration)
 
     def _chunk_rows(self, request: Request, iteration: _Iteration) -> int:
         """Rows of a running request this iteration: a decode's one, or a prefill chunk cut
-        to the token budget left and to the latency budget."""
+        to the token budget left and to the latency budget (placed there by `_add_chunk`,
+        once its blocks are in hand)."""
         wanted = self._rows_wanted(request)
         if wanted == 1:
             return 1            # a decode; the caller checked that budget is left
         rows = min(wanted, iteration.budget_left)
         if iteration.latency is not None:   # decodes were reserved already
             rows = iteration.latency.prefill_rows(rows, request.num_computed_tokens)
-            if rows:
-                self._place_prefill(iteration, request, rows)
         return rows
+
+    def _add_chunk(self, request: Request, rows: int, new_block_ids: list[int],
+                   iteration: _Iteration) -> None:
+        """A running request's rows, their blocks allocated, join the iteration (a prefill
+        chunk its latency budget too)."""
+        if iteration.latency is not None and self._rows_wanted(request) > 1:
+            self._place_prefill(iteration, request, rows)
+        if request.kv_received is not None:
+            iteration.add_new(request, rows)    # handed over: new to the workers
+        else:
+            iteration.add_cached(request, rows, new_block_ids)
 
     def _place_prefill(self, iteration: _Iteration, request: Request, rows: int) -> None:
         """A prefill chunk joins the iteration's latency budget; with a TTFT goal, it also
@@ -761,24 +781,6 @@ class Scheduler:
                 break
         for request in passed:
             request.num_deferred += 1
-
-    def _continue_deferred(self, request: Request, iteration: _Iteration) -> None:
-        """A long prompt's chunk, placed after the short prompts admitted past it: what the
-        budgets and the free blocks leave (it never preempts: the requests it would take
-        blocks from may be in this iteration already); no rows, and it waits, if none."""
-        block_size = self.block_manager.block_size
-        rows = min(self._rows_wanted(request), iteration.budget_left,
-                   (len(request.block_table) + self.block_manager.num_free_blocks) * block_size
-                   - request.num_computed_tokens)
-        if rows > 0 and iteration.latency is not None:
-            rows = iteration.latency.prefill_rows(rows, request.num_computed_tokens)
-        if rows <= 0 or (new_block_ids := self.block_manager.allocate(request, rows)) is None:
-            request.num_deferred += 1
-            return
-        request.num_deferred = 0
-        if iteration.latency is not None:
-            self._place_prefill(iteration, request, rows)
-        iteration.add_cached(request, rows, new_block_ids)
 
     def _admit_waiting(self, iteration: _Iteration) -> None:
         while self._waiting and self._admit(self._waiting[0], iteration):
