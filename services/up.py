@@ -288,10 +288,6 @@ def describe_redis(redis_url: str, started: bool) -> str:
 
 # ---- the services ------------------------------------------------------------------------
 
-def instance_scheduler_id(instance: Instance) -> str:
-    return default_scheduler_id(instance.id)
-
-
 @dataclass
 class Services:
     """The children `pacer up` starts, in start order, and what a restart needs of them."""
@@ -339,7 +335,7 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
             workers.append((name, argv))
             heartbeats[name] = ikeys.hb_worker(r)
             groups[name] = inst.name("worker group")
-        name, sid = inst.name("scheduler"), instance_scheduler_id(inst)
+        name, sid = inst.name("scheduler"), default_scheduler_id(inst.id)
         argv = pacer_argv("scheduler", *flags, *common, *where, "--scheduler-id", sid,
                           "--drain-timeout", str(args.shutdown_timeout))
         if not args.overlap:

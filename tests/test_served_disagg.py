@@ -359,10 +359,10 @@ def test_pd_failures_lose_and_repeat_nothing(tiny, expected, tmp_path):
 
 
 def scheduler_pid(served, instance: str) -> int:
-    from services.up import Instance, instance_scheduler_id
+    from scheduler_svc.cli import default_scheduler_id
     r = redis.Redis.from_url(served.redis_url)
     try:
-        sid = instance_scheduler_id(Instance(instance, "decode", 1))
+        sid = default_scheduler_id(instance)
         return decode(r.get(Keys().hb_scheduler(sid))).extra["pid"]
     finally:
         r.close()
