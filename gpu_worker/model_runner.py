@@ -48,8 +48,8 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource
-from shared.plan import (NO_TOKEN, IterationPlan, KVCheck, NewRequestData, PromptLogprobs,
-                         StepResult)
+from shared.plan import (GRAMMAR_FAILED, IterationPlan, KVCheck, NewRequestData, PromptLogprobs,
+                         SampledToken, StepResult)
 from shared.sampling import SamplingParams, token_id_set
 
 log = structlog.get_logger("worker")
@@ -280,7 +280,9 @@ class ModelRunner:
                 logits, extra = logits[:len(states)], logits[len(states):]
                 prompt_logprobs = self._prompt_logprobs(extra, spans)
             with scope("sampling"):
-                constrained = [i for i, s in enumerate(states) if s.matcher is not None]
+                # a matcher the grammar engine gave up on masks nothing: its row gets no token
+                constrained = [i for i, s in enumerate(states)
+                               if s.matcher is not None and not s.matcher.is_error()]
                 if constrained:
                     mask_rows(logits, constrained, [states[i].matcher for i in constrained])
                 tokens = self.sampler.sample(
@@ -296,15 +298,16 @@ class ModelRunner:
                 written[s.block_table[index]] = 1
             s.num_computed_tokens += n
         eos = self.eos_token_ids
-        for rid, s, t in zip(sampling_ids, states, tokens):
-            if t.token_id == NO_TOKEN:       # nothing to append: the scheduler ends it
+        for i, (rid, s, t) in enumerate(zip(sampling_ids, states, tokens)):
+            if t.token_id >= 0 and s.matcher is not None and (
+                    s.matcher.is_error() or not s.matcher.consume_token(t.token_id)):
+                log.warning("the grammar engine gave up on a request's structured output; it "
+                            "ends with an error", request_id=rid, error=s.matcher.get_error())
+                t = tokens[i] = SampledToken(GRAMMAR_FAILED)
+            if t.token_id < 0:       # no token (NO_TOKEN, GRAMMAR_FAILED): the scheduler ends it
                 s.stopped = True
                 continue
             s.token_ids.append(t.token_id)
-            if s.matcher is not None and not s.matcher.consume_token(t.token_id):
-                log.warning("a sampled token does not match its grammar; unconstrained from here",
-                            request_id=rid, error=s.matcher.get_error())
-                s.matcher = None
             if s.sampling.stops_on(t.token_id, eos):
                 s.stopped = True
         # forward_ms (the cost model's input) is the compute; the wait for the sends is

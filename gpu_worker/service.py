@@ -59,7 +59,7 @@ from shared.engine_layout import EngineLayout
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
                               redis_run_id, stream_id_text, stream_tail_id)
-from shared.plan import NO_TOKEN, IterationPlan, StepResult
+from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
 from shared.protocol import (Heartbeat, PlanMsg, PromptLogprobsEvent, ProtocolError,
                              StepResultMsg, TokenBatch, TokenEvent, encode, from_fields,
@@ -111,7 +111,7 @@ def token_batches(result: StepResult,
     batches: dict[str, TokenBatch] = {}
     for rid, token in result.sampled.items():
         state = requests[rid]
-        if not state.reply_to or token.token_id == NO_TOKEN:   # NO_TOKEN: the scheduler ends it
+        if not state.reply_to or token.token_id < 0:   # no token: the scheduler ends it
             continue
         index = len(state.token_ids) - state.num_prompt_tokens - 1
         batch = batches.get(state.reply_to)

@@ -56,20 +56,19 @@ class Grammars:
 
     def matcher(self, request_id: str, sampling: SamplingParams, output: Sequence[int]):
         """A matcher for `sampling`'s constraint that has taken `output` (the request's
-        tokens sampled so far), or None when the request has none."""
+        tokens sampled so far), or None when the request has none. One the grammar engine
+        gave up on (`is_error()`: its limits, or an output it does not match) is returned as
+        it is: the request's next sample is no token, and it ends with an error, never
+        unconstrained."""
         if sampling.structured_outputs is None:
             return None
         from llguidance import LLMatcher
         m = LLMatcher(self._vocabulary(), grammar(*sampling.structured_outputs))
-        for t in output:
-            if m.is_error() or not m.consume_token(t):
-                log.warning("a request's output does not match its grammar; unconstrained "
-                            "from here", request_id=request_id, error=m.get_error())
-                return None
+        if not m.is_error():
+            m.consume_tokens(list(output))
         if m.is_error():
-            log.warning("a request's grammar failed; unconstrained", request_id=request_id,
-                        error=m.get_error())
-            return None
+            log.warning("the grammar engine gave up on a request's structured output",
+                        request_id=request_id, error=m.get_error())
         return m
 
 

@@ -140,6 +140,35 @@ def test_the_mask_leaves_only_what_the_grammar_allows(tokenizer):
     assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
 
 
+def test_a_matcher_the_output_does_not_match_is_kept_failed(tokenizer):
+    """A request whose output so far its grammar does not take (a worker's matcher built
+    again after a recompute or a hand-off) keeps a matcher in its error state, which the
+    runner turns into no token and an error, never into unconstrained output."""
+    grammars = Grammars(resolve_model(None), tokenizer.vocab_size, [tokenizer.eos_token_id])
+    digits = SamplingParams(structured_outputs={"regex": "[0-9]{2}"})
+    assert not grammars.matcher("ok", digits, tokenizer.encode("4")).is_error()
+    assert grammars.matcher("off", digits, tokenizer.encode("ab")).is_error()
+
+
+def test_a_grammar_the_engine_gives_up_on_ends_the_request_with_an_error():
+    """A regex that passes every check but is past the grammar engine's limits at the first
+    token (llguidance: "too many expressions constructed"): the request ends with an error
+    and no token, the one beside it is served, every block comes back."""
+    engine = LLMEngine(EngineArgs(model="smollm2-135m", block_size=16, num_kv_blocks=64),
+                       progress=False)
+    with engine:
+        prompt = engine.tokenizer.encode("num:")
+        hostile = SamplingParams(max_tokens=8, temperature=0.0,
+                                 structured_outputs={"regex": "(x{1000}){1000}"})
+        plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        out = engine.generate([prompt, prompt], [hostile, plain])
+        assert (out[0].finish_reason, out[0].token_ids) == ("error", [])
+        assert "beyond what the grammar engine can follow" in out[0].error
+        assert (out[1].finish_reason, len(out[1].token_ids)) == ("length", 8)
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_total_blocks
+
+
 @pytest.fixture(scope="module")
 def constrained_refs(default_hf, tokenizer):
     """transformers' greedy output with llguidance's mask on its logits, for each prompt and

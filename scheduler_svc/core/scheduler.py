@@ -50,8 +50,8 @@ from scheduler_svc.core.ttft_goal import TtftGoal
 from shared.config import AUTO_TTFT_FACTOR, SchedulerConfig
 from shared.errors import InvalidRequestError
 from shared.outputs import RequestOutput
-from shared.plan import (NO_TOKEN, NO_TOKEN_ERROR, CachedRequestData, IterationPlan, NewRequestData,
-                         SampledToken, StepResult)
+from shared.plan import (NO_TOKEN, NO_TOKEN_ERRORS, CachedRequestData, IterationPlan,
+                         NewRequestData, SampledToken, StepResult)
 from shared.sampling import SamplingParams, token_id_set
 
 
@@ -473,8 +473,9 @@ class Scheduler:
             # request per iteration comes through here
             token = sampled[request.request_id]
             token_id = token.token_id
-            if token_id == NO_TOKEN:
-                add_output(self._fail(request, NO_TOKEN_ERROR))
+            if token_id < 0:            # no token (shared/plan.NO_TOKEN_ERRORS says why)
+                add_output(self._fail(request, NO_TOKEN_ERRORS.get(token_id,
+                                                                   NO_TOKEN_ERRORS[NO_TOKEN])))
                 continue
             output_ids.append(token_id)
             sampling = request.sampling
