@@ -108,17 +108,18 @@ class IterationPlan:
 # bad_words and min_tokens that leave nothing between them): no token, the request ends with
 # an error (docs/api.md#structured-outputs)
 NO_TOKEN = -1
-# ... where the grammar engine gave up on the request's grammar (its limits: a regex such as
-# (x{1000}){1000} passes every check and fails at the first token): no token either, never
-# one the grammar was not there to allow
+# ... where the grammar engine gave up on the request's grammar (a regex such as
+# (x{1000}){1000} passes every check and is past its limits at the first token; a schema
+# {"$ref": "#"} allows no output at all): no token either, never one the grammar was not
+# there to allow
 GRAMMAR_FAILED = -2
 # why, for each of them (a token id below zero is no token)
 NO_TOKEN_ERRORS = {
     NO_TOKEN: "the request's constraints leave no token to generate (its structured output, "
               "allowed_token_ids, bad_words and min_tokens allow nothing together)",
-    GRAMMAR_FAILED: "the request's structured output is beyond what the grammar engine can "
-                    "follow (its limits were reached while generating); simplify the "
-                    "constraint"}
+    GRAMMAR_FAILED: "the grammar engine could not follow the request's structured output "
+                    "(a grammar that allows no output, or one past the engine's limits); "
+                    "simplify the constraint"}
 
 
 @dataclass(frozen=True)

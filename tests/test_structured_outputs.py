@@ -151,20 +151,22 @@ def test_a_matcher_the_output_does_not_match_is_kept_failed(tokenizer):
 
 
 def test_a_grammar_the_engine_gives_up_on_ends_the_request_with_an_error():
-    """A regex that passes every check but is past the grammar engine's limits at the first
-    token (llguidance: "too many expressions constructed"): the request ends with an error
-    and no token, the one beside it is served, every block comes back."""
+    """Constraints that pass every check and that the grammar engine gives up on at the first
+    token: a regex past its limits (llguidance: "too many expressions constructed"), a
+    schema that allows no output (its mask: EOS alone). Each request ends with an error and
+    no token, the one beside them is served, every block comes back."""
     engine = LLMEngine(EngineArgs(model="smollm2-135m", block_size=16, num_kv_blocks=64),
                        progress=False)
     with engine:
         prompt = engine.tokenizer.encode("num:")
-        hostile = SamplingParams(max_tokens=8, temperature=0.0,
-                                 structured_outputs={"regex": "(x{1000}){1000}"})
+        hostile = [SamplingParams(max_tokens=8, temperature=0.0, structured_outputs=spec)
+                   for spec in ({"regex": "(x{1000}){1000}"}, {"json": {"$ref": "#"}})]
         plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-        out = engine.generate([prompt, prompt], [hostile, plain])
-        assert (out[0].finish_reason, out[0].token_ids) == ("error", [])
-        assert "beyond what the grammar engine can follow" in out[0].error
-        assert (out[1].finish_reason, len(out[1].token_ids)) == ("length", 8)
+        out = engine.generate([prompt] * 3, [*hostile, plain])
+        for failed in out[:2]:
+            assert (failed.finish_reason, failed.token_ids) == ("error", [])
+            assert "grammar engine could not follow" in failed.error
+        assert (out[2].finish_reason, len(out[2].token_ids)) == ("length", 8)
         bm = engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_total_blocks
 
