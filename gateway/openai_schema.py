@@ -124,6 +124,8 @@ def read_field(body: dict, name: str, kinds: tuple[type, ...], default: Any = _M
         if default is _MISSING:
             raise APIError(f"'{name}' is a required property", param=name)
         return default
+    if isinstance(value, float) and int in kinds and float not in kinds and value.is_integer():
+        value = int(value)      # 4.0 where an integer is asked: read as vLLM's pydantic reads it
     # bool is an int in Python, never in JSON
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join(_JSON_NAMES[k] for k in kinds)
@@ -357,6 +359,9 @@ def _message(m: Any, i: int) -> dict:
         raise APIError(f"{param}.role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}",
                        param=f"{param}.role")
     content = m.get("content")
+    if content is None and m["role"] != "assistant":    # only an answer may be calls alone
+        raise APIError(f"{param}.content is required for a {m['role']} message",
+                       param=f"{param}.content")
     if content is None:
         content = ""
     elif isinstance(content, list):   # content parts: only text is served

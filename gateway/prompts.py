@@ -16,6 +16,10 @@ def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer,
     """Each prompt's ids (chat: one, its template rendered first), the last
     `truncate_prompt_tokens` of them if asked (-1: as many as the context holds beside the
     answer, `answer_room`). CPU-bound: run it off the event loop."""
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > max_model_len:
+        raise APIError(f"'truncate_prompt_tokens' ({req.truncate_prompt_tokens}) is above the "
+                       f"model's context length ({max_model_len}); -1 keeps as much as fits",
+                       param="truncate_prompt_tokens")
     if req.endpoint == "chat":
         text = tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
                                              list(req.tools) or None, req.continue_final_message)

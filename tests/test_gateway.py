@@ -1141,6 +1141,13 @@ BAD_REQUESTS = {
     "prompt longer than context (text)": ("/v1/chat/completions", chat("word " * 200), 400),
     "max_tokens a string": ("/v1/completions", completion(max_tokens="5"), 400),
     "max_tokens a boolean": ("/v1/completions", completion(max_tokens=True), 400),
+    "max_tokens not whole": ("/v1/completions", completion(max_tokens=2.5), 400),
+    "truncate_prompt_tokens above the context": (
+        "/v1/completions", completion(truncate_prompt_tokens=MAX_MODEL_LEN + 1), 400),
+    "a user message without content": ("/v1/chat/completions",
+                                       {"model": MODEL, "messages": [{"role": "user"}]}, 400),
+    "a system message of null content": ("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "system", "content": None}, {"role": "user", "content": "x"}]}, 400),
     "temperature a string": ("/v1/chat/completions", chat(temperature="hot"), 400),
     "stream a string": ("/v1/completions", completion(stream="yes"), 400),
     "messages a string": ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400),
@@ -1353,6 +1360,20 @@ async def test_the_token_gap_histogram_counts_every_token_past_the_first() -> No
     count = metrics.registry.get_sample_value("pacer:inter_token_latency_seconds_count")
     assert count == 5
     assert metrics.registry.get_sample_value("pacer:time_to_first_token_seconds_count") == 1
+
+
+async def test_whole_numbers_written_as_floats_are_read_as_integers() -> None:
+    """4.0 where an integer is asked (a client that computed it): read as 4, as vLLM's
+    pydantic models read it; 2.5 stays a 400 (BAD_REQUESTS)."""
+    from gateway.openai_schema import parse_chat, parse_completion
+    request = parse_completion({"model": MODEL, "prompt": "x", "max_tokens": 4.0, "n": 2.0,
+                                "top_k": 5.0, "seed": 7.0})
+    assert (request.max_tokens, request.n, request.top_k, request.seed) == (4, 2, 5, 7)
+    assert all(type(v) is int for v in (request.max_tokens, request.n, request.top_k))
+    chat_request = parse_chat({"model": MODEL, "max_tokens": 3.0, "messages": [
+        {"role": "user", "content": "x"}, {"role": "assistant", "content": None,
+                                           "tool_calls": []}]})
+    assert chat_request.max_tokens == 3
 
 
 async def test_long_token_id_lists_are_not_held_to_the_sampling_fields_bound() -> None:
