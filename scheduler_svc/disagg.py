@@ -184,6 +184,11 @@ class PrefillSide:
     def waiting_for_reservations(self) -> bool:
         return bool(self._pending)
 
+    def pending_entry_ids(self) -> list[bytes | str]:
+        """The entries of the requests waiting for a reservation: this scheduler's, though
+        not yet in its book (their leases are kept as the book's are)."""
+        return [p.entry_id for p in self._pending.values()]
+
     # ---- in ------------------------------------------------------------------------------
 
     def route(self, entry_id: bytes | str, msg: RequestMsg) -> None:
@@ -205,8 +210,14 @@ class PrefillSide:
         has). A short prompt, or one that already has its first token, goes to a decode
         instance as it is; a long one first gets blocks reserved there."""
         tokens = list(output_token_ids or ())
-        if msg.request_id in self._msgs or msg.request_id in self._pending:
-            self.book.admit(entry_id, msg)          # a duplicate: the book acks it
+        pending = self._pending.get(msg.request_id)
+        if pending is not None:     # not in the book yet: the book would add it to the core
+            if pending.entry_id != entry_id:
+                log.warning("duplicate request ignored", request_id=msg.request_id)
+                self.book.release(entry_id)
+            return                  # else our own entry handed back to us: nothing new
+        if msg.request_id in self._msgs:
+            self.book.admit(entry_id, msg)          # a duplicate (the book acks it) or ours
             return
         pending = self._pending[msg.request_id] = _Pending(entry_id, msg, tokens)
         if tokens or len(msg.prompt_token_ids) < self.min_prompt_tokens:

@@ -107,7 +107,8 @@ class SchedulerService:
         self.decode = DecodeSide(keys, config.instance, config.scheduler_id, core, self.book,
                                  self.started_at) if config.role == "decode" else None
         self.takeover = Takeover(redis, keys, config.scheduler_id, self.book,
-                                 admit=self.prefill.admit if self.prefill else None)
+                                 admit=self.prefill.admit if self.prefill else None,
+                                 held=self.prefill.pending_entry_ids if self.prefill else None)
         self.cursors = Cursors()
         self.recovery = Recovery(redis, keys, core, self.book, self.workers, self.takeover,
                                  self.cursors, self._drain_expired)

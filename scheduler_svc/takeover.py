@@ -42,11 +42,14 @@ MAX_TAKEOVERS = 3
 
 class Takeover:
     def __init__(self, redis: aioredis.Redis, keys: Keys, consumer: str,
-                 book: RequestBook, admit=None) -> None:
+                 book: RequestBook, admit=None, held=None) -> None:
         """`admit(entry_id, msg, output_token_ids)`: where a taken-over request goes
-        (default: the book; a P/D prefill instance routes it first)."""
+        (default: the book; a P/D prefill instance routes it first). `held()`: entries this
+        scheduler owns beyond its book's live ones (a P/D prefill instance's requests waiting
+        for a reservation), whose leases it keeps too."""
         self.redis, self.keys, self.consumer, self.book = redis, keys, consumer, book
         self.admit = admit or book.admit
+        self.held = held
         self.claim_cursor: bytes | str = "0-0"
 
     async def take_back_pending(self) -> int:
@@ -112,7 +115,7 @@ class Takeover:
         """Until cancelled: keep this scheduler's live entries from looking abandoned."""
         while not cancel_requested():
             await asyncio.sleep(LEASE_REFRESH_S)
-            ids = self.book.live_entry_ids()
+            ids = self.book.live_entry_ids() + (self.held() if self.held else [])
             if not ids:
                 continue
             try:

@@ -20,6 +20,7 @@ from shared.plan import IterationPlan, SampledToken, StepResult
 from shared.protocol import (CancelMsg, HandoffMsg, RequestMsg, ReservedMsg, ReserveMsg, encode,
                              to_fields)
 from shared.sampling import SamplingParams
+from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
 
 BLOCK = 4
 
@@ -236,6 +237,66 @@ def test_the_prefill_side_sends_each_chunk_and_hands_over_with_the_first_token()
     assert handoff.output_token_ids == [5] and handoff.kv_received == ["d0:1"]
     assert handoff.kv_check == [[7, 8, 9], [[10, 11, 12]]]
     assert c.block_manager.num_free_blocks == 16            # freed: the sends were done
+
+
+def test_a_request_waiting_for_its_reservation_is_not_admitted_twice():
+    """Its own entry handed back to it (a claim) or a duplicate entry of the same request,
+    while it waits for a decode instance's blocks: nothing new in the core (the book does
+    not know it yet, and would have added the whole request beside the reservation's), the
+    duplicate acked; the reservation then admits it once, for its first token."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    msg = request("r", 10)
+    side.admit(b"9-0", msg)
+    side.admit(b"9-0", msg)                     # our own entry, claimed back
+    side.admit(b"9-7", msg)                     # a second entry of the same request
+    assert c.get_request("r") is None and side.pending_entry_ids() == [b"9-0"]
+    assert side.book.take_outbox().acks == [b"9-7"]
+    assert len(side.take().reserves) == 1
+    side.receive_reservations(reply(ReservedMsg("r", "d0", "host-d0", [7, 8, 9],
+                                                [descriptor("d0:1")], 1.0)))
+    assert c.get_request("r").sampling.max_tokens == 1 and not side.pending_entry_ids()
+    plan = side.add_sends(c.schedule())
+    send, = plan.kv_sends
+    assert len(send.src_block_ids) == len(send.dst_block_ids) == 2
+
+
+def test_a_prefill_instance_keeps_the_leases_of_requests_waiting_for_a_reservation(
+        redis_server, monkeypatch):
+    """A long prompt that waits for a decode instance's room (longer than CLAIM_IDLE_MS
+    under load) is still this scheduler's: its lease is kept as the book's live entries'
+    are, so no scheduler (this one included) claims it as a dead one's. Real Redis."""
+    import asyncio
+    import contextlib
+
+    import redis.asyncio as aioredis
+
+    from scheduler_svc import takeover
+
+    monkeypatch.setattr(takeover, "LEASE_REFRESH_S", 0.05)
+    keys = Keys("lease-test:")
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_server)
+        await r.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
+        entry = await r.xadd(keys.requests, to_fields(request("r", 10)))
+        await r.xreadgroup(keys.requests_group, "p0", {keys.requests: ">"})
+        c = core()
+        side = PrefillSide(keys, "p0", c, RequestBook(c), min_prompt_tokens=8)
+        side.admit(entry, request("r", 10))     # no decode instance yet: it waits
+        leases = asyncio.create_task(takeover.Takeover(
+            r, keys, "p0", side.book, admit=side.admit,
+            held=side.pending_entry_ids).keep_leases())
+        await asyncio.sleep(0.8)
+        _, claimed, *_ = await r.xautoclaim(keys.requests, keys.requests_group, "p1", 400,
+                                            start_id="0-0")
+        leases.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await leases
+        await r.aclose()
+        return claimed
+
+    assert asyncio.run(go()) == []
 
 
 def test_a_decode_pool_of_another_layout_prefills_the_request_itself():

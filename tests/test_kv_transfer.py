@@ -18,6 +18,7 @@ pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-no
                                               "and libibverbs1 (make setup installs them)")
 
 from gpu_worker.kv_transfer import coalesce, make_connector            # noqa: E402
+from gpu_worker.kv_transfer.sender import _Send                        # noqa: E402
 from gpu_worker.model_runner import UnknownKVCache, build_runner       # noqa: E402
 from shared.engine_args import EngineArgs                              # noqa: E402
 from shared.engine_layout import engine_layout                         # noqa: E402
@@ -236,22 +237,28 @@ def test_a_send_that_never_completes_fails_after_the_timeout(tiny, decode_runner
 
 # ---- (e) refusals: another layout, another TP degree, no connector ---------------------------
 
-@pytest.mark.parametrize("change,message", [
-    ({"tp": 2}, "TP 1.*TP 2"),
-    ({"block_bytes": 4}, "block_bytes"),
-    ({"dtype": "bfloat16"}, "dtype"),
-    ({"num_blocks": 2}, "destination block outside"),
+@pytest.mark.parametrize("change,dst,message", [
+    ({"tp": 2}, DST_BLOCKS, "TP 1.*TP 2"),
+    ({"block_bytes": 4}, DST_BLOCKS, "block_bytes"),
+    ({"dtype": "bfloat16"}, DST_BLOCKS, "dtype"),
+    ({"num_blocks": 2}, DST_BLOCKS, "destination block outside"),
+    ({}, DST_BLOCKS[:-1], "pairs 3 source blocks with 2"),
 ])
-def test_a_peer_with_another_layout_is_refused(tiny, decode_runner, change, message):
+def test_a_send_to_another_layout_fails_its_request_alone(tiny, decode_runner, change, dst,
+                                                          message):
+    """A peer whose pool differs, or blocks that do not pair up: nothing is written, that
+    request's transfer fails (its decode side recomputes it), the iteration goes on (the
+    worker, and every other request of its group, with it)."""
     path, prompt = tiny
     runner = runner_for(path)
     peer = {**decode_runner.kv_descriptor(), **change}
-    plan = prefill_plans(prompt, SRC_BLOCKS, [KVSend("r", "d", SRC_BLOCKS, DST_BLOCKS, [peer])])
+    with pytest.raises(KVLayoutError, match=message):
+        _Send(KVSend("r", "d", SRC_BLOCKS, dst, [peer]), runner.kv_descriptor(), 0)
+    plan = prefill_plans(prompt, SRC_BLOCKS, [KVSend("r", "d", SRC_BLOCKS, dst, [peer])])
     plan = IterationPlan(0, plan[0].new_requests, [], {"r": len(prompt)},
                          kv_sends=plan[-1].kv_sends)
-    with pytest.raises(KVLayoutError, match=message):
-        runner.execute(plan)
-    assert not runner.requests                  # refused before anything changed
+    result = runner.execute(plan)
+    assert result.kv_failed == ["r"] and "r" in result.sampled and result.kv_stats["bytes"] == 0
 
 
 def test_sends_without_a_connector_are_refused(tiny, decode_runner):

@@ -1,7 +1,8 @@
 """One iteration's KV sends (IterationPlan.kv_sends), layer by layer.
 
-The runner builds a LayerSender before the forward (it refuses a send whose peer has another
-layout, before any state changes), the model calls `after_layer(l)` once layer l's K/V are in
+The runner builds a LayerSender before the forward (a send whose peer has another layout, or
+whose blocks do not pair up, is refused there: that request's transfer fails, as one that
+times out does, and the iteration goes on), the model calls `after_layer(l)` once layer l's K/V are in
 the pool, and the runner calls `finish()` before it returns the iteration's result: layer l's
 writes leave while layers l+1.. compute (layer streaming, docs/architecture.md#kv-transfer).
 
@@ -12,12 +13,15 @@ from __future__ import annotations
 
 import time
 
+import structlog
 import torch
 
 from gpu_worker.kv_cache import block_digests, block_offset
 from gpu_worker.kv_transfer.connector import KVConnector
 from shared.kv_layout import KVLayoutError, check_peer_layout
 from shared.plan import KVSend
+
+log = structlog.get_logger("worker.kv")
 
 
 def coalesce(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -58,7 +62,15 @@ class LayerSender:
                  timeout_s: float, pool: torch.Tensor):
         own = connector.descriptor()
         self.connector, self.timeout_s, self.pool = connector, timeout_s, pool
-        self.sends = [_Send(s, own, rank) for s in sends]
+        self.sends: list[_Send] = []
+        self.refused: list[str] = []        # their requests' transfers fail, nothing else
+        for send in sends:
+            try:
+                self.sends.append(_Send(send, own, rank))
+            except KVLayoutError as e:
+                log.error("KV send refused; its request goes on without it",
+                          request_id=send.request_id, error=str(e))
+                self.refused.append(send.request_id)
         self.num_layers, self.num_blocks = own["num_layers"], own["num_blocks"]
         self.block_bytes = own["block_bytes"]
         self._next_layer = 0
@@ -81,7 +93,7 @@ class LayerSender:
         start = time.perf_counter()     # what follows is exposed: the iteration waits
         if self._next_layer < self.num_layers:
             self.after_layer(self.num_layers - 1)
-        failed = []
+        failed = list(self.refused)
         for s in self.sends:
             left = self.timeout_s - (time.perf_counter() - start)
             if not all(self.connector.wait(s.handles, max(left, 0.0))):
