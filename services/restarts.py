@@ -4,6 +4,11 @@ process's heartbeat key so the scheduler and /health notice at once rather than 
 
 A service that keeps dying (MAX_RESTARTS within RESTART_WINDOW_S) is given up on: `pacer up`
 then stops everything and exits non-zero, instead of looping forever on a broken setup.
+
+A service that stops without dying (SIGSTOP, a deadlock, a process the kernel never runs
+again) would hold its requests forever: `Watchdog` finds a child whose heartbeat it has seen
+and that has written none for `--watchdog-s` while its process lives, and kills it, so that
+it is restarted as a death is (docs/failure-modes.md#a-service-that-hangs).
 """
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ from collections import deque
 
 import redis
 import structlog
+
+from shared.protocol import ProtocolError, decode
 
 from services.supervisor import Child, Supervisor, describe_exit, stop_children, wait_quietly
 
@@ -72,3 +79,61 @@ class Restarter:
             log.warning("heartbeat keys not deleted", keys=keys, error=str(e))
         finally:
             client.close()
+
+
+class Watchdog:
+    CHECK_EVERY_S = 1.0
+
+    def __init__(self, redis_url: str, heartbeat_keys: dict[str, str], after_s: float) -> None:
+        """`heartbeat_keys`: child name -> its heartbeat key; `after_s`: how long a child
+        whose heartbeat was seen may go without one (0: never killed)."""
+        self.heartbeat_keys, self.after_s = heartbeat_keys, after_s
+        self._client = redis.Redis.from_url(redis_url, socket_timeout=1.0,
+                                            socket_connect_timeout=1.0)
+        self._seen: dict[int, float] = {}      # pid -> when its heartbeat was last seen
+        self._checked_at = time.monotonic()
+        self._redis_away = False
+
+    def hung(self, children: list[Child]) -> list[Child]:
+        """The running children silent for longer than `after_s` (checked once a second)."""
+        now = time.monotonic()
+        if self.after_s <= 0 or now - self._checked_at < self.CHECK_EVERY_S:
+            return []
+        self._checked_at = now
+        watched = [c for c in children if c.name in self.heartbeat_keys and c.returncode is None]
+        if not watched:
+            return []
+        try:
+            values = self._client.mget([self.heartbeat_keys[c.name] for c in watched])
+        except (redis.RedisError, OSError):
+            self._redis_away = True
+            return []           # no verdict without Redis: its services wait for it too
+        pids = [_beat_pid(v) for v in values]
+        live = {c.pid for c in watched}
+        self._seen = {pid: t for pid, t in self._seen.items() if pid in live}
+        if self._redis_away or not any(pids):
+            # Redis was away, or lost every key at once (a restart, not every service hung
+            # together): the services reconnect and beat again; count from now
+            self._seen = dict.fromkeys(self._seen, now)
+            self._redis_away = False
+        hung = []
+        for child, pid in zip(watched, pids):
+            if pid == child.pid:
+                self._seen[child.pid] = now
+            elif child.pid in self._seen and now - self._seen[child.pid] > self.after_s:
+                del self._seen[child.pid]
+                hung.append(child)
+        return hung
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _beat_pid(value: bytes | None) -> int | None:
+    """The pid a heartbeat value names (None: no key, or not a heartbeat)."""
+    if not value:
+        return None
+    try:
+        return int(decode(value).extra.get("pid", -1))
+    except (ProtocolError, AttributeError, TypeError, ValueError):
+        return None

@@ -29,7 +29,7 @@ import structlog
 from gateway.cli import POLICY_FLAGS, add_request_policy_args
 from gateway.config import POLICIES
 from scheduler_svc.cli import default_scheduler_id
-from services.restarts import Restarter
+from services.restarts import Restarter, Watchdog
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
 from shared import gpu_memory
 from shared.config import parse_size
@@ -38,8 +38,8 @@ from shared.engine_args import EngineArgs
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
-from shared.service_args import (non_negative_int, positive_seconds, refused_credentials,
-                                 shown_url)
+from shared.service_args import (non_negative_int, non_negative_seconds, positive_seconds,
+                                 refused_credentials, shown_url)
 
 log = structlog.get_logger("up")
 
@@ -59,6 +59,10 @@ def register(sub) -> None:
                    help="seconds to wait for /health to turn 200")
     add_request_policy_args(p)
     p.add_argument("--log-level", default="info")
+    p.add_argument("--watchdog-s", type=non_negative_seconds, default=30.0,
+                   help="kill (and so restart) a scheduler or worker that has written no "
+                        "heartbeat for this long while its process lives: stopped or hung "
+                        "(0: never; docs/failure-modes.md#a-service-that-hangs)")
     p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU, several engine instances (P/D, replicas): each instance's forward "
                         "threads on cores of their own, where they fit "
@@ -442,12 +446,19 @@ def _wait_healthy(sup: Supervisor, base_url: str, timeout_s: float, stopping: _S
         wait_quietly(0.25, stopping)
 
 
-def _watch(sup: Supervisor, stopping: _Signals, restarter: Restarter) -> int:
-    """Until a signal (0) or a child that keeps dying (1); a death is restarted."""
+def _watch(sup: Supervisor, stopping: _Signals, restarter: Restarter,
+           watchdog: Watchdog) -> int:
+    """Until a signal (0) or a child that keeps dying (1); a death is restarted, and a child
+    silent too long is killed (then restarted as a death is)."""
     while not stopping():
         for child in sup.newly_exited():
             if not restarter.handle(child, stopping):
                 return 1
+        for child in watchdog.hung(sup.children):
+            print(f"pacer up: {child.name} (pid {child.pid}) wrote no heartbeat for "
+                  f"{watchdog.after_s:g} s while its process lived (stopped or hung); "
+                  "killing it", file=sys.stderr, flush=True)
+            child.proc.kill()
         wait_quietly(0.1, stopping)
     return 0
 
@@ -498,7 +509,11 @@ def run(args: argparse.Namespace) -> int:
         # among the services' logs at a terminal, set the line apart
         print(f"\n{banner}\n" if sys.stdout.isatty() else banner, flush=True)
         restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups)
-        return _watch(sup, stopping, restarter)
+        watchdog = Watchdog(args.redis_url, services.heartbeat_keys, args.watchdog_s)
+        try:
+            return _watch(sup, stopping, restarter, watchdog)
+        finally:
+            watchdog.close()
     finally:
         _stop(sup, args.shutdown_timeout, services.groups)
 

@@ -27,6 +27,14 @@ def positive_seconds(text: str) -> float:
     return value
 
 
+def non_negative_seconds(text: str) -> float:
+    """An argparse type: a number of seconds >= 0 (0: the thing it bounds is off)."""
+    value = float(text)
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
+    return value
+
+
 def add_redis_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")

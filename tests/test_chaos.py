@@ -1,5 +1,6 @@
 """Chaos with real processes: 32 concurrent greedy streams (every fourth under a grammar)
-against `pacer up` while a worker is killed (-9), then the scheduler, then Redis is restarted.
+against `pacer up` while a worker is killed (-9), then the scheduler, then a worker is
+stopped (SIGSTOP: alive, silent; pacer up's watchdog kills it), then Redis is restarted.
 
 After a worker's or the scheduler's death every stream must end with exactly the text of an
 undisturbed run (no token missing, none repeated); after Redis restarts (it keeps nothing)
@@ -36,6 +37,8 @@ NUM_STREAMS = 32
 MAX_TOKENS = 32
 KILL_AFTER_CHUNKS = 4          # every stream has streamed this much before the kill
 STREAM_DEADLINE_S = 150.0
+WATCHDOG_S = 4.0               # --watchdog-s: a stopped worker is killed this long after
+                               # its last heartbeat
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, a small robot",
            "The three primary colours are", "In 1969, the first person on the Moon"]
 
@@ -61,7 +64,7 @@ def served(tmp_path_factory):
     # path is batch-invariant on every CPU (on AMX, oneDNN's bf16 GEMMs and the int4 GEMMs of
     # 40 rows or more are not; elsewhere the defaults are too: tests/test_batch_invariance.py)
     system = start_served(str(tmp_path_factory.mktemp("chaos") / "pacer-up.log"), "--dtype", "float32",
-                          "--quantization", "none")
+                          "--quantization", "none", "--watchdog-s", str(WATCHDOG_S))
     try:
         yield system
     finally:
@@ -151,6 +154,23 @@ def test_a_killed_scheduler_is_restarted_and_every_stream_completes_exactly(serv
     assert_exact(results, reference, served)
     print(f"\nscheduler kill -9: streams stalled {stall_after(results, killed_at):.2f} s "
           "(restart + take-over from the progress records), then all 32 completed exactly")
+    wait_healthy(served)
+
+
+def test_a_stopped_worker_is_killed_and_restarted_and_every_stream_completes_exactly(
+        served, reference):
+    """SIGSTOP: the worker's process lives but runs no more (as a hung one): without the
+    watchdog every stream would wait for it forever."""
+    wait_healthy(served)
+    pid = heartbeat_pid(served, KEYS.hb_worker(0))
+    results, stopped_at = asyncio.run(run_streams(served, lambda: os.kill(pid, signal.SIGSTOP)))
+    assert_exact(results, reference, served)
+    assert heartbeat_pid(served, KEYS.hb_worker(0)) != pid
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)                     # killed, not merely left stopped
+    print(f"\nworker stopped: streams stalled {stall_after(results, stopped_at):.2f} s "
+          f"(--watchdog-s {WATCHDOG_S:g} + restart + model load + recompute), then all 32 "
+          "completed exactly")
     wait_healthy(served)
 
 
