@@ -240,15 +240,19 @@ class PrefillSide:
         return best[1]
 
     def _ask(self, pending: _Pending) -> None:
+        """Ask a decode instance for blocks. A decode instance holds one reservation per
+        request id and answers a repeated ask with the same blocks, so asking the same one
+        again needs no cancel (one would free the blocks the answer names); asking another
+        cancels the reservation left behind."""
         block_size = self.core.block_manager.block_size
         decoder = self._choose(-(-(len(pending.msg.prompt_token_ids) + 1) // block_size))
         pending.asked_at = time.monotonic()
-        if decoder is None:
-            pending.asked = ""
-            return
-        pending.asked = decoder.instance
-        self.out.reserves.append((decoder.instance, ReserveMsg(encode(pending.msg),
-                                                               self.instance)))
+        left, pending.asked = pending.asked, decoder.instance if decoder else ""
+        if left and left != pending.asked:
+            self.out.cancels.append((left, CancelMsg(pending.msg.request_id, "asked elsewhere")))
+        if decoder is not None:
+            self.out.reserves.append((decoder.instance, ReserveMsg(encode(pending.msg),
+                                                                   self.instance)))
 
     def _hand_over_whole(self, pending: _Pending) -> None:
         decoder = self._choose(0)
@@ -287,7 +291,11 @@ class PrefillSide:
     def _reserved(self, msg: ReservedMsg) -> None:
         pending = self._pending.get(msg.request_id)
         if pending is None or pending.asked != msg.decode_instance:
-            if msg.block_ids:       # nobody wants it any more (aborted, or asked elsewhere)
+            # nobody wants it any more (aborted, or asked elsewhere); but a late answer to an
+            # ask repeated at the instance whose blocks the request now uses names those same
+            # blocks: cancelling it would free them under the sends
+            res = self._reservations.get(msg.request_id)
+            if msg.block_ids and (res is None or res.decode_instance != msg.decode_instance):
                 self.out.cancels.append((msg.decode_instance,
                                          CancelMsg(msg.request_id, "not wanted")))
             return
@@ -356,16 +364,31 @@ class PrefillSide:
     def retry(self) -> None:
         now = time.monotonic()
         for pending in list(self._pending.values()):
-            if now - pending.asked_at < RESERVE_RETRY_S and pending.asked:
+            if self._ended(pending) or now - pending.asked_at < RESERVE_RETRY_S and pending.asked:
                 continue
             if pending.output_token_ids or \
                     len(pending.msg.prompt_token_ids) < self.min_prompt_tokens:
                 self._hand_over_whole(pending)
             else:
-                if pending.asked:
-                    self.out.cancels.append((pending.asked, CancelMsg(pending.msg.request_id,
-                                                                      "asked again")))
                 self._ask(pending)
+
+    def _ended(self, pending: _Pending) -> bool:
+        """A request still waiting for its reservation whose client went away or whose
+        deadline passed ends now, as one the core holds would, and asks for nothing more."""
+        msg, wall = pending.msg, time.time()
+        if self.book.aborted_early(msg.request_id):
+            reason, error, kind = "abort", None, "server_error"
+        elif msg.deadline is not None and msg.deadline <= wall:
+            reason, kind = "error", "timeout_error"
+            error = f"the request's deadline passed {wall - msg.deadline:.1f} s ago"
+        else:
+            return False
+        del self._pending[msg.request_id]
+        if pending.asked:
+            self.out.cancels.append((pending.asked, CancelMsg(msg.request_id, reason)))
+        self.book.finish_now(pending.entry_id, msg, reason, len(pending.output_token_ids),
+                             error, kind)
+        return True
 
     # ---- each iteration ------------------------------------------------------------------
 
@@ -459,12 +482,14 @@ class PrefillSide:
         return out
 
     def queue(self, pipe, out: Outgoing) -> None:
+        # cancels first: one for a request asked again of the same instance must not free the
+        # blocks of the ask after it
+        for instance, msg in out.cancels:
+            self._notify(pipe, self.keys.for_instance(instance).handoff, msg)
         for instance, msg in out.reserves:
             self._notify(pipe, self.keys.for_instance(instance).handoff, msg)
         for instance, consumer, entry_id, msg in out.handoffs:
             self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).handoff, msg)
-        for instance, msg in out.cancels:
-            self._notify(pipe, self.keys.for_instance(instance).handoff, msg)
         for instance, consumer, entry_id, msg in out.forwards:
             self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).reservations,
                        msg)
@@ -524,8 +549,12 @@ class DecodeSide:
         """This instance's worker heartbeats: the KV descriptors handed to prefill sides."""
         self.peers = kv_descriptors(values)
 
-    def receive(self, reply) -> None:
+    def receive(self, reply) -> bool:
+        """The hand-off stream's new messages; whether any came (reservations and cancels
+        change the pool between plans)."""
+        came = False
         for entry_id, msg in stream_messages(reply):
+            came = True
             self.cursor = entry_id
             if isinstance(msg, ReserveMsg):
                 self._reserve(msg)
@@ -534,6 +563,7 @@ class DecodeSide:
             elif isinstance(msg, CancelMsg) and self.core.cancel_reservation(msg.request_id):
                 self._reserved_at.pop(msg.request_id, None)
                 log.info("reservation cancelled", request_id=msg.request_id, reason=msg.reason)
+        return came
 
     def _reserve(self, msg: ReserveMsg) -> None:
         request = decode(msg.request)

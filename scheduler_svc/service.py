@@ -381,8 +381,8 @@ class SchedulerService:
         self._receive_aborts(replies.pop())
         if room:
             self._receive_requests(replies.pop())
-        if self.decode is not None:
-            self.decode.receive(replies.pop())
+        if self.decode is not None and self.decode.receive(replies.pop()):
+            self.stats.mark_dirty()         # reservations change the pool between plans
         if disagg_out is not None:
             self.prefill.receive_reservations(replies.pop())
         if claim:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from dataclasses import replace
 
 import pytest
@@ -17,8 +18,8 @@ from scheduler_svc.workers import role_disagreement
 from shared.config import SchedulerConfig
 from shared.keys import Keys
 from shared.plan import IterationPlan, SampledToken, StepResult
-from shared.protocol import (CancelMsg, HandoffMsg, RequestMsg, ReservedMsg, ReserveMsg, encode,
-                             to_fields)
+from shared.protocol import (AbortMsg, CancelMsg, HandoffMsg, RequestMsg, ReservedMsg, ReserveMsg,
+                             decode, encode, from_fields, to_fields)
 from shared.sampling import SamplingParams
 from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
 
@@ -259,6 +260,71 @@ def test_a_request_waiting_for_its_reservation_is_not_admitted_twice():
     plan = side.add_sends(c.schedule())
     send, = plan.kv_sends
     assert len(send.src_block_ids) == len(send.dst_block_ids) == 2
+
+
+def test_asking_the_same_decode_instance_again_never_frees_the_blocks_it_names():
+    """A decode instance holds one reservation per request id and answers a repeated ask with
+    the same blocks: re-asking it (after a refusal, or no answer in RESERVE_RETRY_S) sends no
+    cancel, a late answer to the earlier ask is not cancelled once the request uses those
+    blocks, and cancels (for other instances) leave before asks in the pipeline. Before, an
+    "asked again" cancel queued after the new ask freed the blocks the prefill then wrote
+    into, under other requests."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", request("r", 10))
+    assert len(side.take().reserves) == 1
+    side._pending["r"].asked_at -= 60                   # no answer in time: asked again
+    side.retry()
+    out = side.take()
+    assert [i for i, _ in out.reserves] == ["d0"] and out.cancels == []
+    granted = ReservedMsg("r", "d0", "host-d0", [7, 8, 9], [descriptor("d0:1")], 1.0)
+    side.receive_reservations(reply(granted, granted))  # the answers to both asks
+    assert side.take().cancels == [] and c.get_request("r") is not None
+    # another instance now has more room: a request asked there cancels what it left at d0
+    side.admit(b"9-1", request("s", 10))
+    side.take()
+    side.decoders["d1"] = _Decoder("d1", "host-d1", 500, 0, 1.0)
+    side._pending["s"].asked_at -= 60
+    side.retry()
+    out = side.take()
+    assert [(i, m.reason) for i, m in out.cancels] == [("d0", "asked elsewhere")]
+    assert [i for i, _ in out.reserves] == ["d1"]
+
+    class Pipe:
+        def __init__(self):
+            self.sent = []
+
+        def xadd(self, stream, fields, **_):
+            self.sent.append(type(from_fields(fields)).__name__)
+
+        def xclaim(self, *args, **kwargs):
+            pass
+
+    pipe = Pipe()
+    side.queue(pipe, out)
+    assert pipe.sent == ["CancelMsg", "ReserveMsg"]
+
+
+def test_a_request_waiting_for_its_reservation_ends_at_its_abort_or_deadline():
+    """Aborted (its client gone) or past its deadline while the decode side has no room: it
+    ends at the next retry, with the same finish event as a request the core holds, and its
+    ask at the decode instance is cancelled; it asks for nothing more."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", request("gone", 10))
+    side.admit(b"9-1", replace(request("late", 10), deadline=time.time() - 0.5))
+    side.admit(b"9-2", request("waits", 10))
+    side.take()
+    side.book.abort(to_fields(AbortMsg("gone", "client disconnected")))
+    side.retry()
+    out = side.take()
+    assert sorted((i, m.request_id, m.reason) for i, m in out.cancels) == [
+        ("d0", "gone", "abort"), ("d0", "late", "error")]
+    assert out.reserves == [] and side.pending_entry_ids() == [b"9-2"]
+    events = {e.request_id: e for e in (decode(d) for _, d in side.book.take_outbox().finishes)}
+    assert events["gone"].finish_reason == "abort"
+    assert events["late"].error_type == "timeout_error" and "deadline" in events["late"].error
+    assert side.num_awaiting_reservation == 1
 
 
 def test_a_prefill_instance_keeps_the_leases_of_requests_waiting_for_a_reservation(
