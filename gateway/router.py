@@ -29,6 +29,10 @@ moves to a decode instance. Policies (`--router`):
   this is the least work queued. Why a prefix sticks rather than being weighed against the
   load each time: docs/design.md#cache-aware-routing.
 
+An instance whose scheduler has no live heartbeat (stopped, or restarting) is left out of the
+choice, whatever the policy, while another is alive (the live set is read at most every
+LIVE_REFRESH_S): its stream would hold the request until the scheduler is back.
+
 What an instance holds cached is the set of block hashes its scheduler publishes
 (`pacer:inst:{id}:cached_blocks`, SADD on caching, SREM on eviction, DEL when its index
 empties); the router computes the prompt's chained block hashes with the core's own hash
@@ -51,6 +55,7 @@ import redis.asyncio as aioredis
 from gateway.config import POLICIES
 from shared.keys import Keys
 from shared.prefix_hash import cacheable_hashes
+from shared.protocol import Heartbeat, ProtocolError, decode
 
 DECODE_TOKENS = 64           # prompt tokens' worth of work a request is once it decodes
 UNKNOWN_TOKENS = 256         # ...and one in flight that another gateway sent
@@ -62,6 +67,7 @@ OVERLOAD_FACTOR = 2          # ...unless its replica has more than this many tim
 OVERLOAD_MARGIN = 4          #    least loaded one's requests in flight, plus this many
 KV_FULL = 0.9                # ...or a KV cache fuller than this
 STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+LIVE_REFRESH_S = 1.0         # how often the router reads which instances' schedulers live
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,7 @@ class ReplicaRouter:
             raise ValueError(f"unknown router policy {policy!r}; one of {POLICIES}")
         if not instances:
             raise ValueError("a router needs at least one instance")
-        self.redis, self.policy = redis, policy
+        self.redis, self.policy, self._root_keys = redis, policy, keys
         self.instances = list(instances)
         self._keys = [keys.for_instance(i) for i in self.instances]
         self._turns = itertools.count()
@@ -144,17 +150,21 @@ class ReplicaRouter:
         self._recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
         self.block_size: int | None = None                    # learnt from the stats hashes
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
+        self._all = list(range(len(self.instances)))
+        self._live, self._live_at = self._all, float("-inf")
 
     async def choose(self, request_id: str, prompt_token_ids: Sequence[int]) -> str:
         """The instance the request goes to; counts it in flight there."""
         self.ended(request_id)       # a submission retried after a dropped connection
         turn = next(self._turns)
         work = len(prompt_token_ids)
-        if self.policy == "round-robin" or len(self.instances) == 1:
-            index = turn % len(self.instances)
+        live = await self._live_indices()
+        if self.policy == "round-robin" or len(live) == 1:
+            index = live[turn % len(live)]
         else:
             candidates, hashes = await self._candidates(prompt_token_ids)
-            index = pick(self.policy, candidates, len(prompt_token_ids), turn)
+            index = live[pick(self.policy, [candidates[i] for i in live],
+                              len(prompt_token_ids), turn)]
             work -= candidates[index].cached_tokens
             if self.policy == "prefix":
                 self._remember(hashes, index)
@@ -179,6 +189,15 @@ class ReplicaRouter:
             index, work = entry
             self._outstanding[index] -= 1
             self._queued[index] -= work
+
+    async def _live_indices(self) -> list[int]:
+        """The instances whose scheduler heartbeats, as read at most LIVE_REFRESH_S ago; every
+        one while none does (no verdict: Redis restarted, or nothing started yet)."""
+        if len(self.instances) > 1 and time.monotonic() - self._live_at >= LIVE_REFRESH_S:
+            self._live_at = time.monotonic()
+            up = await live_instances(self.redis, self._root_keys)
+            self._live = [i for i, inst in enumerate(self.instances) if inst in up] or self._all
+        return self._live
 
     async def _candidates(self, prompt_token_ids: Sequence[int]
                           ) -> tuple[list[Candidate], list[bytes]]:
@@ -239,3 +258,19 @@ def _number(value) -> float:
         return float(value) if value is not None else 0.0
     except ValueError:
         return 0.0
+
+
+async def live_instances(redis: aioredis.Redis, keys: Keys) -> set[str]:
+    """The engine instances whose scheduler heartbeat key is alive ("" for a colocated
+    engine's): SCAN of the heartbeat keys, one MGET; a scheduler's heartbeat names its
+    instance (an expired key reads as None; an undecodable value counts for none)."""
+    beats = [k async for k in redis.scan_iter(match=keys.hb_scheduler_pattern, count=1000)]
+    found = set()
+    for value in await redis.mget(beats) if beats else []:
+        try:
+            beat = decode(value) if value else None
+        except ProtocolError:
+            continue
+        if isinstance(beat, Heartbeat) and beat.service == "scheduler":
+            found.add(str(beat.extra.get("instance", "")))
+    return found

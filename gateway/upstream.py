@@ -26,12 +26,11 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
-from gateway.router import ReplicaRouter
+from gateway.router import ReplicaRouter, live_instances
 from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
-from shared.protocol import (AbortMsg, Heartbeat, ProtocolError, RequestMsg, decode, encode,
-                             to_fields)
+from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
 from shared.redis_retry import retry_redis
 from shared.sampling import SamplingParams
 
@@ -174,11 +173,11 @@ class Upstream:
         """Which services /health needs but whose heartbeat key has expired: the scheduler and
         every worker rank of the colocated engine, or of each engine instance (replica or P/D
         instance; a scheduler's heartbeat names its instance)."""
-        beats = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
         if not instances:
+            beats = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
             missing = [] if beats else ["scheduler"]
         else:
-            up = scheduler_instances(await self.redis.mget(beats)) if beats else set()
+            up = await live_instances(self.redis, self.keys)
             missing = [f"instance {inst} scheduler" for inst, _ in instances if inst not in up]
         ranks = [(f"worker rank {r}" if not inst else f"instance {inst} worker rank {r}",
                   self.keys.for_instance(inst).hb_worker(r))
@@ -186,17 +185,3 @@ class Upstream:
         alive = await asyncio.gather(*(self.redis.exists(k) for _, k in ranks))
         missing += [name for (name, _), up in zip(ranks, alive) if not up]
         return missing
-
-
-def scheduler_instances(values: list[bytes | None]) -> set[str]:
-    """The engine instances whose scheduler heartbeats are among `values` (expired keys read
-    as None; an undecodable value counts for none)."""
-    found = set()
-    for value in values:
-        try:
-            beat = decode(value) if value else None
-        except ProtocolError:
-            continue
-        if isinstance(beat, Heartbeat) and beat.service == "scheduler":
-            found.add(str(beat.extra.get("instance", "")))
-    return found

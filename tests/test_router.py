@@ -10,11 +10,13 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from gateway import router as router_module
 from gateway.router import DECODE_TOKENS, Candidate, ReplicaRouter, leading, pick
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import BlockManager, Request
 from shared.keys import Keys
 from shared.prefix_hash import block_hashes, cacheable_hashes
+from shared.protocol import Heartbeat, encode
 from shared.sampling import SamplingParams
 from tests.redis_fixture import redis_server  # noqa: F401
 
@@ -190,11 +192,44 @@ def test_the_first_prompt_a_router_sees_is_hashed_and_remembered(redis_server):
     assert second == first
 
 
-def test_round_robin_needs_no_redis_reads():
+def test_round_robin_goes_in_turn():
     async def scenario() -> list[str]:
-        router = ReplicaRouter(None, Keys(), ["r0", "r1"], "round-robin")  # type: ignore[arg-type]
-        return [await router.choose(str(i), [1, 2, 3]) for i in range(3)]
-    assert asyncio.run(scenario()) == ["r0", "r1", "r0"]
+        router = ReplicaRouter(None, Keys(), ["r0"], "round-robin")  # type: ignore[arg-type]
+        return [await router.choose(str(i), [1, 2, 3]) for i in range(2)]
+    assert asyncio.run(scenario()) == ["r0", "r0"]          # one instance: no Redis read
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "prefix"])
+def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypatch, policy):
+    """Every policy skips an instance with no live scheduler heartbeat while another has one
+    (its stream would hold the request until the scheduler is back); with none alive at all
+    (no verdict) every instance is a candidate, as before."""
+    monkeypatch.setattr(router_module, "LIVE_REFRESH_S", 0.0)
+    keys = Keys(f"live-{policy}:")
+    sync = redis.Redis.from_url(redis_server)
+    for inst in ("r0", "r1"):
+        sync.hset(keys.for_instance(inst).stats, mapping={
+            "num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
+            "block_size": BLOCK})
+
+    def beat(inst: str) -> None:
+        sync.set(keys.hb_scheduler(f"sched-{inst}"),
+                 encode(Heartbeat("scheduler", f"sched-{inst}", 0.0, {"instance": inst})))
+
+    async def choices(n: int) -> list[str]:
+        client = aioredis.Redis.from_url(redis_server)
+        router = ReplicaRouter(client, keys, ["r0", "r1"], policy)
+        try:
+            return [await router.choose(str(i), [i] * 8) for i in range(n)]
+        finally:
+            await client.aclose()
+
+    assert set(asyncio.run(choices(6))) == {"r0", "r1"}     # no heartbeat at all
+    beat("r1")
+    assert set(asyncio.run(choices(6))) == {"r1"}           # r0's scheduler is gone
+    beat("r0")
+    assert set(asyncio.run(choices(6))) == {"r0", "r1"}
+    sync.close()
 
 
 # ---- what a replica publishes --------------------------------------------------------------
