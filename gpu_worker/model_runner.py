@@ -419,12 +419,16 @@ class ModelRunner:
         (docs/design.md#kv-integrity)."""
         rank, blocks = self.tp.rank, check.block_ids
         want = check.digests[rank] if rank < len(check.digests) else None
-        ok = (want is not None and len(want) == len(blocks)
-              and all(0 <= b < self.kv_pool.shape[2] for b in blocks)
-              and block_digests(self.kv_pool, blocks) == want)
+        got = block_digests(self.kv_pool, blocks) if want is not None and \
+            len(want) == len(blocks) and all(0 <= b < self.kv_pool.shape[2] for b in blocks) \
+            else None
+        ok = got is not None and got == want
         if not ok:
+            # which of the prompt's blocks differ (by position): where to look for the cause
             log.warning("received K/V differs from what was sent; it will be recomputed",
-                        request_id=check.request_id, rank=rank)
+                        request_id=check.request_id, rank=rank, blocks=len(blocks),
+                        differing=None if got is None else
+                        [i for i, (g, w) in enumerate(zip(got, want)) if g != w])
         return ok
 
     def _apply(self, plan: IterationPlan) -> None:
