@@ -280,9 +280,7 @@ class ModelRunner:
                 logits, extra = logits[:len(states)], logits[len(states):]
                 prompt_logprobs = self._prompt_logprobs(extra, spans)
             with scope("sampling"):
-                # a matcher the grammar engine gave up on masks nothing: its row gets no token
-                constrained = [i for i, s in enumerate(states)
-                               if s.matcher is not None and not s.matcher.is_error()]
+                constrained = [i for i, s in enumerate(states) if s.matcher is not None]
                 if constrained:
                     mask_rows(logits, constrained, [states[i].matcher for i in constrained])
                 tokens = self.sampler.sample(
@@ -299,8 +297,10 @@ class ModelRunner:
             s.num_computed_tokens += n
         eos = self.eos_token_ids
         for i, (rid, s, t) in enumerate(zip(sampling_ids, states, tokens)):
+            # a matcher the grammar engine gave up on (at its construction, its mask or this
+            # token) still takes EOS: its error, not the token, says the row has none
             if t.token_id >= 0 and s.matcher is not None and (
-                    s.matcher.is_error() or not s.matcher.consume_token(t.token_id)):
+                    not s.matcher.consume_token(t.token_id) or s.matcher.is_error()):
                 log.warning("the grammar engine gave up on a request's structured output; it "
                             "ends with an error", request_id=rid, error=s.matcher.get_error())
                 t = tokens[i] = SampledToken(GRAMMAR_FAILED)

@@ -64,8 +64,7 @@ class Grammars:
             return None
         from llguidance import LLMatcher
         m = LLMatcher(self._vocabulary(), grammar(*sampling.structured_outputs))
-        if not m.is_error():
-            m.consume_tokens(list(output))
+        m.consume_tokens(list(output))
         if m.is_error():
             log.warning("the grammar engine gave up on a request's structured output",
                         request_id=request_id, error=m.get_error())

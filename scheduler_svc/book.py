@@ -108,10 +108,8 @@ class RequestBook:
         """Add a request to the core; `output_token_ids` are tokens its client already has."""
         rid = msg.request_id
         if rid in self._entries:
-            if self._entries[rid].entry_id != entry_id:
-                log.warning("duplicate request ignored", request_id=rid)
-                self._outbox.acks.append(entry_id)
-            return          # else: our own entry handed back to us (a claim); nothing new
+            self.duplicate(rid, entry_id, self._entries[rid].entry_id)
+            return
         if rid in self._early_aborts:
             del self._early_aborts[rid]
             self.finish_now(entry_id, msg, "abort", len(output_token_ids or ()))
@@ -128,6 +126,15 @@ class RequestBook:
         log.info("request admitted to queue", request_id=rid, gateway_id=msg.gateway_id,
                  prompt_tokens=len(msg.prompt_token_ids), max_tokens=msg.sampling.max_tokens,
                  resumed_at=len(output_token_ids or ()))
+
+    def duplicate(self, request_id: str, entry_id: bytes | str,
+                  held_entry_id: bytes | str) -> None:
+        """Another delivery of a request this scheduler holds (under `held_entry_id`): a
+        second entry of it is acked and ignored; its own entry handed back to it (a claim)
+        changes nothing."""
+        if entry_id != held_entry_id:
+            log.warning("duplicate request ignored", request_id=request_id)
+            self._outbox.acks.append(entry_id)
 
     def track(self, entry_id: bytes | str, msg: RequestMsg) -> None:
         """Answer for a request the core holds: its entry, channel and deadline."""
@@ -210,8 +217,7 @@ class RequestBook:
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, rid = heapq.heappop(self._deadlines)
             if rid in self._entries:
-                self.stop(rid, f"the request's deadline passed {now - deadline:.1f} s ago",
-                          "timeout_error")
+                self.stop(rid, deadline_passed(deadline, now), "timeout_error")
 
     # ---- out -----------------------------------------------------------------------------
 
@@ -250,3 +256,8 @@ class RequestBook:
 
 def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
+
+
+def deadline_passed(deadline: float, now: float) -> str:
+    """The error of a request ended at its deadline (both time.time())."""
+    return f"the request's deadline passed {now - deadline:.1f} s ago"

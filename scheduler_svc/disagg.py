@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 
 import structlog
 
-from scheduler_svc.book import RequestBook
+from scheduler_svc.book import RequestBook, deadline_passed
 from scheduler_svc.core import Scheduler
 from scheduler_svc.core.request import Request, stop_status
 from shared.errors import InvalidRequestError
@@ -212,10 +212,8 @@ class PrefillSide:
         tokens = list(output_token_ids or ())
         pending = self._pending.get(msg.request_id)
         if pending is not None:     # not in the book yet: the book would add it to the core
-            if pending.entry_id != entry_id:
-                log.warning("duplicate request ignored", request_id=msg.request_id)
-                self.book.release(entry_id)
-            return                  # else our own entry handed back to us: nothing new
+            self.book.duplicate(msg.request_id, entry_id, pending.entry_id)
+            return
         if msg.request_id in self._msgs:
             self.book.admit(entry_id, msg)          # a duplicate (the book acks it) or ours
             return
@@ -379,8 +377,7 @@ class PrefillSide:
         if self.book.aborted_early(msg.request_id):
             reason, error, kind = "abort", None, "server_error"
         elif msg.deadline is not None and msg.deadline <= wall:
-            reason, kind = "error", "timeout_error"
-            error = f"the request's deadline passed {wall - msg.deadline:.1f} s ago"
+            reason, error, kind = "error", deadline_passed(msg.deadline, wall), "timeout_error"
         else:
             return False
         del self._pending[msg.request_id]

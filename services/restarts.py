@@ -19,8 +19,7 @@ from collections import deque
 import redis
 import structlog
 
-from shared.protocol import ProtocolError, decode
-
+from scheduler_svc.workers import incarnation
 from services.supervisor import Child, Supervisor, describe_exit, stop_children, wait_quietly
 
 log = structlog.get_logger("restarts")
@@ -108,7 +107,7 @@ class Watchdog:
         except (redis.RedisError, OSError):
             self._redis_away = True
             return []           # no verdict without Redis: its services wait for it too
-        pids = [_beat_pid(v) for v in values]
+        pids = [(incarnation(v) or (None,))[0] for v in values]
         live = {c.pid for c in watched}
         self._seen = {pid: t for pid, t in self._seen.items() if pid in live}
         if self._redis_away or not any(pids):
@@ -128,12 +127,3 @@ class Watchdog:
     def close(self) -> None:
         self._client.close()
 
-
-def _beat_pid(value: bytes | None) -> int | None:
-    """The pid a heartbeat value names (None: no key, or not a heartbeat)."""
-    if not value:
-        return None
-    try:
-        return int(decode(value).extra.get("pid", -1))
-    except (ProtocolError, AttributeError, TypeError, ValueError):
-        return None
