@@ -101,13 +101,13 @@ def _pool(fill: float) -> torch.Tensor:
     return torch.full((2, 2, 8, 4, 1, 8), fill, dtype=torch.float32)
 
 
-def _receiver(to_parent, from_parent) -> None:
+def _receiver(to_parent, from_parent, shape: tuple = ()) -> None:
     conn = make_connector("mooncake")
-    pool = _pool(0.0)
+    pool = torch.zeros(shape) if shape else _pool(0.0)
     conn.register(pool)
     to_parent.put(conn.descriptor())
     from_parent.get()                           # the parent's writes are done
-    to_parent.put(pool.numpy().tobytes())
+    to_parent.put(pool.numpy().tobytes())       # the pool as it is now
     conn.close()
 
 
@@ -143,6 +143,35 @@ def test_connector_moves_bytes_between_processes(capfd):
             pytest.xfail("the Mooncake engine reported a write complete after a connection "
                          "reset, and it did not land")
         assert torch.equal(got, want)
+        conn.close()
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+
+
+def test_a_write_of_many_segments_is_done_only_when_all_landed():
+    """32 MiB in 32 segments: when `wait` says done, every byte is in the peer's pool.
+    (One Mooncake batch of them read "completed" when its first segment had landed: its
+    status call reports a batch's first task. The served symptom was the decode side's K/V
+    check failing on a prompt's later blocks, docs/design.md#kv-integrity.)"""
+    shape, segment = (2, 2, 512, 64, 1, 64), 1 << 20        # float32: 32 MiB, 1 MiB each
+    numel = 2 * 2 * 512 * 64 * 64
+    to_parent, from_parent = SPAWN.Queue(), SPAWN.Queue()
+    child = SPAWN.Process(target=_receiver, args=(to_parent, from_parent, shape))
+    child.start()
+    try:
+        peer = reply(child, to_parent)
+        conn = make_connector("mooncake")
+        src = torch.arange(numel, dtype=torch.float32).view(shape)
+        conn.register(src)
+        handle = conn.write(peer, [(o, o, segment) for o in range(0, numel * 4, segment)])
+        assert conn.wait([handle], timeout_s=60) == [True]
+        from_parent.put("done")
+        got = torch.frombuffer(bytearray(reply(child, to_parent)),
+                               dtype=torch.float32).view(shape)
+        assert torch.equal(got, src), \
+            f"{int((got != src).sum())} of {numel} values had not landed when the write was done"
         conn.close()
     finally:
         child.join(timeout=30)

@@ -2,8 +2,13 @@
 CPU over TCP; the CUDA build with `--kv-protocol rdma` on GPU clusters, untested here).
 
 Peers find each other without a metadata server (P2PHANDSHAKE): a rank's session is
-`host:rpc_port` of its engine, published in its heartbeat with the pool's address. A write is
-one `batch_transfer_async_write` of all its segments; `transfer_check_status` reports it.
+`host:rpc_port` of its engine, published in its heartbeat with the pool's address.
+
+A write is one single-task batch per segment (`transfer_submit_write`), each checked with
+`transfer_check_status`: that call reports a batch's first task only, so a batch of several
+segments reads "completed" while the others are still on the wire (measured: a 64 MiB batch of
+1 MiB segments reported done ~140 ms before its last byte landed). Over TCP, completed means
+written into the peer's memory (the engine's acknowledged framing).
 """
 from __future__ import annotations
 
@@ -17,9 +22,17 @@ INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU, TCP; the CU
                 "mooncake-transfer-engine) and apt-get install libibverbs1 libnuma1 libcurl4")
 
 
+# The engine's TCP transport queues at most this many 64 KiB slices per peer and fails the rest
+# of a write outright ("TCP lane queue-full"); a prompt's K/V is hundreds of slices, several
+# prompts' go in one iteration. The engine's own ceiling, instead of its default 1024.
+QUEUED_SLICES_PER_PEER = "65535"
+
+
 @dataclass
 class _Write:
-    batch_id: int
+    batch_ids: list[int]            # one per segment; 0: that one was not submitted
+    left: int = 0                   # how many of batch_ids (from the front) are settled
+    failed: bool = False            # one of those failed
     result: bool | None = None      # memoized: the engine frees a batch once it reported it
 
 
@@ -30,6 +43,7 @@ class MooncakeConnector(KVConnector):
         # the engine logs through glog, which reads its level when the library loads: keep
         # its per-connection INFO lines out of the service's log unless asked for
         os.environ.setdefault("GLOG_minloglevel", "1")
+        os.environ.setdefault("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", QUEUED_SLICES_PER_PEER)
         try:
             from mooncake.engine import TransferEngine
         except ImportError as e:
@@ -57,18 +71,25 @@ class MooncakeConnector(KVConnector):
         return pool_descriptor("mooncake", self.session, self._pool, self.tp, self.rank)
 
     def _submit(self, peer: dict, segments: list[tuple[int, int, int]]) -> _Write:
-        base, peer_base = self._pool.data_ptr(), peer["base"]
-        batch = self.engine.batch_transfer_async_write(
-            peer["session"], [base + s for s, _, _ in segments],
-            [peer_base + d for _, d, _ in segments], [n for _, _, n in segments])
-        # 0: the peer could not be reached (or the batch not submitted)
-        return _Write(batch, None if batch else False)
+        base, peer_base, session = self._pool.data_ptr(), peer["base"], peer["session"]
+        submit = self.engine.transfer_submit_write
+        return _Write([submit(session, base + s, peer_base + d, n) for s, d, n in segments])
 
     def _poll(self, handle: _Write) -> bool | None:
+        """Done when every segment is; failed once every segment settled and one failed (the
+        others may still land: the decode side recomputes into those blocks only after)."""
+        check = self.engine.transfer_check_status
+        while handle.result is None and handle.left < len(handle.batch_ids):
+            # 1 completed, 0 in flight, -1 failed, -2 the engine's own timeout; a batch id of
+            # 0: not submitted (the peer could not be reached)
+            batch = handle.batch_ids[handle.left]
+            status = check(batch) if batch else -1
+            if status == 0:
+                return None
+            handle.left += 1
+            handle.failed |= status != 1
         if handle.result is None:
-            status = self.engine.transfer_check_status(handle.batch_id)
-            # 1 completed, 0 in flight, -1 failed, -2 the engine's own timeout
-            handle.result = True if status == 1 else None if status == 0 else False
+            handle.result = not handle.failed
         return handle.result
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ the pool, and the runner calls `finish()` before it returns the iteration's resu
 writes leave while layers l+1.. compute (layer streaming, docs/architecture.md#kv-transfer).
 
 Runs of consecutive source blocks going to consecutive destination blocks travel as one
-segment: per layer, a request's write is 2 x (number of runs) segments, one batch.
+segment: per layer, a request's write is 2 x (number of runs) segments, one write.
 """
 from __future__ import annotations
 
