@@ -44,6 +44,10 @@ _HUBER = 0.3
 # little); the prediction is the fit's times that.
 _BIAS_RATE = 0.15
 KINDS = ("decode", "mixed", "prefill")
+# Iterations with prompt rows in a row, at most, before the scheduler gives one to the decodes
+# alone (`decode_probe_due`): the decodes' own price is only measured there, and the fit's
+# memory (the forgetting factor's) is about this long.
+DECODE_PROBE_EVERY = 50
 
 
 def _features(decode_rows: int, prefill_rows: int, pairs: int,
@@ -172,6 +176,9 @@ class OnlineIterationCost:
         # the token-gap target it sets. The fit only scales it to the shape asked.
         self._decode_ms: float | None = None
         self._decode_x: tuple[float, ...] | None = None
+        # iterations with prompt rows since the last of decodes alone (as many as it takes
+        # for a probe before the first one)
+        self.since_decode = DECODE_PROBE_EVERY
 
     @classmethod
     def seeded_from(cls, cost, **kw) -> OnlineIterationCost:
@@ -205,7 +212,9 @@ class OnlineIterationCost:
         if kind == "decode":        # the earlier average, carried to this shape by the fit
             self._decode_ms = _moved(guess if self._decode_ms else measured_ms, measured_ms)
             self._decode_x = x
+            self.since_decode = 0
         else:
+            self.since_decode += 1
             self.bias[kind] = _moved(self.bias[kind], measured_ms / max(predicted, 1e-9))
         # What counts is the error relative to the iteration's size (5 ms off a 10 ms decode
         # step matters, off a 500 ms prefill not): each iteration weighs 1/size, its size as
@@ -228,6 +237,14 @@ class OnlineIterationCost:
         theta = _solve_non_negative(a, b)
         if all(map(math.isfinite, theta)):
             self.theta = theta
+
+    def decode_probe_due(self) -> bool:
+        """Whether the next iteration that has decodes should run them alone, its prompts
+        waiting one iteration: none was measured in the last DECODE_PROBE_EVERY (or ever). A
+        long prompt chunked beside the streams, or a queue of them, leaves no iteration of
+        decodes alone, and the fit of mixed ones alone prices a decode at several times its
+        time (docs/design.md#the-prompts-pace)."""
+        return self.since_decode >= DECODE_PROBE_EVERY
 
     def _prior_ms_of(self, x: Sequence[float]) -> float:
         return sum(p * f for p, f in zip(self._prior, x))

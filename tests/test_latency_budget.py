@@ -637,3 +637,34 @@ def test_measured_forward_times_reach_the_cost_model():
     result = FakeWorker(sched).execute(plan)
     sched.update(plan, StepResult(result.step, result.sampled, forward_ms=7.5, wide_from_rows=24))
     assert seen == [([(2, 2), (5, 5)], 7.5, 24)]
+
+
+def test_decodes_alone_now_and_then_keep_their_price_true():
+    """Eight places, sixteen 1,000-row prompts of 128 tokens each (a retrieval load), priced
+    by the online cost model, on a machine where an iteration with prompt rows costs 15 ms
+    more than its rows account for (a shape the fit's terms cannot tell from its fixed cost).
+    While prompts are chunked beside the decodes every iteration is mixed, and fitted on those
+    alone the decodes were priced at up to 4x their time, the token-gap target and the pace
+    with them. Every DECODE_PROBE_EVERY iterations with prompt rows the decodes run alone once,
+    and their price stays true (docs/design.md#the-prompts-pace)."""
+
+    def true_ms(chunks) -> float:
+        rows = sum(q for q, _ in chunks if q > 1)
+        return 5.0 + sum(1.0 for q, _ in chunks if q == 1) + (15.0 + 0.7 * rows if rows else 0)
+
+    clock = SimClock()
+    cost = OnlineIterationCost()
+    sched = make_paced(clock, max_seqs=8, cost=cost)
+    worker = FakeWorker(sched)
+    for i in range(16):
+        add(sched, f"p{i}", 1000, max_tokens=128)
+    priced = []                 # the decodes' price over their time, each iteration with some
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        chunks = chunks_of(sched, plan)
+        decodes = [c for c in chunks if c[0] == 1]
+        if decodes:
+            priced.append(cost.iteration_ms(decodes) / true_ms(decodes))
+        clock.now += true_ms(chunks) / 1e3
+        sched.update(plan, replace(worker.execute(plan), forward_ms=true_ms(chunks)))
+    assert len(priced) > 200 and max(priced[10:]) < 1.2

@@ -162,6 +162,7 @@ class Scheduler:
         self._free_after: list[tuple[int, Request]] = []
         self._num_arrivals = 0
         self._next_step = 0
+        self._probe_step = -2           # the last plan of decodes alone for the cost model
         # plans awaiting update(), oldest first: one, or two once `schedule_ahead()` ran
         self._flights: deque[_Flight] = deque()
         self._sync_next = False       # a plan made ahead stalled: the next one waits
@@ -527,6 +528,13 @@ class Scheduler:
         elif config.target_tbt_ms is not None:
             budget_ms = config.target_tbt_ms
         elif config.target_tbt_factor is not None:
+            probe = getattr(cost, "decode_probe_due", None)
+            if probe is not None and probe() and self._prefill_waits() and \
+                    self._next_step > self._probe_step + 1:     # not one planned ahead
+                # this once the decodes alone, so that the cost model measures their price
+                # (the unit of the target and of the prompts' pace); the prompts wait
+                self._probe_step = self._next_step
+                return IterationLatency(cost, 0.0, 0, decodes)
             # a multiple of the decodes alone (the best-measured shape there is: steady, where
             # a fit of the mixed shapes swings), and at least the cheapest iteration that
             # moves a waiting prompt, the decodes and the rows a prompt may always take; where
@@ -557,6 +565,11 @@ class Scheduler:
         if budget_ms is None and self.ttft_goal is None:
             return None         # a TTFT goal bounds the iteration as its prefills are placed
         return IterationLatency(cost, budget_ms, self._min_prefill_rows(), decodes)
+
+    def _prefill_waits(self) -> bool:
+        """Whether a prompt would get rows in this iteration but for the decodes' probe."""
+        return bool(self._waiting) and len(self._running) < self.config.max_num_seqs or any(
+            self._rows_wanted(r) > 1 for r in self._running)
 
     def _prefill_pace(self, streams: int) -> float:
         """How many times the decodes alone an iteration may take to keep the long prompts on
