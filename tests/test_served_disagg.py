@@ -284,6 +284,9 @@ def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
         # the prefill side's cache hit reaches the client, though the decode side finishes
         assert usage_of(served.base_url, model, FAMILIES[0][1])["prompt_tokens_details"] == \
             {"cached_tokens": 96}
+        # every hand-off's K/V arrived whole, those sent from a cached prefix included
+        d0 = stats(served, D0)
+        assert d0["kv_check_failures_total"] == 0 and d0["handoffs_recomputed_total"] == 0, d0
     finally:
         r.close()
         assert served.stop() == 0, served.log_tail()
