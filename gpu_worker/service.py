@@ -76,11 +76,15 @@ WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"     # beside each result, fo
 STATS_INTERVAL_S = 0.1
 # a progress record's TTL is refreshed at the first token and every this many tokens after
 PROGRESS_REFRESH_EVERY = 64
-# KEYS: progress records; ARGV: the TTL, then (entry, refresh 0/1) per key
+# KEYS: progress records; ARGV: the TTL, then (entry, refresh 0/1) per key. A record this call
+# creates gets its TTL whatever the token's index: a result sent again after its request
+# finished (a retried pipeline), or one taken over mid-stream, must not leave a record forever.
 _APPEND_PROGRESS = """
 for i = 1, #KEYS do
-  redis.call('APPEND', KEYS[i], ARGV[2 * i])
-  if ARGV[2 * i + 1] == '1' then redis.call('EXPIRE', KEYS[i], ARGV[1]) end
+  local n = redis.call('APPEND', KEYS[i], ARGV[2 * i])
+  if ARGV[2 * i + 1] == '1' or n == #ARGV[2 * i] then
+    redis.call('EXPIRE', KEYS[i], ARGV[1])
+  end
 end
 """
 

@@ -131,8 +131,9 @@ class RequestBook:
                   held_entry_id: bytes | str) -> None:
         """Another delivery of a request this scheduler holds (under `held_entry_id`): a
         second entry of it is acked and ignored; its own entry handed back to it (a claim)
-        changes nothing."""
-        if entry_id != held_entry_id:
+        changes nothing. Entry ids come as bytes from Redis and as str inside hand-off
+        messages: one entry either way."""
+        if _text(entry_id) != _text(held_entry_id):
             log.warning("duplicate request ignored", request_id=request_id)
             self._outbox.acks.append(entry_id)
 

@@ -250,6 +250,7 @@ def test_a_request_waiting_for_its_reservation_is_not_admitted_twice():
     msg = request("r", 10)
     side.admit(b"9-0", msg)
     side.admit(b"9-0", msg)                     # our own entry, claimed back
+    side.admit("9-0", msg)                      # ... as a forwarded hand-off names it
     side.admit(b"9-7", msg)                     # a second entry of the same request
     assert c.get_request("r") is None and side.pending_entry_ids() == [b"9-0"]
     assert side.book.take_outbox().acks == [b"9-7"]

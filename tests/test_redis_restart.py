@@ -350,6 +350,12 @@ async def test_one_script_call_records_every_tokens_progress_and_its_ttl():
         n = PROGRESS_REFRESH_EVERY + 2
         assert decode_progress(await client.get(keys.progress("a"))) == [100 + i for i in range(n)]
         assert decode_progress(await client.get(keys.progress("b"))) == [200 + i for i in range(n)]
+        # a record created at any other index (a result sent again after its request finished
+        # and its record went) gets its TTL too
+        pipe = client.pipeline(transaction=False)
+        PlanLoop._record_progress(loop, pipe, [TokenBatch([TokenEvent("c", 5, 7, None, None)])])
+        await pipe.execute()
+        assert 0 < await client.ttl(keys.progress("c")) <= PROGRESS_TTL_S
     finally:
         await client.aclose()
         stop_redis(proc)
