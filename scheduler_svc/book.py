@@ -26,6 +26,7 @@ import structlog
 from scheduler_svc.core import Scheduler
 from scheduler_svc.core.request import Request, stop_status
 from shared.errors import InvalidRequestError
+from shared.lifecycle import stream_id_text
 from shared.outputs import RequestOutput
 from shared.protocol import (AbortMsg, FinishEvent, ProtocolError, RequestMsg, encode,
                              from_fields)
@@ -94,7 +95,8 @@ class RequestBook:
             msg = from_fields(fields)
         except ProtocolError as e:
             # nobody to answer: without a decoded message there is no reply channel
-            log.error("undecodable request dropped", entry_id=_text(entry_id), error=str(e))
+            log.error("undecodable request dropped", entry_id=stream_id_text(entry_id),
+                      error=str(e))
             self._outbox.acks.append(entry_id)
             return None
         if not isinstance(msg, RequestMsg):
@@ -133,7 +135,7 @@ class RequestBook:
         second entry of it is acked and ignored; its own entry handed back to it (a claim)
         changes nothing. Entry ids come as bytes from Redis and as str inside hand-off
         messages: one entry either way."""
-        if _text(entry_id) != _text(held_entry_id):
+        if stream_id_text(entry_id) != stream_id_text(held_entry_id):
             log.warning("duplicate request ignored", request_id=request_id)
             self._outbox.acks.append(entry_id)
 
@@ -152,6 +154,18 @@ class RequestBook:
         event or an ack (its entry was XCLAIMed to the new owner)."""
         self._errors.pop(request_id, None)
         return self._entries.pop(request_id, None) is not None
+
+    def lose(self, entry_id: bytes | str) -> bool:
+        """Another scheduler holds this entry now (it claimed it while this one stalled): stop
+        computing its request and forget it, without a finish event or an ack (the other
+        one finishes it). False if no live request has this entry."""
+        rid = next((rid for rid, e in self._entries.items()
+                    if stream_id_text(e.entry_id) == stream_id_text(entry_id)), None)
+        if rid is None or not self.hand_off(rid):
+            return False
+        self.core.abort(rid)
+        log.warning("request left to the scheduler that claimed it", request_id=rid)
+        return True
 
     def _already_done(self, entry_id: bytes | str, msg: RequestMsg, tokens: list[int]) -> bool:
         """A taken-over request whose last streamed token already ended it (its scheduler
@@ -253,10 +267,6 @@ class RequestBook:
         self._outbox.finishes[:0] = outbox.finishes
         self._outbox.acks[:0] = outbox.acks
         self._outbox.ended_ids[:0] = outbox.ended_ids
-
-
-def _text(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def deadline_passed(deadline: float, now: float) -> str:

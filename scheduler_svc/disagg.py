@@ -35,6 +35,7 @@ from scheduler_svc.book import RequestBook, deadline_passed
 from scheduler_svc.core import Scheduler
 from scheduler_svc.core.request import Request, stop_status
 from shared.errors import InvalidRequestError
+from shared.lifecycle import stream_id_text
 from shared.keys import Keys
 from shared.kv_layout import KVLayoutError, check_peer_layout
 from shared.outputs import RequestOutput
@@ -199,7 +200,7 @@ class PrefillSide:
         if consumer is None:
             self.admit(entry_id, msg)
             return
-        entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        entry = stream_id_text(entry_id)
         self.out.forwards.append((msg.instance, consumer, entry_id,
                                   HandoffMsg(encode(msg), entry, [], [])))
         self.forwarded_total += 1
@@ -222,6 +223,19 @@ class PrefillSide:
             self._hand_over_whole(pending)
         else:
             self._ask(pending)
+
+    def lose(self, entry_id: bytes | str) -> None:
+        """Another prefill scheduler claimed this entry while this one stalled: forget the
+        request's reservation ask and sends, with no cancel (the decode instance holds one
+        reservation per request id, the one the new owner's ask gets too)."""
+        same = stream_id_text(entry_id)
+        for rid, pending in list(self._pending.items()):
+            if stream_id_text(pending.entry_id) == same:
+                del self._pending[rid]
+        for rid, (held, _) in list(self._msgs.items()):
+            if stream_id_text(held) == same:
+                del self._msgs[rid]
+                self._reservations.pop(rid, None)
 
     def _choose(self, blocks: int) -> _Decoder | None:
         """The decode instance with the most free blocks (less what was asked of it since
@@ -269,7 +283,7 @@ class PrefillSide:
     def _queue_handoff(self, instance: str, consumer: str, entry_id: bytes | str,
                        msg: RequestMsg, tokens: list[int], kv_received: list[str],
                        num_cached_tokens: int = 0, kv_check: list | None = None) -> None:
-        entry = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+        entry = stream_id_text(entry_id)
         self.out.handoffs.append((instance, consumer, entry_id,
                                   HandoffMsg(encode(msg), entry, tokens, kv_received,
                                              num_cached_tokens, kv_check or [])))

@@ -379,6 +379,7 @@ class SchedulerService:
                 self.prefill.put_back(disagg_out)
             raise
         self._receive_aborts(replies.pop())
+        self._drop_lost()
         if room:
             self._receive_requests(replies.pop())
         if self.decode is not None and self.decode.receive(replies.pop()):
@@ -436,6 +437,13 @@ class SchedulerService:
             log.warning("claiming requests of a scheduler that stopped", count=len(entries))
             await self.recovery.retrying("resume claimed",
                                          lambda: self.takeover.resume(entries))
+
+    def _drop_lost(self) -> None:
+        """Requests another scheduler claimed while this one stalled: theirs now."""
+        for entry_id in self.takeover.take_lost():
+            if self.prefill is not None:
+                self.prefill.lose(entry_id)
+            self.book.lose(entry_id)
 
     def _receive_aborts(self, reply) -> None:
         for _, entries in reply or []:

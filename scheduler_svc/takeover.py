@@ -7,7 +7,9 @@ scheduler that died, from the consumer group's pending entries list (PEL).
              scheduler with another id that died); polled while there is room
     leases   a live scheduler keeps its own entries from looking idle: every LEASE_REFRESH_S it
              XCLAIMs them to itself (JUSTID, no delivery count), so nobody claims a request
-             that is merely long
+             that is merely long; only those still its own (one script checks the owner
+             first): a request another scheduler claimed while this one stalled is that
+             one's now, and this one drops it, unfinished and unacked (`take_lost`)
 
 A request taken over resumes from its progress record (`shared/progress.py`): the tokens its
 client already has are added as generated tokens and recomputed, and the next token event
@@ -38,6 +40,22 @@ CLAIM_IDLE_MS = 5_000
 LEASE_REFRESH_S = 1.0
 PENDING_BATCH = 256
 MAX_TAKEOVERS = 3
+# XCLAIM takes an entry from whoever holds it; a lease must not take back what another
+# scheduler claimed while this one stalled (both would then serve the request, taking it from
+# each other every second, and a sampled stream would splice two runs). KEYS[1]: the request
+# stream; ARGV: the group, this consumer, the entry ids. Returns those another consumer holds.
+_KEEP_LEASES = """
+local lost = {}
+for i = 3, #ARGV do
+  local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
+  if p and p[2] == ARGV[2] then
+    redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
+  elseif p then
+    lost[#lost + 1] = ARGV[i]
+  end
+end
+return lost
+"""
 
 
 class Takeover:
@@ -51,6 +69,7 @@ class Takeover:
         self.admit = admit or book.admit
         self.held = held
         self.claim_cursor: bytes | str = "0-0"
+        self._lost: list[bytes | str] = []
 
     async def take_back_pending(self) -> int:
         """Every entry this consumer was given and never acked, resumed; returns how many."""
@@ -115,12 +134,23 @@ class Takeover:
         """Until cancelled: keep this scheduler's live entries from looking abandoned."""
         while not cancel_requested():
             await asyncio.sleep(LEASE_REFRESH_S)
-            ids = self.book.live_entry_ids() + (self.held() if self.held else [])
-            if not ids:
-                continue
             try:
-                await self.redis.xclaim(self.keys.requests, self.keys.requests_group,
-                                        self.consumer, 0, ids, justid=True)
+                await self.refresh_leases()
             except RedisError as e:
-                log.warning("leases not refreshed", error=str(e), entries=len(ids))
+                log.warning("leases not refreshed", error=str(e))
         raise asyncio.CancelledError
+
+    async def refresh_leases(self) -> None:
+        ids = self.book.live_entry_ids() + (self.held() if self.held else [])
+        if ids:
+            lost = await self.redis.eval(_KEEP_LEASES, 1, self.keys.requests,
+                                         self.keys.requests_group, self.consumer, *ids)
+            if lost:
+                log.warning("requests claimed by another scheduler while this one stalled; "
+                            "left to it", entries=len(lost))
+                self._lost += lost
+
+    def take_lost(self) -> list[bytes | str]:
+        """The entries another scheduler now holds, since the last call: drop their requests."""
+        lost, self._lost = self._lost, []
+        return lost

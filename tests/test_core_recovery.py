@@ -153,6 +153,60 @@ def test_a_request_taken_over_again_and_again_is_dropped_with_an_error(redis_ser
     assert len(outbox.acks) == 1 and outbox.ended_ids == ["poison"]
 
 
+def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_server) -> None:
+    """Scheduler "a" holds two requests and stalls; "b" claims one of them (idle past
+    CLAIM_IDLE_MS). When "a" refreshes its leases it keeps its own entry and leaves the claimed
+    one to "b" (an XCLAIM of every entry took it back, and both served it, taking it from each
+    other every second); "a" then drops that request: no finish event, no ack, its blocks
+    free. Real Redis: the owners are the group's."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from scheduler_svc.book import RequestBook
+    from scheduler_svc.takeover import Takeover
+    from shared.keys import Keys
+    from shared.protocol import RequestMsg, to_fields
+
+    keys = Keys("lease-test:")
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_server)
+        await r.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
+        for rid in ("kept", "claimed"):
+            await r.xadd(keys.requests, to_fields(RequestMsg(
+                rid, [1, 2, 3], SamplingParams(max_tokens=8), f"tokens:{rid}", "gw", 0.0)))
+        core = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4,
+                                         num_kv_blocks=8, block_size=4, max_model_len=64))
+        book = RequestBook(core)
+        (_, entries), = await r.xreadgroup(keys.requests_group, "a", {keys.requests: ">"})
+        for entry_id, fields in entries:
+            book.receive(entry_id, fields)
+        run_step(core)                                  # both running, holding blocks
+        claimed_id = entries[1][0]
+        await r.xclaim(keys.requests, keys.requests_group, "b", 0, [claimed_id])
+        takeover = Takeover(r, keys, "a", book)
+        await takeover.refresh_leases()
+        lost = takeover.take_lost()
+        owners = {e["message_id"]: e["consumer"] for e in await r.xpending_range(
+            keys.requests, keys.requests_group, min="-", max="+", count=10)}
+        await r.aclose()
+        for entry_id in lost:
+            book.lose(entry_id)
+        return core, book, lost, owners, entries, claimed_id
+
+    core, book, lost, owners, entries, claimed_id = asyncio.run(go())
+    assert lost == [claimed_id]
+    assert owners == {entries[0][0]: b"a", claimed_id: b"b"}
+    assert core.get_request("claimed") is None and core.get_request("kept") is not None
+    for output in run_step(core)[1]:                    # the abort is reported, silently
+        if output.finished:
+            book.finished(output)
+    outbox = book.take_outbox()
+    assert outbox.finishes == [] and outbox.acks == []
+    assert book.live_entry_ids() == [entries[0][0]]
+
+
 def test_a_request_running_at_every_worker_loss_is_dropped_with_an_error() -> None:
     """Running each time the worker group was lost, MAX_WORKER_LOSSES times over: it ends with
     an error instead of being recomputed again; a request that joined later, running at the

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler_svc.book import RequestBook
+from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.core import RequestStatus, Scheduler
 from scheduler_svc.disagg import NO_ROOM, DecodeSide, PrefillSide, _Decoder
 from scheduler_svc.workers import role_disagreement
@@ -499,3 +499,26 @@ def test_min_tokens_reach_the_prefill_leg_as_one_at_most():
     admitted = c.get_request("r").sampling
     assert (admitted.max_tokens, admitted.min_tokens) == (1, 1)
     assert admitted.suppressed(0, frozenset({2})) == sampling.suppressed(0, frozenset({2}))
+
+
+def test_a_prefill_side_leaves_a_request_another_scheduler_claimed_without_cancels():
+    """Another prefill scheduler claimed two of this one's entries while it stalled: one still
+    waiting for its reservation, one being prefilled into reserved blocks. Both are dropped
+    with no cancel to the decode instance: it holds one reservation per request id, the one
+    the new owner's ask gets too."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", request("waiting", 10))
+    side.admit(b"9-1", request("prefilling", 10))
+    side.take()
+    side.receive_reservations(reply(ReservedMsg("prefilling", "d0", "host-d0", [7, 8, 9],
+                                                [descriptor("d0:1")], 1.0)))
+    plan = c.schedule()
+    for entry_id in (b"9-0", "9-1"):
+        side.lose(entry_id)
+        side.book.lose(entry_id)
+    assert not side.pending_entry_ids() and c.get_request("prefilling") is None
+    for output in c.update(plan, StepResult(plan.step, {})):   # its abort, as served
+        if output.finished and not side.finished(output):
+            side.book.finished(output)
+    assert side.take().cancels == [] and side.book.take_outbox() == Outbox()
