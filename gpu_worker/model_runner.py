@@ -282,7 +282,8 @@ class ModelRunner:
             with scope("sampling"):
                 constrained = [i for i, s in enumerate(states) if s.matcher is not None]
                 if constrained:
-                    mask_rows(logits, constrained, [states[i].matcher for i in constrained])
+                    mask_rows(logits, constrained, [states[i].matcher for i in constrained],
+                              self.grammars.n_vocab)
                 tokens = self.sampler.sample(
                     logits, [s.sampling for s in states],
                     [len(s.token_ids) - s.num_prompt_tokens for s in states],

@@ -54,6 +54,12 @@ class Grammars:
         return LLTokenizer(backend.to_str(), n_vocab=max(self.vocab_size, backend.get_vocab_size()),
                            eos_token=self.eos_token_ids)
 
+    @property
+    def n_vocab(self) -> int:
+        """How many tokens the matchers' masks cover: the model's logits or the tokenizer's
+        vocabulary, whichever is wider (llguidance wants a mask buffer of exactly this)."""
+        return self._vocabulary().vocab_size
+
     def matcher(self, request_id: str, sampling: SamplingParams, output: Sequence[int]):
         """A matcher for `sampling`'s constraint that has taken `output` (the request's
         tokens sampled so far), or None when the request has none. One the grammar engine
@@ -71,16 +77,17 @@ class Grammars:
         return m
 
 
-def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list) -> None:
+def mask_rows(logits: torch.Tensor, rows: list[int], matchers: list, n_vocab: int) -> None:
     """Set to -inf, in place, each listed row's logits of the tokens its matcher does not
-    allow next. The masks are computed on the host, one bit a token, and widened on the
+    allow next; `n_vocab`: the matchers' (`Grammars.n_vocab`: a tokenizer may have tokens
+    the logits do not). The masks are computed on the host, one bit a token, and widened on the
     logits' device by a table of 256 bytes' eight (0 or -inf) values: added to the logits,
     an allowed one is unchanged (x + 0) and the others -inf. (A boolean masked_fill over the
     vocabulary costs 7x as much on a CPU: 3.3 ms against 0.5 at 32 rows.)"""
     # llguidance.torch is not imported: it compiles a kernel of its own with torch.compile
     # (and imports dynamo, ~2 s)
     vocab = logits.shape[1]
-    bits = torch.empty((len(rows), -(-vocab // 32)), dtype=torch.int32)
+    bits = torch.empty((len(rows), -(-max(vocab, n_vocab) // 32)), dtype=torch.int32)
     row_bytes = bits.shape[1] * 4
     if len(matchers) == 1:
         matchers[0].unsafe_compute_mask_ptr(bits.data_ptr(), row_bytes)

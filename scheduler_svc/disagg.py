@@ -696,10 +696,16 @@ class DecodeSide:
         self._replies.clear()
         self.cursor = "0-0"
 
-    def queue(self, pipe) -> None:
+    def take_replies(self) -> list[tuple[str, ReservedMsg]]:
+        """The reservation answers owed, taken before the exchange that sends them (a
+        retried exchange sends them again: a repeated answer names the same blocks)."""
         replies, self._replies = self._replies, []
+        return replies
+
+    @staticmethod
+    def queue(pipe, keys: Keys, replies: list[tuple[str, ReservedMsg]]) -> None:
         for instance, msg in replies:
-            pipe.xadd(self.keys.for_instance(instance).reservations, to_fields(msg),
+            pipe.xadd(keys.for_instance(instance).reservations, to_fields(msg),
                       maxlen=HANDOFF_MAXLEN, approximate=True)
 
     def stats(self) -> dict[str, float]:

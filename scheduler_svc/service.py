@@ -328,6 +328,7 @@ class SchedulerService:
         if self.decode is not None:
             room = 0                 # new requests are the prefill instances'
         disagg_out = self.prefill.take() if self.prefill is not None else None
+        reserved = self.decode.take_replies() if self.decode is not None else None
         block_ms = self.config.idle_block_ms if block else None
         if block and self.prefill is not None and self.prefill.waiting_for_reservations:
             block_ms = 5             # a reservation may come any moment
@@ -351,8 +352,8 @@ class SchedulerService:
             queue_block_events(pipe, self.keys.cached_blocks, block_events)
             if disagg_out is not None:
                 self.prefill.queue(pipe, disagg_out)
-            if self.decode is not None:
-                self.decode.queue(pipe)
+            if reserved:
+                DecodeSide.queue(pipe, self.keys, reserved)
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
             if watch_workers:

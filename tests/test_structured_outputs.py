@@ -117,6 +117,20 @@ def test_constraints_that_could_not_be_honoured_together_are_refused(extra):
         SamplingParams(structured_outputs={"regex": "a"}, **extra)
 
 
+def test_a_tokenizer_wider_than_the_logits_is_masked_too(tokenizer):
+    """A tokenizer with tokens past the model's logits (added tokens): the matchers cover the
+    wider vocabulary, and the mask buffer llguidance fills must be of that width (one of the
+    logits' width was refused: "Invalid buffer size")."""
+    narrow = tokenizer.vocab_size - 40
+    grammars = Grammars(resolve_model(None), narrow, [tokenizer.eos_token_id])
+    assert grammars.n_vocab == tokenizer.vocab_size
+    digits = SamplingParams(structured_outputs={"regex": "[0-9]{2}"})
+    logits = torch.zeros(1, narrow)
+    mask_rows(logits, [0], [grammars.matcher("a", digits, [])], grammars.n_vocab)
+    allowed = (logits[0] > float("-inf")).nonzero().flatten().tolist()
+    assert allowed and all(tokenizer.decode([t]).isdigit() for t in allowed)
+
+
 def test_the_mask_leaves_only_what_the_grammar_allows(tokenizer):
     vocab = tokenizer.vocab_size
     grammars = Grammars(resolve_model(None), vocab, [tokenizer.eos_token_id])
@@ -127,7 +141,7 @@ def test_the_mask_leaves_only_what_the_grammar_allows(tokenizer):
     first = tokenizer.encode("4")
     after_one = grammars.matcher("a", digits, first)         # one digit out: one more to go
     logits = torch.zeros(3, vocab)
-    mask_rows(logits, [0, 2], [after_one, grammars.matcher("b", words, [])])
+    mask_rows(logits, [0, 2], [after_one, grammars.matcher("b", words, [])], grammars.n_vocab)
     allowed = [set((row > float("-inf")).nonzero().flatten().tolist()) for row in logits]
     assert allowed[1] == set(range(vocab))                    # an unconstrained row untouched
     assert allowed[0] and all(tokenizer.decode([t]).isdigit() and len(tokenizer.decode([t])) == 1
@@ -136,7 +150,7 @@ def test_the_mask_leaves_only_what_the_grammar_allows(tokenizer):
     assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts)
     done = grammars.matcher("c", digits, tokenizer.encode("42"))
     logits = torch.zeros(1, vocab)
-    mask_rows(logits, [0], [done])
+    mask_rows(logits, [0], [done], grammars.n_vocab)
     assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
 
 
@@ -192,7 +206,7 @@ def constrained_refs(default_hf, tokenizer):
                 assert state["matcher"].consume_token(t)
             state["seen"] = input_ids.shape[1]
             scores = scores.clone()
-            mask_rows(scores, [0], [state["matcher"]])
+            mask_rows(scores, [0], [state["matcher"]], grammars.n_vocab)
             return scores
 
         out = default_hf.generate(
@@ -324,5 +338,5 @@ def test_a_hostile_constraint_is_refused_or_served(tokenizer, spec):
     grammars = Grammars(resolve_model(None), tokenizer.vocab_size, [tokenizer.eos_token_id])
     matcher = grammars.matcher("hostile", params, [])
     logits = torch.zeros(1, tokenizer.vocab_size)
-    mask_rows(logits, [0], [matcher])
+    mask_rows(logits, [0], [matcher], grammars.n_vocab)
     assert (logits[0] > float("-inf")).any()

@@ -80,11 +80,12 @@ class MooncakeConnector(KVConnector):
         others may still land: the decode side recomputes into those blocks only after)."""
         check = self.engine.transfer_check_status
         while handle.result is None and handle.left < len(handle.batch_ids):
-            # 1 completed, 0 in flight, -1 failed, -2 the engine's own timeout; a batch id of
-            # 0: not submitted (the peer could not be reached)
+            # 1 completed, 0 in flight, -1 failed, -2 the engine's own timeout (with
+            # MC_SLICE_TIMEOUT set; its pieces may still land: not settled); a batch id of 0:
+            # not submitted (the peer could not be reached)
             batch = handle.batch_ids[handle.left]
             status = check(batch) if batch else -1
-            if status == 0:
+            if status in (0, -2):
                 return None
             handle.left += 1
             handle.failed |= status != 1
