@@ -67,6 +67,9 @@ class Generation:
         self._arrival = arrival                 # time.monotonic() when the request came in
         self._last_token_at: float | None = None
         self._submitted = False
+        # the submit was sent (it may have reached Redis even if it then failed, or was
+        # cancelled with the client's connection): an abort follows if the request ends here
+        self._sent = False
         self._done_upstream = False             # the scheduler finished the request itself
         self._slot = slot                       # its place in the queue until a first event
         # logprobs not yet sent, each with where its token's text starts: one is sent with the
@@ -113,8 +116,9 @@ class Generation:
             self._timer.cancel()
         self._router.close(self.request_id)
         self._upstream.ended(self.request_id)
-        if self._submitted and not self._done_upstream:
-            reason = "stop string" if self._text.stopped else "client disconnected"
+        if self._sent and not self._done_upstream:
+            reason = "stop string" if self._text.stopped else \
+                "client disconnected" if self._submitted else "not submitted"
             self._upstream.abort_soon(self.request_id, reason)
         # a request whose client left before its end counts as vLLM counts it: "abort", with
         # the tokens it generated (so the latency histograms and the token counter agree)
@@ -130,6 +134,7 @@ class Generation:
         self._stream = self._router.open(self.request_id)
         now = time.time()
         deadline = None if self._timeout_s is None else now + self._timeout_s
+        self._sent = True
         self._stream.redis_run_id = await self._upstream.submit(
             self.request_id, self.prompt_token_ids, self.sampling, arrival_time=now,
             deadline=deadline)

@@ -1461,3 +1461,41 @@ async def test_logs_at_a_terminal_are_readable_lines(monkeypatch: pytest.MonkeyP
     assert len(plain) == 2 and not any(line.startswith("{") for line in plain)
     assert "gateway: hello" in plain[0] and "request_id=cmpl-1" in plain[0] and "tokens=3" in plain[0]
     assert "gateway: from the stdlib" in plain[1]
+
+
+async def test_a_request_whose_submit_failed_is_aborted_upstream() -> None:
+    """The XADD may have reached Redis though its reply did not (a connection cut after the
+    command went, or the client's connection closed mid-submit): the client gets its error,
+    and an abort follows, so that the request does not run to max_tokens for nobody."""
+    from gateway.generation import Generation
+    from gateway.metrics import GatewayMetrics
+    from gateway.streams import TokenRouter
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from shared.model_source import resolve_model
+    from shared.sampling import SamplingParams
+    from shared.tokenizer import load_tokenizer
+
+    class Upstream:
+        aborted: list = []
+
+        async def submit(self, *args, **kwargs):
+            raise RedisConnectionError("connection lost after the command was written")
+
+        def ended(self, request_id):
+            pass
+
+        def prefilled(self, request_id):
+            pass
+
+        def abort_soon(self, request_id, reason):
+            self.aborted.append((request_id, reason))
+
+    upstream = Upstream()
+    gen = Generation(request_id="r", prompt_token_ids=[1, 2, 3],
+                     sampling=SamplingParams(max_tokens=4), stop=(),
+                     tokenizer=load_tokenizer(resolve_model(None)), upstream=upstream,
+                     router=TokenRouter(None, "channel"), metrics=GatewayMetrics(), arrival=0.0)
+    with pytest.raises(RedisConnectionError):
+        async with gen:
+            await gen.start()
+    assert upstream.aborted == [("r", "not submitted")]
