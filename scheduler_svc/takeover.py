@@ -29,7 +29,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from scheduler_svc.book import RequestBook
-from shared.lifecycle import cancel_requested
+from shared.lifecycle import cancel_requested, stream_id_text
 from shared.keys import Keys
 from shared.progress import decode_progress
 from shared.protocol import RequestMsg
@@ -92,6 +92,12 @@ class Takeover:
     def claimed(self, reply) -> list:
         """The entries an XAUTOCLAIM reply handed to us (the cursor moves on)."""
         self.claim_cursor, entries = reply[0], reply[1]
+        if len(reply) > 2 and reply[2]:
+            # Redis 7 drops from the group the pending entries the stream's length cap
+            # trimmed, and names them only here: nobody can answer their clients now
+            log.error("requests lost: trimmed from the request stream before a scheduler "
+                      "claimed them; their clients get no answer",
+                      entries=[stream_id_text(e) for e in reply[2]])
         return entries
 
     async def resume(self, entries: list) -> int:
