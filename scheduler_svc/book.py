@@ -164,7 +164,8 @@ class RequestBook:
         if rid is None or not self.hand_off(rid):
             return False
         self.core.abort(rid)
-        log.warning("request left to the scheduler that claimed it", request_id=rid)
+        log.warning("request left to the scheduler that claimed it while this one stalled",
+                    request_id=rid)
         return True
 
     def _already_done(self, entry_id: bytes | str, msg: RequestMsg, tokens: list[int]) -> bool:
