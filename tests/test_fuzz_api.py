@@ -19,8 +19,9 @@ schemathesis = pytest.importorskip("schemathesis")
 pytestmark = pytest.mark.slow
 
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
-# examples per (operation, mode); a GET without parameters has only one to give
-BUDGET = {"POST": {"positive": 220, "negative": 180}, "GET": {"positive": 20, "negative": 0}}
+# examples per (operation, mode); a GET without parameters has only one to give. Each run
+# draws fresh ones (no example database), so runs add up; the budget keeps the suite in time.
+BUDGET = {"POST": {"positive": 170, "negative": 140}, "GET": {"positive": 20, "negative": 0}}
 
 
 @pytest.fixture(scope="module")
