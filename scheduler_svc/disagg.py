@@ -537,6 +537,10 @@ class PrefillSide:
     def num_awaiting_reservation(self) -> int:
         return len(self._pending)
 
+    def counts(self) -> tuple[int, int, int]:
+        """What of `stats()` moves outside iterations (at intake)."""
+        return self.num_awaiting_reservation, self.handoffs_total, self.forwarded_total
+
 
 class DecodeSide:
     def __init__(self, keys: Keys, instance: str, consumer: str, core: Scheduler,

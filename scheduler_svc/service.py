@@ -333,7 +333,7 @@ class SchedulerService:
         if block and self.prefill is not None and self.prefill.waiting_for_reservations:
             block_ms = 5             # a reservation may come any moment
         idle = not self.core.has_unfinished()
-        awaiting = self.prefill.num_awaiting_reservation if self.prefill is not None else 0
+        counts = self.prefill.counts() if self.prefill is not None else None
         # stats go first: a client that saw its request end and then scrapes /metrics must
         # not find the request still holding blocks
         stats = self.stats_snapshot() if self.stats.due(idle) else None
@@ -397,8 +397,10 @@ class SchedulerService:
                 await self._find_decoders()
             else:
                 self.prefill.retry()
-            if self.prefill.num_awaiting_reservation != awaiting:
-                self.stats.mark_dirty()     # aborts and reservations change it between plans
+            if self.prefill.counts() != counts:
+                # aborts, reservations and hand-offs of whole requests (a short prompt, at
+                # arrival) change them between plans; an idle instance writes no more stats
+                self.stats.mark_dirty()
         if lost:
             raise WorkersLost(lost)
 

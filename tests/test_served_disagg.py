@@ -287,6 +287,13 @@ def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
         # every hand-off's K/V arrived whole, those sent from a cached prefix included
         d0 = stats(served, D0)
         assert d0["kv_check_failures_total"] == 0 and d0["handoffs_recomputed_total"] == 0, d0
+        # a short prompt, handed over whole as it arrives at an idle instance: counted (the
+        # stats of an instance that then stays idle were not written again)
+        def handed_over() -> float:
+            return sum(stats(served, k).get("handoffs_total", 0) for k in p.values())
+        before = handed_over()
+        complete(served.base_url, model, SHORT[0])
+        wait_for(lambda: handed_over() == before + 1, 10, "the short prompt's hand-off counted")
     finally:
         r.close()
         assert served.stop() == 0, served.log_tail()
