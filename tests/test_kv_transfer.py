@@ -9,6 +9,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
+import time
 
 import pytest
 import torch
@@ -157,6 +159,21 @@ def test_connector_moves_bytes_between_processes(capfd):
         got = peer_pool()
         missing = int((got != src).sum())
         assert missing == 0, f"{missing} values had not landed when the write was done"
+        # a peer that stops reading: the write is given up at its deadline, and polled at the
+        # next writes until it settles (the engine frees a batch only once it reported it)
+        os.kill(child.pid, signal.SIGSTOP)
+        try:
+            whole = [(o, o, segment) for o in range(0, src.numel() * 4, segment)]
+            handle = conn.write(peer, whole)
+            assert conn.wait([handle], timeout_s=0.3) == [False]
+            assert conn._abandoned == [handle]
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while conn._abandoned and time.monotonic() < deadline:
+            assert conn.wait([conn.write(peer, [(0, 0, 4)])], timeout_s=30) == [True]
+            time.sleep(0.05)
+        assert not conn._abandoned and handle.result is True
         from_parent.put("stop")
         conn.close()
     finally:

@@ -69,9 +69,15 @@ class KVConnector(ABC):
                 if done[i] is None:
                     done[i] = self.poll(h)
             if all(d is not None for d in done) or time.perf_counter() >= deadline:
+                for h, d in zip(handles, done):
+                    if d is None:
+                        self._abandon(h)
                 return [bool(d) for d in done]
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
+
+    def _abandon(self, handle) -> None:
+        """A write still in flight at its deadline, which nobody waits for any more."""
 
     @abstractmethod
     def _submit(self, peer: dict, segments: list[tuple[int, int, int]]): ...

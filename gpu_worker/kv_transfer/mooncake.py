@@ -57,6 +57,9 @@ class MooncakeConnector(KVConnector):
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self.tp, self.rank = tp, rank
         self._pool = None
+        # writes given up at their deadline: polled at each new write until they settle, so
+        # that the engine frees their batches (it does only once it reported them)
+        self._abandoned: list[_Write] = []
 
     def register(self, pool) -> None:
         if not pool.is_contiguous():
@@ -71,6 +74,8 @@ class MooncakeConnector(KVConnector):
         return pool_descriptor("mooncake", self.session, self._pool, self.tp, self.rank)
 
     def _submit(self, peer: dict, segments: list[tuple[int, int, int]]) -> _Write:
+        if self._abandoned:
+            self._abandoned = [h for h in self._abandoned if self._poll(h) is None]
         base, peer_base, session = self._pool.data_ptr(), peer["base"], peer["session"]
         submit = self.engine.transfer_submit_write
         return _Write([submit(session, base + s, peer_base + d, n) for s, d, n in segments])
@@ -92,6 +97,10 @@ class MooncakeConnector(KVConnector):
         if handle.result is None:
             handle.result = not handle.failed
         return handle.result
+
+    def _abandon(self, handle) -> None:
+        if isinstance(handle, _Write):
+            self._abandoned.append(handle)
 
     def close(self) -> None:
         if self._pool is not None:
