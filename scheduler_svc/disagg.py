@@ -706,10 +706,9 @@ class DecodeSide:
         replies, self._replies = self._replies, []
         return replies
 
-    @staticmethod
-    def queue(pipe, keys: Keys, replies: list[tuple[str, ReservedMsg]]) -> None:
+    def queue(self, pipe, replies: list[tuple[str, ReservedMsg]]) -> None:
         for instance, msg in replies:
-            pipe.xadd(keys.for_instance(instance).reservations, to_fields(msg),
+            pipe.xadd(self.keys.for_instance(instance).reservations, to_fields(msg),
                       maxlen=HANDOFF_MAXLEN, approximate=True)
 
     def stats(self) -> dict[str, float]:

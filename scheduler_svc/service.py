@@ -353,7 +353,7 @@ class SchedulerService:
             if disagg_out is not None:
                 self.prefill.queue(pipe, disagg_out)
             if reserved:
-                DecodeSide.queue(pipe, self.keys, reserved)
+                self.decode.queue(pipe, reserved)
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
             if watch_workers:

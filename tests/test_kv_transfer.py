@@ -173,7 +173,7 @@ def test_connector_moves_bytes_between_processes(capfd):
         while conn._abandoned and time.monotonic() < deadline:
             assert conn.wait([conn.write(peer, [(0, 0, 4)])], timeout_s=30) == [True]
             time.sleep(0.05)
-        assert not conn._abandoned and handle.result is True
+        assert not conn._abandoned and conn.poll(handle) is True
         from_parent.put("stop")
         conn.close()
     finally:

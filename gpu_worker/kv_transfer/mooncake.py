@@ -31,9 +31,10 @@ QUEUED_SLICES_PER_PEER = "65535"
 @dataclass
 class _Write:
     batch_ids: list[int]            # one per segment; 0: that one was not submitted
-    left: int = 0                   # how many of batch_ids (from the front) are settled
+    # how many of batch_ids (from the front) are settled, never asked about again: the engine
+    # frees a batch once it reported it
+    left: int = 0
     failed: bool = False            # one of those failed
-    result: bool | None = None      # memoized: the engine frees a batch once it reported it
 
 
 class MooncakeConnector(KVConnector):
@@ -84,7 +85,7 @@ class MooncakeConnector(KVConnector):
         """Done when every segment is; failed once every segment settled and one failed (the
         others may still land: the decode side recomputes into those blocks only after)."""
         check = self.engine.transfer_check_status
-        while handle.result is None and handle.left < len(handle.batch_ids):
+        while handle.left < len(handle.batch_ids):
             # 1 completed, 0 in flight, -1 failed, -2 the engine's own timeout (with
             # MC_SLICE_TIMEOUT set; its pieces may still land: not settled); a batch id of 0:
             # not submitted (the peer could not be reached)
@@ -94,9 +95,7 @@ class MooncakeConnector(KVConnector):
                 return None
             handle.left += 1
             handle.failed |= status != 1
-        if handle.result is None:
-            handle.result = not handle.failed
-        return handle.result
+        return not handle.failed
 
     def _abandon(self, handle) -> None:
         if isinstance(handle, _Write):
