@@ -92,6 +92,9 @@ _SCHEDULER_STATS = {
                                True),
     "num_requests_reserved": ("pacer:num_requests_reserved",
                               "Decode side: prompts with blocks reserved, K/V on the way", False),
+    "kv_blocks_held": ("pacer:kv_blocks_held",
+                       "Decode side: KV blocks of given-up reservations kept from every request "
+                       "while a prefill worker's late write may still land in them", False),
     "num_requests_awaiting_reservation": ("pacer:num_requests_awaiting_reservation",
                                           "Prefill side: prompts waiting for decode blocks",
                                           False),

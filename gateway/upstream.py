@@ -8,9 +8,11 @@ whose submission is still on its way when that happens is judged by the run_id i
 reports (`replaced`): only the old server's requests are lost.
 
 After a restart the connection pool still holds connections to the old server; the first
-command on each fails. Submitting and aborting drop those idle connections and try once more
-(a duplicate request entry is ignored by the scheduler), so the first requests after Redis is
-back are not refused.
+command on each fails. Submitting and aborting drop those idle connections and try once more,
+so the first requests after Redis is back are not refused. A connection can also break after
+Redis ran the command and before its reply came: a submit is one script that adds the entry
+only if the request id's `submitted` key is new, so a retried submit never enqueues a request
+twice (two schedulers reading one stream would each serve a copy).
 """
 from __future__ import annotations
 
@@ -42,6 +44,15 @@ REPLACED_KEPT = 64          # run ids of servers that restarted away, remembered
 # tries of a request's submit or abort when its connection is dead (~0.3 s of waiting when
 # Redis is really away: the client gets its 503 soon)
 LIVE_CONNECTION_TRIES = 3
+SUBMITTED_TTL_S = 600       # how long a request id is remembered against a repeated submit
+# KEYS: the requests stream, the id's `submitted` key; ARGV: its TTL, MAXLEN, the entry's
+# fields and values
+_SUBMIT_ONCE = """
+if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
+  return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+end
+return false
+"""
 T = TypeVar("T")
 
 
@@ -83,7 +94,8 @@ class Upstream:
                 else:
                     stream = self.keys.for_instance(instance).instance_requests
             pipe = self.redis.pipeline(transaction=False)
-            pipe.xadd(stream, fields, maxlen=REQUESTS_MAXLEN, approximate=True)
+            pipe.eval(_SUBMIT_ONCE, 2, stream, self.keys.submitted(request_id),
+                      SUBMITTED_TTL_S, REQUESTS_MAXLEN, *(x for kv in fields.items() for x in kv))
             pipe.info("server")
             _, info = await pipe.execute()
             return info["run_id"]

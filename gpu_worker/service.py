@@ -374,10 +374,13 @@ def _decode_plan(fields: dict) -> tuple[IterationPlan | None, bytes]:
 
 def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
                      loop: PlanLoop | None = None,
-                     kv: Callable[[], dict | None] = lambda: None, role: str | None = None):
+                     kv: Callable[[], dict | None] = lambda: None, role: str | None = None,
+                     kv_progress: Callable[[], dict] = dict):
     """A heartbeat factory for one rank; rank 0's carries its wait/busy counters. `kv`: this
     rank's KV connector descriptor, once its runner has one; `role`: its instance's role, when
-    stated (`pacer worker --role`; the scheduler refuses another)."""
+    stated (`pacer worker --role`; the scheduler refuses another); `kv_progress`: how far its K/V
+    writes got (a decode instance holds the blocks of a transfer it gave up on until the
+    writer's beats say nothing more comes)."""
     started_at = time.time()     # with the pid, tells a restarted rank from the one before
 
     def make() -> Heartbeat:
@@ -391,6 +394,7 @@ def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
         descriptor = kv()
         if descriptor is not None:
             extra["kv"] = descriptor
+        extra.update(kv_progress())
         return Heartbeat("worker", str(rank), time.time(), extra)
     return make
 
@@ -406,7 +410,8 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
         built: list = []        # the follower's runner, once loaded: its KV descriptor
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size,
                                 kv=lambda: built[0].kv_descriptor() if built else None,
-                                role=role)
+                                role=role,
+                                kv_progress=lambda: built[0].kv_progress() if built else {})
         def loaded(runner) -> None:
             built.append(runner)
             freeze_heap()
@@ -431,7 +436,8 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
                         await stream_tail_id(redis, keys.plans), run_id, runner.rc.device)
         runner.on_forward = loop.handed_over
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop,
-                                kv=runner.kv_descriptor, role=role)
+                                kv=runner.kv_descriptor, role=role,
+                                kv_progress=runner.kv_progress)
         freeze_heap()
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))
     finally:

@@ -52,6 +52,9 @@ NO_ROOM_RETRY_S = 0.2          # the decode instance had no room: ask again this
 # into blocks its predecessor reserved has finished that iteration and seen the restart
 DECODE_QUARANTINE_S = 2.0
 RESERVATION_TTL_S = 600.0      # a reservation nobody handed over nor cancelled is freed
+# blocks held for a prefill instance's late writes go back after this long in any case (its
+# plan may have been lost with its scheduler or Redis: no beat would ever report it)
+HELD_MAX_S = 600.0
 NO_ROOM = "no room now (no free KV blocks, or requests already waiting there)"
 
 
@@ -73,6 +76,7 @@ class _Reservation:
     peers: list[dict]
     incarnation: float
     sent_ok: bool = True           # every send so far completed
+    kv_step: int = 0               # the last plan carrying a send into it
     # destination block -> per rank, the digest of what was last sent into it
     digests: dict[int, list[int]] = field(default_factory=dict)
 
@@ -282,11 +286,12 @@ class PrefillSide:
 
     def _queue_handoff(self, instance: str, consumer: str, entry_id: bytes | str,
                        msg: RequestMsg, tokens: list[int], kv_received: list[str],
-                       num_cached_tokens: int = 0, kv_check: list | None = None) -> None:
+                       num_cached_tokens: int = 0, kv_check: list | None = None,
+                       kv_step: int = 0) -> None:
         entry = stream_id_text(entry_id)
         self.out.handoffs.append((instance, consumer, entry_id,
                                   HandoffMsg(encode(msg), entry, tokens, kv_received,
-                                             num_cached_tokens, kv_check or [])))
+                                             num_cached_tokens, kv_check or [], kv_step)))
         self.handoffs_total += 1
         self.handoffs_with_kv_total += bool(kv_received)
         log.info("request handed over", request_id=msg.request_id, decode_instance=instance,
@@ -425,6 +430,7 @@ class PrefillSide:
             last = (start + rows - 1) // block_size
             sends.append(KVSend(rid, res.decode_instance, request.block_table[first:last + 1],
                                 res.block_ids[first:last + 1], res.peers))
+            res.kv_step = plan.step
         return replace(plan, kv_sends=sends) if sends else plan
 
     def _still_there(self, res: _Reservation) -> bool:
@@ -466,7 +472,8 @@ class PrefillSide:
             Request(rid, msg.prompt_token_ids, msg.sampling, 0, output_token_ids=tokens),
             self.core.eos_token_ids, self.core.max_model_len)
         if output.finish_reason == "abort" or ended is not None or not tokens:
-            self.out.cancels.append((res.decode_instance, CancelMsg(rid, "finished")))
+            self.out.cancels.append((res.decode_instance,
+                                     CancelMsg(rid, "finished", res.kv_step)))
             if ended is not None:
                 self.book.finished(replace(output, finish_reason=ended.finish_reason))
                 return True
@@ -476,7 +483,7 @@ class PrefillSide:
             if res.sent_ok else []
         received = [p["session"] for p in res.peers] if check else []
         self._queue_handoff(res.decode_instance, res.decode_consumer, entry_id, msg, tokens,
-                            received, output.num_cached_tokens, check)
+                            received, output.num_cached_tokens, check, res.kv_step)
         return True
 
     def forget_all(self) -> None:
@@ -542,6 +549,17 @@ class PrefillSide:
         return self.num_awaiting_reservation, self.handoffs_total, self.forwarded_total
 
 
+@dataclass
+class _Held:
+    """A reservation's blocks set aside (docs/failure-modes.md#a-kv-transfer-fails-never-
+    completes-or-lies): its prefill instance's workers may still be writing into them."""
+    prefill_instance: str
+    kv_step: int                   # the last of its plans that wrote into them
+    since: float                   # time.monotonic() of the hold
+    # each rank's started_at as first read after the hold: another one is a new process
+    started: dict[int, object] = field(default_factory=dict)
+
+
 class DecodeSide:
     def __init__(self, keys: Keys, instance: str, consumer: str, core: Scheduler,
                  book: RequestBook, started_at: float) -> None:
@@ -551,6 +569,9 @@ class DecodeSide:
         self.peers: list[dict] = []          # this instance's workers' KV descriptors
         self._replies: list[tuple[str, ReservedMsg]] = []
         self._reserved_at: dict[str, float] = {}
+        self._writer: dict[str, str] = {}    # reserved request id -> its prefill instance
+        self._held: dict[str, _Held] = {}
+        self._prefill_tp: dict[str, int] = {}
         # handed-over requests whose received K/V the workers verify before they run
         # (docs/design.md#kv-integrity); those in `_due` ride on the next plan, the others'
         # check is in flight
@@ -575,7 +596,7 @@ class DecodeSide:
                 self._reserve(msg)
             elif isinstance(msg, HandoffMsg):
                 self._take(msg)
-            elif isinstance(msg, CancelMsg) and self.core.cancel_reservation(msg.request_id):
+            elif isinstance(msg, CancelMsg) and self._give_up(msg.request_id, msg.kv_step):
                 self._reserved_at.pop(msg.request_id, None)
                 log.info("reservation cancelled", request_id=msg.request_id, reason=msg.reason)
         return came
@@ -595,6 +616,7 @@ class DecodeSide:
                 error = str(e)
         if blocks:
             self._reserved_at.setdefault(rid, time.monotonic())
+            self._writer[rid] = msg.prefill_instance
         self._replies.append((msg.prefill_instance, ReservedMsg(
             rid, self.instance, self.consumer, blocks, self.peers if blocks else [],
             self.started_at, error)))
@@ -605,7 +627,7 @@ class DecodeSide:
         self._reserved_at.pop(rid, None)
         self.handoffs_total += 1
         if self.book.aborted_early(rid):
-            self.core.cancel_reservation(rid)
+            self._give_up(rid, msg.kv_step)
             self.book.finish_now(msg.entry_id, request, "abort", len(msg.output_token_ids))
             return
         if self.core.get_request(rid) is not None and not self.core.is_reserved(rid):
@@ -620,7 +642,7 @@ class DecodeSide:
             else:
                 self._activate(rid, msg, False)
             return
-        self.core.cancel_reservation(rid)
+        self._give_up(rid, msg.kv_step)
         self.book.admit(msg.entry_id, request, output_token_ids=msg.output_token_ids)
 
     def _check_for(self, rid: str, msg: HandoffMsg) -> KVCheck | None:
@@ -645,10 +667,87 @@ class DecodeSide:
         """The reserved request runs on as a decode, or is recomputed here."""
         if not self.core.is_reserved(rid):
             return                      # aborted meanwhile: the core reported it
-        if not kv_intact:
-            self.recomputed_total += 1
-        self.core.activate(rid, msg.output_token_ids[0],
-                           list(msg.kv_received) if kv_intact else None, msg.num_cached_tokens)
+        if kv_intact:
+            self._writer.pop(rid, None)
+            self.core.activate(rid, msg.output_token_ids[0], list(msg.kv_received),
+                               msg.num_cached_tokens)
+            return
+        self.recomputed_total += 1
+        self.core.activate(rid, msg.output_token_ids[0], None, msg.num_cached_tokens,
+                           hold=msg.kv_step > 0)
+        self._hold(rid, msg.kv_step)
+
+    def _give_up(self, rid: str, kv_step: int = 0) -> bool:
+        """Cancel a reservation; its blocks set aside until the prefill instance's plan
+        `kv_step` ended its writes (0: none was written: free now)."""
+        if not self.core.cancel_reservation(rid, hold=kv_step > 0):
+            return False
+        self._hold(rid, kv_step)
+        return True
+
+    def _hold(self, rid: str, kv_step: int) -> None:
+        """The blocks of a reservation let go of without their K/V (a transfer given up, a
+        check failed, the request ended on the prefill side) stay set aside while a write
+        into them may still come: until every rank of its prefill instance reports plan
+        `kv_step` ended and names none of the request's writes among those it gave up on and
+        that may still land (gpu_worker/kv_transfer/connector.py), or is gone or restarted.
+        Such a write would otherwise land in another request's K/V."""
+        instance = self._writer.pop(rid, "")
+        if kv_step <= 0:
+            return                      # nothing was written into them: freed already
+        if instance:
+            self._held[rid] = _Held(instance, kv_step, time.monotonic())
+        else:                           # not reserved for a prefill instance: nobody writes
+            self.core.release_held(rid)
+
+    def held_heartbeats(self) -> list[tuple[str, int, str]]:
+        """(prefill instance, rank, heartbeat key) of the worker heartbeats that say when held
+        blocks can go back (none: nothing held)."""
+        return [(instance, rank, self.keys.for_instance(instance).hb_worker(rank))
+                for instance in sorted({h.prefill_instance for h in self._held.values()})
+                for rank in range(self._prefill_tp.get(instance, 1))]
+
+    def release_settled(self, asked: list[tuple[str, int, str]],
+                        values: list[bytes | None]) -> bool:
+        """Give back the held blocks no write can reach any more, from the heartbeats
+        `held_heartbeats` named; whether any went back."""
+        beats: dict[str, dict[int, Heartbeat | None]] = {}
+        for (instance, rank, _), raw in zip(asked, values):
+            try:
+                beat = decode(raw) if raw is not None else None
+            except ProtocolError:
+                beat = None
+            beats.setdefault(instance, {})[rank] = beat if isinstance(beat, Heartbeat) else None
+        released = False
+        for rid, held in list(self._held.items()):
+            ranks = beats.get(held.prefill_instance)
+            if ranks is None:
+                continue                # held after these were asked for
+            tp = max((int(b.extra.get("tp", 1)) for b in ranks.values() if b is not None),
+                     default=1)
+            if tp > len(ranks):
+                self._prefill_tp[held.prefill_instance] = tp    # read them all next time
+                continue
+            started = {r: b.extra.get("started_at") for r, b in ranks.items() if b is not None}
+            held.started = held.started or started
+            waited = time.monotonic() - held.since
+            if waited < HELD_MAX_S and not all(
+                    b is None or started[r] != held.started.get(r, started[r])
+                    or (b.extra.get("kv_step", 0) >= held.kv_step
+                        and rid not in b.extra.get("kv_unsettled", ()))
+                    for r, b in ranks.items()):
+                continue
+            del self._held[rid]
+            blocks = self.core.release_held(rid)
+            if waited < HELD_MAX_S:
+                log.info("blocks of a given-up reservation back in the pool", request_id=rid,
+                         blocks=blocks)
+            else:
+                log.warning("blocks of a given-up reservation back in the pool after "
+                            f"{HELD_MAX_S:.0f} s without word from its prefill instance",
+                            request_id=rid, blocks=blocks, kv_step=held.kv_step)
+            released = True
+        return released
 
     @property
     def checks_due(self) -> bool:
@@ -687,13 +786,13 @@ class DecodeSide:
         for rid, at in list(self._reserved_at.items()):
             if now - at > RESERVATION_TTL_S:
                 del self._reserved_at[rid]
-                if self.core.cancel_reservation(rid):
+                if self._give_up(rid):
                     log.warning("reservation never handed over; freed", request_id=rid)
 
     def forget_all(self) -> None:
         """Redis was lost: the reservations' prefill sides will ask again."""
         for rid in [*self._reserved_at, *self._checks]:
-            self.core.cancel_reservation(rid)
+            self._give_up(rid)
         self._reserved_at.clear()
         self._checks.clear()
         self._due.clear()
@@ -715,4 +814,5 @@ class DecodeSide:
         return {"num_requests_reserved": self.core.num_reserved,
                 "handoffs_total": self.handoffs_total,
                 "handoffs_recomputed_total": self.recomputed_total,
-                "kv_check_failures_total": self.kv_check_failures_total}
+                "kv_check_failures_total": self.kv_check_failures_total,
+                "kv_blocks_held": self.core.block_manager.num_aside_blocks}

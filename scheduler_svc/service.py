@@ -342,6 +342,9 @@ class SchedulerService:
         # idle, the workers may have been restarted (their KV cache and every cached prefix
         # gone) with no plan in flight to notice it: look before the next plan goes out
         watch_workers = idle and not self._flight
+        # blocks set aside from a given-up reservation: may their writers' heartbeats free them
+        held = self.decode.held_heartbeats() if self.decode is not None and gateways is not None \
+            else []
         block_events = self.core.block_manager.take_events()
 
         async def exchange() -> list:
@@ -354,6 +357,8 @@ class SchedulerService:
                 self.prefill.queue(pipe, disagg_out)
             if reserved:
                 self.decode.queue(pipe, reserved)
+            if held:
+                pipe.mget([key for _, _, key in held])
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
             if watch_workers:
@@ -392,6 +397,8 @@ class SchedulerService:
         lost = self.workers.restarted_in(replies.pop()) if watch_workers else []
         if gateways:
             self._check_gateways(gateways, replies.pop())
+        if held and self.decode.release_settled(held, replies.pop()):
+            self.stats.mark_dirty()
         if self.prefill is not None:
             if gateways is not None:
                 await self._find_decoders()

@@ -143,6 +143,11 @@ class Keys:
     def hb_gateway(self, gateway_id: str) -> str:
         return f"{self.prefix}hb:gateway:{gateway_id}"
 
+    def submitted(self, request_id: str) -> str:
+        """Set (with a TTL) by the submit that enqueued the request: a retried submit sees it
+        and adds no second entry (gateway/upstream.py)."""
+        return f"{self.prefix}submitted:{request_id}"
+
     def progress(self, request_id: str) -> str:
         """The output tokens a request has streamed so far (`shared/progress.py`)."""
         return f"{self.prefix}progress:{request_id}"

@@ -60,6 +60,24 @@ def test_freed_blocks_are_reused():
     bm.check_integrity()
 
 
+def test_blocks_set_aside_go_to_no_request_until_released():
+    # a P/D reservation given up while a prefill worker may still write into its blocks
+    bm = BlockManager(num_blocks=4, block_size=4)
+    a, b = make_request("a"), make_request("a")     # the same id, recomputed in other blocks
+    assert bm.allocate(a, 10) == [0, 1, 2]
+    bm.set_aside(a)
+    assert a.block_table == [] and bm.num_free_blocks == 1 and bm.num_aside_blocks == 3
+    bm.check_integrity()
+    assert bm.allocate(b, 5) is None                   # needs 2 blocks; only 3 is free
+    assert bm.allocate(b, 4) == [3]
+    bm.free(b)
+    bm.check_integrity()
+    assert bm.num_aside_blocks == 3
+    assert bm.release_aside("a") == 3 and bm.release_aside("a") == 0
+    assert bm.num_free_blocks == 4 and bm.num_aside_blocks == 0
+    bm.check_integrity()
+
+
 def test_blocks_needed_rounds_up():
     bm = BlockManager(num_blocks=1, block_size=16)
     assert [bm.blocks_needed(n) for n in (0, 1, 16, 17, 32)] == [0, 1, 1, 2, 2]

@@ -18,8 +18,8 @@ from scheduler_svc.workers import role_disagreement
 from shared.config import SchedulerConfig
 from shared.keys import Keys
 from shared.plan import IterationPlan, SampledToken, StepResult
-from shared.protocol import (AbortMsg, CancelMsg, HandoffMsg, RequestMsg, ReservedMsg, ReserveMsg,
-                             decode, encode, from_fields, to_fields)
+from shared.protocol import (AbortMsg, CancelMsg, HandoffMsg, Heartbeat, RequestMsg, ReservedMsg,
+                             ReserveMsg, decode, encode, from_fields, to_fields)
 from shared.sampling import SamplingParams
 from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
 
@@ -152,11 +152,60 @@ def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
     assert c.block_manager.num_free_blocks == 1
     side.receive(reply(ReserveMsg(encode(request("b", 9, max_tokens=2)), "p0")))
     assert side._replies[-1][1].error == NO_ROOM
-    side.receive(reply(CancelMsg("a", "asked again")))
+    side.receive(reply(CancelMsg("a", "asked again")))     # nothing was written: free now
     assert c.block_manager.num_free_blocks == 4 and c.num_reserved == 0
     c.add_request("w", list(range(10)), SamplingParams(max_tokens=2))   # one waits here
     side.receive(reply(ReserveMsg(encode(request("c", 3, max_tokens=2)), "p0")))
     assert side._replies[-1][1].block_ids == []
+
+
+def beat(tp: int = 1, kv_step: int = 0, unsettled: tuple[str, ...] = (),
+         started_at: float = 1.0) -> bytes:
+    """A prefill worker's heartbeat: the last plan whose writes ended, and the requests whose
+    writes it gave up on and that may still land."""
+    extra = {"tp": tp, "started_at": started_at, "kv_step": kv_step,
+             **({"kv_unsettled": list(unsettled)} if unsettled else {})}
+    return encode(Heartbeat("worker", "0", 0.0, extra))
+
+
+@pytest.mark.parametrize("end", ["a rank restarted", "a rank is gone"])
+def test_the_blocks_of_a_given_up_transfer_wait_for_every_writer_to_let_go(end):
+    # a write the prefill worker gave up at its deadline may still land: the blocks it
+    # targets go to no request until each of the prefill instance's ranks has ended the last
+    # plan that wrote into them and names none of its writes as given up (or is another
+    # process, or none at all) (docs/failure-modes.md)
+    c = core(num_blocks=4)
+    side = decode_side(c)
+    msg = request("a", 9, max_tokens=2)
+    side.receive(reply(ReserveMsg(encode(msg), "p0")))
+    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], [], 0, [], kv_step=7)))  # no K/V
+    assert side.recomputed_total == 1 and side.stats()["kv_blocks_held"] == 3
+    assert not c.schedule().new_requests        # recomputed in other blocks: one is free
+    asked = side.held_heartbeats()
+    assert [key for *_, key in asked] == [Keys().for_instance("p0").hb_worker(0)]
+    assert not side.release_settled(asked, [beat(tp=2, kv_step=7)])
+    asked = side.held_heartbeats()              # rank 0 says there are two ranks
+    assert [rank for _, rank, _ in asked] == [0, 1]
+    assert not side.release_settled(asked, [beat(2, 7, ("a",)), beat(2, 7)])   # given up
+    assert not side.release_settled(asked, [beat(2, 8), beat(2, 6)])          # rank 1 behind
+    last = beat(2, 6, started_at=2.0) if end == "a rank restarted" else None
+    assert side.release_settled(asked, [beat(2, 8), last])
+    assert c.block_manager.num_aside_blocks == 0 and side.held_heartbeats() == []
+    c.block_manager.check_integrity()
+    new, = c.schedule().new_requests
+    assert new.request_id == "a" and new.num_computed_tokens == 0
+
+
+def test_a_reservation_the_prefill_side_ended_after_writing_is_held_until_written():
+    c = core(num_blocks=4)
+    side = decode_side(c)
+    side.receive(reply(ReserveMsg(encode(request("a", 9, max_tokens=2)), "p0")))
+    side.receive(reply(CancelMsg("a", "finished", kv_step=3)))
+    assert c.num_reserved == 0 and c.block_manager.num_aside_blocks == 3
+    asked = side.held_heartbeats()
+    assert not side.release_settled(asked, [beat(kv_step=2)])     # plan 3 still writing
+    assert side.release_settled(asked, [beat(kv_step=3)])
+    assert c.block_manager.num_free_blocks == 4
 
 
 def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_blocks_back():
@@ -237,6 +286,7 @@ def test_the_prefill_side_sends_each_chunk_and_hands_over_with_the_first_token()
     assert (instance, consumer, entry) == ("d0", "host-d0", b"9-0")
     assert handoff.output_token_ids == [5] and handoff.kv_received == ["d0:1"]
     assert handoff.kv_check == [[7, 8, 9], [[10, 11, 12]]]
+    assert handoff.kv_step == plan.step                     # the last plan that wrote
     assert c.block_manager.num_free_blocks == 16            # freed: the sends were done
 
 
@@ -487,7 +537,8 @@ def test_a_request_ended_before_its_first_token_is_cancelled_not_handed_over():
     [out] = [o for o in outs if o.request_id == "r"]
     assert out.finished and not out.new_tokens
     assert side.finished(out) is False
-    assert side.take().cancels == [("d0", CancelMsg("r", "finished"))]
+    # the decode side holds its blocks until the plan that wrote into them has ended there
+    assert side.take().cancels == [("d0", CancelMsg("r", "finished", plan.step))]
 
 
 def test_min_tokens_reach_the_prefill_leg_as_one_at_most():

@@ -30,6 +30,7 @@ from shared.keys import Keys
 from shared.plan import PromptLogprobs
 from shared.protocol import (AbortMsg, FinishEvent, Heartbeat, PromptLogprobsEvent, RequestMsg,
                              TokenBatch, TokenEvent, encode, from_fields)
+from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
@@ -264,6 +265,20 @@ async def test_completion_shape_usage_and_the_request_message(h: Harness) -> Non
     assert msg.gateway_id == h.config.gateway_id
     sp = msg.sampling
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (5, 0.5, 0.9, 7, 3)
+
+
+async def test_a_submit_repeated_after_a_lost_reply_enqueues_the_request_once(
+        h: Harness) -> None:
+    # a connection that breaks after Redis ran the submit and before its reply came is
+    # retried: the second try must not add a second entry (two schedulers reading the stream
+    # would each serve one); another request id is a new entry
+    before = await h.redis.xlen(h.keys.requests)
+    for rid in ("dup-1", "dup-1", "dup-2"):
+        await h.state.upstream.submit(rid, [1, 2, 3], SamplingParams(max_tokens=1), 0.0)
+    entries = await h.redis.xrange(h.keys.requests)
+    ids = [m.request_id for _, f in entries[before:] if isinstance(m := from_fields(f), RequestMsg)]
+    assert ids == ["dup-1", "dup-2"]
+    assert 0 < await h.redis.ttl(h.keys.submitted("dup-1")) <= 600
 
 
 async def test_completion_defaults_to_16_tokens_and_accepts_token_ids(h: Harness) -> None:
@@ -1472,7 +1487,6 @@ async def test_a_request_whose_submit_failed_is_aborted_upstream() -> None:
     from gateway.streams import TokenRouter
     from redis.exceptions import ConnectionError as RedisConnectionError
     from shared.model_source import resolve_model
-    from shared.sampling import SamplingParams
     from shared.tokenizer import load_tokenizer
 
     class Upstream:

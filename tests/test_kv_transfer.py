@@ -159,21 +159,36 @@ def test_connector_moves_bytes_between_processes(capfd):
         got = peer_pool()
         missing = int((got != src).sum())
         assert missing == 0, f"{missing} values had not landed when the write was done"
-        # a peer that stops reading: the write is given up at its deadline, and polled at the
-        # next writes until it settles (the engine frees a batch only once it reported it)
+        # a peer that stops reading: the write is given up at its deadline, named unsettled
+        # until it settles (the decode side keeps its blocks from other requests until then),
+        # and polled at the next writes (the engine frees a batch only once it reported it)
+        whole = [(o, o, segment) for o in range(0, src.numel() * 4, segment)]
         os.kill(child.pid, signal.SIGSTOP)
         try:
-            whole = [(o, o, segment) for o in range(0, src.numel() * 4, segment)]
             handle = conn.write(peer, whole)
-            assert conn.wait([handle], timeout_s=0.3) == [False]
-            assert conn._abandoned == [handle]
+            assert conn.wait([handle], timeout_s=0.3, tag="r1") == [False]
+            assert conn.unsettled() == ["r1"]
         finally:
             os.kill(child.pid, signal.SIGCONT)
         deadline = time.monotonic() + 30
-        while conn._abandoned and time.monotonic() < deadline:
+        while conn.unsettled() and time.monotonic() < deadline:
             assert conn.wait([conn.write(peer, [(0, 0, 4)])], timeout_s=30) == [True]
             time.sleep(0.05)
-        assert not conn._abandoned and conn.poll(handle) is True
+        assert conn.unsettled() == [] and conn.poll(handle) is True
+        # the test hook for a write that lands after its deadline (tests/test_served_disagg.py)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("PACER_KV_FAULT", "late")
+            mp.setenv("PACER_KV_LATE_S", "0.5")
+            late = make_connector("mooncake")
+        late.register(src * 2)
+        start = time.monotonic()
+        assert late.wait([late.write(peer, whole)], timeout_s=0.1, tag="r2") == [False]
+        assert late.unsettled() == ["r2"] and not torch.equal(peer_pool(), src * 2)
+        while late.unsettled() and time.monotonic() < start + 30:
+            time.sleep(0.05)
+        assert late.unsettled() == [] and time.monotonic() - start >= 0.5
+        assert torch.equal(peer_pool(), src * 2)
+        late.close()
         from_parent.put("stop")
         conn.close()
     finally:
@@ -331,6 +346,10 @@ def test_a_failed_send_on_a_follower_rank_is_reported_by_rank_0(tiny):
 def test_the_worker_heartbeat_carries_the_kv_descriptor(decode_runner):
     from gpu_worker.service import worker_heartbeat
     from shared.protocol import decode as decode_msg, encode
-    beat = worker_heartbeat(0, 1, 32, BLOCK, kv=decode_runner.kv_descriptor)()
-    assert decode_msg(encode(beat)).extra["kv"] == decode_runner.kv_descriptor()
+    beat = worker_heartbeat(0, 1, 32, BLOCK, kv=decode_runner.kv_descriptor,
+                            kv_progress=decode_runner.kv_progress)()
+    extra = decode_msg(encode(beat)).extra
+    assert extra["kv"] == decode_runner.kv_descriptor()
+    # how far its writes got, for a decode side holding blocks of a transfer given up on
+    assert extra["kv_step"] == decode_runner.kv_step and "kv_unsettled" not in extra
     assert "kv" not in worker_heartbeat(0, 1, 32, BLOCK)().extra

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -378,21 +379,40 @@ def scheduler_pid(served, instance: str) -> int:
         r.close()
 
 
-@pytest.mark.parametrize("fault", ["hang", "drop"])
+@pytest.mark.parametrize("fault", ["late", "drop"])
 def test_pd_transfer_that_never_completes_or_lies_is_recomputed(tiny, expected, tmp_path, fault):
-    # hang: the sends never complete and time out; drop: the transport reports them done
-    # but wrote nothing, and only the decode side's check of what arrived can tell
+    # late: the sends start 4 s after they were asked for, so they are given up at the 2 s
+    # deadline and land later (the decode side keeps the blocks they target from every
+    # request until the prefill worker's heartbeat no longer names them); drop: the
+    # transport reports them done but wrote nothing, and only the decode side's check of
+    # what arrived can tell
     served, model = start_pd(tiny, tmp_path, "--kv-timeout-s", "2",
-                             env={"PACER_KV_FAULT": fault})
+                             env={"PACER_KV_FAULT": fault, "PACER_KV_LATE_S": "4"})
+    held: list[float] = []
+    done = threading.Event()
+
+    def watch_held() -> None:
+        while not done.is_set():
+            held.append(stats(served, D0).get("kv_blocks_held", -1.0))
+            time.sleep(0.1)
+    watcher = threading.Thread(target=watch_held)
+    watcher.start()
     try:
         got = all_concurrently(served, model, LONG[:2])
         assert got == first(expected, LONG[:2])
         failures = stats(served, P0)["kv_transfer_failures_total"]
         checks_failed = stats(served, D0)["kv_check_failures_total"]
-        if fault == "hang":
+        if fault == "late":
             assert failures >= 1 and checks_failed == 0
         else:
             assert failures == 0 and checks_failed == 2
+        # back in the pool once nothing can land in them any more
+        wait_for(lambda: stats(served, D0)["kv_blocks_held"] == 0, 30, "held blocks released")
+        assert max(held) > 0, "the blocks of the given-up transfers were never held"
+        assert all(stats(served, D0)[k] == 0 for k in ("num_requests_reserved",
+                                                        "num_requests_running"))
         assert stats(served, D0)["handoffs_recomputed_total"] >= 1
     finally:
+        done.set()
+        watcher.join()
         assert served.stop() == 0, served.log_tail()

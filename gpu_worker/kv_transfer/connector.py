@@ -10,30 +10,53 @@ Offsets are bytes into the two pools (this rank's, the peer's). An implementatio
 `register`, `descriptor`, `_submit`, `_poll` and `close`; the Mooncake transfer engine's is
 `mooncake.py`, and NIXL or torch.distributed could stand in behind the same five calls.
 
+A write still in flight at its deadline is given up on, not forgotten: the connector polls it
+until it settles, and `unsettled()` names the requests (the `tag` given to `wait`) whose
+writes may still land. A worker publishes them in its heartbeat, and the decode side keeps the
+blocks they target from every other request until they are gone (docs/failure-modes.md).
+
 Test hooks (docs/failure-modes.md): PACER_KV_FAULT=hang makes every write a send that never
 completes, so the timeout path runs; PACER_KV_FAULT=drop makes every write report success
-without moving a byte (a transport that lies), so the decode side's check must catch it.
+without moving a byte (a transport that lies), so the decode side's check must catch it;
+PACER_KV_FAULT=late makes every write start PACER_KV_LATE_S (3) seconds after it was asked
+for, at the first poll past then: given up on at a shorter deadline, it lands later.
 """
 from __future__ import annotations
 
 import os
+import threading
 import time
 from abc import ABC, abstractmethod
 
 from gpu_worker.kv_cache import block_bytes
 
 FAULT_ENV = "PACER_KV_FAULT"
+LATE_ENV = "PACER_KV_LATE_S"
 _HANG = object()          # the handle of a write the fault hook swallowed: never completes
 _DROP = object()          # ... or reports done
-FAULTS = {"": None, "hang": _HANG, "drop": _DROP}
+_LATE = object()          # ... or starts late
+FAULTS = {"": None, "hang": _HANG, "drop": _DROP, "late": _LATE}
+
+
+class _LateWrite:
+    """PACER_KV_FAULT=late: a write submitted for real only once `due` has passed."""
+    def __init__(self, peer: dict, segments: list, due: float) -> None:
+        self.peer, self.segments, self.due = peer, segments, due
+        self.handle = None
 
 
 class KVConnector(ABC):
     def __init__(self) -> None:
         fault = os.environ.get(FAULT_ENV, "")
         if fault not in FAULTS:
-            raise ValueError(f"{FAULT_ENV} must be 'hang', 'drop' or unset, got {fault!r}")
+            raise ValueError(f"{FAULT_ENV} must be 'hang', 'drop', 'late' or unset, "
+                             f"got {fault!r}")
         self._fault = FAULTS[fault]
+        self._late_s = float(os.environ.get(LATE_ENV, "3"))
+        # writes given up at their deadline, by tag: polled until they settle (the forward
+        # thread at each write, the heartbeat at each beat)
+        self._abandoned: dict[str, list] = {}
+        self._abandoned_lock = threading.Lock()
 
     @abstractmethod
     def register(self, pool) -> None:
@@ -46,6 +69,10 @@ class KVConnector(ABC):
     def write(self, peer: dict, segments: list[tuple[int, int, int]]):
         """Start copying each (src_offset, dst_offset, length) from the own pool into the
         peer's; returns a handle for `poll`/`wait`."""
+        if self._abandoned:
+            self.unsettled()            # their handles are freed as they settle
+        if self._fault is _LATE:
+            return _LateWrite(peer, segments, time.monotonic() + self._late_s)
         if self._fault is not None:
             return self._fault
         return self._submit(peer, segments)
@@ -56,11 +83,27 @@ class KVConnector(ABC):
             return None
         if handle is _DROP:
             return True
+        if isinstance(handle, _LateWrite):
+            if handle.handle is None:
+                if time.monotonic() < handle.due:
+                    return None
+                handle.handle = self._submit(handle.peer, handle.segments)
+            return self._poll(handle.handle)
         return self._poll(handle)
 
-    def wait(self, handles: list, timeout_s: float) -> list[bool]:
+    def unsettled(self) -> list[str]:
+        """The tags of writes given up at their deadline that may still land (polled now)."""
+        with self._abandoned_lock:
+            for tag, handles in list(self._abandoned.items()):
+                handles[:] = [h for h in handles if self.poll(h) is None]
+                if not handles:
+                    del self._abandoned[tag]
+            return sorted(self._abandoned)
+
+    def wait(self, handles: list, timeout_s: float, tag: str = "") -> list[bool]:
         """Wait until every write finished or `timeout_s` passed; ok flags in order (a write
-        still in flight at the deadline is not ok)."""
+        still in flight at the deadline is not ok, and is kept under `tag` until it
+        settles: `unsettled`)."""
         deadline = time.perf_counter() + timeout_s
         done: list[bool | None] = [None] * len(handles)
         pause = 20e-6
@@ -69,15 +112,13 @@ class KVConnector(ABC):
                 if done[i] is None:
                     done[i] = self.poll(h)
             if all(d is not None for d in done) or time.perf_counter() >= deadline:
-                for h, d in zip(handles, done):
-                    if d is None:
-                        self._abandon(h)
+                late = [h for h, d in zip(handles, done) if d is None]
+                if late:
+                    with self._abandoned_lock:
+                        self._abandoned.setdefault(tag, []).extend(late)
                 return [bool(d) for d in done]
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
-
-    def _abandon(self, handle) -> None:
-        """A write still in flight at its deadline, which nobody waits for any more."""
 
     @abstractmethod
     def _submit(self, peer: dict, segments: list[tuple[int, int, int]]): ...

@@ -58,9 +58,6 @@ class MooncakeConnector(KVConnector):
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         self.tp, self.rank = tp, rank
         self._pool = None
-        # writes given up at their deadline: polled at each new write until they settle, so
-        # that the engine frees their batches (it does only once it reported them)
-        self._abandoned: list[_Write] = []
 
     def register(self, pool) -> None:
         if not pool.is_contiguous():
@@ -75,8 +72,8 @@ class MooncakeConnector(KVConnector):
         return pool_descriptor("mooncake", self.session, self._pool, self.tp, self.rank)
 
     def _submit(self, peer: dict, segments: list[tuple[int, int, int]]) -> _Write:
-        if self._abandoned:
-            self._abandoned = [h for h in self._abandoned if self._poll(h) is None]
+        # (writes given up at their deadline are polled until they settle, connector.py: the
+        # engine frees a batch only once it reported it)
         base, peer_base, session = self._pool.data_ptr(), peer["base"], peer["session"]
         submit = self.engine.transfer_submit_write
         return _Write([submit(session, base + s, peer_base + d, n) for s, d, n in segments])
@@ -96,10 +93,6 @@ class MooncakeConnector(KVConnector):
             handle.left += 1
             handle.failed |= status != 1
         return not handle.failed
-
-    def _abandon(self, handle) -> None:
-        if isinstance(handle, _Write):
-            self._abandoned.append(handle)
 
     def close(self) -> None:
         if self._pool is not None:

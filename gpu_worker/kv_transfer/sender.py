@@ -96,7 +96,7 @@ class LayerSender:
         failed = list(self.refused)
         for s in self.sends:
             left = self.timeout_s - (time.perf_counter() - start)
-            if not all(self.connector.wait(s.handles, max(left, 0.0))):
+            if not all(self.connector.wait(s.handles, max(left, 0.0), tag=s.request_id)):
                 failed.append(s.request_id)
         end = time.perf_counter()
         self._poll(end)

@@ -41,6 +41,9 @@ class BlockManager:
         self._block_of: dict[bytes, int] = {}       # the prefix cache index: hash -> block
         # request id -> the request holding blocks (its block_table is the list it grows)
         self._holders: dict[str, Request] = {}
+        # blocks taken from their request but not yet back in the pool (`set_aside`): request
+        # id -> the blocks, held until `release_aside`
+        self._aside: dict[str, list[int]] = {}
         # vLLM's counters, in tokens: prompt tokens looked up at admission, and found cached
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
@@ -56,6 +59,10 @@ class BlockManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_total_blocks - self.num_free_blocks
+
+    @property
+    def num_aside_blocks(self) -> int:
+        return sum(map(len, self._aside.values()))
 
     @property
     def num_cached_blocks(self) -> int:
@@ -224,7 +231,27 @@ class BlockManager:
         Registered blocks keep their hash and content until the pool needs them."""
         if self._holders.pop(request.request_id, None) is None:
             return
-        table = request.block_table
+        self._drop(request.block_table)
+        request.block_table.clear()
+        request.num_cached_blocks = 0
+
+    def set_aside(self, request: Request) -> None:
+        """Take the request's blocks from it (its table empties, as `free` leaves it) without
+        returning them to the pool: no request gets them until `release_aside(request_id)`.
+        For blocks another process may still write into (a P/D transfer given up on)."""
+        if self._holders.pop(request.request_id, None) is None:
+            return
+        self._aside.setdefault(request.request_id, []).extend(request.block_table)
+        request.block_table.clear()
+        request.num_cached_blocks = 0
+
+    def release_aside(self, request_id: str) -> int:
+        """The blocks `set_aside` took from `request_id` go back to the pool; how many."""
+        table = self._aside.pop(request_id, [])
+        self._drop(table)
+        return len(table)
+
+    def _drop(self, table: list[int]) -> None:
         ref_counts, hash_of = self._ref_counts, self._hash_of
         free_plain, free_cached = self._free_plain.append, self._free_cached
         # Tail first: the head blocks are the likeliest to be shared, so they become the most
@@ -236,8 +263,6 @@ class BlockManager:
                     free_plain(block_id)
                 else:
                     free_cached[block_id] = None
-        table.clear()
-        request.num_cached_blocks = 0
 
     # ---- books ---------------------------------------------------------------------------
 
@@ -264,6 +289,9 @@ class BlockManager:
                     f"request {request_id!r} will write into cached block {block_id}"
                 assert index < len(request.block_hashes) and request.block_hashes[index] == h, \
                     f"cached block {block_id} does not hold request {request_id!r}'s tokens"
+        for request_id, table in self._aside.items():
+            for block_id in table:
+                owners.setdefault(block_id, []).append(f"{request_id} (set aside)")
         for block_id, holders in owners.items():
             assert len(holders) == 1 or self._hash_of[block_id] is not None, \
                 f"block {block_id} is in the tables of {holders} but is not a cached block"
