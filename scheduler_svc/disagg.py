@@ -183,6 +183,7 @@ class PrefillSide:
         self.handoffs_total = 0
         self.handoffs_with_kv_total = 0
         self.kv_failed_total = 0
+        self._observed_step = 0         # the last plan whose result is in
         self.forwarded_total = 0             # new requests handed to the prefill instance chosen
 
     @property
@@ -438,6 +439,7 @@ class PrefillSide:
         return now is not None and now.started_at == res.incarnation
 
     def observe(self, plan: IterationPlan, result: StepResult) -> None:
+        self._observed_step = plan.step
         for send in plan.kv_sends:
             per_rank = result.kv_digests.get(send.request_id)
             res = self._reservations.get(send.request_id)
@@ -472,8 +474,11 @@ class PrefillSide:
             Request(rid, msg.prompt_token_ids, msg.sampling, 0, output_token_ids=tokens),
             self.core.eos_token_ids, self.core.max_model_len)
         if output.finish_reason == "abort" or ended is not None or not tokens:
-            self.out.cancels.append((res.decode_instance,
-                                     CancelMsg(rid, "finished", res.kv_step)))
+            # the decode side frees the blocks at once unless a write into them may still
+            # come: one failed or given up, or a plan still running carries one
+            writing = res.kv_step if res.kv_step > self._observed_step or not res.sent_ok \
+                else 0
+            self.out.cancels.append((res.decode_instance, CancelMsg(rid, "finished", writing)))
             if ended is not None:
                 self.book.finished(replace(output, finish_reason=ended.finish_reason))
                 return True

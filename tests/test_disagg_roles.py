@@ -528,8 +528,10 @@ def test_a_request_ended_before_its_first_token_is_cancelled_not_handed_over():
     """A deadline passed (or a client gone) mid-prefill: the request ends with no token, its
     reservation is cancelled, and nothing asks for a last token it does not have (that took
     the prefill scheduler down, in a crash loop as each restart took the request back)."""
-    c, side = _reserved_on_the_prefill_side(request("r", 10))
+    c, side = _reserved_on_the_prefill_side(request("r", 20))
     plan = side.add_sends(c.schedule())                     # the first chunk is running
+    ahead = side.add_sends(c.schedule_ahead())              # and the second, planned ahead
+    assert [s.request_id for s in ahead.kv_sends] == ["r"]
     side.book.stop("r", "the request's deadline passed", "timeout_error")
     result = StepResult(plan.step, {}, kv_digests={"r": [[10, 11]]})
     outs = c.update(plan, result)
@@ -537,8 +539,8 @@ def test_a_request_ended_before_its_first_token_is_cancelled_not_handed_over():
     [out] = [o for o in outs if o.request_id == "r"]
     assert out.finished and not out.new_tokens
     assert side.finished(out) is False
-    # the decode side holds its blocks until the plan that wrote into them has ended there
-    assert side.take().cancels == [("d0", CancelMsg("r", "finished", plan.step))]
+    # the decode side holds its blocks until the plan still writing into them has ended
+    assert side.take().cancels == [("d0", CancelMsg("r", "finished", ahead.step))]
 
 
 def test_min_tokens_reach_the_prefill_leg_as_one_at_most():
