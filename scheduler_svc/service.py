@@ -118,6 +118,7 @@ class SchedulerService:
         self._overlap = config.overlap and config.role != "prefill"
         self._housekeeping_at = 0.0
         self._gateway_misses: dict[str, int] = {}
+        self._requests_seen: bytes | str | None = None   # the newest request entry delivered
         if self.publishes_cache:     # the gateway's router reads it
             core.block_manager.keep_events()
 
@@ -234,6 +235,7 @@ class SchedulerService:
                     self.decode.checks_lost()
                 if isinstance(e, RedisLost):
                     self._forget_disagg_state()
+                    self._requests_seen = None      # the new server's ids start again
                 if not await self.recovery.recover(e, stop, self.wait_for_workers):
                     return
 
@@ -347,7 +349,11 @@ class SchedulerService:
             else []
         block_events = self.core.block_manager.take_events()
 
+        tries = 0
+
         async def exchange() -> list:
+            nonlocal tries
+            tries += 1
             pipe = self.redis.pipeline(transaction=False)
             if stats is not None:
                 pipe.hset(self.keys.stats, mapping=stats)
@@ -371,8 +377,13 @@ class SchedulerService:
             if self.decode is not None:
                 pipe.xread({self.keys.handoff: self.decode.cursor}, count=1000, block=block_ms)
             if room:
+                # tried again, Redis may have run the last try and delivered new entries in
+                # the reply that was lost: ours now (pending), never delivered as new again;
+                # they are read back from our own history past the last one seen
+                start = ">" if tries == 1 or self._requests_seen is None \
+                    else self._requests_seen
                 pipe.xreadgroup(self.keys.requests_group, self.config.scheduler_id,
-                                {self.keys.requests: ">"}, count=room, block=block_ms)
+                                {self.keys.requests: start}, count=room, block=block_ms)
             pipe.xread({self.keys.aborts: self.cursors.aborts}, count=1000)
             return await pipe.execute()
 
@@ -437,6 +448,7 @@ class SchedulerService:
     def _receive_requests(self, reply) -> None:
         for _, stream_entries in reply or []:
             for entry_id, fields in stream_entries:
+                self._requests_seen = entry_id
                 if self.prefill is None:
                     self.book.receive(entry_id, fields)
                 elif (msg := self.book.decode(entry_id, fields)) is not None:

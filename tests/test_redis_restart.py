@@ -25,6 +25,9 @@ from gateway.app import serve as serve_gateway
 from gateway.config import GatewayConfig
 from gateway.streams import TokenRouter
 from gpu_worker.service import PlanLoop, worker_heartbeat
+from redis.asyncio.client import Pipeline
+
+from scheduler_svc import takeover
 from scheduler_svc.service import SchedulerServiceConfig
 from scheduler_svc.service import serve as serve_scheduler
 from scheduler_svc.workers import WorkerWatch
@@ -224,6 +227,31 @@ async def test_a_result_whose_connection_was_dropped_is_sent_again(server, tiny_
             s.gate.release()
 
         assert_complete(await complete(s, 2, drop_connections), reference)
+
+
+async def test_requests_delivered_in_a_reply_that_was_lost_are_read_back(server, tiny_model,
+                                                                         monkeypatch):
+    """The connection breaks after Redis ran the scheduler's intake and before its reply
+    came: the new requests that reply delivered are the scheduler's now (pending), and Redis
+    never delivers them as new again. The retried intake reads them back from the
+    scheduler's own history; nothing else would before the takeover's idle claim (made
+    never here, so that a miss hangs the streams)."""
+    monkeypatch.setattr(takeover, "CLAIM_IDLE_MS", 3_600_000)
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 2)]
+        lost: list = []
+        execute = Pipeline.execute
+
+        async def lose_a_reply(pipe, raise_on_error: bool = True):
+            names = [args[0] for args, _ in pipe.command_stack]
+            replies = await execute(pipe, raise_on_error)
+            if not lost and "XREADGROUP" in names and replies[names.index("XREADGROUP")]:
+                lost.append(replies[names.index("XREADGROUP")])
+                raise redis.exceptions.ConnectionError("the reply was lost")
+            return replies
+        monkeypatch.setattr(Pipeline, "execute", lose_a_reply)
+        assert_complete(await complete(s, 2), reference)
+        assert lost
 
 
 async def test_after_a_redis_restart_the_streams_end_with_an_error_and_new_ones_complete(
