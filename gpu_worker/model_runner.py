@@ -209,7 +209,6 @@ class ModelRunner:
         self.on_forward: Callable[[], None] | None = None
         self.eos_token_ids = token_id_set(cfg.eos_token_ids)
         self._last_step: int | None = None      # the last plan run here
-        self.kv_step = 0        # the last plan whose K/V writes all ended (kv_progress)
         self.requests: dict[str, _RequestState] = {}
         self._written = bytearray(rc.num_kv_blocks)     # 1: this process wrote K/V there
         # torch threads for many rows and for few (FEW_ROWS), set on the forward thread
@@ -259,15 +258,17 @@ class ModelRunner:
         return self.kv_connector.descriptor() if self.kv_connector is not None else None
 
     def kv_progress(self) -> dict:
-        """For the worker heartbeat (P/D, docs/failure-modes.md): `kv_step`, the last plan
-        whose K/V writes all ended (landed, failed, or given up at their deadline), and
-        `kv_unsettled`, the requests whose given-up writes may still land. A decode instance
-        holds the blocks of a transfer it gave up on until these say nothing more comes."""
+        """For the worker heartbeat (P/D, docs/failure-modes.md): `kv_unsettled`, request ->
+        decode session of the K/V writes this rank gave up at their deadline and that may
+        still land (a decode instance holds the blocks they target until no beat names
+        them), and `kv_writing_to`, the sessions any write may still land in (a restarted
+        decode scheduler waits until its own are gone)."""
         if self.kv_connector is None:
             return {}
-        step = self.kv_step         # first: the writes that plan gave up on are listed below
-        pending = self.kv_connector.unsettled()
-        return {"kv_step": step, **({"kv_unsettled": pending} if pending else {})}
+        unsettled = self.kv_connector.unsettled()
+        peers = self.kv_connector.peers_written()
+        return {**({"kv_unsettled": unsettled} if unsettled else {}),
+                **({"kv_writing_to": peers} if peers else {})}
 
     @torch.inference_mode()
     def execute(self, plan: IterationPlan) -> StepResult:
@@ -403,7 +404,6 @@ class ModelRunner:
                         after_step=plan.after_step, last_step=self._last_step)
         for rid in plan.dropped_request_ids:
             self.requests.pop(rid, None)
-        self.kv_step = plan.step
         return StepResult(plan.step, {})
 
     def _kv_sender(self, plan: IterationPlan) -> LayerSender | None:
@@ -416,14 +416,13 @@ class ModelRunner:
         return LayerSender(self.kv_connector, plan.kv_sends, self.tp.rank,
                            self.rc.kv_timeout_s, self.kv_pool)
 
-    def _with_kv(self, result: StepResult, sender: LayerSender | None) -> StepResult:
+    @staticmethod
+    def _with_kv(result: StepResult, sender: LayerSender | None) -> StepResult:
         """Wait for the iteration's sends (they must end before its result goes out); the
         digests of what they sent, as this rank's."""
         if sender is None:
-            self.kv_step = result.step
             return result
         failed, digests, stats = sender.finish()
-        self.kv_step = result.step
         if failed:
             log.warning("kv sends failed or timed out", step=result.step, requests=failed)
         return dataclasses.replace(result, kv_failed=failed, kv_stats=stats,

@@ -378,9 +378,8 @@ def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
                      kv_progress: Callable[[], dict] = dict):
     """A heartbeat factory for one rank; rank 0's carries its wait/busy counters. `kv`: this
     rank's KV connector descriptor, once its runner has one; `role`: its instance's role, when
-    stated (`pacer worker --role`; the scheduler refuses another); `kv_progress`: how far its K/V
-    writes got (a decode instance holds the blocks of a transfer it gave up on until the
-    writer's beats say nothing more comes)."""
+    stated (`pacer worker --role`; the scheduler refuses another); `kv_progress`: the K/V
+    writes that may still land, and where (ModelRunner.kv_progress)."""
     started_at = time.time()     # with the pid, tells a restarted rank from the one before
 
     def make() -> Heartbeat:

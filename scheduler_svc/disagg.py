@@ -52,9 +52,11 @@ NO_ROOM_RETRY_S = 0.2          # the decode instance had no room: ask again this
 # into blocks its predecessor reserved has finished that iteration and seen the restart
 DECODE_QUARANTINE_S = 2.0
 RESERVATION_TTL_S = 600.0      # a reservation nobody handed over nor cancelled is freed
-# blocks held for a prefill instance's late writes go back after this long in any case (its
-# plan may have been lost with its scheduler or Redis: no beat would ever report it)
+# blocks held for a prefill instance's late writes go back after this long in any case
 HELD_MAX_S = 600.0
+# ... or once a rank of it has had no heartbeat this long: dead (a stopped one that long is
+# killed by `pacer up`'s watchdog, 30 s by default, and comes back another process)
+HELD_GONE_S = 60.0
 NO_ROOM = "no room now (no free KV blocks, or requests already waiting there)"
 
 
@@ -76,7 +78,7 @@ class _Reservation:
     peers: list[dict]
     incarnation: float
     sent_ok: bool = True           # every send so far completed
-    kv_step: int = 0               # the last plan carrying a send into it
+    sent_step: int = 0             # the last plan carrying a send into it
     # destination block -> per rank, the digest of what was last sent into it
     digests: dict[int, list[int]] = field(default_factory=dict)
 
@@ -287,12 +289,11 @@ class PrefillSide:
 
     def _queue_handoff(self, instance: str, consumer: str, entry_id: bytes | str,
                        msg: RequestMsg, tokens: list[int], kv_received: list[str],
-                       num_cached_tokens: int = 0, kv_check: list | None = None,
-                       kv_step: int = 0) -> None:
+                       num_cached_tokens: int = 0, kv_check: list | None = None) -> None:
         entry = stream_id_text(entry_id)
         self.out.handoffs.append((instance, consumer, entry_id,
                                   HandoffMsg(encode(msg), entry, tokens, kv_received,
-                                             num_cached_tokens, kv_check or [], kv_step)))
+                                             num_cached_tokens, kv_check or [])))
         self.handoffs_total += 1
         self.handoffs_with_kv_total += bool(kv_received)
         log.info("request handed over", request_id=msg.request_id, decode_instance=instance,
@@ -431,7 +432,7 @@ class PrefillSide:
             last = (start + rows - 1) // block_size
             sends.append(KVSend(rid, res.decode_instance, request.block_table[first:last + 1],
                                 res.block_ids[first:last + 1], res.peers))
-            res.kv_step = plan.step
+            res.sent_step = plan.step
         return replace(plan, kv_sends=sends) if sends else plan
 
     def _still_there(self, res: _Reservation) -> bool:
@@ -475,10 +476,12 @@ class PrefillSide:
             self.core.eos_token_ids, self.core.max_model_len)
         if output.finish_reason == "abort" or ended is not None or not tokens:
             # the decode side frees the blocks at once unless a write into them may still
-            # come: one failed or given up, or a plan still running carries one
-            writing = res.kv_step if res.kv_step > self._observed_step or not res.sent_ok \
-                else 0
-            self.out.cancels.append((res.decode_instance, CancelMsg(rid, "finished", writing)))
+            # land: one failed or given up at its deadline (named in the workers' heartbeats
+            # until it settles), or one in a plan not answered yet (a prefill instance plans
+            # no iteration ahead: none today)
+            pending = res.sent_step > 0 and (not res.sent_ok
+                                             or res.sent_step > self._observed_step)
+            self.out.cancels.append((res.decode_instance, CancelMsg(rid, "finished", pending)))
             if ended is not None:
                 self.book.finished(replace(output, finish_reason=ended.finish_reason))
                 return True
@@ -488,7 +491,7 @@ class PrefillSide:
             if res.sent_ok else []
         received = [p["session"] for p in res.peers] if check else []
         self._queue_handoff(res.decode_instance, res.decode_consumer, entry_id, msg, tokens,
-                            received, output.num_cached_tokens, check, res.kv_step)
+                            received, output.num_cached_tokens, check)
         return True
 
     def forget_all(self) -> None:
@@ -559,10 +562,11 @@ class _Held:
     """A reservation's blocks set aside (docs/failure-modes.md#a-kv-transfer-fails-never-
     completes-or-lies): its prefill instance's workers may still be writing into them."""
     prefill_instance: str
-    kv_step: int                   # the last of its plans that wrote into them
     since: float                   # time.monotonic() of the hold
-    # each rank's started_at as first read after the hold: another one is a new process
-    started: dict[int, object] = field(default_factory=dict)
+    # each rank's heartbeat (time, started_at) as first read after the hold (None: not read
+    # yet); a rank with no heartbeat then has none here
+    first: dict[int, tuple[float, object]] | None = None
+    gone_since: dict[int, float] = field(default_factory=dict)    # ranks without a beat
 
 
 class DecodeSide:
@@ -601,7 +605,7 @@ class DecodeSide:
                 self._reserve(msg)
             elif isinstance(msg, HandoffMsg):
                 self._take(msg)
-            elif isinstance(msg, CancelMsg) and self._give_up(msg.request_id, msg.kv_step):
+            elif isinstance(msg, CancelMsg) and self._give_up(msg.request_id, msg.kv_pending):
                 self._reserved_at.pop(msg.request_id, None)
                 log.info("reservation cancelled", request_id=msg.request_id, reason=msg.reason)
         return came
@@ -632,7 +636,7 @@ class DecodeSide:
         self._reserved_at.pop(rid, None)
         self.handoffs_total += 1
         if self.book.aborted_early(rid):
-            self._give_up(rid, msg.kv_step)
+            self._give_up(rid, True)
             self.book.finish_now(msg.entry_id, request, "abort", len(msg.output_token_ids))
             return
         if self.core.get_request(rid) is not None and not self.core.is_reserved(rid):
@@ -647,7 +651,7 @@ class DecodeSide:
             else:
                 self._activate(rid, msg, False)
             return
-        self._give_up(rid, msg.kv_step)
+        self._give_up(rid, True)
         self.book.admit(msg.entry_id, request, output_token_ids=msg.output_token_ids)
 
     def _check_for(self, rid: str, msg: HandoffMsg) -> KVCheck | None:
@@ -679,31 +683,43 @@ class DecodeSide:
             return
         self.recomputed_total += 1
         self.core.activate(rid, msg.output_token_ids[0], None, msg.num_cached_tokens,
-                           hold=msg.kv_step > 0)
-        self._hold(rid, msg.kv_step)
+                           hold=True)
+        self._hold(rid, True)
 
-    def _give_up(self, rid: str, kv_step: int = 0) -> bool:
-        """Cancel a reservation; its blocks set aside until the prefill instance's plan
-        `kv_step` ended its writes (0: none was written: free now)."""
-        if not self.core.cancel_reservation(rid, hold=kv_step > 0):
+    def _give_up(self, rid: str, hold: bool = False) -> bool:
+        """Cancel a reservation; `hold`: its blocks set aside while a write into them may
+        still land, else freed now."""
+        if not self.core.cancel_reservation(rid, hold=hold):
             return False
-        self._hold(rid, kv_step)
+        self._hold(rid, hold)
         return True
 
-    def _hold(self, rid: str, kv_step: int) -> None:
-        """The blocks of a reservation let go of without their K/V (a transfer given up, a
-        check failed, the request ended on the prefill side) stay set aside while a write
-        into them may still come: until every rank of its prefill instance reports plan
-        `kv_step` ended and names none of the request's writes among those it gave up on and
-        that may still land (gpu_worker/kv_transfer/connector.py), or is gone or restarted.
-        Such a write would otherwise land in another request's K/V."""
+    def _hold(self, rid: str, hold: bool) -> None:
+        """The blocks of a reservation let go of without its K/V (a transfer failed or given
+        up, a check failed, a request that ended on the prefill side after a write failed)
+        stay set aside while a write into them may still land: until every rank of its
+        prefill instance has beaten, after the hold, without naming the request among the
+        writes it gave up on and that may still land (gpu_worker/kv_transfer/connector.py),
+        or is another process. Such a write would otherwise land in another request's K/V.
+        (A prefill instance has the result of a request's last plan before it hands the
+        request over or cancels it: it plans nothing ahead.)"""
         instance = self._writer.pop(rid, "")
-        if kv_step <= 0:
-            return                      # nothing was written into them: freed already
+        if not hold:
+            return                      # freed already
         if instance:
-            self._held[rid] = _Held(instance, kv_step, time.monotonic())
+            self._held[rid] = _Held(instance, time.monotonic())
         else:                           # not reserved for a prefill instance: nobody writes
             self.core.release_held(rid)
+
+    def writes_gone(self, beats: dict[str, Heartbeat | None], first: dict[str, float]) -> bool:
+        """Whether no prefill worker's write may land in this instance's pool any more, from
+        the worker heartbeats of every instance (key -> beat) and their times `first` read:
+        each beat newer than that and naming none of this instance's workers' sessions among
+        the peers its writes may still land in."""
+        ours = {p.get("session") for p in self.peers}
+        return all(b is None or (b.time > first.get(key, float("-inf"))
+                                 and not ours & set(b.extra.get("kv_writing_to", ())))
+                   for key, b in beats.items())
 
     def held_heartbeats(self) -> list[tuple[str, int, str]]:
         """(prefill instance, rank, heartbeat key) of the worker heartbeats that say when held
@@ -715,7 +731,11 @@ class DecodeSide:
     def release_settled(self, asked: list[tuple[str, int, str]],
                         values: list[bytes | None]) -> bool:
         """Give back the held blocks no write can reach any more, from the heartbeats
-        `held_heartbeats` named; whether any went back."""
+        `held_heartbeats` named; whether any went back. A rank lets go when its beat is
+        newer than the one first read after the hold (or there was none then) and does not
+        name the request, or comes from another process (`started_at`); one with no beat at
+        all is waited for (stopped, it may go on writing when it runs again) until
+        HELD_GONE_S, after which it is taken for dead."""
         beats: dict[str, dict[int, Heartbeat | None]] = {}
         for (instance, rank, _), raw in zip(asked, values):
             try:
@@ -723,6 +743,7 @@ class DecodeSide:
             except ProtocolError:
                 beat = None
             beats.setdefault(instance, {})[rank] = beat if isinstance(beat, Heartbeat) else None
+        now = time.monotonic()
         released = False
         for rid, held in list(self._held.items()):
             ranks = beats.get(held.prefill_instance)
@@ -733,14 +754,26 @@ class DecodeSide:
             if tp > len(ranks):
                 self._prefill_tp[held.prefill_instance] = tp    # read them all next time
                 continue
-            started = {r: b.extra.get("started_at") for r, b in ranks.items() if b is not None}
-            held.started = held.started or started
-            waited = time.monotonic() - held.since
-            if waited < HELD_MAX_S and not all(
-                    b is None or started[r] != held.started.get(r, started[r])
-                    or (b.extra.get("kv_step", 0) >= held.kv_step
-                        and rid not in b.extra.get("kv_unsettled", ()))
-                    for r, b in ranks.items()):
+            for r, b in ranks.items():
+                if b is None:
+                    held.gone_since.setdefault(r, now)
+                else:
+                    held.gone_since.pop(r, None)
+            if held.first is None:
+                held.first = {r: (b.time, b.extra.get("started_at"))
+                              for r, b in ranks.items() if b is not None}
+                continue
+
+            def lets_go(r: int, b: Heartbeat | None) -> bool:
+                if b is None:
+                    return now - held.gone_since[r] >= HELD_GONE_S
+                first = held.first.get(r)
+                if first is not None and b.extra.get("started_at") != first[1]:
+                    return True         # another process: the old one's writes died with it
+                return (first is None or b.time > first[0]) and \
+                    rid not in b.extra.get("kv_unsettled", ())
+            waited = now - held.since
+            if waited < HELD_MAX_S and not all(lets_go(r, b) for r, b in ranks.items()):
                 continue
             del self._held[rid]
             blocks = self.core.release_held(rid)
@@ -749,8 +782,8 @@ class DecodeSide:
                          blocks=blocks)
             else:
                 log.warning("blocks of a given-up reservation back in the pool after "
-                            f"{HELD_MAX_S:.0f} s without word from its prefill instance",
-                            request_id=rid, blocks=blocks, kv_step=held.kv_step)
+                            f"{HELD_MAX_S:.0f} s, its prefill instance still naming its write",
+                            request_id=rid, blocks=blocks)
             released = True
         return released
 

@@ -52,14 +52,14 @@ from redis.exceptions import RedisError
 from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
-from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, decoders_from,
-                                  kv_descriptors, prefills_from)
+from scheduler_svc.disagg import (DECODE_QUARANTINE_S, HELD_MAX_S, DecodeSide, PrefillSide,
+                                  decoders_from, kv_descriptors, prefills_from)
 from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost,
                                     WorkersLost)
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, role_disagreement
-from shared.keys import HEARTBEAT_TTL_S, PLANS_MAXLEN, Keys
+from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
                               live_namesake, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
@@ -166,8 +166,42 @@ class SchedulerService:
             if taken:
                 log.info("took back unfinished requests", count=taken)
             if self.decode is not None:
-                await asyncio.sleep(DECODE_QUARANTINE_S)
+                await self._await_late_writes(stop)
             return True
+
+    async def _await_late_writes(self, stop: asyncio.Event) -> None:
+        """A decode scheduler starts knowing nothing of the blocks a predecessor had reserved
+        or set aside, and prefill workers may still be writing into them (a write given up
+        at its deadline can land much later). After DECODE_QUARANTINE_S (the prefill
+        schedulers see the restart within it and send nothing more here), wait until every
+        prefill worker has beaten since without naming this instance's workers among the
+        peers its writes may still land in (docs/failure-modes.md)."""
+        await asyncio.sleep(DECODE_QUARANTINE_S)
+
+        async def read() -> dict[str, Heartbeat | None]:
+            keys = [k async for k in self.redis.scan_iter(
+                match=self.keys.hb_instance_workers_pattern)]
+            values = await self.redis.mget(keys) if keys else []
+            beats = {}
+            for key, raw in zip(keys, values):
+                try:
+                    beat = decode(raw) if raw is not None else None
+                except ProtocolError:
+                    beat = None
+                beats[key] = beat if isinstance(beat, Heartbeat) else None
+            return beats
+        first: dict[str, float] | None = None
+        began, logged = time.monotonic(), False
+        while not stop.is_set() and time.monotonic() - began < HELD_MAX_S:
+            beats = await self.recovery.retrying("read prefill workers' heartbeats", read)
+            if first is not None and self.decode.writes_gone(beats, first):
+                return
+            if first is None:
+                first = {k: b.time for k, b in beats.items() if b is not None}
+            elif time.monotonic() - began > 5.0 and not logged:
+                log.info("waiting for prefill workers' K/V writes into this instance to end")
+                logged = True
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
     async def _barrier(self) -> None:
         """One empty plan: workers run plans in order, so once it is answered every plan of

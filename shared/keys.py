@@ -140,6 +140,11 @@ class Keys:
     def hb_worker(self, rank: int) -> str:
         return f"{self._own}hb:worker:{rank}"
 
+    @property
+    def hb_instance_workers_pattern(self) -> str:
+        """For SCAN MATCH: the worker heartbeats of every engine instance (P/D, replicas)."""
+        return f"{self.prefix}inst:*:hb:worker:*"
+
     def hb_gateway(self, gateway_id: str) -> str:
         return f"{self.prefix}hb:gateway:{gateway_id}"
 

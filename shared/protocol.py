@@ -301,19 +301,17 @@ class HandoffMsg(_Plain):
     kv_received: list[str]
     num_cached_tokens: int = 0       # of the prompt, in the prefill side's prefix cache
     kv_check: list = field(default_factory=list)
-    # the last plan of the prefill instance that wrote K/V for it (0: none); where its K/V is
-    # not used, the decode side holds the blocks until that plan's writes ended
-    kv_step: int = 0
 
 
 @_kind("cancel")
 @dataclass(frozen=True)
 class CancelMsg(_Plain):
-    """Prefill instance -> decode instance: free the reservation, the request is not coming
-    (`kv_step`: as HandoffMsg's)."""
+    """Prefill instance -> decode instance: free the reservation, the request is not coming.
+    `kv_pending`: a write into it failed or was given up at its deadline and may still land
+    (the decode side holds the blocks until the writers say it cannot)."""
     request_id: str
     reason: str = ""
-    kv_step: int = 0
+    kv_pending: bool = False
 
 
 @_kind("heartbeat")

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from scheduler_svc import disagg
 from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.core import RequestStatus, Scheduler
 from scheduler_svc.disagg import NO_ROOM, DecodeSide, PrefillSide, _Decoder
@@ -159,53 +160,91 @@ def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
     assert side._replies[-1][1].block_ids == []
 
 
-def beat(tp: int = 1, kv_step: int = 0, unsettled: tuple[str, ...] = (),
+def beat(at: float, tp: int = 1, unsettled: tuple[str, ...] = (),
          started_at: float = 1.0) -> bytes:
-    """A prefill worker's heartbeat: the last plan whose writes ended, and the requests whose
-    writes it gave up on and that may still land."""
-    extra = {"tp": tp, "started_at": started_at, "kv_step": kv_step,
+    """A prefill worker's heartbeat written at `at`, naming the requests whose writes it gave
+    up on and that may still land."""
+    extra = {"tp": tp, "started_at": started_at,
              **({"kv_unsettled": list(unsettled)} if unsettled else {})}
-    return encode(Heartbeat("worker", "0", 0.0, extra))
+    return encode(Heartbeat("worker", "0", at, extra))
 
 
-@pytest.mark.parametrize("end", ["a rank restarted", "a rank is gone"])
-def test_the_blocks_of_a_given_up_transfer_wait_for_every_writer_to_let_go(end):
-    # a write the prefill worker gave up at its deadline may still land: the blocks it
-    # targets go to no request until each of the prefill instance's ranks has ended the last
-    # plan that wrote into them and names none of its writes as given up (or is another
-    # process, or none at all) (docs/failure-modes.md)
-    c = core(num_blocks=4)
+def held_for_p0(c: Scheduler) -> DecodeSide:
+    """A decode side whose reservation for "a" (3 blocks of 4) was handed over without K/V:
+    the request is recomputed in other blocks, the reserved ones held."""
     side = decode_side(c)
     msg = request("a", 9, max_tokens=2)
     side.receive(reply(ReserveMsg(encode(msg), "p0")))
-    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], [], 0, [], kv_step=7)))  # no K/V
+    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], [], 0, [])))
     assert side.recomputed_total == 1 and side.stats()["kv_blocks_held"] == 3
+    return side
+
+
+@pytest.mark.parametrize("end", ["it settles", "a rank restarts"])
+def test_the_blocks_of_a_given_up_transfer_wait_for_every_writer_to_let_go(end):
+    # a write the prefill worker gave up at its deadline may still land: the blocks it
+    # targets go to no request until each rank of the prefill instance has beaten, after the
+    # hold, without naming the request (or is another process) (docs/failure-modes.md)
+    c = core(num_blocks=4)
+    side = held_for_p0(c)
     assert not c.schedule().new_requests        # recomputed in other blocks: one is free
     asked = side.held_heartbeats()
     assert [key for *_, key in asked] == [Keys().for_instance("p0").hb_worker(0)]
-    assert not side.release_settled(asked, [beat(tp=2, kv_step=7)])
+    assert not side.release_settled(asked, [beat(10.0, tp=2, unsettled=("a",))])
     asked = side.held_heartbeats()              # rank 0 says there are two ranks
     assert [rank for _, rank, _ in asked] == [0, 1]
-    assert not side.release_settled(asked, [beat(2, 7, ("a",)), beat(2, 7)])   # given up
-    assert not side.release_settled(asked, [beat(2, 8), beat(2, 6)])          # rank 1 behind
-    last = beat(2, 6, started_at=2.0) if end == "a rank restarted" else None
-    assert side.release_settled(asked, [beat(2, 8), last])
+    assert not side.release_settled(asked, [beat(10.0, 2, ("a",)), beat(10.0, 2)])  # first
+    assert not side.release_settled(asked, [beat(10.0, 2), beat(11.0, 2)])   # rank 0 no newer
+    assert not side.release_settled(asked, [beat(11.0, 2, ("a",)), beat(11.0, 2)])  # names it
+    assert not side.release_settled(asked, [beat(12.0, 2), None])     # rank 1 stopped: wait
+    last = beat(12.0, 2) if end == "it settles" else beat(1.0, 2, ("a",), started_at=2.0)
+    assert side.release_settled(asked, [beat(12.0, 2), last])
     assert c.block_manager.num_aside_blocks == 0 and side.held_heartbeats() == []
     c.block_manager.check_integrity()
     new, = c.schedule().new_requests
     assert new.request_id == "a" and new.num_computed_tokens == 0
 
 
-def test_a_reservation_the_prefill_side_ended_after_writing_is_held_until_written():
+def test_a_prefill_rank_without_a_heartbeat_is_waited_for_until_taken_for_dead(monkeypatch):
+    # a stopped worker loses its heartbeat (a 2 s TTL) and may write when it runs again
+    clock = [100.0]
+    monkeypatch.setattr(disagg.time, "monotonic", lambda: clock[0])
+    c = core(num_blocks=4)
+    side = held_for_p0(c)
+    asked = side.held_heartbeats()
+    assert not side.release_settled(asked, [beat(10.0, unsettled=("a",))])
+    assert not side.release_settled(asked, [None])
+    clock[0] += disagg.HELD_GONE_S - 1
+    assert not side.release_settled(asked, [None])
+    clock[0] += 1
+    assert side.release_settled(asked, [None])
+    assert c.block_manager.num_aside_blocks == 0
+
+
+def test_a_reservation_cancelled_while_a_write_may_land_is_held():
     c = core(num_blocks=4)
     side = decode_side(c)
     side.receive(reply(ReserveMsg(encode(request("a", 9, max_tokens=2)), "p0")))
-    side.receive(reply(CancelMsg("a", "finished", kv_step=3)))
+    side.receive(reply(CancelMsg("a", "finished", kv_pending=True)))
     assert c.num_reserved == 0 and c.block_manager.num_aside_blocks == 3
     asked = side.held_heartbeats()
-    assert not side.release_settled(asked, [beat(kv_step=2)])     # plan 3 still writing
-    assert side.release_settled(asked, [beat(kv_step=3)])
+    assert not side.release_settled(asked, [beat(5.0)])           # the first read
+    assert side.release_settled(asked, [beat(6.0)])
     assert c.block_manager.num_free_blocks == 4
+
+
+def test_a_decode_scheduler_starts_once_no_prefill_write_may_land_in_its_pool():
+    # a restarted decode scheduler does not know which blocks its predecessor reserved or
+    # held: it waits until every prefill worker has beaten since its first look without
+    # naming its workers' sessions among the peers its writes may still land in
+    side = decode_side(core())                  # its worker: session "d0:1"
+
+    def worker(at: float, *writing: str) -> Heartbeat:
+        return Heartbeat("worker", "0", at, {"kv_writing_to": list(writing)} if writing else {})
+    first = {"p0": 10.0, "p1": 10.0}
+    assert not side.writes_gone({"p0": worker(10.0), "p1": worker(11.0)}, first)   # no newer
+    assert not side.writes_gone({"p0": worker(11.0, "d0:1"), "p1": worker(11.0)}, first)
+    assert side.writes_gone({"p0": worker(12.0, "d9:1"), "p1": worker(11.0), "p2": None}, first)
 
 
 def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_blocks_back():
@@ -286,7 +325,6 @@ def test_the_prefill_side_sends_each_chunk_and_hands_over_with_the_first_token()
     assert (instance, consumer, entry) == ("d0", "host-d0", b"9-0")
     assert handoff.output_token_ids == [5] and handoff.kv_received == ["d0:1"]
     assert handoff.kv_check == [[7, 8, 9], [[10, 11, 12]]]
-    assert handoff.kv_step == plan.step                     # the last plan that wrote
     assert c.block_manager.num_free_blocks == 16            # freed: the sends were done
 
 
@@ -539,8 +577,9 @@ def test_a_request_ended_before_its_first_token_is_cancelled_not_handed_over():
     [out] = [o for o in outs if o.request_id == "r"]
     assert out.finished and not out.new_tokens
     assert side.finished(out) is False
-    # the decode side holds its blocks until the plan still writing into them has ended
-    assert side.take().cancels == [("d0", CancelMsg("r", "finished", ahead.step))]
+    # the decode side holds its blocks while a plan not answered yet may write into them (a
+    # prefill instance plans nothing ahead: the cores can)
+    assert side.take().cancels == [("d0", CancelMsg("r", "finished", kv_pending=True))]
 
 
 def test_min_tokens_reach_the_prefill_leg_as_one_at_most():

@@ -166,15 +166,16 @@ def test_connector_moves_bytes_between_processes(capfd):
         os.kill(child.pid, signal.SIGSTOP)
         try:
             handle = conn.write(peer, whole)
-            assert conn.wait([handle], timeout_s=0.3, tag="r1") == [False]
-            assert conn.unsettled() == ["r1"]
+            assert conn.wait([handle], timeout_s=0.3, tag="r1", peer="d") == [False]
+            assert conn.unsettled() == {"r1": "d"} and conn.peers_written() == ["d"]
         finally:
             os.kill(child.pid, signal.SIGCONT)
         deadline = time.monotonic() + 30
         while conn.unsettled() and time.monotonic() < deadline:
             assert conn.wait([conn.write(peer, [(0, 0, 4)])], timeout_s=30) == [True]
             time.sleep(0.05)
-        assert conn.unsettled() == [] and conn.poll(handle) is True
+        assert conn.unsettled() == {} and conn.peers_written() == []
+        assert conn.poll(handle) is True
         # the test hook for a write that lands after its deadline (tests/test_served_disagg.py)
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("PACER_KV_FAULT", "late")
@@ -183,10 +184,10 @@ def test_connector_moves_bytes_between_processes(capfd):
         late.register(src * 2)
         start = time.monotonic()
         assert late.wait([late.write(peer, whole)], timeout_s=0.1, tag="r2") == [False]
-        assert late.unsettled() == ["r2"] and not torch.equal(peer_pool(), src * 2)
+        assert late.unsettled() == {"r2": ""} and not torch.equal(peer_pool(), src * 2)
         while late.unsettled() and time.monotonic() < start + 30:
             time.sleep(0.05)
-        assert late.unsettled() == [] and time.monotonic() - start >= 0.5
+        assert late.unsettled() == {} and time.monotonic() - start >= 0.5
         assert torch.equal(peer_pool(), src * 2)
         late.close()
         from_parent.put("stop")
@@ -280,6 +281,9 @@ def test_a_send_that_never_completes_fails_after_the_timeout(tiny, decode_runner
     assert [r.kv_failed for r in results] == [[], [], ["r"]]
     assert results[-1].kv_stats["exposed_ms"] >= 500
     assert "r" in results[-1].sampled          # the prefill itself went on
+    # given up on, not forgotten: the heartbeat names it, and the peer it may land in
+    peer = decode_runner.kv_descriptor()["session"]
+    assert runner.kv_progress() == {"kv_unsettled": {"r": peer}, "kv_writing_to": [peer]}
 
 
 # ---- (e) refusals: another layout, another TP degree, no connector ---------------------------
@@ -350,6 +354,6 @@ def test_the_worker_heartbeat_carries_the_kv_descriptor(decode_runner):
                             kv_progress=decode_runner.kv_progress)()
     extra = decode_msg(encode(beat)).extra
     assert extra["kv"] == decode_runner.kv_descriptor()
-    # how far its writes got, for a decode side holding blocks of a transfer given up on
-    assert extra["kv_step"] == decode_runner.kv_step and "kv_unsettled" not in extra
+    # no write that may still land (a decode side would hold the blocks it targets)
+    assert "kv_unsettled" not in extra and "kv_writing_to" not in extra
     assert "kv" not in worker_heartbeat(0, 1, 32, BLOCK)().extra

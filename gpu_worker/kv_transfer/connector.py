@@ -53,9 +53,11 @@ class KVConnector(ABC):
                              f"got {fault!r}")
         self._fault = FAULTS[fault]
         self._late_s = float(os.environ.get(LATE_ENV, "3"))
-        # writes given up at their deadline, by tag: polled until they settle (the forward
-        # thread at each write, the heartbeat at each beat)
-        self._abandoned: dict[str, list] = {}
+        # writes given up at their deadline, by tag: (the peer's session, the handles),
+        # polled until they settle (the forward thread at each write, the heartbeat at each
+        # beat); and the peers an iteration's writes go to while it runs, by its key
+        self._abandoned: dict[str, tuple[str, list]] = {}
+        self._writing: dict[object, set[str]] = {}
         self._abandoned_lock = threading.Lock()
 
     @abstractmethod
@@ -91,19 +93,35 @@ class KVConnector(ABC):
             return self._poll(handle.handle)
         return self._poll(handle)
 
-    def unsettled(self) -> list[str]:
-        """The tags of writes given up at their deadline that may still land (polled now)."""
+    def unsettled(self) -> dict[str, str]:
+        """tag -> the peer's session of the writes given up at their deadline that may still
+        land (polled now)."""
         with self._abandoned_lock:
-            for tag, handles in list(self._abandoned.items()):
+            for tag, (_, handles) in list(self._abandoned.items()):
                 handles[:] = [h for h in handles if self.poll(h) is None]
                 if not handles:
                     del self._abandoned[tag]
-            return sorted(self._abandoned)
+            return {tag: peer for tag, (peer, _) in sorted(self._abandoned.items())}
 
-    def wait(self, handles: list, timeout_s: float, tag: str = "") -> list[bool]:
+    def writing(self, key: object, sessions: set[str] | None) -> None:
+        """The peers an iteration (`key`) writes into from now, or (None) no more."""
+        with self._abandoned_lock:
+            if sessions:
+                self._writing[key] = set(sessions)
+            else:
+                self._writing.pop(key, None)
+
+    def peers_written(self) -> list[str]:
+        """The sessions of the peers a write may still land in: running or given up on."""
+        unsettled = self.unsettled()
+        with self._abandoned_lock:
+            return sorted(set(unsettled.values()).union(*self._writing.values()))
+
+    def wait(self, handles: list, timeout_s: float, tag: str = "",
+             peer: str = "") -> list[bool]:
         """Wait until every write finished or `timeout_s` passed; ok flags in order (a write
-        still in flight at the deadline is not ok, and is kept under `tag` until it
-        settles: `unsettled`)."""
+        still in flight at the deadline is not ok, and is kept under `tag`, to the session
+        `peer`, until it settles: `unsettled`)."""
         deadline = time.perf_counter() + timeout_s
         done: list[bool | None] = [None] * len(handles)
         pause = 20e-6
@@ -115,7 +133,7 @@ class KVConnector(ABC):
                 late = [h for h, d in zip(handles, done) if d is None]
                 if late:
                     with self._abandoned_lock:
-                        self._abandoned.setdefault(tag, []).extend(late)
+                        self._abandoned.setdefault(tag, (peer, []))[1].extend(late)
                 return [bool(d) for d in done]
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)

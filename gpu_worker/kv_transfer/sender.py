@@ -71,6 +71,8 @@ class LayerSender:
                 log.error("KV send refused; its request goes on without it",
                           request_id=send.request_id, error=str(e))
                 self.refused.append(send.request_id)
+        # until finish(), the peers say a write may land in them (the worker heartbeat)
+        connector.writing(self, {s.peer["session"] for s in self.sends})
         self.num_layers, self.num_blocks = own["num_layers"], own["num_blocks"]
         self.block_bytes = own["block_bytes"]
         self._next_layer = 0
@@ -96,8 +98,10 @@ class LayerSender:
         failed = list(self.refused)
         for s in self.sends:
             left = self.timeout_s - (time.perf_counter() - start)
-            if not all(self.connector.wait(s.handles, max(left, 0.0), tag=s.request_id)):
+            if not all(self.connector.wait(s.handles, max(left, 0.0), tag=s.request_id,
+                                           peer=s.peer["session"])):
                 failed.append(s.request_id)
+        self.connector.writing(self, None)     # what is left of them is `unsettled` now
         end = time.perf_counter()
         self._poll(end)
         last = end if failed else max((t for s in self.sends for t in s.done_at), default=end)
