@@ -711,14 +711,17 @@ class DecodeSide:
         else:                           # not reserved for a prefill instance: nobody writes
             self.core.release_held(rid)
 
-    def writes_gone(self, beats: dict[str, Heartbeat | None], first: dict[str, float]) -> bool:
+    def writes_gone(self, beats: dict[str, Heartbeat | None], first: dict[str, float],
+                    dead: set[str]) -> bool:
         """Whether no prefill worker's write may land in this instance's pool any more, from
-        the worker heartbeats of every instance (key -> beat) and their times `first` read:
-        each beat newer than that and naming none of this instance's workers' sessions among
-        the peers its writes may still land in."""
+        the worker heartbeats of every instance (key -> beat, None: none now) and their times
+        `first` read: each beat newer than that and naming none of this instance's workers'
+        sessions among the peers its writes may still land in; a key without a beat only
+        among the `dead` (a stopped worker's beat lapses, and it writes when it runs again)."""
         ours = {p.get("session") for p in self.peers}
-        return all(b is None or (b.time > first.get(key, float("-inf"))
-                                 and not ours & set(b.extra.get("kv_writing_to", ())))
+        return all(key in dead if b is None else
+                   b.time > first.get(key, float("-inf"))
+                   and not ours & set(b.extra.get("kv_writing_to", ()))
                    for key, b in beats.items())
 
     def held_heartbeats(self) -> list[tuple[str, int, str]]:

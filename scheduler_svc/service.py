@@ -52,8 +52,9 @@ from redis.exceptions import RedisError
 from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
-from scheduler_svc.disagg import (DECODE_QUARANTINE_S, HELD_MAX_S, DecodeSide, PrefillSide,
-                                  decoders_from, kv_descriptors, prefills_from)
+from scheduler_svc.disagg import (DECODE_QUARANTINE_S, HELD_GONE_S, HELD_MAX_S, DecodeSide,
+                                  PrefillSide, decoders_from, kv_descriptors, prefills_from,
+                                  scheduler_beats)
 from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost,
                                     WorkersLost)
 from scheduler_svc.stats import SchedulerStats
@@ -175,12 +176,21 @@ class SchedulerService:
         at its deadline can land much later). After DECODE_QUARANTINE_S (the prefill
         schedulers see the restart within it and send nothing more here), wait until every
         prefill worker has beaten since without naming this instance's workers among the
-        peers its writes may still land in (docs/failure-modes.md)."""
+        peers its writes may still land in; a rank with no heartbeat (stopped, it writes
+        again when it runs) for HELD_GONE_S (docs/failure-modes.md)."""
         await asyncio.sleep(DECODE_QUARANTINE_S)
 
         async def read() -> dict[str, Heartbeat | None]:
-            keys = [k async for k in self.redis.scan_iter(
-                match=self.keys.hb_instance_workers_pattern)]
+            # every worker beating now, and every rank the prefill schedulers say they have
+            keys = {k async for k in self.redis.scan_iter(
+                match=self.keys.hb_instance_workers_pattern)}
+            schedulers = [k async for k in self.redis.scan_iter(
+                match=self.keys.hb_scheduler_pattern)]
+            for beat in scheduler_beats(await self.redis.mget(schedulers) if schedulers
+                                        else [], "prefill"):
+                keys.update(self.keys.for_instance(beat.extra["instance"]).hb_worker(r)
+                            for r in range(int(beat.extra.get("tp", 1))))
+            keys = sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
             values = await self.redis.mget(keys) if keys else []
             beats = {}
             for key, raw in zip(keys, values):
@@ -191,15 +201,24 @@ class SchedulerService:
                 beats[key] = beat if isinstance(beat, Heartbeat) else None
             return beats
         first: dict[str, float] | None = None
+        gone_since: dict[str, float] = {}
         began, logged = time.monotonic(), False
         while not stop.is_set() and time.monotonic() - began < HELD_MAX_S:
             beats = await self.recovery.retrying("read prefill workers' heartbeats", read)
-            if first is not None and self.decode.writes_gone(beats, first):
+            now = time.monotonic()
+            for key, beat in beats.items():
+                if beat is None:
+                    gone_since.setdefault(key, now)
+                else:
+                    gone_since.pop(key, None)
+            dead = {k for k, t in gone_since.items() if now - t >= HELD_GONE_S}
+            if first is not None and self.decode.writes_gone(beats, first, dead):
                 return
             if first is None:
                 first = {k: b.time for k, b in beats.items() if b is not None}
-            elif time.monotonic() - began > 5.0 and not logged:
-                log.info("waiting for prefill workers' K/V writes into this instance to end")
+            elif now - began > 5.0 and not logged:
+                log.info("waiting for prefill workers' K/V writes into this instance to end",
+                         without_heartbeat=sorted(gone_since))
                 logged = True
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
@@ -624,6 +643,7 @@ class SchedulerService:
             "running": self.core.num_running, "waiting": self.core.num_waiting,
             "iterations": self.stats.num_plans_sent, "role": self.config.role,
             "instance": self.config.instance, "started_at": self.started_at,
+            "tp": self.config.tp,
             "free_blocks": self.core.block_manager.num_free_blocks})
 
 
