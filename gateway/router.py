@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 
 from gateway.config import POLICIES
-from shared.keys import Keys
+from shared.keys import SCAN_COUNT, Keys
 from shared.prefix_hash import cacheable_hashes
 from shared.protocol import Heartbeat, ProtocolError, decode
 
@@ -264,7 +264,7 @@ async def live_instances(redis: aioredis.Redis, keys: Keys) -> set[str]:
     """The engine instances whose scheduler heartbeat key is alive ("" for a colocated
     engine's): SCAN of the heartbeat keys, one MGET; a scheduler's heartbeat names its
     instance (an expired key reads as None; an undecodable value counts for none)."""
-    beats = [k async for k in redis.scan_iter(match=keys.hb_scheduler_pattern, count=1000)]
+    beats = [k async for k in redis.scan_iter(match=keys.hb_scheduler_pattern, count=SCAN_COUNT)]
     found = set()
     for value in await redis.mget(beats) if beats else []:
         try:

@@ -31,7 +31,7 @@ from redis.exceptions import RedisError
 from gateway.router import ReplicaRouter, live_instances
 from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
-                         Keys)
+                         SCAN_COUNT, Keys)
 from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
 from shared.redis_retry import retry_redis
 from shared.sampling import SamplingParams
@@ -44,7 +44,7 @@ REPLACED_KEPT = 64          # run ids of servers that restarted away, remembered
 # tries of a request's submit or abort when its connection is dead (~0.3 s of waiting when
 # Redis is really away: the client gets its 503 soon)
 LIVE_CONNECTION_TRIES = 3
-SUBMITTED_TTL_S = 600       # how long a request id is remembered against a repeated submit
+SUBMITTED_TTL_S = 60        # how long a request id is remembered against a repeated submit
 # KEYS: the requests stream, the id's `submitted` key; ARGV: its TTL, MAXLEN, the entry's
 # fields and values
 _SUBMIT_ONCE = """
@@ -186,7 +186,8 @@ class Upstream:
         every worker rank of the colocated engine, or of each engine instance (replica or P/D
         instance; a scheduler's heartbeat names its instance)."""
         if not instances:
-            beats = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
+            beats = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern,
+                                                              count=SCAN_COUNT)]
             missing = [] if beats else ["scheduler"]
         else:
             up = await live_instances(self.redis, self.keys)

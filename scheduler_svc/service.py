@@ -60,7 +60,7 @@ from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recove
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, role_disagreement
-from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, Keys
+from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
                               live_namesake, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
@@ -183,9 +183,9 @@ class SchedulerService:
         async def read() -> dict[str, Heartbeat | None]:
             # every worker beating now, and every rank the prefill schedulers say they have
             keys = {k async for k in self.redis.scan_iter(
-                match=self.keys.hb_instance_workers_pattern)}
+                match=self.keys.hb_instance_workers_pattern, count=SCAN_COUNT)}
             schedulers = [k async for k in self.redis.scan_iter(
-                match=self.keys.hb_scheduler_pattern)]
+                match=self.keys.hb_scheduler_pattern, count=SCAN_COUNT)]
             for beat in scheduler_beats(await self.redis.mget(schedulers) if schedulers
                                         else [], "prefill"):
                 keys.update(self.keys.for_instance(beat.extra["instance"]).hb_worker(r)
@@ -478,7 +478,8 @@ class SchedulerService:
     async def _find_decoders(self) -> None:
         """The decode instances alive now, from the scheduler heartbeats."""
         async def scan() -> list:
-            keys = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern)]
+            keys = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern,
+                                                          count=SCAN_COUNT)]
             return await self.redis.mget(keys) if keys else []
         beats = await self.recovery.retrying("find decoders", scan)
         self.prefill.housekeeping(decoders_from(beats), prefills_from(beats))

@@ -49,6 +49,9 @@ RESULTS_MAXLEN = 1_000
 # scheduler recomputes every running request once a worker's key is gone, and should know
 # within about two seconds.
 HEARTBEAT_INTERVAL_S = 0.5
+# keys a SCAN step asks for: the keyspace holds a progress record per live request and a
+# `submitted` key per recent one, and a step of Redis' default 10 is a round trip per 10
+SCAN_COUNT = 1000
 HEARTBEAT_TTL_S = 5
 WORKER_HEARTBEAT_TTL_S = 2
 
