@@ -265,7 +265,7 @@ class ModelRunner:
         decode scheduler waits until its own are gone)."""
         if self.kv_connector is None:
             return {}
-        unsettled = self.kv_connector.unsettled()
+        unsettled = self.kv_connector.unsettled()       # polls: first
         peers = self.kv_connector.peers_written()
         return {**({"kv_unsettled": unsettled} if unsettled else {}),
                 **({"kv_writing_to": peers} if peers else {})}

@@ -26,7 +26,7 @@ and K/V that may be missing is recomputed, never trusted.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import structlog
@@ -41,7 +41,8 @@ from shared.kv_layout import KVLayoutError, check_peer_layout
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, KVCheck, KVSend, StepResult
 from shared.protocol import (CancelMsg, HandoffMsg, Heartbeat, ProtocolError, RequestMsg,
-                             ReservedMsg, ReserveMsg, decode, encode, from_fields, to_fields)
+                             ReservedMsg, ReserveMsg, decode, encode, from_fields, heartbeat_of,
+                             to_fields)
 
 log = structlog.get_logger("scheduler.disagg")
 
@@ -78,7 +79,6 @@ class _Reservation:
     peers: list[dict]
     incarnation: float
     sent_ok: bool = True           # every send so far completed
-    sent_step: int = 0             # the last plan carrying a send into it
     # destination block -> per rank, the digest of what was last sent into it
     digests: dict[int, list[int]] = field(default_factory=dict)
 
@@ -137,17 +137,7 @@ def kv_descriptors(values: list[bytes | None]) -> list[dict]:
 
 def scheduler_beats(values: list[bytes | None], role: str) -> list[Heartbeat]:
     """The heartbeats of schedulers in `role` among scheduler heartbeat values."""
-    found = []
-    for value in values:
-        if not value:
-            continue
-        try:
-            beat = decode(value)
-        except ProtocolError:
-            continue
-        if isinstance(beat, Heartbeat) and beat.extra.get("role") == role:
-            found.append(beat)
-    return found
+    return [b for b in map(heartbeat_of, values) if b is not None and b.extra.get("role") == role]
 
 
 def decoders_from(values: list[bytes | None]) -> dict[str, _Decoder]:
@@ -185,7 +175,6 @@ class PrefillSide:
         self.handoffs_total = 0
         self.handoffs_with_kv_total = 0
         self.kv_failed_total = 0
-        self._observed_step = 0         # the last plan whose result is in
         self.forwarded_total = 0             # new requests handed to the prefill instance chosen
 
     @property
@@ -432,7 +421,6 @@ class PrefillSide:
             last = (start + rows - 1) // block_size
             sends.append(KVSend(rid, res.decode_instance, request.block_table[first:last + 1],
                                 res.block_ids[first:last + 1], res.peers))
-            res.sent_step = plan.step
         return replace(plan, kv_sends=sends) if sends else plan
 
     def _still_there(self, res: _Reservation) -> bool:
@@ -440,7 +428,6 @@ class PrefillSide:
         return now is not None and now.started_at == res.incarnation
 
     def observe(self, plan: IterationPlan, result: StepResult) -> None:
-        self._observed_step = plan.step
         for send in plan.kv_sends:
             per_rank = result.kv_digests.get(send.request_id)
             res = self._reservations.get(send.request_id)
@@ -475,13 +462,11 @@ class PrefillSide:
             Request(rid, msg.prompt_token_ids, msg.sampling, 0, output_token_ids=tokens),
             self.core.eos_token_ids, self.core.max_model_len)
         if output.finish_reason == "abort" or ended is not None or not tokens:
-            # the decode side frees the blocks at once unless a write into them may still
-            # land: one failed or given up at its deadline (named in the workers' heartbeats
-            # until it settles), or one in a plan not answered yet (a prefill instance plans
-            # no iteration ahead: none today)
-            pending = res.sent_step > 0 and (not res.sent_ok
-                                             or res.sent_step > self._observed_step)
-            self.out.cancels.append((res.decode_instance, CancelMsg(rid, "finished", pending)))
+            # the decode side frees the blocks at once unless a write into them failed or was
+            # given up at its deadline (its last plan's result is in: a prefill instance plans
+            # nothing ahead)
+            self.out.cancels.append((res.decode_instance,
+                                     CancelMsg(rid, "finished", not res.sent_ok)))
             if ended is not None:
                 self.book.finished(replace(output, finish_reason=ended.finish_reason))
                 return True
@@ -558,15 +543,53 @@ class PrefillSide:
 
 
 @dataclass
+class Writers:
+    """Prefill workers that may still write into some blocks, watched through their
+    heartbeats (key -> beat, None where there is none) until none may: each must have beaten
+    since the first look without naming the write, or be another process (`started_at`), or
+    have had no heartbeat for HELD_GONE_S (a stopped worker's beat lapses, and it writes
+    again when it runs); after HELD_MAX_S they are let go of in any case."""
+    since: float = field(default_factory=lambda: time.monotonic())
+    first: dict[str, tuple[float, object]] | None = None    # key -> (time, started_at)
+    gone_since: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def expired(self) -> bool:
+        return time.monotonic() - self.since >= HELD_MAX_S
+
+    def done(self, beats: dict[str, Heartbeat | None],
+             writing: Callable[[Heartbeat], bool]) -> bool:
+        """Whether none of these may write any more; `writing(beat)`: that beat says it may."""
+        now = time.monotonic()
+        for key, beat in beats.items():
+            if beat is None:
+                self.gone_since.setdefault(key, now)
+            else:
+                self.gone_since.pop(key, None)
+        if self.expired:
+            return True
+        if self.first is None:
+            self.first = {k: (b.time, b.extra.get("started_at"))
+                          for k, b in beats.items() if b is not None}
+            return False
+        return all(self._let_go(key, beat, now, writing) for key, beat in beats.items())
+
+    def _let_go(self, key: str, beat: Heartbeat | None, now: float,
+                writing: Callable[[Heartbeat], bool]) -> bool:
+        if beat is None:
+            return now - self.gone_since[key] >= HELD_GONE_S
+        first = self.first.get(key)
+        if first is not None and beat.extra.get("started_at") != first[1]:
+            return True                 # another process: the old one's writes died with it
+        return (first is None or beat.time > first[0]) and not writing(beat)
+
+
+@dataclass
 class _Held:
     """A reservation's blocks set aside (docs/failure-modes.md#a-kv-transfer-fails-never-
     completes-or-lies): its prefill instance's workers may still be writing into them."""
     prefill_instance: str
-    since: float                   # time.monotonic() of the hold
-    # each rank's heartbeat (time, started_at) as first read after the hold (None: not read
-    # yet); a rank with no heartbeat then has none here
-    first: dict[int, tuple[float, object]] | None = None
-    gone_since: dict[int, float] = field(default_factory=dict)    # ranks without a beat
+    writers: Writers = field(default_factory=Writers)
 
 
 class DecodeSide:
@@ -675,6 +698,7 @@ class DecodeSide:
     def _activate(self, rid: str, msg: HandoffMsg, kv_intact: bool) -> None:
         """The reserved request runs on as a decode, or is recomputed here."""
         if not self.core.is_reserved(rid):
+            self._writer.pop(rid, None)
             return                      # aborted meanwhile: the core reported it
         if kv_intact:
             self._writer.pop(rid, None)
@@ -697,96 +721,59 @@ class DecodeSide:
     def _hold(self, rid: str, hold: bool) -> None:
         """The blocks of a reservation let go of without its K/V (a transfer failed or given
         up, a check failed, a request that ended on the prefill side after a write failed)
-        stay set aside while a write into them may still land: until every rank of its
-        prefill instance has beaten, after the hold, without naming the request among the
-        writes it gave up on and that may still land (gpu_worker/kv_transfer/connector.py),
-        or is another process. Such a write would otherwise land in another request's K/V.
-        (A prefill instance has the result of a request's last plan before it hands the
-        request over or cancels it: it plans nothing ahead.)"""
+        stay set aside while a write into them may still land: until its prefill instance's
+        workers let go (`Writers`), their beats no longer naming the request among the writes
+        they gave up on (gpu_worker/kv_transfer/connector.py). Such a write would otherwise
+        land in another request's K/V. (A prefill instance has the result of a request's last
+        plan before it hands the request over or cancels it: it plans nothing ahead.)"""
         instance = self._writer.pop(rid, "")
         if not hold:
             return                      # freed already
         if instance:
-            self._held[rid] = _Held(instance, time.monotonic())
+            self._held[rid] = _Held(instance)
         else:                           # not reserved for a prefill instance: nobody writes
-            self.core.release_held(rid)
+            self.core.block_manager.release_aside(rid)
 
-    def writes_gone(self, beats: dict[str, Heartbeat | None], first: dict[str, float],
-                    dead: set[str]) -> bool:
-        """Whether no prefill worker's write may land in this instance's pool any more, from
-        the worker heartbeats of every instance (key -> beat, None: none now) and their times
-        `first` read: each beat newer than that and naming none of this instance's workers'
-        sessions among the peers its writes may still land in; a key without a beat only
-        among the `dead` (a stopped worker's beat lapses, and it writes when it runs again)."""
+    def writes_here(self, beat: Heartbeat) -> bool:
+        """Whether a prefill worker's beat names one of this instance's workers among the
+        peers its writes may still land in."""
         ours = {p.get("session") for p in self.peers}
-        return all(key in dead if b is None else
-                   b.time > first.get(key, float("-inf"))
-                   and not ours & set(b.extra.get("kv_writing_to", ()))
-                   for key, b in beats.items())
+        return bool(ours & set(beat.extra.get("kv_writing_to", ())))
 
-    def held_heartbeats(self) -> list[tuple[str, int, str]]:
-        """(prefill instance, rank, heartbeat key) of the worker heartbeats that say when held
+    def held_heartbeats(self) -> list[tuple[str, str]]:
+        """(prefill instance, heartbeat key) of the worker heartbeats that say when held
         blocks can go back (none: nothing held)."""
-        return [(instance, rank, self.keys.for_instance(instance).hb_worker(rank))
+        return [(instance, self.keys.for_instance(instance).hb_worker(rank))
                 for instance in sorted({h.prefill_instance for h in self._held.values()})
                 for rank in range(self._prefill_tp.get(instance, 1))]
 
-    def release_settled(self, asked: list[tuple[str, int, str]],
-                        values: list[bytes | None]) -> bool:
+    def release_settled(self, asked: list[tuple[str, str]], values: list[bytes | None]) -> bool:
         """Give back the held blocks no write can reach any more, from the heartbeats
-        `held_heartbeats` named; whether any went back. A rank lets go when its beat is
-        newer than the one first read after the hold (or there was none then) and does not
-        name the request, or comes from another process (`started_at`); one with no beat at
-        all is waited for (stopped, it may go on writing when it runs again) until
-        HELD_GONE_S, after which it is taken for dead."""
-        beats: dict[str, dict[int, Heartbeat | None]] = {}
-        for (instance, rank, _), raw in zip(asked, values):
-            try:
-                beat = decode(raw) if raw is not None else None
-            except ProtocolError:
-                beat = None
-            beats.setdefault(instance, {})[rank] = beat if isinstance(beat, Heartbeat) else None
-        now = time.monotonic()
+        `held_heartbeats` named; whether any went back."""
+        ranks: dict[str, dict[str, Heartbeat | None]] = {}
+        for (instance, key), value in zip(asked, values):
+            ranks.setdefault(instance, {})[key] = heartbeat_of(value)
         released = False
         for rid, held in list(self._held.items()):
-            ranks = beats.get(held.prefill_instance)
-            if ranks is None:
+            beats = ranks.get(held.prefill_instance)
+            if beats is None:
                 continue                # held after these were asked for
-            tp = max((int(b.extra.get("tp", 1)) for b in ranks.values() if b is not None),
+            tp = max((int(b.extra.get("tp", 1)) for b in beats.values() if b is not None),
                      default=1)
-            if tp > len(ranks):
+            if tp > len(beats):
                 self._prefill_tp[held.prefill_instance] = tp    # read them all next time
                 continue
-            for r, b in ranks.items():
-                if b is None:
-                    held.gone_since.setdefault(r, now)
-                else:
-                    held.gone_since.pop(r, None)
-            if held.first is None:
-                held.first = {r: (b.time, b.extra.get("started_at"))
-                              for r, b in ranks.items() if b is not None}
-                continue
-
-            def lets_go(r: int, b: Heartbeat | None) -> bool:
-                if b is None:
-                    return now - held.gone_since[r] >= HELD_GONE_S
-                first = held.first.get(r)
-                if first is not None and b.extra.get("started_at") != first[1]:
-                    return True         # another process: the old one's writes died with it
-                return (first is None or b.time > first[0]) and \
-                    rid not in b.extra.get("kv_unsettled", ())
-            waited = now - held.since
-            if waited < HELD_MAX_S and not all(lets_go(r, b) for r, b in ranks.items()):
+            if not held.writers.done(beats, lambda b: rid in b.extra.get("kv_unsettled", ())):
                 continue
             del self._held[rid]
-            blocks = self.core.release_held(rid)
-            if waited < HELD_MAX_S:
-                log.info("blocks of a given-up reservation back in the pool", request_id=rid,
-                         blocks=blocks)
-            else:
+            blocks = self.core.block_manager.release_aside(rid)
+            if held.writers.expired:
                 log.warning("blocks of a given-up reservation back in the pool after "
                             f"{HELD_MAX_S:.0f} s, its prefill instance still naming its write",
                             request_id=rid, blocks=blocks)
+            else:
+                log.info("blocks of a given-up reservation back in the pool", request_id=rid,
+                         blocks=blocks)
             released = True
         return released
 

@@ -52,9 +52,8 @@ from redis.exceptions import RedisError
 from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
-from scheduler_svc.disagg import (DECODE_QUARANTINE_S, HELD_GONE_S, HELD_MAX_S, DecodeSide,
-                                  PrefillSide, decoders_from, kv_descriptors, prefills_from,
-                                  scheduler_beats)
+from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, Writers,
+                                  decoders_from, kv_descriptors, prefills_from, scheduler_beats)
 from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost,
                                     WorkersLost)
 from scheduler_svc.stats import SchedulerStats
@@ -66,7 +65,7 @@ from shared.lifecycle import (cancel_tasks, clear_key, freeze_heap, keep_heartbe
 from shared.plan import IterationPlan, StepResult
 from shared.service_args import check_role
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
-                             from_fields, to_fields)
+                             from_fields, heartbeat_of, to_fields)
 
 log = structlog.get_logger("scheduler")
 
@@ -191,34 +190,15 @@ class SchedulerService:
                 keys.update(self.keys.for_instance(beat.extra["instance"]).hb_worker(r)
                             for r in range(int(beat.extra.get("tp", 1))))
             keys = sorted(k.decode() if isinstance(k, bytes) else k for k in keys)
-            values = await self.redis.mget(keys) if keys else []
-            beats = {}
-            for key, raw in zip(keys, values):
-                try:
-                    beat = decode(raw) if raw is not None else None
-                except ProtocolError:
-                    beat = None
-                beats[key] = beat if isinstance(beat, Heartbeat) else None
-            return beats
-        first: dict[str, float] | None = None
-        gone_since: dict[str, float] = {}
-        began, logged = time.monotonic(), False
-        while not stop.is_set() and time.monotonic() - began < HELD_MAX_S:
+            return dict(zip(keys, map(heartbeat_of, await self.redis.mget(keys) if keys else [])))
+        writers, logged = Writers(), False
+        while not stop.is_set():
             beats = await self.recovery.retrying("read prefill workers' heartbeats", read)
-            now = time.monotonic()
-            for key, beat in beats.items():
-                if beat is None:
-                    gone_since.setdefault(key, now)
-                else:
-                    gone_since.pop(key, None)
-            dead = {k for k, t in gone_since.items() if now - t >= HELD_GONE_S}
-            if first is not None and self.decode.writes_gone(beats, first, dead):
+            if writers.done(beats, self.decode.writes_here):
                 return
-            if first is None:
-                first = {k: b.time for k, b in beats.items() if b is not None}
-            elif now - began > 5.0 and not logged:
+            if not logged and time.monotonic() - writers.since > 5.0:
                 log.info("waiting for prefill workers' K/V writes into this instance to end",
-                         without_heartbeat=sorted(gone_since))
+                         without_heartbeat=sorted(writers.gone_since))
                 logged = True
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
 
@@ -417,7 +397,7 @@ class SchedulerService:
             if reserved:
                 self.decode.queue(pipe, reserved)
             if held:
-                pipe.mget([key for _, _, key in held])
+                pipe.mget([key for _, key in held])
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
             if watch_workers:

@@ -15,7 +15,7 @@ import structlog
 
 from shared.lifecycle import stream_id_order
 from shared.keys import Keys
-from shared.protocol import Heartbeat, ProtocolError, decode
+from shared.protocol import ProtocolError, decode, heartbeat_of
 
 log = structlog.get_logger("scheduler.workers")
 
@@ -24,13 +24,8 @@ Incarnation = tuple[int, float]          # (pid, started_at)
 
 def incarnation(value: bytes | None) -> Incarnation | None:
     """Who wrote a heartbeat value; None for a missing or unreadable key."""
-    if not value:
-        return None
-    try:
-        msg = decode(value)
-    except ProtocolError:
-        return None
-    if not isinstance(msg, Heartbeat):
+    msg = heartbeat_of(value)
+    if msg is None:
         return None
     return int(msg.extra.get("pid", -1)), float(msg.extra.get("started_at", msg.time))
 

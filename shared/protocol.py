@@ -335,6 +335,15 @@ def encode(msg: Message) -> bytes:
                          use_bin_type=True)
 
 
+def heartbeat_of(value: bytes | None) -> Heartbeat | None:
+    """The heartbeat a key holds; None for a missing key or a value that is not one."""
+    try:
+        msg = decode(value) if value else None
+    except ProtocolError:
+        return None
+    return msg if isinstance(msg, Heartbeat) else None
+
+
 def decode(data: bytes) -> Message:
     try:
         obj = msgpack.unpackb(data, raw=False)

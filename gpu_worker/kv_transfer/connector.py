@@ -112,10 +112,11 @@ class KVConnector(ABC):
                 self._writing.pop(key, None)
 
     def peers_written(self) -> list[str]:
-        """The sessions of the peers a write may still land in: running or given up on."""
-        unsettled = self.unsettled()
+        """The sessions of the peers a write may still land in: running, or given up on and
+        not settled when `unsettled` last polled."""
         with self._abandoned_lock:
-            return sorted(set(unsettled.values()).union(*self._writing.values()))
+            return sorted({peer for peer, _ in self._abandoned.values()}.union(
+                *self._writing.values()))
 
     def wait(self, handles: list, timeout_s: float, tag: str = "",
              peer: str = "") -> list[bool]:

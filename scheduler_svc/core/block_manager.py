@@ -229,21 +229,22 @@ class BlockManager:
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks and empty its table. Safe to call twice.
         Registered blocks keep their hash and content until the pool needs them."""
-        if self._holders.pop(request.request_id, None) is None:
-            return
-        self._drop(request.block_table)
-        request.block_table.clear()
-        request.num_cached_blocks = 0
+        self._drop(self._take_table(request))
 
     def set_aside(self, request: Request) -> None:
         """Take the request's blocks from it (its table empties, as `free` leaves it) without
         returning them to the pool: no request gets them until `release_aside(request_id)`.
         For blocks another process may still write into (a P/D transfer given up on)."""
+        self._aside.setdefault(request.request_id, []).extend(self._take_table(request))
+
+    def _take_table(self, request: Request) -> list[int]:
+        """The request's blocks, its table emptied; none if it holds none (any more)."""
         if self._holders.pop(request.request_id, None) is None:
-            return
-        self._aside.setdefault(request.request_id, []).extend(request.block_table)
+            return []
+        table = list(request.block_table)
         request.block_table.clear()
         request.num_cached_blocks = 0
+        return table
 
     def release_aside(self, request_id: str) -> int:
         """The blocks `set_aside` took from `request_id` go back to the pool; how many."""

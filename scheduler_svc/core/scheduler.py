@@ -250,7 +250,7 @@ class Scheduler:
         """A reserved request handed over with its first token: with `kv_received` (the
         prompt's K/V arrived) it runs on as a decode; without, its K/V did not arrive and it
         is recomputed here from prompt + first token, like a preempted request (`hold`: in
-        other blocks, its reserved ones set aside until `release_held`).
+        other blocks, its reserved ones set aside until `block_manager.release_aside`).
         `num_cached_tokens`: what the prefill side's prefix cache held of the prompt."""
         request = self._reserved.pop(request_id)
         request.output_token_ids.append(first_token_id)
@@ -267,7 +267,7 @@ class Scheduler:
 
     def cancel_reservation(self, request_id: str, hold: bool = False) -> bool:
         """Free a reservation whose request will not come (its prefill side gave it up);
-        `hold`: set its blocks aside until `release_held` instead."""
+        `hold`: set its blocks aside until `block_manager.release_aside` instead."""
         request = self._reserved.pop(request_id, None)
         if request is None:
             return False
@@ -278,16 +278,11 @@ class Scheduler:
     def _let_go(self, reserved: Request, hold: bool) -> None:
         """A reservation's blocks back to the pool, or, where its prefill instance may still
         be writing into them (a transfer it gave up at its deadline can land later), kept
-        from every request until `release_held` (docs/failure-modes.md)."""
+        from every request until `block_manager.release_aside` (docs/failure-modes.md)."""
         if hold:
             self.block_manager.set_aside(reserved)
         else:
             self.block_manager.free(reserved)
-
-    def release_held(self, request_id: str) -> int:
-        """The blocks a reservation of `request_id` had, set aside, back to the pool; how
-        many."""
-        return self.block_manager.release_aside(request_id)
 
     def is_reserved(self, request_id: str) -> bool:
         return request_id in self._reserved
