@@ -50,13 +50,14 @@ class LLMEngine:
     """With `args.tp > 1` the runner is a TPExecutor over tp processes; call `shutdown()`
     (or use the engine as a context manager) to end them, else they end at exit."""
 
-    def __init__(self, args: EngineArgs, progress: bool = True):
-        layout = engine_layout(args)
+    def __init__(self, args: EngineArgs | EngineLayout, progress: bool = True, tokenizer=None):
+        """`args` or the layout already derived from them (and its tokenizer, if loaded)."""
+        layout = args if isinstance(args, EngineLayout) else engine_layout(args)
         self.args = layout.args
         self.layout = layout
         self.source = layout.source
         self.model_config = layout.model_config
-        self.tokenizer = load_tokenizer(layout.source)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(layout.source)
         self.max_model_len = layout.max_model_len
         self.scheduler_config = layout.scheduler_config
         self.runner = _runner(layout, progress)

@@ -106,12 +106,16 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from services.engine import LLMEngine
+    from shared.engine_layout import engine_layout
+    from shared.tokenizer import load_tokenizer
 
-    engine = LLMEngine(EngineArgs.from_cli(args))
+    # a bad prompts file is refused before the weights load
+    layout = engine_layout(EngineArgs.from_cli(args))
+    tokenizer = load_tokenizer(layout.source)
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, ignore_eos=args.ignore_eos)
-    prompts, params, stops = read_prompts(args.prompts, engine.tokenizer, defaults,
-                                          engine.max_model_len)
+    prompts, params, stops = read_prompts(args.prompts, tokenizer, defaults, layout.max_model_len)
+    engine = LLMEngine(layout, tokenizer=tokenizer)
     bar = tqdm(total=len(prompts), desc="generate", unit="req", file=sys.stderr)
     counted = [0]
     start = time.perf_counter()

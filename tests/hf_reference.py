@@ -1,8 +1,9 @@
 """transformers' greedy output, the reference every parity test compares with, and the
-default model's reference computed once per test session (loading SmolLM2 from its GGUF in
-transformers takes ~18 s)."""
+default model's reference computed once per test session."""
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 
 import torch
@@ -45,6 +46,26 @@ def assert_same_tokens(ours: list[int], ref: list[int], ref_logits: torch.Tensor
     assert gap < 1e-4, f"{what}: token {i} differs ({ours[i]} vs {ref[i]}) with HF logit gap {gap}"
 
 
+@contextlib.contextmanager
+def gguf_py_read_faster():
+    """transformers reads a GGUF with gguf-py, values and all, in ~14 s for the default model:
+    it parses the file twice with gguf-py's reader (slices of an `np.memmap`, which run Python
+    per slice) and builds gguf-py's tensor-name table once per tensor. Within this block it
+    gets our reader (the same values from plain slices of the same mapping: tests/test_weights.py
+    checks they are equal) and the table once per (architecture, layers): ~4 s, the same
+    model bit for bit."""
+    import gguf
+
+    from shared.model_config import READER
+    saved = gguf.GGUFReader, gguf.get_tensor_name_map
+    gguf.GGUFReader = READER
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(saved[1])
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = saved
+
+
 def load_default_hf(tmp_dir: str):
     """transformers' float32 model of the default GGUF (the file linked into `tmp_dir`)."""
     from transformers import AutoModelForCausalLM
@@ -53,8 +74,9 @@ def load_default_hf(tmp_dir: str):
     source = resolve_model(None)
     name = os.path.basename(source.path)
     os.symlink(source.path, os.path.join(tmp_dir, name))
-    return AutoModelForCausalLM.from_pretrained(tmp_dir, gguf_file=name,
-                                                dtype=torch.float32).eval()
+    with gguf_py_read_faster():
+        return AutoModelForCausalLM.from_pretrained(tmp_dir, gguf_file=name,
+                                                    dtype=torch.float32).eval()
 
 
 def default_chat_references(hf) -> tuple[list[list[int]], list[tuple[list[int], torch.Tensor]]]:

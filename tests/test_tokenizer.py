@@ -16,6 +16,7 @@ from gguf import GGUFWriter
 from tokenizers import pre_tokenizers
 
 from helpers_tiny_model import CHAT_TEMPLATE, write_tiny_gguf, write_tiny_llama
+from hf_reference import gguf_py_read_faster
 from shared.chat_template import render_chat_template, validate_messages
 from shared.detokenizer import IncrementalDetokenizer
 from shared.errors import InvalidRequestError, ModelLoadError
@@ -51,7 +52,8 @@ def smol(smol_source):
 @pytest.fixture(scope="module")
 def reference(smol_source):
     from transformers import AutoTokenizer
-    ref = AutoTokenizer.from_pretrained(smol_source[1], gguf_file="model.gguf")
+    with gguf_py_read_faster():
+        ref = AutoTokenizer.from_pretrained(smol_source[1], gguf_file="model.gguf")
     ref.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Digits(individual_digits=True),
         pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,9 +39,14 @@ def _up(*flags: str) -> subprocess.CompletedProcess:
 def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
     port, redis_port = _free_port(), _free_port()
     local = f"redis://127.0.0.1:{redis_port}"
+    redis_ports = []
 
-    def flags(*given: str, redis_url: str = f"{local}/0") -> list[str]:
-        return ["--port", str(port), *given, "--redis-url", redis_url]
+    def flags(*given: str, redis_url: str | None = None) -> list[str]:
+        # each case its own ports: the cases run side by side
+        if redis_url is None:
+            redis_ports.append(_free_port())
+            redis_url = f"redis://127.0.0.1:{redis_ports[-1]}/0"
+        return ["--port", str(_free_port()), *given, "--redis-url", redis_url]
 
     pd = ("--prefill-workers", "1", "--decode-workers", "1")
     cases = [
@@ -69,10 +75,14 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
          "give --max-model-len 1536 or less, or more --num-kv-blocks"),
         (flags("--num-kv-blocks", "1000000000"), "more than this machine's"),
     ]
-    for flags, needle in cases:
-        proc = _up(*flags)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        procs = list(pool.map(lambda case: _up(*case[0]), cases))
+    for (flags, needle), proc in zip(cases, procs):
         assert proc.returncode != 0 and needle in proc.stderr, (flags, proc.stderr[-2000:])
         assert "Traceback" not in proc.stderr and "pw@" not in proc.stderr, proc.stderr[-2000:]
+    for p in redis_ports:                           # no case left a Redis behind
+        with socket.socket() as s:
+            assert s.connect_ex(("127.0.0.1", p)) != 0, p
     import torch
     if not torch.cuda.is_available():     # a CPU build, or no GPU: refused before the workers
         proc = _up("--port", str(port), "--device", "cuda", "--kv-cache-memory", "1GiB",
