@@ -99,14 +99,13 @@ def smollm_small(smollm_chat):
 
 
 @pytest.mark.slow
-def test_smollm2_tp3_matches_tp1_and_transformers(smollm_small):
+def test_smollm2_tp3_matches_transformers(smollm_small):
+    """(tp=1 against transformers with the same 16-token chunks: tests/test_engine_parity.py)"""
     prompts, refs = smollm_small
     sampling = greedy(len(prompts), SMOL_TOKENS)
     ours, _ = run_tp("smollm2-135m", prompts, sampling, 3, max_num_batched_tokens=16)
-    single, _ = run_tp("smollm2-135m", prompts, sampling, 1, max_num_batched_tokens=16)
-    for k, (o, s, (r, logits)) in enumerate(zip(ours, single, refs)):
+    for k, (o, (r, logits)) in enumerate(zip(ours, refs)):
         assert_same_tokens(o, r, logits, f"tp=3 prompt {k} vs transformers")
-        assert_same_tokens(o, s, logits, f"tp=3 prompt {k} vs tp=1")
 
 
 # ---- seeded sampling ----------------------------------------------------------------------
