@@ -21,7 +21,7 @@ from shared.errors import InvalidRequestError
 from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                              MAX_REPETITION_PENALTY, MAX_TOKEN_IDS)
 from shared import chat_template
-from shared.structured import JSON_OPTIONS, KINDS, structured_pair
+from shared.structured import JSON_OPTIONS, KINDS, closed_schema, structured_pair
 
 MAX_LOGPROBS = 20
 # stop strings (and bad words): each is looked for after every token of its request
@@ -472,7 +472,9 @@ def tool_call_constraint(tools: tuple[dict, ...], choice: str, parallel: bool) -
     list of {"name", "parameters"} objects, one of the tools' each (at most one unless
     parallel calls are allowed)."""
     def parameters(tool: dict) -> dict:
-        return tool["function"].get("parameters") or {"type": "object"}
+        schema = tool["function"].get("parameters") or {"type": "object"}
+        # a strict function takes no argument its parameters do not name
+        return closed_schema(schema) if tool["function"].get("strict") is True else schema
     if choice != "required":
         return {"json": parameters(next(t for t in tools if t["function"]["name"] == choice))}
     calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
@@ -499,7 +501,9 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise APIError("response_format.json_schema must be an object with a 'schema' (a "
                            "JSON schema)", param="response_format")
-        given.append(("response_format", {"json": spec["schema"]}))
+        # strict (OpenAI's structured outputs): no key the schema does not name
+        given.append(("response_format", {"json": spec["schema"],
+                                          "disable_additional_properties": spec.get("strict") is True}))
     elif kind != "text":
         raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
                        f"got {kind!r:.100}", param="response_format")

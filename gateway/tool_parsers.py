@@ -166,9 +166,10 @@ def _split(parser: ToolParser, text: str, names: Collection[str]) -> tuple[str, 
 
 def parse_calls(parser: ToolParser, text: str,
                 names: Collection[str]) -> tuple[str | None, list[Call]]:
-    """A whole output: its content (None when it only calls) and its calls."""
+    """A whole output: its content (None when it only calls) and its calls. The blanks
+    before the calls are no content (a stream holds them back too: ToolStream)."""
     content, calls = _split(parser, text, names)
-    return (content.strip() or None, calls) if calls else (text, [])
+    return (content.rstrip() or None, calls) if calls else (text, [])
 
 
 class ToolStream:
@@ -180,7 +181,9 @@ class ToolStream:
 
     def feed(self, piece: str) -> str:
         self.text += piece
-        upto = max(self.sent, self.parser.held_from(self.text, self.sent))
+        # blanks wait for the next word: before a call they are no content (parse_calls)
+        held = self.parser.held_from(self.text, self.sent)
+        upto = max(self.sent, len(self.text[:held].rstrip()))
         out, self.sent = self.text[self.sent:upto], upto
         return out
 

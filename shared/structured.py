@@ -85,7 +85,7 @@ def _with_options(schema: Any, options: dict) -> dict:
     if not isinstance(schema, dict):
         raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object)")
     if options.get("disable_additional_properties"):
-        schema = _closed(schema)
+        schema = closed_schema(schema)
     guidance = dict(schema.get("x-guidance") or {})
     if options.get("disable_any_whitespace"):
         guidance["whitespace_flexible"] = False
@@ -96,22 +96,22 @@ def _with_options(schema: Any, options: dict) -> dict:
     return {**schema, "x-guidance": guidance} if guidance else schema
 
 
-def _closed(schema: Any) -> Any:
+def closed_schema(schema: Any) -> Any:
     """The schema with additionalProperties false on every object schema that leaves it
-    open (vLLM's disable_additional_properties), subschemas included wherever JSON Schema
-    puts them."""
+    open (vLLM's disable_additional_properties; OpenAI's `strict`), subschemas included
+    wherever JSON Schema puts them."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
     for key in ("properties", "$defs", "definitions", "patternProperties"):
         if isinstance(out.get(key), dict):
-            out[key] = {name: _closed(sub) for name, sub in out[key].items()}
+            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
     for key in ("items", "additionalProperties", "not", "if", "then", "else"):
         if isinstance(out.get(key), dict):
-            out[key] = _closed(out[key])
+            out[key] = closed_schema(out[key])
     for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
         if isinstance(out.get(key), list):
-            out[key] = [_closed(sub) for sub in out[key]]
+            out[key] = [closed_schema(sub) for sub in out[key]]
     if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out

@@ -277,6 +277,55 @@ def test_a_tool_choice_becomes_the_constraint_of_its_calls():
     assert (auto.tools, auto.tool_choice, auto.structured_outputs) == ((TOOL,), "auto", None)
 
 
+CITY = {"type": "object", "properties": {"city": {"type": "string"}, "pop": {"type": "integer"}},
+        "required": ["city", "pop"]}
+
+
+def test_strict_schemas_and_tools_name_every_key_the_output_may_have():
+    """OpenAI's `strict: true` (a json_schema response format, a function tool, a Responses
+    tool): no key beyond those the schema names, as vLLM's default backend does; without it
+    JSON Schema's default (other keys allowed) holds."""
+    from gateway.openai_schema import parse_chat
+    from gateway.responses_api import chat_body
+
+    def schema(**fields):
+        return json.loads(parse_chat({**CHAT, **fields}).structured_outputs[1])
+
+    def response_format(strict):
+        return {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY,
+                                                       **({} if strict is None else {"strict": strict})}}
+    assert schema(response_format=response_format(True))["additionalProperties"] is False
+    for loose in (None, False):
+        assert "additionalProperties" not in schema(response_format=response_format(loose))
+    strict_tool = {"type": "function", "function": {**TOOL["function"], "strict": True}}
+    assert schema(tools=[strict_tool], tool_choice="required")[
+        "items"]["anyOf"][0]["properties"]["parameters"]["additionalProperties"] is False
+    assert schema(tools=[strict_tool], tool_choice={"type": "function", "function": {
+        "name": "get_weather"}})["additionalProperties"] is False
+    assert "additionalProperties" not in schema(tools=[TOOL], tool_choice={
+        "type": "function", "function": {"name": "get_weather"}})
+    chat, _ = chat_body({"model": "m", "input": "hi", "tool_choice": "required", "tools": [
+        {"type": "function", "name": "get_weather", "strict": True,
+         "parameters": TOOL["function"]["parameters"]}]})
+    assert parse_chat(chat).tools[0]["function"]["strict"] is True
+
+
+@pytest.mark.slow
+def test_a_strict_schema_ends_the_object_at_its_last_key(tokenizer):
+    """Left open, the default model goes on adding keys to the city object until max_tokens
+    (no JSON at all); strict, it closes the object after the two keys (greedy, in process)."""
+    from gateway.openai_schema import parse_chat
+    engine = LLMEngine(EngineArgs(model="smollm2-135m", dtype="float32", quantization="none",
+                                  num_kv_blocks=64, max_model_len=512), progress=False)
+    prompt = tokenizer.encode_chat([{"role": "user",
+                                     "content": "Which city is the capital of France?"}])
+    spec = parse_chat({**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "city", "strict": True, "schema": CITY}}}).structured_outputs
+    [out] = engine.generate([prompt], [SamplingParams(max_tokens=64, temperature=0.0,
+                                                      structured_outputs=spec)])
+    assert set(json.loads(tokenizer.decode(out.token_ids[:-1]))) == {"city", "pop"}
+
+
 @pytest.mark.parametrize("fields,param,says", [
     ({"tools": [TOOL]}, "tool_choice", "--tool-call-parser"),   # auto, the default: no parser
     ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
