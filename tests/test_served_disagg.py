@@ -316,6 +316,25 @@ def test_pd_ttft_goal_flag_is_taken_and_attainment_counted(tiny, expected, tmp_p
         assert served.stop() == 0, served.log_tail()
 
 
+def test_pd_decode_side_preemption_recomputes_exactly(tiny, expected, tmp_path):
+    """A decode pool too small for its streams' growth: requests that came with their K/V
+    are preempted there and recomputed (prompt + tokens so far) on d0 itself, their streams
+    exact; every block free after."""
+    served, model = start_pd(tiny, tmp_path, "--num-kv-blocks", "40")
+    try:
+        # 245-290 tokens each, 16-19 blocks, 69 together: more than the pool's 40
+        got = all_concurrently(served, model, LONG, LONG_RUN)
+        assert got == first(expected, LONG, LONG_RUN)
+        d_stats = stats(served, D0)
+        assert d_stats["num_preemptions_total"] > 0, d_stats
+        assert stats(served, P0)["handoffs_with_kv_total"] == len(LONG)
+        wait_for(lambda: stats(served, D0)["kv_cache_usage_perc"] == 0, 30, "d0's blocks free")
+        assert all(stats(served, D0)[k] == 0 for k in ("num_requests_running",
+                                                        "num_requests_reserved", "kv_blocks_held"))
+    finally:
+        assert served.stop() == 0, served.log_tail()
+
+
 def test_pd_tp2_on_both_sides(tiny, expected, tmp_path):
     served, model = start_pd(tiny, tmp_path, "--tp", "2")
     try:
