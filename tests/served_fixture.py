@@ -133,7 +133,7 @@ def wait_healthy(served: Served, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
             status = None
         if status == 200:
             return
-        time.sleep(0.5)
+        time.sleep(0.1)
     raise RuntimeError(f"/health not 200 after {timeout_s} s:\n{served.log_tail()}")
 
 

@@ -154,7 +154,7 @@ def _wait_healthy(compose: Compose) -> None:
         exited = compose.exited_services()
         if exited:
             pytest.fail(f"containers exited before /health was 200: {exited}\n{compose.logs()}")
-        time.sleep(2)
+        time.sleep(0.5)
     pytest.fail(f"/health not 200 after {HEALTH_TIMEOUT_S} s (last: {last})\n{compose.logs()}")
 
 
