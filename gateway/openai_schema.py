@@ -464,7 +464,14 @@ def _tool_name(tool: Any, i: int) -> str:
             not isinstance(function.get("parameters", {}), dict):
         raise APIError(f"tools[{i}] must be " + '{"type": "function", "function": {"name": '
                        '1-64 of a-z A-Z 0-9 _ -, "parameters": a JSON schema}}', param="tools")
+    check_strict(function, f"tools[{i}].function", "tools")
     return function["name"]
+
+
+def check_strict(spec: dict, where: str, param: str) -> None:
+    if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+        raise APIError(f"{where}.strict must be a boolean, got {json_type(spec['strict'])}",
+                       param=param)
 
 
 def tool_call_constraint(tools: tuple[dict, ...], choice: str, parallel: bool) -> dict:
@@ -501,6 +508,7 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
             raise APIError("response_format.json_schema must be an object with a 'schema' (a "
                            "JSON schema)", param="response_format")
+        check_strict(spec, "response_format.json_schema", "response_format")
         # strict (OpenAI's structured outputs): no key the schema does not name
         given.append(("response_format", {"json": spec["schema"],
                                           "disable_additional_properties": spec.get("strict") is True}))

@@ -167,6 +167,7 @@ def _tool(tool: Any, i: int) -> dict:
         raise APIError(f"tools[{i}] must be " + '{"type": "function", "name": 1-64 of a-z A-Z '
                        '0-9 _ -, "parameters": a JSON schema} (chat\'s nested "function" is '
                        'not this API\'s shape)', param="tools")
+    oai.check_strict(tool, f"tools[{i}]", "tools")
     function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if k in tool}
     return {"type": "function", "function": function}
 

@@ -308,6 +308,17 @@ def test_strict_schemas_and_tools_name_every_key_the_output_may_have():
         {"type": "function", "name": "get_weather", "strict": True,
          "parameters": TOOL["function"]["parameters"]}]})
     assert parse_chat(chat).tools[0]["function"]["strict"] is True
+    # a strict that is no boolean is refused, naming the field
+    from gateway.openai_schema import APIError
+    bad_format = {"type": "json_schema", "json_schema": {"schema": CITY, "strict": "yes"}}
+    with pytest.raises(APIError, match=r"response_format.json_schema.strict must be a boolean"):
+        parse_chat({**CHAT, "response_format": bad_format})
+    bad_tool = {"type": "function", "function": {**TOOL["function"], "strict": 1}}
+    with pytest.raises(APIError, match=r"tools\[0\].function.strict must be a boolean"):
+        parse_chat({**CHAT, "tools": [bad_tool], "tool_choice": "required"})
+    with pytest.raises(APIError, match=r"tools\[0\].strict must be a boolean"):
+        chat_body({"model": "m", "input": "hi", "tools": [
+            {"type": "function", "name": "f", "strict": "no"}]})
 
 
 @pytest.mark.slow
