@@ -8,7 +8,7 @@ drives it. Read from /proc before and after the run (Linux), so it costs the ser
 The processes are found by the `--redis-url` on their command line (`pacer up` passes it to
 each service) and the redis-server by its port; the iterations are rank 0's
 `worker_iterations_total`, read from its heartbeat. On a machine with few cores, what the services
-take is what the forward cannot have (docs/benchmarks.md#redis-replies-parsed-in-c).
+take is what the forward cannot have (docs/benchmarks.md#served-through-redis-vs-in-process).
 """
 from __future__ import annotations
 

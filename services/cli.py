@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from shared.errors import PacerError
@@ -24,6 +25,26 @@ COMMANDS = [
 ]
 
 
+class _ShowsDefaults(argparse.HelpFormatter):
+    """Appends "(default: X)" to a flag's help where the default is a value worth showing
+    and the help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or isinstance(default, bool)
+                or default is argparse.SUPPRESS or default in ("", [], ())
+                or "default" in text.lower()):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
+def _showing_defaults(formatter: type) -> type:
+    if issubclass(formatter, _ShowsDefaults):
+        return formatter
+    return type(f"{formatter.__name__}ShowingDefaults", (_ShowsDefaults, formatter), {})
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pacer", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -37,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         before = set(sub.choices)
         module.register(sub)
         for cmd in set(sub.choices) - before:
+            sub.choices[cmd].formatter_class = _showing_defaults(sub.choices[cmd].formatter_class)
             if sub.choices[cmd].get_default("run") is None:
                 sub.choices[cmd].set_defaults(run=module.run)
     return parser
@@ -46,12 +68,19 @@ def main(argv: list[str] | None = None) -> int:
     default_omp_wait_policy()       # before any subcommand loads torch
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args) or 0)
+        code = int(args.run(args) or 0)
+        sys.stdout.flush()          # a closed pipe shows here, not at the interpreter's exit
+        return code
     except PacerError as e:
         print(f"pacer: error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`pacer inspect ... | head`): stop quietly, as `cat` does;
+        # stdout points at /dev/null so that the interpreter's final flush raises nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ import structlog
 
 from gateway.cli import POLICY_FLAGS, add_request_policy_args
 from gateway.config import POLICIES
-from scheduler_svc.cli import default_scheduler_id
+from scheduler_svc.cli import DISAGG_MIN_PROMPT_TOKENS, default_scheduler_id
 from services.restarts import Restarter, Watchdog
 from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
 from shared import gpu_memory
@@ -38,8 +38,8 @@ from shared.engine_args import EngineArgs
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
-from shared.service_args import (non_negative_int, non_negative_seconds, positive_seconds,
-                                 refused_credentials, shown_url)
+from shared.service_args import (LOG_LEVEL_HELP, non_negative_int, non_negative_seconds,
+                                 positive_seconds, refused_credentials, shown_url)
 
 log = structlog.get_logger("up")
 
@@ -58,7 +58,7 @@ def register(sub) -> None:
     p.add_argument("--startup-timeout", type=positive_seconds, default=600.0,
                    help="seconds to wait for /health to turn 200")
     add_request_policy_args(p)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
     p.add_argument("--watchdog-s", type=non_negative_seconds, default=30.0,
                    help="kill (and so restart) a scheduler or worker that has written no "
                         "heartbeat for this long while its process lives: stopped or hung "
@@ -66,7 +66,7 @@ def register(sub) -> None:
     p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
                    help="CPU, several engine instances (P/D, replicas): each instance's forward "
                         "threads on cores of their own, where they fit "
-                        "(docs/design.md#cores-for-the-forward-threads)")
+                        "(docs/design.md#cores-for-the-forward-threads; default: on)")
     p.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="debugging: schedulers plan each iteration only after the last one's "
                         "result is in (docs/design.md#overlap)")
@@ -79,11 +79,12 @@ def register(sub) -> None:
     g.add_argument("--decode-tp", type=int, default=None, help="TP degree of each decode "
                    "instance (default: --tp)")
     g.add_argument("--disagg-min-prompt-tokens", type=non_negative_int, default=None,
-                   help="shorter prompts are prefilled on the decode instance itself")
+                   help="shorter prompts are prefilled on the decode instance itself "
+                        f"(default: {DISAGG_MIN_PROMPT_TOKENS})")
     g.add_argument("--prefill-threads", type=int, default=None,
                    help="CPU: torch threads of each prefill worker (default: shared out)")
     g.add_argument("--decode-threads", type=int, default=None,
-                   help="CPU: torch threads of each decode worker")
+                   help="CPU: torch threads of each decode worker (default: shared out)")
     g = p.add_argument_group("data-parallel replicas (docs/design.md#cache-aware-routing)")
     g.add_argument("--replicas", type=int, default=None,
                    help="engine instances r0..rN-1 (a scheduler and --tp workers each) behind "
@@ -504,7 +505,9 @@ def run(args: argparse.Namespace) -> int:
         _wait_healthy(sup, base_url, args.startup_timeout, stopping)
         if stopping():
             return 0
-        banner = (f"pacer up: serving {engine.model or 'smollm2-135m'} at {base_url}/v1 "
+        # the name clients send as "model" (as /v1/models lists it)
+        name = args.served_model_name or layout.source.name
+        banner = (f"pacer up: serving {name} at {base_url}/v1 "
                   f"(Ctrl-C to stop)\npacer up: {redis_note}")
         # among the services' logs at a terminal, set the line apart
         print(f"\n{banner}\n" if sys.stdout.isatty() else banner, flush=True)

@@ -1,29 +1,12 @@
 """Every Redis key, stream, group and channel name in one place.
 
-An operator watching the system with `redis-cli` sees (with the default prefix `pacer:`):
-
-| key | type | written by | read by |
-|---|---|---|---|
-| `pacer:requests` | stream, group `schedulers` | gateway (XADD, MAXLEN ~) | schedulers (XREADGROUP + XACK) |
-| `pacer:aborts` | stream | gateway (XADD, MAXLEN ~) | every scheduler (XREAD) |
-| `pacer:plans` | stream | scheduler | worker rank 0 |
-| `pacer:results` | stream | worker rank 0 | scheduler |
-| `pacer:tokens:{gateway_id}` | pub/sub channel | worker rank 0 (token batches), scheduler (finish events) | that gateway |
-| `pacer:hb:scheduler:{id}` | string with TTL | scheduler | gateway `/health` |
-| `pacer:hb:worker:{rank}` | string with TTL | each worker rank | gateway `/health` |
-| `pacer:hb:gateway:{id}` | string with TTL | gateway | scheduler (drop requests of dead gateways) |
-| `pacer:progress:{request_id}` | string with TTL (`shared/progress.py`) | worker rank 0 (APPEND) | a scheduler taking the request over; deleted at its finish |
-| `pacer:stats` | hash (`STATS_FIELDS`) | scheduler | gateway `/metrics` |
-| `pacer:tp:rendezvous` | string (JSON `{addr, port, pid, time}`) | worker rank 0 | worker ranks > 0 (where to join the TP group) |
-| `pacer:inst:{id}:requests` | stream, group `schedulers` | gateway's router (XADD) | replica `id`'s scheduler (`--own-request-stream`) |
-| `pacer:inst:{id}:cached_blocks` | set of block hashes | replica or P/D prefill instance `id`'s scheduler (SADD, SREM, DEL) | gateway's router (SMISMEMBER) |
-| `pacer:inst:{id}:handoff` | stream | prefill schedulers (reserve, ready, cancel) | decode instance `id`'s scheduler |
-| `pacer:inst:{id}:reservations` | stream | decode schedulers (reserved blocks), other prefill schedulers (requests the router chose `id` for) | prefill instance `id`'s scheduler |
+Which key is which, its type, who writes it and who reads it, as an operator sees them with
+`redis-cli`: the table in docs/architecture.md#redis-keys (one table, kept there).
 
 With P/D disaggregation (docs/design.md#pd-disaggregation) every engine instance owns its
 plans, results, stats, worker heartbeats and rendezvous under `pacer:inst:{id}:` (e.g.
 `pacer:inst:p0:plans`, `pacer:inst:d0:hb:worker:0`); the colocated engine, whose id is empty,
-keeps the names above. The requests and aborts streams, token channels, gateway and scheduler
+keeps the plain names. The requests and aborts streams, token channels, gateway and scheduler
 heartbeats and progress records are shared by all instances.
 
 Every stream is trimmed with `MAXLEN ~`, every per-request key is deleted when the request

@@ -106,7 +106,7 @@ class IterationPlan:
 
 # SampledToken.token_id where every token of the row was masked (a grammar, allowed_token_ids,
 # bad_words and min_tokens that leave nothing between them): no token, the request ends with
-# an error (docs/api.md#structured-outputs)
+# an error (docs/design.md#structured-outputs)
 NO_TOKEN = -1
 # ... where the grammar engine gave up on the request's grammar (a regex such as
 # (x{1000}){1000} passes every check and is past its limits at the first token; a schema

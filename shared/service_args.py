@@ -9,6 +9,7 @@ from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+LOG_LEVEL_HELP = "debug, info, warning or error"
 
 
 def non_negative_int(text: str) -> int:
@@ -66,7 +67,7 @@ def refused_credentials(redis_url: str, error: Exception) -> PacerError:
 
 def add_service_args(p: argparse.ArgumentParser) -> None:
     add_redis_args(p)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
 
 
 # what an engine instance does (docs/design.md#pd-disaggregation)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import redis
@@ -17,6 +20,7 @@ from shared.sampling import SamplingParams
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
 KEYS = Keys("inspect-test:")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN = IterationPlan(
     step=7,
     new_requests=[NewRequestData("r-new", list(range(40)), 40, SamplingParams(), [3, 4, 5], 0)],
@@ -111,3 +115,13 @@ def test_inspect_an_engine_instances_own_keys(filled, capsys):
     assert main(["inspect", "handoff", "--redis-url", filled, "--key-prefix", KEYS.prefix]) != 0
     assert "handoff is an engine instance's stream: give --instance ID" in \
         capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_ends_it_quietly(filled):
+    """`pacer inspect stats | head`: a closed pipe is no traceback."""
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "inspect", "stats",
+                             "--redis-url", filled, "--key-prefix", KEYS.prefix],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()             # before it writes a line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141 and err == "", err

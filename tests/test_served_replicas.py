@@ -61,6 +61,9 @@ def test_prefix_routing_keeps_a_prefix_on_one_replica_and_output_exact(tiny, exp
                           "--kv-cache-memory", "16MiB", "--replicas", "2")
     r = redis.Redis.from_url(served.redis_url)
     try:
+        # the banner names the model as clients must send it
+        wait_for(lambda: f"pacer up: serving {model} at {served.base_url}/v1" in
+                 served.log_tail(10**6), 10, "the banner")
         for prompt in ORDER:
             assert complete(served.base_url, model, prompt) == expected[tuple(prompt)]
         by_prompt = served_by(r)
