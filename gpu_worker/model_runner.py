@@ -152,7 +152,7 @@ class ModelRunner:
             model = LlamaForCausalLM(cfg, tp, quant)
         if not on_host:     # RoPE tables computed on the host, as on CPU (same bits), then moved
             model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
-                                           cfg.rope_theta)
+                                           cfg.rope_theta, cfg.rope_scaling)
         if rc.load_format == "dummy":
             if quant is not None:
                 raise PacerError("--load-format dummy makes float weights: pass --quantization none")

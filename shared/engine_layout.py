@@ -63,8 +63,10 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
                                                              block_bytes)
     max_model_len = args.max_model_len or cfg.max_position_embeddings
     if not 2 <= max_model_len <= cfg.max_position_embeddings:
-        raise PacerError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] (the "
-                         f"model's context), got {max_model_len}")
+        what = "the model's sliding window: longer contexts are not served" \
+            if cfg.sliding_window else "the model's context"
+        raise PacerError(f"--max-model-len must be in [2, {cfg.max_position_embeddings}] "
+                         f"({what}), got {max_model_len}")
     if args.kv_timeout_s <= 0:
         raise PacerError(f"--kv-timeout-s must be > 0, got {args.kv_timeout_s:g}")
     scheduler_config = SchedulerConfig(

@@ -1,7 +1,11 @@
-"""The shape of the model, read from config.json or GGUF metadata. Llama only, plain RoPE only.
+"""The shape of the model, read from config.json or GGUF metadata: Llama, and Mistral (the
+same network) within its sliding window.
 
-Rope scaling (linear, dynamic, yarn, llama3) is refused rather than ignored: a model run with
-the wrong rotary frequencies still produces fluent-looking text that is subtly wrong.
+RoPE is plain, or scaled the way Llama 3.1/3.2 (`llama3`) or a linearly stretched checkpoint
+(`linear`) asks in its config.json: both only change the rotary frequencies
+(docs/design.md#rope-scaling). Every other scaling (dynamic, yarn, longrope) is refused rather
+than ignored: a model run with the wrong rotary frequencies still produces fluent-looking text
+that is subtly wrong.
 """
 from __future__ import annotations
 
@@ -18,7 +22,20 @@ from gguf import GGUFReader
 from shared.errors import ModelLoadError, PacerError
 from shared.model_source import ModelSource
 
-_HF_ARCHITECTURE = "LlamaForCausalLM"
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How a checkpoint stretches RoPE's frequencies (transformers' `rope_type` of the same
+    name): `linear` divides every frequency by `factor`; `llama3` divides the low ones (a
+    wavelength over original / low_freq_factor positions) by `factor`, keeps the high ones
+    (under original / high_freq_factor) and blends those between."""
+    kind: str                                  # "linear" or "llama3"
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
@@ -38,6 +55,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_id: int | None
     eos_token_ids: tuple[int, ...] = ()   # every id that ends generation, eos_token_id first
+    rope_scaling: RopeScaling | None = None
+    # Mistral: the attention window, when it is what max_position_embeddings was cut to
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -79,17 +99,27 @@ def _from_hf_dir(path: str) -> ModelConfig:
 
 
 def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
-    architectures = cfg.get("architectures") or [_HF_ARCHITECTURE]
-    if cfg.get("model_type") != "llama" or _HF_ARCHITECTURE not in architectures:
+    model_type = cfg.get("model_type")
+    expected = _HF_ARCHITECTURES.get(model_type)
+    architectures = cfg.get("architectures") or [expected or _HF_ARCHITECTURES["llama"]]
+    if expected is None or expected not in architectures:
+        supported = ", ".join(f"{t} ({a})" for t, a in _HF_ARCHITECTURES.items())
         raise ModelLoadError(f"{file}: architecture {architectures[0]!r} (model_type "
-                             f"{cfg.get('model_type')!r}) is not supported; "
-                             f"only llama ({_HF_ARCHITECTURE})")
+                             f"{model_type!r}) is not supported; only {supported}")
     _check_hf_features(cfg, file)
     rope = cfg.get("rope_parameters") or {}     # transformers 5 moved rope_theta in here
     heads = cfg["num_attention_heads"]
     eos = _hf_eos_ids(path)
+    context = cfg.get("max_position_embeddings", 2048)
+    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    if window is not None and cfg.get("use_sliding_window", True) and window < context:
+        # a query sees every key of a context no longer than the window: served exactly
+        # (as plain attention) up to it, so that is the context this model gets
+        context = window
+    else:
+        window = None
     return ModelConfig(
-        architecture="llama",
+        architecture=model_type,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
         intermediate_size=cfg["intermediate_size"],
@@ -99,11 +129,13 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
         rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+        max_position_embeddings=context,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         bos_token_id=(_ids(cfg.get("bos_token_id")) or [None])[0],
         eos_token_id=eos[0] if eos else None,
         eos_token_ids=eos,
+        rope_scaling=_hf_rope_scaling(cfg, file),
+        sliding_window=window,
     )
 
 
@@ -113,11 +145,31 @@ def _check_hf_features(cfg: dict, file: str) -> None:
             raise ModelLoadError(f"{file}: {key}=true is not supported (llama without biases only)")
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{file}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+
+
+def _hf_rope_scaling(cfg: dict, file: str) -> RopeScaling | None:
+    """`rope_scaling` (transformers 4) or `rope_parameters` (5), whichever says more."""
     for key in ("rope_scaling", "rope_parameters"):
         scaling = cfg.get(key) or {}
         kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind != "default":
-            raise ModelLoadError(f"{file}: {key} of type {kind!r} is not supported (plain RoPE only)")
+        if kind == "default":
+            continue
+        if kind not in ("linear", "llama3"):
+            raise ModelLoadError(f"{file}: {key} of type {kind!r} is not supported (plain RoPE, "
+                                 "linear or llama3 only)")
+        try:
+            factor = float(scaling["factor"])
+            if kind == "linear":
+                return RopeScaling("linear", factor)
+            return RopeScaling("llama3", factor, float(scaling["low_freq_factor"]),
+                               float(scaling["high_freq_factor"]),
+                               int(scaling.get("original_max_position_embeddings")
+                                   or cfg["max_position_embeddings"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"{file}: {key} of type {kind!r} without a usable "
+                                 f"{e.args[0] if isinstance(e, KeyError) else 'value'}: "
+                                 f"{scaling}") from None
+    return None
 
 
 def _hf_eos_ids(path: str) -> tuple[int, ...]:

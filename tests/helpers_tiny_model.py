@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gguf_quants
 from safetensors import safe_open
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 0, 1, 2 as in SmolLM2
 BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2
@@ -60,9 +60,11 @@ def _tokenizer_config() -> dict:
             "add_bos_token": False, "model_max_length": 1024, "chat_template": CHAT_TEMPLATE}
 
 
-def write_tiny_llama(path: str | os.PathLike, seed: int = 0, **overrides) -> str:
+def write_tiny_llama(path: str | os.PathLike, seed: int = 0, family: str = "llama",
+                     **overrides) -> str:
     """Writes config.json, model.safetensors and the tokenizer files; returns the path.
-    `overrides` are LlamaConfig fields (tie_word_embeddings, num_hidden_layers, ...)."""
+    `overrides` are LlamaConfig fields (tie_word_embeddings, num_hidden_layers, rope_scaling,
+    ...); `family="mistral"` writes a MistralForCausalLM of the same shape instead."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tok = tiny_tokenizer()
@@ -71,9 +73,11 @@ def write_tiny_llama(path: str | os.PathLike, seed: int = 0, **overrides) -> str
                   max_position_embeddings=1024, rms_norm_eps=1e-5, rope_theta=10000.0,
                   tie_word_embeddings=False, bos_token_id=BOS_TOKEN_ID,
                   eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID)
-    config = LlamaConfig(**{**fields, **overrides})
+    config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
+                                 "mistral": (MistralConfig, MistralForCausalLM)}[family]
+    config = config_class(**{**fields, **overrides})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     with torch.no_grad():   # norms start at exactly 1; perturb them so a swapped norm shows
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

@@ -115,8 +115,11 @@ def test_tied_and_transformers4_style_config(tiny_dir, tmp_path):
 
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "'Qwen2ForCausalLM'"),
-    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}}, "'llama3'"),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "'linear'"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
+     "'llama3' without a usable low_freq_factor"),
+    ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "'yarn' is not supported"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
+    ({"rope_scaling": {"type": "linear"}}, "'linear' without a usable factor"),
     ({"attention_bias": True}, "attention_bias"),
 ])
 def test_unsupported_hf_configs(tiny_dir, tmp_path, changes, message):

@@ -17,6 +17,8 @@ of a fused weight has arrived. The vocabulary matrices are int8 per channel unde
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,7 @@ from gpu_worker.parallel import TPGroup
 from gpu_worker.quant import INT4_GROUP
 from gpu_worker.quant.linear import Int8Weight, pack
 from gpu_worker.quant.tensor import QTensor, cat_rows, to_scheme
+from shared.model_config import RopeScaling
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -263,16 +266,38 @@ class RMSNorm(nn.Module):
         return y if y.dtype == out_dtype else y.to(out_dtype)
 
 
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None
+                  ) -> torch.Tensor:
+    """RoPE's inverse frequencies, float32, computed as transformers computes them (the same
+    operations in the same order, so the same bits): plain, `linear` or `llama3`
+    (docs/design.md#rope-scaling)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
+                                .to(torch.float32) / head_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    old = scaling.original_max_position_embeddings
+    low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotate-half RoPE with the checkpoint's theta; cos/sin tables precomputed in float32.
-    With `fused` set (the CPU kernels, bfloat16 weights) queries and keys rotate in place."""
+    """Rotate-half RoPE with the checkpoint's theta (and scaling); cos/sin tables precomputed
+    in float32. With `fused` set (the CPU kernels, bfloat16 weights) queries and keys rotate
+    in place."""
 
     fused = None
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, head_dim: int, max_positions: int, theta: float,
+                 scaling: RopeScaling | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
-                                    .to(torch.float32) / head_dim))
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.int64).to(torch.float32)
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

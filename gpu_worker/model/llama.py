@@ -125,7 +125,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, quant)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
         self.act_dtype = torch.float32
         # decodes alone through the kernels' DecoderStack where it applies (_decoder_stack);
         # False keeps the layer-by-layer path (the tests compare the two)

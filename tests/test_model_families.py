@@ -1,0 +1,99 @@
+"""Checkpoints beyond plain Llama, each against transformers (float32, greedy, token for
+token, with chunks and preemption): Llama 3.1/3.2's `llama3` RoPE scaling, `linear` scaling,
+and Mistral (with and without a sliding window longer than what is served)."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from gpu_worker.model.layers import rope_inv_freq
+from shared.engine_args import EngineArgs
+from shared.engine_layout import engine_layout
+from shared.errors import PacerError
+from shared.model_config import RopeScaling, load_model_config
+from shared.model_source import resolve_model
+from tests.helpers_tiny_model import write_tiny_llama
+from tests.hf_reference import hf_greedy
+from tests.test_engine_parity import CONFIGS, check_parity, random_prompts
+
+# head_dim 16, theta 1e4: wavelengths 6.3, 20, 63, 199, 628, ... positions. Against an
+# original context of 64 (high 16, low 64) the first is kept, the next two blended and the
+# rest divided by the factor: all three of llama3's cases
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+FAMILIES = {
+    "llama3-rope": dict(rope_scaling=LLAMA3),
+    "linear-rope": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
+    "mistral": dict(family="mistral", sliding_window=None),
+    "mistral-window": dict(family="mistral", sliding_window=256),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    path = write_tiny_llama(tmp_path_factory.mktemp(request.param), seed=5,
+                            **FAMILIES[request.param])
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    # long enough to run far past the llama3 scaling's original context of 64 positions
+    prompts = random_prompts(hf.config.vocab_size, 2, [7, 60, 130, 200])
+    refs = [hf_greedy(hf, p, hf.config.eos_token_id) for p in prompts]
+    return request.param, path, prompts, refs
+
+
+@pytest.mark.parametrize("name,overrides,expect_preemption", CONFIGS)
+def test_matches_transformers(family, name, overrides, expect_preemption):
+    which, path, prompts, refs = family
+    check_parity(path, prompts, refs, f"{which} {name}", {**overrides, "max_model_len": 256},
+                 expect_preemption)
+
+
+def test_inverse_frequencies_are_transformers_bits(tmp_path):
+    """The scaled frequencies equal transformers' own, bit for bit, for a real Llama 3.1's
+    parameters (head_dim 128, theta 5e5, factor 8, original context 8192)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+              "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=500000.0,
+                      rope_scaling=params, max_position_embeddings=131072)
+    theirs, _ = ROPE_INIT_FUNCTIONS["llama3"](cfg, "cpu")
+    ours = rope_inv_freq(128, 500000.0, RopeScaling("llama3", 8.0, 1.0, 4.0, 8192))
+    assert torch.equal(ours, theirs)
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, rope_theta=10000.0,
+                      rope_scaling={"rope_type": "linear", "factor": 4.0})
+    theirs, _ = ROPE_INIT_FUNCTIONS["linear"](cfg, "cpu")
+    assert torch.equal(rope_inv_freq(128, 10000.0, RopeScaling("linear", 4.0)), theirs)
+
+
+def _config(path: str, **changes) -> str:
+    file = os.path.join(path, "config.json")
+    with open(file, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg.update(changes)
+    with open(file, "w", encoding="utf-8") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def test_what_the_configs_say(tmp_path):
+    path = write_tiny_llama(tmp_path / "l3", rope_scaling=LLAMA3)
+    cfg = load_model_config(resolve_model(path))
+    assert cfg.rope_scaling == RopeScaling("llama3", 8.0, 1.0, 4.0, 64)
+    # transformers 4's spelling of the same (Llama 3.1's own config.json)
+    _config(path, rope_parameters=None, rope_theta=10000.0,
+            rope_scaling={**LLAMA3, "original_max_position_embeddings": 8192})
+    assert load_model_config(resolve_model(path)).rope_scaling.original_max_position_embeddings \
+        == 8192
+    window = write_tiny_llama(tmp_path / "mw", family="mistral", sliding_window=256)
+    cfg = load_model_config(resolve_model(window))
+    assert (cfg.architecture, cfg.max_position_embeddings, cfg.sliding_window) == \
+        ("mistral", 256, 256)
+    with pytest.raises(PacerError, match=r"\[2, 256\] \(the model's sliding window"):
+        engine_layout(EngineArgs(model=window, max_model_len=512))
+    none = write_tiny_llama(tmp_path / "m", family="mistral", sliding_window=None)
+    cfg = load_model_config(resolve_model(none))
+    assert (cfg.max_position_embeddings, cfg.sliding_window) == (1024, None)
