@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from gpu_worker.quant.tensor import GGUF_QUANT_TYPES, QTensor, from_gguf
 from shared.errors import ModelLoadError
-from shared.model_config import ModelConfig, open_gguf
+from shared.model_config import GGUF_CONFIG_TENSORS, ModelConfig, open_gguf
 from shared.model_source import ModelSource
 
 _SUPPORTED_GGUF_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
@@ -151,6 +151,8 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _check_gguf(reader: GGUFReader, config: ModelConfig, path: str) -> None:
     shapes = {}
     for t in reader.tensors:
+        if t.name in GGUF_CONFIG_TENSORS:       # read by load_model_config
+            continue
         name = hf_name(t.name)
         if name is None:
             raise ModelLoadError(f"{path}: tensor {t.name} has no place in a llama model")
@@ -177,6 +179,9 @@ def _gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool,
                   quantized: bool) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
     with _progress(len(reader.tensors), progress) as bar:
         for t in reader.tensors:
+            if t.name in GGUF_CONFIG_TENSORS:
+                bar.update()
+                continue
             name = hf_name(t.name)
             shape = tuple(int(d) for d in reversed(t.shape))
             if quantized and t.tensor_type in GGUF_QUANT_TYPES and len(shape) == 2:

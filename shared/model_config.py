@@ -296,7 +296,8 @@ def _from_gguf(path: str) -> ModelConfig:
     if not isinstance(kv_heads, int):
         raise ModelLoadError(f"{path}: per-layer KV head counts are not supported")
     head_dim = get("attention.key_length", hidden // heads)
-    _check_gguf_rope(reader, path, head_dim, tensor_names)
+    theta = _f32(get("rope.freq_base", 10000.0))
+    rope_scaling = _gguf_rope_scaling(reader, path, head_dim, theta)
     eos = _gguf_eos_ids(reader)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
@@ -308,26 +309,67 @@ def _from_gguf(path: str) -> ModelConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+        rope_theta=theta,
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
         max_position_embeddings=get("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=eos[0] if eos else None,
         eos_token_ids=eos,
+        rope_scaling=rope_scaling,
     )
 
 
-def _check_gguf_rope(reader: GGUFReader, path: str, head_dim: int, tensor_names: set[str]) -> None:
-    scaling = gguf_value(reader, "llama.rope.scaling.type", "none")
-    factor = gguf_value(reader, "llama.rope.scaling.factor", 1.0)
-    if scaling != "none" and factor != 1.0:
-        raise ModelLoadError(f"{path}: rope scaling {scaling!r} is not supported (plain RoPE only)")
-    if "rope_freqs.weight" in tensor_names:   # llama3-style scaling stored as a tensor
-        raise ModelLoadError(f"{path}: rope_freqs.weight (llama3 rope scaling) is not supported")
+# GGUF tensors that are no weight of the network but part of its configuration
+GGUF_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+def _gguf_rope_scaling(reader: GGUFReader, path: str, head_dim: int,
+                       theta: float) -> RopeScaling | None:
+    """`linear` from the metadata; `llama3` from the `rope_freqs` tensor llama.cpp's converter
+    writes for it (each frequency's divisor), recognised as Llama 3's own parameters so that
+    the frequencies are computed as transformers computes them."""
     rot = gguf_value(reader, "llama.rope.dimension_count", head_dim)
     if rot != head_dim:
         raise ModelLoadError(f"{path}: partial rotary ({rot} of {head_dim} dims) is not supported")
+    kind = gguf_value(reader, "llama.rope.scaling.type", "none")
+    factor = _f32(gguf_value(reader, "llama.rope.scaling.factor", 1.0))
+    tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if tensor is not None:
+        return _llama3_from_divisors(np.asarray(tensor.data, dtype=np.float64).ravel(), path,
+                                     head_dim, theta, gguf_value(
+                                         reader, "llama.rope.scaling.original_context_length"))
+    if kind in ("none", None) or factor == 1.0:
+        return None
+    if kind == "linear":
+        return RopeScaling("linear", factor)
+    raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (plain RoPE, linear or "
+                         "llama3 only)")
+
+
+def _llama3_from_divisors(divisors: np.ndarray, path: str, head_dim: int, theta: float,
+                          original: int | None) -> RopeScaling:
+    """The llama3 scaling whose per-frequency divisors these are. Llama 3.1 and 3.2 use low 1,
+    high 4 and an original context of 8192 (what the converter assumes unless the metadata
+    says otherwise); the factor is the largest divisor."""
+    if divisors.shape != (head_dim // 2,):
+        raise ModelLoadError(f"{path}: rope_freqs.weight has {divisors.size} values, not "
+                             f"{head_dim // 2} (one per rotary pair)")
+    scaling = RopeScaling("llama3", float(np.float32(divisors.max())), 1.0, 4.0,
+                          int(original or 8192))
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    old = scaling.original_max_position_embeddings
+    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor
+                                                         - scaling.low_freq_factor)
+    expected = np.where(wavelen < old / scaling.high_freq_factor, 1.0, np.where(
+        wavelen > old / scaling.low_freq_factor, scaling.factor,
+        1 / ((1 - smooth) / scaling.factor + smooth)))
+    if not np.allclose(divisors, expected, rtol=1e-4, atol=0):
+        raise ModelLoadError(f"{path}: rope_freqs.weight is no llama3 scaling of factor "
+                             f"{scaling.factor:g} (low 1, high 4, original context {old}); "
+                             "such frequencies are not supported")
+    return scaling
 
 
 def check_tp_fits(cfg: ModelConfig, tp: int) -> None:

@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 from gguf import GGUFReader
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as _Backend
 
 from shared.chat_template import render_chat_template
@@ -184,6 +184,12 @@ def _hf_chat_template(path: str, cfg: dict) -> str | None:
 # Sequence[Digits(individual_digits=True), ByteLevel(use_regex=True)].
 _DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
 _GPT2 = {"gpt-2"}
+# Llama 3's (tiktoken's cl100k-style) split, then bytes to the byte-level alphabet: Llama 3's
+# tokenizer.json, Sequence[Split(this regex, isolated), ByteLevel(use_regex=False)]. Numbers
+# go in runs of up to three digits, contractions case-insensitively.
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = {"llama-bpe", "llama3", "llama-v3"}
 
 
 def _gguf_pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
@@ -192,8 +198,12 @@ def _gguf_pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2:
         return byte_level
-    raise ModelLoadError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported "
-                         f"(supported: {', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2))})")
+    if pre in _LLAMA3:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    raise ModelLoadError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: "
+                         f"{', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2 | _LLAMA3))})")
 
 
 def _from_gguf(path: str) -> Tokenizer:

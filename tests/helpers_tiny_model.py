@@ -10,6 +10,7 @@ specials), built without training so that it is the same on every machine.
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import numpy as np
@@ -127,15 +128,23 @@ def encode_gguf_tensor(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray
 def write_tiny_gguf(path: str | os.PathLike, hf_dir: str | os.PathLike,
                     tensor_type: GGMLQuantizationType = GGMLQuantizationType.F32, *,
                     arch: str = "llama", add_bos_token: bool = False,
-                    tensor_types: dict[str, GGMLQuantizationType] | None = None) -> str:
+                    tensor_types: dict[str, GGMLQuantizationType] | None = None,
+                    pre: str = "smollm") -> str:
     """Converts the model write_tiny_llama wrote into a GGUF file: matrices as `tensor_type`
-    (or per GGUF tensor name from `tensor_types`), norms F32, tokenizer as metadata."""
+    (or per GGUF tensor name from `tensor_types`), norms F32, tokenizer as metadata (its
+    pre-tokenizer named `pre`). A `llama3` RoPE scaling becomes the `rope_freqs` tensor, as
+    llama.cpp's converter writes it."""
     path, hf_dir = os.fspath(path), os.fspath(hf_dir)
     with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     writer = GGUFWriter(path, arch)
     _write_gguf_config(writer, cfg)
-    _write_gguf_tokenizer(writer, hf_dir, add_bos_token)
+    _write_gguf_tokenizer(writer, hf_dir, add_bos_token, pre)
+    rope = cfg.get("rope_parameters") or {}
+    if rope.get("rope_type") == "llama3":
+        writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        writer.add_tensor("rope_freqs.weight", llama3_rope_divisors(
+            cfg["hidden_size"] // cfg["num_attention_heads"], rope))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="np") as f:
         for name in f.keys():
@@ -169,12 +178,33 @@ def _write_gguf_config(writer: GGUFWriter, cfg: dict) -> None:
     writer.add_vocab_size(cfg["vocab_size"])
 
 
-def _write_gguf_tokenizer(writer: GGUFWriter, hf_dir: str, add_bos_token: bool) -> None:
+def llama3_rope_divisors(head_dim: int, rope: dict) -> np.ndarray:
+    """What llama.cpp's convert_hf_to_gguf.py stores as `rope_freqs.weight` for a `llama3`
+    scaling: each frequency's divisor, computed its way (float32 frequencies, Python floats)."""
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32)
+                                           / head_dim))
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    divisors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            divisors.append(1.0)
+        elif wavelen > old / low:
+            divisors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            divisors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(divisors, dtype=np.float32)
+
+
+def _write_gguf_tokenizer(writer: GGUFWriter, hf_dir: str, add_bos_token: bool,
+                          pre: str) -> None:
     with open(os.path.join(hf_dir, "tokenizer.json"), encoding="utf-8") as f:
         tok = json.load(f)
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list([t for t, _ in vocab])
     writer.add_token_types([3 if t in SPECIAL_TOKENS else 1 for t, _ in vocab])
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])

@@ -1,21 +1,23 @@
 """Checkpoints beyond plain Llama, each against transformers (float32, greedy, token for
 token, with chunks and preemption): Llama 3.1/3.2's `llama3` RoPE scaling, `linear` scaling,
-and Mistral (with and without a sliding window longer than what is served)."""
+Mistral (with and without a sliding window longer than what is served), and a GGUF whose
+llama3 scaling llama.cpp's converter wrote as a tensor."""
 from __future__ import annotations
 
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
 from gpu_worker.model.layers import rope_inv_freq
 from shared.engine_args import EngineArgs
 from shared.engine_layout import engine_layout
-from shared.errors import PacerError
+from shared.errors import ModelLoadError, PacerError
 from shared.model_config import RopeScaling, load_model_config
 from shared.model_source import resolve_model
-from tests.helpers_tiny_model import write_tiny_llama
+from tests.helpers_tiny_model import write_tiny_gguf, write_tiny_llama
 from tests.hf_reference import hf_greedy
 from tests.test_engine_parity import CONFIGS, check_parity, random_prompts
 
@@ -97,3 +99,37 @@ def test_what_the_configs_say(tmp_path):
     none = write_tiny_llama(tmp_path / "m", family="mistral", sliding_window=None)
     cfg = load_model_config(resolve_model(none))
     assert (cfg.max_position_embeddings, cfg.sliding_window) == (1024, None)
+
+
+# ---- the same as a GGUF: llama.cpp writes llama3's scaling as a tensor of divisors ---------
+
+@pytest.fixture(scope="module")
+def llama3_gguf(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    path = write_tiny_llama(tmp_path_factory.mktemp("l3"), seed=5, **FAMILIES["llama3-rope"])
+    gguf = write_tiny_gguf(tmp_path_factory.mktemp("l3g") / "l3.gguf", path, pre="llama-bpe")
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    prompts = random_prompts(hf.config.vocab_size, 2, [7, 60, 130, 200])
+    return path, gguf, prompts, [hf_greedy(hf, p, hf.config.eos_token_id) for p in prompts]
+
+
+def test_gguf_rope_freqs_read_as_llama3_scaling(llama3_gguf):
+    path, gguf, prompts, refs = llama3_gguf
+    assert load_model_config(resolve_model(gguf)).rope_scaling == \
+        load_model_config(resolve_model(path)).rope_scaling
+    check_parity(gguf, prompts, refs, "llama3 gguf", {**CONFIGS[1][1], "max_model_len": 256},
+                 False)
+
+
+def test_gguf_rope_freqs_of_another_kind_are_refused(llama3_gguf, tmp_path):
+    from gguf import GGUFReader
+    _, gguf, _, _ = llama3_gguf
+    (t,) = [t for t in GGUFReader(gguf).tensors if t.name == "rope_freqs.weight"]
+    odd = tmp_path / "odd.gguf"
+    data = bytearray(open(gguf, "rb").read())
+    start = int(t.data_offset)
+    divisors = np.frombuffer(bytes(data[start:start + 4 * t.n_elements]), dtype=np.float32)
+    data[start:start + 4 * t.n_elements] = (divisors * 1.1).astype(np.float32).tobytes()
+    odd.write_bytes(bytes(data))
+    with pytest.raises(ModelLoadError, match="rope_freqs.weight is no llama3 scaling"):
+        load_model_config(resolve_model(str(odd)))

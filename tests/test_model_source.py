@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from helpers_tiny_model import write_tiny_gguf, write_tiny_llama
 from shared.errors import ModelLoadError
-from shared.model_config import ModelConfig, load_model_config
+from shared.model_config import ModelConfig, RopeScaling, load_model_config
 from shared.model_source import DEFAULT_MODEL_NAME, default_model_path, resolve_model
 
 
@@ -150,16 +150,27 @@ def test_damaged_gguf_is_a_load_error(tmp_path):
         load_model_config(resolve_model(str(damaged)))
 
 
-def test_gguf_rope_scaling_is_refused(tmp_path):
-    path = str(tmp_path / "scaled.gguf")
+def _scaled_gguf(path: str, kind: RopeScalingType) -> str:
     writer = GGUFWriter(path, "llama")
     writer.add_embedding_length(64)
     writer.add_head_count(4)
-    writer.add_rope_scaling_type(RopeScalingType.LINEAR)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(128)
+    writer.add_vocab_size(100)
+    writer.add_context_length(256)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_scaling_type(kind)
     writer.add_rope_scaling_factor(4.0)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(ModelLoadError, match="rope scaling 'linear' is not supported"):
-        load_model_config(resolve_model(path))
+    return path
+
+
+def test_gguf_rope_scaling(tmp_path):
+    linear = _scaled_gguf(str(tmp_path / "linear.gguf"), RopeScalingType.LINEAR)
+    assert load_model_config(resolve_model(linear)).rope_scaling == RopeScaling("linear", 4.0)
+    yarn = _scaled_gguf(str(tmp_path / "yarn.gguf"), RopeScalingType.YARN)
+    with pytest.raises(ModelLoadError, match="rope scaling 'yarn' is not supported"):
+        load_model_config(resolve_model(yarn))

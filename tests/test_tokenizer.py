@@ -141,6 +141,33 @@ def test_tiny_gguf_tokenizer_equals_its_hf_dir(tiny_dir, tmp_path):
     assert gguf.chat_template == hf.chat_template == CHAT_TEMPLATE
 
 
+def test_gguf_llama3_pre_tokenizer_is_llama3s(tiny_dir, tmp_path):
+    """A GGUF of Llama 3 (`tokenizer.ggml.pre` llama-bpe) splits as Llama 3's tokenizer.json
+    does: transformers' tiktoken converter's regex, then bytes without GPT-2's regex."""
+    import inspect
+
+    from tokenizers import Regex
+    from tokenizers import Tokenizer as Backend
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    pattern = inspect.signature(TikTokenConverter.__init__).parameters["pattern"].default
+    ref = Backend.from_file(os.path.join(tiny_dir, "tokenizer.json"))
+    ref.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    ours = load_tokenizer(resolve_model(write_tiny_gguf(tmp_path / "l3.gguf", tiny_dir,
+                                                        pre="llama-bpe")))
+    smol = load_tokenizer(resolve_model(write_tiny_gguf(tmp_path / "s.gguf", tiny_dir)))
+    for text in STRINGS:
+        assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids, text
+        assert ours.backend.pre_tokenizer.pre_tokenize_str(text) == \
+            ref.pre_tokenizer.pre_tokenize_str(text), text
+    # not SmolLM's split: digits in threes, contractions whatever their case
+    assert [w for w, _ in ours.backend.pre_tokenizer.pre_tokenize_str("12345 I'LL")] == \
+        ["123", "45", "ĠI", "'LL"]
+    assert ours.backend.pre_tokenizer.pre_tokenize_str("12345") != \
+        smol.backend.pre_tokenizer.pre_tokenize_str("12345")
+
+
 def test_gguf_add_bos_token(tiny_dir, tmp_path):
     tok = load_tokenizer(resolve_model(write_tiny_gguf(tmp_path / "b.gguf", tiny_dir, add_bos_token=True)))
     assert tok.encode("the cat", add_special_tokens=True) == [tok.bos_token_id, *tok.encode("the cat")]
