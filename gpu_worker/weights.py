@@ -43,7 +43,8 @@ _GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a llama checkpoint must hold, by HF name."""
+    """Every tensor a llama (or Qwen2: Q, K and V biases too) checkpoint must hold, by HF
+    name."""
     c = config
     q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
@@ -63,6 +64,10 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (c.hidden_size,),
             p + "post_attention_layernorm.weight": (c.hidden_size,),
         })
+        if c.qkv_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q_rows,),
+                           p + "self_attn.k_proj.bias": (kv_rows,),
+                           p + "self_attn.v_proj.bias": (kv_rows,)})
     return shapes
 
 

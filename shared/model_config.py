@@ -1,5 +1,5 @@
-"""The shape of the model, read from config.json or GGUF metadata: Llama, and Mistral (the
-same network) within its sliding window.
+"""The shape of the model, read from config.json or GGUF metadata: Llama, Mistral (the same
+network) within its sliding window, and Qwen2 (the same with biases on Q, K and V).
 
 RoPE is plain, or scaled the way Llama 3.1/3.2 (`llama3`) or a linearly stretched checkpoint
 (`linear`) asks in its config.json: both only change the rotary frequencies
@@ -22,7 +22,9 @@ from gguf import GGUFReader
 from shared.errors import ModelLoadError, PacerError
 from shared.model_source import ModelSource
 
-_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM"}
+_HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                     "qwen2": "Qwen2ForCausalLM"}
+_SLIDING = ("mistral", "qwen2")      # model types whose config may set an attention window
 
 
 @dataclass(frozen=True)
@@ -56,8 +58,9 @@ class ModelConfig:
     eos_token_id: int | None
     eos_token_ids: tuple[int, ...] = ()   # every id that ends generation, eos_token_id first
     rope_scaling: RopeScaling | None = None
-    # Mistral: the attention window, when it is what max_position_embeddings was cut to
+    # Mistral, Qwen2: the attention window, when it is what max_position_embeddings was cut to
     sliding_window: int | None = None
+    qkv_bias: bool = False                # Qwen2: the Q, K and V projections have biases
 
     def __post_init__(self) -> None:
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -111,7 +114,8 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
     heads = cfg["num_attention_heads"]
     eos = _hf_eos_ids(path)
     context = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    window = cfg.get("sliding_window") if model_type in _SLIDING else None
+    # Qwen2 says whether its window is used (off in Qwen2 and 2.5's configs); Mistral's is
     if window is not None and cfg.get("use_sliding_window", True) and window < context:
         # a query sees every key of a context no longer than the window: served exactly
         # (as plain attention) up to it, so that is the context this model gets
@@ -136,6 +140,7 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
         eos_token_ids=eos,
         rope_scaling=_hf_rope_scaling(cfg, file),
         sliding_window=window,
+        qkv_bias=model_type == "qwen2",
     )
 
 

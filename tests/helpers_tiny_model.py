@@ -19,7 +19,8 @@ from gguf import GGMLQuantizationType, GGUFWriter
 from gguf import quants as gguf_quants
 from safetensors import safe_open
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]   # ids 0, 1, 2 as in SmolLM2
 BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2
@@ -65,7 +66,7 @@ def write_tiny_llama(path: str | os.PathLike, seed: int = 0, family: str = "llam
                      **overrides) -> str:
     """Writes config.json, model.safetensors and the tokenizer files; returns the path.
     `overrides` are LlamaConfig fields (tie_word_embeddings, num_hidden_layers, rope_scaling,
-    ...); `family="mistral"` writes a MistralForCausalLM of the same shape instead."""
+    ...); `family` "mistral" or "qwen2" writes that model of the same shape instead."""
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     tok = tiny_tokenizer()
@@ -75,14 +76,17 @@ def write_tiny_llama(path: str | os.PathLike, seed: int = 0, family: str = "llam
                   tie_word_embeddings=False, bos_token_id=BOS_TOKEN_ID,
                   eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID)
     config_class, model_class = {"llama": (LlamaConfig, LlamaForCausalLM),
-                                 "mistral": (MistralConfig, MistralForCausalLM)}[family]
+                                 "mistral": (MistralConfig, MistralForCausalLM),
+                                 "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[family]
     config = config_class(**{**fields, **overrides})
     torch.manual_seed(seed)
     model = model_class(config).to(torch.float32)
-    with torch.no_grad():   # norms start at exactly 1; perturb them so a swapped norm shows
-        for name, p in model.named_parameters():
+    with torch.no_grad():   # norms start at exactly 1 and biases at 0; perturb them so that
+        for name, p in model.named_parameters():    # a swapped norm or a lost bias shows
             if name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn_like(p))
     model.save_pretrained(path)
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "tokenizer_config.json"), "w", encoding="utf-8") as f:

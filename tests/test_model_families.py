@@ -1,7 +1,7 @@
-"""Checkpoints beyond plain Llama, each against transformers (float32, greedy, token for
-token, with chunks and preemption): Llama 3.1/3.2's `llama3` RoPE scaling, `linear` scaling,
-Mistral (with and without a sliding window longer than what is served), and a GGUF whose
-llama3 scaling llama.cpp's converter wrote as a tensor."""
+"""Checkpoints beyond plain Llama, each against transformers (float32, greedy, token for token,
+with chunks and preemption): Llama 3.1/3.2's `llama3` RoPE scaling, `linear` scaling, Qwen2
+(biases on Q, K and V), Mistral (with and without a sliding window longer than what is served),
+and a GGUF whose llama3 scaling llama.cpp's converter wrote as a tensor."""
 from __future__ import annotations
 
 import json
@@ -18,8 +18,8 @@ from shared.errors import ModelLoadError, PacerError
 from shared.model_config import RopeScaling, load_model_config
 from shared.model_source import resolve_model
 from tests.helpers_tiny_model import write_tiny_gguf, write_tiny_llama
-from tests.hf_reference import hf_greedy
-from tests.test_engine_parity import CONFIGS, check_parity, random_prompts
+from tests.hf_reference import assert_same_tokens, hf_greedy
+from tests.test_engine_parity import CONFIGS, check_parity, random_prompts, run_engine
 
 # head_dim 16, theta 1e4: wavelengths 6.3, 20, 63, 199, 628, ... positions. Against an
 # original context of 64 (high 16, low 64) the first is kept, the next two blended and the
@@ -31,6 +31,8 @@ FAMILIES = {
     "linear-rope": dict(rope_scaling={"rope_type": "linear", "factor": 4.0}),
     "mistral": dict(family="mistral", sliding_window=None),
     "mistral-window": dict(family="mistral", sliding_window=256),
+    "qwen2": dict(family="qwen2", rope_theta=1e6),
+    "qwen2-tied": dict(family="qwen2", tie_word_embeddings=True),
 }
 
 
@@ -133,3 +135,39 @@ def test_gguf_rope_freqs_of_another_kind_are_refused(llama3_gguf, tmp_path):
     odd.write_bytes(bytes(data))
     with pytest.raises(ModelLoadError, match="rope_freqs.weight is no llama3 scaling"):
         load_model_config(resolve_model(str(odd)))
+
+
+# ---- Qwen2's biases through tensor parallelism and the integer and bfloat16 paths ----------
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+    path = write_tiny_llama(tmp_path_factory.mktemp("q2"), seed=5, **FAMILIES["qwen2"])
+    hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    prompts = random_prompts(hf.config.vocab_size, 3, [9, 70, 150])
+    return path, prompts, [hf_greedy(hf, p, hf.config.eos_token_id) for p in prompts]
+
+
+def test_qwen2_tp2_splits_the_biases_with_their_heads(qwen2):
+    """Each rank holds its heads' share of each of the three biases (a bias cut in one piece
+    would add Q's entries to K's heads)."""
+    from tests.test_tensor_parallel import greedy, run_tp
+    path, prompts, refs = qwen2
+    ours, _ = run_tp(path, prompts, greedy(len(prompts)), 2, max_num_batched_tokens=16,
+                     max_model_len=256)
+    for k, (o, (r, logits)) in enumerate(zip(ours, refs)):
+        assert_same_tokens(o, r, logits, f"qwen2 tp=2 prompt {k}")
+
+
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "none"), ("float32", "int8"),
+                                                ("bfloat16", "int4")])
+def test_qwen2_narrower_paths_follow_float32(qwen2, dtype, quantization):
+    """bfloat16 weights and integer ones add the bias to the product: the first greedy tokens
+    stay transformers' float32 ones (the model is tiny and random, so only the first few are
+    asked of the narrower paths)."""
+    path, prompts, refs = qwen2
+    ours, _ = run_engine(path, prompts, {"max_num_batched_tokens": 16, "num_kv_blocks": 512,
+                                         "max_model_len": 256, "dtype": dtype,
+                                         "quantization": quantization})
+    agree = [sum(a == b for a, b in zip(o[:8], r[:8])) for o, (r, _) in zip(ours, refs)]
+    assert sum(agree) >= 0.75 * 8 * len(prompts), agree

@@ -114,7 +114,7 @@ def test_tied_and_transformers4_style_config(tiny_dir, tmp_path):
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"]}, "'Qwen2ForCausalLM'"),
+    ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "'GemmaForCausalLM'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
      "'llama3' without a usable low_freq_factor"),
     ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "'yarn' is not supported"),

@@ -31,13 +31,29 @@ from shared.model_config import RopeScaling
 
 
 def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-            packed: torch.Tensor | None = None, qweight=None) -> torch.Tensor:
-    """x Wᵀ in the weight's dtype, returned in out_dtype (x's dtype unless given); through
-    the prepacked copy of W when there is one (see `prepack`), or the quantized one."""
+            packed: torch.Tensor | None = None, qweight=None,
+            bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x Wᵀ (+ bias) in the weight's dtype, returned in out_dtype (x's dtype unless given);
+    through the prepacked copy of W when there is one (see `prepack`), or the quantized one.
+    A float32 bias goes into the GEMM itself where the GEMM is torch's own (F.linear, the
+    same call and bits as transformers' nn.Linear), else it is added to the product."""
     if qweight is not None:
         out_dtype = out_dtype or x.dtype
         y = qweight.mm(x, out_dtype)
+        y = y if y.dtype == out_dtype else y.to(out_dtype)
+        return y if bias is None else y.add_(bias.to(y.dtype))
+    x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
+    if bias is not None and packed is None and x_in.dtype == bias.dtype == torch.float32 \
+            and not (x_in.is_cuda and _gemv_serves(x_in, weight)):
+        y = F.linear(x_in, weight, bias)
+        out_dtype = out_dtype or x.dtype
         return y if y.dtype == out_dtype else y.to(out_dtype)
+    y = _product(x, weight, out_dtype, packed)
+    return y if bias is None else y.add_(bias.to(y.dtype))
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None,
+             packed: torch.Tensor | None) -> torch.Tensor:
     x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
     if packed is not None:
         y = _rows_as_in_a_batch(
@@ -95,22 +111,38 @@ def _placeholder() -> nn.Parameter:
     return nn.Parameter(torch.empty(0, dtype=torch.bfloat16), requires_grad=False)
 
 
+class ColumnBias(nn.Module):
+    """A column-parallel linear's bias (Qwen2's Q, K and V projections), split as its weight
+    is: part by part, rank r holding [b_q,r; b_k,r; b_v,r]. Kept in float32 whatever the
+    weights' dtype: added in the product's dtype."""
+
+    def __init__(self, local_sizes: list[int], tp: TPGroup):
+        super().__init__()
+        self.local_sizes, self.tp = local_sizes, tp
+        self.weight = nn.Parameter(torch.empty(sum(local_sizes)), requires_grad=False)
+
+    def load(self, part: int, full: torch.Tensor) -> None:
+        n, offset = self.local_sizes[part], sum(self.local_sizes[:part])
+        self.weight.data[offset:offset + n].copy_(full.narrow(0, self.tp.rank * n, n))
+
+
 class ColumnParallelLinear(nn.Module):
-    """y = x Wᵀ with W's output rows split across ranks; fused parts are split one by one,
-    so rank r holds [q_r; k_r; v_r] and needs no communication
+    """y = x Wᵀ (+ b) with W's output rows split across ranks; fused parts are split one by
+    one, so rank r holds [q_r; k_r; v_r] and needs no communication
     (docs/design.md#tensor-parallelism)."""
 
     packed = None        # see prepack()
     qweight = None       # the packed quantized matrix (quant set)
 
     def __init__(self, in_features: int, part_sizes: list[int], tp: TPGroup,
-                 quant: str | None = None):
+                 quant: str | None = None, bias: bool = False):
         super().__init__()
         self.local_sizes = [tp.shard(s, "output features") for s in part_sizes]
         self.tp = tp
         self.quant = quant
         self.weight = _placeholder() if quant else nn.Parameter(
             torch.empty(sum(self.local_sizes), in_features), requires_grad=False)
+        self.bias = ColumnBias(self.local_sizes, tp) if bias else None
         self.parts = list(range(len(part_sizes)))
         self._pending: dict[int, QTensor] = {}
 
@@ -126,7 +158,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight.data[offset:offset + n].copy_(full.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-        return _matmul(x, self.weight, out_dtype, self.packed, self.qweight)
+        return _matmul(x, self.weight, out_dtype, self.packed, self.qweight,
+                       None if self.bias is None else self.bias.weight)
 
 
 class RowParallelLinear(nn.Module):

@@ -29,7 +29,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], tp, quant)
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q, kv, kv], tp, quant,
+                                             bias=cfg.qkv_bias)
         self.o_proj = RowParallelLinear(q, cfg.hidden_size, tp, quant)
 
     def forward(self, x, rotary, kv_cache, meta, backend, out_dtype):
@@ -206,7 +207,7 @@ class LlamaForCausalLM(nn.Module):
         """The CPU kernels' DecoderStack over these caches (csrc/decoder.cpp: an iteration of
         decodes runs every layer in one call, the same kernels as the layers' own path), built
         once; None where it does not apply: `native_decode` off, no kernels with it, sharded
-        weights, or a layer whose matrices are not unpadded int4 in the VNNI layout."""
+        weights, biases, or a layer whose matrices are not unpadded int4 in the VNNI layout."""
         if not self.native_decode:
             return None
         if self._stack is not None and self._stack[0] is kv_caches:
@@ -223,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
         linears = [(layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
                     layer.mlp.down_proj) for layer in self.layers]
         weights = [m.qweight for four in linears for m in four]
-        if any(m.tp.size != 1 for four in linears for m in four) or not all(
+        if self.cfg.qkv_bias or any(m.tp.size != 1 for four in linears for m in four) or not all(
                 getattr(w, "scheme", None) == "int4" and w.vnni is not None
                 and w.padded_out == w.out_features
                 and w.group == weights[0].group for w in weights):
@@ -288,6 +289,8 @@ class LlamaForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             for part, n in enumerate(("q_proj", "k_proj", "v_proj")):
                 yield p + f"self_attn.{n}.weight", (attn.qkv_proj, part)
+                if attn.qkv_proj.bias is not None:
+                    yield p + f"self_attn.{n}.bias", (attn.qkv_proj.bias, part)
             yield p + "self_attn.o_proj.weight", (attn.o_proj, 0)
             yield p + "mlp.gate_proj.weight", (mlp.gate_up_proj, 0)
             yield p + "mlp.up_proj.weight", (mlp.gate_up_proj, 1)
