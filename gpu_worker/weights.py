@@ -39,7 +39,7 @@ _GGUF_LAYER_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
                      "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                      "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm",
                      "ffn_norm": "post_attention_layernorm"}
-_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_GGUF_LAYER = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -141,7 +141,7 @@ def hf_name(gguf_name: str) -> str | None:
         return _GGUF_GLOBAL_NAMES[gguf_name]
     m = _GGUF_LAYER.fullmatch(gguf_name)
     if m and m.group(2) in _GGUF_LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.weight"
+        return f"model.layers.{m.group(1)}.{_GGUF_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -182,6 +182,8 @@ def _unpermute_order(rows: int, n_heads: int) -> torch.Tensor:
 
 def _gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool,
                   quantized: bool) -> Iterator[tuple[str, torch.Tensor | QTensor]]:
+    # llama.cpp's converter reorders Llama's Q and K rows (see _unpermute), not Qwen2's
+    permuted = config.architecture == "llama"
     with _progress(len(reader.tensors), progress) as bar:
         for t in reader.tensors:
             if t.name in GGUF_CONFIG_TENSORS:
@@ -191,17 +193,17 @@ def _gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool,
             shape = tuple(int(d) for d in reversed(t.shape))
             if quantized and t.tensor_type in GGUF_QUANT_TYPES and len(shape) == 2:
                 q = from_gguf(t.data, t.tensor_type, shape)
-                if name.endswith("q_proj.weight"):
+                if permuted and name.endswith("q_proj.weight"):
                     q = q.permute_rows(_unpermute_order(shape[0], config.num_heads))
-                elif name.endswith("k_proj.weight"):
+                elif permuted and name.endswith("k_proj.weight"):
                     q = q.permute_rows(_unpermute_order(shape[0], config.num_kv_heads))
                 yield name, q
                 bar.update()
                 continue
             w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-            if name.endswith("q_proj.weight"):
+            if permuted and name.endswith("q_proj.weight"):
                 w = _unpermute(w, config.num_heads)
-            elif name.endswith("k_proj.weight"):
+            elif permuted and name.endswith("k_proj.weight"):
                 w = _unpermute(w, config.num_kv_heads)
             if not (w.flags.writeable and w.flags.c_contiguous):   # F32 is a view of the mmap
                 w = np.array(w, order="C")

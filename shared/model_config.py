@@ -286,14 +286,15 @@ def _f32(value: float) -> float:
 def _from_gguf(path: str) -> ModelConfig:
     reader = open_gguf(path)
     arch = gguf_value(reader, "general.architecture")
-    if arch != "llama":
-        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; only llama")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; only "
+                             f"{', '.join(GGUF_ARCHITECTURES)}")
     tensor_names = {t.name for t in reader.tensors}
 
     def get(key: str, default: Any = None) -> Any:
-        value = gguf_value(reader, f"llama.{key}", default)
+        value = gguf_value(reader, f"{arch}.{key}", default)
         if value is None:
-            raise ModelLoadError(f"{path}: GGUF metadata has no llama.{key}")
+            raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.{key}")
         return value
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
@@ -302,11 +303,11 @@ def _from_gguf(path: str) -> ModelConfig:
         raise ModelLoadError(f"{path}: per-layer KV head counts are not supported")
     head_dim = get("attention.key_length", hidden // heads)
     theta = _f32(get("rope.freq_base", 10000.0))
-    rope_scaling = _gguf_rope_scaling(reader, path, head_dim, theta)
+    rope_scaling = _gguf_rope_scaling(reader, path, arch, head_dim, theta)
     eos = _gguf_eos_ids(reader)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
-        architecture="llama",
+        architecture=arch,
         vocab_size=len(tokens.data) if tokens is not None else get("vocab_size"),
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
@@ -322,28 +323,34 @@ def _from_gguf(path: str) -> ModelConfig:
         eos_token_id=eos[0] if eos else None,
         eos_token_ids=eos,
         rope_scaling=rope_scaling,
+        qkv_bias=arch == "qwen2",
     )
 
+
+# GGUF architectures read: llama.cpp's converter writes Llama's Q and K rows in its own order
+# (pairs of dimensions turned together), Qwen2's as they are (docs/design.md#model-families-
+# and-rope-scaling)
+GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 # GGUF tensors that are no weight of the network but part of its configuration
 GGUF_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 
 
-def _gguf_rope_scaling(reader: GGUFReader, path: str, head_dim: int,
+def _gguf_rope_scaling(reader: GGUFReader, path: str, arch: str, head_dim: int,
                        theta: float) -> RopeScaling | None:
     """`linear` from the metadata; `llama3` from the `rope_freqs` tensor llama.cpp's converter
     writes for it (each frequency's divisor), recognised as Llama 3's own parameters so that
     the frequencies are computed as transformers computes them."""
-    rot = gguf_value(reader, "llama.rope.dimension_count", head_dim)
+    rot = gguf_value(reader, f"{arch}.rope.dimension_count", head_dim)
     if rot != head_dim:
         raise ModelLoadError(f"{path}: partial rotary ({rot} of {head_dim} dims) is not supported")
-    kind = gguf_value(reader, "llama.rope.scaling.type", "none")
-    factor = _f32(gguf_value(reader, "llama.rope.scaling.factor", 1.0))
+    kind = gguf_value(reader, f"{arch}.rope.scaling.type", "none")
+    factor = _f32(gguf_value(reader, f"{arch}.rope.scaling.factor", 1.0))
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if tensor is not None:
         return _llama3_from_divisors(np.asarray(tensor.data, dtype=np.float64).ravel(), path,
                                      head_dim, theta, gguf_value(
-                                         reader, "llama.rope.scaling.original_context_length"))
+                                         reader, f"{arch}.rope.scaling.original_context_length"))
     if kind in ("none", None) or factor == 1.0:
         return None
     if kind == "linear":

@@ -12,7 +12,8 @@ import re
 from typing import Any
 
 from gguf import GGUFReader
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import (AddedToken, Regex, decoders, models, normalizers, pre_tokenizers,
+                        processors)
 from tokenizers import Tokenizer as _Backend
 
 from shared.chat_template import render_chat_template
@@ -190,6 +191,9 @@ _GPT2 = {"gpt-2"}
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 _LLAMA3 = {"llama-bpe", "llama3", "llama-v3"}
+# Qwen2's: the same but for numbers, one digit at a time (its tokenizer.json's Split)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+_SPLIT_THEN_BYTES = {**{pre: _LLAMA3_SPLIT for pre in _LLAMA3}, "qwen2": _QWEN2_SPLIT}
 
 
 def _gguf_pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
@@ -198,12 +202,12 @@ def _gguf_pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2:
         return byte_level
-    if pre in _LLAMA3:
+    if pre in _SPLIT_THEN_BYTES:
         return pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(_SPLIT_THEN_BYTES[pre]), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     raise ModelLoadError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (supported: "
-                         f"{', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2 | _LLAMA3))})")
+                         f"{', '.join(sorted(_DIGITS_THEN_GPT2 | _GPT2 | set(_SPLIT_THEN_BYTES)))})")
 
 
 def _from_gguf(path: str) -> Tokenizer:
@@ -225,7 +229,10 @@ def _gguf_backend(reader: GGUFReader, path: str) -> _Backend:
     if len(vocab) != len(tokens):
         raise ModelLoadError(f"{path}: the GGUF token list spells some tokens twice")
     backend = _Backend(models.BPE(vocab=vocab, merges=merges))
-    backend.pre_tokenizer = _gguf_pre_tokenizer(gguf_value(reader, "tokenizer.ggml.pre", "gpt-2"), path)
+    pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
+    backend.pre_tokenizer = _gguf_pre_tokenizer(pre, path)
+    if pre == "qwen2":          # Qwen2's tokenizer.json composes the text (NFC) first
+        backend.normalizer = normalizers.NFC()
     backend.decoder = decoders.ByteLevel()
     # Added tokens are matched whole in the text before BPE runs; their ids are their vocab ids.
     types = gguf_value(reader, "tokenizer.ggml.token_type", [])

@@ -108,7 +108,8 @@ def gguf_tensor_name(hf_name: str) -> str:
     if hf_name in _GGUF_GLOBAL_NAMES:
         return _GGUF_GLOBAL_NAMES[hf_name]
     _, _, layer, rest = hf_name.split(".", 3)            # model.layers.{i}.{module}.weight
-    return f"blk.{layer}.{_GGUF_LAYER_NAMES[rest.removesuffix('.weight')]}.weight"
+    module, kind = rest.rsplit(".", 1)                   # ... or .bias
+    return f"blk.{layer}.{_GGUF_LAYER_NAMES[module]}.{kind}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -153,9 +154,9 @@ def write_tiny_gguf(path: str | os.PathLike, hf_dir: str | os.PathLike,
     with safe_open(os.path.join(hf_dir, "model.safetensors"), framework="np") as f:
         for name in f.keys():
             w = f.get_tensor(name).astype(np.float32)
-            if name.endswith("q_proj.weight"):
+            if arch == "llama" and name.endswith("q_proj.weight"):   # not Qwen2's
                 w = llama_cpp_permute(w, heads)
-            elif name.endswith("k_proj.weight"):
+            elif arch == "llama" and name.endswith("k_proj.weight"):
                 w = llama_cpp_permute(w, kv_heads)
             gguf_name = gguf_tensor_name(name)
             default = tensor_type if w.ndim == 2 else GGMLQuantizationType.F32   # norms stay F32

@@ -171,3 +171,25 @@ def test_qwen2_narrower_paths_follow_float32(qwen2, dtype, quantization):
                                          "quantization": quantization})
     agree = [sum(a == b for a, b in zip(o[:8], r[:8])) for o, (r, _) in zip(ours, refs)]
     assert sum(agree) >= 0.75 * 8 * len(prompts), agree
+
+
+def test_qwen2_gguf_matches_transformers(qwen2, tmp_path):
+    """A Qwen2 GGUF as llama.cpp's converter writes one: `qwen2.*` metadata, Q and K rows in
+    their own order (not Llama's pairs), the biases as `blk.N.attn_q.bias` and so on."""
+    path, prompts, refs = qwen2
+    gguf = write_tiny_gguf(tmp_path / "q2.gguf", path, arch="qwen2", pre="qwen2")
+    assert load_model_config(resolve_model(gguf)) == load_model_config(resolve_model(path))
+    check_parity(gguf, prompts, refs, "qwen2 gguf", {**CONFIGS[1][1], "max_model_len": 256},
+                 False)
+
+
+def test_qwen2_gguf_q8_0_follows_float32(qwen2, tmp_path):
+    """The same GGUF with Q8_0 matrices, served as it ships (int8): the biases beside them."""
+    from gguf import GGMLQuantizationType
+    path, prompts, refs = qwen2
+    gguf = write_tiny_gguf(tmp_path / "q8.gguf", path, GGMLQuantizationType.Q8_0, arch="qwen2",
+                           pre="qwen2")
+    ours, _ = run_engine(gguf, prompts, {"max_num_batched_tokens": 16, "num_kv_blocks": 512,
+                                         "max_model_len": 256, "quantization": "auto"})
+    agree = [sum(a == b for a, b in zip(o[:8], r[:8])) for o, (r, _) in zip(ours, refs)]
+    assert sum(agree) >= 0.75 * 8 * len(prompts), agree

@@ -130,8 +130,8 @@ def test_unsupported_hf_configs(tiny_dir, tmp_path, changes, message):
 
 
 def test_non_llama_gguf_is_refused(tiny_dir, tmp_path):
-    gguf = write_tiny_gguf(tmp_path / "qwen.gguf", tiny_dir, arch="qwen2")
-    with pytest.raises(ModelLoadError, match=f"{gguf}: architecture 'qwen2' is not supported"):
+    gguf = write_tiny_gguf(tmp_path / "gemma.gguf", tiny_dir, arch="gemma")
+    with pytest.raises(ModelLoadError, match=f"{gguf}: architecture 'gemma' is not supported"):
         load_model_config(resolve_model(gguf))
 
 

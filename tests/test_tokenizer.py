@@ -141,31 +141,53 @@ def test_tiny_gguf_tokenizer_equals_its_hf_dir(tiny_dir, tmp_path):
     assert gguf.chat_template == hf.chat_template == CHAT_TEMPLATE
 
 
-def test_gguf_llama3_pre_tokenizer_is_llama3s(tiny_dir, tmp_path):
-    """A GGUF of Llama 3 (`tokenizer.ggml.pre` llama-bpe) splits as Llama 3's tokenizer.json
-    does: transformers' tiktoken converter's regex, then bytes without GPT-2's regex."""
-    import inspect
-
-    from tokenizers import Regex
+def _converter_tokenizer(tiny_dir: str, pattern: str, nfc: bool):
+    """The tiny vocabulary behind the pre-tokenizer (and normalizer) transformers' converter
+    gives a model family's tokenizer.json."""
+    from tokenizers import Regex, normalizers
     from tokenizers import Tokenizer as Backend
-    from transformers.convert_slow_tokenizer import TikTokenConverter
-    pattern = inspect.signature(TikTokenConverter.__init__).parameters["pattern"].default
     ref = Backend.from_file(os.path.join(tiny_dir, "tokenizer.json"))
     ref.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    ours = load_tokenizer(resolve_model(write_tiny_gguf(tmp_path / "l3.gguf", tiny_dir,
-                                                        pre="llama-bpe")))
+    if nfc:
+        ref.normalizer = normalizers.NFC()
+    return ref
+
+
+def _qwen2_pattern() -> str:
+    """Qwen2Converter's Split regex, read from its source (it is inline there)."""
+    import inspect
+    import re
+
+    from transformers.convert_slow_tokenizer import Qwen2Converter
+    (pattern,) = re.findall(r'r"""(.*?)"""', inspect.getsource(Qwen2Converter.converted))
+    return pattern
+
+
+@pytest.mark.parametrize("pre,split_12345", [("llama-bpe", ["123", "45"]),
+                                             ("qwen2", ["1", "2", "3", "4", "5"])])
+def test_gguf_split_pre_tokenizers_are_their_tokenizer_jsons(tiny_dir, tmp_path, pre,
+                                                             split_12345):
+    """A GGUF of Llama 3 (`tokenizer.ggml.pre` llama-bpe) or Qwen2 splits as that model's
+    tokenizer.json does: transformers' converter's regex (tiktoken's for Llama 3; Qwen2's,
+    composed to NFC first), then bytes without GPT-2's regex."""
+    import inspect
+
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+    if pre == "qwen2":
+        ref = _converter_tokenizer(tiny_dir, _qwen2_pattern(), nfc=True)
+    else:
+        pattern = inspect.signature(TikTokenConverter.__init__).parameters["pattern"].default
+        ref = _converter_tokenizer(tiny_dir, pattern, nfc=False)
+    ours = load_tokenizer(resolve_model(write_tiny_gguf(tmp_path / "t.gguf", tiny_dir, pre=pre)))
     smol = load_tokenizer(resolve_model(write_tiny_gguf(tmp_path / "s.gguf", tiny_dir)))
-    for text in STRINGS:
+    for text in [*STRINGS, "cafe\u0301 e\u0301te\u0301"]:      # the last one decomposed
         assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids, text
-        assert ours.backend.pre_tokenizer.pre_tokenize_str(text) == \
-            ref.pre_tokenizer.pre_tokenize_str(text), text
-    # not SmolLM's split: digits in threes, contractions whatever their case
-    assert [w for w, _ in ours.backend.pre_tokenizer.pre_tokenize_str("12345 I'LL")] == \
-        ["123", "45", "ĠI", "'LL"]
-    assert ours.backend.pre_tokenizer.pre_tokenize_str("12345") != \
-        smol.backend.pre_tokenizer.pre_tokenize_str("12345")
+    split = ours.backend.pre_tokenizer.pre_tokenize_str
+    # not SmolLM's split: numbers as the family groups them, contractions in any case
+    assert [w for w, _ in split("12345 I'LL")] == [*split_12345, "ĠI", "'LL"]
+    assert split("1234 I'LL") != smol.backend.pre_tokenizer.pre_tokenize_str("1234 I'LL")
 
 
 def test_gguf_add_bos_token(tiny_dir, tmp_path):
@@ -202,9 +224,9 @@ def test_unsupported_gguf_tokenizers(tmp_path):
     spm = _write_tokenizer_gguf(tmp_path / "spm.gguf", "llama")
     with pytest.raises(ModelLoadError, match=f"{spm}: GGUF tokenizer model 'llama' is not supported"):
         load_tokenizer(resolve_model(spm))
-    qwen = _write_tokenizer_gguf(tmp_path / "q.gguf", "gpt2", pre="qwen2")
-    with pytest.raises(ModelLoadError, match="pre-tokenizer 'qwen2' is not supported"):
-        load_tokenizer(resolve_model(qwen))
+    odd = _write_tokenizer_gguf(tmp_path / "q.gguf", "gpt2", pre="deepseek-llm")
+    with pytest.raises(ModelLoadError, match="pre-tokenizer 'deepseek-llm' is not supported"):
+        load_tokenizer(resolve_model(odd))
     plain = load_tokenizer(resolve_model(_write_tokenizer_gguf(tmp_path / "p.gguf", "gpt2", "gpt-2")))
     assert plain.encode("abab") == [2, 2]
 
