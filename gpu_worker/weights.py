@@ -27,9 +27,9 @@ from shared.errors import ModelLoadError
 from shared.model_config import GGUF_CONFIG_TENSORS, ModelConfig, open_gguf
 from shared.model_source import ModelSource
 
-_SUPPORTED_GGUF_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16,
-                         GGMLQuantizationType.BF16, GGMLQuantizationType.Q8_0,
-                         GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1)
+_SUPPORTED_GGUF_TYPES = tuple(GGMLQuantizationType[name] for name in (
+    "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"))
 
 _GGUF_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight",
                       "output_norm.weight": "model.norm.weight",

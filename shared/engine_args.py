@@ -16,7 +16,7 @@ from shared.errors import PacerError
 class EngineArgs:
     model: str | None = None
     dtype: str = "auto"
-    # auto: a GGUF in the precision it ships (int4 for Q4_0/Q4_1, int8 for Q8_0), a float
+    # auto: a GGUF in the precision it ships (int4 for 4 bits or fewer, int8 for more), a float
     # checkpoint as it is; none: every weight widened to --dtype (gpu_worker/quant)
     quantization: str = "auto"
     device: str = "cpu"
@@ -82,7 +82,8 @@ class EngineArgs:
                             "native bf16 (AVX512-BF16/AMX), float32 on other CPUs")
         p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                        help="weights as integers on CPU: auto (default) serves a GGUF in its own "
-                            "precision (int4 for Q4_0/Q4_1, int8 for Q8_0) and a float checkpoint "
+                            "precision (int4 for Q4_0/Q4_1/Q4_K and narrower, int8 where Q8_0, Q6_K "
+                            "or another wider type is among its matrices) and a float checkpoint "
                             "as is; int8/int4 quantize at load; none widens every weight to --dtype")
         p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
         p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")

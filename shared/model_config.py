@@ -249,19 +249,25 @@ def gguf_matrix_types(path: str) -> set[str]:
             if t.name.startswith("blk.") and len(t.shape) == 2}
 
 
+# GGUF's integer types by what serves them on CPU: 4 bits and fewer as int4, more as int8
+_GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K", "Q2_K", "Q3_K"}
+_GGUF_INT8 = {"Q8_0", "Q5_0", "Q5_1", "Q5_K", "Q6_K"}
+
+
 def quantization_scheme(requested: str, source: ModelSource, device: str) -> str:
     """What `--quantization` means for this model: `none`, `int8` or `int4`. `auto` serves a
-    GGUF in the precision it ships (int4 when its layer matrices are Q4_0/Q4_1, int8 when
-    Q8_0 is among them, float otherwise) on CPU, and anything else as it is. No checks: the
-    worker's `resolve_quantization` refuses what cannot be served."""
+    GGUF in the precision it ships on CPU (int4 when its layer matrices have 4 bits or fewer,
+    int8 when a wider integer type is among them, as in a Q4_K_M file's Q6_K tensors; float
+    when any is float), and anything else as it is. No checks: the worker's
+    `resolve_quantization` refuses what cannot be served."""
     if requested != "auto":
         return requested
     if source.kind != "gguf" or device != "cpu":
         return "none"
     types = gguf_matrix_types(source.path)
-    if types and types <= {"Q4_0", "Q4_1"}:
+    if types and types <= _GGUF_INT4:
         return "int4"
-    if types and types <= {"Q4_0", "Q4_1", "Q8_0"}:
+    if types and types <= _GGUF_INT4 | _GGUF_INT8:
         return "int8"       # a mix: the widest of its types
     return "none"
 

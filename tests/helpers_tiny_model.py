@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf import quants as gguf_quants
 from safetensors import safe_open
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -117,9 +117,18 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+# where each k-quant block keeps its fp16 super-block scales (d, and dmin where it has one),
+# and a value for them that keeps random blocks' weights within ~±1
+_KQUANT_SCALES = {GGMLQuantizationType.Q4_K: ((0, 2), 5e-4),
+                  GGMLQuantizationType.Q6_K: ((208,), 2e-4)}
+
+
 def encode_gguf_tensor(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
-    """The bytes GGUFWriter stores. Types gguf-py cannot quantize (the K-quants) get zero
-    bytes of the right size: enough to test that a loader refuses them."""
+    """The bytes GGUFWriter stores. Of the types gguf-py cannot quantize, Q4_K and Q6_K get
+    random blocks (seeded by the tensor's shape and its first values) with small super-block
+    scales: weights of their own, not `w`'s, which any reader of the file (transformers
+    included) sees alike. Other such types get zero bytes of the right size: enough to test
+    that a loader refuses them."""
     if qtype == GGMLQuantizationType.F32:
         return w.astype(np.float32)
     if qtype == GGMLQuantizationType.F16:
@@ -127,7 +136,17 @@ def encode_gguf_tensor(w: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray
     try:
         return gguf_quants.quantize(w, qtype)
     except NotImplementedError:
-        return np.zeros(gguf_quants.quant_shape_to_byte_shape(w.shape, qtype), dtype=np.uint8)
+        shape = gguf_quants.quant_shape_to_byte_shape(w.shape, qtype)
+        if qtype not in _KQUANT_SCALES:
+            return np.zeros(shape, dtype=np.uint8)
+    offsets, scale = _KQUANT_SCALES[qtype]
+    block_bytes = GGML_QUANT_SIZES[qtype][1]
+    seed = abs(hash((w.shape, float(w.flat[0]), float(w.flat[-1])))) % 2**32
+    blocks = np.random.default_rng(seed).integers(0, 256, size=(shape[0], shape[1] // block_bytes,
+                                                                block_bytes), dtype=np.uint8)
+    for at in offsets:
+        blocks[..., at:at + 2] = np.frombuffer(np.float16(scale).tobytes(), dtype=np.uint8)
+    return blocks.reshape(shape)
 
 
 def write_tiny_gguf(path: str | os.PathLike, hf_dir: str | os.PathLike,

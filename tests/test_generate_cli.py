@@ -150,10 +150,10 @@ def test_gguf_with_unsupported_quantization(tmp_path):
     wide = write_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=256,
                             num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
     gguf = write_tiny_gguf(tmp_path / "q.gguf", wide,
-                           tensor_types={"blk.0.attn_q.weight": GGMLQuantizationType.Q6_K})
+                           tensor_types={"blk.0.attn_q.weight": GGMLQuantizationType.IQ4_NL})
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     proc = pacer("generate", "--model", gguf, "--prompts", prompts, "--output", str(tmp_path / "o"))
-    assert_one_line_error(proc, "Q6_K", "blk.0.attn_q.weight")
+    assert_one_line_error(proc, "IQ4_NL", "blk.0.attn_q.weight")
 
 
 def test_gguf_with_unsupported_architecture(tiny, tmp_path):

@@ -15,7 +15,7 @@ from gpu_worker.model.layers import rope_inv_freq
 from shared.engine_args import EngineArgs
 from shared.engine_layout import engine_layout
 from shared.errors import ModelLoadError, PacerError
-from shared.model_config import RopeScaling, load_model_config
+from shared.model_config import RopeScaling, load_model_config, quantization_scheme
 from shared.model_source import resolve_model
 from tests.helpers_tiny_model import write_tiny_gguf, write_tiny_llama
 from tests.hf_reference import assert_same_tokens, hf_greedy
@@ -191,5 +191,47 @@ def test_qwen2_gguf_q8_0_follows_float32(qwen2, tmp_path):
                            pre="qwen2")
     ours, _ = run_engine(gguf, prompts, {"max_num_batched_tokens": 16, "num_kv_blocks": 512,
                                          "max_model_len": 256, "quantization": "auto"})
+    agree = [sum(a == b for a, b in zip(o[:8], r[:8])) for o, (r, _) in zip(ours, refs)]
+    assert sum(agree) >= 0.75 * 8 * len(prompts), agree
+
+
+# ---- k-quants: a GGUF as most are downloaded (Q4_K_M: Q4_K, and Q6_K for some tensors) -----
+
+@pytest.fixture(scope="module", params=["Q4_K_M", "Q4_K"])
+def q4_k_m(request, tmp_path_factory):
+    """A wide enough Llama (k-quant rows are 256 values) as a GGUF of random k-quant blocks,
+    Q4_K_M-like (Q6_K for V and the MLP's down projection) or Q4_K alone, and transformers'
+    own reading of that file."""
+    from gguf import GGMLQuantizationType as Q
+
+    from tests.hf_reference import gguf_py_read_faster
+    from transformers import AutoModelForCausalLM
+    hf_dir = write_tiny_llama(tmp_path_factory.mktemp("wide"), seed=1, hidden_size=256,
+                              intermediate_size=512, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2)
+    folder = tmp_path_factory.mktemp("q4km")
+    six = {f"blk.{i}.{n}.weight": Q.Q6_K for i in range(2) for n in ("attn_v", "ffn_down")
+           if request.param == "Q4_K_M"}
+    gguf = write_tiny_gguf(folder / "m.gguf", hf_dir, Q.Q4_K, tensor_types=six)
+    with gguf_py_read_faster():
+        hf = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file="m.gguf",
+                                                  dtype=torch.float32).eval()
+    prompts = random_prompts(hf.config.vocab_size, 4, [5, 40, 90])
+    return gguf, prompts, [hf_greedy(hf, p, None) for p in prompts], \
+        "int8" if six else "int4"
+
+
+def test_k_quant_gguf_widened_matches_transformers(q4_k_m):
+    gguf, prompts, refs, _ = q4_k_m
+    check_parity(gguf, prompts, refs, "q4_k_m", {**CONFIGS[1][1], "max_model_len": 256}, False)
+
+
+def test_k_quant_gguf_served_as_it_ships_follows_float32(q4_k_m):
+    """`auto`: int8 where Q6_K tensors are (Q4_K's groups widened, Q6_K's quantized), int4
+    from Q4_K alone (its groups as they are)."""
+    gguf, prompts, refs, scheme = q4_k_m
+    ours, _ = run_engine(gguf, prompts, {"max_num_batched_tokens": 16, "num_kv_blocks": 512,
+                                         "max_model_len": 256, "quantization": "auto"})
+    assert quantization_scheme("auto", resolve_model(gguf), "cpu") == scheme
     agree = [sum(a == b for a, b in zip(o[:8], r[:8])) for o, (r, _) in zip(ours, refs)]
     assert sum(agree) >= 0.75 * 8 * len(prompts), agree

@@ -51,6 +51,19 @@ def test_gguf_blocks_dequantize_to_the_gguf_reference(qtype, shape):
         assert torch.equal(q.dequantize(), reference)
 
 
+@pytest.mark.parametrize("shape", [(8, 256), (48, 768)])
+def test_q4_k_blocks_are_int4_groups_exactly(shape):
+    """A Q4_K super-block's eight sub-blocks are eight int4 groups of 32, scale d·sc and
+    zero 8·d·sc - dmin·m: the same weights as gguf-py's dequantize (random blocks: every
+    6-bit scale and min, every code)."""
+    from tests.helpers_tiny_model import encode_gguf_tensor
+    raw = encode_gguf_tensor(_random(*shape), Q.Q4_K)
+    q = from_gguf(raw, Q.Q4_K, shape)
+    assert (q.scheme, q.group) == ("int4", 32)
+    reference = torch.from_numpy(dequantize(raw, Q.Q4_K).reshape(shape).astype(np.float32))
+    torch.testing.assert_close(q.dequantize(), reference, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("qtype", [Q.Q4_0, Q.Q4_1, Q.Q8_0], ids=lambda q: q.name)
 def test_quantized_loading_gives_the_dequantized_loaders_values(tmp_path, qtype):
     """Q/K rows unpermuted like the float path; norms stay float."""
@@ -456,6 +469,16 @@ def tiny_hf(tmp_path_factory) -> str:
                          ids=lambda v: getattr(v, "name", v))
 def test_auto_serves_a_gguf_in_its_own_precision(tmp_path, tiny_hf, qtype, want):
     source = resolve_model(write_tiny_gguf(tmp_path / "m.gguf", tiny_hf, qtype))
+    assert resolve_quantization("auto", source, load_model_config(source)) == want
+
+
+@pytest.mark.parametrize("types,want", [({}, "int4"), ({"blk.0.ffn_down.weight": Q.Q6_K}, "int8"),
+                                        ({"blk.0.ffn_down.weight": Q.F16}, "none")])
+def test_auto_serves_k_quants_as_their_widest_matrix(tmp_path, types, want):
+    """Q4_K alone is int4; a Q6_K tensor beside it (as in a Q4_K_M file) makes it int8."""
+    hf = write_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=256,
+                          num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
+    source = resolve_model(write_tiny_gguf(tmp_path / "k.gguf", hf, Q.Q4_K, tensor_types=types))
     assert resolve_quantization("auto", source, load_model_config(source)) == want
 
 

@@ -141,9 +141,9 @@ def test_gguf_types_dequantize_to_hf_layout(tiny_dirs, tmp_path, qtype, which):
 def test_unsupported_quant_type_names_the_tensor(tmp_path):
     hf = write_tiny_llama(tmp_path / "wide", hidden_size=256, intermediate_size=256,
                           num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2)
-    gguf = write_tiny_gguf(tmp_path / "k.gguf", hf, tensor_types={"blk.0.attn_q.weight": Q.Q6_K})
+    gguf = write_tiny_gguf(tmp_path / "k.gguf", hf, tensor_types={"blk.0.attn_q.weight": Q.IQ4_NL})
     source = resolve_model(gguf)
-    with pytest.raises(ModelLoadError, match="tensor blk.0.attn_q.weight is Q6_K"):
+    with pytest.raises(ModelLoadError, match="tensor blk.0.attn_q.weight is IQ4_NL"):
         iter_weights(source, load_model_config(source))
 
 

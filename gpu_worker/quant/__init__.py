@@ -4,8 +4,10 @@
     linear.py  the packed layouts and their GEMMs (torch's int4/int8 CPU kernels)
 
 `resolve_quantization` turns the flag into one scheme for the model's matrices: `auto` serves a
-GGUF in the precision it ships (int4 when its layer matrices are Q4_0/Q4_1, int8 when Q8_0,
-float when F32/F16/BF16) and an HF checkpoint as it is. The vocabulary matrices (embedding and
+GGUF in the precision it ships (int4 when its layer matrices have 4 bits or fewer: Q4_0, Q4_1,
+Q4_K, Q3_K, Q2_K; int8 when a wider integer type is among them: Q8_0, Q6_K, Q5_K, Q5_0, Q5_1;
+float when F32/F16/BF16; `shared/model_config.py quantization_scheme`) and an HF checkpoint as
+it is. The vocabulary matrices (embedding and
 LM head) are int8 per output channel under both schemes: the embedding looks rows up, which
 the int4 layout cannot do. The refusals come before any weight is read.
 """

@@ -10,7 +10,13 @@ the file's fp16 values widened to float32):
 
     Q4_0  w = (q - 8) · d            -> int4, scale d, zero 0
     Q4_1  w =  q · d + m             -> int4, scale d, zero m + 8·d
+    Q4_K  w =  q · d·sc_j - dmin·m_j -> int4, scale d·sc_j, zero 8·d·sc_j - dmin·m_j: each
+                                        256-value super-block is eight groups of 32, each
+                                        with 6-bit sc_j and m_j against its fp16 d and dmin
     Q8_0  w =  q · d                 -> int8, scale d (group 32)
+
+The other k-quants (Q2_K, Q3_K, Q5_K, Q6_K) and Q5_0/Q5_1 have no such map: the loader widens
+them to float (gguf-py's dequantize) and the layers quantize them to the model's scheme.
 
 A QTensor is what the loader hands the layers (`gpu_worker/weights.py` with quantized=True);
 the layers cut it on head boundaries (rows) or on group boundaries (columns) for tensor
@@ -28,7 +34,8 @@ from gguf import GGMLQuantizationType
 
 Q = GGMLQuantizationType
 QK = 32                                       # GGUF's block size for Q4_0, Q4_1, Q8_0
-GGUF_QUANT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q8_0)
+GGUF_QUANT_TYPES = (Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q8_0)   # loaded as codes and scales
+QK_K = 256                                    # a k-quant super-block
 SCHEMES = ("int4", "int8")
 INT4_GROUPS = (32, 64, 128, 256)              # what torch's int4 CPU kernel takes
 
@@ -84,9 +91,11 @@ def cat_rows(parts: list[QTensor]) -> QTensor:
 # ---- from GGUF blocks ---------------------------------------------------------------------
 
 def from_gguf(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> QTensor:
-    """A Q4_0, Q4_1 or Q8_0 tensor's raw bytes (GGUFReader's `data`: [rows, bytes per row]) as
-    codes and scales, vectorized, without a float copy of the weights."""
+    """A Q4_0, Q4_1, Q4_K or Q8_0 tensor's raw bytes (GGUFReader's `data`: [rows, bytes per
+    row]) as codes and scales, vectorized, without a float copy of the weights."""
     n, k = shape
+    if qtype == Q.Q4_K:
+        return _from_q4_k(np.ascontiguousarray(data).reshape(n, k // QK_K, -1), n, k)
     blocks = np.ascontiguousarray(data).reshape(n, k // QK, -1)
     d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     if qtype == Q.Q8_0:
@@ -102,6 +111,27 @@ def from_gguf(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, i
     # byte j of a block holds element j (low nibble) and element j + 16 (high nibble)
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
     return QTensor("int4", torch.from_numpy(codes), d, zero, QK)
+
+
+def _from_q4_k(blocks: np.ndarray, n: int, k: int) -> QTensor:
+    """Q4_K super-blocks [n, k / 256, 144 bytes]: fp16 d, fp16 dmin, 12 bytes of eight 6-bit
+    scales and eight 6-bit mins, 128 bytes of 4-bit codes."""
+    def f16(lo: int) -> np.ndarray:
+        return blocks[..., lo:lo + 2].copy().view(np.float16)[..., 0].astype(np.float32)
+    d, dmin = f16(0), f16(2)
+    packed = blocks[..., 4:16]
+    # bytes 0-3: scales 0-3 (low 6 bits), 4-7: mins 0-3 (low 6 bits); 8-11: scales 4-7 (low
+    # nibble) and mins 4-7 (high nibble), whose two high bits are the top bits of 0-3 and 4-7
+    low, mid, top = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 63, (top & 15) | ((low >> 6) << 4)], axis=-1).astype(np.float32)
+    mn = np.concatenate([mid & 63, (top >> 4) | ((mid >> 6) << 4)], axis=-1).astype(np.float32)
+    scale = d[..., None] * sc                                   # [n, k / 256, 8]
+    zero = 8.0 * scale - dmin[..., None] * mn
+    # 32 bytes per pair of groups: group 2i in their low nibbles, group 2i + 1 in the high
+    qs = blocks[..., 16:].reshape(n, k // QK_K, 4, 1, 32)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-2).reshape(n, k)
+    return QTensor("int4", torch.from_numpy(codes), torch.from_numpy(scale.reshape(n, -1)),
+                   torch.from_numpy(zero.reshape(n, -1)), QK)
 
 
 # ---- quantizing float weights, and converting between schemes ------------------------------
