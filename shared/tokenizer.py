@@ -213,27 +213,30 @@ def _gguf_pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
 def _from_gguf(path: str) -> Tokenizer:
     reader = open_gguf(path)
     kind = gguf_value(reader, "tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ModelLoadError(f"{path}: GGUF tokenizer model {kind!r} is not supported "
-                             "(only 'gpt2', byte-level BPE)")
-    backend = _gguf_backend(reader, path)
+                             "(only 'gpt2', byte-level BPE, and 'llama', SentencePiece BPE)")
+    backend = _gguf_backend(reader, path, kind)
     return Tokenizer(backend, bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
                      eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id"),
                      chat_template=gguf_value(reader, "tokenizer.chat_template"))
 
 
-def _gguf_backend(reader: GGUFReader, path: str) -> _Backend:
+def _gguf_backend(reader: GGUFReader, path: str, kind: str) -> _Backend:
     tokens = gguf_value(reader, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ModelLoadError(f"{path}: the GGUF token list spells some tokens twice")
-    backend = _Backend(models.BPE(vocab=vocab, merges=merges))
-    pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
-    backend.pre_tokenizer = _gguf_pre_tokenizer(pre, path)
-    if pre == "qwen2":          # Qwen2's tokenizer.json composes the text (NFC) first
-        backend.normalizer = normalizers.NFC()
-    backend.decoder = decoders.ByteLevel()
+    if kind == "llama":
+        backend = _sentencepiece_backend(vocab, gguf_value(reader, "tokenizer.ggml.scores"), path)
+    else:
+        merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
+        backend = _Backend(models.BPE(vocab=vocab, merges=merges))
+        pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
+        backend.pre_tokenizer = _gguf_pre_tokenizer(pre, path)
+        if pre == "qwen2":          # Qwen2's tokenizer.json composes the text (NFC) first
+            backend.normalizer = normalizers.NFC()
+        backend.decoder = decoders.ByteLevel()
     # Added tokens are matched whole in the text before BPE runs; their ids are their vocab ids.
     types = gguf_value(reader, "tokenizer.ggml.token_type", [])
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
@@ -244,11 +247,38 @@ def _gguf_backend(reader: GGUFReader, path: str) -> _Backend:
     return backend
 
 
+def _sentencepiece_backend(vocab: dict[str, int], scores: list[float] | None,
+                           path: str) -> _Backend:
+    """A SentencePiece vocabulary (Llama 2's, Mistral's, TinyLlama's GGUF) as the BPE that
+    transformers' LlamaTokenizer builds from it: `▁` for a space, one prepended to the text,
+    bytes (`<0x0A>`) for what no piece covers. A GGUF lists pieces and scores, no merges; each
+    piece's merges are its splits into two pieces, the best-scored piece's first."""
+    if scores is None or len(scores) != len(vocab):
+        raise ModelLoadError(f"{path}: a SentencePiece GGUF without one score per token")
+    found = []
+    for piece, score in zip(vocab, scores):
+        splits = [(piece[:i], piece[i:], score) for i in range(1, len(piece))
+                  if piece[:i] in vocab and piece[i:] in vocab]
+        found.extend(sorted(splits, key=lambda m: (vocab[m[0]], vocab[m[1]])))
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    backend = _Backend(models.BPE(vocab=vocab, merges=[(a, b) for a, b, _ in found],
+                                  fuse_unk=True, byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first",
+                                                     split=False)
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return backend
+
+
 def _gguf_post_processor(reader: GGUFReader, tokens: list[str]) -> processors.PostProcessor:
-    """BOS/EOS added by encode(add_special_tokens=True), as far as the file asks for them."""
+    """BOS/EOS added by encode(add_special_tokens=True), as far as the file asks for them (a
+    SentencePiece file that does not say gets BOS, as llama.cpp gives it)."""
+    sentencepiece = gguf_value(reader, "tokenizer.ggml.model") == "llama"
+
     def flagged(role: str) -> list[tuple[str, int]]:
         token_id = gguf_value(reader, f"tokenizer.ggml.{role}_token_id")
-        wanted = gguf_value(reader, f"tokenizer.ggml.add_{role}_token", False)
+        wanted = gguf_value(reader, f"tokenizer.ggml.add_{role}_token",
+                            sentencepiece and role == "bos")
         return [(tokens[token_id], token_id)] if wanted and token_id is not None else []
 
     bos, eos = flagged("bos"), flagged("eos")

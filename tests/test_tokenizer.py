@@ -220,10 +220,63 @@ def _write_tokenizer_gguf(path, model: str, pre: str = "smollm") -> str:
     return str(path)
 
 
+# a SentencePiece vocabulary of our own making: specials, the 256 byte pieces, characters,
+# and merged pieces (their order here is their score's: the first merges first)
+_SPM_PIECES = ["▁t", "he", "▁the", "▁a", "in", "▁in", "er", "▁w", "or", "▁wor", "ld", "▁world",
+               "▁H", "el", "lo", "llo", "ello", "▁Hello", "▁s", "ur", "▁sur", "▁sure", "an",
+               "▁an", "▁and", "▁I", "'m", "▁1", "23", "▁123", "▁▁", "▁▁▁", "ing", "▁th", "is"]
+
+
+def _write_sentencepiece_gguf(path, add_bos: bool | None = True) -> str:
+    chars = sorted(set("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                       ".,!?'-:;()#*+=_/"))
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *chars,
+              *_SPM_PIECES]
+    types = [2, 3, 3, *[6] * 256, *[1] * (len(chars) + len(_SPM_PIECES))]
+    scores = [0.0] * 259 + [-1000.0 - i for i in range(len(chars))] + \
+        [-1.0 - 0.5 * i for i in range(len(_SPM_PIECES))]
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return str(path)
+
+
+@pytest.mark.parametrize("add_bos", [True, None])
+def test_sentencepiece_gguf_tokenizer_is_transformers(tmp_path, add_bos):
+    """A SentencePiece GGUF (Llama 2's, Mistral's kind: pieces and scores, no merges) encodes
+    and decodes as transformers' own reading of the file: merges from the scores, `▁` for a
+    space, bytes for what no piece covers, BOS unless the file says otherwise."""
+    from transformers import AutoTokenizer
+    path = _write_sentencepiece_gguf(tmp_path / "spm.gguf", add_bos)
+    ours = load_tokenizer(resolve_model(path))
+    ref = AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    for text in [*STRINGS, "Hello world, I'm sure the 123 and the  in\nthe\tworld",
+                 "Hello</s>the world<s> x"]:       # after a special token: no ▁ prepended
+        ids = ours.encode(text)
+        assert ids == ref.encode(text, add_special_tokens=False), text
+        assert ours.encode(text, add_special_tokens=True) == \
+            ref.encode(text, add_special_tokens=True), text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("Hello the world") == [ref.convert_tokens_to_ids(t) for t in
+                                              ("▁Hello", "▁the", "▁world")]
+
+
 def test_unsupported_gguf_tokenizers(tmp_path):
-    spm = _write_tokenizer_gguf(tmp_path / "spm.gguf", "llama")
-    with pytest.raises(ModelLoadError, match=f"{spm}: GGUF tokenizer model 'llama' is not supported"):
-        load_tokenizer(resolve_model(spm))
+    wordpiece = _write_tokenizer_gguf(tmp_path / "bert.gguf", "bert")
+    with pytest.raises(ModelLoadError,
+                       match=f"{wordpiece}: GGUF tokenizer model 'bert' is not supported"):
+        load_tokenizer(resolve_model(wordpiece))
     odd = _write_tokenizer_gguf(tmp_path / "q.gguf", "gpt2", pre="deepseek-llm")
     with pytest.raises(ModelLoadError, match="pre-tokenizer 'deepseek-llm' is not supported"):
         load_tokenizer(resolve_model(odd))
