@@ -366,15 +366,24 @@ def _stream(tok, ids, **kwargs) -> list[str]:
     return pieces
 
 
-@pytest.mark.parametrize("which", ["smol", "tiny"])
-def test_streamed_pieces_join_to_the_decoded_text(which, request, tiny_dir):
-    tok = request.getfixturevalue("smol") if which == "smol" else load_tokenizer(resolve_model(tiny_dir))
+@pytest.mark.parametrize("which", ["smol", "tiny", "sentencepiece"])
+def test_streamed_pieces_join_to_the_decoded_text(which, request, tiny_dir, tmp_path):
+    """Byte-level BPE, and SentencePiece (whose decoder drops the text's first space and
+    spells unknown characters in byte pieces)."""
+    if which == "sentencepiece":
+        tok = load_tokenizer(resolve_model(_write_sentencepiece_gguf(tmp_path / "s.gguf")))
+    else:
+        tok = request.getfixturevalue("smol") if which == "smol" else \
+            load_tokenizer(resolve_model(tiny_dir))
     prompt = tok.encode("<|im_start|>user\nsay something<|im_end|>\n")
     for text in STREAM_TEXTS:
         ids = tok.encode(text)
         for skip in (True, False):
             pieces = _stream(tok, ids, prompt_token_ids=prompt, skip_special_tokens=skip)
-            assert "".join(pieces) == tok.decode(ids, skip_special_tokens=skip)
+            # the text the ids add to the prompt's (a SentencePiece decoder drops a sequence's
+            # first space: the one between the prompt and the first new word is kept)
+            whole = tok.decode(prompt + ids, skip_special_tokens=skip)
+            assert "".join(pieces) == whole[len(tok.decode(prompt, skip_special_tokens=skip)):]
             assert not any("\ufffd" in p for p in pieces)
 
 
