@@ -4,8 +4,8 @@ from __future__ import annotations
 import argparse
 
 from gateway.config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
-                            DEFAULT_SHUTDOWN_TIMEOUT_S, POLICIES, GatewayConfig,
-                            new_gateway_id)
+                            DEFAULT_SHUTDOWN_TIMEOUT_S, DEFAULT_STALLED_CLIENT_TIMEOUT_S,
+                            POLICIES, GatewayConfig, new_gateway_id)
 from gateway.tool_parsers import PARSERS
 from shared.service_args import add_service_args
 
@@ -38,7 +38,7 @@ def register(sub) -> None:
 
 # flags `pacer up` takes too and hands to the gateway it starts
 POLICY_FLAGS = ("served_model_name", "api_key", "max_waiting_requests", "request_timeout",
-                "shutdown_timeout", "tool_call_parser")
+                "shutdown_timeout", "stalled_client_timeout", "tool_call_parser")
 
 
 def add_request_policy_args(p: argparse.ArgumentParser) -> None:
@@ -55,6 +55,10 @@ def add_request_policy_args(p: argparse.ArgumentParser) -> None:
                    help="deadline in seconds for requests without a 'timeout' field")
     p.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT_S,
                    help="on SIGTERM, seconds running requests get to finish")
+    p.add_argument("--stalled-client-timeout", type=float,
+                   default=DEFAULT_STALLED_CLIENT_TIMEOUT_S,
+                   help="seconds a streaming client may read nothing while output waits for "
+                        "it; then its connection is closed and its request aborted")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the model's tool-call format: serves tool_choice 'auto' (vLLM's "
                         "--enable-auto-tool-choice --tool-call-parser)")
@@ -84,6 +88,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          max_waiting_requests=args.max_waiting_requests,
                          request_timeout_s=args.request_timeout,
                          shutdown_timeout_s=args.shutdown_timeout,
+                         stalled_client_timeout_s=args.stalled_client_timeout,
                          tool_call_parser=args.tool_call_parser)
 
 

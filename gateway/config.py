@@ -11,6 +11,8 @@ from shared.keys import DEFAULT_PREFIX
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 DEFAULT_MAX_WAITING_REQUESTS = 256
 DEFAULT_SHUTDOWN_TIMEOUT_S = 10.0
+# a streaming client that reads nothing for this long, with output waiting for it, is dropped
+DEFAULT_STALLED_CLIENT_TIMEOUT_S = 60.0
 # how the router picks an engine instance (gateway/router.py)
 POLICIES = ("round-robin", "least-loaded", "prefix")
 
@@ -46,6 +48,7 @@ class GatewayConfig:
     max_waiting_requests: int = DEFAULT_MAX_WAITING_REQUESTS
     request_timeout_s: float | None = None   # a deadline for requests that bring none
     shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S   # on SIGTERM, for running ones
+    stalled_client_timeout_s: float = DEFAULT_STALLED_CLIENT_TIMEOUT_S
     # the model's tool-call format (gateway/tool_parsers.py): serves tool_choice "auto"
     tool_call_parser: str | None = None
 
@@ -71,6 +74,9 @@ class GatewayConfig:
             raise PacerError(f"--request-timeout must be > 0, got {self.request_timeout_s}")
         if self.shutdown_timeout_s < 0:
             raise PacerError(f"--shutdown-timeout must be >= 0, got {self.shutdown_timeout_s}")
+        if not self.stalled_client_timeout_s > 0:
+            raise PacerError(f"--stalled-client-timeout must be > 0, got "
+                             f"{self.stalled_client_timeout_s}")
         if self.router is not None and not self.instances:
             raise PacerError("--router needs --instances (the replicas it routes between)")
         if self.route_prefill and (self.router is None or not set(self.route_prefill)

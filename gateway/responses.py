@@ -10,6 +10,7 @@ A stream (chat shown; completions carry `text` instead of `delta`):
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from contextlib import aclosing
 
@@ -17,8 +18,10 @@ import structlog
 from aiohttp import web
 
 from gateway import openai_schema as oai
+from gateway.config import DEFAULT_STALLED_CLIENT_TIMEOUT_S
 from gateway.generation import Delta, Generation, merged_deltas
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob
+from gateway.state import STATE
 from gateway.tool_parsers import ToolParser, ToolStream, parse_calls
 
 log = structlog.get_logger("gateway.responses")
@@ -209,9 +212,55 @@ async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
     return web.json_response(body, headers=shape.headers)
 
 
+_FRAMING = 64          # a chunk's length line and CRLFs, besides its data
+
+
+class SSEResponse(web.StreamResponse):
+    """An event stream that gives up on a client who stops reading. A write waits only where
+    the socket's buffers are full (the kernel's, then the transport's past its high-water
+    mark); one that waits `stalled_client_timeout_s` closes the connection and raises
+    ConnectionResetError, as a client that hung up does, so that the request is aborted
+    upstream and the handler ends (its metrics and log line with it). A client still
+    reading, however slowly, frees room before then. Writes that cannot wait go untimed:
+    the per-token path pays no timer."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        super().__init__(headers={**SSE_HEADERS, **headers})
+        self._transport = None
+        self._high_water = 0
+        self._stall_s = DEFAULT_STALLED_CLIENT_TIMEOUT_S
+
+    async def prepare(self, request: web.BaseRequest):
+        self._transport = request.transport
+        if self._transport is not None:
+            self._high_water = self._transport.get_write_buffer_limits()[1]
+        self._stall_s = request.app[STATE].config.stalled_client_timeout_s
+        return await super().prepare(request)
+
+    async def write(self, data) -> None:
+        await self._bounded(super().write(data), len(data))
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        await self._bounded(super().write_eof(data), len(data))
+
+    async def _bounded(self, writing, size: int) -> None:
+        transport = self._transport
+        if transport is None or \
+                transport.get_write_buffer_size() + size + _FRAMING < self._high_water:
+            await writing        # the transport stays under its mark: nothing waits
+            return
+        try:
+            async with asyncio.timeout(self._stall_s):
+                await writing
+        except TimeoutError:
+            transport.abort()
+            raise ConnectionResetError(f"the client read nothing for {self._stall_s:g} s "
+                                       "with output waiting") from None
+
+
 async def stream_sse(request: web.Request, gens: list[Generation],
                      shape: Shape) -> web.StreamResponse:
-    response = web.StreamResponse(headers={**SSE_HEADERS, **shape.headers})
+    response = SSEResponse(shape.headers)
     try:
         await response.prepare(request)     # a client gone already fails here
         if shape.chat:

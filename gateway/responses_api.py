@@ -33,7 +33,7 @@ from aiohttp import web
 from gateway.generation import Generation, merged_deltas
 from gateway import openai_schema as oai
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob, read_field
-from gateway.responses import SSE_HEADERS, collect, openai_calls, split_calls, tool_names
+from gateway.responses import SSEResponse, collect, openai_calls, split_calls, tool_names
 from gateway.tool_parsers import ToolParser, ToolStream
 
 log = structlog.get_logger("gateway.responses_api")
@@ -359,7 +359,7 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
     where a call may begin ("auto"; none for calls made by constrained decoding), and the
     calls follow whole at the end."""
     [gen] = gens
-    response = web.StreamResponse(headers={**SSE_HEADERS, **shape.headers})
+    response = SSEResponse(shape.headers)
     started = shape.response("in_progress", [])
     message = _MessageEvents(response, shape)
     calls_stream = ToolStream(parser) if req.tool_choice == "auto" else None

@@ -22,7 +22,7 @@ SCHEDULERS_GROUP = "schedulers"
 
 # Approximate stream lengths kept by `XADD ... MAXLEN ~ n`: enough to survive a slow consumer,
 # bounded so a stream never grows without limit.
-REQUESTS_MAXLEN = 100_000
+REQUESTS_MAXLEN = 10_000    # an entry carries its prompt's ids: ~25 KB at 7,600 tokens
 ABORTS_MAXLEN = 10_000
 PLANS_MAXLEN = 1_000
 RESULTS_MAXLEN = 1_000

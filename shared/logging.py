@@ -34,7 +34,10 @@ def configure_logging(service: str, level: str | int = "info") -> None:
     structlog.configure(
         processors=[*shared, *exc, *render],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        # one write per record, its newline included: the services share `pacer up`'s stderr,
+        # and a record written as two (print's text, then its "\n") could have another
+        # process's record land between them, two JSON objects on one line
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(sys.stderr)

@@ -6,10 +6,13 @@ through Redis exactly as in production; what answers them is `FakeScheduler` bel
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import importlib.metadata
 import json
 import math
 import re
+import socket
 from dataclasses import dataclass
 
 import aiohttp
@@ -954,6 +957,38 @@ async def test_streaming_client_that_disconnects_is_aborted(h: Harness) -> None:
         before.get("pacer:e2e_request_latency_seconds_count", 0) + 1
 
 
+async def test_a_streaming_client_that_stops_reading_is_dropped(h: Harness) -> None:
+    """A client that reads nothing while its stream's output waits (the socket's buffers
+    full) is cut off after `stalled_client_timeout_s` (1 s here; 60 by default): the
+    connection is closed and the handler ends, its request counted, instead of waiting on the
+    socket for as long as the client keeps it open."""
+    before = await _metric_values(h)
+    body = json.dumps(completion(prompt="[slow] x", max_tokens=100, n=128, logprobs=20,
+                                 stream=True)).encode()
+    host, port = h.url.removeprefix("http://").split(":")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # a small window, never read
+    sock.setblocking(False)
+    h.state.config = dataclasses.replace(h.config, stalled_client_timeout_s=1.0)
+    try:
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        ended = "pacer:e2e_request_latency_seconds_count"
+        for _ in range(200):         # 128 streams of 100 tokens take 5 s; cut off before
+            await asyncio.sleep(0.05)
+            if (await _metric_values(h)).get(ended, 0) >= before.get(ended, 0) + 128:
+                break
+        assert (await _metric_values(h)).get(ended, 0) == before.get(ended, 0) + 128
+        with contextlib.suppress(ConnectionResetError):     # the server has closed it
+            await asyncio.wait_for(reader.read(), 10.0)
+        writer.close()
+    finally:
+        h.state.config = h.config
+
+
 async def _metric_values(h: Harness) -> dict[str, float]:
     async with h.session.get(h.url + "/metrics") as r:
         text = await r.text()
@@ -1460,6 +1495,25 @@ async def test_logs_are_json_lines_with_the_bound_request_id(capsys: pytest.Capt
     assert [(r["event"], r["service"]) for r in lines] == [("hello", "gateway"),
                                                           ("from the stdlib", "gateway")]
     assert (lines[0]["request_id"], lines[0]["tokens"]) == ("cmpl-1", 3)
+
+
+async def test_each_log_record_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The services share `pacer up`'s stderr: a record written as two (print's text, then
+    its newline) let another process's record in between, two JSON objects on one line."""
+    import io
+
+    class Pipe(io.StringIO):
+        writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return super().write(text)
+
+    pipe = Pipe()
+    monkeypatch.setattr("sys.stderr", pipe)
+    _log_a_few_lines()
+    assert len(pipe.writes) == 2 and all(w.endswith("}\n") and w.count("\n") == 1
+                                         for w in pipe.writes), pipe.writes
 
 
 async def test_logs_at_a_terminal_are_readable_lines(monkeypatch: pytest.MonkeyPatch) -> None:

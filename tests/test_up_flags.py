@@ -66,6 +66,7 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
          "--max-model-len must be in [2, 8192] (the model's context), got 100000"),
         (flags("--served-model-name", " "), "--served-model-name is empty"),
         (flags("--startup-timeout", "0"), "--startup-timeout: must be > 0"),
+        (flags("--stalled-client-timeout", "0"), "--stalled-client-timeout must be > 0"),
         (flags("--kv-timeout-s", "-1"), "--kv-timeout-s must be > 0"),
         (flags(*pd, "--disagg-min-prompt-tokens", "-1"),
          "--disagg-min-prompt-tokens: must be >= 0"),
