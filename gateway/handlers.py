@@ -215,6 +215,8 @@ async def _start(gen: Generation, state: GatewayState) -> None:
 
 
 async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
+    if (request.content_length or 0) > max_body_bytes:     # declared: no need to wait for it
+        raise APIError(f"the request body is larger than {max_body_bytes} bytes", status=413)
     try:
         async with asyncio.timeout(BODY_TIMEOUT_S):
             raw = await request.read()

@@ -5,6 +5,7 @@ never need a scheduler (they are refused before anything is enqueued).
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from pathlib import Path
@@ -71,6 +72,22 @@ async def test_oversized_headers_and_bodies_are_refused(gateway) -> None:
     async with session.get(f"{url}/openapi.json") as r:      # still serving
         spec = await r.json()
     assert r.status == 200 and "/v1/chat/completions" in spec["paths"]
+
+
+@ASYNC
+async def test_a_declared_body_too_large_is_refused_before_it_arrives(gateway) -> None:
+    """Content-Length over the limit with no body behind it: a 413 at once, not a 408 after
+    the body's 30 s."""
+    url, _, _ = gateway
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: 200000000\r\n\r\n")
+        status = await asyncio.wait_for(reader.readline(), 5.0)
+        assert status.startswith(b"HTTP/1.1 413"), status
+    finally:
+        writer.close()
 
 
 @ASYNC
