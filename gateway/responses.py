@@ -18,7 +18,6 @@ import structlog
 from aiohttp import web
 
 from gateway import openai_schema as oai
-from gateway.config import DEFAULT_STALLED_CLIENT_TIMEOUT_S
 from gateway.generation import Delta, Generation, merged_deltas
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob
 from gateway.state import STATE
@@ -226,9 +225,9 @@ class SSEResponse(web.StreamResponse):
 
     def __init__(self, headers: dict[str, str]) -> None:
         super().__init__(headers={**SSE_HEADERS, **headers})
-        self._transport = None
+        self._transport = None       # set by prepare(), with the two below
         self._high_water = 0
-        self._stall_s = DEFAULT_STALLED_CLIENT_TIMEOUT_S
+        self._stall_s = 0.0
 
     async def prepare(self, request: web.BaseRequest):
         self._transport = request.transport

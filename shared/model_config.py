@@ -2,10 +2,10 @@
 network) within its sliding window, and Qwen2 (the same with biases on Q, K and V).
 
 RoPE is plain, or scaled the way Llama 3.1/3.2 (`llama3`) or a linearly stretched checkpoint
-(`linear`) asks in its config.json: both only change the rotary frequencies
-(docs/design.md#rope-scaling). Every other scaling (dynamic, yarn, longrope) is refused rather
-than ignored: a model run with the wrong rotary frequencies still produces fluent-looking text
-that is subtly wrong.
+(`linear`) asks in its config.json or GGUF: both only change the rotary frequencies
+(docs/design.md#model-families-and-rope-scaling). Every other scaling (dynamic, yarn,
+longrope) is refused rather than ignored: a model run with the wrong rotary frequencies still
+produces fluent-looking text that is subtly wrong.
 """
 from __future__ import annotations
 
@@ -334,8 +334,8 @@ def _from_gguf(path: str) -> ModelConfig:
 
 
 # GGUF architectures read: llama.cpp's converter writes Llama's Q and K rows in its own order
-# (pairs of dimensions turned together), Qwen2's as they are (docs/design.md#model-families-
-# and-rope-scaling)
+# (pairs of dimensions turned together), Qwen2's as they are
+# (docs/design.md#model-families-and-rope-scaling)
 GGUF_ARCHITECTURES = ("llama", "qwen2")
 
 # GGUF tensors that are no weight of the network but part of its configuration

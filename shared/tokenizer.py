@@ -243,7 +243,8 @@ def _gguf_backend(reader: GGUFReader, path: str, kind: str) -> _Backend:
                                 for t, ty in zip(tokens, types) if ty == _CONTROL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False)
                         for t, ty in zip(tokens, types) if ty == _USER_DEFINED])
-    backend.post_processor = _gguf_post_processor(reader, tokens)
+    # llama.cpp gives a SentencePiece vocabulary BOS unless the file says otherwise
+    backend.post_processor = _gguf_post_processor(reader, tokens, add_bos=kind == "llama")
     return backend
 
 
@@ -270,15 +271,14 @@ def _sentencepiece_backend(vocab: dict[str, int], scores: list[float] | None,
     return backend
 
 
-def _gguf_post_processor(reader: GGUFReader, tokens: list[str]) -> processors.PostProcessor:
-    """BOS/EOS added by encode(add_special_tokens=True), as far as the file asks for them (a
-    SentencePiece file that does not say gets BOS, as llama.cpp gives it)."""
-    sentencepiece = gguf_value(reader, "tokenizer.ggml.model") == "llama"
-
+def _gguf_post_processor(reader: GGUFReader, tokens: list[str],
+                         add_bos: bool) -> processors.PostProcessor:
+    """BOS/EOS added by encode(add_special_tokens=True), as far as the file asks for them;
+    `add_bos` where it does not say."""
     def flagged(role: str) -> list[tuple[str, int]]:
         token_id = gguf_value(reader, f"tokenizer.ggml.{role}_token_id")
         wanted = gguf_value(reader, f"tokenizer.ggml.add_{role}_token",
-                            sentencepiece and role == "bos")
+                            add_bos and role == "bos")
         return [(tokens[token_id], token_id)] if wanted and token_id is not None else []
 
     bos, eos = flagged("bos"), flagged("eos")

@@ -973,7 +973,7 @@ async def test_a_streaming_client_that_stops_reading_is_dropped(h: Harness) -> N
     try:
         await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
         reader, writer = await asyncio.open_connection(sock=sock)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
                      b"Content-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
         ended = "pacer:e2e_request_latency_seconds_count"
@@ -983,7 +983,7 @@ async def test_a_streaming_client_that_stops_reading_is_dropped(h: Harness) -> N
                 break
         assert (await _metric_values(h)).get(ended, 0) == before.get(ended, 0) + 128
         with contextlib.suppress(ConnectionResetError):     # the server has closed it
-            await asyncio.wait_for(reader.read(), 10.0)
+            await asyncio.wait_for(reader.read(), 30.0)
         writer.close()
     finally:
         h.state.config = h.config

@@ -35,38 +35,27 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None
             bias: torch.Tensor | None = None) -> torch.Tensor:
     """x Wᵀ (+ bias) in the weight's dtype, returned in out_dtype (x's dtype unless given);
     through the prepacked copy of W when there is one (see `prepack`), or the quantized one.
-    A float32 bias goes into the GEMM itself where the GEMM is torch's own (F.linear, the
-    same call and bits as transformers' nn.Linear), else it is added to the product."""
-    if qweight is not None:
-        out_dtype = out_dtype or x.dtype
-        y = qweight.mm(x, out_dtype)
-        y = y if y.dtype == out_dtype else y.to(out_dtype)
-        return y if bias is None else y.add_(bias.to(y.dtype))
-    x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
-    if bias is not None and packed is None and x_in.dtype == bias.dtype == torch.float32 \
-            and not (x_in.is_cuda and _gemv_serves(x_in, weight)):
-        y = F.linear(x_in, weight, bias)
-        out_dtype = out_dtype or x.dtype
-        return y if y.dtype == out_dtype else y.to(out_dtype)
-    y = _product(x, weight, out_dtype, packed)
-    return y if bias is None else y.add_(bias.to(y.dtype))
-
-
-def _product(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None,
-             packed: torch.Tensor | None) -> torch.Tensor:
-    x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
-    if packed is not None:
-        y = _rows_as_in_a_batch(
-            x_in, lambda a: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
-    elif x_in.is_cuda and _gemv_serves(x_in, weight):
-        from gpu_worker.model.triton_gemv import gemv
-        y = gemv(x_in, weight)
-    elif x_in.dtype == torch.bfloat16 and not x_in.is_cuda:
-        y = _rows_as_in_a_batch(x_in, lambda a: F.linear(a, weight))
-    else:
-        y = F.linear(x_in, weight)
+    A bias goes into float32's GEMM (F.linear: the same call and bits as transformers'
+    nn.Linear) and is added to the product on the other paths."""
     out_dtype = out_dtype or x.dtype
-    return y if y.dtype == out_dtype else y.to(out_dtype)
+    if qweight is not None:
+        y = qweight.mm(x, out_dtype)
+    else:
+        x_in = x if x.dtype == weight.dtype else x.to(weight.dtype)
+        if packed is not None:
+            y = _rows_as_in_a_batch(
+                x_in, lambda a: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+        elif x_in.is_cuda and _gemv_serves(x_in, weight):       # 16-bit operands only
+            from gpu_worker.model.triton_gemv import gemv
+            y = gemv(x_in, weight)
+        elif x_in.dtype == torch.bfloat16 and not x_in.is_cuda:
+            y = _rows_as_in_a_batch(x_in, lambda a: F.linear(a, weight))
+        elif bias is not None and x_in.dtype == bias.dtype:
+            y, bias = F.linear(x_in, weight, bias), None
+        else:
+            y = F.linear(x_in, weight)
+    y = y if y.dtype == out_dtype else y.to(out_dtype)
+    return y if bias is None else y.add_(bias.to(y.dtype))
 
 
 def _rows_as_in_a_batch(x: torch.Tensor, gemm) -> torch.Tensor:
@@ -303,7 +292,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
                   ) -> torch.Tensor:
     """RoPE's inverse frequencies, float32, computed as transformers computes them (the same
     operations in the same order, so the same bits): plain, `linear` or `llama3`
-    (docs/design.md#rope-scaling)."""
+    (docs/design.md#model-families-and-rope-scaling)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
                                 .to(torch.float32) / head_dim))
     if scaling is None:
