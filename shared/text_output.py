@@ -23,7 +23,6 @@ class TextOutput:
         self._stop = stop
         self._include_stop = include_stop      # vLLM's include_stop_str_in_output
         self._ends = None if include_stop else ends
-        self._longest_stop = max((len(s) for s in stop), default=0)
         # vLLM's min_tokens: a stop string counts only once the text has this many tokens
         # (and then only where it ends in the newest token's text, as every search)
         self._min_tokens = min_tokens
@@ -64,9 +63,11 @@ class TextOutput:
     def _find_stop(self, before: int) -> None:
         if not self._stop or len(self.text) == before or self._tokens < self._min_tokens:
             return
-        # a stop string that ends in the new text starts at most len(stop)-1 chars before it
-        start = max(0, before - self._longest_stop + 1)
-        hits = [(i, len(s), s) for s in self._stop if (i := self.text.find(s, start)) >= 0]
+        # only a stop string that ends in the new text: it starts at most len(stop)-1 chars
+        # before it (one wholly in older text was either found then or came before
+        # min_tokens, where stop strings do not count)
+        hits = [(i, len(s), s) for s in self._stop
+                if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
         if hits:
             at, length, self.stop_string = min(hits)
             self.text = self.text[:at + length if self._include_stop else at]

@@ -4,6 +4,7 @@ off until min_tokens, and the API's bounds."""
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -101,6 +102,47 @@ def test_a_stop_string_counts_only_from_min_tokens_on(tokenizer):
     after = text(4)                                           # past the first "stop"
     assert after.startswith(" stop here,") and after.rstrip().endswith(",")
     assert "there" not in after
+
+
+class _Pieces:
+    """A detokenizer whose token i is the text pieces[i]."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces = pieces
+
+    def add(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+    def flush(self) -> str:
+        return ""
+
+
+def test_a_stop_string_before_min_tokens_is_not_found_later_whatever_the_other_stops():
+    # "o" lies wholly in the first token, before min_tokens: the second token's check must
+    # not find it there because a longer stop string widened the search
+    out = TextOutput(_Pieces(["Hello", " world"]), ("o", "xyz"), min_tokens=2)
+    out.add(0)
+    sent = out.take()
+    out.add(1)
+    sent += out.take(final=True)
+    assert (out.text, sent, out.stop_string) == ("Hello w", "Hello w", "o")
+
+
+def test_the_streamed_text_is_the_final_text_for_any_stops_and_min_tokens():
+    rng = random.Random(0)
+    for _ in range(3000):
+        pieces = ["".join(rng.choice("ab c") for _ in range(rng.randint(0, 3)))
+                  for _ in range(rng.randint(1, 10))]
+        stops = tuple("".join(rng.choice("ab c") for _ in range(rng.randint(1, 4)))
+                      for _ in range(rng.randint(1, 3)))
+        out = TextOutput(_Pieces(pieces), stops, rng.randint(0, 3), rng.random() < 0.5)
+        sent = ""
+        for t in range(len(pieces)):
+            out.add(t)
+            sent += out.take()
+        out.finish()
+        sent += out.take(final=True)
+        assert sent == out.text, (pieces, stops)
 
 
 @pytest.fixture(scope="module")
