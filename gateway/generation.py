@@ -70,7 +70,7 @@ class Generation:
         # the submit was sent (it may have reached Redis even if it then failed, or was
         # cancelled with the client's connection): an abort follows if the request ends here
         self._sent = False
-        self._done_upstream = False             # the scheduler finished the request itself
+        self._done_upstream = False             # the scheduler finished it, or was told to
         self._slot = slot                       # its place in the queue until a first event
         # logprobs not yet sent, each with where its token's text starts: one is sent with the
         # text its token begins, so the logprobs cover exactly the text (none for a stop string)
@@ -116,10 +116,7 @@ class Generation:
             self._timer.cancel()
         self._router.close(self.request_id)
         self._upstream.ended(self.request_id)
-        if self._sent and not self._done_upstream:
-            reason = "stop string" if self._text.stopped else \
-                "client disconnected" if self._submitted else "not submitted"
-            self._upstream.abort_soon(self.request_id, reason)
+        self._abort_upstream("client disconnected" if self._submitted else "not submitted")
         # a request whose client left before its end counts as vLLM counts it: "abort", with
         # the tokens it generated (so the latency histograms and the token counter agree)
         reason = self.finish_reason or ("abort" if self._submitted else None)
@@ -148,6 +145,12 @@ class Generation:
                 f"the request's deadline of {self._timeout_s:g} s passed", "timeout_error")
         self._metrics.prompt_tokens.inc(self.num_prompt_tokens)
 
+    def _abort_upstream(self, reason: str) -> None:
+        """Have the scheduler end the request unless it ended it itself (or was told to)."""
+        if self._sent and not self._done_upstream:
+            self._done_upstream = True
+            self._upstream.abort_soon(self.request_id, reason)
+
     def _stop_waiting(self) -> None:
         if self._slot is not None:
             self._slot.release()
@@ -169,6 +172,9 @@ class Generation:
                 # idempotent; __aexit__ calls it again for every other way out)
                 self._upstream.ended(self.request_id)
             if self._text.stopped:
+                # at once, not when the response ends: with n > 1 or several prompts that is
+                # when the last choice ends, and this one would decode to max_tokens meanwhile
+                self._abort_upstream("stop string")
                 self.finish_reason = "stop"
                 yield Delta(self._text.take(final=True), self._take_logprobs(), "stop",
                             stop_reason=self.stop_reason)

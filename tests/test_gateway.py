@@ -68,6 +68,7 @@ class FakeScheduler:
         self.redis, self.keys, self.tok = redis, keys, tokenizer
         self.reply_ids = tokenizer.encode(REPLY)
         self.received: dict[str, RequestMsg] = {}
+        self.finished: list[tuple[str, str]] = []       # (request id, reason) as they end
         self._tasks: set[asyncio.Task] = set()
 
     async def run(self) -> None:
@@ -143,6 +144,7 @@ class FakeScheduler:
     async def _finish(self, msg: RequestMsg, reason: str, num_output_tokens: int) -> None:
         prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
         invalid = "[invalid]" in prompt
+        self.finished.append((msg.request_id, reason))
         event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids), num_output_tokens,
                             ("needs more KV blocks than the pool has" if invalid
                              else "the fake worker failed") if reason == "error" else None,
@@ -575,6 +577,22 @@ async def test_a_failed_choice_ends_the_answer_and_aborts_the_others(h: Harness,
             if h.tok.decode(msg.prompt_token_ids).endswith("[slow]")][-1]
     assert slow.endswith("-1")
     await wait_for_abort(h, slow)
+
+
+async def test_a_choice_that_meets_its_stop_string_is_aborted_before_the_others_end(
+        h: Harness) -> None:
+    """Choice 0 meets "STOP" in its eighth token or so; choice 1 (no "STOP" in its text)
+    runs on for ~1.5 s. Choice 0 must not go on decoding, for nobody, until then."""
+    body = completion(prompt=["[slow] a", "[slow][tool] b"], max_tokens=60, stop=["STOP"])
+    status, answer = await h.post("/v1/completions", body)
+    assert status == 200, answer
+    assert [c["finish_reason"] for c in answer["choices"]] == ["stop", "stop"]
+    first, second = ([rid for rid, msg in h.fake.received.items()
+                      if h.tok.decode(msg.prompt_token_ids).endswith(prompt)][-1]
+                     for prompt in body["prompt"])
+    ends = [rid for rid, _reason in h.fake.finished]
+    assert ends.index(first) < ends.index(second), h.fake.finished
+    assert dict(h.fake.finished)[first] == "abort"
 
 
 # ---- echo --------------------------------------------------------------------------------------
