@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     configure_logging("scheduler", args.log_level)
     engine_args = EngineArgs.from_cli(args)
     layout = engine_layout(engine_args)
+    layout.check_pool_holds_context()       # pacer up checked it too; alone, here
     config = SchedulerServiceConfig(
         scheduler_id=args.scheduler_id or default_scheduler_id(args.instance), tp=engine_args.tp,
         max_waiting=args.max_waiting or engine_args.max_num_seqs,

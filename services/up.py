@@ -359,18 +359,12 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
 
 
 def _check_memory(layout: EngineLayout, ranks: int, rank_tp: int) -> None:
-    """A KV pool that holds one request of the whole context (as vLLM refuses one that
-    cannot: such a request could never be scheduled); a CUDA device this torch can use; on
-    CPU, KV pools that fit in the machine's memory (each of `ranks` allocates its own, of
-    `--kv-cache-memory`, or `--num-kv-blocks` blocks of its 1/`rank_tp` of the heads)."""
+    """A KV pool that holds one request of the whole context; a CUDA device this torch can
+    use; on CPU, KV pools that fit in the machine's memory (each of `ranks` allocates its own,
+    of `--kv-cache-memory`, or `--num-kv-blocks` blocks of its 1/`rank_tp` of the heads)."""
+    layout.check_pool_holds_context()
     engine = layout.args
     sized_by = "--num-kv-blocks" if engine.num_kv_blocks else "--kv-cache-memory"
-    pool_tokens = layout.num_kv_blocks * engine.block_size
-    if pool_tokens < layout.max_model_len:
-        raise PacerError(f"the KV pool holds {pool_tokens} tokens ({layout.num_kv_blocks} "
-                         f"blocks of {engine.block_size}), fewer than the context of "
-                         f"{layout.max_model_len}: give --max-model-len {pool_tokens} or less, "
-                         f"or more {sized_by}")
     if engine.device.startswith("cuda"):
         gpu_memory.check_cuda_device(engine.device, engine.tp)
     elif engine.kv_cache_memory is not None or engine.num_kv_blocks:

@@ -39,6 +39,19 @@ class EngineLayout:
     def num_kv_blocks(self) -> int:
         return self.scheduler_config.num_kv_blocks
 
+    def check_pool_holds_context(self) -> None:
+        """For serving, as vLLM refuses to start otherwise: a pool that cannot hold one
+        sequence of the whole context would refuse, each as it came, every request that may
+        run to the context's end (a chat request without max_tokens). In process the caller
+        picks each request's max_tokens, and tests run such pools on purpose."""
+        pool_tokens = self.num_kv_blocks * self.args.block_size
+        if pool_tokens < self.max_model_len:
+            sized_by = "--num-kv-blocks" if self.args.num_kv_blocks else "--kv-cache-memory"
+            raise PacerError(f"the KV pool holds {pool_tokens} tokens ({self.num_kv_blocks} "
+                             f"blocks of {self.args.block_size}), fewer than the context of "
+                             f"{self.max_model_len}: give --max-model-len {pool_tokens} or "
+                             f"less, or more {sized_by}")
+
 
 def engine_layout(args: EngineArgs) -> EngineLayout:
     """Resolve the model and size the KV pool: `--kv-cache-memory` is per rank, each rank

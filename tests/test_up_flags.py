@@ -105,3 +105,15 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
         proc.stderr[-2000:]
     with socket.socket() as s:                       # the Redis pacer up started is stopped
         assert s.connect_ex(("127.0.0.1", redis_port)) != 0
+
+
+def test_a_scheduler_started_alone_refuses_a_pool_shorter_than_the_context():
+    """As `pacer up` does (above), for the docker-compose and multi-machine case: at start,
+    not as every chat request without max_tokens is refused."""
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "scheduler", "--num-kv-blocks",
+                           "96", "--redis-url", f"redis://127.0.0.1:{_free_port()}/0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "the KV pool holds 1536 tokens (96 blocks of 16), fewer " \
+        "than the context of 8192: give --max-model-len 1536 or less" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
