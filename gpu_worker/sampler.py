@@ -223,7 +223,9 @@ def apply_penalties(logits: torch.Tensor,
     rep: list[tuple[torch.Tensor, float]] = []
     freq: list[tuple[torch.Tensor, torch.Tensor, float, float]] = []
     for i, (p, counts) in rows.items():
-        bias += [(i * vocab + t, b) for t, b in p.logit_bias]
+        # an id past these logits (a tokenizer with more ids than the LM head) would land on
+        # the next row's: another request's logits
+        bias += [(i * vocab + t, b) for t, b in p.logit_bias if t < vocab]
         allowed += [(i, t) for t in p.allowed_token_ids if t < vocab]
         if p.bad_words_token_ids:
             bad += [(i, t) for t in bad_word_ends(p.bad_words_token_ids, counts.tokens,

@@ -150,6 +150,16 @@ def test_logit_bias_comes_first_and_can_ban_or_force_a_token():
     assert torch.equal(got, torch.tensor([1.5, -2.0]))     # (2 + 1) / 2, then -1 * 2
 
 
+def test_a_logit_bias_past_the_logits_touches_no_other_row():
+    logits = torch.zeros(2, 4)
+    logits[:, 1] = 5.0
+    past = SamplingParams(temperature=0.0, logit_bias=((4, 100.0),))     # one past the width
+    plain = SamplingParams(temperature=0.0)
+    for params in ([past, plain], [plain, past]):
+        got = Sampler().sample(logits, params, [0, 0], [TokenCounts([0], 1)] * 2)
+        assert [t.token_id for t in got] == [1, 1]
+
+
 @pytest.mark.parametrize("bias,error", [
     ([1, 2], "must be a object"), ({"x": 1}, "keys must be token ids"),
     ({"-3": 1}, "keys must be token ids"), ({"5": 101}, "in [-100, 100]"),
