@@ -81,8 +81,8 @@ class Shape:
         if not self.chat:
             return oai.completion_choice(index, text, logprobs, finish, stop_reason)
         content, calls = split_calls(self.req, self.tool_parser, text)
-        return oai.chat_choice(index, content, logprobs, finish_of_calls(finish, calls), calls,
-                               stop_reason)
+        return oai.chat_choice(index, content, logprobs,
+                               finish_of_calls(self.req, finish, calls), calls, stop_reason)
 
     def chunk(self, index: int, text: str | None, entries: list[TokenLogprob],
               finish: str | None, usage: dict | None = None,
@@ -114,7 +114,7 @@ class Shape:
             return self._auto_delta(index, text, entries, finish)
         if choice != "required":
             if text is None:
-                return {}, entries, finish_of_calls(finish, True)
+                return {}, entries, finish
             if index in self._called:
                 return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}, \
                     entries, None
@@ -129,7 +129,7 @@ class Shape:
         if calls is None:
             return {"content": held}, held_entries, finish
         return {"tool_calls": [{"index": k, **c} for k, c in enumerate(calls)]}, held_entries, \
-            finish_of_calls(finish, calls)
+            finish_of_calls(self.req, finish, calls)
 
     def _auto_delta(self, index: int, text: str | None, entries: list[TokenLogprob],
                     finish: str | None) -> tuple[dict | None, list[TokenLogprob], str | None]:
@@ -146,7 +146,7 @@ class Shape:
         delta: dict = {"content": content} if content else {}
         if calls:
             delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
-        return delta, held, finish_of_calls(finish, calls)
+        return delta, held, finish_of_calls(self.req, finish, calls)
 
 
 def split_calls(req: GenerationRequest, parser: ToolParser | None,
@@ -174,9 +174,12 @@ def openai_calls(found: list[tuple[str, str]], parallel: bool) -> list[dict] | N
                                                                     else found[:1])]
 
 
-def finish_of_calls(finish: str | None, calls) -> str | None:
-    """An output that made tool calls and ended where its grammar did: "tool_calls"."""
-    return "tool_calls" if calls is not None and finish == "stop" else finish
+def finish_of_calls(req: GenerationRequest, finish: str | None, calls) -> str | None:
+    """An output that made tool calls and ended where its grammar did: "tool_calls", for
+    tool_choice "auto" and "required"; a named function's call ends as text does, "stop" (as
+    OpenAI and vLLM answer a forced function)."""
+    named = req.tool_choice not in ("auto", "required")
+    return "tool_calls" if calls is not None and finish == "stop" and not named else finish
 
 
 async def collect(gens: list[Generation]) -> tuple[list[str], list[list[TokenLogprob]]]:
