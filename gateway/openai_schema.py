@@ -31,10 +31,8 @@ MAX_BAD_WORD_CHARS = 128      # bad words are tokenized as the request is read
 NAMED_TOOL_CHOICE = '{"type": "function", "function": {"name": ...}}'
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")      # OpenAI's rule for a function's name
 MAX_TIMEOUT_S = 86_400.0
-# Every integer must fit the wire format (msgpack int64) and the sampler: a seed is multiplied
-# by a stride and must stay inside torch's 64-bit seed range.
+# Every integer must fit the wire format (msgpack int64).
 INT_BOUND = 2**63
-SEED_BOUND = 2**40
 # Below this a temperature only overflows the logits (inf, then NaN): it means greedy.
 MIN_TEMPERATURE = 1e-5
 # The sampler compares in float32, where a smaller top_p rounds to 0 and drops every token
@@ -42,6 +40,10 @@ MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 # Most choices one request may ask for (prompts x n): each is a request of its own upstream.
 MAX_CHOICES = 128
+# Any 64-bit seed, as vLLM takes (a millisecond clock reading is a common one): the n choices
+# of a request take seed, seed + 1, ..., which must stay 64-bit too. The sampler hashes both
+# 32-bit halves.
+SEED_RANGE = (-INT_BOUND, INT_BOUND - MAX_CHOICES)
 # The client's own id for a request (vLLM reads it too): logged beside ours, sent back.
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 128
@@ -365,10 +367,17 @@ def _message(m: Any, i: int) -> dict:
     if content is None:
         content = ""
     elif isinstance(content, list):   # content parts: only text is served
+        if m["role"] == "assistant":  # an answer OpenAI refused, replayed: its words
+            content = [{"type": "text", "text": p["refusal"]} if isinstance(p, dict) and
+                       p.get("type") == "refusal" and isinstance(p.get("refusal"), str) else p
+                       for p in content]
         content = text_of_parts(content, param, ("text",))
     elif not isinstance(content, str):
         raise APIError(f"{param}.content must be a string or a list of text parts", param=param)
-    return {**m, "content": content}
+    # OpenAI's newer name for the system message (for its reasoning models): chat templates
+    # know "system" only, and some drop a role they do not know without a word
+    role = "system" if m["role"] == "developer" else m["role"]
+    return {**m, "role": role, "content": content}
 
 
 # vLLM's and OpenAI's fields that would change the answer and that this server does not do
@@ -589,8 +598,9 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0
     seed = read_field(body, "seed", (int,), None)
-    if seed is not None and not -SEED_BOUND <= seed <= SEED_BOUND:
-        raise APIError(f"'seed' must be in [-2**40, 2**40], got {seed}", param="seed")
+    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
+        raise APIError(f"'seed' must be in [-2**63, 2**63 - {MAX_CHOICES}), got {seed}",
+                       param="seed")
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise APIError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")

@@ -313,7 +313,19 @@ async def test_chat_accepts_every_openai_role(h: Harness) -> None:
                                                        "tool", "user")]
     status, body = await h.post("/v1/chat/completions", {**chat(max_tokens=2), "messages": messages})
     assert status == 200, body
-    assert h.fake.received[body["id"]].prompt_token_ids == h.tok.encode_chat(messages)
+    # "developer" is OpenAI's newer "system": the template is shown the role it knows
+    shown = [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+    assert h.fake.received[body["id"]].prompt_token_ids == h.tok.encode_chat(shown)
+    assert h.tok.encode_chat(shown) != h.tok.encode_chat(messages)
+
+
+async def test_an_assistant_refusal_part_is_replayed_as_its_words(h: Harness) -> None:
+    refused = {"role": "assistant", "content": [{"type": "refusal", "refusal": "I can't."}]}
+    messages = [{"role": "user", "content": "x"}, refused, {"role": "user", "content": "y"}]
+    status, body = await h.post("/v1/chat/completions", {**chat(max_tokens=2), "messages": messages})
+    assert status == 200, body
+    assert h.fake.received[body["id"]].prompt_token_ids == h.tok.encode_chat(
+        [messages[0], {"role": "assistant", "content": "I can't."}, messages[2]])
 
 
 async def test_chat_logprobs_bytes_join_into_the_text(h: Harness) -> None:

@@ -209,6 +209,21 @@ def test_seeded_tokens_ignore_batch_composition_and_position():
     assert len(set(alone)) > 5
 
 
+def test_any_64_bit_seed_samples_its_own_repeatable_tokens():
+    """A millisecond clock reading, the int64 ends, a negative seed: each the same tokens
+    every time, and not its neighbour's (both 32-bit halves are hashed)."""
+    from gateway.openai_schema import SEED_RANGE
+    x = logits(rows=1, vocab=300, seed=7)
+
+    def tokens(seed: int) -> list[int]:
+        p = SamplingParams(temperature=1.0, seed=seed)
+        return [Sampler().sample(x, [p], [n])[0].token_id for n in range(24)]
+
+    for seed in (1_765_051_200_000, SEED_RANGE[0], SEED_RANGE[1] - 1, -1):
+        assert tokens(seed) == tokens(seed), seed
+        assert tokens(seed) != tokens(seed + 1 if seed < SEED_RANGE[1] - 1 else seed - 1), seed
+
+
 @pytest.mark.parametrize("vocab", [4096, 49152])
 def test_the_window_gives_the_masks_a_whole_sort_gives(vocab):
     """On a CPU top-k/top-p look at each row's largest values first and sort a row whole only

@@ -330,3 +330,12 @@ def test_bad_words_kept_out_of_greedy_output(tokenizer):
     [held] = engine.generate([prompt], [SamplingParams(max_tokens=8, temperature=0.0,
                                                        bad_words_token_ids=words)])
     assert "Paris" not in engine.tokenizer.decode(held.token_ids)
+
+
+def test_a_seed_is_any_64_bit_integer_that_leaves_room_for_its_choices():
+    for seed in (1_765_051_200_000, -2**63, 2**63 - 129):          # Date.now(), the ends
+        assert parse_completion({"model": "m", "prompt": "hi", "seed": seed}).seed == seed
+    for seed in (2**63 - 128, 2**63, -2**63 - 1):
+        with pytest.raises(APIError) as e:
+            parse_completion({"model": "m", "prompt": "hi", "seed": seed})
+        assert e.value.param == "seed", str(e.value)
