@@ -275,6 +275,9 @@ def parse_chat(body: Any, auto_tools: bool = False) -> GenerationRequest:
     max_tokens = read_field(body, "max_completion_tokens", (int,), None)
     if max_tokens is None:
         max_tokens = read_field(body, "max_tokens", (int,), None)
+    elif max_tokens < 1:              # named as sent (_common's check names max_tokens)
+        raise APIError(f"'max_completion_tokens' must be at least 1, got {max_tokens}",
+                       param="max_completion_tokens")
     if read_field(body, "echo", (bool,), False):
         raise APIError("'echo' is served on /v1/completions only", param="echo")
     request = _common(body, "chat", prompts=(), messages=messages, max_tokens=max_tokens,

@@ -53,7 +53,9 @@ NOT_ON_RESPONSES = ("best_of", "echo", "prompt_logprobs", "suffix", "functions")
 # Chat fields that have another spelling here: sent, they would be silently ignored
 CHAT_SPELLINGS = {"messages": "input", "max_tokens": "max_output_tokens",
                   "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
-                  "n": None, "logprobs": None, "stream_options": None}
+                  "n": None, "logprobs": None}
+# stream_options here: OpenAI's one option, not to pad events (nothing here is padded)
+STREAM_OPTIONS = ("include_obfuscation",)
 
 
 def in_responses_terms(error: APIError) -> APIError:
@@ -93,6 +95,12 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     if read_field(body, "background", (bool,), False):
         raise APIError("'background' responses are not served (nothing is stored)",
                        param="background")
+    options = read_field(body, "stream_options", (dict,), None) or {}
+    for name, value in options.items():
+        if name not in STREAM_OPTIONS or not isinstance(value, bool):
+            raise APIError(f"'stream_options' on /v1/responses takes {', '.join(STREAM_OPTIONS)} "
+                           f"(a boolean) only, got {name!r:.60}: usage comes in "
+                           "response.completed", param="stream_options")
     include = read_field(body, "include", (list,), None) or []
     if any(item != LOGPROBS_INCLUDE for item in include):
         raise APIError(f"'include' serves {LOGPROBS_INCLUDE!r} only (no reasoning or tool "
@@ -148,11 +156,17 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     metadata = read_field(body, "metadata", (dict,), None)
     echo = {"instructions": instructions, "max_output_tokens": max_output,
             "top_logprobs": top_logprobs,
-            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "temperature": _or(body.get("temperature"), 1.0),
+            "top_p": _or(body.get("top_p"), 1.0),
             "text": {"format": fmt}, "truncation": truncation, "metadata": metadata or {},
             "tools": body.get("tools") or [], "tool_choice": choice,
             "parallel_tool_calls": chat.get("parallel_tool_calls", True)}
     return chat, echo
+
+
+def _or(value: Any, default: Any) -> Any:
+    """A field's value, or its default where it was left out or sent as null."""
+    return default if value is None else value
 
 
 def _tool(tool: Any, i: int) -> dict:

@@ -863,9 +863,15 @@ async def test_responses_api_takes_vllm_s_chat_fields(h: Harness) -> None:
     status, _ = await h.post("/v1/responses", {**body, "truncate_prompt_tokens": 3})
     assert status == 200 and len(list(h.fake.received.values())[-1].prompt_token_ids) == 3
     for refused in ({"best_of": 2}, {"echo": True}, {"prompt_logprobs": 1},
-                    {"truncation": "auto", "truncate_prompt_tokens": 3}, {"messages": []}):
+                    {"truncation": "auto", "truncate_prompt_tokens": 3}, {"messages": []},
+                    {"stream_options": {"include_usage": True}}):
         status, error = await h.post("/v1/responses", {**body, **refused})
         assert status == 400 and error["error"]["param"] in refused, error
+    # OpenAI's one stream option here, and sampling fields sent as null: their defaults
+    status, answer = await h.post("/v1/responses", {
+        **body, "stream_options": {"include_obfuscation": False}, "temperature": None,
+        "top_p": None})
+    assert status == 200 and (answer["temperature"], answer["top_p"]) == (1.0, 1.0), answer
     # what the chat path refuses is named as /v1/responses spells it
     for wrong, param in (({"input": "word " * 200}, "input"),
                          ({"max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens")):

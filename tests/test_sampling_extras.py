@@ -332,6 +332,13 @@ def test_bad_words_kept_out_of_greedy_output(tokenizer):
     assert "Paris" not in engine.tokenizer.decode(held.token_ids)
 
 
+def test_a_max_completion_tokens_below_one_is_named_as_sent():
+    with pytest.raises(APIError) as e:
+        parse_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                    "max_completion_tokens": 0})
+    assert e.value.param == "max_completion_tokens" and "max_completion_tokens" in str(e.value)
+
+
 def test_a_seed_is_any_64_bit_integer_that_leaves_room_for_its_choices():
     for seed in (1_765_051_200_000, -2**63, 2**63 - 129):          # Date.now(), the ends
         assert parse_completion({"model": "m", "prompt": "hi", "seed": seed}).seed == seed
