@@ -221,8 +221,10 @@ def _messages(given: str | list) -> list[dict]:
             if call_id not in call_ids:      # as OpenAI: an output answers a call given before
                 raise APIError(f"{param}: no function_call with call_id {call_id!r:.60} comes "
                                "before this output in 'input'", param=param)
-            messages.append({"role": "tool", "tool_call_id": call_id,
-                             "content": _text(item, "output", param)})
+            output = item.get("output")      # a string, or (as OpenAI takes) text parts
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": (
+                oai.text_of_parts(output, f"{param}.output", TEXT_PARTS)
+                if isinstance(output, list) else _text(item, "output", param))})
             continue
         if kind != "message":
             raise APIError(f"{param}: only messages, function calls and their outputs are "

@@ -956,6 +956,12 @@ async def test_responses_api_function_tools_and_their_history(h: Harness) -> Non
             "id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}], chat_tools)
+    # an output of text parts, as OpenAI takes it too: the same prompt
+    parts = [{"type": "input_text", "text": "18 C"}]
+    status, _ = await h.post("/v1/responses", {**body, "input": [
+        *history[:2], {**history[2], "output": parts}]})
+    assert status == 200 and list(h.fake.received.values())[-1].prompt_token_ids == \
+        sent.prompt_token_ids
 
 
 async def test_the_token_listener_resubscribes_after_its_connection_drops(h: Harness) -> None:
