@@ -272,16 +272,15 @@ def parse_chat(body: Any, auto_tools: bool = False) -> GenerationRequest:
         raise APIError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
     if top is not None and not want:
         raise APIError("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
-    max_tokens = read_field(body, "max_completion_tokens", (int,), None)
-    if max_tokens is None:
-        max_tokens = read_field(body, "max_tokens", (int,), None)
-    elif max_tokens < 1:              # named as sent (_common's check names max_tokens)
-        raise APIError(f"'max_completion_tokens' must be at least 1, got {max_tokens}",
-                       param="max_completion_tokens")
+    # OpenAI's newer name first; an error names the field the client sent
+    limit = "max_completion_tokens" if body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    max_tokens = read_field(body, limit, (int,), None)
     if read_field(body, "echo", (bool,), False):
         raise APIError("'echo' is served on /v1/completions only", param="echo")
     request = _common(body, "chat", prompts=(), messages=messages, max_tokens=max_tokens,
-                      logprobs=(top or 0) if want else None, auto_tools=auto_tools)
+                      logprobs=(top or 0) if want else None, auto_tools=auto_tools,
+                      max_tokens_field=limit)
     add_generation_prompt, continue_final_message = _chat_format(body)
     return dataclasses.replace(request, add_generation_prompt=add_generation_prompt,
                                continue_final_message=continue_final_message)
@@ -370,11 +369,9 @@ def _message(m: Any, i: int) -> dict:
     if content is None:
         content = ""
     elif isinstance(content, list):   # content parts: only text is served
-        if m["role"] == "assistant":  # an answer OpenAI refused, replayed: its words
-            content = [{"type": "text", "text": p["refusal"]} if isinstance(p, dict) and
-                       p.get("type") == "refusal" and isinstance(p.get("refusal"), str) else p
-                       for p in content]
-        content = text_of_parts(content, param, ("text",))
+        # an answer OpenAI refused, replayed: its words
+        content = text_of_parts(content, param,
+                                ("text", "refusal") if m["role"] == "assistant" else ("text",))
     elif not isinstance(content, str):
         raise APIError(f"{param}.content must be a string or a list of text parts", param=param)
     # OpenAI's newer name for the system message (for its reasoning models): chat templates
@@ -581,7 +578,8 @@ def _choices(body: dict, num_prompts: int) -> int:
 
 
 def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | None,
-            logprobs: int | None, echo: bool = False, auto_tools: bool = False) -> GenerationRequest:
+            logprobs: int | None, echo: bool = False, auto_tools: bool = False,
+            max_tokens_field: str = "max_tokens") -> GenerationRequest:
     _refuse_what_would_be_ignored(body)
     tools, tool_choice = _tool_choice(body, endpoint, auto_tools)
     parallel_tool_calls = read_field(body, "parallel_tool_calls", (bool,), True)
@@ -622,7 +620,8 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         raise APIError(f"'repetition_penalty' must be in (0, {MAX_REPETITION_PENALTY:g}], got "
                        f"{repetition:g}", param="repetition_penalty")
     if max_tokens is not None and max_tokens < 1:
-        raise APIError(f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+        raise APIError(f"'{max_tokens_field}' must be at least 1, got {max_tokens}",
+                       param=max_tokens_field)
     min_tokens = read_field(body, "min_tokens", (int,), 0)       # at most max_tokens: prompts.py
     if min_tokens < 0:
         raise APIError(f"'min_tokens' must be at least 0, got {min_tokens}", param="min_tokens")

@@ -156,17 +156,12 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     metadata = read_field(body, "metadata", (dict,), None)
     echo = {"instructions": instructions, "max_output_tokens": max_output,
             "top_logprobs": top_logprobs,
-            "temperature": _or(body.get("temperature"), 1.0),
-            "top_p": _or(body.get("top_p"), 1.0),
+            "temperature": read_field(body, "temperature", (int, float), 1.0),
+            "top_p": read_field(body, "top_p", (int, float), 1.0),
             "text": {"format": fmt}, "truncation": truncation, "metadata": metadata or {},
             "tools": body.get("tools") or [], "tool_choice": choice,
             "parallel_tool_calls": chat.get("parallel_tool_calls", True)}
     return chat, echo
-
-
-def _or(value: Any, default: Any) -> Any:
-    """A field's value, or its default where it was left out or sent as null."""
-    return default if value is None else value
 
 
 def _tool(tool: Any, i: int) -> dict:

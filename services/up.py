@@ -364,7 +364,6 @@ def _check_memory(layout: EngineLayout, ranks: int, rank_tp: int) -> None:
     of `--kv-cache-memory`, or `--num-kv-blocks` blocks of its 1/`rank_tp` of the heads)."""
     layout.check_pool_holds_context()
     engine = layout.args
-    sized_by = "--num-kv-blocks" if engine.num_kv_blocks else "--kv-cache-memory"
     if engine.device.startswith("cuda"):
         gpu_memory.check_cuda_device(engine.device, engine.tp)
     elif engine.kv_cache_memory is not None or engine.num_kv_blocks:
@@ -378,7 +377,7 @@ def _check_memory(layout: EngineLayout, ranks: int, rank_tp: int) -> None:
         physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         if total > physical:
             given = engine.num_kv_blocks or engine.kv_cache_memory
-            raise PacerError(f"{sized_by} {given} for each of {ranks} worker rank(s) is "
+            raise PacerError(f"{layout.kv_pool_flag} {given} for each of {ranks} worker rank(s) is "
                              f"{total / 2**30:.1f} GiB, more than this machine's "
                              f"{physical / 2**30:.1f} GiB of memory")
 

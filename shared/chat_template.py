@@ -105,16 +105,23 @@ def _content_text(i: int, content: Any) -> str:
     return text_of_parts(content, f"messages[{i}]")
 
 
+# where a part of each kind keeps its words, where not under "text" (OpenAI's refusal part)
+PART_TEXT_FIELD = {"refusal": "refusal"}
+
+
 def text_of_parts(parts: list, at: str, kinds: tuple[str, ...] = ("text",)) -> str:
     """A message's text parts (`at`: the message, for errors) as one string, joined as vLLM
     joins them for templates that expect a string: a newline between."""
+    texts = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in kinds or not isinstance(part.get("text"), str):
+        text = part.get(PART_TEXT_FIELD.get(kind, "text")) if kind in kinds else None
+        if not isinstance(text, str):
             raise InvalidRequestError(f"{at}.content[{j}] must be " + '{"type": "text", '
                                       '"text": "..."} (only text parts are served: '
                                       f"{', '.join(kinds)})")
-    return PART_SEPARATOR.join(part["text"] for part in parts)
+        texts.append(text)
+    return PART_SEPARATOR.join(texts)
 
 
 def render_chat_template(template: str, messages: Any, *, bos_token: str = "",

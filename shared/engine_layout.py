@@ -39,6 +39,11 @@ class EngineLayout:
     def num_kv_blocks(self) -> int:
         return self.scheduler_config.num_kv_blocks
 
+    @property
+    def kv_pool_flag(self) -> str:
+        """The flag the KV pool was sized by, for errors that ask for another size."""
+        return "--num-kv-blocks" if self.args.num_kv_blocks else "--kv-cache-memory"
+
     def check_pool_holds_context(self) -> None:
         """For serving, as vLLM refuses to start otherwise: a pool that cannot hold one
         sequence of the whole context would refuse, each as it came, every request that may
@@ -46,11 +51,10 @@ class EngineLayout:
         picks each request's max_tokens, and tests run such pools on purpose."""
         pool_tokens = self.num_kv_blocks * self.args.block_size
         if pool_tokens < self.max_model_len:
-            sized_by = "--num-kv-blocks" if self.args.num_kv_blocks else "--kv-cache-memory"
             raise PacerError(f"the KV pool holds {pool_tokens} tokens ({self.num_kv_blocks} "
                              f"blocks of {self.args.block_size}), fewer than the context of "
                              f"{self.max_model_len}: give --max-model-len {pool_tokens} or "
-                             f"less, or more {sized_by}")
+                             f"less, or more {self.kv_pool_flag}")
 
 
 def engine_layout(args: EngineArgs) -> EngineLayout:
