@@ -21,7 +21,7 @@ from shared.errors import InvalidRequestError
 from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                              MAX_REPETITION_PENALTY, MAX_TOKEN_IDS)
 from shared import chat_template
-from shared.structured import JSON_OPTIONS, KINDS, closed_schema, structured_pair
+from shared.structured import JSON_OPTIONS, KINDS, closed_schema, rebased_schema, structured_pair
 
 MAX_LOGPROBS = 20
 # stop strings (and bad words): each is looked for after every token of its request
@@ -441,6 +441,10 @@ def _tool_choice(body: dict, endpoint: str,
     if endpoint != "chat":
         raise APIError("'tools' are served on /v1/chat/completions only", param="tools")
     names = [_tool_name(t, i) for i, t in enumerate(tools)]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:
+        raise APIError(f"tools name the function {twice!r} twice: a call names the function "
+                       "it calls, so each tool needs a name of its own", param="tools")
     if isinstance(choice, dict):
         function = choice.get("function")
         if choice.get("type") != "function" or not isinstance(function, dict) or \
@@ -449,7 +453,7 @@ def _tool_choice(body: dict, endpoint: str,
                            + NAMED_TOOL_CHOICE, param="tool_choice")
         return tuple(tools), function["name"]
     if choice == "none":
-        return (), None                  # as vLLM: tools not shown when none may be called
+        return tuple(tools), None        # shown, none called (OpenAI's and vLLM's default)
     if choice == "auto" and auto_tools:
         return tuple(tools), "auto"
     if choice == "auto":
@@ -486,18 +490,22 @@ def check_strict(spec: dict, where: str, param: str) -> None:
 def tool_call_constraint(tools: tuple[dict, ...], choice: str, parallel: bool) -> dict:
     """vLLM's structured_outputs for a tool choice: the named function's parameters, or a
     list of {"name", "parameters"} objects, one of the tools' each (at most one unless
-    parallel calls are allowed)."""
+    parallel calls are allowed). In the list each tool's parameters sit in the list schema's
+    $defs, their own `$ref`s rebased, so that "#" and "#/$defs/X" inside them still point
+    into those parameters (as pydantic's schemas use them)."""
     def parameters(tool: dict) -> dict:
         schema = tool["function"].get("parameters") or {"type": "object"}
         # a strict function takes no argument its parameters do not name
         return closed_schema(schema) if tool["function"].get("strict") is True else schema
     if choice != "required":
         return {"json": parameters(next(t for t in tools if t["function"]["name"] == choice))}
-    calls = {"type": "array", "minItems": 1, "items": {"anyOf": [
-        {"type": "object", "properties": {"name": {"type": "string",
-                                                   "enum": [t["function"]["name"]]},
-                                          "parameters": parameters(t)},
-         "required": ["name", "parameters"], "additionalProperties": False} for t in tools]}}
+    names = [t["function"]["name"] for t in tools]
+    defs = {f"tool-{name}": rebased_schema(parameters(t), f"/$defs/tool-{name}")
+            for name, t in zip(names, tools)}
+    calls = {"type": "array", "minItems": 1, "$defs": defs, "items": {"anyOf": [
+        {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                          "parameters": {"$ref": f"#/$defs/tool-{name}"}},
+         "required": ["name", "parameters"], "additionalProperties": False} for name in names]}}
     return {"json": calls if parallel else {**calls, "maxItems": 1}}
 
 
@@ -509,7 +517,7 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
     that makes the output tool calls: one of them."""
     given: list[tuple[str, Any]] = []
     fmt = read_field(body, "response_format", (dict,), None)
-    kind = (fmt or {}).get("type", "text")
+    kind = "text" if fmt is None else fmt.get("type")
     if kind == "json_object":
         given.append(("response_format", {"json_object": True}))
     elif kind == "json_schema":
@@ -521,9 +529,10 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
         # strict (OpenAI's structured outputs): no key the schema does not name
         given.append(("response_format", {"json": spec["schema"],
                                           "disable_additional_properties": spec.get("strict") is True}))
-    elif kind != "text":
+    elif kind != "text":                # OpenAI's 400 for a format without a type, too
         raise APIError(f"response_format.type must be 'text', 'json_object' or 'json_schema', "
-                       f"got {kind!r:.100}", param="response_format")
+                       f"got {'nothing' if kind is None else repr(kind)[:100]}",
+                       param="response_format")
     options: dict[str, Any] = {}
     if (spec := read_field(body, "structured_outputs", (dict,), None)) is not None:
         named = {k for k, v in spec.items() if v is not None and v is not False}

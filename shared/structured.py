@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any
+from typing import Any, Callable
 
 from shared.errors import InvalidRequestError
 from shared.json_file import parse_user_json
@@ -96,24 +96,50 @@ def _with_options(schema: Any, options: dict) -> dict:
     return {**schema, "x-guidance": guidance} if guidance else schema
 
 
+# where JSON Schema puts subschemas: {name: schema}, one schema, [schema, ...]
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+_SUBSCHEMA_ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
+                  "propertyNames", "additionalItems", "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+
+
+def _map_subschemas(schema: dict, fn: Callable[[Any], Any]) -> dict:
+    """A copy of the schema with `fn` applied to each of its direct subschemas."""
+    out = dict(schema)
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: fn(sub) for name, sub in out[key].items()}
+    for key in _SUBSCHEMA_ONE:
+        if isinstance(out.get(key), dict):
+            out[key] = fn(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [fn(sub) for sub in out[key]]
+    return out
+
+
 def closed_schema(schema: Any) -> Any:
     """The schema with additionalProperties false on every object schema that leaves it
     open (vLLM's disable_additional_properties; OpenAI's `strict`), subschemas included
     wherever JSON Schema puts them."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in ("properties", "$defs", "definitions", "patternProperties"):
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed_schema(sub) for name, sub in out[key].items()}
-    for key in ("items", "additionalProperties", "not", "if", "then", "else"):
-        if isinstance(out.get(key), dict):
-            out[key] = closed_schema(out[key])
-    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
-        if isinstance(out.get(key), list):
-            out[key] = [closed_schema(sub) for sub in out[key]]
+    out = _map_subschemas(schema, closed_schema)
     if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out:
         out["additionalProperties"] = False
+    return out
+
+
+def rebased_schema(schema: Any, pointer: str) -> Any:
+    """The schema as it reads when placed at `pointer` (a JSON pointer, e.g. "/$defs/f") in
+    a larger one: each local `$ref` ("#", "#/$defs/X", ...) pointed where it pointed when the
+    schema was a root of its own."""
+    if not isinstance(schema, dict):
+        return schema
+    out = _map_subschemas(schema, lambda sub: rebased_schema(sub, pointer))
+    ref = out.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = "#" + pointer + ref[1:]
     return out
 
 

@@ -160,6 +160,27 @@ def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
     assert side._replies[-1][1].block_ids == []
 
 
+def test_a_decode_instance_takes_no_more_requests_than_max_num_seqs():
+    """Each reservation becomes a running request: past --max-num-seqs running and reserved
+    together, a decode instance answers no room (the prefill side waits or asks another),
+    as a colocated scheduler admits no more than that."""
+    c = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2, num_kv_blocks=64,
+                                  block_size=BLOCK, max_model_len=128))
+    side = decode_side(c)
+    msgs = [request(f"r{i}", 5) for i in range(3)]
+    side.receive(reply(ReserveMsg(encode(msgs[0]), "p0")))
+    side.receive(reply(handoff(msgs[0], "5-0", 77, ["d0:1"])))
+    checked(c, side)
+    assert c.num_running == 1
+    side.receive(reply(ReserveMsg(encode(msgs[1]), "p0")))     # one runs, one on its way
+    assert side._replies[-1][1].block_ids
+    side.receive(reply(ReserveMsg(encode(msgs[2]), "p0")))
+    assert side._replies[-1][1].error == NO_ROOM
+    c.abort("r0")
+    side.receive(reply(ReserveMsg(encode(msgs[2]), "p0")))     # asked again, room now
+    assert side._replies[-1][1].block_ids
+
+
 def beat(at: float, tp: int = 1, unsettled: tuple[str, ...] = (),
          started_at: float = 1.0) -> bytes:
     """A prefill worker's heartbeat written at `at`, naming the requests whose writes it gave

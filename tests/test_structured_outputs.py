@@ -268,9 +268,13 @@ def test_a_tool_choice_becomes_the_constraint_of_its_calls():
                            "parallel_tool_calls": False})
     calls = json.loads(required.structured_outputs[1])
     assert calls["type"] == "array" and calls["maxItems"] == 1
-    assert calls["items"]["anyOf"][0]["properties"]["name"]["enum"] == ["get_weather"]
+    [call] = calls["items"]["anyOf"]
+    assert call["properties"]["name"]["enum"] == ["get_weather"]
+    ref = call["properties"]["parameters"]["$ref"]
+    assert calls["$defs"][ref.removeprefix("#/$defs/")] == TOOL["function"]["parameters"]
+    # "none": the tools shown to the template (OpenAI's and vLLM's default), no call made
     none = parse_chat({**CHAT, "tools": [TOOL], "tool_choice": "none"})
-    assert (none.tools, none.tool_choice, none.structured_outputs) == ((), None, None)
+    assert (none.tools, none.tool_choice, none.structured_outputs) == ((TOOL,), None, None)
     # "auto" (the default with tools) where a parser of the model's format is configured:
     # the tools shown, nothing constrained
     auto = parse_chat({**CHAT, "tools": [TOOL]}, auto_tools=True)
@@ -299,7 +303,7 @@ def test_strict_schemas_and_tools_name_every_key_the_output_may_have():
         assert "additionalProperties" not in schema(response_format=response_format(loose))
     strict_tool = {"type": "function", "function": {**TOOL["function"], "strict": True}}
     assert schema(tools=[strict_tool], tool_choice="required")[
-        "items"]["anyOf"][0]["properties"]["parameters"]["additionalProperties"] is False
+        "$defs"]["tool-get_weather"]["additionalProperties"] is False
     assert schema(tools=[strict_tool], tool_choice={"type": "function", "function": {
         "name": "get_weather"}})["additionalProperties"] is False
     assert "additionalProperties" not in schema(tools=[TOOL], tool_choice={
@@ -348,12 +352,47 @@ def test_a_strict_schema_ends_the_object_at_its_last_key(tokenizer):
      "tool_choice", "one constraint"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "bogus"}}}],
       "tool_choice": "required"}, "tools", "the tools' parameters are not a schema"),
+    ({"tools": [TOOL, TOOL], "tool_choice": "required"}, "tools", "'get_weather' twice"),
+    # a response format says what it is, as OpenAI asks (not taken as text)
+    ({"response_format": {}}, "response_format", "response_format.type must be .* got nothing"),
+    ({"response_format": {"type": "xml"}}, "response_format", "got 'xml'"),
 ])
-def test_a_tool_request_that_cannot_be_served_says_why(fields, param, says):
+def test_a_request_that_cannot_be_served_says_why(fields, param, says):
     from gateway.openai_schema import APIError, parse_chat
     with pytest.raises(APIError, match=says) as e:
         parse_chat({**CHAT, **fields})
     assert e.value.param == param
+
+
+# parameters that point into themselves, as pydantic writes them ($defs) and as a tree does
+LOCATED = {"type": "object", "properties": {"loc": {"$ref": "#/$defs/Loc"}}, "required": ["loc"],
+           "additionalProperties": False, "$defs": {"Loc": {
+               "type": "object", "properties": {"city": {"type": "string"}},
+               "required": ["city"], "additionalProperties": False}}}
+TREE = {"type": "object", "properties": {"name": {"type": "string"}, "children": {
+    "type": "array", "items": {"$ref": "#"}}}, "required": ["name"], "additionalProperties": False}
+
+
+def test_required_calls_keep_each_tools_own_refs(tokenizer):
+    """Under "required" each tool's parameters are one branch of a list's schema: a `$ref`
+    inside them ("#", "#/$defs/X") must still point into them, not at the list (which gave a
+    400 for pydantic's $defs, and let "#" take a list of calls as a tree's child)."""
+    from gateway.openai_schema import parse_chat
+    tools = [{"type": "function", "function": {"name": name, "parameters": params}}
+             for name, params in (("locate", LOCATED), ("tree", TREE))]
+    spec = parse_chat({**CHAT, "tools": tools, "tool_choice": "required"}).structured_outputs
+    grammars = Grammars(resolve_model(None), tokenizer.vocab_size, [tokenizer.eos_token_id])
+
+    def accepts(output: str) -> bool:
+        matcher = grammars.matcher("r", SamplingParams(structured_outputs=spec),
+                                   tokenizer.encode(output))
+        return not matcher.is_error() and matcher.is_accepting()
+    assert accepts('[{"name": "locate", "parameters": {"loc": {"city": "Oslo"}}}]')
+    assert not accepts('[{"name": "locate", "parameters": {"loc": {"town": "Oslo"}}}]')
+    assert accepts('[{"name": "tree", "parameters": {"name": "a", "children": '
+                   '[{"name": "b", "children": []}]}}]')
+    assert not accepts('[{"name": "tree", "parameters": {"name": "a", "children": '
+                       '[[{"name": "tree", "parameters": {"name": "b"}}]]}}]')
 
 
 def test_tool_calls_read_from_the_output():

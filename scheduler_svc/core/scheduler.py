@@ -226,15 +226,17 @@ class Scheduler:
                 reply_to: str = "") -> list[int] | None:
         """Hold the blocks a prompt's K/V will be written into by a prefill instance, plus
         room for the first decode. Returns the block ids (the same ones again for an id
-        already reserved), or None when the pool has no room now or requests already wait
-        here (a preempted one must not starve behind new reservations). InvalidRequestError if
-        the request could never be served here."""
+        already reserved), or None when the pool has no room now, requests already wait here
+        (a preempted one must not starve behind new reservations) or max_num_seqs run or are
+        on their way. InvalidRequestError if the request could never be served here."""
         held = self._reserved.get(request_id)
         if held is not None:
             return list(held.block_table)
         self._validate(request_id, prompt_token_ids, sampling)
         if self._waiting:
             return None         # requests already here (preempted ones, say) go first
+        if len(self._running) + len(self._reserved) >= self.config.max_num_seqs:
+            return None         # each reservation becomes a running request
         request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
                           reply_to=reply_to)
         if self.block_manager.allocate(request, len(prompt_token_ids) + 1) is None:
