@@ -58,7 +58,7 @@ HELD_MAX_S = 600.0
 # ... or once a rank of it has had no heartbeat this long: dead (a stopped one that long is
 # killed by `pacer up`'s watchdog, 30 s by default, and comes back another process)
 HELD_GONE_S = 60.0
-NO_ROOM = "no room now (no free KV blocks, or requests already waiting there)"
+NO_ROOM = "no room now (no free KV blocks, max_num_seqs running, or requests already waiting there)"
 
 
 @dataclass
