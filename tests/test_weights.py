@@ -80,22 +80,30 @@ def test_plain_view_reads_quantized_tiny_gguf_as_gguf_py_does(tiny_dirs, tmp_pat
     _same_reading(str(write_tiny_gguf(tmp_path / "m.gguf", tiny_dirs["untied"], Q.Q4_1)))
 
 
-def test_plain_view_reads_a_big_endian_gguf_as_gguf_py_does(tmp_path):
+@pytest.mark.parametrize("endian", ["LITTLE", "BIG"])
+def test_plain_view_reads_every_kind_of_value_as_gguf_py_does(tmp_path, endian):
+    """Scalars, strings and arrays of each kind (the arrays of strings and numbers read in one
+    loop, the others by gguf-py), in the machine's byte order and in the other."""
     import gguf
-    path = str(tmp_path / "big.gguf")
-    writer = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian.BIG)
+    path = str(tmp_path / f"{endian}.gguf")
+    writer = gguf.GGUFWriter(path, "llama", endianess=gguf.GGUFEndian[endian])
     writer.add_uint32("x.u32", 7)
     writer.add_float32("x.f32", 1.5)
     writer.add_string("x.str", "hello")
     writer.add_array("x.ints", [1, 2, 3])
-    writer.add_array("x.strs", ["a", "bc", ""])
+    writer.add_array("x.strs", ["a", "bc", "", "é✓"])
+    writer.add_array("x.floats", [0.5, -2.0])
+    writer.add_array("x.bools", [True, False, True])
+    writer.add_array("x.nested", [[1, 2], [3]])
     writer.add_tensor("t", np.arange(12, dtype=np.float32).reshape(3, 4))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     _same_reading(path)
-    assert _PlainViewReader(path).fields["x.strs"].contents() == ["a", "bc", ""]
+    fields = _PlainViewReader(path).fields
+    assert fields["x.strs"].contents() == ["a", "bc", "", "é✓"]
+    assert fields["x.floats"].contents() == [0.5, -2.0]
 
 
 # ---- tiny models --------------------------------------------------------------------------
