@@ -53,6 +53,14 @@ def test_vllm_s_json_options_are_written_into_the_schema():
     assert schema["additionalProperties"] is False
     assert schema["properties"]["inner"]["additionalProperties"] is False
     assert schema["properties"]["list"]["items"]["additionalProperties"] is False
+    # wherever JSON Schema puts a subschema: a list of items, contains, dependentSchemas
+    elsewhere = {"type": "array", "items": [{"type": "object"}], "contains": {"type": "object"},
+                 "dependentSchemas": {"a": {"properties": {"b": {}}}}}
+    closed = json.loads(structured_pair({"json": elsewhere,
+                                         "disable_additional_properties": True})[1])
+    assert closed["items"][0]["additionalProperties"] is False
+    assert closed["contains"]["additionalProperties"] is False
+    assert closed["dependentSchemas"]["a"]["additionalProperties"] is False
     assert json.loads(structured_pair({"json_object": True, "whitespace_pattern": " ?"})[1]) == \
         {"type": "object", "x-guidance": {"whitespace_pattern": " ?"}}
     # only JSON has them; a regex is unchanged
