@@ -12,7 +12,7 @@ from gpu_worker.structured import Grammars, mask_rows
 from shared.errors import InvalidRequestError
 from shared.model_source import resolve_model
 from shared.sampling import SamplingParams
-from shared.structured import ANY_JSON_OBJECT, structured_pair
+from shared.structured import ANY_JSON_OBJECT, closed_schema, structured_pair
 from shared.tokenizer import load_tokenizer
 from tests.hf_reference import assert_same_tokens
 from services.engine import EngineArgs, LLMEngine
@@ -56,8 +56,7 @@ def test_vllm_s_json_options_are_written_into_the_schema():
     # wherever JSON Schema puts a subschema: a list of items, contains, dependentSchemas
     elsewhere = {"type": "array", "items": [{"type": "object"}], "contains": {"type": "object"},
                  "dependentSchemas": {"a": {"properties": {"b": {}}}}}
-    closed = json.loads(structured_pair({"json": elsewhere,
-                                         "disable_additional_properties": True})[1])
+    closed = closed_schema(elsewhere)
     assert closed["items"][0]["additionalProperties"] is False
     assert closed["contains"]["additionalProperties"] is False
     assert closed["dependentSchemas"]["a"]["additionalProperties"] is False
