@@ -12,8 +12,9 @@ from shared.service_args import add_service_args
 
 def register(sub) -> None:
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1; 0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     add_service_args(p)
     p.add_argument("--model", default=None,
                    help="smollm2-135m (default), an HF directory, or a .gguf file")
@@ -31,7 +32,9 @@ def register(sub) -> None:
                    help="P/D: with --router, the prefill instances (ID,...) it chooses among; "
                         "requests go to the shared stream naming the one chosen")
     p.add_argument("--gateway-id", default=None, help="default: a random id")
-    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body taken; a larger one is a 413 "
+                        f"(default {DEFAULT_MAX_BODY_BYTES})")
     add_request_policy_args(p)
     p.set_defaults(run=run)
 

@@ -308,8 +308,14 @@ async def openapi(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
     instances = [i for i, _ in state.config.instances] or [""]
+    try:
+        live = await state.upstream.live_schedulers(state.config.instances)
+    except RedisError:
+        live = set()
+    streams = [state.keys.requests] + [state.keys.for_instance(i).instance_requests
+                                       for i in instances if i]
     body = await state.metrics.render(state.redis, {
-        i: state.keys.for_instance(i).stats for i in instances})
+        i: state.keys.for_instance(i).stats for i in instances}, live, streams)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -10,16 +10,21 @@ import math
 
 import redis.asyncio as aioredis
 import structlog
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Histogram, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from redis.exceptions import RedisError
 
-log = structlog.get_logger("gateway.metrics")
+from shared.keys import SCHEDULERS_GROUP
 
-# vLLM's bucket edges, so dashboards built for it read ours the same way
+log = structlog.get_logger("gateway.metrics")
+disable_created_metrics()       # no `_created` series beside each counter, as vLLM exports
+
+# vLLM's bucket edges, so dashboards built for it read ours the same way; the token gaps
+# also below 10 ms, where one stream's gap lies on a CPU
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                  5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
-_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
 _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -45,6 +50,19 @@ _SCHEDULER_STATS = {
                                      "its forward (the rest: handing plans over, the GIL, "
                                      "P/D's exposed sends)", True),
     "worker_iterations_total": ("pacer:worker_iterations", "Plans worker rank 0 ran", True),
+    "worker_publish_seconds_total": ("pacer:worker_publish_seconds",
+                                     "Seconds worker rank 0 spent sending results and tokens",
+                                     True),
+    # the scheduler's side: its host time between a result and the next plan (overhead), and
+    # a plan's time from sent to its result (round trip)
+    "num_iterations_total": ("pacer:iterations", "Plans the scheduler sent", True),
+    "scheduler_overhead_seconds_total": ("pacer:scheduler_overhead_seconds",
+                                         "Seconds from a result to the next plan sent", True),
+    "scheduler_overhead_iterations_total": ("pacer:scheduler_overhead_iterations",
+                                            "Plans sent right after a result (the overhead's "
+                                            "samples)", True),
+    "scheduler_round_trip_seconds_total": ("pacer:scheduler_round_trip_seconds",
+                                           "Seconds from a plan sent to its result", True),
     # the iteration-cost model fitted online (docs/design.md#the-online-cost-model)
     "cost_fixed_ms": ("pacer:iteration_cost_fixed_ms", "Fitted fixed cost of an iteration, ms", False),
     "cost_per_decode_row_ms": ("pacer:iteration_cost_per_decode_row_ms",
@@ -106,14 +124,21 @@ _CORE_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_
 
 class SchedulerStats:
     """A collector that reports the last snapshot of each engine instance's `stats` hash:
-    unlabelled for the colocated engine, labelled `instance` for P/D instances."""
+    unlabelled for the colocated engine, labelled `instance` for P/D instances. The gauges of
+    an instance whose scheduler has no live heartbeat are NaN (unknown: its last snapshot is
+    stale); its counters keep their last values."""
 
     def __init__(self) -> None:
         self.snapshots: dict[str, dict[str, float]] = {"": {}}
+        self.queued = math.nan
 
-    async def refresh(self, redis: aioredis.Redis, keys: dict[str, str]) -> None:
-        """`keys`: instance id ("" for the colocated engine) -> its stats hash key."""
+    async def refresh(self, redis: aioredis.Redis, keys: dict[str, str], live: set[str],
+                      request_streams: list[str]) -> None:
+        """`keys`: instance id ("" for the colocated engine) -> its stats hash key; `live`:
+        the instances whose scheduler beats; `request_streams`: the streams schedulers read
+        requests from, whose unread entries are `pacer:num_requests_queued`."""
         self.snapshots = {}
+        self.queued = await _unread(redis, request_streams)
         for instance, key in keys.items():
             try:
                 raw = await redis.hgetall(key)
@@ -126,6 +151,10 @@ class SchedulerStats:
                     snapshot[_text(field)] = float(value)
                 except ValueError:
                     log.warning("scheduler stat is not a number", field=_text(field))
+            if instance not in live:
+                for field, (_, _, is_counter) in _SCHEDULER_STATS.items():
+                    if not is_counter and field in snapshot:
+                        snapshot[field] = math.nan
 
     def collect(self):
         labelled = list(self.snapshots) != [""]
@@ -144,6 +173,25 @@ class SchedulerStats:
                     family = kind(name, doc, value=value)
             if family is not None:
                 yield family
+        yield GaugeMetricFamily("pacer:num_requests_queued", "Requests in the request streams "
+                                "that no scheduler has read yet (num_requests_waiting counts "
+                                "those a scheduler holds)", value=self.queued)
+
+
+async def _unread(redis: aioredis.Redis, streams: list[str]) -> float:
+    """The schedulers' group's lag summed over the request streams (NaN where Redis cannot
+    say: a stream trimmed past entries never read)."""
+    total = 0.0
+    for stream in streams:
+        try:
+            groups = await redis.xinfo_groups(stream)
+        except RedisError:              # no such stream yet: nothing was ever queued there
+            continue
+        for group in groups:
+            if _text(group["name"]) == SCHEDULERS_GROUP:
+                lag = group.get("lag")
+                total += math.nan if lag is None else int(lag)
+    return total
 
 
 def _text(value: bytes | str) -> str:
@@ -174,6 +222,7 @@ class GatewayMetrics:
         self.scheduler_stats = SchedulerStats()
         r.register(self.scheduler_stats)
 
-    async def render(self, redis: aioredis.Redis, stats_keys: dict[str, str]) -> bytes:
-        await self.scheduler_stats.refresh(redis, stats_keys)
+    async def render(self, redis: aioredis.Redis, stats_keys: dict[str, str], live: set[str],
+                     request_streams: list[str]) -> bytes:
+        await self.scheduler_stats.refresh(redis, stats_keys, live, request_streams)
         return generate_latest(self.registry)

@@ -180,18 +180,23 @@ class Upstream:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
         raise asyncio.CancelledError
 
+    async def live_schedulers(self, instances: tuple[tuple[str, int], ...] = ()) -> set[str]:
+        """The engine instances with a scheduler beating ("" for the colocated engine's)."""
+        if instances:
+            return set(await live_instances(self.redis, self.keys))
+        async for _ in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern,
+                                            count=SCAN_COUNT):
+            return {""}
+        return set()
+
     async def missing_services(self, tp: int,
                                instances: tuple[tuple[str, int], ...] = ()) -> list[str]:
         """Which services /health needs but whose heartbeat key has expired: the scheduler and
         every worker rank of the colocated engine, or of each engine instance (replica or P/D
         instance; a scheduler's heartbeat names its instance)."""
-        if not instances:
-            beats = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern,
-                                                              count=SCAN_COUNT)]
-            missing = [] if beats else ["scheduler"]
-        else:
-            up = await live_instances(self.redis, self.keys)
-            missing = [f"instance {inst} scheduler" for inst, _ in instances if inst not in up]
+        up = await self.live_schedulers(instances)
+        missing = [] if instances or "" in up else ["scheduler"]
+        missing += [f"instance {inst} scheduler" for inst, _ in instances if inst not in up]
         ranks = [(f"worker rank {r}" if not inst else f"instance {inst} worker rank {r}",
                   self.keys.for_instance(inst).hb_worker(r))
                  for inst, degree in (instances or (("", tp),)) for r in range(degree)]

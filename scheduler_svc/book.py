@@ -272,4 +272,5 @@ class RequestBook:
 
 def deadline_passed(deadline: float, now: float) -> str:
     """The error of a request ended at its deadline (both time.time())."""
-    return f"the request's deadline passed {now - deadline:.1f} s ago"
+    late = now - deadline
+    return "the request reached its deadline" + (f" ({late:.1f} s ago)" if late >= 0.05 else "")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.errors import PacerError
+from shared.json_file import check_output_path
 from shared.hardware import hardware_from_dict
 
 DTYPES = ("float32", "bfloat16")
@@ -225,6 +226,7 @@ def format_table(profile: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        check_output_path(args.output, "--output")      # before the minutes of measuring
         profile = calibrate(args.quick, args.device)
         hardware_from_dict(profile)          # refuse to write what `--hw` could not load
         with open(args.output, "w", encoding="utf-8") as f:

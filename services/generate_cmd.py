@@ -11,7 +11,7 @@ import time
 from shared.config import DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS
 from shared.engine_args import EngineArgs
 from shared.errors import InvalidRequestError, PacerError
-from shared.json_file import parse_user_json
+from shared.json_file import check_output_path, parse_user_json
 from shared.detokenizer import IncrementalDetokenizer
 from shared.sampling import SamplingParams
 from shared.text_output import TextOutput
@@ -25,11 +25,17 @@ def register(sub) -> None:
     EngineArgs.add_cli_args(p, budget=DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS, target_tbt="off")
     p.add_argument("--prompts", required=True, help="input JSONL: {prompt|messages|prompt_token_ids}")
     p.add_argument("--output", required=True, help="output JSONL, one line per input line")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--ignore-eos", action="store_true")
+    # each a default for the lines that do not give their own
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="tokens to generate, for lines without max_tokens (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="for lines without temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="for lines without top_p (default 1.0: all)")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="for lines without top_k (default 0: all)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="for lines without ignore_eos: go on past EOS to max_tokens")
     p.set_defaults(run=run)
 
 
@@ -109,11 +115,17 @@ def run(args: argparse.Namespace) -> int:
     from shared.engine_layout import engine_layout
     from shared.tokenizer import load_tokenizer
 
-    # a bad prompts file is refused before the weights load
+    # a bad prompts file, or an output that cannot be written, is refused before the weights load
+    check_output_path(args.output, "--output")
     layout = engine_layout(EngineArgs.from_cli(args))
     tokenizer = load_tokenizer(layout.source)
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, ignore_eos=args.ignore_eos)
+    try:                                # a bad flag is the flag's fault, not the file's
+        SamplingParams(**defaults)
+    except InvalidRequestError as e:
+        field = str(e).split()[0]
+        raise PacerError(f"--{field.replace('_', '-')}: {e}") from None
     prompts, params, stops = read_prompts(args.prompts, tokenizer, defaults, layout.max_model_len)
     engine = LLMEngine(layout, tokenizer=tokenizer)
     bar = tqdm(total=len(prompts), desc="generate", unit="req", file=sys.stderr)

@@ -104,10 +104,18 @@ def show_entry(entry_id: bytes, fields: dict, as_json: bool) -> None:
         print(line)
 
 
+def _number(text: str) -> float | int | str:
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    return int(value) if value.is_integer() and "." not in text and "e" not in text else value
+
+
 def show_stats(raw: dict, as_json: bool, hint: str = "") -> None:
     stats = {_text(k): _text(v) for k, v in sorted(raw.items())}
-    if as_json:
-        print(json.dumps(stats))
+    if as_json:                         # every field is a number (scheduler_svc/stats.py)
+        print(json.dumps({k: _number(v) for k, v in stats.items()}))
         return
     if not stats:
         print(f"no stats yet (no scheduler has run against this Redis and prefix{hint})")

@@ -42,16 +42,6 @@ WORKER_HEARTBEAT_TTL_S = 2
 # by at most this long; it is refreshed while tokens keep coming.
 PROGRESS_TTL_S = 3600
 
-# Fields of the scheduler's `stats` hash, read by the gateway at /metrics scrape time.
-STATS_FIELDS = (
-    "num_requests_running",
-    "num_requests_waiting",
-    "kv_cache_usage_perc",      # 0..1, like vLLM's gauge of the same name
-    "num_preemptions_total",
-    "num_iterations_total",
-)
-
-
 @dataclass(frozen=True)
 class Keys:
     """Key names under one prefix, so that several deployments can share one Redis."""

@@ -37,8 +37,10 @@ def non_negative_seconds(text: str) -> float:
 
 
 def add_redis_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default=DEFAULT_REDIS_URL)
-    p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
+    p.add_argument("--redis-url", default=DEFAULT_REDIS_URL,
+                   help=f"the Redis the services meet at (default {DEFAULT_REDIS_URL})")
+    p.add_argument("--key-prefix", default=DEFAULT_PREFIX,
+                   help=f"namespace of every Redis key (default {DEFAULT_PREFIX})")
 
 
 def shown_url(redis_url: str) -> str:

@@ -1132,7 +1132,9 @@ async def test_metrics_exposes_gateway_and_scheduler_numbers(h: Harness) -> None
                                               "kv_cache_usage_perc": 0.25,
                                               "num_preemptions_total": 7,
                                               "prefix_cache_queries_total": 96,
-                                              "prefix_cache_hits_total": 64})
+                                              "prefix_cache_hits_total": 64,
+                                              "num_iterations_total": 11})
+    await h.redis.set(h.keys.hb_scheduler("s-metrics"), b"x", ex=30)
     async with h.session.get(h.url + "/metrics") as r:
         assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
         text = await r.text()
@@ -1152,9 +1154,42 @@ async def test_metrics_exposes_gateway_and_scheduler_numbers(h: Harness) -> None
     assert values["pacer:generation_tokens_total"] >= 4
     assert values["pacer:time_to_first_token_seconds_count"] >= 1
     assert values["pacer:inter_token_latency_seconds_count"] >= 3
+    assert values["pacer:iterations_total"] == 11 and values["pacer:num_requests_queued"] == 0
     # a colocated engine reports no P/D figures: left out, not NaN (a NaN counter breaks rate())
     assert not any(n.startswith(("pacer:handoffs", "pacer:kv_transfer")) for n in values)
     assert not [n for n, v in values.items() if math.isnan(v)]
+    assert not [n for n in values if n.endswith("_created")]       # as vLLM: no _created series
+    await h.redis.delete(h.keys.hb_scheduler("s-metrics"))
+
+
+async def test_metrics_count_unread_requests_and_know_a_stopped_schedulers_gauges_are_stale(
+        h: Harness, config: GatewayConfig) -> None:
+    """Requests no scheduler has read yet are `num_requests_queued` (the request stream's lag),
+    and the gauges of a scheduler whose heartbeat is gone are NaN, not its last snapshot; its
+    counters stay."""
+    alone = dataclasses.replace(config, key_prefix="gwmetrics:", gateway_id="metrics")
+    keys = Keys("gwmetrics:")
+    await h.redis.hset(keys.stats, mapping={"num_requests_running": 3, "num_requests_waiting": 2,
+                                            "num_iterations_total": 9})
+    await h.redis.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
+    for i in range(3):
+        await h.redis.xadd(keys.requests, {"n": i})
+
+    async def scrape(url: str) -> dict[str, float]:
+        async with h.session.get(url + "/metrics") as r:
+            return {line.split()[0]: float(line.split()[1])
+                    for line in (await r.text()).splitlines() if line and line[0] != "#"}
+    async with serve(alone) as url:
+        values = await scrape(url)
+        assert math.isnan(values["pacer:num_requests_running"])
+        assert math.isnan(values["pacer:num_requests_waiting"])
+        assert values["pacer:iterations_total"] == 9 and values["pacer:num_requests_queued"] == 3
+        await h.redis.set(keys.hb_scheduler("s0"), b"x", ex=30)
+        await h.redis.xreadgroup(keys.requests_group, "c", {keys.requests: ">"}, count=2)
+        values = await scrape(url)
+        assert values["pacer:num_requests_running"] == 3 and values["pacer:num_requests_waiting"] == 2
+        assert values["pacer:num_requests_queued"] == 1
+    await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwmetrics:*")])
 
 
 async def test_api_key_is_required_on_the_openai_routes(h: Harness, config: GatewayConfig) -> None:

@@ -139,6 +139,17 @@ def test_missing_prompts_file(tiny, tmp_path):
     assert_one_line_error(proc, "nope.jsonl")
 
 
+def test_an_output_or_a_flag_that_cannot_serve_is_refused_before_the_model_loads(tiny, tmp_path):
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    proc = pacer("generate", "--model", tiny, "--prompts", prompts,
+                 "--output", str(tmp_path / "no-folder" / "o.jsonl"))
+    assert_one_line_error(proc, "--output", "no folder")
+    assert "generate:" not in proc.stderr           # no progress bar: nothing was generated
+    proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output",
+                 str(tmp_path / "o"), "--max-tokens", "0")
+    assert_one_line_error(proc, "--max-tokens: max_tokens must be")
+
+
 def test_unknown_model_path(tmp_path):
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     proc = pacer("generate", "--model", str(tmp_path / "no-such-model"), "--prompts", prompts,

@@ -85,6 +85,8 @@ def test_inspect_requests_shows_pending_per_consumer(filled, capsys):
 def test_inspect_stats(filled, capsys):
     rows = [line.split() for line in inspect(capsys, filled, "stats").splitlines()]
     assert rows == [["num_requests_running", "2"], ["worker_iterations_total", "7"]]
+    assert json.loads(inspect(capsys, filled, "stats", "--json")) == {   # numbers, not text
+        "num_requests_running": 2, "worker_iterations_total": 7}
 
 
 def test_inspect_says_when_a_stream_is_empty(filled, capsys):
