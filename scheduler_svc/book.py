@@ -145,6 +145,10 @@ class RequestBook:
         if msg.deadline is not None:
             heapq.heappush(self._deadlines, (msg.deadline, msg.request_id))
 
+    def abort_pending(self, request_id: str) -> bool:
+        """Whether an abort for this id came before the request (kept for aborted_early)."""
+        return request_id in self._early_aborts
+
     def aborted_early(self, request_id: str) -> bool:
         """Whether an abort for this id came before the request (forgotten once asked)."""
         return self._early_aborts.pop(request_id, False) is None

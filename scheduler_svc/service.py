@@ -285,8 +285,8 @@ class SchedulerService:
         busy = self._has_work() or bool(self._flight)
         await self._intake(pull=self._drain_deadline is None, block=not busy)
         self.book.expire(time.time())
-        if self.decode is not None:
-            self.decode.expire()
+        if self.decode is not None and self.decode.expire():
+            self.stats.mark_dirty()             # the pool changed with no plan
         if self._flight:
             return await self._iterate()        # a result is due: apply it in order
         if not self._has_work():                # nothing, or reservations awaiting their K/V

@@ -160,6 +160,35 @@ def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
     assert side._replies[-1][1].block_ids == []
 
 
+@pytest.mark.parametrize("end", ["abort", "deadline"])
+def test_a_reservation_whose_request_ended_is_let_go_without_its_prefill_sides_cancel(end):
+    """A prefill scheduler killed after asking for blocks, then the request ends (its client
+    gone, its deadline passed): the restarted prefill scheduler does not know what was asked,
+    so no cancel comes. The decode side lets the reservation go itself, its blocks held while
+    the prefill workers may still write, then free; a hand-off that comes late ends there."""
+    c = core(num_blocks=6)
+    side = decode_side(c)
+    msg = request("a", 9)
+    if end == "deadline":
+        msg = replace(msg, deadline=time.time() + 0.2)
+    side.receive(reply(ReserveMsg(encode(msg), "p0")))
+    assert c.num_reserved == 1 and c.block_manager.num_free_blocks == 3
+    assert not side.expire()                        # nothing ended yet
+    if end == "abort":
+        side.book.abort(to_fields(AbortMsg("a", "client disconnected")))
+    else:
+        time.sleep(0.25)
+    assert side.expire() and c.num_reserved == 0
+    assert side.stats()["kv_blocks_held"] == 3      # until p0's workers let go
+    asked = side.held_heartbeats()
+    assert not side.release_settled(asked, [beat(10.0)])     # the first look
+    assert side.release_settled(asked, [beat(11.0)])         # a later beat names no write
+    assert c.block_manager.num_free_blocks == 6
+    side.receive(reply(HandoffMsg(encode(msg), "5-0", [77], ["d0:1"], 0, [])))
+    side.book.expire(time.time())                   # as each scheduler step does
+    assert c.num_running == 0 and c.get_request("a") is None
+
+
 def test_a_decode_instance_takes_no_more_requests_than_max_num_seqs():
     """Each reservation becomes a running request: past --max-num-seqs running and reserved
     together, a decode instance answers no room (the prefill side waits or asks another),
