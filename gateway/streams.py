@@ -65,6 +65,13 @@ class RequestStream:
     def push(self, item: Item) -> None:
         self._queue.put_nowait(item)
 
+    def cached(self, num_tokens: int | None) -> None:
+        """What the prefix cache held of the prompt when the request was first scheduled: the
+        first report stands (a scheduler that took the request over after a restart admits it
+        again, against a cache of its own, and reports that)."""
+        if self.num_cached_tokens is None:
+            self.num_cached_tokens = num_tokens
+
     def fail(self, error: str, error_type: str = "server_error") -> None:
         """End the stream with an error after the tokens already received."""
         self.push(LocalFailure(error, error_type))
@@ -106,8 +113,7 @@ class RequestStream:
             return
         if isinstance(item, FinishEvent):
             self._finish = self._finish or item
-            if item.num_cached_tokens is not None:
-                self.num_cached_tokens = item.num_cached_tokens
+            self.cached(item.num_cached_tokens)
             return
         if isinstance(item, LocalFailure):
             if self._finish is None:
@@ -185,7 +191,7 @@ class TokenRouter:
         if isinstance(msg, TokenBatch):
             for rid, cached in msg.cached.items():
                 if (stream := self._streams.get(rid)) is not None:
-                    stream.num_cached_tokens = cached
+                    stream.cached(cached)
             for prompt in msg.prompt:
                 self._deliver(prompt.request_id, prompt)
             for event in msg.events:

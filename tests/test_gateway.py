@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from gateway.app import create_app, serve
 from gateway.config import GatewayConfig
 from gateway.state import STATE
-from gateway.streams import RequestStream
+from gateway.streams import RequestStream, TokenRouter
 from shared.text_output import TextOutput
 from shared.detokenizer import IncrementalDetokenizer
 from shared.keys import Keys
@@ -1411,6 +1411,18 @@ async def test_missing_tokens_after_the_finish_event_end_the_stream_after_a_grac
     assert [t.index for t in tokens] == [2] and finish.num_output_tokens == 4
 
 
+async def test_the_cached_tokens_first_reported_stand_after_a_takeover() -> None:
+    """A scheduler that took a request over after a restart admits it again against its own
+    prefix cache: the usage keeps what the cache held when the request was first scheduled."""
+    router = TokenRouter(None, "channel")
+    stream = router.open("r")
+    router.route(encode(TokenBatch([TokenEvent("r", 0, 10)], cached={"r": 32})))
+    router.route(encode(TokenBatch([TokenEvent("r", 1, 11)], cached={"r": 0})))   # the new one
+    router.route(encode(FinishEvent("r", "length", 40, 2, num_cached_tokens=16)))
+    await stream.next()
+    assert stream.num_cached_tokens == 32
+
+
 async def test_tokens_past_the_schedulers_count_are_not_output() -> None:
     stream = RequestStream("r")
     for item in (TokenEvent("r", 1, 11), FinishEvent("r", "abort", 1, 2), TokenEvent("r", 0, 10),
@@ -1615,7 +1627,6 @@ async def test_a_request_whose_submit_failed_is_aborted_upstream() -> None:
     and an abort follows, so that the request does not run to max_tokens for nobody."""
     from gateway.generation import Generation
     from gateway.metrics import GatewayMetrics
-    from gateway.streams import TokenRouter
     from redis.exceptions import ConnectionError as RedisConnectionError
     from shared.model_source import resolve_model
     from shared.tokenizer import load_tokenizer
