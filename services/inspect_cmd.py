@@ -23,7 +23,7 @@ from typing import Any
 import redis
 
 from shared.errors import PacerError
-from shared.keys import Keys
+from shared.keys import SCAN_COUNT, Keys
 from shared.protocol import STREAM_FIELD, ProtocolError, decode
 from shared.service_args import add_redis_args, shown_url
 
@@ -59,6 +59,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.instance and client.exists(keys.instance_requests):
             keys = keys.owning_requests()        # a replica reads a request stream of its own
+        if args.instance and next(client.scan_iter(match=f"{args.key_prefix}inst:{args.instance}:*",
+                                                   count=SCAN_COUNT), None) is None:
+            hint = (f"; nothing is stored under {args.key_prefix}inst:{args.instance}: (no "
+                    f"engine instance {args.instance!r} has run against this Redis and prefix)")
         if args.what == "stats":
             show_stats(client.hgetall(keys.stats), args.json, hint)
         else:

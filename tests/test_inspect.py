@@ -117,6 +117,9 @@ def test_inspect_an_engine_instances_own_keys(filled, capsys):
     assert main(["inspect", "handoff", "--redis-url", filled, "--key-prefix", KEYS.prefix]) != 0
     assert "handoff is an engine instance's stream: give --instance ID" in \
         capsys.readouterr().err
+    # an instance nothing ran as: said, not "no stats yet"
+    out = inspect(capsys, filled, "stats", "--instance", "x9")
+    assert f"nothing is stored under {KEYS.prefix}inst:x9:" in out
 
 
 def test_a_reader_that_goes_away_ends_it_quietly(filled):
