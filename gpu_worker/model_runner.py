@@ -252,6 +252,12 @@ class ModelRunner:
                              f"--max-num-batched-tokens)")
         return figures
 
+    def close(self) -> None:
+        """Unregister the KV pool from the transfer engine (idempotent): a peer's write that
+        comes later fails there rather than landing in memory freed after this runner."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+
     def kv_descriptor(self) -> dict | None:
         """This rank's registered pool, for the worker heartbeat (shared/kv_layout.py); None
         without a KV connector."""
@@ -259,7 +265,7 @@ class ModelRunner:
 
     def kv_progress(self) -> dict:
         """For the worker heartbeat (P/D, docs/failure-modes.md): `kv_unsettled`, request ->
-        decode session of the K/V writes this rank gave up at their deadline and that may
+        the decode sessions of the K/V writes this rank gave up at their deadline and that may
         still land (a decode instance holds the blocks they target until no beat names
         them), and `kv_writing_to`, the sessions any write may still land in (a restarted
         decode scheduler waits until its own are gone)."""

@@ -414,9 +414,13 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
         def loaded(runner) -> None:
             built.append(runner)
             freeze_heap()
-        return await _with_heartbeat(redis, keys.hb_worker(rank), beat,
-                                     serve_follower(redis, keys, layout, rank, stop,
-                                                    on_runner=loaded))
+        try:
+            return await _with_heartbeat(redis, keys.hb_worker(rank), beat,
+                                         serve_follower(redis, keys, layout, rank, stop,
+                                                        on_runner=loaded))
+        finally:
+            for runner in built:
+                runner.close()
     if tp > 1:
         executor = await start_rank0(redis, keys, layout, tp_host)
     else:
@@ -442,6 +446,7 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
     finally:
         if tp > 1:
             await asyncio.to_thread(executor.shutdown)
+        (executor.runner if isinstance(executor, TPExecutor) else executor).close()
 
 
 async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:

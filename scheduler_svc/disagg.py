@@ -79,6 +79,9 @@ class _Reservation:
     peers: list[dict]
     incarnation: float
     sent_ok: bool = True           # every send so far completed
+    # a send failed: a write given up at its deadline may still land in these blocks, so
+    # nothing sent into them again is trusted (the decode side recomputes the request)
+    failed: bool = False
     # destination block -> per rank, the digest of what was last sent into it
     digests: dict[int, list[int]] = field(default_factory=dict)
 
@@ -412,8 +415,8 @@ class PrefillSide:
             if res is None or request is None:
                 continue
             start = request.num_computed_tokens
-            if start == 0:
-                res.sent_ok = self._still_there(res)    # a fresh start sends everything again
+            if start == 0:              # a fresh start sends everything again
+                res.sent_ok = not res.failed and self._still_there(res)
                 res.digests.clear()
             if not res.sent_ok:
                 continue
@@ -439,7 +442,7 @@ class PrefillSide:
             if res is not None and res.sent_ok:
                 log.warning("KV transfer failed; the decode side will recompute", request_id=rid,
                             decode_instance=res.decode_instance)
-                res.sent_ok = False
+                res.sent_ok, res.failed = False, True
                 self.kv_failed_total += 1
         stats = result.kv_stats or {}
         self.kv_bytes_total += int(stats.get("bytes", 0))

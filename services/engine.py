@@ -65,10 +65,12 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def shutdown(self) -> None:
-        """End the tensor-parallel follower processes (nothing to do at tp=1)."""
+        """End the tensor-parallel follower processes, and let go of the KV pool's
+        registration with a transfer engine (P/D)."""
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+        getattr(self.runner, "runner", self.runner).close()
 
     def __enter__(self) -> "LLMEngine":
         return self

@@ -357,6 +357,37 @@ def prefill_side(c: Scheduler, own: list[dict]) -> PrefillSide:
     return side
 
 
+def test_a_send_given_up_then_restarted_from_zero_is_not_trusted_again():
+    """A write given up at its deadline may still land in the reserved blocks (its worker's
+    heartbeat names it unsettled): after the request restarts from zero (preempted, workers
+    lost) its K/V is not sent into them again and handed over as intact; the decode side
+    recomputes it in blocks of its own."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", request("r", 10))
+    side.take()
+    side.receive_reservations(reply(ReservedMsg("r", "d0", "host-d0", [7, 8, 9],
+                                                [descriptor("d0:1")], 1.0)))
+    plan = side.add_sends(c.schedule())
+    assert plan.kv_sends
+    result = StepResult(plan.step, {}, kv_failed=["r"])
+    c.update(plan, result)
+    side.observe(plan, result)
+    c.recompute_running()                   # as a preemption: num_computed_tokens = 0
+    plan = side.add_sends(c.schedule())
+    assert not plan.kv_sends
+    result = StepResult(plan.step, {})
+    c.update(plan, result)
+    side.observe(plan, result)
+    plan = side.add_sends(c.schedule())
+    result = StepResult(plan.step, {"r": SampledToken(5)})
+    out, = c.update(plan, result)
+    side.observe(plan, result)
+    assert side.finished(out)
+    (_, _, _, handoff), = side.take().handoffs
+    assert handoff.kv_received == [] and handoff.kv_check == []
+
+
 def test_the_prefill_side_sends_each_chunk_and_hands_over_with_the_first_token():
     c = core()
     side = prefill_side(c, [descriptor("p0:1")])

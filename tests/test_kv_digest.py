@@ -53,3 +53,21 @@ def test_a_block_written_elsewhere_changes_both_digests(pool):
     moved[:, :, BLOCKS[0]] = 0
     before, after = block_digests(pool, BLOCKS), block_digests(moved, BLOCKS)
     assert after[0] != before[0] and after[2] != before[2]
+
+
+@pytest.mark.parametrize("what", ["layers in reverse order", "one layer's K and V swapped",
+                                  "two layers' K swapped"])
+def test_a_block_whose_layers_or_k_and_v_landed_in_each_others_place_changes_it(pool, what):
+    """The offsets of a transfer are per (layer, K|V): a write that lands in another layer's
+    place, or in V's for K's, leaves the same words in the block; the digest weighs each
+    place on its own, so it sees the move."""
+    moved, b = pool.clone(), BLOCKS[1]
+    if what == "layers in reverse order":
+        moved[:, :, b] = pool[:, :, b].flip(0)
+    elif what == "one layer's K and V swapped":
+        moved[0, 0, b], moved[0, 1, b] = pool[0, 1, b], pool[0, 0, b]
+    else:
+        moved[1, 0, b], moved[2, 0, b] = pool[2, 0, b], pool[1, 0, b]
+    before, after = block_digests(pool, BLOCKS), block_digests(moved, BLOCKS)
+    assert after[1] != before[1], what
+    assert after[0] == before[0] and after[2] == before[2]

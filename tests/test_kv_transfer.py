@@ -20,6 +20,7 @@ pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-no
                                               "and libibverbs1 (make setup installs them)")
 
 from gpu_worker.kv_transfer import coalesce, make_connector            # noqa: E402
+from gpu_worker.kv_transfer.connector import KVConnector               # noqa: E402
 from gpu_worker.kv_transfer.sender import _Send                        # noqa: E402
 from gpu_worker.model_runner import UnknownKVCache, build_runner       # noqa: E402
 from shared.engine_args import EngineArgs                              # noqa: E402
@@ -167,7 +168,7 @@ def test_connector_moves_bytes_between_processes(capfd):
         try:
             handle = conn.write(peer, whole)
             assert conn.wait([handle], timeout_s=0.3, tag="r1", peer="d") == [False]
-            assert conn.unsettled() == {"r1": "d"} and conn.peers_written() == ["d"]
+            assert conn.unsettled() == {"r1": ["d"]} and conn.peers_written() == ["d"]
         finally:
             os.kill(child.pid, signal.SIGCONT)
         deadline = time.monotonic() + 30
@@ -184,7 +185,7 @@ def test_connector_moves_bytes_between_processes(capfd):
         late.register(src * 2)
         start = time.monotonic()
         assert late.wait([late.write(peer, whole)], timeout_s=0.1, tag="r2") == [False]
-        assert late.unsettled() == {"r2": ""} and not torch.equal(peer_pool(), src * 2)
+        assert late.unsettled() == {"r2": [""]} and not torch.equal(peer_pool(), src * 2)
         while late.unsettled() and time.monotonic() < start + 30:
             time.sleep(0.05)
         assert late.unsettled() == {} and time.monotonic() - start >= 0.5
@@ -283,7 +284,7 @@ def test_a_send_that_never_completes_fails_after_the_timeout(tiny, decode_runner
     assert "r" in results[-1].sampled          # the prefill itself went on
     # given up on, not forgotten: the heartbeat names it, and the peer it may land in
     peer = decode_runner.kv_descriptor()["session"]
-    assert runner.kv_progress() == {"kv_unsettled": {"r": peer}, "kv_writing_to": [peer]}
+    assert runner.kv_progress() == {"kv_unsettled": {"r": [peer]}, "kv_writing_to": [peer]}
 
 
 # ---- (e) refusals: another layout, another TP degree, no connector ---------------------------
@@ -357,3 +358,68 @@ def test_the_worker_heartbeat_carries_the_kv_descriptor(decode_runner):
     # no write that may still land (a decode side would hold the blocks it targets)
     assert "kv_unsettled" not in extra and "kv_writing_to" not in extra
     assert "kv" not in worker_heartbeat(0, 1, 32, BLOCK)().extra
+
+
+class _Recording(KVConnector):
+    """A connector over no engine: each check of a handle takes `check_s` (Mooncake's check
+    releases the GIL) and frees it once it reports, as the engine frees a batch."""
+    def __init__(self, check_s: float = 0.0, status: bool | None = True) -> None:
+        super().__init__()
+        self.check_s, self.status = check_s, status
+        self.checking, self.overlaps, self.freed_twice = 0, 0, 0
+        self.freed: set[int] = set()
+
+    def register(self, pool) -> None: ...
+    def descriptor(self) -> dict: return {}
+    def close(self) -> None: ...
+
+    def _submit(self, peer, segments):
+        return [len(segments)]
+
+    def _poll(self, handle):
+        self.checking += 1
+        self.overlaps += self.checking > 1
+        time.sleep(self.check_s)
+        self.checking -= 1
+        if self.status is not None:
+            self.freed_twice += id(handle) in self.freed
+            self.freed.add(id(handle))
+        return self.status
+
+
+def test_two_threads_never_check_one_write_at_once():
+    """The forward thread polls its writes while the heartbeat's thread polls those given up
+    on: a handle checked by both at once would be freed twice by the engine."""
+    import threading
+    conn = _Recording(check_s=0.002)
+    handles = [conn.write({}, [(0, 0, 4)]) for _ in range(20)]
+    threads = [threading.Thread(target=lambda: [conn.poll(h) for h in handles]) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert conn.overlaps == 0
+
+
+def test_a_request_given_up_on_at_two_peers_names_both(monkeypatch):
+    """A request re-reserved at another decode instance and given up on there too: both
+    peers may still be written (a restarted decode scheduler waits for its own)."""
+    monkeypatch.setenv("PACER_KV_FAULT", "hang")
+    conn = _Recording()
+    assert conn.wait([conn.write({}, [])], 0.01, tag="r", peer="d0:1") == [False]
+    assert conn.wait([conn.write({}, [])], 0.01, tag="r", peer="d1:1") == [False]
+    assert conn.unsettled() == {"r": ["d0:1", "d1:1"]}
+    assert conn.peers_written() == ["d0:1", "d1:1"]
+
+
+def test_closing_a_runner_lets_go_of_its_pools_registration(tiny):
+    """An in-process engine's shutdown (and a worker's exit) unregisters the KV pool: a late
+    write from a peer then fails in the engine instead of landing in freed memory."""
+    from services.engine import LLMEngine
+    engine = LLMEngine(engine_layout(EngineArgs(
+        model=tiny[0], dtype="float32", block_size=BLOCK, num_kv_blocks=32, max_model_len=512,
+        kv_connector="mooncake")), progress=False)
+    assert engine.runner.kv_connector.descriptor()["base"]
+    engine.shutdown()
+    assert engine.runner.kv_connector._pool is None
+    engine.shutdown()                               # twice: nothing more to do

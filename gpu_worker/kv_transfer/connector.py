@@ -53,12 +53,15 @@ class KVConnector(ABC):
                              f"got {fault!r}")
         self._fault = FAULTS[fault]
         self._late_s = float(os.environ.get(LATE_ENV, "3"))
-        # writes given up at their deadline, by tag: (the peer's session, the handles),
+        # writes given up at their deadline, by (tag, the peer's session): their handles,
         # polled until they settle (the forward thread at each write, the heartbeat at each
         # beat); and the peers an iteration's writes go to while it runs, by its key
-        self._abandoned: dict[str, tuple[str, list]] = {}
+        self._abandoned: dict[tuple[str, str], list] = {}
         self._writing: dict[object, set[str]] = {}
         self._abandoned_lock = threading.Lock()
+        # one thread at a time checks a handle: the engine frees a batch once it reported it
+        # (Mooncake's check releases the GIL), so two threads checking one would free it twice
+        self._poll_lock = threading.Lock()
 
     @abstractmethod
     def register(self, pool) -> None:
@@ -80,7 +83,12 @@ class KVConnector(ABC):
         return self._submit(peer, segments)
 
     def poll(self, handle) -> bool | None:
-        """True: done; False: failed; None: still in flight. Never blocks."""
+        """True: done; False: failed; None: still in flight. Never blocks for long (another
+        thread's check of a handle at most)."""
+        with self._poll_lock:
+            return self._poll_one(handle)
+
+    def _poll_one(self, handle) -> bool | None:
         if handle is _HANG:
             return None
         if handle is _DROP:
@@ -93,15 +101,18 @@ class KVConnector(ABC):
             return self._poll(handle.handle)
         return self._poll(handle)
 
-    def unsettled(self) -> dict[str, str]:
-        """tag -> the peer's session of the writes given up at their deadline that may still
-        land (polled now)."""
+    def unsettled(self) -> dict[str, list[str]]:
+        """tag -> the sessions of the peers of the writes given up at their deadline that may
+        still land (polled now)."""
         with self._abandoned_lock:
-            for tag, (_, handles) in list(self._abandoned.items()):
+            for key, handles in list(self._abandoned.items()):
                 handles[:] = [h for h in handles if self.poll(h) is None]
                 if not handles:
-                    del self._abandoned[tag]
-            return {tag: peer for tag, (peer, _) in sorted(self._abandoned.items())}
+                    del self._abandoned[key]
+            out: dict[str, list[str]] = {}
+            for tag, peer in sorted(self._abandoned):
+                out.setdefault(tag, []).append(peer)
+            return out
 
     def writing(self, key: object, sessions: set[str] | None) -> None:
         """The peers an iteration (`key`) writes into from now, or (None) no more."""
@@ -115,8 +126,7 @@ class KVConnector(ABC):
         """The sessions of the peers a write may still land in: running, or given up on and
         not settled when `unsettled` last polled."""
         with self._abandoned_lock:
-            return sorted({peer for peer, _ in self._abandoned.values()}.union(
-                *self._writing.values()))
+            return sorted({peer for _, peer in self._abandoned}.union(*self._writing.values()))
 
     def wait(self, handles: list, timeout_s: float, tag: str = "",
              peer: str = "") -> list[bool]:
@@ -134,7 +144,7 @@ class KVConnector(ABC):
                 late = [h for h, d in zip(handles, done) if d is None]
                 if late:
                     with self._abandoned_lock:
-                        self._abandoned.setdefault(tag, (peer, []))[1].extend(late)
+                        self._abandoned.setdefault((tag, peer), []).extend(late)
                 return [bool(d) for d in done]
             time.sleep(pause)
             pause = min(pause * 2, 1e-3)
