@@ -23,6 +23,7 @@ down, restart after restart, with every other request it holds.
 from __future__ import annotations
 
 import asyncio
+import time
 
 import redis.asyncio as aioredis
 import structlog
@@ -50,8 +51,8 @@ for i = 3, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
   if p and p[2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
-  elseif p then
-    lost[#lost + 1] = ARGV[i]
+  else
+    lost[#lost + 1] = ARGV[i]          -- claimed by another, or finished (acked) by it
   end
 end
 return lost
@@ -70,6 +71,7 @@ class Takeover:
         self.held = held
         self.claim_cursor: bytes | str = "0-0"
         self._lost: list[bytes | str] = []
+        self.refreshed_at = time.monotonic()
 
     async def take_back_pending(self) -> int:
         """Every entry this consumer was given and never acked, resumed; returns how many."""
@@ -154,6 +156,14 @@ class Takeover:
             # (an entry handed to a decode instance meanwhile reads as lost too: nothing of
             # it is left here to drop)
             self._lost += lost
+        self.refreshed_at = time.monotonic()
+
+    @property
+    def overdue(self) -> bool:
+        """The leases were refreshed longer ago than the refresh comes round: this process
+        was stopped (SIGSTOP, swapping) or its loop held, and another scheduler may have
+        claimed, or even finished, requests of this one meanwhile."""
+        return time.monotonic() - self.refreshed_at > 2 * LEASE_REFRESH_S
 
     def take_lost(self) -> list[bytes | str]:
         """The entries another scheduler now holds, since the last call: drop their requests."""

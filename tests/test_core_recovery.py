@@ -158,7 +158,8 @@ def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_ser
     CLAIM_IDLE_MS). When "a" refreshes its leases it keeps its own entry and leaves the claimed
     one to "b" (an XCLAIM of every entry took it back, and both served it, taking it from each
     other every second); "a" then drops that request: no finish event, no ack, its blocks
-    free. Real Redis: the owners are the group's."""
+    free. So too one that "b" claimed and already finished (acked) while "a" was stopped: it
+    is no one's, and "a" must not serve it on. Real Redis: the owners are the group's."""
     import asyncio
 
     import redis.asyncio as aioredis
@@ -173,7 +174,7 @@ def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_ser
     async def go():
         r = aioredis.Redis.from_url(redis_server)
         await r.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
-        for rid in ("kept", "claimed"):
+        for rid in ("kept", "claimed", "finished"):
             await r.xadd(keys.requests, to_fields(RequestMsg(
                 rid, [1, 2, 3], SamplingParams(max_tokens=8), f"tokens:{rid}", "gw", 0.0)))
         core = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4,
@@ -183,8 +184,9 @@ def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_ser
         for entry_id, fields in entries:
             book.receive(entry_id, fields)
         run_step(core)                                  # both running, holding blocks
-        claimed_id = entries[1][0]
-        await r.xclaim(keys.requests, keys.requests_group, "b", 0, [claimed_id])
+        claimed_id, finished_id = entries[1][0], entries[2][0]
+        await r.xclaim(keys.requests, keys.requests_group, "b", 0, [claimed_id, finished_id])
+        await r.xack(keys.requests, keys.requests_group, finished_id)
         takeover = Takeover(r, keys, "a", book)
         await takeover.refresh_leases()
         lost = takeover.take_lost()
@@ -193,12 +195,13 @@ def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_ser
         await r.aclose()
         for entry_id in lost:
             book.lose(entry_id)
-        return core, book, lost, owners, entries, claimed_id
+        return core, book, lost, owners, entries, claimed_id, finished_id
 
-    core, book, lost, owners, entries, claimed_id = asyncio.run(go())
-    assert lost == [claimed_id]
+    core, book, lost, owners, entries, claimed_id, finished_id = asyncio.run(go())
+    assert lost == [claimed_id, finished_id]
     assert owners == {entries[0][0]: b"a", claimed_id: b"b"}
-    assert core.get_request("claimed") is None and core.get_request("kept") is not None
+    assert core.get_request("kept") is not None
+    assert core.get_request("claimed") is None and core.get_request("finished") is None
     for output in run_step(core)[1]:                    # the abort is reported, silently
         if output.finished:
             book.finished(output)

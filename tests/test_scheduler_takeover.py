@@ -136,6 +136,7 @@ class TokenTap:
         self.pubsub = self.redis.pubsub()
         self.events: dict[str, list[tuple[int, int]]] = defaultdict(list)
         self.finished: dict[str, FinishEvent] = {}
+        self.finishes: dict[str, int] = defaultdict(int)      # finish events per request
         self._task: asyncio.Task | None = None
 
     async def __aenter__(self) -> "TokenTap":
@@ -153,6 +154,7 @@ class TokenTap:
                     self.events[e.request_id].append((e.index, e.token_id))
             elif isinstance(msg, FinishEvent):
                 self.finished.setdefault(msg.request_id, msg)
+                self.finishes[msg.request_id] += 1
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.sleep(0.2)          # the last events published with the finish event
@@ -313,3 +315,50 @@ def test_an_abort_sent_while_no_scheduler_runs_reaches_the_one_that_takes_the_re
     finally:
         aborts.close()
     assert pending(system).get(name) == 0, pending(system)
+
+
+def test_a_stalled_scheduler_that_comes_back_after_a_takeover_publishes_nothing_more(
+        system: System):
+    """The scheduler serving the streams is stopped (SIGSTOP) past the claim idle; another
+    takes its requests over and finishes them; then the stalled one runs again. Before it
+    applies the result it was waiting for or plans another token, it finds (its leases
+    overdue) that its requests are another's or done, and drops them: each index is published
+    once, each request finishes once, and no progress record is written again."""
+    alive = [n for n in (SCHEDULER_A, SCHEDULER_B)
+             if n in system.processes and system.processes[n].proc.poll() is None]
+    if not alive:
+        system.start_scheduler(SCHEDULER_B)
+        alive = [SCHEDULER_B]
+    holder = alive[0]
+    taker = SCHEDULER_A if holder == SCHEDULER_B else SCHEDULER_B
+    if taker in alive:                      # one scheduler drives the worker at a time
+        system.processes[taker].stop()
+    reference, ref_tap, _ = asyncio.run(run_streams(system))
+    assert_complete(reference, ref_tap, system)
+    stalled = system.processes[holder].proc
+
+    async def stall_until_taken_over() -> float:
+        os.kill(stalled.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        system.start_scheduler(taker)
+        await asyncio.sleep(CLAIM_IDLE_MS / 1000 + 6)     # claimed and served to the end
+        os.kill(stalled.pid, signal.SIGCONT)
+        await asyncio.sleep(2.0)            # what it would publish, the tap would see
+        return stopped_at
+
+    try:
+        results, tap, stopped_at = asyncio.run(run_streams(system, stall_until_taken_over))
+    finally:
+        os.kill(stalled.pid, signal.SIGCONT)
+    assert_complete(results, tap, system)
+    for i, (r, ref) in enumerate(zip(results, reference)):
+        assert r.text == ref.text, (i, r.text, ref.text)
+        assert tap.finishes[r.response_id] == 1, (i, tap.finishes[r.response_id], system.logs())
+    assert all(r.chunk_times[-1] > stopped_at for r in results)
+    r = redis.Redis.from_url(system.redis_url)
+    try:
+        assert list(r.scan_iter(match=KEYS.progress("*"))) == [], system.logs()
+    finally:
+        r.close()
+    with open(system.processes[holder].log_path, encoding="utf-8") as f:
+        assert "request left to the scheduler that claimed it" in f.read(), system.logs()
