@@ -426,6 +426,7 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
     else:
         executor = await asyncio.to_thread(on_device, layout.args.device, build_runner, layout,
                                            None, True)
+    runner = executor.runner if isinstance(executor, TPExecutor) else executor
     try:
         if stop.is_set():
             return 0
@@ -433,7 +434,6 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
         # its first plan only after it saw our heartbeat, so that plan cannot be missed (the
         # run_id first: should Redis restart in between, the first read starts over)
         run_id = await redis_run_id(redis)
-        runner = executor.runner if isinstance(executor, TPExecutor) else executor
         runner.grammars.warm()
         loop = PlanLoop(redis, keys, executor, executor.requests,
                         await stream_tail_id(redis, keys.plans), run_id, runner.rc.device)
@@ -446,7 +446,7 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
     finally:
         if tp > 1:
             await asyncio.to_thread(executor.shutdown)
-        (executor.runner if isinstance(executor, TPExecutor) else executor).close()
+        runner.close()
 
 
 async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:

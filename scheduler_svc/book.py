@@ -145,12 +145,11 @@ class RequestBook:
         if msg.deadline is not None:
             heapq.heappush(self._deadlines, (msg.deadline, msg.request_id))
 
-    def abort_pending(self, request_id: str) -> bool:
-        """Whether an abort for this id came before the request (kept for aborted_early)."""
-        return request_id in self._early_aborts
-
-    def aborted_early(self, request_id: str) -> bool:
-        """Whether an abort for this id came before the request (forgotten once asked)."""
+    def aborted_early(self, request_id: str, forget: bool = True) -> bool:
+        """Whether an abort for this id came before the request (forgotten once asked,
+        unless `forget` is false: the request may still come, and must end then)."""
+        if not forget:
+            return request_id in self._early_aborts
         return self._early_aborts.pop(request_id, False) is None
 
     def hand_off(self, request_id: str) -> bool:

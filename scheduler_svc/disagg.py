@@ -603,8 +603,8 @@ class DecodeSide:
         self.cursor: bytes | str = "$"
         self.peers: list[dict] = []          # this instance's workers' KV descriptors
         self._replies: list[tuple[str, ReservedMsg]] = []
-        self._reserved_at: dict[str, float] = {}
-        self._deadline: dict[str, float] = {}    # reserved request id -> its deadline (wall)
+        # reserved request id -> (when, monotonic; its request's deadline, wall, or None)
+        self._reserved_at: dict[str, tuple[float, float | None]] = {}
         self._writer: dict[str, str] = {}    # reserved request id -> its prefill instance
         self._held: dict[str, _Held] = {}
         self._prefill_tp: dict[str, int] = {}
@@ -634,7 +634,6 @@ class DecodeSide:
                 self._take(msg)
             elif isinstance(msg, CancelMsg) and self._give_up(msg.request_id, msg.kv_pending):
                 self._reserved_at.pop(msg.request_id, None)
-                self._deadline.pop(msg.request_id, None)
                 log.info("reservation cancelled", request_id=msg.request_id, reason=msg.reason)
         return came
 
@@ -652,10 +651,8 @@ class DecodeSide:
             except InvalidRequestError as e:
                 error = str(e)
         if blocks:
-            self._reserved_at.setdefault(rid, time.monotonic())
+            self._reserved_at.setdefault(rid, (time.monotonic(), request.deadline))
             self._writer[rid] = msg.prefill_instance
-            if request.deadline is not None:
-                self._deadline[rid] = request.deadline
         self._replies.append((msg.prefill_instance, ReservedMsg(
             rid, self.instance, self.consumer, blocks, self.peers if blocks else [],
             self.started_at, error)))
@@ -664,7 +661,6 @@ class DecodeSide:
         request = decode(msg.request)
         rid = request.request_id
         self._reserved_at.pop(rid, None)
-        self._deadline.pop(rid, None)
         self.handoffs_total += 1
         if self.book.aborted_early(rid):
             self._give_up(rid, True)
@@ -823,9 +819,9 @@ class DecodeSide:
         prefill side cancels them too, but a prefill scheduler that restarted in between
         does not know what its predecessor asked for. Whether any went."""
         now, wall, freed = time.monotonic(), time.time(), False
-        for rid, at in list(self._reserved_at.items()):
-            deadline = self._deadline.get(rid)
-            if self.book.abort_pending(rid) or deadline is not None and deadline <= wall:
+        for rid, (at, deadline) in list(self._reserved_at.items()):
+            if self.book.aborted_early(rid, forget=False) or \
+                    deadline is not None and deadline <= wall:
                 why = "its request ended"       # a late hand-off ends there: abort, deadline
                 hold = True                     # its prefill worker may be writing still
             elif now - at > RESERVATION_TTL_S:
@@ -833,7 +829,6 @@ class DecodeSide:
             else:
                 continue
             del self._reserved_at[rid]
-            self._deadline.pop(rid, None)
             if self._give_up(rid, hold):
                 freed = True
                 log.warning("reservation let go", request_id=rid, why=why)
@@ -844,7 +839,6 @@ class DecodeSide:
         for rid in [*self._reserved_at, *self._checks]:
             self._give_up(rid)
         self._reserved_at.clear()
-        self._deadline.clear()
         self._checks.clear()
         self._due.clear()
         self._replies.clear()

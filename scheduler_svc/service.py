@@ -309,7 +309,8 @@ class SchedulerService:
     async def _iterate(self) -> bool:
         """A plan out (with overlap, the next one while the last runs), the oldest result
         in, the core updated. False: no result will come."""
-        await self._still_ours()
+        if self.takeover.overdue:               # back from a stall: are they still ours?
+            await self._drop_claimed()
         if not self._flight:
             plan = self.core.schedule()
             if self.prefill is not None:
@@ -334,7 +335,8 @@ class SchedulerService:
         result = await self._wait_result(plan.step, plan_id)
         if result is None:
             return False
-        await self._still_ours()
+        if self.takeover.overdue:
+            await self._drop_claimed()
         self._flight.popleft()
         self.stats.result_received()
         self._apply(plan, result)
@@ -496,13 +498,12 @@ class SchedulerService:
             await self.recovery.retrying("resume claimed",
                                          lambda: self.takeover.resume(entries))
 
-    async def _still_ours(self) -> None:
+    async def _drop_claimed(self) -> None:
         """After a stall (docs/failure-modes.md), before another token is planned or a result
-        applied: drop the requests another scheduler claimed meanwhile, which it serves now,
-        rather than publish a second run of their tokens and a second finish."""
-        if self.takeover.overdue:
-            await self.recovery.retrying("refresh leases", self.takeover.refresh_leases)
-            self._drop_lost()
+        applied: drop the requests another scheduler claimed (or finished) meanwhile, rather
+        than publish a second run of their tokens and a second finish."""
+        await self.recovery.retrying("refresh leases", self.takeover.refresh_leases)
+        self._drop_lost()
 
     def _drop_lost(self) -> None:
         """Requests another scheduler claimed while this one stalled: theirs now."""

@@ -121,11 +121,11 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(layout.source)
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, ignore_eos=args.ignore_eos)
-    try:                                # a bad flag is the flag's fault, not the file's
-        SamplingParams(**defaults)
-    except InvalidRequestError as e:
-        field = str(e).split()[0]
-        raise PacerError(f"--{field.replace('_', '-')}: {e}") from None
+    for name, value in defaults.items():   # a bad flag is the flag's fault, not the file's
+        try:
+            SamplingParams(**{name: value})
+        except InvalidRequestError as e:
+            raise PacerError(f"--{name.replace('_', '-')}: {e}") from None
     prompts, params, stops = read_prompts(args.prompts, tokenizer, defaults, layout.max_model_len)
     engine = LLMEngine(layout, tokenizer=tokenizer)
     bar = tqdm(total=len(prompts), desc="generate", unit="req", file=sys.stderr)
