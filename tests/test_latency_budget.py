@@ -131,6 +131,31 @@ def test_a_short_prompt_cut_by_the_latency_budget_goes_on_before_the_long_one():
                                                                           ("long", 10)]
 
 
+def test_a_long_prompt_at_the_floor_is_walled_in_until_it_is_through():
+    """40 ms an iteration, 1 ms a row and 0.5 ms a row of context; three decodes, a
+    600-row prompt, and a short prompt (30 tokens out) arriving every iteration. The short
+    ones go first at the start; as the long one's prefix grows, the decodes and its prefix
+    read fill the budget and its chunks get the floor's four rows, at more than nine times
+    its pace alone. From then on nothing is admitted until it is through: 163 iterations.
+    Let in regardless, the short ones kept it at the floor: 1,188 iterations
+    (docs/design.md#short-prompts-beside-long-ones)."""
+    sched = make(budget_ms=40, cost=RowCost(row_ms=1, kv_ms=0.5), token_budget=64, max_seqs=64,
+                 num_blocks=2048)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 3)
+    add(sched, "long", 600, max_tokens=2)
+    admitted = []
+    while sched.get_request("long").num_output_tokens == 0 and len(admitted) < 2000:
+        add(sched, f"s{len(admitted)}", 8, max_tokens=30)
+        plan, _ = step(sched, worker)
+        admitted.append(bool(plan.new_requests))
+    assert admitted[:4] == [True] * 4                # short ones first while it moves
+    last = max(n for n, admits in enumerate(admitted) if admits)
+    assert len(admitted) < 300 and len(admitted) - last > 100
+    plan, _ = step(sched, worker)
+    assert plan.new_requests                         # through: the queue moves again
+
+
 def test_kv_rows_shrink_later_chunks():
     sched = make(budget_ms=100, cost=RowCost(row_ms=2, kv_ms=1))
     worker = FakeWorker(sched)

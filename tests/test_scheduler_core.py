@@ -300,6 +300,47 @@ def test_a_long_prompt_is_not_held_back_for_good_by_short_ones(running):
     assert first is not None and first <= 7 * (MAX_DEFERRALS + 1)
 
 
+def test_a_short_prompt_passes_a_long_one_only_where_the_pool_has_room_for_both():
+    """A 148-row prompt (37 of the pool's 40 blocks) prefilling 16 rows an iteration, then a
+    16-row one: after the long one's first chunk 36 blocks are free and it needs 33 more, so
+    the short one (4 blocks) waits its turn, first come, first served, and the long one
+    has its whole budget to the end (let in first, the short one took blocks and rows the
+    long one needed)."""
+    sched = make_scheduler(budget=16, max_seqs=8, num_blocks=40, max_model_len=256,
+                           prefix_caching=False)
+    worker = FakeWorker(sched)
+    add(sched, "long", 148, max_tokens=2)
+    step(sched, worker)
+    add(sched, "short", 16, max_tokens=20)
+    plans = 1
+    while sched.get_request("long").num_output_tokens == 0:
+        plan, _ = step(sched, worker)
+        plans += 1
+        # (beside the long one's last chunk, short itself, first come, first served)
+        assert "short" not in plan.num_scheduled_tokens or \
+            sched.get_request("long").num_output_tokens == 1
+    assert plans == 10                              # 148 rows, 16 an iteration
+    _, outs = run(sched, worker)
+    assert final(outs["short"]).num_output_tokens == 20
+
+
+def test_decodes_after_a_long_prompt_keep_their_tokens():
+    """A short prompt admitted past a prefilling long one decodes after it in the running
+    list: the long one's chunks leave it its row of the 16-row token budget every
+    iteration (they took all 16, and it waited for the whole prefill)."""
+    sched = make_scheduler(budget=16, max_seqs=8, num_blocks=128, prefix_caching=False)
+    worker = FakeWorker(sched)
+    add(sched, "long", 100, max_tokens=2)
+    step(sched, worker)
+    add(sched, "short", 4, max_tokens=30)
+    step(sched, worker)
+    assert sched.get_request("short").num_output_tokens == 1
+    while sched.get_request("long").num_output_tokens == 0:
+        plan, _ = step(sched, worker)
+        assert plan.num_scheduled_tokens.get("short") == 1
+        assert sum(plan.num_scheduled_tokens.values()) <= 16
+
+
 # ---- block tables ------------------------------------------------------------------------
 
 def test_new_requests_carry_the_full_table_and_cached_ones_only_new_blocks():

@@ -42,6 +42,19 @@ class IterationLatency:
         fits = self._cost.max_prefill_rows(self._budget_ms, self._chunks, prefix_len)
         return min(wanted, max(fits, floor))
 
+    def floor_pace_ms(self, wanted: int, prefix_len: int) -> float | None:
+        """Where the decodes alone leave a first prefill chunk of `wanted` rows over a cached
+        `prefix_len` no more than the floor every first prefill may take: how long all of
+        them would take at that pace, an iteration of these decodes and the floor's rows
+        each. None where more fits (or in an iteration of decodes alone, with no floor: the
+        decodes' price being measured)."""
+        rows = self._min_rows
+        if self._budget_ms is None or not 0 < rows < wanted or \
+                self._cost.max_prefill_rows(self._budget_ms, self._chunks, prefix_len) > rows:
+            return None
+        return -(-wanted // rows) * self._cost.iteration_ms(
+            [*self._chunks, (rows, prefix_len + rows)])
+
     def whole_prefill_fits(self, rows: int, prefix_len: int) -> bool:
         """ORCA mode never cuts a prompt: it goes whole if it fits, or if it is the first
         prefill of the iteration (else a long prompt would wait for ever)."""

@@ -4,14 +4,17 @@
 Every iteration is decided afresh, in this order:
 
 1. continue the running requests in admission order — a decode takes 1 row, a partial prefill
-   min(remaining, budget left) rows — growing their block tables; when the pool runs dry the
+   min(remaining, budget left) rows, leaving the decodes after it theirs — growing their block
+   tables; when the pool runs dry the
    most recently admitted running request is preempted (blocks freed, recomputed later);
 2. if nothing was preempted, admit waiting requests first come, first served while the token
    budget and the sequence cap allow; a prompt longer than the budget left is cut into a chunk
    that rides along with the decodes. One exception (chunked prefill): a short prompt (its
    rows fit one iteration's token budget) does not wait behind a long one; while one waits
    for rows, queued or part-way through its prefill, the long prompts' chunks are sized
-   after it (docs/design.md#short-prompts-beside-long-ones). With prefix caching a request first
+   after it, where the pool has room for both; a long prompt whose chunks meet the latency
+   budget's floor admits nothing beside it until it is through
+   (docs/design.md#short-prompts-beside-long-ones). With prefix caching a request first
    takes the longest run of cached blocks matching its tokens and computes only from there
    (docs/design.md#prefix-caching); blocks are registered in the cache by `update()`, once
    the iteration that filled them is done.
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from itertools import chain, islice
 
@@ -69,6 +72,9 @@ class _Iteration:
     ahead: int | None = None    # planned while this step runs: it never preempts
     stalled: bool = False       # ...and stops where it would have had to
     now: float = 0.0            # the clock when it was decided (read only with a TTFT goal)
+    # rows of the running one-row requests (decodes) not placed yet: a prefill chunk before
+    # them in the running list leaves them their tokens, as the latency budget their time
+    decode_rows_left: int = 0
 
     @property
     def budget_left(self) -> int:
@@ -163,6 +169,9 @@ class Scheduler:
         self._num_arrivals = 0
         self._next_step = 0
         self._probe_step = -2           # the last plan of decodes alone for the cost model
+        # a long prompt whose prefill met the latency budget's floor: nothing is admitted
+        # beside it until it is through (`_long_prompt_walled`)
+        self._walled: Request | None = None
         # plans awaiting update(), oldest first: one, or two once `schedule_ahead()` ran
         self._flights: deque[_Flight] = deque()
         self._sync_next = False       # a plan made ahead stalled: the next one waits
@@ -174,10 +183,13 @@ class Scheduler:
                 config.target_ttft_factor)
         # the TTFT goal the auto token-gap target keeps long prompts on course for (the
         # prompts' pace; never an order of the queue)
-        self._pace_goal = TtftGoal(config.iteration_cost, config.max_num_batched_tokens,
+        # (its predictions of a prompt's prefill alone also tell when a long prompt stuck at the
+        # latency budget's floor walls the queue off, with a fixed budget too:
+        # `_long_prompt_walled`)
+        self._long_goal = TtftGoal(config.iteration_cost, config.max_num_batched_tokens,
                                    factor=AUTO_TTFT_FACTOR) \
-            if config.target_tbt_factor is not None and config.iteration_cost is not None \
-            and self.ttft_goal is None else None
+            if config.iteration_cost is not None and self.ttft_goal is None else None
+        self._pace_goal = self._long_goal if config.target_tbt_factor is not None else None
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -370,13 +382,15 @@ class Scheduler:
 
     def _decide(self, ahead: int | None,
                 finishing: frozenset[Request] = frozenset()) -> _Iteration:
-        self.last_latency_budget = self._latency_budget()
+        decodes = [(1, r.num_tokens) for r in self._running if self._rows_wanted(r) == 1]
+        self.last_latency_budget = self._latency_budget(decodes)
         iteration = _Iteration(self.config.max_num_batched_tokens, self.last_latency_budget,
-                               ahead=ahead)
+                               ahead=ahead, decode_rows_left=len(decodes))
         if self.ttft_goal is not None:
             self._decide_by_deadline(iteration, finishing)
             return iteration
-        short_waits = self._short_prompt_waits()
+        walled = self._long_prompt_walled(iteration)
+        short_waits = not walled and self._short_prompt_waits()
         deferred = self._continue_running(iteration, finishing, short_waits)
         if short_waits and not iteration.preempted_ids and not iteration.stalled:
             self._admit_short(iteration)
@@ -391,7 +405,7 @@ class Scheduler:
                     if request.status is RequestStatus.RUNNING and not self._continue_one(
                             request, self._running.index(request), iteration):
                         break
-        if not iteration.preempted_ids and not iteration.stalled:
+        if not walled and not iteration.preempted_ids and not iteration.stalled:
             self._admit_waiting(iteration)
         return iteration
 
@@ -524,16 +538,15 @@ class Scheduler:
             observe([(rows, r.num_computed_tokens + rows) for r, rows in scheduled],
                     result.forward_ms, result.wide_from_rows)
 
-    def _latency_budget(self) -> IterationLatency | None:
+    def _latency_budget(self, decodes: list[tuple[int, int]]) -> IterationLatency | None:
         """This iteration's time budget: `max_iteration_ms` always; the token-gap target only
         while decodes run (else no one waits between tokens and prefill takes the whole token
-        budget); None: the token budget alone."""
+        budget); None: the token budget alone. `decodes`: the running one-row requests' chunks,
+        every one reserved up front, so that a prefill earlier in the running list cannot take
+        the time of a decode later in it."""
         config, cost = self.config, self.config.iteration_cost
         if cost is None:
             return None
-        # Every decode is reserved up front, so a prefill earlier in the running list cannot
-        # take the time of a decode later in it.
-        decodes = [(1, r.num_tokens) for r in self._running if self._rows_wanted(r) == 1]
         budget_ms = None
         if config.max_iteration_ms is not None:
             budget_ms = config.max_iteration_ms
@@ -567,7 +580,9 @@ class Scheduler:
             # admitted faster decodes in fuller iterations (docs/design.md#the-token-gap-target).
             # Of the queue, the first max_num_seqs at most: no iteration admits more, and a
             # long queue costs this per-iteration count nothing more.
-            waiting = islice(self._waiting, config.max_num_seqs)
+            # None while a long prompt is walled in: they wait for it whatever the budget
+            waiting = () if self._walled is not None else \
+                islice(self._waiting, config.max_num_seqs)
             prompts = sum(1 for r in chain(waiting, self._running)
                           if r.num_tokens <= config.max_num_batched_tokens
                           and r.num_tokens - r.num_computed_tokens > 1)
@@ -674,6 +689,7 @@ class Scheduler:
                 add_sample(request_id)
                 num_tokens_so_far += 1
             index += num_tokens_so_far - decodes_from
+            iteration.decode_rows_left -= num_tokens_so_far - decodes_from
             if index == len(running) or num_tokens_so_far >= budget:
                 break
             request = running[index]
@@ -725,8 +741,12 @@ class Scheduler:
         once its blocks are in hand)."""
         wanted = self._rows_wanted(request)
         if wanted == 1:
+            iteration.decode_rows_left -= 1
             return 1            # a decode; the caller checked that budget is left
-        rows = min(wanted, iteration.budget_left)
+        # the decodes later in the running list keep their tokens, but for a few rows that a
+        # prompt may always take (a token budget below the decodes' count would stop it)
+        left = iteration.budget_left
+        rows = min(wanted, max(left - iteration.decode_rows_left, min(left, MIN_PREFILL_ROWS)))
         if iteration.latency is not None:   # decodes were reserved already
             rows = iteration.latency.prefill_rows(rows, request.num_computed_tokens)
         return rows
@@ -777,36 +797,80 @@ class Scheduler:
         self.num_preemptions_total += 1
         self._left_running()
 
+    def _long_prompt_walled(self, iteration: _Iteration) -> bool:
+        """Whether a long prompt being prefilled is stuck: its chunks at the latency budget's
+        floor (the decodes alone fill the budget, as they come to over a long cached prefix,
+        where each chunk reads all of it), at a pace that would take more than
+        MAX_DEFERRALS + 1 times its prefill alone (the most short prompts may slow it by
+        their turns, too). From then on nothing is admitted beside it, short or not, until it
+        is through (`_walled`): every stream admitted would slow it further, for as long as
+        that stream lasts, and it waits for the streams to thin out, first come, first served.
+        Lifted as soon as the floor was, the short prompts let in at once brought it straight
+        back: a 100k-token prompt beside 4 requests/s of short ones on an H100 crawled four
+        rows an iteration for a minute, at 40 times its pace alone
+        (docs/design.md#short-prompts-beside-long-ones)."""
+        budget = self.config.max_num_batched_tokens
+        walled = self._walled
+        if walled is not None:
+            if walled.status is RequestStatus.RUNNING and self._rows_wanted(walled) > budget:
+                return True
+            self._walled = None
+        latency, alone = iteration.latency, self._long_goal
+        if latency is None or alone is None or not self.config.enable_chunked_prefill:
+            return False
+        for request in self._running:
+            if (wanted := self._rows_wanted(request)) > budget and (ms := latency.floor_pace_ms(
+                    wanted, computed := request.num_computed_tokens)) is not None and \
+                    ms > (MAX_DEFERRALS + 1) * alone.prefill_ms(computed, computed + wanted):
+                self._walled = request
+                return True
+        return False
+
     def _short_prompt_waits(self) -> bool:
         """Whether a short prompt (its rows fit one iteration's token budget) waits for rows:
-        part-way through its prefill, or queued where a free place could take it (among the
-        first max_num_seqs of the queue). Then the long prompts' chunks wait for it within
-        the iteration (chunked prefill, FCFS scheduling); first come, first served alone left
-        it waiting until every prompt admitted before it was prefilled
-        (docs/design.md#short-prompts-beside-long-ones)."""
-        config = self.config
-        if not config.enable_chunked_prefill:
+        part-way through its prefill, or queued where it may go first (`_queued_shorts`).
+        Then the long prompts' chunks wait for it within the iteration (chunked prefill,
+        FCFS scheduling); first come, first served alone left it waiting until every prompt
+        admitted before it was prefilled (docs/design.md#short-prompts-beside-long-ones)."""
+        if not self.config.enable_chunked_prefill:
             return False
-        budget = config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens
         if any(1 < self._rows_wanted(r) <= budget for r in self._running):
             return True
-        return bool(self._waiting) and len(self._running) < config.max_num_seqs and any(
-            self._rows_wanted(r) <= budget for r in islice(self._waiting, config.max_num_seqs))
+        return len(self._running) < self.config.max_num_seqs and \
+            next(self._queued_shorts(), None) is not None
+
+    def _queued_shorts(self) -> Iterator[tuple[Request, list[Request]]]:
+        """The short prompts of the queue's first max_num_seqs that may go before the long
+        ones queued ahead of them, in order, each with the long ones it passes. It stops at
+        a long one passed MAX_DEFERRALS times in a row (its turn: first come, first served)
+        and at a short one the pool has no room for beside the rest of every long prompt it
+        would go before, running or queued: else the short ones would take the blocks a long
+        one needs, and the decodes beside it would preempt one another until it is through."""
+        longest, queued = self.config.max_num_batched_tokens, []
+        blocks = self.block_manager
+        claimed = sum(blocks.blocks_needed(r.num_computed_tokens + wanted) - len(r.block_table)
+                      for r in self._running if (wanted := self._rows_wanted(r)) > longest)
+        for request in list(islice(self._waiting, self.config.max_num_seqs)):
+            wanted = self._rows_wanted(request)
+            if wanted > longest:
+                if request.num_deferred >= MAX_DEFERRALS:
+                    return
+                queued.append(request)
+                claimed += blocks.blocks_needed(wanted)
+            elif blocks.num_free_blocks - blocks.blocks_needed(wanted) < claimed:
+                return
+            else:
+                yield request, queued
 
     def _admit_short(self, iteration: _Iteration) -> None:
-        """Admit the short prompts of the queue's first max_num_seqs, in their order, past
-        any longer one, while the budgets, the sequence cap and the pool allow; a long one
-        passed MAX_DEFERRALS times in a row stops them: its turn, first come, first served."""
-        longest, queued, passed = self.config.max_num_batched_tokens, [], set()
-        for request in list(islice(self._waiting, self.config.max_num_seqs)):
-            if self._rows_wanted(request) > longest:
-                if request.num_deferred >= MAX_DEFERRALS:
-                    break
-                queued.append(request)
-            elif self._admit(request, iteration):
-                passed.update(queued)
-            else:
+        """Admit the short prompts `_queued_shorts` lets go first, while the budgets, the
+        sequence cap and the pool allow."""
+        passed = set()
+        for request, queued in self._queued_shorts():
+            if not self._admit(request, iteration):
                 break
+            passed.update(queued)
         for request in passed:
             request.num_deferred += 1
 
