@@ -695,6 +695,7 @@ class Scheduler:
             request = running[index]
             if finishing and request in finishing:
                 index += 1      # the token in flight ends it: nothing to plan
+                iteration.decode_rows_left -= self._rows_wanted(request) == 1
                 continue
             if defer_long and request.num_deferred < MAX_DEFERRALS \
                     and self._rows_wanted(request) > budget and request.kv_received is None:
