@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.core import Scheduler
+from scheduler_svc.core import RequestStatus, Scheduler
 from scheduler_svc.simulator import SimClock
 from shared.config import SchedulerConfig
 from shared.online_cost import OnlineIterationCost
@@ -154,6 +154,66 @@ def test_a_long_prompt_at_the_floor_is_walled_in_until_it_is_through():
     assert len(admitted) < 300 and len(admitted) - last > 100
     plan, _ = step(sched, worker)
     assert plan.new_requests                         # through: the queue moves again
+
+
+def test_a_walled_in_prompt_takes_no_handover_beside_it():
+    """A P/D decode instance: handed-over streams join through `reserve()`, refused while
+    requests wait there. Once a long prompt is walled in (as in the test above), the queue
+    empties (its requests aborted) and still no reservation is taken until the long prompt
+    is through."""
+    sched = make(budget_ms=40, cost=RowCost(row_ms=1, kv_ms=0.5), token_budget=64, max_seqs=64,
+                 num_blocks=2048)
+    worker = FakeWorker(sched)
+    start_decoding(sched, worker, 12)
+    add(sched, "long", 600, max_tokens=2)
+    n = 0
+    while sched._walled is None:
+        n += 1
+        add(sched, f"s{n}", 8, max_tokens=30)
+        step(sched, worker)
+        assert n < 300
+    for request_id in [f"s{k}" for k in range(1, n + 1)]:
+        if sched.get_request(request_id).status is RequestStatus.WAITING:
+            sched.abort(request_id)
+    while sched.get_request("long").num_output_tokens == 0:
+        assert sched.num_waiting == 0
+        assert sched.reserve("late", prompt(8), SamplingParams(max_tokens=30)) is None
+        step(sched, worker)
+    assert sched.reserve("late", prompt(8), SamplingParams(max_tokens=30)) is not None
+
+
+def test_decodes_keep_their_tokens_but_a_prompt_moves_a_widened_block():
+    """GEMMs that widen their weights from 8 rows on: the rows a prompt may always take are a
+    whole block (16). With a 24-row token budget and 22 decodes after the long prompt, it
+    still moves 16 rows an iteration (a widened iteration is the dearest there is), not 4."""
+    sched = make(budget_ms=10_000, cost=RowCost(row_ms=1, wide_from_rows=8), token_budget=24,
+                 block_size=16, num_blocks=256, max_seqs=32)
+    worker = FakeWorker(sched)
+    add(sched, "long", 400, max_tokens=2)
+    step(sched, worker)
+    for i in range(22):
+        add(sched, f"d{i}", 1, max_tokens=100)
+    step(sched, worker)
+    for _ in range(3):
+        plan, _ = step(sched, worker)
+        assert plan.num_scheduled_tokens["long"] == 16
+
+
+def test_a_plan_made_ahead_gives_the_rows_of_requests_it_ends_to_the_prompt():
+    """A P/D prefill instance (a TTFT goal, max_tokens 1, plans made ahead): six short
+    prompts end with the token in flight, so the plan made ahead has the long prompt's
+    chunk alone, at the whole 16-row token budget (it kept a row back for each of them)."""
+    config = SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=16, num_kv_blocks=256,
+                             block_size=4, max_model_len=1024, target_ttft_ms=10_000,
+                             iteration_cost=RowCost(), enable_prefix_caching=False)
+    sched = Scheduler(config, eos_token_ids=2, max_model_len=1024, clock=lambda: 100.0)
+    worker = FakeWorker(sched)
+    sched.add_request("long", prompt(200), SamplingParams(max_tokens=1))
+    step(sched, worker)
+    for i in range(6):      # more urgent (arrived earlier): placed first
+        sched.add_request(f"a{i}", prompt(2), SamplingParams(max_tokens=1), arrival_s=0.0)
+    worker.execute(sched.schedule())
+    assert sched.schedule_ahead().num_scheduled_tokens == {"long": 16}
 
 
 def test_kv_rows_shrink_later_chunks():

@@ -324,6 +324,25 @@ def test_a_short_prompt_passes_a_long_one_only_where_the_pool_has_room_for_both(
     assert final(outs["short"]).num_output_tokens == 20
 
 
+def test_the_room_a_queued_long_prompt_needs_leaves_out_its_cached_prefix():
+    """A queued 168-token prompt whose first 160 tokens are cached needs 2 blocks, not 42:
+    the short prompt behind it still passes it and the running long one, with its first
+    token after one iteration (counted whole, it waited out the running prompt's prefill)."""
+    sched = make_scheduler(budget=16, max_seqs=8, num_blocks=120, max_model_len=512,
+                           prefix_caching=True)
+    worker = FakeWorker(sched)
+    system = [300 + i % 50 for i in range(160)]
+    sched.add_request("d", system + [900], SamplingParams(max_tokens=200))
+    while sched.get_request("d").num_output_tokens == 0:
+        step(sched, worker)
+    sched.add_request("R", [1000 + i % 50 for i in range(200)], SamplingParams(max_tokens=2))
+    step(sched, worker)
+    sched.add_request("L", system + [901] * 8, SamplingParams(max_tokens=2))
+    sched.add_request("S", [2000 + i for i in range(8)], SamplingParams(max_tokens=2))
+    step(sched, worker)
+    assert sched.get_request("S").num_output_tokens == 1
+
+
 def test_decodes_after_a_long_prompt_keep_their_tokens():
     """A short prompt admitted past a prefilling long one decodes after it in the running
     list: the long one's chunks leave it its row of the 16-row token budget every

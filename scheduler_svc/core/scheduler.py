@@ -72,9 +72,8 @@ class _Iteration:
     ahead: int | None = None    # planned while this step runs: it never preempts
     stalled: bool = False       # ...and stops where it would have had to
     now: float = 0.0            # the clock when it was decided (read only with a TTFT goal)
-    # rows of the running one-row requests (decodes) not placed yet: a prefill chunk before
-    # them in the running list leaves them their tokens, as the latency budget their time
-    decode_rows_left: int = 0
+    # requests the token in flight ends (a plan made ahead): no rows for them
+    finishing: frozenset[Request] = frozenset()
 
     @property
     def budget_left(self) -> int:
@@ -245,8 +244,9 @@ class Scheduler:
         if held is not None:
             return list(held.block_table)
         self._validate(request_id, prompt_token_ids, sampling)
-        if self._waiting:
-            return None         # requests already here (preempted ones, say) go first
+        if self._waiting or self._walled_in():
+            return None         # requests already here (preempted ones, say) go first, and
+            #                     nothing joins beside a prompt walled in (`_long_prompt_walled`)
         if len(self._running) + len(self._reserved) >= self.config.max_num_seqs:
             return None         # each reservation becomes a running request
         request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
@@ -382,10 +382,9 @@ class Scheduler:
 
     def _decide(self, ahead: int | None,
                 finishing: frozenset[Request] = frozenset()) -> _Iteration:
-        decodes = [(1, r.num_tokens) for r in self._running if self._rows_wanted(r) == 1]
-        self.last_latency_budget = self._latency_budget(decodes)
+        self.last_latency_budget = self._latency_budget()
         iteration = _Iteration(self.config.max_num_batched_tokens, self.last_latency_budget,
-                               ahead=ahead, decode_rows_left=len(decodes))
+                               ahead=ahead, finishing=finishing)
         if self.ttft_goal is not None:
             self._decide_by_deadline(iteration, finishing)
             return iteration
@@ -538,15 +537,16 @@ class Scheduler:
             observe([(rows, r.num_computed_tokens + rows) for r, rows in scheduled],
                     result.forward_ms, result.wide_from_rows)
 
-    def _latency_budget(self, decodes: list[tuple[int, int]]) -> IterationLatency | None:
+    def _latency_budget(self) -> IterationLatency | None:
         """This iteration's time budget: `max_iteration_ms` always; the token-gap target only
         while decodes run (else no one waits between tokens and prefill takes the whole token
-        budget); None: the token budget alone. `decodes`: the running one-row requests' chunks,
-        every one reserved up front, so that a prefill earlier in the running list cannot take
-        the time of a decode later in it."""
+        budget); None: the token budget alone."""
         config, cost = self.config, self.config.iteration_cost
         if cost is None:
             return None
+        # Every decode is reserved up front, so a prefill earlier in the running list cannot
+        # take the time of a decode later in it (their tokens: `_chunk_rows`).
+        decodes = [(1, r.num_tokens) for r in self._running if self._rows_wanted(r) == 1]
         budget_ms = None
         if config.max_iteration_ms is not None:
             budget_ms = config.max_iteration_ms
@@ -689,13 +689,11 @@ class Scheduler:
                 add_sample(request_id)
                 num_tokens_so_far += 1
             index += num_tokens_so_far - decodes_from
-            iteration.decode_rows_left -= num_tokens_so_far - decodes_from
             if index == len(running) or num_tokens_so_far >= budget:
                 break
             request = running[index]
             if finishing and request in finishing:
                 index += 1      # the token in flight ends it: nothing to plan
-                iteration.decode_rows_left -= self._rows_wanted(request) == 1
                 continue
             if defer_long and request.num_deferred < MAX_DEFERRALS \
                     and self._rows_wanted(request) > budget and request.kv_received is None:
@@ -714,7 +712,7 @@ class Scheduler:
     def _continue_one(self, request: Request, index: int, iteration: _Iteration) -> bool:
         """Rows for running[index] (`request`), if the budgets leave any; False when it
         preempted itself (the last one running) or stalled: the iteration stops there."""
-        rows = self._chunk_rows(request, iteration)
+        rows = self._chunk_rows(request, iteration, index)
         if rows == 0:
             return True         # its prefill waits for an iteration with time to spare
         new_block_ids = self._allocate_or_preempt(request, rows, index, iteration)
@@ -736,18 +734,25 @@ class Scheduler:
         request.num_deferred = 0
         self._add_chunk(request, rows, new_block_ids, iteration)
 
-    def _chunk_rows(self, request: Request, iteration: _Iteration) -> int:
+    def _chunk_rows(self, request: Request, iteration: _Iteration, index: int | None = None
+                    ) -> int:
         """Rows of a running request this iteration: a decode's one, or a prefill chunk cut
         to the token budget left and to the latency budget (placed there by `_add_chunk`,
-        once its blocks are in hand)."""
+        once its blocks are in hand). A chunk of running[index] leaves the decodes after it
+        in the running list their tokens, as the latency budget leaves them their time, but
+        for the rows a prompt may always take (a token budget below the decodes' count would
+        stop it): a short prompt let in past a long one decodes after it, and waited for
+        the whole prefill."""
         wanted = self._rows_wanted(request)
         if wanted == 1:
-            iteration.decode_rows_left -= 1
             return 1            # a decode; the caller checked that budget is left
-        # the decodes later in the running list keep their tokens, but for a few rows that a
-        # prompt may always take (a token budget below the decodes' count would stop it)
-        left = iteration.budget_left
-        rows = min(wanted, max(left - iteration.decode_rows_left, min(left, MIN_PREFILL_ROWS)))
+        left = rows = iteration.budget_left
+        if index is not None:
+            finishing = iteration.finishing
+            decodes = sum(1 for r in islice(self._running, index + 1, None)
+                          if self._rows_wanted(r) == 1 and r not in finishing)
+            rows = max(left - decodes, min(left, self._min_prefill_rows()))
+        rows = min(wanted, rows)
         if iteration.latency is not None:   # decodes were reserved already
             rows = iteration.latency.prefill_rows(rows, request.num_computed_tokens)
         return rows
@@ -809,16 +814,16 @@ class Scheduler:
         Lifted as soon as the floor was, the short prompts let in at once brought it straight
         back: a 100k-token prompt beside 4 requests/s of short ones on an H100 crawled four
         rows an iteration for a minute, at 40 times its pace alone
-        (docs/design.md#short-prompts-beside-long-ones)."""
-        budget = self.config.max_num_batched_tokens
-        walled = self._walled
-        if walled is not None:
-            if walled.status is RequestStatus.RUNNING and self._rows_wanted(walled) > budget:
-                return True
-            self._walled = None
+        (docs/design.md#short-prompts-beside-long-ones). Raised only while requests wait
+        (with nobody waiting there is nobody to hold back); a P/D decode instance takes no
+        handed-over stream while one stands (`reserve`)."""
+        if self._walled_in():
+            return True
         latency, alone = iteration.latency, self._long_goal
-        if latency is None or alone is None or not self.config.enable_chunked_prefill:
-            return False
+        if latency is None or alone is None or not self._waiting or \
+                not self.config.enable_chunked_prefill:
+            return False        # (with nobody waiting, nobody to hold back)
+        budget = self.config.max_num_batched_tokens
         for request in self._running:
             if (wanted := self._rows_wanted(request)) > budget and (ms := latency.floor_pace_ms(
                     wanted, computed := request.num_computed_tokens)) is not None and \
@@ -826,6 +831,14 @@ class Scheduler:
                 self._walled = request
                 return True
         return False
+
+    def _walled_in(self) -> bool:
+        """Whether the prompt `_long_prompt_walled` walled in is still being prefilled."""
+        walled = self._walled
+        if walled is not None and (walled.status is not RequestStatus.RUNNING
+                                   or self._rows_wanted(walled) <= 1):
+            self._walled = walled = None
+        return walled is not None
 
     def _short_prompt_waits(self) -> bool:
         """Whether a short prompt (its rows fit one iteration's token budget) waits for rows:
@@ -838,7 +851,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if any(1 < self._rows_wanted(r) <= budget for r in self._running):
             return True
-        return len(self._running) < self.config.max_num_seqs and \
+        return bool(self._waiting) and len(self._running) < self.config.max_num_seqs and \
             next(self._queued_shorts(), None) is not None
 
     def _queued_shorts(self) -> Iterator[tuple[Request, list[Request]]]:
@@ -858,7 +871,7 @@ class Scheduler:
                 if request.num_deferred >= MAX_DEFERRALS:
                     return
                 queued.append(request)
-                claimed += blocks.blocks_needed(wanted)
+                claimed += blocks.blocks_needed(wanted) - len(blocks.find_cached_prefix(request))
             elif blocks.num_free_blocks - blocks.blocks_needed(wanted) < claimed:
                 return
             else:
