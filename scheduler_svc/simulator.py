@@ -112,7 +112,7 @@ class Hop:
 
     @classmethod
     def of(cls, cost: RooflineCost, fabric: Fabric, layer_streaming: bool = True) -> Hop:
-        return cls(fabric, cost.model.kv_bytes_per_token(cost.dtype_bytes), cost.model.num_layers,
+        return cls(fabric, cost.model.kv_bytes_per_token(cost.kv_bytes), cost.model.num_layers,
                    layer_streaming, cost.kv_digest_ms(1))
 
 

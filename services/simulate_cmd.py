@@ -38,6 +38,7 @@ import math
 import sys
 from dataclasses import fields, replace
 
+from services.cost_cmd import add_precision_args, precision_of
 from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
 from shared.engine_args import parse_latency_target
 from shared.errors import PacerError
@@ -83,7 +84,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="h100 (default), h200, a100, or a `pacer calibrate` JSON; with --replay "
                         "the profile the file records, if any")
     s.add_argument("--dtype-bytes", type=float, default=None,
-                   help="weight and KV element size (default 2; with --replay the run's)")
+                   help="activation element size, and the weights' and the KV cache's unless "
+                        "given apart (default 2; with --replay the run's)")
+    add_precision_args(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget (default 2048, a GPU-sized one)")
     s.add_argument("--max-num-seqs", type=int, default=256)
@@ -162,23 +165,27 @@ def build_arrivals(args: argparse.Namespace) -> list:
     return sorted(arrivals, key=lambda a: a.arrival_s)
 
 
-def kv_pool_memory(args: argparse.Namespace, model, hw) -> str | int:
-    """--kv-cache-memory, or with `auto` what the device holds for K/V
+def kv_pool_memory(args: argparse.Namespace, model, cost) -> str | int:
+    """--kv-cache-memory (per rank, as served), or with `auto` what the device holds for K/V
     (docs/design.md#the-memory-wall)."""
     if args.kv_cache_memory != "auto":
         return args.kv_cache_memory
     from shared.cost_model import kv_capacity
-    return kv_capacity(model, hw, args.dtype_bytes, args.gpu_memory_utilization,
+    return kv_capacity(model, cost.hw, cost.precision, args.gpu_memory_utilization,
                        args.max_num_batched_tokens, args.max_num_seqs).kv_bytes
 
 
 def scheduler_config(args: argparse.Namespace, model, arrivals, cost) -> SchedulerConfig:
     """`cost` is the roofline the clock runs on; the core plans with it, or with an online fit
     seeded from it (--cost online)."""
+    # One rank's block: its num_kv_heads / tp heads, in the cache's element size.
+    block_bytes = int(kv_block_bytes(model.num_layers, model.num_kv_heads // cost.tp,
+                                     model.head_dim, args.block_size, cost.kv_bytes))
+    if block_bytes < 1:
+        raise PacerError(f"a KV block of {args.block_size} tokens at --kv-bytes "
+                         f"{cost.kv_bytes:g} holds less than a byte: raise either")
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(
-        kv_pool_memory(args, model, cost.hw),
-        int(kv_block_bytes(model.num_layers, model.num_kv_heads, model.head_dim,
-                           args.block_size, args.dtype_bytes)))
+        kv_pool_memory(args, model, cost), block_bytes)
     longest = max(a.prompt_len + a.output_len for a in arrivals)
     tbt = args.target_tbt_ms
     budgeted = args.max_iteration_ms is not None or tbt != "off"
@@ -212,8 +219,6 @@ def run(args: argparse.Namespace) -> int:
     args.model, args.hw = args.model or DEFAULT_MODEL, args.hw or DEFAULT_HW
     args.dtype_bytes = 2.0 if args.dtype_bytes is None else args.dtype_bytes
     try:
-        if not args.dtype_bytes > 0:
-            raise PacerError(f"--dtype-bytes must be > 0, got {args.dtype_bytes}")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise PacerError("--gpu-memory-utilization must be in (0, 1], got "
                              f"{args.gpu_memory_utilization}")
@@ -223,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
             if path:
                 check_output_path(path, flag)
         model, hw = load_model_shape(args.model), load_hardware(args.hw)
-        cost = RooflineCost(model, hw, args.dtype_bytes)
+        cost = RooflineCost.of(model, hw, precision_of(args, [model]))
         pools = _check_disagg_flags(args)
         if args.sweep:
             return _run_sweep(args, model, hw, cost, pools, *parse_sweep(args.sweep, args))
