@@ -38,6 +38,7 @@ import math
 import sys
 from dataclasses import fields, replace
 
+from services.bench_cmd import _json_safe
 from services.cost_cmd import add_precision_args, precision_of
 from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
 from shared.engine_args import parse_latency_target
@@ -235,17 +236,17 @@ def run(args: argparse.Namespace) -> int:
         arrivals = build_arrivals(args)
         config = scheduler_config(args, model, arrivals, cost)
         results = _run_modes(args, arrivals, config, cost, pools)
+        summaries = [_summary(args, r) for r in results]
     except PacerError as e:
         print(f"pacer simulate: error: {e}", file=sys.stderr)
         return 2
-    summaries = [_summary(args, r) for r in results]
     _write_outputs(args, results)
     if args.json:
-        print(json.dumps({"model": model.name, "hardware": hw.name,
-                          "config": _config_dict(config),
-                          "workload": _workload_dict(args, arrivals)}
-                         | _disagg_dict(args, pools)
-                         | {"modes": {s["mode"]: s for s in summaries}}, indent=2))
+        print(json.dumps(_json_safe({"model": model.name, "hardware": hw.name,
+                                     "config": _config_dict(config),
+                                     "workload": _workload_dict(args, arrivals)}
+                                    | _disagg_dict(args, pools)
+                                    | {"modes": {s["mode"]: s for s in summaries}}), indent=2))
     else:
         print(f"{model.name} on {hw.name}: {len(arrivals)} requests, "
               f"{config.max_num_batched_tokens}-row budget"
@@ -258,8 +259,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace, result) -> dict:
-    from scheduler_svc.sim_report import summarize
-    return summarize(result, args.ttft_slo_ms, args.tbt_slo_ms)
+    """The result's figures; the requests the core refused, and why, on stderr."""
+    from scheduler_svc.sim_report import format_rejections, summarize
+    summary = summarize(result, args.ttft_slo_ms, args.tbt_slo_ms)
+    if result.rejected:
+        print(f"pacer simulate: {format_rejections(result)}", file=sys.stderr)
+    return summary
 
 
 def parse_disagg(spec: str) -> tuple[int, int]:
@@ -362,12 +367,12 @@ def _run_sweep(args: argparse.Namespace, model, hw, cost, pools: tuple[int, int]
         disagg = _disagg_dict(args, pools)
         if knob == "fabric":
             del disagg["disagg"]["fabric"]
-        print(json.dumps({"model": model.name, "hardware": hw.name,
-                          "workload": _workload_dict(args, None)}
-                         | disagg
-                         | {"sweep": {"knob": knob, "values": values},
-                            "points": [{"value": v, "modes": p} for v, p in zip(values, points)]},
-                         indent=2))
+        print(json.dumps(_json_safe(
+            {"model": model.name, "hardware": hw.name, "workload": _workload_dict(args, None)}
+            | disagg
+            | {"sweep": {"knob": knob, "values": values},
+               "points": [{"value": v, "modes": p} for v, p in zip(values, points)]}),
+            indent=2))
     else:
         print(f"{model.name} on {hw.name}: {sum(pools)} colocated instances vs "
               f"{pools[0]} prefill + {pools[1]} decode; goodput: TTFT <= {args.ttft_slo_ms:g} ms "

@@ -195,3 +195,47 @@ def test_cli_trace_single_mode_and_bad_input(tmp_path, capsys):
     assert list(out["modes"]) == ["orca"] and out["modes"]["orca"]["requests"] == 20
     assert main(["simulate", "--prompt-len", "uniform:9:1"]) == 2
     assert "uniform" in capsys.readouterr().err
+
+
+# ---- rejected requests (too long for the context or the pool) --------------------------------
+
+def _strict_json(text: str) -> dict:
+    """JSON as the standard has it: no bare NaN or Infinity."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} in the JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--prompt-len", "200000"], "need 12511 KV blocks, but the whole pool has 7680"),
+    (["--max-model-len", "100"], "within the model's context of 100 tokens"),
+    (["--num-kv-blocks", "10"], "but the whole pool has 10"),
+])
+def test_cli_every_request_rejected_is_an_error_naming_why(flags, why, capsys):
+    for output in ([], ["--json"]):
+        assert main(["simulate", "--num-requests", "3", *flags, *output]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and "3 of 3 requests rejected (chunked): 3 like: " in err
+        assert why in err and "nan" not in err.lower()
+
+
+def test_cli_rejected_requests_count_as_slo_misses_and_are_said(capsys):
+    flags = ["simulate", "--num-requests", "3", "--max-model-len", "600", "--output-len", "4"]
+    assert main([*flags, "--json"]) == 0
+    out, err = capsys.readouterr()
+    chunked = _strict_json(out)["modes"]["chunked"]
+    assert (chunked["requests"], chunked["rejected"]) == (1, 2)
+    assert chunked["slo_attainment"] == pytest.approx(1 / 3)           # was 100 %: 1 of 1
+    assert chunked["goodput_rps"] == pytest.approx(1 / chunked["duration_s"])
+    assert list(chunked["rejected_reasons"].values()) == [2]
+    assert "2 of 3 requests rejected (chunked): 2 like: prompt of" in err
+    assert main(flags) == 0
+    out, err = capsys.readouterr()
+    assert "33.3%" in out and "2 of 3 requests rejected" in err
+
+
+def test_cli_json_has_no_bare_nan(capsys):
+    # one output token each: no token gap at all, so the TBT figures are unknown
+    assert main(["simulate", "--num-requests", "3", "--output-len", "1", "--json"]) == 0
+    chunked = _strict_json(capsys.readouterr().out)["modes"]["chunked"]
+    assert chunked["tbt_ms"]["median"] is None and chunked["requests"] == 3
