@@ -130,22 +130,33 @@ def model_shape_from_hf_config(config: dict, name: str) -> ModelShape:
     """A shape from a Hugging Face `config.json` object (multimodal ones nest `text_config`)."""
     if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
-    try:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        return ModelShape(
-            name=name,
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            vocab_size=int(config["vocab_size"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
-    except KeyError as e:
-        raise PacerError(f"model config {name} lacks {e.args[0]!r}") from e
+
+    def positive(key: str, default: int | None = None) -> int:
+        """`key` as a positive integer; `default` where it is absent or null."""
+        value = config.get(key)
+        if value is None and default is not None:
+            return default
+        if value is None and key not in config:
+            raise PacerError(f"model config {name} lacks {key!r}")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PacerError(f"model config {name}: {key} must be a positive integer, "
+                             f"got {value!r}")
+        return value
+
+    heads, hidden = positive("num_attention_heads"), positive("hidden_size")
+    return ModelShape(
+        name=name,
+        num_layers=positive("num_hidden_layers"),
+        hidden_size=hidden,
+        intermediate_size=positive("intermediate_size"),
+        num_heads=heads,
+        num_kv_heads=positive("num_key_value_heads", heads),
+        head_dim=positive("head_dim", hidden // heads or None),
+        vocab_size=positive("vocab_size"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
 
 
 def load_model_shape(spec: str) -> ModelShape:

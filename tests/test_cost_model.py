@@ -193,6 +193,34 @@ def test_hf_config_json_gives_the_builtin_shape(tmp_path):
         assert shape.name == "SmolLM2-135M-Instruct"
 
 
+SMOL_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+               "num_hidden_layers": 30, "num_key_value_heads": 3, "vocab_size": 49152}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_attention_heads", 0), ("vocab_size", None), ("num_hidden_layers", -2),
+    ("hidden_size", "576"), ("intermediate_size", 1.5), ("num_key_value_heads", True),
+    ("head_dim", 0)])
+def test_a_malformed_config_json_is_an_error_naming_the_field(field, value, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**SMOL_CONFIG, field: value}))
+    with pytest.raises(PacerError, match=f"{field} must be a positive integer, got {value!r}"):
+        load_model_shape(str(path))
+    assert _cost_cli(["--model", str(path), "--decode", "8x1024"]) == 2
+    assert f"{field} must be a positive integer" in capsys.readouterr().err
+
+
+def test_a_config_json_lacking_a_field_or_null_where_optional(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in SMOL_CONFIG.items() if k != "vocab_size"}))
+    with pytest.raises(PacerError, match="lacks 'vocab_size'"):
+        load_model_shape(str(path))
+    path.write_text(json.dumps({**SMOL_CONFIG, "num_key_value_heads": None, "head_dim": None,
+                                "hidden_size": 576.0}))
+    shape = load_model_shape(str(path))
+    assert (shape.num_kv_heads, shape.head_dim, shape.hidden_size) == (9, 64, 576)
+
+
 def test_shape_of_a_served_model_config():
     from shared.model_config import ModelConfig
 
