@@ -160,9 +160,12 @@ def build_arrivals(args: argparse.Namespace) -> list:
     arrivals = synthetic(args.num_requests, args.request_rate, args.burstiness,
                          args.prompt_len, args.output_len, args.seed)
     if args.long_prompt_rate > 0:
-        until = arrivals[-1].arrival_s if math.isfinite(args.request_rate) else 0.0
-        arrivals += occasional(args.long_prompt_rate, until, args.long_prompt_len,
-                               args.long_output_len, args.seed)
+        # The long stream runs over the main one's arrivals, which rate inf puts all at t=0.
+        if math.isinf(args.request_rate):
+            raise PacerError("--long-prompt-rate runs over the main stream's arrivals, and "
+                             "--request-rate inf sends them all at t=0: give a finite rate")
+        arrivals += occasional(args.long_prompt_rate, arrivals[-1].arrival_s,
+                               args.long_prompt_len, args.long_output_len, args.seed)
     return sorted(arrivals, key=lambda a: a.arrival_s)
 
 
@@ -225,6 +228,10 @@ def run(args: argparse.Namespace) -> int:
                              f"{args.gpu_memory_utilization}")
         if args.block_size < 1:
             raise PacerError(f"--block-size must be >= 1, got {args.block_size}")
+        if args.cost == "online" and args.max_iteration_ms is None and args.target_tbt_ms == "off":
+            raise PacerError("--cost online is the model a latency budget plans with: give "
+                             "--max-iteration-ms or --target-tbt-ms (without either the core "
+                             "plans by the token budget alone and asks no cost model)")
         for flag, path in (("--plot", args.plot), ("--timeline", getattr(args, "timeline", None))):
             if path:
                 check_output_path(path, flag)

@@ -239,3 +239,26 @@ def test_cli_json_has_no_bare_nan(capsys):
     assert main(["simulate", "--num-requests", "3", "--output-len", "1", "--json"]) == 0
     chunked = _strict_json(capsys.readouterr().out)["modes"]["chunked"]
     assert chunked["tbt_ms"]["median"] is None and chunked["requests"] == 3
+
+
+def test_a_trace_with_an_infinite_or_nan_arrival_is_refused(tmp_path, capsys):
+    for value in ("Infinity", "NaN", "-1"):
+        trace = tmp_path / "trace.jsonl"
+        trace.write_text('{"arrival_s": 0.5, "prompt_len": 100, "output_len": 8}\n'
+                         f'{{"arrival_s": {value}, "prompt_len": 10, "output_len": 2}}\n')
+        with pytest.raises(PacerError, match="line 2: arrival_s must be a finite number >= 0"):
+            read_trace(str(trace))
+        assert main(["simulate", "--trace", str(trace)]) == 2
+        assert "finite" in capsys.readouterr().err
+
+
+def test_cli_refuses_what_it_would_silently_ignore(capsys):
+    # the long stream had no span to run over at rate inf: it was dropped
+    assert main(["simulate", "--num-requests", "3", "--request-rate", "inf",
+                 "--long-prompt-rate", "0.005"]) == 2
+    assert "--request-rate inf sends them all at t=0" in capsys.readouterr().err
+    # the online fit is the model of a latency budget: without one it was never asked
+    assert main(["simulate", "--num-requests", "3", "--cost", "online"]) == 2
+    assert "give --max-iteration-ms or --target-tbt-ms" in capsys.readouterr().err
+    assert main(["simulate", "--num-requests", "3", "--cost", "online",
+                 "--target-tbt-ms", "auto"]) == 0
