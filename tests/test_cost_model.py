@@ -115,24 +115,25 @@ def test_reference_decode_rows(context, kv_bytes, total_bytes, intensity):
 
 
 # docs/design.md#reference-figures: a prefill chunk of C = 2048 over a cached prefix S
-# (weight bytes 14 GB):
-#   S     KV bytes  total    I = 2Π·C / total  regime
-#   4 k   2 GB      16 GB    ~1800             compute-bound
-#   64 k  32 GB     46 GB    ~620              compute-bound
-#   256 k 128 GB    142 GB   ~200              compute-bound (×1.3)
-#   1 M   512 GB    526 GB   ~55               below the ridge
-REFERENCE_PREFILLS = [(4 * K, 16 * GB, 1800), (64 * K, 46 * GB, 620), (256 * K, 142 * GB, 200),
-                      (1024 * K, 526 * GB, 55)]
+# (weight bytes 14 GB, KV (S + 2C) · 0.5 MiB; linear 2Π·C ≈ 27 TF, attention ≈ C·S · 0.52 MF):
+#   S     total    linear / total  all FLOPs / total  regime
+#   4 k   18 GB    ~1,500          ~1,800             compute-bound
+#   64 k  50 GB    ~530            ~2,000             compute-bound
+#   256 k 153 GB   ~170            ~2,000             compute-bound
+#   1 M   565 GB   ~47             ~2,000             compute-bound
+# Each cached token's 0.5 MiB meets all C rows, 0.52 MF each: ~C FLOPs a byte, whatever S.
+REFERENCE_PREFILLS = [(4 * K, 18 * GB, 1500, 1800), (64 * K, 50 * GB, 530, 2000),
+                      (256 * K, 153 * GB, 170, 2000), (1024 * K, 565 * GB, 47, 2000)]
 
 
-@pytest.mark.parametrize("prefix,total_bytes,intensity", REFERENCE_PREFILLS,
+@pytest.mark.parametrize("prefix,total_bytes,linear,intensity", REFERENCE_PREFILLS,
                          ids=[f"C=2048 S={row[0] // K}k" for row in REFERENCE_PREFILLS])
-def test_reference_prefill_rows(prefix, total_bytes, intensity):
+def test_reference_prefill_rows(prefix, total_bytes, linear, intensity):
     cost = estimate_iteration([prefill(2048, prefix)], LLAMA, H100)
     assert_close(cost.bytes, total_bytes, "total bytes")
-    linear_intensity = cost.linear_flops / cost.bytes
-    assert_close(linear_intensity, intensity, "intensity 2Π·C / total")
-    assert (linear_intensity > H100.ridge()) == (prefix < 1024 * K)
+    assert_close(cost.linear_flops / cost.bytes, linear, "intensity 2Π·C / total")
+    assert_close(cost.intensity, intensity, "intensity, attention included")
+    assert cost.bound == "compute" and cost.intensity > H100.ridge()
 
 
 def test_reference_ridge_and_crossover():
