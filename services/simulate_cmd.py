@@ -36,10 +36,10 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 
 from services.bench_cmd import _json_safe
-from services.cost_cmd import add_precision_args, precision_of
+from services.cost_cmd import add_precision_args, precision_of, precision_text
 from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
 from shared.engine_args import parse_latency_target
 from shared.errors import PacerError
@@ -214,7 +214,7 @@ def planning_cost(args: argparse.Namespace, cost):
 
 
 def run(args: argparse.Namespace) -> int:
-    from shared.cost_model import RooflineCost, load_model_shape
+    from shared.cost_model import Precision, RooflineCost, load_model_shape
     from shared.hardware import load_hardware
 
     if args.replay:
@@ -250,12 +250,14 @@ def run(args: argparse.Namespace) -> int:
     _write_outputs(args, results)
     if args.json:
         print(json.dumps(_json_safe({"model": model.name, "hardware": hw.name,
+                                     "precision": asdict(cost.precision),
                                      "config": _config_dict(config),
                                      "workload": _workload_dict(args, arrivals)}
                                     | _disagg_dict(args, pools)
                                     | {"modes": {s["mode"]: s for s in summaries}}), indent=2))
     else:
-        print(f"{model.name} on {hw.name}: {len(arrivals)} requests, "
+        shown = "" if cost.precision == Precision() else f" ({precision_text(cost.precision)})"
+        print(f"{model.name} on {hw.name}{shown}: {len(arrivals)} requests, "
               f"{config.max_num_batched_tokens}-row budget"
               + (f", {config.max_iteration_ms:g} ms latency budget" if config.max_iteration_ms
                  else "") + f", {config.num_kv_blocks} KV blocks of {config.block_size}"

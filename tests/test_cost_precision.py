@@ -121,3 +121,20 @@ def test_the_served_budget_prices_the_quantization_and_tp_in_use():
     plain = cost(quantization="none")
     assert (plain.weight_bytes, plain.kv_bytes) == (2, 2)
     assert int4.iteration_ms([(1, 64)]) < plain.iteration_ms([(1, 64)])
+
+
+def test_simulate_sizes_one_rank_s_pool_and_prices_its_forward(capsys):
+    # --kv-cache-memory is per rank, as served: 60 GiB of 8 MiB blocks (16 tokens of 512 KiB),
+    # of 4 MiB at tp 2 (16 of the 32 KV heads), of 2 MiB with a 1-byte cache beside
+    def run(*flags):
+        assert main(["simulate", "--num-requests", "5", "--json", *flags]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    assert run()["config"]["num_kv_blocks"] == 7_680
+    tp2 = run("--tp", "2")
+    assert tp2["config"]["num_kv_blocks"] == 15_360 and tp2["precision"]["tp"] == 2
+    assert run("--tp", "2", "--kv-bytes", "1")["config"]["num_kv_blocks"] == 30_720
+    # one rank's forward: each iteration well under one GPU's
+    one, two = (run(*flags)["modes"]["chunked"]["iteration_ms"]["median"]
+                for flags in ((), ("--tp", "2")))
+    assert two < 0.6 * one
