@@ -218,6 +218,10 @@ def run(args: argparse.Namespace) -> int:
     from shared.hardware import load_hardware
 
     if args.replay:
+        if args.tp != 1 or args.weight_bytes is not None or args.kv_bytes is not None:
+            print("pacer simulate: error: --replay prices the recorded run as it ran: leave "
+                  "out --tp, --weight-bytes and --kv-bytes", file=sys.stderr)
+            return 2
         from services.replay_cmd import run_replay
         return run_replay(args)
     args.model, args.hw = args.model or DEFAULT_MODEL, args.hw or DEFAULT_HW

@@ -138,3 +138,8 @@ def test_simulate_sizes_one_rank_s_pool_and_prices_its_forward(capsys):
     one, two = (run(*flags)["modes"]["chunked"]["iteration_ms"]["median"]
                 for flags in ((), ("--tp", "2")))
     assert two < 0.6 * one
+
+
+def test_replay_refuses_what_it_would_ignore(capsys):
+    assert main(["simulate", "--replay", "docs/interference_defaults.json", "--tp", "2"]) == 2
+    assert "leave out --tp, --weight-bytes and --kv-bytes" in capsys.readouterr().err
