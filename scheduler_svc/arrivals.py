@@ -133,8 +133,11 @@ def read_trace(path: str) -> list[Arrival]:
         except (ValueError, TypeError, KeyError) as e:
             raise PacerError(f"{path} line {n}: need {{\"arrival_s\", \"prompt_len\", "
                              f"\"output_len\"}} ({e})") from None
-        if not (arrival.arrival_s >= 0 and arrival.prompt_len >= 1 and arrival.output_len >= 1):
-            raise PacerError(f"{path} line {n}: arrival_s must be >= 0 and lengths >= 1")
+        if not (0 <= arrival.arrival_s < math.inf and arrival.prompt_len >= 1
+                and arrival.output_len >= 1):
+            raise PacerError(f"{path} line {n}: arrival_s must be a finite number >= 0 and "
+                             f"lengths >= 1, got {arrival.arrival_s!r}, {arrival.prompt_len}, "
+                             f"{arrival.output_len}")
         arrivals.append(arrival)
     if not arrivals:
         raise PacerError(f"trace {path} has no requests")

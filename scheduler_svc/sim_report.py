@@ -13,12 +13,17 @@ and the first token as the prefill side would have streamed it.
 from __future__ import annotations
 
 import math
+import re
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from scheduler_svc.simulator import SimResult
+from shared.errors import PacerError
+
+_REQUEST_ID = re.compile(r"^request '[^']*': ")
 
 
 def latency_stats(values_ms: Sequence[float]) -> dict[str, float | int]:
@@ -30,8 +35,33 @@ def latency_stats(values_ms: Sequence[float]) -> dict[str, float | int]:
             "p99": float(np.percentile(a, 99)), "max": float(a.max())}
 
 
+def rejection_reasons(result: SimResult) -> dict[str, int]:
+    """Why the core refused requests (too long for the context, or for the whole KV pool):
+    one of its messages for each kind (the same words, other numbers), the request id left
+    out, and how many it stands for, most frequent first."""
+    counts: Counter[str] = Counter()
+    example: dict[str, str] = {}
+    for _, reason in result.rejected:
+        reason = _REQUEST_ID.sub("", reason)
+        kind = re.sub(r"\d+", "#", reason)
+        example.setdefault(kind, reason)
+        counts[kind] += 1
+    return {example[kind]: n for kind, n in counts.most_common()}
+
+
+def format_rejections(result: SimResult) -> str:
+    """'2 of 3 requests rejected (chunked): 2 like "<reason>"'."""
+    total = len(result.arrivals) + len(result.rejected)
+    return f"{len(result.rejected)} of {total} requests rejected" + \
+        (f" ({result.mode})" if result.mode else "") + ": " + \
+        "; ".join(f"{n} like: {reason}" for reason, n in rejection_reasons(result).items())
+
+
 def summarize(result: SimResult, ttft_slo_ms: float = math.inf,
               tbt_slo_ms: float = math.inf) -> dict[str, Any]:
+    """PacerError when every request was rejected: there is nothing to report."""
+    if not result.arrivals:
+        raise PacerError(f"nothing to report, {format_rejections(result)}")
     first = np.asarray(result.first_token_s)
     finish = np.asarray(result.finish_s)
     arrival = np.asarray([a.arrival_s for a in result.arrivals])
@@ -49,11 +79,13 @@ def summarize(result: SimResult, ttft_slo_ms: float = math.inf,
         "instances": result.instances,
         "requests": len(result.arrivals),
         "rejected": len(result.rejected),
+        "rejected_reasons": rejection_reasons(result),
         "ttft_ms": latency_stats(ttft_ms),
         "tbt_ms": tbt_stats,
         "tbt_max_over_median": tbt_stats["max"] / tbt_stats["median"] if tbt.size else math.nan,
         "slo": {"ttft_ms": ttft_slo_ms, "tbt_ms": tbt_slo_ms},
-        "slo_attainment": float(met.mean()) if met.size else math.nan,
+        # a rejected request missed both SLOs
+        "slo_attainment": int(met.sum()) / (met.size + len(result.rejected)),
         "goodput_rps": int(met.sum()) / span,
         "iteration_ms": latency_stats(np.frombuffer(result.timeline.ms, dtype=float)),
         "iterations": len(result.timeline),

@@ -112,7 +112,7 @@ class Hop:
 
     @classmethod
     def of(cls, cost: RooflineCost, fabric: Fabric, layer_streaming: bool = True) -> Hop:
-        return cls(fabric, cost.model.kv_bytes_per_token(cost.dtype_bytes), cost.model.num_layers,
+        return cls(fabric, cost.model.kv_bytes_per_token(cost.kv_bytes), cost.model.num_layers,
                    layer_streaming, cost.kv_digest_ms(1))
 
 
@@ -330,16 +330,20 @@ class _Cluster:
         if not going:
             return ms
         if hop.layer_streaming:
+            sending = going
             done = instance.link.send_layers(now, computed_s, hop.num_layers,
                                              [q * hop.kv_bytes_per_token for _, q in going])
         else:                    # a prompt's whole K/V once its last chunk is computed
+            sending = [(request_id, q) for request_id, q in going
+                       if sched.get_request(request_id).num_uncomputed_tokens == q]
             done = [instance.link.send(computed_s, sched.get_request(request_id).num_prompt_tokens
                                        * hop.kv_bytes_per_token)
-                    for request_id, q in going
-                    if sched.get_request(request_id).num_uncomputed_tokens == q]
+                    for request_id, _ in sending]
+        # Each request is charged what of its own send came after the compute; a request of
+        # the forward that sent nothing (its prefill goes on) waited on others' transfers.
+        for (request_id, _), arrived_s in zip(sending, done):
+            state.add_exposed(int(request_id), max(0.0, (arrived_s - computed_s) * 1e3))
         wait_ms = max(0.0, (max(done, default=computed_s) - computed_s) * 1e3)
-        for request_id, _ in going:          # every request of the forward waited for it
-            state.add_exposed(int(request_id), wait_ms)
         # then the digests of the blocks sent, for the decode side's check
         return ms + wait_ms + hop.digest_ms_per_token * sum(q for _, q in going)
 

@@ -4,18 +4,21 @@ the command line.
     pacer cost --model llama-2-7b --hw h100 --decode 8x1024 --prefill 4096 --prefill 1024@2048
     pacer cost --transfer 4096 --fabric ib-hdr      # KV bytes of a 4k prompt, time over IB HDR
     pacer cost --transfer 4096                      # every fabric, beside a GQA model
+    pacer cost --decode 8x1024 --weight-bytes 0.5    # 4-bit weights beside a 16-bit cache
+    pacer cost --decode 8x1024 --tp 2               # one of two ranks, with its all-reduces
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from dataclasses import asdict
 
-from shared.cost_model import (ChunkShape, IterationCost, KVCapacity, TransferCost,
-                               estimate_iteration, estimate_transfer, kv_capacity,
-                               load_model_shape)
+from shared.cost_model import (ChunkShape, IterationCost, KVCapacity, ModelShape, Precision,
+                               TransferCost, estimate_iteration, estimate_transfer,
+                               kv_capacity, load_model_shape)
 from shared.errors import PacerError
 from shared.fabric import FABRICS, load_fabric
 from shared.hardware import HardwareProfile, load_hardware
@@ -50,10 +53,55 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="a second model beside --model in the table (default llama-3-8b: GQA, "
                         "8 KV heads of 32); none to leave it out")
     p.add_argument("--dtype-bytes", type=float, default=2.0,
-                   help="bytes per weight and KV element (default 2: fp16/bf16)")
+                   help="bytes per activation element, and per weight and KV element unless "
+                        "given apart (default 2: fp16/bf16)")
+    add_precision_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
     return p
+
+
+# The narrowest element priced: one bit. Anything narrower is a typo, and would leave a KV
+# block without a byte.
+MIN_ELEMENT_BYTES = 0.125
+
+
+def add_precision_args(group) -> None:
+    """--weight-bytes, --kv-bytes and --tp, as `pacer cost` and `pacer simulate` take them."""
+    group.add_argument("--weight-bytes", type=float, default=None,
+                       help="bytes per weight (default: --dtype-bytes; 0.5 for int4 weights, "
+                            "1 for int8)")
+    group.add_argument("--kv-bytes", type=float, default=None,
+                       help="bytes per KV cache element (default: --dtype-bytes)")
+    group.add_argument("--tp", type=int, default=1,
+                       help="tensor-parallel ranks: each does 1/tp of the FLOPs and bytes, and "
+                            "the forward's all-reduces go over the profile's interconnect "
+                            "(default 1)")
+
+
+def precision_of(args: argparse.Namespace, models: list[ModelShape]) -> Precision:
+    """The element sizes and TP degree the flags give, checked: finite sizes of at least one
+    bit, and a TP degree that divides each model's heads."""
+    from shared.model_config import check_tp_fits
+
+    for flag in ("dtype_bytes", "weight_bytes", "kv_bytes"):
+        value = getattr(args, flag)
+        if value is not None and not (math.isfinite(value) and value >= MIN_ELEMENT_BYTES):
+            raise PacerError(f"--{flag.replace('_', '-')} must be a finite number of bytes "
+                             f">= {MIN_ELEMENT_BYTES:g} (one bit), got {value:g}")
+    for model in models:
+        check_tp_fits(model, args.tp)
+    return Precision(args.dtype_bytes, args.weight_bytes, args.kv_bytes, args.tp)
+
+
+def precision_text(p: Precision) -> str:
+    """'2 B/elem', '2 B/elem, weights 0.5 B', ... '; tp 2'."""
+    text = f"{p.dtype_bytes:g} B/elem"
+    if p.weight_bytes != p.dtype_bytes:
+        text += f", weights {p.weight_bytes:g} B"
+    if p.kv_bytes != p.dtype_bytes:
+        text += f", KV {p.kv_bytes:g} B"
+    return text + (f"; one rank of tp {p.tp}" if p.tp > 1 else "")
 
 
 def parse_decode(spec: str) -> list[ChunkShape]:
@@ -89,17 +137,17 @@ def run(args: argparse.Namespace) -> int:
         chunks += [parse_prefill(spec) for spec in args.prefill]
         if not chunks:
             raise PacerError("nothing to run: give --decode BxL and/or --prefill N[@S]")
-        if not args.dtype_bytes > 0:
-            raise PacerError(f"--dtype-bytes must be > 0, got {args.dtype_bytes}")
         model, hw = load_model_shape(args.model), _hardware(args)
-        cost = estimate_iteration(chunks, model, hw, args.dtype_bytes)
-        capacity = _capacity(model, hw, args.dtype_bytes)
+        precision = precision_of(args, [model])
+        cost = estimate_iteration(chunks, model, hw, precision)
+        capacity = _capacity(model, hw, precision)
     except PacerError as e:
         print(f"pacer cost: error: {e}", file=sys.stderr)
         return 2
     longest = max(kv for _, kv in chunks)
     if args.json:
         out = asdict(cost) | {"model": model.name, "hardware": hw.name,
+                              "precision": asdict(precision),
                               "ridge": hw.ridge(args.dtype_bytes), "decode": args.decode,
                               "prefill": args.prefill,
                               "kv_capacity": None if capacity is None else
@@ -108,18 +156,18 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         work = ", ".join([f"decode {d}" for d in args.decode] + [f"prefill {p}" for p in args.prefill])
-        print(format_table(cost, model.name, hw, args.dtype_bytes, work))
+        print(format_table(cost, model.name, hw, precision, work))
         if capacity is not None:
             print(format_capacity(capacity, longest))
     return 0
 
 
-def _capacity(model, hw: HardwareProfile, dtype_bytes: float) -> KVCapacity | None:
+def _capacity(model, hw: HardwareProfile, precision: Precision) -> KVCapacity | None:
     """The KV capacity where the profile states its memory and the weights fit in it."""
     if hw.memory_gib is None:
         return None
     try:
-        return kv_capacity(model, hw, dtype_bytes)
+        return kv_capacity(model, hw, precision)
     except PacerError:
         return None
 
@@ -140,26 +188,25 @@ def run_transfer(args: argparse.Namespace) -> int:
                              "and --prefill")
         if args.transfer < 1:
             raise PacerError(f"--transfer must be >= 1 token, got {args.transfer}")
-        if not args.dtype_bytes > 0:
-            raise PacerError(f"--dtype-bytes must be > 0, got {args.dtype_bytes}")
         names = [args.model] + ([] if args.vs.lower() in ("none", args.model.lower()) else [args.vs])
         models = [load_model_shape(name) for name in names]
+        precision = precision_of(args, models)
         specs = list(FABRICS) if args.fabric.lower() == "all" else args.fabric.split(",")
         fabrics = [load_fabric(spec) for spec in specs]
         hw = _hardware(args)
-        rows = [[estimate_transfer(m, args.transfer, f, hw, args.dtype_bytes) for m in models]
+        rows = [[estimate_transfer(m, args.transfer, f, hw, precision) for m in models]
                 for f in fabrics]
     except PacerError as e:
         print(f"pacer cost: error: {e}", file=sys.stderr)
         return 2
     if args.json:
         print(json.dumps({"prompt_len": args.transfer, "hardware": hw.name,
-                          "dtype_bytes": args.dtype_bytes,
+                          "dtype_bytes": args.dtype_bytes, "precision": asdict(precision),
                           "rows": [asdict(c) for row in rows for c in row]}, indent=2))
     elif len(rows) == 1 and args.fabric.lower() != "all":
-        print(format_transfer(rows[0][0], hw.name, args.dtype_bytes))
+        print(format_transfer(rows[0][0], hw.name, precision))
     else:
-        print(format_transfer_table(rows, models, hw.name, args.dtype_bytes))
+        print(format_transfer_table(rows, models, hw.name, precision))
     return 0
 
 
@@ -167,9 +214,9 @@ def _bytes(n: float) -> str:
     return f"{_si(n, 'B')} ({n / 2**30:.3g} GiB)" if n >= 2**30 else _si(n, "B")
 
 
-def format_transfer(cost: TransferCost, hw: str, dtype_bytes: float) -> str:
+def format_transfer(cost: TransferCost, hw: str, precision: Precision) -> str:
     rows = [
-        ("model", f"{cost.model} ({dtype_bytes:g} B/elem)"),
+        ("model", f"{cost.model} ({precision_text(precision)})"),
         ("prompt", f"{cost.prompt_len} tokens"),
         ("KV per token", f"{cost.kv_bytes_per_token / 1024:g} KiB"),
         ("KV per request", _bytes(cost.kv_bytes)),
@@ -185,10 +232,10 @@ def format_transfer(cost: TransferCost, hw: str, dtype_bytes: float) -> str:
 
 
 def format_transfer_table(rows: list[list[TransferCost]], models: list, hw: str,
-                          dtype_bytes: float) -> str:
+                          precision: Precision) -> str:
     """One row per fabric; per model, the transfer alone and what layer streaming leaves."""
     first = rows[0]
-    lines = [f"KV cache of a {first[0].prompt_len}-token prompt ({dtype_bytes:g} B/elem), "
+    lines = [f"KV cache of a {first[0].prompt_len}-token prompt ({precision_text(precision)}), "
              f"prefilled in one iteration on {hw}:"]
     for model, cost in zip(models, first):
         ratio = first[0].kv_bytes / cost.kv_bytes
@@ -218,10 +265,11 @@ def _si(value: float, unit: str) -> str:
     return f"{value:.3g} {unit}"
 
 
-def format_table(cost: IterationCost, model: str, hw: HardwareProfile, dtype_bytes: float,
+def format_table(cost: IterationCost, model: str, hw: HardwareProfile, precision: Precision,
                  work: str) -> str:
+    dtype_bytes = precision.dtype_bytes
     rows = [
-        ("model / hardware", f"{model} on {hw.name} ({dtype_bytes:g} B/elem)"),
+        ("model / hardware", f"{model} on {hw.name} ({precision_text(precision)})"),
         ("iteration", f"{work}: {cost.num_tokens} Q rows"),
         ("linear FLOPs", _si(cost.linear_flops, "FLOP")),
         ("attention FLOPs", _si(cost.attention_flops, "FLOP")),
@@ -233,6 +281,11 @@ def format_table(cost: IterationCost, model: str, hw: HardwareProfile, dtype_byt
         ("compute time", f"{cost.compute_ms:.3f} ms (GEMMs at {cost.gemm_efficiency:.0%} of "
                          f"the rate, r½ {hw.gemm_half_rows:g} rows)"),
         ("memory time", f"{cost.memory_ms:.3f} ms"),
+    ]
+    if cost.tp > 1:
+        rows.append(("all-reduce time", f"{cost.allreduce_ms:.3f} ms ({cost.tp} ranks at "
+                                        f"{hw.interconnect_gb_per_s:g} GB/s, added)"))
+    rows += [
         ("wall time", f"{cost.time_ms:.3f} ms ({cost.bound}-bound)"),
     ]
     width = max(len(k) for k, _ in rows)

@@ -36,8 +36,10 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 
+from services.bench_cmd import _json_safe
+from services.cost_cmd import add_precision_args, precision_of, precision_text
 from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
 from shared.engine_args import parse_latency_target
 from shared.errors import PacerError
@@ -83,7 +85,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="h100 (default), h200, a100, or a `pacer calibrate` JSON; with --replay "
                         "the profile the file records, if any")
     s.add_argument("--dtype-bytes", type=float, default=None,
-                   help="weight and KV element size (default 2; with --replay the run's)")
+                   help="activation element size, and the weights' and the KV cache's unless "
+                        "given apart (default 2; with --replay the run's)")
+    add_precision_args(s)
     s.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="token budget (default 2048, a GPU-sized one)")
     s.add_argument("--max-num-seqs", type=int, default=256)
@@ -156,29 +160,36 @@ def build_arrivals(args: argparse.Namespace) -> list:
     arrivals = synthetic(args.num_requests, args.request_rate, args.burstiness,
                          args.prompt_len, args.output_len, args.seed)
     if args.long_prompt_rate > 0:
-        until = arrivals[-1].arrival_s if math.isfinite(args.request_rate) else 0.0
-        arrivals += occasional(args.long_prompt_rate, until, args.long_prompt_len,
-                               args.long_output_len, args.seed)
+        # The long stream runs over the main one's arrivals, which rate inf puts all at t=0.
+        if math.isinf(args.request_rate):
+            raise PacerError("--long-prompt-rate runs over the main stream's arrivals, and "
+                             "--request-rate inf sends them all at t=0: give a finite rate")
+        arrivals += occasional(args.long_prompt_rate, arrivals[-1].arrival_s,
+                               args.long_prompt_len, args.long_output_len, args.seed)
     return sorted(arrivals, key=lambda a: a.arrival_s)
 
 
-def kv_pool_memory(args: argparse.Namespace, model, hw) -> str | int:
-    """--kv-cache-memory, or with `auto` what the device holds for K/V
+def kv_pool_memory(args: argparse.Namespace, model, cost) -> str | int:
+    """--kv-cache-memory (per rank, as served), or with `auto` what the device holds for K/V
     (docs/design.md#the-memory-wall)."""
     if args.kv_cache_memory != "auto":
         return args.kv_cache_memory
     from shared.cost_model import kv_capacity
-    return kv_capacity(model, hw, args.dtype_bytes, args.gpu_memory_utilization,
+    return kv_capacity(model, cost.hw, cost.precision, args.gpu_memory_utilization,
                        args.max_num_batched_tokens, args.max_num_seqs).kv_bytes
 
 
 def scheduler_config(args: argparse.Namespace, model, arrivals, cost) -> SchedulerConfig:
     """`cost` is the roofline the clock runs on; the core plans with it, or with an online fit
     seeded from it (--cost online)."""
+    # One rank's block: its num_kv_heads / tp heads, in the cache's element size.
+    block_bytes = int(kv_block_bytes(model.num_layers, model.num_kv_heads // cost.tp,
+                                     model.head_dim, args.block_size, cost.kv_bytes))
+    if block_bytes < 1:
+        raise PacerError(f"a KV block of {args.block_size} tokens at --kv-bytes "
+                         f"{cost.kv_bytes:g} holds less than a byte: raise either")
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(
-        kv_pool_memory(args, model, cost.hw),
-        int(kv_block_bytes(model.num_layers, model.num_kv_heads, model.head_dim,
-                           args.block_size, args.dtype_bytes)))
+        kv_pool_memory(args, model, cost), block_bytes)
     longest = max(a.prompt_len + a.output_len for a in arrivals)
     tbt = args.target_tbt_ms
     budgeted = args.max_iteration_ms is not None or tbt != "off"
@@ -203,46 +214,54 @@ def planning_cost(args: argparse.Namespace, cost):
 
 
 def run(args: argparse.Namespace) -> int:
-    from shared.cost_model import RooflineCost, load_model_shape
+    from shared.cost_model import Precision, RooflineCost, load_model_shape
     from shared.hardware import load_hardware
 
     if args.replay:
+        if args.tp != 1 or args.weight_bytes is not None or args.kv_bytes is not None:
+            print("pacer simulate: error: --replay prices the recorded run as it ran: leave "
+                  "out --tp, --weight-bytes and --kv-bytes", file=sys.stderr)
+            return 2
         from services.replay_cmd import run_replay
         return run_replay(args)
     args.model, args.hw = args.model or DEFAULT_MODEL, args.hw or DEFAULT_HW
     args.dtype_bytes = 2.0 if args.dtype_bytes is None else args.dtype_bytes
     try:
-        if not args.dtype_bytes > 0:
-            raise PacerError(f"--dtype-bytes must be > 0, got {args.dtype_bytes}")
         if not 0 < args.gpu_memory_utilization <= 1:
             raise PacerError("--gpu-memory-utilization must be in (0, 1], got "
                              f"{args.gpu_memory_utilization}")
         if args.block_size < 1:
             raise PacerError(f"--block-size must be >= 1, got {args.block_size}")
+        if args.cost == "online" and args.max_iteration_ms is None and args.target_tbt_ms == "off":
+            raise PacerError("--cost online is the model a latency budget plans with: give "
+                             "--max-iteration-ms or --target-tbt-ms (without either the core "
+                             "plans by the token budget alone and asks no cost model)")
         for flag, path in (("--plot", args.plot), ("--timeline", getattr(args, "timeline", None))):
             if path:
                 check_output_path(path, flag)
         model, hw = load_model_shape(args.model), load_hardware(args.hw)
-        cost = RooflineCost(model, hw, args.dtype_bytes)
+        cost = RooflineCost.of(model, hw, precision_of(args, [model]))
         pools = _check_disagg_flags(args)
         if args.sweep:
             return _run_sweep(args, model, hw, cost, pools, *parse_sweep(args.sweep, args))
         arrivals = build_arrivals(args)
         config = scheduler_config(args, model, arrivals, cost)
         results = _run_modes(args, arrivals, config, cost, pools)
+        summaries = [_summary(args, r) for r in results]
     except PacerError as e:
         print(f"pacer simulate: error: {e}", file=sys.stderr)
         return 2
-    summaries = [_summary(args, r) for r in results]
     _write_outputs(args, results)
     if args.json:
-        print(json.dumps({"model": model.name, "hardware": hw.name,
-                          "config": _config_dict(config),
-                          "workload": _workload_dict(args, arrivals)}
-                         | _disagg_dict(args, pools)
-                         | {"modes": {s["mode"]: s for s in summaries}}, indent=2))
+        print(json.dumps(_json_safe({"model": model.name, "hardware": hw.name,
+                                     "precision": asdict(cost.precision),
+                                     "config": _config_dict(config),
+                                     "workload": _workload_dict(args, arrivals)}
+                                    | _disagg_dict(args, pools)
+                                    | {"modes": {s["mode"]: s for s in summaries}}), indent=2))
     else:
-        print(f"{model.name} on {hw.name}: {len(arrivals)} requests, "
+        shown = "" if cost.precision == Precision() else f" ({precision_text(cost.precision)})"
+        print(f"{model.name} on {hw.name}{shown}: {len(arrivals)} requests, "
               f"{config.max_num_batched_tokens}-row budget"
               + (f", {config.max_iteration_ms:g} ms latency budget" if config.max_iteration_ms
                  else "") + f", {config.num_kv_blocks} KV blocks of {config.block_size}"
@@ -253,8 +272,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _summary(args: argparse.Namespace, result) -> dict:
-    from scheduler_svc.sim_report import summarize
-    return summarize(result, args.ttft_slo_ms, args.tbt_slo_ms)
+    """The result's figures; the requests the core refused, and why, on stderr."""
+    from scheduler_svc.sim_report import format_rejections, summarize
+    summary = summarize(result, args.ttft_slo_ms, args.tbt_slo_ms)
+    if result.rejected:
+        print(f"pacer simulate: {format_rejections(result)}", file=sys.stderr)
+    return summary
 
 
 def parse_disagg(spec: str) -> tuple[int, int]:
@@ -357,12 +380,12 @@ def _run_sweep(args: argparse.Namespace, model, hw, cost, pools: tuple[int, int]
         disagg = _disagg_dict(args, pools)
         if knob == "fabric":
             del disagg["disagg"]["fabric"]
-        print(json.dumps({"model": model.name, "hardware": hw.name,
-                          "workload": _workload_dict(args, None)}
-                         | disagg
-                         | {"sweep": {"knob": knob, "values": values},
-                            "points": [{"value": v, "modes": p} for v, p in zip(values, points)]},
-                         indent=2))
+        print(json.dumps(_json_safe(
+            {"model": model.name, "hardware": hw.name, "workload": _workload_dict(args, None)}
+            | disagg
+            | {"sweep": {"knob": knob, "values": values},
+               "points": [{"value": v, "modes": p} for v, p in zip(values, points)]}),
+            indent=2))
     else:
         print(f"{model.name} on {hw.name}: {sum(pools)} colocated instances vs "
               f"{pools[0]} prefill + {pools[1]} decode; goodput: TTFT <= {args.ttft_slo_ms:g} ms "

@@ -18,6 +18,15 @@ Refinements over the round numbers of docs/design.md#reference-figures, each sma
 - A chunk's causal pairs are exact: q_rows · S + q_rows · (q_rows + 1) / 2.
 - Activations between kernels are left out: they matter only at thousands of rows, where
   compute dominates anyway, and the reference figures leave them out too.
+- Weights, KV cache and activations can each have their own element size (`weight_bytes`,
+  `kv_bytes`, `dtype_bytes`): 4-bit weights beside a 16-bit cache. The activations' size
+  picks the matmul rate (quantized weights are widened to it).
+- Tensor parallelism (docs/design.md#tensor-parallelism): each of `tp` ranks does 1/tp of the
+  FLOPs and reads 1/tp of the weights and of the KV, and the figures are one rank's. Each
+  forward then all-reduces the hidden state 2·layers + 1 times (after attention and after the
+  MLP in every layer, and the vocab-parallel embedding), T rows × hidden × `dtype_bytes`
+  each; a ring all-reduce moves 2(tp-1)/tp of that through each rank's link, at the
+  profile's `interconnect_gb_per_s`. That time is added to the roofline's, not overlapped.
 - Small GEMMs run below the sustained rate (docs/design.md#small-chunks-run-below-peak): a
   matmul over M rows runs at `rate · M / (M + r½)`, r½ = the profile's `gemm_half_rows`. The
   layers' GEMMs run over the iteration's T rows, the LM head's over its n sampling rows, so
@@ -121,22 +130,33 @@ def model_shape_from_hf_config(config: dict, name: str) -> ModelShape:
     """A shape from a Hugging Face `config.json` object (multimodal ones nest `text_config`)."""
     if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
-    try:
-        heads = int(config["num_attention_heads"])
-        hidden = int(config["hidden_size"])
-        return ModelShape(
-            name=name,
-            num_layers=int(config["num_hidden_layers"]),
-            hidden_size=hidden,
-            intermediate_size=int(config["intermediate_size"]),
-            num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            vocab_size=int(config["vocab_size"]),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        )
-    except KeyError as e:
-        raise PacerError(f"model config {name} lacks {e.args[0]!r}") from e
+
+    def positive(key: str, default: int | None = None) -> int:
+        """`key` as a positive integer; `default` where it is absent or null."""
+        value = config.get(key)
+        if value is None and default is not None:
+            return default
+        if value is None and key not in config:
+            raise PacerError(f"model config {name} lacks {key!r}")
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PacerError(f"model config {name}: {key} must be a positive integer, "
+                             f"got {value!r}")
+        return value
+
+    heads, hidden = positive("num_attention_heads"), positive("hidden_size")
+    return ModelShape(
+        name=name,
+        num_layers=positive("num_hidden_layers"),
+        hidden_size=hidden,
+        intermediate_size=positive("intermediate_size"),
+        num_heads=heads,
+        num_kv_heads=positive("num_key_value_heads", heads),
+        head_dim=positive("head_dim", hidden // heads or None),
+        vocab_size=positive("vocab_size"),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+    )
 
 
 def load_model_shape(spec: str) -> ModelShape:
@@ -167,6 +187,8 @@ class IterationCost:
     kv_bytes: float
     num_tokens: int           # Q rows in the iteration
     gemm_efficiency: float = 1.0   # the linear FLOPs' share of the rate, by the GEMMs' rows
+    allreduce_ms: float = 0.0      # TP: the forward's all-reduces, added to the roofline's time
+    tp: int = 1                    # the FLOPs and bytes above are one rank's of tp
 
 
 @dataclass
@@ -179,7 +201,7 @@ class _Work:
     num_tokens: int = 0
     num_chunks: int = 0
 
-    def add(self, chunk: ChunkShape, model: ModelShape, dtype_bytes: float) -> None:
+    def add(self, chunk: ChunkShape, model: ModelShape, kv_tok: float) -> None:
         q_rows, kv_len = chunk
         if q_rows < 1 or kv_len < q_rows:
             raise PacerError(f"chunk (q_rows={q_rows}, kv_len={kv_len}) needs 1 <= q_rows <= kv_len")
@@ -188,15 +210,57 @@ class _Work:
         self.linear_flops += 2.0 * (model.num_layers * model.layer_matmul_params * q_rows
                                     + model.lm_head_params)
         self.attention_flops += pairs * model.attention_flops_per_pair
-        self.kv_bytes += (kv_len + q_rows) * model.kv_bytes_per_token(dtype_bytes)
+        self.kv_bytes += (kv_len + q_rows) * kv_tok
         self.num_tokens += q_rows
         self.num_chunks += 1
 
-    def plus(self, chunk: ChunkShape, model: ModelShape, dtype_bytes: float) -> _Work:
+    def plus(self, chunk: ChunkShape, model: ModelShape, kv_tok: float) -> _Work:
         out = _Work(self.linear_flops, self.attention_flops, self.kv_bytes, self.num_tokens,
                     self.num_chunks)
-        out.add(chunk, model, dtype_bytes)
+        out.add(chunk, model, kv_tok)
         return out
+
+
+# Bytes per weight of each quantization the workers serve (`--quantization`), their scales
+# left out.
+QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Element sizes in bytes and the tensor-parallel degree (module docstring): `dtype_bytes`
+    the activations' (it picks the matmul rate), `weight_bytes` and `kv_bytes` the weights' and
+    the KV cache's (None: as the activations)."""
+
+    dtype_bytes: float = 2
+    weight_bytes: float | None = None
+    kv_bytes: float | None = None
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("weight_bytes", "kv_bytes"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.dtype_bytes)
+        if not (isinstance(self.tp, int) and self.tp >= 1):
+            raise PacerError(f"--tp must be an integer >= 1, got {self.tp!r}")
+
+    def kv_per_token(self, model: ModelShape) -> float:
+        """One rank's K_tok: its 1/tp of the KV heads."""
+        return model.kv_bytes_per_token(self.kv_bytes) / self.tp
+
+    def weights(self, model: ModelShape) -> float:
+        """One rank's weight bytes read per iteration."""
+        return model.params_read_per_iteration * self.weight_bytes / self.tp
+
+    def allreduce_ms_per_row(self, model: ModelShape, hw: HardwareProfile) -> float:
+        """What one Q row adds to a forward's all-reduces on one rank; 0 without TP."""
+        if self.tp == 1:
+            return 0.0
+        if hw.interconnect_gb_per_s is None:
+            raise PacerError(f"hardware {hw.name!r} states no interconnect_gb_per_s: the "
+                             f"all-reduces of --tp {self.tp} cannot be priced")
+        row_bytes = (2 * model.num_layers + 1) * model.hidden_size * self.dtype_bytes
+        return row_bytes * 2 * (self.tp - 1) / self.tp / (hw.interconnect_gb_per_s * 1e6)
 
 
 def gemm_idle_flops(model: ModelShape, hw: HardwareProfile) -> float:
@@ -206,49 +270,60 @@ def gemm_idle_flops(model: ModelShape, hw: HardwareProfile) -> float:
                                       + model.lm_head_params)
 
 
-def _roofline(work: _Work, model: ModelShape, hw: HardwareProfile, dtype_bytes: float) -> IterationCost:
+def _precision(dtype_bytes: float | Precision) -> Precision:
+    return dtype_bytes if isinstance(dtype_bytes, Precision) else Precision(dtype_bytes)
+
+
+def _roofline(work: _Work, model: ModelShape, hw: HardwareProfile, p: Precision) -> IterationCost:
+    """One rank's share of `work` (all of it without TP) on the roofline, plus its all-reduces."""
     if work.num_chunks == 0:
         raise PacerError("an iteration needs at least one chunk")
-    weight_bytes = model.params_read_per_iteration * dtype_bytes
-    flops = work.linear_flops + work.attention_flops
+    weight_bytes = p.weights(model)
+    linear, attention = work.linear_flops / p.tp, work.attention_flops / p.tp
+    flops = linear + attention
     total_bytes = weight_bytes + work.kv_bytes
-    idle = gemm_idle_flops(model, hw)
-    compute_ms = (flops + idle) / hw.flops_per_s(dtype_bytes) * 1e3
+    idle = gemm_idle_flops(model, hw) / p.tp
+    compute_ms = (flops + idle) / hw.flops_per_s(p.dtype_bytes) * 1e3
     memory_ms = total_bytes / hw.bytes_per_s * 1e3
+    allreduce_ms = work.num_tokens * p.allreduce_ms_per_row(model, hw)
     return IterationCost(
-        time_ms=max(compute_ms, memory_ms), flops=flops, bytes=total_bytes,
+        time_ms=max(compute_ms, memory_ms) + allreduce_ms, flops=flops, bytes=total_bytes,
         intensity=flops / total_bytes, bound="compute" if compute_ms >= memory_ms else "memory",
-        compute_ms=compute_ms, memory_ms=memory_ms, linear_flops=work.linear_flops,
-        attention_flops=work.attention_flops, weight_bytes=weight_bytes,
+        compute_ms=compute_ms, memory_ms=memory_ms, linear_flops=linear,
+        attention_flops=attention, weight_bytes=weight_bytes,
         kv_bytes=work.kv_bytes, num_tokens=work.num_tokens,
-        gemm_efficiency=work.linear_flops / (work.linear_flops + idle))
+        gemm_efficiency=linear / (linear + idle), allreduce_ms=allreduce_ms, tp=p.tp)
 
 
-def _sum(chunks: Iterable[ChunkShape], model: ModelShape, dtype_bytes: float) -> _Work:
+def _sum(chunks: Iterable[ChunkShape], model: ModelShape, kv_tok: float) -> _Work:
     work = _Work()
     for chunk in chunks:
-        work.add(chunk, model, dtype_bytes)
+        work.add(chunk, model, kv_tok)
     return work
 
 
 def estimate_iteration(chunks: Sequence[ChunkShape], model: ModelShape, hw: HardwareProfile,
-                       dtype_bytes: float = 2) -> IterationCost:
-    """The roofline cost of one forward over `chunks` ((q_rows, kv_len) each)."""
-    return _roofline(_sum(chunks, model, dtype_bytes), model, hw, dtype_bytes)
+                       dtype_bytes: float | Precision = 2) -> IterationCost:
+    """The roofline cost of one forward over `chunks` ((q_rows, kv_len) each); `dtype_bytes`
+    one element size for everything, or a `Precision`."""
+    p = _precision(dtype_bytes)
+    return _roofline(_sum(chunks, model, p.kv_per_token(model)), model, hw, p)
 
 
 def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[ChunkShape], prefix_len: int,
-                              model: ModelShape, hw: HardwareProfile, dtype_bytes: float = 2,
-                              limit: int = 1 << 24) -> int:
+                              model: ModelShape, hw: HardwareProfile,
+                              dtype_bytes: float | Precision = 2, limit: int = 1 << 24) -> int:
     """The largest prefill chunk N over a cached prefix of `prefix_len` such that the iteration
     `decode_chunks + [(N, prefix_len + N)]` takes at most `budget_ms`; 0 if none fits.
 
     Time never falls as N grows, so a doubling search then a bisection finds N in
     ~2·log2(N) probes; the decodes are summed once."""
-    base = _sum(decode_chunks, model, dtype_bytes)
+    p = _precision(dtype_bytes)
+    kv_tok = p.kv_per_token(model)
+    base = _sum(decode_chunks, model, kv_tok)
 
     def fits(n: int) -> bool:
-        cost = _roofline(base.plus((n, prefix_len + n), model, dtype_bytes), model, hw, dtype_bytes)
+        cost = _roofline(base.plus((n, prefix_len + n), model, kv_tok), model, hw, p)
         return cost.time_ms <= budget_ms
 
     if not fits(1):
@@ -283,27 +358,40 @@ def _sums(chunks: Sequence[ChunkShape]) -> tuple[int, int, float, int]:
 
 @dataclass(frozen=True)
 class RooflineCost:
-    """One model on one machine: `iteration_ms(chunks)` and `max_prefill_rows(...)`."""
+    """One model on one machine (`tp` ranks of it): `iteration_ms(chunks)` and
+    `max_prefill_rows(...)`. `weight_bytes` and `kv_bytes` default to `dtype_bytes`."""
 
     model: ModelShape
     hw: HardwareProfile
     dtype_bytes: float = 2
+    tp: int = 1
+    weight_bytes: float | None = None
+    kv_bytes: float | None = None
 
     def __post_init__(self) -> None:
-        m, d = self.model, self.dtype_bytes
-        # Per-unit costs, fixed for the model and the machine (frozen: set via object.__setattr__).
+        m = self.model
+        p = Precision(self.dtype_bytes, self.weight_bytes, self.kv_bytes, self.tp)
+        tp = p.tp
+        # Per-unit costs of one rank, fixed for the model and the machine (frozen: set via
+        # object.__setattr__).
         consts = {
-            "_row_flops": 2.0 * m.num_layers * m.layer_matmul_params,
-            "_chunk_flops": 2.0 * m.lm_head_params,     # the sampling row's LM head
-            "_pair_flops": float(m.attention_flops_per_pair),
-            "_idle_flops": gemm_idle_flops(m, self.hw),  # the GEMM efficiency curve's toll
-            "_kv_bytes": m.kv_bytes_per_token(d),
-            "_weight_bytes": m.params_read_per_iteration * d,
-            "_flops_per_ms": self.hw.flops_per_s(d) / 1e3,
+            "weight_bytes": p.weight_bytes, "kv_bytes": p.kv_bytes, "precision": p,
+            "_row_flops": 2.0 * m.num_layers * m.layer_matmul_params / tp,
+            "_chunk_flops": 2.0 * m.lm_head_params / tp,     # the sampling row's LM head
+            "_pair_flops": m.attention_flops_per_pair / tp,
+            "_idle_flops": gemm_idle_flops(m, self.hw) / tp,  # the GEMM efficiency curve's toll
+            "_kv_bytes": p.kv_per_token(m),
+            "_weight_bytes": p.weights(m),
+            "_flops_per_ms": self.hw.flops_per_s(p.dtype_bytes) / 1e3,
             "_bytes_per_ms": self.hw.bytes_per_s / 1e3,
+            "_row_ms": p.allreduce_ms_per_row(m, self.hw),   # TP's all-reduces, per Q row
         }
         for name, value in consts.items():
             object.__setattr__(self, name, value)
+
+    @classmethod
+    def of(cls, model: ModelShape, hw: HardwareProfile, p: Precision) -> RooflineCost:
+        return cls(model, hw, p.dtype_bytes, p.tp, p.weight_bytes, p.kv_bytes)
 
     def _flops(self, rows: float, chunks: float, pairs: float) -> float:
         """FLOPs at the full rate, the efficiency curve's idle GEMM time included."""
@@ -314,24 +402,27 @@ class RooflineCost:
         """The roofline wall time of one forward over `chunks`, as `estimate_iteration`."""
         rows, n, pairs, kv = _sums(chunks)
         return max(self._flops(rows, n, pairs) / self._flops_per_ms,
-                   (self._weight_bytes + self._kv_bytes * kv) / self._bytes_per_ms)
+                   (self._weight_bytes + self._kv_bytes * kv) / self._bytes_per_ms) \
+            + self._row_ms * rows
 
     def kv_digest_ms(self, tokens: int) -> float:
         """P/D: one side's digest of `tokens` tokens' K/V blocks (docs/design.md#kv-integrity),
-        memory-bound: it reads DIGEST_READ_SHARE of their bytes."""
+        memory-bound: it reads DIGEST_READ_SHARE of their bytes (each rank its share, at once)."""
         return tokens * self._kv_bytes * DIGEST_READ_SHARE / self._bytes_per_ms
 
     def max_prefill_rows(self, budget_ms: float, chunks: Sequence[ChunkShape], prefix_len: int) -> int:
         """Largest N such that `chunks + [(N, prefix_len + N)]` runs within `budget_ms`."""
         rows, n, pairs, kv = _sums(chunks)
-        s = prefix_len
-        # Memory: weights + K_tok · (kv + S + 2N) <= bandwidth · budget; linear in N.
-        by_bytes = ((self._bytes_per_ms * budget_ms - self._weight_bytes) / self._kv_bytes
-                    - kv - s) / 2
+        s, r = prefix_len, self._row_ms
+        # What the roofline may take: the budget less the all-reduces, (rows + N) · r.
+        left_ms = budget_ms - r * rows
+        # Memory: weights + K_tok · (kv + S + 2N) <= bandwidth · (left - r·N); linear in N.
+        by_bytes = ((self._bytes_per_ms * left_ms - self._weight_bytes) / self._kv_bytes
+                    - kv - s) / (2 + self._bytes_per_ms * r / self._kv_bytes)
         # Compute: a·N² + b·N + c <= 0 with the new chunk's N·S + N(N+1)/2 pairs.
         a = self._pair_flops / 2
-        b = self._row_flops + self._pair_flops * (s + 0.5)
-        c = self._flops(rows, n + 1, pairs) - self._flops_per_ms * budget_ms
+        b = self._row_flops + self._pair_flops * (s + 0.5) + self._flops_per_ms * r
+        c = self._flops(rows, n + 1, pairs) - self._flops_per_ms * left_ms
         by_flops = (-b + math.sqrt(b * b - 4 * a * c)) / (2 * a) if c <= 0 else -1.0
         return self._settle(max(0, math.floor(min(by_bytes, by_flops))), budget_ms,
                             (rows, n, pairs, kv), s)
@@ -343,7 +434,8 @@ class RooflineCost:
             rows, n, pairs, kv = base
             flops = self._flops(rows + x, n + 1, pairs + x * s + x * (x + 1) // 2)
             nbytes = self._weight_bytes + self._kv_bytes * (kv + s + 2 * x)
-            return max(flops / self._flops_per_ms, nbytes / self._bytes_per_ms) <= budget_ms
+            return max(flops / self._flops_per_ms, nbytes / self._bytes_per_ms) \
+                + self._row_ms * (rows + x) <= budget_ms
 
         while guess > 0 and not fits(guess):
             guess -= 1
@@ -374,11 +466,12 @@ class KVCapacity:
         return self.tokens // max(1, context_len)
 
 
-def kv_capacity(model: ModelShape, hw: HardwareProfile, dtype_bytes: float = 2,
+def kv_capacity(model: ModelShape, hw: HardwareProfile, dtype_bytes: float | Precision = 2,
                 utilization: float = 0.9, max_num_batched_tokens: int = 2048,
                 max_num_seqs: int = 256) -> KVCapacity:
-    """The KV pool `hw` holds for `model`; PacerError when the profile names no memory or the
-    weights leave no room."""
+    """The KV pool `hw` holds for `model` (one rank's, under TP: its share of the weights,
+    and of each token's K/V); PacerError when the profile names no memory or the weights
+    leave no room."""
     from shared import gpu_memory
 
     if hw.memory_bytes is None:
@@ -386,12 +479,13 @@ def kv_capacity(model: ModelShape, hw: HardwareProfile, dtype_bytes: float = 2,
                          "(--kv-cache-memory or --num-kv-blocks)")
     if not 0 < utilization <= 1:
         raise PacerError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
-    weights = gpu_memory.weight_bytes(model, dtype_bytes)
+    p = _precision(dtype_bytes)
+    weights = gpu_memory.weight_bytes(model, p.weight_bytes, p.tp)
     activations = gpu_memory.activation_bytes(model, max_num_batched_tokens, max_num_seqs,
-                                              dtype_bytes)
+                                              p.dtype_bytes, p.tp)
     pool = gpu_memory.kv_pool_bytes(int(hw.memory_bytes), utilization, int(weights),
                                     int(activations))
-    per_token = model.kv_bytes_per_token(dtype_bytes)
+    per_token = p.kv_per_token(model)
     return KVCapacity(hw.memory_bytes, utilization, weights, activations, pool, per_token,
                       int(pool // per_token))
 
@@ -436,30 +530,34 @@ class TransferCost:
 
 
 def estimate_transfer(model: ModelShape, prompt_len: int, fabric: Fabric, hw: HardwareProfile,
-                      dtype_bytes: float = 2) -> TransferCost:
-    """The hop of a `prompt_len` prompt's KV cache over `fabric`, and how much of it layer
-    streaming hides behind the prompt's prefill on `hw`."""
+                      dtype_bytes: float | Precision = 2) -> TransferCost:
+    """The hop of a `prompt_len` prompt's KV cache (all ranks' of it) over `fabric`, and how
+    much of it layer streaming hides behind the prompt's prefill on `hw`."""
     if prompt_len < 1:
         raise PacerError(f"a prompt needs at least 1 token, got {prompt_len}")
-    nbytes = kv_transfer_bytes(model, prompt_len, dtype_bytes)
+    p = _precision(dtype_bytes)
+    nbytes = kv_transfer_bytes(model, prompt_len, p.kv_bytes)
     transfer = fabric.transfer_ms(nbytes)
-    prefill = estimate_iteration([(prompt_len, prompt_len)], model, hw, dtype_bytes).time_ms
+    prefill = estimate_iteration([(prompt_len, prompt_len)], model, hw, p).time_ms
     return TransferCost(
         model=model.name, fabric=fabric.name, gb_per_s=fabric.gb_per_s, prompt_len=prompt_len,
-        kv_bytes_per_token=model.kv_bytes_per_token(dtype_bytes), kv_bytes=nbytes,
+        kv_bytes_per_token=model.kv_bytes_per_token(p.kv_bytes), kv_bytes=nbytes,
         transfer_ms=transfer, prefill_ms=prefill,
         exposed_ms=exposed_transfer_ms(transfer, prefill, model.num_layers),
         hiding_gb_per_s=nbytes / prefill / 1e6)
 
 
 def latency_cost_for(max_iteration_ms: float | None, hw: str | None, model_config: Any,
-                     dtype_bytes: float, target_tbt_ms: str = "off", target_ttft_ms: str = "off"):
+                     dtype_bytes: float | Precision, target_tbt_ms: str = "off",
+                     target_ttft_ms: str = "off"):
     """The cost model behind `--max-iteration-ms`, `--target-tbt-ms` and `--target-ttft-ms`:
-    the roofline of `--hw` when one is named, else the model fitted online from measured
-    forward times (shared/online_cost.py); None when no budget or goal is asked for."""
+    the roofline of `--hw` when one is named (one rank's, `dtype_bytes` a `Precision` that
+    names the weights' and the cache's element sizes and --tp), else the model fitted online
+    from measured forward times (shared/online_cost.py); None when no budget or goal is asked
+    for."""
     if max_iteration_ms is None and target_tbt_ms == "off" and target_ttft_ms == "off":
         return None
     if hw is None:
         return OnlineIterationCost()
-    return RooflineCost(model_shape_of(model_config, "served model"), load_hardware(hw),
-                        dtype_bytes)
+    return RooflineCost.of(model_shape_of(model_config, "served model"), load_hardware(hw),
+                           _precision(dtype_bytes))

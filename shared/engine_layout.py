@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from shared.config import (AUTO_TBT_FACTOR, AUTO_TTFT_FACTOR, SchedulerConfig, kv_block_bytes, kv_cache_dtype,
                            num_blocks_for_memory)
-from shared.cost_model import latency_cost_for
+from shared.cost_model import QUANTIZED_WEIGHT_BYTES, Precision, latency_cost_for
 from shared import gpu_memory
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
@@ -71,11 +71,10 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         raise PacerError(f"--device must be cpu or cuda[:N], got {args.device!r}")
     if args.num_kv_blocks is not None and args.num_kv_blocks < 1:
         raise PacerError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
+    quantization = quantization_scheme(args.quantization, source, args.device)
+    kv_bytes = DTYPE_BYTES[kv_cache_dtype(args.dtype, args.device, quantization)]
     block_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
-                                 args.block_size, DTYPE_BYTES[kv_cache_dtype(
-                                     args.dtype, args.device,
-                                     quantization_scheme(args.quantization, source,
-                                                         args.device))])
+                                 args.block_size, kv_bytes)
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(_kv_cache_memory(args, cfg),
                                                              block_bytes)
     max_model_len = args.max_model_len or cfg.max_position_embeddings
@@ -96,8 +95,11 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         target_tbt_factor=AUTO_TBT_FACTOR if args.target_tbt_ms == "auto" else None,
         target_ttft_ms=None if args.target_ttft_ms in ("auto", "off") else float(args.target_ttft_ms),
         target_ttft_factor=AUTO_TTFT_FACTOR if args.target_ttft_ms == "auto" else None,
-        iteration_cost=latency_cost_for(args.max_iteration_ms, args.hw, cfg, DTYPE_BYTES[args.dtype],
-                                        args.target_tbt_ms, args.target_ttft_ms))
+        iteration_cost=latency_cost_for(
+            args.max_iteration_ms, args.hw, cfg,
+            Precision(DTYPE_BYTES[args.dtype], QUANTIZED_WEIGHT_BYTES.get(quantization),
+                      kv_bytes, args.tp),
+            args.target_tbt_ms, args.target_ttft_ms))
     return EngineLayout(args, source, cfg, max_model_len, scheduler_config, block_bytes)
 
 

@@ -31,7 +31,9 @@ class HardwareProfile:
     `gemm_half_rows`: the GEMM efficiency curve by rows (docs/design.md#small-chunks-run-below-peak):
     a matmul over M rows runs at `tflops · M / (M + gemm_half_rows)`, half the rate at
     M = gemm_half_rows; 0 means every matmul at the full rate. `memory_gib`: what the device
-    holds (HBM, or RAM for a CPU), for the KV capacity; None when unknown."""
+    holds (HBM, or RAM for a CPU), for the KV capacity; None when unknown.
+    `interconnect_gb_per_s`: what one device's link to its tensor-parallel peers carries in
+    one direction, in GB/s (10**9 B/s), for the all-reduces of --tp; None when unknown."""
 
     name: str
     tflops: Mapping[str, float]
@@ -40,6 +42,7 @@ class HardwareProfile:
     measurements: Mapping[str, Any] = field(default_factory=dict, compare=False)
     gemm_half_rows: float = 0.0
     memory_gib: float | None = None
+    interconnect_gb_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.tflops:
@@ -53,6 +56,8 @@ class HardwareProfile:
                              f"got {self.gemm_half_rows!r}")
         if self.memory_gib is not None:
             _check_positive(f"{self.name}: memory_gib", self.memory_gib)
+        if self.interconnect_gb_per_s is not None:
+            _check_positive(f"{self.name}: interconnect_gb_per_s", self.interconnect_gb_per_s)
 
     def gemm_efficiency(self, rows: float) -> float:
         """The share of the matmul rate a GEMM over `rows` rows reaches: rows / (rows + r½)."""
@@ -97,7 +102,8 @@ class HardwareProfile:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "tflops": dict(self.tflops),
                 "bandwidth_tbps": self.bandwidth_tbps, "gemm_half_rows": self.gemm_half_rows,
-                "memory_gib": self.memory_gib, "measured_at": self.measured_at,
+                "memory_gib": self.memory_gib,
+                "interconnect_gb_per_s": self.interconnect_gb_per_s, "measured_at": self.measured_at,
                 "measurements": dict(self.measurements)}
 
 
@@ -112,14 +118,21 @@ def _check_positive(what: str, value: Any) -> None:
 # GEMM_HALF_ROWS: a round estimate, not a measurement (`pacer calibrate` fits it where it runs):
 # a GEMM of 256 rows at 80 % of the sustained rate, 2,048 rows at 97 %; below ~150 rows a
 # 7B model's GEMMs are memory-bound on these GPUs anyway.
+# Interconnect: NVIDIA's datasheets give NVLink's total over both directions per GPU, 900 GB/s
+# for H100 and H200 SXM (NVLink 4) and 600 GB/s for A100 SXM (NVLink 3); a ring all-reduce
+# sends one way round the ring, so half of it: 450 and 300 GB/s, vendor peaks (NCCL reaches
+# ~80 % of them on large messages, less on the small ones of a decode).
 GEMM_HALF_ROWS = 64.0
 HARDWARE: dict[str, HardwareProfile] = {
     "h100": HardwareProfile("h100", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 3.35,
-                            gemm_half_rows=GEMM_HALF_ROWS, memory_gib=80.0),
+                            gemm_half_rows=GEMM_HALF_ROWS, memory_gib=80.0,
+                            interconnect_gb_per_s=450.0),
     "h200": HardwareProfile("h200", {"bfloat16": 500.0, "float16": 500.0, FLOAT32: 67.0}, 4.8,
-                            gemm_half_rows=GEMM_HALF_ROWS, memory_gib=141.0),
+                            gemm_half_rows=GEMM_HALF_ROWS, memory_gib=141.0,
+                            interconnect_gb_per_s=450.0),
     "a100": HardwareProfile("a100", {"bfloat16": 250.0, "float16": 250.0, FLOAT32: 19.5}, 2.0,
-                            gemm_half_rows=GEMM_HALF_ROWS, memory_gib=80.0),
+                            gemm_half_rows=GEMM_HALF_ROWS, memory_gib=80.0,
+                            interconnect_gb_per_s=300.0),
 }
 
 
@@ -138,6 +151,7 @@ def hardware_from_dict(data: Mapping[str, Any], default_name: str = "calibrated"
         measurements=dict(data.get("measurements") or {}),
         gemm_half_rows=data.get("gemm_half_rows") or 0.0,
         memory_gib=data.get("memory_gib"),
+        interconnect_gb_per_s=data.get("interconnect_gb_per_s"),
     )
 
 

@@ -115,24 +115,25 @@ def test_reference_decode_rows(context, kv_bytes, total_bytes, intensity):
 
 
 # docs/design.md#reference-figures: a prefill chunk of C = 2048 over a cached prefix S
-# (weight bytes 14 GB):
-#   S     KV bytes  total    I = 2Π·C / total  regime
-#   4 k   2 GB      16 GB    ~1800             compute-bound
-#   64 k  32 GB     46 GB    ~620              compute-bound
-#   256 k 128 GB    142 GB   ~200              compute-bound (×1.3)
-#   1 M   512 GB    526 GB   ~55               below the ridge
-REFERENCE_PREFILLS = [(4 * K, 16 * GB, 1800), (64 * K, 46 * GB, 620), (256 * K, 142 * GB, 200),
-                      (1024 * K, 526 * GB, 55)]
+# (weight bytes 14 GB, KV (S + 2C) · 0.5 MiB; linear 2Π·C ≈ 27 TF, attention ≈ C·S · 0.52 MF):
+#   S     total    linear / total  all FLOPs / total  regime
+#   4 k   18 GB    ~1,500          ~1,800             compute-bound
+#   64 k  50 GB    ~530            ~2,000             compute-bound
+#   256 k 153 GB   ~170            ~2,000             compute-bound
+#   1 M   565 GB   ~47             ~2,000             compute-bound
+# Each cached token's 0.5 MiB meets all C rows, 0.52 MF each: ~C FLOPs a byte, whatever S.
+REFERENCE_PREFILLS = [(4 * K, 18 * GB, 1500, 1800), (64 * K, 50 * GB, 530, 2000),
+                      (256 * K, 153 * GB, 170, 2000), (1024 * K, 565 * GB, 47, 2000)]
 
 
-@pytest.mark.parametrize("prefix,total_bytes,intensity", REFERENCE_PREFILLS,
+@pytest.mark.parametrize("prefix,total_bytes,linear,intensity", REFERENCE_PREFILLS,
                          ids=[f"C=2048 S={row[0] // K}k" for row in REFERENCE_PREFILLS])
-def test_reference_prefill_rows(prefix, total_bytes, intensity):
+def test_reference_prefill_rows(prefix, total_bytes, linear, intensity):
     cost = estimate_iteration([prefill(2048, prefix)], LLAMA, H100)
     assert_close(cost.bytes, total_bytes, "total bytes")
-    linear_intensity = cost.linear_flops / cost.bytes
-    assert_close(linear_intensity, intensity, "intensity 2Π·C / total")
-    assert (linear_intensity > H100.ridge()) == (prefix < 1024 * K)
+    assert_close(cost.linear_flops / cost.bytes, linear, "intensity 2Π·C / total")
+    assert_close(cost.intensity, intensity, "intensity, attention included")
+    assert cost.bound == "compute" and cost.intensity > H100.ridge()
 
 
 def test_reference_ridge_and_crossover():
@@ -191,6 +192,34 @@ def test_hf_config_json_gives_the_builtin_shape(tmp_path):
         shape = load_model_shape(spec)
         assert shape == ModelShape(**{**MODELS["smollm2-135m"].__dict__, "name": shape.name})
         assert shape.name == "SmolLM2-135M-Instruct"
+
+
+SMOL_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+               "num_hidden_layers": 30, "num_key_value_heads": 3, "vocab_size": 49152}
+
+
+@pytest.mark.parametrize("field,value", [
+    ("num_attention_heads", 0), ("vocab_size", None), ("num_hidden_layers", -2),
+    ("hidden_size", "576"), ("intermediate_size", 1.5), ("num_key_value_heads", True),
+    ("head_dim", 0)])
+def test_a_malformed_config_json_is_an_error_naming_the_field(field, value, tmp_path, capsys):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**SMOL_CONFIG, field: value}))
+    with pytest.raises(PacerError, match=f"{field} must be a positive integer, got {value!r}"):
+        load_model_shape(str(path))
+    assert _cost_cli(["--model", str(path), "--decode", "8x1024"]) == 2
+    assert f"{field} must be a positive integer" in capsys.readouterr().err
+
+
+def test_a_config_json_lacking_a_field_or_null_where_optional(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({k: v for k, v in SMOL_CONFIG.items() if k != "vocab_size"}))
+    with pytest.raises(PacerError, match="lacks 'vocab_size'"):
+        load_model_shape(str(path))
+    path.write_text(json.dumps({**SMOL_CONFIG, "num_key_value_heads": None, "head_dim": None,
+                                "hidden_size": 576.0}))
+    shape = load_model_shape(str(path))
+    assert (shape.num_kv_heads, shape.head_dim, shape.hidden_size) == (9, 64, 576)
 
 
 def test_shape_of_a_served_model_config():

@@ -195,3 +195,70 @@ def test_cli_trace_single_mode_and_bad_input(tmp_path, capsys):
     assert list(out["modes"]) == ["orca"] and out["modes"]["orca"]["requests"] == 20
     assert main(["simulate", "--prompt-len", "uniform:9:1"]) == 2
     assert "uniform" in capsys.readouterr().err
+
+
+# ---- rejected requests (too long for the context or the pool) --------------------------------
+
+def _strict_json(text: str) -> dict:
+    """JSON as the standard has it: no bare NaN or Infinity."""
+    def refuse(constant):
+        raise AssertionError(f"{constant} in the JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--prompt-len", "200000"], "need 12511 KV blocks, but the whole pool has 7680"),
+    (["--max-model-len", "100"], "within the model's context of 100 tokens"),
+    (["--num-kv-blocks", "10"], "but the whole pool has 10"),
+])
+def test_cli_every_request_rejected_is_an_error_naming_why(flags, why, capsys):
+    for output in ([], ["--json"]):
+        assert main(["simulate", "--num-requests", "3", *flags, *output]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and "3 of 3 requests rejected (chunked): 3 like: " in err
+        assert why in err and "nan" not in err.lower()
+
+
+def test_cli_rejected_requests_count_as_slo_misses_and_are_said(capsys):
+    flags = ["simulate", "--num-requests", "3", "--max-model-len", "600", "--output-len", "4"]
+    assert main([*flags, "--json"]) == 0
+    out, err = capsys.readouterr()
+    chunked = _strict_json(out)["modes"]["chunked"]
+    assert (chunked["requests"], chunked["rejected"]) == (1, 2)
+    assert chunked["slo_attainment"] == pytest.approx(1 / 3)           # was 100 %: 1 of 1
+    assert chunked["goodput_rps"] == pytest.approx(1 / chunked["duration_s"])
+    assert list(chunked["rejected_reasons"].values()) == [2]
+    assert "2 of 3 requests rejected (chunked): 2 like: prompt of" in err
+    assert main(flags) == 0
+    out, err = capsys.readouterr()
+    assert "33.3%" in out and "2 of 3 requests rejected" in err
+
+
+def test_cli_json_has_no_bare_nan(capsys):
+    # one output token each: no token gap at all, so the TBT figures are unknown
+    assert main(["simulate", "--num-requests", "3", "--output-len", "1", "--json"]) == 0
+    chunked = _strict_json(capsys.readouterr().out)["modes"]["chunked"]
+    assert chunked["tbt_ms"]["median"] is None and chunked["requests"] == 3
+
+
+def test_a_trace_with_an_infinite_or_nan_arrival_is_refused(tmp_path, capsys):
+    for value in ("Infinity", "NaN", "-1"):
+        trace = tmp_path / "trace.jsonl"
+        trace.write_text('{"arrival_s": 0.5, "prompt_len": 100, "output_len": 8}\n'
+                         f'{{"arrival_s": {value}, "prompt_len": 10, "output_len": 2}}\n')
+        with pytest.raises(PacerError, match="line 2: arrival_s must be a finite number >= 0"):
+            read_trace(str(trace))
+        assert main(["simulate", "--trace", str(trace)]) == 2
+        assert "finite" in capsys.readouterr().err
+
+
+def test_cli_refuses_what_it_would_silently_ignore(capsys):
+    # the long stream had no span to run over at rate inf: it was dropped
+    assert main(["simulate", "--num-requests", "3", "--request-rate", "inf",
+                 "--long-prompt-rate", "0.005"]) == 2
+    assert "--request-rate inf sends them all at t=0" in capsys.readouterr().err
+    # the online fit is the model of a latency budget: without one it was never asked
+    assert main(["simulate", "--num-requests", "3", "--cost", "online"]) == 2
+    assert "give --max-iteration-ms or --target-tbt-ms" in capsys.readouterr().err
+    assert main(["simulate", "--num-requests", "3", "--cost", "online",
+                 "--target-tbt-ms", "auto"]) == 0

@@ -54,6 +54,31 @@ def test_the_hop_by_hand():
     assert whole.first_token_s == pytest.approx([0.021])
 
 
+def test_a_send_is_exposed_only_to_the_request_whose_k_v_it_is():
+    # 1 ms per row, 1 MB per token at 1 MB/ms, sent whole after the prefill. A 2-token prompt
+    # and a 10-token one share the first 4-row forward (2 rows each): the short one's 2 ms send
+    # holds that forward back, but the long one's transfer is only its own 10 ms at the end.
+    hop = Hop(load_fabric("1"), kv_bytes_per_token=1e6, num_layers=2, layer_streaming=False)
+    small = config(max_num_batched_tokens=4, block_size=4)
+    result = simulate_disaggregated([Arrival(0.0, 2, 3), Arrival(0.0, 10, 3)], small, small,
+                                    RowsCost(), hop)
+    t = result.timeline
+    assert [ms for ms, i in zip(t.ms, t.instance) if i == 0] == pytest.approx([6, 4, 14])
+    assert result.transfer_ms == pytest.approx([2.0, 10.0])
+    assert result.exposed_ms == pytest.approx([2.0, 10.0])        # the long one was 12
+    assert summarize(result)["transfer_hidden"] == pytest.approx(0.0)
+
+
+def test_cli_transfer_hidden_is_never_negative(capsys):
+    # the review's run: whole prompts sent after the prefill hide nothing (was -2.5 %)
+    assert main(["simulate", "--disagg", "1:1", "--num-requests", "40", "--request-rate", "0.5",
+                 "--prompt-len", "uniform:2000:6000", "--output-len", "64",
+                 "--no-layer-streaming", "--json"]) == 0
+    disagg = json.loads(capsys.readouterr().out)["modes"]["disagg"]
+    assert disagg["transfer_hidden"] == pytest.approx(0.0, abs=1e-12)
+    assert disagg["exposed_transfer_ms"]["max"] == pytest.approx(disagg["transfer_ms"]["max"])
+
+
 def test_every_request_gets_its_tokens_on_both_sides():
     arrivals = synthetic(150, 6.0, 1.0, "uniform:16:3000", "uniform:1:64", seed=2)
     colocated = simulate(arrivals, config(), H100_7B, instances=3)
