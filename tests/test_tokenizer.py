@@ -402,3 +402,17 @@ def test_flush_gives_what_a_truncated_stream_holds(tiny_dir):
     assert streamed == "ok "
     assert streamed + detok.flush() == tok.decode(ids)
     assert detok.flush() == "" and detok.text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("model_vocab", [280, 300])
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, model_vocab):
+    """The tiny tokenizer has 287 tokens: a model of 280 rows could not look up its last
+    ones (a forward failed on the first prompt holding one); one of 300 rows (padded) is
+    fine."""
+    path = write_tiny_llama(tmp_path / "m", vocab_size=model_vocab)
+    if model_vocab > 287:
+        assert load_tokenizer(resolve_model(path)).vocab_size == 287
+        return
+    with pytest.raises(ModelLoadError, match="the tokenizer has 287 tokens, more than the "
+                                             "model's vocab_size of 280"):
+        load_tokenizer(resolve_model(path))
