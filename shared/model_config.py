@@ -77,7 +77,9 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 def eos_token_ids(source: ModelSource) -> tuple[int, ...]:
     """Every id the model files say ends generation, the primary eos first: GGUF eos, eot and
-    eom ids; HF config.json's eos_token_id plus generation_config.json's (int or list)."""
+    eom ids; HF config.json's eos_token_id plus generation_config.json's (int or list) plus
+    tokenizer_config.json's eos_token. The one place the set is computed: the scheduler stops
+    on it (ModelConfig.eos_token_ids) and the tokenizer reports it."""
     if source.kind == "gguf":
         return _gguf_eos_ids(open_gguf(source.path))
     return _hf_eos_ids(source.path)
@@ -183,7 +185,40 @@ def _hf_eos_ids(path: str) -> tuple[int, ...]:
     gen_file = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_file):
         ids += _ids(read_json(gen_file).get("eos_token_id"))
-    return tuple(dict.fromkeys(ids))
+    return tuple(dict.fromkeys(ids + _hf_tokenizer_eos_ids(path)))
+
+
+def special_token_text(token: Any) -> str | None:
+    """tokenizer_config.json spells a special token as a string or as an AddedToken dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _hf_tokenizer_eos_ids(path: str) -> list[int]:
+    """tokenizer_config.json's eos_token as an id, as vLLM stops on it too: a ChatML
+    fine-tune names <|im_end|> there while its config.json keeps the base model's eos. Looked
+    up in the file's added_tokens_decoder, else among tokenizer.json's tokens (parsed only
+    then: no tokenizer is built for this in the scheduler and every worker)."""
+    file = os.path.join(path, "tokenizer_config.json")
+    cfg = read_json(file) if os.path.isfile(file) else {}
+    token = special_token_text(cfg.get("eos_token")) if isinstance(cfg, dict) else None
+    if token is None:
+        return []
+    decoder = cfg.get("added_tokens_decoder")
+    for token_id, added in (decoder.items() if isinstance(decoder, dict) else ()):
+        if isinstance(added, dict) and added.get("content") == token and token_id.isdigit():
+            return [int(token_id)]
+    file = os.path.join(path, "tokenizer.json")
+    tok = read_json(file) if os.path.isfile(file) else {}
+    added = tok.get("added_tokens") if isinstance(tok, dict) else None
+    for entry in (added if isinstance(added, list) else ()):
+        if isinstance(entry, dict) and entry.get("content") == token \
+                and isinstance(entry.get("id"), int):
+            return [entry["id"]]
+    vocab = (tok.get("model") or {}).get("vocab") if isinstance(tok, dict) else None
+    found = vocab.get(token) if isinstance(vocab, dict) else None
+    return [found] if isinstance(found, int) else []
 
 
 def _ids(value: Any) -> list[int]:

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as _Backend
 from shared.chat_template import render_chat_template
 from shared.errors import InvalidRequestError, ModelLoadError
 from shared.model_config import (eos_token_ids, gguf_value, load_model_config, open_gguf,
-                                 read_json)
+                                 read_json, special_token_text)
 from shared.model_source import ModelSource
 
 _CONTROL, _USER_DEFINED = 3, 4     # llama.cpp token types
@@ -176,10 +176,8 @@ def _from_hf_dir(path: str) -> Tokenizer:
 
 
 def _special_id(backend: _Backend, token: Any) -> int | None:
-    """tokenizer_config.json spells a special token as a string or as an AddedToken dict."""
-    if isinstance(token, dict):
-        token = token.get("content")
-    return backend.token_to_id(token) if isinstance(token, str) else None
+    text = special_token_text(token)
+    return None if text is None else backend.token_to_id(text)
 
 
 def _hf_chat_template(path: str, cfg: dict) -> str | None:

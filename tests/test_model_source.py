@@ -113,6 +113,33 @@ def test_tied_and_transformers4_style_config(tiny_dir, tmp_path):
     assert (config.eos_token_id, config.eos_token_ids) == (2, (2, 0))
 
 
+@pytest.mark.parametrize("decoder", [False, True], ids=["tokenizer.json", "added_tokens_decoder"])
+def test_the_tokenizers_eos_ends_generation_too(tiny_dir, tmp_path, decoder):
+    """A ChatML fine-tune names <|im_end|> (2) as tokenizer_config.json's eos_token while
+    config.json keeps the base model's eos (0 here): the scheduler stops on both, as vLLM
+    does, and the tokenizer reports the same set. The id is found in tokenizer_config.json's
+    added_tokens_decoder where it has one, else in tokenizer.json."""
+    from scheduler_svc.build import build_scheduler
+    from shared.engine_args import EngineArgs
+    from shared.engine_layout import engine_layout
+    from shared.tokenizer import load_tokenizer
+    path = _edit_config(tiny_dir, tmp_path / "chatml", eos_token_id=0)
+    os.unlink(os.path.join(path, "generation_config.json"))    # it repeats config.json's
+    if decoder:
+        with open(os.path.join(tiny_dir, "tokenizer_config.json")) as f:
+            tok_cfg = json.load(f)
+        tok_cfg["eos_token"] = {"content": "<|im_end|>", "special": True}
+        tok_cfg["added_tokens_decoder"] = {"2": {"content": "<|im_end|>", "special": True}}
+        os.unlink(os.path.join(path, "tokenizer_config.json"))
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump(tok_cfg, f)
+    config = load_model_config(resolve_model(path))
+    assert (config.eos_token_id, config.eos_token_ids) == (0, (0, 2))
+    layout = engine_layout(EngineArgs(model=path, dtype="float32"))
+    assert build_scheduler(layout).eos_token_ids == {0, 2}
+    assert set(load_tokenizer(resolve_model(path)).eos_token_ids) == {0, 2}
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "'GemmaForCausalLM'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
