@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -98,26 +99,60 @@ def read_json(path: str) -> dict:
 def _from_hf_dir(path: str) -> ModelConfig:
     file = os.path.join(path, "config.json")
     cfg = read_json(file)
-    try:
-        return _hf_config(path, file, cfg)
-    except KeyError as e:
-        raise ModelLoadError(f"{file}: has no {e.args[0]!r}") from e
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{file}: is a JSON {type(cfg).__name__}, not an object of fields")
+    return _hf_config(path, file, cfg)
+
+
+_REQUIRED = object()
+
+
+def _positive_int(cfg: dict, key: str, file: str, default: Any = _REQUIRED) -> Any:
+    """cfg[key], which must be a positive integer (4.0, "64" and true are not); `default`
+    where it is absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{file}: has no {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{file}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_number(value: Any, key: str, file: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ModelLoadError(f"{file}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _object(cfg: dict, key: str, file: str) -> dict:
+    """cfg[key], which must be an object (a dict); {} where it is absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{file}: {key} must be an object of fields, got {value!r}")
+    return value
 
 
 def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
     expected = _HF_ARCHITECTURES.get(model_type)
     architectures = cfg.get("architectures") or [expected or _HF_ARCHITECTURES["llama"]]
+    if not isinstance(architectures, list):
+        raise ModelLoadError(f"{file}: architectures must be a list, got {architectures!r}")
     if expected is None or expected not in architectures:
         supported = ", ".join(f"{t} ({a})" for t, a in _HF_ARCHITECTURES.items())
         raise ModelLoadError(f"{file}: architecture {architectures[0]!r} (model_type "
                              f"{model_type!r}) is not supported; only {supported}")
     _check_hf_features(cfg, file)
-    rope = cfg.get("rope_parameters") or {}     # transformers 5 moved rope_theta in here
-    heads = cfg["num_attention_heads"]
+    rope = _object(cfg, "rope_parameters", file)   # transformers 5 moved rope_theta in here
+    hidden, heads = _positive_int(cfg, "hidden_size", file), \
+        _positive_int(cfg, "num_attention_heads", file)
     eos = _hf_eos_ids(path)
-    context = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if model_type in _SLIDING else None
+    context = _positive_int(cfg, "max_position_embeddings", file, 2048)
+    window = _positive_int(cfg, "sliding_window", file, None) if model_type in _SLIDING else None
     # Qwen2 says whether its window is used (off in Qwen2 and 2.5's configs); Mistral's is
     if window is not None and cfg.get("use_sliding_window", True) and window < context:
         # a query sees every key of a context no longer than the window: served exactly
@@ -125,20 +160,24 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
         context = window
     else:
         window = None
+    tied = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise ModelLoadError(f"{file}: tie_word_embeddings must be true or false, got {tied!r}")
     return ModelConfig(
         architecture=model_type,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
+        vocab_size=_positive_int(cfg, "vocab_size", file),
+        hidden_size=hidden,
+        intermediate_size=_positive_int(cfg, "intermediate_size", file),
+        num_layers=_positive_int(cfg, "num_hidden_layers", file),
         num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=_positive_int(cfg, "num_key_value_heads", file, heads),
+        head_dim=_positive_int(cfg, "head_dim", file, hidden // heads),
+        rope_theta=_positive_number(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0,
+                                    "rope_theta", file),
+        rms_norm_eps=_positive_number(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", file),
         max_position_embeddings=context,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=(_ids(cfg.get("bos_token_id")) or [None])[0],
+        tie_word_embeddings=tied,
+        bos_token_id=(_ids(cfg.get("bos_token_id"), f"{file}: bos_token_id") or [None])[0],
         eos_token_id=eos[0] if eos else None,
         eos_token_ids=eos,
         rope_scaling=_hf_rope_scaling(cfg, file),
@@ -158,7 +197,7 @@ def _check_hf_features(cfg: dict, file: str) -> None:
 def _hf_rope_scaling(cfg: dict, file: str) -> RopeScaling | None:
     """`rope_scaling` (transformers 4) or `rope_parameters` (5), whichever says more."""
     for key in ("rope_scaling", "rope_parameters"):
-        scaling = cfg.get(key) or {}
+        scaling = _object(cfg, key, file)
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "default":
             continue
@@ -181,10 +220,13 @@ def _hf_rope_scaling(cfg: dict, file: str) -> RopeScaling | None:
 
 
 def _hf_eos_ids(path: str) -> tuple[int, ...]:
-    ids = _ids(read_json(os.path.join(path, "config.json")).get("eos_token_id"))
+    file = os.path.join(path, "config.json")
+    ids = _ids(read_json(file).get("eos_token_id"), f"{file}: eos_token_id")
     gen_file = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_file):
-        ids += _ids(read_json(gen_file).get("eos_token_id"))
+        gen = read_json(gen_file)
+        ids += _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None,
+                    f"{gen_file}: eos_token_id")
     return tuple(dict.fromkeys(ids + _hf_tokenizer_eos_ids(path)))
 
 
@@ -221,10 +263,12 @@ def _hf_tokenizer_eos_ids(path: str) -> list[int]:
     return [found] if isinstance(found, int) else []
 
 
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+def _ids(value: Any, where: str) -> list[int]:
+    """A token id or a list of them (`where` names the field in an error)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelLoadError(f"{where} must be a token id or a list of them, got {value!r}")
+    return ids
 
 
 # ---- GGUF ---------------------------------------------------------------------------------

@@ -148,12 +148,35 @@ def test_the_tokenizers_eos_ends_generation_too(tiny_dir, tmp_path, decoder):
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
     ({"rope_scaling": {"type": "linear"}}, "'linear' without a usable factor"),
     ({"attention_bias": True}, "attention_bias"),
+    # fields of the wrong type: named, not an AttributeError or TypeError from deep inside
+    ({"rope_scaling": "linear"}, "rope_scaling must be an object of fields, got 'linear'"),
+    ({"rope_parameters": [1]}, "rope_parameters must be an object of fields"),
+    ({"num_hidden_layers": 4.0}, "num_hidden_layers must be a positive integer, got 4.0"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer, got -1"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"num_key_value_heads": True}, "num_key_value_heads must be a positive integer"),
+    ({"vocab_size": None}, "has no 'vocab_size'"),
+    ({"max_position_embeddings": 1e9}, "max_position_embeddings must be a positive integer"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a positive number, got '1e-5'"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them, got '2'"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
 ])
 def test_unsupported_hf_configs(tiny_dir, tmp_path, changes, message):
     path = _edit_config(tiny_dir, tmp_path / "bad", **changes)
     with pytest.raises(ModelLoadError, match=message) as err:
         load_model_config(resolve_model(path))
     assert os.path.join(path, "config.json") in str(err.value)
+
+
+def test_config_that_is_not_an_object_is_refused(tiny_dir, tmp_path):
+    path = _edit_config(tiny_dir, tmp_path / "list")
+    os.unlink(os.path.join(path, "config.json"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write("[1, 2]")
+    with pytest.raises(ModelLoadError, match="config.json: is a JSON list, not an object"):
+        load_model_config(resolve_model(path))
 
 
 def test_non_llama_gguf_is_refused(tiny_dir, tmp_path):
