@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from gpu_worker.quant.tensor import GGUF_QUANT_TYPES, QTensor, from_gguf
 from shared.errors import ModelLoadError
-from shared.model_config import GGUF_CONFIG_TENSORS, ModelConfig, open_gguf, read_json
+from shared.model_config import (GGUF_CONFIG_TENSORS, ModelConfig, forget_gguf_readers,
+                                 open_gguf, read_json)
 from shared.model_source import ModelSource
 
 _SUPPORTED_GGUF_TYPES = tuple(GGMLQuantizationType[name] for name in (
@@ -269,3 +270,6 @@ def _gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool,
                 w = np.array(w, order="C")
             yield name, torch.from_numpy(w)
             bar.update()
+    # every tensor is a copy (dequantized, unpermuted or copied above; QTensors too), so the
+    # file's mapping can go; this generator's own `reader` goes as it returns
+    forget_gguf_readers()

@@ -272,3 +272,33 @@ def test_truncated_safetensors_names_the_file(tiny_dirs, tmp_path, keep):
     source = resolve_model(path)
     with pytest.raises(ModelLoadError, match="cannot read safetensors file .*model.safetensors"):
         list(iter_weights(source, load_model_config(source)))
+
+
+# ---- a GGUF's mapping let go once its weights are read -------------------------------------
+
+def _mapped(path: str) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(real) for line in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gguf_mapping_is_let_go_once_the_weights_are_read(tiny_dirs, tmp_path, quantized):
+    """The config and the tokenizer parse the file once (one reader for all three); once
+    every tensor is read the mapping, whose pages the read touched, goes: it held the whole
+    file in each worker's memory for its life. What is yielded are copies, still whole."""
+    from shared.tokenizer import load_tokenizer
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", tiny_dirs["untied"], Q.Q8_0)
+    source = resolve_model(gguf)
+    config = load_model_config(source)
+    load_tokenizer(source)
+    weights = iter_weights(source, config, progress=False, quantized=quantized)
+    assert _mapped(gguf)
+    got = dict(weights)
+    del weights
+    assert not _mapped(gguf)
+    again = dict(iter_weights(source, load_model_config(source), progress=False))
+    for name, tensor in again.items():
+        if not quantized:
+            assert torch.equal(got[name], tensor), name
