@@ -16,7 +16,7 @@ from tokenizers import (AddedToken, Regex, decoders, models, normalizers, pre_to
                         processors)
 from tokenizers import Tokenizer as _Backend
 
-from shared.chat_template import render_chat_template
+from shared.chat_template import check_chat_template, render_chat_template
 from shared.errors import InvalidRequestError, ModelLoadError
 from shared.model_config import (eos_token_ids, gguf_value, load_model_config, open_gguf,
                                  read_json, special_token_text)
@@ -142,6 +142,8 @@ def load_tokenizer(source: ModelSource) -> Tokenizer:
     else:
         tokenizer = _from_hf_dir(source.path)
         _check_fits_model(tokenizer, source)
+    if tokenizer.chat_template is not None:
+        check_chat_template(tokenizer.chat_template, source.path)
     tokenizer.add_eos_token_ids(eos_token_ids(source))
     return tokenizer
 
