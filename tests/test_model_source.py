@@ -159,6 +159,8 @@ def test_the_tokenizers_eos_ends_generation_too(tiny_dir, tmp_path, decoder):
     ({"vocab_size": None}, "has no 'vocab_size'"),
     ({"max_position_embeddings": 1e9}, "max_position_embeddings must be a positive integer"),
     ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a positive number, got '1e-5'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "rope_theta must be a positive number, got 0"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
     ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them, got '2'"),
     ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
