@@ -91,7 +91,7 @@ class RunnerConfig:
     quantization: str = "none"           # auto|none|int8|int4 (gpu_worker/quant)
     load_format: str = "auto"            # dummy: random weights, no checkpoint read
     cuda_graphs: bool = True             # CUDA: decodes replay captured graphs
-    max_model_len: int = 0               # the graphs' longest context (0: the model's)
+    max_model_len: int = 0               # the longest context: RoPE tables, graphs (0: the model's)
     max_num_seqs: int = 256              # the graphs' largest batch
 
 
@@ -147,12 +147,16 @@ class ModelRunner:
         self.quantization = resolve_quantization(rc.quantization, source, cfg, tp.size, rc.device)
         quant = None if self.quantization == "none" else self.quantization
         self.wide_from_rows = wide_from_rows(self.quantization)     # with each result
+        # RoPE tables for the positions this engine serves (its max_model_len, not the
+        # config's context, which may be a million), and the CUDA memory profile's rows
+        positions = max(rc.max_model_len or cfg.max_position_embeddings,
+                        rc.profile_tokens if rc.device.startswith("cuda") else 0)
         with torch.device("cpu" if on_host else rc.device), \
                 (contextlib.nullcontext() if on_host else _default_dtype(self.dtype)):
-            model = LlamaForCausalLM(cfg, tp, quant)
+            model = LlamaForCausalLM(cfg, tp, quant, positions)
         if not on_host:     # RoPE tables computed on the host, as on CPU (same bits), then moved
-            model.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
-                                           cfg.rope_theta, cfg.rope_scaling)
+            model.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta,
+                                           cfg.rope_scaling)
         if rc.load_format == "dummy":
             if quant is not None:
                 raise PacerError("--load-format dummy makes float weights: pass --quantization none")

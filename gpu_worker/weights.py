@@ -24,7 +24,8 @@ from tqdm import tqdm
 
 from gpu_worker.quant.tensor import GGUF_QUANT_TYPES, QTensor, from_gguf
 from shared.errors import ModelLoadError
-from shared.model_config import GGUF_CONFIG_TENSORS, ModelConfig, open_gguf
+from shared.model_config import (GGUF_CONFIG_TENSORS, ModelConfig, forget_gguf_readers,
+                                 open_gguf, read_json)
 from shared.model_source import ModelSource
 
 _SUPPORTED_GGUF_TYPES = tuple(GGMLQuantizationType[name] for name in (
@@ -108,17 +109,72 @@ def _skipped(name: str, config: ModelConfig) -> bool:
         config.tie_word_embeddings and name == "lm_head.weight")
 
 
+# the float types a safetensors tensor may have: each is widened to float32 exactly (float64
+# rounded); an integer, boolean or float8 tensor is a quantized or foreign checkpoint, whose
+# values cast to float would be wrong weights
+_FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _safe_open(file: str):
+    try:
+        return safe_open(file, framework="pt")
+    except Exception as e:  # SafetensorError on a truncated or damaged file, OSError, ...
+        raise ModelLoadError(f"cannot read safetensors file {file}: {type(e).__name__}: {e}") \
+            from e
+
+
+def _indexed_files(path: str) -> dict[str, str] | None:
+    """HF's shard index: tensor name -> the file that holds it (joined to `path`); None where
+    the directory has none. Only the files it names are read: a directory may hold others
+    (Mistral's consolidated.safetensors beside the HF shards, a stale file from an earlier
+    download) whose tensors are no part of this checkpoint."""
+    file = os.path.join(path, INDEX_FILE)
+    if not os.path.isfile(file):
+        return None
+    weight_map = read_json(file).get("weight_map")
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str)
+                                                   for v in weight_map.values()):
+        raise ModelLoadError(f"{file}: has no weight_map of tensor names to files")
+    missing = sorted({v for v in weight_map.values()
+                      if not os.path.isfile(os.path.join(path, v))})
+    if missing:
+        raise ModelLoadError(f"{file}: names shard files that are not in {path}: "
+                             f"{', '.join(missing)}")
+    return {name: os.path.join(path, v) for name, v in weight_map.items()}
+
+
 def _iter_safetensors(path: str, config: ModelConfig,
                       progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    indexed = _indexed_files(path)
+    files = sorted(set(indexed.values()) if indexed is not None
+                   else glob.glob(os.path.join(path, "*.safetensors")))
     index: dict[str, str] = {}        # name -> file
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
-        with safe_open(file, framework="pt") as f:
+        with _safe_open(file) as f:
             for name in f.keys():
-                if not _skipped(name, config):
-                    index[name] = file
-                    shapes[name] = tuple(f.get_slice(name).get_shape())
+                if _skipped(name, config) or (indexed is not None
+                                              and indexed.get(name) != file):
+                    continue
+                if name in index:
+                    raise ModelLoadError(f"{path}: tensor {name} is in both "
+                                         f"{os.path.basename(index[name])} and "
+                                         f"{os.path.basename(file)}; which one is meant is "
+                                         f"not known (remove the stale file)")
+                tensor = f.get_slice(name)
+                if tensor.get_dtype() not in _FLOAT_DTYPES:
+                    raise ModelLoadError(f"{file}: tensor {name} is {tensor.get_dtype()}; only "
+                                         f"float tensors ({', '.join(_FLOAT_DTYPES)}) are read")
+                index[name] = file
+                shapes[name] = tuple(tensor.get_shape())
+    if indexed is not None:
+        absent = sorted(n for n, file in indexed.items()
+                        if n not in index and not _skipped(n, config))
+        if absent:
+            raise ModelLoadError(f"{path}: {INDEX_FILE} puts tensor {absent[0]} in "
+                                 f"{os.path.basename(indexed[absent[0]])}, which does not "
+                                 f"hold it")
     _check_names(shapes, config, path)
     return _safetensors_tensors(files, index, progress)
 
@@ -127,9 +183,14 @@ def _safetensors_tensors(files: list[str], index: dict[str, str],
                          progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
     with _progress(len(index), progress) as bar:
         for file in files:
-            with safe_open(file, framework="pt") as f:
+            with _safe_open(file) as f:
                 for name in (n for n in f.keys() if index.get(n) == file):
-                    yield name, f.get_tensor(name).to(torch.float32)
+                    try:
+                        tensor = f.get_tensor(name)
+                    except Exception as e:  # the data cut short after a whole header
+                        raise ModelLoadError(f"cannot read tensor {name} from {file}: "
+                                             f"{type(e).__name__}: {e}") from e
+                    yield name, tensor.to(torch.float32)
                     bar.update()
 
 
@@ -209,3 +270,6 @@ def _gguf_tensors(reader: GGUFReader, config: ModelConfig, progress: bool,
                 w = np.array(w, order="C")
             yield name, torch.from_numpy(w)
             bar.update()
+    # every tensor is a copy (dequantized, unpermuted or copied above; QTensors too), so the
+    # file's mapping can go; this generator's own `reader` goes as it returns
+    forget_gguf_readers()

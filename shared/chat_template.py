@@ -15,7 +15,7 @@ import jinja2
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
-from shared.errors import InvalidRequestError
+from shared.errors import InvalidRequestError, ModelLoadError
 
 
 class _TemplateEnvironment(ImmutableSandboxedEnvironment):
@@ -48,6 +48,19 @@ def _compile(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(template)
+
+
+def check_chat_template(template: Any, where: str) -> None:
+    """Compile the model's template as it loads (kept compiled for the first request): one
+    that is not a string or does not parse is refused then, not on every chat request."""
+    if not isinstance(template, str):
+        raise ModelLoadError(f"{where}: the chat template is a {type(template).__name__}, not "
+                             f"a string")
+    try:
+        _compile(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ModelLoadError(f"{where}: the chat template does not parse (line {e.lineno}: "
+                             f"{e.message})") from None
 
 
 # between a message's text parts, as vLLM joins them for templates that expect a string

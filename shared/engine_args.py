@@ -79,7 +79,8 @@ class EngineArgs:
         p.add_argument("--dtype", default="auto",
                        choices=["auto", "float32", "bfloat16", "float16"],
                        help="weight dtype; auto (default): bfloat16 on CUDA and on CPUs with "
-                            "native bf16 (AVX512-BF16/AMX), float32 on other CPUs")
+                            "native bf16 (AVX512-BF16/AMX), float32 on other CPUs; "
+                            "float16 on CUDA only")
         p.add_argument("--quantization", default="auto", choices=["auto", "none", "int8", "int4"],
                        help="weights as integers on CPU: auto (default) serves a GGUF in its own "
                             "precision (int4 for Q4_0/Q4_1/Q4_K and narrower, int8 where Q8_0, Q6_K "
@@ -157,6 +158,11 @@ class EngineArgs:
         and block size decided (shared/attention_choice.py; an error for a pair that cannot
         run here), the KV memory defaulted on CPU."""
         args = self if self.dtype != "auto" else replace(self, dtype=auto_dtype(self.device))
+        if args.dtype == "float16" and not args.device.startswith("cuda"):
+            # the CPU's fused norm, RoPE and SwiGLU kernels take bfloat16 or float32 only: a
+            # float16 model would load and then fail at its first forward
+            raise PacerError("--dtype float16 is not served on CPU: use --dtype bfloat16 "
+                             "(the same bytes per weight) or float32")
         choice = choose_attention_here(args.attention_backend, args.device, args.dtype,
                                        args.block_size)
         args = replace(args, attention_backend=choice.backend, block_size=choice.block_size)

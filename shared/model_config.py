@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -77,7 +78,9 @@ def load_model_config(source: ModelSource) -> ModelConfig:
 
 def eos_token_ids(source: ModelSource) -> tuple[int, ...]:
     """Every id the model files say ends generation, the primary eos first: GGUF eos, eot and
-    eom ids; HF config.json's eos_token_id plus generation_config.json's (int or list)."""
+    eom ids; HF config.json's eos_token_id plus generation_config.json's (int or list) plus
+    tokenizer_config.json's eos_token. The one place the set is computed: the scheduler stops
+    on it (ModelConfig.eos_token_ids) and the tokenizer reports it."""
     if source.kind == "gguf":
         return _gguf_eos_ids(open_gguf(source.path))
     return _hf_eos_ids(source.path)
@@ -96,26 +99,60 @@ def read_json(path: str) -> dict:
 def _from_hf_dir(path: str) -> ModelConfig:
     file = os.path.join(path, "config.json")
     cfg = read_json(file)
-    try:
-        return _hf_config(path, file, cfg)
-    except KeyError as e:
-        raise ModelLoadError(f"{file}: has no {e.args[0]!r}") from e
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{file}: is a JSON {type(cfg).__name__}, not an object of fields")
+    return _hf_config(path, file, cfg)
+
+
+_REQUIRED = object()
+
+
+def _positive_int(cfg: dict, key: str, file: str, default: Any = _REQUIRED) -> Any:
+    """cfg[key], which must be a positive integer (4.0, "64" and true are not); `default`
+    where it is absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            raise ModelLoadError(f"{file}: has no {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{file}: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _positive_number(value: Any, key: str, file: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ModelLoadError(f"{file}: {key} must be a positive number, got {value!r}")
+    return float(value)
+
+
+def _object(cfg: dict, key: str, file: str) -> dict:
+    """cfg[key], which must be an object (a dict); {} where it is absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ModelLoadError(f"{file}: {key} must be an object of fields, got {value!r}")
+    return value
 
 
 def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
     expected = _HF_ARCHITECTURES.get(model_type)
     architectures = cfg.get("architectures") or [expected or _HF_ARCHITECTURES["llama"]]
+    if not isinstance(architectures, list):
+        raise ModelLoadError(f"{file}: architectures must be a list, got {architectures!r}")
     if expected is None or expected not in architectures:
         supported = ", ".join(f"{t} ({a})" for t, a in _HF_ARCHITECTURES.items())
         raise ModelLoadError(f"{file}: architecture {architectures[0]!r} (model_type "
                              f"{model_type!r}) is not supported; only {supported}")
     _check_hf_features(cfg, file)
-    rope = cfg.get("rope_parameters") or {}     # transformers 5 moved rope_theta in here
-    heads = cfg["num_attention_heads"]
+    rope = _object(cfg, "rope_parameters", file)   # transformers 5 moved rope_theta in here
+    hidden, heads = _positive_int(cfg, "hidden_size", file), \
+        _positive_int(cfg, "num_attention_heads", file)
     eos = _hf_eos_ids(path)
-    context = cfg.get("max_position_embeddings", 2048)
-    window = cfg.get("sliding_window") if model_type in _SLIDING else None
+    context = _positive_int(cfg, "max_position_embeddings", file, 2048)
+    window = _positive_int(cfg, "sliding_window", file, None) if model_type in _SLIDING else None
     # Qwen2 says whether its window is used (off in Qwen2 and 2.5's configs); Mistral's is
     if window is not None and cfg.get("use_sliding_window", True) and window < context:
         # a query sees every key of a context no longer than the window: served exactly
@@ -123,20 +160,25 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
         context = window
     else:
         window = None
+    tied = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tied, bool):
+        raise ModelLoadError(f"{file}: tie_word_embeddings must be true or false, got {tied!r}")
     return ModelConfig(
         architecture=model_type,
-        vocab_size=cfg["vocab_size"],
-        hidden_size=cfg["hidden_size"],
-        intermediate_size=cfg["intermediate_size"],
-        num_layers=cfg["num_hidden_layers"],
+        vocab_size=_positive_int(cfg, "vocab_size", file),
+        hidden_size=hidden,
+        intermediate_size=_positive_int(cfg, "intermediate_size", file),
+        num_layers=_positive_int(cfg, "num_hidden_layers", file),
         num_heads=heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-        rope_theta=float(cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=_positive_int(cfg, "num_key_value_heads", file, heads),
+        head_dim=_positive_int(cfg, "head_dim", file, hidden // heads),
+        rope_theta=_positive_number(next((t for t in (cfg.get("rope_theta"),
+                                                      rope.get("rope_theta")) if t is not None),
+                                         10000.0), "rope_theta", file),
+        rms_norm_eps=_positive_number(cfg.get("rms_norm_eps", 1e-6), "rms_norm_eps", file),
         max_position_embeddings=context,
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_token_id=(_ids(cfg.get("bos_token_id")) or [None])[0],
+        tie_word_embeddings=tied,
+        bos_token_id=(_ids(cfg.get("bos_token_id"), f"{file}: bos_token_id") or [None])[0],
         eos_token_id=eos[0] if eos else None,
         eos_token_ids=eos,
         rope_scaling=_hf_rope_scaling(cfg, file),
@@ -156,7 +198,7 @@ def _check_hf_features(cfg: dict, file: str) -> None:
 def _hf_rope_scaling(cfg: dict, file: str) -> RopeScaling | None:
     """`rope_scaling` (transformers 4) or `rope_parameters` (5), whichever says more."""
     for key in ("rope_scaling", "rope_parameters"):
-        scaling = cfg.get(key) or {}
+        scaling = _object(cfg, key, file)
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         if kind == "default":
             continue
@@ -179,17 +221,55 @@ def _hf_rope_scaling(cfg: dict, file: str) -> RopeScaling | None:
 
 
 def _hf_eos_ids(path: str) -> tuple[int, ...]:
-    ids = _ids(read_json(os.path.join(path, "config.json")).get("eos_token_id"))
+    file = os.path.join(path, "config.json")
+    ids = _ids(read_json(file).get("eos_token_id"), f"{file}: eos_token_id")
     gen_file = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_file):
-        ids += _ids(read_json(gen_file).get("eos_token_id"))
-    return tuple(dict.fromkeys(ids))
+        gen = read_json(gen_file)
+        ids += _ids(gen.get("eos_token_id") if isinstance(gen, dict) else None,
+                    f"{gen_file}: eos_token_id")
+    return tuple(dict.fromkeys(ids + _hf_tokenizer_eos_ids(path)))
 
 
-def _ids(value: Any) -> list[int]:
-    if value is None:
+def special_token_text(token: Any) -> str | None:
+    """tokenizer_config.json spells a special token as a string or as an AddedToken dict."""
+    if isinstance(token, dict):
+        token = token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _hf_tokenizer_eos_ids(path: str) -> list[int]:
+    """tokenizer_config.json's eos_token as an id, as vLLM stops on it too: a ChatML
+    fine-tune names <|im_end|> there while its config.json keeps the base model's eos. Looked
+    up in the file's added_tokens_decoder, else among tokenizer.json's tokens (parsed only
+    then: no tokenizer is built for this in the scheduler and every worker)."""
+    file = os.path.join(path, "tokenizer_config.json")
+    cfg = read_json(file) if os.path.isfile(file) else {}
+    token = special_token_text(cfg.get("eos_token")) if isinstance(cfg, dict) else None
+    if token is None:
         return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+    decoder = cfg.get("added_tokens_decoder")
+    for token_id, added in (decoder.items() if isinstance(decoder, dict) else ()):
+        if isinstance(added, dict) and added.get("content") == token and token_id.isdigit():
+            return [int(token_id)]
+    file = os.path.join(path, "tokenizer.json")
+    tok = read_json(file) if os.path.isfile(file) else {}
+    added = tok.get("added_tokens") if isinstance(tok, dict) else None
+    for entry in (added if isinstance(added, list) else ()):
+        if isinstance(entry, dict) and entry.get("content") == token \
+                and isinstance(entry.get("id"), int):
+            return [entry["id"]]
+    vocab = (tok.get("model") or {}).get("vocab") if isinstance(tok, dict) else None
+    found = vocab.get(token) if isinstance(vocab, dict) else None
+    return [found] if isinstance(found, int) else []
+
+
+def _ids(value: Any, where: str) -> list[int]:
+    """A token id or a list of them (`where` names the field in an error)."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ModelLoadError(f"{where} must be a token id or a list of them, got {value!r}")
+    return ids
 
 
 # ---- GGUF ---------------------------------------------------------------------------------
@@ -276,6 +356,14 @@ def open_gguf(path: str) -> GGUFReader:
         return _cached_reader(os.path.realpath(path), st.st_mtime_ns, st.st_size)
     except Exception as e:  # gguf-py raises assorted errors on a damaged file
         raise ModelLoadError(f"cannot read GGUF file {path}: {type(e).__name__}: {e}") from e
+
+
+def forget_gguf_readers() -> None:
+    """Let go of the parsed GGUFs, and with the last reference their mapping and file: once
+    the weights are read from it the mapping holds every page of the file the read touched,
+    counted in the process's memory for its life (a 121 MB file, 121 MiB per worker). Whoever
+    needs one later (a grammar's tokenizer) parses the file again."""
+    _cached_reader.cache_clear()
 
 
 def gguf_matrix_types(path: str) -> set[str]:

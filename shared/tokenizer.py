@@ -16,9 +16,10 @@ from tokenizers import (AddedToken, Regex, decoders, models, normalizers, pre_to
                         processors)
 from tokenizers import Tokenizer as _Backend
 
-from shared.chat_template import render_chat_template
+from shared.chat_template import check_chat_template, render_chat_template
 from shared.errors import InvalidRequestError, ModelLoadError
-from shared.model_config import eos_token_ids, gguf_value, open_gguf, read_json
+from shared.model_config import (eos_token_ids, gguf_value, load_model_config, open_gguf,
+                                 read_json, special_token_text)
 from shared.model_source import ModelSource
 
 _CONTROL, _USER_DEFINED = 3, 4     # llama.cpp token types
@@ -136,9 +137,27 @@ class Tokenizer:
 
 
 def load_tokenizer(source: ModelSource) -> Tokenizer:
-    tokenizer = _from_gguf(source.path) if source.kind == "gguf" else _from_hf_dir(source.path)
+    if source.kind == "gguf":    # the model's vocabulary is this token list: they always fit
+        tokenizer = _from_gguf(source.path)
+    else:
+        tokenizer = _from_hf_dir(source.path)
+        _check_fits_model(tokenizer, source)
+    if tokenizer.chat_template is not None:
+        check_chat_template(tokenizer.chat_template, source.path)
     tokenizer.add_eos_token_ids(eos_token_ids(source))
     return tokenizer
+
+
+def _check_fits_model(tokenizer: Tokenizer, source: ModelSource) -> None:
+    """A tokenizer with more tokens than the model's embedding has rows makes ids the model
+    cannot look up (a forward fails on the first prompt that holds one), so it is refused here
+    as vLLM does. The model having more rows than the tokenizer has tokens is common (padded
+    to a multiple of 64, say) and fine."""
+    vocab_size = load_model_config(source).vocab_size
+    if tokenizer.vocab_size > vocab_size:
+        raise ModelLoadError(f"{source.path}: the tokenizer has {tokenizer.vocab_size} tokens, "
+                             f"more than the model's vocab_size of {vocab_size}: it is not "
+                             f"this model's tokenizer")
 
 
 # ---- HF directory -------------------------------------------------------------------------
@@ -159,10 +178,8 @@ def _from_hf_dir(path: str) -> Tokenizer:
 
 
 def _special_id(backend: _Backend, token: Any) -> int | None:
-    """tokenizer_config.json spells a special token as a string or as an AddedToken dict."""
-    if isinstance(token, dict):
-        token = token.get("content")
-    return backend.token_to_id(token) if isinstance(token, str) else None
+    text = special_token_text(token)
+    return None if text is None else backend.token_to_id(text)
 
 
 def _hf_chat_template(path: str, cfg: dict) -> str | None:

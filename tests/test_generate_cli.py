@@ -148,6 +148,10 @@ def test_an_output_or_a_flag_that_cannot_serve_is_refused_before_the_model_loads
     proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output",
                  str(tmp_path / "o"), "--max-tokens", "0")
     assert_one_line_error(proc, "--max-tokens: max_tokens must be")
+    # the CPU kernels take bfloat16 or float32: it failed at the first forward, after the load
+    proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output",
+                 str(tmp_path / "o"), "--dtype", "float16")
+    assert_one_line_error(proc, "--dtype float16 is not served on CPU")
 
 
 def test_unknown_model_path(tmp_path):

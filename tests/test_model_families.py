@@ -235,3 +235,16 @@ def test_k_quant_gguf_served_as_it_ships_follows_float32(q4_k_m):
     assert quantization_scheme("auto", resolve_model(gguf), "cpu") == scheme
     agree = [sum(a == b for a, b in zip(o[:8], r[:8])) for o, (r, _) in zip(ours, refs)]
     assert sum(agree) >= 0.75 * 8 * len(prompts), agree
+
+
+def test_rope_tables_hold_the_served_context_not_the_configs(tmp_path):
+    """A config that says a million positions, served with --max-model-len 64: the RoPE tables
+    have 64 rows (a table per the config took 128 MB here, and for 1e9 positions 36 s before
+    the allocator gave up), and generation runs to the end of the served context."""
+    from shared.sampling import SamplingParams
+    path = write_tiny_llama(tmp_path / "m", max_position_embeddings=10**6)
+    params = SamplingParams(max_tokens=61, temperature=0.0, ignore_eos=True)
+    (tokens,), engine = run_engine(path, [[5, 6, 7]], {"max_model_len": 64, "num_kv_blocks": 8},
+                                   params)
+    assert engine.runner.model.rotary.cos.shape[0] == 64
+    assert len(tokens) == 61

@@ -113,6 +113,33 @@ def test_tied_and_transformers4_style_config(tiny_dir, tmp_path):
     assert (config.eos_token_id, config.eos_token_ids) == (2, (2, 0))
 
 
+@pytest.mark.parametrize("decoder", [False, True], ids=["tokenizer.json", "added_tokens_decoder"])
+def test_the_tokenizers_eos_ends_generation_too(tiny_dir, tmp_path, decoder):
+    """A ChatML fine-tune names <|im_end|> (2) as tokenizer_config.json's eos_token while
+    config.json keeps the base model's eos (0 here): the scheduler stops on both, as vLLM
+    does, and the tokenizer reports the same set. The id is found in tokenizer_config.json's
+    added_tokens_decoder where it has one, else in tokenizer.json."""
+    from scheduler_svc.build import build_scheduler
+    from shared.engine_args import EngineArgs
+    from shared.engine_layout import engine_layout
+    from shared.tokenizer import load_tokenizer
+    path = _edit_config(tiny_dir, tmp_path / "chatml", eos_token_id=0)
+    os.unlink(os.path.join(path, "generation_config.json"))    # it repeats config.json's
+    if decoder:
+        with open(os.path.join(tiny_dir, "tokenizer_config.json")) as f:
+            tok_cfg = json.load(f)
+        tok_cfg["eos_token"] = {"content": "<|im_end|>", "special": True}
+        tok_cfg["added_tokens_decoder"] = {"2": {"content": "<|im_end|>", "special": True}}
+        os.unlink(os.path.join(path, "tokenizer_config.json"))
+        with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+            json.dump(tok_cfg, f)
+    config = load_model_config(resolve_model(path))
+    assert (config.eos_token_id, config.eos_token_ids) == (0, (0, 2))
+    layout = engine_layout(EngineArgs(model=path, dtype="float32"))
+    assert build_scheduler(layout).eos_token_ids == {0, 2}
+    assert set(load_tokenizer(resolve_model(path)).eos_token_ids) == {0, 2}
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "'GemmaForCausalLM'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
@@ -121,12 +148,37 @@ def test_tied_and_transformers4_style_config(tiny_dir, tmp_path):
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
     ({"rope_scaling": {"type": "linear"}}, "'linear' without a usable factor"),
     ({"attention_bias": True}, "attention_bias"),
+    # fields of the wrong type: named, not an AttributeError or TypeError from deep inside
+    ({"rope_scaling": "linear"}, "rope_scaling must be an object of fields, got 'linear'"),
+    ({"rope_parameters": [1]}, "rope_parameters must be an object of fields"),
+    ({"num_hidden_layers": 4.0}, "num_hidden_layers must be a positive integer, got 4.0"),
+    ({"hidden_size": "64"}, "hidden_size must be a positive integer, got '64'"),
+    ({"num_hidden_layers": -1}, "num_hidden_layers must be a positive integer, got -1"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"num_key_value_heads": True}, "num_key_value_heads must be a positive integer"),
+    ({"vocab_size": None}, "has no 'vocab_size'"),
+    ({"max_position_embeddings": 1e9}, "max_position_embeddings must be a positive integer"),
+    ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a positive number, got '1e-5'"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+     "rope_theta must be a positive number, got 0"),
+    ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them, got '2'"),
+    ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
 ])
 def test_unsupported_hf_configs(tiny_dir, tmp_path, changes, message):
     path = _edit_config(tiny_dir, tmp_path / "bad", **changes)
     with pytest.raises(ModelLoadError, match=message) as err:
         load_model_config(resolve_model(path))
     assert os.path.join(path, "config.json") in str(err.value)
+
+
+def test_config_that_is_not_an_object_is_refused(tiny_dir, tmp_path):
+    path = _edit_config(tiny_dir, tmp_path / "list")
+    os.unlink(os.path.join(path, "config.json"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        f.write("[1, 2]")
+    with pytest.raises(ModelLoadError, match="config.json: is a JSON list, not an object"):
+        load_model_config(resolve_model(path))
 
 
 def test_non_llama_gguf_is_refused(tiny_dir, tmp_path):

@@ -196,14 +196,32 @@ def test_gguf_add_bos_token(tiny_dir, tmp_path):
     assert tok.bos_token_id not in tok.encode("the cat")
 
 
-def test_chat_template_jinja_file_wins(tiny_dir, tmp_path):
-    folder = tmp_path / "m"
+def _linked_copy(src: str, folder):
+    """The tiny model's files, linked into `folder`, to add a file beside them."""
     folder.mkdir()
-    for name in os.listdir(tiny_dir):
-        os.symlink(os.path.join(tiny_dir, name), folder / name)
+    for name in os.listdir(src):
+        os.symlink(os.path.join(src, name), folder / name)
+    return folder
+
+
+def test_chat_template_jinja_file_wins(tiny_dir, tmp_path):
+    folder = _linked_copy(tiny_dir, tmp_path / "m")
     (folder / "chat_template.jinja").write_text("{{ bos_token }}{{ messages[0]['content'] }}")
     tok = load_tokenizer(resolve_model(str(folder)))
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x"
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for m in messages %}{{ m.content ", r"does not parse \(line 1: "),
+    ("{% if x %}never closed", "does not parse"),
+])
+def test_a_chat_template_that_does_not_parse_is_refused_at_load(tiny_dir, tmp_path, template,
+                                                                 message):
+    """Not accepted at load to fail every chat request after."""
+    folder = _linked_copy(tiny_dir, tmp_path / "m")
+    (folder / "chat_template.jinja").write_text(template)
+    with pytest.raises(ModelLoadError, match=f"{folder}: the chat template {message}"):
+        load_tokenizer(resolve_model(str(folder)))
 
 
 def _write_tokenizer_gguf(path, model: str, pre: str = "smollm") -> str:
@@ -402,3 +420,17 @@ def test_flush_gives_what_a_truncated_stream_holds(tiny_dir):
     assert streamed == "ok "
     assert streamed + detok.flush() == tok.decode(ids)
     assert detok.flush() == "" and detok.text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("model_vocab", [280, 300])
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused(tmp_path, model_vocab):
+    """The tiny tokenizer has 287 tokens: a model of 280 rows could not look up its last
+    ones (a forward failed on the first prompt holding one); one of 300 rows (padded) is
+    fine."""
+    path = write_tiny_llama(tmp_path / "m", vocab_size=model_vocab)
+    if model_vocab > 287:
+        assert load_tokenizer(resolve_model(path)).vocab_size == 287
+        return
+    with pytest.raises(ModelLoadError, match="the tokenizer has 287 tokens, more than the "
+                                             "model's vocab_size of 280"):
+        load_tokenizer(resolve_model(path))

@@ -120,9 +120,7 @@ def test_safetensors_round_trip(tiny_dirs, which):
 
 def test_bf16_safetensors_are_widened(tiny_dirs, tmp_path):
     src = tiny_dirs["untied"]
-    for name in os.listdir(src):
-        if name != "model.safetensors":
-            os.symlink(os.path.join(src, name), tmp_path / name)
+    _copy_without_weights(src, tmp_path)
     bf16 = {k: v.to(torch.bfloat16) for k, v in load_file(os.path.join(src, "model.safetensors")).items()}
     save_file(bf16, str(tmp_path / "model.safetensors"))
     ours, _ = _load(str(tmp_path))
@@ -178,3 +176,129 @@ def test_progress_bar_on_stderr_at_a_terminal_only(tiny_dirs, capsys, monkeypatc
     assert "loading weights" in err and out == ""
     list(iter_weights(source, config, progress=False))
     assert capsys.readouterr() == ("", "")
+
+
+# ---- refused safetensors: shards, dtypes, damaged files ------------------------------------
+
+def _copy_without_weights(src: str, dst) -> str:
+    """The tiny model's config and tokenizer, linked, without its model.safetensors."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name != "model.safetensors":
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+    return str(dst)
+
+
+def _write_shards(src: str, dst) -> tuple[str, dict[str, torch.Tensor]]:
+    """The tiny model in two shards with HF's index, as save_pretrained shards a large one."""
+    import json
+    path = _copy_without_weights(src, dst)
+    saved = load_file(os.path.join(src, "model.safetensors"))
+    names = sorted(saved)
+    shards = {"model-00001-of-00002.safetensors": names[:len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    for file, part in shards.items():
+        save_file({n: saved[n] for n in part}, os.path.join(path, file), metadata={"format": "pt"})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": {n: file for file, part in shards.items()
+                                                  for n in part}}, f)
+    return path, saved
+
+
+def test_sharded_checkpoint_reads_the_files_its_index_names(tiny_dirs, tmp_path):
+    """A file beside the shards that the index does not name (Mistral's consolidated
+    weights, a stale download) is not read: it neither overrides a tensor nor is refused."""
+    path, saved = _write_shards(tiny_dirs["untied"], tmp_path / "m")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    save_file({q: torch.zeros_like(saved[q])}, os.path.join(path, "zzz-stale.safetensors"))
+    save_file({"layers.0.attention.wq.weight": saved[q]},
+              os.path.join(path, "consolidated.safetensors"))
+    ours, _ = _load(path)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, saved[name]), name
+
+
+def test_missing_shard_is_named(tiny_dirs, tmp_path):
+    path, _ = _write_shards(tiny_dirs["untied"], tmp_path / "m")
+    os.remove(os.path.join(path, "model-00002-of-00002.safetensors"))
+    source = resolve_model(path)
+    with pytest.raises(ModelLoadError, match="model-00002-of-00002.safetensors"):
+        iter_weights(source, load_model_config(source))
+
+
+def test_tensor_in_two_files_without_an_index_is_refused(tiny_dirs, tmp_path):
+    path = _copy_without_weights(tiny_dirs["untied"], tmp_path / "m")
+    saved = load_file(os.path.join(tiny_dirs["untied"], "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    save_file(saved, os.path.join(path, "model.safetensors"))
+    save_file({q: torch.zeros_like(saved[q])}, os.path.join(path, "old.safetensors"))
+    source = resolve_model(path)
+    with pytest.raises(ModelLoadError, match=f"tensor {q} is in both model.safetensors and "
+                                             "old.safetensors"):
+        iter_weights(source, load_model_config(source))
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.bool, torch.float8_e4m3fn])
+def test_non_float_tensor_is_refused(tiny_dirs, tmp_path, dtype):
+    path = _copy_without_weights(tiny_dirs["untied"], tmp_path / "m")
+    saved = load_file(os.path.join(tiny_dirs["untied"], "model.safetensors"))
+    up = "model.layers.0.mlp.up_proj.weight"
+    saved[up] = (saved[up] * 100).to(dtype)
+    save_file(saved, os.path.join(path, "model.safetensors"))
+    source = resolve_model(path)
+    with pytest.raises(ModelLoadError, match=f"tensor {up} is [A-Z0-9_]+; only float tensors"):
+        iter_weights(source, load_model_config(source))
+
+
+def test_float16_and_float64_tensors_are_widened(tiny_dirs, tmp_path):
+    path = _copy_without_weights(tiny_dirs["untied"], tmp_path / "m")
+    saved = load_file(os.path.join(tiny_dirs["untied"], "model.safetensors"))
+    names = sorted(saved)
+    mixed = {n: t.to(torch.float16 if i % 2 else torch.float64) for i, (n, t) in
+             enumerate((n, saved[n]) for n in names)}
+    save_file(mixed, os.path.join(path, "model.safetensors"))
+    ours, _ = _load(path)
+    for name, tensor in ours.items():
+        assert torch.equal(tensor, mixed[name].float()), name
+
+
+@pytest.mark.parametrize("keep", [20, 0.5], ids=["header", "data"])
+def test_truncated_safetensors_names_the_file(tiny_dirs, tmp_path, keep):
+    path = _copy_without_weights(tiny_dirs["untied"], tmp_path / "m")
+    with open(os.path.join(tiny_dirs["untied"], "model.safetensors"), "rb") as f:
+        data = f.read()
+    with open(os.path.join(path, "model.safetensors"), "wb") as f:
+        f.write(data[:keep if isinstance(keep, int) else int(len(data) * keep)])
+    source = resolve_model(path)
+    with pytest.raises(ModelLoadError, match="cannot read safetensors file .*model.safetensors"):
+        list(iter_weights(source, load_model_config(source)))
+
+
+# ---- a GGUF's mapping let go once its weights are read -------------------------------------
+
+def _mapped(path: str) -> bool:
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(real) for line in f)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("quantized", [False, True])
+def test_gguf_mapping_is_let_go_once_the_weights_are_read(tiny_dirs, tmp_path, quantized):
+    """The config and the tokenizer parse the file once (one reader for all three); once
+    every tensor is read the mapping, whose pages the read touched, goes: it held the whole
+    file in each worker's memory for its life. What is yielded are copies, still whole."""
+    from shared.tokenizer import load_tokenizer
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", tiny_dirs["untied"], Q.Q8_0)
+    source = resolve_model(gguf)
+    config = load_model_config(source)
+    load_tokenizer(source)
+    weights = iter_weights(source, config, progress=False, quantized=quantized)
+    assert _mapped(gguf)
+    got = dict(weights)
+    del weights
+    assert not _mapped(gguf)
+    again = dict(iter_weights(source, load_model_config(source), progress=False))
+    for name, tensor in again.items():
+        if not quantized:
+            assert torch.equal(got[name], tensor), name

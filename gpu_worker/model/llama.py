@@ -114,9 +114,11 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup, quant: str | None = None,
+                 max_positions: int | None = None):
         """`quant` ("int4", "int8" or None): the matrices' scheme (gpu_worker/quant); the
-        layers then hold packed integers and no float weights."""
+        layers then hold packed integers and no float weights. `max_positions`: the RoPE
+        tables' rows, the engine's context (default the config's, which may say a million)."""
         super().__init__()
         self.cfg = cfg
         self.quant = quant
@@ -126,8 +128,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp, quant)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                      cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions or cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
         self.act_dtype = torch.float32
         # decodes alone through the kernels' DecoderStack where it applies (_decoder_stack);
         # False keeps the layer-by-layer path (the tests compare the two)
