@@ -127,8 +127,8 @@ def activation_dtype(weight_dtype: str, device: str) -> str:
 
 def kv_cache_dtype(weight_dtype: str, device: str, quantization: str = "none") -> str:
     """The KV cache's dtype: the weights' — a bfloat16 cache halves the bytes a CPU decode
-    reads (the decode kernels widen it to float32) — except float16 on CPU, kept in float32;
-    and bfloat16 on CPU under quantized weights (`quantization` int8/int4) whatever the dtype,
+    reads (the decode kernels widen it to float32) — except float16 on CPU (which the engine
+    refuses; float32 for any other caller); and bfloat16 on CPU under quantized weights (`quantization` int8/int4) whatever the dtype,
     where the weights' rounding already dwarfs the cache's and a float32 cache doubles what
     attention reads (docs/benchmarks.md#a-bfloat16-kv-cache-under-quantized-weights)."""
     if device == "cpu" and quantization in ("int8", "int4"):
