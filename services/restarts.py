@@ -38,7 +38,11 @@ class Restarter:
         self._recent: dict[str, deque[float]] = {}
 
     def handle(self, child: Child, stopping) -> bool:
-        """Restart `child` (and its group); False if it died too often to try again."""
+        """Restart `child` (and its group); False if it died too often to try again. A child
+        already replaced (its group was restarted for a rank that died with it) is one death
+        of the group, handled already: restarting again would kill the fresh processes."""
+        if not any(c is child for c in self.sup.children):
+            return True
         service = self.groups.get(child.name, child.name)
         recent = self._recent.setdefault(service, deque())
         now = time.monotonic()
@@ -50,10 +54,14 @@ class Restarter:
             return False
         # back off a little more for each recent death: a crash loop must not spin
         wait_quietly(0.5 * len(recent), stopping)
+        if stopping():
+            return True                      # `pacer up` is stopping: nothing new starts
         recent.append(time.monotonic())
         group = self._group(child)
         self._forget_heartbeats(group)
         stop_children(group, 5.0)            # a surviving rank waits for a peer that is gone
+        if stopping():
+            return True
         for member in group:
             self.sup.restart(member)
         print(f"pacer up: {child.name} exited ({describe_exit(child.returncode)}); restarted "
