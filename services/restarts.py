@@ -1,6 +1,7 @@
 """What `pacer up` does when one of its children dies: restart it (a worker rank: the whole
-worker group, since the ranks of a TP group only work together), first deleting the dead
-process's heartbeat key so the scheduler and /health notice at once rather than after its TTL.
+worker group, since the ranks of a TP group only work together), first deleting the group's
+heartbeat keys so the scheduler and /health notice at once rather than after their TTL, and
+again once the survivors are stopped (they beat until then).
 
 A service that keeps dying (MAX_RESTARTS within RESTART_WINDOW_S) is given up on: `pacer up`
 then stops everything and exits non-zero, instead of looping forever on a broken setup.
@@ -43,6 +44,8 @@ class Restarter:
         of the group, handled already: restarting again would kill the fresh processes."""
         if not any(c is child for c in self.sup.children):
             return True
+        group = self._group(child)
+        self._forget_heartbeats(group)       # at once: /health and the scheduler see it now
         service = self.groups.get(child.name, child.name)
         recent = self._recent.setdefault(service, deque())
         now = time.monotonic()
@@ -57,9 +60,8 @@ class Restarter:
         if stopping():
             return True                      # `pacer up` is stopping: nothing new starts
         recent.append(time.monotonic())
-        group = self._group(child)
-        self._forget_heartbeats(group)
         stop_children(group, 5.0)            # a surviving rank waits for a peer that is gone
+        self._forget_heartbeats(group)       # what the survivors wrote until they stopped
         if stopping():
             return True
         for member in group:
