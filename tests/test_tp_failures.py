@@ -1,7 +1,8 @@
 """How a two-rank group (real processes, gloo, a stand-in runner without a model) fails: a
 follower that dies mid-step fails rank 0's step at once with the connection's error, a
 follower that hangs mid-step fails it at the collective timeout instead of freezing it, a
-stopped rank 0 is seen by its follower's watchdog, and a rank told that the others found it
+stopped rank 0 is seen by its follower's watchdog, rank 0's shutdown is not held up by a follower
+that died or stopped while idle, and a rank told that the others found it
 unresponsive says so about itself."""
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ RANK = textwrap.dedent("""
     from gpu_worker.tp.store_keys import READY
     from shared.errors import PacerError
     from shared.plan import IterationPlan, StepResult
+    from shared.protocol import decode
 
     rank, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     runner = SimpleNamespace(rc=SimpleNamespace(seed=1),
@@ -41,15 +43,25 @@ RANK = textwrap.dedent("""
         print("ready", flush=True)
         if mode == "idle":
             time.sleep(600)
+        if mode in ("gone", "stopped"):  # a step; once rank 1 is so, idle: shut down
+            executor.execute(IterationPlan(1, [], [], {}))
+            sys.stdin.readline()
+            executor.shutdown(timeout_s=3600)
+            print(json.dumps({"error": None}), flush=True)
+            sys.exit(0)
         try:
             executor.execute(IterationPlan(1, [], [], {}))
             print(json.dumps({"error": None}), flush=True)
         except PacerError as e:
             print(json.dumps({"error": str(e)}), flush=True)
+        executor.shutdown(timeout_s=3600)        # as the worker does next: ends too
     else:
         share_sampling_seed(runner, group)
-        AgreementCheck(group)
+        check = AgreementCheck(group)
         group.store.add(READY, 1)
+        if mode in ("gone", "stopped"):
+            check.after(runner.execute(decode(broadcast_bytes(None, group)).plan))
+            os.kill(os.getpid(), signal.SIGKILL if mode == "gone" else signal.SIGSTOP)
         if mode != "idle":
             broadcast_bytes(None, group)         # the plan; then, instead of the check:
             if mode == "die":
@@ -61,7 +73,8 @@ RANK = textwrap.dedent("""
 def start_group(mode: str) -> list[subprocess.Popen]:
     port = find_free_port()
     return [subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(port), mode], cwd=REPO,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
             for rank in (0, 1)]
 
 
@@ -107,6 +120,27 @@ def test_a_stopped_rank_0_is_seen_by_its_followers_watchdog():
     assert procs[1].returncode == 1
     assert "pacer: tp rank 1: tp rank 0 stopped answering (its rendezvous store gave no answer" \
         in err, err
+
+
+@pytest.mark.parametrize("mode", ["gone", "stopped"])
+def test_rank_0_shuts_down_beside_a_follower_that_cannot_answer(mode):
+    """A follower killed or stopped while idle, before rank 0's watchdog noticed: the wait for
+    it to leave ends (a closed connection at once, a stopped peer at the collective timeout)
+    instead of lasting the shutdown's whole timeout."""
+    procs = start_group(mode)
+    try:
+        assert procs[0].stdout.readline().strip() == "ready"
+        while _state(procs[1].pid) not in ("Z", "T"):
+            time.sleep(0.05)
+        out, err = procs[0].communicate("\n", timeout=DEADLINE_S)   # not its 3600 s timeout
+    finally:
+        stop(procs)
+    assert procs[0].returncode == 0 and json.loads(out) == {"error": None}, err
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.mark.parametrize("culprit,said", [

@@ -3,9 +3,9 @@ collectives, the gloo control group for plans, and the watchdog; the addresses a
 each rank uses.
 
 The default group and the control group have a short collective timeout (a live rank never
-waits that long within a step, so a rank that hangs mid-step takes the group down); only the
-idle group, on which a follower waits for the next plan's length, waits as long as rank 0
-idles between plans.
+waits that long within a step, so a rank that hangs mid-step takes the group down); only a
+follower's side of the idle group, on which it waits for the next plan's length, waits as
+long as rank 0 idles between plans.
 """
 from __future__ import annotations
 
@@ -132,7 +132,10 @@ def init_tp_group(rank: int, size: int, master_addr: str, master_port: int, back
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         group.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
-        group.idle = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        # a timeout is each process's own: rank 0's send waits for the followers to receive,
+        # so on rank 0 this group is bounded too, and a follower that hangs idle ends the group
+        group.idle = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT if rank else
+                                    timedelta(seconds=timeout_s))
         group.liveness = Liveness(master_addr, master_port, rank, size, extra_check, on_dead)
         group.liveness.start()
     except BaseException:
