@@ -1,6 +1,7 @@
 """What `pacer up` does when one of its children dies: restart it (a worker rank: the whole
-worker group, since the ranks of a TP group only work together), first deleting the dead
-process's heartbeat key so the scheduler and /health notice at once rather than after its TTL.
+worker group, since the ranks of a TP group only work together), first deleting the group's
+heartbeat keys so the scheduler and /health notice at once rather than after their TTL, and
+again once the survivors are stopped (they beat until then).
 
 A service that keeps dying (MAX_RESTARTS within RESTART_WINDOW_S) is given up on: `pacer up`
 then stops everything and exits non-zero, instead of looping forever on a broken setup.
@@ -38,7 +39,13 @@ class Restarter:
         self._recent: dict[str, deque[float]] = {}
 
     def handle(self, child: Child, stopping) -> bool:
-        """Restart `child` (and its group); False if it died too often to try again."""
+        """Restart `child` (and its group); False if it died too often to try again. A child
+        already replaced (its group was restarted for a rank that died with it) is one death
+        of the group, handled already: restarting again would kill the fresh processes."""
+        if not any(c is child for c in self.sup.children):
+            return True
+        group = self._group(child)
+        self._forget_heartbeats(group)       # at once: /health and the scheduler see it now
         service = self.groups.get(child.name, child.name)
         recent = self._recent.setdefault(service, deque())
         now = time.monotonic()
@@ -50,10 +57,13 @@ class Restarter:
             return False
         # back off a little more for each recent death: a crash loop must not spin
         wait_quietly(0.5 * len(recent), stopping)
+        if stopping():
+            return True                      # `pacer up` is stopping: nothing new starts
         recent.append(time.monotonic())
-        group = self._group(child)
-        self._forget_heartbeats(group)
         stop_children(group, 5.0)            # a surviving rank waits for a peer that is gone
+        self._forget_heartbeats(group)       # what the survivors wrote until they stopped
+        if stopping():
+            return True
         for member in group:
             self.sup.restart(member)
         print(f"pacer up: {child.name} exited ({describe_exit(child.returncode)}); restarted "

@@ -2,7 +2,9 @@
 protocol.py's PlanMsg, never pickle) on the gloo control group, the sampling seed through the
 store; and the check, after each iteration, that every rank sampled the same tokens.
 
-A plan goes as two broadcasts: the length, then a uint8 tensor; length 0 means shut down.
+A plan goes as two broadcasts: the length, on the idle group (a follower waits there as long
+as rank 0 idles), then a uint8 tensor, on the control group (bounded by the group's collective
+timeout, as the checks are); length 0 means shut down.
 The ranks all-gather an 8-byte running digest of the tokens they sampled (every iteration,
 or every PACER_TP_CHECK_EVERY), so a divergence stops the group instead of corrupting output
 silently. An iteration with KV sends
@@ -31,7 +33,7 @@ def broadcast_bytes(data: bytes | None, group: ProcessTPGroup) -> bytes:
     """Rank 0 passes the bytes, the others None; every rank returns them. Length first, then
     a uint8 tensor (plans are small: kilobytes)."""
     length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(length, 0, group=group.control)
+    dist.broadcast(length, 0, group=group.idle)
     n = int(length.item())
     if n == 0:
         return b""

@@ -1,6 +1,6 @@
 """Rank 0's side of a tensor-parallel group: send each plan to the followers, run it here,
-check that every rank sampled the same tokens. A rank that dies fails the next execute with
-a PacerError naming it."""
+check that every rank sampled the same tokens. A rank that dies (or hangs mid-step) fails the
+execute in flight, or the next one, with a PacerError naming it or the collective's error."""
 from __future__ import annotations
 
 import atexit
@@ -12,7 +12,7 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv,
                                      share_sampling_seed)
 from gpu_worker.tp.group import JOIN_TIMEOUT_S, ProcessTPGroup, destroy, wait_until
-from gpu_worker.tp.liveness import FOLLOWER_GRACE_S, NAME_THE_DEAD_S, first_line
+from gpu_worker.tp.liveness import FOLLOWER_GRACE_S, first_line
 from gpu_worker.tp.store_keys import DONE, READY, SHUTDOWN
 from shared.errors import PacerError
 from shared.plan import IterationPlan, StepResult
@@ -63,8 +63,7 @@ class TPExecutor:
             self.control_seconds += (mid - start) + (time.perf_counter() - end)
             return result
         except RuntimeError as e:          # gloo/NCCL errors: a peer died or timed out
-            why = self.group.liveness.wait_for_death(NAME_THE_DEAD_S)
-            self._failed = why or f"tensor-parallel iteration failed on rank 0: {first_line(e)}"
+            self._failed = self.group.liveness.why_collective_failed(e)
             self._take_down()
             raise PacerError(self._failed) from e
         except BaseException as e:

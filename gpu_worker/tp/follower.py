@@ -6,7 +6,6 @@ from gpu_worker.model_runner import ModelRunner
 from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv,
                                      share_sampling_seed)
 from gpu_worker.tp.group import ProcessTPGroup, bind_device, destroy
-from gpu_worker.tp.liveness import NAME_THE_DEAD_S, first_line
 from gpu_worker.tp.store_keys import DONE, READY
 from shared.cpu import pin_forward_thread
 from shared.errors import PacerError
@@ -33,9 +32,7 @@ def run_follower(runner: ModelRunner, group: ProcessTPGroup) -> None:
                 gather_kv(result, group)
             agreement.after(result)
         except RuntimeError as e:
-            why = group.liveness.wait_for_death(NAME_THE_DEAD_S)
-            raise PacerError(why or f"tensor-parallel iteration failed on rank {group.rank}: "
-                                    f"{first_line(e)}") from e
+            raise PacerError(group.liveness.why_collective_failed(e)) from e
     group.liveness.stop()
     group.store.add(DONE, 1)
     destroy(group)

@@ -2,8 +2,10 @@
 collectives, the gloo control group for plans, and the watchdog; the addresses and devices
 each rank uses.
 
-The default group has a short collective timeout (a live rank never waits that long); the
-control group waits as long as rank 0 idles between plans.
+The default group and the control group have a short collective timeout (a live rank never
+waits that long within a step, so a rank that hangs mid-step takes the group down); only a
+follower's side of the idle group, on which it waits for the next plan's length, waits as
+long as rank 0 idles between plans.
 """
 from __future__ import annotations
 
@@ -83,8 +85,10 @@ def threads_per_rank(device: str, tp: int) -> int | None:
 @dataclass
 class ProcessTPGroup(TPGroup):
     """A TPGroup whose collectives are real (torch.distributed), plus what rank 0 and the
-    followers need around them: the control group for plans, the store, the watchdog."""
+    followers need around them: the control group for plans and checks, the idle group a
+    follower waits on for the next plan, the store, the watchdog."""
     control: object = None
+    idle: object = None
     store: object = None
     liveness: Liveness | None = None
 
@@ -127,7 +131,11 @@ def init_tp_group(rank: int, size: int, master_addr: str, master_port: int, back
                     f"all {size} tensor-parallel ranks to join at {master_addr}:{master_port}")
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
-        group.control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        group.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        # a timeout is each process's own: rank 0's send waits for the followers to receive,
+        # so on rank 0 this group is bounded too, and a follower that hangs idle ends the group
+        group.idle = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT if rank else
+                                    timedelta(seconds=timeout_s))
         group.liveness = Liveness(master_addr, master_port, rank, size, extra_check, on_dead)
         group.liveness.start()
     except BaseException:

@@ -1,0 +1,156 @@
+"""How a two-rank group (real processes, gloo, a stand-in runner without a model) fails: a
+follower that dies mid-step fails rank 0's step at once with the connection's error, a
+follower that hangs mid-step fails it at the collective timeout instead of freezing it, a
+stopped rank 0 is seen by its follower's watchdog, rank 0's shutdown is not held up by a follower
+that died or stopped while idle, and a rank told that the others found it
+unresponsive says so about itself."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from gpu_worker.tp.group import find_free_port
+from gpu_worker.tp.liveness import Liveness
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT_S = 3          # the group's collective timeout in these tests (30 s when served)
+DEADLINE_S = 90        # a hang would last for ever
+
+RANK = textwrap.dedent("""
+    import json, os, signal, sys, time
+    from types import SimpleNamespace
+    from gpu_worker.tp.broadcast import AgreementCheck, broadcast_bytes, share_sampling_seed
+    from gpu_worker.tp.executor import TPExecutor
+    from gpu_worker.tp.group import init_tp_group
+    from gpu_worker.tp.store_keys import READY
+    from shared.errors import PacerError
+    from shared.plan import IterationPlan, StepResult
+    from shared.protocol import decode
+
+    rank, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    runner = SimpleNamespace(rc=SimpleNamespace(seed=1),
+                             execute=lambda plan: StepResult(plan.step, {}))
+    group = init_tp_group(rank, 2, "127.0.0.1", port, "gloo", timeout_s=%d)
+    if rank == 0:
+        executor = TPExecutor(runner, group)
+        print("ready", flush=True)
+        if mode == "idle":
+            time.sleep(600)
+        if mode in ("gone", "stopped"):  # a step; once rank 1 is so, idle: shut down
+            executor.execute(IterationPlan(1, [], [], {}))
+            sys.stdin.readline()
+            executor.shutdown(timeout_s=3600)
+            print(json.dumps({"error": None}), flush=True)
+            sys.exit(0)
+        try:
+            executor.execute(IterationPlan(1, [], [], {}))
+            print(json.dumps({"error": None}), flush=True)
+        except PacerError as e:
+            print(json.dumps({"error": str(e)}), flush=True)
+        executor.shutdown(timeout_s=3600)        # as the worker does next: ends too
+    else:
+        share_sampling_seed(runner, group)
+        check = AgreementCheck(group)
+        group.store.add(READY, 1)
+        if mode in ("gone", "stopped"):
+            check.after(runner.execute(decode(broadcast_bytes(None, group)).plan))
+            os.kill(os.getpid(), signal.SIGKILL if mode == "gone" else signal.SIGSTOP)
+        if mode != "idle":
+            broadcast_bytes(None, group)         # the plan; then, instead of the check:
+            if mode == "die":
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(600)                          # hangs (the watchdog thread runs on)
+""" % TIMEOUT_S)
+
+
+def start_group(mode: str) -> list[subprocess.Popen]:
+    port = find_free_port()
+    return [subprocess.Popen([sys.executable, "-c", RANK, str(rank), str(port), mode], cwd=REPO,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+            for rank in (0, 1)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+        p.communicate()
+
+
+def rank0_error(procs: list[subprocess.Popen]) -> str:
+    rank0 = procs[0]
+    assert rank0.stdout.readline().strip() == "ready"
+    out, err = rank0.communicate(timeout=DEADLINE_S)
+    return json.loads(out)["error"] or err
+
+
+@pytest.mark.parametrize("mode,said", [
+    # named from the collective's own error at once, not from heartbeats that stop 10 s later
+    ("die", "tp rank 1 dropped the connection: "),
+    # failed at the collective timeout, not a step frozen for ever with /health still 200
+    ("hang", "a tensor-parallel collective failed on rank 0: "),
+])
+def test_a_follower_that_dies_or_hangs_mid_step_fails_rank_0s_step(mode, said):
+    procs = start_group(mode)
+    try:
+        error = rank0_error(procs)
+    finally:
+        stop(procs)
+    assert error.startswith(said), error
+
+
+def test_a_stopped_rank_0_is_seen_by_its_followers_watchdog():
+    procs = start_group("idle")
+    try:
+        assert procs[0].stdout.readline().strip() == "ready"
+        time.sleep(1)                   # rank 1's watchdog beats
+        procs[0].send_signal(signal.SIGSTOP)
+        _, err = procs[1].communicate(timeout=DEADLINE_S)
+    finally:
+        stop(procs)
+    assert procs[1].returncode == 1
+    assert "pacer: tp rank 1: tp rank 0 stopped answering (its rendezvous store gave no answer" \
+        in err, err
+
+
+@pytest.mark.parametrize("mode", ["gone", "stopped"])
+def test_rank_0_shuts_down_beside_a_follower_that_cannot_answer(mode):
+    """A follower killed or stopped while idle, before rank 0's watchdog noticed: the wait for
+    it to leave ends (a closed connection at once, a stopped peer at the collective timeout)
+    instead of lasting the shutdown's whole timeout."""
+    procs = start_group(mode)
+    try:
+        assert procs[0].stdout.readline().strip() == "ready"
+        while _state(procs[1].pid) not in ("Z", "T"):
+            time.sleep(0.05)
+        out, err = procs[0].communicate("\n", timeout=DEADLINE_S)   # not its 3600 s timeout
+    finally:
+        stop(procs)
+    assert procs[0].returncode == 0 and json.loads(out) == {"error": None}, err
+
+
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+@pytest.mark.parametrize("culprit,said", [
+    (1, "tp rank 0 found this rank unresponsive and took the group down (tp rank 1 stopped "
+        "responding (no heartbeat for 10.2 s))"),
+    (2, "tp rank 2 stopped responding (no heartbeat for 10.2 s)"),
+])
+def test_a_rank_tells_another_ranks_verdict_from_its_own_point_of_view(culprit, said):
+    reader = Liveness.__new__(Liveness)
+    reader.rank = 1
+    verdict = {"why": f"tp rank {culprit} stopped responding (no heartbeat for 10.2 s)",
+               "rank": culprit, "by": 0}
+    assert reader._heard(json.dumps(verdict).encode()) == said
