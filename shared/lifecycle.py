@@ -189,6 +189,21 @@ async def cancel_tasks(*tasks: asyncio.Task) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def stopped_for(stop: asyncio.Event, seconds: float) -> Callable[[], bool]:
+    """A `retry_redis` give_up: True once `stop` has been seen set for `seconds`. A service
+    told to stop gives up on a Redis that does not come back (its parent was killed, and Redis
+    with it) instead of retrying forever as an orphan."""
+    since: float | None = None
+
+    def expired() -> bool:
+        nonlocal since
+        if not stop.is_set():
+            return False
+        since = since or time.monotonic()
+        return time.monotonic() - since >= seconds
+    return expired
+
+
 class Stopwatch:
     """Accumulates seconds between `start()` and `stop()` calls (monotonic clock)."""
 

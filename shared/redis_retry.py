@@ -3,7 +3,8 @@
     result = await retry_redis(op, "send plan", log)
 
 `op` runs until it gets through; after each transient failure (a dropped or refused
-connection, a timeout) the caller's log gets a warning and the next try waits RETRY_FIRST_S,
+connection, a timeout, a server out of memory under maxmemory with noeviction: it answers
+again once memory is freed) the caller's log gets a warning (`redis_failure` names which) and the next try waits RETRY_FIRST_S,
 doubling to RETRY_MAX_S. What differs between callers is only when to stop trying:
 
 - `give_up()`: checked after a failure; True re-raises it (a drain deadline that passed, a
@@ -20,18 +21,37 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import AuthenticationError, AuthorizationError, OutOfMemoryError
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 T = TypeVar("T")
 
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
-# failures that say nothing about the operation, only that Redis was not reachable
-TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# failures that say nothing about the operation, only that Redis could not take it now: not
+# reachable, or out of memory (maxmemory, noeviction: every write is refused until it has room)
+TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError,
+                                              OutOfMemoryError)
 # ... of which these are no passing state: a password or a user refused stays refused
 PERMANENT: tuple[type[BaseException], ...] = (AuthenticationError, AuthorizationError)
+OUT_OF_MEMORY = "Redis is out of memory (maxmemory)"
+
+
+def redis_failure(error: BaseException) -> str:
+    """What a transient failure means, for a log line or an error event: a Redis out of
+    memory answers, so "unavailable" would send an operator looking in the wrong place."""
+    if isinstance(error, OutOfMemoryError):
+        return f"{OUT_OF_MEMORY}; retrying"
+    return "redis unavailable; retrying"
+
+
+def permanent_failure(error: BaseException) -> bool:
+    """Whether connecting failed for good: credentials refused, or a database index the
+    server does not have (`--redis-url .../99`); neither passes with time."""
+    return isinstance(error, PERMANENT) or (isinstance(error, ResponseError)
+                                            and "DB index" in str(error))
 
 
 async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
@@ -52,6 +72,6 @@ async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
         except errors as e:
             if give_up() or (attempts is not None and tries >= attempts):
                 raise
-            log.warning("redis unavailable; retrying", op=what, error=str(e), retry_in_s=delay)
+            log.warning(redis_failure(e), op=what, error=str(e), retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)
