@@ -88,7 +88,7 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id, replicas,
                               prefill=bool(state.config.route_prefill))
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
-    heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router.fail_all)
+    heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router)
     tasks = [asyncio.create_task(state.router.run(), name="token-router"),
              asyncio.create_task(heartbeat, name="gateway-heartbeat")]
     try:

@@ -39,9 +39,14 @@ PERMANENT: tuple[type[BaseException], ...] = (AuthenticationError, Authorization
 OUT_OF_MEMORY = "Redis is out of memory (maxmemory)"
 
 
+def redis_trouble(error: BaseException) -> str:
+    """What a transient failure means, for an error a client gets: a Redis out of memory
+    answers, so "unreachable" would send an operator looking in the wrong place."""
+    return OUT_OF_MEMORY if isinstance(error, OutOfMemoryError) else "Redis is unreachable"
+
+
 def redis_failure(error: BaseException) -> str:
-    """What a transient failure means, for a log line or an error event: a Redis out of
-    memory answers, so "unavailable" would send an operator looking in the wrong place."""
+    """The same, for the log line of a retry."""
     if isinstance(error, OutOfMemoryError):
         return f"{OUT_OF_MEMORY}; retrying"
     return "redis unavailable; retrying"

@@ -326,6 +326,25 @@ async def test_the_next_plans_result_is_not_sent_to_a_redis_that_restarted(serve
             assert answered <= planned, answered - planned   # no result of the old server's
 
 
+async def test_streams_complete_across_a_redis_out_of_memory_for_a_moment(server, tiny_model):
+    """Redis refuses every write (maxmemory, noeviction) while a plan runs, for a second:
+    worker rank 0 and the scheduler retry as they would an unreachable server (rank 0's
+    plan loop died of the unhandled error, the scheduler exited), and the streams complete
+    exactly once memory is back."""
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 2)]
+
+        async def out_of_memory() -> None:
+            await s.gate.hold_next_plan()
+            with server.client() as admin:
+                admin.config_set("maxmemory", "1")
+                s.gate.release()
+                await asyncio.sleep(1.0)
+                admin.config_set("maxmemory", "0")
+
+        assert_complete(await complete(s, 2, out_of_memory), reference)
+
+
 async def test_a_worker_told_to_stop_gives_up_a_redis_that_is_gone(server, tiny_model):
     """`pacer up` is killed: every child gets SIGTERM at once, and Redis exits with them.
     Rank 0, told to stop with a result still to send, must give up and return (it retried
