@@ -26,8 +26,8 @@ from redis.exceptions import RedisError
 from shared.errors import PacerError
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
 from shared.protocol import Heartbeat, ProtocolError, decode, encode
-from shared.redis_retry import PERMANENT, retry_redis
-from shared.service_args import refused_credentials, shown_url
+from shared.redis_retry import retry_redis
+from shared.service_args import redis_password, refused_for_good, shown_url
 
 log = structlog.get_logger("lifecycle")
 
@@ -103,16 +103,22 @@ async def _with_signals(main: ServiceMain) -> int:
 
 
 async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis.Redis:
-    """A client for `url`, once the server answers PING (waits with backoff, logging)."""
-    redis = aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
-                                    health_check_interval=30)
+    """A client for `url`, once the server answers PING (waits with backoff, logging). A
+    server that refuses the URL for good (`refused_for_good`) raises its one-line error."""
+    redis = aioredis.Redis.from_url(url, password=redis_password(),
+                                    socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30)
+
+    async def ping() -> None:
+        try:
+            await redis.ping()
+        except (RedisError, OSError) as e:
+            if (refused := refused_for_good(url, e)) is not None:
+                raise refused from None
+            raise
     try:
-        await retry_redis(redis.ping, f"connect to {shown_url(url)}", log,
-                          errors=(RedisError, OSError), permanent=PERMANENT,
+        await retry_redis(ping, f"connect to {shown_url(url)}", log,
+                          errors=(RedisError, OSError),
                           give_up=lambda: stop is not None and stop.is_set())
-    except PERMANENT as e:
-        await redis.aclose()
-        raise refused_credentials(url, e) from None
     except BaseException:
         await redis.aclose()
         raise

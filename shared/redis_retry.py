@@ -23,7 +23,6 @@ from typing import TypeVar
 
 from redis.exceptions import AuthenticationError, AuthorizationError, OutOfMemoryError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 T = TypeVar("T")
@@ -50,13 +49,6 @@ def redis_failure(error: BaseException) -> str:
     if isinstance(error, OutOfMemoryError):
         return f"{OUT_OF_MEMORY}; retrying"
     return "redis unavailable; retrying"
-
-
-def permanent_failure(error: BaseException) -> bool:
-    """Whether connecting failed for good: credentials refused, or a database index the
-    server does not have (`--redis-url .../99`); neither passes with time."""
-    return isinstance(error, PERMANENT) or (isinstance(error, ResponseError)
-                                            and "DB index" in str(error))
 
 
 async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
