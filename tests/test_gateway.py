@@ -1118,6 +1118,25 @@ async def test_a_stream_the_gateway_ends_itself_is_aborted_upstream(h: Harness) 
     assert (first["id"], "abort") in h.fake.finished
 
 
+async def test_an_abort_redis_refused_is_sent_once_it_takes_writes_again(h: Harness) -> None:
+    """The gateway ends a stream while Redis refuses writes (out of memory here; away or
+    stalled alike): the abort is kept and sent with the first heartbeat that gets through."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(h.url + "/v1/completions", json=completion(
+                prompt="[slow]", max_tokens=100, stream=True)) as r:
+            first = json.loads((await r.content.readuntil(b"\n\n"))[len(b"data: "):])
+            await h.redis.config_set("maxmemory", "1")
+            try:
+                h.state.router.fail_all("Redis is out of memory (a test)")
+                await r.read()
+                await asyncio.sleep(0.3)
+                assert first["id"] not in await aborts(h.redis, h.keys)
+            finally:
+                await h.redis.config_set("maxmemory", "0")
+    assert await wait_for_abort(h, first["id"]) == \
+        "ended by the gateway: Redis is out of memory (a test)"
+
+
 # ---- disconnects -----------------------------------------------------------------------------
 
 async def test_streaming_client_that_disconnects_is_aborted(h: Harness) -> None:
