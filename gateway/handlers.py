@@ -320,6 +320,7 @@ async def openapi(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
     instances = [i for i, _ in state.config.instances] or [""]
+    deadline = time.monotonic() + REDIS_ANSWER_S       # for every Redis read of the scrape
     try:
         live = await asyncio.wait_for(state.upstream.live_schedulers(state.config.instances),
                                       REDIS_ANSWER_S)
@@ -328,7 +329,8 @@ async def metrics(request: web.Request) -> web.Response:
     streams = [state.keys.requests] + [state.keys.for_instance(i).instance_requests
                                        for i in instances if i]
     body = await state.metrics.render(state.redis, {
-        i: state.keys.for_instance(i).stats for i in instances}, live, streams, REDIS_ANSWER_S)
+        i: state.keys.for_instance(i).stats for i in instances}, live, streams,
+        max(deadline - time.monotonic(), 0.01))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -229,11 +229,12 @@ class Recovery:
                                     f"the server's log")
 
     async def _after_redis_lost(self) -> None:
-        """Redis kept nothing: every request's entry and its client's token channel are
-        gone, so each live request ends with an error event; then serve anew."""
+        """Redis restarted: the token events published meanwhile are lost (and, unless it
+        persists, every request's entry), so each live request ends with an error event;
+        then serve anew."""
         self.core.recompute_running()            # a plan in flight went with the old Redis
         failed = self.book.stop_all(REDIS_LOST)
-        log.error("redis restarted empty; failing live requests", failed=failed)
+        log.error("redis restarted; failing live requests", failed=failed)
         await self.retrying("recreate group", self.ensure_group)
         self._note_server(await self.retrying("read run_id", lambda: redis_run_id(self.redis)))
         # at the new server's tails ("0-0" if it kept nothing): a Redis that persists kept the
