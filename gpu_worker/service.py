@@ -22,8 +22,10 @@ from (the scheduler forgets its plans in flight when Redis restarts, and plans a
 
 A result whose first send failed is sent again in full, unless the Redis it would go to is not
 the one the plan came from: the scheduler abandons a plan that went with the old Redis and
-never reads its result. A plan read before a restart that another send or read noticed (with
-overlap, the next plan) is checked the same way before its first send.
+never reads its result. A send can also reach a restarted Redis without failing first (on a
+connection made since, with overlap the next plan's result): after a send that may have gone
+over a connection made since its plan was read, the run_id is read, and what went to another
+server is taken back (`_send_once`); no connection made, no extra round trip.
 
 A plan whose step is not after the last one came from a scheduler that started afresh (the
 old one died): rank 0 then adds every request it still holds to that plan's finished ids, so
@@ -63,8 +65,9 @@ from gpu_worker.tp.service import serve_follower, start_rank0
 from shared.cpu import pin_forward_thread
 from shared.engine_layout import EngineLayout
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
-from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
-                              redis_run_id, stopped_for, stream_id_text, stream_tail_id)
+from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, connections_made, freeze_heap,
+                              keep_heartbeat, redis_run_id, stopped_for, stream_id_text,
+                              stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
 from shared.protocol import (Heartbeat, PlanMsg, PromptLogprobsEvent, ProtocolError,
@@ -200,14 +203,14 @@ class PlanLoop:
                     entries.extend(await reading)
                     reading = None
                     continue
-                entry_id, fields, run_id = entries.popleft()
+                entry_id, fields, origin = entries.popleft()
                 self._plans_after = entry_id
-                plan, wire = self._plan_of(fields, run_id)
+                plan, wire = self._plan_of(fields, origin[0])
                 if plan is None:
                     continue
                 if not entries and not stop.is_set():
                     reading = asyncio.create_task(self._read_plans())
-                answering = await self._run_plan(plan, wire, entry_id, run_id, answering,
+                answering = await self._run_plan(plan, wire, entry_id, origin, answering,
                                                  stop)
         finally:
             if reading is not None:
@@ -218,9 +221,10 @@ class PlanLoop:
             self.plan_wait.discard()
 
     async def _read_plans(self) -> list:
-        """The next plans, each as (entry id, fields, the run_id of the server they were
-        read from)."""
+        """The next plans, each as (entry id, fields, origin): the run_id of the server they
+        were read from, and the connections made before (see `_send_once`)."""
         try:
+            connections = connections_made(self.redis)
             pipe = self.redis.pipeline(transaction=False)
             pipe.info("server")
             pipe.xread({self.keys.plans: self._plans_after}, count=8, block=PLAN_BLOCK_MS)
@@ -236,7 +240,7 @@ class PlanLoop:
             self._replaced.add(self._run_id)
             self._run_id, self._plans_after = info["run_id"], "0-0"
             return []
-        entries = [(entry_id, fields, self._run_id)
+        entries = [(entry_id, fields, (self._run_id, connections))
                    for _, entries in reply or [] for entry_id, fields in entries]
         if not entries and self._stats_stale:   # idle: the counters the last results left out
             try:
@@ -260,11 +264,11 @@ class PlanLoop:
         return _decode_plan(fields)
 
     async def _run_plan(self, plan: IterationPlan, wire: bytes, entry_id: bytes | str,
-                        run_id: str, answering: asyncio.Task | None,
+                        origin: tuple[str, int | None], answering: asyncio.Task | None,
                         stop: asyncio.Event) -> asyncio.Task:
         """Run the plan; returns the task sending its result, once the previous plan's
         (`answering`) is sent. `wire`: the plan's bytes as they came from the plans stream;
-        `run_id`: the server's it came from."""
+        `origin`: where it came from (`_read_plans`)."""
         self.plan_wait.stop()
         self.busy.start()
         fresh = self._forget_stale(plan)
@@ -285,17 +289,19 @@ class PlanLoop:
         self.num_iterations += 1
         self.plan_wait.start()
         return asyncio.create_task(self._answer(plan.step, batches, result, entry_id,
-                                                run_id, stop))
+                                                origin, stop))
 
     async def _answer(self, step: int, batches: dict[str, TokenBatch], result: StepResult,
-                      entry_id: bytes | str, run_id: str, stop: asyncio.Event) -> None:
-        """Send the result of the plan `entry_id` of the Redis with `run_id`; noted as
-        answered unless that Redis is gone."""
+                      entry_id: bytes | str, origin: tuple[str, int | None],
+                      stop: asyncio.Event) -> None:
+        """Send the result of the plan `entry_id` of the Redis with run_id `origin[0]`; noted
+        as answered unless that Redis is gone."""
+        run_id = origin[0]
         self.publish.start()
         try:
             if run_id in self._replaced:
                 raise _RedisReplaced()
-            sent = await self._send(step, batches, result, run_id, stop)
+            sent = await self._send(step, batches, result, origin, stop)
         except _RedisReplaced:
             log.warning("redis restarted after a plan was read; its result is dropped",
                         step=step)
@@ -337,7 +343,7 @@ class PlanLoop:
             plan, finished_request_ids=[*self.requests, *plan.finished_request_ids])
 
     async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult,
-                    run_id: str, stop: asyncio.Event) -> bool:
+                    origin: tuple[str, int | None], stop: asyncio.Event) -> bool:
         """Raises _RedisReplaced, or the Redis failure once the worker was told to stop
         STOP_RETRY_S ago (a worker orphaned with its Redis gone must exit)."""
         with_stats = time.monotonic() - self._stats_at >= STATS_INTERVAL_S
@@ -346,20 +352,23 @@ class PlanLoop:
         self._stats_stale = not with_stats
         # a fresh pipeline each try: a failed execute() has emptied the last one; the
         # scheduler waits for this result, and skips a duplicate by its step
-        await retry_redis(lambda: self._send_once(batches, result, with_stats, step, run_id),
+        run_id = origin[0]
+        await retry_redis(lambda: self._send_once(batches, result, with_stats, origin),
                           f"send result of step {step}", log,
                           before_retry=lambda: self._check_same_redis(step, run_id),
                           give_up=stopped_for(stop, STOP_RETRY_S))
         return True
 
     async def _send_once(self, batches: dict[str, TokenBatch], result: StepResult,
-                         with_stats: bool, step: int, run_id: str) -> None:
-        """One pipeline, which reads the server's run_id first: a connection made since
-        Redis restarted reaches the new server without a failure to warn of it. What such a
-        send wrote there is taken back (its result entry, the progress records it made;
-        its token events reached no client: the gateway ended those streams)."""
+                         with_stats: bool, origin: tuple[str, int | None]) -> None:
+        """One pipeline. A connection made since the plan was read (`origin`) may have
+        reached a Redis that restarted meanwhile, without a failure to warn of it: then the
+        server's run_id is read after it, and what the send wrote to another server is
+        taken back (its result entry, the progress records it made; its token events
+        reached no client: the gateway ended those streams). No connection made since, no
+        round trip: the send went to the plan's server, or failed."""
+        run_id, connections = origin
         pipe = self.redis.pipeline(transaction=False)
-        pipe.info("server")
         progress = self._record_progress(pipe, batches.values())
         for channel, batch in batches.items():
             pipe.publish(channel, encode(batch))
@@ -367,8 +376,9 @@ class PlanLoop:
                   maxlen=RESULTS_MAXLEN, approximate=True)
         if with_stats:
             pipe.hset(self.keys.stats, mapping=self.stats())
-        info, *replies = await pipe.execute()
-        if info["run_id"] == run_id:
+        replies = await pipe.execute()
+        if connections is not None and connections_made(self.redis) == connections or \
+                await redis_run_id(self.redis) == run_id:
             return
         self._replaced.add(run_id)
         taken_back = self.redis.pipeline(transaction=False)

@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -107,6 +108,7 @@ async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis
     server that refuses the URL for good (`refused_for_good`) raises its one-line error."""
     redis = aioredis.Redis.from_url(url, password=redis_password(),
                                     socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30)
+    _count_connections(redis)
 
     async def ping() -> None:
         try:
@@ -123,6 +125,30 @@ async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis
         await redis.aclose()
         raise
     return redis
+
+
+# connection pool -> connections it made (see connections_made)
+_CONNECTIONS_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _count_connections(redis: aioredis.Redis) -> None:
+    """Count the connections the client's pool makes, from its first (before any exists)."""
+    pool = redis.connection_pool
+    _CONNECTIONS_MADE[pool] = 0
+
+    async def connected(connection) -> None:
+        await connection.on_connect()
+        _CONNECTIONS_MADE[pool] += 1
+    pool.connection_kwargs["redis_connect_func"] = connected
+
+
+def connections_made(redis: aioredis.Redis) -> int | None:
+    """How many connections a client of `connect_redis` has made (None: another client). A
+    command on a connection made since some moment may have reached another server than the
+    one that answered then (Redis restarted): redis-py reconnects a connection it found
+    closed without a failure the caller sees. One not made since went to that server, or
+    failed."""
+    return _CONNECTIONS_MADE.get(redis.connection_pool)
 
 
 async def keep_heartbeat(redis: aioredis.Redis, key: str,
