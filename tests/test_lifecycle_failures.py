@@ -150,7 +150,8 @@ def test_the_password_may_come_from_the_environment(password_redis: str):
     shows every user): the scheduler connects and waits for its workers."""
     url = password_redis.replace(f":{PASSWORD}@", "")
     proc = subprocess.Popen([sys.executable, "-m", "services.cli", "scheduler", "--redis-url",
-                             url], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             url, "--key-prefix", "env-password:", "--scheduler-id", "env"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PACER_REDIS_PASSWORD": PASSWORD})
     try:
         lines = []
