@@ -38,8 +38,7 @@ from shared.keys import Keys
 from shared.lifecycle import freeze_heap, run_service
 from shared.model_config import load_model_config
 from shared.model_source import resolve_model
-from shared.redis_retry import PERMANENT
-from shared.service_args import refused_credentials, shown_url
+from shared.service_args import redis_password, refused_for_good, shown_url
 from shared.tokenizer import load_tokenizer
 
 log = structlog.get_logger("gateway")
@@ -75,12 +74,13 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     # requests (each an XADD, a client gone an abort) waits for a connection of the pool
     # rather than failing with "Too many connections" past redis-py's 100
     state.redis = aioredis.Redis.from_pool(aioredis.BlockingConnectionPool.from_url(
-        state.config.redis_url, max_connections=REDIS_CONNECTIONS,
+        state.config.redis_url, password=redis_password(), max_connections=REDIS_CONNECTIONS,
         timeout=REDIS_CONNECTION_WAIT_S, socket_timeout=10, health_check_interval=30))
     # the token listener gets a connection that never reconnects behind its back: events
     # published while it was away are lost, so it must know, and end the open streams
-    listener = aioredis.Redis.from_url(state.config.redis_url, socket_timeout=10,
-                                       health_check_interval=30, retry=Retry(NoBackoff(), 0))
+    listener = aioredis.Redis.from_url(state.config.redis_url, password=redis_password(),
+                                       socket_timeout=10, health_check_interval=30,
+                                       retry=Retry(NoBackoff(), 0))
     replicas = None
     if state.config.router:
         replicas = ReplicaRouter(state.redis, state.keys, state.config.route_prefill or
@@ -88,7 +88,7 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id, replicas,
                               prefill=bool(state.config.route_prefill))
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
-    heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router.fail_all)
+    heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router)
     tasks = [asyncio.create_task(state.router.run(), name="token-router"),
              asyncio.create_task(heartbeat, name="gateway-heartbeat")]
     try:
@@ -196,15 +196,16 @@ async def _until_no_open(state: GatewayState, timeout_s: float) -> bool:
 
 
 async def _check_credentials(redis_url: str) -> None:
-    """A Redis that refuses the URL's credentials stops the gateway at once; one that does
-    not answer yet does not (it serves, and /health says Redis is away, until it is back)."""
-    client = aioredis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    """A Redis that refuses the URL for good (its credentials, a database it lacks) stops the
+    gateway at once; one that does not answer yet does not (it serves, and /health says
+    Redis is away, until it is back)."""
+    client = aioredis.Redis.from_url(redis_url, password=redis_password(), socket_timeout=2,
+                                     socket_connect_timeout=2)
     try:
         await client.ping()
-    except PERMANENT as e:
-        raise refused_credentials(redis_url, e) from None
-    except (RedisError, OSError):
-        pass
+    except (RedisError, OSError) as e:
+        if (refused := refused_for_good(redis_url, e)) is not None:
+            raise refused from None
     finally:
         await client.aclose()
 

@@ -6,7 +6,9 @@
             await write(delta)
 
 Leaving the block early (client gone, handler cancelled, a stop string found) aborts the
-request upstream, so the scheduler frees its KV blocks. A request with a deadline is ended by
+request upstream, so the scheduler frees its KV blocks; so does an end the gateway made itself
+(its deadline, Redis away or out of memory, the token channel dropped): the scheduler has not
+ended it, and would decode it to max_tokens for nobody. A request with a deadline is ended by
 the scheduler when it passes; should that word not come (the scheduler is gone), the gateway
 ends it itself DEADLINE_GRACE_S later.
 """
@@ -132,7 +134,7 @@ class Generation:
         now = time.time()
         deadline = None if self._timeout_s is None else now + self._timeout_s
         self._sent = True
-        self._stream.redis_run_id = await self._upstream.submit(
+        self._stream.redis_run_id, self._stream.entry = await self._upstream.submit(
             self.request_id, self.prompt_token_ids, self.sampling, arrival_time=now,
             deadline=deadline)
         self._submitted = True
@@ -165,6 +167,8 @@ class Generation:
                     yield self._echo_delta()
                 self._echo = None
             self._consume([] if self._echo_only else events)
+            if finish is not None and self._stream.ended_here:
+                self._abort_upstream(f"ended by the gateway: {finish.error}")
             self._done_upstream = finish is not None
             if self._text.stopped or finish is not None:
                 # no longer load on its instance before the client can see the end: a client

@@ -27,6 +27,7 @@ from gateway.responses_api import (ResponseShape, chat_body, in_responses_terms,
 from gateway.state import STATE, GatewayState, WaitingSlot
 from shared.errors import InvalidRequestError
 from shared.json_file import parse_user_json
+from shared.redis_retry import redis_trouble
 
 log = structlog.get_logger("gateway.handlers")
 
@@ -36,6 +37,10 @@ try:
 except importlib.metadata.PackageNotFoundError:      # run from a checkout, not installed
     PACKAGE_VERSION = "unknown"
 SUBSCRIBE_WAIT_S = 2.0
+# how long /health and /metrics wait for Redis: a stalled server (SIGSTOP, a full disk) would
+# hold them for the socket timeout (10 s), and a probe that times out says nothing of why
+REDIS_ANSWER_S = 1.5
+NO_ANSWER = f"no answer within {REDIS_ANSWER_S:g} s"
 THREADED_PARSE_BYTES = 256 * 1024
 # a request body still arriving after this long is refused (408): a client that opens
 # requests and never finishes them holds nothing for long
@@ -210,8 +215,8 @@ async def _start(gen: Generation, state: GatewayState) -> None:
         await gen.start()
     except RedisError as e:
         log.error("request not enqueued", error=str(e))
-        raise APIError("the request queue is unreachable; try again later", status=503,
-                       type="server_error") from e
+        raise APIError(f"the request could not be queued: {redis_trouble(e)}; try again later",
+                       status=503, type="server_error") from e
 
 
 async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
@@ -286,14 +291,21 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 only while a scheduler and every worker rank keep their heartbeat keys alive."""
+    """200 only while a scheduler and every worker rank keep their heartbeat keys alive and
+    the token channel is subscribed (tokens published before it is would be lost); Redis is
+    given REDIS_ANSWER_S to answer."""
     state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
     try:
-        missing = await state.upstream.missing_services(state.config.tp, state.config.instances)
+        missing = await asyncio.wait_for(state.upstream.missing_services(
+            state.config.tp, state.config.instances), REDIS_ANSWER_S)
+    except TimeoutError:
+        missing = [f"redis ({NO_ANSWER})"]
     except RedisError as e:
-        missing = [f"redis ({e})"]
+        missing = [f"redis ({redis_trouble(e)}: {e})"]
+    if not state.router.subscribed.is_set():
+        missing.append("token channel (not subscribed on Redis)")
     if missing:
         return web.json_response({"status": "unhealthy", "missing": missing}, status=503)
     return web.json_response({"status": "ok"})
@@ -308,14 +320,17 @@ async def openapi(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     state: GatewayState = request.app[STATE]
     instances = [i for i, _ in state.config.instances] or [""]
+    deadline = time.monotonic() + REDIS_ANSWER_S       # for every Redis read of the scrape
     try:
-        live = await state.upstream.live_schedulers(state.config.instances)
-    except RedisError:
+        live = await asyncio.wait_for(state.upstream.live_schedulers(state.config.instances),
+                                      REDIS_ANSWER_S)
+    except (RedisError, TimeoutError):
         live = set()
     streams = [state.keys.requests] + [state.keys.for_instance(i).instance_requests
                                        for i in instances if i]
     body = await state.metrics.render(state.redis, {
-        i: state.keys.for_instance(i).stats for i in instances}, live, streams)
+        i: state.keys.for_instance(i).stats for i in instances}, live, streams,
+        max(deadline - time.monotonic(), 0.01))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

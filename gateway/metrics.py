@@ -6,6 +6,7 @@ Queue and cache state is the scheduler's: read from its `stats` hash at scrape t
 """
 from __future__ import annotations
 
+import asyncio
 import math
 
 import redis.asyncio as aioredis
@@ -156,6 +157,11 @@ class SchedulerStats:
                     if not is_counter and field in snapshot:
                         snapshot[field] = math.nan
 
+    def unknown(self, keys: dict[str, str]) -> None:
+        """Every instance's numbers unknown (NaN), Redis not having said."""
+        self.snapshots = {instance: {} for instance in keys}
+        self.queued = math.nan
+
     def collect(self):
         labelled = list(self.snapshots) != [""]
         for field, (name, doc, is_counter) in _SCHEDULER_STATS.items():
@@ -223,6 +229,14 @@ class GatewayMetrics:
         r.register(self.scheduler_stats)
 
     async def render(self, redis: aioredis.Redis, stats_keys: dict[str, str], live: set[str],
-                     request_streams: list[str]) -> bytes:
-        await self.scheduler_stats.refresh(redis, stats_keys, live, request_streams)
+                     request_streams: list[str], redis_timeout_s: float) -> bytes:
+        """The exposition; the schedulers' numbers are NaN (unknown) where Redis does not
+        answer within `redis_timeout_s` (stalled): the gateway's own are there all the same."""
+        try:
+            await asyncio.wait_for(self.scheduler_stats.refresh(
+                redis, stats_keys, live, request_streams), redis_timeout_s)
+        except TimeoutError:
+            log.warning("scheduler stats unreadable: redis did not answer",
+                        timeout_s=redis_timeout_s)
+            self.scheduler_stats.unknown(stats_keys)
         return generate_latest(self.registry)

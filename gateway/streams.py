@@ -11,11 +11,13 @@ gaps noticed. A stream is complete once its finish event arrived and every token
 
 The gateway can also end a stream itself (`RequestStream.fail`, `TokenRouter.fail_all`): its
 deadline passed, the server is shutting down, or Redis lost the request. The client then gets
-the tokens received so far and an error event, never a stream that stays open.
+the tokens received so far and an error event, never a stream that stays open; and the
+scheduler, which knows nothing of it, is told to abort the request (`ended_here`).
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -26,7 +28,7 @@ from shared.lifecycle import cancel_requested
 from shared.plan import PromptEntry
 from shared.protocol import (FinishEvent, PromptLogprobsEvent, ProtocolError, TokenBatch,
                              TokenEvent, decode)
-from shared.redis_retry import retry_redis
+from shared.redis_retry import RETRY_FIRST_S, RETRY_MAX_S, redis_failure
 
 log = structlog.get_logger("gateway.streams")
 
@@ -48,6 +50,11 @@ class RequestStream:
     def __init__(self, request_id: str, finish_grace_s: float = 5.0) -> None:
         self.request_id = request_id
         self.redis_run_id: str | None = None    # the Redis that took the request
+        # (stream key, entry id) of the request's entry, once submitted (None: not known,
+        # a submit tried again after its reply was lost); see Upstream.check_entries
+        self.entry: tuple[str, bytes | str] | None = None
+        self.last_event_at = time.monotonic()   # when it was opened or last heard of
+        self.ended_here = False     # the gateway ended it, not the scheduler's finish event
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._grace_s = finish_grace_s
         self._next_index = 0
@@ -63,6 +70,7 @@ class RequestStream:
         self.num_cached_tokens: int | None = None
 
     def push(self, item: Item) -> None:
+        self.last_event_at = time.monotonic()
         self._queue.put_nowait(item)
 
     def cached(self, num_tokens: int | None) -> None:
@@ -120,6 +128,7 @@ class RequestStream:
                 self._finish = FinishEvent(self.request_id, "error", 0, self._next_index,
                                            item.error, item.error_type)
                 self._gave_up = True
+                self.ended_here = True
             return
         if item.index < self._next_index or item.index in self._pending:
             log.debug("duplicate token event dropped", request_id=self.request_id, index=item.index)
@@ -168,6 +177,13 @@ class TokenRouter:
     def num_open(self) -> int:
         return len(self._streams)
 
+    def quiet(self, for_s: float) -> list[RequestStream]:
+        """The open streams with a known request entry that heard nothing for `for_s`: queued,
+        or lost (see Upstream.check_entries). A stream that is being served is not."""
+        since = time.monotonic() - for_s
+        return [s for s in self._streams.values()
+                if s.entry is not None and s.finish is None and s.last_event_at < since]
+
     def fail_all(self, error: str, error_type: str = "server_error",
                  keep_run_id: str | None = None) -> int:
         """End every open stream with an error, except, given `keep_run_id`, those the Redis
@@ -207,21 +223,26 @@ class TokenRouter:
             stream.push(item)   # unknown ids: requests that already ended (stop string, abort)
 
     async def run(self) -> None:
-        """Listen until cancelled; a dropped Redis connection is re-subscribed with backoff."""
-        await retry_redis(self._listen_or_fail_all, "listen on the token channel", log,
-                          errors=(RedisError, OSError))
+        """Listen until cancelled; a dropped Redis connection is re-subscribed with backoff
+        (0.1 s doubling to 2 s), which starts again from 0.1 s once subscribed: every outage
+        is met as the first was."""
+        delay = RETRY_FIRST_S
+        while not cancel_requested():
+            try:
+                await self._listen()
+            except (RedisError, OSError) as e:
+                if self.subscribed.is_set():
+                    self.subscribed.clear()
+                    delay = RETRY_FIRST_S
+                    log.warning("token channel connection lost", open_requests=self.num_open)
+                    # what was published meanwhile is gone: no open stream could complete
+                    self.fail_all("the connection to Redis dropped and token events were "
+                                  "lost; send the request again")
+                log.warning(redis_failure(e), op="listen on the token channel", error=str(e),
+                            retry_in_s=delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_MAX_S)
         raise asyncio.CancelledError           # _listen returns only once cancelled
-
-    async def _listen_or_fail_all(self) -> None:
-        try:
-            await self._listen()
-        except (RedisError, OSError):
-            self.subscribed.clear()
-            log.warning("token channel connection lost", open_requests=self.num_open)
-            # what was published meanwhile is gone: no open stream could complete
-            self.fail_all("the connection to Redis dropped and token events were lost; "
-                          "send the request again")
-            raise
 
     async def _listen(self) -> None:
         """Until cancelled (then returns) or the connection drops (raises)."""

@@ -1,11 +1,18 @@
 """What the gateway writes to Redis: requests, aborts, its heartbeat; and what /health reads.
 
-The heartbeat loop also watches Redis itself: a server with another run_id restarted and kept
-nothing (no request entry, no scheduler state for it), and one unreachable for
+The heartbeat loop also watches Redis itself: a server with another run_id restarted (its
+token events published meanwhile are lost), and one unreachable (or out of memory) for
 REDIS_UNREACHABLE_S cannot deliver token events. Either way the open requests can no longer
-complete, so `on_lost` ends them with an error event instead of letting them hang. A request
-whose submission is still on its way when that happens is judged by the run_id its XADD
-reports (`replaced`): only the old server's requests are lost.
+complete, so they end with an error event instead of hanging. A request whose submission is
+still on its way when that happens is judged by the run_id its XADD reports (`replaced`):
+only the old server's requests are lost. Every ENTRY_CHECK_S it also looks up the entries of
+the requests that heard nothing for that long (queued, or lost): one whose entry is gone
+from the request stream (deleted, evicted under an allkeys-* maxmemory policy, trimmed while
+no scheduler ran) will never be served, and ends with an error too (`check_entries`).
+
+Aborts that could not be sent (Redis away, stalled, out of memory) are kept, a bounded few,
+and sent once a heartbeat gets through again: the scheduler would otherwise decode a request
+the gateway ended itself to its max_tokens, for nobody.
 
 After a restart the connection pool still holds connections to the old server; the first
 command on each fails. Submitting and aborting drop those idle connections and try once more,
@@ -18,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import replace
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -29,17 +36,23 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 
 from gateway.router import ReplicaRouter, live_instances
+from gateway.streams import TokenRouter
 from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          SCAN_COUNT, Keys)
 from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
-from shared.redis_retry import retry_redis
+from shared.redis_retry import redis_trouble, retry_redis
 from shared.sampling import SamplingParams
 
 log = structlog.get_logger("gateway.upstream")
 
 REDIS_UNREACHABLE_S = 3.0
 REDIS_RESTARTED = "Redis restarted and lost the request; send it again"
+REQUEST_LOST = ("the request's entry is gone from Redis's request stream (deleted, or evicted "
+                "under maxmemory) before a scheduler finished it; send it again")
+ENTRY_CHECK_S = 2.0         # how often, and after how long without news, a request's entry is
+                            # looked up
+UNSENT_ABORTS_KEPT = 10_000
 REPLACED_KEPT = 64          # run ids of servers that restarted away, remembered
 # tries of a request's submit or abort when its connection is dead (~0.3 s of waiting when
 # Redis is really away: the client gets its 503 soon)
@@ -68,6 +81,7 @@ class Upstream:
         self.gateway_id = gateway_id
         self.reply_to = keys.tokens(gateway_id)
         self._pending_aborts: set[asyncio.Task] = set()
+        self._unsent_aborts: OrderedDict[str, str] = OrderedDict()     # request id -> reason
         self._replaced: deque[str] = deque(maxlen=REPLACED_KEPT)
 
     def replaced(self, run_id: str) -> bool:
@@ -76,16 +90,17 @@ class Upstream:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams, arrival_time: float,
-                     deadline: float | None = None) -> str:
+                     deadline: float | None = None
+                     ) -> tuple[str, tuple[str, bytes | str] | None]:
         """`deadline`: time.time() after which the scheduler ends the request. Returns the
-        run id of the Redis that took the request: when Redis restarts, only the requests
-        the old one took are lost."""
+        run id of the Redis that took the request (when Redis restarts, only the requests
+        the old one took are lost) and where its entry is, (stream, entry id), if known."""
         msg = RequestMsg(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             reply_to=self.reply_to, gateway_id=self.gateway_id, arrival_time=arrival_time,
             deadline=deadline)
 
-        async def send() -> str:
+        async def send() -> tuple[str, tuple[str, bytes | str] | None]:
             stream, fields = self.keys.requests, to_fields(msg)
             if self.replicas is not None:
                 instance = await self.replicas.choose(request_id, prompt_token_ids)
@@ -97,8 +112,8 @@ class Upstream:
             pipe.eval(_SUBMIT_ONCE, 2, stream, self.keys.submitted(request_id),
                       SUBMITTED_TTL_S, REQUESTS_MAXLEN, *(x for kv in fields.items() for x in kv))
             pipe.info("server")
-            _, info = await pipe.execute()
-            return info["run_id"]
+            entry_id, info = await pipe.execute()
+            return info["run_id"], (stream, entry_id) if entry_id else None
 
         return await self._live_connection(send, "submit request")
 
@@ -143,42 +158,84 @@ class Upstream:
     async def _abort_logged(self, request_id: str, reason: str) -> None:
         try:
             await self.abort(request_id, reason)
-        except RedisError as e:
-            log.error("abort not sent", request_id=request_id, reason=reason, error=str(e))
+        except (RedisError, OSError) as e:
+            log.warning("abort not sent yet; it goes once redis answers",
+                        request_id=request_id, reason=reason, error=str(e))
+            self._unsent_aborts[request_id] = reason
+            if len(self._unsent_aborts) > UNSENT_ABORTS_KEPT:
+                dropped, _ = self._unsent_aborts.popitem(last=False)
+                log.error("abort not sent", request_id=dropped)
+
+    def _queue_unsent_aborts(self, pipe) -> list[str]:
+        """The aborts kept since Redis refused them, queued on `pipe`; their request ids."""
+        rids = list(self._unsent_aborts)
+        for rid in rids:
+            pipe.xadd(self.keys.aborts, to_fields(AbortMsg(rid, self._unsent_aborts[rid])),
+                      maxlen=ABORTS_MAXLEN, approximate=True)
+        return rids
 
     async def drain(self) -> None:
         """Wait for aborts still being sent (at shutdown)."""
         if self._pending_aborts:
             await asyncio.gather(*self._pending_aborts, return_exceptions=True)
 
-    async def keep_heartbeat_watching_redis(self, on_lost: Callable[[str], object]) -> None:
-        """Keep the heartbeat key alive; call `on_lost(reason)` when Redis restarted or has
-        been unreachable for REDIS_UNREACHABLE_S."""
+    async def keep_heartbeat_watching_redis(self, router: TokenRouter) -> None:
+        """Keep the heartbeat key alive; end the open streams of `router` when Redis restarted
+        or has failed for REDIS_UNREACHABLE_S, and those whose entry is gone; send the aborts
+        kept meanwhile once Redis takes them."""
         key = self.keys.hb_gateway(self.gateway_id)
         run_id: str | None = None
-        unreachable_since: float | None = None
+        failing_since: float | None = None
+        checked_at = time.monotonic()
         while not cancel_requested():
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.set(key, encode(Heartbeat("gateway", self.gateway_id, time.time(), {})),
                          ex=HEARTBEAT_TTL_S)
                 pipe.info("server")
-                _, info = await pipe.execute()
-                replaced, run_id, unreachable_since = run_id, info["run_id"], None
+                aborts = self._queue_unsent_aborts(pipe)
+                _, info, *_ = await pipe.execute()
+                for rid in aborts:
+                    self._unsent_aborts.pop(rid, None)
+                if aborts:
+                    log.info("aborts sent once redis answered", count=len(aborts))
+                replaced, run_id, failing_since = run_id, info["run_id"], None
                 if replaced is not None and run_id != replaced:
                     self._replaced.append(replaced)
-                    on_lost(REDIS_RESTARTED, keep_run_id=run_id)
+                    router.fail_all(REDIS_RESTARTED, keep_run_id=run_id)
                     # the idle connections in the pool all lead to the old server
                     await self._drop_idle_connections()
+                if time.monotonic() - checked_at >= ENTRY_CHECK_S:
+                    checked_at = time.monotonic()
+                    await self.check_entries(router)
             except (RedisError, OSError) as e:
                 log.warning("heartbeat not written", error=str(e))
                 now = time.monotonic()
-                unreachable_since = unreachable_since or now
-                if now - unreachable_since >= REDIS_UNREACHABLE_S:
-                    on_lost("Redis is unreachable; the request cannot complete")
-                    unreachable_since = now
+                failing_since = failing_since or now
+                if now - failing_since >= REDIS_UNREACHABLE_S:
+                    router.fail_all(f"{redis_trouble(e)}; the request cannot complete")
+                    failing_since = now
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
         raise asyncio.CancelledError
+
+    async def check_entries(self, router: TokenRouter) -> int:
+        """End the streams quiet for ENTRY_CHECK_S whose request entry is gone: no scheduler
+        can serve them (one pipeline, an XRANGE of one id each); returns how many."""
+        quiet = router.quiet(ENTRY_CHECK_S)
+        if not quiet:
+            return 0
+        pipe = self.redis.pipeline(transaction=False)
+        for stream in quiet:
+            key, entry_id = stream.entry
+            pipe.xrange(key, min=entry_id, max=entry_id, count=1)
+        lost = [s for s, found in zip(quiet, await pipe.execute())
+                if not found and s.finish is None]
+        for stream in lost:
+            stream.fail(REQUEST_LOST)
+        if lost:
+            log.error("requests lost: their entries are gone from the request stream",
+                      count=len(lost), request_ids=[s.request_id for s in lost][:16])
+        return len(lost)
 
     async def live_schedulers(self, instances: tuple[tuple[str, int], ...] = ()) -> set[str]:
         """The engine instances with a scheduler beating ("" for the colocated engine's)."""
@@ -203,3 +260,4 @@ class Upstream:
         alive = await asyncio.gather(*(self.redis.exists(k) for _, k in ranks))
         missing += [name for (name, _), up in zip(ranks, alive) if not up]
         return missing
+

@@ -13,11 +13,19 @@ before this result (docs/design.md#overlap); results still leave in plan order: 
 waits for this one to be sent.
 
 Every XREAD of plans also asks the server for its run_id, in the same pipeline (so from the
-same server). Another run_id is a Redis that restarted and kept nothing: the cursor into the
-old plans stream means nothing there (an XREAD after an id the new stream has not reached
-waits forever), so rank 0 reads the new stream from its start. A result whose first send
-failed is sent again in full, unless the Redis it would go to is not the one the plan came
-from: the scheduler abandons a plan that went with the old Redis and never reads its result.
+same server). Another run_id is a Redis that restarted: the cursor into the old plans stream
+means nothing there if it kept nothing (an XREAD after an id the new stream has not reached
+waits forever), so rank 0 reads the new stream from its start. A Redis that persists
+(AOF, RDB) comes back with the old plans, up to PLANS_MAXLEN of them: the scheduler names the
+run_id it sent each plan to, and rank 0 runs only the plans sent to the server it read them
+from (the scheduler forgets its plans in flight when Redis restarts, and plans afresh).
+
+A result whose first send failed is sent again in full, unless the Redis it would go to is not
+the one the plan came from: the scheduler abandons a plan that went with the old Redis and
+never reads its result. A send can also reach a restarted Redis without failing first (on a
+connection made since, with overlap the next plan's result): after a send that may have gone
+over a connection made since its plan was read, the run_id is read, and what went to another
+server is taken back (`_send_once`); no connection made, no extra round trip.
 
 A plan whose step is not after the last one came from a scheduler that started afresh (the
 old one died): rank 0 then adds every request it still holds to that plan's finished ids, so
@@ -57,14 +65,15 @@ from gpu_worker.tp.service import serve_follower, start_rank0
 from shared.cpu import pin_forward_thread
 from shared.engine_layout import EngineLayout
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
-from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
-                              redis_run_id, stream_id_text, stream_tail_id)
+from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, connections_made, freeze_heap,
+                              keep_heartbeat, redis_run_id, stopped_for, stream_id_text,
+                              stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
 from shared.protocol import (Heartbeat, PlanMsg, PromptLogprobsEvent, ProtocolError,
                              StepResultMsg, TokenBatch, TokenEvent, encode, from_fields,
                              message_bytes, to_fields)
-from shared.redis_retry import TRANSIENT, retry_redis
+from shared.redis_retry import TRANSIENT, redis_failure, retry_redis
 
 log = structlog.get_logger("worker")
 
@@ -74,6 +83,9 @@ PLAN_BLOCK_MS = 500
 HAND_OVER_WAIT_S = 0.01
 WORKER_ID = f"{socket.gethostname()}:{os.getpid()}"     # beside each result, for a reader
 STATS_INTERVAL_S = 0.1
+# a worker told to stop sends its last result this long at most while Redis does not take it
+# (`pacer up` killed: Redis stops with every other child, and nobody is left to wait for it)
+STOP_RETRY_S = 5.0
 # a progress record's TTL is refreshed at the first token and every this many tokens after
 PROGRESS_REFRESH_EVERY = 64
 # KEYS: progress records; ARGV: the TTL, then (entry, refresh 0/1) per key. A record this call
@@ -170,6 +182,8 @@ class PlanLoop:
         self._stats_stale = False       # a result went without them since they were written
         self._last_step: int | None = None
         self._answered: dict[str, str] = {}
+        self._replaced: set[str] = set()    # run ids of servers seen restarted away
+        self._skipped = 0                   # plans of a server before it restarted
 
     async def run(self, stop: asyncio.Event) -> None:
         """Until `stop`: a plan that was read is always run and answered before returning.
@@ -189,14 +203,15 @@ class PlanLoop:
                     entries.extend(await reading)
                     reading = None
                     continue
-                entry_id, fields = entries.popleft()
+                entry_id, fields, origin = entries.popleft()
                 self._plans_after = entry_id
-                plan, wire = _decode_plan(fields)
+                plan, wire = self._plan_of(fields, origin[0])
                 if plan is None:
                     continue
                 if not entries and not stop.is_set():
                     reading = asyncio.create_task(self._read_plans())
-                answering = await self._run_plan(plan, wire, entry_id, answering)
+                answering = await self._run_plan(plan, wire, entry_id, origin, answering,
+                                                 stop)
         finally:
             if reading is not None:
                 reading.cancel()
@@ -206,22 +221,27 @@ class PlanLoop:
             self.plan_wait.discard()
 
     async def _read_plans(self) -> list:
+        """The next plans, each as (entry id, fields, origin): the run_id of the server they
+        were read from, and the connections made before (see `_send_once`)."""
         try:
+            connections = connections_made(self.redis)
             pipe = self.redis.pipeline(transaction=False)
             pipe.info("server")
             pipe.xread({self.keys.plans: self._plans_after}, count=8, block=PLAN_BLOCK_MS)
             info, reply = await pipe.execute()
         except TRANSIENT as e:      # the loop reads again after a pause
-            log.warning("redis unavailable; retrying", error=str(e))
+            log.warning(redis_failure(e), op="read plans", error=str(e))
             await asyncio.sleep(0.5)
             return []
         if info["run_id"] != self._run_id:
             # what was read came after an id of the old stream: read the new one from its start
             log.warning("redis restarted; reading its plans stream from the start",
                         old_run_id=self._run_id, run_id=info["run_id"])
+            self._replaced.add(self._run_id)
             self._run_id, self._plans_after = info["run_id"], "0-0"
             return []
-        entries = [entry for _, entries in reply or [] for entry in entries]
+        entries = [(entry_id, fields, (self._run_id, connections))
+                   for _, entries in reply or [] for entry_id, fields in entries]
         if not entries and self._stats_stale:   # idle: the counters the last results left out
             try:
                 await self.redis.hset(self.keys.stats, mapping=self.stats())
@@ -230,10 +250,25 @@ class PlanLoop:
                 pass
         return entries
 
+    def _plan_of(self, fields: dict, run_id: str) -> tuple[IterationPlan | None, bytes]:
+        """The plan of an entry read from the server with `run_id`, unless the scheduler sent
+        it to another one: a persisted plan from before Redis restarted, run once already or
+        given up on (the scheduler plans afresh after a restart)."""
+        sent_to = fields.get(b"run_id", fields.get("run_id"))
+        if sent_to is not None and stream_id_text(sent_to) != run_id:
+            self._skipped += 1
+            return None, b""
+        if self._skipped:
+            log.warning("plans sent before redis restarted skipped", skipped=self._skipped)
+            self._skipped = 0
+        return _decode_plan(fields)
+
     async def _run_plan(self, plan: IterationPlan, wire: bytes, entry_id: bytes | str,
-                        answering: asyncio.Task | None) -> asyncio.Task:
+                        origin: tuple[str, int | None], answering: asyncio.Task | None,
+                        stop: asyncio.Event) -> asyncio.Task:
         """Run the plan; returns the task sending its result, once the previous plan's
-        (`answering`) is sent. `wire`: the plan's bytes as they came from the plans stream."""
+        (`answering`) is sent. `wire`: the plan's bytes as they came from the plans stream;
+        `origin`: where it came from (`_read_plans`)."""
         self.plan_wait.stop()
         self.busy.start()
         fresh = self._forget_stale(plan)
@@ -254,14 +289,27 @@ class PlanLoop:
         self.num_iterations += 1
         self.plan_wait.start()
         return asyncio.create_task(self._answer(plan.step, batches, result, entry_id,
-                                                self._run_id))
+                                                origin, stop))
 
     async def _answer(self, step: int, batches: dict[str, TokenBatch], result: StepResult,
-                      entry_id: bytes | str, run_id: str) -> None:
-        """Send the result of the plan `entry_id` of the Redis with `run_id`; noted as
-        answered unless that Redis is gone."""
+                      entry_id: bytes | str, origin: tuple[str, int | None],
+                      stop: asyncio.Event) -> None:
+        """Send the result of the plan `entry_id` of the Redis with run_id `origin[0]`; noted
+        as answered unless that Redis is gone."""
+        run_id = origin[0]
         self.publish.start()
-        sent = await self._send(step, batches, result, run_id)
+        try:
+            if run_id in self._replaced:
+                raise _RedisReplaced()
+            sent = await self._send(step, batches, result, origin, stop)
+        except _RedisReplaced:
+            log.warning("redis restarted after a plan was read; its result is dropped",
+                        step=step)
+            sent = False
+        except TRANSIENT as e:
+            log.error("result not sent: the worker is stopping and redis does not answer",
+                      step=step, error=str(e))
+            sent = False
         self.publish.stop()
         if sent:
             self._answered = {"answered_run_id": run_id,
@@ -295,46 +343,64 @@ class PlanLoop:
             plan, finished_request_ids=[*self.requests, *plan.finished_request_ids])
 
     async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult,
-                    run_id: str) -> bool:
+                    origin: tuple[str, int | None], stop: asyncio.Event) -> bool:
+        """Raises _RedisReplaced, or the Redis failure once the worker was told to stop
+        STOP_RETRY_S ago (a worker orphaned with its Redis gone must exit)."""
         with_stats = time.monotonic() - self._stats_at >= STATS_INTERVAL_S
         if with_stats:
             self._stats_at = time.monotonic()
         self._stats_stale = not with_stats
-        try:
-            # a fresh pipeline each try: a failed execute() has emptied the last one; the
-            # scheduler waits for this result, and skips a duplicate by its step
-            await retry_redis(
-                lambda: self._result_pipeline(batches, result, with_stats).execute(),
-                f"send result of step {step}", log,
-                before_retry=lambda: self._check_same_redis(step, run_id))
-            return True
-        except _RedisReplaced:
-            return False
+        # a fresh pipeline each try: a failed execute() has emptied the last one; the
+        # scheduler waits for this result, and skips a duplicate by its step
+        run_id = origin[0]
+        await retry_redis(lambda: self._send_once(batches, result, with_stats, origin),
+                          f"send result of step {step}", log,
+                          before_retry=lambda: self._check_same_redis(step, run_id),
+                          give_up=stopped_for(stop, STOP_RETRY_S))
+        return True
 
-    def _result_pipeline(self, batches: dict[str, TokenBatch], result: StepResult,
-                         with_stats: bool):
+    async def _send_once(self, batches: dict[str, TokenBatch], result: StepResult,
+                         with_stats: bool, origin: tuple[str, int | None]) -> None:
+        """One pipeline. A connection made since the plan was read (`origin`) may have
+        reached a Redis that restarted meanwhile, without a failure to warn of it: then the
+        server's run_id is read after it, and what the send wrote to another server is
+        taken back (its result entry, the progress records it made; its token events
+        reached no client: the gateway ended those streams). No connection made since, no
+        round trip: the send went to the plan's server, or failed."""
+        run_id, connections = origin
         pipe = self.redis.pipeline(transaction=False)
-        self._record_progress(pipe, batches.values())
+        progress = self._record_progress(pipe, batches.values())
         for channel, batch in batches.items():
             pipe.publish(channel, encode(batch))
         pipe.xadd(self.keys.results, to_fields(StepResultMsg(result), worker=WORKER_ID),
                   maxlen=RESULTS_MAXLEN, approximate=True)
         if with_stats:
             pipe.hset(self.keys.stats, mapping=self.stats())
-        return pipe
+        replies = await pipe.execute()
+        if connections is not None and connections_made(self.redis) == connections or \
+                await redis_run_id(self.redis) == run_id:
+            return
+        self._replaced.add(run_id)
+        taken_back = self.redis.pipeline(transaction=False)
+        taken_back.xdel(self.keys.results, replies[len(replies) - 1 - with_stats])
+        if progress:
+            taken_back.delete(*progress)
+        await taken_back.execute()
+        raise _RedisReplaced()
 
     async def _check_same_redis(self, step: int, run_id: str) -> None:
         """After a failed send: is Redis still the server the plan came from (`run_id`)? If
         not, the plan went with the old one and nobody waits for its result."""
         if (await self.redis.info("server"))["run_id"] != run_id:
-            log.warning("redis restarted while a plan ran; its result is dropped", step=step)
+            self._replaced.add(run_id)
             raise _RedisReplaced()
 
-    def _record_progress(self, pipe, batches) -> None:
+    def _record_progress(self, pipe, batches) -> list[str]:
         """Queued before the PUBLISHes: whatever a client saw is in the record. One script
         call appends every request's entry (and refreshes the TTL of those at a multiple of
         PROGRESS_REFRESH_EVERY): one command instead of one or two per token, which took
-        1.1-1.5 ms of the worker's Python per iteration at 64 streams against 0.3-0.4 ms."""
+        1.1-1.5 ms of the worker's Python per iteration at 64 streams against 0.3-0.4 ms.
+        Returns the records' keys."""
         keys: list[str] = []
         args: list = [PROGRESS_TTL_S]
         for batch in batches:
@@ -344,6 +410,7 @@ class PlanLoop:
                          int(event.index % PROGRESS_REFRESH_EVERY == 0)]
         if keys:
             pipe.eval(_APPEND_PROGRESS, len(keys), *keys, *args)
+        return keys
 
     def answered(self) -> dict[str, str]:
         """The last plan whose result was sent: the Redis run_id and the plan's entry id (for

@@ -73,6 +73,11 @@ class RequestBook:
     def live_entry_ids(self) -> list[bytes | str]:
         return [e.entry_id for e in self._entries.values()]
 
+    def leased_entry_ids(self) -> list[bytes | str]:
+        """The live entries but those ending with an error: they end at the next iteration
+        whoever holds them (after a Redis restart their entries are gone)."""
+        return [e.entry_id for rid, e in self._entries.items() if rid not in self._errors]
+
     def gateways(self) -> dict[str, list[str]]:
         """Live request ids by the gateway that holds their client."""
         by_gateway: dict[str, list[str]] = {}

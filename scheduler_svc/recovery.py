@@ -17,7 +17,10 @@ these happened:
                         running request, carry on
     Redis restarts      another run_id, or the consumer group is gone: every live request ends
                         with an error event, the plan in flight is forgotten, the group is
-                        created again, the stream cursors start over; serving goes on
+                        created again (if it kept nothing), the stream cursors start at the
+                        new server's tails; serving goes on. A Redis that persists comes back
+                        with the old plans, results and aborts: each plan names the run_id it
+                        was sent to, so worker rank 0 runs none of the old server's
 
 Every Redis operation of the service goes through `retrying`: the shared retry policy, plus
 the check that a server that answers again is still the one with our run_id.
@@ -94,8 +97,14 @@ class Recovery:
 
     async def prepare(self) -> None:
         """Create the consumer group and note which server this is."""
-        await self.ensure_group()
-        self.run_id = await redis_run_id(self.redis)
+        async def prepare() -> None:
+            await self.ensure_group()
+            self._note_server(await redis_run_id(self.redis))
+        await retry_redis(prepare, "create the consumer group", log, give_up=self._drain_expired)
+
+    def _note_server(self, run_id: str) -> None:
+        """The server served from now on; the leases are kept on it alone (`Takeover`)."""
+        self.run_id = self.takeover.run_id = run_id
 
     async def aborts_from(self) -> bytes | str:
         """Where this scheduler reads the aborts stream from: just before the oldest request
@@ -220,12 +229,17 @@ class Recovery:
                                     f"the server's log")
 
     async def _after_redis_lost(self) -> None:
-        """Redis kept nothing: every request's entry and its client's token channel are
-        gone, so each live request ends with an error event; then serve anew."""
+        """Redis restarted: the token events published meanwhile are lost (and, unless it
+        persists, every request's entry), so each live request ends with an error event;
+        then serve anew."""
         self.core.recompute_running()            # a plan in flight went with the old Redis
         failed = self.book.stop_all(REDIS_LOST)
-        log.error("redis restarted empty; failing live requests", failed=failed)
+        log.error("redis restarted; failing live requests", failed=failed)
         await self.retrying("recreate group", self.ensure_group)
-        self.run_id = await self.retrying("read run_id", lambda: redis_run_id(self.redis))
-        self.cursors.aborts = self.cursors.results = "0-0"
+        self._note_server(await self.retrying("read run_id", lambda: redis_run_id(self.redis)))
+        # at the new server's tails ("0-0" if it kept nothing): a Redis that persists kept the
+        # old results (of steps this scheduler may plan again) and the aborts already read
+        self.cursors.results = await self.retrying(
+            "find the results' end", lambda: stream_tail_id(self.redis, self.keys.results))
+        self.cursors.aborts = await self.retrying("find where to read aborts", self.aborts_from)
         self.takeover.claim_cursor = "0-0"

@@ -61,7 +61,7 @@ from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, role_disagreement
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
-                              live_namesake, stream_tail_id)
+                              live_namesake, stopped_for, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.service_args import check_role
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
@@ -95,8 +95,11 @@ class SchedulerServiceConfig:
 
 class SchedulerService:
     def __init__(self, redis: aioredis.Redis, keys: Keys, core: Scheduler,
-                 config: SchedulerServiceConfig) -> None:
+                 config: SchedulerServiceConfig, stop: asyncio.Event | None = None) -> None:
+        """`stop`: the service's; told to stop drain_timeout_s ago, it gives up on a Redis
+        that does not answer, wherever it waits for one (not only while draining)."""
         self.redis, self.keys, self.core, self.config = redis, keys, core, config
+        self._stopped_long = stopped_for(stop or asyncio.Event(), config.drain_timeout_s)
         self.book = RequestBook(core)
         self.stats = SchedulerStats()
         self.workers = WorkerWatch(keys, config.tp)
@@ -111,7 +114,7 @@ class SchedulerService:
                                  held=self.prefill.pending_entry_ids if self.prefill else None)
         self.cursors = Cursors()
         self.recovery = Recovery(redis, keys, core, self.book, self.workers, self.takeover,
-                                 self.cursors, self._drain_expired)
+                                 self.cursors, self._give_up_redis)
         self._drain_deadline: float | None = None
         # plans sent whose results are not applied yet, oldest first: (plan, entry id)
         self._flight: deque[tuple[IterationPlan, bytes | str]] = deque()
@@ -543,7 +546,10 @@ class SchedulerService:
 
     async def _send(self, plan: IterationPlan) -> bytes | str:
         """XADD the plan; returns its entry id in the plans stream."""
-        fields = to_fields(PlanMsg(plan), scheduler=self.config.scheduler_id)
+        # the server it goes to: after a restart of a Redis that persists, worker rank 0 skips
+        # the plans sent to the server before (this scheduler plans their requests afresh)
+        fields = to_fields(PlanMsg(plan), scheduler=self.config.scheduler_id,
+                           run_id=self.recovery.run_id)
         attempts = 0
 
         async def xadd() -> bytes | str:
@@ -614,6 +620,11 @@ class SchedulerService:
     def _drain_expired(self) -> bool:
         return self._drain_deadline is not None and time.monotonic() > self._drain_deadline
 
+    def _give_up_redis(self) -> bool:
+        """Whether a Redis operation that keeps failing is given up: the drain deadline
+        passed, or the stop came that long ago while it retried (before the drain began)."""
+        return self._drain_expired() or self._stopped_long()
+
     async def flush(self) -> None:
         """Publish and ack what the last iteration finished (at exit)."""
         outbox = self.book.take_outbox()
@@ -657,7 +668,7 @@ async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
         log.error("this scheduler id is taken by a scheduler running on this host: give "
                   "each one its own --scheduler-id", scheduler_id=config.scheduler_id, pid=pid)
         return 2
-    service = SchedulerService(redis, keys, core, config)
+    service = SchedulerService(redis, keys, core, config, stop)
     await service.prepare()
     tasks = [asyncio.create_task(keep_heartbeat(redis, hb_key, service.heartbeat),
                                  name="scheduler-heartbeat"),

@@ -70,6 +70,9 @@ class Takeover:
         self.admit = admit or book.admit
         self.held = held
         self.claim_cursor: bytes | str = "0-0"
+        # the server the leases are kept on (Recovery notes it): a Redis that restarted empty
+        # holds none of them, which says nothing of another scheduler (see refresh_leases)
+        self.run_id: str | None = None
         self._lost: list[bytes | str] = []
         self.refreshed_at = time.monotonic()
 
@@ -149,13 +152,20 @@ class Takeover:
         raise asyncio.CancelledError
 
     async def refresh_leases(self) -> None:
-        ids = self.book.live_entry_ids() + (self.held() if self.held else [])
+        """Entries missing from this consumer's pending list are another scheduler's, if the
+        server is the one the scheduler serves (its run_id read in the same pipeline): after
+        a restart the service's recovery ends them all, as lost with Redis."""
+        ids = self.book.leased_entry_ids() + (self.held() if self.held else [])
         if ids:
-            lost = await self.redis.eval(_KEEP_LEASES, 1, self.keys.requests,
-                                         self.keys.requests_group, self.consumer, *ids)
-            # (an entry handed to a decode instance meanwhile reads as lost too: nothing of
-            # it is left here to drop)
-            self._lost += lost
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.info("server")
+            pipe.eval(_KEEP_LEASES, 1, self.keys.requests, self.keys.requests_group,
+                      self.consumer, *ids)
+            info, lost = await pipe.execute()
+            if info["run_id"] == self.run_id:
+                # (an entry handed to a decode instance meanwhile reads as lost too: nothing
+                # of it is left here to drop)
+                self._lost += lost
         self.refreshed_at = time.monotonic()
 
     @property

@@ -25,7 +25,7 @@ import redis
 from shared.errors import PacerError
 from shared.keys import SCAN_COUNT, Keys
 from shared.protocol import STREAM_FIELD, ProtocolError, decode
-from shared.service_args import add_redis_args, shown_url
+from shared.service_args import add_redis_args, redis_password, shown_url
 
 STREAMS = ("plans", "results", "requests", "aborts")
 INSTANCE_STREAMS = ("handoff", "reservations")      # P/D: an instance's alone
@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if args.count < 1:
         raise PacerError(f"--count must be >= 1, got {args.count}")
     try:
-        client = redis.Redis.from_url(args.redis_url, socket_timeout=5)
+        client = redis.Redis.from_url(args.redis_url, password=redis_password(),
+                                      socket_timeout=5)
     except ValueError as e:
         raise PacerError(f"--redis-url {shown_url(args.redis_url)!r}: {e}") from None
     if args.what in INSTANCE_STREAMS and not args.instance:

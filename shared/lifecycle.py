@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import time
+import weakref
 from collections.abc import Awaitable, Callable
 
 import redis.asyncio as aioredis
@@ -26,8 +27,8 @@ from redis.exceptions import RedisError
 from shared.errors import PacerError
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
 from shared.protocol import Heartbeat, ProtocolError, decode, encode
-from shared.redis_retry import PERMANENT, retry_redis
-from shared.service_args import refused_credentials, shown_url
+from shared.redis_retry import retry_redis
+from shared.service_args import redis_password, refused_for_good, shown_url
 
 log = structlog.get_logger("lifecycle")
 
@@ -103,20 +104,51 @@ async def _with_signals(main: ServiceMain) -> int:
 
 
 async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis.Redis:
-    """A client for `url`, once the server answers PING (waits with backoff, logging)."""
-    redis = aioredis.Redis.from_url(url, socket_timeout=SOCKET_TIMEOUT_S,
-                                    health_check_interval=30)
+    """A client for `url`, once the server answers PING (waits with backoff, logging). A
+    server that refuses the URL for good (`refused_for_good`) raises its one-line error."""
+    redis = aioredis.Redis.from_url(url, password=redis_password(),
+                                    socket_timeout=SOCKET_TIMEOUT_S, health_check_interval=30)
+    _count_connections(redis)
+
+    async def ping() -> None:
+        try:
+            await redis.ping()
+        except (RedisError, OSError) as e:
+            if (refused := refused_for_good(url, e)) is not None:
+                raise refused from None
+            raise
     try:
-        await retry_redis(redis.ping, f"connect to {shown_url(url)}", log,
-                          errors=(RedisError, OSError), permanent=PERMANENT,
+        await retry_redis(ping, f"connect to {shown_url(url)}", log,
+                          errors=(RedisError, OSError),
                           give_up=lambda: stop is not None and stop.is_set())
-    except PERMANENT as e:
-        await redis.aclose()
-        raise refused_credentials(url, e) from None
     except BaseException:
         await redis.aclose()
         raise
     return redis
+
+
+# connection pool -> connections it made (see connections_made)
+_CONNECTIONS_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _count_connections(redis: aioredis.Redis) -> None:
+    """Count the connections the client's pool makes, from its first (before any exists)."""
+    pool = redis.connection_pool
+    _CONNECTIONS_MADE[pool] = 0
+
+    async def connected(connection) -> None:
+        await connection.on_connect()
+        _CONNECTIONS_MADE[pool] += 1
+    pool.connection_kwargs["redis_connect_func"] = connected
+
+
+def connections_made(redis: aioredis.Redis) -> int | None:
+    """How many connections a client of `connect_redis` has made (None: another client). A
+    command on a connection made since some moment may have reached another server than the
+    one that answered then (Redis restarted): redis-py reconnects a connection it found
+    closed without a failure the caller sees. One not made since went to that server, or
+    failed."""
+    return _CONNECTIONS_MADE.get(redis.connection_pool)
 
 
 async def keep_heartbeat(redis: aioredis.Redis, key: str,
@@ -187,6 +219,21 @@ async def cancel_tasks(*tasks: asyncio.Task) -> None:
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def stopped_for(stop: asyncio.Event, seconds: float) -> Callable[[], bool]:
+    """A `retry_redis` give_up: True once `stop` has been seen set for `seconds`. A service
+    told to stop gives up on a Redis that does not come back (its parent was killed, and Redis
+    with it) instead of retrying forever as an orphan."""
+    since: float | None = None
+
+    def expired() -> bool:
+        nonlocal since
+        if not stop.is_set():
+            return False
+        since = since or time.monotonic()
+        return time.monotonic() - since >= seconds
+    return expired
 
 
 class Stopwatch:

@@ -3,7 +3,8 @@
     result = await retry_redis(op, "send plan", log)
 
 `op` runs until it gets through; after each transient failure (a dropped or refused
-connection, a timeout) the caller's log gets a warning and the next try waits RETRY_FIRST_S,
+connection, a timeout, a server out of memory under maxmemory with noeviction: it answers
+again once memory is freed) the caller's log gets a warning (`redis_failure` names which) and the next try waits RETRY_FIRST_S,
 doubling to RETRY_MAX_S. What differs between callers is only when to stop trying:
 
 - `give_up()`: checked after a failure; True re-raises it (a drain deadline that passed, a
@@ -20,7 +21,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from redis.exceptions import AuthenticationError, AuthorizationError
+from redis.exceptions import AuthenticationError, AuthorizationError, OutOfMemoryError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -28,10 +29,26 @@ T = TypeVar("T")
 
 RETRY_FIRST_S = 0.1
 RETRY_MAX_S = 2.0
-# failures that say nothing about the operation, only that Redis was not reachable
-TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# failures that say nothing about the operation, only that Redis could not take it now: not
+# reachable, or out of memory (maxmemory, noeviction: every write is refused until it has room)
+TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeoutError, OSError,
+                                              OutOfMemoryError)
 # ... of which these are no passing state: a password or a user refused stays refused
 PERMANENT: tuple[type[BaseException], ...] = (AuthenticationError, AuthorizationError)
+OUT_OF_MEMORY = "Redis is out of memory (maxmemory)"
+
+
+def redis_trouble(error: BaseException) -> str:
+    """What a transient failure means, for an error a client gets: a Redis out of memory
+    answers, so "unreachable" would send an operator looking in the wrong place."""
+    return OUT_OF_MEMORY if isinstance(error, OutOfMemoryError) else "Redis is unreachable"
+
+
+def redis_failure(error: BaseException) -> str:
+    """The same, for the log line of a retry."""
+    if isinstance(error, OutOfMemoryError):
+        return f"{OUT_OF_MEMORY}; retrying"
+    return "redis unavailable; retrying"
 
 
 async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
@@ -52,6 +69,6 @@ async def retry_redis(op: Callable[[], Awaitable[T]], what: str, log, *,
         except errors as e:
             if give_up() or (attempts is not None and tries >= attempts):
                 raise
-            log.warning("redis unavailable; retrying", op=what, error=str(e), retry_in_s=delay)
+            log.warning(redis_failure(e), op=what, error=str(e), retry_in_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, RETRY_MAX_S)

@@ -3,12 +3,19 @@ and `pacer inspect`."""
 from __future__ import annotations
 
 import argparse
+import os
 from urllib.parse import parse_qsl, urlencode, urlsplit
+
+from redis.exceptions import ResponseError
 
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX
+from shared.redis_retry import PERMANENT
 
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
+# the Redis password where the URL gives none: an environment variable is not on the command
+# line, where `ps` shows a URL's password to every user of the machine
+PASSWORD_ENV = "PACER_REDIS_PASSWORD"
 LOG_LEVEL_HELP = "debug, info, warning or error"
 
 
@@ -58,13 +65,31 @@ def _has_password(redis_url: str) -> bool:
     return bool(url.password) or "password" in dict(parse_qsl(url.query, True))
 
 
+def redis_password() -> str | None:
+    """The password of $PACER_REDIS_PASSWORD, for every Redis client a service makes (as
+    `password=`; one the URL gives wins)."""
+    return os.environ.get(PASSWORD_ENV) or None
+
+
 def refused_credentials(redis_url: str, error: Exception) -> PacerError:
     """A Redis that refuses the URL's password or user: that does not pass with time, so the
-    service stops at once, saying so (and where to give a password if the URL has none)."""
-    hint = "" if _has_password(redis_url) else \
-        " (give its password in the URL: redis://:PASSWORD@HOST:PORT/DB)"
+    service stops at once, saying so (and where to give a password if none was given)."""
+    hint = "" if _has_password(redis_url) or redis_password() else \
+        f" (give its password in ${PASSWORD_ENV}, or in the URL: redis://:PASSWORD@HOST:PORT/DB)"
     return PacerError(f"--redis-url {shown_url(redis_url)}: Redis refused the credentials"
                       f"{hint}: {error}")
+
+
+def refused_for_good(redis_url: str, error: BaseException) -> PacerError | None:
+    """The one-line error of a Redis that will refuse this URL however long one waits (its
+    credentials refused, a database index it lacks: `.../99`); None for a failure that may
+    pass (not reachable yet, loading, ...)."""
+    if isinstance(error, PERMANENT):
+        return refused_credentials(redis_url, error)
+    if isinstance(error, ResponseError) and "DB index" in str(error):
+        return PacerError(f"--redis-url {shown_url(redis_url)}: {error} (the server has fewer "
+                          f"databases: see its `databases` setting)")
+    return None
 
 
 def add_service_args(p: argparse.ArgumentParser) -> None:

@@ -36,14 +36,19 @@ def _wait_ready(port: int, proc: subprocess.Popen, timeout_s: float = 10.0) -> N
     raise RuntimeError(f"redis-server on port {port} did not answer PING in {timeout_s} s")
 
 
-def start_redis(port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """A new server on `port` (a free one by default); (its process, its URL)."""
+def start_redis(port: int | None = None, persist_dir: str | None = None,
+                *args: str) -> tuple[subprocess.Popen, str]:
+    """A new server on `port` (a free one by default); (its process, its URL). With
+    `persist_dir`, it keeps every write in an append-only file there (fsync'd each time: a
+    kill -9 loses nothing) and loads it at start; `args`: more of its flags."""
     exe = shutil.which("redis-server")
     if exe is None:
         pytest.skip("redis-server is not installed")
     port = port or free_port()
+    persistence = ["--appendonly", "no"] if persist_dir is None else \
+        ["--appendonly", "yes", "--appendfsync", "always", "--dir", str(persist_dir)]
     proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", *persistence, *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         _wait_ready(port, proc)

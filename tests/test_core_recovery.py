@@ -167,6 +167,7 @@ def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_ser
     from scheduler_svc.book import RequestBook
     from scheduler_svc.takeover import Takeover
     from shared.keys import Keys
+    from shared.lifecycle import redis_run_id
     from shared.protocol import RequestMsg, to_fields
 
     keys = Keys("lease-test:")
@@ -188,6 +189,12 @@ def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_ser
         await r.xclaim(keys.requests, keys.requests_group, "b", 0, [claimed_id, finished_id])
         await r.xack(keys.requests, keys.requests_group, finished_id)
         takeover = Takeover(r, keys, "a", book)
+        # leases kept on a server other than the one served (Redis restarted, not noticed
+        # yet): what it lacks says nothing of another scheduler
+        takeover.run_id = "the run_id of a server that restarted"
+        await takeover.refresh_leases()
+        assert takeover.take_lost() == []
+        takeover.run_id = await redis_run_id(r)
         await takeover.refresh_leases()
         lost = takeover.take_lost()
         owners = {e["message_id"]: e["consumer"] for e in await r.xpending_range(
@@ -208,6 +215,9 @@ def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_ser
     outbox = book.take_outbox()
     assert outbox.finishes == [] and outbox.acks == []
     assert book.live_entry_ids() == [entries[0][0]]
+    # a request ending with an error (Redis restarted) ends whoever holds its entry: no lease
+    book.stop("kept", "Redis restarted")
+    assert book.live_entry_ids() == [entries[0][0]] and book.leased_entry_ids() == []
 
 
 def test_a_request_running_at_every_worker_loss_is_dropped_with_an_error() -> None:

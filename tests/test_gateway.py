@@ -62,6 +62,7 @@ TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": 
 #   [tool]          the output is TOOL_REPLY, a call in the hermes format, then EOS
 #   [special]       the output is "Hi", a special token (not EOS), " there", then EOS
 #   [emoji]         the output is EMOJI_REPLY (tokens that split its characters), then EOS
+#   [queued]        nothing: the request waits as if no scheduler had room for it
 
 class FakeScheduler:
     def __init__(self, redis: aioredis.Redis, keys: Keys, tokenizer: Tokenizer) -> None:
@@ -88,6 +89,8 @@ class FakeScheduler:
 
     async def _serve(self, msg: RequestMsg) -> None:
         prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
+        if "[queued]" in prompt:
+            return
         slow = "[slow]" in prompt
         output = self._output(msg, repeat=slow)
         ends = (self.tok.eos_token_id, *msg.sampling.stop_token_ids)
@@ -979,6 +982,159 @@ async def test_the_token_listener_resubscribes_after_its_connection_drops(h: Har
         await asyncio.sleep(0.05)
     status, body = await h.post("/v1/completions", completion(max_tokens=3))
     assert status == 200 and body["choices"][0]["text"] == reply_text(h.tok, 3)
+
+
+async def test_the_token_listener_backs_off_afresh_after_each_subscription() -> None:
+    """The listener's backoff starts again from its first delay once it has subscribed:
+    before, it kept growing across outages (2 s after the first one, for good)."""
+    from structlog.testing import capture_logs
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    # per subscribe try: fail at once, or subscribe and then lose the connection; the last
+    # try stays subscribed
+    tries = iter(["fail", "fail", "drop", "fail", "stay"])
+    stayed = asyncio.Event()
+
+    class PubSub:
+        async def subscribe(self, channel):
+            self.how = next(tries)
+            if self.how == "fail":
+                raise RedisConnectionError("refused")
+            self.confirmed = False
+
+        async def get_message(self, timeout):
+            if not self.confirmed:
+                self.confirmed = True
+                return {"type": "subscribe"}
+            if self.how == "drop":
+                raise RedisConnectionError("dropped")
+            stayed.set()
+            await asyncio.sleep(timeout)
+
+        async def aclose(self):
+            pass
+
+    class Redis:
+        def pubsub(self):
+            return PubSub()
+
+    router = TokenRouter(Redis(), "channel")
+    with capture_logs() as logs:
+        task = asyncio.create_task(router.run())
+        await asyncio.wait_for(stayed.wait(), 10)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    assert [e["retry_in_s"] for e in logs if "retry_in_s" in e] == [0.1, 0.2, 0.1, 0.2]
+    assert router.subscribed.is_set()
+
+
+async def test_health_is_503_while_the_token_channel_is_not_subscribed(h: Harness) -> None:
+    for rank in (0, 1):
+        await h.redis.set(h.keys.hb_worker(rank), b"x", ex=30)
+    await h.redis.set(h.keys.hb_scheduler("s0"), b"x", ex=30)
+    try:
+        async with h.session.get(h.url + "/health") as r:
+            assert r.status == 200
+        h.state.router.subscribed.clear()
+        async with h.session.get(h.url + "/health") as r:
+            assert r.status == 503
+            assert (await r.json())["missing"] == ["token channel (not subscribed on Redis)"]
+    finally:
+        h.state.router.subscribed.set()
+        await h.redis.delete(h.keys.hb_worker(0), h.keys.hb_worker(1), h.keys.hb_scheduler("s0"))
+
+
+async def test_health_and_metrics_answer_soon_while_redis_stalls(h: Harness) -> None:
+    """Redis stops answering (paused here, SIGSTOP in the field): /health says so with a 503
+    and /metrics answers with what the gateway knows, each well within the 10 s socket
+    timeout they waited for before."""
+    await h.redis.execute_command("CLIENT", "PAUSE", "4000", "ALL")
+    try:
+        timeout = aiohttp.ClientTimeout(total=3.5)
+        async with h.session.get(h.url + "/health", timeout=timeout) as r:
+            assert r.status == 503
+            assert (await r.json())["missing"] == ["redis (no answer within 1.5 s)"]
+        async with h.session.get(h.url + "/metrics", timeout=timeout) as r:
+            assert r.status == 200 and "pacer:prompt_tokens_total" in await r.text()
+    finally:
+        await h.redis.execute_command("CLIENT", "UNPAUSE")
+
+
+async def test_a_request_is_refused_naming_a_redis_out_of_memory(h: Harness) -> None:
+    await h.redis.config_set("maxmemory", "1")      # with noeviction: every write refused
+    try:
+        status, body = await h.post("/v1/completions", completion(max_tokens=3))
+    finally:
+        await h.redis.config_set("maxmemory", "0")
+    assert status == 503
+    assert "Redis is out of memory (maxmemory)" in body["error"]["message"], body
+
+
+async def test_a_request_whose_entry_is_lost_ends_with_an_error(h: Harness) -> None:
+    """Its entry leaves the request stream while no scheduler serves it (deleted, evicted
+    under an allkeys-* maxmemory policy): it would have waited forever. A request that is
+    only queued as long is left alone."""
+    async with aiohttp.ClientSession() as session:
+        async def stream(prompt: str) -> list[str]:
+            async with session.post(h.url + "/v1/completions", json=completion(
+                    prompt=prompt, max_tokens=4, stream=True)) as r:
+                return [line async for line in r.content]
+        lost = asyncio.create_task(stream("[queued] lost"))
+        queued = asyncio.create_task(stream("[queued] only waits"))
+        entries = {}
+        while len(entries) < 2:
+            entries = {m.request_id: e for e, m in [(e, from_fields(f)) for e, f in
+                       await h.redis.xrange(h.keys.requests)] if "[queued]" in h.tok.decode(
+                           m.prompt_token_ids)}
+            await asyncio.sleep(0.05)
+        lost_id = next(rid for rid, m in h.fake.received.items() if "lost" in h.tok.decode(
+            m.prompt_token_ids))
+        await h.redis.xdel(h.keys.requests, entries[lost_id])
+        lines = await asyncio.wait_for(lost, 15)
+        assert any(b"gone from Redis's request stream" in line for line in lines), lines
+        assert not queued.done()
+        queued.cancel()
+        await asyncio.gather(queued, return_exceptions=True)
+    assert (await wait_for_abort(h, lost_id)).startswith("ended by the gateway")
+
+
+async def test_a_stream_the_gateway_ends_itself_is_aborted_upstream(h: Harness) -> None:
+    """The gateway ends a stream without the scheduler (its token channel dropped, Redis
+    stalled or out of memory): the scheduler is told, or it decodes the request to
+    max_tokens for nobody."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(h.url + "/v1/completions", json=completion(
+                prompt="[slow]", max_tokens=100, stream=True)) as r:
+            first = json.loads((await r.content.readuntil(b"\n\n"))[len(b"data: "):])
+            h.state.router.fail_all("the token channel dropped (a test)")
+            rest = await r.read()
+    assert b"the token channel dropped (a test)" in rest
+    assert await wait_for_abort(h, first["id"]) == \
+        "ended by the gateway: the token channel dropped (a test)"
+    for _ in range(200):
+        if (first["id"], "abort") in h.fake.finished:
+            break
+        await asyncio.sleep(0.05)
+    assert (first["id"], "abort") in h.fake.finished
+
+
+async def test_an_abort_redis_refused_is_sent_once_it_takes_writes_again(h: Harness) -> None:
+    """The gateway ends a stream while Redis refuses writes (out of memory here; away or
+    stalled alike): the abort is kept and sent with the first heartbeat that gets through."""
+    async with aiohttp.ClientSession() as session:
+        async with session.post(h.url + "/v1/completions", json=completion(
+                prompt="[slow]", max_tokens=100, stream=True)) as r:
+            first = json.loads((await r.content.readuntil(b"\n\n"))[len(b"data: "):])
+            await h.redis.config_set("maxmemory", "1")
+            try:
+                h.state.router.fail_all("Redis is out of memory (a test)")
+                await r.read()
+                await asyncio.sleep(0.3)
+                assert first["id"] not in await aborts(h.redis, h.keys)
+            finally:
+                await h.redis.config_set("maxmemory", "0")
+    assert await wait_for_abort(h, first["id"]) == \
+        "ended by the gateway: Redis is out of memory (a test)"
 
 
 # ---- disconnects -----------------------------------------------------------------------------

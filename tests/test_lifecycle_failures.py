@@ -133,6 +133,40 @@ def test_credentials_the_redis_refuses_stop_every_service_at_once(password_redis
         assert password is None or password not in out, (argv, out[-2000:])
 
 
+def test_a_database_index_the_redis_lacks_stops_every_service_at_once(password_redis: str):
+    """`--redis-url .../99` on a Redis of 16 databases does not pass with time either: each
+    service alone stops with one line naming it (they retried forever)."""
+    url = password_redis.rsplit("/", 1)[0] + "/99"
+    for argv in (["gateway", "--port", str(free_port())], ["scheduler"], ["worker", "--rank", "0"]):
+        proc = subprocess.run([sys.executable, "-m", "services.cli", *argv, "--redis-url", url],
+                              cwd=ROOT, capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode != 0 and "DB index is out of range" in out, (argv, out[-2000:])
+        assert "Traceback" not in out and "retrying" not in out, (argv, out[-2000:])
+
+
+def test_the_password_may_come_from_the_environment(password_redis: str):
+    """$PACER_REDIS_PASSWORD serves a URL without one (kept off the command line, which `ps`
+    shows every user): the scheduler connects and waits for its workers."""
+    url = password_redis.replace(f":{PASSWORD}@", "")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "scheduler", "--redis-url",
+                             url, "--key-prefix", "env-password:", "--scheduler-id", "env"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env={**os.environ, "PACER_REDIS_PASSWORD": PASSWORD})
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "waiting for workers" in line or "refused" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        out = "".join(lines) + proc.communicate(timeout=30)[0]
+    finally:
+        proc.kill()
+    assert "waiting for workers" in out and "refused" not in out, out[-2000:]
+    assert PASSWORD not in out, out[-2000:]
+
+
 @pytest.mark.parametrize("service", [["scheduler"], ["worker", "--rank", "0"]])
 def test_sigterm_while_redis_is_away_stops_a_service_cleanly(service: list[str]):
     url = f"redis://127.0.0.1:{free_port()}/0"      # nothing listens there

@@ -33,11 +33,13 @@ from scheduler_svc.service import serve as serve_scheduler
 from scheduler_svc.workers import WorkerWatch
 from services.engine import LLMEngine
 from shared.lifecycle import (cancel_tasks, connect_redis, keep_heartbeat, redis_run_id,
-                                stream_tail_id)
+                                stream_id_text, stream_tail_id)
+from scheduler_svc.core import Scheduler
+from shared.config import SchedulerConfig
 from shared.engine_args import EngineArgs
 from shared.keys import WORKER_HEARTBEAT_TTL_S, Keys
 from shared.plan import IterationPlan, StepResult
-from shared.protocol import Heartbeat, encode
+from shared.protocol import Heartbeat, encode, from_fields
 from tests.helpers_tiny_model import write_tiny_llama
 from tests.redis_fixture import start_redis, stop_redis
 from tests.served_fixture import API_KEY
@@ -56,10 +58,12 @@ def tiny_model(tmp_path_factory) -> str:
 
 
 class Redis:
-    """A redis-server on a fixed port that can be restarted, empty."""
+    """A redis-server on a fixed port that can be restarted: empty, or with what it had, given
+    `persist_dir` (an append-only file)."""
 
-    def __init__(self) -> None:
-        self.proc, self.url = start_redis()
+    def __init__(self, persist_dir: str | None = None) -> None:
+        self.persist_dir = persist_dir
+        self.proc, self.url = start_redis(None, persist_dir)
         self.port = urlsplit(self.url).port
 
     def client(self) -> redis.Redis:
@@ -67,7 +71,7 @@ class Redis:
 
     def restart(self) -> None:
         stop_redis(self.proc)
-        self.proc, _ = start_redis(self.port)
+        self.proc, _ = start_redis(self.port, self.persist_dir)
 
     def stop(self) -> None:
         stop_redis(self.proc)
@@ -272,6 +276,118 @@ async def test_plans_of_a_restarted_redis_are_read_though_their_ids_are_lower(
         admin.xadd(KEYS.plans, {"m": b"not a plan"}, id=FAR_FUTURE_ID)
     async with running(server, tiny_model) as s:
         await restart_while_a_plan_runs(s, server, [r.text for r in await complete(s, 1)])
+
+
+async def test_after_a_restart_of_a_redis_that_persists_no_old_plan_runs_again(
+        tmp_path, tiny_model):
+    """Redis keeps its keys across a restart (AOF): the plans stream still holds every plan
+    sent before it. Worker rank 0 must not run them again (it did, from the stream's start:
+    tokens of long-finished requests republished, their progress records made again, new
+    requests queued behind them); new streams complete exactly."""
+    server = Redis(persist_dir=str(tmp_path))
+    try:
+        async with running(server, tiny_model) as s:
+            reference = [r.text for r in await complete(s, 2)]
+            server.restart()
+            with server.client() as admin:
+                assert admin.xlen(KEYS.plans) > 0               # the old plans are back
+            await serving_again(s)
+            assert_complete(await complete(s, 2), reference)
+            with server.client() as admin:
+                assert admin.keys(KEYS.progress("*")) == []     # no old request ran again
+    finally:
+        server.stop()
+
+
+async def test_the_next_plans_result_is_not_sent_to_a_redis_that_restarted(server, tiny_model):
+    """With overlap, rank 0 has read the next plan when Redis restarts (empty) while a plan
+    runs. The running plan's result is dropped (its send fails and finds another server);
+    the next one's must be too, though its send finds a fresh connection: sent, it left
+    progress records of the old server's requests on the new one (for an hour) and a result
+    nobody reads."""
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 2)]
+
+        async def restart() -> None:
+            await s.gate.hold_next_plan()
+            with server.client() as admin:
+                await _plan_after(admin, stream_id_text(admin.xrevrange(KEYS.plans, count=1)[0][0]))
+            await asyncio.sleep(0.2)            # the next plan is read meanwhile
+            server.restart()
+            s.gate.release()
+
+        for i, r in enumerate(await complete(s, 2, restart)):
+            assert r.done and r.error is not None, (i, r)
+        await serving_again(s)
+        with server.client() as admin:
+            assert admin.keys(KEYS.progress("*")) == []
+            planned = {from_fields(f).plan.step for _, f in admin.xrange(KEYS.plans)}
+            answered = {from_fields(f).result.step for _, f in admin.xrange(KEYS.results)}
+            assert answered <= planned, answered - planned   # no result of the old server's
+
+
+async def test_streams_complete_across_a_redis_out_of_memory_for_a_moment(server, tiny_model):
+    """Redis refuses every write (maxmemory, noeviction) while a plan runs, for a second:
+    worker rank 0 and the scheduler retry as they would an unreachable server (rank 0's
+    plan loop died of the unhandled error, the scheduler exited), and the streams complete
+    exactly once memory is back."""
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 2)]
+
+        async def out_of_memory() -> None:
+            await s.gate.hold_next_plan()
+            with server.client() as admin:
+                admin.config_set("maxmemory", "1")
+                s.gate.release()
+                await asyncio.sleep(1.0)
+                admin.config_set("maxmemory", "0")
+
+        assert_complete(await complete(s, 2, out_of_memory), reference)
+
+
+async def test_a_worker_told_to_stop_gives_up_a_redis_that_is_gone(server, tiny_model):
+    """`pacer up` is killed: every child gets SIGTERM at once, and Redis exits with them.
+    Rank 0, told to stop with a result still to send, must give up and return (it retried
+    forever, an orphan logging "redis unavailable")."""
+    async with running(server, tiny_model) as s:
+        async def stop_with_redis() -> None:
+            await s.gate.hold_next_plan()
+            server.stop()
+            stopping = asyncio.create_task(s.worker.stop())
+            s.gate.release()
+            await asyncio.wait_for(stopping, DEADLINE_S)
+
+        await complete(s, 1, stop_with_redis)
+
+
+async def test_a_scheduler_told_to_stop_gives_up_a_redis_that_is_gone(server):
+    """The scheduler of a killed `pacer up`: stopped while it waits on a Redis that is gone
+    (here for its workers, before any drain began), it must exit, not retry forever."""
+    core = Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4,
+                                     num_kv_blocks=8, block_size=4, max_model_len=64))
+    redis_client, stop = await connect_redis(server.url), asyncio.Event()
+    serving = asyncio.create_task(serve_scheduler(
+        redis_client, KEYS, core, SchedulerServiceConfig("s", drain_timeout_s=0.5), stop))
+    try:
+        with server.client() as admin:      # waiting for workers
+            while not admin.keys(KEYS.hb_scheduler("*")):
+                await asyncio.sleep(0.05)
+        server.stop()
+        await asyncio.sleep(1.0)            # it retries now
+        stop.set()
+        await asyncio.wait_for(serving, DEADLINE_S)         # returns, whatever its code
+    finally:
+        serving.cancel()
+        await redis_client.aclose()
+
+
+async def serving_again(s: System) -> None:
+    """Once a stream completes again after a restart (those sent before the gateway
+    noticed it end with an error)."""
+    end = time.monotonic() + DEADLINE_S
+    while (await complete(s, 1))[0].error is not None:
+        assert time.monotonic() < end, "not serving again after the restart"
+        await asyncio.sleep(0.1)
 
 
 async def restart_while_a_plan_runs(s: System, server: Redis, reference: list[str]) -> None:

@@ -47,4 +47,4 @@ def test_a_redis_url_shows_without_its_password(url: str, shown: str):
     assert shown_url(url) == shown
     message = str(refused_credentials(url, AuthenticationError("refused")))
     assert shown in message and "pw" not in message and "secret" not in message
-    assert ("give its password in the URL" in message) == (url == "redis://h:1/0")
+    assert ("give its password in $PACER_REDIS_PASSWORD" in message) == (url == "redis://h:1/0")
