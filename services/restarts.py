@@ -22,6 +22,7 @@ import structlog
 
 from scheduler_svc.workers import incarnation
 from services.supervisor import Child, Supervisor, describe_exit, stop_children, wait_quietly
+from shared.service_args import redis_password
 
 log = structlog.get_logger("restarts")
 
@@ -80,8 +81,8 @@ class Restarter:
         keys = [self.heartbeat_keys[c.name] for c in group if c.name in self.heartbeat_keys]
         if not keys:
             return
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=1.0,
-                                      socket_connect_timeout=1.0)
+        client = redis.Redis.from_url(self.redis_url, password=redis_password(),
+                                      socket_timeout=1.0, socket_connect_timeout=1.0)
         try:
             client.delete(*keys)
         except (redis.RedisError, OSError) as e:
@@ -97,8 +98,8 @@ class Watchdog:
         """`heartbeat_keys`: child name -> its heartbeat key; `after_s`: how long a child
         whose heartbeat was seen may go without one (0: never killed)."""
         self.heartbeat_keys, self.after_s = heartbeat_keys, after_s
-        self._client = redis.Redis.from_url(redis_url, socket_timeout=1.0,
-                                            socket_connect_timeout=1.0)
+        self._client = redis.Redis.from_url(redis_url, password=redis_password(),
+                                            socket_timeout=1.0, socket_connect_timeout=1.0)
         self._seen: dict[int, float] = {}      # pid -> when its heartbeat was last seen
         self._checked_at = time.monotonic()
         self._redis_away = False

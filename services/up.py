@@ -39,7 +39,8 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
 from shared.service_args import (LOG_LEVEL_HELP, non_negative_int, non_negative_seconds,
-                                 positive_seconds, refused_credentials, shown_url)
+                                 password_to_environment, positive_seconds, redis_password,
+                                 refused_for_good, shown_url)
 
 log = structlog.get_logger("up")
 
@@ -199,16 +200,13 @@ def _check_redis_db(redis_url: str) -> None:
     """A Redis that answers but refuses the URL's database (a server has 16 unless set
     otherwise) or its credentials: one clear line now, not services retrying it forever."""
     import redis
-    client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+    client = redis.Redis.from_url(redis_url, password=redis_password(), socket_timeout=2,
+                                  socket_connect_timeout=2)
     try:
         client.ping()
-    except (redis.exceptions.AuthenticationError, redis.exceptions.AuthorizationError) as e:
-        raise refused_credentials(redis_url, e) from None
-    except redis.ResponseError as e:
-        if "DB index" in str(e):
-            raise PacerError(f"--redis-url {shown_url(redis_url)}: {e}") from None
-    except redis.RedisError:
-        pass                         # not answering yet: the services wait
+    except redis.RedisError as e:
+        if (error := refused_for_good(redis_url, e)) is not None:
+            raise error from None    # else not answering yet: the services wait
     finally:
         client.close()
 
@@ -462,6 +460,7 @@ def run(args: argparse.Namespace) -> int:
     from shared.logging import configure_logging
 
     configure_logging("up", args.log_level)
+    args.redis_url = password_to_environment(args.redis_url)
     engine = EngineArgs.from_cli(args)
     # refuse bad flags here, before anything starts (the instances' layout is checked as
     # the services' command lines are made)

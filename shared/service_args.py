@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 from redis.exceptions import ResponseError
 
@@ -69,6 +69,24 @@ def redis_password() -> str | None:
     """The password of $PACER_REDIS_PASSWORD, for every Redis client a service makes (as
     `password=`; one the URL gives wins)."""
     return os.environ.get(PASSWORD_ENV) or None
+
+
+def password_to_environment(redis_url: str) -> str:
+    """The URL without its password, which goes to $PACER_REDIS_PASSWORD instead (of this
+    process, and so of the children it starts): `pacer up` hands the URL to its services on
+    their command lines, which `ps` shows every user of the machine."""
+    url = urlsplit(redis_url)
+    query = parse_qsl(url.query, True)
+    password = unquote(url.password) if url.password else dict(query).get("password")
+    if not password:
+        return redis_url
+    os.environ[PASSWORD_ENV] = password
+    netloc = url.netloc
+    if url.password:
+        host = netloc.rsplit("@", 1)[1]
+        netloc = f"{url.username}@{host}" if url.username else host
+    query = [(key, value) for key, value in query if key != "password"]
+    return url._replace(netloc=netloc, query=urlencode(query)).geturl()
 
 
 def refused_credentials(redis_url: str, error: Exception) -> PacerError:

@@ -92,6 +92,20 @@ def test_a_redis_with_a_password_serves_requests(served: Served):
         log = f.read()
     assert "already listening there, NOT started by pacer up" in log
     assert PASSWORD not in log
+    # its services have the password in their environment, not on their command lines
+    # (which `ps` shows every user)
+    services = [argv for argv in _command_lines() if "services.cli" in argv
+                and argv[argv.index("services.cli") + 1] in ("gateway", "scheduler", "worker")]
+    assert services and not [argv for argv in services if any(PASSWORD in a for a in argv)]
+
+
+def _command_lines() -> list[list[str]]:
+    lines = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                lines.append(f.read().decode(errors="replace").split("\0"))
+    return lines
 
 
 @contextlib.contextmanager
