@@ -35,6 +35,8 @@ RANK = textwrap.dedent("""
     from shared.protocol import decode
 
     rank, port, mode = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    from gpu_worker.tp import liveness
+    liveness.DEAD_AFTER_S = 3.0                  # (10 s served) the silence that means dead
     runner = SimpleNamespace(rc=SimpleNamespace(seed=1),
                              execute=lambda plan: StepResult(plan.step, {}))
     group = init_tp_group(rank, 2, "127.0.0.1", port, "gloo", timeout_s=%d)
@@ -118,8 +120,8 @@ def test_a_stopped_rank_0_is_seen_by_its_followers_watchdog():
     finally:
         stop(procs)
     assert procs[1].returncode == 1
-    assert "pacer: tp rank 1: tp rank 0 stopped answering (its rendezvous store gave no answer" \
-        in err, err
+    assert "pacer: tp rank 1: tp rank 0 stopped answering (its rendezvous store gave no answer " \
+        "for 3.0 s)" in err, err
 
 
 @pytest.mark.parametrize("mode", ["gone", "stopped"])
