@@ -2,8 +2,9 @@
 
     pacer up [--model M] [--tp N] [--host H] [--port 8000] [--redis-url URL] [engine flags]
 
-Starts a `redis-server` when none answers at the URL (a `redis://` URL on this machine; its
-password, if the URL has one, becomes the server's), then each service as its own process,
+Starts a `redis-server` when none answers at the URL (a `redis://` URL on this machine; the
+password, if the URL or $PACER_REDIS_PASSWORD gives one, becomes the server's), then each
+service as its own process,
 waits until the gateway's /health is 200, and prints the URL. Ctrl-C or SIGTERM drains: the
 gateway answers 503 to new requests and gives running ones `--shutdown-timeout` seconds to
 finish (then ends them with an error event), then the rest stops in order (scheduler,
@@ -486,7 +487,7 @@ def run(args: argparse.Namespace) -> int:
             raise PacerError(f"no Redis answers at {shown_url(args.redis_url)} (pacer up "
                              f"starts one only on a local address: {', '.join(LOCAL_HOSTS)})")
         if started:
-            start_redis(sup, host, port, url.password)
+            start_redis(sup, host, port, redis_password())   # the URL's, or the variable's
         _check_redis_db(args.redis_url)
         redis_note = describe_redis(args.redis_url, started)
         log.info("redis", redis=redis_note, started_here=started)

@@ -99,6 +99,20 @@ def test_a_redis_with_a_password_serves_requests(served: Served):
     assert services and not [argv for argv in services if any(PASSWORD in a for a in argv)]
 
 
+def test_the_redis_pacer_up_starts_keeps_the_urls_password(tmp_path):
+    """With nothing listening at the URL, `pacer up` starts a Redis, and the URL's password
+    is that server's (it moves to the services' environment first: read from there)."""
+    port = free_port()
+    system = start_served(str(tmp_path / "pacer-up.log"),
+                          "--redis-url", f"redis://:{PASSWORD}@127.0.0.1:{port}/0")
+    try:
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port).ping()
+        assert redis.Redis(port=port, password=PASSWORD).ping()
+    finally:
+        system.stop()
+
+
 def _command_lines() -> list[list[str]]:
     lines = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
