@@ -12,7 +12,9 @@ no scheduler ran) will never be served, and ends with an error too (`check_entri
 
 Aborts that could not be sent (Redis away, stalled, out of memory) are kept, a bounded few,
 and sent once a heartbeat gets through again: the scheduler would otherwise decode a request
-the gateway ended itself to its max_tokens, for nobody.
+the gateway ended itself to its max_tokens, for nobody. One that Redis refuses for good is dropped.
+A heartbeat's reply is waited for HEARTBEAT_REPLY_S: a stalled Redis counts as failing then,
+not at the socket timeout.
 
 After a restart the connection pool still holds connections to the old server; the first
 command on each fails. Submitting and aborting drop those idle connections and try once more,
@@ -41,12 +43,13 @@ from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          SCAN_COUNT, Keys)
 from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
-from shared.redis_retry import redis_trouble, retry_redis
+from shared.redis_retry import TRANSIENT, redis_trouble, retry_redis
 from shared.sampling import SamplingParams
 
 log = structlog.get_logger("gateway.upstream")
 
 REDIS_UNREACHABLE_S = 3.0
+HEARTBEAT_REPLY_S = 1.0     # a heartbeat's reply waited for at most this long
 REDIS_RESTARTED = "Redis restarted and lost the request; send it again"
 REQUEST_LOST = ("the request's entry is gone from Redis's request stream (deleted, or evicted "
                 "under maxmemory) before a scheduler finished it; send it again")
@@ -158,13 +161,17 @@ class Upstream:
     async def _abort_logged(self, request_id: str, reason: str) -> None:
         try:
             await self.abort(request_id, reason)
-        except (RedisError, OSError) as e:
+        except TRANSIENT as e:
             log.warning("abort not sent yet; it goes once redis answers",
                         request_id=request_id, reason=reason, error=str(e))
             self._unsent_aborts[request_id] = reason
             if len(self._unsent_aborts) > UNSENT_ABORTS_KEPT:
                 dropped, _ = self._unsent_aborts.popitem(last=False)
                 log.error("abort not sent", request_id=dropped)
+        except RedisError as e:
+            # refused for good (the aborts key holds another type, an ACL forbids it): kept,
+            # it would be refused again with every heartbeat
+            log.error("abort not sent: redis refused it", request_id=request_id, error=str(e))
 
     def _queue_unsent_aborts(self, pipe) -> list[str]:
         """The aborts kept since Redis refused them, queued on `pipe`; their request ids."""
@@ -173,6 +180,20 @@ class Upstream:
             pipe.xadd(self.keys.aborts, to_fields(AbortMsg(rid, self._unsent_aborts[rid])),
                       maxlen=ABORTS_MAXLEN, approximate=True)
         return rids
+
+    def _settle_unsent_aborts(self, rids: list[str], replies: list) -> None:
+        """Forget the kept aborts Redis took, and those it refused for good; keep those it
+        could not take yet (out of memory)."""
+        for rid, reply in zip(rids, replies):
+            if isinstance(reply, TRANSIENT):
+                continue
+            reason = self._unsent_aborts.pop(rid, None)
+            if isinstance(reply, Exception):
+                log.error("abort not sent: redis refused it", request_id=rid, reason=reason,
+                          error=str(reply))
+        sent = sum(not isinstance(r, Exception) for r in replies)
+        if sent:
+            log.info("aborts sent once redis answered", count=sent)
 
     async def drain(self) -> None:
         """Wait for aborts still being sent (at shutdown)."""
@@ -188,17 +209,21 @@ class Upstream:
         failing_since: float | None = None
         checked_at = time.monotonic()
         while not cancel_requested():
+            tried_at = time.monotonic()
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.set(key, encode(Heartbeat("gateway", self.gateway_id, time.time(), {})),
                          ex=HEARTBEAT_TTL_S)
                 pipe.info("server")
                 aborts = self._queue_unsent_aborts(pipe)
-                _, info, *_ = await pipe.execute()
-                for rid in aborts:
-                    self._unsent_aborts.pop(rid, None)
-                if aborts:
-                    log.info("aborts sent once redis answered", count=len(aborts))
+                # bounded: a stalled Redis would hold it for the pool's socket timeout (10 s)
+                # and end the streams only after twice that
+                written, info, *sent = await asyncio.wait_for(
+                    pipe.execute(raise_on_error=False), HEARTBEAT_REPLY_S)
+                for reply in (written, info):
+                    if isinstance(reply, Exception):
+                        raise reply
+                self._settle_unsent_aborts(aborts, sent)
                 replaced, run_id, failing_since = run_id, info["run_id"], None
                 if replaced is not None and run_id != replaced:
                     self._replaced.append(replaced)
@@ -208,10 +233,10 @@ class Upstream:
                 if time.monotonic() - checked_at >= ENTRY_CHECK_S:
                     checked_at = time.monotonic()
                     await self.check_entries(router)
-            except (RedisError, OSError) as e:
-                log.warning("heartbeat not written", error=str(e))
+            except (RedisError, OSError) as e:       # OSError: TimeoutError too
+                log.warning("heartbeat not written", error=str(e) or type(e).__name__)
                 now = time.monotonic()
-                failing_since = failing_since or now
+                failing_since = failing_since or tried_at
                 if now - failing_since >= REDIS_UNREACHABLE_S:
                     router.fail_all(f"{redis_trouble(e)}; the request cannot complete")
                     failing_since = now

@@ -39,9 +39,16 @@ OUT_OF_MEMORY = "Redis is out of memory (maxmemory)"
 
 
 def redis_trouble(error: BaseException) -> str:
-    """What a transient failure means, for an error a client gets: a Redis out of memory
-    answers, so "unreachable" would send an operator looking in the wrong place."""
-    return OUT_OF_MEMORY if isinstance(error, OutOfMemoryError) else "Redis is unreachable"
+    """What a failure means, for an error a client gets: a Redis out of memory or one that
+    refuses a command answers, and one that stalls is reached: "unreachable" would send an
+    operator looking in the wrong place."""
+    if isinstance(error, OutOfMemoryError):
+        return OUT_OF_MEMORY
+    if isinstance(error, (RedisTimeoutError, TimeoutError)):
+        return "Redis does not answer (stalled)"
+    if isinstance(error, (RedisConnectionError, OSError)):
+        return "Redis is unreachable"
+    return f"Redis refused a command ({error})"
 
 
 def redis_failure(error: BaseException) -> str:

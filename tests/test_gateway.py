@@ -6,6 +6,7 @@ through Redis exactly as in production; what answers them is `FakeScheduler` bel
 from __future__ import annotations
 
 import asyncio
+import time
 import contextlib
 import dataclasses
 import importlib.metadata
@@ -214,7 +215,9 @@ def config(redis_server: str) -> GatewayConfig:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def h(config: GatewayConfig, redis_server: str):
     app = create_app(config)
-    redis = aioredis.Redis.from_url(redis_server)
+    # the fake scheduler's client outlasts the pauses tests make (redis-py's default socket
+    # timeout is shorter: its reads timed out, and the fake was gone for the tests after)
+    redis = aioredis.Redis.from_url(redis_server, socket_timeout=30)
     keys = Keys(PREFIX)
     fake = FakeScheduler(redis, keys, app[STATE].tokenizer)
     fake_task = asyncio.create_task(fake.run())
@@ -1135,6 +1138,54 @@ async def test_an_abort_redis_refused_is_sent_once_it_takes_writes_again(h: Harn
                 await h.redis.config_set("maxmemory", "0")
     assert await wait_for_abort(h, first["id"]) == \
         "ended by the gateway: Redis is out of memory (a test)"
+
+
+async def test_an_abort_redis_refuses_for_good_is_dropped_not_kept(h: Harness) -> None:
+    """An abort kept while Redis was out of memory meets, once it has room, a refusal that
+    stays (its key holds another type here; an ACL alike): it is dropped with an error. Kept,
+    it failed every heartbeat after it, and the gateway ended every stream as if Redis were
+    away."""
+    upstream = h.state.upstream
+    await h.redis.set(h.keys.aborts, b"not a stream")
+    try:
+        await h.redis.config_set("maxmemory", "1")
+        try:
+            upstream.abort_soon("refused-for-good", "a test")
+            await upstream.drain()
+            assert "refused-for-good" in upstream._unsent_aborts
+        finally:
+            await h.redis.config_set("maxmemory", "0")
+        for _ in range(60):
+            if "refused-for-good" not in upstream._unsent_aborts:
+                break
+            await asyncio.sleep(0.05)
+        assert "refused-for-good" not in upstream._unsent_aborts
+    finally:
+        await h.redis.delete(h.keys.aborts)
+
+
+async def test_a_stalled_redis_ends_the_streams_before_the_socket_timeout(h: Harness) -> None:
+    """Redis stops answering (paused here, SIGSTOP in the field) while a stream runs: the
+    heartbeat gives up on a reply after HEARTBEAT_REPLY_S, so the stream ends with an error
+    naming a stalled Redis within ~REDIS_UNREACHABLE_S. It waited for the pool's 10 s socket
+    timeout before: the stream ended after ~20 s, and not at all if Redis came back sooner."""
+    # a connection of its own, made before the pause: one made during it waits too
+    admin = aioredis.Redis.from_url(h.config.redis_url, single_connection_client=True)
+    await admin.ping()
+    async with aiohttp.ClientSession() as session:
+        async with session.post(h.url + "/v1/completions", json=completion(
+                prompt="[slow]", max_tokens=100, stream=True)) as r:
+            await r.content.readuntil(b"\n\n")
+            await admin.execute_command("CLIENT", "PAUSE", "9000", "ALL")
+            paused_at = time.monotonic()
+            try:
+                rest = await asyncio.wait_for(r.read(), 8.5)
+                print(f"\nstalled Redis: the stream ended {time.monotonic() - paused_at:.1f} s "
+                      "after it stopped answering")
+            finally:
+                await admin.execute_command("CLIENT", "UNPAUSE")
+                await admin.aclose()
+    assert b"Redis does not answer (stalled); the request cannot complete" in rest, rest[-500:]
 
 
 # ---- disconnects -----------------------------------------------------------------------------

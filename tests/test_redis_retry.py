@@ -6,9 +6,11 @@ import asyncio
 
 import pytest
 import structlog
-from redis.exceptions import AuthenticationError
+from redis.exceptions import AuthenticationError, OutOfMemoryError, ResponseError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.redis_retry import PERMANENT, retry_redis
+from shared.redis_retry import PERMANENT, redis_trouble, retry_redis
 from shared.service_args import refused_credentials, shown_url
 
 log = structlog.get_logger("test")
@@ -48,3 +50,19 @@ def test_a_redis_url_shows_without_its_password(url: str, shown: str):
     message = str(refused_credentials(url, AuthenticationError("refused")))
     assert shown in message and "pw" not in message and "secret" not in message
     assert ("give its password in $PACER_REDIS_PASSWORD" in message) == (url == "redis://h:1/0")
+
+
+@pytest.mark.parametrize("error, said", [
+    (OutOfMemoryError("OOM command not allowed"), "Redis is out of memory (maxmemory)"),
+    (RedisTimeoutError("Timeout reading"), "Redis does not answer (stalled)"),
+    (TimeoutError(), "Redis does not answer (stalled)"),
+    (RedisConnectionError("Connection refused"), "Redis is unreachable"),
+    (ConnectionResetError(), "Redis is unreachable"),
+    (ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
+     "Redis refused a command (WRONGTYPE Operation against a key holding the wrong kind of "
+     "value)"),
+])
+def test_a_redis_failure_is_named_for_what_it_is(error: Exception, said: str):
+    """A Redis that answers (out of memory, refusing a command) or one that stalls is not
+    "unreachable": that would send an operator looking in the wrong place."""
+    assert redis_trouble(error) == said
