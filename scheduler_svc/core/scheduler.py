@@ -386,11 +386,11 @@ class Scheduler:
         iteration = _Iteration(self.config.max_num_batched_tokens, self.last_latency_budget,
                                ahead=ahead, finishing=finishing)
         if self.ttft_goal is not None:
-            self._decide_by_deadline(iteration, finishing)
+            self._decide_by_deadline(iteration)
             return iteration
         walled = self._long_prompt_walled(iteration)
         short_waits = not walled and self._short_prompt_waits()
-        deferred = self._continue_running(iteration, finishing, short_waits)
+        deferred = self._continue_running(iteration, short_waits)
         if short_waits and not iteration.preempted_ids and not iteration.stalled:
             self._admit_short(iteration)
         if deferred:
@@ -408,12 +408,13 @@ class Scheduler:
             self._admit_waiting(iteration)
         return iteration
 
-    def _decide_by_deadline(self, iteration: _Iteration, finishing: frozenset[Request]) -> None:
+    def _decide_by_deadline(self, iteration: _Iteration) -> None:
         """With a TTFT goal (`ttft_goal.py`): running prefills and waiting prompts in one
         order of urgency, each placed while the budgets allow. Both lists are kept sorted by
         it, so the last running is the least urgent (preemption takes it first) and the head of
         the queue the most urgent waiting one (nobody overtakes it)."""
         iteration.now = now = self.clock()
+        finishing = iteration.finishing
         key = self.ttft_goal.priority
         keys = {r: key(r, now) for r in (*self._running, *self._waiting)}
         self._running.sort(key=keys.__getitem__)
@@ -654,13 +655,12 @@ class Scheduler:
         return getattr(self.config.iteration_cost, "wide_from_rows", None) is not None
 
     def _continue_running(self, iteration: _Iteration,
-                          finishing: frozenset[Request] = frozenset(),
                           defer_long: bool = False) -> list[Request]:
         """Rows for the running requests, in admission order; with `defer_long`, the
         prefills longer than the token budget are left out and returned, for
         `_continue_deferred` once the short prompts are in."""
         deferred: list[Request] = []
-        running = self._running
+        running, finishing = self._running, iteration.finishing
         max_model_len = self.max_model_len
         block_size = self.block_manager.block_size
         budget = iteration.token_budget
