@@ -51,8 +51,9 @@ log = structlog.get_logger("gateway.upstream")
 REDIS_UNREACHABLE_S = 3.0
 HEARTBEAT_REPLY_S = 1.0     # a heartbeat's reply waited for at most this long
 REDIS_RESTARTED = "Redis restarted and lost the request; send it again"
-REQUEST_LOST = ("the request's entry is gone from Redis's request stream (deleted, or evicted "
-                "under maxmemory) before a scheduler finished it; send it again")
+REQUEST_LOST = ("the request's entry is gone from Redis's request stream (trimmed at its "
+                "length cap, deleted, or evicted under maxmemory) before a scheduler finished "
+                "it; send it again")
 ENTRY_CHECK_S = 2.0         # how often, and after how long without news, a request's entry is
                             # looked up
 UNSENT_ABORTS_KEPT = 10_000

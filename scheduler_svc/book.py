@@ -172,8 +172,10 @@ class RequestBook:
         if rid is None or not self.hand_off(rid):
             return False
         self.core.abort(rid)
-        log.warning("request left to the scheduler that claimed it while this one stalled",
-                    request_id=rid)
+        # or its entry left the group: trimmed from the request stream (an XAUTOCLAIM drops
+        # those from the pending list), and the gateway tells its client
+        log.warning("request left: another scheduler claimed it while this one stalled, or "
+                    "its entry was trimmed from the request stream", request_id=rid)
         return True
 
     def _already_done(self, entry_id: bytes | str, msg: RequestMsg, tokens: list[int]) -> bool:
