@@ -330,7 +330,7 @@ async def metrics(request: web.Request) -> web.Response:
                                        for i in instances if i]
     body = await state.metrics.render(state.redis, {
         i: state.keys.for_instance(i).stats for i in instances}, live, streams,
-        max(deadline - time.monotonic(), 0.01))
+        max(deadline - time.monotonic(), 0.01), state.keys.restarts)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

@@ -132,14 +132,19 @@ class SchedulerStats:
     def __init__(self) -> None:
         self.snapshots: dict[str, dict[str, float]] = {"": {}}
         self.queued = math.nan
+        self.restarts: dict[str, float] = {}        # service -> restarts by `pacer up`
 
     async def refresh(self, redis: aioredis.Redis, keys: dict[str, str], live: set[str],
-                      request_streams: list[str]) -> None:
+                      request_streams: list[str], restarts_key: str | None = None) -> None:
         """`keys`: instance id ("" for the colocated engine) -> its stats hash key; `live`:
         the instances whose scheduler beats; `request_streams`: the streams schedulers read
-        requests from, whose unread entries are `pacer:num_requests_queued`."""
+        requests from, whose unread entries are `pacer:num_requests_queued`; `restarts_key`:
+        the hash `pacer up` counts its restarts of each service in."""
         self.snapshots = {}
         self.queued = await _unread(redis, request_streams)
+        if restarts_key is not None:
+            self.restarts = {_text(k): float(v)
+                             for k, v in (await redis.hgetall(restarts_key)).items()}
         for instance, key in keys.items():
             try:
                 raw = await redis.hgetall(key)
@@ -179,6 +184,12 @@ class SchedulerStats:
                     family = kind(name, doc, value=value)
             if family is not None:
                 yield family
+        restarts = CounterMetricFamily(
+            "pacer:service_restarts", "Restarts by `pacer up` of a service that died or hung (a "
+            "worker group counts once however many of its ranks died)", labels=["service"])
+        for service, count in sorted(self.restarts.items()):
+            restarts.add_metric([service], count)
+        yield restarts
         yield GaugeMetricFamily("pacer:num_requests_queued", "Requests in the request streams "
                                 "that no scheduler has read yet (num_requests_waiting counts "
                                 "those a scheduler holds)", value=self.queued)
@@ -229,12 +240,13 @@ class GatewayMetrics:
         r.register(self.scheduler_stats)
 
     async def render(self, redis: aioredis.Redis, stats_keys: dict[str, str], live: set[str],
-                     request_streams: list[str], redis_timeout_s: float) -> bytes:
+                     request_streams: list[str], redis_timeout_s: float,
+                     restarts_key: str | None = None) -> bytes:
         """The exposition; the schedulers' numbers are NaN (unknown) where Redis does not
         answer within `redis_timeout_s` (stalled): the gateway's own are there all the same."""
         try:
             await asyncio.wait_for(self.scheduler_stats.refresh(
-                redis, stats_keys, live, request_streams), redis_timeout_s)
+                redis, stats_keys, live, request_streams, restarts_key), redis_timeout_s)
         except TimeoutError:
             log.warning("scheduler stats unreadable: redis did not answer",
                         timeout_s=redis_timeout_s)

@@ -32,11 +32,13 @@ RESTART_WINDOW_S = 60.0
 
 class Restarter:
     def __init__(self, sup: Supervisor, redis_url: str, heartbeat_keys: dict[str, str],
-                 groups: dict[str, str]) -> None:
+                 groups: dict[str, str], restarts_key: str | None = None) -> None:
         """`heartbeat_keys`: child name -> its heartbeat key; `groups`: child name -> the
-        group it restarts with (the ranks of one TP group)."""
+        group it restarts with (the ranks of one TP group); `restarts_key`: a hash each
+        restart is counted in, by service (the gateway's `pacer:service_restarts`)."""
         self.sup, self.redis_url = sup, redis_url
         self.heartbeat_keys, self.groups = heartbeat_keys, groups
+        self.restarts_key = restarts_key
         self._recent: dict[str, deque[float]] = {}
 
     def handle(self, child: Child, stopping) -> bool:
@@ -69,6 +71,9 @@ class Restarter:
             self.sup.restart(member)
         print(f"pacer up: {child.name} exited ({describe_exit(child.returncode)}); restarted "
               f"{', '.join(m.name for m in group)}", file=sys.stderr, flush=True)
+        if self.restarts_key is not None:
+            self._on_redis("restart not counted",
+                           lambda client: client.hincrby(self.restarts_key, service, 1))
         return True
 
     def _group(self, child: Child) -> list[Child]:
@@ -79,14 +84,18 @@ class Restarter:
 
     def _forget_heartbeats(self, group: list[Child]) -> None:
         keys = [self.heartbeat_keys[c.name] for c in group if c.name in self.heartbeat_keys]
-        if not keys:
-            return
+        if keys:
+            self._on_redis("heartbeat keys not deleted", lambda client: client.delete(*keys))
+
+    def _on_redis(self, failed: str, op) -> None:
+        """`op(client)` on a connection of its own, given a second at most: a Redis that is
+        away (it may be the child that died) costs a warning, never the restart."""
         client = redis.Redis.from_url(self.redis_url, password=redis_password(),
                                       socket_timeout=1.0, socket_connect_timeout=1.0)
         try:
-            client.delete(*keys)
+            op(client)
         except (redis.RedisError, OSError) as e:
-            log.warning("heartbeat keys not deleted", keys=keys, error=str(e))
+            log.warning(failed, error=str(e))
         finally:
             client.close()
 

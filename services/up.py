@@ -504,7 +504,8 @@ def run(args: argparse.Namespace) -> int:
                   f"(Ctrl-C to stop)\npacer up: {redis_note}")
         # among the services' logs at a terminal, set the line apart
         print(f"\n{banner}\n" if sys.stdout.isatty() else banner, flush=True)
-        restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups)
+        restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups,
+                              Keys(args.key_prefix).restarts)
         watchdog = Watchdog(args.redis_url, services.heartbeat_keys, args.watchdog_s)
         try:
             return _watch(sup, stopping, restarter, watchdog)

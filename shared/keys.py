@@ -101,6 +101,11 @@ class Keys:
     def stats(self) -> str:
         return f"{self._own}stats"
 
+    @property
+    def restarts(self) -> str:
+        """`pacer up`'s count of its restarts, a hash: service name -> restarts."""
+        return f"{self.prefix}restarts"
+
     def tokens(self, gateway_id: str) -> str:
         """The pub/sub channel carrying token batches and finish events for one gateway."""
         return f"{self.prefix}tokens:{gateway_id}"

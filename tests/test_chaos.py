@@ -137,11 +137,22 @@ def assert_exact(results: list[StreamResult], reference: list[str], s: Served) -
         assert r.text == expected, (i, r.text, expected)
 
 
+def restarts(s: Served, service: str) -> float:
+    """`pacer:service_restarts_total` of `service`, as /metrics shows it."""
+    status, body = s.get("/metrics")
+    assert status == 200, body
+    sample = f'pacer:service_restarts_total{{service="{service}"}} '
+    return next((float(line[len(sample):]) for line in body.decode().splitlines()
+                 if line.startswith(sample)), 0.0)
+
+
 def test_a_killed_worker_is_restarted_and_every_stream_completes_exactly(served, reference):
     pid = heartbeat_pid(served, KEYS.hb_worker(0))
+    before = restarts(served, "worker group")
     results, killed_at = asyncio.run(run_streams(served, lambda: os.kill(pid, signal.SIGKILL)))
     assert_exact(results, reference, served)
     assert heartbeat_pid(served, KEYS.hb_worker(0)) != pid
+    assert restarts(served, "worker group") == before + 1      # counted in /metrics
     print(f"\nworker kill -9: streams stalled {stall_after(results, killed_at):.2f} s "
           "(restart + model load + recompute), then all 32 completed exactly")
     wait_healthy(served)

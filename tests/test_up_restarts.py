@@ -81,6 +81,7 @@ def test_a_dead_groups_heartbeats_go_at_once_and_again_once_its_survivors_stoppe
         redis_server):
     r = redis.Redis.from_url(redis_server)
     keys = {name: f"test:hb:{name}" for name in GROUPS}
+    r.delete("test:restarts")
     sup = Supervisor()
     try:
         for name, key in keys.items():
@@ -95,9 +96,11 @@ def test_a_dead_groups_heartbeats_go_at_once_and_again_once_its_survivors_stoppe
         def stopping() -> bool:
             seen.append(seen or r.exists(*keys.values()))
             return False
-        assert Restarter(sup, redis_server, keys, GROUPS).handle(rank1, stopping)
+        assert Restarter(sup, redis_server, keys, GROUPS, "test:restarts").handle(rank1,
+                                                                                stopping)
         assert seen[0] == 0                         # the dead rank's key did not wait
         assert r.exists(*keys.values()) == 0        # nor what rank 0 wrote as it stopped
+        assert r.hgetall("test:restarts") == {b"worker group": b"1"}    # counted, once
     finally:
         stop_children(sup.children, 5.0)
         r.close()
