@@ -115,6 +115,10 @@ def _positive_int(cfg: dict, key: str, file: str, default: Any = _REQUIRED) -> A
         if default is _REQUIRED:
             raise ModelLoadError(f"{file}: has no {key!r}")
         return default
+    return _positive_count(value, key, file)
+
+
+def _positive_count(value: Any, key: str, file: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelLoadError(f"{file}: {key} must be a positive integer, got {value!r}")
     return value
@@ -205,18 +209,26 @@ def _hf_rope_scaling(cfg: dict, file: str) -> RopeScaling | None:
         if kind not in ("linear", "llama3"):
             raise ModelLoadError(f"{file}: {key} of type {kind!r} is not supported (plain RoPE, "
                                  "linear or llama3 only)")
+        # a factor of 0, below 0 or NaN gives infinite or NaN frequencies: fluent nonsense
+        def number(name: str) -> float:
+            return _positive_number(float(scaling[name]), f"{key}.{name}", file)
         try:
-            factor = float(scaling["factor"])
+            factor = number("factor")
             if kind == "linear":
                 return RopeScaling("linear", factor)
-            return RopeScaling("llama3", factor, float(scaling["low_freq_factor"]),
-                               float(scaling["high_freq_factor"]),
-                               int(scaling.get("original_max_position_embeddings")
-                                   or cfg["max_position_embeddings"]))
-        except (KeyError, TypeError, ValueError) as e:
+            low, high = number("low_freq_factor"), number("high_freq_factor")
+            original = scaling.get("original_max_position_embeddings")
+            original = int(cfg["max_position_embeddings"] if original is None else original)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ModelLoadError(f"{file}: {key} of type {kind!r} without a usable "
                                  f"{e.args[0] if isinstance(e, KeyError) else 'value'}: "
                                  f"{scaling}") from None
+        if high <= low:         # llama3 blends the frequencies between by dividing by high - low
+            raise ModelLoadError(f"{file}: {key}.high_freq_factor ({high:g}) must be above "
+                                 f"its low_freq_factor ({low:g})")
+        return RopeScaling("llama3", factor, low, high,
+                           _positive_count(original, f"{key}.original_max_position_embeddings",
+                                           file))
     return None
 
 
@@ -477,13 +489,16 @@ def _gguf_rope_scaling(reader: GGUFReader, path: str, arch: str, head_dim: int,
     factor = _f32(gguf_value(reader, f"{arch}.rope.scaling.factor", 1.0))
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if tensor is not None:
+        key = f"{arch}.rope.scaling.original_context_length"
+        original = gguf_value(reader, key)
+        if original is not None:
+            _positive_count(original, key, path)
         return _llama3_from_divisors(np.asarray(tensor.data, dtype=np.float64).ravel(), path,
-                                     head_dim, theta, gguf_value(
-                                         reader, f"{arch}.rope.scaling.original_context_length"))
+                                     head_dim, theta, original)
     if kind in ("none", None) or factor == 1.0:
         return None
     if kind == "linear":
-        return RopeScaling("linear", factor)
+        return RopeScaling("linear", _positive_number(factor, f"{arch}.rope.scaling.factor", path))
     raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (plain RoPE, linear or "
                          "llama3 only)")
 
@@ -496,8 +511,9 @@ def _llama3_from_divisors(divisors: np.ndarray, path: str, head_dim: int, theta:
     if divisors.shape != (head_dim // 2,):
         raise ModelLoadError(f"{path}: rope_freqs.weight has {divisors.size} values, not "
                              f"{head_dim // 2} (one per rotary pair)")
-    scaling = RopeScaling("llama3", float(np.float32(divisors.max())), 1.0, 4.0,
-                          int(original or 8192))
+    factor = _positive_number(float(np.float32(divisors.max())),
+                              "rope_freqs.weight's largest divisor (the factor)", path)
+    scaling = RopeScaling("llama3", factor, 1.0, 4.0, int(original or 8192))
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
     wavelen = 2 * np.pi / inv_freq
     old = scaling.original_max_position_embeddings

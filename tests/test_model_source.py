@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 
@@ -140,6 +141,10 @@ def test_the_tokenizers_eos_ends_generation_too(tiny_dir, tmp_path, decoder):
     assert set(load_tokenizer(resolve_model(path)).eos_token_ids) == {0, 2}
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "'GemmaForCausalLM'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
@@ -147,6 +152,21 @@ def test_the_tokenizers_eos_ends_generation_too(tiny_dir, tmp_path, decoder):
     ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "'yarn' is not supported"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
     ({"rope_scaling": {"type": "linear"}}, "'linear' without a usable factor"),
+    # factors that would give infinite or NaN frequencies, named with the field
+    ({"rope_scaling": {"type": "linear", "factor": 0}},
+     r"rope_scaling.factor must be a positive number, got 0.0"),
+    ({"rope_scaling": {"type": "linear", "factor": -2}},
+     r"rope_scaling.factor must be a positive number, got -2.0"),
+    ({"rope_parameters": {**LLAMA3, "factor": float("nan")}},
+     r"rope_parameters.factor must be a positive number, got nan"),
+    ({"rope_parameters": {**LLAMA3, "factor": 0}},
+     r"rope_parameters.factor must be a positive number, got 0.0"),
+    ({"rope_parameters": {**LLAMA3, "low_freq_factor": float("inf")}},
+     r"rope_parameters.low_freq_factor must be a positive number, got inf"),
+    ({"rope_parameters": {**LLAMA3, "high_freq_factor": 1.0}},
+     r"rope_parameters.high_freq_factor \(1\) must be above its low_freq_factor \(1\)"),
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 0}},
+     r"rope_scaling.original_max_position_embeddings must be a positive integer, got 0"),
     ({"attention_bias": True}, "attention_bias"),
     # fields of the wrong type: named, not an AttributeError or TypeError from deep inside
     ({"rope_scaling": "linear"}, "rope_scaling must be an object of fields, got 'linear'"),
@@ -202,7 +222,10 @@ def test_damaged_gguf_is_a_load_error(tmp_path):
         load_model_config(resolve_model(str(damaged)))
 
 
-def _scaled_gguf(path: str, kind: RopeScalingType) -> str:
+def _scaled_gguf(path: str, kind: RopeScalingType, factor: float = 4.0,
+                 original: int | None = None) -> str:
+    """A GGUF with linear (or another kind of) scaling; with `original`, llama3's divisors
+    (all 1) and that original context instead."""
     writer = GGUFWriter(path, "llama")
     writer.add_embedding_length(64)
     writer.add_head_count(4)
@@ -212,7 +235,10 @@ def _scaled_gguf(path: str, kind: RopeScalingType) -> str:
     writer.add_context_length(256)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_rope_scaling_type(kind)
-    writer.add_rope_scaling_factor(4.0)
+    writer.add_rope_scaling_factor(factor)
+    if original is not None:
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -226,3 +252,15 @@ def test_gguf_rope_scaling(tmp_path):
     yarn = _scaled_gguf(str(tmp_path / "yarn.gguf"), RopeScalingType.YARN)
     with pytest.raises(ModelLoadError, match="rope scaling 'yarn' is not supported"):
         load_model_config(resolve_model(yarn))
+
+
+@pytest.mark.parametrize("factor,original,message", [
+    (0.0, None, "llama.rope.scaling.factor must be a positive number, got 0.0"),
+    (-4.0, None, "llama.rope.scaling.factor must be a positive number, got -4.0"),
+    (float("nan"), None, "llama.rope.scaling.factor must be a positive number, got nan"),
+    (4.0, 0, "llama.rope.scaling.original_context_length must be a positive integer, got 0"),
+])
+def test_gguf_rope_scaling_of_unusable_numbers_is_refused(tmp_path, factor, original, message):
+    gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), RopeScalingType.LINEAR, factor, original)
+    with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
+        load_model_config(resolve_model(gguf))
