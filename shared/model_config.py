@@ -124,6 +124,16 @@ def _positive_count(value: Any, key: str, file: str) -> int:
     return value
 
 
+def _implied_head_dim(hidden: int, heads: int, file: str, hidden_key: str, heads_key: str,
+                      head_dim_key: str) -> int:
+    """The head size of a config that gives none: hidden / heads, which must divide evenly (8
+    split into 16 heads would be heads of size 0, a model of nothing)."""
+    if hidden % heads:
+        raise ModelLoadError(f"{file}: {hidden_key}={hidden} does not split evenly into "
+                             f"{heads_key}={heads} heads; {head_dim_key} must give the head size")
+    return hidden // heads
+
+
 def _positive_number(value: Any, key: str, file: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise ModelLoadError(f"{file}: {key} must be a positive number, got {value!r}")
@@ -175,7 +185,8 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
         num_layers=_positive_int(cfg, "num_hidden_layers", file),
         num_heads=heads,
         num_kv_heads=_positive_int(cfg, "num_key_value_heads", file, heads),
-        head_dim=_positive_int(cfg, "head_dim", file, hidden // heads),
+        head_dim=_positive_int(cfg, "head_dim", file, None) or _implied_head_dim(
+            hidden, heads, file, "hidden_size", "num_attention_heads", "head_dim"),
         rope_theta=_positive_number(next((t for t in (cfg.get("rope_theta"),
                                                       rope.get("rope_theta")) if t is not None),
                                          10000.0), "rope_theta", file),
@@ -442,7 +453,10 @@ def _from_gguf(path: str) -> ModelConfig:
     kv_heads = get("attention.head_count_kv", heads)
     if not isinstance(kv_heads, int):
         raise ModelLoadError(f"{path}: per-layer KV head counts are not supported")
-    head_dim = get("attention.key_length", hidden // heads)
+    head_dim = gguf_value(reader, f"{arch}.attention.key_length")
+    if head_dim is None:
+        head_dim = _implied_head_dim(hidden, heads, path, f"{arch}.embedding_length",
+                                     f"{arch}.attention.head_count", f"{arch}.attention.key_length")
     theta = _f32(get("rope.freq_base", 10000.0))
     rope_scaling = _gguf_rope_scaling(reader, path, arch, head_dim, theta)
     eos = _gguf_eos_ids(reader)

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -181,6 +182,11 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
     ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a positive number, got '1e-5'"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
      "rope_theta must be a positive number, got 0"),
+    # no head_dim, and a hidden size that does not split into the heads (8 into 16: size 0)
+    ({"hidden_size": 8, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": None},
+     "hidden_size=8 does not split evenly into num_attention_heads=16 heads; head_dim must "
+     "give the head size"),
+    ({"hidden_size": 65, "head_dim": None}, "hidden_size=65 does not split evenly"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
     ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them, got '2'"),
     ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
@@ -222,20 +228,22 @@ def test_damaged_gguf_is_a_load_error(tmp_path):
         load_model_config(resolve_model(str(damaged)))
 
 
-def _scaled_gguf(path: str, kind: RopeScalingType, factor: float = 4.0,
-                 original: int | None = None) -> str:
-    """A GGUF with linear (or another kind of) scaling; with `original`, llama3's divisors
-    (all 1) and that original context instead."""
+def _scaled_gguf(path: str, kind: RopeScalingType | None, factor: float = 4.0,
+                 original: int | None = None, hidden: int = 64, heads: Any = 4) -> str:
+    """A GGUF of `hidden` split into `heads` (no head size of its own) with linear (or
+    another kind of) scaling; with `original`, llama3's divisors (all 1) and that original
+    context instead."""
     writer = GGUFWriter(path, "llama")
-    writer.add_embedding_length(64)
-    writer.add_head_count(4)
+    writer.add_embedding_length(hidden)
+    writer.add_head_count(heads)
     writer.add_block_count(1)
     writer.add_feed_forward_length(128)
     writer.add_vocab_size(100)
     writer.add_context_length(256)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_scaling_type(kind)
-    writer.add_rope_scaling_factor(factor)
+    if kind is not None:
+        writer.add_rope_scaling_type(kind)
+        writer.add_rope_scaling_factor(factor)
     if original is not None:
         writer.add_rope_scaling_orig_ctx_len(original)
         writer.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
@@ -263,4 +271,12 @@ def test_gguf_rope_scaling(tmp_path):
 def test_gguf_rope_scaling_of_unusable_numbers_is_refused(tmp_path, factor, original, message):
     gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), RopeScalingType.LINEAR, factor, original)
     with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
+        load_model_config(resolve_model(gguf))
+
+
+def test_gguf_whose_hidden_size_does_not_split_into_its_heads_is_refused(tmp_path):
+    gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, hidden=8, heads=16)
+    with pytest.raises(ModelLoadError, match=f"{gguf}: llama.embedding_length=8 does not split "
+                       "evenly into llama.attention.head_count=16 heads; "
+                       "llama.attention.key_length must give the head size"):
         load_model_config(resolve_model(gguf))
