@@ -65,7 +65,10 @@ class ModelConfig:
     qkv_bias: bool = False                # Qwen2: the Q, K and V projections have biases
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        if self.num_kv_heads < 1:
+            raise ModelLoadError(f"num_kv_heads must be a positive integer, got "
+                                 f"{self.num_kv_heads}")
+        if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads={self.num_heads} is not a multiple of "
                                  f"num_kv_heads={self.num_kv_heads}")
 
@@ -152,6 +155,8 @@ def _object(cfg: dict, key: str, file: str) -> dict:
 
 def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ModelLoadError(f"{file}: model_type must be a string, got {model_type!r}")
     expected = _HF_ARCHITECTURES.get(model_type)
     architectures = cfg.get("architectures") or [expected or _HF_ARCHITECTURES["llama"]]
     if not isinstance(architectures, list):
@@ -282,7 +287,8 @@ def _hf_tokenizer_eos_ids(path: str) -> list[int]:
         if isinstance(entry, dict) and entry.get("content") == token \
                 and isinstance(entry.get("id"), int):
             return [entry["id"]]
-    vocab = (tok.get("model") or {}).get("vocab") if isinstance(tok, dict) else None
+    model = tok.get("model") if isinstance(tok, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
     found = vocab.get(token) if isinstance(vocab, dict) else None
     return [found] if isinstance(found, int) else []
 
@@ -449,12 +455,18 @@ def _from_gguf(path: str) -> ModelConfig:
             raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.{key}")
         return value
 
-    hidden, heads = get("embedding_length"), get("attention.head_count")
-    kv_heads = get("attention.head_count_kv", heads)
-    if not isinstance(kv_heads, int):
-        raise ModelLoadError(f"{path}: per-layer KV head counts are not supported")
-    head_dim = gguf_value(reader, f"{arch}.attention.key_length")
-    if head_dim is None:
+    def count(key: str, default: Any = None) -> int:
+        """A positive integer (one value for all layers: a per-layer array is refused)."""
+        value = get(key, default)
+        if isinstance(value, list):
+            raise ModelLoadError(f"{path}: per-layer values of {arch}.{key} are not supported")
+        return _positive_count(value, f"{arch}.{key}", path)
+
+    hidden, heads = count("embedding_length"), count("attention.head_count")
+    kv_heads = count("attention.head_count_kv", heads)
+    if gguf_value(reader, f"{arch}.attention.key_length") is not None:
+        head_dim = count("attention.key_length")
+    else:
         head_dim = _implied_head_dim(hidden, heads, path, f"{arch}.embedding_length",
                                      f"{arch}.attention.head_count", f"{arch}.attention.key_length")
     theta = _f32(get("rope.freq_base", 10000.0))
@@ -463,16 +475,16 @@ def _from_gguf(path: str) -> ModelConfig:
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         architecture=arch,
-        vocab_size=len(tokens.data) if tokens is not None else get("vocab_size"),
+        vocab_size=len(tokens.data) if tokens is not None else count("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
-        num_layers=get("block_count"),
+        intermediate_size=count("feed_forward_length"),
+        num_layers=count("block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rope_theta=theta,
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=get("context_length"),
+        max_position_embeddings=count("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=eos[0] if eos else None,

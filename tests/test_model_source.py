@@ -1,5 +1,6 @@
 """Where a model lives (resolve_model) and its shape (load_model_config), for the default GGUF,
 tiny HF and GGUF models, and the files we must refuse with a one-line reason."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -187,6 +188,7 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
      "hidden_size=8 does not split evenly into num_attention_heads=16 heads; head_dim must "
      "give the head size"),
     ({"hidden_size": 65, "head_dim": None}, "hidden_size=65 does not split evenly"),
+    ({"model_type": ["llama"]}, r"model_type must be a string, got \['llama'\]"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
     ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them, got '2'"),
     ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
@@ -196,6 +198,25 @@ def test_unsupported_hf_configs(tiny_dir, tmp_path, changes, message):
     with pytest.raises(ModelLoadError, match=message) as err:
         load_model_config(resolve_model(path))
     assert os.path.join(path, "config.json") in str(err.value)
+
+
+def test_tokenizer_json_whose_model_is_not_an_object_adds_no_eos(tiny_dir, tmp_path):
+    """An eos_token looked up in a tokenizer.json whose `model` is not an object is simply not
+    found there (the tokenizer's own loading says what is wrong with the file)."""
+    path = _edit_config(tiny_dir, tmp_path / "odd", eos_token_id=0)
+    for name, edit in (("tokenizer_config.json", {"eos_token": "<|not-added|>"}),
+                       ("tokenizer.json", {"model": ["BPE"]})):
+        with open(os.path.join(tiny_dir, name)) as f:
+            data = {**json.load(f), **edit}
+        os.unlink(os.path.join(path, name))
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(data, f)
+    assert load_model_config(resolve_model(path)).eos_token_ids == (0, 2)
+
+
+def test_a_config_without_kv_heads_says_so(tiny_dir):
+    with pytest.raises(ModelLoadError, match="num_kv_heads must be a positive integer, got 0"):
+        dataclasses.replace(load_model_config(resolve_model(tiny_dir)), num_kv_heads=0)
 
 
 def test_config_that_is_not_an_object_is_refused(tiny_dir, tmp_path):
@@ -279,4 +300,14 @@ def test_gguf_whose_hidden_size_does_not_split_into_its_heads_is_refused(tmp_pat
     with pytest.raises(ModelLoadError, match=f"{gguf}: llama.embedding_length=8 does not split "
                        "evenly into llama.attention.head_count=16 heads; "
                        "llama.attention.key_length must give the head size"):
+        load_model_config(resolve_model(gguf))
+
+
+@pytest.mark.parametrize("heads,message", [
+    (0, "llama.attention.head_count must be a positive integer, got 0"),
+    ([4], r"per-layer values of llama.attention.head_count are not supported"),
+])
+def test_gguf_of_unusable_head_counts_is_refused(tmp_path, heads, message):
+    gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, heads=heads)
+    with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
         load_model_config(resolve_model(gguf))
