@@ -557,12 +557,15 @@ def _llama3_from_divisors(divisors: np.ndarray, path: str, head_dim: int, theta:
 
 def check_tp_fits(cfg: ModelConfig, tp: int) -> None:
     """Cuts fall on head boundaries (docs/design.md#tensor-parallelism): query and KV heads
-    must both divide by tp."""
+    must both divide by tp. `cfg` may also be a cost model's ModelShape: its name starts the
+    error, since `pacer cost` checks several models at once."""
     if tp < 1:
         raise PacerError(f"--tp must be >= 1, got {tp}")
+    name = getattr(cfg, "name", None)
+    model = f"{name}: " if name else ""
     if cfg.num_heads % tp or cfg.num_kv_heads % tp:
-        raise PacerError(f"tp={tp} does not divide the model's {cfg.num_heads} query heads and "
-                         f"{cfg.num_kv_heads} KV heads (cuts must fall on head boundaries)")
+        raise PacerError(f"{model}tp={tp} does not divide the model's {cfg.num_heads} query heads "
+                         f"and {cfg.num_kv_heads} KV heads (cuts must fall on head boundaries)")
     if cfg.intermediate_size % tp:
-        raise PacerError(f"tp={tp} does not divide the model's MLP width "
+        raise PacerError(f"{model}tp={tp} does not divide the model's MLP width "
                          f"{cfg.intermediate_size}")

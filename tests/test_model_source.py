@@ -12,8 +12,9 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from helpers_tiny_model import write_tiny_gguf, write_tiny_llama
-from shared.errors import ModelLoadError
-from shared.model_config import ModelConfig, RopeScaling, load_model_config
+from shared.cost_model import ModelShape
+from shared.errors import ModelLoadError, PacerError
+from shared.model_config import ModelConfig, RopeScaling, check_tp_fits, load_model_config
 from shared.model_source import DEFAULT_MODEL_NAME, default_model_path, resolve_model
 
 
@@ -311,3 +312,15 @@ def test_gguf_of_unusable_head_counts_is_refused(tmp_path, heads, message):
     gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, heads=heads)
     with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
         load_model_config(resolve_model(gguf))
+
+
+@pytest.mark.parametrize("shape,said", [
+    (ModelShape("llama-2-13b", 40, 5120, 13824, 40, 40, 128, 32000),
+     "llama-2-13b: tp=3 does not divide the model's 40 query heads and 40 KV heads"),
+    (ModelShape("odd-mlp", 2, 96, 100, 6, 6, 16, 1000),
+     "odd-mlp: tp=3 does not divide the model's MLP width 100"),
+])
+def test_a_tp_that_does_not_fit_names_the_model(shape, said):
+    """`pacer cost` checks several models at once: the error says which one."""
+    with pytest.raises(PacerError, match=said):
+        check_tp_fits(shape, 3)
