@@ -41,6 +41,21 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
+    def scale(self, inv_freq, where):
+        """RoPE's inverse frequencies `inv_freq` so scaled, in transformers' operations in
+        its order (the same bits in float32): the one formula, for the worker's torch tensors
+        (`where` is torch.where) and for checking a GGUF's divisors with numpy (np.where)."""
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        old = self.original_max_position_embeddings
+        low, high, factor = self.low_freq_factor, self.high_freq_factor, self.factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return where(medium, smoothed, scaled)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -541,14 +556,9 @@ def _llama3_from_divisors(divisors: np.ndarray, path: str, head_dim: int, theta:
                               "rope_freqs.weight's largest divisor (the factor)", path)
     scaling = RopeScaling("llama3", factor, 1.0, 4.0, int(original or 8192))
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
-    wavelen = 2 * np.pi / inv_freq
     old = scaling.original_max_position_embeddings
-    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor
-                                                         - scaling.low_freq_factor)
-    expected = np.where(wavelen < old / scaling.high_freq_factor, 1.0, np.where(
-        wavelen > old / scaling.low_freq_factor, scaling.factor,
-        1 / ((1 - smooth) / scaling.factor + smooth)))
-    if not np.allclose(divisors, expected, rtol=1e-4, atol=0):
+    if not np.allclose(divisors, inv_freq / scaling.scale(inv_freq, np.where), rtol=1e-4,
+                       atol=0):
         raise ModelLoadError(f"{path}: rope_freqs.weight is no llama3 scaling of factor "
                              f"{scaling.factor:g} (low 1, high 4, original context {old}); "
                              "such frequencies are not supported")
