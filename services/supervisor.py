@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from shared.lifecycle import describe_exit  # noqa: F401 (up and restarts import it from here)
+
 log = structlog.get_logger("supervisor")
 
 _PR_SET_PDEATHSIG = 1
@@ -120,15 +122,6 @@ def stop_children(children: list[Child], timeout_s: float) -> list[int | None]:
             child.proc.kill()
             codes.append(child.proc.wait())
     return codes
-
-
-def describe_exit(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def wait_quietly(seconds: float, stopping) -> None:

@@ -273,6 +273,17 @@ async def stream_tail_id(redis: aioredis.Redis, stream: str) -> bytes | str:
     return newest[0][0] if newest else "0-0"
 
 
+def describe_exit(code: int) -> str:
+    """A child process's exit status in words; a signal the `signal` module has no name for
+    (a real-time one, 34 to 64) is named by its number."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 def stream_id_text(entry_id: bytes | str) -> str:
     """A stream entry id as redis-py may return it (bytes) as text: "1700000000000-3"."""
     return entry_id.decode() if isinstance(entry_id, bytes) else entry_id

@@ -41,6 +41,21 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
 
+    def scale(self, inv_freq, where):
+        """RoPE's inverse frequencies `inv_freq` so scaled, in transformers' operations in
+        its order (the same bits in float32): the one formula, for the worker's torch tensors
+        (`where` is torch.where) and for checking a GGUF's divisors with numpy (np.where)."""
+        if self.kind == "linear":
+            return inv_freq / self.factor
+        old = self.original_max_position_embeddings
+        low, high, factor = self.low_freq_factor, self.high_freq_factor, self.factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = where(wavelen > old / low, inv_freq / factor, inv_freq)
+        smooth = (old / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+        return where(medium, smoothed, scaled)
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -65,7 +80,10 @@ class ModelConfig:
     qkv_bias: bool = False                # Qwen2: the Q, K and V projections have biases
 
     def __post_init__(self) -> None:
-        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+        if self.num_kv_heads < 1:
+            raise ModelLoadError(f"num_kv_heads must be a positive integer, got "
+                                 f"{self.num_kv_heads}")
+        if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads={self.num_heads} is not a multiple of "
                                  f"num_kv_heads={self.num_kv_heads}")
 
@@ -115,9 +133,23 @@ def _positive_int(cfg: dict, key: str, file: str, default: Any = _REQUIRED) -> A
         if default is _REQUIRED:
             raise ModelLoadError(f"{file}: has no {key!r}")
         return default
+    return _positive_count(value, key, file)
+
+
+def _positive_count(value: Any, key: str, file: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelLoadError(f"{file}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+def _implied_head_dim(hidden: int, heads: int, file: str, hidden_key: str, heads_key: str,
+                      head_dim_key: str) -> int:
+    """The head size of a config that gives none: hidden / heads, which must divide evenly (8
+    split into 16 heads would be heads of size 0, a model of nothing)."""
+    if hidden % heads:
+        raise ModelLoadError(f"{file}: {hidden_key}={hidden} does not split evenly into "
+                             f"{heads_key}={heads} heads; {head_dim_key} must give the head size")
+    return hidden // heads
 
 
 def _positive_number(value: Any, key: str, file: str) -> float:
@@ -138,6 +170,8 @@ def _object(cfg: dict, key: str, file: str) -> dict:
 
 def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        raise ModelLoadError(f"{file}: model_type must be a string, got {model_type!r}")
     expected = _HF_ARCHITECTURES.get(model_type)
     architectures = cfg.get("architectures") or [expected or _HF_ARCHITECTURES["llama"]]
     if not isinstance(architectures, list):
@@ -171,7 +205,8 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
         num_layers=_positive_int(cfg, "num_hidden_layers", file),
         num_heads=heads,
         num_kv_heads=_positive_int(cfg, "num_key_value_heads", file, heads),
-        head_dim=_positive_int(cfg, "head_dim", file, hidden // heads),
+        head_dim=_positive_int(cfg, "head_dim", file, None) or _implied_head_dim(
+            hidden, heads, file, "hidden_size", "num_attention_heads", "head_dim"),
         rope_theta=_positive_number(next((t for t in (cfg.get("rope_theta"),
                                                       rope.get("rope_theta")) if t is not None),
                                          10000.0), "rope_theta", file),
@@ -205,18 +240,26 @@ def _hf_rope_scaling(cfg: dict, file: str) -> RopeScaling | None:
         if kind not in ("linear", "llama3"):
             raise ModelLoadError(f"{file}: {key} of type {kind!r} is not supported (plain RoPE, "
                                  "linear or llama3 only)")
+        # a factor of 0, below 0 or NaN gives infinite or NaN frequencies: fluent nonsense
+        def number(name: str) -> float:
+            return _positive_number(float(scaling[name]), f"{key}.{name}", file)
         try:
-            factor = float(scaling["factor"])
+            factor = number("factor")
             if kind == "linear":
                 return RopeScaling("linear", factor)
-            return RopeScaling("llama3", factor, float(scaling["low_freq_factor"]),
-                               float(scaling["high_freq_factor"]),
-                               int(scaling.get("original_max_position_embeddings")
-                                   or cfg["max_position_embeddings"]))
-        except (KeyError, TypeError, ValueError) as e:
+            low, high = number("low_freq_factor"), number("high_freq_factor")
+            original = scaling.get("original_max_position_embeddings")
+            original = int(cfg["max_position_embeddings"] if original is None else original)
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise ModelLoadError(f"{file}: {key} of type {kind!r} without a usable "
                                  f"{e.args[0] if isinstance(e, KeyError) else 'value'}: "
                                  f"{scaling}") from None
+        if high <= low:         # llama3 blends the frequencies between by dividing by high - low
+            raise ModelLoadError(f"{file}: {key}.high_freq_factor ({high:g}) must be above "
+                                 f"its low_freq_factor ({low:g})")
+        return RopeScaling("llama3", factor, low, high,
+                           _positive_count(original, f"{key}.original_max_position_embeddings",
+                                           file))
     return None
 
 
@@ -259,7 +302,8 @@ def _hf_tokenizer_eos_ids(path: str) -> list[int]:
         if isinstance(entry, dict) and entry.get("content") == token \
                 and isinstance(entry.get("id"), int):
             return [entry["id"]]
-    vocab = (tok.get("model") or {}).get("vocab") if isinstance(tok, dict) else None
+    model = tok.get("model") if isinstance(tok, dict) else None
+    vocab = model.get("vocab") if isinstance(model, dict) else None
     found = vocab.get(token) if isinstance(vocab, dict) else None
     return [found] if isinstance(found, int) else []
 
@@ -426,27 +470,36 @@ def _from_gguf(path: str) -> ModelConfig:
             raise ModelLoadError(f"{path}: GGUF metadata has no {arch}.{key}")
         return value
 
-    hidden, heads = get("embedding_length"), get("attention.head_count")
-    kv_heads = get("attention.head_count_kv", heads)
-    if not isinstance(kv_heads, int):
-        raise ModelLoadError(f"{path}: per-layer KV head counts are not supported")
-    head_dim = get("attention.key_length", hidden // heads)
+    def count(key: str, default: Any = None) -> int:
+        """A positive integer (one value for all layers: a per-layer array is refused)."""
+        value = get(key, default)
+        if isinstance(value, list):
+            raise ModelLoadError(f"{path}: per-layer values of {arch}.{key} are not supported")
+        return _positive_count(value, f"{arch}.{key}", path)
+
+    hidden, heads = count("embedding_length"), count("attention.head_count")
+    kv_heads = count("attention.head_count_kv", heads)
+    if gguf_value(reader, f"{arch}.attention.key_length") is not None:
+        head_dim = count("attention.key_length")
+    else:
+        head_dim = _implied_head_dim(hidden, heads, path, f"{arch}.embedding_length",
+                                     f"{arch}.attention.head_count", f"{arch}.attention.key_length")
     theta = _f32(get("rope.freq_base", 10000.0))
     rope_scaling = _gguf_rope_scaling(reader, path, arch, head_dim, theta)
     eos = _gguf_eos_ids(reader)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         architecture=arch,
-        vocab_size=len(tokens.data) if tokens is not None else get("vocab_size"),
+        vocab_size=len(tokens.data) if tokens is not None else count("vocab_size"),
         hidden_size=hidden,
-        intermediate_size=get("feed_forward_length"),
-        num_layers=get("block_count"),
+        intermediate_size=count("feed_forward_length"),
+        num_layers=count("block_count"),
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rope_theta=theta,
         rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
-        max_position_embeddings=get("context_length"),
+        max_position_embeddings=count("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_id=eos[0] if eos else None,
@@ -477,13 +530,16 @@ def _gguf_rope_scaling(reader: GGUFReader, path: str, arch: str, head_dim: int,
     factor = _f32(gguf_value(reader, f"{arch}.rope.scaling.factor", 1.0))
     tensor = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
     if tensor is not None:
+        key = f"{arch}.rope.scaling.original_context_length"
+        original = gguf_value(reader, key)
+        if original is not None:
+            _positive_count(original, key, path)
         return _llama3_from_divisors(np.asarray(tensor.data, dtype=np.float64).ravel(), path,
-                                     head_dim, theta, gguf_value(
-                                         reader, f"{arch}.rope.scaling.original_context_length"))
+                                     head_dim, theta, original)
     if kind in ("none", None) or factor == 1.0:
         return None
     if kind == "linear":
-        return RopeScaling("linear", factor)
+        return RopeScaling("linear", _positive_number(factor, f"{arch}.rope.scaling.factor", path))
     raise ModelLoadError(f"{path}: rope scaling {kind!r} is not supported (plain RoPE, linear or "
                          "llama3 only)")
 
@@ -496,17 +552,13 @@ def _llama3_from_divisors(divisors: np.ndarray, path: str, head_dim: int, theta:
     if divisors.shape != (head_dim // 2,):
         raise ModelLoadError(f"{path}: rope_freqs.weight has {divisors.size} values, not "
                              f"{head_dim // 2} (one per rotary pair)")
-    scaling = RopeScaling("llama3", float(np.float32(divisors.max())), 1.0, 4.0,
-                          int(original or 8192))
+    factor = _positive_number(float(np.float32(divisors.max())),
+                              "rope_freqs.weight's largest divisor (the factor)", path)
+    scaling = RopeScaling("llama3", factor, 1.0, 4.0, int(original or 8192))
     inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2) / head_dim)
-    wavelen = 2 * np.pi / inv_freq
     old = scaling.original_max_position_embeddings
-    smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor
-                                                         - scaling.low_freq_factor)
-    expected = np.where(wavelen < old / scaling.high_freq_factor, 1.0, np.where(
-        wavelen > old / scaling.low_freq_factor, scaling.factor,
-        1 / ((1 - smooth) / scaling.factor + smooth)))
-    if not np.allclose(divisors, expected, rtol=1e-4, atol=0):
+    if not np.allclose(divisors, inv_freq / scaling.scale(inv_freq, np.where), rtol=1e-4,
+                       atol=0):
         raise ModelLoadError(f"{path}: rope_freqs.weight is no llama3 scaling of factor "
                              f"{scaling.factor:g} (low 1, high 4, original context {old}); "
                              "such frequencies are not supported")
@@ -515,12 +567,15 @@ def _llama3_from_divisors(divisors: np.ndarray, path: str, head_dim: int, theta:
 
 def check_tp_fits(cfg: ModelConfig, tp: int) -> None:
     """Cuts fall on head boundaries (docs/design.md#tensor-parallelism): query and KV heads
-    must both divide by tp."""
+    must both divide by tp. `cfg` may also be a cost model's ModelShape: its name starts the
+    error, since `pacer cost` checks several models at once."""
     if tp < 1:
         raise PacerError(f"--tp must be >= 1, got {tp}")
+    name = getattr(cfg, "name", None)
+    model = f"{name}: " if name else ""
     if cfg.num_heads % tp or cfg.num_kv_heads % tp:
-        raise PacerError(f"tp={tp} does not divide the model's {cfg.num_heads} query heads and "
-                         f"{cfg.num_kv_heads} KV heads (cuts must fall on head boundaries)")
+        raise PacerError(f"{model}tp={tp} does not divide the model's {cfg.num_heads} query heads "
+                         f"and {cfg.num_kv_heads} KV heads (cuts must fall on head boundaries)")
     if cfg.intermediate_size % tp:
-        raise PacerError(f"tp={tp} does not divide the model's MLP width "
+        raise PacerError(f"{model}tp={tp} does not divide the model's MLP width "
                          f"{cfg.intermediate_size}")

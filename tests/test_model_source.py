@@ -1,16 +1,20 @@
 """Where a model lives (resolve_model) and its shape (load_model_config), for the default GGUF,
 tiny HF and GGUF models, and the files we must refuse with a one-line reason."""
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+from typing import Any
 
+import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from helpers_tiny_model import write_tiny_gguf, write_tiny_llama
-from shared.errors import ModelLoadError
-from shared.model_config import ModelConfig, RopeScaling, load_model_config
+from shared.cost_model import ModelShape
+from shared.errors import ModelLoadError, PacerError
+from shared.model_config import ModelConfig, RopeScaling, check_tp_fits, load_model_config
 from shared.model_source import DEFAULT_MODEL_NAME, default_model_path, resolve_model
 
 
@@ -140,6 +144,10 @@ def test_the_tokenizers_eos_ends_generation_too(tiny_dir, tmp_path, decoder):
     assert set(load_tokenizer(resolve_model(path)).eos_token_ids) == {0, 2}
 
 
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
 @pytest.mark.parametrize("changes, message", [
     ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]}, "'GemmaForCausalLM'"),
     ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 5e5}},
@@ -147,6 +155,21 @@ def test_the_tokenizers_eos_ends_generation_too(tiny_dir, tmp_path, decoder):
     ({"rope_scaling": {"type": "yarn", "factor": 2.0}}, "'yarn' is not supported"),
     ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "'dynamic' is not supported"),
     ({"rope_scaling": {"type": "linear"}}, "'linear' without a usable factor"),
+    # factors that would give infinite or NaN frequencies, named with the field
+    ({"rope_scaling": {"type": "linear", "factor": 0}},
+     r"rope_scaling.factor must be a positive number, got 0.0"),
+    ({"rope_scaling": {"type": "linear", "factor": -2}},
+     r"rope_scaling.factor must be a positive number, got -2.0"),
+    ({"rope_parameters": {**LLAMA3, "factor": float("nan")}},
+     r"rope_parameters.factor must be a positive number, got nan"),
+    ({"rope_parameters": {**LLAMA3, "factor": 0}},
+     r"rope_parameters.factor must be a positive number, got 0.0"),
+    ({"rope_parameters": {**LLAMA3, "low_freq_factor": float("inf")}},
+     r"rope_parameters.low_freq_factor must be a positive number, got inf"),
+    ({"rope_parameters": {**LLAMA3, "high_freq_factor": 1.0}},
+     r"rope_parameters.high_freq_factor \(1\) must be above its low_freq_factor \(1\)"),
+    ({"rope_scaling": {**LLAMA3, "original_max_position_embeddings": 0}},
+     r"rope_scaling.original_max_position_embeddings must be a positive integer, got 0"),
     ({"attention_bias": True}, "attention_bias"),
     # fields of the wrong type: named, not an AttributeError or TypeError from deep inside
     ({"rope_scaling": "linear"}, "rope_scaling must be an object of fields, got 'linear'"),
@@ -161,6 +184,12 @@ def test_the_tokenizers_eos_ends_generation_too(tiny_dir, tmp_path, decoder):
     ({"rms_norm_eps": "1e-5"}, "rms_norm_eps must be a positive number, got '1e-5'"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
      "rope_theta must be a positive number, got 0"),
+    # no head_dim, and a hidden size that does not split into the heads (8 into 16: size 0)
+    ({"hidden_size": 8, "num_attention_heads": 16, "num_key_value_heads": 16, "head_dim": None},
+     "hidden_size=8 does not split evenly into num_attention_heads=16 heads; head_dim must "
+     "give the head size"),
+    ({"hidden_size": 65, "head_dim": None}, "hidden_size=65 does not split evenly"),
+    ({"model_type": ["llama"]}, r"model_type must be a string, got \['llama'\]"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
     ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them, got '2'"),
     ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),
@@ -170,6 +199,25 @@ def test_unsupported_hf_configs(tiny_dir, tmp_path, changes, message):
     with pytest.raises(ModelLoadError, match=message) as err:
         load_model_config(resolve_model(path))
     assert os.path.join(path, "config.json") in str(err.value)
+
+
+def test_tokenizer_json_whose_model_is_not_an_object_adds_no_eos(tiny_dir, tmp_path):
+    """An eos_token looked up in a tokenizer.json whose `model` is not an object is simply not
+    found there (the tokenizer's own loading says what is wrong with the file)."""
+    path = _edit_config(tiny_dir, tmp_path / "odd", eos_token_id=0)
+    for name, edit in (("tokenizer_config.json", {"eos_token": "<|not-added|>"}),
+                       ("tokenizer.json", {"model": ["BPE"]})):
+        with open(os.path.join(tiny_dir, name)) as f:
+            data = {**json.load(f), **edit}
+        os.unlink(os.path.join(path, name))
+        with open(os.path.join(path, name), "w") as f:
+            json.dump(data, f)
+    assert load_model_config(resolve_model(path)).eos_token_ids == (0, 2)
+
+
+def test_a_config_without_kv_heads_says_so(tiny_dir):
+    with pytest.raises(ModelLoadError, match="num_kv_heads must be a positive integer, got 0"):
+        dataclasses.replace(load_model_config(resolve_model(tiny_dir)), num_kv_heads=0)
 
 
 def test_config_that_is_not_an_object_is_refused(tiny_dir, tmp_path):
@@ -202,17 +250,25 @@ def test_damaged_gguf_is_a_load_error(tmp_path):
         load_model_config(resolve_model(str(damaged)))
 
 
-def _scaled_gguf(path: str, kind: RopeScalingType) -> str:
+def _scaled_gguf(path: str, kind: RopeScalingType | None, factor: float = 4.0,
+                 original: int | None = None, hidden: int = 64, heads: Any = 4) -> str:
+    """A GGUF of `hidden` split into `heads` (no head size of its own) with linear (or
+    another kind of) scaling; with `original`, llama3's divisors (all 1) and that original
+    context instead."""
     writer = GGUFWriter(path, "llama")
-    writer.add_embedding_length(64)
-    writer.add_head_count(4)
+    writer.add_embedding_length(hidden)
+    writer.add_head_count(heads)
     writer.add_block_count(1)
     writer.add_feed_forward_length(128)
     writer.add_vocab_size(100)
     writer.add_context_length(256)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_rope_scaling_type(kind)
-    writer.add_rope_scaling_factor(4.0)
+    if kind is not None:
+        writer.add_rope_scaling_type(kind)
+        writer.add_rope_scaling_factor(factor)
+    if original is not None:
+        writer.add_rope_scaling_orig_ctx_len(original)
+        writer.add_tensor("rope_freqs.weight", np.ones(8, dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -226,3 +282,45 @@ def test_gguf_rope_scaling(tmp_path):
     yarn = _scaled_gguf(str(tmp_path / "yarn.gguf"), RopeScalingType.YARN)
     with pytest.raises(ModelLoadError, match="rope scaling 'yarn' is not supported"):
         load_model_config(resolve_model(yarn))
+
+
+@pytest.mark.parametrize("factor,original,message", [
+    (0.0, None, "llama.rope.scaling.factor must be a positive number, got 0.0"),
+    (-4.0, None, "llama.rope.scaling.factor must be a positive number, got -4.0"),
+    (float("nan"), None, "llama.rope.scaling.factor must be a positive number, got nan"),
+    (4.0, 0, "llama.rope.scaling.original_context_length must be a positive integer, got 0"),
+])
+def test_gguf_rope_scaling_of_unusable_numbers_is_refused(tmp_path, factor, original, message):
+    gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), RopeScalingType.LINEAR, factor, original)
+    with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
+        load_model_config(resolve_model(gguf))
+
+
+def test_gguf_whose_hidden_size_does_not_split_into_its_heads_is_refused(tmp_path):
+    gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, hidden=8, heads=16)
+    with pytest.raises(ModelLoadError, match=f"{gguf}: llama.embedding_length=8 does not split "
+                       "evenly into llama.attention.head_count=16 heads; "
+                       "llama.attention.key_length must give the head size"):
+        load_model_config(resolve_model(gguf))
+
+
+@pytest.mark.parametrize("heads,message", [
+    (0, "llama.attention.head_count must be a positive integer, got 0"),
+    ([4], r"per-layer values of llama.attention.head_count are not supported"),
+])
+def test_gguf_of_unusable_head_counts_is_refused(tmp_path, heads, message):
+    gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, heads=heads)
+    with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
+        load_model_config(resolve_model(gguf))
+
+
+@pytest.mark.parametrize("shape,said", [
+    (ModelShape("llama-2-13b", 40, 5120, 13824, 40, 40, 128, 32000),
+     "llama-2-13b: tp=3 does not divide the model's 40 query heads and 40 KV heads"),
+    (ModelShape("odd-mlp", 2, 96, 100, 6, 6, 16, 1000),
+     "odd-mlp: tp=3 does not divide the model's MLP width 100"),
+])
+def test_a_tp_that_does_not_fit_names_the_model(shape, said):
+    """`pacer cost` checks several models at once: the error says which one."""
+    with pytest.raises(PacerError, match=said):
+        check_tp_fits(shape, 3)

@@ -3,7 +3,8 @@ follower that dies mid-step fails rank 0's step at once with the connection's er
 follower that hangs mid-step fails it at the collective timeout instead of freezing it, a
 stopped rank 0 is seen by its follower's watchdog, rank 0's shutdown is not held up by a follower
 that died or stopped while idle, and a rank told that the others found it
-unresponsive says so about itself."""
+unresponsive says so about itself. A watchdog check that breaks is a verdict, not a watchdog
+that ends in silence; a follower killed by a signal without a name is named by its number."""
 from __future__ import annotations
 
 import json
@@ -16,8 +17,12 @@ import time
 
 import pytest
 
+import torch.distributed as dist
+
 from gpu_worker.tp.group import find_free_port
 from gpu_worker.tp.liveness import Liveness
+from gpu_worker.tp.spawn import Followers
+from gpu_worker.tp.store_keys import DOWN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 3          # the group's collective timeout in these tests (30 s when served)
@@ -156,3 +161,44 @@ def test_a_rank_tells_another_ranks_verdict_from_its_own_point_of_view(culprit, 
     verdict = {"why": f"tp rank {culprit} stopped responding (no heartbeat for 10.2 s)",
                "rank": culprit, "by": 0}
     assert reader._heard(json.dumps(verdict).encode()) == said
+
+
+def _broken_check():
+    raise ValueError("'40' is not a valid Signals")
+
+
+@pytest.mark.parametrize("extra_check,verdict,said", [
+    # a check of its own that raises (as rank 0's poll of its followers once did)
+    (_broken_check, None, "ValueError: '40' is not a valid Signals"),
+    # another rank's verdict that cannot be read
+    (None, b"not json", "JSONDecodeError: Expecting value: line 1 column 1 (char 0)"),
+])
+def test_a_watchdog_check_that_breaks_is_a_verdict_not_a_silent_end(extra_check, verdict, said):
+    port = find_free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    if verdict is not None:
+        store.set(DOWN, verdict)
+    told = []
+    watchdog = Liveness("127.0.0.1", port, 0, 2, extra_check, on_dead=told.append)
+    watchdog.start()
+    try:
+        deadline = time.monotonic() + DEADLINE_S
+        while not told and watchdog._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        watchdog.stop()
+    assert told == [f"the watchdog of tp rank 0 failed: {said}"], told
+    assert watchdog.dead == told[0]
+
+
+def test_a_follower_killed_by_a_signal_without_a_name_is_named_by_its_number():
+    follower = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    number = signal.SIGRTMIN + 6                # a real-time signal: signal.Signals lacks it
+    try:
+        os.kill(follower.pid, number)
+        follower.wait(timeout=DEADLINE_S)
+        said = Followers({1: follower}).check()
+    finally:
+        follower.kill()
+        follower.wait()
+    assert said == f"tp rank 1 (pid {follower.pid}) exited (killed by signal {int(number)})"

@@ -17,8 +17,6 @@ of a fused weight has arrived. The vocabulary matrices are int8 per channel unde
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -295,18 +293,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = Non
     (docs/design.md#model-families-and-rope-scaling)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64)
                                 .to(torch.float32) / head_dim))
-    if scaling is None:
-        return inv_freq
-    if scaling.kind == "linear":
-        return inv_freq / scaling.factor
-    old = scaling.original_max_position_embeddings
-    low, high, factor = scaling.low_freq_factor, scaling.high_freq_factor, scaling.factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
-    smooth = (old / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
-    return torch.where(medium, smoothed, scaled)
+    return inv_freq if scaling is None else scaling.scale(inv_freq, torch.where)
 
 
 class RotaryEmbedding(nn.Module):

@@ -5,6 +5,8 @@ for DEAD_AFTER_S, or a store that stops answering (it lives in rank 0: an error,
 for DEAD_AFTER_S when rank 0 is stopped), means that rank is dead. The first rank to see a
 death writes why to the store, so every other rank stops with the same message. Rank 0 also
 polls the processes it spawned; spawned followers also watch their parent (`extra_check`).
+A check that raises something unexpected is a verdict too (the watchdog of that rank failed),
+rather than a watchdog thread that ends silently and leaves its peers to blame a live rank.
 
 A collective that fails (a peer dropped the connection, or a step's collective ran past the
 group's timeout) is reported at once, with the watchdog's verdict if it has one within a
@@ -118,7 +120,13 @@ class Liveness:
     def _run(self) -> None:
         seen = {r: (-1, time.monotonic()) for r in range(self.size) if r != self.rank}
         while not self._stop.wait(HEARTBEAT_S):
-            why, culprit = self._check(seen)
+            try:
+                why, culprit = self._check(seen)
+            except Exception as e:
+                # a check that breaks must not end this thread quietly: the rank would stop
+                # beating with `dead` unset, and its peers would blame it 10 s later
+                why, culprit = (f"the watchdog of tp rank {self.rank} failed: "
+                                f"{type(e).__name__}: {first_line(e)}"), self.rank
             if why and not self._stop.is_set():
                 self.dead = why
                 self._tell_others(why, culprit)     # a verdict already there stays

@@ -7,7 +7,6 @@ import argparse
 import atexit
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from gpu_worker.tp.group import (DEFAULT_TIMEOUT_S, backend_for, destroy, device
                                  find_free_port, init_tp_group, threads_per_rank)
 from gpu_worker.tp.liveness import FOLLOWER_GRACE_S
 from shared.errors import PacerError
+from shared.lifecycle import describe_exit
 from shared.model_config import ModelConfig, check_tp_fits, load_model_config
 from shared.model_source import ModelSource, resolve_model
 
@@ -36,9 +36,7 @@ class Followers:
         for rank, p in self.procs.items():
             code = p.poll()
             if code is not None:
-                how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-                       else f"exited with code {code}")
-                return f"tp rank {rank} (pid {p.pid}) {how}"
+                return f"tp rank {rank} (pid {p.pid}) exited ({describe_exit(code)})"
         return None
 
     def kill_all(self) -> None:
