@@ -104,12 +104,26 @@ def precision_text(p: Precision) -> str:
     return text + (f"; one rank of tp {p.tp}" if p.tp > 1 else "")
 
 
+# The largest count (requests, tokens) a flag takes: far beyond any batch or context, and
+# small enough that every FLOP and byte sum built from it stays a finite float.
+MAX_COUNT = 2**40
+
+
+def check_count(flag: str, value: int) -> int:
+    """`value` unless it is over MAX_COUNT, then a one-line error naming `flag`."""
+    if value > MAX_COUNT:
+        shown = f"{value:,}" if value < 10**15 else f"a {len(str(value))}-digit number"
+        raise PacerError(f"{flag}: counts must be at most 2**40 ({MAX_COUNT:,}), got {shown}")
+    return value
+
+
 def parse_decode(spec: str) -> list[ChunkShape]:
     """'8x1024' -> eight (1, 1024) chunks."""
     m = _DECODE.fullmatch(spec.strip())
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
         raise PacerError(f"--decode {spec!r}: expected BxL with B, L >= 1, e.g. 8x1024")
-    return [(1, int(m.group(2)))] * int(m.group(1))
+    batch, context = (check_count("--decode", int(g)) for g in m.groups())
+    return [(1, context)] * batch
 
 
 def parse_prefill(spec: str) -> ChunkShape:
@@ -117,7 +131,7 @@ def parse_prefill(spec: str) -> ChunkShape:
     m = _PREFILL.fullmatch(spec.strip())
     if not m or int(m.group(1)) < 1:
         raise PacerError(f"--prefill {spec!r}: expected N or N@S with N >= 1, e.g. 4096 or 1024@2048")
-    n, prefix = int(m.group(1)), int(m.group(2) or 0)
+    n, prefix = (check_count("--prefill", int(g or 0)) for g in m.groups())
     return (n, prefix + n)
 
 
@@ -188,6 +202,7 @@ def run_transfer(args: argparse.Namespace) -> int:
                              "and --prefill")
         if args.transfer < 1:
             raise PacerError(f"--transfer must be >= 1 token, got {args.transfer}")
+        check_count("--transfer", args.transfer)
         names = [args.model] + ([] if args.vs.lower() in ("none", args.model.lower()) else [args.vs])
         models = [load_model_shape(name) for name in names]
         precision = precision_of(args, models)

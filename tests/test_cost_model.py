@@ -310,3 +310,25 @@ def test_cost_cli_bad_input_is_one_error_line(capsys, argv, flag):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pacer cost: error:") and flag in lines[0]
     assert captured.out == ""
+
+
+HUGE = "1" + "0" * 400
+
+
+@pytest.mark.parametrize("argv,flag", [(["--decode", f"1x{HUGE}"], "--decode"),
+                                       (["--decode", f"{HUGE}x1"], "--decode"),
+                                       (["--prefill", HUGE], "--prefill"),
+                                       (["--prefill", f"1@{HUGE}"], "--prefill"),
+                                       (["--decode", f"{2**40 + 1}x1"], "--decode"),
+                                       (["--transfer", HUGE, "--fabric", "ib-hdr"], "--transfer")])
+def test_cost_cli_counts_past_2_40_are_one_error_line(capsys, argv, flag):
+    # Unbounded, they overflowed the float sums with a traceback.
+    assert _cost_cli(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pacer cost: error: {flag}: counts must be "
+                                                   "at most 2**40")
+
+
+def test_cost_cli_takes_counts_up_to_2_40(capsys):
+    assert _cost_cli(["--prefill", f"1@{2**40 - 1}", "--json"]) == 0
+    assert math.isfinite(json.loads(capsys.readouterr().out)["time_ms"])
