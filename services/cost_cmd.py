@@ -16,8 +16,8 @@ import re
 import sys
 from dataclasses import asdict
 
-from shared.cost_model import (ChunkShape, IterationCost, KVCapacity, ModelShape, Precision,
-                               TransferCost, estimate_iteration, estimate_transfer,
+from shared.cost_model import (ChunkGroup, ChunkShape, IterationCost, KVCapacity, ModelShape,
+                               Precision, TransferCost, estimate_groups, estimate_transfer,
                                kv_capacity, load_model_shape)
 from shared.errors import PacerError
 from shared.fabric import FABRICS, load_fabric
@@ -117,13 +117,13 @@ def check_count(flag: str, value: int) -> int:
     return value
 
 
-def parse_decode(spec: str) -> list[ChunkShape]:
-    """'8x1024' -> eight (1, 1024) chunks."""
+def parse_decode(spec: str) -> ChunkGroup:
+    """'8x1024' -> eight (1, 1024) chunks, as (8, (1, 1024))."""
     m = _DECODE.fullmatch(spec.strip())
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
         raise PacerError(f"--decode {spec!r}: expected BxL with B, L >= 1, e.g. 8x1024")
     batch, context = (check_count("--decode", int(g)) for g in m.groups())
-    return [(1, context)] * batch
+    return batch, (1, context)
 
 
 def parse_prefill(spec: str) -> ChunkShape:
@@ -147,18 +147,18 @@ def run(args: argparse.Namespace) -> int:
     if args.transfer is not None:
         return run_transfer(args)
     try:
-        chunks = [c for spec in args.decode for c in parse_decode(spec)]
-        chunks += [parse_prefill(spec) for spec in args.prefill]
-        if not chunks:
+        groups = [parse_decode(spec) for spec in args.decode]
+        groups += [(1, parse_prefill(spec)) for spec in args.prefill]
+        if not groups:
             raise PacerError("nothing to run: give --decode BxL and/or --prefill N[@S]")
         model, hw = load_model_shape(args.model), _hardware(args)
         precision = precision_of(args, [model])
-        cost = estimate_iteration(chunks, model, hw, precision)
+        cost = estimate_groups(groups, model, hw, precision)
         capacity = _capacity(model, hw, precision)
     except PacerError as e:
         print(f"pacer cost: error: {e}", file=sys.stderr)
         return 2
-    longest = max(kv for _, kv in chunks)
+    longest = max(kv for _, (_, kv) in groups)
     if args.json:
         out = asdict(cost) | {"model": model.name, "hardware": hw.name,
                               "precision": asdict(precision),

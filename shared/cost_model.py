@@ -61,6 +61,9 @@ from shared.online_cost import OnlineIterationCost
 # One chunk of an iteration as the cost model sees it: (q_rows, kv_len). Not the runner's
 # `gpu_worker.attention.Chunk`, which also carries the block table.
 ChunkShape = tuple[int, int]
+# `count` copies of one chunk, as `pacer cost --decode BxL` gives B decodes: priced in time
+# that does not grow with the count, since every term is linear in it.
+ChunkGroup = tuple[int, ChunkShape]
 
 
 @dataclass(frozen=True)
@@ -201,18 +204,19 @@ class _Work:
     num_tokens: int = 0
     num_chunks: int = 0
 
-    def add(self, chunk: ChunkShape, model: ModelShape, kv_tok: float) -> None:
+    def add(self, chunk: ChunkShape, model: ModelShape, kv_tok: float, count: int = 1) -> None:
+        """`count` copies of `chunk`."""
         q_rows, kv_len = chunk
         if q_rows < 1 or kv_len < q_rows:
             raise PacerError(f"chunk (q_rows={q_rows}, kv_len={kv_len}) needs 1 <= q_rows <= kv_len")
         prefix = kv_len - q_rows
         pairs = q_rows * prefix + q_rows * (q_rows + 1) / 2
-        self.linear_flops += 2.0 * (model.num_layers * model.layer_matmul_params * q_rows
-                                    + model.lm_head_params)
-        self.attention_flops += pairs * model.attention_flops_per_pair
-        self.kv_bytes += (kv_len + q_rows) * kv_tok
-        self.num_tokens += q_rows
-        self.num_chunks += 1
+        self.linear_flops += 2.0 * count * (model.num_layers * model.layer_matmul_params * q_rows
+                                            + model.lm_head_params)
+        self.attention_flops += count * pairs * model.attention_flops_per_pair
+        self.kv_bytes += count * (kv_len + q_rows) * kv_tok
+        self.num_tokens += count * q_rows
+        self.num_chunks += count
 
     def plus(self, chunk: ChunkShape, model: ModelShape, kv_tok: float) -> _Work:
         out = _Work(self.linear_flops, self.attention_flops, self.kv_bytes, self.num_tokens,
@@ -295,10 +299,10 @@ def _roofline(work: _Work, model: ModelShape, hw: HardwareProfile, p: Precision)
         gemm_efficiency=linear / (linear + idle), allreduce_ms=allreduce_ms, tp=p.tp)
 
 
-def _sum(chunks: Iterable[ChunkShape], model: ModelShape, kv_tok: float) -> _Work:
+def _sum(groups: Iterable[ChunkGroup], model: ModelShape, kv_tok: float) -> _Work:
     work = _Work()
-    for chunk in chunks:
-        work.add(chunk, model, kv_tok)
+    for count, chunk in groups:
+        work.add(chunk, model, kv_tok, count)
     return work
 
 
@@ -306,8 +310,15 @@ def estimate_iteration(chunks: Sequence[ChunkShape], model: ModelShape, hw: Hard
                        dtype_bytes: float | Precision = 2) -> IterationCost:
     """The roofline cost of one forward over `chunks` ((q_rows, kv_len) each); `dtype_bytes`
     one element size for everything, or a `Precision`."""
+    return estimate_groups([(1, chunk) for chunk in chunks], model, hw, dtype_bytes)
+
+
+def estimate_groups(groups: Sequence[ChunkGroup], model: ModelShape, hw: HardwareProfile,
+                    dtype_bytes: float | Precision = 2) -> IterationCost:
+    """`estimate_iteration` over `count` copies of each chunk of `groups` ((count, chunk)
+    each), in time that does not grow with the counts."""
     p = _precision(dtype_bytes)
-    return _roofline(_sum(chunks, model, p.kv_per_token(model)), model, hw, p)
+    return _roofline(_sum(groups, model, p.kv_per_token(model)), model, hw, p)
 
 
 def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[ChunkShape], prefix_len: int,
@@ -320,7 +331,7 @@ def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[ChunkSha
     ~2·log2(N) probes; the decodes are summed once."""
     p = _precision(dtype_bytes)
     kv_tok = p.kv_per_token(model)
-    base = _sum(decode_chunks, model, kv_tok)
+    base = _sum([(1, chunk) for chunk in decode_chunks], model, kv_tok)
 
     def fits(n: int) -> bool:
         cost = _roofline(base.plus((n, prefix_len + n), model, kv_tok), model, hw, p)

@@ -332,3 +332,32 @@ def test_cost_cli_counts_past_2_40_are_one_error_line(capsys, argv, flag):
 def test_cost_cli_takes_counts_up_to_2_40(capsys):
     assert _cost_cli(["--prefill", f"1@{2**40 - 1}", "--json"]) == 0
     assert math.isfinite(json.loads(capsys.readouterr().out)["time_ms"])
+
+
+def test_a_group_of_chunks_costs_the_same_as_its_copies():
+    from shared.cost_model import estimate_groups
+
+    groups = [(8, (1, 1024)), (1, (512, 2048)), (3, (1, 77))]
+    copies = [chunk for count, chunk in groups for _ in range(count)]
+    grouped, listed = estimate_groups(groups, LLAMA, H100), estimate_iteration(copies, LLAMA, H100)
+    for field, value in listed.__dict__.items():
+        assert getattr(grouped, field) == pytest.approx(value), field
+
+
+def test_cost_cli_a_billion_decodes_is_priced_without_listing_them():
+    # `--decode BxL` once built a list of B chunks: ~8 GB and ~20 min at B = 1e9. Under a
+    # 2 GiB address space such a list fails at once, so the estimate must come without one.
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "cost", "--decode",
+                           "1000000000x1024", "--json"], capture_output=True, text=True,
+                          timeout=120, preexec_fn=limit, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    one = estimate_iteration([(1, 1024)], LLAMA, H100)
+    assert out["num_tokens"] == 10**9
+    assert out["kv_bytes"] == pytest.approx(10**9 * one.kv_bytes)
