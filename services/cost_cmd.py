@@ -49,9 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--fabric", default="all",
                    help=f"{', '.join(FABRICS)}, a bandwidth in GB/s, a comma list, or all "
                         "(default: a table of every built-in fabric)")
-    t.add_argument("--vs", default="llama-3-8b", metavar="MODEL",
-                   help="a second model beside --model in the table (default llama-3-8b: GQA, "
-                        "8 KV heads of 32); none to leave it out")
+    t.add_argument("--vs", default=None, metavar="MODEL",
+                   help="a second model beside --model (default: llama-3-8b, GQA with 8 KV "
+                        "heads of 32, in the table of several fabrics; none beside one "
+                        "fabric); none to leave it out")
     p.add_argument("--dtype-bytes", type=float, default=2.0,
                    help="bytes per activation element, and per weight and KV element unless "
                         "given apart (default 2: fp16/bf16)")
@@ -90,7 +91,10 @@ def precision_of(args: argparse.Namespace, models: list[ModelShape]) -> Precisio
             raise PacerError(f"--{flag.replace('_', '-')} must be a finite number of bytes "
                              f">= {MIN_ELEMENT_BYTES:g} (one bit), got {value:g}")
     for model in models:
-        check_tp_fits(model, args.tp)
+        try:
+            check_tp_fits(model, args.tp)
+        except PacerError as e:
+            raise PacerError(f"{model.name}: {e}") from e
     return Precision(args.dtype_bytes, args.weight_bytes, args.kv_bytes, args.tp)
 
 
@@ -203,10 +207,12 @@ def run_transfer(args: argparse.Namespace) -> int:
         if args.transfer < 1:
             raise PacerError(f"--transfer must be >= 1 token, got {args.transfer}")
         check_count("--transfer", args.transfer)
-        names = [args.model] + ([] if args.vs.lower() in ("none", args.model.lower()) else [args.vs])
+        specs = list(FABRICS) if args.fabric.lower() == "all" else args.fabric.split(",")
+        one_fabric = args.fabric.lower() != "all" and len(specs) == 1
+        vs = args.vs or ("none" if one_fabric else "llama-3-8b")
+        names = [args.model] + ([] if vs.lower() in ("none", args.model.lower()) else [vs])
         models = [load_model_shape(name) for name in names]
         precision = precision_of(args, models)
-        specs = list(FABRICS) if args.fabric.lower() == "all" else args.fabric.split(",")
         fabrics = [load_fabric(spec) for spec in specs]
         hw = _hardware(args)
         rows = [[estimate_transfer(m, args.transfer, f, hw, precision) for m in models]
@@ -218,8 +224,8 @@ def run_transfer(args: argparse.Namespace) -> int:
         print(json.dumps({"prompt_len": args.transfer, "hardware": hw.name,
                           "dtype_bytes": args.dtype_bytes, "precision": asdict(precision),
                           "rows": [asdict(c) for row in rows for c in row]}, indent=2))
-    elif len(rows) == 1 and args.fabric.lower() != "all":
-        print(format_transfer(rows[0][0], hw.name, precision))
+    elif one_fabric:
+        print("\n\n".join(format_transfer(cost, hw.name, precision) for cost in rows[0]))
     else:
         print(format_transfer_table(rows, models, hw.name, precision))
     return 0
