@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Estimate one iteration (a forward over decode steps and prefill chunks) "
                     "with the roofline: time = max(FLOPs / peak FLOP/s, bytes / bandwidth).")
     p.add_argument("--model", default="llama-2-7b",
-                   help="llama-2-7b, llama-2-13b, llama-3-8b, smollm2-135m, or a config.json path")
+                   help="llama-2-7b, llama-2-13b, llama-3-8b, smollm2-135m, a .gguf file, or a "
+                        "Hugging Face model folder or its config.json")
     p.add_argument("--hw", default="h100", help="h100, h200, a100, or a JSON from `pacer calibrate`")
     p.add_argument("--hw-tflops", type=float, help="override the matmul rate (TFLOP/s, all dtypes)")
     p.add_argument("--hw-bandwidth-tbps", type=float, help="override the memory bandwidth (TB/s)")

@@ -79,8 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("model, hardware and scheduler")
     s.add_argument("--model", default=None,
-                   help="llama-2-7b (default), llama-2-13b, llama-3-8b, smollm2-135m, or a "
-                        "config.json")
+                   help="llama-2-7b (default), llama-2-13b, llama-3-8b, smollm2-135m, a .gguf "
+                        "file, or a Hugging Face model folder or its config.json")
     s.add_argument("--hw", default=None,
                    help="h100 (default), h200, a100, or a `pacer calibrate` JSON; with --replay "
                         "the profile the file records, if any")

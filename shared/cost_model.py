@@ -54,7 +54,6 @@ from typing import Any, Iterable, Sequence
 from shared.errors import PacerError
 from shared.fabric import Fabric
 from shared.hardware import HardwareProfile, load_hardware
-from shared.json_file import read_json_object
 from shared.kv_layout import DIGEST_READ_SHARE
 from shared.online_cost import OnlineIterationCost
 
@@ -129,50 +128,26 @@ def model_shape_of(config: Any, name: str) -> ModelShape:
     return ModelShape(name, *(getattr(config, f) for f in fields))
 
 
-def model_shape_from_hf_config(config: dict, name: str) -> ModelShape:
-    """A shape from a Hugging Face `config.json` object (multimodal ones nest `text_config`)."""
-    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
-
-    def positive(key: str, default: int | None = None) -> int:
-        """`key` as a positive integer; `default` where it is absent or null."""
-        value = config.get(key)
-        if value is None and default is not None:
-            return default
-        if value is None and key not in config:
-            raise PacerError(f"model config {name} lacks {key!r}")
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PacerError(f"model config {name}: {key} must be a positive integer, "
-                             f"got {value!r}")
-        return value
-
-    heads, hidden = positive("num_attention_heads"), positive("hidden_size")
-    return ModelShape(
-        name=name,
-        num_layers=positive("num_hidden_layers"),
-        hidden_size=hidden,
-        intermediate_size=positive("intermediate_size"),
-        num_heads=heads,
-        num_kv_heads=positive("num_key_value_heads", heads),
-        head_dim=positive("head_dim", hidden // heads or None),
-        vocab_size=positive("vocab_size"),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
-
-
 def load_model_shape(spec: str) -> ModelShape:
-    """A built-in name (see MODELS) or a Hugging Face config.json, or a folder holding one."""
+    """A built-in name (see MODELS), or a model as the workers load it: a .gguf file, a Hugging
+    Face model folder or its config.json (read by shared/model_config.py, the one parser of
+    both; imported here only then, so that the scheduler's import stays light)."""
     if spec.lower() in MODELS:
         return MODELS[spec.lower()]
-    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
-    if not os.path.isfile(path):
-        raise PacerError(f"unknown model {spec!r}: use one of {', '.join(MODELS)} "
-                         "or the path of a Hugging Face config.json")
-    config = read_json_object(path, "model config")
-    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
-    return model_shape_from_hf_config(config, name)
+    folder = spec
+    if os.path.isfile(spec) and not spec.endswith(".gguf"):
+        if os.path.basename(spec) != "config.json":
+            raise PacerError(f"model {spec!r}: give a .gguf file, a Hugging Face model folder "
+                             "or its config.json")
+        folder = os.path.dirname(os.path.abspath(spec))
+    elif not os.path.exists(spec):
+        raise PacerError(f"unknown model {spec!r}: use one of {', '.join(MODELS)}, a .gguf "
+                         "file, or a Hugging Face model folder or its config.json")
+    from shared.model_config import load_model_config
+    from shared.model_source import resolve_model
+
+    source = resolve_model(folder, weights=False)
+    return model_shape_of(load_model_config(source), source.name)
 
 
 @dataclass(frozen=True)

@@ -182,7 +182,7 @@ def test_gqa_shrinks_the_kv_bytes_per_token():
 
 def test_hf_config_json_gives_the_builtin_shape(tmp_path):
     # The fields of SmolLM2-135M-Instruct's config.json that the shape reads.
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
               "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
               "vocab_size": 49152, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
     folder = tmp_path / "SmolLM2-135M-Instruct"
@@ -194,12 +194,12 @@ def test_hf_config_json_gives_the_builtin_shape(tmp_path):
         assert shape.name == "SmolLM2-135M-Instruct"
 
 
-SMOL_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+SMOL_CONFIG = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
                "num_hidden_layers": 30, "num_key_value_heads": 3, "vocab_size": 49152}
 
 
 @pytest.mark.parametrize("field,value", [
-    ("num_attention_heads", 0), ("vocab_size", None), ("num_hidden_layers", -2),
+    ("num_attention_heads", 0), ("num_hidden_layers", 2.0), ("num_hidden_layers", -2),
     ("hidden_size", "576"), ("intermediate_size", 1.5), ("num_key_value_heads", True),
     ("head_dim", 0)])
 def test_a_malformed_config_json_is_an_error_naming_the_field(field, value, tmp_path, capsys):
@@ -214,12 +214,34 @@ def test_a_malformed_config_json_is_an_error_naming_the_field(field, value, tmp_
 def test_a_config_json_lacking_a_field_or_null_where_optional(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({k: v for k, v in SMOL_CONFIG.items() if k != "vocab_size"}))
-    with pytest.raises(PacerError, match="lacks 'vocab_size'"):
+    with pytest.raises(PacerError, match="has no 'vocab_size'"):
         load_model_shape(str(path))
-    path.write_text(json.dumps({**SMOL_CONFIG, "num_key_value_heads": None, "head_dim": None,
-                                "hidden_size": 576.0}))
+    path.write_text(json.dumps({**SMOL_CONFIG, "num_key_value_heads": None, "head_dim": None}))
     shape = load_model_shape(str(path))
     assert (shape.num_kv_heads, shape.head_dim, shape.hidden_size) == (9, 64, 576)
+
+
+@pytest.mark.parametrize("config,error", [
+    # the cost model once read these its own way: a string "false" as True, a nested
+    # text_config the workers refuse as if it were served
+    ({**SMOL_CONFIG, "tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"model_type": "llava", "text_config": SMOL_CONFIG}, "is not supported"),
+])
+def test_a_config_json_is_read_as_the_workers_read_it(config, error, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(PacerError, match=error):
+        load_model_shape(str(path))
+
+
+def test_a_gguf_model_gives_its_shape(capsys):
+    from shared.model_source import default_model_path
+
+    path = default_model_path()
+    shape = load_model_shape(path)
+    assert shape == ModelShape(**{**MODELS["smollm2-135m"].__dict__, "name": shape.name})
+    assert _cost_cli(["--model", path, "--decode", "8x1024"]) == 0
+    assert "wall time" in capsys.readouterr().out
 
 
 def test_shape_of_a_served_model_config():
