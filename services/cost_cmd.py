@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         model, hw = load_model_shape(args.model), _hardware(args)
         precision = precision_of(args, [model])
         cost = estimate_groups(groups, model, hw, precision)
-        capacity = _capacity(model, hw, precision)
+        capacity, no_capacity = _capacity(model, hw, precision)
     except PacerError as e:
         print(f"pacer cost: error: {e}", file=sys.stderr)
         return 2
@@ -171,24 +171,29 @@ def run(args: argparse.Namespace) -> int:
                               "prefill": args.prefill,
                               "kv_capacity": None if capacity is None else
                               asdict(capacity) | {"sequences_at_longest_context":
-                                                  capacity.sequences(longest)}}
+                                                  capacity.sequences(longest)},
+                              "kv_capacity_error": no_capacity}
         print(json.dumps(out, indent=2))
     else:
         work = ", ".join([f"decode {d}" for d in args.decode] + [f"prefill {p}" for p in args.prefill])
         print(format_table(cost, model.name, hw, precision, work))
         if capacity is not None:
             print(format_capacity(capacity, longest))
+        elif no_capacity is not None:
+            print(f"{'KV capacity':<16}  none: {no_capacity}")
     return 0
 
 
-def _capacity(model, hw: HardwareProfile, precision: Precision) -> KVCapacity | None:
-    """The KV capacity where the profile states its memory and the weights fit in it."""
+def _capacity(model, hw: HardwareProfile,
+              precision: Precision) -> tuple[KVCapacity | None, str | None]:
+    """The KV capacity where the profile states its memory, else (None, None); (None, why)
+    when the weights leave it no room."""
     if hw.memory_gib is None:
-        return None
+        return None, None
     try:
-        return kv_capacity(model, hw, precision)
-    except PacerError:
-        return None
+        return kv_capacity(model, hw, precision), None
+    except PacerError as e:
+        return None, str(e)
 
 
 def format_capacity(capacity: KVCapacity, context_len: int) -> str:

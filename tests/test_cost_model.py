@@ -383,3 +383,14 @@ def test_cost_cli_a_billion_decodes_is_priced_without_listing_them():
     one = estimate_iteration([(1, 1024)], LLAMA, H100)
     assert out["num_tokens"] == 10**9
     assert out["kv_bytes"] == pytest.approx(10**9 * one.kv_bytes)
+
+
+def test_cost_cli_says_why_there_is_no_kv_capacity(capsys):
+    # 13B weights at 8 bytes (104 GB) fill an 80 GiB H100: the line once vanished unexplained.
+    assert _cost_cli(["--model", "llama-2-13b", "--dtype-bytes", "8", "--decode", "1x10"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("KV capacity")]
+    assert len(lines) == 1 and "none: " in lines[0] and "leaves no room for a KV cache" in lines[0]
+    assert _cost_cli(["--model", "llama-2-13b", "--dtype-bytes", "8", "--decode", "1x10",
+                      "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_capacity"] is None and "leaves no room" in out["kv_capacity_error"]
