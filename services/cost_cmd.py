@@ -310,7 +310,8 @@ def format_table(cost: IterationCost, model: str, hw: HardwareProfile, precision
         ("memory time", f"{cost.memory_ms:.3f} ms"),
     ]
     if cost.tp > 1:
-        rows.append(("all-reduce time", f"{cost.allreduce_ms:.3f} ms ({cost.tp} ranks at "
+        rows.append(("all-reduce time", f"{cost.allreduce_ms:.3f} ms, and {cost.allgather_ms:.3f} "
+                                        f"ms gathering the logits ({cost.tp} ranks at "
                                         f"{hw.interconnect_gb_per_s:g} GB/s, added)"))
     rows += [
         ("wall time", f"{cost.time_ms:.3f} ms ({cost.bound}-bound)"),

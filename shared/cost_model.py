@@ -26,7 +26,10 @@ Refinements over the round numbers of docs/design.md#reference-figures, each sma
   forward then all-reduces the hidden state 2·layers + 1 times (after attention and after the
   MLP in every layer, and the vocab-parallel embedding), T rows × hidden × `dtype_bytes`
   each; a ring all-reduce moves 2(tp-1)/tp of that through each rank's link, at the
-  profile's `interconnect_gb_per_s`. That time is added to the roofline's, not overlapped.
+  profile's `interconnect_gb_per_s`. The vocab-parallel LM head then all-gathers each
+  sampling row's float32 logits (the vocabulary padded to a multiple of tp, 4 bytes each): a
+  ring all-gather moves (tp-1)/tp of them through each rank's link. That time is added to the
+  roofline's, not overlapped.
 - Small GEMMs run below the sustained rate (docs/design.md#small-chunks-run-below-peak): a
   matmul over M rows runs at `rate · M / (M + r½)`, r½ = the profile's `gemm_half_rows`. The
   layers' GEMMs run over the iteration's T rows, the LM head's over its n sampling rows, so
@@ -166,6 +169,7 @@ class IterationCost:
     num_tokens: int           # Q rows in the iteration
     gemm_efficiency: float = 1.0   # the linear FLOPs' share of the rate, by the GEMMs' rows
     allreduce_ms: float = 0.0      # TP: the forward's all-reduces, added to the roofline's time
+    allgather_ms: float = 0.0      # TP: the LM head's logits all-gather, added likewise
     tp: int = 1                    # the FLOPs and bytes above are one rank's of tp
 
 
@@ -200,6 +204,9 @@ class _Work:
         return out
 
 
+# The LM head's logits are float32 whatever the weights are (gpu_worker/model/layers.py).
+LOGIT_BYTES = 4
+
 # Bytes per weight of each quantization the workers serve (`--quantization`), their scales
 # left out.
 QUANTIZED_WEIGHT_BYTES = {"int8": 1.0, "int4": 0.5}
@@ -233,13 +240,24 @@ class Precision:
 
     def allreduce_ms_per_row(self, model: ModelShape, hw: HardwareProfile) -> float:
         """What one Q row adds to a forward's all-reduces on one rank; 0 without TP."""
+        row_bytes = (2 * model.num_layers + 1) * model.hidden_size * self.dtype_bytes
+        return self._link_ms(row_bytes * 2, hw)
+
+    def allgather_ms_per_chunk(self, model: ModelShape, hw: HardwareProfile) -> float:
+        """What one chunk's sampling row adds to the LM head's logits all-gather on one rank
+        (float32 logits over the vocabulary padded to a multiple of tp); 0 without TP."""
+        padded_vocab = -(-model.vocab_size // self.tp) * self.tp
+        return self._link_ms(padded_vocab * LOGIT_BYTES, hw)
+
+    def _link_ms(self, nbytes: float, hw: HardwareProfile) -> float:
+        """A ring collective's time on one rank for `nbytes` (all ranks' data; an all-reduce
+        passes twice its data): each rank's link carries (tp-1)/tp of it."""
         if self.tp == 1:
             return 0.0
         if hw.interconnect_gb_per_s is None:
             raise PacerError(f"hardware {hw.name!r} states no interconnect_gb_per_s: the "
                              f"all-reduces of --tp {self.tp} cannot be priced")
-        row_bytes = (2 * model.num_layers + 1) * model.hidden_size * self.dtype_bytes
-        return row_bytes * 2 * (self.tp - 1) / self.tp / (hw.interconnect_gb_per_s * 1e6)
+        return nbytes * (self.tp - 1) / self.tp / (hw.interconnect_gb_per_s * 1e6)
 
 
 def gemm_idle_flops(model: ModelShape, hw: HardwareProfile) -> float:
@@ -265,13 +283,16 @@ def _roofline(work: _Work, model: ModelShape, hw: HardwareProfile, p: Precision)
     compute_ms = (flops + idle) / hw.flops_per_s(p.dtype_bytes) * 1e3
     memory_ms = total_bytes / hw.bytes_per_s * 1e3
     allreduce_ms = work.num_tokens * p.allreduce_ms_per_row(model, hw)
+    allgather_ms = work.num_chunks * p.allgather_ms_per_chunk(model, hw)
     return IterationCost(
-        time_ms=max(compute_ms, memory_ms) + allreduce_ms, flops=flops, bytes=total_bytes,
+        time_ms=max(compute_ms, memory_ms) + allreduce_ms + allgather_ms, flops=flops,
+        bytes=total_bytes,
         intensity=flops / total_bytes, bound="compute" if compute_ms >= memory_ms else "memory",
         compute_ms=compute_ms, memory_ms=memory_ms, linear_flops=linear,
         attention_flops=attention, weight_bytes=weight_bytes,
         kv_bytes=work.kv_bytes, num_tokens=work.num_tokens,
-        gemm_efficiency=linear / (linear + idle), allreduce_ms=allreduce_ms, tp=p.tp)
+        gemm_efficiency=linear / (linear + idle), allreduce_ms=allreduce_ms,
+        allgather_ms=allgather_ms, tp=p.tp)
 
 
 def _sum(groups: Iterable[ChunkGroup], model: ModelShape, kv_tok: float) -> _Work:
@@ -371,6 +392,7 @@ class RooflineCost:
             "_flops_per_ms": self.hw.flops_per_s(p.dtype_bytes) / 1e3,
             "_bytes_per_ms": self.hw.bytes_per_s / 1e3,
             "_row_ms": p.allreduce_ms_per_row(m, self.hw),   # TP's all-reduces, per Q row
+            "_chunk_ms": p.allgather_ms_per_chunk(m, self.hw),  # its logits gather, per chunk
         }
         for name, value in consts.items():
             object.__setattr__(self, name, value)
@@ -389,7 +411,7 @@ class RooflineCost:
         rows, n, pairs, kv = _sums(chunks)
         return max(self._flops(rows, n, pairs) / self._flops_per_ms,
                    (self._weight_bytes + self._kv_bytes * kv) / self._bytes_per_ms) \
-            + self._row_ms * rows
+            + self._row_ms * rows + self._chunk_ms * n
 
     def kv_digest_ms(self, tokens: int) -> float:
         """P/D: one side's digest of `tokens` tokens' K/V blocks (docs/design.md#kv-integrity),
@@ -400,8 +422,9 @@ class RooflineCost:
         """Largest N such that `chunks + [(N, prefix_len + N)]` runs within `budget_ms`."""
         rows, n, pairs, kv = _sums(chunks)
         s, r = prefix_len, self._row_ms
-        # What the roofline may take: the budget less the all-reduces, (rows + N) · r.
-        left_ms = budget_ms - r * rows
+        # What the roofline may take: the budget less the all-reduces, (rows + N) · r, and
+        # the logits all-gathers of the n + 1 chunks.
+        left_ms = budget_ms - r * rows - self._chunk_ms * (n + 1)
         # Memory: weights + K_tok · (kv + S + 2N) <= bandwidth · (left - r·N); linear in N.
         by_bytes = ((self._bytes_per_ms * left_ms - self._weight_bytes) / self._kv_bytes
                     - kv - s) / (2 + self._bytes_per_ms * r / self._kv_bytes)
@@ -421,7 +444,7 @@ class RooflineCost:
             flops = self._flops(rows + x, n + 1, pairs + x * s + x * (x + 1) // 2)
             nbytes = self._weight_bytes + self._kv_bytes * (kv + s + 2 * x)
             return max(flops / self._flops_per_ms, nbytes / self._bytes_per_ms) \
-                + self._row_ms * (rows + x) <= budget_ms
+                + self._row_ms * (rows + x) + self._chunk_ms * (n + 1) <= budget_ms
 
         while guess > 0 and not fits(guess):
             guess -= 1

@@ -37,12 +37,19 @@ def test_tp_2_prices_one_rank_and_its_all_reduces():
     # 2·32 + 1 all-reduces of 8 rows × 4096 × 2 B = 4,259,840 B; a ring of 2 sends 2·1/2 of it
     # at 450 GB/s
     assert cost.allreduce_ms == pytest.approx(4_259_840 / 450e6)                       # 9.5 µs
-    assert cost.time_ms == pytest.approx(2.614_01 + 0.009_466, abs=1e-5)
+    # the LM head all-gathers each of the 8 chunks' float32 logits, 32,000 × 4 B; a ring of 2
+    # sends 1/2 of them through each link: 512,000 B, 1.1 µs
+    assert cost.allgather_ms == pytest.approx(8 * 32_000 * 4 / 2 / 450e6)
+    assert cost.time_ms == pytest.approx(2.614_01 + 0.009_466 + 0.001_138, abs=1e-5)
     whole = estimate_iteration(DECODES, LLAMA, H100)
     assert cost.flops == pytest.approx(whole.flops / 2) and whole.allreduce_ms == 0
     # four ranks send 2·3/4 of each row's bytes
     assert estimate_iteration(DECODES, LLAMA, H100, Precision(tp=4)).allreduce_ms == \
         pytest.approx(4_259_840 * 1.5 / 450e6)
+
+    # the vocabulary is padded to a multiple of tp: 32,000 over 3 ranks gathers 32,001
+    assert estimate_iteration([(1, 10)], LLAMA, H100, Precision(tp=3)).allgather_ms == \
+        pytest.approx(32_001 * 4 * 2 / 3 / 450e6)
 
 
 def test_tp_cuts_prefill_chunks_twice_as_long_and_both_forms_agree():
