@@ -254,8 +254,7 @@ def format_transfer(cost: TransferCost, hw: str, precision: Precision) -> str:
         ("layer streamed", f"{cost.exposed_ms:.3g} ms exposed after the prefill "
                            f"(hidden while the fabric moves >= {cost.hiding_gb_per_s:.3g} GB/s)"),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return _key_values(rows)
 
 
 def format_transfer_table(rows: list[list[TransferCost]], models: list, hw: str,
@@ -283,6 +282,12 @@ def format_transfer_table(rows: list[list[TransferCost]], models: list, hw: str,
     lines.append("ms: the transfer alone; streamed: what is left after the prefill when each "
                  "layer's K/V leave as soon as it is computed")
     return "\n".join(lines)
+
+
+def _key_values(rows: list[tuple[str, str]]) -> str:
+    """One 'key  value' line a row, the values aligned."""
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def _si(value: float, unit: str) -> str:
@@ -316,5 +321,4 @@ def format_table(cost: IterationCost, model: str, hw: HardwareProfile, precision
     rows += [
         ("wall time", f"{cost.time_ms:.3f} ms ({cost.bound}-bound)"),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return _key_values(rows)

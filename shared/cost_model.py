@@ -22,7 +22,8 @@ Refinements over the round numbers of docs/design.md#reference-figures, each sma
   `kv_bytes`, `dtype_bytes`): 4-bit weights beside a 16-bit cache. The activations' size
   picks the matmul rate (quantized weights are widened to it).
 - Tensor parallelism (docs/design.md#tensor-parallelism): each of `tp` ranks does 1/tp of the
-  FLOPs and reads 1/tp of the weights and of the KV, and the figures are one rank's. Each
+  FLOPs and reads 1/tp of the KV and of the weights (the norms whole, the vocabulary padded
+  to a multiple of tp), and the figures are one rank's. Each
   forward then all-reduces the hidden state 2·layers + 1 times (after attention and after the
   MLP in every layer, and the vocab-parallel embedding), T rows × hidden × `dtype_bytes`
   each; a ring all-reduce moves 2(tp-1)/tp of that through each rank's link, at the
@@ -91,17 +92,24 @@ class ModelShape:
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
+    def params_per_rank(self, tp: int = 1, read: bool = False) -> int:
+        """One rank's parameters under tp-way tensor parallelism (docs/design.md#tensor-
+        parallelism): the layers' matmuls split tp ways, the vocab-parallel embedding and LM
+        head too (the vocabulary padded to a multiple of tp), the norms whole. `read`: only
+        what a forward reads, an untied embedding table left out (only T rows are gathered)."""
+        tables = 1 if self.tie_word_embeddings or read else 2
+        norms = (2 * self.num_layers + 1) * self.hidden_size
+        return (self.num_layers * self.layer_matmul_params // tp
+                + tables * -(-self.vocab_size // tp) * self.hidden_size + norms)
+
     @property
     def num_params(self) -> int:
-        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
-        heads = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * self.layer_matmul_params + norms + heads * self.lm_head_params
+        return self.params_per_rank()
 
     @property
     def params_read_per_iteration(self) -> int:
         """Every weight except an untied embedding table, of which only T rows are gathered."""
-        untied_embedding = 0 if self.tie_word_embeddings else self.lm_head_params
-        return self.num_params - untied_embedding
+        return self.params_per_rank(read=True)
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
         """K_tok: one context token's K and V across all layers
@@ -236,7 +244,11 @@ class Precision:
 
     def weights(self, model: ModelShape) -> float:
         """One rank's weight bytes read per iteration."""
-        return model.params_read_per_iteration * self.weight_bytes / self.tp
+        return model.params_per_rank(self.tp, read=True) * self.weight_bytes
+
+    def kv_block_bytes(self, model: ModelShape, block_size: int) -> int:
+        """One block of one rank's KV pool: `block_size` tokens' K/V of its KV heads."""
+        return int(self.kv_per_token(model) * block_size)
 
     def allreduce_ms_per_row(self, model: ModelShape, hw: HardwareProfile) -> float:
         """What one Q row adds to a forward's all-reduces on one rank; 0 without TP."""
