@@ -39,11 +39,12 @@ Refinements over the round numbers of docs/design.md#reference-figures, each sma
   small chunk's attention is priced by its KV bytes).
 
 Two ways to evaluate the model, both here and held to the same answers by the tests:
-- `estimate_iteration` / `max_prefill_tokens_within`: the model as stated, with every term
-  reported (`pacer cost`, `pacer calibrate`), the prefill limit found by bisection;
+- `estimate_iteration` / `estimate_groups`: the model as stated, with every term reported
+  (`pacer cost`);
 - `RooflineCost`: the same sums in closed form, for callers that ask every iteration (the
   scheduler's latency budget, the simulator); "how many prefill rows still fit" is solved as
-  a quadratic (attention pairs grow with N²).
+  a quadratic (attention pairs grow with N²), which the tests hold to a bisection over
+  `estimate_iteration`.
 
 Stdlib + `shared` only: the torch-free scheduler core and the engine layout use it.
 """
@@ -53,7 +54,7 @@ import math
 import os
 from dataclasses import dataclass
 from operator import itemgetter, mul
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from shared.errors import PacerError
 from shared.fabric import Fabric
@@ -205,12 +206,6 @@ class _Work:
         self.num_tokens += count * q_rows
         self.num_chunks += count
 
-    def plus(self, chunk: ChunkShape, model: ModelShape, kv_tok: float) -> _Work:
-        out = _Work(self.linear_flops, self.attention_flops, self.kv_bytes, self.num_tokens,
-                    self.num_chunks)
-        out.add(chunk, model, kv_tok)
-        return out
-
 
 # The LM head's logits are float32 whatever the weights are (gpu_worker/model/layers.py).
 LOGIT_BYTES = 4
@@ -307,13 +302,6 @@ def _roofline(work: _Work, model: ModelShape, hw: HardwareProfile, p: Precision)
         allgather_ms=allgather_ms, tp=p.tp)
 
 
-def _sum(groups: Iterable[ChunkGroup], model: ModelShape, kv_tok: float) -> _Work:
-    work = _Work()
-    for count, chunk in groups:
-        work.add(chunk, model, kv_tok, count)
-    return work
-
-
 def estimate_iteration(chunks: Sequence[ChunkShape], model: ModelShape, hw: HardwareProfile,
                        dtype_bytes: float | Precision = 2) -> IterationCost:
     """The roofline cost of one forward over `chunks` ((q_rows, kv_len) each); `dtype_bytes`
@@ -326,37 +314,10 @@ def estimate_groups(groups: Sequence[ChunkGroup], model: ModelShape, hw: Hardwar
     """`estimate_iteration` over `count` copies of each chunk of `groups` ((count, chunk)
     each), in time that does not grow with the counts."""
     p = _precision(dtype_bytes)
-    return _roofline(_sum(groups, model, p.kv_per_token(model)), model, hw, p)
-
-
-def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[ChunkShape], prefix_len: int,
-                              model: ModelShape, hw: HardwareProfile,
-                              dtype_bytes: float | Precision = 2, limit: int = 1 << 24) -> int:
-    """The largest prefill chunk N over a cached prefix of `prefix_len` such that the iteration
-    `decode_chunks + [(N, prefix_len + N)]` takes at most `budget_ms`; 0 if none fits.
-
-    Time never falls as N grows, so a doubling search then a bisection finds N in
-    ~2·log2(N) probes; the decodes are summed once."""
-    p = _precision(dtype_bytes)
-    kv_tok = p.kv_per_token(model)
-    base = _sum([(1, chunk) for chunk in decode_chunks], model, kv_tok)
-
-    def fits(n: int) -> bool:
-        cost = _roofline(base.plus((n, prefix_len + n), model, kv_tok), model, hw, p)
-        return cost.time_ms <= budget_ms
-
-    if not fits(1):
-        return 0
-    lo = 1                                  # fits
-    while lo < limit and fits(min(2 * lo, limit)):
-        lo = min(2 * lo, limit)
-    if lo == limit:
-        return limit
-    hi = min(2 * lo, limit)                 # does not fit
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    work, kv_tok = _Work(), p.kv_per_token(model)
+    for count, chunk in groups:
+        work.add(chunk, model, kv_tok, count)
+    return _roofline(work, model, hw, p)
 
 
 # ---- closed form, for callers that ask every iteration -----------------------------------

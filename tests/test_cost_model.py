@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from shared.cost_model import (MODELS, ModelShape, estimate_iteration, load_model_shape,
-                                      max_prefill_tokens_within, model_shape_of)
+from shared.cost_model import (MODELS, ChunkShape, ModelShape, Precision, estimate_iteration,
+                               load_model_shape, model_shape_of)
 from services import cost_cmd
 from shared.errors import PacerError
 from shared.hardware import HARDWARE, load_hardware
@@ -34,6 +34,31 @@ def decodes(batch: int, context: int) -> list[tuple[int, int]]:
 
 def prefill(n: int, prefix: int = 0) -> tuple[int, int]:
     return (n, prefix + n)
+
+
+def max_prefill_tokens_within(budget_ms: float, decode_chunks: list[ChunkShape], prefix_len: int,
+                              model: ModelShape, hw, dtype_bytes: float | Precision = 2,
+                              limit: int = 1 << 24) -> int:
+    """The oracle `RooflineCost.max_prefill_rows` is held to: the largest prefill chunk N over
+    a cached prefix of `prefix_len` such that `decode_chunks + [(N, prefix_len + N)]` takes at
+    most `budget_ms` by `estimate_iteration`, 0 if none fits. Time never falls as N grows,
+    so a doubling search then a bisection finds it."""
+    def fits(n: int) -> bool:
+        chunks = decode_chunks + [(n, prefix_len + n)]
+        return estimate_iteration(chunks, model, hw, dtype_bytes).time_ms <= budget_ms
+
+    if not fits(1):
+        return 0
+    lo = 1                                  # fits
+    while lo < limit and fits(min(2 * lo, limit)):
+        lo = min(2 * lo, limit)
+    if lo == limit:
+        return limit
+    hi = min(2 * lo, limit)                 # does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 # docs/design.md#reference-figures: 8 decodes at context ~1k, alone and with a prefill:

@@ -12,12 +12,11 @@ import json
 import pytest
 
 from services.cli import main
-from shared.cost_model import (MODELS, Precision, RooflineCost, estimate_iteration, kv_capacity,
-                               max_prefill_tokens_within)
+from shared.cost_model import MODELS, Precision, RooflineCost, estimate_iteration, kv_capacity
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.hardware import HARDWARE, hardware_from_dict
-from tests.test_cost_model import _cost_cli
+from tests.test_cost_model import _cost_cli, max_prefill_tokens_within
 
 LLAMA, H100 = MODELS["llama-2-7b"], HARDWARE["h100"]
 WEIGHTS = 6_607_343_616            # params read per iteration
