@@ -16,8 +16,8 @@ import re
 import sys
 from dataclasses import asdict
 
-from shared.cost_model import (ChunkShape, IterationCost, KVCapacity, ModelShape, Precision,
-                               TransferCost, estimate_iteration, estimate_transfer,
+from shared.cost_model import (ChunkGroup, ChunkShape, IterationCost, KVCapacity, ModelShape,
+                               Precision, TransferCost, estimate_groups, estimate_transfer,
                                kv_capacity, load_model_shape)
 from shared.errors import PacerError
 from shared.fabric import FABRICS, load_fabric
@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Estimate one iteration (a forward over decode steps and prefill chunks) "
                     "with the roofline: time = max(FLOPs / peak FLOP/s, bytes / bandwidth).")
     p.add_argument("--model", default="llama-2-7b",
-                   help="llama-2-7b, llama-2-13b, llama-3-8b, smollm2-135m, or a config.json path")
+                   help="llama-2-7b, llama-2-13b, llama-3-8b, smollm2-135m, a .gguf file, or a "
+                        "Hugging Face model folder or its config.json")
     p.add_argument("--hw", default="h100", help="h100, h200, a100, or a JSON from `pacer calibrate`")
     p.add_argument("--hw-tflops", type=float, help="override the matmul rate (TFLOP/s, all dtypes)")
     p.add_argument("--hw-bandwidth-tbps", type=float, help="override the memory bandwidth (TB/s)")
@@ -49,9 +50,10 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     t.add_argument("--fabric", default="all",
                    help=f"{', '.join(FABRICS)}, a bandwidth in GB/s, a comma list, or all "
                         "(default: a table of every built-in fabric)")
-    t.add_argument("--vs", default="llama-3-8b", metavar="MODEL",
-                   help="a second model beside --model in the table (default llama-3-8b: GQA, "
-                        "8 KV heads of 32); none to leave it out")
+    t.add_argument("--vs", default=None, metavar="MODEL",
+                   help="a second model beside --model (default: llama-3-8b, GQA with 8 KV "
+                        "heads of 32, in the table of several fabrics; none beside one "
+                        "fabric); none to leave it out")
     p.add_argument("--dtype-bytes", type=float, default=2.0,
                    help="bytes per activation element, and per weight and KV element unless "
                         "given apart (default 2: fp16/bf16)")
@@ -90,7 +92,10 @@ def precision_of(args: argparse.Namespace, models: list[ModelShape]) -> Precisio
             raise PacerError(f"--{flag.replace('_', '-')} must be a finite number of bytes "
                              f">= {MIN_ELEMENT_BYTES:g} (one bit), got {value:g}")
     for model in models:
-        check_tp_fits(model, args.tp)
+        try:
+            check_tp_fits(model, args.tp)
+        except PacerError as e:
+            raise PacerError(f"{model.name}: {e}") from e
     return Precision(args.dtype_bytes, args.weight_bytes, args.kv_bytes, args.tp)
 
 
@@ -104,12 +109,26 @@ def precision_text(p: Precision) -> str:
     return text + (f"; one rank of tp {p.tp}" if p.tp > 1 else "")
 
 
-def parse_decode(spec: str) -> list[ChunkShape]:
-    """'8x1024' -> eight (1, 1024) chunks."""
+# The largest count (requests, tokens) a flag takes: far beyond any batch or context, and
+# small enough that every FLOP and byte sum built from it stays a finite float.
+MAX_COUNT = 2**40
+
+
+def check_count(flag: str, value: int) -> int:
+    """`value` unless it is over MAX_COUNT, then a one-line error naming `flag`."""
+    if value > MAX_COUNT:
+        shown = f"{value:,}" if value < 10**15 else f"a {len(str(value))}-digit number"
+        raise PacerError(f"{flag}: counts must be at most 2**40 ({MAX_COUNT:,}), got {shown}")
+    return value
+
+
+def parse_decode(spec: str) -> ChunkGroup:
+    """'8x1024' -> eight (1, 1024) chunks, as (8, (1, 1024))."""
     m = _DECODE.fullmatch(spec.strip())
     if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
         raise PacerError(f"--decode {spec!r}: expected BxL with B, L >= 1, e.g. 8x1024")
-    return [(1, int(m.group(2)))] * int(m.group(1))
+    batch, context = (check_count("--decode", int(g)) for g in m.groups())
+    return batch, (1, context)
 
 
 def parse_prefill(spec: str) -> ChunkShape:
@@ -117,7 +136,7 @@ def parse_prefill(spec: str) -> ChunkShape:
     m = _PREFILL.fullmatch(spec.strip())
     if not m or int(m.group(1)) < 1:
         raise PacerError(f"--prefill {spec!r}: expected N or N@S with N >= 1, e.g. 4096 or 1024@2048")
-    n, prefix = int(m.group(1)), int(m.group(2) or 0)
+    n, prefix = (check_count("--prefill", int(g or 0)) for g in m.groups())
     return (n, prefix + n)
 
 
@@ -133,18 +152,18 @@ def run(args: argparse.Namespace) -> int:
     if args.transfer is not None:
         return run_transfer(args)
     try:
-        chunks = [c for spec in args.decode for c in parse_decode(spec)]
-        chunks += [parse_prefill(spec) for spec in args.prefill]
-        if not chunks:
+        groups = [parse_decode(spec) for spec in args.decode]
+        groups += [(1, parse_prefill(spec)) for spec in args.prefill]
+        if not groups:
             raise PacerError("nothing to run: give --decode BxL and/or --prefill N[@S]")
         model, hw = load_model_shape(args.model), _hardware(args)
         precision = precision_of(args, [model])
-        cost = estimate_iteration(chunks, model, hw, precision)
-        capacity = _capacity(model, hw, precision)
+        cost = estimate_groups(groups, model, hw, precision)
+        capacity, no_capacity = _capacity(model, hw, precision)
     except PacerError as e:
         print(f"pacer cost: error: {e}", file=sys.stderr)
         return 2
-    longest = max(kv for _, kv in chunks)
+    longest = max(kv for _, (_, kv) in groups)
     if args.json:
         out = asdict(cost) | {"model": model.name, "hardware": hw.name,
                               "precision": asdict(precision),
@@ -152,24 +171,29 @@ def run(args: argparse.Namespace) -> int:
                               "prefill": args.prefill,
                               "kv_capacity": None if capacity is None else
                               asdict(capacity) | {"sequences_at_longest_context":
-                                                  capacity.sequences(longest)}}
+                                                  capacity.sequences(longest)},
+                              "kv_capacity_error": no_capacity}
         print(json.dumps(out, indent=2))
     else:
         work = ", ".join([f"decode {d}" for d in args.decode] + [f"prefill {p}" for p in args.prefill])
         print(format_table(cost, model.name, hw, precision, work))
         if capacity is not None:
             print(format_capacity(capacity, longest))
+        elif no_capacity is not None:
+            print(f"{'KV capacity':<16}  none: {no_capacity}")
     return 0
 
 
-def _capacity(model, hw: HardwareProfile, precision: Precision) -> KVCapacity | None:
-    """The KV capacity where the profile states its memory and the weights fit in it."""
+def _capacity(model, hw: HardwareProfile,
+              precision: Precision) -> tuple[KVCapacity | None, str | None]:
+    """The KV capacity where the profile states its memory, else (None, None); (None, why)
+    when the weights leave it no room."""
     if hw.memory_gib is None:
-        return None
+        return None, None
     try:
-        return kv_capacity(model, hw, precision)
-    except PacerError:
-        return None
+        return kv_capacity(model, hw, precision), None
+    except PacerError as e:
+        return None, str(e)
 
 
 def format_capacity(capacity: KVCapacity, context_len: int) -> str:
@@ -188,10 +212,13 @@ def run_transfer(args: argparse.Namespace) -> int:
                              "and --prefill")
         if args.transfer < 1:
             raise PacerError(f"--transfer must be >= 1 token, got {args.transfer}")
-        names = [args.model] + ([] if args.vs.lower() in ("none", args.model.lower()) else [args.vs])
+        check_count("--transfer", args.transfer)
+        specs = list(FABRICS) if args.fabric.lower() == "all" else args.fabric.split(",")
+        one_fabric = args.fabric.lower() != "all" and len(specs) == 1
+        vs = args.vs or ("none" if one_fabric else "llama-3-8b")
+        names = [args.model] + ([] if vs.lower() in ("none", args.model.lower()) else [vs])
         models = [load_model_shape(name) for name in names]
         precision = precision_of(args, models)
-        specs = list(FABRICS) if args.fabric.lower() == "all" else args.fabric.split(",")
         fabrics = [load_fabric(spec) for spec in specs]
         hw = _hardware(args)
         rows = [[estimate_transfer(m, args.transfer, f, hw, precision) for m in models]
@@ -203,8 +230,8 @@ def run_transfer(args: argparse.Namespace) -> int:
         print(json.dumps({"prompt_len": args.transfer, "hardware": hw.name,
                           "dtype_bytes": args.dtype_bytes, "precision": asdict(precision),
                           "rows": [asdict(c) for row in rows for c in row]}, indent=2))
-    elif len(rows) == 1 and args.fabric.lower() != "all":
-        print(format_transfer(rows[0][0], hw.name, precision))
+    elif one_fabric:
+        print("\n\n".join(format_transfer(cost, hw.name, precision) for cost in rows[0]))
     else:
         print(format_transfer_table(rows, models, hw.name, precision))
     return 0
@@ -227,8 +254,7 @@ def format_transfer(cost: TransferCost, hw: str, precision: Precision) -> str:
         ("layer streamed", f"{cost.exposed_ms:.3g} ms exposed after the prefill "
                            f"(hidden while the fabric moves >= {cost.hiding_gb_per_s:.3g} GB/s)"),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return _key_values(rows)
 
 
 def format_transfer_table(rows: list[list[TransferCost]], models: list, hw: str,
@@ -258,6 +284,12 @@ def format_transfer_table(rows: list[list[TransferCost]], models: list, hw: str,
     return "\n".join(lines)
 
 
+def _key_values(rows: list[tuple[str, str]]) -> str:
+    """One 'key  value' line a row, the values aligned."""
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
 def _si(value: float, unit: str) -> str:
     for factor, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= factor:
@@ -283,10 +315,10 @@ def format_table(cost: IterationCost, model: str, hw: HardwareProfile, precision
         ("memory time", f"{cost.memory_ms:.3f} ms"),
     ]
     if cost.tp > 1:
-        rows.append(("all-reduce time", f"{cost.allreduce_ms:.3f} ms ({cost.tp} ranks at "
+        rows.append(("all-reduce time", f"{cost.allreduce_ms:.3f} ms, and {cost.allgather_ms:.3f} "
+                                        f"ms gathering the logits ({cost.tp} ranks at "
                                         f"{hw.interconnect_gb_per_s:g} GB/s, added)"))
     rows += [
         ("wall time", f"{cost.time_ms:.3f} ms ({cost.bound}-bound)"),
     ]
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    return _key_values(rows)

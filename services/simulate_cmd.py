@@ -40,7 +40,7 @@ from dataclasses import asdict, fields, replace
 
 from services.bench_cmd import _json_safe
 from services.cost_cmd import add_precision_args, precision_of, precision_text
-from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, kv_block_bytes, num_blocks_for_memory
+from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, num_blocks_for_memory
 from shared.engine_args import parse_latency_target
 from shared.errors import PacerError
 from shared.json_file import check_output_path
@@ -79,8 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     s = p.add_argument_group("model, hardware and scheduler")
     s.add_argument("--model", default=None,
-                   help="llama-2-7b (default), llama-2-13b, llama-3-8b, smollm2-135m, or a "
-                        "config.json")
+                   help="llama-2-7b (default), llama-2-13b, llama-3-8b, smollm2-135m, a .gguf "
+                        "file, or a Hugging Face model folder or its config.json")
     s.add_argument("--hw", default=None,
                    help="h100 (default), h200, a100, or a `pacer calibrate` JSON; with --replay "
                         "the profile the file records, if any")
@@ -182,9 +182,7 @@ def kv_pool_memory(args: argparse.Namespace, model, cost) -> str | int:
 def scheduler_config(args: argparse.Namespace, model, arrivals, cost) -> SchedulerConfig:
     """`cost` is the roofline the clock runs on; the core plans with it, or with an online fit
     seeded from it (--cost online)."""
-    # One rank's block: its num_kv_heads / tp heads, in the cache's element size.
-    block_bytes = int(kv_block_bytes(model.num_layers, model.num_kv_heads // cost.tp,
-                                     model.head_dim, args.block_size, cost.kv_bytes))
+    block_bytes = cost.precision.kv_block_bytes(model, args.block_size)
     if block_bytes < 1:
         raise PacerError(f"a KV block of {args.block_size} tokens at --kv-bytes "
                          f"{cost.kv_bytes:g} holds less than a byte: raise either")

@@ -106,12 +106,6 @@ class SchedulerConfig:
                 raise PacerError(f"{name} needs a cost model (iteration_cost)")
 
 
-def kv_block_bytes(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   dtype_bytes: int) -> int:
-    """Bytes one KV block takes across all layers (K and V) on one rank."""
-    return 2 * num_layers * num_kv_heads * head_dim * block_size * dtype_bytes
-
-
 def num_blocks_for_memory(memory: str | int, block_bytes: int) -> int:
     n = parse_size(memory) // block_bytes
     if n < 1:

@@ -22,11 +22,15 @@ Refinements over the round numbers of docs/design.md#reference-figures, each sma
   `kv_bytes`, `dtype_bytes`): 4-bit weights beside a 16-bit cache. The activations' size
   picks the matmul rate (quantized weights are widened to it).
 - Tensor parallelism (docs/design.md#tensor-parallelism): each of `tp` ranks does 1/tp of the
-  FLOPs and reads 1/tp of the weights and of the KV, and the figures are one rank's. Each
+  FLOPs and reads 1/tp of the KV and of the weights (the norms whole, the vocabulary padded
+  to a multiple of tp), and the figures are one rank's. Each
   forward then all-reduces the hidden state 2·layers + 1 times (after attention and after the
   MLP in every layer, and the vocab-parallel embedding), T rows × hidden × `dtype_bytes`
   each; a ring all-reduce moves 2(tp-1)/tp of that through each rank's link, at the
-  profile's `interconnect_gb_per_s`. That time is added to the roofline's, not overlapped.
+  profile's `interconnect_gb_per_s`. The vocab-parallel LM head then all-gathers each
+  sampling row's float32 logits (the vocabulary padded to a multiple of tp, 4 bytes each): a
+  ring all-gather moves (tp-1)/tp of them through each rank's link. That time is added to the
+  roofline's, not overlapped.
 - Small GEMMs run below the sustained rate (docs/design.md#small-chunks-run-below-peak): a
   matmul over M rows runs at `rate · M / (M + r½)`, r½ = the profile's `gemm_half_rows`. The
   layers' GEMMs run over the iteration's T rows, the LM head's over its n sampling rows, so
@@ -35,11 +39,12 @@ Refinements over the round numbers of docs/design.md#reference-figures, each sma
   small chunk's attention is priced by its KV bytes).
 
 Two ways to evaluate the model, both here and held to the same answers by the tests:
-- `estimate_iteration` / `max_prefill_tokens_within`: the model as stated, with every term
-  reported (`pacer cost`, `pacer calibrate`), the prefill limit found by bisection;
+- `estimate_iteration` / `estimate_groups`: the model as stated, with every term reported
+  (`pacer cost`);
 - `RooflineCost`: the same sums in closed form, for callers that ask every iteration (the
   scheduler's latency budget, the simulator); "how many prefill rows still fit" is solved as
-  a quadratic (attention pairs grow with N²).
+  a quadratic (attention pairs grow with N²), which the tests hold to a bisection over
+  `estimate_iteration`.
 
 Stdlib + `shared` only: the torch-free scheduler core and the engine layout use it.
 """
@@ -49,18 +54,20 @@ import math
 import os
 from dataclasses import dataclass
 from operator import itemgetter, mul
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 from shared.errors import PacerError
 from shared.fabric import Fabric
 from shared.hardware import HardwareProfile, load_hardware
-from shared.json_file import read_json_object
 from shared.kv_layout import DIGEST_READ_SHARE
 from shared.online_cost import OnlineIterationCost
 
 # One chunk of an iteration as the cost model sees it: (q_rows, kv_len). Not the runner's
 # `gpu_worker.attention.Chunk`, which also carries the block table.
 ChunkShape = tuple[int, int]
+# `count` copies of one chunk, as `pacer cost --decode BxL` gives B decodes: priced in time
+# that does not grow with the count, since every term is linear in it.
+ChunkGroup = tuple[int, ChunkShape]
 
 
 @dataclass(frozen=True)
@@ -86,17 +93,24 @@ class ModelShape:
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
+    def params_per_rank(self, tp: int = 1, read: bool = False) -> int:
+        """One rank's parameters under tp-way tensor parallelism (docs/design.md#tensor-
+        parallelism): the layers' matmuls split tp ways, the vocab-parallel embedding and LM
+        head too (the vocabulary padded to a multiple of tp), the norms whole. `read`: only
+        what a forward reads, an untied embedding table left out (only T rows are gathered)."""
+        tables = 1 if self.tie_word_embeddings or read else 2
+        norms = (2 * self.num_layers + 1) * self.hidden_size
+        return (self.num_layers * self.layer_matmul_params // tp
+                + tables * -(-self.vocab_size // tp) * self.hidden_size + norms)
+
     @property
     def num_params(self) -> int:
-        norms = self.num_layers * 2 * self.hidden_size + self.hidden_size
-        heads = 1 if self.tie_word_embeddings else 2
-        return self.num_layers * self.layer_matmul_params + norms + heads * self.lm_head_params
+        return self.params_per_rank()
 
     @property
     def params_read_per_iteration(self) -> int:
         """Every weight except an untied embedding table, of which only T rows are gathered."""
-        untied_embedding = 0 if self.tie_word_embeddings else self.lm_head_params
-        return self.num_params - untied_embedding
+        return self.params_per_rank(read=True)
 
     def kv_bytes_per_token(self, dtype_bytes: float) -> float:
         """K_tok: one context token's K and V across all layers
@@ -126,50 +140,26 @@ def model_shape_of(config: Any, name: str) -> ModelShape:
     return ModelShape(name, *(getattr(config, f) for f in fields))
 
 
-def model_shape_from_hf_config(config: dict, name: str) -> ModelShape:
-    """A shape from a Hugging Face `config.json` object (multimodal ones nest `text_config`)."""
-    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
-        config = config["text_config"]
-
-    def positive(key: str, default: int | None = None) -> int:
-        """`key` as a positive integer; `default` where it is absent or null."""
-        value = config.get(key)
-        if value is None and default is not None:
-            return default
-        if value is None and key not in config:
-            raise PacerError(f"model config {name} lacks {key!r}")
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise PacerError(f"model config {name}: {key} must be a positive integer, "
-                             f"got {value!r}")
-        return value
-
-    heads, hidden = positive("num_attention_heads"), positive("hidden_size")
-    return ModelShape(
-        name=name,
-        num_layers=positive("num_hidden_layers"),
-        hidden_size=hidden,
-        intermediate_size=positive("intermediate_size"),
-        num_heads=heads,
-        num_kv_heads=positive("num_key_value_heads", heads),
-        head_dim=positive("head_dim", hidden // heads or None),
-        vocab_size=positive("vocab_size"),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-    )
-
-
 def load_model_shape(spec: str) -> ModelShape:
-    """A built-in name (see MODELS) or a Hugging Face config.json, or a folder holding one."""
+    """A built-in name (see MODELS), or a model as the workers load it: a .gguf file, a Hugging
+    Face model folder or its config.json (read by shared/model_config.py, the one parser of
+    both; imported here only then, so that the scheduler's import stays light)."""
     if spec.lower() in MODELS:
         return MODELS[spec.lower()]
-    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
-    if not os.path.isfile(path):
-        raise PacerError(f"unknown model {spec!r}: use one of {', '.join(MODELS)} "
-                         "or the path of a Hugging Face config.json")
-    config = read_json_object(path, "model config")
-    name = os.path.basename(os.path.dirname(os.path.abspath(path))) or path
-    return model_shape_from_hf_config(config, name)
+    folder = spec
+    if os.path.isfile(spec) and not spec.endswith(".gguf"):
+        if os.path.basename(spec) != "config.json":
+            raise PacerError(f"model {spec!r}: give a .gguf file, a Hugging Face model folder "
+                             "or its config.json")
+        folder = os.path.dirname(os.path.abspath(spec))
+    elif not os.path.exists(spec):
+        raise PacerError(f"unknown model {spec!r}: use one of {', '.join(MODELS)}, a .gguf "
+                         "file, or a Hugging Face model folder or its config.json")
+    from shared.model_config import load_model_config
+    from shared.model_source import resolve_model
+
+    source = resolve_model(folder, weights=False)
+    return model_shape_of(load_model_config(source), source.name)
 
 
 @dataclass(frozen=True)
@@ -188,6 +178,7 @@ class IterationCost:
     num_tokens: int           # Q rows in the iteration
     gemm_efficiency: float = 1.0   # the linear FLOPs' share of the rate, by the GEMMs' rows
     allreduce_ms: float = 0.0      # TP: the forward's all-reduces, added to the roofline's time
+    allgather_ms: float = 0.0      # TP: the LM head's logits all-gather, added likewise
     tp: int = 1                    # the FLOPs and bytes above are one rank's of tp
 
 
@@ -201,25 +192,23 @@ class _Work:
     num_tokens: int = 0
     num_chunks: int = 0
 
-    def add(self, chunk: ChunkShape, model: ModelShape, kv_tok: float) -> None:
+    def add(self, chunk: ChunkShape, model: ModelShape, kv_tok: float, count: int = 1) -> None:
+        """`count` copies of `chunk`."""
         q_rows, kv_len = chunk
         if q_rows < 1 or kv_len < q_rows:
             raise PacerError(f"chunk (q_rows={q_rows}, kv_len={kv_len}) needs 1 <= q_rows <= kv_len")
         prefix = kv_len - q_rows
         pairs = q_rows * prefix + q_rows * (q_rows + 1) / 2
-        self.linear_flops += 2.0 * (model.num_layers * model.layer_matmul_params * q_rows
-                                    + model.lm_head_params)
-        self.attention_flops += pairs * model.attention_flops_per_pair
-        self.kv_bytes += (kv_len + q_rows) * kv_tok
-        self.num_tokens += q_rows
-        self.num_chunks += 1
+        self.linear_flops += 2.0 * count * (model.num_layers * model.layer_matmul_params * q_rows
+                                            + model.lm_head_params)
+        self.attention_flops += count * pairs * model.attention_flops_per_pair
+        self.kv_bytes += count * (kv_len + q_rows) * kv_tok
+        self.num_tokens += count * q_rows
+        self.num_chunks += count
 
-    def plus(self, chunk: ChunkShape, model: ModelShape, kv_tok: float) -> _Work:
-        out = _Work(self.linear_flops, self.attention_flops, self.kv_bytes, self.num_tokens,
-                    self.num_chunks)
-        out.add(chunk, model, kv_tok)
-        return out
 
+# The LM head's logits are float32 whatever the weights are (gpu_worker/model/layers.py).
+LOGIT_BYTES = 4
 
 # Bytes per weight of each quantization the workers serve (`--quantization`), their scales
 # left out.
@@ -250,17 +239,32 @@ class Precision:
 
     def weights(self, model: ModelShape) -> float:
         """One rank's weight bytes read per iteration."""
-        return model.params_read_per_iteration * self.weight_bytes / self.tp
+        return model.params_per_rank(self.tp, read=True) * self.weight_bytes
+
+    def kv_block_bytes(self, model: ModelShape, block_size: int) -> int:
+        """One block of one rank's KV pool: `block_size` tokens' K/V of its KV heads."""
+        return int(self.kv_per_token(model) * block_size)
 
     def allreduce_ms_per_row(self, model: ModelShape, hw: HardwareProfile) -> float:
         """What one Q row adds to a forward's all-reduces on one rank; 0 without TP."""
+        row_bytes = (2 * model.num_layers + 1) * model.hidden_size * self.dtype_bytes
+        return self._link_ms(row_bytes * 2, hw)
+
+    def allgather_ms_per_chunk(self, model: ModelShape, hw: HardwareProfile) -> float:
+        """What one chunk's sampling row adds to the LM head's logits all-gather on one rank
+        (float32 logits over the vocabulary padded to a multiple of tp); 0 without TP."""
+        padded_vocab = -(-model.vocab_size // self.tp) * self.tp
+        return self._link_ms(padded_vocab * LOGIT_BYTES, hw)
+
+    def _link_ms(self, nbytes: float, hw: HardwareProfile) -> float:
+        """A ring collective's time on one rank for `nbytes` (all ranks' data; an all-reduce
+        passes twice its data): each rank's link carries (tp-1)/tp of it."""
         if self.tp == 1:
             return 0.0
         if hw.interconnect_gb_per_s is None:
             raise PacerError(f"hardware {hw.name!r} states no interconnect_gb_per_s: the "
                              f"all-reduces of --tp {self.tp} cannot be priced")
-        row_bytes = (2 * model.num_layers + 1) * model.hidden_size * self.dtype_bytes
-        return row_bytes * 2 * (self.tp - 1) / self.tp / (hw.interconnect_gb_per_s * 1e6)
+        return nbytes * (self.tp - 1) / self.tp / (hw.interconnect_gb_per_s * 1e6)
 
 
 def gemm_idle_flops(model: ModelShape, hw: HardwareProfile) -> float:
@@ -286,58 +290,34 @@ def _roofline(work: _Work, model: ModelShape, hw: HardwareProfile, p: Precision)
     compute_ms = (flops + idle) / hw.flops_per_s(p.dtype_bytes) * 1e3
     memory_ms = total_bytes / hw.bytes_per_s * 1e3
     allreduce_ms = work.num_tokens * p.allreduce_ms_per_row(model, hw)
+    allgather_ms = work.num_chunks * p.allgather_ms_per_chunk(model, hw)
     return IterationCost(
-        time_ms=max(compute_ms, memory_ms) + allreduce_ms, flops=flops, bytes=total_bytes,
+        time_ms=max(compute_ms, memory_ms) + allreduce_ms + allgather_ms, flops=flops,
+        bytes=total_bytes,
         intensity=flops / total_bytes, bound="compute" if compute_ms >= memory_ms else "memory",
         compute_ms=compute_ms, memory_ms=memory_ms, linear_flops=linear,
         attention_flops=attention, weight_bytes=weight_bytes,
         kv_bytes=work.kv_bytes, num_tokens=work.num_tokens,
-        gemm_efficiency=linear / (linear + idle), allreduce_ms=allreduce_ms, tp=p.tp)
-
-
-def _sum(chunks: Iterable[ChunkShape], model: ModelShape, kv_tok: float) -> _Work:
-    work = _Work()
-    for chunk in chunks:
-        work.add(chunk, model, kv_tok)
-    return work
+        gemm_efficiency=linear / (linear + idle), allreduce_ms=allreduce_ms,
+        allgather_ms=allgather_ms, tp=p.tp)
 
 
 def estimate_iteration(chunks: Sequence[ChunkShape], model: ModelShape, hw: HardwareProfile,
                        dtype_bytes: float | Precision = 2) -> IterationCost:
     """The roofline cost of one forward over `chunks` ((q_rows, kv_len) each); `dtype_bytes`
     one element size for everything, or a `Precision`."""
+    return estimate_groups([(1, chunk) for chunk in chunks], model, hw, dtype_bytes)
+
+
+def estimate_groups(groups: Sequence[ChunkGroup], model: ModelShape, hw: HardwareProfile,
+                    dtype_bytes: float | Precision = 2) -> IterationCost:
+    """`estimate_iteration` over `count` copies of each chunk of `groups` ((count, chunk)
+    each), in time that does not grow with the counts."""
     p = _precision(dtype_bytes)
-    return _roofline(_sum(chunks, model, p.kv_per_token(model)), model, hw, p)
-
-
-def max_prefill_tokens_within(budget_ms: float, decode_chunks: Sequence[ChunkShape], prefix_len: int,
-                              model: ModelShape, hw: HardwareProfile,
-                              dtype_bytes: float | Precision = 2, limit: int = 1 << 24) -> int:
-    """The largest prefill chunk N over a cached prefix of `prefix_len` such that the iteration
-    `decode_chunks + [(N, prefix_len + N)]` takes at most `budget_ms`; 0 if none fits.
-
-    Time never falls as N grows, so a doubling search then a bisection finds N in
-    ~2·log2(N) probes; the decodes are summed once."""
-    p = _precision(dtype_bytes)
-    kv_tok = p.kv_per_token(model)
-    base = _sum(decode_chunks, model, kv_tok)
-
-    def fits(n: int) -> bool:
-        cost = _roofline(base.plus((n, prefix_len + n), model, kv_tok), model, hw, p)
-        return cost.time_ms <= budget_ms
-
-    if not fits(1):
-        return 0
-    lo = 1                                  # fits
-    while lo < limit and fits(min(2 * lo, limit)):
-        lo = min(2 * lo, limit)
-    if lo == limit:
-        return limit
-    hi = min(2 * lo, limit)                 # does not fit
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    work, kv_tok = _Work(), p.kv_per_token(model)
+    for count, chunk in groups:
+        work.add(chunk, model, kv_tok, count)
+    return _roofline(work, model, hw, p)
 
 
 # ---- closed form, for callers that ask every iteration -----------------------------------
@@ -385,6 +365,7 @@ class RooflineCost:
             "_flops_per_ms": self.hw.flops_per_s(p.dtype_bytes) / 1e3,
             "_bytes_per_ms": self.hw.bytes_per_s / 1e3,
             "_row_ms": p.allreduce_ms_per_row(m, self.hw),   # TP's all-reduces, per Q row
+            "_chunk_ms": p.allgather_ms_per_chunk(m, self.hw),  # its logits gather, per chunk
         }
         for name, value in consts.items():
             object.__setattr__(self, name, value)
@@ -403,7 +384,7 @@ class RooflineCost:
         rows, n, pairs, kv = _sums(chunks)
         return max(self._flops(rows, n, pairs) / self._flops_per_ms,
                    (self._weight_bytes + self._kv_bytes * kv) / self._bytes_per_ms) \
-            + self._row_ms * rows
+            + self._row_ms * rows + self._chunk_ms * n
 
     def kv_digest_ms(self, tokens: int) -> float:
         """P/D: one side's digest of `tokens` tokens' K/V blocks (docs/design.md#kv-integrity),
@@ -414,8 +395,9 @@ class RooflineCost:
         """Largest N such that `chunks + [(N, prefix_len + N)]` runs within `budget_ms`."""
         rows, n, pairs, kv = _sums(chunks)
         s, r = prefix_len, self._row_ms
-        # What the roofline may take: the budget less the all-reduces, (rows + N) · r.
-        left_ms = budget_ms - r * rows
+        # What the roofline may take: the budget less the all-reduces, (rows + N) · r, and
+        # the logits all-gathers of the n + 1 chunks.
+        left_ms = budget_ms - r * rows - self._chunk_ms * (n + 1)
         # Memory: weights + K_tok · (kv + S + 2N) <= bandwidth · (left - r·N); linear in N.
         by_bytes = ((self._bytes_per_ms * left_ms - self._weight_bytes) / self._kv_bytes
                     - kv - s) / (2 + self._bytes_per_ms * r / self._kv_bytes)
@@ -435,7 +417,7 @@ class RooflineCost:
             flops = self._flops(rows + x, n + 1, pairs + x * s + x * (x + 1) // 2)
             nbytes = self._weight_bytes + self._kv_bytes * (kv + s + 2 * x)
             return max(flops / self._flops_per_ms, nbytes / self._bytes_per_ms) \
-                + self._row_ms * (rows + x) <= budget_ms
+                + self._row_ms * (rows + x) + self._chunk_ms * (n + 1) <= budget_ms
 
         while guess > 0 and not fits(guess):
             guess -= 1

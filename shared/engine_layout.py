@@ -10,9 +10,9 @@ import re
 
 from dataclasses import dataclass
 
-from shared.config import (AUTO_TBT_FACTOR, AUTO_TTFT_FACTOR, SchedulerConfig, kv_block_bytes, kv_cache_dtype,
+from shared.config import (AUTO_TBT_FACTOR, AUTO_TTFT_FACTOR, SchedulerConfig, kv_cache_dtype,
                            num_blocks_for_memory)
-from shared.cost_model import QUANTIZED_WEIGHT_BYTES, Precision, latency_cost_for
+from shared.cost_model import QUANTIZED_WEIGHT_BYTES, Precision, latency_cost_for, model_shape_of
 from shared import gpu_memory
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
@@ -73,8 +73,9 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         raise PacerError(f"--num-kv-blocks must be >= 1, got {args.num_kv_blocks}")
     quantization = quantization_scheme(args.quantization, source, args.device)
     kv_bytes = DTYPE_BYTES[kv_cache_dtype(args.dtype, args.device, quantization)]
-    block_bytes = kv_block_bytes(cfg.num_layers, cfg.num_kv_heads // args.tp, cfg.head_dim,
-                                 args.block_size, kv_bytes)
+    precision = Precision(DTYPE_BYTES[args.dtype], QUANTIZED_WEIGHT_BYTES.get(quantization),
+                          kv_bytes, args.tp)
+    block_bytes = precision.kv_block_bytes(model_shape_of(cfg, source.name), args.block_size)
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(_kv_cache_memory(args, cfg),
                                                              block_bytes)
     max_model_len = args.max_model_len or cfg.max_position_embeddings
@@ -96,10 +97,8 @@ def engine_layout(args: EngineArgs) -> EngineLayout:
         target_ttft_ms=None if args.target_ttft_ms in ("auto", "off") else float(args.target_ttft_ms),
         target_ttft_factor=AUTO_TTFT_FACTOR if args.target_ttft_ms == "auto" else None,
         iteration_cost=latency_cost_for(
-            args.max_iteration_ms, args.hw, cfg,
-            Precision(DTYPE_BYTES[args.dtype], QUANTIZED_WEIGHT_BYTES.get(quantization),
-                      kv_bytes, args.tp),
-            args.target_tbt_ms, args.target_ttft_ms))
+            args.max_iteration_ms, args.hw, cfg, precision, args.target_tbt_ms,
+            args.target_ttft_ms))
     return EngineLayout(args, source, cfg, max_model_len, scheduler_config, block_bytes)
 
 

@@ -20,13 +20,11 @@ from shared.errors import PacerError
 CUDA_CONTEXT_BYTES = 2 << 30
 
 
-def weight_bytes(cfg, dtype_bytes: int, tp: int = 1) -> int:
-    """This rank's share of a llama-style model's weights (matmuls split tp ways; embedding,
-    LM head and norms counted whole, which slightly over-counts under TP)."""
-    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    layer = h * q + 2 * h * kv + q * h + 3 * h * cfg.intermediate_size
-    tables = (1 if cfg.tie_word_embeddings else 2) * cfg.vocab_size * h
-    return (cfg.num_layers * layer // tp + tables + (2 * cfg.num_layers + 1) * h) * dtype_bytes
+def weight_bytes(cfg, dtype_bytes: float, tp: int = 1) -> float:
+    """This rank's share of a llama-style model's weights (`ModelShape.params_per_rank`)."""
+    from shared.cost_model import model_shape_of
+
+    return model_shape_of(cfg, "").params_per_rank(tp) * dtype_bytes
 
 
 def activation_bytes(cfg, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int,

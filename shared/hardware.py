@@ -59,10 +59,6 @@ class HardwareProfile:
         if self.interconnect_gb_per_s is not None:
             _check_positive(f"{self.name}: interconnect_gb_per_s", self.interconnect_gb_per_s)
 
-    def gemm_efficiency(self, rows: float) -> float:
-        """The share of the matmul rate a GEMM over `rows` rows reaches: rows / (rows + r½)."""
-        return rows / (rows + self.gemm_half_rows) if rows > 0 else 0.0
-
     @property
     def memory_bytes(self) -> float | None:
         return None if self.memory_gib is None else self.memory_gib * 2**30

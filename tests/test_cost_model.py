@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from shared.cost_model import (MODELS, ModelShape, estimate_iteration, load_model_shape,
-                                      max_prefill_tokens_within, model_shape_of)
+from shared.cost_model import (MODELS, ChunkShape, ModelShape, Precision, estimate_iteration,
+                               load_model_shape, model_shape_of)
 from services import cost_cmd
 from shared.errors import PacerError
 from shared.hardware import HARDWARE, load_hardware
@@ -34,6 +34,31 @@ def decodes(batch: int, context: int) -> list[tuple[int, int]]:
 
 def prefill(n: int, prefix: int = 0) -> tuple[int, int]:
     return (n, prefix + n)
+
+
+def max_prefill_tokens_within(budget_ms: float, decode_chunks: list[ChunkShape], prefix_len: int,
+                              model: ModelShape, hw, dtype_bytes: float | Precision = 2,
+                              limit: int = 1 << 24) -> int:
+    """The oracle `RooflineCost.max_prefill_rows` is held to: the largest prefill chunk N over
+    a cached prefix of `prefix_len` such that `decode_chunks + [(N, prefix_len + N)]` takes at
+    most `budget_ms` by `estimate_iteration`, 0 if none fits. Time never falls as N grows,
+    so a doubling search then a bisection finds it."""
+    def fits(n: int) -> bool:
+        chunks = decode_chunks + [(n, prefix_len + n)]
+        return estimate_iteration(chunks, model, hw, dtype_bytes).time_ms <= budget_ms
+
+    if not fits(1):
+        return 0
+    lo = 1                                  # fits
+    while lo < limit and fits(min(2 * lo, limit)):
+        lo = min(2 * lo, limit)
+    if lo == limit:
+        return limit
+    hi = min(2 * lo, limit)                 # does not fit
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 # docs/design.md#reference-figures: 8 decodes at context ~1k, alone and with a prefill:
@@ -182,7 +207,7 @@ def test_gqa_shrinks_the_kv_bytes_per_token():
 
 def test_hf_config_json_gives_the_builtin_shape(tmp_path):
     # The fields of SmolLM2-135M-Instruct's config.json that the shape reads.
-    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 576, "intermediate_size": 1536,
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 576, "intermediate_size": 1536,
               "num_attention_heads": 9, "num_hidden_layers": 30, "num_key_value_heads": 3,
               "vocab_size": 49152, "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
     folder = tmp_path / "SmolLM2-135M-Instruct"
@@ -194,12 +219,12 @@ def test_hf_config_json_gives_the_builtin_shape(tmp_path):
         assert shape.name == "SmolLM2-135M-Instruct"
 
 
-SMOL_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+SMOL_CONFIG = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
                "num_hidden_layers": 30, "num_key_value_heads": 3, "vocab_size": 49152}
 
 
 @pytest.mark.parametrize("field,value", [
-    ("num_attention_heads", 0), ("vocab_size", None), ("num_hidden_layers", -2),
+    ("num_attention_heads", 0), ("num_hidden_layers", 2.0), ("num_hidden_layers", -2),
     ("hidden_size", "576"), ("intermediate_size", 1.5), ("num_key_value_heads", True),
     ("head_dim", 0)])
 def test_a_malformed_config_json_is_an_error_naming_the_field(field, value, tmp_path, capsys):
@@ -214,12 +239,34 @@ def test_a_malformed_config_json_is_an_error_naming_the_field(field, value, tmp_
 def test_a_config_json_lacking_a_field_or_null_where_optional(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({k: v for k, v in SMOL_CONFIG.items() if k != "vocab_size"}))
-    with pytest.raises(PacerError, match="lacks 'vocab_size'"):
+    with pytest.raises(PacerError, match="has no 'vocab_size'"):
         load_model_shape(str(path))
-    path.write_text(json.dumps({**SMOL_CONFIG, "num_key_value_heads": None, "head_dim": None,
-                                "hidden_size": 576.0}))
+    path.write_text(json.dumps({**SMOL_CONFIG, "num_key_value_heads": None, "head_dim": None}))
     shape = load_model_shape(str(path))
     assert (shape.num_kv_heads, shape.head_dim, shape.hidden_size) == (9, 64, 576)
+
+
+@pytest.mark.parametrize("config,error", [
+    # the cost model once read these its own way: a string "false" as True, a nested
+    # text_config the workers refuse as if it were served
+    ({**SMOL_CONFIG, "tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
+    ({"model_type": "llava", "text_config": SMOL_CONFIG}, "is not supported"),
+])
+def test_a_config_json_is_read_as_the_workers_read_it(config, error, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(PacerError, match=error):
+        load_model_shape(str(path))
+
+
+def test_a_gguf_model_gives_its_shape(capsys):
+    from shared.model_source import default_model_path
+
+    path = default_model_path()
+    shape = load_model_shape(path)
+    assert shape == ModelShape(**{**MODELS["smollm2-135m"].__dict__, "name": shape.name})
+    assert _cost_cli(["--model", path, "--decode", "8x1024"]) == 0
+    assert "wall time" in capsys.readouterr().out
 
 
 def test_shape_of_a_served_model_config():
@@ -310,3 +357,65 @@ def test_cost_cli_bad_input_is_one_error_line(capsys, argv, flag):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pacer cost: error:") and flag in lines[0]
     assert captured.out == ""
+
+
+HUGE = "1" + "0" * 400
+
+
+@pytest.mark.parametrize("argv,flag", [(["--decode", f"1x{HUGE}"], "--decode"),
+                                       (["--decode", f"{HUGE}x1"], "--decode"),
+                                       (["--prefill", HUGE], "--prefill"),
+                                       (["--prefill", f"1@{HUGE}"], "--prefill"),
+                                       (["--decode", f"{2**40 + 1}x1"], "--decode"),
+                                       (["--transfer", HUGE, "--fabric", "ib-hdr"], "--transfer")])
+def test_cost_cli_counts_past_2_40_are_one_error_line(capsys, argv, flag):
+    # Unbounded, they overflowed the float sums with a traceback.
+    assert _cost_cli(argv) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pacer cost: error: {flag}: counts must be "
+                                                   "at most 2**40")
+
+
+def test_cost_cli_takes_counts_up_to_2_40(capsys):
+    assert _cost_cli(["--prefill", f"1@{2**40 - 1}", "--json"]) == 0
+    assert math.isfinite(json.loads(capsys.readouterr().out)["time_ms"])
+
+
+def test_a_group_of_chunks_costs_the_same_as_its_copies():
+    from shared.cost_model import estimate_groups
+
+    groups = [(8, (1, 1024)), (1, (512, 2048)), (3, (1, 77))]
+    copies = [chunk for count, chunk in groups for _ in range(count)]
+    grouped, listed = estimate_groups(groups, LLAMA, H100), estimate_iteration(copies, LLAMA, H100)
+    for field, value in listed.__dict__.items():
+        assert getattr(grouped, field) == pytest.approx(value), field
+
+
+def test_cost_cli_a_billion_decodes_is_priced_without_listing_them():
+    # `--decode BxL` once built a list of B chunks: ~8 GB and ~20 min at B = 1e9. Under a
+    # 2 GiB address space such a list fails at once, so the estimate must come without one.
+    import resource
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "cost", "--decode",
+                           "1000000000x1024", "--json"], capture_output=True, text=True,
+                          timeout=120, preexec_fn=limit, env=env)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    one = estimate_iteration([(1, 1024)], LLAMA, H100)
+    assert out["num_tokens"] == 10**9
+    assert out["kv_bytes"] == pytest.approx(10**9 * one.kv_bytes)
+
+
+def test_cost_cli_says_why_there_is_no_kv_capacity(capsys):
+    # 13B weights at 8 bytes (104 GB) fill an 80 GiB H100: the line once vanished unexplained.
+    assert _cost_cli(["--model", "llama-2-13b", "--dtype-bytes", "8", "--decode", "1x10"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("KV capacity")]
+    assert len(lines) == 1 and "none: " in lines[0] and "leaves no room for a KV cache" in lines[0]
+    assert _cost_cli(["--model", "llama-2-13b", "--dtype-bytes", "8", "--decode", "1x10",
+                      "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["kv_capacity"] is None and "leaves no room" in out["kv_capacity_error"]

@@ -12,12 +12,11 @@ import json
 import pytest
 
 from services.cli import main
-from shared.cost_model import (MODELS, Precision, RooflineCost, estimate_iteration, kv_capacity,
-                               max_prefill_tokens_within)
+from shared.cost_model import MODELS, Precision, RooflineCost, estimate_iteration, kv_capacity
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.hardware import HARDWARE, hardware_from_dict
-from tests.test_cost_model import _cost_cli
+from tests.test_cost_model import _cost_cli, max_prefill_tokens_within
 
 LLAMA, H100 = MODELS["llama-2-7b"], HARDWARE["h100"]
 WEIGHTS = 6_607_343_616            # params read per iteration
@@ -31,18 +30,26 @@ def test_the_hand_worked_figures_hold():
 
 def test_tp_2_prices_one_rank_and_its_all_reduces():
     cost = estimate_iteration(DECODES, LLAMA, H100, Precision(tp=2))
-    assert cost.weight_bytes == WEIGHTS * 2 / 2
+    # half of every weight but the 2 · 32 + 1 norms of 4096, which each rank holds whole
+    assert cost.weight_bytes == (WEIGHTS + 65 * 4096) * 2 / 2
     assert cost.kv_bytes == 8_200 * K_TOK / 2
-    assert cost.memory_ms == pytest.approx((WEIGHTS + 8_200 * K_TOK / 2) / 3.35e9)   # 2.614 ms
+    assert cost.memory_ms == pytest.approx((WEIGHTS + 65 * 4096 + 8_200 * K_TOK / 2) / 3.35e9)
     # 2·32 + 1 all-reduces of 8 rows × 4096 × 2 B = 4,259,840 B; a ring of 2 sends 2·1/2 of it
     # at 450 GB/s
     assert cost.allreduce_ms == pytest.approx(4_259_840 / 450e6)                       # 9.5 µs
-    assert cost.time_ms == pytest.approx(2.614_01 + 0.009_466, abs=1e-5)
+    # the LM head all-gathers each of the 8 chunks' float32 logits, 32,000 × 4 B; a ring of 2
+    # sends 1/2 of them through each link: 512,000 B, 1.1 µs
+    assert cost.allgather_ms == pytest.approx(8 * 32_000 * 4 / 2 / 450e6)
+    assert cost.time_ms == pytest.approx(2.614_09 + 0.009_466 + 0.001_138, abs=1e-5)
     whole = estimate_iteration(DECODES, LLAMA, H100)
     assert cost.flops == pytest.approx(whole.flops / 2) and whole.allreduce_ms == 0
     # four ranks send 2·3/4 of each row's bytes
     assert estimate_iteration(DECODES, LLAMA, H100, Precision(tp=4)).allreduce_ms == \
         pytest.approx(4_259_840 * 1.5 / 450e6)
+
+    # the vocabulary is padded to a multiple of tp: 32,000 over 3 ranks gathers 32,001
+    assert estimate_iteration([(1, 10)], LLAMA, H100, Precision(tp=3)).allgather_ms == \
+        pytest.approx(32_001 * 4 * 2 / 3 / 450e6)
 
 
 def test_tp_cuts_prefill_chunks_twice_as_long_and_both_forms_agree():
@@ -143,3 +150,21 @@ def test_simulate_sizes_one_rank_s_pool_and_prices_its_forward(capsys):
 def test_replay_refuses_what_it_would_ignore(capsys):
     assert main(["simulate", "--replay", "docs/interference_defaults.json", "--tp", "2"]) == 2
     assert "leave out --tp, --weight-bytes and --kv-bytes" in capsys.readouterr().err
+
+
+def test_the_served_system_and_the_cost_model_count_one_rank_s_weights_alike():
+    # The vocab-parallel embedding and LM head are split tp ways (their vocabulary padded to a
+    # multiple of tp); the norms are whole. The pool sizing once counted both tables whole.
+    from shared import gpu_memory
+
+    smol = MODELS["smollm2-135m"]                      # tied: what a rank holds it reads
+    for tp in (1, 3):
+        assert gpu_memory.weight_bytes(smol, 2, tp) == Precision(2, tp=tp).weights(smol)
+    # untied, under tp 2: half of each of the two tables (32,000 · 4096 each)
+    assert gpu_memory.weight_bytes(LLAMA, 2, 2) - gpu_memory.weight_bytes(LLAMA, 2, 1) / 2 \
+        == pytest.approx(65 * 4096 * 2 / 2)
+
+
+def test_a_kv_block_is_block_size_tokens_of_one_rank_s_k_tok():
+    assert Precision(2, tp=2).kv_block_bytes(LLAMA, 16) == 16 * K_TOK / 2
+    assert Precision(2, kv_bytes=1).kv_block_bytes(LLAMA, 16) == 16 * K_TOK / 2

@@ -118,3 +118,21 @@ def test_cli_bad_transfer_input_is_one_error_line(capsys, argv, flag):
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pacer cost: error:") and flag in lines[0]
+
+
+def test_cli_one_fabric_shows_prices_and_checks_only_the_models_it_names(capsys):
+    # smollm2's 9 query heads divide by 3; the default --vs llama-3-8b's 32 do not. It was
+    # checked (and failed, unnamed) though one fabric's output never shows it.
+    argv = ["--model", "smollm2-135m", "--tp", "3", "--transfer", "100", "--fabric", "ib-hdr"]
+    assert _cost_cli(argv) == 0
+    text = capsys.readouterr().out
+    assert "smollm2-135m" in text and "llama-3-8b" not in text
+    assert _cost_cli(argv + ["--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["model"] for r in rows] == ["smollm2-135m"]
+    # A --vs named beside one fabric is shown, in text and JSON alike, and checked by name.
+    assert _cost_cli(["--transfer", "100", "--fabric", "ib-hdr", "--vs", "llama-3-8b"]) == 0
+    text = capsys.readouterr().out
+    assert "llama-2-7b" in text and "llama-3-8b" in text
+    assert _cost_cli(argv + ["--vs", "llama-3-8b"]) == 2
+    assert "llama-3-8b: tp=3 does not divide" in capsys.readouterr().err

@@ -4,7 +4,7 @@ with the decodes, decodes always run, and a prompt always makes progress: at lea
 
 Costs are plain ints: `RowCost` prices an iteration at `row_ms` per Q row plus `kv_ms` per
 KV row, so the expected chunk sizes can be worked out by hand. The roofline's closed form
-(`RooflineCost`) is held to the bisection search (`max_prefill_tokens_within`) on a
+(`RooflineCost`) is held to the bisection search (tests/test_cost_model.py) on a
 made-up model and machine.
 """
 from __future__ import annotations
@@ -21,13 +21,13 @@ from scheduler_svc.core import RequestStatus, Scheduler
 from scheduler_svc.simulator import SimClock
 from shared.config import SchedulerConfig
 from shared.online_cost import OnlineIterationCost
-from shared.cost_model import (ModelShape, RooflineCost, estimate_iteration, latency_cost_for,
-                               max_prefill_tokens_within)
+from shared.cost_model import ModelShape, RooflineCost, estimate_iteration, latency_cost_for
 from shared.engine_args import EngineArgs
 from shared.errors import PacerError
 from shared.hardware import HardwareProfile
 from shared.plan import IterationPlan, StepResult
 from test_scheduler_core import FakeWorker, add, check_plan, prompt, step
+from tests.test_cost_model import max_prefill_tokens_within
 from shared.sampling import SamplingParams
 from test_scheduler_properties import Driver, check_orca
 from test_scheduler_properties import aborts as abort_st
