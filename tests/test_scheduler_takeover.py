@@ -361,4 +361,4 @@ def test_a_stalled_scheduler_that_comes_back_after_a_takeover_publishes_nothing_
     finally:
         r.close()
     with open(system.processes[holder].log_path, encoding="utf-8") as f:
-        assert "request left to the scheduler that claimed it" in f.read(), system.logs()
+        assert "request left: another scheduler claimed it" in f.read(), system.logs()
