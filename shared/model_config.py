@@ -142,14 +142,23 @@ def _positive_count(value: Any, key: str, file: str) -> int:
     return value
 
 
-def _implied_head_dim(hidden: int, heads: int, file: str, hidden_key: str, heads_key: str,
-                      head_dim_key: str) -> int:
-    """The head size of a config that gives none: hidden / heads, which must divide evenly (8
-    split into 16 heads would be heads of size 0, a model of nothing)."""
-    if hidden % heads:
-        raise ModelLoadError(f"{file}: {hidden_key}={hidden} does not split evenly into "
-                             f"{heads_key}={heads} heads; {head_dim_key} must give the head size")
-    return hidden // heads
+def _head_dim(given: int | None, hidden: int, heads: int, file: str, hidden_key: str,
+              heads_key: str, head_dim_key: str) -> int:
+    """The head size: `given`, else hidden / heads, which must divide evenly (8 split into 16
+    heads would be heads of size 0, a model of nothing). It must be even: RoPE turns the
+    head's dimensions in pairs, and an odd one would be left over."""
+    if given is None:
+        if hidden % heads:
+            raise ModelLoadError(f"{file}: {hidden_key}={hidden} does not split evenly into "
+                                 f"{heads_key}={heads} heads; {head_dim_key} must give the "
+                                 "head size")
+        given, said = hidden // heads, f"{hidden_key} / {heads_key} = {hidden} / {heads}"
+    else:
+        said = head_dim_key
+    if given % 2:
+        raise ModelLoadError(f"{file}: the head size ({said}) is {given}, odd; RoPE turns "
+                             "dimensions in pairs, so it must be even")
+    return given
 
 
 def _positive_number(value: Any, key: str, file: str) -> float:
@@ -205,8 +214,8 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
         num_layers=_positive_int(cfg, "num_hidden_layers", file),
         num_heads=heads,
         num_kv_heads=_positive_int(cfg, "num_key_value_heads", file, heads),
-        head_dim=_positive_int(cfg, "head_dim", file, None) or _implied_head_dim(
-            hidden, heads, file, "hidden_size", "num_attention_heads", "head_dim"),
+        head_dim=_head_dim(_positive_int(cfg, "head_dim", file, None), hidden, heads, file,
+                           "hidden_size", "num_attention_heads", "head_dim"),
         rope_theta=_positive_number(next((t for t in (cfg.get("rope_theta"),
                                                       rope.get("rope_theta")) if t is not None),
                                          10000.0), "rope_theta", file),
@@ -477,14 +486,18 @@ def _from_gguf(path: str) -> ModelConfig:
             raise ModelLoadError(f"{path}: per-layer values of {arch}.{key} are not supported")
         return _positive_count(value, f"{arch}.{key}", path)
 
+    def number(key: str, default: Any = None) -> float:
+        """A positive, finite float, as HF configs' rope_theta and rms_norm_eps must be: 0,
+        below 0 or NaN gives infinite or NaN frequencies or norms, fluent nonsense."""
+        return _f32(_positive_number(get(key, default), f"{arch}.{key}", path))
+
     hidden, heads = count("embedding_length"), count("attention.head_count")
     kv_heads = count("attention.head_count_kv", heads)
-    if gguf_value(reader, f"{arch}.attention.key_length") is not None:
-        head_dim = count("attention.key_length")
-    else:
-        head_dim = _implied_head_dim(hidden, heads, path, f"{arch}.embedding_length",
-                                     f"{arch}.attention.head_count", f"{arch}.attention.key_length")
-    theta = _f32(get("rope.freq_base", 10000.0))
+    given = gguf_value(reader, f"{arch}.attention.key_length")
+    head_dim = _head_dim(None if given is None else count("attention.key_length"), hidden, heads,
+                         path, f"{arch}.embedding_length", f"{arch}.attention.head_count",
+                         f"{arch}.attention.key_length")
+    theta = number("rope.freq_base", 10000.0)
     rope_scaling = _gguf_rope_scaling(reader, path, arch, head_dim, theta)
     eos = _gguf_eos_ids(reader)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
@@ -498,7 +511,7 @@ def _from_gguf(path: str) -> ModelConfig:
         num_kv_heads=kv_heads,
         head_dim=head_dim,
         rope_theta=theta,
-        rms_norm_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+        rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
         max_position_embeddings=count("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),

@@ -189,6 +189,9 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
      "hidden_size=8 does not split evenly into num_attention_heads=16 heads; head_dim must "
      "give the head size"),
     ({"hidden_size": 65, "head_dim": None}, "hidden_size=65 does not split evenly"),
+    ({"head_dim": 15}, r"the head size \(head_dim\) is 15, odd; RoPE turns dimensions in pairs"),
+    ({"hidden_size": 60, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": None},
+     r"the head size \(hidden_size / num_attention_heads = 60 / 4\) is 15, odd"),
     ({"model_type": ["llama"]}, r"model_type must be a string, got \['llama'\]"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
     ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them, got '2'"),
@@ -251,18 +254,24 @@ def test_damaged_gguf_is_a_load_error(tmp_path):
 
 
 def _scaled_gguf(path: str, kind: RopeScalingType | None, factor: float = 4.0,
-                 original: int | None = None, hidden: int = 64, heads: Any = 4) -> str:
-    """A GGUF of `hidden` split into `heads` (no head size of its own) with linear (or
-    another kind of) scaling; with `original`, llama3's divisors (all 1) and that original
-    context instead."""
+                 original: int | None = None, hidden: int = 64, heads: Any = 4,
+                 rms_eps: float = 1e-5, theta: float | None = None,
+                 key_length: int | None = None) -> str:
+    """A GGUF of `hidden` split into `heads` (no head size of its own unless `key_length`)
+    with linear (or another kind of) scaling; with `original`, llama3's divisors (all 1) and
+    that original context instead."""
     writer = GGUFWriter(path, "llama")
     writer.add_embedding_length(hidden)
     writer.add_head_count(heads)
+    if key_length is not None:
+        writer.add_key_length(key_length)
+    if theta is not None:
+        writer.add_rope_freq_base(theta)
     writer.add_block_count(1)
     writer.add_feed_forward_length(128)
     writer.add_vocab_size(100)
     writer.add_context_length(256)
-    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_layer_norm_rms_eps(rms_eps)
     if kind is not None:
         writer.add_rope_scaling_type(kind)
         writer.add_rope_scaling_factor(factor)
@@ -310,6 +319,28 @@ def test_gguf_whose_hidden_size_does_not_split_into_its_heads_is_refused(tmp_pat
 ])
 def test_gguf_of_unusable_head_counts_is_refused(tmp_path, heads, message):
     gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, heads=heads)
+    with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
+        load_model_config(resolve_model(gguf))
+
+
+@pytest.mark.parametrize("changes,message", [
+    # as an HF config's rope_theta and rms_norm_eps: infinite or NaN frequencies or norms
+    ({"theta": 0.0}, "llama.rope.freq_base must be a positive number, got 0.0"),
+    ({"theta": -1e4}, "llama.rope.freq_base must be a positive number, got -10000.0"),
+    ({"theta": float("nan")}, "llama.rope.freq_base must be a positive number, got nan"),
+    ({"rms_eps": 0.0},
+     "llama.attention.layer_norm_rms_epsilon must be a positive number, got 0.0"),
+    ({"rms_eps": -0.5},
+     "llama.attention.layer_norm_rms_epsilon must be a positive number, got -0.5"),
+    ({"rms_eps": float("inf")},
+     "llama.attention.layer_norm_rms_epsilon must be a positive number, got inf"),
+    # RoPE turns a head's dimensions in pairs: an odd head size, given or implied, is refused
+    ({"key_length": 15}, r"the head size \(llama.attention.key_length\) is 15, odd"),
+    ({"hidden": 60}, r"the head size \(llama.embedding_length / llama.attention.head_count = "
+                     r"60 / 4\) is 15, odd; RoPE turns dimensions in pairs"),
+])
+def test_gguf_of_unusable_rope_norm_or_head_size_is_refused(tmp_path, changes, message):
+    gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, **changes)
     with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
         load_model_config(resolve_model(gguf))
 
