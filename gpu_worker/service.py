@@ -53,7 +53,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import redis.asyncio as aioredis
 import structlog
@@ -103,6 +103,14 @@ end
 
 class _RedisReplaced(Exception):
     """Redis restarted while a plan ran: its result has nobody to go to."""
+
+
+class _Origin(NamedTuple):
+    """Where a plan came from: the run_id of the Redis it was read from, and how many
+    connections the client had made before the read (`connections_made`; None where it cannot
+    tell), so that a send over a connection made since is checked (`_send_once`)."""
+    run_id: str
+    connections: int | None
 
 
 class Executor(Protocol):
@@ -205,7 +213,7 @@ class PlanLoop:
                     continue
                 entry_id, fields, origin = entries.popleft()
                 self._plans_after = entry_id
-                plan, wire = self._plan_of(fields, origin[0])
+                plan, wire = self._plan_of(fields, origin.run_id)
                 if plan is None:
                     continue
                 if not entries and not stop.is_set():
@@ -221,8 +229,7 @@ class PlanLoop:
             self.plan_wait.discard()
 
     async def _read_plans(self) -> list:
-        """The next plans, each as (entry id, fields, origin): the run_id of the server they
-        were read from, and the connections made before (see `_send_once`)."""
+        """The next plans, each as (entry id, fields, _Origin)."""
         try:
             connections = connections_made(self.redis)
             pipe = self.redis.pipeline(transaction=False)
@@ -240,7 +247,7 @@ class PlanLoop:
             self._replaced.add(self._run_id)
             self._run_id, self._plans_after = info["run_id"], "0-0"
             return []
-        entries = [(entry_id, fields, (self._run_id, connections))
+        entries = [(entry_id, fields, _Origin(self._run_id, connections))
                    for _, entries in reply or [] for entry_id, fields in entries]
         if not entries and self._stats_stale:   # idle: the counters the last results left out
             try:
@@ -264,7 +271,7 @@ class PlanLoop:
         return _decode_plan(fields)
 
     async def _run_plan(self, plan: IterationPlan, wire: bytes, entry_id: bytes | str,
-                        origin: tuple[str, int | None], answering: asyncio.Task | None,
+                        origin: _Origin, answering: asyncio.Task | None,
                         stop: asyncio.Event) -> asyncio.Task:
         """Run the plan; returns the task sending its result, once the previous plan's
         (`answering`) is sent. `wire`: the plan's bytes as they came from the plans stream;
@@ -292,11 +299,11 @@ class PlanLoop:
                                                 origin, stop))
 
     async def _answer(self, step: int, batches: dict[str, TokenBatch], result: StepResult,
-                      entry_id: bytes | str, origin: tuple[str, int | None],
+                      entry_id: bytes | str, origin: _Origin,
                       stop: asyncio.Event) -> None:
-        """Send the result of the plan `entry_id` of the Redis with run_id `origin[0]`; noted
-        as answered unless that Redis is gone."""
-        run_id = origin[0]
+        """Send the result of the plan `entry_id` of the Redis with run_id `origin.run_id`;
+        noted as answered unless that Redis is gone."""
+        run_id = origin.run_id
         self.publish.start()
         try:
             if run_id in self._replaced:
@@ -343,7 +350,7 @@ class PlanLoop:
             plan, finished_request_ids=[*self.requests, *plan.finished_request_ids])
 
     async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult,
-                    origin: tuple[str, int | None], stop: asyncio.Event) -> bool:
+                    origin: _Origin, stop: asyncio.Event) -> bool:
         """Raises _RedisReplaced, or the Redis failure once the worker was told to stop
         STOP_RETRY_S ago (a worker orphaned with its Redis gone must exit)."""
         with_stats = time.monotonic() - self._stats_at >= STATS_INTERVAL_S
@@ -352,22 +359,20 @@ class PlanLoop:
         self._stats_stale = not with_stats
         # a fresh pipeline each try: a failed execute() has emptied the last one; the
         # scheduler waits for this result, and skips a duplicate by its step
-        run_id = origin[0]
         await retry_redis(lambda: self._send_once(batches, result, with_stats, origin),
                           f"send result of step {step}", log,
-                          before_retry=lambda: self._check_same_redis(step, run_id),
+                          before_retry=lambda: self._check_same_redis(step, origin.run_id),
                           give_up=stopped_for(stop, STOP_RETRY_S))
         return True
 
     async def _send_once(self, batches: dict[str, TokenBatch], result: StepResult,
-                         with_stats: bool, origin: tuple[str, int | None]) -> None:
+                         with_stats: bool, origin: _Origin) -> None:
         """One pipeline. A connection made since the plan was read (`origin`) may have
         reached a Redis that restarted meanwhile, without a failure to warn of it: then the
         server's run_id is read after it, and what the send wrote to another server is
         taken back (its result entry, the progress records it made; its token events
         reached no client: the gateway ended those streams). No connection made since, no
         round trip: the send went to the plan's server, or failed."""
-        run_id, connections = origin
         pipe = self.redis.pipeline(transaction=False)
         progress = self._record_progress(pipe, batches.values())
         for channel, batch in batches.items():
@@ -377,10 +382,11 @@ class PlanLoop:
         if with_stats:
             pipe.hset(self.keys.stats, mapping=self.stats())
         replies = await pipe.execute()
-        if connections is not None and connections_made(self.redis) == connections or \
-                await redis_run_id(self.redis) == run_id:
+        if origin.connections is not None and \
+                connections_made(self.redis) == origin.connections or \
+                await redis_run_id(self.redis) == origin.run_id:
             return
-        self._replaced.add(run_id)
+        self._replaced.add(origin.run_id)
         taken_back = self.redis.pipeline(transaction=False)
         taken_back.xdel(self.keys.results, replies[len(replies) - 1 - with_stats])
         if progress:
