@@ -184,6 +184,12 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+# `pacer cost` sizes the pool at kv_capacity's defaults (0.9 of the memory, a 2048-token
+# forward): what it has a flag for is the profile, the weights' bytes and the TP degree
+COST_REMEDY = ("try a --hw with more memory, fewer --weight-bytes (or --dtype-bytes), or a "
+               "larger --tp")
+
+
 def _capacity(model, hw: HardwareProfile,
               precision: Precision) -> tuple[KVCapacity | None, str | None]:
     """The KV capacity where the profile states its memory, else (None, None); (None, why)
@@ -191,7 +197,7 @@ def _capacity(model, hw: HardwareProfile,
     if hw.memory_gib is None:
         return None, None
     try:
-        return kv_capacity(model, hw, precision), None
+        return kv_capacity(model, hw, precision, remedy=COST_REMEDY), None
     except PacerError as e:
         return None, str(e)
 

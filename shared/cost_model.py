@@ -450,10 +450,10 @@ class KVCapacity:
 
 def kv_capacity(model: ModelShape, hw: HardwareProfile, dtype_bytes: float | Precision = 2,
                 utilization: float = 0.9, max_num_batched_tokens: int = 2048,
-                max_num_seqs: int = 256) -> KVCapacity:
+                max_num_seqs: int = 256, remedy: str | None = None) -> KVCapacity:
     """The KV pool `hw` holds for `model` (one rank's, under TP: its share of the weights,
     and of each token's K/V); PacerError when the profile names no memory or the weights
-    leave no room."""
+    leave no room, that one ending in `remedy` (the serving flags' when None)."""
     from shared import gpu_memory
 
     if hw.memory_bytes is None:
@@ -466,7 +466,7 @@ def kv_capacity(model: ModelShape, hw: HardwareProfile, dtype_bytes: float | Pre
     activations = gpu_memory.activation_bytes(model, max_num_batched_tokens, max_num_seqs,
                                               p.dtype_bytes, p.tp)
     pool = gpu_memory.kv_pool_bytes(int(hw.memory_bytes), utilization, int(weights),
-                                    int(activations))
+                                    int(activations), remedy or gpu_memory.SERVING_REMEDY)
     per_token = p.kv_per_token(model)
     return KVCapacity(hw.memory_bytes, utilization, weights, activations, pool, per_token,
                       int(pool // per_token))

@@ -38,15 +38,24 @@ def activation_bytes(cfg, max_num_batched_tokens: int, max_num_seqs: int, dtype_
     return t * per_token + 3 * max_num_seqs * cfg.vocab_size * 4
 
 
-def kv_pool_bytes(total: int, utilization: float, weights: int, activations: int) -> int:
+# What to change when the pool gets nothing, in the flags of `pacer up`, `pacer generate`
+# and `pacer simulate` (`pacer cost` has none of them and says its own)
+SERVING_REMEDY = ("raise --gpu-memory-utilization, lower --max-num-batched-tokens, add --tp, "
+                  "or give --kv-cache-memory/--num-kv-blocks")
+
+
+def kv_pool_bytes(total: int, utilization: float, weights: int, activations: int,
+                  remedy: str = SERVING_REMEDY) -> int:
+    """What is left for the KV pool; PacerError ending in `remedy` (what to change, in the
+    flags of the command that asked) when nothing is."""
     pool = int(total * utilization) - weights - activations - CUDA_CONTEXT_BYTES
     if pool <= 0:
         gib = 1 << 30
         raise PacerError(
-            f"--gpu-memory-utilization {utilization} of {total / gib:.1f} GiB leaves no room for "
-            f"a KV cache after {weights / gib:.1f} GiB of weights, ~{activations / gib:.1f} GiB "
-            f"of activations and {CUDA_CONTEXT_BYTES / gib:.0f} GiB for CUDA: raise it, lower "
-            f"--max-num-batched-tokens, add --tp, or give --kv-cache-memory/--num-kv-blocks")
+            f"{utilization:g} of {total / gib:.1f} GiB leaves no room for a KV cache after "
+            f"{weights / gib:.1f} GiB of weights, "
+            f"~{activations / gib:.1f} GiB of activations and "
+            f"{CUDA_CONTEXT_BYTES / gib:.0f} GiB for CUDA: {remedy}")
     return pool
 
 

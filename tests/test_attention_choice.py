@@ -99,7 +99,9 @@ def test_gpu_memory_sizing_arithmetic():
     act = gpu_memory.activation_bytes(llama3_8b, 512, 128, 2)
     pool = gpu_memory.kv_pool_bytes(141 * 2**30, 0.9, w, act)
     assert 100 * 2**30 < pool < 112 * 2**30
-    with pytest.raises(PacerError, match="no room for a KV cache"):
+    # served, the error says which flags make room
+    with pytest.raises(PacerError, match="no room for a KV cache .*: raise "
+                       "--gpu-memory-utilization, lower --max-num-batched-tokens, add --tp"):
         gpu_memory.kv_pool_bytes(16 * 2**30, 0.9, w, act)
 
 

@@ -419,3 +419,8 @@ def test_cost_cli_says_why_there_is_no_kv_capacity(capsys):
                       "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["kv_capacity"] is None and "leaves no room" in out["kv_capacity_error"]
+    # what to change is said in `pacer cost`'s own flags, not in the serving ones it lacks
+    for said in (lines[0], out["kv_capacity_error"]):
+        assert not any(flag in said for flag in ("--gpu-memory-utilization", "--kv-cache-memory",
+                                                 "--num-kv-blocks", "--max-num-batched-tokens"))
+        assert said.endswith(cost_cmd.COST_REMEDY) and "--hw" in said and "--tp" in said
