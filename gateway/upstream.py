@@ -35,7 +35,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.router import ReplicaRouter, live_instances
 from gateway.streams import TokenRouter
@@ -254,8 +254,15 @@ class Upstream:
         for stream in quiet:
             key, entry_id = stream.entry
             pipe.xrange(key, min=entry_id, max=entry_id, count=1)
-        lost = [s for s, found in zip(quiet, await pipe.execute())
-                if not found and s.finish is None]
+        # each reply on its own: a key that holds another type now (the stream deleted and
+        # the name reused) has lost its entries too, and its error must not hide the others
+        replies = await pipe.execute(raise_on_error=False)
+        lost = [s for s, found in zip(quiet, replies)
+                if (not found or _wrong_type(found)) and s.finish is None]
+        refused = [r for r in replies if isinstance(r, Exception) and not _wrong_type(r)]
+        if refused:
+            log.warning("request entries not looked up", count=len(refused),
+                        error=str(refused[0]))
         for stream in lost:
             stream.fail(REQUEST_LOST)
         if lost:
@@ -287,3 +294,7 @@ class Upstream:
         missing += [name for (name, _), up in zip(ranks, alive) if not up]
         return missing
 
+
+def _wrong_type(reply) -> bool:
+    """Whether a reply is Redis's refusal of a key that holds another type."""
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")
