@@ -3,9 +3,11 @@ keys are broken or whose data is odd: each request still ends, or is routed, ins
 hanging or failing every other one."""
 from __future__ import annotations
 
-import redis.asyncio as aioredis
+import pytest
 import pytest_asyncio
+import redis.asyncio as aioredis
 
+from gateway.router import ReplicaRouter
 from gateway.streams import TokenRouter
 from gateway.upstream import ENTRY_CHECK_S, REQUEST_LOST, Upstream
 from shared.keys import Keys
@@ -46,3 +48,24 @@ async def test_an_entry_whose_stream_key_now_holds_another_type_is_lost(redis) -
     _, finish = await gone.next()
     assert finish.finish_reason == "error" and finish.error == REQUEST_LOST
     assert kept.finish is None
+
+
+@pytest.mark.parametrize("policy", ["prefix", "least-loaded"])
+async def test_a_replicas_odd_stats_or_a_key_of_another_type_does_not_refuse_requests(
+        redis, policy: str) -> None:
+    """The router's reads are hints: a stats hash holding nan or inf, or a stats or cached
+    blocks key holding another type, routes without that hint. Before, the first failed
+    every request with a 500 (int() of nan) and the second with a 503 naming WRONGTYPE."""
+    r0, r1 = KEYS.for_instance("r0"), KEYS.for_instance("r1")
+    await redis.hset(r0.stats, mapping={"num_requests_running": "nan", "block_size": "inf",
+                                        "kv_cache_usage_perc": "-inf"})
+    await redis.hset(r1.stats, mapping={"num_requests_waiting": "inf", "block_size": "4"})
+    router = ReplicaRouter(redis, KEYS, ["r0", "r1"], policy)
+    assert await router.choose("odd-stats", list(range(40))) in ("r0", "r1")
+
+    await redis.delete(r0.stats)
+    await redis.set(r0.stats, "not a hash")
+    await redis.set(r1.cached_blocks, "not a set")
+    router = ReplicaRouter(redis, KEYS, ["r0", "r1"], policy)
+    assert [await router.choose(f"wrong-type-{i}", list(range(40))) for i in range(2)]
+    assert router.block_size == (4 if policy == "prefix" else None)
