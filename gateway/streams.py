@@ -199,11 +199,18 @@ class TokenRouter:
         return len(ended)
 
     def route(self, data: bytes) -> None:
+        """Hand a message's events to their streams. A message that cannot be, whatever is
+        wrong with it, is logged and dropped: raised, it ended the listener, and every stream
+        after it waited forever."""
         try:
-            msg = decode(data)
+            self._route(decode(data))
         except ProtocolError as e:
             log.warning("undecodable message on token channel", error=str(e))
-            return
+        except Exception as e:      # decoded, but not as the protocol means (an id not a str)
+            log.error("malformed message on token channel dropped",
+                      error=f"{type(e).__name__}: {e}")
+
+    def _route(self, msg) -> None:
         if isinstance(msg, TokenBatch):
             for rid, cached in msg.cached.items():
                 if (stream := self._streams.get(rid)) is not None:

@@ -3,6 +3,9 @@ keys are broken or whose data is odd: each request still ends, or is routed, ins
 hanging or failing every other one."""
 from __future__ import annotations
 
+import asyncio
+
+import msgpack
 import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
@@ -11,6 +14,7 @@ from gateway.router import ReplicaRouter
 from gateway.streams import TokenRouter
 from gateway.upstream import ENTRY_CHECK_S, REQUEST_LOST, Upstream
 from shared.keys import Keys
+from shared.protocol import SCHEMA_VERSION, FinishEvent, encode
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
 KEYS = Keys("gwfail:")
@@ -69,3 +73,22 @@ async def test_a_replicas_odd_stats_or_a_key_of_another_type_does_not_refuse_req
     router = ReplicaRouter(redis, KEYS, ["r0", "r1"], policy)
     assert [await router.choose(f"wrong-type-{i}", list(range(40))) for i in range(2)]
     assert router.block_size == (4 if policy == "prefix" else None)
+
+
+async def test_a_malformed_token_message_is_dropped_and_the_listener_goes_on(redis) -> None:
+    """A token batch that decodes but names a request by a list, not a string: routing it
+    raised TypeError, which ended the listener task silently, and every stream open then or
+    later waited forever for its events."""
+    router = TokenRouter(redis, "gwfail:tokens:gw")
+    stream = router.open("r1")
+    task = asyncio.create_task(router.run())
+    try:
+        await asyncio.wait_for(router.subscribed.wait(), 10)
+        await redis.publish(router.channel, msgpack.packb({
+            "v": SCHEMA_VERSION, "kind": "token_batch", "events": [[["r1"], 0, 7, None, None]]}))
+        await redis.publish(router.channel, encode(FinishEvent("r1", "length", 3, 0)))
+        _, finish = await asyncio.wait_for(stream.next(), 10)
+        assert finish.finish_reason == "length"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
