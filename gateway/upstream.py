@@ -135,9 +135,8 @@ class Upstream:
             self.replicas.ended(request_id)
 
     async def abort(self, request_id: str, reason: str) -> None:
-        fields = to_fields(AbortMsg(request_id, reason))
-        await self._live_connection(lambda: self.redis.xadd(
-            self.keys.aborts, fields, maxlen=ABORTS_MAXLEN, approximate=True), "abort request")
+        await self._live_connection(lambda: self._send_abort(self.redis, request_id, reason),
+                                    "abort request")
         log.info("request aborted upstream", request_id=request_id, reason=reason)
 
     async def _live_connection(self, op: Callable[[], Awaitable[T]], what: str) -> T:
@@ -178,9 +177,13 @@ class Upstream:
         """The aborts kept since Redis refused them, queued on `pipe`; their request ids."""
         rids = list(self._unsent_aborts)
         for rid in rids:
-            pipe.xadd(self.keys.aborts, to_fields(AbortMsg(rid, self._unsent_aborts[rid])),
-                      maxlen=ABORTS_MAXLEN, approximate=True)
+            self._send_abort(pipe, rid, self._unsent_aborts[rid])
         return rids
+
+    def _send_abort(self, client, request_id: str, reason: str):
+        """The one XADD of an abort, on a client (awaitable) or a pipeline (queued)."""
+        return client.xadd(self.keys.aborts, to_fields(AbortMsg(request_id, reason)),
+                           maxlen=ABORTS_MAXLEN, approximate=True)
 
     def _settle_unsent_aborts(self, rids: list[str], replies: list) -> None:
         """Forget the kept aborts Redis took, and those it refused for good; keep those it
