@@ -13,8 +13,8 @@ no scheduler ran) will never be served, and ends with an error too (`check_entri
 Aborts that could not be sent (Redis away, stalled, out of memory) are kept, a bounded few,
 and sent once a heartbeat gets through again: the scheduler would otherwise decode a request
 the gateway ended itself to its max_tokens, for nobody. One that Redis refuses for good is dropped.
-A heartbeat's reply is waited for HEARTBEAT_REPLY_S: a stalled Redis counts as failing then,
-not at the socket timeout.
+A heartbeat's reply, and the entries' lookup, are waited for HEARTBEAT_REPLY_S: a stalled
+Redis counts as failing then, not at the socket timeout.
 
 After a restart the connection pool still holds connections to the old server; the first
 command on each fails. Submitting and aborting drop those idle connections and try once more,
@@ -236,7 +236,9 @@ class Upstream:
                     await self._drop_idle_connections()
                 if time.monotonic() - checked_at >= ENTRY_CHECK_S:
                     checked_at = time.monotonic()
-                    await self.check_entries(router)
+                    # bounded alike: a Redis that stalls now would hold this loop, and the
+                    # streams it ends, for the socket timeout
+                    await asyncio.wait_for(self.check_entries(router), HEARTBEAT_REPLY_S)
             except (RedisError, OSError) as e:       # OSError: TimeoutError too
                 log.warning("heartbeat not written", error=str(e) or type(e).__name__)
                 now = time.monotonic()

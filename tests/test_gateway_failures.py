@@ -8,6 +8,7 @@ import asyncio
 import msgpack
 import pytest
 import pytest_asyncio
+import redis as redis_sync
 import redis.asyncio as aioredis
 
 from gateway.router import ReplicaRouter
@@ -92,3 +93,43 @@ async def test_a_malformed_token_message_is_dropped_and_the_listener_goes_on(red
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+
+
+class PausingRouter(TokenRouter):
+    """Pauses Redis as the heartbeat loop starts looking up the quiet streams' entries: it
+    stalls between the heartbeat's reply and the lookup's."""
+
+    def __init__(self, redis, channel: str, admin: redis_sync.Redis) -> None:
+        super().__init__(redis, channel)
+        self.admin, self.paused = admin, False
+
+    def quiet(self, for_s: float):
+        if not self.paused:
+            self.paused = True
+            self.admin.execute_command("CLIENT", "PAUSE", str(int(PAUSE_S * 1000)), "ALL")
+        return super().quiet(for_s)
+
+
+PAUSE_S = 8.0
+
+
+async def test_a_redis_that_stalls_during_the_entry_lookup_ends_the_streams_as_soon(
+        redis, redis_server: str) -> None:
+    """The entry lookup waited for the pool's socket timeout (10 s), holding the heartbeat
+    loop: a Redis that stalled just then ended no stream until the stall was over. Bounded as
+    the heartbeat's reply is, the streams end ~REDIS_UNREACHABLE_S after it stalled."""
+    client = aioredis.Redis.from_url(redis_server, socket_timeout=10)
+    admin = redis_sync.Redis.from_url(redis_server)
+    upstream = Upstream(client, KEYS, "gw")
+    router = PausingRouter(client, upstream.reply_to, admin)
+    entry_id = await redis.xadd("gwfail:requests", {"f": "v"})
+    stream = quiet_stream(router, "queued", "gwfail:requests", entry_id)
+    task = asyncio.create_task(upstream.keep_heartbeat_watching_redis(router))
+    try:
+        _, finish = await asyncio.wait_for(stream.next(), PAUSE_S - 1.5)
+        assert finish.error == "Redis does not answer (stalled); the request cannot complete"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+        admin.close()
