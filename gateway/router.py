@@ -40,17 +40,20 @@ empties); the router computes the prompt's chained block hashes with the core's 
 trip with the load. A block is published only once computed, so the router also remembers
 the prefixes it routed in the last RECENT_S seconds: a burst of requests sharing a new system
 prompt follows the first one instead of spreading before it is cached. The published sets
-and that memory are hints: a wrong guess costs a cache miss, never a wrong token.
+and that memory are hints: a wrong guess costs a cache miss, never a wrong token; one that
+cannot be read (a key holding another type, a count that is nan) is left out, not an error.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+import structlog
 
 from gateway.config import POLICIES
 from shared.keys import SCAN_COUNT, Keys
@@ -68,6 +71,8 @@ OVERLOAD_MARGIN = 4          #    least loaded one's requests in flight, plus th
 KV_FULL = 0.9                # ...or a KV cache fuller than this
 STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 LIVE_REFRESH_S = 1.0         # how often the router reads which instances' schedulers live
+
+log = structlog.get_logger("gateway.router")
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,7 @@ class ReplicaRouter:
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
         self._all = list(range(len(self.instances)))
         self._live, self._live_at = self._all, float("-inf")
+        self._refused: set[str] = set()                      # keys whose hint was refused
 
     async def choose(self, request_id: str, prompt_token_ids: Sequence[int]) -> str:
         """The instance the request goes to; counts it in flight there."""
@@ -210,16 +216,18 @@ class ReplicaRouter:
             pipe.hmget(k.stats, STATS_FIELDS)
             if hashes:
                 pipe.smismember(k.cached_blocks, hashes)
-        replies = await pipe.execute()
+        replies = await pipe.execute(raise_on_error=False)
         step = 2 if hashes else 1
         now = time.monotonic()
         recent = [self._recent_owner(h, now) for h in hashes]
         candidates = []
         for index, instance in enumerate(self.instances):
-            running, waiting, usage = (_number(v) for v in replies[index * step])
+            running, waiting, usage = (_number(v) for v in self._hint(
+                replies[index * step], [None] * len(STATS_FIELDS), self._keys[index].stats))
             cached = 0
             if hashes:
-                published = replies[index * step + 1]
+                published = self._hint(replies[index * step + 1], [False] * len(hashes),
+                                       self._keys[index].cached_blocks)
                 cached = self.block_size * leading(
                     [p or r == index for p, r in zip(published, recent)])
             mine = self._outstanding[index]
@@ -235,10 +243,21 @@ class ReplicaRouter:
         pipe = self.redis.pipeline(transaction=False)
         for k in self._keys:
             pipe.hget(k.stats, "block_size")
-        for value in await pipe.execute():
-            if _number(value):
-                self.block_size = int(_number(value))
+        for k, value in zip(self._keys, await pipe.execute(raise_on_error=False)):
+            if int(size := _number(self._hint(value, None, k.stats))) > 0:
+                self.block_size = int(size)
                 return
+
+    def _hint(self, reply, default, key: str):
+        """A reply of the hints' round trip, or `default` where Redis refused it (a key that
+        holds another type): a wrong hint costs a cache miss, so it must not refuse every
+        request. Logged once per key."""
+        if not isinstance(reply, Exception):
+            return reply
+        if key not in self._refused:
+            self._refused.add(key)
+            log.warning("routing hint not read; routed without it", key=key, error=str(reply))
+        return default
 
     def _recent_owner(self, h: bytes, now: float) -> int | None:
         entry = self._recent.get(h)
@@ -254,10 +273,13 @@ class ReplicaRouter:
 
 
 def _number(value) -> float:
+    """A number of a stats hash; 0 for none, one that is not a number, or nan and inf (they
+    would break the router's arithmetic and fail every request)."""
     try:
-        return float(value) if value is not None else 0.0
+        number = float(value) if value is not None else 0.0
     except ValueError:
         return 0.0
+    return number if math.isfinite(number) else 0.0
 
 
 async def live_instances(redis: aioredis.Redis, keys: Keys) -> set[str]:

@@ -28,7 +28,7 @@ from shared.lifecycle import cancel_requested
 from shared.plan import PromptEntry
 from shared.protocol import (FinishEvent, PromptLogprobsEvent, ProtocolError, TokenBatch,
                              TokenEvent, decode)
-from shared.redis_retry import RETRY_FIRST_S, RETRY_MAX_S, redis_failure
+from shared.redis_retry import RETRY_FIRST_S, retry_redis
 
 log = structlog.get_logger("gateway.streams")
 
@@ -199,11 +199,18 @@ class TokenRouter:
         return len(ended)
 
     def route(self, data: bytes) -> None:
+        """Hand a message's events to their streams. A message that cannot be, whatever is
+        wrong with it, is logged and dropped: raised, it ended the listener, and every stream
+        after it waited forever."""
         try:
-            msg = decode(data)
+            self._route(decode(data))
         except ProtocolError as e:
             log.warning("undecodable message on token channel", error=str(e))
-            return
+        except Exception as e:      # decoded, but not as the protocol means (an id not a str)
+            log.error("malformed message on token channel dropped",
+                      error=f"{type(e).__name__}: {e}")
+
+    def _route(self, msg) -> None:
         if isinstance(msg, TokenBatch):
             for rid, cached in msg.cached.items():
                 if (stream := self._streams.get(rid)) is not None:
@@ -223,25 +230,21 @@ class TokenRouter:
             stream.push(item)   # unknown ids: requests that already ended (stop string, abort)
 
     async def run(self) -> None:
-        """Listen until cancelled; a dropped Redis connection is re-subscribed with backoff
-        (0.1 s doubling to 2 s), which starts again from 0.1 s once subscribed: every outage
-        is met as the first was."""
-        delay = RETRY_FIRST_S
+        """Listen until cancelled. Subscribing is tried with `retry_redis`'s backoff; a
+        connection that drops once subscribed ends the open streams (what was published
+        meanwhile is gone) and subscribing starts again afresh: every outage is met as the
+        first was."""
         while not cancel_requested():
             try:
-                await self._listen()
+                await retry_redis(self._listen, "listen on the token channel", log,
+                                  errors=(RedisError, OSError), give_up=self.subscribed.is_set)
             except (RedisError, OSError) as e:
-                if self.subscribed.is_set():
-                    self.subscribed.clear()
-                    delay = RETRY_FIRST_S
-                    log.warning("token channel connection lost", open_requests=self.num_open)
-                    # what was published meanwhile is gone: no open stream could complete
-                    self.fail_all("the connection to Redis dropped and token events were "
-                                  "lost; send the request again")
-                log.warning(redis_failure(e), op="listen on the token channel", error=str(e),
-                            retry_in_s=delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_MAX_S)
+                self.subscribed.clear()
+                log.warning("token channel connection lost", open_requests=self.num_open,
+                            error=str(e), retry_in_s=RETRY_FIRST_S)
+                self.fail_all("the connection to Redis dropped and token events were "
+                              "lost; send the request again")
+                await asyncio.sleep(RETRY_FIRST_S)
         raise asyncio.CancelledError           # _listen returns only once cancelled
 
     async def _listen(self) -> None:

@@ -13,8 +13,8 @@ no scheduler ran) will never be served, and ends with an error too (`check_entri
 Aborts that could not be sent (Redis away, stalled, out of memory) are kept, a bounded few,
 and sent once a heartbeat gets through again: the scheduler would otherwise decode a request
 the gateway ended itself to its max_tokens, for nobody. One that Redis refuses for good is dropped.
-A heartbeat's reply is waited for HEARTBEAT_REPLY_S: a stalled Redis counts as failing then,
-not at the socket timeout.
+A heartbeat's reply, and the entries' lookup, are waited for HEARTBEAT_REPLY_S: a stalled
+Redis counts as failing then, not at the socket timeout.
 
 After a restart the connection pool still holds connections to the old server; the first
 command on each fails. Submitting and aborting drop those idle connections and try once more,
@@ -35,7 +35,7 @@ from typing import TypeVar
 import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from gateway.router import ReplicaRouter, live_instances
 from gateway.streams import TokenRouter
@@ -135,9 +135,8 @@ class Upstream:
             self.replicas.ended(request_id)
 
     async def abort(self, request_id: str, reason: str) -> None:
-        fields = to_fields(AbortMsg(request_id, reason))
-        await self._live_connection(lambda: self.redis.xadd(
-            self.keys.aborts, fields, maxlen=ABORTS_MAXLEN, approximate=True), "abort request")
+        await self._live_connection(lambda: self._send_abort(self.redis, request_id, reason),
+                                    "abort request")
         log.info("request aborted upstream", request_id=request_id, reason=reason)
 
     async def _live_connection(self, op: Callable[[], Awaitable[T]], what: str) -> T:
@@ -178,9 +177,13 @@ class Upstream:
         """The aborts kept since Redis refused them, queued on `pipe`; their request ids."""
         rids = list(self._unsent_aborts)
         for rid in rids:
-            pipe.xadd(self.keys.aborts, to_fields(AbortMsg(rid, self._unsent_aborts[rid])),
-                      maxlen=ABORTS_MAXLEN, approximate=True)
+            self._send_abort(pipe, rid, self._unsent_aborts[rid])
         return rids
+
+    def _send_abort(self, client, request_id: str, reason: str):
+        """The one XADD of an abort, on a client (awaitable) or a pipeline (queued)."""
+        return client.xadd(self.keys.aborts, to_fields(AbortMsg(request_id, reason)),
+                           maxlen=ABORTS_MAXLEN, approximate=True)
 
     def _settle_unsent_aborts(self, rids: list[str], replies: list) -> None:
         """Forget the kept aborts Redis took, and those it refused for good; keep those it
@@ -233,7 +236,9 @@ class Upstream:
                     await self._drop_idle_connections()
                 if time.monotonic() - checked_at >= ENTRY_CHECK_S:
                     checked_at = time.monotonic()
-                    await self.check_entries(router)
+                    # bounded alike: a Redis that stalls now would hold this loop, and the
+                    # streams it ends, for the socket timeout
+                    await asyncio.wait_for(self.check_entries(router), HEARTBEAT_REPLY_S)
             except (RedisError, OSError) as e:       # OSError: TimeoutError too
                 log.warning("heartbeat not written", error=str(e) or type(e).__name__)
                 now = time.monotonic()
@@ -254,8 +259,15 @@ class Upstream:
         for stream in quiet:
             key, entry_id = stream.entry
             pipe.xrange(key, min=entry_id, max=entry_id, count=1)
-        lost = [s for s, found in zip(quiet, await pipe.execute())
-                if not found and s.finish is None]
+        # each reply on its own: a key that holds another type now (the stream deleted and
+        # the name reused) has lost its entries too, and its error must not hide the others
+        replies = await pipe.execute(raise_on_error=False)
+        lost = [s for s, found in zip(quiet, replies)
+                if (not found or _wrong_type(found)) and s.finish is None]
+        refused = [r for r in replies if isinstance(r, Exception) and not _wrong_type(r)]
+        if refused:
+            log.warning("request entries not looked up", count=len(refused),
+                        error=str(refused[0]))
         for stream in lost:
             stream.fail(REQUEST_LOST)
         if lost:
@@ -287,3 +299,7 @@ class Upstream:
         missing += [name for (name, _), up in zip(ranks, alive) if not up]
         return missing
 
+
+def _wrong_type(reply) -> bool:
+    """Whether a reply is Redis's refusal of a key that holds another type."""
+    return isinstance(reply, ResponseError) and str(reply).startswith("WRONGTYPE")

@@ -1,0 +1,135 @@
+"""The gateway's upstream, token router and replica router against a real redis-server whose
+keys are broken or whose data is odd: each request still ends, or is routed, instead of
+hanging or failing every other one."""
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+import pytest
+import pytest_asyncio
+import redis as redis_sync
+import redis.asyncio as aioredis
+
+from gateway.router import ReplicaRouter
+from gateway.streams import TokenRouter
+from gateway.upstream import ENTRY_CHECK_S, REQUEST_LOST, Upstream
+from shared.keys import Keys
+from shared.protocol import SCHEMA_VERSION, FinishEvent, encode
+from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
+
+KEYS = Keys("gwfail:")
+
+
+@pytest_asyncio.fixture
+async def redis(redis_server: str):
+    client = aioredis.Redis.from_url(redis_server)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+def quiet_stream(router: TokenRouter, request_id: str, key: str, entry_id: bytes):
+    stream = router.open(request_id)
+    stream.entry = (key, entry_id)
+    stream.last_event_at -= 2 * ENTRY_CHECK_S
+    return stream
+
+
+async def test_an_entry_whose_stream_key_now_holds_another_type_is_lost(redis) -> None:
+    """The request stream was deleted and its name reused for a string: the request's entry
+    is gone as surely as if it were deleted. The lookup failed with WRONGTYPE before, every
+    time, so that request waited forever, and so did those in other streams looked up with it."""
+    upstream = Upstream(redis, KEYS, "gw")
+    router = TokenRouter(redis, upstream.reply_to)
+    kept_id = await redis.xadd("gwfail:kept", {"f": "v"})
+    gone_id = await redis.xadd("gwfail:reused", {"f": "v"})
+    await redis.delete("gwfail:reused")
+    await redis.set("gwfail:reused", "a string now")
+    kept = quiet_stream(router, "kept", "gwfail:kept", kept_id)
+    gone = quiet_stream(router, "gone", "gwfail:reused", gone_id)
+
+    assert await upstream.check_entries(router) == 1
+    _, finish = await gone.next()
+    assert finish.finish_reason == "error" and finish.error == REQUEST_LOST
+    assert kept.finish is None
+
+
+@pytest.mark.parametrize("policy", ["prefix", "least-loaded"])
+async def test_a_replicas_odd_stats_or_a_key_of_another_type_does_not_refuse_requests(
+        redis, policy: str) -> None:
+    """The router's reads are hints: a stats hash holding nan or inf, or a stats or cached
+    blocks key holding another type, routes without that hint. Before, the first failed
+    every request with a 500 (int() of nan) and the second with a 503 naming WRONGTYPE."""
+    r0, r1 = KEYS.for_instance("r0"), KEYS.for_instance("r1")
+    await redis.hset(r0.stats, mapping={"num_requests_running": "nan", "block_size": "inf",
+                                        "kv_cache_usage_perc": "-inf"})
+    await redis.hset(r1.stats, mapping={"num_requests_waiting": "inf", "block_size": "4"})
+    router = ReplicaRouter(redis, KEYS, ["r0", "r1"], policy)
+    assert await router.choose("odd-stats", list(range(40))) in ("r0", "r1")
+
+    await redis.delete(r0.stats)
+    await redis.set(r0.stats, "not a hash")
+    await redis.set(r1.cached_blocks, "not a set")
+    router = ReplicaRouter(redis, KEYS, ["r0", "r1"], policy)
+    assert [await router.choose(f"wrong-type-{i}", list(range(40))) for i in range(2)]
+    assert router.block_size == (4 if policy == "prefix" else None)
+
+
+async def test_a_malformed_token_message_is_dropped_and_the_listener_goes_on(redis) -> None:
+    """A token batch that decodes but names a request by a list, not a string: routing it
+    raised TypeError, which ended the listener task silently, and every stream open then or
+    later waited forever for its events."""
+    router = TokenRouter(redis, "gwfail:tokens:gw")
+    stream = router.open("r1")
+    task = asyncio.create_task(router.run())
+    try:
+        await asyncio.wait_for(router.subscribed.wait(), 10)
+        await redis.publish(router.channel, msgpack.packb({
+            "v": SCHEMA_VERSION, "kind": "token_batch", "events": [[["r1"], 0, 7, None, None]]}))
+        await redis.publish(router.channel, encode(FinishEvent("r1", "length", 3, 0)))
+        _, finish = await asyncio.wait_for(stream.next(), 10)
+        assert finish.finish_reason == "length"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+class PausingRouter(TokenRouter):
+    """Pauses Redis as the heartbeat loop starts looking up the quiet streams' entries: it
+    stalls between the heartbeat's reply and the lookup's."""
+
+    def __init__(self, redis, channel: str, admin: redis_sync.Redis) -> None:
+        super().__init__(redis, channel)
+        self.admin, self.paused = admin, False
+
+    def quiet(self, for_s: float):
+        if not self.paused:
+            self.paused = True
+            self.admin.execute_command("CLIENT", "PAUSE", str(int(PAUSE_S * 1000)), "ALL")
+        return super().quiet(for_s)
+
+
+PAUSE_S = 8.0
+
+
+async def test_a_redis_that_stalls_during_the_entry_lookup_ends_the_streams_as_soon(
+        redis, redis_server: str) -> None:
+    """The entry lookup waited for the pool's socket timeout (10 s), holding the heartbeat
+    loop: a Redis that stalled just then ended no stream until the stall was over. Bounded as
+    the heartbeat's reply is, the streams end ~REDIS_UNREACHABLE_S after it stalled."""
+    client = aioredis.Redis.from_url(redis_server, socket_timeout=10)
+    admin = redis_sync.Redis.from_url(redis_server)
+    upstream = Upstream(client, KEYS, "gw")
+    router = PausingRouter(client, upstream.reply_to, admin)
+    entry_id = await redis.xadd("gwfail:requests", {"f": "v"})
+    stream = quiet_stream(router, "queued", "gwfail:requests", entry_id)
+    task = asyncio.create_task(upstream.keep_heartbeat_watching_redis(router))
+    try:
+        _, finish = await asyncio.wait_for(stream.next(), PAUSE_S - 1.5)
+        assert finish.error == "Redis does not answer (stalled); the request cannot complete"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.aclose()
+        admin.close()
