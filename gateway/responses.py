@@ -224,18 +224,21 @@ class SSEResponse(web.StreamResponse):
     ConnectionResetError, as a client that hung up does, so that the request is aborted
     upstream and the handler ends (its metrics and log line with it). A client still
     reading, however slowly, frees room before then. Writes that cannot wait go untimed:
-    the per-token path pays no timer."""
+    the per-token path pays no timer. A write can wait only where the transport has paused
+    its writers, which it does past the high-water mark and undoes only once its buffer is
+    back under the low one; so writes are timed from the low mark on (with the high one, a
+    small write after the kernel had taken some of the buffer waited untimed, forever)."""
 
     def __init__(self, headers: dict[str, str]) -> None:
         super().__init__(headers={**SSE_HEADERS, **headers})
         self._transport = None       # set by prepare(), with the two below
-        self._high_water = 0
+        self._low_water = 0
         self._stall_s = 0.0
 
     async def prepare(self, request: web.BaseRequest):
         self._transport = request.transport
         if self._transport is not None:
-            self._high_water = self._transport.get_write_buffer_limits()[1]
+            self._low_water = self._transport.get_write_buffer_limits()[0]
         self._stall_s = request.app[STATE].config.stalled_client_timeout_s
         return await super().prepare(request)
 
@@ -248,7 +251,7 @@ class SSEResponse(web.StreamResponse):
     async def _bounded(self, writing, size: int) -> None:
         transport = self._transport
         if transport is None or \
-                transport.get_write_buffer_size() + size + _FRAMING < self._high_water:
+                transport.get_write_buffer_size() + size + _FRAMING < self._low_water:
             await writing        # the transport stays under its mark: nothing waits
             return
         try:
