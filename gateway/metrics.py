@@ -135,16 +135,18 @@ class SchedulerStats:
         self.restarts: dict[str, float] = {}        # service -> restarts by `pacer up`
 
     async def refresh(self, redis: aioredis.Redis, keys: dict[str, str], live: set[str],
-                      request_streams: list[str], restarts_key: str | None = None) -> None:
+                      request_streams: list[str], restarts_key: str) -> None:
         """`keys`: instance id ("" for the colocated engine) -> its stats hash key; `live`:
         the instances whose scheduler beats; `request_streams`: the streams schedulers read
         requests from, whose unread entries are `pacer:num_requests_queued`; `restarts_key`:
         the hash `pacer up` counts its restarts of each service in."""
         self.snapshots = {}
         self.queued = await _unread(redis, request_streams)
-        if restarts_key is not None:
+        try:
             self.restarts = {_text(k): float(v)
                              for k, v in (await redis.hgetall(restarts_key)).items()}
+        except (RedisError, ValueError) as e:   # another type; a count that is no number
+            log.warning("service restarts unreadable", key=restarts_key, error=str(e))
         for instance, key in keys.items():
             try:
                 raw = await redis.hgetall(key)
@@ -241,7 +243,7 @@ class GatewayMetrics:
 
     async def render(self, redis: aioredis.Redis, stats_keys: dict[str, str], live: set[str],
                      request_streams: list[str], redis_timeout_s: float,
-                     restarts_key: str | None = None) -> bytes:
+                     restarts_key: str) -> bytes:
         """The exposition; the schedulers' numbers are NaN (unknown) where Redis does not
         answer within `redis_timeout_s` (stalled): the gateway's own are there all the same."""
         try:

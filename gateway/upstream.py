@@ -161,17 +161,25 @@ class Upstream:
     async def _abort_logged(self, request_id: str, reason: str) -> None:
         try:
             await self.abort(request_id, reason)
-        except TRANSIENT as e:
+        except (RedisError, OSError) as e:
+            self._not_sent(request_id, reason, e)
+
+    def _not_sent(self, request_id: str, reason: str, error: BaseException) -> None:
+        """An abort Redis did not take: kept for a later heartbeat where it could not take it
+        yet (away, stalled, out of memory); dropped where it refused it for good (the aborts
+        key holds another type, an ACL forbids it): kept, it would fail every heartbeat."""
+        if not isinstance(error, TRANSIENT):
+            self._unsent_aborts.pop(request_id, None)
+            log.error("abort not sent: redis refused it", request_id=request_id, reason=reason,
+                      error=str(error))
+            return
+        if request_id not in self._unsent_aborts:
             log.warning("abort not sent yet; it goes once redis answers",
-                        request_id=request_id, reason=reason, error=str(e))
-            self._unsent_aborts[request_id] = reason
-            if len(self._unsent_aborts) > UNSENT_ABORTS_KEPT:
-                dropped, _ = self._unsent_aborts.popitem(last=False)
-                log.error("abort not sent", request_id=dropped)
-        except RedisError as e:
-            # refused for good (the aborts key holds another type, an ACL forbids it): kept,
-            # it would be refused again with every heartbeat
-            log.error("abort not sent: redis refused it", request_id=request_id, error=str(e))
+                        request_id=request_id, reason=reason, error=str(error))
+        self._unsent_aborts[request_id] = reason
+        if len(self._unsent_aborts) > UNSENT_ABORTS_KEPT:
+            dropped, _ = self._unsent_aborts.popitem(last=False)
+            log.error("abort not sent", request_id=dropped)
 
     def _queue_unsent_aborts(self, pipe) -> list[str]:
         """The aborts kept since Redis refused them, queued on `pipe`; their request ids."""
@@ -186,15 +194,12 @@ class Upstream:
                            maxlen=ABORTS_MAXLEN, approximate=True)
 
     def _settle_unsent_aborts(self, rids: list[str], replies: list) -> None:
-        """Forget the kept aborts Redis took, and those it refused for good; keep those it
-        could not take yet (out of memory)."""
+        """Forget the kept aborts Redis took; the others as `_not_sent` says."""
         for rid, reply in zip(rids, replies):
-            if isinstance(reply, TRANSIENT):
-                continue
-            reason = self._unsent_aborts.pop(rid, None)
             if isinstance(reply, Exception):
-                log.error("abort not sent: redis refused it", request_id=rid, reason=reason,
-                          error=str(reply))
+                self._not_sent(rid, self._unsent_aborts.get(rid, ""), reply)
+            else:
+                self._unsent_aborts.pop(rid, None)
         sent = sum(not isinstance(r, Exception) for r in replies)
         if sent:
             log.info("aborts sent once redis answered", count=sent)

@@ -92,10 +92,7 @@ def precision_of(args: argparse.Namespace, models: list[ModelShape]) -> Precisio
             raise PacerError(f"--{flag.replace('_', '-')} must be a finite number of bytes "
                              f">= {MIN_ELEMENT_BYTES:g} (one bit), got {value:g}")
     for model in models:
-        try:
-            check_tp_fits(model, args.tp)
-        except PacerError as e:
-            raise PacerError(f"{model.name}: {e}") from e
+        check_tp_fits(model, args.tp)          # its error names the model
     return Precision(args.dtype_bytes, args.weight_bytes, args.kv_bytes, args.tp)
 
 

@@ -21,7 +21,8 @@ import redis
 import structlog
 
 from scheduler_svc.workers import incarnation
-from services.supervisor import Child, Supervisor, describe_exit, stop_children, wait_quietly
+from services.supervisor import Child, Supervisor, stop_children, wait_quietly
+from shared.lifecycle import describe_exit
 from shared.service_args import redis_password
 
 log = structlog.get_logger("restarts")

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from shared.lifecycle import describe_exit  # noqa: F401 (up and restarts import it from here)
-
 log = structlog.get_logger("supervisor")
 
 _PR_SET_PDEATHSIG = 1

@@ -31,7 +31,7 @@ from gateway.cli import POLICY_FLAGS, add_request_policy_args
 from gateway.config import POLICIES
 from scheduler_svc.cli import DISAGG_MIN_PROMPT_TOKENS, default_scheduler_id
 from services.restarts import Restarter, Watchdog
-from services.supervisor import Child, Supervisor, describe_exit, pacer_argv, wait_quietly
+from services.supervisor import Child, Supervisor, pacer_argv, wait_quietly
 from shared import gpu_memory
 from shared.config import parse_size
 from shared.cpu import format_cpu_list, place_instances
@@ -39,6 +39,7 @@ from shared.engine_args import EngineArgs
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
+from shared.lifecycle import describe_exit
 from shared.service_args import (LOG_LEVEL_HELP, non_negative_int, non_negative_seconds,
                                  password_to_environment, positive_seconds, redis_password,
                                  refused_for_good, shown_url)

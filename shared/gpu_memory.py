@@ -20,11 +20,11 @@ from shared.errors import PacerError
 CUDA_CONTEXT_BYTES = 2 << 30
 
 
-def weight_bytes(cfg, dtype_bytes: float, tp: int = 1) -> float:
+def weight_bytes(cfg, dtype_bytes: float, tp: int = 1) -> int:
     """This rank's share of a llama-style model's weights (`ModelShape.params_per_rank`)."""
     from shared.cost_model import model_shape_of
 
-    return model_shape_of(cfg, "").params_per_rank(tp) * dtype_bytes
+    return int(model_shape_of(cfg, "").params_per_rank(tp) * dtype_bytes)
 
 
 def activation_bytes(cfg, max_num_batched_tokens: int, max_num_seqs: int, dtype_bytes: int,

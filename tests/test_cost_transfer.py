@@ -135,4 +135,6 @@ def test_cli_one_fabric_shows_prices_and_checks_only_the_models_it_names(capsys)
     text = capsys.readouterr().out
     assert "llama-2-7b" in text and "llama-3-8b" in text
     assert _cost_cli(argv + ["--vs", "llama-3-8b"]) == 2
-    assert "llama-3-8b: tp=3 does not divide" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "llama-3-8b: tp=3 does not divide" in err
+    assert err.count("llama-3-8b") == 1         # named once (check_tp_fits names it)
