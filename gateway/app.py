@@ -35,7 +35,7 @@ from gateway.streams import TokenRouter
 from gateway.upstream import Upstream
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
-from shared.lifecycle import freeze_heap, run_service
+from shared.lifecycle import essential_task, freeze_heap, run_service
 from shared.model_config import load_model_config
 from shared.model_source import resolve_model
 from shared.service_args import redis_password, refused_for_good, shown_url
@@ -89,8 +89,8 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
                               prefill=bool(state.config.route_prefill))
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
     heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router)
-    tasks = [asyncio.create_task(state.router.run(), name="token-router"),
-             asyncio.create_task(heartbeat, name="gateway-heartbeat")]
+    tasks = [essential_task(state.router.run(), "token-router"),
+             essential_task(heartbeat, "gateway-heartbeat")]
     try:
         # a request sent before the subscription is confirmed could lose its first tokens
         await asyncio.wait_for(state.router.subscribed.wait(), SUBSCRIBE_TIMEOUT_S)

@@ -65,9 +65,9 @@ from gpu_worker.tp.service import serve_follower, start_rank0
 from shared.cpu import pin_forward_thread
 from shared.engine_layout import EngineLayout
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
-from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, connections_made, freeze_heap,
-                              keep_heartbeat, redis_run_id, stopped_for, stream_id_text,
-                              stream_tail_id)
+from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, connections_made,
+                              essential_task, freeze_heap, keep_heartbeat, redis_run_id,
+                              stopped_for, stream_id_text, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
 from shared.protocol import (Heartbeat, PlanMsg, PromptLogprobsEvent, ProtocolError,
@@ -523,8 +523,8 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
 
 
 async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:
-    heartbeat = asyncio.create_task(
-        keep_heartbeat(redis, key, beat, ttl_s=WORKER_HEARTBEAT_TTL_S), name="heartbeat")
+    heartbeat = essential_task(
+        keep_heartbeat(redis, key, beat, ttl_s=WORKER_HEARTBEAT_TTL_S), "heartbeat")
     log.info("worker ready", heartbeat_key=key)
     try:
         await work

@@ -60,7 +60,7 @@ from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, role_disagreement
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
-from shared.lifecycle import (cancel_tasks, clear_key, freeze_heap, keep_heartbeat,
+from shared.lifecycle import (cancel_tasks, clear_key, essential_task, freeze_heap, keep_heartbeat,
                               live_namesake, stopped_for, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.service_args import check_role
@@ -670,9 +670,9 @@ async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
         return 2
     service = SchedulerService(redis, keys, core, config, stop)
     await service.prepare()
-    tasks = [asyncio.create_task(keep_heartbeat(redis, hb_key, service.heartbeat),
-                                 name="scheduler-heartbeat"),
-             asyncio.create_task(service.takeover.keep_leases(), name="scheduler-leases")]
+    tasks = [essential_task(keep_heartbeat(redis, hb_key, service.heartbeat),
+                            "scheduler-heartbeat"),
+             essential_task(service.takeover.keep_leases(), "scheduler-leases")]
     try:
         if not await service.start(stop):
             return 0 if stop.is_set() else 2

@@ -2,7 +2,7 @@
 
     async def main(stop: asyncio.Event) -> int:
         redis = await connect_redis(url)
-        hb = asyncio.create_task(keep_heartbeat(redis, key, make_heartbeat))
+        hb = essential_task(keep_heartbeat(redis, key, make_heartbeat), "heartbeat")
         while not stop.is_set(): ...       # the service's loop drains, then returns
     sys.exit(run_service(main))
 
@@ -16,6 +16,7 @@ import gc
 import os
 import signal
 import socket
+import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
@@ -213,6 +214,36 @@ async def clear_key(redis: aioredis.Redis, key: str) -> None:
         await redis.delete(key)
     except (RedisError, OSError) as e:
         log.warning("heartbeat key not cleared", key=key, error=str(e))
+
+
+# The exit code of a process whose essential task ended (BSD's EX_SOFTWARE: an internal error).
+EXIT_TASK_ENDED = 70
+
+
+def essential_task(work: Awaitable[None], name: str) -> asyncio.Task:
+    """A background task the process cannot serve without: a heartbeat, lease renewal, the
+    gateway's token listener. Each such loop outlives Redis's failures by design and ends only
+    when cancelled; one that ends any other way met a bug, and a process that went on without
+    it would fail silently (streams that never end, a heartbeat that lapses while the process
+    still works, so that its requests are taken over twice). Its end is logged with the
+    traceback and the process exits at once with EXIT_TASK_ENDED, as if killed: its
+    supervisor starts it again and the recovery a `kill -9` gets begins
+    (docs/failure-modes.md#a-background-task-ends)."""
+    task = asyncio.ensure_future(work)
+    task.set_name(name)
+    task.add_done_callback(_exit_unless_cancelled)
+    return task
+
+
+def _exit_unless_cancelled(task: asyncio.Task) -> None:
+    if task.cancelled():
+        return
+    error = task.exception()
+    log.critical("an essential task ended; exiting so that the process is started again",
+                 task=task.get_name(), error=repr(error) if error else "returned",
+                 exc_info=error)
+    sys.stderr.flush()
+    os._exit(EXIT_TASK_ENDED)
 
 
 async def cancel_tasks(*tasks: asyncio.Task) -> None:
