@@ -219,6 +219,7 @@ class Upstream:
         checked_at = time.monotonic()
         while not cancel_requested():
             tried_at = time.monotonic()
+            failed = "heartbeat not written"
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 pipe.set(key, encode(Heartbeat("gateway", self.gateway_id, time.time(), {})),
@@ -241,11 +242,12 @@ class Upstream:
                     await self._drop_idle_connections()
                 if time.monotonic() - checked_at >= ENTRY_CHECK_S:
                     checked_at = time.monotonic()
+                    failed = "request entries not checked"
                     # bounded alike: a Redis that stalls now would hold this loop, and the
                     # streams it ends, for the socket timeout
                     await asyncio.wait_for(self.check_entries(router), HEARTBEAT_REPLY_S)
             except (RedisError, OSError) as e:       # OSError: TimeoutError too
-                log.warning("heartbeat not written", error=str(e) or type(e).__name__)
+                log.warning(failed, error=str(e) or type(e).__name__)
                 now = time.monotonic()
                 failing_since = failing_since or tried_at
                 if now - failing_since >= REDIS_UNREACHABLE_S:

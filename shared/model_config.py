@@ -100,7 +100,7 @@ def eos_token_ids(source: ModelSource) -> tuple[int, ...]:
     tokenizer_config.json's eos_token. The one place the set is computed: the scheduler stops
     on it (ModelConfig.eos_token_ids) and the tokenizer reports it."""
     if source.kind == "gguf":
-        return _gguf_eos_ids(open_gguf(source.path))
+        return _gguf_eos_ids(open_gguf(source.path), source.path)
     return _hf_eos_ids(source.path)
 
 
@@ -453,8 +453,23 @@ def gguf_value(reader: GGUFReader, key: str, default: Any = None) -> Any:
     return default if field is None else field.contents()
 
 
-def _gguf_eos_ids(reader: GGUFReader) -> tuple[int, ...]:
-    ids = (gguf_value(reader, f"tokenizer.ggml.{key}")
+def gguf_token_id(reader: GGUFReader, key: str, path: str) -> int | None:
+    """A special token's id (`key`: bos_token_id, eos_token_id, ...), if the file names one:
+    a token of the vocabulary (a BOS beyond it would be put before every prompt and index
+    past the embedding table). The model config and the tokenizer both read it here."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = len(tokens.data) if tokens is not None else \
+        gguf_value(reader, f"{gguf_value(reader, 'general.architecture')}.vocab_size")
+    value = gguf_value(reader, f"tokenizer.ggml.{key}")
+    [token_id] = _ids(value, f"{path}: tokenizer.ggml.{key}") or [None]
+    if token_id is not None and isinstance(vocab_size, int) and token_id >= vocab_size:
+        raise ModelLoadError(f"{path}: tokenizer.ggml.{key} is {token_id}, beyond the "
+                             f"vocabulary of {vocab_size} tokens")
+    return token_id
+
+
+def _gguf_eos_ids(reader: GGUFReader, path: str) -> tuple[int, ...]:
+    ids = (gguf_token_id(reader, key, path)
            for key in ("eos_token_id", "eot_token_id", "eom_token_id"))
     return tuple(dict.fromkeys(i for i in ids if i is not None))
 
@@ -499,7 +514,7 @@ def _from_gguf(path: str) -> ModelConfig:
                          f"{arch}.attention.key_length")
     theta = number("rope.freq_base", 10000.0)
     rope_scaling = _gguf_rope_scaling(reader, path, arch, head_dim, theta)
-    eos = _gguf_eos_ids(reader)
+    eos = _gguf_eos_ids(reader, path)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     return ModelConfig(
         architecture=arch,
@@ -514,7 +529,7 @@ def _from_gguf(path: str) -> ModelConfig:
         rms_norm_eps=number("attention.layer_norm_rms_epsilon"),
         max_position_embeddings=count("context_length"),
         tie_word_embeddings="output.weight" not in tensor_names,
-        bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=gguf_token_id(reader, "bos_token_id", path),
         eos_token_id=eos[0] if eos else None,
         eos_token_ids=eos,
         rope_scaling=rope_scaling,
@@ -536,7 +551,8 @@ def _gguf_rope_scaling(reader: GGUFReader, path: str, arch: str, head_dim: int,
     """`linear` from the metadata; `llama3` from the `rope_freqs` tensor llama.cpp's converter
     writes for it (each frequency's divisor), recognised as Llama 3's own parameters so that
     the frequencies are computed as transformers computes them."""
-    rot = gguf_value(reader, f"{arch}.rope.dimension_count", head_dim)
+    key = f"{arch}.rope.dimension_count"
+    rot = _positive_count(gguf_value(reader, key, head_dim), key, path)
     if rot != head_dim:
         raise ModelLoadError(f"{path}: partial rotary ({rot} of {head_dim} dims) is not supported")
     kind = gguf_value(reader, f"{arch}.rope.scaling.type", "none")

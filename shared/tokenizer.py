@@ -18,8 +18,8 @@ from tokenizers import Tokenizer as _Backend
 
 from shared.chat_template import check_chat_template, render_chat_template
 from shared.errors import InvalidRequestError, ModelLoadError
-from shared.model_config import (eos_token_ids, gguf_value, load_model_config, open_gguf,
-                                 read_json, special_token_text)
+from shared.model_config import (eos_token_ids, gguf_token_id, gguf_value, load_model_config,
+                                 open_gguf, read_json, special_token_text)
 from shared.model_source import ModelSource
 
 _CONTROL, _USER_DEFINED = 3, 4     # llama.cpp token types
@@ -234,8 +234,8 @@ def _from_gguf(path: str) -> Tokenizer:
         raise ModelLoadError(f"{path}: GGUF tokenizer model {kind!r} is not supported "
                              "(only 'gpt2', byte-level BPE, and 'llama', SentencePiece BPE)")
     backend = _gguf_backend(reader, path, kind)
-    return Tokenizer(backend, bos_token_id=gguf_value(reader, "tokenizer.ggml.bos_token_id"),
-                     eos_token_id=gguf_value(reader, "tokenizer.ggml.eos_token_id"),
+    return Tokenizer(backend, bos_token_id=gguf_token_id(reader, "bos_token_id", path),
+                     eos_token_id=gguf_token_id(reader, "eos_token_id", path),
                      chat_template=gguf_value(reader, "tokenizer.chat_template"))
 
 

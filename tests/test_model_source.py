@@ -256,11 +256,13 @@ def test_damaged_gguf_is_a_load_error(tmp_path):
 def _scaled_gguf(path: str, kind: RopeScalingType | None, factor: float = 4.0,
                  original: int | None = None, hidden: int = 64, heads: Any = 4,
                  rms_eps: float = 1e-5, theta: float | None = None,
-                 key_length: int | None = None) -> str:
+                 key_length: int | None = None, extra: Any = ()) -> str:
     """A GGUF of `hidden` split into `heads` (no head size of its own unless `key_length`)
     with linear (or another kind of) scaling; with `original`, llama3's divisors (all 1) and
-    that original context instead."""
+    that original context instead; `extra`: (key, value) pairs more (ints as uint32)."""
     writer = GGUFWriter(path, "llama")
+    for key, value in extra:
+        (writer.add_string if isinstance(value, str) else writer.add_uint32)(key, value)
     writer.add_embedding_length(hidden)
     writer.add_head_count(heads)
     if key_length is not None:
@@ -343,6 +345,30 @@ def test_gguf_of_unusable_rope_norm_or_head_size_is_refused(tmp_path, changes, m
     gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, **changes)
     with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
         load_model_config(resolve_model(gguf))
+
+
+@pytest.mark.parametrize("extra,message", [
+    # read as a count: a string was "partial rotary ('16' of 16 dims)", a wrong cause
+    ((("llama.rope.dimension_count", "16"),),
+     "llama.rope.dimension_count must be a positive integer, got '16'"),
+    # a BOS beyond the vocabulary would be put before every prompt, past the embedding table
+    ((("tokenizer.ggml.bos_token_id", 100),),
+     "tokenizer.ggml.bos_token_id is 100, beyond the vocabulary of 100 tokens"),
+    ((("tokenizer.ggml.eos_token_id", "2"),),
+     "tokenizer.ggml.eos_token_id must be a token id or a list of them, got '2'"),
+])
+def test_gguf_of_unusable_rotary_size_or_special_ids_is_refused(tmp_path, extra, message):
+    gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, extra=extra)
+    with pytest.raises(ModelLoadError, match=f"{gguf}: {message}"):
+        load_model_config(resolve_model(gguf))
+
+
+def test_gguf_special_ids_in_the_vocabulary_are_read(tmp_path):
+    gguf = _scaled_gguf(str(tmp_path / "ok.gguf"), None, extra=(
+        ("tokenizer.ggml.bos_token_id", 1), ("tokenizer.ggml.eos_token_id", 99),
+        ("llama.rope.dimension_count", 16)))
+    config = load_model_config(resolve_model(gguf))
+    assert (config.bos_token_id, config.eos_token_ids) == (1, (99,))
 
 
 @pytest.mark.parametrize("shape,said", [
