@@ -107,13 +107,15 @@ class Hop:
     kv_bytes_per_token: float
     num_layers: int
     layer_streaming: bool = True
+    # the TP ranks of an instance, each sending its share over a link of its own (KVLink)
+    links: int = 1
     # each side's digest of the K/V it sent or received, per token (docs/design.md#kv-integrity)
     digest_ms_per_token: float = 0.0
 
     @classmethod
     def of(cls, cost: RooflineCost, fabric: Fabric, layer_streaming: bool = True) -> Hop:
         return cls(fabric, cost.model.kv_bytes_per_token(cost.kv_bytes), cost.model.num_layers,
-                   layer_streaming, cost.kv_digest_ms(1))
+                   layer_streaming, cost.tp, cost.kv_digest_ms(1))
 
 
 def simulate(arrivals: Iterable[Arrival], config: SchedulerConfig, cost: RooflineCost,
@@ -133,7 +135,7 @@ def simulate_disaggregated(arrivals: Iterable[Arrival], prefill_config: Schedule
     """The same arrivals on `num_prefill` prefill instances and `num_decode` decode instances,
     the K/V of every prompt priced over `hop` between them."""
     clock = SimClock()
-    pool = [_Instance(i, "prefill", _scheduler(prefill_config, clock), KVLink(hop.fabric))
+    pool = [_Instance(i, "prefill", _scheduler(prefill_config, clock), KVLink(hop.fabric, hop.links))
             for i in range(num_prefill)]
     pool += [_Instance(num_prefill + i, "decode", _scheduler(decode_config, clock))
              for i in range(num_decode)]
@@ -382,7 +384,7 @@ class _Cluster:
         target.checks_due.append((out.request_id, out.new_tokens[0].token_id,
                                   self.state.arrivals[i].prompt_len))
         self.state.handed_over(i, now, self.hop.fabric.transfer_ms(
-            self.state.arrivals[i].prompt_len * self.hop.kv_bytes_per_token))
+            self.state.arrivals[i].prompt_len * self.hop.kv_bytes_per_token / self.hop.links))
         return True
 
 

@@ -252,7 +252,9 @@ def format_transfer(cost: TransferCost, hw: str, precision: Precision) -> str:
         ("KV per request", _bytes(cost.kv_bytes)),
         ("fabric", f"{cost.fabric}: {cost.gb_per_s:g} GB/s ({FABRICS[cost.fabric].what})"
                    if cost.fabric in FABRICS else cost.fabric),
-        ("transfer", f"{cost.transfer_ms:.3g} ms (all of it after the prefill)"),
+        ("transfer", f"{cost.transfer_ms:.3g} ms (all of it after the prefill)"
+                     + (f"; each of {cost.links} ranks sends its share over a link of its own"
+                        if cost.links > 1 else "")),
         ("prefill", f"{cost.prefill_ms:.3g} ms on {hw}, one iteration"),
         ("layer streamed", f"{cost.exposed_ms:.3g} ms exposed after the prefill "
                            f"(hidden while the fabric moves >= {cost.hiding_gb_per_s:.3g} GB/s)"),
@@ -283,7 +285,9 @@ def format_transfer_table(rows: list[list[TransferCost]], models: list, hw: str,
     lines += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in
                         enumerate(zip(r, widths))) for r in table]
     lines.append("ms: the transfer alone; streamed: what is left after the prefill when each "
-                 "layer's K/V leave as soon as it is computed")
+                 "layer's K/V leave as soon as it is computed"
+                 + (f"; each of {first[0].links} ranks sends its share over a link of its own"
+                    if first[0].links > 1 else ""))
     return "\n".join(lines)
 
 

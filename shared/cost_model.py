@@ -504,7 +504,8 @@ class TransferCost:
     gb_per_s: float
     prompt_len: int
     kv_bytes_per_token: float
-    kv_bytes: float
+    kv_bytes: float               # all ranks'
+    links: int                    # the TP ranks, each sending its share over a link of its own
     transfer_ms: float            # alone on the fabric, nothing overlapped
     prefill_ms: float             # the prompt prefilled in one iteration, by the roofline
     exposed_ms: float             # what layer streaming behind that prefill leaves exposed
@@ -513,20 +514,22 @@ class TransferCost:
 
 def estimate_transfer(model: ModelShape, prompt_len: int, fabric: Fabric, hw: HardwareProfile,
                       dtype_bytes: float | Precision = 2) -> TransferCost:
-    """The hop of a `prompt_len` prompt's KV cache (all ranks' of it) over `fabric`, and how
-    much of it layer streaming hides behind the prompt's prefill on `hw`."""
+    """The hop of a `prompt_len` prompt's KV cache over `fabric`, and how much of it layer
+    streaming hides behind the prompt's prefill on `hw`. Under TP each rank holds its heads'
+    share and sends it over a link of its own (each GPU its own NIC), the tp links side by
+    side."""
     if prompt_len < 1:
         raise PacerError(f"a prompt needs at least 1 token, got {prompt_len}")
     p = _precision(dtype_bytes)
     nbytes = kv_transfer_bytes(model, prompt_len, p.kv_bytes)
-    transfer = fabric.transfer_ms(nbytes)
+    transfer = fabric.transfer_ms(nbytes / p.tp)
     prefill = estimate_iteration([(prompt_len, prompt_len)], model, hw, p).time_ms
     return TransferCost(
         model=model.name, fabric=fabric.name, gb_per_s=fabric.gb_per_s, prompt_len=prompt_len,
-        kv_bytes_per_token=model.kv_bytes_per_token(p.kv_bytes), kv_bytes=nbytes,
+        kv_bytes_per_token=model.kv_bytes_per_token(p.kv_bytes), kv_bytes=nbytes, links=p.tp,
         transfer_ms=transfer, prefill_ms=prefill,
         exposed_ms=exposed_transfer_ms(transfer, prefill, model.num_layers),
-        hiding_gb_per_s=nbytes / prefill / 1e6)
+        hiding_gb_per_s=nbytes / p.tp / prefill / 1e6)
 
 
 def latency_cost_for(max_iteration_ms: float | None, hw: str | None, model_config: Any,

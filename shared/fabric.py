@@ -65,14 +65,17 @@ class KVLink:
     its last byte arrives (seconds, on the caller's clock). Pieces must be handed in the order
     they are to be sent; a piece ready early still waits for the ones before it."""
 
-    def __init__(self, fabric: Fabric) -> None:
-        self.fabric = fabric
+    def __init__(self, fabric: Fabric, links: int = 1) -> None:
+        """`links`: an instance of that many TP ranks, each of which holds its heads' share of
+        every piece and sends it over a link of its own (each GPU its own NIC), side by side:
+        a piece takes 1/links of its time alone on one link."""
+        self.fabric, self.links = fabric, links
         self.free_at_s = 0.0          # when the last piece handed in will have arrived
         self.bytes_sent = 0.0
 
     def send(self, ready_s: float, nbytes: float) -> float:
         start = self.free_at_s if self.free_at_s > ready_s else ready_s
-        self.free_at_s = start + self.fabric.transfer_ms(nbytes) / 1e3
+        self.free_at_s = start + self.fabric.transfer_ms(nbytes / self.links) / 1e3
         self.bytes_sent += nbytes
         return self.free_at_s
 

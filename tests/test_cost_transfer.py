@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from shared.cost_model import (MODELS, estimate_iteration, estimate_transfer,
+from shared.cost_model import (MODELS, Precision, estimate_iteration, estimate_transfer,
                                exposed_transfer_ms, kv_transfer_bytes)
 from shared.errors import PacerError
 from shared.fabric import FABRICS, KVLink, load_fabric
@@ -43,6 +43,26 @@ def test_gqa_moves_a_quarter_of_the_bytes():
     for fabric in FABRICS.values():
         a, b = (estimate_transfer(m, PROMPT, fabric, H100) for m in (LLAMA2, LLAMA3))
         assert a.transfer_ms == pytest.approx(4 * b.transfer_ms)
+
+
+def test_under_tp_each_rank_sends_its_share_over_its_own_link():
+    """Each GPU has its own NIC: at tp=2 the same bytes leave in half the time, and the
+    bandwidth that hides them behind the (faster) prefill is one link's."""
+    one = estimate_transfer(LLAMA2, PROMPT, load_fabric("ib-hdr"), H100)
+    two = estimate_transfer(LLAMA2, PROMPT, load_fabric("ib-hdr"), H100,
+                            Precision(2, tp=2))
+    assert (one.links, two.links, two.kv_bytes) == (1, 2, one.kv_bytes)
+    assert two.transfer_ms == pytest.approx(one.transfer_ms / 2)
+    assert two.hiding_gb_per_s == pytest.approx(two.kv_bytes / 2 / two.prefill_ms / 1e6)
+    link = KVLink(load_fabric("1"), links=2)              # 1 MB/ms, two links side by side
+    assert link.send(0.0, 4e6) == pytest.approx(0.002)
+
+
+def test_cli_names_the_links_of_a_tp_instance(capsys):
+    assert _cost_cli(["--transfer", "4096", "--fabric", "ib-hdr", "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "21.5 ms (all of it after the prefill); each of 2 ranks sends its share over a " \
+           "link of its own" in out
 
 
 def test_layer_streaming_exposes_one_layer_or_what_the_prefill_cannot_hide():

@@ -52,6 +52,10 @@ def test_the_hop_by_hand():
     assert list(whole.timeline.ms[:3]) == pytest.approx([4, 4, 12])
     assert whole.exposed_ms == pytest.approx([10.0])
     assert whole.first_token_s == pytest.approx([0.021])
+    # Two TP ranks, each sending its half over a link of its own: 5 ms after the last chunk.
+    ranks = simulate_disaggregated(arrivals, small, small, RowsCost(),
+                                   Hop(hop.fabric, 1e6, 2, layer_streaming=False, links=2))
+    assert ranks.transfer_ms == pytest.approx([5.0]) and ranks.exposed_ms == pytest.approx([5.0])
 
 
 def test_a_send_is_exposed_only_to_the_request_whose_k_v_it_is():
