@@ -120,12 +120,13 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
     arrival = time.monotonic()
     state = request.app[STATE]
     _refuse_if_draining(state)      # before the body is read
+    client_id = oai.client_request_id(request.headers)
     # the body first: a client that sends it slowly (or never) holds no place in the queue
     body = await _read_json(request, state.config.max_body_bytes)
     slot = _admit(state)
     try:
         return await _generate_in_slot(request, body, parse, id_prefix, answer, state, slot,
-                                       arrival)
+                                       arrival, client_id)
     finally:
         slot.release()
 
@@ -133,7 +134,8 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
 async def _generate_in_slot(request: web.Request, body: Any,
                             parse: Callable[[Any], GenerationRequest],
                             id_prefix: str, answer: Answer, state: GatewayState,
-                            slot: WaitingSlot, arrival: float) -> web.StreamResponse:
+                            slot: WaitingSlot, arrival: float,
+                            client_id: str | None) -> web.StreamResponse:
     req = parse(body)
     _check_model(req.model, state)
     prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer,
@@ -148,12 +150,13 @@ async def _generate_in_slot(request: web.Request, body: Any,
         if req.echo else [None] * len(prompts)
     choices = [(ids, choice_sampling(sampling, j), echo)
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]
-    slots = [slot] + _admit_choices(state, len(choices) - 1)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
-    client_id = oai.client_request_id(request.headers)
     with structlog.contextvars.bound_contextvars(
             request_id=request_id, **({"client_request_id": client_id} if client_id else {})):
         async with contextlib.AsyncExitStack() as stack:
+            # the other choices' places are taken here, each given back on any way out: one
+            # taken before a raise and never given back would shrink the queue for good
+            slots = [slot] + _admit_choices(state, len(choices) - 1)
             for place in slots:     # each generation gives its own back; these are for a raise
                 stack.callback(place.release)
             gens = [await stack.enter_async_context(Generation(

@@ -722,6 +722,18 @@ async def test_a_clients_request_id_is_sent_back_and_logged(h: Harness, capsys) 
         assert r.status == 400
 
 
+async def test_a_bad_request_id_with_several_choices_keeps_no_place_in_the_queue(
+        h: Harness) -> None:
+    """Refused for its X-Request-Id header, a request of n choices gives back every place
+    it took (they were kept, and a few such requests left the queue full for good: 429s)."""
+    for n in (1, 5):
+        async with h.session.post(h.url + "/v1/completions", headers={"X-Request-Id": "a\tb"},
+                                  json=completion(max_tokens=2, n=n)) as r:
+            answer = await r.json()
+        assert r.status == 400 and "X-Request-Id" in answer["error"]["message"], answer
+        assert h.state.num_waiting == 0
+
+
 async def test_continuous_usage_stats_count_every_chunk(h: Harness) -> None:
     data = await h.sse("/v1/completions", completion(
         max_tokens=5, n=2, stream_options={"include_usage": True, "continuous_usage_stats": True}))
