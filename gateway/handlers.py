@@ -234,6 +234,11 @@ async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
     except TimeoutError:
         raise APIError(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                        status=408, type="timeout_error") from None
+    except web.RequestPayloadError as e:
+        # the client's bytes, not this server: a Content-Encoding they are not in (gzip that
+        # is not gzip), a broken chunked encoding
+        why = getattr(e.__cause__, "message", None) or " ".join(str(e).split())
+        raise APIError(f"the request body could not be read: {why}") from None
     try:
         if len(raw) < THREADED_PARSE_BYTES:
             return parse_user_json(raw)
