@@ -23,11 +23,12 @@ def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer,
     if req.endpoint == "chat":
         text = tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
                                              list(req.tools) or None, req.continue_final_message)
-        # the template writes every special token itself (transformers does the same)
-        prompts = [_nonempty(_text_ids(text, tokenizer, req, max_model_len, False, "messages"),
+        # the template writes every special token itself (transformers does the same), unless
+        # the request asks for the tokenizer's on top (add_special_tokens, vLLM's)
+        prompts = [_nonempty(_text_ids(text, tokenizer, req, max_model_len, "messages"),
                              "messages")]
     else:
-        prompts = [_nonempty(_text_ids(p, tokenizer, req, max_model_len, True, "prompt")
+        prompts = [_nonempty(_text_ids(p, tokenizer, req, max_model_len, "prompt")
                              if isinstance(p, str) else check_vocabulary(p, tokenizer, "prompt"),
                              "prompt") for p in req.prompts]
     if req.truncate_prompt_tokens == -1:
@@ -54,7 +55,7 @@ def _fit(ids: list[int], req: GenerationRequest, max_model_len: int) -> list[int
 
 
 def _text_ids(text: str, tokenizer: Tokenizer, req: GenerationRequest, max_model_len: int,
-              add_special_tokens: bool, param: str) -> list[int]:
+              param: str) -> list[int]:
     """A text's ids; one too long to fit the context whatever it says is refused before it is
     tokenized (a few megabytes would take seconds and gigabytes to find out), or with
     truncate_prompt_tokens only its end is tokenized (twice what could fit: what is kept)."""
@@ -66,7 +67,7 @@ def _text_ids(text: str, tokenizer: Tokenizer, req: GenerationRequest, max_model
                            f"hold (at most {tokenizer.most_chars_per_token} characters a "
                            f"token)", param=param, code="context_length_exceeded")
         text = text[-2 * fits:]
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
 
 def check_vocabulary(ids: list[int], tokenizer: Tokenizer, param: str) -> list[int]:
