@@ -20,7 +20,8 @@ from gateway import openai_schema as oai
 from gateway.generation import Generation
 from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
-from gateway.prompts import check_vocabulary, choice_sampling, prompt_token_ids, sampling_params
+from gateway.prompts import (chat_prompt, check_vocabulary, choice_sampling, prompt_token_ids,
+                             sampling_params)
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.responses_api import (ResponseShape, chat_body, in_responses_terms, response_json,
                                    response_sse)
@@ -253,12 +254,9 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = oai.parse_tokenize(await _read_json(request, state.config.max_body_bytes))
     _check_model(req.model, state)
-    if req.messages is not None:
-        ids = await asyncio.to_thread(state.tokenizer.encode_chat, req.messages,
-                                      list(req.tools) or None, req.add_generation_prompt,
-                                      req.continue_final_message)
-    else:
-        ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt, req.add_special_tokens)
+    text = req.prompt if req.messages is None else \
+        await asyncio.to_thread(chat_prompt, req, state.tokenizer)
+    ids = await asyncio.to_thread(state.tokenizer.encode, text, req.add_special_tokens)
     answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = [state.tokenizer.id_to_token(t) for t in ids]

@@ -330,8 +330,10 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         tools = read_field(body, "tools", (list,), None) or []
         for i, tool in enumerate(tools):
             _tool_name(tool, i)
-        return TokenizeRequest(model, None, messages, False, tuple(tools), *_chat_format(body),
-                               return_token_strs=strs)
+        # as a chat request's: the template writes its own special tokens
+        return TokenizeRequest(model, None, messages,
+                               read_field(body, "add_special_tokens", (bool,), False),
+                               tuple(tools), *_chat_format(body), return_token_strs=strs)
     return TokenizeRequest(model, read_field(body, "prompt", (str,)), None,
                            read_field(body, "add_special_tokens", (bool,), True),
                            return_token_strs=strs)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from gateway.openai_schema import APIError, GenerationRequest
+from gateway.openai_schema import APIError, GenerationRequest, TokenizeRequest
+from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -21,8 +22,7 @@ def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer,
                        f"model's context length ({max_model_len}); -1 keeps as much as fits",
                        param="truncate_prompt_tokens")
     if req.endpoint == "chat":
-        text = tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
-                                             list(req.tools) or None, req.continue_final_message)
+        text = chat_prompt(req, tokenizer)
         # the template writes every special token itself (transformers does the same), unless
         # the request asks for the tokenizer's on top (add_special_tokens, vLLM's)
         prompts = [_nonempty(_text_ids(text, tokenizer, req, max_model_len, "messages"),
@@ -35,6 +35,16 @@ def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer,
         return [_fit(ids, req, max_model_len) for ids in prompts]
     keep = req.truncate_prompt_tokens
     return prompts if keep is None else [ids[-keep:] for ids in prompts]
+
+
+def chat_prompt(req: GenerationRequest | TokenizeRequest, tokenizer: Tokenizer) -> str:
+    """The chat template's text of a request's messages (with its tools); messages it cannot
+    take, or a template that fails on them, are a 400 naming 'messages'."""
+    try:
+        return tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
+                                             list(req.tools) or None, req.continue_final_message)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param="messages") from None
 
 
 def _fit(ids: list[int], req: GenerationRequest, max_model_len: int) -> list[int]:
