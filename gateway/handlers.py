@@ -20,7 +20,8 @@ from gateway import openai_schema as oai
 from gateway.generation import Generation
 from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
-from gateway.prompts import check_vocabulary, choice_sampling, prompt_token_ids, sampling_params
+from gateway.prompts import (chat_prompt, check_vocabulary, choice_sampling, prompt_token_ids,
+                             sampling_params)
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.responses_api import (ResponseShape, chat_body, in_responses_terms, response_json,
                                    response_sse)
@@ -120,12 +121,13 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
     arrival = time.monotonic()
     state = request.app[STATE]
     _refuse_if_draining(state)      # before the body is read
+    client_id = oai.client_request_id(request.headers)
     # the body first: a client that sends it slowly (or never) holds no place in the queue
     body = await _read_json(request, state.config.max_body_bytes)
     slot = _admit(state)
     try:
         return await _generate_in_slot(request, body, parse, id_prefix, answer, state, slot,
-                                       arrival)
+                                       arrival, client_id)
     finally:
         slot.release()
 
@@ -133,7 +135,8 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
 async def _generate_in_slot(request: web.Request, body: Any,
                             parse: Callable[[Any], GenerationRequest],
                             id_prefix: str, answer: Answer, state: GatewayState,
-                            slot: WaitingSlot, arrival: float) -> web.StreamResponse:
+                            slot: WaitingSlot, arrival: float,
+                            client_id: str | None) -> web.StreamResponse:
     req = parse(body)
     _check_model(req.model, state)
     prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer,
@@ -148,12 +151,13 @@ async def _generate_in_slot(request: web.Request, body: Any,
         if req.echo else [None] * len(prompts)
     choices = [(ids, choice_sampling(sampling, j), echo)
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]
-    slots = [slot] + _admit_choices(state, len(choices) - 1)
     request_id = f"{id_prefix}{uuid.uuid4().hex}"
-    client_id = oai.client_request_id(request.headers)
     with structlog.contextvars.bound_contextvars(
             request_id=request_id, **({"client_request_id": client_id} if client_id else {})):
         async with contextlib.AsyncExitStack() as stack:
+            # the other choices' places are taken here, each given back on any way out: one
+            # taken before a raise and never given back would shrink the queue for good
+            slots = [slot] + _admit_choices(state, len(choices) - 1)
             for place in slots:     # each generation gives its own back; these are for a raise
                 stack.callback(place.release)
             gens = [await stack.enter_async_context(Generation(
@@ -231,6 +235,11 @@ async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
     except TimeoutError:
         raise APIError(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
                        status=408, type="timeout_error") from None
+    except web.RequestPayloadError as e:
+        # the client's bytes, not this server: a Content-Encoding they are not in (gzip that
+        # is not gzip), a broken chunked encoding
+        why = getattr(e.__cause__, "message", None) or " ".join(str(e).split())
+        raise APIError(f"the request body could not be read: {why}") from None
     try:
         if len(raw) < THREADED_PARSE_BYTES:
             return parse_user_json(raw)
@@ -245,12 +254,9 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     req = oai.parse_tokenize(await _read_json(request, state.config.max_body_bytes))
     _check_model(req.model, state)
-    if req.messages is not None:
-        ids = await asyncio.to_thread(state.tokenizer.encode_chat, req.messages,
-                                      list(req.tools) or None, req.add_generation_prompt,
-                                      req.continue_final_message)
-    else:
-        ids = await asyncio.to_thread(state.tokenizer.encode, req.prompt, req.add_special_tokens)
+    text = req.prompt if req.messages is None else \
+        await asyncio.to_thread(chat_prompt, req, state.tokenizer)
+    ids = await asyncio.to_thread(state.tokenizer.encode, text, req.add_special_tokens)
     answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = [state.tokenizer.id_to_token(t) for t in ids]

@@ -111,6 +111,9 @@ class GenerationRequest:
     parallel_tool_calls: bool = True        # "auto": False keeps only the first call
     timeout: float | None = None            # seconds; pacer's extension: a deadline
     skip_special_tokens: bool = True        # vLLM's: special tokens left out of the text
+    # vLLM's: what the tokenizer adds to a text (a BOS): completions' prompts take it, a chat
+    # template writes its own (true adds it on top)
+    add_special_tokens: bool = True
     add_generation_prompt: bool = True      # chat, vLLM's: the template opens the answer's turn
     continue_final_message: bool = False    # chat, vLLM's: the answer goes on with the last one
 
@@ -327,8 +330,10 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
         tools = read_field(body, "tools", (list,), None) or []
         for i, tool in enumerate(tools):
             _tool_name(tool, i)
-        return TokenizeRequest(model, None, messages, False, tuple(tools), *_chat_format(body),
-                               return_token_strs=strs)
+        # as a chat request's: the template writes its own special tokens
+        return TokenizeRequest(model, None, messages,
+                               read_field(body, "add_special_tokens", (bool,), False),
+                               tuple(tools), *_chat_format(body), return_token_strs=strs)
     return TokenizeRequest(model, read_field(body, "prompt", (str,)), None,
                            read_field(body, "add_special_tokens", (bool,), True),
                            return_token_strs=strs)
@@ -668,7 +673,9 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         truncate_prompt_tokens=_truncate_prompt_tokens(body),
         structured_outputs=_structured_outputs(body, tools, tool_choice, parallel_tool_calls),
         timeout=None if timeout is None else float(timeout),
-        skip_special_tokens=read_field(body, "skip_special_tokens", (bool,), True))
+        skip_special_tokens=read_field(body, "skip_special_tokens", (bool,), True),
+        add_special_tokens=read_field(body, "add_special_tokens", (bool,),
+                                      endpoint == "completions"))
 
 
 # ---- responses --------------------------------------------------------------------------------

@@ -88,6 +88,10 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "skip_special_tokens": {"type": "boolean", "nullable": True,
                                 "description": "vLLM's: special tokens left out of the text "
                                                "(the default) or written in it"},
+        "add_special_tokens": {"type": "boolean", "nullable": True,
+                               "description": "vLLM's: the tokenizer's special tokens (a BOS) "
+                                              "before the prompt; completions true, chat "
+                                              "false (its template writes its own)"},
         "n": {"type": "integer", "minimum": 1, "maximum": MAX_CHOICES, "nullable": True,
               "description": f"choices per prompt; at most {MAX_CHOICES} over all prompts"},
         # accepted only at the values that change nothing (openai_schema refuses the rest)

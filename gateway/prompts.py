@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from gateway.openai_schema import APIError, GenerationRequest
+from gateway.openai_schema import APIError, GenerationRequest, TokenizeRequest
+from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
 
@@ -21,19 +22,29 @@ def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer,
                        f"model's context length ({max_model_len}); -1 keeps as much as fits",
                        param="truncate_prompt_tokens")
     if req.endpoint == "chat":
-        text = tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
-                                             list(req.tools) or None, req.continue_final_message)
-        # the template writes every special token itself (transformers does the same)
-        prompts = [_nonempty(_text_ids(text, tokenizer, req, max_model_len, False, "messages"),
+        text = chat_prompt(req, tokenizer)
+        # the template writes every special token itself (transformers does the same), unless
+        # the request asks for the tokenizer's on top (add_special_tokens, vLLM's)
+        prompts = [_nonempty(_text_ids(text, tokenizer, req, max_model_len, "messages"),
                              "messages")]
     else:
-        prompts = [_nonempty(_text_ids(p, tokenizer, req, max_model_len, True, "prompt")
+        prompts = [_nonempty(_text_ids(p, tokenizer, req, max_model_len, "prompt")
                              if isinstance(p, str) else check_vocabulary(p, tokenizer, "prompt"),
                              "prompt") for p in req.prompts]
     if req.truncate_prompt_tokens == -1:
         return [_fit(ids, req, max_model_len) for ids in prompts]
     keep = req.truncate_prompt_tokens
     return prompts if keep is None else [ids[-keep:] for ids in prompts]
+
+
+def chat_prompt(req: GenerationRequest | TokenizeRequest, tokenizer: Tokenizer) -> str:
+    """The chat template's text of a request's messages (with its tools); messages it cannot
+    take, or a template that fails on them, are a 400 naming 'messages'."""
+    try:
+        return tokenizer.apply_chat_template(req.messages, req.add_generation_prompt,
+                                             list(req.tools) or None, req.continue_final_message)
+    except InvalidRequestError as e:
+        raise APIError(str(e), param="messages") from None
 
 
 def _fit(ids: list[int], req: GenerationRequest, max_model_len: int) -> list[int]:
@@ -54,7 +65,7 @@ def _fit(ids: list[int], req: GenerationRequest, max_model_len: int) -> list[int
 
 
 def _text_ids(text: str, tokenizer: Tokenizer, req: GenerationRequest, max_model_len: int,
-              add_special_tokens: bool, param: str) -> list[int]:
+              param: str) -> list[int]:
     """A text's ids; one too long to fit the context whatever it says is refused before it is
     tokenized (a few megabytes would take seconds and gigabytes to find out), or with
     truncate_prompt_tokens only its end is tokenized (twice what could fit: what is kept)."""
@@ -66,7 +77,7 @@ def _text_ids(text: str, tokenizer: Tokenizer, req: GenerationRequest, max_model
                            f"hold (at most {tokenizer.most_chars_per_token} characters a "
                            f"token)", param=param, code="context_length_exceeded")
         text = text[-2 * fits:]
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
 
 
 def check_vocabulary(ids: list[int], tokenizer: Tokenizer, param: str) -> list[int]:

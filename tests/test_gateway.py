@@ -706,6 +706,23 @@ async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) 
     assert status == 404
 
 
+async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
+    """Refused by the chat template's checks (an earlier call's arguments that are not JSON),
+    a request's error names 'messages' ('input' on /v1/responses), as every other bad field
+    is named (it named none)."""
+    calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": calls}]
+    for path, body in (("/v1/chat/completions", chat(max_tokens=2)),
+                       ("/tokenize", {"model": MODEL})):
+        status, answer = await h.post(path, {**body, "messages": messages})
+        assert status == 400 and answer["error"]["param"] == "messages", answer
+        assert "arguments is not valid JSON" in answer["error"]["message"]
+    status, answer = await h.post("/v1/responses", {"model": MODEL, "input": [
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{oops"}]})
+    assert status == 400 and answer["error"]["param"] == "input", answer
+
+
 async def test_a_clients_request_id_is_sent_back_and_logged(h: Harness, capsys) -> None:
     """X-Request-Id (vLLM reads it too): sent back with the answer and the stream, and
     logged beside our id; without one, ours is sent."""
@@ -720,6 +737,18 @@ async def test_a_clients_request_id_is_sent_back_and_logged(h: Harness, capsys) 
     async with h.session.post(h.url + "/v1/completions", headers={"X-Request-Id": "x" * 129},
                               json=completion(max_tokens=2)) as r:
         assert r.status == 400
+
+
+async def test_a_bad_request_id_with_several_choices_keeps_no_place_in_the_queue(
+        h: Harness) -> None:
+    """Refused for its X-Request-Id header, a request of n choices gives back every place
+    it took (they were kept, and a few such requests left the queue full for good: 429s)."""
+    for n in (1, 5):
+        async with h.session.post(h.url + "/v1/completions", headers={"X-Request-Id": "a\tb"},
+                                  json=completion(max_tokens=2, n=n)) as r:
+            answer = await r.json()
+        assert r.status == 400 and "X-Request-Id" in answer["error"]["message"], answer
+        assert h.state.num_waiting == 0
 
 
 async def test_continuous_usage_stats_count_every_chunk(h: Harness) -> None:

@@ -6,6 +6,7 @@ never need a scheduler (they are refused before anything is enqueued).
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import re
 from pathlib import Path
@@ -88,6 +89,26 @@ async def test_a_declared_body_too_large_is_refused_before_it_arrives(gateway) -
         assert status.startswith(b"HTTP/1.1 413"), status
     finally:
         writer.close()
+
+
+@ASYNC
+async def test_a_body_not_in_its_content_encoding_is_a_400(gateway) -> None:
+    """`Content-Encoding: gzip` over bytes that are not gzip: the client's mistake, a 400 in
+    OpenAI's shape saying so (it was a 500 "internal server error"); real gzip is read."""
+    url, session, _ = gateway
+    raw = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+    # (the server closes the connection after a body it could not read)
+    async with session.post(f"{url}/tokenize", data=raw, headers={
+            "Content-Type": "application/json", "Content-Encoding": "gzip",
+            "Connection": "close"}) as r:
+        answer = await r.json()
+    assert r.status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert "could not be read" in answer["error"]["message"]
+    assert "content-encoding: gzip" in answer["error"]["message"]
+    async with session.post(f"{url}/tokenize", data=gzip.compress(raw), headers={
+            "Content-Type": "application/json", "Content-Encoding": "gzip"}) as r:
+        assert r.status == 200 and (await r.json())["count"] >= 1
 
 
 @ASYNC

@@ -275,6 +275,30 @@ def test_truncate_prompt_tokens_keeps_the_last_ones(tokenizer):
         parse_completion({**body, "truncate_prompt_tokens": 0})
 
 
+def test_add_special_tokens_is_what_the_prompt_is_tokenized_with(tmp_path):
+    """vLLM's add_special_tokens: a completions prompt gets the tokenizer's BOS unless it is
+    false (it was added whatever was asked), a chat's template only its own unless it is
+    true."""
+    from gateway.prompts import prompt_token_ids
+    from shared.model_source import resolve_model
+    from shared.tokenizer import load_tokenizer
+    from tests.helpers_tiny_model import write_tiny_gguf, write_tiny_llama
+    tok = load_tokenizer(resolve_model(write_tiny_gguf(
+        tmp_path / "bos.gguf", write_tiny_llama(tmp_path / "hf"), add_bos_token=True)))
+    bos, text = tok.bos_token_id, tok.encode("the cat")
+    prompt = {"model": "m", "prompt": "the cat"}
+    chat = {"model": "m", "messages": [{"role": "user", "content": "the cat"}]}
+    rendered = tok.encode_chat(chat["messages"])
+    for body, ids in ((prompt, [bos, *text]),
+                      ({**prompt, "add_special_tokens": False}, text),
+                      (chat, rendered),
+                      ({**chat, "add_special_tokens": True}, [bos, *rendered])):
+        parse = parse_chat if "messages" in body else parse_completion
+        assert prompt_token_ids(parse(body), tok, 64) == [ids], body
+    with pytest.raises(APIError, match="add_special_tokens"):
+        parse_completion({**prompt, "add_special_tokens": "no"})
+
+
 def test_truncate_minus_one_leaves_the_answer_room(tokenizer):
     """-1 (and the Responses API's truncation "auto") cuts a prompt that does not fit down to
     what fits beside the answer, and a request that then passes every length check."""
