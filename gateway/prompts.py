@@ -114,8 +114,9 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
     max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if req.endpoint == "completions"
                                     else room)
     if req.min_tokens > max_tokens:
-        raise APIError(f"'min_tokens' ({req.min_tokens}) is above max_tokens ({max_tokens})",
-                       param="min_tokens")
+        limit = (f"max_tokens ({max_tokens})" if req.max_tokens else
+                 f"the output's limit ({max_tokens}, the default when none is given)")
+        raise APIError(f"'min_tokens' ({req.min_tokens}) is above {limit}", param="min_tokens")
     if max_tokens > room:
         raise APIError(f"This model's maximum context length is {max_model_len} tokens; "
                        f"the prompt has {num_prompt_tokens} tokens and max_tokens is "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -161,6 +162,17 @@ def test_out_of_range_is_refused(tokenizer, body, param):
         req = parse_completion({"model": "m", "prompt": "hi", **body})
         sampling_params(req, 2, 512, tokenizer)
     assert e.value.param == param
+
+
+@pytest.mark.parametrize("body,said", [
+    ({"min_tokens": 9, "max_tokens": 8}, "'min_tokens' (9) is above max_tokens (8)"),
+    # max_tokens not sent: the error must not say the client sent one
+    ({"min_tokens": 17}, "'min_tokens' (17) is above the output's limit (16, the default when "
+                         "none is given)")])
+def test_min_tokens_above_the_limit_names_the_limit_the_client_set_or_not(tokenizer, body, said):
+    with pytest.raises(APIError, match=re.escape(said)):
+        sampling_params(parse_completion({"model": "m", "prompt": "hi", **body}), 2, 512,
+                        tokenizer)
 
 
 def test_the_api_passes_them_on():
