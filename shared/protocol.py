@@ -23,6 +23,7 @@ request's FinishEvent before its last tokens: a request ends once the FinishEven
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -60,6 +61,16 @@ def _tops(raw: list | None) -> TopLogprobs | None:
     return None if raw is None else [(int(t), float(lp)) for t, lp in raw]
 
 
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, cut short (a prompt may hold thousands of ids)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class _Plain:
     """Messages whose fields travel as they are."""
     KIND: ClassVar[str]
@@ -85,6 +96,22 @@ class RequestMsg(_Plain):
     # P/D: the prefill instance the gateway's router chose (docs/design.md#cache-aware-routing);
     # a prefill scheduler that reads a request chosen for another live one hands it over there
     instance: str = ""
+
+    def __post_init__(self) -> None:
+        # an entry written by hand (redis-cli, a script) reaches the scheduler unchecked by
+        # any gateway: a wrong type here crashed the scheduler later (a deadline compared with
+        # the clock, a reply channel Redis refuses), restart after restart
+        for name in ("request_id", "reply_to", "gateway_id", "instance"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"{name} must be a string, got {getattr(self, name)!r}")
+        if not isinstance(self.prompt_token_ids, (list, tuple)) or not all(
+                type(t) is int for t in self.prompt_token_ids):
+            raise TypeError(f"prompt_token_ids must be a list of integers, got "
+                            f"{_short(self.prompt_token_ids)}")
+        for name in ("arrival_time", "deadline"):
+            value = getattr(self, name)
+            if not (value is None and name == "deadline") and not _finite(value):
+                raise TypeError(f"{name} must be a finite number, got {value!r}")
 
     def _to_body(self) -> dict:
         body = super()._to_body()

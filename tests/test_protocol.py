@@ -142,3 +142,22 @@ def test_keys_share_one_prefix() -> None:
     assert len(set(names)) == len(names)
     assert Keys().requests == "pacer:requests"
     assert keys.hb_scheduler("s").startswith(keys.hb_scheduler_pattern.rstrip("*"))
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("deadline", "soon", "deadline must be a finite number"),
+    ("arrival_time", float("nan"), "arrival_time must be a finite number"),
+    ("reply_to", None, "reply_to must be a string"),
+    ("request_id", 7, "request_id must be a string"),
+    ("prompt_token_ids", ["a"], "prompt_token_ids must be a list of integers"),
+    ("prompt_token_ids", [True], "prompt_token_ids must be a list of integers"),
+    ("prompt_token_ids", "abc", "prompt_token_ids must be a list of integers")])
+def test_a_request_written_by_hand_with_a_wrong_type_is_a_protocol_error(field, value,
+                                                                          match) -> None:
+    """The request stream takes entries from anyone with Redis access (redis-cli XADD), not
+    only from a gateway: a field of the wrong type is refused where the scheduler decodes it,
+    named, rather than crashing it later."""
+    obj = msgpack.unpackb(encode(RequestMsg("r", [1], SamplingParams(), "ch", "gw", 0.0)))
+    obj[field] = value
+    with pytest.raises(ProtocolError, match=f"malformed request message: {match}"):
+        decode(msgpack.packb(obj, strict_types=False))
