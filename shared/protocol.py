@@ -61,6 +61,14 @@ def _tops(raw: list | None) -> TopLogprobs | None:
     return None if raw is None else [(int(t), float(lp)) for t, lp in raw]
 
 
+def _check_strings(msg: Any, *names: str) -> None:
+    """Stream entries may be written by hand (redis-cli XADD): a field the reader uses as a
+    key or a channel must be a string, or the entry is malformed (a ProtocolError)."""
+    for name in names:
+        if not isinstance(getattr(msg, name), str):
+            raise TypeError(f"{name} must be a string, got {_short(getattr(msg, name))}")
+
+
 def _finite(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
 
@@ -101,9 +109,7 @@ class RequestMsg(_Plain):
         # an entry written by hand (redis-cli, a script) reaches the scheduler unchecked by
         # any gateway: a wrong type here crashed the scheduler later (a deadline compared with
         # the clock, a reply channel Redis refuses), restart after restart
-        for name in ("request_id", "reply_to", "gateway_id", "instance"):
-            if not isinstance(getattr(self, name), str):
-                raise TypeError(f"{name} must be a string, got {getattr(self, name)!r}")
+        _check_strings(self, "request_id", "reply_to", "gateway_id", "instance")
         if not isinstance(self.prompt_token_ids, (list, tuple)) or not all(
                 type(t) is int for t in self.prompt_token_ids):
             raise TypeError(f"prompt_token_ids must be a list of integers, got "
@@ -128,6 +134,11 @@ class RequestMsg(_Plain):
 class AbortMsg(_Plain):
     request_id: str
     reason: str = ""                 # "client disconnected", "stop string", ...
+
+    def __post_init__(self) -> None:
+        # every scheduler reads every abort, and a restarted one reads them again from before
+        # its oldest request: an unhashable id crashed each of them, restart after restart
+        _check_strings(self, "request_id", "reason")
 
 
 @_kind("plan")
@@ -310,6 +321,9 @@ class ReservedMsg(_Plain):
     incarnation: float               # the decode scheduler's start time
     error: str = ""
 
+    def __post_init__(self) -> None:
+        _check_strings(self, "request_id", "decode_instance", "decode_consumer", "error")
+
 
 @_kind("handoff")
 @dataclass(frozen=True)
@@ -339,6 +353,9 @@ class CancelMsg(_Plain):
     request_id: str
     reason: str = ""
     kv_pending: bool = False
+
+    def __post_init__(self) -> None:
+        _check_strings(self, "request_id", "reason")
 
 
 @_kind("heartbeat")

@@ -10,7 +10,7 @@ import time
 import msgpack
 import redis.asyncio as aioredis
 
-from shared.protocol import (SCHEMA_VERSION, STREAM_FIELD, FinishEvent, RequestMsg, decode,
+from shared.protocol import (STREAM_FIELD, AbortMsg, FinishEvent, RequestMsg, decode,
                              encode)
 from shared.sampling import SamplingParams
 from tests.test_redis_restart import (DEADLINE_S, KEYS, assert_complete, complete, running,
@@ -64,4 +64,24 @@ async def test_hand_written_entries_are_refused_and_serving_goes_on(server, tiny
             assert (await admin.xpending(KEYS.requests, KEYS.requests_group))["pending"] == 0
         finally:
             await pubsub.aclose()
+            await admin.aclose()
+
+
+async def test_an_abort_written_by_hand_with_a_bad_id_leaves_the_streams_running(server,
+                                                                                tiny_model):
+    """An abort whose request id is not a string (a list) crashed the scheduler reading it,
+    and each restart read it again (a scheduler reads the aborts from before its oldest
+    request), until its requests were dropped as if they stopped it. Now it is dropped with an
+    error logged, and the streams it came among complete as before."""
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 2)]
+        admin = aioredis.Redis.from_url(server.url)
+
+        async def bad_abort() -> None:
+            body = msgpack.unpackb(encode(AbortMsg("x", "by hand")))
+            await admin.xadd(KEYS.aborts, {STREAM_FIELD: msgpack.packb({**body,
+                                                                      "request_id": [1, 2]})})
+        try:
+            assert_complete(await complete(s, 2, bad_abort), reference)
+        finally:
             await admin.aclose()
