@@ -15,4 +15,5 @@ def build_scheduler(layout: EngineLayout, role: str = "colocated") -> Scheduler:
     if role != "prefill":
         config = replace(config, target_ttft_ms=None, target_ttft_factor=None)
     return Scheduler(config, eos_token_ids=layout.model_config.eos_token_ids,
-                     max_model_len=layout.max_model_len)
+                     max_model_len=layout.max_model_len,
+                     vocab_size=layout.model_config.vocab_size)

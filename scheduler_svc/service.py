@@ -164,7 +164,8 @@ class SchedulerService:
                 taken = await self.recovery.retrying("take back pending",
                                                      self.takeover.take_back_pending)
             except Interrupted as e:
-                await self.recovery.recover(e, stop, self.wait_for_workers)
+                if not await self._recover(e, stop):
+                    return False
                 continue
             if taken:
                 log.info("took back unfinished requests", count=taken)
@@ -266,14 +267,27 @@ class SchedulerService:
                 if not await self._step():
                     return
             except Interrupted as e:
-                self._flight.clear()        # the core forgets them too (recompute_running)
-                if self.decode is not None:
-                    self.decode.checks_lost()
-                if isinstance(e, RedisLost):
-                    self._forget_disagg_state()
-                    self._requests_seen = None      # the new server's ids start again
-                if not await self.recovery.recover(e, stop, self.wait_for_workers):
+                if not await self._recover(e, stop):
                     return
+
+    async def _recover(self, interrupted: Interrupted, stop: asyncio.Event) -> bool:
+        """Forget what the interruption lost and bring the core back to what can be served.
+        An interruption while recovering (Redis restarting while the scheduler waits for a
+        worker group to come back) is recovered from in turn: raised, it ended the scheduler
+        with a traceback. False: stop serving."""
+        while True:
+            self._flight.clear()        # the core forgets them too (recompute_running)
+            if self.decode is not None:
+                self.decode.checks_lost()
+            if isinstance(interrupted, RedisLost):
+                self._forget_disagg_state()
+                self._requests_seen = None      # the new server's ids start again
+            try:
+                return await self.recovery.recover(interrupted, stop, self.wait_for_workers)
+            except Interrupted as again:
+                log.warning("interrupted again while recovering", first=type(interrupted).__name__,
+                            then=type(again).__name__)
+                interrupted = again
 
     def _forget_disagg_state(self) -> None:
         """Redis restarted empty: reservations and hand-offs in flight went with it."""

@@ -23,6 +23,7 @@ request's FinishEvent before its last tokens: a request ends once the FinishEven
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -60,6 +61,24 @@ def _tops(raw: list | None) -> TopLogprobs | None:
     return None if raw is None else [(int(t), float(lp)) for t, lp in raw]
 
 
+def _check_strings(msg: Any, *names: str) -> None:
+    """Stream entries may be written by hand (redis-cli XADD): a field the reader uses as a
+    key or a channel must be a string, or the entry is malformed (a ProtocolError)."""
+    for name in names:
+        if not isinstance(getattr(msg, name), str):
+            raise TypeError(f"{name} must be a string, got {_short(getattr(msg, name))}")
+
+
+def _finite(value: Any) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+def _short(value: Any) -> str:
+    """A value for an error message, cut short (a prompt may hold thousands of ids)."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 class _Plain:
     """Messages whose fields travel as they are."""
     KIND: ClassVar[str]
@@ -86,6 +105,20 @@ class RequestMsg(_Plain):
     # a prefill scheduler that reads a request chosen for another live one hands it over there
     instance: str = ""
 
+    def __post_init__(self) -> None:
+        # an entry written by hand (redis-cli, a script) reaches the scheduler unchecked by
+        # any gateway: a wrong type here crashed the scheduler later (a deadline compared with
+        # the clock, a reply channel Redis refuses), restart after restart
+        _check_strings(self, "request_id", "reply_to", "gateway_id", "instance")
+        if not isinstance(self.prompt_token_ids, (list, tuple)) or not all(
+                type(t) is int for t in self.prompt_token_ids):
+            raise TypeError(f"prompt_token_ids must be a list of integers, got "
+                            f"{_short(self.prompt_token_ids)}")
+        for name in ("arrival_time", "deadline"):
+            value = getattr(self, name)
+            if not (value is None and name == "deadline") and not _finite(value):
+                raise TypeError(f"{name} must be a finite number, got {value!r}")
+
     def _to_body(self) -> dict:
         body = super()._to_body()
         body["sampling"] = self.sampling.to_dict()
@@ -101,6 +134,11 @@ class RequestMsg(_Plain):
 class AbortMsg(_Plain):
     request_id: str
     reason: str = ""                 # "client disconnected", "stop string", ...
+
+    def __post_init__(self) -> None:
+        # every scheduler reads every abort, and a restarted one reads them again from before
+        # its oldest request: an unhashable id crashed each of them, restart after restart
+        _check_strings(self, "request_id", "reason")
 
 
 @_kind("plan")
@@ -283,6 +321,9 @@ class ReservedMsg(_Plain):
     incarnation: float               # the decode scheduler's start time
     error: str = ""
 
+    def __post_init__(self) -> None:
+        _check_strings(self, "request_id", "decode_instance", "decode_consumer", "error")
+
 
 @_kind("handoff")
 @dataclass(frozen=True)
@@ -312,6 +353,9 @@ class CancelMsg(_Plain):
     request_id: str
     reason: str = ""
     kv_pending: bool = False
+
+    def __post_init__(self) -> None:
+        _check_strings(self, "request_id", "reason")
 
 
 @_kind("heartbeat")

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 from shared.keys import Keys
 from shared.plan import (CachedRequestData, IterationPlan, NewRequestData, SampledToken,
                          StepResult)
-from shared.protocol import (FINISH_REASONS, SCHEMA_VERSION, AbortMsg, FinishEvent, Heartbeat,
-                             PlanMsg, ProtocolError, RequestMsg, StepResultMsg, TokenBatch,
-                             TokenEvent, decode, encode, from_fields, to_fields)
+from shared.protocol import (FINISH_REASONS, SCHEMA_VERSION, AbortMsg, CancelMsg, FinishEvent,
+                             Heartbeat, PlanMsg, ProtocolError, RequestMsg, ReservedMsg,
+                             StepResultMsg, TokenBatch, TokenEvent, decode, encode, from_fields,
+                             to_fields)
 from shared.sampling import SamplingParams
 
 ids = st.text(min_size=1, max_size=12)
@@ -142,3 +143,32 @@ def test_keys_share_one_prefix() -> None:
     assert len(set(names)) == len(names)
     assert Keys().requests == "pacer:requests"
     assert keys.hb_scheduler("s").startswith(keys.hb_scheduler_pattern.rstrip("*"))
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("deadline", "soon", "deadline must be a finite number"),
+    ("arrival_time", float("nan"), "arrival_time must be a finite number"),
+    ("reply_to", None, "reply_to must be a string"),
+    ("request_id", 7, "request_id must be a string"),
+    ("prompt_token_ids", ["a"], "prompt_token_ids must be a list of integers"),
+    ("prompt_token_ids", [True], "prompt_token_ids must be a list of integers"),
+    ("prompt_token_ids", "abc", "prompt_token_ids must be a list of integers")])
+def test_a_request_written_by_hand_with_a_wrong_type_is_a_protocol_error(field, value,
+                                                                          match) -> None:
+    """The request stream takes entries from anyone with Redis access (redis-cli XADD), not
+    only from a gateway: a field of the wrong type is refused where the scheduler decodes it,
+    named, rather than crashing it later."""
+    obj = msgpack.unpackb(encode(RequestMsg("r", [1], SamplingParams(), "ch", "gw", 0.0)))
+    obj[field] = value
+    with pytest.raises(ProtocolError, match=f"malformed request message: {match}"):
+        decode(msgpack.packb(obj, strict_types=False))
+
+
+@pytest.mark.parametrize("msg", [AbortMsg("r", "client disconnected"), CancelMsg("r", "aborted"),
+                                 ReservedMsg("r", "d0", "s0", [1], [], 0.0)])
+def test_a_request_id_that_is_not_a_string_is_a_protocol_error(msg) -> None:
+    """Readers key their tables by it: an unhashable id written by hand crashed them."""
+    obj = msgpack.unpackb(encode(msg))
+    obj["request_id"] = [1, 2]
+    with pytest.raises(ProtocolError, match=r"request_id must be a string, got \[1, 2\]"):
+        decode(msgpack.packb(obj))

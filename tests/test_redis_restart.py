@@ -28,6 +28,7 @@ from gpu_worker.service import PlanLoop, worker_heartbeat
 from redis.asyncio.client import Pipeline
 
 from scheduler_svc import takeover
+from scheduler_svc.recovery import Recovery
 from scheduler_svc.service import SchedulerServiceConfig
 from scheduler_svc.service import serve as serve_scheduler
 from scheduler_svc.workers import WorkerWatch
@@ -403,6 +404,44 @@ async def restart_while_a_plan_runs(s: System, server: Redis, reference: list[st
         assert r.done and r.error is not None, (i, r)
         assert reference[i].startswith(r.text), (i, r.text)
     assert_complete(await complete(s, len(reference)), reference)
+
+
+async def test_a_redis_restart_while_the_scheduler_waits_for_the_workers_is_survived(
+        server, tiny_model, monkeypatch):
+    """The worker group looks lost (its heartbeat hidden) while a plan runs, and Redis goes
+    away and comes back empty while the scheduler waits for the group: that second
+    interruption is recovered from too (it was raised out of the loop and ended the
+    scheduler). The streams end with an error; new ones complete exactly."""
+    waiting = asyncio.Event()
+    after_workers_lost = Recovery._after_workers_lost
+
+    async def noted(self, *args):
+        waiting.set()
+        return await after_workers_lost(self, *args)
+    monkeypatch.setattr(Recovery, "_after_workers_lost", noted)
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 2)]
+
+        async def hide_the_worker() -> None:
+            with server.client() as admin:
+                while True:
+                    admin.delete(KEYS.hb_worker(0))
+                    await asyncio.sleep(0.02)
+
+        async def restart() -> None:
+            await s.gate.hold_next_plan()
+            hiding = asyncio.create_task(hide_the_worker())
+            await asyncio.wait_for(waiting.wait(), DEADLINE_S)
+            hiding.cancel()
+            stop_redis(server.proc)
+            await asyncio.sleep(1.0)    # down a while: the scheduler's reads fail meanwhile
+            server.proc, _ = start_redis(server.port)
+            s.gate.release()
+
+        for i, r in enumerate(await complete(s, 2, restart)):
+            assert r.done and r.error is not None, (i, r)
+        await serving_again(s)
+        assert_complete(await complete(s, 2), reference)
 
 
 async def test_a_plan_no_worker_read_and_gone_from_the_stream_is_computed_again(

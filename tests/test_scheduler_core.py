@@ -585,6 +585,24 @@ def test_invalid_requests_raise(num_prompt, max_tokens, match):
     assert not sched.has_unfinished()
 
 
+@pytest.mark.parametrize("prompt_ids, sampling, match", [
+    ([5, 1000], SamplingParams(), "prompt_token_ids: token id 1000 is outside the vocabulary"),
+    ([5, 6], SamplingParams(allowed_token_ids=(3, 1000)), "allowed_token_ids: token id 1000"),
+    ([5, 6], SamplingParams(logit_bias={2000: 1.0}), "logit_bias: token id 2000"),
+    ([5, 6], SamplingParams(bad_words_token_ids=((4, 1000),)), "bad_words_token_ids: token id"),
+])
+def test_token_ids_outside_the_vocabulary_are_refused(prompt_ids, sampling, match):
+    """The workers look every one of these up in a table of vocab_size rows (an IndexError
+    that took the worker group down); stop ids are only compared, and may be anything."""
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, num_kv_blocks=64,
+                             block_size=4, max_model_len=256)
+    sched = Scheduler(config, EOS, 256, vocab_size=1000)
+    with pytest.raises(InvalidRequestError, match=match):
+        sched.add_request("x", prompt_ids, sampling)
+    assert not sched.has_unfinished()
+    sched.add_request("y", [0, 999], SamplingParams(stop_token_ids=(5000,)))
+
+
 def test_request_that_fills_the_whole_pool_is_accepted_and_finishes():
     sched = make_scheduler(num_blocks=12, block_size=4, max_model_len=64, budget=8)
     add(sched, "x", 40, max_tokens=8, ignore_eos=True)      # 48 tokens == 12 blocks

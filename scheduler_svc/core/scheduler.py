@@ -139,14 +139,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig,
                  eos_token_ids: tuple[int, ...] | int | None = None,
                  max_model_len: int | None = None, policy: FcfsPolicy | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, vocab_size: int | None = None) -> None:
         """`max_model_len` is the effective context length (the caller takes the smaller of
-        the model's and the config's); None means `config.max_model_len`. `clock`: seconds,
+        the model's and the config's); None means `config.max_model_len`. `vocab_size`: the
+        model's embedding rows, every token id of a request must be below it (None: not
+        checked). `clock`: seconds,
         read only by a TTFT goal and by the token-gap target's pace (the gateway stamps arrivals
         with time.time())."""
         self.config = config
         self.max_model_len = config.max_model_len if max_model_len is None else max_model_len
         self.eos_token_ids = token_id_set(eos_token_ids)
+        self.vocab_size = vocab_size
         self.policy = policy or FcfsPolicy()
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size,
                                           config.enable_prefix_caching)
@@ -1036,6 +1039,7 @@ class Scheduler:
             raise InvalidRequestError(
                 f"request {request_id!r}: prompt of {num_prompt} tokens leaves no room to "
                 f"generate within the model's context of {self.max_model_len} tokens")
+        self._check_vocabulary(request_id, prompt_token_ids, sampling)
         longest = min(num_prompt + sampling.max_tokens, self.max_model_len)
         blocks = self.block_manager.blocks_needed(longest)
         if blocks > self.block_manager.num_total_blocks:
@@ -1043,6 +1047,23 @@ class Scheduler:
                 f"request {request_id!r}: {longest} tokens (prompt {num_prompt} + max_tokens "
                 f"{sampling.max_tokens}) need {blocks} KV blocks, but the whole pool has "
                 f"{self.block_manager.num_total_blocks}; lower max_tokens or add KV memory")
+
+    def _check_vocabulary(self, request_id: str, prompt_token_ids: list[int],
+                          sampling: SamplingParams) -> None:
+        """Every id the workers index a table with must be a row of it: a request written
+        into the stream by hand, unchecked by a gateway, took the worker group down with an
+        IndexError each time it ran (stop_token_ids are only compared, never looked up)."""
+        if self.vocab_size is None:
+            return
+        for param, ids in (("prompt_token_ids", prompt_token_ids),
+                           ("allowed_token_ids", sampling.allowed_token_ids),
+                           ("logit_bias", [t for t, _ in sampling.logit_bias]),
+                           ("bad_words_token_ids",
+                            [t for seq in sampling.bad_words_token_ids for t in seq])):
+            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequestError(f"request {request_id!r}: {param}: token id {bad} "
+                                          f"is outside the vocabulary [0, {self.vocab_size})")
 
 
 def _output(request: Request, new_tokens: list[SampledToken]) -> RequestOutput:
