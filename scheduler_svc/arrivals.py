@@ -63,10 +63,14 @@ def _uniform(lo: int, hi: int) -> LengthSampler:
 
 
 def _lognormal(median: float, sigma: float, cap: int) -> LengthSampler:
-    if not (median >= 1 and sigma >= 0 and cap >= 1):
-        raise PacerError(f"lognormal:{median}:{sigma}: needs median >= 1, sigma >= 0, max >= 1")
-    mu = math.log(median)
-    return lambda rng: min(cap, max(1, round(rng.lognormvariate(mu, sigma))))
+    if not (1 <= median < math.inf and 0 <= sigma < math.inf and cap >= 1):
+        raise PacerError(f"lognormal:{median}:{sigma}: needs a finite median >= 1, a finite "
+                         "sigma >= 0 and max >= 1")
+    mu, log_cap = math.log(median), math.log(cap)
+    # lognormvariate's draw, clipped in the log domain: a wide sigma's tail would overflow
+    # exp() (or round an infinity) before the cap applied
+    return lambda rng: min(cap, max(1, round(math.exp(min(rng.normalvariate(mu, sigma),
+                                                          log_cap)))))
 
 
 def _check_min(n: int, what: str) -> None:

@@ -135,9 +135,13 @@ def test_length_specs():
     assert {parse_length("uniform:3:5")(rng) for _ in range(200)} == {3, 4, 5}
     draws = [parse_length("lognormal:100:1.5:300")(rng) for _ in range(2000)]
     assert 1 <= min(draws) and max(draws) == 300
-    for bad in ("0", "uniform:5:3", "uniform:1", "normal:3:4", "lognormal:0:1", "x"):
+    for bad in ("0", "uniform:5:3", "uniform:1", "normal:3:4", "lognormal:0:1", "x",
+                "lognormal:inf:0.8", "lognormal:100:inf", "lognormal:nan:1"):
         with pytest.raises(PacerError):
             parse_length(bad)
+    # a sigma wide enough that exp() of its tail overflows: draws clipped to [1, MAX] still
+    wide = [parse_length("lognormal:100:1000:5000")(rng) for _ in range(200)]
+    assert set(wide) <= set(range(1, 5001)) and {1, 5000} <= set(wide)
 
 
 def test_gamma_gaps_keep_the_rate_and_inf_sends_all_at_once():
