@@ -69,6 +69,21 @@ def _check_strings(msg: Any, *names: str) -> None:
             raise TypeError(f"{name} must be a string, got {_short(getattr(msg, name))}")
 
 
+def _check_list(msg: Any, name: str, kind: type) -> None:
+    """As `_check_strings`, for a list of ints (token ids) or of strings."""
+    value = getattr(msg, name)
+    if not isinstance(value, (list, tuple)) or not all(type(v) is kind for v in value):
+        raise TypeError(f"{name} must be a list of {'integers' if kind is int else 'strings'}, "
+                        f"got {_short(value)}")
+
+
+def _check_request(data: Any) -> None:
+    """A P/D message carries its request encoded; the scheduler that reads it decodes it as it
+    acts, where a hand-written or damaged one would crash it: checked when the carrier is read."""
+    if not isinstance(data, bytes) or not isinstance(decode(data), RequestMsg):
+        raise TypeError(f"request must be an encoded request message, got {_short(data)}")
+
+
 def _finite(value: Any) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
 
@@ -110,10 +125,7 @@ class RequestMsg(_Plain):
         # any gateway: a wrong type here crashed the scheduler later (a deadline compared with
         # the clock, a reply channel Redis refuses), restart after restart
         _check_strings(self, "request_id", "reply_to", "gateway_id", "instance")
-        if not isinstance(self.prompt_token_ids, (list, tuple)) or not all(
-                type(t) is int for t in self.prompt_token_ids):
-            raise TypeError(f"prompt_token_ids must be a list of integers, got "
-                            f"{_short(self.prompt_token_ids)}")
+        _check_list(self, "prompt_token_ids", int)
         for name in ("arrival_time", "deadline"):
             value = getattr(self, name)
             if not (value is None and name == "deadline") and not _finite(value):
@@ -307,6 +319,10 @@ class ReserveMsg(_Plain):
     request: bytes                   # the encoded RequestMsg
     prefill_instance: str
 
+    def __post_init__(self) -> None:
+        _check_request(self.request)
+        _check_strings(self, "prefill_instance")
+
 
 @_kind("reserved")
 @dataclass(frozen=True)
@@ -342,6 +358,12 @@ class HandoffMsg(_Plain):
     kv_received: list[str]
     num_cached_tokens: int = 0       # of the prompt, in the prefill side's prefix cache
     kv_check: list = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check_request(self.request)
+        _check_strings(self, "entry_id")
+        _check_list(self, "output_token_ids", int)
+        _check_list(self, "kv_received", str)
 
 
 @_kind("cancel")

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from shared.keys import Keys
 from shared.plan import (CachedRequestData, IterationPlan, NewRequestData, SampledToken,
                          StepResult)
-from shared.protocol import (FINISH_REASONS, SCHEMA_VERSION, AbortMsg, CancelMsg, FinishEvent,
-                             Heartbeat, PlanMsg, ProtocolError, RequestMsg, ReservedMsg,
-                             StepResultMsg, TokenBatch, TokenEvent, decode, encode, from_fields,
-                             to_fields)
+from shared.protocol import (FINISH_REASONS, SCHEMA_VERSION, STREAM_FIELD, AbortMsg, CancelMsg,
+                             FinishEvent, HandoffMsg, Heartbeat, PlanMsg, ProtocolError,
+                             RequestMsg, ReserveMsg, ReservedMsg, StepResultMsg, TokenBatch,
+                             TokenEvent, decode, encode, from_fields, to_fields)
 from shared.sampling import SamplingParams
 
 ids = st.text(min_size=1, max_size=12)
@@ -172,3 +172,29 @@ def test_a_request_id_that_is_not_a_string_is_a_protocol_error(msg) -> None:
     obj["request_id"] = [1, 2]
     with pytest.raises(ProtocolError, match=r"request_id must be a string, got \[1, 2\]"):
         decode(msgpack.packb(obj))
+
+
+@pytest.mark.parametrize("carrier, field, value, match", [
+    *((carrier, "request", value, match) for carrier in ("handoff", "reserve")
+      for value, match in ((b"not msgpack", "not a msgpack message"),
+                           (7, "request must be an encoded request message, got 7"),
+                           ("abc", "request must be an encoded request message"))),
+    ("handoff", "entry_id", 5, "entry_id must be a string"),
+    ("handoff", "output_token_ids", ["a"], "output_token_ids must be a list of integers"),
+    ("handoff", "kv_received", [1], "kv_received must be a list of strings"),
+    ("reserve", "prefill_instance", None, "prefill_instance must be a string")])
+def test_a_p_d_message_whose_request_is_not_one_is_a_protocol_error(carrier, field, value,
+                                                                    match) -> None:
+    """A hand-off or reservation ask carries its request encoded, and the decode scheduler
+    decoded it only as it acted: one written by hand (or damaged) crashed it there. It is
+    checked where the carrier is read, as the requests are, and the reader skips it."""
+    request = encode(RequestMsg("r", [1], SamplingParams(), "ch", "gw", 0.0))
+    msg = (HandoffMsg(request, "1-0", [5], ["s"]) if carrier == "handoff"
+           else ReserveMsg(request, "p0"))
+    obj = msgpack.unpackb(encode(msg))
+    obj[field] = value
+    data = msgpack.packb(obj, use_bin_type=True)
+    with pytest.raises(ProtocolError, match=match):
+        decode(data)
+    from scheduler_svc.disagg import stream_messages
+    assert list(stream_messages([("s", [("1-0", {STREAM_FIELD: data})])])) == [("1-0", None)]
