@@ -4,16 +4,26 @@ names the plan, the request and the problem, before any state changes; not a Key
 deep inside the step, nor K/V written outside the pool."""
 from __future__ import annotations
 
+import asyncio
+
+import msgpack
 import pytest
 
 from gpu_worker.model_runner import InvalidPlan, build_runner
+from gpu_worker.service import PlanLoop
 from shared.engine_args import EngineArgs
 from shared.engine_layout import engine_layout
-from shared.plan import CachedRequestData, IterationPlan, NewRequestData
+from shared.errors import PacerError
+from shared.keys import Keys
+from shared.lifecycle import connect_redis, redis_run_id, stream_tail_id
+from shared.plan import CachedRequestData, IterationPlan, NewRequestData, StepResult
+from shared.protocol import STREAM_FIELD, PlanMsg, to_fields
 from shared.sampling import SamplingParams
 from tests.helpers_tiny_model import write_tiny_llama
+from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
 BLOCK, BLOCKS = 16, 8
+DEADLINE_S = 30.0
 PROMPT = list(range(3, 23))         # 20 tokens: two blocks
 
 
@@ -73,3 +83,44 @@ def test_a_plan_that_does_not_fit_the_worker_is_refused_saying_why(tmp_path):
     undisturbed.execute(prefill)
     assert runner.execute(decode).sampled == undisturbed.execute(decode).sampled
 
+
+# ---- a plan the worker cannot read --------------------------------------------------------
+
+class Recording:
+    """An executor that records the steps it ran."""
+
+    def __init__(self) -> None:
+        self.requests: dict = {}
+        self.steps: list[int] = []
+
+    def execute(self, plan: IterationPlan) -> StepResult:
+        self.steps.append(plan.step)
+        return StepResult(plan.step, {})
+
+
+async def test_a_plan_sent_to_the_worker_that_it_cannot_read_stops_it_saying_why(
+        redis_server):
+    """A scheduler's plan the worker cannot decode (a scheduler of another version of pacer)
+    stops rank 0 with one line saying so: skipped, its result never came and the scheduler
+    waited for it forever. An entry no scheduler sent (no run_id) is skipped as before."""
+    redis = await connect_redis(redis_server)
+    keys = Keys("bad-plans:")
+    try:
+        run_id = await redis_run_id(redis)
+        executor, stop = Recording(), asyncio.Event()
+        loop = PlanLoop(redis, keys, executor, executor.requests,
+                        await stream_tail_id(redis, keys.plans), run_id)
+        running = asyncio.create_task(loop.run(stop))
+        await redis.xadd(keys.plans, {STREAM_FIELD: b"not a plan"})
+        plan = to_fields(PlanMsg(IterationPlan(1, [], [], {})), run_id=run_id)
+        await redis.xadd(keys.plans, plan)
+        newer = msgpack.unpackb(plan[STREAM_FIELD])
+        newer["v"] += 1
+        await redis.xadd(keys.plans, {**plan, STREAM_FIELD: msgpack.packb(newer)})
+        with pytest.raises(PacerError, match="cannot read a plan the scheduler sent: "
+                           "message schema version 3 is not supported.*same version"):
+            await asyncio.wait_for(running, DEADLINE_S)
+        assert executor.steps == [1]
+    finally:
+        stop.set()
+        await redis.aclose()
