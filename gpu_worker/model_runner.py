@@ -131,6 +131,15 @@ class UnknownKVCache(Exception):
     read as a peer's death and wait for it to show (10 s)."""
 
 
+class InvalidPlan(PacerError):
+    """A plan that does not fit what this runner holds (a request it does not hold, a block
+    outside its pool, rows its request does not have): a scheduler out of step with this
+    worker. Raised before any state changes, by every rank of a TP group at the same point
+    and before any collective, so the worker stops with this one line (and is restarted, its
+    requests recomputed) instead of a KeyError from deep inside the step, or a GPU kernel
+    writing K/V outside the pool."""
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, source: ModelSource, rc: RunnerConfig,
                  tp: TPGroup = SINGLE):
@@ -286,6 +295,7 @@ class ModelRunner:
         if plan.after_step is not None and plan.after_step != self._last_step:
             return self._skip(plan)
         self._last_step = plan.step
+        self._check(plan)
         sender = self._kv_sender(plan)      # refuses a bad send before any state changes
         verified = [c.request_id for c in plan.kv_checks if self._kv_intact(c)]
         self._apply(plan)
@@ -455,6 +465,54 @@ class ModelRunner:
                         [i for i, (g, w) in enumerate(zip(got, want)) if g != w])
         return ok
 
+    def _check(self, plan: IterationPlan) -> None:
+        """Raise InvalidPlan unless every request the plan continues is held here (and every
+        new one is not), every block it names is in the pool, and each scheduled request has
+        the rows it is given, within its block table. A request that stopped here is not
+        looked at past being held: a plan made ahead may give it a row it never got the
+        token for (`_scheduled` skips it)."""
+        def refuse(why: str) -> None:
+            raise InvalidPlan(f"plan {plan.step} cannot be carried out: {why}; the scheduler "
+                              "is out of step with this worker")
+
+        def check_blocks(rid: str, blocks: list[int]) -> None:
+            if blocks and (min(blocks) < 0 or max(blocks) >= self.rc.num_kv_blocks):
+                refuse(f"request {rid} names KV blocks outside this worker's pool of "
+                       f"{self.rc.num_kv_blocks} ({min(blocks)}..{max(blocks)})")
+
+        dropped = set(plan.dropped_request_ids) if plan.dropped_request_ids else ()
+        held, new = self.requests, {r.request_id: r for r in plan.new_requests}
+        for r in plan.new_requests:
+            if r.request_id in held and r.request_id not in dropped:
+                refuse(f"request {r.request_id} is sent as new but is already running here")
+            check_blocks(r.request_id, r.block_table)
+        added: dict[str, int] = {}
+        for c in plan.cached_requests:
+            s = held.get(c.request_id) if c.request_id not in dropped else None
+            if s is None:
+                refuse(f"request {c.request_id} is not running here")
+            if c.num_computed_tokens != s.num_computed_tokens:
+                refuse(f"request {c.request_id} has {s.num_computed_tokens} tokens computed "
+                       f"here, the plan says {c.num_computed_tokens}")
+            check_blocks(c.request_id, c.new_block_ids)
+            added[c.request_id] = len(c.new_block_ids)
+        for rid, n in plan.num_scheduled_tokens.items():
+            r = new.get(rid)
+            if r is not None:
+                start, tokens, blocks = r.num_computed_tokens, len(r.token_ids), \
+                    len(r.block_table)
+            else:
+                s = held.get(rid) if rid not in dropped else None
+                if s is None:
+                    refuse(f"request {rid} is scheduled but not running here")
+                if s.stopped:
+                    continue
+                start, tokens, blocks = s.num_computed_tokens, len(s.token_ids), \
+                    len(s.block_table) + added.get(rid, 0)
+            if not 0 < n <= tokens - start or start + n > blocks * self.rc.block_size:
+                refuse(f"request {rid} is given {n} rows from token {start}, and has "
+                       f"{tokens} tokens in {blocks} blocks")
+
     def _apply(self, plan: IterationPlan) -> None:
         for rid in plan.dropped_request_ids:
             self.requests.pop(rid, None)
@@ -473,7 +531,6 @@ class ModelRunner:
         for cached in plan.cached_requests:
             s = self.requests[cached.request_id]
             s.block_table.extend(cached.new_block_ids)
-            assert s.num_computed_tokens == cached.num_computed_tokens, cached.request_id
 
     def _accept_received(self, step: int, new: NewRequestData, cached: list[int]) -> None:
         """P/D: a prefill instance wrote the cached prefix into this rank's pool, through the

@@ -26,6 +26,7 @@ _MASK32 = 0xFFFFFFFF
 NUCLEUS_WIDTH = 1024
 # the per-row parameters, packed into one host tensor (one copy to the device per step)
 _ROW, _TEMPERATURE, _TOP_P, _TOP_K, _SEEDED, _SEED_LO, _SEED_HI, _INDEX, _MIN_P = range(9)
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 _TRITON = installed("triton")        # the GPU's argmax (triton_ops.argmax_rows)
 
 
@@ -128,7 +129,10 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, table: torch.Tensor,
               params: list[SamplingParams]) -> torch.Tensor:
         """[R] ids drawn from [R, V] logits; `table`: the rows' packed parameters."""
-        x = logits.float() / table[:, _TEMPERATURE, None].float()
+        # a temperature past float32's range would be inf there, and a masked logit (-inf)
+        # divided by it NaN: the row would have no token left; the largest float32 scales
+        # the others as much (all but equal: uniform over what the masks leave)
+        x = logits.float() / table[:, _TEMPERATURE, None].clamp(max=_FLOAT32_MAX).float()
         if any(p.min_p > 0 for p in params):
             # first, as vLLM (top-p then weighs what is left): p(t) < min_p * p(best) where
             # x(t) < x(best) + log(min_p); log(0) = -inf keeps all

@@ -27,6 +27,10 @@ connection made since, with overlap the next plan's result): after a send that m
 over a connection made since its plan was read, the run_id is read, and what went to another
 server is taken back (`_send_once`); no connection made, no extra round trip.
 
+A plan the scheduler sent that rank 0 cannot decode (a scheduler of another version) stops
+it with an error: skipped, its result would never come, and the scheduler would wait for it
+forever.
+
 A plan whose step is not after the last one came from a scheduler that started afresh (the
 old one died): rank 0 then adds every request it still holds to that plan's finished ids, so
 every rank forgets the dead scheduler's requests before applying the new plan.
@@ -64,6 +68,7 @@ from gpu_worker.tp.group import bind_device, on_device
 from gpu_worker.tp.service import serve_follower, start_rank0
 from shared.cpu import pin_forward_thread
 from shared.engine_layout import EngineLayout
+from shared.errors import PacerError
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, connections_made,
                               essential_task, freeze_heap, keep_heartbeat, redis_run_id,
@@ -268,7 +273,15 @@ class PlanLoop:
         if self._skipped:
             log.warning("plans sent before redis restarted skipped", skipped=self._skipped)
             self._skipped = 0
-        return _decode_plan(fields)
+        try:
+            return _decode_plan(fields)
+        except ProtocolError as e:
+            if sent_to is None:     # no scheduler's: the result of no plan waits on it
+                log.error("undecodable entry in the plans stream skipped", error=str(e))
+                return None, b""
+            # skipped, its result would never come: the scheduler would wait for it forever
+            raise PacerError(f"cannot read a plan the scheduler sent: {e}; the scheduler and "
+                             "the workers must run the same version of pacer") from None
 
     async def _run_plan(self, plan: IterationPlan, wire: bytes, entry_id: bytes | str,
                         origin: _Origin, answering: asyncio.Task | None,
@@ -432,16 +445,12 @@ class PlanLoop:
                 "worker_iterations_total": self.num_iterations}
 
 
-def _decode_plan(fields: dict) -> tuple[IterationPlan | None, bytes]:
-    """The plan of a plans-stream entry (None if it is not one) and its encoded bytes."""
-    try:
-        msg = from_fields(fields)
-    except ProtocolError as e:
-        log.error("undecodable plan skipped", error=str(e))
-        return None, b""
+def _decode_plan(fields: dict) -> tuple[IterationPlan, bytes]:
+    """The plan of a plans-stream entry and its encoded bytes; ProtocolError if it is not
+    one."""
+    msg = from_fields(fields)
     if not isinstance(msg, PlanMsg):
-        log.error("not a plan on the plans stream", kind=type(msg).__name__)
-        return None, b""
+        raise ProtocolError(f"a {msg.KIND} message, not a plan")
     return msg.plan, message_bytes(fields)
 
 

@@ -117,6 +117,20 @@ def test_extreme_parameters_never_produce_nan():
     assert s.sample(x, [SamplingParams(temperature=1.0, top_p=1e-45)], [0])[0].token_id == int(x.argmax())
 
 
+@pytest.mark.parametrize("seed", [None, 3])
+def test_a_temperature_past_float32s_range_keeps_the_masks(seed):
+    """A temperature too large for float32 (JSON allows 1e39) draws uniformly from what the
+    masks leave: it was inf there, a masked logit divided by it NaN, and the row had no
+    token (the request failed, blaming its constraints)."""
+    x = logits(rows=1, vocab=40)
+    x[0, 20:] = float("-inf")                   # a grammar's mask
+    s = Sampler(seed=0)
+    for temperature in (1e39, 1e300):
+        p = SamplingParams(temperature=temperature, allowed_token_ids=(3, 7, 25), seed=seed)
+        drawn = {s.sample(x, [p], [i], masked=True)[0].token_id for i in range(60)}
+        assert drawn == {3, 7}, temperature
+
+
 # ---- the device sampler: distribution, masks, seeds, one copy per step ----------------------
 
 # chi-square critical values at p = 0.001 by degrees of freedom (a correct sampler fails a
