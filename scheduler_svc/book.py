@@ -74,9 +74,10 @@ class RequestBook:
         return [e.entry_id for e in self._entries.values()]
 
     def leased_entry_ids(self) -> list[bytes | str]:
-        """The live entries but those ending with an error: they end at the next iteration
-        whoever holds them (after a Redis restart their entries are gone)."""
-        return [e.entry_id for rid, e in self._entries.items() if rid not in self._errors]
+        """The live entries, those ending with an error included: they end at the next
+        iteration, which may be seconds away (the worker group lost), and a lease left to
+        lapse meanwhile let another scheduler claim one and serve it for nobody."""
+        return self.live_entry_ids()
 
     def gateways(self) -> dict[str, list[str]]:
         """Live request ids by the gateway that holds their client."""
@@ -169,6 +170,10 @@ class RequestBook:
         one finishes it). False if no live request has this entry."""
         rid = next((rid for rid, e in self._entries.items()
                     if stream_id_text(e.entry_id) == stream_id_text(entry_id)), None)
+        if rid in self._errors:
+            # it ends with its error at the next iteration, and its client must read it: the
+            # entry is gone with a Redis that restarted, or the one that took it ends it too
+            return False
         if rid is None or not self.hand_off(rid):
             return False
         self.core.abort(rid)

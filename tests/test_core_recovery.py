@@ -168,7 +168,7 @@ def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_ser
     from scheduler_svc.takeover import Takeover
     from shared.keys import Keys
     from shared.lifecycle import redis_run_id
-    from shared.protocol import RequestMsg, to_fields
+    from shared.protocol import RequestMsg, decode, to_fields
 
     keys = Keys("lease-test:")
 
@@ -215,9 +215,17 @@ def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_ser
     outbox = book.take_outbox()
     assert outbox.finishes == [] and outbox.acks == []
     assert book.live_entry_ids() == [entries[0][0]]
-    # a request ending with an error (Redis restarted) ends whoever holds its entry: no lease
+    # a request ending with an error is leased until it ends (the next iteration may be
+    # seconds away: the worker group lost), and told its entry is lost (gone with a Redis that
+    # restarted, or claimed) it stays, so that its client still reads the error
     book.stop("kept", "Redis restarted")
-    assert book.live_entry_ids() == [entries[0][0]] and book.leased_entry_ids() == []
+    assert book.live_entry_ids() == book.leased_entry_ids() == [entries[0][0]]
+    assert book.lose(entries[0][0]) is False
+    for output in run_step(core)[1]:
+        if output.finished:
+            book.finished(output)
+    [(channel, data)] = book.take_outbox().finishes
+    assert channel == "tokens:kept" and decode(data).error == "Redis restarted"
 
 
 def test_a_request_running_at_every_worker_loss_is_dropped_with_an_error() -> None:
