@@ -835,9 +835,11 @@ class DecodeSide:
         return freed
 
     def forget_all(self) -> None:
-        """Redis was lost: the reservations' prefill sides will ask again."""
+        """Redis was lost: the reservations' prefill sides will ask again. Their blocks are
+        held, not freed: a prefill worker may have been writing into them when Redis went,
+        and its write lands whatever Redis does (`_hold`)."""
         for rid in [*self._reserved_at, *self._checks]:
-            self._give_up(rid)
+            self._give_up(rid, True)
         self._reserved_at.clear()
         self._checks.clear()
         self._due.clear()

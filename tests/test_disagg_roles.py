@@ -283,6 +283,22 @@ def test_a_reservation_cancelled_while_a_write_may_land_is_held():
     assert c.block_manager.num_free_blocks == 4
 
 
+def test_reservations_forgotten_with_a_lost_redis_are_held_while_a_write_may_land():
+    # Redis restarted while p0's worker wrote into "a"'s blocks (a send given up at its
+    # deadline lands later, whatever Redis does): freed at once, they went to the next
+    # request, the late write into its K/V
+    c = core(num_blocks=4)
+    side = decode_side(c)
+    side.receive(reply(ReserveMsg(encode(request("a", 9, max_tokens=2)), "p0")))
+    side.forget_all()
+    assert c.num_reserved == 0 and c.block_manager.num_aside_blocks == 3
+    asked = side.held_heartbeats()
+    assert not side.release_settled(asked, [beat(5.0, unsettled=("a",))])
+    assert not side.release_settled(asked, [beat(6.0, unsettled=("a",))])
+    assert side.release_settled(asked, [beat(7.0)])
+    assert c.block_manager.num_free_blocks == 4
+
+
 def test_a_decode_scheduler_starts_once_no_prefill_write_may_land_in_its_pool(monkeypatch):
     # a restarted decode scheduler does not know which blocks its predecessor reserved or
     # held: it waits until every prefill worker has beaten since its first look without
