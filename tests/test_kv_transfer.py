@@ -20,8 +20,8 @@ pytest.importorskip("mooncake.engine", reason="needs mooncake-transfer-engine-no
                                               "and libibverbs1 (make setup installs them)")
 
 from gpu_worker.kv_transfer import coalesce, make_connector            # noqa: E402
-from gpu_worker.kv_transfer.connector import KVConnector               # noqa: E402
-from gpu_worker.kv_transfer.sender import _Send                        # noqa: E402
+from gpu_worker.kv_transfer.connector import KVConnector, pool_descriptor  # noqa: E402
+from gpu_worker.kv_transfer.sender import LayerSender, _Send           # noqa: E402
 from gpu_worker.model_runner import UnknownKVCache, build_runner       # noqa: E402
 from shared.engine_args import EngineArgs                              # noqa: E402
 from shared.engine_layout import engine_layout                         # noqa: E402
@@ -399,6 +399,27 @@ def test_two_threads_never_check_one_write_at_once():
     for t in threads:
         t.join()
     assert conn.overlaps == 0
+
+
+def test_a_running_send_names_its_request_as_a_write_that_may_land(monkeypatch):
+    """From the start of an iteration's sends, not only once they are given up on: a decode
+    side that lets go of a reservation while the prefill iteration still sends (its request
+    aborted, Redis lost) holds the blocks while the heartbeat names the request; it named
+    none, and the blocks went back mid-write."""
+    monkeypatch.setenv("PACER_KV_FAULT", "hang")
+    pool = torch.zeros(2, 2, 4, 4, 1, 2)            # [layers, K/V, blocks, block, heads, dim]
+
+    class Pooled(_Recording):
+        def descriptor(self) -> dict:
+            return pool_descriptor("mooncake", "p0:1", pool, 1, 0)
+    conn = Pooled()
+    peer = pool_descriptor("mooncake", "d0:1", pool, 1, 0)
+    sender = LayerSender(conn, [KVSend("r", "d0", [0, 1], [2, 3], [peer])], 0, 0.01, pool)
+    assert conn.unsettled() == {"r": ["d0:1"]} and conn.peers_written() == ["d0:1"]
+    sender.after_layer(0)
+    assert conn.unsettled() == {"r": ["d0:1"]}
+    failed, _, _ = sender.finish()                  # given up on at its deadline: still named
+    assert failed == ["r"] and conn.unsettled() == {"r": ["d0:1"]}
 
 
 def test_a_request_given_up_on_at_two_peers_names_both(monkeypatch):

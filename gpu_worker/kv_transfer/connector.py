@@ -12,7 +12,7 @@ Offsets are bytes into the two pools (this rank's, the peer's). An implementatio
 
 A write still in flight at its deadline is given up on, not forgotten: the connector polls it
 until it settles, and `unsettled()` names the requests (the `tag` given to `wait`) whose
-writes may still land. A worker publishes them in its heartbeat, and the decode side keeps the
+writes may still land, with those an iteration is writing now. A worker publishes them in its heartbeat, and the decode side keeps the
 blocks they target from every other request until they are gone (docs/failure-modes.md).
 
 Test hooks (docs/failure-modes.md): PACER_KV_FAULT=hang makes every write a send that never
@@ -55,9 +55,10 @@ class KVConnector(ABC):
         self._late_s = float(os.environ.get(LATE_ENV, "3"))
         # writes given up at their deadline, by (tag, the peer's session): their handles,
         # polled until they settle (the forward thread at each write, the heartbeat at each
-        # beat); and the peers an iteration's writes go to while it runs, by its key
+        # beat); and the writes an iteration runs while it runs, by its key: request -> the
+        # peer's session
         self._abandoned: dict[tuple[str, str], list] = {}
-        self._writing: dict[object, set[str]] = {}
+        self._writing: dict[object, dict[str, str]] = {}
         self._abandoned_lock = threading.Lock()
         # one thread at a time checks a handle: the engine frees a batch once it reported it
         # (Mooncake's check releases the GIL), so two threads checking one would free it twice
@@ -102,23 +103,28 @@ class KVConnector(ABC):
         return self._poll(handle)
 
     def unsettled(self) -> dict[str, list[str]]:
-        """tag -> the sessions of the peers of the writes given up at their deadline that may
-        still land (polled now)."""
+        """tag -> the sessions of the peers of the writes that may still land: an iteration's
+        running, or given up at their deadline and not settled (polled now). A running one is
+        named too: the decode side may let go of its blocks before the iteration ends (its
+        request aborted, Redis lost)."""
         with self._abandoned_lock:
             for key, handles in list(self._abandoned.items()):
                 handles[:] = [h for h in handles if self.poll(h) is None]
                 if not handles:
                     del self._abandoned[key]
+            pairs = set(self._abandoned).union(
+                *(writes.items() for writes in self._writing.values()))
             out: dict[str, list[str]] = {}
-            for tag, peer in sorted(self._abandoned):
+            for tag, peer in sorted(pairs):
                 out.setdefault(tag, []).append(peer)
             return out
 
-    def writing(self, key: object, sessions: set[str] | None) -> None:
-        """The peers an iteration (`key`) writes into from now, or (None) no more."""
+    def writing(self, key: object, writes: dict[str, str] | None) -> None:
+        """The writes an iteration (`key`) runs from now, request -> the peer's session, or
+        (None) no more."""
         with self._abandoned_lock:
-            if sessions:
-                self._writing[key] = set(sessions)
+            if writes:
+                self._writing[key] = dict(writes)
             else:
                 self._writing.pop(key, None)
 
@@ -126,7 +132,8 @@ class KVConnector(ABC):
         """The sessions of the peers a write may still land in: running, or given up on and
         not settled when `unsettled` last polled."""
         with self._abandoned_lock:
-            return sorted({peer for _, peer in self._abandoned}.union(*self._writing.values()))
+            return sorted({peer for _, peer in self._abandoned}.union(
+                *(writes.values() for writes in self._writing.values())))
 
     def wait(self, handles: list, timeout_s: float, tag: str = "",
              peer: str = "") -> list[bool]:

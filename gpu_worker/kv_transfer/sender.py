@@ -71,8 +71,8 @@ class LayerSender:
                 log.error("KV send refused; its request goes on without it",
                           request_id=send.request_id, error=str(e))
                 self.refused.append(send.request_id)
-        # until finish(), the peers say a write may land in them (the worker heartbeat)
-        connector.writing(self, {s.peer["session"] for s in self.sends})
+        # until finish(), these requests' writes may land in these peers (the worker heartbeat)
+        connector.writing(self, {s.request_id: s.peer["session"] for s in self.sends})
         self.num_layers, self.num_blocks = own["num_layers"], own["num_blocks"]
         self.block_bytes = own["block_bytes"]
         self._next_layer = 0
