@@ -282,6 +282,7 @@ class SchedulerService:
             if isinstance(interrupted, RedisLost):
                 self._forget_disagg_state()
                 self._requests_seen = None      # the new server's ids start again
+                self.stats.mark_dirty()         # its stats hash went with the old server
             try:
                 return await self.recovery.recover(interrupted, stop, self.wait_for_workers)
             except Interrupted as again:

@@ -435,3 +435,39 @@ def test_pd_transfer_that_never_completes_or_lies_is_recomputed(tiny, expected, 
         done.set()
         watcher.join()
         assert served.stop() == 0, served.log_tail()
+
+
+def test_pd_redis_lost_mid_transfer_holds_the_decode_blocks_until_the_write_lands(
+        tiny, expected, tmp_path):
+    """Redis killed (and restarted empty by `pacer up`) while the prefill worker writes a
+    prompt's K/V, a write that starts 6 s late: the decode scheduler forgets the reservation
+    but keeps its blocks from other requests until the prefill worker's heartbeat no longer
+    names the write, then frees them; the streams after are exact. The blocks went back at
+    once before, and the late write landed in whatever request had them next."""
+    served, model = start_pd(tiny, tmp_path, "--kv-timeout-s", "1",
+                             env={"PACER_KV_FAULT": "late", "PACER_KV_LATE_S": "6"})
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        redis_pid = r.info("server")["process_id"]
+        with ThreadPoolExecutor(1) as pool:
+            lost = pool.submit(lambda: usage_of(served.base_url, model, LONG[2]))
+
+            def writing() -> bool:
+                beat = r.get(P0.hb_worker(0))
+                return beat is not None and bool(decode(beat).extra.get("kv_unsettled"))
+            wait_for(writing, 60, "the prefill worker writing a prompt's K/V")
+            os.kill(redis_pid, signal.SIGKILL)
+            with pytest.raises(OSError):
+                lost.result(timeout=60)             # its stream ends with an error
+
+        def held() -> float:
+            try:
+                return stats(served, D0).get("kv_blocks_held", 0)
+            except redis.ConnectionError:       # still restarting
+                return 0
+        wait_for(lambda: held() > 0, 30, "the forgotten reservation's blocks held")
+        wait_for(lambda: held() == 0, 60, "held blocks released once the write landed")
+        assert all_concurrently(served, model, LONG[:2]) == first(expected, LONG[:2])
+    finally:
+        r.close()
+        assert served.stop() == 0, served.log_tail()
