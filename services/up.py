@@ -99,6 +99,10 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+# what the instances of P/D take (each >= 1; None: the default)
+PD_FLAGS = ("prefill_tp", "decode_tp", "prefill_threads", "decode_threads")
+
+
 @dataclass(frozen=True)
 class Instance:
     """One engine instance `pacer up` starts: its id ("" colocated), role and TP degree."""
@@ -119,8 +123,13 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
                          "(with P/D, the router chooses among the prefill instances)")
     if replicas is not None and replicas < 1:
         raise PacerError(f"--replicas must be >= 1, got {replicas}")
-    if getattr(args, "prefill_threads", None) is not None and args.prefill_threads < 1:
-        raise PacerError(f"--prefill-threads must be >= 1, got {args.prefill_threads}")
+    for name in PD_FLAGS:
+        value = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        if value is not None and value < 1:
+            raise PacerError(f"{flag} must be >= 1, got {value}")
+        if value is not None and not (p or d):     # else ignored, unknown to whoever gave it
+            raise PacerError(f"{flag} is for P/D: give --prefill-workers N --decode-workers N")
     if getattr(args, "router", None) and not replicas and p < 2:
         raise PacerError("--router needs --replicas N or --prefill-workers N (N > 1)")
     if replicas:
@@ -467,6 +476,10 @@ def run(args: argparse.Namespace) -> int:
     # refuse bad flags here, before anything starts (the instances' layout is checked as
     # the services' command lines are made)
     layout = engine_layout(engine)
+    for tp in sorted({instance.tp for instance in instances_of(args, engine)} - {engine.tp}):
+        # --prefill-tp/--decode-tp: the model's heads split so, and a KV pool (of blocks of
+        # 1/tp of the heads) that holds the context, as each such instance's scheduler checks
+        engine_layout(replace(engine, tp=tp)).check_pool_holds_context()
     services = _service_argvs(args, engine)
     _check_memory(layout, sum("worker rank" in name for name, _ in services.argvs),
                   max(instance.tp for instance in instances_of(args, engine)))
