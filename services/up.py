@@ -40,6 +40,7 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
 from shared.lifecycle import describe_exit
+from shared.logging import configure_logging, output_gone
 from shared.service_args import (LOG_LEVEL_HELP, non_negative_int, non_negative_seconds,
                                  password_to_environment, positive_seconds, redis_password,
                                  refused_for_good, shown_url)
@@ -468,7 +469,6 @@ def _watch(sup: Supervisor, stopping: _Signals, restarter: Restarter,
 
 def run(args: argparse.Namespace) -> int:
     from shared.engine_layout import engine_layout
-    from shared.logging import configure_logging
 
     configure_logging("up", args.log_level)
     args.redis_url = password_to_environment(args.redis_url)
@@ -531,7 +531,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _stop(sup: Supervisor, shutdown_timeout_s: float, groups: dict[str, str]) -> None:
     if any(c.returncode is None for c in sup.children):
-        print("pacer up: stopping", file=sys.stderr, flush=True)
+        try:
+            print("pacer up: stopping", file=sys.stderr, flush=True)
+        except BrokenPipeError:
+            output_gone()       # no one reads us any more: the children must stop all the same
     # the gateway drains first and ends what is left, so the scheduler then stops quickly
     limit = shutdown_timeout_s + STOP_MARGIN_S
     sup.stop_all(timeouts={c.name: limit for c in sup.children
