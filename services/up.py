@@ -401,6 +401,13 @@ def _check_gateway_flags(services: Services) -> None:
     config_from_args(build_parser().parse_args(argv[argv.index("services.cli") + 1:]))
 
 
+def gateway_url(host: str, port: int) -> str:
+    """Where this machine reaches the gateway listening on `host`, as the banner prints it for
+    a person to paste: an IPv6 address in brackets (`http://::1:8000` is no URL)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _health(base_url: str) -> tuple[int | None, dict]:
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as r:
@@ -507,8 +514,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("redis", redis=redis_note, started_here=started)
         for name, argv in services.argvs:
             sup.start(name, argv)
-        http_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        base_url = f"http://{http_host}:{args.port}"
+        base_url = gateway_url(args.host, args.port)
         _wait_healthy(sup, base_url, args.startup_timeout, stopping)
         if stopping():
             return 0

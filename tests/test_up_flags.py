@@ -126,3 +126,11 @@ def test_a_scheduler_started_alone_refuses_a_pool_shorter_than_the_context():
         "than the context of 8192: give --max-model-len 1536 or less" in proc.stderr, \
         proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_url_pacer_up_prints_is_one_a_client_can_use():
+    from services.up import gateway_url
+    assert gateway_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert gateway_url("0.0.0.0", 8000) == gateway_url("::", 8000) == "http://127.0.0.1:8000"
+    assert gateway_url("::1", 8000) == "http://[::1]:8000"
+    assert gateway_url("localhost", 8000) == "http://localhost:8000"
