@@ -125,13 +125,23 @@ class _Stream:
         self.done = False
 
     def feed(self, payload: str, now: float) -> None:
-        r = self.result
         if payload == "[DONE]":
             self.done = True
             return
         data = json.loads(payload)
+        try:
+            self._feed_data(data, now)
+        except (AttributeError, TypeError, KeyError, ValueError) as e:
+            # not the shape an OpenAI stream's chunks have: this request failed, and the run
+            # goes on (an exception here would end every other request's measurement too)
+            raise ValueError(f"a stream chunk of an unexpected shape: {payload[:200]}") from e
+
+    def _feed_data(self, data: dict, now: float) -> None:
+        r = self.result
         if "error" in data:
-            r.error = str((data["error"] or {}).get("message", data["error"]))
+            # OpenAI's {"error": {"message": ...}}, or a bare message (TGI's {"error": "..."})
+            error = data["error"]
+            r.error = str(error.get("message", error) if isinstance(error, dict) else error)
             return
         if self.responses:
             self._feed_event(data, now)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 
 from shared.errors import PacerError
+from shared.logging import output_gone
 from shared.openmp import default_omp_wait_policy
 
 COMMANDS = [
@@ -78,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         # the reader went away (`pacer inspect ... | head`): stop quietly, as `cat` does;
-        # stdout points at /dev/null so that the interpreter's final flush raises nothing
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # the output points at /dev/null so that the interpreter's final flush raises nothing
+        output_gone()
         return 141
 
 

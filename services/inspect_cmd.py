@@ -25,7 +25,8 @@ import redis
 from shared.errors import PacerError
 from shared.keys import SCAN_COUNT, Keys
 from shared.protocol import STREAM_FIELD, ProtocolError, decode
-from shared.service_args import add_redis_args, redis_password, shown_url
+from shared.redis_retry import redis_trouble
+from shared.service_args import add_redis_args, redis_password, refused_for_good, shown_url
 
 STREAMS = ("plans", "results", "requests", "aborts")
 INSTANCE_STREAMS = ("handoff", "reservations")      # P/D: an instance's alone
@@ -75,11 +76,28 @@ def run(args: argparse.Namespace) -> int:
                 show_entry(entry_id, fields, args.json)
             if args.what == "requests" and not args.json:
                 show_pending(client, keys)
-    except redis.ConnectionError as e:
-        raise PacerError(f"cannot reach Redis at {shown_url(args.redis_url)}: {e}") from None
+    except redis.RedisError as e:
+        raise _redis_error(args, e) from None
     finally:
         client.close()
     return 0
+
+
+def _redis_error(args: argparse.Namespace, error: redis.RedisError) -> PacerError:
+    """One line naming why Redis could not answer: a person runs inspect to find out what is
+    wrong, often against a Redis that is not the one they meant."""
+    url = shown_url(args.redis_url)
+    if (refused := refused_for_good(args.redis_url, error)) is not None:
+        return refused                   # credentials, or a database the server lacks
+    if isinstance(error, redis.ConnectionError):
+        return PacerError(f"cannot reach Redis at {url}: {error}")
+    if isinstance(error, redis.exceptions.InvalidResponse):
+        return PacerError(f"what answers at {url} is not Redis ({error})")
+    if str(error).startswith("WRONGTYPE"):
+        return PacerError(f"Redis at {url} holds a key under {args.key_prefix} that pacer did "
+                          f"not write ({error}): another application's keys? (give another "
+                          "--key-prefix or --redis-url)")
+    return PacerError(f"Redis at {url}: {redis_trouble(error)}")
 
 
 def entry_view(entry_id: bytes, fields: dict) -> dict[str, Any]:

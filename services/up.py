@@ -40,6 +40,7 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
 from shared.lifecycle import describe_exit
+from shared.logging import configure_logging, output_gone
 from shared.service_args import (LOG_LEVEL_HELP, non_negative_int, non_negative_seconds,
                                  password_to_environment, positive_seconds, redis_password,
                                  refused_for_good, shown_url)
@@ -99,6 +100,10 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+# what the instances of P/D take (each >= 1; None: the default)
+PD_FLAGS = ("prefill_tp", "decode_tp", "prefill_threads", "decode_threads")
+
+
 @dataclass(frozen=True)
 class Instance:
     """One engine instance `pacer up` starts: its id ("" colocated), role and TP degree."""
@@ -119,8 +124,13 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
                          "(with P/D, the router chooses among the prefill instances)")
     if replicas is not None and replicas < 1:
         raise PacerError(f"--replicas must be >= 1, got {replicas}")
-    if getattr(args, "prefill_threads", None) is not None and args.prefill_threads < 1:
-        raise PacerError(f"--prefill-threads must be >= 1, got {args.prefill_threads}")
+    for name in PD_FLAGS:
+        value = getattr(args, name, None)
+        flag = "--" + name.replace("_", "-")
+        if value is not None and value < 1:
+            raise PacerError(f"{flag} must be >= 1, got {value}")
+        if value is not None and not (p or d):     # else ignored, unknown to whoever gave it
+            raise PacerError(f"{flag} is for P/D: give --prefill-workers N --decode-workers N")
     if getattr(args, "router", None) and not replicas and p < 2:
         raise PacerError("--router needs --replicas N or --prefill-workers N (N > 1)")
     if replicas:
@@ -391,6 +401,13 @@ def _check_gateway_flags(services: Services) -> None:
     config_from_args(build_parser().parse_args(argv[argv.index("services.cli") + 1:]))
 
 
+def gateway_url(host: str, port: int) -> str:
+    """Where this machine reaches the gateway listening on `host`, as the banner prints it for
+    a person to paste: an IPv6 address in brackets (`http://::1:8000` is no URL)."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _health(base_url: str) -> tuple[int | None, dict]:
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=2.0) as r:
@@ -459,7 +476,6 @@ def _watch(sup: Supervisor, stopping: _Signals, restarter: Restarter,
 
 def run(args: argparse.Namespace) -> int:
     from shared.engine_layout import engine_layout
-    from shared.logging import configure_logging
 
     configure_logging("up", args.log_level)
     args.redis_url = password_to_environment(args.redis_url)
@@ -467,6 +483,10 @@ def run(args: argparse.Namespace) -> int:
     # refuse bad flags here, before anything starts (the instances' layout is checked as
     # the services' command lines are made)
     layout = engine_layout(engine)
+    for tp in sorted({instance.tp for instance in instances_of(args, engine)} - {engine.tp}):
+        # --prefill-tp/--decode-tp: the model's heads split so, and a KV pool (of blocks of
+        # 1/tp of the heads) that holds the context, as each such instance's scheduler checks
+        engine_layout(replace(engine, tp=tp)).check_pool_holds_context()
     services = _service_argvs(args, engine)
     _check_memory(layout, sum("worker rank" in name for name, _ in services.argvs),
                   max(instance.tp for instance in instances_of(args, engine)))
@@ -494,8 +514,7 @@ def run(args: argparse.Namespace) -> int:
         log.info("redis", redis=redis_note, started_here=started)
         for name, argv in services.argvs:
             sup.start(name, argv)
-        http_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
-        base_url = f"http://{http_host}:{args.port}"
+        base_url = gateway_url(args.host, args.port)
         _wait_healthy(sup, base_url, args.startup_timeout, stopping)
         if stopping():
             return 0
@@ -518,7 +537,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _stop(sup: Supervisor, shutdown_timeout_s: float, groups: dict[str, str]) -> None:
     if any(c.returncode is None for c in sup.children):
-        print("pacer up: stopping", file=sys.stderr, flush=True)
+        try:
+            print("pacer up: stopping", file=sys.stderr, flush=True)
+        except BrokenPipeError:
+            output_gone()       # no one reads us any more: the children must stop all the same
     # the gateway drains first and ends what is left, so the scheduler then stops quickly
     limit = shutdown_timeout_s + STOP_MARGIN_S
     sup.stop_all(timeouts={c.name: limit for c in sup.children

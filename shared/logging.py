@@ -7,6 +7,7 @@ line logged from the same asyncio task, so a request can be followed across a se
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
@@ -37,7 +38,7 @@ def configure_logging(service: str, level: str | int = "info") -> None:
         # one write per record, its newline included: the services share `pacer up`'s stderr,
         # and a record written as two (print's text, then its "\n") could have another
         # process's record land between them, two JSON objects on one line
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        logger_factory=structlog.WriteLoggerFactory(_LogFile()),
         cache_logger_on_first_use=False,
     )
     handler = logging.StreamHandler(sys.stderr)
@@ -48,6 +49,34 @@ def configure_logging(service: str, level: str | int = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(numeric)
+
+
+def output_gone() -> None:
+    """Point stdout and stderr at /dev/null: whoever read them has gone (`pacer inspect |
+    head` read enough; `pacer up | tee` or the ssh session it ran in ended). What is written
+    from now on is lost instead of raising BrokenPipeError at every write."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    finally:
+        os.close(devnull)
+
+
+class _LogFile:
+    """stderr, for log records: one that cannot be written, its reader gone, is dropped. A log
+    line that raised would stop what logged it half-way: a service's signal handler (the
+    service never drained or ended: `pacer up`'s children outlived it)."""
+
+    def write(self, text: str) -> None:
+        try:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        except BrokenPipeError:
+            output_gone()
+
+    def flush(self) -> None:
+        pass                # each write flushed already
 
 
 def _add_service(service: str):

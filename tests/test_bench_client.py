@@ -350,6 +350,15 @@ def test_prefix_cache_hit_rate_from_pacer_and_vllm_metrics():
 # A few lines of aiohttp that write OpenAI-shaped SSE and then misbehave on purpose.
 
 RELEASE = web.AppKey("release", asyncio.Event)
+# what the stand-in streams after its first chunk, by the request's prompt
+MIDSTREAM = {
+    "error": b'{"error":{"message":"generation failed: worker died"}}',
+    "bare error": b'{"error":"Input validation error","error_type":"validation"}',  # TGI's
+    "not an object": b"5",
+    "odd choices": b'{"choices":[5]}',
+    "null usage": b'{"choices":[],"usage":{"completion_tokens":null}}',
+    "ok": b'{"choices":[],"usage":{"prompt_tokens":1,"completion_tokens":1}}',
+}
 
 
 async def _standin(request: web.Request) -> web.StreamResponse:
@@ -361,8 +370,8 @@ async def _standin(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     await resp.write(b'data: {"choices":[{"text":"x","index":0}]}\n\n')
-    if mode == "error":
-        await resp.write(b'data: {"error":{"message":"generation failed: worker died"}}\n\n')
+    if mode in MIDSTREAM:
+        await resp.write(b"data: " + MIDSTREAM[mode] + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
     # mode "cut": the stream ends without usage or [DONE]
     await resp.write_eof()
@@ -380,18 +389,23 @@ async def test_failures_midstream_cut_and_timeout_are_recorded():
     port = site._server.sockets[0].getsockname()[1]
     try:
         target = ApiTarget(f"http://127.0.0.1:{port}", "/v1/completions", "m")
-        reqs = [BenchRequest(mode, 1, 4) for mode in ("error", "cut", "hang")]
+        reqs = [BenchRequest(mode, 1, 4) for mode in ("error", "cut", "hang", "bare error",
+                                                      "not an object", "odd choices",
+                                                      "null usage", "ok")]
         results, _ = await run_requests(target, reqs, SendOptions(timeout_s=1.0))
     finally:
         app[RELEASE].set()
         await runner.cleanup()
     errors = [r.error for r in results]
-    assert errors[0] == "generation failed: worker died"
-    assert errors[1] == "the stream ended without [DONE]"
-    assert errors[2] == "timed out after 1 s"
-    assert not any(r.success for r in results)
+    assert errors[:4] == ["generation failed: worker died", "the stream ended without [DONE]",
+                          "timed out after 1 s", "Input validation error"]
+    # a chunk of another shape fails its own request, not the run
+    for error, chunk in zip(errors[4:7], ("5", '{"choices":[5]}', '{"choices":[],"usage"')):
+        assert error.startswith(f"ValueError: a stream chunk of an unexpected shape: {chunk}"), \
+            error
+    assert [r.success for r in results] == [False] * 7 + [True]
     m = compute_metrics(results, 1.0)
-    assert (m["completed"], m["failed"]) == (0, 3)
+    assert (m["completed"], m["failed"]) == (1, 7)
 
 
 @pytest.mark.parametrize("argv,needle", [

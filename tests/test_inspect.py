@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import redis
@@ -130,3 +132,44 @@ def test_a_reader_that_goes_away_ends_it_quietly(filled):
     proc.stdout.close()             # before it writes a line
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141 and err == "", err
+
+
+def _not_redis() -> socket.socket:
+    """A listener that answers every connection as an HTTP server would."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def answer():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return                  # closed: the test is over
+            with conn:
+                conn.recv(1024)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    return server
+
+
+def test_a_redis_that_cannot_answer_gets_one_line_naming_why(redis_server, capsys):
+    """Another application's keys under the prefix, a database the server lacks, something
+    that is not Redis: one line each, not a traceback."""
+    r = redis.Redis.from_url(redis_server)
+    r.set("foreign:plans", "not a stream")
+    r.set("foreign:stats", "not a hash")
+    r.close()
+    with _not_redis() as other:
+        not_redis = f"redis://127.0.0.1:{other.getsockname()[1]}/0"
+        cases = [
+            (["plans", "--key-prefix", "foreign:"], redis_server,
+             "holds a key under foreign: that pacer did not write (WRONGTYPE"),
+            (["stats", "--key-prefix", "foreign:"], redis_server,
+             "holds a key under foreign: that pacer did not write (WRONGTYPE"),
+            (["plans"], redis_server.replace("/0", "/99"), "DB index is out of range"),
+            (["plans"], not_redis, f"what answers at {not_redis} is not Redis"),
+        ]
+        for argv, url, needle in cases:
+            assert main(["inspect", *argv, "--redis-url", url]) == 1, argv
+            err = capsys.readouterr().err
+            assert needle in err and len(err.splitlines()) == 1, (argv, err)

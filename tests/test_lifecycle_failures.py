@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -305,3 +306,49 @@ async def _until_draining(session: aiohttp.ClientSession, base_url: str) -> int:
                 return r.status
         await asyncio.sleep(0.02)
     raise AssertionError("/health never said draining")
+
+
+def _running(pid: int) -> bool:
+    """A process that has not ended (a zombie, ended but not yet reaped, has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_when_no_one_reads_pacer_ups_output_it_still_leaves_nothing_running(tmp_path, how):
+    """`pacer up 2>&1 | tee up.log`, then the tee (or the ssh session it ran in) ends, then
+    `pacer up` is stopped or killed: no service is left running. A write to the gone reader
+    raised: in pacer up's stop (which then stopped no child), and in each service's signal
+    handler (which then never drained: the gateway kept its port for good)."""
+    from tests.helpers_tiny_model import write_tiny_llama
+    read, write = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()),
+         "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--model",
+         write_tiny_llama(tmp_path / "tiny"), "--dtype", "float32", "--kv-cache-memory", "64MiB"],
+        cwd=ROOT, stdout=write, stderr=write)
+    os.close(write)
+    pids, said = [], []
+    try:
+        with os.fdopen(read, "rb") as out:          # closed (the reader gone) once serving
+            for line in out:
+                said.append(line)
+                if line.startswith(b"{") and json.loads(line).get("event") == "started":
+                    pids.append(json.loads(line)["pid"])
+                if line.startswith(b"pacer up: serving"):
+                    break
+        assert proc.poll() is None and pids, b"".join(said[-20:]).decode(errors="replace")
+        proc.send_signal(how)
+        proc.wait(timeout=DEADLINE_S)
+        end = time.monotonic() + DEADLINE_S
+        while any(_running(pid) for pid in pids) and time.monotonic() < end:
+            time.sleep(0.2)
+        assert not [pid for pid in pids if _running(pid)]
+    finally:
+        proc.kill()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

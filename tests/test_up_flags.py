@@ -62,6 +62,15 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
         (flags("--api-key", ""), "--api-key is empty"),
         (flags("--device", "nonsense"), "--device must be cpu or cuda[:N]"),
         (flags(*pd, "--prefill-threads", "0"), "--prefill-threads must be"),
+        (flags(*pd, "--decode-threads", "-1"), "--decode-threads must be >= 1, got -1"),
+        (flags(*pd, "--prefill-tp", "0"), "--prefill-tp must be >= 1, got 0"),
+        (flags("--decode-threads", "2"), "--decode-threads is for P/D"),
+        # an instance's own TP degree: the heads must split so, and its pool hold the context
+        (flags(*pd, "--prefill-tp", "2", "--decode-tp", "2"),
+         "tp=2 does not divide the model's 9 query heads"),
+        (flags(*pd, "--tp", "3", "--prefill-tp", "1", "--decode-tp", "1", "--dtype", "float32",
+               "--quantization", "none", "--kv-cache-memory", "64MiB", "--max-model-len", "2048"),
+         "fewer than the context of 2048"),
         (flags("--max-model-len", "100000"),
          "--max-model-len must be in [2, 8192] (the model's context), got 100000"),
         (flags("--served-model-name", " "), "--served-model-name is empty"),
@@ -117,3 +126,11 @@ def test_a_scheduler_started_alone_refuses_a_pool_shorter_than_the_context():
         "than the context of 8192: give --max-model-len 1536 or less" in proc.stderr, \
         proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_url_pacer_up_prints_is_one_a_client_can_use():
+    from services.up import gateway_url
+    assert gateway_url("127.0.0.1", 8000) == "http://127.0.0.1:8000"
+    assert gateway_url("0.0.0.0", 8000) == gateway_url("::", 8000) == "http://127.0.0.1:8000"
+    assert gateway_url("::1", 8000) == "http://[::1]:8000"
+    assert gateway_url("localhost", 8000) == "http://localhost:8000"
