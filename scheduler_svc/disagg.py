@@ -182,7 +182,11 @@ class PrefillSide:
 
     @property
     def waiting_for_reservations(self) -> bool:
-        return bool(self._pending)
+        """An ask is out, whose answer may come any moment. Requests that found no decode
+        instance to ask wait for the heartbeats to show one (housekeeping asks again then):
+        counted here, they kept the scheduler polling Redis every 5 ms for as long as no
+        decode instance was up."""
+        return any(p.asked for p in self._pending.values())
 
     def pending_entry_ids(self) -> list[bytes | str]:
         """The entries of the requests waiting for a reservation: this scheduler's, though

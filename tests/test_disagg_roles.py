@@ -455,6 +455,20 @@ def test_a_request_waiting_for_its_reservation_is_not_admitted_twice():
     assert len(send.src_block_ids) == len(send.dst_block_ids) == 2
 
 
+def test_with_no_decode_instance_to_ask_the_prefill_side_waits_without_polling():
+    """A long prompt and no decode instance up: no ask goes out, so no answer is awaited
+    (the scheduler's intake blocks as when idle, instead of polling every 5 ms); once the
+    heartbeats show one, housekeeping asks it, and its answer is awaited."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.decoders = {}
+    side.admit(b"9-0", request("r", 10))
+    assert side.pending_entry_ids() == [b"9-0"] and not side.take().reserves
+    assert not side.waiting_for_reservations
+    side.housekeeping({"d0": _Decoder("d0", "host-d0", 100, 0, 1.0)}, {})
+    assert len(side.take().reserves) == 1 and side.waiting_for_reservations
+
+
 def test_asking_the_same_decode_instance_again_never_frees_the_blocks_it_names():
     """A decode instance holds one reservation per request id and answers a repeated ask with
     the same blocks: re-asking it (after a refusal, or no answer in RESERVE_RETRY_S) sends no
