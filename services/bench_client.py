@@ -220,8 +220,8 @@ async def send_request(session: aiohttp.ClientSession, target: ApiTarget, req: B
 def arrival_gaps(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Gaps between sends: Gamma(shape=b, scale=1/(rate·b)), whose mean is 1/rate for any b
     (b=1 is Poisson; smaller b is burstier). rate=inf sends everything at once."""
-    if rate <= 0 or burstiness <= 0:
-        raise ValueError("request rate and burstiness must be > 0")
+    if not (rate > 0 and 0 < burstiness < math.inf):        # NaN fails both
+        raise ValueError("request rate and burstiness must be > 0 (burstiness finite)")
     if math.isinf(rate):
         return [0.0] * n
     rng = np.random.default_rng(seed)

@@ -267,8 +267,12 @@ def run(args: argparse.Namespace) -> int:
         check_output_path(args.result_json, "--result-json")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise PacerError(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
-    if args.request_rate <= 0 or args.burstiness <= 0:
-        raise PacerError("--request-rate and --burstiness must be > 0")
+    if not (args.request_rate > 0 and 0 < args.burstiness < math.inf):     # NaN fails both
+        raise PacerError(f"--request-rate must be > 0 (inf: all at once) and --burstiness a "
+                         f"finite number > 0; got {args.request_rate:g} and "
+                         f"{args.burstiness:g}")
+    if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
+        raise PacerError(f"--sharegpt-output-len must be >= 1, got {args.sharegpt_output_len}")
     requests = build_requests(args)
     model = args.model or served_model_name(args.base_url, args.api_key)
     target = ApiTarget(args.base_url, args.endpoint, model, args.api_key)

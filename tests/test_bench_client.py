@@ -416,6 +416,11 @@ async def test_failures_midstream_cut_and_timeout_are_recorded():
     (["bench", "--result-json", "/nonexistent/dir/x.json"], "no folder /nonexistent/dir"),
     (["bench", "--request-timeout", "0"], "--request-timeout must be > 0"),
     (["bench", "--goodput", "ttft:abc"], "must be a number of ms"),
+    # NaN passed "<= 0" and ran as if infinite; 0 output tokens silently became 1
+    (["bench", "--request-rate", "nan"], "--request-rate must be > 0"),
+    (["bench", "--burstiness", "nan"], "--burstiness a finite number > 0; got inf and nan"),
+    (["bench", "--dataset", "sharegpt-like", "--sharegpt-output-len", "0"],
+     "--sharegpt-output-len must be >= 1, got 0"),
     (["simulate", "--block-size", "0"], "--block-size must be >= 1"),
     (["simulate", "--plot", "/nonexistent/x.png"], "no folder /nonexistent"),
 ])
