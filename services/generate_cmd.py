@@ -96,7 +96,7 @@ def _tokens_of(item, tokenizer) -> list[int]:
         raise InvalidRequestError("give one of 'prompt', 'messages' or 'prompt_token_ids'")
     if "prompt_token_ids" in item:
         ids = item["prompt_token_ids"]
-        if not (isinstance(ids, list) and ids and all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in ids)):
+        if not (isinstance(ids, list) and ids and all(type(t) is int and 0 <= t < tokenizer.vocab_size for t in ids)):
             raise InvalidRequestError(f"prompt_token_ids must be a non-empty list of token ids < {tokenizer.vocab_size}")
         return ids
     if "messages" in item:

@@ -107,6 +107,7 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "ok"}\n{"text": "x"}\n', "line 2: needs one of"),
     ('{"prompt": "ok", "temperature": -1}\n', "temperature must be >= 0"),
     ('{"prompt_token_ids": [1, 99999999]}\n', "prompt_token_ids"),
+    ('{"prompt_token_ids": [1, true]}\n', "prompt_token_ids must be a non-empty list"),
     ('{"prompt": "ok", "logit_bias": {"99999999": 1}}\n', "logit_bias"),
     ('{"prompt": "ok", "allowed_token_ids": [99999999]}\n', "allowed_token_ids"),
     ('{"prompt": "ok", "prompt_token_ids": [5]}\n', "give one of 'prompt'"),
