@@ -42,7 +42,8 @@ from scheduler_svc.core import Scheduler
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch
 from shared.keys import Keys
-from shared.lifecycle import redis_run_id, stream_id_order, stream_id_text, stream_tail_id
+from shared.lifecycle import (check_key_types, redis_run_id, stream_id_order, stream_id_text,
+                              stream_tail_id)
 from shared.plan import StepResult
 from shared.redis_retry import retry_redis
 
@@ -95,9 +96,11 @@ class Recovery:
         # request id -> how many worker groups were lost while it ran (see MAX_WORKER_LOSSES)
         self._worker_losses: dict[str, int] = {}
 
-    async def prepare(self) -> None:
-        """Create the consumer group and note which server this is."""
+    async def prepare(self, ours: dict[str, str]) -> None:
+        """Check that the keys of this scheduler (`ours`: key -> type) hold what it writes,
+        create the consumer group and note which server this is."""
         async def prepare() -> None:
+            await check_key_types(self.redis, ours, self.keys.prefix)
             await self.ensure_group()
             self._note_server(await redis_run_id(self.redis))
         await retry_redis(prepare, "create the consumer group", log, give_up=self._drain_expired)

@@ -135,7 +135,14 @@ class SchedulerService:
 
     async def prepare(self) -> None:
         """Create the consumer group and note where the aborts and results streams end."""
-        await self.recovery.prepare()
+        ours = {self.keys.requests: "stream", self.keys.aborts: "stream",
+                self.keys.plans: "stream", self.keys.results: "stream",
+                self.keys.stats: "hash", self.keys.cached_blocks: "set"}
+        if self.prefill is not None:
+            ours[self.keys.reservations] = "stream"
+        if self.decode is not None:
+            ours[self.keys.handoff] = "stream"
+        await self.recovery.prepare(ours)
         if self.publishes_cache:     # the index starts empty (docs/design.md#prefix-caching)
             await self.recovery.retrying("clear cached blocks",
                                          lambda: self.redis.delete(self.keys.cached_blocks))

@@ -128,6 +128,22 @@ async def connect_redis(url: str, stop: asyncio.Event | None = None) -> aioredis
     return redis
 
 
+async def check_key_types(redis: aioredis.Redis, expected: dict[str, str], prefix: str) -> None:
+    """Keys of ours that exist with another type (`expected`: key -> "stream", "hash", ...):
+    another application shares the key prefix, or a key was written by hand. One line naming
+    them, before the first command on them fails with WRONGTYPE (a traceback at start-up)."""
+    pipe = redis.pipeline(transaction=False)
+    for key in expected:
+        pipe.type(key)
+    found = [t.decode() if isinstance(t, bytes) else t for t in await pipe.execute()]
+    wrong = [f"{key} holds a {kind}, not a {want}"
+             for (key, want), kind in zip(expected.items(), found) if kind not in ("none", want)]
+    if wrong:
+        raise PacerError(f"{'; '.join(wrong)}: another application uses the key prefix "
+                         f"{prefix!r} in this Redis; give pacer its own with --key-prefix (or "
+                         "its own database), or delete the keys")
+
+
 # connection pool -> connections it made (see connections_made)
 _CONNECTIONS_MADE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

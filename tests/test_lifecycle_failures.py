@@ -174,6 +174,27 @@ def test_a_database_index_the_redis_lacks_stops_every_service_at_once(password_r
         assert "Traceback" not in out and "retrying" not in out, (argv, out[-2000:])
 
 
+def test_a_key_of_another_type_under_the_prefix_stops_the_scheduler_with_one_line(
+        password_redis: str):
+    """Another application's string where the scheduler keeps its stats hash (or a stream):
+    it failed at start-up with a WRONGTYPE traceback in its log. One line names the key, its
+    type and the way out; keys of the right type, or none, pass."""
+    admin = redis.Redis.from_url(password_redis)
+    admin.set("foreign:stats", "not ours")
+    admin.hset("foreign:restarts", "x", 1)              # not the scheduler's: left alone
+    try:
+        proc = subprocess.run([sys.executable, "-m", "services.cli", "scheduler", "--redis-url",
+                               password_redis, "--key-prefix", "foreign:"], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        admin.delete("foreign:stats", "foreign:restarts")
+        admin.close()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "foreign:stats holds a string, not a hash: another " \
+        "application uses the key prefix 'foreign:'" in out, out[-2000:]
+    assert "Traceback" not in out and "WRONGTYPE" not in out, out[-2000:]
+
+
 def test_the_password_may_come_from_the_environment(password_redis: str):
     """$PACER_REDIS_PASSWORD serves a URL without one (kept off the command line, which `ps`
     shows every user): the scheduler connects and waits for its workers."""
