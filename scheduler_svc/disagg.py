@@ -301,7 +301,7 @@ class PrefillSide:
             if isinstance(msg, ReservedMsg):
                 self._reserved(msg)
             elif isinstance(msg, HandoffMsg):        # another prefill instance forwarded it
-                self.admit(msg.entry_id, decode(msg.request))
+                self.admit(msg.entry_id, msg.request_msg)
 
     def _reserved(self, msg: ReservedMsg) -> None:
         pending = self._pending.get(msg.request_id)
@@ -642,7 +642,7 @@ class DecodeSide:
         return came
 
     def _reserve(self, msg: ReserveMsg) -> None:
-        request = decode(msg.request)
+        request = msg.request_msg
         rid = request.request_id
         error, blocks = "", []
         if not all(p.get("session") for p in self.peers):
@@ -662,7 +662,7 @@ class DecodeSide:
             self.started_at, error)))
 
     def _take(self, msg: HandoffMsg) -> None:
-        request = decode(msg.request)
+        request = msg.request_msg
         rid = request.request_id
         self._reserved_at.pop(rid, None)
         self.handoffs_total += 1

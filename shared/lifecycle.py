@@ -19,7 +19,8 @@ import socket
 import sys
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
@@ -236,7 +237,7 @@ async def clear_key(redis: aioredis.Redis, key: str) -> None:
 EXIT_TASK_ENDED = 70
 
 
-def essential_task(work: Awaitable[None], name: str) -> asyncio.Task:
+def essential_task(work: Coroutine[Any, Any, None], name: str) -> asyncio.Task:
     """A background task the process cannot serve without: a heartbeat, lease renewal, the
     gateway's token listener. Each such loop outlives Redis's failures by design and ends only
     when cancelled; one that ends any other way met a bug, and a process that went on without
@@ -245,8 +246,7 @@ def essential_task(work: Awaitable[None], name: str) -> asyncio.Task:
     traceback and the process exits at once with EXIT_TASK_ENDED, as if killed: its
     supervisor starts it again and the recovery a `kill -9` gets begins
     (docs/failure-modes.md#a-background-task-ends)."""
-    task = asyncio.ensure_future(work)
-    task.set_name(name)
+    task = asyncio.create_task(work, name=name)
     task.add_done_callback(_exit_unless_cancelled)
     return task
 

@@ -23,6 +23,7 @@ request's FinishEvent before its last tokens: a request ends once the FinishEven
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -77,11 +78,20 @@ def _check_list(msg: Any, name: str, kind: type) -> None:
                         f"got {_short(value)}")
 
 
-def _check_request(data: Any) -> None:
-    """A P/D message carries its request encoded; the scheduler that reads it decodes it as it
-    acts, where a hand-written or damaged one would crash it: checked when the carrier is read."""
-    if not isinstance(data, bytes) or not isinstance(decode(data), RequestMsg):
-        raise TypeError(f"request must be an encoded request message, got {_short(data)}")
+class _CarriesRequest:
+    """A P/D message that carries its request encoded. It is decoded once, as the carrier is
+    read (`request_msg`): decoded only when the scheduler acted on it, a hand-written or
+    damaged one crashed it there."""
+
+    def __post_init__(self) -> None:
+        self.request_msg        # noqa: B018 (decoded and checked now, kept)
+
+    @functools.cached_property
+    def request_msg(self) -> RequestMsg:
+        data = self.request
+        if not isinstance(data, bytes) or not isinstance(msg := decode(data), RequestMsg):
+            raise TypeError(f"request must be an encoded request message, got {_short(data)}")
+        return msg
 
 
 def _finite(value: Any) -> bool:
@@ -314,13 +324,13 @@ class FinishEvent(_Plain):
 
 @_kind("reserve")
 @dataclass(frozen=True)
-class ReserveMsg(_Plain):
+class ReserveMsg(_CarriesRequest, _Plain):
     """Prefill instance -> a decode instance's handoff stream: hold blocks for this prompt."""
     request: bytes                   # the encoded RequestMsg
     prefill_instance: str
 
     def __post_init__(self) -> None:
-        _check_request(self.request)
+        super().__post_init__()
         _check_strings(self, "prefill_instance")
 
 
@@ -343,7 +353,7 @@ class ReservedMsg(_Plain):
 
 @_kind("handoff")
 @dataclass(frozen=True)
-class HandoffMsg(_Plain):
+class HandoffMsg(_CarriesRequest, _Plain):
     """Prefill instance -> decode instance: the request is yours (its request-stream entry
     was XCLAIMed to you in the same pipeline). Also prefill instance -> the prefill instance
     the gateway's router chose for a request the first one read (on the latter's
@@ -360,7 +370,7 @@ class HandoffMsg(_Plain):
     kv_check: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check_request(self.request)
+        super().__post_init__()
         _check_strings(self, "entry_id")
         _check_list(self, "output_token_ids", int)
         _check_list(self, "kv_received", str)
