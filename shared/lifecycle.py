@@ -16,7 +16,6 @@ import gc
 import os
 import signal
 import socket
-import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
@@ -258,7 +257,6 @@ def _exit_unless_cancelled(task: asyncio.Task) -> None:
     log.critical("an essential task ended; exiting so that the process is started again",
                  task=task.get_name(), error=repr(error) if error else "returned",
                  exc_info=error)
-    sys.stderr.flush()
     os._exit(EXIT_TASK_ENDED)
 
 
