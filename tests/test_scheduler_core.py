@@ -471,6 +471,27 @@ def test_abort_while_the_plan_runs_drops_its_token():
     assert plan.finished_request_ids == ["a"] and list(plan.num_scheduled_tokens) == ["b"]
 
 
+def test_an_aborted_id_is_refused_until_plans_in_flight_let_go_of_its_blocks():
+    # The served loop's order: two plans in flight, the abort comes, the first result reports
+    # it (its client is told), and a request of the same id arrives before the second result
+    # is in. It shared the pool's books with the aborted one's blocks and crashed the core.
+    sched = make_scheduler(num_blocks=16)
+    worker = FakeWorker(sched)
+    add(sched, "x", 10, max_tokens=20, ignore_eos=True)
+    first = sched.schedule()
+    ahead = sched.schedule_ahead()
+    sched.abort("x")
+    outputs = sched.update(first, worker.execute(first))
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("x", "abort")]
+    with pytest.raises(InvalidRequestError, match="'x' is already in use"):
+        add(sched, "x", 10, max_tokens=4)
+    sched.update(ahead, worker.execute(ahead))      # now its blocks are back
+    assert sched.block_manager.num_free_blocks == 16
+    add(sched, "x", 10, max_tokens=4)
+    _, outputs = run(sched, worker)
+    assert final(outputs["x"]).num_output_tokens == 4
+
+
 def test_abort_preempted_request_is_not_dropped_twice():
     sched = make_scheduler(budget=64, num_blocks=6, block_size=2)
     worker = FakeWorker(sched)

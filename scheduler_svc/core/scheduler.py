@@ -1030,7 +1030,10 @@ class Scheduler:
 
     def _validate(self, request_id: str, prompt_token_ids: list[int],
                   sampling: SamplingParams) -> None:
-        if request_id in self._requests:
+        # an aborted request keeps its id until plans in flight let go of its blocks: the
+        # pool books blocks by request id, and a second holder of one id crashed the core
+        if request_id in self._requests or any(r.request_id == request_id
+                                               for _, r in self._free_after):
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         num_prompt = len(prompt_token_ids)
         if num_prompt == 0:
