@@ -611,7 +611,7 @@ def _state_of(new: NewRequestData) -> _RequestState:
                          new.num_computed_tokens, new.reply_to,
                          token_counts=TokenCounts(tokens, new.num_prompt_tokens)
                          if new.sampling.adjusts_logits else None,
-                         num_cached_tokens=new.num_computed_tokens
+                         num_cached_tokens=new.num_cached_tokens
                          if len(tokens) == new.num_prompt_tokens else None)
 
 

@@ -37,6 +37,10 @@ class NewRequestData:
     # session is kv_received[rank]; a rank whose own session differs never got it (it
     # restarted) and must refuse the request
     kv_received: list[str] = field(default_factory=list)
+    # of the prompt, what the prefix cache held at the request's first admission: the usage's
+    # cached tokens, which the worker sends with the first token (num_computed_tokens is not
+    # it after a preemption, when the request may find its own blocks cached)
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)    # not frozen: the core makes one per decode per iteration, and a

@@ -210,7 +210,8 @@ def _new_to_wire(r: NewRequestData) -> dict:
     return {"request_id": r.request_id, "token_ids": r.token_ids,
             "num_prompt_tokens": r.num_prompt_tokens, "sampling": r.sampling.to_dict(),
             "block_table": r.block_table, "num_computed_tokens": r.num_computed_tokens,
-            "reply_to": r.reply_to, "kv_received": r.kv_received}
+            "reply_to": r.reply_to, "kv_received": r.kv_received,
+            "num_cached_tokens": r.num_cached_tokens}
 
 
 def _new_from_wire(d: dict) -> NewRequestData:

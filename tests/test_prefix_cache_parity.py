@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from gpu_worker.model_runner import UnknownKVCache
+from gpu_worker.service import token_batches
 from services.engine import LLMEngine
 from shared.engine_args import EngineArgs
 from shared.plan import IterationPlan, NewRequestData
@@ -110,3 +111,33 @@ def test_a_worker_refuses_a_cached_prefix_it_never_wrote(tiny):
         num_computed_tokens=BLOCK)], cached_requests=[], num_scheduled_tokens={"r": BLOCK})
     with pytest.raises(UnknownKVCache):
         engine.runner.execute(plan)
+
+
+def test_the_cached_tokens_sent_with_the_first_token_are_the_first_admissions(tiny):
+    """A prompt preempted part-way through its prefill finds its own computed blocks cached
+    when it comes back. The usage's cached tokens, which rank 0 sends with the first token
+    (and the gateway keeps, being first), are what the cache held at its first admission,
+    as its finish event says; the worker sent what the re-admission found."""
+    path, _, _ = tiny
+    engine = LLMEngine(EngineArgs(model=path, block_size=4, dtype="float32", max_model_len=64,
+                                  max_num_batched_tokens=9, num_kv_blocks=7), progress=False)
+    sent: dict[str, int] = {}
+    execute = engine.runner.execute
+
+    def execute_and_send(plan):
+        result = execute(plan)
+        for batch in token_batches(result, engine.runner.requests).values():
+            for rid, cached in batch.cached.items():
+                sent.setdefault(rid, cached)        # the gateway keeps the first
+        return result
+
+    engine.runner.execute = execute_and_send
+    add = engine.scheduler.add_request          # with a gateway channel, which rank 0 needs
+    add("a", list(range(10, 14)), SamplingParams(max_tokens=20, ignore_eos=True), "gw")
+    engine.step()
+    add("b", list(range(100, 124)), SamplingParams(max_tokens=2, ignore_eos=True), "gw")
+    finished = {}
+    while engine.has_unfinished():
+        finished |= {o.request_id: o.num_cached_tokens for o in engine.step() if o.finished}
+    assert engine.scheduler.num_preemptions_total > 0, "b was never preempted"
+    assert finished == {"a": 0, "b": 0} and sent == finished

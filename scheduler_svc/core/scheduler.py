@@ -90,7 +90,8 @@ class _Iteration:
             num_prompt_tokens=request.num_prompt_tokens, sampling=request.sampling,
             block_table=list(request.block_table),
             num_computed_tokens=request.num_computed_tokens, reply_to=request.reply_to,
-            kv_received=request.kv_received or []))
+            kv_received=request.kv_received or [],
+            num_cached_tokens=request.num_cached_prompt_tokens or 0))
         request.kv_received = None
         self._add(request, rows)
 
