@@ -59,7 +59,8 @@ def test_prompt_logprobs_equal_transformers(tiny_with_refs, config, overrides,
 
 def test_a_cached_prefix_is_computed_again_for_them(tiny_with_refs):
     """The prefix cache would skip the rows whose logits are needed: a request asking for
-    prompt log-probabilities takes none of it (as vLLM)."""
+    prompt log-probabilities takes none of it (as vLLM), and is not counted as a lookup: the
+    hit rate, hits over queries, speaks of the requests that can hit."""
     path, prompts, refs = tiny_with_refs
     engine = LLMEngine(EngineArgs(model=path, block_size=16, dtype="float32",
                                   quantization="none", num_kv_blocks=64), progress=False)
@@ -68,10 +69,10 @@ def test_a_cached_prefix_is_computed_again_for_them(tiny_with_refs):
     engine.generate([prompts[3]], [plain])                     # its blocks are cached now
     blocks = engine.scheduler.block_manager
     assert blocks.prefix_cache_hits > 0
-    hits = blocks.prefix_cache_hits
+    hits, queries = blocks.prefix_cache_hits, blocks.prefix_cache_queries
     [c] = engine.generate([prompts[3]], [SamplingParams(max_tokens=2, temperature=0.0,
                                                         prompt_logprobs=TOP)])
-    assert blocks.prefix_cache_hits == hits
+    assert (blocks.prefix_cache_hits, blocks.prefix_cache_queries) == (hits, queries)
     check(prompts[3], c.prompt_logprobs, refs[3], "after a cached prefix")
 
 

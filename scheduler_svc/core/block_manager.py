@@ -93,13 +93,17 @@ class BlockManager:
                 hashes.append(parent)
         return hashes
 
+    def looks_up(self, request: Request) -> bool:
+        """Whether admission looks the request up in the cache: not with caching off, nor for
+        a request that wants its prompt's log-probabilities (it computes every row: they
+        come from the logits)."""
+        return self.enable_prefix_caching and request.sampling.prompt_logprobs is None
+
     def find_cached_prefix(self, request: Request) -> list[int]:
         """The blocks of the longest cached run of the request's leading full blocks; changes
         nothing. The last token is always left out: it must be computed for its logits, and
-        its K/V must go into a block the request holds alone. A request that wants its
-        prompt's log-probabilities computes every row (they come from the logits)."""
-        if not self.enable_prefix_caching or request.block_table \
-                or request.sampling.prompt_logprobs is not None:
+        its K/V must go into a block the request holds alone."""
+        if request.block_table or not self.looks_up(request):
             return []
         num_blocks = (request.num_tokens - 1) // self.block_size
         found = []
@@ -211,8 +215,9 @@ class BlockManager:
         return new_ids
 
     def count_admission(self, request: Request, num_cached_tokens: int) -> None:
-        """One lookup at admission, in tokens (vLLM's prefix_cache_queries / _hits)."""
-        if self.enable_prefix_caching:
+        """One lookup at admission, in tokens (vLLM's prefix_cache_queries / _hits); none for
+        a request that takes nothing from the cache."""
+        if self.looks_up(request):
             self.prefix_cache_queries += request.num_tokens
             self.prefix_cache_hits += num_cached_tokens
 
