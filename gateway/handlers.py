@@ -265,7 +265,8 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    model, ids = oai.parse_detokenize(await _read_json(request, state.config.max_body_bytes))
+    model, ids = oai.parse_detokenize(await _read_json(request, state.config.max_body_bytes),
+                                     state.max_model_len)
     _check_model(model, state)
     check_vocabulary(ids, state.tokenizer, "tokens")
     return web.json_response({"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)})

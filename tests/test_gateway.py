@@ -1754,11 +1754,25 @@ async def test_whole_numbers_written_as_floats_are_read_as_integers() -> None:
 
 async def test_long_token_id_lists_are_not_held_to_the_sampling_fields_bound() -> None:
     """The bound on allowed_token_ids and stop_token_ids is theirs alone: a token-id prompt
-    and /detokenize take any length."""
+    and /detokenize take as many as the context holds."""
     from gateway.openai_schema import parse_completion, parse_detokenize
     ids = [5] * 3000
     assert parse_completion({"model": MODEL, "prompt": ids}).prompts == (ids,)
-    assert parse_detokenize({"tokens": ids}) == (None, ids)
+    assert parse_detokenize({"tokens": ids}, 3000) == (None, ids)
+
+
+async def test_detokenize_takes_no_more_ids_than_the_context_holds(h: Harness) -> None:
+    """A body's worth of ids (1.4 million in 4 MB) held the event loop, and every stream,
+    for ~2 s while they were checked and decoded: more than the model's context holds is a
+    400 saying so, refused before any id is looked at."""
+    status, answer = await h.post("/detokenize", {"tokens": [5] * MAX_MODEL_LEN})
+    assert status == 200 and answer["prompt"] == h.tok.decode([5] * MAX_MODEL_LEN,
+                                                              skip_special_tokens=False)
+    status, answer = await h.post("/detokenize", {"tokens": [5] * MAX_MODEL_LEN + ["x"]})
+    assert status == 400, answer
+    assert answer["error"]["param"] == "tokens"
+    assert answer["error"]["message"] == (f"'tokens' holds {MAX_MODEL_LEN + 1} token ids, more "
+                                          f"than the model's context ({MAX_MODEL_LEN} tokens)")
 
 
 async def test_a_queue_of_one_admits_one_request_and_refuses_a_second() -> None:
