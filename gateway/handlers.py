@@ -217,7 +217,7 @@ async def _start(gen: Generation, state: GatewayState) -> None:
                            "later", status=503, type="server_error") from e
     try:
         await gen.start()
-    except RedisError as e:
+    except (RedisError, TimeoutError) as e:     # TimeoutError: no answer (Upstream.submit)
         log.error("request not enqueued", error=str(e))
         raise APIError(f"the request could not be queued: {redis_trouble(e)}; try again later",
                        status=503, type="server_error") from e

@@ -1218,6 +1218,24 @@ async def test_a_stalled_redis_ends_the_streams_before_the_socket_timeout(h: Har
     assert b"Redis does not answer (stalled); the request cannot complete" in rest, rest[-500:]
 
 
+async def test_a_request_sent_while_redis_stalls_is_refused_naming_it(h: Harness) -> None:
+    """Redis stops answering (paused here, SIGSTOP in the field) before a request comes: its
+    submit is given up on after SUBMIT_REPLY_S, a 503 naming a stalled Redis. It waited for
+    the pool's 10 s socket timeout before (and for the pause's end, here 9 s)."""
+    admin = aioredis.Redis.from_url(h.config.redis_url, single_connection_client=True,
+                                    socket_timeout=30)
+    await admin.ping()
+    await admin.execute_command("CLIENT", "PAUSE", "9000", "ALL")
+    try:
+        status, body = await asyncio.wait_for(h.post("/v1/completions", completion()), 8)
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await admin.aclose()
+    assert status == 503, body
+    assert body["error"]["message"] == ("the request could not be queued: Redis does not "
+                                        "answer (stalled); try again later"), body
+
+
 # ---- disconnects -----------------------------------------------------------------------------
 
 async def test_streaming_client_that_disconnects_is_aborted(h: Harness) -> None:
