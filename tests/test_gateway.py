@@ -14,6 +14,7 @@ import json
 import math
 import re
 import socket
+import threading
 from dataclasses import dataclass
 
 import aiohttp
@@ -704,6 +705,35 @@ async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) 
         assert status == 400 and answer["error"]["param"] == param, (path, bad, answer)
     status, answer = await h.post("/tokenize", {"model": "gpt-4", "prompt": "x"})
     assert status == 404
+
+
+async def test_tokenize_builds_its_answer_off_the_event_loop(h: Harness, monkeypatch) -> None:
+    """A body's worth of text is a million ids: their token strings and their JSON took ~1 s
+    on the event loop, every stream stalled meanwhile. Here the token strings wait until
+    another request was answered, which only a loop left free can do (on the loop, they gave
+    up after 5 s, and the answer came alone)."""
+    entered, answered = threading.Event(), threading.Event()
+    waited: list[bool] = []
+    real = h.tok.id_to_token
+
+    def gated(token_id: int) -> str | None:
+        if not entered.is_set():
+            entered.set()
+            waited.append(answered.wait(5))
+        return real(token_id)
+    monkeypatch.setattr(h.tok, "id_to_token", gated)
+    tokenized = asyncio.create_task(h.post("/tokenize", {"prompt": "Say hello.",
+                                                         "return_token_strs": True}))
+    while not entered.is_set():
+        await asyncio.sleep(0.01)
+    async with h.session.get(h.url + "/v1/models") as r:
+        assert r.status == 200
+    answered.set()
+    status, body = await asyncio.wait_for(tokenized, 10)
+    assert status == 200 and waited == [True], body
+    ids = h.tok.encode("Say hello.", add_special_tokens=True)
+    assert body == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                    "token_strs": [real(t) for t in ids]}
 
 
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
