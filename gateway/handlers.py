@@ -21,8 +21,8 @@ from gateway import openai_schema as oai
 from gateway.generation import Generation
 from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
-from gateway.prompts import (chat_prompt, check_vocabulary, choice_sampling, prompt_token_ids,
-                             sampling_params)
+from gateway.prompts import (chat_prompt, check_vocabulary, choice_sampling, echo_texts,
+                             prompt_token_ids, sampling_params)
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.responses_api import (ResponseShape, chat_body, in_responses_terms, response_json,
                                    response_sse)
@@ -146,10 +146,7 @@ async def _generate_in_slot(request: web.Request, body: Any,
     samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
                  for ids in prompts]
     # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
-    # (a truncated prompt: the text of the tokens kept)
-    echoes = [p if isinstance(p, str) and req.truncate_prompt_tokens is None
-              else state.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
-              for p, ids in zip(req.prompts, prompts)] \
+    echoes = await asyncio.to_thread(echo_texts, req, prompts, state.tokenizer) \
         if req.echo else [None] * len(prompts)
     choices = [(ids, choice_sampling(sampling, j), echo)
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]

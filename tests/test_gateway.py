@@ -707,33 +707,55 @@ async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) 
     assert status == 404
 
 
+class LoopProbe:
+    """Holds the first call of a tokenizer method until another request was answered, which
+    only an event loop left free can do: `waited` is [True] where the call ran off the loop,
+    [False] where it held the loop (it gave up after 5 s, and nothing was answered)."""
+
+    def __init__(self, monkeypatch, tok: Tokenizer, name: str) -> None:
+        self.entered, self.answered = threading.Event(), threading.Event()
+        self.waited: list[bool] = []
+        self.real = real = getattr(tok, name)
+
+        def gated(*args, **kw):
+            if not self.entered.is_set():
+                self.entered.set()
+                self.waited.append(self.answered.wait(5))
+            return real(*args, **kw)
+        monkeypatch.setattr(tok, name, gated)
+
+    async def post(self, h: Harness, path: str, body: dict) -> tuple[int, dict]:
+        """`body` to `path`, another request answered while the held call waits."""
+        posted = asyncio.create_task(h.post(path, body))
+        while not self.entered.is_set():
+            await asyncio.sleep(0.01)
+        async with h.session.get(h.url + "/v1/models") as r:
+            assert r.status == 200
+        self.answered.set()
+        return await asyncio.wait_for(posted, 10)
+
+
 async def test_tokenize_builds_its_answer_off_the_event_loop(h: Harness, monkeypatch) -> None:
     """A body's worth of text is a million ids: their token strings and their JSON took ~1 s
-    on the event loop, every stream stalled meanwhile. Here the token strings wait until
-    another request was answered, which only a loop left free can do (on the loop, they gave
-    up after 5 s, and the answer came alone)."""
-    entered, answered = threading.Event(), threading.Event()
-    waited: list[bool] = []
-    real = h.tok.id_to_token
-
-    def gated(token_id: int) -> str | None:
-        if not entered.is_set():
-            entered.set()
-            waited.append(answered.wait(5))
-        return real(token_id)
-    monkeypatch.setattr(h.tok, "id_to_token", gated)
-    tokenized = asyncio.create_task(h.post("/tokenize", {"prompt": "Say hello.",
-                                                         "return_token_strs": True}))
-    while not entered.is_set():
-        await asyncio.sleep(0.01)
-    async with h.session.get(h.url + "/v1/models") as r:
-        assert r.status == 200
-    answered.set()
-    status, body = await asyncio.wait_for(tokenized, 10)
-    assert status == 200 and waited == [True], body
+    on the event loop, every stream stalled meanwhile."""
+    probe = LoopProbe(monkeypatch, h.tok, "id_to_token")
+    status, body = await probe.post(h, "/tokenize", {"prompt": "Say hello.",
+                                                     "return_token_strs": True})
+    assert status == 200 and probe.waited == [True], body
     ids = h.tok.encode("Say hello.", add_special_tokens=True)
     assert body == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
-                    "token_strs": [real(t) for t in ids]}
+                    "token_strs": [probe.real(t) for t in ids]}
+
+
+async def test_an_echo_is_decoded_off_the_event_loop(h: Harness, monkeypatch) -> None:
+    """A batch of token-id prompts, each as long as the context, is a body's worth of ids:
+    decoding them for `echo` took ~1 s on the event loop, every stream stalled meanwhile."""
+    ids = h.tok.encode("Say hello.", add_special_tokens=False)
+    probe = LoopProbe(monkeypatch, h.tok, "decode")
+    status, body = await probe.post(h, "/v1/completions", completion(
+        prompt=ids, echo=True, max_tokens=2))
+    assert status == 200 and probe.waited == [True], body
+    assert body["choices"][0]["text"].startswith("Say hello.")
 
 
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
