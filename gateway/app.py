@@ -91,6 +91,8 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router)
     tasks = [essential_task(state.router.run(), "token-router"),
              essential_task(heartbeat, "gateway-heartbeat")]
+    if replicas is not None:
+        tasks.append(essential_task(replicas.keep_live_set(), "live-instances"))
     try:
         # a request sent before the subscription is confirmed could lose its first tokens
         await asyncio.wait_for(state.router.subscribed.wait(), SUBSCRIBE_TIMEOUT_S)

@@ -5,6 +5,7 @@ import asyncio
 import contextlib
 import functools
 import importlib.metadata
+import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -20,8 +21,8 @@ from gateway import openai_schema as oai
 from gateway.generation import Generation
 from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
-from gateway.prompts import (chat_prompt, check_vocabulary, choice_sampling, prompt_token_ids,
-                             sampling_params)
+from gateway.prompts import (chat_prompt, check_vocabulary, choice_sampling, echo_texts,
+                             prompt_token_ids, sampling_params)
 from gateway.responses import Shape, full_json, stream_sse
 from gateway.responses_api import (ResponseShape, chat_body, in_responses_terms, response_json,
                                    response_sse)
@@ -29,6 +30,7 @@ from gateway.state import STATE, GatewayState, WaitingSlot
 from shared.errors import InvalidRequestError
 from shared.json_file import parse_user_json
 from shared.redis_retry import redis_trouble
+from shared.tokenizer import Tokenizer
 
 log = structlog.get_logger("gateway.handlers")
 
@@ -144,10 +146,7 @@ async def _generate_in_slot(request: web.Request, body: Any,
     samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
                  for ids in prompts]
     # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
-    # (a truncated prompt: the text of the tokens kept)
-    echoes = [p if isinstance(p, str) and req.truncate_prompt_tokens is None
-              else state.tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
-              for p, ids in zip(req.prompts, prompts)] \
+    echoes = await asyncio.to_thread(echo_texts, req, prompts, state.tokenizer) \
         if req.echo else [None] * len(prompts)
     choices = [(ids, choice_sampling(sampling, j), echo)
                for ids, sampling, echo in zip(prompts, samplings, echoes) for j in range(req.n)]
@@ -217,7 +216,7 @@ async def _start(gen: Generation, state: GatewayState) -> None:
                            "later", status=503, type="server_error") from e
     try:
         await gen.start()
-    except RedisError as e:
+    except (RedisError, TimeoutError) as e:     # TimeoutError: no answer (Upstream.submit)
         log.error("request not enqueued", error=str(e))
         raise APIError(f"the request could not be queued: {redis_trouble(e)}; try again later",
                        status=503, type="server_error") from e
@@ -256,16 +255,27 @@ async def tokenize(request: web.Request) -> web.Response:
     _check_model(req.model, state)
     text = req.prompt if req.messages is None else \
         await asyncio.to_thread(chat_prompt, req, state.tokenizer)
-    ids = await asyncio.to_thread(state.tokenizer.encode, text, req.add_special_tokens)
-    answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
+    # a body's worth of text is a million ids: their token strings and their JSON took ~1 s
+    # on the event loop after the encoding's thread, and every stream stalled meanwhile
+    answer = await asyncio.to_thread(_tokenized, text, req, state.tokenizer,
+                                     state.max_model_len)
+    return web.Response(text=answer, content_type="application/json")
+
+
+def _tokenized(text: str, req: oai.TokenizeRequest, tokenizer: Tokenizer,
+               max_model_len: int) -> str:
+    """/tokenize's answer, as JSON."""
+    ids = tokenizer.encode(text, req.add_special_tokens)
+    answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
     if req.return_token_strs:
-        answer["token_strs"] = [state.tokenizer.id_to_token(t) for t in ids]
-    return web.json_response(answer)
+        answer["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
+    return json.dumps(answer)
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    model, ids = oai.parse_detokenize(await _read_json(request, state.config.max_body_bytes))
+    model, ids = oai.parse_detokenize(await _read_json(request, state.config.max_body_bytes),
+                                     state.max_model_len)
     _check_model(model, state)
     check_vocabulary(ids, state.tokenizer, "tokens")
     return web.json_response({"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)})

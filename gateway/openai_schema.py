@@ -339,11 +339,18 @@ def parse_tokenize(body: Any) -> TokenizeRequest:
                            return_token_strs=strs)
 
 
-def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
-    """vLLM's /detokenize: (model, token ids)."""
+def parse_detokenize(body: Any, max_model_len: int) -> tuple[str | None, list[int]]:
+    """vLLM's /detokenize: (model, token ids). No more ids than the model's context holds
+    (no prompt and answer of this server is longer): the 1.4 million a body can carry took
+    ~2 s to check and decode, all of it on the event loop (the tokenizer's decode holds the
+    GIL, even on a thread), and every stream stalled meanwhile."""
     body = _object(body)
-    return read_field(body, "model", (str,), None), _int_list(read_field(body, "tokens", (list,)),
-                                                         "tokens")
+    tokens = read_field(body, "tokens", (list,))
+    if len(tokens) > max_model_len:
+        raise APIError(f"'tokens' holds {len(tokens)} token ids, more than the model's context "
+                       f"({max_model_len} tokens)", param="tokens",
+                       code="context_length_exceeded")
+    return read_field(body, "model", (str,), None), _int_list(tokens, "tokens")
 
 
 def _object(body: Any) -> dict:

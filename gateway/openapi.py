@@ -259,11 +259,11 @@ def _tokenize_request(model: str, max_model_len: int, vocab_size: int) -> dict[s
         "oneOf": [{"required": ["prompt"]}, {"required": ["messages"]}]}
 
 
-def _detokenize_request(model: str, vocab_size: int) -> dict[str, Any]:
+def _detokenize_request(model: str, max_model_len: int, vocab_size: int) -> dict[str, Any]:
     return {"type": "object", "required": ["tokens"], "properties": {
         "model": {"type": "string", "enum": [model], "nullable": True},
-        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0,
-                                              "maximum": vocab_size - 1}}}}
+        "tokens": {"type": "array", "maxItems": max_model_len, "items": {
+            "type": "integer", "minimum": 0, "maximum": vocab_size - 1}}}}
 
 
 def _post(summary: str, schema_ref: str, responses: dict[str, Any], **more) -> dict[str, Any]:
@@ -338,6 +338,6 @@ def openapi_spec(model: str, max_model_len: int, vocab_size: int) -> dict[str, A
             "ChatCompletionRequest": _chat_request(model, max_model_len, vocab_size),
             "ResponsesRequest": _responses_request(model, max_model_len, vocab_size),
             "TokenizeRequest": _tokenize_request(model, max_model_len, vocab_size),
-            "DetokenizeRequest": _detokenize_request(model, vocab_size),
+            "DetokenizeRequest": _detokenize_request(model, max_model_len, vocab_size),
         }},
     }

@@ -37,6 +37,17 @@ def prompt_token_ids(req: GenerationRequest, tokenizer: Tokenizer,
     return prompts if keep is None else [ids[-keep:] for ids in prompts]
 
 
+def echo_texts(req: GenerationRequest, prompts: list[list[int]],
+               tokenizer: Tokenizer) -> list[str]:
+    """What `echo` repeats of each prompt: its text as sent, or the text of its ids (a
+    token-id prompt; a truncated one: the tokens kept). CPU-bound (a batch of prompts each
+    as long as the context: a body's worth of ids, ~1 s to decode): run it off the event
+    loop."""
+    return [p if isinstance(p, str) and req.truncate_prompt_tokens is None
+            else tokenizer.decode(ids, skip_special_tokens=req.skip_special_tokens)
+            for p, ids in zip(req.prompts, prompts)]
+
+
 def chat_prompt(req: GenerationRequest | TokenizeRequest, tokenizer: Tokenizer) -> str:
     """The chat template's text of a request's messages (with its tools); messages it cannot
     take, or a template that fails on them, are a 400 naming 'messages'."""

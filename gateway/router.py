@@ -30,8 +30,10 @@ moves to a decode instance. Policies (`--router`):
   load each time: docs/design.md#cache-aware-routing.
 
 An instance whose scheduler has no live heartbeat (stopped, or restarting) is left out of the
-choice, whatever the policy, while another is alive (the live set is read at most every
-LIVE_REFRESH_S): its stream would hold the request until the scheduler is back.
+choice, whatever the policy, while another is alive: its stream would hold the request until
+the scheduler is back. The live set is read every LIVE_REFRESH_S by a task of its own
+(`keep_live_set`), never on a request's way: the read is a SCAN of the whole keyspace, which
+holds a key per request of the last minute (its `submitted` key).
 
 What an instance holds cached is the set of block hashes its scheduler publishes
 (`pacer:inst:{id}:cached_blocks`, SADD on caching, SREM on eviction, DEL when its index
@@ -45,6 +47,7 @@ cannot be read (a key holding another type, a count that is nan) is left out, no
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import time
@@ -54,9 +57,11 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
+from redis.exceptions import RedisError
 
 from gateway.config import POLICIES
 from shared.keys import SCAN_COUNT, Keys
+from shared.lifecycle import cancel_requested
 from shared.prefix_hash import cacheable_hashes
 from shared.protocol import Heartbeat, ProtocolError, decode
 
@@ -156,7 +161,7 @@ class ReplicaRouter:
         self.block_size: int | None = None                    # learnt from the stats hashes
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
         self._all = list(range(len(self.instances)))
-        self._live, self._live_at = self._all, float("-inf")
+        self._live = self._all
         self._refused: set[str] = set()                      # keys whose hint was refused
 
     async def choose(self, request_id: str, prompt_token_ids: Sequence[int]) -> str:
@@ -164,7 +169,7 @@ class ReplicaRouter:
         self.ended(request_id)       # a submission retried after a dropped connection
         turn = next(self._turns)
         work = len(prompt_token_ids)
-        live = await self._live_indices()
+        live = self._live
         if self.policy == "round-robin" or len(live) == 1:
             index = live[turn % len(live)]
         else:
@@ -196,14 +201,25 @@ class ReplicaRouter:
             self._outstanding[index] -= 1
             self._queued[index] -= work
 
-    async def _live_indices(self) -> list[int]:
-        """The instances whose scheduler heartbeats, as read at most LIVE_REFRESH_S ago; every
-        one while none does (no verdict: Redis restarted, or nothing started yet)."""
-        if len(self.instances) > 1 and time.monotonic() - self._live_at >= LIVE_REFRESH_S:
-            self._live_at = time.monotonic()
-            up = await live_instances(self.redis, self._root_keys)
-            self._live = [i for i, inst in enumerate(self.instances) if inst in up] or self._all
-        return self._live
+    async def read_live(self) -> None:
+        """Read the instances whose scheduler heartbeats; every one while none does (no
+        verdict: Redis restarted, or nothing started yet)."""
+        up = await live_instances(self.redis, self._root_keys)
+        self._live = [i for i, inst in enumerate(self.instances) if inst in up] or self._all
+
+    async def keep_live_set(self) -> None:
+        """`read_live` every LIVE_REFRESH_S, for the gateway's life. Each request found the
+        set at most that old, and the one that found it older paid for the SCAN before it was
+        sent; a read that fails keeps the last set (the heartbeat loop reports Redis's
+        failures)."""
+        while not cancel_requested():
+            if len(self.instances) > 1:
+                try:
+                    await self.read_live()
+                except (RedisError, OSError) as e:
+                    log.debug("live instances not read", error=str(e) or type(e).__name__)
+            await asyncio.sleep(LIVE_REFRESH_S)
+        raise asyncio.CancelledError
 
     async def _candidates(self, prompt_token_ids: Sequence[int]
                           ) -> tuple[list[Candidate], list[bytes]]:

@@ -50,6 +50,10 @@ log = structlog.get_logger("gateway.upstream")
 
 REDIS_UNREACHABLE_S = 3.0
 HEARTBEAT_REPLY_S = 1.0     # a heartbeat's reply waited for at most this long
+# a submit's, choosing its replica included: a stalled Redis (SIGSTOP, a full disk) held the
+# client for the pool's socket timeout (10 s) before its 503; no longer than Redis may fail
+# before the open streams end
+SUBMIT_REPLY_S = REDIS_UNREACHABLE_S
 REDIS_RESTARTED = "Redis restarted and lost the request; send it again"
 REQUEST_LOST = ("the request's entry is gone from Redis's request stream (trimmed at its "
                 "length cap, deleted, or evicted under maxmemory) before a scheduler finished "
@@ -98,7 +102,9 @@ class Upstream:
                      ) -> tuple[str, tuple[str, bytes | str] | None]:
         """`deadline`: time.time() after which the scheduler ends the request. Returns the
         run id of the Redis that took the request (when Redis restarts, only the requests
-        the old one took are lost) and where its entry is, (stream, entry id), if known."""
+        the old one took are lost) and where its entry is, (stream, entry id), if known.
+        Raises TimeoutError when Redis does not answer within SUBMIT_REPLY_S (the request
+        may still land once it does: the caller aborts it as any other it sent)."""
         msg = RequestMsg(
             request_id=request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
             reply_to=self.reply_to, gateway_id=self.gateway_id, arrival_time=arrival_time,
@@ -119,7 +125,8 @@ class Upstream:
             entry_id, info = await pipe.execute()
             return info["run_id"], (stream, entry_id) if entry_id else None
 
-        return await self._live_connection(send, "submit request")
+        return await asyncio.wait_for(self._live_connection(send, "submit request"),
+                                      SUBMIT_REPLY_S)
 
     def prefilled(self, request_id: str) -> None:
         """The request's first token came back (P/D: it has left its prefill instance)."""

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import socket
+import threading
 from dataclasses import dataclass
 
 import aiohttp
@@ -706,6 +707,57 @@ async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) 
     assert status == 404
 
 
+class LoopProbe:
+    """Holds the first call of a tokenizer method until another request was answered, which
+    only an event loop left free can do: `waited` is [True] where the call ran off the loop,
+    [False] where it held the loop (it gave up after 5 s, and nothing was answered)."""
+
+    def __init__(self, monkeypatch, tok: Tokenizer, name: str) -> None:
+        self.entered, self.answered = threading.Event(), threading.Event()
+        self.waited: list[bool] = []
+        self.real = real = getattr(tok, name)
+
+        def gated(*args, **kw):
+            if not self.entered.is_set():
+                self.entered.set()
+                self.waited.append(self.answered.wait(5))
+            return real(*args, **kw)
+        monkeypatch.setattr(tok, name, gated)
+
+    async def post(self, h: Harness, path: str, body: dict) -> tuple[int, dict]:
+        """`body` to `path`, another request answered while the held call waits."""
+        posted = asyncio.create_task(h.post(path, body))
+        while not self.entered.is_set():
+            await asyncio.sleep(0.01)
+        async with h.session.get(h.url + "/v1/models") as r:
+            assert r.status == 200
+        self.answered.set()
+        return await asyncio.wait_for(posted, 10)
+
+
+async def test_tokenize_builds_its_answer_off_the_event_loop(h: Harness, monkeypatch) -> None:
+    """A body's worth of text is a million ids: their token strings and their JSON took ~1 s
+    on the event loop, every stream stalled meanwhile."""
+    probe = LoopProbe(monkeypatch, h.tok, "id_to_token")
+    status, body = await probe.post(h, "/tokenize", {"prompt": "Say hello.",
+                                                     "return_token_strs": True})
+    assert status == 200 and probe.waited == [True], body
+    ids = h.tok.encode("Say hello.", add_special_tokens=True)
+    assert body == {"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids,
+                    "token_strs": [probe.real(t) for t in ids]}
+
+
+async def test_an_echo_is_decoded_off_the_event_loop(h: Harness, monkeypatch) -> None:
+    """A batch of token-id prompts, each as long as the context, is a body's worth of ids:
+    decoding them for `echo` took ~1 s on the event loop, every stream stalled meanwhile."""
+    ids = h.tok.encode("Say hello.", add_special_tokens=False)
+    probe = LoopProbe(monkeypatch, h.tok, "decode")
+    status, body = await probe.post(h, "/v1/completions", completion(
+        prompt=ids, echo=True, max_tokens=2))
+    assert status == 200 and probe.waited == [True], body
+    assert body["choices"][0]["text"].startswith("Say hello.")
+
+
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
     """Refused by the chat template's checks (an earlier call's arguments that are not JSON),
     a request's error names 'messages' ('input' on /v1/responses), as every other bad field
@@ -1216,6 +1268,24 @@ async def test_a_stalled_redis_ends_the_streams_before_the_socket_timeout(h: Har
                 await admin.execute_command("CLIENT", "UNPAUSE")
                 await admin.aclose()
     assert b"Redis does not answer (stalled); the request cannot complete" in rest, rest[-500:]
+
+
+async def test_a_request_sent_while_redis_stalls_is_refused_naming_it(h: Harness) -> None:
+    """Redis stops answering (paused here, SIGSTOP in the field) before a request comes: its
+    submit is given up on after SUBMIT_REPLY_S, a 503 naming a stalled Redis. It waited for
+    the pool's 10 s socket timeout before (and for the pause's end, here 9 s)."""
+    admin = aioredis.Redis.from_url(h.config.redis_url, single_connection_client=True,
+                                    socket_timeout=30)
+    await admin.ping()
+    await admin.execute_command("CLIENT", "PAUSE", "9000", "ALL")
+    try:
+        status, body = await asyncio.wait_for(h.post("/v1/completions", completion()), 8)
+    finally:
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        await admin.aclose()
+    assert status == 503, body
+    assert body["error"]["message"] == ("the request could not be queued: Redis does not "
+                                        "answer (stalled); try again later"), body
 
 
 # ---- disconnects -----------------------------------------------------------------------------
@@ -1754,11 +1824,25 @@ async def test_whole_numbers_written_as_floats_are_read_as_integers() -> None:
 
 async def test_long_token_id_lists_are_not_held_to_the_sampling_fields_bound() -> None:
     """The bound on allowed_token_ids and stop_token_ids is theirs alone: a token-id prompt
-    and /detokenize take any length."""
+    and /detokenize take as many as the context holds."""
     from gateway.openai_schema import parse_completion, parse_detokenize
     ids = [5] * 3000
     assert parse_completion({"model": MODEL, "prompt": ids}).prompts == (ids,)
-    assert parse_detokenize({"tokens": ids}) == (None, ids)
+    assert parse_detokenize({"tokens": ids}, 3000) == (None, ids)
+
+
+async def test_detokenize_takes_no_more_ids_than_the_context_holds(h: Harness) -> None:
+    """A body's worth of ids (1.4 million in 4 MB) held the event loop, and every stream,
+    for ~2 s while they were checked and decoded: more than the model's context holds is a
+    400 saying so, refused before any id is looked at."""
+    status, answer = await h.post("/detokenize", {"tokens": [5] * MAX_MODEL_LEN})
+    assert status == 200 and answer["prompt"] == h.tok.decode([5] * MAX_MODEL_LEN,
+                                                              skip_special_tokens=False)
+    status, answer = await h.post("/detokenize", {"tokens": [5] * MAX_MODEL_LEN + ["x"]})
+    assert status == 400, answer
+    assert answer["error"]["param"] == "tokens"
+    assert answer["error"]["message"] == (f"'tokens' holds {MAX_MODEL_LEN + 1} token ids, more "
+                                          f"than the model's context ({MAX_MODEL_LEN} tokens)")
 
 
 async def test_a_queue_of_one_admits_one_request_and_refuses_a_second() -> None:

@@ -11,7 +11,8 @@ import redis
 import redis.asyncio as aioredis
 
 from gateway import router as router_module
-from gateway.router import DECODE_TOKENS, Candidate, ReplicaRouter, leading, pick
+from gateway.router import (DECODE_TOKENS, Candidate, ReplicaRouter, leading, live_instances,
+                            pick)
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import BlockManager, Request
 from shared.keys import Keys
@@ -203,8 +204,15 @@ def test_round_robin_goes_in_turn():
 def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypatch, policy):
     """Every policy skips an instance with no live scheduler heartbeat while another has one
     (its stream would hold the request until the scheduler is back); with none alive at all
-    (no verdict) every instance is a candidate, as before."""
-    monkeypatch.setattr(router_module, "LIVE_REFRESH_S", 0.0)
+    (no verdict) every instance is a candidate, as before. The live set is read by a task of
+    its own, never on a request's way (a SCAN of the whole keyspace: the request that found
+    the set stale paid for it before it was sent)."""
+    reads = []
+
+    async def counted(*args):
+        reads.append(args)
+        return await live_instances(*args)
+    monkeypatch.setattr(router_module, "live_instances", counted)
     keys = Keys(f"live-{policy}:")
     sync = redis.Redis.from_url(redis_server)
     for inst in ("r0", "r1"):
@@ -220,7 +228,11 @@ def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypat
         client = aioredis.Redis.from_url(redis_server)
         router = ReplicaRouter(client, keys, ["r0", "r1"], policy)
         try:
-            return [await router.choose(str(i), [i] * 8) for i in range(n)]
+            await router.read_live()
+            read = len(reads)
+            chosen = [await router.choose(str(i), [i] * 8) for i in range(n)]
+            assert len(reads) == read          # no read of its own on the requests' way
+            return chosen
         finally:
             await client.aclose()
 
@@ -229,6 +241,39 @@ def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypat
     assert set(asyncio.run(choices(6))) == {"r1"}           # r0's scheduler is gone
     beat("r0")
     assert set(asyncio.run(choices(6))) == {"r0", "r1"}
+    sync.close()
+
+
+def test_the_live_set_is_kept_by_its_own_task(redis_server, monkeypatch):
+    """`keep_live_set` reads the live set again every LIVE_REFRESH_S; a read that fails keeps
+    the last one and the task goes on."""
+    monkeypatch.setattr(router_module, "LIVE_REFRESH_S", 0.01)
+    keys = Keys("live-task:")
+    sync = redis.Redis.from_url(redis_server)
+
+    async def scenario() -> None:
+        client = aioredis.Redis.from_url(redis_server)
+        router = ReplicaRouter(client, keys, ["r0", "r1"], "round-robin")
+        task = asyncio.create_task(router.keep_live_set())
+        try:
+            sync.set(keys.hb_scheduler("s1"),
+                     encode(Heartbeat("scheduler", "s1", 0.0, {"instance": "r1"})))
+            while router._live != [1]:
+                await asyncio.sleep(0.01)
+            refusals = []
+
+            async def refused(*_):
+                refusals.append(1)
+                raise redis.exceptions.ConnectionError("Redis is away")
+            monkeypatch.setattr(router_module, "live_instances", refused)
+            while len(refusals) < 3:
+                await asyncio.sleep(0.01)
+            assert not task.done() and router._live == [1]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await client.aclose()
+    asyncio.run(asyncio.wait_for(scenario(), 10))
     sync.close()
 
 
