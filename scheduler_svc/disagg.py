@@ -171,7 +171,9 @@ class PrefillSide:
         self.out = Outgoing()
         self.cursor: bytes | str = "$"
         self.own: list[dict] = []            # this instance's workers' KV descriptors
-        self._refused: set[str] = set()      # decode instances whose pools do not match ours
+        # decode instance -> the incarnation (its scheduler's started_at) whose KV pool does
+        # not match ours: its long prompts go to it whole, without asking for blocks each time
+        self._refused: dict[str, float] = {}
         self.kv_bytes_total = 0
         self.kv_send_ms_total = 0.0
         self.kv_exposed_ms_total = 0.0
@@ -240,11 +242,23 @@ class PrefillSide:
                 del self._msgs[rid]
                 self._reservations.pop(rid, None)
 
-    def _choose(self, blocks: int) -> _Decoder | None:
+    def set_workers(self, values: list[bytes | None]) -> None:
+        """This instance's worker heartbeats: the KV descriptors a decode pool must match.
+        Workers restarted (perhaps with another layout) may match a pool refused before, so
+        the refusals are forgotten when the descriptors change."""
+        own = kv_descriptors(values)
+        if own != self.own:
+            self._refused.clear()
+        self.own = own
+
+    def _choose(self, blocks: int, writes_kv: bool = False) -> _Decoder | None:
         """The decode instance with the most free blocks (less what was asked of it since
-        its last heartbeat), then the fewest running requests."""
+        its last heartbeat), then the fewest running requests; with `writes_kv`, only among
+        those whose KV pool ours can write into (as far as is known)."""
         best = None
         for d in self.decoders.values():
+            if writes_kv and self._refused.get(d.instance) == d.started_at:
+                continue
             free = d.free_blocks - self._promised.get(d.instance, 0)
             key = (free, -d.running)
             if best is None or key > best[0]:
@@ -260,12 +274,16 @@ class PrefillSide:
         again needs no cancel (one would free the blocks the answer names); asking another
         cancels the reservation left behind."""
         block_size = self.core.block_manager.block_size
-        decoder = self._choose(-(-(len(pending.msg.prompt_token_ids) + 1) // block_size))
+        decoder = self._choose(-(-(len(pending.msg.prompt_token_ids) + 1) // block_size),
+                               writes_kv=True)
         pending.asked_at = time.monotonic()
         left, pending.asked = pending.asked, decoder.instance if decoder else ""
         if left and left != pending.asked:
             self.out.cancels.append((left, CancelMsg(pending.msg.request_id, "asked elsewhere")))
-        if decoder is not None:
+        if decoder is None and self.decoders:
+            # every decode instance up has a pool ours cannot write into: one prefills it
+            self._hand_over_whole(pending)
+        elif decoder is not None:
             self.out.reserves.append((decoder.instance, ReserveMsg(encode(pending.msg),
                                                                    self.instance)))
 
@@ -324,8 +342,8 @@ class PrefillSide:
             return
         mismatch = self._layout_mismatch(msg.peers)
         if mismatch:
-            if msg.decode_instance not in self._refused:
-                self._refused.add(msg.decode_instance)
+            if self._refused.get(msg.decode_instance) != msg.incarnation:
+                self._refused[msg.decode_instance] = msg.incarnation
                 log.error("decode instance's KV pool cannot take ours; its requests are "
                           "prefilled there", decode_instance=msg.decode_instance,
                           error=mismatch)

@@ -53,7 +53,7 @@ from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
 from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, Writers,
-                                  decoders_from, kv_descriptors, prefills_from, scheduler_beats)
+                                  decoders_from, prefills_from, scheduler_beats)
 from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost,
                                     WorkersLost)
 from scheduler_svc.stats import SchedulerStats
@@ -232,7 +232,7 @@ class SchedulerService:
                 if self.decode is not None:
                     self.decode.set_workers(values)
                 if self.prefill is not None:
-                    self.prefill.own = kv_descriptors(values)
+                    self.prefill.set_workers(values)
                 return self._layouts_agree(values)
             if time.monotonic() - logged > 5.0:
                 missing = [r for r, v in enumerate(values) if not v]

@@ -40,9 +40,9 @@ def request(rid: str, n: int, max_tokens: int = 8) -> RequestMsg:
                       f"tokens:{rid}", "gw", 0.0)
 
 
-def descriptor(session: str, tp: int = 1, rank: int = 0) -> dict:
+def descriptor(session: str, tp: int = 1, rank: int = 0, dtype: str = "float32") -> dict:
     return {"engine": "mooncake", "session": session, "base": 0, "num_layers": 2,
-            "num_blocks": 16, "block_bytes": 64, "dtype": "float32", "tp": tp, "rank": rank}
+            "num_blocks": 16, "block_bytes": 64, "dtype": dtype, "tp": tp, "rank": rank}
 
 
 def reply(*msgs) -> list:
@@ -586,6 +586,28 @@ def test_a_decode_pool_of_another_layout_prefills_the_request_itself():
     (_, _, _, handoff), = out.handoffs
     assert handoff.output_token_ids == [] and handoff.kv_received == []
     assert c.get_request("r") is None                       # never prefilled here
+
+
+def test_a_decode_pool_of_another_layout_is_not_asked_again_until_it_restarts():
+    """The mismatch is remembered for the decode instance's incarnation: the next long prompt
+    goes to it whole at once, with no reservation asked and cancelled per prompt; once it
+    restarted (another started_at in its heartbeat) it is asked again."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", request("r", 10))
+    side.take()
+    side.receive_reservations(reply(ReservedMsg(
+        "r", "d0", "host-d0", [7, 8, 9], [descriptor("d0:1", dtype="bfloat16")], 1.0)))
+    side.take()
+    side.admit(b"10-0", request("r2", 10))
+    out = side.take()
+    assert out.reserves == [] and out.cancels == []
+    (instance, _, _, whole), = out.handoffs
+    assert instance == "d0" and whole.kv_received == []
+    side.housekeeping({"d0": _Decoder("d0", "host-d0", 100, 0, 2.0)}, {})
+    side.admit(b"11-0", request("r3", 10))
+    (instance, ask), = side.take().reserves
+    assert instance == "d0" and decode(ask.request).request_id == "r3"
 
 
 def test_a_short_prompt_goes_whole_and_a_failed_send_hands_over_without_kv():
