@@ -256,7 +256,8 @@ class SchedulerService:
         async def end_stopped() -> None:
             await self._intake(pull=False, block=False, watch=False)
             self.book.expire(time.time())
-            self._finish(self.core.take_aborted())
+            if ended := self.core.take_aborted():
+                self._finish(ended)
         return await self.wait_for_workers(stop, end_stopped)
 
     def _layouts_agree(self, values: list[bytes]) -> bool:
