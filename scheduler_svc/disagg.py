@@ -174,6 +174,9 @@ class PrefillSide:
         # decode instance -> the incarnation (its scheduler's started_at) whose KV pool does
         # not match ours: its long prompts go to it whole, without asking for blocks each time
         self._refused: dict[str, float] = {}
+        # the worker group was lost and no result of the next one is in yet: a rank that only
+        # stopped may still write into reserved blocks (see `plans_lost`)
+        self._old_writers = False
         self.kv_bytes_total = 0
         self.kv_send_ms_total = 0.0
         self.kv_exposed_ms_total = 0.0
@@ -452,7 +455,16 @@ class PrefillSide:
         now = self.decoders.get(res.decode_instance)
         return now is not None and now.started_at == res.incarnation
 
+    def plans_lost(self) -> None:
+        """The plans in flight will not be answered (the worker group lost). A request that
+        ends before a result of the next group is in (aborted, past its deadline, while the
+        scheduler waits for that group) is cancelled with its K/V pending: a rank that only
+        stopped may resume a send into its reserved blocks, after the decode side gave them
+        to another request. Once a result is in, the old group is gone."""
+        self._old_writers = True
+
     def observe(self, plan: IterationPlan, result: StepResult) -> None:
+        self._old_writers = False
         for send in plan.kv_sends:
             per_rank = result.kv_digests.get(send.request_id)
             res = self._reservations.get(send.request_id)
@@ -490,8 +502,8 @@ class PrefillSide:
             # the decode side frees the blocks at once unless a write into them failed or was
             # given up at its deadline (its last plan's result is in: a prefill instance plans
             # nothing ahead)
-            self.out.cancels.append((res.decode_instance,
-                                     CancelMsg(rid, "finished", not res.sent_ok)))
+            self.out.cancels.append((res.decode_instance, CancelMsg(
+                rid, "finished", not res.sent_ok or self._old_writers)))
             if ended is not None:
                 self.book.finished(replace(output, finish_reason=ended.finish_reason))
                 return True

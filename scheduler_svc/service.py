@@ -305,6 +305,8 @@ class SchedulerService:
             self._flight.clear()        # the core forgets them too (recompute_running)
             if self.decode is not None:
                 self.decode.checks_lost()
+            if self.prefill is not None:
+                self.prefill.plans_lost()
             if isinstance(interrupted, RedisLost):
                 self._forget_disagg_state()
                 self._requests_seen = None      # the new server's ids start again

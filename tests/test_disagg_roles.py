@@ -404,6 +404,40 @@ def test_a_send_given_up_then_restarted_from_zero_is_not_trusted_again():
     assert handoff.kv_received == [] and handoff.kv_check == []
 
 
+def test_a_request_aborted_while_the_worker_group_is_lost_leaves_its_blocks_held():
+    """The worker group is lost while a plan sends a prompt's K/V, and the request is aborted
+    while the scheduler waits for the next group (it ends then, with no plan): a rank that
+    only stopped may still write into the reserved blocks, so the cancel says its K/V is
+    pending and the decode side holds them. Once a result of the new group is in, a cancel
+    frees them at once again."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    for rid, entry in (("r", b"9-0"), ("r2", b"10-0")):
+        side.admit(entry, request(rid, 10))
+        side.receive_reservations(reply(ReservedMsg(rid, "d0", "host-d0", [7, 8, 9],
+                                                    [descriptor("d0:1")], 1.0)))
+    side.take()
+    plan = side.add_sends(c.schedule())
+    assert {s.request_id for s in plan.kv_sends} == {"r"}
+    c.recompute_running()
+    side.plans_lost()
+    c.abort("r")
+    out, = c.take_aborted()
+    assert not side.finished(out)
+    (_, cancel), = side.take().cancels
+    assert cancel.request_id == "r" and cancel.kv_pending
+    plan = side.add_sends(c.schedule())             # the new group answers a plan
+    result = StepResult(plan.step, {})
+    c.update(plan, result)
+    side.observe(plan, result)
+    c.abort("r2")
+    plan = c.schedule()
+    out, = c.update(plan, StepResult(plan.step, {}))
+    assert not side.finished(out)
+    (_, cancel), = side.take().cancels
+    assert cancel.request_id == "r2" and not cancel.kv_pending
+
+
 def test_the_prefill_side_sends_each_chunk_and_hands_over_with_the_first_token():
     c = core()
     side = prefill_side(c, [descriptor("p0:1")])
