@@ -5,7 +5,8 @@ import argparse
 import socket
 
 from shared.engine_args import EngineArgs
-from shared.service_args import ROLES, add_instance_args, add_service_args, non_negative_int
+from shared.service_args import (ROLES, add_instance_args, add_service_args, non_negative_int,
+                                 non_negative_seconds, positive_int)
 
 
 # measured with `bench/disaggregation.py --threshold` (docs/benchmarks.md#pd-disaggregation-served):
@@ -28,9 +29,9 @@ def register(sub) -> None:
     p.add_argument("--scheduler-id", default=None,
                    help="consumer name in the request group; keep it across restarts so the "
                         "scheduler takes back its unfinished requests (default: the host name, with -ID for --instance ID)")
-    p.add_argument("--max-waiting", type=int, default=None,
+    p.add_argument("--max-waiting", type=positive_int, default=None,
                    help="pull new requests only while fewer wait (default: --max-num-seqs)")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
+    p.add_argument("--drain-timeout", type=non_negative_seconds, default=30.0,
                    help="seconds to finish running requests after SIGTERM")
     add_instance_args(p)
     p.add_argument("--role", choices=ROLES, default="colocated",

@@ -171,7 +171,12 @@ class PrefillSide:
         self.out = Outgoing()
         self.cursor: bytes | str = "$"
         self.own: list[dict] = []            # this instance's workers' KV descriptors
-        self._refused: set[str] = set()      # decode instances whose pools do not match ours
+        # decode instance -> the incarnation (its scheduler's started_at) whose KV pool does
+        # not match ours: its long prompts go to it whole, without asking for blocks each time
+        self._refused: dict[str, float] = {}
+        # the worker group was lost and no result of the next one is in yet: a rank that only
+        # stopped may still write into reserved blocks (see `plans_lost`)
+        self._old_writers = False
         self.kv_bytes_total = 0
         self.kv_send_ms_total = 0.0
         self.kv_exposed_ms_total = 0.0
@@ -240,11 +245,23 @@ class PrefillSide:
                 del self._msgs[rid]
                 self._reservations.pop(rid, None)
 
-    def _choose(self, blocks: int) -> _Decoder | None:
+    def set_workers(self, values: list[bytes | None]) -> None:
+        """This instance's worker heartbeats: the KV descriptors a decode pool must match.
+        Workers restarted (perhaps with another layout) may match a pool refused before, so
+        the refusals are forgotten when the descriptors change."""
+        own = kv_descriptors(values)
+        if own != self.own:
+            self._refused.clear()
+        self.own = own
+
+    def _choose(self, blocks: int, writes_kv: bool = False) -> _Decoder | None:
         """The decode instance with the most free blocks (less what was asked of it since
-        its last heartbeat), then the fewest running requests."""
+        its last heartbeat), then the fewest running requests; with `writes_kv`, only among
+        those whose KV pool ours can write into (as far as is known)."""
         best = None
         for d in self.decoders.values():
+            if writes_kv and self._refused.get(d.instance) == d.started_at:
+                continue
             free = d.free_blocks - self._promised.get(d.instance, 0)
             key = (free, -d.running)
             if best is None or key > best[0]:
@@ -260,12 +277,16 @@ class PrefillSide:
         again needs no cancel (one would free the blocks the answer names); asking another
         cancels the reservation left behind."""
         block_size = self.core.block_manager.block_size
-        decoder = self._choose(-(-(len(pending.msg.prompt_token_ids) + 1) // block_size))
+        decoder = self._choose(-(-(len(pending.msg.prompt_token_ids) + 1) // block_size),
+                               writes_kv=True)
         pending.asked_at = time.monotonic()
         left, pending.asked = pending.asked, decoder.instance if decoder else ""
         if left and left != pending.asked:
             self.out.cancels.append((left, CancelMsg(pending.msg.request_id, "asked elsewhere")))
-        if decoder is not None:
+        if decoder is None and self.decoders:
+            # every decode instance up has a pool ours cannot write into: one prefills it
+            self._hand_over_whole(pending)
+        elif decoder is not None:
             self.out.reserves.append((decoder.instance, ReserveMsg(encode(pending.msg),
                                                                    self.instance)))
 
@@ -324,8 +345,8 @@ class PrefillSide:
             return
         mismatch = self._layout_mismatch(msg.peers)
         if mismatch:
-            if msg.decode_instance not in self._refused:
-                self._refused.add(msg.decode_instance)
+            if self._refused.get(msg.decode_instance) != msg.incarnation:
+                self._refused[msg.decode_instance] = msg.incarnation
                 log.error("decode instance's KV pool cannot take ours; its requests are "
                           "prefilled there", decode_instance=msg.decode_instance,
                           error=mismatch)
@@ -434,7 +455,16 @@ class PrefillSide:
         now = self.decoders.get(res.decode_instance)
         return now is not None and now.started_at == res.incarnation
 
+    def plans_lost(self) -> None:
+        """The plans in flight will not be answered (the worker group lost). A request that
+        ends before a result of the next group is in (aborted, past its deadline, while the
+        scheduler waits for that group) is cancelled with its K/V pending: a rank that only
+        stopped may resume a send into its reserved blocks, after the decode side gave them
+        to another request. Once a result is in, the old group is gone."""
+        self._old_writers = True
+
     def observe(self, plan: IterationPlan, result: StepResult) -> None:
+        self._old_writers = False
         for send in plan.kv_sends:
             per_rank = result.kv_digests.get(send.request_id)
             res = self._reservations.get(send.request_id)
@@ -472,8 +502,8 @@ class PrefillSide:
             # the decode side frees the blocks at once unless a write into them failed or was
             # given up at its deadline (its last plan's result is in: a prefill instance plans
             # nothing ahead)
-            self.out.cancels.append((res.decode_instance,
-                                     CancelMsg(rid, "finished", not res.sent_ok)))
+            self.out.cancels.append((res.decode_instance, CancelMsg(
+                rid, "finished", not res.sent_ok or self._old_writers)))
             if ended is not None:
                 self.book.finished(replace(output, finish_reason=ended.finish_reason))
                 return True

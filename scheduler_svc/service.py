@@ -21,7 +21,8 @@ large share); a prefill instance keeps the strict order: plan, wait, update.
 Failures, and what the loop does about them (the worker, plan and Redis cases are
 `recovery.py`'s):
 
-    a worker dies       recompute every running request, wait for the group, carry on
+    a worker dies       recompute every running request, wait for the group (meanwhile
+                        ending the requests aborted or past their deadline), carry on
     a plan is lost      recompute every running request, carry on
     it restarts itself  request state lives in Redis until finished: an entry is XACKed only
                         after its finish event was published. At start it runs one empty
@@ -43,6 +44,7 @@ import os
 import socket
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -53,7 +55,7 @@ from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
 from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, Writers,
-                                  decoders_from, kv_descriptors, prefills_from, scheduler_beats)
+                                  decoders_from, prefills_from, scheduler_beats)
 from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost,
                                     WorkersLost)
 from scheduler_svc.stats import SchedulerStats
@@ -62,6 +64,7 @@ from scheduler_svc.workers import WorkerWatch, role_disagreement
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, essential_task, freeze_heap, keep_heartbeat,
                               live_namesake, stopped_for, stream_tail_id)
+from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, StepResult
 from shared.service_args import check_role
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
@@ -220,9 +223,11 @@ class SchedulerService:
         plan_id = await self._send(plan)
         self.core.update(plan, await self._wait_result(plan.step, plan_id))
 
-    async def wait_for_workers(self, stop: asyncio.Event) -> bool:
-        """Until every rank's heartbeat is up; False if stopped first or a rank's KV pool
-        disagrees with ours (then nothing could be scheduled safely)."""
+    async def wait_for_workers(self, stop: asyncio.Event,
+                               meanwhile: Callable[[], Awaitable[None]] | None = None) -> bool:
+        """Until every rank's heartbeat is up, running `meanwhile` between looks; False if
+        stopped first or a rank's KV pool disagrees with ours (then nothing could be
+        scheduled safely)."""
         logged = 0.0
         while not stop.is_set() or self._drain_deadline is not None and not self._drain_expired():
             values = await self.recovery.retrying(
@@ -232,14 +237,28 @@ class SchedulerService:
                 if self.decode is not None:
                     self.decode.set_workers(values)
                 if self.prefill is not None:
-                    self.prefill.own = kv_descriptors(values)
+                    self.prefill.set_workers(values)
                 return self._layouts_agree(values)
             if time.monotonic() - logged > 5.0:
                 missing = [r for r, v in enumerate(values) if not v]
                 log.info("waiting for workers", missing_ranks=missing)
                 logged = time.monotonic()
+            if meanwhile is not None:
+                await meanwhile()
             await asyncio.sleep(0.2)
         return False
+
+    async def _wait_for_lost_workers(self, stop: asyncio.Event) -> bool:
+        """Wait for a worker group that was lost. Every request waits in the queue meanwhile
+        (none runs), so one that is aborted, reaches its deadline, loses its gateway or is
+        dropped for losing the workers again and again ends at once, with no plan: its
+        client (or its gateway's bookkeeping) must not wait for the workers to come back."""
+        async def end_stopped() -> None:
+            await self._intake(pull=False, block=False, watch=False)
+            self.book.expire(time.time())
+            if ended := self.core.take_aborted():
+                self._finish(ended)
+        return await self.wait_for_workers(stop, end_stopped)
 
     def _layouts_agree(self, values: list[bytes]) -> bool:
         mine = {"num_kv_blocks": self.core.block_manager.num_total_blocks,
@@ -286,12 +305,15 @@ class SchedulerService:
             self._flight.clear()        # the core forgets them too (recompute_running)
             if self.decode is not None:
                 self.decode.checks_lost()
+            if self.prefill is not None:
+                self.prefill.plans_lost()
             if isinstance(interrupted, RedisLost):
                 self._forget_disagg_state()
                 self._requests_seen = None      # the new server's ids start again
                 self.stats.mark_dirty()         # its stats hash went with the old server
             try:
-                return await self.recovery.recover(interrupted, stop, self.wait_for_workers)
+                return await self.recovery.recover(interrupted, stop,
+                                                   self._wait_for_lost_workers)
             except Interrupted as again:
                 log.warning("interrupted again while recovering", first=type(interrupted).__name__,
                             then=type(again).__name__)
@@ -376,17 +398,24 @@ class SchedulerService:
             self.prefill.observe(plan, result)
         if self.decode is not None:
             self.decode.observe(plan, result)
+        self._finish(outputs)
+        return len(outputs)
+
+    def _finish(self, outputs: list[RequestOutput]) -> None:
+        """The finished among the core's outputs go to the book (a prefill instance's, once
+        prefilled, to their decode instance instead)."""
         for output in outputs:
             if output.finished and not (self.prefill is not None
                                         and self.prefill.finished(output)):
                 self.book.finished(output)
         self.stats.mark_dirty()
-        return len(outputs)
 
     # ---- intake --------------------------------------------------------------------------
 
-    async def _intake(self, pull: bool, block: bool) -> None:
-        """Write stats, flush the outbox, read requests and aborts: one round trip."""
+    async def _intake(self, pull: bool, block: bool, watch: bool = True) -> None:
+        """Write stats, flush the outbox, read requests and aborts: one round trip. `watch`:
+        whether an idle scheduler looks for restarted workers (not while it waits for a lost
+        group: it takes that group as it comes back)."""
         outbox = self.book.take_outbox()
         room = max(0, self.config.max_waiting - self.core.num_waiting) if pull else 0
         if self.decode is not None:
@@ -405,7 +434,7 @@ class SchedulerService:
         claim = room if gateways is not None else 0
         # idle, the workers may have been restarted (their KV cache and every cached prefix
         # gone) with no plan in flight to notice it: look before the next plan goes out
-        watch_workers = idle and not self._flight
+        watch_workers = watch and idle and not self._flight
         # blocks set aside from a given-up reservation: may their writers' heartbeats free them
         held = self.decode.held_heartbeats() if self.decode is not None and gateways is not None \
             else []

@@ -27,6 +27,14 @@ def non_negative_int(text: str) -> int:
     return value
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: an integer >= 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
     """An argparse type: a number of seconds > 0."""
     value = float(text)

@@ -4,6 +4,8 @@ scheduler that died. Both must continue a request exactly where it was: same out
 the next sample at the next output position, prompt and generated tokens recomputed."""
 from __future__ import annotations
 
+import pytest
+
 from scheduler_svc.core import RequestStatus, Scheduler
 from shared.config import SchedulerConfig
 from shared.plan import SampledToken, StepResult
@@ -256,3 +258,67 @@ def test_a_request_running_at_every_worker_loss_is_dropped_with_an_error() -> No
     assert core.get_request("poison") is None
     assert core.get_request("late") is not None
     assert f"lost {MAX_WORKER_LOSSES} times" in book._errors["poison"][0]
+
+
+@pytest.mark.parametrize("stopped_by", ["abort", "deadline"])
+def test_a_request_stopped_while_the_worker_group_is_lost_ends_at_once(redis_server,
+                                                                       stopped_by) -> None:
+    """The worker group is lost while a request runs, and no worker comes back: an abort of
+    that request, or its deadline, must end it now (its finish event published, its blocks
+    free), not with the first result of a group that comes back (it waited for one, and so
+    did its client and its gateway's bookkeeping). Real Redis: the abort comes in its
+    stream, the event on pub/sub."""
+    import asyncio
+    import time
+
+    import redis.asyncio as aioredis
+
+    from gpu_worker.service import worker_heartbeat
+    from scheduler_svc.recovery import WorkersLost
+    from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+    from shared.keys import Keys
+    from shared.protocol import AbortMsg, FinishEvent, RequestMsg, decode, encode, to_fields
+
+    keys = Keys(f"lost-workers-{stopped_by}:")
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_server)
+        core = make_scheduler()
+        service = SchedulerService(r, keys, core, SchedulerServiceConfig("s"))
+        await service.prepare()
+        await r.set(keys.hb_worker(0), encode(worker_heartbeat(0, 1, 32, 4)()))
+        await r.set(keys.hb_gateway("gw"), b"alive")    # its gateway stays: not what ends it
+        stop = asyncio.Event()
+        assert await service.wait_for_workers(stop)
+        await r.xadd(keys.requests, to_fields(RequestMsg(
+            "r", [10, 11, 12], SamplingParams(max_tokens=8), "tokens:r", "gw", 0.0,
+            deadline=time.time() + 2.0 if stopped_by == "deadline" else None)))
+        await service._intake(pull=True, block=False)
+        run_step(core)                                  # running, holding blocks
+        await r.delete(keys.hb_worker(0))               # the group is gone, for good
+        pubsub = r.pubsub()
+        await pubsub.subscribe("tokens:r")
+        recovering = asyncio.create_task(service._recover(WorkersLost([0]), stop))
+        if stopped_by == "abort":
+            await r.xadd(keys.aborts, to_fields(AbortMsg("r", "client disconnected")))
+        event = None
+        try:
+            async with asyncio.timeout(10):
+                while event is None:
+                    msg = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                    event = msg and decode(msg["data"])
+            waiting = not recovering.done()
+        finally:
+            stop.set()
+            await asyncio.wait_for(recovering, 10)
+            await pubsub.aclose()
+            await r.aclose()
+        return core, event, waiting
+
+    core, event, waiting = asyncio.run(go())
+    assert isinstance(event, FinishEvent)
+    assert (event.finish_reason, event.error_type) == (
+        ("abort", "server_error") if stopped_by == "abort" else ("error", "timeout_error"))
+    assert waiting                                      # still no worker: it ended anyway
+    assert core.get_request("r") is None
+    assert core.block_manager.num_free_blocks == core.block_manager.num_total_blocks

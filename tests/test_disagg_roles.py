@@ -40,9 +40,9 @@ def request(rid: str, n: int, max_tokens: int = 8) -> RequestMsg:
                       f"tokens:{rid}", "gw", 0.0)
 
 
-def descriptor(session: str, tp: int = 1, rank: int = 0) -> dict:
+def descriptor(session: str, tp: int = 1, rank: int = 0, dtype: str = "float32") -> dict:
     return {"engine": "mooncake", "session": session, "base": 0, "num_layers": 2,
-            "num_blocks": 16, "block_bytes": 64, "dtype": "float32", "tp": tp, "rank": rank}
+            "num_blocks": 16, "block_bytes": 64, "dtype": dtype, "tp": tp, "rank": rank}
 
 
 def reply(*msgs) -> list:
@@ -404,6 +404,40 @@ def test_a_send_given_up_then_restarted_from_zero_is_not_trusted_again():
     assert handoff.kv_received == [] and handoff.kv_check == []
 
 
+def test_a_request_aborted_while_the_worker_group_is_lost_leaves_its_blocks_held():
+    """The worker group is lost while a plan sends a prompt's K/V, and the request is aborted
+    while the scheduler waits for the next group (it ends then, with no plan): a rank that
+    only stopped may still write into the reserved blocks, so the cancel says its K/V is
+    pending and the decode side holds them. Once a result of the new group is in, a cancel
+    frees them at once again."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    for rid, entry in (("r", b"9-0"), ("r2", b"10-0")):
+        side.admit(entry, request(rid, 10))
+        side.receive_reservations(reply(ReservedMsg(rid, "d0", "host-d0", [7, 8, 9],
+                                                    [descriptor("d0:1")], 1.0)))
+    side.take()
+    plan = side.add_sends(c.schedule())
+    assert {s.request_id for s in plan.kv_sends} == {"r"}
+    c.recompute_running()
+    side.plans_lost()
+    c.abort("r")
+    out, = c.take_aborted()
+    assert not side.finished(out)
+    (_, cancel), = side.take().cancels
+    assert cancel.request_id == "r" and cancel.kv_pending
+    plan = side.add_sends(c.schedule())             # the new group answers a plan
+    result = StepResult(plan.step, {})
+    c.update(plan, result)
+    side.observe(plan, result)
+    c.abort("r2")
+    plan = c.schedule()
+    out, = c.update(plan, StepResult(plan.step, {}))
+    assert not side.finished(out)
+    (_, cancel), = side.take().cancels
+    assert cancel.request_id == "r2" and not cancel.kv_pending
+
+
 def test_the_prefill_side_sends_each_chunk_and_hands_over_with_the_first_token():
     c = core()
     side = prefill_side(c, [descriptor("p0:1")])
@@ -586,6 +620,28 @@ def test_a_decode_pool_of_another_layout_prefills_the_request_itself():
     (_, _, _, handoff), = out.handoffs
     assert handoff.output_token_ids == [] and handoff.kv_received == []
     assert c.get_request("r") is None                       # never prefilled here
+
+
+def test_a_decode_pool_of_another_layout_is_not_asked_again_until_it_restarts():
+    """The mismatch is remembered for the decode instance's incarnation: the next long prompt
+    goes to it whole at once, with no reservation asked and cancelled per prompt; once it
+    restarted (another started_at in its heartbeat) it is asked again."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", request("r", 10))
+    side.take()
+    side.receive_reservations(reply(ReservedMsg(
+        "r", "d0", "host-d0", [7, 8, 9], [descriptor("d0:1", dtype="bfloat16")], 1.0)))
+    side.take()
+    side.admit(b"10-0", request("r2", 10))
+    out = side.take()
+    assert out.reserves == [] and out.cancels == []
+    (instance, _, _, whole), = out.handoffs
+    assert instance == "d0" and whole.kv_received == []
+    side.housekeeping({"d0": _Decoder("d0", "host-d0", 100, 0, 2.0)}, {})
+    side.admit(b"11-0", request("r3", 10))
+    (instance, ask), = side.take().reserves
+    assert instance == "d0" and decode(ask.request).request_id == "r3"
 
 
 def test_a_short_prompt_goes_whole_and_a_failed_send_hands_over_without_kv():

@@ -8,6 +8,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -126,6 +128,20 @@ def test_a_scheduler_started_alone_refuses_a_pool_shorter_than_the_context():
         "than the context of 8192: give --max-model-len 1536 or less" in proc.stderr, \
         proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("flag, value, said", [
+    ("--max-waiting", "-3", "must be >= 1, got -3"),
+    ("--drain-timeout", "nan", "must be a number >= 0, got nan"),
+])
+def test_a_scheduler_refuses_a_bound_that_would_never_pull_or_never_end(flag, value, said):
+    """A negative --max-waiting pulled no request ever (the gateway's requests waited for
+    nobody); a NaN --drain-timeout never ran out. Both are refused with one line, before
+    Redis is even tried."""
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "scheduler", flag, value,
+                           "--redis-url", f"redis://127.0.0.1:{_free_port()}/0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"argument {flag}: {said}" in proc.stderr, proc.stderr
 
 
 def test_the_url_pacer_up_prints_is_one_a_client_can_use():

@@ -335,6 +335,14 @@ class Scheduler:
         self._preempted_ids.extend(lost_ids)  # a worker that survived drops their state
         return lost_ids
 
+    def take_aborted(self) -> list[RequestOutput]:
+        """The aborts to report while no plan can carry them (the worker group is lost and
+        nothing runs: `recompute_running`); their blocks are free already, and the ids the
+        workers must forget ride on the next plan."""
+        self._require_updated()
+        outputs, self._aborted = self._aborted, []
+        return outputs
+
     def get_request(self, request_id: str) -> Request | None:
         """The live request with this id, or None once it finished or was never added."""
         return self._requests.get(request_id)
