@@ -784,6 +784,23 @@ async def test_a_failed_generation_is_a_server_error(h: Harness) -> None:
     assert data[-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_failed_stream_still_sends_the_text_it_held_back(h: Harness, path: str) -> None:
+    """A stop string the output so far could still grow into holds that text back; should
+    the generation then fail, the text goes out before the error event, not with it lost."""
+    received = reply_text(h.tok, 2)          # the fake's two tokens before its failure
+    fields = dict(max_tokens=10, stop=[received + "!"])
+    body = completion(prompt="[error]", **fields) if path == "/v1/completions" else \
+        chat("[error]", **fields)
+    data = await h.sse(path, body)
+    assert data[-1] == "[DONE]"
+    assert "the fake worker failed" in json.loads(data[-2])["error"]["message"]
+    choices = [c for d in data[:-2] for c in json.loads(d)["choices"]]
+    assert "".join(c.get("text") or c.get("delta", {}).get("content") or ""
+                   for c in choices) == received
+    assert all(c["finish_reason"] is None for c in choices)
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}}]
 
