@@ -197,13 +197,7 @@ class Generation:
         if self.sampling.prompt_logprobs is None:
             return Delta(self._echo)
         ids, known = self.prompt_token_ids, self._stream.prompt_logprobs
-        # each prompt token's place in its text, as the output's are found
-        text = IncrementalDetokenizer(self._tokenizer,
-                                      skip_special_tokens=self._skip_special_tokens)
-        offsets = []
-        for t in ids:
-            offsets.append(len(text.text))
-            text.add(t)
+        offsets = self._prompt_offsets()
         entries = [TokenLogprob(self._token_text(ids[0]), None, None, offset=0)]
         for pos in range(1, len(ids)):
             entry = known.get(pos)
@@ -215,6 +209,25 @@ class Generation:
             log.error("prompt logprobs missing", request_id=self.request_id,
                       missing=len(ids) - 1 - len(known))
         return Delta(self._echo, entries)
+
+    def _prompt_offsets(self) -> list[int]:
+        """Each prompt token's place in the echoed prompt, found as the output's are. A
+        token-id prompt's echo is its decoded text; a text prompt's is the text as sent, with
+        the special tokens written in it (so decoded with them) and without those the
+        tokenizer added in front (BOS: decoded, then counted off, so that they stand at 0)."""
+        found = []
+        for skip in dict.fromkeys((self._skip_special_tokens, False)):
+            text = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip)
+            offsets = []
+            for t in self.prompt_token_ids:
+                offsets.append(len(text.text))
+                text.add(t)
+            text.flush()
+            if text.text.endswith(self._echo):
+                added = len(text.text) - len(self._echo)
+                return [max(at - added, 0) for at in offsets]
+            found.append(offsets)
+        return found[0]     # a text the tokenizer does not give back as written
 
     def prompt_logprobs(self, top: int) -> list[dict | None]:
         """vLLM's `prompt_logprobs` of this request's prompt (once its answer is in)."""
