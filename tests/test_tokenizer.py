@@ -15,7 +15,8 @@ import pytest
 from gguf import GGUFWriter
 from tokenizers import pre_tokenizers
 
-from helpers_tiny_model import CHAT_TEMPLATE, write_tiny_gguf, write_tiny_llama
+from helpers_tiny_model import (CHAT_TEMPLATE, write_sentencepiece_tokenizer, write_tiny_gguf,
+                                write_tiny_llama)
 from hf_reference import gguf_py_read_faster
 from shared.chat_template import render_chat_template, validate_messages
 from shared.detokenizer import IncrementalDetokenizer
@@ -238,31 +239,9 @@ def _write_tokenizer_gguf(path, model: str, pre: str = "smollm") -> str:
     return str(path)
 
 
-# a SentencePiece vocabulary of our own making: specials, the 256 byte pieces, characters,
-# and merged pieces (their order here is their score's: the first merges first)
-_SPM_PIECES = ["▁t", "he", "▁the", "▁a", "in", "▁in", "er", "▁w", "or", "▁wor", "ld", "▁world",
-               "▁H", "el", "lo", "llo", "ello", "▁Hello", "▁s", "ur", "▁sur", "▁sure", "an",
-               "▁an", "▁and", "▁I", "'m", "▁1", "23", "▁123", "▁▁", "▁▁▁", "ing", "▁th", "is"]
-
-
 def _write_sentencepiece_gguf(path, add_bos: bool | None = True) -> str:
-    chars = sorted(set("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-                       ".,!?'-:;()#*+=_/"))
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *chars,
-              *_SPM_PIECES]
-    types = [2, 3, 3, *[6] * 256, *[1] * (len(chars) + len(_SPM_PIECES))]
-    scores = [0.0] * 259 + [-1000.0 - i for i in range(len(chars))] + \
-        [-1.0 - 0.5 * i for i in range(len(_SPM_PIECES))]
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    if add_bos is not None:
-        writer.add_add_bos_token(add_bos)
+    write_sentencepiece_tokenizer(writer, add_bos)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
