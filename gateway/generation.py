@@ -198,12 +198,12 @@ class Generation:
             return Delta(self._echo)
         ids, known = self.prompt_token_ids, self._stream.prompt_logprobs
         offsets = self._prompt_offsets()
-        entries = [TokenLogprob(self._token_text(ids[0]), None, None, offset=0)]
+        entries = [TokenLogprob(self._tokenizer.token_text(ids[0]), None, None, offset=0)]
         for pos in range(1, len(ids)):
             entry = known.get(pos)
             entries.append(TokenLogprob(
-                self._token_text(ids[pos]), entry and entry.logprob,
-                [(self._token_text(t), lp) for t, lp in (entry and entry.top) or []],
+                self._tokenizer.token_text(ids[pos]), entry and entry.logprob,
+                [(self._tokenizer.token_text(t), lp) for t, lp in (entry and entry.top) or []],
                 offset=offsets[pos]))
         if len(known) < len(ids) - 1:
             log.error("prompt logprobs missing", request_id=self.request_id,
@@ -232,7 +232,7 @@ class Generation:
     def prompt_logprobs(self, top: int) -> list[dict | None]:
         """vLLM's `prompt_logprobs` of this request's prompt (once its answer is in)."""
         return vllm_prompt_logprobs(self.prompt_token_ids, self._stream.prompt_logprobs, top,
-                                    self._token_text)
+                                    self._tokenizer.token_text)
 
     def _consume(self, events: list[TokenEvent]) -> None:
         """Feed tokens to the text until a stop string appears; their logprobs wait."""
@@ -286,15 +286,12 @@ class Generation:
 
     def _logprob(self, event: TokenEvent, offset: int) -> TokenLogprob:
         ids = [event.token_id, *(t for t, _ in event.top_logprobs or [])]
-        texts = [self._token_text(t) for t in ids]
+        texts = [self._tokenizer.token_text(t) for t in ids]
         return TokenLogprob(token=texts[0], logprob=event.logprob,
                             top=[(text, lp) for text, (_, lp) in
                                  zip(texts[1:], event.top_logprobs or [])],
                             raw=tuple(map(self._tokenizer.token_bytes, ids, texts)),
                             offset=offset)
-
-    def _token_text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 async def merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:

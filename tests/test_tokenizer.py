@@ -106,6 +106,20 @@ def test_token_bytes_join_into_the_text(smol):
     assert smol.token_bytes(2) == b"<|im_end|>"                 # special: its text
 
 
+def test_sentencepiece_tokens_keep_their_space(tmp_path):
+    """A token's own text (logprobs' `token`, and so its `bytes`) is its text inside the
+    output: a SentencePiece token keeps the space its decoder strips at a sequence's start,
+    so that the tokens join into the text, as the byte-level ones do."""
+    tok = load_tokenizer(resolve_model(_write_sentencepiece_gguf(tmp_path / "s.gguf")))
+    prompt = tok.encode("Hello the world")
+    ids = tok.encode(" I'm sure the 123 and the  in\nthe\tworld")
+    assert tok.token_text(ids[2]) == " sure"
+    after = tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    assert "".join(map(tok.token_text, ids)) == after
+    assert b"".join(map(tok.token_bytes, ids)) == after.encode("utf-8")
+    assert tok.token_text(2) == "</s>"                  # special: written out
+
+
 @pytest.mark.slow
 def test_gguf_chat_template_matches_transformers(smol, reference):
     for messages in ([{"role": "user", "content": "What is 2+2?"}],
