@@ -197,29 +197,42 @@ class Generation:
         if self.sampling.prompt_logprobs is None:
             return Delta(self._echo)
         ids, known = self.prompt_token_ids, self._stream.prompt_logprobs
-        # each prompt token's place in its text, as the output's are found
-        text = IncrementalDetokenizer(self._tokenizer,
-                                      skip_special_tokens=self._skip_special_tokens)
-        offsets = []
-        for t in ids:
-            offsets.append(len(text.text))
-            text.add(t)
-        entries = [TokenLogprob(self._token_text(ids[0]), None, None, offset=0)]
+        offsets = self._prompt_offsets()
+        entries = [TokenLogprob(self._tokenizer.token_text(ids[0]), None, None, offset=0)]
         for pos in range(1, len(ids)):
             entry = known.get(pos)
             entries.append(TokenLogprob(
-                self._token_text(ids[pos]), entry and entry.logprob,
-                [(self._token_text(t), lp) for t, lp in (entry and entry.top) or []],
+                self._tokenizer.token_text(ids[pos]), entry and entry.logprob,
+                [(self._tokenizer.token_text(t), lp) for t, lp in (entry and entry.top) or []],
                 offset=offsets[pos]))
         if len(known) < len(ids) - 1:
             log.error("prompt logprobs missing", request_id=self.request_id,
                       missing=len(ids) - 1 - len(known))
         return Delta(self._echo, entries)
 
+    def _prompt_offsets(self) -> list[int]:
+        """Each prompt token's place in the echoed prompt, found as the output's are. A
+        token-id prompt's echo is its decoded text; a text prompt's is the text as sent, with
+        the special tokens written in it (so decoded with them) and without those the
+        tokenizer added in front (BOS: decoded, then counted off, so that they stand at 0)."""
+        found = []
+        for skip in dict.fromkeys((self._skip_special_tokens, False)):
+            text = IncrementalDetokenizer(self._tokenizer, skip_special_tokens=skip)
+            offsets = []
+            for t in self.prompt_token_ids:
+                offsets.append(len(text.text))
+                text.add(t)
+            text.flush()
+            if text.text.endswith(self._echo):
+                added = len(text.text) - len(self._echo)
+                return [max(at - added, 0) for at in offsets]
+            found.append(offsets)
+        return found[0]     # a text the tokenizer does not give back as written
+
     def prompt_logprobs(self, top: int) -> list[dict | None]:
         """vLLM's `prompt_logprobs` of this request's prompt (once its answer is in)."""
         return vllm_prompt_logprobs(self.prompt_token_ids, self._stream.prompt_logprobs, top,
-                                    self._token_text)
+                                    self._tokenizer.token_text)
 
     def _consume(self, events: list[TokenEvent]) -> None:
         """Feed tokens to the text until a stop string appears; their logprobs wait."""
@@ -273,15 +286,12 @@ class Generation:
 
     def _logprob(self, event: TokenEvent, offset: int) -> TokenLogprob:
         ids = [event.token_id, *(t for t, _ in event.top_logprobs or [])]
-        texts = [self._token_text(t) for t in ids]
+        texts = [self._tokenizer.token_text(t) for t in ids]
         return TokenLogprob(token=texts[0], logprob=event.logprob,
                             top=[(text, lp) for text, (_, lp) in
                                  zip(texts[1:], event.top_logprobs or [])],
                             raw=tuple(map(self._tokenizer.token_bytes, ids, texts)),
                             offset=offset)
-
-    def _token_text(self, token_id: int) -> str:
-        return self._tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 async def merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:

@@ -292,15 +292,18 @@ async def stream_sse(request: web.Request, gens: list[Generation],
 
 async def _write_delta(response: web.StreamResponse, shape: Shape, index: int,
                        delta: Delta, usage: dict | None) -> None:
-    if delta.error is not None:
-        await response.write(oai.sse(oai.error_body(f"generation failed: {delta.error}",
-                                                    delta.error_type)))
-        return
+    """A failed generation's last delta still carries text: the tokens that came with the
+    failure, and what was held back as the possible start of a stop string (all of it, for a
+    stop string as long as the output). It goes out before the error event, so the client
+    has every token received."""
     chunks = [shape.chunk(index, delta.text, delta.logprobs, None, usage)] \
         if delta.text or delta.logprobs else []
-    if delta.finish_reason is not None:
+    if delta.finish_reason is not None and delta.error is None:
         chunks.append(shape.chunk(index, None, [], delta.finish_reason, usage,
                                   delta.stop_reason))
     for chunk in chunks:
         if chunk is not None:
             await response.write(oai.sse(chunk))
+    if delta.error is not None:
+        await response.write(oai.sse(oai.error_body(f"generation failed: {delta.error}",
+                                                    delta.error_type)))

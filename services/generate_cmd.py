@@ -132,19 +132,21 @@ def run(args: argparse.Namespace) -> int:
     counted = [0]
     start = time.perf_counter()
 
-    # the gateway's stop strings: the text ends before the first, the request there (keyed
-    # by the ids engine.generate gives: the input's index)
+    # each output's text as the gateway makes it (keyed by the ids engine.generate gives: the
+    # input's index): decoded after its prompt, so that it keeps the space a SentencePiece
+    # decoder drops at the start of a sequence; ended before the first stop string, the
+    # request there
     eos = frozenset(engine.tokenizer.eos_token_ids)
     texts = {str(i): TextOutput(IncrementalDetokenizer(engine.tokenizer, ids), stop, p.min_tokens,
                                 ends=functools.partial(p.stops_on, eos_token_ids=eos))
-             for i, (ids, p, stop) in enumerate(zip(prompts, params, stops)) if stop}
+             for i, (ids, p, stop) in enumerate(zip(prompts, params, stops))}
 
     ended_ids: set[str] = set()     # a stop string ends a request here, then the engine again
 
     def progress(out):
         counted[0] += len(out.new_tokens)
-        text, ended = texts.get(out.request_id), out.finished
-        if text is not None and not text.stopped:
+        text, ended = texts[out.request_id], out.finished
+        if not text.stopped:
             for token in out.new_tokens:
                 text.add(token.token_id)
             if out.finished:
@@ -161,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
     bar.close()
     elapsed = time.perf_counter() - start
     for r in results:
-        if r.request_id in texts and texts[r.request_id].stopped:
+        if texts[r.request_id].stopped:
             r.finish_reason = "stop"
-    _write(args.output, results, params, engine.tokenizer, texts)
+    _write(args.output, results, texts)
     n_in = sum(len(p) for p in prompts)
     print(f"{len(results)} requests, {n_in} prompt tokens, {counted[0]} output tokens in "
           f"{elapsed:.2f} s: {counted[0] / elapsed:.1f} output tok/s, "
@@ -171,18 +173,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(path: str, results, params, tokenizer, texts: dict[str, TextOutput]) -> None:
-    eos = frozenset(tokenizer.eos_token_ids)
+def _write(path: str, results, texts: dict[str, TextOutput]) -> None:
     try:
         with open(path, "w", encoding="utf-8") as f:
-            for i, (r, p) in enumerate(zip(results, params)):
-                # the text leaves out the token that ended the request (EOS, a stop token)
-                shown = r.token_ids[:-1] if r.token_ids and p.stops_on(r.token_ids[-1], eos) \
-                    else r.token_ids
-                text = texts[r.request_id].text if r.request_id in texts \
-                    else tokenizer.decode(shown)
+            for i, r in enumerate(results):
+                # the text (TextOutput's) leaves out the token that ended the request (EOS, a
+                # stop token)
                 line = {"index": i, "prompt_tokens": len(r.prompt_token_ids),
-                        "token_ids": r.token_ids, "text": text,
+                        "token_ids": r.token_ids, "text": texts[r.request_id].text,
                         "finish_reason": r.finish_reason}
                 if r.error is not None:
                     line["error"] = r.error

@@ -84,7 +84,7 @@ class Tokenizer:
         (a byte-level BPE entry, or a byte-fallback `<0xNN>`). `text`: the token's own text,
         where the caller decoded it already."""
         if text is None:
-            text = self.decode([token_id], skip_special_tokens=False)
+            text = self.token_text(token_id)
         if _REPLACEMENT not in text:
             return text.encode("utf-8")
         entry = self.id_to_token(token_id) or ""
@@ -93,6 +93,14 @@ class Tokenizer:
         if entry and all(c in _BYTE_LEVEL_DECODER for c in entry):
             return bytes(_BYTE_LEVEL_DECODER[c] for c in entry)
         return text.encode("utf-8")
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text as it stands inside a text (logprobs' `token`), special tokens
+        written out. Decoded alone, a SentencePiece token loses its leading space (its decoder
+        strips the one a sequence starts with: "▁Hello" is "Hello"), so it is decoded after
+        itself and the second copy's text taken: " Hello"."""
+        once = self.decode([token_id], skip_special_tokens=False)
+        return self.decode([token_id, token_id], skip_special_tokens=False)[len(once):]
 
     @functools.cached_property
     def most_chars_per_token(self) -> int:

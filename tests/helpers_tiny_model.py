@@ -153,17 +153,21 @@ def write_tiny_gguf(path: str | os.PathLike, hf_dir: str | os.PathLike,
                     tensor_type: GGMLQuantizationType = GGMLQuantizationType.F32, *,
                     arch: str = "llama", add_bos_token: bool = False,
                     tensor_types: dict[str, GGMLQuantizationType] | None = None,
-                    pre: str = "smollm") -> str:
+                    pre: str = "smollm", sentencepiece: bool = False) -> str:
     """Converts the model write_tiny_llama wrote into a GGUF file: matrices as `tensor_type`
     (or per GGUF tensor name from `tensor_types`), norms F32, tokenizer as metadata (its
-    pre-tokenizer named `pre`). A `llama3` RoPE scaling becomes the `rope_freqs` tensor, as
-    llama.cpp's converter writes it."""
+    pre-tokenizer named `pre`; or, `sentencepiece`, write_sentencepiece_tokenizer's, for a
+    model written with vocab_size=len(SENTENCEPIECE_TOKENS)). A `llama3` RoPE scaling becomes
+    the `rope_freqs` tensor, as llama.cpp's converter writes it."""
     path, hf_dir = os.fspath(path), os.fspath(hf_dir)
     with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
         cfg = json.load(f)
     writer = GGUFWriter(path, arch)
     _write_gguf_config(writer, cfg)
-    _write_gguf_tokenizer(writer, hf_dir, add_bos_token, pre)
+    if sentencepiece:
+        write_sentencepiece_tokenizer(writer, add_bos_token)
+    else:
+        _write_gguf_tokenizer(writer, hf_dir, add_bos_token, pre)
     rope = cfg.get("rope_parameters") or {}
     if rope.get("rope_type") == "llama3":
         writer.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
@@ -220,6 +224,32 @@ def llama3_rope_divisors(head_dim: int, rope: dict) -> np.ndarray:
             smooth = (old / wavelen - low) / (high - low)
             divisors.append(1 / ((1 - smooth) / factor + smooth))
     return np.array(divisors, dtype=np.float32)
+
+
+# a SentencePiece vocabulary of our own making: specials, the 256 byte pieces, characters,
+# and merged pieces (their order here is their score's: the first merges first)
+_SPM_PIECES = ["▁t", "he", "▁the", "▁a", "in", "▁in", "er", "▁w", "or", "▁wor", "ld", "▁world",
+               "▁H", "el", "lo", "llo", "ello", "▁Hello", "▁s", "ur", "▁sur", "▁sure", "an",
+               "▁an", "▁and", "▁I", "'m", "▁1", "23", "▁123", "▁▁", "▁▁▁", "ing", "▁th", "is"]
+_SPM_CHARS = sorted(set("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+                        ".,!?'-:;()#*+=_/"))
+SENTENCEPIECE_TOKENS = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)),
+                        *_SPM_CHARS, *_SPM_PIECES]
+
+
+def write_sentencepiece_tokenizer(writer: GGUFWriter, add_bos: bool | None = True) -> None:
+    """A SentencePiece tokenizer (Llama 2's, Mistral's kind: pieces and scores, no merges) as
+    GGUF metadata: SENTENCEPIECE_TOKENS, <s> and </s> its BOS and EOS."""
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(SENTENCEPIECE_TOKENS)
+    writer.add_token_scores([0.0] * 259 + [-1000.0 - i for i in range(len(_SPM_CHARS))] +
+                            [-1.0 - 0.5 * i for i in range(len(_SPM_PIECES))])
+    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * (len(_SPM_CHARS) + len(_SPM_PIECES))])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
 
 
 def _write_gguf_tokenizer(writer: GGUFWriter, hf_dir: str, add_bos_token: bool,

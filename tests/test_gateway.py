@@ -616,6 +616,19 @@ async def test_a_choice_that_meets_its_stop_string_is_aborted_before_the_others_
 
 # ---- echo --------------------------------------------------------------------------------------
 
+async def _echo_answer(h: Harness, body: dict, stream: bool) -> tuple[str, dict, dict | None]:
+    """A completion's text and logprobs, streamed (joined) or not; the usage when not."""
+    if not stream:
+        status, answer = await h.post("/v1/completions", body)
+        assert status == 200, answer
+        return answer["choices"][0]["text"], answer["choices"][0]["logprobs"], answer["usage"]
+    chunks = [json.loads(d)["choices"][0] for d in (await h.sse("/v1/completions", body))[:-1]]
+    assert chunks[0]["text"] == body["prompt"]              # the first chunk is the prompt
+    lp = {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
+          for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+    return "".join(c["text"] for c in chunks), lp, None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 async def test_echo_puts_the_prompt_and_its_logprobs_first(h: Harness, stream: bool) -> None:
     """OpenAI's echo: the text starts with the prompt; with logprobs the tokens do too, the
@@ -623,17 +636,9 @@ async def test_echo_puts_the_prompt_and_its_logprobs_first(h: Harness, stream: b
     prompt = "Say hello."
     ids = h.tok.encode(prompt, add_special_tokens=True)
     body = completion(prompt=prompt, echo=True, logprobs=1, max_tokens=2)
-    if stream:
-        chunks = [json.loads(d)["choices"][0] for d in (await h.sse("/v1/completions", body))[:-1]]
-        assert chunks[0]["text"] == prompt                   # the first chunk is the prompt
-        text = "".join(c["text"] for c in chunks)
-        lp = {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
-              for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
-    else:
-        status, answer = await h.post("/v1/completions", body)
-        assert status == 200, answer
-        text, lp = answer["choices"][0]["text"], answer["choices"][0]["logprobs"]
-        assert answer["usage"]["prompt_tokens"] == len(ids)
+    text, lp, usage = await _echo_answer(h, body, stream)
+    if usage is not None:
+        assert usage["prompt_tokens"] == len(ids)
     assert text == prompt + reply_text(h.tok, 2)
     assert lp["tokens"][:len(ids)] == [h.tok.decode([t], skip_special_tokens=False) for t in ids]
     assert lp["token_logprobs"][:len(ids)] == [None] + [-0.25] * (len(ids) - 1)
@@ -669,6 +674,22 @@ async def test_vllms_prompt_logprobs_field(h: Harness, path: str) -> None:
                                 "decoded_token": h.tok.decode([7], skip_special_tokens=False)}}
     status, answer = await h.post(path, {**body, "stream": True})
     assert status == 400 and answer["error"]["param"] == "prompt_logprobs"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("skip", [True, False])
+async def test_echo_offsets_point_into_a_text_prompt_with_special_tokens(
+        h: Harness, stream: bool, skip: bool) -> None:
+    """A text prompt is echoed as sent, special tokens written in it included, whatever
+    skip_special_tokens says (that is the output's): each token's text_offset is where its
+    text stands in that echo."""
+    prompt = "<|im_start|>user\nSay hello.<|im_end|>"
+    body = completion(prompt=prompt, echo=True, logprobs=0, max_tokens=2,
+                      skip_special_tokens=skip)
+    text, lp, _ = await _echo_answer(h, body, stream)
+    assert text.startswith(prompt)
+    for token, at in zip(lp["tokens"], lp["text_offset"]):
+        assert text.startswith(token, at), (text, token, at)
 
 
 async def test_echo_without_logprobs_asks_for_none_and_chat_refuses_it(h: Harness) -> None:
@@ -834,6 +855,23 @@ async def test_a_failed_generation_is_a_server_error(h: Harness) -> None:
     data = await h.sse("/v1/completions", completion(prompt="[error]", max_tokens=10))
     assert "the fake worker failed" in json.loads(data[-2])["error"]["message"]
     assert data[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_failed_stream_still_sends_the_text_it_held_back(h: Harness, path: str) -> None:
+    """A stop string the output so far could still grow into holds that text back; should
+    the generation then fail, the text goes out before the error event, not with it lost."""
+    received = reply_text(h.tok, 2)          # the fake's two tokens before its failure
+    fields = dict(max_tokens=10, stop=[received + "!"])
+    body = completion(prompt="[error]", **fields) if path == "/v1/completions" else \
+        chat("[error]", **fields)
+    data = await h.sse(path, body)
+    assert data[-1] == "[DONE]"
+    assert "the fake worker failed" in json.loads(data[-2])["error"]["message"]
+    choices = [c for d in data[:-2] for c in json.loads(d)["choices"]]
+    assert "".join(c.get("text") or c.get("delta", {}).get("content") or ""
+                   for c in choices) == received
+    assert all(c["finish_reason"] is None for c in choices)
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -9,7 +9,7 @@ import sys
 import pytest
 from gguf import GGMLQuantizationType
 
-from tests.helpers_tiny_model import write_tiny_gguf, write_tiny_llama
+from tests.helpers_tiny_model import SENTENCEPIECE_TOKENS, write_tiny_gguf, write_tiny_llama
 
 ROOT = __import__("os").path.dirname(__import__("os").path.dirname(__import__("os").path.abspath(__file__)))
 
@@ -85,6 +85,25 @@ def test_a_stop_string_ends_the_text_before_it_and_the_request_there(tiny, tmp_p
     assert stopped["text"] == free["text"][:free["text"].index(stop)]
     assert len(stopped["token_ids"]) < 24 and \
         stopped["token_ids"] == free["token_ids"][:len(stopped["token_ids"])]
+
+
+def test_the_text_keeps_the_space_before_its_first_word(tmp_path):
+    """A SentencePiece decoder drops the space a sequence starts with; the text is decoded
+    after its prompt, as the gateway decodes it, so the space between the prompt and the
+    first word stays, with a stop string or without."""
+    hf = write_tiny_llama(tmp_path / "spm", vocab_size=len(SENTENCEPIECE_TOKENS))
+    gguf = write_tiny_gguf(tmp_path / "spm.gguf", hf, sentencepiece=True)
+    words = [SENTENCEPIECE_TOKENS.index(w) for w in ("▁sure", "▁Hello")]
+    line = {"prompt": "Hello the world", "max_tokens": 4, "ignore_eos": True,
+            "allowed_token_ids": words}
+    out = tmp_path / "out.jsonl"
+    proc = pacer("generate", "--model", gguf, "--prompts",
+                 write_lines(tmp_path / "in.jsonl", [line, {**line, "stop": "never"}]),
+                 "--output", str(out), "--num-kv-blocks", "64")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    spelled = "".join(SENTENCEPIECE_TOKENS[t] for t in rows[0]["token_ids"])
+    assert [r["text"] for r in rows] == [spelled.replace("▁", " ")] * 2
 
 
 def test_seeded_line_is_reproducible(tiny, tmp_path):

@@ -15,7 +15,8 @@ import pytest
 from gguf import GGUFWriter
 from tokenizers import pre_tokenizers
 
-from helpers_tiny_model import CHAT_TEMPLATE, write_tiny_gguf, write_tiny_llama
+from helpers_tiny_model import (CHAT_TEMPLATE, write_sentencepiece_tokenizer, write_tiny_gguf,
+                                write_tiny_llama)
 from hf_reference import gguf_py_read_faster
 from shared.chat_template import render_chat_template, validate_messages
 from shared.detokenizer import IncrementalDetokenizer
@@ -103,6 +104,20 @@ def test_token_bytes_join_into_the_text(smol):
     assert any("\ufffd" in smol.decode([i]) for i in ids)     # some split a character
     assert b"".join(smol.token_bytes(i) for i in ids) == text.encode("utf-8")
     assert smol.token_bytes(2) == b"<|im_end|>"                 # special: its text
+
+
+def test_sentencepiece_tokens_keep_their_space(tmp_path):
+    """A token's own text (logprobs' `token`, and so its `bytes`) is its text inside the
+    output: a SentencePiece token keeps the space its decoder strips at a sequence's start,
+    so that the tokens join into the text, as the byte-level ones do."""
+    tok = load_tokenizer(resolve_model(_write_sentencepiece_gguf(tmp_path / "s.gguf")))
+    prompt = tok.encode("Hello the world")
+    ids = tok.encode(" I'm sure the 123 and the  in\nthe\tworld")
+    assert tok.token_text(ids[2]) == " sure"
+    after = tok.decode(prompt + ids)[len(tok.decode(prompt)):]
+    assert "".join(map(tok.token_text, ids)) == after
+    assert b"".join(map(tok.token_bytes, ids)) == after.encode("utf-8")
+    assert tok.token_text(2) == "</s>"                  # special: written out
 
 
 @pytest.mark.slow
@@ -238,31 +253,9 @@ def _write_tokenizer_gguf(path, model: str, pre: str = "smollm") -> str:
     return str(path)
 
 
-# a SentencePiece vocabulary of our own making: specials, the 256 byte pieces, characters,
-# and merged pieces (their order here is their score's: the first merges first)
-_SPM_PIECES = ["▁t", "he", "▁the", "▁a", "in", "▁in", "er", "▁w", "or", "▁wor", "ld", "▁world",
-               "▁H", "el", "lo", "llo", "ello", "▁Hello", "▁s", "ur", "▁sur", "▁sure", "an",
-               "▁an", "▁and", "▁I", "'m", "▁1", "23", "▁123", "▁▁", "▁▁▁", "ing", "▁th", "is"]
-
-
 def _write_sentencepiece_gguf(path, add_bos: bool | None = True) -> str:
-    chars = sorted(set("▁abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
-                       ".,!?'-:;()#*+=_/"))
-    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256)), *chars,
-              *_SPM_PIECES]
-    types = [2, 3, 3, *[6] * 256, *[1] * (len(chars) + len(_SPM_PIECES))]
-    scores = [0.0] * 259 + [-1000.0 - i for i in range(len(chars))] + \
-        [-1.0 - 0.5 * i for i in range(len(_SPM_PIECES))]
     writer = GGUFWriter(str(path), "llama")
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores(scores)
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_unk_token_id(0)
-    if add_bos is not None:
-        writer.add_add_bos_token(add_bos)
+    write_sentencepiece_tokenizer(writer, add_bos)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
