@@ -11,8 +11,10 @@ A stream (chat shown; completions carry `text` instead of `delta`):
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 import time
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 
 import structlog
 from aiohttp import web
@@ -215,6 +217,8 @@ async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
 
 
 _FRAMING = 64          # a chunk's length line and CRLFs, besides its data
+# SO_LINGER on, for 0 s: closing the socket resets the connection and drops what it holds
+_RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
 class SSEResponse(web.StreamResponse):
@@ -227,7 +231,10 @@ class SSEResponse(web.StreamResponse):
     the per-token path pays no timer. A write can wait only where the transport has paused
     its writers, which it does past the high-water mark and undoes only once its buffer is
     back under the low one; so writes are timed from the low mark on (with the high one, a
-    small write after the kernel had taken some of the buffer waited untimed, forever)."""
+    small write after the kernel had taken some of the buffer waited untimed, forever).
+    The connection is reset, not closed: a closed socket keeps the output the kernel holds
+    (MBs) and sends it, then its FIN, to a client that reads again; one that does not keeps
+    that memory, and its connection, for as long as it answers the kernel's probes."""
 
     def __init__(self, headers: dict[str, str]) -> None:
         super().__init__(headers={**SSE_HEADERS, **headers})
@@ -258,6 +265,9 @@ class SSEResponse(web.StreamResponse):
             async with asyncio.timeout(self._stall_s):
                 await writing
         except TimeoutError:
+            sock = transport.get_extra_info("socket")
+            with suppress(OSError):          # a socket closed already has nothing to drop
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET_ON_CLOSE)
             transport.abort()
             raise ConnectionResetError(f"the client read nothing for {self._stall_s:g} s "
                                        "with output waiting") from None
