@@ -382,19 +382,23 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
         await response.write(shape.event("response.in_progress", response=started))
         async with aclosing(merged_deltas(gens)) as deltas:
             async for _, delta in deltas:
+                if constrained:
+                    held.append(delta.text)
+                else:
+                    piece = calls_stream.feed(delta.text) if calls_stream else delta.text
+                    if piece or delta.logprobs:
+                        await message.text(piece, delta.logprobs)
                 if delta.error is not None:
-                    failed = shape.response("failed", [], error={
+                    # a failure's last delta still has text (its tokens): sent above, and
+                    # the message so far is the failed response's output
+                    output = [shape.message("".join(message.pieces), "incomplete",
+                                            message.logprobs)] if message.opened else []
+                    failed = shape.response("failed", output, error={
                         "code": delta.error_type,
                         "message": f"generation failed: {delta.error}"})
                     await response.write(shape.event("response.failed", response=failed))
                     await response.write_eof()
                     return response
-                if constrained:
-                    held.append(delta.text)
-                    continue
-                piece = calls_stream.feed(delta.text) if calls_stream else delta.text
-                if piece or delta.logprobs:
-                    await message.text(piece, delta.logprobs)
         calls = None
         if calls_stream is not None:
             tail, found = calls_stream.finish(tool_names(req))

@@ -973,6 +973,12 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
     events = await _response_events(h, {"model": MODEL, "input": "[error]"})
     assert events[-1]["type"] == "response.failed"
     assert "the fake worker failed" in events[-1]["response"]["error"]["message"]
+    # the tokens that came before and with the failure are streamed, and are its output
+    received = reply_text(h.tok, 2)
+    assert "".join(e["delta"] for e in events
+                   if e["type"] == "response.output_text.delta") == received
+    [item] = events[-1]["response"]["output"]
+    assert item["status"] == "incomplete" and item["content"][0]["text"] == received
 
 
 async def test_responses_api_takes_vllm_s_chat_fields(h: Harness) -> None:
