@@ -15,6 +15,7 @@ import math
 import re
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -710,15 +711,17 @@ async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) 
 class LoopProbe:
     """Holds the first call of a tokenizer method until another request was answered, which
     only an event loop left free can do: `waited` is [True] where the call ran off the loop,
-    [False] where it held the loop (it gave up after 5 s, and nothing was answered)."""
+    [False] where it held the loop (it gave up after 5 s, and nothing was answered). `when`
+    picks the call to hold by its arguments (the fake scheduler's own calls are on the loop)."""
 
-    def __init__(self, monkeypatch, tok: Tokenizer, name: str) -> None:
+    def __init__(self, monkeypatch, tok: Tokenizer, name: str,
+                 when: Callable[..., bool] = lambda *args, **kw: True) -> None:
         self.entered, self.answered = threading.Event(), threading.Event()
         self.waited: list[bool] = []
         self.real = real = getattr(tok, name)
 
         def gated(*args, **kw):
-            if not self.entered.is_set():
+            if not self.entered.is_set() and when(*args, **kw):
                 self.entered.set()
                 self.waited.append(self.answered.wait(5))
             return real(*args, **kw)
@@ -756,6 +759,22 @@ async def test_an_echo_is_decoded_off_the_event_loop(h: Harness, monkeypatch) ->
         prompt=ids, echo=True, max_tokens=2))
     assert status == 200 and probe.waited == [True], body
     assert body["choices"][0]["text"].startswith("Say hello.")
+
+
+async def test_echos_prompt_logprobs_are_built_off_the_event_loop(h: Harness,
+                                                                   monkeypatch) -> None:
+    """Echo with logprobs (a harness's loglikelihood) decodes every prompt token, each more
+    than once, to place it in the text: a batch of prompts as long as the context took
+    seconds on the event loop, every stream stalled meanwhile."""
+    # the first decode for text (skipping special tokens) is the echo's: the fake's are not
+    probe = LoopProbe(monkeypatch, h.tok, "decode",
+                      when=lambda ids, skip_special_tokens=True: skip_special_tokens)
+    status, body = await probe.post(h, "/v1/completions", completion(
+        echo=True, logprobs=1, max_tokens=2))
+    assert status == 200 and probe.waited == [True], body
+    ids = h.tok.encode("Say hello.", add_special_tokens=True)
+    assert body["choices"][0]["logprobs"]["tokens"][:len(ids)] == [
+        probe.real([t], skip_special_tokens=False) for t in ids]
 
 
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
