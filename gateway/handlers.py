@@ -76,7 +76,8 @@ async def _openai_answer(request: web.Request, gens: list[Generation], req: Gene
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oai.parse_completion, "cmpl-")
+    return await _generate(request, functools.partial(
+        oai.parse_completion, max_model_len=request.app[STATE].max_model_len), "cmpl-")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:

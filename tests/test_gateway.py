@@ -1801,6 +1801,23 @@ async def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_toke
     assert list(h.fake.received.values())[-1].prompt_token_ids == encode(longer)[-8:]
 
 
+async def test_token_ids_past_the_context_are_refused_before_they_are_checked(
+        h: Harness) -> None:
+    """A body carries ~1.4 million ids, and checking each held the event loop, every stream
+    stalled, before the context's limit refused them: a prompt of more ids than the context
+    holds is refused before any is looked at (the "x" past its end is never read), and with
+    truncate_prompt_tokens only its end is looked at."""
+    too_long = [5] * MAX_MODEL_LEN + ["x"]
+    for prompt in (too_long, [[5, 6], too_long]):
+        status, error = await h.post("/v1/completions", completion(prompt=prompt))
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+        assert f"the prompt has {MAX_MODEL_LEN + 1} tokens" in error["error"]["message"]
+    status, ok = await h.post("/v1/completions", completion(
+        prompt=["x"] + [5] * MAX_MODEL_LEN + [6, 7], max_tokens=2, truncate_prompt_tokens=3))
+    assert status == 200, ok
+    assert h.fake.received[ok["id"]].prompt_token_ids == [5, 6, 7]
+
+
 async def test_a_burst_of_redis_commands_waits_for_connections_rather_than_failing(
         h: Harness) -> None:
     """More commands in flight than the gateway's pool has connections (a burst of requests
