@@ -475,10 +475,13 @@ def _tool_choice(body: dict, endpoint: str,
     if endpoint != "chat":
         raise APIError("'tools' are served on /v1/chat/completions only", param="tools")
     names = [_tool_name(t, i) for i, t in enumerate(tools)]
-    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
-    if twice is not None:
-        raise APIError(f"tools name the function {twice!r} twice: a call names the function "
-                       "it calls, so each tool needs a name of its own", param="tools")
+    seen: set[str] = set()          # (each name looked for among all before it: 30,000 tools,
+    for name in names:              # a 3 MB body, held the event loop for 8 s)
+        if name in seen:
+            raise APIError(f"tools name the function {name!r} twice: a call names the "
+                           "function it calls, so each tool needs a name of its own",
+                           param="tools")
+        seen.add(name)
     if isinstance(choice, dict):
         function = choice.get("function")
         if choice.get("type") != "function" or not isinstance(function, dict) or \

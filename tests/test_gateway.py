@@ -1867,6 +1867,19 @@ async def test_long_token_id_lists_are_not_held_to_the_sampling_fields_bound() -
     assert parse_detokenize({"tokens": ids}, 3000) == (None, ids)
 
 
+async def test_a_tool_named_twice_is_refused_and_many_tools_are_read_in_one_pass() -> None:
+    """Each tool's name was looked for among all before it: the 60,000 tools a 4 MB body
+    holds took ~30 s, all of it on the event loop (here a thread is given 10 s for a pass
+    that takes some milliseconds)."""
+    from gateway.openai_schema import APIError, parse_chat
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(60_000)]
+    body = chat(tools=tools + [tools[7]], tool_choice="none")
+    parse = asyncio.to_thread(parse_chat, body)
+    with pytest.raises(APIError, match="tools name the function 'f7' twice") as refused:
+        await asyncio.wait_for(parse, 10)
+    assert refused.value.param == "tools"
+
+
 async def test_detokenize_takes_no_more_ids_than_the_context_holds(h: Harness) -> None:
     """A body's worth of ids (1.4 million in 4 MB) held the event loop, and every stream,
     for ~2 s while they were checked and decoded: more than the model's context holds is a
