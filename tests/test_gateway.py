@@ -777,6 +777,24 @@ async def test_echos_prompt_logprobs_are_built_off_the_event_loop(h: Harness,
         probe.real([t], skip_special_tokens=False) for t in ids]
 
 
+async def test_vllms_prompt_logprobs_are_built_off_the_event_loop(h: Harness,
+                                                                   monkeypatch) -> None:
+    """vLLM's prompt_logprobs decode each prompt token and each of its top ones: a batch of
+    prompts as long as the context took seconds on the event loop, every stream stalled
+    meanwhile (the answer's JSON is built on a thread with them)."""
+    # the first decode of one id for its token's text is the answer's: the fake's decode
+    # whole prompts, the output's text skips special tokens
+    probe = LoopProbe(monkeypatch, h.tok, "decode",
+                      when=lambda ids, skip_special_tokens=True: len(ids) == 1
+                      and not skip_special_tokens)
+    status, body = await probe.post(h, "/v1/completions", completion(
+        max_tokens=2, prompt_logprobs=1))
+    assert status == 200 and probe.waited == [True], body
+    ids = h.fake.received[body["id"]].prompt_token_ids
+    assert body["choices"][0]["prompt_logprobs"][1][str(ids[1])]["decoded_token"] == \
+        probe.real([ids[1]], skip_special_tokens=False)
+
+
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
     """Refused by the chat template's checks (an earlier call's arguments that are not JSON),
     a request's error names 'messages' ('input' on /v1/responses), as every other bad field
