@@ -140,10 +140,7 @@ async def _generate_in_slot(request: web.Request, body: Any,
                             id_prefix: str, answer: Answer, state: GatewayState,
                             slot: WaitingSlot, arrival: float,
                             client_id: str | None) -> web.StreamResponse:
-    req = parse(body)
-    _check_model(req.model, state)
-    prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer,
-                                      state.max_model_len)
+    req, prompts = await asyncio.to_thread(_parsed, body, parse, state)
     samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
                  for ids in prompts]
     # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
@@ -174,6 +171,16 @@ async def _generate_in_slot(request: web.Request, body: Any,
             return await answer(request, gens, req, Reply(
                 request_id, state.served_model_name, sum(map(len, prompts)),
                 {oai.REQUEST_ID_HEADER: client_id or request_id}))
+
+
+def _parsed(body: Any, parse: Callable[[Any], GenerationRequest],
+            state: GatewayState) -> tuple[GenerationRequest, list[list[int]]]:
+    """The request, checked, and its prompts' ids. CPU-bound: the tokenizer's, and a body's
+    worth of messages or tools to check (30,000 tools, 3 MB, a tool choice made a grammar of
+    for over a second): run it off the event loop."""
+    req = parse(body)
+    _check_model(req.model, state)
+    return req, prompt_token_ids(req, state.tokenizer, state.max_model_len)
 
 
 def _admit(state: GatewayState) -> WaitingSlot:

@@ -17,6 +17,7 @@ import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import openai
@@ -709,23 +710,24 @@ async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) 
 
 
 class LoopProbe:
-    """Holds the first call of a tokenizer method until another request was answered, which
+    """Holds the first call of a method (a tokenizer's, a module's function) until another
+    request was answered, which
     only an event loop left free can do: `waited` is [True] where the call ran off the loop,
     [False] where it held the loop (it gave up after 5 s, and nothing was answered). `when`
     picks the call to hold by its arguments (the fake scheduler's own calls are on the loop)."""
 
-    def __init__(self, monkeypatch, tok: Tokenizer, name: str,
+    def __init__(self, monkeypatch, owner: Any, name: str,
                  when: Callable[..., bool] = lambda *args, **kw: True) -> None:
         self.entered, self.answered = threading.Event(), threading.Event()
         self.waited: list[bool] = []
-        self.real = real = getattr(tok, name)
+        self.real = real = getattr(owner, name)
 
         def gated(*args, **kw):
             if not self.entered.is_set() and when(*args, **kw):
                 self.entered.set()
                 self.waited.append(self.answered.wait(5))
             return real(*args, **kw)
-        monkeypatch.setattr(tok, name, gated)
+        monkeypatch.setattr(owner, name, gated)
 
     async def post(self, h: Harness, path: str, body: dict) -> tuple[int, dict]:
         """`body` to `path`, another request answered while the held call waits."""
@@ -793,6 +795,18 @@ async def test_vllms_prompt_logprobs_are_built_off_the_event_loop(h: Harness,
     ids = h.fake.received[body["id"]].prompt_token_ids
     assert body["choices"][0]["prompt_logprobs"][1][str(ids[1])]["decoded_token"] == \
         probe.real([ids[1]], skip_special_tokens=False)
+
+
+async def test_a_request_is_checked_off_the_event_loop(h: Harness, monkeypatch) -> None:
+    """A body's worth of tools or messages took up to seconds to check (30,000 tools that
+    tool_choice "required" makes a grammar of: over a second), every stream stalled
+    meanwhile: the request is read on the tokenizer's thread."""
+    from gateway import openai_schema
+    probe = LoopProbe(monkeypatch, openai_schema, "tool_call_constraint")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    status, body = await probe.post(h, "/v1/chat/completions", chat(
+        max_tokens=2, tools=tools, tool_choice="required"))
+    assert status == 200 and probe.waited == [True], body
 
 
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
