@@ -30,7 +30,6 @@ from gateway.state import STATE, GatewayState, WaitingSlot
 from shared.errors import InvalidRequestError
 from shared.json_file import parse_user_json
 from shared.redis_retry import redis_trouble
-from shared.tokenizer import Tokenizer
 
 log = structlog.get_logger("gateway.handlers")
 
@@ -259,22 +258,22 @@ async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    req = oai.parse_tokenize(await _read_json(request, state.config.max_body_bytes))
-    _check_model(req.model, state)
-    text = req.prompt if req.messages is None else \
-        await asyncio.to_thread(chat_prompt, req, state.tokenizer)
-    # a body's worth of text is a million ids: their token strings and their JSON took ~1 s
-    # on the event loop after the encoding's thread, and every stream stalled meanwhile
-    answer = await asyncio.to_thread(_tokenized, text, req, state.tokenizer,
-                                     state.max_model_len)
+    body = await _read_json(request, state.config.max_body_bytes)
+    # all of it on the encoding's thread: a body's worth of messages took ~0.2 s to check,
+    # and of text is a million ids, whose token strings and JSON took ~1 s, on the event
+    # loop, every stream stalled meanwhile
+    answer = await asyncio.to_thread(_tokenized, body, state)
     return web.Response(text=answer, content_type="application/json")
 
 
-def _tokenized(text: str, req: oai.TokenizeRequest, tokenizer: Tokenizer,
-               max_model_len: int) -> str:
+def _tokenized(body: Any, state: GatewayState) -> str:
     """/tokenize's answer, as JSON."""
+    req = oai.parse_tokenize(body)
+    _check_model(req.model, state)
+    tokenizer = state.tokenizer
+    text = req.prompt if req.messages is None else chat_prompt(req, tokenizer)
     ids = tokenizer.encode(text, req.add_special_tokens)
-    answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+    answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
     return json.dumps(answer)

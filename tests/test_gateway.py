@@ -809,6 +809,18 @@ async def test_a_request_is_checked_off_the_event_loop(h: Harness, monkeypatch) 
     assert status == 200 and probe.waited == [True], body
 
 
+async def test_tokenizes_messages_are_checked_off_the_event_loop(h: Harness,
+                                                                  monkeypatch) -> None:
+    """A body's worth of messages to /tokenize took ~0.2 s to check on the event loop, every
+    stream stalled meanwhile."""
+    from gateway import openai_schema
+    probe = LoopProbe(monkeypatch, openai_schema, "parse_tokenize")
+    messages = [{"role": "user", "content": "hi"}]
+    status, body = await probe.post(h, "/tokenize", {"messages": messages})
+    assert status == 200 and probe.waited == [True], body
+    assert body["tokens"] == h.tok.encode_chat(messages)
+
+
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
     """Refused by the chat template's checks (an earlier call's arguments that are not JSON),
     a request's error names 'messages' ('input' on /v1/responses), as every other bad field
