@@ -164,7 +164,7 @@ class Generation:
             self._stop_waiting()
             if self._echo is not None:
                 if finish is None or finish.error is None:
-                    yield self._echo_delta()
+                    yield await self._echo_delta()
                 self._echo = None
             self._consume([] if self._echo_only else events)
             if finish is not None and self._stream.ended_here:
@@ -191,11 +191,18 @@ class Generation:
             if piece or logprobs:
                 yield Delta(piece, logprobs)
 
-    def _echo_delta(self) -> Delta:
+    async def _echo_delta(self) -> Delta:
         """The prompt, and with logprobs each of its tokens' (the first has none): they
         arrived ahead of the first token."""
         if self.sampling.prompt_logprobs is None:
             return Delta(self._echo)
+        # a decode or more a prompt token: a batch of prompts as long as the context took
+        # seconds on the event loop, every stream stalled meanwhile
+        return Delta(self._echo, await asyncio.to_thread(self._prompt_entries))
+
+    def _prompt_entries(self) -> list[TokenLogprob]:
+        """Echo's logprobs: each prompt token's, placed in the prompt's text as the output's
+        are in theirs. CPU-bound: run it off the event loop."""
         ids, known = self.prompt_token_ids, self._stream.prompt_logprobs
         offsets = self._prompt_offsets()
         entries = [TokenLogprob(self._tokenizer.token_text(ids[0]), None, None, offset=0)]
@@ -208,7 +215,7 @@ class Generation:
         if len(known) < len(ids) - 1:
             log.error("prompt logprobs missing", request_id=self.request_id,
                       missing=len(ids) - 1 - len(known))
-        return Delta(self._echo, entries)
+        return entries
 
     def _prompt_offsets(self) -> list[int]:
         """Each prompt token's place in the echoed prompt, found as the output's are. A

@@ -30,7 +30,6 @@ from gateway.state import STATE, GatewayState, WaitingSlot
 from shared.errors import InvalidRequestError
 from shared.json_file import parse_user_json
 from shared.redis_retry import redis_trouble
-from shared.tokenizer import Tokenizer
 
 log = structlog.get_logger("gateway.handlers")
 
@@ -76,7 +75,8 @@ async def _openai_answer(request: web.Request, gens: list[Generation], req: Gene
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _generate(request, oai.parse_completion, "cmpl-")
+    return await _generate(request, functools.partial(
+        oai.parse_completion, max_model_len=request.app[STATE].max_model_len), "cmpl-")
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -139,10 +139,7 @@ async def _generate_in_slot(request: web.Request, body: Any,
                             id_prefix: str, answer: Answer, state: GatewayState,
                             slot: WaitingSlot, arrival: float,
                             client_id: str | None) -> web.StreamResponse:
-    req = parse(body)
-    _check_model(req.model, state)
-    prompts = await asyncio.to_thread(prompt_token_ids, req, state.tokenizer,
-                                      state.max_model_len)
+    req, prompts = await asyncio.to_thread(_parsed, body, parse, state)
     samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
                  for ids in prompts]
     # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
@@ -173,6 +170,16 @@ async def _generate_in_slot(request: web.Request, body: Any,
             return await answer(request, gens, req, Reply(
                 request_id, state.served_model_name, sum(map(len, prompts)),
                 {oai.REQUEST_ID_HEADER: client_id or request_id}))
+
+
+def _parsed(body: Any, parse: Callable[[Any], GenerationRequest],
+            state: GatewayState) -> tuple[GenerationRequest, list[list[int]]]:
+    """The request, checked, and its prompts' ids. CPU-bound: the tokenizer's, and a body's
+    worth of messages or tools to check (30,000 tools, 3 MB, a tool choice made a grammar of
+    for over a second): run it off the event loop."""
+    req = parse(body)
+    _check_model(req.model, state)
+    return req, prompt_token_ids(req, state.tokenizer, state.max_model_len)
 
 
 def _admit(state: GatewayState) -> WaitingSlot:
@@ -251,22 +258,22 @@ async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    req = oai.parse_tokenize(await _read_json(request, state.config.max_body_bytes))
-    _check_model(req.model, state)
-    text = req.prompt if req.messages is None else \
-        await asyncio.to_thread(chat_prompt, req, state.tokenizer)
-    # a body's worth of text is a million ids: their token strings and their JSON took ~1 s
-    # on the event loop after the encoding's thread, and every stream stalled meanwhile
-    answer = await asyncio.to_thread(_tokenized, text, req, state.tokenizer,
-                                     state.max_model_len)
+    body = await _read_json(request, state.config.max_body_bytes)
+    # all of it on the encoding's thread: a body's worth of messages took ~0.2 s to check,
+    # and of text is a million ids, whose token strings and JSON took ~1 s, on the event
+    # loop, every stream stalled meanwhile
+    answer = await asyncio.to_thread(_tokenized, body, state)
     return web.Response(text=answer, content_type="application/json")
 
 
-def _tokenized(text: str, req: oai.TokenizeRequest, tokenizer: Tokenizer,
-               max_model_len: int) -> str:
+def _tokenized(body: Any, state: GatewayState) -> str:
     """/tokenize's answer, as JSON."""
+    req = oai.parse_tokenize(body)
+    _check_model(req.model, state)
+    tokenizer = state.tokenizer
+    text = req.prompt if req.messages is None else chat_prompt(req, tokenizer)
     ids = tokenizer.encode(text, req.add_special_tokens)
-    answer = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
+    answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
     return json.dumps(answer)

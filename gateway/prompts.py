@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from gateway.openai_schema import APIError, GenerationRequest, TokenizeRequest
+from gateway.openai_schema import (APIError, GenerationRequest, TokenizeRequest,
+                                   check_prompt_length)
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
@@ -117,10 +118,7 @@ def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
 def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
                     tokenizer: Tokenizer) -> SamplingParams:
     param = "messages" if req.endpoint == "chat" else "prompt"
-    if num_prompt_tokens >= max_model_len:
-        raise APIError(f"This model's maximum context length is {max_model_len} tokens, "
-                       f"but the prompt has {num_prompt_tokens} tokens", param=param,
-                       code="context_length_exceeded")
+    check_prompt_length(num_prompt_tokens, max_model_len, param)
     room = max_model_len - num_prompt_tokens
     max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if req.endpoint == "completions"
                                     else room)

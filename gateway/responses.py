@@ -11,6 +11,7 @@ A stream (chat shown; completions carry `text` instead of `delta`):
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import struct
 import time
@@ -202,6 +203,16 @@ async def collect(gens: list[Generation]) -> tuple[list[str], list[list[TokenLog
 
 async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
     texts, entries = await collect(gens)
+    # a batch of prompts as long as the context, with their logprobs (echo's, vLLM's
+    # prompt_logprobs: a decode a token and a top one), took seconds on the event loop
+    text = await asyncio.to_thread(_full_body, gens, shape, texts, entries)
+    return web.json_response(text=text, headers=shape.headers)
+
+
+def _full_body(gens: list[Generation], shape: Shape, texts: list[str],
+               entries: list[list[TokenLogprob]]) -> str:
+    """A whole answer's JSON, once every generation has finished. CPU-bound: run it off the
+    event loop."""
     body = {**shape.body(chunk=False),
             "choices": [shape.choice(i, texts[i], entries[i], gen.finish_reason,
                                      gen.stop_reason)
@@ -213,7 +224,7 @@ async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
     elif top is not None:                   # each completion choice's own
         for choice, gen in zip(body["choices"], gens):
             choice["prompt_logprobs"] = gen.prompt_logprobs(top)
-    return web.json_response(body, headers=shape.headers)
+    return json.dumps(body)
 
 
 _FRAMING = 64          # a chunk's length line and CRLFs, besides its data

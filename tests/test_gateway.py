@@ -15,7 +15,9 @@ import math
 import re
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import openai
@@ -729,21 +731,24 @@ async def test_tokenize_and_detokenize_are_the_generation_paths_own(h: Harness) 
 
 
 class LoopProbe:
-    """Holds the first call of a tokenizer method until another request was answered, which
+    """Holds the first call of a method (a tokenizer's, a module's function) until another
+    request was answered, which
     only an event loop left free can do: `waited` is [True] where the call ran off the loop,
-    [False] where it held the loop (it gave up after 5 s, and nothing was answered)."""
+    [False] where it held the loop (it gave up after 5 s, and nothing was answered). `when`
+    picks the call to hold by its arguments (the fake scheduler's own calls are on the loop)."""
 
-    def __init__(self, monkeypatch, tok: Tokenizer, name: str) -> None:
+    def __init__(self, monkeypatch, owner: Any, name: str,
+                 when: Callable[..., bool] = lambda *args, **kw: True) -> None:
         self.entered, self.answered = threading.Event(), threading.Event()
         self.waited: list[bool] = []
-        self.real = real = getattr(tok, name)
+        self.real = real = getattr(owner, name)
 
         def gated(*args, **kw):
-            if not self.entered.is_set():
+            if not self.entered.is_set() and when(*args, **kw):
                 self.entered.set()
                 self.waited.append(self.answered.wait(5))
             return real(*args, **kw)
-        monkeypatch.setattr(tok, name, gated)
+        monkeypatch.setattr(owner, name, gated)
 
     async def post(self, h: Harness, path: str, body: dict) -> tuple[int, dict]:
         """`body` to `path`, another request answered while the held call waits."""
@@ -777,6 +782,64 @@ async def test_an_echo_is_decoded_off_the_event_loop(h: Harness, monkeypatch) ->
         prompt=ids, echo=True, max_tokens=2))
     assert status == 200 and probe.waited == [True], body
     assert body["choices"][0]["text"].startswith("Say hello.")
+
+
+async def test_echos_prompt_logprobs_are_built_off_the_event_loop(h: Harness,
+                                                                   monkeypatch) -> None:
+    """Echo with logprobs (a harness's loglikelihood) decodes every prompt token, each more
+    than once, to place it in the text: a batch of prompts as long as the context took
+    seconds on the event loop, every stream stalled meanwhile."""
+    # the first decode for text (skipping special tokens) is the echo's: the fake's are not
+    probe = LoopProbe(monkeypatch, h.tok, "decode",
+                      when=lambda ids, skip_special_tokens=True: skip_special_tokens)
+    status, body = await probe.post(h, "/v1/completions", completion(
+        echo=True, logprobs=1, max_tokens=2))
+    assert status == 200 and probe.waited == [True], body
+    ids = h.tok.encode("Say hello.", add_special_tokens=True)
+    assert body["choices"][0]["logprobs"]["tokens"][:len(ids)] == [
+        probe.real([t], skip_special_tokens=False) for t in ids]
+
+
+async def test_vllms_prompt_logprobs_are_built_off_the_event_loop(h: Harness,
+                                                                   monkeypatch) -> None:
+    """vLLM's prompt_logprobs decode each prompt token and each of its top ones: a batch of
+    prompts as long as the context took seconds on the event loop, every stream stalled
+    meanwhile (the answer's JSON is built on a thread with them)."""
+    # the first decode of one id for its token's text is the answer's: the fake's decode
+    # whole prompts, the output's text skips special tokens
+    probe = LoopProbe(monkeypatch, h.tok, "decode",
+                      when=lambda ids, skip_special_tokens=True: len(ids) == 1
+                      and not skip_special_tokens)
+    status, body = await probe.post(h, "/v1/completions", completion(
+        max_tokens=2, prompt_logprobs=1))
+    assert status == 200 and probe.waited == [True], body
+    ids = h.fake.received[body["id"]].prompt_token_ids
+    assert body["choices"][0]["prompt_logprobs"][1][str(ids[1])]["decoded_token"] == \
+        probe.real([ids[1]], skip_special_tokens=False)
+
+
+async def test_a_request_is_checked_off_the_event_loop(h: Harness, monkeypatch) -> None:
+    """A body's worth of tools or messages took up to seconds to check (30,000 tools that
+    tool_choice "required" makes a grammar of: over a second), every stream stalled
+    meanwhile: the request is read on the tokenizer's thread."""
+    from gateway import openai_schema
+    probe = LoopProbe(monkeypatch, openai_schema, "tool_call_constraint")
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    status, body = await probe.post(h, "/v1/chat/completions", chat(
+        max_tokens=2, tools=tools, tool_choice="required"))
+    assert status == 200 and probe.waited == [True], body
+
+
+async def test_tokenizes_messages_are_checked_off_the_event_loop(h: Harness,
+                                                                  monkeypatch) -> None:
+    """A body's worth of messages to /tokenize took ~0.2 s to check on the event loop, every
+    stream stalled meanwhile."""
+    from gateway import openai_schema
+    probe = LoopProbe(monkeypatch, openai_schema, "parse_tokenize")
+    messages = [{"role": "user", "content": "hi"}]
+    status, body = await probe.post(h, "/tokenize", {"messages": messages})
+    assert status == 200 and probe.waited == [True], body
+    assert body["tokens"] == h.tok.encode_chat(messages)
 
 
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
@@ -1835,6 +1898,23 @@ async def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_toke
     assert list(h.fake.received.values())[-1].prompt_token_ids == encode(longer)[-8:]
 
 
+async def test_token_ids_past_the_context_are_refused_before_they_are_checked(
+        h: Harness) -> None:
+    """A body carries ~1.4 million ids, and checking each held the event loop, every stream
+    stalled, before the context's limit refused them: a prompt of more ids than the context
+    holds is refused before any is looked at (the "x" past its end is never read), and with
+    truncate_prompt_tokens only its end is looked at."""
+    too_long = [5] * MAX_MODEL_LEN + ["x"]
+    for prompt in (too_long, [[5, 6], too_long]):
+        status, error = await h.post("/v1/completions", completion(prompt=prompt))
+        assert status == 400 and error["error"]["code"] == "context_length_exceeded", error
+        assert f"the prompt has {MAX_MODEL_LEN + 1} tokens" in error["error"]["message"]
+    status, ok = await h.post("/v1/completions", completion(
+        prompt=["x"] + [5] * MAX_MODEL_LEN + [6, 7], max_tokens=2, truncate_prompt_tokens=3))
+    assert status == 200, ok
+    assert h.fake.received[ok["id"]].prompt_token_ids == [5, 6, 7]
+
+
 async def test_a_burst_of_redis_commands_waits_for_connections_rather_than_failing(
         h: Harness) -> None:
     """More commands in flight than the gateway's pool has connections (a burst of requests
@@ -1882,6 +1962,19 @@ async def test_long_token_id_lists_are_not_held_to_the_sampling_fields_bound() -
     ids = [5] * 3000
     assert parse_completion({"model": MODEL, "prompt": ids}).prompts == (ids,)
     assert parse_detokenize({"tokens": ids}, 3000) == (None, ids)
+
+
+async def test_a_tool_named_twice_is_refused_and_many_tools_are_read_in_one_pass() -> None:
+    """Each tool's name was looked for among all before it: the 60,000 tools a 4 MB body
+    holds took ~30 s, all of it on the event loop (here a thread is given 10 s for a pass
+    that takes some milliseconds)."""
+    from gateway.openai_schema import APIError, parse_chat
+    tools = [{"type": "function", "function": {"name": f"f{i}"}} for i in range(60_000)]
+    body = chat(tools=tools + [tools[7]], tool_choice="none")
+    parse = asyncio.to_thread(parse_chat, body)
+    with pytest.raises(APIError, match="tools name the function 'f7' twice") as refused:
+        await asyncio.wait_for(parse, 10)
+    assert refused.value.param == "tools"
 
 
 async def test_detokenize_takes_no_more_ids_than_the_context_holds(h: Harness) -> None:
