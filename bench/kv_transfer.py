@@ -28,16 +28,19 @@ from gpu_worker.kv_transfer import make_connector  # noqa: E402
 from gpu_worker.model_runner import DTYPES, build_runner  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.engine_layout import engine_layout  # noqa: E402
+from shared.model_source import model_identity  # noqa: E402
 from shared.plan import CachedRequestData, IterationPlan, KVSend, NewRequestData  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 
-def decode_pool(shape: tuple, dtype: str, to_parent, from_parent) -> None:
-    """The decode side: a pool of the same layout, registered, until told to stop."""
+def decode_pool(shape: tuple, dtype: str, to_parent, from_parent,
+                model: dict | None = None) -> None:
+    """The decode side: a pool of the same layout (holding `model`'s K/V: a prefill runner
+    sends only to a pool of its own model), registered, until told to stop."""
     import torch
     pool = torch.zeros(shape, dtype=DTYPES[dtype])
     conn = make_connector("mooncake")
-    conn.register(pool)
+    conn.register(pool, model)
     to_parent.put(conn.descriptor())
     from_parent.get()
     conn.close()
@@ -99,7 +102,7 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     to_parent, from_parent = ctx.Queue(), ctx.Queue()
     child = ctx.Process(target=decode_pool, args=(tuple(pool.shape), kv_dtype, to_parent,
-                                                  from_parent))
+                                                  from_parent, model_identity(layout.source)))
     child.start()
     try:
         peer = to_parent.get(timeout=120)

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from shared.keys import Keys
     from shared.lifecycle import run_redis_service
     from shared.logging import configure_logging
+    from shared.model_source import model_identity
 
     configure_logging("scheduler", args.log_level)
     engine_args = EngineArgs.from_cli(args)
@@ -69,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         scheduler_id=args.scheduler_id or default_scheduler_id(args.instance), tp=engine_args.tp,
         max_waiting=args.max_waiting or engine_args.max_num_seqs,
         drain_timeout_s=args.drain_timeout, role=args.role, instance=args.instance,
-        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens, overlap=args.overlap)
+        disagg_min_prompt_tokens=args.disagg_min_prompt_tokens, overlap=args.overlap,
+        **model_identity(layout.source, layout.args.load_format == "dummy"))
     keys = Keys(args.key_prefix).for_instance(args.instance)
     if args.own_request_stream:
         if not args.instance or args.role != "colocated":

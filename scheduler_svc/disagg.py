@@ -37,7 +37,7 @@ from scheduler_svc.core.request import Request, stop_status
 from shared.errors import InvalidRequestError
 from shared.lifecycle import stream_id_text
 from shared.keys import Keys
-from shared.kv_layout import KVLayoutError, check_peer_layout
+from shared.kv_layout import KVLayoutError, check_peer_layout, other_model
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, KVCheck, KVSend, StepResult
 from shared.protocol import (CancelMsg, HandoffMsg, Heartbeat, ProtocolError, RequestMsg,
@@ -69,6 +69,8 @@ class _Decoder:
     free_blocks: int
     running: int
     started_at: float
+    model: str = ""                # the model it serves: its name, and the weights compared
+    weights: str = ""
 
 
 @dataclass
@@ -148,7 +150,9 @@ def decoders_from(values: list[bytes | None]) -> dict[str, _Decoder]:
     return {b.extra["instance"]: _Decoder(b.extra["instance"], b.id,
                                           int(b.extra.get("free_blocks", 0)),
                                           int(b.extra.get("running", 0)),
-                                          float(b.extra.get("started_at", 0.0)))
+                                          float(b.extra.get("started_at", 0.0)),
+                                          str(b.extra.get("model", "")),
+                                          str(b.extra.get("weights", "")))
             for b in scheduler_beats(values, "decode")}
 
 
@@ -159,10 +163,17 @@ def prefills_from(values: list[bytes | None]) -> dict[str, str]:
 
 class PrefillSide:
     def __init__(self, keys: Keys, instance: str, core: Scheduler, book: RequestBook,
-                 min_prompt_tokens: int) -> None:
+                 min_prompt_tokens: int, model: dict[str, str] | None = None) -> None:
+        """`model`: the model this instance serves ({"model", "weights"}, as
+        shared/model_source.py:model_identity gives it)."""
         self.keys, self.instance, self.core, self.book = keys, instance, core, book
         self.min_prompt_tokens = min_prompt_tokens
+        self.model = model or {}
+        # the decode instances up that serve this model (the only partners)
         self.decoders: dict[str, _Decoder] = {}
+        # decode instance -> the incarnation found serving another model: no partner at all
+        # (see `_partner`)
+        self._foreign: dict[str, float] = {}
         self.prefills: dict[str, str] = {}           # live prefill instances: their consumers
         self._promised: dict[str, int] = {}          # blocks asked of each since its heartbeat
         self._pending: dict[str, _Pending] = {}
@@ -283,8 +294,9 @@ class PrefillSide:
         left, pending.asked = pending.asked, decoder.instance if decoder else ""
         if left and left != pending.asked:
             self.out.cancels.append((left, CancelMsg(pending.msg.request_id, "asked elsewhere")))
-        if decoder is None and self.decoders:
+        if decoder is None and (self.decoders or self._foreign):
             # every decode instance up has a pool ours cannot write into: one prefills it
+            # (or none serves this model: this instance serves the request itself)
             self._hand_over_whole(pending)
         elif decoder is not None:
             self.out.reserves.append((decoder.instance, ReserveMsg(encode(pending.msg),
@@ -295,6 +307,8 @@ class PrefillSide:
         pending.asked_at = time.monotonic()
         if decoder is None:
             pending.asked = ""
+            if self._foreign:
+                self._serve_here(pending)
             return
         del self._pending[pending.msg.request_id]
         if self.book.aborted_early(pending.msg.request_id):
@@ -303,6 +317,13 @@ class PrefillSide:
             return
         self._queue_handoff(decoder.instance, decoder.consumer, pending.entry_id, pending.msg,
                             pending.output_token_ids, [])
+
+    def _serve_here(self, pending: _Pending) -> None:
+        """Decode instances are up, but none serves this instance's model: the request is
+        served here whole, as on a colocated instance, rather than wait for one that may
+        never come (a misconfiguration is not fixed in seconds)."""
+        del self._pending[pending.msg.request_id]
+        self.book.admit(pending.entry_id, pending.msg, pending.output_token_ids)
 
     def _queue_handoff(self, instance: str, consumer: str, entry_id: bytes | str,
                        msg: RequestMsg, tokens: list[int], kv_received: list[str],
@@ -342,6 +363,13 @@ class PrefillSide:
                 pending.asked_at = time.monotonic() - RESERVE_RETRY_S + NO_ROOM_RETRY_S
             else:       # it cannot take K/V (or the request): it prefills it, or refuses it
                 self._hand_over_whole(pending)
+            return
+        why = next(filter(None, map(other_model, self.own, msg.peers)), "")
+        if why:     # it restarted with another model since its heartbeat: ask another
+            self.out.cancels.append((msg.decode_instance, CancelMsg(msg.request_id, why)))
+            self._no_partner(msg.decode_instance, msg.incarnation, why)
+            pending.asked = ""
+            self._ask(pending)
             return
         mismatch = self._layout_mismatch(msg.peers)
         if mismatch:
@@ -388,7 +416,10 @@ class PrefillSide:
     def housekeeping(self, decoders: dict[str, _Decoder], prefills: dict[str, str]) -> None:
         """New heartbeats of the decode and prefill instances: forget what was promised since,
         ask again where no answer came, stop sending into an instance that restarted."""
-        self.decoders, self._promised, self.prefills = decoders, {}, prefills
+        self._promised, self.prefills = {}, prefills
+        self._foreign = {i: at for i, at in self._foreign.items()
+                         if i in decoders and decoders[i].started_at == at}
+        self.decoders = {i: d for i, d in decoders.items() if self._partner(d)}
         for rid, res in self._reservations.items():
             now = decoders.get(res.decode_instance)
             if res.sent_ok and (now is None or now.started_at != res.incarnation):
@@ -396,6 +427,32 @@ class PrefillSide:
                             request_id=rid, decode_instance=res.decode_instance)
                 res.sent_ok = False
         self.retry()
+
+    def _partner(self, decoder: _Decoder) -> bool:
+        """Whether a decode instance serves this instance's model. One that serves another
+        (other weights, whatever their shape) is no partner at all: its pool must not take
+        our K/V, nor may it be handed a prompt whole, which it would answer with its own
+        model's tokens."""
+        if self._foreign.get(decoder.instance) == decoder.started_at:
+            return False
+        if decoder.weights == self.model.get("weights", ""):
+            return True
+        self._no_partner(decoder.instance, decoder.started_at,
+                         f"it serves {decoder.model!r} with weights {decoder.weights!r}, this "
+                         f"instance {self.model.get('model', '')!r} with weights "
+                         f"{self.model.get('weights', '')!r}")
+        return False
+
+    def _no_partner(self, instance: str, incarnation: float, why: str) -> None:
+        """A decode instance found serving another model: no partner of this one until it
+        restarts; said once."""
+        self.decoders.pop(instance, None)
+        if self._foreign.get(instance) == incarnation:
+            return
+        self._foreign[instance] = incarnation
+        log.error("decode instance serves another model: no request goes to it; they go to "
+                  "the decode instances of this model, or are served here while none is up",
+                  decode_instance=instance, error=why)
 
     def retry(self) -> None:
         now = time.monotonic()

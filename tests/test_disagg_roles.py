@@ -644,6 +644,57 @@ def test_a_decode_pool_of_another_layout_is_not_asked_again_until_it_restarts():
     assert instance == "d0" and decode(ask.request).request_id == "r3"
 
 
+@pytest.mark.parametrize("found_by", ["its heartbeat", "its reply"])
+def test_a_decode_instance_of_another_model_is_no_partner_at_all(found_by, capsys):
+    """A decode instance that serves another model (other weights, the same KV shape) gets
+    neither our K/V nor a prompt whole (it would answer with its own model's tokens): the
+    requests go to a decode instance of this model, or, while none is up, are served here.
+    Found from its heartbeat, or from the KV descriptors of its answer (it restarted with
+    another model since the heartbeat), once per incarnation; it is a partner again once it
+    restarts with this model."""
+    c = core()
+    ours = {"model": "tiny", "weights": "aaaa"}
+    side = PrefillSide(Keys(), "p0", c, RequestBook(c), min_prompt_tokens=8, model=ours)
+    side.own = [{**descriptor("p0:1"), **ours}]
+    other = _Decoder("d0", "host-d0", 100, 0, 1.0, "tiny-tuned", "bbbb")
+    if found_by == "its heartbeat":
+        side.housekeeping({"d0": other}, {})
+    else:
+        side.housekeeping({"d0": replace(other, model="tiny", weights="aaaa")}, {})
+        side.admit(b"8-0", request("first", 10))
+        (instance, _), = side.take().reserves
+        side.receive_reservations(reply(ReservedMsg(
+            "first", "d0", "host-d0", [7, 8, 9],
+            [{**descriptor("d0:1"), "model": "tiny-tuned", "weights": "bbbb"}], 1.0)))
+        out = side.take()
+        (_, cancel), = out.cancels
+        assert "another model" in cancel.reason and not out.handoffs and not out.reserves
+        assert c.get_request("first").sampling.max_tokens == 8     # served here, whole
+    side.admit(b"9-0", request("long", 10))
+    side.admit(b"10-0", request("short", 5))
+    side.housekeeping({"d0": other}, {})        # the next heartbeats: nothing said again
+    out = side.take()
+    assert not out.reserves and not out.handoffs and not out.cancels
+    assert c.get_request("long").sampling.max_tokens == 8
+    assert c.get_request("short") is not None and not side.pending_entry_ids()
+    assert capsys.readouterr().out.count("decode instance serves another model") == 1
+    # a decode instance of this model comes up: the next prompts go there
+    side.housekeeping({"d0": other, "d1": _Decoder("d1", "host-d1", 50, 0, 1.0, "tiny",
+                                                   "aaaa")}, {})
+    side.admit(b"11-0", request("next", 10))
+    side.admit(b"12-0", request("next-short", 5))
+    out = side.take()
+    (instance, _), = out.reserves
+    (whole_to, _, _, _), = out.handoffs
+    assert instance == whole_to == "d1"
+    # d0 restarted with this model: a partner again
+    side.housekeeping({"d0": replace(other, started_at=2.0, weights="aaaa", free_blocks=500)},
+                      {})
+    side.admit(b"13-0", request("later", 10))
+    (instance, _), = side.take().reserves
+    assert instance == "d0"
+
+
 def test_a_short_prompt_goes_whole_and_a_failed_send_hands_over_without_kv():
     c = core()
     side = prefill_side(c, [descriptor("p0:1")])

@@ -28,7 +28,7 @@ from shared.engine_layout import engine_layout                         # noqa: E
 from shared.errors import PacerError                                   # noqa: E402
 from shared.kv_layout import KVLayoutError                             # noqa: E402
 from shared.model_config import load_model_config                      # noqa: E402
-from shared.model_source import resolve_model                          # noqa: E402
+from shared.model_source import model_identity, resolve_model          # noqa: E402
 from shared.plan import (CachedRequestData, IterationPlan, KVCheck,    # noqa: E402
                          KVSend, NewRequestData)
 from shared.sampling import SamplingParams                             # noqa: E402
@@ -293,6 +293,7 @@ def test_a_send_that_never_completes_fails_after_the_timeout(tiny, decode_runner
     ({"tp": 2}, DST_BLOCKS, "TP 1.*TP 2"),
     ({"block_bytes": 4}, DST_BLOCKS, "block_bytes"),
     ({"dtype": "bfloat16"}, DST_BLOCKS, "dtype"),
+    ({"model": "tiny-tuned", "weights": "0123456789abcdef"}, DST_BLOCKS, "another model"),
     ({"num_blocks": 2}, DST_BLOCKS, "destination block outside"),
     ({}, DST_BLOCKS[:-1], "pairs 3 source blocks with 2"),
 ])
@@ -333,7 +334,7 @@ def test_a_failed_send_on_a_follower_rank_is_reported_by_rank_0(tiny):
     cfg = load_model_config(resolve_model(path))
     peer0 = make_connector("mooncake", tp=2, rank=0)         # the decode side's rank 0
     pool = allocate_kv_pool(cfg, 32, BLOCK, cfg.num_kv_heads // 2, torch.float32, "cpu")
-    peer0.register(pool)
+    peer0.register(pool, model_identity(resolve_model(path)))     # the same model's pool
     peers = [peer0.descriptor(), {**peer0.descriptor(), "rank": 1, "session": "127.0.0.1:1"}]
     with LLMEngine(EngineArgs(model=path, dtype="float32", tp=2, block_size=BLOCK,
                               num_kv_blocks=32, max_model_len=512, kv_connector="mooncake",

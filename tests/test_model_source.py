@@ -3,6 +3,7 @@ tiny HF and GGUF models, and the files we must refuse with a one-line reason."""
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -15,7 +16,8 @@ from helpers_tiny_model import write_tiny_gguf, write_tiny_llama
 from shared.cost_model import ModelShape
 from shared.errors import ModelLoadError, PacerError
 from shared.model_config import ModelConfig, RopeScaling, check_tp_fits, load_model_config
-from shared.model_source import DEFAULT_MODEL_NAME, default_model_path, resolve_model
+from shared.model_source import (DEFAULT_MODEL_NAME, default_model_path, resolve_model,
+                                 weights_fingerprint)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,18 @@ def test_hf_directory_and_gguf_file(tiny_dir, tmp_path):
     gguf = write_tiny_gguf(tmp_path / "tiny.Q8_0.gguf", tiny_dir, GGMLQuantizationType.Q8_0)
     source = resolve_model(gguf)
     assert (source.kind, source.path, source.name) == ("gguf", gguf, "tiny.Q8_0")
+
+
+def test_the_weights_fingerprint_follows_the_files_not_their_place(tiny_dir, tmp_path):
+    """P/D pairs instances by it (shared/kv_layout.py): the same files elsewhere agree,
+    another model of the same shape (other weights) or dummy weights do not."""
+    copy = tmp_path / "elsewhere" / "tiny-llama"
+    shutil.copytree(tiny_dir, copy)
+    ours = weights_fingerprint(resolve_model(tiny_dir))
+    assert weights_fingerprint(resolve_model(str(copy))) == ours
+    other = write_tiny_llama(tmp_path / "tuned", seed=1)
+    assert weights_fingerprint(resolve_model(other)) != ours
+    assert weights_fingerprint(resolve_model(tiny_dir), dummy=True) != ours
 
 
 @pytest.mark.parametrize("setup, message", [

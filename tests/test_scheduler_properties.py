@@ -19,7 +19,7 @@ iterations. A lost KV cache sends everything back to the queue, so each one rest
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
@@ -244,3 +244,118 @@ def test_random_traffic_keeps_invariants_and_finishes(config, arrivals, aborts, 
     event(f"prefix cache hit tokens: {'0' if not bm.prefix_cache_hits else '>0'}")
     assert bm.prefix_cache_hits <= bm.prefix_cache_queries
     driver.check_outputs()
+
+
+# ---- a P/D decode instance ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecodeCall:
+    """One call a decode instance's scheduler makes on its core: `reserve` blocks for a
+    prompt being prefilled elsewhere, a hand-off of a reservation `with_kv` or `without_kv`
+    (recomputed here), a `whole` hand-off (a prompt prefilled here), a `cancel` of a
+    reservation, an `abort`, or a `step` (plan, run, update). `index` picks the request
+    among the reserved or live ones, `num_prompt` and `max_tokens` size a new one."""
+    kind: str
+    index: int
+    num_prompt: int
+    max_tokens: int
+
+
+decode_calls = st.builds(DecodeCall, st.sampled_from(
+    ["reserve", "reserve", "with_kv", "with_kv", "without_kv", "whole", "cancel", "abort",
+     "step", "step"]), st.integers(0, 7), st.integers(1, 12), st.integers(2, 6))
+
+
+@st.composite
+def decode_configs(draw) -> dict:
+    # a pool with room for a few requests at once, so that the sequence cap is what binds
+    block_size = draw(st.integers(1, 8))
+    return {"budget": draw(st.integers(1, 40)), "max_seqs": draw(st.integers(1, 4)),
+            "num_blocks": draw(st.integers(32, 96)) // block_size, "block_size": block_size,
+            "max_model_len": draw(st.integers(16, 64)), "chunked": draw(st.booleans()),
+            "prefix_caching": draw(st.booleans())}
+
+
+class DecodeDriver:
+    """Plays a decode instance's scheduler on a core with a FakeWorker; a reservation
+    handed over with its K/V gets the prompt's K/V in its reserved blocks, as a prefill
+    instance's writes would put it there."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self.worker = FakeWorker(sched)
+        self.prompts: dict[str, list[int]] = {}
+        self.ended: set[str] = set()
+
+    def call(self, c: DecodeCall) -> None:
+        sched, rid = self.sched, f"r{len(self.prompts)}"
+        reserved = sorted(r for r in self.prompts if sched.is_reserved(r))
+        live = sorted(r for r in self.prompts if sched.get_request(r) is not None)
+        sampling = SamplingParams(max_tokens=c.max_tokens, ignore_eos=True)
+        if c.kind in ("reserve", "whole"):
+            prompt = self.prompts[rid] = arrival_prompt(Arrival(0, c.num_prompt, 1, None, True),
+                                                        len(self.prompts))
+            try:
+                if c.kind == "reserve":
+                    sched.reserve(rid, prompt, sampling)
+                else:
+                    sched.add_request(rid, prompt, sampling)
+            except InvalidRequestError:
+                pass
+        elif c.kind in ("with_kv", "without_kv") and reserved:
+            self.hand_over(reserved[c.index % len(reserved)], c.kind == "with_kv")
+        elif c.kind == "cancel" and reserved:
+            sched.cancel_reservation(reserved[c.index % len(reserved)])
+        elif c.kind == "abort" and live:
+            sched.abort(live[c.index % len(live)])
+        elif c.kind == "step":
+            self.step()
+        assert sched.num_running <= sched.config.max_num_seqs
+
+    def hand_over(self, rid: str, with_kv: bool) -> None:
+        sched = self.sched
+        if with_kv:
+            table, size = sched.get_request(rid).block_table, sched.block_manager.block_size
+            prompt = self.prompts[rid]
+            for p in range(len(prompt)):
+                self.worker.kv[table[p // size] * size + p % size] = tuple(prompt[:p + 1])
+        sched.activate(rid, TOKEN, ["d0:1"] if with_kv else None)
+
+    def step(self) -> None:
+        plan = self.sched.schedule()
+        check_plan(self.sched, plan)
+        # a request handed over with its K/V and aborted or preempted before a plan took it
+        # to the workers is dropped by an id they never had (they ignore it; the FakeWorker
+        # would not)
+        known = self.worker.requests
+        sent = replace(plan,
+                       finished_request_ids=[r for r in plan.finished_request_ids if r in known],
+                       preempted_request_ids=[r for r in plan.preempted_request_ids if r in known])
+        for out in self.sched.update(plan, self.worker.execute(sent)):
+            if out.finished:
+                self.ended.add(out.request_id)
+        self.sched.block_manager.check_integrity()
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(decode_configs(), st.lists(decode_calls, min_size=10, max_size=60))
+def test_a_decode_instance_never_runs_more_than_max_num_seqs(config, calls):
+    """Reservations, hand-offs with and without their K/V, whole hand-offs, cancels and
+    aborts in any order: the requests running never exceed max_num_seqs (a reservation holds
+    its seat until its hand-off comes), and once every reservation is handed over, everything
+    ends: neither kind of request starves the other."""
+    sched = make_scheduler(**config)
+    driver = DecodeDriver(sched)
+    for c in calls:
+        driver.call(c)
+    for rid in list(driver.prompts):
+        if sched.is_reserved(rid):
+            driver.hand_over(rid, with_kv=True)
+    bound = sum(len(p) + 8 for p in driver.prompts.values()) + 2
+    for _ in range(bound):
+        if not sched.has_unfinished():
+            break
+        driver.step()
+    assert not sched.has_unfinished(), "a request starved"
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_total_blocks
+    assert sched.reserve("late", [5], SamplingParams(max_tokens=1)) is not None

@@ -1,6 +1,6 @@
 """The KV connector interface: what moves K/V blocks from this rank's pool into a peer's.
 
-    conn.register(pool)                      # the pool tensor, once (one registration)
+    conn.register(pool, model)               # the pool tensor, once (one registration)
     conn.descriptor() -> dict                # published in the worker heartbeat (shared/kv_layout.py)
     h = conn.write(peer_descriptor, [(src_offset, dst_offset, length), ...])   # asynchronous
     conn.wait([h, ...], timeout_s) -> [ok, ...]
@@ -65,8 +65,10 @@ class KVConnector(ABC):
         self._poll_lock = threading.Lock()
 
     @abstractmethod
-    def register(self, pool) -> None:
-        """Make the pool tensor (contiguous) readable and writable by peers."""
+    def register(self, pool, model: dict | None = None) -> None:
+        """Make the pool tensor (contiguous) readable and writable by peers; `model`: the
+        name and weights fingerprint of the model whose K/V it holds ({"model", "weights"}),
+        for the descriptor (a peer of another model must not take its blocks)."""
 
     @abstractmethod
     def descriptor(self) -> dict:
@@ -167,9 +169,11 @@ class KVConnector(ABC):
         """Unregister the pool and stop the engine (idempotent)."""
 
 
-def pool_descriptor(engine: str, session: str, pool, tp: int, rank: int) -> dict:
-    """The descriptor of a registered pool [L, 2, N, block_size, KVH, hd]."""
+def pool_descriptor(engine: str, session: str, pool, tp: int, rank: int,
+                    model: dict | None = None) -> dict:
+    """The descriptor of a registered pool [L, 2, N, block_size, KVH, hd] holding `model`'s
+    K/V (`register`)."""
     return {"engine": engine, "session": session, "base": pool.data_ptr(),
             "num_layers": pool.shape[0], "num_blocks": pool.shape[2],
             "block_bytes": block_bytes(pool), "dtype": str(pool.dtype).removeprefix("torch."),
-            "tp": tp, "rank": rank}
+            "tp": tp, "rank": rank, **(model or {})}

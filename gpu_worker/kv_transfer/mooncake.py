@@ -59,17 +59,18 @@ class MooncakeConnector(KVConnector):
         self.tp, self.rank = tp, rank
         self._pool = None
 
-    def register(self, pool) -> None:
+    def register(self, pool, model: dict | None = None) -> None:
         if not pool.is_contiguous():
             raise ValueError("the KV pool must be one contiguous tensor")
         nbytes = pool.numel() * pool.element_size()
         rc = self.engine.register_memory(pool.data_ptr(), nbytes)
         if rc != 0:
             raise PacerError(f"Mooncake could not register the KV pool ({nbytes} bytes, rc {rc})")
-        self._pool = pool
+        self._pool, self._model = pool, model
 
     def descriptor(self) -> dict:
-        return pool_descriptor("mooncake", self.session, self._pool, self.tp, self.rank)
+        return pool_descriptor("mooncake", self.session, self._pool, self.tp, self.rank,
+                               self._model)
 
     def _submit(self, peer: dict, segments: list[tuple[int, int, int]]) -> _Write:
         # (writes given up at their deadline are polled until they settle, connector.py: the

@@ -251,8 +251,8 @@ class Scheduler:
         if self._waiting or self._walled_in():
             return None         # requests already here (preempted ones, say) go first, and
             #                     nothing joins beside a prompt walled in (`_long_prompt_walled`)
-        if len(self._running) + len(self._reserved) >= self.config.max_num_seqs:
-            return None         # each reservation becomes a running request
+        if self._seats_left() <= 0:
+            return None
         request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
                           reply_to=reply_to)
         if self.block_manager.allocate(request, len(prompt_token_ids) + 1) is None:
@@ -301,6 +301,13 @@ class Scheduler:
             self.block_manager.set_aside(reserved)
         else:
             self.block_manager.free(reserved)
+
+    def _seats_left(self) -> int:
+        """How many more requests may run: max_num_seqs less those running and those
+        reserved (on a P/D decode instance each reservation becomes a running request when
+        its hand-off comes, without asking; a request admitted from the queue into a seat a
+        reservation holds would take the instance past max_num_seqs then)."""
+        return self.config.max_num_seqs - len(self._running) - len(self._reserved)
 
     def is_reserved(self, request_id: str) -> bool:
         return request_id in self._reserved
@@ -610,7 +617,7 @@ class Scheduler:
 
     def _prefill_waits(self) -> bool:
         """Whether a prompt would get rows in this iteration but for the decodes' probe."""
-        return bool(self._waiting) and len(self._running) < self.config.max_num_seqs or any(
+        return bool(self._waiting) and self._seats_left() > 0 or any(
             self._rows_wanted(r) > 1 for r in self._running)
 
     def _prefill_pace(self, streams: int) -> float:
@@ -630,8 +637,7 @@ class Scheduler:
         before it, and a longer iteration would go to them."""
         goal, now = self._pace_goal, self.clock()
         longer = self.config.max_num_batched_tokens
-        placed = list(islice(self._waiting,
-                             max(self.config.max_num_seqs - len(self._running), 0)))
+        placed = list(islice(self._waiting, max(self._seats_left(), 0)))
         for request in placed:           # queued prompts a free place could take now
             if request.place_s is None:
                 request.place_s = now
@@ -863,7 +869,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if any(1 < self._rows_wanted(r) <= budget for r in self._running):
             return True
-        return bool(self._waiting) and len(self._running) < self.config.max_num_seqs and \
+        return bool(self._waiting) and self._seats_left() > 0 and \
             next(self._queued_shorts(), None) is not None
 
     def _queued_shorts(self) -> Iterator[tuple[Request, list[Request]]]:
@@ -907,7 +913,7 @@ class Scheduler:
     def _admit(self, request: Request, iteration: _Iteration) -> bool:
         """Admit `request`, from the waiting queue, if the budgets, the sequence cap and the
         pool allow; False if not."""
-        if len(self._running) >= self.config.max_num_seqs:
+        if self._seats_left() <= 0:
             return False
         cached_prefix = self.block_manager.find_cached_prefix(request)
         num_cached_tokens = len(cached_prefix) * self.block_manager.block_size
