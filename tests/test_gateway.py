@@ -1552,6 +1552,25 @@ async def test_metrics_count_unread_requests_and_know_a_stopped_schedulers_gauge
     await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwmetrics:*")])
 
 
+async def test_metrics_scraped_side_by_side_each_hold_every_series(h: Harness) -> None:
+    """Scrapes that overlap (two Prometheus servers, a dashboard beside them) each report the
+    scheduler's gauges: one must not collect another's half-read snapshot and lose them."""
+    import random
+    rng = random.Random(0)
+    await h.redis.hset(h.keys.stats, mapping={"num_requests_running": 3,
+                                              "num_requests_waiting": 1})
+    await h.redis.set(h.keys.hb_scheduler("s-side"), b"x", ex=30)
+
+    async def scrape() -> str:
+        await asyncio.sleep(rng.random() * 0.05)      # starts spread over each other's reads
+        async with h.session.get(h.url + "/metrics") as r:
+            return await r.text()
+    texts = await asyncio.gather(*(scrape() for _ in range(100)))
+    await h.redis.delete(h.keys.hb_scheduler("s-side"))
+    missing = [t for t in texts if "pacer:num_requests_running 3.0" not in t.splitlines()]
+    assert not missing, f"{len(missing)} of {len(texts)} scrapes lost the scheduler's gauges"
+
+
 async def test_api_key_is_required_on_the_openai_routes(h: Harness, config: GatewayConfig) -> None:
     import dataclasses
     keyed = dataclasses.replace(config, api_key="sekret", gateway_id="keyed")
