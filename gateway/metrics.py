@@ -204,17 +204,18 @@ class SchedulerStats:
 
 async def _unread(redis: aioredis.Redis, streams: list[str]) -> float:
     """The schedulers' group's lag summed over the request streams (NaN where Redis cannot
-    say: a stream trimmed past entries never read)."""
+    say: a stream trimmed past entries never read). A stream without the group is unread
+    whole: no scheduler has started on it yet (one still loading its model), and the group
+    it makes starts at the stream's beginning."""
     total = 0.0
     for stream in streams:
         try:
             groups = await redis.xinfo_groups(stream)
+            group = next((g for g in groups if _text(g["name"]) == SCHEDULERS_GROUP), None)
+            unread = await redis.xlen(stream) if group is None else group.get("lag")
         except RedisError:              # no such stream yet: nothing was ever queued there
             continue
-        for group in groups:
-            if _text(group["name"]) == SCHEDULERS_GROUP:
-                lag = group.get("lag")
-                total += math.nan if lag is None else int(lag)
+        total += math.nan if unread is None else int(unread)
     return total
 
 

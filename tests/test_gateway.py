@@ -1552,6 +1552,20 @@ async def test_metrics_count_unread_requests_and_know_a_stopped_schedulers_gauge
     await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwmetrics:*")])
 
 
+async def test_metrics_count_requests_queued_before_any_scheduler_started(
+        h: Harness, config: GatewayConfig) -> None:
+    """No scheduler has made its group on the request stream yet (the first one still loads
+    its model): every entry there is unread, not none (the group it makes starts at 0)."""
+    alone = dataclasses.replace(config, key_prefix="gwqueued:", gateway_id="queued")
+    keys = Keys("gwqueued:")
+    for i in range(2):
+        await h.redis.xadd(keys.requests, {"n": i})
+    async with serve(alone) as url, h.session.get(url + "/metrics") as r:
+        lines = (await r.text()).splitlines()
+    await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwqueued:*")])
+    assert "pacer:num_requests_queued 2.0" in lines
+
+
 async def test_metrics_scraped_side_by_side_each_hold_every_series(h: Harness) -> None:
     """Scrapes that overlap (two Prometheus servers, a dashboard beside them) each report the
     scheduler's gauges: one must not collect another's half-read snapshot and lose them."""
