@@ -140,11 +140,12 @@ class SchedulerStats:
         the instances whose scheduler beats; `request_streams`: the streams schedulers read
         requests from, whose unread entries are `pacer:num_requests_queued`; `restarts_key`:
         the hash `pacer up` counts its restarts of each service in."""
-        self.snapshots = {}
-        self.queued = await _unread(redis, request_streams)
+        snapshots: dict[str, dict[str, float]] = {}
+        queued = await _unread(redis, request_streams)
+        restarts = self.restarts
         try:
-            self.restarts = {_text(k): float(v)
-                             for k, v in (await redis.hgetall(restarts_key)).items()}
+            restarts = {_text(k): float(v)
+                        for k, v in (await redis.hgetall(restarts_key)).items()}
         except (RedisError, ValueError) as e:   # another type; a count that is no number
             log.warning("service restarts unreadable", key=restarts_key, error=str(e))
         for instance, key in keys.items():
@@ -153,7 +154,7 @@ class SchedulerStats:
             except RedisError as e:
                 log.warning("scheduler stats unreadable", error=str(e), instance=instance)
                 raw = {}
-            snapshot = self.snapshots[instance] = {}
+            snapshot = snapshots[instance] = {}
             for field, value in raw.items():
                 try:
                     snapshot[_text(field)] = float(value)
@@ -163,6 +164,10 @@ class SchedulerStats:
                 for field, (_, _, is_counter) in _SCHEDULER_STATS.items():
                     if not is_counter and field in snapshot:
                         snapshot[field] = math.nan
+        # set at once, after the last await: scrapes run side by side (two Prometheus
+        # servers, a dashboard), and one that collected while another was half way through
+        # here lost the series not read back yet
+        self.snapshots, self.queued, self.restarts = snapshots, queued, restarts
 
     def unknown(self, keys: dict[str, str]) -> None:
         """Every instance's numbers unknown (NaN), Redis not having said."""
@@ -199,17 +204,18 @@ class SchedulerStats:
 
 async def _unread(redis: aioredis.Redis, streams: list[str]) -> float:
     """The schedulers' group's lag summed over the request streams (NaN where Redis cannot
-    say: a stream trimmed past entries never read)."""
+    say: a stream trimmed past entries never read). A stream without the group is unread
+    whole: no scheduler has started on it yet (one still loading its model), and the group
+    it makes starts at the stream's beginning."""
     total = 0.0
     for stream in streams:
         try:
             groups = await redis.xinfo_groups(stream)
+            group = next((g for g in groups if _text(g["name"]) == SCHEDULERS_GROUP), None)
+            unread = await redis.xlen(stream) if group is None else group.get("lag")
         except RedisError:              # no such stream yet: nothing was ever queued there
             continue
-        for group in groups:
-            if _text(group["name"]) == SCHEDULERS_GROUP:
-                lag = group.get("lag")
-                total += math.nan if lag is None else int(lag)
+        total += math.nan if unread is None else int(unread)
     return total
 
 

@@ -63,7 +63,7 @@ from gateway.config import POLICIES
 from shared.keys import SCAN_COUNT, Keys
 from shared.lifecycle import cancel_requested
 from shared.prefix_hash import cacheable_hashes
-from shared.protocol import Heartbeat, ProtocolError, decode
+from shared.protocol import scheduler_instances
 
 DECODE_TOKENS = 64           # prompt tokens' worth of work a request is once it decodes
 UNKNOWN_TOKENS = 256         # ...and one in flight that another gateway sent
@@ -300,15 +300,6 @@ def _number(value) -> float:
 
 async def live_instances(redis: aioredis.Redis, keys: Keys) -> set[str]:
     """The engine instances whose scheduler heartbeat key is alive ("" for a colocated
-    engine's): SCAN of the heartbeat keys, one MGET; a scheduler's heartbeat names its
-    instance (an expired key reads as None; an undecodable value counts for none)."""
+    engine's): SCAN of the heartbeat keys, one MGET."""
     beats = [k async for k in redis.scan_iter(match=keys.hb_scheduler_pattern, count=SCAN_COUNT)]
-    found = set()
-    for value in await redis.mget(beats) if beats else []:
-        try:
-            beat = decode(value) if value else None
-        except ProtocolError:
-            continue
-        if isinstance(beat, Heartbeat) and beat.service == "scheduler":
-            found.add(str(beat.extra.get("instance", "")))
-    return found
+    return scheduler_instances(await redis.mget(beats) if beats else [])

@@ -251,6 +251,9 @@ class PlanLoop:
                         old_run_id=self._run_id, run_id=info["run_id"])
             self._replaced.add(self._run_id)
             self._run_id, self._plans_after = info["run_id"], "0-0"
+            # the stats hash went with the old server: write the counters again (idle, none
+            # would until the next result, and /metrics would leave them out until then)
+            self._stats_stale = True
             return []
         entries = [(entry_id, fields, _Origin(self._run_id, connections))
                    for _, entries in reply or [] for entry_id, fields in entries]

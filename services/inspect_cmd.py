@@ -4,7 +4,8 @@
     pacer inspect results                step results (the token each request drew)
     pacer inspect requests               queued requests, and each consumer's pending count
     pacer inspect aborts
-    pacer inspect stats                  the scheduler's and rank 0's counters
+    pacer inspect stats                  the scheduler's and rank 0's counters (the last ones
+                                         written, and said so, when no scheduler beats)
     pacer inspect stats --instance d0    an engine instance's (P/D, --replicas): its own keys
     pacer inspect handoff --instance d0  a decode instance's inbox (reserve, hand-off, cancel)
     pacer inspect reservations --instance p0   what prefill instance p0 was sent
@@ -18,13 +19,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
+import time
 from typing import Any
 
 import redis
 
 from shared.errors import PacerError
 from shared.keys import SCAN_COUNT, Keys
-from shared.protocol import STREAM_FIELD, ProtocolError, decode
+from shared.protocol import STREAM_FIELD, ProtocolError, decode, scheduler_instances
 from shared.redis_retry import redis_trouble
 from shared.service_args import add_redis_args, redis_password, refused_for_good, shown_url
 
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
             hint = (f"; nothing is stored under {args.key_prefix}inst:{args.instance}: (no "
                     f"engine instance {args.instance!r} has run against this Redis and prefix)")
         if args.what == "stats":
-            show_stats(client.hgetall(keys.stats), args.json, hint)
+            show_stats(client.hgetall(keys.stats), args.json, hint,
+                       live=args.instance in live_instances(client, keys))
         else:
             stream = getattr(keys, args.what)
             entries = client.xrevrange(stream, count=args.count)
@@ -135,8 +139,22 @@ def _number(text: str) -> float | int | str:
     return int(value) if value.is_integer() and "." not in text and "e" not in text else value
 
 
-def show_stats(raw: dict, as_json: bool, hint: str = "") -> None:
+def live_instances(client: redis.Redis, keys: Keys) -> set[str]:
+    """The engine instances ("" for the colocated engine) whose scheduler beats now."""
+    beats = list(client.scan_iter(match=keys.hb_scheduler_pattern, count=SCAN_COUNT))
+    return scheduler_instances(client.mget(beats) if beats else [])
+
+
+def show_stats(raw: dict, as_json: bool, hint: str = "", live: bool = True) -> None:
+    """`live`: whether the instance's scheduler beats; if not, the hash is the last snapshot
+    of one that stopped (a gauge such as num_requests_running says what ran then), and a
+    line says so: on stderr with --json, whose output stays the numbers alone."""
     stats = {_text(k): _text(v) for k, v in sorted(raw.items())}
+    if stats and not live:
+        written = _number(stats.get("updated_at", ""))
+        ago = "" if isinstance(written, str) else f", {time.time() - written:.0f} s ago"
+        print(f"no scheduler of this engine beats now: these are the last numbers one wrote"
+              f"{ago}, not what runs now", file=sys.stderr if as_json else sys.stdout)
     if as_json:                         # every field is a number (scheduler_svc/stats.py)
         print(json.dumps({k: _number(v) for k, v in stats.items()}))
         return

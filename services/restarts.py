@@ -29,6 +29,7 @@ log = structlog.get_logger("restarts")
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+COUNT_RETRY_S = 1.0         # how often restarts not yet counted in Redis are tried again
 
 
 class Restarter:
@@ -41,6 +42,10 @@ class Restarter:
         self.heartbeat_keys, self.groups = heartbeat_keys, groups
         self.restarts_key = restarts_key
         self._recent: dict[str, deque[float]] = {}
+        # this run's restarts, by service: the hash is written whole from them, so that a
+        # Redis that restarted empty (pacer up's own, restarted here) gets them all again
+        self._counts: dict[str, int] = {}
+        self._uncounted_since: float | None = None   # a write failed then: not in Redis yet
 
     def handle(self, child: Child, stopping) -> bool:
         """Restart `child` (and its group); False if it died too often to try again. A child
@@ -73,9 +78,24 @@ class Restarter:
         print(f"pacer up: {child.name} exited ({describe_exit(child.returncode)}); restarted "
               f"{', '.join(m.name for m in group)}", file=sys.stderr, flush=True)
         if self.restarts_key is not None:
-            self._on_redis("restart not counted",
-                           lambda client: client.hincrby(self.restarts_key, service, 1))
+            self._counts[service] = self._counts.get(service, 0) + 1
+            self._write_counts()
         return True
+
+    def count_again(self) -> None:
+        """Write the counts that a failed write left out of Redis (it was away: a Redis that
+        pacer up has just restarted refuses connections for a moment), at most once per
+        COUNT_RETRY_S; `pacer up`'s watch loop calls it every turn."""
+        if self._uncounted_since is not None and \
+                time.monotonic() - self._uncounted_since >= COUNT_RETRY_S:
+            self._write_counts()
+
+    def _write_counts(self) -> None:
+        counts = dict(self._counts)
+        written = self._on_redis("restarts not counted yet; trying again",
+                                 lambda client: client.hset(self.restarts_key, mapping=counts),
+                                 quiet=self._uncounted_since is not None)
+        self._uncounted_since = None if written else time.monotonic()
 
     def _group(self, child: Child) -> list[Child]:
         group = self.groups.get(child.name)
@@ -88,15 +108,19 @@ class Restarter:
         if keys:
             self._on_redis("heartbeat keys not deleted", lambda client: client.delete(*keys))
 
-    def _on_redis(self, failed: str, op) -> None:
+    def _on_redis(self, failed: str, op, quiet: bool = False) -> bool:
         """`op(client)` on a connection of its own, given a second at most: a Redis that is
-        away (it may be the child that died) costs a warning, never the restart."""
+        away (it may be the child that died) costs a warning (none if `quiet`: said once
+        already), never the restart. Whether it got through."""
         client = redis.Redis.from_url(self.redis_url, password=redis_password(),
                                       socket_timeout=1.0, socket_connect_timeout=1.0)
         try:
             op(client)
+            return True
         except (redis.RedisError, OSError) as e:
-            log.warning(failed, error=str(e))
+            if not quiet:
+                log.warning(failed, error=str(e))
+            return False
         finally:
             client.close()
 

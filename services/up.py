@@ -465,6 +465,7 @@ def _watch(sup: Supervisor, stopping: _Signals, restarter: Restarter,
         for child in sup.newly_exited():
             if not restarter.handle(child, stopping):
                 return 1
+        restarter.count_again()
         for child in watchdog.hung(sup.children):
             print(f"pacer up: {child.name} (pid {child.pid}) wrote no heartbeat for "
                   f"{watchdog.after_s:g} s while its process lived (stopped or hung); "

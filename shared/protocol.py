@@ -421,6 +421,14 @@ def heartbeat_of(value: bytes | None) -> Heartbeat | None:
     return msg if isinstance(msg, Heartbeat) else None
 
 
+def scheduler_instances(values: list[bytes | None]) -> set[str]:
+    """The engine instances ("" for the colocated engine) whose scheduler heartbeats are among
+    these heartbeat key values: a scheduler's heartbeat names its instance (an expired key
+    reads as None; a value that is no heartbeat counts for none)."""
+    return {str(beat.extra.get("instance", "")) for beat in map(heartbeat_of, values)
+            if beat is not None and beat.service == "scheduler"}
+
+
 def decode(data: bytes) -> Message:
     try:
         obj = msgpack.unpackb(data, raw=False)

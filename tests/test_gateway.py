@@ -1615,6 +1615,39 @@ async def test_metrics_count_unread_requests_and_know_a_stopped_schedulers_gauge
     await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwmetrics:*")])
 
 
+async def test_metrics_count_requests_queued_before_any_scheduler_started(
+        h: Harness, config: GatewayConfig) -> None:
+    """No scheduler has made its group on the request stream yet (the first one still loads
+    its model): every entry there is unread, not none (the group it makes starts at 0)."""
+    alone = dataclasses.replace(config, key_prefix="gwqueued:", gateway_id="queued")
+    keys = Keys("gwqueued:")
+    for i in range(2):
+        await h.redis.xadd(keys.requests, {"n": i})
+    async with serve(alone) as url, h.session.get(url + "/metrics") as r:
+        lines = (await r.text()).splitlines()
+    await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwqueued:*")])
+    assert "pacer:num_requests_queued 2.0" in lines
+
+
+async def test_metrics_scraped_side_by_side_each_hold_every_series(h: Harness) -> None:
+    """Scrapes that overlap (two Prometheus servers, a dashboard beside them) each report the
+    scheduler's gauges: one must not collect another's half-read snapshot and lose them."""
+    import random
+    rng = random.Random(0)
+    await h.redis.hset(h.keys.stats, mapping={"num_requests_running": 3,
+                                              "num_requests_waiting": 1})
+    await h.redis.set(h.keys.hb_scheduler("s-side"), b"x", ex=30)
+
+    async def scrape() -> str:
+        await asyncio.sleep(rng.random() * 0.05)      # starts spread over each other's reads
+        async with h.session.get(h.url + "/metrics") as r:
+            return await r.text()
+    texts = await asyncio.gather(*(scrape() for _ in range(100)))
+    await h.redis.delete(h.keys.hb_scheduler("s-side"))
+    missing = [t for t in texts if "pacer:num_requests_running 3.0" not in t.splitlines()]
+    assert not missing, f"{len(missing)} of {len(texts)} scrapes lost the scheduler's gauges"
+
+
 async def test_api_key_is_required_on_the_openai_routes(h: Harness, config: GatewayConfig) -> None:
     import dataclasses
     keyed = dataclasses.replace(config, api_key="sekret", gateway_id="keyed")

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 import redis
@@ -16,8 +17,8 @@ from services.cli import main
 from shared.keys import Keys
 from shared.plan import (CachedRequestData, IterationPlan, NewRequestData, SampledToken,
                          StepResult)
-from shared.protocol import (CancelMsg, PlanMsg, RequestMsg, ReserveMsg, StepResultMsg, encode,
-                             to_fields)
+from shared.protocol import (CancelMsg, Heartbeat, PlanMsg, RequestMsg, ReserveMsg,
+                             StepResultMsg, encode, to_fields)
 from shared.sampling import SamplingParams
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
@@ -42,8 +43,16 @@ def filled(redis_server: str) -> str:
     r.xgroup_create(KEYS.requests, KEYS.requests_group, id="0")
     r.xreadgroup(KEYS.requests_group, "sched-1", {KEYS.requests: ">"})
     r.hset(KEYS.stats, mapping={"num_requests_running": 2, "worker_iterations_total": 7})
+    beat(r, "")
     r.close()
     return redis_server
+
+
+def beat(r: redis.Redis, instance: str) -> None:
+    """A live scheduler of `instance` ("": the colocated engine's)."""
+    r.set(KEYS.hb_scheduler(f"sched-{instance}"),
+          encode(Heartbeat("scheduler", f"sched-{instance}", time.time(),
+                           {"instance": instance})), ex=600)
 
 
 def inspect(capsys, url: str, *args: str) -> str:
@@ -91,6 +100,25 @@ def test_inspect_stats(filled, capsys):
         "num_requests_running": 2, "worker_iterations_total": 7}
 
 
+def test_inspect_stats_of_a_scheduler_that_stopped_says_so(filled, capsys):
+    """A scheduler that died (kill -9) left its last snapshot: num_requests_running 3 while
+    nothing runs. A line above the numbers says so (/metrics reports such gauges as NaN)."""
+    r = redis.Redis.from_url(filled)
+    r.hset(KEYS.for_instance("r7").stats,
+           mapping={"num_requests_running": 3, "updated_at": time.time() - 60})
+    first, *rows = inspect(capsys, filled, "stats", "--instance", "r7").splitlines()
+    assert first.startswith("no scheduler of this engine beats now") and " s ago" in first
+    assert rows[0].split() == ["num_requests_running", "3"]
+    # with --json the line goes to stderr: the output stays one object of numbers
+    assert main(["inspect", "stats", "--instance", "r7", "--json", "--redis-url", filled,
+                 "--key-prefix", KEYS.prefix]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["num_requests_running"] == 3 and "beats now" in err
+    beat(r, "r7")                   # its scheduler is back: its numbers are the current ones
+    r.close()
+    assert "beats now" not in inspect(capsys, filled, "stats", "--instance", "r7")
+
+
 def test_inspect_says_when_a_stream_is_empty(filled, capsys):
     """A wrong --key-prefix finds nothing: said, as for stats, not a silent exit."""
     assert main(["inspect", "plans", "--redis-url", filled, "--key-prefix", "nope:"]) == 0
@@ -106,6 +134,7 @@ def test_inspect_an_engine_instances_own_keys(filled, capsys):
     r.xadd(d0.handoff, to_fields(ReserveMsg(request, "p0")))
     r.xadd(d0.handoff, to_fields(CancelMsg("r-pd", "no decode instance took it")))
     r.hset(d0.stats, mapping={"num_requests_running": 5})
+    beat(r, "d0")
     r.close()
     out = inspect(capsys, filled, "handoff", "--instance", "d0")
     assert out.index("kind=cancel") < out.index("kind=reserve"), out        # newest first

@@ -300,6 +300,28 @@ async def test_after_a_restart_of_a_redis_that_persists_no_old_plan_runs_again(
         server.stop()
 
 
+async def test_worker_counters_are_written_again_to_a_redis_that_restarted(server, tiny_model):
+    """Redis restarts (empty) while nothing runs: rank 0's counters in the stats hash (in
+    /metrics as pacer:worker_*) come back without waiting for a request, as the scheduler's
+    do; they were gone until the next one."""
+    def iterations() -> float:
+        with server.client() as admin:
+            return float(admin.hget(KEYS.stats, "worker_iterations_total") or 0)
+
+    async def until_written(what: str) -> None:
+        end = time.monotonic() + DEADLINE_S
+        while iterations() != s.worker.loop.num_iterations:
+            assert time.monotonic() < end, f"{what}: {iterations()} written, " \
+                                           f"{s.worker.loop.num_iterations} run"
+            await asyncio.sleep(0.1)
+
+    async with running(server, tiny_model) as s:
+        await complete(s, 1)
+        await until_written("rank 0's counters after the request")   # all of them, idle
+        server.restart()
+        await until_written("rank 0's counters on the new server")
+
+
 async def test_the_next_plans_result_is_not_sent_to_a_redis_that_restarted(server, tiny_model):
     """With overlap, rank 0 has read the next plan when Redis restarts (empty) while a plan
     runs. The running plan's result is dropped (its send fails and finds another server);

@@ -12,6 +12,7 @@ import time
 import pytest
 import redis
 
+from services import restarts
 from services.restarts import MAX_RESTARTS, Restarter, Watchdog
 from services.supervisor import Supervisor, stop_children
 from services.up import _watch
@@ -101,6 +102,40 @@ def test_a_dead_groups_heartbeats_go_at_once_and_again_once_its_survivors_stoppe
         assert seen[0] == 0                         # the dead rank's key did not wait
         assert r.exists(*keys.values()) == 0        # nor what rank 0 wrote as it stopped
         assert r.hgetall("test:restarts") == {b"worker group": b"1"}    # counted, once
+    finally:
+        stop_children(sup.children, 5.0)
+        r.close()
+
+
+def test_restarts_are_counted_again_in_a_redis_that_lost_them(redis_server, monkeypatch):
+    """`pacer up` restarts its own Redis (empty) when it dies: the restarts counted before
+    were gone from /metrics, and the Redis restart itself was never counted (the new server
+    refused the write, a moment after it started). The counts are written whole, and a write
+    that failed is tried again."""
+    monkeypatch.setattr(restarts, "COUNT_RETRY_S", 0.0)
+    r = redis.Redis.from_url(redis_server)
+    r.delete("test:counts")
+    sup = Supervisor()
+    try:
+        for name in ("scheduler", "redis"):
+            sup.start(name, SLEEPER)
+        restarter = Restarter(sup, redis_server, {}, {}, "test:counts")
+
+        def die(name: str) -> None:
+            child = next(c for c in sup.children if c.name == name)
+            child.proc.kill()
+            child.proc.wait()
+            assert restarter.handle(child, lambda: False)
+        die("scheduler")
+        assert r.hgetall("test:counts") == {b"scheduler": b"1"}
+        r.delete("test:counts")                 # the Redis restarted, empty...
+        restarter.redis_url = UNUSED_REDIS      # ... and refuses connections for a moment
+        die("redis")
+        restarter.count_again()
+        assert r.hgetall("test:counts") == {}
+        restarter.redis_url = redis_server      # it answers
+        restarter.count_again()
+        assert r.hgetall("test:counts") == {b"scheduler": b"1", b"redis": b"1"}
     finally:
         stop_children(sup.children, 5.0)
         r.close()
