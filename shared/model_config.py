@@ -114,12 +114,18 @@ def read_json(path: str) -> dict:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
 
 
+def read_json_object(path: str) -> dict:
+    """read_json of a file whose fields are read (config.json, tokenizer_config.json): any
+    other JSON value is refused here, not met as an AttributeError on its first field."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: is a JSON {type(data).__name__}, not an object of fields")
+    return data
+
+
 def _from_hf_dir(path: str) -> ModelConfig:
     file = os.path.join(path, "config.json")
-    cfg = read_json(file)
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(f"{file}: is a JSON {type(cfg).__name__}, not an object of fields")
-    return _hf_config(path, file, cfg)
+    return _hf_config(path, file, read_json_object(file))
 
 
 _REQUIRED = object()

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as _Backend
 from shared.chat_template import check_chat_template, render_chat_template
 from shared.errors import InvalidRequestError, ModelLoadError
 from shared.model_config import (eos_token_ids, gguf_token_id, gguf_value, load_model_config,
-                                 open_gguf, read_json, special_token_text)
+                                 open_gguf, read_json_object, special_token_text)
 from shared.model_source import ModelSource
 
 _CONTROL, _USER_DEFINED = 3, 4     # llama.cpp token types
@@ -171,7 +171,7 @@ def _from_hf_dir(path: str) -> Tokenizer:
     except Exception as e:  # the Rust side raises plain Exception on a malformed file
         raise ModelLoadError(f"{file}: cannot load it: {e}") from e
     config_file = os.path.join(path, "tokenizer_config.json")
-    cfg = read_json(config_file) if os.path.isfile(config_file) else {}
+    cfg = read_json_object(config_file) if os.path.isfile(config_file) else {}
     return Tokenizer(backend, bos_token_id=_special_id(backend, cfg.get("bos_token")),
                      eos_token_id=_special_id(backend, cfg.get("eos_token")),
                      chat_template=_hf_chat_template(path, cfg))
@@ -189,6 +189,10 @@ def _hf_chat_template(path: str, cfg: dict) -> str | None:
             return f.read()
     template = cfg.get("chat_template")
     if isinstance(template, list):   # named templates: [{"name": "default", "template": ...}]
+        if not all(isinstance(t, dict) for t in template):
+            raise ModelLoadError(f"{path}: tokenizer_config.json's chat_template is a list of "
+                                 f"something other than {{name, template}} objects: "
+                                 f"{template!r:.80}")
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default")
     return template

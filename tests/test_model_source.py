@@ -3,6 +3,7 @@ tiny HF and GGUF models, and the files we must refuse with a one-line reason."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -230,6 +231,23 @@ def test_config_that_is_not_an_object_is_refused(tiny_dir, tmp_path):
         f.write("[1, 2]")
     with pytest.raises(ModelLoadError, match="config.json: is a JSON list, not an object"):
         load_model_config(resolve_model(path))
+
+
+@pytest.mark.parametrize("config, message", [
+    ([1, 2], "tokenizer_config.json: is a JSON list, not an object of fields"),
+    ({"chat_template": ["{{ x }}"]},
+     "chat_template is a list of something other than {name, template} objects"),
+])
+def test_tokenizer_config_of_the_wrong_shape_is_refused(tiny_dir, tmp_path, config, message):
+    """A tokenizer_config.json that is no object, or named chat templates that are no objects,
+    are named in one line (the gateway died at start-up on an AttributeError)."""
+    from shared.tokenizer import load_tokenizer
+    path = _edit_config(tiny_dir, tmp_path / "tok")
+    os.unlink(os.path.join(path, "tokenizer_config.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        load_tokenizer(resolve_model(path))
 
 
 def test_non_llama_gguf_is_refused(tiny_dir, tmp_path):
