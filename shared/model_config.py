@@ -187,10 +187,15 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise ModelLoadError(f"{file}: model_type must be a string, got {model_type!r}")
-    expected = _HF_ARCHITECTURES.get(model_type)
-    architectures = cfg.get("architectures") or [expected or _HF_ARCHITECTURES["llama"]]
+    architectures = cfg.get("architectures") or [
+        _HF_ARCHITECTURES.get(model_type) or _HF_ARCHITECTURES["llama"]]
     if not isinstance(architectures, list):
         raise ModelLoadError(f"{file}: architectures must be a list, got {architectures!r}")
+    if model_type is None and cfg.get("architectures"):
+        # an older config names only its class (transformers' LlamaForCausalLM loads it): the
+        # family is the one of that class, rather than a refusal of a supported class
+        model_type = next((t for t, a in _HF_ARCHITECTURES.items() if a in architectures), None)
+    expected = _HF_ARCHITECTURES.get(model_type)
     if expected is None or expected not in architectures:
         supported = ", ".join(f"{t} ({a})" for t, a in _HF_ARCHITECTURES.items())
         raise ModelLoadError(f"{file}: architecture {architectures[0]!r} (model_type "

@@ -250,6 +250,23 @@ def test_tokenizer_config_of_the_wrong_shape_is_refused(tiny_dir, tmp_path, conf
         load_tokenizer(resolve_model(path))
 
 
+def test_a_config_without_model_type_is_read_by_its_architecture(tiny_dir, tmp_path):
+    """An older config.json names only its class: LlamaForCausalLM was refused as "not
+    supported; only llama (LlamaForCausalLM), ..."; it is read as the llama it names. A class
+    of no supported family is still refused."""
+    path = _edit_config(tiny_dir, tmp_path / "untyped")
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    os.unlink(os.path.join(path, "config.json"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({k: v for k, v in cfg.items() if k != "model_type"}, f)
+    assert load_model_config(resolve_model(path)) == load_model_config(resolve_model(tiny_dir))
+    other = _edit_config(tiny_dir, tmp_path / "other", model_type=None,
+                         architectures=["GPTNeoXForCausalLM"])
+    with pytest.raises(ModelLoadError, match="'GPTNeoXForCausalLM' .* is not supported"):
+        load_model_config(resolve_model(other))
+
+
 def test_non_llama_gguf_is_refused(tiny_dir, tmp_path):
     gguf = write_tiny_gguf(tmp_path / "gemma.gguf", tiny_dir, arch="gemma")
     with pytest.raises(ModelLoadError, match=f"{gguf}: architecture 'gemma' is not supported"):
