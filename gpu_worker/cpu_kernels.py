@@ -29,6 +29,7 @@ import structlog
 
 from gpu_worker import kernel_build
 from shared.cpu import cpu_flags
+from shared.errors import PacerError
 
 log = structlog.get_logger("worker")
 
@@ -37,16 +38,17 @@ _loaded: dict[str, object] = {}      # level -> module (or None when it cannot l
 
 
 def best_level(flags: frozenset[str] | None = None) -> str:
-    """The highest ISA level this CPU runs, or the one PACER_CPU_ISA asks for if it runs."""
+    """The highest ISA level this CPU runs, or the one PACER_CPU_ISA asks for if it runs (a
+    PacerError, one line at the command, where the variable names no level this CPU runs)."""
     flags = cpu_flags() if flags is None else flags
     runnable = kernel_build.supported_levels(flags)
     forced = os.environ.get("PACER_CPU_ISA", "").strip()
     if not forced:
         return runnable[-1]
     if forced not in kernel_build.LEVEL_NAMES:
-        raise ValueError(f"PACER_CPU_ISA={forced!r}: one of {', '.join(kernel_build.LEVEL_NAMES)}")
+        raise PacerError(f"PACER_CPU_ISA={forced!r}: one of {', '.join(kernel_build.LEVEL_NAMES)}")
     if forced not in runnable:
-        raise ValueError(f"PACER_CPU_ISA={forced}: this CPU runs only {', '.join(runnable)}")
+        raise PacerError(f"PACER_CPU_ISA={forced}: this CPU runs only {', '.join(runnable)}")
     return forced
 
 

@@ -14,6 +14,7 @@ import pytest
 from gpu_worker import cpu_kernels as ck
 from gpu_worker import kernel_build as kb
 from shared.cpu import cpu_flags
+from shared.errors import PacerError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVX2_ONLY = frozenset("fpu sse sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split())
@@ -37,10 +38,10 @@ def test_the_best_level_runs_here_and_a_level_can_be_forced(monkeypatch):
     monkeypatch.setenv("PACER_CPU_ISA", "generic")
     assert ck.best_level(AVX512) == "generic"
     monkeypatch.setenv("PACER_CPU_ISA", "avx512")
-    with pytest.raises(ValueError, match="runs only generic, avx2"):
+    with pytest.raises(PacerError, match="runs only generic, avx2"):
         ck.best_level(AVX2_ONLY)                  # never a level whose instructions would trap
     monkeypatch.setenv("PACER_CPU_ISA", "sse9")
-    with pytest.raises(ValueError, match="one of generic"):
+    with pytest.raises(PacerError, match="one of generic"):
         ck.best_level(AVX512)
 
 
