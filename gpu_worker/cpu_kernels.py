@@ -64,7 +64,13 @@ def cpu_kernels(level: str | None = None):
 
 
 def _load(level: str):
-    path = kernel_build.library_path(kernel_build.default_dir(), level)
+    folder = kernel_build.default_dir()
+    path = kernel_build.library_path(folder, level)
+    if os.environ.get("PACER_KERNEL_DIR") and not os.path.isdir(folder):
+        # a mistyped or stale variable is the cause, not a build never made
+        log.warning("PACER_KERNEL_DIR names no folder; using torch ops (slower). Point it at "
+                    "built kernels (`pacer build-kernels --out DIR`) or unset it", path=folder)
+        return None
     if not os.path.exists(path):
         log.warning("CPU kernels not built for this CPU; using torch ops (slower). Build them "
                     "with `make setup` or `pacer build-kernels`", level=level, path=path)

@@ -65,6 +65,18 @@ def test_missing_kernels_fall_back_to_torch_without_compiling(tmp_path, monkeypa
     assert os.listdir(tmp_path) == []             # nothing built, no lock taken
 
 
+def test_a_kernel_dir_that_is_no_folder_is_named_in_the_warning(tmp_path, monkeypatch, capsys):
+    """PACER_KERNEL_DIR pointing nowhere (a typo, a removed folder) falls back to torch ops as
+    missing kernels do, and the warning names the variable: it said the kernels were not built
+    for this CPU and to run `make setup`, which builds them elsewhere."""
+    monkeypatch.setenv("PACER_KERNEL_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.setattr(ck, "_loaded", {})
+    assert ck.cpu_kernels() is None
+    said = capsys.readouterr()
+    assert "PACER_KERNEL_DIR names no folder" in said.out + said.err
+    assert not os.path.exists(tmp_path / "nowhere")
+
+
 def test_kernels_live_in_this_checkout_keyed_by_the_torch_build(monkeypatch):
     """Two checkouts (or venvs) never share a kernel folder, so they never rebuild each other's;
     `make setup` built this one, so asking again compiles nothing."""
