@@ -245,13 +245,20 @@ def _from_gguf(path: str) -> Tokenizer:
 
 def _gguf_backend(reader: GGUFReader, path: str, kind: str) -> _Backend:
     tokens = gguf_value(reader, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ModelLoadError(f"{path}: the GGUF has no token list (tokenizer.ggml.tokens): "
+                             "it holds no tokenizer to serve it with")
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ModelLoadError(f"{path}: the GGUF token list spells some tokens twice")
     if kind == "llama":
         backend = _sentencepiece_backend(vocab, gguf_value(reader, "tokenizer.ggml.scores"), path)
     else:
-        merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
+        merges = gguf_value(reader, "tokenizer.ggml.merges")
+        if not isinstance(merges, list):    # each byte its own token: text the model never saw
+            raise ModelLoadError(f"{path}: a byte-level BPE GGUF without its merges "
+                                 "(tokenizer.ggml.merges)")
+        merges = [tuple(m.split(" ", 1)) for m in merges]
         backend = _Backend(models.BPE(vocab=vocab, merges=merges))
         pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
         backend.pre_tokenizer = _gguf_pre_tokenizer(pre, path)

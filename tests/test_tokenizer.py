@@ -224,13 +224,16 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_load(tiny_dir, tmp_pa
         load_tokenizer(resolve_model(str(folder)))
 
 
-def _write_tokenizer_gguf(path, model: str, pre: str = "smollm") -> str:
+def _write_tokenizer_gguf(path, model: str, pre: str = "smollm", tokens: bool = True,
+                          merges: bool = True) -> str:
     writer = GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(["a", "b", "ab"])
-    writer.add_token_merges(["a b"])
-    writer.add_token_types([1, 1, 1])
+    if tokens:
+        writer.add_token_list(["a", "b", "ab"])
+        writer.add_token_types([1, 1, 1])
+    if merges:
+        writer.add_token_merges(["a b"])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -300,6 +303,17 @@ def test_unsupported_gguf_tokenizers(tmp_path):
         load_tokenizer(resolve_model(odd))
     plain = load_tokenizer(resolve_model(_write_tokenizer_gguf(tmp_path / "p.gguf", "gpt2", "gpt-2")))
     assert plain.encode("abab") == [2, 2]
+
+
+def test_a_gguf_without_its_token_list_or_merges_is_refused(tmp_path):
+    """No token list was a TypeError traceback; a byte-level BPE without its merges was served,
+    every byte a token of its own: prompts the model never saw in training, silently."""
+    path = _write_tokenizer_gguf(tmp_path / "none.gguf", "gpt2", "gpt-2", tokens=False)
+    with pytest.raises(ModelLoadError, match="has no token list"):
+        load_tokenizer(resolve_model(path))
+    path = _write_tokenizer_gguf(tmp_path / "bytes.gguf", "gpt2", "gpt-2", merges=False)
+    with pytest.raises(ModelLoadError, match="without its merges"):
+        load_tokenizer(resolve_model(path))
 
 
 # ---- chat template sandbox and message validation -----------------------------------------
