@@ -75,11 +75,15 @@ def test_bad_directories(tmp_path, setup, message):
     assert path in str(err.value) and "\n" not in str(err.value)
 
 
-def test_bad_files(tmp_path):
+def test_bad_files(tiny_dir, tmp_path):
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match="not a .gguf file"):
         resolve_model(str(not_gguf))
+    # a file of an HF model's folder: the folder is named as what to give instead
+    with pytest.raises(ModelLoadError, match=f"part of an HF model, which is given as its "
+                                             f"directory: {tiny_dir}$"):
+        resolve_model(os.path.join(tiny_dir, "model.safetensors"))
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"PK\x03\x04 a zip, not a gguf")
     with pytest.raises(ModelLoadError, match=f"{fake}: not a GGUF file"):
