@@ -258,6 +258,10 @@ def _gguf_backend(reader: GGUFReader, path: str, kind: str) -> _Backend:
         if not isinstance(merges, list):    # each byte its own token: text the model never saw
             raise ModelLoadError(f"{path}: a byte-level BPE GGUF without its merges "
                                  "(tokenizer.ggml.merges)")
+        bad = next((m for m in merges if not isinstance(m, str) or " " not in m), None)
+        if bad is not None:
+            raise ModelLoadError(f"{path}: tokenizer.ggml.merges holds {bad!r:.40}, not two "
+                                 "tokens split by a space")
         merges = [tuple(m.split(" ", 1)) for m in merges]
         backend = _Backend(models.BPE(vocab=vocab, merges=merges))
         pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")

@@ -225,15 +225,15 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_load(tiny_dir, tmp_pa
 
 
 def _write_tokenizer_gguf(path, model: str, pre: str = "smollm", tokens: bool = True,
-                          merges: bool = True) -> str:
+                          merges: tuple[str, ...] | None = ("a b",)) -> str:
     writer = GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
     if tokens:
         writer.add_token_list(["a", "b", "ab"])
         writer.add_token_types([1, 1, 1])
-    if merges:
-        writer.add_token_merges(["a b"])
+    if merges is not None:
+        writer.add_token_merges(list(merges))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -306,13 +306,17 @@ def test_unsupported_gguf_tokenizers(tmp_path):
 
 
 def test_a_gguf_without_its_token_list_or_merges_is_refused(tmp_path):
-    """No token list was a TypeError traceback; a byte-level BPE without its merges was served,
-    every byte a token of its own: prompts the model never saw in training, silently."""
+    """No token list, or a merge that is not two tokens, was a TypeError traceback; a
+    byte-level BPE without its merges was served, every byte a token of its own: prompts the
+    model never saw in training, silently."""
     path = _write_tokenizer_gguf(tmp_path / "none.gguf", "gpt2", "gpt-2", tokens=False)
     with pytest.raises(ModelLoadError, match="has no token list"):
         load_tokenizer(resolve_model(path))
-    path = _write_tokenizer_gguf(tmp_path / "bytes.gguf", "gpt2", "gpt-2", merges=False)
+    path = _write_tokenizer_gguf(tmp_path / "bytes.gguf", "gpt2", "gpt-2", merges=None)
     with pytest.raises(ModelLoadError, match="without its merges"):
+        load_tokenizer(resolve_model(path))
+    path = _write_tokenizer_gguf(tmp_path / "odd.gguf", "gpt2", "gpt-2", merges=("ab",))
+    with pytest.raises(ModelLoadError, match="merges holds 'ab', not two tokens"):
         load_tokenizer(resolve_model(path))
 
 
