@@ -106,11 +106,19 @@ def eos_token_ids(source: ModelSource) -> tuple[int, ...]:
 
 # ---- HF directory -------------------------------------------------------------------------
 
-def read_json(path: str) -> dict:
+def read_text(path: str) -> str:
+    """A model file's UTF-8 text; one that cannot be read or decoded is named."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return f.read()
     except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+
+
+def read_json(path: str) -> dict:
+    try:
+        return json.loads(read_text(path))
+    except ValueError as e:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
 
 

@@ -19,7 +19,8 @@ from tokenizers import Tokenizer as _Backend
 from shared.chat_template import check_chat_template, render_chat_template
 from shared.errors import InvalidRequestError, ModelLoadError
 from shared.model_config import (eos_token_ids, gguf_token_id, gguf_value, load_model_config,
-                                 open_gguf, read_json_object, special_token_text)
+                                 open_gguf, read_json_object, read_text,
+                                 special_token_text)
 from shared.model_source import ModelSource
 
 _CONTROL, _USER_DEFINED = 3, 4     # llama.cpp token types
@@ -185,8 +186,7 @@ def _special_id(backend: _Backend, token: Any) -> int | None:
 def _hf_chat_template(path: str, cfg: dict) -> str | None:
     jinja_file = os.path.join(path, "chat_template.jinja")   # where transformers >= 4.43 saves it
     if os.path.isfile(jinja_file):
-        with open(jinja_file, encoding="utf-8") as f:
-            return f.read()
+        return read_text(jinja_file)
     template = cfg.get("chat_template")
     if isinstance(template, list):   # named templates: [{"name": "default", "template": ...}]
         if not all(isinstance(t, dict) for t in template):

@@ -211,6 +211,14 @@ def test_chat_template_jinja_file_wins(tiny_dir, tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x"
 
 
+def test_a_chat_template_jinja_file_not_in_utf8_is_named(tiny_dir, tmp_path):
+    """It was a UnicodeDecodeError traceback (the gateway's, at start-up)."""
+    folder = _linked_copy(tiny_dir, tmp_path / "m")
+    (folder / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ModelLoadError, match="cannot read .*chat_template.jinja: 'utf-8' codec"):
+        load_tokenizer(resolve_model(str(folder)))
+
+
 @pytest.mark.parametrize("template, message", [
     ("{% for m in messages %}{{ m.content ", r"does not parse \(line 1: "),
     ("{% if x %}never closed", "does not parse"),
