@@ -501,6 +501,10 @@ def _f32(value: float) -> float:
 
 def _from_gguf(path: str) -> ModelConfig:
     reader = open_gguf(path)
+    parts = gguf_value(reader, "split.count", 1)
+    if isinstance(parts, int) and parts > 1:    # this part's tensors only: most are missing
+        raise ModelLoadError(f"{path}: one part of a GGUF split in {parts} files; merge "
+                             f"them into one (llama-gguf-split --merge) and give that")
     arch = gguf_value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; only "

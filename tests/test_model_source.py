@@ -395,6 +395,9 @@ def test_gguf_of_unusable_rope_norm_or_head_size_is_refused(tmp_path, changes, m
      "tokenizer.ggml.bos_token_id is 100, beyond the vocabulary of 100 tokens"),
     ((("tokenizer.ggml.eos_token_id", "2"),),
      "tokenizer.ggml.eos_token_id must be a token id or a list of them, got '2'"),
+    # the first part of a split file: refused as "tensors do not match", most missing
+    ((("split.no", 0), ("split.count", 3)),
+     r"one part of a GGUF split in 3 files; merge them into one \(llama-gguf-split --merge\)"),
 ])
 def test_gguf_of_unusable_rotary_size_or_special_ids_is_refused(tmp_path, extra, message):
     gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, extra=extra)
