@@ -29,6 +29,7 @@ import structlog
 
 from gpu_worker import kernel_build
 from shared.cpu import cpu_flags
+from shared.errors import PacerError
 
 log = structlog.get_logger("worker")
 
@@ -37,16 +38,17 @@ _loaded: dict[str, object] = {}      # level -> module (or None when it cannot l
 
 
 def best_level(flags: frozenset[str] | None = None) -> str:
-    """The highest ISA level this CPU runs, or the one PACER_CPU_ISA asks for if it runs."""
+    """The highest ISA level this CPU runs, or the one PACER_CPU_ISA asks for if it runs (a
+    PacerError, one line at the command, where the variable names no level this CPU runs)."""
     flags = cpu_flags() if flags is None else flags
     runnable = kernel_build.supported_levels(flags)
     forced = os.environ.get("PACER_CPU_ISA", "").strip()
     if not forced:
         return runnable[-1]
     if forced not in kernel_build.LEVEL_NAMES:
-        raise ValueError(f"PACER_CPU_ISA={forced!r}: one of {', '.join(kernel_build.LEVEL_NAMES)}")
+        raise PacerError(f"PACER_CPU_ISA={forced!r}: one of {', '.join(kernel_build.LEVEL_NAMES)}")
     if forced not in runnable:
-        raise ValueError(f"PACER_CPU_ISA={forced}: this CPU runs only {', '.join(runnable)}")
+        raise PacerError(f"PACER_CPU_ISA={forced}: this CPU runs only {', '.join(runnable)}")
     return forced
 
 
@@ -62,7 +64,13 @@ def cpu_kernels(level: str | None = None):
 
 
 def _load(level: str):
-    path = kernel_build.library_path(kernel_build.default_dir(), level)
+    folder = kernel_build.default_dir()
+    path = kernel_build.library_path(folder, level)
+    if os.environ.get("PACER_KERNEL_DIR") and not os.path.isdir(folder):
+        # a mistyped or stale variable is the cause, not a build never made
+        log.warning("PACER_KERNEL_DIR names no folder; using torch ops (slower). Point it at "
+                    "built kernels (`pacer build-kernels --out DIR`) or unset it", path=folder)
+        return None
     if not os.path.exists(path):
         log.warning("CPU kernels not built for this CPU; using torch ops (slower). Build them "
                     "with `make setup` or `pacer build-kernels`", level=level, path=path)

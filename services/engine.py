@@ -9,6 +9,7 @@ import itertools
 from dataclasses import dataclass, field
 
 from scheduler_svc.build import build_scheduler
+from shared import gpu_memory
 from shared.engine_args import EngineArgs
 from shared.engine_layout import EngineLayout, engine_layout
 from shared.outputs import RequestOutput
@@ -40,6 +41,8 @@ def _runner(layout: EngineLayout, progress: bool):
     from gpu_worker.model_runner import build_runner, runner_config_for
     from gpu_worker.tp.spawn import launch_tp_executor
 
+    if layout.args.device.startswith("cuda"):    # as `pacer up` checks before its workers
+        gpu_memory.check_cuda_device(layout.args.device, layout.args.tp)
     if layout.args.tp == 1:
         return build_runner(layout, progress=progress)
     return launch_tp_executor(layout.model_config, layout.source,

@@ -85,9 +85,12 @@ def cuda_total_memory(device: str) -> int:
         return int(out.strip().splitlines()[0]) * (1 << 20)       # MiB
     except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         pass
+    # no nvidia-smi: a torch without CUDA, or without this GPU, is named as such (giving the
+    # pool's size would not help then)
+    check_cuda_device(device)
     try:
         import torch
         return torch.cuda.get_device_properties(int(index)).total_memory
-    except Exception as e:        # no CUDA at all: say what to pass instead
+    except Exception as e:        # CUDA there, its memory not readable: say what to pass
         raise PacerError(f"cannot read the memory of {device} ({e}): give --kv-cache-memory "
                          f"or --num-kv-blocks") from e

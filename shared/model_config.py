@@ -106,20 +106,34 @@ def eos_token_ids(source: ModelSource) -> tuple[int, ...]:
 
 # ---- HF directory -------------------------------------------------------------------------
 
-def read_json(path: str) -> dict:
+def read_text(path: str) -> str:
+    """A model file's UTF-8 text; one that cannot be read or decoded is named."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            return f.read()
     except (OSError, ValueError) as e:
         raise ModelLoadError(f"cannot read {path}: {e}") from e
 
 
+def read_json(path: str) -> dict:
+    try:
+        return json.loads(read_text(path))
+    except ValueError as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from e
+
+
+def read_json_object(path: str) -> dict:
+    """read_json of a file whose fields are read (config.json, tokenizer_config.json): any
+    other JSON value is refused here, not met as an AttributeError on its first field."""
+    data = read_json(path)
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: is a JSON {type(data).__name__}, not an object of fields")
+    return data
+
+
 def _from_hf_dir(path: str) -> ModelConfig:
     file = os.path.join(path, "config.json")
-    cfg = read_json(file)
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(f"{file}: is a JSON {type(cfg).__name__}, not an object of fields")
-    return _hf_config(path, file, cfg)
+    return _hf_config(path, file, read_json_object(file))
 
 
 _REQUIRED = object()
@@ -181,10 +195,15 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise ModelLoadError(f"{file}: model_type must be a string, got {model_type!r}")
-    expected = _HF_ARCHITECTURES.get(model_type)
-    architectures = cfg.get("architectures") or [expected or _HF_ARCHITECTURES["llama"]]
+    architectures = cfg.get("architectures") or [
+        _HF_ARCHITECTURES.get(model_type) or _HF_ARCHITECTURES["llama"]]
     if not isinstance(architectures, list):
         raise ModelLoadError(f"{file}: architectures must be a list, got {architectures!r}")
+    if model_type is None and cfg.get("architectures"):
+        # an older config names only its class (transformers' LlamaForCausalLM loads it): the
+        # family is the one of that class, rather than a refusal of a supported class
+        model_type = next((t for t, a in _HF_ARCHITECTURES.items() if a in architectures), None)
+    expected = _HF_ARCHITECTURES.get(model_type)
     if expected is None or expected not in architectures:
         supported = ", ".join(f"{t} ({a})" for t, a in _HF_ARCHITECTURES.items())
         raise ModelLoadError(f"{file}: architecture {architectures[0]!r} (model_type "
@@ -482,6 +501,10 @@ def _f32(value: float) -> float:
 
 def _from_gguf(path: str) -> ModelConfig:
     reader = open_gguf(path)
+    parts = gguf_value(reader, "split.count", 1)
+    if isinstance(parts, int) and parts > 1:    # this part's tensors only: most are missing
+        raise ModelLoadError(f"{path}: one part of a GGUF split in {parts} files; merge "
+                             f"them into one (llama-gguf-split --merge) and give that")
     arch = gguf_value(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported; only "

@@ -68,6 +68,11 @@ def _hf_dir(path: str, weights: bool = True) -> ModelSource:
 
 def _gguf_file(path: str) -> ModelSource:
     if not path.endswith(".gguf"):
+        folder = os.path.dirname(path)
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            # model.safetensors, a shard or config.json itself: the model is the folder
+            raise ModelLoadError(f"model file {path}: part of an HF model, which is given as "
+                                 f"its directory: {folder}")
         raise ModelLoadError(f"model file {path}: not a .gguf file (or give an HF model directory)")
     try:
         with open(path, "rb") as f:

@@ -19,7 +19,8 @@ from tokenizers import Tokenizer as _Backend
 from shared.chat_template import check_chat_template, render_chat_template
 from shared.errors import InvalidRequestError, ModelLoadError
 from shared.model_config import (eos_token_ids, gguf_token_id, gguf_value, load_model_config,
-                                 open_gguf, read_json, special_token_text)
+                                 open_gguf, read_json_object, read_text,
+                                 special_token_text)
 from shared.model_source import ModelSource
 
 _CONTROL, _USER_DEFINED = 3, 4     # llama.cpp token types
@@ -179,7 +180,7 @@ def _from_hf_dir(path: str) -> Tokenizer:
     except Exception as e:  # the Rust side raises plain Exception on a malformed file
         raise ModelLoadError(f"{file}: cannot load it: {e}") from e
     config_file = os.path.join(path, "tokenizer_config.json")
-    cfg = read_json(config_file) if os.path.isfile(config_file) else {}
+    cfg = read_json_object(config_file) if os.path.isfile(config_file) else {}
     return Tokenizer(backend, bos_token_id=_special_id(backend, cfg.get("bos_token")),
                      eos_token_id=_special_id(backend, cfg.get("eos_token")),
                      chat_template=_hf_chat_template(path, cfg))
@@ -193,10 +194,13 @@ def _special_id(backend: _Backend, token: Any) -> int | None:
 def _hf_chat_template(path: str, cfg: dict) -> str | None:
     jinja_file = os.path.join(path, "chat_template.jinja")   # where transformers >= 4.43 saves it
     if os.path.isfile(jinja_file):
-        with open(jinja_file, encoding="utf-8") as f:
-            return f.read()
+        return read_text(jinja_file)
     template = cfg.get("chat_template")
     if isinstance(template, list):   # named templates: [{"name": "default", "template": ...}]
+        if not all(isinstance(t, dict) for t in template):
+            raise ModelLoadError(f"{path}: tokenizer_config.json's chat_template is a list of "
+                                 f"something other than {{name, template}} objects: "
+                                 f"{template!r:.80}")
         named = {t.get("name"): t.get("template") for t in template}
         template = named.get("default")
     return template
@@ -249,13 +253,24 @@ def _from_gguf(path: str) -> Tokenizer:
 
 def _gguf_backend(reader: GGUFReader, path: str, kind: str) -> _Backend:
     tokens = gguf_value(reader, "tokenizer.ggml.tokens")
+    if not isinstance(tokens, list):
+        raise ModelLoadError(f"{path}: the GGUF has no token list (tokenizer.ggml.tokens): "
+                             "it holds no tokenizer to serve it with")
     vocab = {t: i for i, t in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise ModelLoadError(f"{path}: the GGUF token list spells some tokens twice")
     if kind == "llama":
         backend = _sentencepiece_backend(vocab, gguf_value(reader, "tokenizer.ggml.scores"), path)
     else:
-        merges = [tuple(m.split(" ", 1)) for m in gguf_value(reader, "tokenizer.ggml.merges", [])]
+        merges = gguf_value(reader, "tokenizer.ggml.merges")
+        if not isinstance(merges, list):    # each byte its own token: text the model never saw
+            raise ModelLoadError(f"{path}: a byte-level BPE GGUF without its merges "
+                                 "(tokenizer.ggml.merges)")
+        bad = next((m for m in merges if not isinstance(m, str) or " " not in m), None)
+        if bad is not None:
+            raise ModelLoadError(f"{path}: tokenizer.ggml.merges holds {bad!r:.40}, not two "
+                                 "tokens split by a space")
+        merges = [tuple(m.split(" ", 1)) for m in merges]
         backend = _Backend(models.BPE(vocab=vocab, merges=merges))
         pre = gguf_value(reader, "tokenizer.ggml.pre", "gpt-2")
         backend.pre_tokenizer = _gguf_pre_tokenizer(pre, path)

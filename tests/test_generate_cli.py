@@ -174,6 +174,18 @@ def test_an_output_or_a_flag_that_cannot_serve_is_refused_before_the_model_loads
     assert_one_line_error(proc, "--dtype float16 is not served on CPU")
 
 
+@pytest.mark.parametrize("pool", [[], ["--kv-cache-memory", "64MiB"]])
+def test_a_cuda_device_that_is_not_there_is_named(tiny, tmp_path, pool):
+    """A GPU this torch cannot use (none built in, or not that many) is named with the way out.
+    It said "give --kv-cache-memory or --num-kv-blocks", and given one, an AssertionError
+    traceback came from torch as the model loaded."""
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output",
+                 str(tmp_path / "o"), "--device", "cuda:99", *pool)
+    assert_one_line_error(proc, "--device cuda:99")
+    assert "--kv-cache-memory" not in proc.stderr
+
+
 def test_unknown_model_path(tmp_path):
     prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
     proc = pacer("generate", "--model", str(tmp_path / "no-such-model"), "--prompts", prompts,

@@ -14,6 +14,7 @@ import pytest
 from gpu_worker import cpu_kernels as ck
 from gpu_worker import kernel_build as kb
 from shared.cpu import cpu_flags
+from shared.errors import PacerError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVX2_ONLY = frozenset("fpu sse sse2 avx avx2 fma f16c bmi1 bmi2 movbe".split())
@@ -37,10 +38,10 @@ def test_the_best_level_runs_here_and_a_level_can_be_forced(monkeypatch):
     monkeypatch.setenv("PACER_CPU_ISA", "generic")
     assert ck.best_level(AVX512) == "generic"
     monkeypatch.setenv("PACER_CPU_ISA", "avx512")
-    with pytest.raises(ValueError, match="runs only generic, avx2"):
+    with pytest.raises(PacerError, match="runs only generic, avx2"):
         ck.best_level(AVX2_ONLY)                  # never a level whose instructions would trap
     monkeypatch.setenv("PACER_CPU_ISA", "sse9")
-    with pytest.raises(ValueError, match="one of generic"):
+    with pytest.raises(PacerError, match="one of generic"):
         ck.best_level(AVX512)
 
 
@@ -62,6 +63,18 @@ def test_missing_kernels_fall_back_to_torch_without_compiling(tmp_path, monkeypa
     assert ck.cpu_kernels() is None
     assert time.monotonic() - started < 5
     assert os.listdir(tmp_path) == []             # nothing built, no lock taken
+
+
+def test_a_kernel_dir_that_is_no_folder_is_named_in_the_warning(tmp_path, monkeypatch, capsys):
+    """PACER_KERNEL_DIR pointing nowhere (a typo, a removed folder) falls back to torch ops as
+    missing kernels do, and the warning names the variable: it said the kernels were not built
+    for this CPU and to run `make setup`, which builds them elsewhere."""
+    monkeypatch.setenv("PACER_KERNEL_DIR", str(tmp_path / "nowhere"))
+    monkeypatch.setattr(ck, "_loaded", {})
+    assert ck.cpu_kernels() is None
+    said = capsys.readouterr()
+    assert "PACER_KERNEL_DIR names no folder" in said.out + said.err
+    assert not os.path.exists(tmp_path / "nowhere")
 
 
 def test_kernels_live_in_this_checkout_keyed_by_the_torch_build(monkeypatch):

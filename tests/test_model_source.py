@@ -3,6 +3,7 @@ tiny HF and GGUF models, and the files we must refuse with a one-line reason."""
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,11 +89,15 @@ def test_bad_directories(tmp_path, setup, message):
     assert path in str(err.value) and "\n" not in str(err.value)
 
 
-def test_bad_files(tmp_path):
+def test_bad_files(tiny_dir, tmp_path):
     not_gguf = tmp_path / "weights.bin"
     not_gguf.write_bytes(b"GGUF")
     with pytest.raises(ModelLoadError, match="not a .gguf file"):
         resolve_model(str(not_gguf))
+    # a file of an HF model's folder: the folder is named as what to give instead
+    with pytest.raises(ModelLoadError, match=f"part of an HF model, which is given as its "
+                                             f"directory: {tiny_dir}$"):
+        resolve_model(os.path.join(tiny_dir, "model.safetensors"))
     fake = tmp_path / "fake.gguf"
     fake.write_bytes(b"PK\x03\x04 a zip, not a gguf")
     with pytest.raises(ModelLoadError, match=f"{fake}: not a GGUF file"):
@@ -246,6 +251,40 @@ def test_config_that_is_not_an_object_is_refused(tiny_dir, tmp_path):
         load_model_config(resolve_model(path))
 
 
+@pytest.mark.parametrize("config, message", [
+    ([1, 2], "tokenizer_config.json: is a JSON list, not an object of fields"),
+    ({"chat_template": ["{{ x }}"]},
+     "chat_template is a list of something other than {name, template} objects"),
+])
+def test_tokenizer_config_of_the_wrong_shape_is_refused(tiny_dir, tmp_path, config, message):
+    """A tokenizer_config.json that is no object, or named chat templates that are no objects,
+    are named in one line (the gateway died at start-up on an AttributeError)."""
+    from shared.tokenizer import load_tokenizer
+    path = _edit_config(tiny_dir, tmp_path / "tok")
+    os.unlink(os.path.join(path, "tokenizer_config.json"))
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ModelLoadError, match=re.escape(message)):
+        load_tokenizer(resolve_model(path))
+
+
+def test_a_config_without_model_type_is_read_by_its_architecture(tiny_dir, tmp_path):
+    """An older config.json names only its class: LlamaForCausalLM was refused as "not
+    supported; only llama (LlamaForCausalLM), ..."; it is read as the llama it names. A class
+    of no supported family is still refused."""
+    path = _edit_config(tiny_dir, tmp_path / "untyped")
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    os.unlink(os.path.join(path, "config.json"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump({k: v for k, v in cfg.items() if k != "model_type"}, f)
+    assert load_model_config(resolve_model(path)) == load_model_config(resolve_model(tiny_dir))
+    other = _edit_config(tiny_dir, tmp_path / "other", model_type=None,
+                         architectures=["GPTNeoXForCausalLM"])
+    with pytest.raises(ModelLoadError, match="'GPTNeoXForCausalLM' .* is not supported"):
+        load_model_config(resolve_model(other))
+
+
 def test_non_llama_gguf_is_refused(tiny_dir, tmp_path):
     gguf = write_tiny_gguf(tmp_path / "gemma.gguf", tiny_dir, arch="gemma")
     with pytest.raises(ModelLoadError, match=f"{gguf}: architecture 'gemma' is not supported"):
@@ -370,6 +409,9 @@ def test_gguf_of_unusable_rope_norm_or_head_size_is_refused(tmp_path, changes, m
      "tokenizer.ggml.bos_token_id is 100, beyond the vocabulary of 100 tokens"),
     ((("tokenizer.ggml.eos_token_id", "2"),),
      "tokenizer.ggml.eos_token_id must be a token id or a list of them, got '2'"),
+    # the first part of a split file: refused as "tensors do not match", most missing
+    ((("split.no", 0), ("split.count", 3)),
+     r"one part of a GGUF split in 3 files; merge them into one \(llama-gguf-split --merge\)"),
 ])
 def test_gguf_of_unusable_rotary_size_or_special_ids_is_refused(tmp_path, extra, message):
     gguf = _scaled_gguf(str(tmp_path / "bad.gguf"), None, extra=extra)

@@ -226,6 +226,14 @@ def test_chat_template_jinja_file_wins(tiny_dir, tmp_path):
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "<|im_start|>x"
 
 
+def test_a_chat_template_jinja_file_not_in_utf8_is_named(tiny_dir, tmp_path):
+    """It was a UnicodeDecodeError traceback (the gateway's, at start-up)."""
+    folder = _linked_copy(tiny_dir, tmp_path / "m")
+    (folder / "chat_template.jinja").write_bytes(b"\xff\xfe{{ x }}")
+    with pytest.raises(ModelLoadError, match="cannot read .*chat_template.jinja: 'utf-8' codec"):
+        load_tokenizer(resolve_model(str(folder)))
+
+
 @pytest.mark.parametrize("template, message", [
     ("{% for m in messages %}{{ m.content ", r"does not parse \(line 1: "),
     ("{% if x %}never closed", "does not parse"),
@@ -239,13 +247,16 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_load(tiny_dir, tmp_pa
         load_tokenizer(resolve_model(str(folder)))
 
 
-def _write_tokenizer_gguf(path, model: str, pre: str = "smollm") -> str:
+def _write_tokenizer_gguf(path, model: str, pre: str = "smollm", tokens: bool = True,
+                          merges: tuple[str, ...] | None = ("a b",)) -> str:
     writer = GGUFWriter(str(path), "llama")
     writer.add_tokenizer_model(model)
     writer.add_tokenizer_pre(pre)
-    writer.add_token_list(["a", "b", "ab"])
-    writer.add_token_merges(["a b"])
-    writer.add_token_types([1, 1, 1])
+    if tokens:
+        writer.add_token_list(["a", "b", "ab"])
+        writer.add_token_types([1, 1, 1])
+    if merges is not None:
+        writer.add_token_merges(list(merges))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -293,6 +304,21 @@ def test_unsupported_gguf_tokenizers(tmp_path):
         load_tokenizer(resolve_model(odd))
     plain = load_tokenizer(resolve_model(_write_tokenizer_gguf(tmp_path / "p.gguf", "gpt2", "gpt-2")))
     assert plain.encode("abab") == [2, 2]
+
+
+def test_a_gguf_without_its_token_list_or_merges_is_refused(tmp_path):
+    """No token list, or a merge that is not two tokens, was a TypeError traceback; a
+    byte-level BPE without its merges was served, every byte a token of its own: prompts the
+    model never saw in training, silently."""
+    path = _write_tokenizer_gguf(tmp_path / "none.gguf", "gpt2", "gpt-2", tokens=False)
+    with pytest.raises(ModelLoadError, match="has no token list"):
+        load_tokenizer(resolve_model(path))
+    path = _write_tokenizer_gguf(tmp_path / "bytes.gguf", "gpt2", "gpt-2", merges=None)
+    with pytest.raises(ModelLoadError, match="without its merges"):
+        load_tokenizer(resolve_model(path))
+    path = _write_tokenizer_gguf(tmp_path / "odd.gguf", "gpt2", "gpt-2", merges=("ab",))
+    with pytest.raises(ModelLoadError, match="merges holds 'ab', not two tokens"):
+        load_tokenizer(resolve_model(path))
 
 
 # ---- chat template sandbox and message validation -----------------------------------------
