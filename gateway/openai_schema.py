@@ -571,12 +571,16 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
                        f"got {'nothing' if kind is None else repr(kind)[:100]}",
                        param="response_format")
     options: dict[str, Any] = {}
+    options_param = "structured_outputs"
     if (spec := read_field(body, "structured_outputs", (dict,), None)) is not None:
         named = {k for k, v in spec.items() if v is not None and v is not False}
         if named and named <= set(JSON_OPTIONS):     # vLLM's options for another field's schema
             options = {k: spec[k] for k in named}
         else:
             given.append(("structured_outputs", spec))
+    if body.get("guided_whitespace_pattern") is not None:     # vLLM's older spelling of one
+        options["whitespace_pattern"] = body["guided_whitespace_pattern"]
+        options_param = "guided_whitespace_pattern"
     guided = {k: body[f"guided_{k}"] for k in KINDS if body.get(f"guided_{k}") is not None}
     if guided:
         given.append((f"guided_{next(iter(guided))}", guided))
@@ -590,8 +594,8 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
         given.append(("structured_outputs", options))     # structured_pair says what is missing
     elif options:
         if not (isinstance(given[0][1], dict) and {"json", "json_object"} & set(given[0][1])):
-            raise APIError(f"structured_outputs' {', '.join(sorted(options))} apply to a JSON "
-                           f"schema, not to {given[0][0]}", param="structured_outputs")
+            raise APIError(f"{options_param}: {', '.join(sorted(options))} apply to a JSON "
+                           f"schema, not to {given[0][0]}", param=options_param)
         given[0] = (given[0][0], {**given[0][1], **options})
     if not given:
         return None

@@ -114,12 +114,13 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
                            "disable_any_whitespace": {"type": "boolean"},
                            "disable_additional_properties": {"type": "boolean"},
                            "whitespace_pattern": {"type": "string"}}},
-        # vLLM's older spellings of structured_outputs' kinds
+        # vLLM's older spellings of structured_outputs' kinds and its whitespace_pattern
         "guided_json": {"oneOf": [{"type": "object"}, {"type": "string"}], "nullable": True},
         "guided_regex": {"type": "string", "nullable": True},
         "guided_choice": {"type": "array", "minItems": 1, "nullable": True,
                           "items": {"type": "string", "minLength": 1}},
         "guided_grammar": {"type": "string", "nullable": True},
+        "guided_whitespace_pattern": {"type": "string", "nullable": True},
         "functions": {"type": "array", "maxItems": 0, "nullable": True},
         "suffix": {"type": "string", "maxLength": 0, "nullable": True},
         "stream": {"type": "boolean", "nullable": True},

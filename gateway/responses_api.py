@@ -46,8 +46,8 @@ SAMPLING_EXTRAS = ("top_k", "min_p", "seed", "stop", "stop_token_ids", "presence
 # vLLM's fields that chat takes and that mean the same here: structured outputs, the prompt's
 # truncation, the chat template's turn
 CHAT_EXTRAS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-               "guided_grammar", "truncate_prompt_tokens", "add_generation_prompt",
-               "continue_final_message")
+               "guided_grammar", "guided_whitespace_pattern", "truncate_prompt_tokens",
+               "add_generation_prompt", "continue_final_message")
 # Fields of the other endpoints whose answer a response object has no place for
 NOT_ON_RESPONSES = ("best_of", "echo", "prompt_logprobs", "suffix", "functions")
 # Chat fields that have another spelling here: sent, they would be silently ignored

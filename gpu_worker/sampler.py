@@ -27,6 +27,11 @@ NUCLEUS_WIDTH = 1024
 # the per-row parameters, packed into one host tensor (one copy to the device per step)
 _ROW, _TEMPERATURE, _TOP_P, _TOP_K, _SEEDED, _SEED_LO, _SEED_HI, _INDEX, _MIN_P = range(9)
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+# the largest logit the repetition penalty makes: a penalty so small that a logit divided by
+# it passes float32's range made it inf (and an exact 0 divided by 0, NaN), and the draw
+# garbage. Far above any model's logits, and still finite in float32 divided by the least
+# temperature that is not greedy (1e-5); float16 logits stop at their own largest
+_MAX_PENALIZED = 1e30
 _TRITON = installed("triton")        # the GPU's argmax (triton_ops.argmax_rows)
 
 
@@ -248,8 +253,11 @@ def apply_penalties(logits: torch.Tensor,
     if rep:
         at = torch.cat([a for a, _ in rep])
         by = _per_entry([r for _, r in rep], [len(a) for a, _ in rep], out.dtype, device)
+        finfo = torch.finfo(out.dtype)
+        by = by.clamp_min(finfo.tiny)                     # a penalty of 1e-300 is 0 there
         score = flat[at]
-        flat[at] = torch.where(score < 0, score * by, score / by)
+        flat[at] = torch.where(score < 0, score * by, score / by).clamp_max(
+            min(_MAX_PENALIZED, finfo.max))
     if freq:
         at = torch.cat([a for a, *_ in freq])
         n = torch.cat([c for _, c, *_ in freq]).to(out.dtype)

@@ -89,7 +89,7 @@ def _with_options(schema: Any, options: dict) -> dict:
     guidance = dict(schema.get("x-guidance") or {})
     if options.get("disable_any_whitespace"):
         guidance["whitespace_flexible"] = False
-    if options.get("whitespace_pattern"):
+    if "whitespace_pattern" in options:       # "" too: no whitespace at all
         if not isinstance(options["whitespace_pattern"], str):
             raise InvalidRequestError("structured_outputs.whitespace_pattern must be a string")
         guidance["whitespace_pattern"] = options["whitespace_pattern"]

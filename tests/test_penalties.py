@@ -66,6 +66,23 @@ def test_greedy_follows_the_penalized_logits_and_reports_the_models_logprobs():
     assert Sampler().sample(logits, [SamplingParams(temperature=0.0)], [1])[0].token_id == 0
 
 
+@pytest.mark.parametrize("penalty", [1e-300, 1e-40])
+def test_a_penalty_near_zero_draws_the_tokens_seen_not_garbage(penalty):
+    """A penalty in range but below float32's (0 there) divided the seen tokens' positive
+    logits into inf and an exact 0 into NaN: greedy took the NaN, a draw anything at all.
+    Such a penalty is a huge preference for what was seen: the seen positive logits win,
+    and a masked token (-inf) stays masked."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 3.0, float("-inf")]])
+    seen = [0, 1, 2, 3, 5]                        # token 4 (the best) is not in the text
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=penalty)
+    assert Sampler().sample(logits, [greedy], [0], [TokenCounts(seen, 5)])[0].token_id == 0
+    drawn = [SamplingParams(temperature=t, seed=s, repetition_penalty=penalty)
+             for t in (1.0, 1e-5) for s in range(16)]
+    got = Sampler().sample(logits.expand(len(drawn), -1), drawn, [0] * len(drawn),
+                           [TokenCounts(seen, 5) for _ in drawn])
+    assert {t.token_id for t in got} <= {0, 1}
+
+
 @pytest.mark.parametrize("bad", [dict(presence_penalty=2.5), dict(frequency_penalty=-3),
                                  dict(repetition_penalty=0), dict(repetition_penalty=2.5)])
 def test_out_of_range_is_refused(bad):

@@ -161,6 +161,30 @@ def test_the_mask_leaves_only_what_the_grammar_allows(tokenizer):
     assert (logits[0] > float("-inf")).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
 
 
+def test_a_whitespace_pattern_is_followed_even_empty_and_in_its_older_spelling(tokenizer):
+    """whitespace_pattern "" (no whitespace between JSON's tokens) was dropped as if not
+    given, and vLLM's guided_whitespace_pattern ignored: the output kept its newlines."""
+    from gateway.openai_schema import APIError, parse_chat
+    chat = {"model": "m", "messages": [{"role": "user", "content": "x"}],
+            "guided_json": {"type": "object", "properties": {"a": {"type": "integer"}}}}
+    empty = parse_chat({**chat, "structured_outputs": {"whitespace_pattern": ""}})
+    older = parse_chat({**chat, "guided_whitespace_pattern": ""})
+    assert json.loads(empty.structured_outputs[1])["x-guidance"] == {"whitespace_pattern": ""}
+    assert older.structured_outputs == empty.structured_outputs
+    grammars = Grammars(resolve_model(None), tokenizer.vocab_size, [tokenizer.eos_token_id])
+    matcher = grammars.matcher("a", SamplingParams(structured_outputs=older.structured_outputs),
+                               tokenizer.encode("{"))
+    logits = torch.zeros(1, tokenizer.vocab_size)
+    mask_rows(logits, [0], [matcher], grammars.n_vocab)
+    allowed = {tokenizer.decode([t]) for t in (logits[0] > float("-inf")).nonzero().flatten()}
+    assert allowed and not any(text[:1].isspace() for text in allowed)
+    with pytest.raises(APIError, match="guided_whitespace_pattern: whitespace_pattern apply "
+                                       "to a JSON schema, not to guided_regex") as e:
+        parse_chat({**chat, "guided_json": None, "guided_regex": "a+",
+                    "guided_whitespace_pattern": " "})
+    assert e.value.param == "guided_whitespace_pattern"
+
+
 def test_a_matcher_the_output_does_not_match_is_kept_failed(tokenizer):
     """A request whose output so far its grammar does not take (a worker's matcher built
     again after a recompute or a hand-off) keeps a matcher in its error state, which the
