@@ -67,7 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     w.add_argument("--burstiness", type=float, default=1.0,
                    help="Gamma shape of the gaps: 1 is Poisson, smaller is burstier")
     w.add_argument("--prompt-len", default="uniform:128:1024",
-                   help="N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX]")
+                   help="N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX], in tokens, at "
+                        "most 2**24")
     w.add_argument("--output-len", default="uniform:32:256", help="as --prompt-len")
     w.add_argument("--long-prompt-rate", type=float, default=0.0,
                    help="a second Poisson stream of long prompts, in requests per "

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 
 import pytest
 
-from scheduler_svc.arrivals import Arrival, arrival_times, parse_length, read_trace, synthetic
+from scheduler_svc.arrivals import (MAX_LENGTH, Arrival, arrival_times, parse_length, read_trace,
+                                    synthetic)
 from scheduler_svc.sim_report import summarize
 from scheduler_svc.core import Scheduler
 from scheduler_svc.simulator import Hop, simulate, simulate_disaggregated
@@ -142,6 +144,28 @@ def test_length_specs():
     # a sigma wide enough that exp() of its tail overflows: draws clipped to [1, MAX] still
     wide = [parse_length("lognormal:100:1000:5000")(rng) for _ in range(200)]
     assert set(wide) <= set(range(1, 5001)) and {1, 5000} <= set(wide)
+
+
+def test_lengths_past_any_context_are_refused_before_the_run(tmp_path, capsys):
+    # The simulator queues each prompt as a list of token ids: --prompt-len 1000000000 took
+    # 16 GB (and minutes) before the KV pool turned the first request away.
+    too_long = str(MAX_LENGTH + 1)
+    for bad in (too_long, f"uniform:1:{too_long}", f"lognormal:100:1:{too_long}"):
+        with pytest.raises(PacerError, match=f"at most {MAX_LENGTH:,} tokens"):
+            parse_length(bad)
+    assert parse_length(str(MAX_LENGTH))(None) == MAX_LENGTH
+    # a wide lognormal without MAX is clipped there
+    assert max(parse_length("lognormal:1000:50")(random.Random(s)) for s in range(50)) == MAX_LENGTH
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(f'{{"arrival_s": 0, "prompt_len": {too_long}, "output_len": 8}}\n')
+    with pytest.raises(PacerError, match=f"line 1: .*lengths from 1 to {MAX_LENGTH:,} tokens"):
+        read_trace(str(trace))
+    for argv in (["--prompt-len", "1000000000"], ["--output-len", "1000000000"],
+                 ["--long-prompt-rate", "1", "--long-prompt-len", "1000000000"],
+                 ["--trace", str(trace)]):
+        assert main(["simulate", "--num-requests", "3", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "16,777,216 tokens" in err and err.count("\n") == 1, err
 
 
 def test_gamma_gaps_keep_the_rate_and_inf_sends_all_at_once():
