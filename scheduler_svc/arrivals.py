@@ -93,8 +93,8 @@ def arrival_times(n: int, rate: float, burstiness: float, seed: int | str) -> li
     """n arrival times from t=0 with Gamma-distributed gaps (all 0 when rate is inf)."""
     if not rate > 0:
         raise PacerError(f"--request-rate must be > 0 (or inf), got {rate}")
-    if not burstiness > 0:
-        raise PacerError(f"--burstiness must be > 0, got {burstiness}")
+    if not 0 < burstiness < math.inf:     # inf: a Gamma of no spread, which random refuses
+        raise PacerError(f"--burstiness must be a finite number > 0, got {burstiness}")
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(f"{seed}/gaps")

@@ -160,6 +160,9 @@ def build_arrivals(args: argparse.Namespace) -> list:
         raise PacerError(f"--num-requests must be >= 1, got {args.num_requests}")
     arrivals = synthetic(args.num_requests, args.request_rate, args.burstiness,
                          args.prompt_len, args.output_len, args.seed)
+    if not 0 <= args.long_prompt_rate < math.inf:      # nan or below 0 read as none
+        raise PacerError("--long-prompt-rate must be a finite number >= 0 (0: none), got "
+                         f"{args.long_prompt_rate}")
     if args.long_prompt_rate > 0:
         # The long stream runs over the main one's arrivals, which rate inf puts all at t=0.
         if math.isinf(args.request_rate):

@@ -290,3 +290,15 @@ def test_cli_refuses_what_it_would_silently_ignore(capsys):
     assert "give --max-iteration-ms or --target-tbt-ms" in capsys.readouterr().err
     assert main(["simulate", "--num-requests", "3", "--cost", "online",
                  "--target-tbt-ms", "auto"]) == 0
+    # a long-prompt rate of nan or below 0 ran no long stream, without a word
+    for rate in ("nan", "-1"):
+        assert main(["simulate", "--num-requests", "3", "--long-prompt-rate", rate]) == 2
+        assert ("--long-prompt-rate must be a finite number >= 0 (0: none), got"
+                in capsys.readouterr().err)
+
+
+def test_cli_refuses_an_infinite_burstiness(capsys):
+    # a Gamma of shape inf: random.gammavariate's ValueError came out as a traceback
+    assert main(["simulate", "--num-requests", "3", "--burstiness", "inf"]) == 2
+    assert capsys.readouterr().err == ("pacer simulate: error: --burstiness must be a finite "
+                                       "number > 0, got inf\n")
