@@ -181,12 +181,14 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise ModelLoadError(f"{file}: model_type must be a string, got {model_type!r}")
+    supported = ", ".join(f"{t} ({a})" for t, a in _HF_ARCHITECTURES.items())
+    if model_type is None:     # said as "architecture 'LlamaForCausalLM' is not supported"
+        raise ModelLoadError(f"{file}: has no model_type; supported: {supported}")
     expected = _HF_ARCHITECTURES.get(model_type)
     architectures = cfg.get("architectures") or [expected or _HF_ARCHITECTURES["llama"]]
     if not isinstance(architectures, list):
         raise ModelLoadError(f"{file}: architectures must be a list, got {architectures!r}")
     if expected is None or expected not in architectures:
-        supported = ", ".join(f"{t} ({a})" for t, a in _HF_ARCHITECTURES.items())
         raise ModelLoadError(f"{file}: architecture {architectures[0]!r} (model_type "
                              f"{model_type!r}) is not supported; only {supported}")
     _check_hf_features(cfg, file)
