@@ -302,3 +302,13 @@ def test_cli_refuses_an_infinite_burstiness(capsys):
     assert main(["simulate", "--num-requests", "3", "--burstiness", "inf"]) == 2
     assert capsys.readouterr().err == ("pacer simulate: error: --burstiness must be a finite "
                                        "number > 0, got inf\n")
+
+
+def test_cli_refuses_a_kv_pool_too_large_to_book(capsys):
+    # --num-kv-blocks 100000000000 died of a MemoryError (or took the host's memory) building
+    # the block lists; a pool of that many bytes the same
+    for argv in (["--num-kv-blocks", "100000000000"], ["--kv-cache-memory", "100000TiB"]):
+        assert main(["simulate", "--num-requests", "3", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pacer simulate: error: a KV pool of ") and err.count("\n") == 1
+        assert "blocks: the simulator holds at most 2**24 (16,777,216)" in err
