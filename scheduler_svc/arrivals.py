@@ -8,6 +8,8 @@ spec string:
     uniform:128:1024         uniform over [128, 1024]
     lognormal:300:0.8[:MAX]  lognormal with median 300 and sigma 0.8, clipped to [1, MAX]
 
+No length (drawn, given as MAX, or in a trace) may pass MAX_LENGTH tokens.
+
 A trace is JSONL with one `{"arrival_s", "prompt_len", "output_len"}` object per line.
 Each random quantity has its own seeded stream, so changing the output lengths leaves the
 arrival times and prompt lengths as they were.
@@ -33,6 +35,11 @@ class Arrival:
 
 LengthSampler = Callable[[random.Random], int]
 
+# The longest prompt or output a workload may hold: beyond any model's context (the longest
+# are ~10M tokens). The simulator queues each request's prompt as a list of token ids, 16
+# bytes a token: a length of 10**9 ran out of memory before the pool turned it away.
+MAX_LENGTH = 2**24
+
 
 def parse_length(spec: str) -> LengthSampler:
     """A sampler for a length spec (see the module docstring); PacerError if malformed."""
@@ -43,7 +50,7 @@ def parse_length(spec: str) -> LengthSampler:
         if parts[0] == "uniform" and len(parts) == 3:
             return _uniform(int(parts[1]), int(parts[2]))
         if parts[0] == "lognormal" and len(parts) in (3, 4):
-            cap = int(parts[3]) if len(parts) == 4 else 1 << 30
+            cap = int(parts[3]) if len(parts) == 4 else MAX_LENGTH
             return _lognormal(float(parts[1]), float(parts[2]), cap)
     except ValueError:
         pass
@@ -51,14 +58,15 @@ def parse_length(spec: str) -> LengthSampler:
 
 
 def _fixed(n: int) -> LengthSampler:
-    _check_min(n, "a fixed length")
+    _check_length(n, "a fixed length")
     return lambda rng: n
 
 
 def _uniform(lo: int, hi: int) -> LengthSampler:
-    _check_min(lo, "uniform's low end")
+    _check_length(lo, "uniform's low end")
     if hi < lo:
         raise PacerError(f"uniform:{lo}:{hi}: the high end is below the low end")
+    _check_length(hi, "uniform's high end")
     return lambda rng: rng.randint(lo, hi)
 
 
@@ -66,6 +74,7 @@ def _lognormal(median: float, sigma: float, cap: int) -> LengthSampler:
     if not (1 <= median < math.inf and 0 <= sigma < math.inf and cap >= 1):
         raise PacerError(f"lognormal:{median}:{sigma}: needs a finite median >= 1, a finite "
                          "sigma >= 0 and max >= 1")
+    _check_length(cap, "lognormal's max")
     mu, log_cap = math.log(median), math.log(cap)
     # lognormvariate's draw, clipped in the log domain: a wide sigma's tail would overflow
     # exp() (or round an infinity) before the cap applied
@@ -73,17 +82,19 @@ def _lognormal(median: float, sigma: float, cap: int) -> LengthSampler:
                                                           log_cap)))))
 
 
-def _check_min(n: int, what: str) -> None:
+def _check_length(n: int, what: str) -> None:
     if n < 1:
         raise PacerError(f"{what} must be >= 1, got {n}")
+    if n > MAX_LENGTH:
+        raise PacerError(f"{what} must be at most {MAX_LENGTH:,} tokens, got {n:,}")
 
 
 def arrival_times(n: int, rate: float, burstiness: float, seed: int | str) -> list[float]:
     """n arrival times from t=0 with Gamma-distributed gaps (all 0 when rate is inf)."""
     if not rate > 0:
         raise PacerError(f"--request-rate must be > 0 (or inf), got {rate}")
-    if not burstiness > 0:
-        raise PacerError(f"--burstiness must be > 0, got {burstiness}")
+    if not 0 < burstiness < math.inf:     # inf: a Gamma of no spread, which random refuses
+        raise PacerError(f"--burstiness must be a finite number > 0, got {burstiness}")
     if math.isinf(rate):
         return [0.0] * n
     rng = random.Random(f"{seed}/gaps")
@@ -137,11 +148,12 @@ def read_trace(path: str) -> list[Arrival]:
         except (ValueError, TypeError, KeyError) as e:
             raise PacerError(f"{path} line {n}: need {{\"arrival_s\", \"prompt_len\", "
                              f"\"output_len\"}} ({e})") from None
-        if not (0 <= arrival.arrival_s < math.inf and arrival.prompt_len >= 1
-                and arrival.output_len >= 1):
+        if not (0 <= arrival.arrival_s < math.inf
+                and 1 <= min(arrival.prompt_len, arrival.output_len)
+                and max(arrival.prompt_len, arrival.output_len) <= MAX_LENGTH):
             raise PacerError(f"{path} line {n}: arrival_s must be a finite number >= 0 and "
-                             f"lengths >= 1, got {arrival.arrival_s!r}, {arrival.prompt_len}, "
-                             f"{arrival.output_len}")
+                             f"lengths from 1 to {MAX_LENGTH:,} tokens, got {arrival.arrival_s!r}, "
+                             f"{arrival.prompt_len}, {arrival.output_len}")
         arrivals.append(arrival)
     if not arrivals:
         raise PacerError(f"trace {path} has no requests")

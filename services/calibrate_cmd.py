@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import sys
 import time
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from shared.errors import PacerError
-from shared.json_file import check_output_path
+from shared.json_file import check_output_path, read_json_object
 from shared.hardware import hardware_from_dict
 
 DTYPES = ("float32", "bfloat16")
@@ -61,7 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Measure this machine with torch (matmul per dtype, copy/reduction "
                     "bandwidth, scaled_dot_product_attention) and write a JSON profile for "
                     "`pacer cost --hw`.")
-    p.add_argument("--output", default="hw.json", help="where to write the profile (default hw.json)")
+    p.add_argument("--output", default="hw.json",
+                   help="where to write the profile (default hw.json); it replaces an earlier "
+                        "profile there, and refuses a file that is none")
     p.add_argument("--quick", action="store_true", help="small sizes, a few seconds")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     p.set_defaults(run=run)
@@ -224,9 +227,24 @@ def format_table(profile: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def profile_replaced(path: str) -> str | None:
+    """What the profile at `path` was measured as, where one is there to replace; None where
+    there is no file. PacerError for a file that is no profile: a mistyped --output (the
+    model's config.json, another tool's result) would be lost to the measurements."""
+    if not os.path.exists(path):
+        return None
+    try:
+        old = hardware_from_dict(read_json_object(path, "file"))
+    except PacerError as e:
+        raise PacerError(f"--output {path}: already exists and is not a hardware profile "
+                         f"({e}); give another path or remove it") from None
+    return old.name + (f", measured at {old.measured_at}" if old.measured_at else "")
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         check_output_path(args.output, "--output")      # before the minutes of measuring
+        replaced = profile_replaced(args.output)
         profile = calibrate(args.quick, args.device)
         hardware_from_dict(profile)          # refuse to write what `--hw` could not load
         with open(args.output, "w", encoding="utf-8") as f:
@@ -236,5 +254,5 @@ def run(args: argparse.Namespace) -> int:
         print(f"pacer calibrate: error: {e}", file=sys.stderr)
         return 1
     print(format_table(profile))
-    print(f"wrote {args.output}")
+    print(f"wrote {args.output}" + (f" (replacing its profile {replaced})" if replaced else ""))
     return 0

@@ -52,6 +52,10 @@ SWEEP_KNOBS = ("request-rate", "prompt-len", "output-len", "fabric")
 # 7B model on an H100 (a stall a reader notices).
 DEFAULT_TTFT_SLO_MS = 1000.0
 DEFAULT_TBT_SLO_MS = 50.0
+# The most KV blocks a simulated pool may have: the core books each block in Python lists
+# (~50 bytes a block), and --num-kv-blocks 100000000000 died of a MemoryError building them.
+# 2**24 blocks of 16 tokens are 268M tokens, far past what max_num_seqs requests can fill.
+MAX_SIM_KV_BLOCKS = 2**24
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -67,7 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     w.add_argument("--burstiness", type=float, default=1.0,
                    help="Gamma shape of the gaps: 1 is Poisson, smaller is burstier")
     w.add_argument("--prompt-len", default="uniform:128:1024",
-                   help="N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX]")
+                   help="N | uniform:LO:HI | lognormal:MEDIAN:SIGMA[:MAX], in tokens, at "
+                        "most 2**24")
     w.add_argument("--output-len", default="uniform:32:256", help="as --prompt-len")
     w.add_argument("--long-prompt-rate", type=float, default=0.0,
                    help="a second Poisson stream of long prompts, in requests per "
@@ -103,7 +108,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         "learning from each iteration's time on the clock")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--num-kv-blocks", type=int, default=None,
-                   help="KV blocks (overrides --kv-cache-memory)")
+                   help="KV blocks (overrides --kv-cache-memory); at most 2**24")
     s.add_argument("--kv-cache-memory", default="60GiB",
                    help="KV pool size per instance, e.g. 60GiB (default), or auto: what "
                         "--gpu-memory-utilization of the profile's memory leaves after the "
@@ -159,6 +164,9 @@ def build_arrivals(args: argparse.Namespace) -> list:
         raise PacerError(f"--num-requests must be >= 1, got {args.num_requests}")
     arrivals = synthetic(args.num_requests, args.request_rate, args.burstiness,
                          args.prompt_len, args.output_len, args.seed)
+    if not 0 <= args.long_prompt_rate < math.inf:      # nan or below 0 read as none
+        raise PacerError("--long-prompt-rate must be a finite number >= 0 (0: none), got "
+                         f"{args.long_prompt_rate}")
     if args.long_prompt_rate > 0:
         # The long stream runs over the main one's arrivals, which rate inf puts all at t=0.
         if math.isinf(args.request_rate):
@@ -188,6 +196,10 @@ def scheduler_config(args: argparse.Namespace, model, arrivals, cost) -> Schedul
                          f"{cost.kv_bytes:g} holds less than a byte: raise either")
     num_blocks = args.num_kv_blocks or num_blocks_for_memory(
         kv_pool_memory(args, model, cost), block_bytes)
+    if num_blocks > MAX_SIM_KV_BLOCKS:
+        raise PacerError(f"a KV pool of {num_blocks:,} blocks: the simulator holds at most "
+                         f"2**24 ({MAX_SIM_KV_BLOCKS:,}); lower --num-kv-blocks or "
+                         "--kv-cache-memory, or raise --block-size")
     longest = max(a.prompt_len + a.output_len for a in arrivals)
     tbt = args.target_tbt_ms
     budgeted = args.max_iteration_ms is not None or tbt != "off"

@@ -104,7 +104,9 @@ class HardwareProfile:
 
 
 def _check_positive(what: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    # JSON's true is a Python int: a profile's `"bandwidth_tbps": true` read as 1 TB/s
+    if (not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value)
+            or value <= 0):
         raise PacerError(f"{what} must be a positive number, got {value!r}")
 
 
@@ -139,12 +141,16 @@ def hardware_from_dict(data: Mapping[str, Any], default_name: str = "calibrated"
         tflops = {"bfloat16": float(tflops), FLOAT32: float(tflops)}
     if not isinstance(tflops, Mapping) or "bandwidth_tbps" not in data:
         raise PacerError("a hardware profile needs 'tflops' (per dtype) and 'bandwidth_tbps'")
+    measurements = data.get("measurements") or {}
+    if not isinstance(measurements, Mapping):
+        raise PacerError(f"a hardware profile's 'measurements' must be an object, got "
+                         f"{type(measurements).__name__}")
     return HardwareProfile(
         name=str(data.get("name") or default_name),
         tflops={str(k): v for k, v in tflops.items()},
         bandwidth_tbps=data["bandwidth_tbps"],
         measured_at=data.get("measured_at"),
-        measurements=dict(data.get("measurements") or {}),
+        measurements=dict(measurements),
         gemm_half_rows=data.get("gemm_half_rows") or 0.0,
         memory_gib=data.get("memory_gib"),
         interconnect_gb_per_s=data.get("interconnect_gb_per_s"),

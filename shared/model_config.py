@@ -195,6 +195,9 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
     model_type = cfg.get("model_type")
     if model_type is not None and not isinstance(model_type, str):
         raise ModelLoadError(f"{file}: model_type must be a string, got {model_type!r}")
+    supported = ", ".join(f"{t} ({a})" for t, a in _HF_ARCHITECTURES.items())
+    if model_type is None and not cfg.get("architectures"):   # nothing names the family
+        raise ModelLoadError(f"{file}: has no model_type; supported: {supported}")
     architectures = cfg.get("architectures") or [
         _HF_ARCHITECTURES.get(model_type) or _HF_ARCHITECTURES["llama"]]
     if not isinstance(architectures, list):
@@ -205,7 +208,6 @@ def _hf_config(path: str, file: str, cfg: dict) -> ModelConfig:
         model_type = next((t for t, a in _HF_ARCHITECTURES.items() if a in architectures), None)
     expected = _HF_ARCHITECTURES.get(model_type)
     if expected is None or expected not in architectures:
-        supported = ", ".join(f"{t} ({a})" for t, a in _HF_ARCHITECTURES.items())
         raise ModelLoadError(f"{file}: architecture {architectures[0]!r} (model_type "
                              f"{model_type!r}) is not supported; only {supported}")
     _check_hf_features(cfg, file)

@@ -5,18 +5,27 @@ import argparse
 import json
 import math
 
+import pytest
+
 from shared.cost_model import MODELS, estimate_iteration
 from services import calibrate_cmd
-from shared.hardware import load_hardware
+from shared.hardware import HARDWARE, load_hardware
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="pacer")
+    calibrate_cmd.register(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["calibrate", *argv])
 
 
 def test_quick_calibration_writes_a_profile_the_cost_model_loads(tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="pacer")
-    calibrate_cmd.register(parser.add_subparsers(dest="command", required=True))
     output = tmp_path / "hw.json"
-    args = parser.parse_args(["calibrate", "--quick", "--output", str(output)])
+    # an earlier profile there is replaced, and the output says so
+    output.write_text(json.dumps(HARDWARE["a100"].to_dict() | {"measured_at": "2026-01-02"}))
+    args = _args("--quick", "--output", str(output))
     assert args.run(args) == 0
-    assert f"wrote {output}" in capsys.readouterr().out
+    assert (f"wrote {output} (replacing its profile a100, measured at 2026-01-02)"
+            in capsys.readouterr().out)
 
     data = json.loads(output.read_text())
     assert {"name", "tflops", "bandwidth_tbps", "measured_at", "measurements"} <= data.keys()
@@ -51,3 +60,18 @@ def test_gemm_half_rows_fit_from_plain_numbers():
     noisy = [row(8, 40), row(64, 40), row(512, 400)]
     assert calibrate_cmd.fit_gemm_half_rows(noisy, 1.0) == 40
     assert calibrate_cmd.fit_gemm_half_rows([row(64, -30)], 1.0) == 0
+
+
+def test_a_file_that_is_no_profile_is_refused_before_measuring(tmp_path, capsys, monkeypatch):
+    # a mistyped --output (the model's config.json, say) was overwritten without a word
+    monkeypatch.setattr(calibrate_cmd, "calibrate", lambda *a: pytest.fail("measured"))
+    for text in ('{"hidden_size": 4096, "model_type": "llama"}', "not json", "[1, 2]"):
+        output = tmp_path / "config.json"
+        output.write_text(text)
+        args = _args("--quick", "--output", str(output))
+        assert args.run(args) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"pacer calibrate: error: --output {output}: already exists and "
+                              "is not a hardware profile (")
+        assert err.count("\n") == 1 and "Traceback" not in err
+        assert output.read_text() == text

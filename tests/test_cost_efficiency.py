@@ -71,6 +71,13 @@ def test_profile_fields_round_trip_and_are_checked():
     for bad in ({"gemm_half_rows": -1}, {"memory_gib": 0}):
         with pytest.raises(PacerError):
             hardware_from_dict({"tflops": 1.0, "bandwidth_tbps": 0.05} | bad)
+    # JSON's true read as 1; measurements of a list came out as a TypeError's traceback
+    for bad, match in (({"bandwidth_tbps": True}, "bandwidth_tbps must be a positive number"),
+                       ({"tflops": {"bfloat16": True}}, r"tflops\[bfloat16\] must be a positive"),
+                       ({"memory_gib": True}, "memory_gib must be a positive number"),
+                       ({"measurements": [1, 2]}, "'measurements' must be an object, got list")):
+        with pytest.raises(PacerError, match=match):
+            hardware_from_dict({"tflops": {"bfloat16": 1.0}, "bandwidth_tbps": 0.05} | bad)
 
 
 # ---- the KV capacity ---------------------------------------------------------------------

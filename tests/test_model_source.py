@@ -212,6 +212,10 @@ LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_fr
     ({"hidden_size": 60, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": None},
      r"the head size \(hidden_size / num_attention_heads = 60 / 4\) is 15, odd"),
     ({"model_type": ["llama"]}, r"model_type must be a string, got \['llama'\]"),
+    # without one, nor architectures, it read "architecture 'LlamaForCausalLM' is not
+    # supported; only llama (LlamaForCausalLM), ..." (with architectures it is served)
+    ({"model_type": None, "architectures": None},
+     r"has no model_type; supported: llama \(LlamaForCausalLM\)"),
     ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
     ({"eos_token_id": "2"}, "eos_token_id must be a token id or a list of them, got '2'"),
     ({"architectures": "LlamaForCausalLM"}, "architectures must be a list"),

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import json
+import random
 from dataclasses import replace
 
 import pytest
 
-from scheduler_svc.arrivals import Arrival, arrival_times, parse_length, read_trace, synthetic
+from scheduler_svc.arrivals import (MAX_LENGTH, Arrival, arrival_times, parse_length, read_trace,
+                                    synthetic)
 from scheduler_svc.sim_report import summarize
 from scheduler_svc.core import Scheduler
 from scheduler_svc.simulator import Hop, simulate, simulate_disaggregated
@@ -144,6 +146,28 @@ def test_length_specs():
     assert set(wide) <= set(range(1, 5001)) and {1, 5000} <= set(wide)
 
 
+def test_lengths_past_any_context_are_refused_before_the_run(tmp_path, capsys):
+    # The simulator queues each prompt as a list of token ids: --prompt-len 1000000000 took
+    # 16 GB (and minutes) before the KV pool turned the first request away.
+    too_long = str(MAX_LENGTH + 1)
+    for bad in (too_long, f"uniform:1:{too_long}", f"lognormal:100:1:{too_long}"):
+        with pytest.raises(PacerError, match=f"at most {MAX_LENGTH:,} tokens"):
+            parse_length(bad)
+    assert parse_length(str(MAX_LENGTH))(None) == MAX_LENGTH
+    # a wide lognormal without MAX is clipped there
+    assert max(parse_length("lognormal:1000:50")(random.Random(s)) for s in range(50)) == MAX_LENGTH
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text(f'{{"arrival_s": 0, "prompt_len": {too_long}, "output_len": 8}}\n')
+    with pytest.raises(PacerError, match=f"line 1: .*lengths from 1 to {MAX_LENGTH:,} tokens"):
+        read_trace(str(trace))
+    for argv in (["--prompt-len", "1000000000"], ["--output-len", "1000000000"],
+                 ["--long-prompt-rate", "1", "--long-prompt-len", "1000000000"],
+                 ["--trace", str(trace)]):
+        assert main(["simulate", "--num-requests", "3", *argv]) == 2
+        err = capsys.readouterr().err
+        assert "16,777,216 tokens" in err and err.count("\n") == 1, err
+
+
 def test_gamma_gaps_keep_the_rate_and_inf_sends_all_at_once():
     times = arrival_times(4000, 50.0, 0.3, seed=1)
     assert len(times) / times[-1] == pytest.approx(50.0, rel=0.1)
@@ -266,3 +290,25 @@ def test_cli_refuses_what_it_would_silently_ignore(capsys):
     assert "give --max-iteration-ms or --target-tbt-ms" in capsys.readouterr().err
     assert main(["simulate", "--num-requests", "3", "--cost", "online",
                  "--target-tbt-ms", "auto"]) == 0
+    # a long-prompt rate of nan or below 0 ran no long stream, without a word
+    for rate in ("nan", "-1"):
+        assert main(["simulate", "--num-requests", "3", "--long-prompt-rate", rate]) == 2
+        assert ("--long-prompt-rate must be a finite number >= 0 (0: none), got"
+                in capsys.readouterr().err)
+
+
+def test_cli_refuses_an_infinite_burstiness(capsys):
+    # a Gamma of shape inf: random.gammavariate's ValueError came out as a traceback
+    assert main(["simulate", "--num-requests", "3", "--burstiness", "inf"]) == 2
+    assert capsys.readouterr().err == ("pacer simulate: error: --burstiness must be a finite "
+                                       "number > 0, got inf\n")
+
+
+def test_cli_refuses_a_kv_pool_too_large_to_book(capsys):
+    # --num-kv-blocks 100000000000 died of a MemoryError (or took the host's memory) building
+    # the block lists; a pool of that many bytes the same
+    for argv in (["--num-kv-blocks", "100000000000"], ["--kv-cache-memory", "100000TiB"]):
+        assert main(["simulate", "--num-requests", "3", *argv]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("pacer simulate: error: a KV pool of ") and err.count("\n") == 1
+        assert "blocks: the simulator holds at most 2**24 (16,777,216)" in err
