@@ -165,6 +165,12 @@ def test_an_output_or_a_flag_that_cannot_serve_is_refused_before_the_model_loads
                  "--output", str(tmp_path / "no-folder" / "o.jsonl"))
     assert_one_line_error(proc, "--output", "no folder")
     assert "generate:" not in proc.stderr           # no progress bar: nothing was generated
+    # the prompts file as the output: it was replaced by the results, the prompts lost
+    before = open(prompts).read()
+    proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output",
+                 str(tmp_path / "." / "p.jsonl"))
+    assert_one_line_error(proc, "is the prompts file")
+    assert open(prompts).read() == before
     proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output",
                  str(tmp_path / "o"), "--max-tokens", "0")
     assert_one_line_error(proc, "--max-tokens: max_tokens must be")
