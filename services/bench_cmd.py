@@ -131,6 +131,11 @@ def served_model_name(base_url: str, api_key: str | None) -> str:
         with urllib.request.urlopen(req, timeout=10.0) as r:
             return json.loads(r.read())["data"][0]["id"]
     except (OSError, ValueError, KeyError, IndexError) as e:
+        if isinstance(e, urllib.error.HTTPError) and e.code in (401, 403):
+            # --model would not help: every request would be refused the same way
+            problem = "refused the API key" if api_key else "wants an API key"
+            raise PacerError(f"{base_url} {problem} (HTTP {e.code}): pass the server's key "
+                             f"with --api-key or $OPENAI_API_KEY") from e
         raise PacerError(f"cannot read the model name from {base_url}/v1/models ({e}); "
                          "pass --model") from e
 

@@ -23,7 +23,9 @@ from services.bench_client import (ApiTarget, RequestResult, SendOptions, _Strea
 from services.bench_dataset import (SHAREGPT_MAX_TOTAL, SHAREGPT_PROMPT, BenchRequest,
                                     multi_turn_dataset, random_dataset, shared_prefix_dataset,
                                     sharegpt_like_dataset, sharegpt_like_lengths)
+from services.bench_cmd import served_model_name
 from services.cli import main as pacer_main
+from shared.errors import PacerError
 from shared.model_source import resolve_model
 from shared.tokenizer import load_tokenizer
 from tests.served_fixture import API_KEY, Served, served  # noqa: F401
@@ -384,13 +386,24 @@ async def _standin(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+STANDIN_KEY = "standin-key"
+
+
+async def _models(request: web.Request) -> web.Response:
+    if request.headers.get("Authorization") != f"Bearer {STANDIN_KEY}":
+        return web.json_response({"error": {"message": "invalid API key"}}, status=401)
+    return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+
 @contextlib.asynccontextmanager
 async def standin_server(handler):
-    """The stand-in on a free port, answering /v1/completions with `handler`; yields its app
-    (whose RELEASE event lets a hanging request go) and its base URL."""
+    """The stand-in on a free port, answering /v1/completions with `handler` and /v1/models
+    to STANDIN_KEY; yields its app (whose RELEASE event lets a hanging request go) and its
+    base URL."""
     app = web.Application()
     app[RELEASE] = asyncio.Event()
     app.router.add_post("/v1/completions", handler)
+    app.router.add_get("/v1/models", _models)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -419,6 +432,18 @@ async def test_failures_midstream_cut_and_timeout_are_recorded():
     assert [r.success for r in results] == [False] * 7 + [True]
     m = compute_metrics(results, 1.0)
     assert (m["completed"], m["failed"]) == (1, 7)
+
+
+async def test_a_refused_api_key_is_named_not_a_missing_model():
+    """/v1/models refusing the key said "pass --model", after which every request failed
+    with the same 401."""
+    async with standin_server(_standin) as (_, base_url):
+        assert await asyncio.to_thread(served_model_name, base_url, STANDIN_KEY) == "m"
+        for key, problem in ((None, "wants an API key"), ("wrong", "refused the API key")):
+            with pytest.raises(PacerError) as e:
+                await asyncio.to_thread(served_model_name, base_url, key)
+            assert f"{base_url} {problem} (HTTP 401): pass the server's key with --api-key" \
+                in str(e.value)
 
 
 async def test_ctrl_c_mid_run_reports_the_requests_that_ended(tmp_path):
