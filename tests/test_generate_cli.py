@@ -136,6 +136,14 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "ok", "temperature": "hot"}\n', "temperature must be a finite number"),
     ('{"prompt": "ok", "stops": ["."]}\n', "unknown field 'stops'"),
     ('{"prompt": "ok", "stop": [1]}\n', "stop must be a string or a list of strings"),
+    # these were read as token 1, a stop id that never matches, or a bare Python message
+    ('{"prompt": "ok", "stop_token_ids": [1.7]}\n', "stop_token_ids must be a list of token ids"),
+    ('{"prompt": "ok", "stop_token_ids": [-1]}\n', "stop_token_ids must be a list of token ids"),
+    ('{"prompt": "ok", "stop_token_ids": 5}\n', "stop_token_ids must be a list of token ids"),
+    ('{"prompt": "ok", "allowed_token_ids": [true]}\n', "allowed_token_ids must be a list"),
+    ('{"prompt": "ok", "bad_words_token_ids": [[1.5]]}\n', "bad_words_token_ids[0] must be"),
+    ('{"prompt": "ok", "logit_bias": {"x": 1}}\n', "logit_bias must map token ids to numbers"),
+    ('{"prompt": "ok", "logit_bias": [1]}\n', "logit_bias must map token ids to numbers"),
     ("", "has no prompts"),
 ])
 def test_malformed_prompts_file(tiny, tmp_path, content, needle):
