@@ -8,7 +8,8 @@ Datasets (services/bench_dataset.py): random, sharegpt-like, shared-prefix (`--n
 system prompts of `--prefix-len` tokens), multi-turn (`--num-conversations`, each turn resending
 the history). Prompts are generated from `--seed` with the model's tokenizer (`--tokenizer`); arrivals are
 Gamma(shape=burstiness, scale=1/(rate·burstiness)); every latency is measured at the client
-(definitions in services/bench_client.py). Failed requests are counted, never fatal.
+(definitions in services/bench_client.py). Failed requests are counted, never fatal; Ctrl-C
+reports the requests that ended and exits 130.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import json
 import math
 import os
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -129,6 +131,11 @@ def served_model_name(base_url: str, api_key: str | None) -> str:
         with urllib.request.urlopen(req, timeout=10.0) as r:
             return json.loads(r.read())["data"][0]["id"]
     except (OSError, ValueError, KeyError, IndexError) as e:
+        if isinstance(e, urllib.error.HTTPError) and e.code in (401, 403):
+            # --model would not help: every request would be refused the same way
+            problem = "refused the API key" if api_key else "wants an API key"
+            raise PacerError(f"{base_url} {problem} (HTTP {e.code}): pass the server's key "
+                             f"with --api-key or $OPENAI_API_KEY") from e
         raise PacerError(f"cannot read the model name from {base_url}/v1/models ({e}); "
                          "pass --model") from e
 
@@ -184,6 +191,8 @@ def format_table(metrics: dict, title: str = "Serving Benchmark Result") -> str:
 
     row("Successful requests:", metrics["completed"])
     row("Failed requests:", metrics["failed"])
+    if metrics.get("unfinished"):
+        row("Unfinished requests (Ctrl-C):", metrics["unfinished"])
     if metrics.get("max_concurrency") is not None:
         row("Maximum request concurrency:", metrics["max_concurrency"])
     row("Benchmark duration (s):", metrics["duration_s"])
@@ -251,8 +260,9 @@ def _json_object(text: str) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from services.bench_client import (ApiTarget, SendOptions, compute_metrics, error_summary,
-                                       parse_goodput, result_records, run_requests)
+    from services.bench_client import (ApiTarget, RequestResult, SendOptions, compute_metrics,
+                                       error_summary, parse_goodput, result_records,
+                                       run_requests)
 
     try:
         slos = parse_goodput(args.goodput or [])
@@ -282,11 +292,26 @@ def run(args: argparse.Namespace) -> int:
           f"(rate {args.request_rate:g}/s, burstiness {args.burstiness:g}, "
           f"max concurrency {args.max_concurrency or 'none'})", file=sys.stderr, flush=True)
     cache_before = prefix_cache_counters(args.base_url)
-    results, duration = run_async(run_requests(
-        target, requests, opts, args.request_rate, args.burstiness, args.max_concurrency,
-        args.seed))
+    ended: list[tuple[float, RequestResult]] = []      # (when, result), as requests end
+    start = time.perf_counter()
+    try:
+        results, duration = run_async(run_requests(
+            target, requests, opts, args.request_rate, args.burstiness, args.max_concurrency,
+            args.seed, on_done=lambda r: ended.append((time.perf_counter(), r))))
+        unfinished = 0
+    except KeyboardInterrupt:
+        # Ctrl-C: the requests that ended are reported as a run that stopped at the last of
+        # them; those in flight (cancelled) or not yet sent are counted, not measured
+        results = sorted((r for _, r in ended), key=lambda r: r.sent_at)
+        duration = (ended[-1][0] if ended else time.perf_counter()) - start
+        unfinished = len(requests) - len(results)
+        print(f"pacer bench: interrupted (Ctrl-C): the metrics below are of the "
+              f"{len(results)} requests that ended; {unfinished} were in flight or not sent",
+              file=sys.stderr, flush=True)
     metrics = compute_metrics(results, duration, slos)
     metrics["max_concurrency"] = args.max_concurrency
+    if unfinished:
+        metrics["unfinished"] = unfinished
     metrics["prefix_cache_hit_rate"] = prefix_cache_hit_rate(
         cache_before, prefix_cache_counters(args.base_url) if cache_before else None)
     print(format_table(metrics))
@@ -300,4 +325,6 @@ def run(args: argparse.Namespace) -> int:
             data["requests"] = result_records(results)
         write_result_json(args.result_json, data)
         print(f"pacer bench: metrics written to {args.result_json}", file=sys.stderr)
+    if unfinished:
+        return 130
     return 0 if metrics["completed"] else 1

@@ -5,6 +5,7 @@ import argparse
 import dataclasses
 import functools
 import json
+import os
 import sys
 import time
 
@@ -117,6 +118,10 @@ def run(args: argparse.Namespace) -> int:
 
     # a bad prompts file, or an output that cannot be written, is refused before the weights load
     check_output_path(args.output, "--output")
+    if os.path.exists(args.output) and os.path.exists(args.prompts) and \
+            os.path.samefile(args.output, args.prompts):
+        # the results would replace the prompts they came from
+        raise PacerError(f"--output {args.output} is the prompts file: name another file")
     layout = engine_layout(EngineArgs.from_cli(args))
     tokenizer = load_tokenizer(layout.source)
     defaults = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,

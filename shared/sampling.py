@@ -64,13 +64,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self._check_types()
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        object.__setattr__(self, "allowed_token_ids",
-                           tuple(sorted({int(t) for t in self.allowed_token_ids})))
-        if any(t < 0 for t in self.allowed_token_ids):
-            raise InvalidRequestError("allowed_token_ids must be token ids >= 0")
-        object.__setattr__(self, "bad_words_token_ids", tuple(
-            dict.fromkeys(tuple(int(t) for t in seq) for seq in self.bad_words_token_ids)))
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids",
+                                                              self.stop_token_ids))
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted(set(
+            _token_ids("allowed_token_ids", self.allowed_token_ids)))))
+        if not isinstance(self.bad_words_token_ids, (list, tuple)):
+            raise InvalidRequestError(f"bad_words_token_ids must be a list of lists of token "
+                                      f"ids, got {self.bad_words_token_ids!r:.100}")
+        object.__setattr__(self, "bad_words_token_ids", tuple(dict.fromkeys(
+            _token_ids(f"bad_words_token_ids[{i}]", seq)
+            for i, seq in enumerate(self.bad_words_token_ids))))
         if len(self.allowed_token_ids) > MAX_TOKEN_IDS or \
                 len(self.stop_token_ids) > 2 * MAX_TOKEN_IDS or \
                 len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
@@ -79,10 +82,7 @@ class SamplingParams:
         if any(not seq or min(seq) < 0 for seq in self.bad_words_token_ids):
             raise InvalidRequestError("bad_words_token_ids must be non-empty lists of token "
                                       "ids >= 0")
-        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else \
-            self.logit_bias                   # OpenAI's {"id": bias} too (offline input)
-        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b))
-                                                            for t, b in pairs)))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES or \
                 any(t < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias):
             raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} "
@@ -173,6 +173,35 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, d: dict) -> "SamplingParams":
         return cls(**d)
+
+
+def _is_token_id(t) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+
+
+def _token_ids(name: str, ids) -> tuple[int, ...]:
+    """A list of token ids from any caller (a line of an offline prompts file too): integers
+    >= 0, so that 1.7 or true is refused by name rather than read as token 1."""
+    if not isinstance(ids, (list, tuple)) or not all(map(_is_token_id, ids)):
+        raise InvalidRequestError(f"{name} must be a list of token ids (integers >= 0), "
+                                  f"got {ids!r:.100}")
+    return tuple(ids)
+
+
+def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
+    """OpenAI's {"id": bias} (offline input) or (id, bias) pairs, sorted by id; the bias a
+    number (its range is checked by the caller)."""
+    pairs = list(bias.items()) if isinstance(bias, dict) else bias
+    try:
+        pairs = [(int(t) if isinstance(t, str) and t.isascii() and t.isdigit() else t, b)
+                 for t, b in pairs]
+    except (TypeError, ValueError):             # not pairs
+        pairs = [(None, None)]
+    if not all(_is_token_id(t) and isinstance(b, (int, float)) and not isinstance(b, bool)
+               for t, b in pairs):
+        raise InvalidRequestError(f'logit_bias must map token ids to numbers ({{"id": bias}} '
+                                  f'or [[id, bias], ...]), got {bias!r:.100}')
+    return tuple(sorted((t, float(b)) for t, b in pairs))
 
 
 def token_id_set(ids: Iterable[int] | int | None) -> frozenset[int]:

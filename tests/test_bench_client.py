@@ -6,8 +6,12 @@ cut before [DONE], a server that never answers)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
+import os
+import signal
+import sys
 
 import numpy as np
 import pytest
@@ -19,10 +23,14 @@ from services.bench_client import (ApiTarget, RequestResult, SendOptions, _Strea
 from services.bench_dataset import (SHAREGPT_MAX_TOTAL, SHAREGPT_PROMPT, BenchRequest,
                                     multi_turn_dataset, random_dataset, shared_prefix_dataset,
                                     sharegpt_like_dataset, sharegpt_like_lengths)
+from services.bench_cmd import served_model_name
 from services.cli import main as pacer_main
+from shared.errors import PacerError
 from shared.model_source import resolve_model
 from shared.tokenizer import load_tokenizer
 from tests.served_fixture import API_KEY, Served, served  # noqa: F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -378,24 +386,42 @@ async def _standin(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def test_failures_midstream_cut_and_timeout_are_recorded():
+STANDIN_KEY = "standin-key"
+
+
+async def _models(request: web.Request) -> web.Response:
+    if request.headers.get("Authorization") != f"Bearer {STANDIN_KEY}":
+        return web.json_response({"error": {"message": "invalid API key"}}, status=401)
+    return web.json_response({"object": "list", "data": [{"id": "m", "object": "model"}]})
+
+
+@contextlib.asynccontextmanager
+async def standin_server(handler):
+    """The stand-in on a free port, answering /v1/completions with `handler` and /v1/models
+    to STANDIN_KEY; yields its app (whose RELEASE event lets a hanging request go) and its
+    base URL."""
     app = web.Application()
     app[RELEASE] = asyncio.Event()
-    app.router.add_post("/v1/completions", _standin)
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_get("/v1/models", _models)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]
     try:
-        target = ApiTarget(f"http://127.0.0.1:{port}", "/v1/completions", "m")
+        yield app, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        app[RELEASE].set()
+        await runner.cleanup()
+
+
+async def test_failures_midstream_cut_and_timeout_are_recorded():
+    async with standin_server(_standin) as (_, base_url):
+        target = ApiTarget(base_url, "/v1/completions", "m")
         reqs = [BenchRequest(mode, 1, 4) for mode in ("error", "cut", "hang", "bare error",
                                                       "not an object", "odd choices",
                                                       "null usage", "ok")]
         results, _ = await run_requests(target, reqs, SendOptions(timeout_s=1.0))
-    finally:
-        app[RELEASE].set()
-        await runner.cleanup()
     errors = [r.error for r in results]
     assert errors[:4] == ["generation failed: worker died", "the stream ended without [DONE]",
                           "timed out after 1 s", "Input validation error"]
@@ -406,6 +432,59 @@ async def test_failures_midstream_cut_and_timeout_are_recorded():
     assert [r.success for r in results] == [False] * 7 + [True]
     m = compute_metrics(results, 1.0)
     assert (m["completed"], m["failed"]) == (1, 7)
+
+
+async def test_a_refused_api_key_is_named_not_a_missing_model():
+    """/v1/models refusing the key said "pass --model", after which every request failed
+    with the same 401."""
+    async with standin_server(_standin) as (_, base_url):
+        assert await asyncio.to_thread(served_model_name, base_url, STANDIN_KEY) == "m"
+        for key, problem in ((None, "wants an API key"), ("wrong", "refused the API key")):
+            with pytest.raises(PacerError) as e:
+                await asyncio.to_thread(served_model_name, base_url, key)
+            assert f"{base_url} {problem} (HTTP 401): pass the server's key with --api-key" \
+                in str(e.value)
+
+
+async def test_ctrl_c_mid_run_reports_the_requests_that_ended(tmp_path):
+    """SIGINT to `pacer bench` with requests in flight and more to send: it prints and writes
+    the metrics of the ones that ended, counts the rest as unfinished, and exits 130 (it
+    printed nothing and wrote no file)."""
+    seen = []
+
+    async def every_other_hangs(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.json())
+        if len(seen) % 2 == 0:
+            await request.app[RELEASE].wait()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for chunk in (b'{"choices":[{"text":"a","index":0}]}',
+                      b'{"choices":[{"text":"b","index":0}]}',
+                      b'{"choices":[],"usage":{"prompt_tokens":8,"completion_tokens":2}}',
+                      b"[DONE]"):
+            await resp.write(b"data: " + chunk + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+    out = tmp_path / "result.json"
+    async with standin_server(every_other_hangs) as (_, base_url):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "services.cli", "bench", "--base-url", base_url,
+            "--model", "m", "--input-len", "8", "--output-len", "2", "--num-prompts", "500",
+            "--request-rate", "20", "--result-json", str(out), cwd=ROOT,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        while len(seen) < 8 and proc.returncode is None:
+            await asyncio.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 130, stderr.decode()
+    assert "interrupted (Ctrl-C)" in stderr.decode() and b"Traceback" not in stderr
+    data = json.loads(out.read_text())
+    assert data["completed"] >= 1 and data["failed"] == 0
+    assert data["completed"] + data["unfinished"] == 500
+    assert data["total_output_tokens"] == 2 * data["completed"]
+    assert data["duration_s"] > 0 and data["mean_ttft_ms"] > 0
+    assert b"Unfinished requests (Ctrl-C):" in stdout and b"Median TTFT (ms):" in stdout
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -136,6 +136,14 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "ok", "temperature": "hot"}\n', "temperature must be a finite number"),
     ('{"prompt": "ok", "stops": ["."]}\n', "unknown field 'stops'"),
     ('{"prompt": "ok", "stop": [1]}\n', "stop must be a string or a list of strings"),
+    # these were read as token 1, a stop id that never matches, or a bare Python message
+    ('{"prompt": "ok", "stop_token_ids": [1.7]}\n', "stop_token_ids must be a list of token ids"),
+    ('{"prompt": "ok", "stop_token_ids": [-1]}\n', "stop_token_ids must be a list of token ids"),
+    ('{"prompt": "ok", "stop_token_ids": 5}\n', "stop_token_ids must be a list of token ids"),
+    ('{"prompt": "ok", "allowed_token_ids": [true]}\n', "allowed_token_ids must be a list"),
+    ('{"prompt": "ok", "bad_words_token_ids": [[1.5]]}\n', "bad_words_token_ids[0] must be"),
+    ('{"prompt": "ok", "logit_bias": {"x": 1}}\n', "logit_bias must map token ids to numbers"),
+    ('{"prompt": "ok", "logit_bias": [1]}\n', "logit_bias must map token ids to numbers"),
     ("", "has no prompts"),
 ])
 def test_malformed_prompts_file(tiny, tmp_path, content, needle):
@@ -165,6 +173,12 @@ def test_an_output_or_a_flag_that_cannot_serve_is_refused_before_the_model_loads
                  "--output", str(tmp_path / "no-folder" / "o.jsonl"))
     assert_one_line_error(proc, "--output", "no folder")
     assert "generate:" not in proc.stderr           # no progress bar: nothing was generated
+    # the prompts file as the output: it was replaced by the results, the prompts lost
+    before = open(prompts).read()
+    proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output",
+                 str(tmp_path / "." / "p.jsonl"))
+    assert_one_line_error(proc, "is the prompts file")
+    assert open(prompts).read() == before
     proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output",
                  str(tmp_path / "o"), "--max-tokens", "0")
     assert_one_line_error(proc, "--max-tokens: max_tokens must be")
