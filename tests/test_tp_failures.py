@@ -23,6 +23,8 @@ from gpu_worker.tp.group import find_free_port
 from gpu_worker.tp.liveness import Liveness
 from gpu_worker.tp.spawn import Followers
 from gpu_worker.tp.store_keys import DOWN
+from tests.helpers_tiny_model import write_tiny_llama
+from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 3          # the group's collective timeout in these tests (30 s when served)
@@ -252,3 +254,30 @@ def test_a_rank_whose_own_step_fails_is_named_by_every_rank(failing):
     for rank, err in enumerate(errs):
         assert procs[rank].returncode == 1, err
         assert said in err.strip().splitlines()[-1], err
+
+
+def test_a_served_rank_0_waiting_for_a_follower_that_never_comes_stops_on_sigterm(
+        redis_server, tmp_path):
+    """Rank 0 of `pacer up --tp 2` whose follower never joins (it died before it could; or
+    `pacer up`, killed, starts no new one) leaves when told to stop, instead of after the
+    join's 300 s timeout: a `pacer up` killed with -9 left it behind that long."""
+    model = write_tiny_llama(tmp_path / "tiny")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--rank", "0",
+                             "--tp", "2", "--model", model, "--dtype", "float32",
+                             "--max-model-len", "256", "--redis-url", redis_server,
+                             "--key-prefix", "tp-never:"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:              # waiting for rank 1 from here on
+            lines.append(line)
+            if "tp group rendezvous published" in line:
+                break
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        out = "".join(lines) + proc.communicate(timeout=60)[0]     # not 300 s
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, out[-2000:]
+    assert "stopped before the tensor-parallel group formed" in out, out[-2000:]

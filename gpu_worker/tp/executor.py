@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import atexit
 import time
+from typing import Callable
 
 import torch
 
@@ -25,10 +26,12 @@ class TPExecutor:
     `requests`, `shutdown()`. Sends each plan to the followers, then runs it here.
 
     `followers` (in-process mode, `spawn.Followers`): the processes rank 0 spawned, polled
-    while waiting and stopped when the group fails."""
+    while waiting and stopped when the group fails. `stopped` (served): the worker was told
+    to stop, checked while waiting for the followers to load."""
 
     def __init__(self, runner: ModelRunner, group: ProcessTPGroup, followers=None,
-                 ready_timeout_s: float = JOIN_TIMEOUT_S):
+                 ready_timeout_s: float = JOIN_TIMEOUT_S,
+                 stopped: Callable[[], bool] = lambda: False):
         self.runner, self.group, self.followers = runner, group, followers
         self.control_seconds = 0.0          # plan broadcast + token check, for the bench
         self.restore_threads: int | None = None  # torch threads to give back at shutdown
@@ -38,7 +41,8 @@ class TPExecutor:
         self._agreement = AgreementCheck(group)
         wait_until(lambda: group.store.add(READY, 0) >= group.size - 1, ready_timeout_s,
                    followers.check if followers else None,
-                   "the tensor-parallel followers to load the model", lambda: group.down)
+                   "the tensor-parallel followers to load the model", lambda: group.down,
+                   stopped)
 
     @property
     def tp(self) -> ProcessTPGroup:
