@@ -16,6 +16,23 @@ import torch
 from shared.errors import PacerError
 
 
+class CollectiveError(RuntimeError):
+    """A collective failed: a peer rank died, dropped the connection or hung past the
+    group's timeout. Told apart from the rank's own failures (out of memory in its forward,
+    say), which are not a peer's doing and are named as this rank's."""
+
+
+@contextmanager
+def collective():
+    """Around a torch.distributed call: its RuntimeError becomes a CollectiveError."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(str(e)) from e
+
+
 @dataclass
 class TPGroup:
     rank: int = 0
@@ -33,7 +50,7 @@ class TPGroup:
             return x
         import torch.distributed as dist
         self.num_all_reduces += 1
-        with self._timing(x):
+        with self._timing(x), collective():
             dist.all_reduce(x)
         return x
 
@@ -44,7 +61,7 @@ class TPGroup:
         import torch.distributed as dist
         self.num_all_gathers += 1
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        with self._timing(x):
+        with self._timing(x), collective():
             dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
 

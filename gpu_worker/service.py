@@ -64,7 +64,7 @@ import structlog
 
 from gpu_worker.model_runner import build_runner
 from gpu_worker.tp.executor import TPExecutor
-from gpu_worker.tp.group import bind_device, on_device
+from gpu_worker.tp.group import GroupNotFormed, bind_device, on_device
 from gpu_worker.tp.service import serve_follower, start_rank0
 from shared.cpu import pin_forward_thread
 from shared.engine_layout import EngineLayout
@@ -507,7 +507,11 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
             for runner in built:
                 runner.close()
     if tp > 1:
-        executor = await start_rank0(redis, keys, layout, tp_host)
+        try:
+            executor = await start_rank0(redis, keys, layout, tp_host, stop)
+        except GroupNotFormed:
+            log.info("stopped before the tensor-parallel group formed")
+            return 0
     else:
         executor = await asyncio.to_thread(on_device, layout.args.device, build_runner, layout,
                                            None, True)

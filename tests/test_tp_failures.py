@@ -23,6 +23,8 @@ from gpu_worker.tp.group import find_free_port
 from gpu_worker.tp.liveness import Liveness
 from gpu_worker.tp.spawn import Followers
 from gpu_worker.tp.store_keys import DOWN
+from tests.helpers_tiny_model import write_tiny_llama
+from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 3          # the group's collective timeout in these tests (30 s when served)
@@ -202,3 +204,80 @@ def test_a_follower_killed_by_a_signal_without_a_name_is_named_by_its_number():
         follower.kill()
         follower.wait()
     assert said == f"tp rank 1 (pid {follower.pid}) exited (killed by signal {int(number)})"
+
+
+OWN_FAILURE = textwrap.dedent("""
+    import sys, torch
+    from types import SimpleNamespace
+    from gpu_worker.tp.executor import TPExecutor
+    from gpu_worker.tp.follower import run_follower
+    from gpu_worker.tp.group import init_tp_group
+    from shared.errors import PacerError
+    from shared.plan import IterationPlan, StepResult
+
+    rank, port, failing = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    group = init_tp_group(rank, 2, "127.0.0.1", port, "gloo", timeout_s=%d)
+
+    def execute(plan):
+        if rank == failing:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        group.all_reduce(torch.ones(4))       # the forward's all-reduce: waits for the other
+        return StepResult(plan.step, {})
+
+    runner = SimpleNamespace(rc=SimpleNamespace(seed=1, device="cpu"), execute=execute)
+    try:
+        if rank == 0:
+            TPExecutor(runner, group).execute(IterationPlan(1, [], [], {}))
+        else:
+            run_follower(runner, group)
+    except PacerError as e:
+        print(e, file=sys.stderr, flush=True)
+        sys.exit(1)
+""" % DEADLINE_S)
+
+
+@pytest.mark.parametrize("failing", [0, 1])
+def test_a_rank_whose_own_step_fails_is_named_by_every_rank(failing):
+    """A rank that runs out of memory in its forward while the other waits in the all-reduce:
+    both name that rank and its error, not a collective that failed or a dropped connection,
+    and neither waits for the collective's timeout."""
+    port = find_free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", OWN_FAILURE, str(rank), str(port),
+                               str(failing)], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        errs = [p.communicate(timeout=DEADLINE_S)[1] for p in procs]
+    finally:
+        stop(procs)
+    said = (f"tp rank {failing} failed mid-iteration: OutOfMemoryError: CUDA out of memory. "
+            f"Tried to allocate 2.00 GiB")
+    for rank, err in enumerate(errs):
+        assert procs[rank].returncode == 1, err
+        assert said in err.strip().splitlines()[-1], err
+
+
+def test_a_served_rank_0_waiting_for_a_follower_that_never_comes_stops_on_sigterm(
+        redis_server, tmp_path):
+    """Rank 0 of `pacer up --tp 2` whose follower never joins (it died before it could; or
+    `pacer up`, killed, starts no new one) leaves when told to stop, instead of after the
+    join's 300 s timeout: a `pacer up` killed with -9 left it behind that long."""
+    model = write_tiny_llama(tmp_path / "tiny")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--rank", "0",
+                             "--tp", "2", "--model", model, "--dtype", "float32",
+                             "--max-model-len", "256", "--redis-url", redis_server,
+                             "--key-prefix", "tp-never:"], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:              # waiting for rank 1 from here on
+            lines.append(line)
+            if "tp group rendezvous published" in line:
+                break
+        time.sleep(1)
+        proc.send_signal(signal.SIGTERM)
+        out = "".join(lines) + proc.communicate(timeout=60)[0]     # not 300 s
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 0, out[-2000:]
+    assert "stopped before the tensor-parallel group formed" in out, out[-2000:]

@@ -22,6 +22,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from gpu_worker.parallel import collective
 from gpu_worker.sampler import Sampler
 from gpu_worker.tp.group import ProcessTPGroup
 from gpu_worker.tp.store_keys import CHECK_EVERY, SEED
@@ -33,13 +34,15 @@ def broadcast_bytes(data: bytes | None, group: ProcessTPGroup) -> bytes:
     """Rank 0 passes the bytes, the others None; every rank returns them. Length first, then
     a uint8 tensor (plans are small: kilobytes)."""
     length = torch.tensor([len(data) if data is not None else 0], dtype=torch.int64)
-    dist.broadcast(length, 0, group=group.idle)
+    with collective():
+        dist.broadcast(length, 0, group=group.idle)
     n = int(length.item())
     if n == 0:
         return b""
     buf = (torch.frombuffer(bytearray(data), dtype=torch.uint8) if group.rank == 0
            else torch.empty(n, dtype=torch.uint8))
-    dist.broadcast(buf, 0, group=group.control)
+    with collective():
+        dist.broadcast(buf, 0, group=group.control)
     return data if group.rank == 0 else buf.numpy().tobytes()
 
 
@@ -101,7 +104,8 @@ class AgreementCheck:
         since, self._pending, self._since = self._since, 0, None
         mine = torch.tensor([self._digest], dtype=torch.int64)
         parts = [torch.empty_like(mine) for _ in range(self.group.size)]
-        dist.all_gather(parts, mine, group=self.group.control)
+        with collective():
+            dist.all_gather(parts, mine, group=self.group.control)
         values = torch.cat(parts).tolist()
         if len(set(values)) > 1:
             odd = [r for r, v in enumerate(values) if v != values[0]]
@@ -131,10 +135,12 @@ def _all_gather_json(value, group: ProcessTPGroup) -> list:
     data = json.dumps(value).encode()
     size = torch.tensor([len(data)], dtype=torch.int64)
     sizes = [torch.empty_like(size) for _ in range(group.size)]
-    dist.all_gather(sizes, size, group=group.control)
+    with collective():
+        dist.all_gather(sizes, size, group=group.control)
     width = max(int(n.item()) for n in sizes)
     mine = torch.zeros(width, dtype=torch.uint8)
     mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     parts = [torch.empty(width, dtype=torch.uint8) for _ in range(group.size)]
-    dist.all_gather(parts, mine, group=group.control)
+    with collective():
+        dist.all_gather(parts, mine, group=group.control)
     return [json.loads(part[:int(n.item())].numpy().tobytes()) for part, n in zip(parts, sizes)]

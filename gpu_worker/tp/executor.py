@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import atexit
 import time
+from typing import Callable
 
 import torch
 
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.parallel import CollectiveError
 from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv,
                                      share_sampling_seed)
 from gpu_worker.tp.group import JOIN_TIMEOUT_S, ProcessTPGroup, destroy, wait_until
-from gpu_worker.tp.liveness import FOLLOWER_GRACE_S, first_line
-from gpu_worker.tp.store_keys import DONE, READY, SHUTDOWN
+from gpu_worker.tp.liveness import FOLLOWER_GRACE_S
+from gpu_worker.tp.store_keys import DONE, DOWN_SEEN, READY, SHUTDOWN
 from shared.errors import PacerError
 from shared.plan import IterationPlan, StepResult
 from shared.protocol import PlanMsg, encode
@@ -24,10 +26,12 @@ class TPExecutor:
     `requests`, `shutdown()`. Sends each plan to the followers, then runs it here.
 
     `followers` (in-process mode, `spawn.Followers`): the processes rank 0 spawned, polled
-    while waiting and stopped when the group fails."""
+    while waiting and stopped when the group fails. `stopped` (served): the worker was told
+    to stop, checked while waiting for the followers to load."""
 
     def __init__(self, runner: ModelRunner, group: ProcessTPGroup, followers=None,
-                 ready_timeout_s: float = JOIN_TIMEOUT_S):
+                 ready_timeout_s: float = JOIN_TIMEOUT_S,
+                 stopped: Callable[[], bool] = lambda: False):
         self.runner, self.group, self.followers = runner, group, followers
         self.control_seconds = 0.0          # plan broadcast + token check, for the bench
         self.restore_threads: int | None = None  # torch threads to give back at shutdown
@@ -37,7 +41,8 @@ class TPExecutor:
         self._agreement = AgreementCheck(group)
         wait_until(lambda: group.store.add(READY, 0) >= group.size - 1, ready_timeout_s,
                    followers.check if followers else None,
-                   "the tensor-parallel followers to load the model", lambda: group.down)
+                   "the tensor-parallel followers to load the model", lambda: group.down,
+                   stopped)
 
     @property
     def tp(self) -> ProcessTPGroup:
@@ -62,14 +67,17 @@ class TPExecutor:
             self._agreement.after(result)
             self.control_seconds += (mid - start) + (time.perf_counter() - end)
             return result
-        except RuntimeError as e:          # gloo/NCCL errors: a peer died or timed out
+        except CollectiveError as e:       # gloo/NCCL errors: a peer died or timed out
             self._failed = self.group.liveness.why_collective_failed(e)
             self._take_down()
             raise PacerError(self._failed) from e
         except BaseException as e:
-            # the followers are mid-iteration, waiting for rank 0: the group cannot continue
-            self._failed = f"rank 0 failed mid-iteration: {type(e).__name__}: {first_line(e)}"
-            self._take_down()
+            # this rank's own failure (out of memory in its forward, say): the followers are
+            # mid-iteration, waiting for rank 0, so the group cannot continue; they are told why
+            self._failed = self.group.liveness.failed_here(e)
+            self._take_down(told=True)
+            if isinstance(e, RuntimeError):
+                raise PacerError(self._failed) from e
             raise
 
     def _raise_if_down(self) -> None:
@@ -80,9 +88,18 @@ class TPExecutor:
             self._take_down()
             raise PacerError(why)
 
-    def _take_down(self) -> None:
+    def _take_down(self, told: bool = False) -> None:
+        """Stop the spawned followers. `told`: rank 0 left the group's verdict in its store;
+        served, where rank 0 cannot see its followers exit, it waits (briefly) until their
+        watchdogs have read it, before its store goes with this process."""
         if self.followers:
             self.followers.stop(grace_s=FOLLOWER_GRACE_S)
+        elif told:
+            try:
+                wait_until(lambda: self.group.store.add(DOWN_SEEN, 0) >= self.group.size - 1,
+                           FOLLOWER_GRACE_S, None, "the followers to read why the group is down")
+            except (PacerError, RuntimeError):
+                pass                  # a follower that is gone too: the others still hear it
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Tell the followers to leave, wait for them, and close the group. Idempotent."""

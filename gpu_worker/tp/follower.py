@@ -3,6 +3,7 @@ sampled tokens agree, until rank 0 shuts the group down (an empty broadcast)."""
 from __future__ import annotations
 
 from gpu_worker.model_runner import ModelRunner
+from gpu_worker.parallel import CollectiveError
 from gpu_worker.tp.broadcast import (AgreementCheck, broadcast_bytes, gather_kv,
                                      share_sampling_seed)
 from gpu_worker.tp.group import ProcessTPGroup, bind_device, destroy
@@ -31,8 +32,15 @@ def run_follower(runner: ModelRunner, group: ProcessTPGroup) -> None:
             if msg.plan.kv_sends or msg.plan.kv_checks:
                 gather_kv(result, group)
             agreement.after(result)
-        except RuntimeError as e:
+        except CollectiveError as e:       # a peer died or timed out
             raise PacerError(group.liveness.why_collective_failed(e)) from e
+        except BaseException as e:
+            # this rank's own failure (out of memory in its forward, say): the others wait
+            # for it in a collective, so the group is down; they are told why
+            why = group.liveness.failed_here(e)
+            if isinstance(e, RuntimeError):
+                raise PacerError(why) from e
+            raise
     group.liveness.stop()
     group.store.add(DONE, 1)
     destroy(group)

@@ -82,6 +82,10 @@ def threads_per_rank(device: str, tp: int) -> int | None:
 
 # ---- the group ---------------------------------------------------------------------------
 
+class GroupNotFormed(PacerError):
+    """The service was told to stop before its group formed: nothing to drain."""
+
+
 @dataclass
 class ProcessTPGroup(TPGroup):
     """A TPGroup whose collectives are real (torch.distributed), plus what rank 0 and the
@@ -102,7 +106,8 @@ def init_tp_group(rank: int, size: int, master_addr: str, master_port: int, back
                   *, timeout_s: float = DEFAULT_TIMEOUT_S, join_timeout_s: float = JOIN_TIMEOUT_S,
                   extra_check: Callable[[], str | None] | None = None,
                   on_dead: Callable[[str], None] | None = None,
-                  device: str | None = None) -> ProcessTPGroup:
+                  device: str | None = None,
+                  stopped: Callable[[], bool] = lambda: False) -> ProcessTPGroup:
     """Join (rank 0: host) the group at master_addr:master_port and start the watchdog.
 
     `extra_check` returns why a peer is dead (rank 0: its spawned processes; a spawned
@@ -110,7 +115,8 @@ def init_tp_group(rank: int, size: int, master_addr: str, master_port: int, back
     the watchdog thread when a peer dies; by default rank 0 records it (the next execute
     raises) and a follower prints it and exits the process, since its main thread may sit
     in a collective that only the dead rank could finish. `device` (NCCL only): this rank's
-    GPU, default cuda:rank."""
+    GPU, default cuda:rank. `stopped`: the service was told to stop, checked while joining
+    (a served rank's peers may never come)."""
     if dist.is_initialized():
         raise PacerError("this process already belongs to a torch.distributed group "
                          "(one tensor-parallel group per process)")
@@ -128,7 +134,8 @@ def init_tp_group(rank: int, size: int, master_addr: str, master_port: int, back
             timeout=timedelta(seconds=join_timeout_s), wait_for_workers=False)
         store.add(JOINED, 1)
         wait_until(lambda: store.add(JOINED, 0) >= size, join_timeout_s, extra_check,
-                    f"all {size} tensor-parallel ranks to join at {master_addr}:{master_port}")
+                   f"all {size} tensor-parallel ranks to join at {master_addr}:{master_port}",
+                   stopped=stopped)
         dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s))
         group.control = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
@@ -159,10 +166,14 @@ def _then_abort_nccl(on_dead: Callable[[str], None]) -> Callable[[str], None]:
 
 def wait_until(done: Callable[[], bool], timeout_s: float,
                extra_check: Callable[[], str | None] | None, what: str,
-               down: Callable[[], str | None] = lambda: None) -> None:
-    """Poll instead of blocking, so a peer that dies meanwhile is named at once."""
+               down: Callable[[], str | None] = lambda: None,
+               stopped: Callable[[], bool] = lambda: False) -> None:
+    """Poll instead of blocking, so a peer that dies meanwhile is named at once, and a
+    service told to stop (`stopped`) need not wait out the timeout (GroupNotFormed)."""
     deadline = time.monotonic() + timeout_s
     while not done():
+        if stopped():
+            raise GroupNotFormed(f"told to stop while waiting for {what}")
         why = (extra_check() if extra_check else None) or down()
         if why:
             raise PacerError(f"{why} while waiting for {what}")

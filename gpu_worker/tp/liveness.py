@@ -24,7 +24,8 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from gpu_worker.tp.store_keys import DOWN, SHUTDOWN, heartbeat_counter
+from gpu_worker.tp.store_keys import DOWN, DOWN_SEEN, SHUTDOWN, heartbeat_counter
+from shared.errors import PacerError
 
 HEARTBEAT_S = 0.5
 # a rank whose heartbeat stalls this long is dead; generous, because a false alarm takes the
@@ -117,6 +118,19 @@ class Liveness:
             return f"{who} dropped the connection: {first_line(e)}"
         return f"a tensor-parallel collective failed on rank {self.rank}: {first_line(e)}"
 
+    def failed_here(self, e: BaseException) -> str:
+        """This rank's own step failed (out of memory in its forward, a plan it refused), not
+        a collective: stop watching and leave the reason in the store as the group's verdict,
+        so the other ranks name it instead of a dropped connection. A verdict reached before
+        (a peer that died first) stands."""
+        self.stop()
+        if self.dead is None:
+            self.dead = (f"tp rank {self.rank}: {e}" if isinstance(e, PacerError) else
+                         f"tp rank {self.rank} failed mid-iteration: {type(e).__name__}: "
+                         f"{first_line(e)}")
+            self._tell_others(self.dead, self.rank)
+        return self.dead
+
     def _run(self) -> None:
         seen = {r: (-1, time.monotonic()) for r in range(self.size) if r != self.rank}
         while not self._stop.wait(HEARTBEAT_S):
@@ -168,6 +182,7 @@ class Liveness:
         if self._store.check([SHUTDOWN]):
             return None, None      # rank 0 is shutting the group down on purpose
         if self._store.check([DOWN]):
+            self._store.add(DOWN_SEEN, 1)     # the failed rank may wait for this to leave
             return self._heard(self._store.get(DOWN)), None
         self._store.add(heartbeat_counter(self.rank), 1)
         now = time.monotonic()

@@ -20,8 +20,8 @@ import torch
 from gpu_worker.model_runner import build_runner
 from gpu_worker.tp.executor import TPExecutor
 from gpu_worker.tp.follower import run_follower
-from gpu_worker.tp.group import (backend_for, device_for_rank, init_tp_group, on_device,
-                                 threads_per_rank)
+from gpu_worker.tp.group import (backend_for, destroy, device_for_rank, init_tp_group,
+                                 on_device, threads_per_rank)
 from gpu_worker.tp.rendezvous import listening, publish_rendezvous, read_rendezvous
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
@@ -47,17 +47,24 @@ def _share_cores(layout: EngineLayout) -> None:
 
 
 async def start_rank0(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
-                      host: str) -> TPExecutor:
-    """Publish the rendezvous, host the group, load rank 0's shard, wait for the followers."""
+                      host: str, stop: asyncio.Event) -> TPExecutor:
+    """Publish the rendezvous, host the group, load rank 0's shard, wait for the followers.
+    Told to stop while the followers have not all come (one may never: `pacer up` killed
+    starts no new one), it stops waiting: GroupNotFormed."""
     tp, device = layout.args.tp, layout.args.device
     addr, port = await publish_rendezvous(redis, keys, host)
     log.info("tp group rendezvous published", addr=addr, port=port, tp=tp)
     group = await asyncio.to_thread(init_tp_group, 0, tp, addr, port, backend_for(device),
-                                    device=device_for_rank(device, 0))
-    _share_cores(layout)
-    mine = _rank_layout(layout, 0)
-    runner = await asyncio.to_thread(on_device, mine.args.device, build_runner, mine, group, True)
-    return await asyncio.to_thread(TPExecutor, runner, group)
+                                    device=device_for_rank(device, 0), stopped=stop.is_set)
+    try:
+        _share_cores(layout)
+        mine = _rank_layout(layout, 0)
+        runner = await asyncio.to_thread(on_device, mine.args.device, build_runner, mine,
+                                         group, True)
+        return await asyncio.to_thread(TPExecutor, runner, group, stopped=stop.is_set)
+    except BaseException:
+        destroy(group)
+        raise
 
 
 async def serve_follower(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, rank: int,
@@ -79,9 +86,11 @@ async def serve_follower(redis: aioredis.Redis, keys: Keys, layout: EngineLayout
             group = await asyncio.to_thread(
                 init_tp_group, rank, layout.args.tp, addr, port, backend_for(layout.args.device),
                 join_timeout_s=FOLLOWER_JOIN_TIMEOUT_S,
-                device=device_for_rank(layout.args.device, rank))
+                device=device_for_rank(layout.args.device, rank), stopped=stop.is_set)
             break
         except (PacerError, RuntimeError) as e:      # a rendezvous of a group that is gone
+            if stop.is_set():
+                return 0                             # told to stop while joining
             log.warning("tp group join failed; waiting for a newer rendezvous", addr=addr,
                         port=port, error=str(e).splitlines()[0])
             not_before = written + 1e-6
