@@ -36,6 +36,9 @@ log = structlog.get_logger("scheduler.book")
 # Aborts for ids not yet read from the request stream (the client left while its request
 # was queued); remembered so the request is finished on arrival instead of run for nobody.
 EARLY_ABORTS_KEPT = 10_000
+# Deadlines of ended requests the heap may hold beyond twice the live requests' before it is
+# rebuilt without them (so that a few requests do not rebuild it every iteration).
+DEADLINES_SLACK = 64
 
 
 @dataclass
@@ -244,11 +247,17 @@ class RequestBook:
         return len(live)
 
     def expire(self, now: float) -> None:
-        """Stop every request whose deadline (time.time()) has passed."""
+        """Stop every request whose deadline (time.time()) has passed. The deadlines of
+        requests that ended before them are dropped once they outnumber the live requests:
+        left until due, a deadline of hours (--request-timeout, a client's `timeout`) kept
+        every request served in those hours in the heap."""
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, rid = heapq.heappop(self._deadlines)
             if rid in self._entries:
                 self.stop(rid, deadline_passed(deadline, now), "timeout_error")
+        if len(self._deadlines) > 2 * len(self._entries) + DEADLINES_SLACK:
+            self._deadlines = [d for d in self._deadlines if d[1] in self._entries]
+            heapq.heapify(self._deadlines)
 
     # ---- out -----------------------------------------------------------------------------
 

@@ -322,3 +322,36 @@ def test_a_request_stopped_while_the_worker_group_is_lost_ends_at_once(redis_ser
     assert waiting                                      # still no worker: it ended anyway
     assert core.get_request("r") is None
     assert core.block_manager.num_free_blocks == core.block_manager.num_total_blocks
+
+
+def test_the_deadlines_of_ended_requests_do_not_pile_up() -> None:
+    """Requests that end long before their deadline (an hour's --request-timeout) leave no
+    entry behind in the book's deadline heap; a live one's deadline still ends it."""
+    import time
+
+    from scheduler_svc.book import RequestBook
+    from shared.protocol import RequestMsg, decode
+
+    core = make_scheduler()
+    book = RequestBook(core)
+    now = time.time()
+
+    def admit(rid: str, deadline: float) -> None:
+        book.admit(f"{rid}-entry", RequestMsg(rid, [1, 2, 3], SamplingParams(max_tokens=8),
+                                              "tokens:gw", "gw", now, deadline=deadline))
+
+    admit("live", now + 60)
+    for i in range(1000):
+        admit(f"r{i}", now + 3600)
+        book.stop(f"r{i}")                      # its client left
+        for output in core.take_aborted():
+            book.finished(output)
+        book.expire(now)
+    assert book.num_live == 1
+    assert len(book._deadlines) < 100          # not one per request served
+    book.take_outbox()
+    book.expire(now + 61)
+    (output,) = core.take_aborted()
+    book.finished(output)
+    ((_, event),) = book.take_outbox().finishes
+    assert decode(event).request_id == "live" and decode(event).error_type == "timeout_error"
