@@ -102,6 +102,8 @@ def register(sub) -> None:
 
 # what the instances of P/D take (each >= 1; None: the default)
 PD_FLAGS = ("prefill_tp", "decode_tp", "prefill_threads", "decode_threads")
+# every flag only P/D reads: refused without it rather than ignored without a word
+PD_ONLY_FLAGS = (*PD_FLAGS, "disagg_min_prompt_tokens")
 
 
 @dataclass(frozen=True)
@@ -124,10 +126,10 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
                          "(with P/D, the router chooses among the prefill instances)")
     if replicas is not None and replicas < 1:
         raise PacerError(f"--replicas must be >= 1, got {replicas}")
-    for name in PD_FLAGS:
+    for name in PD_ONLY_FLAGS:
         value = getattr(args, name, None)
         flag = "--" + name.replace("_", "-")
-        if value is not None and value < 1:
+        if value is not None and value < 1 and name in PD_FLAGS:
             raise PacerError(f"{flag} must be >= 1, got {value}")
         if value is not None and not (p or d):     # else ignored, unknown to whoever gave it
             raise PacerError(f"{flag} is for P/D: give --prefill-workers N --decode-workers N")

@@ -150,3 +150,17 @@ def test_the_url_pacer_up_prints_is_one_a_client_can_use():
     assert gateway_url("0.0.0.0", 8000) == gateway_url("::", 8000) == "http://127.0.0.1:8000"
     assert gateway_url("::1", 8000) == "http://[::1]:8000"
     assert gateway_url("localhost", 8000) == "http://localhost:8000"
+
+
+@pytest.mark.parametrize("extra", [(), ("--replicas", "2")])
+def test_a_pd_only_threshold_without_pd_is_refused_not_ignored(extra):
+    """--disagg-min-prompt-tokens reaches only P/D's schedulers: colocated or with replicas it
+    was dropped without a word, as --prefill-threads and the like are not."""
+    redis_port = _free_port()
+    proc = _up("--port", str(_free_port()), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+               "--disagg-min-prompt-tokens", "0", *extra)
+    assert proc.returncode != 0 and "--disagg-min-prompt-tokens is for P/D: give " \
+        "--prefill-workers N --decode-workers N" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    with socket.socket() as s:                      # refused before a Redis was started
+        assert s.connect_ex(("127.0.0.1", redis_port)) != 0
