@@ -210,9 +210,11 @@ def _checked_redis_url(redis_url: str):
     return url
 
 
-def _check_redis_db(redis_url: str) -> None:
+def _check_redis_db(redis_url: str, must_answer: bool = False) -> None:
     """A Redis that answers but refuses the URL's database (a server has 16 unless set
-    otherwise) or its credentials: one clear line now, not services retrying it forever."""
+    otherwise) or its credentials: one clear line now, not services retrying it forever. With
+    `must_answer` (a URL pacer up starts no server for, so none is on its way), no answer at
+    all is such a line too, as for a plain URL on another host."""
     import redis
     client = redis.Redis.from_url(redis_url, password=redis_password(), socket_timeout=2,
                                   socket_connect_timeout=2)
@@ -220,7 +222,12 @@ def _check_redis_db(redis_url: str) -> None:
         client.ping()
     except redis.RedisError as e:
         if (error := refused_for_good(redis_url, e)) is not None:
-            raise error from None    # else not answering yet: the services wait
+            raise error from None
+        if must_answer and isinstance(e, (redis.ConnectionError, redis.TimeoutError)) \
+                and not isinstance(e, redis.BusyLoadingError):
+            raise PacerError(f"no Redis answers at {shown_url(redis_url)} ({e}; pacer up "
+                             f"starts one only for a redis:// URL on a local address)") from None
+        # else there, loading its data: the services wait
     finally:
         client.close()
 
@@ -512,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
                              f"starts one only on a local address: {', '.join(LOCAL_HOSTS)})")
         if started:
             start_redis(sup, host, port, redis_password())   # the URL's, or the variable's
-        _check_redis_db(args.redis_url)
+        _check_redis_db(args.redis_url, must_answer=url.scheme != "redis")
         redis_note = describe_redis(args.redis_url, started)
         log.info("redis", redis=redis_note, started_here=started)
         for name, argv in services.argvs:
