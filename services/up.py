@@ -41,7 +41,7 @@ from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
 from shared.lifecycle import describe_exit
 from shared.logging import configure_logging, output_gone
-from shared.service_args import (LOG_LEVEL_HELP, non_negative_int, non_negative_seconds,
+from shared.service_args import (add_log_level_arg, non_negative_int, non_negative_seconds,
                                  password_to_environment, positive_seconds, redis_password,
                                  refused_for_good, shown_url)
 
@@ -62,7 +62,7 @@ def register(sub) -> None:
     p.add_argument("--startup-timeout", type=positive_seconds, default=600.0,
                    help="seconds to wait for /health to turn 200")
     add_request_policy_args(p)
-    p.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    add_log_level_arg(p)
     p.add_argument("--watchdog-s", type=non_negative_seconds, default=30.0,
                    help="kill (and so restart) a scheduler or worker that has written no "
                         "heartbeat for this long while its process lives: stopped or hung "

@@ -195,3 +195,14 @@ def test_a_unix_socket_redis_that_answers_passes_the_check(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=10)
+
+
+@pytest.mark.parametrize("command", ["up", "gateway", "scheduler", "worker"])
+def test_an_unknown_log_level_is_one_line_not_a_traceback(command):
+    """`--log-level verbose` was a ValueError traceback from the log's set-up."""
+    proc = subprocess.run([sys.executable, "-m", "services.cli", command, "--log-level",
+                           "verbose", "--redis-url", f"redis://127.0.0.1:{_free_port()}/0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "argument --log-level: debug, info, warning or error, " \
+        "got 'verbose'" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
