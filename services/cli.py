@@ -46,7 +46,8 @@ def _showing_defaults(formatter: type) -> type:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pacer", description=__doc__.split("\n")[0])
+    # the docstring's first sentence: the rest speaks to whoever adds a subcommand
+    parser = argparse.ArgumentParser(prog="pacer", description=__doc__.split(". ")[0] + ".")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:

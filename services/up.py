@@ -41,7 +41,7 @@ from shared.errors import PacerError
 from shared.keys import DEFAULT_PREFIX, Keys
 from shared.lifecycle import describe_exit
 from shared.logging import configure_logging, output_gone
-from shared.service_args import (LOG_LEVEL_HELP, non_negative_int, non_negative_seconds,
+from shared.service_args import (add_log_level_arg, non_negative_int, non_negative_seconds,
                                  password_to_environment, positive_seconds, redis_password,
                                  refused_for_good, shown_url)
 
@@ -62,7 +62,7 @@ def register(sub) -> None:
     p.add_argument("--startup-timeout", type=positive_seconds, default=600.0,
                    help="seconds to wait for /health to turn 200")
     add_request_policy_args(p)
-    p.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    add_log_level_arg(p)
     p.add_argument("--watchdog-s", type=non_negative_seconds, default=30.0,
                    help="kill (and so restart) a scheduler or worker that has written no "
                         "heartbeat for this long while its process lives: stopped or hung "
@@ -102,6 +102,8 @@ def register(sub) -> None:
 
 # what the instances of P/D take (each >= 1; None: the default)
 PD_FLAGS = ("prefill_tp", "decode_tp", "prefill_threads", "decode_threads")
+# every flag only P/D reads: refused without it rather than ignored without a word
+PD_ONLY_FLAGS = (*PD_FLAGS, "disagg_min_prompt_tokens")
 
 
 @dataclass(frozen=True)
@@ -124,10 +126,10 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
                          "(with P/D, the router chooses among the prefill instances)")
     if replicas is not None and replicas < 1:
         raise PacerError(f"--replicas must be >= 1, got {replicas}")
-    for name in PD_FLAGS:
+    for name in PD_ONLY_FLAGS:
         value = getattr(args, name, None)
         flag = "--" + name.replace("_", "-")
-        if value is not None and value < 1:
+        if value is not None and value < 1 and name in PD_FLAGS:
             raise PacerError(f"{flag} must be >= 1, got {value}")
         if value is not None and not (p or d):     # else ignored, unknown to whoever gave it
             raise PacerError(f"{flag} is for P/D: give --prefill-workers N --decode-workers N")
@@ -208,9 +210,11 @@ def _checked_redis_url(redis_url: str):
     return url
 
 
-def _check_redis_db(redis_url: str) -> None:
+def _check_redis_db(redis_url: str, must_answer: bool = False) -> None:
     """A Redis that answers but refuses the URL's database (a server has 16 unless set
-    otherwise) or its credentials: one clear line now, not services retrying it forever."""
+    otherwise) or its credentials: one clear line now, not services retrying it forever. With
+    `must_answer` (a URL pacer up starts no server for, so none is on its way), no answer at
+    all is such a line too, as for a plain URL on another host."""
     import redis
     client = redis.Redis.from_url(redis_url, password=redis_password(), socket_timeout=2,
                                   socket_connect_timeout=2)
@@ -218,7 +222,12 @@ def _check_redis_db(redis_url: str) -> None:
         client.ping()
     except redis.RedisError as e:
         if (error := refused_for_good(redis_url, e)) is not None:
-            raise error from None    # else not answering yet: the services wait
+            raise error from None
+        if must_answer and isinstance(e, (redis.ConnectionError, redis.TimeoutError)) \
+                and not isinstance(e, redis.BusyLoadingError):
+            raise PacerError(f"no Redis answers at {shown_url(redis_url)} ({e}; pacer up "
+                             f"starts one only for a redis:// URL on a local address)") from None
+        # else there, loading its data: the services wait
     finally:
         client.close()
 
@@ -510,7 +519,7 @@ def run(args: argparse.Namespace) -> int:
                              f"starts one only on a local address: {', '.join(LOCAL_HOSTS)})")
         if started:
             start_redis(sup, host, port, redis_password())   # the URL's, or the variable's
-        _check_redis_db(args.redis_url)
+        _check_redis_db(args.redis_url, must_answer=url.scheme != "redis")
         redis_note = describe_redis(args.redis_url, started)
         log.info("redis", redis=redis_note, started_here=started)
         for name, argv in services.argvs:

@@ -118,10 +118,9 @@ class EngineArgs:
         p.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill",
                        action="store_false", help="whole prompts in one iteration (ORCA only)")
         p.add_argument("--target-tbt-ms", default=target_tbt, type=parse_latency_target,
-                       help=f"token-gap target while decodes run: auto (default {target_tbt}: "
-                            f"{AUTO_TBT_TEXT}), off, or ms; "
-                            "caps the prefill rows that ride along, by the iteration-cost model "
-                            "fitted online from measured forward times")
+                       help=f"token-gap target while decodes run: auto ({AUTO_TBT_TEXT}), "
+                            "off, or ms; caps the prefill rows that ride along, by the "
+                            "iteration-cost model fitted online from measured forward times")
         p.add_argument("--target-ttft-ms", default="auto", type=parse_latency_target,
                        help=f"P/D prefill instances: the time-to-first-token goal the prefill "
                             f"scheduler orders prompts by (earliest deadline first) and sizes "

@@ -3,6 +3,7 @@ and `pacer inspect`."""
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
@@ -49,6 +50,18 @@ def non_negative_seconds(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return value
+
+
+def log_level(text: str) -> str:
+    """An argparse type: a level the logging module knows (any case), checked at parse time;
+    a service met an unknown one only when it set up its log, as a traceback."""
+    if not isinstance(logging.getLevelName(text.upper()), int):
+        raise argparse.ArgumentTypeError(f"{LOG_LEVEL_HELP}, got {text!r}")
+    return text
+
+
+def add_log_level_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", type=log_level, default="info", help=LOG_LEVEL_HELP)
 
 
 def add_redis_args(p: argparse.ArgumentParser) -> None:
@@ -120,7 +133,7 @@ def refused_for_good(redis_url: str, error: BaseException) -> PacerError | None:
 
 def add_service_args(p: argparse.ArgumentParser) -> None:
     add_redis_args(p)
-    p.add_argument("--log-level", default="info", help=LOG_LEVEL_HELP)
+    add_log_level_arg(p)
 
 
 # what an engine instance does (docs/design.md#pd-disaggregation)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -150,3 +151,58 @@ def test_the_url_pacer_up_prints_is_one_a_client_can_use():
     assert gateway_url("0.0.0.0", 8000) == gateway_url("::", 8000) == "http://127.0.0.1:8000"
     assert gateway_url("::1", 8000) == "http://[::1]:8000"
     assert gateway_url("localhost", 8000) == "http://localhost:8000"
+
+
+@pytest.mark.parametrize("extra", [(), ("--replicas", "2")])
+def test_a_pd_only_threshold_without_pd_is_refused_not_ignored(extra):
+    """--disagg-min-prompt-tokens reaches only P/D's schedulers: colocated or with replicas it
+    was dropped without a word, as --prefill-threads and the like are not."""
+    redis_port = _free_port()
+    proc = _up("--port", str(_free_port()), "--redis-url", f"redis://127.0.0.1:{redis_port}/0",
+               "--disagg-min-prompt-tokens", "0", *extra)
+    assert proc.returncode != 0 and "--disagg-min-prompt-tokens is for P/D: give " \
+        "--prefill-workers N --decode-workers N" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    with socket.socket() as s:                      # refused before a Redis was started
+        assert s.connect_ex(("127.0.0.1", redis_port)) != 0
+
+
+@pytest.mark.parametrize("scheme", ["rediss", "unix"])
+def test_a_url_pacer_up_starts_no_server_for_is_refused_when_nothing_answers(scheme, tmp_path):
+    """pacer up starts a Redis only for a local redis:// URL; for rediss:// or a unix socket
+    with nothing there it started the services anyway, and they retried until the start-up
+    timeout (600 s by default). Now one line, as for a redis:// URL on another host."""
+    url = (f"rediss://127.0.0.1:{_free_port()}/0" if scheme == "rediss"
+           else f"unix://{tmp_path}/none.sock")
+    proc = _up("--port", str(_free_port()), "--redis-url", url, "--startup-timeout", "20")
+    assert proc.returncode != 0 and "no Redis answers at" in proc.stderr \
+        and "pacer up starts one only for a redis:// URL" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and "worker" not in proc.stderr.lower(), \
+        proc.stderr[-2000:]
+
+
+def test_a_unix_socket_redis_that_answers_passes_the_check(tmp_path):
+    from services.up import _check_redis_db
+    sock = tmp_path / "redis.sock"
+    server = subprocess.Popen(["redis-server", "--port", "0", "--unixsocket", str(sock),
+                               "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        _check_redis_db(f"unix://{sock}", must_answer=True)     # raises nothing
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+@pytest.mark.parametrize("command", ["up", "gateway", "scheduler", "worker"])
+def test_an_unknown_log_level_is_one_line_not_a_traceback(command):
+    """`--log-level verbose` was a ValueError traceback from the log's set-up."""
+    proc = subprocess.run([sys.executable, "-m", "services.cli", command, "--log-level",
+                           "verbose", "--redis-url", f"redis://127.0.0.1:{_free_port()}/0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "argument --log-level: debug, info, warning or error, " \
+        "got 'verbose'" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
