@@ -219,12 +219,14 @@ async def _start(gen: Generation, state: GatewayState) -> None:
         try:
             await asyncio.wait_for(state.router.subscribed.wait(), SUBSCRIBE_WAIT_S)
         except TimeoutError as e:
-            raise APIError("the token channel is not connected (Redis is away); try again "
-                           "later", status=503, type="server_error") from e
+            failure = state.router.failure
+            why = "Redis is away" if failure is None else redis_trouble(failure)
+            raise APIError(f"the token channel is not connected ({why}); try again later",
+                           status=503, type="server_error") from e
     try:
         await gen.start()
     except (RedisError, TimeoutError) as e:     # TimeoutError: no answer (Upstream.submit)
-        log.error("request not enqueued", error=str(e))
+        log.error("request not enqueued", error=str(e) or type(e).__name__)
         raise APIError(f"the request could not be queued: {redis_trouble(e)}; try again later",
                        status=503, type="server_error") from e
 

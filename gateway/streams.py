@@ -163,6 +163,9 @@ class TokenRouter:
         self._grace_s = finish_grace_s
         self._streams: dict[str, RequestStream] = {}
         self.subscribed = asyncio.Event()
+        # why the channel is not subscribed, for a request refused meanwhile: the last failure
+        # to subscribe or listen (None before the first)
+        self.failure: BaseException | None = None
 
     def open(self, request_id: str) -> RequestStream:
         """Register before the request is sent upstream, so no event can be missed."""
@@ -262,5 +265,8 @@ class TokenRouter:
                     # confirmed by the server: from now on no event published to us is lost
                     self.subscribed.set()
                     log.info("subscribed", channel=self.channel)
+        except (RedisError, OSError) as e:
+            self.failure = e
+            raise
         finally:
             await pubsub.aclose()

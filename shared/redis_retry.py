@@ -36,14 +36,19 @@ TRANSIENT: tuple[type[BaseException], ...] = (RedisConnectionError, RedisTimeout
 # ... of which these are no passing state: a password or a user refused stays refused
 PERMANENT: tuple[type[BaseException], ...] = (AuthenticationError, AuthorizationError)
 OUT_OF_MEMORY = "Redis is out of memory (maxmemory)"
+# a server that asks for a password only now (requirepass or an ACL set while pacer runs): the
+# connections made before keep working, each new one is refused
+CREDENTIALS_REFUSED = "Redis refuses this client's credentials (its password or ACL changed?)"
 
 
 def redis_trouble(error: BaseException) -> str:
-    """What a failure means, for an error a client gets: a Redis out of memory or one that
-    refuses a command answers, and one that stalls is reached: "unreachable" would send an
-    operator looking in the wrong place."""
+    """What a failure means, for an error a client gets: a Redis out of memory, one that
+    refuses a command or the credentials answers, and one that stalls is reached:
+    "unreachable" would send an operator looking in the wrong place."""
     if isinstance(error, OutOfMemoryError):
         return OUT_OF_MEMORY
+    if isinstance(error, PERMANENT):
+        return CREDENTIALS_REFUSED
     if isinstance(error, (RedisTimeoutError, TimeoutError)):
         return "Redis does not answer (stalled)"
     if isinstance(error, (RedisConnectionError, OSError)):
@@ -53,8 +58,8 @@ def redis_trouble(error: BaseException) -> str:
 
 def redis_failure(error: BaseException) -> str:
     """The same, for the log line of a retry."""
-    if isinstance(error, OutOfMemoryError):
-        return f"{OUT_OF_MEMORY}; retrying"
+    if isinstance(error, (OutOfMemoryError, *PERMANENT)):
+        return f"{redis_trouble(error)}; retrying"
     return "redis unavailable; retrying"
 
 

@@ -368,6 +368,38 @@ async def test_streams_complete_across_a_redis_out_of_memory_for_a_moment(server
         assert_complete(await complete(s, 2, out_of_memory), reference)
 
 
+async def test_a_password_set_while_serving_is_named_and_serving_resumes_once_lifted(
+        server, tiny_model):
+    """An operator sets requirepass while pacer serves, and its connections are cut: every new
+    connection is refused. /health and a refused request must name the credentials (they said
+    "Redis is unreachable" and "Redis is away", the services' logs "redis unavailable"), and
+    streams complete exactly once the password is lifted."""
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 1)]
+        with server.client() as admin:
+            admin.config_set("requirepass", "set-by-an-operator")     # admin stays let in
+            admin.client_kill_filter(_type="pubsub")
+            admin.client_kill_filter(_type="normal", skipme=True)
+            async with aiohttp.ClientSession() as session:
+                end = time.monotonic() + DEADLINE_S
+                while True:
+                    async with session.get(f"{s.base_url}/health") as r:
+                        health = await r.text()
+                    if "credentials" in health:
+                        break
+                    assert time.monotonic() < end, health
+                    await asyncio.sleep(0.1)
+                assert r.status == 503
+                async with session.post(f"{s.base_url}/v1/completions", json=body(0),
+                                        headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+                    assert r.status == 503
+                    refused = (await r.json())["error"]["message"]
+                assert "Redis refuses this client's credentials" in refused, refused
+            admin.config_set("requirepass", "")
+        await serving_again(s)
+        assert_complete(await complete(s, 1), reference)
+
+
 async def test_a_worker_told_to_stop_gives_up_a_redis_that_is_gone(server, tiny_model):
     """`pacer up` is killed: every child gets SIGTERM at once, and Redis exits with them.
     Rank 0, told to stop with a result still to send, must give up and return (it retried

@@ -10,7 +10,7 @@ from redis.exceptions import AuthenticationError, OutOfMemoryError, ResponseErro
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from shared.redis_retry import PERMANENT, redis_trouble, retry_redis
+from shared.redis_retry import PERMANENT, redis_failure, redis_trouble, retry_redis
 from shared.service_args import refused_credentials, shown_url
 
 log = structlog.get_logger("test")
@@ -58,6 +58,8 @@ def test_a_redis_url_shows_without_its_password(url: str, shown: str):
     (TimeoutError(), "Redis does not answer (stalled)"),
     (RedisConnectionError("Connection refused"), "Redis is unreachable"),
     (ConnectionResetError(), "Redis is unreachable"),
+    (AuthenticationError("NOAUTH HELLO must be called with the client already authenticated"),
+     "Redis refuses this client's credentials (its password or ACL changed?)"),
     (ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value"),
      "Redis refused a command (WRONGTYPE Operation against a key holding the wrong kind of "
      "value)"),
@@ -66,3 +68,5 @@ def test_a_redis_failure_is_named_for_what_it_is(error: Exception, said: str):
     """A Redis that answers (out of memory, refusing a command) or one that stalls is not
     "unreachable": that would send an operator looking in the wrong place."""
     assert redis_trouble(error) == said
+    if isinstance(error, (OutOfMemoryError, AuthenticationError)):   # a service's log says so
+        assert redis_failure(error) == f"{said}; retrying"
