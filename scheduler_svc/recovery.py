@@ -51,7 +51,9 @@ log = structlog.get_logger("scheduler")
 T = TypeVar("T")
 
 WORKER_PROBE_S = 0.5          # how often a scheduler waiting for a result checks the workers
-REDIS_LOST = "the request queue was lost (Redis restarted); send the request again"
+# why the request queue was lost, for the clients whose requests end with it and the log
+REDIS_RESTARTED = "Redis restarted"
+GROUP_GONE = "the requests stream or its consumer group was deleted or evicted"
 
 
 class Interrupted(Exception):
@@ -63,7 +65,9 @@ class WorkersLost(Interrupted):
 
 
 class RedisLost(Interrupted):
-    """Redis came back empty (another run_id, or the consumer group is gone)."""
+    """Redis came back empty (another run_id), or the consumer group is gone: an operator
+    deleted the stream or destroyed the group, or an `allkeys-*` policy evicted it. The
+    argument says which (REDIS_RESTARTED, GROUP_GONE)."""
 
 
 class PlanLost(Interrupted):
@@ -73,9 +77,11 @@ class PlanLost(Interrupted):
 
 @dataclass
 class Cursors:
-    """Where the service reads on in the streams it does not consume as a group."""
+    """Where the service reads on in the streams it does not consume as a group, and the
+    newest request entry the group delivered to it (None: none yet on this server)."""
     aborts: bytes | str = "0-0"
     results: bytes | str = "0-0"
+    requests_seen: bytes | str | None = None
 
 
 WaitForWorkers = Callable[[asyncio.Event], Awaitable[bool]]
@@ -123,7 +129,7 @@ class Recovery:
         info = next((g for g in await self.redis.xinfo_groups(requests)
                      if stream_id_text(g["name"]) == group), None)
         if info is None:
-            raise RedisLost()       # the group went with a Redis that restarted just now
+            raise RedisLost(GROUP_GONE)     # or with a Redis that restarted just now
         if stream_id_order(await stream_tail_id(self.redis, requests)) > \
                 stream_id_order(info["last-delivered-id"]):
             oldest.append(info["last-delivered-id"])        # not read by any scheduler yet
@@ -133,10 +139,11 @@ class Recovery:
         start = f"{max(ms - 1, 0)}-0"       # every abort of that millisecond on
         return start if stream_id_order(start) < stream_id_order(tail) else tail
 
-    async def ensure_group(self) -> None:
+    async def ensure_group(self, start: bytes | str = "0") -> None:
+        """Create the consumer group, to deliver the entries after `start`, unless it exists."""
         try:
             await self.redis.xgroup_create(self.keys.requests, self.keys.requests_group,
-                                           id="0", mkstream=True)
+                                           id=start, mkstream=True)
         except ResponseError as e:
             if "BUSYGROUP" not in str(e):
                 raise
@@ -151,12 +158,15 @@ class Recovery:
                                      before_retry=self._check_same_redis)
         except ResponseError as e:
             if "NOGROUP" in str(e):
-                raise RedisLost() from e
+                # the group went with the server (another run_id), or alone
+                await retry_redis(self._check_same_redis, "read run_id", log,
+                                  give_up=self._drain_expired)
+                raise RedisLost(GROUP_GONE) from e
             raise
 
     async def _check_same_redis(self) -> None:
         if await redis_run_id(self.redis) != self.run_id:
-            raise RedisLost()
+            raise RedisLost(REDIS_RESTARTED)
 
     async def probe(self, step: int, plan_id: bytes | str,
                     read_result: ReadResult) -> StepResult | None:
@@ -172,7 +182,7 @@ class Recovery:
 
         info, heartbeats, sent = await self.retrying("probe workers", look)
         if info.get("run_id") != self.run_id:
-            raise RedisLost()
+            raise RedisLost(REDIS_RESTARTED)
         lost = self.workers.lost_in(heartbeats)
         answered = self.workers.answered(heartbeats, self.run_id, plan_id)
         if sent and not answered and not lost:
@@ -201,7 +211,7 @@ class Recovery:
             log.error("plan in flight lost; recomputing running requests",
                       reason=str(interrupted), recomputed=len(recomputed))
             return True
-        await self._after_redis_lost()
+        await self._after_redis_lost(str(interrupted))
         return True
 
     async def _after_workers_lost(self, lost: WorkersLost, stop: asyncio.Event,
@@ -231,14 +241,20 @@ class Recovery:
                                     f"ran, so it was dropped (it may be what stops it); see "
                                     f"the server's log")
 
-    async def _after_redis_lost(self) -> None:
-        """Redis restarted: the token events published meanwhile are lost (and, unless it
-        persists, every request's entry), so each live request ends with an error event;
-        then serve anew."""
+    async def _after_redis_lost(self, why: str) -> None:
+        """Redis restarted (`why` says so, or that the group alone is gone): the token events
+        published meanwhile are lost (and, unless it persists, every request's entry), so
+        each live request ends with an error event; then serve anew."""
         self.core.recompute_running()            # a plan in flight went with the old Redis
-        failed = self.book.stop_all(REDIS_LOST)
-        log.error("redis restarted; failing live requests", failed=failed)
-        await self.retrying("recreate group", self.ensure_group)
+        failed = self.book.stop_all(f"the request queue was lost ({why}); send the request "
+                                    f"again")
+        log.error("request queue lost; failing live requests", reason=why, failed=failed)
+        # the group alone went (deleted, evicted): the entries up to the newest it delivered
+        # here were delivered to a scheduler already, each of which ends its own now; made
+        # from "0", it delivered every request the stream still held as new, and requests
+        # finished long ago ran again for nobody. A new server's ids start again.
+        start = self.cursors.requests_seen if why == GROUP_GONE else None
+        await self.retrying("recreate group", lambda: self.ensure_group(start or "0"))
         self._note_server(await self.retrying("read run_id", lambda: redis_run_id(self.redis)))
         # at the new server's tails ("0-0" if it kept nothing): a Redis that persists kept the
         # old results (of steps this scheduler may plan again) and the aborts already read
@@ -246,3 +262,4 @@ class Recovery:
             "find the results' end", lambda: stream_tail_id(self.redis, self.keys.results))
         self.cursors.aborts = await self.retrying("find where to read aborts", self.aborts_from)
         self.takeover.claim_cursor = "0-0"
+        self.cursors.requests_seen = None

@@ -129,7 +129,6 @@ class SchedulerService:
         self._overlap = config.overlap and config.role != "prefill"
         self._housekeeping_at = 0.0
         self._gateway_misses: dict[str, int] = {}
-        self._requests_seen: bytes | str | None = None   # the newest request entry delivered
         if self.publishes_cache:     # the gateway's router reads it
             core.block_manager.keep_events()
 
@@ -314,7 +313,6 @@ class SchedulerService:
                 self.prefill.plans_lost()
             if isinstance(interrupted, RedisLost):
                 self._forget_disagg_state()
-                self._requests_seen = None      # the new server's ids start again
                 self.stats.mark_dirty()         # its stats hash went with the old server
             try:
                 return await self.recovery.recover(interrupted, stop,
@@ -476,8 +474,8 @@ class SchedulerService:
                 # tried again, Redis may have run the last try and delivered new entries in
                 # the reply that was lost: ours now (pending), never delivered as new again;
                 # they are read back from our own history past the last one seen
-                start = ">" if tries == 1 or self._requests_seen is None \
-                    else self._requests_seen
+                start = ">" if tries == 1 or self.cursors.requests_seen is None \
+                    else self.cursors.requests_seen
                 pipe.xreadgroup(self.keys.requests_group, self.config.scheduler_id,
                                 {self.keys.requests: start}, count=room, block=block_ms)
             pipe.xread({self.keys.aborts: self.cursors.aborts}, count=1000)
@@ -545,7 +543,7 @@ class SchedulerService:
     def _receive_requests(self, reply) -> None:
         for _, stream_entries in reply or []:
             for entry_id, fields in stream_entries:
-                self._requests_seen = entry_id
+                self.cursors.requests_seen = entry_id
                 if self.prefill is None:
                     self.book.receive(entry_id, fields)
                 elif (msg := self.book.decode(entry_id, fields)) is not None:

@@ -400,6 +400,39 @@ async def test_a_password_set_while_serving_is_named_and_serving_resumes_once_li
         assert_complete(await complete(s, 1), reference)
 
 
+@pytest.mark.parametrize("lose", ["destroy the group", "delete the stream"])
+async def test_a_consumer_group_lost_on_a_live_redis_runs_no_old_request_again(
+        server, tiny_model, lose):
+    """An operator destroys the requests' consumer group (or deletes the stream; an
+    `allkeys-*` policy evicts it) while streams run, Redis staying up. Those streams end
+    with an error that says so (it said "Redis restarted"); the group made again must not
+    deliver the requests the stream still holds, long finished, as new (made from 0, it did:
+    each ran again to its end for nobody); new streams complete exactly."""
+    from structlog.testing import capture_logs
+    async with running(server, tiny_model) as s:
+        reference = [r.text for r in await complete(s, 2)]
+        with server.client() as admin:
+            old = {from_fields(f).request_id for _, f in admin.xrange(KEYS.requests)}
+
+        async def lose_the_group() -> None:
+            with server.client() as admin:
+                if lose == "destroy the group":
+                    admin.xgroup_destroy(KEYS.requests, KEYS.requests_group)
+                else:
+                    admin.delete(KEYS.requests)
+
+        with capture_logs() as logs:
+            for i, r in enumerate(await complete(s, 2, lose_the_group)):
+                assert r.done and r.error is not None, (i, r)
+                said = r.error["message"]
+                assert "was deleted or evicted" in said and "restarted" not in said, said
+            await serving_again(s)
+            assert_complete(await complete(s, 2), reference)
+        admitted = [e["request_id"] for e in logs if e["event"] == "request admitted to queue"]
+        assert len(admitted) == len(set(admitted)), admitted     # none admitted twice
+        assert len(old) == 2 and not old & set(admitted), (old, admitted)
+
+
 async def test_a_worker_told_to_stop_gives_up_a_redis_that_is_gone(server, tiny_model):
     """`pacer up` is killed: every child gets SIGTERM at once, and Redis exits with them.
     Rank 0, told to stop with a result still to send, must give up and return (it retried
