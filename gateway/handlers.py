@@ -329,6 +329,10 @@ async def health(request: web.Request) -> web.Response:
         missing = [f"redis ({NO_ANSWER})"]
     except RedisError as e:
         missing = [f"redis ({redis_trouble(e)}: {e})"]
+    else:
+        failure = state.upstream.heartbeat_failure
+        if missing and failure is not None:     # their keys expired for Redis's refusal
+            missing.insert(0, f"redis (heartbeats cannot be written: {redis_trouble(failure)})")
     if not state.router.subscribed.is_set():
         missing.append("token channel (not subscribed on Redis)")
     if missing:

@@ -91,6 +91,10 @@ class Upstream:
         self._pending_aborts: set[asyncio.Task] = set()
         self._unsent_aborts: OrderedDict[str, str] = OrderedDict()     # request id -> reason
         self._replaced: deque[str] = deque(maxlen=REPLACED_KEPT)
+        # why this gateway's last heartbeat was not written (None: it was): a Redis that
+        # refuses writes (out of memory, a read-only replica) lets every heartbeat key expire,
+        # and /health must not blame the services for it
+        self.heartbeat_failure: BaseException | None = None
 
     def replaced(self, run_id: str) -> bool:
         """Whether the Redis with this run_id is known to have restarted (lost everything)."""
@@ -239,7 +243,9 @@ class Upstream:
                     pipe.execute(raise_on_error=False), HEARTBEAT_REPLY_S)
                 for reply in (written, info):
                     if isinstance(reply, Exception):
+                        self.heartbeat_failure = reply
                         raise reply
+                self.heartbeat_failure = None
                 self._settle_unsent_aborts(aborts, sent)
                 replaced, run_id, failing_since = run_id, info["run_id"], None
                 if replaced is not None and run_id != replaced:

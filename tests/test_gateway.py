@@ -1262,6 +1262,26 @@ async def test_a_request_is_refused_naming_a_redis_out_of_memory(h: Harness) -> 
     assert "Redis is out of memory (maxmemory)" in body["error"]["message"], body
 
 
+async def test_health_names_a_redis_that_refuses_the_heartbeats(h: Harness) -> None:
+    """Out of memory (noeviction), Redis refuses every heartbeat: the services' keys expire.
+    /health must name Redis first (it listed the scheduler and the worker ranks alone, which
+    sends an operator to look at services that are fine)."""
+    await h.redis.config_set("maxmemory", "1")
+    try:
+        for _ in range(100):            # until the gateway's next heartbeat is refused
+            async with h.session.get(h.url + "/health") as r:
+                missing = (await r.json())["missing"]
+            if missing[0].startswith("redis"):
+                break
+            await asyncio.sleep(0.1)
+    finally:
+        await h.redis.config_set("maxmemory", "0")
+    assert r.status == 503
+    assert missing[0] == "redis (heartbeats cannot be written: Redis is out of memory " \
+                         "(maxmemory))", missing
+    assert "scheduler" in missing and "worker rank 0" in missing, missing
+
+
 async def test_a_request_whose_entry_is_lost_ends_with_an_error(h: Harness) -> None:
     """Its entry leaves the request stream while no scheduler serves it (deleted, evicted
     under an allkeys-* maxmemory policy): it would have waited forever. A request that is
