@@ -389,8 +389,13 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                     if piece or delta.logprobs:
                         await message.text(piece, delta.logprobs)
                 if delta.error is not None:
-                    # a failure's last delta still has text (its tokens): sent above, and
+                    # a failure's last delta still has text (its tokens): sent above, with
+                    # what the tool choice held (a call begun, a list not whole) as words;
                     # the message so far is the failed response's output
+                    rest = "".join(held) if constrained else \
+                        calls_stream.unsent() if calls_stream else ""
+                    if rest:
+                        await message.text(rest)
                     output = [shape.message("".join(message.pieces), "incomplete",
                                             message.logprobs)] if message.opened else []
                     failed = shape.response("failed", output, error={

@@ -190,4 +190,10 @@ class ToolStream:
     def finish(self, names: Collection[str]) -> tuple[str, list[Call]]:
         """The content not sent yet, and the calls (of the functions in `names`)."""
         content, calls = _split(self.parser, self.text, names)
-        return (content[self.sent:].rstrip(), calls) if calls else (self.text[self.sent:], [])
+        return (content[self.sent:].rstrip(), calls) if calls else (self.unsent(), [])
+
+    def unsent(self) -> str:
+        """All the text not sent yet, as words (a stream that ends without its finish, a
+        failed one, has no calls: its client still gets every token)."""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out

@@ -64,6 +64,7 @@ TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": 
 #   [error]         the request fails with finish_reason "error" after two tokens
 #   [invalid]       the scheduler rejects the request as one that can never be served
 #   [tool]          the output is TOOL_REPLY, a call in the hermes format, then EOS
+#   [call-first]    the output is TOOL_REPLY's call alone (no words before it), then EOS
 #   [special]       the output is "Hi", a special token (not EOS), " there", then EOS
 #   [emoji]         the output is EMOJI_REPLY (tokens that split its characters), then EOS
 #   [queued]        nothing: the request waits as if no scheduler had room for it
@@ -127,8 +128,9 @@ class FakeScheduler:
     def _output(self, msg: RequestMsg, repeat: bool) -> list[int]:
         sp = msg.sampling
         prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
-        if "[tool]" in prompt:
-            return (self.tok.encode(TOOL_REPLY) + [self.tok.eos_token_id])[:sp.max_tokens]
+        if "[tool]" in prompt or "[call-first]" in prompt:
+            reply = TOOL_REPLY if "[tool]" in prompt else TOOL_REPLY.removeprefix("Checking.")
+            return (self.tok.encode(reply) + [self.tok.eos_token_id])[:sp.max_tokens]
         if "[emoji]" in prompt:
             return (self.tok.encode(EMOJI_REPLY) + [self.tok.eos_token_id])[:sp.max_tokens]
         if "[special]" in prompt:
@@ -973,6 +975,34 @@ async def test_tool_choice_auto_parses_the_models_own_format(h: Harness) -> None
               (await h.sse("/v1/chat/completions", {**body, "tools": other}))[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == TOOL_REPLY
     assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+
+
+@pytest.mark.parametrize("prompt, tool_choice, reply", [
+    ("[call-first][error]", "auto", TOOL_REPLY.removeprefix("Checking.")),
+    ("[error]", "required", REPLY)], ids=["auto", "required"])
+async def test_a_failed_stream_sends_the_text_a_tool_choice_held(h: Harness, prompt: str,
+                                                                 tool_choice: str,
+                                                                 reply: str) -> None:
+    """Under a tool choice the text that may be a call is held ("auto": from where a call
+    begins; 'required': the whole list); should the generation fail, that text goes out as
+    words before the error event, on chat and on the Responses API, not lost with it."""
+    received = h.tok.decode(h.tok.encode(reply)[:2])     # the fake's tokens before it fails
+    body = chat(prompt, max_tokens=10, tools=TOOLS, tool_choice=tool_choice)
+    data = await h.sse("/v1/chat/completions", body)
+    assert data[-1] == "[DONE]"
+    assert "the fake worker failed" in json.loads(data[-2])["error"]["message"]
+    deltas = [c["delta"] for d in data[:-2] for c in json.loads(d)["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == received
+    assert not any("tool_calls" in d for d in deltas)
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": TOOLS[0]["function"]["parameters"]}
+    events = await _response_events(h, {"model": MODEL, "input": prompt, "tools": [tool],
+                                        "tool_choice": tool_choice, "max_output_tokens": 10})
+    assert events[-1]["type"] == "response.failed"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
+        == received
+    [message] = events[-1]["response"]["output"]
+    assert message["content"][0]["text"] == received
 
 
 async def _response_events(h: Harness, body: dict) -> list[dict]:
