@@ -206,8 +206,10 @@ def _messages(given: str | list) -> list[dict]:
             call = {"id": _text(item, "call_id", param), "type": "function", "function": {
                 "name": _text(item, "name", param), "arguments": _text(item, "arguments", param)}}
             call_ids.add(call["id"])
-            if messages and messages[-1].get("tool_calls"):     # calls made together
-                messages[-1]["tool_calls"].append(call)
+            # the calls made together, and the words said before them (a response's message
+            # item, then its function_call items), are one assistant turn, as chat has them
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             continue

@@ -1180,6 +1180,18 @@ async def test_responses_api_function_tools_and_their_history(h: Harness) -> Non
             "id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}], chat_tools)
+    # a response's own output replayed (its message, then its call): one assistant turn, the
+    # words and the call, as the same history on chat completions renders
+    said = {"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "Checking."}]}
+    status, _ = await h.post("/v1/responses", {**body, "input": [
+        history[0], said, *history[1:]]})
+    assert status == 200 and list(h.fake.received.values())[-1].prompt_token_ids == \
+        h.tok.encode_chat([history[0], {
+            "role": "assistant", "content": "Checking.", "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}], chat_tools)
     # an output of text parts, as OpenAI takes it too: the same prompt
     parts = [{"type": "input_text", "text": "18 C"}]
     status, _ = await h.post("/v1/responses", {**body, "input": [
