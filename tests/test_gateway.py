@@ -26,6 +26,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken
 
 from gateway.app import create_app, serve
 from gateway.config import GatewayConfig
@@ -39,6 +40,7 @@ from shared.protocol import (AbortMsg, FinishEvent, Heartbeat, PromptLogprobsEve
                              TokenBatch, TokenEvent, encode, from_fields)
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
+from tests.helpers_tiny_model import BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN_ID, tiny_tokenizer
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -975,6 +977,34 @@ async def test_tool_choice_auto_parses_the_models_own_format(h: Harness) -> None
               (await h.sse("/v1/chat/completions", {**body, "tools": other}))[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == TOOL_REPLY
     assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+
+
+async def test_tool_call_tags_that_are_special_tokens_still_make_calls(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some models' vocabularies (Hermes 2 Pro's) have <tool_call> as a special token: under
+    "auto" with the hermes parser the text keeps special tokens (as vLLM's does), or the
+    tags would be left out and the call come back as words."""
+    backend = tiny_tokenizer()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in ("<tool_call>", "</tool_call>")])
+    tok = Tokenizer(backend, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+                    chat_template=CHAT_TEMPLATE)
+    assert tok.decode(tok.encode("<tool_call>")) == ""          # skipped by default
+    monkeypatch.setattr(h.state, "tokenizer", tok)
+    monkeypatch.setattr(h.fake, "tok", tok)
+    status, answer = await h.post("/v1/chat/completions", chat("[tool]", tools=TOOLS))
+    assert status == 200, answer
+    message = answer["choices"][0]["message"]
+    assert (message["content"], message["tool_calls"][0]["function"]) == \
+        ("Checking.", {"name": "get_weather", "arguments": '{"city": "Paris"}'})
+    deltas = [json.loads(d)["choices"][0]["delta"]
+              for d in (await h.sse("/v1/chat/completions", chat("[tool]", tools=TOOLS)))[:-1]]
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == \
+        ["get_weather"]
+    # without tools the request's own skip_special_tokens holds: the tags are left out
+    status, words = await h.post("/v1/chat/completions", chat("[tool]"))
+    assert words["choices"][0]["message"]["content"] == TOOL_REPLY.replace(
+        "<tool_call>", "").replace("</tool_call>", "")
 
 
 @pytest.mark.parametrize("prompt, tool_choice, reply", [
