@@ -35,6 +35,8 @@ from gateway import openai_schema as oai
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob, read_field
 from gateway.responses import SSEResponse, collect, openai_calls, split_calls, tool_names
 from gateway.tool_parsers import ToolParser, ToolStream
+from shared import chat_template
+from shared.errors import InvalidRequestError
 
 log = structlog.get_logger("gateway.responses_api")
 
@@ -205,6 +207,10 @@ def _messages(given: str | list) -> list[dict]:
         if kind == "function_call":
             call = {"id": _text(item, "call_id", param), "type": "function", "function": {
                 "name": _text(item, "name", param), "arguments": _text(item, "arguments", param)}}
+            try:         # checked here, where its error can name the item as sent
+                chat_template.call_arguments(call["function"]["arguments"], f"{param}.arguments")
+            except InvalidRequestError as e:
+                raise APIError(str(e), param=param) from None
             call_ids.add(call["id"])
             # the calls made together, and the words said before them (a response's message
             # item, then its function_call items), are one assistant turn, as chat has them

@@ -1222,6 +1222,13 @@ async def test_responses_api_function_tools_and_their_history(h: Harness) -> Non
                 "id": "call_1", "type": "function",
                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}], chat_tools)
+    # a call whose arguments are no JSON: a 400 naming the item as sent (with instructions,
+    # the chat messages are one more than the items)
+    bad = [history[0], {**history[1], "arguments": "{oops"}]
+    status, error = await h.post("/v1/responses", {**body, "instructions": "Be brief.",
+                                                   "input": bad})
+    assert status == 400 and error["error"]["param"] == "input[1]", error
+    assert error["error"]["message"] == "input[1].arguments is not valid JSON"
     # an output of text parts, as OpenAI takes it too: the same prompt
     parts = [{"type": "input_text", "text": "18 C"}]
     status, _ = await h.post("/v1/responses", {**body, "input": [
