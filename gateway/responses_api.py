@@ -174,7 +174,7 @@ def _tool(tool: Any, i: int) -> dict:
         raise APIError(f"tools[{i}]: only function tools are served (nothing runs tools "
                        f"here), got {kind!r:.60}", param="tools")
     if not isinstance(tool.get("name"), str) or not oai.TOOL_NAME.fullmatch(tool["name"]) or \
-            not isinstance(tool.get("parameters", {}), dict):
+            not isinstance(tool.get("parameters"), (dict, type(None))):   # null: as absent
         raise APIError(f"tools[{i}] must be " + '{"type": "function", "name": 1-64 of a-z A-Z '
                        '0-9 _ -, "parameters": a JSON schema} (chat\'s nested "function" is '
                        'not this API\'s shape)', param="tools")
