@@ -848,8 +848,8 @@ async def test_tokenizes_messages_are_checked_off_the_event_loop(h: Harness,
 
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
     """Refused by the chat template's checks (an earlier call's arguments that are not JSON),
-    a request's error names 'messages' ('input' on /v1/responses), as every other bad field
-    is named (it named none)."""
+    a request's error names 'messages' (on /v1/responses, the input item), as every other bad
+    field is named (it named none)."""
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": None, "tool_calls": calls}]
@@ -860,7 +860,8 @@ async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: H
         assert "arguments is not valid JSON" in answer["error"]["message"]
     status, answer = await h.post("/v1/responses", {"model": MODEL, "input": [
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{oops"}]})
-    assert status == 400 and answer["error"]["param"] == "input", answer
+    assert status == 400 and answer["error"]["param"] == "input[0]", answer   # the item's
+    assert answer["error"]["message"] == "input[0].arguments is not valid JSON"
 
 
 async def test_a_clients_request_id_is_sent_back_and_logged(h: Harness, capsys) -> None:
