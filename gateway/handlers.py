@@ -163,13 +163,22 @@ async def _generate_in_slot(request: web.Request, body: Any,
                 metrics=state.metrics, arrival=arrival, slot=place,
                 timeout_s=req.timeout or state.config.request_timeout_s, echo=echo,
                 include_stop=req.include_stop_str_in_output, echo_only=req.echo_only,
-                skip_special_tokens=req.skip_special_tokens))
+                skip_special_tokens=_skip_special_tokens(req, state)))
                 for index, ((ids, sampling, echo), place) in enumerate(zip(choices, slots))]
             for gen in gens:        # one by one: a failed start leaves none in flight
                 await _start(gen, state)
             return await answer(request, gens, req, Reply(
                 request_id, state.served_model_name, sum(map(len, prompts)),
                 {oai.REQUEST_ID_HEADER: client_id or request_id}))
+
+
+def _skip_special_tokens(req: GenerationRequest, state: GatewayState) -> bool:
+    """The request's skip_special_tokens, but false where "auto" has a parser whose tags
+    may be special tokens (hermes): left out of the text, its calls would come back as
+    words."""
+    parser = state.tool_parser
+    return req.skip_special_tokens and not (req.tool_choice == "auto" and parser is not None
+                                            and parser.keeps_special_tokens)
 
 
 def _parsed(body: Any, parse: Callable[[Any], GenerationRequest],

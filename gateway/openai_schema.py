@@ -511,7 +511,7 @@ def _tool_name(tool: Any, i: int) -> str:
     if not isinstance(function, dict) or tool.get("type") != "function" or \
             not isinstance(function.get("name"), str) or \
             not TOOL_NAME.fullmatch(function["name"]) or \
-            not isinstance(function.get("parameters", {}), dict):
+            not isinstance(function.get("parameters"), (dict, type(None))):   # null: as absent
         raise APIError(f"tools[{i}] must be " + '{"type": "function", "function": {"name": '
                        '1-64 of a-z A-Z 0-9 _ -, "parameters": a JSON schema}}', param="tools")
     check_strict(function, f"tools[{i}].function", "tools")

@@ -103,6 +103,22 @@ class Shape:
         else:
             choice = oai.completion_choice(index, text or "", self.logprobs(index, entries),
                                            finish, stop_reason)
+        return self._chunk_body(choice, usage)
+
+    def held_back(self, index: int, usage: dict | None = None) -> dict | None:
+        """A failing choice's text that its tool choice still holds (a call begun under
+        "auto", a list of calls not whole yet under 'required'), as a chunk of words, so that
+        the client has every token before the error; None when nothing is held."""
+        stream, entries = self._auto.pop(index, (None, []))
+        text = stream.unsent() if stream is not None else ""
+        if not text:
+            text, entries = self._held.pop(index, ("", entries))
+        if not text and not entries:
+            return None
+        return self._chunk_body(oai.chat_delta_choice(
+            index, {"content": text}, self.logprobs(index, entries), None), usage)
+
+    def _chunk_body(self, choice: dict, usage: dict | None) -> dict:
         body = {**self.body(chunk=True), "choices": [choice]}
         if usage is not None:
             body["usage"] = usage
@@ -315,13 +331,15 @@ async def _write_delta(response: web.StreamResponse, shape: Shape, index: int,
                        delta: Delta, usage: dict | None) -> None:
     """A failed generation's last delta still carries text: the tokens that came with the
     failure, and what was held back as the possible start of a stop string (all of it, for a
-    stop string as long as the output). It goes out before the error event, so the client
-    has every token received."""
+    stop string as long as the output). It goes out before the error event, with what a tool
+    choice held (a call begun, a list not whole), so the client has every token received."""
     chunks = [shape.chunk(index, delta.text, delta.logprobs, None, usage)] \
         if delta.text or delta.logprobs else []
     if delta.finish_reason is not None and delta.error is None:
         chunks.append(shape.chunk(index, None, [], delta.finish_reason, usage,
                                   delta.stop_reason))
+    if delta.error is not None and shape.chat:     # what a tool choice held, as words
+        chunks.append(shape.held_back(index, usage))
     for chunk in chunks:
         if chunk is not None:
             await response.write(oai.sse(chunk))

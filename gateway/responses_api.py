@@ -35,6 +35,8 @@ from gateway import openai_schema as oai
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob, read_field
 from gateway.responses import SSEResponse, collect, openai_calls, split_calls, tool_names
 from gateway.tool_parsers import ToolParser, ToolStream
+from shared import chat_template
+from shared.errors import InvalidRequestError
 
 log = structlog.get_logger("gateway.responses_api")
 
@@ -172,7 +174,7 @@ def _tool(tool: Any, i: int) -> dict:
         raise APIError(f"tools[{i}]: only function tools are served (nothing runs tools "
                        f"here), got {kind!r:.60}", param="tools")
     if not isinstance(tool.get("name"), str) or not oai.TOOL_NAME.fullmatch(tool["name"]) or \
-            not isinstance(tool.get("parameters", {}), dict):
+            not isinstance(tool.get("parameters"), (dict, type(None))):   # null: as absent
         raise APIError(f"tools[{i}] must be " + '{"type": "function", "name": 1-64 of a-z A-Z '
                        '0-9 _ -, "parameters": a JSON schema} (chat\'s nested "function" is '
                        'not this API\'s shape)', param="tools")
@@ -205,9 +207,15 @@ def _messages(given: str | list) -> list[dict]:
         if kind == "function_call":
             call = {"id": _text(item, "call_id", param), "type": "function", "function": {
                 "name": _text(item, "name", param), "arguments": _text(item, "arguments", param)}}
+            try:         # checked here, where its error can name the item as sent
+                chat_template.call_arguments(call["function"]["arguments"], f"{param}.arguments")
+            except InvalidRequestError as e:
+                raise APIError(str(e), param=param) from None
             call_ids.add(call["id"])
-            if messages and messages[-1].get("tool_calls"):     # calls made together
-                messages[-1]["tool_calls"].append(call)
+            # the calls made together, and the words said before them (a response's message
+            # item, then its function_call items), are one assistant turn, as chat has them
+            if messages and messages[-1]["role"] == "assistant":
+                messages[-1].setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
             continue
@@ -389,8 +397,13 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                     if piece or delta.logprobs:
                         await message.text(piece, delta.logprobs)
                 if delta.error is not None:
-                    # a failure's last delta still has text (its tokens): sent above, and
+                    # a failure's last delta still has text (its tokens): sent above, with
+                    # what the tool choice held (a call begun, a list not whole) as words;
                     # the message so far is the failed response's output
+                    rest = "".join(held) if constrained else \
+                        calls_stream.unsent() if calls_stream else ""
+                    if rest:
+                        await message.text(rest)
                     output = [shape.message("".join(message.pieces), "incomplete",
                                             message.logprobs)] if message.opened else []
                     failed = shape.response("failed", output, error={

@@ -6,7 +6,8 @@ the format (vLLM's `--tool-call-parser`), and the gateway turns the text into Op
 `tool_calls`:
 
     hermes        <tool_call>{"name": "f", "arguments": {...}}</tool_call>, one block a call,
-                  words before the first block are the message's content (Hermes, Qwen)
+                  words before the first block are the message's content (Hermes, Qwen);
+                  the text keeps special tokens, which some models' tags are
     llama3_json   the whole output a JSON object {"name": "f", "parameters": {...}} (or
                   several separated by ';'), as Llama 3.1+ write them
     pythonic      the whole output a Python list of calls with keyword arguments,
@@ -29,6 +30,9 @@ Call = tuple[str, str]            # (function name, arguments as JSON text)
 
 class ToolParser(Protocol):
     name: str
+    # the text it reads keeps the special tokens: its tags are special tokens in some models'
+    # vocabularies, which the text would otherwise leave out (vLLM keeps them too)
+    keeps_special_tokens: bool
 
     def split(self, text: str) -> tuple[str, list[Call]] | None:
         """The content before the calls and the calls; None: calls begun but not parseable."""
@@ -54,6 +58,7 @@ def _call(obj: object, arguments_key: str) -> Call | None:
 
 class HermesParser:
     name = "hermes"
+    keeps_special_tokens = True          # <tool_call> is a special token in some (Hermes 2 Pro)
     START, END = "<tool_call>", "</tool_call>"
 
     def split(self, text: str) -> tuple[str, list[Call]] | None:
@@ -88,6 +93,7 @@ class HermesParser:
 
 class Llama3JsonParser:
     name = "llama3_json"
+    keeps_special_tokens = False         # the calls parse with or without the tag
     TAG = "<|python_tag|>"
 
     def split(self, text: str) -> tuple[str, list[Call]] | None:
@@ -125,6 +131,7 @@ def _held_if_whole_output(text: str, sent: int, opening: str, tag: str) -> int:
 
 class PythonicParser:
     name = "pythonic"
+    keeps_special_tokens = False
     START, END = "<|python_start|>", "<|python_end|>"
 
     def split(self, text: str) -> tuple[str, list[Call]] | None:
@@ -190,4 +197,10 @@ class ToolStream:
     def finish(self, names: Collection[str]) -> tuple[str, list[Call]]:
         """The content not sent yet, and the calls (of the functions in `names`)."""
         content, calls = _split(self.parser, self.text, names)
-        return (content[self.sent:].rstrip(), calls) if calls else (self.text[self.sent:], [])
+        return (content[self.sent:].rstrip(), calls) if calls else (self.unsent(), [])
+
+    def unsent(self) -> str:
+        """All the text not sent yet, as words (a stream that ends without its finish, a
+        failed one, has no calls: its client still gets every token)."""
+        out, self.sent = self.text[self.sent:], len(self.text)
+        return out

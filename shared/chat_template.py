@@ -99,15 +99,20 @@ def _past_tool_calls(i: int, calls: Any) -> list[dict]:
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise InvalidRequestError(f"{at}[{j}] must be " + '{"type": "function", "id": ..., '
                                       '"function": {"name": ..., "arguments": "{...}"}}')
-        arguments = fn.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except (ValueError, RecursionError):
-                raise InvalidRequestError(f"{at}[{j}].function.arguments is not valid JSON") \
-                    from None
+        arguments = call_arguments(fn.get("arguments", "{}"), f"{at}[{j}].function.arguments")
         out.append({**call, "function": {**fn, "arguments": arguments}})
     return out
+
+
+def call_arguments(arguments: Any, at: str) -> Any:
+    """A past call's arguments as the template takes them: parsed from their JSON text (a
+    blank one: none); `at` names them in the error."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return json.loads(arguments) if arguments.strip() else {}
+    except (ValueError, RecursionError):
+        raise InvalidRequestError(f"{at} is not valid JSON") from None
 
 
 def _content_text(i: int, content: Any) -> str:

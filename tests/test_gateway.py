@@ -26,6 +26,7 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from tokenizers import AddedToken
 
 from gateway.app import create_app, serve
 from gateway.config import GatewayConfig
@@ -39,6 +40,7 @@ from shared.protocol import (AbortMsg, FinishEvent, Heartbeat, PromptLogprobsEve
                              TokenBatch, TokenEvent, encode, from_fields)
 from shared.sampling import SamplingParams
 from shared.tokenizer import Tokenizer
+from tests.helpers_tiny_model import BOS_TOKEN_ID, CHAT_TEMPLATE, EOS_TOKEN_ID, tiny_tokenizer
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -64,6 +66,7 @@ TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": 
 #   [error]         the request fails with finish_reason "error" after two tokens
 #   [invalid]       the scheduler rejects the request as one that can never be served
 #   [tool]          the output is TOOL_REPLY, a call in the hermes format, then EOS
+#   [call-first]    the output is TOOL_REPLY's call alone (no words before it), then EOS
 #   [special]       the output is "Hi", a special token (not EOS), " there", then EOS
 #   [emoji]         the output is EMOJI_REPLY (tokens that split its characters), then EOS
 #   [queued]        nothing: the request waits as if no scheduler had room for it
@@ -127,8 +130,9 @@ class FakeScheduler:
     def _output(self, msg: RequestMsg, repeat: bool) -> list[int]:
         sp = msg.sampling
         prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
-        if "[tool]" in prompt:
-            return (self.tok.encode(TOOL_REPLY) + [self.tok.eos_token_id])[:sp.max_tokens]
+        if "[tool]" in prompt or "[call-first]" in prompt:
+            reply = TOOL_REPLY if "[tool]" in prompt else TOOL_REPLY.removeprefix("Checking.")
+            return (self.tok.encode(reply) + [self.tok.eos_token_id])[:sp.max_tokens]
         if "[emoji]" in prompt:
             return (self.tok.encode(EMOJI_REPLY) + [self.tok.eos_token_id])[:sp.max_tokens]
         if "[special]" in prompt:
@@ -844,8 +848,8 @@ async def test_tokenizes_messages_are_checked_off_the_event_loop(h: Harness,
 
 async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: Harness) -> None:
     """Refused by the chat template's checks (an earlier call's arguments that are not JSON),
-    a request's error names 'messages' ('input' on /v1/responses), as every other bad field
-    is named (it named none)."""
+    a request's error names 'messages' (on /v1/responses, the input item), as every other bad
+    field is named (it named none)."""
     calls = [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": None, "tool_calls": calls}]
@@ -856,7 +860,8 @@ async def test_messages_the_chat_template_cannot_take_are_a_400_naming_them(h: H
         assert "arguments is not valid JSON" in answer["error"]["message"]
     status, answer = await h.post("/v1/responses", {"model": MODEL, "input": [
         {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{oops"}]})
-    assert status == 400 and answer["error"]["param"] == "input", answer
+    assert status == 400 and answer["error"]["param"] == "input[0]", answer   # the item's
+    assert answer["error"]["message"] == "input[0].arguments is not valid JSON"
 
 
 async def test_a_clients_request_id_is_sent_back_and_logged(h: Harness, capsys) -> None:
@@ -973,6 +978,62 @@ async def test_tool_choice_auto_parses_the_models_own_format(h: Harness) -> None
               (await h.sse("/v1/chat/completions", {**body, "tools": other}))[:-1]]
     assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == TOOL_REPLY
     assert not any("tool_calls" in c["choices"][0]["delta"] for c in chunks)
+
+
+async def test_tool_call_tags_that_are_special_tokens_still_make_calls(
+        h: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some models' vocabularies (Hermes 2 Pro's) have <tool_call> as a special token: under
+    "auto" with the hermes parser the text keeps special tokens (as vLLM's does), or the
+    tags would be left out and the call come back as words."""
+    backend = tiny_tokenizer()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t in ("<tool_call>", "</tool_call>")])
+    tok = Tokenizer(backend, bos_token_id=BOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID,
+                    chat_template=CHAT_TEMPLATE)
+    assert tok.decode(tok.encode("<tool_call>")) == ""          # skipped by default
+    monkeypatch.setattr(h.state, "tokenizer", tok)
+    monkeypatch.setattr(h.fake, "tok", tok)
+    status, answer = await h.post("/v1/chat/completions", chat("[tool]", tools=TOOLS))
+    assert status == 200, answer
+    message = answer["choices"][0]["message"]
+    assert (message["content"], message["tool_calls"][0]["function"]) == \
+        ("Checking.", {"name": "get_weather", "arguments": '{"city": "Paris"}'})
+    deltas = [json.loads(d)["choices"][0]["delta"]
+              for d in (await h.sse("/v1/chat/completions", chat("[tool]", tools=TOOLS)))[:-1]]
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == \
+        ["get_weather"]
+    # without tools the request's own skip_special_tokens holds: the tags are left out
+    status, words = await h.post("/v1/chat/completions", chat("[tool]"))
+    assert words["choices"][0]["message"]["content"] == TOOL_REPLY.replace(
+        "<tool_call>", "").replace("</tool_call>", "")
+
+
+@pytest.mark.parametrize("prompt, tool_choice, reply", [
+    ("[call-first][error]", "auto", TOOL_REPLY.removeprefix("Checking.")),
+    ("[error]", "required", REPLY)], ids=["auto", "required"])
+async def test_a_failed_stream_sends_the_text_a_tool_choice_held(h: Harness, prompt: str,
+                                                                 tool_choice: str,
+                                                                 reply: str) -> None:
+    """Under a tool choice the text that may be a call is held ("auto": from where a call
+    begins; 'required': the whole list); should the generation fail, that text goes out as
+    words before the error event, on chat and on the Responses API, not lost with it."""
+    received = h.tok.decode(h.tok.encode(reply)[:2])     # the fake's tokens before it fails
+    body = chat(prompt, max_tokens=10, tools=TOOLS, tool_choice=tool_choice)
+    data = await h.sse("/v1/chat/completions", body)
+    assert data[-1] == "[DONE]"
+    assert "the fake worker failed" in json.loads(data[-2])["error"]["message"]
+    deltas = [c["delta"] for d in data[:-2] for c in json.loads(d)["choices"]]
+    assert "".join(d.get("content") or "" for d in deltas) == received
+    assert not any("tool_calls" in d for d in deltas)
+    tool = {"type": "function", "name": "get_weather",
+            "parameters": TOOLS[0]["function"]["parameters"]}
+    events = await _response_events(h, {"model": MODEL, "input": prompt, "tools": [tool],
+                                        "tool_choice": tool_choice, "max_output_tokens": 10})
+    assert events[-1]["type"] == "response.failed"
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") \
+        == received
+    [message] = events[-1]["response"]["output"]
+    assert message["content"][0]["text"] == received
 
 
 async def _response_events(h: Harness, body: dict) -> list[dict]:
@@ -1150,6 +1211,25 @@ async def test_responses_api_function_tools_and_their_history(h: Harness) -> Non
             "id": "call_1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}], chat_tools)
+    # a response's own output replayed (its message, then its call): one assistant turn, the
+    # words and the call, as the same history on chat completions renders
+    said = {"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": "Checking."}]}
+    status, _ = await h.post("/v1/responses", {**body, "input": [
+        history[0], said, *history[1:]]})
+    assert status == 200 and list(h.fake.received.values())[-1].prompt_token_ids == \
+        h.tok.encode_chat([history[0], {
+            "role": "assistant", "content": "Checking.", "tool_calls": [{
+                "id": "call_1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}], chat_tools)
+    # a call whose arguments are no JSON: a 400 naming the item as sent (with instructions,
+    # the chat messages are one more than the items)
+    bad = [history[0], {**history[1], "arguments": "{oops"}]
+    status, error = await h.post("/v1/responses", {**body, "instructions": "Be brief.",
+                                                   "input": bad})
+    assert status == 400 and error["error"]["param"] == "input[1]", error
+    assert error["error"]["message"] == "input[1].arguments is not valid JSON"
     # an output of text parts, as OpenAI takes it too: the same prompt
     parts = [{"type": "input_text", "text": "18 C"}]
     status, _ = await h.post("/v1/responses", {**body, "input": [

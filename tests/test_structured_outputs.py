@@ -312,6 +312,25 @@ def test_a_tool_choice_becomes_the_constraint_of_its_calls():
     assert (auto.tools, auto.tool_choice, auto.structured_outputs) == ((TOOL,), "auto", None)
 
 
+def test_a_tool_whose_optional_fields_are_null_is_one_without_them():
+    """Clients that write every optional field (pydantic's dumps) send `"parameters": null`
+    for a function of no arguments, as vLLM takes it: the calls' arguments are an object."""
+    from gateway.openai_schema import APIError, parse_chat
+    from gateway.responses_api import chat_body
+    tool = {"type": "function", "function": {"name": "now", "description": None,
+                                             "parameters": None, "strict": None}}
+    for choice in ("required", {"type": "function", "function": {"name": "now"}}):
+        req = parse_chat({**CHAT, "tools": [tool], "tool_choice": choice})
+        assert req.tools == (tool,) and "object" in req.structured_outputs[1]
+    chat, _ = chat_body({"model": "m", "input": "hi", "tool_choice": "required", "tools": [
+        {"type": "function", "name": "now", "parameters": None}]})
+    assert json.loads(parse_chat(chat).structured_outputs[1])["$defs"]["tool-now"] == \
+        {"type": "object"}
+    with pytest.raises(APIError, match=r"tools\[0\] must be"):      # no schema, and not null
+        parse_chat({**CHAT, "tools": [{"type": "function", "function": {
+            "name": "now", "parameters": []}}], "tool_choice": "required"})
+
+
 CITY = {"type": "object", "properties": {"city": {"type": "string"}, "pop": {"type": "integer"}},
         "required": ["city", "pop"]}
 
