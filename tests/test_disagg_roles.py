@@ -622,6 +622,22 @@ def test_a_decode_pool_of_another_layout_prefills_the_request_itself():
     assert c.get_request("r") is None                       # never prefilled here
 
 
+def test_a_decode_pool_whose_descriptor_is_malformed_prefills_the_request_itself():
+    """KV descriptors that do not say where to write (no pool address here) are refused as
+    another layout is, before any send: they made every write raise in the prefill worker's
+    forward, failing the whole iteration."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", request("r", 10))
+    side.take()
+    side.receive_reservations(reply(ReservedMsg(
+        "r", "d0", "host-d0", [7, 8, 9], [{**descriptor("d0:1"), "base": None}], 1.0)))
+    out = side.take()
+    assert "malformed: base None" in out.cancels[0][1].reason
+    (_, _, _, handoff), = out.handoffs
+    assert handoff.kv_received == [] and c.get_request("r") is None
+
+
 def test_a_decode_pool_of_another_layout_is_not_asked_again_until_it_restarts():
     """The mismatch is remembered for the decode instance's incarnation: the next long prompt
     goes to it whole at once, with no reservation asked and cancelled per prompt; once it

@@ -296,6 +296,16 @@ def test_a_send_that_never_completes_fails_after_the_timeout(tiny, decode_runner
     ({"model": "tiny-tuned", "weights": "0123456789abcdef"}, DST_BLOCKS, "another model"),
     ({"num_blocks": 2}, DST_BLOCKS, "destination block outside"),
     ({}, DST_BLOCKS[:-1], "pairs 3 source blocks with 2"),
+    # a descriptor from Redis that does not say where to write (a worker of another version,
+    # or anything else that wrote the heartbeat): these raised out of the forward, failing
+    # every request of the iteration
+    ({"base": None}, DST_BLOCKS, "malformed: base None"),
+    ({"base": "140234000"}, DST_BLOCKS, "malformed: base '140234000'"),
+    ({"base": 2 ** 70}, DST_BLOCKS, "malformed: base"),
+    ({"num_blocks": "64"}, DST_BLOCKS, "malformed: num_blocks '64'"),
+    ({"session": None}, DST_BLOCKS, "malformed: session None"),
+    ({"session": "127.0.0.1"}, DST_BLOCKS, "malformed: session '127.0.0.1'"),
+    ({"session": "127.0.0.1:99999"}, DST_BLOCKS, "malformed: session"),
 ])
 def test_a_send_to_another_layout_fails_its_request_alone(tiny, decode_runner, change, dst,
                                                           message):
