@@ -130,13 +130,15 @@ def stream_messages(reply) -> Iterator[tuple[bytes | str, object]]:
 
 
 def kv_descriptors(values: list[bytes | None]) -> list[dict]:
-    """The KV connector descriptor in each worker rank's heartbeat ({} where none)."""
+    """The KV connector descriptor in each worker rank's heartbeat ({} where none, or where
+    it is no mapping: read with .get, it crashed the scheduler)."""
     out = []
     for value in values:
         try:
-            out.append(decode(value).extra.get("kv") or {})
+            kv = decode(value).extra.get("kv")
         except (ProtocolError, AttributeError, TypeError):
-            out.append({})
+            kv = None
+        out.append(kv if isinstance(kv, dict) else {})
     return out
 
 

@@ -59,8 +59,9 @@ class EngineArgs:
                        help="P/D: what moves K/V between a prefill and a decode instance: "
                             "mooncake (the Mooncake transfer engine) or none (default)")
         p.add_argument("--kv-host", default="127.0.0.1",
-                       help="P/D: the address this worker's KV transfer engine listens on, "
-                            "as peers reach it")
+                       help="P/D: the host name or IP address peers reach this worker's KV "
+                            "transfer engine at, without a port (the engine picks its ports and "
+                            "listens on every interface: firewall them)")
         p.add_argument("--kv-protocol", default="tcp",
                        help="P/D: the transfer engine's protocol: tcp (default) or rdma")
         p.add_argument("--kv-device", default="",

@@ -33,6 +33,7 @@ class KVLayoutError(PacerError):
 
 def check_peer_layout(own: dict, peer: dict) -> None:
     """Raise KVLayoutError unless `peer`'s pool can take blocks of `own`'s, rank r to rank r."""
+    check_addressing(peer)
     if own.get("tp") != peer.get("tp"):
         raise KVLayoutError(
             f"KV transfer between unequal tensor-parallel degrees: this instance has TP "
@@ -48,6 +49,28 @@ def check_peer_layout(own: dict, peer: dict) -> None:
     if differ:
         raise KVLayoutError(f"the peer's KV pool (session {peer.get('session')}) has another "
                             f"layout: {', '.join(differ)} (this instance vs the peer)")
+
+
+def _is_count(value, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value < high
+
+
+def check_addressing(peer) -> None:
+    """Raise KVLayoutError unless `peer` (a descriptor read from Redis) says where to write:
+    a session "host:port", the pool's address and its number of blocks. A worker of another
+    version, or anything else that wrote the heartbeat, may publish one that does not; the
+    writes would fail inside the forward, and with them every request of the iteration."""
+    if not isinstance(peer, dict):
+        raise KVLayoutError(f"the peer's KV descriptor is not a mapping: {peer!r:.80}")
+    session, base, blocks = peer.get("session"), peer.get("base"), peer.get("num_blocks")
+    host, _, port = session.rpartition(":") if isinstance(session, str) else ("", "", "")
+    bad = [f"{name} {value!r:.80}" for name, value, ok in (
+        ("session", session, bool(host.strip()) and port.isdigit() and 0 < int(port) < 65536),
+        ("base", base, _is_count(base, 0, 2 ** 64)),
+        ("num_blocks", blocks, _is_count(blocks, 1, 2 ** 63))) if not ok]
+    if bad:
+        raise KVLayoutError(f"the peer's KV descriptor is malformed: {', '.join(bad)} (want a "
+                            "session 'host:port', the pool's address and its block count)")
 
 
 def other_model(own: dict, peer: dict) -> str:

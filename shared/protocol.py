@@ -71,11 +71,11 @@ def _check_strings(msg: Any, *names: str) -> None:
 
 
 def _check_list(msg: Any, name: str, kind: type) -> None:
-    """As `_check_strings`, for a list of ints (token ids) or of strings."""
+    """As `_check_strings`, for a list of ints (token ids), of strings or of dicts."""
     value = getattr(msg, name)
     if not isinstance(value, (list, tuple)) or not all(type(v) is kind for v in value):
-        raise TypeError(f"{name} must be a list of {'integers' if kind is int else 'strings'}, "
-                        f"got {_short(value)}")
+        what = {int: "integers", str: "strings", dict: "mappings"}[kind]
+        raise TypeError(f"{name} must be a list of {what}, got {_short(value)}")
 
 
 class _CarriesRequest:
@@ -350,6 +350,8 @@ class ReservedMsg(_Plain):
 
     def __post_init__(self) -> None:
         _check_strings(self, "request_id", "decode_instance", "decode_consumer", "error")
+        _check_list(self, "block_ids", int)
+        _check_list(self, "peers", dict)        # read with .get: anything else crashed it
 
 
 @_kind("handoff")

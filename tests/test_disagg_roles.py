@@ -622,6 +622,50 @@ def test_a_decode_pool_of_another_layout_prefills_the_request_itself():
     assert c.get_request("r") is None                       # never prefilled here
 
 
+def test_a_decode_pool_whose_descriptor_is_malformed_prefills_the_request_itself():
+    """KV descriptors that do not say where to write (no pool address here) are refused as
+    another layout is, before any send: they made every write raise in the prefill worker's
+    forward, failing the whole iteration."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", request("r", 10))
+    side.take()
+    side.receive_reservations(reply(ReservedMsg(
+        "r", "d0", "host-d0", [7, 8, 9], [{**descriptor("d0:1"), "base": None}], 1.0)))
+    out = side.take()
+    assert "malformed: base None" in out.cancels[0][1].reason
+    (_, _, _, handoff), = out.handoffs
+    assert handoff.kv_received == [] and c.get_request("r") is None
+
+
+@pytest.mark.parametrize("peers", [["junk"], [None], [["a"]]])
+def test_a_reservation_whose_descriptors_are_no_mappings_is_skipped(peers):
+    """Read with .get, such an entry raised AttributeError out of the prefill scheduler's
+    loop; now it is undecodable, skipped with an error line, and the request asks again."""
+    c = core()
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.admit(b"9-0", request("r", 10))
+    side.take()
+    import msgpack
+    fields = to_fields(ReservedMsg("r", "d0", "host-d0", [7, 8, 9], [descriptor("d0:1")], 1.0))
+    obj = msgpack.unpackb(fields["m"])
+    obj["peers"] = peers            # as a decode scheduler of another version could write it
+    fields["m"] = msgpack.packb(obj, use_bin_type=True)
+    side.receive_reservations([[b"stream", [(b"1-0", fields)]]])
+    out = side.take()
+    assert out.handoffs == [] and c.get_request("r") is None
+    assert side.num_awaiting_reservation == 1
+
+
+def test_a_worker_heartbeat_whose_kv_is_no_mapping_reads_as_no_connector():
+    side = decode_side(core())
+    side.set_workers([encode(Heartbeat("worker", "0", 1.0, {"kv": "junk"}))])
+    assert side.peers == [{}]
+    side.receive(reply(ReserveMsg(encode(request("r", 10)), "p0")))
+    (_, answer), = side.take_replies()
+    assert answer.block_ids == [] and "no KV connector" in answer.error
+
+
 def test_a_decode_pool_of_another_layout_is_not_asked_again_until_it_restarts():
     """The mismatch is remembered for the decode instance's incarnation: the next long prompt
     goes to it whole at once, with no reservation asked and cancelled per prompt; once it

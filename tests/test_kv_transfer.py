@@ -6,6 +6,7 @@ K/V written to another session; a send that never completes times out into kv_fa
 with another layout is refused."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -113,21 +114,33 @@ def _receiver(to_parent, from_parent) -> None:
     conn.close()
 
 
+@contextlib.contextmanager
+def _receiving():
+    """A child process with a registered pool (`_receiver`): the child, its outbox and its
+    inbox; stopped on the way out."""
+    to_parent, from_parent = SPAWN.Queue(), SPAWN.Queue()
+    child = SPAWN.Process(target=_receiver, args=(to_parent, from_parent))
+    child.start()
+    try:
+        yield child, to_parent, from_parent
+        from_parent.put("stop")
+    finally:
+        child.join(timeout=30)
+        if child.is_alive():
+            child.kill()
+
+
 def test_connector_moves_bytes_between_processes(capfd):
     """Runs of blocks land where their offsets say; and a write of many segments is done
     only when every byte is in the peer's pool (one Mooncake batch of them read "completed"
     when its first segment had landed: the engine's status call reports a batch's first task;
     served, the decode side's K/V check failed on a prompt's later blocks,
     docs/design.md#kv-integrity)."""
-    to_parent, from_parent = SPAWN.Queue(), SPAWN.Queue()
-    child = SPAWN.Process(target=_receiver, args=(to_parent, from_parent))
-    child.start()
-
-    def peer_pool() -> torch.Tensor:
-        from_parent.put("done")
-        return torch.frombuffer(bytearray(reply(child, to_parent)),
-                                dtype=torch.float32).view(SHAPE)
-    try:
+    with _receiving() as (child, to_parent, from_parent):
+        def peer_pool() -> torch.Tensor:
+            from_parent.put("done")
+            return torch.frombuffer(bytearray(reply(child, to_parent)),
+                                    dtype=torch.float32).view(SHAPE)
         peer = reply(child, to_parent)
         conn = make_connector("mooncake")
         src = torch.arange(torch.zeros(SHAPE).numel(), dtype=torch.float32).view(SHAPE)
@@ -191,12 +204,75 @@ def test_connector_moves_bytes_between_processes(capfd):
         assert late.unsettled() == {} and time.monotonic() - start >= 0.5
         assert torch.equal(peer_pool(), src * 2)
         late.close()
-        from_parent.put("stop")
         conn.close()
-    finally:
-        child.join(timeout=30)
-        if child.is_alive():
-            child.kill()
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1:8571", "", "local host", "no-such-host.invalid"])
+def test_a_kv_host_peers_could_not_dial_is_refused_at_start(host):
+    """Peers dial the session "<--kv-host>:<the engine's port>": a host with a port of its own,
+    a space, nothing or a name that does not resolve gave a session nobody could reach (the
+    engine started; every transfer into this worker failed and was recomputed)."""
+    with pytest.raises(PacerError, match="--kv-host"):
+        make_connector("mooncake", host=host)
+
+
+@pytest.mark.parametrize("version", ["0.3.11.post1", "0.2.0"])
+def test_a_transfer_engine_that_writes_wherever_a_frame_points_is_refused(monkeypatch,
+                                                                          version):
+    from gpu_worker.kv_transfer import mooncake
+    monkeypatch.setattr(mooncake.metadata, "version", lambda name: version)
+    with pytest.raises(PacerError, match=f"0.3.12 or later .* found {version}"):
+        make_connector("mooncake")
+
+
+def _listening_ports(pid: int) -> set[int]:
+    import psutil
+    return {c.laddr.port for c in psutil.Process(pid).net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN}
+
+
+def test_a_rogue_peer_on_the_engines_ports_is_dropped_and_the_pool_keeps_its_bytes(capsys):
+    """Anything that reaches the engine's ports (they listen on every interface) sending
+    garbage, a frame header for a huge length or for an address outside the registered pool,
+    or connections to its data port that stay silent: each is dropped, no byte of the pool changes and the
+    engine keeps serving real writes. Engines before 0.3.12 wrote a frame wherever its
+    header pointed (the connector refuses them)."""
+    import socket
+    import struct
+    with _receiving() as (child, to_parent, from_parent):
+        peer = reply(child, to_parent)
+        base = peer["base"]
+        pool_bytes = torch.zeros(SHAPE).numel() * 4
+
+        def frame(size: int, addr: int) -> bytes:     # the TCP transport's WRITE header
+            return struct.pack("<QQB7x", size, addr, 1)
+        handshake = int(peer["session"].rpartition(":")[2])
+        ports = _listening_ports(child.pid)
+        assert handshake in ports and len(ports) == 2
+        for port in ports:
+            for payload in (os.urandom(4096), frame(1 << 62, base),
+                            frame(64, base + pool_bytes) + b"x" * 64,
+                            frame(64, base - 64) + b"x" * 64):
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                    s.sendall(payload)
+        # (silent connections to the handshake port are not tried: its one thread waits 5 s
+        # on each, docs/failure-modes.md)
+        silent = [socket.create_connection(("127.0.0.1", port), timeout=5)
+                  for port in ports - {handshake} for _ in range(50)]
+        conn = make_connector("mooncake")
+        assert "listens on every interface" in capsys.readouterr().out   # said at start
+        src = torch.ones(SHAPE)
+        conn.register(src)
+        bb = conn.descriptor()["block_bytes"]
+        assert conn.wait([conn.write(peer, [(0, 3 * bb, bb)])], timeout_s=30) == [True]
+        for s in silent:
+            s.close()
+        from_parent.put("done")
+        got = torch.frombuffer(bytearray(reply(child, to_parent)), dtype=torch.float32)
+        want = torch.zeros(SHAPE)
+        want[0, 0, 3] = 1.0
+        assert torch.equal(got.view(SHAPE), want) and child.is_alive()
+        conn.close()
 
 
 # ---- (b) a prefill runner in one process, a decode runner in another -----------------------
@@ -296,6 +372,16 @@ def test_a_send_that_never_completes_fails_after_the_timeout(tiny, decode_runner
     ({"model": "tiny-tuned", "weights": "0123456789abcdef"}, DST_BLOCKS, "another model"),
     ({"num_blocks": 2}, DST_BLOCKS, "destination block outside"),
     ({}, DST_BLOCKS[:-1], "pairs 3 source blocks with 2"),
+    # a descriptor from Redis that does not say where to write (a worker of another version,
+    # or anything else that wrote the heartbeat): these raised out of the forward, failing
+    # every request of the iteration
+    ({"base": None}, DST_BLOCKS, "malformed: base None"),
+    ({"base": "140234000"}, DST_BLOCKS, "malformed: base '140234000'"),
+    ({"base": 2 ** 70}, DST_BLOCKS, "malformed: base"),
+    ({"num_blocks": "64"}, DST_BLOCKS, "malformed: num_blocks '64'"),
+    ({"session": None}, DST_BLOCKS, "malformed: session None"),
+    ({"session": "127.0.0.1"}, DST_BLOCKS, "malformed: session '127.0.0.1'"),
+    ({"session": "127.0.0.1:99999"}, DST_BLOCKS, "malformed: session"),
 ])
 def test_a_send_to_another_layout_fails_its_request_alone(tiny, decode_runner, change, dst,
                                                           message):

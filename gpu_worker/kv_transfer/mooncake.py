@@ -12,14 +12,27 @@ written into the peer's memory (the engine's acknowledged framing).
 """
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
+import socket
 from dataclasses import dataclass
+from importlib import metadata
+
+import structlog
 
 from gpu_worker.kv_transfer.connector import KVConnector, pool_descriptor
 from shared.errors import PacerError
 
+log = structlog.get_logger("worker.kv")
+
 INSTALL_HINT = ("pip install mooncake-transfer-engine-non-cuda (CPU, TCP; the CUDA build is "
                 "mooncake-transfer-engine) and apt-get install libibverbs1 libnuma1 libcurl4")
+# Before 0.3.12 the engine's TCP transport wrote a frame's bytes wherever its header pointed,
+# inside the registered pool or not (anything that reached its port could write into any of
+# the process's memory), and "completed" meant handed to the kernel, not written at the peer
+MIN_VERSION = (0, 3, 12)
+DISTRIBUTIONS = ("mooncake-transfer-engine-non-cuda", "mooncake-transfer-engine")
 
 
 # The engine's TCP transport queues at most this many 64 KiB slices per peer and fails the rest
@@ -37,6 +50,39 @@ class _Write:
     failed: bool = False            # one of those failed
 
 
+def check_engine_version() -> None:
+    """Refuse a Mooncake older than MIN_VERSION (one whose version is unknown is let be)."""
+    for name in DISTRIBUTIONS:
+        try:
+            version = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+        numbers = re.match(r"(\d+)\.(\d+)\.(\d+)", version)
+        if numbers and tuple(map(int, numbers.groups())) < MIN_VERSION:
+            raise PacerError(f"--kv-connector mooncake needs {name} 0.3.12 or later (earlier "
+                             f"ones write a peer's frame wherever it points), found {version}: "
+                             f"pip install -U {name}")
+
+
+def check_kv_host(host: str) -> None:
+    """Refuse a --kv-host peers could not dial: the session they dial is this host, a colon and
+    the engine's port, so a host with a port of its own, a space or a name that does not
+    resolve made every transfer into this worker fail (each request recomputed) instead of an
+    error at start."""
+    try:
+        ipaddress.ip_address(host)
+        return
+    except ValueError:
+        pass
+    if not host or ":" in host or any(c.isspace() for c in host):
+        raise PacerError(f"--kv-host must be a host name or an IP address without a port "
+                         f"(the engine picks its own ports), got {host!r}")
+    try:
+        socket.getaddrinfo(host, None)
+    except (socket.gaierror, UnicodeError) as e:
+        raise PacerError(f"--kv-host {host!r} does not resolve to an address ({e})") from None
+
+
 class MooncakeConnector(KVConnector):
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_name: str = "",
                  tp: int = 1, rank: int = 0) -> None:
@@ -50,12 +96,19 @@ class MooncakeConnector(KVConnector):
         except ImportError as e:
             raise PacerError(f"--kv-connector mooncake needs the Mooncake transfer engine "
                              f"({e}): {INSTALL_HINT}") from e
+        check_engine_version()
+        check_kv_host(host)
         self.engine = TransferEngine()
         rc = self.engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
             raise PacerError(f"the Mooncake transfer engine did not start on {host} over "
                              f"{protocol} (rc {rc}); check --kv-host and --kv-protocol")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
+        # the engine binds its handshake and data ports to every interface (it takes no
+        # address to bind to), and writes or reads whatever a connection asks of the pool
+        log.warning("the KV transfer engine listens on every interface whatever --kv-host, "
+                    "and any peer that reaches it may read and write this KV pool: let only "
+                    "the P/D hosts reach its ports", session=self.session)
         self.tp, self.rank = tp, rank
         self._pool = None
 
