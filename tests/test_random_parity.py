@@ -3,8 +3,10 @@ engine (block size, a token budget down to 1 and block size - 1, a KV pool from 
 for the longest request, so that others are preempted, to plenty; prefix caching and chunked
 prefill mostly on; max_num_seqs) and a traffic of requests that arrive at random iterations,
 some while others are mid-prefill, with prompts that share prefixes of random lengths with
-each other, repeat one, are a prefix of one, or extend one by its answer (a conversation's
-next turn); a few are aborted. Every request that is not aborted gets transformers' tokens
+each other, repeat one, are a prefix of one (its whole blocks too), or extend one by its
+answer (a conversation's next turn), half of those arriving once that one has ended (its
+blocks cached); a few are aborted, never more than the case allows (aborting every request
+that runs on would hide one that never ends). Every request that is not aborted gets transformers' tokens
 (cut at its max_tokens, its stop token, the context), an aborted one a prefix of them; the
 prompt logprobs and sampled logprobs asked for equal transformers'; sampled requests with
 penalties ride along unchecked. The fixed configurations are tests/test_engine_parity.py's
@@ -54,32 +56,39 @@ def tiny(tmp_path_factory):
     return path, hf.config.vocab_size, References(hf)
 
 
-def draw_prompts(rng: random.Random, vocab: int, refs: References, block: int) -> list[list[int]]:
+def draw_prompts(rng: random.Random, vocab: int, refs: References, block: int
+                 ) -> tuple[list[list[int]], list[int | None]]:
+    """The prompts, and for each the earlier prompt it was drawn from (None for a base's)."""
     def rand(n: int) -> list[int]:
         return [rng.randrange(3, vocab) for _ in range(n)]
 
     longest = MAX_MODEL_LEN - 2
     bases = [rand(rng.randint(1, longest)) for _ in range(3)]
     prompts: list[list[int]] = []
+    sources: list[int | None] = []
     for _ in range(rng.randint(1, 9)):
-        kind = rng.random()
+        kind, source = rng.random(), rng.randrange(len(prompts)) if prompts else None
         if kind < 0.35 or not prompts:         # a shared prefix: mid-block, whole blocks, all
             base = rng.choice(bases)
             n = rng.choice([rng.randint(1, len(base)), max(1, len(base) // block * block),
                             len(base)])
             prompt = base[:n] + rand(rng.choice([0, rng.randint(1, 5), rng.randint(1, longest)]))
         elif kind < 0.5:
-            prompt = list(rng.choice(prompts))
-        elif kind < 0.62:                      # a prefix of another prompt
-            other = rng.choice(prompts)
-            prompt = other[:rng.randint(1, len(other))]
+            prompt = list(prompts[source])
+        elif kind < 0.62:                      # a prefix of another: anywhere, or whole blocks
+            other = prompts[source]
+            whole = len(other) // block * block
+            prompt = other[:rng.choice([rng.randint(1, len(other)), whole or len(other)])]
         elif kind < 0.75:                      # the next turn of another's conversation
-            other = rng.choice(prompts)
+            other = prompts[source]
             prompt = other + refs.tokens(other)[0] + rand(rng.randint(0, 12))
         else:
             prompt = rand(rng.randint(1, longest))
+        if kind < 0.35 or kind >= 0.75:
+            source = None
         prompts.append(prompt[:MAX_MODEL_LEN - 1])
-    return prompts
+        sources.append(source)
+    return prompts, sources
 
 
 def draw_sampling(rng: random.Random, prompt: list[int], refs: References
@@ -116,7 +125,13 @@ def test_random_traffic_gives_transformers_tokens(tiny, case):
     path, vocab, refs = tiny
     rng = random.Random(case)
     block = rng.choice([8, 16, 16, 32])
-    prompts = draw_prompts(rng, vocab, refs, block)
+    prompts, sources = draw_prompts(rng, vocab, refs, block)
+    whole = len(prompts[0]) // block * block
+    kept = set()              # never aborted: a request that hangs must fail the case
+    if whole and rng.random() < 0.4:      # the first's whole blocks, once they are cached
+        prompts.append(prompts[0][:whole])
+        sources.append(0)
+        kept.add(str(len(prompts) - 1))
     requests = [draw_sampling(rng, p, refs) for p in prompts]
     longest = max(-(-min(len(p) + sp.max_tokens, MAX_MODEL_LEN) // block)
                   for p, (_, sp) in zip(prompts, requests))
@@ -130,22 +145,32 @@ def test_random_traffic_gives_transformers_tokens(tiny, case):
           f"{[kind for kind, _ in requests]}")
     engine = LLMEngine(EngineArgs(model=path, dtype="float32", quantization="none",
                                   max_model_len=MAX_MODEL_LEN, **args), progress=False)
-    arrivals = {}
-    for i in range(len(prompts)):
-        arrivals.setdefault(rng.randint(0, 25) if rng.random() < 0.6 else 0, []).append(i)
+    # one drawn from another prompt arrives, half the time, once that one has ended (its
+    # blocks in the cache); the others at random steps
+    arrivals: dict[int, list[int]] = {}
+    after: dict[str, list[int]] = {}
+    for i, source in enumerate(sources):
+        if source is not None and (rng.random() < 0.5 or i == len(prompts) - 1):
+            after.setdefault(str(source), []).append(i)
+        else:
+            arrivals.setdefault(rng.randint(0, 25) if rng.random() < 0.6 else 0, []).append(i)
     tokens = {str(i): [] for i in range(len(prompts))}
     logprobs = {str(i): [] for i in range(len(prompts))}
     prompt_logprobs = {str(i): {} for i in range(len(prompts))}
     finished, aborted, added = {}, set(), []
+    max_aborts = rng.choice([0, 1, 2, len(prompts)])
     step = 0
     while step <= max(arrivals) or engine.has_unfinished():
+        assert step < 5000, f"case {case}: still unfinished after {step} steps"
         for i in arrivals.get(step, []):
             added.append(engine.add_request(prompts[i], requests[i][1], request_id=str(i)))
-        running = [rid for rid in added if rid not in finished and rid not in aborted]
-        if running and rng.random() < 0.03:
+        running = [rid for rid in added
+                   if rid not in finished and rid not in aborted and rid not in kept]
+        if running and len(aborted) < max_aborts and rng.random() < 0.03:
             victim = rng.choice(running)
             engine.abort(victim)
             aborted.add(victim)
+            arrivals.setdefault(step + 1, []).extend(after.pop(victim, []))
         for out in engine.step():
             assert out.request_id not in finished, f"output after the end of {out.request_id}"
             tokens[out.request_id] += [t.token_id for t in out.new_tokens]
@@ -155,6 +180,7 @@ def test_random_traffic_gives_transformers_tokens(tiny, case):
                     prompt_logprobs[out.request_id].setdefault(pos, entry.logprob)
             if out.finished:
                 finished[out.request_id] = out.error
+                arrivals.setdefault(step + 1, []).extend(after.pop(out.request_id, []))
         step += 1
     bm = engine.scheduler.block_manager
     bm.check_integrity()
