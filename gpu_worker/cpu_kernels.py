@@ -76,6 +76,9 @@ def _load(level: str):
                     "with `make setup` or `pacer build-kernels`", level=level, path=path)
         return None
     try:
+        # the library links torch's own libraries (libc10, ...), found once torch is loaded;
+        # unset, PACER_KERNEL_DIR's place is worked out by importing torch, set it is not
+        import torch  # noqa: F401
         name = kernel_build.module_name(level)
         loader = importlib.machinery.ExtensionFileLoader(name, path)
         spec = importlib.util.spec_from_file_location(name, path, loader=loader)

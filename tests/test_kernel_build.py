@@ -45,13 +45,20 @@ def test_the_best_level_runs_here_and_a_level_can_be_forced(monkeypatch):
         ck.best_level(AVX512)
 
 
-def test_the_forced_level_is_the_one_a_process_loads():
+@pytest.mark.parametrize("kernel_dir", ["found", "given"])
+def test_the_forced_level_is_the_one_a_process_loads(kernel_dir):
+    """Each level the CPU runs loads when forced, in a fresh process that has not imported
+    torch, the kernels' folder found or given by PACER_KERNEL_DIR (given, nothing imported
+    torch, whose libraries the kernels link: they failed to load)."""
     here = kb.supported_levels(cpu_flags())
+    env = {k: v for k, v in os.environ.items() if k != "PACER_KERNEL_DIR"}
+    if kernel_dir == "given":
+        env["PACER_KERNEL_DIR"] = kb.default_dir()
     for level in here:
         out = subprocess.run(
             [sys.executable, "-c", "from gpu_worker.cpu_kernels import cpu_kernels; "
              "print(cpu_kernels().level)"],
-            cwd=ROOT, env={**os.environ, "PACER_CPU_ISA": level}, capture_output=True, text=True,
+            cwd=ROOT, env={**env, "PACER_CPU_ISA": level}, capture_output=True, text=True,
             timeout=120)
         assert out.stdout.strip().splitlines()[-1] == level, out.stderr[-2000:]
 
