@@ -79,12 +79,12 @@ class SamplingParams:
                 len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
             raise InvalidRequestError(f"allowed_token_ids and stop_token_ids take at most "
                                       f"{MAX_TOKEN_IDS} ids, bad_words {MAX_BAD_WORDS} words")
-        if any(not seq or min(seq) < 0 for seq in self.bad_words_token_ids):
+        if not all(self.bad_words_token_ids):        # each id is checked (_token_ids)
             raise InvalidRequestError("bad_words_token_ids must be non-empty lists of token "
                                       "ids >= 0")
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES or \
-                any(t < 0 or not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias):
+                any(not -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for _, b in self.logit_bias):
             raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} "
                                       f"token ids >= 0, each with a bias in [-{MAX_LOGIT_BIAS:g}, "
                                       f"{MAX_LOGIT_BIAS:g}]")
