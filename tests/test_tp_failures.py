@@ -252,8 +252,10 @@ def test_a_rank_whose_own_step_fails_is_named_by_every_rank(failing):
     said = (f"tp rank {failing} failed mid-iteration: OutOfMemoryError: CUDA out of memory. "
             f"Tried to allocate 2.00 GiB")
     for rank, err in enumerate(errs):
-        assert procs[rank].returncode == 1, err
-        assert said in err.strip().splitlines()[-1], err
+        # 1 as a rule; now and then a rank's exit aborts in torch's C++ threads after the
+        # line ("terminate called without an active exception", -6): failed all the same
+        assert procs[rank].returncode != 0, err
+        assert any(said in line for line in err.strip().splitlines()[-3:]), err
 
 
 def test_a_served_rank_0_waiting_for_a_follower_that_never_comes_stops_on_sigterm(
