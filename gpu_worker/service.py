@@ -39,7 +39,8 @@ Ranks > 0 follow rank 0 over torch.distributed (`gpu_worker.tp.follower`); they 
 the address rank 0 writes to the rendezvous key (`gpu_worker.tp.rendezvous`). Rank 0 forwards
 each plan's bytes to them as they came from Redis, without decoding and encoding them again.
 Every rank keeps its heartbeat key alive; the heartbeat carries the KV pool's size so the
-scheduler can refuse a mismatch, and with a KV connector (P/D) the pool's descriptor under
+scheduler can refuse a mismatch, the model it loaded (its name and weights fingerprint: the
+scheduler refuses other weights), and with a KV connector (P/D) the pool's descriptor under
 "kv" (shared/kv_layout.py): where a prefill rank writes this rank's K/V.
 
 Rank 0 measures how long it waits for plans (from sending a result to receiving the next
@@ -70,6 +71,7 @@ from shared.cpu import pin_forward_thread
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
+from shared.model_source import model_identity
 from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, connections_made,
                               essential_task, freeze_heap, keep_heartbeat, redis_run_id,
                               stopped_for, stream_id_text, stream_tail_id)
@@ -460,11 +462,12 @@ def _decode_plan(fields: dict) -> tuple[IterationPlan, bytes]:
 def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
                      loop: PlanLoop | None = None,
                      kv: Callable[[], dict | None] = lambda: None, role: str | None = None,
-                     kv_progress: Callable[[], dict] = dict):
+                     kv_progress: Callable[[], dict] = dict, identity: dict | None = None):
     """A heartbeat factory for one rank; rank 0's carries its wait/busy counters. `kv`: this
     rank's KV connector descriptor, once its runner has one; `role`: its instance's role, when
     stated (`pacer worker --role`; the scheduler refuses another); `kv_progress`: the K/V
-    writes that may still land, and where (ModelRunner.kv_progress)."""
+    writes that may still land, and where (ModelRunner.kv_progress); `identity`: the model it
+    serves (shared/model_source.py:model_identity; the scheduler refuses other weights)."""
     started_at = time.time()     # with the pid, tells a restarted rank from the one before
 
     def make() -> Heartbeat:
@@ -472,6 +475,8 @@ def worker_heartbeat(rank: int, tp: int, num_kv_blocks: int, block_size: int,
                  "num_kv_blocks": num_kv_blocks, "block_size": block_size}
         if role is not None:
             extra["role"] = role
+        if identity is not None:
+            extra.update(identity)
         if loop is not None:
             extra.update(loop.stats())
             extra.update(loop.answered())
@@ -490,11 +495,12 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
                        role: str | None = None) -> int:
     """Load this rank's model, then serve until stopped. Returns an exit code."""
     tp = layout.args.tp
+    identity = model_identity(layout.source, layout.args.load_format == "dummy")
     if rank > 0:
         built: list = []        # the follower's runner, once loaded: its KV descriptor
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size,
                                 kv=lambda: built[0].kv_descriptor() if built else None,
-                                role=role,
+                                role=role, identity=identity,
                                 kv_progress=lambda: built[0].kv_progress() if built else {})
         def loaded(runner) -> None:
             built.append(runner)
@@ -528,7 +534,7 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
                         await stream_tail_id(redis, keys.plans), run_id, runner.rc.device)
         runner.on_forward = loop.handed_over
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop,
-                                kv=runner.kv_descriptor, role=role,
+                                kv=runner.kv_descriptor, role=role, identity=identity,
                                 kv_progress=runner.kv_progress)
         freeze_heap()
         return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))

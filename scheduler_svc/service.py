@@ -60,7 +60,7 @@ from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recove
                                     WorkersLost)
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
-from scheduler_svc.workers import WorkerWatch, role_disagreement
+from scheduler_svc.workers import WorkerWatch, model_disagreement, role_disagreement
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, essential_task, freeze_heap, keep_heartbeat,
                               live_namesake, stopped_for, stream_tail_id)
@@ -278,9 +278,10 @@ class SchedulerService:
                 log.error("worker KV pool disagrees with the scheduler's; start both with the "
                           "same engine flags", rank=rank, worker=theirs, scheduler=mine)
                 return False
-            why = role_disagreement(extra, rank, self.config.role)
+            why = (role_disagreement(extra, rank, self.config.role)
+                   or model_disagreement(extra, rank, self.config.model, self.config.weights))
             if why:
-                log.error(why, rank=rank, worker=extra["role"], scheduler=self.config.role)
+                log.error(why, rank=rank)
                 return False
         return True
 

@@ -40,6 +40,19 @@ def role_disagreement(extra: dict, rank: int, role: str) -> str | None:
             f"scheduler with --role {role}; start both with the same role")
 
 
+def model_disagreement(extra: dict, rank: int, model: str, weights: str) -> str | None:
+    """Why a worker (its heartbeat's `extra`) cannot serve a scheduler of the model `model`
+    with the weights fingerprint `weights` (shared/model_source.py:model_identity): it loaded
+    other weights, whose token ids and K/V mean something else. None when they agree, or
+    either side stated none."""
+    theirs = extra.get("weights")
+    if not theirs or not weights or theirs == weights:
+        return None
+    return (f"worker rank {rank} of this instance serves {extra.get('model')!r} (weights "
+            f"{theirs}), this scheduler {model!r} (weights {weights}); start both with the "
+            f"same --model")
+
+
 class WorkerWatch:
     def __init__(self, keys: Keys, tp: int) -> None:
         self.heartbeat_keys = [keys.hb_worker(rank) for rank in range(tp)]

@@ -355,3 +355,40 @@ def test_the_deadlines_of_ended_requests_do_not_pile_up() -> None:
     book.finished(output)
     ((_, event),) = book.take_outbox().finishes
     assert decode(event).request_id == "live" and decode(event).error_type == "timeout_error"
+
+
+def test_a_worker_that_loaded_other_weights_is_refused(redis_server) -> None:
+    """A scheduler started on one model and a worker on another (services started alone, for
+    several machines) may agree on the KV pool's size; the token ids and K/V of one mean
+    nothing to the other, so the scheduler refuses to plan for it, naming both models. The
+    same weights are served; a worker that states none (an older build) is not refused."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gpu_worker.service import worker_heartbeat
+    from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+    from shared.keys import Keys
+    from shared.protocol import encode
+
+    mine = {"model": "smollm2-135m", "weights": "00aa"}
+
+    async def agrees(theirs: dict | None) -> bool:
+        keys = Keys(f"weights-{theirs and theirs['weights']}:")
+        r = aioredis.Redis.from_url(redis_server)
+        try:
+            service = SchedulerService(r, keys, make_scheduler(),
+                                       SchedulerServiceConfig("s", **mine))
+            await service.prepare()
+            await r.set(keys.hb_worker(0), encode(worker_heartbeat(0, 1, 32, 4,
+                                                                   identity=theirs)()))
+            return await service.wait_for_workers(asyncio.Event())
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(agrees(mine))
+    assert asyncio.run(agrees(None))
+    assert not asyncio.run(agrees({"model": "qwen2-0.5b", "weights": "11bb"}))
+    from scheduler_svc.workers import model_disagreement
+    why = model_disagreement({"model": "qwen2-0.5b", "weights": "11bb"}, 0, **mine)
+    assert "'qwen2-0.5b'" in why and "'smollm2-135m'" in why and "--model" in why
