@@ -146,14 +146,16 @@ KEYED_PATHS = ("/tokenize", "/detokenize")
 
 
 def _auth(api_key: str | None):
-    expected = f"Bearer {api_key}".encode() if api_key else None
+    # as bytes both: a header's bytes that are not UTF-8 come as surrogates (aiohttp decodes
+    # with surrogateescape), which a plain encode() refused with a 500 and a traceback
+    expected = f"Bearer {api_key}".encode(errors="surrogateescape") if api_key else None
 
     @web.middleware
     async def auth(request: web.Request, handler) -> web.StreamResponse:
         # the OpenAI routes and the tokenizer's need the key, /health and /metrics do not
         if expected is not None and (request.path.startswith("/v1/")
                                      or request.path in KEYED_PATHS):
-            given = request.headers.get("Authorization", "").encode()
+            given = request.headers.get("Authorization", "").encode(errors="surrogateescape")
             if not hmac.compare_digest(given, expected):
                 return web.json_response(
                     error_body("invalid or missing API key (send 'Authorization: Bearer <key>')",

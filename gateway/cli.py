@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from gateway.config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS,
                             DEFAULT_SHUTDOWN_TIMEOUT_S, DEFAULT_STALLED_CLIENT_TIMEOUT_S,
@@ -39,6 +40,9 @@ def register(sub) -> None:
     p.set_defaults(run=run)
 
 
+# the API key where --api-key gives none: the environment is not on the command line, where
+# `ps` shows it to every user of the machine
+API_KEY_ENV = "PACER_API_KEY"
 # flags `pacer up` takes too and hands to the gateway it starts
 POLICY_FLAGS = ("served_model_name", "api_key", "max_waiting_requests", "request_timeout",
                 "shutdown_timeout", "stalled_client_timeout", "tool_call_parser")
@@ -49,9 +53,10 @@ def add_request_policy_args(p: argparse.ArgumentParser) -> None:
     and `pacer up`."""
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as `model` (default: the model's name)")
-    p.add_argument("--api-key", default=None,
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV) or None,
                    help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and "
-                        "/detokenize")
+                        f"/detokenize (default: ${API_KEY_ENV}, which keeps it off the "
+                        "command line)")
     p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS,
                    help="requests waiting for their first token beyond which new ones get 429")
     p.add_argument("--request-timeout", type=float, default=None,
@@ -65,6 +70,15 @@ def add_request_policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the model's tool-call format: serves tool_choice 'auto' (vLLM's "
                         "--enable-auto-tool-choice --tool-call-parser)")
+
+
+def api_key_to_environment(args: argparse.Namespace) -> None:
+    """`pacer up`: its --api-key goes to the gateway it starts in $PACER_API_KEY, not on the
+    gateway's command line, which `ps` shows every user of the machine. An empty one stays
+    on it, for the gateway's check to refuse."""
+    if args.api_key is not None and args.api_key.strip():
+        os.environ[API_KEY_ENV] = args.api_key
+        args.api_key = None
 
 
 def parse_instances(text: str) -> tuple[tuple[str, int], ...]:

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 import structlog
 
-from gateway.cli import POLICY_FLAGS, add_request_policy_args
+from gateway.cli import POLICY_FLAGS, add_request_policy_args, api_key_to_environment
 from gateway.config import POLICIES
 from scheduler_svc.cli import DISAGG_MIN_PROMPT_TOKENS, default_scheduler_id
 from services.restarts import Restarter, Watchdog
@@ -489,6 +489,7 @@ def run(args: argparse.Namespace) -> int:
 
     configure_logging("up", args.log_level)
     args.redis_url = password_to_environment(args.redis_url)
+    api_key_to_environment(args)
     engine = EngineArgs.from_cli(args)
     # refuse bad flags here, before anything starts (the instances' layout is checked as
     # the services' command lines are made)

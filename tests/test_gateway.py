@@ -1768,6 +1768,25 @@ async def test_api_key_is_required_on_the_openai_routes(h: Harness, config: Gate
             assert r.status in (200, 503)       # not behind the key
 
 
+async def test_an_api_key_header_that_is_not_utf8_is_a_401(h: Harness,
+                                                           config: GatewayConfig) -> None:
+    """A key's bytes that are not UTF-8 (anyone may send them, before any key is checked)
+    were a 500 and a traceback in the log; they are a wrong key. A key given as such bytes
+    (a command line's, read with surrogateescape) is taken when they come."""
+    for key, sent, expected in (("sekret", b"\xff\xfe", b"HTTP/1.1 401"),
+                                ("sekret", b"sekret", b"HTTP/1.1 200"),
+                                ("s\udcffkret", b"s\xffkret", b"HTTP/1.1 200")):
+        keyed = dataclasses.replace(config, api_key=key, gateway_id="keyed-bytes")
+        async with serve(keyed) as url:
+            host, port = url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                         b"Authorization: Bearer " + sent + b"\r\n\r\n")
+            answer = await asyncio.wait_for(reader.read(), 10.0)
+            writer.close()
+            assert answer.startswith(expected), (key, sent, answer[:300])
+
+
 def _logprob_tokens(endpoint: str, chunks: list[dict]) -> tuple[str, list[str]]:
     """The text and the logprob tokens of a response, or of a stream's chunks."""
     text, tokens = "", []

@@ -100,6 +100,26 @@ def test_a_redis_with_a_password_serves_requests(served: Served):
     assert services and not [argv for argv in services if any(PASSWORD in a for a in argv)]
 
 
+def test_the_api_key_reaches_the_gateway_off_its_command_line(served: Served):
+    """`pacer up --api-key K` hands K to its gateway in the environment: it was on the
+    gateway's command line, which `ps` shows every user of the machine. The key is still
+    required, and taken."""
+    port = served.base_url.rsplit(":", 1)[1]                # this `pacer up`'s gateway
+    gateways = [argv for argv in _command_lines() if "services.cli" in argv
+                and argv[argv.index("services.cli") + 1] == "gateway"
+                and argv[argv.index("--port") + 1] == port]
+    assert gateways and not [argv for argv in gateways if any(API_KEY in a for a in argv)]
+
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            async with session.get(served.base_url + "/v1/models") as r:
+                keyless = r.status
+            return keyless, await post_json(session, served.base_url, "/v1/completions",
+                                             long_body(max_tokens=2))
+    keyless, (status, body, _) = asyncio.run(go())
+    assert keyless == 401 and status == 200, (keyless, status, body)
+
+
 def test_the_redis_pacer_up_starts_keeps_the_urls_password(tmp_path):
     """With nothing listening at the URL, `pacer up` starts a Redis, and the URL's password
     is that server's (it moves to the services' environment first: read from there)."""
