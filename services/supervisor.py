@@ -35,6 +35,7 @@ class Child:
     proc: subprocess.Popen
     reported: bool = field(default=False)
     stdout: object = None               # what the process writes to (None: ours)
+    stdin_data: bytes | None = None     # written to its stdin at each start (a secret kept off argv)
 
     @property
     def pid(self) -> int:
@@ -43,6 +44,19 @@ class Child:
     @property
     def returncode(self) -> int | None:
         return self.proc.poll()
+
+
+def _popen(argv: list[str], cwd: str | None, stdout, stdin_data: bytes | None) -> subprocess.Popen:
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=stdout, start_new_session=True,
+                            stdin=None if stdin_data is None else subprocess.PIPE,
+                            preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+    if stdin_data is not None:
+        try:
+            proc.stdin.write(stdin_data)
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass            # it exited at once; its exit code says why
+    return proc
 
 
 def pacer_argv(*args: str) -> list[str]:
@@ -55,21 +69,21 @@ class Supervisor:
         self.children: list[Child] = []
 
     def start(self, name: str, argv: list[str], cwd: str | None = None,
-              stdout=None) -> Child:
-        """`stdout` None: the child shares ours."""
-        proc = subprocess.Popen(argv, cwd=cwd, stdout=stdout, start_new_session=True,
-                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        child = Child(name, argv, proc, stdout=stdout)
+              stdout=None, stdin_data: bytes | None = None) -> Child:
+        """`stdout` None: the child shares ours. `stdin_data`: what it reads on its stdin (a
+        password kept off its command line, which every user of the machine can read), again
+        at each restart; None: no stdin."""
+        proc = _popen(argv, cwd, stdout, stdin_data)
+        child = Child(name, argv, proc, stdout=stdout, stdin_data=stdin_data)
         self.children.append(child)
         log.info("started", child=name, pid=proc.pid)
         return child
 
     def restart(self, child: Child) -> Child:
         """A new process for a child that exited, in its place in the stop order."""
-        fresh = Child(child.name, child.argv, subprocess.Popen(
-            child.argv, stdout=child.stdout, start_new_session=True,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None),
-            stdout=child.stdout)
+        fresh = Child(child.name, child.argv,
+                      _popen(child.argv, None, child.stdout, child.stdin_data),
+                      stdout=child.stdout, stdin_data=child.stdin_data)
         self.children[self.children.index(child)] = fresh
         log.info("restarted", child=child.name, pid=fresh.pid)
         return fresh

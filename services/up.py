@@ -283,9 +283,12 @@ def start_redis(sup: Supervisor, host: str, port: int, password: str | None = No
                          "apt-get install redis-server (or pass --redis-url of a running Redis)")
     argv = [exe, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
             "--loglevel", "warning"]
-    if password:
-        argv += ["--requirepass", password]
-    child = sup.start("redis", argv, stdout=sys.stderr)    # our stdout carries only the URL
+    config = None
+    if password:    # read from its stdin ("-"): on its command line any user could read it
+        argv.insert(1, "-")
+        config = f"requirepass {redis_config_quoted(password)}\n".encode()
+    child = sup.start("redis", argv, stdout=sys.stderr,      # our stdout carries only the URL
+                      stdin_data=config)
     end = time.monotonic() + 10.0
     while time.monotonic() < end:
         if child.returncode is not None:
@@ -295,6 +298,13 @@ def start_redis(sup: Supervisor, host: str, port: int, password: str | None = No
             return child
         time.sleep(0.05)
     raise PacerError(f"redis-server on port {port} did not answer within 10 s")
+
+
+def redis_config_quoted(value: str) -> str:
+    """`value` as one argument of a redis.conf line: double-quoted, every byte but letters and
+    digits as \\xHH (Redis reads them back exactly; spaces, quotes and backslashes included)."""
+    return '"' + "".join(chr(b) if chr(b).isalnum() and b < 128 else f"\\x{b:02x}"
+                         for b in value.encode()) + '"'
 
 
 def describe_redis(redis_url: str, started: bool) -> str:

@@ -49,11 +49,11 @@ def password_redis():
         proc.wait()
 
 
-def _wait_ready_with_auth(port: int, proc: subprocess.Popen) -> None:
+def _wait_ready_with_auth(port: int, proc: subprocess.Popen, password: str = PASSWORD) -> None:
     end = time.monotonic() + 10
     while time.monotonic() < end:
         try:
-            redis.Redis(port=port, password=PASSWORD).ping()
+            redis.Redis(port=port, password=password).ping()
             return
         except redis.ConnectionError:
             time.sleep(0.05)
@@ -132,6 +132,30 @@ def test_the_redis_pacer_up_starts_keeps_the_urls_password(tmp_path):
         assert redis.Redis(port=port, password=PASSWORD).ping()
     finally:
         system.stop()
+
+
+def test_the_redis_pacer_up_starts_reads_its_password_off_its_command_line():
+    """The password of the redis-server `pacer up` starts is not in its argv (any user of the
+    machine reads command lines) but on its stdin, quoted for redis.conf: spaces, quotes,
+    backslashes and non-ASCII come through exactly, after a restart too."""
+    from services.supervisor import Supervisor
+    from services.up import start_redis
+
+    port = free_port()
+    password = 'p w"\\x41\'ü#'
+    sup = Supervisor()
+    try:
+        child = start_redis(sup, "127.0.0.1", port, password)
+        assert not [a for a in child.argv if password in a or "requirepass" in a]
+        assert redis.Redis(port=port, password=password).ping()
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(port=port, password="p w").ping()
+        child.proc.kill()
+        child.proc.wait()
+        sup.restart(child)
+        _wait_ready_with_auth(port, sup.children[0].proc, password)
+    finally:
+        sup.stop_all()
 
 
 def _command_lines() -> list[list[str]]:
