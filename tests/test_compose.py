@@ -138,3 +138,12 @@ def test_gateway_refuses_what_the_engine_would(tmp_path: Path) -> None:
         config = config_from_args(build_parser().parse_args(argv))
         assert (config.model, config.max_model_len) == (None, None), argv
 
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_a_service_that_dies_is_started_again(stack: str) -> None:
+    """As `pacer up` restarts a child that died (docs/failure-modes.md), compose restarts
+    a container whose process ended by itself (a crash, exit 70 of an essential task, the
+    kernel's OOM killer); one stopped by `docker-compose stop` or `down` stays stopped."""
+    env = {"PACER_MODEL": "/models/m.gguf"}
+    for name, service in _stack(STACKS[stack], env).items():
+        assert service.get("restart") == "unless-stopped", (stack, name, service.get("restart"))
