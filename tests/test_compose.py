@@ -147,3 +147,13 @@ def test_a_service_that_dies_is_started_again(stack: str) -> None:
     env = {"PACER_MODEL": "/models/m.gguf"}
     for name, service in _stack(STACKS[stack], env).items():
         assert service.get("restart") == "unless-stopped", (stack, name, service.get("restart"))
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_a_model_file_reaches_every_service(stack: str, tmp_path: Path) -> None:
+    """PACER_MODEL may name a .gguf file or an HF directory (docker-compose.yml's header):
+    every service that loads the model, at any TP degree, sees PACER_MODEL_DIR at /models."""
+    env = {"PACER_MODEL": "/models/m.gguf", "PACER_MODEL_DIR": str(tmp_path)}
+    for name, service in _stack(STACKS[stack], env).items():
+        if name != "redis":
+            assert f"{tmp_path}:/models:ro" in service.get("volumes", []), (stack, name)
