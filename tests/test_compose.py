@@ -29,7 +29,6 @@ STACKS = {
     "tp2": [BASE, "docker-compose.tp2.yml", "docker-compose.hostnet.yml"],
     "pd": [BASE, "docker-compose.hostnet.yml", "docker-compose.pd.yml"],
 }
-PACER_SERVICES = ("gateway", "scheduler", "worker")
 _VAR = re.compile(r"\$(?:\$|\{(\w+)(?:(:?[-?])([^}]*))?\}|(\w+))")
 
 
