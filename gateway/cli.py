@@ -8,6 +8,7 @@ from gateway.config import (DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS
                             DEFAULT_SHUTDOWN_TIMEOUT_S, DEFAULT_STALLED_CLIENT_TIMEOUT_S,
                             POLICIES, GatewayConfig, new_gateway_id)
 from gateway.tool_parsers import PARSERS
+from shared.engine_args import EngineArgs
 from shared.service_args import add_service_args
 
 
@@ -22,6 +23,11 @@ def register(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's)")
     p.add_argument("--tp", type=int, default=1, help="worker ranks /health waits for")
+    p.add_argument("--engine-args", default="", type=engine_flags,
+                   help="the scheduler's and workers' engine flags as one string, split at "
+                        "whitespace (docker-compose's PACER_ENGINE_ARGS): the gateway takes "
+                        "--model and --max-model-len from them, over the flags above, as the "
+                        "scheduler and workers do when they follow")
     p.add_argument("--instances", default="",
                    help="P/D: the engine instances /health waits for and /metrics reports, "
                         "as ID:TP,... (e.g. p0:1,d0:1); default: the colocated engine")
@@ -81,6 +87,19 @@ def api_key_to_environment(args: argparse.Namespace) -> None:
         args.api_key = None
 
 
+def engine_flags(text: str) -> argparse.Namespace:
+    """--engine-args, read as `pacer scheduler` and `pacer worker` read their engine flags."""
+    p = argparse.ArgumentParser(prog="--engine-args", add_help=False, exit_on_error=False)
+    EngineArgs.add_cli_args(p)
+    try:
+        flags, rest = p.parse_known_args(text.split())
+    except argparse.ArgumentError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if rest:
+        raise argparse.ArgumentTypeError(f"not an engine flag: {' '.join(rest)}")
+    return flags
+
+
 def parse_instances(text: str) -> tuple[tuple[str, int], ...]:
     """"p0:1,d0:2" -> (("p0", 1), ("d0", 2))."""
     out = []
@@ -94,10 +113,13 @@ def parse_instances(text: str) -> tuple[tuple[str, int], ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> GatewayConfig:
+    engine = args.engine_args
+    model = args.model if engine.model is None else engine.model
+    max_model_len = args.max_model_len if engine.max_model_len is None else engine.max_model_len
     return GatewayConfig(host=args.host, port=args.port, redis_url=args.redis_url,
-                         key_prefix=args.key_prefix, model=args.model,
+                         key_prefix=args.key_prefix, model=model,
                          served_model_name=args.served_model_name,
-                         max_model_len=args.max_model_len, api_key=args.api_key, tp=args.tp,
+                         max_model_len=max_model_len, api_key=args.api_key, tp=args.tp,
                          instances=parse_instances(args.instances), router=args.router,
                          route_prefill=tuple(filter(None, args.route_prefill.split(","))),
                          gateway_id=args.gateway_id or new_gateway_id(),

@@ -90,9 +90,11 @@ class Compose:
         return proc.stdout
 
     def exited_services(self) -> list[str]:
-        """Services whose container has stopped: waiting longer will not help."""
-        out = self.run("ps", "--services", "--filter", "status=stopped", check=False)
-        return [line for line in out.splitlines() if line.strip()]
+        """Services whose container has stopped, or exited and waits to be started again
+        (restart: unless-stopped): waiting longer will not help."""
+        return [line for status in ("stopped", "restarting")
+                for line in self.run("ps", "--services", "--filter", f"status={status}",
+                                     check=False).splitlines() if line.strip()]
 
     def logs(self) -> str:
         return self.run("logs", "--no-color", "--tail", "60", check=False)
