@@ -35,6 +35,9 @@ from shared.tokenizer import Tokenizer
 log = structlog.get_logger("gateway.generation")
 
 DEADLINE_GRACE_S = 2.0
+# an echo's logprobs go this many at a time, top ones and the token's text counted
+# (~1 ms of JSON)
+ECHO_PIECE_ITEMS = 1024
 
 
 @dataclass
@@ -164,7 +167,8 @@ class Generation:
             self._stop_waiting()
             if self._echo is not None:
                 if finish is None or finish.error is None:
-                    yield await self._echo_delta()
+                    async for delta in self._echo_deltas():
+                        yield delta
                 self._echo = None
             self._consume([] if self._echo_only else events)
             if finish is not None and self._stream.ended_here:
@@ -191,14 +195,28 @@ class Generation:
             if piece or logprobs:
                 yield Delta(piece, logprobs)
 
-    async def _echo_delta(self) -> Delta:
+    async def _echo_deltas(self) -> AsyncIterator[Delta]:
         """The prompt, and with logprobs each of its tokens' (the first has none): they
-        arrived ahead of the first token."""
+        arrived ahead of the first token. Its logprobs go a piece at a time, each with the
+        text its tokens begin, the event loop free between pieces: a prompt of 32k tokens
+        with 20 top ones each made one chunk whose JSON held the loop, and every stream,
+        for ~0.4 s (json.dumps holds the GIL, on a thread too)."""
         if self.sampling.prompt_logprobs is None:
-            return Delta(self._echo)
+            yield Delta(self._echo)
+            return
         # a decode or more a prompt token: a batch of prompts as long as the context took
         # seconds on the event loop, every stream stalled meanwhile
-        return Delta(self._echo, await asyncio.to_thread(self._prompt_entries))
+        entries = await asyncio.to_thread(self._prompt_entries)
+        size = max(1, ECHO_PIECE_ITEMS // (2 + self.sampling.prompt_logprobs))
+        start = 0
+        for first in range(0, len(entries), size):
+            rest = entries[first + size:first + size + 1]
+            end = len(self._echo) if not rest else min(max(rest[0].offset, start),
+                                                        len(self._echo))
+            if first:
+                await asyncio.sleep(0)      # the other streams' turn
+            yield Delta(self._echo[start:end], entries[first:first + size])
+            start = end
 
     def _prompt_entries(self) -> list[TokenLogprob]:
         """Echo's logprobs: each prompt token's, placed in the prompt's text as the output's

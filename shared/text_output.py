@@ -32,12 +32,16 @@ class TextOutput:
         #                           with it, include_stop)
         self.stop_string: str | None = None     # the one found (vLLM's stop_reason)
         self._sent = 0
+        # each (non-empty) stop string's prefix function, and the length of its longest
+        # proper prefix the text ends with, followed a character at a time (KMP)
+        self._borders = [(s, _prefix_function(s)) for s in stop if s]
+        self._matched = [0] * len(self._borders)
 
     def add(self, token_id: int) -> None:
         if self.stopped or (self._ends is not None and self._ends(token_id)):
             return
         before = len(self.text)
-        self.text += self._detok.add(token_id)
+        self._extend(self._detok.add(token_id))
         self._tokens += 1
         self._find_stop(before)
 
@@ -45,7 +49,7 @@ class TextOutput:
         """No more tokens: release what the detokenizer still holds (an incomplete character)."""
         if not self.stopped:
             before = len(self.text)
-            self.text += self._detok.flush()
+            self._extend(self._detok.flush())
             self._find_stop(before)
 
     @property
@@ -73,12 +77,33 @@ class TextOutput:
             self.text = self.text[:at + length if self._include_stop else at]
             self.stopped = True
 
+    def _extend(self, piece: str) -> None:
+        self.text += piece
+        for i, (stop, border) in enumerate(self._borders):
+            k = self._matched[i]
+            for c in piece:
+                while k and stop[k] != c:
+                    k = border[k - 1]
+                if stop[k] == c:
+                    k += 1
+                if k == len(stop):      # the whole of it: its longest proper border
+                    k = border[k - 1]
+            self._matched[i] = k
+
     def _held_back(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        held = 0
-        for s in self._stop:
-            for k in range(min(len(s) - 1, len(self.text)), held, -1):
-                if self.text.endswith(s[:k]):
-                    held = k
-                    break
-        return held
+        """Length of the longest tail of the text that is a proper prefix of a stop string.
+        Kept up as the text grows: looked for afresh after every token, each prefix of each
+        stop string tried, 64 stop strings of 1024 characters took ~8 ms a token, on the
+        gateway's event loop."""
+        return max(self._matched, default=0)
+
+
+def _prefix_function(s: str) -> list[int]:
+    """For each i, the length of the longest proper prefix of s[:i + 1] that also ends it."""
+    border = [0] * len(s)
+    for i in range(1, len(s)):
+        k = border[i - 1]
+        while k and s[k] != s[i]:
+            k = border[k - 1]
+        border[i] = k + (s[k] == s[i])
+    return border

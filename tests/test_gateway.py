@@ -658,6 +658,32 @@ async def test_echo_puts_the_prompt_and_its_logprobs_first(h: Harness, stream: b
     assert lp["text_offset"][len(ids)] == len(prompt)        # the output's text follows it
 
 
+async def test_a_long_echo_streams_its_logprobs_in_pieces(h: Harness) -> None:
+    """Echo's logprobs were one chunk: a prompt of 32k tokens with 20 top ones each took
+    ~0.4 s to serialize (json.dumps holds the GIL, a thread would not help), every stream
+    stalled meanwhile. They go a piece at a time, each piece with the text its tokens begin;
+    joined, the stream is the whole answer."""
+    from gateway.generation import ECHO_PIECE_ITEMS
+    prompt = " ".join(f"w{i}" for i in range(40))
+    ids = h.tok.encode(prompt, add_special_tokens=True)
+    most = ECHO_PIECE_ITEMS // (2 + 20)         # tokens a piece, with 20 top ones each
+    assert len(ids) > 2 * most and len(ids) + 2 <= MAX_MODEL_LEN
+    body = completion(prompt=prompt, echo=True, logprobs=20, max_tokens=2)
+    text, lp, _ = await _echo_answer(h, body, stream=False)
+    chunks = [json.loads(d)["choices"][0] for d in (await h.sse("/v1/completions", body))[:-1]]
+    echo, count = [], 0             # the chunks before the output's: the prompt's tokens
+    while count < len(ids):
+        echo.append(chunks[len(echo)])
+        count += len(echo[-1]["logprobs"]["tokens"])
+    assert count == len(ids) and len(echo) >= 3 and all(len(c["logprobs"]["tokens"]) <= most for c in echo)
+    assert "".join(c["text"] for c in echo) == prompt
+    for c in echo:                  # each piece's text is where its tokens stand
+        assert prompt.startswith(c["text"], c["logprobs"]["text_offset"][0])
+    streamed = {key: [v for c in chunks if c["logprobs"] for v in c["logprobs"][key]]
+                for key in lp}
+    assert "".join(c["text"] for c in chunks) == text and streamed == lp
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_vllms_prompt_logprobs_field(h: Harness, path: str) -> None:
     """vLLM's shape: None for the first token, then {token id: {logprob, rank,

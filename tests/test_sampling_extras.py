@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import sys
 
 import pytest
 import torch
@@ -141,9 +142,52 @@ def test_the_streamed_text_is_the_final_text_for_any_stops_and_min_tokens():
         for t in range(len(pieces)):
             out.add(t)
             sent += out.take()
+            # what is held is the longest end of the text that begins a stop string
+            held = max((k for s in stops for k in range(len(s)) if k <= len(out.text)
+                        and out.text.endswith(s[:k])), default=0)
+            assert out.stopped or out.text[out.sent:] == out.text[len(out.text) - held:]
         out.finish()
         sent += out.take(final=True)
         assert sent == out.text, (pieces, stops)
+
+
+def test_a_tokens_work_does_not_grow_with_its_stop_strings_length():
+    """The text that may begin a stop string (held back from a stream) was looked for afresh
+    after every token, each prefix of each stop string tried: 64 stop strings of 1024
+    characters, the most a request may give, took ~8 ms a token on the gateway's event
+    loop, every stream stalled meanwhile. Counted in lines of Python run, not in time."""
+    import shared.text_output as module
+
+    def lines_run(length: int) -> int:
+        stops = tuple(f"{i:02d}" + "x" * (length - 2) for i in range(64))
+        out = TextOutput(_Pieces(["word "] * 60), stops)
+        sent = []
+        for t in range(40):
+            out.add(t)
+            sent.append(out.take())
+        count = 0
+
+        def trace(frame, event, arg):
+            nonlocal count
+            if frame.f_code.co_filename != module.__file__:
+                return None
+
+            def line(frame, event, arg):
+                nonlocal count
+                count += event == "line"
+                return line
+            return line
+        sys.settrace(trace)
+        try:
+            for t in range(40, 60):
+                out.add(t)
+                sent.append(out.take())
+        finally:
+            sys.settrace(None)
+        assert "".join(sent) == "word " * 60      # nothing that begins a stop string held
+        return count
+
+    assert lines_run(1024) < 2 * lines_run(8)
 
 
 @pytest.fixture(scope="module")
