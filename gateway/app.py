@@ -8,7 +8,8 @@ What a client can send is bounded: the body by `max_body_bytes` (413), the reque
 each header by HEADER_LIMITS (aiohttp answers 400/431 before a handler runs).
 
 SIGTERM drains (`drain`): new requests get 503, running ones get `shutdown_timeout_s` to
-finish, then whatever is left ends with an error event, and the server stops.
+finish, then whatever is left ends with an error event, and the server stops. A second
+signal ends them with that event at once.
 """
 from __future__ import annotations
 
@@ -181,15 +182,23 @@ async def serve(config: GatewayConfig, app: web.Application | None = None) -> As
 
 
 async def drain(app: web.Application) -> None:
-    """Stop taking requests, give the running ones `shutdown_timeout_s`, end the rest."""
+    """Stop taking requests, give the running ones `shutdown_timeout_s`, end the rest.
+    Cancelled meanwhile (a second signal: the operator will not wait), it ends them at once,
+    each with its error event: cancelled, the server cut them off mid-stream without one,
+    and only after waiting for them for its own shutdown timeout."""
     state = app[STATE]
     state.draining = True
     log.info("draining", open_requests=state.router.num_open,
              shutdown_timeout_s=state.config.shutdown_timeout_s)
-    if not await _until_no_open(state, state.config.shutdown_timeout_s):
-        state.router.fail_all(SHUTDOWN_ERROR)
-        # their handlers write the error event and return; the server then stops
-        await _until_no_open(state, 2.0)
+    try:
+        if await _until_no_open(state, state.config.shutdown_timeout_s):
+            return
+    except asyncio.CancelledError:
+        asyncio.current_task().uncancel()
+        log.warning("stopping now; ending the open requests", open_requests=state.router.num_open)
+    state.router.fail_all(SHUTDOWN_ERROR)
+    # their handlers write the error event and return; the server then stops
+    await _until_no_open(state, 2.0)
 
 
 async def _until_no_open(state: GatewayState, timeout_s: float) -> bool:

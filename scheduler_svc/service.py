@@ -376,7 +376,10 @@ class SchedulerService:
                 self.stats.went_idle()
                 return True
             self._flight.append((plan, await self._send(plan)))
-        if self._overlap and self.core.has_schedulable() and self.core.can_schedule_ahead():
+        # past the drain deadline nothing more goes out: the results of the plans in flight
+        # come in, and then `_step` stops (with a plan always ahead, it never got the chance)
+        if self._overlap and not self._drain_expired() and self.core.has_schedulable() \
+                and self.core.can_schedule_ahead():
             plan = self.core.schedule_ahead()
             if self.decode is not None:
                 plan = self.decode.add_checks(plan)

@@ -8,8 +8,10 @@ service as its own process,
 waits until the gateway's /health is 200, and prints the URL. Ctrl-C or SIGTERM drains: the
 gateway answers 503 to new requests and gives running ones `--shutdown-timeout` seconds to
 finish (then ends them with an error event), then the rest stops in order (scheduler,
-workers, Redis) and `pacer up` exits 0. A child that dies during start-up stops everything
-with a non-zero exit naming it; one that dies later is restarted (`services/restarts.py`).
+workers, Redis) and `pacer up` exits 0; a second Ctrl-C or SIGTERM stops every service at
+once (the open requests end with their error event now). A child that dies during start-up
+stops everything with a non-zero exit naming it; one that dies later is restarted
+(`services/restarts.py`).
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ log = structlog.get_logger("up")
 
 PROGRESS_EVERY_S = 5.0
 STOP_MARGIN_S = 5.0          # past the shutdown timeout, before a child is killed
+REDIS_CHILD = "redis"        # the name of the redis-server pacer up starts, among its children
 
 
 def register(sub) -> None:
@@ -287,7 +290,7 @@ def start_redis(sup: Supervisor, host: str, port: int, password: str | None = No
     if password:    # read from its stdin ("-"): on its command line any user could read it
         argv.insert(1, "-")
         config = f"requirepass {redis_config_quoted(password)}\n".encode()
-    child = sup.start("redis", argv, stdout=sys.stderr,      # our stdout carries only the URL
+    child = sup.start(REDIS_CHILD, argv, stdout=sys.stderr,      # our stdout carries only the URL
                       stdin_data=config)
     end = time.monotonic() + 10.0
     while time.monotonic() < end:
@@ -441,15 +444,35 @@ def _health(base_url: str) -> tuple[int | None, dict]:
 
 
 class _Signals:
-    """SIGINT/SIGTERM set a flag; the main loop notices within 50 ms."""
+    """SIGINT/SIGTERM set a flag; the main loop notices within 50 ms. Each signal after the
+    first (Ctrl-C again: the operator will not wait) is passed on to every service still
+    running: one already stopping takes it as its second signal and stops now (the gateway
+    ends its open streams with their error event at once, not after --shutdown-timeout),
+    one not told yet starts to stop now rather than in turn. Redis still stops last."""
 
-    def __init__(self) -> None:
+    def __init__(self, sup: Supervisor) -> None:
         self.received: int | None = None
+        self._sup = sup
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, _frame) -> None:
+        if self.received is not None:
+            self._stop_now()
         self.received = signum
+
+    def _stop_now(self) -> None:
+        try:
+            print("pacer up: signalled again; stopping every service now (open requests end "
+                  "with an error event)", file=sys.stderr, flush=True)
+        except BrokenPipeError:
+            output_gone()
+        for child in self._sup.children:
+            if child.name != REDIS_CHILD and child.returncode is None:
+                try:
+                    child.proc.send_signal(signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
 
     def __call__(self) -> bool:
         return self.received is not None
@@ -515,8 +538,8 @@ def run(args: argparse.Namespace) -> int:
     _check_listen_address(args.host, args.port)
     url = _checked_redis_url(args.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
-    stopping = _Signals()
     sup = Supervisor()
+    stopping = _Signals(sup)
     try:
         # only a plain redis:// URL can be a server of ours; rediss:// and unix sockets are used
         listener = _listener(host, port) if url.scheme == "redis" else "redis"

@@ -417,3 +417,33 @@ def test_when_no_one_reads_pacer_ups_output_it_still_leaves_nothing_running(tmp_
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_second_sigterm_ends_the_open_streams_with_their_error_event_at_once(tmp_path):
+    """Ctrl-C twice: the operator will not wait out --shutdown-timeout. `pacer up` passed
+    the second signal on to nobody (the services run in sessions of their own), so the
+    streams ran to their end; and a gateway signalled twice cut its streams off mid-chunk,
+    without an error event or [DONE], after waiting for them for 10 s more."""
+    system = start_served(str(tmp_path / "pacer-up.log"), "--shutdown-timeout", "3600")
+
+    async def scenario() -> StreamResult:
+        async with aiohttp.ClientSession() as session:
+            streaming = asyncio.Event()
+            # the context's worth of tokens: without the second signal passed on, the stream
+            # ran to them (finish_reason "length"), whatever the machine's pace
+            stream = asyncio.create_task(stream_completion(
+                session, system.base_url, long_body(max_tokens=2000), DEADLINE_S,
+                lambda r: len(r.chunk_times) >= 2 and streaming.set()))
+            await asyncio.wait_for(streaming.wait(), DEADLINE_S)
+            system.proc.send_signal(signal.SIGTERM)
+            await _until_draining(session, system.base_url)
+            system.proc.send_signal(signal.SIGTERM)
+            return await stream
+
+    try:
+        result = asyncio.run(scenario())
+        assert result.error is not None and "shut down" in result.error["message"], result
+        assert result.done and result.text and result.finish_reason is None, result
+        assert system.proc.wait(DEADLINE_S) == 0, system.log_tail()
+    finally:
+        system.stop()

@@ -95,6 +95,7 @@ class Gate:
         self.runner = runner
         self.requests = runner.requests
         self._armed = False
+        self.delay_s = 0.0          # each plan takes this much longer (a slow model)
         self._held = threading.Event()
         self._release = threading.Event()
 
@@ -103,6 +104,7 @@ class Gate:
             self._armed = False
             self._held.set()
             self._release.wait(DEADLINE_S)
+        time.sleep(self.delay_s)
         return self.runner.execute(plan)
 
     async def hold_next_plan(self) -> None:
@@ -149,10 +151,14 @@ class System:
     base_url: str
     gate: Gate
     worker: Worker
+    engine: LLMEngine               # the tiny model's, whose core the scheduler serves
+    scheduler: asyncio.Task         # the scheduler service; returns once `stop` is set
+    stop: asyncio.Event
 
 
 @asynccontextmanager
-async def running(server: Redis, model: str) -> AsyncIterator[System]:
+async def running(server: Redis, model: str,
+                  scheduler: SchedulerServiceConfig | None = None) -> AsyncIterator[System]:
     """Gateway, scheduler and worker rank 0 (with its heartbeat) against `server`."""
     engine = LLMEngine(EngineArgs(model=model, dtype="float32", num_kv_blocks=64), progress=False)
     gate = Gate(engine.runner)
@@ -170,12 +176,12 @@ async def running(server: Redis, model: str) -> AsyncIterator[System]:
                                                    ttl_s=WORKER_HEARTBEAT_TTL_S)),
              asyncio.create_task(serve_scheduler(
                  scheduler_redis, KEYS, engine.scheduler,
-                 SchedulerServiceConfig(scheduler_id="scheduler-0"), stop))]
+                 scheduler or SchedulerServiceConfig(scheduler_id="scheduler-0"), stop))]
     config = GatewayConfig(port=0, redis_url=server.url, model=model,
                            served_model_name=MODEL_NAME, api_key=API_KEY)
     try:
         async with serve_gateway(config) as base_url:
-            yield System(base_url, gate, worker)
+            yield System(base_url, gate, worker, engine, tasks[1], stop)
     finally:
         gate.release()
         stop.set()
