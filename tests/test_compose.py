@@ -156,3 +156,20 @@ def test_a_model_file_reaches_every_service(stack: str, tmp_path: Path) -> None:
     for name, service in _stack(STACKS[stack], env).items():
         if name != "redis":
             assert f"{tmp_path}:/models:ro" in service.get("volumes", []), (stack, name)
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_the_api_key_reaches_the_gateway_off_its_command_line(stack: str, tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """PACER_API_KEY reaches the gateway's environment, where `pacer gateway` reads it as
+    --api-key's default (never on its command line, which `ps` shows every user); unset, the
+    gateway serves without a key."""
+    for key in ("k3y", None):
+        env = {"PACER_MODEL": "/models/m.gguf", **({"PACER_API_KEY": key} if key else {})}
+        gateway = _stack(STACKS[stack], env)["gateway"]
+        given = str(gateway.get("environment", {}).get("PACER_API_KEY") or "")
+        assert given == (key or "")
+        argv = _argvs(STACKS[stack], env, tmp_path)["gateway"]
+        assert not [a for a in argv if key and key in a]
+        monkeypatch.setenv("PACER_API_KEY", given)      # the container's environment
+        assert config_from_args(build_parser().parse_args(argv)).api_key == key
