@@ -173,3 +173,47 @@ def test_the_api_key_reaches_the_gateway_off_its_command_line(stack: str, tmp_pa
         assert not [a for a in argv if key and key in a]
         monkeypatch.setenv("PACER_API_KEY", given)      # the container's environment
         assert config_from_args(build_parser().parse_args(argv)).api_key == key
+
+
+def _seconds(text: str) -> float:
+    return float(re.fullmatch(r"(\d+(?:\.\d+)?)s", text).group(1))
+
+
+@pytest.mark.parametrize("stack", sorted(STACKS))
+def test_the_stack_stops_in_pacer_ups_order_each_after_its_drain(stack: str) -> None:
+    """`docker-compose stop` stops a service only after the services that depend on it: so the
+    gateways stop before the schedulers and the schedulers before the workers, as `pacer up`
+    stops its children (workers that left first cut the running requests off while the
+    gateway and scheduler still drained). Each gets longer than its own drain before Docker
+    kills it (its default grace is 10 s, no longer than the gateway's --shutdown-timeout)."""
+    from gateway.config import DEFAULT_SHUTDOWN_TIMEOUT_S
+
+    services = _stack(STACKS[stack], {"PACER_MODEL": "/models/m.gguf"})
+
+    def kind(name: str) -> str:
+        return next(k for k in ("gateway", "scheduler", "worker", "redis") if k in name)
+
+    def after(name: str) -> set[str]:
+        """What `name` stops before: everything it depends on, transitively."""
+        out, todo = set(), list(services[name].get("depends_on", {}))
+        if (mode := services[name].get("network_mode", "")).startswith("service:"):
+            todo.append(mode.split(":", 1)[1])
+        while todo:
+            dep = todo.pop()
+            if dep not in out:
+                out.add(dep)
+                todo.extend(services[dep].get("depends_on", {}))
+        return out
+
+    for name in services:
+        if kind(name) == "gateway":
+            assert {s for s in services if kind(s) == "scheduler"} <= after(name), name
+        if kind(name) == "scheduler":
+            assert any(kind(s) == "worker" for s in after(name)), name
+    scheduler_drain = build_parser().parse_args(["scheduler"]).drain_timeout
+    for name, service in services.items():
+        grace = _seconds(service.get("stop_grace_period", "10s"))
+        if kind(name) == "gateway":
+            assert grace > DEFAULT_SHUTDOWN_TIMEOUT_S, name
+        if kind(name) == "scheduler":
+            assert grace > scheduler_drain, name
