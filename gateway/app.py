@@ -36,7 +36,7 @@ from gateway.streams import TokenRouter
 from gateway.upstream import Upstream
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
-from shared.lifecycle import essential_task, freeze_heap, run_service
+from shared.lifecycle import clear_key, essential_task, freeze_heap, run_service
 from shared.model_config import load_model_config
 from shared.model_source import resolve_model
 from shared.service_args import redis_password, refused_for_good, shown_url
@@ -107,6 +107,9 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
     await state.upstream.drain()
+    # gone at once for /health and the schedulers (each ends a gone gateway's requests), not
+    # after the key's TTL, as a scheduler and a worker do at a clean exit
+    await clear_key(state.redis, state.keys.hb_gateway(state.config.gateway_id))
     await state.redis.aclose()
     await listener.aclose()
 

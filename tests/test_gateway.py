@@ -1675,6 +1675,23 @@ async def test_health_with_replicas_needs_each_replicas_scheduler_and_workers(
     await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwhealth:*")])
 
 
+async def test_a_gateway_that_stops_cleanly_takes_its_heartbeat_key_with_it(
+        h: Harness, config: GatewayConfig) -> None:
+    """As a scheduler and a worker do: /health and the schedulers (which end a gone gateway's
+    requests) see it gone at once, not after the key's TTL."""
+    leaving = dataclasses.replace(config, gateway_id="leaving")
+    key = h.keys.hb_gateway("leaving")
+    async with serve(leaving) as url:
+        async with h.session.get(url + "/v1/models") as r:
+            assert r.status == 200
+        for _ in range(100):
+            if await h.redis.exists(key):
+                break
+            await asyncio.sleep(0.05)
+        assert await h.redis.exists(key)
+    assert not await h.redis.exists(key)
+
+
 async def test_metrics_exposes_gateway_and_scheduler_numbers(h: Harness) -> None:
     await h.post("/v1/completions", completion(max_tokens=4))
     await h.redis.hset(h.keys.stats, mapping={"num_requests_running": 3, "num_requests_waiting": 5,
