@@ -25,14 +25,28 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> frozenset[str]:
     return frozenset()
 
 
+# PACER_CPU_ISA levels below AVX-512 (gpu_worker/kernel_build.py names them all): a process
+# held there decides as a CPU of that level would, which has no native bf16
+HELD_BELOW_AVX512 = frozenset({"generic", "avx2"})
+
+
+def native_bf16(flags: frozenset[str] | None = None) -> bool:
+    """Whether this process serves bf16 dot products in hardware: the CPU has them and
+    PACER_CPU_ISA does not hold it below AVX-512 (held to AVX2, `--dtype auto` and the GEMM
+    paths choose as on an AVX2-only CPU)."""
+    flags = cpu_flags() if flags is None else flags
+    return (bool(NATIVE_BF16_FLAGS & flags)
+            and os.environ.get("PACER_CPU_ISA", "").strip() not in HELD_BELOW_AVX512)
+
+
 def auto_dtype(device: str, flags: frozenset[str] | None = None) -> str:
     """`--dtype auto`: bfloat16 on CUDA and on CPUs with native bf16 dot products, where it is
     the fast dtype (docs/benchmarks.md has the measurement on both kinds of CPU); float32 on
-    other CPUs, where bf16 is the slow one."""
+    other CPUs, and where PACER_CPU_ISA holds this one below AVX-512, where bf16 is the slow
+    one."""
     if device.startswith("cuda"):
         return "bfloat16"
-    flags = cpu_flags() if flags is None else flags
-    return "bfloat16" if device == "cpu" and NATIVE_BF16_FLAGS & flags else "float32"
+    return "bfloat16" if device == "cpu" and native_bf16(flags) else "float32"
 
 
 # ---- cores for the forward threads -------------------------------------------------------

@@ -13,7 +13,7 @@ import pytest
 
 from gpu_worker import cpu_kernels as ck
 from gpu_worker import kernel_build as kb
-from shared.cpu import cpu_flags
+from shared.cpu import auto_dtype, cpu_flags
 from shared.errors import PacerError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -43,6 +43,30 @@ def test_the_best_level_runs_here_and_a_level_can_be_forced(monkeypatch):
     monkeypatch.setenv("PACER_CPU_ISA", "sse9")
     with pytest.raises(PacerError, match="one of generic"):
         ck.best_level(AVX512)
+
+
+def test_a_process_held_below_avx512_picks_the_dtype_of_such_a_cpu(monkeypatch):
+    """Held to AVX2 (or generic) on a CPU with native bf16, `--dtype auto` picks float32 as an
+    AVX2-only CPU does, where bf16 GEMMs widen in software: held runs measure what such a CPU
+    would serve (they served bf16, 0.13x float32's throughput, docs/benchmarks.md#dtype-auto)."""
+    bf16_cpu = AVX512 | {"avx512_bf16"}
+    assert auto_dtype("cpu", AVX512) == "float32"
+    assert kb.LEVEL_NAMES[-1] == "avx512"      # every level before it is held below it
+    for held, want in [("", "bfloat16"), *[(level, "float32") for level in kb.LEVEL_NAMES[:-1]],
+                       ("avx512", "bfloat16")]:
+        monkeypatch.setenv("PACER_CPU_ISA", held)
+        assert auto_dtype("cpu", bf16_cpu) == want, held
+        assert auto_dtype("cuda", bf16_cpu) == "bfloat16"
+    if not {"avx512_bf16", "amx_bf16"} & cpu_flags():
+        pytest.skip("this CPU has no native bf16 to hold back (CPU flag avx512_bf16 or amx_bf16)")
+    # a whole process held: the engine's default args and the GEMMs' own rule agree
+    out = subprocess.run(
+        [sys.executable, "-c", "from shared.engine_args import EngineArgs; "
+         "from gpu_worker.quant import linear; "
+         "print(EngineArgs().resolved().dtype, linear._bf16_gemm_native())"],
+        cwd=ROOT, env={**os.environ, "PACER_CPU_ISA": "avx2"}, capture_output=True, text=True,
+        timeout=120)
+    assert out.stdout.strip().splitlines()[-1:] == ["float32 False"], out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("kernel_dir", ["found", "given"])

@@ -45,7 +45,7 @@ import torch
 
 from gpu_worker.cpu_kernels import best_level, cpu_kernels
 from gpu_worker.quant.tensor import QTensor
-from shared.cpu import NATIVE_BF16_FLAGS, cpu_flags
+from shared.cpu import cpu_flags, native_bf16
 
 AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
 
@@ -167,8 +167,8 @@ def _in_cache_kernels():
 @functools.cache
 def _bf16_gemm_native() -> bool:
     """bf16 GEMMs in hardware: the CPU has AVX512-BF16 or AMX and its kernels are not held below
-    AVX-512 (PACER_CPU_ISA, gpu_worker/cpu_kernels.py)."""
-    return bool(NATIVE_BF16_FLAGS & cpu_flags()) and best_level() == "avx512"
+    AVX-512 (PACER_CPU_ISA, gpu_worker/cpu_kernels.py; `--dtype auto` decides by the same)."""
+    return native_bf16() and best_level() == "avx512"
 
 
 def _mm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
