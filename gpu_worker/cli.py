@@ -59,6 +59,11 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         import torch
         torch.set_num_threads(args.threads)
+    if engine_args.tp > 1:
+        # a rank of a group leaves without the interpreter's finalization, where threads of
+        # its process group could abort it (-6) after its error: `pacer up` reads the code
+        from gpu_worker.tp.liveness import leave_process
+        args.end_process = leave_process
     return run_redis_service(args.redis_url, lambda redis, stop: serve_worker(
         redis, Keys(args.key_prefix).for_instance(args.instance), layout, args.rank, stop,
         tp_host=args.tp_host, role=args.role))

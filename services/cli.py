@@ -68,6 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     default_omp_wait_policy()       # before any subcommand loads torch
     args = build_parser().parse_args(argv)
+    code = _run(args)
+    # a command whose process must not end through the interpreter's finalization sets
+    # `end_process` (a tensor-parallel worker rank: gpu_worker/cli.py); it exits with `code`
+    end_process = getattr(args, "end_process", None)
+    if end_process is not None:
+        end_process(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         code = int(args.run(args) or 0)
         sys.stdout.flush()          # a closed pipe shows here, not at the interpreter's exit

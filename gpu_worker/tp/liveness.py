@@ -20,7 +20,7 @@ import sys
 import threading
 import time
 from datetime import timedelta
-from typing import Callable
+from typing import Callable, NoReturn
 
 import torch.distributed as dist
 
@@ -71,13 +71,28 @@ def record_only(why: str) -> None:
     """Rank 0's default: Liveness.dead holds the reason; the next execute raises it."""
 
 
+def leave_process(code: int) -> NoReturn:
+    """End a rank's process now with `code`, once what it had to do is done, without the
+    interpreter's finalization: torch's threads of a process group (gloo's workers letting go
+    of a finished or failed collective's tensors, NCCL's watchdog) may still call into Python
+    then, and a thread that asks for the GIL while the interpreter finalizes is ended inside
+    C++ code that cannot unwind ("terminate called without an active exception": SIGABRT,
+    -6, instead of `code`). What was printed is flushed first."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass              # a reader gone, a stream closed: nothing more to say there
+    os._exit(code)
+
+
 def exit_process(rank: int) -> Callable[[str], None]:
     """A follower's default: its main thread may sit in a collective only the dead rank
     could finish, so it prints why and leaves."""
     def leave(why: str) -> None:
         print(f"pacer: tp rank {rank}: {why}; the tensor-parallel group is down, exiting",
               file=sys.stderr, flush=True)
-        os._exit(1)
+        leave_process(1)
     return leave
 
 

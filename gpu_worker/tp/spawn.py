@@ -19,7 +19,7 @@ from gpu_worker.tp.executor import TPExecutor
 from gpu_worker.tp.follower import run_follower
 from gpu_worker.tp.group import (DEFAULT_TIMEOUT_S, backend_for, destroy, device_for_rank,
                                  find_free_port, init_tp_group, threads_per_rank)
-from gpu_worker.tp.liveness import FOLLOWER_GRACE_S
+from gpu_worker.tp.liveness import FOLLOWER_GRACE_S, leave_process
 from shared.errors import PacerError
 from shared.lifecycle import describe_exit
 from shared.model_config import ModelConfig, check_tp_fits, load_model_config
@@ -144,4 +144,4 @@ def _follower_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_follower_main(sys.argv[1:]))
+    leave_process(_follower_main(sys.argv[1:]))     # not through finalization: see there
