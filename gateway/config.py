@@ -77,6 +77,7 @@ class GatewayConfig:
         if not self.stalled_client_timeout_s > 0:
             raise PacerError(f"--stalled-client-timeout must be > 0, got "
                              f"{self.stalled_client_timeout_s}")
+        self._check_instances()
         if self.router is not None and not self.instances:
             raise PacerError("--router needs --instances (the replicas it routes between)")
         if self.route_prefill and (self.router is None or not set(self.route_prefill)
@@ -88,3 +89,17 @@ class GatewayConfig:
         if not self.gateway_id or any(c in self.gateway_id for c in " :*?[]"):
             raise PacerError(f"gateway id {self.gateway_id!r} must be non-empty, "
                              "without spaces, ':' or glob characters")
+
+    def _check_instances(self) -> None:
+        """Each instance named once, with an ID and at least one worker rank: /health waits
+        for the ranks given here, and a TP of 0 let it answer ok while the instance's worker
+        was gone; a name given twice was routed to as two replicas."""
+        seen = set()
+        for inst, tp in self.instances:
+            if not inst:
+                raise PacerError(f"--instances: ':{tp}' has no ID (give ID:TP, as r0:1)")
+            if tp < 1:
+                raise PacerError(f"--instances: {inst}:{tp}: the TP degree must be >= 1")
+            if inst in seen:
+                raise PacerError(f"--instances: {inst} is named twice")
+            seen.add(inst)

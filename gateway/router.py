@@ -29,11 +29,12 @@ moves to a decode instance. Policies (`--router`):
   this is the least work queued. Why a prefix sticks rather than being weighed against the
   load each time: docs/design.md#cache-aware-routing.
 
-An instance whose scheduler has no live heartbeat (stopped, or restarting) is left out of the
-choice, whatever the policy, while another is alive: its stream would hold the request until
-the scheduler is back. The live set is read every LIVE_REFRESH_S by a task of its own
-(`keep_live_set`), never on a request's way: the read is a SCAN of the whole keyspace, which
-holds a key per request of the last minute (its `submitted` key).
+An instance whose scheduler has no live heartbeat (stopped, or restarting), or one of whose
+worker ranks has none (dead, hung, loading its model again), is left out of the choice,
+whatever the policy, while another has them all: its stream would hold the request until the
+scheduler and its ranks are back. The live set is read every LIVE_REFRESH_S by a task of its
+own (`keep_live_set`), never on a request's way: the read is a SCAN of the whole keyspace,
+which holds a key per request of the last minute (its `submitted` key).
 
 What an instance holds cached is the set of block hashes its scheduler publishes
 (`pacer:inst:{id}:cached_blocks`, SADD on caching, SREM on eviction, DEL when its index
@@ -75,7 +76,7 @@ OVERLOAD_FACTOR = 2          # ...unless its replica has more than this many tim
 OVERLOAD_MARGIN = 4          #    least loaded one's requests in flight, plus this many
 KV_FULL = 0.9                # ...or a KV cache fuller than this
 STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-LIVE_REFRESH_S = 1.0         # how often the router reads which instances' schedulers live
+LIVE_REFRESH_S = 1.0         # how often the router reads which instances can serve
 
 log = structlog.get_logger("gateway.router")
 
@@ -202,10 +203,15 @@ class ReplicaRouter:
             self._queued[index] -= work
 
     async def read_live(self) -> None:
-        """Read the instances whose scheduler heartbeats; every one while none does (no
-        verdict: Redis restarted, or nothing started yet)."""
+        """Read the instances that can serve: their scheduler and every worker rank it has
+        heartbeat. While none can, those whose scheduler beats (their ranks are on their way
+        back); while no scheduler beats, every one (no verdict: Redis restarted, or nothing
+        started yet)."""
         up = await live_instances(self.redis, self._root_keys)
-        self._live = [i for i, inst in enumerate(self.instances) if inst in up] or self._all
+        whole = await whole_instances(self.redis, self._root_keys,
+                                      {inst: up[inst] for inst in self.instances if inst in up})
+        self._live = ([i for i, inst in enumerate(self.instances) if inst in whole]
+                      or [i for i, inst in enumerate(self.instances) if inst in up] or self._all)
 
     async def keep_live_set(self) -> None:
         """`read_live` every LIVE_REFRESH_S, for the gateway's life. Each request found the
@@ -298,8 +304,17 @@ def _number(value) -> float:
     return number if math.isfinite(number) else 0.0
 
 
-async def live_instances(redis: aioredis.Redis, keys: Keys) -> set[str]:
+async def live_instances(redis: aioredis.Redis, keys: Keys) -> dict[str, int]:
     """The engine instances whose scheduler heartbeat key is alive ("" for a colocated
-    engine's): SCAN of the heartbeat keys, one MGET."""
+    engine's), each with its worker ranks: SCAN of the heartbeat keys, one MGET."""
     beats = [k async for k in redis.scan_iter(match=keys.hb_scheduler_pattern, count=SCAN_COUNT)]
     return scheduler_instances(await redis.mget(beats) if beats else [])
+
+
+async def whole_instances(redis: aioredis.Redis, keys: Keys, ranks: dict[str, int]) -> set[str]:
+    """Of `ranks` (instance -> its worker ranks), those whose every worker rank's heartbeat
+    key is alive: one MGET."""
+    wanted = [(inst, keys.for_instance(inst).hb_worker(r))
+              for inst, tp in ranks.items() for r in range(tp)]
+    beats = await redis.mget([key for _, key in wanted]) if wanted else []
+    return set(ranks) - {inst for (inst, _), beat in zip(wanted, beats) if beat is None}

@@ -200,6 +200,14 @@ def test_round_robin_goes_in_turn():
     assert asyncio.run(scenario()) == ["r0", "r0"]          # one instance: no Redis read
 
 
+def idle_stats(sync: redis.Redis, keys: Keys) -> None:
+    """Replicas r0 and r1's stats hashes, as two idle schedulers write them."""
+    for inst in ("r0", "r1"):
+        sync.hset(keys.for_instance(inst).stats, mapping={
+            "num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
+            "block_size": BLOCK})
+
+
 @pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "prefix"])
 def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypatch, policy):
     """Every policy skips an instance with no live scheduler heartbeat while another has one
@@ -215,10 +223,7 @@ def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypat
     monkeypatch.setattr(router_module, "live_instances", counted)
     keys = Keys(f"live-{policy}:")
     sync = redis.Redis.from_url(redis_server)
-    for inst in ("r0", "r1"):
-        sync.hset(keys.for_instance(inst).stats, mapping={
-            "num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
-            "block_size": BLOCK})
+    idle_stats(sync, keys)
 
     def beat(inst: str) -> None:
         sync.set(keys.hb_scheduler(f"sched-{inst}"),
@@ -241,6 +246,46 @@ def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypat
     assert set(asyncio.run(choices(6))) == {"r1"}           # r0's scheduler is gone
     beat("r0")
     assert set(asyncio.run(choices(6))) == {"r0", "r1"}
+    sync.close()
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "prefix"])
+def test_an_instance_whose_workers_are_missing_is_left_out(redis_server, policy):
+    """A replica whose scheduler beats but one of whose worker ranks does not (dead, hung,
+    restarting, loading its model) cannot serve: its scheduler would hold the request until
+    the ranks are back (seen: 4 of 8 requests waited 31 s on a replica whose worker was
+    stopped, while the other replica idled). Every policy leaves it out while another
+    instance has its scheduler and all its ranks (as many as its scheduler's heartbeat says);
+    with none whole, the instances whose scheduler beats are the candidates."""
+    keys = Keys(f"workers-{policy}:")
+    sync = redis.Redis.from_url(redis_server)
+    idle_stats(sync, keys)
+    for inst in ("r0", "r1"):
+        sync.set(keys.hb_scheduler(f"sched-{inst}"), encode(Heartbeat(
+            "scheduler", f"sched-{inst}", 0.0, {"instance": inst, "tp": 2})))
+
+    def beat(inst: str, rank: int) -> None:
+        sync.set(keys.for_instance(inst).hb_worker(rank),
+                 encode(Heartbeat("worker", f"rank{rank}", 0.0, {})))
+
+    async def choices(n: int) -> list[str]:
+        client = aioredis.Redis.from_url(redis_server)
+        router = ReplicaRouter(client, keys, ["r0", "r1"], policy)
+        try:
+            await router.read_live()
+            return [await router.choose(str(i), [i] * 8) for i in range(n)]
+        finally:
+            await client.aclose()
+
+    assert set(asyncio.run(choices(6))) == {"r0", "r1"}     # none whole: both schedulers
+    beat("r0", 0)
+    beat("r0", 1)
+    beat("r1", 0)                                           # r1's rank 1 is missing
+    assert set(asyncio.run(choices(6))) == {"r0"}
+    beat("r1", 1)
+    assert set(asyncio.run(choices(6))) == {"r0", "r1"}
+    sync.delete(keys.hb_scheduler("sched-r0"))              # r0's workers, but no scheduler
+    assert set(asyncio.run(choices(6))) == {"r1"}
     sync.close()
 
 

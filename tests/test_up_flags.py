@@ -206,3 +206,20 @@ def test_an_unknown_log_level_is_one_line_not_a_traceback(command):
     assert proc.returncode == 2 and "argument --log-level: debug, info, warning or error, " \
         "got 'verbose'" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("instances, said", [
+    ("r0:0,r1:1", "--instances: r0:0: the TP degree must be >= 1"),
+    ("r0:1,r1:1,r0:1", "--instances: r0 is named twice"),
+    (":1,r1:1", "--instances: ':1' has no ID"),
+])
+def test_a_gateway_refuses_instances_it_would_route_or_check_wrong(instances, said):
+    """`pacer gateway --instances`, as one runs it beside engine instances of its own: a TP
+    of 0 took the instance's workers off /health (ok while r0's worker was stopped), and a
+    name given twice was routed to as two replicas; both were accepted without a word."""
+    proc = subprocess.run([sys.executable, "-m", "services.cli", "gateway", "--instances",
+                           instances, "--router", "prefix", "--port", str(_free_port()),
+                           "--redis-url", f"redis://127.0.0.1:{_free_port()}/0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0 and said in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
