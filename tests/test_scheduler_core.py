@@ -427,6 +427,29 @@ def test_preempted_request_resumes_before_later_arrivals():
     assert admitted == ["b", "c"]
 
 
+
+def test_a_preempted_request_keeps_its_place_by_arrival_and_is_not_starved():
+    # Eight equal requests over a pool that holds about two. The victim is the last running
+    # request: a preempted request re-admitted used to go last (admission order), and a
+    # younger one preempted after it went back ahead of it, so the second-oldest was evicted
+    # again and again (7 times) and finished after all six younger ones.
+    sched = make_scheduler(budget=64, max_seqs=16, num_blocks=40, block_size=4)
+    worker = FakeWorker(sched)
+    names = [f"r{i}" for i in range(8)]
+    for i, name in enumerate(names):
+        sched.add_request(name, [100 + (i * 7 + j) % 900 for j in range(50)],
+                          SamplingParams(max_tokens=75, ignore_eos=True))
+    finished, preempted = [], []
+    while sched.has_unfinished():
+        plan, outputs = step(sched, worker)
+        preempted += plan.preempted_request_ids
+        finished += [out.request_id for out in outputs if out.finished]
+        waiting = [r.arrival_index for r in sched._waiting]
+        running = [r.arrival_index for r in sched._running]
+        assert waiting == sorted(waiting) and running == sorted(running)
+    assert preempted and finished == names     # equal requests end first come, first served
+    assert preempted.count("r1") <= 2
+
 # ---- abort -------------------------------------------------------------------------------
 
 def test_abort_waiting_request_is_reported_and_never_sent():

@@ -3,10 +3,10 @@
 
 Every iteration is decided afresh, in this order:
 
-1. continue the running requests in admission order — a decode takes 1 row, a partial prefill
+1. continue the running requests in order of arrival — a decode takes 1 row, a partial prefill
    min(remaining, budget left) rows, leaving the decodes after it theirs — growing their block
    tables; when the pool runs dry the
-   most recently admitted running request is preempted (blocks freed, recomputed later);
+   running request that arrived last is preempted (blocks freed, recomputed later);
 2. if nothing was preempted, admit waiting requests first come, first served while the token
    budget and the sequence cap allow; a prompt longer than the budget left is cut into a chunk
    that rides along with the decodes. One exception (chunked prefill): a short prompt (its
@@ -158,7 +158,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self._requests: dict[str, Request] = {}      # every live (unfinished) request
         self._waiting: deque[Request] = deque()
-        self._running: list[Request] = []            # in admission order
+        self._running: list[Request] = []            # in order of arrival (`FcfsPolicy.place_running`)
         self._finished_ids: list[str] = []           # workers drop these with the next plan
         self._preempted_ids: list[str] = []          # ...and these, recomputed later
         self._aborted: list[RequestOutput] = []      # reported by the next update()
@@ -277,7 +277,7 @@ class Scheduler:
             request.num_computed_tokens = request.num_prompt_tokens
             request.kv_received = list(kv_received)
             request.status = RequestStatus.RUNNING
-            self._running.append(request)
+            self.policy.place_running(self._running, request)
             return
         self._let_go(request, hold)
         request.status = RequestStatus.PREEMPTED
@@ -323,15 +323,15 @@ class Scheduler:
 
     def recompute_running(self) -> list[str]:
         """The workers lost their KV cache (a worker died): forget the plan in flight and send
-        every running request back to the front of the waiting queue, to be recomputed from
-        its prompt plus the tokens it generated (preemption, for all of them at once). The
-        prefix cache is emptied too: no block's content is known any more.
-        Returns their ids in admission order."""
+        every running request back to the waiting queue, ahead of those that arrived after it,
+        to be recomputed from its prompt plus the tokens it generated (preemption, for all of
+        them at once). The prefix cache is emptied too: no block's content is known any more.
+        Returns their ids in the running order."""
         self._flights.clear()
         self._free_aborted(self._next_step)     # no plan runs any more
         self._sync_next = False
         lost, self._running = self._running, []
-        for request in reversed(lost):       # each goes to the front: admission order kept
+        for request in reversed(lost):       # each goes back by its arrival
             self.block_manager.free(request)
             request.num_computed_tokens = 0
             request.kv_received = None
@@ -444,10 +444,12 @@ class Scheduler:
             if iteration.budget_left == 0:
                 return
             if request in waiting:
+                head = self._waiting[0]
                 admitting = admitting and not iteration.preempted_ids and \
-                    not iteration.stalled and self._admit(self._waiting[0], iteration)
+                    not iteration.stalled and self._admit(head, iteration)
                 if admitting:   # it goes among the more urgent ones, ahead of the rest
-                    self._running.insert(placed, self._running.pop())
+                    self._running.remove(head)
+                    self._running.insert(placed, head)
                     placed += 1
             elif request.status is RequestStatus.RUNNING:   # not preempted meanwhile
                 if request not in finishing and \
@@ -674,7 +676,7 @@ class Scheduler:
 
     def _continue_running(self, iteration: _Iteration,
                           defer_long: bool = False) -> list[Request]:
-        """Rows for the running requests, in admission order; with `defer_long`, the
+        """Rows for the running requests, in order of arrival; with `defer_long`, the
         prefills longer than the token budget are left out and returned, for
         `_continue_deferred` once the short prompts are in."""
         deferred: list[Request] = []
@@ -933,7 +935,7 @@ class Scheduler:
         else:
             self._waiting.remove(request)
         request.status = RequestStatus.RUNNING
-        self._running.append(request)
+        self.policy.place_running(self._running, request)
         iteration.add_new(request, rows)
         return True
 
