@@ -636,3 +636,18 @@ def test_few_rows_run_on_one_thread_fewer(tmp_path, tiny_hf, monkeypatch):
     assert all(threads == (2 if rows <= few else 3) for rows, threads in first)
     assert all(threads == 3 for _, threads in seen[len(first):])
     assert varied == fixed
+
+
+@pytest.mark.parametrize("level,warned", [("generic", True), ("avx2", False)])
+def test_integer_weights_on_a_cpu_without_avx2_are_warned_of(tmp_path, tiny_hf, monkeypatch,
+                                                               level, warned):
+    """Below AVX2 torch's int4/int8 GEMMs run their baseline code, 5-80x slower than float32
+    weights (measured held to generic): serving a GGUF in its own precision there says so,
+    naming the flag that widens it."""
+    from structlog.testing import capture_logs
+    monkeypatch.setenv("PACER_CPU_ISA", level)
+    source = resolve_model(write_tiny_gguf(tmp_path / "m.gguf", tiny_hf, Q.Q4_0))
+    with capture_logs() as logs:
+        assert resolve_quantization("auto", source, load_model_config(source)) == "int4"
+    said = [e["event"] for e in logs if e["log_level"] == "warning"]
+    assert bool(said) == warned and all("--quantization none" in e for e in said)
