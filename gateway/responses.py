@@ -15,6 +15,7 @@ import json
 import socket
 import struct
 import time
+from collections.abc import Iterator
 from contextlib import aclosing, suppress
 
 import structlog
@@ -240,7 +241,56 @@ def _full_body(gens: list[Generation], shape: Shape, texts: list[str],
     elif top is not None:                   # each completion choice's own
         for choice, gen in zip(body["choices"], gens):
             choice["prompt_logprobs"] = gen.prompt_logprobs(top)
-    return json.dumps(body)
+    return json_text(body)
+
+
+# a whole answer's JSON is made this many characters at a time (~1 ms of json.dumps)
+JSON_PIECE_CHARS = 32768
+# how deep json_pieces looks for a long list: an answer's choices, a choice's logprobs, their
+# content
+_JSON_PIECE_DEPTH = 6
+
+
+def json_text(body: object, separators: tuple[str, str] = (", ", ": ")) -> str:
+    """`json.dumps(body)`, made a piece at a time (json_pieces); run it off the event loop."""
+    return "".join(json_pieces(body, separators))
+
+
+def json_pieces(value: object, separators: tuple[str, str] = (", ", ": "),
+                depth: int = _JSON_PIECE_DEPTH) -> Iterator[str]:
+    """`json.dumps(value, separators=separators)` in pieces, each a json.dumps of about
+    JSON_PIECE_CHARS at most (an item longer than that, deeper than `depth`, aside): a long
+    list a slice at a time, a long item looked into. json.dumps holds the GIL for as long as
+    it runs, on a thread too: a long output's logprobs, or a long prompt's, in one call (~0.4 s
+    for 8k tokens with 20 top ones each) stalled the event loop, and every stream,
+    meanwhile; between pieces a thread lets it run."""
+    item, key = separators
+    if depth and isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        yield "{"
+        for i, (k, v) in enumerate(value.items()):
+            yield (item if i else "") + json.dumps(k) + key
+            yield from json_pieces(v, separators, depth - 1)
+        yield "}"
+    elif depth and isinstance(value, list):
+        yield "["
+        first, made = 0, 0
+        while first < len(value):
+            # as many items as a piece holds at their mean length so far, at most twice as
+            # many as so far: the first alone, as one that fills a piece, looked into
+            size = min(first, JSON_PIECE_CHARS * first // max(made, 1))
+            if size <= 1:
+                yield item if first else ""
+                for piece in json_pieces(value[first], separators, depth - 1):
+                    made += len(piece)
+                    yield piece
+                first += 1
+                continue
+            piece = json.dumps(value[first:first + size], separators=separators)[1:-1]
+            yield item + piece
+            first, made = first + size, made + len(piece)
+        yield "]"
+    else:
+        yield json.dumps(value, separators=separators)
 
 
 _FRAMING = 64          # a chunk's length line and CRLFs, besides its data

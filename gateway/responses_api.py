@@ -21,9 +21,11 @@ of typed events
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
+import uuid
 from contextlib import aclosing
 from typing import Any
 
@@ -33,7 +35,8 @@ from aiohttp import web
 from gateway.generation import Generation, merged_deltas
 from gateway import openai_schema as oai
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob, read_field
-from gateway.responses import SSEResponse, collect, openai_calls, split_calls, tool_names
+from gateway.responses import (JSON_PIECE_CHARS, SSEResponse, collect, json_text, openai_calls,
+                               split_calls, tool_names)
 from gateway.tool_parsers import ToolParser, ToolStream
 from shared import chat_template
 from shared.errors import InvalidRequestError
@@ -250,6 +253,21 @@ def _logprobs(entries: list[TokenLogprob] | None) -> list[dict]:
     return oai.chat_logprobs(entries)["content"] if entries else []
 
 
+class RawJSON:
+    """JSON made already, in pieces, which `ResponseShape.send` writes where this stands: a
+    stream's logprobs, made as their deltas went out, in each of its closing events."""
+    __slots__ = ("pieces",)
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        self.pieces = pieces
+
+
+# what stands for a RawJSON in json.dumps's output until its text replaces it (no text the
+# model writes holds it: a NUL, then this process's random id)
+_RAW = f"\0raw-{uuid.uuid4().hex}"
+_RAW_DUMPED = json.dumps(_RAW)
+
+
 def _text(item: dict, name: str, param: str) -> str:
     if not isinstance(item.get(name), str):
         raise APIError(f"{param}.{name} must be a string", param=f"{param}.{name}")
@@ -276,15 +294,15 @@ class ResponseShape:
                 "store": False, "usage": usage, **self.echo}
 
     def message(self, text: str | None, status: str,
-                logprobs: list[TokenLogprob] | None = None) -> dict:
+                logprobs: list[TokenLogprob] | RawJSON | None = None) -> dict:
         content = [] if text is None else [self.part(text, logprobs)]
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}
 
     @staticmethod
-    def part(text: str, logprobs: list[TokenLogprob] | None = None) -> dict:
+    def part(text: str, logprobs: list[TokenLogprob] | RawJSON | None = None) -> dict:
         return {"type": "output_text", "text": text, "annotations": [],
-                "logprobs": _logprobs(logprobs)}
+                "logprobs": logprobs if isinstance(logprobs, RawJSON) else _logprobs(logprobs)}
 
     @staticmethod
     def function_call(call: dict, status: str = "completed", arguments: str | None = None) -> dict:
@@ -320,10 +338,29 @@ class ResponseShape:
                              usage=self.usage(gen.num_output_tokens, gen.num_cached_tokens),
                              incomplete="max_output_tokens" if status == "incomplete" else None)
 
-    def event(self, kind: str, **fields: Any) -> bytes:
+    async def send(self, out: web.StreamResponse, kind: str, /, **fields: Any) -> None:
+        """Writes one event. A RawJSON in `fields` is written as its pieces are, the event
+        loop free between them (a long output's logprobs are MBs of JSON)."""
         payload = {"type": kind, "sequence_number": self._sequence, **fields}
         self._sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+        raws: list[RawJSON] = []
+
+        def raw(value: object) -> str:
+            if not isinstance(value, RawJSON):
+                raise TypeError(f"{type(value).__name__} is not JSON serializable")
+            raws.append(value)
+            return _RAW
+        around = json.dumps(payload, separators=(",", ":"), default=raw).split(_RAW_DUMPED)
+        parts = [f"event: {kind}\ndata: {around[0]}".encode()]
+        for value, after in zip(raws, around[1:]):
+            for i, piece in enumerate(value.pieces):
+                if i:       # what is made goes out, then the other streams have their turn
+                    await out.write(b"".join(parts))
+                    parts = []
+                    await asyncio.sleep(0)
+                parts.append(piece)
+            parts.append(after.encode())
+        await out.write(b"".join(parts) + b"\n\n")
 
     def item_fields(self, **more: Any) -> dict:
         return {"item_id": self.message_id, "output_index": 0, "content_index": 0, **more}
@@ -332,44 +369,71 @@ class ResponseShape:
 async def response_json(gens: list[Generation], req: GenerationRequest,
                         parser: ToolParser | None, shape: ResponseShape) -> web.Response:
     [text], [entries] = await collect(gens)
-    return web.json_response(shape.final(*split_calls(req, parser, text), gens[0], entries),
-                             headers=shape.headers)
+    # off the event loop, its JSON a piece at a time (json_text): a long output's logprobs
+    # (8k tokens with 20 top ones) took ~1 s to make and serialize, every stream stalled
+    body = await asyncio.to_thread(
+        lambda: json_text(shape.final(*split_calls(req, parser, text), gens[0], entries)))
+    return web.json_response(text=body, headers=shape.headers)
 
 
 class _MessageEvents:
-    """The assistant message's events in a stream, opened at its first text."""
+    """The assistant message's events in a stream, opened at its first text. Its logprobs'
+    JSON is made once, a delta's at a time as they go out: the closing events (the text's,
+    the part's, the item's, the response's) each carry them all, which a long output's made
+    and serialized afresh in each, on the event loop (8k tokens with 20 top ones: seconds,
+    every stream stalled)."""
 
     def __init__(self, response: web.StreamResponse, shape: ResponseShape) -> None:
         self.response, self.shape = response, shape
         self.pieces: list[str] = []
-        self.logprobs: list[TokenLogprob] = []
+        # the logprobs' JSON so far, brackets off: pieces of about JSON_PIECE_CHARS, then
+        # the entries of the deltas since
+        self.logprobs_made: list[bytes] = []
+        self.logprobs_since: list[str] = []
+        self.since_chars = 0
         self.opened = False
 
     async def text(self, piece: str, logprobs: list[TokenLogprob] | None = None) -> None:
         shape = self.shape
         if not self.opened:
             self.opened = True
-            await self.response.write(shape.event("response.output_item.added", output_index=0,
-                                                  item=shape.message(None, "in_progress")))
-            await self.response.write(shape.event("response.content_part.added",
-                                                  **shape.item_fields(part=shape.part(""))))
+            await shape.send(self.response, "response.output_item.added", output_index=0,
+                             item=shape.message(None, "in_progress"))
+            await shape.send(self.response, "response.content_part.added",
+                             **shape.item_fields(part=shape.part("")))
         if piece or logprobs:       # a token with no text of its own (EOS) has logprobs
             self.pieces.append(piece)
-            self.logprobs += logprobs or []
-            await self.response.write(shape.event(
-                "response.output_text.delta",
-                **shape.item_fields(delta=piece, logprobs=_logprobs(logprobs))))
+            made = json.dumps(_logprobs(logprobs), separators=(",", ":"))
+            if made != "[]":
+                self.logprobs_since.append(made[1:-1])
+                self.since_chars += len(made)
+                if self.since_chars >= JSON_PIECE_CHARS:
+                    self._logprobs_piece()
+            await shape.send(self.response, "response.output_text.delta",
+                             **shape.item_fields(delta=piece, logprobs=RawJSON([made.encode()])))
 
-    async def close(self, status: str) -> str:
-        shape, text, logprobs = self.shape, "".join(self.pieces), self.logprobs
-        await self.response.write(shape.event(
-            "response.output_text.done",
-            **shape.item_fields(text=text, logprobs=_logprobs(logprobs))))
-        await self.response.write(shape.event("response.content_part.done",
-                                              **shape.item_fields(part=shape.part(text, logprobs))))
-        await self.response.write(shape.event("response.output_item.done", output_index=0,
-                                              item=shape.message(text, status, logprobs)))
-        return text
+    def _logprobs_piece(self) -> None:
+        comma = "," if self.logprobs_made else ""
+        self.logprobs_made.append((comma + ",".join(self.logprobs_since)).encode())
+        self.logprobs_since, self.since_chars = [], 0
+
+    def item(self, status: str) -> dict:
+        """The message so far, as an output item."""
+        if self.logprobs_since:
+            self._logprobs_piece()
+        logprobs = RawJSON([b"[", *self.logprobs_made, b"]"])
+        return self.shape.message("".join(self.pieces), status, logprobs)
+
+    async def close(self, status: str) -> dict:
+        """The closing events; the message's item, as the response's output has it."""
+        shape, item = self.shape, self.item(status)
+        part = item["content"][0]
+        await shape.send(self.response, "response.output_text.done",
+                         **shape.item_fields(text=part["text"], logprobs=part["logprobs"]))
+        await shape.send(self.response, "response.content_part.done",
+                         **shape.item_fields(part=part))
+        await shape.send(self.response, "response.output_item.done", output_index=0, item=item)
+        return item
 
 
 async def response_sse(request: web.Request, gens: list[Generation], req: GenerationRequest,
@@ -386,8 +450,8 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
     held: list[str] = []
     try:
         await response.prepare(request)     # a client gone already fails here
-        await response.write(shape.event("response.created", response=started))
-        await response.write(shape.event("response.in_progress", response=started))
+        await shape.send(response, "response.created", response=started)
+        await shape.send(response, "response.in_progress", response=started)
         async with aclosing(merged_deltas(gens)) as deltas:
             async for _, delta in deltas:
                 if constrained:
@@ -404,12 +468,11 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                         calls_stream.unsent() if calls_stream else ""
                     if rest:
                         await message.text(rest)
-                    output = [shape.message("".join(message.pieces), "incomplete",
-                                            message.logprobs)] if message.opened else []
+                    output = [message.item("incomplete")] if message.opened else []
                     failed = shape.response("failed", output, error={
                         "code": delta.error_type,
                         "message": f"generation failed: {delta.error}"})
-                    await response.write(shape.event("response.failed", response=failed))
+                    await shape.send(response, "response.failed", response=failed)
                     await response.write_eof()
                     return response
         calls = None
@@ -426,23 +489,23 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
         output = []
         if message.opened or not calls:          # a message, unless the output only calls
             await message.text("")
-            output.append(shape.message(await message.close(status), status, message.logprobs))
+            output.append(await message.close(status))
         for call in calls or []:
             index = len(output)
-            await response.write(shape.event("response.output_item.added", output_index=index,
-                                             item=shape.function_call(call, "in_progress", "")))
+            await shape.send(response, "response.output_item.added", output_index=index,
+                             item=shape.function_call(call, "in_progress", ""))
             ids = {"item_id": shape.function_call(call)["id"], "output_index": index}
             arguments = call["function"]["arguments"]
-            await response.write(shape.event("response.function_call_arguments.delta",
-                                             **ids, delta=arguments))
-            await response.write(shape.event("response.function_call_arguments.done",
-                                             **ids, arguments=arguments))
+            await shape.send(response, "response.function_call_arguments.delta",
+                             **ids, delta=arguments)
+            await shape.send(response, "response.function_call_arguments.done",
+                             **ids, arguments=arguments)
             item = shape.function_call(call, status)
-            await response.write(shape.event("response.output_item.done", output_index=index,
-                                             item=item))
+            await shape.send(response, "response.output_item.done", output_index=index,
+                             item=item)
             output.append(item)
-        await response.write(shape.event(f"response.{status}",
-                                         response=shape.finished(output, gen)))
+        await shape.send(response, f"response.{status}",
+                         response=shape.finished(output, gen))
         await response.write_eof()
     except ConnectionResetError:     # the generation's owner aborts it upstream
         log.info("client disconnected during the stream", request_id=gen.request_id)

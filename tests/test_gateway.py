@@ -1131,6 +1131,72 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
     assert item["status"] == "incomplete" and item["content"][0]["text"] == received
 
 
+async def test_a_responses_stream_makes_its_logprobs_once_and_sends_them_in_pieces(
+        h: Harness, monkeypatch) -> None:
+    """A stream's four closing events (the text's, the part's, the item's, the response's)
+    each carry the message's logprobs: each made them afresh, and each was one json.dumps,
+    on the event loop (8k tokens with 20 top ones: seconds, every stream stalled). They are
+    made once, a delta's at a time as the deltas go out, and written a piece at a time."""
+    from gateway import openai_schema, responses_api
+    from gateway.responses import SSEResponse
+    piece = 1024
+    monkeypatch.setattr(responses_api, "JSON_PIECE_CHARS", piece, raising=False)
+    made: list[int] = []            # the entries each call turned into OpenAI's shape
+    shaped = openai_schema.chat_logprobs
+    monkeypatch.setattr(openai_schema, "chat_logprobs",
+                        lambda entries: made.append(len(entries)) or shaped(entries))
+    writes: list[int] = []
+    write = SSEResponse.write
+
+    async def counted(self, data) -> None:
+        writes.append(len(data))
+        await write(self, data)
+    monkeypatch.setattr(SSEResponse, "write", counted)
+    events = await _response_events(h, {"model": MODEL, "input": "Hi", "max_output_tokens": 60,
+                                        "top_logprobs": 20})
+    streamed = [x for e in events if e["type"] == "response.output_text.delta"
+                for x in e["logprobs"]]
+    by_type = {e["type"]: e for e in events}
+    assert len(streamed) == events[-1]["response"]["usage"]["output_tokens"] == sum(made)
+    assert by_type["response.output_text.done"]["logprobs"] == streamed
+    assert by_type["response.content_part.done"]["part"]["logprobs"] == streamed
+    assert by_type["response.output_item.done"]["item"]["content"][0]["logprobs"] == streamed
+    assert events[-1]["response"]["output"][0]["content"][0]["logprobs"] == streamed
+    assert len(json.dumps(streamed)) > 6 * piece       # several pieces' worth
+    assert max(writes) <= 3 * piece
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 60,
+                       "top_logprobs": 20}),
+    ("/v1/chat/completions", chat(max_tokens=60, logprobs=True, top_logprobs=20)),
+    ("/v1/completions", completion(prompt=" ".join(f"w{i}" for i in range(40)), echo=True,
+                                   logprobs=20, max_tokens=2)),
+])
+async def test_a_whole_answer_s_json_is_made_in_pieces(h: Harness, monkeypatch, path: str,
+                                                       body: dict) -> None:
+    """A whole answer's JSON was one json.dumps, which holds the GIL however long it runs, on
+    a thread too (a 32k-token prompt's logprobs with 20 top ones: ~0.4 s, every stream
+    stalled; /v1/responses' on the event loop itself). It is made a piece at a time, the
+    same text as one json.dumps makes."""
+    from gateway import responses
+    piece = 2048
+    monkeypatch.setattr(responses, "JSON_PIECE_CHARS", piece, raising=False)
+    dumps, made = json.dumps, []
+
+    def counted(*args, **kw) -> str:
+        made.append(len(text := dumps(*args, **kw)))
+        return text
+    monkeypatch.setattr(json, "dumps", counted)
+    async with h.session.post(h.url + path, json=body) as r:
+        assert r.status == 200
+        raw = await r.text()
+    monkeypatch.setattr(json, "dumps", dumps)
+    assert json.dumps(json.loads(raw)) == raw and len(raw) > 4 * 2 * piece
+    assert made, "the answer's JSON was not made by json.dumps"
+    assert max(made) <= 2 * piece
+
+
 async def test_responses_api_takes_vllm_s_chat_fields(h: Harness) -> None:
     """What chat takes of vLLM's (structured outputs, truncate_prompt_tokens) means the same
     on /v1/responses, never dropped on the way."""
