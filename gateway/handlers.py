@@ -5,7 +5,6 @@ import asyncio
 import contextlib
 import functools
 import importlib.metadata
-import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -23,7 +22,7 @@ from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
 from gateway.prompts import (chat_prompt, check_vocabulary, choice_sampling, echo_texts,
                              prompt_token_ids, sampling_params)
-from gateway.responses import Shape, full_json, stream_sse
+from gateway.responses import Shape, full_json, json_text, stream_sse
 from gateway.responses_api import (ResponseShape, chat_body, in_responses_terms, response_json,
                                    response_sse)
 from gateway.state import STATE, GatewayState, WaitingSlot
@@ -287,7 +286,7 @@ def _tokenized(body: Any, state: GatewayState) -> str:
     answer = {"count": len(ids), "max_model_len": state.max_model_len, "tokens": ids}
     if req.return_token_strs:
         answer["token_strs"] = [tokenizer.id_to_token(t) for t in ids]
-    return json.dumps(answer)
+    return json_text(answer)        # in pieces: one json.dumps of a million ids holds the GIL
 
 
 async def detokenize(request: web.Request) -> web.Response:

@@ -1172,6 +1172,8 @@ async def test_a_responses_stream_makes_its_logprobs_once_and_sends_them_in_piec
     ("/v1/chat/completions", chat(max_tokens=60, logprobs=True, top_logprobs=20)),
     ("/v1/completions", completion(prompt=" ".join(f"w{i}" for i in range(40)), echo=True,
                                    logprobs=20, max_tokens=2)),
+    ("/tokenize", {"model": MODEL, "prompt": " ".join(f"w{i}" for i in range(1500)),
+                   "return_token_strs": True}),
 ])
 async def test_a_whole_answer_s_json_is_made_in_pieces(h: Harness, monkeypatch, path: str,
                                                        body: dict) -> None:
