@@ -142,6 +142,17 @@ def kv_descriptors(values: list[bytes | None]) -> list[dict]:
     return out
 
 
+def descriptors_pending(values: list[bytes | None]) -> list[int]:
+    """The ranks of a P/D worker group whose heartbeat carries no KV connector descriptor yet
+    while rank 0's does. Rank 0 beats only once the whole group has loaded, but a follower
+    beats from its start, while it loads, and its beat takes the descriptor only at the next
+    write (HEARTBEAT_INTERVAL_S): read in between, the pool looked like one without a
+    connector, and a decode instance refused every reservation (a prefill instance took the
+    decode pool for another layout) until a worker restarted."""
+    kv = kv_descriptors(values)
+    return [rank for rank, d in enumerate(kv) if kv[0] and not d]
+
+
 def scheduler_beats(values: list[bytes | None], role: str) -> list[Heartbeat]:
     """The heartbeats of schedulers in `role` among scheduler heartbeat values."""
     return [b for b in map(heartbeat_of, values) if b is not None and b.extra.get("role") == role]

@@ -55,7 +55,8 @@ from scheduler_svc.book import Outbox, RequestBook
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
 from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, Writers,
-                                  decoders_from, prefills_from, scheduler_beats)
+                                  decoders_from, descriptors_pending, prefills_from,
+                                  scheduler_beats)
 from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost,
                                     WorkersLost)
 from scheduler_svc.stats import SchedulerStats
@@ -229,14 +230,17 @@ class SchedulerService:
 
     async def wait_for_workers(self, stop: asyncio.Event,
                                meanwhile: Callable[[], Awaitable[None]] | None = None) -> bool:
-        """Until every rank's heartbeat is up, running `meanwhile` between looks; False if
+        """Until every rank's heartbeat is up (with P/D, every rank's with its KV connector
+        descriptor: `descriptors_pending`), running `meanwhile` between looks; False if
         stopped first or a rank's KV pool disagrees with ours (then nothing could be
         scheduled safely)."""
         logged = 0.0
         while not stop.is_set() or self._drain_deadline is not None and not self._drain_expired():
             values = await self.recovery.retrying(
                 "read worker heartbeats", lambda: self.redis.mget(self.workers.heartbeat_keys))
-            if all(values):
+            pending = descriptors_pending(values) \
+                if self.prefill is not None or self.decode is not None else []
+            if all(values) and not pending:
                 self.workers.record(values)
                 if self.decode is not None:
                     self.decode.set_workers(values)
@@ -245,7 +249,8 @@ class SchedulerService:
                 return self._layouts_agree(values)
             if time.monotonic() - logged > 5.0:
                 missing = [r for r, v in enumerate(values) if not v]
-                log.info("waiting for workers", missing_ranks=missing)
+                log.info("waiting for workers", missing_ranks=missing,
+                         **({"ranks_without_kv_descriptor": pending} if pending else {}))
                 logged = time.monotonic()
             if meanwhile is not None:
                 await meanwhile()

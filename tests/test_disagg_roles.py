@@ -606,6 +606,47 @@ def test_a_prefill_instance_keeps_the_leases_of_requests_waiting_for_a_reservati
     assert asyncio.run(go()) == []
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_pd_scheduler_waits_for_every_ranks_kv_descriptor(redis_server, role):
+    """TP 2: a follower beats from its start, while it loads, and its beat takes its KV
+    connector's descriptor only at the next write; rank 0 beats once the group has loaded.
+    A scheduler that took the follower's first beat for the group's kept a pool "without a
+    connector" for good: the decode instance refused every reservation, the prefill instance
+    took the decode pool for another layout, and every prompt went over whole. It waits for
+    the descriptor instead. Real Redis."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from gpu_worker.service import worker_heartbeat
+    from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+
+    keys = Keys(f"kv-descriptor-{role}:").for_instance(role[0] + "0")
+    ranks = [descriptor(f"{role}:{rank}", tp=2, rank=rank) for rank in range(2)]
+
+    def beat(rank: int, loaded: bool) -> bytes:
+        kv = ranks[rank] if loaded else None
+        return encode(worker_heartbeat(rank, 2, 16, BLOCK, kv=lambda: kv, role=role)())
+
+    async def go() -> list[dict]:
+        r = aioredis.Redis.from_url(redis_server)
+        try:
+            service = SchedulerService(r, keys, core(), SchedulerServiceConfig(
+                "s", tp=2, role=role, instance=role[0] + "0"))
+            await service.prepare()
+            await r.set(keys.hb_worker(1), beat(1, loaded=False))     # loading
+            await r.set(keys.hb_worker(0), beat(0, loaded=True))      # the group is up
+
+            async def next_beat() -> None:                            # the follower's next
+                await r.set(keys.hb_worker(1), beat(1, loaded=True))
+            assert await service.wait_for_workers(asyncio.Event(), next_beat)
+            return service.prefill.own if role == "prefill" else service.decode.peers
+        finally:
+            await r.aclose()
+
+    assert [d.get("session") for d in asyncio.run(go())] == [f"{role}:0", f"{role}:1"]
+
+
 def test_a_decode_pool_of_another_layout_prefills_the_request_itself():
     c = core()
     side = prefill_side(c, [descriptor("p0:1")])

@@ -340,7 +340,12 @@ def test_pd_tp2_on_both_sides(tiny, expected, tmp_path):
     try:
         got = all_concurrently(served, model, LONG[:2])
         assert got == first(expected, LONG[:2])
-        assert stats(served, P0)["kv_transfer_failures_total"] == 0
+        p_stats = wait_for(lambda: (s := stats(served, P0)).get("handoffs_total") == 2 and s,
+                           30, "prefill stats")
+        # both went with their K/V (a follower's first heartbeat, written while it loaded,
+        # had no KV descriptor: read then, it kept d0 refusing every reservation for good)
+        assert p_stats["handoffs_with_kv_total"] == 2, p_stats
+        assert p_stats["kv_transfer_failures_total"] == 0
         assert stats(served, D0)["handoffs_recomputed_total"] == 0
     finally:
         assert served.stop() == 0, served.log_tail()
