@@ -19,6 +19,14 @@ A request that was live each time its scheduler stopped, MAX_TAKEOVERS times ove
 an error instead: the group counts each delivery (a take-back and a claim count, a lease
 does not), and a request that kills the scheduler serving it must not keep every scheduler
 down, restart after restart, with every other request it holds.
+
+One death counts once. With P/D, a prefill scheduler that claimed a dead decode scheduler's
+request hands it to a decode instance, maybe to the dead one's name again (it restarts under
+it); its take-back would count the same death a second time. So a take-back counts only the
+entries its predecessor held: each lease refresh notes its time, on Redis's clock, in the
+scheduler's `leases_at` key, and an entry delivered to this name more than HANDED_LATER_MS
+after the last one noted was handed to it after it died (its delivery count is kept as it
+was). Without a note (no lease refreshed, or Redis restarted) every entry counts.
 """
 from __future__ import annotations
 
@@ -41,13 +49,20 @@ CLAIM_IDLE_MS = 5_000
 LEASE_REFRESH_S = 1.0
 PENDING_BATCH = 256
 MAX_TAKEOVERS = 3
+# an entry delivered to a scheduler's name this long after its last lease refresh was not its
+# when it died (a claim comes CLAIM_IDLE_MS after that refresh at the soonest)
+HANDED_LATER_MS = int(2 * LEASE_REFRESH_S * 1000)
+LEASES_AT_TTL_S = 24 * 3600
+# Redis's clock in ms, the one that XPENDING's idle times are counted on
+_NOW_MS = "local t = redis.call('TIME')\nlocal now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
 # XCLAIM takes an entry from whoever holds it; a lease must not take back what another
 # scheduler claimed while this one stalled (both would then serve the request, taking it from
 # each other every second, and a sampled stream would splice two runs). KEYS[1]: the request
-# stream; ARGV: the group, this consumer, the entry ids. Returns those another consumer holds.
-_KEEP_LEASES = """
+# stream, KEYS[2]: this scheduler's leases_at; ARGV: the group, this consumer, the TTL of
+# leases_at, the entry ids. Returns those another consumer holds.
+_KEEP_LEASES = _NOW_MS + """
 local lost = {}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
   if p and p[2] == ARGV[2] then
     redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, ARGV[i], 'JUSTID')
@@ -55,7 +70,25 @@ for i = 3, #ARGV do
     lost[#lost + 1] = ARGV[i]          -- claimed by another, or finished (acked) by it
   end
 end
+redis.call('SET', KEYS[2], now, 'EX', ARGV[3])
 return lost
+"""
+# A take-back: the pending entries of this consumer after ARGV[3] ('-' or '(' id), ARGV[4]
+# at most, delivered to it again (their leases new); each one's delivery count goes up by one
+# only if the predecessor held it (delivered no later than its last lease refresh, ARGV[5],
+# '' if unknown, and HANDED_LATER_MS, ARGV[6]). KEYS[1]: the request stream; ARGV[1], [2]:
+# the group, this consumer. Returns [id, fields or nil (trimmed from the stream)] each.
+_TAKE_BACK = _NOW_MS + """
+local out = {}
+for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], '+', ARGV[4], ARGV[2])) do
+  local count = p[4]
+  if ARGV[5] == '' or now - p[3] <= tonumber(ARGV[5]) + tonumber(ARGV[6]) then
+    count = count + 1
+  end
+  local e = redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[2], 0, p[1], 'RETRYCOUNT', count)[1]
+  out[#out + 1] = {p[1], e and e[2] or false}
+end
+return out
 """
 
 
@@ -77,18 +110,21 @@ class Takeover:
         self.refreshed_at = time.monotonic()
 
     async def take_back_pending(self) -> int:
-        """Every entry this consumer was given and never acked, resumed; returns how many."""
-        cursor: bytes | str = "0"
+        """Every entry this consumer was given and never acked, resumed; returns how many.
+        Its leases are refreshed at once: the leases_at noted from now on are this one's."""
+        since = await self.redis.get(self.keys.leases_at(self.consumer))
+        cursor = "-"
         taken = 0
         while True:
-            reply = await self.redis.xreadgroup(self.keys.requests_group, self.consumer,
-                                                {self.keys.requests: cursor},
-                                                count=PENDING_BATCH)
-            entries = [e for _, stream_entries in (reply or []) for e in stream_entries]
-            if not entries:
+            reply = await self.redis.eval(
+                _TAKE_BACK, 1, self.keys.requests, self.keys.requests_group, self.consumer,
+                cursor, PENDING_BATCH, since or "", HANDED_LATER_MS)
+            if not reply:
+                await self.refresh_leases()
                 return taken
-            cursor = entries[-1][0]
-            taken += await self.resume(entries)
+            cursor = "(" + stream_id_text(reply[-1][0])
+            taken += await self.resume([(entry_id, _field_map(flat))
+                                        for entry_id, flat in reply])
 
     def queue_claim(self, pipe, count: int) -> None:
         pipe.xautoclaim(self.keys.requests, self.keys.requests_group, self.consumer,
@@ -159,8 +195,8 @@ class Takeover:
         if ids:
             pipe = self.redis.pipeline(transaction=False)
             pipe.info("server")
-            pipe.eval(_KEEP_LEASES, 1, self.keys.requests, self.keys.requests_group,
-                      self.consumer, *ids)
+            pipe.eval(_KEEP_LEASES, 2, self.keys.requests, self.keys.leases_at(self.consumer),
+                      self.keys.requests_group, self.consumer, LEASES_AT_TTL_S, *ids)
             info, lost = await pipe.execute()
             if info["run_id"] == self.run_id:
                 # (an entry handed to a decode instance meanwhile reads as lost too: nothing
@@ -179,3 +215,8 @@ class Takeover:
         """The entries another scheduler now holds, since the last call: drop their requests."""
         lost, self._lost = self._lost, []
         return lost
+
+
+def _field_map(flat: list | None) -> dict | None:
+    """An entry's fields as a Lua script returns them ([f1, v1, f2, v2, ...]), as a dict."""
+    return None if flat is None else dict(zip(flat[::2], flat[1::2]))

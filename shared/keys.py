@@ -118,6 +118,12 @@ class Keys:
         """For SCAN MATCH: any scheduler's heartbeat."""
         return f"{self.prefix}hb:scheduler:*"
 
+    def leases_at(self, scheduler_id: str) -> str:
+        """When a scheduler last refreshed its leases, in ms on Redis's clock: the entries
+        its successor takes back that came later were handed to it after it stopped
+        (scheduler_svc/takeover.py)."""
+        return f"{self.prefix}leases_at:{scheduler_id}"
+
     def hb_worker(self, rank: int) -> str:
         return f"{self._own}hb:worker:{rank}"
 

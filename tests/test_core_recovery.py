@@ -155,6 +155,86 @@ def test_a_request_taken_over_again_and_again_is_dropped_with_an_error(redis_ser
     assert len(outbox.acks) == 1 and outbox.ended_ids == ["poison"]
 
 
+def test_a_decode_schedulers_death_counts_once_when_a_prefill_one_handed_its_request_back(
+        redis_server, monkeypatch) -> None:
+    """P/D: decode scheduler "d0" dies holding a request and restarts slowly; the prefill
+    scheduler "p0" claims the request (a takeover: the dead one's death counted) and hands
+    it back to "d0", and the restarted "d0" finds it among its own pending entries. That one
+    death was counted twice (the claim, then the take-back), so after two deaths the request
+    ended with "stopped 3 times". Now the take-back counts only the entries its predecessor
+    held at its last lease refresh: two deaths leave it running, a third drops it. Real
+    Redis: its group counts the deliveries."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from scheduler_svc import takeover as takeover_mod
+    from scheduler_svc.book import RequestBook
+    from scheduler_svc.takeover import MAX_TAKEOVERS, Takeover
+    from shared.keys import Keys
+    from shared.protocol import RequestMsg, decode, to_fields
+
+    keys = Keys("pd-takeover-test:")
+    monkeypatch.setattr(takeover_mod, "CLAIM_IDLE_MS", 0)        # "d0" has been gone long
+    monkeypatch.setattr(takeover_mod, "HANDED_LATER_MS", 50)
+    msg = RequestMsg("r", [1, 2, 3], SamplingParams(max_tokens=8), "tokens:r", "gw", 0.0)
+
+    def book() -> RequestBook:
+        return RequestBook(Scheduler(SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=4,
+                                                     num_kv_blocks=8, block_size=4,
+                                                     max_model_len=64)))
+
+    async def hand_to_d0(r, entry_id) -> None:                 # as PrefillSide._move does
+        await r.xclaim(keys.requests, keys.requests_group, "d0", 0, [entry_id], justid=True)
+
+    async def restart_d0(r) -> tuple[RequestBook, Takeover]:
+        """A new "d0" takes back its pending entries, serves them and keeps their leases."""
+        d0_book = book()
+        d0 = Takeover(r, keys, "d0", d0_book)
+        await d0.take_back_pending()
+        await d0.refresh_leases()
+        return d0_book, d0
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_server)
+        await r.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
+        entry_id = await r.xadd(keys.requests, to_fields(msg))
+        await r.xreadgroup(keys.requests_group, "p0", {keys.requests: ">"})
+        await hand_to_d0(r, entry_id)
+        d0_book = book()                  # "d0" runs it (the hand-off's notice) and leases it
+        d0_book.admit(entry_id, msg)
+        await Takeover(r, keys, "d0", d0_book).refresh_leases()
+        # death 1: "d0" is killed; its restart takes longer than the idle claim
+        await asyncio.sleep(0.2)
+        p0_book = book()
+        p0 = Takeover(r, keys, "p0", p0_book)
+        pipe = r.pipeline(transaction=False)
+        p0.queue_claim(pipe, 10)
+        claimed = p0.claimed((await pipe.execute())[0])
+        assert [e for e, _ in claimed] == [entry_id]
+        await p0.resume(claimed)
+        assert p0_book.core.get_request("r") is not None      # taken over once: resumed
+        await hand_to_d0(r, entry_id)      # no tokens to prefill: handed to "d0" again
+        seen = []
+        d0_book, _ = await restart_d0(r)                       # "d0" is back
+        seen.append(d0_book)
+        # deaths 2 and 3, each restart quick (no claim between)
+        for _ in range(2):
+            d0_book, _ = await restart_d0(r)
+            seen.append(d0_book)
+        await r.aclose()
+        return seen
+
+    after_death_1, after_death_2, after_death_3 = asyncio.run(go())
+    for served in (after_death_1, after_death_2):
+        assert served.core.get_request("r") is not None
+        assert served.take_outbox().finishes == []
+    assert after_death_3.core.get_request("r") is None
+    [(channel, data)] = after_death_3.take_outbox().finishes
+    assert channel == "tokens:r"
+    assert f"stopped {MAX_TAKEOVERS} times" in decode(data).error
+
+
 def test_a_stalled_scheduler_leaves_a_claimed_request_to_its_new_owner(redis_server) -> None:
     """Scheduler "a" holds two requests and stalls; "b" claims one of them (idle past
     CLAIM_IDLE_MS). When "a" refreshes its leases it keeps its own entry and leaves the claimed
