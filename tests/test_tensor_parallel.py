@@ -2,8 +2,9 @@
 with chunked prefill, piggybacking and preemption; seeded sampling is identical across tp; one
 forward makes exactly 2 all-reduces per layer + 1 (embedding) + 1 all-gather (LM head); a
 model whose heads do not divide by tp is refused before anything is spawned; a rank killed
-with SIGKILL ends the others with an error naming it, within seconds; rank 0 forwards each
-plan's bytes as they came from Redis."""
+with SIGKILL ends the others with an error naming it, within seconds; an engine never shut
+down ends its group before the interpreter finalizes; rank 0 forwards each plan's bytes as
+they came from Redis."""
 from __future__ import annotations
 
 import json
@@ -221,6 +222,36 @@ def test_killing_rank_0_ends_the_followers(tiny_six_heads, tmp_path):
     err.seek(0)
     text = err.read()
     assert text.count("tp rank 0") >= 2 and "is gone" in text, text
+
+
+EXITS_WITHOUT_SHUTDOWN = textwrap.dedent("""
+    import atexit, sys
+    import torch.distributed as dist
+    from services.engine import LLMEngine
+    from shared.engine_args import EngineArgs
+    from shared.sampling import SamplingParams
+
+    def after_the_engines_turn():        # registered first: runs after the engine's handler
+        procs = engine.runner.followers.procs.values()
+        print("group destroyed" if not dist.is_initialized() else "group alive",
+              "followers reaped" if all(p.poll() is not None for p in procs) else "running",
+              flush=True)
+    atexit.register(after_the_engines_turn)
+    engine = LLMEngine(EngineArgs(model=sys.argv[1], dtype="float32", tp=2, block_size=16,
+                                  num_kv_blocks=64, max_model_len=512), progress=False)
+    engine.generate([[5, 6, 7]], [SamplingParams(max_tokens=4, temperature=0.0)])
+""")
+
+
+def test_an_engine_left_without_shutdown_ends_its_group_before_the_interpreter_finalizes(tiny):
+    """A program that never calls shutdown(): the executor's exit handler ends the followers
+    and destroys the process group while the interpreter still runs; left to finalization,
+    a gloo thread letting go of a collective's tensors can abort the process (-6)."""
+    path, _, _ = tiny
+    proc = subprocess.run([sys.executable, "-c", EXITS_WITHOUT_SHUTDOWN, path], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[-2] == "group destroyed followers reaped", proc.stdout
 
 
 def _is_zombie(pid: int) -> bool:
