@@ -58,8 +58,8 @@ class GatewayConfig:
         if self.tp < 1:
             raise PacerError(f"--tp must be >= 1, got {self.tp}")
         if self.api_key is not None and not self.api_key.strip():
-            raise PacerError("--api-key is empty: give a key, or leave the flag out to serve "
-                             "without one")
+            raise PacerError("--api-key (or $PACER_API_KEY, its default) is empty: give a "
+                             "key, or leave both out to serve without one")
         if self.served_model_name is not None and not self.served_model_name.strip():
             raise PacerError("--served-model-name is empty: give a name, or leave the flag out "
                              "to serve the model under its own")

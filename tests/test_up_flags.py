@@ -62,7 +62,7 @@ def test_start_up_mistakes_get_one_line_not_a_hang_or_a_traceback():
         (flags("--host", "256.1.1.1"), "cannot listen on --host 256.1.1.1"),
         (flags("--num-kv-blocks", "0"), "--num-kv-blocks must be >= 1"),
         (flags("--replicas", "0"), "--replicas must be >= 1"),
-        (flags("--api-key", ""), "--api-key is empty"),
+        (flags("--api-key", ""), "--api-key (or $PACER_API_KEY, its default) is empty"),
         (flags("--device", "nonsense"), "--device must be cpu or cuda[:N]"),
         (flags(*pd, "--prefill-threads", "0"), "--prefill-threads must be"),
         (flags(*pd, "--decode-threads", "-1"), "--decode-threads must be >= 1, got -1"),
@@ -223,3 +223,14 @@ def test_a_gateway_refuses_instances_it_would_route_or_check_wrong(instances, sa
                           cwd=ROOT, capture_output=True, text=True, timeout=30)
     assert proc.returncode != 0 and said in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_blank_api_key_in_the_environment_is_refused_naming_it(monkeypatch):
+    """$PACER_API_KEY is --api-key's default: one of blanks is refused as an empty key, and
+    the error names the variable (the flag was never given)."""
+    from gateway.cli import config_from_args
+    from services.cli import build_parser
+    from shared.errors import PacerError
+    monkeypatch.setenv("PACER_API_KEY", "  ")
+    with pytest.raises(PacerError, match=r"\$PACER_API_KEY"):
+        config_from_args(build_parser().parse_args(["gateway"]))
