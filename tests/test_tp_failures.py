@@ -184,7 +184,14 @@ def test_a_watchdog_check_that_breaks_is_a_verdict_not_a_silent_end(extra_check,
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     if verdict is not None:
         store.set(DOWN, verdict)
-    told = []
+    told, watchdog = _watch_once(port, extra_check)
+    assert told == [f"the watchdog of tp rank 0 failed: {said}"], told
+    assert watchdog.dead == told[0]
+
+
+def _watch_once(port: int, extra_check) -> tuple[list[str], Liveness]:
+    """Rank 0's watchdog of a group of 2 over the store at `port`, until its first verdict."""
+    told: list[str] = []
     watchdog = Liveness("127.0.0.1", port, 0, 2, extra_check, on_dead=told.append)
     watchdog.start()
     try:
@@ -193,8 +200,24 @@ def test_a_watchdog_check_that_breaks_is_a_verdict_not_a_silent_end(extra_check,
             time.sleep(0.05)
     finally:
         watchdog.stop()
-    assert told == [f"the watchdog of tp rank 0 failed: {said}"], told
-    assert watchdog.dead == told[0]
+    return told, watchdog
+
+
+def test_a_follower_that_exited_after_its_own_step_failed_is_named_by_its_reason():
+    """A follower whose own step failed leaves its reason in the store, then exits; rank 0's
+    watchdog sees the exit of its process first (pacer generate --tp said "tp rank 1 (pid N)
+    exited (exit code 1)") and must name the reason, as every rank does; with no reason left
+    the exit is named."""
+    import json
+    for left, said in ((json.dumps({"why": "tp rank 1 failed mid-iteration: OutOfMemoryError: x",
+                                    "rank": 1, "by": 1}), "OutOfMemoryError: x"),
+                       (None, "exited (exit code 1)")):
+        port = find_free_port()
+        store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+        if left is not None:
+            store.set(DOWN, left)
+        told, _ = _watch_once(port, lambda: "tp rank 1 (pid 7) exited (exit code 1)")
+        assert len(told) == 1 and told[0].endswith(said), told
 
 
 def test_a_follower_killed_by_a_signal_without_a_name_is_named_by_its_number():

@@ -184,7 +184,9 @@ class Liveness:
         verdict), or (None, None)."""
         why = self._extra_check() if self._extra_check else None
         if why:
-            return why, None
+            # a rank whose own step failed leaves its reason in the store before it exits:
+            # name that, not the exit it was seen by (rank 0 polls its followers' processes)
+            return self._verdict_left() or why, None
         try:
             return call_within(lambda: self._check_store(seen), DEAD_AFTER_S,
                                "its rendezvous store")
@@ -192,6 +194,15 @@ class Liveness:
             return f"tp rank 0 stopped answering ({first_line(e)})", 0
         except (RuntimeError, OSError) as e:
             return f"tp rank 0 is gone (its rendezvous store stopped answering: {first_line(e)})", 0
+
+    def _verdict_left(self) -> str | None:
+        """The group's verdict in the store, if one is there and the store answers."""
+        try:
+            return call_within(lambda: self._heard(self._store.get(DOWN))
+                               if self._store.check([DOWN]) else None, 2 * HEARTBEAT_S,
+                               "the rendezvous store")
+        except (RuntimeError, OSError, ValueError, KeyError):
+            return None
 
     def _check_store(self, seen: dict[int, tuple[int, float]]) -> tuple[str | None, int | None]:
         if self._store.check([SHUTDOWN]):
