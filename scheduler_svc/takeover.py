@@ -77,8 +77,11 @@ return lost
 # at most, delivered to it again (their leases new); each one's delivery count goes up by one
 # only if the predecessor held it (delivered no later than its last lease refresh, ARGV[5],
 # '' if unknown, and HANDED_LATER_MS, ARGV[6]). KEYS[1]: the request stream; ARGV[1], [2]:
-# the group, this consumer. Returns [id, fields or nil (trimmed from the stream)] each.
+# the group, this consumer (made if new: it reads with XREADGROUP '>' only, which makes it
+# only once an entry comes, and `XINFO GROUPS` would show no consumer for an idle scheduler).
+# Returns [id, fields or nil (trimmed from the stream)] each.
 _TAKE_BACK = _NOW_MS + """
+redis.call('XGROUP', 'CREATECONSUMER', KEYS[1], ARGV[1], ARGV[2])
 local out = {}
 for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], '+', ARGV[4], ARGV[2])) do
   local count = p[4]
