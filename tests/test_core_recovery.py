@@ -472,3 +472,31 @@ def test_a_worker_that_loaded_other_weights_is_refused(redis_server) -> None:
     from scheduler_svc.workers import model_disagreement
     why = model_disagreement({"model": "qwen2-0.5b", "weights": "11bb"}, 0, **mine)
     assert "'qwen2-0.5b'" in why and "'smollm2-135m'" in why and "--model" in why
+
+
+def test_a_scheduler_with_nothing_to_take_back_is_a_consumer_of_its_group(redis_server) -> None:
+    """`redis-cli XINFO GROUPS` shows every scheduler of a stream as its consumer from its
+    start, an idle replica's too: its reads (XREADGROUP '>') make it only once an entry
+    comes, so its take-back makes it."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from scheduler_svc.book import RequestBook
+    from scheduler_svc.takeover import Takeover
+    from shared.keys import Keys
+
+    keys = Keys("idle-consumer:")
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_server)
+        try:
+            await r.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
+            book = RequestBook(make_scheduler())
+            assert await Takeover(r, keys, "s", book).take_back_pending() == 0
+            return [c["name"] for c in await r.xinfo_consumers(keys.requests,
+                                                                keys.requests_group)]
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(go()) == [b"s"]
