@@ -288,7 +288,11 @@ class Generation:
             self.num_output_tokens = max(self.num_output_tokens, finish.num_output_tokens)
         elif finish.error is None:
             self.finish_reason = "length"       # max_tokens 0 reached: nothing generated
-        self._text.finish()
+        if finish.error is None:
+            # the detokenizer's incomplete character is released only at a real end: one a
+            # failure cut short would have been completed by the next token, and sent as
+            # U+FFFD it is text the output never had
+            self._text.finish()
         if self._text.stopped:      # the flushed tail completed a stop string
             self.finish_reason = "stop"
         return Delta(self._text.take(final=True), self._take_logprobs(final=True),

@@ -64,6 +64,7 @@ TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": 
 #   [dup]           every token batch is published twice
 #   [finish-first]  the FinishEvent overtakes the last token batch
 #   [error]         the request fails with finish_reason "error" after two tokens
+#   [error3]        ... after three (with [emoji]: in the middle of a character's bytes)
 #   [invalid]       the scheduler rejects the request as one that can never be served
 #   [tool]          the output is TOOL_REPLY, a call in the hermes format, then EOS
 #   [call-first]    the output is TOOL_REPLY's call alone (no words before it), then EOS
@@ -108,7 +109,8 @@ class FakeScheduler:
                 msg.request_id, PromptLogprobs(1, [-0.25] * n, [2] * n,
                                                [[(7 + j, -1.0 - j) for j in range(k)]] * n))])))
         for i, token_id in enumerate(output):
-            if ("[error]" in prompt and i == 2) or "[invalid]" in prompt:
+            if ("[error]" in prompt and i == 2) or ("[error3]" in prompt and i == 3) \
+                    or "[invalid]" in prompt:
                 reason = "error"
                 break
             if slow:
@@ -966,6 +968,17 @@ async def test_a_failed_stream_still_sends_the_text_it_held_back(h: Harness, pat
     assert "".join(c.get("text") or c.get("delta", {}).get("content") or ""
                    for c in choices) == received
     assert all(c["finish_reason"] is None for c in choices)
+
+
+async def test_a_stream_that_fails_mid_character_sends_no_replacement_character(
+        h: Harness) -> None:
+    """The output so far ends with the first bytes of a character ("Party " and part of 🎉);
+    the generation then fails: what was sent is a prefix of the text the output would have
+    had, with no U+FFFD for the bytes the next token would have completed."""
+    data = await h.sse("/v1/completions", completion(prompt="[emoji][error3]", max_tokens=10))
+    assert data[-1] == "[DONE]" and "error" in json.loads(data[-2])
+    text = "".join(c["text"] for d in data[:-2] for c in json.loads(d)["choices"])
+    assert text.startswith("Party") and EMOJI_REPLY.startswith(text), text
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
