@@ -198,18 +198,20 @@ class Liveness:
     def _verdict_left(self) -> str | None:
         """The group's verdict in the store, if one is there and the store answers."""
         try:
-            return call_within(lambda: self._heard(self._store.get(DOWN))
-                               if self._store.check([DOWN]) else None, 2 * HEARTBEAT_S,
-                               "the rendezvous store")
+            return call_within(self._verdict_in_store, 2 * HEARTBEAT_S, "the rendezvous store")
         except (RuntimeError, OSError, ValueError, KeyError):
             return None
+
+    def _verdict_in_store(self) -> str | None:
+        return self._heard(self._store.get(DOWN)) if self._store.check([DOWN]) else None
 
     def _check_store(self, seen: dict[int, tuple[int, float]]) -> tuple[str | None, int | None]:
         if self._store.check([SHUTDOWN]):
             return None, None      # rank 0 is shutting the group down on purpose
-        if self._store.check([DOWN]):
+        verdict = self._verdict_in_store()
+        if verdict:
             self._store.add(DOWN_SEEN, 1)     # the failed rank may wait for this to leave
-            return self._heard(self._store.get(DOWN)), None
+            return verdict, None
         self._store.add(heartbeat_counter(self.rank), 1)
         now = time.monotonic()
         for r, (count, since) in seen.items():
