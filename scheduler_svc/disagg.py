@@ -12,8 +12,9 @@ A request's life, and who owns its entry in the requests stream at each point:
                    blocks its chunk fills (layer by layer, into D's reserved blocks); the
                    worker streams the first token to the client and answers once the sends
                    are done
-    prefill P      one pipeline: XCLAIM the entry to D's consumer name, XADD HandoffMsg
-                   (first token, the sessions written into) -> D; the core already freed P's
+    prefill P      one script, while the entry is still P's: XCLAIM the entry to D's consumer
+                   name, XADD HandoffMsg (first token, the sessions written into) -> D (an
+                   entry acked meanwhile: CancelMsg instead); the core already freed P's
                    blocks (the sends completed before the result came)
     decode D       the reserved request becomes a running decode at num_computed_tokens =
                    prompt length (or, when its K/V did not all arrive, is recomputed here)
@@ -58,6 +59,26 @@ HELD_MAX_S = 600.0
 # ... or once a rank of it has had no heartbeat this long: dead (a stopped one that long is
 # killed by `pacer up`'s watchdog, 30 s by default, and comes back another process)
 HELD_GONE_S = 60.0
+# A request entry to another scheduler, with its notice, only while it is this one's.
+# KEYS[1]: the request stream, KEYS[2]: the stream the notice goes to; ARGV: the group, this
+# consumer, the new owner, the entry id, the notice stream's MAXLEN, the notice's field count
+# n, its n fields and values, then those of the notice that goes instead when the entry is
+# no one's any more (acked: its request ended), if any. Returns 1 moved, 0 not.
+_MOVE = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)[1]
+local n = tonumber(ARGV[6])
+local first, last
+if p and p[2] == ARGV[2] then
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[4], 'JUSTID')
+  first, last = 7, 6 + n
+elseif not p and #ARGV > 6 + n then
+  first, last = 7 + n, #ARGV
+else
+  return 0                             -- another scheduler's now: it ends or hands it over
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, first, last))
+return p and 1 or 0
+"""
 NO_ROOM = "no room now (no free KV blocks, max_num_seqs running, or requests already waiting there)"
 
 
@@ -176,10 +197,13 @@ def prefills_from(values: list[bytes | None]) -> dict[str, str]:
 
 class PrefillSide:
     def __init__(self, keys: Keys, instance: str, core: Scheduler, book: RequestBook,
-                 min_prompt_tokens: int, model: dict[str, str] | None = None) -> None:
+                 min_prompt_tokens: int, model: dict[str, str] | None = None,
+                 consumer: str = "") -> None:
         """`model`: the model this instance serves ({"model", "weights"}, as
-        shared/model_source.py:model_identity gives it)."""
+        shared/model_source.py:model_identity gives it); `consumer`: its scheduler's name in
+        the request stream's group (the owner of the entries it hands over)."""
         self.keys, self.instance, self.core, self.book = keys, instance, core, book
+        self.consumer = consumer
         self.min_prompt_tokens = min_prompt_tokens
         self.model = model or {}
         # the decode instances up that serve this model (the only partners)
@@ -607,18 +631,28 @@ class PrefillSide:
         for instance, msg in out.reserves:
             self._notify(pipe, self.keys.for_instance(instance).handoff, msg)
         for instance, consumer, entry_id, msg in out.handoffs:
-            self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).handoff, msg)
+            # ended elsewhere: its reservation freed (held where no K/V was trusted to land)
+            cancel = CancelMsg(msg.request_msg.request_id, "ended elsewhere",
+                               kv_pending=not msg.kv_received)
+            self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).handoff, msg,
+                       cancel)
         for instance, consumer, entry_id, msg in out.forwards:
             self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).reservations,
                        msg)
 
-    def _move(self, pipe, consumer: str, entry_id, stream: str, notice) -> None:
+    def _move(self, pipe, consumer: str, entry_id, stream: str, notice, ended=None) -> None:
         """A request entry to another scheduler: ownership moves first (XCLAIM), then the
         notice; should the notice be lost, that scheduler still finds the entry among its own
-        pending ones at its next restart."""
-        pipe.xclaim(self.keys.requests, self.keys.requests_group, consumer, 0, [entry_id],
-                    justid=True)
-        self._notify(pipe, stream, notice)
+        pending ones at its next restart. Only while the entry is still this scheduler's (one
+        script checks first): one another scheduler claimed while this one stalled is that
+        one's (an XCLAIM would take it from it), and one acked meanwhile ended there (a
+        hand-off would start it again on the decode instance, for nobody). For an ended one
+        `ended` goes instead, if given: the cancel of its reservation."""
+        fields = [x for kv in to_fields(notice).items() for x in kv]
+        pipe.eval(_MOVE, 2, self.keys.requests, stream, self.keys.requests_group,
+                  self.consumer, consumer, stream_id_text(entry_id), HANDOFF_MAXLEN,
+                  len(fields), *fields,
+                  *([x for kv in to_fields(ended).items() for x in kv] if ended else []))
 
     @staticmethod
     def _notify(pipe, stream: str, msg) -> None:

@@ -358,7 +358,7 @@ class ReservedMsg(_Plain):
 @dataclass(frozen=True)
 class HandoffMsg(_CarriesRequest, _Plain):
     """Prefill instance -> decode instance: the request is yours (its request-stream entry
-    was XCLAIMed to you in the same pipeline). Also prefill instance -> the prefill instance
+    was XCLAIMed to you in the same script). Also prefill instance -> the prefill instance
     the gateway's router chose for a request the first one read (on the latter's
     reservations stream, with no tokens and no K/V). `output_token_ids`: what its client already
     has (the first token, or none for a short prompt the decode side prefills itself);
