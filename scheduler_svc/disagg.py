@@ -101,6 +101,8 @@ class _Reservation:
     block_ids: list[int]
     peers: list[dict]
     incarnation: float
+    # the leading blocks the decode pool's prefix cache holds already: never sent into
+    cached: int = 0
     sent_ok: bool = True           # every send so far completed
     # a send failed: a write given up at its deadline may still land in these blocks, so
     # nothing sent into them again is trusted (the decode side recomputes the request)
@@ -109,9 +111,10 @@ class _Reservation:
     digests: dict[int, list[int]] = field(default_factory=dict)
 
     def kv_check(self, num_prompt_tokens: int, block_size: int) -> list:
-        """[blocks, per rank their digests] of the prompt's blocks, for the decode side to
-        verify; [] if some block's digest is missing."""
-        blocks = self.block_ids[:-(-num_prompt_tokens // block_size)]
+        """[blocks, per rank their digests] of the prompt's blocks sent (those past the
+        decode pool's cached ones), for the decode side to verify; [] if some block's digest
+        is missing."""
+        blocks = self.block_ids[self.cached:-(-num_prompt_tokens // block_size)]
         if not blocks or any(b not in self.digests for b in blocks):
             return []
         ranks = len(self.digests[blocks[0]])
@@ -436,7 +439,7 @@ class PrefillSide:
         self._msgs[rid] = (pending.entry_id, pending.msg)
         self._reservations[rid] = _Reservation(msg.decode_instance, msg.decode_consumer,
                                                list(msg.block_ids), list(msg.peers),
-                                               msg.incarnation)
+                                               msg.incarnation, msg.num_cached_blocks)
 
     def _layout_mismatch(self, peers: list[dict]) -> str:
         """Why this instance's ranks cannot write into `peers` ("" if they can)."""
@@ -526,7 +529,7 @@ class PrefillSide:
         sends = []
         block_size = self.core.block_manager.block_size
         # a request new to the workers may start after a cached prefix (prefix caching): its
-        # blocks are sent too, with the first chunk
+        # blocks are sent too, with the first chunk; those the decode pool has cached are not
         fresh = {r.request_id for r in plan.new_requests}
         for rid, rows in plan.num_scheduled_tokens.items():
             res = self._reservations.get(rid)
@@ -539,8 +542,10 @@ class PrefillSide:
                 res.digests.clear()
             if not res.sent_ok:
                 continue
-            first = 0 if rid in fresh else start // block_size
+            first = max(0 if rid in fresh else start // block_size, res.cached)
             last = (start + rows - 1) // block_size
+            if first > last:
+                continue                # this chunk fills only blocks cached there
             sends.append(KVSend(rid, res.decode_instance, request.block_table[first:last + 1],
                                 res.block_ids[first:last + 1], res.peers))
         return replace(plan, kv_sends=sends) if sends else plan
@@ -788,12 +793,14 @@ class DecodeSide:
                 error = "" if blocks else NO_ROOM
             except InvalidRequestError as e:
                 error = str(e)
+        cached = 0
         if blocks:
             self._reserved_at.setdefault(rid, (time.monotonic(), request.deadline))
             self._writer[rid] = msg.prefill_instance
+            cached = self.core.reserved_cached_blocks(rid)
         self._replies.append((msg.prefill_instance, ReservedMsg(
             rid, self.instance, self.consumer, blocks, self.peers if blocks else [],
-            self.started_at, error)))
+            self.started_at, error, cached)))
 
     def _take(self, msg: HandoffMsg) -> None:
         request = msg.request_msg
@@ -821,12 +828,15 @@ class DecodeSide:
 
     def _check_for(self, rid: str, msg: HandoffMsg) -> KVCheck | None:
         """The check of a hand-off's K/V: the digests it carries, one list per rank of this
-        instance, of the prompt's first blocks of our reservation; None where it carries none
-        that fits (then the prompt is recomputed, never trusted)."""
+        instance, of the prompt's blocks of our reservation past those our prefix cache held;
+        None where it carries none that fits (then the prompt is recomputed, never
+        trusted)."""
         table = self.core.get_request(rid).block_table
+        cached = self.core.reserved_cached_blocks(rid)
         try:
             blocks, digests = msg.kv_check
-            fits = (0 < len(blocks) <= len(table) and list(blocks) == table[:len(blocks)]
+            fits = (0 < len(blocks) <= len(table) - cached
+                    and list(blocks) == table[cached:cached + len(blocks)]
                     and len(digests) == len(self.peers)
                     and all(len(d) == len(blocks) and all(type(x) is int for x in d)
                             for d in digests))

@@ -965,3 +965,59 @@ def test_a_hand_off_goes_only_while_its_entry_is_the_prefill_schedulers(redis_se
     assert c.get_request("ended") is None and c.is_reserved("claimed")
     assert d0.checks_due and c.block_manager.num_free_blocks == 12 - 2 * 3
     r.close()
+
+
+def test_a_prompt_whose_prefix_the_decode_pool_caches_gets_and_is_sent_only_the_rest():
+    """With prefix caching, a reservation takes the prompt's leading blocks the decode pool's
+    cache holds (shared, as an admission takes them) and new blocks for the rest only; the
+    prefill side sends, and the hand-off's check covers, only those, and the request runs on
+    past its prompt in the shared blocks. Before, every prompt got new blocks for all of it
+    and its whole K/V was sent again."""
+    c = core()
+    d0 = decode_side(c)
+    first = request("a", 9)
+    d0.receive(reply(ReserveMsg(encode(first), "p0")))
+    d0.receive(reply(handoff(first, "5-0", 77, ["d0:1"])))
+    checked(c, d0)
+    plan = c.schedule()                     # its first decode: its 2 full blocks are cached
+    c.update(plan, StepResult(plan.step, {"a": SampledToken(78)}))
+    second = request("b", 10)               # the same 8 leading tokens as "a"'s
+    d0.receive(reply(ReserveMsg(encode(second), "p0")))
+    (_, granted), = d0._replies[-1:]
+    assert granted.block_ids[:2] == c.get_request("a").block_table[:2]
+    assert granted.num_cached_blocks == 2 and len(granted.block_ids) == 3
+    assert c.block_manager.prefix_cache_hits == 8
+    p = core()
+    p0 = prefill_side(p, [descriptor("p0:1")])
+    p0.admit(b"9-0", second)
+    p0.take()
+    p0.receive_reservations(reply(decode(encode(granted))))
+    sends = []
+    while True:
+        plan = p0.add_sends(p.schedule())
+        sends += [(s.src_block_ids, s.dst_block_ids) for s in plan.kv_sends]
+        done = p.get_request("b").num_computed_tokens + plan.num_scheduled_tokens["b"] == 10
+        result = StepResult(plan.step, {"b": SampledToken(5)} if done else {},
+                            kv_digests={s.request_id: [[900 + b for b in s.dst_block_ids]]
+                                        for s in plan.kv_sends})
+        outs = p.update(plan, result)
+        p0.observe(plan, result)
+        if done:
+            break
+    assert sends == [([2], granted.block_ids[2:])]      # the chunk of rows 8-9 only
+    assert p0.finished(outs[0])
+    (_, _, _, handed), = p0.take().handoffs
+    assert handed.kv_check == [granted.block_ids[2:], [[900 + granted.block_ids[2]]]]
+    d0.receive(reply(handed))
+    plan = d0.add_checks(c.schedule())      # beside "a"'s next decode
+    check, = plan.kv_checks
+    assert check.block_ids == granted.block_ids[2:]
+    result = StepResult(plan.step, {"a": SampledToken(79)}, kv_verified=["b"])
+    c.update(plan, result)
+    d0.observe(plan, result)
+    assert d0.recomputed_total == 0
+    plan = c.schedule()
+    new, = plan.new_requests
+    assert new.num_computed_tokens == 10 and new.block_table == granted.block_ids
+    c.update(plan, StepResult(plan.step, {"a": SampledToken(80), "b": SampledToken(6)}))
+    c.block_manager.check_integrity()
