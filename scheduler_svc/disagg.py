@@ -12,8 +12,9 @@ A request's life, and who owns its entry in the requests stream at each point:
                    blocks its chunk fills (layer by layer, into D's reserved blocks); the
                    worker streams the first token to the client and answers once the sends
                    are done
-    prefill P      one pipeline: XCLAIM the entry to D's consumer name, XADD HandoffMsg
-                   (first token, the sessions written into) -> D; the core already freed P's
+    prefill P      one script, while the entry is still P's: XCLAIM the entry to D's consumer
+                   name, XADD HandoffMsg (first token, the sessions written into) -> D (an
+                   entry acked meanwhile: CancelMsg instead); the core already freed P's
                    blocks (the sends completed before the result came)
     decode D       the reserved request becomes a running decode at num_computed_tokens =
                    prompt length (or, when its K/V did not all arrive, is recomputed here)
@@ -58,6 +59,26 @@ HELD_MAX_S = 600.0
 # ... or once a rank of it has had no heartbeat this long: dead (a stopped one that long is
 # killed by `pacer up`'s watchdog, 30 s by default, and comes back another process)
 HELD_GONE_S = 60.0
+# A request entry to another scheduler, with its notice, only while it is this one's.
+# KEYS[1]: the request stream, KEYS[2]: the stream the notice goes to; ARGV: the group, this
+# consumer, the new owner, the entry id, the notice stream's MAXLEN, the notice's field count
+# n, its n fields and values, then those of the notice that goes instead when the entry is
+# no one's any more (acked: its request ended), if any. Returns 1 moved, 0 not.
+_MOVE = """
+local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)[1]
+local n = tonumber(ARGV[6])
+local first, last
+if p and p[2] == ARGV[2] then
+  redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[4], 'JUSTID')
+  first, last = 7, 6 + n
+elseif not p and #ARGV > 6 + n then
+  first, last = 7 + n, #ARGV
+else
+  return 0                             -- another scheduler's now: it ends or hands it over
+end
+redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, first, last))
+return p and 1 or 0
+"""
 NO_ROOM = "no room now (no free KV blocks, max_num_seqs running, or requests already waiting there)"
 
 
@@ -80,6 +101,8 @@ class _Reservation:
     block_ids: list[int]
     peers: list[dict]
     incarnation: float
+    # the leading blocks the decode pool's prefix cache holds already: never sent into
+    cached: int = 0
     sent_ok: bool = True           # every send so far completed
     # a send failed: a write given up at its deadline may still land in these blocks, so
     # nothing sent into them again is trusted (the decode side recomputes the request)
@@ -88,9 +111,10 @@ class _Reservation:
     digests: dict[int, list[int]] = field(default_factory=dict)
 
     def kv_check(self, num_prompt_tokens: int, block_size: int) -> list:
-        """[blocks, per rank their digests] of the prompt's blocks, for the decode side to
-        verify; [] if some block's digest is missing."""
-        blocks = self.block_ids[:-(-num_prompt_tokens // block_size)]
+        """[blocks, per rank their digests] of the prompt's blocks sent (those past the
+        decode pool's cached ones), for the decode side to verify; [] if some block's digest
+        is missing."""
+        blocks = self.block_ids[self.cached:-(-num_prompt_tokens // block_size)]
         if not blocks or any(b not in self.digests for b in blocks):
             return []
         ranks = len(self.digests[blocks[0]])
@@ -176,10 +200,13 @@ def prefills_from(values: list[bytes | None]) -> dict[str, str]:
 
 class PrefillSide:
     def __init__(self, keys: Keys, instance: str, core: Scheduler, book: RequestBook,
-                 min_prompt_tokens: int, model: dict[str, str] | None = None) -> None:
+                 min_prompt_tokens: int, model: dict[str, str] | None = None,
+                 consumer: str = "") -> None:
         """`model`: the model this instance serves ({"model", "weights"}, as
-        shared/model_source.py:model_identity gives it)."""
+        shared/model_source.py:model_identity gives it); `consumer`: its scheduler's name in
+        the request stream's group (the owner of the entries it hands over)."""
         self.keys, self.instance, self.core, self.book = keys, instance, core, book
+        self.consumer = consumer
         self.min_prompt_tokens = min_prompt_tokens
         self.model = model or {}
         # the decode instances up that serve this model (the only partners)
@@ -412,7 +439,7 @@ class PrefillSide:
         self._msgs[rid] = (pending.entry_id, pending.msg)
         self._reservations[rid] = _Reservation(msg.decode_instance, msg.decode_consumer,
                                                list(msg.block_ids), list(msg.peers),
-                                               msg.incarnation)
+                                               msg.incarnation, msg.num_cached_blocks)
 
     def _layout_mismatch(self, peers: list[dict]) -> str:
         """Why this instance's ranks cannot write into `peers` ("" if they can)."""
@@ -502,7 +529,7 @@ class PrefillSide:
         sends = []
         block_size = self.core.block_manager.block_size
         # a request new to the workers may start after a cached prefix (prefix caching): its
-        # blocks are sent too, with the first chunk
+        # blocks are sent too, with the first chunk; those the decode pool has cached are not
         fresh = {r.request_id for r in plan.new_requests}
         for rid, rows in plan.num_scheduled_tokens.items():
             res = self._reservations.get(rid)
@@ -515,8 +542,10 @@ class PrefillSide:
                 res.digests.clear()
             if not res.sent_ok:
                 continue
-            first = 0 if rid in fresh else start // block_size
+            first = max(0 if rid in fresh else start // block_size, res.cached)
             last = (start + rows - 1) // block_size
+            if first > last:
+                continue                # this chunk fills only blocks cached there
             sends.append(KVSend(rid, res.decode_instance, request.block_table[first:last + 1],
                                 res.block_ids[first:last + 1], res.peers))
         return replace(plan, kv_sends=sends) if sends else plan
@@ -607,18 +636,28 @@ class PrefillSide:
         for instance, msg in out.reserves:
             self._notify(pipe, self.keys.for_instance(instance).handoff, msg)
         for instance, consumer, entry_id, msg in out.handoffs:
-            self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).handoff, msg)
+            # ended elsewhere: its reservation freed (held where no K/V was trusted to land)
+            cancel = CancelMsg(msg.request_msg.request_id, "ended elsewhere",
+                               kv_pending=not msg.kv_received)
+            self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).handoff, msg,
+                       cancel)
         for instance, consumer, entry_id, msg in out.forwards:
             self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).reservations,
                        msg)
 
-    def _move(self, pipe, consumer: str, entry_id, stream: str, notice) -> None:
+    def _move(self, pipe, consumer: str, entry_id, stream: str, notice, ended=None) -> None:
         """A request entry to another scheduler: ownership moves first (XCLAIM), then the
         notice; should the notice be lost, that scheduler still finds the entry among its own
-        pending ones at its next restart."""
-        pipe.xclaim(self.keys.requests, self.keys.requests_group, consumer, 0, [entry_id],
-                    justid=True)
-        self._notify(pipe, stream, notice)
+        pending ones at its next restart. Only while the entry is still this scheduler's (one
+        script checks first): one another scheduler claimed while this one stalled is that
+        one's (an XCLAIM would take it from it), and one acked meanwhile ended there (a
+        hand-off would start it again on the decode instance, for nobody). For an ended one
+        `ended` goes instead, if given: the cancel of its reservation."""
+        fields = [x for kv in to_fields(notice).items() for x in kv]
+        pipe.eval(_MOVE, 2, self.keys.requests, stream, self.keys.requests_group,
+                  self.consumer, consumer, stream_id_text(entry_id), HANDOFF_MAXLEN,
+                  len(fields), *fields,
+                  *([x for kv in to_fields(ended).items() for x in kv] if ended else []))
 
     @staticmethod
     def _notify(pipe, stream: str, msg) -> None:
@@ -754,12 +793,14 @@ class DecodeSide:
                 error = "" if blocks else NO_ROOM
             except InvalidRequestError as e:
                 error = str(e)
+        cached = 0
         if blocks:
             self._reserved_at.setdefault(rid, (time.monotonic(), request.deadline))
             self._writer[rid] = msg.prefill_instance
+            cached = self.core.reserved_cached_blocks(rid)
         self._replies.append((msg.prefill_instance, ReservedMsg(
             rid, self.instance, self.consumer, blocks, self.peers if blocks else [],
-            self.started_at, error)))
+            self.started_at, error, cached)))
 
     def _take(self, msg: HandoffMsg) -> None:
         request = msg.request_msg
@@ -787,12 +828,15 @@ class DecodeSide:
 
     def _check_for(self, rid: str, msg: HandoffMsg) -> KVCheck | None:
         """The check of a hand-off's K/V: the digests it carries, one list per rank of this
-        instance, of the prompt's first blocks of our reservation; None where it carries none
-        that fits (then the prompt is recomputed, never trusted)."""
+        instance, of the prompt's blocks of our reservation past those our prefix cache held;
+        None where it carries none that fits (then the prompt is recomputed, never
+        trusted)."""
         table = self.core.get_request(rid).block_table
+        cached = self.core.reserved_cached_blocks(rid)
         try:
             blocks, digests = msg.kv_check
-            fits = (0 < len(blocks) <= len(table) and list(blocks) == table[:len(blocks)]
+            fits = (0 < len(blocks) <= len(table) - cached
+                    and list(blocks) == table[cached:cached + len(blocks)]
                     and len(digests) == len(self.peers)
                     and all(len(d) == len(blocks) and all(type(x) is int for x in d)
                             for d in digests))

@@ -114,7 +114,8 @@ class SchedulerService:
         self.started_at = time.time()
         self.prefill = PrefillSide(keys, config.instance, core, self.book,
                                    config.disagg_min_prompt_tokens,
-                                   {"model": config.model, "weights": config.weights}) \
+                                   {"model": config.model, "weights": config.weights},
+                                   config.scheduler_id) \
             if config.role == "prefill" else None
         self.decode = DecodeSide(keys, config.instance, config.scheduler_id, core, self.book,
                                  self.started_at) if config.role == "decode" else None

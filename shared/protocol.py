@@ -347,18 +347,25 @@ class ReservedMsg(_Plain):
     peers: list[dict]                # the KV connector descriptor of each decode rank
     incarnation: float               # the decode scheduler's start time
     error: str = ""
+    # the leading block_ids the decode pool's prefix cache already holds the prompt's K/V in:
+    # shared there, never written (the prefill instance sends the blocks after them)
+    num_cached_blocks: int = 0
 
     def __post_init__(self) -> None:
         _check_strings(self, "request_id", "decode_instance", "decode_consumer", "error")
         _check_list(self, "block_ids", int)
         _check_list(self, "peers", dict)        # read with .get: anything else crashed it
+        if type(self.num_cached_blocks) is not int or \
+                not 0 <= self.num_cached_blocks < max(len(self.block_ids), 1):
+            raise TypeError(f"num_cached_blocks must be an integer below the "
+                            f"{len(self.block_ids)} blocks, got {_short(self.num_cached_blocks)}")
 
 
 @_kind("handoff")
 @dataclass(frozen=True)
 class HandoffMsg(_CarriesRequest, _Plain):
     """Prefill instance -> decode instance: the request is yours (its request-stream entry
-    was XCLAIMed to you in the same pipeline). Also prefill instance -> the prefill instance
+    was XCLAIMed to you in the same script). Also prefill instance -> the prefill instance
     the gateway's router chose for a request the first one read (on the latter's
     reservations stream, with no tokens and no K/V). `output_token_ids`: what its client already
     has (the first token, or none for a short prompt the decode side prefills itself);

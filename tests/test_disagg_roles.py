@@ -18,6 +18,7 @@ from scheduler_svc.disagg import NO_ROOM, DecodeSide, PrefillSide, _Decoder
 from scheduler_svc.workers import role_disagreement
 from shared.config import SchedulerConfig
 from shared.keys import Keys
+from shared.lifecycle import stream_id_text
 from shared.plan import IterationPlan, SampledToken, StepResult
 from shared.protocol import (AbortMsg, CancelMsg, HandoffMsg, Heartbeat, RequestMsg, ReservedMsg,
                              ReserveMsg, decode, encode, from_fields, to_fields)
@@ -921,3 +922,102 @@ def test_a_prefill_side_leaves_a_request_another_scheduler_claimed_without_cance
         if output.finished and not side.finished(output):
             side.book.finished(output)
     assert side.take().cancels == [] and side.book.take_outbox() == Outbox()
+
+
+def test_a_hand_off_goes_only_while_its_entry_is_the_prefill_schedulers(redis_server):
+    """A prefill scheduler that stalled between a request's first token and its hand-off: one
+    entry another prefill scheduler claimed meanwhile stays that one's (an XCLAIM took it
+    from it: two schedulers served the request), one that ended there (acked) is not handed
+    over, or the decode instance started it again for nobody; its reservation is cancelled
+    instead. One still its own goes as before. Real Redis."""
+    import redis as sync_redis
+
+    r = sync_redis.Redis.from_url(redis_server)
+    keys = Keys("move-test:")
+    r.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
+    msgs = {rid: request(rid, 9) for rid in ("mine", "claimed", "ended")}
+    entries = {rid: r.xadd(keys.requests, to_fields(m)) for rid, m in msgs.items()}
+    r.xreadgroup(keys.requests_group, "p0", {keys.requests: ">"})
+    r.xclaim(keys.requests, keys.requests_group, "p1", 0, [entries["claimed"]], justid=True)
+    r.xack(keys.requests, keys.requests_group, entries["ended"])
+    c = core(num_blocks=12)
+    d0 = decode_side(c)
+    d0.keys = keys.for_instance("d0")
+    for m in msgs.values():
+        d0.receive(reply(ReserveMsg(encode(m), "p0")))
+    assert c.num_reserved == 3
+    p0 = prefill_side(core(), [descriptor("p0:1")])
+    p0.keys, p0.consumer = keys, "p0"
+    for rid, m in msgs.items():
+        p0.out.handoffs.append(("d0", "host-d0", entries[rid],
+                                handoff(m, stream_id_text(entries[rid]), 77, ["d0:1"])))
+    pipe = r.pipeline(transaction=False)
+    p0.queue(pipe, p0.take())
+    pipe.execute()
+    owners = {p["message_id"]: p["consumer"].decode()
+              for p in r.xpending_range(keys.requests, keys.requests_group, "-", "+", 10)}
+    assert owners == {entries["mine"]: "host-d0", entries["claimed"]: "p1"}
+    notices = [from_fields(f) for _, f in r.xrange(d0.keys.handoff)]
+    assert [(type(n).__name__, n.request_id if isinstance(n, CancelMsg)
+             else n.request_msg.request_id) for n in notices] == \
+        [("HandoffMsg", "mine"), ("CancelMsg", "ended")]
+    d0.receive(r.xread({d0.keys.handoff: "0-0"}))
+    assert c.get_request("ended") is None and c.is_reserved("claimed")
+    assert d0.checks_due and c.block_manager.num_free_blocks == 12 - 2 * 3
+    r.close()
+
+
+def test_a_prompt_whose_prefix_the_decode_pool_caches_gets_and_is_sent_only_the_rest():
+    """With prefix caching, a reservation takes the prompt's leading blocks the decode pool's
+    cache holds (shared, as an admission takes them) and new blocks for the rest only; the
+    prefill side sends, and the hand-off's check covers, only those, and the request runs on
+    past its prompt in the shared blocks. Before, every prompt got new blocks for all of it
+    and its whole K/V was sent again."""
+    c = core()
+    d0 = decode_side(c)
+    first = request("a", 9)
+    d0.receive(reply(ReserveMsg(encode(first), "p0")))
+    d0.receive(reply(handoff(first, "5-0", 77, ["d0:1"])))
+    checked(c, d0)
+    plan = c.schedule()                     # its first decode: its 2 full blocks are cached
+    c.update(plan, StepResult(plan.step, {"a": SampledToken(78)}))
+    second = request("b", 10)               # the same 8 leading tokens as "a"'s
+    d0.receive(reply(ReserveMsg(encode(second), "p0")))
+    (_, granted), = d0._replies[-1:]
+    assert granted.block_ids[:2] == c.get_request("a").block_table[:2]
+    assert granted.num_cached_blocks == 2 and len(granted.block_ids) == 3
+    assert c.block_manager.prefix_cache_hits == 8
+    p = core()
+    p0 = prefill_side(p, [descriptor("p0:1")])
+    p0.admit(b"9-0", second)
+    p0.take()
+    p0.receive_reservations(reply(decode(encode(granted))))
+    sends = []
+    while True:
+        plan = p0.add_sends(p.schedule())
+        sends += [(s.src_block_ids, s.dst_block_ids) for s in plan.kv_sends]
+        done = p.get_request("b").num_computed_tokens + plan.num_scheduled_tokens["b"] == 10
+        result = StepResult(plan.step, {"b": SampledToken(5)} if done else {},
+                            kv_digests={s.request_id: [[900 + b for b in s.dst_block_ids]]
+                                        for s in plan.kv_sends})
+        outs = p.update(plan, result)
+        p0.observe(plan, result)
+        if done:
+            break
+    assert sends == [([2], granted.block_ids[2:])]      # the chunk of rows 8-9 only
+    assert p0.finished(outs[0])
+    (_, _, _, handed), = p0.take().handoffs
+    assert handed.kv_check == [granted.block_ids[2:], [[900 + granted.block_ids[2]]]]
+    d0.receive(reply(handed))
+    plan = d0.add_checks(c.schedule())      # beside "a"'s next decode
+    check, = plan.kv_checks
+    assert check.block_ids == granted.block_ids[2:]
+    result = StepResult(plan.step, {"a": SampledToken(79)}, kv_verified=["b"])
+    c.update(plan, result)
+    d0.observe(plan, result)
+    assert d0.recomputed_total == 0
+    plan = c.schedule()
+    new, = plan.new_requests
+    assert new.num_computed_tokens == 10 and new.block_table == granted.block_ids
+    c.update(plan, StepResult(plan.step, {"a": SampledToken(80), "b": SampledToken(6)}))
+    c.block_manager.check_integrity()

@@ -300,6 +300,30 @@ def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
         assert served.stop() == 0, served.log_tail()
 
 
+def test_pd_prefix_cached_on_the_decode_instance_is_not_sent_again(tiny, tmp_path):
+    """A prompt whose 96-token prefix an earlier hand-off left in the decode instance's prefix
+    cache: the decode instance reserves new blocks for the rest only, the prefill instance
+    sends only those, and greedy output still equals transformers'."""
+    prompts = FAMILIES[0]
+    want = greedy_token_texts(tiny, prompts, NEW_TOKENS)
+    served, model = start_pd(tiny, tmp_path)
+    try:
+        sent = []
+        for prompt in prompts:                                       # one after another
+            assert complete(served.base_url, model, prompt) == want[tuple(prompt)][:NEW_TOKENS]
+            sent.append(wait_for(lambda: (s := stats(served, P0)).get("handoffs_total") ==
+                                 len(sent) + 1 and s["kv_transfer_bytes_total"], 30,
+                                 "prefill stats"))
+        whole, *tails = [b - a for a, b in zip([0.0] + sent, sent)]
+        # the first sends its 7 blocks, the others the one past the 6 cached on d0
+        assert all(t * 7 == whole for t in tails), (whole, tails)
+        d0 = wait_for(lambda: (s := stats(served, D0)).get("prefix_cache_hits_total", 0)
+                      >= 96 * 2 and s, 30, "decode prefix hits")
+        assert d0["kv_check_failures_total"] == 0 and d0["handoffs_recomputed_total"] == 0, d0
+    finally:
+        assert served.stop() == 0, served.log_tail()
+
+
 def test_pd_ttft_goal_flag_is_taken_and_attainment_counted(tiny, expected, tmp_path):
     """`--target-ttft-ms` reaches the prefill scheduler: with a goal no prompt can meet, each
     one p0 prefills is counted as a miss, in its stats hash and in /metrics; output exact."""

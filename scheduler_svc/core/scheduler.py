@@ -240,8 +240,9 @@ class Scheduler:
     def reserve(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                 reply_to: str = "") -> list[int] | None:
         """Hold the blocks a prompt's K/V will be written into by a prefill instance, plus
-        room for the first decode. Returns the block ids (the same ones again for an id
-        already reserved), or None when the pool has no room now, requests already wait here
+        room for the first decode; its leading blocks this pool's prefix cache holds are
+        shared, not written (`reserved_cached_blocks` says how many). Returns the block ids
+        (the same ones again for an id already reserved), or None when the pool has no room now, requests already wait here
         (a preempted one must not starve behind new reservations) or max_num_seqs run or are
         on their way. InvalidRequestError if the request could never be served here."""
         held = self._reserved.get(request_id)
@@ -255,8 +256,14 @@ class Scheduler:
             return None
         request = Request(request_id, list(prompt_token_ids), sampling, self._num_arrivals,
                           reply_to=reply_to)
-        if self.block_manager.allocate(request, len(prompt_token_ids) + 1) is None:
+        # the prompt's leading blocks already in this pool's prefix cache are taken, shared,
+        # as an admission takes them: only the rest is written by the prefill instance
+        cached_prefix = self.block_manager.find_cached_prefix(request)
+        request.num_computed_tokens = len(cached_prefix) * self.block_manager.block_size
+        if self.block_manager.allocate(request, len(prompt_token_ids) + 1
+                                       - request.num_computed_tokens, cached_prefix) is None:
             return None
+        self.block_manager.count_admission(request, request.num_computed_tokens)
         self._num_arrivals += 1
         self._requests[request_id] = request
         self._reserved[request_id] = request
@@ -280,6 +287,7 @@ class Scheduler:
             self.policy.place_running(self._running, request)
             return
         self._let_go(request, hold)
+        request.num_computed_tokens = 0         # its cached prefix (if any) went with them
         request.status = RequestStatus.PREEMPTED
         self.policy.requeue_preempted(self._waiting, request)
 
@@ -311,6 +319,11 @@ class Scheduler:
 
     def is_reserved(self, request_id: str) -> bool:
         return request_id in self._reserved
+
+    def reserved_cached_blocks(self, request_id: str) -> int:
+        """How many of a reservation's leading blocks came from the prefix cache (no prefill
+        instance writes into them)."""
+        return self._reserved[request_id].num_cached_blocks
 
     @property
     def num_reserved(self) -> int:
