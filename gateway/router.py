@@ -30,7 +30,8 @@ moves to a decode instance. Policies (`--router`):
   load each time: docs/design.md#cache-aware-routing.
 
 An instance whose scheduler has no live heartbeat (stopped, or restarting), or one of whose
-worker ranks has none (dead, hung, loading its model again), is left out of the choice,
+worker ranks has none (dead, hung, loading its model again; its ranks are as many as the
+gateway's `--instances ID:TP` says, checked as /health checks them), is left out of the choice,
 whatever the policy, while another has them all: its stream would hold the request until the
 scheduler and its ranks are back. The live set is read every LIVE_REFRESH_S by a task of its
 own (`keep_live_set`), never on a request's way: the read is a SCAN of the whole keyspace,
@@ -53,7 +54,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -144,14 +145,16 @@ def leading(flags: Sequence) -> int:
 class ReplicaRouter:
     """Chooses the replica of each request and keeps count of what it sent where."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, instances: Sequence[str],
+    def __init__(self, redis: aioredis.Redis, keys: Keys, instances: Sequence[tuple[str, int]],
                  policy: str = "prefix") -> None:
+        """`instances`: each with its TP degree, as configured (`--instances ID:TP`)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown router policy {policy!r}; one of {POLICIES}")
         if not instances:
             raise ValueError("a router needs at least one instance")
         self.redis, self.policy, self._root_keys = redis, policy, keys
-        self.instances = list(instances)
+        self._degrees = list(instances)
+        self.instances = [inst for inst, _ in instances]
         self._keys = [keys.for_instance(i) for i in self.instances]
         self._turns = itertools.count()
         self._outstanding = [0] * len(self.instances)         # requests in flight
@@ -208,9 +211,9 @@ class ReplicaRouter:
         back); while no scheduler beats, every one (no verdict: Redis restarted, or nothing
         started yet)."""
         up = await live_instances(self.redis, self._root_keys)
-        whole = await whole_instances(self.redis, self._root_keys,
-                                      {inst: up[inst] for inst in self.instances if inst in up})
-        self._live = ([i for i, inst in enumerate(self.instances) if inst in whole]
+        broken = {inst for inst, _ in await missing_ranks(
+            self.redis, self._root_keys, [(inst, tp) for inst, tp in self._degrees if inst in up])}
+        self._live = ([i for i, inst in enumerate(self.instances) if inst in up - broken]
                       or [i for i, inst in enumerate(self.instances) if inst in up] or self._all)
 
     async def keep_live_set(self) -> None:
@@ -304,17 +307,20 @@ def _number(value) -> float:
     return number if math.isfinite(number) else 0.0
 
 
-async def live_instances(redis: aioredis.Redis, keys: Keys) -> dict[str, int]:
+async def live_instances(redis: aioredis.Redis, keys: Keys) -> set[str]:
     """The engine instances whose scheduler heartbeat key is alive ("" for a colocated
-    engine's), each with its worker ranks: SCAN of the heartbeat keys, one MGET."""
+    engine's): SCAN of the heartbeat keys, one MGET."""
     beats = [k async for k in redis.scan_iter(match=keys.hb_scheduler_pattern, count=SCAN_COUNT)]
     return scheduler_instances(await redis.mget(beats) if beats else [])
 
 
-async def whole_instances(redis: aioredis.Redis, keys: Keys, ranks: dict[str, int]) -> set[str]:
-    """Of `ranks` (instance -> its worker ranks), those whose every worker rank's heartbeat
-    key is alive: one MGET."""
-    wanted = [(inst, keys.for_instance(inst).hb_worker(r))
-              for inst, tp in ranks.items() for r in range(tp)]
-    beats = await redis.mget([key for _, key in wanted]) if wanted else []
-    return set(ranks) - {inst for (inst, _), beat in zip(wanted, beats) if beat is None}
+async def missing_ranks(redis: aioredis.Redis, keys: Keys,
+                        degrees: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Of these engine instances ("" for a colocated engine), each with its TP degree as the
+    gateway is configured, the worker ranks whose heartbeat key is gone, as (instance, rank)
+    in order: one MGET. The degree is never read from a scheduler's heartbeat: an instance
+    whose scheduler is gone still has its ranks checked."""
+    wanted = [(inst, rank) for inst, tp in degrees for rank in range(tp)]
+    beats = (await redis.mget([keys.for_instance(inst).hb_worker(rank) for inst, rank in wanted])
+             if wanted else [])
+    return [w for w, beat in zip(wanted, beats) if beat is None]

@@ -423,18 +423,12 @@ def heartbeat_of(value: bytes | None) -> Heartbeat | None:
     return msg if isinstance(msg, Heartbeat) else None
 
 
-def scheduler_instances(values: list[bytes | None]) -> dict[str, int]:
+def scheduler_instances(values: list[bytes | None]) -> set[str]:
     """The engine instances ("" for the colocated engine) whose scheduler heartbeats are among
-    these heartbeat key values, each with its worker ranks: a scheduler's heartbeat names its
-    instance and its TP degree (an expired key reads as None; a value that is no heartbeat
-    counts for none; a degree that is not a positive whole number counts as 1)."""
-    out = {}
-    for beat in map(heartbeat_of, values):
-        if beat is not None and beat.service == "scheduler":
-            tp = beat.extra.get("tp")
-            out[str(beat.extra.get("instance", ""))] = \
-                tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 1
-    return out
+    these heartbeat key values: a scheduler's heartbeat names its instance (an expired key
+    reads as None; a value that is no heartbeat counts for none)."""
+    return {str(beat.extra.get("instance", "")) for beat in map(heartbeat_of, values)
+            if beat is not None and beat.service == "scheduler"}
 
 
 def decode(data: bytes) -> Message:
