@@ -43,7 +43,10 @@ empties); the router computes the prompt's chained block hashes with the core's 
 (`shared/prefix_hash.py`) and asks every set at once with SMISMEMBER, in one pipelined round
 trip with the load. A block is published only once computed, so the router also remembers
 the prefixes it routed in the last RECENT_S seconds: a burst of requests sharing a new system
-prompt follows the first one instead of spreading before it is cached. The published sets
+prompt follows the first one instead of spreading before it is cached. At a request's first
+token, whose batch names the instance that computed the prompt, its prefix is remembered
+there instead (with P/D a short prompt is computed by its decode instance, no candidate: it
+is forgotten; a prefill scheduler may keep an entry named for another). The published sets
 and that memory are hints: a wrong guess costs a cache miss, never a wrong token; one that
 cannot be read (a key holding another type, a count that is nan) is left out, not an error.
 """
@@ -162,6 +165,9 @@ class ReplicaRouter:
         # request id -> (instance index, the work it counts for there)
         self._sent_to: dict[str, tuple[int, int]] = {}
         self._recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        # request id -> (instance index, its prompt's hashes) remembered there, until its
+        # first token says where the prompt was computed
+        self._prefixes: dict[str, tuple[int, list[bytes]]] = {}
         self.block_size: int | None = None                    # learnt from the stats hashes
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
         self._all = list(range(len(self.instances)))
@@ -181,16 +187,28 @@ class ReplicaRouter:
             index = live[pick(self.policy, [candidates[i] for i in live],
                               len(prompt_token_ids), turn)]
             work -= candidates[index].cached_tokens
-            if self.policy == "prefix":
+            if self.policy == "prefix" and hashes:
                 self._remember(hashes, index)
+                self._prefixes[request_id] = (index, hashes)
         self._outstanding[index] += 1
         self._queued[index] += work
         self.chosen[index] += 1
         self._sent_to[request_id] = (index, work)
         return self.instances[index]
 
-    def prefilled(self, request_id: str) -> None:
-        """The request's first token came: from now on it weighs as a decode."""
+    def prefilled(self, request_id: str, computed_on: str | None = None) -> None:
+        """The request's first token came, its prompt computed on instance `computed_on`
+        (None: not said): from now on it weighs as a decode, and its prefix is remembered
+        where that instance's cache holds it. That is not always the instance chosen: with
+        P/D a prompt under --disagg-min-prompt-tokens is computed by the decode instance it
+        goes to (no candidate: forgotten), and a prefill scheduler keeps an entry named for
+        a peer it does not see live (remembered there)."""
+        index, hashes = self._prefixes.pop(request_id, (None, []))
+        if hashes and computed_on is not None:
+            if computed_on in self.instances:
+                self._remember(hashes, self.instances.index(computed_on))
+            else:
+                self._forget(hashes, index)
         entry = self._sent_to.get(request_id)
         if entry is not None and entry[1] != DECODE_TOKENS:
             index, work = entry
@@ -199,6 +217,7 @@ class ReplicaRouter:
 
     def ended(self, request_id: str) -> None:
         """The request ended (however): it no longer loads its instance."""
+        self._prefixes.pop(request_id, None)
         entry = self._sent_to.pop(request_id, None)
         if entry is not None:
             index, work = entry
@@ -295,6 +314,12 @@ class ReplicaRouter:
             self._recent.move_to_end(h)
         while len(self._recent) > RECENT_MAX:
             self._recent.popitem(last=False)
+
+    def _forget(self, hashes: list[bytes], index: int) -> None:
+        """Forget these hashes where they are remembered at instance `index`."""
+        for h in hashes:
+            if self._recent.get(h, (None,))[0] == index:
+                del self._recent[h]
 
 
 def _number(value) -> float:

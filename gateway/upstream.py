@@ -132,13 +132,13 @@ class Upstream:
         return await asyncio.wait_for(self._live_connection(send, "submit request"),
                                       SUBMIT_REPLY_S)
 
-    def prefilled(self, request_id: str) -> None:
-        """The request's first token came back (P/D: it has left its prefill instance)."""
+    def prefilled(self, request_id: str, computed_on: str | None = None) -> None:
+        """The request's first token came back, its prompt computed on instance `computed_on`
+        (None: not said) (P/D: it has left its prefill instance)."""
         if self.replicas is not None:
+            self.replicas.prefilled(request_id, computed_on)
             if self.prefill:
                 self.replicas.ended(request_id)
-            else:
-                self.replicas.prefilled(request_id)
 
     def ended(self, request_id: str) -> None:
         """The request ended, however: it no longer loads its replica."""

@@ -277,6 +277,10 @@ class TokenBatch:
     # the requests whose first token is here (the usage's cached tokens, known to the gateway
     # also where it ends a stream itself, at a stop string, before the finish event)
     cached: dict[str, int] = field(default_factory=dict)
+    # the engine instance whose workers sent the batch ("" for a colocated engine): the
+    # requests in `cached` had their prompt computed there, so its prefix cache holds it (a
+    # router's memory of where a prefix is: gateway/router.py)
+    instance: str = ""
     KIND: ClassVar[str]
 
     def _to_body(self) -> dict:
@@ -285,6 +289,8 @@ class TokenBatch:
                            for e in self.events]}
         if self.cached:
             body["cached"] = self.cached
+            if self.instance:
+                body["instance"] = self.instance
         if self.prompt:
             # prompt: [request_id, start, logprobs, ranks, top_logprobs]
             body["prompt"] = [[e.request_id, e.logprobs.start, e.logprobs.logprobs,
@@ -299,7 +305,7 @@ class TokenBatch:
                        start, list(lps), list(ranks),
                        None if tops is None else [_tops(t) for t in tops]))
                     for rid, start, lps, ranks, tops in body.get("prompt", ())],
-                   dict(body.get("cached", {})))
+                   dict(body.get("cached", {})), str(body.get("instance", "")))
 
 
 @_kind("finish")
