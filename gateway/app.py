@@ -84,8 +84,10 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
                                        retry=Retry(NoBackoff(), 0))
     replicas = None
     if state.config.router:
-        replicas = ReplicaRouter(state.redis, state.keys, state.config.route_prefill or
-                                 [i for i, _ in state.config.instances], state.config.router)
+        degrees = dict(state.config.instances)
+        replicas = ReplicaRouter(state.redis, state.keys,
+                                 [(i, degrees[i]) for i in state.config.route_prefill or degrees],
+                                 state.config.router)
     state.upstream = Upstream(state.redis, state.keys, state.config.gateway_id, replicas,
                               prefill=bool(state.config.route_prefill))
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)

@@ -159,7 +159,7 @@ class Generation:
     def _stop_waiting(self) -> None:
         if self._slot is not None:
             self._slot.release()
-        self._upstream.prefilled(self.request_id)
+        self._upstream.prefilled(self.request_id, self._stream.computed_on)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while True:

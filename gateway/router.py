@@ -30,7 +30,8 @@ moves to a decode instance. Policies (`--router`):
   load each time: docs/design.md#cache-aware-routing.
 
 An instance whose scheduler has no live heartbeat (stopped, or restarting), or one of whose
-worker ranks has none (dead, hung, loading its model again), is left out of the choice,
+worker ranks has none (dead, hung, loading its model again; its ranks are as many as the
+gateway's `--instances ID:TP` says, checked as /health checks them), is left out of the choice,
 whatever the policy, while another has them all: its stream would hold the request until the
 scheduler and its ranks are back. The live set is read every LIVE_REFRESH_S by a task of its
 own (`keep_live_set`), never on a request's way: the read is a SCAN of the whole keyspace,
@@ -42,7 +43,10 @@ empties); the router computes the prompt's chained block hashes with the core's 
 (`shared/prefix_hash.py`) and asks every set at once with SMISMEMBER, in one pipelined round
 trip with the load. A block is published only once computed, so the router also remembers
 the prefixes it routed in the last RECENT_S seconds: a burst of requests sharing a new system
-prompt follows the first one instead of spreading before it is cached. The published sets
+prompt follows the first one instead of spreading before it is cached. At a request's first
+token, whose batch names the instance that computed the prompt, its prefix is remembered
+there instead (with P/D a short prompt is computed by its decode instance, no candidate: it
+is forgotten; a prefill scheduler may keep an entry named for another). The published sets
 and that memory are hints: a wrong guess costs a cache miss, never a wrong token; one that
 cannot be read (a key holding another type, a count that is nan) is left out, not an error.
 """
@@ -53,7 +57,7 @@ import itertools
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -144,14 +148,16 @@ def leading(flags: Sequence) -> int:
 class ReplicaRouter:
     """Chooses the replica of each request and keeps count of what it sent where."""
 
-    def __init__(self, redis: aioredis.Redis, keys: Keys, instances: Sequence[str],
+    def __init__(self, redis: aioredis.Redis, keys: Keys, instances: Sequence[tuple[str, int]],
                  policy: str = "prefix") -> None:
+        """`instances`: each with its TP degree, as configured (`--instances ID:TP`)."""
         if policy not in POLICIES:
             raise ValueError(f"unknown router policy {policy!r}; one of {POLICIES}")
         if not instances:
             raise ValueError("a router needs at least one instance")
         self.redis, self.policy, self._root_keys = redis, policy, keys
-        self.instances = list(instances)
+        self._degrees = list(instances)
+        self.instances = [inst for inst, _ in instances]
         self._keys = [keys.for_instance(i) for i in self.instances]
         self._turns = itertools.count()
         self._outstanding = [0] * len(self.instances)         # requests in flight
@@ -159,6 +165,9 @@ class ReplicaRouter:
         # request id -> (instance index, the work it counts for there)
         self._sent_to: dict[str, tuple[int, int]] = {}
         self._recent: OrderedDict[bytes, tuple[int, float]] = OrderedDict()
+        # request id -> (instance index, its prompt's hashes) remembered there, until its
+        # first token says where the prompt was computed
+        self._prefixes: dict[str, tuple[int, list[bytes]]] = {}
         self.block_size: int | None = None                    # learnt from the stats hashes
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
         self._all = list(range(len(self.instances)))
@@ -178,16 +187,28 @@ class ReplicaRouter:
             index = live[pick(self.policy, [candidates[i] for i in live],
                               len(prompt_token_ids), turn)]
             work -= candidates[index].cached_tokens
-            if self.policy == "prefix":
+            if self.policy == "prefix" and hashes:
                 self._remember(hashes, index)
+                self._prefixes[request_id] = (index, hashes)
         self._outstanding[index] += 1
         self._queued[index] += work
         self.chosen[index] += 1
         self._sent_to[request_id] = (index, work)
         return self.instances[index]
 
-    def prefilled(self, request_id: str) -> None:
-        """The request's first token came: from now on it weighs as a decode."""
+    def prefilled(self, request_id: str, computed_on: str | None = None) -> None:
+        """The request's first token came, its prompt computed on instance `computed_on`
+        (None: not said): from now on it weighs as a decode, and its prefix is remembered
+        where that instance's cache holds it. That is not always the instance chosen: with
+        P/D a prompt under --disagg-min-prompt-tokens is computed by the decode instance it
+        goes to (no candidate: forgotten), and a prefill scheduler keeps an entry named for
+        a peer it does not see live (remembered there)."""
+        index, hashes = self._prefixes.pop(request_id, (None, []))
+        if hashes and computed_on is not None:
+            if computed_on in self.instances:
+                self._remember(hashes, self.instances.index(computed_on))
+            else:
+                self._forget(hashes, index)
         entry = self._sent_to.get(request_id)
         if entry is not None and entry[1] != DECODE_TOKENS:
             index, work = entry
@@ -196,6 +217,7 @@ class ReplicaRouter:
 
     def ended(self, request_id: str) -> None:
         """The request ended (however): it no longer loads its instance."""
+        self._prefixes.pop(request_id, None)
         entry = self._sent_to.pop(request_id, None)
         if entry is not None:
             index, work = entry
@@ -208,9 +230,9 @@ class ReplicaRouter:
         back); while no scheduler beats, every one (no verdict: Redis restarted, or nothing
         started yet)."""
         up = await live_instances(self.redis, self._root_keys)
-        whole = await whole_instances(self.redis, self._root_keys,
-                                      {inst: up[inst] for inst in self.instances if inst in up})
-        self._live = ([i for i, inst in enumerate(self.instances) if inst in whole]
+        broken = {inst for inst, _ in await missing_ranks(
+            self.redis, self._root_keys, [(inst, tp) for inst, tp in self._degrees if inst in up])}
+        self._live = ([i for i, inst in enumerate(self.instances) if inst in up - broken]
                       or [i for i, inst in enumerate(self.instances) if inst in up] or self._all)
 
     async def keep_live_set(self) -> None:
@@ -293,6 +315,12 @@ class ReplicaRouter:
         while len(self._recent) > RECENT_MAX:
             self._recent.popitem(last=False)
 
+    def _forget(self, hashes: list[bytes], index: int) -> None:
+        """Forget these hashes where they are remembered at instance `index`."""
+        for h in hashes:
+            if self._recent.get(h, (None,))[0] == index:
+                del self._recent[h]
+
 
 def _number(value) -> float:
     """A number of a stats hash; 0 for none, one that is not a number, or nan and inf (they
@@ -304,17 +332,20 @@ def _number(value) -> float:
     return number if math.isfinite(number) else 0.0
 
 
-async def live_instances(redis: aioredis.Redis, keys: Keys) -> dict[str, int]:
+async def live_instances(redis: aioredis.Redis, keys: Keys) -> set[str]:
     """The engine instances whose scheduler heartbeat key is alive ("" for a colocated
-    engine's), each with its worker ranks: SCAN of the heartbeat keys, one MGET."""
+    engine's): SCAN of the heartbeat keys, one MGET."""
     beats = [k async for k in redis.scan_iter(match=keys.hb_scheduler_pattern, count=SCAN_COUNT)]
     return scheduler_instances(await redis.mget(beats) if beats else [])
 
 
-async def whole_instances(redis: aioredis.Redis, keys: Keys, ranks: dict[str, int]) -> set[str]:
-    """Of `ranks` (instance -> its worker ranks), those whose every worker rank's heartbeat
-    key is alive: one MGET."""
-    wanted = [(inst, keys.for_instance(inst).hb_worker(r))
-              for inst, tp in ranks.items() for r in range(tp)]
-    beats = await redis.mget([key for _, key in wanted]) if wanted else []
-    return set(ranks) - {inst for (inst, _), beat in zip(wanted, beats) if beat is None}
+async def missing_ranks(redis: aioredis.Redis, keys: Keys,
+                        degrees: Iterable[tuple[str, int]]) -> list[tuple[str, int]]:
+    """Of these engine instances ("" for a colocated engine), each with its TP degree as the
+    gateway is configured, the worker ranks whose heartbeat key is gone, as (instance, rank)
+    in order: one MGET. The degree is never read from a scheduler's heartbeat: an instance
+    whose scheduler is gone still has its ranks checked."""
+    wanted = [(inst, rank) for inst, tp in degrees for rank in range(tp)]
+    beats = (await redis.mget([keys.for_instance(inst).hb_worker(rank) for inst, rank in wanted])
+             if wanted else [])
+    return [w for w, beat in zip(wanted, beats) if beat is None]

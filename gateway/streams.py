@@ -68,17 +68,23 @@ class RequestStream:
         # the scheduler's finish event (a stream the gateway ends at a stop string has no
         # finish event)
         self.num_cached_tokens: int | None = None
+        # the engine instance that computed the prompt (its prefix cache holds it), as the
+        # batch of the first token says; None until then, or where it does not say
+        self.computed_on: str | None = None
 
     def push(self, item: Item) -> None:
         self.last_event_at = time.monotonic()
         self._queue.put_nowait(item)
 
-    def cached(self, num_tokens: int | None) -> None:
-        """What the prefix cache held of the prompt when the request was first scheduled: the
-        first report stands (a scheduler that took the request over after a restart admits it
-        again, against a cache of its own, and reports that)."""
+    def cached(self, num_tokens: int | None, computed_on: str | None = None) -> None:
+        """What the prefix cache held of the prompt when the request was first scheduled, and
+        the instance that computed it: the first report stands (a scheduler that took the
+        request over after a restart admits it again, against a cache of its own, and reports
+        that)."""
         if self.num_cached_tokens is None:
             self.num_cached_tokens = num_tokens
+        if self.computed_on is None:
+            self.computed_on = computed_on
 
     def fail(self, error: str, error_type: str = "server_error") -> None:
         """End the stream with an error after the tokens already received."""
@@ -217,7 +223,7 @@ class TokenRouter:
         if isinstance(msg, TokenBatch):
             for rid, cached in msg.cached.items():
                 if (stream := self._streams.get(rid)) is not None:
-                    stream.cached(cached)
+                    stream.cached(cached, msg.instance or None)
             for prompt in msg.prompt:
                 self._deliver(prompt.request_id, prompt)
             for event in msg.events:

@@ -37,7 +37,7 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from gateway.router import ReplicaRouter, live_instances
+from gateway.router import ReplicaRouter, live_instances, missing_ranks
 from gateway.streams import TokenRouter
 from shared.lifecycle import cancel_requested
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
@@ -132,13 +132,13 @@ class Upstream:
         return await asyncio.wait_for(self._live_connection(send, "submit request"),
                                       SUBMIT_REPLY_S)
 
-    def prefilled(self, request_id: str) -> None:
-        """The request's first token came back (P/D: it has left its prefill instance)."""
+    def prefilled(self, request_id: str, computed_on: str | None = None) -> None:
+        """The request's first token came back, its prompt computed on instance `computed_on`
+        (None: not said) (P/D: it has left its prefill instance)."""
         if self.replicas is not None:
+            self.replicas.prefilled(request_id, computed_on)
             if self.prefill:
                 self.replicas.ended(request_id)
-            else:
-                self.replicas.prefilled(request_id)
 
     def ended(self, request_id: str) -> None:
         """The request ended, however: it no longer loads its replica."""
@@ -298,7 +298,7 @@ class Upstream:
     async def live_schedulers(self, instances: tuple[tuple[str, int], ...] = ()) -> set[str]:
         """The engine instances with a scheduler beating ("" for the colocated engine's)."""
         if instances:
-            return set(await live_instances(self.redis, self.keys))
+            return await live_instances(self.redis, self.keys)
         async for _ in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern,
                                             count=SCAN_COUNT):
             return {""}
@@ -312,11 +312,9 @@ class Upstream:
         up = await self.live_schedulers(instances)
         missing = [] if instances or "" in up else ["scheduler"]
         missing += [f"instance {inst} scheduler" for inst, _ in instances if inst not in up]
-        ranks = [(f"worker rank {r}" if not inst else f"instance {inst} worker rank {r}",
-                  self.keys.for_instance(inst).hb_worker(r))
-                 for inst, degree in (instances or (("", tp),)) for r in range(degree)]
-        alive = await asyncio.gather(*(self.redis.exists(k) for _, k in ranks))
-        missing += [name for (name, _), up in zip(ranks, alive) if not up]
+        missing += [f"instance {inst} worker rank {r}" if inst else f"worker rank {r}"
+                    for inst, r in await missing_ranks(self.redis, self.keys,
+                                                       instances or (("", tp),))]
         return missing
 
 

@@ -132,9 +132,10 @@ class RequestView(Protocol):
     num_cached_tokens: int | None
 
 
-def token_batches(result: StepResult,
-                  requests: Mapping[str, RequestView]) -> dict[str, TokenBatch]:
-    """One TokenBatch per gateway channel for the tokens of one iteration.
+def token_batches(result: StepResult, requests: Mapping[str, RequestView],
+                  instance: str = "") -> dict[str, TokenBatch]:
+    """One TokenBatch per gateway channel for the tokens of one iteration, sent by the workers
+    of engine `instance` ("" for a colocated engine).
 
     Call after `execute`: the sampled token is already appended, so its output position is
     `len(token_ids) - num_prompt_tokens - 1` (prompt of 5, first sampled token: index 0).
@@ -147,14 +148,14 @@ def token_batches(result: StepResult,
         index = len(state.token_ids) - state.num_prompt_tokens - 1
         batch = batches.get(state.reply_to)
         if batch is None:
-            batch = batches[state.reply_to] = TokenBatch()
+            batch = batches[state.reply_to] = TokenBatch(instance=instance)
         batch.events.append(TokenEvent(rid, index, token.token_id, token.logprob,
                                        token.top_logprobs))
         if index == 0 and state.num_cached_tokens is not None:    # its first token
             batch.cached[rid] = state.num_cached_tokens
     for rid, p in result.prompt_logprobs.items():      # rare: only requests that ask
         if requests[rid].reply_to:
-            batch = batches.setdefault(requests[rid].reply_to, TokenBatch())
+            batch = batches.setdefault(requests[rid].reply_to, TokenBatch(instance=instance))
             batch.prompt.append(PromptLogprobsEvent(rid, p))
     return batches
 
@@ -306,7 +307,8 @@ class PlanLoop:
         # stream): so the loop waits here, without the GIL, until the kernels run
         self._handed_over.wait(HAND_OVER_WAIT_S)
         result = await running
-        batches = token_batches(result, self.requests)     # before the next plan runs
+        # before the next plan runs
+        batches = token_batches(result, self.requests, self.keys.instance)
         self.busy.stop()
         self.forward_s += (result.forward_ms or 0.0) / 1e3
         if answering is not None:

@@ -139,7 +139,7 @@ def _number(text: str) -> float | int | str:
     return int(value) if value.is_integer() and "." not in text and "e" not in text else value
 
 
-def live_instances(client: redis.Redis, keys: Keys) -> dict[str, int]:
+def live_instances(client: redis.Redis, keys: Keys) -> set[str]:
     """The engine instances ("" for the colocated engine) whose scheduler beats now."""
     beats = list(client.scan_iter(match=keys.hb_scheduler_pattern, count=SCAN_COUNT))
     return scheduler_instances(client.mget(beats) if beats else [])

@@ -277,6 +277,10 @@ class TokenBatch:
     # the requests whose first token is here (the usage's cached tokens, known to the gateway
     # also where it ends a stream itself, at a stop string, before the finish event)
     cached: dict[str, int] = field(default_factory=dict)
+    # the engine instance whose workers sent the batch ("" for a colocated engine): the
+    # requests in `cached` had their prompt computed there, so its prefix cache holds it (a
+    # router's memory of where a prefix is: gateway/router.py)
+    instance: str = ""
     KIND: ClassVar[str]
 
     def _to_body(self) -> dict:
@@ -285,6 +289,8 @@ class TokenBatch:
                            for e in self.events]}
         if self.cached:
             body["cached"] = self.cached
+            if self.instance:
+                body["instance"] = self.instance
         if self.prompt:
             # prompt: [request_id, start, logprobs, ranks, top_logprobs]
             body["prompt"] = [[e.request_id, e.logprobs.start, e.logprobs.logprobs,
@@ -299,7 +305,7 @@ class TokenBatch:
                        start, list(lps), list(ranks),
                        None if tops is None else [_tops(t) for t in tops]))
                     for rid, start, lps, ranks, tops in body.get("prompt", ())],
-                   dict(body.get("cached", {})))
+                   dict(body.get("cached", {})), str(body.get("instance", "")))
 
 
 @_kind("finish")
@@ -430,18 +436,12 @@ def heartbeat_of(value: bytes | None) -> Heartbeat | None:
     return msg if isinstance(msg, Heartbeat) else None
 
 
-def scheduler_instances(values: list[bytes | None]) -> dict[str, int]:
+def scheduler_instances(values: list[bytes | None]) -> set[str]:
     """The engine instances ("" for the colocated engine) whose scheduler heartbeats are among
-    these heartbeat key values, each with its worker ranks: a scheduler's heartbeat names its
-    instance and its TP degree (an expired key reads as None; a value that is no heartbeat
-    counts for none; a degree that is not a positive whole number counts as 1)."""
-    out = {}
-    for beat in map(heartbeat_of, values):
-        if beat is not None and beat.service == "scheduler":
-            tp = beat.extra.get("tp")
-            out[str(beat.extra.get("instance", ""))] = \
-                tp if isinstance(tp, int) and not isinstance(tp, bool) and tp > 0 else 1
-    return out
+    these heartbeat key values: a scheduler's heartbeat names its instance (an expired key
+    reads as None; a value that is no heartbeat counts for none)."""
+    return {str(beat.extra.get("instance", "")) for beat in map(heartbeat_of, values)
+            if beat is not None and beat.service == "scheduler"}
 
 
 def decode(data: bytes) -> Message:

@@ -71,6 +71,8 @@ TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": 
 #   [special]       the output is "Hi", a special token (not EOS), " there", then EOS
 #   [emoji]         the output is EMOJI_REPLY (tokens that split its characters), then EOS
 #   [queued]        nothing: the request waits as if no scheduler had room for it
+#   [on-NAME]       the first token's batch says engine instance NAME computed the prompt (by
+#                   default the instance the request names: P/D's prefill instance chosen)
 
 class FakeScheduler:
     def __init__(self, redis: aioredis.Redis, keys: Keys, tokenizer: Tokenizer) -> None:
@@ -121,7 +123,10 @@ class FakeScheduler:
             finish_first = "[finish-first]" in prompt and i == len(output) - 1
             if finish_first:
                 await self._finish(msg, reason, len(output))
-            batch = encode(TokenBatch([self._event(msg, i, token_id)]))
+            first = {msg.request_id: len(msg.prompt_token_ids) // 2} if i == 0 else {}
+            on = re.search(r"\[on-(\w+)\]", prompt)
+            batch = encode(TokenBatch([self._event(msg, i, token_id)], cached=first,
+                                      instance=on[1] if on else msg.instance))
             for _ in range(2 if "[dup]" in prompt else 1):
                 await self.redis.publish(msg.reply_to, batch)
             sent += 1
@@ -1756,6 +1761,51 @@ async def test_health_with_replicas_needs_each_replicas_scheduler_and_workers(
     await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwhealth:*")])
 
 
+async def test_the_router_remembers_a_prefix_where_its_prompt_was_computed(
+        h: Harness, config: GatewayConfig) -> None:
+    """P/D with two prefill instances: the router remembers a prompt's prefix at the prefill
+    instance it chose, until its first token says which instance computed it. A prompt under
+    --disagg-min-prompt-tokens is computed by the decode instance; a prefill scheduler keeps
+    an entry named for a peer it does not see live. The memory stayed at the instance chosen,
+    which does not hold the prefix, and the next prompt sharing it was sent there (sticky)
+    rather than where the cache is, or where the load says."""
+    pd = dataclasses.replace(config, gateway_id="pd-router", router="prefix",
+                             instances=(("p0", 1), ("p1", 1), ("d0", 1)),
+                             route_prefill=("p0", "p1"))
+    stats = {i: h.keys.for_instance(i).stats for i in ("p0", "p1")}
+
+    async def idle(busy: str = "") -> None:
+        """The prefill instances' stats, idle but for one request waiting at `busy` (another
+        gateway's)."""
+        for inst, key in stats.items():
+            await h.redis.hset(key, mapping={
+                "num_requests_running": 0, "num_requests_waiting": int(inst == busy),
+                "kv_cache_usage_perc": 0.0, "block_size": 4})
+
+    system = "The quick brown fox jumps over the lazy dog and runs far away. " * 3
+    other = "Pack my box with five dozen liquor jugs, said the sphinx of black quartz. " * 3
+
+    async def sent_to(prompt: str) -> str:
+        async with h.session.post(url + "/v1/completions", json=completion(
+                prompt=prompt, max_tokens=2)) as r:
+            assert r.status == 200, await r.text()
+            return h.fake.received[(await r.json())["id"]].instance
+
+    try:
+        await idle()
+        async with serve(pd) as url:
+            # prefilled by the decode instance, which no request is routed to: forgotten
+            assert await sent_to(system + "[on-d0]") == "p0"
+            await idle(busy="p0")
+            assert await sent_to(system + "What next?") == "p1"
+            # routed to p0 (p1 busy), kept and computed by p1: remembered at p1
+            await idle(busy="p1")
+            assert await sent_to(other + "[on-p1]") == "p0"
+            assert await sent_to(other + "What next?") == "p1"
+    finally:
+        await h.redis.delete(*stats.values())
+
+
 async def test_a_gateway_that_stops_cleanly_takes_its_heartbeat_key_with_it(
         h: Harness, config: GatewayConfig) -> None:
     """As a scheduler and a worker do: /health and the schedulers (which end a gone gateway's
@@ -2383,7 +2433,7 @@ async def test_a_request_whose_submit_failed_is_aborted_upstream() -> None:
         def ended(self, request_id):
             pass
 
-        def prefilled(self, request_id):
+        def prefilled(self, request_id, computed_on):
             pass
 
         def abort_soon(self, request_id, reason):

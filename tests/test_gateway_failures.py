@@ -65,13 +65,13 @@ async def test_a_replicas_odd_stats_or_a_key_of_another_type_does_not_refuse_req
     await redis.hset(r0.stats, mapping={"num_requests_running": "nan", "block_size": "inf",
                                         "kv_cache_usage_perc": "-inf"})
     await redis.hset(r1.stats, mapping={"num_requests_waiting": "inf", "block_size": "4"})
-    router = ReplicaRouter(redis, KEYS, ["r0", "r1"], policy)
+    router = ReplicaRouter(redis, KEYS, [("r0", 1), ("r1", 1)], policy)
     assert await router.choose("odd-stats", list(range(40))) in ("r0", "r1")
 
     await redis.delete(r0.stats)
     await redis.set(r0.stats, "not a hash")
     await redis.set(r1.cached_blocks, "not a set")
-    router = ReplicaRouter(redis, KEYS, ["r0", "r1"], policy)
+    router = ReplicaRouter(redis, KEYS, [("r0", 1), ("r1", 1)], policy)
     assert [await router.choose(f"wrong-type-{i}", list(range(40))) for i in range(2)]
     assert router.block_size == (4 if policy == "prefix" else None)
 

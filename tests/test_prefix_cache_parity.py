@@ -13,6 +13,7 @@ from gpu_worker.service import token_batches
 from services.engine import LLMEngine
 from shared.engine_args import EngineArgs
 from shared.plan import IterationPlan, NewRequestData
+from shared.protocol import decode, encode
 from shared.sampling import SamplingParams
 from tests.hf_reference import NEW_TOKENS, assert_same_tokens, hf_greedy
 from tests.test_engine_parity import tiny_llama_and_hf
@@ -117,7 +118,9 @@ def test_the_cached_tokens_sent_with_the_first_token_are_the_first_admissions(ti
     """A prompt preempted part-way through its prefill finds its own computed blocks cached
     when it comes back. The usage's cached tokens, which rank 0 sends with the first token
     (and the gateway keeps, being first), are what the cache held at its first admission,
-    as its finish event says; the worker sent what the re-admission found."""
+    as its finish event says; the worker sent what the re-admission found. The batch names
+    the instance whose workers computed the prompt (the gateway's router remembers the
+    prefix there)."""
     path, _, _ = tiny
     engine = LLMEngine(EngineArgs(model=path, block_size=4, dtype="float32", max_model_len=64,
                                   max_num_batched_tokens=9, num_kv_blocks=7), progress=False)
@@ -126,7 +129,9 @@ def test_the_cached_tokens_sent_with_the_first_token_are_the_first_admissions(ti
 
     def execute_and_send(plan):
         result = execute(plan)
-        for batch in token_batches(result, engine.runner.requests).values():
+        for batch in token_batches(result, engine.runner.requests, "r1").values():
+            batch = decode(encode(batch))                   # as the gateway reads it
+            assert batch.instance == "r1" or not batch.cached
             for rid, cached in batch.cached.items():
                 sent.setdefault(rid, cached)        # the gateway keeps the first
         return result

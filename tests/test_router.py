@@ -138,7 +138,7 @@ def test_the_router_reads_published_sets_and_remembers_what_it_sent(redis_server
 
     async def scenario() -> list[str]:
         client = aioredis.Redis.from_url(redis_server)
-        router = ReplicaRouter(client, keys, ["r0", "r1"], "prefix")
+        router = ReplicaRouter(client, keys, [("r0", 1), ("r1", 1)], "prefix")
         try:
             chosen = [await router.choose("learn", [1, 2, 3])]       # learns the block size
             assert router.block_size == BLOCK
@@ -182,7 +182,7 @@ def test_the_first_prompt_a_router_sees_is_hashed_and_remembered(redis_server):
 
     async def scenario() -> list[str]:
         client = aioredis.Redis.from_url(redis_server)
-        router = ReplicaRouter(client, keys, ["r0", "r1"], "prefix")
+        router = ReplicaRouter(client, keys, [("r0", 1), ("r1", 1)], "prefix")
         try:
             return [await router.choose("first", fresh + [1]),
                     await router.choose("second", fresh + [2])]
@@ -195,7 +195,7 @@ def test_the_first_prompt_a_router_sees_is_hashed_and_remembered(redis_server):
 
 def test_round_robin_goes_in_turn():
     async def scenario() -> list[str]:
-        router = ReplicaRouter(None, Keys(), ["r0"], "round-robin")  # type: ignore[arg-type]
+        router = ReplicaRouter(None, Keys(), [("r0", 1)], "round-robin")  # type: ignore[arg-type]
         return [await router.choose(str(i), [1, 2, 3]) for i in range(2)]
     assert asyncio.run(scenario()) == ["r0", "r0"]          # one instance: no Redis read
 
@@ -231,7 +231,7 @@ def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypat
 
     async def choices(n: int) -> list[str]:
         client = aioredis.Redis.from_url(redis_server)
-        router = ReplicaRouter(client, keys, ["r0", "r1"], policy)
+        router = ReplicaRouter(client, keys, [("r0", 1), ("r1", 1)], policy)
         try:
             await router.read_live()
             read = len(reads)
@@ -255,14 +255,15 @@ def test_an_instance_whose_workers_are_missing_is_left_out(redis_server, policy)
     restarting, loading its model) cannot serve: its scheduler would hold the request until
     the ranks are back (seen: 4 of 8 requests waited 31 s on a replica whose worker was
     stopped, while the other replica idled). Every policy leaves it out while another
-    instance has its scheduler and all its ranks (as many as its scheduler's heartbeat says);
-    with none whole, the instances whose scheduler beats are the candidates."""
+    instance has its scheduler and all its ranks (as many as the gateway's `--instances ID:TP`
+    says, whatever a scheduler's heartbeat claims, as /health counts them); with none whole,
+    the instances whose scheduler beats are the candidates."""
     keys = Keys(f"workers-{policy}:")
     sync = redis.Redis.from_url(redis_server)
     idle_stats(sync, keys)
     for inst in ("r0", "r1"):
         sync.set(keys.hb_scheduler(f"sched-{inst}"), encode(Heartbeat(
-            "scheduler", f"sched-{inst}", 0.0, {"instance": inst, "tp": 2})))
+            "scheduler", f"sched-{inst}", 0.0, {"instance": inst, "tp": 1})))
 
     def beat(inst: str, rank: int) -> None:
         sync.set(keys.for_instance(inst).hb_worker(rank),
@@ -270,7 +271,7 @@ def test_an_instance_whose_workers_are_missing_is_left_out(redis_server, policy)
 
     async def choices(n: int) -> list[str]:
         client = aioredis.Redis.from_url(redis_server)
-        router = ReplicaRouter(client, keys, ["r0", "r1"], policy)
+        router = ReplicaRouter(client, keys, [("r0", 2), ("r1", 2)], policy)
         try:
             await router.read_live()
             return [await router.choose(str(i), [i] * 8) for i in range(n)]
@@ -298,7 +299,7 @@ def test_the_live_set_is_kept_by_its_own_task(redis_server, monkeypatch):
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_server)
-        router = ReplicaRouter(client, keys, ["r0", "r1"], "round-robin")
+        router = ReplicaRouter(client, keys, [("r0", 1), ("r1", 1)], "round-robin")
         task = asyncio.create_task(router.keep_live_set())
         try:
             sync.set(keys.hb_scheduler("s1"),
