@@ -6,6 +6,7 @@ through Redis exactly as in production; what answers them is `FakeScheduler` bel
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import dataclasses
 import errno
@@ -1444,12 +1445,27 @@ async def test_health_and_metrics_answer_soon_while_redis_stalls(h: Harness) -> 
         await h.redis.execute_command("CLIENT", "UNPAUSE")
 
 
-async def test_a_request_is_refused_naming_a_redis_out_of_memory(h: Harness) -> None:
-    await h.redis.config_set("maxmemory", "1")      # with noeviction: every write refused
+@contextlib.asynccontextmanager
+async def redis_out_of_memory(h: Harness):
+    """Redis refusing every write (maxmemory 1 with noeviction) inside the block; after it,
+    room again and the gateway's heartbeat written once more, so that a later test's /health
+    does not still name the refusal (the gateway keeps the last heartbeat's error until the
+    next one gets through)."""
+    await h.redis.config_set("maxmemory", "1")
     try:
-        status, body = await h.post("/v1/completions", completion(max_tokens=3))
+        yield
     finally:
         await h.redis.config_set("maxmemory", "0")
+        for _ in range(100):
+            async with h.session.get(h.url + "/health") as r:
+                if not any(m.startswith("redis") for m in (await r.json()).get("missing", [])):
+                    break
+            await asyncio.sleep(0.1)
+
+
+async def test_a_request_is_refused_naming_a_redis_out_of_memory(h: Harness) -> None:
+    async with redis_out_of_memory(h):
+        status, body = await h.post("/v1/completions", completion(max_tokens=3))
     assert status == 503
     assert "Redis is out of memory (maxmemory)" in body["error"]["message"], body
 
@@ -1458,16 +1474,13 @@ async def test_health_names_a_redis_that_refuses_the_heartbeats(h: Harness) -> N
     """Out of memory (noeviction), Redis refuses every heartbeat: the services' keys expire.
     /health must name Redis first (it listed the scheduler and the worker ranks alone, which
     sends an operator to look at services that are fine)."""
-    await h.redis.config_set("maxmemory", "1")
-    try:
+    async with redis_out_of_memory(h):
         for _ in range(100):            # until the gateway's next heartbeat is refused
             async with h.session.get(h.url + "/health") as r:
                 missing = (await r.json())["missing"]
             if missing[0].startswith("redis"):
                 break
             await asyncio.sleep(0.1)
-    finally:
-        await h.redis.config_set("maxmemory", "0")
     assert r.status == 503
     assert missing[0] == "redis (heartbeats cannot be written: Redis is out of memory " \
                          "(maxmemory))", missing
@@ -1529,14 +1542,11 @@ async def test_an_abort_redis_refused_is_sent_once_it_takes_writes_again(h: Harn
         async with session.post(h.url + "/v1/completions", json=completion(
                 prompt="[slow]", max_tokens=100, stream=True)) as r:
             first = json.loads((await r.content.readuntil(b"\n\n"))[len(b"data: "):])
-            await h.redis.config_set("maxmemory", "1")
-            try:
+            async with redis_out_of_memory(h):
                 h.state.router.fail_all("Redis is out of memory (a test)")
                 await r.read()
                 await asyncio.sleep(0.3)
                 assert first["id"] not in await aborts(h.redis, h.keys)
-            finally:
-                await h.redis.config_set("maxmemory", "0")
     assert await wait_for_abort(h, first["id"]) == \
         "ended by the gateway: Redis is out of memory (a test)"
 
@@ -1549,13 +1559,10 @@ async def test_an_abort_redis_refuses_for_good_is_dropped_not_kept(h: Harness) -
     upstream = h.state.upstream
     await h.redis.set(h.keys.aborts, b"not a stream")
     try:
-        await h.redis.config_set("maxmemory", "1")
-        try:
+        async with redis_out_of_memory(h):
             upstream.abort_soon("refused-for-good", "a test")
             await upstream.drain()
             assert "refused-for-good" in upstream._unsent_aborts
-        finally:
-            await h.redis.config_set("maxmemory", "0")
         for _ in range(60):
             if "refused-for-good" not in upstream._unsent_aborts:
                 break
