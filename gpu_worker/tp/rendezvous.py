@@ -1,6 +1,10 @@
 """Served mode: where the ranks of one worker group meet. Rank 0 picks a free port and writes
-`{addr, port, pid, time}` to the rendezvous key (`Keys.tp_rendezvous`); ranks > 0 read the
-newest one, check that its address still listens, and join."""
+`{addr, port, pid, time}` to the rendezvous key (`Keys.tp_rendezvous`) and withdraws it once
+its group formed; ranks > 0 read the one there, check that its address still listens, and join.
+
+Nothing here compares clocks: the ranks may run on machines whose clocks differ, and may start
+minutes apart. A rendezvous still there is of a group still forming, unless its rank 0 died
+first, and then its address refuses."""
 from __future__ import annotations
 
 import asyncio
@@ -17,25 +21,36 @@ from shared.keys import Keys
 # rank 0 listens right after it publishes: an address that refuses this long is a dead group
 REFUSED_FOR_S = 5.0
 
+# delete the rendezvous only if it is still the one this rank 0 wrote
+_WITHDRAW = "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end"
 
-async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str) -> tuple[str, int]:
-    """Rank 0: pick a free port on `host` and tell the other ranks (no hard-coded port)."""
+
+async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str
+                             ) -> tuple[str, int, str]:
+    """Rank 0: pick a free port on `host` and tell the other ranks (no hard-coded port);
+    (addr, port, the value written, for `withdraw_rendezvous`)."""
     port = find_free_port(host)
     value = json.dumps({"addr": host, "port": port, "pid": os.getpid(), "time": time.time()})
     await redis.set(keys.tp_rendezvous, value)
-    return host, port
+    return host, port, value
+
+
+async def withdraw_rendezvous(redis: aioredis.Redis, keys: Keys, value: str) -> None:
+    """Rank 0, its group formed: no later follower may take its rendezvous for an open one."""
+    await redis.eval(_WITHDRAW, 1, keys.tp_rendezvous, value)
 
 
 async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event,
-                          not_before: float) -> tuple[str, int, float] | None:
-    """Ranks > 0: wait for an address rank 0 wrote at or after `not_before` (older ones are
-    stale, left by an earlier group); (addr, port, time written), or None if stopped first."""
+                          refused: set[str]) -> tuple[str, int, str] | None:
+    """Ranks > 0: wait for a rendezvous other than those in `refused` (of groups found gone);
+    (addr, port, the value read), or None if stopped first."""
     while not stop.is_set():
         raw = await redis.get(keys.tp_rendezvous)
         if raw is not None:
-            value = json.loads(raw)
-            if value["time"] >= not_before:
-                return value["addr"], int(value["port"]), float(value["time"])
+            raw = raw.decode() if isinstance(raw, bytes) else raw
+            if raw not in refused:
+                value = json.loads(raw)
+                return value["addr"], int(value["port"]), raw
         await asyncio.sleep(0.2)
     return None
 
