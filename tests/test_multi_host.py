@@ -2,6 +2,7 @@
 clocks agreeing or on their starting together."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -52,3 +53,25 @@ def test_a_tp_follower_started_well_after_rank_0_joins_its_group(redis_server, t
             p.send_signal(signal.SIGTERM)
         outs = [p.communicate(timeout=60)[0] for p in procs]
     assert "tp follower ready" in outs[1], outs[1][-2000:]
+
+
+def test_a_tp_follower_told_to_reach_another_machines_rank_0_at_loopback_says_so(
+        redis_server, tmp_path):
+    """Rank 0 started on another machine without `--tp-host` announces 127.0.0.1, an address
+    a follower on this machine reaches only itself at: the follower ends with an error that
+    names the flag, instead of waiting for ever, 'a group that is gone', for a newer one."""
+    model = write_tiny_llama(tmp_path / "tiny")
+    keys = Keys("tp-loopback:")
+    client = redis.Redis.from_url(redis_server)
+    client.set(keys.tp_rendezvous, json.dumps({"addr": "127.0.0.1", "port": 1, "pid": 4242,
+                                               "time": time.time(), "host": "other-machine"}))
+    client.close()
+    proc = _worker(1, model, redis_server, keys)
+    try:
+        out = proc.communicate(timeout=DEADLINE_S)[0]
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 1, out[-2000:]
+    last = out.strip().splitlines()[-1]
+    assert "other-machine" in last and "--tp-host" in last, out[-2000:]

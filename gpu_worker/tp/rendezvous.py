@@ -1,5 +1,5 @@
 """Served mode: where the ranks of one worker group meet. Rank 0 picks a free port and writes
-`{addr, port, pid, time}` to the rendezvous key (`Keys.tp_rendezvous`) and withdraws it once
+`{addr, port, pid, time, host}` to the rendezvous key (`Keys.tp_rendezvous`) and withdraws it once
 its group formed; ranks > 0 read the one there, check that its address still listens, and join.
 
 Nothing here compares clocks: the ranks may run on machines whose clocks differ, and may start
@@ -8,6 +8,7 @@ first, and then its address refuses."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ import time
 import redis.asyncio as aioredis
 
 from gpu_worker.tp.group import find_free_port
+from shared.errors import PacerError
 from shared.keys import Keys
 
 # rank 0 listens right after it publishes: an address that refuses this long is a dead group
@@ -30,7 +32,8 @@ async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str
     """Rank 0: pick a free port on `host` and tell the other ranks (no hard-coded port);
     (addr, port, the value written, for `withdraw_rendezvous`)."""
     port = find_free_port(host)
-    value = json.dumps({"addr": host, "port": port, "pid": os.getpid(), "time": time.time()})
+    value = json.dumps({"addr": host, "port": port, "pid": os.getpid(), "time": time.time(),
+                        "host": socket.gethostname()})
     await redis.set(keys.tp_rendezvous, value)
     return host, port, value
 
@@ -50,9 +53,26 @@ async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event
             raw = raw.decode() if isinstance(raw, bytes) else raw
             if raw not in refused:
                 value = json.loads(raw)
+                _check_reachable(value)
                 return value["addr"], int(value["port"]), raw
         await asyncio.sleep(0.2)
     return None
+
+
+def _check_reachable(value: dict) -> None:
+    """PacerError if rank 0 runs on another machine and announced a loopback address, which
+    reaches only this one (it was started without --tp-host)."""
+    addr, host = value["addr"], value.get("host")
+    if host is None or host == socket.gethostname():
+        return
+    try:
+        loopback = addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return                          # a host name: whether it is this machine is DNS's say
+    if loopback:
+        raise PacerError(f"tp rank 0 runs on {host}, another machine, and announced {addr}, "
+                         f"which reaches only this one: start rank 0 with --tp-host set to an "
+                         f"address of {host} that this machine reaches")
 
 
 async def listening(addr: str, port: int, stop: asyncio.Event) -> bool:
