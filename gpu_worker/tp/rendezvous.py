@@ -1,9 +1,14 @@
 """Served mode: where the ranks of one worker group meet. Rank 0 picks a free port and writes
-`{addr, port, pid, time}` to the rendezvous key (`Keys.tp_rendezvous`); ranks > 0 read the
-newest one, check that its address still listens, and join."""
+`{addr, port, pid, time, host}` to the rendezvous key (`Keys.tp_rendezvous`) and withdraws it once
+its group formed; ranks > 0 read the one there, check that its address still listens, and join.
+
+Nothing here compares clocks: the ranks may run on machines whose clocks differ, and may start
+minutes apart. A rendezvous still there is of a group still forming, unless its rank 0 died
+first, and then its address refuses."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import socket
@@ -12,32 +17,62 @@ import time
 import redis.asyncio as aioredis
 
 from gpu_worker.tp.group import find_free_port
+from shared.errors import PacerError
 from shared.keys import Keys
 
 # rank 0 listens right after it publishes: an address that refuses this long is a dead group
 REFUSED_FOR_S = 5.0
 
+# delete the rendezvous only if it is still the one this rank 0 wrote
+_WITHDRAW = "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end"
 
-async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str) -> tuple[str, int]:
-    """Rank 0: pick a free port on `host` and tell the other ranks (no hard-coded port)."""
+
+async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str
+                             ) -> tuple[str, int, str]:
+    """Rank 0: pick a free port on `host` and tell the other ranks (no hard-coded port);
+    (addr, port, the value written, for `withdraw_rendezvous`)."""
     port = find_free_port(host)
-    value = json.dumps({"addr": host, "port": port, "pid": os.getpid(), "time": time.time()})
+    value = json.dumps({"addr": host, "port": port, "pid": os.getpid(), "time": time.time(),
+                        "host": socket.gethostname()})
     await redis.set(keys.tp_rendezvous, value)
-    return host, port
+    return host, port, value
+
+
+async def withdraw_rendezvous(redis: aioredis.Redis, keys: Keys, value: str) -> None:
+    """Rank 0, its group formed: no later follower may take its rendezvous for an open one."""
+    await redis.eval(_WITHDRAW, 1, keys.tp_rendezvous, value)
 
 
 async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event,
-                          not_before: float) -> tuple[str, int, float] | None:
-    """Ranks > 0: wait for an address rank 0 wrote at or after `not_before` (older ones are
-    stale, left by an earlier group); (addr, port, time written), or None if stopped first."""
+                          refused: set[str]) -> tuple[str, int, str] | None:
+    """Ranks > 0: wait for a rendezvous other than those in `refused` (of groups found gone);
+    (addr, port, the value read), or None if stopped first."""
     while not stop.is_set():
         raw = await redis.get(keys.tp_rendezvous)
         if raw is not None:
-            value = json.loads(raw)
-            if value["time"] >= not_before:
-                return value["addr"], int(value["port"]), float(value["time"])
+            raw = raw.decode() if isinstance(raw, bytes) else raw
+            if raw not in refused:
+                value = json.loads(raw)
+                _check_reachable(value)
+                return value["addr"], int(value["port"]), raw
         await asyncio.sleep(0.2)
     return None
+
+
+def _check_reachable(value: dict) -> None:
+    """PacerError if rank 0 runs on another machine and announced a loopback address, which
+    reaches only this one (it was started without --tp-host)."""
+    addr, host = value["addr"], value.get("host")
+    if host is None or host == socket.gethostname():
+        return
+    try:
+        loopback = addr == "localhost" or ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return                          # a host name: whether it is this machine is DNS's say
+    if loopback:
+        raise PacerError(f"tp rank 0 runs on {host}, another machine, and announced {addr}, "
+                         f"which reaches only this one: start rank 0 with --tp-host set to an "
+                         f"address of {host} that this machine reaches")
 
 
 async def listening(addr: str, port: int, stop: asyncio.Event) -> bool:

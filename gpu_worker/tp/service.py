@@ -1,17 +1,16 @@
 """Served tensor parallelism: the ranks of one worker group meet through Redis, then talk
 only over torch.distributed.
 
-Rank 0 picks a free port, writes `{addr, port, time}` to the rendezvous key, hosts the group
-and serves plans through a TPExecutor (it broadcasts each plan to the followers, all ranks
-run it, all must sample the same tokens). Ranks > 0 read the newest rendezvous, join, and
-follow until rank 0 shuts the group down; a rank that dies takes the group down within
+Rank 0 picks a free port, writes `{addr, port, pid, time}` to the rendezvous key, hosts the
+group, withdraws the key once the group formed and serves plans through a TPExecutor (it
+broadcasts each plan to the followers, all ranks run it, all must sample the same tokens).
+Ranks > 0 read the rendezvous, join, and follow until rank 0 shuts the group down; a rank that dies takes the group down within
 seconds (the watchdog, `liveness.py`) and `pacer up` restarts the whole group.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 
 import redis.asyncio as aioredis
 import structlog
@@ -22,15 +21,14 @@ from gpu_worker.tp.executor import TPExecutor
 from gpu_worker.tp.follower import run_follower
 from gpu_worker.tp.group import (backend_for, destroy, device_for_rank, init_tp_group,
                                  on_device, threads_per_rank)
-from gpu_worker.tp.rendezvous import listening, publish_rendezvous, read_rendezvous
+from gpu_worker.tp.rendezvous import (listening, publish_rendezvous, read_rendezvous,
+                                     withdraw_rendezvous)
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import Keys
 
 log = structlog.get_logger("worker")
 
-# a rendezvous older than this when a follower starts was left by an earlier group
-STALE_RENDEZVOUS_S = 10.0
 FOLLOWER_JOIN_TIMEOUT_S = 60.0
 
 
@@ -52,11 +50,12 @@ async def start_rank0(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
     Told to stop while the followers have not all come (one may never: `pacer up` killed
     starts no new one), it stops waiting: GroupNotFormed."""
     tp, device = layout.args.tp, layout.args.device
-    addr, port = await publish_rendezvous(redis, keys, host)
+    addr, port, published = await publish_rendezvous(redis, keys, host)
     log.info("tp group rendezvous published", addr=addr, port=port, tp=tp)
     group = await asyncio.to_thread(init_tp_group, 0, tp, addr, port, backend_for(device),
                                     device=device_for_rank(device, 0), stopped=stop.is_set)
     try:
+        await withdraw_rendezvous(redis, keys, published)
         _share_cores(layout)
         mine = _rank_layout(layout, 0)
         runner = await asyncio.to_thread(on_device, mine.args.device, build_runner, mine,
@@ -69,18 +68,19 @@ async def start_rank0(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
 
 async def serve_follower(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, rank: int,
                          stop: asyncio.Event, on_runner=lambda runner: None) -> int:
-    """Join the newest group rank 0 announced and follow it until it ends. `on_runner` is
-    called with the runner once it is built (its KV descriptor goes into the heartbeat)."""
-    not_before = time.time() - STALE_RENDEZVOUS_S
+    """Join the group rank 0 announced and follow it until it ends, however long after rank 0
+    it starts. `on_runner` is called with the runner once it is built (its KV descriptor goes
+    into the heartbeat)."""
+    refused: set[str] = set()           # rendezvous of groups found gone
     while not stop.is_set():
-        found = await read_rendezvous(redis, keys, stop, not_before)
+        found = await read_rendezvous(redis, keys, stop, refused)
         if found is None:
             return 0
         addr, port, written = found
         if not await listening(addr, port, stop):
             log.warning("tp rendezvous of a group that is gone; waiting for a newer one",
                         addr=addr, port=port)
-            not_before = written + 1e-6
+            refused.add(written)
             continue
         try:
             group = await asyncio.to_thread(
@@ -93,7 +93,7 @@ async def serve_follower(redis: aioredis.Redis, keys: Keys, layout: EngineLayout
                 return 0                             # told to stop while joining
             log.warning("tp group join failed; waiting for a newer rendezvous", addr=addr,
                         port=port, error=str(e).splitlines()[0])
-            not_before = written + 1e-6
+            refused.add(written)
     else:
         return 0
     _share_cores(layout)
