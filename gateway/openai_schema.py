@@ -13,6 +13,7 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -716,7 +717,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
 
 # ---- responses --------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TokenLogprob:
     """One output token's log-probability, with token ids already turned into text."""
     token: str
@@ -755,16 +756,51 @@ def completion_logprobs(entries: list[TokenLogprob], text_offset: int) -> dict:
             "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[TokenLogprob]) -> dict:
-    def item(token: str, logprob: float | None, raw: bytes | None) -> dict:
-        return {"token": token, "logprob": logprob,
-                "bytes": list(token.encode("utf-8") if raw is None else raw)}
+def chat_logprobs(entries: list[TokenLogprob], *, on_read: bool = False) -> dict:
+    """Chat's logprobs; `on_read`: their `content` made as its JSON is written (MadeOnRead),
+    for a whole answer, whose JSON json_pieces writes."""
+    return {"content": MadeOnRead(entries, _chat_entry) if on_read else
+            [_chat_entry(e) for e in entries]}
 
-    def entry(e: TokenLogprob) -> dict:
-        raw = e.raw or (None,) * (1 + len(e.top))
-        return {**item(e.token, e.logprob, raw[0]),
-                "top_logprobs": [item(t, lp, b) for (t, lp), b in zip(e.top, raw[1:])]}
-    return {"content": [entry(e) for e in entries]}
+
+def _chat_entry(e: TokenLogprob) -> dict:
+    raw = e.raw or (None,) * (1 + len(e.top))
+    return {**_chat_item(e.token, e.logprob, raw[0]),
+            "top_logprobs": [_chat_item(t, lp, b) for (t, lp), b in zip(e.top, raw[1:])]}
+
+
+def _chat_item(token: str, logprob: float | None, raw: bytes | None) -> dict:
+    return {"token": token, "logprob": logprob,
+            "bytes": list(token.encode("utf-8") if raw is None else raw)}
+
+
+class MadeOnRead(Sequence):
+    """A JSON list whose items are made from `source` as they are read, a slice at a time.
+    Made whole, a chat answer's logprobs are 43 containers a token with 20 top ones (a dict
+    and a `bytes` list for each), ~350k for 4 choices of 2000 tokens, all alive until the
+    answer's JSON was written: the cyclic collector's full passes walked them, holding the
+    GIL, and the event loop, for up to ~75 ms each (docs/benchmarks.md#big-answers-and-the-
+    garbage-collector). json_pieces writes one slice at a time, which is freed before the
+    next is made; json.dumps takes one whole (JSON_DEFAULT)."""
+    __slots__ = ("source", "make")
+
+    def __init__(self, source: list, make) -> None:
+        self.source, self.make = source, make
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self.make(x) for x in self.source[index]]
+        return self.make(self.source[index])
+
+
+def json_default(value: object) -> list:
+    """json.dumps's `default=`: a MadeOnRead as the list it stands for."""
+    if isinstance(value, MadeOnRead):
+        return value[:]
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 def vllm_prompt_logprobs(ids: list[int], entries: dict, top: int, text) -> list[dict | None]:

@@ -69,19 +69,21 @@ class Shape:
         return oai.usage(self.num_prompt_tokens, sum(g.num_output_tokens for g in gens),
                          None if None in cached else sum(cached))
 
-    def logprobs(self, index: int, entries: list[TokenLogprob]) -> dict | None:
+    def logprobs(self, index: int, entries: list[TokenLogprob], *,
+                 on_read: bool = False) -> dict | None:
+        """A choice's logprobs; `on_read`: made as json_pieces writes them (a whole answer's)."""
         if self.req.logprobs is None:
             return None
         if self.chat:
-            return oai.chat_logprobs(entries)
+            return oai.chat_logprobs(entries, on_read=on_read)
         offset = self._text_offset.get(index, 0)
         self._text_offset[index] = offset + sum(len(e.token) for e in entries)
         return oai.completion_logprobs(entries, offset)
 
     def choice(self, index: int, text: str, entries: list[TokenLogprob],
                finish: str | None, stop_reason: oai.StopReason = None) -> dict:
-        """A whole answer's choice."""
-        logprobs = self.logprobs(index, entries)
+        """A whole answer's choice, for json_pieces to write."""
+        logprobs = self.logprobs(index, entries, on_read=True)
         if not self.chat:
             return oai.completion_choice(index, text, logprobs, finish, stop_reason)
         content, calls = split_calls(self.req, self.tool_parser, text)
@@ -271,7 +273,7 @@ def json_pieces(value: object, separators: tuple[str, str] = (", ", ": "),
             yield (item if i else "") + json.dumps(k) + key
             yield from json_pieces(v, separators, depth - 1)
         yield "}"
-    elif depth and isinstance(value, list):
+    elif depth and isinstance(value, (list, oai.MadeOnRead)):
         yield "["
         first, made = 0, 0
         while first < len(value):
@@ -285,12 +287,13 @@ def json_pieces(value: object, separators: tuple[str, str] = (", ", ": "),
                     yield piece
                 first += 1
                 continue
-            piece = json.dumps(value[first:first + size], separators=separators)[1:-1]
+            piece = json.dumps(value[first:first + size], separators=separators,
+                               default=oai.json_default)[1:-1]
             yield item + piece
             first, made = first + size, made + len(piece)
         yield "]"
     else:
-        yield json.dumps(value, separators=separators)
+        yield json.dumps(value, separators=separators, default=oai.json_default)
 
 
 _FRAMING = 64          # a chunk's length line and CRLFs, besides its data

@@ -1218,6 +1218,44 @@ async def test_a_whole_answer_s_json_is_made_in_pieces(h: Harness, monkeypatch, 
     assert max(made) <= 2 * piece
 
 
+async def test_a_whole_chat_answer_s_logprobs_are_made_a_piece_at_a_time() -> None:
+    """A whole chat answer's logprobs were made at once before its JSON was written: 43
+    containers a token with 20 top ones, hundreds of thousands alive together for a long
+    answer, which the cyclic collector's full passes walked with the GIL held (75 ms and
+    more, every stream's next token waiting). They are made as their JSON is written, a
+    piece's worth alive at a time: fewer containers than tokens, the same JSON."""
+    import gc
+
+    from gateway import openai_schema as oai
+    from gateway.responses import Shape, json_pieces
+    tokens, top = 2000, 20
+    req = oai.parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                          "logprobs": True, "top_logprobs": top})
+    entries = [oai.TokenLogprob(f"t{i}", -0.5, [(f"a{i}-{k}", -1.0 - k) for k in range(top)],
+                                raw=tuple(f"x{i}-{k}".encode() for k in range(top + 1)))
+               for i in range(tokens)]
+    text = "".join(e.token for e in entries)
+    shape = Shape(req, "chatcmpl-1", MODEL, num_prompt_tokens=1)
+    gc.collect()
+    gc.disable()                # counts of the containers alive, nothing freed behind them
+    try:
+        alive = len(gc.get_objects())
+        choice = shape.choice(0, text, entries, "length")
+        most = len(gc.get_objects()) - alive
+        pieces = []
+        for piece in json_pieces(choice):
+            pieces.append(piece)
+            if len(pieces) % 8 == 0:
+                most = max(most, len(gc.get_objects()) - alive)
+    finally:
+        gc.enable()
+    assert most < tokens, f"{most} containers alive for {tokens} tokens' logprobs"
+    content = [{"token": e.token, "logprob": e.logprob, "bytes": list(e.raw[0]),
+                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)}
+                                 for (t, lp), b in zip(e.top, e.raw[1:])]} for e in entries]
+    assert "".join(pieces) == json.dumps({**choice, "logprobs": {"content": content}})
+
+
 async def test_responses_api_takes_vllm_s_chat_fields(h: Harness) -> None:
     """What chat takes of vLLM's (structured outputs, truncate_prompt_tokens) means the same
     on /v1/responses, never dropped on the way."""
