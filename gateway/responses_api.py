@@ -27,6 +27,7 @@ import re
 import time
 import uuid
 from contextlib import aclosing
+from collections.abc import Sequence
 from typing import Any
 
 import structlog
@@ -248,9 +249,12 @@ def _messages(given: str | list) -> list[dict]:
     return messages
 
 
-def _logprobs(entries: list[TokenLogprob] | None) -> list[dict]:
-    """An output text's logprobs in OpenAI's shape (chat's: token, logprob, bytes, top)."""
-    return oai.chat_logprobs(entries)["content"] if entries else []
+def _logprobs(entries: list[TokenLogprob] | None, on_read: bool = False) -> Sequence[dict]:
+    """An output text's logprobs in OpenAI's shape (chat's: token, logprob, bytes, top);
+    `on_read`: made as json_pieces writes them (a whole answer's: oai.MadeOnRead)."""
+    if not entries:
+        return []
+    return oai.chat_logprobs(entries, on_read=on_read)["content"]
 
 
 class RawJSON:
@@ -294,15 +298,18 @@ class ResponseShape:
                 "store": False, "usage": usage, **self.echo}
 
     def message(self, text: str | None, status: str,
-                logprobs: list[TokenLogprob] | RawJSON | None = None) -> dict:
-        content = [] if text is None else [self.part(text, logprobs)]
+                logprobs: list[TokenLogprob] | RawJSON | None = None,
+                on_read: bool = False) -> dict:
+        content = [] if text is None else [self.part(text, logprobs, on_read)]
         return {"type": "message", "id": self.message_id, "status": status,
                 "role": "assistant", "content": content}
 
     @staticmethod
-    def part(text: str, logprobs: list[TokenLogprob] | RawJSON | None = None) -> dict:
+    def part(text: str, logprobs: list[TokenLogprob] | RawJSON | None = None,
+             on_read: bool = False) -> dict:
         return {"type": "output_text", "text": text, "annotations": [],
-                "logprobs": logprobs if isinstance(logprobs, RawJSON) else _logprobs(logprobs)}
+                "logprobs": logprobs if isinstance(logprobs, RawJSON) else
+                _logprobs(logprobs, on_read)}
 
     @staticmethod
     def function_call(call: dict, status: str = "completed", arguments: str | None = None) -> dict:
@@ -327,9 +334,11 @@ class ResponseShape:
 
     def final(self, content: str | None, calls: list[dict] | None, gen: Generation,
               logprobs: list[TokenLogprob] | None = None) -> dict:
-        """The finished response: its message (unless it only calls), then its calls."""
+        """The finished response: its message (unless it only calls), then its calls; for
+        json_pieces to write (its logprobs made as they are written)."""
         status = self.status(gen)
-        output = [self.message(content or "", status, logprobs)] if content or not calls else []
+        output = ([self.message(content or "", status, logprobs, on_read=True)]
+                  if content or not calls else [])
         return self.finished(output + [self.function_call(c, status) for c in calls or []], gen)
 
     def finished(self, output: list[dict], gen: Generation) -> dict:

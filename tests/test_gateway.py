@@ -1163,7 +1163,7 @@ async def test_a_responses_stream_makes_its_logprobs_once_and_sends_them_in_piec
     made: list[int] = []            # the entries each call turned into OpenAI's shape
     shaped = openai_schema.chat_logprobs
     monkeypatch.setattr(openai_schema, "chat_logprobs",
-                        lambda entries: made.append(len(entries)) or shaped(entries))
+                        lambda entries, **kw: made.append(len(entries)) or shaped(entries, **kw))
     writes: list[int] = []
     write = SSEResponse.write
 
@@ -1218,16 +1218,19 @@ async def test_a_whole_answer_s_json_is_made_in_pieces(h: Harness, monkeypatch, 
     assert max(made) <= 2 * piece
 
 
-async def test_a_whole_chat_answer_s_logprobs_are_made_a_piece_at_a_time() -> None:
-    """A whole chat answer's logprobs were made at once before its JSON was written: 43
-    containers a token with 20 top ones, hundreds of thousands alive together for a long
-    answer, which the cyclic collector's full passes walked with the GIL held (75 ms and
-    more, every stream's next token waiting). They are made as their JSON is written, a
-    piece's worth alive at a time: fewer containers than tokens, the same JSON."""
+@pytest.mark.parametrize("api", ["chat", "responses"])
+async def test_a_whole_chat_answer_s_logprobs_are_made_a_piece_at_a_time(api: str) -> None:
+    """A whole chat answer's (or Responses answer's) logprobs were made at once before its
+    JSON was written: 43 containers a token with 20 top ones, hundreds of thousands alive
+    together for a long answer, which the cyclic collector's full passes walked with the GIL
+    held (75 ms and more, every stream's next token waiting). They are made as their JSON is
+    written, a piece's worth alive at a time: fewer containers than tokens, the same JSON."""
     import gc
+    from types import SimpleNamespace
 
     from gateway import openai_schema as oai
     from gateway.responses import Shape, json_pieces
+    from gateway.responses_api import ResponseShape
     tokens, top = 2000, 20
     req = oai.parse_chat({"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                           "logprobs": True, "top_logprobs": top})
@@ -1235,12 +1238,19 @@ async def test_a_whole_chat_answer_s_logprobs_are_made_a_piece_at_a_time() -> No
                                 raw=tuple(f"x{i}-{k}".encode() for k in range(top + 1)))
                for i in range(tokens)]
     text = "".join(e.token for e in entries)
-    shape = Shape(req, "chatcmpl-1", MODEL, num_prompt_tokens=1)
+    if api == "chat":
+        shape = Shape(req, "chatcmpl-1", MODEL, num_prompt_tokens=1)
+        answer = lambda: shape.choice(0, text, entries, "length")     # noqa: E731
+    else:
+        shape = ResponseShape("resp_1", MODEL, {}, 1, {})
+        gen = SimpleNamespace(finish_reason="length", num_output_tokens=tokens,
+                              num_cached_tokens=0)
+        answer = lambda: shape.final(text, None, gen, entries)        # noqa: E731
     gc.collect()
     gc.disable()                # counts of the containers alive, nothing freed behind them
     try:
         alive = len(gc.get_objects())
-        choice = shape.choice(0, text, entries, "length")
+        choice = answer()
         most = len(gc.get_objects()) - alive
         pieces = []
         for piece in json_pieces(choice):
@@ -1253,7 +1263,11 @@ async def test_a_whole_chat_answer_s_logprobs_are_made_a_piece_at_a_time() -> No
     content = [{"token": e.token, "logprob": e.logprob, "bytes": list(e.raw[0]),
                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(b)}
                                  for (t, lp), b in zip(e.top, e.raw[1:])]} for e in entries]
-    assert "".join(pieces) == json.dumps({**choice, "logprobs": {"content": content}})
+    if api == "chat":
+        assert "".join(pieces) == json.dumps({**choice, "logprobs": {"content": content}})
+    else:
+        made = json.loads("".join(pieces))
+        assert made["output"][0]["content"][0]["logprobs"] == content
 
 
 async def test_responses_api_takes_vllm_s_chat_fields(h: Harness) -> None:
