@@ -36,7 +36,7 @@ from scheduler_svc.book import RequestBook, deadline_passed
 from scheduler_svc.core import Scheduler
 from scheduler_svc.core.request import Request, stop_status
 from shared.errors import InvalidRequestError
-from shared.lifecycle import stream_id_text
+from shared.lifecycle import stream_id_order, stream_id_text
 from shared.keys import Keys
 from shared.kv_layout import KVLayoutError, check_peer_layout, other_model
 from shared.outputs import RequestOutput
@@ -48,6 +48,12 @@ from shared.protocol import (CancelMsg, HandoffMsg, Heartbeat, ProtocolError, Re
 log = structlog.get_logger("scheduler.disagg")
 
 HANDOFF_MAXLEN = 100_000
+# An inbox (a decode instance's handoff stream, a prefill instance's reservations stream) has
+# one reader, its instance's scheduler, which starts at the tail: it trims what it read this
+# long before the newest entry it read (left for `pacer inspect`). A request's entries carry
+# its prompt and a prefill side asks again every NO_ROOM_RETRY_S while a decode instance is
+# full: left to HANDOFF_MAXLEN they came to gigabytes.
+INBOX_KEPT_MS = 10_000
 RESERVE_RETRY_S = 5.0          # no answer to a ReserveMsg: ask again (maybe another instance)
 NO_ROOM_RETRY_S = 0.2          # the decode instance had no room: ask again this soon
 # a new decode scheduler waits this long before its first plan: a prefill worker still writing
@@ -139,6 +145,16 @@ class Outgoing:
     handoffs: list[tuple[str, str, bytes | str, HandoffMsg]] = field(default_factory=list)
     # new requests for the prefill instance the router chose: (instance, consumer, entry, msg)
     forwards: list[tuple[str, str, bytes | str, HandoffMsg]] = field(default_factory=list)
+
+
+def trim_read(pipe, stream: str, cursor: bytes | str) -> None:
+    """Queue the trim of an inbox's entries older than INBOX_KEPT_MS before `cursor`, the
+    newest entry its one reader has read: all of them read (entry ids grow with time)."""
+    if stream_id_text(cursor) == "$":        # not read yet
+        return
+    ms, _ = stream_id_order(cursor)
+    if ms > INBOX_KEPT_MS:
+        pipe.xtrim(stream, minid=f"{ms - INBOX_KEPT_MS}-0", approximate=False)
 
 
 def stream_messages(reply) -> Iterator[tuple[bytes | str, object]]:

@@ -56,7 +56,7 @@ from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import Scheduler
 from scheduler_svc.disagg import (DECODE_QUARANTINE_S, DecodeSide, PrefillSide, Writers,
                                   decoders_from, descriptors_pending, prefills_from,
-                                  scheduler_beats)
+                                  scheduler_beats, trim_read)
 from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recovery, RedisLost,
                                     WorkersLost)
 from scheduler_svc.stats import SchedulerStats
@@ -467,6 +467,11 @@ class SchedulerService:
                 self.prefill.queue(pipe, disagg_out)
             if reserved:
                 self.decode.queue(pipe, reserved)
+            if gateways is not None:
+                if disagg_out is not None:
+                    trim_read(pipe, self.keys.reservations, self.prefill.cursor)
+                if self.decode is not None:
+                    trim_read(pipe, self.keys.handoff, self.decode.cursor)
             if held:
                 pipe.mget([key for _, key in held])
             if gateways:

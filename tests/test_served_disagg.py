@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import redis
 
+from scheduler_svc.disagg import INBOX_KEPT_MS
 from scheduler_svc.service import HOUSEKEEPING_S
 from shared.keys import Keys
 from shared.protocol import decode, from_fields
@@ -337,6 +338,26 @@ def test_pd_ttft_goal_flag_is_taken_and_attainment_counted(tiny, expected, tmp_p
         assert labelled(served, "pacer:ttft_goal_missed_total", "p0") == 2
         assert labelled(served, "pacer:ttft_goal_met_total", "p0") == 0
     finally:
+        assert served.stop() == 0, served.log_tail()
+
+
+def test_pd_inboxes_are_trimmed_once_read(tiny, expected, tmp_path):
+    """d0's handoff stream and p0's reservations stream keep what their one reader read for
+    INBOX_KEPT_MS, not up to HANDOFF_MAXLEN entries, each with its request's prompt: the
+    entries of requests served earlier go once later ones are read; the latest stay."""
+    served, model = start_pd(tiny, tmp_path)
+    r = redis.Redis.from_url(served.redis_url)
+    try:
+        assert all_concurrently(served, model, LONG) == first(expected, LONG)
+        inboxes = (D0.handoff, P0.reservations)
+        earlier = {s: r.xrevrange(s, count=1)[0][0] for s in inboxes}
+        time.sleep(INBOX_KEPT_MS / 1000 + 0.5)      # the next entries come later than that
+        assert complete(served.base_url, model, LONG[0]) == first(expected, LONG[:1])[0]
+        wait_for(lambda: not any(r.xrange(s, "-", earlier[s]) for s in inboxes), 30,
+                 "the inboxes' earlier entries trimmed")
+        assert all(r.xlen(s) > 0 for s in inboxes)  # the latest request's, for `pacer inspect`
+    finally:
+        r.close()
         assert served.stop() == 0, served.log_tail()
 
 
