@@ -19,7 +19,7 @@ from shared.keys import Keys
 from shared.prefix_hash import block_hashes, cacheable_hashes
 from shared.protocol import Heartbeat, encode, from_fields
 from shared.sampling import SamplingParams
-from tests.redis_fixture import redis_server  # noqa: F401
+from tests.redis_fixture import lose_a_reply, redis_server  # noqa: F401
 
 
 # ---- the choice, on crafted candidates -----------------------------------------------------
@@ -297,22 +297,10 @@ def test_a_submit_retried_after_its_reply_was_lost_counts_where_its_entry_is(
     (its id was submitted) and the request lives where the first try put it (a replica's
     stream; with P/D, an entry naming that prefill instance). Its load counts there, not at
     another replica the retry chose (the turn had moved on: the round-robin's next)."""
-    from redis.asyncio.client import Pipeline
-
     from gateway.upstream import Upstream
 
     keys = Keys(f"retried-{prefill}:")
-    lost = []
-    execute = Pipeline.execute
-
-    async def lose_the_reply(pipe, raise_on_error: bool = True):
-        submit = any(args[0] == "EVAL" for args, _ in pipe.command_stack)
-        replies = await execute(pipe, raise_on_error)
-        if submit and not lost:
-            lost.append(replies)
-            raise redis.exceptions.ConnectionError("the reply was lost")
-        return replies
-    monkeypatch.setattr(Pipeline, "execute", lose_the_reply)
+    lost = lose_a_reply(monkeypatch, "EVAL")
 
     async def scenario() -> ReplicaRouter:
         client = aioredis.Redis.from_url(redis_server)
