@@ -175,8 +175,8 @@ class ReplicaRouter:
         self._refused: set[str] = set()                      # keys whose hint was refused
 
     async def choose(self, request_id: str, prompt_token_ids: Sequence[int]) -> str:
-        """The instance the request goes to; counts it in flight there."""
-        self.ended(request_id)       # a submission retried after a dropped connection
+        """The instance the request goes to; counts it in flight there. Once per request:
+        a submit retried after a dropped connection goes where it was first sent."""
         turn = next(self._turns)
         work = len(prompt_token_ids)
         live = self._live

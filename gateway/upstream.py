@@ -21,7 +21,9 @@ command on each fails. Submitting and aborting drop those idle connections and t
 so the first requests after Redis is back are not refused. A connection can also break after
 Redis ran the command and before its reply came: a submit is one script that adds the entry
 only if the request id's `submitted` key is new, so a retried submit never enqueues a request
-twice (two schedulers reading one stream would each serve a copy).
+twice (two schedulers reading one stream would each serve a copy). A retried submit goes
+where the first try was sent (replica or prefill instance, chosen once), so the router counts
+the request where it lives.
 """
 from __future__ import annotations
 
@@ -114,10 +116,16 @@ class Upstream:
             reply_to=self.reply_to, gateway_id=self.gateway_id, arrival_time=arrival_time,
             deadline=deadline)
 
+        instance: str | None = None
+
         async def send() -> tuple[str, tuple[str, bytes | str] | None]:
+            nonlocal instance
             stream, fields = self.keys.requests, to_fields(msg)
             if self.replicas is not None:
-                instance = await self.replicas.choose(request_id, prompt_token_ids)
+                # chosen once: a try whose reply was lost may have added the entry there, and
+                # the retry (refused as a repeat) must not count the request elsewhere
+                if instance is None:
+                    instance = await self.replicas.choose(request_id, prompt_token_ids)
                 if self.prefill:
                     fields = to_fields(replace(msg, instance=instance))
                 else:

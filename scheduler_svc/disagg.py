@@ -69,21 +69,21 @@ HELD_GONE_S = 60.0
 # KEYS[1]: the request stream, KEYS[2]: the stream the notice goes to; ARGV: the group, this
 # consumer, the new owner, the entry id, the notice stream's MAXLEN, the notice's field count
 # n, its n fields and values, then those of the notice that goes instead when the entry is
-# no one's any more (acked: its request ended), if any. Returns 1 moved, 0 not.
+# no one's any more (acked: its request ended), if any. Returns 1 moved; 0 no one's; or the
+# consumer whose entry it is now (the new owner's: an earlier try of this exchange moved it).
 _MOVE = """
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)[1]
 local n = tonumber(ARGV[6])
-local first, last
 if p and p[2] == ARGV[2] then
   redis.call('XCLAIM', KEYS[1], ARGV[1], ARGV[3], 0, ARGV[4], 'JUSTID')
-  first, last = 7, 6 + n
-elseif not p and #ARGV > 6 + n then
-  first, last = 7 + n, #ARGV
-else
-  return 0                             -- another scheduler's now: it ends or hands it over
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 7, 6 + n))
+  return 1
+elseif p then
+  return p[2]                          -- another scheduler's now: it ends or hands it over
+elseif #ARGV > 6 + n then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 7 + n, #ARGV))
 end
-redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, first, last))
-return p and 1 or 0
+return 0
 """
 NO_ROOM = "no room now (no free KV blocks, max_num_seqs running, or requests already waiting there)"
 
@@ -660,6 +660,23 @@ class PrefillSide:
         for instance, consumer, entry_id, msg in out.forwards:
             self._move(pipe, consumer, entry_id, self.keys.for_instance(instance).reservations,
                        msg)
+
+    @staticmethod
+    def moves_skipped(out: Outgoing, replies: list) -> None:
+        """Log each hand-off and forward of `out` that the move script skipped, from the
+        replies of the commands `queue` queued (in its order): the entry was no longer this
+        scheduler's."""
+        moves = [*out.handoffs, *out.forwards]
+        done = replies[len(out.cancels) + len(out.reserves):][:len(moves)]
+        for (instance, consumer, entry_id, msg), reply in zip(moves, done):
+            owner = reply.decode() if isinstance(reply, bytes) else reply
+            if owner == 1 or owner == consumer:     # moved (by an earlier try, the latter)
+                continue
+            why = ("its request ended first (its entry was acked)" if owner == 0 else
+                   f"scheduler {owner} claimed its entry meanwhile")
+            log.warning("request entry not moved: no longer this scheduler's",
+                        request_id=msg.request_msg.request_id, to_instance=instance,
+                        entry=stream_id_text(entry_id), why=why)
 
     def _move(self, pipe, consumer: str, entry_id, stream: str, notice, ended=None) -> None:
         """A request entry to another scheduler: ownership moves first (XCLAIM), then the

@@ -454,9 +454,10 @@ class SchedulerService:
         block_events = self.core.block_manager.take_events()
 
         tries = 0
+        moves_at = 0                 # where the prefill side's commands start in the pipeline
 
         async def exchange() -> list:
-            nonlocal tries
+            nonlocal tries, moves_at
             tries += 1
             pipe = self.redis.pipeline(transaction=False)
             if stats is not None:
@@ -464,6 +465,7 @@ class SchedulerService:
             self._queue_outbox(pipe, outbox)
             queue_block_events(pipe, self.keys.cached_blocks, block_events)
             if disagg_out is not None:
+                moves_at = len(pipe)
                 self.prefill.queue(pipe, disagg_out)
             if reserved:
                 self.decode.queue(pipe, reserved)
@@ -504,6 +506,8 @@ class SchedulerService:
             if disagg_out is not None:
                 self.prefill.put_back(disagg_out)
             raise
+        if disagg_out is not None:
+            self.prefill.moves_skipped(disagg_out, replies[moves_at:])
         self._receive_aborts(replies.pop())
         self._drop_lost()
         if room:

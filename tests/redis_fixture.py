@@ -73,3 +73,24 @@ def redis_server() -> Iterator[str]:
         yield url
     finally:
         stop_redis(proc)
+
+
+def lose_a_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list:
+    """Make the first async pipeline that holds `command` ("EVAL", ...) run on the server and
+    then lose its reply (a ConnectionError, as when the connection breaks before the reply
+    came). Returns the list the lost replies go into (one at most)."""
+    from redis.asyncio.client import Pipeline
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    lost: list = []
+    execute = Pipeline.execute
+
+    async def losing(pipe, raise_on_error: bool = True):
+        holds = any(args[0] == command for args, _ in pipe.command_stack)
+        replies = await execute(pipe, raise_on_error)
+        if holds and not lost:
+            lost.append(replies)
+            raise RedisConnectionError("the reply was lost")
+        return replies
+    monkeypatch.setattr(Pipeline, "execute", losing)
+    return lost

@@ -23,7 +23,7 @@ from shared.plan import IterationPlan, SampledToken, StepResult
 from shared.protocol import (AbortMsg, CancelMsg, HandoffMsg, Heartbeat, RequestMsg, ReservedMsg,
                              ReserveMsg, decode, encode, from_fields, to_fields)
 from shared.sampling import SamplingParams
-from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
+from tests.redis_fixture import lose_a_reply, redis_server  # noqa: F401  (a fixture)
 
 BLOCK = 4
 
@@ -965,6 +965,71 @@ def test_a_hand_off_goes_only_while_its_entry_is_the_prefill_schedulers(redis_se
     assert c.get_request("ended") is None and c.is_reserved("claimed")
     assert d0.checks_due and c.block_manager.num_free_blocks == 12 - 2 * 3
     r.close()
+
+
+@pytest.mark.parametrize("reply_lost", [False, True])
+def test_a_hand_off_or_forward_the_move_skips_is_logged_once_naming_why(redis_server,
+                                                                        monkeypatch, reply_lost):
+    """The move script skips an entry that is no longer the prefill scheduler's: one acked
+    meanwhile (its request ended), one another scheduler claimed. Each skip, a hand-off's or
+    a forward's, is logged once with the request id and why, by the scheduler's intake
+    (among a cancel and a reserve that went out beside them); a move that went is not, nor
+    one that an intake's try whose reply was lost made (its retry finds the entry the new
+    owner's). Real Redis."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+    from structlog.testing import capture_logs
+
+    from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+
+    keys = Keys(f"move-log-{reply_lost}:").for_instance("p0")
+    rids = ("mine", "claimed", "ended", "fwd-claimed", "fwd-ended")
+
+    async def go() -> list[dict]:
+        r = aioredis.Redis.from_url(redis_server)
+        try:
+            service = SchedulerService(r, keys, core(), SchedulerServiceConfig(
+                "sched-p0", role="prefill", instance="p0"))
+            await service.prepare()
+            entries = {rid: await r.xadd(keys.requests, to_fields(request(rid, 9)))
+                       for rid in rids}
+            await r.xreadgroup(keys.requests_group, "sched-p0", {keys.requests: ">"})
+            for rid in ("claimed", "fwd-claimed"):
+                await r.xclaim(keys.requests, keys.requests_group, "sched-p9", 0,
+                               [entries[rid]], justid=True)
+            await r.xack(keys.requests, keys.requests_group, entries["ended"],
+                         entries["fwd-ended"])
+            out = service.prefill.out
+            out.cancels.append(("d0", CancelMsg("other", "asked elsewhere")))
+            out.reserves.append(("d0", ReserveMsg(encode(request("other", 9)), "p0")))
+            for rid in ("mine", "claimed", "ended"):
+                out.handoffs.append(("d0", "host-d0", entries[rid],
+                                     handoff(request(rid, 9), stream_id_text(entries[rid]),
+                                             77, ["d0:1"])))
+            for rid in ("fwd-claimed", "fwd-ended"):
+                out.forwards.append(("p1", "sched-p1", entries[rid], HandoffMsg(
+                    encode(request(rid, 9)), stream_id_text(entries[rid]), [], [])))
+            lost = lose_a_reply(monkeypatch, "EVAL") if reply_lost else None
+            with capture_logs() as logs:
+                await service._intake(pull=False, block=False)
+            assert not reply_lost or lost
+            owners = {stream_id_text(p["message_id"]): p["consumer"].decode() for p in
+                      await r.xpending_range(keys.requests, keys.requests_group, "-", "+", 10)}
+            assert owners == {stream_id_text(entries["mine"]): "host-d0",
+                              stream_id_text(entries["claimed"]): "sched-p9",
+                              stream_id_text(entries["fwd-claimed"]): "sched-p9"}
+            return [e for e in logs if e["event"].startswith("request entry not moved")]
+        finally:
+            await r.aclose()
+
+    skipped = asyncio.run(go())
+    assert sorted((e["request_id"], e["to_instance"], e["why"]) for e in skipped) == [
+        ("claimed", "d0", "scheduler sched-p9 claimed its entry meanwhile"),
+        ("ended", "d0", "its request ended first (its entry was acked)"),
+        ("fwd-claimed", "p1", "scheduler sched-p9 claimed its entry meanwhile"),
+        ("fwd-ended", "p1", "its request ended first (its entry was acked)")]
+    assert all(e["log_level"] == "warning" for e in skipped)
 
 
 def test_a_prompt_whose_prefix_the_decode_pool_caches_gets_and_is_sent_only_the_rest():

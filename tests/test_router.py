@@ -17,9 +17,9 @@ from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import BlockManager, Request
 from shared.keys import Keys
 from shared.prefix_hash import block_hashes, cacheable_hashes
-from shared.protocol import Heartbeat, encode
+from shared.protocol import Heartbeat, encode, from_fields
 from shared.sampling import SamplingParams
-from tests.redis_fixture import redis_server  # noqa: F401
+from tests.redis_fixture import lose_a_reply, redis_server  # noqa: F401
 
 
 # ---- the choice, on crafted candidates -----------------------------------------------------
@@ -288,6 +288,45 @@ def test_an_instance_whose_workers_are_missing_is_left_out(redis_server, policy)
     sync.delete(keys.hb_scheduler("sched-r0"))              # r0's workers, but no scheduler
     assert set(asyncio.run(choices(6))) == {"r1"}
     sync.close()
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_a_submit_retried_after_its_reply_was_lost_counts_where_its_entry_is(
+        redis_server, monkeypatch, prefill):
+    """The connection breaks after Redis ran a submit's XADD: the retried submit is refused
+    (its id was submitted) and the request lives where the first try put it (a replica's
+    stream; with P/D, an entry naming that prefill instance). Its load counts there, not at
+    another replica the retry chose (the turn had moved on: the round-robin's next)."""
+    from gateway.upstream import Upstream
+
+    keys = Keys(f"retried-{prefill}:")
+    lost = lose_a_reply(monkeypatch, "EVAL")
+
+    async def scenario() -> ReplicaRouter:
+        client = aioredis.Redis.from_url(redis_server)
+        router = ReplicaRouter(client, keys, [("r0", 1), ("r1", 1)], "round-robin")
+        try:
+            await Upstream(client, keys, "gw", router, prefill).submit(
+                "a", [1, 2, 3], SamplingParams(max_tokens=2), 0.0)
+            return router
+        finally:
+            await client.aclose()
+    router = asyncio.run(scenario())
+    assert lost
+    sync = redis.Redis.from_url(redis_server)
+    if prefill:
+        (_, fields), = sync.xrange(keys.requests)
+        where = from_fields(fields).instance
+    else:
+        where, = [inst for inst in ("r0", "r1")
+                  if sync.xlen(keys.for_instance(inst).instance_requests)]
+    sync.close()
+    at = router.instances.index(where)
+    assert router._outstanding[at] == 1 and sum(router._outstanding) == 1
+    assert router._queued[at] == 3 and sum(router._queued) == 3
+    assert router.chosen[at] == 1 and sum(router.chosen) == 1
+    router.ended("a")
+    assert router._outstanding == [0, 0] and router._queued == [0, 0]
 
 
 def test_the_live_set_is_kept_by_its_own_task(redis_server, monkeypatch):
