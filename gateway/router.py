@@ -65,8 +65,8 @@ import structlog
 from redis.exceptions import RedisError
 
 from gateway.config import POLICIES
-from shared.keys import SCAN_COUNT, Keys
-from shared.lifecycle import cancel_requested
+from shared.keys import Keys
+from shared.lifecycle import cancel_requested, scheduler_heartbeats
 from shared.prefix_hash import cacheable_hashes
 from shared.protocol import scheduler_instances
 
@@ -334,9 +334,8 @@ def _number(value) -> float:
 
 async def live_instances(redis: aioredis.Redis, keys: Keys) -> set[str]:
     """The engine instances whose scheduler heartbeat key is alive ("" for a colocated
-    engine's): SCAN of the heartbeat keys, one MGET."""
-    beats = [k async for k in redis.scan_iter(match=keys.hb_scheduler_pattern, count=SCAN_COUNT)]
-    return scheduler_instances(await redis.mget(beats) if beats else [])
+    engine's); one of another protocol version is none (`protocol_disagreement`)."""
+    return scheduler_instances(list((await scheduler_heartbeats(redis, keys)).values()))
 
 
 async def missing_ranks(redis: aioredis.Redis, keys: Keys,

@@ -39,12 +39,13 @@ import structlog
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 
-from gateway.router import ReplicaRouter, live_instances, missing_ranks
+from gateway.router import ReplicaRouter, missing_ranks
 from gateway.streams import TokenRouter
-from shared.lifecycle import cancel_requested
+from shared.lifecycle import cancel_requested, scheduler_heartbeats
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
-                         SCAN_COUNT, Keys)
-from shared.protocol import AbortMsg, Heartbeat, RequestMsg, encode, to_fields
+                         Keys)
+from shared.protocol import (AbortMsg, Heartbeat, RequestMsg, encode, protocol_disagreement,
+                             scheduler_instances, to_fields)
 from shared.redis_retry import TRANSIENT, redis_trouble, retry_redis
 from shared.sampling import SamplingParams
 
@@ -305,25 +306,34 @@ class Upstream:
 
     async def live_schedulers(self, instances: tuple[tuple[str, int], ...] = ()) -> set[str]:
         """The engine instances with a scheduler beating ("" for the colocated engine's)."""
-        if instances:
-            return await live_instances(self.redis, self.keys)
-        async for _ in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern,
-                                            count=SCAN_COUNT):
-            return {""}
-        return set()
+        return _live(await scheduler_heartbeats(self.redis, self.keys), instances)
 
     async def missing_services(self, tp: int,
                                instances: tuple[tuple[str, int], ...] = ()) -> list[str]:
         """Which services /health needs but whose heartbeat key has expired: the scheduler and
         every worker rank of the colocated engine, or of each engine instance (replica or P/D
-        instance; a scheduler's heartbeat names its instance)."""
-        up = await self.live_schedulers(instances)
+        instance; a scheduler's heartbeat names its instance). Then each scheduler of another
+        protocol version: it shares the request stream, and drops as undecodable the
+        requests it reads of this gateway's."""
+        beats = await scheduler_heartbeats(self.redis, self.keys)
+        up = _live(beats, instances)
         missing = [] if instances or "" in up else ["scheduler"]
         missing += [f"instance {inst} scheduler" for inst, _ in instances if inst not in up]
         missing += [f"instance {inst} worker rank {r}" if inst else f"worker rank {r}"
                     for inst, r in await missing_ranks(self.redis, self.keys,
                                                        instances or (("", tp),))]
-        return missing
+        return missing + [why for key, value in sorted(beats.items())
+                          if (why := protocol_disagreement(value, f"scheduler {key}", "gateway"))]
+
+
+def _live(beats: dict[str, bytes | None], instances: tuple[tuple[str, int], ...]) -> set[str]:
+    """The engine instances (`live_schedulers`) among scheduler heartbeats. A colocated
+    engine's scheduler counts by its key alone, unless it speaks another protocol version."""
+    if instances:
+        return scheduler_instances(list(beats.values()))
+    ours = [v for v in beats.values()
+            if v is not None and protocol_disagreement(v, "", "") is None]
+    return {""} if ours else set()
 
 
 def _wrong_type(reply) -> bool:

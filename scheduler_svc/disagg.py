@@ -230,6 +230,7 @@ class PrefillSide:
         # decode instance -> the incarnation found serving another model: no partner at all
         # (see `_partner`)
         self._foreign: dict[str, float] = {}
+        self._other_protocols: set[str] = set()      # said of schedulers of another version
         self.prefills: dict[str, str] = {}           # live prefill instances: their consumers
         self._promised: dict[str, int] = {}          # blocks asked of each since its heartbeat
         self._pending: dict[str, _Pending] = {}
@@ -483,6 +484,14 @@ class PrefillSide:
                             request_id=rid, decode_instance=res.decode_instance)
                 res.sent_ok = False
         self.retry()
+
+    def other_protocols(self, whys: set[str]) -> None:
+        """The schedulers beating in another protocol version (`protocol_disagreement`, one
+        line each): no partner, whatever their role (their heartbeats read as none, so no
+        request goes to them); each said once while it beats."""
+        for why in sorted(whys - self._other_protocols):
+            log.error(why)
+        self._other_protocols = whys
 
     def _partner(self, decoder: _Decoder) -> bool:
         """Whether a decode instance serves this instance's model. One that serves another

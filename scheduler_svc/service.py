@@ -64,12 +64,13 @@ from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, model_disagreement, role_disagreement
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, essential_task, freeze_heap, keep_heartbeat,
-                              live_namesake, stopped_for, stream_tail_id)
+                              live_namesake, scheduler_heartbeats, stopped_for,
+                              stream_tail_id)
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, StepResult
 from shared.service_args import check_role
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
-                             from_fields, heartbeat_of, to_fields)
+                             from_fields, heartbeat_of, protocol_disagreement, to_fields)
 
 log = structlog.get_logger("scheduler")
 
@@ -274,6 +275,11 @@ class SchedulerService:
         mine = {"num_kv_blocks": self.core.block_manager.num_total_blocks,
                 "block_size": self.core.block_manager.block_size}
         for rank, value in enumerate(values):
+            why = protocol_disagreement(value, f"worker rank {rank} of this instance",
+                                        "scheduler")
+            if why:
+                log.error(why, rank=rank)
+                return False
             try:
                 extra = decode(value).extra
             except (ProtocolError, AttributeError) as e:
@@ -537,11 +543,11 @@ class SchedulerService:
 
     async def _find_decoders(self) -> None:
         """The decode instances alive now, from the scheduler heartbeats."""
-        async def scan() -> list:
-            keys = [k async for k in self.redis.scan_iter(match=self.keys.hb_scheduler_pattern,
-                                                          count=SCAN_COUNT)]
-            return await self.redis.mget(keys) if keys else []
-        beats = await self.recovery.retrying("find decoders", scan)
+        found = await self.recovery.retrying(
+            "find decoders", lambda: scheduler_heartbeats(self.redis, self.keys))
+        beats = list(found.values())
+        self.prefill.other_protocols({why for key, value in found.items() if (
+            why := protocol_disagreement(value, f"scheduler {key}", "prefill scheduler"))})
         self.prefill.housekeeping(decoders_from(beats), prefills_from(beats))
 
     def _housekeeping_due(self) -> list[str] | None:

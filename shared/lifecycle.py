@@ -26,7 +26,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from shared.errors import PacerError
-from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S
+from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, SCAN_COUNT, Keys
 from shared.protocol import Heartbeat, ProtocolError, decode, encode
 from shared.redis_retry import retry_redis
 from shared.service_args import redis_password, refused_for_good, shown_url
@@ -180,6 +180,14 @@ async def keep_heartbeat(redis: aioredis.Redis, key: str,
             log.warning("heartbeat not written", key=key, error=str(e))
         await asyncio.sleep(interval_s)
     raise asyncio.CancelledError
+
+
+async def scheduler_heartbeats(redis: aioredis.Redis, keys: Keys) -> dict[str, bytes | None]:
+    """Each scheduler heartbeat key alive, and its value: SCAN of the heartbeat keys, one
+    MGET (a key that expired in between reads as None)."""
+    beats = [k.decode() if isinstance(k, bytes) else k
+             async for k in redis.scan_iter(match=keys.hb_scheduler_pattern, count=SCAN_COUNT)]
+    return dict(zip(beats, await redis.mget(beats) if beats else []))
 
 
 async def live_namesake(redis: aioredis.Redis, key: str, service: str) -> int | None:

@@ -35,7 +35,14 @@ from shared.plan import (CachedRequestData, IterationPlan, KVCheck, KVSend, NewR
                          PromptLogprobs, SampledToken, StepResult)
 from shared.sampling import SamplingParams
 
-SCHEMA_VERSION = 2        # 2: plans carry "after" (docs/design.md#overlap)
+# The protocol version every message carries ("v"), heartbeats too. Bump it with ANY change to a
+# message's fields or to what a field means, an added field with a default included: services
+# of two versions meeting in one Redis (a rolling upgrade) then refuse each other by their
+# heartbeats (`protocol_disagreement`), rather than exchange messages one of them misreads.
+# 2: plans carry "after" (docs/design.md#overlap)
+# 3: ReservedMsg.num_cached_blocks (shared blocks a prefill instance must not write),
+#    TokenBatch.instance
+SCHEMA_VERSION = 3
 STREAM_FIELD = "m"       # streams carry one field holding the encoded message
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
@@ -434,6 +441,24 @@ def heartbeat_of(value: bytes | None) -> Heartbeat | None:
     except ProtocolError:
         return None
     return msg if isinstance(msg, Heartbeat) else None
+
+
+def protocol_disagreement(value: bytes | None, peer: str, me: str) -> str | None:
+    """Why a heartbeat key's value names a peer this process must not talk to: it was written
+    in another protocol version (`peer` says who it is, `me` who reads it: "worker rank 0 of
+    this instance", "scheduler"). None for our version, a missing key or no heartbeat. Read
+    as a bare msgpack map: `decode` refuses another version, which made such a peer look
+    absent rather than incompatible."""
+    try:
+        obj = msgpack.unpackb(value, raw=False) if value else None
+    except (ValueError, msgpack.UnpackException):
+        return None
+    if not isinstance(obj, dict) or obj.get("kind") != "heartbeat" \
+            or obj.get("v") == SCHEMA_VERSION:
+        return None
+    return (f"{peer} speaks protocol version {_short(obj.get('v'))}, this {me} version "
+            f"{SCHEMA_VERSION}: run the same pacer release on both (each would misread the "
+            f"other's messages)")
 
 
 def scheduler_instances(values: list[bytes | None]) -> set[str]:

@@ -17,7 +17,7 @@ from shared.errors import PacerError
 from shared.keys import Keys
 from shared.lifecycle import connect_redis, redis_run_id, stream_tail_id
 from shared.plan import CachedRequestData, IterationPlan, NewRequestData, StepResult
-from shared.protocol import STREAM_FIELD, PlanMsg, to_fields
+from shared.protocol import SCHEMA_VERSION, STREAM_FIELD, PlanMsg, to_fields
 from shared.sampling import SamplingParams
 from tests.helpers_tiny_model import write_tiny_llama
 from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
@@ -118,7 +118,7 @@ async def test_a_plan_sent_to_the_worker_that_it_cannot_read_stops_it_saying_why
         newer["v"] += 1
         await redis.xadd(keys.plans, {**plan, STREAM_FIELD: msgpack.packb(newer)})
         with pytest.raises(PacerError, match="cannot read a plan the scheduler sent: "
-                           "message schema version 3 is not supported.*same version"):
+                           f"message schema version {SCHEMA_VERSION + 1} is not supported.*same version"):
             await asyncio.wait_for(running, DEADLINE_S)
         assert executor.steps == [1]
     finally:

@@ -474,6 +474,39 @@ def test_a_worker_that_loaded_other_weights_is_refused(redis_server) -> None:
     assert "'qwen2-0.5b'" in why and "'smollm2-135m'" in why and "--model" in why
 
 
+def test_a_worker_of_another_protocol_version_is_refused_by_name(redis_server, capsys) -> None:
+    """A worker of another pacer release (a rolling upgrade, one machine updated before
+    another) writes its heartbeat in another protocol version: the scheduler refuses to plan
+    for it with one line naming the rank and both versions (it logged the heartbeat as
+    unreadable, with no word of which side was which)."""
+    import asyncio
+
+    import msgpack
+    import redis.asyncio as aioredis
+
+    from gpu_worker.service import worker_heartbeat
+    from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+    from shared.keys import Keys
+    from shared.protocol import SCHEMA_VERSION, encode
+
+    keys = Keys("protocol-worker:")
+
+    async def agrees() -> bool:
+        r = aioredis.Redis.from_url(redis_server)
+        try:
+            service = SchedulerService(r, keys, make_scheduler(), SchedulerServiceConfig("s"))
+            await service.prepare()
+            beat = msgpack.unpackb(encode(worker_heartbeat(0, 1, 32, 4)()))
+            await r.set(keys.hb_worker(0), msgpack.packb({**beat, "v": SCHEMA_VERSION - 1}))
+            return await service.wait_for_workers(asyncio.Event())
+        finally:
+            await r.aclose()
+
+    assert not asyncio.run(agrees())
+    assert (f"worker rank 0 of this instance speaks protocol version {SCHEMA_VERSION - 1}, "
+            f"this scheduler version {SCHEMA_VERSION}") in capsys.readouterr().out
+
+
 def test_a_scheduler_with_nothing_to_take_back_is_a_consumer_of_its_group(redis_server) -> None:
     """`redis-cli XINFO GROUPS` shows every scheduler of a stream as its consumer from its
     start, an idle replica's too: its reads (XREADGROUP '>') make it only once an entry

@@ -648,6 +648,48 @@ def test_a_pd_scheduler_waits_for_every_ranks_kv_descriptor(redis_server, role):
     assert [d.get("session") for d in asyncio.run(go())] == [f"{role}:0", f"{role}:1"]
 
 
+def test_a_decode_instance_of_another_protocol_version_is_named_and_left_out(redis_server,
+                                                                              capsys):
+    """A rolling upgrade: a decode instance of another pacer release beats beside a prefill
+    instance. Its messages mean something else (an older one knows nothing of the cached
+    blocks a reservation shares), so it gets no request: its heartbeat read as none, and the
+    prefill scheduler said nothing of why. It says so, once, naming it and both versions.
+    Real Redis."""
+    import asyncio
+
+    import msgpack
+    import redis.asyncio as aioredis
+
+    from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+    from shared.protocol import SCHEMA_VERSION
+
+    keys = Keys("other-protocol:").for_instance("p0")
+
+    def beat(instance: str, version: int) -> bytes:
+        return msgpack.packb({"v": version, "kind": "heartbeat", "service": "scheduler",
+                              "id": f"host-{instance}", "time": time.time(),
+                              "extra": {"role": "decode", "instance": instance,
+                                        "free_blocks": 100, "started_at": 1.0}})
+
+    async def go() -> list[str]:
+        r = aioredis.Redis.from_url(redis_server)
+        try:
+            service = SchedulerService(r, keys, core(), SchedulerServiceConfig(
+                "s", role="prefill", instance="p0"))
+            await r.set(keys.hb_scheduler("host-d0"), beat("d0", SCHEMA_VERSION - 1))
+            await r.set(keys.hb_scheduler("host-d1"), beat("d1", SCHEMA_VERSION))
+            await service._find_decoders()
+            await service._find_decoders()          # the next heartbeats: said once
+            return sorted(service.prefill.decoders)
+        finally:
+            await r.aclose()
+
+    assert asyncio.run(go()) == ["d1"]
+    line = (f"scheduler {keys.hb_scheduler('host-d0')} speaks protocol version "
+            f"{SCHEMA_VERSION - 1}, this prefill scheduler version {SCHEMA_VERSION}")
+    assert capsys.readouterr().out.count(line) == 1
+
+
 def test_a_decode_pool_of_another_layout_prefills_the_request_itself():
     c = core()
     side = prefill_side(c, [descriptor("p0:1")])

@@ -1787,6 +1787,41 @@ async def test_health_needs_a_scheduler_and_every_worker_rank(h: Harness) -> Non
     assert await health() == (503, {"status": "unhealthy", "missing": ["scheduler"]})
 
 
+async def test_health_names_a_scheduler_of_another_protocol_version(h: Harness) -> None:
+    """A scheduler of another pacer release (a rolling upgrade) beating in this Redis reads
+    this gateway's requests from the shared stream and drops each as undecodable, its client
+    waiting with no answer: /health said 200 (its key was there). It is 503, naming that
+    scheduler and both protocol versions, also beside a scheduler of this version (the two
+    share the request stream)."""
+    import msgpack
+
+    from shared.protocol import SCHEMA_VERSION
+
+    async def health() -> tuple[int, list[str]]:
+        async with h.session.get(h.url + "/health") as r:
+            return r.status, (await r.json()).get("missing", [])
+
+    old = msgpack.packb({"v": SCHEMA_VERSION - 1, "kind": "heartbeat", "service": "scheduler",
+                         "id": "old", "time": 0.0, "extra": {}})
+    why = (f"scheduler {h.keys.hb_scheduler('old')} speaks protocol version "
+           f"{SCHEMA_VERSION - 1}, this gateway version {SCHEMA_VERSION}")
+    await h.redis.set(h.keys.hb_worker(0), b"x", ex=30)
+    await h.redis.set(h.keys.hb_worker(1), b"x", ex=30)
+    try:
+        await h.redis.set(h.keys.hb_scheduler("old"), old, ex=30)
+        status, missing = await health()
+        assert status == 503 and missing[0] == "scheduler"
+        assert missing[1].startswith(why) and len(missing) == 2
+        await h.redis.set(h.keys.hb_scheduler("s0"), b"x", ex=30)
+        status, missing = await health()
+        assert status == 503 and len(missing) == 1 and missing[0].startswith(why)
+        await h.redis.delete(h.keys.hb_scheduler("old"))
+        assert await health() == (200, [])
+    finally:
+        await h.redis.delete(h.keys.hb_scheduler("old"), h.keys.hb_scheduler("s0"),
+                             h.keys.hb_worker(0), h.keys.hb_worker(1))
+
+
 async def test_health_with_replicas_needs_each_replicas_scheduler_and_workers(
         h: Harness, config: GatewayConfig) -> None:
     import dataclasses
