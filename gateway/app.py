@@ -34,6 +34,7 @@ from gateway.router import ReplicaRouter
 from gateway.state import STATE, GatewayState
 from gateway.streams import TokenRouter
 from gateway.upstream import Upstream
+from shared import clock
 from shared.errors import InvalidRequestError
 from shared.keys import Keys
 from shared.lifecycle import clear_key, essential_task, freeze_heap, run_service
@@ -97,9 +98,12 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     if replicas is not None:
         tasks.append(essential_task(replicas.keep_live_set(), "live-instances"))
     try:
-        # a request sent before the subscription is confirmed could lose its first tokens
+        # a request sent before the subscription is confirmed could lose its first tokens,
+        # one stamped before the clock is read may end at once (shared/clock.py; a Redis
+        # that does not answer yet is read by the heartbeat, once it does)
         await asyncio.wait_for(state.router.subscribed.wait(), SUBSCRIBE_TIMEOUT_S)
-    except TimeoutError:
+        await asyncio.wait_for(clock.sync(state.redis), SUBSCRIBE_TIMEOUT_S)
+    except (TimeoutError, RedisError, OSError):
         log.warning("token channel not subscribed yet; Redis may be down",
                     redis_url=shown_url(state.config.redis_url))
     freeze_heap()

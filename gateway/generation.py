@@ -27,6 +27,7 @@ from gateway.state import WaitingSlot
 from gateway.streams import RequestStream, TokenRouter
 from shared.text_output import TextOutput
 from gateway.upstream import REDIS_RESTARTED, Upstream
+from shared import clock
 from shared.detokenizer import IncrementalDetokenizer
 from shared.protocol import FinishEvent, TokenEvent
 from shared.sampling import SamplingParams
@@ -134,7 +135,7 @@ class Generation:
 
     async def start(self) -> None:
         self._stream = self._router.open(self.request_id)
-        now = time.time()
+        now = clock.now()           # the scheduler compares with its own clock.now()
         deadline = None if self._timeout_s is None else now + self._timeout_s
         self._sent = True
         self._stream.redis_run_id, self._stream.entry = await self._upstream.submit(

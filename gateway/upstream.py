@@ -41,6 +41,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from gateway.router import ReplicaRouter, missing_ranks
 from gateway.streams import TokenRouter
+from shared import clock
 from shared.lifecycle import cancel_requested, scheduler_heartbeats
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
@@ -107,7 +108,8 @@ class Upstream:
                      sampling: SamplingParams, arrival_time: float,
                      deadline: float | None = None
                      ) -> tuple[str, tuple[str, bytes | str] | None]:
-        """`deadline`: time.time() after which the scheduler ends the request. Returns the
+        """`arrival_time`, `deadline` (after which the scheduler ends the request): on Redis's
+        clock (shared/clock.py), which the schedulers read, whatever their machines'. Returns the
         run id of the Redis that took the request (when Redis restarts, only the requests
         the old one took are lost) and where its entry is, (stream, entry id), if known.
         Raises TimeoutError when Redis does not answer within SUBMIT_REPLY_S (the request
@@ -245,16 +247,20 @@ class Upstream:
                 pipe.set(key, encode(Heartbeat("gateway", self.gateway_id, time.time(), {})),
                          ex=HEARTBEAT_TTL_S)
                 pipe.info("server")
+                pipe.time()
                 aborts = self._queue_unsent_aborts(pipe)
                 # bounded: a stalled Redis would hold it for the pool's socket timeout (10 s)
                 # and end the streams only after twice that
-                written, info, *sent = await asyncio.wait_for(
+                before = time.time()
+                written, info, redis_time, *sent = await asyncio.wait_for(
                     pipe.execute(raise_on_error=False), HEARTBEAT_REPLY_S)
                 for reply in (written, info):
                     if isinstance(reply, Exception):
                         self.heartbeat_failure = reply
                         raise reply
                 self.heartbeat_failure = None
+                if not isinstance(redis_time, Exception):
+                    clock.measured(before, redis_time, time.time())
                 self._settle_unsent_aborts(aborts, sent)
                 replaced, run_id, failing_since = run_id, info["run_id"], None
                 if replaced is not None and run_id != replaced:

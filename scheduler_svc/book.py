@@ -247,10 +247,11 @@ class RequestBook:
         return len(live)
 
     def expire(self, now: float) -> None:
-        """Stop every request whose deadline (time.time()) has passed. The deadlines of
-        requests that ended before them are dropped once they outnumber the live requests:
-        left until due, a deadline of hours (--request-timeout, a client's `timeout`) kept
-        every request served in those hours in the heap."""
+        """Stop every request whose deadline has passed by `now` (both on Redis's clock,
+        shared/clock.py). The deadlines of requests that ended before them are dropped once
+        they outnumber the live requests: left until due, a deadline of hours
+        (--request-timeout, a client's `timeout`) kept every request served in those hours in
+        the heap."""
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, rid = heapq.heappop(self._deadlines)
             if rid in self._entries:
@@ -295,6 +296,6 @@ class RequestBook:
 
 
 def deadline_passed(deadline: float, now: float) -> str:
-    """The error of a request ended at its deadline (both time.time())."""
+    """The error of a request ended at its deadline (both on one clock)."""
     late = now - deadline
     return "the request reached its deadline" + (f" ({late:.1f} s ago)" if late >= 0.05 else "")

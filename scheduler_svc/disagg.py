@@ -35,6 +35,7 @@ import structlog
 from scheduler_svc.book import RequestBook, deadline_passed
 from scheduler_svc.core import Scheduler
 from scheduler_svc.core.request import Request, stop_status
+from shared import clock
 from shared.errors import InvalidRequestError
 from shared.lifecycle import stream_id_order, stream_id_text
 from shared.keys import Keys
@@ -533,7 +534,7 @@ class PrefillSide:
     def _ended(self, pending: _Pending) -> bool:
         """A request still waiting for its reservation whose client went away or whose
         deadline passed ends now, as one the core holds would, and asks for nothing more."""
-        msg, wall = pending.msg, time.time()
+        msg, wall = pending.msg, clock.now()
         if self.book.aborted_early(msg.request_id):
             reason, error, kind = "abort", None, "server_error"
         elif msg.deadline is not None and msg.deadline <= wall:
@@ -788,7 +789,8 @@ class DecodeSide:
         self.cursor: bytes | str = "$"
         self.peers: list[dict] = []          # this instance's workers' KV descriptors
         self._replies: list[tuple[str, ReservedMsg]] = []
-        # reserved request id -> (when, monotonic; its request's deadline, wall, or None)
+        # reserved request id -> (when, monotonic; its request's deadline, on Redis's clock,
+        # or None)
         self._reserved_at: dict[str, tuple[float, float | None]] = {}
         self._writer: dict[str, str] = {}    # reserved request id -> its prefill instance
         self._held: dict[str, _Held] = {}
@@ -1008,7 +1010,7 @@ class DecodeSide:
         client's abort came, its deadline passed) or that were never handed over. Their
         prefill side cancels them too, but a prefill scheduler that restarted in between
         does not know what its predecessor asked for. Whether any went."""
-        now, wall, freed = time.monotonic(), time.time(), False
+        now, wall, freed = time.monotonic(), clock.now(), False
         for rid, (at, deadline) in list(self._reserved_at.items()):
             if self.book.aborted_early(rid, forget=False) or \
                     deadline is not None and deadline <= wall:

@@ -62,6 +62,7 @@ from scheduler_svc.recovery import (WORKER_PROBE_S, Cursors, Interrupted, Recove
 from scheduler_svc.stats import SchedulerStats
 from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, model_disagreement, role_disagreement
+from shared import clock
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, essential_task, freeze_heap, keep_heartbeat,
                               live_namesake, scheduler_heartbeats, stopped_for,
@@ -144,7 +145,9 @@ class SchedulerService:
     # ---- start-up ------------------------------------------------------------------------
 
     async def prepare(self) -> None:
-        """Create the consumer group and note where the aborts and results streams end."""
+        """Read Redis's clock (requests' deadlines are on it), create the consumer group and
+        note where the aborts and results streams end."""
+        await self.recovery.retrying("read redis's clock", lambda: clock.sync(self.redis))
         ours = {self.keys.requests: "stream", self.keys.aborts: "stream",
                 self.keys.plans: "stream", self.keys.results: "stream",
                 self.keys.stats: "hash", self.keys.cached_blocks: "set"}
@@ -266,7 +269,7 @@ class SchedulerService:
         client (or its gateway's bookkeeping) must not wait for the workers to come back."""
         async def end_stopped() -> None:
             await self._intake(pull=False, block=False, watch=False)
-            self.book.expire(time.time())
+            self.book.expire(clock.now())
             if ended := self.core.take_aborted():
                 self._finish(ended)
         return await self.wait_for_workers(stop, end_stopped)
@@ -347,7 +350,7 @@ class SchedulerService:
         """Intake, then one iteration if there is work. False: stop serving."""
         busy = self._has_work() or bool(self._flight)
         await self._intake(pull=self._drain_deadline is None, block=not busy)
-        self.book.expire(time.time())
+        self.book.expire(clock.now())
         if self.decode is not None and self.decode.expire():
             self.stats.mark_dirty()             # the pool changed with no plan
         if self._flight:

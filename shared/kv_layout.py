@@ -3,7 +3,8 @@ check that a prefill rank's pool and a decode rank's pool have the same layout.
 
 A descriptor (gpu_worker/kv_transfer builds it):
 
-    {"engine": "mooncake", "session": "10.0.0.5:15123", "base": <address of the pool>,
+    {"engine": "mooncake", "session": "10.0.0.5:15123", "host": <the machine's name>,
+     "base": <address of the pool>,
      "num_layers": L, "num_blocks": N, "block_bytes": <one block of K (or V) of one layer>,
      "dtype": "bfloat16", "tp": tp, "rank": r, "model": "smollm2-135m",
      "weights": <the model's weights fingerprint, shared/model_source.py>}
@@ -16,6 +17,7 @@ the scheduler can run the same check on two instances' heartbeats before pairing
 from __future__ import annotations
 
 from shared.errors import PacerError
+from shared.hosts import loopback_elsewhere
 
 # the received-K/V check (docs/design.md#kv-integrity): one sampled 4-byte word per this many
 # bytes of each (layer, K|V, block), plus its last word; each sample reads a cache line, so
@@ -32,8 +34,14 @@ class KVLayoutError(PacerError):
 
 
 def check_peer_layout(own: dict, peer: dict) -> None:
-    """Raise KVLayoutError unless `peer`'s pool can take blocks of `own`'s, rank r to rank r."""
+    """Raise KVLayoutError unless `peer`'s pool can take blocks of `own`'s, rank r to rank r:
+    `own`'s machine dials `peer`'s session (a loopback one of another machine, a worker
+    started without --kv-host, it could not)."""
     check_addressing(peer)
+    if why := loopback_elsewhere(peer["session"].rpartition(":")[0], peer.get("host"),
+                                 own.get("host"), f"the peer's KV pool (rank {peer.get('rank')})",
+                                 "--kv-host"):
+        raise KVLayoutError(why)
     if own.get("tp") != peer.get("tp"):
         raise KVLayoutError(
             f"KV transfer between unequal tensor-parallel degrees: this instance has TP "

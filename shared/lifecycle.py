@@ -25,6 +25,7 @@ import redis.asyncio as aioredis
 import structlog
 from redis.exceptions import RedisError
 
+from shared import clock
 from shared.errors import PacerError
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, SCAN_COUNT, Keys
 from shared.protocol import Heartbeat, ProtocolError, decode, encode
@@ -172,10 +173,16 @@ async def keep_heartbeat(redis: aioredis.Redis, key: str,
                             make: Callable[[], Heartbeat],
                             interval_s: float = HEARTBEAT_INTERVAL_S,
                             ttl_s: int = HEARTBEAT_TTL_S) -> None:
-    """Keep `key` alive with a fresh Heartbeat until cancelled; survives Redis outages."""
+    """Keep `key` alive with a fresh Heartbeat until cancelled; survives Redis outages. Each
+    beat measures the offset to Redis's clock too (shared/clock.py)."""
     while not cancel_requested():
         try:
-            await redis.set(key, encode(make()), ex=ttl_s)
+            pipe = redis.pipeline(transaction=False)
+            pipe.time()
+            pipe.set(key, encode(make()), ex=ttl_s)
+            before = time.time()
+            redis_time, _ = await pipe.execute()
+            clock.measured(before, redis_time, time.time())
         except (RedisError, OSError) as e:
             log.warning("heartbeat not written", key=key, error=str(e))
         await asyncio.sleep(interval_s)

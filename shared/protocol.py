@@ -131,8 +131,8 @@ class RequestMsg(_Plain):
     sampling: SamplingParams
     reply_to: str                    # pub/sub channel for this request's tokens and finish
     gateway_id: str
-    arrival_time: float              # time.time() when the gateway received the request
-    deadline: float | None = None    # time.time() after which the request may be dropped
+    arrival_time: float              # when the gateway received the request (shared/clock.py)
+    deadline: float | None = None    # when the request may be dropped (on that clock too)
     # P/D: the prefill instance the gateway's router chose (docs/design.md#cache-aware-routing);
     # a prefill scheduler that reads a request chosen for another live one hands it over there
     instance: str = ""

@@ -722,6 +722,29 @@ def test_a_decode_pool_whose_descriptor_is_malformed_prefills_the_request_itself
     assert handoff.kv_received == [] and c.get_request("r") is None
 
 
+def test_a_decode_pool_announcing_loopback_on_another_machine_prefills_the_request_itself():
+    """A decode worker on another machine started without --kv-host announces a session on
+    127.0.0.1, where the prefill workers would dial themselves: that pool is refused, with a
+    line naming the flag, and the prompt goes to it whole (on the same machine it is fine)."""
+    c = core()
+    side = prefill_side(c, [{**descriptor("127.0.0.1:1"), "host": "prefill-machine"}])
+    for rid, host in (("here", "prefill-machine"), ("there", "decode-machine")):
+        side.admit(f"9-{len(rid)}".encode(), request(rid, 10))
+        side.take()
+        side.receive_reservations(reply(ReservedMsg(
+            rid, "d0", "host-d0", [7, 8, 9], [{**descriptor("127.0.0.1:2"), "host": host}],
+            1.0)))
+        out = side.take()
+        if rid == "here":
+            assert out.cancels == [] and c.get_request("here") is not None
+            continue
+        (_, cancel), = out.cancels
+        assert "decode-machine" in cancel.reason and "--kv-host" in cancel.reason
+        assert "\n" not in cancel.reason
+        (_, _, _, whole), = out.handoffs
+        assert whole.kv_received == [] and c.get_request("there") is None
+
+
 @pytest.mark.parametrize("peers", [["junk"], [None], [["a"]]])
 def test_a_reservation_whose_descriptors_are_no_mappings_is_skipped(peers):
     """Read with .get, such an entry raised AttributeError out of the prefill scheduler's

@@ -11,6 +11,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
 import time
 
 import pytest
@@ -382,6 +383,9 @@ def test_a_send_that_never_completes_fails_after_the_timeout(tiny, decode_runner
     ({"session": None}, DST_BLOCKS, "malformed: session None"),
     ({"session": "127.0.0.1"}, DST_BLOCKS, "malformed: session '127.0.0.1'"),
     ({"session": "127.0.0.1:99999"}, DST_BLOCKS, "malformed: session"),
+    # a decode worker on another machine started without --kv-host: its session leads this
+    # machine's engine into itself
+    ({"host": "other-machine"}, DST_BLOCKS, "other-machine .*127.0.0.1.*--kv-host"),
 ])
 def test_a_send_to_another_layout_fails_its_request_alone(tiny, decode_runner, change, dst,
                                                           message):
@@ -442,6 +446,7 @@ def test_the_worker_heartbeat_carries_the_kv_descriptor(decode_runner):
                             kv_progress=decode_runner.kv_progress)()
     extra = decode_msg(encode(beat)).extra
     assert extra["kv"] == decode_runner.kv_descriptor()
+    assert extra["kv"]["host"] == socket.gethostname()      # where its session is dialed from
     # no write that may still land (a decode side would hold the blocks it targets)
     assert "kv_unsettled" not in extra and "kv_writing_to" not in extra
     assert "kv" not in worker_heartbeat(0, 1, 32, BLOCK)().extra

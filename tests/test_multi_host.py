@@ -8,12 +8,14 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 
 import redis
 
 from shared.keys import Keys
 from tests.helpers_tiny_model import write_tiny_llama
-from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
+from tests.redis_fixture import free_port, redis_server  # noqa: F401  (a fixture)
+from tests.served_fixture import API_KEY, Served, completion, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEADLINE_S = 90          # a follower that never joins would wait for ever
@@ -75,3 +77,70 @@ def test_a_tp_follower_told_to_reach_another_machines_rank_0_at_loopback_says_so
     assert proc.returncode == 1, out[-2000:]
     last = out.strip().splitlines()[-1]
     assert "other-machine" in last and "--tp-host" in last, out[-2000:]
+
+
+# the scheduler's machine's clock runs this far ahead of the gateway's; a request's timeout is
+# shorter than that, and long enough for a few tokens of the tiny model on a busy machine
+CLOCK_AHEAD_S = 60.0
+TIMEOUT_S = 40.0
+# `python -m services.cli ...` in a process whose time.time() reads CLOCK_AHEAD_S ahead (as
+# libfaketime would make it, which this machine lacks): the wall clock every service reads
+_SHIFTED = ("import runpy, sys, time; real, ahead = time.time, float(sys.argv.pop(1)); "
+            "time.time = lambda: real() + ahead; "
+            "runpy.run_module('services.cli', run_name='__main__', alter_sys=True)")
+
+
+def _healthy(gateway: Served, procs: dict[str, subprocess.Popen]) -> bool:
+    for name, p in procs.items():
+        if p.poll() is not None:
+            raise RuntimeError(f"the {name} exited with {p.returncode}")
+    try:
+        return gateway.get("/health")[0] == 200
+    except OSError:
+        return False
+
+
+def test_a_request_timeout_holds_with_the_schedulers_clock_ahead_of_the_gateways(
+        redis_server, tmp_path):
+    """The gateway stamped a request's deadline with its machine's clock and the scheduler
+    compared it with its own: with the scheduler's CLOCK_AHEAD_S ahead, a request whose
+    `timeout` is shorter ended at once, "the request reached its deadline (20.0 s ago)" (a
+    408). Both read Redis's clock now, and the request completes."""
+    model = write_tiny_llama(tmp_path / "tiny")
+    common = ["--model", model, "--max-model-len", "256", "--redis-url", redis_server,
+              "--key-prefix", "skew:"]
+    flags = [*common, "--dtype", "float32", "--num-kv-blocks", "64"]
+    port = free_port()
+    logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("worker", "scheduler",
+                                                                     "gateway")}
+    procs = {
+        "worker": [sys.executable, "-m", "services.cli", "worker", "--rank", "0", *flags],
+        "scheduler": [sys.executable, "-c", _SHIFTED, str(CLOCK_AHEAD_S), "scheduler", *flags],
+        "gateway": [sys.executable, "-m", "services.cli", "gateway", *common, "--port", str(port),
+                    "--served-model-name", "tiny", "--api-key", API_KEY]}
+    procs = {name: subprocess.Popen(argv, cwd=REPO, stdout=logs[name], stderr=subprocess.STDOUT)
+             for name, argv in procs.items()}
+    for log in logs.values():
+        log.close()
+
+    def tails() -> str:
+        return "\n".join(f"--- {name} ---\n{(tmp_path / f'{name}.log').read_text()[-3000:]}"
+                         for name in procs)
+    gateway = Served(f"http://127.0.0.1:{port}", redis_server, procs["gateway"],
+                     str(tmp_path / "gateway.log"))
+    try:
+        try:
+            wait_for(lambda: _healthy(gateway, procs), 180.0, "/health 200")
+            choice = completion(gateway.base_url, "tiny", [5, 6, 7, 8], 4, timeout=TIMEOUT_S)
+        except (RuntimeError, AssertionError, urllib.error.HTTPError) as e:
+            raise AssertionError(f"{e}: {getattr(e, 'read', lambda: b'')()!r}\n{tails()}")
+        assert choice["finish_reason"] == "length", choice
+    finally:
+        for p in procs.values():
+            p.send_signal(signal.SIGTERM)
+        for p in procs.values():
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()

@@ -29,6 +29,7 @@ import time
 from abc import ABC, abstractmethod
 
 from gpu_worker.kv_cache import block_bytes
+from shared.hosts import this_host
 
 FAULT_ENV = "PACER_KV_FAULT"
 LATE_ENV = "PACER_KV_LATE_S"
@@ -172,8 +173,8 @@ class KVConnector(ABC):
 def pool_descriptor(engine: str, session: str, pool, tp: int, rank: int,
                     model: dict | None = None) -> dict:
     """The descriptor of a registered pool [L, 2, N, block_size, KVH, hd] holding `model`'s
-    K/V (`register`)."""
-    return {"engine": engine, "session": session, "base": pool.data_ptr(),
+    K/V (`register`), on this machine (a peer on another refuses a loopback session)."""
+    return {"engine": engine, "session": session, "host": this_host(), "base": pool.data_ptr(),
             "num_layers": pool.shape[0], "num_blocks": pool.shape[2],
             "block_bytes": block_bytes(pool), "dtype": str(pool.dtype).removeprefix("torch."),
             "tp": tp, "rank": rank, **(model or {})}

@@ -8,7 +8,6 @@ first, and then its address refuses."""
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import os
 import socket
@@ -18,6 +17,7 @@ import redis.asyncio as aioredis
 
 from gpu_worker.tp.group import find_free_port
 from shared.errors import PacerError
+from shared.hosts import loopback_elsewhere, this_host
 from shared.keys import Keys
 
 # rank 0 listens right after it publishes: an address that refuses this long is a dead group
@@ -33,7 +33,7 @@ async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str
     (addr, port, the value written, for `withdraw_rendezvous`)."""
     port = find_free_port(host)
     value = json.dumps({"addr": host, "port": port, "pid": os.getpid(), "time": time.time(),
-                        "host": socket.gethostname()})
+                        "host": this_host()})
     await redis.set(keys.tp_rendezvous, value)
     return host, port, value
 
@@ -62,17 +62,9 @@ async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event
 def _check_reachable(value: dict) -> None:
     """PacerError if rank 0 runs on another machine and announced a loopback address, which
     reaches only this one (it was started without --tp-host)."""
-    addr, host = value["addr"], value.get("host")
-    if host is None or host == socket.gethostname():
-        return
-    try:
-        loopback = addr == "localhost" or ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return                          # a host name: whether it is this machine is DNS's say
-    if loopback:
-        raise PacerError(f"tp rank 0 runs on {host}, another machine, and announced {addr}, "
-                         f"which reaches only this one: start rank 0 with --tp-host set to an "
-                         f"address of {host} that this machine reaches")
+    if why := loopback_elsewhere(value["addr"], value.get("host"), this_host(), "tp rank 0",
+                                 "--tp-host"):
+        raise PacerError(why)
 
 
 async def listening(addr: str, port: int, stop: asyncio.Event) -> bool:

@@ -145,8 +145,8 @@ class Scheduler:
         the model's and the config's); None means `config.max_model_len`. `vocab_size`: the
         model's embedding rows, every token id of a request must be below it (None: not
         checked). `clock`: seconds,
-        read only by a TTFT goal and by the token-gap target's pace (the gateway stamps arrivals
-        with time.time())."""
+        read only by a TTFT goal and by the token-gap target's pace (served, Redis's clock, which
+        the gateway stamps arrivals with: shared/clock.py)."""
         self.config = config
         self.max_model_len = config.max_model_len if max_model_len is None else max_model_len
         self.eos_token_ids = token_id_set(eos_token_ids)
