@@ -160,7 +160,9 @@ class Generation:
     def _stop_waiting(self) -> None:
         if self._slot is not None:
             self._slot.release()
-        self._upstream.prefilled(self.request_id, self._stream.computed_on)
+        # no stream: the request ended before it was opened (refused on its way in)
+        self._upstream.prefilled(self.request_id,
+                                 None if self._stream is None else self._stream.computed_on)
 
     async def deltas(self) -> AsyncIterator[Delta]:
         while True:
