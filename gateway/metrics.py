@@ -111,6 +111,9 @@ _SCHEDULER_STATS = {
                                True),
     "num_requests_reserved": ("pacer:num_requests_reserved",
                               "Decode side: prompts with blocks reserved, K/V on the way", False),
+    "num_reservations_waiting": ("pacer:num_reservations_waiting",
+                                 "Decode side: prefill instances' asks for blocks waiting for "
+                                 "room, answered in arrival order as it frees", False),
     "kv_blocks_held": ("pacer:kv_blocks_held",
                        "Decode side: KV blocks of given-up reservations kept from every request "
                        "while a prefill worker's late write may still land in them", False),

@@ -7,7 +7,8 @@ A request's life, and who owns its entry in the requests stream at each point:
     prefill P      XREADGROUP: the entry is P's. A prompt shorter than
                    --disagg-min-prompt-tokens is handed over at once (below).
                    Otherwise XADD ReserveMsg -> decode D's handoff stream
-    decode D       allocates blocks for prompt + 1 token, XADD ReservedMsg -> P
+    decode D       allocates blocks for prompt + 1 token (without room, the ask waits there,
+                   answered as room frees, in arrival order), XADD ReservedMsg -> P
     prefill P      admits the request with max_tokens 1; every plan carries KV sends for the
                    blocks its chunk fills (layer by layer, into D's reserved blocks); the
                    worker streams the first token to the client and answers once the sends
@@ -52,11 +53,22 @@ HANDOFF_MAXLEN = 100_000
 # An inbox (a decode instance's handoff stream, a prefill instance's reservations stream) has
 # one reader, its instance's scheduler, which starts at the tail: it trims what it read this
 # long before the newest entry it read (left for `pacer inspect`). A request's entries carry
-# its prompt and a prefill side asks again every NO_ROOM_RETRY_S while a decode instance is
-# full: left to HANDOFF_MAXLEN they came to gigabytes.
+# its prompt: left to HANDOFF_MAXLEN they came to gigabytes.
 INBOX_KEPT_MS = 10_000
-RESERVE_RETRY_S = 5.0          # no answer to a ReserveMsg: ask again (maybe another instance)
-NO_ROOM_RETRY_S = 0.2          # the decode instance had no room: ask again this soon
+# no answer to a ReserveMsg this long (or a NO_ROOM answer): ask again, maybe another instance.
+# A decode instance without room keeps an ask waiting and answers it once room frees, so this
+# is only the fallback for a decode instance lost, or restarted (its waiting asks with it).
+RESERVE_RETRY_S = 5.0
+# the asks of one prefill instance a decode instance keeps waiting for room; past them it
+# answers NO_ROOM (memory: each carries its whole request)
+WAITING_ASKS_MAX = 256
+# an ask waiting for room is tried again as soon as room may have grown (more free blocks, a
+# seat, fewer requests queued), and at least this often (the core's other reasons to refuse,
+# a long prompt being prefilled there, change no count)
+WAITING_TRY_S = 1.0
+# a waiting ask its prefill side has not asked again for this long is dropped (it asks again
+# every RESERVE_RETRY_S while it waits)
+WAITING_ASK_GONE_S = 3 * RESERVE_RETRY_S
 # a new decode scheduler waits this long before its first plan: a prefill worker still writing
 # into blocks its predecessor reserved has finished that iteration and seen the restart
 DECODE_QUARANTINE_S = 2.0
@@ -86,7 +98,8 @@ elseif #ARGV > 6 + n then
 end
 return 0
 """
-NO_ROOM = "no room now (no free KV blocks, max_num_seqs running, or requests already waiting there)"
+NO_ROOM = (f"no room now, and {WAITING_ASKS_MAX} asks of this prefill instance already wait "
+           f"for room there")
 
 
 @dataclass
@@ -417,8 +430,8 @@ class PrefillSide:
         if not msg.block_ids:
             log.info("decode instance refused a reservation", request_id=msg.request_id,
                      decode_instance=msg.decode_instance, error=msg.error)
-            if msg.error == NO_ROOM:
-                pending.asked_at = time.monotonic() - RESERVE_RETRY_S + NO_ROOM_RETRY_S
+            if msg.error == NO_ROOM:      # its waiting asks are full: ask again later
+                pending.asked_at = time.monotonic()
             else:       # it cannot take K/V (or the request): it prefills it, or refuses it
                 self._hand_over_whole(pending)
             return
@@ -789,6 +802,11 @@ class DecodeSide:
         self.cursor: bytes | str = "$"
         self.peers: list[dict] = []          # this instance's workers' KV descriptors
         self._replies: list[tuple[str, ReservedMsg]] = []
+        # asks that found no room, in arrival order, answered as room frees (`grant_waiting`):
+        # request id -> (the ask, when it was last asked, monotonic); the head's id, the room
+        # then (`_room`) and when, while it finds none
+        self._asks: dict[str, tuple[ReserveMsg, float]] = {}
+        self._stuck: tuple[str, tuple[int, int, int], float] | None = None
         # reserved request id -> (when, monotonic; its request's deadline, on Redis's clock,
         # or None)
         self._reserved_at: dict[str, tuple[float, float | None]] = {}
@@ -819,12 +837,92 @@ class DecodeSide:
                 self._reserve(msg)
             elif isinstance(msg, HandoffMsg):
                 self._take(msg)
-            elif isinstance(msg, CancelMsg) and self._give_up(msg.request_id, msg.kv_pending):
-                self._reserved_at.pop(msg.request_id, None)
-                log.info("reservation cancelled", request_id=msg.request_id, reason=msg.reason)
+            elif isinstance(msg, CancelMsg):
+                if self._asks.pop(msg.request_id, None) is not None:
+                    log.info("waiting ask cancelled", request_id=msg.request_id,
+                             reason=msg.reason)
+                elif self._give_up(msg.request_id, msg.kv_pending):
+                    self._reserved_at.pop(msg.request_id, None)
+                    log.info("reservation cancelled", request_id=msg.request_id,
+                             reason=msg.reason)
+        self.grant_waiting()
         return came
 
     def _reserve(self, msg: ReserveMsg) -> None:
+        """An ask for blocks is answered in its turn after those already waiting, at once
+        where there is room (`grant_waiting`); asked again, it keeps its place, and one
+        already granted is answered again with the same blocks. Past WAITING_ASKS_MAX of its prefill instance waiting,
+        it is answered NO_ROOM (that side asks again in RESERVE_RETRY_S)."""
+        rid = msg.request_msg.request_id
+        if self.core.is_reserved(rid):
+            self._answer(msg)
+            return
+        if rid not in self._asks and WAITING_ASKS_MAX <= sum(
+                m.prefill_instance == msg.prefill_instance for m, _ in self._asks.values()):
+            self._replies.append((msg.prefill_instance, ReservedMsg(
+                rid, self.instance, self.consumer, [], [], self.started_at, NO_ROOM)))
+            return
+        # a repeated ask keeps its place, answered to its sender
+        self._asks[rid] = (msg, time.monotonic())
+        self.grant_waiting()        # answered now if none waits before it and there is room
+
+    def _room(self) -> tuple[int, int, int]:
+        """What a reservation needs of the pool, each larger with more room: free blocks,
+        seats, and (fewer) requests queued here, which go first."""
+        c = self.core
+        return (c.block_manager.num_free_blocks, -(c.num_running + c.num_reserved),
+                -c.num_waiting)
+
+    def grant_waiting(self) -> bool:
+        """Answer the asks waiting for room, oldest first, while there is room: the first
+        that finds none keeps the rest waiting (arrival order); one whose request ended is
+        dropped. Tried again only once room may have grown (or WAITING_TRY_S on): a try looks
+        the prompt up in the prefix cache, milliseconds for a long one, and this runs at
+        every intake. Whether any ask went."""
+        before, wall = len(self._asks), clock.now()
+        while self._asks:
+            rid, (msg, _) = next(iter(self._asks.items()))
+            if self._drop_gone(rid, wall):
+                continue
+            room, now = self._room(), time.monotonic()
+            if self._stuck is not None and self._stuck[0] == rid and \
+                    now - self._stuck[2] < WAITING_TRY_S and \
+                    all(a <= b for a, b in zip(room, self._stuck[1])):
+                break
+            if not self._answer(msg):
+                self._stuck = (rid, room, now)
+                break
+            del self._asks[rid]
+        else:
+            self._stuck = None
+        return len(self._asks) != before
+
+    def _drop_gone(self, rid: str, wall: float) -> bool:
+        """Drop a waiting ask whose request ended (its prefill side ends it too), or that
+        was not asked again for WAITING_ASK_GONE_S: its prefill side asks again every
+        RESERVE_RETRY_S while it waits, so it no longer wants it (it restarted, or is gone),
+        and granted, its blocks would wait RESERVATION_TTL_S for nobody."""
+        msg, at = self._asks[rid]
+        why = self._ended(rid, msg.request_msg.deadline, wall) or \
+            (f"not asked again for {WAITING_ASK_GONE_S:g} s"
+             if time.monotonic() - at > WAITING_ASK_GONE_S else "")
+        if why:
+            del self._asks[rid]
+            log.info("waiting ask dropped", request_id=rid, why=why)
+        return bool(why)
+
+    def _ended(self, rid: str, deadline: float | None, wall: float) -> str:
+        """Why a request asked for or reserved here has ended ("" if it has not): its
+        client's abort came, its deadline passed."""
+        if self.book.aborted_early(rid, forget=False):
+            return "its request was aborted"
+        if deadline is not None and deadline <= wall:
+            return "its request's deadline passed"
+        return ""
+
+    def _answer(self, msg: ReserveMsg) -> bool:
+        """Reserve blocks for an ask and answer it: with them, or with why it never gets any
+        here. False, with no answer, when there is no room now."""
         request = msg.request_msg
         rid = request.request_id
         error, blocks = "", []
@@ -834,9 +932,10 @@ class DecodeSide:
             try:
                 blocks = self.core.reserve(rid, request.prompt_token_ids, request.sampling,
                                            request.reply_to) or []
-                error = "" if blocks else NO_ROOM
             except InvalidRequestError as e:
                 error = str(e)
+            if not blocks and not error:
+                return False
         cached = 0
         if blocks:
             self._reserved_at.setdefault(rid, (time.monotonic(), request.deadline))
@@ -845,11 +944,13 @@ class DecodeSide:
         self._replies.append((msg.prefill_instance, ReservedMsg(
             rid, self.instance, self.consumer, blocks, self.peers if blocks else [],
             self.started_at, error, cached)))
+        return True
 
     def _take(self, msg: HandoffMsg) -> None:
         request = msg.request_msg
         rid = request.request_id
         self._reserved_at.pop(rid, None)
+        self._asks.pop(rid, None)       # handed over whole: it asks for nothing any more
         self.handoffs_total += 1
         if self.book.aborted_early(rid):
             self._give_up(rid, True)
@@ -1007,13 +1108,13 @@ class DecodeSide:
 
     def expire(self) -> bool:
         """Let go of reservations whose request ended while its K/V was on the way (its
-        client's abort came, its deadline passed) or that were never handed over. Their
-        prefill side cancels them too, but a prefill scheduler that restarted in between
-        does not know what its predecessor asked for. Whether any went."""
+        client's abort came, its deadline passed) or that were never handed over, and of
+        waiting asks whose request ended. Their prefill side cancels them too, but a prefill
+        scheduler that restarted in between does not know what its predecessor asked for.
+        Whether any went."""
         now, wall, freed = time.monotonic(), clock.now(), False
         for rid, (at, deadline) in list(self._reserved_at.items()):
-            if self.book.aborted_early(rid, forget=False) or \
-                    deadline is not None and deadline <= wall:
+            if self._ended(rid, deadline, wall):
                 why = "its request ended"       # a late hand-off ends there: abort, deadline
                 hold = True                     # its prefill worker may be writing still
             elif now - at > RESERVATION_TTL_S:
@@ -1024,7 +1125,9 @@ class DecodeSide:
             if self._give_up(rid, hold):
                 freed = True
                 log.warning("reservation let go", request_id=rid, why=why)
-        return freed
+        for rid in list(self._asks):
+            freed |= self._drop_gone(rid, wall)
+        return self.grant_waiting() or freed
 
     def forget_all(self) -> None:
         """Redis was lost: the reservations' prefill sides will ask again. Their blocks are
@@ -1036,11 +1139,15 @@ class DecodeSide:
         self._checks.clear()
         self._due.clear()
         self._replies.clear()
+        self._asks.clear()
+        self._stuck = None
         self.cursor = "0-0"
 
     def take_replies(self) -> list[tuple[str, ReservedMsg]]:
         """The reservation answers owed, taken before the exchange that sends them (a
-        retried exchange sends them again: a repeated answer names the same blocks)."""
+        retried exchange sends them again: a repeated answer names the same blocks); first
+        the waiting asks the room freed since (requests ended, reservations let go) lets in."""
+        self.grant_waiting()
         replies, self._replies = self._replies, []
         return replies
 
@@ -1051,6 +1158,7 @@ class DecodeSide:
 
     def stats(self) -> dict[str, float]:
         return {"num_requests_reserved": self.core.num_reserved,
+                "num_reservations_waiting": len(self._asks),
                 "handoffs_total": self.handoffs_total,
                 "handoffs_recomputed_total": self.recomputed_total,
                 "kv_check_failures_total": self.kv_check_failures_total,

@@ -339,7 +339,8 @@ class FinishEvent(_Plain):
 @_kind("reserve")
 @dataclass(frozen=True)
 class ReserveMsg(_CarriesRequest, _Plain):
-    """Prefill instance -> a decode instance's handoff stream: hold blocks for this prompt."""
+    """Prefill instance -> a decode instance's handoff stream: hold blocks for this prompt
+    (without room there, the ask waits, and is answered once room frees)."""
     request: bytes                   # the encoded RequestMsg
     prefill_instance: str
 

@@ -148,17 +148,22 @@ def test_a_hand_off_into_another_worker_is_recomputed_here():
 
 
 def test_no_reservation_while_requests_wait_and_a_cancel_frees_blocks():
+    """An ask finding no room waits, unanswered, until a cancel frees blocks; none is granted
+    while requests wait here (they go first)."""
     c = core(num_blocks=4)
     side = decode_side(c)
     side.receive(reply(ReserveMsg(encode(request("a", 9, max_tokens=2)), "p0")))
     assert c.block_manager.num_free_blocks == 1
     side.receive(reply(ReserveMsg(encode(request("b", 9, max_tokens=2)), "p0")))
-    assert side._replies[-1][1].error == NO_ROOM
+    assert [m.request_id for _, m in side.take_replies()] == ["a"]     # b waits
     side.receive(reply(CancelMsg("a", "asked again")))     # nothing was written: free now
+    (_, granted), = side.take_replies()
+    assert granted.request_id == "b" and len(granted.block_ids) == 3
+    side.receive(reply(CancelMsg("b", "not wanted")))
     assert c.block_manager.num_free_blocks == 4 and c.num_reserved == 0
     c.add_request("w", list(range(10)), SamplingParams(max_tokens=2))   # one waits here
     side.receive(reply(ReserveMsg(encode(request("c", 3, max_tokens=2)), "p0")))
-    assert side._replies[-1][1].block_ids == []
+    assert side.take_replies() == [] and side.stats()["num_reservations_waiting"] == 1
 
 
 @pytest.mark.parametrize("end", ["abort", "deadline"])
@@ -192,8 +197,8 @@ def test_a_reservation_whose_request_ended_is_let_go_without_its_prefill_sides_c
 
 def test_a_decode_instance_takes_no_more_requests_than_max_num_seqs():
     """Each reservation becomes a running request: past --max-num-seqs running and reserved
-    together, a decode instance answers no room (the prefill side waits or asks another),
-    as a colocated scheduler admits no more than that."""
+    together, a decode instance keeps an ask waiting (answered once a seat frees), as a
+    colocated scheduler admits no more than that."""
     c = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=2, num_kv_blocks=64,
                                   block_size=BLOCK, max_model_len=128))
     side = decode_side(c)
@@ -204,11 +209,12 @@ def test_a_decode_instance_takes_no_more_requests_than_max_num_seqs():
     assert c.num_running == 1
     side.receive(reply(ReserveMsg(encode(msgs[1]), "p0")))     # one runs, one on its way
     assert side._replies[-1][1].block_ids
-    side.receive(reply(ReserveMsg(encode(msgs[2]), "p0")))
-    assert side._replies[-1][1].error == NO_ROOM
+    side.take_replies()
+    side.receive(reply(ReserveMsg(encode(msgs[2]), "p0")))     # waits for a seat
+    assert side.take_replies() == []
     c.abort("r0")
-    side.receive(reply(ReserveMsg(encode(msgs[2]), "p0")))     # asked again, room now
-    assert side._replies[-1][1].block_ids
+    (_, granted), = side.take_replies()                         # answered as it frees
+    assert granted.request_id == "r2" and granted.block_ids
 
 
 def beat(at: float, tp: int = 1, unsettled: tuple[str, ...] = (),
@@ -346,14 +352,14 @@ def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_bloc
     side.receive(reply(ReserveMsg(encode(request("small", 3)), "p0")))
     assert side._replies[-1][1].block_ids       # a never-used block: given at once
     assert not set(side._replies[-1][1].block_ids) & held_by_a
+    side.take_replies()
     big = request("big", 9)                     # 3 blocks: only a's would do
     side.receive(reply(ReserveMsg(encode(big), "p0")))
-    assert side._replies[-1][1].error == NO_ROOM
+    assert side.take_replies() == []            # it waits
     assert c.block_manager.num_free_blocks == 1
     assert c.num_reserved == 2                  # "small", and "b" while its K/V is checked
     c.update(first, StepResult(first.step, {"a": SampledToken(1)}))
-    side.receive(reply(ReserveMsg(encode(big), "p0")))
-    assert side._replies[-1][1].error              # the plan made ahead still carries "a"
+    assert side.take_replies() == []            # the plan made ahead still carries "a"
     result = StepResult(ahead.step, {"a": SampledToken(2)}, kv_verified=["b"])
     c.update(ahead, result)
     side.observe(ahead, result)
@@ -362,8 +368,9 @@ def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_bloc
     assert after.num_scheduled_tokens == {"b": 1}
     assert after.new_requests[0].kv_received == ["d0:1"]
     c.update(after, StepResult(after.step, {"b": SampledToken(3)}))
-    side.receive(reply(ReserveMsg(encode(big), "p0")))
-    assert side._replies[-1][1].block_ids and c.num_reserved == 2
+    (_, granted), = side.take_replies()         # a's blocks back: the waiting ask gets in
+    assert granted.request_id == "big" and len(granted.block_ids) == 3
+    assert c.num_reserved == 2
     c.block_manager.check_integrity()
 
 
@@ -1151,3 +1158,125 @@ def test_a_prompt_whose_prefix_the_decode_pool_caches_gets_and_is_sent_only_the_
     assert new.num_computed_tokens == 10 and new.block_table == granted.block_ids
     c.update(plan, StepResult(plan.step, {"a": SampledToken(80), "b": SampledToken(6)}))
     c.block_manager.check_integrity()
+
+
+def pd_pair(r, prefix: str, num_blocks: int) -> tuple[PrefillSide, DecodeSide]:
+    """p0's prefill side and d0's decode side (a pool of `num_blocks` blocks of 4) on real
+    Redis under `prefix`, their inboxes read from the start."""
+    keys = Keys(prefix)
+    p0 = prefill_side(core(), [descriptor("p0:1")])
+    d0 = decode_side(core(num_blocks))
+    p0.keys, d0.keys = keys, keys.for_instance("d0")
+    p0.cursor = d0.cursor = "0-0"
+    return p0, d0
+
+
+def exchange(r, p0: PrefillSide, d0: DecodeSide) -> None:
+    """One round of what p0's and d0's schedulers each write and read at an intake."""
+    pipe = r.pipeline(transaction=False)
+    p0.queue(pipe, p0.take())
+    pipe.execute()
+    d0.receive(r.xread({d0.keys.handoff: d0.cursor}, count=1000))
+    pipe = r.pipeline(transaction=False)
+    d0.queue(pipe, d0.take_replies())
+    pipe.execute()
+    p0.receive_reservations(r.xread({p0.keys.for_instance("p0").reservations: p0.cursor},
+                                    count=1000))
+    p0.retry()
+
+
+def inbox(r, d0: DecodeSide, kind: type) -> list:
+    """The messages of `kind` written into d0's handoff stream so far."""
+    return [m for m in (from_fields(f) for _, f in r.xrange(d0.keys.handoff))
+            if isinstance(m, kind)]
+
+
+def test_a_full_decode_instance_keeps_each_ask_and_answers_them_in_arrival_order(
+        redis_server, monkeypatch):
+    """Six long prompts ask a decode instance with room for two: the other asks wait there,
+    each written once, and are answered as room frees (here, reservations cancelled as their
+    requests end on the prefill side), in the order they came; one whose request ended while
+    it waited (its client gone) is dropped. Before, "no room" came back at once and the
+    prefill side asked again 0.2 s later, the whole request each time: 30 waiting 850-token
+    prompts wrote 2,015 asks for 30 requests, each decoded and answered by the decode
+    scheduler between its plans. (RESERVE_RETRY_S, the prefill side's fallback should no
+    answer come, is set past the test's length.) Real Redis."""
+    import redis as sync_redis
+
+    monkeypatch.setattr(disagg, "RESERVE_RETRY_S", 600.0)
+    r = sync_redis.Redis.from_url(redis_server)
+    p0, d0 = pd_pair(r, "ask-queue:", num_blocks=6)     # 9-token prompts: 3 blocks each
+    order = ["r3", "r1", "r5", "r0", "r4", "r2"]
+    for i, rid in enumerate(order):
+        p0.admit(f"9-{i}".encode(), request(rid, 9))
+    end = time.monotonic() + 1.0                    # 5 re-asks a second each, before
+    while time.monotonic() < end:
+        exchange(r, p0, d0)
+        time.sleep(0.02)
+    granted = [m.request_id for m in (from_fields(f) for _, f in
+                                      r.xrange(p0.keys.for_instance("p0").reservations))
+               if m.block_ids]
+    assert granted == order[:2]
+    assert [m.request_msg.request_id for m in inbox(r, d0, ReserveMsg)] == order
+    assert d0.stats()["num_reservations_waiting"] == 4
+    p0.book.abort(to_fields(AbortMsg("r5", "client disconnected")))    # waiting: dropped
+    exchange(r, p0, d0)                     # p0 ends it, and cancels its ask ...
+    exchange(r, p0, d0)                     # ... which d0 drops
+    assert d0.stats()["num_reservations_waiting"] == 3
+    for rid in order[:2] + order[3:5]:      # each reservation let go lets the next ask in
+        p0.core.abort(rid)
+        out, = p0.core.take_aborted()
+        assert not p0.finished(out)
+        exchange(r, p0, d0)
+    granted = [m.request_id for m in (from_fields(f) for _, f in
+                                      r.xrange(p0.keys.for_instance("p0").reservations))
+               if m.block_ids]
+    assert granted == ["r3", "r1", "r0", "r4", "r2"]
+    assert len(inbox(r, d0, ReserveMsg)) == len(order)      # each asked once
+    assert d0.stats()["num_reservations_waiting"] == 0
+    r.close()
+
+
+def test_waiting_asks_keep_their_place_end_with_their_request_and_are_bounded(monkeypatch):
+    """An ask asked again while it waits (the prefill side's fallback past RESERVE_RETRY_S,
+    or its entry's new owner asking) keeps its place, and is answered to whoever asked last;
+    one whose client aborted, whose deadline passed or that was not asked again for
+    WAITING_ASK_GONE_S is dropped; past WAITING_ASKS_MAX of one prefill instance waiting,
+    the next is answered NO_ROOM, and that prefill side asks again only after
+    RESERVE_RETRY_S."""
+    monkeypatch.setattr(disagg, "WAITING_ASKS_MAX", 3)
+    c = core(num_blocks=3)
+    side = decode_side(c)
+    side.receive(reply(ReserveMsg(encode(request("in", 9, 2)), "p0")))     # the whole pool
+    side.take_replies()
+    late = replace(request("late", 9, 2), deadline=time.time() + 0.2)
+    side.receive(reply(*(ReserveMsg(encode(m), "p0") for m in
+                         (request("a", 9, 2), late, request("b", 9, 2), request("c", 9, 2)))))
+    side.receive(reply(ReserveMsg(encode(request("x", 9, 2)), "p1")))     # p1's asks apart
+    (to, refused), = side.take_replies()
+    assert (to, refused.request_id, refused.error) == ("p0", "c", NO_ROOM)
+    side.receive(reply(ReserveMsg(encode(request("a", 9, 2)), "p2")))     # a's new owner
+    side.book.abort(to_fields(AbortMsg("b", "client disconnected")))
+    time.sleep(0.25)
+    assert side.expire() and side.stats()["num_reservations_waiting"] == 2     # a, x
+    side.receive(reply(CancelMsg("in", "finished")))
+    (to, granted), = side.take_replies()
+    assert (to, granted.request_id, len(granted.block_ids)) == ("p2", "a", 3)
+    # one its prefill side stopped asking for (it asks again every RESERVE_RETRY_S while it
+    # waits): gone, or restarted without it
+    side.receive(reply(ReserveMsg(encode(request("y", 9, 2)), "p1")))
+    for rid in ("x", "y"):
+        msg, at = side._asks[rid]
+        side._asks[rid] = (msg, at - disagg.WAITING_ASK_GONE_S - 1)
+    side.receive(reply(ReserveMsg(encode(request("y", 9, 2)), "p1")))     # asked again
+    side.expire()
+    assert list(side._asks) == ["y"]                        # x was not
+    p0 = prefill_side(core(), [descriptor("p0:1")])
+    p0.admit(b"9-0", request("c", 9, 2))
+    p0.take()
+    p0.receive_reservations(reply(refused))
+    p0.retry()
+    assert p0.take().reserves == []
+    p0._pending["c"].asked_at -= disagg.RESERVE_RETRY_S
+    p0.retry()
+    assert [i for i, _ in p0.take().reserves] == ["d0"]

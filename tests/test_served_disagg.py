@@ -374,8 +374,9 @@ def test_pd_decode_side_preemption_recomputes_exactly(tiny, expected, tmp_path):
         assert d_stats["num_preemptions_total"] > 0, d_stats
         assert stats(served, P0)["handoffs_with_kv_total"] == len(LONG)
         wait_for(lambda: stats(served, D0)["kv_cache_usage_perc"] == 0, 30, "d0's blocks free")
-        assert all(stats(served, D0)[k] == 0 for k in ("num_requests_running",
-                                                        "num_requests_reserved", "kv_blocks_held"))
+        assert all(stats(served, D0)[k] == 0 for k in (
+            "num_requests_running", "num_requests_reserved", "num_reservations_waiting",
+            "kv_blocks_held"))
     finally:
         assert served.stop() == 0, served.log_tail()
 
