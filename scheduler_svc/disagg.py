@@ -1101,9 +1101,28 @@ class DecodeSide:
                 log.warning("received K/V failed its check; recomputing", request_id=rid)
             self._activate(rid, msg, intact)
 
-    def checks_lost(self) -> None:
-        """The plans carrying checks were lost (a worker died): check again, on the new
-        workers' pools (a restarted worker's fails, and the request is recomputed)."""
+    def plans_lost(self) -> None:
+        """The plans in flight were lost (a worker died, a plan went missing): the core is
+        about to empty its prefix cache (`Scheduler.recompute_running`), what its cached
+        blocks hold being unknown from then on. A reservation that took leading blocks from
+        that cache would trust them still (no prefill instance writes into them, no check
+        covers them), beside another reservation sharing them that no cache names: it is let
+        go now, its other blocks held while a write may land, and its request recomputed
+        here when its hand-off comes; one handed over already is recomputed now. The other
+        checks in flight go again, on the new workers' pools (a restarted worker's fails,
+        and the request is recomputed)."""
+        for rid in [*self._reserved_at, *self._checks]:
+            if not self.core.is_reserved(rid) or not self.core.reserved_cached_blocks(rid):
+                continue
+            log.warning("reservation on a cached prefix let go: the workers' blocks are "
+                        "unknown after a lost plan", request_id=rid)
+            self._reserved_at.pop(rid, None)
+            checked = self._checks.pop(rid, None)
+            self._due.discard(rid)
+            if checked is not None:
+                self._activate(rid, checked[1], False)
+            else:
+                self._give_up(rid, True)
         self._due.update(self._checks)
 
     def expire(self) -> bool:

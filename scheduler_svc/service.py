@@ -324,7 +324,7 @@ class SchedulerService:
         while True:
             self._flight.clear()        # the core forgets them too (recompute_running)
             if self.decode is not None:
-                self.decode.checks_lost()
+                self.decode.plans_lost()
             if self.prefill is not None:
                 self.prefill.plans_lost()
             if isinstance(interrupted, RedisLost):

@@ -927,7 +927,7 @@ def test_a_check_whose_plan_was_lost_rides_on_the_next_plan():
     lost = side.add_checks(c.schedule())
     assert [k.request_id for k in lost.kv_checks] == ["r"] and not side.checks_due
     c.recompute_running()                       # the worker died with that plan
-    side.checks_lost()
+    side.plans_lost()
     assert side.checks_due and c.is_reserved("r")
     check, = checked(c, side).kv_checks         # checked again, on the new worker's pool
     assert check == lost.kv_checks[0]
@@ -1280,3 +1280,91 @@ def test_waiting_asks_keep_their_place_end_with_their_request_and_are_bounded(mo
     p0._pending["c"].asked_at -= disagg.RESERVE_RETRY_S
     p0.retry()
     assert [i for i, _ in p0.take().reserves] == ["d0"]
+
+
+def prefill_and_hand_over(p0: PrefillSide) -> None:
+    """p0's core runs its requests to their first token, as its workers would (each send's
+    digests returned), and p0 hands each over."""
+    c = p0.core
+    while c.has_unfinished():
+        plan = p0.add_sends(c.schedule())
+        result = StepResult(plan.step, {rid: SampledToken(5) for rid in c.samples_in_flight()},
+                            kv_digests={s.request_id: [[900 + b for b in s.dst_block_ids]]
+                                        for s in plan.kv_sends})
+        outs = c.update(plan, result)
+        p0.observe(plan, result)
+        for out in outs:
+            if out.finished:
+                assert p0.finished(out)
+
+
+def admit_entry(r, p0: PrefillSide, msg: RequestMsg) -> None:
+    """A request into the request stream, read by p0's scheduler (the group made if need
+    be), and admitted by p0."""
+    keys = p0.keys
+    if not r.exists(keys.requests):
+        r.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
+    r.xadd(keys.requests, to_fields(msg))
+    (_, [(entry, _)]), = r.xreadgroup(keys.requests_group, p0.consumer, {keys.requests: ">"})
+    p0.admit(entry, msg)
+
+
+def test_a_lost_worker_group_leaves_no_reservation_sharing_a_prefix_it_no_longer_knows(
+        redis_server):
+    """Two reservations took the same cached prefix of the decode pool (shared blocks); then
+    the decode worker group is lost, and the core empties its prefix cache (the blocks' K/V is
+    unknown from then on). Before, both reservations kept sharing those blocks, no longer
+    cached (`check_integrity` refused the pool's books), and ran on them as received K/V
+    (the hand-off's check covers only the blocks sent): a new worker's blocks hold nothing
+    there; and those blocks never went back into the prefix cache. Now each reservation on
+    a cached prefix is let go at the loss (its blocks written by the prefill side held
+    while a write may land), and the request is recomputed here when its hand-off comes, its
+    full blocks cached again as it computes them. The books balance at each step. Real
+    Redis."""
+    import redis as sync_redis
+
+    r = sync_redis.Redis.from_url(redis_server)
+    p0, d0 = pd_pair(r, "reset:", num_blocks=16)
+    c, blocks = d0.core, d0.core.block_manager
+    p0.consumer = "p0"
+    admit_entry(r, p0, request("a", 9))
+    exchange(r, p0, d0)
+    prefill_and_hand_over(p0)
+    exchange(r, p0, d0)
+    checked(c, d0)
+    plan = c.schedule()                 # "a"'s first decode here: its 2 full blocks cached
+    c.update(plan, StepResult(plan.step, {"a": SampledToken(78)}))
+    assert blocks.num_cached_blocks == 2
+    admit_entry(r, p0, request("b", 10, max_tokens=3))   # the same 8 leading tokens
+    exchange(r, p0, d0)
+    prefill_and_hand_over(p0)
+    exchange(r, p0, d0)                 # "b" handed over: its K/V's check is due
+    assert d0.checks_due and c.is_reserved("b")
+    admit_entry(r, p0, request("c", 10, max_tokens=3))   # ... and again
+    exchange(r, p0, d0)
+    shared = c.get_request("a").block_table[:2]
+    assert [c.get_request(rid).block_table[:2] for rid in "bc"] == [shared, shared]
+    blocks.check_integrity()
+    d0.plans_lost()                     # the worker group is lost (as service._recover)
+    c.recompute_running()
+    blocks.check_integrity()
+    assert not c.is_reserved("b") and not c.is_reserved("c") and not d0.checks_due
+    assert d0.recomputed_total == 1             # "b", handed over already
+    assert blocks.num_aside_blocks == 2         # each one's block p0 wrote into
+    prefill_and_hand_over(p0)
+    exchange(r, p0, d0)
+    outs = {}
+    while c.has_unfinished():
+        plan = c.schedule()
+        outs.update({n.request_id: (n.num_computed_tokens, n.kv_received)
+                     for n in plan.new_requests})
+        c.update(plan, StepResult(plan.step, {rid: SampledToken(60)
+                                              for rid in c.samples_in_flight()}))
+        blocks.check_integrity()
+    # each recomputed, "b" and "c" on the prefix "a" computed again
+    assert outs == {"a": (0, []), "b": (8, []), "c": (8, [])}
+    d0.receive(reply(ReserveMsg(encode(request("e", 10)), "p0")))
+    (_, granted), = d0.take_replies()
+    assert granted.num_cached_blocks == 2
+    blocks.check_integrity()
+    r.close()

@@ -239,8 +239,13 @@ class BlockManager:
     def set_aside(self, request: Request) -> None:
         """Take the request's blocks from it (its table empties, as `free` leaves it) without
         returning them to the pool: no request gets them until `release_aside(request_id)`.
-        For blocks another process may still write into (a P/D transfer given up on)."""
-        self._aside.setdefault(request.request_id, []).extend(self._take_table(request))
+        For blocks another process may still write into (a P/D transfer given up on). Its
+        leading blocks from the prefix cache go back now, as `free` lets go of them: nobody
+        writes into those (others may share them)."""
+        cached = request.num_cached_blocks
+        table = self._take_table(request)
+        self._drop(table[:cached])
+        self._aside.setdefault(request.request_id, []).extend(table[cached:])
 
     def _take_table(self, request: Request) -> list[int]:
         """The request's blocks, its table emptied; none if it holds none (any more)."""
