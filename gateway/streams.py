@@ -50,8 +50,8 @@ class RequestStream:
     def __init__(self, request_id: str, finish_grace_s: float = 5.0) -> None:
         self.request_id = request_id
         self.redis_run_id: str | None = None    # the Redis that took the request
-        # (stream key, entry id) of the request's entry, once submitted (None: not known,
-        # a submit tried again after its reply was lost); see Upstream.check_entries
+        # (stream key, entry id) of the request's entry, once submitted (None: not yet); see
+        # Upstream.check_entries
         self.entry: tuple[str, bytes | str] | None = None
         self.last_event_at = time.monotonic()   # when it was opened or last heard of
         self.ended_here = False     # the gateway ended it, not the scheduler's finish event

@@ -21,9 +21,10 @@ command on each fails. Submitting and aborting drop those idle connections and t
 so the first requests after Redis is back are not refused. A connection can also break after
 Redis ran the command and before its reply came: a submit is one script that adds the entry
 only if the request id's `submitted` key is new, so a retried submit never enqueues a request
-twice (two schedulers reading one stream would each serve a copy). A retried submit goes
-where the first try was sent (replica or prefill instance, chosen once), so the router counts
-the request where it lives.
+twice (two schedulers reading one stream would each serve a copy); the key holds the entry's
+id, which a repeat returns, so the retried request's entry is looked up like any other's. A
+retried submit goes where the first try was sent (replica or prefill instance, chosen once),
+so the router counts the request where it lives.
 """
 from __future__ import annotations
 
@@ -71,12 +72,17 @@ REPLACED_KEPT = 64          # run ids of servers that restarted away, remembered
 LIVE_CONNECTION_TRIES = 3
 SUBMITTED_TTL_S = 60        # how long a request id is remembered against a repeated submit
 # KEYS: the requests stream, the id's `submitted` key; ARGV: its TTL, MAXLEN, the entry's
-# fields and values
+# fields and values. Returns the entry's id: the one added, or for a repeat the one the first
+# try added (the `submitted` key holds it), so a retried request is checked for a lost entry
+# like any other (`check_entries`)
 _SUBMIT_ONCE = """
-if redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[1]) then
-  return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+local first = redis.call('GET', KEYS[2])
+if first then
+  return first
 end
-return false
+local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
+redis.call('SET', KEYS[2], id, 'EX', ARGV[1])
+return id
 """
 T = TypeVar("T")
 
@@ -107,11 +113,12 @@ class Upstream:
     async def submit(self, request_id: str, prompt_token_ids: list[int],
                      sampling: SamplingParams, arrival_time: float,
                      deadline: float | None = None
-                     ) -> tuple[str, tuple[str, bytes | str] | None]:
+                     ) -> tuple[str, tuple[str, bytes | str]]:
         """`arrival_time`, `deadline` (after which the scheduler ends the request): on Redis's
         clock (shared/clock.py), which the schedulers read, whatever their machines'. Returns the
         run id of the Redis that took the request (when Redis restarts, only the requests
-        the old one took are lost) and where its entry is, (stream, entry id), if known.
+        the old one took are lost) and where its entry is, (stream, entry id) (a retry
+        refused as a repeat: where the first try added it).
         Raises TimeoutError when Redis does not answer within SUBMIT_REPLY_S (the request
         may still land once it does: the caller aborts it as any other it sent)."""
         msg = RequestMsg(
@@ -121,7 +128,7 @@ class Upstream:
 
         instance: str | None = None
 
-        async def send() -> tuple[str, tuple[str, bytes | str] | None]:
+        async def send() -> tuple[str, tuple[str, bytes | str]]:
             nonlocal instance
             stream, fields = self.keys.requests, to_fields(msg)
             if self.replicas is not None:
@@ -138,7 +145,7 @@ class Upstream:
                       SUBMITTED_TTL_S, REQUESTS_MAXLEN, *(x for kv in fields.items() for x in kv))
             pipe.info("server")
             entry_id, info = await pipe.execute()
-            return info["run_id"], (stream, entry_id) if entry_id else None
+            return info["run_id"], (stream, entry_id)
 
         return await asyncio.wait_for(self._live_connection(send, "submit request"),
                                       SUBMIT_REPLY_S)

@@ -16,7 +16,8 @@ from gateway.streams import TokenRouter
 from gateway.upstream import ENTRY_CHECK_S, REQUEST_LOST, Upstream
 from shared.keys import Keys
 from shared.protocol import SCHEMA_VERSION, FinishEvent, encode
-from tests.redis_fixture import redis_server  # noqa: F401  (the fixture)
+from shared.sampling import SamplingParams
+from tests.redis_fixture import lose_a_reply, redis_server  # noqa: F401  (the fixture)
 
 KEYS = Keys("gwfail:")
 
@@ -53,6 +54,29 @@ async def test_an_entry_whose_stream_key_now_holds_another_type_is_lost(redis) -
     _, finish = await gone.next()
     assert finish.finish_reason == "error" and finish.error == REQUEST_LOST
     assert kept.finish is None
+
+
+async def test_a_submit_retried_after_its_reply_was_lost_has_its_entry_checked(
+        redis, monkeypatch) -> None:
+    """The connection breaks after Redis ran a submit's script: the retry is refused as a
+    repeat, and now learns where the first try's entry is, so the request is checked for a
+    lost entry like any other. Before, the repeat returned no entry id, the quiet streams'
+    lookup skipped the request, and once its entry was gone its client waited forever."""
+    lost = lose_a_reply(monkeypatch, "EVAL")
+    upstream = Upstream(redis, KEYS, "gw")
+    router = TokenRouter(redis, upstream.reply_to)
+    stream = router.open("retried")
+    stream.redis_run_id, stream.entry = await upstream.submit(
+        "retried", [1, 2, 3], SamplingParams(max_tokens=2), 0.0)
+    assert lost
+    (entry_id, _), = await redis.xrange(KEYS.requests)
+    assert stream.entry == (KEYS.requests, entry_id)
+    stream.last_event_at -= 2 * ENTRY_CHECK_S
+    assert await upstream.check_entries(router) == 0        # still there: left queued
+    await redis.xdel(KEYS.requests, entry_id)               # then lost (trimmed, evicted)
+    assert await upstream.check_entries(router) == 1
+    _, finish = await stream.next()
+    assert finish.finish_reason == "error" and finish.error == REQUEST_LOST
 
 
 @pytest.mark.parametrize("policy", ["prefix", "least-loaded"])
