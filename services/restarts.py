@@ -3,8 +3,11 @@ worker group, since the ranks of a TP group only work together), first deleting 
 heartbeat keys so the scheduler and /health notice at once rather than after their TTL, and
 again once the survivors are stopped (they beat until then).
 
-A service that keeps dying (MAX_RESTARTS within RESTART_WINDOW_S) is given up on: `pacer up`
-then stops everything and exits non-zero, instead of looping forever on a broken setup.
+A service that keeps dying (MAX_RESTARTS within RESTART_WINDOW_S), or that dies before it
+comes up again (its first heartbeat) MAX_FAILED_STARTS restarts in a row, is given up on:
+`pacer up` then stops everything and exits non-zero naming it, instead of looping forever on a
+broken setup. The second rule holds whatever the pace: a worker whose model takes longer to
+load than RESTART_WINDOW_S / MAX_RESTARTS never died that often within the window.
 
 A service that stops without dying (SIGSTOP, a deadlock, a process the kernel never runs
 again) would hold its requests forever: `Watchdog` finds a child whose heartbeat it has seen
@@ -22,6 +25,7 @@ import structlog
 
 from scheduler_svc.workers import incarnation
 from services.supervisor import Child, Supervisor, stop_children, wait_quietly
+from shared.errors import PacerError
 from shared.lifecycle import describe_exit
 from shared.service_args import redis_password
 
@@ -29,7 +33,9 @@ log = structlog.get_logger("restarts")
 
 MAX_RESTARTS = 5
 RESTART_WINDOW_S = 60.0
+MAX_FAILED_STARTS = 3       # restarts in a row that died before their first heartbeat
 COUNT_RETRY_S = 1.0         # how often restarts not yet counted in Redis are tried again
+CHECK_STARTED_S = 1.0       # how often restarted processes are looked for among the heartbeats
 
 
 class Restarter:
@@ -46,41 +52,60 @@ class Restarter:
         # Redis that restarted empty (pacer up's own, restarted here) gets them all again
         self._counts: dict[str, int] = {}
         self._uncounted_since: float | None = None   # a write failed then: not in Redis yet
+        # restarted processes not yet seen beating (pid -> heartbeat key), and by service how
+        # many restarts in a row died so, before they came up
+        self._starting: dict[int, str] = {}
+        self._failed_starts: dict[str, int] = {}
+        self._checked_at = 0.0
 
-    def handle(self, child: Child, stopping) -> bool:
-        """Restart `child` (and its group); False if it died too often to try again. A child
-        already replaced (its group was restarted for a rank that died with it) is one death
-        of the group, handled already: restarting again would kill the fresh processes."""
+    def handle(self, child: Child, stopping) -> None:
+        """Restart `child` (and its group); PacerError, naming it, if it died too often to try
+        again. A child already replaced (its group was restarted for a rank that died with it)
+        is one death of the group, handled already: restarting again would kill the fresh
+        processes."""
         if not any(c is child for c in self.sup.children):
-            return True
+            return
         group = self._group(child)
+        self._note_started()                 # its last beat, if any, before it is deleted
         self._forget_heartbeats(group)       # at once: /health and the scheduler see it now
         service = self.groups.get(child.name, child.name)
+        death = f"{child.name} exited ({describe_exit(child.returncode)})"
+        if child.pid in self._starting:
+            self._failed_starts[service] = self._failed_starts.get(service, 0) + 1
+        else:
+            self._failed_starts.pop(service, None)
+        for member in group:
+            self._starting.pop(member.pid, None)
+        if self._failed_starts.get(service, 0) >= MAX_FAILED_STARTS:
+            raise PacerError(f"{service} did not come up again: {death} before its first "
+                             f"heartbeat, {MAX_FAILED_STARTS} restarts in a row; giving up "
+                             "(its log above says why)")
         recent = self._recent.setdefault(service, deque())
         now = time.monotonic()
         while recent and now - recent[0] > RESTART_WINDOW_S:
             recent.popleft()
         if len(recent) >= MAX_RESTARTS:
-            print(f"pacer up: {service} died {len(recent) + 1} times within "
-                  f"{RESTART_WINDOW_S:.0f} s; giving up", file=sys.stderr, flush=True)
-            return False
+            raise PacerError(f"{service} died {len(recent) + 1} times within "
+                             f"{RESTART_WINDOW_S:.0f} s, the last: {death}; giving up (its "
+                             "log above says why)")
         # back off a little more for each recent death: a crash loop must not spin
         wait_quietly(0.5 * len(recent), stopping)
         if stopping():
-            return True                      # `pacer up` is stopping: nothing new starts
+            return                           # `pacer up` is stopping: nothing new starts
         recent.append(time.monotonic())
         stop_children(group, 5.0)            # a surviving rank waits for a peer that is gone
         self._forget_heartbeats(group)       # what the survivors wrote until they stopped
         if stopping():
-            return True
+            return
         for member in group:
-            self.sup.restart(member)
-        print(f"pacer up: {child.name} exited ({describe_exit(child.returncode)}); restarted "
-              f"{', '.join(m.name for m in group)}", file=sys.stderr, flush=True)
+            fresh = self.sup.restart(member)
+            if member.name in self.heartbeat_keys:
+                self._starting[fresh.pid] = self.heartbeat_keys[member.name]
+        print(f"pacer up: {death}; restarted {', '.join(m.name for m in group)}",
+              file=sys.stderr, flush=True)
         if self.restarts_key is not None:
             self._counts[service] = self._counts.get(service, 0) + 1
             self._write_counts()
-        return True
 
     def count_again(self) -> None:
         """Write the counts that a failed write left out of Redis (it was away: a Redis that
@@ -89,6 +114,24 @@ class Restarter:
         if self._uncounted_since is not None and \
                 time.monotonic() - self._uncounted_since >= COUNT_RETRY_S:
             self._write_counts()
+
+    def check_started(self) -> None:
+        """Note the restarted processes that have come up (written their heartbeat), at most
+        once per CHECK_STARTED_S; `pacer up`'s watch loop calls it every turn."""
+        if self._starting and time.monotonic() - self._checked_at >= CHECK_STARTED_S:
+            self._note_started()
+
+    def _note_started(self) -> None:
+        self._checked_at = time.monotonic()
+        pids = list(self._starting)
+        if not pids:
+            return
+        values: list = []
+        self._on_redis("heartbeats not read", lambda client: values.extend(
+            client.mget([self._starting[pid] for pid in pids])), quiet=True)
+        for pid, value in zip(pids, values):
+            if (incarnation(value) or (None,))[0] == pid:
+                del self._starting[pid]
 
     def _write_counts(self) -> None:
         counts = dict(self._counts)

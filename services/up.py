@@ -501,13 +501,13 @@ def _wait_healthy(sup: Supervisor, base_url: str, timeout_s: float, stopping: _S
 
 def _watch(sup: Supervisor, stopping: _Signals, restarter: Restarter,
            watchdog: Watchdog) -> int:
-    """Until a signal (0) or a child that keeps dying (1); a death is restarted, and a child
-    silent too long is killed (then restarted as a death is)."""
+    """Until a signal (0) or a child that keeps dying (PacerError, naming it); a death is
+    restarted, and a child silent too long is killed (then restarted as a death is)."""
     while not stopping():
         for child in sup.newly_exited():
-            if not restarter.handle(child, stopping):
-                return 1
+            restarter.handle(child, stopping)
         restarter.count_again()
+        restarter.check_started()
         for child in watchdog.hung(sup.children):
             print(f"pacer up: {child.name} (pid {child.pid}) wrote no heartbeat for "
                   f"{watchdog.after_s:g} s while its process lived (stopped or hung); "

@@ -4,6 +4,8 @@ gone at once and stay gone until the new ranks beat, and nothing new starts once
 is stopping."""
 from __future__ import annotations
 
+import json
+import os
 import signal
 import subprocess
 import sys
@@ -12,11 +14,14 @@ import time
 import pytest
 import redis
 
+from scheduler_svc.workers import incarnation
 from services import restarts
-from services.restarts import MAX_RESTARTS, Restarter, Watchdog
+from services.restarts import MAX_FAILED_STARTS, MAX_RESTARTS, Restarter, Watchdog
 from services.supervisor import Supervisor, stop_children
 from services.up import _watch
-from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
+from shared.errors import PacerError
+from tests.redis_fixture import free_port, redis_server  # noqa: F401  (a fixture)
+from tests.served_fixture import ROOT, wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 GROUPS = {"worker rank 0": "worker group", "worker rank 1": "worker group"}
@@ -74,7 +79,7 @@ def test_ranks_that_die_together_restart_the_group_once(sup):
 def test_no_group_starts_once_up_is_stopping(sup):
     restarter = Restarter(sup, UNUSED_REDIS, {}, GROUPS)
     old = kill_group(sup)
-    assert restarter.handle(old[0], stopping=lambda: True)
+    restarter.handle(old[0], stopping=lambda: True)
     assert [c for c in sup.children if c.name in GROUPS] == old     # none started
 
 
@@ -97,8 +102,7 @@ def test_a_dead_groups_heartbeats_go_at_once_and_again_once_its_survivors_stoppe
         def stopping() -> bool:
             seen.append(seen or r.exists(*keys.values()))
             return False
-        assert Restarter(sup, redis_server, keys, GROUPS, "test:restarts").handle(rank1,
-                                                                                stopping)
+        Restarter(sup, redis_server, keys, GROUPS, "test:restarts").handle(rank1, stopping)
         assert seen[0] == 0                         # the dead rank's key did not wait
         assert r.exists(*keys.values()) == 0        # nor what rank 0 wrote as it stopped
         assert r.hgetall("test:restarts") == {b"worker group": b"1"}    # counted, once
@@ -125,7 +129,7 @@ def test_restarts_are_counted_again_in_a_redis_that_lost_them(redis_server, monk
             child = next(c for c in sup.children if c.name == name)
             child.proc.kill()
             child.proc.wait()
-            assert restarter.handle(child, lambda: False)
+            restarter.handle(child, lambda: False)
         die("scheduler")
         assert r.hgetall("test:counts") == {b"scheduler": b"1"}
         r.delete("test:counts")                 # the Redis restarted, empty...
@@ -139,3 +143,112 @@ def test_restarts_are_counted_again_in_a_redis_that_lost_them(redis_server, monk
     finally:
         stop_children(sup.children, 5.0)
         r.close()
+
+
+# a service that comes up (writes its heartbeat, with its pid, as a worker does once its model
+# is loaded) unless the file argv[3] exists: then it dies before that, as a worker whose model
+# cannot be read any more does at every restart
+COMES_UP_UNLESS_BROKEN = [sys.executable, "-c", """if True:
+    import os, sys, time, redis
+    from shared.protocol import Heartbeat, encode
+    if os.path.exists(sys.argv[3]):
+        print("pacer: error: cannot read the model", file=sys.stderr, flush=True)
+        sys.exit(1)
+    beat = Heartbeat("worker", "0", time.time(), {"pid": os.getpid(), "started_at": time.time()})
+    redis.Redis.from_url(sys.argv[1]).set(sys.argv[2], encode(beat))
+    time.sleep(float(sys.argv[4]))"""]
+
+
+def _one_service(redis_url: str, key: str, broken: str, lives_s: float) -> Supervisor:
+    """A supervisor of one worker rank that has come up (its heartbeat is in Redis)."""
+    r = redis.Redis.from_url(redis_url)
+    r.delete(key)
+    sup = Supervisor()
+    child = sup.start("worker rank 0", [*COMES_UP_UNLESS_BROKEN, redis_url, key, broken,
+                                        str(lives_s)], cwd=ROOT)
+    wait_for(lambda: (incarnation(r.get(key)) or (None,))[0] == child.pid, 30.0,
+             "the worker's heartbeat")
+    r.close()
+    return sup
+
+
+def test_a_service_that_dies_before_it_comes_up_again_is_given_up_on_whatever_its_pace(
+        redis_server, tmp_path, monkeypatch):
+    """A worker that cannot load its model any more (deleted, corrupt, its memory taken) dies
+    at each restart. `pacer up` gave up only after MAX_RESTARTS deaths within
+    RESTART_WINDOW_S: a model that loads in more than ~12 s never made that many, and the
+    group was restarted forever, a traceback a minute. Here the window holds no two deaths,
+    as for such a model."""
+    monkeypatch.setattr(restarts, "RESTART_WINDOW_S", 0.0)
+    key, broken = "test:hb:failing", str(tmp_path / "broken")
+    sup = _one_service(redis_server, key, broken, lives_s=600)
+    try:
+        restarter = Restarter(sup, redis_server, {"worker rank 0": key},
+                              {"worker rank 0": "worker group"})
+        open(broken, "w").close()
+        sup.children[0].proc.kill()
+        with pytest.raises(PacerError) as e:
+            watch_for(sup, restarter, 60.0)
+        said = str(e.value)
+        assert "worker group" in said and "worker rank 0" in said and "exit code 1" in said, said
+        assert restarter._failed_starts["worker group"] == MAX_FAILED_STARTS
+    finally:
+        stop_children(sup.children, 5.0)
+
+
+def test_a_service_that_comes_up_each_time_is_restarted_each_time(redis_server, tmp_path,
+                                                                   monkeypatch):
+    """Deaths of a process that had come up are not failed starts: with no window to fill,
+    such a service is restarted for as long as it comes up again."""
+    monkeypatch.setattr(restarts, "RESTART_WINDOW_S", 0.0)
+    monkeypatch.setattr(restarts, "CHECK_STARTED_S", 0.0)
+    key = "test:hb:coming-up"
+    sup = _one_service(redis_server, key, str(tmp_path / "never"), lives_s=0.5)
+    pids = set()
+    end = time.monotonic() + 60.0       # a safety net
+
+    def stopping() -> bool:
+        pids.add(sup.children[0].pid)
+        return len(pids) > MAX_FAILED_STARTS + 1 or time.monotonic() > end
+    try:
+        restarter = Restarter(sup, redis_server, {"worker rank 0": key},
+                              {"worker rank 0": "worker group"})
+        assert _watch(sup, stopping, restarter, Watchdog(UNUSED_REDIS, {}, after_s=0)) == 0
+        assert len(pids) > MAX_FAILED_STARTS + 1
+    finally:
+        stop_children(sup.children, 5.0)
+
+
+def test_pacer_up_gives_up_on_a_worker_that_cannot_load_its_model_any_more(tmp_path):
+    """The model's weights are corrupted while `pacer up` serves, then the worker dies: each
+    restart dies loading them. `pacer up` stops everything and exits 1, and its last line
+    (after every service's stop, not buried above it) names the service and how it died."""
+    from tests.helpers_tiny_model import write_tiny_llama
+    model = write_tiny_llama(tmp_path / "tiny")
+    log_path = tmp_path / "up.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--port", str(free_port()),
+             "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--model", model,
+             "--dtype", "float32", "--kv-cache-memory", "64MiB"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        def worker_pid() -> int | None:
+            lines = log_path.read_text(errors="replace").splitlines()
+            if not any(line.startswith("pacer up: serving") for line in lines):
+                assert proc.poll() is None, "\n".join(lines[-20:])
+                return None
+            return next(json.loads(line)["pid"] for line in lines if line.startswith("{")
+                        and json.loads(line).get("child") == "worker rank 0")
+        pid = wait_for(worker_pid, 240.0, "pacer up serving")
+        with open(os.path.join(model, "model.safetensors"), "r+b") as f:
+            f.truncate(1000)
+        os.kill(pid, signal.SIGKILL)
+        proc.wait(240.0)
+        lines = log_path.read_text(errors="replace").strip().splitlines()
+        assert proc.returncode == 1, lines[-20:]
+        assert lines[-1].startswith("pacer: error: worker group did not come up again: "
+                                    "worker rank 0 exited (exit code 1)"), lines[-20:]
+    finally:
+        proc.kill()
+        proc.wait()
