@@ -30,7 +30,8 @@ def register(sub) -> None:
                    help="consumer name in the request group; keep it across restarts so the "
                         "scheduler takes back its unfinished requests (default: the host name, with -ID for --instance ID)")
     p.add_argument("--max-waiting", type=positive_int, default=None,
-                   help="pull new requests only while fewer wait (default: --max-num-seqs)")
+                   help="pull new requests only while fewer wait (default: --max-num-seqs; a P/D "
+                        "prefill instance counts those waiting for a decode instance's blocks)")
     p.add_argument("--drain-timeout", type=non_negative_seconds, default=30.0,
                    help="seconds to finish running requests after SIGTERM")
     add_instance_args(p)

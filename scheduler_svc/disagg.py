@@ -252,6 +252,9 @@ class PrefillSide:
         self._msgs: dict[str, tuple[bytes | str, RequestMsg]] = {}
         self.out = Outgoing()
         self.cursor: bytes | str = "$"
+        # the request group's last delivered entry, as the last intake saw it: an idle
+        # scheduler wakes for the requests past it (service.py's `_wake`)
+        self.requests_tail: bytes | str = "0-0"
         self.own: list[dict] = []            # this instance's workers' KV descriptors
         # decode instance -> the incarnation (its scheduler's started_at) whose KV pool does
         # not match ours: its long prompts go to it whole, without asking for blocks each time
@@ -266,14 +269,6 @@ class PrefillSide:
         self.handoffs_with_kv_total = 0
         self.kv_failed_total = 0
         self.forwarded_total = 0             # new requests handed to the prefill instance chosen
-
-    @property
-    def waiting_for_reservations(self) -> bool:
-        """An ask is out, whose answer may come any moment. Requests that found no decode
-        instance to ask wait for the heartbeats to show one (housekeeping asks again then):
-        counted here, they kept the scheduler polling Redis every 5 ms for as long as no
-        decode instance was up."""
-        return any(p.asked for p in self._pending.values())
 
     def pending_entry_ids(self) -> list[bytes | str]:
         """The entries of the requests waiting for a reservation: this scheduler's, though
@@ -660,6 +655,7 @@ class PrefillSide:
         self._reservations.clear()
         self._msgs.clear()
         self.out = Outgoing()
+        self.requests_tail = "0-0"
 
     # ---- out -----------------------------------------------------------------------------
 
@@ -800,6 +796,9 @@ class DecodeSide:
         self.keys, self.instance, self.consumer = keys, instance, consumer
         self.core, self.book, self.started_at = core, book, started_at
         self.cursor: bytes | str = "$"
+        # the request group's last delivered entry, as the last intake saw it: an idle
+        # scheduler wakes for the requests past it (service.py's `_wake`)
+        self.requests_tail: bytes | str = "0-0"
         self.peers: list[dict] = []          # this instance's workers' KV descriptors
         self._replies: list[tuple[str, ReservedMsg]] = []
         # asks that found no room, in arrival order, answered as room frees (`grant_waiting`):

@@ -34,7 +34,8 @@ Failures, and what the loop does about them (the worker, plan and Redis cases ar
     a gateway dies      its heartbeat missing twice in a row: its requests are aborted
     a deadline passes   the request ends with a timeout error event; its blocks are freed
 
-With no work the intake blocks on XREADGROUP for `idle_block_ms` instead of spinning, and
+With no work the intake blocks on XREADGROUP for `idle_block_ms` instead of spinning (a P/D
+prefill instance on XREAD of its inbox and the requests stream: `_wake`), and
 every Redis operation retries with backoff (0.1 s doubling to 2 s) while Redis is away.
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ from shared import clock
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
 from shared.lifecycle import (cancel_tasks, clear_key, essential_task, freeze_heap, keep_heartbeat,
                               live_namesake, scheduler_heartbeats, stopped_for,
-                              stream_tail_id)
+                              stream_id_text, stream_tail_id)
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, StepResult
 from shared.service_args import check_role
@@ -439,14 +440,19 @@ class SchedulerService:
         whether an idle scheduler looks for restarted workers (not while it waits for a lost
         group: it takes that group as it comes back)."""
         outbox = self.book.take_outbox()
-        room = max(0, self.config.max_waiting - self.core.num_waiting) if pull else 0
+        # a prefill instance's requests waiting for a decode instance's blocks are queued too
+        # (each holds its entry and an ask there): counted, it pulls no more than it can serve
+        # while the decode side is full, and leaves the rest to the other prefill instances
+        held = self.prefill.num_awaiting_reservation if self.prefill is not None else 0
+        room = max(0, self.config.max_waiting - self.core.num_waiting - held) if pull else 0
         if self.decode is not None:
             room = 0                 # new requests are the prefill instances'
         disagg_out = self.prefill.take() if self.prefill is not None else None
         reserved = self.decode.take_replies() if self.decode is not None else None
         block_ms = self.config.idle_block_ms if block else None
-        if block and self.prefill is not None and self.prefill.waiting_for_reservations:
-            block_ms = 5             # a reservation may come any moment
+        # an idle prefill instance blocks until an answer to its asks (or a forward) comes
+        # into its inbox or, with room, a new request into the requests stream (`_wake`)
+        wake = block and self.prefill is not None
         idle = not self.core.has_unfinished()
         counts = self.prefill.counts() if self.prefill is not None else None
         # stats go first: a client that saw its request end and then scrapes /metrics must
@@ -492,6 +498,8 @@ class SchedulerService:
             if claim:
                 self.takeover.queue_claim(pipe, claim)
             # replies read back from the end: every command below returns one
+            if wake:
+                self._wake(pipe, room, block_ms)
             if disagg_out is not None:
                 pipe.xread({self.keys.reservations: self.prefill.cursor}, count=1000)
             if self.decode is not None:
@@ -503,7 +511,10 @@ class SchedulerService:
                 start = ">" if tries == 1 or self.cursors.requests_seen is None \
                     else self.cursors.requests_seen
                 pipe.xreadgroup(self.keys.requests_group, self.config.scheduler_id,
-                                {self.keys.requests: start}, count=room, block=block_ms)
+                                {self.keys.requests: start}, count=room,
+                                block=None if wake else block_ms)
+                if wake:
+                    pipe.xinfo_groups(self.keys.requests)
             pipe.xread({self.keys.aborts: self.cursors.aborts}, count=1000)
             return await pipe.execute()
 
@@ -519,12 +530,18 @@ class SchedulerService:
             self.prefill.moves_skipped(disagg_out, replies[moves_at:])
         self._receive_aborts(replies.pop())
         self._drop_lost()
+        if room and wake:
+            self.prefill.requests_tail = next(
+                (g["last-delivered-id"] for g in replies.pop()
+                 if stream_id_text(g["name"]) == self.keys.requests_group), "0-0")
         if room:
             self._receive_requests(replies.pop())
         if self.decode is not None and self.decode.receive(replies.pop()):
             self.stats.mark_dirty()         # reservations change the pool between plans
         if disagg_out is not None:
             self.prefill.receive_reservations(replies.pop())
+        if wake:
+            replies.pop()            # only woke the intake: the reads after it took what came
         if claim:
             await self._resume_claimed(self.takeover.claimed(replies.pop()))
         lost = self.workers.restarted_in(replies.pop()) if watch_workers else []
@@ -543,6 +560,20 @@ class SchedulerService:
                 self.stats.mark_dirty()
         if lost:
             raise WorkersLost(lost)
+
+    def _wake(self, pipe, room: int, block_ms: int) -> None:
+        """Queue the blocking read an idle prefill scheduler waits on: it returns once an
+        entry comes into its inbox (an ask answered, a request forwarded) or, while it pulls,
+        a request into the requests stream past the last one its group delivered (at the
+        last intake); the reads queued after it take them (one whose bound is reached by
+        requests waiting for blocks pulls none, and has only this read to block on). Before,
+        the requests' read was the only blocking one, for 5 ms while an ask was out: a
+        scheduler whose asks waited for a full decode instance's room (seconds) polled Redis
+        the whole time."""
+        streams = {self.keys.reservations: self.prefill.cursor}
+        if room:
+            streams[self.keys.requests] = self.prefill.requests_tail
+        pipe.xread(streams, count=1, block=block_ms)
 
     async def _find_decoders(self) -> None:
         """The decode instances alive now, from the scheduler heartbeats."""
