@@ -72,7 +72,7 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.model_source import model_identity
-from shared.lifecycle import (Stopwatch, cancel_tasks, clear_key, connections_made,
+from shared.lifecycle import (Stopwatch, cancel_tasks, claimed, clear_key, connections_made,
                               essential_task, freeze_heap, keep_heartbeat, redis_run_id,
                               stopped_for, stream_id_text, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
@@ -496,6 +496,16 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
                        stop: asyncio.Event, tp_host: str = "127.0.0.1",
                        role: str | None = None) -> int:
     """Load this rank's model, then serve until stopped. Returns an exit code."""
+    # two processes as one rank would both read its plans and publish their results
+    engine = f"instance {keys.instance!r}" if keys.instance else "the colocated engine"
+    async with claimed(redis, keys.claim_worker(rank), "worker", str(rank),
+                       f"worker rank {rank} of {engine}",
+                       "give each worker its own --rank (and --instance)"):
+        return await _serve_worker(redis, keys, layout, rank, stop, tp_host, role)
+
+
+async def _serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, rank: int,
+                        stop: asyncio.Event, tp_host: str, role: str | None) -> int:
     tp = layout.args.tp
     identity = model_identity(layout.source, layout.args.load_format == "dummy")
     if rank > 0:

@@ -65,8 +65,8 @@ from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, model_disagreement, role_disagreement
 from shared import clock
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
-from shared.lifecycle import (cancel_tasks, clear_key, essential_task, freeze_heap, keep_heartbeat,
-                              live_namesake, scheduler_heartbeats, stopped_for,
+from shared.lifecycle import (cancel_tasks, claimed, clear_key, essential_task, freeze_heap,
+                              keep_heartbeat, scheduler_heartbeats, stopped_for,
                               stream_id_text, stream_tail_id)
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, StepResult
@@ -775,12 +775,16 @@ def _decode_result(fields: dict) -> StepResult | None:
 async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
                 config: SchedulerServiceConfig, stop: asyncio.Event) -> int:
     """Prepare, wait for the workers, run until stopped and drained. Returns an exit code."""
+    # two schedulers under one name would take each other's requests as a dead one's
+    async with claimed(redis, keys.claim_scheduler(config.scheduler_id), "scheduler",
+                       config.scheduler_id, f"scheduler id {config.scheduler_id!r}",
+                       "give each scheduler its own --scheduler-id"):
+        return await _serve(redis, keys, core, config, stop)
+
+
+async def _serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
+                 config: SchedulerServiceConfig, stop: asyncio.Event) -> int:
     hb_key = keys.hb_scheduler(config.scheduler_id)
-    if (pid := await live_namesake(redis, hb_key, "scheduler")) is not None:
-        # two schedulers under one name would take each other's requests as a dead one's
-        log.error("this scheduler id is taken by a scheduler running on this host: give "
-                  "each one its own --scheduler-id", scheduler_id=config.scheduler_id, pid=pid)
-        return 2
     service = SchedulerService(redis, keys, core, config, stop)
     await service.prepare()
     tasks = [essential_task(keep_heartbeat(redis, hb_key, service.heartbeat),

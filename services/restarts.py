@@ -7,7 +7,10 @@ A service that keeps dying (MAX_RESTARTS within RESTART_WINDOW_S), or that dies 
 comes up again (its first heartbeat) MAX_FAILED_STARTS restarts in a row, is given up on:
 `pacer up` then stops everything and exits non-zero naming it, instead of looping forever on a
 broken setup. The second rule holds whatever the pace: a worker whose model takes longer to
-load than RESTART_WINDOW_S / MAX_RESTARTS never died that often within the window.
+load than RESTART_WINDOW_S / MAX_RESTARTS never died that often within the window. A restart
+that hangs before it comes up (its model on a mount that stopped answering, a device it waits
+for) is killed once `--startup-timeout` has passed without its first heartbeat, as the first
+start is given up on, and counts as such a death.
 
 A service that stops without dying (SIGSTOP, a deadlock, a process the kernel never runs
 again) would hold its requests forever: `Watchdog` finds a child whose heartbeat it has seen
@@ -40,21 +43,26 @@ CHECK_STARTED_S = 1.0       # how often restarted processes are looked for among
 
 class Restarter:
     def __init__(self, sup: Supervisor, redis_url: str, heartbeat_keys: dict[str, str],
-                 groups: dict[str, str], restarts_key: str | None = None) -> None:
+                 groups: dict[str, str], restarts_key: str | None = None,
+                 startup_timeout_s: float | None = None) -> None:
         """`heartbeat_keys`: child name -> its heartbeat key; `groups`: child name -> the
         group it restarts with (the ranks of one TP group); `restarts_key`: a hash each
-        restart is counted in, by service (the gateway's `pacer:service_restarts`)."""
+        restart is counted in, by service (the gateway's `pacer:service_restarts`);
+        `startup_timeout_s`: how long a restarted process may take to write its first
+        heartbeat before it is killed (None: as long as it takes)."""
         self.sup, self.redis_url = sup, redis_url
         self.heartbeat_keys, self.groups = heartbeat_keys, groups
-        self.restarts_key = restarts_key
+        self.restarts_key, self.startup_timeout_s = restarts_key, startup_timeout_s
         self._recent: dict[str, deque[float]] = {}
         # this run's restarts, by service: the hash is written whole from them, so that a
         # Redis that restarted empty (pacer up's own, restarted here) gets them all again
         self._counts: dict[str, int] = {}
         self._uncounted_since: float | None = None   # a write failed then: not in Redis yet
-        # restarted processes not yet seen beating (pid -> heartbeat key), and by service how
-        # many restarts in a row died so, before they came up
-        self._starting: dict[int, str] = {}
+        # restarted processes not yet seen beating (pid -> heartbeat key, when it started),
+        # those of them killed for taking too long, and by service how many restarts in a
+        # row died before they came up
+        self._starting: dict[int, tuple[str, float]] = {}
+        self._timed_out: set[int] = set()
         self._failed_starts: dict[str, int] = {}
         self._checked_at = 0.0
 
@@ -70,12 +78,16 @@ class Restarter:
         self._forget_heartbeats(group)       # at once: /health and the scheduler see it now
         service = self.groups.get(child.name, child.name)
         death = f"{child.name} exited ({describe_exit(child.returncode)})"
+        if child.pid in self._timed_out:
+            death = (f"{child.name} was killed (no heartbeat within "
+                     f"{self.startup_timeout_s:g} s of its restart)")
         if child.pid in self._starting:
             self._failed_starts[service] = self._failed_starts.get(service, 0) + 1
         else:
             self._failed_starts.pop(service, None)
         for member in group:
             self._starting.pop(member.pid, None)
+            self._timed_out.discard(member.pid)
         if self._failed_starts.get(service, 0) >= MAX_FAILED_STARTS:
             raise PacerError(f"{service} did not come up again: {death} before its first "
                              f"heartbeat, {MAX_FAILED_STARTS} restarts in a row; giving up "
@@ -100,7 +112,8 @@ class Restarter:
         for member in group:
             fresh = self.sup.restart(member)
             if member.name in self.heartbeat_keys:
-                self._starting[fresh.pid] = self.heartbeat_keys[member.name]
+                self._starting[fresh.pid] = (self.heartbeat_keys[member.name],
+                                             time.monotonic())
         print(f"pacer up: {death}; restarted {', '.join(m.name for m in group)}",
               file=sys.stderr, flush=True)
         if self.restarts_key is not None:
@@ -116,22 +129,39 @@ class Restarter:
             self._write_counts()
 
     def check_started(self) -> None:
-        """Note the restarted processes that have come up (written their heartbeat), at most
-        once per CHECK_STARTED_S; `pacer up`'s watch loop calls it every turn."""
-        if self._starting and time.monotonic() - self._checked_at >= CHECK_STARTED_S:
-            self._note_started()
+        """Note the restarted processes that have come up (written their heartbeat), and
+        kill those that have not within `startup_timeout_s` (their death is then handled as
+        one before they came up), at most once per CHECK_STARTED_S; `pacer up`'s watch loop
+        calls it every turn."""
+        if not self._starting or time.monotonic() - self._checked_at < CHECK_STARTED_S:
+            return
+        if not self._note_started() or self.startup_timeout_s is None:
+            return          # Redis did not answer: no verdict without it
+        now = time.monotonic()
+        for child in self.sup.children:
+            started = self._starting.get(child.pid)
+            if started is None or child.pid in self._timed_out or child.returncode is not None \
+                    or now - started[1] <= self.startup_timeout_s:
+                continue
+            print(f"pacer up: {child.name} (pid {child.pid}) wrote no heartbeat within "
+                  f"{self.startup_timeout_s:g} s of its restart (--startup-timeout; hung "
+                  "loading?); killing it", file=sys.stderr, flush=True)
+            self._timed_out.add(child.pid)
+            child.proc.kill()
 
-    def _note_started(self) -> None:
+    def _note_started(self) -> bool:
+        """Forget the restarted processes whose heartbeat is in; whether Redis answered."""
         self._checked_at = time.monotonic()
         pids = list(self._starting)
         if not pids:
-            return
+            return True
         values: list = []
-        self._on_redis("heartbeats not read", lambda client: values.extend(
-            client.mget([self._starting[pid] for pid in pids])), quiet=True)
+        read = self._on_redis("heartbeats not read", lambda client: values.extend(
+            client.mget([self._starting[pid][0] for pid in pids])), quiet=True)
         for pid, value in zip(pids, values):
             if (incarnation(value) or (None,))[0] == pid:
                 del self._starting[pid]
+        return read
 
     def _write_counts(self) -> None:
         counts = dict(self._counts)

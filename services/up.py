@@ -63,7 +63,9 @@ def register(sub) -> None:
                    help="a Redis to use; started here when none answers on a local address")
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
     p.add_argument("--startup-timeout", type=positive_seconds, default=600.0,
-                   help="seconds to wait for /health to turn 200")
+                   help="seconds to wait for /health to turn 200; a scheduler or worker "
+                        "restarted later that writes no heartbeat for this long is killed "
+                        "(and restarted again, up to 3 times in a row)")
     add_request_policy_args(p)
     add_log_level_arg(p)
     p.add_argument("--watchdog-s", type=non_negative_seconds, default=30.0,
@@ -569,7 +571,7 @@ def run(args: argparse.Namespace) -> int:
         # among the services' logs at a terminal, set the line apart
         print(f"\n{banner}\n" if sys.stdout.isatty() else banner, flush=True)
         restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups,
-                              Keys(args.key_prefix).restarts)
+                              Keys(args.key_prefix).restarts, args.startup_timeout)
         watchdog = Watchdog(args.redis_url, services.heartbeat_keys, args.watchdog_s)
         try:
             return _watch(sup, stopping, restarter, watchdog)

@@ -127,6 +127,15 @@ class Keys:
     def hb_worker(self, rank: int) -> str:
         return f"{self._own}hb:worker:{rank}"
 
+    def claim_scheduler(self, scheduler_id: str) -> str:
+        """Which process runs as this scheduler id: set with NX at its start, before any
+        heartbeat, so that a second one under the id is refused (shared/lifecycle.py:claimed)."""
+        return f"{self.prefix}claim:scheduler:{scheduler_id}"
+
+    def claim_worker(self, rank: int) -> str:
+        """Which process runs as this instance's worker rank (as `claim_scheduler`)."""
+        return f"{self._own}claim:worker:{rank}"
+
     @property
     def hb_instance_workers_pattern(self) -> str:
         """For SCAN MATCH: the worker heartbeats of every engine instance (P/D, replicas)."""

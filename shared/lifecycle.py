@@ -12,6 +12,7 @@ nothing new); a second one cancels the main coroutine, for an operator who will 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import signal
@@ -28,7 +29,7 @@ from redis.exceptions import RedisError
 from shared import clock
 from shared.errors import PacerError
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, SCAN_COUNT, Keys
-from shared.protocol import Heartbeat, ProtocolError, decode, encode
+from shared.protocol import Heartbeat, encode, heartbeat_of
 from shared.redis_retry import retry_redis
 from shared.service_args import redis_password, refused_for_good, shown_url
 
@@ -197,23 +198,80 @@ async def scheduler_heartbeats(redis: aioredis.Redis, keys: Keys) -> dict[str, b
     return dict(zip(beats, await redis.mget(beats) if beats else []))
 
 
-async def live_namesake(redis: aioredis.Redis, key: str, service: str) -> int | None:
-    """The pid of another live `service` process of this host whose heartbeat is `key` (a
-    service started under the name of one that runs), or None: none, this host's process
-    that held it is gone (a restart, which takes the name back; a pid since reused by
-    another program does not count), or another host's (it cannot be checked from here; its
-    heartbeat lapses if it is gone)."""
+# SET the claim key to ARGV[2] (with a TTL of ARGV[3] s) only while it still holds ARGV[1]: the
+# dead predecessor's claim that was read, not one another process wrote since
+_TAKE_OVER = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+  return 1
+end
+return 0
+"""
+
+
+@contextlib.asynccontextmanager
+async def claimed(redis: aioredis.Redis, key: str, kind: str, ident: str, what: str,
+                  hint: str, ttl_s: int = HEARTBEAT_TTL_S):
+    """Hold the identity `key` names (a scheduler id, a worker rank of an instance) for this
+    process while the block runs: claimed at once with SET NX (two processes started together
+    cannot both get it), kept by `keep_heartbeat` (its value is a Heartbeat of this
+    incarnation: pid, host, start time), deleted at the end. A claim left by a dead process
+    (a restart, the key not expired yet) is taken over: on this host, when its pid is gone
+    (or is another program's now); from another host, once it stops being refreshed (it
+    lapses within `ttl_s`). A live holder: PacerError naming `what`, the holder and `hint`
+    (what to do). `kind`: the service (`scheduler`, `worker`), as its command line says it."""
+    started_at = time.time()
+
+    def make() -> Heartbeat:
+        return Heartbeat(kind, ident, time.time(), {
+            "pid": os.getpid(), "host": socket.gethostname(), "started_at": started_at})
+    await retry_redis(lambda: _claim(redis, key, encode(make()), kind, what, hint,
+                                                ttl_s),
+                      f"claim {key}", log)
+    task = essential_task(keep_heartbeat(redis, key, make, ttl_s=ttl_s), f"claim of {what}")
     try:
+        yield
+    finally:
+        await cancel_tasks(task)
+        await clear_key(redis, key)
+
+
+async def _claim(redis: aioredis.Redis, key: str, value: bytes, kind: str, what: str,
+                 hint: str, ttl_s: int) -> None:
+    def taken(extra: dict) -> PacerError:
+        return PacerError(f"{what} is taken: {holder(extra)} holds it; {hint}")
+    seen, lapse_by = None, time.monotonic() + ttl_s + 1.0
+    while not await redis.set(key, value, nx=True, ex=ttl_s):
         raw = await redis.get(key)
-    except RedisError:
-        return None                 # not known: the start goes on, as before this check
-    try:
-        extra = decode(raw).extra if raw is not None else {}
-    except ProtocolError:
-        return None
+        if raw is None:
+            continue                        # it lapsed in between: claim it again
+        extra = beat.extra if (beat := heartbeat_of(raw)) is not None else {}
+        if extra.get("host") == socket.gethostname():
+            if live_here(extra, kind) is not None:
+                raise taken(extra)
+            if await redis.eval(_TAKE_OVER, 1, key, raw, value, ttl_s):
+                return                      # a dead predecessor's: ours now
+            continue                        # someone else wrote it meanwhile: read again
+        # another host's (or one that names none): alive if it refreshes the key
+        if (seen is not None and raw != seen) or time.monotonic() > lapse_by:
+            raise taken(extra)
+        seen = raw
+        await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+
+
+def holder(extra: dict) -> str:
+    """Who wrote a heartbeat (its `extra`), for a person: "pid 123 on host h"."""
+    pid, host = extra.get("pid"), extra.get("host")
+    return (f"{f'pid {pid}' if isinstance(pid, int) else 'a process'} on "
+            f"{f'host {host}' if host else 'another host'}")
+
+
+def live_here(extra: dict, service: str) -> int | None:
+    """The pid of the live `service` process of this host that wrote a heartbeat (its
+    `extra`), or None: it names no pid, it is this process (its pid reused by us), it is
+    gone, or its pid is another program's now."""
     pid = extra.get("pid")
-    if extra.get("host") != socket.gethostname() or not isinstance(pid, int) \
-            or pid == os.getpid():
+    if not isinstance(pid, int) or pid == os.getpid():
         return None
     try:
         os.kill(pid, 0)

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -28,11 +29,12 @@ import redis
 import redis.asyncio as aioredis
 
 from scheduler_svc.takeover import CLAIM_IDLE_MS
+from scheduler_svc.workers import incarnation
 from shared.keys import Keys
 from shared.protocol import FinishEvent, TokenBatch, decode
 from tests.helpers_tiny_model import write_tiny_llama
 from tests.redis_fixture import free_port, start_redis, stop_redis
-from tests.served_fixture import API_KEY, ROOT, Served, wait_healthy
+from tests.served_fixture import API_KEY, ROOT, Served, wait_for, wait_healthy
 from tests.sse_client import StreamResult, stream_completion
 
 KEYS = Keys()
@@ -216,11 +218,80 @@ def test_a_second_scheduler_under_a_running_ones_name_refuses_to_start(system: S
     namesake = system.start("namesake", "scheduler", "--model", system.model, *ENGINE_FLAGS,
                             "--redis-url", system.redis_url, "--scheduler-id", SCHEDULER_A)
     try:
-        assert namesake.proc.wait(60) == 2, namesake.log_tail()
+        assert namesake.proc.wait(60) == 1, namesake.log_tail()
     finally:
         namesake.stop()
-    assert "this scheduler id is taken" in namesake.log_tail(), namesake.log_tail()
-    assert system.processes[SCHEDULER_A].proc.poll() is None     # the first one serves on
+    holder = system.processes[SCHEDULER_A].proc
+    assert last_line(namesake) == (
+        f"pacer: error: scheduler id {SCHEDULER_A!r} is taken: pid {holder.pid} on host "
+        f"{socket.gethostname()} holds it; give each scheduler its own --scheduler-id")
+    assert holder.poll() is None     # the first one serves on
+
+
+def last_line(process: Process) -> str:
+    return process.log_tail().strip().splitlines()[-1]
+
+
+def test_of_two_schedulers_started_together_under_one_name_one_refuses(system: System):
+    """The check was a read of the heartbeat key, written only once the scheduler had
+    prepared: two started at once could both find it empty and both run under one name.
+    The name is claimed (SET NX) before anything else: exactly one of them gets it. (Under a
+    key prefix of their own: the one that runs waits for workers, and sends this module's
+    worker nothing.)"""
+    twins = [system.start(f"twin-{i}", "scheduler", "--model", system.model, *ENGINE_FLAGS,
+                          "--redis-url", system.redis_url, "--key-prefix", "twins:",
+                          "--scheduler-id", "twin")
+             for i in range(2)]
+    try:
+        wait_for(lambda: any(t.proc.poll() is not None for t in twins), 60.0,
+                 "one of the twins refused")
+        refused = next(t for t in twins if t.proc.poll() is not None)
+        running = next(t for t in twins if t is not refused)
+        assert refused.proc.returncode == 1, refused.log_tail()
+        assert last_line(refused).startswith(
+            f"pacer: error: scheduler id 'twin' is taken: pid {running.proc.pid} on host "), \
+            refused.log_tail()
+        assert running.proc.poll() is None, running.log_tail()
+    finally:
+        for twin in twins:
+            twin.stop()
+
+
+def test_a_second_worker_of_a_running_ones_rank_refuses_to_start(system: System):
+    """Two `pacer worker --rank 0` of one instance both read its plans and both publish
+    results (and beat into one key: the scheduler saw the rank lost and back, over and
+    over). The second one exits 1 naming the rank and the one that holds it."""
+    worker = system.processes["worker"].proc
+    second = system.start("second-worker", "worker", "--rank", "0", "--model", system.model,
+                          *ENGINE_FLAGS, "--redis-url", system.redis_url)
+    try:
+        assert second.proc.wait(60) == 1, second.log_tail()
+    finally:
+        second.stop()
+    assert last_line(second) == (
+        f"pacer: error: worker rank 0 of the colocated engine is taken: pid {worker.pid} on "
+        f"host {socket.gethostname()} holds it; give each worker its own --rank (and "
+        "--instance)"), second.log_tail()
+    assert worker.poll() is None
+
+
+def test_a_worker_restarted_under_its_dead_predecessors_claim_comes_up(system: System):
+    """A restart comes before the dead process's claim has expired: on this host, a claim
+    whose pid is gone is taken over at once, and the new worker serves."""
+    old = system.processes["worker"].proc
+    old.kill()
+    old.wait()
+    r = redis.Redis.from_url(system.redis_url)
+    try:
+        assert r.exists(KEYS.claim_worker(0))           # not expired yet
+        fresh = system.start("worker", "worker", "--rank", "0", "--model", system.model,
+                             *ENGINE_FLAGS, "--redis-url", system.redis_url)
+        wait_for(lambda: (incarnation(r.get(KEYS.hb_worker(0))) or (None,))[0]
+                 == fresh.proc.pid, 120.0, "the restarted worker's heartbeat")
+    finally:
+        r.close()
+    results, tap, _ = asyncio.run(run_streams(system))
+    assert_complete(results, tap, system)
 
 
 def test_the_default_scheduler_id_is_the_hosts_and_the_instances():

@@ -21,7 +21,7 @@ from services.supervisor import Supervisor, stop_children
 from services.up import _watch
 from shared.errors import PacerError
 from tests.redis_fixture import free_port, redis_server  # noqa: F401  (a fixture)
-from tests.served_fixture import ROOT, wait_for
+from tests.served_fixture import ROOT, Served, wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 GROUPS = {"worker rank 0": "worker group", "worker rank 1": "worker group"}
@@ -252,3 +252,95 @@ def test_pacer_up_gives_up_on_a_worker_that_cannot_load_its_model_any_more(tmp_p
     finally:
         proc.kill()
         proc.wait()
+
+
+# a service that reads its model (argv[3]) as it starts, then comes up: a read that never
+# returns (the file a FIFO nobody writes, as a dead network mount) hangs it before its first
+# heartbeat
+LOADS_THEN_COMES_UP = [sys.executable, "-c", """if True:
+    import os, sys, time, redis
+    from shared.protocol import Heartbeat, encode
+    open(sys.argv[3], "rb").read()
+    beat = Heartbeat("worker", "0", time.time(), {"pid": os.getpid(), "started_at": time.time()})
+    redis.Redis.from_url(sys.argv[1]).set(sys.argv[2], encode(beat))
+    time.sleep(600)"""]
+
+
+def test_a_restart_that_hangs_before_it_comes_up_is_killed_and_given_up_on(
+        redis_server, tmp_path, monkeypatch):
+    """A worker restarted while its model's mount stops answering hangs in the read: it never
+    beats, so the watchdog (which kills only a process it saw beating) left it alone, and
+    `pacer up` waited forever with /health saying the worker is missing. A restart gets the
+    start-up timeout the first start has: killed past it, counted as a death before it came
+    up, given up on at the third in a row."""
+    monkeypatch.setattr(restarts, "RESTART_WINDOW_S", 0.0)
+    key, model = "test:hb:hanging", tmp_path / "model"
+    model.write_bytes(b"weights")
+    r = redis.Redis.from_url(redis_server)
+    r.delete(key)
+    sup = Supervisor()
+    try:
+        child = sup.start("worker rank 0", [*LOADS_THEN_COMES_UP, redis_server, key,
+                                            str(model)], cwd=ROOT)
+        wait_for(lambda: (incarnation(r.get(key)) or (None,))[0] == child.pid, 30.0,
+                 "the worker's heartbeat")
+        restarter = Restarter(sup, redis_server, {"worker rank 0": key},
+                              {"worker rank 0": "worker group"}, startup_timeout_s=1.0)
+        model.unlink()
+        os.mkfifo(model)                    # the mount stops answering
+        child.proc.kill()
+        with pytest.raises(PacerError) as e:
+            watch_for(sup, restarter, 120.0)
+        said = str(e.value)
+        assert said.startswith("worker group did not come up again: worker rank 0 was killed "
+                               "(no heartbeat within 1 s of its restart)"), said
+        assert restarter._failed_starts["worker group"] == MAX_FAILED_STARTS
+    finally:
+        stop_children(sup.children, 5.0)
+        r.close()
+
+
+def test_pacer_up_kills_a_restarted_worker_that_hangs_loading_its_model(tmp_path):
+    """`pacer up` with the tiny model; the model's config becomes a FIFO nobody writes (a
+    mount that stopped answering), then the worker dies: its restart hangs reading it. It is
+    killed once --startup-timeout has passed, with a line naming it, and the next restart,
+    the model readable again, serves."""
+    from tests.helpers_tiny_model import write_tiny_llama
+    model = write_tiny_llama(tmp_path / "tiny")
+    config = os.path.join(model, "config.json")
+    log_path = tmp_path / "up.log"
+    port = free_port()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "up", "--port", str(port),
+             "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--model", model,
+             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--startup-timeout", "60"],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+
+    def lines() -> list[str]:
+        found = log_path.read_text(errors="replace").splitlines()
+        assert proc.poll() is None, "\n".join(found[-20:])
+        return found
+    try:
+        wait_for(lambda: any(line.startswith("pacer up: serving") for line in lines()), 240.0,
+                 "pacer up serving")
+        pid = next(json.loads(line)["pid"] for line in lines() if line.startswith("{")
+                   and json.loads(line).get("child") == "worker rank 0")
+        os.rename(config, config + ".real")
+        os.mkfifo(config)
+        os.kill(pid, signal.SIGKILL)
+        hung = wait_for(lambda: next((line for line in lines() if "wrote no heartbeat within "
+                                      "60 s of its restart" in line), None), 240.0,
+                        "the hung restart killed")
+        assert hung.startswith("pacer up: worker rank 0 (pid "), hung
+        os.remove(config)
+        os.rename(config + ".real", config)
+        served = Served(f"http://127.0.0.1:{port}", "", proc, str(log_path))
+        wait_for(lambda: lines() and served.get("/health")[0] == 200, 240.0, "healthy again")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
