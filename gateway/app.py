@@ -94,9 +94,8 @@ async def _redis_tasks(app: web.Application) -> AsyncIterator[None]:
     state.router = TokenRouter(listener, state.upstream.reply_to, state.config.finish_grace_s)
     heartbeat = state.upstream.keep_heartbeat_watching_redis(state.router)
     tasks = [essential_task(state.router.run(), "token-router"),
-             essential_task(heartbeat, "gateway-heartbeat")]
-    if replicas is not None:
-        tasks.append(essential_task(replicas.keep_live_set(), "live-instances"))
+             essential_task(heartbeat, "gateway-heartbeat"),
+             essential_task(state.upstream.keep_schedulers_read(), "scheduler-heartbeats")]
     try:
         # a request sent before the subscription is confirmed could lose its first tokens,
         # one stamped before the clock is read may end at once (shared/clock.py; a Redis

@@ -121,7 +121,7 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
                     id_prefix: str, answer: Answer = _openai_answer) -> web.StreamResponse:
     arrival = time.monotonic()
     state = request.app[STATE]
-    _refuse_if_draining(state)      # before the body is read
+    _refuse_new_requests(state)     # before the body is read
     client_id = oai.client_request_id(request.headers)
     # the body first: a client that sends it slowly (or never) holds no place in the queue
     body = await _read_json(request, state.config.max_body_bytes)
@@ -191,14 +191,21 @@ def _parsed(body: Any, parse: Callable[[Any], GenerationRequest],
 
 
 def _admit(state: GatewayState) -> WaitingSlot:
-    """Refuse at once what would only wait: a draining server, a full queue."""
-    _refuse_if_draining(state)
+    """Refuse at once what would only wait: a draining server, a scheduler of another
+    protocol version beating, a full queue."""
+    _refuse_new_requests(state)
     return _take_places(state, 1)[0]
 
 
-def _refuse_if_draining(state: GatewayState) -> None:
+def _refuse_new_requests(state: GatewayState) -> None:
     if state.draining:
         raise APIError("the server is shutting down; send the request to another replica",
+                       status=503, type="server_error")
+    if state.upstream.other_versions:
+        # it reads requests from the shared stream and drops them as undecodable: the client
+        # would wait for nothing (as the scheduler heartbeats were last read)
+        raise APIError("new requests are refused while a scheduler of another protocol "
+                       f"version beats: {state.upstream.other_versions[0]}",
                        status=503, type="server_error")
 
 

@@ -33,9 +33,8 @@ An instance whose scheduler has no live heartbeat (stopped, or restarting), or o
 worker ranks has none (dead, hung, loading its model again; its ranks are as many as the
 gateway's `--instances ID:TP` says, checked as /health checks them), is left out of the choice,
 whatever the policy, while another has them all: its stream would hold the request until the
-scheduler and its ranks are back. The live set is read every LIVE_REFRESH_S by a task of its
-own (`keep_live_set`), never on a request's way: the read is a SCAN of the whole keyspace,
-which holds a key per request of the last minute (its `submitted` key).
+scheduler and its ranks are back. The live set is read from the scheduler heartbeats the
+upstream reads every LIVE_REFRESH_S (`Upstream.keep_schedulers_read`), never on a request's way.
 
 What an instance holds cached is the set of block hashes its scheduler publishes
 (`pacer:inst:{id}:cached_blocks`, SADD on caching, SREM on eviction, DEL when its index
@@ -52,7 +51,6 @@ cannot be read (a key holding another type, a count that is nan) is left out, no
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import math
 import time
@@ -62,11 +60,9 @@ from dataclasses import dataclass
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
 
 from gateway.config import POLICIES
 from shared.keys import Keys
-from shared.lifecycle import cancel_requested, scheduler_heartbeats
 from shared.prefix_hash import cacheable_hashes
 from shared.protocol import scheduler_instances
 
@@ -80,7 +76,6 @@ OVERLOAD_FACTOR = 2          # ...unless its replica has more than this many tim
 OVERLOAD_MARGIN = 4          #    least loaded one's requests in flight, plus this many
 KV_FULL = 0.9                # ...or a KV cache fuller than this
 STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-LIVE_REFRESH_S = 1.0         # how often the router reads which instances can serve
 
 log = structlog.get_logger("gateway.router")
 
@@ -224,30 +219,19 @@ class ReplicaRouter:
             self._outstanding[index] -= 1
             self._queued[index] -= work
 
-    async def read_live(self) -> None:
-        """Read the instances that can serve: their scheduler and every worker rank it has
-        heartbeat. While none can, those whose scheduler beats (their ranks are on their way
-        back); while no scheduler beats, every one (no verdict: Redis restarted, or nothing
-        started yet)."""
-        up = await live_instances(self.redis, self._root_keys)
+    async def read_live(self, beats: dict[str, bytes | None]) -> None:
+        """Read the instances that can serve from these scheduler heartbeat keys and values
+        (`scheduler_heartbeats`): their scheduler and every worker rank it has heartbeat.
+        While none can, those whose scheduler beats (their ranks are on their way back);
+        while no scheduler beats, every one (no verdict: Redis restarted, or nothing started
+        yet). One instance is always the choice: nothing is read."""
+        if len(self.instances) < 2:
+            return
+        up = scheduler_instances(list(beats.values()))
         broken = {inst for inst, _ in await missing_ranks(
             self.redis, self._root_keys, [(inst, tp) for inst, tp in self._degrees if inst in up])}
         self._live = ([i for i, inst in enumerate(self.instances) if inst in up - broken]
                       or [i for i, inst in enumerate(self.instances) if inst in up] or self._all)
-
-    async def keep_live_set(self) -> None:
-        """`read_live` every LIVE_REFRESH_S, for the gateway's life. Each request found the
-        set at most that old, and the one that found it older paid for the SCAN before it was
-        sent; a read that fails keeps the last set (the heartbeat loop reports Redis's
-        failures)."""
-        while not cancel_requested():
-            if len(self.instances) > 1:
-                try:
-                    await self.read_live()
-                except (RedisError, OSError) as e:
-                    log.debug("live instances not read", error=str(e) or type(e).__name__)
-            await asyncio.sleep(LIVE_REFRESH_S)
-        raise asyncio.CancelledError
 
     async def _candidates(self, prompt_token_ids: Sequence[int]
                           ) -> tuple[list[Candidate], list[bytes]]:
@@ -330,12 +314,6 @@ def _number(value) -> float:
     except ValueError:
         return 0.0
     return number if math.isfinite(number) else 0.0
-
-
-async def live_instances(redis: aioredis.Redis, keys: Keys) -> set[str]:
-    """The engine instances whose scheduler heartbeat key is alive ("" for a colocated
-    engine's); one of another protocol version is none (`protocol_disagreement`)."""
-    return scheduler_instances(list((await scheduler_heartbeats(redis, keys)).values()))
 
 
 async def missing_ranks(redis: aioredis.Redis, keys: Keys,

@@ -84,6 +84,7 @@ local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV,
 redis.call('SET', KEYS[2], id, 'EX', ARGV[1])
 return id
 """
+LIVE_REFRESH_S = 1.0        # how often the scheduler heartbeats are read (`keep_schedulers_read`)
 T = TypeVar("T")
 
 
@@ -105,6 +106,9 @@ class Upstream:
         # refuses writes (out of memory, a read-only replica) lets every heartbeat key expire,
         # and /health must not blame the services for it
         self.heartbeat_failure: BaseException | None = None
+        # why each scheduler of another protocol version beating at the last read must not
+        # be sent requests (`protocol_disagreement`): new requests are refused while any does
+        self.other_versions: list[str] = []
 
     def replaced(self, run_id: str) -> bool:
         """Whether the Redis with this run_id is known to have restarted (lost everything)."""
@@ -317,6 +321,22 @@ class Upstream:
                       count=len(lost), request_ids=[s.request_id for s in lost][:16])
         return len(lost)
 
+    async def keep_schedulers_read(self) -> None:
+        """Read the scheduler heartbeats every LIVE_REFRESH_S, for the gateway's life: which
+        speak another protocol version (`other_versions`), and with replicas the router's live
+        set. Each request finds them at most that old; a read that fails keeps the last (the
+        heartbeat loop reports Redis's failures)."""
+        while not cancel_requested():
+            try:
+                beats = await scheduler_heartbeats(self.redis, self.keys)
+                self.other_versions = _other_versions(beats)
+                if self.replicas is not None:
+                    await self.replicas.read_live(beats)
+            except (RedisError, OSError) as e:
+                log.debug("scheduler heartbeats not read", error=str(e) or type(e).__name__)
+            await asyncio.sleep(LIVE_REFRESH_S)
+        raise asyncio.CancelledError
+
     async def live_schedulers(self, instances: tuple[tuple[str, int], ...] = ()) -> set[str]:
         """The engine instances with a scheduler beating ("" for the colocated engine's)."""
         return _live(await scheduler_heartbeats(self.redis, self.keys), instances)
@@ -335,8 +355,14 @@ class Upstream:
         missing += [f"instance {inst} worker rank {r}" if inst else f"worker rank {r}"
                     for inst, r in await missing_ranks(self.redis, self.keys,
                                                        instances or (("", tp),))]
-        return missing + [why for key, value in sorted(beats.items())
-                          if (why := protocol_disagreement(value, f"scheduler {key}", "gateway"))]
+        return missing + _other_versions(beats)
+
+
+def _other_versions(beats: dict[str, bytes | None]) -> list[str]:
+    """Why each of these scheduler heartbeats names a scheduler of another protocol version
+    (`protocol_disagreement`), in key order."""
+    return [why for key, value in sorted(beats.items())
+            if (why := protocol_disagreement(value, f"scheduler {key}", "gateway"))]
 
 
 def _live(beats: dict[str, bytes | None], instances: tuple[tuple[str, int], ...]) -> set[str]:

@@ -1822,6 +1822,48 @@ async def test_health_names_a_scheduler_of_another_protocol_version(h: Harness) 
                              h.keys.hb_worker(0), h.keys.hb_worker(1))
 
 
+async def test_a_request_is_refused_while_a_scheduler_of_another_protocol_version_beats(
+        h: Harness) -> None:
+    """Such a scheduler reads this gateway's requests from the shared stream, cannot decode
+    them and drops them: the client waited until its timeout (forever without one). A new
+    request is refused at once with a 503 naming that scheduler and both versions, as the
+    gateway last read the scheduler heartbeats; once it is gone, requests are served again."""
+    import msgpack
+
+    from shared.protocol import SCHEMA_VERSION
+
+    async def answers() -> tuple[int, dict]:
+        """The first answer that is not a 200 (the heartbeats are read every second), or the
+        last 200."""
+        for _ in range(100):
+            status, body = await h.post("/v1/completions", completion(max_tokens=1))
+            if status != 200:
+                break
+            await asyncio.sleep(0.05)
+        return status, body
+
+    old = msgpack.packb({"v": SCHEMA_VERSION - 1, "kind": "heartbeat", "service": "scheduler",
+                         "id": "old", "time": 0.0, "extra": {}})
+    try:
+        await h.redis.set(h.keys.hb_scheduler("old"), old, ex=30)
+        status, body = await answers()
+        assert status == 503, body
+        message = body["error"]["message"]
+        assert (f"scheduler {h.keys.hb_scheduler('old')} speaks protocol version "
+                f"{SCHEMA_VERSION - 1}, this gateway version {SCHEMA_VERSION}") in message
+        assert "run the same pacer release" in message and body["error"]["type"] == "server_error"
+        await h.redis.delete(h.keys.hb_scheduler("old"))
+        for _ in range(100):
+            status, body = await h.post("/v1/completions", completion(max_tokens=1))
+            if status == 200:
+                break
+            assert status == 503 and "another protocol version" in body["error"]["message"]
+            await asyncio.sleep(0.05)
+        assert status == 200, body
+    finally:
+        await h.redis.delete(h.keys.hb_scheduler("old"))
+
+
 async def test_health_with_replicas_needs_each_replicas_scheduler_and_workers(
         h: Harness, config: GatewayConfig) -> None:
     import dataclasses

@@ -10,12 +10,12 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
-from gateway import router as router_module
-from gateway.router import (DECODE_TOKENS, Candidate, ReplicaRouter, leading, live_instances,
+from gateway.router import (DECODE_TOKENS, Candidate, ReplicaRouter, leading,
                             pick)
 from scheduler_svc.cached_blocks import queue_block_events
 from scheduler_svc.core import BlockManager, Request
 from shared.keys import Keys
+from shared.lifecycle import scheduler_heartbeats
 from shared.prefix_hash import block_hashes, cacheable_hashes
 from shared.protocol import Heartbeat, encode, from_fields
 from shared.sampling import SamplingParams
@@ -209,18 +209,13 @@ def idle_stats(sync: redis.Redis, keys: Keys) -> None:
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "prefix"])
-def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypatch, policy):
+def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, policy):
     """Every policy skips an instance with no live scheduler heartbeat while another has one
     (its stream would hold the request until the scheduler is back); with none alive at all
     (no verdict) every instance is a candidate, as before. The live set is read by a task of
     its own, never on a request's way (a SCAN of the whole keyspace: the request that found
     the set stale paid for it before it was sent)."""
     reads = []
-
-    async def counted(*args):
-        reads.append(args)
-        return await live_instances(*args)
-    monkeypatch.setattr(router_module, "live_instances", counted)
     keys = Keys(f"live-{policy}:")
     sync = redis.Redis.from_url(redis_server)
     idle_stats(sync, keys)
@@ -232,8 +227,14 @@ def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, monkeypat
     async def choices(n: int) -> list[str]:
         client = aioredis.Redis.from_url(redis_server)
         router = ReplicaRouter(client, keys, [("r0", 1), ("r1", 1)], policy)
+        scan_iter = client.scan_iter
+
+        def counted(*args, **kw):
+            reads.append(args)
+            return scan_iter(*args, **kw)
+        client.scan_iter = counted
         try:
-            await router.read_live()
+            await router.read_live(await scheduler_heartbeats(client, keys))
             read = len(reads)
             chosen = [await router.choose(str(i), [i] * 8) for i in range(n)]
             assert len(reads) == read          # no read of its own on the requests' way
@@ -273,7 +274,7 @@ def test_an_instance_whose_workers_are_missing_is_left_out(redis_server, policy)
         client = aioredis.Redis.from_url(redis_server)
         router = ReplicaRouter(client, keys, [("r0", 2), ("r1", 2)], policy)
         try:
-            await router.read_live()
+            await router.read_live(await scheduler_heartbeats(client, keys))
             return [await router.choose(str(i), [i] * 8) for i in range(n)]
         finally:
             await client.aclose()
@@ -330,16 +331,19 @@ def test_a_submit_retried_after_its_reply_was_lost_counts_where_its_entry_is(
 
 
 def test_the_live_set_is_kept_by_its_own_task(redis_server, monkeypatch):
-    """`keep_live_set` reads the live set again every LIVE_REFRESH_S; a read that fails keeps
-    the last one and the task goes on."""
-    monkeypatch.setattr(router_module, "LIVE_REFRESH_S", 0.01)
+    """The upstream's `keep_schedulers_read` reads the live set again every LIVE_REFRESH_S; a
+    read that fails keeps the last one and the task goes on."""
+    import gateway.upstream as upstream_module
+
+    monkeypatch.setattr(upstream_module, "LIVE_REFRESH_S", 0.01)
     keys = Keys("live-task:")
     sync = redis.Redis.from_url(redis_server)
 
     async def scenario() -> None:
         client = aioredis.Redis.from_url(redis_server)
         router = ReplicaRouter(client, keys, [("r0", 1), ("r1", 1)], "round-robin")
-        task = asyncio.create_task(router.keep_live_set())
+        task = asyncio.create_task(
+            upstream_module.Upstream(client, keys, "gw", router).keep_schedulers_read())
         try:
             sync.set(keys.hb_scheduler("s1"),
                      encode(Heartbeat("scheduler", "s1", 0.0, {"instance": "r1"})))
@@ -350,7 +354,7 @@ def test_the_live_set_is_kept_by_its_own_task(redis_server, monkeypatch):
             async def refused(*_):
                 refusals.append(1)
                 raise redis.exceptions.ConnectionError("Redis is away")
-            monkeypatch.setattr(router_module, "live_instances", refused)
+            monkeypatch.setattr(upstream_module, "scheduler_heartbeats", refused)
             while len(refusals) < 3:
                 await asyncio.sleep(0.01)
             assert not task.done() and router._live == [1]
