@@ -2460,6 +2460,7 @@ async def test_a_queue_of_one_admits_one_request_and_refuses_a_second() -> None:
     from gateway.metrics import GatewayMetrics
     from gateway.openai_schema import APIError
     state = SimpleNamespace(draining=False, num_waiting=0, metrics=GatewayMetrics(),
+                            upstream=SimpleNamespace(other_versions=[]),
                             config=SimpleNamespace(max_waiting_requests=1))
     slot = _admit(state)
     assert state.num_waiting == 1 and _admit_choices(state, 0) == []
