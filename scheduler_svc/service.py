@@ -6,6 +6,7 @@ One iteration:
               entries, DEL their progress records, XREADGROUP new requests (only while the
               waiting queue is below its bound), XREAD aborts; once a second also MGET the
               heartbeats of the gateways holding live requests and XAUTOCLAIM abandoned ones
+              (and, after a claim or once a minute, delete the group's dead consumers)
     schedule  plan = core.schedule_ahead() while one plan is in flight (overlap), else
               core.schedule()
     send      XADD PlanMsg to the plans stream (MAXLEN ~)
@@ -558,6 +559,8 @@ class SchedulerService:
                 # aborts, reservations and hand-offs of whole requests (a short prompt, at
                 # arrival) change them between plans; an idle instance writes no more stats
                 self.stats.mark_dirty()
+        if gateways is not None and self.takeover.sweep_due:
+            await self.recovery.retrying("forget stopped schedulers", self.takeover.forget_dead)
         if lost:
             raise WorkersLost(lost)
 
@@ -798,6 +801,7 @@ async def _serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
                  num_kv_blocks=core.block_manager.num_total_blocks)
         await service.run(stop)
         await service.flush()
+        await service.takeover.leave()
         return 0
     except RedisError as e:
         log.error("redis failed", error=str(e))

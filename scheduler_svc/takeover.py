@@ -39,7 +39,7 @@ from redis.exceptions import RedisError
 
 from scheduler_svc.book import RequestBook
 from shared.lifecycle import cancel_requested, stream_id_text
-from shared.keys import Keys
+from shared.keys import HEARTBEAT_TTL_S, Keys
 from shared.progress import decode_progress
 from shared.protocol import RequestMsg
 
@@ -53,6 +53,8 @@ MAX_TAKEOVERS = 3
 # when it died (a claim comes CLAIM_IDLE_MS after that refresh at the soonest)
 HANDED_LATER_MS = int(2 * LEASE_REFRESH_S * 1000)
 LEASES_AT_TTL_S = 24 * 3600
+CONSUMER_SWEEP_S = 60.0
+CLAIMED_SWEEP_S = 2 * HEARTBEAT_TTL_S
 # Redis's clock in ms, the one that XPENDING's idle times are counted on
 _NOW_MS = "local t = redis.call('TIME')\nlocal now = t[1] * 1000 + math.floor(t[2] / 1000)\n"
 # XCLAIM takes an entry from whoever holds it; a lease must not take back what another
@@ -94,6 +96,18 @@ end
 return out
 """
 
+# XGROUP DELCONSUMER drops the consumer's pending entries with it: only one with none left,
+# and none of KEYS[2..] (its heartbeat and claim: it is alive, or starting) there. KEYS[1]:
+# the request stream; ARGV: the group, the consumer. Returns 1 if it was deleted.
+_FORGET = """
+for i = 2, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end
+end
+if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
+redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
+return 1
+"""
+
 
 class Takeover:
     def __init__(self, redis: aioredis.Redis, keys: Keys, consumer: str,
@@ -111,6 +125,8 @@ class Takeover:
         self.run_id: str | None = None
         self._lost: list[bytes | str] = []
         self.refreshed_at = time.monotonic()
+        self.swept_at = float("-inf")
+        self._claimed_at = float("-inf")
 
     async def take_back_pending(self) -> int:
         """Every entry this consumer was given and never acked, resumed; returns how many.
@@ -142,7 +158,41 @@ class Takeover:
             log.error("requests lost: trimmed from the request stream before a scheduler "
                       "claimed them; their clients get no answer",
                       entries=[stream_id_text(e) for e in reply[2]])
+        if entries:
+            self._claimed_at = time.monotonic()
         return entries
+
+    @property
+    def sweep_due(self) -> bool:
+        """Whether to look for dead consumers: a claim took entries lately (their holder may
+        have none left), or the last look was CONSUMER_SWEEP_S ago."""
+        now = time.monotonic()
+        return now - self._claimed_at <= CLAIMED_SWEEP_S or now - self.swept_at > CONSUMER_SWEEP_S
+
+    async def forget_dead(self) -> list[str]:
+        """Delete from the group the consumers of schedulers that are gone and hold no
+        pending entry (`XINFO CONSUMERS` grew by one per scheduler id ever seen); returns
+        their names. One with entries left stays until they are claimed."""
+        self.swept_at = time.monotonic()
+        gone = []
+        for consumer in await self.redis.xinfo_consumers(self.keys.requests,
+                                                         self.keys.requests_group):
+            name = stream_id_text(consumer["name"])
+            if name != self.consumer and not consumer["pending"] and await self._forget(
+                    name, self.keys.hb_scheduler(name), self.keys.claim_scheduler(name)):
+                gone.append(name)
+        if gone:
+            log.info("stopped schedulers removed from the request group", consumers=gone)
+        return gone
+
+    async def leave(self) -> bool:
+        """At a clean exit: delete this scheduler from the group if it holds no entry (a
+        successor under its name is made one again at its take-back)."""
+        return await self._forget(self.consumer)
+
+    async def _forget(self, consumer: str, *alive: str) -> bool:
+        return bool(await self.redis.eval(_FORGET, 1 + len(alive), self.keys.requests, *alive,
+                                          self.keys.requests_group, consumer))
 
     async def resume(self, entries: list) -> int:
         """Admit stream entries with the tokens their clients already have (one MGET)."""

@@ -11,7 +11,8 @@ heartbeats and progress records are shared by all instances.
 
 Every stream is trimmed with `MAXLEN ~`, every per-request key is deleted when the request
 ends and expires if nobody is left to delete it; nothing stored is pickled (see
-`shared/protocol.py`).
+`shared/protocol.py`). An engine instance's own keys outlive it, bounded: which, why, and how an
+operator removes them is in docs/architecture.md#redis-keys.
 """
 from __future__ import annotations
 

@@ -533,3 +533,63 @@ def test_a_scheduler_with_nothing_to_take_back_is_a_consumer_of_its_group(redis_
             await r.aclose()
 
     assert asyncio.run(go()) == [b"s"]
+
+
+def test_a_stopped_schedulers_consumer_leaves_the_group_once_nothing_of_it_is_pending(
+        redis_server) -> None:
+    """Every scheduler id stays a consumer of the request group (`XINFO CONSUMERS`) until
+    removed; where ids change (random host names) the group grew by one per id for good.
+    Scheduler "b" removes the dead ones that hold nothing: "dead" only once its entry was
+    claimed, never "alive" (its claim key is there: running, or starting) nor one with an
+    entry pending; at a clean exit "b" leaves itself, but only with nothing pending."""
+    import asyncio
+
+    import redis.asyncio as aioredis
+
+    from scheduler_svc.book import RequestBook
+    from scheduler_svc.takeover import Takeover
+    from shared.keys import Keys
+    from shared.protocol import RequestMsg, to_fields
+
+    keys = Keys("forget-test:")
+
+    async def go():
+        r = aioredis.Redis.from_url(redis_server)
+
+        async def consumers() -> set[str]:
+            return {c["name"].decode() for c in await r.xinfo_consumers(
+                keys.requests, keys.requests_group)}
+        try:
+            await r.xgroup_create(keys.requests, keys.requests_group, id="0", mkstream=True)
+            for rid in ("r1", "r2"):
+                await r.xadd(keys.requests, to_fields(RequestMsg(
+                    rid, [1, 2, 3], SamplingParams(max_tokens=8), f"tokens:{rid}", "gw", 0.0)))
+            await r.xreadgroup(keys.requests_group, "dead", {keys.requests: ">"}, count=1)
+            await r.xreadgroup(keys.requests_group, "dead-too", {keys.requests: ">"}, count=1)
+            for name in ("idle-dead", "alive"):
+                await r.xgroup_createconsumer(keys.requests, keys.requests_group, name)
+            await r.set(keys.claim_scheduler("alive"), "pid 1", ex=60)
+            takeover = Takeover(r, keys, "b", RequestBook(make_scheduler()))
+            await takeover.take_back_pending()                      # "b" joins
+            seen = [await consumers(), sorted(await takeover.forget_dead()), await consumers()]
+            # "b" claims "dead"'s entry (idle past CLAIM_IDLE_MS in the service)
+            pipe = r.pipeline(transaction=False)
+            takeover.claim_cursor = "0-0"
+            pipe.xautoclaim(keys.requests, keys.requests_group, "b", 0, count=1)
+            claimed = takeover.claimed((await pipe.execute())[0])
+            assert takeover.sweep_due
+            seen += [await takeover.forget_dead(), await consumers()]
+            seen += [await takeover.leave(), await consumers()]      # its entry pending
+            await r.xack(keys.requests, keys.requests_group, claimed[0][0])
+            seen += [await takeover.leave(), await consumers()]
+            return seen
+        finally:
+            await r.aclose()
+
+    (before, forgotten, after, forgotten2, after2, left_pending, after3, left,
+     after4) = asyncio.run(go())
+    assert before == {"dead", "dead-too", "idle-dead", "alive", "b"}
+    assert forgotten == ["idle-dead"] and after == {"dead", "dead-too", "alive", "b"}
+    assert forgotten2 == ["dead"] and after2 == {"dead-too", "alive", "b"}
+    assert left_pending is False and after3 == after2
+    assert left is True and after4 == {"dead-too", "alive"}
