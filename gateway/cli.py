@@ -38,7 +38,8 @@ def register(sub) -> None:
     p.add_argument("--route-prefill", default="",
                    help="P/D: with --router, the prefill instances (ID,...) it chooses among; "
                         "requests go to the shared stream naming the one chosen")
-    p.add_argument("--gateway-id", default=None, help="default: a random id")
+    p.add_argument("--gateway-id", default=None, help="default: a random id; {pid} in it "
+                   "becomes the process id (a supervisor then knows each process's heartbeat key)")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body taken; a larger one is a 413 "
                         f"(default {DEFAULT_MAX_BODY_BYTES})")
@@ -122,7 +123,7 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          max_model_len=max_model_len, api_key=args.api_key, tp=args.tp,
                          instances=parse_instances(args.instances), router=args.router,
                          route_prefill=tuple(filter(None, args.route_prefill.split(","))),
-                         gateway_id=args.gateway_id or new_gateway_id(),
+                         gateway_id=(args.gateway_id or new_gateway_id()).replace("{pid}", str(os.getpid())),
                          max_body_bytes=args.max_body_bytes,
                          max_waiting_requests=args.max_waiting_requests,
                          request_timeout_s=args.request_timeout,

@@ -29,6 +29,7 @@ so the router counts the request where it lives.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import OrderedDict, deque
 from dataclasses import replace
@@ -247,6 +248,8 @@ class Upstream:
         or has failed for REDIS_UNREACHABLE_S, and those whose entry is gone; send the aborts
         kept meanwhile once Redis takes them."""
         key = self.keys.hb_gateway(self.gateway_id)
+        # who beats: `pacer up` tells a restarted gateway that came up from its dead predecessor
+        incarnation = {"pid": os.getpid(), "started_at": time.time()}
         run_id: str | None = None
         failing_since: float | None = None
         checked_at = time.monotonic()
@@ -255,7 +258,7 @@ class Upstream:
             failed = "heartbeat not written"
             try:
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.set(key, encode(Heartbeat("gateway", self.gateway_id, time.time(), {})),
+                pipe.set(key, encode(Heartbeat("gateway", self.gateway_id, time.time(), incarnation)),
                          ex=HEARTBEAT_TTL_S)
                 pipe.info("server")
                 pipe.time()

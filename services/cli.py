@@ -7,6 +7,7 @@ import importlib
 import sys
 
 from shared.errors import PacerError
+from shared.exit_reason import note_exception, note_exit_reason
 from shared.logging import output_gone
 from shared.openmp import default_omp_wait_policy
 
@@ -68,7 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     default_omp_wait_policy()       # before any subcommand loads torch
     args = build_parser().parse_args(argv)
-    code = _run(args)
+    try:
+        code = _run(args)
+    except Exception as e:          # a bug: its traceback follows; `pacer up` names its end
+        note_exception(e)
+        raise
     # a command whose process must not end through the interpreter's finalization sets
     # `end_process` (a tensor-parallel worker rank: gpu_worker/cli.py); it exits with `code`
     end_process = getattr(args, "end_process", None)
@@ -84,6 +89,7 @@ def _run(args: argparse.Namespace) -> int:
         return code
     except PacerError as e:
         print(f"pacer: error: {e}", file=sys.stderr)
+        note_exit_reason(str(e))
         return 1
     except KeyboardInterrupt:
         return 130

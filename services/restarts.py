@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 
 import redis
 import structlog
@@ -41,8 +42,18 @@ COUNT_RETRY_S = 1.0         # how often restarts not yet counted in Redis are tr
 CHECK_STARTED_S = 1.0       # how often restarted processes are looked for among the heartbeats
 
 
+HeartbeatKeys = dict[str, "str | Callable[[int], str]"]
+
+
+def heartbeat_key(heartbeat_keys: HeartbeatKeys, child: Child) -> str | None:
+    """`child`'s heartbeat key: child name -> the key, or the key of the process of a pid (a
+    gateway's names its process: `--gateway-id ...{pid}`); None for a child without one."""
+    key = heartbeat_keys.get(child.name)
+    return key(child.pid) if callable(key) else key
+
+
 class Restarter:
-    def __init__(self, sup: Supervisor, redis_url: str, heartbeat_keys: dict[str, str],
+    def __init__(self, sup: Supervisor, redis_url: str, heartbeat_keys: HeartbeatKeys,
                  groups: dict[str, str], restarts_key: str | None = None,
                  startup_timeout_s: float | None = None) -> None:
         """`heartbeat_keys`: child name -> its heartbeat key; `groups`: child name -> the
@@ -91,15 +102,15 @@ class Restarter:
         if self._failed_starts.get(service, 0) >= MAX_FAILED_STARTS:
             raise PacerError(f"{service} did not come up again: {death} before its first "
                              f"heartbeat, {MAX_FAILED_STARTS} restarts in a row; giving up "
-                             "(its log above says why)")
+                             f"({child.last_error()})")
         recent = self._recent.setdefault(service, deque())
         now = time.monotonic()
         while recent and now - recent[0] > RESTART_WINDOW_S:
             recent.popleft()
         if len(recent) >= MAX_RESTARTS:
             raise PacerError(f"{service} died {len(recent) + 1} times within "
-                             f"{RESTART_WINDOW_S:.0f} s, the last: {death}; giving up (its "
-                             "log above says why)")
+                             f"{RESTART_WINDOW_S:.0f} s, the last: {death}; giving up "
+                             f"({child.last_error()})")
         # back off a little more for each recent death: a crash loop must not spin
         wait_quietly(0.5 * len(recent), stopping)
         if stopping():
@@ -111,10 +122,11 @@ class Restarter:
             return
         for member in group:
             fresh = self.sup.restart(member)
-            if member.name in self.heartbeat_keys:
-                self._starting[fresh.pid] = (self.heartbeat_keys[member.name],
-                                             time.monotonic())
-        print(f"pacer up: {death}; restarted {', '.join(m.name for m in group)}",
+            key = heartbeat_key(self.heartbeat_keys, fresh)
+            if key is not None:
+                self._starting[fresh.pid] = (key, time.monotonic())
+        print(f"pacer up: {death} ({child.last_error()}); restarted "
+              f"{', '.join(m.name for m in group)}",
               file=sys.stderr, flush=True)
         if self.restarts_key is not None:
             self._counts[service] = self._counts.get(service, 0) + 1
@@ -177,7 +189,7 @@ class Restarter:
         return [c for c in self.sup.children if self.groups.get(c.name) == group]
 
     def _forget_heartbeats(self, group: list[Child]) -> None:
-        keys = [self.heartbeat_keys[c.name] for c in group if c.name in self.heartbeat_keys]
+        keys = [k for c in group if (k := heartbeat_key(self.heartbeat_keys, c)) is not None]
         if keys:
             self._on_redis("heartbeat keys not deleted", lambda client: client.delete(*keys))
 
@@ -201,7 +213,7 @@ class Restarter:
 class Watchdog:
     CHECK_EVERY_S = 1.0
 
-    def __init__(self, redis_url: str, heartbeat_keys: dict[str, str], after_s: float) -> None:
+    def __init__(self, redis_url: str, heartbeat_keys: HeartbeatKeys, after_s: float) -> None:
         """`heartbeat_keys`: child name -> its heartbeat key; `after_s`: how long a child
         whose heartbeat was seen may go without one (0: never killed)."""
         self.heartbeat_keys, self.after_s = heartbeat_keys, after_s
@@ -221,7 +233,7 @@ class Watchdog:
         if not watched:
             return []
         try:
-            values = self._client.mget([self.heartbeat_keys[c.name] for c in watched])
+            values = self._client.mget([heartbeat_key(self.heartbeat_keys, c) for c in watched])
         except (redis.RedisError, OSError):
             self._redis_away = True
             return []           # no verdict without Redis: its services wait for it too

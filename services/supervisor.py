@@ -2,11 +2,14 @@
 
 Each child runs in its own session, so a Ctrl-C at the terminal reaches only `pacer up`, which
 then stops the children one by one (gateway first, Redis last) instead of all at once. On Linux
-a child also gets SIGTERM if `pacer up` itself dies without cleaning up.
+a child also gets SIGTERM if `pacer up` itself dies without cleaning up. Given a folder for
+them, each child gets a file of its own in $PACER_EXIT_REASON_FILE, emptied at each start,
+where it keeps its last error line (shared/exit_reason.py): named when it dies.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 import structlog
+
+from shared.exit_reason import EXIT_REASON_ENV, read_exit_reason
 
 log = structlog.get_logger("supervisor")
 
@@ -36,6 +41,7 @@ class Child:
     reported: bool = field(default=False)
     stdout: object = None               # what the process writes to (None: ours)
     stdin_data: bytes | None = None     # written to its stdin at each start (a secret kept off argv)
+    reason_file: str | None = None      # where it keeps its last error line (None: nowhere)
 
     @property
     def pid(self) -> int:
@@ -45,9 +51,22 @@ class Child:
     def returncode(self) -> int | None:
         return self.proc.poll()
 
+    def last_error(self) -> str:
+        """For a line naming its death: its own last error line, or where to look."""
+        reason = read_exit_reason(self.reason_file) if self.reason_file else None
+        return f"its last error: {reason}" if reason else "its log above says why"
 
-def _popen(argv: list[str], cwd: str | None, stdout, stdin_data: bytes | None) -> subprocess.Popen:
-    proc = subprocess.Popen(argv, cwd=cwd, stdout=stdout, start_new_session=True,
+
+def _popen(argv: list[str], cwd: str | None, stdout, stdin_data: bytes | None,
+           reason_file: str | None) -> subprocess.Popen:
+    env = None
+    if reason_file is not None:
+        try:
+            os.remove(reason_file)          # an earlier process's: not this one's reason
+        except FileNotFoundError:
+            pass
+        env = {**os.environ, EXIT_REASON_ENV: reason_file}
+    proc = subprocess.Popen(argv, cwd=cwd, stdout=stdout, start_new_session=True, env=env,
                             stdin=None if stdin_data is None else subprocess.PIPE,
                             preexec_fn=_die_with_parent if sys.platform == "linux" else None)
     if stdin_data is not None:
@@ -65,16 +84,22 @@ def pacer_argv(*args: str) -> list[str]:
 
 
 class Supervisor:
-    def __init__(self) -> None:
+    def __init__(self, reasons_dir: str | None = None) -> None:
+        """`reasons_dir`: a folder for the children's last error lines (None: none kept)."""
         self.children: list[Child] = []
+        self.reasons_dir = reasons_dir
 
     def start(self, name: str, argv: list[str], cwd: str | None = None,
               stdout=None, stdin_data: bytes | None = None) -> Child:
         """`stdout` None: the child shares ours. `stdin_data`: what it reads on its stdin (a
         password kept off its command line, which every user of the machine can read), again
         at each restart; None: no stdin."""
-        proc = _popen(argv, cwd, stdout, stdin_data)
-        child = Child(name, argv, proc, stdout=stdout, stdin_data=stdin_data)
+        reason_file = None
+        if self.reasons_dir is not None:
+            reason_file = os.path.join(self.reasons_dir, f"{len(self.children)}.reason")
+        proc = _popen(argv, cwd, stdout, stdin_data, reason_file)
+        child = Child(name, argv, proc, stdout=stdout, stdin_data=stdin_data,
+                      reason_file=reason_file)
         self.children.append(child)
         log.info("started", child=name, pid=proc.pid)
         return child
@@ -82,8 +107,10 @@ class Supervisor:
     def restart(self, child: Child) -> Child:
         """A new process for a child that exited, in its place in the stop order."""
         fresh = Child(child.name, child.argv,
-                      _popen(child.argv, None, child.stdout, child.stdin_data),
-                      stdout=child.stdout, stdin_data=child.stdin_data)
+                      _popen(child.argv, None, child.stdout, child.stdin_data,
+                             child.reason_file),
+                      stdout=child.stdout, stdin_data=child.stdin_data,
+                      reason_file=child.reason_file)
         self.children[self.children.index(child)] = fresh
         log.info("restarted", child=child.name, pid=fresh.pid)
         return fresh

@@ -21,9 +21,11 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass, fields, replace
 from urllib.parse import urlsplit
 
@@ -32,7 +34,7 @@ import structlog
 from gateway.cli import POLICY_FLAGS, add_request_policy_args, api_key_to_environment
 from gateway.config import POLICIES
 from scheduler_svc.cli import DISAGG_MIN_PROMPT_TOKENS, default_scheduler_id
-from services.restarts import Restarter, Watchdog
+from services.restarts import HeartbeatKeys, Restarter, Watchdog
 from services.supervisor import Child, Supervisor, pacer_argv, wait_quietly
 from shared import gpu_memory
 from shared.config import parse_size
@@ -63,13 +65,13 @@ def register(sub) -> None:
                    help="a Redis to use; started here when none answers on a local address")
     p.add_argument("--key-prefix", default=DEFAULT_PREFIX, help="namespace of every Redis key")
     p.add_argument("--startup-timeout", type=positive_seconds, default=600.0,
-                   help="seconds to wait for /health to turn 200; a scheduler or worker "
+                   help="seconds to wait for /health to turn 200; a service "
                         "restarted later that writes no heartbeat for this long is killed "
                         "(and restarted again, up to 3 times in a row)")
     add_request_policy_args(p)
     add_log_level_arg(p)
     p.add_argument("--watchdog-s", type=non_negative_seconds, default=30.0,
-                   help="kill (and so restart) a scheduler or worker that has written no "
+                   help="kill (and so restart) a service that has written no "
                         "heartbeat for this long while its process lives: stopped or hung "
                         "(0: never; docs/failure-modes.md#a-service-that-hangs)")
     p.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=True,
@@ -331,7 +333,7 @@ def describe_redis(redis_url: str, started: bool) -> str:
 class Services:
     """The children `pacer up` starts, in start order, and what a restart needs of them."""
     argvs: list[tuple[str, list[str]]]
-    heartbeat_keys: dict[str, str]
+    heartbeat_keys: HeartbeatKeys
     groups: dict[str, str]              # child name -> the group it restarts with
 
 
@@ -340,8 +342,11 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
               "--log-level", args.log_level]
     keys = Keys(args.key_prefix)
     instances = instances_of(args, engine)
+    # an id of each gateway process's own (its restart is another gateway to the schedulers,
+    # which end a gone one's requests), whose heartbeat pacer up can read
+    gateway_id = f"up-{uuid.uuid4().hex[:8]}-{{pid}}"
     gateway = ["gateway", "--host", args.host, "--port", str(args.port), "--tp", str(engine.tp),
-               *common]
+               "--gateway-id", gateway_id, *common]
     replicas = instances[0].role == "colocated" and bool(instances[0].id)
     prefills = [i.id for i in instances if i.role == "prefill"]
     if instances[0].id:
@@ -388,6 +393,7 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
         schedulers.append((name, argv))
         heartbeats[name] = keys.hb_scheduler(sid)
     # stopped in reverse: the gateway first, the schedulers drain while workers still run
+    heartbeats["gateway"] = lambda pid: keys.hb_gateway(gateway_id.replace("{pid}", str(pid)))
     return Services([*workers, *schedulers, ("gateway", pacer_argv(*gateway))], heartbeats,
                     groups)
 
@@ -486,7 +492,7 @@ def _wait_healthy(sup: Supervisor, base_url: str, timeout_s: float, stopping: _S
     while not stopping():
         for child in sup.newly_exited():
             raise PacerError(f"{child.name} exited during start-up "
-                             f"({describe_exit(child.returncode)}); see its log above")
+                             f"({describe_exit(child.returncode)}); {child.last_error()}")
         status, body = _health(base_url)
         if status == 200:
             return
@@ -540,7 +546,8 @@ def run(args: argparse.Namespace) -> int:
     _check_listen_address(args.host, args.port)
     url = _checked_redis_url(args.redis_url)
     host, port = url.hostname or "127.0.0.1", url.port or 6379
-    sup = Supervisor()
+    reasons = tempfile.TemporaryDirectory(prefix="pacer-up-")   # the children's last errors
+    sup = Supervisor(reasons.name)
     stopping = _Signals(sup)
     try:
         # only a plain redis:// URL can be a server of ours; rediss:// and unix sockets are used
@@ -579,6 +586,7 @@ def run(args: argparse.Namespace) -> int:
             watchdog.close()
     finally:
         _stop(sup, args.shutdown_timeout, services.groups)
+        reasons.cleanup()
 
 
 def _stop(sup: Supervisor, shutdown_timeout_s: float, groups: dict[str, str]) -> None:

@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from shared import clock
 from shared.errors import PacerError
+from shared.exit_reason import note_exception
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, SCAN_COUNT, Keys
 from shared.protocol import Heartbeat, encode, heartbeat_of
 from shared.redis_retry import retry_redis
@@ -101,8 +102,9 @@ async def _with_signals(main: ServiceMain) -> int:
         return 1
     except PacerError:
         raise                       # the command line prints it as `pacer: error: ...`
-    except Exception:
+    except Exception as e:
         log.exception("service failed")
+        note_exception(e)
         return 1
 
 

@@ -249,6 +249,9 @@ def test_pacer_up_gives_up_on_a_worker_that_cannot_load_its_model_any_more(tmp_p
         assert proc.returncode == 1, lines[-20:]
         assert lines[-1].startswith("pacer: error: worker group did not come up again: "
                                     "worker rank 0 exited (exit code 1)"), lines[-20:]
+        # and why, in the worker's own words: not only somewhere above, among every
+        # service's lines
+        assert "its last error: " in lines[-1] and "safetensors" in lines[-1].lower(), lines[-1]
     finally:
         proc.kill()
         proc.wait()
@@ -344,3 +347,45 @@ def test_pacer_up_kills_a_restarted_worker_that_hangs_loading_its_model(tmp_path
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_pacer_ups_gateway_is_watched_by_its_heartbeat_as_the_other_services_are(
+        redis_server, tmp_path, monkeypatch):
+    """The gateway `pacer up` starts, as it starts it: its heartbeat (a random id's, with no
+    pid) was unknown to pacer up, so a gateway restart that hung before it came up was never
+    killed (--startup-timeout), nor a gateway stopped while serving (--watchdog-s). Now each
+    gateway process beats under a key pacer up knows, naming its pid: one that stops beating
+    is found hung."""
+    from services.cli import build_parser
+    from services.up import _service_argvs
+    from shared.engine_args import EngineArgs
+    from shared.protocol import Heartbeat, encode
+    from tests.helpers_tiny_model import write_tiny_llama
+    monkeypatch.setattr(Watchdog, "CHECK_EVERY_S", 0.0)
+    model = write_tiny_llama(tmp_path / "tiny")
+    args = build_parser().parse_args(["up", "--model", model, "--port", str(free_port()),
+                                      "--redis-url", redis_server, "--key-prefix", "gwtest"])
+    services = _service_argvs(args, EngineArgs.from_cli(args))
+    r = redis.Redis.from_url(redis_server)
+    sup = Supervisor()
+    try:
+        gateway = sup.start("gateway", dict(services.argvs)["gateway"], cwd=ROOT)
+        key = restarts.heartbeat_key(services.heartbeat_keys, gateway)
+        assert key is not None
+        wait_for(lambda: (incarnation(r.get(key)) or (None,))[0] == gateway.pid, 60.0,
+                 "the gateway's heartbeat, naming its pid")
+        # a scheduler that beats on: every key gone at once would be a Redis restart
+        scheduler = sup.start("scheduler", SLEEPER)
+        r.set(services.heartbeat_keys["scheduler"], encode(Heartbeat(
+            "scheduler", "s", time.time(), {"pid": scheduler.pid})))
+        watchdog = Watchdog(redis_server, services.heartbeat_keys, after_s=0.5)
+        try:
+            assert watchdog.hung(sup.children) == []
+            gateway.proc.send_signal(signal.SIGSTOP)
+            assert wait_for(lambda: watchdog.hung(sup.children), 30.0,
+                            "the stopped gateway found hung") == [gateway]
+        finally:
+            watchdog.close()
+    finally:
+        stop_children(sup.children, 5.0)
+        r.close()
