@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from shared.errors import PacerError
-from shared.exit_reason import note_exception, note_exit_reason
+from shared.exit_reason import note_exception, report_error
 from shared.logging import output_gone
 from shared.openmp import default_omp_wait_policy
 
@@ -88,8 +88,7 @@ def _run(args: argparse.Namespace) -> int:
         sys.stdout.flush()          # a closed pipe shows here, not at the interpreter's exit
         return code
     except PacerError as e:
-        print(f"pacer: error: {e}", file=sys.stderr)
-        note_exit_reason(str(e))
+        report_error(e)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -8,6 +8,7 @@ child writing its log."""
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 EXIT_REASON_ENV = "PACER_EXIT_REASON_FILE"
@@ -27,6 +28,13 @@ def note_exit_reason(line: str) -> None:
             f.write(text + "\n")
     except OSError:
         pass                # it only helps tell why; the service's exit is what matters
+
+
+def report_error(error: BaseException) -> None:
+    """A `PacerError` for the person who started the process: its `pacer: error: ...` line on
+    stderr, and kept as the exit reason."""
+    print(f"pacer: error: {error}", file=sys.stderr, flush=True)
+    note_exit_reason(str(error))
 
 
 def note_exception(error: BaseException) -> None:

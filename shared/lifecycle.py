@@ -28,7 +28,7 @@ from redis.exceptions import RedisError
 
 from shared import clock
 from shared.errors import PacerError
-from shared.exit_reason import note_exception
+from shared.exit_reason import note_exception, report_error
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, SCAN_COUNT, Keys
 from shared.protocol import Heartbeat, encode, heartbeat_of
 from shared.redis_retry import retry_redis
@@ -175,19 +175,29 @@ def connections_made(redis: aioredis.Redis) -> int | None:
 async def keep_heartbeat(redis: aioredis.Redis, key: str,
                             make: Callable[[], Heartbeat],
                             interval_s: float = HEARTBEAT_INTERVAL_S,
-                            ttl_s: int = HEARTBEAT_TTL_S) -> None:
+                            ttl_s: int = HEARTBEAT_TTL_S,
+                            lost: Callable[[bytes], PacerError] | None = None) -> None:
     """Keep `key` alive with a fresh Heartbeat until cancelled; survives Redis outages. Each
-    beat measures the offset to Redis's clock too (shared/clock.py)."""
+    beat measures the offset to Redis's clock too (shared/clock.py). With `lost`, the key is a
+    claim (`claimed`): each refresh writes it only while it holds this incarnation's claim (or
+    none); one another incarnation holds now is left as it is, and `lost(its value)` raised."""
     while not cancel_requested():
         try:
+            beat = make()
             pipe = redis.pipeline(transaction=False)
             pipe.time()
-            pipe.set(key, encode(make()), ex=ttl_s)
+            if lost is None:
+                pipe.set(key, encode(beat), ex=ttl_s)
+            else:
+                pipe.eval(_REFRESH_CLAIM, 1, key, beat.extra["incarnation"], encode(beat), ttl_s)
             before = time.time()
-            redis_time, _ = await pipe.execute()
+            redis_time, held_by = await pipe.execute()
             clock.measured(before, redis_time, time.time())
         except (RedisError, OSError) as e:
             log.warning("heartbeat not written", key=key, error=str(e))
+        else:
+            if lost is not None and held_by:
+                raise lost(held_by)
         await asyncio.sleep(interval_s)
     raise asyncio.CancelledError
 
@@ -210,6 +220,22 @@ end
 return 0
 """
 
+# Refresh a claim: SET the key to ARGV[2] (TTL ARGV[3] s) while it holds a claim of incarnation
+# ARGV[1], or nothing (it lapsed: this process was paused past its TTL, or Redis restarted);
+# one of another incarnation (it took the lapsed claim meanwhile) is returned, not touched
+_REFRESH_CLAIM = """
+local held = redis.call('GET', KEYS[1])
+if held then
+  local ok, claim = pcall(cmsgpack.unpack, held)
+  if not (ok and type(claim) == 'table' and type(claim.extra) == 'table'
+          and claim.extra.incarnation == ARGV[1]) then
+    return held
+  end
+end
+redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+return false
+"""
+
 
 @contextlib.asynccontextmanager
 async def claimed(redis: aioredis.Redis, key: str, kind: str, ident: str, what: str,
@@ -221,16 +247,29 @@ async def claimed(redis: aioredis.Redis, key: str, kind: str, ident: str, what: 
     (a restart, the key not expired yet) is taken over: on this host, when its pid is gone
     (or is another program's now); from another host, once it stops being refreshed (it
     lapses within `ttl_s`). A live holder: PacerError naming `what`, the holder and `hint`
-    (what to do). `kind`: the service (`scheduler`, `worker`), as its command line says it."""
+    (what to do). `kind`: the service (`scheduler`, `worker`), as its command line says it.
+
+    A process paused past `ttl_s` (SIGSTOP, a long stall) may find its lapsed claim taken by
+    a new process of its identity: its refresh leaves that one's claim as it is and the
+    process exits 1 at once, with one line naming the holder (it is the stale one)."""
     started_at = time.time()
+    pid, host = os.getpid(), socket.gethostname()
 
     def make() -> Heartbeat:
         return Heartbeat(kind, ident, time.time(), {
-            "pid": os.getpid(), "host": socket.gethostname(), "started_at": started_at})
+            "pid": pid, "host": host, "started_at": started_at,
+            "incarnation": f"{pid}@{host}@{started_at!r}"})
+
+    def lost(raw: bytes) -> PacerError:
+        beat = heartbeat_of(raw)
+        return PacerError(f"{what} was taken over: this process (pid {pid}) did not refresh "
+                          f"its claim within {ttl_s} s (paused, or cut off from Redis) and "
+                          f"{holder(beat.extra if beat else {})} holds it now; this one stops")
     await retry_redis(lambda: _claim(redis, key, encode(make()), kind, what, hint,
                                                 ttl_s),
                       f"claim {key}", log)
-    task = essential_task(keep_heartbeat(redis, key, make, ttl_s=ttl_s), f"claim of {what}")
+    task = essential_task(keep_heartbeat(redis, key, make, ttl_s=ttl_s, lost=lost),
+                          f"claim of {what}")
     try:
         yield
     finally:
@@ -319,7 +358,8 @@ def essential_task(work: Coroutine[Any, Any, None], name: str) -> asyncio.Task:
     still works, so that its requests are taken over twice). Its end is logged with the
     traceback and the process exits at once with EXIT_TASK_ENDED, as if killed: its
     supervisor starts it again and the recovery a `kill -9` gets begins
-    (docs/failure-modes.md#a-background-task-ends)."""
+    (docs/failure-modes.md#a-background-task-ends). One that raises PacerError found that the
+    process must not go on (its claim is another's now): its one line, and exit 1."""
     task = asyncio.create_task(work, name=name)
     task.add_done_callback(_exit_unless_cancelled)
     return task
@@ -329,6 +369,11 @@ def _exit_unless_cancelled(task: asyncio.Task) -> None:
     if task.cancelled():
         return
     error = task.exception()
+    if isinstance(error, PacerError):
+        # the task found that the process must not go on (a claim another process holds
+        # now): its one line, exit 1 as a refused start does; not restarted into serving
+        report_error(error)
+        os._exit(1)
     log.critical("an essential task ended; exiting so that the process is started again",
                  task=task.get_name(), error=repr(error) if error else "returned",
                  exc_info=error)

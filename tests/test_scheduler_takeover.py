@@ -30,8 +30,8 @@ import redis.asyncio as aioredis
 
 from scheduler_svc.takeover import CLAIM_IDLE_MS
 from scheduler_svc.workers import incarnation
-from shared.keys import Keys
-from shared.protocol import FinishEvent, TokenBatch, decode
+from shared.keys import HEARTBEAT_TTL_S, Keys
+from shared.protocol import FinishEvent, TokenBatch, decode, heartbeat_of
 from tests.helpers_tiny_model import write_tiny_llama
 from tests.redis_fixture import free_port, start_redis, stop_redis
 from tests.served_fixture import API_KEY, ROOT, Served, wait_for, wait_healthy
@@ -255,6 +255,49 @@ def test_of_two_schedulers_started_together_under_one_name_one_refuses(system: S
     finally:
         for twin in twins:
             twin.stop()
+
+
+def test_a_scheduler_paused_past_its_claim_finds_it_taken_and_stops(system: System):
+    """Stopped (SIGSTOP) longer than its claim's TTL, a scheduler's claim lapses and a new one
+    under its id takes it. Resumed, the first one's refresh was a plain SET: it overwrote the
+    newer claim and both ran under one name. Now the refresh leaves another incarnation's
+    claim alone, and the stale one exits 1 naming the holder; the new one serves on. (Under a
+    key prefix of their own, as the twins above.)"""
+    keys = Keys(prefix="paused:")
+    r = redis.Redis.from_url(system.redis_url)
+
+    def start() -> Process:
+        return system.start(f"paused-{len(system.processes)}", "scheduler", "--model",
+                            system.model, *ENGINE_FLAGS, "--redis-url", system.redis_url,
+                            "--key-prefix", "paused:", "--scheduler-id", "paused")
+
+    def holds_claim(process: Process) -> bool:
+        beat = heartbeat_of(r.get(keys.claim_scheduler("paused")))
+        return beat is not None and beat.extra.get("pid") == process.proc.pid
+    stale = start()
+    fresh = None
+    try:
+        wait_for(lambda: holds_claim(stale), 60.0, "the first scheduler's claim")
+        stale.proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: not r.exists(keys.claim_scheduler("paused")), 30.0,
+                 "the paused scheduler's claim to lapse")
+        fresh = start()
+        wait_for(lambda: holds_claim(fresh), 60.0, "the second scheduler's claim")
+        stale.proc.send_signal(signal.SIGCONT)
+        assert stale.proc.wait(30) == 1, stale.log_tail()
+        assert last_line(stale) == (
+            f"pacer: error: scheduler id 'paused' was taken over: this process (pid "
+            f"{stale.proc.pid}) did not refresh its claim within {HEARTBEAT_TTL_S} s (paused, "
+            f"or cut off from Redis) and pid {fresh.proc.pid} on host {socket.gethostname()} "
+            "holds it now; this one stops"), stale.log_tail()
+        assert fresh.proc.poll() is None, fresh.log_tail()
+        assert holds_claim(fresh)
+    finally:
+        stale.proc.send_signal(signal.SIGCONT)
+        stale.stop()
+        if fresh is not None:
+            fresh.stop()
+        r.close()
 
 
 def test_a_second_worker_of_a_running_ones_rank_refuses_to_start(system: System):
