@@ -335,7 +335,8 @@ def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_bloc
     # get them; other free blocks go as usual
     c = core(num_blocks=8)
     side = decode_side(c)
-    a, b = request("a", 9), request("b", 9)
+    a = request("a", 9)
+    b = replace(request("b", 9), prompt_token_ids=list(range(50, 59)))  # none of a's cached
     side.receive(reply(ReserveMsg(encode(a), "p0"), handoff(a, "5-0", 77, ["d0:1"])))
     checked(c, side)
     first = c.schedule()
@@ -353,7 +354,8 @@ def test_planned_ahead_a_handoff_joins_the_next_plan_and_an_abort_holds_its_bloc
     assert side._replies[-1][1].block_ids       # a never-used block: given at once
     assert not set(side._replies[-1][1].block_ids) & held_by_a
     side.take_replies()
-    big = request("big", 9)                     # 3 blocks: only a's would do
+    big = replace(request("big", 9), prompt_token_ids=list(range(80, 89)))
+    #                                             3 blocks: only a's would do
     side.receive(reply(ReserveMsg(encode(big), "p0")))
     assert side.take_replies() == []            # it waits
     assert c.block_manager.num_free_blocks == 1
@@ -1307,6 +1309,20 @@ def admit_entry(r, p0: PrefillSide, msg: RequestMsg) -> None:
     p0.admit(entry, msg)
 
 
+def run_to_the_end(c: Scheduler) -> dict[str, tuple[int, list[str]]]:
+    """c's requests run to their end, the pool's books checked at each step; each new to the
+    workers -> (its computed tokens, kv_received) as they first got it."""
+    outs = {}
+    while c.has_unfinished():
+        plan = c.schedule()
+        outs.update({n.request_id: (n.num_computed_tokens, n.kv_received)
+                     for n in plan.new_requests})
+        c.update(plan, StepResult(plan.step, {rid: SampledToken(60)
+                                              for rid in c.samples_in_flight()}))
+        c.block_manager.check_integrity()
+    return outs
+
+
 def test_a_lost_worker_group_leaves_no_reservation_sharing_a_prefix_it_no_longer_knows(
         redis_server):
     """Two reservations took the same cached prefix of the decode pool (shared blocks); then
@@ -1351,14 +1367,7 @@ def test_a_lost_worker_group_leaves_no_reservation_sharing_a_prefix_it_no_longer
     assert blocks.num_aside_blocks == 2         # each one's block p0 wrote into
     prefill_and_hand_over(p0)
     exchange(r, p0, d0)
-    outs = {}
-    while c.has_unfinished():
-        plan = c.schedule()
-        outs.update({n.request_id: (n.num_computed_tokens, n.kv_received)
-                     for n in plan.new_requests})
-        c.update(plan, StepResult(plan.step, {rid: SampledToken(60)
-                                              for rid in c.samples_in_flight()}))
-        blocks.check_integrity()
+    outs = run_to_the_end(c)
     # each recomputed, "b" and "c" on the prefix "a" computed again
     assert outs == {"a": (0, []), "b": (8, []), "c": (8, [])}
     d0.receive(reply(ReserveMsg(encode(request("e", 10)), "p0")))
@@ -1481,3 +1490,63 @@ def test_an_idle_prefill_scheduler_waits_for_answers_without_polling(redis_serve
             await r.aclose()
 
     assert asyncio.run(go()) == 0
+
+
+def test_a_handed_over_prompt_joins_the_decode_prefix_cache_once_its_kv_is_verified(
+        redis_server):
+    """A request handed over with its prompt's K/V, verified by the workers' check, has its
+    prompt's full blocks in the decode pool's prefix cache from its activation: a prompt
+    sharing them that asks right then (a shared system prompt under load) is sent only the
+    rest. Before, they joined only after its first decode's result, and that ask got the
+    whole prompt's K/V sent again. Blocks whose check is in flight are not cached, nor are
+    those of a request whose check failed (recomputed here: they are cached as it computes
+    them). The books balance at each step. Real Redis."""
+    import redis as sync_redis
+
+    r = sync_redis.Redis.from_url(redis_server)
+    p0, d0 = pd_pair(r, "verified-prefix:", num_blocks=16)
+    c, blocks = d0.core, d0.core.block_manager
+    p0.consumer = "p0"
+
+    def granted(rid: str) -> ReservedMsg:
+        msg, = [m for m in (from_fields(f) for _, f in
+                            r.xrange(p0.keys.for_instance("p0").reservations))
+                if m.request_id == rid and m.block_ids]
+        return msg
+
+    admit_entry(r, p0, request("a", 9))
+    exchange(r, p0, d0)
+    prefill_and_hand_over(p0)
+    exchange(r, p0, d0)                 # "a" handed over: its K/V's check is due
+    plan = d0.add_checks(c.schedule())  # ... and in flight
+    admit_entry(r, p0, request("b", 10, max_tokens=3))     # the same 8 leading tokens
+    exchange(r, p0, d0)
+    assert granted("b").num_cached_blocks == 0      # "a"'s blocks are not verified yet
+    assert blocks.num_cached_blocks == 0
+    blocks.check_integrity()
+    result = StepResult(plan.step, {}, kv_verified=["a"])
+    c.update(plan, result)
+    d0.observe(plan, result)            # "a" runs on, its first decode not yet planned
+    assert not c.is_reserved("a") and c.get_request("a").num_computed_tokens == 9
+    assert blocks.num_cached_blocks == 2
+    blocks.check_integrity()
+    admit_entry(r, p0, request("c", 10, max_tokens=3))
+    exchange(r, p0, d0)
+    assert granted("c").num_cached_blocks == 2
+    assert granted("c").block_ids[:2] == c.get_request("a").block_table[:2]
+    blocks.check_integrity()
+    prefill_and_hand_over(p0)
+    exchange(r, p0, d0)                 # "b" and "c" handed over
+    plan = d0.add_checks(c.schedule())
+    assert sorted(k.request_id for k in plan.kv_checks) == ["b", "c"]
+    result = StepResult(plan.step, {rid: SampledToken(60) for rid in c.samples_in_flight()},
+                        kv_verified=["c"])              # "b"'s check fails
+    c.update(plan, result)
+    d0.observe(plan, result)
+    assert d0.kv_check_failures_total == 1 and d0.recomputed_total == 1
+    assert blocks.num_cached_blocks == 2        # "b"'s blocks: nothing cached of them
+    blocks.check_integrity()
+    outs = run_to_the_end(c)
+    # "b" recomputed on the verified prefix "a" cached; "c" on its received K/V
+    assert outs == {"b": (8, []), "c": (10, ["d0:1"])}
+    r.close()

@@ -285,6 +285,11 @@ class Scheduler:
             request.kv_received = list(kv_received)
             request.status = RequestStatus.RUNNING
             self.policy.place_running(self._running, request)
+            # the workers verified its prompt's K/V in the pool (the caller's check): its
+            # full blocks join the prefix cache now, for a prompt sharing them that asks
+            # before its first decode's result
+            if self._caching:
+                self.block_manager.cache_computed_blocks(request)
             return
         self._let_go(request, hold)
         request.num_computed_tokens = 0         # its cached prefix (if any) went with them
