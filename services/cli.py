@@ -7,7 +7,7 @@ import importlib
 import sys
 
 from shared.errors import PacerError
-from shared.exit_reason import note_exception, report_error
+from shared.exit_reason import note_exception, note_exit_reason, report_error
 from shared.logging import output_gone
 from shared.openmp import default_omp_wait_policy
 
@@ -46,9 +46,18 @@ def _showing_defaults(formatter: type) -> type:
     return type(f"{formatter.__name__}ShowingDefaults", (_ShowsDefaults, formatter), {})
 
 
+class _Parser(argparse.ArgumentParser):
+    """Keeps a usage error as the exit reason too (a service `pacer up` started with a flag
+    it refuses exits 2 before anything else runs: its last error is argparse's line)."""
+
+    def error(self, message: str):
+        note_exit_reason(f"{self.prog}: {message}")
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
     # the docstring's first sentence: the rest speaks to whoever adds a subcommand
-    parser = argparse.ArgumentParser(prog="pacer", description=__doc__.split(". ")[0] + ".")
+    parser = _Parser(prog="pacer", description=__doc__.split(". ")[0] + ".")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:

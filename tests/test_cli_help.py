@@ -3,8 +3,12 @@ note meant for whoever adds a subcommand."""
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
 
 from services.cli import build_parser
+from shared.exit_reason import EXIT_REASON_ENV, read_exit_reason
 
 
 def _help(*command: str) -> str:
@@ -30,3 +34,16 @@ def test_the_top_level_help_is_a_whole_sentence_for_the_user():
     text = _help()
     assert "one command line for every entry point." in text, text
     assert "Each subcommand lives in its own module" not in text, text
+
+
+def test_a_usage_error_is_kept_as_the_exit_reason(tmp_path):
+    """`pacer up` names a dead service's last error from the file it gives it; a flag the
+    service refuses ended it before any of that ran (its reason file stayed empty)."""
+    reason = tmp_path / "reason"
+    env = {**os.environ, EXIT_REASON_ENV: str(reason)}
+    done = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--rank", "two"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    kept = read_exit_reason(str(reason))
+    assert kept is not None and kept.startswith("pacer worker: argument --rank"), kept
+    assert "'two'" in kept, kept
