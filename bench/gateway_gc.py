@@ -10,8 +10,9 @@ woke (the loop's lag), and a `gc.callbacks` hook that times every collection (th
 collector holds the GIL, so the loop waits for all of it, on a thread too). Then, beside
 `--streams` greedy streams, it sends one after another: a completion with `logprobs`, `echo`
 and `max_tokens` tokens; a chat completion with `top_logprobs`; and a completion with
-`n` 4 of a quarter of the tokens each; a chat completion with `n` 4 of half of them. It prints, per request, the loop's longest lag, the
-longest collection of each generation and the streams' longest token gap.
+`n` 4 of a quarter of the tokens each; a chat completion with `n` 4 of half of them. It
+prints, per request, the loop's longest lag, the longest collection of each generation and
+the streams' longest token gap.
 """
 from __future__ import annotations
 

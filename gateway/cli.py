@@ -123,7 +123,8 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
                          max_model_len=max_model_len, api_key=args.api_key, tp=args.tp,
                          instances=parse_instances(args.instances), router=args.router,
                          route_prefill=tuple(filter(None, args.route_prefill.split(","))),
-                         gateway_id=(args.gateway_id or new_gateway_id()).replace("{pid}", str(os.getpid())),
+                         gateway_id=(args.gateway_id or new_gateway_id()).replace(
+                             "{pid}", str(os.getpid())),
                          max_body_bytes=args.max_body_bytes,
                          max_waiting_requests=args.max_waiting_requests,
                          request_timeout_s=args.request_timeout,

@@ -258,8 +258,8 @@ class Upstream:
             failed = "heartbeat not written"
             try:
                 pipe = self.redis.pipeline(transaction=False)
-                pipe.set(key, encode(Heartbeat("gateway", self.gateway_id, time.time(), incarnation)),
-                         ex=HEARTBEAT_TTL_S)
+                beat = Heartbeat("gateway", self.gateway_id, time.time(), incarnation)
+                pipe.set(key, encode(beat), ex=HEARTBEAT_TTL_S)
                 pipe.info("server")
                 pipe.time()
                 aborts = self._queue_unsent_aborts(pipe)

@@ -850,8 +850,9 @@ class DecodeSide:
     def _reserve(self, msg: ReserveMsg) -> None:
         """An ask for blocks is answered in its turn after those already waiting, at once
         where there is room (`grant_waiting`); asked again, it keeps its place, and one
-        already granted is answered again with the same blocks. Past WAITING_ASKS_MAX of its prefill instance waiting,
-        it is answered NO_ROOM (that side asks again in RESERVE_RETRY_S)."""
+        already granted is answered again with the same blocks. Past WAITING_ASKS_MAX of its
+        prefill instance waiting, it is answered NO_ROOM (that side asks again in
+        RESERVE_RETRY_S)."""
         rid = msg.request_msg.request_id
         if self.core.is_reserved(rid):
             self._answer(msg)

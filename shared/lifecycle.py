@@ -265,8 +265,7 @@ async def claimed(redis: aioredis.Redis, key: str, kind: str, ident: str, what: 
         return PacerError(f"{what} was taken over: this process (pid {pid}) did not refresh "
                           f"its claim within {ttl_s} s (paused, or cut off from Redis) and "
                           f"{holder(beat.extra if beat else {})} holds it now; this one stops")
-    await retry_redis(lambda: _claim(redis, key, encode(make()), kind, what, hint,
-                                                ttl_s),
+    await retry_redis(lambda: _claim(redis, key, encode(make()), kind, what, hint, ttl_s),
                       f"claim {key}", log)
     task = essential_task(keep_heartbeat(redis, key, make, ttl_s=ttl_s, lost=lost),
                           f"claim of {what}")

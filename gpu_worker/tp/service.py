@@ -4,8 +4,9 @@ only over torch.distributed.
 Rank 0 picks a free port, writes `{addr, port, pid, time}` to the rendezvous key, hosts the
 group, withdraws the key once the group formed and serves plans through a TPExecutor (it
 broadcasts each plan to the followers, all ranks run it, all must sample the same tokens).
-Ranks > 0 read the rendezvous, join, and follow until rank 0 shuts the group down; a rank that dies takes the group down within
-seconds (the watchdog, `liveness.py`) and `pacer up` restarts the whole group.
+Ranks > 0 read the rendezvous, join, and follow until rank 0 shuts the group down; a rank
+that dies takes the group down within seconds (the watchdog, `liveness.py`) and `pacer up`
+restarts the whole group.
 """
 from __future__ import annotations
 

@@ -118,8 +118,9 @@ class BlockManager:
         """Register the request's full blocks whose K/V are all computed. Call only after the
         iteration that computed them is done (`Scheduler.update`), or once the workers
         verified K/V received into them (P/D, `Scheduler.activate`): a plan that failed, or
-        a check in flight or failed, never registers anything. A block whose hash another block already has stays unregistered
-        (the same prefix computed twice at once) and goes back plain when freed."""
+        a check in flight or failed, never registers anything. A block whose hash another
+        block already has stays unregistered (the same prefix computed twice at once) and
+        goes back plain when freed."""
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_table))
