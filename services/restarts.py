@@ -222,6 +222,7 @@ class Watchdog:
         self._seen: dict[int, float] = {}      # pid -> when its heartbeat was last seen
         self._checked_at = time.monotonic()
         self._redis_away = False
+        self._run_id: str | None = None        # the Redis server's, as last read
 
     def hung(self, children: list[Child]) -> list[Child]:
         """The running children silent for longer than `after_s` (checked once a second)."""
@@ -233,16 +234,22 @@ class Watchdog:
         if not watched:
             return []
         try:
-            values = self._client.mget([heartbeat_key(self.heartbeat_keys, c) for c in watched])
+            pipe = self._client.pipeline(transaction=False)
+            pipe.info("server")
+            pipe.mget([heartbeat_key(self.heartbeat_keys, c) for c in watched])
+            server, values = pipe.execute()
         except (redis.RedisError, OSError):
             self._redis_away = True
             return []           # no verdict without Redis: its services wait for it too
         pids = [(incarnation(v) or (None,))[0] for v in values]
         live = {c.pid for c in watched}
         self._seen = {pid: t for pid, t in self._seen.items() if pid in live}
-        if self._redis_away or not any(pids):
-            # Redis was away, or lost every key at once (a restart, not every service hung
-            # together): the services reconnect and beat again; count from now
+        restarted = self._run_id is not None and server["run_id"] != self._run_id
+        self._run_id = server["run_id"]
+        if self._redis_away or restarted:
+            # Redis was away, or restarted (another run_id: it lost every key): the services
+            # reconnect and beat again; count from now. Keys gone from a Redis that ran on
+            # (every service stalled, their keys expired) are no such sign.
             self._seen = dict.fromkeys(self._seen, now)
             self._redis_away = False
         hung = []

@@ -1,9 +1,10 @@
 """pacer up's watchdog (services/restarts.py): a child whose heartbeat was seen and that
-writes none for --watchdog-s while its process lives is named to be killed; one never seen
-(still loading), one that beats, and every child while Redis is away or has lost every key
-are not. Real processes and a real Redis."""
+writes none for --watchdog-s while its process lives is named to be killed, every child
+silent at once too; one never seen (still loading), one that beats, and every child while
+Redis is away or after it restarted (another run_id) are not. Real processes and a real Redis."""
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 
@@ -14,6 +15,7 @@ from services.restarts import Watchdog
 from services.supervisor import Child
 from shared.protocol import Heartbeat, encode
 from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
+from tests.redis_fixture import start_redis, stop_redis
 
 AFTER_S = 0.4
 KEYS = {"worker rank 0": "wd:hb:worker", "scheduler": "wd:hb:scheduler"}
@@ -42,6 +44,21 @@ def checks(watchdog: Watchdog, children: list[Child], seconds: float) -> list[st
     return found
 
 
+@contextlib.contextmanager
+def all_beating(url: str, children: list[Child]):
+    """A client and a watchdog of the Redis at `url`, once it has seen every child beat."""
+    r = redis.Redis.from_url(url)
+    watchdog = Watchdog(url, KEYS, AFTER_S)
+    try:
+        for child in children:
+            beat(r, child)
+        assert checks(watchdog, children, 0.1) == []
+        yield r, watchdog
+    finally:
+        watchdog.close()
+        r.close()
+
+
 def test_a_silent_child_is_found_hung_and_a_beating_or_unseen_one_is_not(
         redis_server, children, monkeypatch):
     monkeypatch.setattr(Watchdog, "CHECK_EVERY_S", 0.0)
@@ -61,22 +78,30 @@ def test_a_silent_child_is_found_hung_and_a_beating_or_unseen_one_is_not(
         r.close()
 
 
-def test_every_key_gone_at_once_is_a_redis_restart_not_a_hang(redis_server, children,
-                                                              monkeypatch):
+def test_every_child_silent_at_once_is_found_hung(redis_server, children, monkeypatch):
+    """Every key gone while Redis kept running (every service stalled together: their keys
+    expired) is no Redis restart: each child is named."""
     monkeypatch.setattr(Watchdog, "CHECK_EVERY_S", 0.0)
-    r = redis.Redis.from_url(redis_server)
-    watchdog = Watchdog(redis_server, KEYS, AFTER_S)
+    with all_beating(redis_server, children) as (r, watchdog):
+        r.delete(*KEYS.values())            # both stop beating: their keys expire
+        assert sorted(checks(watchdog, children, 3 * AFTER_S)) == sorted(KEYS)
+
+
+def test_a_redis_restart_is_not_a_hang(children, monkeypatch):
+    """Redis restarted (another run_id; it kept nothing), even unseen by any check while it
+    was away: the silence counts from then, and the services beat again."""
+    monkeypatch.setattr(Watchdog, "CHECK_EVERY_S", 0.0)
+    proc, url = start_redis()
     try:
-        for child in children:
-            beat(r, child)
-        assert checks(watchdog, children, 0.1) == []
-        r.flushdb()                         # what a restarted Redis holds: nothing
-        assert checks(watchdog, children, 3 * AFTER_S) == []
-        for child in children:              # they beat again, then one stops
-            beat(r, child)
-        assert checks(watchdog, children, 0.1) == []
-        r.delete(KEYS["scheduler"])
-        assert checks(watchdog, children, 3 * AFTER_S) == ["scheduler"]
+        with all_beating(url, children) as (r, watchdog):
+            stop_redis(proc)
+            time.sleep(2 * AFTER_S)         # away for longer than AFTER_S, no check meanwhile
+            proc, _ = start_redis(int(url.rsplit(":", 1)[1].split("/")[0]))
+            assert checks(watchdog, children, 0.1) == []
+            for child in children:          # they beat again, then one stops
+                beat(r, child)
+            assert checks(watchdog, children, 0.1) == []
+            r.delete(KEYS["scheduler"])
+            assert checks(watchdog, children, 3 * AFTER_S) == ["scheduler"]
     finally:
-        watchdog.close()
-        r.close()
+        stop_redis(proc)
