@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -42,6 +42,7 @@ class Child:
     stdout: object = None               # what the process writes to (None: ours)
     stdin_data: bytes | None = None     # written to its stdin at each start (a secret kept off argv)
     reason_file: str | None = None      # where it keeps its last error line (None: nowhere)
+    cwd: str | None = None              # the folder it runs in (None: ours), at each start
 
     @property
     def pid(self) -> int:
@@ -99,18 +100,16 @@ class Supervisor:
             reason_file = os.path.join(self.reasons_dir, f"{len(self.children)}.reason")
         proc = _popen(argv, cwd, stdout, stdin_data, reason_file)
         child = Child(name, argv, proc, stdout=stdout, stdin_data=stdin_data,
-                      reason_file=reason_file)
+                      reason_file=reason_file, cwd=cwd)
         self.children.append(child)
         log.info("started", child=name, pid=proc.pid)
         return child
 
     def restart(self, child: Child) -> Child:
-        """A new process for a child that exited, in its place in the stop order."""
-        fresh = Child(child.name, child.argv,
-                      _popen(child.argv, None, child.stdout, child.stdin_data,
-                             child.reason_file),
-                      stdout=child.stdout, stdin_data=child.stdin_data,
-                      reason_file=child.reason_file)
+        """A new process for a child that exited, in its place in the stop order, started as
+        it was (its folder, output, stdin and reason file)."""
+        fresh = replace(child, reported=False, proc=_popen(
+            child.argv, child.cwd, child.stdout, child.stdin_data, child.reason_file))
         self.children[self.children.index(child)] = fresh
         log.info("restarted", child=child.name, pid=fresh.pid)
         return fresh

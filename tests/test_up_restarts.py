@@ -83,6 +83,20 @@ def test_no_group_starts_once_up_is_stopping(sup):
     assert [c for c in sup.children if c.name in GROUPS] == old     # none started
 
 
+def test_a_restarted_child_runs_in_the_folder_it_was_first_started_in(tmp_path):
+    """A restart is the same process again: the folder given at its start too (its relative
+    paths mean what they meant), not the supervisor's."""
+    where, said = tmp_path / "svc", tmp_path / "cwd.txt"
+    where.mkdir()
+    writes_cwd = [sys.executable, "-c",
+                  "import os, sys; open(sys.argv[1], 'a').write(os.getcwd() + '\\n')", str(said)]
+    sup = Supervisor()
+    child = sup.start("service", writes_cwd, cwd=str(where))
+    assert child.proc.wait(30) == 0
+    assert sup.restart(child).proc.wait(30) == 0
+    assert said.read_text().splitlines() == [str(where), str(where)]
+
+
 def test_a_dead_groups_heartbeats_go_at_once_and_again_once_its_survivors_stopped(
         redis_server):
     r = redis.Redis.from_url(redis_server)
