@@ -458,7 +458,12 @@ class ModelRunner:
             len(want) == len(blocks) and all(0 <= b < self.kv_pool.shape[2] for b in blocks) \
             else None
         ok = got is not None and got == want
-        if not ok:
+        if ok:
+            # they hold what was sent, in this process's pool: the scheduler caches them once
+            # every rank says so, and may plan them for another prompt before their request
+            for b in blocks:
+                self._written[b] = 1
+        else:
             # which of the prompt's blocks differ (by position): where to look for the cause
             log.warning("received K/V differs from what was sent; it will be recomputed",
                         request_id=check.request_id, rank=rank, blocks=len(blocks),

@@ -25,14 +25,20 @@ from gpu_worker.kv_transfer import coalesce, make_connector            # noqa: E
 from gpu_worker.kv_transfer.connector import KVConnector, pool_descriptor  # noqa: E402
 from gpu_worker.kv_transfer.sender import LayerSender, _Send           # noqa: E402
 from gpu_worker.model_runner import UnknownKVCache, build_runner       # noqa: E402
+from scheduler_svc.book import RequestBook                             # noqa: E402
+from scheduler_svc.core import Scheduler                               # noqa: E402
+from scheduler_svc.disagg import DecodeSide                            # noqa: E402
+from shared.config import SchedulerConfig                              # noqa: E402
 from shared.engine_args import EngineArgs                              # noqa: E402
 from shared.engine_layout import engine_layout                         # noqa: E402
 from shared.errors import PacerError                                   # noqa: E402
+from shared.keys import Keys                                           # noqa: E402
 from shared.kv_layout import KVLayoutError                             # noqa: E402
 from shared.model_config import load_model_config                      # noqa: E402
 from shared.model_source import model_identity, resolve_model          # noqa: E402
 from shared.plan import (CachedRequestData, IterationPlan, KVCheck,    # noqa: E402
                          KVSend, NewRequestData)
+from shared.protocol import HandoffMsg, RequestMsg, ReserveMsg, encode, to_fields  # noqa: E402
 from shared.sampling import SamplingParams                             # noqa: E402
 from tests.helpers_tiny_model import write_tiny_llama                  # noqa: E402
 
@@ -278,9 +284,10 @@ def test_a_rogue_peer_on_the_engines_ports_is_dropped_and_the_pool_keeps_its_byt
 
 # ---- (b) a prefill runner in one process, a decode runner in another -----------------------
 
-def _prefill_side(path: str, prompt: list[int], peer: dict, out) -> None:
+def _prefill_side(path: str, prompt: list[int], peer: dict, out,
+                  dst_blocks: list[int] = DST_BLOCKS) -> None:
     runner = runner_for(path)
-    sends = [KVSend("r", "decode-0", SRC_BLOCKS, DST_BLOCKS, [peer])]
+    sends = [KVSend("r", "decode-0", SRC_BLOCKS, dst_blocks, [peer])]
     results = [runner.execute(p) for p in prefill_plans(prompt, SRC_BLOCKS, sends)]
     out.put((results[-1].sampled["r"].token_id, [r.kv_failed for r in results],
              results[-1].kv_stats, results[-1].kv_digests))
@@ -333,6 +340,52 @@ def test_prefill_and_decode_runners_in_two_processes_match_one_runner(tiny, deco
                       temperature=None, output_scores=True, return_dict_in_generate=True)
     assert_same_tokens(ours, out.sequences[0, len(prompt):].tolist(),
                        torch.stack(out.scores)[:, 0], "P/D")
+
+
+def test_a_verified_prefix_serves_a_prompt_before_the_request_it_came_with_runs(tiny):
+    """A decode instance (its scheduling core and a worker runner) caches a handed-over
+    prompt's full blocks once the workers verified them, before that request's first plan:
+    aborted right then (or preempted), the request never runs here, and the next prompt
+    sharing the prefix starts after those blocks with no K/V received. The worker holds them,
+    verified: it runs on them, as the prefill side did. Before, only the first plan of the
+    request they came with marked them written here, and the worker stopped on
+    UnknownKVCache (restarted, every request recomputed)."""
+    path, prompt = tiny
+    receiver = runner_for(path)
+    c = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, num_kv_blocks=32,
+                                  block_size=BLOCK, max_model_len=512))
+    side = DecodeSide(Keys(), "d0", "host-d0", c, RequestBook(c), started_at=1.0)
+    side.peers = [receiver.kv_descriptor()]
+
+    def stream(msg) -> list:
+        return [[b"handoffs", [(b"1-0", to_fields(msg))]]]
+    asked = RequestMsg("r", prompt, GREEDY, "tokens:r", "gw", 0.0)
+    side.receive(stream(ReserveMsg(encode(asked), "p0")))
+    (_, reserved), = side.take_replies()
+    blocks = reserved.block_ids[:len(SRC_BLOCKS)]
+    out = SPAWN.Queue()
+    child = SPAWN.Process(target=_prefill_side,
+                          args=(path, prompt, receiver.kv_descriptor(), out, blocks))
+    child.start()
+    try:
+        first, failed, _, digests = reply(child, out)
+    finally:
+        child.join(timeout=60)
+    assert child.exitcode == 0 and failed == [[], [], []]
+    side.receive(stream(HandoffMsg(encode(asked), "5-0", [first],
+                                   [receiver.kv_descriptor()["session"]], 0,
+                                   [blocks, digests["r"]])))
+    plan = side.add_checks(c.schedule())
+    result = receiver.execute(plan)
+    assert result.kv_verified == ["r"]
+    c.update(plan, result)
+    side.observe(plan, result)
+    c.abort("r")                        # before its first plan
+    c.add_request("x", prompt, GREEDY)
+    plan = c.schedule()
+    new, = plan.new_requests
+    assert (new.num_computed_tokens, new.kv_received) == (2 * BLOCK, [])   # "r"'s full blocks
+    assert receiver.execute(plan).sampled["x"].token_id == first
 
 
 # ---- (c) K/V written to another session is refused ---------------------------------------
