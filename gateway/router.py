@@ -14,9 +14,9 @@ moves to a decode instance. Policies (`--router`):
   more), then the emptier KV cache.
 - `prefix` (the default with replicas): a prefix stays where it is cached. The replica whose
   cached prefix of the prompt is longer than every other's by at least STICKY_SHARE of the
-  prompt gets the request, unless it is clearly overloaded: more than OVERLOAD_FACTOR times
-  the requests in flight of the least loaded replica plus OVERLOAD_MARGIN, or its KV cache
-  over 90 % full. Otherwise (a new prefix, one cached on several replicas alike, or an
+  prompt gets the request, unless it is clearly overloaded (`shared.prefix_hash.overloaded`:
+  more than twice the requests in flight of the least loaded replica plus 4) or its KV cache
+  is over 90 % full. Otherwise (a new prefix, one cached on several replicas alike, or an
   overloaded holder) the cheapest by
 
       cost = prompt tokens not cached there + the work already queued there, in tokens
@@ -63,7 +63,7 @@ import structlog
 
 from gateway.config import POLICIES
 from shared.keys import Keys
-from shared.prefix_hash import cacheable_hashes
+from shared.prefix_hash import cacheable_hashes, overloaded
 from shared.protocol import scheduler_instances
 
 DECODE_TOKENS = 64           # prompt tokens' worth of work a request is once it decodes
@@ -71,10 +71,8 @@ UNKNOWN_TOKENS = 256         # ...and one in flight that another gateway sent
 KV_FULL_TOKENS = 2048        # added as an instance's KV cache goes from 90 to 100 % full
 RECENT_S = 10.0              # how long a routed prefix counts as on its way to being cached
 RECENT_MAX = 1 << 16         # block hashes remembered at most
-STICKY_SHARE = 0.5           # a cached prefix leading by this share of the prompt stays put...
-OVERLOAD_FACTOR = 2          # ...unless its replica has more than this many times the
-OVERLOAD_MARGIN = 4          #    least loaded one's requests in flight, plus this many
-KV_FULL = 0.9                # ...or a KV cache fuller than this
+STICKY_SHARE = 0.5           # a cached prefix leading by this share of the prompt stays put,
+KV_FULL = 0.9                # unless overloaded (`overloaded`) or its KV cache is fuller
 STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
 log = structlog.get_logger("gateway.router")
@@ -108,7 +106,7 @@ def sticky_holder(candidates: Sequence[Candidate], order: Sequence[int],
         return None
     least = min(c.load for c in candidates)
     h = candidates[holder]
-    if h.load > OVERLOAD_FACTOR * least + OVERLOAD_MARGIN or h.kv_usage > KV_FULL:
+    if overloaded(h.load, least) or h.kv_usage > KV_FULL:
         return None
     return holder
 
