@@ -781,7 +781,10 @@ class PrefillSide:
                 "handoffs_total": self.handoffs_total,
                 "handoffs_with_kv_total": self.handoffs_with_kv_total,
                 "requests_forwarded_total": self.forwarded_total,
-                "num_requests_awaiting_reservation": self.num_awaiting_reservation}
+                "num_requests_awaiting_reservation": self.num_awaiting_reservation,
+                # the gateway's router reads it: it chooses no prefill instance for a
+                # shorter prompt (docs/design.md#cache-aware-routing)
+                "disagg_min_prompt_tokens": self.min_prompt_tokens}
 
     @property
     def num_awaiting_reservation(self) -> int:

@@ -294,8 +294,16 @@ def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
         def handed_over() -> float:
             return sum(stats(served, k).get("handoffs_total", 0) for k in p.values())
         before = handed_over()
+        forwarded = sum(stats(served, k).get("requests_forwarded_total", 0) for k in p.values())
         complete(served.base_url, model, SHORT[0])
         wait_for(lambda: handed_over() == before + 1, 10, "the short prompt's hand-off counted")
+        # named for no prefill instance (it loads none; a decode instance prefills it), so
+        # whoever read it handed it over, with no forward
+        named = [from_fields(f).instance for _, f in r.xrange(Keys().requests)
+                 if from_fields(f).prompt_token_ids == SHORT[0]]
+        assert named == [""]
+        assert sum(stats(served, k).get("requests_forwarded_total", 0)
+                   for k in p.values()) == forwarded
     finally:
         r.close()
         assert served.stop() == 0, served.log_tail()
