@@ -6,7 +6,8 @@ request and the upstream XADDs there. With P/D and several prefill instances (`p
 --prefill-workers P`, P > 1) the candidates are the prefill instances: the request goes to
 the shared stream naming the one chosen, and whichever prefill scheduler reads it hands it
 to that one (`PrefillSide.route`); the request stops loading it at its first token, when it
-moves to a decode instance. Policies (`--router`):
+moves to a decode instance. A prompt under their --disagg-min-prompt-tokens, which a decode
+instance prefills, is sent to no prefill instance and loads none. Policies (`--router`):
 
 - `round-robin`: in turn.
 - `least-loaded`: the fewest requests in flight (running + waiting, as the instance's `stats`
@@ -14,9 +15,9 @@ moves to a decode instance. Policies (`--router`):
   more), then the emptier KV cache.
 - `prefix` (the default with replicas): a prefix stays where it is cached. The replica whose
   cached prefix of the prompt is longer than every other's by at least STICKY_SHARE of the
-  prompt gets the request, unless it is clearly overloaded: more than OVERLOAD_FACTOR times
-  the requests in flight of the least loaded replica plus OVERLOAD_MARGIN, or its KV cache
-  over 90 % full. Otherwise (a new prefix, one cached on several replicas alike, or an
+  prompt gets the request, unless it is clearly overloaded (`shared.prefix_hash.overloaded`:
+  more than twice the requests in flight of the least loaded replica plus 4) or its KV cache
+  is over 90 % full. Otherwise (a new prefix, one cached on several replicas alike, or an
   overloaded holder) the cheapest by
 
       cost = prompt tokens not cached there + the work already queued there, in tokens
@@ -44,8 +45,9 @@ trip with the load. A block is published only once computed, so the router also 
 the prefixes it routed in the last RECENT_S seconds: a burst of requests sharing a new system
 prompt follows the first one instead of spreading before it is cached. At a request's first
 token, whose batch names the instance that computed the prompt, its prefix is remembered
-there instead (with P/D a short prompt is computed by its decode instance, no candidate: it
-is forgotten; a prefill scheduler may keep an entry named for another). The published sets
+there instead (with P/D a prompt a decode instance prefilled, handed over whole to a pool
+of another layout, is no candidate's: it is forgotten; a prefill scheduler may keep an entry
+named for another). The published sets
 and that memory are hints: a wrong guess costs a cache miss, never a wrong token; one that
 cannot be read (a key holding another type, a count that is nan) is left out, not an error.
 """
@@ -63,7 +65,7 @@ import structlog
 
 from gateway.config import POLICIES
 from shared.keys import Keys
-from shared.prefix_hash import cacheable_hashes
+from shared.prefix_hash import cacheable_hashes, overloaded
 from shared.protocol import scheduler_instances
 
 DECODE_TOKENS = 64           # prompt tokens' worth of work a request is once it decodes
@@ -71,10 +73,8 @@ UNKNOWN_TOKENS = 256         # ...and one in flight that another gateway sent
 KV_FULL_TOKENS = 2048        # added as an instance's KV cache goes from 90 to 100 % full
 RECENT_S = 10.0              # how long a routed prefix counts as on its way to being cached
 RECENT_MAX = 1 << 16         # block hashes remembered at most
-STICKY_SHARE = 0.5           # a cached prefix leading by this share of the prompt stays put...
-OVERLOAD_FACTOR = 2          # ...unless its replica has more than this many times the
-OVERLOAD_MARGIN = 4          #    least loaded one's requests in flight, plus this many
-KV_FULL = 0.9                # ...or a KV cache fuller than this
+STICKY_SHARE = 0.5           # a cached prefix leading by this share of the prompt stays put,
+KV_FULL = 0.9                # unless overloaded (`overloaded`) or its KV cache is fuller
 STATS_FIELDS = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
 
 log = structlog.get_logger("gateway.router")
@@ -108,7 +108,7 @@ def sticky_holder(candidates: Sequence[Candidate], order: Sequence[int],
         return None
     least = min(c.load for c in candidates)
     h = candidates[holder]
-    if h.load > OVERLOAD_FACTOR * least + OVERLOAD_MARGIN or h.kv_usage > KV_FULL:
+    if overloaded(h.load, least) or h.kv_usage > KV_FULL:
         return None
     return holder
 
@@ -164,6 +164,9 @@ class ReplicaRouter:
         # first token says where the prompt was computed
         self._prefixes: dict[str, tuple[int, list[bytes]]] = {}
         self.block_size: int | None = None                    # learnt from the stats hashes
+        # P/D: the prefill instances' --disagg-min-prompt-tokens, learnt with the block size;
+        # a shorter prompt is prefilled by the decode instance it is handed to
+        self.min_prompt_tokens = 0
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
         self._all = list(range(len(self.instances)))
         self._live = self._all
@@ -171,7 +174,16 @@ class ReplicaRouter:
 
     async def choose(self, request_id: str, prompt_token_ids: Sequence[int]) -> str:
         """The instance the request goes to; counts it in flight there. Once per request:
-        a submit retried after a dropped connection goes where it was first sent."""
+        a submit retried after a dropped connection goes where it was first sent. "" (P/D):
+        none, for a prompt under the prefill instances' --disagg-min-prompt-tokens, which
+        whichever prefill scheduler reads it hands to a decode instance to prefill: counted
+        at a prefill instance until its first token, it loaded one that never computed it
+        (while it waited for a decode instance's seat, say), and a reader forwarded it there
+        first."""
+        if len(self.instances) > 1 and not self.block_size:
+            await self._learn_sizes()
+        if len(prompt_token_ids) < self.min_prompt_tokens:
+            return ""
         turn = next(self._turns)
         work = len(prompt_token_ids)
         live = self._live
@@ -195,9 +207,9 @@ class ReplicaRouter:
         """The request's first token came, its prompt computed on instance `computed_on`
         (None: not said): from now on it weighs as a decode, and its prefix is remembered
         where that instance's cache holds it. That is not always the instance chosen: with
-        P/D a prompt under --disagg-min-prompt-tokens is computed by the decode instance it
-        goes to (no candidate: forgotten), and a prefill scheduler keeps an entry named for
-        a peer it does not see live (remembered there)."""
+        P/D a prompt handed over whole is computed by the decode instance it goes to (no
+        candidate: forgotten), and a prefill scheduler keeps an entry named for a peer it
+        does not see live (remembered there)."""
         index, hashes = self._prefixes.pop(request_id, (None, []))
         if hashes and computed_on is not None:
             if computed_on in self.instances:
@@ -235,8 +247,6 @@ class ReplicaRouter:
 
     async def _candidates(self, prompt_token_ids: Sequence[int]
                           ) -> tuple[list[Candidate], list[bytes]]:
-        if self.policy == "prefix" and not self.block_size:
-            await self._learn_block_size()
         hashes = (cacheable_hashes(prompt_token_ids, self.block_size)
                   if self.policy == "prefix" and self.block_size else [])
         pipe = self.redis.pipeline(transaction=False)
@@ -264,16 +274,18 @@ class ReplicaRouter:
                                         self._queued[index] + UNKNOWN_TOKENS * others))
         return candidates, hashes
 
-    async def _learn_block_size(self) -> None:
-        """The block size from the instances' stats hashes, before the first prompt is hashed:
-        learnt only from the replies of the same round trip, the first request of a prefix
-        went unhashed and unremembered, and the second could be sent elsewhere."""
+    async def _learn_sizes(self) -> None:
+        """The block size (and, with P/D, `min_prompt_tokens`) from the instances' stats
+        hashes, before the first prompt is hashed: learnt only from the replies of the same
+        round trip, the first request of a prefix went unhashed and unremembered, and the
+        second could be sent elsewhere."""
         pipe = self.redis.pipeline(transaction=False)
         for k in self._keys:
-            pipe.hget(k.stats, "block_size")
-        for k, value in zip(self._keys, await pipe.execute(raise_on_error=False)):
-            if int(size := _number(self._hint(value, None, k.stats))) > 0:
-                self.block_size = int(size)
+            pipe.hmget(k.stats, ["block_size", "disagg_min_prompt_tokens"])
+        for k, reply in zip(self._keys, await pipe.execute(raise_on_error=False)):
+            size, least = (_number(v) for v in self._hint(reply, [None, None], k.stats))
+            if int(size) > 0:
+                self.block_size, self.min_prompt_tokens = int(size), int(least)
                 return
 
     def _hint(self, reply, default, key: str):

@@ -28,7 +28,8 @@ and K/V that may be missing is recomputed, never trusted.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 
 import structlog
@@ -43,6 +44,7 @@ from shared.keys import Keys
 from shared.kv_layout import KVLayoutError, check_peer_layout, other_model
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, KVCheck, KVSend, StepResult
+from shared.prefix_hash import cacheable_hashes, overloaded
 from shared.protocol import (CancelMsg, HandoffMsg, Heartbeat, ProtocolError, RequestMsg,
                              ReservedMsg, ReserveMsg, decode, encode, from_fields, heartbeat_of,
                              to_fields)
@@ -73,6 +75,8 @@ WAITING_ASK_GONE_S = 3 * RESERVE_RETRY_S
 # into blocks its predecessor reserved has finished that iteration and seen the restart
 DECODE_QUARANTINE_S = 2.0
 RESERVATION_TTL_S = 600.0      # a reservation nobody handed over nor cancelled is freed
+# block hashes a prefill scheduler remembers the decode instance of (`PrefillSide._placed`)
+PLACED_MAX = 1 << 16
 # blocks held for a prefill instance's late writes go back after this long in any case
 HELD_MAX_S = 600.0
 # ... or once a rank of it has had no heartbeat this long: dead (a stopped one that long is
@@ -149,6 +153,7 @@ class _Pending:
     output_token_ids: list[int]
     asked: str = ""                # the decode instance asked
     asked_at: float = 0.0
+    hashes: list[bytes] | None = None    # its prompt's cacheable block hashes, once needed
 
 
 @dataclass
@@ -247,6 +252,10 @@ class PrefillSide:
         self._other_protocols: set[str] = set()      # said of schedulers of another version
         self.prefills: dict[str, str] = {}           # live prefill instances: their consumers
         self._promised: dict[str, int] = {}          # blocks asked of each since its heartbeat
+        self._asked: dict[str, int] = {}             # requests sent to each since then
+        # block hash -> (decode instance, its incarnation) the prompt holding that block last
+        # went to: its prefix cache likely holds it (see `_choose`); a hint, never trusted
+        self._placed: OrderedDict[bytes, tuple[str, float]] = OrderedDict()
         self._pending: dict[str, _Pending] = {}
         self._reservations: dict[str, _Reservation] = {}
         self._msgs: dict[str, tuple[bytes | str, RequestMsg]] = {}
@@ -331,22 +340,63 @@ class PrefillSide:
             self._refused.clear()
         self.own = own
 
-    def _choose(self, blocks: int, writes_kv: bool = False) -> _Decoder | None:
-        """The decode instance with the most free blocks (less what was asked of it since
-        its last heartbeat), then the fewest running requests; with `writes_kv`, only among
-        those whose KV pool ours can write into (as far as is known)."""
-        best = None
-        for d in self.decoders.values():
-            if writes_kv and self._refused.get(d.instance) == d.started_at:
-                continue
-            free = d.free_blocks - self._promised.get(d.instance, 0)
-            key = (free, -d.running)
-            if best is None or key > best[0]:
-                best = (key, d)
-        if best is None:
+    def _choose(self, blocks: int, writes_kv: bool = False,
+                hashes: Sequence[bytes] = ()) -> _Decoder | None:
+        """The decode instance a request needing `blocks` goes to: the one its prompt's
+        leading blocks (`hashes`) last went to, whose prefix cache likely holds them, if it
+        has room for the rest (free blocks, less what was asked of it since its last
+        heartbeat) and is not overloaded (`overloaded`: its running requests, plus those
+        sent since, beside the least loaded one's); else the one with the most free blocks,
+        then the fewest running requests. With `writes_kv`, only among those whose KV pool
+        ours can write into (as far as is known)."""
+        candidates = [d for d in self.decoders.values()
+                      if not (writes_kv and self._refused.get(d.instance) == d.started_at)]
+        if not candidates:
             return None
-        self._promised[best[1].instance] = self._promised.get(best[1].instance, 0) + blocks
-        return best[1]
+
+        def free(d: _Decoder) -> int:
+            return d.free_blocks - self._promised.get(d.instance, 0)
+
+        def load(d: _Decoder) -> int:
+            return d.running + self._asked.get(d.instance, 0)
+
+        holder, held = self._holder(hashes)
+        if holder in candidates and free(holder) >= blocks - held and \
+                not overloaded(load(holder), min(map(load, candidates))):
+            chosen, blocks = holder, max(0, blocks - held)
+        else:
+            chosen = max(candidates, key=lambda d: (free(d), -d.running))
+        self._promised[chosen.instance] = self._promised.get(chosen.instance, 0) + blocks
+        self._asked[chosen.instance] = self._asked.get(chosen.instance, 0) + 1
+        return chosen
+
+    def _holder(self, hashes: Sequence[bytes]) -> tuple[_Decoder | None, int]:
+        """The decode instance (the same incarnation) a prompt's leading blocks last went to,
+        and how many of them: the blocks of a prompt handed over there join its prefix
+        cache. Remembered here, with no Redis read: a stale guess (blocks evicted since)
+        costs the transfer a cache hit would have saved, never a wrong token."""
+        where, run = None, 0
+        for h in hashes:
+            at = self._placed.get(h)
+            if at is None or where is not None and at != where:
+                break
+            where, run = at, run + 1
+        d = self.decoders.get(where[0]) if where is not None else None
+        return (d, run) if d is not None and d.started_at == where[1] else (None, 0)
+
+    def _hashes(self, pending: _Pending) -> list[bytes]:
+        if pending.hashes is None:
+            pending.hashes = cacheable_hashes(pending.msg.prompt_token_ids,
+                                              self.core.block_manager.block_size)
+        return pending.hashes
+
+    def _place(self, pending: _Pending, instance: str, incarnation: float) -> None:
+        """The prompt goes to this decode instance: its blocks will be cached there."""
+        for h in self._hashes(pending):
+            self._placed[h] = (instance, incarnation)
+            self._placed.move_to_end(h)
+        while len(self._placed) > PLACED_MAX:
+            self._placed.popitem(last=False)
 
     def _ask(self, pending: _Pending) -> None:
         """Ask a decode instance for blocks. A decode instance holds one reservation per
@@ -355,7 +405,7 @@ class PrefillSide:
         cancels the reservation left behind."""
         block_size = self.core.block_manager.block_size
         decoder = self._choose(-(-(len(pending.msg.prompt_token_ids) + 1) // block_size),
-                               writes_kv=True)
+                               writes_kv=True, hashes=self._hashes(pending))
         pending.asked_at = time.monotonic()
         left, pending.asked = pending.asked, decoder.instance if decoder else ""
         if left and left != pending.asked:
@@ -369,7 +419,7 @@ class PrefillSide:
                                                                    self.instance)))
 
     def _hand_over_whole(self, pending: _Pending) -> None:
-        decoder = self._choose(0)
+        decoder = self._choose(0, hashes=self._hashes(pending))
         pending.asked_at = time.monotonic()
         if decoder is None:
             pending.asked = ""
@@ -381,6 +431,7 @@ class PrefillSide:
             self.book.finish_now(pending.entry_id, pending.msg, "abort",
                                  len(pending.output_token_ids))
             return
+        self._place(pending, decoder.instance, decoder.started_at)     # prefilled there
         self._queue_handoff(decoder.instance, decoder.consumer, pending.entry_id, pending.msg,
                             pending.output_token_ids, [])
 
@@ -466,6 +517,7 @@ class PrefillSide:
         self._reservations[rid] = _Reservation(msg.decode_instance, msg.decode_consumer,
                                                list(msg.block_ids), list(msg.peers),
                                                msg.incarnation, msg.num_cached_blocks)
+        self._place(pending, msg.decode_instance, msg.incarnation)
 
     def _layout_mismatch(self, peers: list[dict]) -> str:
         """Why this instance's ranks cannot write into `peers` ("" if they can)."""
@@ -482,7 +534,7 @@ class PrefillSide:
     def housekeeping(self, decoders: dict[str, _Decoder], prefills: dict[str, str]) -> None:
         """New heartbeats of the decode and prefill instances: forget what was promised since,
         ask again where no answer came, stop sending into an instance that restarted."""
-        self._promised, self.prefills = {}, prefills
+        self._promised, self._asked, self.prefills = {}, {}, prefills
         self._foreign = {i: at for i, at in self._foreign.items()
                          if i in decoders and decoders[i].started_at == at}
         self.decoders = {i: d for i, d in decoders.items() if self._partner(d)}
@@ -729,7 +781,10 @@ class PrefillSide:
                 "handoffs_total": self.handoffs_total,
                 "handoffs_with_kv_total": self.handoffs_with_kv_total,
                 "requests_forwarded_total": self.forwarded_total,
-                "num_requests_awaiting_reservation": self.num_awaiting_reservation}
+                "num_requests_awaiting_reservation": self.num_awaiting_reservation,
+                # the gateway's router reads it: it chooses no prefill instance for a
+                # shorter prompt (docs/design.md#cache-aware-routing)
+                "disagg_min_prompt_tokens": self.min_prompt_tokens}
 
     @property
     def num_awaiting_reservation(self) -> int:

@@ -1,7 +1,9 @@
 """The name of a full KV block: a hash chained over its parent's hash and its token ids
 (docs/design.md#prefix-caching). The scheduling core indexes its prefix cache by it; the
 gateway's router computes the same names from a prompt to ask which engine instance holds
-its prefix (docs/design.md#cache-aware-routing). Pure: stdlib only."""
+its prefix (docs/design.md#cache-aware-routing), and a P/D prefill scheduler to remember which
+decode instance holds it; both keep a prefix on its holder unless that one is clearly
+overloaded (`overloaded`). Pure: stdlib only."""
 from __future__ import annotations
 
 import hashlib
@@ -14,6 +16,18 @@ from collections.abc import Sequence
 ROOT_HASH = hashlib.sha256(b"pacer prefix cache v1").digest()
 
 _BIG_ENDIAN = sys.byteorder == "big"
+
+# a prefix stays on the instance holding it unless that one has more than OVERLOAD_FACTOR
+# times the least loaded one's requests in flight, plus OVERLOAD_MARGIN
+OVERLOAD_FACTOR = 2
+OVERLOAD_MARGIN = 4
+
+
+def overloaded(load: int, least: int) -> bool:
+    """Whether an instance holding a prompt's prefix with `load` requests in flight is too
+    busy to keep it, beside the least loaded candidate's `least`: one hot prefix must not pin
+    all traffic on one instance while another idles."""
+    return load > OVERLOAD_FACTOR * least + OVERLOAD_MARGIN
 
 
 def block_hash(parent: bytes, token_ids: Sequence[int]) -> bytes:

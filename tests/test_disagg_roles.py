@@ -34,8 +34,10 @@ def core(num_blocks: int = 16) -> Scheduler:
                                      max_model_len=128))
 
 
-def request(rid: str, n: int, max_tokens: int = 8) -> RequestMsg:
-    return RequestMsg(rid, list(range(10, 10 + n)), SamplingParams(max_tokens=max_tokens,
+def request(rid: str, n: int, max_tokens: int = 8, first: int = 10) -> RequestMsg:
+    """A request of `n` prompt tokens counting up from `first` (requests of one `first`
+    share a prefix)."""
+    return RequestMsg(rid, list(range(first, first + n)), SamplingParams(max_tokens=max_tokens,
                                                                     temperature=0.0,
                                                                     ignore_eos=True),
                       f"tokens:{rid}", "gw", 0.0)
@@ -530,7 +532,7 @@ def test_asking_the_same_decode_instance_again_never_frees_the_blocks_it_names()
     side.receive_reservations(reply(granted, granted))  # the answers to both asks
     assert side.take().cancels == [] and c.get_request("r") is not None
     # another instance now has more room: a request asked there cancels what it left at d0
-    side.admit(b"9-1", request("s", 10))
+    side.admit(b"9-1", request("s", 10, first=50))       # no prefix of r's (r's stays at d0)
     side.take()
     side.decoders["d1"] = _Decoder("d1", "host-d1", 500, 0, 1.0)
     side._pending["s"].asked_at -= 60
@@ -552,6 +554,56 @@ def test_asking_the_same_decode_instance_again_never_frees_the_blocks_it_names()
     pipe = Pipe()
     side.queue(pipe, out)
     assert pipe.sent == ["CancelMsg", "ReserveMsg"]
+
+
+def test_a_prompt_goes_to_the_decode_instance_its_prefix_went_to_while_it_has_room():
+    """The decode instance a prompt's leading blocks were last handed to holds them in its
+    prefix cache: a prompt sharing them asks it, though another has more free blocks, and so
+    does a short prompt handed over whole (it computes less there). Not when that instance
+    has no room for the rest, is clearly overloaded beside the least loaded one (counting
+    the requests sent to it since its heartbeat), or has restarted; a prompt of another
+    prefix goes by free blocks as before. Before, every prompt went by free blocks, and one
+    sharing a prefix cached on d0 was sent whole to d1."""
+    c = core(num_blocks=64)
+    side = prefill_side(c, [descriptor("p0:1")])
+    side.decoders["d1"] = _Decoder("d1", "host-d1", 90, 0, 1.0)
+
+    def ask(rid: str, first: int = 10, n: int = 24) -> str:
+        side.admit(f"9-{rid}".encode(), request(rid, n, first=first))
+        (instance, _), = side.take().reserves
+        return instance
+
+    assert ask("a") == "d0"                              # the most free blocks
+    side.receive_reservations(reply(ReservedMsg("a", "d0", "host-d0", list(range(7)),
+                                                [descriptor("d0:1")], 1.0)))
+    side.housekeeping({"d0": _Decoder("d0", "host-d0", 80, 1, 1.0),
+                       "d1": _Decoder("d1", "host-d1", 90, 0, 1.0)}, {})
+    assert ask("b") == "d0"                              # a's 5 cacheable blocks are there
+    assert ask("c", first=50) == "d1"                    # another prefix: free blocks decide
+    # a short prompt of a's prefix, handed over whole, goes there too
+    side.admit(b"9-s", request("s", 6))
+    (instance, _, _, _), = side.take().handoffs
+    assert instance == "d0"
+    # overloaded: 2 x 0 + 4 requests (running, and sent since its heartbeat) at most
+    side.housekeeping({"d0": _Decoder("d0", "host-d0", 80, 4, 1.0),
+                       "d1": _Decoder("d1", "host-d1", 90, 0, 1.0)}, {})
+    assert ask("e") == "d0"
+    assert ask("f") == "d1"                              # d0 at 5 now
+    # no room there for the blocks it does not hold (7 less 5 cached)
+    side.housekeeping({"d0": _Decoder("d0", "host-d0", 1, 0, 1.0),
+                       "d1": _Decoder("d1", "host-d1", 90, 0, 1.0)}, {})
+    assert ask("g") == "d1"
+    # f and g went to d1 last, and the blocks with them
+    side.housekeeping({"d0": _Decoder("d0", "host-d0", 90, 0, 1.0),
+                       "d1": _Decoder("d1", "host-d1", 80, 0, 1.0)}, {})
+    for rid in ("f", "g"):
+        side.receive_reservations(reply(ReservedMsg(rid, "d1", "host-d1", list(range(7)),
+                                                    [descriptor("d1:1")], 1.0)))
+    assert ask("h") == "d1"
+    # d1 restarted: its cache is empty, whatever was handed to it before
+    side.housekeeping({"d0": _Decoder("d0", "host-d0", 95, 0, 1.0),
+                       "d1": _Decoder("d1", "host-d1", 90, 0, 2.0)}, {})
+    assert ask("i") == "d0"                              # by free blocks again
 
 
 def test_a_request_waiting_for_its_reservation_ends_at_its_abort_or_deadline():

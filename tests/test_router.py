@@ -193,6 +193,45 @@ def test_the_first_prompt_a_router_sees_is_hashed_and_remembered(redis_server):
     assert second == first
 
 
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "prefix"])
+def test_a_prompt_a_decode_instance_prefills_loads_no_prefill_instance(redis_server, policy):
+    """P/D with several prefill instances: a prompt under their --disagg-min-prompt-tokens
+    (their stats hashes say it) is prefilled by the decode instance it is handed to. The
+    router names no prefill instance for it (whichever prefill scheduler reads it hands it
+    over) and counts it nowhere. Before, it counted at the one chosen until its first token,
+    which may wait for a decode instance's seat (so that one looked loaded by work it never
+    does), and the scheduler reading it first forwarded it there. Replicas publish no such
+    threshold: every prompt is routed."""
+    keys = Keys(f"rtd{policy}:")
+    sync = redis.Redis.from_url(redis_server)
+    for inst in ("p0", "p1"):
+        sync.hset(keys.for_instance(inst).stats, mapping={
+            "num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0.0,
+            "block_size": BLOCK, "disagg_min_prompt_tokens": 16})
+    idle_stats(sync, keys)                                  # replicas r0, r1
+    sync.close()
+
+    async def scenario() -> tuple[list[str], list[str]]:
+        client = aioredis.Redis.from_url(redis_server)
+        pd = ReplicaRouter(client, keys, [("p0", 1), ("p1", 1)], policy)
+        replicas = ReplicaRouter(client, keys, [("r0", 1), ("r1", 1)], policy)
+        try:
+            got = [await pd.choose(f"short{i}", list(range(15))) for i in range(3)]
+            assert pd._outstanding == [0, 0] and pd._queued == [0, 0] and pd.chosen == [0, 0]
+            pd.prefilled("short0", "d0")
+            pd.ended("short0")
+            assert pd._outstanding == [0, 0] and pd._queued == [0, 0]
+            got.append(await pd.choose("long", list(range(16))))
+            assert sum(pd._outstanding) == 1
+            return got, [await replicas.choose(f"r{i}", list(range(15))) for i in range(2)]
+        finally:
+            await client.aclose()
+
+    pd_chosen, replica_chosen = asyncio.run(scenario())
+    assert pd_chosen[:3] == ["", "", ""] and pd_chosen[3] in ("p0", "p1")
+    assert all(c in ("r0", "r1") for c in replica_chosen)
+
+
 def test_round_robin_goes_in_turn():
     async def scenario() -> list[str]:
         router = ReplicaRouter(None, Keys(), [("r0", 1)], "round-robin")  # type: ignore[arg-type]

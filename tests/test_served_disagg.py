@@ -294,8 +294,16 @@ def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
         def handed_over() -> float:
             return sum(stats(served, k).get("handoffs_total", 0) for k in p.values())
         before = handed_over()
+        forwarded = sum(stats(served, k).get("requests_forwarded_total", 0) for k in p.values())
         complete(served.base_url, model, SHORT[0])
         wait_for(lambda: handed_over() == before + 1, 10, "the short prompt's hand-off counted")
+        # named for no prefill instance (it loads none; a decode instance prefills it), so
+        # whoever read it handed it over, with no forward
+        named = [from_fields(f).instance for _, f in r.xrange(Keys().requests)
+                 if from_fields(f).prompt_token_ids == SHORT[0]]
+        assert named == [""]
+        assert sum(stats(served, k).get("requests_forwarded_total", 0)
+                   for k in p.values()) == forwarded
     finally:
         r.close()
         assert served.stop() == 0, served.log_tail()
@@ -321,6 +329,32 @@ def test_pd_prefix_cached_on_the_decode_instance_is_not_sent_again(tiny, tmp_pat
         d0 = wait_for(lambda: (s := stats(served, D0)).get("prefix_cache_hits_total", 0)
                       >= 96 * 2 and s, 30, "decode prefix hits")
         assert d0["kv_check_failures_total"] == 0 and d0["handoffs_recomputed_total"] == 0, d0
+    finally:
+        assert served.stop() == 0, served.log_tail()
+
+
+def test_pd_two_decode_instances_a_prefix_goes_where_it_is_cached(tiny, tmp_path):
+    """`--decode-workers 2`: once a prompt's 96-token prefix was handed to one decode
+    instance, the prompts sharing it (three at once) go there too, and the prefill instance
+    sends each only the block past the 6 cached there; the other decode instance gets none;
+    greedy output equals transformers'. Before, the choice went by free blocks alone, and a
+    prompt sent to the other instance carried its whole K/V again."""
+    prompts = [PREFIX_A + [30 + i, 40 + i, 50 + i, 60 + i, 70] for i in range(4)]
+    want = greedy_token_texts(tiny, prompts, NEW_TOKENS)
+    served, model = start_pd(tiny, tmp_path, "--decode-workers", "2")
+    try:
+        time.sleep(HOUSEKEEPING_S + 0.5)        # the prefill scheduler has seen both
+        assert complete(served.base_url, model, prompts[0]) == want[tuple(prompts[0])][:NEW_TOKENS]
+        whole = wait_for(lambda: stats(served, P0).get("kv_transfer_bytes_total"), 30,
+                         "the first prompt's K/V sent")
+        assert all_concurrently(served, model, prompts[1:]) == \
+            [want[tuple(p)][:NEW_TOKENS] for p in prompts[1:]]
+        sent = wait_for(lambda: (s := stats(served, P0)).get("handoffs_total") == 4 and s,
+                        30, "prefill stats")
+        assert sent["kv_transfer_bytes_total"] == whole + 3 * whole / 7, (whole, sent)
+        d = {i: stats(served, Keys().for_instance(i)) for i in ("d0", "d1")}
+        assert sorted(s.get("handoffs_total", 0) for s in d.values()) == [0, 4], d
+        assert all(s["kv_check_failures_total"] == 0 for s in d.values()), d
     finally:
         assert served.stop() == 0, served.log_tail()
 
