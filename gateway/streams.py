@@ -55,6 +55,8 @@ class RequestStream:
         self.entry: tuple[str, bytes | str] | None = None
         self.last_event_at = time.monotonic()   # when it was opened or last heard of
         self.ended_here = False     # the gateway ended it, not the scheduler's finish event
+        # its entry was found acked with no finish event (Upstream.check_entries)
+        self.acked_unanswered = False
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._grace_s = finish_grace_s
         self._next_index = 0
