@@ -29,8 +29,6 @@ from tests.redis_fixture import free_port, start_redis, stop_redis
 from tests.served_fixture import API_KEY, ROOT, wait_for
 from tests.test_scheduler_takeover import Process
 
-pytestmark = pytest.mark.slow
-
 KEYS = Keys()
 OLD = SCHEMA_VERSION - 1
 ENGINE_FLAGS = ["--num-kv-blocks", "64", "--max-model-len", "256", "--dtype", "float32",
