@@ -202,8 +202,8 @@ def _refuse_new_requests(state: GatewayState) -> None:
         raise APIError("the server is shutting down; send the request to another replica",
                        status=503, type="server_error")
     if state.upstream.other_versions:
-        # it reads requests from the shared stream and drops them as undecodable: the client
-        # would wait for nothing (as the scheduler heartbeats were last read)
+        # it reads requests from the shared stream and cannot serve them: each would end with
+        # an error (as the scheduler heartbeats were last read)
         raise APIError("new requests are refused while a scheduler of another protocol "
                        f"version beats: {state.upstream.other_versions[0]}",
                        status=503, type="server_error")

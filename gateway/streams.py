@@ -27,7 +27,7 @@ from redis.exceptions import RedisError
 from shared.lifecycle import cancel_requested
 from shared.plan import PromptEntry
 from shared.protocol import (FinishEvent, PromptLogprobsEvent, ProtocolError, TokenBatch,
-                             TokenEvent, decode)
+                             TokenEvent, decode, foreign_message, version_mismatch)
 from shared.redis_retry import RETRY_FIRST_S, retry_redis
 
 log = structlog.get_logger("gateway.streams")
@@ -55,6 +55,8 @@ class RequestStream:
         self.entry: tuple[str, bytes | str] | None = None
         self.last_event_at = time.monotonic()   # when it was opened or last heard of
         self.ended_here = False     # the gateway ended it, not the scheduler's finish event
+        # its entry was found acked with no finish event (Upstream.check_entries)
+        self.acked_unanswered = False
         self._queue: asyncio.Queue[Item] = asyncio.Queue()
         self._grace_s = finish_grace_s
         self._next_index = 0
@@ -214,10 +216,28 @@ class TokenRouter:
         try:
             self._route(decode(data))
         except ProtocolError as e:
-            log.warning("undecodable message on token channel", error=str(e))
+            if not self._other_version(data):
+                log.warning("undecodable message on token channel", error=str(e))
         except Exception as e:      # decoded, but not as the protocol means (an id not a str)
             log.error("malformed message on token channel dropped",
                       error=f"{type(e).__name__}: {e}")
+
+    def _other_version(self, data: bytes) -> bool:
+        """A message of another protocol version naming an open request: a scheduler of
+        another release read the request and cannot serve it (it ends it with such a message,
+        see RequestBook): the request ends with an error naming both versions. Skipped as
+        undecodable, its client waited until its timeout (forever without one)."""
+        obj = foreign_message(data)
+        stream = self._streams.get(obj.get("request_id")) \
+            if obj and isinstance(obj.get("request_id"), str) else None
+        if stream is None:
+            return False
+        error = version_mismatch(obj["v"], "the scheduler that read the request", "gateway")
+        log.error("request answered in another protocol version", request_id=stream.request_id,
+                  error=error)
+        # the scheduler's answer, not the gateway's: it acked the entry, no abort is owed
+        stream.push(FinishEvent(stream.request_id, "error", 0, 0, error))
+        return True
 
     def _route(self, msg) -> None:
         if isinstance(msg, TokenBatch):

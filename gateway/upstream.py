@@ -8,7 +8,8 @@ still on its way when that happens is judged by the run_id its XADD reports (`re
 only the old server's requests are lost. Every ENTRY_CHECK_S it also looks up the entries of
 the requests that heard nothing for that long (queued, or lost): one whose entry is gone
 from the request stream (deleted, evicted under an allkeys-* maxmemory policy, trimmed while
-no scheduler ran) will never be served, and ends with an error too (`check_entries`).
+no scheduler ran), or that a scheduler acked without an answer (one of another release
+that could not read it), will never be served, and ends with an error too (`check_entries`).
 
 Aborts that could not be sent (Redis away, stalled, out of memory) are kept, a bounded few,
 and sent once a heartbeat gets through again: the scheduler would otherwise decode a request
@@ -44,7 +45,8 @@ from redis.exceptions import RedisError, ResponseError
 from gateway.router import ReplicaRouter, missing_ranks
 from gateway.streams import TokenRouter
 from shared import clock
-from shared.lifecycle import cancel_requested, scheduler_heartbeats
+from shared.lifecycle import (cancel_requested, scheduler_heartbeats, stream_id_order,
+                              stream_id_text)
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
 from shared.protocol import (AbortMsg, Heartbeat, RequestMsg, encode, protocol_disagreement,
@@ -64,6 +66,9 @@ REDIS_RESTARTED = "Redis restarted and lost the request; send it again"
 REQUEST_LOST = ("the request's entry is gone from Redis's request stream (trimmed at its "
                 "length cap, deleted, or evicted under maxmemory) before a scheduler finished "
                 "it; send it again")
+REQUEST_DROPPED = ("a scheduler took the request from Redis's request stream and dropped it "
+                   "without an answer (as a scheduler of another pacer release does with a "
+                   "request it cannot read); send it again")
 ENTRY_CHECK_S = 2.0         # how often, and after how long without news, a request's entry is
                             # looked up
 UNSENT_ABORTS_KEPT = 10_000
@@ -299,8 +304,10 @@ class Upstream:
         raise asyncio.CancelledError
 
     async def check_entries(self, router: TokenRouter) -> int:
-        """End the streams quiet for ENTRY_CHECK_S whose request entry is gone: no scheduler
-        can serve them (one pipeline, an XRANGE of one id each); returns how many."""
+        """End the streams quiet for ENTRY_CHECK_S whose request entry is gone, or was acked
+        with no finish event at two checks in a row: no scheduler will serve them (one
+        pipeline: an XRANGE and an XPENDING of one id each, the group of each stream);
+        returns how many."""
         quiet = router.quiet(ENTRY_CHECK_S)
         if not quiet:
             return 0
@@ -308,12 +315,33 @@ class Upstream:
         for stream in quiet:
             key, entry_id = stream.entry
             pipe.xrange(key, min=entry_id, max=entry_id, count=1)
+            pipe.xpending_range(key, self.keys.requests_group, min=entry_id, max=entry_id,
+                                count=1)
+        streams = sorted({s.entry[0] for s in quiet})
+        for key in streams:
+            pipe.xinfo_groups(key)
         # each reply on its own: a key that holds another type now (the stream deleted and
         # the name reused) has lost its entries too, and its error must not hide the others
         replies = await pipe.execute(raise_on_error=False)
-        lost = [s for s, found in zip(quiet, replies)
-                if (not found or _wrong_type(found)) and s.finish is None]
-        refused = [r for r in replies if isinstance(r, Exception) and not _wrong_type(r)]
+        delivered = {key: _last_delivered(groups, self.keys.requests_group)
+                     for key, groups in zip(streams, replies[2 * len(quiet):])}
+        lost, acked = [], []
+        for i, stream in enumerate(quiet):
+            found, pending = replies[2 * i], replies[2 * i + 1]
+            if stream.finish is not None:
+                continue
+            if not found or _wrong_type(found):
+                lost.append(stream)
+            elif isinstance(found, list) and pending == [] and \
+                    stream_id_order(stream.entry[1]) <= delivered[stream.entry[0]]:
+                # a finish event published with the ack may still be on its way: the next
+                # check decides
+                if stream.acked_unanswered:
+                    acked.append(stream)
+                stream.acked_unanswered = True
+        # an XPENDING or XINFO refused (no group yet, the stream gone) proves no ack
+        refused = [r for r in replies[:2 * len(quiet):2]
+                   if isinstance(r, Exception) and not _wrong_type(r)]
         if refused:
             log.warning("request entries not looked up", count=len(refused),
                         error=str(refused[0]))
@@ -322,7 +350,13 @@ class Upstream:
         if lost:
             log.error("requests lost: their entries are gone from the request stream",
                       count=len(lost), request_ids=[s.request_id for s in lost][:16])
-        return len(lost)
+        if acked:
+            error = REQUEST_DROPPED + "".join(f"; {why}" for why in self.other_versions[:1])
+            for stream in acked:
+                stream.fail(error)
+            log.error("requests dropped: a scheduler acked their entries without an answer",
+                      count=len(acked), request_ids=[s.request_id for s in acked][:16])
+        return len(lost) + len(acked)
 
     async def keep_schedulers_read(self) -> None:
         """Read the scheduler heartbeats every LIVE_REFRESH_S, for the gateway's life: which
@@ -349,8 +383,8 @@ class Upstream:
         """Which services /health needs but whose heartbeat key has expired: the scheduler and
         every worker rank of the colocated engine, or of each engine instance (replica or P/D
         instance; a scheduler's heartbeat names its instance). Then each scheduler of another
-        protocol version: it shares the request stream, and drops as undecodable the
-        requests it reads of this gateway's."""
+        protocol version: it shares the request stream, and cannot serve the requests it
+        reads of this gateway's."""
         beats = await scheduler_heartbeats(self.redis, self.keys)
         up = _live(beats, instances)
         missing = [] if instances or "" in up else ["scheduler"]
@@ -376,6 +410,16 @@ def _live(beats: dict[str, bytes | None], instances: tuple[tuple[str, int], ...]
     ours = [v for v in beats.values()
             if v is not None and protocol_disagreement(v, "", "") is None]
     return {""} if ours else set()
+
+
+def _last_delivered(groups, name: str) -> tuple[int, int]:
+    """The last entry id the consumer group `name` delivered, of an XINFO GROUPS reply; (-1,
+    -1) where the group or the stream is not there (nothing delivered)."""
+    if isinstance(groups, list):
+        for group in groups:
+            if stream_id_text(group["name"]) == name:
+                return stream_id_order(group["last-delivered-id"])
+    return -1, -1
 
 
 def _wrong_type(reply) -> bool:

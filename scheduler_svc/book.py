@@ -29,7 +29,7 @@ from shared.errors import InvalidRequestError
 from shared.lifecycle import stream_id_text
 from shared.outputs import RequestOutput
 from shared.protocol import (AbortMsg, FinishEvent, ProtocolError, RequestMsg, encode,
-                             from_fields)
+                             foreign_message, from_fields, message_bytes, version_mismatch)
 
 log = structlog.get_logger("scheduler.book")
 
@@ -103,6 +103,8 @@ class RequestBook:
         try:
             msg = from_fields(fields)
         except ProtocolError as e:
+            if self._other_version(entry_id, fields):
+                return None
             # nobody to answer: without a decoded message there is no reply channel
             log.error("undecodable request dropped", entry_id=stream_id_text(entry_id),
                       error=str(e))
@@ -113,6 +115,29 @@ class RequestBook:
             self._outbox.acks.append(entry_id)
             return None
         return msg
+
+    def _other_version(self, entry_id: bytes | str, fields: dict) -> bool:
+        """End a request written in another protocol version (by a gateway of another release,
+        in a rolling upgrade) with an error naming both versions; False if the entry is no
+        such request. Dropped in silence, its client waited until its timeout (forever
+        without one). Its gateway cannot decode this version's finish event either, but reads
+        the request id it names (`foreign_message`), and ends the request with its own line."""
+        try:
+            obj = foreign_message(message_bytes(fields))
+        except ProtocolError:
+            return False
+        rid, reply_to = (obj.get("request_id"), obj.get("reply_to")) if obj else (None, None)
+        if not isinstance(rid, str) or not isinstance(reply_to, str):
+            return False
+        gateway = obj.get("gateway_id")
+        error = version_mismatch(obj["v"], f"gateway {gateway}" if isinstance(gateway, str)
+                                 else "the gateway that sent it", "scheduler")
+        prompt = obj.get("prompt_token_ids")
+        self._finish_entry(entry_id, reply_to, FinishEvent(
+            rid, "error", len(prompt) if isinstance(prompt, list) else 0, 0, error))
+        log.error("request of another protocol version ended", request_id=rid,
+                  entry_id=stream_id_text(entry_id), error=error)
+        return True
 
     def admit(self, entry_id: bytes | str, msg: RequestMsg,
               output_token_ids: list[int] | None = None) -> None:
@@ -200,13 +225,17 @@ class RequestBook:
     def finish_now(self, entry_id: bytes | str, msg: RequestMsg, reason: str,
                     num_output_tokens: int, error: str | None = None,
                     error_type: str = "server_error") -> None:
-        event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids),
-                            num_output_tokens, error, error_type)
-        self._outbox.finishes.append((msg.reply_to, encode(event)))
-        self._outbox.acks.append(entry_id)
-        self._outbox.ended_ids.append(msg.request_id)
+        self._finish_entry(entry_id, msg.reply_to, FinishEvent(
+            msg.request_id, reason, len(msg.prompt_token_ids), num_output_tokens, error,
+            error_type))
         log.info("request finished on arrival", request_id=msg.request_id,
                  finish_reason=reason, error=error)
+
+    def _finish_entry(self, entry_id: bytes | str, reply_to: str, event: FinishEvent) -> None:
+        """Publish a finish event for a request the core never held, and ack its entry."""
+        self._outbox.finishes.append((reply_to, encode(event)))
+        self._outbox.acks.append(entry_id)
+        self._outbox.ended_ids.append(event.request_id)
 
     # ---- stopping requests ---------------------------------------------------------------
 

@@ -39,6 +39,9 @@ from shared.sampling import SamplingParams
 # message's fields or to what a field means, an added field with a default included: services
 # of two versions meeting in one Redis (a rolling upgrade) then refuse each other by their
 # heartbeats (`protocol_disagreement`), rather than exchange messages one of them misreads.
+# Kept under these names in every version, so that a request read by a scheduler of another
+# version still ends with an error its gateway shows (`foreign_message`): a request's
+# "request_id", "reply_to" and "gateway_id", a finish event's "request_id".
 # 2: plans carry "after" (docs/design.md#overlap)
 # 3: ReservedMsg.num_cached_blocks (shared blocks a prefill instance must not write),
 #    TokenBatch.instance
@@ -457,9 +460,28 @@ def protocol_disagreement(value: bytes | None, peer: str, me: str) -> str | None
     if not isinstance(obj, dict) or obj.get("kind") != "heartbeat" \
             or obj.get("v") == SCHEMA_VERSION:
         return None
-    return (f"{peer} speaks protocol version {_short(obj.get('v'))}, this {me} version "
+    return version_mismatch(obj.get("v"), peer, me)
+
+
+def version_mismatch(version: Any, peer: str, me: str) -> str:
+    """The one line that says a peer speaks another protocol version (`protocol_disagreement`)."""
+    return (f"{peer} speaks protocol version {_short(version)}, this {me} version "
             f"{SCHEMA_VERSION}: run the same pacer release on both (each would misread the "
             f"other's messages)")
+
+
+def foreign_message(data: Any) -> dict | None:
+    """The bare map of a message written in another protocol version, which `decode` refuses:
+    its reader ends the request it names with an error (the names it reads are kept in every
+    version, see SCHEMA_VERSION) rather than drop it, its client waiting for nothing. None
+    for a message of this version, or bytes that are no message."""
+    try:
+        obj = msgpack.unpackb(data, raw=False) if isinstance(data, bytes) else None
+    except (ValueError, msgpack.UnpackException):
+        return None
+    if not isinstance(obj, dict) or "v" not in obj or obj["v"] == SCHEMA_VERSION:
+        return None
+    return obj
 
 
 def scheduler_instances(values: list[bytes | None]) -> set[str]:

@@ -92,16 +92,22 @@ class FakeScheduler:
             for _stream, entries in reply or []:
                 for entry_id, fields in entries:
                     msg = from_fields(fields)
-                    await self.redis.xack(self.keys.requests, self.keys.requests_group, entry_id)
                     self.received[msg.request_id] = msg
-                    task = asyncio.create_task(self._serve(msg))
+                    task = asyncio.create_task(self._serve_and_ack(entry_id, msg))
                     self._tasks.add(task)
                     task.add_done_callback(self._tasks.discard)
 
-    async def _serve(self, msg: RequestMsg) -> None:
+    async def _serve_and_ack(self, entry_id: bytes, msg: RequestMsg) -> None:
+        """As a scheduler does, the entry is acked once its request ended (a queued one stays
+        pending: acked with no answer, the gateway ends it as dropped)."""
+        if await self._serve(msg):
+            await self.redis.xack(self.keys.requests, self.keys.requests_group, entry_id)
+
+    async def _serve(self, msg: RequestMsg) -> bool:
+        """False for a request left queued."""
         prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
         if "[queued]" in prompt:
-            return
+            return False
         slow = "[slow]" in prompt
         output = self._output(msg, repeat=slow)
         ends = (self.tok.eos_token_id, *msg.sampling.stop_token_ids)
@@ -132,8 +138,9 @@ class FakeScheduler:
                 await self.redis.publish(msg.reply_to, batch)
             sent += 1
             if finish_first:
-                return
+                return True
         await self._finish(msg, reason, sent)
+        return True
 
     def _output(self, msg: RequestMsg, repeat: bool) -> list[int]:
         sp = msg.sampling

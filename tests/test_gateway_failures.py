@@ -79,6 +79,54 @@ async def test_a_submit_retried_after_its_reply_was_lost_has_its_entry_checked(
     assert finish.finish_reason == "error" and finish.error == REQUEST_LOST
 
 
+async def test_a_request_a_scheduler_acked_without_an_answer_ends_with_an_error(redis) -> None:
+    """A scheduler of a release that drops a request it cannot read (another protocol
+    version) in silence reads its entry and acks it, and publishes nothing: the entry stays in
+    the stream, so the lookup for lost entries found it, and its client waited until its
+    timeout (forever without one). Found acked at two checks in a row with no finish event,
+    it ends with an error naming the scheduler of the other version; one still queued, or
+    read and being served (pending), or whose finish event came after the ack, waits on."""
+    import msgpack
+
+    upstream = Upstream(redis, KEYS, "gw")
+    router = TokenRouter(redis, upstream.reply_to)
+    await redis.xgroup_create(KEYS.requests, KEYS.requests_group, id="0", mkstream=True)
+    streams = {}
+    for rid in ("dropped", "answered", "served", "queued"):
+        streams[rid] = stream = router.open(rid)
+        stream.redis_run_id, stream.entry = await upstream.submit(
+            rid, [1, 2, 3], SamplingParams(max_tokens=2), 0.0)
+        stream.last_event_at -= 2 * ENTRY_CHECK_S
+    # the old scheduler reads three, acks two of them and answers one of those
+    read = await redis.xreadgroup(KEYS.requests_group, "old", {KEYS.requests: ">"}, count=3)
+    ids = [entry_id for entry_id, _ in read[0][1]]
+    await redis.xack(KEYS.requests, KEYS.requests_group, ids[0], ids[1])
+    old = msgpack.packb({"v": SCHEMA_VERSION - 1, "kind": "heartbeat", "service": "scheduler",
+                         "id": "old", "time": 0.0, "extra": {}})
+    await redis.set(KEYS.hb_scheduler("old"), old)
+    reader = asyncio.create_task(upstream.keep_schedulers_read())
+    try:
+        while not upstream.other_versions:
+            await asyncio.sleep(0.01)
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+    assert await upstream.check_entries(router) == 0     # a finish may be on its way
+    streams["answered"].push(FinishEvent("answered", "length", 3, 0))
+    await streams["answered"].next()
+    assert await upstream.check_entries(router) == 1
+    _, finish = await streams["dropped"].next()
+    assert finish.finish_reason == "error" and finish.error.startswith(
+        "a scheduler took the request from Redis's request stream and dropped it without an "
+        "answer"), finish.error
+    assert (f"speaks protocol version {SCHEMA_VERSION - 1}, this gateway version "
+            f"{SCHEMA_VERSION}") in finish.error
+    assert streams["answered"].finish.finish_reason == "length"
+    assert streams["served"].finish is None and streams["queued"].finish is None
+    assert await upstream.check_entries(router) == 0
+
+
 @pytest.mark.parametrize("policy", ["prefix", "least-loaded"])
 async def test_a_replicas_odd_stats_or_a_key_of_another_type_does_not_refuse_requests(
         redis, policy: str) -> None:
