@@ -72,7 +72,7 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.model_source import model_identity
-from shared.lifecycle import (Stopwatch, cancel_tasks, claimed, clear_key, connections_made,
+from shared.lifecycle import (Claim, Stopwatch, cancel_tasks, claimed, connections_made,
                               essential_task, freeze_heap, keep_heartbeat, redis_run_id,
                               stopped_for, stream_id_text, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
@@ -500,12 +500,13 @@ async def serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, 
     engine = f"instance {keys.instance!r}" if keys.instance else "the colocated engine"
     async with claimed(redis, keys.claim_worker(rank), "worker", str(rank),
                        f"worker rank {rank} of {engine}",
-                       "give each worker its own --rank (and --instance)"):
-        return await _serve_worker(redis, keys, layout, rank, stop, tp_host, role)
+                       "give each worker its own --rank (and --instance)") as claim:
+        return await _serve_worker(redis, keys, layout, rank, stop, tp_host, role, claim)
 
 
 async def _serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout, rank: int,
-                        stop: asyncio.Event, tp_host: str, role: str | None) -> int:
+                        stop: asyncio.Event, tp_host: str, role: str | None,
+                        claim: Claim) -> int:
     tp = layout.args.tp
     identity = model_identity(layout.source, layout.args.load_format == "dummy")
     if rank > 0:
@@ -518,7 +519,7 @@ async def _serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
             built.append(runner)
             freeze_heap()
         try:
-            return await _with_heartbeat(redis, keys.hb_worker(rank), beat,
+            return await _with_heartbeat(claim, keys.hb_worker(rank), beat,
                                          serve_follower(redis, keys, layout, rank, stop,
                                                         on_runner=loaded))
         finally:
@@ -549,20 +550,23 @@ async def _serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
                                 kv=runner.kv_descriptor, role=role, identity=identity,
                                 kv_progress=runner.kv_progress)
         freeze_heap()
-        return await _with_heartbeat(redis, keys.hb_worker(rank), beat, loop.run(stop))
+        return await _with_heartbeat(claim, keys.hb_worker(rank), beat, loop.run(stop))
     finally:
         if tp > 1:
             await asyncio.to_thread(executor.shutdown)
         runner.close()
 
 
-async def _with_heartbeat(redis: aioredis.Redis, key: str, beat, work) -> int:
+async def _with_heartbeat(claim: Claim, key: str, beat, work) -> int:
+    """Run `work` with the rank's heartbeat at `key`, written while `claim` is this process's
+    (a stale rank's beat named it again: the scheduler took it for a restart)."""
     heartbeat = essential_task(
-        keep_heartbeat(redis, key, beat, ttl_s=WORKER_HEARTBEAT_TTL_S), "heartbeat")
+        keep_heartbeat(claim.redis, key, beat, ttl_s=WORKER_HEARTBEAT_TTL_S, claim=claim),
+        "heartbeat")
     log.info("worker ready", heartbeat_key=key)
     try:
         await work
         return 0
     finally:
         await cancel_tasks(heartbeat)
-        await clear_key(redis, key)
+        await claim.clear(key)

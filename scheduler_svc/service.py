@@ -66,8 +66,8 @@ from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, model_disagreement, role_disagreement
 from shared import clock
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
-from shared.lifecycle import (cancel_tasks, claimed, clear_key, essential_task, freeze_heap,
-                              keep_heartbeat, scheduler_heartbeats, stopped_for,
+from shared.lifecycle import (Claim, cancel_tasks, claimed, essential_task,
+                              freeze_heap, keep_heartbeat, scheduler_heartbeats, stopped_for,
                               stream_id_text, stream_tail_id)
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, StepResult
@@ -107,10 +107,14 @@ class SchedulerServiceConfig:
 
 class SchedulerService:
     def __init__(self, redis: aioredis.Redis, keys: Keys, core: Scheduler,
-                 config: SchedulerServiceConfig, stop: asyncio.Event | None = None) -> None:
+                 config: SchedulerServiceConfig, stop: asyncio.Event | None = None,
+                 claim: Claim | None = None) -> None:
         """`stop`: the service's; told to stop drain_timeout_s ago, it gives up on a Redis
-        that does not answer, wherever it waits for one (not only while draining)."""
+        that does not answer, wherever it waits for one (not only while draining). `claim`:
+        the scheduler id's (`claimed`), which fences each plan sent; None: plans go out
+        unfenced (a test's service, which claims nothing)."""
         self.redis, self.keys, self.core, self.config = redis, keys, core, config
+        self.claim = claim
         self._stopped_long = stopped_for(stop or asyncio.Event(), config.drain_timeout_s)
         self.book = RequestBook(core)
         self.stats = SchedulerStats()
@@ -676,6 +680,8 @@ class SchedulerService:
                 sent = await self._plan_in_stream(plan.step)
                 if sent is not None:
                     return sent
+            if self.claim is not None:      # no plan once another process has the id
+                return await self.claim.xadd(self.keys.plans, fields, PLANS_MAXLEN)
             return await self.redis.xadd(self.keys.plans, fields, maxlen=PLANS_MAXLEN,
                                          approximate=True)
 
@@ -781,16 +787,16 @@ async def serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
     # two schedulers under one name would take each other's requests as a dead one's
     async with claimed(redis, keys.claim_scheduler(config.scheduler_id), "scheduler",
                        config.scheduler_id, f"scheduler id {config.scheduler_id!r}",
-                       "give each scheduler its own --scheduler-id"):
-        return await _serve(redis, keys, core, config, stop)
+                       "give each scheduler its own --scheduler-id") as claim:
+        return await _serve(redis, keys, core, config, stop, claim)
 
 
 async def _serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
-                 config: SchedulerServiceConfig, stop: asyncio.Event) -> int:
+                 config: SchedulerServiceConfig, stop: asyncio.Event, claim: Claim) -> int:
     hb_key = keys.hb_scheduler(config.scheduler_id)
-    service = SchedulerService(redis, keys, core, config, stop)
+    service = SchedulerService(redis, keys, core, config, stop, claim)
     await service.prepare()
-    tasks = [essential_task(keep_heartbeat(redis, hb_key, service.heartbeat),
+    tasks = [essential_task(keep_heartbeat(redis, hb_key, service.heartbeat, claim=claim),
                             "scheduler-heartbeat"),
              essential_task(service.takeover.keep_leases(), "scheduler-leases")]
     try:
@@ -808,4 +814,4 @@ async def _serve(redis: aioredis.Redis, keys: Keys, core: Scheduler,
         return 1
     finally:
         await cancel_tasks(*tasks)
-        await clear_key(redis, hb_key)
+        await claim.clear(hb_key)

@@ -20,6 +20,7 @@ import socket
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -175,29 +176,30 @@ def connections_made(redis: aioredis.Redis) -> int | None:
 async def keep_heartbeat(redis: aioredis.Redis, key: str,
                             make: Callable[[], Heartbeat],
                             interval_s: float = HEARTBEAT_INTERVAL_S,
-                            ttl_s: int = HEARTBEAT_TTL_S,
-                            lost: Callable[[bytes], PacerError] | None = None) -> None:
+                            ttl_s: int = HEARTBEAT_TTL_S, claim: "Claim | None" = None) -> None:
     """Keep `key` alive with a fresh Heartbeat until cancelled; survives Redis outages. Each
-    beat measures the offset to Redis's clock too (shared/clock.py). With `lost`, the key is a
-    claim (`claimed`): each refresh writes it only while it holds this incarnation's claim (or
-    none); one another incarnation holds now is left as it is, and `lost(its value)` raised."""
+    beat measures the offset to Redis's clock too (shared/clock.py). With the process's
+    `claim` (`claimed`; `key` may be the claim's own), each beat is written only while the
+    claim is this incarnation's (or lapsed, taken by no one): one another incarnation holds
+    now leaves `key` as it is, and `claim.lost(its value)` is raised."""
     while not cancel_requested():
         try:
             beat = make()
             pipe = redis.pipeline(transaction=False)
             pipe.time()
-            if lost is None:
+            if claim is None:
                 pipe.set(key, encode(beat), ex=ttl_s)
             else:
-                pipe.eval(_REFRESH_CLAIM, 1, key, beat.extra["incarnation"], encode(beat), ttl_s)
+                pipe.eval(_SET_WHILE_CLAIMED, 2, claim.key, key, claim.incarnation,
+                          encode(beat), ttl_s)
             before = time.time()
             redis_time, held_by = await pipe.execute()
             clock.measured(before, redis_time, time.time())
         except (RedisError, OSError) as e:
             log.warning("heartbeat not written", key=key, error=str(e))
         else:
-            if lost is not None and held_by:
-                raise lost(held_by)
+            if claim is not None and held_by:
+                raise claim.lost(held_by)
         await asyncio.sleep(interval_s)
     raise asyncio.CancelledError
 
@@ -220,21 +222,90 @@ end
 return 0
 """
 
-# Refresh a claim: SET the key to ARGV[2] (TTL ARGV[3] s) while it holds a claim of incarnation
-# ARGV[1], or nothing (it lapsed: this process was paused past its TTL, or Redis restarted);
-# one of another incarnation (it took the lapsed claim meanwhile) is returned, not touched
-_REFRESH_CLAIM = """
-local held = redis.call('GET', KEYS[1])
-if held then
-  local ok, claim = pcall(cmsgpack.unpack, held)
-  if not (ok and type(claim) == 'table' and type(claim.extra) == 'table'
-          and claim.extra.incarnation == ARGV[1]) then
-    return held
+# The claim KEYS[1] holds when it is another incarnation's than ARGV[1] (it took the claim
+# this one let lapse), else false: it holds this incarnation's, or nothing (lapsed, taken by
+# no one; or Redis restarted). The head of each script below.
+_OTHERS_CLAIM = """
+local function others_claim()
+  local held = redis.call('GET', KEYS[1])
+  if not held then
+    return false
   end
+  local ok, claim = pcall(cmsgpack.unpack, held)
+  if ok and type(claim) == 'table' and type(claim.extra) == 'table'
+     and claim.extra.incarnation == ARGV[1] then
+    return false
+  end
+  return held
 end
-redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
+"""
+
+# SET KEYS[2] (the claim itself, or a heartbeat of its process) to ARGV[2] (TTL ARGV[3] s)
+# unless another incarnation holds the claim, which is returned, nothing touched
+_SET_WHILE_CLAIMED = _OTHERS_CLAIM + """
+local held = others_claim()
+if held then
+  return held
+end
+redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
 return false
 """
+
+# A clean exit's delete of KEYS[2] (the claim KEYS[1] itself, or its process's heartbeat):
+# only while the claim is not another incarnation's
+_CLEAR_WHILE_CLAIMED = _OTHERS_CLAIM + """
+if not others_claim() then
+  redis.call('DEL', KEYS[2])
+end
+return 0
+"""
+
+# XADD to KEYS[2] (MAXLEN ~ ARGV[2]; the fields: ARGV[3..]) unless another incarnation holds
+# the claim: {1, the entry id}, or {0, the other's claim} with nothing added
+_FENCED_XADD = _OTHERS_CLAIM + """
+local held = others_claim()
+if held then
+  return {0, held}
+end
+return {1, redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))}
+"""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """This process's claim of its identity (`claimed`). What only the holder may write goes
+    through it, fenced by the claim in the same command: its heartbeats (`keep_heartbeat`,
+    `clear`) and a scheduler's plans (`xadd`). A process paused past the claim's TTL ran
+    once or twice before its next refresh found the claim another's: a plan the workers
+    ran as a new scheduler's, a heartbeat that named the stale process again (the
+    scheduler took a worker's for a restart and recomputed every request), its clean exit's
+    delete of the new holder's keys (`clear`)."""
+
+    redis: aioredis.Redis
+    key: str
+    incarnation: str
+    lost: Callable[[bytes], PacerError]
+
+    async def xadd(self, stream: str, fields: dict, maxlen: int) -> bytes | str:
+        """XADD `fields` to `stream` (MAXLEN ~ `maxlen`) while the claim is this
+        incarnation's (or lapsed, taken by no one). Another incarnation's: nothing is added,
+        and the process exits 1 at once with the line of `lost`, as when its refresh finds
+        it."""
+        args = [item for pair in fields.items() for item in pair]
+        sent, value = await self.redis.eval(_FENCED_XADD, 2, self.key, stream,
+                                            self.incarnation, maxlen, *args)
+        if not sent:
+            report_error(self.lost(value))
+            os._exit(1)
+        return value
+
+    async def clear(self, key: str) -> None:
+        """`clear_key` of the claim itself or a heartbeat of its process, at a clean exit:
+        only while the claim is this incarnation's (or none's), never a new holder's."""
+        try:
+            await self.redis.eval(_CLEAR_WHILE_CLAIMED, 2, self.key, key, self.incarnation)
+        except (RedisError, OSError) as e:
+            log.warning("heartbeat key not cleared", key=key, error=str(e))
 
 
 @contextlib.asynccontextmanager
@@ -243,22 +314,25 @@ async def claimed(redis: aioredis.Redis, key: str, kind: str, ident: str, what: 
     """Hold the identity `key` names (a scheduler id, a worker rank of an instance) for this
     process while the block runs: claimed at once with SET NX (two processes started together
     cannot both get it), kept by `keep_heartbeat` (its value is a Heartbeat of this
-    incarnation: pid, host, start time), deleted at the end. A claim left by a dead process
+    incarnation: pid, host, start time), deleted at the end while it is still this
+    incarnation's. A claim left by a dead process
     (a restart, the key not expired yet) is taken over: on this host, when its pid is gone
     (or is another program's now); from another host, once it stops being refreshed (it
     lapses within `ttl_s`). A live holder: PacerError naming `what`, the holder and `hint`
     (what to do). `kind`: the service (`scheduler`, `worker`), as its command line says it.
+    Yields the `Claim`, to fence what the process publishes.
 
     A process paused past `ttl_s` (SIGSTOP, a long stall) may find its lapsed claim taken by
-    a new process of its identity: its refresh leaves that one's claim as it is and the
-    process exits 1 at once, with one line naming the holder (it is the stale one)."""
+    a new process of its identity: its refresh (or a fenced publish, `Claim.xadd`) leaves
+    that one's claim as it is and the process exits 1 at once, with one line naming the
+    holder (it is the stale one)."""
     started_at = time.time()
     pid, host = os.getpid(), socket.gethostname()
+    incarnation = f"{pid}@{host}@{started_at!r}"
 
     def make() -> Heartbeat:
         return Heartbeat(kind, ident, time.time(), {
-            "pid": pid, "host": host, "started_at": started_at,
-            "incarnation": f"{pid}@{host}@{started_at!r}"})
+            "pid": pid, "host": host, "started_at": started_at, "incarnation": incarnation})
 
     def lost(raw: bytes) -> PacerError:
         beat = heartbeat_of(raw)
@@ -267,13 +341,14 @@ async def claimed(redis: aioredis.Redis, key: str, kind: str, ident: str, what: 
                           f"{holder(beat.extra if beat else {})} holds it now; this one stops")
     await retry_redis(lambda: _claim(redis, key, encode(make()), kind, what, hint, ttl_s),
                       f"claim {key}", log)
-    task = essential_task(keep_heartbeat(redis, key, make, ttl_s=ttl_s, lost=lost),
+    claim = Claim(redis, key, incarnation, lost)
+    task = essential_task(keep_heartbeat(redis, key, make, ttl_s=ttl_s, claim=claim),
                           f"claim of {what}")
     try:
-        yield
+        yield claim
     finally:
         await cancel_tasks(task)
-        await clear_key(redis, key)
+        await claim.clear(key)
 
 
 async def _claim(redis: aioredis.Redis, key: str, value: bytes, kind: str, what: str,

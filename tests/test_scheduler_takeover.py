@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from scheduler_svc.takeover import CLAIM_IDLE_MS
 from scheduler_svc.workers import incarnation
 from shared.keys import HEARTBEAT_TTL_S, Keys
-from shared.protocol import FinishEvent, TokenBatch, decode, heartbeat_of
+from shared.protocol import FinishEvent, Heartbeat, TokenBatch, decode, encode, heartbeat_of
 from tests.helpers_tiny_model import write_tiny_llama
 from tests.redis_fixture import free_port, start_redis, stop_redis
 from tests.served_fixture import API_KEY, ROOT, Served, wait_for, wait_healthy
@@ -300,6 +300,145 @@ def test_a_scheduler_paused_past_its_claim_finds_it_taken_and_stops(system: Syst
         r.close()
 
 
+def claim_of_a_dead_process(kind: str, ident: str) -> tuple[int, bytes]:
+    """(pid, claim) of a process of this host that is gone: what a new process of `ident`
+    wrote, for a claim taken over (any process after it takes it over at once)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    return gone.pid, encode(Heartbeat(kind, ident, time.time(), {
+        "pid": gone.pid, "host": host, "started_at": 0.0, "incarnation": f"{gone.pid}@{host}@0.0"}))
+
+
+def serving_scheduler(system: System) -> str:
+    """The name of the one scheduler driving the worker (B is started if none runs; of two,
+    the other is stopped)."""
+    alive = [n for n in (SCHEDULER_A, SCHEDULER_B)
+             if n in system.processes and system.processes[n].proc.poll() is None]
+    if not alive:
+        system.start_scheduler(SCHEDULER_B)
+        alive = [SCHEDULER_B]
+    for other in alive[1:]:
+        system.processes[other].stop()
+    return alive[0]
+
+
+def test_a_scheduler_whose_claim_another_took_sends_no_plan_after(system: System):
+    """A scheduler paused past its claim's TTL sent a plan (or two) when it ran again, before
+    its next refresh found its claim another process's: the worker ran it as a restarted
+    scheduler's and dropped the requests the new one served. Each plan now goes out in one
+    script with a check of the claim: mid-stream, its claim is replaced (as a new process of
+    its id takes a lapsed one), and from that moment no plan of it reaches the stream; it
+    exits 1 naming the holder. Restarted (the holder's pid is gone), it finishes the
+    streams."""
+    name = serving_scheduler(system)
+    stale_process = system.processes[name]
+    stale = stale_process.proc
+    gone, taker = claim_of_a_dead_process("scheduler", name)
+    r = redis.Redis.from_url(system.redis_url)
+    after_takeover: list = []
+    stale_said: list[str] = []
+
+    async def take_the_claim() -> float:
+        pipe = r.pipeline(transaction=True)        # the newest plan as the claim changes
+        pipe.set(KEYS.claim_scheduler(name), taker, ex=HEARTBEAT_TTL_S)
+        pipe.xrevrange(KEYS.plans, count=1)
+        _, [(newest, _)] = pipe.execute()
+        assert await asyncio.to_thread(stale.wait, 30) == 1, system.logs()
+        after_takeover.extend(r.xrange(KEYS.plans, min=b"(" + newest))
+        stale_said.append(last_line(stale_process))     # before its restart's log replaces it
+        system.start_scheduler(name)
+        return time.monotonic()
+
+    try:
+        results, tap, _ = asyncio.run(run_streams(system, take_the_claim))
+    finally:
+        r.close()
+    assert after_takeover == [], system.logs()
+    assert stale_said == [
+        f"pacer: error: scheduler id {name!r} was taken over: this process (pid {stale.pid}) "
+        f"did not refresh its claim within {HEARTBEAT_TTL_S} s (paused, or cut off from Redis) "
+        f"and pid {gone} on host {socket.gethostname()} holds it now; this one stops"]
+    assert_complete(results, tap, system)
+
+
+RELEASE_AFTER_TAKEOVER = """
+import asyncio, sys
+import redis
+from shared.lifecycle import claimed, connect_redis
+
+async def main(url, key, taker):
+    client = await connect_redis(url)
+    async with claimed(client, key, "scheduler", "released", "scheduler id 'released'", ""):
+        # a new process of this id takes the claim (this one was paused past its TTL); no
+        # await until the block ends, so that the refresh does not find it first
+        redis.Redis.from_url(url).set(key, bytes.fromhex(taker), ex=30)
+    await client.aclose()
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def test_a_clean_exit_leaves_a_claim_another_process_took(system: System):
+    """A process that stops cleanly deletes its claim, so that a restart need not wait: only
+    while it is still its own. Before, a process whose claim another took while it was
+    paused, stopping before its refresh found out, deleted the new holder's claim, and a
+    third process could start under the identity beside the second."""
+    key = Keys(prefix="released:").claim_scheduler("released")
+    _, taker = claim_of_a_dead_process("scheduler", "released")
+    done = subprocess.run([sys.executable, "-c", RELEASE_AFTER_TAKEOVER, system.redis_url,
+                           key, taker.hex()], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    r = redis.Redis.from_url(system.redis_url)
+    try:
+        assert r.get(key) == taker
+    finally:
+        r.close()
+
+
+def start_worker(system: System) -> Process:
+    """Worker rank 0 (again), once its heartbeat names it."""
+    worker = system.start("worker", "worker", "--rank", "0", "--model", system.model,
+                          *ENGINE_FLAGS, "--redis-url", system.redis_url)
+    r = redis.Redis.from_url(system.redis_url)
+    try:
+        wait_for(lambda: (incarnation(r.get(KEYS.hb_worker(0))) or (None,))[0]
+                 == worker.proc.pid, 120.0, "the restarted worker's heartbeat")
+    finally:
+        r.close()
+    return worker
+
+
+def test_a_worker_whose_claim_another_took_writes_its_heartbeat_no_more(system: System):
+    """A rank paused past its claim's TTL beat once more (a plain SET) before its refresh
+    found the claim another's: its heartbeat named the stale process again for up to a
+    beat, and the scheduler took the rank for restarted (every running request recomputed),
+    then for restarted again. Each beat is now written in one script with a check of the
+    claim. Right after the worker's refresh, its claim is replaced and its heartbeat deleted
+    (a new process of its rank took the lapsed claim, and beats only once loaded); its next
+    beat, due before its next refresh, writes nothing, and it exits 1."""
+    stale = system.processes["worker"]
+    _, taker = claim_of_a_dead_process("worker", "0")
+    r = redis.Redis.from_url(system.redis_url)
+    r.config_set("notify-keyspace-events", "K$")
+    refreshes = r.pubsub(ignore_subscribe_messages=True)
+    refreshes.subscribe(f"__keyspace@0__:{KEYS.claim_worker(0)}")
+    try:
+        next(m for m in refreshes.listen() if m["data"] == b"set")     # its refresh ran
+        pipe = r.pipeline(transaction=True)
+        pipe.set(KEYS.claim_worker(0), taker, ex=HEARTBEAT_TTL_S)
+        pipe.delete(KEYS.hb_worker(0))
+        pipe.execute()
+        assert stale.proc.wait(30) == 1, stale.log_tail()
+        assert r.get(KEYS.hb_worker(0)) is None, stale.log_tail()
+        assert "was taken over" in last_line(stale), stale.log_tail()
+    finally:
+        refreshes.close()
+        r.config_set("notify-keyspace-events", "")
+        r.close()
+        start_worker(system)
+
+
 def test_a_second_worker_of_a_running_ones_rank_refuses_to_start(system: System):
     """Two `pacer worker --rank 0` of one instance both read its plans and both publish
     results (and beat into one key: the scheduler saw the rank lost and back, over and
@@ -327,12 +466,9 @@ def test_a_worker_restarted_under_its_dead_predecessors_claim_comes_up(system: S
     r = redis.Redis.from_url(system.redis_url)
     try:
         assert r.exists(KEYS.claim_worker(0))           # not expired yet
-        fresh = system.start("worker", "worker", "--rank", "0", "--model", system.model,
-                             *ENGINE_FLAGS, "--redis-url", system.redis_url)
-        wait_for(lambda: (incarnation(r.get(KEYS.hb_worker(0))) or (None,))[0]
-                 == fresh.proc.pid, 120.0, "the restarted worker's heartbeat")
     finally:
         r.close()
+    start_worker(system)
     results, tap, _ = asyncio.run(run_streams(system))
     assert_complete(results, tap, system)
 
@@ -440,15 +576,8 @@ def test_a_stalled_scheduler_that_comes_back_after_a_takeover_publishes_nothing_
     applies the result it was waiting for or plans another token, it finds (its leases
     overdue) that its requests are another's or done, and drops them: each index is published
     once, each request finishes once, and no progress record is written again."""
-    alive = [n for n in (SCHEDULER_A, SCHEDULER_B)
-             if n in system.processes and system.processes[n].proc.poll() is None]
-    if not alive:
-        system.start_scheduler(SCHEDULER_B)
-        alive = [SCHEDULER_B]
-    holder = alive[0]
+    holder = serving_scheduler(system)
     taker = SCHEDULER_A if holder == SCHEDULER_B else SCHEDULER_B
-    if taker in alive:                      # one scheduler drives the worker at a time
-        system.processes[taker].stop()
     reference, ref_tap, _ = asyncio.run(run_streams(system))
     assert_complete(reference, ref_tap, system)
     stalled = system.processes[holder].proc
