@@ -67,6 +67,7 @@ TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": 
 #   [error]         the request fails with finish_reason "error" after two tokens
 #   [error3]        ... after three (with [emoji]: in the middle of a character's bytes)
 #   [invalid]       the scheduler rejects the request as one that can never be served
+#   [deadline]      the scheduler ends the request at once as one whose deadline passed
 #   [tool]          the output is TOOL_REPLY, a call in the hermes format, then EOS
 #   [call-first]    the output is TOOL_REPLY's call alone (no words before it), then EOS
 #   [special]       the output is "Hi", a special token (not EOS), " there", then EOS
@@ -113,7 +114,7 @@ class FakeScheduler:
                                                [[(7 + j, -1.0 - j) for j in range(k)]] * n))])))
         for i, token_id in enumerate(output):
             if ("[error]" in prompt and i == 2) or ("[error3]" in prompt and i == 3) \
-                    or "[invalid]" in prompt:
+                    or "[invalid]" in prompt or "[deadline]" in prompt:
                 reason = "error"
                 break
             if slow:
@@ -162,12 +163,14 @@ class FakeScheduler:
 
     async def _finish(self, msg: RequestMsg, reason: str, num_output_tokens: int) -> None:
         prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
-        invalid = "[invalid]" in prompt
+        invalid, late = "[invalid]" in prompt, "[deadline]" in prompt
         self.finished.append((msg.request_id, reason))
+        error = "needs more KV blocks than the pool has" if invalid else \
+            "the request reached its deadline" if late else "the fake worker failed"
         event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids), num_output_tokens,
-                            ("needs more KV blocks than the pool has" if invalid
-                             else "the fake worker failed") if reason == "error" else None,
-                            "invalid_request_error" if invalid else "server_error",
+                            error if reason == "error" else None,
+                            "invalid_request_error" if invalid else
+                            "timeout_error" if late else "server_error",
                             num_cached_tokens=len(msg.prompt_token_ids) // 2)
         await self.redis.publish(msg.reply_to, encode(event))
 
@@ -957,6 +960,29 @@ async def test_a_failed_generation_is_a_server_error(h: Harness) -> None:
     data = await h.sse("/v1/completions", completion(prompt="[error]", max_tokens=10))
     assert "the fake worker failed" in json.loads(data[-2])["error"]["message"]
     assert data[-1] == "[DONE]"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+async def test_a_request_past_its_deadline_is_not_retried_by_the_openai_client(
+        h: Harness, path: str) -> None:
+    """The 408 of a request whose deadline passed while it ran: the client's own `timeout` (or
+    --request-timeout) spent, the work done and dropped. The official client retries a 408
+    (twice by default): each retry ran the whole deadline again, 3x the compute and the
+    wait. The answer says `x-should-retry: false`, which the client obeys."""
+    tag = f"[deadline] {path}"
+    async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="unused") as client:
+        with pytest.raises(openai.APIStatusError) as failed:
+            if path == "/v1/completions":
+                await client.completions.create(model=MODEL, prompt=tag, max_tokens=10)
+            elif path == "/v1/chat/completions":
+                await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": tag}], max_tokens=10)
+            else:
+                await client.responses.create(model=MODEL, input=tag, max_output_tokens=10)
+    assert failed.value.status_code == 408 and "deadline" in failed.value.message
+    assert failed.value.response.headers["x-should-retry"] == "false"
+    sent = [m for m in h.fake.received.values() if tag in h.tok.decode(m.prompt_token_ids)]
+    assert len(sent) == 1
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
