@@ -16,6 +16,7 @@ import math
 import re
 import socket
 import threading
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -1174,6 +1175,39 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
                    if e["type"] == "response.output_text.delta") == received
     [item] = events[-1]["response"]["output"]
     assert item["status"] == "incomplete" and item["content"][0]["text"] == received
+
+
+@pytest.mark.parametrize("prompt", ["Hi", "[tool]", "[error]", "[invalid]", "[deadline]"])
+async def test_responses_answers_and_events_validate_in_the_openai_clients_types(
+        h: Harness, prompt: str) -> None:
+    """Every response and stream event, validated strictly by the official client's own
+    pydantic types (the client itself builds them leniently, so a field it requires but does
+    not find is None, and a value outside its Literal passes unnoticed; strict consumers, a
+    proxy or agent framework that validates, refuse them): the usage's
+    `input_tokens_details.cache_write_tokens` is required (0: nothing is written to a cache
+    the client pays for), and a failed response's `error.code` is one of the client's codes
+    (`server_error`, `invalid_prompt`), the error's own type beside it."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    event_types = {typing.get_args(kind.model_fields["type"].annotation)[0]: kind
+                   for kind in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+    tools = [{"type": "function", "name": "get_weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    body = {"model": MODEL, "input": prompt, "max_output_tokens": 60,
+            **({"tools": tools, "tool_choice": "auto"} if prompt == "[tool]" else {})}
+    status, answer = await h.post("/v1/responses", body)
+    if status == 200:
+        Response.model_validate(answer)
+    events = await _response_events(h, body)
+    for event in events:
+        event_types[event["type"]].model_validate(event)
+    last = events[-1]["response"]
+    if prompt in ("Hi", "[tool]"):
+        assert last["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
+    else:
+        assert last["error"]["code"] == ("invalid_prompt" if prompt == "[invalid]"
+                                         else "server_error")
+        assert last["error"]["type"] == {"[error]": "server_error", "[deadline]": "timeout_error",
+                                         "[invalid]": "invalid_request_error"}[prompt]
 
 
 async def test_a_responses_stream_makes_its_logprobs_once_and_sends_them_in_pieces(
