@@ -31,6 +31,9 @@ log = structlog.get_logger("gateway.responses")
 
 # an error event's type -> the status of a non-streaming answer (others: 500)
 ERROR_STATUS = {"invalid_request_error": 400, "timeout_error": 408}
+# a request whose deadline passed ran it out: the official OpenAI clients retry a 408 (twice by
+# default), each retry running the whole deadline again; this header, which they obey, says not to
+ERROR_HEADERS = {"timeout_error": {"x-should-retry": "false"}}
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -214,7 +217,8 @@ async def collect(gens: list[Generation]) -> tuple[list[str], list[list[TokenLog
             if delta.error is not None:
                 raise APIError(f"generation failed: {delta.error}",
                                status=ERROR_STATUS.get(delta.error_type, 500),
-                               type=delta.error_type)
+                               type=delta.error_type,
+                               headers=ERROR_HEADERS.get(delta.error_type))
             texts[index].append(delta.text)
             entries[index] += delta.logprobs
     return ["".join(t) for t in texts], entries

@@ -56,6 +56,9 @@ CHAT_EXTRAS = ("structured_outputs", "guided_json", "guided_regex", "guided_choi
                "add_generation_prompt", "continue_final_message")
 # Fields of the other endpoints whose answer a response object has no place for
 NOT_ON_RESPONSES = ("best_of", "echo", "prompt_logprobs", "suffix", "functions")
+# a failed response's error.code must be one of the Responses API's codes (the client's types
+# hold them to those); the error's own type goes beside it, in `type`
+FAILED_CODES = {"invalid_request_error": "invalid_prompt"}
 # Chat fields that have another spelling here: sent, they would be silently ignored
 CHAT_SPELLINGS = {"messages": "input", "max_tokens": "max_output_tokens",
                   "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
@@ -322,7 +325,10 @@ class ResponseShape:
 
     def usage(self, num_output_tokens: int, num_cached_tokens: int | None) -> dict:
         return {"input_tokens": self.num_prompt_tokens,
-                "input_tokens_details": {"cached_tokens": num_cached_tokens or 0},
+                # cache_write_tokens: the client's types require it; none is written to a
+                # cache that is paid for
+                "input_tokens_details": {"cached_tokens": num_cached_tokens or 0,
+                                         "cache_write_tokens": 0},
                 "output_tokens": num_output_tokens,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": self.num_prompt_tokens + num_output_tokens}
@@ -479,7 +485,8 @@ async def response_sse(request: web.Request, gens: list[Generation], req: Genera
                         await message.text(rest)
                     output = [message.item("incomplete")] if message.opened else []
                     failed = shape.response("failed", output, error={
-                        "code": delta.error_type,
+                        "code": FAILED_CODES.get(delta.error_type, "server_error"),
+                        "type": delta.error_type,
                         "message": f"generation failed: {delta.error}"})
                     await shape.send(response, "response.failed", response=failed)
                     await response.write_eof()

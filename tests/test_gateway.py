@@ -16,6 +16,7 @@ import math
 import re
 import socket
 import threading
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,7 @@ TOOL_REPLY = 'Checking.<tool_call>{"name": "get_weather", "arguments": {"city": 
 #   [error]         the request fails with finish_reason "error" after two tokens
 #   [error3]        ... after three (with [emoji]: in the middle of a character's bytes)
 #   [invalid]       the scheduler rejects the request as one that can never be served
+#   [deadline]      the scheduler ends the request at once as one whose deadline passed
 #   [tool]          the output is TOOL_REPLY, a call in the hermes format, then EOS
 #   [call-first]    the output is TOOL_REPLY's call alone (no words before it), then EOS
 #   [special]       the output is "Hi", a special token (not EOS), " there", then EOS
@@ -119,7 +121,7 @@ class FakeScheduler:
                                                [[(7 + j, -1.0 - j) for j in range(k)]] * n))])))
         for i, token_id in enumerate(output):
             if ("[error]" in prompt and i == 2) or ("[error3]" in prompt and i == 3) \
-                    or "[invalid]" in prompt:
+                    or "[invalid]" in prompt or "[deadline]" in prompt:
                 reason = "error"
                 break
             if slow:
@@ -169,12 +171,14 @@ class FakeScheduler:
 
     async def _finish(self, msg: RequestMsg, reason: str, num_output_tokens: int) -> None:
         prompt = self.tok.decode(msg.prompt_token_ids, skip_special_tokens=False)
-        invalid = "[invalid]" in prompt
+        invalid, late = "[invalid]" in prompt, "[deadline]" in prompt
         self.finished.append((msg.request_id, reason))
+        error = "needs more KV blocks than the pool has" if invalid else \
+            "the request reached its deadline" if late else "the fake worker failed"
         event = FinishEvent(msg.request_id, reason, len(msg.prompt_token_ids), num_output_tokens,
-                            ("needs more KV blocks than the pool has" if invalid
-                             else "the fake worker failed") if reason == "error" else None,
-                            "invalid_request_error" if invalid else "server_error",
+                            error if reason == "error" else None,
+                            "invalid_request_error" if invalid else
+                            "timeout_error" if late else "server_error",
                             num_cached_tokens=len(msg.prompt_token_ids) // 2)
         await self.redis.publish(msg.reply_to, encode(event))
 
@@ -966,6 +970,29 @@ async def test_a_failed_generation_is_a_server_error(h: Harness) -> None:
     assert data[-1] == "[DONE]"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+async def test_a_request_past_its_deadline_is_not_retried_by_the_openai_client(
+        h: Harness, path: str) -> None:
+    """The 408 of a request whose deadline passed while it ran: the client's own `timeout` (or
+    --request-timeout) spent, the work done and dropped. The official client retries a 408
+    (twice by default): each retry ran the whole deadline again, 3x the compute and the
+    wait. The answer says `x-should-retry: false`, which the client obeys."""
+    tag = f"[deadline] {path}"
+    async with openai.AsyncOpenAI(base_url=h.url + "/v1", api_key="unused") as client:
+        with pytest.raises(openai.APIStatusError) as failed:
+            if path == "/v1/completions":
+                await client.completions.create(model=MODEL, prompt=tag, max_tokens=10)
+            elif path == "/v1/chat/completions":
+                await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": tag}], max_tokens=10)
+            else:
+                await client.responses.create(model=MODEL, input=tag, max_output_tokens=10)
+    assert failed.value.status_code == 408 and "deadline" in failed.value.message
+    assert failed.value.response.headers["x-should-retry"] == "false"
+    sent = [m for m in h.fake.received.values() if tag in h.tok.decode(m.prompt_token_ids)]
+    assert len(sent) == 1
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_a_failed_stream_still_sends_the_text_it_held_back(h: Harness, path: str) -> None:
     """A stop string the output so far could still grow into holds that text back; should
@@ -1155,6 +1182,39 @@ async def test_responses_api_shape_and_its_failed_event(h: Harness) -> None:
                    if e["type"] == "response.output_text.delta") == received
     [item] = events[-1]["response"]["output"]
     assert item["status"] == "incomplete" and item["content"][0]["text"] == received
+
+
+@pytest.mark.parametrize("prompt", ["Hi", "[tool]", "[error]", "[invalid]", "[deadline]"])
+async def test_responses_answers_and_events_validate_in_the_openai_clients_types(
+        h: Harness, prompt: str) -> None:
+    """Every response and stream event, validated strictly by the official client's own
+    pydantic types (the client itself builds them leniently, so a field it requires but does
+    not find is None, and a value outside its Literal passes unnoticed; strict consumers, a
+    proxy or agent framework that validates, refuse them): the usage's
+    `input_tokens_details.cache_write_tokens` is required (0: nothing is written to a cache
+    the client pays for), and a failed response's `error.code` is one of the client's codes
+    (`server_error`, `invalid_prompt`), the error's own type beside it."""
+    from openai.types.responses import Response, ResponseStreamEvent
+    event_types = {typing.get_args(kind.model_fields["type"].annotation)[0]: kind
+                   for kind in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+    tools = [{"type": "function", "name": "get_weather",
+              "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]
+    body = {"model": MODEL, "input": prompt, "max_output_tokens": 60,
+            **({"tools": tools, "tool_choice": "auto"} if prompt == "[tool]" else {})}
+    status, answer = await h.post("/v1/responses", body)
+    if status == 200:
+        Response.model_validate(answer)
+    events = await _response_events(h, body)
+    for event in events:
+        event_types[event["type"]].model_validate(event)
+    last = events[-1]["response"]
+    if prompt in ("Hi", "[tool]"):
+        assert last["usage"]["input_tokens_details"]["cache_write_tokens"] == 0
+    else:
+        assert last["error"]["code"] == ("invalid_prompt" if prompt == "[invalid]"
+                                         else "server_error")
+        assert last["error"]["type"] == {"[error]": "server_error", "[deadline]": "timeout_error",
+                                         "[invalid]": "invalid_request_error"}[prompt]
 
 
 async def test_a_responses_stream_makes_its_logprobs_once_and_sends_them_in_pieces(
