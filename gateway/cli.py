@@ -72,8 +72,9 @@ def add_request_policy_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds running requests get to finish")
     p.add_argument("--stalled-client-timeout", type=float,
                    default=DEFAULT_STALLED_CLIENT_TIMEOUT_S,
-                   help="seconds a streaming client may read nothing while output waits for "
-                        "it; then its connection is closed and its request aborted")
+                   help="seconds a client may read nothing while output waits for it (a "
+                        "stream, or a whole answer); then its connection is reset and its "
+                        "request aborted")
     p.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
                    help="the model's tool-call format: serves tool_choice 'auto' (vLLM's "
                         "--enable-auto-tool-choice --tool-call-parser)")

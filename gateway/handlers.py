@@ -70,7 +70,7 @@ async def _openai_answer(request: web.Request, gens: list[Generation], req: Gene
                   headers=reply.headers, tool_parser=request.app[STATE].tool_parser)
     if req.stream:
         return await stream_sse(request, gens, shape)
-    return await full_json(gens, shape)
+    return await full_json(request, gens, shape)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -103,7 +103,7 @@ async def responses(request: web.Request) -> web.StreamResponse:
                               reply.headers)
         if req.stream:
             return await response_sse(request, gens, req, parser, shape)
-        return await response_json(gens, req, parser, shape)
+        return await response_json(request, gens, req, parser, shape)
     try:
         return await _generate(request, parse, "resp_", answer)
     except APIError as error:

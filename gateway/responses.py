@@ -224,12 +224,13 @@ async def collect(gens: list[Generation]) -> tuple[list[str], list[list[TokenLog
     return ["".join(t) for t in texts], entries
 
 
-async def full_json(gens: list[Generation], shape: Shape) -> web.Response:
+async def full_json(request: web.Request, gens: list[Generation],
+                    shape: Shape) -> web.StreamResponse:
     texts, entries = await collect(gens)
     # a batch of prompts as long as the context, with their logprobs (echo's, vLLM's
     # prompt_logprobs: a decode a token and a top one), took seconds on the event loop
     text = await asyncio.to_thread(_full_body, gens, shape, texts, entries)
-    return web.json_response(text=text, headers=shape.headers)
+    return await send_whole(request, text, shape.headers)
 
 
 def _full_body(gens: list[Generation], shape: Shape, texts: list[str],
@@ -301,12 +302,14 @@ def json_pieces(value: object, separators: tuple[str, str] = (", ", ": "),
 
 
 _FRAMING = 64          # a chunk's length line and CRLFs, besides its data
+# a whole answer is written this many bytes at a time (send_whole)
+WHOLE_PIECE_BYTES = 65536
 # SO_LINGER on, for 0 s: closing the socket resets the connection and drops what it holds
 _RESET_ON_CLOSE = struct.pack("ii", 1, 0)
 
 
-class SSEResponse(web.StreamResponse):
-    """An event stream that gives up on a client who stops reading. A write waits only where
+class StallBoundResponse(web.StreamResponse):
+    """A response that gives up on a client who stops reading. A write waits only where
     the socket's buffers are full (the kernel's, then the transport's past its high-water
     mark); one that waits `stalled_client_timeout_s` closes the connection and raises
     ConnectionResetError, as a client that hung up does, so that the request is aborted
@@ -321,7 +324,7 @@ class SSEResponse(web.StreamResponse):
     that memory, and its connection, for as long as it answers the kernel's probes."""
 
     def __init__(self, headers: dict[str, str]) -> None:
-        super().__init__(headers={**SSE_HEADERS, **headers})
+        super().__init__(headers=headers)
         self._transport = None       # set by prepare(), with the two below
         self._low_water = 0
         self._stall_s = 0.0
@@ -355,6 +358,34 @@ class SSEResponse(web.StreamResponse):
             transport.abort()
             raise ConnectionResetError(f"the client read nothing for {self._stall_s:g} s "
                                        "with output waiting") from None
+
+
+class SSEResponse(StallBoundResponse):
+    """An event stream (StallBoundResponse: a client who stops reading is dropped)."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        super().__init__({**SSE_HEADERS, **headers})
+
+
+async def send_whole(request: web.Request, text: str,
+                     headers: dict[str, str]) -> web.StreamResponse:
+    """A whole answer's JSON, written a piece at a time under StallBoundResponse's bound:
+    one of MBs (many choices with their logprobs) to a client that read nothing held the
+    connection, and the MBs the kernel did not take, for as long as the client kept it open
+    (as web.json_response wrote it); each piece waits only until the client has read
+    enough of the last, so a slow reader is kept."""
+    body = text.encode()
+    response = StallBoundResponse({"Content-Type": "application/json; charset=utf-8",
+                                   **headers})
+    response.content_length = len(body)
+    try:
+        await response.prepare(request)     # a client gone already fails here
+        for start in range(0, len(body), WHOLE_PIECE_BYTES):
+            await response.write(body[start:start + WHOLE_PIECE_BYTES])
+        await response.write_eof()
+    except ConnectionResetError:
+        log.info("client disconnected during the answer")
+    return response
 
 
 async def stream_sse(request: web.Request, gens: list[Generation],

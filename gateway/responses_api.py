@@ -37,7 +37,7 @@ from gateway.generation import Generation, merged_deltas
 from gateway import openai_schema as oai
 from gateway.openai_schema import APIError, GenerationRequest, TokenLogprob, read_field
 from gateway.responses import (JSON_PIECE_CHARS, SSEResponse, collect, json_text, openai_calls,
-                               split_calls, tool_names)
+                               send_whole, split_calls, tool_names)
 from gateway.tool_parsers import ToolParser, ToolStream
 from shared import chat_template
 from shared.errors import InvalidRequestError
@@ -381,14 +381,14 @@ class ResponseShape:
         return {"item_id": self.message_id, "output_index": 0, "content_index": 0, **more}
 
 
-async def response_json(gens: list[Generation], req: GenerationRequest,
-                        parser: ToolParser | None, shape: ResponseShape) -> web.Response:
+async def response_json(request: web.Request, gens: list[Generation], req: GenerationRequest,
+                        parser: ToolParser | None, shape: ResponseShape) -> web.StreamResponse:
     [text], [entries] = await collect(gens)
     # off the event loop, its JSON a piece at a time (json_text): a long output's logprobs
     # (8k tokens with 20 top ones) took ~1 s to make and serialize, every stream stalled
     body = await asyncio.to_thread(
         lambda: json_text(shape.final(*split_calls(req, parser, text), gens[0], entries)))
-    return web.json_response(text=body, headers=shape.headers)
+    return await send_whole(request, body, shape.headers)
 
 
 class _MessageEvents:

@@ -1760,8 +1760,34 @@ async def test_a_streaming_client_that_stops_reading_is_dropped(h: Harness) -> N
     (a client that read again got them at the pace of the kernel's zero-window probes, which
     back off to minutes; one that never did kept that memory and its connection)."""
     before = await _metric_values(h)
-    body = json.dumps(completion(prompt="[slow] x", max_tokens=100, n=128, logprobs=20,
-                                 stream=True)).encode()
+    body = completion(prompt="[slow] x", max_tokens=100, n=128, logprobs=20, stream=True)
+    async with _never_reading_client(h, "/v1/completions", body) as sock:
+        ended = "pacer:e2e_request_latency_seconds_count"
+        for _ in range(200):         # 128 streams of 100 tokens take 5 s; cut off before
+            await asyncio.sleep(0.05)
+            if (await _metric_values(h)).get(ended, 0) >= before.get(ended, 0) + 128:
+                break
+        assert (await _metric_values(h)).get(ended, 0) == before.get(ended, 0) + 128
+        # still reading nothing, the client learns that the server dropped it
+        await _until_reset(sock, 200)
+
+
+async def test_a_client_that_never_reads_its_whole_answer_is_dropped(h: Harness) -> None:
+    """A non-streamed answer of MBs (many choices with their logprobs) to a client that
+    keeps its connection open and reads nothing is given up after `stalled_client_timeout_s`,
+    as a stream's is: the connection is reset. Before, the gateway held the connection and
+    the MBs the kernel did not take for as long as the client kept it open."""
+    # ~3 MB: more than the kernel takes for a client whose window is small
+    body = chat(max_tokens=60, n=128, logprobs=True, top_logprobs=20)
+    async with _never_reading_client(h, "/v1/chat/completions", body) as sock:
+        await _until_reset(sock, 600)       # the answer takes a few seconds to make, then 1 s
+
+
+@contextlib.asynccontextmanager
+async def _never_reading_client(h: Harness, path: str, body: dict):
+    """A socket that sent `body` to `path` and reads nothing, its window small, while the
+    gateway gives up on a stalled client after 1 s."""
+    raw = json.dumps(body).encode()
     host, port = h.url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # a small window, never read
@@ -1770,26 +1796,23 @@ async def test_a_streaming_client_that_stops_reading_is_dropped(h: Harness) -> N
     loop = asyncio.get_running_loop()
     try:
         await loop.sock_connect(sock, (host, int(port)))
-        await loop.sock_sendall(sock, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                                b"Connection: close\r\n"
+        await loop.sock_sendall(sock, f"POST {path} HTTP/1.1\r\nHost: x\r\n".encode()
+                                + b"Connection: close\r\n"
                                 b"Content-Type: application/json\r\nContent-Length: "
-                                + str(len(body)).encode() + b"\r\n\r\n" + body)
-        ended = "pacer:e2e_request_latency_seconds_count"
-        for _ in range(200):         # 128 streams of 100 tokens take 5 s; cut off before
-            await asyncio.sleep(0.05)
-            if (await _metric_values(h)).get(ended, 0) >= before.get(ended, 0) + 128:
-                break
-        assert (await _metric_values(h)).get(ended, 0) == before.get(ended, 0) + 128
-        # still reading nothing, the client learns that the server dropped it
-        for _ in range(200):
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNRESET:
-                break
-            await asyncio.sleep(0.05)
-        else:
-            raise AssertionError("the stalled client's connection was not reset")
+                                + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+        yield sock
     finally:
         sock.close()
         h.state.config = h.config
+
+
+async def _until_reset(sock: socket.socket, polls: int) -> None:
+    """Until the server reset the connection (a poll every 50 ms, a safety net)."""
+    for _ in range(polls):
+        if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == errno.ECONNRESET:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the connection of a client that read nothing was not reset")
 
 
 async def _metric_values(h: Harness) -> dict[str, float]:
