@@ -46,6 +46,10 @@ THREADED_PARSE_BYTES = 256 * 1024
 # a request body still arriving after this long is refused (408): a client that opens
 # requests and never finishes them holds nothing for long
 BODY_TIMEOUT_S = 30.0
+# the request bodies being read at once hold at most this many times --max-body-bytes between
+# them (a body's bytes as they arrive): past it a request is refused (429). Unbounded, every
+# connection could hold a body of almost the limit: 200 held 1.5 GB of the gateway's memory
+BODIES_READ_AT_ONCE = 64
 
 
 @dataclass(frozen=True)
@@ -122,9 +126,10 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
     arrival = time.monotonic()
     state = request.app[STATE]
     _refuse_new_requests(state)     # before the body is read
+    _check_room(state, 1)           # a full queue too: its 429 need not wait for the body
     client_id = oai.client_request_id(request.headers)
     # the body first: a client that sends it slowly (or never) holds no place in the queue
-    body = await _read_json(request, state.config.max_body_bytes)
+    body = await _read_json(request, state)
     slot = _admit(state)
     try:
         return await _generate_in_slot(request, body, parse, id_prefix, answer, state, slot,
@@ -220,12 +225,22 @@ def _admit_choices(state: GatewayState, count: int) -> list[WaitingSlot]:
 
 
 def _take_places(state: GatewayState, count: int) -> list[WaitingSlot]:
-    if count and state.num_waiting + count > state.config.max_waiting_requests:
-        state.metrics.requests_rejected.inc()
-        raise APIError(f"the server is overloaded: {state.num_waiting} requests are waiting; "
-                       f"retry in {RETRY_AFTER_S} s", status=429, type="rate_limit_error",
-                       headers={"Retry-After": str(RETRY_AFTER_S)})
+    _check_room(state, count)
     return [WaitingSlot(state) for _ in range(count)]
+
+
+def _check_room(state: GatewayState, count: int) -> None:
+    """429 unless the queue has room for `count` more requests."""
+    if count and state.num_waiting + count > state.config.max_waiting_requests:
+        raise _overloaded(state, f"{state.num_waiting} requests are waiting")
+
+
+def _overloaded(state: GatewayState, why: str) -> APIError:
+    """A refusal that a retry a moment later may not meet (429, Retry-After), counted."""
+    state.metrics.requests_rejected.inc()
+    return APIError(f"the server is overloaded: {why}; retry in {RETRY_AFTER_S} s",
+                    status=429, type="rate_limit_error",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 async def _start(gen: Generation, state: GatewayState) -> None:
@@ -246,36 +261,50 @@ async def _start(gen: Generation, state: GatewayState) -> None:
                        status=503, type="server_error") from e
 
 
-async def _read_json(request: web.Request, max_body_bytes: int) -> Any:
+async def _read_json(request: web.Request, state: GatewayState) -> Any:
+    max_body_bytes = state.config.max_body_bytes
     if (request.content_length or 0) > max_body_bytes:     # declared: no need to wait for it
         raise APIError(f"the request body is larger than {max_body_bytes} bytes", status=413)
+    received = 0            # of this body, counted in state.body_bytes until it is parsed
     try:
-        async with asyncio.timeout(BODY_TIMEOUT_S):
-            raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as e:
-        raise APIError(f"the request body is larger than {max_body_bytes} bytes",
-                       status=413) from e
-    except TimeoutError:
-        raise APIError(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
-                       status=408, type="timeout_error") from None
-    except web.RequestPayloadError as e:
-        # the client's bytes, not this server: a Content-Encoding they are not in (gzip that
-        # is not gzip), a broken chunked encoding
-        why = getattr(e.__cause__, "message", None) or " ".join(str(e).split())
-        raise APIError(f"the request body could not be read: {why}") from None
-    try:
-        if len(raw) < THREADED_PARSE_BYTES:
-            return parse_user_json(raw)
-        # a big body (~10 ms a MB of token ids here) parsed on the event loop would hold every
-        # stream's next token; on a thread the loop gets the GIL back every few ms
-        return await asyncio.to_thread(parse_user_json, raw)
-    except InvalidRequestError as e:
-        raise APIError(f"the request body {e}") from None
+        try:
+            async with asyncio.timeout(BODY_TIMEOUT_S):
+                chunks = []
+                while chunk := await request.content.readany():
+                    received += len(chunk)
+                    state.body_bytes += len(chunk)
+                    if received > max_body_bytes:
+                        raise APIError(f"the request body is larger than {max_body_bytes} "
+                                       "bytes", status=413)
+                    if state.body_bytes > BODIES_READ_AT_ONCE * max_body_bytes:
+                        raise _overloaded(state, f"{state.body_bytes} bytes of request bodies "
+                                                 "are being read")
+                    chunks.append(chunk)
+                raw = b"".join(chunks)
+                del chunks
+        except TimeoutError:
+            raise APIError(f"the request body did not arrive within {BODY_TIMEOUT_S:g} s",
+                           status=408, type="timeout_error") from None
+        except web.RequestPayloadError as e:
+            # the client's bytes, not this server: a Content-Encoding they are not in (gzip
+            # that is not gzip), a broken chunked encoding
+            why = getattr(e.__cause__, "message", None) or " ".join(str(e).split())
+            raise APIError(f"the request body could not be read: {why}") from None
+        try:
+            if len(raw) < THREADED_PARSE_BYTES:
+                return parse_user_json(raw)
+            # a big body (~10 ms a MB of token ids here) parsed on the event loop would hold
+            # every stream's next token; on a thread the loop gets the GIL back every few ms
+            return await asyncio.to_thread(parse_user_json, raw)
+        except InvalidRequestError as e:
+            raise APIError(f"the request body {e}") from None
+    finally:
+        state.body_bytes -= received
 
 
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await _read_json(request, state.config.max_body_bytes)
+    body = await _read_json(request, state)
     # all of it on the encoding's thread: a body's worth of messages took ~0.2 s to check,
     # and of text is a million ids, whose token strings and JSON took ~1 s, on the event
     # loop, every stream stalled meanwhile
@@ -298,7 +327,7 @@ def _tokenized(body: Any, state: GatewayState) -> str:
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    model, ids = oai.parse_detokenize(await _read_json(request, state.config.max_body_bytes),
+    model, ids = oai.parse_detokenize(await _read_json(request, state),
                                      state.max_model_len)
     _check_model(model, state)
     check_vocabulary(ids, state.tokenizer, "tokens")

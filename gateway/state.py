@@ -28,6 +28,7 @@ class GatewayState:
     router: TokenRouter | None = None
     draining: bool = False                     # SIGTERM: no new requests
     num_waiting: int = 0                       # sent upstream, no token or end seen yet
+    body_bytes: int = 0                        # of the request bodies being read
 
     @property
     def tool_parser(self) -> ToolParser | None:

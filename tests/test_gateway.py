@@ -2429,6 +2429,31 @@ async def test_a_body_that_never_arrives_holds_no_place_and_times_out(h: Harness
         writer.close()
 
 
+async def test_a_full_queue_is_a_429_before_the_body_arrives(h: Harness, monkeypatch) -> None:
+    """The queue full (one place, a request that waits in it): a new request's 429 comes at
+    once, not after its body (here never sent: it was a 408 once the body was overdue)."""
+    monkeypatch.setattr(h.state, "config", dataclasses.replace(h.config, max_waiting_requests=1))
+
+    async def waits() -> None:
+        async with h.session.post(h.url + "/v1/completions", json=completion(
+                prompt="[queued] waits", max_tokens=2, stream=True)) as r:
+            await r.read()
+    waiting = asyncio.create_task(waits())
+    while h.state.num_waiting == 0:
+        await asyncio.sleep(0.05)
+    host, port = h.url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                     b"Content-Type: application/json\r\n\r\n")
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
+        assert head.startswith(b"HTTP/1.1 429") and b"Retry-After: 1\r\n" in head, head
+    finally:
+        writer.close()
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+
 async def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(
         h: Harness, monkeypatch) -> None:
     """More characters than the context's tokens can hold: a 400 without tokenizing (which

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from gateway import handlers
 from gateway.app import serve
 from gateway.config import GatewayConfig
 from shared.errors import InvalidRequestError
@@ -89,6 +90,44 @@ async def test_a_declared_body_too_large_is_refused_before_it_arrives(gateway) -
         assert status.startswith(b"HTTP/1.1 413"), status
     finally:
         writer.close()
+
+
+@ASYNC
+async def test_the_bodies_being_read_at_once_are_bounded(gateway, monkeypatch) -> None:
+    """Each connection may hold a body of almost --max-body-bytes (200 held 1.5 GB): past
+    what the bodies being read may hold between them, a request is refused (429), and a
+    request is answered again once they are gone."""
+    monkeypatch.setattr(handlers, "BODIES_READ_AT_ONCE", 2, raising=False)
+    url, session, _ = gateway
+    host, port = url.removeprefix("http://").split(":")
+    held = [await asyncio.open_connection(host, int(port)) for _ in range(2)]
+    for _, writer in held:          # most of a body each, its last bytes never sent
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: %d\r\n\r\n" % MAX_BODY
+                     + b'{"prompt": "' + b"x" * (MAX_BODY - 1024))
+        await writer.drain()
+    body = {"model": "m", "prompt": "x" * 4096, "max_tokens": 2}
+
+    async def status() -> tuple[int, dict, str | None]:
+        async with session.post(f"{url}/v1/completions", json=body) as r:
+            return r.status, await r.json(), r.headers.get("Retry-After")
+    try:
+        for _ in range(100):        # until the server has read what the two sent
+            code, answer, retry_after = await status()
+            if code == 429:
+                break
+            await asyncio.sleep(0.05)
+        assert code == 429 and retry_after == "1", answer
+        assert answer["error"]["type"] == "rate_limit_error"
+        assert "bytes of request bodies are being read" in answer["error"]["message"]
+    finally:
+        for _, writer in held:
+            writer.close()
+    for _ in range(100):            # their bytes are given back once they are gone
+        if (code := (await status())[0]) != 429:
+            break
+        await asyncio.sleep(0.05)
+    assert code != 429
 
 
 @ASYNC
