@@ -243,6 +243,14 @@ def _overloaded(state: GatewayState, why: str) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def _unavailable(why: str) -> APIError:
+    """A refusal for a passing trouble with Redis (away, stalled, out of memory): a 503 with
+    Retry-After, as the 429s have, after which a retry may find it gone (the OpenAI clients
+    wait that long before theirs)."""
+    return APIError(f"{why}; try again later", status=503, type="server_error",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 async def _start(gen: Generation, state: GatewayState) -> None:
     if not state.router.subscribed.is_set():
         # tokens published before the subscription is back would be lost
@@ -251,14 +259,12 @@ async def _start(gen: Generation, state: GatewayState) -> None:
         except TimeoutError as e:
             failure = state.router.failure
             why = "Redis is away" if failure is None else redis_trouble(failure)
-            raise APIError(f"the token channel is not connected ({why}); try again later",
-                           status=503, type="server_error") from e
+            raise _unavailable(f"the token channel is not connected ({why})") from e
     try:
         await gen.start()
     except (RedisError, TimeoutError) as e:     # TimeoutError: no answer (Upstream.submit)
         log.error("request not enqueued", error=str(e) or type(e).__name__)
-        raise APIError(f"the request could not be queued: {redis_trouble(e)}; try again later",
-                       status=503, type="server_error") from e
+        raise _unavailable(f"the request could not be queued: {redis_trouble(e)}") from e
 
 
 async def _read_json(request: web.Request, state: GatewayState) -> Any:

@@ -297,8 +297,8 @@ def _generation_path(summary: str, schema_ref: str) -> dict[str, Any]:
         (400, "invalid request"), (401, "missing or wrong API key"), (404, "unknown model"),
         (408, "the request's deadline passed"), (413, "body too large"),
         (429, "queue full; see Retry-After"),
-        (503, "shutting down, Redis unreachable, or a scheduler of another protocol version "
-              "beating"))},
+        (503, "shutting down, Redis unreachable (see Retry-After), or a scheduler of another "
+              "protocol version beating"))},
         parameters=[request_id])
 
 

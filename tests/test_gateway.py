@@ -1583,10 +1583,27 @@ async def redis_out_of_memory(h: Harness):
 
 
 async def test_a_request_is_refused_naming_a_redis_out_of_memory(h: Harness) -> None:
+    """A 503 that a retry may not meet a moment later: with Retry-After, as a 429 has."""
     async with redis_out_of_memory(h):
-        status, body = await h.post("/v1/completions", completion(max_tokens=3))
-    assert status == 503
+        async with h.session.post(h.url + "/v1/completions", json=completion(max_tokens=3)) as r:
+            status, headers, body = r.status, r.headers, await r.json()
+    assert status == 503 and headers.get("Retry-After") == "1", (status, dict(headers))
     assert "Redis is out of memory (maxmemory)" in body["error"]["message"], body
+
+
+async def test_a_request_is_refused_while_the_token_channel_is_not_connected(
+        h: Harness, monkeypatch) -> None:
+    """Its tokens would be lost: a 503 naming the channel, with Retry-After."""
+    import gateway.handlers
+    monkeypatch.setattr(gateway.handlers, "SUBSCRIBE_WAIT_S", 0.1)
+    h.state.router.subscribed.clear()
+    try:
+        async with h.session.post(h.url + "/v1/completions", json=completion(max_tokens=3)) as r:
+            status, headers, body = r.status, r.headers, await r.json()
+    finally:
+        h.state.router.subscribed.set()
+    assert status == 503 and headers.get("Retry-After") == "1", (status, dict(headers))
+    assert body["error"]["message"].startswith("the token channel is not connected"), body
 
 
 async def test_health_names_a_redis_that_refuses_the_heartbeats(h: Harness) -> None:
