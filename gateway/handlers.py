@@ -22,7 +22,7 @@ from gateway.openapi import openapi_spec
 from gateway.openai_schema import APIError, GenerationRequest
 from gateway.prompts import (chat_prompt, check_vocabulary, choice_sampling, echo_texts,
                              prompt_token_ids, sampling_params)
-from gateway.responses import Shape, full_json, json_text, stream_sse
+from gateway.responses import Shape, full_json, json_text, send_whole, stream_sse
 from gateway.responses_api import (ResponseShape, chat_body, in_responses_terms, response_json,
                                    response_sse)
 from gateway.state import STATE, GatewayState, WaitingSlot
@@ -308,14 +308,14 @@ async def _read_json(request: web.Request, state: GatewayState) -> Any:
         state.body_bytes -= received
 
 
-async def tokenize(request: web.Request) -> web.Response:
+async def tokenize(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     body = await _read_json(request, state)
     # all of it on the encoding's thread: a body's worth of messages took ~0.2 s to check,
     # and of text is a million ids, whose token strings and JSON took ~1 s, on the event
     # loop, every stream stalled meanwhile
     answer = await asyncio.to_thread(_tokenized, body, state)
-    return web.Response(text=answer, content_type="application/json")
+    return await send_whole(request, answer, {})        # MBs: a client who stops reading
 
 
 def _tokenized(body: Any, state: GatewayState) -> str:
@@ -331,13 +331,14 @@ def _tokenized(body: Any, state: GatewayState) -> str:
     return json_text(answer)        # in pieces: one json.dumps of a million ids holds the GIL
 
 
-async def detokenize(request: web.Request) -> web.Response:
+async def detokenize(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     model, ids = oai.parse_detokenize(await _read_json(request, state),
                                      state.max_model_len)
     _check_model(model, state)
     check_vocabulary(ids, state.tokenizer, "tokens")
-    return web.json_response({"prompt": state.tokenizer.decode(ids, skip_special_tokens=False)})
+    text = state.tokenizer.decode(ids, skip_special_tokens=False)   # a context's: MBs may be
+    return await send_whole(request, json_text({"prompt": text}), {})
 
 
 def _check_model(model: str | None, state: GatewayState) -> None:

@@ -1800,16 +1800,32 @@ async def test_a_client_that_never_reads_its_whole_answer_is_dropped(h: Harness)
         await _until_reset(sock, 600)       # the answer takes a few seconds to make, then 1 s
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+async def test_a_client_that_never_reads_a_big_tokenizer_answer_is_dropped(
+        h: Harness, monkeypatch, path: str) -> None:
+    """/tokenize's answer for a long text (~7 MB for a million ids with their strings) and
+    /detokenize's for a long context are given up on as a generation's are. Written whole
+    (web.Response), they were held, with the connection, for as long as the client kept it
+    open."""
+    # answers of ~7 MB: more than the kernel's send buffer takes (4 MB at most here)
+    hello = h.tok.encode(" hello", add_special_tokens=False)
+    body = {"prompt": " hello" * 400_000, "return_token_strs": True} if path == "/tokenize" \
+        else {"tokens": hello * 1_200_000}
+    monkeypatch.setattr(h.state, "max_model_len", 2 * 10 ** 6)
+    async with _never_reading_client(h, path, body, max_body_bytes=16 * 2 ** 20) as sock:
+        await _until_reset(sock, 600)
+
+
 @contextlib.asynccontextmanager
-async def _never_reading_client(h: Harness, path: str, body: dict):
+async def _never_reading_client(h: Harness, path: str, body: dict, **config):
     """A socket that sent `body` to `path` and reads nothing, its window small, while the
-    gateway gives up on a stalled client after 1 s."""
+    gateway gives up on a stalled client after 1 s (and takes `config` too)."""
     raw = json.dumps(body).encode()
     host, port = h.url.removeprefix("http://").split(":")
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)     # a small window, never read
     sock.setblocking(False)
-    h.state.config = dataclasses.replace(h.config, stalled_client_timeout_s=1.0)
+    h.state.config = dataclasses.replace(h.config, stalled_client_timeout_s=1.0, **config)
     loop = asyncio.get_running_loop()
     try:
         await loop.sock_connect(sock, (host, int(port)))
