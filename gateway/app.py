@@ -50,6 +50,11 @@ REDIS_CONNECTIONS = 64               # the gateway's pool; a command beyond them
 REDIS_CONNECTION_WAIT_S = 10.0       # ... this long at most, then it is a Redis error
 HEADER_LIMITS = {"max_line_size": 8190, "max_field_size": 8190, "max_headers": 64}
 KEEPALIVE_TIMEOUT_S = 75.0
+# connections the kernel completes and holds until the gateway accepts them (capped by
+# net.core.somaxconn). aiohttp's 128 overflowed in a burst: the kernel dropped the rest's
+# handshakes, and of 1,000 clients each sending a 2-4 MB body and then reading, up to a tenth
+# saw their connection reset instead of the answer (a 429 or a 400 alike)
+LISTEN_BACKLOG = 4096
 DRAIN_POLL_S = 0.05
 SHUTDOWN_ERROR = "the server shut down before the request finished; send it again"
 
@@ -181,7 +186,7 @@ async def serve(config: GatewayConfig, app: web.Application | None = None) -> As
                            keepalive_timeout=KEEPALIVE_TIMEOUT_S, **HEADER_LIMITS)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, config.host, config.port)
+        site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)
         await site.start()
         host, port = runner.addresses[0][:2]
         yield f"http://{host}:{port}"

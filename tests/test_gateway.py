@@ -2487,6 +2487,30 @@ async def test_a_full_queue_is_a_429_before_the_body_arrives(h: Harness, monkeyp
         await asyncio.gather(waiting, return_exceptions=True)
 
 
+async def test_a_burst_of_connections_waits_to_be_accepted_rather_than_dropped(
+        h: Harness) -> None:
+    """More connections at once than aiohttp's listen backlog (128) while the gateway accepts
+    none (its event loop held here, as a burst holds it): the kernel completes and keeps
+    them all. Past a backlog of 128 it dropped their handshakes, and in a burst of 1,000
+    clients sending MBs of body some saw their connection reset instead of the answer."""
+    burst = 300
+    if int(open("/proc/sys/net/core/somaxconn").read()) < burst:
+        pytest.skip("net.core.somaxconn caps every listen backlog below the burst")
+    host, port = h.url.removeprefix("http://").rsplit(":", 1)
+    conns = []
+    try:
+        for _ in range(burst):      # blocking, the event loop held: nothing is accepted
+            conns.append(socket.create_connection((host, int(port)), timeout=1.0))
+    except TimeoutError:
+        pass
+    finally:
+        for sock in conns:
+            sock.close()
+    assert len(conns) == burst
+    status, _ = await h.post("/v1/completions", completion(max_tokens=2))
+    assert status == 200
+
+
 async def test_a_text_too_long_for_any_tokenization_is_refused_before_it_is_tokenized(
         h: Harness, monkeypatch) -> None:
     """More characters than the context's tokens can hold: a 400 without tokenizing (which
