@@ -11,7 +11,6 @@ import dataclasses
 import json
 import math
 import re
-import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -902,9 +901,9 @@ def envelope(endpoint: str, response_id: str, model: str, created: int, *, chunk
     return {"id": response_id, "object": obj, "created": created, "model": model}
 
 
-def models_list(name: str, max_model_len: int, created: int | None = None) -> dict:
+def models_list(name: str, max_model_len: int, created: int) -> dict:
     return {"object": "list",
-            "data": [{"id": name, "object": "model", "created": created or int(time.time()),
+            "data": [{"id": name, "object": "model", "created": created,
                       "owned_by": "pacer", "root": name, "max_model_len": max_model_len}]}
 
 

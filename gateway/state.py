@@ -1,7 +1,8 @@
 """What every handler needs, built once at start-up and kept on the application."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 from aiohttp import web
@@ -29,6 +30,8 @@ class GatewayState:
     draining: bool = False                     # SIGTERM: no new requests
     num_waiting: int = 0                       # sent upstream, no token or end seen yet
     body_bytes: int = 0                        # of the request bodies being read
+    # when the model was loaded (the tokenizer, here): its `created` time in /v1/models
+    started_at: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def tool_parser(self) -> ToolParser | None:

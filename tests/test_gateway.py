@@ -283,6 +283,19 @@ async def test_models_lists_the_served_model(h: Harness) -> None:
             "pacer")
 
 
+async def test_a_models_created_time_is_the_same_on_every_call(h: Harness) -> None:
+    """The gateway's start, not the time of the call (a client caching the list saw the
+    model change every second)."""
+    async with h.session.get(h.url + "/v1/models") as r:
+        [first] = (await r.json())["data"]
+    await asyncio.sleep(1.0)        # past the next whole second
+    async with h.session.get(h.url + "/v1/models") as r:
+        [again] = (await r.json())["data"]
+    async with h.session.get(h.url + f"/v1/models/{MODEL}") as r:
+        one = await r.json()
+    assert first["created"] == again["created"] == one["created"] <= time.time()
+
+
 async def test_completion_shape_usage_and_the_request_message(h: Harness) -> None:
     status, body = await h.post("/v1/completions", completion(max_tokens=5, temperature=0.5,
                                                               top_p=0.9, top_k=7, seed=3))
