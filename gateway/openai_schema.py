@@ -627,6 +627,15 @@ def _choices(body: dict, num_prompts: int) -> int:
     return n
 
 
+def stream_options(body: dict, stream: bool) -> dict | None:
+    """The request's `stream_options`, which only a stream may have (a 400 otherwise, as
+    vLLM's)."""
+    options = read_field(body, "stream_options", (dict,), None)
+    if options is not None and not stream:
+        raise APIError("'stream_options' needs 'stream' to be true", param="stream_options")
+    return options
+
+
 def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | None,
             logprobs: int | None, echo: bool = False, auto_tools: bool = False,
             max_tokens_field: str = "max_tokens") -> GenerationRequest:
@@ -635,9 +644,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
     parallel_tool_calls = read_field(body, "parallel_tool_calls", (bool,), True)
     n = _choices(body, max(1, len(prompts)))
     stream = read_field(body, "stream", (bool,), False)
-    options = read_field(body, "stream_options", (dict,), None)
-    if options is not None and not stream:
-        raise APIError("'stream_options' needs 'stream' to be true", param="stream_options")
+    options = stream_options(body, stream)
     include_usage = (options or {}).get("include_usage", False)
     continuous_usage = (options or {}).get("continuous_usage_stats", False)
     if not isinstance(include_usage, bool) or not isinstance(continuous_usage, bool):

@@ -104,7 +104,8 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     if read_field(body, "background", (bool,), False):
         raise APIError("'background' responses are not served (nothing is stored)",
                        param="background")
-    options = read_field(body, "stream_options", (dict,), None) or {}
+    stream = read_field(body, "stream", (bool,), False)
+    options = oai.stream_options(body, stream) or {}
     for name, value in options.items():
         if name not in STREAM_OPTIONS or not isinstance(value, bool):
             raise APIError(f"'stream_options' on /v1/responses takes {', '.join(STREAM_OPTIONS)} "
@@ -118,7 +119,7 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     messages = ([{"role": "system", "content": instructions}] if instructions else []) + \
         _messages(read_field(body, "input", (str, list)))
     chat: dict[str, Any] = {"model": read_field(body, "model", (str,)), "messages": messages,
-                            "stream": read_field(body, "stream", (bool,), False)}
+                            "stream": stream}
     tools = [_tool(t, i) for i, t in enumerate(read_field(body, "tools", (list,), None) or [])]
     choice = read_field(body, "tool_choice", (str, dict), "auto" if tools else "none")
     if tools:

@@ -1367,11 +1367,17 @@ async def test_responses_api_takes_vllm_s_chat_fields(h: Harness) -> None:
                     {"stream_options": {"include_usage": True}}):
         status, error = await h.post("/v1/responses", {**body, **refused})
         assert status == 400 and error["error"]["param"] in refused, error
-    # OpenAI's one stream option here, and sampling fields sent as null: their defaults
-    status, answer = await h.post("/v1/responses", {
-        **body, "stream_options": {"include_obfuscation": False}, "temperature": None,
-        "top_p": None})
+    # sampling fields sent as null: their defaults
+    status, answer = await h.post("/v1/responses", {**body, "temperature": None, "top_p": None})
     assert status == 200 and (answer["temperature"], answer["top_p"]) == (1.0, 1.0), answer
+    # OpenAI's one stream option here, streamed; without stream, a 400 as on chat (vLLM's)
+    events = await _response_events(h, {**body, "stream_options": {"include_obfuscation": False}})
+    assert events[-1]["type"] == "response.incomplete"        # max_output_tokens reached
+    status, error = await h.post("/v1/responses", {
+        **body, "stream_options": {"include_obfuscation": False}})
+    assert status == 400 and error["error"] == {
+        "message": "'stream_options' needs 'stream' to be true", "param": "stream_options",
+        "type": "invalid_request_error", "code": None}, error
     # what the chat path refuses is named as /v1/responses spells it
     for wrong, param in (({"input": "word " * 200}, "input"),
                          ({"max_output_tokens": MAX_MODEL_LEN}, "max_output_tokens")):
