@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from gateway.tool_parsers import PARSERS
 from shared.errors import InvalidRequestError
+from shared.json_file import json_type
 from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
                              MAX_REPETITION_PENALTY, MAX_TOKEN_IDS)
 from shared import chat_template
@@ -144,12 +145,6 @@ def read_field(body: dict, name: str, kinds: tuple[type, ...], default: Any = _M
 
 _JSON_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "a boolean",
                list: "an array", dict: "an object"}
-
-
-def json_type(value: Any) -> str:
-    """What JSON calls a Python value's type (for errors about a client's JSON)."""
-    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
-            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def _number(body: dict, name: str, default: float) -> float:
@@ -382,11 +377,11 @@ def _object(body: Any) -> dict:
 
 
 def text_of_parts(parts: list, param: str, kinds: tuple[str, ...]) -> str:
-    """shared.chat_template's, its error a 400 naming the content."""
+    """shared.chat_template's, its error a 400 naming the list (`param`)."""
     try:
         return chat_template.text_of_parts(parts, param, kinds)
     except InvalidRequestError as e:
-        raise APIError(str(e), param=f"{param}.content") from None
+        raise APIError(str(e), param=param) from None
 
 
 def _message(m: Any, i: int) -> dict:
@@ -404,7 +399,7 @@ def _message(m: Any, i: int) -> dict:
         content = ""
     elif isinstance(content, list):   # content parts: only text is served
         # an answer OpenAI refused, replayed: its words
-        content = text_of_parts(content, param,
+        content = text_of_parts(content, f"{param}.content",
                                 ("text", "refusal") if m["role"] == "assistant" else ("text",))
     elif not isinstance(content, str):
         raise APIError(f"{param}.content must be a string or a list of text parts", param=param)

@@ -245,7 +245,7 @@ def _messages(given: str | list) -> list[dict]:
             raise APIError(f"{param}.role must be one of {', '.join(INPUT_ROLES)}, got "
                            f"{role!r:.60}", param=f"{param}.role")
         if isinstance(content, list):
-            content = oai.text_of_parts(content, param, TEXT_PARTS)
+            content = oai.text_of_parts(content, f"{param}.content", TEXT_PARTS)
         elif not isinstance(content, str):
             raise APIError(f"{param}.content must be a string or a list of text parts",
                            param=f"{param}.content")

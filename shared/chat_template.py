@@ -16,6 +16,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from shared.errors import InvalidRequestError, ModelLoadError
+from shared.json_file import json_type
 
 
 class _TemplateEnvironment(ImmutableSandboxedEnvironment):
@@ -120,7 +121,7 @@ def _content_text(i: int, content: Any) -> str:
         return content
     if not isinstance(content, list):
         raise InvalidRequestError(f"messages[{i}].content must be a string or a list of text parts")
-    return text_of_parts(content, f"messages[{i}]")
+    return text_of_parts(content, f"messages[{i}].content")
 
 
 # where a part of each kind keeps its words, where not under "text" (OpenAI's refusal part)
@@ -128,17 +129,22 @@ PART_TEXT_FIELD = {"refusal": "refusal"}
 
 
 def text_of_parts(parts: list, at: str, kinds: tuple[str, ...] = ("text",)) -> str:
-    """A message's text parts (`at`: the message, for errors) as one string, joined as vLLM
-    joins them for templates that expect a string: a newline between."""
+    """Text parts (`at`: their list, for errors; `kinds`: the part types taken, the one an
+    error shows first) as one string, joined as vLLM joins them for templates that expect a
+    string: a newline between."""
     texts = []
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
-        text = part.get(PART_TEXT_FIELD.get(kind, "text")) if kind in kinds else None
-        if not isinstance(text, str):
-            raise InvalidRequestError(f"{at}.content[{j}] must be " + '{"type": "text", '
-                                      '"text": "..."} (only text parts are served: '
-                                      f"{', '.join(kinds)})")
-        texts.append(text)
+        if kind not in kinds:
+            got = f"{kind!r:.60}" if isinstance(kind, str) else \
+                "a part without a type" if isinstance(part, dict) else f"a JSON {json_type(part)}"
+            raise InvalidRequestError(f'{at}[{j}] must be a text part, {{"type": "{kinds[0]}", '
+                                      f'"text": "..."}} (the types served: {", ".join(kinds)}), '
+                                      f"not {got}")
+        field = PART_TEXT_FIELD.get(kind, "text")
+        if not isinstance(part.get(field), str):
+            raise InvalidRequestError(f"{at}[{j}].{field} must be a string")
+        texts.append(part[field])
     return PART_SEPARATOR.join(texts)
 
 

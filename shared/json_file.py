@@ -14,6 +14,12 @@ from shared.errors import InvalidRequestError, PacerError
 MAX_JSON_DEPTH = 128
 
 
+def json_type(value: Any) -> str:
+    """What JSON calls a Python value's type (for errors about a client's JSON)."""
+    return {bool: "boolean", int: "integer", float: "number", str: "string", list: "array",
+            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
+
+
 def read_json_object(path: str, what: str) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:

@@ -436,7 +436,31 @@ async def test_text_parts_are_joined_as_vllm_joins_them(h: Harness) -> None:
     status, error = await h.post("/v1/chat/completions", chat(max_tokens=2) | {"messages": [
         {"role": "user", "content": [{"type": "text", "text": 5}]}]})
     assert status == 400 and error["error"]["param"] == "messages[0].content", error
-    assert error["error"]["message"].startswith("messages[0].content[0] must be"), error
+    assert error["error"]["message"] == "messages[0].content[0].text must be a string", error
+
+
+@pytest.mark.parametrize("path,item,param,message", [
+    ("/v1/chat/completions", {"role": "user", "content": [{"type": "image_url"}]},
+     "messages[0].content", 'messages[0].content[0] must be a text part, {"type": "text", '
+     '"text": "..."} (the types served: text), not \'image_url\''),
+    ("/v1/responses", {"role": "user", "content": [{"type": "input_image"}]},
+     "input[0].content", 'input[0].content[0] must be a text part, {"type": "input_text", '
+     '"text": "..."} (the types served: input_text, output_text, text), not \'input_image\''),
+    ("/v1/responses", {"type": "function_call_output", "call_id": "c", "output": [5]},
+     "input[1].output", 'input[1].output[0] must be a text part, {"type": "input_text", '
+     '"text": "..."} (the types served: input_text, output_text, text), not a JSON integer'),
+])
+async def test_a_part_that_is_not_text_is_refused_naming_the_types_served(
+        h: Harness, path: str, item: dict, param: str, message: str) -> None:
+    """Each endpoint names its own text part's type: /v1/responses said {"type": "text"},
+    a type it takes but not the one its clients send (input_text)."""
+    call = {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}
+    items = [item] if item.get("role") else [call, item]
+    body = chat() | {"messages": items} if path == "/v1/chat/completions" else \
+        {"model": MODEL, "input": items}
+    status, error = await h.post(path, body)
+    assert status == 400 and error["error"]["message"] == message, error
+    assert error["error"]["param"] == param, error
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
