@@ -596,7 +596,9 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
         return None
     param, spec = given[0]
     try:
-        return structured_pair(spec)
+        # named as sent: structured_outputs.KIND is a field the client may not have sent
+        return structured_pair(spec, {"response_format": "response_format's schema",
+                                      "structured_outputs": None}.get(param, param))
     except InvalidRequestError as e:
         if param == "tool_choice":      # the schema is the tools' parameters, not a field sent
             raise APIError(f"the tools' parameters are not a schema the calls can follow: "

@@ -30,11 +30,12 @@ MAX_SPEC_CHARS = 100_000
 _LLGUIDANCE_FORMAT = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
-def structured_pair(value: Any) -> tuple[str, str] | None:
+def structured_pair(value: Any, name: str | None = None) -> tuple[str, str] | None:
     """(kind, text) from vLLM's shape, {kind: spec} with one kind (a JSON schema or the
     choices as JSON values; {"json_object": true} for any object) and vLLM's options for JSON
     (JSON_OPTIONS), or from a (kind, text) pair; None for none. Raises InvalidRequestError on
-    anything else."""
+    anything else; `name`: what the request calls the spec, for those errors (by default
+    structured_outputs.KIND)."""
     if value is None:
         return None
     if isinstance(value, dict):
@@ -54,8 +55,8 @@ def structured_pair(value: Any) -> tuple[str, str] | None:
                 f"got {sorted(given) or 'none'}")
         kind, spec = next(iter(given.items()))
         if kind == "json":
-            spec = json.dumps(_with_options(spec, options)) if options or \
-                isinstance(spec, dict) else spec
+            spec = json.dumps(_with_options(spec, options, name or "structured_outputs.json")) \
+                if options or isinstance(spec, dict) else spec
         elif kind == "choice":
             if not isinstance(spec, list) or not spec or \
                     not all(isinstance(c, str) and c for c in spec):
@@ -68,22 +69,23 @@ def structured_pair(value: Any) -> tuple[str, str] | None:
         raise InvalidRequestError(f"structured_outputs must be {{kind: spec}} with kind one of "
                                   f"{', '.join(KINDS)}, got {value!r:.200}")
     kind, text = value
+    name = name or f"structured_outputs.{kind}"
     if not text or len(text) > MAX_SPEC_CHARS:
-        raise InvalidRequestError(f"structured_outputs.{kind} must be 1-{MAX_SPEC_CHARS} "
-                                  "characters")
-    check_grammar(kind, text)
+        raise InvalidRequestError(f"{name} must be 1-{MAX_SPEC_CHARS} characters")
+    check_grammar(kind, text, name)
     return kind, text
 
 
-def _with_options(schema: Any, options: dict) -> dict:
-    """A JSON schema with vLLM's options written into it, as llguidance reads them."""
+def _with_options(schema: Any, options: dict, name: str) -> dict:
+    """A JSON schema with vLLM's options written into it, as llguidance reads them; `name`:
+    the schema's, for errors."""
     if isinstance(schema, str):
         try:
             schema = parse_user_json(schema)
         except InvalidRequestError as e:
-            raise InvalidRequestError(f"structured_outputs.json {e}") from None
+            raise InvalidRequestError(f"{name} {e}") from None
     if not isinstance(schema, dict):
-        raise InvalidRequestError("structured_outputs.json must be a JSON schema (an object)")
+        raise InvalidRequestError(f"{name} must be a JSON schema (an object)")
     if options.get("disable_additional_properties"):
         schema = closed_schema(schema)
     guidance = dict(schema.get("x-guidance") or {})
@@ -152,14 +154,19 @@ def grammar(kind: str, text: str) -> str:
     return llguidance.grammar_from(_LLGUIDANCE_FORMAT[kind], text)
 
 
+def check_grammar(kind: str, text: str, name: str) -> None:
+    """Raises InvalidRequestError, saying why (`name`: what the request calls the text), if
+    (kind, text) is no grammar llguidance can serve."""
+    error = _grammar_error(kind, text)
+    if error:
+        raise InvalidRequestError(f"{name} is not valid: {error.strip():.500}")
+
+
 @functools.lru_cache(maxsize=256)
-def check_grammar(kind: str, text: str) -> None:
-    """Raises InvalidRequestError, saying why, if (kind, text) is no grammar llguidance can
-    serve (checked once per distinct constraint)."""
+def _grammar_error(kind: str, text: str) -> str | None:
+    """Why llguidance cannot serve (kind, text), or None (checked once per constraint)."""
     from llguidance import LLMatcher
     try:
-        error = LLMatcher.validate_grammar(grammar(kind, text))
+        return LLMatcher.validate_grammar(grammar(kind, text)) or None
     except (ValueError, TypeError) as e:      # json.JSONDecodeError is a ValueError
-        error = str(e)
-    if error:
-        raise InvalidRequestError(f"structured_outputs.{kind} is not valid: {error.strip():.500}")
+        return str(e)

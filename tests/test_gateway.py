@@ -2395,6 +2395,30 @@ BAD_REQUESTS = {
 }
 
 
+BAD_SCHEMA = {"type": "objecx"}
+
+
+@pytest.mark.parametrize("path,fields,param,named", [
+    ("/v1/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": BAD_SCHEMA}}}, "response_format", "response_format's schema"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x",
+                                           "schema": BAD_SCHEMA}}}, "text.format",
+     "text.format's schema"),
+    ("/v1/chat/completions", {"guided_json": BAD_SCHEMA}, "guided_json", "guided_json"),
+    ("/v1/chat/completions", {"guided_regex": "[a-"}, "guided_regex", "guided_regex"),
+    ("/v1/chat/completions", {"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs",
+     "structured_outputs.json"),
+])
+async def test_a_constraint_that_is_no_grammar_is_refused_naming_its_field(
+        h: Harness, path: str, fields: dict, param: str, named: str) -> None:
+    """Named as the request sent it: a response_format's schema was called
+    structured_outputs.json, a field the client never sent."""
+    body = chat() if path == "/v1/chat/completions" else {"model": MODEL, "input": "x"}
+    status, error = await h.post(path, body | fields)
+    assert status == 400 and error["error"]["param"] == param, error
+    assert error["error"]["message"].startswith(f"{named} is not valid: "), error
+
+
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
 async def test_bad_requests_get_openai_errors_and_the_service_keeps_serving(h: Harness, case: str) -> None:
     path, body, expected = BAD_REQUESTS[case]
