@@ -2,7 +2,8 @@
 what the cyclic garbage collector has to do with it.
 
     python bench/gateway_gc.py --redis-url redis://127.0.0.1:6379/0 [--port 8001]
-        [--max-tokens 2000] [--top 20] [--streams 3] [--no-freeze-check]
+        [--model smollm2-135m] [--max-tokens 2000] [--top 20] [--streams 3]
+        [--requests 0,1,2,3] [--json out.json]
 
 Against a running `pacer up` (its scheduler and workers) it starts a second gateway on
 `--port`, with a probe inside: a task that sleeps 5 ms at a time and notes how much later it
@@ -89,7 +90,8 @@ async def stream(session, url: str, body: dict, gaps: list[tuple[float, float]])
 async def run(args: argparse.Namespace, probe_path: str) -> list[dict]:
     import aiohttp
     base = f"http://127.0.0.1:{args.port}"
-    common = {"model": args.model, "temperature": 0, "ignore_eos": True}
+    from shared.model_source import resolve_model
+    common = {"model": resolve_model(args.model).name, "temperature": 0, "ignore_eos": True}
     prompt = "Write a long story about a lighthouse keeper and the sea."
     big = [
         ("completions logprobs+echo", "/v1/completions",
@@ -157,7 +159,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--redis-url", required=True)
     ap.add_argument("--port", type=int, default=8001)
-    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--model", default="smollm2-135m",
+                    help="the model `pacer up` serves, as its --model")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=2000)
     ap.add_argument("--top", type=int, default=20)
@@ -170,7 +173,7 @@ def main() -> int:
     probe_path = tempfile.mktemp(suffix=".json")
     gateway = subprocess.Popen(
         [sys.executable, "-c", PROBE, probe_path, "--port", str(args.port), "--redis-url",
-         args.redis_url, "--max-model-len", str(args.max_model_len),
+         args.redis_url, "--model", args.model, "--max-model-len", str(args.max_model_len),
          "--max-waiting-requests", "64", "--log-level", "warning"],
         cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     try:

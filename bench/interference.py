@@ -48,6 +48,7 @@ from shared.hardware import hardware_from_dict, load_hardware  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 MODES = ("orca", "budget", "default")
+LONG_SPREAD = 100            # the long prompts' lengths: --long-len, give or take this many
 
 
 @dataclass
@@ -112,8 +113,8 @@ def run_mode(engine: LLMEngine, mode: str, args: argparse.Namespace, vocab: int,
     """One run: the streams, long prompts at fixed iterations, until everything finished."""
     use_mode(engine, mode, online)
     stream_prompts = random_prompts(args.streams, 16, 48, vocab, seed, avoid)
-    long_prompts = random_prompts(len(args.long_at), args.long_len - 100, args.long_len + 100,
-                                  vocab, seed + 1, avoid)
+    long_prompts = random_prompts(len(args.long_at), args.long_len - LONG_SPREAD,
+                                  args.long_len + LONG_SPREAD, vocab, seed + 1, avoid)
     decode_sp = SamplingParams(max_tokens=args.stream_tokens, temperature=0.0, ignore_eos=True)
     long_sp = SamplingParams(max_tokens=args.long_tokens, temperature=0.0, ignore_eos=True)
     run = Run(mode)
@@ -239,6 +240,9 @@ def main() -> None:
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     args.long_at = [int(x) for x in args.long_at.split(",")]
+    if args.long_len <= LONG_SPREAD:
+        ap.error(f"--long-len must be > {LONG_SPREAD} (the long prompts are {LONG_SPREAD} tokens "
+                 f"either side of it), got {args.long_len}")
 
     hw, profile = hardware(args)
     hw_path = args.hw

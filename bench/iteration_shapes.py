@@ -34,8 +34,8 @@ def timed_iterations(engine, batch: int, chunk: int, args, vocab: int, avoid) ->
 
     config = replace(engine.layout.scheduler_config, enable_chunked_prefill=True,
                      max_num_batched_tokens=max(batch * 48, batch + chunk), target_tbt_ms=None,
-                     target_tbt_factor=None, max_iteration_ms=None, iteration_cost=None,
-                     max_num_seqs=max(batch + 1, 8))
+                     target_tbt_factor=None, target_ttft_ms=None, target_ttft_factor=None,
+                     max_iteration_ms=None, iteration_cost=None, max_num_seqs=max(batch + 1, 8))
     engine.scheduler = build_scheduler(replace(engine.layout, scheduler_config=config))
     sp = SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True)
     streams = [engine.add_request(p, sp) for p in random_prompts(batch, 16, 48, vocab, batch, avoid)]

@@ -107,10 +107,11 @@ def main() -> None:
             engine.step()
         engine.add_request(random_prompts(1, args.long_len, args.long_len, vocab, 3)[0], once)
         iterations = args.long_len // args.chunk
+        every = max(1, iterations // 4)     # four timed points along the prompt
         for it in range(iterations):
             with Capture(model) as cap:
                 engine.step()
-            if it % (iterations // 4) == iterations // 4 - 1:
+            if it % every == every - 1:
                 one, layered = timed_both_ways(model, cap.last)
                 rows.append({"sweep": "prefix", "rows": int(cap.last[0].shape[0]),
                              "prompt_rows": args.chunk, "kv_len": int(cap.last[2].max_seqlen_k),

@@ -55,10 +55,10 @@ def decode_logits(engine: LLMEngine, rows: int, vocab: int) -> torch.Tensor:
     kept: list[torch.Tensor] = []
     original = sampler.sample
 
-    def keep(logits, *rest):
+    def keep(logits, *rest, **options):
         if logits.shape[0] == rows:
             kept.append(logits.detach().clone())
-        return original(logits, *rest)
+        return original(logits, *rest, **options)
 
     sampler.sample = keep
     try:
@@ -100,9 +100,10 @@ def main() -> None:
                     c.tokens.append(int(torch.randint(0, vocab, (1,), generator=gen)))
                 step_logits = logits[:r].clone()
                 start = time.perf_counter()
-                if matchers[0] is not None:
-                    mask_rows(step_logits, list(range(r)), matchers)
-                sampler.sample(step_logits, [params] * r, [k] * r, counts)
+                masked = matchers[0] is not None
+                if masked:
+                    mask_rows(step_logits, list(range(r)), matchers, engine.runner.grammars.n_vocab)
+                sampler.sample(step_logits, [params] * r, [k] * r, counts, masked=masked)
                 times.append((time.perf_counter() - start) * 1e3)
             row[name] = statistics.median(times)
         rows.append(row)

@@ -2,7 +2,7 @@
 how long a one-line request waits for its first token while other users' long documents are
 prefilled.
 
-`pacer up` at the defaults on free ports (the default model); `--long` prompts of
+`pacer up` at the defaults on free ports (the default model, or `--model`); `--long` prompts of
 `--long-len` random tokens sent 0.1 s apart, then `--short` prompts of `--short-len` tokens
 every 0.5 s from 1 s on; greedy, EOS ignored. Printed per request: when it was sent and its
 time to first token; then the short prompts' median and worst TTFT, the long ones', and how
@@ -36,9 +36,9 @@ from shared.model_source import resolve_model  # noqa: E402
 SHORT_FROM_S, SHORT_EVERY_S, LONG_EVERY_S = 1.0, 0.5, 0.1
 
 
-async def one_run(base_url: str, longs: list[list[int]], shorts: list[list[int]],
+async def one_run(base_url: str, model: str, longs: list[list[int]], shorts: list[list[int]],
                   args) -> list[dict]:
-    target = ApiTarget(base_url, "/v1/completions", "smollm2-135m")
+    target = ApiTarget(base_url, "/v1/completions", model)
     opts = SendOptions(temperature=0.0, ignore_eos=True, timeout_s=900.0)
     plan = [("long", p, LONG_EVERY_S * i, args.long_tokens) for i, p in enumerate(longs)]
     plan += [("short", p, SHORT_FROM_S + SHORT_EVERY_S * i, args.short_tokens)
@@ -68,7 +68,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1)
     args = ap.parse_args()
     engine = EngineArgs.from_cli(args)
-    cfg = load_model_config(resolve_model(None))
+    source = resolve_model(engine.model)
+    cfg = load_model_config(source)
     avoid = tuple(cfg.eos_token_ids)
     logs = tempfile.mkdtemp(prefix="pacer-short-behind-long-")
     runs, rows = [], []
@@ -77,10 +78,10 @@ def main() -> None:
                                10 + rep, avoid)
         shorts = random_prompts(args.short, args.short_len, args.short_len, cfg.vocab_size,
                                 20 + rep, avoid)
-        system = start_served(engine, "smollm2-135m", os.path.join(logs, f"run-{rep}.log"))
+        system = start_served(engine, source.name, os.path.join(logs, f"run-{rep}.log"))
         try:
             began = time.perf_counter()
-            requests = asyncio.run(one_run(system.base_url, longs, shorts, args))
+            requests = asyncio.run(one_run(system.base_url, source.name, longs, shorts, args))
             took = time.perf_counter() - began
         finally:
             system.stop()

@@ -1,0 +1,118 @@
+"""Every bench/ script still imports and parses its arguments (`--help`, as a user runs it),
+and every `python bench/X.py ...` command that README.md, docs/*.md or a script's own usage
+lines quote names only flags that script accepts: the benchmarks' figures are cited with
+their command lines, and a renamed API or flag broke them without any test failing."""
+from __future__ import annotations
+
+import ast
+import functools
+import glob
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers_tiny_model import write_tiny_llama
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPTS = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "bench", "*.py"))
+                 if os.path.basename(p) not in ("__init__.py", "common.py"))
+COMMAND = re.compile(r"bench/(\w+)\.py")
+FLAG = re.compile(r"(?<![\w-])(--[a-z][\w-]*)")
+
+
+def run_bench(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, os.path.join("bench", f"{script}.py"), *args],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@functools.cache
+def help_text(script: str) -> str:
+    proc = run_bench(script, "--help")
+    assert proc.returncode == 0, f"bench/{script}.py --help: {proc.stderr[-3000:]}"
+    assert proc.stdout.startswith("usage:"), proc.stdout[:500]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help(script):
+    help_text(script)
+
+
+def _commands(text: str) -> list[tuple[str, str]]:
+    """(script, the text up to the next bench/ script) for each bench/X.py named in `text`,
+    shell comments left out."""
+    text = re.sub(r"\s#.*", "", text)
+    found = list(COMMAND.finditer(text))
+    return [(m.group(1), text[m.end():found[i + 1].start() if i + 1 < len(found) else None])
+            for i, m in enumerate(found)]
+
+
+def quoted_commands() -> list[tuple[str, str, str]]:
+    """(where, script, its arguments) for each bench command in the docs' code (inline spans
+    and fenced blocks) and in the scripts' own usage lines (`python bench/X.py ...` and the
+    indented lines after it)."""
+    out = []
+    for doc in ["README.md", *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]:
+        with open(os.path.join(ROOT, doc)) as f:
+            text = f.read()
+        spans = re.findall(r"```[^\n]*\n(.*?)```", text, re.S)
+        text = re.sub(r"```.*?```", "", text, flags=re.S)
+        spans += re.findall(r"`([^`]+)`", text)
+        out += [(os.path.basename(doc), script, args)
+                for span in spans for script, args in _commands(span.replace("\\\n", " "))]
+    for script in SCRIPTS:
+        with open(os.path.join(ROOT, "bench", f"{script}.py")) as f:
+            doc = ast.get_docstring(ast.parse(f.read())) or ""
+        usage = re.findall(r"^ *python bench/\w+\.py.*(?:\n {6,}\S.*)*", doc, re.M)
+        out += [(f"bench/{script}.py", named, args)
+                for line in usage for named, args in _commands(line)]
+    return out
+
+
+def test_quoted_commands_name_flags_the_scripts_accept():
+    commands = quoted_commands()
+    assert len(commands) > 100, len(commands)       # the docs' tables and sections were read
+    wrong = [f"{where}: bench/{script}.py {flag}" for where, script, args in commands
+             if script in SCRIPTS for flag in FLAG.findall(args)
+             if flag not in FLAG.findall(help_text(script))]
+    assert not wrong, "flags the scripts no longer accept:\n" + "\n".join(wrong)
+
+
+# The smallest runs of the benches that once broke at run time (an API renamed under them, a
+# served model name written in): each runs to its table.
+def test_sampling_bench_runs(tmp_path):
+    proc = run_bench("sampling", "--model", write_tiny_llama(tmp_path / "tiny"), "--rows", "2",
+                     "--repeats", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "greedy, JSON schema" in proc.stdout, proc.stdout
+
+
+def test_short_behind_long_serves_the_model_it_is_given(tmp_path):
+    proc = run_bench("short_behind_long", "--model", write_tiny_llama(tmp_path / "tiny"),
+                     "--long", "1", "--long-len", "64", "--long-tokens", "2", "--short", "1",
+                     "--short-len", "4", "--short-tokens", "2", timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "short_ttft_median_s" in proc.stdout, proc.stdout
+
+
+def test_interference_refuses_long_prompts_shorter_than_their_spread():
+    proc = run_bench("interference", "--long-len", "32")
+    assert proc.returncode == 2
+    assert "--long-len must be > 100" in proc.stderr.splitlines()[-1], proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, args, column", [
+    ("iteration_shapes", ["--decodes", "1", "--prefill", "0,8", "--decode-iterations", "1",
+                          "--chunks", "1"], "forward_ms"),
+    ("mixed_call", ["--decodes", "1", "--fresh", "2", "--long-len", "64"],
+     "layered_over_one_call"),
+])
+def test_default_model_bench_runs(script, args, column):
+    proc = run_bench(script, *args, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert column in proc.stdout, proc.stdout
