@@ -112,6 +112,18 @@ def _tensors_of(model: torch.nn.Module):
                 yield from (t for t in vars(value).values() if isinstance(t, torch.Tensor))
 
 
+def model_bytes(model: torch.nn.Module) -> int:
+    """The bytes of every tensor the model holds (each storage once), the quantized weights'
+    codes and scales included: what a decode step reads of its weights."""
+    seen: dict[int, int] = {}
+    for t in _tensors_of(model):
+        if t.layout is torch.strided and not t.is_mkldnn:
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        else:
+            seen[id(t)] = t.numel() * t.element_size()
+    return sum(seen.values())
+
+
 def move_to_huge_pages(model: torch.nn.Module, min_bytes: int = 64 << 10) -> int:
     """Copy each CPU storage of `min_bytes` or more that the model's tensors use into one
     huge-page buffer and point those tensors at the copy (same offsets, sizes and strides;

@@ -180,11 +180,13 @@ class LlamaForCausalLM(nn.Module):
         by_prefill = self._mixed_rows(stack, meta, backend, kv_caches) \
             if stack is not None and group is None else None
         if group is not None:       # decodes alone: every layer in one C++ call
-            delta = stack.decode(x, meta.positions, meta.slot_mapping, group.block_tables,
-                                 group.kv_lens)
+            with scope("layers"):
+                delta = stack.decode(x, meta.positions, meta.slot_mapping, group.block_tables,
+                                     group.kv_lens)
         elif by_prefill is not None:    # with prompt chunks: the same, each row's kernel its own
-            delta = stack.mixed(x, meta.positions, meta.slot_mapping, meta.block_table,
-                                meta.cu_seqlens_q, meta.seqused_k, by_prefill)
+            with scope("layers"):
+                delta = stack.mixed(x, meta.positions, meta.slot_mapping, meta.block_table,
+                                    meta.cu_seqlens_q, meta.seqused_k, by_prefill)
         else:
             delta = None
             for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
