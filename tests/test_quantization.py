@@ -651,3 +651,24 @@ def test_integer_weights_on_a_cpu_without_avx2_are_warned_of(tmp_path, tiny_hf, 
         assert resolve_quantization("auto", source, load_model_config(source)) == "int4"
     said = [e["event"] for e in logs if e["log_level"] == "warning"]
     assert bool(said) == warned and all("--quantization none" in e for e in said)
+
+
+def test_a_seeded_request_on_an_int8_lm_head_ignores_the_batch(tmp_path, tiny_hf):
+    """A quantized model's LM head is int8 (its embedding's rows are looked up), here over a
+    vocabulary of 287, no multiple of 16: a seeded request's tokens and log-probabilities,
+    bit for bit, are the same alone and beside 15 other requests (16 rows: the LM head once
+    took another kernel from there on)."""
+    if linear._vnni_kernels() is None or linear._amx_kernels() is not None:
+        pytest.skip("int8 codes keep their [N, K] order here (no AVX512-VNNI or AVX2 build, "
+                    "or AMX, whose tiles are not batch-invariant)")
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", tiny_hf, Q.Q4_1)
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=42, ignore_eos=True, logprobs=0)
+    others = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def first_of(prompts) -> list[tuple[int, float]]:
+        with LLMEngine(EngineArgs(model=gguf, block_size=16, num_kv_blocks=256,
+                                  max_model_len=512, dtype="float32"), progress=False) as engine:
+            assert engine.runner.model.lm_head.qweight.out_features == 287
+            out = engine.generate(prompts, [seeded] + [others] * (len(prompts) - 1))
+            return [(t.token_id, t.logprob) for t in out[0].tokens]
+    assert first_of(PROMPTS[2:]) == first_of(PROMPTS[2:] + PROMPTS * 5)

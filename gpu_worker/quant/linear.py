@@ -321,14 +321,23 @@ class Int8Weight(_Packed):
         and multiply every row count with `int8_mm_vnni` (x quantized to 8 bits per block of
         32, as for int4); None: where `_int8_vnni` says and the shape allows."""
         assert q.scheme == "int8" and q.group == q.shape[1], "int8 packs per output channel"
-        self.out_features, self.in_features = q.shape
-        self.scale_f32 = q.scale.reshape(-1).contiguous()
-        self.scale = self.scale_f32.to(ACT_DTYPE)
-        self.tile_shape = self.out_features % 16 == 0 and self.in_features % 32 == 0
+        self.out_features, self.in_features = n, k = q.shape
+        self.tile_shape = n % 16 == 0 and k % 32 == 0
         if vnni is None:
-            vnni = self.tile_shape and _int8_vnni()
-        self.vnni = int8_vnni_layout(q.codes) if vnni else None
-        self.codes = None if vnni else q.codes.contiguous()
+            vnni = k % 32 == 0 and _int8_vnni()
+        codes, scale = q.codes, q.scale.reshape(-1)
+        # the VNNI order takes output channels 16 at a time: a vocabulary that is no multiple
+        # of 16 gets zero channels (cut from the output), not another kernel, whose sums
+        # differ: every row count takes int8_mm_vnni, so a row's logits are the same in any
+        # batch (a seeded request's tokens too)
+        self.padded_out = n + (-n % 16 if vnni else 0)
+        if self.padded_out != n:
+            codes = torch.cat([codes, codes.new_zeros(self.padded_out - n, k)])
+            scale = torch.cat([scale, scale.new_ones(self.padded_out - n)])
+        self.scale_f32 = scale.contiguous()
+        self.scale = self.scale_f32.to(ACT_DTYPE)
+        self.vnni = int8_vnni_layout(codes) if vnni else None
+        self.codes = None if vnni else codes.contiguous()
 
     @classmethod
     def wide_from(cls) -> int | None:
@@ -346,10 +355,11 @@ class Int8Weight(_Packed):
         x = x if x.dtype == ACT_DTYPE else x.to(ACT_DTYPE)
         rows = x.shape[0]
         if self.vnni is not None:
-            y = x.new_empty((rows, self.out_features),
+            y = x.new_empty((rows, self.padded_out),
                             dtype=torch.float32 if out_dtype == torch.float32 else ACT_DTYPE)
             _vnni_kernels().int8_mm_vnni(x.contiguous(), self.vnni, self.scale, y)
-            return y
+            return y if self.padded_out == self.out_features else \
+                y[:, :self.out_features].contiguous()
         tiles, suffix = self._in_cache(rows) if self.tile_shape else (None, None)
         if tiles is not None:
             wide = out_dtype == torch.float32 and suffix == "dpbf16"
