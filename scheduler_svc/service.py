@@ -498,8 +498,6 @@ class SchedulerService:
                 pipe.mget([key for _, key in held])
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
-            if watch_workers:
-                pipe.mget(self.workers.heartbeat_keys)
             if claim:
                 self.takeover.queue_claim(pipe, claim)
             # replies read back from the end: every command below returns one
@@ -520,6 +518,10 @@ class SchedulerService:
                                 block=None if wake else block_ms)
                 if wake:
                     pipe.xinfo_groups(self.keys.requests)
+            if watch_workers:
+                # after the blocking reads, so as they returned: a request that came while
+                # this one blocked is planned only once a worker restarted meanwhile is seen
+                pipe.mget(self.workers.heartbeat_keys)
             pipe.xread({self.keys.aborts: self.cursors.aborts}, count=1000)
             return await pipe.execute()
 
@@ -534,6 +536,7 @@ class SchedulerService:
         if disagg_out is not None:
             self.prefill.moves_skipped(disagg_out, replies[moves_at:])
         self._receive_aborts(replies.pop())
+        worker_beats = replies.pop() if watch_workers else None
         self._drop_lost()
         if room and wake:
             self.prefill.requests_tail = next(
@@ -549,7 +552,7 @@ class SchedulerService:
             replies.pop()            # only woke the intake: the reads after it took what came
         if claim:
             await self._resume_claimed(self.takeover.claimed(replies.pop()))
-        lost = self.workers.restarted_in(replies.pop()) if watch_workers else []
+        lost = self.workers.restarted_in(worker_beats) if worker_beats is not None else []
         if gateways:
             self._check_gateways(gateways, replies.pop())
         if held and self.decode.release_settled(held, replies.pop()):

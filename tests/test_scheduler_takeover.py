@@ -459,7 +459,13 @@ def test_a_second_worker_of_a_running_ones_rank_refuses_to_start(system: System)
 
 def test_a_worker_restarted_under_its_dead_predecessors_claim_comes_up(system: System):
     """A restart comes before the dead process's claim has expired: on this host, a claim
-    whose pid is gone is taken over at once, and the new worker serves."""
+    whose pid is gone is taken over at once, and the new worker serves. The streams' prompts
+    are cached before (the new worker holds none of those blocks): the idle scheduler read
+    the workers' heartbeats before it blocked for requests, so streams that came just after
+    the new worker's first beat were planned on the old worker's cache, and the new worker
+    stopped on the plan (UnknownKVCache). It now reads them as that read returns."""
+    results, tap, _ = asyncio.run(run_streams(system))
+    assert_complete(results, tap, system)
     old = system.processes["worker"].proc
     old.kill()
     old.wait()
