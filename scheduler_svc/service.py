@@ -328,6 +328,8 @@ class SchedulerService:
         worker group to come back) is recovered from in turn: raised, it ended the scheduler
         with a traceback. False: stop serving."""
         while True:
+            given_up = self._flight[-1][1] if self._flight and \
+                not isinstance(interrupted, RedisLost) else None
             self._flight.clear()        # the core forgets them too (recompute_running)
             if self.decode is not None:
                 self.decode.plans_lost()
@@ -337,12 +339,22 @@ class SchedulerService:
                 self._forget_disagg_state()
                 self.stats.mark_dirty()         # its stats hash went with the old server
             try:
+                if given_up is not None:
+                    await self.recovery.retrying("fence the plans given up",
+                                                 lambda: self._fence_plans(given_up))
                 return await self.recovery.recover(interrupted, stop,
                                                    self._wait_for_lost_workers)
             except Interrupted as again:
                 log.warning("interrupted again while recovering", first=type(interrupted).__name__,
                             then=type(again).__name__)
                 interrupted = again
+
+    async def _fence_plans(self, newest: bytes | str) -> None:
+        """Rank 0 writes nothing for the plans up to `newest` (the plans fence), whose
+        results this scheduler no longer waits for; before any request ends (aborted while
+        the group is waited for): a rank that was only stopped runs them when it resumes,
+        and their tokens and progress records would outlive the requests they belong to."""
+        await self.redis.set(self.keys.plans_fence, newest)
 
     def _forget_disagg_state(self) -> None:
         """Redis restarted empty: reservations and hand-offs in flight went with it."""
