@@ -4,9 +4,18 @@ Rank 0 is the only rank that talks to Redis about work:
 
     XREAD plans (after the last id seen) -> executor.execute(plan) -> APPEND each token to its
     request's progress record, PUBLISH one TokenBatch per gateway channel -> XADD the
-    StepResultMsg (one pipeline: tokens go out before the scheduler can even see the result,
+    StepResultMsg (one script: tokens go out before the scheduler can even see the result,
     so a client never waits on the next plan; the progress record lets a scheduler that takes
     a request over resume where the client is, see `shared/progress.py`)
+
+Both ends are fenced at no extra round trip. Each read of plans checks rank 0's claim
+(`claimed`) in its pipeline, after the XREAD: a rank paused past the claim's TTL, whose rank a
+new process took meanwhile, runs no plan it reads then and exits 1. The result script writes
+nothing, and the process exits 1, when the claim is another's (a plan read before the pause
+still ran); nor, the process going on, for a plan at or before the plans fence, which the
+scheduler sets to the newest plan it gave up (its worker group lost: a rank stopped past its
+heartbeat's TTL, its claim still its own): it may have ended that plan's requests since, and
+their tokens and progress records would outlive them.
 
 That pipeline goes out while the loop reads and runs the next plan, which the scheduler sent
 before this result (docs/design.md#overlap); results still leave in plan order: the next one
@@ -72,8 +81,8 @@ from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.model_source import model_identity
-from shared.lifecycle import (Claim, Stopwatch, cancel_tasks, claimed, connections_made,
-                              essential_task, freeze_heap, keep_heartbeat, redis_run_id,
+from shared.lifecycle import (OTHERS_CLAIM, Claim, Stopwatch, cancel_tasks, claimed,
+                              connections_made, essential_task, freeze_heap, keep_heartbeat, redis_run_id,
                               stopped_for, stream_id_text, stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
@@ -95,16 +104,44 @@ STATS_INTERVAL_S = 0.1
 STOP_RETRY_S = 5.0
 # a progress record's TTL is refreshed at the first token and every this many tokens after
 PROGRESS_REFRESH_EVERY = 64
-# KEYS: progress records; ARGV: the TTL, then (entry, refresh 0/1) per key. A record this call
-# creates gets its TTL whatever the token's index: a result sent again after its request
-# finished (a retried pipeline), or one taken over mid-stream, must not leave a record forever.
-_APPEND_PROGRESS = """
-for i = 1, #KEYS do
-  local n = redis.call('APPEND', KEYS[i], ARGV[2 * i])
-  if ARGV[2 * i + 1] == '1' or n == #ARGV[2 * i] then
-    redis.call('EXPIRE', KEYS[i], ARGV[1])
+# One iteration's result, written only while rank 0's claim is this incarnation's (KEYS[1],
+# ARGV[1]; '' for no claim) and its plan (entry id ARGV[2]) is after the plans fence (KEYS[2]):
+# APPEND each token's entry to its progress record (KEYS[4..]: (entry, refresh 0/1) each, from
+# ARGV[6]), PUBLISH each token batch (ARGV[5] of (channel, batch)), XADD the result to KEYS[3]
+# (MAXLEN ~ ARGV[4]; its fields last). A record this call creates gets its TTL (ARGV[3])
+# whatever the token's index: a result sent again after its request finished (a retried
+# pipeline), or one taken over mid-stream, must not leave a record forever. Returns {1, the
+# result's id}; {0, the other's claim} or {2, the fence} with nothing written.
+_SEND_RESULT = OTHERS_CLAIM + """
+if ARGV[1] ~= '' then
+  local held = others_claim()
+  if held then
+    return {0, held}
   end
 end
+local fence = redis.call('GET', KEYS[2])
+if fence then
+  local ms, seq = string.match(ARGV[2], '^(%d+)-(%d+)$')
+  local fence_ms, fence_seq = string.match(fence, '^(%d+)-(%d+)$')
+  ms, seq = tonumber(ms), tonumber(seq)
+  fence_ms, fence_seq = tonumber(fence_ms), tonumber(fence_seq)
+  if ms < fence_ms or (ms == fence_ms and seq <= fence_seq) then
+    return {2, fence}
+  end
+end
+local at = 6
+for i = 4, #KEYS do
+  local n = redis.call('APPEND', KEYS[i], ARGV[at])
+  if ARGV[at + 1] == '1' or n == #ARGV[at] then
+    redis.call('EXPIRE', KEYS[i], ARGV[3])
+  end
+  at = at + 2
+end
+for _ = 1, tonumber(ARGV[5]) do
+  redis.call('PUBLISH', ARGV[at], ARGV[at + 1])
+  at = at + 2
+end
+return {1, redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, at))}
 """
 
 
@@ -172,10 +209,12 @@ class PlanLoop:
 
     def __init__(self, redis: aioredis.Redis, keys: Keys, executor: Executor,
                  requests: Mapping[str, RequestView], plans_after: bytes | str,
-                 run_id: str, device: str = "cpu") -> None:
+                 run_id: str, device: str = "cpu", claim: Claim | None = None) -> None:
         """`plans_after`: the cursor into the plans stream of the Redis with `run_id`;
-        `device`: the executor's (rank 0's), made current on the forward thread."""
+        `device`: the executor's (rank 0's), made current on the forward thread; `claim`:
+        rank 0's (`claimed`), checked with each read of plans and each result sent."""
         self.redis, self.keys, self.executor, self.requests = redis, keys, executor, requests
+        self.claim = claim
         self._plans_after = plans_after
         self._run_id = run_id
         # one thread runs every forward: the event loop keeps heartbeats and signals alive
@@ -243,11 +282,15 @@ class PlanLoop:
             pipe = self.redis.pipeline(transaction=False)
             pipe.info("server")
             pipe.xread({self.keys.plans: self._plans_after}, count=8, block=PLAN_BLOCK_MS)
-            info, reply = await pipe.execute()
+            if self.claim is not None:      # as the read returns: no new plan once not ours
+                self.claim.queue_check(pipe)
+            info, reply, *held = await pipe.execute()
         except TRANSIENT as e:      # the loop reads again after a pause
             log.warning(redis_failure(e), op="read plans", error=str(e))
             await asyncio.sleep(0.5)
             return []
+        if held:
+            self.claim.checked(held[0])
         if info["run_id"] != self._run_id:
             # what was read came after an id of the old stream: read the new one from its start
             log.warning("redis restarted; reading its plans stream from the start",
@@ -328,7 +371,7 @@ class PlanLoop:
         try:
             if run_id in self._replaced:
                 raise _RedisReplaced()
-            sent = await self._send(step, batches, result, origin, stop)
+            sent = await self._send(step, batches, result, entry_id, origin, stop)
         except _RedisReplaced:
             log.warning("redis restarted after a plan was read; its result is dropped",
                         step=step)
@@ -370,45 +413,53 @@ class PlanLoop:
             plan, finished_request_ids=[*self.requests, *plan.finished_request_ids])
 
     async def _send(self, step: int, batches: dict[str, TokenBatch], result: StepResult,
-                    origin: _Origin, stop: asyncio.Event) -> bool:
-        """Raises _RedisReplaced, or the Redis failure once the worker was told to stop
-        STOP_RETRY_S ago (a worker orphaned with its Redis gone must exit)."""
+                    entry_id: bytes | str, origin: _Origin, stop: asyncio.Event) -> bool:
+        """Whether the result went out (not: its plan is behind the plans fence). Raises
+        _RedisReplaced, or the Redis failure once the worker was told to stop STOP_RETRY_S
+        ago (a worker orphaned with its Redis gone must exit)."""
         with_stats = time.monotonic() - self._stats_at >= STATS_INTERVAL_S
         if with_stats:
             self._stats_at = time.monotonic()
         self._stats_stale = not with_stats
         # a fresh pipeline each try: a failed execute() has emptied the last one; the
         # scheduler waits for this result, and skips a duplicate by its step
-        await retry_redis(lambda: self._send_once(batches, result, with_stats, origin),
-                          f"send result of step {step}", log,
-                          before_retry=lambda: self._check_same_redis(step, origin.run_id),
-                          give_up=stopped_for(stop, STOP_RETRY_S))
-        return True
+        return await retry_redis(
+            lambda: self._send_once(batches, result, with_stats, entry_id, origin),
+            f"send result of step {step}", log,
+            before_retry=lambda: self._check_same_redis(step, origin.run_id),
+            give_up=stopped_for(stop, STOP_RETRY_S))
 
     async def _send_once(self, batches: dict[str, TokenBatch], result: StepResult,
-                         with_stats: bool, origin: _Origin) -> None:
-        """One pipeline. A connection made since the plan was read (`origin`) may have
+                         with_stats: bool, entry_id: bytes | str, origin: _Origin) -> bool:
+        """One pipeline: the result script (`_queue_result`), and the stats when due.
+        Another incarnation's claim of rank 0 stops the process (a rank paused past its TTL,
+        a new one in its place); a plan at or before the plans fence (the scheduler gave it
+        up: its group lost, a request of it maybe ended since) writes nothing: False.
+
+        A connection made since the plan was read (`origin`) may have
         reached a Redis that restarted meanwhile, without a failure to warn of it: then the
         server's run_id is read after it, and what the send wrote to another server is
         taken back (its result entry, the progress records it made; its token events
         reached no client: the gateway ended those streams). No connection made since, no
         round trip: the send went to the plan's server, or failed."""
         pipe = self.redis.pipeline(transaction=False)
-        progress = self._record_progress(pipe, batches.values())
-        for channel, batch in batches.items():
-            pipe.publish(channel, encode(batch))
-        pipe.xadd(self.keys.results, to_fields(StepResultMsg(result), worker=WORKER_ID),
-                  maxlen=RESULTS_MAXLEN, approximate=True)
+        progress = self._queue_result(pipe, batches, result, entry_id)
         if with_stats:
             pipe.hset(self.keys.stats, mapping=self.stats())
-        replies = await pipe.execute()
+        (written, value), *_ = await pipe.execute()
+        if written == 0:
+            self.claim.stop(value)
+        if written == 2:
+            log.warning("result not sent: the scheduler gave its plan up (its worker group "
+                        "was lost)", plan=stream_id_text(entry_id))
+            return False
         if origin.connections is not None and \
                 connections_made(self.redis) == origin.connections or \
                 await redis_run_id(self.redis) == origin.run_id:
-            return
+            return True
         self._replaced.add(origin.run_id)
         taken_back = self.redis.pipeline(transaction=False)
-        taken_back.xdel(self.keys.results, replies[len(replies) - 1 - with_stats])
+        taken_back.xdel(self.keys.results, value)
         if progress:
             taken_back.delete(*progress)
         await taken_back.execute()
@@ -421,21 +472,31 @@ class PlanLoop:
             self._replaced.add(run_id)
             raise _RedisReplaced()
 
-    def _record_progress(self, pipe, batches) -> list[str]:
-        """Queued before the PUBLISHes: whatever a client saw is in the record. One script
-        call appends every request's entry (and refreshes the TTL of those at a multiple of
-        PROGRESS_REFRESH_EVERY): one command instead of one or two per token, which took
-        1.1-1.5 ms of the worker's Python per iteration at 64 streams against 0.3-0.4 ms.
-        Returns the records' keys."""
+    def _queue_result(self, pipe, batches: dict[str, TokenBatch], result: StepResult,
+                      entry_id: bytes | str) -> list[str]:
+        """Queue the script that sends the result of the plan `entry_id` (`_SEND_RESULT`),
+        fenced in the same command: one command, where one per token took 1.1-1.5 ms of the
+        worker's Python per iteration at 64 streams against 0.3-0.4 ms. Each token's
+        progress record is appended before the PUBLISHes (whatever a client saw is in the
+        record); its TTL is refreshed at a multiple of PROGRESS_REFRESH_EVERY. Returns the
+        records' keys."""
         keys: list[str] = []
-        args: list = [PROGRESS_TTL_S]
-        for batch in batches:
+        appends: list = []
+        for batch in batches.values():
             for event in batch.events:
                 keys.append(self.keys.progress(event.request_id))
-                args += [encode_progress(event.index, event.token_id),
-                         int(event.index % PROGRESS_REFRESH_EVERY == 0)]
-        if keys:
-            pipe.eval(_APPEND_PROGRESS, len(keys), *keys, *args)
+                appends += [encode_progress(event.index, event.token_id),
+                            int(event.index % PROGRESS_REFRESH_EVERY == 0)]
+        claim = self.claim
+        publishes = [item for channel, batch in batches.items()
+                     for item in (channel, encode(batch))]
+        fields = to_fields(StepResultMsg(result), worker=WORKER_ID)
+        pipe.eval(_SEND_RESULT, 3 + len(keys),
+                  claim.key if claim else self.keys.claim_worker(0), self.keys.plans_fence,
+                  self.keys.results, *keys,
+                  claim.incarnation if claim else "", stream_id_text(entry_id), PROGRESS_TTL_S,
+                  RESULTS_MAXLEN, len(batches), *appends, *publishes,
+                  *(item for pair in fields.items() for item in pair))
         return keys
 
     def answered(self) -> dict[str, str]:
@@ -544,7 +605,8 @@ async def _serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
         run_id = await redis_run_id(redis)
         runner.grammars.warm()
         loop = PlanLoop(redis, keys, executor, executor.requests,
-                        await stream_tail_id(redis, keys.plans), run_id, runner.rc.device)
+                        await stream_tail_id(redis, keys.plans), run_id, runner.rc.device,
+                        claim)
         runner.on_forward = loop.handed_over
         beat = worker_heartbeat(rank, tp, layout.num_kv_blocks, layout.args.block_size, loop,
                                 kv=runner.kv_descriptor, role=role, identity=identity,

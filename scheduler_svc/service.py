@@ -328,6 +328,8 @@ class SchedulerService:
         worker group to come back) is recovered from in turn: raised, it ended the scheduler
         with a traceback. False: stop serving."""
         while True:
+            given_up = self._flight[-1][1] if self._flight and \
+                not isinstance(interrupted, RedisLost) else None
             self._flight.clear()        # the core forgets them too (recompute_running)
             if self.decode is not None:
                 self.decode.plans_lost()
@@ -337,12 +339,22 @@ class SchedulerService:
                 self._forget_disagg_state()
                 self.stats.mark_dirty()         # its stats hash went with the old server
             try:
+                if given_up is not None:
+                    await self.recovery.retrying("fence the plans given up",
+                                                 lambda: self._fence_plans(given_up))
                 return await self.recovery.recover(interrupted, stop,
                                                    self._wait_for_lost_workers)
             except Interrupted as again:
                 log.warning("interrupted again while recovering", first=type(interrupted).__name__,
                             then=type(again).__name__)
                 interrupted = again
+
+    async def _fence_plans(self, newest: bytes | str) -> None:
+        """Rank 0 writes nothing for the plans up to `newest` (the plans fence), whose
+        results this scheduler no longer waits for; before any request ends (aborted while
+        the group is waited for): a rank that was only stopped runs them when it resumes,
+        and their tokens and progress records would outlive the requests they belong to."""
+        await self.redis.set(self.keys.plans_fence, newest)
 
     def _forget_disagg_state(self) -> None:
         """Redis restarted empty: reservations and hand-offs in flight went with it."""
@@ -498,8 +510,6 @@ class SchedulerService:
                 pipe.mget([key for _, key in held])
             if gateways:
                 pipe.mget([self.keys.hb_gateway(g) for g in gateways])
-            if watch_workers:
-                pipe.mget(self.workers.heartbeat_keys)
             if claim:
                 self.takeover.queue_claim(pipe, claim)
             # replies read back from the end: every command below returns one
@@ -520,6 +530,10 @@ class SchedulerService:
                                 block=None if wake else block_ms)
                 if wake:
                     pipe.xinfo_groups(self.keys.requests)
+            if watch_workers:
+                # after the blocking reads, so as they returned: a request that came while
+                # this one blocked is planned only once a worker restarted meanwhile is seen
+                pipe.mget(self.workers.heartbeat_keys)
             pipe.xread({self.keys.aborts: self.cursors.aborts}, count=1000)
             return await pipe.execute()
 
@@ -534,6 +548,7 @@ class SchedulerService:
         if disagg_out is not None:
             self.prefill.moves_skipped(disagg_out, replies[moves_at:])
         self._receive_aborts(replies.pop())
+        worker_beats = replies.pop() if watch_workers else None
         self._drop_lost()
         if room and wake:
             self.prefill.requests_tail = next(
@@ -549,7 +564,7 @@ class SchedulerService:
             replies.pop()            # only woke the intake: the reads after it took what came
         if claim:
             await self._resume_claimed(self.takeover.claimed(replies.pop()))
-        lost = self.workers.restarted_in(replies.pop()) if watch_workers else []
+        lost = self.workers.restarted_in(worker_beats) if worker_beats is not None else []
         if gateways:
             self._check_gateways(gateways, replies.pop())
         if held and self.decode.release_settled(held, replies.pop()):

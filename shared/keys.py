@@ -95,6 +95,12 @@ class Keys:
         return f"{self._own}plans"
 
     @property
+    def plans_fence(self) -> str:
+        """The entry id of the newest plan the scheduler gave up on (its worker group lost,
+        or the plan): rank 0 sends nothing for a plan at or before it (gpu_worker/service.py)."""
+        return f"{self._own}plans_fence"
+
+    @property
     def results(self) -> str:
         return f"{self._own}results"
 

@@ -224,8 +224,9 @@ return 0
 
 # The claim KEYS[1] holds when it is another incarnation's than ARGV[1] (it took the claim
 # this one let lapse), else false: it holds this incarnation's, or nothing (lapsed, taken by
-# no one; or Redis restarted). The head of each script below.
-_OTHERS_CLAIM = """
+# no one; or Redis restarted). The head of each script fenced by a claim (those below, rank
+# 0's result: gpu_worker/service.py).
+OTHERS_CLAIM = """
 local function others_claim()
   local held = redis.call('GET', KEYS[1])
   if not held then
@@ -242,7 +243,7 @@ end
 
 # SET KEYS[2] (the claim itself, or a heartbeat of its process) to ARGV[2] (TTL ARGV[3] s)
 # unless another incarnation holds the claim, which is returned, nothing touched
-_SET_WHILE_CLAIMED = _OTHERS_CLAIM + """
+_SET_WHILE_CLAIMED = OTHERS_CLAIM + """
 local held = others_claim()
 if held then
   return held
@@ -253,16 +254,19 @@ return false
 
 # A clean exit's delete of KEYS[2] (the claim KEYS[1] itself, or its process's heartbeat):
 # only while the claim is not another incarnation's
-_CLEAR_WHILE_CLAIMED = _OTHERS_CLAIM + """
+_CLEAR_WHILE_CLAIMED = OTHERS_CLAIM + """
 if not others_claim() then
   redis.call('DEL', KEYS[2])
 end
 return 0
 """
 
+# The claim when another incarnation holds it (else nil): a check queued in a pipeline
+_CHECK = OTHERS_CLAIM + "return others_claim()"
+
 # XADD to KEYS[2] (MAXLEN ~ ARGV[2]; the fields: ARGV[3..]) unless another incarnation holds
 # the claim: {1, the entry id}, or {0, the other's claim} with nothing added
-_FENCED_XADD = _OTHERS_CLAIM + """
+_FENCED_XADD = OTHERS_CLAIM + """
 local held = others_claim()
 if held then
   return {0, held}
@@ -275,7 +279,8 @@ return {1, redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV,
 class Claim:
     """This process's claim of its identity (`claimed`). What only the holder may write goes
     through it, fenced by the claim in the same command: its heartbeats (`keep_heartbeat`,
-    `clear`) and a scheduler's plans (`xadd`). A process paused past the claim's TTL ran
+    `clear`), a scheduler's plans (`xadd`), worker rank 0's results (its own script, with
+    OTHERS_CLAIM at its head, then `stop`). A process paused past the claim's TTL ran
     once or twice before its next refresh found the claim another's: a plan the workers
     ran as a new scheduler's, a heartbeat that named the stale process again (the
     scheduler took a worker's for a restart and recomputed every request), its clean exit's
@@ -295,9 +300,25 @@ class Claim:
         sent, value = await self.redis.eval(_FENCED_XADD, 2, self.key, stream,
                                             self.incarnation, maxlen, *args)
         if not sent:
-            report_error(self.lost(value))
-            os._exit(1)
+            self.stop(value)
         return value
+
+    def queue_check(self, pipe) -> None:
+        """Queue a check of the claim on `pipe`, in the round trip of what it reads; its
+        reply goes to `checked`."""
+        pipe.eval(_CHECK, 1, self.key, self.incarnation)
+
+    def checked(self, held: bytes | None) -> None:
+        """The reply of `queue_check`: another incarnation's claim stops the process
+        (`stop`)."""
+        if held:
+            self.stop(held)
+
+    def stop(self, held: bytes) -> None:
+        """A fenced write found the claim another incarnation's (`held`, its value): exit 1
+        at once with the line of `lost`, as when the refresh finds it."""
+        report_error(self.lost(held))
+        os._exit(1)
 
     async def clear(self, key: str) -> None:
         """`clear_key` of the claim itself or a heartbeat of its process, at a clean exit:

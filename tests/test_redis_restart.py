@@ -599,23 +599,29 @@ def test_rank_0s_heartbeat_tells_which_plans_it_answered():
 
 async def test_one_script_call_records_every_tokens_progress_and_its_ttl():
     """Rank 0 appends each token to its request's progress record in one script call per
-    iteration; the TTL is set at output index 0 and every PROGRESS_REFRESH_EVERY tokens."""
+    iteration; the TTL is set at output index 0 and every PROGRESS_REFRESH_EVERY tokens. A
+    plan at or before the plans fence writes nothing."""
     import redis.asyncio as aioredis
     from types import SimpleNamespace
     from gpu_worker.service import PROGRESS_REFRESH_EVERY
     from shared.keys import PROGRESS_TTL_S
     from shared.progress import decode_progress
+    from shared.plan import StepResult
     from shared.protocol import TokenBatch, TokenEvent
     proc, url = start_redis()
     client = aioredis.Redis.from_url(url)
+
+    def queue(pipe, batches: list[TokenBatch]) -> None:
+        PlanLoop._queue_result(loop, pipe, {f"channel-{i}": b for i, b in enumerate(batches)},
+                               StepResult(1, {}), "1-0")
     try:
         keys = Keys()
-        loop = SimpleNamespace(keys=keys)
+        loop = SimpleNamespace(keys=keys, claim=None)
         for index in range(PROGRESS_REFRESH_EVERY + 2):
             batches = [TokenBatch([TokenEvent("a", index, 100 + index, None, None)]),
                        TokenBatch([TokenEvent("b", index, 200 + index, None, None)])]
             pipe = client.pipeline(transaction=False)
-            PlanLoop._record_progress(loop, pipe, batches)
+            queue(pipe, batches)
             await pipe.execute()
             if index == 0:
                 assert 0 < await client.ttl(keys.progress("a")) <= PROGRESS_TTL_S
@@ -629,9 +635,15 @@ async def test_one_script_call_records_every_tokens_progress_and_its_ttl():
         # a record created at any other index (a result sent again after its request finished
         # and its record went) gets its TTL too
         pipe = client.pipeline(transaction=False)
-        PlanLoop._record_progress(loop, pipe, [TokenBatch([TokenEvent("c", 5, 7, None, None)])])
+        queue(pipe, [TokenBatch([TokenEvent("c", 5, 7, None, None)])])
         await pipe.execute()
         assert 0 < await client.ttl(keys.progress("c")) <= PROGRESS_TTL_S
+        # a plan at or before the plans fence (the scheduler gave it up) writes nothing
+        await client.set(keys.plans_fence, "1-0")
+        pipe = client.pipeline(transaction=False)
+        queue(pipe, [TokenBatch([TokenEvent("d", 0, 7, None, None)])])
+        assert await pipe.execute() == [[2, b"1-0"]]
+        assert not await client.exists(keys.progress("d"))
     finally:
         await client.aclose()
         stop_redis(proc)

@@ -12,6 +12,7 @@ come exactly once. `pytest -s` prints how long the take-over took.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -192,6 +193,18 @@ async def run_streams(s: System, kill=None) -> tuple[list[StreamResult], TokenTa
     return results, tap, killed_at
 
 
+@contextlib.asynccontextmanager
+async def open_stream(s: System, session: aiohttp.ClientSession, i: int):
+    """A stream of `body(i)`, once its first token came: (the response, the request id).
+    Leaving closes the connection: the gateway sends the abort."""
+    async with session.post(f"{s.gateway.base_url}/v1/completions",
+                            json={**body(i), "stream": True},
+                            headers={"Authorization": f"Bearer {API_KEY}"}) as resp:
+        assert resp.status == 200
+        first = await resp.content.readline()      # data: {...} of the first token
+        yield resp, json.loads(first.decode()[len("data: "):])["id"]
+
+
 def assert_complete(results: list[StreamResult], tap: TokenTap, s: System) -> None:
     """Every stream ended normally with MAX_TOKENS tokens, each index published once."""
     for i, r in enumerate(results):
@@ -323,6 +336,37 @@ def serving_scheduler(system: System) -> str:
     return alive[0]
 
 
+def replace_claim_mid_stream(system: System, name: str, claim_key: str, taker: bytes,
+                             stream: str, restart) -> tuple[list[StreamResult], "TokenTap",
+                                                             list, str]:
+    """Run the streams; once they stream, the claim of process `name` is replaced by
+    `taker`'s (as a new process of its identity takes a lapsed claim) as the newest entry of
+    `stream` is read, the process must exit 1, and `restart()` starts its successor. Returns
+    the streams' results and tap, what `stream` got after the claim changed, before the
+    restart, and the stale process's last line."""
+    stale_process = system.processes[name]
+    r = redis.Redis.from_url(system.redis_url)
+    after_takeover: list = []
+    stale_said: list[str] = []
+
+    async def take_the_claim() -> float:
+        pipe = r.pipeline(transaction=True)        # the newest entry as the claim changes
+        pipe.set(claim_key, taker, ex=HEARTBEAT_TTL_S)
+        pipe.xrevrange(stream, count=1)
+        _, [(newest, _)] = pipe.execute()
+        assert await asyncio.to_thread(stale_process.proc.wait, 30) == 1, system.logs()
+        after_takeover.extend(r.xrange(stream, min=b"(" + newest))
+        stale_said.append(last_line(stale_process))     # before its restart's log replaces it
+        await asyncio.to_thread(restart)
+        return time.monotonic()
+
+    try:
+        results, tap, _ = asyncio.run(run_streams(system, take_the_claim))
+    finally:
+        r.close()
+    return results, tap, after_takeover, stale_said[0]
+
+
 def test_a_scheduler_whose_claim_another_took_sends_no_plan_after(system: System):
     """A scheduler paused past its claim's TTL sent a plan (or two) when it ran again, before
     its next refresh found its claim another process's: the worker ran it as a restarted
@@ -332,33 +376,16 @@ def test_a_scheduler_whose_claim_another_took_sends_no_plan_after(system: System
     exits 1 naming the holder. Restarted (the holder's pid is gone), it finishes the
     streams."""
     name = serving_scheduler(system)
-    stale_process = system.processes[name]
-    stale = stale_process.proc
+    stale = system.processes[name].proc
     gone, taker = claim_of_a_dead_process("scheduler", name)
-    r = redis.Redis.from_url(system.redis_url)
-    after_takeover: list = []
-    stale_said: list[str] = []
-
-    async def take_the_claim() -> float:
-        pipe = r.pipeline(transaction=True)        # the newest plan as the claim changes
-        pipe.set(KEYS.claim_scheduler(name), taker, ex=HEARTBEAT_TTL_S)
-        pipe.xrevrange(KEYS.plans, count=1)
-        _, [(newest, _)] = pipe.execute()
-        assert await asyncio.to_thread(stale.wait, 30) == 1, system.logs()
-        after_takeover.extend(r.xrange(KEYS.plans, min=b"(" + newest))
-        stale_said.append(last_line(stale_process))     # before its restart's log replaces it
-        system.start_scheduler(name)
-        return time.monotonic()
-
-    try:
-        results, tap, _ = asyncio.run(run_streams(system, take_the_claim))
-    finally:
-        r.close()
+    results, tap, after_takeover, stale_said = replace_claim_mid_stream(
+        system, name, KEYS.claim_scheduler(name), taker, KEYS.plans,
+        lambda: system.start_scheduler(name))
     assert after_takeover == [], system.logs()
-    assert stale_said == [
+    assert stale_said == (
         f"pacer: error: scheduler id {name!r} was taken over: this process (pid {stale.pid}) "
         f"did not refresh its claim within {HEARTBEAT_TTL_S} s (paused, or cut off from Redis) "
-        f"and pid {gone} on host {socket.gethostname()} holds it now; this one stops"]
+        f"and pid {gone} on host {socket.gethostname()} holds it now; this one stops")
     assert_complete(results, tap, system)
 
 
@@ -439,6 +466,71 @@ def test_a_worker_whose_claim_another_took_writes_its_heartbeat_no_more(system: 
         start_worker(system)
 
 
+def test_a_worker_whose_claim_another_took_publishes_no_result_after(system: System):
+    """A rank 0 paused past its claim's TTL, resumed after a new rank 0 took the claim, ran
+    the plans it had read and published their tokens, progress records and results before
+    its next refresh stopped it. Its result now goes out in one script with a check of the
+    claim (and a plan read comes with one): mid-stream, its claim is replaced (as a new
+    process of its rank takes a lapsed one), and from that moment no result of it reaches
+    the results stream; it exits 1 naming the holder. Restarted, it finishes the streams."""
+    stale = system.processes["worker"].proc
+    gone, taker = claim_of_a_dead_process("worker", "0")
+    results, tap, after_takeover, stale_said = replace_claim_mid_stream(
+        system, "worker", KEYS.claim_worker(0), taker, KEYS.results,
+        lambda: start_worker(system))
+    assert after_takeover == [], system.logs()
+    assert stale_said == (
+        f"pacer: error: worker rank 0 of the colocated engine was taken over: this process "
+        f"(pid {stale.pid}) did not refresh its claim within {HEARTBEAT_TTL_S} s (paused, or "
+        f"cut off from Redis) and pid {gone} on host {socket.gethostname()} holds it now; "
+        "this one stops")
+    assert_complete(results, tap, system)
+
+
+def test_a_worker_resumed_after_its_group_was_declared_lost_writes_no_progress(
+        system: System):
+    """Rank 0 is stopped (SIGSTOP) with plans in flight until the scheduler declares the
+    group lost (its heartbeat lapsed; its claim did not); the client leaves meanwhile, and
+    the scheduler ends the request, deleting its progress record. Resumed, the worker ran
+    the plans sent before the loss and wrote the record again, to stay for an hour. The
+    scheduler now fences the plans it gave up on before it ends any request, and the
+    worker's result script drops what such a plan would write."""
+    name = serving_scheduler(system)
+    worker = system.processes["worker"].proc
+    scheduler_log = system.processes[name].log_path
+    r = redis.Redis.from_url(system.redis_url)
+
+    def losses() -> int:
+        with open(scheduler_log, encoding="utf-8") as f:
+            return f.read().count("worker group lost")
+
+    async def leave_while_the_worker_is_stopped() -> str:
+        before = losses()
+        async with aiohttp.ClientSession() as session:
+            async with open_stream(system, session, 11) as (resp, request_id):
+                for _ in range(KILL_AFTER_CHUNKS):
+                    await resp.content.readline()
+                os.kill(worker.pid, signal.SIGSTOP)
+                await asyncio.to_thread(wait_for, lambda: losses() > before, 30.0,
+                                        "the scheduler declaring the worker group lost")
+            # the connection is closed here: the gateway sends the abort
+            await asyncio.to_thread(wait_for, lambda: not r.exists(KEYS.progress(request_id)),
+                                    30.0, "the aborted request's progress record deleted")
+            os.kill(worker.pid, signal.SIGCONT)
+            # served after the plans sent before the loss: those were run (or dropped) first
+            after = await stream_completion(session, system.gateway.base_url,
+                                            {**body(12), "max_tokens": 8}, STREAM_DEADLINE_S)
+            assert after.finish_reason == "length", (after, system.logs())
+        return request_id
+
+    try:
+        request_id = asyncio.run(leave_while_the_worker_is_stopped())
+        assert not r.exists(KEYS.progress(request_id)), system.logs()
+    finally:
+        os.kill(worker.pid, signal.SIGCONT)
+        r.close()
+
+
 def test_a_second_worker_of_a_running_ones_rank_refuses_to_start(system: System):
     """Two `pacer worker --rank 0` of one instance both read its plans and both publish
     results (and beat into one key: the scheduler saw the rank lost and back, over and
@@ -459,7 +551,13 @@ def test_a_second_worker_of_a_running_ones_rank_refuses_to_start(system: System)
 
 def test_a_worker_restarted_under_its_dead_predecessors_claim_comes_up(system: System):
     """A restart comes before the dead process's claim has expired: on this host, a claim
-    whose pid is gone is taken over at once, and the new worker serves."""
+    whose pid is gone is taken over at once, and the new worker serves. The streams' prompts
+    are cached before (the new worker holds none of those blocks): the idle scheduler read
+    the workers' heartbeats before it blocked for requests, so streams that came just after
+    the new worker's first beat were planned on the old worker's cache, and the new worker
+    stopped on the plan (UnknownKVCache). It now reads them as that read returns."""
+    results, tap, _ = asyncio.run(run_streams(system))
+    assert_complete(results, tap, system)
     old = system.processes["worker"].proc
     old.kill()
     old.wait()
@@ -539,12 +637,7 @@ def test_an_abort_sent_while_no_scheduler_runs_reaches_the_one_that_takes_the_re
 
     async def leave_while_down() -> str:
         async with TokenTap(system.redis_url) as tap, aiohttp.ClientSession() as session:
-            async with session.post(f"{system.gateway.base_url}/v1/completions",
-                                    json={**body(7), "stream": True},
-                                    headers={"Authorization": f"Bearer {API_KEY}"}) as r:
-                assert r.status == 200
-                first = await r.content.readline()      # data: {...} of the first token
-                request_id = json.loads(first.decode()[len("data: "):])["id"]
+            async with open_stream(system, session, 7) as (_, request_id):
                 os.kill(scheduler.pid, signal.SIGKILL)
                 assert await asyncio.to_thread(scheduler.wait, 10) == -signal.SIGKILL
                 before = aborts.xlen(KEYS.aborts)
