@@ -113,8 +113,9 @@ def test_quoted_commands_name_flags_the_scripts_accept():
     assert not wrong, "flags the scripts no longer accept:\n" + "\n".join(wrong)
 
 
-# The smallest runs of the benches that once broke at run time (an API renamed under them, a
-# served model name written in): each runs to its table.
+# The smallest run of a bench that once broke at run time (an API renamed under it), and a
+# refusal; the benches that start a served cluster or load the default model are left to the
+# --help check above (each such run took 12-23 s of the suite's 15 minutes).
 def test_sampling_bench_runs(tmp_path):
     proc = run_bench("sampling", "--model", write_tiny_llama(tmp_path / "tiny"), "--rows", "2",
                      "--repeats", "1")
@@ -122,28 +123,7 @@ def test_sampling_bench_runs(tmp_path):
     assert "greedy, JSON schema" in proc.stdout, proc.stdout
 
 
-def test_short_behind_long_serves_the_model_it_is_given(tmp_path):
-    proc = run_bench("short_behind_long", "--model", write_tiny_llama(tmp_path / "tiny"),
-                     "--long", "1", "--long-len", "64", "--long-tokens", "2", "--short", "1",
-                     "--short-len", "4", "--short-tokens", "2", timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "short_ttft_median_s" in proc.stdout, proc.stdout
-
-
 def test_interference_refuses_long_prompts_shorter_than_their_spread():
     proc = run_bench("interference", "--long-len", "32")
     assert proc.returncode == 2
     assert "--long-len must be > 100" in proc.stderr.splitlines()[-1], proc.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("script, args, column", [
-    ("iteration_shapes", ["--decodes", "1", "--prefill", "0,8", "--decode-iterations", "1",
-                          "--chunks", "1"], "forward_ms"),
-    ("mixed_call", ["--decodes", "1", "--fresh", "2", "--long-len", "64"],
-     "layered_over_one_call"),
-])
-def test_default_model_bench_runs(script, args, column):
-    proc = run_bench(script, *args, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert column in proc.stdout, proc.stdout
