@@ -21,7 +21,7 @@ pytestmark = pytest.mark.slow
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 # examples per (operation, mode); a GET without parameters has only one to give. Each run
 # draws fresh ones (no example database), so runs add up; the budget keeps the suite in time.
-BUDGET = {"POST": {"positive": 90, "negative": 80}, "GET": {"positive": 20, "negative": 0}}
+BUDGET = {"POST": {"positive": 60, "negative": 50}, "GET": {"positive": 20, "negative": 0}}
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_generated_requests_get_only_2xx_or_4xx_and_the_server_stays_healthy(ser
                       server_errors)
     print(f"\nfuzz: {len(answers)} requests, "
           + ", ".join(f"{s}: {answers.count(s)}" for s in sorted(set(answers))))
-    assert len(answers) >= 750
+    assert len(answers) >= 480
     assert not server_errors, server_errors[:5]
     assert all(200 <= s < 300 or 400 <= s < 500 for s in answers)
     assert served.get("/health")[0] == 200

@@ -331,7 +331,7 @@ def test_pacer_up_kills_a_restarted_worker_that_hangs_loading_its_model(tmp_path
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--port", str(port),
              "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--model", model,
-             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--startup-timeout", "60"],
+             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--startup-timeout", "25"],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
     def lines() -> list[str]:
@@ -347,7 +347,7 @@ def test_pacer_up_kills_a_restarted_worker_that_hangs_loading_its_model(tmp_path
         os.mkfifo(config)
         os.kill(pid, signal.SIGKILL)
         hung = wait_for(lambda: next((line for line in lines() if "wrote no heartbeat within "
-                                      "60 s of its restart" in line), None), 240.0,
+                                      "25 s of its restart" in line), None), 240.0,
                         "the hung restart killed")
         assert hung.startswith("pacer up: worker rank 0 (pid "), hung
         os.remove(config)
