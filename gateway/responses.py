@@ -317,24 +317,34 @@ class StallBoundResponse(web.StreamResponse):
     reading, however slowly, frees room before then. Writes that cannot wait go untimed:
     the per-token path pays no timer. A write can wait only where the transport has paused
     its writers, which it does past the high-water mark and undoes only once its buffer is
-    back under the low one; so writes are timed from the low mark on (with the high one, a
-    small write after the kernel had taken some of the buffer waited untimed, forever).
-    The connection is reset, not closed: a closed socket keeps the output the kernel holds
+    back under the low one: a write is untimed while the writers are not paused and it
+    leaves the buffer at most at the high mark. (Checking the buffer against the high mark
+    alone, a small write while paused, the kernel having taken some of the buffer, waited
+    untimed, forever; against the low mark, every write was timed under uvloop, whose low
+    mark is 16 bytes: a timer and ~0.1 ms of the event loop a token.) The connection is reset, not closed: a closed socket keeps the output the kernel holds
     (MBs) and sends it, then its FIN, to a client that reads again; one that does not keeps
     that memory, and its connection, for as long as it answers the kernel's probes."""
 
     def __init__(self, headers: dict[str, str]) -> None:
         super().__init__(headers=headers)
-        self._transport = None       # set by prepare(), with the two below
-        self._low_water = 0
+        self._transport = None       # set by prepare(), with the three below
+        self._protocol = None
+        self._high_water = 0
         self._stall_s = 0.0
 
     async def prepare(self, request: web.BaseRequest):
-        self._transport = request.transport
+        self._transport, self._protocol = request.transport, request.protocol
         if self._transport is not None:
-            self._low_water = self._transport.get_write_buffer_limits()[0]
+            self._high_water = self._transport.get_write_buffer_limits()[1]
         self._stall_s = request.app[STATE].config.stalled_client_timeout_s
         return await super().prepare(request)
+
+    def may_wait(self, size: int) -> bool:
+        """Whether writing `size` bytes may wait for the client (then it is timed)."""
+        transport = self._transport
+        return transport is not None and (
+            self._protocol.writing_paused
+            or transport.get_write_buffer_size() + size + _FRAMING > self._high_water)
 
     async def write(self, data) -> None:
         await self._bounded(super().write(data), len(data))
@@ -343,11 +353,10 @@ class StallBoundResponse(web.StreamResponse):
         await self._bounded(super().write_eof(data), len(data))
 
     async def _bounded(self, writing, size: int) -> None:
-        transport = self._transport
-        if transport is None or \
-                transport.get_write_buffer_size() + size + _FRAMING < self._low_water:
+        if not self.may_wait(size):
             await writing        # the transport stays under its mark: nothing waits
             return
+        transport = self._transport
         try:
             async with asyncio.timeout(self._stall_s):
                 await writing
