@@ -82,8 +82,9 @@ from shared.errors import PacerError
 from shared.keys import PROGRESS_TTL_S, RESULTS_MAXLEN, WORKER_HEARTBEAT_TTL_S, Keys
 from shared.model_source import model_identity
 from shared.lifecycle import (OTHERS_CLAIM, Claim, Stopwatch, cancel_tasks, claimed,
-                              connections_made, essential_task, freeze_heap, keep_heartbeat, redis_run_id,
-                              stopped_for, stream_id_text, stream_tail_id)
+                              connections_made, essential_task, freeze_heap, keep_heartbeat,
+                              queue_hset, redis_run_id, stopped_for, stream_id_text,
+                              stream_tail_id)
 from shared.plan import IterationPlan, StepResult
 from shared.progress import encode_progress
 from shared.protocol import (Heartbeat, PlanMsg, PromptLogprobsEvent, ProtocolError,
@@ -305,10 +306,15 @@ class PlanLoop:
                    for _, entries in reply or [] for entry_id, fields in entries]
         if not entries and self._stats_stale:   # idle: the counters the last results left out
             try:
-                await self.redis.hset(self.keys.stats, mapping=self.stats())
+                pipe = self.redis.pipeline(transaction=False)
+                queue_hset(pipe, self.claim, self.keys.stats, self.stats())
+                written = await pipe.execute()
                 self._stats_stale = False
             except TRANSIENT:
                 pass
+            else:
+                if self.claim is not None:
+                    self.claim.checked(written[0])
         return entries
 
     def _plan_of(self, fields: dict, run_id: str) -> tuple[IterationPlan | None, bytes]:
@@ -444,11 +450,13 @@ class PlanLoop:
         round trip: the send went to the plan's server, or failed."""
         pipe = self.redis.pipeline(transaction=False)
         progress = self._queue_result(pipe, batches, result, entry_id)
-        if with_stats:
-            pipe.hset(self.keys.stats, mapping=self.stats())
-        (written, value), *_ = await pipe.execute()
+        if with_stats:      # fenced too: a stale rank's counters are not the holder's
+            queue_hset(pipe, self.claim, self.keys.stats, self.stats())
+        (written, value), *stats_written = await pipe.execute()
         if written == 0:
             self.claim.stop(value)
+        if stats_written and self.claim is not None:
+            self.claim.checked(stats_written[0])
         if written == 2:
             log.warning("result not sent: the scheduler gave its plan up (its worker group "
                         "was lost)", plan=stream_id_text(entry_id))

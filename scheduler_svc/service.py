@@ -66,8 +66,8 @@ from scheduler_svc.takeover import Takeover
 from scheduler_svc.workers import WorkerWatch, model_disagreement, role_disagreement
 from shared import clock
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, PLANS_MAXLEN, SCAN_COUNT, Keys
-from shared.lifecycle import (Claim, cancel_tasks, claimed, essential_task,
-                              freeze_heap, keep_heartbeat, scheduler_heartbeats, stopped_for,
+from shared.lifecycle import (Claim, cancel_tasks, claimed, essential_task, freeze_heap,
+                              keep_heartbeat, queue_hset, scheduler_heartbeats, stopped_for,
                               stream_id_text, stream_tail_id)
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, StepResult
@@ -354,7 +354,10 @@ class SchedulerService:
         results this scheduler no longer waits for; before any request ends (aborted while
         the group is waited for): a rank that was only stopped runs them when it resumes,
         and their tokens and progress records would outlive the requests they belong to."""
-        await self.redis.set(self.keys.plans_fence, newest)
+        if self.claim is None:
+            await self.redis.set(self.keys.plans_fence, newest)
+        else:       # a stale scheduler must not move the new holder's fence back
+            await self.claim.call("SET", self.keys.plans_fence, newest)
 
     def _forget_disagg_state(self) -> None:
         """Redis restarted empty: reservations and hand-offs in flight went with it."""
@@ -492,8 +495,8 @@ class SchedulerService:
             nonlocal tries, moves_at
             tries += 1
             pipe = self.redis.pipeline(transaction=False)
-            if stats is not None:
-                pipe.hset(self.keys.stats, mapping=stats)
+            if stats is not None:    # fenced: a stale scheduler's stats are not the holder's
+                queue_hset(pipe, self.claim, self.keys.stats, stats)
             self._queue_outbox(pipe, outbox)
             queue_block_events(pipe, self.keys.cached_blocks, block_events)
             if disagg_out is not None:
@@ -545,6 +548,8 @@ class SchedulerService:
             if disagg_out is not None:
                 self.prefill.put_back(disagg_out)
             raise
+        if stats is not None and self.claim is not None:
+            self.claim.checked(replies[0])
         if disagg_out is not None:
             self.prefill.moves_skipped(disagg_out, replies[moves_at:])
         self._receive_aborts(replies.pop())
@@ -765,13 +770,14 @@ class SchedulerService:
     async def flush(self) -> None:
         """Publish and ack what the last iteration finished (at exit)."""
         outbox = self.book.take_outbox()
-        if outbox or self.publishes_cache:
-            pipe = self.redis.pipeline(transaction=False)
-            self._queue_outbox(pipe, outbox)
-            if self.publishes_cache:     # a successor starts with an empty index
-                pipe.delete(self.keys.cached_blocks)
-            await pipe.execute()
-        await self.redis.hset(self.keys.stats, mapping=self.stats_snapshot())
+        pipe = self.redis.pipeline(transaction=False)
+        queue_hset(pipe, self.claim, self.keys.stats, self.stats_snapshot())
+        self._queue_outbox(pipe, outbox)
+        if self.publishes_cache:     # a successor starts with an empty index
+            pipe.delete(self.keys.cached_blocks)
+        stats_written, *_ = await pipe.execute()
+        if self.claim is not None:
+            self.claim.checked(stats_written)
 
     def stats_snapshot(self) -> dict[str, float]:
         role = self.prefill or self.decode

@@ -275,12 +275,25 @@ return {1, redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV,
 """
 
 
+# Run the command ARGV[2] on KEYS[2] (its further arguments: ARGV[3..]) unless another
+# incarnation holds the claim, which is returned, nothing run
+_CALL_WHILE_CLAIMED = OTHERS_CLAIM + """
+local held = others_claim()
+if held then
+  return held
+end
+redis.call(ARGV[2], KEYS[2], unpack(ARGV, 3))
+return false
+"""
+
+
 @dataclass(frozen=True)
 class Claim:
     """This process's claim of its identity (`claimed`). What only the holder may write goes
     through it, fenced by the claim in the same command: its heartbeats (`keep_heartbeat`,
-    `clear`), a scheduler's plans (`xadd`), worker rank 0's results (its own script, with
-    OTHERS_CLAIM at its head, then `stop`). A process paused past the claim's TTL ran
+    `clear`), a scheduler's plans (`xadd`) and plans fence, the stats hash (`call`,
+    `queue_call`), worker rank 0's results (its own script, with OTHERS_CLAIM at its head,
+    then `stop`). A process paused past the claim's TTL ran
     once or twice before its next refresh found the claim another's: a plan the workers
     ran as a new scheduler's, a heartbeat that named the stale process again (the
     scheduler took a worker's for a restart and recomputed every request), its clean exit's
@@ -302,6 +315,17 @@ class Claim:
         if not sent:
             self.stop(value)
         return value
+
+    def queue_call(self, pipe, command: str, key: str, *args) -> None:
+        """Queue `command key *args` (HSET of a stats hash, SET of the plans fence) on `pipe`,
+        run only while the claim is this incarnation's (or lapsed, taken by no one); its
+        reply goes to `checked`."""
+        pipe.eval(_CALL_WHILE_CLAIMED, 2, self.key, key, self.incarnation, command, *args)
+
+    async def call(self, command: str, key: str, *args) -> None:
+        """`queue_call` in a round trip of its own, then `checked`."""
+        self.checked(await self.redis.eval(_CALL_WHILE_CLAIMED, 2, self.key, key,
+                                           self.incarnation, command, *args))
 
     def queue_check(self, pipe) -> None:
         """Queue a check of the claim on `pipe`, in the round trip of what it reads; its
@@ -327,6 +351,15 @@ class Claim:
             await self.redis.eval(_CLEAR_WHILE_CLAIMED, 2, self.key, key, self.incarnation)
         except (RedisError, OSError) as e:
             log.warning("heartbeat key not cleared", key=key, error=str(e))
+
+
+def queue_hset(pipe, claim: Claim | None, key: str, mapping: dict) -> None:
+    """Queue HSET of `mapping` into `key` (a stats hash) on `pipe`: fenced by `claim`
+    (`Claim.queue_call`: pass its reply to `claim.checked`) where there is one."""
+    if claim is None:
+        pipe.hset(key, mapping=mapping)
+    else:
+        claim.queue_call(pipe, "HSET", key, *(item for pair in mapping.items() for item in pair))
 
 
 @contextlib.asynccontextmanager

@@ -423,6 +423,73 @@ def test_a_clean_exit_leaves_a_claim_another_process_took(system: System):
         r.close()
 
 
+STALE_WRITE = """
+import asyncio, sys
+import redis
+from gpu_worker.service import PlanLoop, _Origin
+from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+from shared.config import SchedulerConfig
+from shared.keys import Keys
+from shared.lifecycle import claimed, connect_redis, connections_made, redis_run_id
+from shared.plan import StepResult
+from scheduler_svc.core import Scheduler
+
+async def main(url, write, taker):
+    keys = Keys(prefix=f"stale-{write}:")
+    client = await connect_redis(url)
+    kind = "worker" if write == "worker-stats" else "scheduler"
+    async with claimed(client, keys.claim_scheduler("stale"), kind, "stale", "stale", "") as claim:
+        core = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8,
+                                         num_kv_blocks=32, block_size=4, max_model_len=128),
+                         eos_token_ids=2, max_model_len=128)
+        service = SchedulerService(client, keys, core, SchedulerServiceConfig("stale"),
+                                   claim=claim)
+        await service.prepare()
+        run_id = await redis_run_id(client)
+        # a new process took the lapsed claim (this one was paused past its TTL) and wrote
+        # its stats and plans fence; no await until the write, so that the refresh does
+        # not find it first
+        holder = redis.Redis.from_url(url)
+        holder.set(claim.key, bytes.fromhex(taker), ex=30)
+        holder.hset(keys.stats, mapping={"num_iterations_total": 4242, "worker_iterations_total": 4242})
+        holder.set(keys.plans_fence, "9-0")
+        if write == "scheduler-stats":
+            service.stats.mark_dirty()
+            await service._intake(pull=False, block=False, watch=False)
+        elif write == "plans-fence":
+            await service._fence_plans("1-0")
+        else:
+            loop = PlanLoop(client, keys, None, {}, "0-0", run_id, claim=claim)
+            await loop._send_once({}, StepResult(7, {}), True, "10-0",
+                                  _Origin(run_id, connections_made(client)))
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("write", ["scheduler-stats", "plans-fence", "worker-stats"])
+def test_a_stale_process_writes_no_stats_and_no_plans_fence(system: System, write: str):
+    """A scheduler or worker rank 0 paused past its claim's TTL, resumed after a new process
+    of its identity took the claim, runs on until a fenced write or its refresh stops it.
+    Its stats HSET (the scheduler's in its intake, rank 0's beside its result) and the
+    scheduler's SET of the plans fence were plain commands: they overwrote the new holder's
+    counters and could move its fence back to an older plan, so that the results of plans
+    the holder gave up on went out again. Each is now run in a script that checks the claim
+    first: the stale process writes nothing and exits 1 naming the holder."""
+    keys = Keys(prefix=f"stale-{write}:")
+    _, taker = claim_of_a_dead_process("scheduler", "stale")
+    done = subprocess.run([sys.executable, "-c", STALE_WRITE, system.redis_url, write,
+                           taker.hex()], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "was taken over" in done.stderr.strip().splitlines()[-1], done.stderr
+    r = redis.Redis.from_url(system.redis_url)
+    try:
+        stats = r.hgetall(keys.stats)
+        assert stats[b"num_iterations_total"] == stats[b"worker_iterations_total"] == b"4242"
+        assert r.get(keys.plans_fence) == b"9-0"
+    finally:
+        r.close()
+
+
 def start_worker(system: System) -> Process:
     """Worker rank 0 (again), once its heartbeat names it."""
     worker = system.start("worker", "worker", "--rank", "0", "--model", system.model,
