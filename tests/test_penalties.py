@@ -205,11 +205,20 @@ def test_a_logit_bias_past_the_logits_touches_no_other_row():
 @pytest.mark.parametrize("bias,error", [
     ([1, 2], "must be a object"), ({"x": 1}, "keys must be token ids"),
     ({"-3": 1}, "keys must be token ids"), ({"5": 101}, "in [-100, 100]"),
-    ({"5": "1"}, "in [-100, 100]"), ({"5": True}, "in [-100, 100]")])
+    ({"5": "1"}, "in [-100, 100]"), ({"5": True}, "in [-100, 100]"),
+    # one token under two keys: the biases added up (+250 on token 7 here)
+    ({"7": 100, "07": 100, " 7": 50}, "token 7 twice")])
 def test_bad_logit_bias_is_refused(bias, error):
     with pytest.raises(APIError) as e:
         parse_completion({"model": "m", "prompt": "hi", "logit_bias": bias})
     assert e.value.param == "logit_bias" and error.split()[-1] in str(e.value), str(e.value)
+
+
+def test_a_token_biased_twice_is_refused_offline_too():
+    with pytest.raises(InvalidRequestError, match="token 7 twice"):
+        SamplingParams(logit_bias=[[7, 60], [3, 1], [7, 60]])
+    with pytest.raises(InvalidRequestError, match="token 7 twice"):
+        SamplingParams(logit_bias={"7": 60, "07": 60})
 
 
 def test_logit_bias_parsed():
