@@ -175,6 +175,7 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         raise APIError(f"'logit_bias' takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens",
                        param="logit_bias")
     pairs = []
+    keys: dict[int, str] = {}
     for key, value in bias.items():
         try:
             token = int(key)
@@ -182,6 +183,10 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
             token = -1
         if not 0 <= token < INT_BOUND:
             raise APIError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
+        if token in keys:       # "7" and "07": their biases would add up, past the bounds
+            raise APIError(f"'logit_bias' names token {token} twice ({keys[token]!r} and "
+                           f"{key!r})", param="logit_bias")
+        keys[token] = key
         if isinstance(value, bool) or not isinstance(value, (int, float)) or \
                 not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise APIError(f"'logit_bias' values must be numbers in [-{MAX_LOGIT_BIAS:g}, "

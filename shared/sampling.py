@@ -201,7 +201,11 @@ def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
                for t, b in pairs):
         raise InvalidRequestError(f'logit_bias must map token ids to numbers ({{"id": bias}} '
                                   f'or [[id, bias], ...]), got {bias!r:.100}')
-    return tuple(sorted((t, float(b)) for t, b in pairs))
+    pairs = sorted((t, float(b)) for t, b in pairs)
+    twice = next((t for (t, _), (u, _) in zip(pairs, pairs[1:]) if t == u), None)
+    if twice is not None:               # the biases would add up, past their bounds
+        raise InvalidRequestError(f"logit_bias names token {twice} twice")
+    return tuple(pairs)
 
 
 def token_id_set(ids: Iterable[int] | int | None) -> frozenset[int]:

@@ -23,8 +23,10 @@ class TextOutput:
         self._stop = stop
         self._include_stop = include_stop      # vLLM's include_stop_str_in_output
         self._ends = None if include_stop else ends
-        # vLLM's min_tokens: a stop string counts only once the text has this many tokens
-        # (and then only where it ends in the newest token's text, as every search)
+        # vLLM's min_tokens: a stop string counts only where it ends in a token past the
+        # first min_tokens (as EOS may be token min_tokens + 1 at the earliest), so that
+        # their text is all kept: min_tokens 1 with a stop "\n" is never an empty answer
+        # (a stop string ends in the newest token's text, as every search)
         self._min_tokens = min_tokens
         self._tokens = 0
         self.text = ""
@@ -65,7 +67,7 @@ class TextOutput:
         return piece
 
     def _find_stop(self, before: int) -> None:
-        if not self._stop or len(self.text) == before or self._tokens < self._min_tokens:
+        if not self._stop or len(self.text) == before or self._tokens <= self._min_tokens:
             return
         # only a stop string that ends in the new text: it starts at most len(stop)-1 chars
         # before it (one wholly in older text was either found then or came before

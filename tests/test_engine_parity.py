@@ -28,14 +28,17 @@ def kv_blocks_to_force_preemption(prompts: list[list[int]], block_size: int) -> 
     return -(-longest // block_size) + 4
 
 
-def run_engine(model: str, prompts, overrides: dict, params: SamplingParams | None = None
+def run_engine(model: str, prompts, overrides: dict,
+               params: SamplingParams | list[SamplingParams] | None = None
                ) -> tuple[list[list[int]], LLMEngine]:
-    """Every prompt through one engine (greedy, NEW_TOKENS, unless `params` say otherwise)."""
+    """Every prompt through one engine (greedy, NEW_TOKENS, unless `params` say otherwise:
+    one SamplingParams for all, or a list, one per prompt)."""
     if overrides.get("num_kv_blocks") is None:
         overrides = {**overrides, "num_kv_blocks": kv_blocks_to_force_preemption(prompts, 16)}
     engine = LLMEngine(EngineArgs(model=model, block_size=16, **{"dtype": "float32", "quantization": "none", **overrides}), progress=False)
     params = params or SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0)
-    results = engine.generate(prompts, [params] * len(prompts))
+    results = engine.generate(prompts, params if isinstance(params, list)
+                              else [params] * len(prompts))
     engine.scheduler.block_manager.check_integrity()
     assert engine.scheduler.block_manager.num_free_blocks == engine.scheduler.block_manager.num_total_blocks
     return [r.token_ids for r in results], engine

@@ -12,7 +12,8 @@ from gpu_worker.sampler import Sampler, TokenCounts, apply_penalties
 from shared.errors import InvalidRequestError
 from shared.sampling import SamplingParams
 from tests.hf_reference import NEW_TOKENS, assert_same_tokens
-from tests.test_engine_parity import CONFIGS, random_prompts, run_engine, tiny_llama_and_hf
+from tests.test_engine_parity import (CONFIGS, kv_blocks_to_force_preemption, random_prompts,
+                                      run_engine, tiny_llama_and_hf)
 
 
 class OpenAIPenalties:
@@ -112,6 +113,8 @@ PENALTIES = [("repetition", dict(repetition_penalty=1.3)),
              ("frequency+presence", dict(frequency_penalty=0.6, presence_penalty=0.4)),
              ("all three", dict(repetition_penalty=1.15, frequency_penalty=0.3,
                                 presence_penalty=-0.2))]
+# the rows of one batch, each with its own: none, each of the above, a repetition penalty below 1
+MIXED = [("none", {}), *PENALTIES, ("repetition below 1", dict(repetition_penalty=0.8))]
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,7 @@ def tiny_with_refs(tmp_path_factory):
     prompts = random_prompts(hf.config.vocab_size, 2, (5, 23, 40, 71))
     eos = hf.config.eos_token_id
     refs = {}
-    for name, kw in PENALTIES:
+    for name, kw in MIXED:
         refs[name] = []
         for p in prompts:
             processors = [OpenAIPenalties(len(p), kw.get("frequency_penalty", 0.0),
@@ -155,6 +158,28 @@ def test_greedy_with_penalties_matches_transformers(tiny_with_refs, penalty, kw,
     assert ours != plain                                    # the penalties changed something
 
 
+def test_penalties_stay_in_their_rows_of_a_batch(tiny_with_refs):
+    """Requests with different penalties (and none) batched together each get transformers'
+    tokens for their own: with a KV pool small enough to preempt, and again on the same
+    engine, the prompts then in the prefix cache (whose tokens the repetition penalty still
+    counts)."""
+    path, prompts, refs = tiny_with_refs
+    jobs = [(k, MIXED[(k + j) % len(MIXED)][0]) for k in range(len(prompts))
+            for j in range(len(MIXED))]
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, **dict(MIXED)[name])
+              for _, name in jobs]
+    batch = [prompts[k] for k, _ in jobs]
+    blocks = kv_blocks_to_force_preemption(prompts, 16)
+    ours, engine = run_engine(path, batch, dict(max_num_batched_tokens=64,
+                                                num_kv_blocks=blocks, max_model_len=512), params)
+    assert engine.scheduler.num_preemptions_total > 0
+    again = [c.token_ids for c in engine.generate(batch, params)]
+    assert engine.scheduler.block_manager.prefix_cache_hits > 0
+    for run, tokens in (("first", ours), ("cached", again)):
+        for (k, name), o in zip(jobs, tokens):
+            assert_same_tokens(o, *refs[name][k], f"{run} run, {name}, prompt {k}")
+
+
 def test_logit_bias_comes_first_and_can_ban_or_force_a_token():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     force = SamplingParams(temperature=0.0, logit_bias=((3, 100.0),))
@@ -180,11 +205,20 @@ def test_a_logit_bias_past_the_logits_touches_no_other_row():
 @pytest.mark.parametrize("bias,error", [
     ([1, 2], "must be a object"), ({"x": 1}, "keys must be token ids"),
     ({"-3": 1}, "keys must be token ids"), ({"5": 101}, "in [-100, 100]"),
-    ({"5": "1"}, "in [-100, 100]"), ({"5": True}, "in [-100, 100]")])
+    ({"5": "1"}, "in [-100, 100]"), ({"5": True}, "in [-100, 100]"),
+    # one token under two keys: the biases added up (+250 on token 7 here)
+    ({"7": 100, "07": 100, " 7": 50}, "token 7 twice")])
 def test_bad_logit_bias_is_refused(bias, error):
     with pytest.raises(APIError) as e:
         parse_completion({"model": "m", "prompt": "hi", "logit_bias": bias})
     assert e.value.param == "logit_bias" and error.split()[-1] in str(e.value), str(e.value)
+
+
+def test_a_token_biased_twice_is_refused_offline_too():
+    with pytest.raises(InvalidRequestError, match="token 7 twice"):
+        SamplingParams(logit_bias=[[7, 60], [3, 1], [7, 60]])
+    with pytest.raises(InvalidRequestError, match="token 7 twice"):
+        SamplingParams(logit_bias={"7": 60, "07": 60})
 
 
 def test_logit_bias_parsed():

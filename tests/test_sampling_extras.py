@@ -100,10 +100,24 @@ def test_a_stop_string_counts_only_from_min_tokens_on(tokenizer):
         out.finish()
         return out.text
 
+    # tokens: " stop", " here", ",", " stop", " there", ...: as vLLM's, a stop string counts
+    # where it ends in a token past the first min_tokens (as EOS may come right after them),
+    # so the text of those min_tokens tokens is all kept
     assert text(0) == " "
-    after = text(4)                                           # past the first "stop"
-    assert after.startswith(" stop here,") and after.rstrip().endswith(",")
-    assert "there" not in after
+    assert text(1) == " stop here, "                          # the second "stop" counts
+    assert text(3) == " stop here, "
+    assert text(4) == " stop here, stop there, and go on"     # both within the first 4
+
+
+def test_min_tokens_one_with_a_stop_string_is_never_an_empty_answer(tokenizer):
+    """min_tokens 1 and stop "\n", the answer beginning with a newline: the stop string in
+    the first token ended the request with no text at all, what min_tokens is there to
+    prevent (vLLM's keeps the first token's text)."""
+    out = TextOutput(IncrementalDetokenizer(tokenizer, []), ("\n",), 1)
+    for t in tokenizer.encode("\nHi there\nbye"):
+        out.add(t)
+    out.finish()
+    assert (out.text, out.stop_string) == ("\nHi there", "\n")
 
 
 class _Pieces:
@@ -120,9 +134,9 @@ class _Pieces:
 
 
 def test_a_stop_string_before_min_tokens_is_not_found_later_whatever_the_other_stops():
-    # "o" lies wholly in the first token, before min_tokens: the second token's check must
+    # "o" lies wholly in the first token, within min_tokens: the second token's check must
     # not find it there because a longer stop string widened the search
-    out = TextOutput(_Pieces(["Hello", " world"]), ("o", "xyz"), min_tokens=2)
+    out = TextOutput(_Pieces(["Hello", " world"]), ("o", "xyz"), min_tokens=1)
     out.add(0)
     sent = out.take()
     out.add(1)
