@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import hashlib
 import os
 import signal
 import socket
@@ -25,7 +26,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import RedisError
+from redis.exceptions import NoScriptError, RedisError
 
 from shared import clock
 from shared.errors import PacerError
@@ -273,6 +274,9 @@ if held then
 end
 return {1, redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))}
 """
+# sent by its digest (EVALSHA): a plan an iteration, the script's text each time was most of
+# the bytes packed and sent, and Redis hashed it again for every one
+_FENCED_XADD_SHA = hashlib.sha1(_FENCED_XADD.encode()).hexdigest()
 
 
 # Run the command ARGV[2] on KEYS[2] (its further arguments: ARGV[3..]) unless another
@@ -309,9 +313,13 @@ class Claim:
         incarnation's (or lapsed, taken by no one). Another incarnation's: nothing is added,
         and the process exits 1 at once with the line of `lost`, as when its refresh finds
         it."""
-        args = [item for pair in fields.items() for item in pair]
-        sent, value = await self.redis.eval(_FENCED_XADD, 2, self.key, stream,
-                                            self.incarnation, maxlen, *args)
+        args = (2, self.key, stream, self.incarnation, maxlen,
+                *(item for pair in fields.items() for item in pair))
+        try:
+            sent, value = await self.redis.evalsha(_FENCED_XADD_SHA, *args)
+        except NoScriptError:       # not in this server's script cache (a new or restarted
+            # Redis, SCRIPT FLUSH): nothing ran; EVAL runs it and caches it there
+            sent, value = await self.redis.eval(_FENCED_XADD, *args)
         if not sent:
             self.stop(value)
         return value
