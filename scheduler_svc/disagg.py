@@ -116,6 +116,14 @@ class _Decoder:
     started_at: float
     model: str = ""                # the model it serves: its name, and the weights compared
     weights: str = ""
+    # the longest request it holds, prompt + max_tokens (its --max-model-len; 0: not said)
+    max_model_len: int = 0
+
+    def holds(self, tokens: int) -> bool:
+        """Whether a request of `tokens` (prompt + max_tokens) runs to its end there: past
+        its context a decode instance stops it with "length", cutting an answer the gateway
+        accepted."""
+        return not self.max_model_len or tokens <= self.max_model_len
 
 
 @dataclass
@@ -224,7 +232,8 @@ def decoders_from(values: list[bytes | None]) -> dict[str, _Decoder]:
                                           int(b.extra.get("running", 0)),
                                           float(b.extra.get("started_at", 0.0)),
                                           str(b.extra.get("model", "")),
-                                          str(b.extra.get("weights", "")))
+                                          str(b.extra.get("weights", "")),
+                                          int(b.extra.get("max_model_len", 0)))
             for b in scheduler_beats(values, "decode")}
 
 
@@ -249,6 +258,8 @@ class PrefillSide:
         # decode instance -> the incarnation found serving another model: no partner at all
         # (see `_partner`)
         self._foreign: dict[str, float] = {}
+        # decode instance -> the incarnation said to have a shorter --max-model-len than ours
+        self._shorter: dict[str, float] = {}
         self._other_protocols: set[str] = set()      # said of schedulers of another version
         self.prefills: dict[str, str] = {}           # live prefill instances: their consumers
         self._promised: dict[str, int] = {}          # blocks asked of each since its heartbeat
@@ -340,17 +351,18 @@ class PrefillSide:
             self._refused.clear()
         self.own = own
 
-    def _choose(self, blocks: int, writes_kv: bool = False,
-                hashes: Sequence[bytes] = ()) -> _Decoder | None:
+    def _choose(self, blocks: int, writes_kv: bool = False, hashes: Sequence[bytes] = (),
+                tokens: int = 0) -> _Decoder | None:
         """The decode instance a request needing `blocks` goes to: the one its prompt's
         leading blocks (`hashes`) last went to, whose prefix cache likely holds them, if it
         has room for the rest (free blocks, less what was asked of it since its last
         heartbeat) and is not overloaded (`overloaded`: its running requests, plus those
         sent since, beside the least loaded one's); else the one with the most free blocks,
-        then the fewest running requests. With `writes_kv`, only among those whose KV pool
-        ours can write into (as far as is known)."""
-        candidates = [d for d in self.decoders.values()
-                      if not (writes_kv and self._refused.get(d.instance) == d.started_at)]
+        then the fewest running requests. Only among those that hold a request of `tokens`
+        (prompt + max_tokens) to its end; with `writes_kv`, whose KV pool ours can write into
+        (as far as is known)."""
+        candidates = [d for d in self.decoders.values() if d.holds(tokens)
+                      and not (writes_kv and self._refused.get(d.instance) == d.started_at)]
         if not candidates:
             return None
 
@@ -403,9 +415,12 @@ class PrefillSide:
         request id and answers a repeated ask with the same blocks, so asking the same one
         again needs no cancel (one would free the blocks the answer names); asking another
         cancels the reservation left behind."""
+        if self._too_long(pending):
+            return
         block_size = self.core.block_manager.block_size
         decoder = self._choose(-(-(len(pending.msg.prompt_token_ids) + 1) // block_size),
-                               writes_kv=True, hashes=self._hashes(pending))
+                               writes_kv=True, hashes=self._hashes(pending),
+                               tokens=_tokens(pending.msg))
         pending.asked_at = time.monotonic()
         left, pending.asked = pending.asked, decoder.instance if decoder else ""
         if left and left != pending.asked:
@@ -419,7 +434,9 @@ class PrefillSide:
                                                                    self.instance)))
 
     def _hand_over_whole(self, pending: _Pending) -> None:
-        decoder = self._choose(0, hashes=self._hashes(pending))
+        if self._too_long(pending):
+            return
+        decoder = self._choose(0, hashes=self._hashes(pending), tokens=_tokens(pending.msg))
         pending.asked_at = time.monotonic()
         if decoder is None:
             pending.asked = ""
@@ -434,6 +451,26 @@ class PrefillSide:
         self._place(pending, decoder.instance, decoder.started_at)     # prefilled there
         self._queue_handoff(decoder.instance, decoder.consumer, pending.entry_id, pending.msg,
                             pending.output_token_ids, [])
+
+    def _too_long(self, pending: _Pending) -> bool:
+        """Whether the request ended here, with an error naming the lengths, because no decode
+        instance up holds it to its end: each one's --max-model-len is shorter than its prompt
+        + max_tokens (which the gateway accepted). Sent there, it was cut short with "length"."""
+        msg, tokens = pending.msg, _tokens(pending.msg)
+        if not self.decoders or any(d.holds(tokens) for d in self.decoders.values()):
+            return False
+        lengths = ", ".join(f"{d.instance} {d.max_model_len}"
+                            for d in sorted(self.decoders.values(), key=lambda d: d.instance))
+        error = (f"request {msg.request_id!r}: prompt {len(msg.prompt_token_ids)} + max_tokens "
+                 f"{msg.sampling.max_tokens} = {tokens} tokens, more than the --max-model-len of "
+                 f"every decode instance ({lengths}); give the gateway and every instance the "
+                 "same --max-model-len")
+        del self._pending[msg.request_id]
+        if pending.asked:
+            self.out.cancels.append((pending.asked, CancelMsg(msg.request_id, "too long")))
+        self.book.finish_now(pending.entry_id, msg, "error", len(pending.output_token_ids),
+                             error, "invalid_request_error")
+        return True
 
     def _serve_here(self, pending: _Pending) -> None:
         """Decode instances are up, but none serves this instance's model: the request is
@@ -538,6 +575,17 @@ class PrefillSide:
         self._foreign = {i: at for i, at in self._foreign.items()
                          if i in decoders and decoders[i].started_at == at}
         self.decoders = {i: d for i, d in decoders.items() if self._partner(d)}
+        self._shorter = {i: at for i, at in self._shorter.items()
+                         if i in self.decoders and self.decoders[i].started_at == at}
+        for d in self.decoders.values():
+            if d.holds(self.core.max_model_len) or d.instance in self._shorter:
+                continue
+            self._shorter[d.instance] = d.started_at
+            log.error(f"decode instance {d.instance} has --max-model-len {d.max_model_len}, "
+                      f"this prefill instance {self.core.max_model_len}: a longer request "
+                      "(prompt + max_tokens) goes to a decode instance that holds it, or ends "
+                      "with an error where none does; give every instance the same "
+                      "--max-model-len", decode_instance=d.instance)
         for rid, res in self._reservations.items():
             now = decoders.get(res.decode_instance)
             if res.sent_ok and (now is None or now.started_at != res.incarnation):
@@ -793,6 +841,11 @@ class PrefillSide:
     def counts(self) -> tuple[int, int, int]:
         """What of `stats()` moves outside iterations (at intake)."""
         return self.num_awaiting_reservation, self.handoffs_total, self.forwarded_total
+
+
+def _tokens(msg: RequestMsg) -> int:
+    """What a request may grow to: its prompt and max_tokens (the gateway's check)."""
+    return len(msg.prompt_token_ids) + msg.sampling.max_tokens
 
 
 @dataclass

@@ -790,7 +790,8 @@ class SchedulerService:
             "iterations": self.stats.num_plans_sent, "role": self.config.role,
             "instance": self.config.instance, "started_at": self.started_at,
             "tp": self.config.tp, "model": self.config.model, "weights": self.config.weights,
-            "free_blocks": self.core.block_manager.num_free_blocks})
+            "free_blocks": self.core.block_manager.num_free_blocks,
+            "max_model_len": self.core.max_model_len})
 
 
 def _decode_result(fields: dict) -> StepResult | None:

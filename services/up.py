@@ -92,6 +92,14 @@ def register(sub) -> None:
     g.add_argument("--disagg-min-prompt-tokens", type=non_negative_int, default=None,
                    help="shorter prompts are prefilled on the decode instance itself "
                         f"(default: {DISAGG_MIN_PROMPT_TOKENS})")
+    g.add_argument("--prefill-kv-cache-memory", default=None,
+                   help="KV pool memory per rank of each prefill instance, e.g. 512MiB: it holds "
+                        "the prompts being prefilled and their prefix cache (default: "
+                        "--kv-cache-memory; given, it replaces --num-kv-blocks there)")
+    g.add_argument("--decode-kv-cache-memory", default=None,
+                   help="KV pool memory per rank of each decode instance, e.g. 8GiB: it holds "
+                        "every running request (default: --kv-cache-memory; given, it replaces "
+                        "--num-kv-blocks there)")
     g.add_argument("--prefill-threads", type=int, default=None,
                    help="CPU: torch threads of each prefill worker (default: shared out)")
     g.add_argument("--decode-threads", type=int, default=None,
@@ -109,8 +117,10 @@ def register(sub) -> None:
 
 # what the instances of P/D take (each >= 1; None: the default)
 PD_FLAGS = ("prefill_tp", "decode_tp", "prefill_threads", "decode_threads")
+# each pool's own KV memory (a size; None: --kv-cache-memory)
+PD_KV_FLAGS = ("prefill_kv_cache_memory", "decode_kv_cache_memory")
 # every flag only P/D reads: refused without it rather than ignored without a word
-PD_ONLY_FLAGS = (*PD_FLAGS, "disagg_min_prompt_tokens")
+PD_ONLY_FLAGS = (*PD_FLAGS, *PD_KV_FLAGS, "disagg_min_prompt_tokens")
 
 
 @dataclass(frozen=True)
@@ -120,9 +130,17 @@ class Instance:
     role: str
     tp: int
     threads: int | None = None
+    kv_cache_memory: str | None = None      # its own (P/D's per-pool flag); None: the engine's
 
     def name(self, service: str) -> str:
         return f"{self.id} {service}" if self.id else service
+
+    def engine(self, engine: EngineArgs) -> EngineArgs:
+        """The engine flags this instance runs with: its TP degree and KV memory."""
+        if self.kv_cache_memory is None:
+            return replace(engine, tp=self.tp)
+        return replace(engine, tp=self.tp, kv_cache_memory=self.kv_cache_memory,
+                       num_kv_blocks=None)
 
 
 def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]:
@@ -136,8 +154,15 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
     for name in PD_ONLY_FLAGS:
         value = getattr(args, name, None)
         flag = "--" + name.replace("_", "-")
-        if value is not None and value < 1 and name in PD_FLAGS:
+        if name in PD_FLAGS and value is not None and value < 1:
             raise PacerError(f"{flag} must be >= 1, got {value}")
+        if name in PD_KV_FLAGS and value is not None:
+            try:
+                size = parse_size(value)
+            except PacerError as e:
+                raise PacerError(f"{flag}: {e}") from None
+            if size <= 0:
+                raise PacerError(f"{flag} must be more than 0 bytes, got {value!r}")
         if value is not None and not (p or d):     # else ignored, unknown to whoever gave it
             raise PacerError(f"{flag} is for P/D: give --prefill-workers N --decode-workers N")
     if getattr(args, "router", None) and not replicas and p < 2:
@@ -156,9 +181,10 @@ def instances_of(args: argparse.Namespace, engine: EngineArgs) -> list[Instance]
                          "sends its K/V heads to the decode rank of the same index, so both "
                          "sides need the same TP degree")
     threads = shared_out(engine, p * ptp + d * dtp)
-    return ([Instance(f"p{i}", "prefill", ptp, args.prefill_threads or threads)
-             for i in range(p)]
-            + [Instance(f"d{i}", "decode", dtp, args.decode_threads or threads)
+    kv = {role: getattr(args, f"{role}_kv_cache_memory", None) for role in ("prefill", "decode")}
+    return ([Instance(f"p{i}", "prefill", ptp, args.prefill_threads or threads,
+                      kv["prefill"]) for i in range(p)]
+            + [Instance(f"d{i}", "decode", dtp, args.decode_threads or threads, kv["decode"])
                for i in range(d)])
 
 
@@ -363,8 +389,8 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
     cpus = iter(rank_cpus(instances) or []) if args.pin_cpus else iter(())
     for inst in instances:
         ikeys = keys.for_instance(inst.id)
-        flags = engine_flags(replace(engine, tp=inst.tp, kv_connector="mooncake")
-                             if inst.role != "colocated" else replace(engine, tp=inst.tp))
+        flags = engine_flags(replace(inst.engine(engine), kv_connector="mooncake")
+                             if inst.role != "colocated" else inst.engine(engine))
         where = ["--instance", inst.id] if inst.id else []
         for r in range(inst.tp):
             name = inst.name(f"worker rank {r}")
@@ -398,28 +424,44 @@ def _service_argvs(args: argparse.Namespace, engine: EngineArgs) -> Services:
                     groups)
 
 
-def _check_memory(layout: EngineLayout, ranks: int, rank_tp: int) -> None:
-    """A KV pool that holds one request of the whole context; a CUDA device this torch can
-    use; on CPU, KV pools that fit in the machine's memory (each of `ranks` allocates its own,
-    of `--kv-cache-memory`, or `--num-kv-blocks` blocks of its 1/`rank_tp` of the heads)."""
-    layout.check_pool_holds_context()
+def _check_memory(layout: EngineLayout, instances: list[Instance]) -> None:
+    """A KV pool that holds one request of the whole context, in each instance; a CUDA device
+    this torch can use; on CPU, KV pools that fit in the machine's memory (each worker rank
+    allocates its own, of its instance's KV memory, or `--num-kv-blocks` blocks of its
+    1/tp of the heads)."""
+    from shared.engine_layout import engine_layout
     engine = layout.args
+    layouts = {}                                  # each instance's engine, sized once
+    for inst in instances:
+        args = inst.engine(engine)
+        if args not in layouts:
+            layouts[args] = layout if args == engine else engine_layout(args)
+            try:
+                layouts[args].check_pool_holds_context()
+            except PacerError as e:
+                if args == engine:
+                    raise
+                own = (f"--{inst.role}-kv-cache-memory {inst.kv_cache_memory}"
+                       if inst.kv_cache_memory else f"--{inst.role}-tp {inst.tp}")
+                raise PacerError(f"the {inst.role} instances ({own}): {e}") from None
     if engine.device.startswith("cuda"):
         gpu_memory.check_cuda_device(engine.device, engine.tp)
-    elif engine.kv_cache_memory is not None or engine.num_kv_blocks:
-        if engine.num_kv_blocks:
-            heads = layout.model_config.num_kv_heads
-            per_rank = engine.num_kv_blocks * layout.kv_block_bytes \
-                * (heads // rank_tp) // (heads // engine.tp)
-        else:
-            per_rank = parse_size(engine.kv_cache_memory)
-        total = per_rank * ranks
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        if total > physical:
-            given = engine.num_kv_blocks or engine.kv_cache_memory
-            raise PacerError(f"{layout.kv_pool_flag} {given} for each of {ranks} worker rank(s) is "
-                             f"{total / 2**30:.1f} GiB, more than this machine's "
-                             f"{physical / 2**30:.1f} GiB of memory")
+        return
+    sized = [(inst, layouts[inst.engine(engine)]) for inst in instances]
+    if any(lay.args.kv_cache_memory is None and not lay.args.num_kv_blocks for _, lay in sized):
+        return
+    total = sum(inst.tp * (lay.num_kv_blocks * lay.kv_block_bytes if lay.args.num_kv_blocks
+                           else parse_size(lay.args.kv_cache_memory)) for inst, lay in sized)
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if total > physical:
+        pools = sorted({f"--{inst.role}-kv-cache-memory {inst.kv_cache_memory}"
+                        if inst.kv_cache_memory else
+                        f"{lay.kv_pool_flag} {lay.args.num_kv_blocks or lay.args.kv_cache_memory}"
+                        for inst, lay in sized})
+        ranks = sum(inst.tp for inst, _ in sized)
+        raise PacerError(f"{', '.join(pools)} for {ranks} worker rank(s) come to "
+                         f"{total / 2**30:.1f} GiB, more than this machine's "
+                         f"{physical / 2**30:.1f} GiB of memory")
 
 
 def _check_gateway_flags(services: Services) -> None:
@@ -535,13 +577,10 @@ def run(args: argparse.Namespace) -> int:
     # refuse bad flags here, before anything starts (the instances' layout is checked as
     # the services' command lines are made)
     layout = engine_layout(engine)
-    for tp in sorted({instance.tp for instance in instances_of(args, engine)} - {engine.tp}):
-        # --prefill-tp/--decode-tp: the model's heads split so, and a KV pool (of blocks of
-        # 1/tp of the heads) that holds the context, as each such instance's scheduler checks
-        engine_layout(replace(engine, tp=tp)).check_pool_holds_context()
+    # each instance's own engine (--prefill-tp, --decode-kv-cache-memory, ...): the model's
+    # heads split so, and a KV pool that holds the context, as its scheduler checks
+    _check_memory(layout, instances_of(args, engine))
     services = _service_argvs(args, engine)
-    _check_memory(layout, sum("worker rank" in name for name, _ in services.argvs),
-                  max(instance.tp for instance in instances_of(args, engine)))
     _check_gateway_flags(services)
     _check_listen_address(args.host, args.port)
     url = _checked_redis_url(args.redis_url)

@@ -606,6 +606,51 @@ def test_a_prompt_goes_to_the_decode_instance_its_prefix_went_to_while_it_has_ro
     assert ask("i") == "d0"                              # by free blocks again
 
 
+def test_a_request_goes_only_to_a_decode_instance_whose_context_holds_it(capsys):
+    """A decode instance started with a shorter --max-model-len than a request's prompt +
+    max_tokens (which the gateway accepted) stopped it with "length", its answer cut short
+    without a word: such a request goes to a decode instance that holds it (its K/V, or a
+    short prompt whole), though the shorter one has more free blocks; one that fits goes by
+    free blocks as before; where no decode instance holds it, it ends at once with an error
+    naming the lengths. The shorter instance is named once, in an error line."""
+    from scheduler_svc.disagg import decoders_from
+    from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
+
+    def decoder(instance: str, num_blocks: int, max_model_len: int) -> _Decoder:
+        """A decode instance as its scheduler's heartbeat shows it to the prefill side."""
+        service = SchedulerService(None, Keys(), Scheduler(SchedulerConfig(
+            max_num_batched_tokens=8, num_kv_blocks=num_blocks, block_size=BLOCK,
+            max_model_len=max_model_len)), SchedulerServiceConfig(
+                f"host-{instance}", role="decode", instance=instance))
+        return decoders_from([encode(service.heartbeat())])[instance]
+
+    c = core()                                           # --max-model-len 128
+    side = prefill_side(c, [descriptor("p0:1")])
+    short = decoder("d0", 100, 64)
+    side.housekeeping({"d0": short, "d1": decoder("d1", 50, 128)}, {})
+    side.admit(b"1-0", request("long", 10, max_tokens=80))         # 90 tokens
+    side.admit(b"2-0", request("whole", 5, max_tokens=80))
+    side.admit(b"3-0", request("fits", 10, max_tokens=20, first=50))      # 30 tokens
+    out = side.take()
+    assert sorted((i, m.request_msg.request_id) for i, m in out.reserves) == [
+        ("d0", "fits"), ("d1", "long")]
+    assert [(i, m.request_msg.request_id) for i, _, _, m in out.handoffs] == [("d1", "whole")]
+    side.housekeeping({"d0": short}, {})                 # d1 gone: none holds 90 tokens
+    side.admit(b"4-0", request("cut", 10, max_tokens=80))
+    side.admit(b"5-0", request("cut-whole", 5, max_tokens=80))
+    out = side.take()
+    assert not out.reserves and not out.handoffs
+    assert sorted(side.pending_entry_ids()) == [b"1-0", b"3-0"]       # asked, not answered yet
+    events = {e.request_id: e for e in (decode(d) for _, d in side.book.take_outbox().finishes)}
+    assert {rid: (e.finish_reason, e.error_type) for rid, e in events.items()} == {
+        "cut": ("error", "invalid_request_error"),
+        "cut-whole": ("error", "invalid_request_error")}
+    assert "90 tokens" in events["cut"].error and "(d0 64)" in events["cut"].error
+    said = capsys.readouterr().out
+    assert said.count("decode instance d0 has --max-model-len 64, this prefill instance 128") \
+        == 1, said
+
+
 def test_a_request_waiting_for_its_reservation_ends_at_its_abort_or_deadline():
     """Aborted (its client gone) or past its deadline while the decode side has no room: it
     ends at the next retry, with the same finish event as a request the core holds, and its

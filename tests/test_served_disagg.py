@@ -396,11 +396,16 @@ def test_pd_inboxes_are_trimmed_once_read(tiny, expected, tmp_path):
 
 
 def test_pd_decode_side_preemption_recomputes_exactly(tiny, expected, tmp_path):
-    """A decode pool too small for its streams' growth: requests that came with their K/V
-    are preempted there and recomputed (prompt + tokens so far) on d0 itself, their streams
-    exact; every block free after."""
-    served, model = start_pd(tiny, tmp_path, "--num-kv-blocks", "40")
+    """A decode pool too small for its streams' growth (its own, `--decode-kv-cache-memory`,
+    beside a larger prefill pool): requests that came with their K/V are preempted there and
+    recomputed (prompt + tokens so far) on d0 itself, their streams exact; every block free
+    after."""
+    # 640 KiB: 40 blocks of the tiny model's 16 KiB; the prefill pool keeps --num-kv-blocks
+    served, model = start_pd(tiny, tmp_path, "--num-kv-blocks", "64",
+                             "--decode-kv-cache-memory", "640KiB")
     try:
+        assert (scheduler_beat(served, "p0")["num_kv_blocks"],
+                scheduler_beat(served, "d0")["num_kv_blocks"]) == (64, 40)
         # 245-290 tokens each, 16-19 blocks, 69 together: more than the pool's 40
         got = all_concurrently(served, model, LONG, LONG_RUN)
         assert got == first(expected, LONG, LONG_RUN)
@@ -473,14 +478,18 @@ def test_pd_failures_lose_and_repeat_nothing(tiny, expected, tmp_path):
         assert served.stop() == 0, served.log_tail()
 
 
-def scheduler_pid(served, instance: str) -> int:
+def scheduler_beat(served, instance: str) -> dict:
+    """What an instance's scheduler heartbeat says."""
     from scheduler_svc.cli import default_scheduler_id
     r = redis.Redis.from_url(served.redis_url)
     try:
-        sid = default_scheduler_id(instance)
-        return decode(r.get(Keys().hb_scheduler(sid))).extra["pid"]
+        return decode(r.get(Keys().hb_scheduler(default_scheduler_id(instance)))).extra
     finally:
         r.close()
+
+
+def scheduler_pid(served, instance: str) -> int:
+    return scheduler_beat(served, instance)["pid"]
 
 
 @pytest.mark.parametrize("fault", ["late", "drop"])

@@ -234,3 +234,47 @@ def test_a_blank_api_key_in_the_environment_is_refused_naming_it(monkeypatch):
     monkeypatch.setenv("PACER_API_KEY", "  ")
     with pytest.raises(PacerError, match=r"\$PACER_API_KEY"):
         config_from_args(build_parser().parse_args(["gateway"]))
+
+
+def test_pd_pools_take_their_own_kv_memory(tmp_path):
+    """A prefill pool holds only the prompts being prefilled (and their prefix cache), a
+    decode pool every running request: `--prefill-kv-cache-memory` and
+    `--decode-kv-cache-memory` size each apart, its scheduler and workers alike (replacing
+    `--num-kv-blocks` there), where `--kv-cache-memory` gave both the larger size. Each pool
+    must hold the context, all of them the machine's memory, and a bad size is named."""
+    from services.cli import build_parser
+    from services.up import _check_memory, _service_argvs, instances_of
+    from shared.engine_args import EngineArgs
+    from shared.engine_layout import engine_layout
+    from shared.errors import PacerError
+    from tests.helpers_tiny_model import write_tiny_llama
+    model = write_tiny_llama(tmp_path / "tiny")
+
+    def up(*flags: str) -> dict[str, list[str]]:
+        """Each service's KV pool flags, once `pacer up` took the flags."""
+        args = build_parser().parse_args(["up", "--model", model, "--dtype", "float32",
+                                          "--max-model-len", "512", *flags])
+        engine = EngineArgs.from_cli(args)
+        _check_memory(engine_layout(engine), instances_of(args, engine))
+        return {name: [a for i, a in enumerate(argv) if argv[i - 1] in (
+                    "--kv-cache-memory", "--num-kv-blocks")]
+                for name, argv in _service_argvs(args, engine).argvs if name != "gateway"}
+
+    pd = ("--prefill-workers", "1", "--decode-workers", "1")
+    assert up(*pd, "--num-kv-blocks", "64", "--decode-kv-cache-memory", "8MiB") == {
+        "p0 worker rank 0": ["64", "2GiB"], "p0 scheduler": ["64", "2GiB"],   # 64 blocks
+        "d0 worker rank 0": ["8MiB"], "d0 scheduler": ["8MiB"]}
+    assert up(*pd, "--prefill-kv-cache-memory", "1MiB")["p0 scheduler"] == ["1MiB"]
+    for flags, said in [
+            (("--decode-kv-cache-memory", "1GiB"), "--decode-kv-cache-memory is for P/D"),
+            ((*pd, "--prefill-kv-cache-memory", "lots"),
+             "--prefill-kv-cache-memory: cannot read memory size 'lots'"),
+            ((*pd, "--decode-kv-cache-memory", "0"), "--decode-kv-cache-memory must be more"),
+            ((*pd, "--decode-kv-cache-memory", "64KiB"),     # 4 blocks of 16 tokens
+             "the decode instances (--decode-kv-cache-memory 64KiB): the KV pool holds 64 "
+             "tokens"),
+            ((*pd, "--decode-kv-cache-memory", "64TiB"),
+             "--decode-kv-cache-memory 64TiB, --kv-cache-memory 2GiB for 2 worker rank(s)")]:
+        with pytest.raises(PacerError) as e:
+            up(*flags)
+        assert said in str(e.value), (flags, str(e.value))
