@@ -57,11 +57,15 @@ class Generation:
                  router: TokenRouter, metrics: GatewayMetrics, arrival: float,
                  slot: WaitingSlot | None = None, timeout_s: float | None = None,
                  echo: str | None = None, include_stop: bool = False,
-                 skip_special_tokens: bool = True, echo_only: bool = False) -> None:
+                 skip_special_tokens: bool = True, echo_only: bool = False,
+                 tokens_as_ids: bool = False) -> None:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.sampling = sampling
         self._tokenizer = tokenizer
+        # how logprobs name a token: its text, or (vLLM's return_tokens_as_token_ids) its id,
+        # which tells apart tokens whose texts are alike (special ones are all "")
+        self._token_name = token_id_name if tokens_as_ids else tokenizer.token_text
         self._upstream, self._router, self._metrics = upstream, router, metrics
         eos = frozenset(tokenizer.eos_token_ids)
         self._eos_id = tokenizer.eos_token_id
@@ -226,12 +230,13 @@ class Generation:
         are in theirs. CPU-bound: run it off the event loop."""
         ids, known = self.prompt_token_ids, self._stream.prompt_logprobs
         offsets = self._prompt_offsets()
-        entries = [TokenLogprob(self._tokenizer.token_text(ids[0]), None, None, offset=0)]
+        name = self._token_name
+        entries = [TokenLogprob(name(ids[0]), None, None, offset=0)]
         for pos in range(1, len(ids)):
             entry = known.get(pos)
             entries.append(TokenLogprob(
-                self._tokenizer.token_text(ids[pos]), entry and entry.logprob,
-                [(self._tokenizer.token_text(t), lp) for t, lp in (entry and entry.top) or []],
+                name(ids[pos]), entry and entry.logprob,
+                [(name(t), lp) for t, lp in (entry and entry.top) or []],
                 offset=offsets[pos]))
         if len(known) < len(ids) - 1:
             log.error("prompt logprobs missing", request_id=self.request_id,
@@ -260,7 +265,7 @@ class Generation:
     def prompt_logprobs(self, top: int) -> list[dict | None]:
         """vLLM's `prompt_logprobs` of this request's prompt (once its answer is in)."""
         return vllm_prompt_logprobs(self.prompt_token_ids, self._stream.prompt_logprobs, top,
-                                    self._tokenizer.token_text)
+                                    self._token_name)
 
     def _consume(self, events: list[TokenEvent]) -> None:
         """Feed tokens to the text until a stop string appears; their logprobs wait."""
@@ -319,11 +324,19 @@ class Generation:
     def _logprob(self, event: TokenEvent, offset: int) -> TokenLogprob:
         ids = [event.token_id, *(t for t, _ in event.top_logprobs or [])]
         texts = [self._tokenizer.token_text(t) for t in ids]
-        return TokenLogprob(token=texts[0], logprob=event.logprob,
-                            top=[(text, lp) for text, (_, lp) in
-                                 zip(texts[1:], event.top_logprobs or [])],
+        names = texts if self._token_name == self._tokenizer.token_text else \
+            [self._token_name(t) for t in ids]
+        return TokenLogprob(token=names[0], logprob=event.logprob,
+                            top=[(name, lp) for name, (_, lp) in
+                                 zip(names[1:], event.top_logprobs or [])],
+                            # a token's bytes stay its text's, whatever names it
                             raw=tuple(map(self._tokenizer.token_bytes, ids, texts)),
                             offset=offset)
+
+
+def token_id_name(token_id: int) -> str:
+    """A token named by its id, as vLLM's return_tokens_as_token_ids names it."""
+    return f"token_id:{token_id}"
 
 
 async def merged_deltas(gens: list[Generation]) -> AsyncIterator[tuple[int, Delta]]:

@@ -167,7 +167,8 @@ async def _generate_in_slot(request: web.Request, body: Any,
                 metrics=state.metrics, arrival=arrival, slot=place,
                 timeout_s=req.timeout or state.config.request_timeout_s, echo=echo,
                 include_stop=req.include_stop_str_in_output, echo_only=req.echo_only,
-                skip_special_tokens=_skip_special_tokens(req, state)))
+                skip_special_tokens=_skip_special_tokens(req, state),
+                tokens_as_ids=req.tokens_as_ids))
                 for index, ((ids, sampling, echo), place) in enumerate(zip(choices, slots))]
             for gen in gens:        # one by one: a failed start leaves none in flight
                 await _start(gen, state)

@@ -112,6 +112,8 @@ class GenerationRequest:
     parallel_tool_calls: bool = True        # "auto": False keeps only the first call
     timeout: float | None = None            # seconds; pacer's extension: a deadline
     skip_special_tokens: bool = True        # vLLM's: special tokens left out of the text
+    # vLLM's return_tokens_as_token_ids: logprobs name each token "token_id:N", not its text
+    tokens_as_ids: bool = False
     # vLLM's: what the tokenizer adds to a text (a BOS): completions' prompts take it, a chat
     # template writes its own (true adds it on top)
     add_special_tokens: bool = True
@@ -419,7 +421,6 @@ NOT_SERVED_FIELDS = {
     "use_beam_search": "no beam search here (vLLM serves it apart, as its beam_search API)",
     "prompt_embeds": "prompts are text or token ids here",
     "logits_processors": "no custom logits processors run here",
-    "return_tokens_as_token_ids": "tokens are returned as text",
     "chat_template": "the model's own chat template renders the messages",
     "audio": "text output only",
 }
@@ -719,6 +720,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         structured_outputs=_structured_outputs(body, tools, tool_choice, parallel_tool_calls),
         timeout=None if timeout is None else float(timeout),
         skip_special_tokens=read_field(body, "skip_special_tokens", (bool,), True),
+        tokens_as_ids=read_field(body, "return_tokens_as_token_ids", (bool,), False),
         add_special_tokens=read_field(body, "add_special_tokens", (bool,),
                                       endpoint == "completions"))
 

@@ -268,18 +268,16 @@ def _write_gguf_tokenizer(writer: GGUFWriter, hf_dir: str, add_bos_token: bool,
     writer.add_chat_template(CHAT_TEMPLATE)
 
 
-def greedy_token_texts(model_dir: str, prompts: list[list[int]], max_new_tokens: int
+def greedy_token_names(model_dir: str, prompts: list[list[int]], max_new_tokens: int
                        ) -> dict[tuple[int, ...], list[str]]:
-    """transformers' greedy float32 continuation of each prompt, each token as the gateway's
-    logprobs name it: the reference the served tests compare with."""
-    from shared.model_source import resolve_model
-    from shared.tokenizer import load_tokenizer
+    """transformers' greedy float32 continuation of each prompt, each token named as the
+    gateway's logprobs name it with `return_tokens_as_token_ids` ("token_id:N"): the
+    reference the served tests compare with (by id: special tokens' texts are all "")."""
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    tok = load_tokenizer(resolve_model(model_dir))
     out = {}
     for prompt in prompts:
         ids = model.generate(torch.tensor([prompt]), max_new_tokens=max_new_tokens,
                              do_sample=False, pad_token_id=0, eos_token_id=None,
                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        out[tuple(prompt)] = [tok.decode([t]) for t in ids[0, len(prompt):].tolist()]
+        out[tuple(prompt)] = [f"token_id:{t}" for t in ids[0, len(prompt):].tolist()]
     return out

@@ -588,6 +588,29 @@ async def test_chat_logprobs_shape(h: Harness) -> None:
                                              "bytes": list(h.tok.decode([ids[0] + 1]).encode())}
 
 
+async def test_return_tokens_as_token_ids_names_each_token_by_its_id(h: Harness) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name each token (chosen, top, and the
+    echoed prompt's) "token_id:N" instead of its text, which tells apart tokens whose texts
+    are alike (every special token's is ""); the text itself and the bytes stay the
+    token's. It used to be refused as not served."""
+    ids = h.tok.encode(REPLY)[:3]
+    status, body = await h.post("/v1/chat/completions", chat(
+        max_tokens=3, logprobs=True, top_logprobs=2, return_tokens_as_token_ids=True))
+    assert status == 200, body
+    content = body["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == [f"token_id:{t}" for t in ids]
+    assert [c["bytes"] for c in content] == [list(h.tok.decode([t]).encode()) for t in ids]
+    assert content[0]["top_logprobs"][1]["token"] == f"token_id:{ids[0] + 1}"
+    assert body["choices"][0]["message"]["content"] == h.tok.decode(ids)
+    status, body = await h.post("/v1/completions", completion(
+        max_tokens=3, logprobs=1, echo=True, return_tokens_as_token_ids=True))
+    assert status == 200, body
+    lp = body["choices"][0]["logprobs"]
+    prompt_ids = h.fake.received[body["id"]].prompt_token_ids
+    assert lp["tokens"] == [f"token_id:{t}" for t in [*prompt_ids, *ids]]
+    assert lp["top_logprobs"][-1] == {f"token_id:{ids[-1]}": -0.5}
+
+
 async def test_completion_logprobs_shape(h: Harness) -> None:
     status, body = await h.post("/v1/completions", completion(max_tokens=3, logprobs=1))
     lp = body["choices"][0]["logprobs"]

@@ -23,7 +23,7 @@ from scheduler_svc.disagg import INBOX_KEPT_MS
 from scheduler_svc.service import HOUSEKEEPING_S
 from shared.keys import Keys
 from shared.protocol import decode, from_fields
-from tests.helpers_tiny_model import greedy_token_texts, write_tiny_llama
+from tests.helpers_tiny_model import greedy_token_names, write_tiny_llama
 from tests.served_fixture import API_KEY, completion, start_served, wait_for
 
 pytestmark = pytest.mark.slow
@@ -46,7 +46,7 @@ def tiny(tmp_path_factory):
 def expected(tiny) -> dict[tuple[int, ...], list[str]]:
     """transformers' greedy tokens for every prompt (LONG_RUN of them), each as the gateway
     names it; a request for fewer expects the first ones."""
-    return greedy_token_texts(tiny, LONG + SHORT, LONG_RUN)
+    return greedy_token_names(tiny, LONG + SHORT, LONG_RUN)
 
 
 def first(expected, prompts, n: int = NEW_TOKENS) -> list[list[str]]:
@@ -54,9 +54,10 @@ def first(expected, prompts, n: int = NEW_TOKENS) -> list[list[str]]:
 
 
 def complete(base_url: str, model: str, prompt: list[int], n: int = NEW_TOKENS) -> list[str]:
-    """The tokens of a streamed completion, as its logprobs name them."""
+    """The tokens of a streamed completion, as its logprobs name them by id."""
     body = {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True, "logprobs": 0}
+            "ignore_eos": True, "stream": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
     req = urllib.request.Request(f"{base_url}/v1/completions", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json",
                                           "Authorization": f"Bearer {API_KEY}"})
@@ -248,7 +249,7 @@ def test_two_prefill_instances_the_router_keeps_a_prefix_on_one(tiny, tmp_path):
     entry hands it there, and every request of a family after its first finds the 96-token
     prefix cached on that instance; greedy output equals transformers'."""
     prompts = [p for pair in zip(*FAMILIES) for p in pair]           # A0 B0 A1 B1 A2 B2
-    want = greedy_token_texts(tiny, prompts, NEW_TOKENS)
+    want = greedy_token_names(tiny, prompts, NEW_TOKENS)
     served, model = start_pd(tiny, tmp_path, "--prefill-workers", "2")
     r = redis.Redis.from_url(served.redis_url)
     try:
@@ -314,7 +315,7 @@ def test_pd_prefix_cached_on_the_decode_instance_is_not_sent_again(tiny, tmp_pat
     cache: the decode instance reserves new blocks for the rest only, the prefill instance
     sends only those, and greedy output still equals transformers'."""
     prompts = FAMILIES[0]
-    want = greedy_token_texts(tiny, prompts, NEW_TOKENS)
+    want = greedy_token_names(tiny, prompts, NEW_TOKENS)
     served, model = start_pd(tiny, tmp_path)
     try:
         sent = []
@@ -340,7 +341,7 @@ def test_pd_two_decode_instances_a_prefix_goes_where_it_is_cached(tiny, tmp_path
     greedy output equals transformers'. Before, the choice went by free blocks alone, and a
     prompt sent to the other instance carried its whole K/V again."""
     prompts = [PREFIX_A + [30 + i, 40 + i, 50 + i, 60 + i, 70] for i in range(4)]
-    want = greedy_token_texts(tiny, prompts, NEW_TOKENS)
+    want = greedy_token_names(tiny, prompts, NEW_TOKENS)
     served, model = start_pd(tiny, tmp_path, "--decode-workers", "2")
     try:
         time.sleep(HOUSEKEEPING_S + 0.5)        # the prefill scheduler has seen both

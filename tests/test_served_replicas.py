@@ -12,7 +12,7 @@ import redis
 
 from shared.keys import Keys
 from shared.protocol import from_fields
-from tests.helpers_tiny_model import greedy_token_texts, write_tiny_llama
+from tests.helpers_tiny_model import greedy_token_names, write_tiny_llama
 from tests.served_fixture import completion, start_served, wait_for
 
 pytestmark = pytest.mark.slow
@@ -34,11 +34,12 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(tiny) -> dict[tuple[int, ...], list[str]]:
-    return greedy_token_texts(tiny, A + B, NEW_TOKENS)
+    return greedy_token_names(tiny, A + B, NEW_TOKENS)
 
 
 def complete(base_url: str, model: str, prompt: list[int]) -> list[str]:
-    return completion(base_url, model, prompt, NEW_TOKENS, timeout_s=120)["logprobs"]["tokens"]
+    return completion(base_url, model, prompt, NEW_TOKENS, timeout_s=120,
+                      return_tokens_as_token_ids=True)["logprobs"]["tokens"]
 
 
 def served_by(r: redis.Redis) -> dict[tuple[int, ...], set[str]]:
