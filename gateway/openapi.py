@@ -88,6 +88,9 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "skip_special_tokens": {"type": "boolean", "nullable": True,
                                 "description": "vLLM's: special tokens left out of the text "
                                                "(the default) or written in it"},
+        "return_tokens_as_token_ids": {"type": "boolean", "nullable": True,
+                                       "description": "vLLM's: logprobs name each token "
+                                                      "\"token_id:N\", not by its text"},
         "add_special_tokens": {"type": "boolean", "nullable": True,
                                "description": "vLLM's: the tokenizer's special tokens (a BOS) "
                                               "before the prompt; completions true, chat "
