@@ -1565,14 +1565,15 @@ def test_an_idle_prefill_scheduler_waits_for_answers_without_polling(redis_serve
             async def asked(n: int) -> bool:
                 return await watch.xlen(handoff) == n
             await until(lambda: asked(2))
-            settled = [await calls(watch)]
 
             async def blocking() -> bool:           # the intake after the asks is blocking
-                await asyncio.sleep(0.2)            # (a loaded machine takes a while to get
-                settled.append(await calls(watch))  # there: one quiet 0.2 s first)
-                return settled[-1] == settled[-2]
+                # (a loaded machine takes a while to get there: a quiet spell alone is not
+                # proof; Redis lists the client blocked in its read)
+                clients = await watch.client_list()
+                return any("b" in c["flags"] and c["cmd"].startswith("xread")
+                           for c in clients)
             await until(blocking)
-            before = settled[-1]
+            before = await calls(watch)
             await asyncio.sleep(0.5)
             idle = await calls(watch) - before
             await watch.xadd(keys.requests, to_fields(request("r2", 40)))
