@@ -144,8 +144,8 @@ async def _generate_in_slot(request: web.Request, body: Any,
                             slot: WaitingSlot, arrival: float,
                             client_id: str | None) -> web.StreamResponse:
     req, prompts = await asyncio.to_thread(_parsed, body, parse, state)
-    samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer)
-                 for ids in prompts]
+    samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer,
+                                 state.upstream.served_max_model_len) for ids in prompts]
     # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
     echoes = await asyncio.to_thread(echo_texts, req, prompts, state.tokenizer) \
         if req.echo else [None] * len(prompts)

@@ -107,6 +107,13 @@ def _nonempty(ids: list[int], param: str) -> list[int]:
     return ids
 
 
+def _longer_than_served(length: int, max_model_len: int, what: str, param: str) -> APIError:
+    return APIError(f"The schedulers serving this model hold at most {length} tokens (their "
+                    f"--max-model-len), fewer than this gateway's {max_model_len}; {what}. "
+                    "Give the gateway and every scheduler the same --max-model-len",
+                    param=param, code="context_length_exceeded")
+
+
 def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
     """The j-th of a prompt's n choices: a seeded request gives choice j the seed + j (vLLM's
     rule), so that the n samples differ and each can be reproduced alone."""
@@ -116,10 +123,19 @@ def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
 
 
 def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
-                    tokenizer: Tokenizer) -> SamplingParams:
+                    tokenizer: Tokenizer, served_len: int | None = None) -> SamplingParams:
+    """`served_len`: the longest context of the schedulers that serve requests whole as
+    their heartbeats were last read (Upstream.served_max_model_len; None: unknown). Where it
+    is shorter than the gateway's `max_model_len` (a scheduler started by hand with another
+    --max-model-len) it bounds the request: past it, the scheduler cut the answer short with
+    "length" without a word; a chat without max_tokens takes the rest of it."""
     param = "messages" if req.endpoint == "chat" else "prompt"
     check_prompt_length(num_prompt_tokens, max_model_len, param)
-    room = max_model_len - num_prompt_tokens
+    length = min(max_model_len, served_len or max_model_len)
+    if num_prompt_tokens >= length:
+        raise _longer_than_served(length, max_model_len, f"the prompt has {num_prompt_tokens} "
+                                  "tokens", param)
+    room = length - num_prompt_tokens
     max_tokens = req.max_tokens or (DEFAULT_COMPLETION_MAX_TOKENS if req.endpoint == "completions"
                                     else room)
     if req.min_tokens > max_tokens:
@@ -127,9 +143,11 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                  f"the output's limit ({max_tokens}, the default when none is given)")
         raise APIError(f"'min_tokens' ({req.min_tokens}) is above {limit}", param="min_tokens")
     if max_tokens > room:
-        raise APIError(f"This model's maximum context length is {max_model_len} tokens; "
-                       f"the prompt has {num_prompt_tokens} tokens and max_tokens is "
-                       f"{max_tokens}, {num_prompt_tokens + max_tokens} in all",
+        what = (f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}, "
+                f"{num_prompt_tokens + max_tokens} in all")
+        if length < max_model_len:
+            raise _longer_than_served(length, max_model_len, what, "max_tokens")
+        raise APIError(f"This model's maximum context length is {max_model_len} tokens; {what}",
                        param="max_tokens", code="context_length_exceeded")
     check_vocabulary([t for t, _ in req.logit_bias], tokenizer, "logit_bias")
     check_vocabulary(list(req.allowed_token_ids), tokenizer, "allowed_token_ids")

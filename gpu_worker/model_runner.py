@@ -213,8 +213,12 @@ class ModelRunner:
         self.kv_connector = make_connector(rc.kv_connector, rc.kv_host, rc.kv_protocol,
                                            rc.kv_device, tp.size, tp.rank)
         if self.kv_connector is not None:
-            self.kv_connector.register(self.kv_pool,
-                                       model_identity(source, rc.load_format == "dummy"))
+            # the weights' precision too: K/V computed under other rounding (int8 weights
+            # beside bfloat16 ones) fills a pool of the same shape with what the other side's
+            # model would not have computed
+            self.kv_connector.register(self.kv_pool, {
+                **model_identity(source, rc.load_format == "dummy"),
+                "weights_dtype": rc.dtype, "quantization": self.quantization})
         self.sampler = Sampler(rc.seed)
         self.grammars = Grammars(source, cfg.vocab_size, token_id_set(cfg.eos_token_ids))
         # called on the forward thread as an iteration's layers start (its inputs, metadata

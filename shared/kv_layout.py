@@ -7,11 +7,14 @@ A descriptor (gpu_worker/kv_transfer builds it):
      "base": <address of the pool>,
      "num_layers": L, "num_blocks": N, "block_bytes": <one block of K (or V) of one layer>,
      "dtype": "bfloat16", "tp": tp, "rank": r, "model": "smollm2-135m",
-     "weights": <the model's weights fingerprint, shared/model_source.py>}
+     "weights": <the model's weights fingerprint, shared/model_source.py>,
+     "weights_dtype": "bfloat16", "quantization": "int8"}
 
 Block (l, kv, b) of that pool starts at base + ((l·2 + kv)·N + b)·block_bytes. Two pools of
 one shape may hold two models' K/V: the weights fingerprint must agree too (the model's name
-is only for messages: the same files may be served under another). Pure Python:
+is only for messages: the same files may be served under another), and so must the weights'
+precision (--dtype, --quantization): the same files computed under other rounding give other
+K/V, which the decode side's model would not have computed. Pure Python:
 the scheduler can run the same check on two instances' heartbeats before pairing them.
 """
 from __future__ import annotations
@@ -26,7 +29,8 @@ DIGEST_STRIDE_BYTES = 1024
 DIGEST_READ_SHARE = 64 / DIGEST_STRIDE_BYTES
 
 # what both sides of a transfer must agree on (num_blocks may differ: each side's own pool)
-LAYOUT_FIELDS = ("engine", "num_layers", "block_bytes", "dtype", "tp")
+LAYOUT_FIELDS = ("engine", "num_layers", "block_bytes", "dtype", "tp", "weights_dtype",
+                 "quantization")
 
 
 class KVLayoutError(PacerError):

@@ -63,9 +63,9 @@ def reply(child, inbox, timeout_s: float = 300):
     pytest.fail(f"no reply from the child process in {timeout_s} s")
 
 
-def runner_for(path: str, connector: str = "mooncake", **kv):
+def runner_for(path: str, connector: str = "mooncake", dtype: str = "float32", **kv):
     return build_runner(engine_layout(EngineArgs(
-        model=path, dtype="float32", block_size=BLOCK, num_kv_blocks=32, max_model_len=512,
+        model=path, dtype=dtype, block_size=BLOCK, num_kv_blocks=32, max_model_len=512,
         kv_connector=connector, **kv)), progress=False)
 
 
@@ -455,6 +455,28 @@ def test_a_send_to_another_layout_fails_its_request_alone(tiny, decode_runner, c
                          kv_sends=plan[-1].kv_sends)
     result = runner.execute(plan)
     assert result.kv_failed == ["r"] and "r" in result.sampled and result.kv_stats["bytes"] == 0
+
+
+def test_a_pool_of_the_same_model_in_another_weights_precision_is_refused(tiny):
+    """Hand-started instances of one model, bfloat16 weights beside int8 ones: both KV pools
+    are bfloat16, of the same shape, and took each other's K/V, which the decode side's model
+    would not have computed (its output matched neither setup). Each descriptor names the
+    weights' precision; a send between them is refused naming both, as another layout is
+    (the prefill scheduler hands such a decode instance its prompts whole)."""
+    path, prompt = tiny
+    plain, int8 = (runner_for(path, dtype="bfloat16", quantization=q) for q in ("none", "int8"))
+    ours, theirs = plain.kv_descriptor(), int8.kv_descriptor()
+    assert {k: ours[k] for k in ("dtype", "block_bytes", "weights")} == \
+        {k: theirs[k] for k in ("dtype", "block_bytes", "weights")}
+    with pytest.raises(KVLayoutError, match="quantization 'none' vs 'int8'"):
+        _Send(KVSend("r", "d", SRC_BLOCKS, DST_BLOCKS, [theirs]), ours, 0)
+    plan = prefill_plans(prompt, SRC_BLOCKS, [KVSend("r", "d", SRC_BLOCKS, DST_BLOCKS, [theirs])])
+    plan = IterationPlan(0, plan[0].new_requests, [], {"r": len(prompt)},
+                         kv_sends=plan[-1].kv_sends)
+    result = plain.execute(plan)
+    assert result.kv_failed == ["r"] and result.kv_stats["bytes"] == 0
+    for runner in (plain, int8):
+        runner.close()
 
 
 def test_sends_without_a_connector_are_refused(tiny, decode_runner):

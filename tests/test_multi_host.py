@@ -9,7 +9,9 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.request
 
+import pytest
 import redis
 
 from shared.keys import Keys
@@ -83,6 +85,8 @@ def test_a_tp_follower_told_to_reach_another_machines_rank_0_at_loopback_says_so
 # shorter than that, and long enough for a few tokens of the tiny model on a busy machine
 CLOCK_AHEAD_S = 60.0
 TIMEOUT_S = 40.0
+# the gateway's --max-model-len, and the shorter one its scheduler and worker were started with
+GATEWAY_LEN, SCHEDULER_LEN = 256, 128
 # `python -m services.cli ...` in a process whose time.time() reads CLOCK_AHEAD_S ahead (as
 # libfaketime would make it, which this machine lacks): the wall clock every service reads
 _SHIFTED = ("import runpy, sys, time; real, ahead = time.time, float(sys.argv.pop(1)); "
@@ -100,16 +104,17 @@ def _healthy(gateway: Served, procs: dict[str, subprocess.Popen]) -> bool:
         return False
 
 
-def test_a_request_timeout_holds_with_the_schedulers_clock_ahead_of_the_gateways(
-        redis_server, tmp_path):
-    """The gateway stamped a request's deadline with its machine's clock and the scheduler
-    compared it with its own: with the scheduler's CLOCK_AHEAD_S ahead, a request whose
-    `timeout` is shorter ended at once, "the request reached its deadline (20.0 s ago)" (a
-    408). Both read Redis's clock now, and the request completes."""
+@pytest.fixture(scope="module")
+def by_hand(redis_server, tmp_path_factory):
+    """A worker, a scheduler and a gateway started apart, with flags that differ as they may
+    on separate machines: the scheduler's clock CLOCK_AHEAD_S ahead of the gateway's, the
+    scheduler and worker with a shorter --max-model-len (SCHEDULER_LEN) than the gateway's.
+    Yields the gateway and a function giving every log's tail."""
+    tmp_path = tmp_path_factory.mktemp("by-hand")
     model = write_tiny_llama(tmp_path / "tiny")
-    common = ["--model", model, "--max-model-len", "256", "--redis-url", redis_server,
-              "--key-prefix", "skew:"]
-    flags = [*common, "--dtype", "float32", "--num-kv-blocks", "64"]
+    common = ["--model", model, "--redis-url", redis_server, "--key-prefix", "skew:"]
+    flags = [*common, "--max-model-len", str(SCHEDULER_LEN), "--dtype", "float32",
+             "--num-kv-blocks", "64"]
     port = free_port()
     logs = {name: open(tmp_path / f"{name}.log", "wb") for name in ("worker", "scheduler",
                                                                      "gateway")}
@@ -117,7 +122,8 @@ def test_a_request_timeout_holds_with_the_schedulers_clock_ahead_of_the_gateways
         "worker": [sys.executable, "-m", "services.cli", "worker", "--rank", "0", *flags],
         "scheduler": [sys.executable, "-c", _SHIFTED, str(CLOCK_AHEAD_S), "scheduler", *flags],
         "gateway": [sys.executable, "-m", "services.cli", "gateway", *common, "--port", str(port),
-                    "--served-model-name", "tiny", "--api-key", API_KEY]}
+                    "--max-model-len", str(GATEWAY_LEN), "--served-model-name", "tiny",
+                    "--api-key", API_KEY]}
     procs = {name: subprocess.Popen(argv, cwd=REPO, stdout=logs[name], stderr=subprocess.STDOUT)
              for name, argv in procs.items()}
     for log in logs.values():
@@ -131,10 +137,9 @@ def test_a_request_timeout_holds_with_the_schedulers_clock_ahead_of_the_gateways
     try:
         try:
             wait_for(lambda: _healthy(gateway, procs), 180.0, "/health 200")
-            choice = completion(gateway.base_url, "tiny", [5, 6, 7, 8], 4, timeout=TIMEOUT_S)
-        except (RuntimeError, AssertionError, urllib.error.HTTPError) as e:
-            raise AssertionError(f"{e}: {getattr(e, 'read', lambda: b'')()!r}\n{tails()}")
-        assert choice["finish_reason"] == "length", choice
+        except (RuntimeError, AssertionError) as e:
+            raise AssertionError(f"{e}\n{tails()}")
+        yield gateway, tails
     finally:
         for p in procs.values():
             p.send_signal(signal.SIGTERM)
@@ -144,3 +149,53 @@ def test_a_request_timeout_holds_with_the_schedulers_clock_ahead_of_the_gateways
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def test_a_request_timeout_holds_with_the_schedulers_clock_ahead_of_the_gateways(by_hand):
+    """The gateway stamped a request's deadline with its machine's clock and the scheduler
+    compared it with its own: with the scheduler's CLOCK_AHEAD_S ahead, a request whose
+    `timeout` is shorter ended at once, "the request reached its deadline (20.0 s ago)" (a
+    408). Both read Redis's clock now, and the request completes."""
+    gateway, tails = by_hand
+    try:
+        choice = completion(gateway.base_url, "tiny", [5, 6, 7, 8], 4, timeout=TIMEOUT_S)
+    except urllib.error.HTTPError as e:
+        raise AssertionError(f"{e}: {e.read()!r}\n{tails()}")
+    assert choice["finish_reason"] == "length", choice
+
+
+def _post(gateway: Served, path: str, body: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(f"{gateway.base_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json",
+                                          "Authorization": f"Bearer {API_KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_a_request_longer_than_the_schedulers_context_is_refused_not_cut_short(by_hand):
+    """A scheduler started with a shorter --max-model-len than the gateway's cut a request
+    the gateway accepted (prompt + max_tokens within the gateway's length) short with
+    "length", without a word. The gateway reads the schedulers' lengths from their
+    heartbeats and refuses it with a 400 naming both lengths; a chat without max_tokens
+    takes the rest of the scheduler's context, as it took the rest of the gateway's."""
+    gateway, tails = by_hand
+    prompt = list(range(20, 20 + SCHEDULER_LEN - 8))
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "ignore_eos": True}
+    # the gateway reads the scheduler heartbeats once a second, from its start
+    status, answer = wait_for(lambda: (r := _post(gateway, "/v1/completions", body))[0] != 200
+                              and r, 30.0, "a refusal")
+    assert status == 400, f"{answer}\n{tails()}"
+    message = answer["error"]["message"]
+    assert f"{SCHEDULER_LEN} tokens" in message and f"gateway's {GATEWAY_LEN}" in message \
+        and "--max-model-len" in message and "\n" not in message, message
+    body["max_tokens"] = 8                 # fits: served to its end
+    status, answer = _post(gateway, "/v1/completions", body)
+    assert status == 200 and answer["usage"]["completion_tokens"] == 8, answer
+    status, answer = _post(gateway, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hello"}],
+        "ignore_eos": True})
+    assert status == 200, f"{answer}\n{tails()}"
+    assert answer["usage"]["total_tokens"] == SCHEDULER_LEN, answer

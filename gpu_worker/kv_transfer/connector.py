@@ -68,8 +68,9 @@ class KVConnector(ABC):
     @abstractmethod
     def register(self, pool, model: dict | None = None) -> None:
         """Make the pool tensor (contiguous) readable and writable by peers; `model`: the
-        name and weights fingerprint of the model whose K/V it holds ({"model", "weights"}),
-        for the descriptor (a peer of another model must not take its blocks)."""
+        name, weights fingerprint and weights' precision of the model whose K/V it holds
+        ({"model", "weights", "weights_dtype", "quantization"}), for the descriptor (a peer of
+        another model, or of the same one in another precision, must not take its blocks)."""
 
     @abstractmethod
     def descriptor(self) -> dict:
