@@ -25,6 +25,7 @@ from gpu_worker.kv_transfer import coalesce, make_connector            # noqa: E
 from gpu_worker.kv_transfer.connector import KVConnector, pool_descriptor  # noqa: E402
 from gpu_worker.kv_transfer.sender import LayerSender, _Send           # noqa: E402
 from gpu_worker.model_runner import UnknownKVCache, build_runner       # noqa: E402
+from gpu_worker.quant import resolve_quantization                      # noqa: E402
 from scheduler_svc.book import RequestBook                             # noqa: E402
 from scheduler_svc.core import Scheduler                               # noqa: E402
 from scheduler_svc.disagg import DecodeSide                            # noqa: E402
@@ -499,7 +500,10 @@ def test_a_failed_send_on_a_follower_rank_is_reported_by_rank_0(tiny):
     cfg = load_model_config(resolve_model(path))
     peer0 = make_connector("mooncake", tp=2, rank=0)         # the decode side's rank 0
     pool = allocate_kv_pool(cfg, 32, BLOCK, cfg.num_kv_heads // 2, torch.float32, "cpu")
-    peer0.register(pool, model_identity(resolve_model(path)))     # the same model's pool
+    # the same model's pool, in the same precision
+    source = resolve_model(path)
+    peer0.register(pool, {**model_identity(source), "weights_dtype": "float32",
+                          "quantization": resolve_quantization("auto", source, cfg, 2)})
     peers = [peer0.descriptor(), {**peer0.descriptor(), "rank": 1, "session": "127.0.0.1:1"}]
     with LLMEngine(EngineArgs(model=path, dtype="float32", tp=2, block_size=BLOCK,
                               num_kv_blocks=32, max_model_len=512, kv_connector="mooncake",
