@@ -101,8 +101,11 @@ def main() -> int:
     kv_dtype = str(pool.dtype).removeprefix("torch.")
     ctx = mp.get_context("spawn")
     to_parent, from_parent = ctx.Queue(), ctx.Queue()
+    # the same model in the same precision (what the runner registered its pool with)
+    model = {**model_identity(layout.source), "weights_dtype": own["weights_dtype"],
+             "quantization": own["quantization"]}
     child = ctx.Process(target=decode_pool, args=(tuple(pool.shape), kv_dtype, to_parent,
-                                                  from_parent, model_identity(layout.source)))
+                                                  from_parent, model))
     child.start()
     try:
         peer = to_parent.get(timeout=120)
