@@ -28,6 +28,7 @@ import structlog
 import torch
 
 from gpu_worker.attention import Chunk, build_attention_metadata, select_backend
+from gpu_worker.attention.metadata import int64_tensor
 from gpu_worker.cpu_kernels import cpu_kernels
 from gpu_worker.cuda_graphs import CAPTURABLE_BACKENDS, DecodeGraphs, capture_sizes
 from gpu_worker.host_memory import keep_freed_memory, move_to_huge_pages
@@ -589,7 +590,7 @@ class ModelRunner:
                 chunks.append(Chunk(n, kv_len, s.block_table, samples=kv_len == len(s.token_ids),
                                     prompt_row=n == 1 and kv_len <= s.num_prompt_tokens))
                 order.append(rid)
-        return torch.tensor(ids, dtype=torch.int64), chunks, order, spans
+        return int64_tensor(ids), chunks, order, spans
 
 
 def _recompute_chunks(s: _RequestState, start: int, kv_len: int) -> list[Chunk]:

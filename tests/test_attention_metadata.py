@@ -50,3 +50,12 @@ def test_a_prompt_row_takes_the_general_path():
     chunks = [Chunk(1, 5, [0, 1], prompt_row=True), Chunk(1, 9, [2, 3, 4])]
     meta = metadata.build_attention_metadata(chunks, 4)
     assert [g.prompt_rows for g in meta.groups] == [True, False]
+
+
+def test_int64_tensor_is_torch_tensor_of_the_list():
+    for values in ([], [0], [5, -3, 2**62, -2**63], list(range(1000))):
+        t = metadata.int64_tensor(values)
+        assert t.dtype == torch.int64 and t.shape == (len(values),)
+        assert torch.equal(t, torch.tensor(values, dtype=torch.int64))
+        values.append(7)            # the caller's list is not the tensor's memory
+        assert t.tolist() == values[:-1]

@@ -329,8 +329,9 @@ def test_vnni_int8_gemm_is_its_8_bit_activations_times_the_weights(shape):
         one = torch.empty(1, n)
         kernels.int8_mm_vnni(x[-1:].contiguous(), w8.vnni, w8.scale, one)
         assert torch.equal(one[0], y32[-1])
-    ids = torch.tensor([0, n - 1, n // 2, 5])
+    ids = torch.tensor([0, n - 1, n // 2, 5, 15, min(16, n - 1), min(17, n - 1)])
     assert torch.equal(w8.embedding(ids), q.dequantize()[ids])
+    assert torch.equal(w8.embedding(ids[:4].view(2, 2)), q.dequantize()[ids[:4].view(2, 2)])
 
 
 def test_the_avx2_build_multiplies_int8_codes_to_the_same_bits():

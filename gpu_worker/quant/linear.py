@@ -381,8 +381,12 @@ class Int8Weight(_Packed):
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` widened to float32: codes · scale, the values `mm` multiplies by."""
-        codes = self.codes[ids] if self.vnni is None else \
-            self.vnni[ids // 16, :, ids % 16].reshape(*ids.shape, self.in_features)
+        if self.vnni is None:
+            codes = self.codes[ids]
+        else:   # a row's 4-byte groups, read as int32: a quarter of the elements to gather
+            words = self.vnni.view(torch.int32).view(self.vnni.shape[:3])
+            codes = words[ids.div(16, rounding_mode="floor"), :, ids.remainder(16)] \
+                .view(torch.int8).reshape(*ids.shape, self.in_features)
         return codes.to(torch.float32) * self.scale_f32[ids].unsqueeze(-1)
 
 
