@@ -4,7 +4,10 @@ attention metadata, sampling, the update after it) against the model's forward.
 A batch of `--batch` requests (random ~`--input-len`-token prompts) is prefilled, then
 `--steps` decode iterations are timed phase by phase (ModelRunner.execute's parts, wrapped
 here by timers; the scheduler's schedule() and update() beside them for context). Each
-phase's median over the steps is printed, in ms per iteration.
+phase's median over the steps is printed, in ms per iteration. The token-gap target is held
+off by default (`--target-tbt-ms off`): at `auto` a loaded machine's measured forwards made the
+schedule decode a few rows an iteration, and `--batch 32` timed 4-5 of them. The rows each
+timed iteration decoded are printed; fewer than `--batch` is said.
 
     python bench/worker_host_cost.py [--batch 32] [--steps 40] [--dtype bfloat16] [--temperature 1]
 """
@@ -21,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import engine_arg_parser, random_prompts, write_json  # noqa: E402  (OpenMP policy first)
 import gpu_worker.model_runner as model_runner  # noqa: E402
 from services.engine import LLMEngine  # noqa: E402
-from shared.engine_args import EngineArgs  # noqa: E402
+from shared.engine_args import EngineArgs, parse_latency_target  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
 PHASES = ("schedule", "apply plan", "inputs", "attention metadata", "forward", "sampling",
@@ -54,6 +57,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0 (default): greedy; above it every row is drawn (the API's default is 1)")
+    ap.set_defaults(target_tbt_ms=parse_latency_target("off"))
     args = ap.parse_args()
     engine = LLMEngine(EngineArgs.from_cli(args), progress=False)
     runner, sched = engine.runner, engine.scheduler
@@ -86,8 +90,9 @@ def main() -> None:
         engine.step()                       # warm decodes
     timers.steps.clear()
     timers.current.clear()
+    rows = []
     for _ in range(args.steps):
-        engine.step()
+        rows.append(len(engine.step()))
         timers.end_step()
 
     med = {name: statistics.median(s.get(name, 0.0) for s in timers.steps)
@@ -97,12 +102,16 @@ def main() -> None:
     med["after sampling"] = max(0.0, med["execute"] - named)
     total = med["execute"] + med["schedule"] + med["update"]
     print(f"batch {args.batch} decodes, median over {args.steps} iterations (ms):")
+    if statistics.median(rows) < args.batch:
+        print(f"  (the iterations decoded {min(rows)}-{max(rows)} rows, median "
+              f"{statistics.median(rows):g}, not {args.batch}: the schedule held the batch back)")
     for name in PHASES:
         print(f"  {name:20s} {med[name]:8.2f}  {100 * med[name] / total:5.1f} %")
     host = total - med["forward"]
     print(f"  host work outside the forward: {host:.2f} ms of {total:.2f} ms "
           f"({100 * host / total:.1f} %)")
-    write_json(args.json, {"batch": args.batch, "steps": args.steps, "median_ms": med})
+    write_json(args.json, {"batch": args.batch, "steps": args.steps, "median_ms": med,
+                           "rows": rows})
     engine.shutdown()
 
 

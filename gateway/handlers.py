@@ -351,15 +351,15 @@ def _check_model(model: str | None, state: GatewayState) -> None:
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(oai.models_list(state.served_model_name, state.max_model_len,
-                                             state.started_at))
+    return web.json_response(oai.models_list(state.served_model_name,
+                                             state.served_max_model_len, state.started_at))
 
 
 async def model(request: web.Request) -> web.Response:
     """OpenAI's retrieve-model: the served model's entry, or a 404."""
     state = request.app[STATE]
     _check_model(request.match_info["model"], state)
-    [entry] = oai.models_list(state.served_model_name, state.max_model_len,
+    [entry] = oai.models_list(state.served_model_name, state.served_max_model_len,
                               state.started_at)["data"]
     return web.json_response(entry)
 

@@ -34,6 +34,14 @@ class GatewayState:
     started_at: int = field(default_factory=lambda: int(time.time()))
 
     @property
+    def served_max_model_len(self) -> int:
+        """The context a request can have end to end: this gateway's --max-model-len, or the
+        live schedulers' where theirs is shorter (read from their heartbeats). What
+        /v1/models states, so that a client sizing its requests by it is not refused."""
+        upstream = None if self.upstream is None else self.upstream.served_max_model_len
+        return self.max_model_len if upstream is None else min(self.max_model_len, upstream)
+
+    @property
     def tool_parser(self) -> ToolParser | None:
         """The model's tool-call format (--tool-call-parser), which serves tool_choice auto."""
         return PARSERS.get(self.config.tool_call_parser or "")

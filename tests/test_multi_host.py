@@ -194,6 +194,12 @@ def test_a_request_longer_than_the_schedulers_context_is_refused_not_cut_short(b
     body["max_tokens"] = 8                 # fits: served to its end
     status, answer = _post(gateway, "/v1/completions", body)
     assert status == 200 and answer["usage"]["completion_tokens"] == 8, answer
+    # /v1/models states the context a request can have: the schedulers' (clients size
+    # their requests by it)
+    listing = urllib.request.Request(f"{gateway.base_url}/v1/models",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(listing, timeout=30) as r:
+        assert json.loads(r.read())["data"][0]["max_model_len"] == SCHEDULER_LEN
     status, answer = _post(gateway, "/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}],
         "ignore_eos": True})
