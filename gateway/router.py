@@ -66,7 +66,7 @@ import structlog
 from gateway.config import POLICIES
 from shared.keys import Keys
 from shared.prefix_hash import cacheable_hashes, overloaded
-from shared.protocol import scheduler_instances
+from shared.protocol import heartbeat_of, scheduler_instances
 
 DECODE_TOKENS = 64           # prompt tokens' worth of work a request is once it decodes
 UNKNOWN_TOKENS = 256         # ...and one in flight that another gateway sent
@@ -170,23 +170,29 @@ class ReplicaRouter:
         self.chosen = [0] * len(self.instances)              # requests sent to each, ever
         self._all = list(range(len(self.instances)))
         self._live = self._all
+        # each colocated replica's --max-model-len, from its scheduler's heartbeat (None: not
+        # stated, or a P/D prefill instance, whose decode side checks the length)
+        self._lengths: list[int | None] = [None] * len(self.instances)
         self._refused: set[str] = set()                      # keys whose hint was refused
 
-    async def choose(self, request_id: str, prompt_token_ids: Sequence[int]) -> str:
+    async def choose(self, request_id: str, prompt_token_ids: Sequence[int],
+                     length: int = 0) -> str:
         """The instance the request goes to; counts it in flight there. Once per request:
         a submit retried after a dropped connection goes where it was first sent. "" (P/D):
         none, for a prompt under the prefill instances' --disagg-min-prompt-tokens, which
         whichever prefill scheduler reads it hands to a decode instance to prefill: counted
         at a prefill instance until its first token, it loaded one that never computed it
         (while it waited for a decode instance's seat, say), and a reader forwarded it there
-        first."""
+        first. `length`: the tokens the request may take (prompt + max_tokens): only the
+        replicas whose --max-model-len holds them are candidates, a shorter one would cut
+        the answer with "length" (where none does, the gateway refused the request)."""
         if len(self.instances) > 1 and not self.block_size:
             await self._learn_sizes()
         if len(prompt_token_ids) < self.min_prompt_tokens:
             return ""
         turn = next(self._turns)
         work = len(prompt_token_ids)
-        live = self._live
+        live = [i for i in self._live if (self._lengths[i] or length) >= length] or self._live
         if self.policy == "round-robin" or len(live) == 1:
             index = live[turn % len(live)]
         else:
@@ -239,6 +245,12 @@ class ReplicaRouter:
         yet). One instance is always the choice: nothing is read."""
         if len(self.instances) < 2:
             return
+        lengths = {str(beat.extra.get("instance", "")): beat.extra.get("max_model_len")
+                   for beat in map(heartbeat_of, beats.values())
+                   if beat is not None and beat.service == "scheduler"
+                   and beat.extra.get("role", "colocated") == "colocated"}
+        self._lengths = [n if isinstance(n := lengths.get(inst), int) and n > 1 else None
+                         for inst in self.instances]
         up = scheduler_instances(list(beats.values()))
         broken = {inst for inst, _ in await missing_ranks(
             self.redis, self._root_keys, [(inst, tp) for inst, tp in self._degrees if inst in up])}

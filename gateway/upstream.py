@@ -149,7 +149,9 @@ class Upstream:
                 # chosen once: a try whose reply was lost may have added the entry there, and
                 # the retry (refused as a repeat) must not count the request elsewhere
                 if instance is None:
-                    instance = await self.replicas.choose(request_id, prompt_token_ids)
+                    instance = await self.replicas.choose(
+                        request_id, prompt_token_ids,
+                        len(prompt_token_ids) + (sampling.max_tokens or 0))
                 if self.prefill:
                     fields = to_fields(replace(msg, instance=instance))
                 else:

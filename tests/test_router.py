@@ -290,6 +290,37 @@ def test_an_instance_whose_scheduler_stopped_is_left_out(redis_server, policy):
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "prefix"])
+def test_a_request_goes_only_to_replicas_whose_context_holds_it(redis_server, policy):
+    """Replicas started with unequal --max-model-len: the gateway refuses what fits none,
+    but a request that fit only the longer was sent to the shorter too, which cut its answer
+    with "length". Each replica's length is read from its scheduler's heartbeat with the
+    live set; one that does not state it (an older release) stays a candidate."""
+    keys = Keys(f"lengths-{policy}:")
+    sync = redis.Redis.from_url(redis_server)
+    idle_stats(sync, keys)
+    for inst, length in (("r0", 64), ("r1", 512)):
+        sync.set(keys.hb_scheduler(f"sched-{inst}"), encode(Heartbeat(
+            "scheduler", f"sched-{inst}", 0.0,
+            {"instance": inst, "role": "colocated", "max_model_len": length})))
+
+    async def choices(length: int) -> set[str]:
+        client = aioredis.Redis.from_url(redis_server)
+        router = ReplicaRouter(client, keys, [("r0", 1), ("r1", 1)], policy)
+        try:
+            await router.read_live(await scheduler_heartbeats(client, keys))
+            return {await router.choose(str(i), [i] * 8, length) for i in range(6)}
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(choices(40)) == {"r0", "r1"}
+    assert asyncio.run(choices(100)) == {"r1"}
+    sync.set(keys.hb_scheduler("sched-r0"), encode(Heartbeat(      # states no length
+        "scheduler", "sched-r0", 0.0, {"instance": "r0"})))
+    assert asyncio.run(choices(100)) == {"r0", "r1"}
+    sync.close()
+
+
+@pytest.mark.parametrize("policy", ["round-robin", "least-loaded", "prefix"])
 def test_an_instance_whose_workers_are_missing_is_left_out(redis_server, policy):
     """A replica whose scheduler beats but one of whose worker ranks does not (dead, hung,
     restarting, loading its model) cannot serve: its scheduler would hold the request until
