@@ -28,7 +28,7 @@ from gpu_worker.kv_transfer import make_connector  # noqa: E402
 from gpu_worker.model_runner import DTYPES, build_runner  # noqa: E402
 from shared.engine_args import EngineArgs  # noqa: E402
 from shared.engine_layout import engine_layout  # noqa: E402
-from shared.model_source import model_identity  # noqa: E402
+from shared.model_source import kv_identity  # noqa: E402
 from shared.plan import CachedRequestData, IterationPlan, KVSend, NewRequestData  # noqa: E402
 from shared.sampling import SamplingParams  # noqa: E402
 
@@ -102,8 +102,7 @@ def main() -> int:
     ctx = mp.get_context("spawn")
     to_parent, from_parent = ctx.Queue(), ctx.Queue()
     # the same model in the same precision (what the runner registered its pool with)
-    model = {**model_identity(layout.source), "weights_dtype": own["weights_dtype"],
-             "quantization": own["quantization"]}
+    model = kv_identity(layout.source, own["weights_dtype"], own["quantization"])
     child = ctx.Process(target=decode_pool, args=(tuple(pool.shape), kv_dtype, to_parent,
                                                   from_parent, model))
     child.start()

@@ -145,7 +145,7 @@ async def _generate_in_slot(request: web.Request, body: Any,
                             client_id: str | None) -> web.StreamResponse:
     req, prompts = await asyncio.to_thread(_parsed, body, parse, state)
     samplings = [sampling_params(req, len(ids), state.max_model_len, state.tokenizer,
-                                 state.upstream.served_max_model_len) for ids in prompts]
+                                 state.served_max_model_len) for ids in prompts]
     # choice i * n + j: prompt i's j-th sample (OpenAI's order), each a request upstream
     echoes = await asyncio.to_thread(echo_texts, req, prompts, state.tokenizer) \
         if req.echo else [None] * len(prompts)

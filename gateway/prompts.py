@@ -124,14 +124,14 @@ def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
 
 def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int,
                     tokenizer: Tokenizer, served_len: int | None = None) -> SamplingParams:
-    """`served_len`: the longest context of the schedulers that serve requests whole as
-    their heartbeats were last read (Upstream.served_max_model_len; None: unknown). Where it
-    is shorter than the gateway's `max_model_len` (a scheduler started by hand with another
-    --max-model-len) it bounds the request: past it, the scheduler cut the answer short with
-    "length" without a word; a chat without max_tokens takes the rest of it."""
+    """`served_len`: the context a request can have end to end (GatewayState.
+    served_max_model_len: at most `max_model_len`; None: `max_model_len`). Where it is
+    shorter (a scheduler started by hand with another --max-model-len) it bounds the
+    request: past it, the scheduler cut the answer short with "length" without a word; a
+    chat without max_tokens takes the rest of it."""
     param = "messages" if req.endpoint == "chat" else "prompt"
     check_prompt_length(num_prompt_tokens, max_model_len, param)
-    length = min(max_model_len, served_len or max_model_len)
+    length = served_len or max_model_len
     if num_prompt_tokens >= length:
         raise _longer_than_served(length, max_model_len, f"the prompt has {num_prompt_tokens} "
                                   "tokens", param)

@@ -66,7 +66,7 @@ import structlog
 from gateway.config import POLICIES
 from shared.keys import Keys
 from shared.prefix_hash import cacheable_hashes, overloaded
-from shared.protocol import heartbeat_of, scheduler_instances
+from shared.protocol import colocated_lengths, scheduler_instances
 
 DECODE_TOKENS = 64           # prompt tokens' worth of work a request is once it decodes
 UNKNOWN_TOKENS = 256         # ...and one in flight that another gateway sent
@@ -245,12 +245,8 @@ class ReplicaRouter:
         yet). One instance is always the choice: nothing is read."""
         if len(self.instances) < 2:
             return
-        lengths = {str(beat.extra.get("instance", "")): beat.extra.get("max_model_len")
-                   for beat in map(heartbeat_of, beats.values())
-                   if beat is not None and beat.service == "scheduler"
-                   and beat.extra.get("role", "colocated") == "colocated"}
-        self._lengths = [n if isinstance(n := lengths.get(inst), int) and n > 1 else None
-                         for inst in self.instances]
+        lengths = colocated_lengths(beats.values())
+        self._lengths = [lengths.get(inst) for inst in self.instances]
         up = scheduler_instances(list(beats.values()))
         broken = {inst for inst, _ in await missing_ranks(
             self.redis, self._root_keys, [(inst, tp) for inst, tp in self._degrees if inst in up])}

@@ -49,7 +49,7 @@ from shared.lifecycle import (cancel_requested, scheduler_heartbeats, stream_id_
                               stream_id_text)
 from shared.keys import (ABORTS_MAXLEN, HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, REQUESTS_MAXLEN,
                          Keys)
-from shared.protocol import (AbortMsg, Heartbeat, RequestMsg, encode, heartbeat_of,
+from shared.protocol import (AbortMsg, Heartbeat, RequestMsg, colocated_lengths, encode,
                              protocol_disagreement, scheduler_instances, to_fields)
 from shared.redis_retry import TRANSIENT, redis_trouble, retry_redis
 from shared.sampling import SamplingParams
@@ -116,7 +116,7 @@ class Upstream:
         # be sent requests (`protocol_disagreement`): new requests are refused while any does
         self.other_versions: list[str] = []
         # the longest --max-model-len of the schedulers that serve requests whole beating at
-        # the last read (`_served_length`; None: none states one): a request that does not
+        # the last read (`colocated_lengths`; None: none states one): a request that does not
         # fit it is refused (gateway/prompts.py sampling_params), not cut short there
         self.served_max_model_len: int | None = None
 
@@ -373,7 +373,9 @@ class Upstream:
             try:
                 beats = await scheduler_heartbeats(self.redis, self.keys)
                 self.other_versions = _other_versions(beats)
-                self.served_max_model_len = _served_length(beats)
+                # with replicas of unequal lengths the longest: one that fits none is refused
+                self.served_max_model_len = max(colocated_lengths(beats.values()).values(),
+                                                default=None)
                 if self.replicas is not None:
                     await self.replicas.read_live(beats)
             except (RedisError, OSError) as e:
@@ -407,19 +409,6 @@ def _other_versions(beats: dict[str, bytes | None]) -> list[str]:
     (`protocol_disagreement`), in key order."""
     return [why for key, value in sorted(beats.items())
             if (why := protocol_disagreement(value, f"scheduler {key}", "gateway"))]
-
-
-def _served_length(beats: dict[str, bytes | None]) -> int | None:
-    """The longest --max-model-len among these scheduler heartbeats of colocated schedulers,
-    those that serve a request whole (a P/D prefill instance computes its first token, and
-    sends it to a decode instance that holds it or ends it with an error); None where none
-    states one. With replicas of unequal lengths the longest: a request that fits none is
-    refused."""
-    lengths = [n for beat in map(heartbeat_of, beats.values())
-               if beat is not None and beat.service == "scheduler"
-               and beat.extra.get("role", "colocated") == "colocated"
-               and isinstance(n := beat.extra.get("max_model_len"), int) and n > 1]
-    return max(lengths, default=None)
 
 
 def _live(beats: dict[str, bytes | None], instances: tuple[tuple[str, int], ...]) -> set[str]:

@@ -48,7 +48,7 @@ from shared.config import activation_dtype, kv_cache_dtype
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
 from shared.model_config import ModelConfig
-from shared.model_source import ModelSource, model_identity
+from shared.model_source import ModelSource, kv_identity
 from shared.plan import (GRAMMAR_FAILED, IterationPlan, KVCheck, NewRequestData, PromptLogprobs,
                          SampledToken, StepResult)
 from shared.sampling import SamplingParams, token_id_set
@@ -214,12 +214,8 @@ class ModelRunner:
         self.kv_connector = make_connector(rc.kv_connector, rc.kv_host, rc.kv_protocol,
                                            rc.kv_device, tp.size, tp.rank)
         if self.kv_connector is not None:
-            # the weights' precision too: K/V computed under other rounding (int8 weights
-            # beside bfloat16 ones) fills a pool of the same shape with what the other side's
-            # model would not have computed
-            self.kv_connector.register(self.kv_pool, {
-                **model_identity(source, rc.load_format == "dummy"),
-                "weights_dtype": rc.dtype, "quantization": self.quantization})
+            self.kv_connector.register(self.kv_pool, kv_identity(
+                source, rc.dtype, self.quantization, rc.load_format == "dummy"))
         self.sampler = Sampler(rc.seed)
         self.grammars = Grammars(source, cfg.vocab_size, token_id_set(cfg.eos_token_ids))
         # called on the forward thread as an iteration's layers start (its inputs, metadata

@@ -115,3 +115,12 @@ def model_identity(source: ModelSource, dummy: bool = False) -> dict[str, str]:
     """What a P/D instance publishes of the model it serves (its KV descriptor, its
     scheduler's heartbeat): the name, for messages, and the weights fingerprint, compared."""
     return {"model": source.name, "weights": weights_fingerprint(source, dummy)}
+
+
+def kv_identity(source: ModelSource, weights_dtype: str, quantization: str,
+                dummy: bool = False) -> dict[str, str]:
+    """Whose K/V a pool holds (its KV descriptor, shared/kv_layout.py): the model
+    (`model_identity`) and its weights' precision (--dtype, --quantization), which must agree
+    too: the same files computed under other rounding give other K/V."""
+    return {**model_identity(source, dummy), "weights_dtype": weights_dtype,
+            "quantization": quantization}

@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import msgpack
@@ -482,6 +483,17 @@ def foreign_message(data: Any) -> dict | None:
     if not isinstance(obj, dict) or "v" not in obj or obj["v"] == SCHEMA_VERSION:
         return None
     return obj
+
+
+def colocated_lengths(values: Iterable[bytes | None]) -> dict[str, int]:
+    """Each engine instance's --max-model-len ("" for the colocated engine), from these
+    scheduler heartbeat key values: the colocated schedulers', those that serve a request
+    whole (a P/D prefill instance sends it on to a decode instance, which the prefill side
+    picks by its own length), that state one."""
+    return {str(beat.extra.get("instance", "")): n for beat in map(heartbeat_of, values)
+            if beat is not None and beat.service == "scheduler"
+            and beat.extra.get("role", "colocated") == "colocated"
+            and isinstance(n := beat.extra.get("max_model_len"), int) and n > 1}
 
 
 def scheduler_instances(values: list[bytes | None]) -> set[str]:

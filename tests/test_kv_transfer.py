@@ -36,7 +36,7 @@ from shared.errors import PacerError                                   # noqa: E
 from shared.keys import Keys                                           # noqa: E402
 from shared.kv_layout import KVLayoutError                             # noqa: E402
 from shared.model_config import load_model_config                      # noqa: E402
-from shared.model_source import model_identity, resolve_model          # noqa: E402
+from shared.model_source import kv_identity, resolve_model              # noqa: E402
 from shared.plan import (CachedRequestData, IterationPlan, KVCheck,    # noqa: E402
                          KVSend, NewRequestData)
 from shared.protocol import HandoffMsg, RequestMsg, ReserveMsg, encode, to_fields  # noqa: E402
@@ -502,8 +502,8 @@ def test_a_failed_send_on_a_follower_rank_is_reported_by_rank_0(tiny):
     pool = allocate_kv_pool(cfg, 32, BLOCK, cfg.num_kv_heads // 2, torch.float32, "cpu")
     # the same model's pool, in the same precision
     source = resolve_model(path)
-    peer0.register(pool, {**model_identity(source), "weights_dtype": "float32",
-                          "quantization": resolve_quantization("auto", source, cfg, 2)})
+    peer0.register(pool, kv_identity(source, "float32",
+                                     resolve_quantization("auto", source, cfg, 2)))
     peers = [peer0.descriptor(), {**peer0.descriptor(), "rank": 1, "session": "127.0.0.1:1"}]
     with LLMEngine(EngineArgs(model=path, dtype="float32", tp=2, block_size=BLOCK,
                               num_kv_blocks=32, max_model_len=512, kv_connector="mooncake",
