@@ -20,7 +20,7 @@ from gateway.tool_parsers import PARSERS
 from shared.errors import InvalidRequestError
 from shared.json_file import json_type
 from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
-                             MAX_REPETITION_PENALTY, MAX_TOKEN_IDS)
+                             MAX_REPETITION_PENALTY, MAX_TOKEN_IDS, token_id_key)
 from shared import chat_template
 from shared.structured import JSON_OPTIONS, KINDS, closed_schema, rebased_schema, structured_pair
 
@@ -179,12 +179,10 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     pairs = []
     keys: dict[int, str] = {}
     for key, value in bias.items():
-        try:
-            token = int(key)
-        except ValueError:
-            token = -1
-        if not 0 <= token < INT_BOUND:
-            raise APIError(f"'logit_bias' keys must be token ids, got {key!r}", param="logit_bias")
+        token = token_id_key(key)
+        if token is None or token >= INT_BOUND:
+            raise APIError(f"'logit_bias' keys must be token ids (decimal digits), got "
+                           f"{key!r:.40}", param="logit_bias")
         if token in keys:       # "7" and "07": their biases would add up, past the bounds
             raise APIError(f"'logit_bias' names token {token} twice ({keys[token]!r} and "
                            f"{key!r})", param="logit_bias")

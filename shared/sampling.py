@@ -19,6 +19,7 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 # (a 49k allowed_token_ids took a 5 ms step to 17, 60k bad_words to 43)
 MAX_TOKEN_IDS = 1024                  # allowed_token_ids, stop_token_ids
 MAX_BAD_WORDS = 1024                  # bad_words (each one or two token sequences)
+MAX_TOKEN_ID_DIGITS = 19              # a token id as a key: int64's, the wire's
 
 
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "min_tokens", "prompt_logprobs")
@@ -188,13 +189,21 @@ def _token_ids(name: str, ids) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def token_id_key(key: str) -> int | None:
+    """The token id a JSON object's key names (logit_bias'), or None: ASCII digits only ("7",
+    "07"). int() reads " 7", "+7", "-0", "1_0" and a full-width or Arabic-Indic 7 as numbers
+    too: a bias on a token the client may not have meant."""
+    if not (key.isascii() and key.isdigit()) or len(key) > MAX_TOKEN_ID_DIGITS:
+        return None
+    return int(key)
+
+
 def _logit_bias(bias) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"id": bias} (offline input) or (id, bias) pairs, sorted by id; the bias a
     number (its range is checked by the caller)."""
     pairs = list(bias.items()) if isinstance(bias, dict) else bias
     try:
-        pairs = [(int(t) if isinstance(t, str) and t.isascii() and t.isdigit() else t, b)
-                 for t, b in pairs]
+        pairs = [(token_id_key(t) if isinstance(t, str) else t, b) for t, b in pairs]
     except (TypeError, ValueError):             # not pairs
         pairs = [(None, None)]
     if not all(_is_token_id(t) and isinstance(b, (int, float)) and not isinstance(b, bool)

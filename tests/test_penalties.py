@@ -214,6 +214,20 @@ def test_bad_logit_bias_is_refused(bias, error):
     assert e.value.param == "logit_bias" and error.split()[-1] in str(e.value), str(e.value)
 
 
+@pytest.mark.parametrize("key", [" 7", "7 ", "7\n", "+7", "-0", "1_0", "7.0", "0x7", "\u0667",
+                                 "\uff17", "\u00b2", "", "9" * 5000])
+def test_a_logit_bias_key_that_is_not_a_token_id_in_digits_is_refused(key):
+    """int() reads each of these as a number (" 7" and "+7" as 7, "-0" as 0, "1_0" as 10, an
+    Arabic-Indic or full-width 7 as 7): a bias on a token the client may not have meant. Only
+    ASCII digits name a token, online and offline alike, and the error does not repeat a
+    key of any length whole."""
+    with pytest.raises(APIError, match="keys must be token ids") as e:
+        parse_completion({"model": "m", "prompt": "hi", "logit_bias": {key: 5}})
+    assert e.value.param == "logit_bias" and len(str(e.value)) < 200, str(e.value)
+    with pytest.raises(InvalidRequestError, match="logit_bias must map token ids"):
+        SamplingParams(logit_bias={key: 5})
+
+
 def test_a_token_biased_twice_is_refused_offline_too():
     with pytest.raises(InvalidRequestError, match="token 7 twice"):
         SamplingParams(logit_bias=[[7, 60], [3, 1], [7, 60]])
