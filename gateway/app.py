@@ -27,7 +27,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.config import GatewayConfig
-from gateway.handlers import add_routes
+from gateway.handlers import BODY_TIMEOUT_S, add_routes
 from gateway.metrics import GatewayMetrics
 from gateway.openai_schema import REQUEST_ID_HEADER, APIError, error_body, valid_request_id
 from gateway.router import ReplicaRouter
@@ -181,9 +181,14 @@ def _auth(api_key: str | None):
 @contextlib.asynccontextmanager
 async def serve(config: GatewayConfig, app: web.Application | None = None) -> AsyncIterator[str]:
     """Run the gateway on config.host:config.port (0: a free port); yields its base URL."""
+    # lingering_time: a request answered before its body is read (a 429, a 400 for a header)
+    # has the rest of its body read and dropped as long as an accepted one's may take to
+    # arrive; at aiohttp's 10 s a client on a slow link still sending it saw the connection
+    # closed (EPIPE) where it would have read the answer next
     runner = web.AppRunner(app or create_app(config), handler_cancellation=True,
                            access_log=None, shutdown_timeout=5.0,
-                           keepalive_timeout=KEEPALIVE_TIMEOUT_S, **HEADER_LIMITS)
+                           keepalive_timeout=KEEPALIVE_TIMEOUT_S, lingering_time=BODY_TIMEOUT_S,
+                           **HEADER_LIMITS)
     await runner.setup()
     try:
         site = web.TCPSite(runner, config.host, config.port, backlog=LISTEN_BACKLOG)

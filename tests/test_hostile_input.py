@@ -93,6 +93,39 @@ async def test_a_declared_body_too_large_is_refused_before_it_arrives(gateway) -
 
 
 @ASYNC
+async def test_a_body_still_arriving_after_an_early_refusal_is_read_to_its_end(gateway) -> None:
+    """A request refused before its body is read (a 429 for a full queue, a 400 for a bad
+    header) is answered at once, while a client on a slow link may still be sending its
+    body, to read the answer after. The server reads that body to its end (and drops it) as
+    long as it would wait for an accepted request's (BODY_TIMEOUT_S): with aiohttp's default
+    of 10 s it closed the connection mid-body, and the client's next write failed (EPIPE)."""
+    url, _, _ = gateway
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    chunks, pause_s = 24, 0.5           # the body over 12 s: past aiohttp's default, well
+    assert chunks * pause_s < handlers.BODY_TIMEOUT_S     # within a body's own time
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nX-Request-Id: " + b"a" * 200 +
+                     b"\r\nContent-Length: %d\r\n\r\n" % chunks)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
+        assert head.startswith(b"HTTP/1.1 400"), head
+        length = int(re.search(rb"Content-Length: (\d+)", head)[1])
+        assert b"X-Request-Id" in await reader.readexactly(length)
+        for _ in range(chunks):
+            await asyncio.sleep(pause_s)
+            writer.write(b" ")
+            await writer.drain()
+        # the body's end ends that request: the connection serves the next one
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        await writer.drain()
+        status = await asyncio.wait_for(reader.readline(), 5.0)
+        assert status.startswith(b"HTTP/1.1 200"), status
+    finally:
+        writer.close()
+
+
+@ASYNC
 async def test_the_bodies_being_read_at_once_are_bounded(gateway, monkeypatch) -> None:
     """Each connection may hold a body of almost --max-body-bytes (200 held 1.5 GB): past
     what the bodies being read may hold between them, a request is refused (429), and a
