@@ -325,7 +325,8 @@ def _top_k_top_p(x: torch.Tensor, table: torch.Tensor,
                  params: list[SamplingParams]) -> torch.Tensor:
     """Mask (-inf) what each row's top-k and top-p leave out; k = 0 and p = 1 are off. Ties
     with the k-th value stay in; top-p keeps the smallest prefix (by probability) whose mass
-    reaches p, so a p that rounds to 0 keeps the most likely token.
+    reaches p, so a p that rounds to 0 keeps the most likely token (the mass summed in
+    float32: a prefix within its rounding of p may keep one token more, docs/gpu.md#sampling).
 
     Sorting whole rows is what costs (32 rows of 49,152: 56 ms on 2 CPU cores), so on a CPU
     each row's largest come first (NUCLEUS_WIDTH of them for top-p: 8 ms; k for top-k alone):
