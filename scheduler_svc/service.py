@@ -459,6 +459,11 @@ class SchedulerService:
         """Write stats, flush the outbox, read requests and aborts: one round trip. `watch`:
         whether an idle scheduler looks for restarted workers (not while it waits for a lost
         group: it takes that group as it comes back)."""
+        if self.claim is not None and self.claim.unconfirmed:
+            # back from a stall, maybe past the claim's TTL, and resumed mid-iteration: the
+            # exchange would go out before any refresh of ours (its finish events, acks and
+            # reads of new requests, into a consumer a new process of this id serves now)
+            await self.recovery.retrying("check the claim", self.claim.confirm)
         outbox = self.book.take_outbox()
         # a prefill instance's requests waiting for a decode instance's blocks are queued too
         # (each holds its entry and an ask there): counted, it pulls no more than it can serve

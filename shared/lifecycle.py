@@ -21,7 +21,7 @@ import socket
 import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -193,14 +193,16 @@ async def keep_heartbeat(redis: aioredis.Redis, key: str,
             else:
                 pipe.eval(_SET_WHILE_CLAIMED, 2, claim.key, key, claim.incarnation,
                           encode(beat), ttl_s)
-            before = time.time()
+            before, sent = time.time(), time.monotonic()
             redis_time, held_by = await pipe.execute()
             clock.measured(before, redis_time, time.time())
         except (RedisError, OSError) as e:
             log.warning("heartbeat not written", key=key, error=str(e))
         else:
-            if claim is not None and held_by:
-                raise claim.lost(held_by)
+            if claim is not None:
+                if held_by:
+                    raise claim.lost(held_by)
+                claim.confirmed_at = sent
         await asyncio.sleep(interval_s)
     raise asyncio.CancelledError
 
@@ -291,7 +293,7 @@ return false
 """
 
 
-@dataclass(frozen=True)
+@dataclass
 class Claim:
     """This process's claim of its identity (`claimed`). What only the holder may write goes
     through it, fenced by the claim in the same command: its heartbeats (`keep_heartbeat`,
@@ -307,6 +309,23 @@ class Claim:
     key: str
     incarnation: str
     lost: Callable[[bytes], PacerError]
+    # when the last beat (or `confirm`) that found the claim this incarnation's was sent
+    confirmed_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def unconfirmed(self) -> bool:
+        """No beat has found the claim this incarnation's for longer than they come round:
+        the process was stopped (SIGSTOP, swapping), its loop held or Redis away, and another
+        process of its identity may hold the claim now. What cannot go into a fenced script
+        (a scheduler's intake: blocking reads, its finish events) waits for `confirm` then."""
+        return time.monotonic() - self.confirmed_at > 2 * HEARTBEAT_INTERVAL_S
+
+    async def confirm(self) -> None:
+        """Check the claim in a round trip of its own: another incarnation's stops the
+        process (`checked`); this one's is noted as confirmed."""
+        sent = time.monotonic()
+        self.checked(await self.redis.eval(_CHECK, 1, self.key, self.incarnation))
+        self.confirmed_at = sent
 
     async def xadd(self, stream: str, fields: dict, maxlen: int) -> bytes | str:
         """XADD `fields` to `stream` (MAXLEN ~ `maxlen`) while the claim is this

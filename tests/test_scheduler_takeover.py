@@ -424,7 +424,7 @@ def test_a_clean_exit_leaves_a_claim_another_process_took(system: System):
 
 
 STALE_WRITE = """
-import asyncio, sys
+import asyncio, sys, time
 import redis
 from gpu_worker.service import PlanLoop, _Origin
 from scheduler_svc.service import SchedulerService, SchedulerServiceConfig
@@ -432,6 +432,8 @@ from shared.config import SchedulerConfig
 from shared.keys import Keys
 from shared.lifecycle import claimed, connect_redis, connections_made, redis_run_id
 from shared.plan import StepResult
+from shared.protocol import RequestMsg, to_fields
+from shared.sampling import SamplingParams
 from scheduler_svc.core import Scheduler
 
 async def main(url, write, taker):
@@ -456,6 +458,19 @@ async def main(url, write, taker):
         if write == "scheduler-stats":
             service.stats.mark_dirty()
             await service._intake(pull=False, block=False, watch=False)
+        elif write == "scheduler-intake":
+            # it ended a request just before it was stopped (its finish, ack and progress
+            # delete wait in the outbox); the new holder took the request back and serves it
+            # (its progress record), and a new request came; resumed mid-iteration (the loop
+            # held, no await), the intake runs before any refresh
+            service.book.finish_now("1-1", RequestMsg(
+                "ended", [1, 2, 3], SamplingParams(max_tokens=8), "tokens:gw", "gw", 0.0),
+                "abort", 0)
+            holder.set(keys.progress("ended"), b"held")
+            holder.xadd(keys.requests, to_fields(RequestMsg(
+                "new", [1, 2, 3], SamplingParams(max_tokens=8), "tokens:gw", "gw", 0.0)))
+            time.sleep(1.5)
+            await service._intake(pull=True, block=False, watch=False)
         elif write == "plans-fence":
             await service._fence_plans("1-0")
         else:
@@ -464,6 +479,15 @@ async def main(url, write, taker):
                                   _Origin(run_id, connections_made(client)))
 asyncio.run(main(*sys.argv[1:]))
 """
+
+
+def run_stale_write(system: System, write: str) -> None:
+    """STALE_WRITE's `write` in a child process: it must exit 1 naming the holder."""
+    _, taker = claim_of_a_dead_process("scheduler", "stale")
+    done = subprocess.run([sys.executable, "-c", STALE_WRITE, system.redis_url, write,
+                           taker.hex()], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "was taken over" in done.stderr.strip().splitlines()[-1], done.stderr
 
 
 @pytest.mark.parametrize("write", ["scheduler-stats", "plans-fence", "worker-stats"])
@@ -476,11 +500,7 @@ def test_a_stale_process_writes_no_stats_and_no_plans_fence(system: System, writ
     the holder gave up on went out again. Each is now run in a script that checks the claim
     first: the stale process writes nothing and exits 1 naming the holder."""
     keys = Keys(prefix=f"stale-{write}:")
-    _, taker = claim_of_a_dead_process("scheduler", "stale")
-    done = subprocess.run([sys.executable, "-c", STALE_WRITE, system.redis_url, write,
-                           taker.hex()], cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "was taken over" in done.stderr.strip().splitlines()[-1], done.stderr
+    run_stale_write(system, write)
     r = redis.Redis.from_url(system.redis_url)
     try:
         stats = r.hgetall(keys.stats)
@@ -488,6 +508,32 @@ def test_a_stale_process_writes_no_stats_and_no_plans_fence(system: System, writ
         assert r.get(keys.plans_fence) == b"9-0"
     finally:
         r.close()
+
+
+def test_a_stale_scheduler_reads_no_request_and_ends_none(system: System):
+    """A scheduler stopped past its claim's TTL and resumed mid-iteration runs its next
+    intake before any timer of its own: one pipeline that published the finish events of
+    what it ended before the stop, acked their entries, deleted their progress records and
+    read new requests into its consumer name, which the new holder serves under too. A
+    request so read waited, for nobody, until an idle claim took it (5 s and more), counted
+    as a take-over. The claim, unconfirmed for longer than its refresh comes round, is now
+    checked first: the stale one writes and reads nothing and exits 1. (Direct calls in a
+    child process, its loop held past the refresh: a real SIGSTOP stops it wherever it
+    happens to be, and its refresh usually runs first.)"""
+    keys = Keys(prefix="stale-scheduler-intake:")
+    tap = redis.Redis.from_url(system.redis_url)
+    finishes = tap.pubsub(ignore_subscribe_messages=True)
+    finishes.subscribe("tokens:gw")
+    finishes.get_message(timeout=5.0)           # the subscription's own (ignored)
+    try:
+        run_stale_write(system, "scheduler-intake")
+        assert finishes.get_message(timeout=0.5) is None      # no finish event
+        assert tap.get(keys.progress("ended")) == b"held"
+        group, = tap.xinfo_groups(keys.requests)
+        assert group["pending"] == 0 and group["last-delivered-id"] == b"0-0", group
+    finally:
+        finishes.close()
+        tap.close()
 
 
 def start_worker(system: System) -> Process:
