@@ -9,8 +9,9 @@ plans, results, stats, worker heartbeats and rendezvous under `pacer:inst:{id}:`
 keeps the plain names. The requests and aborts streams, token channels, gateway and scheduler
 heartbeats and progress records are shared by all instances.
 
-Every stream is trimmed with `MAXLEN ~`, every per-request key is deleted when the request
-ends and expires if nobody is left to delete it; nothing stored is pickled (see
+Every stream is trimmed with `MAXLEN ~`, every per-request key but `submitted` (kept its TTL,
+for a submit retried late) is deleted when the request ends and expires if nobody is left to
+delete it; nothing stored is pickled (see
 `shared/protocol.py`). An engine instance's own keys outlive it, bounded: which, why, and how an
 operator removes them is in docs/architecture.md#redis-keys.
 """

@@ -13,6 +13,7 @@ import errno
 import importlib.metadata
 import json
 import math
+import os
 import re
 import socket
 import threading
@@ -2245,6 +2246,30 @@ async def test_metrics_scraped_side_by_side_each_hold_every_series(h: Harness) -
     await h.redis.delete(h.keys.hb_scheduler("s-side"))
     missing = [t for t in texts if "pacer:num_requests_running 3.0" not in t.splitlines()]
     assert not missing, f"{len(missing)} of {len(texts)} scrapes lost the scheduler's gauges"
+
+
+async def test_the_api_docs_name_every_series_metrics_exports(
+        h: Harness, config: GatewayConfig) -> None:
+    """docs/api.md#metrics is where a user looks up what to scrape: every series /metrics can
+    export (a scheduler's stats hash with every field it may hold, P/D's too, and a restart)
+    is named there. The latency histograms, the 429 counter and the cost model's fit were
+    exported and named nowhere."""
+    from gateway.metrics import _SCHEDULER_STATS
+    alone = dataclasses.replace(config, key_prefix="gwdocs:", gateway_id="docs")
+    keys = Keys("gwdocs:")
+    await h.redis.hset(keys.stats, mapping={field: 1 for field in _SCHEDULER_STATS})
+    await h.redis.hset(keys.restarts, mapping={"scheduler": 1})
+    await h.redis.set(keys.hb_scheduler("s-docs"), b"x", ex=30)
+    async with serve(alone) as url, h.session.get(url + "/metrics") as r:
+        text = await r.text()
+    await h.redis.delete(*[k async for k in h.redis.scan_iter(match="gwdocs:*")])
+    exported = re.findall(r"^# TYPE (\S+) ", text, re.M)
+    assert len(exported) > len(_SCHEDULER_STATS), exported
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "docs", "api.md")) as f:
+        section = f.read().split("\n## Metrics\n", 1)[-1].split("\n## ", 1)[0]
+    named = set(re.findall(r"`(pacer:\w+)", section))
+    assert not [n for n in exported if n not in named], sorted(set(exported) - named)
 
 
 async def test_api_key_is_required_on_the_openai_routes(h: Harness, config: GatewayConfig) -> None:
