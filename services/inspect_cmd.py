@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             for entry_id, fields in entries:
                 show_entry(entry_id, fields, args.json)
             if args.what == "requests" and not args.json:
-                show_pending(client, keys)
+                show_pending(client, keys, hint)
     except redis.RedisError as e:
         raise _redis_error(args, e) from None
     finally:
@@ -165,12 +165,15 @@ def show_stats(raw: dict, as_json: bool, hint: str = "", live: bool = True) -> N
         print(f"{k:<{width}}  {v}")
 
 
-def show_pending(client: redis.Redis, keys: Keys) -> None:
+def show_pending(client: redis.Redis, keys: Keys, hint: str = "") -> None:
     """Entries read by a scheduler but not acknowledged yet (running or waiting there)."""
     try:
         pending = client.xpending(keys.requests, keys.requests_group)
     except redis.ResponseError:
-        print("no consumer group yet (no scheduler has run)")
+        others = sorted(live_instances(client, keys) - {""})
+        beats = (f"; the schedulers beating now are engine instances' "
+                 f"({', '.join(others)}): give --instance ID" if others else hint)
+        print(f"no consumer group on {keys.requests} yet (no scheduler has read it{beats})")
         return
     consumers = ", ".join(f"{_text(c['name'])}: {c['pending']}" for c in pending["consumers"])
     print(f"pending in group {keys.requests_group}: {pending['pending']}"
