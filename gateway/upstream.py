@@ -53,6 +53,7 @@ from shared.protocol import (AbortMsg, Heartbeat, RequestMsg, colocated_lengths,
                              protocol_disagreement, scheduler_instances, to_fields)
 from shared.redis_retry import TRANSIENT, redis_trouble, retry_redis
 from shared.sampling import SamplingParams
+from shared.scripts import Script, execute
 
 log = structlog.get_logger("gateway.upstream")
 
@@ -81,7 +82,7 @@ SUBMITTED_TTL_S = 60        # how long a request id is remembered against a repe
 # fields and values. Returns the entry's id: the one added, or for a repeat the one the first
 # try added (the `submitted` key holds it), so a retried request is checked for a lost entry
 # like any other (`check_entries`)
-_SUBMIT_ONCE = """
+_SUBMIT_ONCE = Script("""
 local first = redis.call('GET', KEYS[2])
 if first then
   return first
@@ -89,7 +90,7 @@ end
 local id = redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))
 redis.call('SET', KEYS[2], id, 'EX', ARGV[1])
 return id
-"""
+""")
 LIVE_REFRESH_S = 1.0        # how often the scheduler heartbeats are read (`keep_schedulers_read`)
 T = TypeVar("T")
 
@@ -157,10 +158,11 @@ class Upstream:
                 else:
                     stream = self.keys.for_instance(instance).instance_requests
             pipe = self.redis.pipeline(transaction=False)
-            pipe.eval(_SUBMIT_ONCE, 2, stream, self.keys.submitted(request_id),
-                      SUBMITTED_TTL_S, REQUESTS_MAXLEN, *(x for kv in fields.items() for x in kv))
+            _SUBMIT_ONCE.queue(pipe, (stream, self.keys.submitted(request_id)),
+                               SUBMITTED_TTL_S, REQUESTS_MAXLEN,
+                               *(x for kv in fields.items() for x in kv))
             pipe.info("server")
-            entry_id, info = await pipe.execute()
+            entry_id, info = await execute(pipe)
             return info["run_id"], (stream, entry_id)
 
         return await asyncio.wait_for(self._live_connection(send, "submit request"),

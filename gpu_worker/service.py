@@ -91,6 +91,7 @@ from shared.protocol import (Heartbeat, PlanMsg, PromptLogprobsEvent, ProtocolEr
                              StepResultMsg, TokenBatch, TokenEvent, encode, from_fields,
                              message_bytes, to_fields)
 from shared.redis_retry import TRANSIENT, redis_failure, retry_redis
+from shared.scripts import Script, execute
 
 log = structlog.get_logger("worker")
 
@@ -113,7 +114,7 @@ PROGRESS_REFRESH_EVERY = 64
 # whatever the token's index: a result sent again after its request finished (a retried
 # pipeline), or one taken over mid-stream, must not leave a record forever. Returns {1, the
 # result's id}; {0, the other's claim} or {2, the fence} with nothing written.
-_SEND_RESULT = OTHERS_CLAIM + """
+_SEND_RESULT = Script(OTHERS_CLAIM + """
 if ARGV[1] ~= '' then
   local held = others_claim()
   if held then
@@ -143,7 +144,7 @@ for _ = 1, tonumber(ARGV[5]) do
   at = at + 2
 end
 return {1, redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[4], '*', unpack(ARGV, at))}
-"""
+""")
 
 
 class _RedisReplaced(Exception):
@@ -285,7 +286,7 @@ class PlanLoop:
             pipe.xread({self.keys.plans: self._plans_after}, count=8, block=PLAN_BLOCK_MS)
             if self.claim is not None:      # as the read returns: no new plan once not ours
                 self.claim.queue_check(pipe)
-            info, reply, *held = await pipe.execute()
+            info, reply, *held = await execute(pipe)
         except TRANSIENT as e:      # the loop reads again after a pause
             log.warning(redis_failure(e), op="read plans", error=str(e))
             await asyncio.sleep(0.5)
@@ -308,7 +309,7 @@ class PlanLoop:
             try:
                 pipe = self.redis.pipeline(transaction=False)
                 queue_hset(pipe, self.claim, self.keys.stats, self.stats())
-                written = await pipe.execute()
+                written = await execute(pipe)
                 self._stats_stale = False
             except TRANSIENT:
                 pass
@@ -452,7 +453,7 @@ class PlanLoop:
         progress = self._queue_result(pipe, batches, result, entry_id)
         if with_stats:      # fenced too: a stale rank's counters are not the holder's
             queue_hset(pipe, self.claim, self.keys.stats, self.stats())
-        (written, value), *stats_written = await pipe.execute()
+        (written, value), *stats_written = await execute(pipe)
         if written == 0:
             self.claim.stop(value)
         if stats_written and self.claim is not None:
@@ -499,12 +500,12 @@ class PlanLoop:
         publishes = [item for channel, batch in batches.items()
                      for item in (channel, encode(batch))]
         fields = to_fields(StepResultMsg(result), worker=WORKER_ID)
-        pipe.eval(_SEND_RESULT, 3 + len(keys),
-                  claim.key if claim else self.keys.claim_worker(0), self.keys.plans_fence,
-                  self.keys.results, *keys,
-                  claim.incarnation if claim else "", stream_id_text(entry_id), PROGRESS_TTL_S,
-                  RESULTS_MAXLEN, len(batches), *appends, *publishes,
-                  *(item for pair in fields.items() for item in pair))
+        _SEND_RESULT.queue(
+            pipe, (claim.key if claim else self.keys.claim_worker(0), self.keys.plans_fence,
+                   self.keys.results, *keys),
+            claim.incarnation if claim else "", stream_id_text(entry_id), PROGRESS_TTL_S,
+            RESULTS_MAXLEN, len(batches), *appends, *publishes,
+            *(item for pair in fields.items() for item in pair))
         return keys
 
     def answered(self) -> dict[str, str]:

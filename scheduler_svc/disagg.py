@@ -48,6 +48,7 @@ from shared.prefix_hash import cacheable_hashes, overloaded
 from shared.protocol import (CancelMsg, HandoffMsg, Heartbeat, ProtocolError, RequestMsg,
                              ReservedMsg, ReserveMsg, decode, encode, from_fields, heartbeat_of,
                              to_fields)
+from shared.scripts import Script
 
 log = structlog.get_logger("scheduler.disagg")
 
@@ -88,7 +89,7 @@ HELD_GONE_S = 60.0
 # n, its n fields and values, then those of the notice that goes instead when the entry is
 # no one's any more (acked: its request ended), if any. Returns 1 moved; 0 no one's; or the
 # consumer whose entry it is now (the new owner's: an earlier try of this exchange moved it).
-_MOVE = """
+_MOVE = Script("""
 local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[4], ARGV[4], 1)[1]
 local n = tonumber(ARGV[6])
 if p and p[2] == ARGV[2] then
@@ -101,7 +102,7 @@ elseif #ARGV > 6 + n then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[5], '*', unpack(ARGV, 7 + n, #ARGV))
 end
 return 0
-"""
+""")
 NO_ROOM = (f"no room now, and {WAITING_ASKS_MAX} asks of this prefill instance already wait "
            f"for room there")
 
@@ -806,10 +807,10 @@ class PrefillSide:
         hand-off would start it again on the decode instance, for nobody). For an ended one
         `ended` goes instead, if given: the cancel of its reservation."""
         fields = [x for kv in to_fields(notice).items() for x in kv]
-        pipe.eval(_MOVE, 2, self.keys.requests, stream, self.keys.requests_group,
-                  self.consumer, consumer, stream_id_text(entry_id), HANDOFF_MAXLEN,
-                  len(fields), *fields,
-                  *([x for kv in to_fields(ended).items() for x in kv] if ended else []))
+        _MOVE.queue(pipe, (self.keys.requests, stream), self.keys.requests_group,
+                    self.consumer, consumer, stream_id_text(entry_id), HANDOFF_MAXLEN,
+                    len(fields), *fields,
+                    *([x for kv in to_fields(ended).items() for x in kv] if ended else []))
 
     @staticmethod
     def _notify(pipe, stream: str, msg) -> None:

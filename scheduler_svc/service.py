@@ -71,6 +71,7 @@ from shared.lifecycle import (Claim, cancel_tasks, claimed, essential_task, free
                               stream_id_text, stream_tail_id)
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, StepResult
+from shared.scripts import execute
 from shared.service_args import check_role
 from shared.protocol import (Heartbeat, PlanMsg, ProtocolError, StepResultMsg, decode,
                              from_fields, heartbeat_of, protocol_disagreement, to_fields)
@@ -543,7 +544,7 @@ class SchedulerService:
                 # this one blocked is planned only once a worker restarted meanwhile is seen
                 pipe.mget(self.workers.heartbeat_keys)
             pipe.xread({self.keys.aborts: self.cursors.aborts}, count=1000)
-            return await pipe.execute()
+            return await execute(pipe)
 
         # a retried exchange may publish a finish event twice; gateways keep the first
         try:
@@ -780,7 +781,7 @@ class SchedulerService:
         self._queue_outbox(pipe, outbox)
         if self.publishes_cache:     # a successor starts with an empty index
             pipe.delete(self.keys.cached_blocks)
-        stats_written, *_ = await pipe.execute()
+        stats_written, *_ = await execute(pipe)
         if self.claim is not None:
             self.claim.checked(stats_written)
 

@@ -42,6 +42,7 @@ from shared.lifecycle import cancel_requested, stream_id_text
 from shared.keys import HEARTBEAT_TTL_S, Keys
 from shared.progress import decode_progress
 from shared.protocol import RequestMsg
+from shared.scripts import Script, execute
 
 log = structlog.get_logger("scheduler.takeover")
 
@@ -62,7 +63,7 @@ _NOW_MS = "local t = redis.call('TIME')\nlocal now = t[1] * 1000 + math.floor(t[
 # each other every second, and a sampled stream would splice two runs). KEYS[1]: the request
 # stream, KEYS[2]: this scheduler's leases_at; ARGV: the group, this consumer, the TTL of
 # leases_at, the entry ids. Returns those another consumer holds.
-_KEEP_LEASES = _NOW_MS + """
+_KEEP_LEASES = Script(_NOW_MS + """
 local lost = {}
 for i = 4, #ARGV do
   local p = redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[i], ARGV[i], 1)[1]
@@ -74,7 +75,7 @@ for i = 4, #ARGV do
 end
 redis.call('SET', KEYS[2], now, 'EX', ARGV[3])
 return lost
-"""
+""")
 # A take-back: the pending entries of this consumer after ARGV[3] ('-' or '(' id), ARGV[4]
 # at most, delivered to it again (their leases new); each one's delivery count goes up by one
 # only if the predecessor held it (delivered no later than its last lease refresh, ARGV[5],
@@ -82,7 +83,7 @@ return lost
 # the group, this consumer (made if new: it reads with XREADGROUP '>' only, which makes it
 # only once an entry comes, and `XINFO GROUPS` would show no consumer for an idle scheduler).
 # Returns [id, fields or nil (trimmed from the stream)] each.
-_TAKE_BACK = _NOW_MS + """
+_TAKE_BACK = Script(_NOW_MS + """
 redis.call('XGROUP', 'CREATECONSUMER', KEYS[1], ARGV[1], ARGV[2])
 local out = {}
 for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], '+', ARGV[4], ARGV[2])) do
@@ -94,19 +95,19 @@ for _, p in ipairs(redis.call('XPENDING', KEYS[1], ARGV[1], ARGV[3], '+', ARGV[4
   out[#out + 1] = {p[1], e and e[2] or false}
 end
 return out
-"""
+""")
 
 # XGROUP DELCONSUMER drops the consumer's pending entries with it: only one with none left,
 # and none of KEYS[2..] (its heartbeat and claim: it is alive, or starting) there. KEYS[1]:
 # the request stream; ARGV: the group, the consumer. Returns 1 if it was deleted.
-_FORGET = """
+_FORGET = Script("""
 for i = 2, #KEYS do
   if redis.call('EXISTS', KEYS[i]) == 1 then return 0 end
 end
 if #redis.call('XPENDING', KEYS[1], ARGV[1], '-', '+', 1, ARGV[2]) > 0 then return 0 end
 redis.call('XGROUP', 'DELCONSUMER', KEYS[1], ARGV[1], ARGV[2])
 return 1
-"""
+""")
 
 
 class Takeover:
@@ -135,8 +136,8 @@ class Takeover:
         cursor = "-"
         taken = 0
         while True:
-            reply = await self.redis.eval(
-                _TAKE_BACK, 1, self.keys.requests, self.keys.requests_group, self.consumer,
+            reply = await _TAKE_BACK.run(
+                self.redis, (self.keys.requests,), self.keys.requests_group, self.consumer,
                 cursor, PENDING_BATCH, since or "", HANDED_LATER_MS)
             if not reply:
                 await self.refresh_leases()
@@ -191,8 +192,8 @@ class Takeover:
         return await self._forget(self.consumer)
 
     async def _forget(self, consumer: str, *alive: str) -> bool:
-        return bool(await self.redis.eval(_FORGET, 1 + len(alive), self.keys.requests, *alive,
-                                          self.keys.requests_group, consumer))
+        return bool(await _FORGET.run(self.redis, (self.keys.requests, *alive),
+                                      self.keys.requests_group, consumer))
 
     async def resume(self, entries: list) -> int:
         """Admit stream entries with the tokens their clients already have (one MGET)."""
@@ -248,9 +249,9 @@ class Takeover:
         if ids:
             pipe = self.redis.pipeline(transaction=False)
             pipe.info("server")
-            pipe.eval(_KEEP_LEASES, 2, self.keys.requests, self.keys.leases_at(self.consumer),
-                      self.keys.requests_group, self.consumer, LEASES_AT_TTL_S, *ids)
-            info, lost = await pipe.execute()
+            _KEEP_LEASES.queue(pipe, (self.keys.requests, self.keys.leases_at(self.consumer)),
+                               self.keys.requests_group, self.consumer, LEASES_AT_TTL_S, *ids)
+            info, lost = await execute(pipe)
             if info["run_id"] == self.run_id:
                 # (an entry handed to a decode instance meanwhile reads as lost too: nothing
                 # of it is left here to drop)

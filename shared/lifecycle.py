@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import hashlib
 import os
 import signal
 import socket
@@ -26,7 +25,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 import structlog
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import RedisError
 
 from shared import clock
 from shared.errors import PacerError
@@ -34,6 +33,7 @@ from shared.exit_reason import note_exception, report_error
 from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, SCAN_COUNT, Keys
 from shared.protocol import Heartbeat, encode, heartbeat_of
 from shared.redis_retry import retry_redis
+from shared.scripts import Script, execute
 from shared.service_args import redis_password, refused_for_good, shown_url
 
 log = structlog.get_logger("lifecycle")
@@ -191,10 +191,10 @@ async def keep_heartbeat(redis: aioredis.Redis, key: str,
             if claim is None:
                 pipe.set(key, encode(beat), ex=ttl_s)
             else:
-                pipe.eval(_SET_WHILE_CLAIMED, 2, claim.key, key, claim.incarnation,
-                          encode(beat), ttl_s)
+                _SET_WHILE_CLAIMED.queue(pipe, (claim.key, key), claim.incarnation,
+                                         encode(beat), ttl_s)
             before, sent = time.time(), time.monotonic()
-            redis_time, held_by = await pipe.execute()
+            redis_time, held_by = await execute(pipe)
             clock.measured(before, redis_time, time.time())
         except (RedisError, OSError) as e:
             log.warning("heartbeat not written", key=key, error=str(e))
@@ -217,13 +217,13 @@ async def scheduler_heartbeats(redis: aioredis.Redis, keys: Keys) -> dict[str, b
 
 # SET the claim key to ARGV[2] (with a TTL of ARGV[3] s) only while it still holds ARGV[1]: the
 # dead predecessor's claim that was read, not one another process wrote since
-_TAKE_OVER = """
+_TAKE_OVER = Script("""
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3])
   return 1
 end
 return 0
-"""
+""")
 
 # The claim KEYS[1] holds when it is another incarnation's than ARGV[1] (it took the claim
 # this one let lapse), else false: it holds this incarnation's, or nothing (lapsed, taken by
@@ -246,51 +246,48 @@ end
 
 # SET KEYS[2] (the claim itself, or a heartbeat of its process) to ARGV[2] (TTL ARGV[3] s)
 # unless another incarnation holds the claim, which is returned, nothing touched
-_SET_WHILE_CLAIMED = OTHERS_CLAIM + """
+_SET_WHILE_CLAIMED = Script(OTHERS_CLAIM + """
 local held = others_claim()
 if held then
   return held
 end
 redis.call('SET', KEYS[2], ARGV[2], 'EX', ARGV[3])
 return false
-"""
+""")
 
 # A clean exit's delete of KEYS[2] (the claim KEYS[1] itself, or its process's heartbeat):
 # only while the claim is not another incarnation's
-_CLEAR_WHILE_CLAIMED = OTHERS_CLAIM + """
+_CLEAR_WHILE_CLAIMED = Script(OTHERS_CLAIM + """
 if not others_claim() then
   redis.call('DEL', KEYS[2])
 end
 return 0
-"""
+""")
 
 # The claim when another incarnation holds it (else nil): a check queued in a pipeline
-_CHECK = OTHERS_CLAIM + "return others_claim()"
+_CHECK = Script(OTHERS_CLAIM + "return others_claim()")
 
 # XADD to KEYS[2] (MAXLEN ~ ARGV[2]; the fields: ARGV[3..]) unless another incarnation holds
 # the claim: {1, the entry id}, or {0, the other's claim} with nothing added
-_FENCED_XADD = OTHERS_CLAIM + """
+_FENCED_XADD = Script(OTHERS_CLAIM + """
 local held = others_claim()
 if held then
   return {0, held}
 end
 return {1, redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[2], '*', unpack(ARGV, 3))}
-"""
-# sent by its digest (EVALSHA): a plan an iteration, the script's text each time was most of
-# the bytes packed and sent, and Redis hashed it again for every one
-_FENCED_XADD_SHA = hashlib.sha1(_FENCED_XADD.encode()).hexdigest()
+""")
 
 
 # Run the command ARGV[2] on KEYS[2] (its further arguments: ARGV[3..]) unless another
 # incarnation holds the claim, which is returned, nothing run
-_CALL_WHILE_CLAIMED = OTHERS_CLAIM + """
+_CALL_WHILE_CLAIMED = Script(OTHERS_CLAIM + """
 local held = others_claim()
 if held then
   return held
 end
 redis.call(ARGV[2], KEYS[2], unpack(ARGV, 3))
 return false
-"""
+""")
 
 
 @dataclass
@@ -324,7 +321,7 @@ class Claim:
         """Check the claim in a round trip of its own: another incarnation's stops the
         process (`checked`); this one's is noted as confirmed."""
         sent = time.monotonic()
-        self.checked(await self.redis.eval(_CHECK, 1, self.key, self.incarnation))
+        self.checked(await _CHECK.run(self.redis, (self.key,), self.incarnation))
         self.confirmed_at = sent
 
     async def xadd(self, stream: str, fields: dict, maxlen: int) -> bytes | str:
@@ -332,13 +329,9 @@ class Claim:
         incarnation's (or lapsed, taken by no one). Another incarnation's: nothing is added,
         and the process exits 1 at once with the line of `lost`, as when its refresh finds
         it."""
-        args = (2, self.key, stream, self.incarnation, maxlen,
-                *(item for pair in fields.items() for item in pair))
-        try:
-            sent, value = await self.redis.evalsha(_FENCED_XADD_SHA, *args)
-        except NoScriptError:       # not in this server's script cache (a new or restarted
-            # Redis, SCRIPT FLUSH): nothing ran; EVAL runs it and caches it there
-            sent, value = await self.redis.eval(_FENCED_XADD, *args)
+        sent, value = await _FENCED_XADD.run(
+            self.redis, (self.key, stream), self.incarnation, maxlen,
+            *(item for pair in fields.items() for item in pair))
         if not sent:
             self.stop(value)
         return value
@@ -346,18 +339,18 @@ class Claim:
     def queue_call(self, pipe, command: str, key: str, *args) -> None:
         """Queue `command key *args` (HSET of a stats hash, SET of the plans fence) on `pipe`,
         run only while the claim is this incarnation's (or lapsed, taken by no one); its
-        reply goes to `checked`."""
-        pipe.eval(_CALL_WHILE_CLAIMED, 2, self.key, key, self.incarnation, command, *args)
+        reply goes to `checked` (run `pipe` with shared.scripts.execute)."""
+        _CALL_WHILE_CLAIMED.queue(pipe, (self.key, key), self.incarnation, command, *args)
 
     async def call(self, command: str, key: str, *args) -> None:
         """`queue_call` in a round trip of its own, then `checked`."""
-        self.checked(await self.redis.eval(_CALL_WHILE_CLAIMED, 2, self.key, key,
-                                           self.incarnation, command, *args))
+        self.checked(await _CALL_WHILE_CLAIMED.run(self.redis, (self.key, key),
+                                                   self.incarnation, command, *args))
 
     def queue_check(self, pipe) -> None:
         """Queue a check of the claim on `pipe`, in the round trip of what it reads; its
-        reply goes to `checked`."""
-        pipe.eval(_CHECK, 1, self.key, self.incarnation)
+        reply goes to `checked` (run `pipe` with shared.scripts.execute)."""
+        _CHECK.queue(pipe, (self.key,), self.incarnation)
 
     def checked(self, held: bytes | None) -> None:
         """The reply of `queue_check`: another incarnation's claim stops the process
@@ -375,14 +368,15 @@ class Claim:
         """`clear_key` of the claim itself or a heartbeat of its process, at a clean exit:
         only while the claim is this incarnation's (or none's), never a new holder's."""
         try:
-            await self.redis.eval(_CLEAR_WHILE_CLAIMED, 2, self.key, key, self.incarnation)
+            await _CLEAR_WHILE_CLAIMED.run(self.redis, (self.key, key), self.incarnation)
         except (RedisError, OSError) as e:
             log.warning("heartbeat key not cleared", key=key, error=str(e))
 
 
 def queue_hset(pipe, claim: Claim | None, key: str, mapping: dict) -> None:
     """Queue HSET of `mapping` into `key` (a stats hash) on `pipe`: fenced by `claim`
-    (`Claim.queue_call`: pass its reply to `claim.checked`) where there is one."""
+    (`Claim.queue_call`: pass its reply to `claim.checked`) where there is one. Run `pipe`
+    with shared.scripts.execute."""
     if claim is None:
         pipe.hset(key, mapping=mapping)
     else:
@@ -445,7 +439,7 @@ async def _claim(redis: aioredis.Redis, key: str, value: bytes, kind: str, what:
         if extra.get("host") == socket.gethostname():
             if live_here(extra, kind) is not None:
                 raise taken(extra)
-            if await redis.eval(_TAKE_OVER, 1, key, raw, value, ttl_s):
+            if await _TAKE_OVER.run(redis, (key,), raw, value, ttl_s):
                 return                      # a dead predecessor's: ours now
             continue                        # someone else wrote it meanwhile: read again
         # another host's (or one that names none): alive if it refreshes the key

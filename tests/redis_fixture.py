@@ -76,19 +76,24 @@ def redis_server() -> Iterator[str]:
 
 
 def lose_a_reply(monkeypatch: pytest.MonkeyPatch, command: str) -> list:
-    """Make the first async pipeline that holds `command` ("EVAL", ...) run on the server and
+    """Make the first async pipeline in which `command` ("EVALSHA", ...) ran on the server
     then lose its reply (a ConnectionError, as when the connection breaks before the reply
-    came). Returns the list the lost replies go into (one at most)."""
+    came). "EVALSHA" stands for a script (shared/scripts.py): sent by its digest, or by its
+    text where the server lacked it (its NOSCRIPT ran nothing). Returns the list the lost
+    replies go into (one at most)."""
     from redis.asyncio.client import Pipeline
     from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import NoScriptError
 
     lost: list = []
     execute = Pipeline.execute
+    commands = {command, "EVAL"} if command == "EVALSHA" else {command}
 
     async def losing(pipe, raise_on_error: bool = True):
-        holds = any(args[0] == command for args, _ in pipe.command_stack)
+        held = [args[0] in commands for args, _ in pipe.command_stack]
         replies = await execute(pipe, raise_on_error)
-        if holds and not lost:
+        if not lost and any(holds and not isinstance(reply, NoScriptError)
+                            for holds, reply in zip(held, replies)):
             lost.append(replies)
             raise RedisConnectionError("the reply was lost")
         return replies

@@ -1099,7 +1099,12 @@ def test_a_hand_off_goes_only_while_its_entry_is_the_prefill_schedulers(redis_se
     from it: two schedulers served the request), one that ended there (acked) is not handed
     over, or the decode instance started it again for nobody; its reservation is cancelled
     instead. One still its own goes as before. Real Redis."""
+    import asyncio
+
     import redis as sync_redis
+    import redis.asyncio as aioredis
+
+    from shared.scripts import execute
 
     r = sync_redis.Redis.from_url(redis_server)
     keys = Keys("move-test:")
@@ -1120,9 +1125,15 @@ def test_a_hand_off_goes_only_while_its_entry_is_the_prefill_schedulers(redis_se
     for rid, m in msgs.items():
         p0.out.handoffs.append(("d0", "host-d0", entries[rid],
                                 handoff(m, stream_id_text(entries[rid]), 77, ["d0:1"])))
-    pipe = r.pipeline(transaction=False)
-    p0.queue(pipe, p0.take())
-    pipe.execute()
+    async def move():       # as the scheduler runs its pipelines (the scripts by digest)
+        client = aioredis.Redis.from_url(redis_server)
+        try:
+            pipe = client.pipeline(transaction=False)
+            p0.queue(pipe, p0.take())
+            await execute(pipe)
+        finally:
+            await client.aclose()
+    asyncio.run(move())
     owners = {p["message_id"]: p["consumer"].decode()
               for p in r.xpending_range(keys.requests, keys.requests_group, "-", "+", 10)}
     assert owners == {entries["mine"]: "host-d0", entries["claimed"]: "p1"}
@@ -1179,7 +1190,7 @@ def test_a_hand_off_or_forward_the_move_skips_is_logged_once_naming_why(redis_se
             for rid in ("fwd-claimed", "fwd-ended"):
                 out.forwards.append(("p1", "sched-p1", entries[rid], HandoffMsg(
                     encode(request(rid, 9)), stream_id_text(entries[rid]), [], [])))
-            lost = lose_a_reply(monkeypatch, "EVAL") if reply_lost else None
+            lost = lose_a_reply(monkeypatch, "EVALSHA") if reply_lost else None
             with capture_logs() as logs:
                 await service._intake(pull=False, block=False)
             assert not reply_lost or lost
@@ -1270,6 +1281,9 @@ def pd_pair(r, prefix: str, num_blocks: int) -> tuple[PrefillSide, DecodeSide]:
 
 def exchange(r, p0: PrefillSide, d0: DecodeSide) -> None:
     """One round of what p0's and d0's schedulers each write and read at an intake."""
+    # the move script by its digest: a scheduler's async pipeline (shared.scripts.execute)
+    # sends one the server lacks again; this synchronous one finds it loaded
+    r.script_load(disagg._MOVE.text)
     pipe = r.pipeline(transaction=False)
     p0.queue(pipe, p0.take())
     pipe.execute()

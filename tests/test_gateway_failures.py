@@ -62,7 +62,7 @@ async def test_a_submit_retried_after_its_reply_was_lost_has_its_entry_checked(
     repeat, and now learns where the first try's entry is, so the request is checked for a
     lost entry like any other. Before, the repeat returned no entry id, the quiet streams'
     lookup skipped the request, and once its entry was gone its client waited forever."""
-    lost = lose_a_reply(monkeypatch, "EVAL")
+    lost = lose_a_reply(monkeypatch, "EVALSHA")
     upstream = Upstream(redis, KEYS, "gw")
     router = TokenRouter(redis, upstream.reply_to)
     stream = router.open("retried")

@@ -608,6 +608,7 @@ async def test_one_script_call_records_every_tokens_progress_and_its_ttl():
     from shared.progress import decode_progress
     from shared.plan import StepResult
     from shared.protocol import TokenBatch, TokenEvent
+    from shared.scripts import execute
     proc, url = start_redis()
     client = aioredis.Redis.from_url(url)
 
@@ -622,7 +623,7 @@ async def test_one_script_call_records_every_tokens_progress_and_its_ttl():
                        TokenBatch([TokenEvent("b", index, 200 + index, None, None)])]
             pipe = client.pipeline(transaction=False)
             queue(pipe, batches)
-            await pipe.execute()
+            await execute(pipe)
             if index == 0:
                 assert 0 < await client.ttl(keys.progress("a")) <= PROGRESS_TTL_S
                 await client.persist(keys.progress("a"))          # so a refresh shows
@@ -636,13 +637,13 @@ async def test_one_script_call_records_every_tokens_progress_and_its_ttl():
         # and its record went) gets its TTL too
         pipe = client.pipeline(transaction=False)
         queue(pipe, [TokenBatch([TokenEvent("c", 5, 7, None, None)])])
-        await pipe.execute()
+        await execute(pipe)
         assert 0 < await client.ttl(keys.progress("c")) <= PROGRESS_TTL_S
         # a plan at or before the plans fence (the scheduler gave it up) writes nothing
         await client.set(keys.plans_fence, "1-0")
         pipe = client.pipeline(transaction=False)
         queue(pipe, [TokenBatch([TokenEvent("d", 0, 7, None, None)])])
-        assert await pipe.execute() == [[2, b"1-0"]]
+        assert await execute(pipe) == [[2, b"1-0"]]
         assert not await client.exists(keys.progress("d"))
     finally:
         await client.aclose()

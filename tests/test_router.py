@@ -371,7 +371,7 @@ def test_a_submit_retried_after_its_reply_was_lost_counts_where_its_entry_is(
     from gateway.upstream import Upstream
 
     keys = Keys(f"retried-{prefill}:")
-    lost = lose_a_reply(monkeypatch, "EVAL")
+    lost = lose_a_reply(monkeypatch, "EVALSHA")
 
     async def scenario() -> ReplicaRouter:
         client = aioredis.Redis.from_url(redis_server)

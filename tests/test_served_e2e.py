@@ -500,6 +500,43 @@ def test_the_workers_counters_in_metrics_catch_up_once_idle(served: Served):
         r.close()
 
 
+def test_scripts_go_by_digest_and_a_script_flush_mid_stream_loses_no_token(served: Served):
+    """Steady serving sends every Lua script by its digest (EVALSHA): before, the worker's
+    result script (~1.5 KB), the fenced stats HSET and the gateway's submit went as their
+    whole text (EVAL) each time. A SCRIPT FLUSH (as a restart of Redis empties the script
+    cache) mid-stream costs no token: each script that found the server without it ran
+    once, sent again as its text, and is cached again."""
+    from gateway.upstream import _SUBMIT_ONCE
+    from gpu_worker.service import _SEND_RESULT
+
+    c = client(served)
+    r = redis.Redis.from_url(served.redis_url)
+
+    def text(flush_after: int | None = None) -> str:
+        chunks = c.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=24,
+                                      temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        out = ""
+        for i, chunk in enumerate(chunks):
+            out += chunk.choices[0].text if chunk.choices else ""
+            if i == flush_after:
+                r.script_flush()
+        return out
+
+    try:
+        want = text()
+        r.config_resetstat()
+        assert text() == want
+        steady = r.info("commandstats")
+        assert "cmdstat_eval" not in steady and steady["cmdstat_evalsha"]["calls"] > 0, steady
+        assert text(flush_after=4) == want      # the worker's results met NOSCRIPT
+        assert text() == want                   # the gateway's submit too
+        reloaded = r.script_exists(_SEND_RESULT.sha, _SUBMIT_ONCE.sha)
+    finally:
+        r.close()
+    assert reloaded == [True, True]
+
+
 def test_client_disconnect_frees_kv_blocks(served: Served):
     stream = client(served).completions.create(
         model=MODEL, prompt=PROMPTS[2], max_tokens=400, temperature=0, stream=True,

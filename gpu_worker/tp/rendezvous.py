@@ -19,12 +19,13 @@ from gpu_worker.tp.group import find_free_port
 from shared.errors import PacerError
 from shared.hosts import loopback_elsewhere, this_host
 from shared.keys import Keys
+from shared.scripts import Script
 
 # rank 0 listens right after it publishes: an address that refuses this long is a dead group
 REFUSED_FOR_S = 5.0
 
 # delete the rendezvous only if it is still the one this rank 0 wrote
-_WITHDRAW = "if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end"
+_WITHDRAW = Script("if redis.call('GET', KEYS[1]) == ARGV[1] then redis.call('DEL', KEYS[1]) end")
 
 
 async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str
@@ -40,7 +41,7 @@ async def publish_rendezvous(redis: aioredis.Redis, keys: Keys, host: str
 
 async def withdraw_rendezvous(redis: aioredis.Redis, keys: Keys, value: str) -> None:
     """Rank 0, its group formed: no later follower may take its rendezvous for an open one."""
-    await redis.eval(_WITHDRAW, 1, keys.tp_rendezvous, value)
+    await _WITHDRAW.run(redis, (keys.tp_rendezvous,), value)
 
 
 async def read_rendezvous(redis: aioredis.Redis, keys: Keys, stop: asyncio.Event,
