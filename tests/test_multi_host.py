@@ -252,3 +252,16 @@ def test_a_request_the_gateway_accepted_before_it_read_a_shorter_schedulers_leng
         and "\n" not in asked.error, asked.error
     assert (default.finish_reason, default.num_output_tokens) == ("length", 8), default
 
+
+def test_truncate_prompt_tokens_minus_one_fits_the_schedulers_shorter_context(by_hand):
+    """`truncate_prompt_tokens: -1` (the Responses API's `truncation: "auto"`) kept as much of
+    the prompt as the gateway's --max-model-len holds beside the answer, and the request was
+    then refused as longer than the schedulers' context: it keeps what theirs holds."""
+    gateway, tails = by_hand
+    wait_for(lambda: _served_length(gateway) == SCHEDULER_LEN, 30.0, "the schedulers' length")
+    body = {"model": "tiny", "prompt": list(range(20, 220)), "max_tokens": 8,
+            "truncate_prompt_tokens": -1, "ignore_eos": True}
+    status, answer = _post(gateway, "/v1/completions", body)
+    assert status == 200, f"{answer}\n{tails()}"
+    assert answer["usage"]["prompt_tokens"] == SCHEDULER_LEN - 8, answer
+    assert answer["choices"][0]["finish_reason"] == "length", answer
