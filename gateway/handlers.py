@@ -193,7 +193,9 @@ def _parsed(body: Any, parse: Callable[[Any], GenerationRequest],
     for over a second): run it off the event loop."""
     req = parse(body)
     _check_model(req.model, state)
-    return req, prompt_token_ids(req, state.tokenizer, state.max_model_len)
+    # the served context: `truncate_prompt_tokens: -1` fits the prompt into the schedulers'
+    # where theirs is shorter (it kept the gateway's, and was refused as too long)
+    return req, prompt_token_ids(req, state.tokenizer, state.served_max_model_len)
 
 
 def _admit(state: GatewayState) -> WaitingSlot:

@@ -166,7 +166,8 @@ def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_le
                           allowed_token_ids=req.allowed_token_ids,
                           bad_words_token_ids=bad_words_token_ids(req.bad_words, tokenizer),
                           prompt_logprobs=_prompt_logprobs(req),
-                          structured_outputs=req.structured_outputs)
+                          structured_outputs=req.structured_outputs,
+                          max_tokens_default=not req.max_tokens and req.endpoint != "completions")
 
 
 @functools.lru_cache(maxsize=64)

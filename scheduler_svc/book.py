@@ -153,7 +153,11 @@ class RequestBook:
         if output_token_ids and self._already_done(entry_id, msg, output_token_ids):
             return
         try:
-            self.core.add_request(rid, msg.prompt_token_ids, msg.sampling, reply_to=msg.reply_to,
+            # a gateway that read no heartbeat of this scheduler yet checked the request
+            # against its own --max-model-len: one that does not fit here is refused, not cut
+            sampling = msg.sampling.fit_context(len(msg.prompt_token_ids),
+                                                self.core.max_model_len)
+            self.core.add_request(rid, msg.prompt_token_ids, sampling, reply_to=msg.reply_to,
                                   output_token_ids=output_token_ids, arrival_s=msg.arrival_time)
         except InvalidRequestError as e:
             self.finish_now(entry_id, msg, "error", 0, str(e), "invalid_request_error")

@@ -462,10 +462,13 @@ class PrefillSide:
             return False
         lengths = ", ".join(f"{d.instance} {d.max_model_len}"
                             for d in sorted(self.decoders.values(), key=lambda d: d.instance))
-        error = (f"request {msg.request_id!r}: prompt {len(msg.prompt_token_ids)} + max_tokens "
-                 f"{msg.sampling.max_tokens} = {tokens} tokens, more than the --max-model-len of "
-                 f"every decode instance ({lengths}); give the gateway and every instance the "
-                 "same --max-model-len")
+        what = (f"a prompt of {tokens - 1} tokens leaves no room in" if
+                msg.sampling.max_tokens_default else
+                f"prompt {len(msg.prompt_token_ids)} + max_tokens {msg.sampling.max_tokens} = "
+                f"{tokens} tokens, more than")
+        error = (f"request {msg.request_id!r}: {what} the --max-model-len of every decode "
+                 f"instance ({lengths}); give the gateway and every instance the same "
+                 "--max-model-len")
         del self._pending[msg.request_id]
         if pending.asked:
             self.out.cancels.append((pending.asked, CancelMsg(msg.request_id, "too long")))
@@ -845,8 +848,11 @@ class PrefillSide:
 
 
 def _tokens(msg: RequestMsg) -> int:
-    """What a request may grow to: its prompt and max_tokens (the gateway's check)."""
-    return len(msg.prompt_token_ids) + msg.sampling.max_tokens
+    """What a request may grow to: its prompt and max_tokens (the gateway's check); a default
+    max_tokens (`SamplingParams.fit_context`) only what the decode instance holds: its
+    prompt and a token."""
+    return len(msg.prompt_token_ids) + (1 if msg.sampling.max_tokens_default
+                                        else msg.sampling.max_tokens)
 
 
 @dataclass

@@ -46,7 +46,9 @@ from shared.sampling import SamplingParams
 # 2: plans carry "after" (docs/design.md#overlap)
 # 3: ReservedMsg.num_cached_blocks (shared blocks a prefill instance must not write),
 #    TokenBatch.instance
-SCHEMA_VERSION = 3
+# 4: SamplingParams.max_tokens_default (a scheduler refuses a request longer than its context,
+#    or cuts a default max_tokens to it)
+SCHEMA_VERSION = 4
 STREAM_FIELD = "m"       # streams carry one field holding the encoded message
 FINISH_REASONS = ("stop", "length", "abort", "error")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from shared.errors import InvalidRequestError
 from shared.structured import structured_pair
@@ -62,6 +62,10 @@ class SamplingParams:
     # what the output must match (shared/structured.py): (kind, text), e.g. ("json", a JSON
     # schema); vLLM's {kind: spec} is taken too. None: free text
     structured_outputs: tuple[str, str] | None = None
+    # max_tokens was not asked for (a chat's default: the rest of the context as the gateway
+    # knew it): a scheduler whose context is shorter answers in the rest of its own (vLLM's
+    # max_tokens None) where one asked for is refused there (`fit_context`)
+    max_tokens_default: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -133,8 +137,25 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or \
                     not math.isfinite(value):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidRequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "max_tokens_default"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequestError(f"{name} must be true or false, "
+                                          f"got {getattr(self, name)!r}")
+
+    def fit_context(self, num_prompt: int, max_model_len: int) -> "SamplingParams":
+        """These params for a prompt of `num_prompt` tokens in a context of `max_model_len`
+        (a scheduler's): a default max_tokens cut to the rest of it; an asked-for one that
+        does not fit is refused (InvalidRequestError, one line naming both): past the context
+        the answer was cut short with "length" without a word (vLLM's server refuses it)."""
+        room = max_model_len - num_prompt
+        if self.max_tokens <= room or room < 1:      # a prompt that fills it: refused apart
+            return self
+        if self.max_tokens_default:
+            return replace(self, max_tokens=room, min_tokens=min(self.min_tokens, room))
+        raise InvalidRequestError(
+            f"prompt {num_prompt} + max_tokens {self.max_tokens} = {num_prompt + self.max_tokens}"
+            f" tokens, more than this scheduler's --max-model-len {max_model_len}: give the "
+            "gateway and every scheduler the same --max-model-len")
 
     @property
     def adjusts_logits(self) -> bool:

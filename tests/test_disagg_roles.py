@@ -638,9 +638,13 @@ def test_a_request_goes_only_to_a_decode_instance_whose_context_holds_it(capsys)
     side.housekeeping({"d0": short}, {})                 # d1 gone: none holds 90 tokens
     side.admit(b"4-0", request("cut", 10, max_tokens=80))
     side.admit(b"5-0", request("cut-whole", 5, max_tokens=80))
+    # a chat without max_tokens (the gateway's default, 80) answers in d0's context instead
+    chat = request("chat", 10, max_tokens=80, first=90)
+    side.admit(b"6-0", replace(chat, sampling=replace(chat.sampling, max_tokens_default=True)))
     out = side.take()
-    assert not out.reserves and not out.handoffs
-    assert sorted(side.pending_entry_ids()) == [b"1-0", b"3-0"]       # asked, not answered yet
+    assert [(i, m.request_msg.request_id) for i, m in out.reserves] == [("d0", "chat")]
+    assert not out.handoffs
+    assert sorted(side.pending_entry_ids()) == [b"1-0", b"3-0", b"6-0"]  # asked, no answer yet
     events = {e.request_id: e for e in (decode(d) for _, d in side.book.take_outbox().finishes)}
     assert {rid: (e.finish_reason, e.error_type) for rid, e in events.items()} == {
         "cut": ("error", "invalid_request_error"),
@@ -948,6 +952,31 @@ def test_a_decode_instance_of_another_model_is_no_partner_at_all(found_by, capsy
     side.admit(b"13-0", request("later", 10))
     (instance, _), = side.take().reserves
     assert instance == "d0"
+
+
+def test_a_prefill_instance_serving_a_request_itself_refuses_one_longer_than_its_context():
+    """While every decode instance up serves another model, the prefill instance serves a
+    request itself, whole: one whose prompt + max_tokens is longer than its own
+    --max-model-len (which the gateway accepted by its own, longer one) was cut short there
+    with "length" without a word. It is refused with an error naming both lengths; a chat's
+    default max_tokens answers in the rest of this instance's context."""
+    c = core(num_blocks=40)                              # --max-model-len 128
+    ours = {"model": "tiny", "weights": "aaaa"}
+    side = PrefillSide(Keys(), "p0", c, RequestBook(c), min_prompt_tokens=8, model=ours)
+    side.own = [{**descriptor("p0:1"), **ours}]
+    side.housekeeping({"d0": _Decoder("d0", "host-d0", 100, 0, 1.0, "tiny-tuned", "bbbb")}, {})
+    side.admit(b"1-0", request("long", 10, max_tokens=200))
+    default = request("chat", 10, max_tokens=200)
+    side.admit(b"2-0", replace(default, sampling=replace(default.sampling,
+                                                         max_tokens_default=True)))
+    side.take()
+    assert c.get_request("long") is None
+    (event,) = (decode(d) for _, d in side.book.take_outbox().finishes)
+    assert (event.request_id, event.finish_reason, event.error_type) == (
+        "long", "error", "invalid_request_error")
+    assert "210 tokens" in event.error and "--max-model-len 128" in event.error \
+        and "\n" not in event.error, event.error
+    assert c.get_request("chat").sampling.max_tokens == 118
 
 
 def test_a_short_prompt_goes_whole_and_a_failed_send_hands_over_without_kv():

@@ -175,6 +175,14 @@ def _post(gateway: Served, path: str, body: dict) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
+def _served_length(gateway: Served) -> int:
+    """The context /v1/models states a request can have."""
+    listing = urllib.request.Request(f"{gateway.base_url}/v1/models",
+                                     headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(listing, timeout=30) as r:
+        return json.loads(r.read())["data"][0]["max_model_len"]
+
+
 def test_a_request_longer_than_the_schedulers_context_is_refused_not_cut_short(by_hand):
     """A scheduler started with a shorter --max-model-len than the gateway's cut a request
     the gateway accepted (prompt + max_tokens within the gateway's length) short with
@@ -196,12 +204,64 @@ def test_a_request_longer_than_the_schedulers_context_is_refused_not_cut_short(b
     assert status == 200 and answer["usage"]["completion_tokens"] == 8, answer
     # /v1/models states the context a request can have: the schedulers' (clients size
     # their requests by it)
-    listing = urllib.request.Request(f"{gateway.base_url}/v1/models",
-                                     headers={"Authorization": f"Bearer {API_KEY}"})
-    with urllib.request.urlopen(listing, timeout=30) as r:
-        assert json.loads(r.read())["data"][0]["max_model_len"] == SCHEDULER_LEN
+    assert _served_length(gateway) == SCHEDULER_LEN
     status, answer = _post(gateway, "/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}],
         "ignore_eos": True})
     assert status == 200, f"{answer}\n{tails()}"
     assert answer["usage"]["total_tokens"] == SCHEDULER_LEN, answer
+
+
+def test_a_request_the_gateway_accepted_before_it_read_a_shorter_schedulers_length_is_refused(
+        by_hand):
+    """Until the gateway reads a scheduler's heartbeat (it just started, or the scheduler
+    restarted with a shorter --max-model-len, or Redis did) it checks a request against its
+    own --max-model-len, and the scheduler cut one longer than its own context short with
+    "length" without a word. The scheduler refuses it with an error naming its length (the
+    gateway's 400); a chat's default max_tokens (the rest of the gateway's context) answers
+    in the rest of the scheduler's."""
+    from shared.protocol import FinishEvent, RequestMsg, decode, to_fields
+    from shared.sampling import SamplingParams
+
+    gateway, tails = by_hand
+    keys, channel = Keys("skew:"), "skew:tokens:by-hand"
+    prompt = list(range(20, 20 + SCHEDULER_LEN - 8))
+    sent = {"asked": SamplingParams(max_tokens=40, ignore_eos=True),
+            "default": SamplingParams(max_tokens=GATEWAY_LEN - len(prompt), ignore_eos=True,
+                                      max_tokens_default=True)}
+    client = redis.Redis.from_url(gateway.redis_url)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(channel)
+    finished: dict[str, FinishEvent] = {}
+    try:
+        for rid, sampling in sent.items():       # as the gateway writes them
+            client.xadd(keys.requests, to_fields(RequestMsg(rid, prompt, sampling, channel,
+                                                            "by-hand", time.time())))
+        deadline = time.monotonic() + 60
+        while len(finished) < len(sent):
+            assert time.monotonic() < deadline, f"{finished}\n{tails()}"
+            message = pubsub.get_message(timeout=1.0)
+            if message is not None and isinstance(msg := decode(message["data"]), FinishEvent):
+                finished[msg.request_id] = msg
+    finally:
+        pubsub.close()
+        client.close()
+    asked, default = finished["asked"], finished["default"]
+    assert (asked.finish_reason, asked.error_type) == ("error", "invalid_request_error"), asked
+    assert f"--max-model-len {SCHEDULER_LEN}" in asked.error and "160 tokens" in asked.error \
+        and "\n" not in asked.error, asked.error
+    assert (default.finish_reason, default.num_output_tokens) == ("length", 8), default
+
+
+def test_truncate_prompt_tokens_minus_one_fits_the_schedulers_shorter_context(by_hand):
+    """`truncate_prompt_tokens: -1` (the Responses API's `truncation: "auto"`) kept as much of
+    the prompt as the gateway's --max-model-len holds beside the answer, and the request was
+    then refused as longer than the schedulers' context: it keeps what theirs holds."""
+    gateway, tails = by_hand
+    wait_for(lambda: _served_length(gateway) == SCHEDULER_LEN, 30.0, "the schedulers' length")
+    body = {"model": "tiny", "prompt": list(range(20, 220)), "max_tokens": 8,
+            "truncate_prompt_tokens": -1, "ignore_eos": True}
+    status, answer = _post(gateway, "/v1/completions", body)
+    assert status == 200, f"{answer}\n{tails()}"
+    assert answer["usage"]["prompt_tokens"] == SCHEDULER_LEN - 8, answer
+    assert answer["choices"][0]["finish_reason"] == "length", answer
