@@ -578,11 +578,11 @@ def _structured_outputs(body: dict, tools: tuple[dict, ...], tool_choice: str | 
         else:
             given.append(("structured_outputs", spec))
     if body.get("guided_whitespace_pattern") is not None:     # vLLM's older spelling of one
-        options["whitespace_pattern"] = body["guided_whitespace_pattern"]
+        options["whitespace_pattern"] = read_field(body, "guided_whitespace_pattern", (str,))
         options_param = "guided_whitespace_pattern"
-    guided = {k: body[f"guided_{k}"] for k in KINDS if body.get(f"guided_{k}") is not None}
-    if guided:
-        given.append((f"guided_{next(iter(guided))}", guided))
+    # each guided_* field a constraint of its own: two are refused naming both
+    given += [(f"guided_{k}", {k: body[f"guided_{k}"]}) for k in KINDS
+              if body.get(f"guided_{k}") is not None]
     if tool_choice is not None and tool_choice != "auto":    # auto: the model's own format
         given.append(("tool_choice", tool_call_constraint(tools, tool_choice,
                                                           parallel_tool_calls)))

@@ -149,6 +149,11 @@ def chat_body(body: Any) -> tuple[dict, dict]:
     if not isinstance(fmt, dict):
         raise APIError("'text.format' must be an object", param="text.format")
     if fmt.get("type") == "json_schema":
+        # checked here: chat's errors would name its own json_schema, no field of this API
+        if not isinstance(fmt.get("schema"), dict):
+            raise APIError("'text.format.schema' must be a JSON schema (an object) where "
+                           "text.format.type is 'json_schema'", param="text.format.schema")
+        oai.check_strict(fmt, "text.format", "text.format")
         chat["response_format"] = {"type": "json_schema", "json_schema": {
             "name": fmt.get("name", "response"), "schema": fmt.get("schema"),
             "strict": fmt.get("strict")}}

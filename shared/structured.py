@@ -19,13 +19,16 @@ import json
 from typing import Any, Callable
 
 from shared.errors import InvalidRequestError
-from shared.json_file import parse_user_json
+from shared.json_file import json_type, parse_user_json
 
 KINDS = ("json", "regex", "choice", "grammar")
 # vLLM's options of structured_outputs, for a JSON schema: compact JSON (no whitespace between
 # its tokens); whitespace of a given pattern; every object closed to the properties it names
 JSON_OPTIONS = ("disable_any_whitespace", "whitespace_pattern", "disable_additional_properties")
 ANY_JSON_OBJECT = '{"type": "object"}'
+# what a field of one kind (guided_json, ...) holds, for its error
+_SPEC_SHAPES = {"json": "a JSON schema (an object, or its JSON text)", "regex": "a string",
+                "choice": "a non-empty list of non-empty strings", "grammar": "a string"}
 MAX_SPEC_CHARS = 100_000
 _LLGUIDANCE_FORMAT = {"json": "json", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
@@ -60,12 +63,15 @@ def structured_pair(value: Any, name: str | None = None) -> tuple[str, str] | No
         elif kind == "choice":
             if not isinstance(spec, list) or not spec or \
                     not all(isinstance(c, str) and c for c in spec):
-                raise InvalidRequestError("structured_outputs.choice must be a non-empty list of "
-                                          "non-empty strings")
+                raise InvalidRequestError(f"{name or 'structured_outputs.choice'} must be a "
+                                          "non-empty list of non-empty strings")
             spec = json.dumps(spec)
         value = (kind, spec)
     if not (isinstance(value, (tuple, list)) and len(value) == 2 and value[0] in KINDS
             and isinstance(value[1], str)):
+        if name and isinstance(value, tuple) and value[0] in KINDS:     # a field of one kind
+            raise InvalidRequestError(f"{name} must be {_SPEC_SHAPES[value[0]]}, got a JSON "
+                                      f"{json_type(value[1])}")
         raise InvalidRequestError(f"structured_outputs must be {{kind: spec}} with kind one of "
                                   f"{', '.join(KINDS)}, got {value!r:.200}")
     kind, text = value

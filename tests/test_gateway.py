@@ -2467,6 +2467,33 @@ async def test_a_constraint_that_is_no_grammar_is_refused_naming_its_field(
     assert error["error"]["message"].startswith(f"{named} is not valid: "), error
 
 
+@pytest.mark.parametrize("path,fields,param,says", [
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x"}}},
+     "text.format.schema", "'text.format.schema' must be a JSON schema"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "strict": "yes",
+                                           "schema": {"type": "object"}}}},
+     "text.format", "text.format.strict must be a boolean"),
+    ("/v1/chat/completions", {"guided_choice": "yes"}, "guided_choice",
+     "guided_choice must be a non-empty list"),
+    ("/v1/chat/completions", {"guided_json": 5}, "guided_json",
+     "guided_json must be a JSON schema"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}, "guided_regex": "[a-z]+"},
+     "guided_regex", "give one constraint on the output, not guided_json and guided_regex"),
+    ("/v1/chat/completions", {"guided_json": {"type": "object"}, "guided_whitespace_pattern": 5},
+     "guided_whitespace_pattern", "'guided_whitespace_pattern' must be a string"),
+])
+async def test_a_malformed_constraint_is_refused_naming_the_field_sent(
+        h: Harness, path: str, fields: dict, param: str, says: str) -> None:
+    """A Responses schema format's errors name its own fields (chat's json_schema is no
+    field of /v1/responses), and vLLM's guided_* fields their own, not structured_outputs."""
+    body = chat() if path == "/v1/chat/completions" else {"model": MODEL, "input": "x"}
+    status, error = await h.post(path, body | fields)
+    assert status == 400 and error["error"]["param"] == param, error
+    assert error["error"]["message"].startswith(says), error
+    assert ".json_schema" not in error["error"]["message"] and \
+        "structured_outputs" not in error["error"]["message"], error
+
+
 @pytest.mark.parametrize("case", BAD_REQUESTS, ids=list(BAD_REQUESTS))
 async def test_bad_requests_get_openai_errors_and_the_service_keeps_serving(h: Harness, case: str) -> None:
     path, body, expected = BAD_REQUESTS[case]
