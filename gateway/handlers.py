@@ -398,7 +398,7 @@ async def health(request: web.Request) -> web.Response:
 
 async def openapi(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(openapi_spec(state.served_model_name, state.max_model_len,
+    return web.json_response(openapi_spec(state.served_model_name, state.served_max_model_len,
                                           state.tokenizer.vocab_size))
 
 

@@ -101,6 +101,7 @@ def chat_body(body: Any) -> tuple[dict, dict]:
         if body.get(name) is not None:
             raise APIError(f"'{name}' is not served: responses are not stored here, and "
                            f"each request stands alone", param=name)
+    read_field(body, "store", (bool,), None)     # answered false whatever it asks: a boolean
     if read_field(body, "background", (bool,), False):
         raise APIError("'background' responses are not served (nothing is stored)",
                        param="background")

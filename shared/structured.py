@@ -133,7 +133,9 @@ def closed_schema(schema: Any) -> Any:
     if not isinstance(schema, dict):
         return schema
     out = _map_subschemas(schema, closed_schema)
-    if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out:
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if ("properties" in out or is_object) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 

@@ -1412,9 +1412,12 @@ async def test_responses_api_takes_vllm_s_chat_fields(h: Harness) -> None:
     assert status == 200 and len(list(h.fake.received.values())[-1].prompt_token_ids) == 3
     for refused in ({"best_of": 2}, {"echo": True}, {"prompt_logprobs": 1},
                     {"truncation": "auto", "truncate_prompt_tokens": 3}, {"messages": []},
-                    {"stream_options": {"include_usage": True}}):
+                    {"stream_options": {"include_usage": True}}, {"store": "yes"}):
         status, error = await h.post("/v1/responses", {**body, **refused})
         assert status == 400 and error["error"]["param"] in refused, error
+    # store true is answered false (nothing is stored), not refused
+    status, answer = await h.post("/v1/responses", {**body, "store": True})
+    assert status == 200 and answer["store"] is False, answer
     # sampling fields sent as null: their defaults
     status, answer = await h.post("/v1/responses", {**body, "temperature": None, "top_p": None})
     assert status == 200 and (answer["temperature"], answer["top_p"]) == (1.0, 1.0), answer

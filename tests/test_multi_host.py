@@ -205,6 +205,13 @@ def test_a_request_longer_than_the_schedulers_context_is_refused_not_cut_short(b
     # /v1/models states the context a request can have: the schedulers' (clients size
     # their requests by it)
     assert _served_length(gateway) == SCHEDULER_LEN
+    # ...and so does the API's schema (a generated client's bounds)
+    spec = urllib.request.Request(f"{gateway.base_url}/openapi.json",
+                                  headers={"Authorization": f"Bearer {API_KEY}"})
+    with urllib.request.urlopen(spec, timeout=30) as r:
+        schemas = json.loads(r.read())["components"]["schemas"]
+    assert schemas["CompletionRequest"]["properties"]["max_tokens"]["maximum"] \
+        == SCHEDULER_LEN - 1, schemas["CompletionRequest"]["properties"]["max_tokens"]
     status, answer = _post(gateway, "/v1/chat/completions", {
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}],
         "ignore_eos": True})

@@ -60,6 +60,8 @@ def test_vllm_s_json_options_are_written_into_the_schema():
     assert closed["items"][0]["additionalProperties"] is False
     assert closed["contains"]["additionalProperties"] is False
     assert closed["dependentSchemas"]["a"]["additionalProperties"] is False
+    # an object that may also be null is closed too
+    assert closed_schema({"type": ["object", "null"]})["additionalProperties"] is False
     assert json.loads(structured_pair({"json_object": True, "whitespace_pattern": " ?"})[1]) == \
         {"type": "object", "x-guidance": {"whitespace_pattern": " ?"}}
     # only JSON has them; a regex is unchanged
