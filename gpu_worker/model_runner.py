@@ -47,6 +47,7 @@ from shared.attention_choice import choose_attention_here
 from shared.config import activation_dtype, kv_cache_dtype
 from shared.engine_layout import EngineLayout
 from shared.errors import PacerError
+from shared.lifecycle import Claim
 from shared.model_config import ModelConfig
 from shared.model_source import ModelSource, kv_identity
 from shared.plan import (GRAMMAR_FAILED, IterationPlan, KVCheck, NewRequestData, PromptLogprobs,
@@ -272,6 +273,12 @@ class ModelRunner:
         comes later fails there rather than landing in memory freed after this runner."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+
+    def fence_kv(self, claim: Claim) -> None:
+        """P/D: this rank's K/V writes go only while its `claim` (shared/lifecycle.py) cannot
+        have lapsed (gpu_worker/kv_transfer/connector.py)."""
+        if self.kv_connector is not None:
+            self.kv_connector.fence(claim)
 
     def kv_descriptor(self) -> dict | None:
         """This rank's registered pool, for the worker heartbeat (shared/kv_layout.py); None

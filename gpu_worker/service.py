@@ -586,6 +586,7 @@ async def _serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
                                 role=role, identity=identity,
                                 kv_progress=lambda: built[0].kv_progress() if built else {})
         def loaded(runner) -> None:
+            runner.fence_kv(claim)
             built.append(runner)
             freeze_heap()
         try:
@@ -605,6 +606,7 @@ async def _serve_worker(redis: aioredis.Redis, keys: Keys, layout: EngineLayout,
         executor = await asyncio.to_thread(on_device, layout.args.device, build_runner, layout,
                                            None, True)
     runner = executor.runner if isinstance(executor, TPExecutor) else executor
+    runner.fence_kv(claim)
     try:
         if stop.is_set():
             return 0

@@ -40,7 +40,7 @@ from scheduler_svc.core.request import Request, stop_status
 from shared import clock
 from shared.errors import InvalidRequestError
 from shared.lifecycle import stream_id_order, stream_id_text
-from shared.keys import Keys
+from shared.keys import HEARTBEAT_INTERVAL_S, HEARTBEAT_TTL_S, Keys
 from shared.kv_layout import KVLayoutError, check_peer_layout, other_model
 from shared.outputs import RequestOutput
 from shared.plan import IterationPlan, KVCheck, KVSend, StepResult
@@ -83,6 +83,11 @@ HELD_MAX_S = 600.0
 # ... or once a rank of it has had no heartbeat this long: dead (a stopped one that long is
 # killed by `pacer up`'s watchdog, 30 s by default, and comes back another process)
 HELD_GONE_S = 60.0
+# ... or this long after another process is first seen in its rank's heartbeat. That one holds
+# the rank's claim, so the old one's lapsed (it died, or was stopped or cut off from Redis
+# past the claim's TTL): run again, it starts no write (its connector's fence,
+# gpu_worker/kv_transfer/connector.py); this covers what it had on the way then
+HELD_REPLACED_S = HEARTBEAT_TTL_S + HEARTBEAT_INTERVAL_S
 # A request entry to another scheduler, with its notice, only while it is this one's.
 # KEYS[1]: the request stream, KEYS[2]: the stream the notice goes to; ARGV: the group, this
 # consumer, the new owner, the entry id, the notice stream's MAXLEN, the notice's field count
@@ -859,12 +864,16 @@ def _tokens(msg: RequestMsg) -> int:
 class Writers:
     """Prefill workers that may still write into some blocks, watched through their
     heartbeats (key -> beat, None where there is none) until none may: each must have beaten
-    since the first look without naming the write, or be another process (`started_at`), or
-    have had no heartbeat for HELD_GONE_S (a stopped worker's beat lapses, and it writes
-    again when it runs); after HELD_MAX_S they are let go of in any case."""
+    since the first look without naming the write, or have had another process in its place
+    (`_replaced`) for HELD_REPLACED_S, or no heartbeat for HELD_GONE_S (a stopped worker's
+    beat lapses, and it writes again when it runs); after HELD_MAX_S they are let go of in any
+    case. Another process alone is not enough: it may have taken the rank over from one
+    stopped (SIGSTOP) past its claim's TTL, which, resumed, went on with the layer writes of
+    the iteration it was stopped in."""
     since: float = field(default_factory=lambda: time.monotonic())
     first: dict[str, tuple[float, object]] | None = None    # key -> (time, started_at)
     gone_since: dict[str, float] = field(default_factory=dict)
+    replaced_since: dict[str, float] = field(default_factory=dict)
 
     @property
     def expired(self) -> bool:
@@ -892,9 +901,24 @@ class Writers:
         if beat is None:
             return now - self.gone_since[key] >= HELD_GONE_S
         first = self.first.get(key)
-        if first is not None and beat.extra.get("started_at") != first[1]:
-            return True                 # another process: the old one's writes died with it
+        if self._replaced(first, beat, now):
+            # its writes are not the old one's: what it names says nothing of those
+            return now - self.replaced_since.setdefault(key, now) >= HELD_REPLACED_S
         return (first is None or beat.time > first[0]) and not writing(beat)
+
+    def _replaced(self, first: tuple[float, object] | None, beat: Heartbeat,
+                  now: float) -> bool:
+        """Whether `beat` is another process's than the one that may have written: not the
+        process of the first look, or (no beat then: the writer may have been stopped) one
+        younger than this watch (its age at its beat, on its own clock, under the watch's:
+        one started just before the watch is taken for new too, and waited for)."""
+        started = beat.extra.get("started_at")
+        if first is not None:
+            return started != first[1]
+        try:
+            return beat.time - float(started) < now - self.since
+        except (TypeError, ValueError):
+            return True                 # names no start: it cannot be told from a new one
 
 
 @dataclass

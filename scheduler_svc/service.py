@@ -207,7 +207,8 @@ class SchedulerService:
         schedulers see the restart within it and send nothing more here), wait until every
         prefill worker has beaten since without naming this instance's workers among the
         peers its writes may still land in; a rank with no heartbeat (stopped, it writes
-        again when it runs) for HELD_GONE_S (docs/failure-modes.md)."""
+        again when it runs) for HELD_GONE_S, one another process took over for
+        HELD_REPLACED_S (docs/failure-modes.md)."""
         await asyncio.sleep(DECODE_QUARANTINE_S)
 
         async def read() -> dict[str, Heartbeat | None]:

@@ -296,7 +296,8 @@ class Claim:
     through it, fenced by the claim in the same command: its heartbeats (`keep_heartbeat`,
     `clear`), a scheduler's plans (`xadd`) and plans fence, the stats hash (`call`,
     `queue_call`), worker rank 0's results (its own script, with OTHERS_CLAIM at its head,
-    then `stop`). A process paused past the claim's TTL ran
+    then `stop`); a P/D rank's K/V writes, which no script can fence, check
+    `may_have_lapsed` first. A process paused past the claim's TTL ran
     once or twice before its next refresh found the claim another's: a plan the workers
     ran as a new scheduler's, a heartbeat that named the stale process again (the
     scheduler took a worker's for a restart and recomputed every request), its clean exit's
@@ -308,6 +309,7 @@ class Claim:
     lost: Callable[[bytes], PacerError]
     # when the last beat (or `confirm`) that found the claim this incarnation's was sent
     confirmed_at: float = field(default_factory=time.monotonic)
+    ttl_s: float = HEARTBEAT_TTL_S          # the claim key's TTL (`claimed`)
 
     @property
     def unconfirmed(self) -> bool:
@@ -316,6 +318,17 @@ class Claim:
         process of its identity may hold the claim now. What cannot go into a fenced script
         (a scheduler's intake: blocking reads, its finish events) waits for `confirm` then."""
         return time.monotonic() - self.confirmed_at > 2 * HEARTBEAT_INTERVAL_S
+
+    @property
+    def may_have_lapsed(self) -> bool:
+        """No beat has found the claim this incarnation's for its TTL (less a beat's interval,
+        for the two clocks and what follows the check): it may have lapsed, and another process
+        of its identity may hold it now. (The beat that confirmed it reached Redis after
+        `confirmed_at`, and found the claim this incarnation's, which then lives the TTL from
+        there, or no one's, which the claim's own next beat sets back.) On the local clock, no
+        round trip: what a stale process must not do and no fenced script can cover stops here
+        (a P/D rank's K/V writes into a peer's pool, gpu_worker/kv_transfer/connector.py)."""
+        return time.monotonic() - self.confirmed_at >= self.ttl_s - HEARTBEAT_INTERVAL_S
 
     async def confirm(self) -> None:
         """Check the claim in a round trip of its own: another incarnation's stops the
@@ -416,7 +429,7 @@ async def claimed(redis: aioredis.Redis, key: str, kind: str, ident: str, what: 
                           f"{holder(beat.extra if beat else {})} holds it now; this one stops")
     await retry_redis(lambda: _claim(redis, key, encode(make()), kind, what, hint, ttl_s),
                       f"claim {key}", log)
-    claim = Claim(redis, key, incarnation, lost)
+    claim = Claim(redis, key, incarnation, lost, ttl_s=ttl_s)
     task = essential_task(keep_heartbeat(redis, key, make, ttl_s=ttl_s, claim=claim),
                           f"claim of {what}")
     try:

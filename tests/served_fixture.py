@@ -71,6 +71,12 @@ class Served:
         return self.proc.returncode
 
 
+def process_state(pid: int) -> str:
+    """A process's state letter in /proc: "R", "S", "T" (stopped), "Z" (ended, not reaped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
 def wait_for(predicate, timeout_s: float, what: str):
     """Poll until `predicate()` is truthy (a safety net, not a timing assertion)."""
     end = time.monotonic() + timeout_s

@@ -240,10 +240,13 @@ def held_for_p0(c: Scheduler) -> DecodeSide:
 
 
 @pytest.mark.parametrize("end", ["it settles", "a rank restarts"])
-def test_the_blocks_of_a_given_up_transfer_wait_for_every_writer_to_let_go(end):
+def test_the_blocks_of_a_given_up_transfer_wait_for_every_writer_to_let_go(end, monkeypatch):
     # a write the prefill worker gave up at its deadline may still land: the blocks it
     # targets go to no request until each rank of the prefill instance has beaten, after the
-    # hold, without naming the request (or is another process) (docs/failure-modes.md)
+    # hold, without naming the request (or has been another process for a while)
+    # (docs/failure-modes.md)
+    clock = [100.0]
+    monkeypatch.setattr(disagg.time, "monotonic", lambda: clock[0])
     c = core(num_blocks=4)
     side = held_for_p0(c)
     assert not c.schedule().new_requests        # recomputed in other blocks: one is free
@@ -256,7 +259,12 @@ def test_the_blocks_of_a_given_up_transfer_wait_for_every_writer_to_let_go(end):
     assert not side.release_settled(asked, [beat(10.0, 2), beat(11.0, 2)])   # rank 0 no newer
     assert not side.release_settled(asked, [beat(11.0, 2, ("a",)), beat(11.0, 2)])  # names it
     assert not side.release_settled(asked, [beat(12.0, 2), None])     # rank 1 stopped: wait
-    last = beat(12.0, 2) if end == "it settles" else beat(1.0, 2, ("a",), started_at=2.0)
+    if end == "a rank restarts":     # what the new process names is its own writes, and the
+        last = beat(1.0, 2, ("a",), started_at=2.0)     # old one may have been stopped only
+        assert not side.release_settled(asked, [beat(12.0, 2), last])
+        clock[0] += disagg.HELD_REPLACED_S
+    else:
+        last = beat(12.0, 2)
     assert side.release_settled(asked, [beat(12.0, 2), last])
     assert c.block_manager.num_aside_blocks == 0 and side.held_heartbeats() == []
     c.block_manager.check_integrity()
@@ -278,6 +286,39 @@ def test_a_prefill_rank_without_a_heartbeat_is_waited_for_until_taken_for_dead(m
     clock[0] += 1
     assert side.release_settled(asked, [None])
     assert c.block_manager.num_aside_blocks == 0
+
+
+@pytest.mark.parametrize("seen_first", [True, False])
+def test_a_prefill_rank_taken_over_by_another_process_is_waited_for(monkeypatch, seen_first):
+    # a prefill worker stopped (SIGSTOP) mid-iteration loses its claim, and a new process
+    # takes its rank; resumed, the old one went on with that iteration's layer writes, into
+    # blocks that had gone back to the pool as soon as the new process beat. Its connector
+    # refuses them now (tests/test_kv_transfer.py); the blocks wait HELD_REPLACED_S for what
+    # it had on the way. Seen first or not (its beat lapsed before the first look), the same.
+    clock = [100.0]
+    monkeypatch.setattr(disagg.time, "monotonic", lambda: clock[0])
+    c = core(num_blocks=4)
+    side = held_for_p0(c)
+    asked = side.held_heartbeats()
+    assert not side.release_settled(asked, [beat(50.0, unsettled=("a",)) if seen_first else None])
+    clock[0] += 8.0                             # the claim lapsed; the new process loaded
+    new = beat(58.0, started_at=57.0)
+    assert not side.release_settled(asked, [new])
+    clock[0] += disagg.HELD_REPLACED_S - 0.5
+    assert not side.release_settled(asked, [beat(63.0, started_at=57.0)])
+    clock[0] += 0.5
+    assert side.release_settled(asked, [beat(63.5, started_at=57.0)])
+    assert c.block_manager.num_aside_blocks == 0
+
+
+def test_a_prefill_rank_unseen_at_the_first_look_that_beats_again_lets_go():
+    # a rank whose beat was missing at the first look (stalled a moment) that beats again,
+    # the same process as before the hold, without naming the write: let go as any other
+    c = core(num_blocks=4)
+    side = held_for_p0(c)
+    asked = side.held_heartbeats()
+    assert not side.release_settled(asked, [None])
+    assert side.release_settled(asked, [beat(50.0, started_at=1.0)])
 
 
 def test_a_reservation_cancelled_while_a_write_may_land_is_held():

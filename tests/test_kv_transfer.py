@@ -39,9 +39,12 @@ from shared.model_config import load_model_config                      # noqa: E
 from shared.model_source import kv_identity, resolve_model              # noqa: E402
 from shared.plan import (CachedRequestData, IterationPlan, KVCheck,    # noqa: E402
                          KVSend, NewRequestData)
-from shared.protocol import HandoffMsg, RequestMsg, ReserveMsg, encode, to_fields  # noqa: E402
+from shared.lifecycle import Claim                                    # noqa: E402
+from shared.protocol import (HandoffMsg, Heartbeat, RequestMsg, ReserveMsg,  # noqa: E402
+                             encode, to_fields)
 from shared.sampling import SamplingParams                             # noqa: E402
 from tests.helpers_tiny_model import write_tiny_llama                  # noqa: E402
+from tests.redis_fixture import redis_server  # noqa: E402,F401  (a fixture)
 
 BLOCK = 16
 CHUNKS = (16, 16, 13)               # a 45-token prompt prefilled in three chunks
@@ -213,6 +216,84 @@ def test_connector_moves_bytes_between_processes(capfd):
         assert torch.equal(peer_pool(), src * 2)
         late.close()
         conn.close()
+
+
+STALE_KEY = Keys(prefix="stale:").claim_worker(0)
+
+
+def _numbered() -> torch.Tensor:
+    """A pool of SHAPE whose every value differs, none 0."""
+    return torch.arange(1, torch.zeros(SHAPE).numel() + 1, dtype=torch.float32).view(SHAPE)
+
+
+def _stale_writer(redis_url: str, to_parent, from_parent) -> None:
+    """A prefill rank holding its claim (a TTL of 1 s), its connector fenced by it as a
+    worker's is: it writes layer 0 of a send, stops (SIGSTOP) before layer 1, as a rank stopped
+    mid-iteration, and resumed goes on with the iteration. (Its exit once a beat finds the claim
+    another's is left out: which comes first after the resume is not what is tested.)"""
+    import asyncio
+    import threading
+    from shared import lifecycle
+    lifecycle.essential_task = lambda work, name: asyncio.ensure_future(work)
+    conn = make_connector("mooncake")
+    pool = _numbered()
+    conn.register(pool)
+    held = queue.Queue()
+
+    async def hold() -> None:
+        redis = await lifecycle.connect_redis(redis_url)
+        async with lifecycle.claimed(redis, STALE_KEY, "worker", "0", "worker rank 0", "",
+                                     ttl_s=1) as claim:
+            held.put(claim)
+            await asyncio.Event().wait()
+    threading.Thread(target=asyncio.run, args=(hold(),), daemon=True).start()
+    conn.fence(held.get(timeout=60))
+    peer = from_parent.get()
+    sender = LayerSender(conn, [KVSend("r", "d0", [1, 2, 3], [5, 6, 0], [peer])], 0, 10.0, pool)
+    sender.after_layer(0)
+    to_parent.put(conn.wait(list(sender.sends[0].handles), 30))
+    from_parent.get()               # the parent has it: stopped now, nothing left unsent
+    os.kill(os.getpid(), signal.SIGSTOP)
+    sender.after_layer(1)
+    failed, _, _ = sender.finish()
+    to_parent.put(failed)
+
+
+def test_a_rank_stopped_past_its_claims_ttl_writes_no_more_layers_once_resumed(redis_server):
+    """A prefill rank stopped (SIGSTOP) mid-iteration loses its claim, and a new process takes
+    its rank over; the decode side gives the blocks it wrote into to other requests. Resumed,
+    the old one went on with the iteration's layer writes into them: wrong tokens, no error.
+    Now its connector refuses every write once no beat has found the claim its own for the
+    claim's TTL (a clock read, no round trip), and the send fails (the decode side recomputes,
+    as for any failed transfer). This process is the decode side."""
+    import redis as sync_redis
+    from tests.served_fixture import process_state, wait_for
+    r = sync_redis.Redis.from_url(redis_server)
+    conn, pool = make_connector("mooncake"), torch.zeros(SHAPE)
+    conn.register(pool)
+    outbox, inbox = SPAWN.Queue(), SPAWN.Queue()
+    writer = SPAWN.Process(target=_stale_writer, args=(redis_server, outbox, inbox))
+    writer.start()
+    try:
+        inbox.put(conn.descriptor())
+        assert reply(writer, outbox) == [True]          # layer 0 landed
+        inbox.put("stop")
+        wait_for(lambda: process_state(writer.pid) == "T", 30, "the writer's stop")
+        wait_for(lambda: not r.exists(STALE_KEY), 30, "its claim to lapse")
+        r.set(STALE_KEY, encode(Heartbeat("worker", "0", time.time(), {  # a new process's
+            "pid": 1, "host": "elsewhere", "incarnation": "1@elsewhere@0.0"})), ex=60)
+        assert torch.equal(pool[0, :, [5, 6, 0]], _numbered()[0, :, [1, 2, 3]])
+        assert not pool[1].any()
+        os.kill(writer.pid, signal.SIGCONT)
+        assert reply(writer, outbox) == ["r"]           # failed: recomputed here
+        assert not pool[1].any()
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+        writer.join(timeout=30)
+        if writer.is_alive():
+            writer.kill()
+        conn.close()
+        r.close()
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1:8571", "", "local host", "no-such-host.invalid"])
@@ -602,6 +683,30 @@ def test_a_request_given_up_on_at_two_peers_names_both(monkeypatch):
     assert conn.wait([conn.write({}, [])], 0.01, tag="r", peer="d1:1") == [False]
     assert conn.unsettled() == {"r": ["d0:1", "d1:1"]}
     assert conn.peers_written() == ["d0:1", "d1:1"]
+
+
+def test_a_write_is_refused_while_the_claim_may_have_lapsed(monkeypatch):
+    """Fenced by the rank's claim, a write goes only while a beat found the claim the
+    process's own within its TTL; after, it is not submitted, and it fails."""
+    pool = torch.zeros(2, 2, 4, 4, 1, 2)
+
+    class Pooled(_Recording):
+        def descriptor(self) -> dict:
+            return pool_descriptor("mooncake", "p0:1", pool, 1, 0)
+    conn = Pooled()
+    submitted = []
+    monkeypatch.setattr(conn, "_submit", lambda peer, segments: submitted.append(1) or [1])
+    claim = Claim(None, "pacer:claim:worker:0", "1@h@0.0", PacerError, ttl_s=5)
+    conn.fence(claim)
+    peer = pool_descriptor("mooncake", "d0:1", pool, 1, 0)
+    sender = LayerSender(conn, [KVSend("r", "d0", [0, 1], [2, 3], [peer])], 0, 1.0, pool)
+    sender.after_layer(0)                           # a beat found the claim its own just now
+    assert len(submitted) == 1
+    claim.confirmed_at -= 5.0                       # none since for the claim's TTL
+    failed, _, _ = sender.finish()
+    assert failed == ["r"] and len(submitted) == 1
+    claim.confirmed_at = time.monotonic()           # a beat found it its own again
+    assert conn.wait([conn.write(peer, [(0, 0, 4)])], 1.0) == [True] and len(submitted) == 2
 
 
 def test_closing_a_runner_lets_go_of_its_pools_registration(tiny):

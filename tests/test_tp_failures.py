@@ -29,6 +29,7 @@ from shared.plan import IterationPlan
 from shared.protocol import PlanMsg, to_fields
 from tests.helpers_tiny_model import write_tiny_llama
 from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
+from tests.served_fixture import process_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 3          # the group's collective timeout in these tests (30 s when served)
@@ -143,17 +144,12 @@ def test_rank_0_shuts_down_beside_a_follower_that_cannot_answer(mode):
     procs = start_group(mode)
     try:
         assert procs[0].stdout.readline().strip() == "ready"
-        while _state(procs[1].pid) not in ("Z", "T"):
+        while process_state(procs[1].pid) not in ("Z", "T"):
             time.sleep(0.05)
         out, err = procs[0].communicate("\n", timeout=DEADLINE_S)   # not its 3600 s timeout
     finally:
         stop(procs)
     assert procs[0].returncode == 0 and json.loads(out) == {"error": None}, err
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 @pytest.mark.parametrize("culprit,said", [

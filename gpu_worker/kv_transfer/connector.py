@@ -15,6 +15,12 @@ until it settles, and `unsettled()` names the requests (the `tag` given to `wait
 writes may still land, with those an iteration is writing now. A worker publishes them in its heartbeat, and the decode side keeps the
 blocks they target from every other request until they are gone (docs/failure-modes.md).
 
+A worker fences its connector by its rank's claim (`fence`): a write is refused, failing at
+once as a write that could not be submitted, once no heartbeat has found the claim the
+process's own for the claim's TTL (`Claim.may_have_lapsed`, one clock read per write). A
+process stopped (SIGSTOP) or cut off from Redis that long may have been replaced: its
+successor's decode peers may have given the blocks it wrote into to other requests.
+
 Test hooks (docs/failure-modes.md): PACER_KV_FAULT=hang makes every write a send that never
 completes, so the timeout path runs; PACER_KV_FAULT=drop makes every write report success
 without moving a byte (a transport that lies), so the decode side's check must catch it;
@@ -28,14 +34,20 @@ import threading
 import time
 from abc import ABC, abstractmethod
 
+import structlog
+
 from gpu_worker.kv_cache import block_bytes
 from shared.hosts import this_host
+from shared.lifecycle import Claim
+
+log = structlog.get_logger("worker.kv")
 
 FAULT_ENV = "PACER_KV_FAULT"
 LATE_ENV = "PACER_KV_LATE_S"
 _HANG = object()          # the handle of a write the fault hook swallowed: never completes
 _DROP = object()          # ... or reports done
 _LATE = object()          # ... or starts late
+_REFUSED = object()       # the handle of a write refused (`fence`): failed
 FAULTS = {"": None, "hang": _HANG, "drop": _DROP, "late": _LATE}
 
 
@@ -64,6 +76,8 @@ class KVConnector(ABC):
         # one thread at a time checks a handle: the engine frees a batch once it reported it
         # (Mooncake's check releases the GIL), so two threads checking one would free it twice
         self._poll_lock = threading.Lock()
+        self._claim: Claim | None = None
+        self._refusing = False      # the last write was refused (logged once a run of them)
 
     @abstractmethod
     def register(self, pool, model: dict | None = None) -> None:
@@ -76,11 +90,25 @@ class KVConnector(ABC):
     def descriptor(self) -> dict:
         """What a peer needs to write into the registered pool (shared/kv_layout.py)."""
 
+    def fence(self, claim: Claim) -> None:
+        """Write only while `claim`, this process's, cannot have lapsed (`write`)."""
+        self._claim = claim
+
     def write(self, peer: dict, segments: list[tuple[int, int, int]]):
         """Start copying each (src_offset, dst_offset, length) from the own pool into the
-        peer's; returns a handle for `poll`/`wait`."""
+        peer's; returns a handle for `poll`/`wait`. Fenced (`fence`), a write while the
+        claim may have lapsed is not started, and its handle reads failed."""
         if self._abandoned:
             self.unsettled()            # their handles are freed as they settle
+        if self._claim is not None and self._claim.may_have_lapsed:
+            if not self._refusing:
+                log.warning("K/V writes refused: no heartbeat found this process's claim its "
+                            f"own for {self._claim.ttl_s:g} s (stopped, or cut off from "
+                            "Redis), and another process may hold it now",
+                            claim=self._claim.key)
+            self._refusing = True
+            return _REFUSED
+        self._refusing = False
         if self._fault is _LATE:
             return _LateWrite(peer, segments, time.monotonic() + self._late_s)
         if self._fault is not None:
@@ -98,6 +126,8 @@ class KVConnector(ABC):
             return None
         if handle is _DROP:
             return True
+        if handle is _REFUSED:
+            return False
         if isinstance(handle, _LateWrite):
             if handle.handle is None:
                 if time.monotonic() < handle.due:
