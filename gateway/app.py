@@ -171,9 +171,10 @@ def _auth(api_key: str | None):
                                      or request.path in KEYED_PATHS):
             given = request.headers.get("Authorization", "").encode(errors="surrogateescape")
             if not hmac.compare_digest(given, expected):
-                return web.json_response(
-                    error_body("invalid or missing API key (send 'Authorization: Bearer <key>')",
-                               "invalid_request_error", code="invalid_api_key"), status=401)
+                # raised, for _errors to answer: logged and the X-Request-Id sent back, as
+                # every other refusal (a client with a stale key was invisible in the log)
+                raise APIError("invalid or missing API key (send 'Authorization: Bearer <key>')",
+                               status=401, code="invalid_api_key")
         return await handler(request)
     return auth
 

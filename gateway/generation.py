@@ -76,6 +76,7 @@ class Generation:
                                 ends=lambda token_id: sampling.stops_on(token_id, eos))
         self._arrival = arrival                 # time.monotonic() when the request came in
         self._last_token_at: float | None = None
+        self._first_token_at: float | None = None
         self._submitted = False
         # the submit was sent (it may have reached Redis even if it then failed, or was
         # cancelled with the client's connection): an abort follows if the request ends here
@@ -89,6 +90,7 @@ class Generation:
         self._timer: asyncio.TimerHandle | None = None
         self.num_output_tokens = 0
         self.finish_reason: str | None = None
+        self._error: str | None = None          # why it failed, for its last log line
         self._stream: RequestStream | None = None
         self._echo = echo                       # the prompt's text, sent before the output
         self._text_offset = len(echo or "")     # where the output's text starts in the choice's
@@ -130,12 +132,18 @@ class Generation:
         # a request whose client left before its end counts as vLLM counts it: "abort", with
         # the tokens it generated (so the latency histograms and the token counter agree)
         reason = self.finish_reason or ("abort" if self._submitted else None)
+        e2e = time.monotonic() - self._arrival
         if reason is not None:
-            self._metrics.e2e_request_latency.observe(time.monotonic() - self._arrival)
+            self._metrics.e2e_request_latency.observe(e2e)
             self._metrics.generation_tokens.inc(self.num_output_tokens)
             self._metrics.request_success.labels(reason).inc()
+        # the one line that says how a request went: its end, and the latencies the metrics
+        # only show as histograms
+        ttft = None if self._first_token_at is None else self._first_token_at - self._arrival
         log.info("request ended", request_id=self.request_id, finish_reason=reason,
-                 prompt_tokens=self.num_prompt_tokens, output_tokens=self.num_output_tokens)
+                 prompt_tokens=self.num_prompt_tokens, output_tokens=self.num_output_tokens,
+                 ttft_s=None if ttft is None else round(ttft, 4), e2e_s=round(e2e, 4),
+                 error=self._error)
 
     async def start(self) -> None:
         self._stream = self._router.open(self.request_id)
@@ -291,7 +299,7 @@ class Generation:
         return taken
 
     def _last_delta(self, finish: FinishEvent) -> Delta:
-        self.finish_reason = finish.finish_reason
+        self.finish_reason, self._error = finish.finish_reason, finish.error
         if not self._echo_only:
             self.num_output_tokens = max(self.num_output_tokens, finish.num_output_tokens)
         elif finish.error is None:
@@ -309,6 +317,7 @@ class Generation:
     def _observe_latency(self, num_tokens: int) -> None:
         now = time.monotonic()
         if self._last_token_at is None:
+            self._first_token_at = now
             self._metrics.time_to_first_token.observe(now - self._arrival)
             # the first token's companions came with it: no gap after it (one observation a
             # token past the first, so the count is the tokens less the requests, as vLLM's)

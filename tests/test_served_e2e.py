@@ -6,9 +6,12 @@ Tests run in file order against one `pacer up`; the last one kills the worker.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 
 import openai
 import pytest
@@ -554,6 +557,71 @@ def test_client_disconnect_frees_kv_blocks(served: Served):
     # ... and gives them back once the client is gone
     wait_for(lambda: scheduler_idle(served), 5.0, "KV blocks freed after disconnect")
     print(f"\nKV blocks freed {time.monotonic() - closed:.2f} s after the client disconnected")
+
+
+def log_records(s: Served) -> list[dict]:
+    """The JSON lines of `pacer up`'s log so far (its banner and redis-server's are text)."""
+    with open(s.log_path, encoding="utf-8", errors="replace") as f:
+        return [json.loads(line) for line in f if line.startswith("{")]
+
+
+def logged(s: Served, **fields) -> dict:
+    """The first log record with these fields, waited for: a service writes it on its own time."""
+    def find():
+        return next((r for r in log_records(s)
+                     if all(r.get(k) == v for k, v in fields.items())), None)
+    return wait_for(find, 10.0, f"a log record with {fields}")
+
+
+def post(s: Served, path: str, body: dict, headers: dict) -> tuple[int, dict, dict]:
+    req = urllib.request.Request(f"{s.base_url}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=60.0) as r:
+            return r.status, dict(r.headers), json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, dict(e.headers), json.loads(e.read())
+
+
+def test_the_log_follows_a_request_by_its_id_to_its_end(served: Served):
+    """An operator's view: the client's X-Request-Id leads to the gateway's id, which the
+    scheduler's lines carry too; the gateway's last line of a request says how it ended, how
+    long it took and its first token (a failed one: why), timestamps in UTC."""
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    status, _, answer = post(served, "/v1/completions", {
+        "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0},
+        {**auth, "X-Request-Id": "log-trace-1"})
+    assert status == 200, answer
+    ended = logged(served, event="request ended", client_request_id="log-trace-1")
+    assert ended["service"] == "gateway" and ended["request_id"] == answer["id"]
+    assert ended["finish_reason"] == "length" and ended["output_tokens"] == 4
+    assert ended["error"] is None
+    assert 0 < ended["ttft_s"] <= ended["e2e_s"]
+    finished = logged(served, event="request finished", request_id=answer["id"])
+    assert finished["service"] == "scheduler" and finished["finish_reason"] == "length"
+
+    # far more tokens than a CPU makes in the time allowed: it ends with the deadline's error
+    status, _, answer = post(served, "/v1/completions", {
+        "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1000, "ignore_eos": True,
+        "timeout": 0.05}, {**auth, "X-Request-Id": "log-trace-2"})
+    assert status != 200, answer
+    ended = logged(served, event="request ended", client_request_id="log-trace-2")
+    assert ended["finish_reason"] == "error" and "deadline" in ended["error"], ended
+    assert all(record["timestamp"].endswith("Z") for record in log_records(served))
+
+
+def test_a_refused_api_key_is_logged_with_the_client_request_id(served: Served):
+    """A client with the wrong key is visible in the log as any other refusal (it was not
+    logged at all), its X-Request-Id sent back; the key itself never appears."""
+    status, headers, answer = post(served, "/v1/completions", {
+        "model": MODEL, "prompt": PROMPTS[0], "max_tokens": 4},
+        {"Authorization": "Bearer wrong-key", "X-Request-Id": "log-trace-3"})
+    assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    assert headers["X-Request-Id"] == "log-trace-3"
+    refused = logged(served, event="request refused", client_request_id="log-trace-3")
+    assert refused["status"] == 401 and refused["path"] == "/v1/completions"
+    with open(served.log_path, encoding="utf-8", errors="replace") as f:
+        assert API_KEY not in f.read()
 
 
 def test_health_turns_unhealthy_when_worker_killed_then_up_stops_cleanly(served: Served):
