@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     from shared.logging import configure_logging
     from shared.model_source import model_identity
 
-    configure_logging("scheduler", args.log_level)
+    configure_logging("scheduler", args.log_level,
+                      **({"instance": args.instance} if args.instance else {}))
     engine_args = EngineArgs.from_cli(args)
     layout = engine_layout(engine_args)
     layout.check_pool_holds_context()       # pacer up checked it too; alone, here

@@ -13,8 +13,9 @@ import sys
 import structlog
 
 
-def configure_logging(service: str, level: str | int = "info") -> None:
-    """Log JSON lines tagged with `service`; stdlib loggers (aiohttp, redis) go the same way."""
+def configure_logging(service: str, level: str | int = "info", **names) -> None:
+    """Log JSON lines tagged with `service` and `names` (which of several: a worker's rank,
+    an engine instance); stdlib loggers (aiohttp, redis) go the same way."""
     numeric = level if isinstance(level, int) else logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}")
@@ -22,7 +23,7 @@ def configure_logging(service: str, level: str | int = "info") -> None:
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
-        _add_service(service),
+        _add_service(service, names),
     ]
     # JSON for files and pipes (log collectors, tests); a terminal gets aligned, coloured lines
     if sys.stderr.isatty():
@@ -79,9 +80,11 @@ class _LogFile:
         pass                # each write flushed already
 
 
-def _add_service(service: str):
+def _add_service(service: str, names: dict):
     def add(_logger, _method, event: dict) -> dict:
         event.setdefault("service", service)
+        for key, value in names.items():
+            event.setdefault(key, value)
         return event
     return add
 

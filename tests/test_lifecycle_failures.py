@@ -281,6 +281,29 @@ def test_sigterm_while_redis_is_away_stops_a_service_cleanly(service: list[str])
     assert "Traceback" not in out, out[-2000:]
 
 
+@pytest.mark.parametrize("service, names", [
+    (["scheduler", "--instance", "d1"], {"instance": "d1"}),
+    (["worker", "--tp", "3", "--rank", "2", "--instance", "d1"], {"rank": 2, "instance": "d1"})])
+def test_a_service_names_its_instance_and_rank_on_every_log_line(service: list[str],
+                                                                   names: dict):
+    """With TP, replicas or P/D, `pacer up` runs several schedulers and workers into one log:
+    each line says which one wrote it (a rank's error could not be told from another's)."""
+    url = f"redis://127.0.0.1:{free_port()}/0"      # nothing listens there: it logs, retrying
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *service, "--redis-url", url],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        for line in proc.stdout:
+            if "redis unavailable; retrying" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        lines = [line, *proc.communicate(timeout=30)[0].splitlines()]
+    finally:
+        proc.kill()
+    records = [json.loads(text) for text in lines if text.startswith("{")]
+    assert records and all(r.items() >= names.items() for r in records), lines
+
+
 def test_a_killed_gateway_has_its_requests_aborted_and_blocks_freed(served: Served, tmp_path):
     with second_gateway(served, tmp_path) as other:
         killed_at = asyncio.run(_stream_then_kill(other))
