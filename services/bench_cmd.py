@@ -139,6 +139,10 @@ def served_model_name(base_url: str, api_key: str | None) -> str:
             problem = "refused the API key" if api_key else "wants an API key"
             raise PacerError(f"{base_url} {problem} (HTTP {e.code}): pass the server's key "
                              f"with --api-key or $OPENAI_API_KEY") from e
+        if isinstance(e, urllib.error.URLError) and not isinstance(e, urllib.error.HTTPError):
+            # nothing answers there: --model would not help, every request would fail too
+            raise PacerError(f"cannot reach {base_url} ({e.reason}): is the server running, "
+                             "and is --base-url its address?") from e
         raise PacerError(f"cannot read the model name from {base_url}/v1/models ({e}); "
                          "pass --model") from e
 

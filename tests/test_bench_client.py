@@ -507,6 +507,9 @@ async def test_ctrl_c_mid_run_reports_the_requests_that_ended(tmp_path):
     (["simulate", "--num-requests", "20", "--long-prompt-rate", "1e9"],
      "--long-prompt-rate 1e+09 over the main stream's 3.98 s is ~3.98e+09 requests"),
     (["simulate", "--block-size", "0"], "--block-size must be >= 1"),
+    # nothing listens there: it said "pass --model", after which every request failed
+    (["bench", "--base-url", "http://127.0.0.1:1"],
+     "cannot reach http://127.0.0.1:1 ([Errno 111] Connection refused): is the server running"),
     (["simulate", "--plot", "/nonexistent/x.png"], "no folder /nonexistent"),
 ])
 def test_a_bad_command_line_gets_one_clear_line_before_any_work(argv, needle, capsys):
