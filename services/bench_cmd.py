@@ -28,6 +28,9 @@ from shared.errors import PacerError
 from shared.json_file import check_output_path
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+# The most prompts a run may send: hours of any server's time. 10**11 (a typo) was a
+# MemoryError traceback drawing their lengths.
+MAX_PROMPTS = 10**6
 
 WIDTH = 50
 LATENCIES = (("ttft", "Time to First Token", "TTFT"),
@@ -100,8 +103,8 @@ def build_requests(args: argparse.Namespace) -> list:
     as_ids = args.prompt_format == "ids"
     if as_ids and args.endpoint != "/v1/completions":
         raise PacerError("--prompt-format ids needs --endpoint /v1/completions")
-    if args.num_prompts < 1:
-        raise PacerError(f"--num-prompts must be >= 1, got {args.num_prompts}")
+    if not 1 <= args.num_prompts <= MAX_PROMPTS:
+        raise PacerError(f"--num-prompts must be from 1 to 10**6, got {args.num_prompts:,}")
     tokenizer = load_tokenizer(resolve_model(args.tokenizer))
     if args.dataset != "sharegpt-like" and (args.input_len < 1 or args.output_len < 1):
         raise PacerError("--input-len and --output-len must be >= 1")
@@ -136,6 +139,10 @@ def served_model_name(base_url: str, api_key: str | None) -> str:
             problem = "refused the API key" if api_key else "wants an API key"
             raise PacerError(f"{base_url} {problem} (HTTP {e.code}): pass the server's key "
                              f"with --api-key or $OPENAI_API_KEY") from e
+        if isinstance(e, urllib.error.URLError) and not isinstance(e, urllib.error.HTTPError):
+            # nothing answers there: --model would not help, every request would fail too
+            raise PacerError(f"cannot reach {base_url} ({e.reason}): is the server running, "
+                             "and is --base-url its address?") from e
         raise PacerError(f"cannot read the model name from {base_url}/v1/models ({e}); "
                          "pass --model") from e
 

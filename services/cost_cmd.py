@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import asdict
@@ -66,6 +65,9 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 # The narrowest element priced: one bit. Anything narrower is a typo, and would leave a KV
 # block without a byte.
 MIN_ELEMENT_BYTES = 0.125
+# The widest: float64. Anything wider is a typo too, and a huge one (1e308) made the weights'
+# bytes infinite: an OverflowError traceback, or an infinite wall time reported as a result.
+MAX_ELEMENT_BYTES = 8.0
 
 
 def add_precision_args(group) -> None:
@@ -82,15 +84,16 @@ def add_precision_args(group) -> None:
 
 
 def precision_of(args: argparse.Namespace, models: list[ModelShape]) -> Precision:
-    """The element sizes and TP degree the flags give, checked: finite sizes of at least one
-    bit, and a TP degree that divides each model's heads."""
+    """The element sizes and TP degree the flags give, checked: sizes from one bit to a
+    float64, and a TP degree that divides each model's heads."""
     from shared.model_config import check_tp_fits
 
     for flag in ("dtype_bytes", "weight_bytes", "kv_bytes"):
         value = getattr(args, flag)
-        if value is not None and not (math.isfinite(value) and value >= MIN_ELEMENT_BYTES):
-            raise PacerError(f"--{flag.replace('_', '-')} must be a finite number of bytes "
-                             f">= {MIN_ELEMENT_BYTES:g} (one bit), got {value:g}")
+        if value is not None and not MIN_ELEMENT_BYTES <= value <= MAX_ELEMENT_BYTES:
+            raise PacerError(f"--{flag.replace('_', '-')} must be a number of bytes from "
+                             f"{MIN_ELEMENT_BYTES:g} (one bit) to {MAX_ELEMENT_BYTES:g} "
+                             f"(float64), got {value:g}")
     for model in models:
         check_tp_fits(model, args.tp)          # its error names the model
     return Precision(args.dtype_bytes, args.weight_bytes, args.kv_bytes, args.tp)

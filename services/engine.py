@@ -109,7 +109,8 @@ class LLMEngine:
 
     def generate(self, prompts: list[list[int]], sampling: list[SamplingParams],
                  on_output=None) -> list[Completion]:
-        """Run every prompt to completion; results in input order."""
+        """Run every prompt to completion; results in input order. `on_output(out, completion)`
+        sees each step's delta after it is added to its request's Completion."""
         done = {}
         for i, (ids, sp) in enumerate(zip(prompts, sampling)):
             rid = self.add_request(ids, sp, request_id=str(i))
@@ -124,5 +125,5 @@ class LLMEngine:
                 if out.finished:
                     c.finish_reason, c.error = out.finish_reason, out.error
                 if on_output is not None:
-                    on_output(out)
+                    on_output(out, c)
         return [done[str(i)] for i in range(len(prompts))]

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from shared.config import DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS
 from shared.engine_args import EngineArgs
@@ -16,6 +17,9 @@ from shared.json_file import check_output_path, parse_user_json
 from shared.detokenizer import IncrementalDetokenizer
 from shared.sampling import SamplingParams
 from shared.text_output import TextOutput
+
+if TYPE_CHECKING:
+    from services.engine import Completion
 
 SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
 INPUT_FIELDS = ("prompt", "messages", "prompt_token_ids", "stop")
@@ -146,11 +150,12 @@ def run(args: argparse.Namespace) -> int:
                                 ends=functools.partial(p.stops_on, eos_token_ids=eos))
              for i, (ids, p, stop) in enumerate(zip(prompts, params, stops))}
 
-    ended_ids: set[str] = set()     # a stop string ends a request here, then the engine again
+    # the requests that ended (a stop string ends one here, then the engine again), by id
+    ended: dict[str, Completion] = {}
 
-    def progress(out):
+    def progress(out, completion):
         counted[0] += len(out.new_tokens)
-        text, ended = texts[out.request_id], out.finished
+        text, over = texts[out.request_id], out.finished
         if not text.stopped:
             for token in out.new_tokens:
                 text.add(token.token_id)
@@ -158,18 +163,24 @@ def run(args: argparse.Namespace) -> int:
                 text.finish()
             elif text.stopped:
                 engine.abort(out.request_id)
-                ended = True
-        if ended and out.request_id not in ended_ids:
-            ended_ids.add(out.request_id)
+                over = True
+        if over and out.request_id not in ended:
+            ended[out.request_id] = completion
             bar.update(1)
             bar.set_postfix(tok_s=f"{counted[0] / (time.perf_counter() - start):.1f}")
 
-    results = engine.generate(prompts, params, on_output=progress)
+    try:
+        results = engine.generate(prompts, params, on_output=progress)
+    except KeyboardInterrupt:
+        # Ctrl-C: the requests that ended are kept, each line with its input's index
+        bar.close()
+        done = [ended[str(i)] for i in range(len(prompts)) if str(i) in ended]
+        _write(args.output, done, texts)
+        print(f"pacer generate: interrupted (Ctrl-C): the {len(done)} of {len(prompts)} "
+              f"requests that ended are written to {args.output}", file=sys.stderr)
+        return 130
     bar.close()
     elapsed = time.perf_counter() - start
-    for r in results:
-        if texts[r.request_id].stopped:
-            r.finish_reason = "stop"
     _write(args.output, results, texts)
     n_in = sum(len(p) for p in prompts)
     print(f"{len(results)} requests, {n_in} prompt tokens, {counted[0]} output tokens in "
@@ -178,15 +189,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write(path: str, results, texts: dict[str, TextOutput]) -> None:
+def _write(path: str, results: list[Completion], texts: dict[str, TextOutput]) -> None:
+    """A line for each result, its index the request id engine.generate gave (the input's)."""
     try:
         with open(path, "w", encoding="utf-8") as f:
-            for i, r in enumerate(results):
+            for r in results:
                 # the text (TextOutput's) leaves out the token that ended the request (EOS, a
-                # stop token)
-                line = {"index": i, "prompt_tokens": len(r.prompt_token_ids),
-                        "token_ids": r.token_ids, "text": texts[r.request_id].text,
-                        "finish_reason": r.finish_reason}
+                # stop token); a stop string ended it here, the engine saw an abort
+                text = texts[r.request_id]
+                line = {"index": int(r.request_id), "prompt_tokens": len(r.prompt_token_ids),
+                        "token_ids": r.token_ids, "text": text.text,
+                        "finish_reason": "stop" if text.stopped else r.finish_reason}
                 if r.error is not None:
                     line["error"] = r.error
                 if r.tokens and r.tokens[0].logprob is not None:

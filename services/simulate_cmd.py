@@ -56,6 +56,10 @@ DEFAULT_TBT_SLO_MS = 50.0
 # (~50 bytes a block), and --num-kv-blocks 100000000000 died of a MemoryError building them.
 # 2**24 blocks of 16 tokens are 268M tokens, far past what max_num_seqs requests can fill.
 MAX_SIM_KV_BLOCKS = 2**24
+# The most requests a simulated workload may hold: 10**5 take ~45 s and ~0.8 GiB on one core;
+# 10**11 (a typo) filled memory drawing the arrival times, as did a --long-prompt-rate whose
+# stream would hold that many.
+MAX_SIM_REQUESTS = 10**6
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -160,8 +164,8 @@ def build_arrivals(args: argparse.Namespace) -> list:
 
     if args.trace:
         return read_trace(args.trace)
-    if args.num_requests < 1:
-        raise PacerError(f"--num-requests must be >= 1, got {args.num_requests}")
+    if not 1 <= args.num_requests <= MAX_SIM_REQUESTS:
+        raise PacerError(f"--num-requests must be from 1 to 10**6, got {args.num_requests:,}")
     arrivals = synthetic(args.num_requests, args.request_rate, args.burstiness,
                          args.prompt_len, args.output_len, args.seed)
     if not 0 <= args.long_prompt_rate < math.inf:      # nan or below 0 read as none
@@ -172,6 +176,11 @@ def build_arrivals(args: argparse.Namespace) -> list:
         if math.isinf(args.request_rate):
             raise PacerError("--long-prompt-rate runs over the main stream's arrivals, and "
                              "--request-rate inf sends them all at t=0: give a finite rate")
+        expected = args.long_prompt_rate * arrivals[-1].arrival_s
+        if expected > MAX_SIM_REQUESTS:
+            raise PacerError(f"--long-prompt-rate {args.long_prompt_rate:g} over the main "
+                             f"stream's {arrivals[-1].arrival_s:.3g} s is ~{expected:.3g} "
+                             "requests: a workload holds at most 10**6")
         arrivals += occasional(args.long_prompt_rate, arrivals[-1].arrival_s,
                                args.long_prompt_len, args.long_output_len, args.seed)
     return sorted(arrivals, key=lambda a: a.arrival_s)

@@ -500,7 +500,16 @@ async def test_ctrl_c_mid_run_reports_the_requests_that_ended(tmp_path):
     (["bench", "--burstiness", "nan"], "--burstiness a finite number > 0; got inf and nan"),
     (["bench", "--dataset", "sharegpt-like", "--sharegpt-output-len", "0"],
      "--sharegpt-output-len must be >= 1, got 0"),
+    # a MemoryError traceback, and memory filled drawing arrival times (10**11 of them, or a
+    # long-prompt stream of ~4·10**9 over the main one's 4 s)
+    (["bench", "--num-prompts", "100000000000"], "--num-prompts must be from 1 to 10**6"),
+    (["simulate", "--num-requests", "100000000000"], "--num-requests must be from 1 to 10**6"),
+    (["simulate", "--num-requests", "20", "--long-prompt-rate", "1e9"],
+     "--long-prompt-rate 1e+09 over the main stream's 3.98 s is ~3.98e+09 requests"),
     (["simulate", "--block-size", "0"], "--block-size must be >= 1"),
+    # nothing listens there: it said "pass --model", after which every request failed
+    (["bench", "--base-url", "http://127.0.0.1:1"],
+     "cannot reach http://127.0.0.1:1 ([Errno 111] Connection refused): is the server running"),
     (["simulate", "--plot", "/nonexistent/x.png"], "no folder /nonexistent"),
 ])
 def test_a_bad_command_line_gets_one_clear_line_before_any_work(argv, needle, capsys):

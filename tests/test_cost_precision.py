@@ -104,14 +104,19 @@ def test_cost_cli_prices_weights_and_cache_apart(capsys):
     assert "one rank of tp 2" in text and "all-reduce time" in text
 
 
+# 1e308 and 1e300 made the weights' bytes infinite: an OverflowError traceback, or an
+# infinite wall time printed as the answer
 @pytest.mark.parametrize("flag,value", [("--dtype-bytes", "inf"), ("--dtype-bytes", "1e-9"),
-                                        ("--weight-bytes", "nan"), ("--kv-bytes", "0.01")])
-def test_element_sizes_must_be_finite_and_at_least_a_bit(flag, value, capsys):
+                                        ("--weight-bytes", "nan"), ("--kv-bytes", "0.01"),
+                                        ("--dtype-bytes", "1e308"), ("--weight-bytes", "1e300"),
+                                        ("--kv-bytes", "9")])
+def test_element_sizes_must_be_from_a_bit_to_a_float64(flag, value, capsys):
     assert _cost_cli(["--decode", "8x1024", flag, value]) == 2
     assert _cost_cli(["--transfer", "4096", flag, value]) == 2
     assert main(["simulate", "--num-requests", "3", flag, value]) == 2
     err = capsys.readouterr().err
-    assert err.count(f"{flag} must be a finite number of bytes >= 0.125") == 3
+    assert err.count(f"{flag} must be a number of bytes from 0.125 (one bit) to 8 (float64)") \
+        == 3, err
 
 
 def test_the_served_budget_prices_the_quantization_and_tp_in_use():

@@ -234,3 +234,49 @@ def test_quantized_gguf_generates(tiny, tmp_path):
                      "--max-tokens", "4")
         assert proc.returncode == 0, proc.stderr
         assert json.loads(out.read_text())["token_ids"]
+
+
+def test_ctrl_c_keeps_the_requests_that_ended(tiny, tmp_path):
+    """SIGINT mid-run writes a line for each request that ended, with its input's index, and
+    exits 130 saying so (it exited 130 silently and wrote nothing: every finished result was
+    lost)."""
+    import re
+    import signal
+    import threading
+
+    quick = {"prompt_token_ids": [5, 6, 7], "max_tokens": 2, "ignore_eos": True}
+    slow = {"prompt_token_ids": [9, 10, 11], "max_tokens": 1000, "ignore_eos": True}
+    prompts = write_lines(tmp_path / "in.jsonl", [quick] * 3 + [slow] * 200)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "generate", "--model", tiny, "--prompts", prompts,
+         "--output", str(out), "--max-num-seqs", "2", "--num-kv-blocks", "256"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stderr, three_ended = [], threading.Event()
+
+    def read_stderr():
+        for chunk in iter(lambda: proc.stderr.read(64), ""):
+            stderr.append(chunk)
+            done = re.findall(r"generate:.*?(\d+)/203", "".join(stderr)[-400:])
+            if done and int(done[-1]) >= 3:
+                three_ended.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        assert three_ended.wait(120), "".join(stderr)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 130, "".join(stderr)
+    finally:
+        proc.kill()
+    reader.join(10)
+    err = "".join(stderr)
+    assert "Traceback" not in err, err
+    rows = [json.loads(l) for l in out.read_text().splitlines()]
+    assert f"interrupted (Ctrl-C): the {len(rows)} of 203 requests that ended are written" in err
+    assert 3 <= len(rows) < 203
+    assert [r["index"] for r in rows[:3]] == [0, 1, 2]
+    assert sorted({r["index"] for r in rows}) == [r["index"] for r in rows]
+    for r in rows:
+        assert r["finish_reason"] == "length"
+        assert len(r["token_ids"]) == (2 if r["index"] < 3 else 1000)
