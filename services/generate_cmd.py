@@ -21,7 +21,8 @@ from shared.text_output import TextOutput
 if TYPE_CHECKING:
     from services.engine import Completion
 
-SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))
+SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams)
+                        if f.name not in SamplingParams.INTERNAL_FIELDS)
 INPUT_FIELDS = ("prompt", "messages", "prompt_token_ids", "stop")
 
 

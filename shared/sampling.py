@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
+from typing import ClassVar
 
 from shared.errors import InvalidRequestError
 from shared.structured import structured_pair
@@ -66,6 +67,9 @@ class SamplingParams:
     # knew it): a scheduler whose context is shorter answers in the rest of its own (vLLM's
     # max_tokens None) where one asked for is refused there (`fit_context`)
     max_tokens_default: bool = False
+
+    # set by the gateway for the schedulers, not by a user: not among a request's fields
+    INTERNAL_FIELDS: ClassVar[tuple[str, ...]] = ("max_tokens_default",)
 
     def __post_init__(self) -> None:
         self._check_types()

@@ -135,6 +135,8 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "ok", "seed": "x"}\n', "seed must be an integer"),
     ('{"prompt": "ok", "temperature": "hot"}\n', "temperature must be a finite number"),
     ('{"prompt": "ok", "stops": ["."]}\n', "unknown field 'stops'"),
+    # the gateway's marker for the schedulers is not a user's field
+    ('{"prompt": "ok", "max_tokens_default": true}\n', "unknown field 'max_tokens_default'"),
     ('{"prompt": "ok", "stop": [1]}\n', "stop must be a string or a list of strings"),
     # these were read as token 1, a stop id that never matches, or a bare Python message
     ('{"prompt": "ok", "stop_token_ids": [1.7]}\n', "stop_token_ids must be a list of token ids"),
