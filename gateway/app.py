@@ -207,24 +207,28 @@ async def drain(app: web.Application) -> None:
     and only after waiting for them for its own shutdown timeout."""
     state = app[STATE]
     state.draining = True
-    log.info("draining", open_requests=state.router.num_open,
+    log.info("draining", open_requests=state.num_admitted,
              shutdown_timeout_s=state.config.shutdown_timeout_s)
     try:
-        if await _until_no_open(state, state.config.shutdown_timeout_s):
+        if await _until_answered(state, state.config.shutdown_timeout_s):
             return
     except asyncio.CancelledError:
         asyncio.current_task().uncancel()
-        log.warning("stopping now; ending the open requests", open_requests=state.router.num_open)
+        log.warning("stopping now; ending the open requests", open_requests=state.num_admitted)
+    # one not sent upstream yet is refused once it would be (503), the rest end now
+    state.cut_off = True
     state.router.fail_all(SHUTDOWN_ERROR)
     # their handlers write the error event and return; the server then stops
-    await _until_no_open(state, 2.0)
+    await _until_answered(state, 2.0)
 
 
-async def _until_no_open(state: GatewayState, timeout_s: float) -> bool:
+async def _until_answered(state: GatewayState, timeout_s: float) -> bool:
+    """Until every admitted request is answered (its stream open or not yet); whether it
+    came to that within `timeout_s`."""
     end = time.monotonic() + timeout_s
-    while state.router.num_open and time.monotonic() < end:
+    while state.num_admitted and time.monotonic() < end:
         await asyncio.sleep(DRAIN_POLL_S)
-    return not state.router.num_open
+    return not state.num_admitted
 
 
 async def _check_credentials(redis_url: str) -> None:

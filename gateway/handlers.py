@@ -131,11 +131,16 @@ async def _generate(request: web.Request, parse: Callable[[Any], GenerationReque
     # the body first: a client that sends it slowly (or never) holds no place in the queue
     body = await _read_json(request, state)
     slot = _admit(state)
+    # a drain waits for it from here, on its way in (its prompt tokenized, its chat template
+    # rendered) as much as streaming: counted only once its stream was open, one admitted
+    # just before the signal was not waited for, and the server cut it off mid-stream
+    state.num_admitted += 1
     try:
         return await _generate_in_slot(request, body, parse, id_prefix, answer, state, slot,
                                        arrival, client_id)
     finally:
         slot.release()
+        state.num_admitted -= 1
 
 
 async def _generate_in_slot(request: web.Request, body: Any,
@@ -207,8 +212,7 @@ def _admit(state: GatewayState) -> WaitingSlot:
 
 def _refuse_new_requests(state: GatewayState) -> None:
     if state.draining:
-        raise APIError("the server is shutting down; send the request to another replica",
-                       status=503, type="server_error")
+        raise _shutting_down()
     if state.upstream.other_versions:
         # it reads requests from the shared stream and cannot serve them: each would end with
         # an error (as the scheduler heartbeats were last read)
@@ -246,6 +250,14 @@ def _overloaded(state: GatewayState, why: str) -> APIError:
                     headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def _shutting_down() -> APIError:
+    """The 503 of a draining server, with Retry-After as those for a Redis trouble (and
+    vLLM's and TGI's) have: a client retries it elsewhere, or here once restarted."""
+    return APIError("the server is shutting down; send the request to another replica",
+                    status=503, type="server_error",
+                    headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
 def _unavailable(why: str) -> APIError:
     """A refusal for a passing trouble with Redis (away, stalled, out of memory): a 503 with
     Retry-After, as the 429s have, after which a retry may find it gone (the OpenAI clients
@@ -263,6 +275,8 @@ async def _start(gen: Generation, state: GatewayState) -> None:
             failure = state.router.failure
             why = "Redis is away" if failure is None else redis_trouble(failure)
             raise _unavailable(f"the token channel is not connected ({why})") from e
+    if state.cut_off:
+        raise _shutting_down()      # the drain has ended the open streams: nothing would end it
     try:
         await gen.start()
     except (RedisError, TimeoutError) as e:     # TimeoutError: no answer (Upstream.submit)

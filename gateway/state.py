@@ -28,6 +28,10 @@ class GatewayState:
     upstream: Upstream | None = None
     router: TokenRouter | None = None
     draining: bool = False                     # SIGTERM: no new requests
+    # the drain's time ran out: a request admitted before it that has not been sent upstream
+    # yet is refused (503) rather than started with nothing left to end it
+    cut_off: bool = False
+    num_admitted: int = 0                      # admitted, not yet answered: what a drain waits for
     num_waiting: int = 0                       # sent upstream, no token or end seen yet
     body_bytes: int = 0                        # of the request bodies being read
     # when the model was loaded (the tokenizer, here): its `created` time in /v1/models

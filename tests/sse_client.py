@@ -37,13 +37,15 @@ class StreamResult:
 
 
 async def stream_completion(session: aiohttp.ClientSession, base_url: str, body: dict,
-                            deadline_s: float, on_chunk=None) -> StreamResult:
-    """POST a streaming completion; fails the test if the stream is open past `deadline_s`."""
-    return await asyncio.wait_for(_stream(session, base_url, body, on_chunk), deadline_s)
+                            deadline_s: float, on_chunk=None,
+                            path: str = "/v1/completions") -> StreamResult:
+    """POST a streaming completion (`path` "/v1/chat/completions": a chat one); fails the
+    test if the stream is open past `deadline_s`."""
+    return await asyncio.wait_for(_stream(session, base_url, body, on_chunk, path), deadline_s)
 
 
-async def _stream(session, base_url, body, on_chunk) -> StreamResult:
-    async with session.post(f"{base_url}/v1/completions", json={**body, "stream": True},
+async def _stream(session, base_url, body, on_chunk, path) -> StreamResult:
+    async with session.post(f"{base_url}{path}", json={**body, "stream": True},
                             headers=HEADERS) as r:
         result = StreamResult(r.status, headers=dict(r.headers))
         if r.status != 200:
@@ -69,8 +71,9 @@ def _take(result: StreamResult, chunk: dict) -> None:
         return
     result.response_id = chunk.get("id", result.response_id)
     choice = chunk["choices"][0]
-    if choice["text"]:
-        result.text += choice["text"]
+    text = choice["text"] if "text" in choice else choice["delta"].get("content")
+    if text:
+        result.text += text
         result.chunk_times.append(time.monotonic())
     result.finish_reason = choice["finish_reason"] or result.finish_reason
 

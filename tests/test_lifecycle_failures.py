@@ -376,9 +376,10 @@ def test_sigterm_drains_running_requests_then_exits_zero(served: Served):
             return status, refused, await short, await long
 
     started = time.monotonic()
-    health, (status, body, _), short, long = asyncio.run(scenario())
+    health, (status, body, headers), short, long = asyncio.run(scenario())
     assert health == 503
     assert status == 503 and "shutting down" in body["error"]["message"], body
+    assert headers.get("Retry-After") == "1", headers     # as vLLM's and TGI's: retry elsewhere
     assert short.error is None and short.finish_reason == "length", short
     assert long.error is not None and long.done, long      # cut at the shutdown timeout
     assert long.text
@@ -467,6 +468,62 @@ def test_a_second_sigterm_ends_the_open_streams_with_their_error_event_at_once(t
         result = asyncio.run(scenario())
         assert result.error is not None and "shut down" in result.error["message"], result
         assert result.done and result.text and result.finish_reason is None, result
+        assert system.proc.wait(DEADLINE_S) == 0, system.log_tail()
+    finally:
+        system.stop()
+
+
+# a chat template that takes ~2 s to render (on the gateway's thread, the event loop free):
+# a request is admitted, its prompt not yet made, while the signal comes
+SLOW_CHAT_TEMPLATE = ("{% set ns = namespace(x=0) %}{% for i in range(500) %}"
+                      "{% for j in range(1000) %}{% set ns.x = ns.x + j %}{% endfor %}{% endfor %}")
+
+
+def test_a_request_admitted_just_before_sigterm_is_drained_not_cut_off(tmp_path):
+    """The drain waited only for requests whose stream was open: one admitted just before the
+    signal, its prompt still being made, was not waited for; the gateway stopped at once and
+    cut it off mid-stream, with neither an error event nor [DONE] (the scheduler served it to
+    its end, for no one). Now it is waited for like the others: answered, ended with its
+    error event at the shutdown timeout, or (not started by then) refused with a 503."""
+    from tests.helpers_tiny_model import CHAT_TEMPLATE, write_tiny_llama
+    model = write_tiny_llama(tmp_path / "tiny", max_position_embeddings=8192)
+    config_path = os.path.join(model, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as f:
+        config = json.load(f)
+    with open(config_path, "w", encoding="utf-8") as f:
+        json.dump({**config, "chat_template": SLOW_CHAT_TEMPLATE + CHAT_TEMPLATE}, f)
+    system = start_served(str(tmp_path / "pacer-up.log"), "--model", model, "--dtype",
+                          "float32", "--kv-cache-memory", "64MiB", "--shutdown-timeout", "2")
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 6000, "ignore_eos": True}
+
+    async def refused_while_draining(session: aiohttp.ClientSession):
+        await _until_draining(session, system.base_url)
+        return await post_json(session, system.base_url, "/v1/completions",
+                               {"model": "tiny", "prompt": "x", "max_tokens": 1})
+
+    async def scenario():
+        async with aiohttp.ClientSession() as session:
+            admitted = asyncio.create_task(stream_completion(
+                session, system.base_url, body, DEADLINE_S, path="/v1/chat/completions"))
+            await asyncio.sleep(0.5)            # read and admitted; its template renders
+            system.proc.send_signal(signal.SIGTERM)
+            return await asyncio.gather(admitted, refused_while_draining(session),
+                                        return_exceptions=True)
+
+    try:
+        result, refused = asyncio.run(scenario())
+        assert isinstance(result, StreamResult), f"the admitted request was cut off: {result!r}"
+        if result.status == 503:                # still being made at the shutdown timeout
+            assert result.headers.get("Retry-After") == "1", result
+            assert "shutting down" in result.body["error"]["message"], result
+        else:
+            assert result.status == 200 and result.done, result
+            assert result.finish_reason == "length" or "shut down" in result.error["message"], \
+                result
+        assert not isinstance(refused, BaseException), f"no 503 while draining: {refused!r}"
+        status, refusal, headers = refused
+        assert status == 503 and headers.get("Retry-After") == "1", (status, headers, refusal)
         assert system.proc.wait(DEADLINE_S) == 0, system.log_tail()
     finally:
         system.stop()
