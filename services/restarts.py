@@ -103,6 +103,11 @@ class Restarter:
             raise PacerError(f"{service} did not come up again: {death} before its first "
                              f"heartbeat, {MAX_FAILED_STARTS} restarts in a row; giving up "
                              f"({child.last_error()})")
+        if child.returncode == 0:
+            # a clean stop (SIGTERM, drained, exit 0: an operator restarting it), not a crash:
+            # started again at once, and not counted toward giving up on a crash loop
+            self._start_again(group, service, death, child, stopping)
+            return
         recent = self._recent.setdefault(service, deque())
         now = time.monotonic()
         while recent and now - recent[0] > RESTART_WINDOW_S:
@@ -116,6 +121,10 @@ class Restarter:
         if stopping():
             return                           # `pacer up` is stopping: nothing new starts
         recent.append(time.monotonic())
+        self._start_again(group, service, death, child, stopping)
+
+    def _start_again(self, group: list[Child], service: str, death: str, child: Child,
+                     stopping) -> None:
         stop_children(group, 5.0)            # a surviving rank waits for a peer that is gone
         self._forget_heartbeats(group)       # what the survivors wrote until they stopped
         if stopping():

@@ -76,6 +76,35 @@ def test_ranks_that_die_together_restart_the_group_once(sup):
         assert len(restarter._recent["worker group"]) == death
 
 
+# a service that drains and exits 0 on SIGTERM, as the gateway and the scheduler do
+EXITS_CLEANLY = [sys.executable, "-c", """if True:
+    import signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    print("ready", flush=True)
+    time.sleep(600)"""]
+
+
+def test_clean_stops_are_restarted_and_not_counted_as_a_crash_loop():
+    """An operator's SIGTERMs (each drained, exit 0) are restarts asked for, not deaths:
+    `pacer up` said "gateway died 6 times within 60 s ... exit code 0; giving up" and
+    stopped everything."""
+    sup = Supervisor()
+    restarter = Restarter(sup, UNUSED_REDIS, {}, {})
+    child = sup.start("gateway", EXITS_CLEANLY, stdout=subprocess.PIPE)
+    try:
+        for _ in range(MAX_RESTARTS + 2):
+            assert child.proc.stdout.readline().strip() == b"ready"
+            child.proc.terminate()
+            assert child.proc.wait(30) == 0
+            restarter.handle(child, stopping=lambda: False)
+            fresh, = sup.children
+            assert fresh is not child and fresh.returncode is None
+            child = fresh
+        assert not restarter._recent.get("gateway")
+    finally:
+        stop_children(sup.children, 5.0)
+
+
 def test_no_group_starts_once_up_is_stopping(sup):
     restarter = Restarter(sup, UNUSED_REDIS, {}, GROUPS)
     old = kill_group(sup)
