@@ -217,7 +217,7 @@ async def drain(app: web.Application) -> None:
         log.warning("stopping now; ending the open requests", open_requests=state.num_admitted)
     # one not sent upstream yet is refused once it would be (503), the rest end now
     state.cut_off = True
-    state.router.fail_all(SHUTDOWN_ERROR)
+    state.router.fail_all(SHUTDOWN_ERROR, "unavailable_error")
     # their handlers write the error event and return; the server then stops
     await _until_answered(state, 2.0)
 

@@ -30,10 +30,12 @@ from gateway.tool_parsers import ToolParser, ToolStream, parse_calls
 log = structlog.get_logger("gateway.responses")
 
 # an error event's type -> the status of a non-streaming answer (others: 500)
-ERROR_STATUS = {"invalid_request_error": 400, "timeout_error": 408}
+ERROR_STATUS = {"invalid_request_error": 400, "timeout_error": 408, "unavailable_error": 503}
 # a request whose deadline passed ran it out: the official OpenAI clients retry a 408 (twice by
 # default), each retry running the whole deadline again; this header, which they obey, says not to
-ERROR_HEADERS = {"timeout_error": {"x-should-retry": "false"}}
+ERROR_HEADERS = {"timeout_error": {"x-should-retry": "false"},
+                 # a draining gateway cut it off: sent again, it is served once one is back
+                 "unavailable_error": {"Retry-After": "1"}}
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}

@@ -368,18 +368,23 @@ def test_sigterm_drains_running_requests_then_exits_zero(served: Served):
                 session, served.base_url, long_body(max_tokens=8), DEADLINE_S))
             long = asyncio.create_task(stream_completion(
                 session, served.base_url, long_body(), DEADLINE_S))
-            await asyncio.sleep(0.5)       # both admitted and streaming
+            whole = asyncio.create_task(post_json(session, served.base_url, "/v1/completions",
+                                                  long_body()))
+            await asyncio.sleep(0.5)       # all three admitted, two streaming
             served.proc.send_signal(signal.SIGTERM)
             status = await _until_draining(session, served.base_url)
             refused = await post_json(session, served.base_url, "/v1/completions",
                                       long_body(max_tokens=4))
-            return status, refused, await short, await long
+            return status, refused, await short, await long, await whole
 
     started = time.monotonic()
-    health, (status, body, headers), short, long = asyncio.run(scenario())
+    health, (status, body, headers), short, long, whole = asyncio.run(scenario())
+    # an answer not streamed, cut at the shutdown timeout: a 503 to retry, not a 500
+    assert whole[0] == 503 and "shut down" in whole[1]["error"]["message"], whole[:2]
+    assert whole[2].get("Retry-After") == "1", whole[2]
     assert health == 503
     assert status == 503 and "shutting down" in body["error"]["message"], body
-    assert headers.get("Retry-After") == "1", headers     # as vLLM's and TGI's: retry elsewhere
+    assert headers.get("Retry-After") == "1", headers     # retried once one is back
     assert short.error is None and short.finish_reason == "length", short
     assert long.error is not None and long.done, long      # cut at the shutdown timeout
     assert long.text
