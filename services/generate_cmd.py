@@ -50,7 +50,7 @@ def read_prompts(path: str, tokenizer, defaults: dict, max_model_len: int
     """Parse the prompts file: each line's prompt, sampling and stop strings; any bad line
     raises PacerError naming the file and line, before anything runs."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         raise PacerError(f"cannot read prompts file {path}: {e}") from None

@@ -22,7 +22,7 @@ def json_type(value: Any) -> str:
 
 def read_json_object(path: str, what: str) -> dict[str, Any]:
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:
             data = json.load(f)
     except (OSError, ValueError) as e:
         raise PacerError(f"cannot read {what} {path}: {e}") from e

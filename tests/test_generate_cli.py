@@ -46,6 +46,8 @@ def test_generate_every_input_kind_in_order(tiny, tmp_path):
          "logit_bias": {"9": 3.5}, "presence_penalty": 0.5, "repetition_penalty": 1.1,
          "min_tokens": 2, "min_p": 0.05, "prompt_logprobs": 0},
     ])
+    # saved with a byte-order mark (as some Windows editors do): read past it, as text
+    (tmp_path / "in.jsonl").write_text("\ufeff" + (tmp_path / "in.jsonl").read_text())
     out = tmp_path / "out.jsonl"
     proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output", str(out),
                  "--max-tokens", "6", "--max-num-batched-tokens", "4", "--num-kv-blocks", "64")
