@@ -209,7 +209,8 @@ class Recovery:
         if isinstance(interrupted, PlanLost):
             recomputed = self.core.recompute_running()
             log.error("plan in flight lost; recomputing running requests",
-                      reason=str(interrupted), recomputed=len(recomputed))
+                      reason=str(interrupted), recomputed=len(recomputed),
+                      request_ids=_named(recomputed))
             return True
         await self._after_redis_lost(str(interrupted))
         return True
@@ -219,7 +220,7 @@ class Recovery:
         since = time.monotonic()
         recomputed = self.core.recompute_running()
         log.warning("worker group lost; recomputing running requests", ranks=lost.args[0],
-                    recomputed=len(recomputed))
+                    recomputed=len(recomputed), request_ids=_named(recomputed))
         self._drop_requests_that_keep_losing_workers(recomputed)
         if not await wait_for_workers(stop):
             return False
@@ -263,3 +264,11 @@ class Recovery:
         self.cursors.aborts = await self.retrying("find where to read aborts", self.aborts_from)
         self.takeover.claim_cursor = "0-0"
         self.cursors.requests_seen = None
+
+
+# request ids a recovery line names (an operator follows them by id); the count says the rest
+NAMED_IN_A_LINE = 32
+
+
+def _named(request_ids: list[str]) -> list[str]:
+    return request_ids[:NAMED_IN_A_LINE]

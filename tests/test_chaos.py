@@ -16,6 +16,7 @@ reuse a block whose content it cannot vouch for.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -153,6 +154,12 @@ def test_a_killed_worker_is_restarted_and_every_stream_completes_exactly(served,
     assert_exact(results, reference, served)
     assert heartbeat_pid(served, KEYS.hb_worker(0)) != pid
     assert restarts(served, "worker group") == before + 1      # counted in /metrics
+    # the scheduler's line names the requests it recomputed (an operator follows them by id)
+    with open(served.log_path, encoding="utf-8", errors="replace") as f:
+        lost = [json.loads(line[line.index("{"):]) for line in f
+                if '"worker group lost; recomputing running requests"' in line]
+    assert lost and lost[-1]["recomputed"] == len(lost[-1]["request_ids"]) > 0, lost
+    assert set(lost[-1]["request_ids"]) <= {r.response_id for r in results}, lost[-1]
     print(f"\nworker kill -9: streams stalled {stall_after(results, killed_at):.2f} s "
           "(restart + model load + recompute), then all 32 completed exactly")
     wait_healthy(served)
