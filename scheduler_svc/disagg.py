@@ -1218,12 +1218,19 @@ class DecodeSide:
         return bool(self._due)
 
     def add_checks(self, plan: IterationPlan) -> IterationPlan:
-        """The due K/V checks ride on this plan."""
+        """The due K/V checks ride on this plan. One whose K/V went to a worker that has
+        since restarted (another session: a check in flight when the group was lost) is not
+        checked but recomputed, as such a hand-off is when it comes (`receive`): the new
+        pool never held it, and a check there would count as K/V that differed."""
         if not self._due:
             return plan
+        ours = [p.get("session") for p in self.peers]
+        for rid in [rid for rid in self._due if self._checks[rid][1].kv_received != ours]:
+            self._due.discard(rid)
+            self._activate(rid, self._checks.pop(rid)[1], False)
         checks = [self._checks[rid][0] for rid in self._due]
         self._due.clear()
-        return replace(plan, kv_checks=checks)
+        return replace(plan, kv_checks=checks) if checks else plan
 
     def observe(self, plan: IterationPlan, result: StepResult) -> None:
         """Each checked request runs on with the K/V it received if every rank verified it;
@@ -1248,8 +1255,8 @@ class DecodeSide:
         covers them), beside another reservation sharing them that no cache names: it is let
         go now, its other blocks held while a write may land, and its request recomputed
         here when its hand-off comes; one handed over already is recomputed now. The other
-        checks in flight go again, on the new workers' pools (a restarted worker's fails,
-        and the request is recomputed)."""
+        checks in flight go again (`add_checks` recomputes instead those whose worker has
+        restarted since)."""
         for rid in [*self._reserved_at, *self._checks]:
             if not self.core.is_reserved(rid) or not self.core.reserved_cached_blocks(rid):
                 continue

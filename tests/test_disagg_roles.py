@@ -1102,6 +1102,22 @@ def test_a_check_whose_plan_was_lost_rides_on_the_next_plan():
     assert new.num_computed_tokens == 9 and side.recomputed_total == 0
 
 
+def test_a_check_whose_worker_restarted_meanwhile_is_not_sent_but_recomputed():
+    """The decode worker stopped (a rolling restart) with a check in flight and came back with
+    another KV session: its pool never held the K/V, so the request is recomputed without a
+    check. The check went to the new worker before, failed, and counted as K/V that differed
+    from what was sent (`kv_check_failures_total`), a false integrity alarm."""
+    c, side = handed_over()
+    side.add_checks(c.schedule())
+    c.recompute_running()                       # the worker stopped with that plan
+    side.plans_lost()
+    side.peers = [descriptor("d0:2")]           # the group back, a new session
+    assert not side.add_checks(c.schedule()).kv_checks and not side.checks_due
+    new, = c.schedule().new_requests
+    assert new.num_computed_tokens == 0 and new.kv_received == []
+    assert side.recomputed_total == 1 and side.kv_check_failures_total == 0
+
+
 def _reserved_on_the_prefill_side(msg: RequestMsg) -> tuple[Scheduler, PrefillSide]:
     c = core()
     side = prefill_side(c, [descriptor("p0:1")])
