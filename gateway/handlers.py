@@ -251,8 +251,8 @@ def _overloaded(state: GatewayState, why: str) -> APIError:
 
 
 def _shutting_down() -> APIError:
-    """The 503 of a draining server, with Retry-After as those for a Redis trouble (and
-    vLLM's and TGI's) have: a client retries it elsewhere, or here once restarted."""
+    """The 503 of a draining server, with Retry-After as those for a Redis trouble have: a
+    client retries it elsewhere, or here once restarted."""
     return APIError("the server is shutting down; send the request to another replica",
                     status=503, type="server_error",
                     headers={"Retry-After": str(RETRY_AFTER_S)})

@@ -39,8 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from shared.logging import configure_logging
 
     # `pacer up` runs a worker per rank and instance into one log: each line says which
-    configure_logging("worker", args.log_level, rank=args.rank,
-                      **({"instance": args.instance} if args.instance else {}))
+    configure_logging("worker", args.log_level, rank=args.rank, instance=args.instance)
     engine_args = EngineArgs.from_cli(args)
     if not 0 <= args.rank < engine_args.tp:
         raise PacerError(f"--rank must be in [0, {engine_args.tp}), got {args.rank}")

@@ -63,8 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from shared.logging import configure_logging
     from shared.model_source import model_identity
 
-    configure_logging("scheduler", args.log_level,
-                      **({"instance": args.instance} if args.instance else {}))
+    configure_logging("scheduler", args.log_level, instance=args.instance)
     engine_args = EngineArgs.from_cli(args)
     layout = engine_layout(engine_args)
     layout.check_pool_holds_context()       # pacer up checked it too; alone, here

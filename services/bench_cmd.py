@@ -104,7 +104,7 @@ def build_requests(args: argparse.Namespace) -> list:
     if as_ids and args.endpoint != "/v1/completions":
         raise PacerError("--prompt-format ids needs --endpoint /v1/completions")
     if not 1 <= args.num_prompts <= MAX_PROMPTS:
-        raise PacerError(f"--num-prompts must be from 1 to 10**6, got {args.num_prompts:,}")
+        raise PacerError(f"--num-prompts must be from 1 to {MAX_PROMPTS:,}, got {args.num_prompts:,}")
     tokenizer = load_tokenizer(resolve_model(args.tokenizer))
     if args.dataset != "sharegpt-like" and (args.input_len < 1 or args.output_len < 1):
         raise PacerError("--input-len and --output-len must be >= 1")

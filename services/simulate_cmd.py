@@ -165,7 +165,7 @@ def build_arrivals(args: argparse.Namespace) -> list:
     if args.trace:
         return read_trace(args.trace)
     if not 1 <= args.num_requests <= MAX_SIM_REQUESTS:
-        raise PacerError(f"--num-requests must be from 1 to 10**6, got {args.num_requests:,}")
+        raise PacerError(f"--num-requests must be from 1 to {MAX_SIM_REQUESTS:,}, got {args.num_requests:,}")
     arrivals = synthetic(args.num_requests, args.request_rate, args.burstiness,
                          args.prompt_len, args.output_len, args.seed)
     if not 0 <= args.long_prompt_rate < math.inf:      # nan or below 0 read as none
@@ -180,7 +180,7 @@ def build_arrivals(args: argparse.Namespace) -> list:
         if expected > MAX_SIM_REQUESTS:
             raise PacerError(f"--long-prompt-rate {args.long_prompt_rate:g} over the main "
                              f"stream's {arrivals[-1].arrival_s:.3g} s is ~{expected:.3g} "
-                             "requests: a workload holds at most 10**6")
+                             f"requests: a workload holds at most {MAX_SIM_REQUESTS:,}")
         arrivals += occasional(args.long_prompt_rate, arrivals[-1].arrival_s,
                                args.long_prompt_len, args.long_output_len, args.seed)
     return sorted(arrivals, key=lambda a: a.arrival_s)

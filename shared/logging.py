@@ -15,7 +15,8 @@ import structlog
 
 def configure_logging(service: str, level: str | int = "info", **names) -> None:
     """Log JSON lines tagged with `service` and `names` (which of several: a worker's rank,
-    an engine instance); stdlib loggers (aiohttp, redis) go the same way."""
+    an engine instance; one None or "" is left out); stdlib loggers (aiohttp, redis) go the
+    same way."""
     numeric = level if isinstance(level, int) else logging.getLevelName(level.upper())
     if not isinstance(numeric, int):
         raise ValueError(f"unknown log level {level!r}")
@@ -23,7 +24,7 @@ def configure_logging(service: str, level: str | int = "info", **names) -> None:
         structlog.contextvars.merge_contextvars,
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
-        _add_service(service, names),
+        _add_service(service, {k: v for k, v in names.items() if v not in (None, "")}),
     ]
     # JSON for files and pipes (log collectors, tests); a terminal gets aligned, coloured lines
     if sys.stderr.isatty():

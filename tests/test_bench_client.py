@@ -502,8 +502,8 @@ async def test_ctrl_c_mid_run_reports_the_requests_that_ended(tmp_path):
      "--sharegpt-output-len must be >= 1, got 0"),
     # a MemoryError traceback, and memory filled drawing arrival times (10**11 of them, or a
     # long-prompt stream of ~4·10**9 over the main one's 4 s)
-    (["bench", "--num-prompts", "100000000000"], "--num-prompts must be from 1 to 10**6"),
-    (["simulate", "--num-requests", "100000000000"], "--num-requests must be from 1 to 10**6"),
+    (["bench", "--num-prompts", "100000000000"], "--num-prompts must be from 1 to 1,000,000"),
+    (["simulate", "--num-requests", "100000000000"], "--num-requests must be from 1 to 1,000,000"),
     (["simulate", "--num-requests", "20", "--long-prompt-rate", "1e9"],
      "--long-prompt-rate 1e+09 over the main stream's 3.98 s is ~3.98e+09 requests"),
     (["simulate", "--block-size", "0"], "--block-size must be >= 1"),
