@@ -68,7 +68,9 @@ class Restarter:
         # this run's restarts, by service: the hash is written whole from them, so that a
         # Redis that restarted empty (pacer up's own, restarted here) gets them all again
         self._counts: dict[str, int] = {}
-        self._uncounted_since: float | None = None   # a write failed then: not in Redis yet
+        # when a write failed (not in Redis yet); at first, this run's counts (none) are not:
+        # the hash holds an earlier `pacer up`'s on this Redis, which the first write clears
+        self._uncounted_since: float | None = None if restarts_key is None else float("-inf")
         # restarted processes not yet seen beating (pid -> heartbeat key, when it started),
         # those of them killed for taking too long, and by service how many restarts in a
         # row died before they came up
@@ -142,9 +144,10 @@ class Restarter:
             self._write_counts()
 
     def count_again(self) -> None:
-        """Write the counts that a failed write left out of Redis (it was away: a Redis that
-        pacer up has just restarted refuses connections for a moment), at most once per
-        COUNT_RETRY_S; `pacer up`'s watch loop calls it every turn."""
+        """Write the counts not in Redis yet: this run's first (none, in place of an earlier
+        run's), or those a failed write left out (Redis was away: a Redis that pacer up has
+        just restarted refuses connections for a moment), at most once per COUNT_RETRY_S;
+        `pacer up` calls it before it starts its services, then its watch loop every turn."""
         if self._uncounted_since is not None and \
                 time.monotonic() - self._uncounted_since >= COUNT_RETRY_S:
             self._write_counts()
@@ -186,8 +189,14 @@ class Restarter:
 
     def _write_counts(self) -> None:
         counts = dict(self._counts)
-        written = self._on_redis("restarts not counted yet; trying again",
-                                 lambda client: client.hset(self.restarts_key, mapping=counts),
+
+        def write(client: redis.Redis) -> None:
+            pipe = client.pipeline()         # MULTI: /metrics never reads it half written
+            pipe.delete(self.restarts_key)
+            if counts:
+                pipe.hset(self.restarts_key, mapping=counts)
+            pipe.execute()
+        written = self._on_redis("restarts not counted yet; trying again", write,
                                  quiet=self._uncounted_since is not None)
         self._uncounted_since = None if written else time.monotonic()
 

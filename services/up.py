@@ -604,6 +604,9 @@ def run(args: argparse.Namespace) -> int:
         _check_redis_db(args.redis_url, must_answer=url.scheme != "redis")
         redis_note = describe_redis(args.redis_url, started)
         log.info("redis", redis=redis_note, started_here=started)
+        restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups,
+                              Keys(args.key_prefix).restarts, args.startup_timeout)
+        restarter.count_again()         # none yet: an earlier run's counts are not this one's
         for name, argv in services.argvs:
             sup.start(name, argv)
         base_url = gateway_url(args.host, args.port)
@@ -616,8 +619,6 @@ def run(args: argparse.Namespace) -> int:
                   f"(Ctrl-C to stop)\npacer up: {redis_note}")
         # among the services' logs at a terminal, set the line apart
         print(f"\n{banner}\n" if sys.stdout.isatty() else banner, flush=True)
-        restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups,
-                              Keys(args.key_prefix).restarts, args.startup_timeout)
         watchdog = Watchdog(args.redis_url, services.heartbeat_keys, args.watchdog_s)
         try:
             return _watch(sup, stopping, restarter, watchdog)

@@ -188,6 +188,50 @@ def test_restarts_are_counted_again_in_a_redis_that_lost_them(redis_server, monk
         r.close()
 
 
+def test_a_new_pacer_up_does_not_report_an_earlier_runs_restarts(redis_server):
+    """The hash outlived the `pacer up` that counted them: a new one on the same Redis, which
+    had restarted nothing, reported them in /metrics as its own (and once it restarted a
+    service, that count went down to 1 beside the others' stale ones)."""
+    r = redis.Redis.from_url(redis_server)
+    r.hset("test:earlier", mapping={"worker group": 3, "gateway": 2})
+    sup = Supervisor()
+    try:
+        sup.start("scheduler", SLEEPER)
+        restarter = Restarter(sup, redis_server, {}, {}, "test:earlier")
+        restarter.count_again()                 # as `pacer up` starts, before its services
+        assert r.hgetall("test:earlier") == {}
+        child = sup.children[0]
+        child.proc.kill()
+        child.proc.wait()
+        restarter.handle(child, lambda: False)
+        assert r.hgetall("test:earlier") == {b"scheduler": b"1"}
+    finally:
+        stop_children(sup.children, 5.0)
+        r.close()
+
+
+def test_a_new_pacer_up_does_not_report_an_earlier_runs_restarts(redis_server):
+    """The hash outlived the `pacer up` that counted them: a new one on the same Redis, which
+    had restarted nothing, reported them in /metrics as its own (and once it restarted a
+    service, that count went down to 1 beside the others' stale ones)."""
+    r = redis.Redis.from_url(redis_server)
+    r.hset("test:earlier", mapping={"worker group": 3, "gateway": 2})
+    sup = Supervisor()
+    try:
+        sup.start("scheduler", SLEEPER)
+        restarter = Restarter(sup, redis_server, {}, {}, "test:earlier")
+        restarter.count_again()                 # as `pacer up` starts, before its services
+        assert r.hgetall("test:earlier") == {}
+        child = sup.children[0]
+        child.proc.kill()
+        child.proc.wait()
+        restarter.handle(child, lambda: False)
+        assert r.hgetall("test:earlier") == {b"scheduler": b"1"}
+    finally:
+        stop_children(sup.children, 5.0)
+        r.close()
+
+
 # a service that comes up (writes its heartbeat, with its pid, as a worker does once its model
 # is loaded) unless the file argv[3] exists: then it dies before that, as a worker whose model
 # cannot be read any more does at every restart
