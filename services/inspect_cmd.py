@@ -62,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     keys = Keys(args.key_prefix).for_instance(args.instance)
     hint = "" if args.instance else "; " + INSTANCES_HINT.format(prefix=args.key_prefix)
     try:
+        live = live_instances(client, keys)
+        if not args.instance and (others := sorted(live - {""})):
+            hint = (f"; the schedulers beating now are engine instances' "
+                    f"({', '.join(others)}): give --instance ID")
         if args.instance and client.exists(keys.instance_requests):
             keys = keys.owning_requests()        # a replica reads a request stream of its own
         if args.instance and next(client.scan_iter(match=f"{args.key_prefix}inst:{args.instance}:*",
@@ -69,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
             hint = (f"; nothing is stored under {args.key_prefix}inst:{args.instance}: (no "
                     f"engine instance {args.instance!r} has run against this Redis and prefix)")
         if args.what == "stats":
-            show_stats(client.hgetall(keys.stats), args.json, hint,
-                       live=args.instance in live_instances(client, keys))
+            show_stats(client.hgetall(keys.stats), args.json, hint, live=args.instance in live)
         else:
             stream = getattr(keys, args.what)
             entries = client.xrevrange(stream, count=args.count)
@@ -159,7 +162,8 @@ def show_stats(raw: dict, as_json: bool, hint: str = "", live: bool = True) -> N
         print(json.dumps({k: _number(v) for k, v in stats.items()}))
         return
     if not stats:
-        print(f"no stats yet (no scheduler has run against this Redis and prefix{hint})")
+        print(f"no stats yet (no scheduler of this engine has run against this Redis and "
+              f"prefix{hint})")
     width = max((len(k) for k in stats), default=0)
     for k, v in stats.items():
         print(f"{k:<{width}}  {v}")
@@ -170,10 +174,7 @@ def show_pending(client: redis.Redis, keys: Keys, hint: str = "") -> None:
     try:
         pending = client.xpending(keys.requests, keys.requests_group)
     except redis.ResponseError:
-        others = sorted(live_instances(client, keys) - {""})
-        beats = (f"; the schedulers beating now are engine instances' "
-                 f"({', '.join(others)}): give --instance ID" if others else hint)
-        print(f"no consumer group on {keys.requests} yet (no scheduler has read it{beats})")
+        print(f"no consumer group on {keys.requests} yet (no scheduler has read it{hint})")
         return
     consumers = ", ".join(f"{_text(c['name'])}: {c['pending']}" for c in pending["consumers"])
     print(f"pending in group {keys.requests_group}: {pending['pending']}"

@@ -153,9 +153,10 @@ def test_inspect_an_engine_instances_own_keys(filled, capsys):
     assert f"nothing is stored under {KEYS.prefix}inst:x9:" in out
 
 
-def test_inspect_requests_under_replicas_names_the_instances(redis_server, capsys):
-    """--replicas: each replica reads its own request stream, so the plain one has no group.
-    The answer names the instances whose schedulers beat, not "no scheduler has run"."""
+def test_inspect_under_replicas_names_the_instances(redis_server, capsys):
+    """--replicas: each replica reads its own request stream and writes its own plans and
+    stats, so the plain keys hold nothing. The answer names the instances whose schedulers
+    beat, not "no scheduler has run" (which `stats` said while two ran)."""
     keys = Keys("inspect-replicas:")
     r = redis.Redis.from_url(redis_server)
     for name in ("r0", "r1"):
@@ -163,11 +164,12 @@ def test_inspect_requests_under_replicas_names_the_instances(redis_server, capsy
               encode(Heartbeat("scheduler", f"sched-{name}", time.time(), {"instance": name})),
               ex=600)
     r.close()
-    assert main(["inspect", "requests", "--redis-url", redis_server,
-                 "--key-prefix", keys.prefix]) == 0
-    out = capsys.readouterr().out
-    assert "no scheduler has run" not in out, out
-    assert "engine instances' (r0, r1): give --instance ID" in out, out
+    for what in ("requests", "stats", "plans"):     # stats said "no scheduler has run" too
+        assert main(["inspect", what, "--redis-url", redis_server,
+                     "--key-prefix", keys.prefix]) == 0
+        out = capsys.readouterr().out
+        assert "no scheduler has run" not in out, (what, out)
+        assert "engine instances' (r0, r1): give --instance ID" in out, (what, out)
 
 
 def test_a_reader_that_goes_away_ends_it_quietly(filled):
