@@ -136,6 +136,8 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "a"}\n{"prompt": "b", "logprobs": 1.5}\n', "line 2: logprobs must be an integer"),
     ('{"prompt": "ok", "top_k": 2.5}\n', "top_k must be an integer"),
     ('{"prompt": "ok", "seed": "x"}\n', "seed must be an integer"),
+    # 2**64 gave seed 0's tokens (the sampler hashes 64 bits), silently
+    ('{"prompt": "ok", "seed": 18446744073709551616}\n', "seed must be a 64-bit integer"),
     ('{"prompt": "ok", "temperature": "hot"}\n', "temperature must be a finite number"),
     ('{"prompt": "ok", "stops": ["."]}\n', "unknown field 'stops'"),
     # the gateway's marker for the schedulers is not a user's field
