@@ -20,7 +20,7 @@ from gateway.tool_parsers import PARSERS
 from shared.errors import InvalidRequestError
 from shared.json_file import json_type
 from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY,
-                             MAX_REPETITION_PENALTY, MAX_TOKEN_IDS, token_id_key)
+                             MAX_REPETITION_PENALTY, MAX_TOKEN_IDS, INT64_TEXT, token_id_key)
 from shared import chat_template
 from shared.structured import JSON_OPTIONS, KINDS, closed_schema, rebased_schema, structured_pair
 
@@ -41,10 +41,6 @@ MIN_TEMPERATURE = 1e-5
 MIN_TOP_P = 1e-6
 # Most choices one request may ask for (prompts x n): each is a request of its own upstream.
 MAX_CHOICES = 128
-# Any 64-bit seed, as vLLM takes (a millisecond clock reading is a common one): the n choices
-# of a request take seed, seed + 1, ..., which must stay 64-bit too. The sampler hashes both
-# 32-bit halves.
-SEED_RANGE = (-INT_BOUND, INT_BOUND - MAX_CHOICES)
 # The client's own id for a request (vLLM reads it too): logged beside ours, sent back.
 REQUEST_ID_HEADER = "X-Request-Id"
 MAX_REQUEST_ID_CHARS = 128
@@ -139,7 +135,8 @@ def read_field(body: dict, name: str, kinds: tuple[type, ...], default: Any = _M
         names = " or ".join(_JSON_NAMES[k] for k in kinds)
         raise APIError(f"'{name}' must be {names}, got {json_type(value)}", param=name)
     if isinstance(value, int) and not isinstance(value, bool) and not -INT_BOUND <= value < INT_BOUND:
-        raise APIError(f"'{name}' is out of range", param=name)
+        shown = f", got {value}" if abs(value) < 10**30 else ""
+        raise APIError(f"'{name}' must be {INT64_TEXT}{shown}", param=name)
     if isinstance(value, float) and not math.isfinite(value):
         raise APIError(f"'{name}' must be a finite number", param=name)
     return value
@@ -656,10 +653,7 @@ def _common(body: dict, endpoint: str, *, prompts, messages, max_tokens: int | N
         raise APIError(f"'temperature' must be >= 0, got {temperature}", param="temperature")
     if temperature < MIN_TEMPERATURE:
         temperature = 0.0
-    seed = read_field(body, "seed", (int,), None)
-    if seed is not None and not SEED_RANGE[0] <= seed < SEED_RANGE[1]:
-        raise APIError(f"'seed' must be in [-2**63, 2**63 - {MAX_CHOICES}), got {seed}",
-                       param="seed")
+    seed = read_field(body, "seed", (int,), None)      # any int64, as vLLM takes
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise APIError(f"'top_p' must be in (0, 1], got {top_p}", param="top_p")

@@ -12,7 +12,7 @@ from typing import Any
 from gateway.openai_schema import (CHAT_ROLES, INT_BOUND, MAX_CHOICES, MAX_LOGPROBS,
                                    MAX_BAD_WORD_CHARS, MAX_REQUEST_ID_CHARS, MAX_STOP_CHARS,
                                    MAX_STOP_STRINGS,
-                                   MAX_TIMEOUT_S, REQUEST_ID_HEADER, SEED_RANGE)
+                                   MAX_TIMEOUT_S, REQUEST_ID_HEADER)
 from shared.sampling import (MAX_BAD_WORDS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_REPETITION_PENALTY,
                              MAX_TOKEN_IDS)
 
@@ -37,8 +37,7 @@ def _sampling_fields(max_model_len: int, vocab_size: int) -> dict[str, Any]:
         "top_p": {"type": "number", "exclusiveMinimum": True, "minimum": 0, "maximum": 1,
                   "nullable": True},
         "top_k": {"type": "integer", "minimum": -1, "maximum": vocab_size, "nullable": True},
-        "seed": {"type": "integer", "minimum": SEED_RANGE[0], "maximum": SEED_RANGE[1] - 1,
-                 "nullable": True},
+        "seed": {**_INT64, "nullable": True},         # any int64, as vLLM takes
         "presence_penalty": {"type": "number", "minimum": -MAX_PENALTY, "maximum": MAX_PENALTY,
                              "nullable": True},
         "frequency_penalty": {"type": "number", "minimum": -MAX_PENALTY,

@@ -7,7 +7,7 @@ import functools
 from gateway.openai_schema import (APIError, GenerationRequest, TokenizeRequest,
                                    check_prompt_length)
 from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, choice_seed
 from shared.tokenizer import Tokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
@@ -116,10 +116,11 @@ def _longer_than_served(length: int, max_model_len: int, what: str, param: str) 
 
 def choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
     """The j-th of a prompt's n choices: a seeded request gives choice j the seed + j (vLLM's
-    rule), so that the n samples differ and each can be reproduced alone."""
+    rule, kept an int64: `choice_seed`), so that the n samples differ and each can be
+    reproduced alone."""
     if j == 0 or sampling.seed is None:
         return sampling
-    return dataclasses.replace(sampling, seed=sampling.seed + j)
+    return dataclasses.replace(sampling, seed=choice_seed(sampling.seed, j))
 
 
 def sampling_params(req: GenerationRequest, num_prompt_tokens: int, max_model_len: int,

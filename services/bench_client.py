@@ -330,11 +330,13 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float,
 
 
 def error_summary(results: Sequence[RequestResult], limit: int = 5) -> list[tuple[str, int]]:
-    """The most frequent failure messages with their counts."""
+    """The most frequent failure messages with their counts, each message on one line (an
+    HTTP error's body may be a proxy's HTML page)."""
     counts: dict[str, int] = {}
     for r in results:
         if not r.success:
-            counts[r.error] = counts.get(r.error, 0) + 1
+            error = " ".join(r.error.split())
+            counts[error] = counts.get(error, 0) + 1
     return sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
 
 

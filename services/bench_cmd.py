@@ -8,8 +8,10 @@ Datasets (services/bench_dataset.py): random, sharegpt-like, shared-prefix (`--n
 system prompts of `--prefix-len` tokens), multi-turn (`--num-conversations`, each turn resending
 the history). Prompts are generated from `--seed` with the model's tokenizer (`--tokenizer`); arrivals are
 Gamma(shape=burstiness, scale=1/(rate·burstiness)); every latency is measured at the client
-(definitions in services/bench_client.py). Failed requests are counted, never fatal; Ctrl-C
-reports the requests that ended and exits 130.
+(definitions in services/bench_client.py). Failed requests are counted and summed up in
+one line on stderr; the run exits 0 if any request succeeded (vLLM's `bench serve` exits 0
+either way), 1 with that line as its error if none did, and 130 on Ctrl-C, reporting the
+requests that ended.
 """
 from __future__ import annotations
 
@@ -334,4 +336,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"pacer bench: metrics written to {args.result_json}", file=sys.stderr)
     if unfinished:
         return 130
-    return 0 if metrics["completed"] else 1
+    if metrics["failed"]:
+        (message, count), *others = error_summary(results, limit=len(results))
+        share = f"{metrics['failed']} of {len(results)}" if metrics["completed"] else \
+            f"all {len(results)}"
+        what = (f"{share} requests failed ({count} with "
+                f"{message}" + (f"; {len(others)} other errors, listed above)" if others else ")"))
+        if not metrics["completed"]:
+            # nothing was measured: a script driving the run must not read its zeros as figures
+            raise PacerError(f"{what}: nothing was measured")
+        print(f"pacer bench: {what}: the metrics are of the {metrics['completed']} that "
+              "succeeded", file=sys.stderr)
+    return 0

@@ -140,11 +140,18 @@ def parse_prefill(spec: str) -> ChunkShape:
     return (n, prefix + n)
 
 
+# --hw-tflops and --hw-bandwidth-tbps: a millionth of a unit to a million units. Past them
+# lies a typo: 1e-320 priced an iteration at an infinite wall time, inf was refused naming
+# the profile's field rather than the flag.
+HW_OVERRIDE_RANGE = (1e-6, 1e6)
+
+
 def _hardware(args: argparse.Namespace) -> HardwareProfile:
     hw = load_hardware(args.hw)
+    low, high = HW_OVERRIDE_RANGE
     for flag, value in (("--hw-tflops", args.hw_tflops), ("--hw-bandwidth-tbps", args.hw_bandwidth_tbps)):
-        if value is not None and not value > 0:
-            raise PacerError(f"{flag} must be > 0, got {value}")
+        if value is not None and not low <= value <= high:      # NaN fails it too
+            raise PacerError(f"{flag} must be from {low:g} to {high:g}, got {value:g}")
     return hw.with_overrides(args.hw_tflops, args.hw_bandwidth_tbps)
 
 

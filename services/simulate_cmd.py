@@ -39,7 +39,7 @@ import sys
 from dataclasses import asdict, fields, replace
 
 from services.bench_cmd import _json_safe
-from services.cost_cmd import add_precision_args, precision_of, precision_text
+from services.cost_cmd import add_precision_args, check_count, precision_of, precision_text
 from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, num_blocks_for_memory
 from shared.engine_args import parse_latency_target
 from shared.errors import PacerError
@@ -60,6 +60,14 @@ MAX_SIM_KV_BLOCKS = 2**24
 # 10**11 (a typo) filled memory drawing the arrival times, as did a --long-prompt-rate whose
 # stream would hold that many.
 MAX_SIM_REQUESTS = 10**6
+# The most instances a P/D run may simulate (P + D, and as many colocated): each holds its
+# own core and KV pool, ~0.5 MB; --disagg 1:99999999999999 filled memory until the kernel
+# killed the run.
+MAX_SIM_INSTANCES = 1024
+# The scheduler's own counts, bounded as `pacer cost` bounds its counts: a budget of 10**20
+# was a ValueError traceback from the core (an islice past sys.maxsize).
+COUNT_FLAGS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len",
+               "prefill_max_num_batched_tokens", "disagg_min_prompt_tokens")
 
 
 def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -131,7 +139,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="P prefill and D decode instances, the KV of every prompt moved "
                         "between them, against P+D colocated chunked-prefill instances")
     d.add_argument("--fabric", default="ib-hdr",
-                   help="nvlink, nvswitch, ib-hdr, pcie5 or a bandwidth in GB/s (default ib-hdr)")
+                   help="nvlink, nvswitch, ib-hdr, pcie5 or a bandwidth from 0.001 to 1e6 GB/s "
+                        "(default ib-hdr)")
     d.add_argument("--no-layer-streaming", dest="layer_streaming", action="store_false",
                    help="send a prompt's K/V only once its prefill is over")
     d.add_argument("--prefill-max-num-batched-tokens", type=int, default=None,
@@ -251,6 +260,9 @@ def run(args: argparse.Namespace) -> int:
                              f"{args.gpu_memory_utilization}")
         if args.block_size < 1:
             raise PacerError(f"--block-size must be >= 1, got {args.block_size}")
+        for flag in COUNT_FLAGS:
+            if getattr(args, flag) is not None:
+                check_count(f"--{flag.replace('_', '-')}", getattr(args, flag))
         if args.cost == "online" and args.max_iteration_ms is None and args.target_tbt_ms == "off":
             raise PacerError("--cost online is the model a latency budget plans with: give "
                              "--max-iteration-ms or --target-tbt-ms (without either the core "
@@ -308,6 +320,9 @@ def parse_disagg(spec: str) -> tuple[int, int]:
         p = d = 0
     if len(parts) != 2 or p < 1 or d < 1:
         raise PacerError(f"--disagg {spec!r}: expected P:D with P, D >= 1, e.g. 1:1")
+    if p + d > MAX_SIM_INSTANCES:
+        raise PacerError(f"--disagg {spec!r}: the simulator runs at most {MAX_SIM_INSTANCES:,} "
+                         "instances (P + D)")
     return p, d
 
 
@@ -324,7 +339,7 @@ def parse_sweep(spec: str, args: argparse.Namespace) -> tuple[str, list[str]]:
     if args.trace and knob != "fabric":
         raise PacerError(f"--sweep {knob}: the workload comes from --trace")
     check = {"request-rate": _rate, "prompt-len": parse_length, "output-len": parse_length,
-             "fabric": load_fabric}[knob]
+             "fabric": lambda value: load_fabric(value, "--sweep fabric")}[knob]
     for value in values:
         check(value)
     return knob, values

@@ -43,18 +43,27 @@ FABRICS: dict[str, Fabric] = {f.name: f for f in (
 )}
 
 
-def load_fabric(spec: str) -> Fabric:
-    """A built-in name (see FABRICS) or a bandwidth in GB/s."""
+# The bandwidths a fabric given as a number may have: a megabyte a second to a petabyte a
+# second. Past them lies a typo: 0 or below was "unknown fabric", 1e-300 a ZeroDivisionError
+# traceback in the simulator and a transfer of 1e303 ms in `pacer cost`.
+FABRIC_GB_PER_S = (1e-3, 1e6)
+
+
+def load_fabric(spec: str, flag: str = "--fabric") -> Fabric:
+    """A built-in name (see FABRICS) or a bandwidth in GB/s; anything else a PacerError that
+    names `flag`."""
     key = str(spec).strip().lower()
     if key in FABRICS:
         return FABRICS[key]
     try:
         gb_per_s = float(key.removesuffix("gb/s"))
     except ValueError:
-        gb_per_s = math.nan
-    if not (math.isfinite(gb_per_s) and gb_per_s > 0):
-        raise PacerError(f"unknown fabric {spec!r}: use one of {', '.join(FABRICS)} "
-                         "or a bandwidth in GB/s, e.g. 25")
+        raise PacerError(f"{flag} {spec!r}: unknown fabric: use one of {', '.join(FABRICS)} "
+                         "or a bandwidth in GB/s, e.g. 25") from None
+    low, high = FABRIC_GB_PER_S
+    if not low <= gb_per_s <= high:         # NaN fails it too
+        raise PacerError(f"{flag} {spec!r}: a fabric's bandwidth must be from {low:g} to "
+                         f"{high:g} GB/s")
     return Fabric(f"{gb_per_s:g} GB/s", gb_per_s, "given as a bandwidth")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from typing import Any
 
 from shared.errors import InvalidRequestError, PacerError
@@ -33,13 +34,24 @@ def read_json_object(path: str, what: str) -> dict[str, Any]:
 
 def check_output_path(path: str, flag: str) -> None:
     """A file a command will write after a long run: refused before the run, not after it,
-    where its folder is missing or it names a folder."""
+    where its folder is missing, it names a folder, or it cannot be opened for writing (a
+    read-only file, a read-only file system, a name too long, a trailing slash). The file is
+    opened without truncating it; one that was not there is removed again."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path) or not os.path.isdir(folder):
         raise PacerError(f"{flag} {path}: " + ("is a folder" if os.path.isdir(path) else
                                                f"no folder {folder} to write it in"))
     if not os.access(folder, os.W_OK):
         raise PacerError(f"{flag} {path}: the folder {folder} is not writable")
+    existed = os.path.exists(path)
+    if existed and not stat.S_ISREG(os.stat(path).st_mode):
+        return          # a device or a pipe (/dev/stdout, a FIFO): opening it may wait
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666))
+    except OSError as e:
+        raise PacerError(f"{flag} {path}: cannot be written ({e.strerror})") from None
+    if not existed:
+        os.remove(os.path.realpath(path))      # through a link: the file it made
 
 
 def parse_user_json(text: str | bytes) -> Any:

@@ -21,6 +21,17 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_TOKEN_IDS = 1024                  # allowed_token_ids, stop_token_ids
 MAX_BAD_WORDS = 1024                  # bad_words (each one or two token sequences)
 MAX_TOKEN_ID_DIGITS = 19              # a token id as a key: int64's, the wire's
+# A seed: any int64, as OpenAI's and vLLM's (a millisecond clock reading is a common one; so is
+# 2**63 - 1). The sampler hashes its 64 bits: a larger one would alias a smaller one's tokens
+# (2**64 gave seed 0's), so none is taken.
+SEED_RANGE = (-2**63, 2**63)
+INT64_TEXT = "a 64-bit integer, from -2**63 to 2**63 - 1"
+
+
+def choice_seed(seed: int, j: int) -> int:
+    """The seed of a request's j-th choice: seed + j (vLLM's rule), wrapped to stay an int64
+    (the same 64 bits the sampler hashes, so the same tokens as seed + j unwrapped)."""
+    return (seed + j - SEED_RANGE[0]) % 2**64 + SEED_RANGE[0]
 
 
 _INT_FIELDS = ("max_tokens", "top_k", "seed", "logprobs", "min_tokens", "prompt_logprobs")
@@ -141,6 +152,8 @@ class SamplingParams:
             if not isinstance(value, (int, float)) or isinstance(value, bool) or \
                     not math.isfinite(value):
                 raise InvalidRequestError(f"{name} must be a finite number, got {value!r}")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed < SEED_RANGE[1]:
+            raise InvalidRequestError(f"seed must be {INT64_TEXT}, got {self.seed}")
         for name in ("ignore_eos", "max_tokens_default"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidRequestError(f"{name} must be true or false, "

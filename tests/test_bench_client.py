@@ -415,6 +415,19 @@ async def standin_server(handler):
         await runner.cleanup()
 
 
+async def _two_tokens(request: web.Request) -> web.StreamResponse:
+    """A whole stream of two tokens, for an 8-token prompt."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    for chunk in (b'{"choices":[{"text":"a","index":0}]}',
+                  b'{"choices":[{"text":"b","index":0}]}',
+                  b'{"choices":[],"usage":{"prompt_tokens":8,"completion_tokens":2}}',
+                  b"[DONE]"):
+        await resp.write(b"data: " + chunk + b"\n\n")
+    await resp.write_eof()
+    return resp
+
+
 async def test_failures_midstream_cut_and_timeout_are_recorded():
     async with standin_server(_standin) as (_, base_url):
         target = ApiTarget(base_url, "/v1/completions", "m")
@@ -456,15 +469,7 @@ async def test_ctrl_c_mid_run_reports_the_requests_that_ended(tmp_path):
         seen.append(await request.json())
         if len(seen) % 2 == 0:
             await request.app[RELEASE].wait()
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        for chunk in (b'{"choices":[{"text":"a","index":0}]}',
-                      b'{"choices":[{"text":"b","index":0}]}',
-                      b'{"choices":[],"usage":{"prompt_tokens":8,"completion_tokens":2}}',
-                      b"[DONE]"):
-            await resp.write(b"data: " + chunk + b"\n\n")
-        await resp.write_eof()
-        return resp
+        return await _two_tokens(request)
 
     out = tmp_path / "result.json"
     async with standin_server(every_other_hangs) as (_, base_url):
@@ -485,6 +490,37 @@ async def test_ctrl_c_mid_run_reports_the_requests_that_ended(tmp_path):
     assert data["total_output_tokens"] == 2 * data["completed"]
     assert data["duration_s"] > 0 and data["mean_ttft_ms"] > 0
     assert b"Unfinished requests (Ctrl-C):" in stdout and b"Median TTFT (ms):" in stdout
+
+
+async def test_failed_requests_are_summed_up_in_one_line_and_all_failed_exits_1():
+    """A proxy answering some (then all) requests with its HTML error page: the run says how
+    many failed and why in one line on stderr; with none succeeding it exits 1 with that line
+    as its error. It exited 0 with some failed and nothing on stderr either way, the page's
+    lines printed as they came."""
+    page = "<html>\n<body>\n  502 Bad Gateway\n</body>\n</html>\n"
+    answered, fail_all = [], [False]
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        answered.append(await request.json())
+        if fail_all[0] or len(answered) % 2:
+            return web.Response(status=502, text=page, content_type="text/html")
+        return await _two_tokens(request)
+
+    async with standin_server(proxy) as (_, base_url):
+        for fail_all[0], rc, needle in ((False, 0, "pacer bench: 2 of 4 requests failed"),
+                                        (True, 1, "pacer: error: all 4 requests failed")):
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "services.cli", "bench", "--base-url", base_url,
+                "--model", "m", "--input-len", "8", "--output-len", "2", "--num-prompts", "4",
+                "--max-concurrency", "1", cwd=ROOT,
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            stdout, stderr = await asyncio.wait_for(proc.communicate(), 60)
+            err = stderr.decode()
+            assert proc.returncode == rc, err
+            [line] = [l for l in err.splitlines() if "requests failed" in l]
+            assert line.startswith(needle), err
+            assert "with HTTP 502: <html> <body> 502 Bad Gateway </body> </html>" in line, line
+            assert "Traceback" not in err and b"Serving Benchmark Result" in stdout
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -350,6 +350,13 @@ def test_cost_cli_table_and_overrides(capsys):
                                        (["--decode", "0x1024"], "--decode"),
                                        (["--prefill", "1024@"], "--prefill"),
                                        (["--hw", "tpu-v9", "--decode", "1x1"], "hardware"),
+                                       # 1e-320 priced the iteration at inf ms; inf was
+                                       # refused naming the profile's field
+                                       (["--decode", "1x1", "--hw-bandwidth-tbps", "1e-320"],
+                                        "--hw-bandwidth-tbps must be from 1e-06 to 1e+06"),
+                                       (["--decode", "1x1", "--hw-tflops", "inf"],
+                                        "--hw-tflops must be from"),
+                                       (["--decode", "1x1", "--hw-tflops", "0"], "--hw-tflops"),
                                        ([], "nothing to run")])
 def test_cost_cli_bad_input_is_one_error_line(capsys, argv, flag):
     assert _cost_cli(argv) == 2

@@ -99,8 +99,14 @@ def test_the_4k_prefill_hides_every_fabric_but_the_slowest():
 
 def test_unknown_fabric_is_a_user_error():
     assert load_fabric("25").gb_per_s == 25 and load_fabric("12.5GB/s").gb_per_s == 12.5
-    for bad in ("infiniband", "0", "-3", "nan"):
-        with pytest.raises(PacerError, match="unknown fabric"):
+    assert load_fabric("0.001").gb_per_s == 0.001 and load_fabric("1e6").gb_per_s == 1e6
+    with pytest.raises(PacerError, match="--fabric 'infiniband': unknown fabric"):
+        load_fabric("infiniband")
+    # a number, but no bandwidth: 0 and below were "unknown fabric" (and said to give a
+    # bandwidth in GB/s), 1e-300 a ZeroDivisionError in the simulator
+    for bad in ("0", "-3", "nan", "inf", "1e-300", "1e300"):
+        with pytest.raises(PacerError, match=f"--fabric '{bad}': a fabric's bandwidth must be "
+                                             "from 0.001 to 1e\\+06 GB/s"):
             load_fabric(bad)
 
 
@@ -131,7 +137,9 @@ def test_cli_one_fabric_and_json(capsys):
 
 
 @pytest.mark.parametrize("argv,flag", [(["--transfer", "0"], "--transfer"),
-                                       (["--transfer", "8", "--fabric", "wifi"], "fabric"),
+                                       (["--transfer", "8", "--fabric", "wifi"], "--fabric"),
+                                       (["--transfer", "8", "--fabric", "0"], "--fabric '0'"),
+                                       (["--transfer", "8", "--fabric", "1e-300"], "--fabric"),
                                        (["--transfer", "8", "--decode", "1x8"], "--decode")])
 def test_cli_bad_transfer_input_is_one_error_line(capsys, argv, flag):
     assert _cost_cli(argv) == 2

@@ -639,6 +639,12 @@ async def test_n_and_a_prompt_batch_are_choices_in_openais_order(h: Harness) -> 
     assert all(c["logprobs"]["text_offset"][0] == 0 for c in choices)
     sent = {i: h.fake.received[f"{body['id']}-{i}"] for i in range(4)}
     assert [sent[i].sampling.seed for i in range(4)] == [7, 8, 7, 8]
+    # int64's last seed (vLLM takes it; it was refused): the next choice's wraps to int64's first
+    status, top = await h.post("/v1/completions", completion(
+        prompt="Say hello.", n=2, seed=2**63 - 1, max_tokens=3))
+    assert status == 200, top
+    assert [h.fake.received[f"{top['id']}-{j}"].sampling.seed for j in range(2)] == \
+        [2**63 - 1, -2**63]
     first = h.tok.encode("Say hello.", add_special_tokens=True)
     assert [sent[i].prompt_token_ids for i in range(4)] == [first, first, [5, 6, 7], [5, 6, 7]]
     assert body["usage"] == {"prompt_tokens": len(first) + 3, "completion_tokens": 12,

@@ -3,6 +3,7 @@ contract: one clear line naming the problem and the offending input, never a tra
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -135,6 +136,8 @@ def test_seeded_line_is_reproducible(tiny, tmp_path):
     ('{"prompt": "a"}\n{"prompt": "b", "logprobs": 1.5}\n', "line 2: logprobs must be an integer"),
     ('{"prompt": "ok", "top_k": 2.5}\n', "top_k must be an integer"),
     ('{"prompt": "ok", "seed": "x"}\n', "seed must be an integer"),
+    # 2**64 gave seed 0's tokens (the sampler hashes 64 bits), silently
+    ('{"prompt": "ok", "seed": 18446744073709551616}\n', "seed must be a 64-bit integer"),
     ('{"prompt": "ok", "temperature": "hot"}\n', "temperature must be a finite number"),
     ('{"prompt": "ok", "stops": ["."]}\n', "unknown field 'stops'"),
     # the gateway's marker for the schedulers is not a user's field
@@ -190,6 +193,30 @@ def test_an_output_or_a_flag_that_cannot_serve_is_refused_before_the_model_loads
     proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output",
                  str(tmp_path / "o"), "--dtype", "float16")
     assert_one_line_error(proc, "--dtype float16 is not served on CPU")
+
+
+def test_an_output_that_cannot_be_opened_is_refused_before_the_model_loads(tiny, tmp_path):
+    """A name the folder check passed but open() refuses (a trailing slash, a name longer than
+    the file system takes; for a user other than root, a read-only file) was found only when
+    the results were written, after the whole run: the work lost."""
+    prompts = write_lines(tmp_path / "p.jsonl", [{"prompt": "hi"}])
+    bad = [(str(tmp_path / "o.jsonl") + "/", "Is a directory"),
+           (str(tmp_path / ("o" * 300)), "File name too long")]
+    if os.geteuid() != 0:              # root may write a read-only file
+        (tmp_path / "ro.jsonl").write_text("kept\n")
+        (tmp_path / "ro.jsonl").chmod(0o444)
+        bad.append((str(tmp_path / "ro.jsonl"), "Permission denied"))
+    for output, why in bad:
+        proc = pacer("generate", "--model", tiny, "--prompts", prompts, "--output", output)
+        assert_one_line_error(proc, "--output", "cannot be written", why)
+        assert "generate:" not in proc.stderr       # no progress bar: nothing was generated
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["p.jsonl"] + (["ro.jsonl"] if len(bad) > 2 else []))     # nothing left behind
+    # a new file's check leaves no file behind; an existing one is not truncated by it
+    from shared.json_file import check_output_path
+    check_output_path(str(tmp_path / "new.jsonl"), "--output")
+    check_output_path(prompts, "--output")
+    assert not (tmp_path / "new.jsonl").exists() and json.loads(open(prompts).read())
 
 
 @pytest.mark.parametrize("pool", [[], ["--kv-cache-memory", "64MiB"]])

@@ -226,7 +226,7 @@ def test_seeded_tokens_ignore_batch_composition_and_position():
 def test_any_64_bit_seed_samples_its_own_repeatable_tokens():
     """A millisecond clock reading, the int64 ends, a negative seed: each the same tokens
     every time, and not its neighbour's (both 32-bit halves are hashed)."""
-    from gateway.openai_schema import SEED_RANGE
+    from shared.sampling import SEED_RANGE
     x = logits(rows=1, vocab=300, seed=7)
 
     def tokens(seed: int) -> list[int]:

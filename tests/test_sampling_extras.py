@@ -20,7 +20,7 @@ from shared.engine_args import EngineArgs
 from shared.plan import NO_TOKEN
 from shared.detokenizer import IncrementalDetokenizer
 from shared.errors import InvalidRequestError
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, choice_seed
 from tests.hf_reference import NEW_TOKENS, assert_same_tokens
 from tests.test_engine_parity import CONFIGS, random_prompts, run_engine, tiny_llama_and_hf
 
@@ -433,10 +433,18 @@ def test_a_max_completion_tokens_below_one_is_named_as_sent():
     assert e.value.param == "max_completion_tokens" and "max_completion_tokens" in str(e.value)
 
 
-def test_a_seed_is_any_64_bit_integer_that_leaves_room_for_its_choices():
-    for seed in (1_765_051_200_000, -2**63, 2**63 - 129):          # Date.now(), the ends
+def test_a_seed_is_any_64_bit_integer_as_vllm_takes():
+    """2**63 - 128 .. 2**63 - 1 (sys.maxsize among them) were refused, to leave room for the
+    n choices' seed + j: vLLM takes them, and choice j's seed wraps (`choice_seed`)."""
+    for seed in (1_765_051_200_000, -2**63, 2**63 - 128, 2**63 - 1, -1):  # Date.now(), the ends
         assert parse_completion({"model": "m", "prompt": "hi", "seed": seed}).seed == seed
-    for seed in (2**63 - 128, 2**63, -2**63 - 1):
+    for seed in (2**63, -2**63 - 1, 2**64):
         with pytest.raises(APIError) as e:
             parse_completion({"model": "m", "prompt": "hi", "seed": seed})
         assert e.value.param == "seed", str(e.value)
+        assert "must be a 64-bit integer, from -2**63 to 2**63 - 1" in str(e.value)
+        # the offline path (a prompts file's line) refuses it alike: 2**64 gave seed 0's tokens
+        with pytest.raises(InvalidRequestError, match=r"seed must be a 64-bit integer"):
+            SamplingParams(seed=seed)
+    assert [choice_seed(2**63 - 1, j) for j in range(3)] == [2**63 - 1, -2**63, -2**63 + 1]
+    assert choice_seed(-1, 1) == 0 and choice_seed(7, 1) == 8

@@ -203,7 +203,16 @@ def test_cli_sweep(tmp_path, capsys):
 @pytest.mark.parametrize("argv,flag", [(["--disagg", "0:1"], "--disagg"),
                                        (["--disagg", "2"], "--disagg"),
                                        (["--disagg", "1:1", "--compare"], "--compare"),
-                                       (["--disagg", "1:1", "--fabric", "wifi"], "fabric"),
+                                       (["--disagg", "1:1", "--fabric", "wifi"], "--fabric"),
+                                       # a ZeroDivisionError traceback
+                                       (["--disagg", "1:1", "--fabric", "1e-300"], "--fabric"),
+                                       (["--disagg", "1:1", "--sweep", "fabric=ib-hdr,0"],
+                                        "--sweep fabric '0'"),
+                                       # memory filled until the kernel killed the run
+                                       (["--disagg", "1:99999999999999"], "at most 1,024"),
+                                       # a ValueError traceback from the core
+                                       (["--max-num-batched-tokens", str(10**20)],
+                                        "--max-num-batched-tokens: counts must be at most"),
                                        (["--sweep", "fabric=nvlink"], "--disagg"),
                                        (["--disagg", "1:1", "--sweep", "load=1"], "--sweep"),
                                        (["--disagg", "1:1", "--sweep", "request-rate=0"], "rate"),
