@@ -21,7 +21,7 @@ from services.supervisor import Supervisor, stop_children
 from services.up import _watch
 from shared.errors import PacerError
 from tests.redis_fixture import free_port, redis_server  # noqa: F401  (a fixture)
-from tests.served_fixture import ROOT, Served, wait_for
+from tests.served_fixture import ROOT, Served, process_state, wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 GROUPS = {"worker rank 0": "worker group", "worker rank 1": "worker group"}
@@ -101,6 +101,21 @@ def test_clean_stops_are_restarted_and_not_counted_as_a_crash_loop():
             assert fresh is not child and fresh.returncode is None
             child = fresh
         assert not restarter._recent.get("gateway")
+    finally:
+        stop_children(sup.children, 5.0)
+
+
+def test_a_stopped_child_is_let_run_to_take_its_sigterm():
+    """A child stopped (SIGSTOP: by an operator, or hung so and not yet found by the
+    watchdog) as `pacer up` stops it: a stopped process takes its SIGTERM only once it runs
+    again, so it was killed (-9) at the deadline, its drain never run. SIGCONT follows."""
+    sup = Supervisor()
+    child = sup.start("gateway", EXITS_CLEANLY, stdout=subprocess.PIPE)
+    try:
+        assert child.proc.stdout.readline().strip() == b"ready"
+        child.proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(child.pid) == "T", 30.0, "the child stopped")
+        assert stop_children(sup.children, 10.0) == [0]
     finally:
         stop_children(sup.children, 5.0)
 
