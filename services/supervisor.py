@@ -142,11 +142,14 @@ class Supervisor:
 
 def stop_children(children: list[Child], timeout_s: float) -> list[int | None]:
     """SIGTERM every child, then wait for each until one shared deadline; SIGKILL those
-    still running at it. Their exit codes, in order."""
+    still running at it. Their exit codes, in order. A stopped child (SIGSTOP) takes a
+    signal only once it runs again: it is sent SIGCONT after the SIGTERM, to drain and exit
+    as the others do, rather than be killed at the deadline."""
     for child in children:
         if child.returncode is None:
             try:
                 child.proc.send_signal(signal.SIGTERM)
+                child.proc.send_signal(signal.SIGCONT)
             except ProcessLookupError:
                 pass
     deadline = time.monotonic() + timeout_s

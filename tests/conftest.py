@@ -23,8 +23,26 @@ def default_hf(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm_chat(default_hf):
+def smollm_chat(request, tmp_path_factory):
     """(prompts, [(greedy tokens, logits)]) of the default model on tests/hf_reference.py's
-    chat prompts."""
+    chat prompts: computed once per test run (~15 s), by the first worker process to need it."""
     from tests.hf_reference import default_chat_references
-    return default_chat_references(default_hf)
+    return once_per_run(request, tmp_path_factory, "smollm-chat-references",
+                        lambda: default_chat_references(request.getfixturevalue("default_hf")))
+
+
+def once_per_run(request, tmp_path_factory, name: str, compute):
+    """`compute()`, shared by this run's pytest-xdist worker processes through a file in the
+    run's own temporary folder (gone with the run): the first to get here computes it, the
+    others wait for it and read it. Without xdist: computed here."""
+    import torch
+    from filelock import FileLock
+    if not hasattr(request.config, "workerinput"):      # not an xdist worker
+        return compute()
+    path = tmp_path_factory.getbasetemp().parent / f"{name}.pt"     # the workers' common root
+    with FileLock(f"{path}.lock"):
+        if path.is_file():
+            return torch.load(path, weights_only=True)
+        value = compute()
+        torch.save(value, path)
+        return value

@@ -23,12 +23,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEADLINE_S = 90          # a follower that never joins would wait for ever
 
 
-def _worker(rank: int, model: str, redis_url: str, keys: Keys) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "services.cli", "worker", "--rank", str(rank),
+# `python -m services.cli ...` in a process that has imported the worker's modules (seconds of
+# CPU) and runs it once a line comes on its stdin: a worker started later, less its imports
+_IMPORTED_THEN_RUN = ("import runpy, sys, gpu_worker.service, gpu_worker.tp.service; "
+                      "sys.stdin.readline(); "
+                      "runpy.run_module('services.cli', run_name='__main__', alter_sys=True)")
+
+
+def _worker(rank: int, model: str, redis_url: str, keys: Keys,
+            on_a_line: bool = False) -> subprocess.Popen:
+    """`pacer worker --rank ...`; `on_a_line`: it runs once a line is written to its stdin."""
+    start = [sys.executable, "-c", _IMPORTED_THEN_RUN] if on_a_line else \
+        [sys.executable, "-m", "services.cli"]
+    return subprocess.Popen([*start, "worker", "--rank", str(rank),
                              "--tp", "2", "--model", model, "--dtype", "float32",
                              "--max-model-len", "256", "--redis-url", redis_url,
                              "--key-prefix", keys.prefix], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True,
+                            stdin=subprocess.PIPE if on_a_line else None)
 
 
 def test_a_tp_follower_started_well_after_rank_0_joins_its_group(redis_server, tmp_path):
@@ -38,14 +50,16 @@ def test_a_tp_follower_started_well_after_rank_0_joins_its_group(redis_server, t
     (so did one whose clock ran 10 s ahead of rank 0's)."""
     model = write_tiny_llama(tmp_path / "tiny")
     keys = Keys("tp-late:")
-    procs = [_worker(0, model, redis_server, keys)]
+    procs = [_worker(0, model, redis_server, keys), _worker(1, model, redis_server, keys,
+                                                         on_a_line=True)]
     client = redis.Redis.from_url(redis_server)
     try:
         for line in procs[0].stdout:
             if "tp group rendezvous published" in line:
                 break
         time.sleep(12)                        # rank 1's machine starts it later
-        procs.append(_worker(1, model, redis_server, keys))
+        procs[1].stdin.write("run\n")
+        procs[1].stdin.flush()
         deadline = time.monotonic() + DEADLINE_S
         while not client.exists(keys.hb_worker(0)):   # rank 0 beats once its group formed
             assert time.monotonic() < deadline, "the follower never joined rank 0's group"

@@ -171,8 +171,8 @@ class TokenTap:
 
 
 async def run_streams(s: System, kill=None) -> tuple[list[StreamResult], TokenTap, float]:
-    """NUM_STREAMS streams at once; `kill()` (returning when it happened, monotonic) runs once
-    every stream has KILL_AFTER_CHUNKS chunks."""
+    """NUM_STREAMS streams at once; `kill(tap)` (returning when it happened, monotonic) runs
+    once every stream has KILL_AFTER_CHUNKS chunks."""
     progress = [0] * NUM_STREAMS
     started = asyncio.Event()
     killed_at = 0.0
@@ -188,7 +188,7 @@ async def run_streams(s: System, kill=None) -> tuple[list[StreamResult], TokenTa
             on_chunk=lambda r, i=i: seen(i, r))) for i in range(NUM_STREAMS)]
         if kill is not None:
             await asyncio.wait_for(started.wait(), STREAM_DEADLINE_S)
-            killed_at = await kill()
+            killed_at = await kill(tap)
         results = await asyncio.gather(*tasks)
     return results, tap, killed_at
 
@@ -349,7 +349,7 @@ def replace_claim_mid_stream(system: System, name: str, claim_key: str, taker: b
     after_takeover: list = []
     stale_said: list[str] = []
 
-    async def take_the_claim() -> float:
+    async def take_the_claim(_tap: TokenTap) -> float:
         pipe = r.pipeline(transaction=True)        # the newest entry as the claim changes
         pipe.set(claim_key, taker, ex=HEARTBEAT_TTL_S)
         pipe.xrevrange(stream, count=1)
@@ -698,7 +698,7 @@ def test_another_scheduler_takes_over_a_killed_schedulers_streams_exactly(system
     scheduler_a = system.processes[SCHEDULER_A].proc
     b_started: list[float] = []
 
-    async def kill_a_then_start_b() -> float:
+    async def kill_a_then_start_b(_tap: TokenTap) -> float:
         os.kill(scheduler_a.pid, signal.SIGKILL)
         killed_at = time.monotonic()
         # A's heartbeat key lives on until its TTL; the new scheduler must not need it gone
@@ -788,11 +788,14 @@ def test_a_stalled_scheduler_that_comes_back_after_a_takeover_publishes_nothing_
     assert_complete(reference, ref_tap, system)
     stalled = system.processes[holder].proc
 
-    async def stall_until_taken_over() -> float:
+    async def stall_until_taken_over(tap: TokenTap) -> float:
         os.kill(stalled.pid, signal.SIGSTOP)
         stopped_at = time.monotonic()
         system.start_scheduler(taker)
-        await asyncio.sleep(CLAIM_IDLE_MS / 1000 + 6)     # claimed and served to the end
+        end = time.monotonic() + STREAM_DEADLINE_S
+        while len(tap.finished) < NUM_STREAMS:          # claimed and served to the end
+            assert time.monotonic() < end, system.logs()
+            await asyncio.sleep(0.05)
         os.kill(stalled.pid, signal.SIGCONT)
         await asyncio.sleep(2.0)            # what it would publish, the tap would see
         return stopped_at

@@ -21,7 +21,7 @@ from services.supervisor import Supervisor, stop_children
 from services.up import _watch
 from shared.errors import PacerError
 from tests.redis_fixture import free_port, redis_server  # noqa: F401  (a fixture)
-from tests.served_fixture import ROOT, Served, wait_for
+from tests.served_fixture import ROOT, Served, process_state, wait_for
 
 SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
 GROUPS = {"worker rank 0": "worker group", "worker rank 1": "worker group"}
@@ -101,6 +101,21 @@ def test_clean_stops_are_restarted_and_not_counted_as_a_crash_loop():
             assert fresh is not child and fresh.returncode is None
             child = fresh
         assert not restarter._recent.get("gateway")
+    finally:
+        stop_children(sup.children, 5.0)
+
+
+def test_a_stopped_child_is_let_run_to_take_its_sigterm():
+    """A child stopped (SIGSTOP: by an operator, or hung so and not yet found by the
+    watchdog) as `pacer up` stops it: a stopped process takes its SIGTERM only once it runs
+    again, so it was killed (-9) at the deadline, its drain never run. SIGCONT follows."""
+    sup = Supervisor()
+    child = sup.start("gateway", EXITS_CLEANLY, stdout=subprocess.PIPE)
+    try:
+        assert child.proc.stdout.readline().strip() == b"ready"
+        child.proc.send_signal(signal.SIGSTOP)
+        wait_for(lambda: process_state(child.pid) == "T", 30.0, "the child stopped")
+        assert stop_children(sup.children, 10.0) == [0]
     finally:
         stop_children(sup.children, 5.0)
 
@@ -390,6 +405,12 @@ def test_a_restart_that_hangs_before_it_comes_up_is_killed_and_given_up_on(
         r.close()
 
 
+# --startup-timeout of the `pacer up` whose restart hangs: the test waits it out once; the first
+# start (every service at once) and the restart that serves must come up within it (a few
+# seconds with the tiny model, on a busy machine)
+HUNG_STARTUP_TIMEOUT_S = 12
+
+
 def test_pacer_up_kills_a_restarted_worker_that_hangs_loading_its_model(tmp_path):
     """`pacer up` with the tiny model; the model's config becomes a FIFO nobody writes (a
     mount that stopped answering), then the worker dies: its restart hangs reading it. It is
@@ -404,7 +425,8 @@ def test_pacer_up_kills_a_restarted_worker_that_hangs_loading_its_model(tmp_path
         proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--port", str(port),
              "--redis-url", f"redis://127.0.0.1:{free_port()}/0", "--model", model,
-             "--dtype", "float32", "--kv-cache-memory", "64MiB", "--startup-timeout", "25"],
+             "--dtype", "float32", "--kv-cache-memory", "64MiB",
+             "--startup-timeout", str(HUNG_STARTUP_TIMEOUT_S)],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
 
     def lines() -> list[str]:
@@ -419,8 +441,8 @@ def test_pacer_up_kills_a_restarted_worker_that_hangs_loading_its_model(tmp_path
         os.rename(config, config + ".real")
         os.mkfifo(config)
         os.kill(pid, signal.SIGKILL)
-        hung = wait_for(lambda: next((line for line in lines() if "wrote no heartbeat within "
-                                      "25 s of its restart" in line), None), 240.0,
+        said = f"wrote no heartbeat within {HUNG_STARTUP_TIMEOUT_S} s of its restart"
+        hung = wait_for(lambda: next((line for line in lines() if said in line), None), 240.0,
                         "the hung restart killed")
         assert hung.startswith("pacer up: worker rank 0 (pid "), hung
         os.remove(config)
