@@ -140,6 +140,9 @@ class SchedulerService:
         self._overlap = config.overlap and config.role != "prefill"
         self._housekeeping_at = 0.0
         self._gateway_misses: dict[str, int] = {}
+        # P/D decode: this is the instance's first scheduler in a Redis `pacer up` started
+        # (`Keys.pool_untold`): no predecessor's reservation, so no late K/V write, exists
+        self._pool_untold = False
         if self.publishes_cache:     # the gateway's router reads it
             core.block_manager.keep_events()
 
@@ -163,6 +166,9 @@ class SchedulerService:
         if self.decode is not None:
             ours[self.keys.handoff] = "stream"
         await self.recovery.prepare(ours)
+        if self.decode is not None:     # before any reservation is answered
+            self._pool_untold = bool(await self.recovery.retrying(
+                "take the new pool's mark", lambda: self.redis.delete(self.keys.pool_untold)))
         if self.publishes_cache:     # the index starts empty (docs/design.md#prefix-caching)
             await self.recovery.retrying("clear cached blocks",
                                          lambda: self.redis.delete(self.keys.cached_blocks))
@@ -208,7 +214,14 @@ class SchedulerService:
         prefill worker has beaten since without naming this instance's workers among the
         peers its writes may still land in; a rank with no heartbeat (stopped, it writes
         again when it runs) for HELD_GONE_S, one another process took over for
-        HELD_REPLACED_S (docs/failure-modes.md)."""
+        HELD_REPLACED_S (docs/failure-modes.md). The first scheduler of an instance in a
+        Redis `pacer up` started has no predecessor, and waits for nothing."""
+        if self._pool_untold:
+            log.info("first scheduler of this decode instance: no prefill worker was told "
+                     "where its pool is; not waiting for late K/V writes")
+            return
+        log.info("waiting for prefill workers' late K/V writes into this instance",
+                 quarantine_s=DECODE_QUARANTINE_S)
         await asyncio.sleep(DECODE_QUARANTINE_S)
 
         async def read() -> dict[str, Heartbeat | None]:

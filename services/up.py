@@ -265,6 +265,28 @@ def _check_redis_db(redis_url: str, must_answer: bool = False) -> None:
         client.close()
 
 
+def _mark_pools_untold(redis_url: str, keys: Keys, instances: list[Instance]) -> None:
+    """In the Redis pacer up has just started, still empty and before any service of its own:
+    each decode instance's first scheduler takes its mark and starts without waiting for late
+    K/V writes of a predecessor's reservations, since it has none and no prefill worker was
+    told where its pool is (docs/failure-modes.md). A restarted scheduler, or one in a Redis
+    restarted since, finds no mark and waits."""
+    import redis
+    marks = {keys.for_instance(i.id).pool_untold: 1 for i in instances if i.role == "decode"}
+    if not marks:
+        return
+    client = redis.Redis.from_url(redis_url, password=redis_password(), socket_timeout=2,
+                                  socket_connect_timeout=2)
+    try:
+        if client.dbsize() == 0:        # not empty: it loaded a dump file, keep to the wait
+            client.mset(marks)
+    except redis.RedisError as e:       # the schedulers wait as after a restart
+        log.warning("could not mark the decode pools new; their schedulers wait for late "
+                    "K/V writes at start", error=str(e))
+    finally:
+        client.close()
+
+
 def _check_listen_address(host: str, port: int) -> None:
     """Where the gateway is to listen: a fixed port (pacer up waits on it) that is free now."""
     import socket
@@ -602,6 +624,9 @@ def run(args: argparse.Namespace) -> int:
         if started:
             start_redis(sup, host, port, redis_password())   # the URL's, or the variable's
         _check_redis_db(args.redis_url, must_answer=url.scheme != "redis")
+        if started:
+            _mark_pools_untold(args.redis_url, Keys(args.key_prefix),
+                               instances_of(args, engine))
         redis_note = describe_redis(args.redis_url, started)
         log.info("redis", redis=redis_note, started_here=started)
         restarter = Restarter(sup, args.redis_url, services.heartbeat_keys, services.groups,

@@ -177,6 +177,13 @@ class Keys:
         return f"{self._own}handoff"
 
     @property
+    def pool_untold(self) -> str:
+        """Set by `pacer up` in a Redis it has just started, before any other process of its
+        own, for each decode instance: the first scheduler of that instance takes it (DEL) and
+        knows no prefill worker was ever told where its pool is (docs/failure-modes.md)."""
+        return f"{self._own}pool_untold"
+
+    @property
     def reservations(self) -> str:
         """A prefill instance's inbox: the blocks decode instances reserved for it, and the
         requests other prefill schedulers read but the gateway's router chose it for."""

@@ -22,7 +22,7 @@ import redis
 from scheduler_svc.disagg import INBOX_KEPT_MS
 from scheduler_svc.service import HOUSEKEEPING_S
 from shared.keys import Keys
-from shared.protocol import decode, from_fields
+from shared.protocol import CancelMsg, ReservedMsg, decode, from_fields, to_fields
 from tests.helpers_tiny_model import greedy_token_names, write_tiny_llama
 from tests.served_fixture import API_KEY, completion, start_served, wait_for
 
@@ -378,17 +378,23 @@ def test_pd_ttft_goal_flag_is_taken_and_attainment_counted(tiny, expected, tmp_p
 
 def test_pd_inboxes_are_trimmed_once_read(tiny, expected, tmp_path):
     """d0's handoff stream and p0's reservations stream keep what their one reader read for
-    INBOX_KEPT_MS, not up to HANDOFF_MAXLEN entries, each with its request's prompt: the
-    entries of requests served earlier go once later ones are read; the latest stay."""
+    INBOX_KEPT_MS, not up to HANDOFF_MAXLEN entries, each with its request's prompt: an
+    entry from longer before goes once the requests' later ones are read; the latest stay.
+    An entry id is its time on Redis' clock, so the earlier entries (a cancel and an answer
+    for a request nobody knows, harmless to their reader) are added with ids that far in the
+    past: nothing waits the retention out."""
     served, model = start_pd(tiny, tmp_path)
     r = redis.Redis.from_url(served.redis_url)
     try:
+        sec, usec = r.time()
+        earlier = f"{sec * 1000 + usec // 1000 - INBOX_KEPT_MS - 1000}-0"
+        inboxes = {D0.handoff: CancelMsg("nobody's", "a test's"),
+                   P0.reservations: ReservedMsg("nobody's", "d0", "nobody", [], [], 0.0,
+                                                "a test's")}
+        for stream, msg in inboxes.items():
+            r.xadd(stream, to_fields(msg, scheduler="a test"), id=earlier)
         assert all_concurrently(served, model, LONG) == first(expected, LONG)
-        inboxes = (D0.handoff, P0.reservations)
-        earlier = {s: r.xrevrange(s, count=1)[0][0] for s in inboxes}
-        time.sleep(INBOX_KEPT_MS / 1000 + 0.5)      # the next entries come later than that
-        assert complete(served.base_url, model, LONG[0]) == first(expected, LONG[:1])[0]
-        wait_for(lambda: not any(r.xrange(s, "-", earlier[s]) for s in inboxes), 30,
+        wait_for(lambda: not any(r.xrange(s, "-", earlier) for s in inboxes), 30,
                  "the inboxes' earlier entries trimmed")
         assert all(r.xlen(s) > 0 for s in inboxes)  # the latest request's, for `pacer inspect`
     finally:
@@ -475,6 +481,12 @@ def test_pd_failures_lose_and_repeat_nothing(tiny, expected, tmp_path):
             log = f.read()
         for child in ("p0 worker rank 0", "d0 worker rank 0", "d0 scheduler"):
             assert f"{child} exited (killed by SIGKILL)" in log, child
+        # d0's first scheduler had no predecessor whose reservations a prefill worker could
+        # still write into, and started at once; the one restarted after it waited
+        untold = "no prefill worker was told where its pool is"
+        killed = log.index("d0 scheduler exited (killed by SIGKILL)")
+        assert log.count(untold) == 1 and log.index(untold) < killed
+        assert "waiting for prefill workers' late K/V writes into this instance" in log[killed:]
     finally:
         assert served.stop() == 0, served.log_tail()
 

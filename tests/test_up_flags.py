@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.redis_fixture import redis_server  # noqa: F401  (a fixture)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -278,3 +280,27 @@ def test_pd_pools_take_their_own_kv_memory(tmp_path):
         with pytest.raises(PacerError) as e:
             up(*flags)
         assert said in str(e.value), (flags, str(e.value))
+
+
+def test_pacer_up_marks_only_the_decode_pools_of_a_redis_still_empty(redis_server):
+    """In the Redis it has just started, `pacer up` marks each decode instance's pool as told
+    to no prefill worker (its first scheduler takes the mark and starts without waiting for
+    late K/V writes); a Redis that holds anything (a dump file loaded) gets no mark, and its
+    decode schedulers wait as after a restart."""
+    import redis
+
+    from services.up import Instance, _mark_pools_untold
+    from shared.keys import Keys
+    keys = Keys("test-up:")
+    instances = [Instance("p0", "prefill", 1), Instance("d0", "decode", 1),
+                 Instance("d1", "decode", 1)]
+    r = redis.Redis.from_url(redis_server)
+    try:
+        _mark_pools_untold(redis_server, keys, instances)
+        assert sorted(k.decode() for k in r.keys("test-up:*")) == [
+            "test-up:inst:d0:pool_untold", "test-up:inst:d1:pool_untold"]
+        r.delete(keys.for_instance("d0").pool_untold)
+        _mark_pools_untold(redis_server, keys, instances)      # not empty: d1's mark is there
+        assert r.exists(keys.for_instance("d0").pool_untold) == 0
+    finally:
+        r.close()
