@@ -386,9 +386,10 @@ async def version(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 only while a scheduler and every worker rank keep their heartbeat keys alive and
-    the token channel is subscribed (tokens published before it is would be lost); Redis is
-    given REDIS_ANSWER_S to answer."""
+    """200 only while a scheduler and every worker rank keep their heartbeat keys alive, the
+    gateway's own last heartbeat was written (one Redis refuses, out of memory say, refuses
+    every request too, before the services' keys expire) and the token channel is subscribed
+    (tokens published before it is would be lost); Redis is given REDIS_ANSWER_S to answer."""
     state = request.app[STATE]
     if state.draining:
         return web.json_response({"status": "draining"}, status=503)
@@ -401,7 +402,7 @@ async def health(request: web.Request) -> web.Response:
         missing = [f"redis ({redis_trouble(e)}: {e})"]
     else:
         failure = state.upstream.heartbeat_failure
-        if missing and failure is not None:     # their keys expired for Redis's refusal
+        if failure is not None:     # first: the services' keys that expired did for it
             missing.insert(0, f"redis (heartbeats cannot be written: {redis_trouble(failure)})")
     if not state.router.subscribed.is_set():
         missing.append("token channel (not subscribed on Redis)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 from shared.errors import PacerError
@@ -48,7 +49,16 @@ def _showing_defaults(formatter: type) -> type:
 
 class _Parser(argparse.ArgumentParser):
     """Keeps a usage error as the exit reason too (a service `pacer up` started with a flag
-    it refuses exits 2 before anything else runs: its last error is argparse's line)."""
+    it refuses exits 2 before anything else runs: its last error is argparse's line).
+
+    A value that starts with '-' and then a digit (or inf, nan) is a value, not a flag:
+    argparse takes only -1 and -.5 so, and `--kv-cache-memory -1GiB` or `--fabric -1e3`
+    were "expected one argument", never reaching the check that names what is wrong. No
+    flag of pacer's looks like a number."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"-(\.?\d|inf|nan)", re.IGNORECASE)
 
     def error(self, message: str):
         note_exit_reason(f"{self.prog}: {message}")

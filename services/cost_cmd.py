@@ -15,11 +15,12 @@ import re
 import sys
 from dataclasses import asdict
 
+from shared.config import shown_count
 from shared.cost_model import (ChunkGroup, ChunkShape, IterationCost, KVCapacity, ModelShape,
                                Precision, TransferCost, estimate_groups, estimate_transfer,
                                kv_capacity, load_model_shape)
 from shared.errors import PacerError
-from shared.fabric import FABRICS, load_fabric
+from shared.fabric import FABRIC_RANGE_TEXT, FABRICS, load_fabric
 from shared.hardware import HardwareProfile, load_hardware
 
 _DECODE = re.compile(r"(\d+)[xX](\d+)")
@@ -47,7 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="instead of an iteration: the KV cache of an L_P-token prompt moved "
                         "from a prefill to a decode instance, its bytes and transfer time")
     t.add_argument("--fabric", default="all",
-                   help=f"{', '.join(FABRICS)}, a bandwidth in GB/s, a comma list, or all "
+                   help=f"{', '.join(FABRICS)}, a bandwidth {FABRIC_RANGE_TEXT}, a comma "
+                        "list, or all "
                         "(default: a table of every built-in fabric)")
     t.add_argument("--vs", default=None, metavar="MODEL",
                    help="a second model beside --model (default: llama-3-8b, GQA with 8 KV "
@@ -117,8 +119,8 @@ MAX_COUNT = 2**40
 def check_count(flag: str, value: int) -> int:
     """`value` unless it is over MAX_COUNT, then a one-line error naming `flag`."""
     if value > MAX_COUNT:
-        shown = f"{value:,}" if value < 10**15 else f"a {len(str(value))}-digit number"
-        raise PacerError(f"{flag}: counts must be at most 2**40 ({MAX_COUNT:,}), got {shown}")
+        raise PacerError(f"{flag}: counts must be at most 2**40 ({MAX_COUNT:,}), got "
+                         f"{shown_count(value)}")
     return value
 
 

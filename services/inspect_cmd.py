@@ -66,12 +66,11 @@ def run(args: argparse.Namespace) -> int:
         if not args.instance and (others := sorted(live - {""})):
             hint = (f"; the schedulers beating now are engine instances' "
                     f"({', '.join(others)}): give --instance ID")
+        if args.instance and args.instance not in live and next(client.scan_iter(
+                match=f"{args.key_prefix}inst:{args.instance}:*", count=SCAN_COUNT), None) is None:
+            raise _unknown_instance(args, live)
         if args.instance and client.exists(keys.instance_requests):
             keys = keys.owning_requests()        # a replica reads a request stream of its own
-        if args.instance and next(client.scan_iter(match=f"{args.key_prefix}inst:{args.instance}:*",
-                                                   count=SCAN_COUNT), None) is None:
-            hint = (f"; nothing is stored under {args.key_prefix}inst:{args.instance}: (no "
-                    f"engine instance {args.instance!r} has run against this Redis and prefix)")
         if args.what == "stats":
             show_stats(client.hgetall(keys.stats), args.json, hint, live=args.instance in live)
         else:
@@ -88,6 +87,18 @@ def run(args: argparse.Namespace) -> int:
     finally:
         client.close()
     return 0
+
+
+def _unknown_instance(args: argparse.Namespace, live: set[str]) -> PacerError:
+    """--instance ID that no scheduler beats as and that has no keys: said, rather than the
+    shared streams shown as if they were its own."""
+    others = sorted(live - {""})
+    now = (f"the engine instances beating now: {', '.join(others)}" if others
+           else "only the colocated engine's scheduler beats now (no --instance)" if live
+           else "no engine instance's scheduler beats now")
+    return PacerError(f"no engine instance {args.instance!r} is known at "
+                      f"{shown_url(args.redis_url)} (no scheduler of it beats and nothing is "
+                      f"stored under {args.key_prefix}inst:{args.instance}:); {now}")
 
 
 def _redis_error(args: argparse.Namespace, error: redis.RedisError) -> PacerError:

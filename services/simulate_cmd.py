@@ -40,8 +40,10 @@ from dataclasses import asdict, fields, replace
 
 from services.bench_cmd import _json_safe
 from services.cost_cmd import add_precision_args, check_count, precision_of, precision_text
-from shared.config import AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, num_blocks_for_memory
+from shared.config import (AUTO_TBT_FACTOR, AUTO_TBT_TEXT, SchedulerConfig, check_block_size,
+                           num_blocks_for_memory)
 from shared.engine_args import parse_latency_target
+from shared.fabric import FABRIC_RANGE_TEXT, FABRICS
 from shared.errors import PacerError
 from shared.json_file import check_output_path
 
@@ -139,7 +141,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
                    help="P prefill and D decode instances, the KV of every prompt moved "
                         "between them, against P+D colocated chunked-prefill instances")
     d.add_argument("--fabric", default="ib-hdr",
-                   help="nvlink, nvswitch, ib-hdr, pcie5 or a bandwidth from 0.001 to 1e6 GB/s "
+                   help=f"{', '.join(FABRICS)} or a bandwidth {FABRIC_RANGE_TEXT} "
                         "(default ib-hdr)")
     d.add_argument("--no-layer-streaming", dest="layer_streaming", action="store_false",
                    help="send a prompt's K/V only once its prefill is over")
@@ -258,8 +260,7 @@ def run(args: argparse.Namespace) -> int:
         if not 0 < args.gpu_memory_utilization <= 1:
             raise PacerError("--gpu-memory-utilization must be in (0, 1], got "
                              f"{args.gpu_memory_utilization}")
-        if args.block_size < 1:
-            raise PacerError(f"--block-size must be >= 1, got {args.block_size}")
+        check_block_size(args.block_size)
         for flag in COUNT_FLAGS:
             if getattr(args, flag) is not None:
                 check_count(f"--{flag.replace('_', '-')}", getattr(args, flag))

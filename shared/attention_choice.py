@@ -11,7 +11,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from shared.config import DEFAULT_BLOCK_SIZE
+from shared.config import DEFAULT_BLOCK_SIZE, check_block_size
 from shared.errors import PacerError
 
 BACKENDS = ("auto", "flash-attn", "triton", "torch")
@@ -51,8 +51,8 @@ def choose_attention(requested: str, device: str, dtype: str, block_size: int | 
     if requested not in BACKENDS:
         raise PacerError(f"--attention-backend must be one of {', '.join(BACKENDS)}, "
                          f"got {requested!r}")
-    if block_size is not None and block_size < 1:
-        raise PacerError(f"--block-size must be >= 1, got {block_size}")
+    if block_size is not None:
+        check_block_size(block_size)
     cuda = device.startswith("cuda")
     if requested == "auto":
         if not cuda:

@@ -17,6 +17,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512
 DEFAULT_OFFLINE_MAX_NUM_BATCHED_TOKENS = 1024
 DEFAULT_MAX_NUM_SEQS = 128
 DEFAULT_BLOCK_SIZE = 16
+# The largest KV block a flag takes, in tokens: far past any kernel's (flash-attn's 256) and
+# any sensible one. A block of 10**20 tokens was "--kv-cache-memory holds no KV block of
+# 5.2e25 bytes", naming the flag that was right.
+MAX_BLOCK_SIZE = 2**16
 DEFAULT_KV_CACHE_MEMORY = "2GiB"
 # `--target-tbt-ms auto`: an iteration that carries prefill may take this many times the
 # predicted time of its decodes alone, and at least that of its decodes plus the few prefill
@@ -106,8 +110,24 @@ class SchedulerConfig:
                 raise PacerError(f"{name} needs a cost model (iteration_cost)")
 
 
+def shown_count(value: int) -> str:
+    """An integer a flag was given, for its error: 1,024, or "a 21-digit number" for a typo."""
+    return f"{value:,}" if abs(value) < 10**15 else f"a {len(str(abs(value)))}-digit number"
+
+
+def check_block_size(block_size: int) -> int:
+    """`block_size` unless it is below 1 or over MAX_BLOCK_SIZE, then a one-line error."""
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise PacerError(f"--block-size must be from 1 to {MAX_BLOCK_SIZE:,} tokens, got "
+                         f"{shown_count(block_size)}")
+    return block_size
+
+
 def num_blocks_for_memory(memory: str | int, block_bytes: int) -> int:
-    n = parse_size(memory) // block_bytes
+    try:
+        n = parse_size(memory) // block_bytes
+    except PacerError as e:
+        raise PacerError(f"--kv-cache-memory: {e}") from None
     if n < 1:
         raise PacerError(f"--kv-cache-memory {memory} holds no KV block of {block_bytes} bytes")
     return n

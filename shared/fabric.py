@@ -47,6 +47,7 @@ FABRICS: dict[str, Fabric] = {f.name: f for f in (
 # second. Past them lies a typo: 0 or below was "unknown fabric", 1e-300 a ZeroDivisionError
 # traceback in the simulator and a transfer of 1e303 ms in `pacer cost`.
 FABRIC_GB_PER_S = (1e-3, 1e6)
+FABRIC_RANGE_TEXT = "from {:g} to {:g} GB/s".format(*FABRIC_GB_PER_S).replace("e+0", "e")
 
 
 def load_fabric(spec: str, flag: str = "--fabric") -> Fabric:
@@ -62,8 +63,7 @@ def load_fabric(spec: str, flag: str = "--fabric") -> Fabric:
                          "or a bandwidth in GB/s, e.g. 25") from None
     low, high = FABRIC_GB_PER_S
     if not low <= gb_per_s <= high:         # NaN fails it too
-        raise PacerError(f"{flag} {spec!r}: a fabric's bandwidth must be from {low:g} to "
-                         f"{high:g} GB/s")
+        raise PacerError(f"{flag} {spec!r}: a fabric's bandwidth must be {FABRIC_RANGE_TEXT}")
     return Fabric(f"{gb_per_s:g} GB/s", gb_per_s, "given as a bandwidth")
 
 

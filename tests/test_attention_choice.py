@@ -69,8 +69,9 @@ def test_triton_needs_cuda_or_the_interpreter_and_takes_any_block_size():
 def test_unknown_backend_and_bad_block_size():
     with pytest.raises(PacerError, match="must be one of"):
         choose("xformers")
-    with pytest.raises(PacerError, match=">= 1"):
-        choose("torch", block_size=0)
+    for bad in (0, 2**16 + 1):
+        with pytest.raises(PacerError, match="--block-size must be from 1 to 65,536 tokens"):
+            choose("torch", block_size=bad)
 
 
 def test_the_flash_backend_itself_refuses_a_block_size_before_importing_flash_attn():

@@ -542,7 +542,21 @@ async def test_failed_requests_are_summed_up_in_one_line_and_all_failed_exits_1(
     (["simulate", "--num-requests", "100000000000"], "--num-requests must be from 1 to 1,000,000"),
     (["simulate", "--num-requests", "20", "--long-prompt-rate", "1e9"],
      "--long-prompt-rate 1e+09 over the main stream's 3.98 s is ~3.98e+09 requests"),
-    (["simulate", "--block-size", "0"], "--block-size must be >= 1"),
+    (["simulate", "--block-size", "0"], "--block-size must be from 1 to 65,536 tokens, got 0"),
+    # a block bigger than the whole pool was "--kv-cache-memory 60GiB holds no KV block"
+    (["simulate", "--block-size", "100000000000000000000"],
+     "--block-size must be from 1 to 65,536 tokens, got a 21-digit number"),
+    # a value that starts with '-' was argparse's "expected one argument", or an unnamed
+    # "cannot read memory size"; now the flag's own check answers it, naming the flag
+    (["simulate", "--kv-cache-memory", "-1GiB"],
+     "--kv-cache-memory: cannot read memory size '-1GiB'"),
+    (["simulate", "--kv-cache-memory=-1GiB"], "--kv-cache-memory: cannot read memory size"),
+    (["simulate", "--kv-cache-memory", "auto", "--gpu-memory-utilization", "-1e-3"],
+     "--gpu-memory-utilization must be in (0, 1], got -0.001"),
+    (["simulate", "--disagg", "1:1", "--fabric", "-1e3"],
+     "--fabric '-1e3': a fabric's bandwidth must be from 0.001 to 1e6 GB/s"),
+    (["cost", "--transfer", "4096", "--fabric", "-.5"],
+     "--fabric '-.5': a fabric's bandwidth must be from 0.001 to 1e6 GB/s"),
     # nothing listens there: it said "pass --model", after which every request failed
     (["bench", "--base-url", "http://127.0.0.1:1"],
      "cannot reach http://127.0.0.1:1 ([Errno 111] Connection refused): is the server running"),

@@ -30,6 +30,17 @@ def test_the_token_gap_target_shows_each_commands_own_default():
         assert flag.count("default") == 1, (command, flag)
 
 
+def test_both_commands_that_take_a_fabric_state_its_range():
+    """`pacer cost --fabric` said only "a bandwidth in GB/s"; `pacer simulate`'s gave the
+    range its check holds to, which both now read from one place."""
+    from shared.fabric import FABRIC_RANGE_TEXT
+    assert FABRIC_RANGE_TEXT == "from 0.001 to 1e6 GB/s"
+    for command in ("cost", "simulate"):
+        text = _help(command)
+        start = text.index("--fabric FABRIC", text.index("options:"))
+        assert FABRIC_RANGE_TEXT in text[start:text.index(" --", start + 1)], (command, text)
+
+
 def test_the_top_level_help_is_a_whole_sentence_for_the_user():
     text = _help()
     assert "one command line for every entry point." in text, text

@@ -1699,6 +1699,32 @@ async def test_health_names_a_redis_that_refuses_the_heartbeats(h: Harness) -> N
     assert "scheduler" in missing and "worker rank 0" in missing, missing
 
 
+async def test_health_is_503_once_redis_refuses_a_heartbeat_before_any_key_expires(
+        h: Harness) -> None:
+    """Out of memory, every request is refused (503) at once; /health said ok until the
+    services' heartbeat keys expired (2 s for a worker's, 5 s for a scheduler's; never with
+    these long ones). A load balancer should take the gateway out as a request would find it:
+    503 from the gateway's first refused heartbeat, naming Redis alone."""
+    for key in (h.keys.hb_worker(0), h.keys.hb_worker(1), h.keys.hb_scheduler("s0")):
+        await h.redis.set(key, b"x", ex=60)
+    try:
+        async with h.session.get(h.url + "/health") as r:
+            assert r.status == 200, await r.text()
+        async with redis_out_of_memory(h):
+            for _ in range(100):            # until the gateway's next heartbeat is refused
+                async with h.session.get(h.url + "/health") as r:
+                    status, body = r.status, await r.json()
+                if status != 200:
+                    break
+                await asyncio.sleep(0.1)
+        assert status == 503 and body["missing"] == [
+            "redis (heartbeats cannot be written: Redis is out of memory (maxmemory))"], body
+        async with h.session.get(h.url + "/health") as r:     # room again: healthy at once
+            assert r.status == 200, await r.text()
+    finally:
+        await h.redis.delete(h.keys.hb_worker(0), h.keys.hb_worker(1), h.keys.hb_scheduler("s0"))
+
+
 async def test_a_request_whose_entry_is_lost_ends_with_an_error(h: Harness) -> None:
     """Its entry leaves the request stream while no scheduler serves it (deleted, evicted
     under an allkeys-* maxmemory policy): it would have waited forever. A request that is

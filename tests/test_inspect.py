@@ -148,9 +148,6 @@ def test_inspect_an_engine_instances_own_keys(filled, capsys):
     assert main(["inspect", "handoff", "--redis-url", filled, "--key-prefix", KEYS.prefix]) != 0
     assert "handoff is an engine instance's stream: give --instance ID" in \
         capsys.readouterr().err
-    # an instance nothing ran as: said, not "no stats yet"
-    out = inspect(capsys, filled, "stats", "--instance", "x9")
-    assert f"nothing is stored under {KEYS.prefix}inst:x9:" in out
 
 
 def test_inspect_under_replicas_names_the_instances(redis_server, capsys):
@@ -170,6 +167,46 @@ def test_inspect_under_replicas_names_the_instances(redis_server, capsys):
         out = capsys.readouterr().out
         assert "no scheduler has run" not in out, (what, out)
         assert "engine instances' (r0, r1): give --instance ID" in out, (what, out)
+
+
+def test_inspect_an_instance_nobody_ran_as_says_so(redis_server, capsys):
+    """`--instance zz` that no engine instance ran as, with no keys of its own: one line
+    saying so and naming the instances beating now (or that none does), not the shared
+    request stream's entries printed as if they were zz's."""
+    keys = Keys("inspect-unknown:")
+    r = redis.Redis.from_url(redis_server)
+    r.xadd(keys.requests, to_fields(RequestMsg("r-shared", [1, 2], SamplingParams(), "ch",
+                                               "gw-1", 1.0)))
+    r.close()
+
+    def refused(*argv: str) -> str:
+        assert main(["inspect", *argv, "--redis-url", redis_server,
+                     "--key-prefix", keys.prefix]) == 1, argv
+        captured = capsys.readouterr()
+        assert "r-shared" not in captured.out and len(captured.err.splitlines()) == 1, captured
+        return captured.err
+
+    for what in ("requests", "stats", "plans"):
+        err = refused(what, "--instance", "zz")
+        assert "no engine instance 'zz' is known" in err, err
+        assert "no engine instance's scheduler beats now" in err, err
+    r = redis.Redis.from_url(redis_server)
+    for name in ("r1", "r0"):
+        r.set(keys.hb_scheduler(f"sched-{name}"),
+              encode(Heartbeat("scheduler", f"sched-{name}", time.time(), {"instance": name})),
+              ex=600)
+    r.close()
+    assert "the engine instances beating now: r0, r1" in refused("requests", "--instance", "zz")
+    # a live instance with no keys of its own yet, and one whose keys outlived it: read
+    assert main(["inspect", "requests", "--instance", "r0", "--redis-url", redis_server,
+                 "--key-prefix", keys.prefix]) == 0
+    capsys.readouterr()
+    r = redis.Redis.from_url(redis_server)
+    r.hset(keys.for_instance("old").stats, mapping={"num_requests_running": 0})
+    r.close()
+    assert main(["inspect", "stats", "--instance", "old", "--redis-url", redis_server,
+                 "--key-prefix", keys.prefix]) == 0
+    assert "num_requests_running" in capsys.readouterr().out
 
 
 def test_a_reader_that_goes_away_ends_it_quietly(filled):

@@ -272,6 +272,12 @@ def test_pd_pools_take_their_own_kv_memory(tmp_path):
             ((*pd, "--prefill-kv-cache-memory", "lots"),
              "--prefill-kv-cache-memory: cannot read memory size 'lots'"),
             ((*pd, "--decode-kv-cache-memory", "0"), "--decode-kv-cache-memory must be more"),
+            (("--kv-cache-memory", "-1GiB"), "--kv-cache-memory: cannot read memory size "
+                                              "'-1GiB'"),
+            ((*pd, "--decode-kv-cache-memory", "-1GiB"),
+             "--decode-kv-cache-memory: cannot read memory size '-1GiB'"),
+            (("--block-size", "100000000000000000000"),
+             "--block-size must be from 1 to 65,536 tokens, got a 21-digit number"),
             ((*pd, "--decode-kv-cache-memory", "64KiB"),     # 4 blocks of 16 tokens
              "the decode instances (--decode-kv-cache-memory 64KiB): the KV pool holds 64 "
              "tokens"),
