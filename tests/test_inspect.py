@@ -48,9 +48,9 @@ def filled(redis_server: str) -> str:
     return redis_server
 
 
-def beat(r: redis.Redis, instance: str) -> None:
+def beat(r: redis.Redis, instance: str, keys: Keys = KEYS) -> None:
     """A live scheduler of `instance` ("": the colocated engine's)."""
-    r.set(KEYS.hb_scheduler(f"sched-{instance}"),
+    r.set(keys.hb_scheduler(f"sched-{instance}"),
           encode(Heartbeat("scheduler", f"sched-{instance}", time.time(),
                            {"instance": instance})), ex=600)
 
@@ -157,9 +157,7 @@ def test_inspect_under_replicas_names_the_instances(redis_server, capsys):
     keys = Keys("inspect-replicas:")
     r = redis.Redis.from_url(redis_server)
     for name in ("r0", "r1"):
-        r.set(keys.hb_scheduler(f"sched-{name}"),
-              encode(Heartbeat("scheduler", f"sched-{name}", time.time(), {"instance": name})),
-              ex=600)
+        beat(r, name, keys)
     r.close()
     for what in ("requests", "stats", "plans"):     # stats said "no scheduler has run" too
         assert main(["inspect", what, "--redis-url", redis_server,
@@ -192,9 +190,7 @@ def test_inspect_an_instance_nobody_ran_as_says_so(redis_server, capsys):
         assert "no engine instance's scheduler beats now" in err, err
     r = redis.Redis.from_url(redis_server)
     for name in ("r1", "r0"):
-        r.set(keys.hb_scheduler(f"sched-{name}"),
-              encode(Heartbeat("scheduler", f"sched-{name}", time.time(), {"instance": name})),
-              ex=600)
+        beat(r, name, keys)
     r.close()
     assert "the engine instances beating now: r0, r1" in refused("requests", "--instance", "zz")
     # a live instance with no keys of its own yet, and one whose keys outlived it: read

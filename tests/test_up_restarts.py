@@ -169,6 +169,15 @@ def test_a_dead_groups_heartbeats_go_at_once_and_again_once_its_survivors_stoppe
         r.close()
 
 
+
+def _killed_and_handled(sup: Supervisor, restarter: Restarter, name: str) -> None:
+    """The child `name` dies, and `pacer up`'s restarter handles it (counts, restarts)."""
+    child = next(c for c in sup.children if c.name == name)
+    child.proc.kill()
+    child.proc.wait()
+    restarter.handle(child, lambda: False)
+
+
 def test_restarts_are_counted_again_in_a_redis_that_lost_them(redis_server, monkeypatch):
     """`pacer up` restarts its own Redis (empty) when it dies: the restarts counted before
     were gone from /metrics, and the Redis restart itself was never counted (the new server
@@ -182,17 +191,11 @@ def test_restarts_are_counted_again_in_a_redis_that_lost_them(redis_server, monk
         for name in ("scheduler", "redis"):
             sup.start(name, SLEEPER)
         restarter = Restarter(sup, redis_server, {}, {}, "test:counts")
-
-        def die(name: str) -> None:
-            child = next(c for c in sup.children if c.name == name)
-            child.proc.kill()
-            child.proc.wait()
-            restarter.handle(child, lambda: False)
-        die("scheduler")
+        _killed_and_handled(sup, restarter, "scheduler")
         assert r.hgetall("test:counts") == {b"scheduler": b"1"}
         r.delete("test:counts")                 # the Redis restarted, empty...
         restarter.redis_url = UNUSED_REDIS      # ... and refuses connections for a moment
-        die("redis")
+        _killed_and_handled(sup, restarter, "redis")
         restarter.count_again()
         assert r.hgetall("test:counts") == {}
         restarter.redis_url = redis_server      # it answers
@@ -215,32 +218,7 @@ def test_a_new_pacer_up_does_not_report_an_earlier_runs_restarts(redis_server):
         restarter = Restarter(sup, redis_server, {}, {}, "test:earlier")
         restarter.count_again()                 # as `pacer up` starts, before its services
         assert r.hgetall("test:earlier") == {}
-        child = sup.children[0]
-        child.proc.kill()
-        child.proc.wait()
-        restarter.handle(child, lambda: False)
-        assert r.hgetall("test:earlier") == {b"scheduler": b"1"}
-    finally:
-        stop_children(sup.children, 5.0)
-        r.close()
-
-
-def test_a_new_pacer_up_does_not_report_an_earlier_runs_restarts(redis_server):
-    """The hash outlived the `pacer up` that counted them: a new one on the same Redis, which
-    had restarted nothing, reported them in /metrics as its own (and once it restarted a
-    service, that count went down to 1 beside the others' stale ones)."""
-    r = redis.Redis.from_url(redis_server)
-    r.hset("test:earlier", mapping={"worker group": 3, "gateway": 2})
-    sup = Supervisor()
-    try:
-        sup.start("scheduler", SLEEPER)
-        restarter = Restarter(sup, redis_server, {}, {}, "test:earlier")
-        restarter.count_again()                 # as `pacer up` starts, before its services
-        assert r.hgetall("test:earlier") == {}
-        child = sup.children[0]
-        child.proc.kill()
-        child.proc.wait()
-        restarter.handle(child, lambda: False)
+        _killed_and_handled(sup, restarter, "scheduler")
         assert r.hgetall("test:earlier") == {b"scheduler": b"1"}
     finally:
         stop_children(sup.children, 5.0)
