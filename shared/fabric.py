@@ -14,7 +14,6 @@ Stdlib only: the cost model and the simulator import it.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from shared.errors import PacerError
